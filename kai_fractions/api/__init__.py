@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code for the kai_fractions API (see protos/)."""

@@ -1,0 +1,1 @@
+"""Tests for the generated kai_fractions API and its protos."""
