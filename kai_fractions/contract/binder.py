@@ -1,0 +1,172 @@
+"""Binder arithmetic: the exact annotation map KAI's binder writes for one allocation decision.
+
+Worked numbers (contract doc): M=2000 MiB, portion 0.5, reserve 0 -> `1000Mi`; reserve 1024 ->
+`488Mi`; portion.limit 0.8, reserve 1024 -> `780Mi`; A100-40GB (40960), reserve 1024, 0.5 ->
+`19968Mi`. A user-given request is never overwritten; binder-owned keys are always (re)written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+from . import keys as k
+from .errors import ContractError, ContractViolation
+from .numbers import format_plain
+from .quantity import MIB, mib_ceil
+from .request import _GPU_UUID, ComputeMode, ContainerShare, PodRequest
+
+
+@dataclass(frozen=True, slots=True)
+class BindDecision:
+    """What the scheduler decided (the fields of KAI's BindRequest that the arithmetic reads)."""
+
+    node_gpu_memory_mib: int
+    """The node's `nvidia.com/gpu.memory` label (MiB per GPU); 0 or less means it is missing."""
+    gpu_ids: tuple[str, ...] = ()
+    """Reserved GPU UUIDs, one per fractional group."""
+    received_portion: Fraction | None = None
+    group_modes: tuple[ComputeMode, ...] = ()
+    reserve_mib: int = 0
+    cdi: bool = False
+    resource_type: str = k.RESOURCE_TYPE_FRACTION
+
+
+def _floor_mib(usable_mib: int, portion: Fraction) -> int:
+    return math.floor(usable_mib * portion)
+
+
+def _check_decision(share: ContainerShare, d: BindDecision) -> list[ContractError]:
+    errors = []
+    if d.node_gpu_memory_mib <= 0:
+        errors.append(ContractError(
+            "node_gpu_memory_mib", f"unknown: the node has no {k.NODE_GPU_MEMORY_LABEL} label "
+            "(GPU feature discovery publishes it); it is needed for all GPU memory arithmetic",
+            str(d.node_gpu_memory_mib)))
+    if d.reserve_mib < 0:
+        errors.append(ContractError("reserve_mib", "must not be negative", str(d.reserve_mib)))
+    elif 0 < d.node_gpu_memory_mib <= d.reserve_mib:
+        errors.append(ContractError(
+            "reserve_mib", f"leaves no GPU memory to share: the node has "
+            f"{d.node_gpu_memory_mib} MiB per GPU", str(d.reserve_mib)))
+    if d.received_portion is not None and not 0 < d.received_portion <= 1:
+        errors.append(ContractError(
+            "received_gpu.portion", "must be a portion of one GPU, 0 < x <= 1",
+            format_plain(d.received_portion) if abs(d.received_portion) < 10**15 else "huge"))
+    if not d.gpu_ids:
+        errors.append(ContractError("reserved_gpu_ids", "must name the reserved GPU of each "
+                                    "fractional group"))
+    elif len(d.gpu_ids) != share.num_devices:
+        errors.append(ContractError(
+            "reserved_gpu_ids", f"lists {len(d.gpu_ids)} GPU(s) but the pod asks for "
+            f"{share.num_devices} (gpu-fraction-num-devices)", ",".join(d.gpu_ids)))
+    for i, gpu in enumerate(d.gpu_ids):
+        if not _GPU_UUID.fullmatch(gpu):
+            errors.append(ContractError(f"reserved_gpu_ids[{i}]", "must be a GPU UUID (GPU-...)",
+                                        gpu))
+    if len(set(d.gpu_ids)) != len(d.gpu_ids):
+        errors.append(ContractError("reserved_gpu_ids", "lists the same GPU twice",
+                                    ",".join(d.gpu_ids)))
+    for i, mode in enumerate(d.group_modes):
+        if mode != share.compute_mode:
+            errors.append(ContractError(
+                f"selected_fractional_gpu_groups[{i}].compute_sharing_mode",
+                f"is {mode.value} but container {share.container!r} asks for "
+                f"{share.compute_mode.value}; one GPU runs one compute mode", mode.value))
+    return errors
+
+
+def _request_mib(share: ContainerShare, usable: int, d: BindDecision) -> int | None:
+    """The request to write, or None when the user gave one (it is never overwritten)."""
+    if share.node_request_bytes is not None:
+        return None
+    if share.fraction is not None or share.legacy_memory_bytes is None:
+        portion = d.received_portion if d.received_portion is not None else share.fraction
+        if portion is None:
+            raise ContractViolation([ContractError(
+                "received_gpu.portion", "is required: the pod gives no GPU memory request")])
+        return _floor_mib(usable, portion)
+    return mib_ceil(share.legacy_memory_bytes)
+
+
+def binder_annotations(
+    request: PodRequest, decision: BindDecision, keys: k.Keys = k.DEFAULT_KEYS
+) -> dict[str, str]:
+    """The annotations the binder writes in ONE patch; raises ContractViolation on any error."""
+    if request.errors:
+        raise ContractViolation(request.errors)
+    share = request.share
+    if decision.resource_type == k.RESOURCE_TYPE_REGULAR:
+        if share is not None:
+            raise ContractViolation([ContractError(
+                "received_resource_type", f"is Regular but container {share.container!r} asks "
+                "for a GPU fraction", decision.resource_type)])
+        return {k.RECEIVED_RESOURCE_TYPE: k.RESOURCE_TYPE_REGULAR}
+    if decision.resource_type != k.RESOURCE_TYPE_FRACTION:
+        raise ContractViolation([ContractError(
+            "received_resource_type", "must be Regular or Fraction", decision.resource_type)])
+    if share is None:
+        raise ContractViolation([ContractError(
+            "received_resource_type", f"is Fraction but pod {request.pod.ref} has no "
+            "fractional GPU request", decision.resource_type)])
+    errors = _check_decision(share, decision)
+    if errors:
+        raise ContractViolation(errors)
+
+    usable = decision.node_gpu_memory_mib - decision.reserve_mib
+    name = share.container
+    out: dict[str, str] = {}
+    request_mib = _request_mib(share, usable, decision)
+    if request_mib is not None:
+        if request_mib <= 0:
+            raise ContractViolation([ContractError(
+                keys.container(name, k.MEMORY_REQUEST), f"would be {request_mib} MiB: the "
+                f"portion of {usable} MiB (GPU memory minus reserve) rounds down to nothing",
+                container=name)])
+        out[keys.container(name, k.MEMORY_REQUEST)] = f"{request_mib}Mi"
+    effective_request = (share.node_request_bytes if request_mib is None
+                         else request_mib * MIB)
+    assert effective_request is not None
+
+    if share.limit_bytes is None:
+        limit_mib = None
+        if share.limit_portion is not None:
+            limit_mib = _floor_mib(usable, share.limit_portion)
+        elif share.legacy_limit_bytes is not None:
+            limit_mib = mib_ceil(share.legacy_limit_bytes)
+        if limit_mib is not None:
+            if limit_mib * MIB < effective_request:
+                raise ContractViolation([ContractError(
+                    keys.container(name, k.MEMORY_LIMIT), f"would be {limit_mib} MiB, below "
+                    f"the request of {mib_ceil(effective_request)} MiB", container=name)])
+            out[keys.container(name, k.MEMORY_LIMIT)] = f"{limit_mib}Mi"
+
+    if effective_request > usable * MIB:
+        raise ContractViolation([ContractError(
+            keys.container(name, k.MEMORY_REQUEST), f"asks for {mib_ceil(effective_request)} "
+            f"MiB but a GPU on this node shares only {usable} MiB", container=name)])
+    if decision.received_portion is not None:
+        portion = min(decision.received_portion, Fraction(1))
+    else:
+        portion = Fraction(effective_request, usable * MIB)
+
+    prefix = k.CDI_DEVICE_PREFIX if decision.cdi else ""
+    out[keys.container(name, k.DEVICES)] = ",".join(prefix + g for g in decision.gpu_ids)
+    out[keys.container(name, k.COMPUTE_PORTION)] = format_plain(portion)
+    out[k.RECEIVED_RESOURCE_TYPE] = k.RESOURCE_TYPE_FRACTION
+    return out
+
+
+def binder_keys(request: PodRequest, keys: k.Keys = k.DEFAULT_KEYS) -> tuple[str, ...]:
+    """The binder-owned keys of the pod's fractional container (what a rollback removes)."""
+    share = request.share
+    if share is None:
+        return ()
+    return tuple(keys.container(share.container, s) for s in k.BINDER_SUFFIXES)
+
+
+def parse_group_modes(values: Sequence[str]) -> tuple[ComputeMode, ...]:
+    """Modes as KAI's BindRequest spells them; empty means time-slicing (older groups)."""
+    return tuple(ComputeMode(v) if v else ComputeMode.TIME_SLICING for v in values)

@@ -1,0 +1,158 @@
+"""Every annotation key, label and env name of the NvFractions contract, and nothing else.
+
+The per-container shape is `<prefix><containerName><suffix>`; the prefix is configurable
+(default `nvidia.com/container.`). Container names are DNS labels (no dots), so the first dot
+after the prefix ends the name and the split is unambiguous.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "nvidia.com/container."
+
+# Per-container suffixes.
+MEMORY_REQUEST = ".gpu-memory.request"
+MEMORY_LIMIT = ".gpu-memory.limit"
+COMPUTE_MODE = ".gpu-compute.mode"
+DEVICES = ".gpus.devices"  # binder only
+COMPUTE_PORTION = ".gpu-compute.portion"  # binder only
+USER_SUFFIXES = (MEMORY_REQUEST, MEMORY_LIMIT, COMPUTE_MODE)
+BINDER_SUFFIXES = (DEVICES, COMPUTE_PORTION)
+SUFFIXES = USER_SUFFIXES + BINDER_SUFFIXES
+
+# Pod-level and legacy annotations (still honoured).
+GPU_FRACTION = "gpu-fraction"
+GPU_FRACTION_LIMIT = "gpu-fraction.limit"
+GPU_MEMORY = "gpu-memory"
+GPU_MEMORY_LIMIT = "gpu-memory.limit"
+GPU_FRACTION_NUM_DEVICES = "gpu-fraction-num-devices"
+GPU_FRACTION_CONTAINER_NAME = "gpu-fraction-container-name"
+RECEIVED_RESOURCE_TYPE = "received-resource-type"  # binder, on every bind
+PORTION_LIMIT_PREFIX = "kai.scheduler/container."
+PORTION_LIMIT_SUFFIX = ".gpu-memory.portion.limit"
+LEGACY_COMPUTE_MODE = "kai.scheduler/gpu-compute-sharing-mode"  # older docs; read by nobody
+RESERVE_FOR_GPU = "run.ai/reserve_for_gpu_index"  # on the reservation pod
+LEGACY_POD_KEYS = (
+    GPU_FRACTION,
+    GPU_FRACTION_LIMIT,
+    GPU_MEMORY,
+    GPU_MEMORY_LIMIT,
+    GPU_FRACTION_NUM_DEVICES,
+    GPU_FRACTION_CONTAINER_NAME,
+)
+
+# Labels.
+GPU_GROUP_LABEL = "runai-gpu-group"
+QUEUE_LABEL = "kai.scheduler/queue"
+NODE_GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"  # node label, MiB per GPU
+
+# Values.
+RESOURCE_TYPE_REGULAR = "Regular"
+RESOURCE_TYPE_FRACTION = "Fraction"
+WHOLE_GPU_RESOURCE = "nvidia.com/gpu"
+CDI_DEVICE_PREFIX = "k8s.device-plugin.nvidia.com/gpu="
+KAI_BINDER_IDENTITY = "system:serviceaccount:kai-scheduler:binder"
+KAI_SCHEDULER_NAME = "kai-scheduler"
+
+# Node conditions KAI reads before placing fractional pods.
+NODE_CONDITION = "gpu-fractioning.nvidia.com/Ready"
+LEGACY_NODE_CONDITION = "gpu-sharing.nvidia.com/Ready"
+
+# What the container must end up with.
+ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+ENV_MEMORY_REQUEST = "NVIDIA_GPU_MEMORY_REQUEST"
+ENV_MEMORY_LIMIT = "NVIDIA_GPU_MEMORY_LIMIT"
+ENV_PINNED_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+ENV_ACTIVE_THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+ENV_PIPE_DIRECTORY = "CUDA_MPS_PIPE_DIRECTORY"
+ENFORCED_ENV = (
+    ENV_VISIBLE_DEVICES,
+    ENV_MEMORY_REQUEST,
+    ENV_MEMORY_LIMIT,
+    ENV_PINNED_MEM_LIMIT,
+    ENV_ACTIVE_THREAD_PERCENTAGE,
+    ENV_PIPE_DIRECTORY,
+)
+
+# kai_fractions' own annotations: values the env needs that are not literally in a contract key.
+PROJECT_PREFIX = "kai-fractions.io/container."
+DERIVED_MEMORY_REQUEST_MIB = ".memory-request-mib"
+DERIVED_MEMORY_LIMIT_MIB = ".memory-limit-mib"
+DERIVED_PINNED_MEM_LIMIT = ".mps-pinned-mem-limit"
+DERIVED_ACTIVE_THREAD_PERCENTAGE = ".mps-active-thread-percentage"
+DERIVED_PIPE_DIRECTORY = ".mps-pipe-directory"
+DERIVED_PLAN_DIGEST = ".plan-digest"
+DERIVED_SUFFIXES = (
+    DERIVED_MEMORY_REQUEST_MIB,
+    DERIVED_MEMORY_LIMIT_MIB,
+    DERIVED_PINNED_MEM_LIMIT,
+    DERIVED_ACTIVE_THREAD_PERCENTAGE,
+    DERIVED_PIPE_DIRECTORY,
+    DERIVED_PLAN_DIGEST,
+)
+
+_CONTAINER_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def is_container_name(name: str) -> bool:
+    return bool(_CONTAINER_NAME.fullmatch(name))
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key builder for one configured prefix. `Keys()` is KAI's default spelling."""
+
+    prefix: str = DEFAULT_PREFIX
+    project_prefix: str = PROJECT_PREFIX
+
+    def __post_init__(self) -> None:
+        for name, value in (("prefix", self.prefix), ("project_prefix", self.project_prefix)):
+            if not value or "/" not in value or not value.endswith("."):
+                raise ValueError(
+                    f"{name} must look like 'example.com/container.' (a domain, a slash, "
+                    f"ending with a dot), got {value!r}"
+                )
+
+    def container(self, container: str, suffix: str) -> str:
+        return f"{self.prefix}{container}{suffix}"
+
+    def derived(self, container: str, suffix: str) -> str:
+        return f"{self.project_prefix}{container}{suffix}"
+
+    def portion_limit(self, container: str) -> str:
+        return f"{PORTION_LIMIT_PREFIX}{container}{PORTION_LIMIT_SUFFIX}"
+
+    @staticmethod
+    def _split(key: str, prefix: str) -> tuple[str, str] | None:
+        if not key.startswith(prefix):
+            return None
+        rest = key[len(prefix) :]
+        name, dot, tail = rest.partition(".")
+        return name, dot + tail
+
+    def split(self, key: str) -> tuple[str, str] | None:
+        """`nvidia.com/container.main.gpu-memory.request` -> ("main", ".gpu-memory.request")."""
+        return self._split(key, self.prefix)
+
+    def split_derived(self, key: str) -> tuple[str, str] | None:
+        return self._split(key, self.project_prefix)
+
+    def split_portion_limit(self, key: str) -> str | None:
+        """The container of a `kai.scheduler/container.<c>.gpu-memory.portion.limit` key."""
+        if key.startswith(PORTION_LIMIT_PREFIX) and key.endswith(PORTION_LIMIT_SUFFIX):
+            return key[len(PORTION_LIMIT_PREFIX) : -len(PORTION_LIMIT_SUFFIX)]
+        return None
+
+    def is_binder_owned(self, key: str) -> bool:
+        parts = self.split(key)
+        return parts is not None and parts[1] in BINDER_SUFFIXES
+
+    def is_protected(self, key: str) -> bool:
+        """Keys only the binder, the mirror or the node agent may write: binder-owned keys and
+        every derived key (they feed the container's env, so a user must not set them)."""
+        return self.is_binder_owned(key) or key.startswith(self.project_prefix)
+
+
+DEFAULT_KEYS = Keys()

@@ -1,0 +1,53 @@
+"""Decimal numbers of the contract (portions, fractions): read exactly, written plainly.
+
+KAI reads these with Go's strconv.ParseFloat, so the decimal forms it accepts are accepted here,
+exponent forms included (`5e-1`), and evaluated exactly. Hex floats, NaN, Inf, underscores and
+blanks are rejected. Values are always written as plain decimals, never in exponent form.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+from fractions import Fraction
+
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?")
+
+
+class NumberError(ValueError):
+    """The string is not a decimal number; the message says why."""
+
+
+def parse_decimal(text: str) -> Fraction:
+    if not isinstance(text, str) or text.strip() == "":
+        raise NumberError("must be a decimal number, not blank")
+    if not _DECIMAL.fullmatch(text):
+        raise NumberError("must be a finite decimal number such as 0.5 (no NaN, Inf or hex)")
+    return Fraction(text)
+
+
+def decimal_places(text: str) -> int:
+    """Digits after the point in the value's plain form (`5e-1` has 1, `0.12500` has 5)."""
+    exponent = Decimal(text).normalize().as_tuple().exponent
+    return max(0, -int(exponent))
+
+
+def format_plain(value: Fraction) -> str:
+    """The shortest float64 round-trip form, in plain notation (0.00005, never 5e-05).
+
+    This is what Go's strconv.FormatFloat(x, 'f', -1, 64) prints, so the mirror writes the same
+    bytes as KAI's binder for the same portion.
+    """
+    text = format(Decimal(repr(float(value))), "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return text or "0"
+
+
+def parse_positive_int(text: str) -> int:
+    if not isinstance(text, str) or not re.fullmatch(r"[0-9]+", text):
+        raise NumberError("must be a positive whole number")
+    value = int(text)
+    if value <= 0:
+        raise NumberError("must be a positive whole number")
+    return value

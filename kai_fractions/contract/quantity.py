@@ -1,0 +1,87 @@
+"""Kubernetes resource quantities with exact arithmetic (no floats anywhere).
+
+Grammar (k8s.io/apimachinery resource.ParseQuantity):
+    quantity       ::= sign? number suffix
+    number         ::= digits | digits "." digits? | "." digits
+    suffix         ::= binarySI | decimalSI | decimalExponent
+    binarySI       ::= Ki | Mi | Gi | Ti | Pi | Ei
+    decimalSI      ::= m | "" | k | M | G | T | P | E
+    decimalExponent::= ("e" | "E") sign? digits
+Exponent forms (`1e3`, `5E-1`) are valid quantities that KAI reads through ParseQuantity, so they
+are accepted here and evaluated exactly; nothing in kai_fractions ever writes one.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+MIB = 1 << 20
+
+_BINARY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
+_DECIMAL = {
+    "m": Fraction(1, 1000),
+    "": Fraction(1),
+    "k": Fraction(10**3),
+    "M": Fraction(10**6),
+    "G": Fraction(10**9),
+    "T": Fraction(10**12),
+    "P": Fraction(10**15),
+    "E": Fraction(10**18),
+}
+_UNIT_DECIMAL = frozenset("kMGTPE")
+_QUANTITY = re.compile(
+    r"(?P<sign>[+-]?)(?P<int>[0-9]*)(?:\.(?P<frac>[0-9]*))?"
+    r"(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[mkMGTPE]|[eE][+-]?[0-9]+|)"
+)
+# Kubernetes caps the number of digits it will read; anything longer is an error there too.
+_MAX_LEN = 64
+
+
+class QuantityError(ValueError):
+    """The string is not a Kubernetes quantity; the message says why."""
+
+
+def parse_quantity(text: str) -> Fraction:
+    """Parse a quantity exactly; raise QuantityError with the rule it breaks."""
+    if not isinstance(text, str) or text == "":
+        raise QuantityError("must be a Kubernetes quantity such as 8Gi or 7680Mi, not blank")
+    if len(text) > _MAX_LEN:
+        raise QuantityError(f"is longer than {_MAX_LEN} characters")
+    m = _QUANTITY.fullmatch(text)
+    if not m or (not m["int"] and not m["frac"]):
+        raise QuantityError("must be a Kubernetes quantity such as 8Gi, 7680Mi or 1000M")
+    digits = (m["int"] or "0") + "." + (m["frac"] or "0")
+    number = Fraction(digits)
+    if m["sign"] == "-":
+        number = -number
+    suffix = m["suffix"]
+    if suffix in _BINARY:
+        return number * _BINARY[suffix]
+    if suffix in _DECIMAL:
+        return number * _DECIMAL[suffix]
+    exponent = int(suffix[1:])
+    if abs(exponent) > 100:
+        raise QuantityError("has an exponent outside what Kubernetes accepts")
+    return number * Fraction(10) ** exponent
+
+
+def has_unit(text: str) -> bool:
+    """True when the quantity carries a unit suffix (binary or decimal SI, not milli/exponent)."""
+    m = _QUANTITY.fullmatch(text)
+    return m is not None and (m["suffix"] in _BINARY or m["suffix"] in _UNIT_DECIMAL)
+
+
+def memory_bytes(text: str) -> int:
+    """A GPU memory amount: a quantity that is a whole, positive number of bytes."""
+    value = parse_quantity(text)
+    if value <= 0:
+        raise QuantityError("must be greater than zero")
+    if value.denominator != 1:
+        raise QuantityError("must be a whole number of bytes (e.g. 500m is half a byte)")
+    return int(value)
+
+
+def mib_ceil(n_bytes: int) -> int:
+    """Whole MiB, rounding up, at least 1 (the contract's conversion: 1000M -> 954)."""
+    return max(1, -(-n_bytes // MIB))

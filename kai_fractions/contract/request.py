@@ -1,0 +1,384 @@
+"""Parse a pod's annotations into a typed, immutable GPU share per container, with every error.
+
+Nothing here raises for bad input: `parse_pod` returns a `PodRequest` whose `errors` lists each
+broken rule (key, value, rule). Precedence and defaulting follow KAI:
+NvFractions keys > `gpu-fraction` > `gpu-memory`; only a limit given means request := limit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from fractions import Fraction
+
+from . import keys as k
+from .errors import ContractError
+from .numbers import NumberError, decimal_places, parse_decimal, parse_positive_int
+from .pod import PodView
+from .quantity import MIB, QuantityError, has_unit, memory_bytes
+
+
+class ComputeMode(StrEnum):
+    TIME_SLICING = "time-slicing"
+    SM_SHARING = "sm-sharing"
+
+
+DEFAULT_MODE = ComputeMode.TIME_SLICING
+_MODES = ", ".join(m.value for m in ComputeMode)
+# Physical GPU UUIDs as NVML prints them: GPU- then hex groups. MIG UUIDs are refused on purpose:
+# NVML memory limits do not support MIG handles.
+_GPU_UUID = re.compile(r"GPU-[0-9a-fA-F]+(?:-[0-9a-fA-F]+)*")
+_MAX_LEGACY_DECIMALS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerShare:
+    """What one container asks for and what the binder wrote for it (raw, before arithmetic)."""
+
+    container: str
+    request_bytes: int | None = None
+    """NvFractions `.gpu-memory.request` (the user's; never overwritten)."""
+    limit_bytes: int | None = None
+    """NvFractions `.gpu-memory.limit`."""
+    fraction: Fraction | None = None
+    """Legacy `gpu-fraction`: the portion of one GPU asked for."""
+    limit_portion: Fraction | None = None
+    """`gpu-fraction.limit` or `kai.scheduler/container.<c>.gpu-memory.portion.limit`."""
+    legacy_memory_bytes: int | None = None
+    """Legacy `gpu-memory` (MiB, converted to bytes)."""
+    legacy_limit_bytes: int | None = None
+    """Legacy `gpu-memory.limit`."""
+    compute_mode: ComputeMode = DEFAULT_MODE
+    devices_value: str | None = None
+    """The `.gpus.devices` annotation verbatim (binder-written)."""
+    devices: tuple[str, ...] = ()
+    compute_portion: Fraction | None = None
+    """The `.gpu-compute.portion` annotation (binder-written)."""
+    num_devices: int = 1
+
+    @property
+    def node_request_bytes(self) -> int | None:
+        """Guaranteed memory as the node reads it: the request, or the limit when only it is set."""
+        return self.request_bytes if self.request_bytes is not None else self.limit_bytes
+
+    @property
+    def node_limit_bytes(self) -> int | None:
+        """The cap as the node reads it: the limit, or the request when only it is set."""
+        return self.limit_bytes if self.limit_bytes is not None else self.request_bytes
+
+    @property
+    def device_uuids(self) -> tuple[str, ...]:
+        return tuple(d.removeprefix(k.CDI_DEVICE_PREFIX) for d in self.devices)
+
+    @property
+    def is_bound(self) -> bool:
+        return bool(self.devices)
+
+
+@dataclass(frozen=True, slots=True)
+class PodRequest:
+    pod: PodView
+    shares: tuple[ContainerShare, ...]
+    errors: tuple[ContractError, ...]
+    warnings: tuple[ContractError, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    @property
+    def share(self) -> ContainerShare | None:
+        """The pod's fractional container (KAI allows one); None for non-fractional pods."""
+        return self.shares[0] if self.shares else None
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.errors: list[ContractError] = []
+        self.warnings: list[ContractError] = []
+
+    def error(self, key: str, rule: str, value: str | None = None, container: str | None = None):
+        self.errors.append(ContractError(key, rule, value, container))
+
+    def warn(self, key: str, rule: str, value: str | None = None, container: str | None = None):
+        self.warnings.append(ContractError(key, rule, value, container))
+
+
+def _memory(c: _Collector, key: str, value: str, container: str | None) -> int | None:
+    try:
+        return memory_bytes(value)
+    except QuantityError as e:
+        c.error(key, f"GPU memory {e}", value, container)
+        return None
+
+
+def _portion(
+    c: _Collector, key: str, value: str, container: str | None, *, upper_open: bool,
+    max_decimals: int | None = None,
+) -> Fraction | None:
+    """A portion of one GPU: 0 < x < 1 (upper_open) or 0 < x <= 1."""
+    try:
+        number = parse_decimal(value)
+    except NumberError as e:
+        c.error(key, e.args[0], value, container)
+        return None
+    bound = "0 < x < 1" if upper_open else "0 < x <= 1"
+    if number <= 0 or number > 1 or (upper_open and number == 1):
+        c.error(key, f"must be a portion of one GPU, {bound}", value, container)
+        return None
+    if max_decimals is not None and decimal_places(value) > max_decimals:
+        c.error(key, f"must have at most {max_decimals} decimal places", value, container)
+        return None
+    return number
+
+
+def _devices(c: _Collector, key: str, value: str, container: str) -> tuple[str, ...]:
+    items = [item.strip() for item in value.split(",")]
+    if not value.strip() or any(not item for item in items):
+        c.error(key, "must be a comma-separated list of GPU UUIDs with no empty item", value,
+                container)
+        return ()
+    for item in items:
+        uuid = item.removeprefix(k.CDI_DEVICE_PREFIX)
+        if uuid.startswith("MIG-"):
+            c.error(key, "MIG devices cannot be shared as fractions", item, container)
+            return ()
+        if not _GPU_UUID.fullmatch(uuid):
+            c.error(key, f"each item must be a GPU UUID (GPU-...) or {k.CDI_DEVICE_PREFIX}<uuid>",
+                    item, container)
+            return ()
+    if len({i.removeprefix(k.CDI_DEVICE_PREFIX) for i in items}) != len(items):
+        c.error(key, "lists the same GPU twice", value, container)
+        return ()
+    return tuple(items)
+
+
+def _nvfractions_keys(pod: PodView, keys: k.Keys, c: _Collector) -> dict[str, dict[str, str]]:
+    """Group `<prefix><container><suffix>` annotations by container, reporting bad keys."""
+    names = {ct.name for ct in pod.all_containers}
+    by_container: dict[str, dict[str, str]] = {}
+    for key, value in pod.annotations.items():
+        parts = keys.split(key)
+        if parts is None:
+            continue
+        name, suffix = parts
+        if not name:
+            c.error(key, "the container name between the prefix and the suffix is empty", value)
+        elif suffix not in k.SUFFIXES:
+            c.error(key, f"unknown suffix {suffix or '(none)'!r}; known suffixes: "
+                    + ", ".join(k.SUFFIXES), value, name)
+        elif name not in names:
+            c.error(key, f"names container {name!r}, which is not in the pod (containers: "
+                    + (", ".join(sorted(names)) or "none") + ")", value, name)
+        else:
+            by_container.setdefault(name, {})[suffix] = value
+    return by_container
+
+
+def _share_from_nvfractions(
+    name: str, values: dict[str, str], keys: k.Keys, c: _Collector
+) -> ContainerShare:
+    def key(suffix: str) -> str:
+        return keys.container(name, suffix)
+
+    request = limit = None
+    if k.MEMORY_REQUEST in values:
+        request = _memory(c, key(k.MEMORY_REQUEST), values[k.MEMORY_REQUEST], name)
+    if k.MEMORY_LIMIT in values:
+        limit = _memory(c, key(k.MEMORY_LIMIT), values[k.MEMORY_LIMIT], name)
+    if request is not None and limit is not None and limit < request:
+        c.error(key(k.MEMORY_LIMIT), "must be greater than or equal to the request "
+                f"{values[k.MEMORY_REQUEST]!r}", values[k.MEMORY_LIMIT], name)
+    mode = DEFAULT_MODE
+    if k.COMPUTE_MODE in values:
+        raw = values[k.COMPUTE_MODE]
+        try:
+            mode = ComputeMode(raw)
+        except ValueError:
+            c.error(key(k.COMPUTE_MODE), f"must be one of: {_MODES}", raw, name)
+    devices: tuple[str, ...] = ()
+    if k.DEVICES in values:
+        devices = _devices(c, key(k.DEVICES), values[k.DEVICES], name)
+    portion = None
+    if k.COMPUTE_PORTION in values:
+        portion = _portion(c, key(k.COMPUTE_PORTION), values[k.COMPUTE_PORTION], name,
+                           upper_open=False)
+    return ContainerShare(
+        container=name,
+        request_bytes=request,
+        limit_bytes=limit,
+        compute_mode=mode,
+        devices_value=values.get(k.DEVICES) if devices else None,
+        devices=devices,
+        compute_portion=portion,
+        num_devices=len(devices) or 1,
+    )
+
+
+@dataclass
+class _Legacy:
+    container: str
+    fraction: Fraction | None = None
+    limit_portion: Fraction | None = None
+    memory_bytes: int | None = None
+    limit_bytes: int | None = None
+    num_devices: int = 1
+
+    @property
+    def requested(self) -> bool:
+        return self.fraction is not None or self.memory_bytes is not None
+
+
+def _legacy(pod: PodView, c: _Collector) -> _Legacy | None:
+    a = pod.annotations
+    present = [key for key in k.LEGACY_POD_KEYS if key in a]
+    if not present:
+        return None
+    regular = [ct.name for ct in pod.containers]
+    target = a.get(k.GPU_FRACTION_CONTAINER_NAME) or (regular[0] if regular else "")
+    if k.GPU_FRACTION_CONTAINER_NAME in a and pod.container(target) is None:
+        c.error(k.GPU_FRACTION_CONTAINER_NAME, "names a container that is not in the pod",
+                a[k.GPU_FRACTION_CONTAINER_NAME])
+        return None
+    if not target:
+        c.error(present[0], "the pod has no container to apply it to", a[present[0]])
+        return None
+    legacy = _Legacy(container=target)
+    if k.GPU_FRACTION in a and k.GPU_MEMORY in a:
+        c.error(k.GPU_FRACTION, "gpu-fraction and gpu-memory are mutually exclusive; set one",
+                a[k.GPU_FRACTION], target)
+    if k.GPU_FRACTION in a:
+        legacy.fraction = _portion(c, k.GPU_FRACTION, a[k.GPU_FRACTION], target, upper_open=True)
+    if k.GPU_FRACTION_LIMIT in a:
+        value = a[k.GPU_FRACTION_LIMIT]
+        if k.GPU_FRACTION not in a:
+            c.error(k.GPU_FRACTION_LIMIT, "needs gpu-fraction", value, target)
+        else:
+            legacy.limit_portion = _portion(c, k.GPU_FRACTION_LIMIT, value, target,
+                                            upper_open=True, max_decimals=_MAX_LEGACY_DECIMALS)
+            if (legacy.limit_portion is not None and legacy.fraction is not None
+                    and legacy.limit_portion <= legacy.fraction):
+                c.error(k.GPU_FRACTION_LIMIT, f"must be greater than gpu-fraction "
+                        f"{a[k.GPU_FRACTION]!r}", value, target)
+                legacy.limit_portion = None
+    if k.GPU_MEMORY in a:
+        try:
+            legacy.memory_bytes = parse_positive_int(a[k.GPU_MEMORY]) * MIB
+        except NumberError as e:
+            c.error(k.GPU_MEMORY, f"{e.args[0]} of MiB", a[k.GPU_MEMORY], target)
+    if k.GPU_MEMORY_LIMIT in a:
+        value = a[k.GPU_MEMORY_LIMIT]
+        if k.GPU_MEMORY not in a:
+            c.error(k.GPU_MEMORY_LIMIT, "needs gpu-memory", value, target)
+        elif not has_unit(value):
+            c.error(k.GPU_MEMORY_LIMIT, "must be a quantity with a unit, such as 8Gi", value,
+                    target)
+        else:
+            legacy.limit_bytes = _memory(c, k.GPU_MEMORY_LIMIT, value, target)
+            if (legacy.limit_bytes is not None and legacy.memory_bytes is not None
+                    and legacy.limit_bytes < legacy.memory_bytes):
+                c.error(k.GPU_MEMORY_LIMIT, f"must be greater than or equal to gpu-memory "
+                        f"({a[k.GPU_MEMORY]} MiB)", value, target)
+                legacy.limit_bytes = None
+    if k.GPU_FRACTION_NUM_DEVICES in a:
+        try:
+            legacy.num_devices = parse_positive_int(a[k.GPU_FRACTION_NUM_DEVICES])
+        except NumberError as e:
+            c.error(k.GPU_FRACTION_NUM_DEVICES, e.args[0], a[k.GPU_FRACTION_NUM_DEVICES], target)
+    return legacy
+
+
+def _portion_limits(pod: PodView, keys: k.Keys, c: _Collector) -> dict[str, Fraction]:
+    out: dict[str, Fraction] = {}
+    for key, value in pod.annotations.items():
+        name = keys.split_portion_limit(key)
+        if name is None:
+            continue
+        if pod.container(name) is None:
+            c.error(key, "names a container that is not in the pod", value, name or None)
+            continue
+        portion = _portion(c, key, value, name, upper_open=True,
+                           max_decimals=_MAX_LEGACY_DECIMALS)
+        if portion is not None:
+            out[name] = portion
+    return out
+
+
+def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
+    """Every fractional share the pod asks for, and every contract error, without raising."""
+    c = _Collector()
+    by_container = _nvfractions_keys(pod, keys, c)
+    shares: dict[str, ContainerShare] = {
+        name: _share_from_nvfractions(name, values, keys, c)
+        for name, values in by_container.items()
+    }
+    legacy = _legacy(pod, c)
+    if legacy is not None and legacy.requested:
+        # After a bind the binder's NvFractions request sits beside the legacy key it came
+        # from; the NvFractions key wins (precedence), so that is not worth a warning.
+        share = shares.get(legacy.container)
+        base = share or ContainerShare(container=legacy.container)
+        shares[legacy.container] = _merge_legacy(base, legacy, c)
+    for name, portion in _portion_limits(pod, keys, c).items():
+        share = shares.get(name)
+        key = keys.portion_limit(name)
+        if share is None:
+            c.error(key, "the container requests no GPU fraction to limit", str(portion), name)
+        elif share.limit_portion is not None or share.limit_bytes is not None:
+            c.error(key, "the container already has a memory limit; set only one", None, name)
+        elif share.fraction is not None and portion <= share.fraction:
+            c.error(key, "must be greater than the container's gpu-fraction", None, name)
+        else:
+            shares[name] = replace(share, limit_portion=portion)
+    _check_shares(pod, keys, shares, c)
+    if k.LEGACY_COMPUTE_MODE in pod.annotations:
+        c.warn(k.LEGACY_COMPUTE_MODE, "is ignored by KAI and by kai_fractions; set "
+               f"{keys.prefix}<container>{k.COMPUTE_MODE} instead",
+               pod.annotations[k.LEGACY_COMPUTE_MODE])
+    ordered = tuple(shares[ct.name] for ct in pod.all_containers if ct.name in shares)
+    return PodRequest(pod=pod, shares=ordered, errors=tuple(c.errors),
+                      warnings=tuple(c.warnings))
+
+
+def _merge_legacy(share: ContainerShare, legacy: _Legacy, c: _Collector) -> ContainerShare:
+    if share.request_bytes is not None or share.limit_bytes is not None:
+        return share  # NvFractions request/limit win over the legacy keys
+    if share.devices and len(share.devices) != legacy.num_devices:
+        c.error(k.GPU_FRACTION_NUM_DEVICES, f"asks for {legacy.num_devices} device(s) but the "
+                f"binder wrote {len(share.devices)}", str(legacy.num_devices), share.container)
+    return replace(
+        share,
+        fraction=legacy.fraction,
+        limit_portion=legacy.limit_portion,
+        legacy_memory_bytes=legacy.memory_bytes if legacy.fraction is None else None,
+        legacy_limit_bytes=legacy.limit_bytes if legacy.fraction is None else None,
+        num_devices=max(legacy.num_devices, len(share.devices)),
+    )
+
+
+def _check_shares(
+    pod: PodView, keys: k.Keys, shares: dict[str, ContainerShare], c: _Collector
+) -> None:
+    fractional = []
+    for name, share in shares.items():
+        asks = (share.request_bytes is not None or share.limit_bytes is not None
+                or share.fraction is not None or share.legacy_memory_bytes is not None
+                or share.devices)
+        view = pod.container(name)
+        if not asks:
+            # Only a compute mode (or a portion) on a container that asks for no fraction.
+            c.warn(keys.container(name, k.COMPUTE_MODE), "has no effect: the container "
+                   "requests no GPU fraction", container=name)
+            continue
+        fractional.append(name)
+        if view is not None and view.whole_gpus != 0:
+            c.error(keys.container(name, k.MEMORY_REQUEST), "a GPU fraction may not be "
+                    f"combined with a whole {k.WHOLE_GPU_RESOURCE} request", None, name)
+    if len(fractional) > 1:
+        c.error(keys.container(fractional[1], k.MEMORY_REQUEST), "KAI allows only one "
+                f"container per pod with a fractional GPU request; {fractional[0]!r} already "
+                "has one", None, fractional[1])
+    for name in list(shares):
+        if name not in fractional:
+            del shares[name]
