@@ -1,0 +1,54 @@
+"""`kai-fractions <command>`: one entry point; each command lives in its own module.
+
+A command module exposes `register(subparsers)`, which adds its parser and sets `func` to a
+callable taking the parsed args and returning the exit code. Exit codes across commands:
+0 success, 1 a contract error or refused work, 2 usage or unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from .. import __version__
+
+# Add a line here to plug in a command; modules are imported only to build the parser.
+_COMMAND_MODULES = (
+    "kai_fractions.cli.validate",
+    "kai_fractions.cli.plan",
+)
+
+EXIT_OK, EXIT_CONTRACT, EXIT_USAGE = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors: one line, exit 2, no traceback
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kai-fractions",
+        description="Enforce KAI Scheduler NvFractions GPU shares: validate and plan manifests, "
+        "run the allocation mirror, the node agent, the admission webhook and the gate.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130

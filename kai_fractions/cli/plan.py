@@ -1,0 +1,111 @@
+"""`kai-fractions plan -f FILE --node-gpu-memory MIB --devices UUID[,UUID]`: show what the mirror
+would write and what the node would enforce, without a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from fractions import Fraction
+from types import MappingProxyType
+
+from ..contract import (
+    BindDecision,
+    ContractViolation,
+    NumberError,
+    binder_annotations,
+    derived_annotations,
+    parse_decimal,
+    parse_pod,
+    plan_pod,
+    pod_views,
+)
+from .manifests import InputError, load_documents
+from .validate import add_common, keys_from, line
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="show the annotations the mirror would write and the node plan",
+        description="Play the binder for each pod in FILE: compute the annotations KAI's binder "
+        "(and the kai_fractions mirror) would write for the given node and devices, then the "
+        "node-side plan per container (env, memory limits, compute mode). Exit codes as "
+        "`validate`.",
+    )
+    add_common(p)
+    p.add_argument("--node-gpu-memory", type=int, required=True, metavar="MIB",
+                   help="the node's nvidia.com/gpu.memory label (MiB per GPU)")
+    p.add_argument("--devices", required=True, metavar="UUID[,UUID...]",
+                   help="the reserved GPU UUIDs, one per fractional group")
+    p.add_argument("--portion", metavar="P",
+                   help="the portion the scheduler gave (default: from the pod's own request)")
+    p.add_argument("--reserve", type=int, default=0, metavar="MIB",
+                   help="GPU memory kept back per GPU, e.g. 1024 for the MPS server "
+                   "(default: %(default)s)")
+    p.add_argument("--cdi", action="store_true", help="write CDI device names")
+    p.set_defaults(func=run)
+
+
+def _decision(args: argparse.Namespace) -> BindDecision:
+    portion: Fraction | None = None
+    if args.portion is not None:
+        try:
+            portion = parse_decimal(args.portion)
+        except NumberError as e:
+            raise InputError(f"--portion: {e}") from None
+    return BindDecision(
+        node_gpu_memory_mib=args.node_gpu_memory,
+        gpu_ids=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
+        received_portion=portion,
+        reserve_mib=args.reserve,
+        cdi=args.cdi,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        keys = keys_from(args)
+        decision = _decision(args)
+        views = [v for _, doc in load_documents(args.filename) for v in pod_views(doc)]
+    except InputError as e:
+        print(f"kai-fractions plan: {e}", file=sys.stderr)
+        return 2
+    results, failed = [], False
+    for view in views:
+        request = parse_pod(view, keys)
+        if request.share is None and not request.errors:
+            continue  # not a fractional pod: nothing to plan
+        try:
+            annotations = binder_annotations(request, decision, keys)
+            bound = replace(view, annotations=MappingProxyType({**view.annotations,
+                                                                **annotations}))
+            plans = plan_pod(parse_pod(bound, keys), keys=keys)
+        except ContractViolation as e:
+            failed = True
+            for err in e.errors:
+                print(line(view.ref, err.container, err), file=sys.stderr)
+            continue
+        for plan in plans:
+            annotations.update(derived_annotations(plan, keys))
+        results.append((view, annotations, plans))
+    if args.output == "json":
+        out = [{"object": v.ref, "annotations": a,
+                "containers": {p.container: p.to_dict() for p in plans}}
+               for v, a, plans in results]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
+    else:
+        for view, annotations, plans in results:
+            print(f"{view.ref}:")
+            print("  annotations:")
+            for key, value in annotations.items():
+                print(f"    {key}: {value}")
+            for plan in plans:
+                print(f"  container {plan.container} ({plan.compute_mode.value}):")
+                print(f"    memory: request {plan.request_mib} MiB, limit {plan.limit_mib} MiB")
+                if plan.active_thread_percentage is not None:
+                    print(f"    compute: {plan.active_thread_percentage}% of SMs "
+                          f"(MPS namespace {plan.mps_namespace})")
+                for name, value in plan.env.items():
+                    print(f"    env {name}={value}")
+    return 1 if failed else 0
