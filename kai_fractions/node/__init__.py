@@ -1,0 +1,1 @@
+"""Node enforcement engine: inventory, the pure node plan and the enforcers that apply it."""
