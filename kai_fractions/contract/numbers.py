@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 from fractions import Fraction
+from functools import lru_cache
 
 _DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?")
 
@@ -19,7 +20,14 @@ class NumberError(ValueError):
 
 
 def parse_decimal(text: str) -> Fraction:
-    if not isinstance(text, str) or text.strip() == "":
+    if not isinstance(text, str):
+        raise NumberError("must be a decimal number string")
+    return _parse_decimal(text)
+
+
+@lru_cache(maxsize=4096)  # pure, and clusters repeat the same few portions
+def _parse_decimal(text: str) -> Fraction:
+    if text.strip() == "":
         raise NumberError("must be a decimal number, not blank")
     if not _DECIMAL.fullmatch(text):
         raise NumberError("must be a finite decimal number such as 0.5 (no NaN, Inf or hex)")
