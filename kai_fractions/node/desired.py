@@ -1,0 +1,472 @@
+"""The node plan (pure): what every GPU and every fractional container on this node should have.
+
+`plan_node(pods, inventory, config)` reads the pods bound to the node (their contract
+annotations through `kai_fractions.contract`), the GPU inventory and the node configuration, and
+returns a `DesiredState`: compute mode per GPU, cgroup memory limits per pod slice and container
+cgroup, MPS namespaces and pinned limits, and for every container it cannot serve a `Refusal`
+with a reason a user can act on. A refused container gets nothing applied.
+
+Containers are judged oldest pod first (creation time, then namespace/name/uid), so a newcomer
+can never take a GPU's compute mode or memory away from a pod that was there before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+from ..contract import (
+    MIB,
+    ComputeMode,
+    ContainerPlan,
+    ContainerShare,
+    ContractViolation,
+    PodView,
+    parse_pod,
+    plan_container,
+    view_from_pod_spec,
+)
+from ..contract import keys as k
+from .cgroups import ContainerId, QosClass, qos_class_of
+from .config import Mechanism, NodeConfig
+from .inventory import Inventory
+from .nvml import DeviceInfo, GpuComputeMode
+
+
+class RefusalReason(StrEnum):
+    CONTRACT_INVALID = "ContractInvalid"
+    NOT_BOUND = "NotBound"
+    DEVICE_NOT_ON_NODE = "DeviceNotOnNode"
+    COMPUTE_MODE_MIX = "ComputeModeMix"
+    MEMORY_OVERCOMMITTED = "MemoryOvercommitted"
+    SM_SHARING_DISABLED = "SmSharingDisabled"
+    MEMORY_LIMITS_UNSUPPORTED = "MemoryLimitsUnsupported"
+    MIG_NOT_SUPPORTED = "MigNotSupported"
+
+
+class ComputeEnforcement(StrEnum):
+    TIME_SLICING = "time-slicing"
+    """No MPS: the GPU time-slices between processes (DEFAULT compute mode)."""
+    MPS_NAMESPACE = "mps-namespace"
+    """An MPS v3 namespace per container caps its share of SMs (authoritative)."""
+    MPS_CLIENT_ENV = "mps-client-env"
+    """Drivers without MPS namespaces: only the client's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE."""
+
+
+class ContainerKey(NamedTuple):
+    pod_uid: str
+    container: str
+
+
+@dataclass(frozen=True, slots=True)
+class NodePod:
+    """A pod bound to this node: the contract's view plus the status bits the node needs."""
+
+    view: PodView
+    qos: QosClass = QosClass.BURSTABLE
+    container_ids: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """Container name -> `containerd://<id>` from the pod's (init)containerStatuses."""
+    created: str = ""
+    """metadata.creationTimestamp (RFC 3339, UTC): orders pods, oldest first."""
+    phase: str = ""
+
+    @property
+    def uid(self) -> str:
+        return self.view.uid
+
+    @property
+    def terminal(self) -> bool:
+        """Succeeded or Failed: its containers are gone and it holds nothing."""
+        return self.phase in ("Succeeded", "Failed")
+
+    @classmethod
+    def from_manifest(cls, pod: Mapping[str, Any]) -> NodePod:
+        """From a Pod object as a dict (e.g. `ApiClient().sanitize_for_serialization(pod)`)."""
+        metadata = pod.get("metadata") or {}
+        status = pod.get("status") or {}
+        ids: dict[str, str] = {}
+        for key in ("initContainerStatuses", "containerStatuses"):
+            for cs in status.get(key) or []:
+                if isinstance(cs, Mapping) and cs.get("name") and cs.get("containerID"):
+                    ids[str(cs["name"])] = str(cs["containerID"])
+        return cls(
+            view=view_from_pod_spec(metadata, pod.get("spec") or {}),
+            qos=qos_class_of(pod),
+            container_ids=MappingProxyType(ids),
+            created=str(metadata.get("creationTimestamp") or ""),
+            phase=str(status.get("phase") or ""),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LimitTarget:
+    """One cgroup memory limit to have in force: NVML namespace `path` on GPU `gpu_uuid`."""
+
+    gpu_uuid: str
+    path: str
+    soft: int
+    hard: int
+    pod_uid: str
+    container: str | None
+    """None: the pod's slice (shared by the pod's containers); else the container's cgroup."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerDesired:
+    key: ContainerKey
+    pod_namespace: str
+    pod_name: str
+    plan: ContainerPlan
+    qos: QosClass
+    pod_cgroup: str
+    container_cgroup: str | None
+    """None until the runtime reports the container's ID (the pod slice is limited before)."""
+    mechanisms: frozenset[Mechanism]
+    compute: ComputeEnforcement
+    mps_namespace: str | None
+    """The MPS v3 namespace to create (sm-sharing on drivers that have namespaces)."""
+    device_indexes: tuple[int, ...]
+    """NVML index of each of the plan's devices, in the plan's order."""
+
+    @property
+    def ref(self) -> str:
+        return f"{self.pod_namespace}/{self.pod_name}/{self.key.container}"
+
+    @property
+    def active_thread_percentage(self) -> int | None:
+        return self.plan.active_thread_percentage
+
+    @property
+    def limits(self) -> tuple[LimitTarget, ...]:
+        """The container's own cgroup limits (empty without the cgroup mechanism or its ID)."""
+        if Mechanism.CGROUP not in self.mechanisms or self.container_cgroup is None:
+            return ()
+        return tuple(
+            LimitTarget(gpu_uuid=uuid, path=self.container_cgroup, soft=self.plan.request_bytes,
+                        hard=self.plan.limit_bytes, pod_uid=self.key.pod_uid,
+                        container=self.key.container)
+            for uuid in self.plan.device_uuids
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    key: ContainerKey
+    pod_namespace: str
+    pod_name: str
+    reason: RefusalReason
+    message: str
+    final: bool = True
+    """False: not yet servable but may become so (NotBound); the gate keeps waiting."""
+
+    @property
+    def ref(self) -> str:
+        return f"{self.pod_namespace}/{self.pod_name}/{self.key.container}"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuDesired:
+    uuid: str
+    index: int
+    compute_mode: GpuComputeMode | None
+    """None: leave the GPU's compute mode as it is."""
+    containers: tuple[ContainerKey, ...]
+    requested_bytes: int
+    mps_pinned_mib: int | None
+    """The MPS default pinned device-memory limit for this GPU (the largest cap of its
+    mps-pinned containers: a client that drops its own env is still bounded); None: leave."""
+
+
+@dataclass(frozen=True, slots=True)
+class DesiredState:
+    gpus: tuple[GpuDesired, ...] = ()
+    containers: tuple[ContainerDesired, ...] = ()
+    refusals: tuple[Refusal, ...] = ()
+    pod_uids: frozenset[str] = frozenset()
+    """Every live (non-terminal) pod on the node, fractional or not."""
+    limits: tuple[LimitTarget, ...] = ()
+    """Every cgroup limit to have in force: pod slices first, then container cgroups."""
+
+    def container(self, key: tuple[str, str]) -> ContainerDesired | None:
+        return next((c for c in self.containers if c.key == key), None)
+
+    def refusal(self, key: tuple[str, str]) -> Refusal | None:
+        return next((r for r in self.refusals if r.key == key), None)
+
+    def gpu(self, uuid: str) -> GpuDesired | None:
+        return next((g for g in self.gpus if g.uuid == uuid), None)
+
+    @property
+    def mps_namespaces(self) -> frozenset[str]:
+        return frozenset(c.mps_namespace for c in self.containers if c.mps_namespace)
+
+    @property
+    def watchdog_caps(self) -> Mapping[tuple[str, str], int]:
+        """(pod uid, container) -> cap in bytes, for the containers the watchdog guards."""
+        return MappingProxyType({
+            tuple(c.key): c.plan.limit_bytes for c in self.containers
+            if Mechanism.WATCHDOG in c.mechanisms
+        })
+
+
+# -- planning ---------------------------------------------------------------------------------
+
+
+def _mib(n: int) -> str:
+    return f"{-(-n // MIB)} MiB"
+
+
+class _Candidate(NamedTuple):
+    pod: NodePod
+    share: ContainerShare
+    plan: ContainerPlan
+
+
+def _order(pod: NodePod) -> tuple:
+    v = pod.view
+    return (pod.created == "", pod.created, v.namespace, v.name, v.uid)
+
+
+def _refuse(pod: NodePod, container: str, reason: RefusalReason, message: str,
+            final: bool = True) -> Refusal:
+    return Refusal(key=ContainerKey(pod.uid, container), pod_namespace=pod.view.namespace,
+                   pod_name=pod.view.name, reason=reason, message=message, final=final)
+
+
+def _contract_refusals(pod: NodePod, config: NodeConfig) -> tuple[list[_Candidate],
+                                                                  list[Refusal]]:
+    request = parse_pod(pod.view, config.keys)
+    refusals: list[Refusal] = []
+    if request.errors:
+        named = [s.container for s in request.shares]
+        named += [e.container for e in request.errors if e.container and e.container not in named]
+        if not named:
+            named = [e.container or "" for e in request.errors[:1]]
+        for name in dict.fromkeys(named):
+            mine = [e for e in request.errors if e.container in (name, None)]
+            text = "; ".join(str(e) for e in mine or request.errors)
+            refusals.append(_refuse(pod, name, RefusalReason.CONTRACT_INVALID,
+                                    f"the pod's GPU annotations are invalid: {text}; fix them "
+                                    "and recreate the pod"))
+        return [], refusals
+    candidates = []
+    for share in request.shares:
+        if not share.devices:
+            refusals.append(_refuse(
+                pod, share.container, RefusalReason.NOT_BOUND,
+                f"no GPU assigned yet: {config.keys.container(share.container, k.DEVICES)} "
+                "is missing; it is written by the scheduler's binder (KAI) or the "
+                "kai-fractions mirror when the pod is bound", final=False))
+            continue
+        try:
+            plan = plan_container(share, pod.uid, keys=config.keys,
+                                  mps_pipe_root=config.container_mps_pipe_root)
+        except ContractViolation as e:
+            refusals.append(_refuse(
+                pod, share.container, RefusalReason.CONTRACT_INVALID,
+                "the pod's GPU annotations cannot be planned: "
+                + "; ".join(str(x) for x in e.errors)))
+            continue
+        candidates.append(_Candidate(pod, share, plan))
+    return candidates, refusals
+
+
+def _device_refusal(c: _Candidate, inventory: Inventory, config: NodeConfig) -> Refusal | None:
+    pod, plan = c.pod, c.plan
+    missing = [u for u in plan.device_uuids if inventory.device(u) is None]
+    if missing:
+        here = ", ".join(inventory.uuids) or "none"
+        return _refuse(pod, plan.container, RefusalReason.DEVICE_NOT_ON_NODE,
+                       f"GPU {', '.join(missing)} assigned to this container is not on node "
+                       f"{config.node_name or '(this node)'} (GPUs here: {here}); the pod was "
+                       "bound with a stale or wrong device list: delete it so it is scheduled "
+                       "again")
+    mig = [u for u in plan.device_uuids if (d := inventory.device(u)) and d.mig_enabled]
+    if mig:
+        return _refuse(pod, plan.container, RefusalReason.MIG_NOT_SUPPORTED,
+                       f"GPU {', '.join(mig)} is in MIG mode: GPU memory limits and MPS sharing "
+                       "do not work on MIG; request a MIG slice instead of a fraction, or "
+                       "disable MIG on that GPU")
+    return None
+
+
+def _mechanisms(c: _Candidate, inventory: Inventory, config: NodeConfig
+                ) -> frozenset[Mechanism] | Refusal:
+    pod, plan = c.pod, c.plan
+    wanted = config.memory_enforcement
+    sm = plan.compute_mode is ComputeMode.SM_SHARING
+    if sm and not config.sm_sharing:
+        return _refuse(pod, plan.container, RefusalReason.SM_SHARING_DISABLED,
+                       "the container asks for compute mode sm-sharing but this node runs "
+                       "without MPS (--no-sm-sharing): use time-slicing, or schedule it to a "
+                       "node with sm-sharing enabled")
+    out = set()
+    if Mechanism.CGROUP in wanted and inventory.capabilities.memory_limits:
+        out.add(Mechanism.CGROUP)
+    if Mechanism.MPS_PINNED in wanted and sm:
+        out.add(Mechanism.MPS_PINNED)
+    if Mechanism.WATCHDOG in wanted:
+        out.add(Mechanism.WATCHDOG)
+    if not out:
+        enabled = ",".join(sorted(m.value for m in wanted))
+        if not inventory.capabilities.memory_limits:
+            why = (f"NVIDIA driver {inventory.driver_version} has no cgroup GPU memory limits "
+                   "(they need r615 or newer)")
+        else:
+            why = "no memory enforcement enabled on this node applies to it"
+        extra = " (mps-pinned applies to sm-sharing containers only)" if not sm else ""
+        return _refuse(pod, plan.container, RefusalReason.MEMORY_LIMITS_UNSUPPORTED,
+                       f"cannot cap this container's GPU memory: {why} and "
+                       f"--memory-enforcement={enabled} allows no fallback{extra}; upgrade the "
+                       "driver or add watchdog to --memory-enforcement")
+    return frozenset(out)
+
+
+def _cgroup_paths(c: _Candidate, config: NodeConfig) -> tuple[str, str | None] | Refusal:
+    pod, plan = c.pod, c.plan
+    layout = config.layout
+    try:
+        pod_path = layout.pod_path(pod.uid, pod.qos)
+    except ValueError as e:
+        return _refuse(pod, plan.container, RefusalReason.CONTRACT_INVALID,
+                       f"cannot name the pod's cgroup: {e}")
+    raw = pod.container_ids.get(plan.container)
+    if not raw:
+        return pod_path, None
+    try:
+        return pod_path, layout.container_path(pod.uid, pod.qos, ContainerId.parse(raw))
+    except ValueError as e:
+        return _refuse(pod, plan.container, RefusalReason.CONTRACT_INVALID,
+                       f"cannot name the container's cgroup: {e}")
+
+
+def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig) -> DesiredState:
+    live = sorted((p for p in pods if not p.terminal), key=_order)
+    refusals: list[Refusal] = []
+    candidates: list[_Candidate] = []
+    for pod in live:
+        ok, refused = _contract_refusals(pod, config)
+        candidates.extend(ok)
+        refusals.extend(refused)
+
+    accepted: list[ContainerDesired] = []
+    modes: dict[str, tuple[ComputeMode, str]] = {}  # gpu -> (mode, first container's ref)
+    requested: dict[str, int] = {}
+    members: dict[str, list[ContainerKey]] = {}
+    for c in candidates:
+        pod, plan = c.pod, c.plan
+        ref = f"{pod.view.namespace}/{pod.view.name}/{plan.container}"
+        refusal = _device_refusal(c, inventory, config)
+        mechanisms = _mechanisms(c, inventory, config) if refusal is None else None
+        if isinstance(mechanisms, Refusal):
+            refusal = mechanisms
+        paths = _cgroup_paths(c, config) if refusal is None else None
+        if isinstance(paths, Refusal):
+            refusal = paths
+        if refusal is None:
+            refusal = _sharing_refusal(c, inventory, modes, requested)
+        if refusal is not None:
+            refusals.append(refusal)
+            continue
+        assert isinstance(mechanisms, frozenset) and isinstance(paths, tuple)
+        key = ContainerKey(pod.uid, plan.container)
+        for uuid in plan.device_uuids:
+            modes.setdefault(uuid, (plan.compute_mode, ref))
+            requested[uuid] = requested.get(uuid, 0) + plan.request_bytes
+            members.setdefault(uuid, []).append(key)
+        sm = plan.compute_mode is ComputeMode.SM_SHARING
+        if not sm:
+            compute = ComputeEnforcement.TIME_SLICING
+        elif inventory.capabilities.mps_namespaces:
+            compute = ComputeEnforcement.MPS_NAMESPACE
+        else:
+            compute = ComputeEnforcement.MPS_CLIENT_ENV
+        devices = [inventory.device(u) for u in plan.device_uuids]
+        accepted.append(ContainerDesired(
+            key=key, pod_namespace=pod.view.namespace, pod_name=pod.view.name, plan=plan,
+            qos=pod.qos, pod_cgroup=paths[0], container_cgroup=paths[1],
+            mechanisms=mechanisms, compute=compute,
+            mps_namespace=plan.mps_namespace if compute is ComputeEnforcement.MPS_NAMESPACE
+            else None,
+            device_indexes=tuple(d.index for d in devices if d is not None),
+        ))
+
+    return DesiredState(
+        gpus=tuple(_gpu(d, accepted, modes, requested, members, config)
+                   for d in inventory.devices),
+        containers=tuple(accepted),
+        refusals=tuple(refusals),
+        pod_uids=frozenset(p.uid for p in live if p.uid),
+        limits=_pod_limits(accepted) + tuple(t for c in accepted for t in c.limits),
+    )
+
+
+def _sharing_refusal(c: _Candidate, inventory: Inventory,
+                     modes: Mapping[str, tuple[ComputeMode, str]],
+                     requested: Mapping[str, int]) -> Refusal | None:
+    pod, plan = c.pod, c.plan
+    for uuid in plan.device_uuids:
+        held = modes.get(uuid)
+        if held is not None and held[0] is not plan.compute_mode:
+            return _refuse(
+                pod, plan.container, RefusalReason.COMPUTE_MODE_MIX,
+                f"GPU {uuid} already runs {held[0].value} ({held[1]}); one GPU runs one compute "
+                f"mode at a time, so this {plan.compute_mode.value} container cannot share it: "
+                "use the same compute mode as the GPU's other tenants or let the scheduler pick "
+                "another GPU")
+    for uuid in plan.device_uuids:
+        device = inventory.device(uuid)
+        assert device is not None
+        before = requested.get(uuid, 0)
+        if before + plan.request_bytes > device.memory_total:
+            return _refuse(
+                pod, plan.container, RefusalReason.MEMORY_OVERCOMMITTED,
+                f"GPU {uuid} has {_mib(device.memory_total)}; containers placed there before "
+                f"this one already request {_mib(before)}, and this one requests "
+                f"{_mib(plan.request_bytes)} more: the guarantees cannot all be kept; lower the "
+                "request or let the scheduler pick another GPU")
+    return None
+
+
+def _gpu(device: DeviceInfo, accepted: list[ContainerDesired],
+         modes: Mapping[str, tuple[ComputeMode, str]], requested: Mapping[str, int],
+         members: Mapping[str, list[ContainerKey]], config: NodeConfig) -> GpuDesired:
+    mode: GpuComputeMode | None = None
+    held = modes.get(device.uuid)
+    # Without sm-sharing the agent never touches compute modes: nothing on the node needs MPS.
+    if held is not None and config.sm_sharing:
+        mode = (GpuComputeMode.EXCLUSIVE_PROCESS if held[0] is ComputeMode.SM_SHARING
+                else GpuComputeMode.DEFAULT)
+    pinned = [c.plan.limit_mib for c in accepted
+              if Mechanism.MPS_PINNED in c.mechanisms and device.uuid in c.plan.device_uuids]
+    return GpuDesired(uuid=device.uuid, index=device.index, compute_mode=mode,
+                      containers=tuple(members.get(device.uuid, ())),
+                      requested_bytes=requested.get(device.uuid, 0),
+                      mps_pinned_mib=max(pinned) if pinned else None)
+
+
+def _pod_limits(accepted: list[ContainerDesired]) -> tuple[LimitTarget, ...]:
+    """One limit per (pod slice, GPU): the sum of the pod's fractional containers on that GPU.
+
+    The slice exists before the pod's first init container starts, so this cap is in force
+    before any workload process can allocate (KAI allows one fractional container per pod, so
+    the sum is that container's own request and limit).
+    """
+    sums: dict[tuple[str, str], list[int]] = {}
+    owner: dict[tuple[str, str], str] = {}
+    for c in accepted:
+        if Mechanism.CGROUP not in c.mechanisms:
+            continue
+        for uuid in c.plan.device_uuids:
+            s = sums.setdefault((c.pod_cgroup, uuid), [0, 0])
+            s[0] += c.plan.request_bytes
+            s[1] += c.plan.limit_bytes
+            owner[(c.pod_cgroup, uuid)] = c.key.pod_uid
+    return tuple(
+        LimitTarget(gpu_uuid=uuid, path=path, soft=s[0], hard=s[1], pod_uid=owner[(path, uuid)],
+                    container=None)
+        for (path, uuid), s in sums.items()
+    )

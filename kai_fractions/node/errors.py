@@ -1,0 +1,171 @@
+"""Typed errors of the node engine. Each carries a CamelCase `reason` (what node conditions, pod
+events and the readiness marker show) and a `message` a node operator or user can act on.
+
+The NVML seam raises these; the engine turns them into values (refusals, report entries), so a
+stack trace never reaches a user.
+"""
+
+from __future__ import annotations
+
+# NVML return codes (nvml.h); only the ones mapped to a type here.
+NVML_ERROR_UNINITIALIZED = 1
+NVML_ERROR_INVALID_ARGUMENT = 2
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
+NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_UNKNOWN = 999
+
+
+class NodeError(Exception):
+    """Base of every engine error: `reason` (CamelCase) and `message` (a sentence to act on)."""
+
+    reason = "NodeError"
+
+    def __init__(self, message: str, *, reason: str | None = None):
+        super().__init__(message)
+        self.message = message
+        if reason is not None:
+            self.reason = reason
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(NodeError):
+    """A node-agent setting is invalid; the message names the flag."""
+
+    reason = "InvalidConfig"
+
+
+class NvmlError(NodeError):
+    """An NVML call failed. `function` is the NVML (or seam) call, `code` the nvmlReturn_t."""
+
+    reason = "NVMLError"
+
+    def __init__(
+        self, message: str, *, function: str = "", code: int | None = None,
+        reason: str | None = None,
+    ):
+        super().__init__(message, reason=reason)
+        self.function = function
+        self.code = code
+
+
+class NvmlLibraryNotFound(NvmlError):
+    reason = "NVMLUnavailable"
+
+
+class NvmlDriverNotLoaded(NvmlError):
+    reason = "NVMLUnavailable"
+
+
+class NvmlNoPermission(NvmlError):
+    reason = "NVMLNoPermission"
+
+
+class NvmlCapabilityMissing(NvmlError):
+    """The driver or the GPU cannot do what was asked (the base of the two cases below)."""
+
+    reason = "NotSupported"
+
+
+class NvmlFunctionNotFound(NvmlCapabilityMissing):
+    """The driver's NVML lacks the symbol: how a driver older than the feature looks."""
+
+    reason = "DriverTooOld"
+
+
+class NvmlNotSupported(NvmlCapabilityMissing):
+    reason = "NotSupported"
+
+
+class NvmlNotFound(NvmlError):
+    reason = "GPUNotFound"
+
+
+class NvmlGpuLost(NvmlError):
+    reason = "GPULost"
+
+
+class NvmlUnknown(NvmlError):
+    reason = "NVMLError"
+
+
+# Hints for functions whose absence has a well-known cause.
+_FUNCTION_HINTS = {
+    "nvmlDeviceSetMemoryLimits_v1": "cgroup GPU memory limits need NVIDIA driver r615 or newer; "
+    "upgrade the driver, or allow a fallback with --memory-enforcement "
+    "(mps-pinned, watchdog)",
+    "nvmlDeviceGetMemoryLimits_v1": "cgroup GPU memory limits need NVIDIA driver r615 or newer; "
+    "upgrade the driver, or allow a fallback with --memory-enforcement "
+    "(mps-pinned, watchdog)",
+}
+
+
+def nvml_error(
+    code: int, function: str, *, device: str | None = None, library: str | None = None,
+    detail: str | None = None,
+) -> NvmlError:
+    """The typed error for an nvmlReturn_t, with a message that says what to do about it.
+
+    Both NVML implementations (pynvml and the in-memory fake) build their errors here, so a
+    test against the fake sees the same types, reasons and sentences as production.
+    """
+    on = f" on GPU {device}" if device else ""
+    if code == NVML_ERROR_LIBRARY_NOT_FOUND:
+        where = f" from {library}" if library else ""
+        return NvmlLibraryNotFound(
+            f"the NVML library (libnvidia-ml.so.1) could not be loaded{where}: install the "
+            "NVIDIA driver on this node, or point --nvml-library at libnvidia-ml.so.1",
+            function=function, code=code)
+    if code == NVML_ERROR_DRIVER_NOT_LOADED:
+        return NvmlDriverNotLoaded(
+            "NVML is installed but the NVIDIA kernel driver is not loaded: check `nvidia-smi` "
+            "on the node and load the driver (the GPU may also be missing or unsupported)",
+            function=function, code=code)
+    if code == NVML_ERROR_NO_PERMISSION:
+        return NvmlNoPermission(
+            f"NVML refused {function}{on}: insufficient permissions; the node agent must run "
+            "as root in a privileged container to set GPU memory limits and compute modes",
+            function=function, code=code)
+    if code == NVML_ERROR_FUNCTION_NOT_FOUND:
+        hint = _FUNCTION_HINTS.get(function, "upgrade the NVIDIA driver to one that has it")
+        return NvmlFunctionNotFound(
+            f"the NVIDIA driver's NVML has no {function}: {hint}", function=function, code=code)
+    if code == NVML_ERROR_NOT_SUPPORTED:
+        return NvmlNotSupported(
+            f"{function} is not supported{on} (GPUs in MIG mode and some models cannot do "
+            "this); use a GPU without MIG for fractional sharing",
+            function=function, code=code)
+    if code == NVML_ERROR_NOT_FOUND:
+        what = f"GPU {device}" if device else "the requested object"
+        return NvmlNotFound(
+            f"NVML did not find {what} ({function}): the pod may be bound to a GPU this node "
+            "does not have, or the GPU was removed", function=function, code=code)
+    if code == NVML_ERROR_GPU_IS_LOST:
+        return NvmlGpuLost(
+            f"GPU {device or '?'} is lost (fell off the bus) during {function}: drain the node "
+            "and reset or replace the GPU", function=function, code=code)
+    text = f": {detail}" if detail else ""
+    return NvmlUnknown(
+        f"NVML {function} failed{on}{text} (nvmlReturn_t {code}); check the driver with "
+        "`nvidia-smi` and the agent log", function=function, code=code)
+
+
+# Reason names accepted by the fake's error injection, mapped to return codes.
+NVML_CODES_BY_NAME = {
+    "Uninitialized": NVML_ERROR_UNINITIALIZED,
+    "InvalidArgument": NVML_ERROR_INVALID_ARGUMENT,
+    "NotSupported": NVML_ERROR_NOT_SUPPORTED,
+    "NoPermission": NVML_ERROR_NO_PERMISSION,
+    "NotFound": NVML_ERROR_NOT_FOUND,
+    "DriverNotLoaded": NVML_ERROR_DRIVER_NOT_LOADED,
+    "LibraryNotFound": NVML_ERROR_LIBRARY_NOT_FOUND,
+    "FunctionNotFound": NVML_ERROR_FUNCTION_NOT_FOUND,
+    "GpuIsLost": NVML_ERROR_GPU_IS_LOST,
+    "Unknown": NVML_ERROR_UNKNOWN,
+}

@@ -1,0 +1,469 @@
+"""An in-memory NVML for tests and the demo's simulated GPUs (no C library involved).
+
+It implements the `Nvml` seam with the same typed errors as the real one, records every call,
+keeps the memory limits and compute modes that were set, and fails on request:
+
+    nvml = FakeNvml.simulated(2, model="H100-80GB", seed="node-a")
+    nvml = FakeNvml.from_dict({"driver_version": "615.00.00",
+                               "gpus": [{"model": "H100-80GB", "count": 2}],
+                               "processes": [{"gpu": 0, "pid": 4242, "used": "2Gi"}]})
+    nvml.fail("set_memory_limits", "NoPermission", times=1)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..contract import MIB, QuantityError, memory_bytes
+from .errors import (
+    NVML_CODES_BY_NAME,
+    NVML_ERROR_FUNCTION_NOT_FOUND,
+    NVML_ERROR_GPU_IS_LOST,
+    NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_NOT_FOUND,
+    NVML_ERROR_NOT_SUPPORTED,
+    NVML_ERROR_UNINITIALIZED,
+    ConfigError,
+    nvml_error,
+)
+from .nvml import (
+    GET_MEMORY_LIMITS,
+    MEMORY_LIMIT_MAX,
+    SET_MEMORY_LIMITS,
+    DeviceInfo,
+    GpuComputeMode,
+    GpuProcess,
+    MemoryLimits,
+    ProcessUtilization,
+)
+
+# Name and total memory as NVML reports them for a few common data-centre GPUs.
+GPU_MODELS: Mapping[str, tuple[str, int]] = {
+    "H100-80GB": ("NVIDIA H100 80GB HBM3", 81559 * MIB),
+    "H200-141GB": ("NVIDIA H200", 143771 * MIB),
+    "A100-40GB": ("NVIDIA A100-SXM4-40GB", 40960 * MIB),
+    "A100-80GB": ("NVIDIA A100-SXM4-80GB", 81920 * MIB),
+    "L4": ("NVIDIA L4", 23034 * MIB),
+    "T4": ("Tesla T4", 15360 * MIB),
+}
+DEFAULT_MODEL = "H100-80GB"
+
+# The NVML function each seam method stands for (what error messages name).
+_FUNCTIONS = {
+    "init": "nvmlInit",
+    "shutdown": "nvmlShutdown",
+    "driver_version": "nvmlSystemGetDriverVersion",
+    "devices": "nvmlDeviceGetCount",
+    "running_processes": "nvmlDeviceGetComputeRunningProcesses",
+    "process_utilization": "nvmlDeviceGetProcessUtilization",
+    "memory_limits_supported": "nvmlDeviceGetMemoryLimits_v1",
+    "get_memory_limits": GET_MEMORY_LIMITS,
+    "set_memory_limits": SET_MEMORY_LIMITS,
+    "clear_memory_limits": SET_MEMORY_LIMITS,
+    "set_compute_mode": "nvmlDeviceSetComputeMode",
+}
+SEAM_METHODS = tuple(_FUNCTIONS)
+
+_MODE_NAMES = {
+    "default": GpuComputeMode.DEFAULT,
+    "exclusive-process": GpuComputeMode.EXCLUSIVE_PROCESS,
+    "exclusive_process": GpuComputeMode.EXCLUSIVE_PROCESS,
+    "prohibited": GpuComputeMode.PROHIBITED,
+}
+
+
+def fake_uuid(seed: str, index: int) -> str:
+    """A stable, well-formed GPU UUID (GPU-8-4-4-4-12 hex) for a seed and an index."""
+    h = hashlib.sha256(f"{seed}/{index}".encode()).hexdigest()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+@dataclass
+class FakeGpu:
+    uuid: str
+    name: str = GPU_MODELS[DEFAULT_MODEL][0]
+    memory_total: int = GPU_MODELS[DEFAULT_MODEL][1]
+    compute_mode: GpuComputeMode = GpuComputeMode.DEFAULT
+    mig: bool = False
+    lost: bool = False
+    """A lost GPU answers identity calls and fails everything else with GPU_IS_LOST."""
+
+
+@dataclass
+class FakeProcess:
+    pid: int
+    gpu: str
+    """The GPU's UUID."""
+    used_bytes: int | None
+    sm_percent: int | None = None
+    """None: NVML has no utilisation sample for it."""
+    memory_percent: int = 0
+    cgroup: str = ""
+    """The process's cgroup path (counted in `current_used` of the limits of it and its parents)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlCall:
+    method: str
+    args: tuple[Any, ...] = ()
+
+
+@dataclass
+class _Failure:
+    code: int
+    remaining: int | None  # None: forever
+    device: str | None = None  # only calls on this GPU fail
+
+
+def _memory(value: Any, where: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected bytes or a quantity such as 80Gi, got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ConfigError(f"{where}: must be greater than zero, got {value}")
+        return value
+    try:
+        return memory_bytes(str(value))
+    except QuantityError as e:
+        raise ConfigError(f"{where}: {e} (got {value!r})") from None
+
+
+def _code(error: str | int) -> int:
+    if isinstance(error, int):
+        return error
+    if error not in NVML_CODES_BY_NAME:
+        raise ConfigError(f"unknown NVML error {error!r}; one of: "
+                          + ", ".join(NVML_CODES_BY_NAME))
+    return NVML_CODES_BY_NAME[error]
+
+
+class FakeNvml:
+    """In-memory GPUs behind the `Nvml` seam. Mutate `gpus`/`processes` freely between calls."""
+
+    def __init__(
+        self,
+        gpus: Iterable[FakeGpu] = (),
+        *,
+        processes: Iterable[FakeProcess] = (),
+        driver_version: str = "615.00.00",
+        memory_limits: bool = True,
+    ):
+        self.gpus: list[FakeGpu] = list(gpus)
+        self.processes: list[FakeProcess] = list(processes)
+        self.driver: str = driver_version
+        self.has_memory_limits = memory_limits
+        """False: the driver lacks the r615 memory-limit functions (FunctionNotFound)."""
+        self.limits: dict[tuple[str, str], tuple[int, int]] = {}
+        """(gpu uuid, cgroup path) -> (soft, hard): what is in force now."""
+        self.calls: list[NvmlCall] = []
+        self.initialized = 0
+        self._failures: dict[str, list[_Failure]] = {}
+        self._lock = threading.RLock()
+        uuids = [g.uuid for g in self.gpus]
+        if len(set(uuids)) != len(uuids):
+            raise ConfigError("FakeNvml: GPU UUIDs must be unique")
+
+    # -- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def simulated(
+        cls, count: int = 2, *, model: str = DEFAULT_MODEL, seed: str = "kai-fractions",
+        **kwargs: Any,
+    ) -> FakeNvml:
+        """`count` identical GPUs of a known model (see GPU_MODELS) with stable UUIDs."""
+        if model not in GPU_MODELS:
+            raise ConfigError(f"unknown GPU model {model!r}; known: " + ", ".join(GPU_MODELS))
+        name, total = GPU_MODELS[model]
+        gpus = [FakeGpu(uuid=fake_uuid(seed, i), name=name, memory_total=total)
+                for i in range(count)]
+        return cls(gpus, **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, seed: str = "kai-fractions") -> FakeNvml:
+        """Build from a small dict (or parsed YAML); see the module docstring for the shape.
+
+        gpus[]: model (a GPU_MODELS key) and/or name + memory (bytes or a quantity), count,
+        uuid (only with count 1), compute_mode (default | exclusive-process | prohibited), mig.
+        processes[]: gpu (index or UUID), pid, used (bytes, quantity or "na"), sm, mem, cgroup.
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError("fake NVML config must be a mapping")
+        known = {"driver_version", "memory_limits", "gpus", "processes", "seed"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"fake NVML config: unknown keys {unknown}; known: "
+                              + ", ".join(sorted(known)))
+        seed = str(data.get("seed", seed))
+        gpus: list[FakeGpu] = []
+        for n, entry in enumerate(data.get("gpus") or []):
+            gpus.extend(cls._gpus_from(entry, f"gpus[{n}]", seed, len(gpus)))
+        fake = cls(gpus, driver_version=str(data.get("driver_version", "615.00.00")),
+                   memory_limits=bool(data.get("memory_limits", True)))
+        for n, entry in enumerate(data.get("processes") or []):
+            fake.processes.append(fake._process_from(entry, f"processes[{n}]"))
+        return fake
+
+    @classmethod
+    def from_yaml(cls, source: str | Path, *, seed: str = "kai-fractions") -> FakeNvml:
+        """From YAML text, or from a file when given a Path."""
+        import yaml
+
+        text = source.read_text() if isinstance(source, Path) else source
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"fake NVML config is not valid YAML: {e}") from None
+        return cls.from_dict(data, seed=seed)
+
+    @staticmethod
+    def _gpus_from(entry: Any, where: str, seed: str, first: int) -> list[FakeGpu]:
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{where}: must be a mapping")
+        known = {"model", "name", "memory", "count", "uuid", "compute_mode", "mig"}
+        unknown = sorted(set(entry) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {unknown}; known: "
+                              + ", ".join(sorted(known)))
+        model = str(entry.get("model", DEFAULT_MODEL))
+        if model not in GPU_MODELS:
+            raise ConfigError(f"{where}.model: unknown GPU model {model!r}; known: "
+                              + ", ".join(GPU_MODELS))
+        name, total = GPU_MODELS[model]
+        name = str(entry.get("name", name))
+        if "memory" in entry:
+            total = _memory(entry["memory"], f"{where}.memory")
+        count = entry.get("count", 1)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ConfigError(f"{where}.count: must be a whole number >= 1, got {count!r}")
+        if "uuid" in entry and count != 1:
+            raise ConfigError(f"{where}: uuid can only be given with count 1")
+        mode_name = str(entry.get("compute_mode", "default"))
+        if mode_name not in _MODE_NAMES:
+            raise ConfigError(f"{where}.compute_mode: one of default, exclusive-process, "
+                              f"prohibited, got {mode_name!r}")
+        return [
+            FakeGpu(uuid=str(entry.get("uuid") or fake_uuid(seed, first + i)), name=name,
+                    memory_total=total, compute_mode=_MODE_NAMES[mode_name],
+                    mig=bool(entry.get("mig", False)))
+            for i in range(count)
+        ]
+
+    def _process_from(self, entry: Any, where: str) -> FakeProcess:
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{where}: must be a mapping")
+        for required in ("gpu", "pid", "used"):
+            if required not in entry:
+                raise ConfigError(f"{where}: {required} is required")
+        gpu = entry["gpu"]
+        if isinstance(gpu, int) and not isinstance(gpu, bool):
+            if not 0 <= gpu < len(self.gpus):
+                raise ConfigError(f"{where}.gpu: no GPU with index {gpu}")
+            uuid = self.gpus[gpu].uuid
+        else:
+            uuid = str(gpu)
+            if uuid not in {g.uuid for g in self.gpus}:
+                raise ConfigError(f"{where}.gpu: no GPU {uuid}")
+        used = None if entry["used"] == "na" else _memory(entry["used"], f"{where}.used")
+        sm = entry.get("sm")
+        return FakeProcess(pid=int(entry["pid"]), gpu=uuid, used_bytes=used,
+                           sm_percent=None if sm is None else int(sm),
+                           memory_percent=int(entry.get("mem", 0)),
+                           cgroup=str(entry.get("cgroup", "")))
+
+    # -- test controls ----------------------------------------------------------------------
+
+    def fail(self, method: str, error: str | int = "Unknown", *, times: int | None = 1,
+             device: str | None = None) -> None:
+        """Make the next `times` calls of a seam method (None: all) raise this NVML error.
+
+        `error` is an NVML error name (NoPermission, FunctionNotFound, GpuIsLost, ...) or an
+        nvmlReturn_t; `device` limits the failure to calls on that GPU.
+        """
+        if method not in _FUNCTIONS:
+            raise ConfigError(f"unknown seam method {method!r}; one of: " + ", ".join(_FUNCTIONS))
+        with self._lock:
+            self._failures.setdefault(method, []).append(
+                _Failure(code=_code(error), remaining=times, device=device))
+
+    def clear_failures(self) -> None:
+        with self._lock:
+            self._failures.clear()
+
+    def gpu(self, uuid_or_index: str | int) -> FakeGpu:
+        if isinstance(uuid_or_index, int):
+            return self.gpus[uuid_or_index]
+        for g in self.gpus:
+            if g.uuid == uuid_or_index:
+                return g
+        raise KeyError(uuid_or_index)
+
+    def add_process(self, pid: int, gpu: str | int, used_bytes: int | None, **kw: Any) -> None:
+        with self._lock:
+            self.processes.append(FakeProcess(pid=pid, gpu=self.gpu(gpu).uuid,
+                                              used_bytes=used_bytes, **kw))
+
+    def remove_process(self, pid: int) -> None:
+        with self._lock:
+            self.processes = [p for p in self.processes if p.pid != pid]
+
+    def calls_of(self, method: str) -> list[NvmlCall]:
+        return [c for c in self.calls if c.method == method]
+
+    @property
+    def set_limit_calls(self) -> list[tuple[str, str, int, int]]:
+        """Every memory-limit write as (uuid, cgroup path, soft, hard), clears included."""
+        out = []
+        for c in self.calls:
+            if c.method == "set_memory_limits":
+                out.append(c.args)
+            elif c.method == "clear_memory_limits":
+                out.append((*c.args, 0, MEMORY_LIMIT_MAX))
+        return out
+
+    # -- the call frame ---------------------------------------------------------------------
+
+    def _begin(self, method: str, *args: Any, device: str | None = None,
+               needs_init: bool = True) -> None:
+        self.calls.append(NvmlCall(method, args))
+        for failure in self._failures.get(method, []):
+            if failure.device is not None and failure.device != device:
+                continue
+            if failure.remaining is not None:
+                if failure.remaining <= 0:
+                    continue
+                failure.remaining -= 1
+            raise nvml_error(failure.code, _FUNCTIONS[method], device=device)
+        if needs_init and self.initialized <= 0:
+            raise nvml_error(NVML_ERROR_UNINITIALIZED, _FUNCTIONS[method], device=device)
+
+    def _find(self, method: str, uuid: str, *, allow_lost: bool = False) -> FakeGpu:
+        for g in self.gpus:
+            if g.uuid == uuid:
+                if g.lost and not allow_lost:
+                    raise nvml_error(NVML_ERROR_GPU_IS_LOST, _FUNCTIONS[method], device=uuid)
+                return g
+        raise nvml_error(NVML_ERROR_NOT_FOUND, _FUNCTIONS[method], device=uuid)
+
+    def _limits_gpu(self, method: str, uuid: str, namespace: str) -> FakeGpu:
+        if not self.has_memory_limits:
+            raise nvml_error(NVML_ERROR_FUNCTION_NOT_FOUND, _FUNCTIONS[method], device=uuid)
+        gpu = self._find(method, uuid)
+        if not namespace.startswith("/"):
+            raise nvml_error(NVML_ERROR_INVALID_ARGUMENT, _FUNCTIONS[method], device=uuid,
+                             detail=f"namespace {namespace!r} is not an absolute cgroup path")
+        if gpu.mig:
+            raise nvml_error(NVML_ERROR_NOT_SUPPORTED, _FUNCTIONS[method], device=uuid)
+        return gpu
+
+    # -- the seam ---------------------------------------------------------------------------
+
+    def init(self) -> None:
+        with self._lock:
+            self._begin("init", needs_init=False)
+            self.initialized += 1
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._begin("shutdown")
+            self.initialized -= 1
+
+    def driver_version(self) -> str:
+        with self._lock:
+            self._begin("driver_version")
+            return self.driver
+
+    def devices(self) -> tuple[DeviceInfo, ...]:
+        with self._lock:
+            self._begin("devices")
+            out = []
+            for index, g in enumerate(self.gpus):
+                if g.lost:
+                    raise nvml_error(NVML_ERROR_GPU_IS_LOST, "nvmlDeviceGetMemoryInfo",
+                                     device=g.uuid)
+                used = sum(p.used_bytes or 0 for p in self.processes if p.gpu == g.uuid)
+                out.append(DeviceInfo(index=index, uuid=g.uuid, name=g.name,
+                                      memory_total=g.memory_total, memory_used=used,
+                                      compute_mode=g.compute_mode, mig_enabled=g.mig))
+            return tuple(out)
+
+    def running_processes(self, uuid: str) -> tuple[GpuProcess, ...]:
+        with self._lock:
+            self._begin("running_processes", uuid, device=uuid)
+            self._find("running_processes", uuid)
+            return tuple(GpuProcess(pid=p.pid, used_bytes=p.used_bytes)
+                         for p in self.processes if p.gpu == uuid)
+
+    def process_utilization(self, uuid: str, since_us: int = 0) -> tuple[ProcessUtilization, ...]:
+        with self._lock:
+            self._begin("process_utilization", uuid, since_us, device=uuid)
+            self._find("process_utilization", uuid)
+            return tuple(
+                ProcessUtilization(pid=p.pid, sm_percent=p.sm_percent,
+                                   memory_percent=p.memory_percent, timestamp_us=since_us + 1)
+                for p in self.processes if p.gpu == uuid and p.sm_percent is not None
+            )
+
+    def memory_limits_supported(self) -> bool:
+        with self._lock:
+            self._begin("memory_limits_supported")
+            return self.has_memory_limits
+
+    def get_memory_limits(self, uuid: str, namespace: str) -> MemoryLimits:
+        with self._lock:
+            self._begin("get_memory_limits", uuid, namespace, device=uuid)
+            self._limits_gpu("get_memory_limits", uuid, namespace)
+            soft, hard = self.limits.get((uuid, namespace), (0, MEMORY_LIMIT_MAX))
+            base = namespace.rstrip("/") or "/"
+            used = sum(
+                p.used_bytes or 0 for p in self.processes
+                if p.gpu == uuid and p.cgroup
+                and (p.cgroup == base or p.cgroup.startswith(base.rstrip("/") + "/"))
+            )
+            return MemoryLimits(soft=soft, hard=hard, current_used=used)
+
+    def set_memory_limits(self, uuid: str, namespace: str, soft: int, hard: int) -> None:
+        with self._lock:
+            self._begin("set_memory_limits", uuid, namespace, soft, hard, device=uuid)
+            self._limits_gpu("set_memory_limits", uuid, namespace)
+            if soft < 0 or hard < 0 or soft > hard or hard > MEMORY_LIMIT_MAX:
+                raise nvml_error(NVML_ERROR_INVALID_ARGUMENT, SET_MEMORY_LIMITS, device=uuid,
+                                 detail=f"soft {soft} must be <= hard {hard}")
+            self._store(uuid, namespace, soft, hard)
+
+    def clear_memory_limits(self, uuid: str, namespace: str) -> None:
+        with self._lock:
+            self._begin("clear_memory_limits", uuid, namespace, device=uuid)
+            self._limits_gpu("clear_memory_limits", uuid, namespace)
+            self._store(uuid, namespace, 0, MEMORY_LIMIT_MAX)
+
+    def _store(self, uuid: str, namespace: str, soft: int, hard: int) -> None:
+        if soft == 0 and hard == MEMORY_LIMIT_MAX:
+            self.limits.pop((uuid, namespace), None)
+        else:
+            self.limits[(uuid, namespace)] = (soft, hard)
+
+    def set_compute_mode(self, uuid: str, mode: GpuComputeMode) -> None:
+        with self._lock:
+            self._begin("set_compute_mode", uuid, GpuComputeMode(mode), device=uuid)
+            gpu = self._find("set_compute_mode", uuid)
+            if mode is GpuComputeMode.EXCLUSIVE_THREAD:
+                raise nvml_error(NVML_ERROR_NOT_SUPPORTED, "nvmlDeviceSetComputeMode",
+                                 device=uuid)
+            gpu.compute_mode = GpuComputeMode(mode)
+
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "GPU_MODELS",
+    "SEAM_METHODS",
+    "FakeGpu",
+    "FakeNvml",
+    "FakeProcess",
+    "NvmlCall",
+    "fake_uuid",
+]
