@@ -1,0 +1,359 @@
+"""Binder arithmetic: the contract doc's worked numbers and the exact annotation map written."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from kai_fractions.contract import (
+    ComputeMode,
+    ContractViolation,
+    Keys,
+    binder_annotations,
+    binder_keys,
+    parse_group_modes,
+    parse_pod,
+)
+
+from .builders import GPU_A, GPU_B, bind, decision, pod
+
+REQ = "nvidia.com/container.main.gpu-memory.request"
+LIM = "nvidia.com/container.main.gpu-memory.limit"
+DEV = "nvidia.com/container.main.gpus.devices"
+POR = "nvidia.com/container.main.gpu-compute.portion"
+MODE = "nvidia.com/container.main.gpu-compute.mode"
+PORTION_LIMIT = "kai.scheduler/container.main.gpu-memory.portion.limit"
+RRT = "received-resource-type"
+
+
+def written(annotations: dict, d=None) -> dict:
+    return binder_annotations(parse_pod(pod(annotations)), d or decision())
+
+
+# -- worked numbers (contract doc section 3) -------------------------------------------------
+
+
+def test_2000_mib_half_is_1000mi() -> None:
+    assert written({"gpu-fraction": "0.5"}, decision(2000, portion="0.5")) == {
+        REQ: "1000Mi",
+        DEV: GPU_A,
+        POR: "0.5",
+        RRT: "Fraction",
+    }
+
+
+def test_reserve_1024_gives_488mi() -> None:
+    out = written({"gpu-fraction": "0.5"}, decision(2000, portion="0.5", reserve=1024))
+    assert out[REQ] == "488Mi"
+
+
+def test_portion_limit_08_with_reserve_gives_780mi_via_kai_key() -> None:
+    out = written(
+        {"gpu-fraction": "0.5", PORTION_LIMIT: "0.8"}, decision(2000, portion="0.5", reserve=1024)
+    )
+    assert out[REQ] == "488Mi"
+    assert out[LIM] == "780Mi"
+
+
+def test_portion_limit_08_with_reserve_gives_780mi_via_gpu_fraction_limit() -> None:
+    out = written(
+        {"gpu-fraction": "0.5", "gpu-fraction.limit": "0.8"},
+        decision(2000, portion="0.5", reserve=1024),
+    )
+    assert out[REQ] == "488Mi"
+    assert out[LIM] == "780Mi"
+
+
+def test_a100_40gb_reserve_1024_half_gives_19968mi() -> None:
+    out = written({"gpu-fraction": "0.5"}, decision(40960, portion="0.5", reserve=1024))
+    assert out[REQ] == "19968Mi"
+
+
+def test_nvfractions_pod_without_request_gets_portion_of_memory() -> None:
+    # Only a compute mode: the request comes from the received portion.
+    out = written({MODE: "sm-sharing", DEV: GPU_B}, decision(2000, portion="0.5"))
+    assert out[REQ] == "1000Mi"
+    assert out[DEV] == GPU_A  # binder-owned: always rewritten
+
+
+# -- what is and is not written --------------------------------------------------------------
+
+
+def test_user_request_is_never_overwritten() -> None:
+    out = written({REQ: "3000Mi"}, decision(40960, portion="0.5"))
+    assert REQ not in out
+    assert LIM not in out
+    assert out[POR] == "0.5"
+
+
+def test_user_request_in_decimal_units_is_never_overwritten() -> None:
+    out = written({REQ: "1000M"}, decision(2000, portion="0.5"))
+    assert REQ not in out
+
+
+def test_only_limit_means_request_is_the_limit_on_the_node_side() -> None:
+    out, bound = bind(pod({LIM: "1Gi"}), decision(20000, portion=None))
+    assert REQ not in out and LIM not in out
+    share = bound.share
+    assert share is not None
+    assert share.node_request_bytes == share.node_limit_bytes == 1 << 30
+
+
+def test_only_request_means_limit_is_the_request_on_the_node_side() -> None:
+    out, bound = bind(pod({REQ: "2Gi"}), decision(20000, portion=None))
+    assert LIM not in out
+    share = bound.share
+    assert share is not None
+    assert share.node_limit_bytes == share.node_request_bytes == 2 << 30
+
+
+def test_compute_portion_from_request_when_no_portion_received() -> None:
+    # request / (M - reserve): 1 MiB of 20000 MiB.
+    out = written({REQ: "1Mi"}, decision(20000, portion=None))
+    assert out[POR] == "0.00005"
+
+
+def test_compute_portion_is_plain_decimal_never_exponent() -> None:
+    out = written({REQ: "1Mi"}, decision(20000, portion="0.00005"))
+    assert out[POR] == "0.00005"
+    out = written({REQ: "1Mi"}, decision(20000, portion="5e-5"))
+    assert out[POR] == "0.00005"
+    out = written({REQ: "1Mi"}, decision(20000, portion="0.0000001"))
+    assert out[POR] == "0.0000001"
+    assert "e" not in out[POR].lower()
+
+
+def test_self_declared_compute_portion_is_overwritten() -> None:
+    out = written({REQ: "1000Mi", POR: "1"}, decision(2000, portion="0.25"))
+    assert out[POR] == "0.25"
+
+
+def test_devices_joined_with_commas_for_multi_device() -> None:
+    out = written(
+        {"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"},
+        decision(2000, gpus=(GPU_A, GPU_B), portion="0.5"),
+    )
+    assert out[DEV] == f"{GPU_A},{GPU_B}"
+
+
+def test_cdi_device_names() -> None:
+    out = written(
+        {"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"},
+        decision(2000, gpus=(GPU_A, GPU_B), portion="0.5", cdi=True),
+    )
+    assert out[DEV] == (
+        f"k8s.device-plugin.nvidia.com/gpu={GPU_A},k8s.device-plugin.nvidia.com/gpu={GPU_B}"
+    )
+
+
+def test_regular_bind_writes_only_received_resource_type() -> None:
+    out = binder_annotations(
+        parse_pod(pod({"some": "thing"})), decision(resource_type="Regular", gpus=())
+    )
+    assert out == {"received-resource-type": "Regular"}
+
+
+def test_regular_bind_of_a_fractional_pod_is_refused() -> None:
+    with pytest.raises(ContractViolation) as info:
+        written({"gpu-fraction": "0.5"}, decision(resource_type="Regular"))
+    assert info.value.errors[0].key == "received_resource_type"
+
+
+def test_fraction_bind_of_a_pod_without_fraction_is_refused() -> None:
+    with pytest.raises(ContractViolation) as info:
+        binder_annotations(parse_pod(pod({})), decision())
+    assert info.value.errors[0].key == "received_resource_type"
+
+
+def test_unknown_resource_type_is_refused() -> None:
+    with pytest.raises(ContractViolation) as info:
+        written({"gpu-fraction": "0.5"}, decision(resource_type="Whole"))
+    assert info.value.errors[0].key == "received_resource_type"
+    assert "Regular or Fraction" in info.value.errors[0].rule
+
+
+def test_legacy_gpu_memory_request_and_limit() -> None:
+    out = written({"gpu-memory": "1000", "gpu-memory.limit": "2Gi"}, decision(8000, portion=None))
+    assert out[REQ] == "1000Mi"
+    assert out[LIM] == "2048Mi"
+    assert out[POR] == "0.125"
+
+
+def test_custom_prefix_is_written() -> None:
+    keys = Keys(prefix="gpu.example.com/c.")
+    out = binder_annotations(parse_pod(pod({"gpu-fraction": "0.5"}), keys), decision(), keys)
+    assert set(out) == {
+        "gpu.example.com/c.main.gpu-memory.request",
+        "gpu.example.com/c.main.gpus.devices",
+        "gpu.example.com/c.main.gpu-compute.portion",
+        "received-resource-type",
+    }
+
+
+def test_binder_keys_are_what_a_rollback_removes() -> None:
+    assert binder_keys(parse_pod(pod({"gpu-fraction": "0.5"}))) == (DEV, POR)
+    assert binder_keys(parse_pod(pod({}))) == ()
+
+
+def test_invalid_pod_is_refused_with_its_errors() -> None:
+    with pytest.raises(ContractViolation) as info:
+        written({"gpu-fraction": "50"})
+    assert [e.key for e in info.value.errors] == ["gpu-fraction"]
+
+
+def test_request_rounding_down_to_zero_is_an_error() -> None:
+    with pytest.raises(ContractViolation) as info:
+        written({"gpu-fraction": "0.0001"}, decision(2000, portion="0.0001"))
+    assert info.value.errors[0].key == REQ
+    assert "0 MiB" in info.value.errors[0].rule
+
+
+# -- decision errors name the field (contract doc section 4) ---------------------------------
+
+
+def _violation(annotations: dict, d) -> list[tuple[str, str]]:
+    with pytest.raises(ContractViolation) as info:
+        written(annotations, d)
+    return [(e.key, e.rule) for e in info.value.errors]
+
+
+@pytest.mark.parametrize("node_mib", [0, -1])
+def test_missing_node_gpu_memory(node_mib: int) -> None:
+    errors = _violation({"gpu-fraction": "0.5"}, decision(node_mib))
+    assert errors[0][0] == "node_gpu_memory_mib"
+    assert "nvidia.com/gpu.memory" in errors[0][1]
+
+
+@pytest.mark.parametrize("reserve", [2000, 4000])
+def test_reserve_at_or_above_memory(reserve: int) -> None:
+    errors = _violation({"gpu-fraction": "0.5"}, decision(2000, reserve=reserve))
+    assert [key for key, _ in errors] == ["reserve_mib"]
+
+
+def test_negative_reserve() -> None:
+    errors = _violation({"gpu-fraction": "0.5"}, decision(2000, reserve=-1))
+    assert [key for key, _ in errors] == ["reserve_mib"]
+
+
+@pytest.mark.parametrize("portion", ["-0.5", "0", "1.5", "50"])
+def test_received_portion_out_of_range(portion: str) -> None:
+    errors = _violation({REQ: "100Mi"}, decision(2000, portion=portion))
+    assert [key for key, _ in errors] == ["received_gpu.portion"]
+    assert errors[0][1] == "must be a portion of one GPU, 0 < x <= 1"
+
+
+def test_missing_portion_and_no_request() -> None:
+    errors = _violation({"gpu-fraction-num-devices": "1", MODE: "time-slicing", DEV: GPU_A},
+                        decision(2000, portion=None))
+    assert [key for key, _ in errors] == ["received_gpu.portion"]
+
+
+@pytest.mark.parametrize("gpus", [(), (GPU_A, GPU_B)])
+def test_wrong_number_of_reserved_ids(gpus: tuple[str, ...]) -> None:
+    errors = _violation({"gpu-fraction": "0.5"}, decision(gpus=gpus))
+    assert [key for key, _ in errors] == ["reserved_gpu_ids"]
+
+
+def test_reserved_ids_for_num_devices() -> None:
+    errors = _violation(
+        {"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}, decision(gpus=(GPU_A,))
+    )
+    assert [key for key, _ in errors] == ["reserved_gpu_ids"]
+    assert "gpu-fraction-num-devices" in errors[0][1]
+
+
+@pytest.mark.parametrize("bad", ["gpu0", "MIG-1234", "", "GPU-xyz"])
+def test_reserved_id_must_be_a_gpu_uuid(bad: str) -> None:
+    errors = _violation({"gpu-fraction": "0.5"}, decision(gpus=(bad,)))
+    assert ("reserved_gpu_ids[0]", "must be a GPU UUID (GPU-...)") in errors
+
+
+def test_duplicate_reserved_ids() -> None:
+    errors = _violation(
+        {"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}, decision(gpus=(GPU_A, GPU_A))
+    )
+    assert ("reserved_gpu_ids", "lists the same GPU twice") in errors
+
+
+def test_mode_mix_across_groups_names_the_group() -> None:
+    errors = _violation(
+        {"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"},
+        decision(gpus=(GPU_A, GPU_B), modes=(ComputeMode.TIME_SLICING, ComputeMode.SM_SHARING)),
+    )
+    assert [key for key, _ in errors] == ["selected_fractional_gpu_groups[1].compute_sharing_mode"]
+    assert "one GPU runs one compute mode" in errors[0][1]
+
+
+def test_group_mode_differs_from_the_containers_mode() -> None:
+    errors = _violation(
+        {"gpu-fraction": "0.5", MODE: "sm-sharing"}, decision(modes=(ComputeMode.TIME_SLICING,))
+    )
+    assert [key for key, _ in errors] == ["selected_fractional_gpu_groups[0].compute_sharing_mode"]
+
+
+def test_matching_group_modes_are_accepted() -> None:
+    out = written(
+        {"gpu-fraction": "0.5", MODE: "sm-sharing"}, decision(modes=(ComputeMode.SM_SHARING,))
+    )
+    assert out[POR] == "0.5"
+
+
+def test_request_larger_than_the_gpu() -> None:
+    errors = _violation({REQ: "3000Mi"}, decision(2000, portion=None))
+    assert [key for key, _ in errors] == [REQ]
+    assert "2000 MiB" in errors[0][1]
+
+
+def test_request_larger_than_the_gpu_after_reserve() -> None:
+    errors = _violation({REQ: "1000Mi"}, decision(2000, portion="0.5", reserve=1024))
+    assert [key for key, _ in errors] == [REQ]
+
+
+def test_portion_limit_below_user_request_is_refused() -> None:
+    errors = _violation({REQ: "900Mi", PORTION_LIMIT: "0.6"}, decision(2000, portion="0.5",
+                                                                       reserve=1024))
+    assert [key for key, _ in errors] == [LIM]
+
+
+def test_all_decision_errors_are_collected() -> None:
+    errors = _violation({"gpu-fraction": "0.5"}, decision(0, gpus=("bad", "bad"),
+                                                           portion="2", reserve=-5))
+    keys = {key for key, _ in errors}
+    assert {"node_gpu_memory_mib", "reserve_mib", "received_gpu.portion", "reserved_gpu_ids",
+            "reserved_gpu_ids[0]", "reserved_gpu_ids[1]"} <= keys
+
+
+def test_parse_group_modes() -> None:
+    assert parse_group_modes(["sm-sharing", "", "time-slicing"]) == (
+        ComputeMode.SM_SHARING,
+        ComputeMode.TIME_SLICING,
+        ComputeMode.TIME_SLICING,
+    )
+
+
+def test_parse_group_modes_reports_unknown_mode_as_contract_violation() -> None:
+    """A BindRequest group with an unknown computeSharingMode is a contract error naming the
+    group's field, like every other decision error (not a bare ValueError from the enum)."""
+    with pytest.raises(ContractViolation) as info:
+        parse_group_modes(["time-slicing", "exclusive"])
+    assert info.value.errors[0].key == "selected_fractional_gpu_groups[1].compute_sharing_mode"
+    assert info.value.errors[0].value == "exclusive"
+
+
+def test_received_portion_of_one_is_written_as_1() -> None:
+    out = written({REQ: "100Mi"}, decision(2000, portion=Fraction(1)))
+    assert out[POR] == "1"
+
+
+def test_compute_portion_written_is_always_in_0_1() -> None:
+    """The binder writes `.gpu-compute.portion` as a plain decimal in (0,1]. A received portion
+    so small that it prints as `0` must be refused (naming received_gpu.portion), never written
+    as `0`, a value the contract's own parser then rejects on the bound pod."""
+    tiny = Fraction(1, 10**400)
+    try:
+        out = written({REQ: "100Mi"}, decision(2000, portion=tiny))
+    except ContractViolation as e:
+        assert e.errors[0].key == "received_gpu.portion"
+    else:
+        assert Fraction(out[POR]) > 0, out[POR]

@@ -1,0 +1,132 @@
+"""Pod views from manifests: Pods and every workload kind with a pod template."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from kai_fractions.contract import PodView, parse_pod, pod_views, view_from_pod_spec
+
+ANNOTATIONS = {"gpu-fraction": "0.5"}
+POD_SPEC = {
+    "initContainers": [{"name": "setup", "image": "busybox"}],
+    "containers": [
+        {"name": "main", "image": "cuda", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+        {"name": "side", "image": "busybox"},
+    ],
+}
+TEMPLATE = {"metadata": {"annotations": ANNOTATIONS, "labels": {"app": "x"}}, "spec": POD_SPEC}
+
+
+def workload(kind: str) -> dict:
+    meta = {"name": "w", "namespace": "team"}
+    template = copy.deepcopy(TEMPLATE)
+    if kind == "Pod":
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {**meta, **template["metadata"]},
+                "spec": template["spec"]}
+    if kind == "CronJob":
+        return {"apiVersion": "batch/v1", "kind": kind, "metadata": meta,
+                "spec": {"schedule": "* * * * *", "jobTemplate": {"spec": {"template": template}}}}
+    if kind == "PodTemplate":
+        return {"apiVersion": "v1", "kind": kind, "metadata": meta, "template": template}
+    return {"apiVersion": "apps/v1", "kind": kind, "metadata": meta,
+            "spec": {"selector": {}, "template": template}}
+
+
+@pytest.mark.parametrize(
+    ("kind", "ref"),
+    [
+        ("Pod", "team/w"),
+        ("Deployment", "Deployment/team/w"),
+        ("StatefulSet", "StatefulSet/team/w"),
+        ("DaemonSet", "DaemonSet/team/w"),
+        ("ReplicaSet", "ReplicaSet/team/w"),
+        ("Job", "Job/team/w"),
+        ("CronJob", "CronJob/team/w"),
+        ("PodTemplate", "PodTemplate/team/w"),
+    ],
+)
+def test_every_kind_with_a_pod_template(kind: str, ref: str) -> None:
+    (view,) = list(pod_views(workload(kind)))
+    assert isinstance(view, PodView)
+    assert view.kind == kind
+    assert view.name == "w"
+    assert view.namespace == "team"
+    assert view.ref == ref
+    assert dict(view.annotations) == ANNOTATIONS
+    assert dict(view.labels) == {"app": "x"}
+    assert [c.name for c in view.containers] == ["main", "side"]
+    assert [c.name for c in view.init_containers] == ["setup"]
+    assert all(c.init for c in view.init_containers)
+    assert not any(c.init for c in view.containers)
+    assert [c.name for c in view.all_containers] == ["main", "side", "setup"]
+    assert view.containers[0].whole_gpus == 1
+    assert view.containers[1].whole_gpus == 0
+
+
+def test_list_yields_each_item() -> None:
+    obj = {"apiVersion": "v1", "kind": "List",
+           "items": [workload("Pod"), workload("Deployment"), {"kind": "ConfigMap"}]}
+    assert [v.ref for v in pod_views(obj)] == ["team/w", "Deployment/team/w"]
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": {}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s"}, "spec": {}},
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "n"}},
+        {"apiVersion": "v1", "kind": "List", "items": []},
+        {},
+    ],
+)
+def test_kinds_without_pods_yield_nothing(obj: dict) -> None:
+    assert list(pod_views(obj)) == []
+
+
+def test_non_mapping_yields_nothing() -> None:
+    assert list(pod_views([1, 2])) == []  # type: ignore[arg-type]
+
+
+def test_pod_defaults() -> None:
+    (view,) = pod_views({"kind": "Pod", "metadata": {"name": "p"}, "spec": {"containers": []}})
+    assert view.namespace == "default"
+    assert view.uid == ""
+    assert view.ref == "default/p"
+
+
+def test_annotation_values_are_strings() -> None:
+    (view,) = pod_views({"kind": "Pod", "metadata": {"name": "p", "annotations": {
+        "gpu-memory": 1000, "gpu-fraction": None}}, "spec": {}})
+    assert dict(view.annotations) == {"gpu-memory": "1000", "gpu-fraction": ""}
+
+
+def test_view_from_pod_spec_reads_uid_and_node() -> None:
+    view = view_from_pod_spec({"name": "p", "namespace": "ns", "uid": "u-1"},
+                              {"nodeName": "n1", "containers": [{"name": "c"}]})
+    assert (view.uid, view.node_name, view.ref) == ("u-1", "n1", "ns/p")
+
+
+def test_whole_gpu_from_requests_when_no_limits() -> None:
+    view = view_from_pod_spec({"name": "p"}, {"containers": [
+        {"name": "c", "resources": {"requests": {"nvidia.com/gpu": 2}}}]})
+    assert view.containers[0].whole_gpus == 2
+
+
+def test_views_are_immutable() -> None:
+    (view,) = pod_views(workload("Pod"))
+    with pytest.raises(AttributeError):
+        view.name = "x"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        view.annotations["x"] = "y"  # type: ignore[index]
+
+
+def test_init_container_keys_are_valid_on_workloads() -> None:
+    obj = workload("Deployment")
+    obj["spec"]["template"]["metadata"]["annotations"] = {
+        "nvidia.com/container.setup.gpu-memory.request": "1Gi"}
+    (view,) = pod_views(obj)
+    request = parse_pod(view)
+    assert request.errors == ()
+    assert request.share is not None and request.share.container == "setup"

@@ -1,0 +1,481 @@
+"""Every rule of contract doc sections 1 and 2: each break is an error value naming key and rule.
+
+Exponent forms: `1e3` and `5e-1` are valid Kubernetes quantities (resource.ParseQuantity) and
+valid Go floats (strconv.ParseFloat), so KAI accepts them. kai_fractions accepts them too,
+EXACTLY as Kubernetes and Go read them (`1e3` memory is 1000 bytes, `5e-1` is one half), and
+never writes one itself. The tests below pin that choice.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from kai_fractions.contract import ComputeMode, ContractError, Keys, parse_pod
+
+from .builders import GPU_A, GPU_B, pod
+
+MIB = 1 << 20
+REQ = "nvidia.com/container.main.gpu-memory.request"
+LIM = "nvidia.com/container.main.gpu-memory.limit"
+DEV = "nvidia.com/container.main.gpus.devices"
+POR = "nvidia.com/container.main.gpu-compute.portion"
+MODE = "nvidia.com/container.main.gpu-compute.mode"
+PORTION_LIMIT = "kai.scheduler/container.main.gpu-memory.portion.limit"
+ADVERSARIAL = ["50", "NaN", "Inf", "-1", "0", "", " "]
+
+
+def errors(annotations: dict, containers=("main",), **kw) -> list[ContractError]:
+    return list(parse_pod(pod(annotations, containers, **kw)).errors)
+
+
+def only_error(annotations: dict, containers=("main",), **kw) -> ContractError:
+    found = errors(annotations, containers, **kw)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def assert_names_key_and_rule(err: ContractError, key: str, value: str | None) -> None:
+    assert isinstance(err, ContractError)
+    assert err.key == key
+    assert err.rule.strip(), "the rule must be said in words"
+    assert err.value == value
+    assert str(err).startswith(f"{key}: {err.rule}")
+
+
+# -- valid pods -------------------------------------------------------------------------------
+
+
+def test_valid_nvfractions_request() -> None:
+    request = parse_pod(pod({REQ: "8Gi", LIM: "10Gi", MODE: "sm-sharing"}))
+    assert request.ok and request.errors == ()
+    share = request.share
+    assert share is not None
+    assert share.container == "main"
+    assert share.request_bytes == 8 << 30
+    assert share.limit_bytes == 10 << 30
+    assert share.compute_mode is ComputeMode.SM_SHARING
+
+
+def test_default_mode_is_time_slicing() -> None:
+    share = parse_pod(pod({REQ: "1Gi"})).share
+    assert share is not None and share.compute_mode is ComputeMode.TIME_SLICING
+
+
+def test_non_fractional_pod_has_no_share_and_no_error() -> None:
+    request = parse_pod(pod({"unrelated": "x", "kai.scheduler/queue": "q"}))
+    assert request.share is None and request.errors == () and request.shares == ()
+
+
+def test_mode_alone_is_a_warning_not_a_share() -> None:
+    request = parse_pod(pod({MODE: "sm-sharing"}))
+    assert request.errors == ()
+    assert request.share is None
+    assert [w.key for w in request.warnings] == [MODE]
+
+
+def test_legacy_pod_compute_mode_annotation_only_warns() -> None:
+    request = parse_pod(pod({"gpu-fraction": "0.5",
+                             "kai.scheduler/gpu-compute-sharing-mode": "sm-sharing"}))
+    assert request.errors == ()
+    assert [w.key for w in request.warnings] == ["kai.scheduler/gpu-compute-sharing-mode"]
+    assert request.share is not None
+    assert request.share.compute_mode is ComputeMode.TIME_SLICING
+
+
+def test_init_containers_count_as_in_the_pod() -> None:
+    key = "nvidia.com/container.setup.gpu-memory.request"
+    request = parse_pod(pod({key: "1Gi"}, ("main",), init=("setup",)))
+    assert request.errors == ()
+    assert request.share is not None and request.share.container == "setup"
+
+
+def test_exponent_memory_is_accepted_exactly() -> None:
+    """`1e3` is a valid Kubernetes quantity: accepted, and it means exactly 1000 bytes."""
+    share = parse_pod(pod({REQ: "1e3"})).share
+    assert share is not None and share.request_bytes == 1000
+
+
+def test_exponent_portion_is_accepted_exactly() -> None:
+    """`5e-1` is a valid Go float: accepted as a portion, exactly one half."""
+    request = parse_pod(pod({"gpu-fraction": "5e-1", "gpu-fraction.limit": "8E-1"}))
+    assert request.errors == ()
+    share = request.share
+    assert share is not None
+    assert share.fraction == Fraction(1, 2)
+    assert share.limit_portion == Fraction(4, 5)
+
+
+def test_cdi_devices_are_accepted() -> None:
+    request = parse_pod(pod({REQ: "1Gi", DEV: f"k8s.device-plugin.nvidia.com/gpu={GPU_A}"}))
+    assert request.errors == ()
+    assert request.share is not None and request.share.device_uuids == (GPU_A,)
+
+
+# -- section 1: per-container keys ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "nvidia.com/container.main.gpu-memory.requests",
+        "nvidia.com/container.main.gpu-memory",
+        "nvidia.com/container.main.memory.request",
+        "nvidia.com/container.main",
+        "nvidia.com/container.main.gpu-compute.portion.x",
+    ],
+)
+def test_unknown_suffix(key: str) -> None:
+    err = only_error({key: "1Gi"})
+    assert_names_key_and_rule(err, key, "1Gi")
+    assert err.rule.startswith("unknown suffix")
+    assert ".gpu-memory.request" in err.rule  # lists the known ones
+
+
+def test_empty_container_name() -> None:
+    key = "nvidia.com/container..gpu-memory.request"
+    err = only_error({key: "1Gi"})
+    assert_names_key_and_rule(err, key, "1Gi")
+    assert err.rule == "the container name between the prefix and the suffix is empty"
+
+
+def test_container_not_in_the_pod() -> None:
+    key = "nvidia.com/container.sidecar.gpu-memory.request"
+    err = only_error({key: "1Gi"}, ("main",), init=("setup",))
+    assert_names_key_and_rule(err, key, "1Gi")
+    assert err.rule == ("names container 'sidecar', which is not in the pod "
+                        "(containers: main, setup)")
+
+
+@pytest.mark.parametrize("key", [REQ, LIM])
+@pytest.mark.parametrize(
+    ("value", "rule"),
+    [
+        ("0", "GPU memory must be greater than zero"),
+        ("-1", "GPU memory must be greater than zero"),
+        ("-1Gi", "GPU memory must be greater than zero"),
+        ("500m", "GPU memory must be a whole number of bytes (e.g. 500m is half a byte)"),
+        ("1.5", "GPU memory must be a whole number of bytes (e.g. 500m is half a byte)"),
+        ("", "GPU memory must be a Kubernetes quantity such as 8Gi or 7680Mi, not blank"),
+        (" ", "GPU memory must be a Kubernetes quantity such as 8Gi, 7680Mi or 1000M"),
+        ("NaN", "GPU memory must be a Kubernetes quantity such as 8Gi, 7680Mi or 1000M"),
+        ("Inf", "GPU memory must be a Kubernetes quantity such as 8Gi, 7680Mi or 1000M"),
+        ("8 GB", "GPU memory must be a Kubernetes quantity such as 8Gi, 7680Mi or 1000M"),
+    ],
+)
+def test_bad_memory_quantity(key: str, value: str, rule: str) -> None:
+    err = only_error({key: value})
+    assert_names_key_and_rule(err, key, value)
+    assert err.rule == rule
+    assert err.container == "main"
+
+
+def test_request_above_limit() -> None:
+    err = only_error({REQ: "2Gi", LIM: "1Gi"})
+    assert_names_key_and_rule(err, LIM, "1Gi")
+    assert err.rule == "must be greater than or equal to the request '2Gi'"
+
+
+def test_request_equal_to_limit_across_units_is_fine() -> None:
+    assert errors({REQ: "1024Mi", LIM: "1Gi"}) == []
+
+
+@pytest.mark.parametrize("value", ["exclusive", "", "SM-Sharing", "time_slicing", "mps"])
+def test_bad_mode(value: str) -> None:
+    err = only_error({REQ: "1Gi", MODE: value})
+    assert_names_key_and_rule(err, MODE, value)
+    assert err.rule == "must be one of: time-slicing, sm-sharing"
+
+
+@pytest.mark.parametrize("value", ADVERSARIAL)
+def test_adversarial_compute_portion(value: str) -> None:
+    found = errors({REQ: "1Gi", DEV: GPU_A, POR: value})
+    assert len(found) == 1, found
+    assert_names_key_and_rule(found[0], POR, value)
+
+
+@pytest.mark.parametrize(
+    ("value", "bad_item", "rule"),
+    [
+        ("gpu0", "gpu0",
+         "each item must be a GPU UUID (GPU-...) or k8s.device-plugin.nvidia.com/gpu=<uuid>"),
+        ("GPU-xyz", "GPU-xyz",
+         "each item must be a GPU UUID (GPU-...) or k8s.device-plugin.nvidia.com/gpu=<uuid>"),
+        ("MIG-4f2a1b4c-0d5e-6f70-8192-a3b4c5d6e7f8", "MIG-4f2a1b4c-0d5e-6f70-8192-a3b4c5d6e7f8",
+         "MIG devices cannot be shared as fractions"),
+        ("k8s.device-plugin.nvidia.com/gpu=MIG-1", "k8s.device-plugin.nvidia.com/gpu=MIG-1",
+         "MIG devices cannot be shared as fractions"),
+        (f"{GPU_A},,{GPU_B}", f"{GPU_A},,{GPU_B}",
+         "must be a comma-separated list of GPU UUIDs with no empty item"),
+        ("", "", "must be a comma-separated list of GPU UUIDs with no empty item"),
+        (f"{GPU_A},{GPU_A}", f"{GPU_A},{GPU_A}", "lists the same GPU twice"),
+        (f"{GPU_A},k8s.device-plugin.nvidia.com/gpu={GPU_A}",
+         f"{GPU_A},k8s.device-plugin.nvidia.com/gpu={GPU_A}", "lists the same GPU twice"),
+    ],
+)
+def test_binder_owned_devices_checks(value: str, bad_item: str, rule: str) -> None:
+    err = only_error({REQ: "1Gi", DEV: value})
+    assert_names_key_and_rule(err, DEV, bad_item)
+    assert err.rule == rule
+
+
+def test_two_fractional_containers() -> None:
+    err = only_error(
+        {REQ: "1Gi", "nvidia.com/container.side.gpu-memory.request": "1Gi"}, ("main", "side")
+    )
+    assert err.key == "nvidia.com/container.side.gpu-memory.request"
+    assert err.rule == ("KAI allows only one container per pod with a fractional GPU request; "
+                        "'main' already has one")
+
+
+def test_two_fractional_containers_legacy_and_nvfractions() -> None:
+    found = errors({"gpu-fraction": "0.5", "nvidia.com/container.side.gpu-memory.request": "1Gi"},
+                   ("main", "side"))
+    assert len(found) == 1
+    assert "only one container" in found[0].rule
+
+
+def test_fraction_with_whole_gpu() -> None:
+    err = only_error({REQ: "1Gi"}, whole_gpus={"main": 1})
+    assert err.key == REQ
+    assert err.rule == "a GPU fraction may not be combined with a whole nvidia.com/gpu request"
+
+
+@pytest.mark.parametrize(
+    ("annotations", "containers", "whole", "expected_key"),
+    [
+        ({"gpu-fraction": "0.5"}, ("main",), {"main": 1}, "gpu-fraction"),
+        ({"gpu-memory": "1000"}, ("main",), {"main": 2}, "gpu-memory"),
+        ({LIM: "1Gi"}, ("main",), {"main": 1}, LIM),
+        ({REQ: "1Gi", "nvidia.com/container.side.gpu-memory.limit": "1Gi"}, ("main", "side"), {},
+         "nvidia.com/container.side.gpu-memory.limit"),
+    ],
+    ids=["gpu-fraction+whole-gpu", "gpu-memory+whole-gpu", "limit-only+whole-gpu",
+         "second-fractional-container-limit-only"],
+)
+def test_pod_level_errors_name_a_key_the_pod_has(
+    annotations: dict, containers: tuple, whole: dict, expected_key: str
+) -> None:
+    """'An error with a message naming the key': the key named must be one the user wrote, so
+    they can find and fix it (not a `.gpu-memory.request` key that is not in the manifest)."""
+    err = only_error(annotations, containers, whole_gpus=whole)
+    assert err.key == expected_key
+    assert err.key in annotations
+
+
+# -- section 2: pod-level and legacy keys -----------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [*ADVERSARIAL, "1", "1.0", "0x1p-1"])
+def test_adversarial_gpu_fraction(value: str) -> None:
+    err = only_error({"gpu-fraction": value})
+    assert_names_key_and_rule(err, "gpu-fraction", value)
+
+
+def test_gpu_fraction_out_of_range_rule() -> None:
+    err = only_error({"gpu-fraction": "50"})
+    assert err.rule == "must be a portion of one GPU, 0 < x < 1"
+    err = only_error({"gpu-fraction": "NaN"})
+    assert err.rule == "must be a finite decimal number such as 0.5 (no NaN, Inf or hex)"
+    err = only_error({"gpu-fraction": ""})
+    assert err.rule == "must be a decimal number, not blank"
+
+
+def test_gpu_fraction_and_gpu_memory_are_mutually_exclusive() -> None:
+    request = parse_pod(pod({"gpu-fraction": "0.5", "gpu-memory": "1000"}))
+    assert [e.key for e in request.errors] == ["gpu-fraction"]
+    assert request.errors[0].rule == "gpu-fraction and gpu-memory are mutually exclusive; set one"
+
+
+def test_gpu_fraction_limit_needs_gpu_fraction() -> None:
+    err = only_error({"gpu-memory": "1000", "gpu-fraction.limit": "0.8"})
+    assert_names_key_and_rule(err, "gpu-fraction.limit", "0.8")
+    assert err.rule == "needs gpu-fraction"
+
+
+@pytest.mark.parametrize("limit", ["0.5", "0.4", "5e-1"])
+def test_gpu_fraction_limit_must_exceed_fraction(limit: str) -> None:
+    err = only_error({"gpu-fraction": "0.5", "gpu-fraction.limit": limit})
+    assert_names_key_and_rule(err, "gpu-fraction.limit", limit)
+    assert err.rule == "must be greater than gpu-fraction '0.5'"
+
+
+def test_gpu_fraction_limit_at_most_five_decimals() -> None:
+    err = only_error({"gpu-fraction": "0.5", "gpu-fraction.limit": "0.123456"})
+    assert err.key == "gpu-fraction.limit"
+    assert err.rule == "must have at most 5 decimal places"
+    assert errors({"gpu-fraction": "0.1", "gpu-fraction.limit": "0.12345"}) == []
+    assert errors({"gpu-fraction": "0.1", "gpu-fraction.limit": "0.123450"}) == []
+
+
+@pytest.mark.parametrize("value", [*ADVERSARIAL, "1"])
+def test_adversarial_gpu_fraction_limit(value: str) -> None:
+    err = only_error({"gpu-fraction": "0.1", "gpu-fraction.limit": value})
+    assert_names_key_and_rule(err, "gpu-fraction.limit", value)
+
+
+def test_gpu_memory_is_mib() -> None:
+    share = parse_pod(pod({"gpu-memory": "1000"})).share
+    assert share is not None and share.legacy_memory_bytes == 1000 * MIB
+
+
+@pytest.mark.parametrize("value", [v for v in ADVERSARIAL if v != "50"] + ["1.5", "1Gi", "1e3"])
+def test_adversarial_gpu_memory(value: str) -> None:
+    err = only_error({"gpu-memory": value})
+    assert_names_key_and_rule(err, "gpu-memory", value)
+    assert err.rule == "must be a positive whole number of MiB"
+
+
+def test_gpu_memory_limit_needs_a_unit() -> None:
+    err = only_error({"gpu-memory": "1000", "gpu-memory.limit": "2048"})
+    assert_names_key_and_rule(err, "gpu-memory.limit", "2048")
+    assert err.rule == "must be a quantity with a unit, such as 8Gi"
+
+
+def test_gpu_memory_limit_below_gpu_memory() -> None:
+    err = only_error({"gpu-memory": "1000", "gpu-memory.limit": "500Mi"})
+    assert_names_key_and_rule(err, "gpu-memory.limit", "500Mi")
+    assert err.rule == "must be greater than or equal to gpu-memory (1000 MiB)"
+
+
+def test_gpu_memory_limit_needs_gpu_memory() -> None:
+    err = only_error({"gpu-fraction": "0.5", "gpu-memory.limit": "2Gi"})
+    assert_names_key_and_rule(err, "gpu-memory.limit", "2Gi")
+    assert err.rule == "needs gpu-memory"
+
+
+def test_gpu_memory_limit_accepted() -> None:
+    share = parse_pod(pod({"gpu-memory": "1000", "gpu-memory.limit": "2Gi"})).share
+    assert share is not None and share.legacy_limit_bytes == 2 << 30
+
+
+@pytest.mark.parametrize("value", [*ADVERSARIAL, "1", "0.5", "0.4", "0.123456"])
+def test_bad_kai_portion_limit(value: str) -> None:
+    found = errors({"gpu-fraction": "0.5", PORTION_LIMIT: value})
+    assert len(found) == 1, found
+    assert found[0].key == PORTION_LIMIT
+    assert found[0].rule.strip()
+
+
+def test_kai_portion_limit_accepted() -> None:
+    request = parse_pod(pod({"gpu-fraction": "0.5", PORTION_LIMIT: "0.8"}))
+    assert request.errors == ()
+    assert request.share is not None and request.share.limit_portion == Fraction(4, 5)
+
+
+def test_kai_portion_limit_for_a_container_not_in_the_pod() -> None:
+    key = "kai.scheduler/container.other.gpu-memory.portion.limit"
+    err = only_error({"gpu-fraction": "0.5", key: "0.8"})
+    assert err.key == key
+    assert err.rule == "names a container that is not in the pod"
+
+
+def test_kai_portion_limit_without_a_fraction() -> None:
+    err = only_error({PORTION_LIMIT: "0.8"})
+    assert err.key == PORTION_LIMIT
+    assert err.rule == "the container requests no GPU fraction to limit"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1.5", "x", "", "NaN"])
+def test_bad_num_devices(value: str) -> None:
+    err = only_error({"gpu-fraction": "0.5", "gpu-fraction-num-devices": value})
+    assert_names_key_and_rule(err, "gpu-fraction-num-devices", value)
+
+
+def test_num_devices() -> None:
+    share = parse_pod(pod({"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"})).share
+    assert share is not None and share.num_devices == 2
+
+
+def test_num_devices_disagreeing_with_binder_devices() -> None:
+    err = only_error({"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2", DEV: GPU_A})
+    assert err.key == "gpu-fraction-num-devices"
+
+
+def test_legacy_keys_default_to_the_first_container() -> None:
+    share = parse_pod(pod({"gpu-fraction": "0.5"}, ("first", "second"), init=("init0",))).share
+    assert share is not None and share.container == "first"
+
+
+def test_container_name_targets_the_legacy_keys() -> None:
+    request = parse_pod(pod({"gpu-fraction": "0.5", "gpu-fraction-container-name": "second"},
+                            ("first", "second")))
+    assert request.errors == ()
+    assert request.share is not None and request.share.container == "second"
+    assert request.share.fraction == Fraction(1, 2)
+
+
+def test_container_name_may_target_an_init_container() -> None:
+    request = parse_pod(pod({"gpu-fraction": "0.5", "gpu-fraction-container-name": "setup"},
+                            ("main",), init=("setup",)))
+    assert request.errors == ()
+    assert request.share is not None and request.share.container == "setup"
+
+
+def test_container_name_naming_a_missing_container() -> None:
+    err = only_error({"gpu-fraction": "0.5", "gpu-fraction-container-name": "ghost"})
+    assert_names_key_and_rule(err, "gpu-fraction-container-name", "ghost")
+    assert err.rule == "names a container that is not in the pod"
+
+
+def test_precedence_nvfractions_over_gpu_fraction() -> None:
+    request = parse_pod(pod({REQ: "3000Mi", "gpu-fraction": "0.5"}))
+    assert request.errors == ()
+    share = request.share
+    assert share is not None
+    assert share.request_bytes == 3000 * MIB
+    assert share.fraction is None
+
+
+def test_precedence_nvfractions_over_gpu_memory() -> None:
+    request = parse_pod(pod({LIM: "2Gi", "gpu-memory": "1000"}))
+    assert request.errors == ()
+    share = request.share
+    assert share is not None
+    assert share.limit_bytes == 2 << 30
+    assert share.legacy_memory_bytes is None
+
+
+def test_precedence_gpu_fraction_over_gpu_memory() -> None:
+    request = parse_pod(pod({"gpu-fraction": "0.25", "gpu-memory": "1000"}))
+    assert [e.key for e in request.errors] == ["gpu-fraction"]  # mutually exclusive ...
+    share = request.share
+    assert share is not None
+    assert share.fraction == Fraction(1, 4)  # ... and the fraction is what counts
+    assert share.legacy_memory_bytes is None
+
+
+def test_all_errors_are_collected() -> None:
+    found = errors({
+        REQ: "0",
+        MODE: "turbo",
+        "nvidia.com/container.ghost.gpu-memory.limit": "1Gi",
+    })
+    assert sorted(e.key for e in found) == sorted([
+        REQ, MODE, "nvidia.com/container.ghost.gpu-memory.limit",
+    ])
+
+
+def test_all_errors_are_collected_across_sections() -> None:
+    found = errors({
+        "gpu-fraction": "NaN",
+        "gpu-memory.limit": "2Gi",
+        "gpu-fraction-num-devices": "0",
+        "nvidia.com/container.main.gpu-memory.requests": "1Gi",
+        "nvidia.com/container.side.gpu-compute.mode": "bogus",
+    })
+    assert len(found) == 5, found
+
+
+def test_custom_prefix_rules_apply_under_that_prefix() -> None:
+    keys = Keys(prefix="gpu.example.com/c.")
+    request = parse_pod(pod({"gpu.example.com/c.main.gpu-memory.request": "0",
+                             REQ: "also ignored"}), keys)
+    assert [e.key for e in request.errors] == ["gpu.example.com/c.main.gpu-memory.request"]
+
+
+def test_legacy_keys_on_a_pod_without_containers() -> None:
+    err = only_error({"gpu-fraction": "0.5"}, ())
+    assert err.key == "gpu-fraction"
+    assert err.rule == "the pod has no container to apply it to"
