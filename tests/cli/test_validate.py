@@ -1,0 +1,262 @@
+"""`kai-fractions validate -f FILE [--output json]`: exit codes, error lines, input handling."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from .helpers import cli, data
+
+INVALID_POD_LINES = [
+    "default/bad/ghost: nvidia.com/container.ghost.gpu-memory.limit: names container 'ghost', "
+    "which is not in the pod (containers: main) (got '1Gi')",
+    "default/bad/main: nvidia.com/container.main.gpu-memory.request: GPU memory must be greater "
+    "than zero (got '0')",
+    "default/bad/main: nvidia.com/container.main.gpu-compute.mode: must be one of: "
+    "time-slicing, sm-sharing (got 'turbo')",
+]
+INVALID_JOB_LINE = ("Job/ml/train/trainer: gpu-fraction: must be a portion of one GPU, 0 < x < 1 "
+                    "(got '50')")
+
+
+def test_valid_pod_exits_0(capsys) -> None:
+    code, out, err = cli(capsys, "validate", "-f", data("valid-pod.yaml"))
+    assert code == 0
+    assert out == ""
+    assert "1 of 1 object(s) valid" in err
+
+
+def test_valid_workloads_exit_0(capsys) -> None:
+    code, out, err = cli(capsys, "validate", "-f", data("workloads.yaml"))
+    assert code == 0
+    assert out == ""
+    assert "3 of 3 object(s) valid" in err  # the ConfigMap has no pod
+
+
+def test_whole_gpu_pod_is_valid(capsys) -> None:
+    code, _, _ = cli(capsys, "validate", "-f", data("plain-pod.yaml"))
+    assert code == 0
+
+
+def test_invalid_pod_exits_1_with_every_error_on_its_own_line(capsys) -> None:
+    code, out, err = cli(capsys, "validate", "-f", data("invalid-pod.yaml"))
+    assert code == 1
+    assert sorted(out.splitlines()) == sorted(INVALID_POD_LINES)
+    assert "0 of 1 object(s) valid" in err
+
+
+def test_workload_errors_name_the_workload(capsys) -> None:
+    code, out, _ = cli(capsys, "validate", "-f", data("invalid-job.yaml"))
+    assert code == 1
+    assert out.splitlines() == [INVALID_JOB_LINE]
+
+
+def test_error_line_shape(capsys) -> None:
+    _, out, _ = cli(capsys, "validate", "-f", data("invalid-pod.yaml"), "-f",
+                    data("invalid-job.yaml"))
+    for line in out.splitlines():
+        obj_container, key, rule = line.split(": ", 2)
+        assert obj_container.count("/") >= 2
+        assert key and " " not in key
+        assert rule
+
+
+def test_repeated_files_and_one_invalid_exits_1(capsys) -> None:
+    code, out, err = cli(capsys, "validate", "-f", data("valid-pod.yaml"), "-f",
+                         data("invalid-job.yaml"))
+    assert code == 1
+    assert out.splitlines() == [INVALID_JOB_LINE]
+    assert "1 of 2 object(s) valid" in err
+
+
+def test_directory_reads_yaml_and_yml_recursively(capsys) -> None:
+    # dir/a.yaml is valid, dir/nested/b.yml is not, dir/notes.txt is not YAML and is skipped.
+    code, out, err = cli(capsys, "validate", "-f", data("dir"))
+    assert code == 1
+    assert out.splitlines() == [INVALID_JOB_LINE]
+    assert "1 of 2 object(s) valid" in err
+
+
+def test_stdin(capsys, monkeypatch) -> None:
+    text = (Path(data("invalid-job.yaml")).read_text() + "---\n"
+            + Path(data("valid-pod.yaml")).read_text())
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    code, out, err = cli(capsys, "validate", "-f", "-")
+    assert code == 1
+    assert out.splitlines() == [INVALID_JOB_LINE]
+    assert "1 of 2 object(s) valid" in err
+
+
+def test_stdin_valid(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(Path(data("valid-pod.yaml")).read_text()))
+    code, _, _ = cli(capsys, "validate", "-f", "-")
+    assert code == 0
+
+
+def test_json_output_valid(capsys) -> None:
+    code, out, _ = cli(capsys, "validate", "-f", data("workloads.yaml"), "--output", "json")
+    assert code == 0
+    assert json.loads(out) == {
+        "valid": True,
+        "objects": [
+            {"object": "Deployment/team/infer", "fractional_containers": ["server"],
+             "errors": [], "warnings": []},
+            {"object": "StatefulSet/default/db", "fractional_containers": ["db"],
+             "errors": [], "warnings": []},
+            {"object": "CronJob/team/nightly", "fractional_containers": ["train"],
+             "errors": [], "warnings": []},
+        ],
+    }
+
+
+def test_json_output_invalid(capsys) -> None:
+    code, out, _ = cli(capsys, "validate", "-f", data("invalid-job.yaml"), "-o", "json")
+    assert code == 1
+    doc = json.loads(out)
+    assert doc["valid"] is False
+    (obj,) = doc["objects"]
+    assert obj["object"] == "Job/ml/train"
+    assert obj["errors"] == [{
+        "container": "trainer",
+        "key": "gpu-fraction",
+        "rule": "must be a portion of one GPU, 0 < x < 1",
+        "value": "50",
+    }]
+
+
+def test_json_output_collects_all_three_errors(capsys) -> None:
+    code, out, _ = cli(capsys, "validate", "-f", data("invalid-pod.yaml"), "-o", "json")
+    assert code == 1
+    (obj,) = json.loads(out)["objects"]
+    assert sorted(e["key"] for e in obj["errors"]) == sorted([
+        "nvidia.com/container.ghost.gpu-memory.limit",
+        "nvidia.com/container.main.gpu-memory.request",
+        "nvidia.com/container.main.gpu-compute.mode",
+    ])
+
+
+def test_custom_annotation_prefix(capsys, tmp_path: Path) -> None:
+    manifest = tmp_path / "pod.yaml"
+    manifest.write_text(
+        "kind: Pod\nmetadata:\n  name: p\n  annotations:\n"
+        "    gpu.example.com/c.main.gpu-memory.request: '0'\n"
+        "spec:\n  containers:\n  - name: main\n")
+    code, out, _ = cli(capsys, "validate", "-f", str(manifest),
+                       "--annotation-prefix", "gpu.example.com/c.")
+    assert code == 1
+    assert out.startswith("default/p/main: gpu.example.com/c.main.gpu-memory.request: ")
+    code, _, _ = cli(capsys, "validate", "-f", str(manifest))
+    assert code == 0
+
+
+# -- exit 2: usage and unreadable input -------------------------------------------------------
+
+
+def test_missing_file(capsys, tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    code, out, err = cli(capsys, "validate", "-f", str(missing))
+    assert code == 2
+    assert out == ""
+    assert err.strip() == f"kai-fractions validate: {missing}: no such file or directory"
+
+
+def test_invalid_yaml(capsys) -> None:
+    code, out, err = cli(capsys, "validate", "-f", data("bad-yaml.yaml"))
+    assert code == 2
+    assert out == ""
+    assert err.startswith(f"kai-fractions validate: {data('bad-yaml.yaml')}: not valid YAML")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_non_mapping_document(capsys) -> None:
+    code, _, err = cli(capsys, "validate", "-f", data("not-mapping.yaml"))
+    assert code == 2
+    assert err.strip() == (f"kai-fractions validate: {data('not-mapping.yaml')}: a document is "
+                           "not a Kubernetes object (a mapping)")
+
+
+def test_scalar_document(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("just a string\n"))
+    code, _, err = cli(capsys, "validate", "-f", "-")
+    assert code == 2
+    assert "<stdin>" in err
+
+
+def test_binary_file(capsys, tmp_path: Path) -> None:
+    blob = tmp_path / "blob.yaml"
+    blob.write_bytes(b"\xff\xfe\x00\x81garbage")
+    code, _, err = cli(capsys, "validate", "-f", str(blob))
+    assert code == 2
+    assert str(blob) in err
+
+
+def test_empty_file_is_valid(capsys, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("---\n")
+    code, _, err = cli(capsys, "validate", "-f", str(empty))
+    assert code == 0
+    assert "0 of 0 object(s) valid" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["validate"],  # -f is required
+        ["validate", "-f", "x.yaml", "--output", "xml"],
+        ["validate", "-f", "x.yaml", "--bogus"],
+        ["frobnicate"],
+    ],
+)
+def test_bad_flags_exit_2(capsys, argv: list[str]) -> None:
+    code, out, err = cli(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert "error:" in err
+
+
+def test_no_command_exits_2(capsys) -> None:
+    code, _, err = cli(capsys)
+    assert code == 2
+    assert "validate" in err and "plan" in err
+
+
+def test_bad_annotation_prefix_exits_2(capsys) -> None:
+    code, _, err = cli(capsys, "validate", "-f", data("valid-pod.yaml"),
+                       "--annotation-prefix", "nope")
+    assert code == 2
+    assert err.startswith("kai-fractions validate: --annotation-prefix: ")
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        "kind: Pod\nmetadata: {name: p}\nspec: not-a-mapping\n",
+        "kind: Pod\nmetadata: [a, b]\nspec: {}\n",
+        "kind: Pod\nmetadata: {name: p, annotations: [a, b]}\nspec: {}\n",
+        "kind: Pod\nmetadata: {name: p}\nspec: {containers: [{name: main, resources: [x]}]}\n",
+        "kind: Pod\nmetadata: {name: p}\n"
+        "spec: {containers: [{name: main, resources: {limits: [x]}}]}\n",
+        "kind: Pod\nmetadata: {name: p}\nspec: {containers: 3}\n",
+        "kind: Deployment\nmetadata: {name: d}\nspec: {template: {spec: [x]}}\n",
+        "kind: Deployment\nmetadata: {name: d}\nspec: {template: {metadata: x, spec: {}}}\n",
+        "kind: Deployment\nmetadata: {name: d}\nspec: [x]\n",
+        "kind: CronJob\nmetadata: {name: c}\nspec: {jobTemplate: [x]}\n",
+        "kind: PodTemplate\nmetadata: {name: t}\ntemplate: just-text\n",
+        "kind: List\nitems: 3\n",
+    ],
+    ids=["spec-scalar", "metadata-list", "annotations-list", "resources-list", "limits-list",
+         "containers-int", "template-spec-list", "template-metadata-scalar", "workload-spec-list",
+         "jobtemplate-list", "podtemplate-template-scalar", "list-items-int"],
+)
+def test_malformed_objects_exit_2_without_traceback(capsys, tmp_path: Path, manifest: str) -> None:
+    """A mapping whose fields have the wrong shape is not a Kubernetes object we can read:
+    unreadable input, exit 2 with a one-line message naming the file, never a traceback."""
+    path = tmp_path / "m.yaml"
+    path.write_text(manifest)
+    code, _, err = cli(capsys, "validate", "-f", str(path))
+    assert code == 2
+    assert str(path) in err
