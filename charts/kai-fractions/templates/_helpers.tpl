@@ -1,0 +1,152 @@
+{{/*
+Names are fixed (not derived from the release name): the components' defaults and the admission
+webhook's allowed identities refer to these service accounts, and the webhook configurations are
+cluster-scoped, so one release per cluster.
+*/}}
+{{- define "kf.name" -}}kai-fractions{{- end -}}
+{{- define "kf.mirror.name" -}}kai-fractions-mirror{{- end -}}
+{{- define "kf.nodeAgent.name" -}}kai-fractions-node-agent{{- end -}}
+{{- define "kf.admission.name" -}}kai-fractions-admission{{- end -}}
+
+{{/* true when anything GPU-side is rendered at all */}}
+{{- define "kf.enabled" -}}
+{{- if eq .Values.gpuSharing "NvFractions" -}}true{{- end -}}
+{{- end -}}
+
+{{- define "kf.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "kf.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "kf.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* selector labels of one component: (dict "ctx" $ "component" "mirror") */}}
+{{- define "kf.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kf.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "kf.componentLabels" -}}
+{{ include "kf.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "kf.serviceAccountUser" -}}
+system:serviceaccount:{{ .ctx.Release.Namespace }}:{{ .name }}
+{{- end -}}
+
+{{/* MiB the mirror keeps back per GPU: the value, or 1024 with MPS and 0 without. An explicit 0
+stays 0 (so no `default`, which would treat 0 as unset). */}}
+{{- define "kf.mirror.reserveMiB" -}}
+{{- if kindIs "invalid" .Values.mirror.reserveMiB -}}
+{{- if .Values.smSharing.enabled -}}1024{{- else -}}0{{- end -}}
+{{- else -}}
+{{- .Values.mirror.reserveMiB | int -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The CEL predicate "this annotation key belongs to NvFractions": the configured per-container
+prefix, kai_fractions' own derived keys, KAI's portion-limit keys and the pod-level legacy keys.
+Used with `k` bound to an annotation key.
+*/}}
+{{- define "kf.cel.isFractionKey" -}}
+k.startsWith('{{ .Values.annotationPrefix }}') || k.startsWith('kai-fractions.io/container.') || k.startsWith('kai.scheduler/container.') || k in ['gpu-fraction', 'gpu-fraction.limit', 'gpu-memory', 'gpu-memory.limit', 'gpu-fraction-num-devices', 'gpu-fraction-container-name']
+{{- end -}}
+
+{{/* CEL: the pod `obj` (object or oldObject) carries an NvFractions key. Callers guard oldObject
+with the operation (it is null on CREATE) rather than comparing with null. */}}
+{{- define "kf.cel.podHasFractionKey" -}}
+has({{ .obj }}.metadata.annotations) && {{ .obj }}.metadata.annotations.exists(k, {{ include "kf.cel.isFractionKey" .ctx }})
+{{- end -}}
+
+{{/* Pod-level security for the components that need no privilege (mirror, admission). */}}
+{{- define "kf.restrictedPodSecurity" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "kf.restrictedContainerSecurity" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{/* Generated TLS material as YAML (base64 values): crt, key, ca, and clientCrt/clientKey when
+"client" is set. Reuses what the cluster already has (lookup), so `helm upgrade` does not rotate the
+CA under clients or a webhook configuration that still trust the old one. `helm template` has no
+cluster and generates a fresh set each time. One CA signs the server and the client certificate; its
+key is never stored. Args: (dict "ctx" $ "secret" NAME "clientSecret" NAME-or-"" "cn" CN "dns" LIST
+"days" N) */}}
+{{- define "kf.tls.generate" -}}
+{{- $ns := .ctx.Release.Namespace -}}
+{{- $server := (lookup "v1" "Secret" $ns .secret).data | default dict -}}
+{{- $client := dict -}}
+{{- if .clientSecret -}}
+{{- $client = (lookup "v1" "Secret" $ns .clientSecret).data | default dict -}}
+{{- end -}}
+{{- $reuse := and (index $server "tls.crt") (index $server "tls.key") (index $server "ca.crt") -}}
+{{- if and $reuse .clientSecret -}}
+{{- $reuse = and (index $client "tls.crt") (index $client "tls.key") (eq (index $client "ca.crt") (index $server "ca.crt")) -}}
+{{- end -}}
+{{- if $reuse -}}
+crt: {{ index $server "tls.crt" }}
+key: {{ index $server "tls.key" }}
+ca: {{ index $server "ca.crt" }}
+{{- if .clientSecret }}
+clientCrt: {{ index $client "tls.crt" }}
+clientKey: {{ index $client "tls.key" }}
+{{- end }}
+{{- else -}}
+{{- $ca := genCA (printf "%s-ca" .secret) (int .days) -}}
+{{- $cert := genSignedCert .cn nil .dns (int .days) $ca -}}
+crt: {{ $cert.Cert | b64enc }}
+key: {{ $cert.Key | b64enc }}
+ca: {{ $ca.Cert | b64enc }}
+{{- if .clientSecret }}
+{{- $clientCert := genSignedCert (printf "%s-client" .secret) nil nil (int .days) $ca }}
+clientCrt: {{ $clientCert.Cert | b64enc }}
+clientKey: {{ $clientCert.Key | b64enc }}
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{/* The DNS names a Service answers to inside the cluster: (dict "ctx" $ "name" SERVICE) */}}
+{{- define "kf.serviceDNS" -}}
+{{- $ns := .ctx.Release.Namespace -}}
+{{- list .name (printf "%s.%s" .name $ns) (printf "%s.%s.svc" .name $ns) (printf "%s.%s.svc.cluster.local" .name $ns) | toJson -}}
+{{- end -}}
+
+{{- define "kf.admission.tlsSecretName" -}}
+{{- .Values.webhook.tls.secretName | default (printf "%s-tls" (include "kf.admission.name" .)) -}}
+{{- end -}}
+
+{{/* Who may create, change or remove binder-owned and derived keys: KAI's binder, the mirror
+(gRPC mode), the node agent (derived keys when following an unmodified KAI), and any extras. */}}
+{{- define "kf.allowedIdentities" -}}
+{{- $ids := list (printf "system:serviceaccount:%s:%s" .Values.kaiScheduler.namespace .Values.kaiScheduler.binderServiceAccount) -}}
+{{- if .Values.mirror.enabled -}}
+{{- $ids = append $ids (include "kf.serviceAccountUser" (dict "ctx" . "name" (include "kf.mirror.name" .))) -}}
+{{- end -}}
+{{- $ids = append $ids (include "kf.serviceAccountUser" (dict "ctx" . "name" (include "kf.nodeAgent.name" .))) -}}
+{{- concat $ids .Values.webhook.extraAllowedIdentities | uniq | toJson -}}
+{{- end -}}
+
+{{/* CEL: a workload's pod template (Deployment & co: spec.template; CronJob:
+spec.jobTemplate.spec.template) carries an NvFractions key. Every level is guarded with has():
+object is untyped in webhook match conditions. */}}
+{{- define "kf.cel.templateHasFractionKey" -}}
+{{- $p := include "kf.cel.isFractionKey" . -}}
+(has(object.spec) && has(object.spec.template) && has(object.spec.template.metadata) && has(object.spec.template.metadata.annotations) && object.spec.template.metadata.annotations.exists(k, {{ $p }})) || (has(object.spec) && has(object.spec.jobTemplate) && has(object.spec.jobTemplate.spec) && has(object.spec.jobTemplate.spec.template) && has(object.spec.jobTemplate.spec.template.metadata) && has(object.spec.jobTemplate.spec.template.metadata.annotations) && object.spec.jobTemplate.spec.template.metadata.annotations.exists(k, {{ $p }}))
+{{- end -}}
