@@ -338,9 +338,10 @@ def _cgroup_paths(c: _Candidate, config: NodeConfig) -> tuple[str, str | None] |
         return pod_path, None
     try:
         return pod_path, layout.container_path(pod.uid, pod.qos, ContainerId.parse(raw))
-    except ValueError as e:
-        return _refuse(pod, plan.container, RefusalReason.CONTRACT_INVALID,
-                       f"cannot name the container's cgroup: {e}")
+    except ValueError:
+        # A runtime whose cgroup naming is unknown: the pod slice still carries the cap (only
+        # cudaMemGetInfo inside will report the physical total).
+        return pod_path, None
 
 
 def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig) -> DesiredState:

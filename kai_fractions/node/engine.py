@@ -1,0 +1,596 @@
+"""The reconcile API of the node engine: `apply(desired)`, `release(pod)`, `observe()`.
+
+Level-triggered and idempotent: every call reads what the GPU, the cgroup tree and the MPS
+daemon say now and writes only the difference, so an engine started over any state (an agent
+restart, a crash between two writes) converges to the desired state, and a second `apply` of
+the same state writes nothing. Nothing here needs private state to be correct; the little it
+keeps (which cgroups are known clean, which MPS namespace caps it set) only saves reads.
+
+A container is reported `applied` only when everything its plan needs is in force: its GPUs'
+compute mode, its MPS namespace and pinned limit, and the cgroup limit on its pod's slice
+(the container's own cgroup gets its limit too once the runtime has created it). Any error
+leaves it `pending` with the reason, and the next `apply` tries again.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Protocol
+
+from ..contract import mps_namespace_name
+from .cgroups import CgroupFs, PodCgroup
+from .config import Mechanism, NodeConfig
+from .desired import (
+    ComputeEnforcement,
+    ContainerDesired,
+    ContainerKey,
+    DesiredState,
+    LimitTarget,
+)
+from .errors import NodeError, NvmlError
+from .memory_limits import LimitWrite, MemoryLimitEnforcer
+from .nvml import DeviceInfo, GpuComputeMode, GpuProcess, Nvml
+
+# -- the MPS control seam as the engine uses it (kai_fractions.node.mps.control.MpsControl and
+# kai_fractions.node.mps.fake.FakeMpsControl both fit) -------------------------------------------
+
+
+class MpsClientLike(Protocol):
+    pid: int
+    namespace: str | None
+
+
+class MpsControlLike(Protocol):
+    def set_default_pinned_mem_limit(self, device_index: int, mib: int) -> str: ...
+    def get_default_pinned_mem_limit(self, device_index: int) -> str: ...
+    def namespace_create(self, name: str, *, exist_ok: bool = False) -> None: ...
+    def namespace_set_active_thread_percentage(self, name: str, pct: int) -> None: ...
+    def namespace_delete(self, name: str, *, missing_ok: bool = False) -> None: ...
+    def namespace_list(self) -> list[str]: ...
+    def client_list(self) -> list[MpsClientLike]: ...
+
+
+# Reasons the engine itself gives (NVML and MPS errors bring their own).
+CGROUP_NOT_FOUND = "CgroupNotFound"
+MPS_UNAVAILABLE = "MPSUnavailable"
+
+
+def _our_namespace_pattern() -> re.Pattern[str]:
+    """The shape of the names `mps_namespace_name` makes, derived from it (not re-typed), so
+    the engine deletes only its own namespaces and never an operator's.
+
+    LOCAL HELPER: the contract package should export this pattern (see the engine's report).
+    """
+    sample = mps_namespace_name("pod", "container")
+    prefix = sample.rstrip("0123456789abcdef")
+    return re.compile(re.escape(prefix) + f"[0-9a-f]{{{len(sample) - len(prefix)}}}")
+
+
+OUR_NAMESPACE = _our_namespace_pattern()
+
+
+def is_our_namespace(name: str) -> bool:
+    return bool(OUR_NAMESPACE.fullmatch(name))
+
+
+def displayed_mem_limit(mib: int) -> str:
+    """How the MPS daemon reads back a pinned limit (`4096` MiB -> `4G`)."""
+    try:
+        from .mps.control import displayed_mem_limit as shown
+    except ImportError:  # the MPS package is optional for the engine
+        return f"{mib // 1024}G" if mib >= 1024 else f"{mib}M"
+    return shown(mib)
+
+
+# -- reports --------------------------------------------------------------------------------
+
+
+class ContainerState(StrEnum):
+    APPLIED = "applied"
+    REFUSED = "refused"
+    PENDING = "pending"
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerResult:
+    key: ContainerKey
+    ref: str
+    """namespace/pod/container, for messages."""
+    state: ContainerState
+    reason: str | None = None
+    message: str | None = None
+    plan_digest: str | None = None
+    mechanisms: frozenset[Mechanism] = frozenset()
+    compute: ComputeEnforcement | None = None
+    mps_namespace: str | None = None
+    limits: tuple[LimitTarget, ...] = ()
+    """The cgroup limits verified in force for this container (its pod slice and, once it
+    exists, its own cgroup)."""
+    container_limit_pending: bool = False
+    """Its own cgroup is not there yet (or its ID is unknown); the pod slice carries the cap."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuResult:
+    uuid: str
+    compute_mode: GpuComputeMode | None
+    """The mode in force after this apply (None when it could not be read)."""
+    changed: bool = False
+    error: NodeError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Issue:
+    """Something that went wrong outside any one container (cleanup, a GPU, the daemon)."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyReport:
+    at: float
+    containers: Mapping[ContainerKey, ContainerResult]
+    gpus: tuple[GpuResult, ...] = ()
+    writes: tuple[LimitWrite, ...] = ()
+    """Every memory-limit write of this apply, clears included (empty when converged)."""
+    cleared: tuple[tuple[str, str], ...] = ()
+    """(gpu uuid, cgroup path) of the stale limits cleared."""
+    namespaces_created: tuple[str, ...] = ()
+    namespaces_deleted: tuple[str, ...] = ()
+    compute_modes_set: tuple[tuple[str, GpuComputeMode], ...] = ()
+    issues: tuple[Issue, ...] = ()
+
+    def result(self, pod_uid: str, container: str) -> ContainerResult | None:
+        return self.containers.get(ContainerKey(pod_uid, container))
+
+    @property
+    def applied(self) -> tuple[ContainerResult, ...]:
+        return tuple(r for r in self.containers.values() if r.state is ContainerState.APPLIED)
+
+    @property
+    def converged(self) -> bool:
+        """Nothing pending and nothing left to retry."""
+        return not self.issues and all(r.state is not ContainerState.PENDING
+                                       for r in self.containers.values())
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseReport:
+    pod_uid: str
+    container: str | None
+    cleared: tuple[tuple[str, str], ...] = ()
+    namespaces_deleted: tuple[str, ...] = ()
+    issues: tuple[Issue, ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        return not self.issues
+
+
+@dataclass(frozen=True, slots=True)
+class ObservedLimit:
+    gpu_uuid: str
+    path: str
+    pod_uid: str
+    soft: int
+    hard: int
+    current_used: int
+    pod_level: bool
+    """True on the pod's slice, False on a cgroup below it (a container's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObservedState:
+    devices: tuple[DeviceInfo, ...] = ()
+    driver_version: str | None = None
+    memory_limits_supported: bool | None = None
+    limits: tuple[ObservedLimit, ...] = ()
+    """Every limit in force on a pod cgroup (cleared ones are left out)."""
+    pod_cgroups: tuple[PodCgroup, ...] = ()
+    mps_namespaces: tuple[str, ...] | None = None
+    """None: no MPS control, or the daemon has no namespaces (legacy protocol)."""
+    mps_clients: tuple[tuple[int, str | None], ...] | None = None
+    """(pid, namespace) of each MPS client; None when unknown."""
+    processes: Mapping[str, tuple[GpuProcess, ...]] = field(
+        default_factory=lambda: MappingProxyType({}))
+    issues: tuple[Issue, ...] = ()
+
+
+# -- the engine -----------------------------------------------------------------------------
+
+
+def _issue(e: NodeError) -> Issue:
+    return Issue(e.reason, e.message)
+
+
+def _has_namespaces(mps: MpsControlLike) -> bool:
+    """Whether the daemon speaks the v3 protocol (namespaces); assumed when it cannot say."""
+    probe = getattr(mps, "supports_protocol_v3", None)
+    return True if probe is None else bool(probe())
+
+
+class Engine:
+    def __init__(
+        self,
+        nvml: Nvml,
+        cgroup_fs: CgroupFs,
+        mps_control: MpsControlLike | None,
+        clock: Callable[[], float] = time.time,
+        config: NodeConfig | None = None,
+    ):
+        self.nvml = nvml
+        self.cgroup_fs = cgroup_fs
+        self.mps = mps_control
+        self.clock = clock
+        self.config = config or NodeConfig()
+        self.layout = self.config.layout
+        self.limits = MemoryLimitEnforcer(nvml)
+        self._clean: set[tuple[str, str]] = set()
+        """(gpu, cgroup path) read back without a limit since the last write there: skipped by
+        the stale-limit sweep (a pure read cache; `forget()` drops it)."""
+        self._atp: dict[str, int] = {}
+        """Active-thread percentage this engine set per MPS namespace (saves re-setting it)."""
+        self._last: DesiredState | None = None
+
+    def forget(self) -> None:
+        """Drop the read caches: the next apply re-reads every cgroup (a periodic resync)."""
+        self._clean.clear()
+        self._atp.clear()
+
+    # -- apply ------------------------------------------------------------------------------
+
+    def apply(self, desired: DesiredState) -> ApplyReport:
+        run = _Run(self, desired)
+        run.go()
+        self._last = desired
+        return run.report()
+
+    # -- release ----------------------------------------------------------------------------
+
+    def release(self, pod_uid: str, container: str | None = None, *,
+                container_names: Iterable[str] = ()) -> ReleaseReport:
+        """Remove what is enforced for a pod (or one container of it): its cgroup limits on every
+        GPU and its MPS namespaces. Idempotent; reads before it writes.
+
+        `container_names` (the pod's fractional containers, when the caller knows them) names
+        MPS namespaces this engine did not apply itself, e.g. after a restart; without it the
+        next apply's sweep deletes them. The agent must also drop the pod from its desired
+        state, or the next apply puts everything back (that is what level-triggered means)."""
+        issues: list[Issue] = []
+        cleared: list[tuple[str, str]] = []
+        deleted: list[str] = []
+        last = self._last or DesiredState()
+        mine = [c for c in last.containers if c.key.pod_uid == pod_uid
+                and (container is None or c.key.container == container)]
+        others = [c for c in last.containers if c.key.pod_uid == pod_uid and c not in mine]
+        paths: list[str] = []
+        if container is None:
+            for pc in self.layout.scan(self.cgroup_fs):
+                if pc.uid == pod_uid:
+                    paths += [pc.path, *pc.children]
+            paths += [c.pod_cgroup for c in mine] + [c.container_cgroup for c in mine
+                                                      if c.container_cgroup]
+        else:
+            paths += [c.container_cgroup for c in mine if c.container_cgroup]
+            if not any(Mechanism.CGROUP in c.mechanisms for c in others):
+                paths += [c.pod_cgroup for c in mine]
+        try:
+            supported = self.limits.supported()
+            uuids = ([d.uuid for d in self.nvml.devices() if not d.mig_enabled]
+                     if supported else [])
+        except NvmlError as e:
+            supported, uuids = False, []
+            issues.append(_issue(e))
+        for path in dict.fromkeys(paths):
+            if not self.cgroup_fs.exists(path):
+                continue  # a removed cgroup takes its limits with it
+            for uuid in uuids:
+                try:
+                    if self.limits.clear(uuid, path) is not None:
+                        cleared.append((uuid, path))
+                    self._clean.add((uuid, path))
+                except NvmlError as e:
+                    issues.append(_issue(e))
+        if container is not None:
+            names = [mps_namespace_name(pod_uid, container)]
+        else:
+            names = [c.mps_namespace for c in mine if c.mps_namespace]
+            names += [mps_namespace_name(pod_uid, n) for n in container_names]
+        if self.mps is not None and names:
+            try:
+                existing = set(self.mps.namespace_list()) if _has_namespaces(self.mps) else set()
+            except NodeError as e:
+                existing = set()
+                issues.append(_issue(e))
+            for name in dict.fromkeys(n for n in names if n in existing):
+                try:
+                    self.mps.namespace_delete(name, missing_ok=True)
+                    deleted.append(name)
+                    self._atp.pop(name, None)
+                except NodeError as e:
+                    issues.append(_issue(e))
+        return ReleaseReport(pod_uid=pod_uid, container=container, cleared=tuple(cleared),
+                             namespaces_deleted=tuple(deleted), issues=tuple(issues))
+
+    # -- observe ----------------------------------------------------------------------------
+
+    def observe(self) -> ObservedState:
+        """What the GPUs, the cgroup tree and the MPS daemon say now (reads only)."""
+        issues: list[Issue] = []
+        try:
+            devices = self.nvml.devices()
+            driver = self.nvml.driver_version()
+            supported = self.nvml.memory_limits_supported()
+        except NvmlError as e:
+            return ObservedState(issues=(_issue(e),))
+        pods = self.layout.scan(self.cgroup_fs)
+        limits: list[ObservedLimit] = []
+        if supported:
+            for pc in pods:
+                for path in (pc.path, *pc.children):
+                    for d in (d for d in devices if not d.mig_enabled):
+                        try:
+                            got = self.limits.read(d.uuid, path)
+                        except NvmlError as e:
+                            issues.append(_issue(e))
+                            continue
+                        if not got.cleared:
+                            limits.append(ObservedLimit(
+                                gpu_uuid=d.uuid, path=path, pod_uid=pc.uid, soft=got.soft,
+                                hard=got.hard, current_used=got.current_used,
+                                pod_level=path == pc.path))
+        processes: dict[str, tuple[GpuProcess, ...]] = {}
+        for d in devices:
+            try:
+                processes[d.uuid] = self.nvml.running_processes(d.uuid)
+            except NvmlError as e:
+                issues.append(_issue(e))
+        namespaces = clients = None
+        if self.mps is not None:
+            try:
+                if _has_namespaces(self.mps):
+                    clients = tuple((c.pid, c.namespace) for c in self.mps.client_list())
+                    namespaces = tuple(self.mps.namespace_list())
+            except NodeError as e:
+                issues.append(_issue(e))
+        return ObservedState(
+            devices=devices, driver_version=driver, memory_limits_supported=supported,
+            limits=tuple(limits), pod_cgroups=pods, mps_namespaces=namespaces,
+            mps_clients=clients, processes=MappingProxyType(processes), issues=tuple(issues))
+
+
+class _Run:
+    """One apply: collects per-container failures, then builds the report."""
+
+    def __init__(self, engine: Engine, desired: DesiredState):
+        self.e = engine
+        self.d = desired
+        self.at = engine.clock()
+        self.failed: dict[ContainerKey, NodeError] = {}
+        self.issues: list[Issue] = []
+        self.writes: list[LimitWrite] = []
+        self.cleared: list[tuple[str, str]] = []
+        self.created: list[str] = []
+        self.deleted: list[str] = []
+        self.modes_set: list[tuple[str, GpuComputeMode]] = []
+        self.gpu_results: list[GpuResult] = []
+        self.in_force: dict[ContainerKey, list[LimitTarget]] = {}
+        self.leaf_pending: set[ContainerKey] = set()
+        self.devices: dict[str, DeviceInfo] = {}
+
+    def fail(self, keys: Iterable[ContainerKey], error: NodeError) -> None:
+        for key in keys:
+            self.failed.setdefault(key, error)  # the first error is the one to fix first
+
+    def go(self) -> None:
+        try:
+            self.devices = {d.uuid: d for d in self.e.nvml.devices()}
+        except NvmlError as e:
+            # NVML is down: nothing can be verified, so nothing is applied (and nothing is
+            # cleaned up: a stale limit is safer than a guess).
+            self.fail((c.key for c in self.d.containers), e)
+            self.issues.append(_issue(e))
+            return
+        self.compute_modes()
+        self.mps()
+        self.cgroup_limits()
+        self.sweep_limits()
+        self.sweep_namespaces()
+
+    # compute modes ----------------------------------------------------------------------------
+
+    def compute_modes(self) -> None:
+        for g in self.d.gpus:
+            device = self.devices.get(g.uuid)
+            if device is None:
+                continue  # the plan refused its containers (DeviceNotOnNode)
+            mode, changed, error = device.compute_mode, False, None
+            if (g.compute_mode is not None and self.e.config.sm_sharing
+                    and device.compute_mode != g.compute_mode):
+                try:
+                    self.e.nvml.set_compute_mode(g.uuid, g.compute_mode)
+                    mode, changed = g.compute_mode, True
+                    self.modes_set.append((g.uuid, g.compute_mode))
+                except NvmlError as e:
+                    error = e
+                    self.fail(g.containers, e)
+            self.gpu_results.append(GpuResult(g.uuid, mode, changed, error))
+
+    # MPS ----------------------------------------------------------------------------------------
+
+    def mps(self) -> None:
+        needs_mps = [c for c in self.d.containers
+                     if c.mps_namespace or Mechanism.MPS_PINNED in c.mechanisms]
+        if not needs_mps:
+            return
+        mps = self.e.mps
+        if mps is None:
+            self.fail((c.key for c in needs_mps), NodeError(
+                "the MPS control daemon is not available on this node (the agent runs without "
+                "MPS control): sm-sharing cannot be enforced; check the agent's MPS settings",
+                reason=MPS_UNAVAILABLE))
+            return
+        for g in self.d.gpus:
+            if g.mps_pinned_mib is None:
+                continue
+            users = [c.key for c in needs_mps if Mechanism.MPS_PINNED in c.mechanisms
+                     and g.uuid in c.plan.device_uuids]
+            try:
+                if mps.get_default_pinned_mem_limit(g.index) != displayed_mem_limit(
+                        g.mps_pinned_mib):
+                    mps.set_default_pinned_mem_limit(g.index, g.mps_pinned_mib)
+            except NodeError as e:
+                self.fail(users, e)
+        wanted = [c for c in needs_mps if c.mps_namespace]
+        if not wanted:
+            return
+        try:
+            existing = set(mps.namespace_list())
+        except NodeError as e:
+            self.fail((c.key for c in wanted), e)
+            return
+        clients: list[MpsClientLike] | None = None
+        for c in wanted:
+            name, pct = c.mps_namespace, c.active_thread_percentage
+            assert name is not None and pct is not None
+            try:
+                if name not in existing:
+                    mps.namespace_create(name, exist_ok=True)
+                    self.created.append(name)
+                    self.e._atp.pop(name, None)
+                if self.e._atp.get(name) == pct:
+                    continue
+                if clients is None:
+                    clients = list(mps.client_list())
+                if any(cl.namespace == name for cl in clients):
+                    # MPS fixed the cap when the first client attached; it was set then (the
+                    # gate let no client start before this engine applied the namespace).
+                    self.e._atp[name] = pct
+                    continue
+                mps.namespace_set_active_thread_percentage(name, pct)
+                self.e._atp[name] = pct
+            except NodeError as e:
+                self.fail([c.key], e)
+
+    # cgroup limits -----------------------------------------------------------------------------
+
+    def _owners(self, target: LimitTarget) -> list[ContainerDesired]:
+        return [c for c in self.d.containers if c.key.pod_uid == target.pod_uid
+                and Mechanism.CGROUP in c.mechanisms
+                and (target.container is None or c.key.container == target.container)
+                and target.gpu_uuid in c.plan.device_uuids]
+
+    def cgroup_limits(self) -> None:
+        for c in self.d.containers:
+            if Mechanism.CGROUP in c.mechanisms and c.container_cgroup is None:
+                self.leaf_pending.add(c.key)
+        for t in self.d.limits:
+            owners = self._owners(t)
+            keys = [c.key for c in owners]
+            if not self.e.cgroup_fs.exists(t.path):
+                if t.container is None:
+                    self.fail(keys, NodeError(
+                        f"the pod's cgroup {t.path} does not exist yet (kubelet creates it when "
+                        "the pod starts on this node); the limits are applied as soon as it "
+                        "does. If it never appears, check --cgroup-root and --cgroup-driver "
+                        "against the kubelet's configuration", reason=CGROUP_NOT_FOUND))
+                else:
+                    self.leaf_pending.update(keys)
+                continue
+            try:
+                write = self.e.limits.ensure(t)
+            except NvmlError as err:
+                self.fail(keys, err)
+                continue
+            self.e._clean.discard((t.gpu_uuid, t.path))
+            if write is not None:
+                self.writes.append(write)
+            for k in keys:
+                self.in_force.setdefault(k, []).append(t)
+
+    def sweep_limits(self) -> None:
+        """Clear limits on pod cgroups (and below) that no desired target names."""
+        if not any(Mechanism.CGROUP in c.mechanisms for c in self.d.containers):
+            try:
+                if not self.e.limits.supported():
+                    return
+            except NvmlError as e:
+                self.issues.append(_issue(e))
+                return
+        wanted = {(t.gpu_uuid, t.path) for t in self.d.limits}
+        gpus = [d.uuid for d in self.devices.values() if not d.mig_enabled]  # MIG: no limits
+        for pc in self.e.layout.scan(self.e.cgroup_fs):
+            for path in (pc.path, *pc.children):
+                for uuid in gpus:
+                    key = (uuid, path)
+                    if key in wanted or key in self.e._clean:
+                        continue
+                    try:
+                        write = self.e.limits.clear(uuid, path)
+                    except NvmlError as e:
+                        self.issues.append(Issue(e.reason, f"could not clear the stale GPU "
+                                                 f"memory limit on {path}: {e.message}"))
+                        continue
+                    self.e._clean.add(key)
+                    if write is not None:
+                        self.writes.append(write)
+                        self.cleared.append(key)
+
+    def sweep_namespaces(self) -> None:
+        """Delete MPS namespaces this engine made (by their name's shape) that no desired
+        container names. A namespace with clients attached stays until they exit."""
+        mps = self.e.mps
+        if mps is None:
+            return
+        try:
+            if not _has_namespaces(mps):
+                return
+            existing = mps.namespace_list()
+        except NodeError as e:
+            self.issues.append(_issue(e))
+            return
+        keep = self.d.mps_namespaces
+        for name in existing:
+            if not is_our_namespace(name) or name in keep:
+                continue
+            try:
+                mps.namespace_delete(name, missing_ok=True)
+                self.deleted.append(name)
+                self.e._atp.pop(name, None)
+            except NodeError as e:
+                self.issues.append(Issue(e.reason, f"could not delete the stale MPS namespace "
+                                         f"{name}: {e.message}"))
+
+    # report ----------------------------------------------------------------------------------
+
+    def report(self) -> ApplyReport:
+        results: dict[ContainerKey, ContainerResult] = {}
+        for r in self.d.refusals:
+            results[r.key] = ContainerResult(
+                key=r.key, ref=r.ref,
+                state=ContainerState.REFUSED if r.final else ContainerState.PENDING,
+                reason=r.reason.value, message=r.message)
+        for c in self.d.containers:
+            error = self.failed.get(c.key)
+            common = dict(key=c.key, ref=c.ref, plan_digest=c.plan.digest,
+                          mechanisms=c.mechanisms, compute=c.compute,
+                          mps_namespace=c.mps_namespace,
+                          limits=tuple(self.in_force.get(c.key, ())),
+                          container_limit_pending=c.key in self.leaf_pending)
+            if error is not None:
+                results[c.key] = ContainerResult(state=ContainerState.PENDING,
+                                                 reason=error.reason, message=error.message,
+                                                 **common)
+            else:
+                results[c.key] = ContainerResult(state=ContainerState.APPLIED, **common)
+        return ApplyReport(
+            at=self.at, containers=MappingProxyType(results), gpus=tuple(self.gpu_results),
+            writes=tuple(self.writes), cleared=tuple(self.cleared),
+            namespaces_created=tuple(self.created), namespaces_deleted=tuple(self.deleted),
+            compute_modes_set=tuple(self.modes_set), issues=tuple(self.issues))
