@@ -1,0 +1,213 @@
+"""The in-memory FakeNvml: configuration, the seam's behaviour, error injection, the call log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kai_fractions.node.errors import (
+    ConfigError,
+    NvmlDriverNotLoaded,
+    NvmlFunctionNotFound,
+    NvmlGpuLost,
+    NvmlNoPermission,
+    NvmlNotFound,
+    NvmlNotSupported,
+    NvmlUnknown,
+)
+from kai_fractions.node.nvml import (
+    MEMORY_LIMIT_MAX,
+    GpuComputeMode,
+    GpuProcess,
+    MemoryLimits,
+    Nvml,
+)
+from kai_fractions.node.nvml_fake import FakeGpu, FakeNvml, NvmlCall, fake_uuid
+
+MIB = 1 << 20
+GIB = 1 << 30
+NS = "/sys/fs/cgroup/kubepods.slice/x.slice"
+
+
+def started(fake: FakeNvml) -> FakeNvml:
+    fake.init()
+    return fake
+
+
+def test_simulated_h100s() -> None:
+    nvml = started(FakeNvml.simulated(2, seed="node-a"))
+    assert isinstance(nvml, Nvml)
+    d0, d1 = nvml.devices()
+    assert (d0.index, d0.name, d0.memory_total, d0.compute_mode, d0.mig_enabled) == (
+        0, "NVIDIA H100 80GB HBM3", 81559 * MIB, GpuComputeMode.DEFAULT, False)
+    assert d0.uuid == fake_uuid("node-a", 0) and d1.uuid == fake_uuid("node-a", 1)
+    assert d0.uuid != fake_uuid("node-b", 0)
+    assert nvml.driver_version() == "615.00.00"
+    assert nvml.memory_limits_supported()
+
+
+def test_fake_uuid_is_well_formed_and_stable() -> None:
+    u = fake_uuid("s", 3)
+    assert u == fake_uuid("s", 3)
+    parts = u.split("-")
+    assert parts[0] == "GPU" and [len(p) for p in parts[1:]] == [8, 4, 4, 4, 12]
+
+
+def test_from_yaml_file(tmp_path: Path) -> None:
+    f = tmp_path / "gpus.yaml"
+    f.write_text(
+        "driver_version: 535.104.05\n"
+        "memory_limits: false\n"
+        "gpus:\n"
+        "  - model: A100-40GB\n"
+        "    count: 2\n"
+        "  - uuid: GPU-abc\n"
+        "    name: Custom GPU\n"
+        "    memory: 16Gi\n"
+        "    compute_mode: exclusive-process\n"
+        "    mig: true\n"
+        "processes:\n"
+        "  - {gpu: 0, pid: 42, used: 1Gi, sm: 30, cgroup: /a/b}\n"
+        "  - {gpu: GPU-abc, pid: 43, used: na}\n")
+    nvml = started(FakeNvml.from_yaml(f))
+    devs = nvml.devices()
+    assert [(d.name, d.memory_total) for d in devs] == [
+        ("NVIDIA A100-SXM4-40GB", 40960 * MIB), ("NVIDIA A100-SXM4-40GB", 40960 * MIB),
+        ("Custom GPU", 16 * GIB)]
+    assert devs[2].uuid == "GPU-abc" and devs[2].mig_enabled
+    assert devs[2].compute_mode is GpuComputeMode.EXCLUSIVE_PROCESS
+    assert devs[0].memory_used == GIB
+    assert nvml.driver_version() == "535.104.05" and not nvml.memory_limits_supported()
+    assert nvml.running_processes("GPU-abc") == (GpuProcess(43, None),)
+    (u,) = nvml.process_utilization(devs[0].uuid)
+    assert (u.pid, u.sm_percent) == (42, 30)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"gpus": [{"model": "B9000"}]}, "gpus[0].model: unknown GPU model 'B9000'; known: "),
+    ({"gpus": [{"memory": "lots"}]}, "gpus[0].memory: "),
+    ({"gpus": [{"count": 0}]}, "gpus[0].count: must be a whole number >= 1, got 0"),
+    ({"gpus": [{"uuid": "GPU-x", "count": 2}]}, "gpus[0]: uuid can only be given with count 1"),
+    ({"gpus": [{"colour": "green"}]}, "gpus[0]: unknown keys ['colour']"),
+    ({"gpus": [{"compute_mode": "turbo"}]}, "gpus[0].compute_mode: one of default, "),
+    ({"gpus": [{}], "processes": [{"gpu": 3, "pid": 1, "used": 1}]},
+     "processes[0].gpu: no GPU with index 3"),
+    ({"processes": [{"pid": 1}]}, "processes[0]: gpu is required"),
+    ({"gpu": []}, "fake NVML config: unknown keys ['gpu']"),
+    ({"gpus": [{"uuid": "GPU-x"}, {"uuid": "GPU-x"}]}, "GPU UUIDs must be unique"),
+])
+def test_config_errors_say_what_is_wrong(data, message) -> None:
+    with pytest.raises(ConfigError) as e:
+        FakeNvml.from_dict(data)
+    assert message in e.value.message
+    assert e.value.reason == "InvalidConfig"
+
+
+def test_bad_yaml() -> None:
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        FakeNvml.from_yaml("gpus: [")
+
+
+def test_calls_need_init() -> None:
+    nvml = FakeNvml.simulated(1)
+    with pytest.raises(NvmlUnknown) as e:
+        nvml.devices()
+    assert e.value.code == 1  # NVML_ERROR_UNINITIALIZED
+    nvml.init()
+    nvml.shutdown()
+    with pytest.raises(NvmlUnknown):
+        nvml.driver_version()
+
+
+def test_memory_limits_set_get_clear_and_call_log() -> None:
+    nvml = started(FakeNvml([FakeGpu("GPU-a")], processes=[]))
+    nvml.add_process(7, "GPU-a", 3 * GIB, cgroup=NS + "/leaf.scope")
+    nvml.add_process(8, 0, GIB, cgroup="/elsewhere")
+    assert nvml.get_memory_limits("GPU-a", NS) == MemoryLimits(0, MEMORY_LIMIT_MAX, 3 * GIB)
+    nvml.set_memory_limits("GPU-a", NS, GIB, 2 * GIB)
+    assert nvml.limits == {("GPU-a", NS): (GIB, 2 * GIB)}
+    assert nvml.get_memory_limits("GPU-a", NS) == MemoryLimits(GIB, 2 * GIB, 3 * GIB)
+    nvml.clear_memory_limits("GPU-a", NS)
+    assert nvml.limits == {}
+    assert nvml.get_memory_limits("GPU-a", NS).cleared
+    assert nvml.set_limit_calls == [("GPU-a", NS, GIB, 2 * GIB), ("GPU-a", NS, 0, MEMORY_LIMIT_MAX)]
+    assert nvml.calls_of("set_memory_limits") == [
+        NvmlCall("set_memory_limits", ("GPU-a", NS, GIB, 2 * GIB))]
+    nvml.remove_process(7)
+    assert nvml.get_memory_limits("GPU-a", NS).current_used == 0
+
+
+def test_invalid_limits_are_refused() -> None:
+    nvml = started(FakeNvml([FakeGpu("GPU-a")]))
+    with pytest.raises(NvmlUnknown, match="soft 2 must be <= hard 1"):
+        nvml.set_memory_limits("GPU-a", NS, 2, 1)
+    with pytest.raises(NvmlUnknown, match="not an absolute cgroup path"):
+        nvml.set_memory_limits("GPU-a", "relative", 1, 2)
+    with pytest.raises(NvmlNotFound) as e:
+        nvml.set_memory_limits("GPU-nope", NS, 1, 2)
+    assert e.value.reason == "GPUNotFound"
+
+
+def test_old_driver_has_no_memory_limit_functions() -> None:
+    nvml = started(FakeNvml([FakeGpu("GPU-a")], memory_limits=False))
+    assert not nvml.memory_limits_supported()
+    with pytest.raises(NvmlFunctionNotFound) as e:
+        nvml.set_memory_limits("GPU-a", NS, 1, 2)
+    assert e.value.reason == "DriverTooOld"
+    assert e.value.function == "nvmlDeviceSetMemoryLimits_v1"
+    assert e.value.message == (
+        "the NVIDIA driver's NVML has no nvmlDeviceSetMemoryLimits_v1: cgroup GPU memory limits "
+        "need NVIDIA driver r615 or newer; upgrade the driver, or allow a fallback with "
+        "--memory-enforcement (mps-pinned, watchdog)")
+
+
+def test_mig_and_lost_gpus() -> None:
+    nvml = started(FakeNvml([FakeGpu("GPU-m", mig=True), FakeGpu("GPU-l")]))
+    with pytest.raises(NvmlNotSupported):
+        nvml.get_memory_limits("GPU-m", NS)
+    nvml.gpu("GPU-l").lost = True
+    with pytest.raises(NvmlGpuLost) as e:
+        nvml.running_processes("GPU-l")
+    assert e.value.reason == "GPULost"
+    with pytest.raises(NvmlGpuLost):
+        nvml.devices()
+
+
+def test_error_injection_times_and_device() -> None:
+    nvml = started(FakeNvml([FakeGpu("GPU-a"), FakeGpu("GPU-b")]))
+    nvml.fail("set_memory_limits", "NoPermission", times=1, device="GPU-b")
+    nvml.set_memory_limits("GPU-a", NS, 1, 2)  # other GPU: unaffected
+    with pytest.raises(NvmlNoPermission) as e:
+        nvml.set_memory_limits("GPU-b", NS, 1, 2)
+    assert e.value.reason == "NVMLNoPermission"
+    assert "must run as root" in e.value.message
+    nvml.set_memory_limits("GPU-b", NS, 1, 2)  # used up
+    nvml.fail("devices", "Unknown", times=None)
+    for _ in range(3):
+        with pytest.raises(NvmlUnknown):
+            nvml.devices()
+    nvml.clear_failures()
+    assert len(nvml.devices()) == 2
+    with pytest.raises(ConfigError, match="unknown seam method 'nope'"):
+        nvml.fail("nope")
+    with pytest.raises(ConfigError, match="unknown NVML error 'Oops'"):
+        nvml.fail("devices", "Oops")
+
+
+def test_init_failure_like_a_node_without_driver() -> None:
+    nvml = FakeNvml.simulated(1)
+    nvml.fail("init", "DriverNotLoaded", times=None)
+    with pytest.raises(NvmlDriverNotLoaded) as e:
+        nvml.init()
+    assert e.value.reason == "NVMLUnavailable"
+
+
+def test_compute_mode() -> None:
+    nvml = started(FakeNvml([FakeGpu("GPU-a")]))
+    nvml.set_compute_mode("GPU-a", GpuComputeMode.EXCLUSIVE_PROCESS)
+    assert nvml.devices()[0].compute_mode is GpuComputeMode.EXCLUSIVE_PROCESS
+    with pytest.raises(NvmlNotSupported):
+        nvml.set_compute_mode("GPU-a", GpuComputeMode.EXCLUSIVE_THREAD)
+    assert nvml.calls_of("set_compute_mode")[0].args == ("GPU-a",
+                                                         GpuComputeMode.EXCLUSIVE_PROCESS)
