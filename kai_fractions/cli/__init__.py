@@ -18,6 +18,9 @@ from .. import __version__
 _COMMAND_MODULES = (
     "kai_fractions.cli.validate",
     "kai_fractions.cli.plan",
+    "kai_fractions.cli.mirror",
+    "kai_fractions.cli.admission",
+    "kai_fractions.cli.gate",
 )
 
 EXIT_OK, EXIT_CONTRACT, EXIT_USAGE = 0, 1, 2

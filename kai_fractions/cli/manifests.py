@@ -9,6 +9,9 @@ from typing import Any
 
 import yaml
 
+from ..contract import PodView, pod_views
+from ..contract.pod import ManifestError
+
 
 class InputError(Exception):
     """Unreadable input: the message names the file and what is wrong (exit code 2)."""
@@ -46,3 +49,14 @@ def load_documents(paths: list[str]) -> Iterator[tuple[str, Any]]:
                 if not isinstance(doc, dict):
                     raise InputError(f"{name}: a document is not a Kubernetes object (a mapping)")
                 yield name, doc
+
+
+def load_pod_views(paths: list[str]) -> list[PodView]:
+    """Every pod and pod template in the files; raises InputError for a malformed object."""
+    views: list[PodView] = []
+    for name, doc in load_documents(paths):
+        try:
+            views.extend(pod_views(doc))
+        except ManifestError as e:
+            raise InputError(f"{name}: {doc.get('kind') or 'object'}: {e}") from None
+    return views

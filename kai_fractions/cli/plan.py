@@ -19,9 +19,8 @@ from ..contract import (
     parse_decimal,
     parse_pod,
     plan_pod,
-    pod_views,
 )
-from .manifests import InputError, load_documents
+from .manifests import InputError, load_pod_views
 from .validate import add_common, keys_from, line
 
 
@@ -67,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         keys = keys_from(args)
         decision = _decision(args)
-        views = [v for _, doc in load_documents(args.filename) for v in pod_views(doc)]
+        views = load_pod_views(args.filename)
     except InputError as e:
         print(f"kai-fractions plan: {e}", file=sys.stderr)
         return 2

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from ..contract import DEFAULT_KEYS, Keys, parse_pod, pod_views
-from .manifests import InputError, load_documents
+from ..contract import DEFAULT_KEYS, Keys, parse_pod
+from .manifests import InputError, load_pod_views
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +44,7 @@ def line(ref: str, container: str | None, error) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         keys = keys_from(args)
-        results = [parse_pod(view, keys)
-                   for _, doc in load_documents(args.filename) for view in pod_views(doc)]
+        results = [parse_pod(view, keys) for view in load_pod_views(args.filename)]
     except InputError as e:
         print(f"kai-fractions validate: {e}", file=sys.stderr)
         return 2

@@ -55,6 +55,11 @@ def _check_decision(share: ContainerShare, d: BindDecision) -> list[ContractErro
         errors.append(ContractError(
             "received_gpu.portion", "must be a portion of one GPU, 0 < x <= 1",
             format_plain(d.received_portion) if abs(d.received_portion) < 10**15 else "huge"))
+    elif d.received_portion is not None and float(d.received_portion) == 0.0:
+        # It would be written as "0", which the contract itself rejects as a portion.
+        errors.append(ContractError(
+            "received_gpu.portion", "is too small to be written as a decimal portion",
+            str(d.received_portion)))
     if not d.gpu_ids:
         errors.append(ContractError("reserved_gpu_ids", "must name the reserved GPU of each "
                                     "fractional group"))
@@ -148,7 +153,7 @@ def binder_annotations(
             keys.container(name, k.MEMORY_REQUEST), f"asks for {mib_ceil(effective_request)} "
             f"MiB but a GPU on this node shares only {usable} MiB", container=name)])
     if decision.received_portion is not None:
-        portion = min(decision.received_portion, Fraction(1))
+        portion = decision.received_portion  # checked to be in (0, 1] above
     else:
         portion = Fraction(effective_request, usable * MIB)
 
@@ -168,5 +173,16 @@ def binder_keys(request: PodRequest, keys: k.Keys = k.DEFAULT_KEYS) -> tuple[str
 
 
 def parse_group_modes(values: Sequence[str]) -> tuple[ComputeMode, ...]:
-    """Modes as KAI's BindRequest spells them; empty means time-slicing (older groups)."""
-    return tuple(ComputeMode(v) if v else ComputeMode.TIME_SLICING for v in values)
+    """Modes as KAI's BindRequest spells them; empty means time-slicing (older groups).
+    Raises ContractViolation naming each group whose mode is unknown."""
+    modes, errors = [], []
+    for i, value in enumerate(values):
+        try:
+            modes.append(ComputeMode(value) if value else ComputeMode.TIME_SLICING)
+        except ValueError:
+            errors.append(ContractError(
+                f"selected_fractional_gpu_groups[{i}].compute_sharing_mode",
+                "must be one of: time-slicing, sm-sharing (empty means time-slicing)", value))
+    if errors:
+        raise ContractViolation(errors)
+    return tuple(modes)

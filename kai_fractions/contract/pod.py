@@ -15,6 +15,26 @@ from typing import Any
 from . import keys as k
 
 
+class ManifestError(ValueError):
+    """A manifest field has the wrong shape; the message names the field path."""
+
+
+def _mapping(value: Any, path: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ManifestError(f"{path} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _items(value: Any, path: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ManifestError(f"{path} must be a list, got {type(value).__name__}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class ContainerView:
     name: str
@@ -50,10 +70,11 @@ class PodView:
         return base if self.kind == "Pod" else f"{self.kind}/{base}"
 
 
-def _whole_gpus(container: Mapping[str, Any]) -> int:
-    resources = container.get("resources") or {}
+def _whole_gpus(container: Mapping[str, Any], path: str) -> int:
+    resources = _mapping(container.get("resources"), f"{path}.resources")
     for section in ("limits", "requests"):
-        value = (resources.get(section) or {}).get(k.WHOLE_GPU_RESOURCE)
+        value = _mapping(resources.get(section), f"{path}.resources.{section}").get(
+            k.WHOLE_GPU_RESOURCE)
         if value is not None:
             try:
                 return int(str(value))
@@ -63,29 +84,31 @@ def _whole_gpus(container: Mapping[str, Any]) -> int:
 
 
 def _containers(spec: Mapping[str, Any], key: str, init: bool) -> tuple[ContainerView, ...]:
-    items = spec.get(key) or []
-    return tuple(
-        ContainerView(name=str(c.get("name", "")), whole_gpus=_whole_gpus(c), init=init)
-        for c in items
-        if isinstance(c, Mapping)
-    )
+    views = []
+    for i, item in enumerate(_items(spec.get(key), f"spec.{key}")):
+        c = _mapping(item, f"spec.{key}[{i}]")
+        views.append(ContainerView(name=str(c.get("name", "")),
+                                   whole_gpus=_whole_gpus(c, f"spec.{key}[{i}]"), init=init))
+    return tuple(views)
 
 
-def _str_map(value: Any) -> Mapping[str, str]:
-    if not isinstance(value, Mapping):
-        return MappingProxyType({})
+def _str_map(value: Any, path: str) -> Mapping[str, str]:
+    value = _mapping(value, path)
     return MappingProxyType({str(a): "" if b is None else str(b) for a, b in value.items()})
 
 
 def view_from_pod_spec(
     metadata: Mapping[str, Any], spec: Mapping[str, Any], *, kind: str = "Pod", namespace: str = ""
 ) -> PodView:
+    """Raises ManifestError when a field has the wrong shape."""
+    metadata = _mapping(metadata, "metadata")
+    spec = _mapping(spec, "spec")
     return PodView(
         name=str(metadata.get("name") or metadata.get("generateName") or ""),
         namespace=str(metadata.get("namespace") or namespace or "default"),
         uid=str(metadata.get("uid") or ""),
-        annotations=_str_map(metadata.get("annotations")),
-        labels=_str_map(metadata.get("labels")),
+        annotations=_str_map(metadata.get("annotations"), "metadata.annotations"),
+        labels=_str_map(metadata.get("labels"), "metadata.labels"),
         containers=_containers(spec, "containers", init=False),
         init_containers=_containers(spec, "initContainers", init=True),
         node_name=str(spec.get("nodeName") or ""),
@@ -93,39 +116,43 @@ def view_from_pod_spec(
     )
 
 
-def _template_path(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    spec = obj.get("spec") or {}
-    if obj.get("kind") == "CronJob":
-        spec = ((spec.get("jobTemplate") or {}).get("spec")) or {}
+def _template(obj: Mapping[str, Any]) -> tuple[Mapping[str, Any] | None, str]:
+    """The pod template of a workload and its field path, or None for kinds without one."""
     if obj.get("kind") == "PodTemplate":
-        return obj.get("template")
-    template = spec.get("template")
-    return template if isinstance(template, Mapping) else None
+        return _mapping(obj.get("template"), "template") or None, "template"
+    spec = _mapping(obj.get("spec"), "spec")
+    path = "spec"
+    if obj.get("kind") == "CronJob":
+        job = _mapping(spec.get("jobTemplate"), "spec.jobTemplate")
+        spec, path = _mapping(job.get("spec"), "spec.jobTemplate.spec"), "spec.jobTemplate.spec"
+    if spec.get("template") is None:
+        return None, ""
+    return _mapping(spec.get("template"), f"{path}.template"), f"{path}.template"
 
 
 def pod_views(obj: Mapping[str, Any]) -> Iterator[PodView]:
-    """Every pod (or pod template) in a manifest object; nothing for kinds without pods."""
+    """Every pod (or pod template) in a manifest object; nothing for kinds without pods.
+    Raises ManifestError naming the field when the object has the wrong shape."""
     if not isinstance(obj, Mapping):
-        return
+        return  # not a Kubernetes object, so no pod
     kind = str(obj.get("kind") or "")
-    metadata = obj.get("metadata") or {}
+    metadata = _mapping(obj.get("metadata"), "metadata")
     if kind == "List":
-        for item in obj.get("items") or []:
+        for item in _items(obj.get("items"), "items"):
             yield from pod_views(item)
         return
     if kind == "Pod":
-        yield view_from_pod_spec(metadata, obj.get("spec") or {})
+        yield view_from_pod_spec(metadata, _mapping(obj.get("spec"), "spec"))
         return
-    template = _template_path(obj)
+    template, path = _template(obj)
     if template is None:
         return
-    template_meta = dict(template.get("metadata") or {})
-    # A template has no name of its own: messages name the workload.
-    template_meta.setdefault("name", metadata.get("name", ""))
-    template_meta["name"] = metadata.get("name", template_meta["name"])
-    yield view_from_pod_spec(
-        template_meta,
-        template.get("spec") or {},
-        kind=kind or "Object",
-        namespace=str(metadata.get("namespace") or ""),
-    )
+    try:
+        # A template has no name of its own: messages name the workload.
+        template_meta = {**_mapping(template.get("metadata"), "metadata"),
+                         "name": metadata.get("name", "")}
+        spec = _mapping(template.get("spec"), "spec")
+        yield view_from_pod_spec(template_meta, spec, kind=kind or "Object",
+                                 namespace=str(metadata.get("namespace") or ""))
+    except ManifestError as e:
+        raise ManifestError(f"{path}.{e}") from None

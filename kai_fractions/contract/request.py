@@ -56,6 +56,8 @@ class ContainerShare:
     compute_portion: Fraction | None = None
     """The `.gpu-compute.portion` annotation (binder-written)."""
     num_devices: int = 1
+    source_key: str | None = None
+    """The annotation that makes the container fractional (what errors about it name)."""
 
     @property
     def node_request_bytes(self) -> int | None:
@@ -204,8 +206,11 @@ def _share_from_nvfractions(
     if k.COMPUTE_PORTION in values:
         portion = _portion(c, key(k.COMPUTE_PORTION), values[k.COMPUTE_PORTION], name,
                            upper_open=False)
+    present = (k.MEMORY_REQUEST, k.MEMORY_LIMIT, k.DEVICES, k.COMPUTE_PORTION)
+    source = next((key(s) for s in present if s in values), None)
     return ContainerShare(
         container=name,
+        source_key=source,
         request_bytes=request,
         limit_bytes=limit,
         compute_mode=mode,
@@ -325,8 +330,13 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
         key = keys.portion_limit(name)
         if share is None:
             c.error(key, "the container requests no GPU fraction to limit", str(portion), name)
-        elif share.limit_portion is not None or share.limit_bytes is not None:
-            c.error(key, "the container already has a memory limit; set only one", None, name)
+        elif share.limit_portion is not None:
+            c.error(key, f"the container already has {k.GPU_FRACTION_LIMIT}; set only one",
+                    None, name)
+        elif share.limit_bytes is not None:
+            # The absolute limit wins. After a bind it is the one the binder computed from
+            # this very key, so both being present is the normal, bound state.
+            continue
         elif share.fraction is not None and portion <= share.fraction:
             c.error(key, "must be greater than the container's gpu-fraction", None, name)
         else:
@@ -344,6 +354,7 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
 def _merge_legacy(share: ContainerShare, legacy: _Legacy, c: _Collector) -> ContainerShare:
     if share.request_bytes is not None or share.limit_bytes is not None:
         return share  # NvFractions request/limit win over the legacy keys
+    legacy_key = k.GPU_FRACTION if legacy.fraction is not None else k.GPU_MEMORY
     if share.devices and len(share.devices) != legacy.num_devices:
         c.error(k.GPU_FRACTION_NUM_DEVICES, f"asks for {legacy.num_devices} device(s) but the "
                 f"binder wrote {len(share.devices)}", str(legacy.num_devices), share.container)
@@ -354,6 +365,7 @@ def _merge_legacy(share: ContainerShare, legacy: _Legacy, c: _Collector) -> Cont
         legacy_memory_bytes=legacy.memory_bytes if legacy.fraction is None else None,
         legacy_limit_bytes=legacy.limit_bytes if legacy.fraction is None else None,
         num_devices=max(legacy.num_devices, len(share.devices)),
+        source_key=share.source_key or legacy_key,
     )
 
 
@@ -362,21 +374,18 @@ def _check_shares(
 ) -> None:
     fractional = []
     for name, share in shares.items():
-        asks = (share.request_bytes is not None or share.limit_bytes is not None
-                or share.fraction is not None or share.legacy_memory_bytes is not None
-                or share.devices)
         view = pod.container(name)
-        if not asks:
+        if share.source_key is None:
             # Only a compute mode (or a portion) on a container that asks for no fraction.
             c.warn(keys.container(name, k.COMPUTE_MODE), "has no effect: the container "
                    "requests no GPU fraction", container=name)
             continue
         fractional.append(name)
         if view is not None and view.whole_gpus != 0:
-            c.error(keys.container(name, k.MEMORY_REQUEST), "a GPU fraction may not be "
+            c.error(share.source_key, "a GPU fraction may not be "
                     f"combined with a whole {k.WHOLE_GPU_RESOURCE} request", None, name)
     if len(fractional) > 1:
-        c.error(keys.container(fractional[1], k.MEMORY_REQUEST), "KAI allows only one "
+        c.error(shares[fractional[1]].source_key or "", "KAI allows only one "
                 f"container per pod with a fractional GPU request; {fractional[0]!r} already "
                 "has one", None, fractional[1])
     for name in list(shares):

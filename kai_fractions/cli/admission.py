@@ -1,0 +1,79 @@
+"""`kai-fractions admission`: the validating and mutating webhooks over HTTPS.
+
+Heavy imports stay inside `run`: the CLI imports every command module to build its parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..admission.config import (
+    DEFAULT_ALLOWED_IDENTITIES,
+    DEFAULT_MARKER_HOST_DIR,
+    DEFAULT_MPS_PIPE_HOST_DIR,
+)
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "admission", help="serve the validating and mutating admission webhooks",
+        description="Serve POST /validate and POST /mutate (AdmissionReview v1) and GET "
+        "/healthz over HTTPS. The certificate and key are reloaded when they change on disk. "
+        "See docs/admission.md for the webhook configuration (failurePolicy, selectors).",
+    )
+    p.add_argument("--listen", default="0.0.0.0:8443", metavar="ADDR",
+                   help="HOST:PORT to listen on (default: %(default)s)")
+    p.add_argument("--tls-cert", required=True, metavar="FILE", help="serving certificate")
+    p.add_argument("--tls-key", required=True, metavar="FILE", help="its private key")
+    p.add_argument("--allowed-identity", action="append", default=None, metavar="NAME",
+                   help="a username that may write protected annotation keys (repeatable; "
+                   "default: " + ", ".join(DEFAULT_ALLOWED_IDENTITIES) + ")")
+    p.add_argument("--gate-image", required=True, metavar="IMAGE",
+                   help="image of the gate init container (has `kai-fractions` on its PATH)")
+    p.add_argument("--marker-host-dir", default=DEFAULT_MARKER_HOST_DIR, metavar="DIR",
+                   help="the node agent's marker root on the host (default: %(default)s)")
+    p.add_argument("--mps-pipe-host-dir", default=DEFAULT_MPS_PIPE_HOST_DIR, metavar="DIR",
+                   help="the node agent's MPS pipe root on the host (default: %(default)s)")
+    p.add_argument("--annotation-prefix", default=None, metavar="P",
+                   help="per-container key prefix (default: nvidia.com/container.)")
+    p.add_argument("--log-level", default="info",
+                   choices=("debug", "info", "warning", "error"), help="(default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import sys
+    import threading
+
+    from ..admission.config import AdmissionConfig
+    from ..admission.server import make_server
+    from ..admission.tls import ReloadingContext, TLSError
+    from ..contract import DEFAULT_KEYS, Keys
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        keys = Keys(prefix=args.annotation_prefix) if args.annotation_prefix else DEFAULT_KEYS
+        config = AdmissionConfig(
+            gate_image=args.gate_image, keys=keys,
+            allowed_identities=tuple(args.allowed_identity or DEFAULT_ALLOWED_IDENTITIES),
+            marker_host_dir=args.marker_host_dir, mps_pipe_host_dir=args.mps_pipe_host_dir)
+        tls = ReloadingContext(args.tls_cert, args.tls_key)
+        server = make_server(args.listen, config, tls)
+    except (ValueError, TLSError, OSError) as e:
+        print(f"kai-fractions admission: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    thread = threading.Thread(target=server.serve_forever, name="admission", daemon=True)
+    thread.start()
+    host, port = server.server_address[:2]
+    logging.getLogger("kai_fractions.admission").info(
+        "serving /validate, /mutate and /healthz on https://%s:%s", host, port)
+    stop.wait()
+    server.shutdown()
+    server.server_close()
+    return 0

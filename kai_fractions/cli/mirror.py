@@ -1,0 +1,118 @@
+"""`kai-fractions mirror`: the AllocationMirror gRPC service a scheduler calls, optionally
+following KAI's BindRequests (`--follow-bindrequests`) for clusters that run an unmodified KAI."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from ..contract import DEFAULT_KEYS, Keys
+
+DEFAULT_LISTEN = "127.0.0.1:50051"
+log = logging.getLogger("kai_fractions.mirror")
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "mirror", help="run the AllocationMirror gRPC service (the scheduler's side)",
+        description="Serve kai_fractions.v1.AllocationMirror: a scheduler (or KAI's binder) "
+        "calls MirrorAllocation with its decision for a pod; the mirror computes the "
+        "NvFractions annotations (binder arithmetic and the derived values the node reads) and "
+        "writes them on the pod in ONE merge patch guarded by the pod's uid and "
+        "resourceVersion. ReleaseAllocation removes them, PreviewAllocation computes without "
+        "writing. Serves the standard gRPC health service and server reflection. Stops "
+        "gracefully on SIGTERM. Exit codes: 0 stopped, 2 usage or configuration error.",
+    )
+    p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="ADDR",
+                   help="HOST:PORT or unix:///abs/path.sock (default: %(default)s); a "
+                   "non-loopback address needs TLS or --insecure")
+    p.add_argument("--tls-cert", metavar="FILE", help="server certificate (PEM) for TLS")
+    p.add_argument("--tls-key", metavar="FILE", help="private key (PEM) of --tls-cert")
+    p.add_argument("--tls-client-ca", metavar="FILE",
+                   help="CA bundle (PEM): require client certificates it signed (mutual TLS)")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="require `authorization: Bearer <token>` metadata on every call but "
+                   "health checks; the file holds the token and is re-read when it changes")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow plaintext on a non-loopback address (inside a trusted network "
+                   "only)")
+    p.add_argument("--reserve-mib", type=int, default=0, metavar="N",
+                   help="GPU memory (MiB) withheld per GPU before a portion becomes memory, "
+                   "when the caller does not say (1024 with sm-sharing/MPS; default: "
+                   "%(default)s)")
+    p.add_argument("--annotation-prefix", default=DEFAULT_KEYS.prefix, metavar="P",
+                   help="per-container key prefix (default: %(default)s)")
+    p.add_argument("--kubeconfig", metavar="FILE",
+                   help="kubeconfig to use (default: in-cluster, then $KUBECONFIG or "
+                   "~/.kube/config)")
+    p.add_argument("--follow-bindrequests", action="store_true",
+                   help="also watch KAI's BindRequests (scheduling.run.ai/v1alpha2) and report "
+                   "pods whose annotations differ from what the binder should have written as "
+                   "events (reason NvFractionsMismatch); writes no annotation")
+    p.add_argument("--log-level", default="info",
+                   choices=("debug", "info", "warning", "error"),
+                   help="(default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def _fail(message: str) -> int:
+    print(f"kai-fractions mirror: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here: `kai-fractions --help` must not pay for grpc and the kubernetes client.
+    from ..mirror.bindrequests import KubeBindRequestSource, follow
+    from ..mirror.follower import BindRequestView, Follower
+    from ..mirror.kube_store import ConfigError, KubePodStore, load_api_client
+    from ..mirror.security import SecurityConfigError
+    from ..mirror.server import MirrorServer, ServerOptions
+    from ..mirror.service import MirrorService
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        keys = Keys(prefix=args.annotation_prefix)
+    except ValueError as e:
+        return _fail(f"--annotation-prefix: {e}")
+    if args.reserve_mib < 0:
+        return _fail(f"--reserve-mib must not be negative, got {args.reserve_mib}")
+    options = ServerOptions(listen=args.listen, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                            tls_client_ca=args.tls_client_ca, token_file=args.token_file,
+                            insecure=args.insecure)
+    try:
+        MirrorServer.check(options)  # flags before the cluster: usage errors come first
+        api_client = load_api_client(args.kubeconfig)
+        store = KubePodStore(api_client)
+        service = MirrorService(store, keys=keys, default_reserve_mib=args.reserve_mib)
+        server = MirrorServer(service, options).start()
+    except (SecurityConfigError, ConfigError) as e:
+        return _fail(str(e))
+
+    stop = threading.Event()
+
+    def on_signal(signum, _frame) -> None:
+        log.info("%s received: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    if args.follow_bindrequests:
+        follower = Follower(store, keys=keys, default_reserve_mib=args.reserve_mib)
+        source = KubeBindRequestSource(api_client)
+        threading.Thread(
+            target=follow, name="bindrequest-follower", daemon=True,
+            args=(source, lambda obj: follower.verify(BindRequestView.from_object(obj)), stop),
+        ).start()
+        log.info("following BindRequests (scheduling.run.ai/v1alpha2)")
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.stop()
+        api_client.close()
+    return 0
