@@ -1,0 +1,170 @@
+"""Pure: from a pod and a decision, what the mirror writes, and the one patch that gets it there.
+
+All arithmetic is the contract package's (`parse_pod`, `binder_annotations`, `plan_pod`,
+`derived_annotations`); this module only decides which of the pod's keys are the user's, and
+diffs what should be on the pod against what is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+from ..contract import (
+    DEFAULT_MPS_PIPE_ROOT,
+    BindDecision,
+    ContainerPlan,
+    ContractError,
+    ContractViolation,
+    Keys,
+    PodView,
+    binder_annotations,
+    derived_annotations,
+    parse_pod,
+    plan_pod,
+)
+from ..contract import keys as k
+from .errors import AllocationConflict, InvalidAllocation
+from .record import MIRRORED_ANNOTATION, MirrorRecord, allocation_digest, decode_record
+from .store import PodSnapshot
+
+ExtraAnnotations = Callable[[PodSnapshot, Mapping[str, str], tuple[ContainerPlan, ...]],
+                            Mapping[str, str]]
+"""A hook whose annotations join the mirror's own, in the same patch and owned the same way
+(the place where allocation signatures slot in)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    container: str
+    """The fractional container ("" for a whole-GPU bind)."""
+    annotations: Mapping[str, str]
+    """Everything the mirror owns for this allocation: binder keys and derived keys, sorted."""
+    plans: tuple[ContainerPlan, ...]
+
+    @property
+    def digest(self) -> str:
+        return allocation_digest(self.annotations)
+
+
+def current_record(pod: PodSnapshot) -> MirrorRecord | None:
+    """The pod's record when it was written for THIS pod (a recreated pod's is ignored)."""
+    record = decode_record(pod.annotations.get(MIRRORED_ANNOTATION))
+    if record is None or (pod.uid and record.pod_uid != pod.uid):
+        return None
+    return record
+
+
+def is_mirror_managed(key: str, keys: Keys) -> bool:
+    """Keys only the binder role writes: always recomputed, never taken as the user's."""
+    return key == k.RECEIVED_RESOURCE_TYPE or key == MIRRORED_ANNOTATION or keys.is_protected(key)
+
+
+def user_view(pod: PodSnapshot, keys: Keys) -> PodView:
+    """The pod as its user wrote it: without the keys the record says the mirror wrote (a
+    mirror-written request must not pass for a user-given one) and without binder-owned and
+    derived keys (always rewritten, whoever wrote them)."""
+    record = current_record(pod)
+    owned = set(record.keys) if record else set()
+    view = pod.view
+    kept = {key: value for key, value in view.annotations.items()
+            if key not in owned and not is_mirror_managed(key, keys)}
+    return replace(view, annotations=MappingProxyType(kept))
+
+
+def compute_outcome(
+    pod: PodSnapshot,
+    decision: BindDecision,
+    *,
+    container: str = "",
+    keys: Keys = k.DEFAULT_KEYS,
+    mps_pipe_root: str = DEFAULT_MPS_PIPE_ROOT,
+    extra: ExtraAnnotations | None = None,
+) -> Outcome:
+    """Raises InvalidAllocation (request fields and pod annotation keys)."""
+    view = user_view(pod, keys)
+    if container and view.container(container) is None:
+        names = ", ".join(c.name for c in view.all_containers) or "none"
+        raise InvalidAllocation([ContractError(
+            "container_name", f"names container {container!r}, which is not in pod "
+            f"{pod.namespace}/{pod.name} (containers: {names})", container)])
+    request = parse_pod(view, keys)
+    if request.errors:
+        raise InvalidAllocation(request.errors)
+    share = request.share
+    if (container and share is not None and share.container != container
+            and decision.resource_type == k.RESOURCE_TYPE_FRACTION):
+        raise InvalidAllocation([ContractError(
+            "container_name", f"names container {container!r} but the pod's fractional GPU "
+            f"request is on container {share.container!r}", container)])
+    try:
+        written = binder_annotations(request, decision, keys)
+        plans: tuple[ContainerPlan, ...] = ()
+        if decision.resource_type == k.RESOURCE_TYPE_FRACTION:
+            bound = replace(view, annotations=MappingProxyType({**view.annotations, **written}))
+            plans = plan_pod(parse_pod(bound, keys), keys=keys, mps_pipe_root=mps_pipe_root)
+    except ContractViolation as e:
+        raise InvalidAllocation(e.errors) from None
+    for plan in plans:
+        written.update(derived_annotations(plan, keys))
+    if extra is not None:
+        written.update(extra(pod, dict(written), plans))
+    name = share.container if share is not None and plans else ""
+    return Outcome(container=name, annotations=MappingProxyType(dict(sorted(written.items()))),
+                   plans=plans)
+
+
+@dataclass(frozen=True, slots=True)
+class Patch:
+    changes: Mapping[str, str | None]
+    """key -> new value, or None to delete; empty = the pod already says it all."""
+    record: MirrorRecord
+
+
+def mirror_patch(
+    pod: PodSnapshot, outcome: Outcome, *, idempotency_key: str = "", replace: bool = False,
+    keys: Keys = k.DEFAULT_KEYS,
+) -> Patch:
+    """The one merge patch that puts `outcome` on `pod` (removing what the mirror wrote before
+    and no longer wants); raises AllocationConflict when the pod carries a different mirrored
+    allocation and `replace` is not set."""
+    current = pod.annotations
+    old = current_record(pod)
+    new = MirrorRecord(pod_uid=pod.uid, container=outcome.container,
+                       keys=tuple(sorted(outcome.annotations)), digest=outcome.digest,
+                       idempotency_key=idempotency_key)
+    ref = f"{pod.namespace}/{pod.name}"
+    if old is not None and old.digest != new.digest:
+        if idempotency_key and old.idempotency_key == idempotency_key:
+            raise AllocationConflict(ref, (
+                f"idempotency key {idempotency_key!r} was already used on pod {ref} for a "
+                "different allocation; a retry must repeat the same decision, a new decision "
+                "needs a new key"), kind="IDEMPOTENCY_KEY_REUSED")
+        if not replace:
+            raise AllocationConflict(ref, (
+                f"pod {ref} already carries a different mirrored allocation (container "
+                f"{old.container or '-'}, {old.digest[:19]}); set replace to rebind it, or "
+                "release it first"))
+    stale = set(old.keys) if old else set()
+    stale |= {key for key in current if is_mirror_managed(key, keys)}
+    stale -= set(outcome.annotations) | {MIRRORED_ANNOTATION}
+    changes: dict[str, str | None] = {
+        key: value for key, value in outcome.annotations.items() if current.get(key) != value}
+    changes.update({key: None for key in sorted(stale) if key in current})
+    if old is not None and old.same_allocation(new):
+        return Patch(changes=changes, record=old)  # keep the first caller's key
+    changes[MIRRORED_ANNOTATION] = new.encode()
+    return Patch(changes=changes, record=new)
+
+
+def release_patch(pod: PodSnapshot) -> dict[str, None]:
+    """Deletes every key the mirror wrote, and its record; the user's keys stay."""
+    current = pod.annotations
+    record = current_record(pod)
+    changes: dict[str, None] = {}
+    if record is not None:
+        changes = {key: None for key in record.keys if key in current}
+    if MIRRORED_ANNOTATION in current:
+        changes[MIRRORED_ANNOTATION] = None
+    return changes

@@ -1,0 +1,147 @@
+"""A scheduler's decision for one pod, and its conversion into the contract's BindDecision.
+
+`AllocationInput` is what both callers produce: the gRPC servicer (from the protobuf Allocation)
+and the KAI follower (from a BindRequest). Values stay as the scheduler spelled them (the portion
+is a string) so that ONE place reads them: `resolve_decision`. Error keys are field paths relative
+to the Allocation message (`received_gpu.portion`), the same paths the contract package uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+
+from ..contract import BindDecision, ComputeMode, ContractError, NumberError, parse_decimal
+from ..contract import keys as k
+from .errors import InvalidAllocation
+
+MAX_IDEMPOTENCY_KEY = 256
+
+
+@dataclass(frozen=True, slots=True)
+class AllocationInput:
+    namespace: str
+    pod_name: str
+    pod_uid: str = ""
+    """"" = the caller does not know it (KAI's BindRequest names the pod only)."""
+    selected_node: str = ""
+    resource_type: str = ""
+    """`Fraction` or `Regular` (k.RESOURCE_TYPE_*); "" = not given."""
+    gpu_count: int = 0
+    portion: str = ""
+    """Share of one GPU as the scheduler wrote it ("0.5"); "" = from the pod's own request."""
+    group_ids: tuple[str, ...] = ()
+    group_modes: tuple[str, ...] = ()
+    """One per group: `time-slicing`, `sm-sharing`, or "" (time-slicing, KAI's older groups)."""
+    gpu_ids: tuple[str, ...] = ()
+    """The GPU UUID behind each group, same order."""
+    node_gpu_memory_mib: int = 0
+    """0 = read the node's `nvidia.com/gpu.memory` label."""
+    cdi: bool = False
+    reserve_mib: int | None = None
+    """None = the mirror's configured default."""
+    container: str = ""
+    """"" = the pod's fractional container as the contract resolves it."""
+
+    @property
+    def is_fraction(self) -> bool:
+        return self.resource_type == k.RESOURCE_TYPE_FRACTION
+
+
+NodeLabels = Callable[[str], Mapping[str, str] | None]
+"""Labels of a node by name; None when the node does not exist."""
+
+
+def resolve_decision(
+    allocation: AllocationInput, node_labels: NodeLabels, *, default_reserve_mib: int = 0
+) -> BindDecision:
+    """The contract's BindDecision for `allocation`; raises InvalidAllocation with every request
+    field error found. Reads the node's labels (through `node_labels`) only when it must."""
+    errors: list[ContractError] = []
+
+    def error(field: str, rule: str, value: object = None) -> None:
+        errors.append(ContractError(field, rule, None if value is None else str(value)))
+
+    if not allocation.namespace:
+        error("pod.namespace", "is required")
+    if not allocation.pod_name:
+        error("pod.name", "is required")
+    kind = allocation.resource_type
+    if kind not in (k.RESOURCE_TYPE_FRACTION, k.RESOURCE_TYPE_REGULAR):
+        error("received_resource_type", ("must be " if kind else "is required: ")
+              + f"{k.RESOURCE_TYPE_FRACTION} or {k.RESOURCE_TYPE_REGULAR}", kind or None)
+    if kind != k.RESOURCE_TYPE_FRACTION:
+        if errors:
+            raise InvalidAllocation(errors)
+        # A whole-GPU bind writes only `received-resource-type`: no arithmetic, no node read.
+        return BindDecision(node_gpu_memory_mib=0, resource_type=kind)
+
+    portion: Fraction | None = None
+    if allocation.portion:
+        try:
+            portion = parse_decimal(allocation.portion)
+        except NumberError as e:
+            error("received_gpu.portion", e.args[0], allocation.portion)
+    if allocation.gpu_count < 0:
+        error("received_gpu.count", "must not be negative", allocation.gpu_count)
+    elif allocation.gpu_count and allocation.gpu_count != len(allocation.gpu_ids):
+        error("received_gpu.count", f"is {allocation.gpu_count} but reserved_gpu_ids lists "
+              f"{len(allocation.gpu_ids)} GPU(s)", allocation.gpu_count)
+    if len(allocation.group_modes) != len(allocation.gpu_ids):
+        error("reserved_gpu_ids", f"lists {len(allocation.gpu_ids)} GPU(s) for "
+              f"{len(allocation.group_modes)} selected group(s): one per group, same order",
+              ",".join(allocation.gpu_ids))
+    modes: list[ComputeMode] = []
+    for i, raw in enumerate(allocation.group_modes):
+        try:
+            modes.append(ComputeMode(raw) if raw else ComputeMode.TIME_SLICING)
+        except ValueError:
+            error(f"selected_fractional_gpu_groups[{i}].compute_sharing_mode",
+                  "must be time-slicing or sm-sharing", raw)
+    reserve = default_reserve_mib if allocation.reserve_mib is None else allocation.reserve_mib
+    memory = allocation.node_gpu_memory_mib
+    if memory < 0:
+        error("node_gpu_memory_mib", "must not be negative (0 reads the node's "
+              f"{k.NODE_GPU_MEMORY_LABEL} label)", memory)
+    elif memory == 0:
+        memory = _node_memory(allocation, node_labels, error)
+    if errors:
+        raise InvalidAllocation(errors)
+    return BindDecision(
+        node_gpu_memory_mib=memory,
+        gpu_ids=allocation.gpu_ids,
+        received_portion=portion,
+        group_modes=tuple(modes),
+        reserve_mib=reserve,
+        cdi=allocation.cdi,
+        resource_type=kind,
+    )
+
+
+def _node_memory(allocation: AllocationInput, node_labels: NodeLabels, error) -> int:
+    """The node's label in MiB; 0 when it is missing (the contract then names the problem)."""
+    node = allocation.selected_node
+    if not node:
+        error("selected_node", "is required to read the node's "
+              f"{k.NODE_GPU_MEMORY_LABEL} label when node_gpu_memory_mib is 0")
+        return 0
+    labels = node_labels(node)
+    if labels is None:
+        error("selected_node", "names a node that does not exist", node)
+        return 0
+    raw = labels.get(k.NODE_GPU_MEMORY_LABEL)
+    if raw is None:
+        return 0
+    if not raw.isdigit() or int(raw) <= 0:
+        error("node_gpu_memory_mib", f"cannot be read from node {node}: its "
+              f"{k.NODE_GPU_MEMORY_LABEL} label is not a positive whole number of MiB", raw)
+        return 0
+    return int(raw)
+
+
+def check_idempotency_key(key: str) -> None:
+    if len(key) > MAX_IDEMPOTENCY_KEY or not key.isprintable():
+        raise InvalidAllocation([ContractError(
+            "idempotency_key", f"must be printable and at most {MAX_IDEMPOTENCY_KEY} "
+            "characters", key[:40])])

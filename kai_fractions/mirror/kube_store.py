@@ -1,0 +1,213 @@
+"""The real PodStore over the official `kubernetes` client (in-cluster or kubeconfig).
+
+Every request gets a timeout bounded by the caller's deadline, and transient failures (429, 5xx,
+timeouts, refused or reset connections) are retried with bounded, jittered exponential backoff.
+A write is ONE JSON merge patch of `metadata.annotations` that carries `metadata.uid` and
+`metadata.resourceVersion`: a real API server refuses it when the pod was recreated (uid is
+immutable) or changed since it was read (409), so a set of keys is never half-written and never
+lands on the wrong pod.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import random
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import urllib3
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+
+from .errors import ApiRejected, PodNotFound
+from .retry import Backoff, Transient, retrying
+from .store import (
+    NO_DEADLINE,
+    Clock,
+    Deadline,
+    NodeNotFound,
+    PodSnapshot,
+    SystemClock,
+    WriteConflict,
+    WriteInvalid,
+    label_selector,
+    matches_labels,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MERGE_PATCH = "application/merge-patch+json"
+COMPONENT = "kai-fractions-mirror"
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+DEFAULT_BACKOFF = Backoff()
+
+
+class ConfigError(Exception):
+    """No usable cluster configuration (the CLI prints it and exits 2)."""
+
+
+def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
+    """In-cluster config, else `kubeconfig` (or ~/.kube/config / $KUBECONFIG)."""
+    configuration = k8s.Configuration()
+    try:
+        if kubeconfig:
+            if not Path(kubeconfig).is_file():
+                raise ConfigError(f"--kubeconfig {kubeconfig}: no such file")
+            k8s_config.load_kube_config(config_file=kubeconfig,
+                                        client_configuration=configuration)
+        else:
+            try:
+                k8s_config.load_incluster_config(client_configuration=configuration)
+            except k8s_config.ConfigException:
+                k8s_config.load_kube_config(client_configuration=configuration)
+    except (k8s_config.ConfigException, OSError, ValueError) as e:
+        raise ConfigError(f"cannot load a Kubernetes configuration: {e}") from None
+    configuration.retries = False  # our own bounded, deadline-aware retries only
+    return k8s.ApiClient(configuration)
+
+
+def _status_message(e: ApiException) -> str:
+    try:
+        body = json.loads(e.body or "")
+        if isinstance(body, dict) and body.get("message"):
+            return f"{e.status} {body.get('reason') or e.reason}: {body['message']}"
+    except ValueError:
+        pass
+    return f"{e.status} {e.reason or ''}".strip()
+
+
+def _retry_after(e: ApiException) -> float | None:
+    value = (e.headers or {}).get("Retry-After") if e.headers is not None else None
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+class KubePodStore:
+    def __init__(
+        self,
+        api_client: k8s.ApiClient,
+        *,
+        backoff: Backoff = DEFAULT_BACKOFF,
+        request_timeout: float = 10.0,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+        component: str = COMPONENT,
+    ) -> None:
+        self.core = k8s.CoreV1Api(api_client)
+        self.backoff = backoff
+        self.request_timeout = request_timeout
+        self.clock = clock or SystemClock()
+        self.rng = rng or random.Random()
+        self.component = component
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _call(self, what: str, deadline: Deadline, fn: Callable[[float], Any],
+              on_status: Callable[[ApiException], Exception | None] | None = None) -> Any:
+        """fn(timeout) -> urllib3 response; returns its decoded JSON body."""
+
+        def once() -> Any:
+            try:
+                response = fn(deadline.timeout(self.request_timeout))
+                return json.loads(response.data or b"null")
+            except ApiException as e:
+                mapped = on_status(e) if on_status is not None else None
+                if mapped is not None:
+                    raise mapped from None
+                if e.status in _TRANSIENT_STATUS or (e.status or 0) >= 500:
+                    raise Transient(_status_message(e), _retry_after(e)) from None
+                if e.status in (401, 403):
+                    raise ApiRejected(f"{what}: the API server refused the mirror's identity "
+                                      f"({_status_message(e)}); check its RBAC") from None
+                raise ApiRejected(f"{what}: {_status_message(e)}") from None
+            except (urllib3.exceptions.HTTPError, OSError) as e:
+                raise Transient(f"{type(e).__name__}: {e}") from None
+
+        return retrying(once, what=what, backoff=self.backoff, deadline=deadline,
+                        clock=self.clock, rng=self.rng)
+
+    # -- PodStore -----------------------------------------------------------------------------
+
+    def get_pod(self, namespace: str, name: str, deadline: Deadline = NO_DEADLINE
+                ) -> PodSnapshot:
+        def not_found(e: ApiException) -> Exception | None:
+            return PodNotFound(namespace, name) if e.status == 404 else None
+
+        obj = self._call(f"read pod {namespace}/{name}", deadline, lambda t:
+                         self.core.read_namespaced_pod(name, namespace, _preload_content=False,
+                                                       _request_timeout=t), not_found)
+        return PodSnapshot.from_object(obj)
+
+    def patch_annotations(
+        self, namespace: str, name: str, changes: Mapping[str, str | None], *, uid: str,
+        resource_version: str, deadline: Deadline = NO_DEADLINE,
+    ) -> PodSnapshot:
+        metadata: dict[str, Any] = {"annotations": dict(changes)}
+        if uid:
+            metadata["uid"] = uid
+        if resource_version:
+            metadata["resourceVersion"] = resource_version
+        body = {"metadata": metadata}
+
+        def refused(e: ApiException) -> Exception | None:
+            if e.status == 404:
+                return PodNotFound(namespace, name)
+            if e.status == 409:
+                return WriteConflict(_status_message(e))
+            if e.status == 422:
+                return WriteInvalid(_status_message(e))
+            return None
+
+        obj = self._call(f"patch pod {namespace}/{name}", deadline, lambda t:
+                         self.core.patch_namespaced_pod(name, namespace, body,
+                                                        _content_type=MERGE_PATCH,
+                                                        _preload_content=False,
+                                                        _request_timeout=t), refused)
+        return PodSnapshot.from_object(obj)
+
+    def node_labels(self, node: str, deadline: Deadline = NO_DEADLINE) -> Mapping[str, str]:
+        def not_found(e: ApiException) -> Exception | None:
+            return NodeNotFound(node) if e.status == 404 else None
+
+        obj = self._call(f"read node {node}", deadline, lambda t:
+                         self.core.read_node(node, _preload_content=False, _request_timeout=t),
+                         not_found)
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        return {str(k): str(v) for k, v in labels.items()}
+
+    def list_pods(self, namespace: str, labels: Mapping[str, str],
+                  deadline: Deadline = NO_DEADLINE) -> list[PodSnapshot]:
+        selector = label_selector(labels)
+        obj = self._call(f"list pods in {namespace} ({selector})", deadline, lambda t:
+                         self.core.list_namespaced_pod(namespace, label_selector=selector,
+                                                       _preload_content=False,
+                                                       _request_timeout=t))
+        pods = [PodSnapshot.from_object(item) for item in obj.get("items") or []]
+        # The selector already filtered on a real server; filtering again costs nothing and
+        # keeps a server that ignores selectors from handing us another group's pod.
+        return [p for p in pods if matches_labels(p.labels, labels)]
+
+    def emit_event(self, pod: PodSnapshot, event_type: str, reason: str, message: str,
+                   deadline: Deadline = NO_DEADLINE) -> None:
+        now = datetime.datetime.now(datetime.UTC)
+        event = k8s.CoreV1Event(
+            metadata=k8s.V1ObjectMeta(name=f"{pod.name}.{uuid.uuid4().hex[:16]}",
+                                      namespace=pod.namespace),
+            involved_object=k8s.V1ObjectReference(
+                api_version="v1", kind="Pod", name=pod.name, namespace=pod.namespace,
+                uid=pod.uid or None, resource_version=pod.resource_version or None),
+            reason=reason, message=message[:1024], type=event_type,
+            source=k8s.V1EventSource(component=self.component),
+            first_timestamp=now, last_timestamp=now, count=1,
+        )
+        self._call(f"record event {reason} on pod {pod.namespace}/{pod.name}", deadline,
+                   lambda t: self.core.create_namespaced_event(
+                       pod.namespace, event, _preload_content=False, _request_timeout=t))

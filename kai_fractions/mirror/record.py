@@ -1,0 +1,77 @@
+"""What the mirror wrote on a pod: the `kai-fractions.io/mirrored` record.
+
+Why it exists: after the first mirror the pod carries a `.gpu-memory.request` that the MIRROR
+wrote. Read back naively it looks user-given, and a user-given request is never overwritten, so a
+rebind to another portion would keep the old memory. The record lists every key the mirror owns on
+the pod, so a recomputation first strips exactly those keys and sees the pod as the user wrote it.
+It also carries the pod UID it was written for (a recreated pod's stale record is ignored), the
+digest of the written allocation (an identical repeat is a no-op, a different one is a conflict)
+and the caller's idempotency key. It is written in the same merge patch as the keys it lists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# --- CONTRACT PACKAGE CANDIDATE ------------------------------------------------------------------
+# The record's annotation key. It belongs in kai_fractions/contract/keys.py (the only place that
+# should know key strings) and in `Keys.is_protected` (admission must keep users from forging it);
+# it lives here, clearly marked, until the contract package owner adds it.
+MIRRORED_ANNOTATION = "kai-fractions.io/mirrored"
+# -------------------------------------------------------------------------------------------------
+
+RECORD_VERSION = 1
+
+
+def allocation_digest(annotations: Mapping[str, str]) -> str:
+    """Identifies what an allocation writes (every owned key and value, order-free)."""
+    canonical = json.dumps(dict(annotations), sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorRecord:
+    pod_uid: str
+    container: str
+    """The fractional container the allocation is for ("" for a whole-GPU bind)."""
+    keys: tuple[str, ...]
+    """Every annotation key the mirror wrote (sorted), the record itself excluded."""
+    digest: str
+    idempotency_key: str = ""
+
+    def encode(self) -> str:
+        return json.dumps(
+            {"v": RECORD_VERSION, "uid": self.pod_uid, "container": self.container,
+             "keys": sorted(self.keys), "digest": self.digest,
+             "idempotencyKey": self.idempotency_key},
+            sort_keys=True, separators=(",", ":"),
+        )
+
+    def same_allocation(self, other: MirrorRecord) -> bool:
+        """Equal but for the idempotency key (the first caller's key is kept)."""
+        return (self.pod_uid, self.container, tuple(sorted(self.keys)), self.digest) == (
+            other.pod_uid, other.container, tuple(sorted(other.keys)), other.digest)
+
+
+def decode_record(value: str | None) -> MirrorRecord | None:
+    """The record, or None when absent or unreadable (then nothing is known to be the mirror's:
+    every key on the pod is treated as the user's, binder-owned and derived keys excepted)."""
+    if not value:
+        return None
+    try:
+        raw = json.loads(value)
+    except ValueError:
+        return None
+    if not isinstance(raw, dict) or raw.get("v") != RECORD_VERSION:
+        return None
+    keys = raw.get("keys")
+    fields = (raw.get("uid"), raw.get("container"), raw.get("digest"),
+              raw.get("idempotencyKey", ""))
+    if not isinstance(keys, list) or not all(isinstance(x, str) for x in (*keys, *fields)):
+        return None
+    uid, container, digest, key = fields
+    return MirrorRecord(pod_uid=uid, container=container, keys=tuple(sorted(keys)),
+                        digest=digest, idempotency_key=key)

@@ -1,0 +1,217 @@
+"""The mirror's three operations over a PodStore, independent of gRPC.
+
+Every write is ONE merge patch guarded by the pod's uid and resourceVersion. A write conflict
+(someone changed the pod since it was read) re-reads the pod and recomputes, a bounded number of
+times: the decision is re-applied to the pod as it now is, never blindly replayed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ..contract import DEFAULT_MPS_PIPE_ROOT, ContainerPlan, Keys
+from ..contract import keys as k
+from .compute import ExtraAnnotations, Outcome, compute_outcome, mirror_patch, release_patch
+from .decision import AllocationInput, check_idempotency_key, resolve_decision
+from .errors import ApiRejected, ApiUnavailable, DeadlineExceeded, PodReplaced
+from .retry import Backoff
+from .store import (
+    NO_DEADLINE,
+    Clock,
+    Deadline,
+    NodeNotFound,
+    PodSnapshot,
+    PodStore,
+    SystemClock,
+    WriteConflict,
+    WriteInvalid,
+)
+
+log = logging.getLogger(__name__)
+
+CONFLICT_BACKOFF = Backoff(attempts=5, base=0.05, cap=1.0)
+"""Re-reads after a write conflict (another writer changed the pod in between)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorResult:
+    annotations: Mapping[str, str]
+    """What the mirror owns on the pod now (binder and derived keys), sorted."""
+    changed: bool
+    resource_version: str
+    plans: tuple[ContainerPlan, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PreviewResult:
+    annotations: Mapping[str, str]
+    plans: tuple[ContainerPlan, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseResult:
+    removed_keys: tuple[str, ...]
+    changed: bool
+
+
+class _PodLocks:
+    """Serialises calls for one pod inside this process, so concurrent duplicates in one replica
+    cost one write even where the server supplies no resourceVersion."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[tuple[str, str], tuple[threading.Lock, int]] = {}
+
+    @contextmanager
+    def hold(self, namespace: str, name: str) -> Iterator[None]:
+        key = (namespace, name)
+        with self._guard:
+            lock, users = self._locks.get(key, (threading.Lock(), 0))
+            self._locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                lock, users = self._locks[key]
+                if users == 1:
+                    del self._locks[key]
+                else:
+                    self._locks[key] = (lock, users - 1)
+
+
+class MirrorService:
+    def __init__(
+        self,
+        store: PodStore,
+        *,
+        keys: Keys = k.DEFAULT_KEYS,
+        default_reserve_mib: int = 0,
+        mps_pipe_root: str = DEFAULT_MPS_PIPE_ROOT,
+        conflict_backoff: Backoff = CONFLICT_BACKOFF,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+        extra_annotations: ExtraAnnotations | None = None,
+    ) -> None:
+        self.store = store
+        self.keys = keys
+        self.default_reserve_mib = default_reserve_mib
+        self.mps_pipe_root = mps_pipe_root
+        self.conflict_backoff = conflict_backoff
+        self.clock = clock or SystemClock()
+        self.rng = rng or random.Random()
+        self.extra_annotations = extra_annotations
+        self._locks = _PodLocks()
+
+    # -- operations ---------------------------------------------------------------------------
+
+    def mirror(
+        self, allocation: AllocationInput, *, idempotency_key: str = "", replace: bool = False,
+        deadline: Deadline = NO_DEADLINE,
+    ) -> MirrorResult:
+        check_idempotency_key(idempotency_key)
+        decision = resolve_decision(allocation, lambda n: self._node_labels(n, deadline),
+                                    default_reserve_mib=self.default_reserve_mib)
+        ns, name = allocation.namespace, allocation.pod_name
+        with self._locks.hold(ns, name):
+            for attempt in self._attempts(f"mirror on pod {ns}/{name}", deadline):
+                pod = self._get(allocation.namespace, allocation.pod_name, allocation.pod_uid,
+                                deadline)
+                outcome = self._outcome(pod, allocation, decision)
+                patch = mirror_patch(pod, outcome, idempotency_key=idempotency_key,
+                                     replace=replace, keys=self.keys)
+                if not patch.changes:
+                    log.info("pod %s/%s already carries its allocation (%s); nothing written",
+                             ns, name, outcome.digest[:19])
+                    return MirrorResult(outcome.annotations, False, pod.resource_version,
+                                        outcome.plans)
+                written = self._patch(pod, patch.changes, deadline, attempt)
+                if written is None:
+                    continue
+                log.info("pod %s/%s: wrote %d annotation change(s) for container %s (%s)",
+                         ns, name, len(patch.changes), outcome.container or "-",
+                         outcome.digest[:19])
+                return MirrorResult(outcome.annotations, True, written.resource_version,
+                                    outcome.plans)
+        raise AssertionError("unreachable")  # _attempts raises when it runs out
+
+    def preview(self, allocation: AllocationInput, *, deadline: Deadline = NO_DEADLINE
+                ) -> PreviewResult:
+        decision = resolve_decision(allocation, lambda n: self._node_labels(n, deadline),
+                                    default_reserve_mib=self.default_reserve_mib)
+        pod = self._get(allocation.namespace, allocation.pod_name, allocation.pod_uid, deadline)
+        outcome = self._outcome(pod, allocation, decision)
+        return PreviewResult(outcome.annotations, outcome.plans)
+
+    def release(self, namespace: str, name: str, uid: str = "", *,
+                deadline: Deadline = NO_DEADLINE) -> ReleaseResult:
+        with self._locks.hold(namespace, name):
+            for attempt in self._attempts(f"release on pod {namespace}/{name}", deadline):
+                pod = self._get(namespace, name, uid, deadline)
+                changes = release_patch(pod)
+                if not changes:
+                    return ReleaseResult((), False)
+                if self._patch(pod, changes, deadline, attempt) is None:
+                    continue
+                log.info("pod %s/%s: released %d key(s)", namespace, name, len(changes))
+                return ReleaseResult(tuple(sorted(changes)), True)
+        raise AssertionError("unreachable")
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def _outcome(self, pod: PodSnapshot, allocation: AllocationInput, decision) -> Outcome:
+        return compute_outcome(pod, decision, container=allocation.container, keys=self.keys,
+                               mps_pipe_root=self.mps_pipe_root, extra=self.extra_annotations)
+
+    def _node_labels(self, node: str, deadline: Deadline) -> Mapping[str, str] | None:
+        try:
+            return self.store.node_labels(node, deadline)
+        except NodeNotFound:
+            return None
+
+    def _get(self, namespace: str, name: str, uid: str, deadline: Deadline) -> PodSnapshot:
+        pod = self.store.get_pod(namespace, name, deadline)
+        if uid and pod.uid and pod.uid != uid:
+            raise PodReplaced(namespace, name, uid, pod.uid)
+        return pod
+
+    def _patch(self, pod: PodSnapshot, changes: Mapping[str, str | None], deadline: Deadline,
+               attempt: int) -> PodSnapshot | None:
+        """The written pod, or None after a conflict (the caller re-reads and recomputes)."""
+        try:
+            return self.store.patch_annotations(
+                pod.namespace, pod.name, changes, uid=pod.uid,
+                resource_version=pod.resource_version, deadline=deadline)
+        except WriteConflict as e:
+            log.info("pod %s/%s changed under the write (try %d): %s; re-reading",
+                     pod.namespace, pod.name, attempt + 1, e)
+            return None
+        except WriteInvalid as e:
+            # A uid that no longer matches fails the immutable-field check (422 on a real API
+            # server): tell a recreated pod from a genuinely refused patch.
+            fresh = self.store.get_pod(pod.namespace, pod.name, deadline)
+            if pod.uid and fresh.uid != pod.uid:
+                raise PodReplaced(pod.namespace, pod.name, pod.uid, fresh.uid) from None
+            raise ApiRejected(f"the API server refused the patch of pod {pod.namespace}/"
+                              f"{pod.name}: {e}") from None
+
+    def _attempts(self, what: str, deadline: Deadline) -> Iterator[int]:
+        """Yields try numbers; sleeps (jittered, bounded, within the deadline) between them."""
+        backoff = self.conflict_backoff
+        for attempt in range(backoff.attempts):
+            yield attempt
+            if attempt + 1 >= backoff.attempts:
+                break
+            delay = backoff.delay(attempt, self.rng)
+            remaining = deadline.remaining()
+            if remaining is not None and remaining <= delay:
+                raise DeadlineExceeded(f"{what}: the caller's deadline ran out after "
+                                       f"{attempt + 1} write conflict(s)")
+            self.clock.sleep(delay)
+        raise ApiUnavailable(f"{what}: the pod kept changing under the write "
+                             f"({backoff.attempts} conflicts); retry later")
