@@ -1,0 +1,275 @@
+"""The readiness marker: the node agent's word to the gate that a pod's limits are in force.
+
+One JSON file per pod, `<marker-root>/<pod-uid>/marker.json`:
+
+    {"version": 1, "pod_uid": "...", "written_at": "<RFC3339>",
+     "containers": {"<name>": {"state": "applied" | "refused", "plan_digest": "sha256:...",
+                               "reason": "CamelCase", "message": "..."}}}
+
+The node agent writes it (`write_marker`) only after every fractional container's plan is applied,
+or with a refusal; the gate reads it (`read_marker`). Writes are atomic (temp file in the same
+directory, fsync, rename, fsync of the directory), so a reader sees the old marker or the new one,
+never half of one. Permissions: the root 0700 (only root on the host lists pod UIDs), each pod
+directory 0755 and the file 0644, so the gate, running as an unprivileged user with only its own
+pod's directory mounted read-only (subPathExpr), can read it; workload containers never mount it.
+
+Standard library only: the gate imports this module and must start fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+MARKER_VERSION = 1
+MARKER_FILE = "marker.json"
+ROOT_MODE = 0o700
+POD_DIR_MODE = 0o755
+FILE_MODE = 0o644
+
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_REASON = re.compile(r"[A-Z][A-Za-z0-9]*")
+# Pod UIDs are RFC 4122 strings; refuse anything that could escape the marker root.
+_POD_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,127}")
+
+
+class MarkerState(StrEnum):
+    APPLIED = "applied"
+    REFUSED = "refused"
+
+
+class MarkerError(ValueError):
+    """A marker that cannot be trusted: the message says which field and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerMarker:
+    state: MarkerState
+    plan_digest: str = ""
+    """The applied plan's `ContainerPlan.digest`; may be empty for a refusal without a plan."""
+    reason: str = ""
+    """CamelCase; required for a refusal (e.g. `InsufficientMemory`)."""
+    message: str = ""
+    """One sentence a user can act on; required for a refusal."""
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "state", MarkerState(self.state))
+        except ValueError:
+            raise MarkerError(f"container.state: must be applied or refused, "
+                              f"got {self.state!r}") from None
+        _check_container("container", self)
+
+    @classmethod
+    def applied(cls, plan_digest: str, message: str = "") -> ContainerMarker:
+        return cls(MarkerState.APPLIED, plan_digest, "Applied", message)
+
+    @classmethod
+    def refused(cls, reason: str, message: str, plan_digest: str = "") -> ContainerMarker:
+        return cls(MarkerState.REFUSED, plan_digest, reason, message)
+
+    def to_dict(self) -> dict[str, str]:
+        return {"state": self.state.value, "plan_digest": self.plan_digest,
+                "reason": self.reason, "message": self.message}
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    pod_uid: str
+    written_at: str
+    """RFC 3339 in UTC, e.g. `2025-01-31T12:00:00Z` (see `rfc3339`)."""
+    containers: Mapping[str, ContainerMarker] = field(
+        default_factory=lambda: MappingProxyType({}))
+    version: int = MARKER_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "containers", MappingProxyType(dict(self.containers)))
+        if self.version != MARKER_VERSION:
+            raise MarkerError(f"version: must be {MARKER_VERSION}, got {self.version!r}")
+        if not _POD_UID.fullmatch(self.pod_uid):
+            raise MarkerError(f"pod_uid: must be a pod UID, got {self.pod_uid!r}")
+        _check_time(self.written_at)
+        for name, container in self.containers.items():
+            if not isinstance(container, ContainerMarker):
+                raise MarkerError(f"containers.{name}: must be a ContainerMarker")
+
+    @classmethod
+    def build(cls, pod_uid: str, containers: Mapping[str, ContainerMarker], *,
+              clock: Callable[[], float] = time.time) -> Marker:
+        return cls(pod_uid=pod_uid, written_at=rfc3339(clock()), containers=containers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "pod_uid": self.pod_uid,
+            "written_at": self.written_at,
+            "containers": {n: c.to_dict() for n, c in sorted(self.containers.items())},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+
+def rfc3339(epoch_seconds: float) -> str:
+    return datetime.fromtimestamp(int(epoch_seconds), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _check_time(value: Any) -> None:
+    if not isinstance(value, str) or "T" not in value:
+        raise MarkerError(f"written_at: must be an RFC 3339 time, got {value!r}")
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise MarkerError(f"written_at: must be an RFC 3339 time, got {value!r}") from None
+    if parsed.tzinfo is None:
+        raise MarkerError(f"written_at: must carry a time zone (Z), got {value!r}")
+
+
+def _check_container(where: str, c: ContainerMarker) -> None:
+    for name in ("plan_digest", "reason", "message"):
+        if not isinstance(getattr(c, name), str):
+            raise MarkerError(f"{where}.{name}: must be a string")
+    if c.plan_digest and not _DIGEST.fullmatch(c.plan_digest):
+        raise MarkerError(f"{where}.plan_digest: must be sha256:<64 hex digits>, "
+                          f"got {c.plan_digest!r}")
+    if c.reason and not _REASON.fullmatch(c.reason):
+        raise MarkerError(f"{where}.reason: must be CamelCase, got {c.reason!r}")
+    if c.state is MarkerState.APPLIED and not c.plan_digest:
+        raise MarkerError(f"{where}.plan_digest: is required when the state is applied")
+    if c.state is MarkerState.REFUSED and not (c.reason and c.message):
+        raise MarkerError(f"{where}: a refusal needs a reason and a message")
+
+
+def parse_marker(text: str | bytes, *, expected_pod_uid: str | None = None) -> Marker:
+    """The marker in `text`; raises MarkerError naming the first field that is wrong."""
+    try:
+        data = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise MarkerError(f"not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise MarkerError("must be a JSON object")
+    version = data.get("version")
+    if version != MARKER_VERSION:
+        raise MarkerError(f"version: must be {MARKER_VERSION}, got {version!r}")
+    for name in ("pod_uid", "written_at"):
+        if not isinstance(data.get(name), str):
+            raise MarkerError(f"{name}: is missing or not a string")
+    raw = data.get("containers")
+    if not isinstance(raw, dict):
+        raise MarkerError("containers: must be an object keyed by container name")
+    containers = {}
+    for name, item in raw.items():
+        where = f"containers.{name}"
+        if not isinstance(item, dict):
+            raise MarkerError(f"{where}: must be an object")
+        try:
+            state = MarkerState(item.get("state"))
+        except ValueError:
+            raise MarkerError(f"{where}.state: must be applied or refused, "
+                              f"got {item.get('state')!r}") from None
+        fields = {}
+        for key in ("plan_digest", "reason", "message"):
+            value = item.get(key, "")
+            if not isinstance(value, str):
+                raise MarkerError(f"{where}.{key}: must be a string, got {value!r}")
+            fields[key] = value
+        try:
+            containers[name] = ContainerMarker(state, **fields)
+        except MarkerError as e:
+            raise MarkerError(str(e).replace("container", where, 1)) from None
+    marker = Marker(pod_uid=data["pod_uid"], written_at=data["written_at"],
+                    containers=containers)
+    if expected_pod_uid is not None and marker.pod_uid != expected_pod_uid:
+        raise MarkerError(f"pod_uid: is {marker.pod_uid!r}, expected this pod's "
+                          f"{expected_pod_uid!r}")
+    return marker
+
+
+def pod_marker_dir(root: str | os.PathLike[str], pod_uid: str) -> Path:
+    if not _POD_UID.fullmatch(pod_uid):
+        raise MarkerError(f"pod_uid: must be a pod UID, got {pod_uid!r}")
+    return Path(root) / pod_uid
+
+
+def read_marker(pod_dir: str | os.PathLike[str], *,
+                expected_pod_uid: str | None = None) -> Marker | None:
+    """The marker in a pod's directory (the gate's mount), None while there is none yet;
+    raises MarkerError when it is unreadable or malformed."""
+    path = Path(pod_dir) / MARKER_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise MarkerError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        return parse_marker(data, expected_pod_uid=expected_pod_uid)
+    except MarkerError as e:
+        raise MarkerError(f"{path}: {e}") from None
+
+
+def _ensure_dir(path: Path, mode: int) -> None:
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=mode)
+    # mkdir honours the umask, and the kubelet may create the directory first (subPathExpr,
+    # DirectoryOrCreate): set the mode the gate needs explicitly.
+    if path.stat().st_mode & 0o7777 != mode:
+        os.chmod(path, mode)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_marker(root: str | os.PathLike[str], marker: Marker) -> Path:
+    """Atomically (re)write the pod's marker under `root`; returns the file's path."""
+    root_path = Path(root)
+    root_path.mkdir(mode=ROOT_MODE, parents=True, exist_ok=True)
+    _ensure_dir(root_path, ROOT_MODE)
+    pod_dir = pod_marker_dir(root_path, marker.pod_uid)
+    _ensure_dir(pod_dir, POD_DIR_MODE)
+    target = pod_dir / MARKER_FILE
+    fd, tmp = tempfile.mkstemp(dir=pod_dir, prefix=f".{MARKER_FILE}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(marker.to_json().encode())
+            f.flush()
+            os.fchmod(f.fileno(), FILE_MODE)
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(pod_dir)
+    return target
+
+
+def remove_marker(root: str | os.PathLike[str], pod_uid: str) -> bool:
+    """Remove a gone pod's directory (the marker and any temp file); False when absent."""
+    pod_dir = pod_marker_dir(root, pod_uid)
+    try:
+        entries = list(pod_dir.iterdir())
+    except FileNotFoundError:
+        return False
+    for entry in entries:
+        with contextlib.suppress(FileNotFoundError):
+            entry.unlink()
+    with contextlib.suppress(FileNotFoundError):
+        pod_dir.rmdir()
+    return True

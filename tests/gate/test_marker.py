@@ -1,0 +1,204 @@
+"""The readiness marker: format, atomic write, permissions, and a reader that trusts nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from kai_fractions import marker as m
+from kai_fractions.marker import (
+    ContainerMarker,
+    Marker,
+    MarkerError,
+    MarkerState,
+    parse_marker,
+    read_marker,
+    remove_marker,
+    write_marker,
+)
+
+UID = "5f0c6c1e-2b2b-4c4c-8d8d-000000000001"
+DIGEST = "sha256:" + "ab" * 32
+OTHER_DIGEST = "sha256:" + "cd" * 32
+
+
+def sample(digest: str = DIGEST) -> Marker:
+    return Marker.build(UID, {"main": ContainerMarker.applied(digest)}, clock=lambda: 1.7e9)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_the_file_format_is_exactly_the_agreed_json(tmp_path: Path) -> None:
+    path = write_marker(tmp_path / "markers", Marker.build(UID, {
+        "main": ContainerMarker.applied(DIGEST),
+        "side": ContainerMarker.refused("MixedComputeModes", "GPU-1 already runs time-slicing"),
+    }, clock=lambda: 1_700_000_000.9))
+    assert path == tmp_path / "markers" / UID / "marker.json"
+    assert json.loads(path.read_text()) == {
+        "version": 1,
+        "pod_uid": UID,
+        "written_at": "2023-11-14T22:13:20Z",
+        "containers": {
+            "main": {"state": "applied", "plan_digest": DIGEST, "reason": "Applied",
+                     "message": ""},
+            "side": {"state": "refused", "plan_digest": "", "reason": "MixedComputeModes",
+                     "message": "GPU-1 already runs time-slicing"},
+        },
+    }
+
+
+def test_write_then_read_round_trips(tmp_path: Path) -> None:
+    written = sample()
+    write_marker(tmp_path, written)
+    assert read_marker(tmp_path / UID, expected_pod_uid=UID) == written
+    assert read_marker(tmp_path / "no-such-pod") is None
+
+
+def test_permissions_let_an_unprivileged_gate_read_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o077)
+    try:
+        write_marker(tmp_path / "markers", sample())
+    finally:
+        os.umask(old)
+    assert mode(tmp_path / "markers") == 0o700
+    assert mode(tmp_path / "markers" / UID) == 0o755
+    assert mode(tmp_path / "markers" / UID / "marker.json") == 0o644
+
+
+def test_a_pod_directory_the_kubelet_made_first_gets_the_readable_mode(tmp_path: Path) -> None:
+    (tmp_path / UID).mkdir(mode=0o750)  # subPathExpr creates it when missing
+    os.chmod(tmp_path / UID, 0o750)
+    write_marker(tmp_path, sample())
+    assert mode(tmp_path / UID) == 0o755
+
+
+def test_a_failed_write_leaves_the_previous_marker_whole_and_no_temp_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_marker(tmp_path, sample(DIGEST))
+
+    def crash(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(m.os, "fsync", crash)
+    with pytest.raises(OSError, match="No space left"):
+        write_marker(tmp_path, sample(OTHER_DIGEST))
+    monkeypatch.undo()
+    assert read_marker(tmp_path / UID) == sample(DIGEST)
+    assert sorted(p.name for p in (tmp_path / UID).iterdir()) == ["marker.json"]
+
+
+def test_the_new_marker_appears_by_rename_in_the_same_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[Path, Path, str]] = []
+    real_replace = os.replace
+
+    def spy(src: str, dst: str) -> None:
+        # At the moment of the rename the complete new content is already in the temp file.
+        seen.append((Path(src).parent, Path(dst), Path(src).read_text()))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(m.os, "replace", spy)
+    write_marker(tmp_path, sample())
+    [(src_dir, dst, content)] = seen
+    assert src_dir == tmp_path / UID and dst == tmp_path / UID / "marker.json"
+    assert parse_marker(content) == sample()
+
+
+def test_readers_never_see_a_partial_marker(tmp_path: Path) -> None:
+    write_marker(tmp_path, sample(DIGEST))
+    stop = threading.Event()
+    errors: list[Exception] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                assert read_marker(tmp_path / UID) in (sample(DIGEST), sample(OTHER_DIGEST))
+            except Exception as e:  # collected and asserted below
+                errors.append(e)
+                return
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for i in range(100):
+        write_marker(tmp_path, sample(OTHER_DIGEST if i % 2 else DIGEST))
+    stop.set()
+    thread.join()
+    assert errors == []
+
+
+def test_remove_marker_deletes_the_pod_directory(tmp_path: Path) -> None:
+    write_marker(tmp_path, sample())
+    assert remove_marker(tmp_path, UID) is True
+    assert not (tmp_path / UID).exists()
+    assert remove_marker(tmp_path, UID) is False
+
+
+@pytest.mark.parametrize("uid", ["", "../etc", "a/b", ".hidden"])
+def test_a_pod_uid_cannot_escape_the_marker_root(tmp_path: Path, uid: str) -> None:
+    with pytest.raises(MarkerError, match="pod_uid: must be a pod UID"):
+        m.pod_marker_dir(tmp_path, uid)
+
+
+GOOD = {"version": 1, "pod_uid": UID, "written_at": "2025-01-31T12:00:00Z",
+        "containers": {"main": {"state": "applied", "plan_digest": DIGEST}}}
+
+
+def bad(**changes: object) -> str:
+    data = json.loads(json.dumps(GOOD))
+    for key, value in changes.items():
+        if key.startswith("main_"):
+            data["containers"]["main"][key[5:]] = value
+        else:
+            data[key] = value
+    return json.dumps(data)
+
+
+def test_a_minimal_marker_is_accepted() -> None:
+    parsed = parse_marker(json.dumps(GOOD))
+    assert parsed.containers["main"] == ContainerMarker(MarkerState.APPLIED, DIGEST)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{", "not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 "
+          "(char 1)"),
+    ("[]", "must be a JSON object"),
+    (bad(version=2), "version: must be 1, got 2"),
+    (bad(pod_uid=7), "pod_uid: is missing or not a string"),
+    (bad(written_at="yesterday"), "written_at: must be an RFC 3339 time, got 'yesterday'"),
+    (bad(written_at="2025-01-31T12:00:00"), "written_at: must carry a time zone (Z), got "
+                                            "'2025-01-31T12:00:00'"),
+    (bad(containers=[]), "containers: must be an object keyed by container name"),
+    (bad(main_state="done"), "containers.main.state: must be applied or refused, got 'done'"),
+    (bad(main_plan_digest="md5:00"), "containers.main.plan_digest: must be sha256:<64 hex "
+                                     "digits>, got 'md5:00'"),
+    (bad(main_plan_digest=""), "containers.main.plan_digest: is required when the state is "
+                               "applied"),
+    (bad(main_reason="not camel"), "containers.main.reason: must be CamelCase, got 'not camel'"),
+    (bad(main_message=3), "containers.main.message: must be a string, got 3"),
+    (bad(main_state="refused", main_reason="NoGpu"), "containers.main: a refusal needs a "
+                                                    "reason and a message"),
+])
+def test_the_reader_rejects_a_malformed_marker_with_a_clear_error(text: str,
+                                                                  message: str) -> None:
+    with pytest.raises(MarkerError) as info:
+        parse_marker(text)
+    assert str(info.value) == message
+
+
+def test_the_reader_names_the_file_and_checks_the_pod(tmp_path: Path) -> None:
+    (tmp_path / UID).mkdir()
+    (tmp_path / UID / "marker.json").write_text(json.dumps(GOOD))
+    with pytest.raises(MarkerError) as info:
+        read_marker(tmp_path / UID, expected_pod_uid="another-uid")
+    assert str(info.value) == (f"{tmp_path / UID / 'marker.json'}: pod_uid: is {UID!r}, "
+                               "expected this pod's 'another-uid'")
+    (tmp_path / UID / "marker.json").write_text('{"version": 1, "pod_uid": "x"')
+    with pytest.raises(MarkerError, match=r"marker\.json: not valid JSON"):
+        read_marker(tmp_path / UID)
