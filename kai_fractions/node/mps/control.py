@@ -1,0 +1,452 @@
+"""Talks to the MPS control daemon through `nvidia-cuda-mps-control`, one command per run.
+
+Two protocols:
+- legacy (v2): the command is written to the client's stdin (`echo get_server_list | ...`);
+- v3 (driver r615+): module-verb argv (`-p 3 namespace create <n> --server=shared`).
+
+The client exits 0 even when the daemon rejects a command, so every answer is parsed from
+stdout. What the real 535 daemon does (checked against the binary):
+- unknown commands print `Unknown command "x"`; commands on a missing server `Server N not found`;
+- other rejections (`Invalid device ordinal!`, `Invalid percentage ...`) are written ONLY to
+  control.log, never to the client. So every setter reads its value back and compares;
+- a pinned limit reads back in whole GiB once it reaches 1 GiB, truncated (`1536M` -> `1G`,
+  `4096M` -> `4G`): compare with `displayed_mem_limit`, not by parsing the readback as exact;
+- the set default active-thread percentage is echoed back (`25.0`);
+- with no daemon the client exits 1 with `Cannot find MPS control daemon process` on stderr;
+- the old binary ignores argv it does not know (`-p 3 ...`) and reads commands from stdin, so a
+  v3 command "succeeds" with no output: v3 support is probed from `--help` instead.
+One command per run keeps answers unambiguous: the daemon prints nothing for some commands
+(an unset limit), so the lines of a multi-command session cannot be matched to commands.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kai_fractions.contract import keys as k
+from kai_fractions.contract.plan import MAX_PIPE_DIRECTORY, MPS_SERVER
+
+from . import errors as e
+from .errors import MpsError
+from .runner import CommandNotFound, CommandResult, CommandRunner, CommandTimeout
+
+ENV_LOG_DIRECTORY = "CUDA_MPS_LOG_DIRECTORY"
+"""Read by the control daemon only (where control.log goes); not part of the pod contract."""
+
+NAME_RE = re.compile(r"[a-z0-9_]+")
+"""MPS v3 server and namespace names."""
+
+CLIENT_LIST_COLUMNS = ("pid", "server", "namespace")
+"""Column order assumed for `client list --format=csv,noheader` (v3). Only `pid` (first) and
+`namespace` (third, optional) are used; confirm on an r615 node if the output ever changes."""
+
+_MIB_PER_GIB = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class MpsClient:
+    pid: int
+    namespace: str | None
+
+
+def displayed_mem_limit(mib: int) -> str:
+    """How the daemon prints a pinned limit set to `mib` MiB: whole GiB (truncated) from 1 GiB."""
+    if mib >= _MIB_PER_GIB:
+        return f"{mib // _MIB_PER_GIB}G"
+    return f"{mib}M"
+
+
+_LIMIT_RE = re.compile(r"(\d+)([MG])")
+
+
+def parse_mem_limit(text: str) -> int | None:
+    """MiB shown by a pinned-limit readback (`4G` -> 4096, `7M` -> 7); None when unset (empty).
+
+    A GiB readback is a lower bound of what was set (`1536M` reads back as `1G`)."""
+    text = text.strip()
+    if not text:
+        return None
+    m = _LIMIT_RE.fullmatch(text)
+    if m is None:
+        raise ValueError(f"not a pinned memory limit: {text!r}")
+    value = int(m.group(1))
+    return value * _MIB_PER_GIB if m.group(2) == "G" else value
+
+
+# Patterns of the daemon's answers, checked line by line, first match wins. The legacy texts are
+# the real 535 daemon's; the v3 ones are deliberately broad (the exact r615 wording is not
+# pinned anywhere we can test) and only pick the reason: the message always quotes the daemon.
+_ANSWER_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(p, re.IGNORECASE), reason) for p, reason in (
+        (r"^Unknown command\b", e.UNKNOWN_COMMAND),
+        (r"\bclient\b.*\b(not found|does not exist|doesn't exist)|\bno such client\b",
+         e.CLIENT_NOT_FOUND),
+        (r"\bnamespace\b.*\b(not found|does not exist|doesn't exist)|\bno such namespace\b",
+         e.NAMESPACE_NOT_FOUND),
+        (r"\bserver\b.*\b(not found|does not exist|doesn't exist)|\bno such server\b",
+         e.SERVER_NOT_FOUND),
+        (r"\bclients?\b.*\b(attached|connected|active|running)\b|\b(busy|in use)\b",
+         e.NAMESPACE_BUSY),
+        (r"\balready exists?\b", e.NAMESPACE_EXISTS),
+        (r"\b(invalid|out of range|must be|expected)\b", e.INVALID_ARGUMENT),
+        (r"\b(error|fail(ed|ure)?|cannot|can't|unable|denied|not supported|not permitted|"
+         r"unrecognized|unknown|usage)\b", e.COMMAND_FAILED),
+    )
+)
+
+_UNREACHABLE_TEXTS = (
+    "Cannot find MPS control daemon process",
+    "Cannot authenticate or connect to MPS control daemon process",
+    "Cannot send command to MPS control daemon process",
+    "Cannot access CUDA_MPS_PIPE_DIRECTORY",
+)
+_ALREADY_RUNNING_TEXT = "An instance of this daemon is already running"
+
+
+def classify_answer(stdout: str) -> tuple[str, str] | None:
+    """(reason, line) of the first line of a daemon answer that is an error; None when clean."""
+    for line in stdout.splitlines():
+        line = line.strip()
+        if not line or line.startswith("/"):  # a bare path is an answer, whatever its words
+            continue
+        for pattern, reason in _ANSWER_PATTERNS:
+            if pattern.search(line):
+                return reason, line
+    return None
+
+
+def error_for_exit(result: CommandResult, what: str, *, binary: str, pipe_dir: str) -> MpsError:
+    """The error for a client run that exited non-zero (the client's own failures: no daemon,
+    a second daemon; the daemon's rejections exit 0 and are parsed from stdout instead)."""
+    text = (result.stdout + "\n" + result.stderr).strip()
+    if any(t in text for t in _UNREACHABLE_TEXTS):
+        return MpsError(
+            e.MPS_DAEMON_UNREACHABLE,
+            f"no MPS control daemon answers on {pipe_dir} ({what!r}: "
+            f"{_first_line(text)}); the supervisor starts it")
+    if _ALREADY_RUNNING_TEXT in text:
+        return MpsError(
+            e.DAEMON_ALREADY_RUNNING,
+            f"another MPS control daemon already holds {pipe_dir}/control_lock")
+    return MpsError(
+        e.COMMAND_FAILED,
+        f"{binary} {what!r} exited {result.returncode}: {text or '(no output)'}")
+
+
+class MpsControl:
+    """One MPS control daemon (by its pipe directory), one command per `nvidia-cuda-mps-control`
+    run. Inputs are validated before anything runs; every failure raises `MpsError`."""
+
+    def __init__(
+        self,
+        binary: str,
+        pipe_dir: str,
+        log_dir: str,
+        runner: CommandRunner,
+        server: str = MPS_SERVER,
+        *,
+        protocol_v3: bool | None = None,
+        timeout: float = 10.0,
+    ):
+        if not NAME_RE.fullmatch(server):
+            raise MpsError(e.INVALID_ARGUMENT,
+                           f"MPS server name {server!r} must match [a-z0-9_]+")
+        self.binary = str(binary)
+        self.pipe_dir = str(pipe_dir)
+        self.log_dir = str(log_dir)
+        self.runner = runner
+        self.server = server
+        self.timeout = timeout
+        self._protocol_v3 = protocol_v3
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {k.ENV_PIPE_DIRECTORY: self.pipe_dir, ENV_LOG_DIRECTORY: self.log_dir}
+
+    def _run(self, argv: Sequence[str], stdin: str | None, what: str,
+             timeout: float | None) -> CommandResult:
+        limit = self.timeout if timeout is None else timeout
+        try:
+            result = self.runner.run(argv, stdin=stdin, env=self.env, timeout=limit)
+        except CommandTimeout as exc:
+            raise MpsError(
+                e.MPS_DAEMON_UNREACHABLE,
+                f"the MPS control daemon on {self.pipe_dir} did not answer {what!r} within "
+                f"{limit:g}s (wedged or stopped); the supervisor restarts it") from exc
+        except CommandNotFound as exc:
+            raise MpsError(
+                e.MPS_BINARY_NOT_FOUND,
+                f"{exc.message}; install the NVIDIA driver's nvidia-cuda-mps-control on the "
+                "node or point --mps-control-binary at it") from exc
+        if result.returncode != 0:
+            raise error_for_exit(result, what, binary=self.binary, pipe_dir=self.pipe_dir)
+        return result
+
+    def _check(self, stdout: str, what: str) -> str:
+        found = classify_answer(stdout)
+        if found is None:
+            return stdout.strip()
+        reason, line = found
+        if reason == e.UNKNOWN_COMMAND:
+            message = (f"the MPS control daemon does not know {what!r} ({line}): a command "
+                       "this driver's MPS does not have (upgrade the NVIDIA driver)")
+        else:
+            message = f"the MPS control daemon rejected {what!r}: {line}"
+        raise MpsError(reason, message)
+
+    def _legacy(self, command: str, timeout: float | None = None) -> str:
+        result = self._run([self.binary], command + "\n", command, timeout)
+        return self._check(result.stdout, command)
+
+    def _v3(self, args: Sequence[str], timeout: float | None = None) -> str:
+        self._require_v3(" ".join(args))
+        argv = [self.binary, "-p", "3", *args]
+        result = self._run(argv, None, " ".join(args), timeout)
+        return self._check(result.stdout, " ".join(args))
+
+    def _client_cmd(self, args: Sequence[str], timeout: float | None = None) -> str:
+        self._require_v3(" ".join(args))
+        result = self._run([self.binary, *args], None, " ".join(args), timeout)
+        return self._check(result.stdout, " ".join(args))
+
+    # ------------------------------------------------------------------ protocol probe
+
+    def supports_protocol_v3(self) -> bool:
+        """Whether the binary has the v3 control protocol (cached). Its `--help` lists
+        `-p, --protocol` from r615 on; the 535 binary's help does not mention it."""
+        if self._protocol_v3 is None:
+            result = self._run([self.binary, "--help"], None, "--help", None)
+            self._protocol_v3 = bool(re.search(r"--protocol\b", result.stdout + result.stderr))
+        return self._protocol_v3
+
+    def _require_v3(self, what: str) -> None:
+        if not self.supports_protocol_v3():
+            raise MpsError(
+                e.PROTOCOL_UNSUPPORTED,
+                f"{self.binary} has no v3 control protocol (-p 3, NVIDIA driver r615 or newer), "
+                f"needed for {what!r}: per-container MPS namespaces are unavailable on this "
+                "node; upgrade the driver or run the agent with --no-sm-sharing")
+
+    # ------------------------------------------------------------------ legacy commands
+
+    def command(self, line: str, timeout: float | None = None) -> str:
+        """Any legacy command, as an operator would type it; returns the checked answer."""
+        if not line.strip() or "\n" in line or "\r" in line:
+            raise MpsError(e.INVALID_ARGUMENT, f"one command line expected, got {line!r}")
+        return self._legacy(line.strip(), timeout)
+
+    def get_server_list(self, timeout: float | None = None) -> list[int]:
+        out = self._legacy("get_server_list", timeout)
+        pids = []
+        for line in out.splitlines():
+            if line.strip():
+                pids.append(_parse_int(line, "get_server_list"))
+        return pids
+
+    def set_default_pinned_mem_limit(self, device_index: int, mib: int) -> str:
+        """Sets the default pinned device memory limit for servers started from now on and
+        returns the daemon's readback (`4G`). Raises NotApplied when the readback disagrees:
+        the daemon reports a bad device index only in its log."""
+        check_index(device_index, "device_index")
+        check_positive(mib, "mib")
+        command = f"set_default_device_pinned_mem_limit {device_index} {mib}M"
+        self._legacy(command)
+        got = self.get_default_pinned_mem_limit(device_index)
+        expected = displayed_mem_limit(mib)
+        if got != expected:
+            raise MpsError(
+                e.NOT_APPLIED,
+                f"after {command!r} the daemon reads back {got or '(unset)'!r}, not "
+                f"{expected!r}: GPU index {device_index} may not exist (see "
+                f"{self.log_dir}/control.log)")
+        return got
+
+    def get_default_pinned_mem_limit(self, device_index: int) -> str:
+        """The daemon's text (`4G`, `7M`), or "" when no default limit is set for the device."""
+        check_index(device_index, "device_index")
+        return self._legacy(f"get_default_device_pinned_mem_limit {device_index}")
+
+    def get_default_pinned_mem_limit_mib(self, device_index: int) -> int | None:
+        """The readback in MiB (a lower bound once >= 1 GiB), None when unset."""
+        text = self.get_default_pinned_mem_limit(device_index)
+        try:
+            return parse_mem_limit(text)
+        except ValueError as exc:
+            raise MpsError(e.UNEXPECTED_OUTPUT,
+                           f"get_default_device_pinned_mem_limit {device_index} printed "
+                           f"{text!r}") from exc
+
+    def set_default_active_thread_percentage(self, pct: int) -> str:
+        check_pct(pct)
+        command = f"set_default_active_thread_percentage {pct}"
+        out = self._legacy(command)
+        # The daemon echoes the (possibly unchanged) current value; it logs rejections only.
+        if _parse_float(out, command) != float(pct):
+            raise MpsError(e.NOT_APPLIED,
+                           f"after {command!r} the daemon reports {out!r}")
+        return out
+
+    def get_default_active_thread_percentage(self) -> str:
+        """The daemon's text, e.g. `25.0` (100.0 until set)."""
+        return self._legacy("get_default_active_thread_percentage")
+
+    def get_default_active_thread_percentage_value(self) -> float:
+        out = self.get_default_active_thread_percentage()
+        return _parse_float(out, "get_default_active_thread_percentage")
+
+    def set_active_thread_percentage(self, pid: int, pct: int) -> str:
+        """For the running server `pid` (clients attaching from now on)."""
+        check_positive(pid, "pid")
+        check_pct(pct)
+        command = f"set_active_thread_percentage {pid} {pct}"
+        out = self._legacy(command)
+        if out and _parse_float(out, command) != float(pct):
+            raise MpsError(e.NOT_APPLIED, f"after {command!r} the daemon reports {out!r}")
+        return out
+
+    def set_device_pinned_mem_limit(self, pid: int, device_index: int, mib: int) -> str:
+        """For the running server `pid` (clients attaching from now on)."""
+        check_positive(pid, "pid")
+        check_index(device_index, "device_index")
+        check_positive(mib, "mib")
+        return self._legacy(f"set_device_pinned_mem_limit {pid} {device_index} {mib}M")
+
+    def get_client_list(self, server_pid: int) -> list[int]:
+        """Client pids of the server `server_pid` (legacy; v3 has `client_list`)."""
+        check_positive(server_pid, "server_pid")
+        out = self._legacy(f"get_client_list {server_pid}")
+        return [_parse_int(line, "get_client_list") for line in out.splitlines() if line.strip()]
+
+    def terminate_client(self, server_pid: int, client_pid: int) -> None:
+        """Ends the client's outstanding GPU work on that server (legacy drain; v3 has
+        `client_terminate`)."""
+        check_positive(server_pid, "server_pid")
+        check_positive(client_pid, "client_pid")
+        self._legacy(f"terminate_client {server_pid} {client_pid}")
+
+    def quit(self, timeout: float | None = None) -> None:
+        """Stops the daemon and its servers; synchronous (returns when the daemon exited)."""
+        self._legacy("quit", timeout)
+
+    # ------------------------------------------------------------------ v3 commands
+
+    def namespace_create(self, name: str, *, exist_ok: bool = False) -> None:
+        self._check_namespace(name)
+        try:
+            self._v3(["namespace", "create", name, f"--server={self.server}"])
+        except MpsError as exc:
+            if not (exist_ok and exc.reason == e.NAMESPACE_EXISTS):
+                raise
+
+    def namespace_set_active_thread_percentage(self, name: str, pct: int) -> None:
+        """Only takes effect for a namespace without clients yet (MPS fixes it at first attach)."""
+        self._check_namespace(name)
+        check_pct(pct)
+        self._v3(["namespace", "set", name, f"--server={self.server}",
+                  f"--active-thread-percentage={pct}"])
+
+    def namespace_get_pipe_directory(self, name: str) -> str:
+        self._check_namespace(name)
+        out = self._v3(["namespace", "get", name, self.server, "pipe-directory"])
+        lines = [line.strip() for line in out.splitlines() if line.strip()]
+        m = re.search(r"(/\S*)$", lines[0]) if len(lines) == 1 else None
+        if m is None:
+            raise MpsError(e.UNEXPECTED_OUTPUT,
+                           f"namespace get {name} {self.server} pipe-directory printed {out!r}, "
+                           "not one absolute path")
+        return m.group(1)
+
+    def namespace_delete(self, name: str, *, missing_ok: bool = False) -> None:
+        """Raises NamespaceBusy while clients are attached: retry after they exit."""
+        self._check_namespace(name)
+        try:
+            self._v3(["namespace", "delete", name, f"--server={self.server}"])
+        except MpsError as exc:
+            if not (missing_ok and exc.reason == e.NAMESPACE_NOT_FOUND):
+                raise
+
+    def namespace_list(self, timeout: float | None = None) -> list[str]:
+        """Every namespace of the server as the daemon lists it (the implicit `default` too,
+        when it lists it): callers only ever delete names they own."""
+        out = self._v3(["namespace", "list", f"--server={self.server}"], timeout)
+        names: list[str] = []
+        for line in out.splitlines():
+            token = re.split(r"[\s,]+", line.strip(), maxsplit=1)[0]
+            if not token or token.lower() in ("name", "names", "namespace", "namespaces"):
+                continue
+            if not NAME_RE.fullmatch(token):
+                raise MpsError(e.UNEXPECTED_OUTPUT,
+                               f"namespace list printed a line that is not a name: {line!r}")
+            names.append(token)
+        return names
+
+    def client_list(self) -> list[MpsClient]:
+        out = self._client_cmd(["client", "list", "--format=csv,noheader"])
+        clients = []
+        for line in out.splitlines():
+            if not line.strip():
+                continue
+            fields = [f.strip() for f in line.split(",")]
+            pid = _parse_int(fields[0], "client list")
+            ns_at = CLIENT_LIST_COLUMNS.index("namespace")
+            namespace = fields[ns_at] if len(fields) > ns_at and fields[ns_at] else None
+            clients.append(MpsClient(pid=pid, namespace=namespace))
+        return clients
+
+    def client_terminate(self, pid: int) -> None:
+        """Ends the client's outstanding GPU work (drain) before its process is stopped."""
+        check_positive(pid, "pid")
+        self._client_cmd(["client", "terminate", str(pid)])
+
+    def _check_namespace(self, name: str) -> None:
+        check_namespace_name(name)
+        directory = f"{self.pipe_dir.rstrip('/')}/{self.server}/{name}"
+        if len(directory.encode()) > MAX_PIPE_DIRECTORY:
+            raise MpsError(
+                e.INVALID_ARGUMENT,
+                f"MPS pipe directory {directory!r} is longer than {MAX_PIPE_DIRECTORY} bytes "
+                "(unix socket paths are at most 107): use a shorter --mps-pipe-dir")
+
+
+def check_namespace_name(name: object) -> None:
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise MpsError(e.INVALID_ARGUMENT,
+                       f"MPS namespace name {name!r} must match [a-z0-9_]+")
+
+
+def check_pct(pct: object) -> None:
+    if isinstance(pct, bool) or not isinstance(pct, int) or not 1 <= pct <= 100:
+        raise MpsError(e.INVALID_ARGUMENT,
+                       f"active thread percentage must be a whole number 1..100, got {pct!r}")
+
+
+def check_positive(value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise MpsError(e.INVALID_ARGUMENT, f"{what} must be a whole number > 0, got {value!r}")
+
+
+def check_index(value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MpsError(e.INVALID_ARGUMENT, f"{what} must be a whole number >= 0, got {value!r}")
+
+
+def _parse_int(text: str, what: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise MpsError(e.UNEXPECTED_OUTPUT, f"{what} printed {text!r}, not a pid") from None
+
+
+def _parse_float(text: str, what: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise MpsError(e.UNEXPECTED_OUTPUT, f"{what} printed {text!r}, not a number") from None
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "(no output)"

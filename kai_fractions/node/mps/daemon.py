@@ -1,0 +1,296 @@
+"""Supervises the MPS control daemon: start it, tell whether it answers, restart it with bounded
+exponential backoff, re-apply state after a restart, and stop it.
+
+Facts about the real binary this relies on (535, checked here; v3 flags from NVIDIA's docs):
+- `nvidia-cuda-mps-control -d` returns once the daemon listens (a few ms); the daemon detaches
+  (daemon(3)), so its pid is not the child's. It writes NO pid file. It holds a POSIX write lock
+  on `<pipe dir>/control_lock` for its whole life, so the lock's holder in `/proc/locks` IS the
+  daemon's pid (no pgrep, no guessing by name). The lock file and sockets stay after it exits.
+- A second `-d` on the same pipe directory prints `An instance of this daemon is already
+  running` and exits 1, even when that instance is wedged: a hung daemon must be killed first.
+- The 535 binary only honours `-d` as its sole argument (`-d -p 3` or `-d -m` fall into the
+  interactive client mode), which is why v3 and multi-user flags are only added when asked for.
+- `quit` is synchronous: the client returns once the daemon has exited. All settings made through
+  the control channel (default pinned limit, active-thread percentage, namespaces) are lost when
+  the daemon exits; `on_restart` puts them back.
+- With a SIGSTOPped daemon a client hangs: health checks always run with a short timeout.
+Backoff never sleeps: while it runs, `ensure_running()` just returns False and the caller's
+loop (level-triggered) calls again later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from kai_fractions.node.procfs import Procfs
+
+from . import errors as e
+from .control import MpsControl, error_for_exit
+from .errors import MpsError
+from .runner import CommandNotFound, CommandRunner, CommandTimeout
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "control_lock"
+DAEMON_COMM = "nvidia-cuda-mps"
+"""The daemon's /proc/<pid>/comm (the kernel keeps 15 characters of the name)."""
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+class DaemonProcesses(Protocol):
+    """How the supervisor finds, checks and signals the daemon's process."""
+
+    def daemon_pid(self, pipe_dir: str) -> int | None: ...
+
+    def is_alive(self, pid: int) -> bool: ...
+
+    def kill(self, pid: int, sig: int) -> None: ...
+
+
+class ProcDaemonProcesses:
+    """The real one: the holder of `<pipe dir>/control_lock` per `/proc/locks`."""
+
+    def __init__(self, procfs: Procfs | None = None):
+        self.procfs = procfs or Procfs()
+
+    def daemon_pid(self, pipe_dir: str) -> int | None:
+        for pid in self.procfs.lock_holders_of(Path(pipe_dir) / LOCK_FILE):
+            if self.procfs.is_alive(pid) and (self.procfs.comm(pid) or "").startswith(DAEMON_COMM):
+                return pid
+        return None
+
+    def is_alive(self, pid: int) -> bool:
+        return self.procfs.is_alive(pid)
+
+    def kill(self, pid: int, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+RestartHook = Callable[[MpsControl], None]
+
+_NO_ANSWER = frozenset({e.MPS_DAEMON_UNREACHABLE, e.MPS_BINARY_NOT_FOUND, e.PROTOCOL_UNSUPPORTED})
+
+
+class MpsDaemon:
+    """One control daemon per pipe directory, owned by the node agent."""
+
+    def __init__(
+        self,
+        binary: str,
+        pipe_dir: str,
+        log_dir: str,
+        runner: CommandRunner,
+        clock: Clock | None = None,
+        multi_user: bool = False,
+        protocol_v3: bool | None = None,
+        *,
+        processes: DaemonProcesses | None = None,
+        on_restart: RestartHook | None = None,
+        server: str = "shared",
+        health_timeout: float = 2.0,
+        start_timeout: float = 10.0,
+        stop_grace: float = 5.0,
+        backoff_initial: float = 1.0,
+        backoff_max: float = 60.0,
+        poll_interval: float = 0.02,
+    ):
+        self.binary = str(binary)
+        self.pipe_dir = str(pipe_dir)
+        self.log_dir = str(log_dir)
+        self.runner = runner
+        self.clock: Clock = clock or SystemClock()
+        self.multi_user = multi_user
+        self.processes: DaemonProcesses = processes or ProcDaemonProcesses()
+        self.on_restart = on_restart
+        self.health_timeout = health_timeout
+        self.start_timeout = start_timeout
+        self.stop_grace = stop_grace
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.poll_interval = poll_interval
+        self.control = MpsControl(self.binary, self.pipe_dir, self.log_dir, runner, server,
+                                  protocol_v3=protocol_v3)
+        self.restarts = 0
+        """Successful starts after the first one this supervisor made or found."""
+        self.failures = 0
+        """Consecutive failed starts (drives the backoff); 0 once it runs."""
+        self.last_error: MpsError | None = None
+        """Why the daemon is not running (or its state not applied) now; None when it is."""
+        self.last_health_error: MpsError | None = None
+        """What the last failed health check saw."""
+        self._next_attempt = float("-inf")
+        self._seen_running = False
+        self._needs_reapply = False
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def protocol_v3(self) -> bool:
+        """Whether this daemon runs (or will be started) with the v3 protocol."""
+        return self.control.supports_protocol_v3()
+
+    def start_argv(self) -> list[str]:
+        argv = [self.binary, "-d"]
+        if self.protocol_v3:
+            argv += ["-p", "3"]
+        if self.multi_user:
+            argv.append("-m")
+        return argv
+
+    def pid(self) -> int | None:
+        return self.processes.daemon_pid(self.pipe_dir)
+
+    def healthy(self) -> bool:
+        """The daemon answers a cheap command within `health_timeout`. A dead daemon, a stale
+        socket and a hung one all fail this; an answer that is an error (a v3 daemon without
+        the server yet) still proves it is alive."""
+        try:
+            if self.protocol_v3:
+                # a v3 daemon makes every client follow its protocol: ask in v3
+                self.control.namespace_list(timeout=self.health_timeout)
+            else:
+                self.control.get_server_list(timeout=self.health_timeout)
+        except MpsError as err:
+            if err.reason in _NO_ANSWER:
+                self.last_health_error = err
+                return False
+        return True
+
+    # ------------------------------------------------------------------ supervision
+
+    def ensure_running(self) -> bool:
+        """True when the daemon answers and its state is applied; starts or restarts it (at most
+        once per backoff step) otherwise. Never sleeps for the backoff."""
+        if self.healthy():
+            self._seen_running = True
+            self.failures = 0
+            return self._reapply_if_needed()
+        now = self.clock.monotonic()
+        if now < self._next_attempt:
+            return False  # backing off: last_error still says why the last start failed
+        try:
+            self._start()
+        except MpsError as err:
+            self.last_error = err
+            self.failures += 1
+            delay = min(self.backoff_max, self.backoff_initial * 2 ** (self.failures - 1))
+            self._next_attempt = self.clock.monotonic() + delay
+            log.warning("MPS control daemon start failed (%s: %s); next try in %gs",
+                        err.reason, err.message, delay)
+            return False
+        self.failures = 0
+        self._next_attempt = float("-inf")
+        if self._seen_running:
+            self.restarts += 1
+        self._seen_running = True
+        # A daemon we just started knows nothing (settings die with the process): put the
+        # node's state back before reporting it as running.
+        self._needs_reapply = True
+        return self._reapply_if_needed()
+
+    def _reapply_if_needed(self) -> bool:
+        if not self._needs_reapply or self.on_restart is None:
+            self._needs_reapply = False
+            self.last_error = None
+            return True
+        try:
+            self.on_restart(self.control)
+        except MpsError as err:
+            # Stay "not ready" and try again on the next call: a daemon without its state
+            # must not count as enforcing.
+            self.last_error = err
+            log.warning("re-applying MPS state after a restart failed (%s: %s)",
+                        err.reason, err.message)
+            return False
+        self._needs_reapply = False
+        self.last_error = None
+        return True
+
+    def _start(self) -> None:
+        for directory in (self.pipe_dir, self.log_dir):
+            os.makedirs(directory, mode=0o755, exist_ok=True)
+            # makedirs' mode is masked by the umask; the client sockets need 0755 exactly
+            os.chmod(directory, 0o755)
+        self._kill_wedged()
+        argv = self.start_argv()
+        try:
+            result = self.runner.run(argv, env=self.control.env, timeout=self.start_timeout)
+        except CommandTimeout as exc:
+            raise MpsError(
+                e.MPS_DAEMON_UNREACHABLE,
+                f"{' '.join(argv)} did not return within {self.start_timeout:g}s") from exc
+        except CommandNotFound as exc:
+            raise MpsError(e.MPS_BINARY_NOT_FOUND,
+                           f"{exc.message}; point --mps-control-binary at "
+                           "nvidia-cuda-mps-control") from exc
+        if result.returncode != 0:
+            raise error_for_exit(result, " ".join(argv[1:]), binary=self.binary,
+                                 pipe_dir=self.pipe_dir)
+        deadline = self.clock.monotonic() + self.start_timeout
+        while True:
+            if self.healthy():
+                log.info("MPS control daemon running on %s (pid %s)", self.pipe_dir, self.pid())
+                return
+            if self.clock.monotonic() >= deadline:
+                raise MpsError(
+                    e.MPS_DAEMON_UNREACHABLE,
+                    f"the MPS control daemon started with {' '.join(argv)} does not answer on "
+                    f"{self.pipe_dir} after {self.start_timeout:g}s; see "
+                    f"{self.log_dir}/control.log")
+            self.clock.sleep(self.poll_interval)
+
+    def _kill_wedged(self) -> None:
+        """A daemon that holds the lock but does not answer blocks every new start."""
+        pid = self.pid()
+        if pid is None:
+            return
+        log.warning("MPS control daemon pid %d holds %s but does not answer: killing it",
+                    pid, self.pipe_dir)
+        self.processes.kill(pid, signal.SIGKILL)
+        self._wait_gone(pid, self.stop_grace)
+
+    def _wait_gone(self, pid: int, grace: float) -> bool:
+        deadline = self.clock.monotonic() + grace
+        while self.processes.is_alive(pid):
+            if self.clock.monotonic() >= deadline:
+                return False
+            self.clock.sleep(self.poll_interval)
+        return True
+
+    def stop(self, grace: float | None = None) -> bool:
+        """`quit`, then SIGKILL if the daemon is still alive after `grace` seconds. True when
+        no daemon is left."""
+        grace = self.stop_grace if grace is None else grace
+        pid = self.pid()
+        try:
+            self.control.quit(timeout=grace)
+        except MpsError as err:
+            if err.reason != e.MPS_DAEMON_UNREACHABLE:
+                log.warning("MPS quit failed (%s: %s)", err.reason, err.message)
+        pid = pid or self.pid()
+        if pid is None or self._wait_gone(pid, grace):
+            return True
+        log.warning("MPS control daemon pid %d ignored quit for %gs: killing it", pid, grace)
+        self.processes.kill(pid, signal.SIGKILL)
+        return self._wait_gone(pid, grace)

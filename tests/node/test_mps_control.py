@@ -1,0 +1,430 @@
+"""MpsControl through the argv-recording runner: exact argv, stdin and env of every command, and
+the parsing of each answer (the client exits 0 on errors, so stdout decides)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kai_fractions.node.mps import errors as e
+from kai_fractions.node.mps.control import (
+    MpsClient,
+    MpsControl,
+    classify_answer,
+    displayed_mem_limit,
+    parse_mem_limit,
+)
+from kai_fractions.node.mps.errors import MpsError
+from kai_fractions.node.mps.runner import (
+    CommandNotFound,
+    CommandResult,
+    CommandTimeout,
+    RecordingRunner,
+)
+
+BIN = "/usr/bin/nvidia-cuda-mps-control"
+PIPE = "/run/kf/mps"
+LOGS = "/var/log/kf/mps"
+ENV = {"CUDA_MPS_PIPE_DIRECTORY": PIPE, "CUDA_MPS_LOG_DIRECTORY": LOGS}
+V3_HELP = ("Usage: nvidia-cuda-mps-control [OPTIONS] [MODULE VERB ...]\n"
+           "  -p, --protocol <2|3>   Protocol 2 (legacy, default) or 3.\n")
+OLD_HELP = ("CUDA MPS Control for Linux/Unix.\nCopyright (C) 2003 - 2023 NVIDIA Corporation.\n\n"
+            "  This program allows multiple CUDA processes to share a single GPU context.\n")
+
+
+def control(runner: RecordingRunner, **kw) -> MpsControl:
+    return MpsControl(BIN, PIPE, LOGS, runner, **kw)
+
+
+def v3(runner: RecordingRunner | None = None) -> tuple[MpsControl, RecordingRunner]:
+    runner = runner or RecordingRunner()
+    runner.respond([BIN, "--help"], V3_HELP)
+    return control(runner), runner
+
+
+# ---------------------------------------------------------------------------- legacy commands
+
+
+def test_set_default_pinned_limit_writes_the_command_then_reads_it_back():
+    runner = RecordingRunner()
+    runner.respond([BIN], "4G\n", stdin="get_default_device_pinned_mem_limit 0\n")
+    got = control(runner).set_default_pinned_mem_limit(0, 4096)
+    assert got == "4G"
+    assert [(c.argv, c.stdin, c.env) for c in runner.calls] == [
+        ((BIN,), "set_default_device_pinned_mem_limit 0 4096M\n", ENV),
+        ((BIN,), "get_default_device_pinned_mem_limit 0\n", ENV),
+    ]
+
+
+def test_pinned_limit_readback_that_disagrees_is_not_applied():
+    # The daemon logs "Invalid device ordinal!" but prints nothing to the client.
+    runner = RecordingRunner()
+    with pytest.raises(MpsError) as exc:
+        control(runner).set_default_pinned_mem_limit(7, 2048)
+    assert exc.value.reason == e.NOT_APPLIED == "NotApplied"
+    assert exc.value.message == (
+        "after 'set_default_device_pinned_mem_limit 7 2048M' the daemon reads back '(unset)', "
+        f"not '2G': GPU index 7 may not exist (see {LOGS}/control.log)")
+
+
+def test_pinned_limit_readback_is_truncated_to_whole_gib_by_the_daemon():
+    runner = RecordingRunner()
+    runner.respond([BIN], "19G\n", stdin="get_default_device_pinned_mem_limit 1\n")
+    assert control(runner).set_default_pinned_mem_limit(1, 19968) == "19G"
+
+
+@pytest.mark.parametrize(("mib", "shown"), [
+    (7, "7M"), (1023, "1023M"), (1024, "1G"), (1025, "1G"), (1536, "1G"), (4096, "4G"),
+    (19968, "19G"), (1048576, "1024G"),
+])
+def test_displayed_mem_limit_matches_what_the_daemon_prints(mib, shown):
+    assert displayed_mem_limit(mib) == shown
+
+
+@pytest.mark.parametrize(("text", "mib"), [("4G", 4096), ("7M", 7), ("", None), ("\n", None),
+                                           ("1024G", 1048576)])
+def test_parse_mem_limit(text, mib):
+    assert parse_mem_limit(text) == mib
+
+
+@pytest.mark.parametrize("text", ["4", "4T", "1.5G", "G", "-1M", "Unknown command"])
+def test_parse_mem_limit_rejects_garbage(text):
+    with pytest.raises(ValueError, match="not a pinned memory limit"):
+        parse_mem_limit(text)
+
+
+def test_get_default_pinned_limit_text_and_mib():
+    runner = RecordingRunner()
+    runner.respond([BIN], "4G\n", stdin="get_default_device_pinned_mem_limit 2\n")
+    runner.respond([BIN], "", stdin="get_default_device_pinned_mem_limit 3\n")
+    runner.respond([BIN], "lots\n", stdin="get_default_device_pinned_mem_limit 4\n")
+    c = control(runner)
+    assert c.get_default_pinned_mem_limit(2) == "4G"
+    assert c.get_default_pinned_mem_limit_mib(2) == 4096
+    assert c.get_default_pinned_mem_limit(3) == ""
+    assert c.get_default_pinned_mem_limit_mib(3) is None
+    with pytest.raises(MpsError) as exc:
+        c.get_default_pinned_mem_limit_mib(4)
+    assert exc.value.reason == "UnexpectedOutput"
+
+
+def test_default_active_thread_percentage_is_checked_against_the_echo():
+    runner = RecordingRunner()
+    runner.respond([BIN], "25.0\n", stdin="set_default_active_thread_percentage 25\n")
+    runner.respond([BIN], "25.0\n", stdin="get_default_active_thread_percentage\n")
+    c = control(runner)
+    assert c.set_default_active_thread_percentage(25) == "25.0"
+    assert c.get_default_active_thread_percentage() == "25.0"
+    assert c.get_default_active_thread_percentage_value() == 25.0
+    assert runner.stdins == ["set_default_active_thread_percentage 25\n",
+                             "get_default_active_thread_percentage\n",
+                             "get_default_active_thread_percentage\n"]
+
+
+def test_default_active_thread_percentage_echoing_the_old_value_is_not_applied():
+    runner = RecordingRunner()
+    runner.respond([BIN], "100.0\n", stdin="set_default_active_thread_percentage 40\n")
+    with pytest.raises(MpsError) as exc:
+        control(runner).set_default_active_thread_percentage(40)
+    assert (exc.value.reason, exc.value.message) == (
+        "NotApplied", "after 'set_default_active_thread_percentage 40' the daemon reports '100.0'")
+
+
+def test_server_list_parses_pids():
+    runner = RecordingRunner()
+    runner.respond([BIN], "1234\n5678\n", stdin="get_server_list\n")
+    assert control(runner).get_server_list() == [1234, 5678]
+    runner.respond([BIN], "", stdin="get_server_list\n")
+    assert control(runner).get_server_list() == []
+
+
+def test_server_list_with_garbage_is_unexpected_output():
+    runner = RecordingRunner().respond([BIN], "12ab\n", stdin="get_server_list\n")
+    with pytest.raises(MpsError) as exc:
+        control(runner).get_server_list()
+    assert exc.value.reason == "UnexpectedOutput"
+
+
+@pytest.mark.parametrize(("call", "stdin"), [
+    (lambda c: c.set_active_thread_percentage(1234, 50), "set_active_thread_percentage 1234 50\n"),
+    (lambda c: c.set_device_pinned_mem_limit(1234, 0, 1024),
+     "set_device_pinned_mem_limit 1234 0 1024M\n"),
+    (lambda c: c.get_client_list(1234), "get_client_list 1234\n"),
+    (lambda c: c.terminate_client(1234, 99), "terminate_client 1234 99\n"),
+])
+def test_per_server_commands_report_a_missing_server(call, stdin):
+    # What the real 535 daemon prints for a server pid it does not have.
+    runner = RecordingRunner().respond([BIN], "Server 1234 not found\n", stdin=stdin)
+    with pytest.raises(MpsError) as exc:
+        call(control(runner))
+    assert exc.value.reason == e.SERVER_NOT_FOUND == "ServerNotFound"
+    assert exc.value.message == ("the MPS control daemon rejected "
+                                 f"{stdin.strip()!r}: Server 1234 not found")
+    assert runner.stdins == [stdin]
+
+
+def test_legacy_client_list_and_terminate():
+    runner = RecordingRunner()
+    runner.respond([BIN], "11\n12\n", stdin="get_client_list 7\n")
+    c = control(runner)
+    assert c.get_client_list(7) == [11, 12]
+    c.terminate_client(7, 11)
+    assert runner.stdins[-1] == "terminate_client 7 11\n"
+
+
+def test_unknown_command_is_reported_with_the_daemon_text():
+    runner = RecordingRunner().respond([BIN], 'Unknown command "foo"\n', stdin="foo\n")
+    with pytest.raises(MpsError) as exc:
+        control(runner).command("foo")
+    assert exc.value.reason == e.UNKNOWN_COMMAND == "UnknownCommand"
+    assert exc.value.message == ("the MPS control daemon does not know 'foo' (Unknown command "
+                                 "\"foo\"): a command this driver's MPS does not have (upgrade "
+                                 "the NVIDIA driver)")
+
+
+def test_quit_and_no_daemon():
+    runner = RecordingRunner()
+    control(runner).quit()
+    assert runner.calls[0].stdin == "quit\n"
+    runner = RecordingRunner(CommandResult(1, "", "Cannot find MPS control daemon process\n"))
+    with pytest.raises(MpsError) as exc:
+        control(runner).quit()
+    assert exc.value.reason == e.MPS_DAEMON_UNREACHABLE == "MpsDaemonUnreachable"
+    assert exc.value.message == (f"no MPS control daemon answers on {PIPE} ('quit': Cannot find "
+                                 "MPS control daemon process); the supervisor starts it")
+
+
+def test_timeout_is_an_unreachable_daemon_and_binary_missing_has_its_own_reason():
+    runner = RecordingRunner(CommandTimeout([BIN], 2))
+    with pytest.raises(MpsError) as exc:
+        control(runner).get_server_list(timeout=2)
+    assert exc.value.reason == "MpsDaemonUnreachable"
+    assert "did not answer 'get_server_list' within 2s" in exc.value.message
+    assert runner.calls[0].timeout == 2
+    runner = RecordingRunner(CommandNotFound([BIN], f"cannot execute {BIN}: No such file"))
+    with pytest.raises(MpsError) as exc:
+        control(runner).get_server_list()
+    assert exc.value.reason == e.MPS_BINARY_NOT_FOUND == "MpsBinaryNotFound"
+    assert "--mps-control-binary" in exc.value.message
+
+
+def test_other_exit_codes_are_command_failed():
+    runner = RecordingRunner(CommandResult(3, "", "boom\n"))
+    with pytest.raises(MpsError) as exc:
+        control(runner).get_server_list()
+    assert (exc.value.reason, exc.value.message) == (
+        "CommandFailed", f"{BIN} 'get_server_list' exited 3: boom")
+
+
+@pytest.mark.parametrize("call", [
+    lambda c: c.set_default_pinned_mem_limit(0, 0),
+    lambda c: c.set_default_pinned_mem_limit(0, -5),
+    lambda c: c.set_default_pinned_mem_limit(-1, 10),
+    lambda c: c.set_default_pinned_mem_limit(True, 10),
+    lambda c: c.set_default_pinned_mem_limit(0, 1.5),
+    lambda c: c.set_default_active_thread_percentage(0),
+    lambda c: c.set_default_active_thread_percentage(101),
+    lambda c: c.set_default_active_thread_percentage(12.5),
+    lambda c: c.set_active_thread_percentage(0, 50),
+    lambda c: c.set_device_pinned_mem_limit(5, 0, 0),
+    lambda c: c.command("get_server_list\nquit"),
+    lambda c: c.namespace_create("Bad-Name"),
+    lambda c: c.namespace_create(""),
+    lambda c: c.namespace_create("kf_abc; rm"),
+    lambda c: c.namespace_set_active_thread_percentage("kf_abc", 0),
+    lambda c: c.namespace_delete("../x"),
+    lambda c: c.client_terminate(-3),
+])
+def test_bad_input_runs_nothing(call):
+    runner = RecordingRunner()
+    with pytest.raises(MpsError) as exc:
+        call(control(runner, protocol_v3=True))
+    assert exc.value.reason == e.INVALID_ARGUMENT == "InvalidArgument"
+    assert runner.calls == []
+
+
+def test_validation_messages():
+    c = control(RecordingRunner(), protocol_v3=True)
+    with pytest.raises(MpsError, match=r"active thread percentage must be a whole number "
+                                       r"1\.\.100, got 101"):
+        c.set_default_active_thread_percentage(101)
+    with pytest.raises(MpsError, match=r"mib must be a whole number > 0, got 0"):
+        c.set_default_pinned_mem_limit(0, 0)
+    with pytest.raises(MpsError, match=r"MPS namespace name 'Bad-Name' must match \[a-z0-9_\]\+"):
+        c.namespace_create("Bad-Name")
+
+
+def test_namespace_whose_pipe_directory_would_not_fit_a_socket_path_is_refused():
+    runner = RecordingRunner()
+    c = MpsControl(BIN, "/run/" + "p" * 60, LOGS, runner, protocol_v3=True)
+    with pytest.raises(MpsError) as exc:
+        c.namespace_create("kf_0123456789abcdef0123")
+    assert exc.value.reason == "InvalidArgument"
+    assert "longer than 83 bytes" in exc.value.message
+    assert runner.calls == []
+
+
+# ---------------------------------------------------------------------------- v3 commands
+
+
+def test_v3_namespace_commands_exact_argv_and_env():
+    c, runner = v3()
+    runner.respond([BIN, "-p", "3", "namespace", "get", "kf_abc", "shared", "pipe-directory"],
+                   f"{PIPE}/shared/kf_abc\n")
+    c.namespace_create("kf_abc")
+    c.namespace_set_active_thread_percentage("kf_abc", 50)
+    assert c.namespace_get_pipe_directory("kf_abc") == f"{PIPE}/shared/kf_abc"
+    c.namespace_delete("kf_abc")
+    assert c.namespace_list() == []
+    assert c.client_list() == []
+    c.client_terminate(4321)
+    assert runner.argvs == [
+        (BIN, "--help"),
+        (BIN, "-p", "3", "namespace", "create", "kf_abc", "--server=shared"),
+        (BIN, "-p", "3", "namespace", "set", "kf_abc", "--server=shared",
+         "--active-thread-percentage=50"),
+        (BIN, "-p", "3", "namespace", "get", "kf_abc", "shared", "pipe-directory"),
+        (BIN, "-p", "3", "namespace", "delete", "kf_abc", "--server=shared"),
+        (BIN, "-p", "3", "namespace", "list", "--server=shared"),
+        (BIN, "client", "list", "--format=csv,noheader"),
+        (BIN, "client", "terminate", "4321"),
+    ]
+    assert all(call.env == ENV for call in runner.calls)
+    # v3 commands take their command from argv: nothing on stdin
+    assert all(call.stdin is None for call in runner.calls)
+
+
+def test_v3_server_name_is_configurable():
+    runner = RecordingRunner().respond([BIN, "--help"], V3_HELP)
+    c = MpsControl(BIN, PIPE, LOGS, runner, server="gpu0")
+    c.namespace_create("kf_x")
+    assert runner.argvs[-1] == (BIN, "-p", "3", "namespace", "create", "kf_x", "--server=gpu0")
+    with pytest.raises(MpsError, match="server name"):
+        MpsControl(BIN, PIPE, LOGS, runner, server="bad name")
+
+
+def test_protocol_probe_runs_once_and_an_old_binary_is_protocol_unsupported():
+    runner = RecordingRunner().respond([BIN, "--help"], OLD_HELP)
+    c = control(runner)
+    for call in (lambda: c.namespace_create("kf_abc"), c.namespace_list, c.client_list,
+                 lambda: c.client_terminate(5)):
+        with pytest.raises(MpsError) as exc:
+            call()
+        assert exc.value.reason == e.PROTOCOL_UNSUPPORTED == "ProtocolUnsupported"
+    assert runner.argvs == [(BIN, "--help")]
+    assert exc.value.message == (
+        f"{BIN} has no v3 control protocol (-p 3, NVIDIA driver r615 or newer), needed for "
+        "'client terminate 5': per-container MPS namespaces are unavailable on this node; "
+        "upgrade the driver or run the agent with --no-sm-sharing")
+
+
+def test_protocol_can_be_declared_without_probing():
+    runner = RecordingRunner()
+    control(runner, protocol_v3=True).namespace_list()
+    assert runner.argvs == [(BIN, "-p", "3", "namespace", "list", "--server=shared")]
+    with pytest.raises(MpsError, match="no v3 control protocol"):
+        control(runner, protocol_v3=False).namespace_list()
+
+
+@pytest.mark.parametrize(("stdout", "reason"), [
+    ('Unknown command "namespace"', "UnknownCommand"),
+    ("Error: namespace kf_abc not found", "NamespaceNotFound"),
+    ("No such namespace: kf_abc", "NamespaceNotFound"),
+    ("namespace kf_abc does not exist", "NamespaceNotFound"),
+    ("Error: namespace kf_abc already exists", "NamespaceExists"),
+    ("Cannot delete namespace kf_abc: 2 clients attached", "NamespaceBusy"),
+    ("namespace kf_abc is busy", "NamespaceBusy"),
+    ("Server shared not found", "ServerNotFound"),
+    ("Error: server 'shared' does not exist", "ServerNotFound"),
+    ("Invalid value for --active-thread-percentage", "InvalidArgument"),
+    ("Error: permission denied", "CommandFailed"),
+    ("Failed to create namespace", "CommandFailed"),
+])
+def test_v3_error_texts(stdout, reason):
+    c, runner = v3()
+    runner.respond([BIN, "-p", "3", "namespace", "delete", "kf_abc", "--server=shared"],
+                   stdout + "\n")
+    with pytest.raises(MpsError) as exc:
+        c.namespace_delete("kf_abc")
+    assert exc.value.reason == reason
+    assert stdout in exc.value.message
+
+
+def test_namespace_busy_on_delete_tells_the_caller_to_retry():
+    c, runner = v3()
+    runner.respond([BIN, "-p", "3", "namespace", "delete", "kf_abc", "--server=shared"],
+                   "Namespace kf_abc has clients attached\n", "")
+    with pytest.raises(MpsError) as exc:
+        c.namespace_delete("kf_abc")
+    assert exc.value.reason == "NamespaceBusy"
+    c.namespace_delete("kf_abc")  # the client left: the retry succeeds
+
+
+def test_create_exist_ok_and_delete_missing_ok():
+    c, runner = v3()
+    runner.respond([BIN, "-p", "3", "namespace", "create", "kf_a", "--server=shared"],
+                   "namespace kf_a already exists\n")
+    runner.respond([BIN, "-p", "3", "namespace", "delete", "kf_a", "--server=shared"],
+                   "namespace kf_a not found\n")
+    c.namespace_create("kf_a", exist_ok=True)
+    c.namespace_delete("kf_a", missing_ok=True)
+    with pytest.raises(MpsError, match="already exists"):
+        c.namespace_create("kf_a")
+    with pytest.raises(MpsError, match="not found"):
+        c.namespace_delete("kf_a")
+
+
+def test_namespace_list_parsing():
+    c, runner = v3()
+    argv = [BIN, "-p", "3", "namespace", "list", "--server=shared"]
+    runner.respond(argv, "NAME\ndefault\nkf_abc\nkf_def  50\n\n", "garbage-name!\n")
+    assert c.namespace_list() == ["default", "kf_abc", "kf_def"]
+    with pytest.raises(MpsError) as exc:
+        c.namespace_list()
+    assert exc.value.reason == "UnexpectedOutput"
+
+
+def test_pipe_directory_parsing():
+    c, runner = v3()
+    argv = [BIN, "-p", "3", "namespace", "get", "kf_a", "shared", "pipe-directory"]
+    runner.respond(argv, "pipe-directory: /run/kf/mps/shared/kf_a\n", "/a\n/b\n", "",
+                   "/tmp/error/shared/kf_a\n")
+    assert c.namespace_get_pipe_directory("kf_a") == "/run/kf/mps/shared/kf_a"
+    for _ in range(2):
+        with pytest.raises(MpsError) as exc:
+            c.namespace_get_pipe_directory("kf_a")
+        assert exc.value.reason == "UnexpectedOutput"
+    # a bare path is an answer even when it contains an error word
+    assert c.namespace_get_pipe_directory("kf_a") == "/tmp/error/shared/kf_a"
+
+
+def test_client_list_csv_parsing():
+    c, runner = v3()
+    runner.respond([BIN, "client", "list", "--format=csv,noheader"],
+                   "4321, shared, kf_abc\n4400,shared,\n77\n", "pid,x\n")
+    assert c.client_list() == [MpsClient(4321, "kf_abc"), MpsClient(4400, None),
+                               MpsClient(77, None)]
+    with pytest.raises(MpsError) as exc:
+        c.client_list()
+    assert exc.value.reason == "UnexpectedOutput"
+
+
+def test_client_terminate_of_a_non_client():
+    c, runner = v3()
+    runner.respond([BIN, "client", "terminate", "99"], "Error: client 99 not found\n")
+    with pytest.raises(MpsError) as exc:
+        c.client_terminate(99)
+    assert exc.value.reason == e.CLIENT_NOT_FOUND == "ClientNotFound"
+
+
+def test_classify_answer_is_clean_for_values():
+    for text in ["", "4G", "25.0", "1234\n5678", "kf_abc\nkf_def", "4321,shared,kf_abc",
+                 "/run/kf/mps/shared/kf_abc"]:
+        assert classify_answer(text) is None, text
+
+
+def test_every_reason_is_registered():
+    assert {"MpsDaemonUnreachable", "UnknownCommand", "NamespaceBusy", "NamespaceNotFound",
+            "InvalidArgument", "ProtocolUnsupported"} <= e.REASONS
+    err = MpsError("NamespaceBusy", "x")
+    assert (err.reason, err.message, str(err)) == ("NamespaceBusy", "x", "x")
+    assert err == MpsError("NamespaceBusy", "x")

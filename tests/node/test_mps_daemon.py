@@ -1,0 +1,268 @@
+"""MpsDaemon supervision through the recording runner, a fake process table and a fake clock:
+start argv, health, bounded exponential backoff (never sleeping), wedged daemons, re-applying
+state after a restart, and stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+
+import pytest
+
+from kai_fractions.node.mps.daemon import MpsDaemon, ProcDaemonProcesses
+from kai_fractions.node.mps.errors import MpsError
+from kai_fractions.node.mps.runner import CommandResult, CommandTimeout, RecordingRunner
+from kai_fractions.node.procfs import Procfs
+
+BIN = "/usr/bin/nvidia-cuda-mps-control"
+OLD_HELP = "CUDA MPS Control for Linux/Unix.\n"
+V3_HELP = "  -p, --protocol <2|3>   Protocol 2 (legacy, default) or 3.\n"
+NO_DAEMON = CommandResult(1, "", "Cannot find MPS control daemon process\n")
+LIST = "get_server_list\n"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+class FakeProcesses:
+    def __init__(self, pid: int | None = None, ignores_signals: bool = False):
+        self.pid = pid
+        self.alive: set[int] = {pid} if pid else set()
+        self.ignores_signals = ignores_signals
+        self.killed: list[tuple[int, int]] = []
+
+    def daemon_pid(self, pipe_dir: str) -> int | None:
+        return self.pid if self.pid in self.alive else None
+
+    def is_alive(self, pid: int) -> bool:
+        return pid in self.alive
+
+    def kill(self, pid: int, sig: int) -> None:
+        self.killed.append((pid, sig))
+        if sig == signal.SIGKILL:
+            self.alive.discard(pid)
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    return str(tmp_path / "pipe"), str(tmp_path / "log")
+
+
+def make(dirs, runner, clock=None, processes=None, **kw) -> MpsDaemon:
+    pipe, logs = dirs
+    return MpsDaemon(BIN, pipe, logs, runner, clock or FakeClock(),
+                     processes=processes or FakeProcesses(), **kw)
+
+
+def test_first_start_argv_env_dirs_and_state_applied(dirs):
+    runner = RecordingRunner()
+    runner.respond([BIN, "--help"], OLD_HELP)
+    runner.respond([BIN], NO_DAEMON, "", stdin=LIST)
+    applied = []
+    daemon = make(dirs, runner, on_restart=applied.append)
+    assert daemon.ensure_running() is True
+    pipe, logs = dirs
+    env = {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": logs}
+    assert [(c.argv, c.stdin) for c in runner.calls] == [
+        ((BIN, "--help"), None), ((BIN,), LIST), ((BIN, "-d"), None), ((BIN,), LIST)]
+    assert runner.calls[2].env == env
+    assert runner.calls[1].timeout == 2.0  # health checks never wait long
+    for d in dirs:
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o755
+    assert applied == [daemon.control]  # a fresh daemon knows nothing: state goes back
+    assert (daemon.restarts, daemon.failures) == (0, 0)
+    # healthy now: nothing else runs
+    assert daemon.ensure_running() is True
+    assert runner.argvs[-1] == (BIN,) and len(runner.calls) == 5
+
+
+def test_v3_and_multi_user_start_argv(dirs):
+    runner = RecordingRunner()
+    runner.respond([BIN, "--help"], V3_HELP)
+    runner.respond([BIN, "-p", "3", "namespace", "list", "--server=shared"], NO_DAEMON, "")
+    daemon = make(dirs, runner, multi_user=True)
+    assert daemon.start_argv() == [BIN, "-d", "-p", "3", "-m"]
+    assert daemon.ensure_running() is True
+    assert (BIN, "-d", "-p", "3", "-m") in runner.argvs
+    # a v3 daemon is health-checked in v3
+    assert runner.argvs[-1] == (BIN, "-p", "3", "namespace", "list", "--server=shared")
+
+
+def test_declared_protocol_skips_the_probe(dirs):
+    runner = RecordingRunner()
+    daemon = make(dirs, runner, protocol_v3=False)
+    assert daemon.start_argv() == [BIN, "-d"]
+    assert runner.calls == []
+
+
+def test_an_error_answer_still_proves_the_daemon_is_alive(dirs):
+    runner = RecordingRunner()
+    runner.respond([BIN, "-p", "3", "namespace", "list", "--server=shared"],
+                   "Server shared not found\n")
+    assert make(dirs, runner, protocol_v3=True).healthy() is True
+
+
+def test_restart_after_death_counts_and_reapplies(dirs):
+    runner = RecordingRunner()
+    runner.respond([BIN], "", NO_DAEMON, "", stdin=LIST)
+    applied = []
+    daemon = make(dirs, runner, protocol_v3=False, on_restart=applied.append)
+    assert daemon.ensure_running() is True  # found running: nothing to re-apply
+    assert applied == [] and daemon.restarts == 0
+    assert daemon.ensure_running() is True  # died in between: restarted
+    assert daemon.restarts == 1 and len(applied) == 1
+    assert runner.argvs.count((BIN, "-d")) == 1
+    assert daemon.last_error is None
+    assert daemon.last_health_error.reason == "MpsDaemonUnreachable"
+
+
+def test_bounded_exponential_backoff_without_sleeping(dirs):
+    runner = RecordingRunner()
+    runner.respond([BIN], NO_DAEMON, stdin=LIST)
+    runner.respond([BIN, "-d"], CommandResult(1, "", "boom\n"))
+    clock = FakeClock()
+    daemon = make(dirs, runner, clock, protocol_v3=False, backoff_initial=1, backoff_max=4)
+    attempts = []
+    for _ in range(40):  # 10 simulated seconds in 0.25 s steps
+        before = runner.argvs.count((BIN, "-d"))
+        assert daemon.ensure_running() is False
+        if runner.argvs.count((BIN, "-d")) > before:
+            attempts.append(clock.now - 1000.0)
+        clock.now += 0.25
+    # tries at 0, then after 1, 2, 4, 4 (capped) seconds
+    assert attempts == [0.0, 1.0, 3.0, 7.0]
+    assert clock.slept == []
+    assert daemon.failures == 4
+    assert daemon.last_error == MpsError(
+        "CommandFailed", f"{BIN} '-d' exited 1: boom")
+    # the daemon comes back: the next attempt succeeds and resets the backoff
+    runner.respond([BIN, "-d"], "")
+    runner.respond([BIN], NO_DAEMON, "", stdin=LIST)
+    clock.now += 4
+    assert daemon.ensure_running() is True
+    assert daemon.failures == 0
+    assert daemon.last_error is None
+
+
+def test_started_but_never_answering_times_out_on_the_fake_clock(dirs):
+    runner = RecordingRunner()
+    runner.respond([BIN], NO_DAEMON, stdin=LIST)
+    clock = FakeClock()
+    daemon = make(dirs, runner, clock, protocol_v3=False, start_timeout=1, poll_interval=0.25)
+    assert daemon.ensure_running() is False
+    assert clock.slept == [0.25] * 4
+    assert daemon.last_error.reason == "MpsDaemonUnreachable"
+    assert "does not answer" in daemon.last_error.message
+    assert "control.log" in daemon.last_error.message
+
+
+def test_a_wedged_daemon_is_killed_before_the_new_start(dirs):
+    runner = RecordingRunner()
+    runner.respond([BIN], CommandTimeout([BIN], 2), "", stdin=LIST)
+    processes = FakeProcesses(pid=4242)
+    daemon = make(dirs, runner, processes=processes, protocol_v3=False)
+    runner.respond([BIN, "-d"], lambda call: (
+        CommandResult(0, "", "") if not processes.is_alive(4242)
+        else CommandResult(1, "An instance of this daemon is already running\n", "")))
+    assert daemon.ensure_running() is True
+    assert processes.killed == [(4242, signal.SIGKILL)]
+
+
+def test_second_instance_message_is_its_own_reason(dirs):
+    runner = RecordingRunner()
+    runner.respond([BIN], NO_DAEMON, stdin=LIST)
+    runner.respond([BIN, "-d"], CommandResult(1, "An instance of this daemon is already running\n",
+                                              ""))
+    daemon = make(dirs, runner, protocol_v3=False)
+    assert daemon.ensure_running() is False
+    assert daemon.last_error.reason == "MpsDaemonAlreadyRunning"
+
+
+def test_failed_reapply_is_retried_while_the_daemon_runs(dirs):
+    runner = RecordingRunner()
+    runner.respond([BIN], NO_DAEMON, "", stdin=LIST)
+    outcomes = [MpsError("NotApplied", "no"), None]
+
+    def reapply(control):
+        outcome = outcomes.pop(0)
+        if outcome:
+            raise outcome
+
+    daemon = make(dirs, runner, protocol_v3=False, on_restart=reapply)
+    assert daemon.ensure_running() is False
+    assert daemon.last_error == MpsError("NotApplied", "no")
+    assert daemon.ensure_running() is True
+    assert outcomes == []
+    assert runner.argvs.count((BIN, "-d")) == 1
+
+
+def test_missing_binary_is_a_failure_with_backoff(dirs):
+    from kai_fractions.node.mps.runner import CommandNotFound
+    runner = RecordingRunner(CommandNotFound([BIN], f"cannot execute {BIN}: No such file"))
+    daemon = make(dirs, runner)
+    assert daemon.healthy() is False
+    assert daemon.ensure_running() is False
+    assert daemon.last_error.reason == "MpsBinaryNotFound"
+    assert daemon.failures == 1
+
+
+def test_stop_quits_and_waits(dirs):
+    runner = RecordingRunner()
+    processes = FakeProcesses(pid=77)
+    runner.respond([BIN], lambda call: processes.alive.discard(77) or CommandResult(0, "", ""),
+                   stdin="quit\n")
+    daemon = make(dirs, runner, processes=processes, protocol_v3=False)
+    assert daemon.stop() is True
+    assert runner.stdins == ["quit\n"]
+    assert processes.killed == []
+
+
+def test_stop_kills_a_daemon_that_ignores_quit(dirs):
+    runner = RecordingRunner()
+    runner.respond([BIN], CommandTimeout([BIN], 1), stdin="quit\n")
+    processes = FakeProcesses(pid=78)
+    clock = FakeClock()
+    daemon = make(dirs, runner, clock, processes, protocol_v3=False, poll_interval=0.5)
+    assert daemon.stop(grace=1) is True
+    assert processes.killed == [(78, signal.SIGKILL)]
+    assert runner.calls[0].timeout == 1
+    assert sum(clock.slept) == pytest.approx(1.0)
+
+
+def test_stop_without_a_daemon_is_fine(dirs):
+    assert make(dirs, RecordingRunner(NO_DAEMON), protocol_v3=False).stop() is True
+
+
+def test_proc_daemon_processes_reads_the_lock_holder(tmp_path):
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    lock = pipe / "control_lock"
+    lock.write_text("")
+    st = os.stat(lock)
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    proc = tmp_path / "proc"
+    for pid, comm, state in ((10, "nvidia-cuda-mps", "S"), (11, "bash", "S"),
+                             (12, "nvidia-cuda-mps", "Z")):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "comm").write_text(comm + "\n")
+        (proc / str(pid) / "stat").write_text(f"{pid} ({comm}) {state} 1 {pid} {pid} 0 -1\n")
+    (proc / "locks").write_text(
+        f"1: POSIX  ADVISORY  WRITE 11 {dev} 0 EOF\n"
+        f"2: POSIX  ADVISORY  WRITE 12 {dev} 0 EOF\n"
+        f"3: POSIX  ADVISORY  WRITE 10 {dev} 0 EOF\n")
+    found = ProcDaemonProcesses(Procfs(proc))
+    assert found.daemon_pid(str(pipe)) == 10  # not bash, not the zombie
+    assert found.is_alive(10) and not found.is_alive(12) and not found.is_alive(13)
+    (proc / "locks").write_text("")
+    assert found.daemon_pid(str(pipe)) is None
