@@ -34,6 +34,7 @@ from .desired import (
 )
 from .errors import NodeError, NvmlError
 from .memory_limits import LimitWrite, MemoryLimitEnforcer
+from .mps.control import displayed_mem_limit
 from .nvml import DeviceInfo, GpuComputeMode, GpuProcess, Nvml
 
 # -- the MPS control seam as the engine uses it (kai_fractions.node.mps.control.MpsControl and
@@ -76,15 +77,6 @@ OUR_NAMESPACE = _our_namespace_pattern()
 
 def is_our_namespace(name: str) -> bool:
     return bool(OUR_NAMESPACE.fullmatch(name))
-
-
-def displayed_mem_limit(mib: int) -> str:
-    """How the MPS daemon reads back a pinned limit (`4096` MiB -> `4G`)."""
-    try:
-        from .mps.control import displayed_mem_limit as shown
-    except ImportError:  # the MPS package is optional for the engine
-        return f"{mib // 1024}G" if mib >= 1024 else f"{mib}M"
-    return shown(mib)
 
 
 # -- reports --------------------------------------------------------------------------------

@@ -1,0 +1,396 @@
+"""The engine's reconcile API over the in-memory seams (FakeNvml, a temp cgroup tree,
+FakeMpsControl): apply / release / observe, idempotence and convergence from any state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kai_fractions.contract import mps_namespace_name
+from kai_fractions.node.cgroups import HostCgroupFs
+from kai_fractions.node.config import Mechanism, NodeConfig
+from kai_fractions.node.desired import ContainerKey, NodePod, plan_node
+from kai_fractions.node.engine import (
+    CGROUP_NOT_FOUND,
+    MPS_UNAVAILABLE,
+    ContainerState,
+    Engine,
+    is_our_namespace,
+)
+from kai_fractions.node.inventory import take_inventory
+from kai_fractions.node.mps import FakeMpsControl, MpsError
+from kai_fractions.node.nvml import MEMORY_LIMIT_MAX, GpuComputeMode
+from kai_fractions.node.nvml_fake import FakeGpu, FakeNvml
+
+from .nodepods import (
+    CID_A,
+    CID_B,
+    GIB,
+    GPU0,
+    GPU1,
+    UID_A,
+    UID_B,
+    annotations,
+    make_cgroups,
+    node_pod,
+    pod_cgroup,
+)
+
+NS_A = mps_namespace_name(UID_A, "main")
+NS_B = mps_namespace_name(UID_B, "main")
+
+
+class Node:
+    """One simulated node: fakes that survive an engine restart, and helpers to plan/apply."""
+
+    def __init__(self, root: Path, *, memory_limits: bool = True, protocol_v3: bool = True,
+                 mps: bool = True, **config):
+        self.root = root
+        self.nvml = FakeNvml([FakeGpu(GPU0), FakeGpu(GPU1)], memory_limits=memory_limits)
+        self.nvml.init()
+        self.mps = FakeMpsControl(protocol_v3=protocol_v3) if mps else None
+        self.fs = HostCgroupFs()
+        self.config = NodeConfig(node_name="node-a", cgroup_root=str(root), **config)
+        self.clock_value = 1000.0
+        self.engine = self.new_engine()
+
+    def new_engine(self) -> Engine:
+        return Engine(self.nvml, self.fs, self.mps, lambda: self.clock_value, self.config)
+
+    def desired(self, *pods: NodePod):
+        inv = take_inventory(self.nvml, mps_namespaces=(
+            self.mps.supports_protocol_v3() if self.mps else None))
+        return plan_node(pods, inv, self.config)
+
+    def apply(self, *pods: NodePod, cgroups: bool = True):
+        if cgroups:
+            make_cgroups(self.root, self.config.layout, pods)
+        return self.engine.apply(self.desired(*pods))
+
+    def slice(self, uid: str) -> str:
+        return pod_cgroup(str(self.root), uid)
+
+    def leaf(self, uid: str, cid: str) -> str:
+        return f"{self.slice(uid)}/cri-containerd-{cid.split('://')[1]}.scope"
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Node:
+    return Node(tmp_path / "cgroup")
+
+
+def sm_pod(uid: str = UID_A, cid: str = CID_A, **kw) -> NodePod:
+    kw.setdefault("notes", annotations(mode="sm-sharing", portion="0.25"))
+    return node_pod(uid, name=f"p-{uid[-1]}", container_ids={"main": cid}, **kw)
+
+
+def ts_pod(uid: str = UID_B, cid: str = CID_B, device: str = GPU1, **kw) -> NodePod:
+    kw.setdefault("notes", annotations(mode="time-slicing", devices=(device,), request="4Gi",
+                                       limit="8Gi"))
+    return node_pod(uid, name=f"p-{uid[-1]}", container_ids={"main": cid}, **kw)
+
+
+def test_apply_enforces_everything_the_plan_needs(node: Node) -> None:
+    report = node.apply(sm_pod(), ts_pod())
+    a = report.result(UID_A, "main")
+    b = report.result(UID_B, "main")
+    assert a.state is ContainerState.APPLIED and b.state is ContainerState.APPLIED
+    assert a.reason is None and not a.container_limit_pending
+    assert a.mps_namespace == NS_A and a.plan_digest.startswith("sha256:")
+    assert a.mechanisms == {Mechanism.CGROUP, Mechanism.MPS_PINNED, Mechanism.WATCHDOG}
+    assert node.nvml.set_limit_calls == [
+        (GPU0, node.slice(UID_A), 10 * GIB, 20 * GIB),
+        (GPU1, node.slice(UID_B), 4 * GIB, 8 * GIB),
+        (GPU0, node.leaf(UID_A, CID_A), 10 * GIB, 20 * GIB),
+        (GPU1, node.leaf(UID_B, CID_B), 4 * GIB, 8 * GIB),
+    ]
+    assert [(t.path, t.soft, t.hard) for t in a.limits] == [
+        (node.slice(UID_A), 10 * GIB, 20 * GIB), (node.leaf(UID_A, CID_A), 10 * GIB, 20 * GIB)]
+    # compute modes: GPU0 to EXCLUSIVE_PROCESS for MPS; GPU1 already DEFAULT (not rewritten)
+    assert report.compute_modes_set == ((GPU0, GpuComputeMode.EXCLUSIVE_PROCESS),)
+    assert [c.args for c in node.nvml.calls_of("set_compute_mode")] == [
+        (GPU0, GpuComputeMode.EXCLUSIVE_PROCESS)]
+    # MPS: pinned default for GPU index 0, the namespace and its cap
+    assert node.mps.calls == [
+        ("get_default_pinned_mem_limit", (0,)),
+        ("set_default_pinned_mem_limit", (0, 20480)),
+        ("namespace_list", ()),
+        ("namespace_create", (NS_A,)),
+        ("client_list", ()),
+        ("namespace_set_active_thread_percentage", (NS_A, 25)),
+        ("namespace_list", ()),
+    ]
+    assert node.mps.namespaces[NS_A].active_thread_percentage == 25
+    assert report.namespaces_created == (NS_A,)
+    assert report.at == 1000.0 and report.converged and report.issues == ()
+
+
+def test_second_apply_writes_nothing(node: Node) -> None:
+    pods = (sm_pod(), ts_pod())
+    node.apply(*pods)
+    nvml_calls, mps_calls = len(node.nvml.calls), len(node.mps.calls)
+    report = node.apply(*pods)
+    assert all(r.state is ContainerState.APPLIED for r in report.containers.values())
+    assert report.writes == () and report.compute_modes_set == ()
+    new_nvml = {c.method for c in node.nvml.calls[nvml_calls:]}
+    assert new_nvml <= {"devices", "get_memory_limits", "memory_limits_supported",
+                        "driver_version"}
+    assert [m for m, _ in node.mps.calls[mps_calls:]] == [
+        "get_default_pinned_mem_limit", "namespace_list", "namespace_list"]
+
+
+def test_pod_slice_missing_is_pending_until_kubelet_creates_it(node: Node) -> None:
+    p = sm_pod()
+    report = node.apply(p, cgroups=False)
+    r = report.result(UID_A, "main")
+    assert (r.state, r.reason) == (ContainerState.PENDING, CGROUP_NOT_FOUND)
+    assert r.message == (
+        f"the pod's cgroup {node.slice(UID_A)} does not exist yet (kubelet creates it when the "
+        "pod starts on this node); the limits are applied as soon as it does. If it never "
+        "appears, check --cgroup-root and --cgroup-driver against the kubelet's configuration")
+    assert node.nvml.set_limit_calls == []
+    assert not report.converged
+    assert node.apply(p).result(UID_A, "main").state is ContainerState.APPLIED
+
+
+def test_container_cgroup_comes_later(node: Node) -> None:
+    early = node_pod(UID_A, name="p-a", notes=annotations(mode="sm-sharing"), container_ids={})
+    r = node.apply(early).result(UID_A, "main")
+    assert r.state is ContainerState.APPLIED and r.container_limit_pending
+    assert node.nvml.set_limit_calls == [(GPU0, node.slice(UID_A), 10 * GIB, 20 * GIB)]
+    # the runtime reports the container's ID but its cgroup is not there yet
+    p = sm_pod()
+    r = node.apply(p, cgroups=False).result(UID_A, "main")
+    assert r.state is ContainerState.APPLIED and r.container_limit_pending
+    r = node.apply(p).result(UID_A, "main")
+    assert not r.container_limit_pending
+    assert node.nvml.set_limit_calls[-1] == (GPU0, node.leaf(UID_A, CID_A), 10 * GIB, 20 * GIB)
+
+
+def test_nvml_error_mid_apply_is_not_applied_and_next_apply_converges(node: Node) -> None:
+    node.nvml.fail("set_memory_limits", "NoPermission", times=1, device=GPU1)
+    report = node.apply(sm_pod(), ts_pod())
+    a, b = report.result(UID_A, "main"), report.result(UID_B, "main")
+    assert a.state is ContainerState.APPLIED
+    assert (b.state, b.reason) == (ContainerState.PENDING, "NVMLNoPermission")
+    assert b.message.startswith("NVML refused nvmlDeviceSetMemoryLimits_v1 on GPU " + GPU1)
+    report = node.apply(sm_pod(), ts_pod())
+    assert report.result(UID_B, "main").state is ContainerState.APPLIED
+    # the container's own cgroup got its limit the first time; only the slice was missing
+    assert [w.path for w in report.writes] == [node.slice(UID_B)]
+
+
+def test_compute_mode_failure_keeps_the_gpus_containers_pending(node: Node) -> None:
+    node.nvml.fail("set_compute_mode", "NoPermission", times=1)
+    report = node.apply(sm_pod(), ts_pod())
+    assert report.result(UID_A, "main").state is ContainerState.PENDING
+    assert report.result(UID_A, "main").reason == "NVMLNoPermission"
+    assert report.result(UID_B, "main").state is ContainerState.APPLIED
+    (g0, _g1) = report.gpus
+    assert g0.error is not None and g0.compute_mode is GpuComputeMode.DEFAULT
+    assert node.apply(sm_pod(), ts_pod()).result(UID_A, "main").state is ContainerState.APPLIED
+
+
+def test_mps_error_keeps_the_container_pending(node: Node) -> None:
+    node.mps.inject("namespace_create", MpsError("MpsDaemonUnreachable", "no daemon"))
+    r = node.apply(sm_pod()).result(UID_A, "main")
+    assert (r.state, r.reason, r.message) == (ContainerState.PENDING, "MpsDaemonUnreachable",
+                                              "no daemon")
+    assert node.apply(sm_pod()).result(UID_A, "main").state is ContainerState.APPLIED
+
+
+def test_without_mps_control_sm_sharing_is_pending(tmp_path: Path) -> None:
+    node = Node(tmp_path, mps=False)
+    r = node.apply(sm_pod()).result(UID_A, "main")
+    assert (r.state, r.reason) == (ContainerState.PENDING, MPS_UNAVAILABLE)
+    assert node.apply(ts_pod()).result(UID_B, "main").state is ContainerState.APPLIED
+
+
+def test_refused_container_gets_nothing(node: Node) -> None:
+    other = "GPU-99999999-9999-9999-9999-999999999999"
+    p = sm_pod(notes=annotations(mode="sm-sharing", devices=(other,)))
+    report = node.apply(p)
+    r = report.result(UID_A, "main")
+    assert (r.state, r.reason) == (ContainerState.REFUSED, "DeviceNotOnNode")
+    assert r.message.startswith(f"GPU {other} assigned to this container is not on node node-a")
+    assert node.nvml.set_limit_calls == [] and node.nvml.calls_of("set_compute_mode") == []
+    assert node.mps.namespaces == {} and r.limits == ()
+
+
+def test_not_bound_is_reported_pending(node: Node) -> None:
+    r = node.apply(sm_pod(notes=annotations(devices=None))).result(UID_A, "main")
+    assert (r.state, r.reason) == (ContainerState.PENDING, "NotBound")
+
+
+def test_release_clears_limits_and_deletes_the_namespace(node: Node) -> None:
+    node.apply(sm_pod(), ts_pod())
+    before = len(node.nvml.set_limit_calls)
+    report = node.engine.release(UID_A)
+    assert sorted(report.cleared) == sorted([(GPU0, node.slice(UID_A)),
+                                             (GPU0, node.leaf(UID_A, CID_A))])
+    assert report.namespaces_deleted == (NS_A,) and report.complete
+    assert sorted(node.nvml.set_limit_calls[before:]) == sorted([
+        (GPU0, node.slice(UID_A), 0, MEMORY_LIMIT_MAX),
+        (GPU0, node.leaf(UID_A, CID_A), 0, MEMORY_LIMIT_MAX)])
+    assert set(node.nvml.limits) == {(GPU1, node.slice(UID_B)), (GPU1, node.leaf(UID_B, CID_B))}
+    assert NS_A not in node.mps.namespaces
+    again = node.engine.release(UID_A)
+    assert again.cleared == () and again.namespaces_deleted == ()
+
+
+def test_release_one_container_keeps_the_pod_slice_of_other_fractional_containers(
+        node: Node) -> None:
+    node.apply(ts_pod())
+    report = node.engine.release(UID_B, "main")
+    # the pod has no other fractional container, so its slice is cleared too
+    assert sorted(report.cleared) == sorted([(GPU1, node.slice(UID_B)),
+                                             (GPU1, node.leaf(UID_B, CID_B))])
+    assert node.nvml.limits == {}
+
+
+def test_release_with_attached_client_reports_and_the_sweep_retries(node: Node) -> None:
+    node.apply(sm_pod())
+    node.mps.attach_client(4242, NS_A)
+    report = node.engine.release(UID_A)
+    assert not report.complete and report.issues[0].reason == "NamespaceBusy"
+    report = node.apply()  # the pod is gone from the desired state
+    assert report.issues[0].reason == "NamespaceBusy"
+    assert "could not delete the stale MPS namespace" in report.issues[0].message
+    node.mps.detach_client(4242)
+    report = node.apply()
+    assert report.namespaces_deleted == (NS_A,) and report.converged
+
+
+def test_restart_converges_from_the_gpu_and_daemon_state(node: Node) -> None:
+    node.apply(sm_pod(), ts_pod())
+    node.mps.namespaces["operator_owned"] = type(node.mps.namespaces[NS_A])("operator_owned")
+    # the agent restarts; pod B vanished while it was down (its cgroup is still there)
+    node.engine = node.new_engine()
+    before = len(node.nvml.set_limit_calls)
+    report = node.apply(sm_pod())
+    assert report.result(UID_A, "main").state is ContainerState.APPLIED
+    writes = node.nvml.set_limit_calls[before:]
+    assert sorted(writes) == sorted([(GPU1, node.slice(UID_B), 0, MEMORY_LIMIT_MAX),
+                                     (GPU1, node.leaf(UID_B, CID_B), 0, MEMORY_LIMIT_MAX)])
+    assert sorted(report.cleared) == sorted([(GPU1, node.slice(UID_B)),
+                                             (GPU1, node.leaf(UID_B, CID_B))])
+    assert set(node.nvml.limits) == {(GPU0, node.slice(UID_A)), (GPU0, node.leaf(UID_A, CID_A))}
+    assert report.compute_modes_set == ()  # GPU0 already EXCLUSIVE_PROCESS
+    assert set(node.mps.namespaces) == {NS_A, "operator_owned"}  # only ours are deleted
+    assert report.namespaces_deleted == ()  # B was time-slicing: it had none
+    # the next apply of the restarted engine writes nothing
+    assert node.apply(sm_pod()).writes == ()
+
+
+def test_restart_deletes_stale_namespaces_of_vanished_pods(node: Node) -> None:
+    node.apply(sm_pod(), sm_pod(UID_B, CID_B))
+    node.engine = node.new_engine()
+    report = node.apply(sm_pod())
+    assert report.namespaces_deleted == (NS_B,)
+    assert set(node.mps.namespaces) == {NS_A}
+
+
+def test_stale_limits_on_live_non_fractional_pods_are_cleared(node: Node) -> None:
+    plain = node_pod(UID_B, name="plain", notes={}, container_ids={"main": CID_B})
+    make_cgroups(node.root, node.config.layout, [plain])
+    node.nvml.set_memory_limits(GPU1, node.slice(UID_B), GIB, 2 * GIB)  # left by someone
+    report = node.apply(plain)
+    assert report.cleared == ((GPU1, node.slice(UID_B)),)
+    assert node.apply(plain).writes == ()
+
+
+def test_mps_daemon_restart_recreates_the_namespace(node: Node) -> None:
+    node.apply(sm_pod())
+    node.mps.kill()
+    node.mps.start()
+    report = node.apply(sm_pod())
+    assert report.result(UID_A, "main").state is ContainerState.APPLIED
+    assert report.namespaces_created == (NS_A,)
+    assert node.mps.namespaces[NS_A].active_thread_percentage == 25
+    assert node.mps.default_pinned_mib == {0: 20480}
+
+
+def test_attached_namespace_cap_is_not_reset_after_restart(node: Node) -> None:
+    node.apply(sm_pod())
+    node.mps.attach_client(77, NS_A)
+    node.engine = node.new_engine()
+    n = len(node.mps.calls)
+    assert node.apply(sm_pod()).result(UID_A, "main").state is ContainerState.APPLIED
+    assert "namespace_set_active_thread_percentage" not in [m for m, _ in node.mps.calls[n:]]
+
+
+def test_old_driver_uses_the_configured_fallback(tmp_path: Path) -> None:
+    node = Node(tmp_path, memory_limits=False, protocol_v3=False)
+    report = node.apply(sm_pod(), ts_pod())
+    a, b = report.result(UID_A, "main"), report.result(UID_B, "main")
+    assert a.state is ContainerState.APPLIED and b.state is ContainerState.APPLIED
+    assert a.mechanisms == {Mechanism.MPS_PINNED, Mechanism.WATCHDOG} and a.mps_namespace is None
+    assert b.mechanisms == {Mechanism.WATCHDOG}
+    assert node.nvml.set_limit_calls == []
+    assert node.mps.default_pinned_mib == {0: 20480}
+    assert not any(m.startswith("namespace") for m in node.mps.methods_called())
+    assert node.apply(sm_pod(), ts_pod()).writes == ()
+
+
+def test_old_driver_without_fallback_refuses(tmp_path: Path) -> None:
+    node = Node(tmp_path, memory_limits=False, memory_enforcement="cgroup")
+    r = node.apply(ts_pod()).result(UID_B, "main")
+    assert (r.state, r.reason) == (ContainerState.REFUSED, "MemoryLimitsUnsupported")
+    assert node.nvml.set_limit_calls == []
+
+
+def test_sm_sharing_disabled_never_sets_compute_modes(tmp_path: Path) -> None:
+    node = Node(tmp_path, sm_sharing=False)
+    node.nvml.gpu(GPU1).compute_mode = GpuComputeMode.EXCLUSIVE_PROCESS
+    report = node.apply(ts_pod())
+    assert report.result(UID_B, "main").state is ContainerState.APPLIED
+    assert node.nvml.calls_of("set_compute_mode") == []
+    refused = node.apply(sm_pod()).result(UID_A, "main")
+    assert refused.reason == "SmSharingDisabled"
+
+
+def test_nvml_down_applies_nothing_and_cleans_nothing(node: Node) -> None:
+    node.apply(sm_pod())
+    desired = node.desired(ts_pod())
+    node.nvml.fail("devices", "DriverNotLoaded", times=1)
+    report = node.engine.apply(desired)
+    r = report.result(UID_B, "main")
+    assert (r.state, r.reason) == (ContainerState.PENDING, "NVMLUnavailable")
+    assert report.issues[0].reason == "NVMLUnavailable"
+    assert report.cleared == () and (GPU0, node.slice(UID_A)) in node.nvml.limits
+
+
+def test_observe_reports_what_is_in_force(node: Node) -> None:
+    node.apply(sm_pod(), ts_pod())
+    node.nvml.add_process(500, GPU0, 3 * GIB, cgroup=node.leaf(UID_A, CID_A))
+    node.mps.attach_client(500, NS_A)
+    seen = node.engine.observe()
+    assert [d.uuid for d in seen.devices] == [GPU0, GPU1]
+    assert seen.driver_version == "615.00.00" and seen.memory_limits_supported
+    by_path = {(x.gpu_uuid, x.path): x for x in seen.limits}
+    pod_a = by_path[(GPU0, node.slice(UID_A))]
+    assert (pod_a.pod_uid, pod_a.soft, pod_a.hard, pod_a.current_used, pod_a.pod_level) == (
+        UID_A, 10 * GIB, 20 * GIB, 3 * GIB, True)
+    assert not by_path[(GPU0, node.leaf(UID_A, CID_A))].pod_level
+    assert len(seen.limits) == 4
+    assert seen.mps_namespaces == (NS_A,) and seen.mps_clients == ((500, NS_A),)
+    assert [p.pid for p in seen.processes[GPU0]] == [500]
+    assert {p.uid for p in seen.pod_cgroups} == {UID_A, UID_B}
+    assert seen.issues == ()
+
+
+def test_observe_with_nvml_down() -> None:
+    nvml = FakeNvml([FakeGpu(GPU0)])
+    seen = Engine(nvml, HostCgroupFs(), None).observe()
+    assert seen.devices == () and seen.issues[0].reason == "NVMLError"
+
+
+def test_our_namespace_shape() -> None:
+    assert is_our_namespace(NS_A)
+    assert not is_our_namespace("default") and not is_our_namespace("kf_short")
+    assert not is_our_namespace(NS_A + "0")
+
+
+def test_container_key_is_a_plain_tuple() -> None:
+    assert ContainerKey(UID_A, "main") == (UID_A, "main")
