@@ -1,0 +1,157 @@
+"""What `/proc` says about a process: its pod and container (from its cgroup), whether it still
+runs, and who holds a file lock. The root is configurable so tests use a fake tree.
+
+A process's cgroup is the `0::` line of `/proc/<pid>/cgroup` (cgroup v2). Kubernetes layouts:
+- systemd driver: `/kubepods.slice/kubepods-<qos>.slice/kubepods-<qos>-pod<uid_with_underscores>
+  .slice/<runtime>-<id>.scope` (guaranteed pods have no qos level), runtime `cri-containerd`,
+  `crio` or `docker`;
+- cgroupfs driver: `/kubepods/<qos>/pod<uid>/<id>` (cri-o: `crio-<id>`).
+Anything else (host services, user sessions, other orchestrators) belongs to no pod.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class PodContainer:
+    pod_uid: str
+    """With dashes, lower case, as in the pod's metadata.uid."""
+    container_id: str | None
+    """The runtime's container ID (hex, no `containerd://`), None for a process in the pod's
+    own cgroup rather than a container's."""
+    runtime: str | None = None
+    """`containerd`, `crio` or `docker` when the cgroup name says; None for a bare ID."""
+
+
+_SYSTEMD_POD = re.compile(
+    r"kubepods(?:-(?:besteffort|burstable|guaranteed))?-pod(?P<uid>[0-9a-fA-F_]{32,36})\.slice")
+_CGROUPFS_POD = re.compile(r"pod(?P<uid>[0-9a-fA-F-]{32,36})")
+_SYSTEMD_CONTAINER = re.compile(
+    r"(?P<rt>cri-containerd|crio|docker)-(?P<id>[0-9a-f]{12,64})\.scope")
+_CGROUPFS_CONTAINER = re.compile(r"(?:(?P<rt>cri-containerd|crio|docker)-)?(?P<id>[0-9a-f]{12,64})")
+_RUNTIMES = {"cri-containerd": "containerd", "crio": "crio", "docker": "docker"}
+_UID_SHAPE = re.compile(
+    r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{32}")
+
+
+def cgroup_v2_path(text: str) -> str | None:
+    """The cgroup path of a `/proc/<pid>/cgroup` file: its `0::` line. On a cgroup v1 or hybrid
+    host, where `0::` says nothing about pods, the first controller line that does (the v1
+    hierarchies agree on the pod part)."""
+    unified = v1_pod = None
+    for line in text.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3 or not parts[2].startswith("/"):
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            unified = parts[2] if unified is None else unified
+        elif v1_pod is None and "kubepods" in parts[2]:
+            v1_pod = parts[2]
+    if unified is not None and ("kubepods" in unified or v1_pod is None):
+        return unified
+    return v1_pod
+
+
+def parse_cgroup_path(path: str) -> PodContainer | None:
+    """Pod UID and container ID named by a cgroup path; None when it is not a pod's.
+
+    Tolerates a cgroup-namespace prefix (`/../../kubepods...`) and cgroups nested inside the
+    container's (the component right after the pod's is the container)."""
+    parts = [p for p in path.split("/") if p and p != ".."]
+    if not any(p.startswith("kubepods") for p in parts):
+        return None
+    for i, part in enumerate(parts):
+        m = _SYSTEMD_POD.fullmatch(part)
+        systemd = m is not None
+        if m is None and any(p.startswith("kubepods") for p in parts[:i]):
+            m = _CGROUPFS_POD.fullmatch(part)
+        if m is None:
+            continue
+        uid = m.group("uid").replace("_", "-").lower()
+        if not _UID_SHAPE.fullmatch(uid):
+            return None
+        if i + 1 == len(parts):
+            return PodContainer(uid, None)
+        child = parts[i + 1]
+        if child.startswith("crio-conmon-"):
+            return PodContainer(uid, None)  # cri-o's monitor process, not the container
+        cm = (_SYSTEMD_CONTAINER if systemd else _CGROUPFS_CONTAINER).fullmatch(child)
+        if cm is None:
+            return PodContainer(uid, None)
+        runtime = _RUNTIMES.get(cm.group("rt") or "")
+        return PodContainer(uid, cm.group("id"), runtime)
+    return None
+
+
+def normalize_container_id(container_id: str) -> str:
+    """`containerd://abc` (a pod status's containerID) -> `abc` (what the cgroup says)."""
+    return container_id.split("://", 1)[-1].strip().lower()
+
+
+class Procfs:
+    def __init__(self, root: str | os.PathLike[str] = "/proc"):
+        self.root = Path(root)
+
+    def _read(self, *parts: str) -> str | None:
+        try:
+            return self.root.joinpath(*parts).read_text(errors="replace")
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+            return None  # the process exited (or never was)
+
+    def cgroup_path(self, pid: int) -> str | None:
+        text = self._read(str(int(pid)), "cgroup")
+        return None if text is None else cgroup_v2_path(text)
+
+    def container_of(self, pid: int) -> PodContainer | None:
+        """The pod and container of `pid`; None for a host process or a pid that is gone."""
+        path = self.cgroup_path(pid)
+        return None if path is None else parse_cgroup_path(path)
+
+    def state(self, pid: int) -> str | None:
+        """The one-letter state from `stat` (`R`, `S`, `Z`, ...); None when there is no such pid."""
+        text = self._read(str(int(pid)), "stat")
+        if not text or ")" not in text:
+            return None
+        fields = text.rsplit(")", 1)[1].split()
+        return fields[0] if fields else None
+
+    def is_alive(self, pid: int) -> bool:
+        """Runs (a zombie nobody reaped yet counts as gone: it holds no GPU and no lock)."""
+        return self.state(pid) not in (None, "Z", "X", "x")
+
+    def comm(self, pid: int) -> str | None:
+        text = self._read(str(int(pid)), "comm")
+        return None if text is None else text.strip()
+
+    def lock_holders(self, major: int, minor: int, inode: int) -> list[int]:
+        """Pids holding a lock on the file (device major:minor, inode), from `<root>/locks`
+        (`1: POSIX  ADVISORY  WRITE 9148 fe:00:2147857 0 EOF`); waiters (`->`) and open file
+        description locks (pid -1) are left out."""
+        text = self._read("locks") or ""
+        wanted = (major, minor, inode)
+        pids = []
+        for line in text.splitlines():
+            fields = line.split()
+            if len(fields) < 6 or fields[1] == "->":
+                continue
+            try:
+                pid = int(fields[4])
+                maj, mnr, ino = fields[5].split(":")
+                key = (int(maj, 16), int(mnr, 16), int(ino))
+            except ValueError:
+                continue
+            if key == wanted and pid > 0 and pid not in pids:
+                pids.append(pid)
+        return pids
+
+    def lock_holders_of(self, path: str | os.PathLike[str]) -> list[int]:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return []
+        return self.lock_holders(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
