@@ -1,0 +1,148 @@
+"""The gate's decision, a pure function of what it can see: the pod's annotations (downward API)
+and the node agent's readiness marker.
+
+Release only when every fractional container's plan, computed from the annotations exactly as
+the node agent computes it, was applied with the same digest, and the derived annotations the
+workload's env reads say what that plan says. A refusal is final. Anything else is "not yet":
+the kubelet refreshes the downward-API file on its own sync period, so annotations written just
+before the marker (the node agent does that when it follows an unmodified KAI) may show up a
+little later; the caller keeps polling and reports the last reason when its time runs out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from types import MappingProxyType
+
+from ..contract import (
+    ContainerView,
+    ContractViolation,
+    Keys,
+    PodView,
+    derived_annotations,
+    parse_pod,
+    plan_pod,
+)
+from ..marker import Marker, MarkerState
+
+
+class Outcome(Enum):
+    RELEASE = "release"
+    WAIT = "wait"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    outcome: Outcome
+    message: str
+    """One line: why the gate releases, waits or fails."""
+
+
+def _release(message: str) -> Verdict:
+    return Verdict(Outcome.RELEASE, message)
+
+
+def _wait(message: str) -> Verdict:
+    return Verdict(Outcome.WAIT, message)
+
+
+def _fail(message: str) -> Verdict:
+    return Verdict(Outcome.FAIL, message)
+
+
+def _named_containers(annotations: Mapping[str, str], keys: Keys) -> tuple[str, ...]:
+    """Containers named by the annotations, for when the gate was not told the pod's list."""
+    names: list[str] = []
+    for key in sorted(annotations):
+        parts = keys.split(key) or keys.split_derived(key)
+        name = parts[0] if parts else keys.split_portion_limit(key)
+        if name and name not in names:
+            names.append(name)
+    return tuple(names)
+
+
+def pod_view(
+    annotations: Mapping[str, str],
+    pod_uid: str,
+    keys: Keys,
+    containers: Sequence[str] = (),
+    init_containers: Sequence[str] = (),
+) -> PodView:
+    """The slice of the pod the contract reads, rebuilt from what the gate can see.
+
+    The webhook passes the pod's container names (`--containers`, `--init-containers`); the gate
+    cannot see the spec. The pod UID makes the plan (MPS namespace, digest) the node agent's.
+    """
+    regular = tuple(containers) or _named_containers(annotations, keys)
+    return PodView(
+        name="", namespace="", uid=pod_uid,
+        annotations=MappingProxyType(dict(annotations)),
+        containers=tuple(ContainerView(name=n) for n in regular),
+        init_containers=tuple(ContainerView(name=n, init=True) for n in init_containers),
+    )
+
+
+def _refusal(marker: Marker) -> Verdict | None:
+    for name, entry in sorted(marker.containers.items()):
+        if entry.state is MarkerState.REFUSED:
+            return _fail(f"container {name!r} refused by the node agent: {entry.reason}: "
+                         f"{entry.message}")
+    return None
+
+
+def judge(
+    annotations: Mapping[str, str] | None,
+    marker: Marker | None,
+    *,
+    pod_uid: str,
+    keys: Keys,
+    containers: Sequence[str] = (),
+    init_containers: Sequence[str] = (),
+) -> Verdict:
+    if marker is not None:
+        refused = _refusal(marker)
+        if refused is not None:
+            return refused
+    if annotations is None:
+        return _wait("the pod's annotations are not visible yet (downward-API file missing)")
+    request = parse_pod(pod_view(annotations, pod_uid, keys, containers, init_containers), keys)
+    if request.errors:
+        return _fail("the pod's annotations break the NvFractions contract: "
+                     + "; ".join(str(e) for e in request.errors))
+    if not request.shares:
+        return _fail("the pod's annotations request no GPU fraction, yet the pod carries the "
+                     "kai-fractions gate: its GPU env would be empty")
+    if marker is None:
+        return _wait("the node agent has not written this pod's readiness marker yet")
+    try:
+        plans = plan_pod(request, keys=keys)
+    except ContractViolation as e:
+        return _wait("the pod's annotations do not make a complete plan yet: " + "; ".join(
+            str(err) for err in e.errors))
+    for plan in plans:
+        for key, want in derived_annotations(plan, keys).items():
+            have = annotations.get(key)
+            if have is None:
+                return _wait(f"container {plan.container!r}: annotation {key} is missing "
+                             "(the workload's env reads it)")
+            if have != want:
+                return _wait(f"container {plan.container!r}: annotation {key} is {have!r} but "
+                             f"the plan says {want!r}")
+    planned = {p.container for p in plans}
+    for plan in plans:
+        entry = marker.containers.get(plan.container)
+        if entry is None:
+            return _wait(f"container {plan.container!r}: the node agent's marker has no "
+                         "entry for it")
+        if entry.plan_digest != plan.digest:
+            return _wait(f"container {plan.container!r}: the node agent applied plan "
+                         f"{entry.plan_digest} but the pod's annotations give {plan.digest}")
+    extra = sorted(set(marker.containers) - planned)
+    if extra:
+        return _wait(f"the node agent's marker names container(s) {', '.join(extra)} that "
+                     "request no GPU fraction")
+    return _release("limits applied: " + ", ".join(
+        f"{p.container} {p.digest}" for p in plans))

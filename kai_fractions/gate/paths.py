@@ -1,0 +1,10 @@
+"""Where the gate finds things inside its container; the admission webhook mounts them there."""
+
+MARKER_DIR = "/kai-fractions/marker"
+"""The pod's own marker directory: the host marker root, subPathExpr `$(POD_UID)`, read-only."""
+PODINFO_DIR = "/kai-fractions/podinfo"
+"""A downward-API volume with the pod's annotations."""
+ANNOTATIONS_FILE_NAME = "annotations"
+ANNOTATIONS_FILE = f"{PODINFO_DIR}/{ANNOTATIONS_FILE_NAME}"
+TERMINATION_LOG = "/dev/termination-log"
+POD_UID_ENV = "POD_UID"
