@@ -175,6 +175,8 @@ class PynvmlNvml:
     # -- the seam ---------------------------------------------------------------------------
 
     def init(self) -> None:
+        if self._initialized:
+            return  # one nvmlInit per seam, so one shutdown undoes it
         self._load_library()
         self._call("nvmlInit", self._pynvml.nvmlInit)
         self._initialized = True

@@ -394,3 +394,46 @@ def test_our_namespace_shape() -> None:
 
 def test_container_key_is_a_plain_tuple() -> None:
     assert ContainerKey(UID_A, "main") == (UID_A, "main")
+
+
+OTHER_GPU = "GPU-99999999-9999-9999-9999-999999999999"
+REFUSALS = {
+    # reason: (node options, config, the refused pod's annotations, an older pod to make room)
+    "ContractInvalid": ({}, {}, annotations(request="x"), None),
+    "NotBound": ({}, {}, annotations(devices=None), None),
+    "DeviceNotOnNode": ({}, {}, annotations(devices=(OTHER_GPU,)), None),
+    "ComputeModeMix": ({}, {}, annotations(mode="time-slicing"), "sm"),
+    "MemoryOvercommitted": ({}, {}, annotations(request="70Gi", limit="70Gi"), "big"),
+    "SmSharingDisabled": ({}, {"sm_sharing": False}, annotations(mode="sm-sharing"), None),
+    "MemoryLimitsUnsupported": ({"memory_limits": False}, {"memory_enforcement": "cgroup"},
+                                annotations(mode="time-slicing"), None),
+    "MigNotSupported": ({"mig": True}, {}, annotations(mode="time-slicing"), None),
+}
+
+
+@pytest.mark.parametrize("reason", sorted(REFUSALS))
+def test_every_refusal_reason_applies_nothing_for_that_container(tmp_path: Path,
+                                                                  reason: str) -> None:
+    opts, config, notes, older = REFUSALS[reason]
+    node = Node(tmp_path / "cg", memory_limits=opts.get("memory_limits", True), **config)
+    node.nvml.gpu(GPU0).mig = opts.get("mig", False)
+    pods = []
+    if older == "sm":
+        pods.append(sm_pod(created="2024-01-01T00:00:00Z"))
+    elif older == "big":
+        pods.append(node_pod(UID_A, name="old", created="2024-01-01T00:00:00Z",
+                             notes=annotations(request="60Gi", limit="60Gi")))
+    newcomer = node_pod(UID_B, name="new", notes=notes, container_ids={"main": CID_B})
+    pods.append(newcomer)
+    report = node.apply(*pods)
+    r = report.result(UID_B, "main")
+    assert r.reason == reason and r.message
+    assert r.state is (ContainerState.PENDING if reason == "NotBound" else ContainerState.REFUSED)
+    assert r.limits == () and r.plan_digest is None
+    # nothing was written for the newcomer: no limit on its cgroups, no namespace, no mode
+    assert not [c for c in node.nvml.set_limit_calls if c[1].startswith(node.slice(UID_B))]
+    assert NS_B not in node.mps.namespaces
+    assert not [c for c in node.mps.calls if NS_B in c[1]]
+    if older is None:
+        assert node.nvml.calls_of("set_compute_mode") == []
+        assert node.mps.default_pinned_mib == {}

@@ -160,3 +160,14 @@ def test_unknown_uuid_and_lost_gpu(nvml, fake_nvml) -> None:
     fake_nvml.update_gpu(0, lost=True)
     with pytest.raises(NvmlGpuLost):
         nvml.get_memory_limits(U0, SLICE)
+
+
+def test_init_is_idempotent_per_seam(fake_nvml) -> None:
+    fake_nvml.add_gpu(U0)
+    nvml = PynvmlNvml()
+    nvml.init()
+    nvml.init()
+    nvml.shutdown()
+    nvml.shutdown()  # a second shutdown is a no-op, not an NVML error
+    with pytest.raises(NvmlUnknown):  # uninitialised again
+        nvml.driver_version()
