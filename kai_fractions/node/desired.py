@@ -130,6 +130,8 @@ class ContainerDesired:
     """The MPS v3 namespace to create (sm-sharing on drivers that have namespaces)."""
     device_indexes: tuple[int, ...]
     """NVML index of each of the plan's devices, in the plan's order."""
+    container_id: str | None = None
+    """The runtime's ID (`containerd://<id>`) from the pod status; None until reported."""
 
     @property
     def ref(self) -> str:
@@ -210,6 +212,17 @@ class DesiredState:
             tuple(c.key): c.plan.limit_bytes for c in self.containers
             if Mechanism.WATCHDOG in c.mechanisms
         })
+
+    def watchdog_containers(self) -> tuple[Any, ...]:
+        """`kai_fractions.node.watchdog.ManagedContainer` for each container the watchdog
+        guards: the cap (the plan's limit) on each of its GPUs."""
+        from .watchdog import ManagedContainer  # the watchdog pulls in /proc and MPS plumbing
+
+        return tuple(
+            ManagedContainer.uniform(c.key.pod_uid, c.key.container, c.container_id,
+                                     c.plan.limit_bytes, c.plan.device_uuids)
+            for c in self.containers if Mechanism.WATCHDOG in c.mechanisms
+        )
 
 
 # -- planning ---------------------------------------------------------------------------------
@@ -393,6 +406,7 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig)
             mps_namespace=plan.mps_namespace if compute is ComputeEnforcement.MPS_NAMESPACE
             else None,
             device_indexes=tuple(d.index for d in devices if d is not None),
+            container_id=pod.container_ids.get(plan.container),
         ))
 
     return DesiredState(

@@ -307,3 +307,15 @@ def test_unknown_runtime_limits_only_the_pod_slice() -> None:
     assert state.refusals == ()
     assert state.containers[0].container_cgroup is None
     assert [t.path for t in state.limits] == [SLICE_A]
+
+
+def test_watchdog_containers_for_the_watchdog() -> None:
+    state = plan(node_pod(notes=annotations(devices=(GPU0, GPU1))),
+                 node_pod(UID_B, name="q", container_ids={}, notes=annotations(
+                     devices=(GPU1,), request="1Gi", limit="1Gi")))
+    a, b = state.watchdog_containers()
+    assert (a.pod_uid, a.container_name, a.container_id) == (UID_A, "main", CID_A)
+    assert dict(a.caps) == {GPU0: 20 * GIB, GPU1: 20 * GIB}
+    assert (b.pod_uid, b.container_id, dict(b.caps)) == (UID_B, None, {GPU1: GIB})
+    assert plan(node_pod(), config=NodeConfig(memory_enforcement="cgroup")
+                ).watchdog_containers() == ()
