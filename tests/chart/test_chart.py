@@ -1,0 +1,381 @@
+"""The chart lints, renders with every documented values file, and what it renders is valid
+Kubernetes; the schema refuses bad values; each component is wired with the flags its CLI has."""
+
+from __future__ import annotations
+
+import base64
+import shlex
+from pathlib import Path
+
+import pytest
+
+from kai_fractions.cli import build_parser
+
+from .render import (
+    CHART,
+    CI_VALUES,
+    NAMESPACE,
+    container,
+    find,
+    helm,
+    kube_validate,
+    one,
+    render,
+    render_text,
+    template_error,
+    values_id,
+)
+
+VALUES = (None, *CI_VALUES)
+SM_SHARING = CHART / "ci" / "sm-sharing-values.yaml"
+TIME_SLICING = CHART / "ci" / "time-slicing-only-values.yaml"
+DISABLED = CHART / "ci" / "disabled-values.yaml"
+PROVIDED_TLS = CHART / "ci" / "provided-tls-values.yaml"
+WATCHDOG_KILL = CHART / "ci" / "watchdog-kill-values.yaml"
+# One extra render for the tests that need values no documented file sets.
+CUSTOM = ("mirror.reserveMiB=0", "image.repository=registry.example.com/kf", "image.tag=1.2.3")
+MIRROR, AGENT, ADMISSION = ("kai-fractions-mirror", "kai-fractions-node-agent",
+                            "kai-fractions-admission")
+
+
+def test_documented_values_files_exist():
+    assert {p.name for p in CI_VALUES} >= {
+        "sm-sharing-values.yaml", "time-slicing-only-values.yaml", "disabled-values.yaml",
+        "provided-tls-values.yaml", "watchdog-kill-values.yaml"}
+    for path in CI_VALUES:  # each says what it is for, first thing
+        assert path.read_text().startswith("# "), f"{path.name} has no explaining comment"
+
+
+@pytest.mark.parametrize("values_file", VALUES, ids=values_id)
+def test_helm_lint_strict(values_file: Path | None):
+    args = ["lint", "--strict", str(CHART), "--namespace", NAMESPACE]
+    if values_file is not None:
+        args += ["--values", str(values_file)]
+    proc = helm(*args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 chart(s) failed" in proc.stdout
+
+
+@pytest.mark.parametrize("values_file", VALUES, ids=values_id)
+def test_rendered_manifests_pass_kubernetes_validate_strict(values_file: Path | None):
+    docs = render(values_file)
+    assert kube_validate(docs, values_id(values_file)) == []
+    for doc in docs:  # everything namespaced lands in the release namespace
+        if doc["kind"] not in {"ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                               "ValidatingAdmissionPolicyBinding",
+                               "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"}:
+            assert doc["metadata"]["namespace"] == NAMESPACE, doc["metadata"]["name"]
+
+
+def test_default_values_render_every_component():
+    docs = render()
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
+    assert kinds == sorted([
+        ("ServiceAccount", MIRROR), ("ServiceAccount", AGENT), ("ServiceAccount", ADMISSION),
+        ("ClusterRole", MIRROR), ("ClusterRoleBinding", MIRROR),
+        ("Role", f"{MIRROR}-signing-key"), ("RoleBinding", f"{MIRROR}-signing-key"),
+        ("ClusterRole", AGENT), ("ClusterRoleBinding", AGENT),
+        ("ValidatingAdmissionPolicy", f"{AGENT}-own-node"),
+        ("ValidatingAdmissionPolicyBinding", f"{AGENT}-own-node"),
+        ("Deployment", MIRROR), ("Service", MIRROR), ("PodDisruptionBudget", MIRROR),
+        ("NetworkPolicy", MIRROR), ("Secret", f"{MIRROR}-tls"),
+        ("DaemonSet", AGENT),
+        ("Deployment", ADMISSION), ("Service", ADMISSION), ("PodDisruptionBudget", ADMISSION),
+        ("Secret", f"{ADMISSION}-tls"),
+        ("MutatingWebhookConfiguration", ADMISSION),
+        ("ValidatingWebhookConfiguration", ADMISSION),
+        ("Secret", "kai-fractions-signing"),
+    ])
+
+
+def test_disabled_renders_nothing_gpu_side():
+    assert render(DISABLED) == []  # no DaemonSet, no webhooks, and no mirror writing promises
+
+
+# -- schema ---------------------------------------------------------------------------------
+
+def test_schema_rejects_wrong_case_enum():
+    err = template_error("gpuSharing=nvfractions")
+    assert "values don't meet the specifications of the schema" in err
+    assert "/gpuSharing" in err and "'NvFractions', 'Disabled'" in err
+
+
+def test_schema_rejects_string_where_a_number_belongs():
+    err = template_error(set_string=["mirror.replicas=two", "watchdog.intervalSeconds=fast"])
+    assert "/mirror/replicas" in err and "got string, want integer" in err
+    assert "/watchdog/intervalSeconds" in err and "got string, want number" in err
+
+
+def test_schema_rejects_unknown_keys_and_values():
+    err = template_error("mirror.replica=3", "watchdog.policy=ignore",
+                         "memoryEnforcement.tiers={cgroup,nvml}",
+                         "annotationPrefix=no-slash.")
+    assert "additional properties 'replica' not allowed" in err
+    assert "/watchdog/policy" in err
+    assert "/memoryEnforcement/tiers/1" in err
+    assert "/annotationPrefix" in err
+
+
+# -- mirror ---------------------------------------------------------------------------------
+
+def _args(workload: dict, name: str) -> list[str]:
+    return container(workload, name)["args"]
+
+
+def test_mirror_deployment_defaults():
+    docs = render()
+    dep = one(docs, "Deployment", MIRROR)
+    assert dep["spec"]["replicas"] == 2
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == MIRROR
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    c = container(dep, "mirror")
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    assert c["args"] == [
+        "mirror", "--listen=0.0.0.0:50051", "--annotation-prefix=nvidia.com/container.",
+        "--reserve-mib=0", "--follow-bindrequests",
+        "--tls-cert=/etc/kai-fractions/tls/tls.crt", "--tls-key=/etc/kai-fractions/tls/tls.key",
+        "--log-level=info"]
+    tls = next(v for v in pod["volumes"] if v["name"] == "tls")
+    assert tls["secret"]["secretName"] == f"{MIRROR}-tls"
+    pdb = one(docs, "PodDisruptionBudget", MIRROR)
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    svc = one(docs, "Service", MIRROR)
+    assert svc["spec"]["ports"][0]["port"] == 50051
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    netpol = one(docs, "NetworkPolicy", MIRROR)
+    assert netpol["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert netpol["spec"]["ingress"] == [{
+        "ports": [{"port": "grpc", "protocol": "TCP"}],
+        "from": [{"namespaceSelector": {
+            "matchLabels": {"kubernetes.io/metadata.name": "kai-scheduler"}}}]}]
+
+
+def test_mirror_reserve_follows_sm_sharing_unless_set():
+    def reserve(docs):
+        return next(a for a in _args(one(docs, "Deployment", MIRROR), "mirror")
+                    if a.startswith("--reserve-mib="))
+    assert reserve(render()) == "--reserve-mib=0"
+    assert reserve(render(TIME_SLICING)) == "--reserve-mib=0"
+    assert reserve(render(SM_SHARING)) == "--reserve-mib=1024"
+    assert reserve(render(WATCHDOG_KILL)) == "--reserve-mib=2048"
+    # an explicit 0 stays 0 even with MPS on (not mistaken for "unset")
+    assert reserve(render(SM_SHARING, CUSTOM)) == "--reserve-mib=0"
+
+
+def test_mirror_mutual_tls_with_generated_client_certificate():
+    docs = render(SM_SHARING)
+    assert "--tls-client-ca=/etc/kai-fractions/tls/ca.crt" in _args(
+        one(docs, "Deployment", MIRROR), "mirror")
+    server = one(docs, "Secret", f"{MIRROR}-tls")["data"]
+    client = one(docs, "Secret", f"{MIRROR}-client-tls")["data"]
+    assert server["ca.crt"] == client["ca.crt"]  # one CA signs both ends
+    _assert_tls_handshake(server, client["ca.crt"], f"{MIRROR}.{NAMESPACE}.svc")
+
+
+def test_provided_tls_and_token():
+    docs = render(PROVIDED_TLS)
+    assert not find(docs, "Secret", f"{MIRROR}-tls")
+    assert not find(docs, "Secret", f"{ADMISSION}-tls")
+    dep = one(docs, "Deployment", MIRROR)
+    args = _args(dep, "mirror")
+    assert "--tls-client-ca=/etc/kai-fractions/tls/ca.crt" in args
+    assert "--token-file=/etc/kai-fractions/token/token" in args
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "kai-fractions-mirror-certs"
+    assert volumes["token"]["secret"]["secretName"] == "kai-fractions-mirror-token"
+    adm = one(docs, "Deployment", ADMISSION)
+    volumes = {v["name"]: v for v in adm["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "kai-fractions-admission-certs"
+
+
+# -- node agent -----------------------------------------------------------------------------
+
+def test_node_agent_daemonset_defaults():
+    ds = one(render(), "DaemonSet", AGENT)
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                   "effect": "NoSchedule"}]
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["serviceAccountName"] == AGENT
+    # no MPS and a report-only watchdog: nothing needs the host's PID or IPC namespace
+    assert pod["hostPID"] is False and pod["hostIPC"] is False
+    c = container(ds, "node-agent")
+    assert c["args"] == [
+        "node-agent", "--node-name=$(NODE_NAME)", "--socket=/run/kai-fractions/agent.sock",
+        "--marker-dir=/var/lib/kai-fractions/markers", "--cgroup-root=/sys/fs/cgroup",
+        "--cgroup-driver=systemd", "--proc-root=/host/proc", "--no-sm-sharing",
+        "--mps-pipe-dir=/run/kai-fractions/mps", "--mps-log-dir=/var/log/kai-fractions/mps",
+        # mps-pinned is dropped without MPS: it applies to MPS clients only
+        "--memory-enforcement=cgroup,watchdog", "--watchdog-policy=report",
+        "--watchdog-interval=1", "--metrics-listen=0.0.0.0:9400",
+        "--condition-name=gpu-fractioning.nvidia.com/Ready", "--legacy-condition",
+        "--resync-seconds=300", "--annotation-prefix=nvidia.com/container.", "--log-level=info"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert c["securityContext"] == {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False,
+                                    "privileged": True}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+
+    def host(name):
+        return (volumes[name]["hostPath"]["path"], mounts[name]["mountPath"],
+                mounts[name].get("readOnly", False))
+    assert host("cgroup") == ("/sys/fs/cgroup", "/sys/fs/cgroup", True)
+    assert host("host-proc") == ("/proc", "/host/proc", True)
+    assert host("markers") == ("/var/lib/kai-fractions/markers",
+                               "/var/lib/kai-fractions/markers", False)
+    assert host("socket-dir") == ("/run/kai-fractions", "/run/kai-fractions", False)
+    assert "mps-pipe" not in volumes and "mps-log" not in volumes
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in c["ports"]
+
+
+def test_node_agent_with_mps():
+    ds = one(render(SM_SHARING), "DaemonSet", AGENT)
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True and pod["hostIPC"] is True
+    c = container(ds, "node-agent")
+    assert "--sm-sharing" in c["args"]
+    assert "--memory-enforcement=cgroup,mps-pinned,watchdog" in c["args"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert volumes["mps-pipe"] == mounts["mps-pipe"] == "/run/kai-fractions/mps"
+    assert volumes["mps-log"] == mounts["mps-log"] == "/var/log/kai-fractions/mps"
+
+
+def test_node_agent_capabilities_instead_of_privileged():
+    docs = render(WATCHDOG_KILL)
+    ds = one(docs, "DaemonSet", AGENT)
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True  # the kill policy signals workload processes by host PID
+    c = container(ds, "node-agent")
+    assert c["securityContext"] == {
+        "runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": ["SYS_ADMIN", "KILL", "SETUID", "SETGID",
+                                                   "CHOWN", "FOWNER", "DAC_OVERRIDE"]},
+        "seccompProfile": {"type": "RuntimeDefault"}}
+    args = c["args"]
+    assert "--memory-enforcement=mps-pinned,watchdog" in args
+    assert "--watchdog-policy=kill" in args and "--watchdog-interval=0.5" in args
+    assert "--legacy-condition" not in args and "--publish-gpu-memory-label" in args
+    assert "--cgroup-driver=cgroupfs" in args
+    monitor = one(docs, "ServiceMonitor", AGENT)
+    svc = one(docs, "Service", f"{AGENT}-metrics")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert monitor["spec"]["selector"]["matchLabels"] == ds["spec"]["selector"]["matchLabels"]
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+
+
+def test_memory_tiers_that_leave_nothing_fail_with_a_reason():
+    err = template_error("memoryEnforcement.tiers={mps-pinned}")
+    assert "memoryEnforcement.tiers: nothing left to enforce memory with" in err
+
+
+# -- admission ------------------------------------------------------------------------------
+
+def test_admission_deployment():
+    docs = render()
+    dep = one(docs, "Deployment", ADMISSION)
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    c = container(dep, "admission")
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["args"] == [
+        "admission", "--listen=0.0.0.0:8443",
+        "--tls-cert=/etc/kai-fractions/tls/tls.crt", "--tls-key=/etc/kai-fractions/tls/tls.key",
+        "--allowed-identity=system:serviceaccount:kai-scheduler:binder",
+        f"--allowed-identity=system:serviceaccount:{NAMESPACE}:{MIRROR}",
+        f"--allowed-identity=system:serviceaccount:{NAMESPACE}:{AGENT}",
+        "--gate-image=ghcr.io/kai-fractions/kai-fractions:0.1.0",
+        "--marker-host-dir=/var/lib/kai-fractions/markers",
+        "--mps-pipe-host-dir=/run/kai-fractions/mps",
+        "--annotation-prefix=nvidia.com/container.", "--log-level=info"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "https",
+                                              "scheme": "HTTPS"}
+    assert one(docs, "PodDisruptionBudget", ADMISSION)["spec"]["minAvailable"] == 1
+    svc = one(docs, "Service", ADMISSION)
+    assert svc["spec"]["ports"] == [{"name": "https", "port": 443, "targetPort": "https",
+                                     "protocol": "TCP"}]
+
+
+def test_generated_webhook_certificate_is_trusted_by_its_ca_bundle():
+    docs = render()
+    secret = one(docs, "Secret", f"{ADMISSION}-tls")
+    assert secret["type"] == "kubernetes.io/tls"
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        for hook in one(docs, kind, ADMISSION)["webhooks"]:
+            assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"], hook["name"]
+    _assert_tls_handshake(secret["data"], secret["data"]["ca.crt"],
+                          f"{ADMISSION}.{NAMESPACE}.svc")
+
+
+# -- every component's flags exist in its real CLI -----------------------------------------
+
+@pytest.mark.parametrize("values_file", VALUES, ids=values_id)
+def test_rendered_args_parse_with_the_real_cli(values_file: Path | None):
+    parser = build_parser()
+    workloads = [d for d in render(values_file) if d["kind"] in ("Deployment", "DaemonSet")]
+    for w in workloads:
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            try:
+                parser.parse_args(c["args"])
+            except SystemExit as e:
+                pytest.fail(f"{w['kind']}/{w['metadata']['name']}: kai-fractions "
+                            f"{shlex.join(c['args'])} is refused by the CLI (exit {e.code})")
+
+
+def test_image_and_gate_image_follow_values():
+    docs = render(SM_SHARING, CUSTOM)
+    for w in (d for d in docs if d["kind"] in ("Deployment", "DaemonSet")):
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            assert c["image"] == "registry.example.com/kf:1.2.3"
+    assert "--gate-image=registry.example.com/kf:1.2.3" in _args(
+        one(docs, "Deployment", ADMISSION), "admission")
+    assert "registry.example.com/kf:1.2.3" not in render_text()
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+def _assert_tls_handshake(server_data: dict, ca_b64: str, hostname: str) -> None:
+    """A client that trusts only `ca_b64` completes a TLS handshake with the server's
+    certificate for `hostname` (the Service DNS name the API server or a caller uses): the
+    certificate chains to the CA, names the host, and matches its key. All in memory."""
+    import ssl
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {}
+        for name, b64 in (("tls.crt", server_data["tls.crt"]), ("tls.key", server_data["tls.key"]),
+                          ("ca.crt", ca_b64)):
+            files[name] = Path(tmp, name)
+            files[name].write_bytes(base64.b64decode(b64))
+        server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server_ctx.load_cert_chain(files["tls.crt"], files["tls.key"])
+        client_ctx = ssl.create_default_context(cafile=str(files["ca.crt"]))
+        c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+        client = client_ctx.wrap_bio(c_in, c_out, server_hostname=hostname)
+        server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
+        done = {"client": False, "server": False}
+        for _ in range(10):
+            for side, obj in (("client", client), ("server", server)):
+                if not done[side]:
+                    try:
+                        obj.do_handshake()
+                        done[side] = True
+                    except ssl.SSLWantReadError:
+                        pass
+            s_in.write(c_out.read())
+            c_in.write(s_out.read())
+            if all(done.values()):
+                break
+        assert all(done.values()), f"TLS handshake for {hostname} did not complete: {done}"

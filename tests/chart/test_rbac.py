@@ -1,0 +1,121 @@
+"""Least privilege, read from the rendered RBAC: each component's service account gets exactly its
+rule set, nothing is a wildcard, and Secrets are reachable only by name (the signing key, by the
+mirror). The admission server has no API access at all."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from .render import CHART, CI_VALUES, NAMESPACE, find, one, render, values_id
+
+VALUES = (None, *CI_VALUES)
+MIRROR, AGENT, ADMISSION = ("kai-fractions-mirror", "kai-fractions-node-agent",
+                            "kai-fractions-admission")
+
+EVENTS = ((frozenset({"", "events.k8s.io"}), frozenset({"events"}), frozenset()),
+          frozenset({"create", "patch"}))
+
+
+def rule(groups, resources, verbs, names=()):
+    return ((frozenset(groups), frozenset(resources), frozenset(names)), frozenset(verbs))
+
+
+MIRROR_RULES = {
+    rule([""], ["pods"], ["get", "list", "watch", "patch"]),
+    rule([""], ["nodes"], ["get"]),
+    rule(["scheduling.run.ai"], ["bindrequests"], ["get", "list", "watch"]),
+    EVENTS,
+    rule([""], ["secrets"], ["get"], ["kai-fractions-signing"]),
+}
+AGENT_RULES = {
+    rule([""], ["pods"], ["get", "list", "watch", "patch"]),
+    EVENTS,
+    rule([""], ["nodes"], ["get", "patch"]),
+    rule([""], ["nodes/status"], ["get", "patch"]),
+}
+
+
+def granted(docs: list[dict]) -> dict[str, set]:
+    """service account -> its rules (normalised), following every (Cluster)RoleBinding."""
+    roles = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d
+             for d in docs if d["kind"] in ("Role", "ClusterRole")}
+    rules: dict[str, set] = defaultdict(set)
+    for binding in (d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        ref = binding["roleRef"]
+        ns = binding["metadata"].get("namespace") if ref["kind"] == "Role" else None
+        role = roles.get((ref["kind"], ns, ref["name"]))
+        assert role is not None, f"{binding['metadata']['name']} binds a role the chart lacks"
+        for subject in binding["subjects"]:
+            assert subject["kind"] == "ServiceAccount"
+            assert subject["namespace"] == NAMESPACE
+            for r in role["rules"]:
+                rules[subject["name"]].add(rule(r.get("apiGroups", []), r.get("resources", []),
+                                                r["verbs"], r.get("resourceNames", [])))
+    return dict(rules)
+
+
+@pytest.mark.parametrize("values_file", VALUES, ids=values_id)
+def test_no_wildcards_and_secrets_only_by_name(values_file: Path | None):
+    docs = render(values_file)
+    for role in (d for d in docs if d["kind"] in ("Role", "ClusterRole")):
+        assert "aggregationRule" not in role
+        for r in role["rules"]:
+            where = f"{role['kind']}/{role['metadata']['name']}: {r}"
+            for field in ("apiGroups", "resources", "verbs", "resourceNames"):
+                assert not any("*" in item for item in r.get(field, [])), where
+            assert "nonResourceURLs" not in r, where
+            # no escalation paths: nothing that grants or impersonates
+            assert not {"escalate", "bind", "impersonate", "create"} & set(r["verbs"]) or (
+                set(r["resources"]) == {"events"}), where
+            if "secrets" in r["resources"]:
+                assert r["resources"] == ["secrets"] and r["verbs"] == ["get"], where
+                assert r.get("resourceNames") == ["kai-fractions-signing"], where
+                assert role["kind"] == "Role", where  # namespaced, never cluster-wide
+
+
+def test_each_component_gets_exactly_its_rules():
+    rules = granted(render())
+    assert set(rules) == {MIRROR, AGENT}  # and nothing for the admission server
+    assert rules[MIRROR] == MIRROR_RULES
+    assert rules[AGENT] == AGENT_RULES
+
+
+def test_mirror_rules_shrink_with_its_options():
+    docs = render(CHART / "ci" / "watchdog-kill-values.yaml",
+                  ("mirror.followBindRequests=false", "signing.enabled=false"))
+    rules = granted(docs)
+    assert rules[MIRROR] == MIRROR_RULES - {
+        rule(["scheduling.run.ai"], ["bindrequests"], ["get", "list", "watch"]),
+        rule([""], ["secrets"], ["get"], ["kai-fractions-signing"])}
+    assert not find(docs, "Secret", "kai-fractions-signing")
+
+
+def test_signing_key_rule_follows_the_secret_name():
+    docs = render(CHART / "ci" / "time-slicing-only-values.yaml",
+                  ("signing.secretName=allocation-hmac", "signing.create=false"))
+    assert rule([""], ["secrets"], ["get"], ["allocation-hmac"]) in granted(docs)[MIRROR]
+    assert not find(docs, "Secret", "allocation-hmac")
+
+
+@pytest.mark.parametrize("values_file", VALUES, ids=values_id)
+def test_admission_has_no_api_access(values_file: Path | None):
+    docs = render(values_file)
+    assert ADMISSION not in granted(docs)
+    if docs:
+        sa = one(docs, "ServiceAccount", ADMISSION)
+        assert sa["automountServiceAccountToken"] is False
+        pod = one(docs, "Deployment", ADMISSION)["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+
+
+def test_workloads_run_as_their_own_service_accounts():
+    docs = render()
+    assert one(docs, "Deployment", MIRROR)["spec"]["template"]["spec"]["serviceAccountName"] \
+        == MIRROR
+    assert one(docs, "DaemonSet", AGENT)["spec"]["template"]["spec"]["serviceAccountName"] \
+        == AGENT
+    assert one(docs, "Deployment", ADMISSION)["spec"]["template"]["spec"][
+        "serviceAccountName"] == ADMISSION

@@ -1,0 +1,230 @@
+"""The admission webhooks fail closed, but only for pods with NvFractions keys: the rendered
+matchConditions (CEL) are evaluated here on real objects with a CEL interpreter. The node agent's
+own-node ValidatingAdmissionPolicy is evaluated the same way."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import celpy
+import pytest
+import yaml
+
+from kai_fractions.contract import keys as k
+
+from .render import CHART, EXAMPLES, NAMESPACE, one, render, yaml_files
+
+ADMISSION = "kai-fractions-admission"
+AGENT = "kai-fractions-node-agent"
+AGENT_USER = f"system:serviceaccount:{NAMESPACE}:{AGENT}"
+NODE_KEY = "authentication.kubernetes.io/node-name"
+_ENV = celpy.Environment()
+
+
+def cel(expression: str, **activation: Any) -> Any:
+    program = _ENV.program(_ENV.compile(expression))
+    return program.evaluate({name: celpy.json_to_cel(value) for name, value in
+                             activation.items()})
+
+
+def hooks(docs, kind: str) -> dict[str, dict]:
+    return {h["name"]: h for h in one(docs, kind, ADMISSION)["webhooks"]}
+
+
+def condition(hook: dict) -> str:
+    [mc] = hook["matchConditions"]
+    return mc["expression"]
+
+
+def pod(annotations: dict[str, str] | None = None) -> dict:
+    meta: dict[str, Any] = {"name": "p", "namespace": "team-a"}
+    if annotations is not None:
+        meta["annotations"] = annotations
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+            "spec": {"containers": [{"name": "main", "image": "busybox"}]}}
+
+
+def matches(hook: dict, obj: dict, old: dict | None = None, operation: str = "CREATE") -> bool:
+    return bool(cel(condition(hook), object=obj, oldObject=old,
+                    request={"operation": operation}))
+
+
+def example_objects() -> list[dict]:
+    docs = []
+    for path in yaml_files(EXAMPLES):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+# keys that make a pod fractional, built from the contract package (never re-typed here)
+FRACTION_KEYS = [
+    k.DEFAULT_KEYS.container("main", k.MEMORY_REQUEST),
+    k.DEFAULT_KEYS.container("main", k.MEMORY_LIMIT),
+    k.DEFAULT_KEYS.container("main", k.COMPUTE_MODE),
+    k.DEFAULT_KEYS.container("main", k.DEVICES),  # forged binder key: must be checked
+    k.DEFAULT_KEYS.derived("main", k.DERIVED_PLAN_DIGEST),  # forged derived key too
+    k.DEFAULT_KEYS.portion_limit("main"),
+    *k.LEGACY_POD_KEYS,
+]
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return render()
+
+
+def test_pod_webhooks_fail_closed_and_are_safe_to_reinvoke(docs):
+    mutating = hooks(docs, "MutatingWebhookConfiguration")["pods.mutate.kai-fractions.io"]
+    validating = hooks(docs, "ValidatingWebhookConfiguration")["pods.validate.kai-fractions.io"]
+    for hook in (mutating, validating):
+        assert hook["failurePolicy"] == "Fail"
+        assert hook["sideEffects"] == "None"
+        assert hook["admissionReviewVersions"] == ["v1"]
+        assert hook["clientConfig"]["service"]["name"] == ADMISSION
+        assert hook["clientConfig"]["service"]["namespace"] == NAMESPACE
+        assert hook["clientConfig"]["service"]["port"] == 443
+        assert hook["timeoutSeconds"] == 10
+        # opt-out only by a namespace label, never by default
+        assert hook["namespaceSelector"] == {"matchExpressions": [{
+            "key": "kai-fractions.io/webhook", "operator": "NotIn", "values": ["disabled"]}]}
+    assert mutating["reinvocationPolicy"] == "IfNeeded"
+    assert mutating["clientConfig"]["service"]["path"] == "/mutate"
+    assert validating["clientConfig"]["service"]["path"] == "/validate"
+    assert mutating["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"],
+                                  "operations": ["CREATE"], "resources": ["pods"],
+                                  "scope": "Namespaced"}]
+    assert validating["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"],
+                                    "operations": ["CREATE", "UPDATE"], "resources": ["pods"],
+                                    "scope": "Namespaced"}]
+
+
+def test_workload_webhook_gives_early_feedback_without_blocking(docs):
+    hook = hooks(docs, "ValidatingWebhookConfiguration")["workloads.validate.kai-fractions.io"]
+    assert hook["failurePolicy"] == "Ignore"  # the pods themselves are checked, fail closed
+    assert {r["apiGroups"][0]: sorted(r["resources"]) for r in hook["rules"]} == {
+        "apps": ["daemonsets", "deployments", "replicasets", "statefulsets"],
+        "batch": ["cronjobs", "jobs"]}
+
+
+@pytest.mark.parametrize("key", FRACTION_KEYS)
+def test_pods_with_any_nvfractions_key_are_intercepted(docs, key):
+    mutating = hooks(docs, "MutatingWebhookConfiguration")["pods.mutate.kai-fractions.io"]
+    validating = hooks(docs, "ValidatingWebhookConfiguration")["pods.validate.kai-fractions.io"]
+    assert matches(mutating, pod({key: "1"}))
+    assert matches(validating, pod({key: "1"}))
+
+
+def test_other_pods_are_not_intercepted(docs):
+    mutating = hooks(docs, "MutatingWebhookConfiguration")["pods.mutate.kai-fractions.io"]
+    validating = hooks(docs, "ValidatingWebhookConfiguration")["pods.validate.kai-fractions.io"]
+    for other in (pod(), pod({}), pod({"prometheus.io/scrape": "true",
+                                      "nvidia.com/gpu.memory": "81920",
+                                      "kai.scheduler/queue": "team-a"})):
+        assert not matches(mutating, other)
+        assert not matches(validating, other)
+        assert not matches(validating, other, other, "UPDATE")
+
+
+def test_removing_protected_keys_is_still_validated(docs):
+    validating = hooks(docs, "ValidatingWebhookConfiguration")["pods.validate.kai-fractions.io"]
+    devices = k.DEFAULT_KEYS.container("main", k.DEVICES)
+    before = pod({devices: "GPU-1"})
+    after = pod({})
+    assert matches(validating, after, before, "UPDATE")
+
+
+def test_every_example_is_intercepted(docs):
+    mutating = hooks(docs, "MutatingWebhookConfiguration")["pods.mutate.kai-fractions.io"]
+    workloads = hooks(docs, "ValidatingWebhookConfiguration")[
+        "workloads.validate.kai-fractions.io"]
+    seen = 0
+    for obj in example_objects():
+        if obj["kind"] == "Pod":
+            assert matches(mutating, obj), obj["metadata"]["name"]
+            seen += 1
+        elif obj["kind"] in ("Deployment", "Job"):
+            assert matches(workloads, obj), obj["metadata"]["name"]
+            assert matches(mutating, {"metadata": obj["spec"]["template"]["metadata"]})
+            seen += 1
+    assert seen == 7
+
+
+def test_cronjob_templates_are_checked_and_plain_workloads_are_not(docs):
+    workloads = hooks(docs, "ValidatingWebhookConfiguration")[
+        "workloads.validate.kai-fractions.io"]
+    template = {"metadata": {"annotations": {k.GPU_FRACTION: "0.5"}},
+                "spec": {"containers": [{"name": "main", "image": "busybox"}]}}
+    cronjob = {"kind": "CronJob", "metadata": {"name": "c"},
+               "spec": {"schedule": "@daily", "jobTemplate": {"spec": {"template": template}}}}
+    assert matches(workloads, cronjob)
+    plain = copy.deepcopy(cronjob)
+    plain["spec"]["jobTemplate"]["spec"]["template"]["metadata"] = {}
+    assert not matches(workloads, plain)
+    assert not matches(workloads, {"kind": "Deployment", "metadata": {"name": "d"},
+                                   "spec": {"template": {"metadata": {"labels": {"a": "b"}}}}})
+
+
+def test_match_conditions_follow_the_annotation_prefix():
+    docs = render(CHART / "ci" / "time-slicing-only-values.yaml",
+                  ("annotationPrefix=gpus.example.com/c.",))
+    mutating = hooks(docs, "MutatingWebhookConfiguration")["pods.mutate.kai-fractions.io"]
+    custom = k.Keys(prefix="gpus.example.com/c.")
+    assert matches(mutating, pod({custom.container("main", k.MEMORY_REQUEST): "1Gi"}))
+    assert not matches(mutating, pod({"gpus.example.com/other": "x"}))
+
+
+def test_provided_secret_and_cert_manager():
+    docs = render(CHART / "ci" / "provided-tls-values.yaml")
+    ca = "LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCk1JSUJlekNDQVNDZ0F3SUJBZ0lVRXhhbXBsZQotLS0tLUVORCBDRVJUSUZJQ0FURS0tLS0tCg=="  # noqa: E501
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        for hook in one(docs, kind, ADMISSION)["webhooks"]:
+            assert hook["clientConfig"]["caBundle"] == ca
+    docs = render(CHART / "ci" / "provided-tls-values.yaml",
+                  ("webhook.tls.caBundle=", "webhook.tls.certManagerInjectFrom=kf/admission"))
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        config = one(docs, kind, ADMISSION)
+        assert config["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from":
+                                                     "kf/admission"}
+        assert all("caBundle" not in h["clientConfig"] for h in config["webhooks"])
+
+
+# -- the node agent's own-node policy -------------------------------------------------------
+
+def policy_allows(policy: dict, obj: dict, resource: str, user: str = AGENT_USER,
+                  node: str | None = "gpu-node-1") -> tuple[bool, list[str]]:
+    """Evaluates the policy like the API server: matchConditions, variables, validations."""
+    extra = {NODE_KEY: [node]} if node else {}
+    request = {"operation": "UPDATE", "resource": {"group": "", "version": "v1",
+                                                   "resource": resource},
+               "userInfo": {"username": user, "extra": extra}}
+    spec = policy["spec"]
+    if not all(cel(m["expression"], request=request) for m in spec["matchConditions"]):
+        return True, []
+    variables = {v["name"]: cel(v["expression"], request=request, object=obj)
+                 for v in spec["variables"]}
+    failed = [v.get("message") or str(cel(v["messageExpression"], variables=variables))
+              for v in spec["validations"]
+              if not cel(v["expression"], request=request, object=obj, variables=variables)]
+    return not failed, failed
+
+
+def test_node_agent_may_update_only_its_own_node_and_its_pods(docs):
+    policy = one(docs, "ValidatingAdmissionPolicy", f"{AGENT}-own-node")
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", f"{AGENT}-own-node")
+    assert binding["spec"] == {"policyName": f"{AGENT}-own-node", "validationActions": ["Deny"]}
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    own_pod = {"metadata": {"name": "p"}, "spec": {"nodeName": "gpu-node-1"}}
+    other_pod = {"metadata": {"name": "p"}, "spec": {"nodeName": "gpu-node-2"}}
+    assert policy_allows(policy, own_pod, "pods") == (True, [])
+    assert policy_allows(policy, other_pod, "pods") == (
+        False, ["the node agent on gpu-node-1 may update only pods bound to that node"])
+    assert policy_allows(policy, {"metadata": {"name": "gpu-node-1"}}, "nodes") == (True, [])
+    assert policy_allows(policy, {"metadata": {"name": "gpu-node-2"}}, "nodes") == (
+        False, ["the node agent on gpu-node-1 may update only its own Node"])
+    allowed, why = policy_allows(policy, own_pod, "pods", node=None)
+    assert not allowed and "carries no node name" in why[0]
+    # anyone else is not this policy's business
+    assert policy_allows(policy, other_pod, "pods",
+                         user=f"system:serviceaccount:{NAMESPACE}:kai-fractions-mirror") == (
+        True, [])
