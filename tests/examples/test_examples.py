@@ -1,0 +1,132 @@
+"""The manifests users copy: valid for the NvFractions contract (`kai-fractions validate`) and for
+Kubernetes (`kubernetes-validate --strict`), scheduled by KAI into a queue that queue.yaml
+defines, and explained in examples/README.md."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kai_fractions.cli import main
+from kai_fractions.contract import DEFAULT_KEYS, keys, parse_pod, pod_views
+from tests.chart.render import EXAMPLES, kube_validate, yaml_files
+
+FILES = tuple(yaml_files(EXAMPLES))
+EXPECTED = {"memory-request.yaml", "request-and-limit.yaml", "gpu-fraction-with-limit.yaml",
+            "sm-sharing.yaml", "multi-device-fraction.yaml", "inference-deployment.yaml",
+            "job.yaml", "queue.yaml"}
+# The Queue fields of KAI's CRD (scheduling.run.ai/v2, queues.scheduling.run.ai).
+QUEUE_SPEC_FIELDS = {"displayName", "parentQueue", "priority", "resources",
+                     "preemptMinRuntime", "reclaimMinRuntime"}
+QUEUE_RESOURCE_FIELDS = {"quota", "limit", "overQuotaWeight"}
+
+
+def load(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def all_docs() -> list[tuple[Path, dict]]:
+    return [(p, d) for p in FILES for d in load(p)]
+
+
+def test_every_scenario_has_its_example():
+    assert {p.name for p in FILES} == EXPECTED
+
+
+def test_kai_fractions_validate_accepts_every_example(capsys):
+    assert main(["validate", "-f", str(EXAMPLES), "--output", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["valid"] is True
+    assert len(report["objects"]) == 7  # every Pod and workload (the Queue has no pod)
+    for obj in report["objects"]:
+        assert obj["fractional_containers"], obj["object"]
+        assert obj["warnings"] == [], obj["object"]
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_examples_pass_kubernetes_validate_strict(path: Path):
+    assert kube_validate(load(path), path.name) == []
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_examples_are_commented(path: Path):
+    assert path.read_text().startswith("# "), f"{path.name} should open with what it shows"
+
+
+def test_every_workload_is_scheduled_by_kai_into_a_defined_leaf_queue():
+    queues = {d["metadata"]["name"]: d for _, d in all_docs() if d["kind"] == "Queue"}
+    parents = {q["spec"].get("parentQueue") for q in queues.values()}
+    for path, doc in all_docs():
+        if doc["kind"] == "Queue":
+            continue
+        template = doc if doc["kind"] == "Pod" else doc["spec"]["template"]
+        spec = template["spec"]
+        assert spec["schedulerName"] == keys.KAI_SCHEDULER_NAME, path.name
+        queue = template["metadata"]["labels"][keys.QUEUE_LABEL]
+        assert queue in queues and queue not in parents, f"{path.name}: {queue} is no leaf"
+        for c in spec["containers"] + spec.get("initContainers", []):
+            assert keys.is_container_name(c["name"]), f"{path.name}: {c['name']}"
+            assert "/" in c["image"] and ":" in c["image"], f"{path.name}: pin a real image"
+            # a fraction is never a whole-GPU request too
+            assert keys.WHOLE_GPU_RESOURCE not in (c.get("resources") or {}).get("limits", {})
+
+
+def test_queue_matches_kais_crd():
+    queues = [d for _, d in all_docs() if d["kind"] == "Queue"]
+    assert queues
+    for q in queues:
+        assert q["apiVersion"] == "scheduling.run.ai/v2"
+        assert "namespace" not in q["metadata"]  # cluster-scoped
+        assert set(q["spec"]) <= QUEUE_SPEC_FIELDS
+        for resource, fields in q["spec"]["resources"].items():
+            assert resource in {"cpu", "gpu", "memory"}
+            assert set(fields) <= QUEUE_RESOURCE_FIELDS
+            assert all(isinstance(v, int | float) for v in fields.values())
+
+
+def test_memory_request_example_asks_for_gpu_memory_only():
+    [pod] = load(EXAMPLES / "memory-request.yaml")
+    [container] = pod["spec"]["containers"]
+    assert pod["kind"] == "Pod"
+    assert pod["metadata"]["annotations"] == {
+        DEFAULT_KEYS.container(container["name"], keys.MEMORY_REQUEST): "8Gi"}
+
+
+def test_each_scenario_asks_for_what_its_name_says():
+    requests = {}
+    for path, doc in all_docs():
+        for view in pod_views(doc):
+            requests[path.name] = parse_pod(view, DEFAULT_KEYS)
+    share = {name: r.share for name, r in requests.items()}
+    assert share["request-and-limit.yaml"].request_bytes == 8 * 2**30
+    assert share["request-and-limit.yaml"].limit_bytes == 16 * 2**30
+    assert str(share["gpu-fraction-with-limit.yaml"].fraction) == "1/4"
+    assert str(share["gpu-fraction-with-limit.yaml"].limit_portion) == "1/2"
+    assert share["sm-sharing.yaml"].compute_mode == "sm-sharing"
+    assert share["multi-device-fraction.yaml"].num_devices == 2
+    assert share["job.yaml"].legacy_memory_bytes == 10240 * 2**20
+    assert share["inference-deployment.yaml"].limit_bytes == 24 * 2**30
+
+
+def test_the_demo_plans_memory_request(capsys):
+    # what scripts/demo runs
+    assert main(["plan", "-f", str(EXAMPLES / "memory-request.yaml"), "--node-gpu-memory",
+                 "81920", "--devices", "GPU-00000000-0000-0000-0000-000000000001"]) == 0
+    out = capsys.readouterr().out
+    assert "memory: request 8192 MiB, limit 8192 MiB" in out
+
+
+def test_sm_sharing_example_gets_half_the_sms_with_the_mps_reserve(capsys):
+    assert main(["plan", "-f", str(EXAMPLES / "sm-sharing.yaml"), "--node-gpu-memory", "40960",
+                 "--reserve", "1024", "--devices",
+                 "GPU-00000000-0000-0000-0000-000000000001"]) == 0
+    assert "env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in capsys.readouterr().out
+
+
+def test_readme_explains_every_example():
+    readme = (EXAMPLES / "README.md").read_text()
+    for name in EXPECTED:
+        assert f"`{name}`" in readme, name
