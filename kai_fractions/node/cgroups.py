@@ -122,10 +122,15 @@ class HostCgroupFs:
 
 
 class FakeCgroupFs:
-    """An in-memory cgroup tree (for pure tests and simulated nodes)."""
+    """An in-memory cgroup tree (for pure tests and simulated nodes).
 
-    def __init__(self, paths: Iterable[str] = ()):
+    `assume_present=True` answers every `exists` with yes, as if a kubelet had created each
+    pod's cgroups: a simulated node (the demo) has no kubelet. Listing still shows only the
+    paths added, so the stale-limit sweep finds only those."""
+
+    def __init__(self, paths: Iterable[str] = (), *, assume_present: bool = False):
         self._dirs: set[str] = set()
+        self.assume_present = assume_present
         for p in paths:
             self.add(p)
 
@@ -140,7 +145,7 @@ class FakeCgroupFs:
         self._dirs = {d for d in self._dirs if d != path and not d.startswith(path + "/")}
 
     def exists(self, path: str) -> bool:
-        return path.rstrip("/") in self._dirs
+        return self.assume_present or path.rstrip("/") in self._dirs
 
     def list_dirs(self, path: str) -> tuple[str, ...]:
         base = path.rstrip("/") + "/"

@@ -172,3 +172,9 @@ def test_qos_class_prefers_the_status() -> None:
     assert qos_class_of({"spec": spec, "status": {"qosClass": "BestEffort"}}) is \
         QosClass.BEST_EFFORT
     assert qos_class_of({"spec": spec, "status": {"qosClass": "bogus"}}) is QosClass.GUARANTEED
+
+
+def test_fake_fs_can_stand_in_for_a_kubelet() -> None:
+    fs = FakeCgroupFs(assume_present=True)
+    assert fs.exists("/sys/fs/cgroup/kubepods.slice/anything")
+    assert fs.list_dirs("/sys/fs/cgroup/kubepods.slice") == ()
