@@ -437,3 +437,21 @@ def test_every_refusal_reason_applies_nothing_for_that_container(tmp_path: Path,
     if older is None:
         assert node.nvml.calls_of("set_compute_mode") == []
         assert node.mps.default_pinned_mib == {}
+
+
+def test_simulated_node_for_the_demo() -> None:
+    from kai_fractions.node.cgroups import FakeCgroupFs
+
+    nvml = FakeNvml.from_dict({"gpus": [{"model": "H100-80GB", "count": 2}]}, seed="node-a")
+    nvml.init()
+    config = NodeConfig(node_name="node-a")
+    engine = Engine(nvml, FakeCgroupFs(assume_present=True), FakeMpsControl(), config=config)
+    gpu = nvml.gpus[1].uuid
+    p = node_pod(UID_A, notes=annotations(mode="sm-sharing", devices=(gpu,)))
+    desired = plan_node([p], take_inventory(nvml), config)
+    report = engine.apply(desired)
+    assert report.result(UID_A, "main").state is ContainerState.APPLIED
+    slice_a = pod_cgroup("/sys/fs/cgroup", UID_A)
+    assert nvml.limits[(gpu, slice_a)] == (10 * GIB, 20 * GIB)
+    assert nvml.gpu(gpu).compute_mode is GpuComputeMode.EXCLUSIVE_PROCESS
+    assert engine.apply(desired).writes == ()
