@@ -1,0 +1,429 @@
+"""The memory watchdog: the GPU memory cap where the driver cannot enforce one (no cgroup limits
+before r615), and a second line everywhere.
+
+Each check maps every GPU process to its pod and container through `/proc/<pid>/cgroup`, sums
+the usage per container and device, and compares it with the container's cap. By policy:
+- `report`: returns the violations (the agent turns them into events and metrics); no action;
+- `kill`: drains each of the container's processes on that GPU from MPS first (`client
+  terminate`: killing a client in the middle of a kernel can wedge the MPS server for every
+  tenant), then terminates it (SIGTERM, SIGKILL after a grace period).
+A process that belongs to no managed container (another pod, a container the agent does not
+manage, a host process, a pid that vanished, pid 1, the agent itself) is never touched. When MPS
+is in use but cannot say whether a process is its client, the kill waits for the next check
+rather than risk the other tenants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol
+
+from kai_fractions.contract import MIB
+
+from .mps import errors as mps_errors
+from .mps.daemon import Clock, SystemClock
+from .mps.errors import MpsError
+from .procfs import PodContainer, Procfs, normalize_container_id, parse_cgroup_path
+
+log = logging.getLogger(__name__)
+
+REPORT = "report"
+KILL = "kill"
+POLICIES = (REPORT, KILL)
+
+VIOLATION_REASON = "GPUMemoryOverCap"
+
+# Action steps and outcomes
+DRAIN = "drain"
+TERMINATE = "terminate"
+DRAINED = "drained"
+"""MPS ended the client's outstanding GPU work."""
+TERMINATED = "terminated"
+"""The process exited after SIGTERM."""
+KILLED = "killed"
+"""The process ignored SIGTERM for the grace period and got SIGKILL."""
+GONE = "gone"
+"""The process had already exited."""
+SKIPPED = "skipped"
+"""Not touched: the pid no longer belongs to the container (exited, or reused)."""
+FAILED = "failed"
+"""The step could not be done (the detail says why); the process was left alone."""
+
+
+class GpuProcessLike(Protocol):
+    pid: int
+    used_bytes: int | None
+
+
+class MpsClientLike(Protocol):
+    pid: int
+
+
+class MpsDrain(Protocol):
+    """The part of MpsControl (or FakeMpsControl) the watchdog uses."""
+
+    def supports_protocol_v3(self) -> bool: ...
+
+    def client_list(self) -> Sequence[MpsClientLike]: ...
+
+    def client_terminate(self, pid: int) -> None: ...
+
+    def get_server_list(self) -> list[int]: ...
+
+    def get_client_list(self, server_pid: int) -> list[int]: ...
+
+    def terminate_client(self, server_pid: int, client_pid: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ManagedContainer:
+    pod_uid: str
+    container_name: str
+    container_id: str | None
+    """The runtime's ID (`containerd://<hex>` or bare); None until the runtime reports one: the
+    container cannot be recognised from /proc until then, so nothing of it is touched."""
+    caps: Mapping[str, int] = field(default_factory=dict)
+    """GPU UUID -> cap in bytes. A GPU without a cap here is observed, never enforced."""
+
+    @classmethod
+    def uniform(cls, pod_uid: str, container_name: str, container_id: str | None,
+                cap_bytes: int, device_uuids: Iterable[str]) -> ManagedContainer:
+        """The same cap on each assigned GPU (a fractional container's limit is per GPU)."""
+        return cls(pod_uid, container_name, container_id,
+                   MappingProxyType(dict.fromkeys(device_uuids, cap_bytes)))
+
+    @property
+    def key(self) -> tuple[str, str] | None:
+        if not self.container_id:
+            return None
+        return self.pod_uid.lower(), normalize_container_id(self.container_id)
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerUsage:
+    """One managed container on one GPU, for metrics."""
+
+    pod_uid: str
+    container_name: str
+    container_id: str | None
+    device_uuid: str
+    used_bytes: int
+    cap_bytes: int | None
+    pids: tuple[int, ...] = ()
+    sm_percent: int | None = None
+    """Summed SM utilisation of its processes when the caller passed any; None otherwise."""
+    unknown_usage_pids: tuple[int, ...] = ()
+    """Processes whose usage the driver cannot tell (counted as 0 in `used_bytes`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    pod_uid: str
+    container_name: str
+    container_id: str | None
+    device_uuid: str
+    used_bytes: int
+    cap_bytes: int
+    pids: tuple[int, ...]
+
+    @property
+    def reason(self) -> str:
+        return VIOLATION_REASON
+
+    @property
+    def message(self) -> str:
+        return (f"container {self.container_name} of pod {self.pod_uid} uses "
+                f"{_mib(self.used_bytes)} of GPU memory on {self.device_uuid}, above its cap of "
+                f"{_mib(self.cap_bytes)} (pids {', '.join(map(str, self.pids))})")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    pid: int
+    device_uuid: str
+    pod_uid: str
+    container_name: str
+    step: str
+    """`drain` or `terminate`."""
+    outcome: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class WatchdogReport:
+    checked_at: float
+    violations: tuple[Violation, ...] = ()
+    usage: tuple[ContainerUsage, ...] = ()
+    actions: tuple[Action, ...] = ()
+    unmanaged: tuple[tuple[str, int], ...] = ()
+    """(GPU UUID, pid) of GPU processes of no managed container: left alone, listed for logs."""
+
+
+def _mib(n: int) -> str:
+    return f"{-(-n // MIB)} MiB"
+
+
+# ---------------------------------------------------------------------------- the kill seam
+
+
+class Killer(Protocol):
+    def terminate(self, pid: int, still_ours: Callable[[], bool]) -> str:
+        """Stops `pid` if `still_ours()` (checked once the process is pinned); returns one of
+        TERMINATED, KILLED, GONE, SKIPPED, FAILED."""
+        ...
+
+
+class SignalKiller:
+    """SIGTERM, then SIGKILL after `grace` seconds, through a pidfd: the process is pinned before
+    its ownership is re-checked, so a pid reused in between is never signalled."""
+
+    def __init__(self, clock: Clock | None = None, grace: float = 5.0,
+                 poll_interval: float = 0.05):
+        self.clock: Clock = clock or SystemClock()
+        self.grace = grace
+        self.poll_interval = poll_interval
+
+    def terminate(self, pid: int, still_ours: Callable[[], bool]) -> str:
+        if pid <= 1 or pid == os.getpid():
+            return SKIPPED
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return GONE
+        except OSError as exc:
+            log.warning("cannot open pid %d: %s", pid, exc)
+            return FAILED
+        try:
+            if not still_ours():
+                return SKIPPED
+            if not self._signal(fd, signal.SIGTERM):
+                return GONE
+            if self._wait_exit(fd):
+                return TERMINATED
+            if not self._signal(fd, signal.SIGKILL):
+                return TERMINATED
+            self._wait_exit(fd)
+            return KILLED
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _signal(fd: int, sig: int) -> bool:
+        try:
+            signal.pidfd_send_signal(fd, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _wait_exit(self, fd: int) -> bool:
+        """True once the process exited (a pidfd turns readable then, reaped or not)."""
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        deadline = self.clock.monotonic() + self.grace
+        while not poller.poll(0):
+            if self.clock.monotonic() >= deadline:
+                return False
+            self.clock.sleep(self.poll_interval)
+        return True
+
+
+class RecordingKiller:
+    """The fake: records each pid it was asked to stop (in `calls`, and in a shared `journal`
+    when given, to pin the order against MPS drains) and answers `outcome` (or
+    `outcomes[pid]`). It honours `still_ours` like the real one."""
+
+    def __init__(self, outcome: str = TERMINATED, outcomes: Mapping[int, str] | None = None,
+                 journal: list | None = None):
+        self.outcome = outcome
+        self.outcomes = dict(outcomes or {})
+        self.journal = journal
+        self.calls: list[int] = []
+        self.killed: list[int] = []
+
+    def terminate(self, pid: int, still_ours: Callable[[], bool]) -> str:
+        self.calls.append(pid)
+        if not still_ours():
+            return SKIPPED
+        if self.journal is not None:
+            self.journal.append(("terminate", (pid,)))
+        outcome = self.outcomes.get(pid, self.outcome)
+        if outcome in (TERMINATED, KILLED):
+            self.killed.append(pid)
+        return outcome
+
+
+# ---------------------------------------------------------------------------- the watchdog
+
+
+@dataclass
+class _DrainState:
+    """MPS clients, asked once per check and only when something is to be stopped."""
+
+    clients: dict[int, int | None] | None = None
+    error: MpsError | None = None
+
+
+class Watchdog:
+    def __init__(
+        self,
+        policy: str,
+        procfs: Procfs,
+        killer: Killer,
+        mps_control: MpsDrain | None,
+        clock: Clock | None = None,
+    ):
+        policy = str(getattr(policy, "value", policy))
+        if policy not in POLICIES:
+            raise ValueError(f"watchdog policy must be one of {', '.join(POLICIES)}, "
+                             f"got {policy!r}")
+        self.policy = policy
+        self.procfs = procfs
+        self.killer = killer
+        self.mps = mps_control
+        self.clock: Clock = clock or SystemClock()
+
+    def check(
+        self,
+        processes: Mapping[str, Iterable[GpuProcessLike]],
+        containers: Iterable[ManagedContainer],
+        sm_percent: Mapping[int, int] | None = None,
+    ) -> WatchdogReport:
+        """`processes`: GPU UUID -> its compute processes (NVML, host pids); `containers`: the
+        managed containers and their caps; `sm_percent`: pid -> SM utilisation, if known."""
+        managed: dict[tuple[str, str], ManagedContainer] = {}
+        for c in containers:
+            if c.key is not None:
+                managed[c.key] = c
+        # (container key, device) -> [pids, used, unknown]
+        found: dict[tuple[tuple[str, str], str], tuple[list[int], list[int], list[int]]] = {}
+        unmanaged: list[tuple[str, int]] = []
+        for device, procs in processes.items():
+            for proc in procs:
+                owner = self._owner(proc.pid)
+                if owner is None:
+                    continue  # vanished while we looked: nothing to account, nothing to touch
+                container = self._managed(owner, managed)
+                if container is None:
+                    unmanaged.append((device, proc.pid))
+                    continue
+                pids, used, unknown = found.setdefault((container.key, device), ([], [], []))
+                pids.append(proc.pid)
+                if proc.used_bytes is None:
+                    unknown.append(proc.pid)
+                else:
+                    used.append(proc.used_bytes)
+
+        usage: list[ContainerUsage] = []
+        violations: list[tuple[Violation, ManagedContainer]] = []
+        for key, c in managed.items():
+            devices = list(c.caps) + sorted({d for (k, d) in found if k == key} - set(c.caps))
+            for device in devices:
+                pids, used, unknown = found.get((key, device), ([], [], []))
+                cap = c.caps.get(device)
+                sm = None
+                if sm_percent is not None and any(p in sm_percent for p in pids):
+                    sm = sum(sm_percent.get(p, 0) for p in pids)
+                usage.append(ContainerUsage(
+                    c.pod_uid, c.container_name, c.container_id, device, sum(used), cap,
+                    tuple(pids), sm, tuple(unknown)))
+                if cap is not None and sum(used) > cap:
+                    violations.append((Violation(c.pod_uid, c.container_name, c.container_id,
+                                                 device, sum(used), cap, tuple(pids)), c))
+
+        actions: list[Action] = []
+        if self.policy == KILL and violations:
+            actions = self._enforce(violations)
+        return WatchdogReport(self.clock.monotonic(), tuple(v for v, _ in violations),
+                              tuple(usage), tuple(actions), tuple(unmanaged))
+
+    # -------------------------------------------------------------------- mapping
+
+    def _owner(self, pid: int) -> PodContainer | bool | None:
+        """The pod/container of `pid`; False for a live process of no pod; None if it is gone."""
+        if pid <= 1 or pid == os.getpid():
+            return False
+        path = self.procfs.cgroup_path(pid)
+        if path is None:
+            return None
+        return parse_cgroup_path(path) or False
+
+    @staticmethod
+    def _managed(owner: PodContainer | bool,
+                 managed: Mapping[tuple[str, str], ManagedContainer]) -> ManagedContainer | None:
+        if not isinstance(owner, PodContainer) or owner.container_id is None:
+            return None
+        return managed.get((owner.pod_uid, owner.container_id))
+
+    def _still_in(self, pid: int, container: ManagedContainer) -> bool:
+        owner = self._owner(pid)
+        return isinstance(owner, PodContainer) and (owner.pod_uid, owner.container_id) == \
+            container.key
+
+    # -------------------------------------------------------------------- enforcement
+
+    def _enforce(self, violations: Sequence[tuple[Violation, ManagedContainer]]) -> list[Action]:
+        actions: list[Action] = []
+        drain = _DrainState()
+        for violation, container in violations:
+            for pid in violation.pids:
+                for step, outcome, detail in self._enforce_one(pid, container, drain):
+                    actions.append(Action(pid, violation.device_uuid, violation.pod_uid,
+                                          violation.container_name, step, outcome, detail))
+                    log.warning("watchdog %s pid %d of %s/%s on %s: %s %s", step, pid,
+                                violation.pod_uid, violation.container_name,
+                                violation.device_uuid, outcome, detail)
+        return actions
+
+    def _enforce_one(self, pid: int, container: ManagedContainer,
+                     drain: _DrainState) -> list[tuple[str, str, str]]:
+        """Drain (when it is an MPS client), then terminate: the steps taken, in order."""
+        if not self._still_in(pid, container):
+            return [(TERMINATE, SKIPPED, "the process exited or left the container")]
+        steps: list[tuple[str, str, str]] = []
+        if self.mps is not None:
+            if drain.clients is None and drain.error is None:
+                drain.clients, drain.error = self._mps_clients()
+            if drain.error is not None:
+                # Unknown whether it is an MPS client: killing it undrained could wedge the
+                # server of every tenant. Retried at the next check.
+                return [(DRAIN, FAILED, f"{drain.error.reason}: {drain.error.message}")]
+            if drain.clients is not None and pid in drain.clients:
+                try:
+                    self._drain(pid, drain.clients[pid])
+                    steps.append((DRAIN, DRAINED, ""))
+                except MpsError as err:
+                    # ClientNotFound: it left MPS since the list was read; nothing to drain
+                    if err.reason != mps_errors.CLIENT_NOT_FOUND:
+                        return [(DRAIN, FAILED, f"{err.reason}: {err.message}")]
+        outcome = self.killer.terminate(pid, lambda: self._still_in(pid, container))
+        steps.append((TERMINATE, outcome, ""))
+        return steps
+
+    def _mps_clients(self) -> tuple[dict[int, int | None] | None, MpsError | None]:
+        """MPS client pid -> its server pid (None in v3, where `client terminate` needs none)."""
+        assert self.mps is not None
+        try:
+            if self.mps.supports_protocol_v3():
+                return {int(c.pid): None for c in self.mps.client_list()}, None
+            clients: dict[int, int | None] = {}
+            for server in self.mps.get_server_list():
+                with contextlib.suppress(MpsError):  # a server may exit between the two calls
+                    for pid in self.mps.get_client_list(server):
+                        clients[pid] = server
+            return clients, None
+        except MpsError as err:
+            return None, err
+
+    def _drain(self, pid: int, server: int | None) -> None:
+        assert self.mps is not None
+        if server is None:
+            self.mps.client_terminate(pid)
+        else:
+            self.mps.terminate_client(server, pid)

@@ -1,0 +1,358 @@
+"""The watchdog over a fake /proc tree: report or kill per policy; drain before kill; never a
+process of no managed container."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from kai_fractions.contract import MIB
+from kai_fractions.node.mps.errors import MpsError
+from kai_fractions.node.mps.fake import FakeMpsControl
+from kai_fractions.node.procfs import Procfs
+from kai_fractions.node.watchdog import (
+    ContainerUsage,
+    ManagedContainer,
+    RecordingKiller,
+    SignalKiller,
+    Violation,
+    Watchdog,
+)
+
+GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
+GPU1 = "GPU-11111111-1111-1111-1111-111111111111"
+POD_A = "aaaaaaaa-1111-4111-8111-aaaaaaaaaaaa"
+POD_B = "bbbbbbbb-2222-4222-8222-bbbbbbbbbbbb"
+CID_A = "a1" * 32
+CID_A2 = "a2" * 32
+CID_B = "b1" * 32
+CAP = 1024 * MIB
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    used_bytes: int | None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def systemd(pod: str, cid: str) -> str:
+    return (f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod"
+            f"{pod.replace('-', '_')}.slice/cri-containerd-{cid}.scope\n")
+
+
+def cgroupfs(pod: str, cid: str) -> str:
+    return f"0::/kubepods/besteffort/pod{pod}/{cid}\n"
+
+
+class FakeProc:
+    """A fake /proc: <root>/<pid>/cgroup and stat."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def add(self, pid: int, cgroup: str) -> None:
+        d = self.root / str(pid)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cgroup").write_text(cgroup)
+        (d / "stat").write_text(f"{pid} (python3) S 1 {pid} {pid} 0 -1\n")
+
+    def remove(self, pid: int) -> None:
+        shutil.rmtree(self.root / str(pid))
+
+
+@pytest.fixture
+def proc(tmp_path):
+    fake = FakeProc(tmp_path)
+    fake.add(100, systemd(POD_A, CID_A))      # managed container A
+    fake.add(101, systemd(POD_A, CID_A))      # managed container A, second process
+    fake.add(200, cgroupfs(POD_B, CID_B))     # pod B: not managed
+    fake.add(300, "0::/system.slice/some-daemon.service\n")  # a host process
+    fake.add(400, systemd(POD_A, CID_A2))     # pod A's other container: not managed
+    return fake
+
+
+def managed() -> list[ManagedContainer]:
+    return [ManagedContainer.uniform(POD_A, "trainer", f"containerd://{CID_A}", CAP, [GPU0])]
+
+
+def watchdog(proc, policy, killer=None, mps=None, clock=None) -> Watchdog:
+    return Watchdog(policy, Procfs(proc.root), killer or RecordingKiller(), mps, clock or Clock())
+
+
+OVER = {GPU0: [Proc(100, 800 * MIB), Proc(101, 400 * MIB), Proc(200, 70000 * MIB),
+               Proc(300, 70000 * MIB), Proc(400, 70000 * MIB)]}
+
+
+def test_report_returns_the_violation_and_touches_nothing(proc):
+    killer = RecordingKiller()
+    mps = FakeMpsControl()
+    report = watchdog(proc, "report", killer, mps).check(OVER, managed())
+    assert report.violations == (Violation(POD_A, "trainer", f"containerd://{CID_A}", GPU0,
+                                           1200 * MIB, CAP, (100, 101)),)
+    v = report.violations[0]
+    assert v.reason == "GPUMemoryOverCap"
+    assert v.message == (f"container trainer of pod {POD_A} uses 1200 MiB of GPU memory on "
+                         f"{GPU0}, above its cap of 1024 MiB (pids 100, 101)")
+    assert report.actions == ()
+    assert killer.calls == [] and mps.calls == []
+    assert set(report.unmanaged) == {(GPU0, 200), (GPU0, 300), (GPU0, 400)}
+    assert report.checked_at == 50.0
+
+
+def test_within_cap_is_no_violation_and_usage_is_reported(proc):
+    procs = {GPU0: [Proc(100, 600 * MIB), Proc(101, None)], GPU1: [Proc(101, 5 * MIB)]}
+    report = watchdog(proc, "kill").check(procs, managed(), sm_percent={100: 30, 101: 12})
+    assert report.violations == () and report.actions == ()
+    assert report.usage == (
+        ContainerUsage(POD_A, "trainer", f"containerd://{CID_A}", GPU0, 600 * MIB, CAP,
+                       (100, 101), 42, (101,)),
+        # a GPU the container has no cap on: observed, never enforced
+        ContainerUsage(POD_A, "trainer", f"containerd://{CID_A}", GPU1, 5 * MIB, None,
+                       (101,), 12, ()),
+    )
+
+
+def test_an_idle_managed_container_reports_zero_usage(proc):
+    report = watchdog(proc, "report").check({}, managed())
+    assert report.usage == (ContainerUsage(POD_A, "trainer", f"containerd://{CID_A}", GPU0, 0,
+                                           CAP),)
+
+
+def test_kill_drains_mps_clients_first_then_terminates(proc):
+    journal: list = []
+    mps = FakeMpsControl(calls=journal)
+    mps.namespace_create("kf_a")
+    mps.attach_client(100, "kf_a")  # 100 is an MPS client, 101 is not
+    journal.clear()
+    killer = RecordingKiller(journal=journal)
+    report = watchdog(proc, "kill", killer, mps).check(OVER, managed())
+    assert journal == [
+        ("client_list", ()),
+        ("client_terminate", (100,)),
+        ("terminate", (100,)),
+        ("terminate", (101,)),
+    ]
+    assert [(a.pid, a.step, a.outcome) for a in report.actions] == [
+        (100, "drain", "drained"), (100, "terminate", "terminated"),
+        (101, "terminate", "terminated")]
+    assert killer.killed == [100, 101]
+    assert mps.terminated == [100]
+    # never another pod, a host process or the pod's unmanaged container
+    assert not {200, 300, 400} & set(killer.calls)
+
+
+def test_kill_drains_legacy_mps_clients_through_their_server(proc):
+    journal: list = []
+    mps = FakeMpsControl(protocol_v3=False, calls=journal)
+    mps.attach_client(101, server_pid=900)
+    killer = RecordingKiller(journal=journal)
+    watchdog(proc, "kill", killer, mps).check(OVER, managed())
+    assert journal == [
+        ("get_server_list", ()),
+        ("get_client_list", (900,)),
+        ("terminate", (100,)),
+        ("terminate_client", (900, 101)),
+        ("terminate", (101,)),
+    ]
+
+
+def test_no_kill_when_mps_cannot_say_who_its_clients_are(proc):
+    mps = FakeMpsControl()
+    mps.kill()  # the control daemon is down
+    killer = RecordingKiller()
+    report = watchdog(proc, "kill", killer, mps).check(OVER, managed())
+    assert killer.calls == []
+    assert {(a.pid, a.step, a.outcome) for a in report.actions} == {
+        (100, "drain", "failed"), (101, "drain", "failed")}
+    assert report.actions[0].detail.startswith("MpsDaemonUnreachable: ")
+    assert mps.methods_called() == ["client_list"]  # asked once per check
+    assert len(report.violations) == 1
+
+
+def test_a_failed_drain_leaves_that_process_alone(proc):
+    mps = FakeMpsControl()
+    mps.namespace_create("kf_a")
+    mps.attach_client(100, "kf_a")
+    mps.inject("client_terminate", MpsError("CommandFailed", "nope"))
+    killer = RecordingKiller()
+    report = watchdog(proc, "kill", killer, mps).check(OVER, managed())
+    assert killer.calls == [101]
+    assert (report.actions[0].pid, report.actions[0].outcome, report.actions[0].detail) == (
+        100, "failed", "CommandFailed: nope")
+
+
+def test_a_client_that_left_mps_meanwhile_is_still_stopped(proc):
+    mps = FakeMpsControl()
+    mps.namespace_create("kf_a")
+    mps.attach_client(100, "kf_a")
+    mps.inject("client_terminate", MpsError("ClientNotFound", "gone"))
+    killer = RecordingKiller()
+    report = watchdog(proc, "kill", killer, mps).check(OVER, managed())
+    assert killer.killed == [100, 101]
+    assert [(a.pid, a.step) for a in report.actions] == [(100, "terminate"), (101, "terminate")]
+
+
+def test_without_mps_the_kill_goes_straight_to_terminate(proc):
+    killer = RecordingKiller()
+    report = watchdog(proc, "kill", killer).check(OVER, managed())
+    assert killer.killed == [100, 101]
+    assert all(a.step == "terminate" for a in report.actions)
+
+
+def test_unmanaged_processes_are_never_touched_whatever_they_use(proc):
+    killer = RecordingKiller()
+    mps = FakeMpsControl()
+    procs = {GPU0: [Proc(200, 10**15), Proc(300, 10**15), Proc(400, 10**15)],
+             GPU1: [Proc(200, 10**15)]}
+    report = watchdog(proc, "kill", killer, mps).check(procs, managed())
+    assert report.violations == () and report.actions == ()
+    assert killer.calls == [] and mps.calls == []
+    # with no managed containers at all, nothing is even considered
+    report = watchdog(proc, "kill", killer, mps).check(OVER, [])
+    assert report.violations == () and killer.calls == []
+
+
+def test_a_container_without_a_runtime_id_is_never_enforced(proc):
+    killer = RecordingKiller()
+    containers = [ManagedContainer.uniform(POD_A, "trainer", None, CAP, [GPU0])]
+    report = watchdog(proc, "kill", killer).check(OVER, containers)
+    assert report.violations == () and killer.calls == []
+    assert (GPU0, 100) in report.unmanaged
+
+
+def test_pid_1_and_the_agent_itself_are_never_touched(proc):
+    proc.add(1, systemd(POD_A, CID_A))
+    proc.add(os.getpid(), systemd(POD_A, CID_A))
+    killer = RecordingKiller()
+    procs = {GPU0: [Proc(1, 10 * CAP), Proc(os.getpid(), 10 * CAP)]}
+    report = watchdog(proc, "kill", killer).check(procs, managed())
+    assert killer.calls == [] and report.violations == ()
+
+
+def test_a_pid_that_vanishes_before_the_check_is_ignored(proc):
+    proc.remove(101)
+    killer = RecordingKiller()
+    procs = {GPU0: [Proc(100, 500 * MIB), Proc(101, 10 * CAP)]}
+    report = watchdog(proc, "kill", killer).check(procs, managed())
+    assert report.violations == () and killer.calls == []
+    assert report.unmanaged == ()  # not even listed: it is gone
+
+
+def test_a_pid_that_vanishes_mid_check_is_not_killed(proc):
+    class VanishingKiller(RecordingKiller):
+        def terminate(self, pid, still_ours):
+            if pid == 100:
+                proc.remove(101)  # 101 exits while 100 is being stopped
+            return super().terminate(pid, still_ours)
+
+    killer = VanishingKiller()
+    report = watchdog(proc, "kill", killer).check(OVER, managed())
+    assert killer.killed == [100]
+    assert killer.calls == [100]  # 101 was re-checked before the killer got it
+    assert (report.actions[-1].pid, report.actions[-1].outcome) == (101, "skipped")
+
+
+def test_a_pid_reused_by_another_container_is_not_killed(proc):
+    class ReusingKiller(RecordingKiller):
+        def terminate(self, pid, still_ours):
+            proc.add(pid, cgroupfs(POD_B, CID_B))  # the pid now belongs to pod B
+            return super().terminate(pid, still_ours)
+
+    killer = ReusingKiller()
+    report = watchdog(proc, "kill", killer).check(
+        {GPU0: [Proc(100, 10 * CAP)]}, managed())
+    assert killer.killed == []
+    assert [a.outcome for a in report.actions] == ["skipped"]
+
+
+def test_policy_is_validated_and_accepts_the_config_enum(proc):
+    from kai_fractions.node.config import WatchdogPolicy
+    assert watchdog(proc, WatchdogPolicy.KILL).policy == "kill"
+    with pytest.raises(ValueError, match="watchdog policy must be one of report, kill"):
+        watchdog(proc, "shoot")
+
+
+def test_the_cgroupfs_layout_and_bare_container_ids(proc):
+    proc.add(500, cgroupfs(POD_B, CID_B))
+    containers = [ManagedContainer(POD_B, "infer", CID_B, {GPU1: 10 * MIB})]
+    report = watchdog(proc, "report").check({GPU1: [Proc(500, 11 * MIB)]}, containers)
+    assert [(v.pod_uid, v.pids) for v in report.violations] == [(POD_B, (500,))]
+
+
+# ---------------------------------------------------------------------------- the real killer
+
+
+def spawn(code: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_signal_killer_terminates_with_sigterm():
+    p = spawn("import time; print('ready', flush=True); time.sleep(30)")
+    try:
+        started = time.monotonic()
+        assert SignalKiller(grace=5).terminate(p.pid, lambda: True) == "terminated"
+        assert p.wait(timeout=5) == -signal.SIGTERM
+        assert time.monotonic() - started < 3
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_signal_killer_escalates_to_sigkill_after_the_grace_period():
+    p = spawn("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "print('ready', flush=True); time.sleep(30)")
+    try:
+        assert SignalKiller(grace=0.3, poll_interval=0.02).terminate(p.pid, lambda: True) == \
+            "killed"
+        assert p.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_signal_killer_rechecks_ownership_and_handles_gone_pids():
+    p = spawn("import time; print('ready', flush=True); time.sleep(30)")
+    try:
+        assert SignalKiller().terminate(p.pid, lambda: False) == "skipped"
+        assert p.poll() is None  # untouched
+    finally:
+        p.kill()
+        p.wait()
+    assert SignalKiller().terminate(p.pid, lambda: True) == "gone"
+    assert SignalKiller().terminate(1, lambda: True) == "skipped"
+    assert SignalKiller().terminate(os.getpid(), lambda: True) == "skipped"
+
+
+def test_signal_killer_grace_runs_on_the_clock_seam():
+    p = spawn("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "print('ready', flush=True); time.sleep(30)")
+    clock = Clock()
+    try:
+        assert SignalKiller(clock, grace=10, poll_interval=1).terminate(p.pid, lambda: True) \
+            == "killed"
+        assert sum(clock.slept) >= 10  # the fake clock waited, the test did not
+    finally:
+        p.kill()
+        p.wait()
