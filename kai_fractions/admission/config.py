@@ -1,0 +1,45 @@
+"""What the webhooks are configured with, and the names they reserve in a pod."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..contract import DEFAULT_KEYS, Keys
+from ..contract import keys as k
+
+MIRROR_IDENTITY = "system:serviceaccount:kai-fractions:kai-fractions-mirror"
+DEFAULT_ALLOWED_IDENTITIES = (k.KAI_BINDER_IDENTITY, MIRROR_IDENTITY)
+DEFAULT_MARKER_HOST_DIR = "/var/lib/kai-fractions/markers"
+DEFAULT_MPS_PIPE_HOST_DIR = "/run/kai-fractions/mps"
+
+# Names the mutating webhook puts into a pod. They are reserved: a pod's own definition under
+# one of these names is replaced, and the validating webhook refuses other containers that
+# mount them (a workload that could write the marker root could release any pod on the node).
+GATE_CONTAINER = "kai-fractions-gate"
+MARKER_VOLUME = "kai-fractions-marker"
+PODINFO_VOLUME = "kai-fractions-podinfo"
+MPS_VOLUME = "kai-fractions-mps"
+GATE_USER = 65534
+"""`nobody`: the marker is 0644 in a 0755 directory, so the gate needs no root."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    gate_image: str
+    keys: Keys = DEFAULT_KEYS
+    allowed_identities: tuple[str, ...] = DEFAULT_ALLOWED_IDENTITIES
+    """Who may create, change or remove protected keys (binder-owned and derived)."""
+    marker_host_dir: str = DEFAULT_MARKER_HOST_DIR
+    mps_pipe_host_dir: str = DEFAULT_MPS_PIPE_HOST_DIR
+
+    def __post_init__(self) -> None:
+        if not self.gate_image.strip():
+            raise ValueError("gate_image: must name the image of the gate init container")
+        if not self.allowed_identities:
+            raise ValueError("allowed_identities: at least one identity must be allowed to "
+                             "write protected keys (the binder's)")
+        for name in ("marker_host_dir", "mps_pipe_host_dir"):
+            value = getattr(self, name)
+            if not value.startswith("/") or value.rstrip("/") == "":
+                raise ValueError(f"{name}: must be an absolute host directory other than /, "
+                                 f"got {value!r}")

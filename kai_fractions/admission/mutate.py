@@ -1,0 +1,157 @@
+"""The mutating webhook: wire a fractional pod's env, MPS mount and gate. Pure.
+
+The pod's desired shape is computed from the pod itself; a part that already has that shape is
+left exactly as it is (so the API server's defaults do not count as a difference), and only the
+parts that differ become patch operations. Running it on its own output yields no patch, which
+makes `reinvocationPolicy: IfNeeded` safe.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from ..contract import ComputeMode, ContainerShare, parse_pod, view_from_pod_spec
+from ..contract import keys as k
+from ..contract.pod import ManifestError
+from . import podspec
+from .config import GATE_CONTAINER, MPS_VOLUME, AdmissionConfig
+from .errors import contract_denial, manifest_denial
+from .review import Decision, allow, kind_of
+
+Json = dict[str, Any]
+
+
+def matches(actual: Any, desired: Any) -> bool:
+    """`desired` is contained in `actual`: every field we set is there with our value; fields
+    the API server added (defaults) do not count."""
+    if isinstance(desired, Mapping):
+        return isinstance(actual, Mapping) and all(
+            key in actual and matches(actual[key], value) for key, value in desired.items())
+    if isinstance(desired, list):
+        return (isinstance(actual, list) and len(actual) == len(desired)
+                and all(matches(a, d) for a, d in zip(actual, desired, strict=True)))
+    return actual == desired
+
+
+def _ensure_named(items: list[Json], wanted: Json) -> list[Json]:
+    """`items` with exactly one entry named like `wanted`, of its shape (kept when it matches)."""
+    name = wanted["name"]
+    same = [i for i in items if isinstance(i, Mapping) and i.get("name") == name]
+    if len(same) == 1 and matches(same[0], wanted):
+        return items
+    return [i for i in items if not (isinstance(i, Mapping) and i.get("name") == name)] + [wanted]
+
+
+def _strip_enforced(env: list[Json]) -> list[Json]:
+    return [e for e in env if not (isinstance(e, Mapping) and e.get("name") in k.ENFORCED_ENV)]
+
+
+def _fractional_env(env: list[Json], wanted: list[Json]) -> list[Json]:
+    """Ours first (so the pod's own variables can refer to them as `$(NAME)`), the pod's own
+    values for the enforced names dropped; unchanged when already so."""
+    enforced = [e for e in env if isinstance(e, Mapping) and e.get("name") in k.ENFORCED_ENV]
+    if len(enforced) == len(wanted) and all(
+            any(matches(e, w) for e in enforced) for w in wanted):
+        return env
+    return wanted + _strip_enforced(env)
+
+
+def _fractional_mounts(mounts: list[Json]) -> list[Json]:
+    wanted = podspec.mps_mount()
+    same = [m for m in mounts if isinstance(m, Mapping)
+            and (m.get("name") == MPS_VOLUME or m.get("mountPath") == wanted["mountPath"])]
+    if len(same) == 1 and matches(same[0], wanted):
+        return mounts
+    return [m for m in mounts if not any(m is s for s in same)] + [wanted]
+
+
+def _with_list(container: Json, field: str, items: list[Json]) -> Json:
+    if items == (container.get(field) or []):
+        return container
+    out = dict(container)
+    if items:
+        out[field] = items
+    else:
+        out.pop(field, None)
+    return out
+
+
+def _container(container: Json, share: ContainerShare, config: AdmissionConfig) -> Json:
+    env = list(container.get("env") or [])
+    if container.get("name") != share.container:
+        # A sidecar must not carry GPU limits of its own either.
+        return _with_list(container, "env", _strip_enforced(env))
+    wanted = podspec.enforced_env(share.container, share.compute_mode, config.keys)
+    out = _with_list(container, "env", _fractional_env(env, wanted))
+    if share.compute_mode is ComputeMode.SM_SHARING:
+        mounts = list(container.get("volumeMounts") or [])
+        out = _with_list(out, "volumeMounts", _fractional_mounts(mounts))
+    return out
+
+
+def desired_spec(spec: Mapping[str, Any], share: ContainerShare,
+                 config: AdmissionConfig) -> Json:
+    """The pod spec with the env, mounts, volumes and gate a fractional pod must have."""
+    out: Json = copy.deepcopy(dict(spec))
+    containers = [c for c in out.get("containers") or [] if isinstance(c, Mapping)]
+    init = [c for c in out.get("initContainers") or []
+            if isinstance(c, Mapping) and c.get("name") != GATE_CONTAINER]
+    out["containers"] = [_container(c, share, config) for c in containers]
+    init = [_container(c, share, config) for c in init]
+    gate = podspec.gate_container(config, [str(c.get("name", "")) for c in containers],
+                                  [str(c.get("name", "")) for c in init])
+    current = [c for c in out.get("initContainers") or [] if isinstance(c, Mapping)]
+    first = current[0] if current and current[0].get("name") == GATE_CONTAINER else None
+    keep = first is not None and matches(first, gate)
+    out["initContainers"] = [first if keep else gate, *init]
+    volumes = list(out.get("volumes") or [])
+    wanted = [podspec.marker_volume(config), podspec.podinfo_volume()]
+    if share.compute_mode is ComputeMode.SM_SHARING:
+        wanted.append(podspec.mps_volume(config))
+    for volume in wanted:
+        volumes = _ensure_named(volumes, volume)
+    out["volumes"] = volumes
+    return out
+
+
+def _ops(spec: Mapping[str, Any], new: Json) -> list[Json]:
+    ops: list[Json] = []
+    old_containers = spec.get("containers") or []
+    for i, (before, after) in enumerate(zip(old_containers, new["containers"], strict=True)):
+        if before != after:
+            ops.append({"op": "replace", "path": f"/spec/containers/{i}", "value": after})
+    # `add` on an object member replaces it when present (RFC 6902 4.1): one op either way.
+    for field in ("initContainers", "volumes"):
+        if (spec.get(field) or []) != new[field] or field not in spec:
+            ops.append({"op": "add", "path": f"/spec/{field}", "value": new[field]})
+    return ops
+
+
+def mutate(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
+    """Review one AdmissionReview request for the mutating webhook."""
+    if kind_of(request) != "Pod" or request.get("operation") != "CREATE" or request.get(
+            "subResource"):
+        return allow()  # only new pods are wired; a pod's containers cannot change later
+    pod = request.get("object")
+    if not isinstance(pod, Mapping):
+        return allow()
+    metadata = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    try:
+        parsed = parse_pod(view_from_pod_spec(metadata, spec, namespace=str(
+            request.get("namespace") or "")), config.keys)
+    except ManifestError as e:
+        return manifest_denial(e)
+    warnings = tuple(str(w) for w in parsed.warnings)
+    if parsed.errors:
+        # Deny here too: if only this webhook ran, an invalid pod must not start unwired.
+        return contract_denial(parsed.errors, warnings)
+    share = parsed.share
+    if share is None or not isinstance(spec.get("containers"), list):
+        return allow(warnings=warnings)  # not a fractional pod: untouched
+    new = desired_spec(spec, share, config)
+    if len(new["containers"]) != len(spec["containers"]):
+        return allow(warnings=warnings)  # malformed entries; the API server rejects the pod
+    return allow(patch=tuple(_ops(spec, new)), warnings=warnings)

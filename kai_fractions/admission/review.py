@@ -1,0 +1,95 @@
+"""AdmissionReview v1 in and out: parse a request body, build the response.
+
+Decisions are plain values (`Decision`); this module turns them into the wire format so the
+webhook logic never deals with base64 or uids.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+API_VERSION = "admission.k8s.io/v1"
+KIND = "AdmissionReview"
+
+
+class ReviewError(ValueError):
+    """The body is not an AdmissionReview v1 request (HTTP 400); the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    allowed: bool
+    message: str = ""
+    code: int = 200
+    reason: str = ""
+    patch: tuple[dict[str, Any], ...] = ()
+    """RFC 6902 operations; empty means no change."""
+    warnings: tuple[str, ...] = field(default=())
+
+
+def allow(*, patch: tuple[dict[str, Any], ...] = (), warnings: tuple[str, ...] = ()) -> Decision:
+    return Decision(True, patch=patch, warnings=warnings)
+
+
+def deny(message: str, *, code: int = 403, reason: str = "Forbidden",
+         warnings: tuple[str, ...] = ()) -> Decision:
+    return Decision(False, message=message, code=code, reason=reason, warnings=warnings)
+
+
+def parse_review(body: bytes) -> dict[str, Any]:
+    """The `request` of an AdmissionReview v1 body; raises ReviewError."""
+    try:
+        review = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ReviewError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(review, dict):
+        raise ReviewError("the request body must be a JSON object (an AdmissionReview)")
+    if review.get("apiVersion") != API_VERSION or review.get("kind") != KIND:
+        raise ReviewError(f"expected apiVersion {API_VERSION} kind {KIND}, got apiVersion "
+                          f"{review.get('apiVersion')!r} kind {review.get('kind')!r}")
+    request = review.get("request")
+    if not isinstance(request, dict):
+        raise ReviewError("the AdmissionReview has no request object")
+    if not isinstance(request.get("uid"), str) or not request["uid"]:
+        raise ReviewError("the AdmissionReview request has no uid")
+    return request
+
+
+def response(uid: str, decision: Decision) -> dict[str, Any]:
+    body: dict[str, Any] = {"uid": uid, "allowed": decision.allowed}
+    if not decision.allowed:
+        status: dict[str, Any] = {"code": decision.code, "message": decision.message}
+        if decision.reason:
+            status["reason"] = decision.reason
+        body["status"] = status
+    if decision.patch:
+        body["patchType"] = "JSONPatch"
+        body["patch"] = base64.b64encode(
+            json.dumps(list(decision.patch), separators=(",", ":")).encode()).decode()
+    if decision.warnings:
+        body["warnings"] = list(decision.warnings)
+    return {"apiVersion": API_VERSION, "kind": KIND, "response": body}
+
+
+def user_of(request: Mapping[str, Any]) -> str:
+    info = request.get("userInfo")
+    return str(info.get("username") or "") if isinstance(info, Mapping) else ""
+
+
+def kind_of(request: Mapping[str, Any]) -> str:
+    kind = request.get("kind")
+    return str(kind.get("kind") or "") if isinstance(kind, Mapping) else ""
+
+
+def annotations_of(obj: Any) -> dict[str, str]:
+    if not isinstance(obj, Mapping):
+        return {}
+    meta = obj.get("metadata")
+    ann = meta.get("annotations") if isinstance(meta, Mapping) else None
+    if not isinstance(ann, Mapping):
+        return {}
+    return {str(a): "" if b is None else str(b) for a, b in ann.items()}

@@ -1,0 +1,214 @@
+"""The validating webhook: contract checks, protected keys, and the gate's integrity. Pure.
+
+Pods: every contract error is refused (on UPDATE only errors the change introduces, so a pod
+admitted before the webhook existed can still be updated and deleted); protected keys
+(`Keys.is_protected`: binder-owned and derived) may be created, changed or removed only by the
+configured identities; a pod's fractional containers and compute modes are fixed once it
+exists (its env, mounts and gate were wired from them); and in a fractional pod only the gate
+may mount the marker root, only the fractional container the MPS pipes, and no other hostPath
+may reach either directory (whoever can write the marker root can release any pod on the node).
+Workloads with a pod template get the contract checks early; a template never carries a
+protected key, whoever writes it (the binder writes those on each pod, after scheduling).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ..contract import ComputeMode, PodRequest, PodView, parse_pod, pod_views, view_from_pod_spec
+from ..contract import keys as k
+from ..contract.pod import ManifestError
+from ..gate import paths
+from .config import GATE_CONTAINER, MARKER_VOLUME, MPS_VOLUME, AdmissionConfig
+from .errors import error_text, manifest_denial
+from .review import Decision, allow, annotations_of, deny, kind_of, user_of
+
+WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job",
+                            "CronJob", "ReplicationController", "PodTemplate"})
+_CONTAINER_LISTS = ("initContainers", "containers", "ephemeralContainers")
+
+
+def _protected_changes(old: Mapping[str, str], new: Mapping[str, str], user: str,
+                       config: AdmissionConfig) -> list[str]:
+    if user in config.allowed_identities:
+        return []
+    out = []
+    for key in sorted(set(old) | set(new)):
+        if not config.keys.is_protected(key) or old.get(key) == new.get(key):
+            continue
+        action = "create" if key not in old else "remove" if key not in new else "change"
+        out.append(f"{key}: is a protected key: only {', '.join(config.allowed_identities)} "
+                   f"may {action} it, not {user or 'an anonymous user'}")
+    return out
+
+
+def _new_errors(new: PodRequest, old: PodRequest | None) -> list[str]:
+    seen = {error_text(e) for e in old.errors} if old is not None else set()
+    return [t for t in (error_text(e) for e in new.errors) if t not in seen]
+
+
+def _parse(obj: Any, config: AdmissionConfig, namespace: str) -> PodRequest | None:
+    if not isinstance(obj, Mapping):
+        return None
+    return parse_pod(view_from_pod_spec(obj.get("metadata") or {}, obj.get("spec") or {},
+                                        namespace=namespace), config.keys)
+
+
+def _modes(request: PodRequest | None) -> dict[str, ComputeMode]:
+    return {s.container: s.compute_mode for s in request.shares} if request else {}
+
+
+def _fixed_shares(old: PodRequest, new: PodRequest, config: AdmissionConfig) -> list[str]:
+    before, after = _modes(old), _modes(new)
+    out = []
+    for name in sorted(set(before) | set(after)):
+        if before.get(name) == after.get(name):
+            continue
+        if name in before and name in after:
+            out.append(f"{config.keys.container(name, k.COMPUTE_MODE)}: the compute mode is "
+                       "fixed once the pod exists (its env and mounts were wired from it); "
+                       "create a new pod to change it")
+        else:
+            out.append(f"{config.keys.container(name, k.MEMORY_REQUEST)}: whether container "
+                       f"{name!r} has a GPU fraction is fixed once the pod exists (the "
+                       "admission webhook wired its env and gate at creation); create a new "
+                       "pod instead")
+    return out
+
+
+def _containers(spec: Mapping[str, Any]) -> Iterator[tuple[str, int, Mapping[str, Any]]]:
+    for field in _CONTAINER_LISTS:
+        for i, c in enumerate(spec.get(field) or []):
+            if isinstance(c, Mapping):
+                yield field, i, c
+
+
+def _overlaps(a: str, b: str) -> bool:
+    a, b = posixpath.normpath(a), posixpath.normpath(b)
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def _integrity(spec: Mapping[str, Any], request: PodRequest, config: AdmissionConfig) -> list[str]:
+    """Only the gate reads the marker root, only the fractional container reaches the MPS
+    pipes, and no other volume of this pod opens a way to either directory."""
+    share = request.share
+    sm_container = (share.container if share is not None
+                    and share.compute_mode is ComputeMode.SM_SHARING else None)
+    out = []
+    for i, volume in enumerate(spec.get("volumes") or []):
+        if not isinstance(volume, Mapping) or not isinstance(volume.get("hostPath"), Mapping):
+            continue
+        path = str(volume["hostPath"].get("path") or "")
+        where = f"spec.volumes[{i}].hostPath.path"
+        for reserved, directory in ((MARKER_VOLUME, config.marker_host_dir),
+                                    (MPS_VOLUME, config.mps_pipe_host_dir)):
+            if volume.get("name") == reserved:
+                if posixpath.normpath(path or "/") != posixpath.normpath(directory):
+                    out.append(f"{where}: volume {reserved!r} must be the host directory "
+                               f"{directory!r}, not {path!r}")
+            elif path and _overlaps(path, directory):
+                out.append(f"{where}: {path!r} reaches the kai-fractions directory "
+                           f"{directory!r}; only the webhook's own volume {reserved!r} may")
+    for field, i, c in _containers(spec):
+        name = c.get("name")
+        for j, mount in enumerate(c.get("volumeMounts") or []):
+            if not isinstance(mount, Mapping):
+                continue
+            where = f"spec.{field}[{i}].volumeMounts[{j}]"
+            volume = mount.get("name")
+            if volume == MARKER_VOLUME:
+                is_gate = field == "initContainers" and name == GATE_CONTAINER
+                if not is_gate:
+                    out.append(f"{where}: only the {GATE_CONTAINER} init container may mount "
+                               f"{MARKER_VOLUME}")
+                elif mount.get("readOnly") is not True or mount.get(
+                        "subPathExpr") != f"$({paths.POD_UID_ENV})":
+                    out.append(f"{where}: {GATE_CONTAINER} must mount {MARKER_VOLUME} "
+                               f"read-only with subPathExpr $({paths.POD_UID_ENV})")
+            elif volume == MPS_VOLUME and (name != sm_container or field == "ephemeralContainers"):
+                out.append(f"{where}: only the sm-sharing container of this pod may mount "
+                           f"{MPS_VOLUME}")
+    return out
+
+
+def _validate_pod(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
+    obj, old_obj = request.get("object"), request.get("oldObject")
+    namespace = str(request.get("namespace") or "")
+    updating = request.get("operation") == "UPDATE"
+    forbidden = _protected_changes(annotations_of(old_obj) if updating else {},
+                                   annotations_of(obj), user_of(request), config)
+    new = _parse(obj, config, namespace)
+    if new is None:
+        return allow()
+    old = _parse(old_obj, config, namespace) if updating else None
+    invalid = _new_errors(new, old)
+    if old is not None:
+        invalid += _fixed_shares(old, new, config)
+    spec = obj.get("spec") or {}
+    carries_gate = any(c.get("name") == GATE_CONTAINER for f, _, c in _containers(spec)
+                       if f == "initContainers")
+    if new.share is not None or carries_gate:
+        forbidden += _integrity(spec, new, config)
+    warnings = tuple(str(w) for w in new.warnings)
+    if forbidden:
+        return deny("; ".join(forbidden + invalid), warnings=warnings)
+    if invalid:
+        return deny("; ".join(invalid), code=422, reason="Invalid", warnings=warnings)
+    return allow(warnings=warnings)
+
+
+def _validate_binding(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
+    # A Binding's annotations are copied onto the pod: the same keys are protected here.
+    problems = _protected_changes({}, annotations_of(request.get("object")),
+                                  user_of(request), config)
+    return deny("; ".join(problems)) if problems else allow()
+
+
+def _template_view(obj: Any) -> PodView | None:
+    return next(iter(pod_views(obj)), None) if isinstance(obj, Mapping) else None
+
+
+def _validate_workload(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
+    obj = request.get("object")
+    old_obj = request.get("oldObject") if request.get("operation") == "UPDATE" else None
+    namespace = str(request.get("namespace") or "")
+    if isinstance(obj, Mapping) and not (obj.get("metadata") or {}).get("namespace"):
+        obj = {**obj, "metadata": {**(obj.get("metadata") or {}), "namespace": namespace}}
+    view, old_view = _template_view(obj), _template_view(old_obj)
+    if view is None:
+        return allow()
+    old_annotations = dict(old_view.annotations) if old_view is not None else {}
+    problems = [f"{key}: a pod template may not carry a protected key; the binder writes it "
+                "on each pod after scheduling"
+                for key, value in sorted(view.annotations.items())
+                if config.keys.is_protected(key) and old_annotations.get(key) != value]
+    new = parse_pod(view, config.keys)
+    old = parse_pod(old_view, config.keys) if old_view is not None else None
+    problems += _new_errors(new, old)
+    warnings = tuple(str(w) for w in new.warnings)
+    if problems:
+        return deny("; ".join(problems), code=422, reason="Invalid", warnings=warnings)
+    return allow(warnings=warnings)
+
+
+def validate(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
+    """Review one AdmissionReview request for the validating webhook."""
+    try:
+        return _validate(request, config)
+    except ManifestError as e:
+        return manifest_denial(e)
+
+
+def _validate(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
+    if request.get("operation") not in ("CREATE", "UPDATE"):
+        return allow()  # DELETE and CONNECT change no annotation
+    kind = kind_of(request)
+    if kind == "Pod":  # the pod itself and its status, ephemeralcontainers, resize subresources
+        return _validate_pod(request, config)
+    if kind == "Binding":
+        return _validate_binding(request, config)
+    if kind in WORKLOAD_KINDS and not request.get("subResource"):
+        return _validate_workload(request, config)
+    return allow()

@@ -1,0 +1,152 @@
+"""The mutating webhook as a pure function: what it wires, what it replaces, idempotency."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import jsonpatch
+
+from kai_fractions.admission.config import AdmissionConfig
+from kai_fractions.admission.mutate import mutate
+from kai_fractions.contract import Keys
+
+from .reviews import CONFIG, SM, TS, pod, request
+
+
+def apply(obj: dict[str, Any], config: AdmissionConfig = CONFIG) -> dict[str, Any]:
+    decision = mutate(request(obj), config)
+    assert decision.allowed, decision.message
+    return jsonpatch.apply_patch(copy.deepcopy(obj), list(decision.patch))
+
+
+def names(items: list[dict[str, Any]]) -> list[str]:
+    return [i["name"] for i in items]
+
+
+def test_non_fractional_pods_are_never_touched() -> None:
+    obj = pod({}, containers=("a", "b"))
+    obj["spec"]["containers"][0]["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+    assert mutate(request(obj), CONFIG).patch == ()
+
+
+def test_updates_and_subresources_are_not_mutated() -> None:
+    assert mutate(request(pod(SM), old=pod(SM)), CONFIG).patch == ()
+    assert mutate(request(pod(SM), sub="status"), CONFIG).patch == ()
+    assert mutate(request({"kind": "Deployment"}, kind="Deployment"), CONFIG).patch == ()
+
+
+def test_an_invalid_pod_is_denied_here_too_with_the_contract_message() -> None:
+    d = mutate(request(pod({"nvidia.com/container.main.gpu-memory.request": "500m"})), CONFIG)
+    assert (d.allowed, d.code, d.message) == (False, 422, (
+        "nvidia.com/container.main.gpu-memory.request: GPU memory must be a whole number of "
+        "bytes (e.g. 500m is half a byte) (got '500m')"))
+
+
+def test_the_patch_touches_only_what_differs() -> None:
+    decision = mutate(request(pod(TS, containers=("main", "side"))), CONFIG)
+    assert [(op["op"], op["path"]) for op in decision.patch] == [
+        ("replace", "/spec/containers/0"), ("add", "/spec/initContainers"),
+        ("add", "/spec/volumes")]
+
+
+def test_enforced_env_comes_first_and_the_pods_own_values_are_gone() -> None:
+    obj = pod(SM)
+    obj["spec"]["containers"][0]["env"] = [
+        {"name": "A", "value": "1"},
+        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+        {"name": "SHOW", "value": "$(NVIDIA_VISIBLE_DEVICES)"},
+        {"name": "CUDA_MPS_PIPE_DIRECTORY", "valueFrom": {"configMapKeyRef": {
+            "name": "c", "key": "k"}}},
+    ]
+    env = apply(obj)["spec"]["containers"][0]["env"]
+    assert names(env) == ["NVIDIA_VISIBLE_DEVICES", "NVIDIA_GPU_MEMORY_REQUEST",
+                          "NVIDIA_GPU_MEMORY_LIMIT", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+                          "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PIPE_DIRECTORY",
+                          "A", "SHOW"]
+    assert all("valueFrom" in e and "fieldRef" in e["valueFrom"] for e in env[:6])
+
+
+def test_a_time_slicing_container_gets_no_mps_settings_even_if_it_set_them() -> None:
+    obj = pod(TS)
+    obj["spec"]["containers"][0]["env"] = [
+        {"name": "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "value": "100"}]
+    out = apply(obj)
+    assert names(out["spec"]["containers"][0]["env"]) == [
+        "NVIDIA_VISIBLE_DEVICES", "NVIDIA_GPU_MEMORY_REQUEST", "NVIDIA_GPU_MEMORY_LIMIT",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
+    assert "volumeMounts" not in out["spec"]["containers"][0]
+    assert names(out["spec"]["volumes"]) == ["kai-fractions-marker", "kai-fractions-podinfo"]
+
+
+def test_a_fractional_init_container_is_wired_and_the_gate_still_runs_first() -> None:
+    obj = pod({"nvidia.com/container.warmup.gpu-memory.request": "1Gi",
+               "nvidia.com/container.warmup.gpu-compute.mode": "sm-sharing"},
+              initContainers=[{"name": "warmup", "image": "img"}])
+    out = apply(obj)
+    gate, warmup = out["spec"]["initContainers"]
+    assert gate["name"] == "kai-fractions-gate"
+    assert gate["command"][-4:] == ["--containers", "main", "--init-containers", "warmup"]
+    assert warmup["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['nvidia.com/container.warmup.gpus.devices']")
+    assert warmup["volumeMounts"] == [{"name": "kai-fractions-mps",
+                                       "mountPath": "/run/kai-fractions/mps"}]
+
+
+def test_reserved_names_the_pod_brought_are_replaced() -> None:
+    obj = pod(SM, initContainers=[
+        {"name": "setup", "image": "img"},
+        {"name": "kai-fractions-gate", "image": "evil", "command": ["true"]},
+    ], volumes=[{"name": "kai-fractions-marker", "emptyDir": {}}])
+    obj["spec"]["containers"][0]["volumeMounts"] = [
+        {"name": "scratch", "mountPath": "/run/kai-fractions/mps"}]
+    out = apply(obj)
+    assert names(out["spec"]["initContainers"]) == ["kai-fractions-gate", "setup"]
+    assert out["spec"]["initContainers"][0]["image"] == CONFIG.gate_image
+    assert out["spec"]["volumes"][0]["hostPath"]["path"] == "/var/lib/kai-fractions/markers"
+    assert names(out["spec"]["volumes"]) == ["kai-fractions-marker", "kai-fractions-podinfo",
+                                             "kai-fractions-mps"]
+    assert out["spec"]["containers"][0]["volumeMounts"] == [
+        {"name": "kai-fractions-mps", "mountPath": "/run/kai-fractions/mps"}]
+
+
+def with_api_server_defaults(obj: dict[str, Any]) -> dict[str, Any]:
+    """What the API server adds when it stores the pod (a representative subset)."""
+    obj = copy.deepcopy(obj)
+    spec = obj["spec"]
+    spec.update(restartPolicy="Always", dnsPolicy="ClusterFirst", schedulerName="default",
+                terminationGracePeriodSeconds=30, securityContext={}, enableServiceLinks=True,
+                preemptionPolicy="PreemptLowerPriority", priority=0)
+    for c in spec["containers"] + spec["initContainers"]:
+        c.setdefault("imagePullPolicy", "IfNotPresent")
+        c.setdefault("terminationMessagePath", "/dev/termination-log")
+        c.setdefault("terminationMessagePolicy", "File")
+        c.setdefault("resources", {})
+    for v in spec["volumes"]:
+        if "hostPath" in v:
+            v["hostPath"].setdefault("type", "")
+    spec["volumes"].append({"name": "kube-api-access-x", "projected": {"sources": []}})
+    spec["containers"][0].setdefault("volumeMounts", []).append(
+        {"name": "kube-api-access-x", "mountPath": "/var/run/secrets/kubernetes.io"})
+    return obj
+
+
+def test_reinvocation_after_api_server_defaulting_changes_nothing() -> None:
+    for wanted in (SM, TS):
+        once = apply(pod(wanted, containers=("main", "side")))
+        stored = with_api_server_defaults(once)
+        assert mutate(request(stored), CONFIG).patch == ()
+
+
+def test_annotation_prefix_and_host_directories_follow_the_configuration() -> None:
+    config = AdmissionConfig(gate_image="img", keys=Keys(prefix="example.com/container."),
+                             marker_host_dir="/data/markers", mps_pipe_host_dir="/data/mps")
+    out = apply(pod({"example.com/container.main.gpu-memory.request": "1Gi",
+                     "example.com/container.main.gpu-compute.mode": "sm-sharing"}), config)
+    gate = out["spec"]["initContainers"][0]
+    assert gate["command"][gate["command"].index("--annotation-prefix") + 1] == (
+        "example.com/container.")
+    assert out["spec"]["containers"][0]["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['example.com/container.main.gpus.devices']")
+    assert [v.get("hostPath", {}).get("path") for v in out["spec"]["volumes"]] == [
+        "/data/markers", None, "/data/mps"]

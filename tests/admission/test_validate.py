@@ -1,0 +1,251 @@
+"""The validating webhook as a pure function: contract, protected keys, gate integrity."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import jsonpatch
+import pytest
+
+from kai_fractions.admission.config import AdmissionConfig
+from kai_fractions.admission.mutate import mutate
+from kai_fractions.admission.validate import validate
+
+from .reviews import BINDER, CONFIG, GPU, MIRROR, SM, TS, pod, request
+
+DEVICES = "nvidia.com/container.main.gpus.devices"
+PORTION = "nvidia.com/container.main.gpu-compute.portion"
+DERIVED = "kai-fractions.io/container.main.memory-limit-mib"
+IDS = f"{BINDER}, {MIRROR}"
+
+
+def mutated(obj: dict[str, Any]) -> dict[str, Any]:
+    decision = mutate(request(obj), CONFIG)
+    return jsonpatch.apply_patch(copy.deepcopy(obj), list(decision.patch))
+
+
+@pytest.mark.parametrize(("old", "new", "action"), [
+    ({}, {DEVICES: GPU}, "create"),
+    ({DEVICES: GPU}, {DEVICES: GPU + ",GPU-ff"}, "change"),
+    ({DEVICES: GPU}, {}, "remove"),
+])
+def test_protected_keys_are_the_binders_alone(old: dict, new: dict, action: str) -> None:
+    d = validate(request(pod({**TS, **new}), old=pod({**TS, **old})), CONFIG)
+    assert (d.allowed, d.code, d.message) == (False, 403, (
+        f"{DEVICES}: is a protected key: only {IDS} may {action} it, not alice"))
+    d = validate(request(pod({**TS, **new}), old=pod({**TS, **old}), user=BINDER), CONFIG)
+    assert d.allowed
+
+
+def test_every_protected_key_is_named_and_derived_keys_are_protected_too() -> None:
+    d = validate(request(pod({**TS, DEVICES: GPU, PORTION: "0.5", DERIVED: "99999"})), CONFIG)
+    assert d.message == "; ".join(
+        f"{key}: is a protected key: only {IDS} may create it, not alice"
+        for key in (DERIVED, PORTION, DEVICES))
+
+
+def test_unchanged_protected_keys_pass_for_anyone() -> None:
+    bound = {**TS, DEVICES: GPU, PORTION: "0.5"}
+    old = pod(bound)
+    new = pod(bound)
+    new["metadata"]["labels"] = {"team": "a"}
+    assert validate(request(new, old=old), CONFIG).allowed
+
+
+def test_the_allowed_identities_are_configurable() -> None:
+    config = AdmissionConfig(gate_image="img", allowed_identities=("system:serviceaccount:x:y",))
+    d = validate(request(pod({**TS, DEVICES: GPU}), user=BINDER), config)
+    assert d.message == (f"{DEVICES}: is a protected key: only system:serviceaccount:x:y may "
+                         f"create it, not {BINDER}")
+
+
+def test_an_anonymous_request_is_named_as_such() -> None:
+    req = request(pod({**TS, DEVICES: GPU}))
+    del req["userInfo"]
+    assert validate(req, CONFIG).message.endswith("may create it, not an anonymous user")
+
+
+def test_status_updates_cannot_smuggle_protected_keys() -> None:
+    """pods/status may change metadata.annotations: it is reviewed like the pod."""
+    d = validate(request(pod({**TS, DEVICES: GPU}), old=pod(TS), sub="status"), CONFIG)
+    assert not d.allowed and d.message.startswith(f"{DEVICES}: is a protected key")
+
+
+def test_a_binding_cannot_smuggle_protected_keys() -> None:
+    """A Binding's annotations are copied onto the pod."""
+    binding = {"apiVersion": "v1", "kind": "Binding",
+               "metadata": {"name": "p", "annotations": {DEVICES: GPU}},
+               "target": {"kind": "Node", "name": "n1"}}
+    d = validate(request(binding, kind="Binding", sub="binding"), CONFIG)
+    assert (d.allowed, d.message) == (False, (
+        f"{DEVICES}: is a protected key: only {IDS} may create it, not alice"))
+    assert validate(request(binding, kind="Binding", sub="binding", user=BINDER), CONFIG).allowed
+
+
+def test_an_update_is_judged_by_the_errors_it_introduces() -> None:
+    broken = pod({"nvidia.com/container.ghost.gpu-memory.request": "1Gi"})
+    relabelled = copy.deepcopy(broken)
+    relabelled["metadata"]["labels"] = {"x": "y"}
+    assert validate(request(relabelled, old=broken), CONFIG).allowed
+    worse = copy.deepcopy(broken)
+    worse["metadata"]["annotations"]["gpu-fraction"] = "2"
+    d = validate(request(worse, old=broken), CONFIG)
+    assert (d.allowed, d.code, d.message) == (False, 422, (
+        "gpu-fraction: must be a portion of one GPU, 0 < x < 1 (got '2')"))
+
+
+def test_delete_and_connect_are_allowed() -> None:
+    for op in ("DELETE", "CONNECT"):
+        req = request(pod({DEVICES: "junk"}))
+        req["operation"] = op
+        assert validate(req, CONFIG).allowed
+
+
+def test_the_compute_mode_is_fixed_once_the_pod_exists() -> None:
+    d = validate(request(pod(SM), old=pod(TS)), CONFIG)
+    assert d.message == ("nvidia.com/container.main.gpu-compute.mode: the compute mode is "
+                         "fixed once the pod exists (its env and mounts were wired from it); "
+                         "create a new pod to change it")
+
+
+def test_a_fraction_cannot_be_added_to_an_existing_pod() -> None:
+    d = validate(request(pod(TS), old=pod({})), CONFIG)
+    assert d.message == ("nvidia.com/container.main.gpu-memory.request: whether container "
+                         "'main' has a GPU fraction is fixed once the pod exists (the admission "
+                         "webhook wired its env and gate at creation); create a new pod instead")
+
+
+def test_contract_warnings_are_passed_on() -> None:
+    d = validate(request(pod({**TS, "kai.scheduler/gpu-compute-sharing-mode": "mps"})), CONFIG)
+    assert d.allowed
+    assert d.warnings == ("kai.scheduler/gpu-compute-sharing-mode: is ignored by KAI and by "
+                          "kai_fractions; set nvidia.com/container.<container>.gpu-compute.mode "
+                          "instead (got 'mps')",)
+
+
+def test_a_mutated_pod_passes() -> None:
+    assert validate(request(mutated(pod(SM, containers=("main", "side")))), CONFIG).allowed
+
+
+def test_only_the_gate_may_mount_the_marker_root() -> None:
+    obj = mutated(pod(SM, containers=("main", "side")))
+    obj["spec"]["containers"][1]["volumeMounts"] = [
+        {"name": "kai-fractions-marker", "mountPath": "/forge"}]
+    d = validate(request(obj), CONFIG)
+    assert (d.allowed, d.code, d.message) == (False, 403, (
+        "spec.containers[1].volumeMounts[0]: only the kai-fractions-gate init container may "
+        "mount kai-fractions-marker"))
+
+
+def test_the_gate_mounts_only_its_own_directory_read_only() -> None:
+    obj = mutated(pod(SM))
+    mount = obj["spec"]["initContainers"][0]["volumeMounts"][0]
+    mount["readOnly"] = False
+    d = validate(request(obj), CONFIG)
+    assert d.message == ("spec.initContainers[0].volumeMounts[0]: kai-fractions-gate must "
+                         "mount kai-fractions-marker read-only with subPathExpr $(POD_UID)")
+
+
+def test_only_the_sm_sharing_container_may_mount_the_mps_pipes() -> None:
+    obj = mutated(pod(SM, containers=("main", "side")))
+    obj["spec"]["containers"][1]["volumeMounts"] = [
+        {"name": "kai-fractions-mps", "mountPath": "/run/kai-fractions/mps"}]
+    d = validate(request(obj), CONFIG)
+    assert d.message == ("spec.containers[1].volumeMounts[0]: only the sm-sharing container "
+                         "of this pod may mount kai-fractions-mps")
+
+
+def test_an_ephemeral_container_may_not_mount_the_marker_root() -> None:
+    old = mutated(pod(SM))
+    new = copy.deepcopy(old)
+    new["spec"]["ephemeralContainers"] = [{"name": "debug", "image": "busybox", "volumeMounts": [
+        {"name": "kai-fractions-marker", "mountPath": "/m"}]}]
+    d = validate(request(new, old=old, sub="ephemeralcontainers"), CONFIG)
+    assert d.message == ("spec.ephemeralContainers[0].volumeMounts[0]: only the "
+                         "kai-fractions-gate init container may mount kai-fractions-marker")
+
+
+@pytest.mark.parametrize("path", ["/", "/var/lib", "/var/lib/kai-fractions/markers/",
+                                  "/var/lib/kai-fractions/markers/some-uid"])
+def test_no_other_host_path_may_reach_the_marker_root(path: str) -> None:
+    obj = mutated(pod(TS))
+    obj["spec"]["volumes"].append({"name": "host", "hostPath": {"path": path}})
+    d = validate(request(obj), CONFIG)
+    assert not d.allowed
+    assert d.message.startswith(
+        f"spec.volumes[2].hostPath.path: {path!r} reaches the kai-fractions directory "
+        "'/var/lib/kai-fractions/markers'; only the webhook's own volume "
+        "'kai-fractions-marker' may")
+
+
+def test_the_reserved_volumes_point_at_the_configured_directories() -> None:
+    obj = mutated(pod(TS))
+    obj["spec"]["volumes"][0]["hostPath"]["path"] = "/tmp"
+    d = validate(request(obj), CONFIG)
+    assert d.message == ("spec.volumes[0].hostPath.path: volume 'kai-fractions-marker' must be "
+                         "the host directory '/var/lib/kai-fractions/markers', not '/tmp'")
+
+
+def test_host_paths_elsewhere_and_non_fractional_pods_are_not_our_business() -> None:
+    obj = mutated(pod(TS))
+    obj["spec"]["volumes"].append({"name": "logs", "hostPath": {"path": "/var/log"}})
+    assert validate(request(obj), CONFIG).allowed
+    agent = pod({}, volumes=[{"name": "m", "hostPath": {"path": "/var/lib/kai-fractions"}}])
+    assert validate(request(agent), CONFIG).allowed  # e.g. the node agent's own pod
+
+
+def in_template(template: dict[str, Any]) -> dict[str, Any]:
+    return {"template": template}
+
+
+def in_job_template(template: dict[str, Any]) -> dict[str, Any]:
+    return {"jobTemplate": {"spec": {"template": template}}}
+
+
+@pytest.mark.parametrize(("kind", "group", "spec_of"), [
+    ("Deployment", "apps", in_template),
+    ("StatefulSet", "apps", in_template),
+    ("DaemonSet", "apps", in_template),
+    ("ReplicaSet", "apps", in_template),
+    ("Job", "batch", in_template),
+    ("CronJob", "batch", in_job_template),
+])
+def test_workload_templates_get_early_feedback(kind: str, group: str, spec_of: Any) -> None:
+    def workload(annotations: dict[str, str]) -> dict[str, Any]:
+        template = {"metadata": {"annotations": annotations},
+                    "spec": {"containers": [{"name": "main", "image": "img"}]}}
+        return {"apiVersion": f"{group}/v1", "kind": kind,
+                "metadata": {"name": "w", "namespace": "ns"}, "spec": spec_of(template)}
+
+    assert validate(request(workload(TS), kind=kind, group=group), CONFIG).allowed
+    d = validate(request(workload({"nvidia.com/container.main.gpu-memory.request": "0"}),
+                         kind=kind, group=group), CONFIG)
+    assert (d.allowed, d.code) == (False, 422)
+    assert d.message.startswith("nvidia.com/container.main.gpu-memory.request: ")
+    d = validate(request(workload({**TS, DEVICES: GPU}), kind=kind, group=group, user=BINDER),
+                 CONFIG)
+    assert d.message == (f"{DEVICES}: a pod template may not carry a protected key; the "
+                         "binder writes it on each pod after scheduling")
+
+
+def test_a_workload_that_already_carried_a_protected_key_can_still_be_updated() -> None:
+    template = {"metadata": {"annotations": {**TS, DEVICES: GPU}},
+                "spec": {"containers": [{"name": "main", "image": "img"}]}}
+    old = {"apiVersion": "apps/v1", "kind": "Deployment",
+           "metadata": {"name": "w", "namespace": "ns"}, "spec": {"template": template}}
+    new = copy.deepcopy(old)
+    new["metadata"]["finalizers"] = []
+    assert validate(request(new, old=old, kind="Deployment", group="apps"), CONFIG).allowed
+
+
+def test_a_malformed_object_is_a_bad_request_not_a_crash() -> None:
+    obj = pod(TS)
+    obj["metadata"]["annotations"] = ["not", "a", "map"]
+    d = validate(request(obj), CONFIG)
+    assert (d.allowed, d.code, d.reason) == (False, 400, "BadRequest")
+    assert d.message.startswith("metadata.annotations must be a mapping")
+
+
+def test_other_kinds_pass() -> None:
+    assert validate(request({"kind": "ConfigMap"}, kind="ConfigMap"), CONFIG).allowed
