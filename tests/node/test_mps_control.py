@@ -428,3 +428,20 @@ def test_every_reason_is_registered():
     err = MpsError("NamespaceBusy", "x")
     assert (err.reason, err.message, str(err)) == ("NamespaceBusy", "x", "x")
     assert err == MpsError("NamespaceBusy", "x")
+
+
+def test_protocol_probe_reads_help_whatever_its_exit_status():
+    runner = RecordingRunner().respond([BIN, "--help"], CommandResult(1, "", V3_HELP))
+    c = control(runner)
+    assert c.supports_protocol_v3() is True
+    assert runner.calls[0].env == ENV and runner.calls[0].stdin is None
+    runner = RecordingRunner(CommandNotFound([BIN], f"cannot execute {BIN}: No such file"))
+    with pytest.raises(MpsError) as exc:
+        control(runner).supports_protocol_v3()
+    assert exc.value.reason == "MpsBinaryNotFound"
+
+
+def test_quit_of_a_v3_daemon_uses_the_quit_option():
+    runner = RecordingRunner()
+    control(runner, protocol_v3=True).quit(timeout=3)
+    assert [(c.argv, c.stdin, c.timeout) for c in runner.calls] == [((BIN, "-q"), None, 3)]

@@ -219,7 +219,19 @@ class MpsControl:
         """Whether the binary has the v3 control protocol (cached). Its `--help` lists
         `-p, --protocol` from r615 on; the 535 binary's help does not mention it."""
         if self._protocol_v3 is None:
-            result = self._run([self.binary, "--help"], None, "--help", None)
+            argv = [self.binary, "--help"]
+            try:
+                # Any exit status: only the text matters (some tools exit non-zero on --help).
+                result = self.runner.run(argv, stdin=None, env=self.env, timeout=self.timeout)
+            except CommandTimeout as exc:
+                raise MpsError(e.COMMAND_FAILED,
+                               f"{self.binary} --help did not finish within "
+                               f"{self.timeout:g}s") from exc
+            except CommandNotFound as exc:
+                raise MpsError(
+                    e.MPS_BINARY_NOT_FOUND,
+                    f"{exc.message}; install the NVIDIA driver's nvidia-cuda-mps-control on the "
+                    "node or point --mps-control-binary at it") from exc
             self._protocol_v3 = bool(re.search(r"--protocol\b", result.stdout + result.stderr))
         return self._protocol_v3
 
@@ -329,8 +341,15 @@ class MpsControl:
         self._legacy(f"terminate_client {server_pid} {client_pid}")
 
     def quit(self, timeout: float | None = None) -> None:
-        """Stops the daemon and its servers; synchronous (returns when the daemon exited)."""
-        self._legacy("quit", timeout)
+        """Stops the daemon and its servers; synchronous (returns when the daemon exited).
+
+        Legacy: `quit` on stdin. A v3 daemon makes every client speak v3, which takes commands
+        from argv, so there the documented top-level `-q` is used instead."""
+        if self._protocol_v3:
+            result = self._run([self.binary, "-q"], None, "-q", timeout)
+            self._check(result.stdout, "-q")
+        else:
+            self._legacy("quit", timeout)
 
     # ------------------------------------------------------------------ v3 commands
 
