@@ -8,4 +8,5 @@ pytest_plugins = [
     "tests.support.fake_nvml",
     "tests.support.mps",
     "tests.support.kube",
+    "tests.support.mirror_kube",
 ]

@@ -1,0 +1,86 @@
+"""kai_fractions.v1.AllocationMirror over MirrorService: protobuf in, protobuf or a status out."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from ..api.v1 import allocation_pb2 as pb
+from ..api.v1 import allocation_pb2_grpc as pb_grpc
+from ..contract import ContractError
+from .errors import InvalidAllocation, MirrorError
+from .proto import allocation_from_proto, plan_to_proto
+from .service import MirrorService
+from .status import internal, to_status
+from .store import Deadline
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AllocationMirror"].full_name
+# Answer a little before the caller's deadline, so it gets our status rather than its own.
+DEADLINE_MARGIN_S = 0.05
+
+
+def deadline_of(context: grpc.ServicerContext) -> Deadline:
+    remaining = context.time_remaining()
+    return Deadline.after(None if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S))
+
+
+class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
+    def __init__(self, service: MirrorService) -> None:
+        self.service = service
+
+    def _run(self, context: grpc.ServicerContext, method: str, fn: Callable[[], T],
+             field_prefix: str = "allocation.") -> T:
+        try:
+            return fn()
+        except MirrorError as e:
+            status = to_status(e, field_prefix=field_prefix)
+            log.info("%s refused: %s: %s", method, status.code.name, status.details)
+            context.abort_with_status(status)
+        except Exception:
+            # The trace stays in our log; the caller gets a status it can act on.
+            log.exception("%s failed unexpectedly", method)
+            context.abort_with_status(internal(f"{method}: internal error in the mirror; "
+                                               "see its log"))
+        raise AssertionError("unreachable")  # abort_with_status raises
+
+    def MirrorAllocation(self, request: pb.MirrorAllocationRequest,
+                         context: grpc.ServicerContext) -> pb.MirrorAllocationResponse:
+        def run() -> pb.MirrorAllocationResponse:
+            result = self.service.mirror(
+                allocation_from_proto(request.allocation),
+                idempotency_key=request.idempotency_key, replace=request.replace,
+                deadline=deadline_of(context))
+            return pb.MirrorAllocationResponse(
+                annotations=dict(result.annotations), changed=result.changed,
+                resource_version=result.resource_version,
+                containers=[plan_to_proto(p) for p in result.plans])
+        return self._run(context, "MirrorAllocation", run)
+
+    def PreviewAllocation(self, request: pb.PreviewAllocationRequest,
+                          context: grpc.ServicerContext) -> pb.PreviewAllocationResponse:
+        def run() -> pb.PreviewAllocationResponse:
+            result = self.service.preview(allocation_from_proto(request.allocation),
+                                          deadline=deadline_of(context))
+            return pb.PreviewAllocationResponse(
+                annotations=dict(result.annotations),
+                containers=[plan_to_proto(p) for p in result.plans])
+        return self._run(context, "PreviewAllocation", run)
+
+    def ReleaseAllocation(self, request: pb.ReleaseAllocationRequest,
+                          context: grpc.ServicerContext) -> pb.ReleaseAllocationResponse:
+        def run() -> pb.ReleaseAllocationResponse:
+            missing = [ContractError(f"pod.{f}", "is required")
+                       for f in ("namespace", "name") if not getattr(request.pod, f)]
+            if missing:
+                raise InvalidAllocation(missing)
+            result = self.service.release(request.pod.namespace, request.pod.name,
+                                          request.pod.uid, deadline=deadline_of(context))
+            return pb.ReleaseAllocationResponse(removed_keys=list(result.removed_keys),
+                                                changed=result.changed)
+        return self._run(context, "ReleaseAllocation", run, field_prefix="")

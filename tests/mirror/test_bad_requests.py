@@ -1,0 +1,121 @@
+"""Bad requests are INVALID_ARGUMENT with google.rpc.BadRequest field violations naming the
+field, and the API server receives no PATCH."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kai_fractions.api.v1 import allocation_pb2 as pb
+
+from .requests import GPU_A, GPU_B, SM, TS, allocation, bad_request_fields, mirror_request
+
+pytestmark = pytest.mark.integration
+
+NS, NAME = "team-a", "train-0"
+SM_POD = {"gpu-fraction": "0.5", "nvidia.com/container.trainer.gpu-compute.mode": "sm-sharing"}
+
+
+def refused(mirror, request) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        mirror.stub.MirrorAllocation(request, timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert mirror.patches(NS, NAME) == 0
+    return e.value
+
+
+def test_negative_portion(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    error = refused(mirror_tcp, mirror_request(allocation(pod, portion="-0.5")))
+    assert bad_request_fields(error) == [(
+        "allocation.received_gpu.portion", "must be a portion of one GPU, 0 < x <= 1 "
+        "(got '-0.5')")]
+    assert error.details() == ("allocation.received_gpu.portion: must be a portion of one GPU, "
+                               "0 < x <= 1 (got '-0.5')")
+
+
+def test_unparsable_portion(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    error = refused(mirror_tcp, mirror_request(allocation(pod, portion="half")))
+    assert bad_request_fields(error) == [(
+        "allocation.received_gpu.portion", "must be a finite decimal number such as 0.5 "
+        "(no NaN, Inf or hex) (got 'half')")]
+
+
+def test_unknown_container(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    error = refused(mirror_tcp, mirror_request(allocation(pod, container="worker")))
+    assert bad_request_fields(error) == [(
+        "allocation.container_name", "names container 'worker', which is not in pod "
+        "team-a/train-0 (containers: trainer) (got 'worker')")]
+
+
+def test_mode_mix_in_one_allocation(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {**SM_POD, "gpu-fraction-num-devices": "2"})
+    error = refused(mirror_tcp, mirror_request(allocation(pod, modes=(SM, TS),
+                                                          gpus=(GPU_A, GPU_B))))
+    assert bad_request_fields(error) == [(
+        "allocation.selected_fractional_gpu_groups[1].compute_sharing_mode",
+        "is time-slicing but container 'trainer' asks for sm-sharing; one GPU runs one compute "
+        "mode (got 'time-slicing')")]
+
+
+def test_missing_node_memory_label(mirror_tcp):
+    mirror_tcp.create_node("gpu-node-1", None)
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    error = refused(mirror_tcp, mirror_request(allocation(pod, memory=0)))
+    assert bad_request_fields(error) == [(
+        "allocation.node_gpu_memory_mib", "unknown: the node has no nvidia.com/gpu.memory label "
+        "(GPU feature discovery publishes it); it is needed for all GPU memory arithmetic "
+        "(got '0')")]
+
+
+def test_unknown_node(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    error = refused(mirror_tcp, mirror_request(allocation(pod, memory=0, node="nowhere")))
+    assert bad_request_fields(error) == [(
+        "allocation.selected_node", "names a node that does not exist (got 'nowhere')")]
+
+
+def test_broken_pod_annotation_is_named_by_key(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "NaN"})
+    error = refused(mirror_tcp, mirror_request(allocation(pod)))
+    assert bad_request_fields(error) == [(
+        'pod.metadata.annotations["gpu-fraction"]', "must be a finite decimal number such as "
+        "0.5 (no NaN, Inf or hex) (got 'NaN')")]
+
+
+def test_several_errors_at_once(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    alloc = allocation(pod, portion="x", memory=-1)
+    alloc.received_resource_type = pb.RECEIVED_RESOURCE_TYPE_FRACTION
+    error = refused(mirror_tcp, mirror_request(alloc, key="bad\tkey"))
+    assert [f for f, _ in bad_request_fields(error)] == ["idempotency_key"]
+    error = refused(mirror_tcp, mirror_request(alloc))
+    assert [f for f, _ in bad_request_fields(error)] == [
+        "allocation.received_gpu.portion", "allocation.node_gpu_memory_mib"]
+
+
+def test_missing_resource_type_and_pod(mirror_tcp):
+    error = refused(mirror_tcp, mirror_request(pb.Allocation()))
+    assert bad_request_fields(error) == [
+        ("allocation.pod.namespace", "is required"),
+        ("allocation.pod.name", "is required"),
+        ("allocation.received_resource_type", "is required: Fraction or Regular")]
+
+
+def test_release_without_pod_name(mirror_tcp):
+    with pytest.raises(grpc.RpcError) as e:
+        mirror_tcp.stub.ReleaseAllocation(pb.ReleaseAllocationRequest(
+            pod=pb.PodRef(namespace=NS)), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(e.value) == [("pod.name", "is required")]
+
+
+def test_preview_validates_the_same_way(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    with pytest.raises(grpc.RpcError) as e:
+        mirror_tcp.stub.PreviewAllocation(pb.PreviewAllocationRequest(
+            allocation=allocation(pod, portion="2")), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [f for f, _ in bad_request_fields(e.value)] == ["allocation.received_gpu.portion"]

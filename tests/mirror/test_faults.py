@@ -1,0 +1,208 @@
+"""Faults between the mirror and the API server: conflicts, throttling, 5xx, an unreachable API,
+pods deleted or recreated, duplicates, deadlines. Counted in PATCH requests kmock received."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from kubernetes import client as k8s
+
+from kai_fractions.api.v1 import allocation_pb2 as pb
+from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
+from kai_fractions.mirror.kube_store import KubePodStore
+from kai_fractions.mirror.record import MIRRORED_ANNOTATION
+from kai_fractions.mirror.retry import Backoff
+from kai_fractions.mirror.server import MirrorServer, ServerOptions
+from kai_fractions.mirror.service import MirrorService
+from tests.support.mirror_kube import pod_path
+
+from .requests import allocation, detail, mirror_request
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
+
+NS, NAME = "team-a", "train-0"
+PATH = pod_path(NS, NAME)
+
+
+def test_conflict_then_success_rereads_and_writes_once(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    fault = mirror_tcp.kube.fail("PATCH", PATH, 409, times=1)
+    response = mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod)), timeout=10)
+    assert response.changed
+    assert fault.hits == 1
+    assert mirror_tcp.patches(NS, NAME) == 2  # the refused one and the one that landed
+    assert mirror_tcp.kube.count("GET", PATH) == 2  # read, conflict, read again
+    assert MIRRORED_ANNOTATION in mirror_tcp.annotations(NS, NAME)
+
+
+def test_a_real_resource_version_conflict_is_recomputed(mirror_tcp):
+    """Another writer changes the pod between our read and our write: the server refuses the
+    stale resourceVersion (409) and the mirror recomputes from the new pod."""
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    original = mirror_tcp.store.get_pod
+    raced = []
+
+    def get_then_race(namespace, name, deadline):
+        snapshot = original(namespace, name, deadline)
+        if not raced:
+            raced.append(True)
+            mirror_tcp.kube.core.patch_namespaced_pod(
+                name, namespace, {"metadata": {"labels": {"touched": "yes"}}})
+        return snapshot
+
+    mirror_tcp.store.get_pod = get_then_race
+    response = mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod)), timeout=10)
+    assert response.changed
+    after = mirror_tcp.pod(NS, NAME)
+    assert after["metadata"]["labels"] == {"touched": "yes"}
+    assert MIRRORED_ANNOTATION in after["metadata"]["annotations"]
+    assert mirror_tcp.patches(NS, NAME) == 3  # the other writer's, our refused one, ours
+
+
+@pytest.mark.parametrize("status", [500, 429, 503])
+def test_server_errors_then_success(mirror_tcp, status):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    mirror_tcp.kube.fail("PATCH", PATH, status, times=1)
+    response = mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod)), timeout=10)
+    assert response.changed
+    assert mirror_tcp.patches(NS, NAME) == 2
+    assert MIRRORED_ANNOTATION in mirror_tcp.annotations(NS, NAME)
+
+
+def test_read_errors_then_success(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    mirror_tcp.kube.fail("GET", PATH, 500, times=2)
+    response = mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod)), timeout=10)
+    assert response.changed
+    assert mirror_tcp.patches(NS, NAME) == 1
+
+
+def test_api_that_keeps_failing_is_unavailable_and_nothing_is_written(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    mirror_tcp.kube.fail("PATCH", PATH, 503, times=None)
+    with pytest.raises(grpc.RpcError) as e:
+        mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod)), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert e.value.details().startswith(
+        "patch pod team-a/train-0: the Kubernetes API failed 3 time(s), last: 503 "
+        "ServiceUnavailable: injected 503")
+    assert detail(e.value, error_details_pb2.RetryInfo).retry_delay.seconds == 1
+    assert MIRRORED_ANNOTATION not in mirror_tcp.annotations(NS, NAME)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_api_down_is_unavailable_and_nothing_is_written(kube):
+    """The API server cannot be reached at all (connection refused)."""
+    configuration = k8s.Configuration(host=f"http://127.0.0.1:{_closed_port()}")
+    configuration.retries = False
+    store = KubePodStore(k8s.ApiClient(configuration),
+                         backoff=Backoff(attempts=3, base=0.01, cap=0.02))
+    server = MirrorServer(MirrorService(store), ServerOptions(listen="127.0.0.1:0")).start()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            pod = {"metadata": {"namespace": NS, "name": NAME, "uid": "u-1"}}
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.AllocationMirrorStub(channel).MirrorAllocation(
+                    mirror_request(allocation(pod)), timeout=10)
+    finally:
+        server.stop(grace=0)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert e.value.details().startswith("read pod team-a/train-0: the Kubernetes API failed 3 "
+                                        "time(s), last: ")
+    assert kube.count("PATCH") == 0
+
+
+def test_deleted_pod_is_not_found(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    mirror_tcp.kube.core.delete_namespaced_pod(NAME, NS)
+    with pytest.raises(grpc.RpcError) as e:
+        mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod)), timeout=10)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert e.value.details() == "pod team-a/train-0 not found"
+    info = detail(e.value, error_details_pb2.ResourceInfo)
+    assert (info.resource_type, info.resource_name) == ("Pod", "team-a/train-0")
+    with pytest.raises(grpc.RpcError) as e:
+        mirror_tcp.stub.ReleaseAllocation(pb.ReleaseAllocationRequest(pod=pb.PodRef(
+            namespace=NS, name=NAME)), timeout=10)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert mirror_tcp.patches(NS, NAME) == 0
+
+
+def test_recreated_pod_with_another_uid_is_refused_as_not_found(mirror_tcp):
+    old = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    mirror_tcp.kube.core.delete_namespaced_pod(NAME, NS)
+    new = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    with pytest.raises(grpc.RpcError) as e:
+        mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(old)), timeout=10)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    old_uid, new_uid = old["metadata"]["uid"], new["metadata"]["uid"]
+    assert e.value.details() == (
+        f"pod team-a/train-0 has uid {new_uid}, not {old_uid}: the pod the decision was made "
+        "for was deleted and recreated; nothing was written")
+    info = detail(e.value, error_details_pb2.ErrorInfo)
+    assert (info.reason, info.domain, dict(info.metadata)) == (
+        "POD_REPLACED", "kai-fractions.io", {"expected_uid": old_uid, "actual_uid": new_uid})
+    assert mirror_tcp.patches(NS, NAME) == 0
+    assert mirror_tcp.annotations(NS, NAME) == {"gpu-fraction": "0.5"}
+
+
+def test_duplicate_calls_write_once(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    request = mirror_request(allocation(pod), key="bind/1")
+    first = mirror_tcp.stub.MirrorAllocation(request, timeout=10)
+    second = mirror_tcp.stub.MirrorAllocation(request, timeout=10)
+    without_key = mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod)), timeout=10)
+    assert (first.changed, second.changed, without_key.changed) == (True, False, False)
+    assert second.annotations == first.annotations
+    assert second.resource_version == first.resource_version
+    assert mirror_tcp.patches(NS, NAME) == 1
+
+
+def test_concurrent_duplicates_write_once(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    request = mirror_request(allocation(pod), key="bind/1")
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(
+        mirror_tcp.stub.MirrorAllocation(request, timeout=10).changed)) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [False] * 5 + [True]
+    assert mirror_tcp.patches(NS, NAME) == 1
+
+
+def test_conflicting_decision_is_failed_precondition(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod), key="a"), timeout=10)
+    with pytest.raises(grpc.RpcError) as e:
+        mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod, portion="0.25"),
+                                                        key="b"), timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    violation = detail(e.value, error_details_pb2.PreconditionFailure).violations[0]
+    assert (violation.type, violation.subject) == ("ALLOCATION_CONFLICT", "team-a/train-0")
+    assert mirror_tcp.patches(NS, NAME) == 1
+
+
+def test_deadline_is_respected_in_the_retry_loop(mirror_factory):
+    slow = mirror_factory(store_backoff=Backoff(attempts=50, base=0.2, cap=0.2, jitter=0))
+    pod = slow.create_pod(NAME, {"gpu-fraction": "0.5"})
+    slow.kube.fail("GET", PATH, 503, times=None)
+    with pytest.raises(grpc.RpcError) as e:
+        slow.stub.MirrorAllocation(mirror_request(allocation(pod)), timeout=0.6)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # Normally the mirror's own answer; the client's if the machine is too busy to beat it.
+    assert e.value.details().startswith(
+        "read pod team-a/train-0: the caller's deadline ran out") or \
+        e.value.details() == "Deadline Exceeded"
+    assert slow.kube.count("GET", PATH) < 50
+    assert slow.patches(NS, NAME) == 0

@@ -1,0 +1,160 @@
+"""The real AllocationMirror gRPC server (loopback TCP and a unix socket) writing through the
+real `kubernetes` client into kmock: mirror, preview and release, with the exact annotations
+left on the pod afterwards."""
+
+from __future__ import annotations
+
+import pytest
+
+from kai_fractions.api.v1 import allocation_pb2 as pb
+from kai_fractions.contract import mps_namespace_name
+from kai_fractions.mirror.record import MIRRORED_ANNOTATION
+
+from .requests import (
+    GPU_A,
+    GPU_B,
+    SM,
+    TS,
+    allocation,
+    expected_record,
+    mirror_request,
+    node_plan,
+    record,
+)
+
+pytestmark = pytest.mark.integration
+
+T = "nvidia.com/container.trainer"
+D = "kai-fractions.io/container.trainer"
+
+CASES = {
+    "single-gpu": (
+        {"gpu-fraction": "0.5"}, ("trainer",), {},
+        {f"{T}.gpu-memory.request": "20480Mi", f"{T}.gpus.devices": GPU_A,
+         f"{T}.gpu-compute.portion": "0.5", "received-resource-type": "Fraction",
+         f"{D}.memory-request-mib": "20480", f"{D}.memory-limit-mib": "20480",
+         f"{D}.mps-pinned-mem-limit": "0=20480M"}),
+    "multi-device": (
+        {"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}, ("trainer",),
+        {"modes": (TS, TS), "gpus": (GPU_A, GPU_B)},
+        {f"{T}.gpu-memory.request": "20480Mi", f"{T}.gpus.devices": f"{GPU_A},{GPU_B}",
+         f"{T}.gpu-compute.portion": "0.5", "received-resource-type": "Fraction",
+         f"{D}.memory-request-mib": "20480", f"{D}.memory-limit-mib": "20480",
+         f"{D}.mps-pinned-mem-limit": "0=20480M,1=20480M"}),
+    "sm-sharing": (
+        {"gpu-fraction": "0.5", f"{T}.gpu-compute.mode": "sm-sharing"}, ("trainer",),
+        {"modes": (SM,), "reserve": 1024},
+        {f"{T}.gpu-memory.request": "19968Mi", f"{T}.gpus.devices": GPU_A,
+         f"{T}.gpu-compute.portion": "0.5", "received-resource-type": "Fraction",
+         f"{D}.memory-request-mib": "19968", f"{D}.memory-limit-mib": "19968",
+         f"{D}.mps-pinned-mem-limit": "0=19968M", f"{D}.mps-active-thread-percentage": "50",
+         f"{D}.mps-pipe-directory": "/run/kai-fractions/mps/shared/<ns>"}),
+    "cdi-names": (
+        {"gpu-fraction": "0.5"}, ("trainer",), {"cdi": True},
+        {f"{T}.gpu-memory.request": "20480Mi",
+         f"{T}.gpus.devices": f"k8s.device-plugin.nvidia.com/gpu={GPU_A}",
+         f"{T}.gpu-compute.portion": "0.5", "received-resource-type": "Fraction",
+         f"{D}.memory-request-mib": "20480", f"{D}.memory-limit-mib": "20480",
+         f"{D}.mps-pinned-mem-limit": "0=20480M"}),
+    "legacy-gpu-fraction": (
+        {"gpu-fraction": "0.25", "gpu-fraction.limit": "0.5",
+         "gpu-fraction-container-name": "trainer"}, ("sidecar", "trainer"),
+        {"portion": "0.25", "memory": 0},  # node memory from the node's label (16384)
+        {f"{T}.gpu-memory.request": "4096Mi", f"{T}.gpu-memory.limit": "8192Mi",
+         f"{T}.gpus.devices": GPU_A, f"{T}.gpu-compute.portion": "0.25",
+         "received-resource-type": "Fraction",
+         f"{D}.memory-request-mib": "4096", f"{D}.memory-limit-mib": "8192",
+         f"{D}.mps-pinned-mem-limit": "0=8192M"}),
+    "user-request-kept": (
+        {f"{T}.gpu-memory.request": "8Gi", f"{T}.gpu-memory.limit": "12Gi"}, ("trainer",),
+        {"portion": "0.25"},
+        {f"{T}.gpus.devices": GPU_A, f"{T}.gpu-compute.portion": "0.25",
+         "received-resource-type": "Fraction",
+         f"{D}.memory-request-mib": "8192", f"{D}.memory-limit-mib": "12288",
+         f"{D}.mps-pinned-mem-limit": "0=12288M"}),
+}
+
+
+def owned_annotations(expected: dict[str, str], pod: dict) -> dict[str, str]:
+    """The case's literal values plus the two that hang on the pod's random uid."""
+    out = dict(expected)
+    pipe = f"{D}.mps-pipe-directory"
+    if pipe in out:
+        out[pipe] = "/run/kai-fractions/mps/shared/" + mps_namespace_name(
+            pod["metadata"]["uid"], "trainer")
+    out[f"{D}.plan-digest"] = node_plan(pod).digest
+    return dict(sorted(out.items()))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mirror_preview_release(mirror, case):
+    user, containers, kwargs, expected = CASES[case]
+    mirror.create_node("gpu-node-1", "16384")
+    pod = mirror.create_pod("train-0", user, containers=containers)
+    alloc = allocation(pod, **kwargs)
+
+    preview = mirror.stub.PreviewAllocation(pb.PreviewAllocationRequest(allocation=alloc),
+                                            timeout=10)
+    assert mirror.patches("team-a", "train-0") == 0
+
+    response = mirror.stub.MirrorAllocation(mirror_request(alloc, key=f"{case}/1"), timeout=10)
+    after = mirror.pod("team-a", "train-0")
+    owned = owned_annotations(expected, after)
+    assert dict(response.annotations) == owned
+    assert dict(preview.annotations) == owned
+    assert response.changed is True
+    assert response.resource_version == after["metadata"]["resourceVersion"]
+    assert mirror.annotations("team-a", "train-0") == {
+        **user, **owned, MIRRORED_ANNOTATION: after["metadata"]["annotations"][
+            MIRRORED_ANNOTATION]}
+    assert record(after) == expected_record(after, owned, key=f"{case}/1")
+    assert mirror.patches("team-a", "train-0") == 1
+    assert [c.container for c in response.containers] == ["trainer"]
+    assert response.containers == preview.containers
+
+    released = mirror.stub.ReleaseAllocation(pb.ReleaseAllocationRequest(
+        pod=alloc.pod, idempotency_key=f"{case}/rollback"), timeout=10)
+    assert released.changed is True
+    assert list(released.removed_keys) == sorted([*owned, MIRRORED_ANNOTATION])
+    assert mirror.annotations("team-a", "train-0") == user
+    again = mirror.stub.ReleaseAllocation(pb.ReleaseAllocationRequest(pod=alloc.pod), timeout=10)
+    assert (again.changed, list(again.removed_keys)) == (False, [])
+    assert mirror.patches("team-a", "train-0") == 2
+
+
+def test_container_plan_in_the_response(mirror_tcp):
+    pod = mirror_tcp.create_pod("train-0", {"gpu-fraction": "0.5",
+                                            f"{T}.gpu-compute.mode": "sm-sharing"})
+    response = mirror_tcp.stub.MirrorAllocation(
+        mirror_request(allocation(pod, modes=(SM,), reserve=1024)), timeout=10)
+    pipe = "/run/kai-fractions/mps/shared/" + mps_namespace_name(pod["metadata"]["uid"],
+                                                                  "trainer")
+    assert list(response.containers) == [pb.ContainerPlan(
+        container="trainer",
+        env={"NVIDIA_VISIBLE_DEVICES": GPU_A, "NVIDIA_GPU_MEMORY_REQUEST": "19968",
+             "NVIDIA_GPU_MEMORY_LIMIT": "19968", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=19968M",
+             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50", "CUDA_MPS_PIPE_DIRECTORY": pipe},
+        memory_request_bytes=19968 << 20, memory_limit_bytes=19968 << 20,
+        compute_sharing_mode=SM, active_thread_percentage=50, devices=[GPU_A])]
+
+
+def test_rebind_with_replace_recomputes_what_the_mirror_wrote(mirror_tcp):
+    pod = mirror_tcp.create_pod("train-0", {"gpu-fraction": "0.5"})
+    mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod), key="a1"), timeout=10)
+    response = mirror_tcp.stub.MirrorAllocation(mirror_request(
+        allocation(pod, portion="0.25", gpus=(GPU_B,)), key="a2", replace=True), timeout=10)
+    assert response.changed
+    now = mirror_tcp.annotations("team-a", "train-0")
+    assert now[f"{T}.gpu-memory.request"] == "10240Mi"
+    assert now[f"{T}.gpus.devices"] == GPU_B
+    assert now[f"{D}.memory-limit-mib"] == "10240"
+    assert record(mirror_tcp.pod("team-a", "train-0"))["idempotencyKey"] == "a2"
+
+
+def test_health_and_reflection_are_served(mirror):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(mirror.channel)
+    for service in ("", "kai_fractions.v1.AllocationMirror"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING

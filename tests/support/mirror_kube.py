@@ -1,0 +1,189 @@
+"""The mirror's test harness: kmock (``kube``) with the reactions the mirror relies on, plus the
+real AllocationMirror gRPC server on loopback TCP or a unix socket, with fast retries.
+
+Reactions added to the ``kube`` emulator (kmock ignores selectors and knows no CRDs):
+
+* pod lists honour an equality ``labelSelector`` (``runai-gpu-group=<id>``), as the follower's
+  reservation-pod lookup expects of a real API server;
+* ``bindrequests.scheduling.run.ai/v1alpha2`` is a known namespaced resource (list + watch).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import kmock
+import pytest
+
+from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
+from kai_fractions.mirror.kube_store import KubePodStore
+from kai_fractions.mirror.retry import Backoff
+from kai_fractions.mirror.server import MirrorServer, ServerOptions
+from kai_fractions.mirror.service import MirrorService
+from tests.support.kube import KubeServer
+
+PODS = kmock.resource("", "v1", "pods")
+NODES = kmock.resource("", "v1", "nodes")
+EVENTS = kmock.resource("", "v1", "events")
+BINDREQUESTS = kmock.resource("scheduling.run.ai", "v1alpha2", "bindrequests")
+FAST_STORE_BACKOFF = Backoff(attempts=3, base=0.01, cap=0.05)
+FAST_CONFLICT_BACKOFF = Backoff(attempts=4, base=0.01, cap=0.05)
+
+
+def _selector(text: str | None) -> dict[str, str]:
+    if not text:
+        return {}
+    pairs = (part.split("=", 1) for part in text.split(",") if part)
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def honour_label_selectors(kube: KubeServer) -> None:
+    emulator = kube.emulator
+
+    def selected(request: kmock.Request) -> dict[str, Any]:
+        want = _selector(request.params.get("labelSelector"))
+        items = [
+            obj.raw for (resource, namespace, _), obj in list(emulator.objects.items())
+            if resource == PODS and not obj.deleted
+            and (request.namespace is None or namespace == request.namespace)
+            and all((obj.raw["metadata"].get("labels") or {}).get(k) == v
+                    for k, v in want.items())
+        ]
+        return {"apiVersion": "v1", "kind": "PodList",
+                "metadata": {"resourceVersion": str(emulator.revision)}, "items": items}
+
+    emulator[kmock.action.LIST, PODS] << selected
+
+
+def register_bindrequests(kube: KubeServer) -> None:
+    kube.emulator.resources["scheduling.run.ai/v1alpha2/bindrequests"] = kmock.ResourceInfo(
+        namespaced=True, kind="BindRequest", singular="bindrequest",
+        verbs={"list", "watch", "get", "create", "patch", "delete"})
+
+
+def pod_path(namespace: str, name: str) -> str:
+    return f"/api/v1/namespaces/{namespace}/pods/{name}"
+
+
+@dataclass
+class MirrorHarness:
+    kube: KubeServer
+    store: KubePodStore
+    service: MirrorService
+    server: MirrorServer
+    channel: grpc.Channel
+    stub: pb_grpc.AllocationMirrorStub
+    cleanups: list[Callable[[], None]] = field(default_factory=list)
+
+    # -- cluster helpers ----------------------------------------------------------------------
+    def create_pod(self, name: str, annotations: dict[str, str] | None = None, *,
+                   namespace: str = "team-a", containers: tuple[str, ...] = ("trainer",),
+                   labels: dict[str, str] | None = None) -> dict[str, Any]:
+        body = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace,
+                         "annotations": dict(annotations or {}), "labels": dict(labels or {})},
+            "spec": {"containers": [{"name": c, "image": "registry.invalid/app:1"}
+                                    for c in containers]},
+        }
+        self.kube.core.create_namespaced_pod(namespace, body)
+        return self.pod(namespace, name)
+
+    def create_node(self, name: str, gpu_memory_mib: str | None) -> None:
+        labels = {} if gpu_memory_mib is None else {"nvidia.com/gpu.memory": gpu_memory_mib}
+        self.kube.core.create_node({"apiVersion": "v1", "kind": "Node",
+                                    "metadata": {"name": name, "labels": labels}})
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any]:
+        obj = self.kube.get_object(PODS, namespace, name)
+        assert obj is not None, f"pod {namespace}/{name} is not in kmock"
+        return obj
+
+    def annotations(self, namespace: str, name: str) -> dict[str, str]:
+        return dict(self.pod(namespace, name)["metadata"].get("annotations") or {})
+
+    def patches(self, namespace: str, name: str) -> int:
+        """PATCH requests the API server received for the pod (refused ones included)."""
+        return self.kube.count("PATCH", pod_path(namespace, name))
+
+
+def start_mirror(kube: KubeServer, *, transport: str = "tcp", **options: Any) -> MirrorHarness:
+    honour_label_selectors(kube)
+    store = KubePodStore(kube.api_client, backoff=options.pop("store_backoff",
+                                                                FAST_STORE_BACKOFF),
+                         request_timeout=options.pop("request_timeout", 5.0))
+    service = MirrorService(store, conflict_backoff=FAST_CONFLICT_BACKOFF,
+                            default_reserve_mib=options.pop("default_reserve_mib", 0))
+    cleanups: list[Callable[[], None]] = []
+    if transport == "unix":
+        # A short directory: a unix socket path must fit in 107 bytes.
+        directory = tempfile.mkdtemp(prefix="kfm-")
+        cleanups.append(lambda: shutil.rmtree(directory, ignore_errors=True))
+        listen = f"unix://{directory}/mirror.sock"
+    else:
+        listen = "127.0.0.1:0"
+    credentials = options.pop("channel_credentials", None)
+    server = MirrorServer(service, ServerOptions(listen=listen, **options)).start()
+    if credentials is not None:
+        channel = grpc.secure_channel(server.address, credentials, options=(
+            ("grpc.ssl_target_name_override", "localhost"),))
+    else:
+        channel = grpc.insecure_channel(server.address)
+    return MirrorHarness(kube, store, service, server, channel,
+                         pb_grpc.AllocationMirrorStub(channel), cleanups)
+
+
+def stop_mirror(harness: MirrorHarness) -> None:
+    harness.channel.close()
+    harness.server.stop(grace=0)
+    for cleanup in harness.cleanups:
+        cleanup()
+
+
+@pytest.fixture
+def mirror_factory(kube: KubeServer) -> Iterator[Callable[..., MirrorHarness]]:
+    """``mirror_factory(transport="tcp"|"unix", tls_cert=..., token_file=..., ...)``: starts a
+    mirror server against ``kube``; every one started is stopped after the test."""
+    started: list[MirrorHarness] = []
+
+    def factory(**options: Any) -> MirrorHarness:
+        harness = start_mirror(kube, **options)
+        started.append(harness)
+        return harness
+
+    yield factory
+    for harness in reversed(started):
+        stop_mirror(harness)
+
+
+@pytest.fixture(params=["tcp", "unix"])
+def mirror(request: pytest.FixtureRequest, mirror_factory) -> MirrorHarness:
+    """The mirror on loopback TCP and, as a second run of the test, on a unix socket."""
+    return mirror_factory(transport=request.param)
+
+
+@pytest.fixture
+def mirror_tcp(mirror_factory) -> MirrorHarness:
+    return mirror_factory(transport="tcp")
+
+
+__all__ = [
+    "BINDREQUESTS",
+    "EVENTS",
+    "NODES",
+    "PODS",
+    "MirrorHarness",
+    "honour_label_selectors",
+    "mirror",
+    "mirror_factory",
+    "mirror_tcp",
+    "pod_path",
+    "register_bindrequests",
+    "start_mirror",
+    "stop_mirror",
+]
