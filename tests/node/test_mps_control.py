@@ -445,3 +445,15 @@ def test_quit_of_a_v3_daemon_uses_the_quit_option():
     runner = RecordingRunner()
     control(runner, protocol_v3=True).quit(timeout=3)
     assert [(c.argv, c.stdin, c.timeout) for c in runner.calls] == [((BIN, "-q"), None, 3)]
+
+
+def test_a_rejection_with_a_non_zero_exit_keeps_its_reason():
+    c, runner = v3()
+    runner.respond([BIN, "-p", "3", "namespace", "delete", "kf_abc", "--server=shared"],
+                   CommandResult(1, "", "Error: namespace kf_abc has 1 client attached\n"))
+    with pytest.raises(MpsError) as exc:
+        c.namespace_delete("kf_abc")
+    assert exc.value.reason == "NamespaceBusy"
+    assert exc.value.message == ("the MPS control daemon rejected 'namespace delete kf_abc "
+                                 "--server=shared': Error: namespace kf_abc has 1 client "
+                                 "attached")

@@ -130,6 +130,11 @@ def error_for_exit(result: CommandResult, what: str, *, binary: str, pipe_dir: s
         return MpsError(
             e.DAEMON_ALREADY_RUNNING,
             f"another MPS control daemon already holds {pipe_dir}/control_lock")
+    found = classify_answer(text)
+    if found is not None and found[0] not in (e.COMMAND_FAILED, e.UNKNOWN_COMMAND):
+        # A daemon answer that also set the exit status (the reason matters to the caller:
+        # NamespaceBusy means retry later).
+        return MpsError(found[0], f"the MPS control daemon rejected {what!r}: {found[1]}")
     return MpsError(
         e.COMMAND_FAILED,
         f"{binary} {what!r} exited {result.returncode}: {text or '(no output)'}")
