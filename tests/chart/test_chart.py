@@ -379,3 +379,28 @@ def _assert_tls_handshake(server_data: dict, ca_b64: str, hostname: str) -> None
             if all(done.values()):
                 break
         assert all(done.values()), f"TLS handshake for {hostname} did not complete: {done}"
+
+
+# -- NOTES.txt ------------------------------------------------------------------------------
+
+def _notes(*args: str) -> str:
+    proc = helm("install", "kf", str(CHART), "--namespace", NAMESPACE, "--dry-run=client", *args)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split("NOTES:", 1)[1]
+
+
+def test_notes_tell_how_to_check_it_works():
+    notes = _notes()
+    assert "global.gpuSharingMode=NvFractions" in notes
+    assert "global.nvFractions.set=true" in notes
+    assert ('.status.conditions[?(@.type=="gpu-fractioning.nvidia.com/Ready")].status'
+            in notes)
+    assert "kubectl get nodes -l nvidia.com/gpu.present=true" in notes
+    assert "kubectl apply -f examples/memory-request.yaml" in notes
+    assert "kai-fractions inspect node <node-name>" in notes
+    assert "memory tiers: cgroup,watchdog" in notes
+
+
+def test_notes_say_when_nothing_is_deployed():
+    notes = _notes("--values", str(DISABLED))
+    assert "gpuSharing=Disabled: nothing was deployed" in notes
