@@ -321,17 +321,21 @@ def test_generated_webhook_certificate_is_trusted_by_its_ca_bundle():
 
 # -- every component's flags exist in its real CLI -----------------------------------------
 
-@pytest.mark.parametrize("values_file", VALUES, ids=values_id)
-def test_rendered_args_parse_with_the_real_cli(values_file: Path | None):
-    parser = build_parser()
-    workloads = [d for d in render(values_file) if d["kind"] in ("Deployment", "DaemonSet")]
-    for w in workloads:
-        for c in w["spec"]["template"]["spec"]["containers"]:
-            try:
-                parser.parse_args(c["args"])
-            except SystemExit as e:
-                pytest.fail(f"{w['kind']}/{w['metadata']['name']}: kai-fractions "
-                            f"{shlex.join(c['args'])} is refused by the CLI (exit {e.code})")
+COMPONENTS = {"mirror": ("Deployment", MIRROR), "node-agent": ("DaemonSet", AGENT),
+              "admission": ("Deployment", ADMISSION)}
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+@pytest.mark.parametrize("values_file", [v for v in VALUES if v != DISABLED], ids=values_id)
+def test_rendered_args_parse_with_the_real_cli(values_file: Path | None, component: str):
+    kind, name = COMPONENTS[component]
+    args = _args(one(render(values_file), kind, name), component)
+    assert args[0] == component
+    try:
+        build_parser().parse_args(args)
+    except SystemExit as e:
+        pytest.fail(f"{kind}/{name}: `kai-fractions {shlex.join(args)}` is refused by the "
+                    f"CLI (exit {e.code})")
 
 
 def test_image_and_gate_image_follow_values():
