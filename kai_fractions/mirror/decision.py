@@ -12,7 +12,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
-from ..contract import BindDecision, ComputeMode, ContractError, NumberError, parse_decimal
+from ..contract import (
+    BindDecision,
+    ComputeMode,
+    ContractError,
+    ContractViolation,
+    NumberError,
+    parse_decimal,
+    parse_group_modes,
+)
 from ..contract import keys as k
 from .errors import InvalidAllocation
 
@@ -92,13 +100,11 @@ def resolve_decision(
         error("reserved_gpu_ids", f"lists {len(allocation.gpu_ids)} GPU(s) for "
               f"{len(allocation.group_modes)} selected group(s): one per group, same order",
               ",".join(allocation.gpu_ids))
-    modes: list[ComputeMode] = []
-    for i, raw in enumerate(allocation.group_modes):
-        try:
-            modes.append(ComputeMode(raw) if raw else ComputeMode.TIME_SLICING)
-        except ValueError:
-            error(f"selected_fractional_gpu_groups[{i}].compute_sharing_mode",
-                  "must be time-slicing or sm-sharing", raw)
+    modes: tuple[ComputeMode, ...] = ()
+    try:
+        modes = parse_group_modes(allocation.group_modes)
+    except ContractViolation as e:
+        errors.extend(e.errors)
     reserve = default_reserve_mib if allocation.reserve_mib is None else allocation.reserve_mib
     memory = allocation.node_gpu_memory_mib
     if memory < 0:
@@ -112,7 +118,7 @@ def resolve_decision(
         node_gpu_memory_mib=memory,
         gpu_ids=allocation.gpu_ids,
         received_portion=portion,
-        group_modes=tuple(modes),
+        group_modes=modes,
         reserve_mib=reserve,
         cdi=allocation.cdi,
         resource_type=kind,

@@ -73,7 +73,7 @@ def test_missing_label_is_left_to_the_contract_which_names_it():
         "GPU-1111aaaa,GPU-2222bbbb")]),
     ({"group_modes": ("mps", "")}, no_nodes, [(
         "selected_fractional_gpu_groups[0].compute_sharing_mode",
-        "must be time-slicing or sm-sharing", "mps")]),
+        "must be one of: time-slicing, sm-sharing (empty means time-slicing)", "mps")]),
     ({"node_gpu_memory_mib": -5}, no_nodes, [(
         "node_gpu_memory_mib", "must not be negative (0 reads the node's nvidia.com/gpu.memory "
         "label)", "-5")]),

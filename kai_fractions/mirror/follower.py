@@ -1,0 +1,223 @@
+"""KAI follower: for clusters running an unmodified KAI, check what KAI's binder wrote.
+
+For each fractional BindRequest (scheduling.run.ai/v1alpha2) that KAI reports as Succeeded,
+`Follower` rebuilds the scheduler's decision as the SAME `AllocationInput` the gRPC servicer
+hands to `MirrorService`, computes with the contract package what the binder must have written,
+compares it with the pod, and reports each difference as a pod event (reason
+`NvFractionsMismatch`, naming the key, the expected and the found value). It writes no
+annotation today; letting it write is `MirrorService.mirror(follower.decide(...))`.
+
+What it cannot know, and assumes: the binder's memory reserve (`--reserve-mib`, as configured
+for the mirror) and whether a memory request on the pod was the user's or the binder's (a
+request beside a legacy `gpu-fraction`/`gpu-memory` key is taken as the binder's, since
+precedence makes a user's own request win over those keys anyway).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any
+
+from ..contract import ContractError, ContractViolation, Keys, binder_annotations, parse_pod
+from ..contract import keys as k
+from .compute import is_mirror_managed
+from .decision import AllocationInput, resolve_decision
+from .errors import InvalidAllocation, PodNotFound
+from .store import NO_DEADLINE, Deadline, NodeNotFound, PodSnapshot, PodStore
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION, PLURAL = "scheduling.run.ai", "v1alpha2", "bindrequests"
+RESERVATION_NAMESPACE = "kai-resource-reservation"
+SUCCEEDED = "Succeeded"
+MISMATCH_REASON = "NvFractionsMismatch"
+INVALID_REASON = "NvFractionsInvalid"
+
+
+@dataclass(frozen=True, slots=True)
+class BindRequestView:
+    """The fields of a BindRequest the follower reads (contract doc, section 4)."""
+
+    namespace: str
+    name: str
+    uid: str
+    pod_name: str
+    selected_node: str
+    resource_type: str
+    gpu_count: int
+    portion: str
+    group_ids: tuple[str, ...]
+    group_modes: tuple[str, ...]
+    phase: str
+
+    @classmethod
+    def from_object(cls, obj: Mapping[str, Any]) -> BindRequestView:
+        meta = obj.get("metadata") or {}
+        spec = obj.get("spec") or {}
+        status = obj.get("status") or {}
+        received = spec.get("receivedGPU") or {}
+        groups = spec.get("selectedFractionalGpuGroups")
+        if groups:
+            ids = tuple(str(g.get("id") or "") for g in groups if isinstance(g, Mapping))
+            modes = tuple(str(g.get("computeSharingMode") or "")
+                          for g in groups if isinstance(g, Mapping))
+        else:  # older BindRequests: plain group ids, time-slicing
+            ids = tuple(str(g) for g in spec.get("selectedGPUGroups") or [])
+            modes = ("",) * len(ids)
+        count = received.get("count") or 0
+        return cls(
+            namespace=str(meta.get("namespace") or "default"),
+            name=str(meta.get("name") or ""),
+            uid=str(meta.get("uid") or ""),
+            pod_name=str(spec.get("podName") or ""),
+            selected_node=str(spec.get("selectedNode") or ""),
+            resource_type=str(spec.get("receivedResourceType") or ""),
+            gpu_count=count if isinstance(count, int) else 0,
+            portion=str(received.get("portion") or ""),
+            group_ids=ids,
+            group_modes=modes,  # KAI spells them as the contract does; "" = time-slicing
+            phase=str(status.get("phase") or ""),
+        )
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    key: str
+    expected: str | None
+    actual: str | None
+
+    @property
+    def message(self) -> str:
+        found = "nothing" if self.actual is None else repr(self.actual)
+        want = "nothing" if self.expected is None else repr(self.expected)
+        return f"annotation {self.key}: expected {want}, found {found}"
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    bind_request: str
+    pod: str
+    mismatches: tuple[Mismatch, ...] = ()
+    errors: tuple[ContractError, ...] = ()
+    skipped: str = ""
+    """Why nothing was checked (not fractional, not bound yet, reservation unknown...)."""
+
+
+def binder_expectation(pod: PodSnapshot, allocation: AllocationInput, decision_of,
+                       keys: Keys) -> dict[str, str]:
+    """What KAI's binder must have written on `pod` (raises InvalidAllocation)."""
+    view = pod.view
+    kept = {key: v for key, v in view.annotations.items() if not is_mirror_managed(key, keys)}
+    share = parse_pod(replace(view, annotations=MappingProxyType(kept)), keys).share
+    if share is not None:
+        c = share.container
+        if k.GPU_FRACTION in kept or k.GPU_MEMORY in kept:
+            kept.pop(keys.container(c, k.MEMORY_REQUEST), None)
+        if (k.GPU_FRACTION_LIMIT in kept or k.GPU_MEMORY_LIMIT in kept
+                or keys.portion_limit(c) in kept):
+            kept.pop(keys.container(c, k.MEMORY_LIMIT), None)
+    request = parse_pod(replace(view, annotations=MappingProxyType(kept)), keys)
+    if request.errors:
+        raise InvalidAllocation(request.errors)
+    try:
+        return binder_annotations(request, decision_of(allocation), keys)
+    except ContractViolation as e:
+        raise InvalidAllocation(e.errors) from None
+
+
+class Follower:
+    def __init__(self, store: PodStore, *, keys: Keys = k.DEFAULT_KEYS,
+                 default_reserve_mib: int = 0,
+                 reservation_namespace: str = RESERVATION_NAMESPACE,
+                 remember: int = 10_000) -> None:
+        self.store = store
+        self.keys = keys
+        self.default_reserve_mib = default_reserve_mib
+        self.reservation_namespace = reservation_namespace
+        self._reported: OrderedDict[tuple[str, str, str], None] = OrderedDict()
+        self._remember = remember
+
+    def reserved_gpu(self, group_id: str, deadline: Deadline = NO_DEADLINE) -> str | None:
+        """The GPU UUID behind a group: its reservation pod's `run.ai/reserve_for_gpu_index`."""
+        pods = self.store.list_pods(self.reservation_namespace, {k.GPU_GROUP_LABEL: group_id},
+                                    deadline)
+        for pod in pods:
+            uuid = pod.annotations.get(k.RESERVE_FOR_GPU)
+            if uuid:
+                return uuid
+        return None
+
+    def decide(self, br: BindRequestView, *, cdi: bool = False,
+               deadline: Deadline = NO_DEADLINE) -> AllocationInput | None:
+        """The decision as the servicer would receive it; None while a group's device is not
+        known yet (the binder has not finished reserving)."""
+        gpu_ids = []
+        for group in br.group_ids:
+            uuid = self.reserved_gpu(group, deadline)
+            if uuid is None:
+                return None
+            gpu_ids.append(uuid)
+        return AllocationInput(
+            namespace=br.namespace, pod_name=br.pod_name, selected_node=br.selected_node,
+            resource_type=br.resource_type, gpu_count=br.gpu_count, portion=br.portion,
+            group_ids=br.group_ids, group_modes=br.group_modes, gpu_ids=tuple(gpu_ids),
+            cdi=cdi, container="")
+
+    def verify(self, br: BindRequestView, deadline: Deadline = NO_DEADLINE) -> Verification:
+        pod_ref = f"{br.namespace}/{br.pod_name}"
+        if br.resource_type != k.RESOURCE_TYPE_FRACTION:
+            return Verification(br.ref, pod_ref, skipped="not a fractional bind")
+        if br.phase != SUCCEEDED:
+            return Verification(br.ref, pod_ref, skipped=f"phase {br.phase or 'Pending'}")
+        try:
+            pod = self.store.get_pod(br.namespace, br.pod_name, deadline)
+        except PodNotFound:
+            return Verification(br.ref, pod_ref, skipped="pod not found")
+        allocation = self.decide(br, deadline=deadline)
+        if allocation is None:
+            return Verification(br.ref, pod_ref, skipped="reserved GPU not known yet")
+        share = parse_pod(pod.view, self.keys).share
+        written = pod.annotations.get(self.keys.container(share.container, k.DEVICES), "") \
+            if share is not None else ""
+        allocation = replace(allocation, cdi=written.startswith(k.CDI_DEVICE_PREFIX))
+
+        def decision_of(a: AllocationInput):
+            return resolve_decision(a, lambda n: self._node_labels(n, deadline),
+                                    default_reserve_mib=self.default_reserve_mib)
+        try:
+            expected = binder_expectation(pod, allocation, decision_of, self.keys)
+        except InvalidAllocation as e:
+            self._report(pod, INVALID_REASON, f"cannot check the binder's annotations for "
+                         f"BindRequest {br.ref}: {e}", deadline)
+            return Verification(br.ref, pod_ref, errors=e.errors)
+        mismatches = tuple(Mismatch(key, value, pod.annotations.get(key))
+                           for key, value in sorted(expected.items())
+                           if pod.annotations.get(key) != value)
+        for m in mismatches:
+            self._report(pod, MISMATCH_REASON, f"{m.message} (BindRequest {br.ref})", deadline)
+        return Verification(br.ref, pod_ref, mismatches=mismatches)
+
+    def _node_labels(self, node: str, deadline: Deadline) -> Mapping[str, str] | None:
+        try:
+            return self.store.node_labels(node, deadline)
+        except NodeNotFound:
+            return None
+
+    def _report(self, pod: PodSnapshot, reason: str, message: str, deadline: Deadline) -> None:
+        """One event per distinct finding per pod (a relist replays every BindRequest)."""
+        key = (pod.uid or f"{pod.namespace}/{pod.name}", reason, message)
+        if key in self._reported:
+            return
+        log.warning("pod %s/%s: %s: %s", pod.namespace, pod.name, reason, message)
+        self.store.emit_event(pod, "Warning", reason, message, deadline)
+        self._reported[key] = None
+        while len(self._reported) > self._remember:
+            self._reported.popitem(last=False)

@@ -1,0 +1,292 @@
+"""The KAI follower: rebuilds KAI's decision from a BindRequest, checks what the binder wrote,
+reports each difference as a pod event; and its list/watch loop (410 Gone -> relist)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from kubernetes import client as k8s
+
+from kai_fractions.mirror.bindrequests import Gone, KubeBindRequestSource, follow
+from kai_fractions.mirror.fake_store import FakePodStore, RecordedEvent
+from kai_fractions.mirror.follower import BindRequestView, Follower
+from kai_fractions.mirror.kube_store import KubePodStore
+from kai_fractions.mirror.retry import Backoff
+from kai_fractions.mirror.service import MirrorService
+from tests.support.mirror_kube import honour_label_selectors, register_bindrequests
+
+NS = "team-a"
+GPU_A = "GPU-1111aaaa-0000-4000-8000-000000000001"
+GPU_B = "GPU-2222bbbb-0000-4000-8000-000000000002"
+T = "nvidia.com/container.trainer"
+BOUND = {  # what KAI's binder writes for gpu-fraction 0.5 on a 40960 MiB GPU, reserve 0
+    f"{T}.gpu-memory.request": "20480Mi", f"{T}.gpus.devices": GPU_A,
+    f"{T}.gpu-compute.portion": "0.5", "received-resource-type": "Fraction"}
+
+
+def bind_request(name: str, pod: str, *, phase: str = "Succeeded", groups=("group-a",),
+                 mode: str = "", legacy: bool = False, portion: str = "0.5") -> dict:
+    spec = {"podName": pod, "selectedNode": "gpu-node-1", "receivedResourceType": "Fraction",
+            "receivedGPU": {"count": len(groups), "portion": portion}, "backoffLimit": 3}
+    if legacy:
+        spec["selectedGPUGroups"] = list(groups)
+    else:
+        spec["selectedFractionalGpuGroups"] = [{"id": g, "computeSharingMode": mode}
+                                               for g in groups]
+    return {"apiVersion": "scheduling.run.ai/v1alpha2", "kind": "BindRequest",
+            "metadata": {"name": name, "namespace": NS}, "spec": spec,
+            "status": {"phase": phase}}
+
+
+def reservation_pod(group: str, gpu: str | None) -> dict:
+    annotations = {"run.ai/reserve_for_gpu_index": gpu} if gpu else {}
+    return {"metadata": {"name": f"gpu-reservation-{group}", "namespace":
+                         "kai-resource-reservation", "labels": {"runai-gpu-group": group},
+                         "annotations": annotations},
+            "spec": {"containers": [{"name": "reserve"}]}}
+
+
+def pod(name: str, annotations: dict[str, str]) -> dict:
+    return {"metadata": {"name": name, "namespace": NS, "annotations": annotations},
+            "spec": {"containers": [{"name": "trainer"}]}}
+
+
+@pytest.fixture
+def store() -> FakePodStore:
+    store = FakePodStore()
+    store.nodes["gpu-node-1"] = {"nvidia.com/gpu.memory": "40960"}
+    store.add_pod(reservation_pod("group-a", GPU_A))
+    store.add_pod(reservation_pod("group-b", GPU_B))
+    return store
+
+
+def verify(store: FakePodStore, br: dict, **kw):
+    return Follower(store, **kw).verify(BindRequestView.from_object(br))
+
+
+def test_correct_annotations_raise_no_event(store):
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
+    result = verify(store, bind_request("br-1", "train-0"))
+    assert (result.mismatches, result.errors, result.skipped) == ((), (), "")
+    assert store.events == []
+
+
+def test_each_wrong_or_missing_key_is_an_event(store):
+    wrong = {**BOUND, f"{T}.gpus.devices": GPU_B}
+    del wrong[f"{T}.gpu-compute.portion"]
+    created = store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **wrong}))
+    result = verify(store, bind_request("br-1", "train-0"))
+    assert [m.key for m in result.mismatches] == [f"{T}.gpu-compute.portion",
+                                                  f"{T}.gpus.devices"]
+    assert store.events == [
+        RecordedEvent(NS, "train-0", created.uid, "Warning", "NvFractionsMismatch",
+                      f"annotation {T}.gpu-compute.portion: expected '0.5', found nothing "
+                      "(BindRequest team-a/br-1)"),
+        RecordedEvent(NS, "train-0", created.uid, "Warning", "NvFractionsMismatch",
+                      f"annotation {T}.gpus.devices: expected '{GPU_A}', found '{GPU_B}' "
+                      "(BindRequest team-a/br-1)"),
+    ]
+
+
+def test_a_binder_request_beside_gpu_fraction_is_checked_too(store):
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND,
+                                  f"{T}.gpu-memory.request": "30000Mi"}))
+    result = verify(store, bind_request("br-1", "train-0"))
+    assert [(m.key, m.expected, m.actual) for m in result.mismatches] == [
+        (f"{T}.gpu-memory.request", "20480Mi", "30000Mi")]
+
+
+def test_a_users_own_request_is_not_the_binders(store):
+    user = {f"{T}.gpu-memory.request": "8Gi"}
+    store.add_pod(pod("train-0", {**user, **{k: v for k, v in BOUND.items()
+                                            if k != f"{T}.gpu-memory.request"}}))
+    assert verify(store, bind_request("br-1", "train-0")).mismatches == ()
+
+
+def test_findings_are_reported_once(store):
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5"}))
+    follower = Follower(store)
+    view = BindRequestView.from_object(bind_request("br-1", "train-0"))
+    follower.verify(view)
+    follower.verify(view)  # a relist replays every BindRequest
+    assert len(store.events) == 4
+
+
+@pytest.mark.parametrize(("br", "skipped"), [
+    (bind_request("br-1", "train-0", phase="Pending"), "phase Pending"),
+    (bind_request("br-1", "train-0", phase=""), "phase Pending"),
+    (bind_request("br-1", "gone-pod"), "pod not found"),
+    (bind_request("br-1", "train-0", groups=("group-unknown",)), "reserved GPU not known yet"),
+    ({**bind_request("br-1", "train-0"), "spec": {"podName": "train-0",
+                                                  "receivedResourceType": "Regular"}},
+     "not a fractional bind"),
+])
+def test_nothing_is_checked_before_the_binder_is_done(store, br, skipped):
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5"}))
+    assert verify(store, br).skipped == skipped
+    assert store.events == []
+
+
+def test_older_plain_group_ids_mean_time_slicing(store):
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
+    assert verify(store, bind_request("br-1", "train-0", legacy=True)).mismatches == ()
+
+
+def test_cdi_device_names_are_compared_as_written(store):
+    cdi = {**BOUND, f"{T}.gpus.devices": f"k8s.device-plugin.nvidia.com/gpu={GPU_A}"}
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **cdi}))
+    assert verify(store, bind_request("br-1", "train-0")).mismatches == ()
+
+
+def test_reserve_is_configuration(store):
+    bound = {**BOUND, f"{T}.gpu-memory.request": "19968Mi"}
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **bound}))
+    assert verify(store, bind_request("br-1", "train-0"), default_reserve_mib=1024
+                  ).mismatches == ()
+
+
+def test_contract_errors_are_one_invalid_event(store):
+    store.nodes["gpu-node-1"] = {}
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
+    result = verify(store, bind_request("br-1", "train-0"))
+    assert [e.key for e in result.errors] == ["node_gpu_memory_mib"]
+    assert [(e.reason, e.message.split(":")[0]) for e in store.events] == [
+        ("NvFractionsInvalid", "cannot check the binder's annotations for BindRequest "
+         "team-a/br-1")]
+
+
+def test_decide_is_the_servicers_decision(store):
+    """The follower's decision, handed to MirrorService, writes exactly what it expects the
+    binder to have written (plus the derived keys): the hook for a writing follower."""
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5"}))
+    follower = Follower(store)
+    decision = follower.decide(BindRequestView.from_object(bind_request("br-1", "train-0")))
+    assert decision is not None
+    written = MirrorService(store).mirror(decision, idempotency_key="bindrequest/br-1")
+    assert {k: v for k, v in written.annotations.items() if k in BOUND} == BOUND
+    assert verify(store, bind_request("br-1", "train-0")).mismatches == ()
+
+
+# -- the list/watch loop ----------------------------------------------------------------------
+
+class ScriptedSource:
+    """list() and watch() play a script; the last watch blocks until stopped."""
+
+    def __init__(self, lists, watches, stop: threading.Event) -> None:
+        self.lists, self.watches, self.stop = list(lists), list(watches), stop
+        self.calls: list[tuple[str, str]] = []
+
+    def list(self):
+        self.calls.append(("list", ""))
+        item = self.lists.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def watch(self, resource_version, stop) -> Iterator:
+        self.calls.append(("watch", resource_version))
+        if not self.watches:
+            self.stop.set()
+            return
+        step = self.watches.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        yield from step
+
+
+def obj(name: str, rv: str) -> dict:
+    return {"metadata": {"name": name, "namespace": NS, "resourceVersion": rv}}
+
+
+def test_watch_resumes_from_the_last_version_and_relists_on_gone():
+    stop = threading.Event()
+    source = ScriptedSource(
+        lists=[([obj("a", "5")], "10"), ([obj("a", "5"), obj("b", "12")], "20")],
+        watches=[[("ADDED", obj("b", "12")), ("BOOKMARK", obj("", "15"))],
+                 Gone("too old"),
+                 [("MODIFIED", obj("b", "21")), ("DELETED", obj("a", "22"))]],
+        stop=stop)
+    seen: list[str] = []
+    follow(source, lambda o: seen.append(o["metadata"]["name"]), stop,
+           backoff=Backoff(base=0.001, cap=0.001))
+    assert source.calls == [("list", ""), ("watch", "10"), ("watch", "15"), ("list", ""),
+                            ("watch", "20"), ("watch", "22")]
+    assert seen == ["a", "b", "a", "b", "b"]
+
+
+def test_failures_back_off_and_a_bad_object_does_not_stop_the_loop():
+    stop = threading.Event()
+    source = ScriptedSource(lists=[OSError("connection refused"), ([obj("x", "1")], "1")],
+                            watches=[], stop=stop)
+
+    def handle(_obj):
+        raise RuntimeError("boom")
+
+    follow(source, handle, stop, backoff=Backoff(base=0.001, cap=0.001))
+    assert source.calls == [("list", ""), ("list", ""), ("watch", "1")]
+
+
+# -- against kmock ----------------------------------------------------------------------------
+
+def wait_for(predicate, timeout: float = 10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting")
+
+
+@pytest.mark.integration
+def test_follower_reports_a_mismatch_as_a_pod_event(kube):
+    honour_label_selectors(kube)
+    register_bindrequests(kube)
+    custom = k8s.CustomObjectsApi(kube.api_client)
+    kube.core.create_node({"metadata": {"name": "gpu-node-1",
+                                        "labels": {"nvidia.com/gpu.memory": "40960"}}})
+    for group, gpu in (("group-a", GPU_A), ("group-b", GPU_B)):
+        kube.core.create_namespaced_pod("kai-resource-reservation", reservation_pod(group, gpu))
+    kube.core.create_namespaced_pod(NS, pod("good-0", {"gpu-fraction": "0.5", **BOUND}))
+    kube.core.create_namespaced_pod(NS, pod("bad-0", {"gpu-fraction": "0.5", **{
+        **BOUND, f"{T}.gpus.devices": GPU_B}}))
+    # The first list is refused as expired: the follower lists again.
+    gone = kube.fail("GET", "/apis/scheduling.run.ai/v1alpha2/bindrequests", 410, times=1)
+    custom.create_namespaced_custom_object("scheduling.run.ai", "v1alpha2", NS, "bindrequests",
+                                           bind_request("br-good", "good-0"))
+
+    store = KubePodStore(kube.api_client, backoff=Backoff(attempts=3, base=0.01, cap=0.05))
+    follower = Follower(store)
+    checked: list = []
+    stop = threading.Event()
+    source = KubeBindRequestSource(kube.api_client, watch_seconds=1, read_timeout=1.0)
+    thread = threading.Thread(target=follow, args=(source, lambda o: checked.append(
+        follower.verify(BindRequestView.from_object(o))), stop), kwargs={
+        "backoff": Backoff(base=0.01, cap=0.05)}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: any(v.bind_request == "team-a/br-good" for v in checked))
+        # Arrives through the watch, after the list:
+        custom.create_namespaced_custom_object("scheduling.run.ai", "v1alpha2", NS,
+                                               "bindrequests", bind_request("br-bad", "bad-0"))
+        events = wait_for(lambda: kube.core.list_namespaced_event(NS).items)
+    finally:
+        stop.set()
+        thread.join(5)
+    assert gone.hits == 1
+    assert [(e.involved_object.name, e.type, e.reason, e.message, e.source.component)
+            for e in events] == [(
+        "bad-0", "Warning", "NvFractionsMismatch",
+        f"annotation {T}.gpus.devices: expected '{GPU_A}', found '{GPU_B}' "
+        "(BindRequest team-a/br-bad)", "kai-fractions-mirror")]
+    assert events[0].involved_object.uid == kube.core.read_namespaced_pod(
+        "bad-0", NS).metadata.uid
+    good = [v for v in checked if v.bind_request == "team-a/br-good"]
+    assert all(v.mismatches == () and v.skipped == "" for v in good)
+    # The reservation lookup used a label selector the (reaction-enhanced) server honoured.
+    lists = kube.requests("GET", "/api/v1/namespaces/kai-resource-reservation/pods")
+    assert {r.params.get("labelSelector") for r in lists} == {
+        "runai-gpu-group=group-a"}
