@@ -10,10 +10,13 @@ from .keys import DEFAULT_KEYS, Keys
 from .numbers import NumberError, format_plain, parse_decimal
 from .plan import (
     DEFAULT_MPS_PIPE_ROOT,
+    MAX_PIPE_DIRECTORY,
+    MPS_SERVER,
     ContainerPlan,
     active_thread_percentage,
     derived_annotations,
     env_sources,
+    is_mps_namespace_name,
     mps_namespace_name,
     plan_container,
     plan_pod,
@@ -26,7 +29,9 @@ from .request import ComputeMode, ContainerShare, PodRequest, parse_pod
 __all__ = [
     "DEFAULT_KEYS",
     "DEFAULT_MPS_PIPE_ROOT",
+    "MAX_PIPE_DIRECTORY",
     "MIB",
+    "MPS_SERVER",
     "BindDecision",
     "ComputeMode",
     "ContainerPlan",
@@ -45,6 +50,7 @@ __all__ = [
     "derived_annotations",
     "env_sources",
     "format_plain",
+    "is_mps_namespace_name",
     "keys",
     "memory_bytes",
     "mib_ceil",

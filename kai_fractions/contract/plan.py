@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -25,6 +26,15 @@ MAX_PIPE_DIRECTORY = 83
 """A unix socket path is at most 107 bytes; MPS appends its own names to the directory."""
 
 
+MPS_NAMESPACE_PREFIX = "kf_"
+_MPS_NAMESPACE = re.compile(MPS_NAMESPACE_PREFIX + "[0-9a-f]{20}")
+
+
+def is_mps_namespace_name(name: str) -> bool:
+    """True for names `mps_namespace_name` makes: the agent deletes only its own namespaces."""
+    return bool(_MPS_NAMESPACE.fullmatch(name))
+
+
 def mps_namespace_name(pod_identity: str, container: str) -> str:
     """A v3 namespace name (`[a-z0-9_]+`), stable for one container of one pod.
 
@@ -32,7 +42,7 @@ def mps_namespace_name(pod_identity: str, container: str) -> str:
     and container name; the node agent reports the mapping back to users.
     """
     digest = hashlib.sha256(f"{pod_identity}/{container}".encode()).hexdigest()
-    return f"kf_{digest[:20]}"
+    return f"{MPS_NAMESPACE_PREFIX}{digest[:20]}"
 
 
 def active_thread_percentage(portion: Fraction) -> int:

@@ -6,8 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from ..contract import DEFAULT_KEYS, DEFAULT_MPS_PIPE_ROOT, Keys
-from ..contract.plan import MAX_PIPE_DIRECTORY, MPS_SERVER
+from ..contract import DEFAULT_KEYS, DEFAULT_MPS_PIPE_ROOT, MAX_PIPE_DIRECTORY, MPS_SERVER, Keys
 from .cgroups import CgroupDriver, CgroupLayout
 from .errors import ConfigError
 

@@ -14,7 +14,6 @@ leaves it `pending` with the reason, and the next `apply` tries again.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Protocol
 
-from ..contract import mps_namespace_name
+from ..contract import is_mps_namespace_name, mps_namespace_name
 from .cgroups import CgroupFs, PodCgroup
 from .config import Mechanism, NodeConfig
 from .desired import (
@@ -61,22 +60,9 @@ CGROUP_NOT_FOUND = "CgroupNotFound"
 MPS_UNAVAILABLE = "MPSUnavailable"
 
 
-def _our_namespace_pattern() -> re.Pattern[str]:
-    """The shape of the names `mps_namespace_name` makes, derived from it (not re-typed), so
-    the engine deletes only its own namespaces and never an operator's.
-
-    LOCAL HELPER: the contract package should export this pattern (see the engine's report).
-    """
-    sample = mps_namespace_name("pod", "container")
-    prefix = sample.rstrip("0123456789abcdef")
-    return re.compile(re.escape(prefix) + f"[0-9a-f]{{{len(sample) - len(prefix)}}}")
-
-
-OUR_NAMESPACE = _our_namespace_pattern()
-
-
 def is_our_namespace(name: str) -> bool:
-    return bool(OUR_NAMESPACE.fullmatch(name))
+    """Only namespaces the contract's naming makes are ours to delete, never an operator's."""
+    return is_mps_namespace_name(name)
 
 
 # -- reports --------------------------------------------------------------------------------

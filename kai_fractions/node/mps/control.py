@@ -25,8 +25,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kai_fractions.contract import MAX_PIPE_DIRECTORY, MPS_SERVER
 from kai_fractions.contract import keys as k
-from kai_fractions.contract.plan import MAX_PIPE_DIRECTORY, MPS_SERVER
 
 from . import errors as e
 from .errors import MpsError

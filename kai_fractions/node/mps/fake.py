@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kai_fractions.contract import MAX_PIPE_DIRECTORY, MPS_SERVER
 from kai_fractions.contract import keys as k
-from kai_fractions.contract.plan import MAX_PIPE_DIRECTORY, MPS_SERVER
 
 from . import errors as e
 from .control import (
