@@ -94,9 +94,12 @@ def test_pod_webhooks_fail_closed_and_are_safe_to_reinvoke(docs):
     assert mutating["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"],
                                   "operations": ["CREATE"], "resources": ["pods"],
                                   "scope": "Namespaced"}]
-    assert validating["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"],
-                                    "operations": ["CREATE", "UPDATE"], "resources": ["pods"],
-                                    "scope": "Namespaced"}]
+    # status updates can change annotations, a Binding's annotations land on its pod, and an
+    # ephemeral container could mount the marker root: all reviewed, fail closed
+    assert validating["rules"] == [{
+        "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+        "resources": ["pods", "pods/status", "pods/ephemeralcontainers", "pods/binding"],
+        "scope": "Namespaced"}]
 
 
 def test_workload_webhook_gives_early_feedback_without_blocking(docs):
@@ -132,6 +135,17 @@ def test_removing_protected_keys_is_still_validated(docs):
     before = pod({devices: "GPU-1"})
     after = pod({})
     assert matches(validating, after, before, "UPDATE")
+
+
+def test_a_binding_with_protected_keys_is_intercepted(docs):
+    validating = hooks(docs, "ValidatingWebhookConfiguration")["pods.validate.kai-fractions.io"]
+    binding = {"apiVersion": "v1", "kind": "Binding",
+               "metadata": {"name": "p", "annotations": {
+                   k.DEFAULT_KEYS.container("main", k.DEVICES): "GPU-1"}},
+               "target": {"kind": "Node", "name": "gpu-node-1"}}
+    assert matches(validating, binding)
+    binding["metadata"] = {"name": "p"}
+    assert not matches(validating, binding)
 
 
 def test_every_example_is_intercepted(docs):
