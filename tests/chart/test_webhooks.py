@@ -85,9 +85,11 @@ def test_pod_webhooks_fail_closed_and_are_safe_to_reinvoke(docs):
         assert hook["clientConfig"]["service"]["namespace"] == NAMESPACE
         assert hook["clientConfig"]["service"]["port"] == 443
         assert hook["timeoutSeconds"] == 10
-        # opt-out only by a namespace label, never by default
-        assert hook["namespaceSelector"] == {"matchExpressions": [{
-            "key": "kai-fractions.io/webhook", "operator": "NotIn", "values": ["disabled"]}]}
+        # opt-out by a namespace label; kube-system and our own namespace never wait on it
+        assert hook["namespaceSelector"] == {"matchExpressions": [
+            {"key": "kai-fractions.io/webhook", "operator": "NotIn", "values": ["disabled"]},
+            {"key": "kubernetes.io/metadata.name", "operator": "NotIn",
+             "values": ["kube-system", NAMESPACE]}]}
     assert mutating["reinvocationPolicy"] == "IfNeeded"
     assert mutating["clientConfig"]["service"]["path"] == "/mutate"
     assert validating["clientConfig"]["service"]["path"] == "/validate"
