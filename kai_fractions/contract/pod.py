@@ -20,6 +20,8 @@ class ManifestError(ValueError):
 
 
 def _mapping(value: Any, path: str) -> Mapping[str, Any]:
+    if type(value) is dict:  # the common case, without the slower ABC check
+        return value
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -28,6 +30,8 @@ def _mapping(value: Any, path: str) -> Mapping[str, Any]:
 
 
 def _items(value: Any, path: str) -> list[Any]:
+    if type(value) is list:
+        return value
     if value is None:
         return []
     if not isinstance(value, list):

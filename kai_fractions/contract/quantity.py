@@ -84,7 +84,14 @@ def has_unit(text: str) -> bool:
 
 def memory_bytes(text: str) -> int:
     """A GPU memory amount: a quantity that is a whole, positive number of bytes."""
-    value = parse_quantity(text)
+    if not isinstance(text, str):
+        raise QuantityError("must be a Kubernetes quantity string")
+    return _memory_bytes(text)
+
+
+@lru_cache(maxsize=4096)
+def _memory_bytes(text: str) -> int:
+    value = _parse_quantity(text)
     if value <= 0:
         raise QuantityError("must be greater than zero")
     if value.denominator != 1:

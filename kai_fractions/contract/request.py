@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from fractions import Fraction
+from functools import lru_cache
 
 from . import keys as k
 from .errors import ContractError
@@ -120,19 +121,25 @@ def _portion(
     max_decimals: int | None = None,
 ) -> Fraction | None:
     """A portion of one GPU: 0 < x < 1 (upper_open) or 0 < x <= 1."""
+    number, rule = _checked_portion(value, upper_open, max_decimals)
+    if rule is not None:
+        c.error(key, rule, value, container)
+    return number
+
+
+@lru_cache(maxsize=4096)  # pure; a cluster repeats the same few portions
+def _checked_portion(
+    value: str, upper_open: bool, max_decimals: int | None
+) -> tuple[Fraction | None, str | None]:
     try:
         number = parse_decimal(value)
     except NumberError as e:
-        c.error(key, e.args[0], value, container)
-        return None
-    bound = "0 < x < 1" if upper_open else "0 < x <= 1"
+        return None, e.args[0]
     if number <= 0 or number > 1 or (upper_open and number == 1):
-        c.error(key, f"must be a portion of one GPU, {bound}", value, container)
-        return None
+        return None, f"must be a portion of one GPU, {'0 < x < 1' if upper_open else '0 < x <= 1'}"
     if max_decimals is not None and decimal_places(value) > max_decimals:
-        c.error(key, f"must have at most {max_decimals} decimal places", value, container)
-        return None
-    return number
+        return None, f"must have at most {max_decimals} decimal places"
+    return number, None
 
 
 def _devices(c: _Collector, key: str, value: str, container: str) -> tuple[str, ...]:

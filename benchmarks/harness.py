@@ -1,0 +1,101 @@
+"""Small pieces every benchmark shares: timing loops, percentiles, results, the machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    value: float
+    unit: str
+    target: str = ""
+    """A human-readable target such as '>= 20000' (checked by `met`); empty = no target."""
+
+    @property
+    def met(self) -> bool | None:
+        if not self.target:
+            return None
+        op, _, bound = self.target.partition(" ")
+        limit = float(bound)
+        return {"<=": self.value <= limit, ">=": self.value >= limit,
+                "<": self.value < limit, ">": self.value > limit}[op]
+
+
+@dataclass
+class Result:
+    benchmark: str
+    title: str
+    figures: list[Figure] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, name: str, value: float, unit: str, target: str = "") -> None:
+        self.figures.append(Figure(name, value, unit, target))
+
+    def to_dict(self) -> dict:
+        return {
+            "benchmark": self.benchmark,
+            "title": self.title,
+            "figures": [{"name": f.name, "value": f.value, "unit": f.unit, "target": f.target,
+                         "met": f.met} for f in self.figures],
+            "notes": self.notes,
+        }
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by nearest rank; samples need not be sorted."""
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+def latencies(fn: Callable[[], object], count: int) -> list[float]:
+    """Seconds per call, one sample per call."""
+    out = []
+    for _ in range(count):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def rate(fn: Callable[[], object], count: int) -> float:
+    """Calls per second over `count` back-to-back calls."""
+    start = time.perf_counter()
+    for _ in range(count):
+        fn()
+    return count / (time.perf_counter() - start)
+
+
+def best_of(runs: int, measure: Callable[[], float], higher_is_better: bool = True) -> float:
+    """The best of several runs: these machines are noisy, and noise only ever slows things."""
+    values = [measure() for _ in range(runs)]
+    return max(values) if higher_is_better else min(values)
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu,
+        "platform": platform.platform(),
+    }
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)

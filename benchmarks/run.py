@@ -1,0 +1,53 @@
+"""Run the benchmarks, print a table, write JSON: `python -m benchmarks.run [P1 P4 ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from .harness import machine
+
+BENCHMARKS = {
+    "P4": "benchmarks.bench_contract",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+    parser.add_argument("names", nargs="*", help=f"subset of {', '.join(BENCHMARKS)}")
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    parser.add_argument("--json", default="benchmarks/results/latest.json", metavar="FILE",
+                        help="where to write the results (default: %(default)s)")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s): {', '.join(unknown)}")
+    results = []
+    for name in args.names or list(BENCHMARKS):
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        results.append(importlib.import_module(BENCHMARKS[name]).run(quick=args.quick))
+    print(f"{'bench':6} {'figure':42} {'value':>12} {'unit':10} {'target':>12}  met")
+    for r in results:
+        for f in r.figures:
+            met = {True: "yes", False: "NO", None: ""}[f.met]
+            print(f"{r.benchmark:6} {f.name:42} {f.value:>12} {f.unit:10} {f.target:>12}  {met}")
+        for note in r.notes:
+            print(f"{'':6} note: {note}")
+    out = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "quick": args.quick,
+        "results": [r.to_dict() for r in results],
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
