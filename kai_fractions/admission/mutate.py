@@ -12,9 +12,8 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from ..contract import ComputeMode, ContainerShare, parse_pod, view_from_pod_spec
+from ..contract import ComputeMode, ContainerShare, ManifestError, parse_pod, view_from_pod_spec
 from ..contract import keys as k
-from ..contract.pod import ManifestError
 from . import podspec
 from .config import GATE_CONTAINER, MPS_VOLUME, AdmissionConfig
 from .errors import contract_denial, manifest_denial

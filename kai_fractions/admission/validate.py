@@ -17,9 +17,16 @@ import posixpath
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ..contract import ComputeMode, PodRequest, PodView, parse_pod, pod_views, view_from_pod_spec
+from ..contract import (
+    ComputeMode,
+    ManifestError,
+    PodRequest,
+    PodView,
+    parse_pod,
+    pod_views,
+    view_from_pod_spec,
+)
 from ..contract import keys as k
-from ..contract.pod import ManifestError
 from ..gate import paths
 from .config import GATE_CONTAINER, MARKER_VOLUME, MPS_VOLUME, AdmissionConfig
 from .errors import error_text, manifest_denial

@@ -9,8 +9,7 @@ from typing import Any
 
 import yaml
 
-from ..contract import PodView, pod_views
-from ..contract.pod import ManifestError
+from ..contract import ManifestError, PodView, pod_views
 
 
 class InputError(Exception):

@@ -22,7 +22,7 @@ from .plan import (
     plan_pod,
     pod_identity,
 )
-from .pod import ContainerView, PodView, pod_views, view_from_pod_spec
+from .pod import ContainerView, ManifestError, PodView, pod_views, view_from_pod_spec
 from .quantity import MIB, QuantityError, memory_bytes, mib_ceil, parse_quantity
 from .request import ComputeMode, ContainerShare, PodRequest, parse_pod
 
@@ -40,6 +40,7 @@ __all__ = [
     "ContractError",
     "ContractViolation",
     "Keys",
+    "ManifestError",
     "NumberError",
     "PodRequest",
     "PodView",
