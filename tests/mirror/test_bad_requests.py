@@ -8,7 +8,7 @@ import pytest
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
 
-from .requests import GPU_A, GPU_B, SM, TS, allocation, bad_request_fields, mirror_request
+from .messages import GPU_A, GPU_B, SM, TS, allocation, bad_request_fields, mirror_request
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.cli import build_parser, main
 from tests.support.mirror_kube import register_bindrequests
 
-from .requests import allocation, mirror_request
+from .messages import allocation, mirror_request
 
 FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file", "--insecure",
          "--reserve-mib", "--annotation-prefix", "--kubeconfig", "--follow-bindrequests",

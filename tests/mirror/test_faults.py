@@ -20,7 +20,7 @@ from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
 from tests.support.mirror_kube import pod_path
 
-from .requests import allocation, detail, mirror_request
+from .messages import allocation, detail, mirror_request
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 

@@ -10,7 +10,7 @@ from kai_fractions.api.v1 import allocation_pb2 as pb
 from kai_fractions.contract import mps_namespace_name
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION
 
-from .requests import (
+from .messages import (
     GPU_A,
     GPU_B,
     SM,

@@ -10,7 +10,7 @@ import pytest
 
 from tests.api.test_protos import MIRROR_ALLOCATION_REQUEST_JSON
 
-from .requests import node_plan
+from .messages import node_plan
 
 pytestmark = pytest.mark.integration
 

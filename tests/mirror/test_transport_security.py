@@ -20,7 +20,7 @@ from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
 
 from .certs import CertificateAuthority
-from .requests import allocation, mirror_request
+from .messages import allocation, mirror_request
 
 pytestmark = pytest.mark.integration
 
