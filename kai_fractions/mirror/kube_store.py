@@ -117,7 +117,10 @@ class KubePodStore:
         def once() -> Any:
             try:
                 response = fn(deadline.timeout(self.request_timeout))
-                return json.loads(response.data or b"null")
+                try:
+                    return json.loads(response.data or b"null")
+                finally:
+                    response.release_conn()  # back to the pool (the body was read unbuffered)
             except ApiException as e:
                 mapped = on_status(e) if on_status is not None else None
                 if mapped is not None:

@@ -206,3 +206,29 @@ def test_deadline_is_respected_in_the_retry_loop(mirror_factory):
         e.value.details() == "Deadline Exceeded"
     assert slow.kube.count("GET", PATH) < 50
     assert slow.patches(NS, NAME) == 0
+
+
+def test_forbidden_is_internal_and_names_rbac(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    mirror_tcp.kube.fail("PATCH", PATH, 403, times=1)
+    with pytest.raises(grpc.RpcError) as e:
+        mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod)), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert e.value.details() == (
+        "patch pod team-a/train-0: the API server refused the mirror's identity (403 Forbidden: "
+        "injected 403 Forbidden for PATCH /api/v1/namespaces/team-a/pods/train-0); check its "
+        "RBAC")
+    assert mirror_tcp.patches(NS, NAME) == 1  # not retried
+    assert MIRRORED_ANNOTATION not in mirror_tcp.annotations(NS, NAME)
+
+
+def test_an_invalid_patch_on_the_same_pod_is_internal(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    mirror_tcp.kube.fail("PATCH", PATH, 422, times=1)
+    with pytest.raises(grpc.RpcError) as e:
+        mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod)), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert e.value.details() == (
+        "the API server refused the patch of pod team-a/train-0: 422 Invalid: injected 422 "
+        "Invalid for PATCH /api/v1/namespaces/team-a/pods/train-0")
+    assert mirror_tcp.kube.count("GET", PATH) == 2  # re-read: still the same pod
