@@ -76,6 +76,16 @@ ENFORCED_ENV = (
     ENV_PIPE_DIRECTORY,
 )
 
+# KAI's BindRequest (the scheduler's decision) and where its binder reserves devices.
+BINDREQUEST_GROUP = "scheduling.run.ai"
+BINDREQUEST_VERSION = "v1alpha2"
+BINDREQUEST_PLURAL = "bindrequests"
+RESERVATION_NAMESPACE = "kai-resource-reservation"
+
+# The mirror's record of what it wrote (its keys, the decision digest, the idempotency key).
+# Protected: a forged record could make the mirror strip and then overwrite a user's request.
+MIRRORED_RECORD = "kai-fractions.io/mirrored"
+
 # kai_fractions' own annotations: values the env needs that are not literally in a contract key.
 PROJECT_PREFIX = "kai-fractions.io/container."
 DERIVED_MEMORY_REQUEST_MIB = ".memory-request-mib"
@@ -150,9 +160,11 @@ class Keys:
         return parts is not None and parts[1] in BINDER_SUFFIXES
 
     def is_protected(self, key: str) -> bool:
-        """Keys only the binder, the mirror or the node agent may write: binder-owned keys and
-        every derived key (they feed the container's env, so a user must not set them)."""
-        return self.is_binder_owned(key) or key.startswith(self.project_prefix)
+        """Keys only the binder, the mirror or the node agent may write: binder-owned keys,
+        every derived key (they feed the container's env, so a user must not set them) and the
+        mirror's record."""
+        return (self.is_binder_owned(key) or key.startswith(self.project_prefix)
+                or key == MIRRORED_RECORD)
 
 
 DEFAULT_KEYS = Keys()

@@ -31,8 +31,8 @@ from .store import NO_DEADLINE, Deadline, NodeNotFound, PodSnapshot, PodStore
 
 log = logging.getLogger(__name__)
 
-GROUP, VERSION, PLURAL = "scheduling.run.ai", "v1alpha2", "bindrequests"
-RESERVATION_NAMESPACE = "kai-resource-reservation"
+GROUP, VERSION, PLURAL = k.BINDREQUEST_GROUP, k.BINDREQUEST_VERSION, k.BINDREQUEST_PLURAL
+RESERVATION_NAMESPACE = k.RESERVATION_NAMESPACE
 SUCCEEDED = "Succeeded"
 MISMATCH_REASON = "NvFractionsMismatch"
 INVALID_REASON = "NvFractionsInvalid"

@@ -16,13 +16,9 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-# --- CONTRACT PACKAGE CANDIDATE ------------------------------------------------------------------
-# The record's annotation key. It belongs in kai_fractions/contract/keys.py (the only place that
-# should know key strings) and in `Keys.is_protected` (admission must keep users from forging it);
-# it lives here, clearly marked, until the contract package owner adds it.
-MIRRORED_ANNOTATION = "kai-fractions.io/mirrored"
-# -------------------------------------------------------------------------------------------------
+from ..contract import keys as k
 
+MIRRORED_ANNOTATION = k.MIRRORED_RECORD  # the record's key, protected by admission
 RECORD_VERSION = 1
 
 
