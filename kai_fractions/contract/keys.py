@@ -102,6 +102,9 @@ DERIVED_SUFFIXES = (
     DERIVED_PIPE_DIRECTORY,
     DERIVED_PLAN_DIGEST,
 )
+# The mirror's signature over a container's allocation (kai_fractions.signing); the node agent
+# verifies it. Under the project prefix, so `Keys.is_protected` covers it; not an env source.
+DERIVED_SIGNATURE = ".signature"
 
 _CONTAINER_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 

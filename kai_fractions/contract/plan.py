@@ -8,10 +8,10 @@ the env values and the pinned MPS limit all say the same number.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import lru_cache
 
 from . import keys as k
 from .errors import ContractError, ContractViolation
@@ -45,6 +45,7 @@ def mps_namespace_name(pod_identity: str, container: str) -> str:
     return f"{MPS_NAMESPACE_PREFIX}{digest[:20]}"
 
 
+@lru_cache(maxsize=1024)  # pure Fraction arithmetic, and a cluster uses few portions
 def active_thread_percentage(portion: Fraction) -> int:
     """round(portion * 100), half up, clamped to 1..100 (0 would mean unlimited to MPS)."""
     return min(100, max(1, int(portion * 100 + Fraction(1, 2))))
@@ -109,12 +110,19 @@ class ContainerPlan:
 
     @property
     def digest(self) -> str:
-        """Identifies what is enforced; the gate compares it with what the agent applied."""
-        canonical = json.dumps(
-            {"pod": self.pod_identity, "container": self.container, **self.to_dict(),
-             "mps_namespace": self.mps_namespace},
-            sort_keys=True, separators=(",", ":"),
-        )
+        """Identifies what is enforced; the gate compares it with what the agent applied.
+
+        Every field the env and the limits derive from (the env is a function of these), one
+        per line: none of them can contain a newline (UIDs, DNS labels, validated UUIDs,
+        numbers, derived paths), so the encoding is unambiguous, cheap and the same wherever
+        it is computed.
+        """
+        canonical = "\n".join((
+            "v1", self.pod_identity, self.container, self.devices_value,
+            ",".join(self.device_uuids), self.compute_mode.value, str(self.request_mib),
+            str(self.limit_mib), str(self.active_thread_percentage), str(self.mps_namespace),
+            str(self.mps_pipe_directory),
+        ))
         return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 

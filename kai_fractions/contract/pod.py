@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from types import MappingProxyType
 from typing import Any
 
@@ -87,17 +88,30 @@ def _whole_gpus(container: Mapping[str, Any], path: str) -> int:
     return 0
 
 
+@lru_cache(maxsize=1024)
+def _plain_container(name: str, init: bool) -> ContainerView:
+    """Views are immutable, so containers without resources share one per (name, init)."""
+    return ContainerView(name=name, init=init)
+
+
 def _containers(spec: Mapping[str, Any], key: str, init: bool) -> tuple[ContainerView, ...]:
     views = []
     for i, item in enumerate(_items(spec.get(key), f"spec.{key}")):
-        c = _mapping(item, f"spec.{key}[{i}]")
-        views.append(ContainerView(name=str(c.get("name", "")),
-                                   whole_gpus=_whole_gpus(c, f"spec.{key}[{i}]"), init=init))
+        # This runs for every pod: field paths are built only for unusual shapes.
+        c = item if type(item) is dict else _mapping(item, f"spec.{key}[{i}]")
+        name = str(c.get("name", ""))
+        if c.get("resources"):
+            views.append(ContainerView(name=name, whole_gpus=_whole_gpus(c, f"spec.{key}[{i}]"),
+                                       init=init))
+        else:
+            views.append(_plain_container(name, init))
     return tuple(views)
 
 
 def _str_map(value: Any, path: str) -> Mapping[str, str]:
     value = _mapping(value, path)
+    if all(type(a) is str and type(b) is str for a, b in value.items()):
+        return MappingProxyType(dict(value))  # the usual case: no conversion needed
     return MappingProxyType({str(a): "" if b is None else str(b) for a, b in value.items()})
 
 

@@ -143,35 +143,47 @@ def _checked_portion(
 
 
 def _devices(c: _Collector, key: str, value: str, container: str) -> tuple[str, ...]:
+    items, rule, offending = _checked_devices(value)
+    if rule is not None:
+        c.error(key, rule, offending, container)
+    return items
+
+
+@lru_cache(maxsize=4096)  # pure; every pod on a GPU carries the same device string
+def _checked_devices(value: str) -> tuple[tuple[str, ...], str | None, str]:
+    """(items, None, "") when valid, else ((), rule, offending value)."""
     items = [item.strip() for item in value.split(",")]
     if not value.strip() or any(not item for item in items):
-        c.error(key, "must be a comma-separated list of GPU UUIDs with no empty item", value,
-                container)
-        return ()
+        return (), "must be a comma-separated list of GPU UUIDs with no empty item", value
     for item in items:
         uuid = item.removeprefix(k.CDI_DEVICE_PREFIX)
         if uuid.startswith("MIG-"):
-            c.error(key, "MIG devices cannot be shared as fractions", item, container)
-            return ()
+            return (), "MIG devices cannot be shared as fractions", item
         if not _GPU_UUID.fullmatch(uuid):
-            c.error(key, f"each item must be a GPU UUID (GPU-...) or {k.CDI_DEVICE_PREFIX}<uuid>",
-                    item, container)
-            return ()
+            return (), (f"each item must be a GPU UUID (GPU-...) or "
+                        f"{k.CDI_DEVICE_PREFIX}<uuid>"), item
     if len({i.removeprefix(k.CDI_DEVICE_PREFIX) for i in items}) != len(items):
-        c.error(key, "lists the same GPU twice", value, container)
-        return ()
-    return tuple(items)
+        return (), "lists the same GPU twice", value
+    return tuple(items), None, ""
 
 
-def _nvfractions_keys(pod: PodView, keys: k.Keys, c: _Collector) -> dict[str, dict[str, str]]:
-    """Group `<prefix><container><suffix>` annotations by container, reporting bad keys."""
+def _scan(
+    pod: PodView, keys: k.Keys, c: _Collector
+) -> tuple[dict[str, dict[str, tuple[str, str]]], list[tuple[str, str, str]]]:
+    """One pass over the annotations: `<prefix><container><suffix>` keys grouped by container
+    (bad keys reported), and the `kai.scheduler/container.<c>...portion.limit` keys."""
     names = {ct.name for ct in pod.all_containers}
-    by_container: dict[str, dict[str, str]] = {}
+    by_container: dict[str, dict[str, tuple[str, str]]] = {}
+    portion_limits: list[tuple[str, str, str]] = []
+    prefix, skip = keys.prefix, len(keys.prefix)
     for key, value in pod.annotations.items():
-        parts = keys.split(key)
-        if parts is None:
+        if not key.startswith(prefix):
+            name = keys.split_portion_limit(key)
+            if name is not None:
+                portion_limits.append((key, name, value))
             continue
-        name, suffix = parts
+        name, dot, tail = key[skip:].partition(".")
+        suffix = dot + tail
         if not name:
             c.error(key, "the container name between the prefix and the suffix is empty", value)
         elif suffix not in k.SUFFIXES:
@@ -181,47 +193,52 @@ def _nvfractions_keys(pod: PodView, keys: k.Keys, c: _Collector) -> dict[str, di
             c.error(key, f"names container {name!r}, which is not in the pod (containers: "
                     + (", ".join(sorted(names)) or "none") + ")", value, name)
         else:
-            by_container.setdefault(name, {})[suffix] = value
-    return by_container
+            by_container.setdefault(name, {})[suffix] = (key, value)
+    return by_container, portion_limits
+
+
+_MODE_BY_VALUE = {m.value: m for m in ComputeMode}
+# The keys that make a container fractional, in the order errors prefer to name them.
+_SOURCE_SUFFIXES = (k.MEMORY_REQUEST, k.MEMORY_LIMIT, k.DEVICES, k.COMPUTE_PORTION)
 
 
 def _share_from_nvfractions(
-    name: str, values: dict[str, str], keys: k.Keys, c: _Collector
+    name: str, values: dict[str, tuple[str, str]], c: _Collector
 ) -> ContainerShare:
-    def key(suffix: str) -> str:
-        return keys.container(name, suffix)
-
+    """`values` maps suffix -> (full key, value) for one container."""
     request = limit = None
     if k.MEMORY_REQUEST in values:
-        request = _memory(c, key(k.MEMORY_REQUEST), values[k.MEMORY_REQUEST], name)
+        request = _memory(c, *values[k.MEMORY_REQUEST], name)
     if k.MEMORY_LIMIT in values:
-        limit = _memory(c, key(k.MEMORY_LIMIT), values[k.MEMORY_LIMIT], name)
+        limit = _memory(c, *values[k.MEMORY_LIMIT], name)
     if request is not None and limit is not None and limit < request:
-        c.error(key(k.MEMORY_LIMIT), "must be greater than or equal to the request "
-                f"{values[k.MEMORY_REQUEST]!r}", values[k.MEMORY_LIMIT], name)
+        key, value = values[k.MEMORY_LIMIT]
+        c.error(key, "must be greater than or equal to the request "
+                f"{values[k.MEMORY_REQUEST][1]!r}", value, name)
     mode = DEFAULT_MODE
     if k.COMPUTE_MODE in values:
-        raw = values[k.COMPUTE_MODE]
-        try:
-            mode = ComputeMode(raw)
-        except ValueError:
-            c.error(key(k.COMPUTE_MODE), f"must be one of: {_MODES}", raw, name)
+        key, raw = values[k.COMPUTE_MODE]
+        mode = _MODE_BY_VALUE.get(raw, DEFAULT_MODE)
+        if raw not in _MODE_BY_VALUE:
+            c.error(key, f"must be one of: {_MODES}", raw, name)
     devices: tuple[str, ...] = ()
     if k.DEVICES in values:
-        devices = _devices(c, key(k.DEVICES), values[k.DEVICES], name)
+        devices = _devices(c, *values[k.DEVICES], name)
     portion = None
     if k.COMPUTE_PORTION in values:
-        portion = _portion(c, key(k.COMPUTE_PORTION), values[k.COMPUTE_PORTION], name,
-                           upper_open=False)
-    present = (k.MEMORY_REQUEST, k.MEMORY_LIMIT, k.DEVICES, k.COMPUTE_PORTION)
-    source = next((key(s) for s in present if s in values), None)
+        portion = _portion(c, *values[k.COMPUTE_PORTION], name, upper_open=False)
+    source = None
+    for suffix in _SOURCE_SUFFIXES:
+        if suffix in values:
+            source = values[suffix][0]
+            break
     return ContainerShare(
         container=name,
         source_key=source,
         request_bytes=request,
         limit_bytes=limit,
         compute_mode=mode,
-        devices_value=values.get(k.DEVICES) if devices else None,
+        devices_value=values[k.DEVICES][1] if devices else None,
         devices=devices,
         compute_portion=portion,
         num_devices=len(devices) or 1,
@@ -301,12 +318,11 @@ def _legacy(pod: PodView, c: _Collector) -> _Legacy | None:
     return legacy
 
 
-def _portion_limits(pod: PodView, keys: k.Keys, c: _Collector) -> dict[str, Fraction]:
+def _portion_limits(
+    pod: PodView, items: list[tuple[str, str, str]], c: _Collector
+) -> dict[str, Fraction]:
     out: dict[str, Fraction] = {}
-    for key, value in pod.annotations.items():
-        name = keys.split_portion_limit(key)
-        if name is None:
-            continue
+    for key, name, value in items:
         if pod.container(name) is None:
             c.error(key, "names a container that is not in the pod", value, name or None)
             continue
@@ -320,9 +336,9 @@ def _portion_limits(pod: PodView, keys: k.Keys, c: _Collector) -> dict[str, Frac
 def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
     """Every fractional share the pod asks for, and every contract error, without raising."""
     c = _Collector()
-    by_container = _nvfractions_keys(pod, keys, c)
+    by_container, portion_limit_items = _scan(pod, keys, c)
     shares: dict[str, ContainerShare] = {
-        name: _share_from_nvfractions(name, values, keys, c)
+        name: _share_from_nvfractions(name, values, c)
         for name, values in by_container.items()
     }
     legacy = _legacy(pod, c)
@@ -332,7 +348,7 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
         share = shares.get(legacy.container)
         base = share or ContainerShare(container=legacy.container)
         shares[legacy.container] = _merge_legacy(base, legacy, c)
-    for name, portion in _portion_limits(pod, keys, c).items():
+    for name, portion in _portion_limits(pod, portion_limit_items, c).items():
         share = shares.get(name)
         key = keys.portion_limit(name)
         if share is None:
