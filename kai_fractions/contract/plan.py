@@ -81,7 +81,7 @@ class ContainerPlan:
         Every entry carries the same cap, so the ordinal order cannot attach a cap to the wrong
         device, and no entry names a GPU the process cannot see (CUDA would drop them all).
         """
-        return ",".join(f"{i}={self.limit_mib}M" for i in range(len(self.device_uuids)))
+        return ",".join([f"{i}={self.limit_mib}M" for i in range(len(self.device_uuids))])
 
     @property
     def env(self) -> dict[str, str]:

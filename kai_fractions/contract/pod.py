@@ -108,9 +108,12 @@ def _containers(spec: Mapping[str, Any], key: str, init: bool) -> tuple[Containe
     return tuple(views)
 
 
+_STR = {str}
+
+
 def _str_map(value: Any, path: str) -> Mapping[str, str]:
     value = _mapping(value, path)
-    if all(type(a) is str and type(b) is str for a, b in value.items()):
+    if set(map(type, value.values())) <= _STR and set(map(type, value)) <= _STR:
         return MappingProxyType(dict(value))  # the usual case: no conversion needed
     return MappingProxyType({str(a): "" if b is None else str(b) for a, b in value.items()})
 

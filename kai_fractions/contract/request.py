@@ -33,6 +33,12 @@ _GPU_UUID = re.compile(r"GPU-[0-9a-fA-F]+(?:-[0-9a-fA-F]+)*")
 _MAX_LEGACY_DECIMALS = 5
 
 
+@lru_cache(maxsize=4096)
+def _uuids(devices: tuple[str, ...]) -> tuple[str, ...]:
+    """Device items without their CDI prefix (a few distinct lists per node)."""
+    return tuple(d.removeprefix(k.CDI_DEVICE_PREFIX) for d in devices)
+
+
 @dataclass(frozen=True, slots=True)
 class ContainerShare:
     """What one container asks for and what the binder wrote for it (raw, before arithmetic)."""
@@ -72,7 +78,7 @@ class ContainerShare:
 
     @property
     def device_uuids(self) -> tuple[str, ...]:
-        return tuple(d.removeprefix(k.CDI_DEVICE_PREFIX) for d in self.devices)
+        return _uuids(self.devices)
 
     @property
     def is_bound(self) -> bool:
