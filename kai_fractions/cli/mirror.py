@@ -36,6 +36,13 @@ def register(sub) -> None:
     p.add_argument("--token-file", metavar="FILE",
                    help="require `authorization: Bearer <token>` metadata on every call but "
                    "health checks; the file holds the token and is re-read when it changes")
+    p.add_argument("--signing-key-file", action="append", default=[], metavar="FILE",
+                   help="sign every container's allocation (HMAC-SHA256, annotation "
+                   "kai-fractions.io/container.<c>.signature) so node agents run with the same "
+                   "keys apply only what the mirror wrote. FILE holds the raw key (>= 16 bytes), "
+                   "or is a directory with `current` and optionally `previous` (the chart's "
+                   "Secret); repeatable: the first key signs, every key is accepted as still "
+                   "valid. Re-read when it changes. Default: no signatures")
     p.add_argument("--insecure", action="store_true",
                    help="allow plaintext on a non-loopback address (inside a trusted network "
                    "only)")
@@ -71,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     from ..mirror.security import SecurityConfigError
     from ..mirror.server import MirrorServer, ServerOptions
     from ..mirror.service import MirrorService
+    from ..mirror.signing import signing_annotations
+    from ..signing import KeyringSource, SigningConfigError
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -85,11 +94,18 @@ def run(args: argparse.Namespace) -> int:
                             insecure=args.insecure)
     try:
         MirrorServer.check(options)  # flags before the cluster: usage errors come first
+        signer = None
+        if args.signing_key_file:
+            source = KeyringSource(args.signing_key_file)
+            signer = signing_annotations(source, keys)
+            log.info("signing allocations with key %s (accepted: %s)",
+                     source.current().current.kid, ", ".join(source.current().kids))
         api_client = load_api_client(args.kubeconfig)
         store = KubePodStore(api_client)
-        service = MirrorService(store, keys=keys, default_reserve_mib=args.reserve_mib)
+        service = MirrorService(store, keys=keys, default_reserve_mib=args.reserve_mib,
+                                extra_annotations=signer)
         server = MirrorServer(service, options).start()
-    except (SecurityConfigError, ConfigError) as e:
+    except (SecurityConfigError, ConfigError, SigningConfigError) as e:
         return _fail(str(e))
 
     stop = threading.Event()

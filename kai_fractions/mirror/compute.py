@@ -31,8 +31,10 @@ from .store import PodSnapshot
 
 ExtraAnnotations = Callable[[PodSnapshot, Mapping[str, str], tuple[ContainerPlan, ...]],
                             Mapping[str, str]]
-"""A hook whose annotations join the mirror's own, in the same patch and owned the same way
-(the place where allocation signatures slot in)."""
+"""A hook whose annotations join the mirror's own, in the same patch and owned (recorded,
+released) the same way: allocation signatures (`mirror.signing`). Its values are a function of
+the decision, not part of it, so they stay out of the decision digest: re-signing the same
+allocation with a rotated key is the same allocation, not a conflicting one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +44,13 @@ class Outcome:
     annotations: Mapping[str, str]
     """Everything the mirror owns for this allocation: binder keys and derived keys, sorted."""
     plans: tuple[ContainerPlan, ...]
+    hook_keys: frozenset[str] = frozenset()
+    """Keys the ExtraAnnotations hook wrote (they do not identify the decision)."""
 
     @property
     def digest(self) -> str:
-        return allocation_digest(self.annotations)
+        return allocation_digest({key: value for key, value in self.annotations.items()
+                                  if key not in self.hook_keys})
 
 
 def current_record(pod: PodSnapshot) -> MirrorRecord | None:
@@ -108,11 +113,14 @@ def compute_outcome(
         raise InvalidAllocation(e.errors) from None
     for plan in plans:
         written.update(derived_annotations(plan, keys))
+    hooked: dict[str, str] = {}
     if extra is not None:
-        written.update(extra(pod, dict(written), plans))
+        hooked = {key: value for key, value in extra(pod, dict(written), plans).items()
+                  if key not in written}  # the hook adds keys; it never rewrites the decision
+        written.update(hooked)
     name = share.container if share is not None and plans else ""
     return Outcome(container=name, annotations=MappingProxyType(dict(sorted(written.items()))),
-                   plans=plans)
+                   plans=plans, hook_keys=frozenset(hooked))
 
 
 @dataclass(frozen=True, slots=True)

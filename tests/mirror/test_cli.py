@@ -20,9 +20,9 @@ from tests.support.mirror_kube import register_bindrequests
 
 from .messages import allocation, mirror_request
 
-FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file", "--insecure",
-         "--reserve-mib", "--annotation-prefix", "--kubeconfig", "--follow-bindrequests",
-         "--log-level"]
+FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file",
+         "--signing-key-file", "--insecure", "--reserve-mib", "--annotation-prefix",
+         "--kubeconfig", "--follow-bindrequests", "--log-level"]
 
 
 def test_every_flag_is_there_with_its_default():

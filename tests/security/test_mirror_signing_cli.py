@@ -1,0 +1,106 @@
+"""`kai-fractions mirror --signing-key-file`: refusals, and a real process that signs what it
+writes through the Kubernetes API (kmock) with the key from a Secret-shaped directory."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
+from kai_fractions.cli import build_parser, main
+from kai_fractions.signing import Keyring
+from tests.mirror.messages import allocation, mirror_request
+
+from .allocations import KEY_A, KEY_B, plans_of
+
+KID_A = hashlib.sha256(KEY_A).hexdigest()[:8]
+KID_B = hashlib.sha256(KEY_B).hexdigest()[:8]
+
+
+def test_the_flag_is_repeatable_and_off_by_default():
+    parser = build_parser()
+    assert parser.parse_args(["mirror"]).signing_key_file == []
+    args = parser.parse_args(["mirror", "--signing-key-file", "/a", "--signing-key-file", "/b"])
+    assert args.signing_key_file == ["/a", "/b"]
+
+
+@pytest.mark.parametrize(("setup", "message"), [
+    ("missing", "--signing-key-file {d}/missing: no such file or directory"),
+    ("empty-dir", "--signing-key-file {d}/empty-dir: a key directory needs a file named "
+     "'current' (and may have 'previous')"),
+    ("short", "signing key {d}/short: 5 byte(s); an HMAC-SHA256 key needs at least 16 (the "
+     "chart makes 32 random bytes)"),
+])
+def test_unusable_keys_are_refused_before_the_cluster_is_touched(tmp_path, capsys, setup,
+                                                                 message):
+    (tmp_path / "empty-dir").mkdir()
+    (tmp_path / "short").write_bytes(b"short")
+    code = main(["mirror", "--signing-key-file", str(tmp_path / setup),
+                 "--kubeconfig", "/nonexistent/kubeconfig"])
+    assert code == 2
+    assert capsys.readouterr().err == \
+        f"kai-fractions mirror: {message.format(d=tmp_path)}\n"
+
+
+@pytest.mark.integration
+def test_a_real_mirror_signs_what_it_writes(kube, tmp_path):
+    keys = tmp_path / "signing"
+    keys.mkdir()
+    (keys / "current").write_bytes(KEY_B)
+    (keys / "previous").write_bytes(KEY_A)
+    kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
+    socket_dir = tempfile.mkdtemp(prefix="kfs-")
+    listen = f"unix://{socket_dir}/mirror.sock"
+    created = kube.core.create_namespaced_pod("team-a", {
+        "metadata": {"name": "train-0", "namespace": "team-a",
+                     "annotations": {"gpu-fraction": "0.5"}},
+        "spec": {"containers": [{"name": "trainer", "image": "registry.invalid/app:1"}]}})
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from kai_fractions.cli import main; "
+         "sys.exit(main())", "mirror", "--listen", listen, "--kubeconfig", str(kubeconfig),
+         "--signing-key-file", str(keys)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with grpc.insecure_channel(listen) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                assert process.poll() is None, process.communicate()[1]
+                assert time.monotonic() < deadline, "the mirror did not become healthy"
+                time.sleep(0.1)
+            pod = {"metadata": {"namespace": "team-a", "name": "train-0",
+                                "uid": created.metadata.uid}}
+            reply = pb_grpc.AllocationMirrorStub(channel).MirrorAllocation(
+                mirror_request(allocation(pod)), timeout=10)
+            assert reply.changed
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    assert process.returncode == 0, err
+    assert f"signing allocations with key {KID_B} (accepted: {KID_B}, {KID_A})" in err
+    obj = kube.core.api_client.sanitize_for_serialization(
+        kube.core.read_namespaced_pod("train-0", "team-a"))
+    signature = obj["metadata"]["annotations"]["kai-fractions.io/container.trainer.signature"]
+    assert signature.startswith(f"v1;kid={KID_B};sig=")
+    assert reply.annotations["kai-fractions.io/container.trainer.signature"] == signature
+    (plan,) = plans_of(obj)
+    assert Keyring.of(KEY_B).verify(plan, signature).ok
