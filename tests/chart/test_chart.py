@@ -137,7 +137,7 @@ def test_mirror_deployment_defaults():
         "mirror", "--listen=0.0.0.0:50051", "--annotation-prefix=nvidia.com/container.",
         "--reserve-mib=0", "--follow-bindrequests",
         "--tls-cert=/etc/kai-fractions/tls/tls.crt", "--tls-key=/etc/kai-fractions/tls/tls.key",
-        "--log-level=info"]
+        "--signing-key-file=/etc/kai-fractions/signing", "--log-level=info"]
     tls = next(v for v in pod["volumes"] if v["name"] == "tls")
     assert tls["secret"]["secretName"] == f"{MIRROR}-tls"
     pdb = one(docs, "PodDisruptionBudget", MIRROR)
