@@ -12,6 +12,7 @@ from pathlib import Path
 from .harness import machine
 
 BENCHMARKS = {
+    "P1": "benchmarks.bench_mirror",
     "P4": "benchmarks.bench_contract",
 }
 

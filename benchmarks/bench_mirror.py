@@ -1,0 +1,458 @@
+"""P1 mirror overhead: what `MirrorAllocation` costs beyond the gRPC call and the pod write it
+cannot avoid. Three processes besides this one, measured side by side in one run:
+
+(a)  gRPC echo: `benchmarks.grpc_echo`, a server built like the mirror's that answers the same
+     method with a canned response: the floor of any gRPC call.
+(b)  a bare `kubernetes`-client pod PATCH (merge patch, uid + resourceVersion guarded, the same
+     annotations the mirror writes) against the stub API server (`benchmarks.stub_apiserver`).
+(b2) a bare GET + PATCH: the mirror must read the pod before it writes (two round trips).
+(c)  `MirrorAllocation` end to end: the real `kai-fractions mirror` process, configured by a
+     kubeconfig that points at the stub, called by a real gRPC client.
+
+Every call uses a pod of its own, so every call writes. Concurrency 1 is one blocking client
+(latency); concurrency 16 is 16 calls in flight (gRPC: one asyncio channel; kubernetes: 16
+threads), throughput. Ratios: c / (a + b) from p50 latencies at c=1, from time per call
+(1 / throughput) at c=16. `python -m benchmarks.bench_mirror --profile` profiles the mirror's
+own path in-process instead (cProfile, top functions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import grpc
+
+from kai_fractions.api.v1 import allocation_pb2 as pb
+from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
+from kai_fractions.contract import keys as k
+from kai_fractions.mirror.kube_store import MERGE_PATCH, load_api_client
+
+from .harness import Result, percentile
+from .stub_apiserver import REPO, kubeconfig, pod_uid, read_port, running
+
+GPU = "GPU-3f2a9c1e-7b4d-4e8a-b6c5-1d2e3f4a5b6c"
+CONTAINER = "main"
+NODE_MEMORY_MIB = 81920
+CONCURRENCY = 16
+CALL_TIMEOUT_S = 5.0
+POD_TEMPLATE = {
+    "apiVersion": "v1", "kind": "Pod",
+    "metadata": {"labels": {"app": "bench"}, "annotations": {
+        k.GPU_FRACTION: "0.5",
+        k.DEFAULT_KEYS.container(CONTAINER, k.COMPUTE_MODE): "sm-sharing",
+        "team": "bench"}},
+    "spec": {"schedulerName": k.KAI_SCHEDULER_NAME,
+             "containers": [{"name": CONTAINER, "image": "registry.invalid/train:1"},
+                            {"name": "sidecar", "image": "registry.invalid/log:1"}]},
+}
+"""An sm-sharing fraction: the case that writes the most keys (MPS pipe dir and percentage)."""
+
+
+def request(namespace: str, name: str) -> pb.MirrorAllocationRequest:
+    """What a scheduler sends for pod `namespace/name` (the node's memory given, no node read)."""
+    return pb.MirrorAllocationRequest(allocation=pb.Allocation(
+        pod=pb.PodRef(namespace=namespace, name=name, uid=pod_uid(namespace, name)),
+        selected_node="gpu-node-1",
+        received_resource_type=pb.RECEIVED_RESOURCE_TYPE_FRACTION,
+        received_gpu=pb.ReceivedGpu(count=1, portion="0.5"),
+        selected_fractional_gpu_groups=[pb.FractionalGpuGroup(
+            id="group-0", compute_sharing_mode=pb.COMPUTE_SHARING_MODE_SM_SHARING)],
+        reserved_gpu_ids=[GPU], node_gpu_memory_mib=NODE_MEMORY_MIB, reserve_mib=1024),
+        idempotency_key=f"bench/{name}")
+
+
+# -- processes --------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(address: str, what: str, process: subprocess.Popen, log: Path | None = None,
+                timeout: float = 30.0) -> None:
+    """Until `address` accepts gRPC; fails fast (with the log's tail) if the process dies."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        ready = grpc.channel_ready_future(channel)
+        while time.monotonic() < deadline:
+            try:
+                ready.result(timeout=0.2)
+                return
+            except grpc.FutureTimeoutError:
+                if process.poll() is not None:
+                    tail = log.read_text()[-2000:] if log is not None else ""
+                    raise RuntimeError(f"{what} exited ({process.returncode}) before it "
+                                       f"listened on {address}:\n{tail}") from None
+    raise RuntimeError(f"{what} did not listen on {address} within {timeout} s")
+
+
+_MIRROR_MAIN = """
+import argparse, sys
+from kai_fractions.cli import mirror
+parser = argparse.ArgumentParser()
+mirror.register(parser.add_subparsers())
+args = parser.parse_args(sys.argv[1:])
+sys.exit(args.func(args))
+"""
+"""`kai-fractions mirror`, its own parser and run() (the other commands stay out of its way)."""
+
+
+@contextmanager
+def mirror_process(kubeconfig_path: Path, log_path: Path, main: str = _MIRROR_MAIN
+                   ) -> Iterator[tuple[str, int]]:
+    """`kai-fractions mirror` as deployed (default flags, info logging); yields (address, pid).
+    `main` is the Python that starts it (a before/after comparison swaps in its own)."""
+    address = f"127.0.0.1:{_free_port()}"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-c", main, "mirror", "--listen", address,
+             "--kubeconfig", str(kubeconfig_path)],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            _wait_ready(address, "the mirror", process, log_path)
+            yield address, process.pid
+        finally:
+            process.terminate()
+            process.wait(15)
+
+
+@contextmanager
+def echo_process(response: bytes, directory: Path) -> Iterator[str]:
+    path = directory / "response.bin"
+    path.write_bytes(response)
+    process = subprocess.Popen([sys.executable, "-m", "benchmarks.grpc_echo", "--response",
+                                str(path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        address = f"127.0.0.1:{read_port(process, 'the gRPC echo server')}"
+        _wait_ready(address, "the gRPC echo server", process)
+        yield address
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# -- load generators --------------------------------------------------------------------------
+
+class Names:
+    """Fresh pod names, so every call writes a pod nobody wrote before."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self, count: int) -> list[str]:
+        with self._lock:
+            start, self._next = self._next, self._next + count
+        return [f"p{i}" for i in range(start, start + count)]
+
+
+def serial(call: Callable[[str], object], names: list[str]) -> tuple[list[float], float]:
+    """Latencies (s) of back-to-back calls, and the wall time of them all."""
+    out = []
+    begin = time.perf_counter()
+    for name in names:
+        start = time.perf_counter()
+        call(name)
+        out.append(time.perf_counter() - start)
+    return out, time.perf_counter() - begin
+
+
+def threaded(call: Callable[[str], object], names: list[str], workers: int
+             ) -> tuple[list[float], float]:
+    out: list[float] = []
+    pending = iter(names)
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                name = next(pending, None)
+            if name is None:
+                return
+            start = time.perf_counter()
+            call(name)
+            took = time.perf_counter() - start
+            with lock:
+                out.append(took)
+
+    begin = time.perf_counter()
+    with futures.ThreadPoolExecutor(workers) as pool:
+        for f in [pool.submit(worker) for _ in range(workers)]:
+            f.result()
+    return out, time.perf_counter() - begin
+
+
+def grpc_concurrent(address: str, namespace: str, names: list[str], workers: int
+                    ) -> tuple[list[float], float]:
+    """`workers` MirrorAllocation calls in flight over one asyncio channel."""
+    requests = [request(namespace, n) for n in names]
+
+    async def main() -> tuple[list[float], float]:
+        out: list[float] = []
+        pending = iter(requests)
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.AllocationMirrorStub(channel)
+
+            async def worker() -> None:
+                for req in pending:
+                    start = time.perf_counter()
+                    await stub.MirrorAllocation(req, timeout=CALL_TIMEOUT_S)
+                    out.append(time.perf_counter() - start)
+
+            begin = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(workers)))
+            return out, time.perf_counter() - begin
+
+    return asyncio.run(main())
+
+
+def grpc_serial(address: str, namespace: str, names: list[str]) -> tuple[list[float], float]:
+    requests = {n: request(namespace, n) for n in names}
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.AllocationMirrorStub(channel)
+        stub.MirrorAllocation(request(namespace, "warm-channel"), timeout=CALL_TIMEOUT_S)
+        return serial(lambda n: stub.MirrorAllocation(requests[n], timeout=CALL_TIMEOUT_S),
+                      names)
+
+
+class BarePatch:
+    """The one write the mirror makes, done directly with the official client."""
+
+    def __init__(self, kubeconfig_path: Path, annotations: dict[str, str],
+                 read_first: bool) -> None:
+        from kubernetes import client as k8s
+
+        self.api = load_api_client(str(kubeconfig_path))
+        self.core = k8s.CoreV1Api(self.api)
+        self.annotations = annotations
+        self.read_first = read_first
+
+    def __call__(self, namespace: str, name: str) -> None:
+        resource_version = "1"
+        if self.read_first:
+            response = self.core.read_namespaced_pod(name, namespace, _preload_content=False,
+                                                     _request_timeout=CALL_TIMEOUT_S)
+            resource_version = json.loads(response.data)["metadata"]["resourceVersion"]
+            response.release_conn()
+        body = {"metadata": {"annotations": self.annotations, "uid": pod_uid(namespace, name),
+                             "resourceVersion": resource_version}}
+        response = self.core.patch_namespaced_pod(name, namespace, body,
+                                                  _content_type=MERGE_PATCH,
+                                                  _preload_content=False,
+                                                  _request_timeout=CALL_TIMEOUT_S)
+        json.loads(response.data)
+        response.release_conn()
+
+    def close(self) -> None:
+        self.api.close()
+
+
+# -- the benchmark ----------------------------------------------------------------------------
+
+def run(quick: bool = False, smoke: bool = False) -> Result:
+    """`quick`: a short run; `smoke`: a handful of calls (the harness's own test)."""
+    result = Result("P1", "mirror overhead: MirrorAllocation vs gRPC echo + bare pod patch")
+    serial_count, concurrent_count, warmup = (
+        (8, 32, 2) if smoke else (60, 160, 10) if quick else (800, 3000, 100))
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kf-p1-")))
+        url = stack.enter_context(running(POD_TEMPLATE, NODE_MEMORY_MIB))
+        stub_pid = _stub_pid(url)
+        config = kubeconfig(url, tmp / "kubeconfig")
+        mirror_address, mirror_pid = stack.enter_context(
+            mirror_process(config, tmp / "mirror.log"))
+
+        # One real call: its response feeds the echo server, its pod the bare patch's body.
+        with grpc.insecure_channel(mirror_address) as channel:
+            response = pb_grpc.AllocationMirrorStub(channel).MirrorAllocation(
+                request("sample", "p0"), timeout=CALL_TIMEOUT_S)
+        written = _pod_annotations(url, "sample", "p0")
+        added = {key: value for key, value in written.items()
+                 if POD_TEMPLATE["metadata"]["annotations"].get(key) != value}
+        echo_address = stack.enter_context(echo_process(response.SerializeToString(), tmp))
+        patch = BarePatch(config, added, read_first=False)
+        get_patch = BarePatch(config, added, read_first=True)
+        stack.callback(patch.close)
+        stack.callback(get_patch.close)
+
+        kinds: dict[str, Callable[[Names, int, int], tuple[list[float], float]]] = {
+            "a": lambda ns, n, c: _grpc(echo_address, ns, n, c),
+            "b": lambda ns, n, c: _kube(patch, ns, n, c),
+            "b2": lambda ns, n, c: _kube(get_patch, ns, n, c),
+            "c": lambda ns, n, c: _grpc(mirror_address, ns, n, c),
+        }
+        labels = {"a": "(a) gRPC echo", "b": "(b) bare PATCH", "b2": "(b2) bare GET+PATCH",
+                  "c": "(c) MirrorAllocation"}
+        names = {kind: Names(f"bench-{kind}") for kind in kinds}
+        for kind, measure in kinds.items():  # warm every path: connections, caches
+            measure(names[kind], warmup, 1)
+            measure(names[kind], warmup, CONCURRENCY)
+
+        for concurrency, count in ((1, serial_count), (CONCURRENCY, concurrent_count)):
+            stats: dict[str, tuple[float, float, float]] = {}
+            mirror_cpu = stub_cpu = 0.0
+            stub_requests = 0
+            # Interleaved, in rounds, so a burst of noise on this machine hits every kind.
+            rounds = 4
+            samples: dict[str, list[float]] = {kind: [] for kind in kinds}
+            walls: dict[str, float] = dict.fromkeys(kinds, 0.0)
+            for _ in range(rounds):
+                for kind, measure in kinds.items():
+                    if kind == "c":
+                        cpu0, stub0, req0 = cpu_seconds(mirror_pid), cpu_seconds(stub_pid), \
+                            _stub_requests(url)
+                    lat, wall = measure(names[kind], count // rounds, concurrency)
+                    if kind == "c":
+                        mirror_cpu += cpu_seconds(mirror_pid) - cpu0
+                        stub_cpu += cpu_seconds(stub_pid) - stub0
+                        stub_requests += _stub_requests(url) - req0
+                    samples[kind] += lat
+                    walls[kind] += wall
+            for kind in kinds:
+                lat = samples[kind]
+                stats[kind] = (percentile(lat, 50), percentile(lat, 99), len(lat) / walls[kind])
+                p50, p99, rate = stats[kind]
+                c = f"c={concurrency}"
+                result.add(f"{labels[kind]} p50, {c}", round(p50 * 1e3, 3), "ms")
+                # At c=16 latency is 16 / rate (Little's law): a throughput figure, no target.
+                result.add(f"{labels[kind]} p99, {c}", round(p99 * 1e3, 3), "ms",
+                           "< 20" if kind == "c" and concurrency == 1 else "")
+                result.add(f"{labels[kind]} rate, {c}", round(rate), "calls/s",
+                           ">= 500" if kind == "c" and concurrency > 1 else "")
+            # Cost of one call: its p50 latency alone, its share of the wall time under load.
+            cost = {kind: p50 if concurrency == 1 else 1 / rate
+                    for kind, (p50, _, rate) in stats.items()}
+            result.add(f"ratio c/(a+b), c={concurrency}",
+                       round(cost["c"] / (cost["a"] + cost["b"]), 2), "x", "<= 1.2")
+            result.add(f"ratio c/(a+b2), c={concurrency}",
+                       round(cost["c"] / (cost["a"] + cost["b2"]), 2), "x")
+            calls = len(samples["c"])
+            result.add(f"mirror CPU per allocation, c={concurrency}",
+                       round(mirror_cpu / calls * 1e3, 3), "ms")
+            if stub_requests:
+                result.add(f"stub CPU per API request, c={concurrency}",
+                           round(stub_cpu / stub_requests * 1e3, 3), "ms")
+    result.notes.append(
+        f"{serial_count} calls at c=1, {concurrent_count} at c={CONCURRENCY} per kind, "
+        f"interleaved in 4 rounds; every call a new pod; {os.cpu_count()} CPUs shared by "
+        "client, mirror and stub")
+    return result
+
+
+def _grpc(address: str, names: Names, count: int, concurrency: int
+          ) -> tuple[list[float], float]:
+    batch = names.take(count)
+    if concurrency == 1:
+        return grpc_serial(address, names.namespace, batch)
+    return grpc_concurrent(address, names.namespace, batch, concurrency)
+
+
+def _kube(patch: BarePatch, names: Names, count: int, concurrency: int
+          ) -> tuple[list[float], float]:
+    batch = names.take(count)
+    call = lambda n: patch(names.namespace, n)  # noqa: E731
+    if concurrency == 1:
+        return serial(call, batch)
+    return threaded(call, batch, concurrency)
+
+
+def _get_json(url: str, path: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(url + path, timeout=5) as response:  # the stub, on loopback
+        return json.loads(response.read())
+
+
+def _pod_annotations(url: str, namespace: str, name: str) -> dict[str, str]:
+    return _get_json(url, f"/api/v1/namespaces/{namespace}/pods/{name}")["metadata"][
+        "annotations"]
+
+
+def _stub_requests(url: str) -> int:
+    return int(_get_json(url, "/stats")["requests"])
+
+
+def _stub_pid(url: str) -> int:
+    return int(_get_json(url, "/stats")["pid"])
+
+
+# -- profile ----------------------------------------------------------------------------------
+
+def profile(count: int = 2000, top: int = 25) -> None:
+    """The mirror's path in-process, under cProfile: servicer -> service -> KubePodStore ->
+    the official client -> the stub (in its own process). gRPC transport is left out (it is
+    (a)); what is left is what the mirror adds."""
+    import cProfile
+    import pstats
+
+    from kai_fractions.mirror.kube_store import KubePodStore
+    from kai_fractions.mirror.service import MirrorService
+    from kai_fractions.mirror.servicer import AllocationMirrorServicer
+
+    class Context:
+        def time_remaining(self) -> float:
+            return CALL_TIMEOUT_S
+
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kf-p1-")))
+        url = stack.enter_context(running(POD_TEMPLATE, NODE_MEMORY_MIB))
+        api = load_api_client(str(kubeconfig(url, tmp / "kubeconfig")))
+        servicer = AllocationMirrorServicer(MirrorService(KubePodStore(api)))
+        requests = [request("profile", f"p{i}") for i in range(count + 100)]
+        for req in requests[:100]:
+            servicer.MirrorAllocation(req, Context())
+        profiler = cProfile.Profile()
+        begin = time.perf_counter()
+        profiler.enable()
+        for req in requests[100:]:
+            servicer.MirrorAllocation(req, Context())
+        profiler.disable()
+        took = time.perf_counter() - begin
+        print(f"{count} MirrorAllocation calls in-process (profiled): "
+              f"{took / count * 1e3:.3f} ms each")
+        stats = pstats.Stats(profiler).strip_dirs()
+        stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats(top)
+        api.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_mirror")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--count", type=int, default=2000)
+    args = parser.parse_args(argv)
+    if args.profile:
+        profile(args.count)
+        return 0
+    result = run(quick=args.quick)
+    for f in result.figures:
+        print(f"{f.name:42} {f.value:>12} {f.unit:8} {f.target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
