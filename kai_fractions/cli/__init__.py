@@ -21,6 +21,7 @@ _COMMAND_MODULES = (
     "kai_fractions.cli.mirror",
     "kai_fractions.cli.admission",
     "kai_fractions.cli.gate",
+    "kai_fractions.cli.inspect",
 )
 
 EXIT_OK, EXIT_CONTRACT, EXIT_USAGE = 0, 1, 2

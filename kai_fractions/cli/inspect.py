@@ -1,0 +1,98 @@
+"""`kai-fractions inspect node NODE` / `inspect pod NS/NAME`: per-GPU allocations with their
+request, limit, compute mode, active-thread percentage, used memory and whether they are in force.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..contract import DEFAULT_KEYS, Keys
+from ..contract import keys as k
+
+EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE = 0, 1, 2
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "inspect", help="show what each GPU of a node runs and under which limits",
+        description="Per-GPU table of the fractional allocations of a node (or of one pod): "
+        "request, limit, compute mode, active-thread percentage, used memory and state "
+        "(enforced, refused with its reason, pending, waiting, unscheduled). The numbers come "
+        "from the pods' annotations (the NvFractions contract); the state and used memory from "
+        "the node agent when it is reachable (--agent-socket on the node, or --agent-metrics), "
+        "else from the gate init container's status. Exit codes: 0 ok, 1 the node or pod does "
+        "not exist, 2 usage error or the cluster cannot be read.",
+    )
+    what = p.add_subparsers(dest="what", metavar="node|pod", required=True)
+    node = what.add_parser("node", help="every GPU of a node")
+    node.add_argument("name", metavar="NODE")
+    pod = what.add_parser("pod", help="one pod")
+    pod.add_argument("name", metavar="NS/NAME", help="namespace/name (namespace default "
+                     "when omitted)")
+    for q in (node, pod):
+        q.add_argument("--kubeconfig", metavar="FILE",
+                       help="kubeconfig to use (default: in-cluster, then $KUBECONFIG or "
+                       "~/.kube/config); the demo prints one with --keep")
+        q.add_argument("--agent-socket", metavar="PATH",
+                       help="the node agent's NodeEnforcer unix socket (on the node; default: "
+                       "/run/kai-fractions/agent.sock when it exists)")
+        q.add_argument("--agent-metrics", metavar="URL",
+                       help="the node agent's Prometheus endpoint, e.g. http://NODE:9400 "
+                       "(used memory only)")
+        q.add_argument("--output", "-o", default="table", choices=("table", "json", "yaml"),
+                       help="(default: %(default)s)")
+        q.add_argument("--annotation-prefix", default=DEFAULT_KEYS.prefix, metavar="P",
+                       help="per-container key prefix (default: %(default)s)")
+        q.add_argument("--condition-name", default=k.NODE_CONDITION, metavar="NAME",
+                       help="the node condition the agent publishes (default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> int:
+    print(f"kai-fractions inspect: {message}", file=sys.stderr)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..inspect.model import node_report, pod_report
+    from ..inspect.render import render
+    from ..inspect.sources import KubeReader, SourceError, agent_state, load_kube
+
+    try:
+        keys = Keys(prefix=args.annotation_prefix)
+    except ValueError as e:
+        return _fail(f"--annotation-prefix: {e}")
+    namespace, name = "", args.name
+    if args.what == "pod":
+        namespace, _, name = args.name.rpartition("/")
+        namespace = namespace or "default"
+        if not name or "/" in namespace:
+            return _fail(f"pod: expected NS/NAME, got {args.name!r}")
+    try:
+        api_client = load_kube(args.kubeconfig)
+    except SourceError as e:
+        return _fail(e.message)
+    try:
+        reader = KubeReader(api_client)
+        if args.what == "node":
+            node = reader.node(name)
+            if node is None:
+                return _fail(f"node {name}: not found", EXIT_NOT_FOUND)
+            pods = reader.pods_on(name)
+            agent = agent_state(args.agent_socket, args.agent_metrics)
+            report = node_report(name, node, pods, agent, keys=keys,
+                                 condition_type=args.condition_name)
+        else:
+            pod = reader.pod(namespace, name)
+            node_name = (pod.get("spec") or {}).get("nodeName") or ""
+            node = reader.node(node_name) if node_name else None
+            agent = agent_state(args.agent_socket, args.agent_metrics) if node_name else None
+            report = pod_report(pod, node, agent, keys=keys,
+                                condition_type=args.condition_name)
+    except SourceError as e:
+        return _fail(e.message, EXIT_NOT_FOUND if e.not_found else EXIT_USAGE)
+    finally:
+        api_client.close()
+    sys.stdout.write(render(report, args.output))
+    return EXIT_OK

@@ -1,0 +1,80 @@
+"""What the node agent says about its node, independent of how it was asked (socket or metrics).
+
+`AgentState` is filled from the agent's NodeEnforcer socket (everything: devices, allocations
+with their state, usage, the condition) or from its Prometheus endpoint (usage per container and
+GPU only); `unreachable(why)` records why neither answered, so the report can say so instead of
+guessing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+
+@dataclass(frozen=True, slots=True)
+class AgentDevice:
+    index: int
+    uuid: str
+    name: str
+    memory_total_bytes: int
+    compute_mode: str
+    """NVML's name for it: Default, ExclusiveProcess, ..."""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentAllocation:
+    namespace: str
+    pod: str
+    container: str
+    uid: str = ""
+    state: str = ""
+    """applied | refused | pending; "" when the source does not say (metrics)."""
+    reason: str = ""
+    message: str = ""
+    used_bytes: int | None = None
+    """Over all the container's GPUs."""
+    used_by_gpu: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    """GPU UUID -> bytes, when the source gives it per GPU (metrics)."""
+
+    def used_on(self, gpu_uuid: str, device_count: int) -> int | None:
+        if gpu_uuid in self.used_by_gpu:
+            return self.used_by_gpu[gpu_uuid]
+        if self.used_bytes is not None and device_count == 1:
+            return self.used_bytes
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class AgentCondition:
+    type: str
+    ready: bool
+    reason: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentState:
+    source: str
+    """`socket unix:///...` or `metrics http://...`: where it came from."""
+    reachable: bool = True
+    error: str = ""
+    """Why it is not reachable (one line)."""
+    devices: tuple[AgentDevice, ...] = ()
+    allocations: tuple[AgentAllocation, ...] = ()
+    condition: AgentCondition | None = None
+    driver_version: str = ""
+    memory_limits_supported: bool | None = None
+
+    def allocation(self, namespace: str, pod: str, container: str,
+                   uid: str = "") -> AgentAllocation | None:
+        for a in self.allocations:
+            if (a.namespace, a.pod, a.container) == (namespace, pod, container) and (
+                    not uid or not a.uid or a.uid == uid):
+                return a
+        return None
+
+
+def unreachable(source: str, error: str) -> AgentState:
+    return AgentState(source=source, reachable=False, error=" ".join(error.split()))

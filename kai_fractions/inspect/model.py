@@ -1,0 +1,363 @@
+"""The per-GPU report of a node (or one pod): pure, from the pods, the node and the agent's word.
+
+Every number comes from the pods' annotations through the contract package (the same plan the
+node agent applies: request, limit, compute mode, active-thread percentage, devices). The state
+of each container comes from, in this order:
+
+1. the node agent, when it answered: `applied` -> enforced, `refused` / `pending` with its reason;
+2. the gate init container's status on the pod: exited 0 -> enforced, exited non-zero ->
+   refused with its termination message, running -> waiting for the node agent;
+3. otherwise what the pod says: not bound yet -> unscheduled; bound without a gate -> ungated
+   (the admission webhook did not wire it: its limits are not guaranteed before it starts).
+
+A gate that failed wins over an agent that says applied: the workload did not start.
+Used memory comes from the agent only; when it is not reachable the report says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..admission.config import GATE_CONTAINER
+from ..contract import (
+    MIB,
+    ContainerShare,
+    ContractViolation,
+    Keys,
+    ManifestError,
+    format_plain,
+    parse_pod,
+    plan_container,
+    pod_identity,
+    view_from_pod_spec,
+)
+from ..contract import keys as k
+from .agent_state import AgentState
+
+ENFORCED = "enforced"
+REFUSED = "refused"
+PENDING = "pending"
+WAITING = "waiting"
+UNSCHEDULED = "unscheduled"
+UNGATED = "ungated"
+INVALID = "invalid"
+
+_AGENT_STATES = {"applied": ENFORCED, "refused": REFUSED, "pending": PENDING}
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One fractional container on one GPU."""
+
+    namespace: str
+    pod: str
+    container: str
+    gpu_uuid: str
+    """"" when no GPU is assigned yet."""
+    mode: str
+    request_bytes: int | None
+    limit_bytes: int | None
+    active_thread_percentage: int | None
+    devices: tuple[str, ...]
+    state: str
+    reason: str = ""
+    message: str = ""
+    used_bytes: int | None = None
+    portion: str = ""
+    """The fraction of a GPU asked for (`gpu-fraction`), when no memory is planned yet."""
+    device_count: int = 1
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.pod}/{self.container}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace, "pod": self.pod, "container": self.container,
+            "gpu_uuid": self.gpu_uuid, "mode": self.mode,
+            "request_bytes": self.request_bytes, "limit_bytes": self.limit_bytes,
+            "active_thread_percentage": self.active_thread_percentage,
+            "devices": list(self.devices), "state": self.state, "reason": self.reason,
+            "message": self.message, "used_bytes": self.used_bytes, "portion": self.portion,
+            "device_count": self.device_count,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    uuid: str
+    index: int | None = None
+    name: str = ""
+    memory_bytes: int | None = None
+    rows: tuple[Row, ...] = ()
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(r.mode for r in self.rows))
+
+    @property
+    def requested_bytes(self) -> int:
+        return sum(r.request_bytes or 0 for r in self.rows if r.state != REFUSED)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "uuid": self.uuid, "name": self.name,
+                "memory_bytes": self.memory_bytes, "modes": list(self.modes),
+                "requested_bytes": self.requested_bytes,
+                "allocations": [r.to_dict() for r in self.rows]}
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    title: str
+    """`node demo-node` or `pod default/memory-request`."""
+    node: str = ""
+    gpu_memory_label: str | None = None
+    """The node's `nvidia.com/gpu.memory` label verbatim (None: missing or no node)."""
+    condition: tuple[str, str, str, str] | None = None
+    """(type, status, reason, message) of the agent's node condition on the Node object."""
+    gpus: tuple[Gpu, ...] = ()
+    unplaced: tuple[Row, ...] = ()
+    """Fractional containers with no GPU yet (not scheduled, or invalid)."""
+    agent: AgentState | None = None
+    notes: tuple[str, ...] = ()
+    """Problems worth a line of their own (missing label, condition False, ...)."""
+
+    @property
+    def rows(self) -> tuple[Row, ...]:
+        return tuple(r for g in self.gpus for r in g.rows) + self.unplaced
+
+    def to_dict(self) -> dict[str, Any]:
+        agent = self.agent
+        return {
+            "title": self.title,
+            "node": self.node,
+            "gpu_memory_label": self.gpu_memory_label,
+            "condition": None if self.condition is None else dict(zip(
+                ("type", "status", "reason", "message"), self.condition, strict=True)),
+            "agent": None if agent is None else {
+                "source": agent.source, "reachable": agent.reachable, "error": agent.error,
+                "driver_version": agent.driver_version},
+            "gpus": [g.to_dict() for g in self.gpus],
+            "unplaced": [r.to_dict() for r in self.unplaced],
+            "notes": list(self.notes),
+        }
+
+
+# -- the pod side -----------------------------------------------------------------------------
+
+
+def _statuses(pod: Mapping[str, Any], field_name: str) -> dict[str, Mapping[str, Any]]:
+    status = pod.get("status") or {}
+    return {str(s.get("name")): s for s in status.get(field_name) or []
+            if isinstance(s, Mapping)}
+
+
+def gate_state(pod: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """(state, reason, message) from the gate init container's status; None when the pod has
+    no gate status yet (or no gate at all)."""
+    status = _statuses(pod, "initContainerStatuses").get(GATE_CONTAINER)
+    if status is None:
+        return None
+    st = status.get("state") or {}
+    terminated = st.get("terminated") or (status.get("lastState") or {}).get("terminated")
+    if terminated:
+        message = " ".join(str(terminated.get("message") or "").split())
+        if int(terminated.get("exitCode") or 0) == 0:
+            return ENFORCED, "GateReleased", message
+        return REFUSED, "GateFailed", message or str(terminated.get("reason") or "")
+    if "running" in st:
+        return WAITING, "GateWaiting", "the gate waits for the node agent to apply the limits"
+    return None
+
+
+def _has_gate(pod: Mapping[str, Any]) -> bool:
+    spec = pod.get("spec") or {}
+    return any(isinstance(c, Mapping) and c.get("name") == GATE_CONTAINER
+               for c in spec.get("initContainers") or [])
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    share: ContainerShare
+    mode: str
+    request_bytes: int | None
+    limit_bytes: int | None
+    atp: int | None
+    devices: tuple[str, ...]
+
+
+def _plan(share: ContainerShare, identity: str, keys: Keys) -> _Planned:
+    try:
+        plan = plan_container(share, identity, keys=keys)
+    except ContractViolation:
+        # Not bound yet (or the binder's keys are missing): show what the user asked for.
+        return _Planned(share, share.compute_mode.value, share.node_request_bytes,
+                        share.node_limit_bytes, None, share.device_uuids)
+    return _Planned(share, plan.compute_mode.value, plan.request_bytes, plan.limit_bytes,
+                    plan.active_thread_percentage, plan.device_uuids)
+
+
+def pod_rows(pod: Mapping[str, Any], agent: AgentState | None, keys: Keys) -> list[Row]:
+    """One row per fractional container and GPU (one row without a GPU when none is assigned)."""
+    metadata = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    try:
+        view = view_from_pod_spec(metadata, spec)
+    except ManifestError as e:
+        return [Row(str(metadata.get("namespace") or ""), str(metadata.get("name") or ""), "",
+                    "", "", None, None, None, (), INVALID, "ManifestError", str(e))]
+    request = parse_pod(view, keys)
+    rows: list[Row] = []
+    if request.errors and not request.shares:
+        return [Row(view.namespace, view.name, e.container or "", "", "", None, None, None, (),
+                    INVALID, "ContractInvalid", str(e)) for e in request.errors[:1]]
+    gate = gate_state(pod)
+    for share in request.shares:
+        planned = _plan(share, pod_identity(request), keys)
+        state, reason, message = _state(pod, view.node_name, share.container, gate, agent,
+                                        bool(request.errors), request)
+        found = agent.allocation(view.namespace, view.name, share.container, view.uid) \
+            if agent is not None and agent.reachable else None
+        for uuid in planned.devices or ("",):
+            used = found.used_on(uuid, len(planned.devices)) if found is not None else None
+            rows.append(Row(view.namespace, view.name, share.container, uuid, planned.mode,
+                            planned.request_bytes, planned.limit_bytes, planned.atp,
+                            planned.devices, state, reason, message, used,
+                            portion=format_plain(share.fraction) if share.fraction else "",
+                            device_count=max(len(planned.devices), share.num_devices)))
+    return rows
+
+
+def _state(pod: Mapping[str, Any], node: str, container: str, gate: tuple[str, str, str] | None,
+           agent: AgentState | None, invalid: bool, request: Any) -> tuple[str, str, str]:
+    if invalid:
+        return INVALID, "ContractInvalid", "; ".join(str(e) for e in request.errors)
+    if gate is not None and gate[0] == REFUSED:
+        return gate
+    if agent is not None and agent.reachable and node:
+        meta = pod.get("metadata") or {}
+        found = agent.allocation(str(meta.get("namespace") or "default"),
+                                 str(meta.get("name") or ""), container,
+                                 str(meta.get("uid") or ""))
+        if found is not None and found.state in _AGENT_STATES:
+            return _AGENT_STATES[found.state], found.reason, found.message
+    if gate is not None:
+        return gate
+    if not node:
+        return _unscheduled(pod)
+    if not _has_gate(pod):
+        return UNGATED, "NoGate", ("the pod has no kai-fractions-gate init container: the "
+                                   "admission webhook did not wire it, so nothing holds it "
+                                   "back until its limits are in force")
+    return PENDING, "", "waiting for the node agent"
+
+
+def _unscheduled(pod: Mapping[str, Any]) -> tuple[str, str, str]:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if isinstance(c, Mapping) and c.get("type") == "PodScheduled" and c.get(
+                "status") == "False":
+            return UNSCHEDULED, str(c.get("reason") or "Unschedulable"), str(
+                c.get("message") or "")
+    return UNSCHEDULED, "NotBound", "not bound to a node yet"
+
+
+# -- assembling ---------------------------------------------------------------------------------
+
+
+def _condition(node: Mapping[str, Any] | None, condition_type: str
+               ) -> tuple[str, str, str, str] | None:
+    if not node:
+        return None
+    for c in (node.get("status") or {}).get("conditions") or []:
+        if isinstance(c, Mapping) and c.get("type") == condition_type:
+            return (condition_type, str(c.get("status") or "Unknown"),
+                    str(c.get("reason") or ""), str(c.get("message") or ""))
+    return None
+
+
+def _notes(node_name: str, node: Mapping[str, Any] | None, label: str | None,
+           condition: tuple[str, str, str, str] | None, condition_type: str,
+           agent: AgentState | None) -> list[str]:
+    notes = []
+    if node_name and node is None:
+        notes.append(f"node {node_name} was not found")
+    elif node is not None:
+        if label is None:
+            notes.append(f"node {node_name} has no {k.NODE_GPU_MEMORY_LABEL} label: the "
+                         "mirror and KAI's binder cannot turn portions into memory for it "
+                         "(GPU feature discovery publishes it; the node agent does with "
+                         "--publish-gpu-memory-label)")
+        if condition is None:
+            notes.append(f"node {node_name} has no {condition_type} condition: no node agent "
+                         "has reported from it")
+        elif condition[1] != "True":
+            notes.append(f"{condition_type} is {condition[1]}: {condition[2]}: {condition[3]}")
+    if agent is not None and not agent.reachable:
+        notes.append(f"used: n/a (agent not reachable: {agent.error})")
+    return notes
+
+
+def _gpus(rows: Sequence[Row], agent: AgentState | None, label: str | None) -> tuple[Gpu, ...]:
+    devices = {d.uuid: d for d in agent.devices} if agent is not None else {}
+    label_bytes = int(label) * MIB if label is not None and label.isdigit() else None
+    order: list[str] = [d.uuid for d in sorted(devices.values(), key=lambda d: d.index)]
+    for r in rows:
+        if r.gpu_uuid and r.gpu_uuid not in order:
+            order.append(r.gpu_uuid)
+    out = []
+    for uuid in order:
+        d = devices.get(uuid)
+        mine = tuple(sorted((r for r in rows if r.gpu_uuid == uuid),
+                            key=lambda r: (r.namespace, r.pod, r.container)))
+        out.append(Gpu(uuid=uuid, index=d.index if d else None, name=d.name if d else "",
+                       memory_bytes=d.memory_total_bytes if d else label_bytes, rows=mine))
+    return tuple(out)
+
+
+def node_report(node_name: str, node: Mapping[str, Any] | None,
+                pods: Iterable[Mapping[str, Any]], agent: AgentState | None, *,
+                keys: Keys = k.DEFAULT_KEYS, condition_type: str = k.NODE_CONDITION,
+                title: str | None = None, all_gpus: bool = True) -> Report:
+    """Every GPU of the node (the agent's devices, else those the pods name) and its
+    allocations; pods bound elsewhere are ignored, unbound ones listed as unplaced."""
+    rows: list[Row] = []
+    unplaced: list[Row] = []
+    for pod in pods:
+        for row in pod_rows(pod, agent, keys):
+            (rows if row.gpu_uuid else unplaced).append(row)
+    labels = ((node or {}).get("metadata") or {}).get("labels") or {}
+    label = labels.get(k.NODE_GPU_MEMORY_LABEL) if node is not None else None
+    condition = _condition(node, condition_type)
+    gpus = _gpus(rows, agent, label)
+    if not all_gpus:
+        gpus = tuple(g for g in gpus if g.rows)
+    return Report(
+        title=title or f"node {node_name}", node=node_name,
+        gpu_memory_label=None if label is None else str(label), condition=condition,
+        gpus=gpus, unplaced=tuple(sorted(unplaced, key=lambda r: (r.namespace, r.pod))),
+        agent=agent,
+        notes=tuple(_notes(node_name, node, None if label is None else str(label), condition,
+                           condition_type, agent)),
+    )
+
+
+def pod_report(pod: Mapping[str, Any], node: Mapping[str, Any] | None,
+               agent: AgentState | None, *, keys: Keys = k.DEFAULT_KEYS,
+               condition_type: str = k.NODE_CONDITION) -> Report:
+    meta = pod.get("metadata") or {}
+    node_name = str((pod.get("spec") or {}).get("nodeName") or "")
+    report = node_report(node_name, node if node_name else None, [pod], agent, keys=keys,
+                         condition_type=condition_type, all_gpus=False,
+                         title=f"pod {meta.get('namespace') or 'default'}/{meta.get('name')}")
+    if not report.rows:
+        return Report(title=report.title, node=node_name, agent=agent,
+                      notes=(*report.notes, "the pod requests no GPU fraction"))
+    return report
+
+
+__all__ = [
+    "ENFORCED", "INVALID", "PENDING", "REFUSED", "UNGATED", "UNSCHEDULED", "WAITING",
+    "Gpu", "Report", "Row", "gate_state", "node_report", "pod_report", "pod_rows",
+]

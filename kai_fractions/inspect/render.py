@@ -1,0 +1,121 @@
+"""A report as a table per GPU (for people) or as JSON / YAML (for scripts).
+
+The table's columns: POD/CONTAINER, MODE, REQUEST, LIMIT, ATP (active-thread percentage, the
+share of the GPU's SMs of an sm-sharing container), USED (GPU memory its processes use now, from
+the node agent) and STATE. Why a container is not enforced is spelled out below its GPU, one
+line each, so the rows stay short.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import yaml
+
+from ..contract import MIB
+from .model import ENFORCED, Gpu, Report, Row
+
+HEADER = ("POD/CONTAINER", "MODE", "REQUEST", "LIMIT", "ATP", "USED", "STATE")
+OUTPUTS = ("table", "json", "yaml")
+
+
+def mib(n: int | None) -> str:
+    return "-" if n is None else f"{-(-n // MIB)} MiB"
+
+
+def _request(row: Row) -> str:
+    if row.request_bytes is None and row.portion:
+        text = f"{row.portion} GPU"
+    else:
+        text = mib(row.request_bytes)
+    if row.device_count > 1 and text != "-":
+        text += f" x{row.device_count}"
+    return text
+
+
+def state_text(row: Row) -> str:
+    if row.state == ENFORCED or not row.reason:
+        return row.state
+    return f"{row.state} ({row.reason})"
+
+
+def cells(row: Row) -> tuple[str, ...]:
+    return (row.ref, row.mode or "-", _request(row), mib(row.limit_bytes),
+            "-" if row.active_thread_percentage is None else f"{row.active_thread_percentage}%",
+            mib(row.used_bytes) if row.used_bytes is not None else "n/a", state_text(row))
+
+
+def _table(rows: Sequence[tuple[str, ...]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in rows]
+
+
+def gpu_heading(gpu: Gpu) -> str:
+    parts = [f"GPU {gpu.index}" if gpu.index is not None else "GPU", gpu.uuid]
+    if gpu.name:
+        parts.append(gpu.name)
+    if gpu.memory_bytes:
+        parts.append(mib(gpu.memory_bytes))
+    parts.append(", ".join(gpu.modes) if gpu.modes else "idle")
+    requested = gpu.requested_bytes
+    if gpu.memory_bytes:
+        parts.append(f"requested {mib(requested)} ({requested * 100 // gpu.memory_bytes}%)")
+    else:
+        parts.append(f"requested {mib(requested)}")
+    return "  ".join(parts)
+
+
+def _reasons(rows: Sequence[Row]) -> list[str]:
+    seen: dict[str, str] = {}
+    for r in rows:
+        if r.state != ENFORCED and r.message and r.ref not in seen:
+            seen[r.ref] = f"  ! {r.ref}: {r.reason + ': ' if r.reason else ''}{r.message}"
+    return list(seen.values())
+
+
+def heading(report: Report) -> list[str]:
+    parts = [report.title]
+    if report.node and not report.title.startswith("node "):
+        parts.append(f"on node {report.node}")
+    if report.gpu_memory_label is not None:
+        parts.append(f"nvidia.com/gpu.memory={report.gpu_memory_label}")
+    if report.condition is not None:
+        parts.append(f"{report.condition[0]}={report.condition[1]}")
+    lines = ["  ".join(parts)]
+    agent = report.agent
+    if agent is not None and agent.reachable:
+        driver = f" (driver {agent.driver_version})" if agent.driver_version else ""
+        lines.append(f"agent: {agent.source}{driver}")
+    return lines
+
+
+def table(report: Report) -> str:
+    lines = heading(report)
+    for note in report.notes:
+        lines.append(f"note: {note}")
+    for gpu in report.gpus:
+        lines += ["", gpu_heading(gpu)]
+        if gpu.rows:
+            lines += _table([HEADER, *(cells(r) for r in gpu.rows)])
+            lines += _reasons(gpu.rows)
+        else:
+            lines.append("  (no fractional allocations)")
+    if report.unplaced:
+        lines += ["", "not on a GPU:"]
+        lines += _table([HEADER, *(cells(r) for r in report.unplaced)])
+        lines += _reasons(report.unplaced)
+    if not report.gpus and not report.unplaced:
+        lines += ["", "(no fractional allocations)"]
+    return "\n".join(lines) + "\n"
+
+
+def render(report: Report, output: str) -> str:
+    if output == "json":
+        return json.dumps(report.to_dict(), indent=2, sort_keys=True) + "\n"
+    if output == "yaml":
+        return yaml.safe_dump(report.to_dict(), sort_keys=True)
+    if output == "table":
+        return table(report)
+    raise ValueError(f"--output must be one of {', '.join(OUTPUTS)}, got {output!r}")

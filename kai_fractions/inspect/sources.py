@@ -1,0 +1,195 @@
+"""Where `inspect` reads from: the Kubernetes API (pods, node) and the node agent (its
+NodeEnforcer unix socket, or its Prometheus endpoint). Every failure becomes a one-line reason:
+the cluster's as `SourceError` (the command exits), the agent's as an unreachable `AgentState`
+(the report degrades to "used: n/a" and says why)."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from types import MappingProxyType
+from typing import Any
+
+from .agent_state import (
+    AgentAllocation,
+    AgentCondition,
+    AgentDevice,
+    AgentState,
+    unreachable,
+)
+
+DEFAULT_AGENT_SOCKET = "/run/kai-fractions/agent.sock"
+MEMORY_USED_METRIC = "gpu_fractioning_gpu_memory_used_bytes"
+AGENT_TIMEOUT = 3.0
+
+
+class SourceError(Exception):
+    """The cluster cannot be read; `not_found` tells a missing object from a broken link."""
+
+    def __init__(self, message: str, *, not_found: bool = False):
+        super().__init__(message)
+        self.message = message
+        self.not_found = not_found
+
+
+# -- Kubernetes -------------------------------------------------------------------------------
+
+
+class KubeReader:
+    """Pods and nodes as plain dicts, through the official client."""
+
+    def __init__(self, api_client: Any, timeout: float = 10.0):
+        from kubernetes import client as k8s
+
+        self.core = k8s.CoreV1Api(api_client)
+        self.timeout = timeout
+
+    def _get(self, what: str, call: Any, *, missing_ok: bool = False) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            response = call()
+            return json.loads(response.data or b"null")
+        except ApiException as e:
+            if e.status == 404:
+                if missing_ok:
+                    return None
+                raise SourceError(f"{what}: not found", not_found=True) from None
+            raise SourceError(f"{what}: {e.status} {e.reason or ''}".strip()) from None
+        except Exception as e:  # urllib3 / socket errors: the API is not reachable
+            raise SourceError(f"{what}: the Kubernetes API is not reachable: "
+                              f"{type(e).__name__}: {e}") from None
+
+    def node(self, name: str) -> dict[str, Any] | None:
+        return self._get(f"node {name}", lambda: self.core.read_node(
+            name, _preload_content=False, _request_timeout=self.timeout), missing_ok=True)
+
+    def pods_on(self, node: str) -> list[dict[str, Any]]:
+        body = self._get(f"pods of node {node}", lambda: self.core.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={node}", _preload_content=False,
+            _request_timeout=self.timeout))
+        # Filtered here too: a server (or an emulator) that ignores the selector must not put
+        # another node's pods in the report.
+        return [p for p in (body or {}).get("items") or []
+                if isinstance(p, dict) and (p.get("spec") or {}).get("nodeName") == node]
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any]:
+        return self._get(f"pod {namespace}/{name}", lambda: self.core.read_namespaced_pod(
+            name, namespace, _preload_content=False, _request_timeout=self.timeout))
+
+
+def load_kube(kubeconfig: str | None) -> Any:
+    """An ApiClient (in-cluster, else `kubeconfig`, else $KUBECONFIG / ~/.kube/config);
+    raises SourceError with the reason."""
+    from ..mirror.kube_store import ConfigError, load_api_client
+
+    try:
+        return load_api_client(kubeconfig)
+    except ConfigError as e:
+        raise SourceError(str(e)) from None
+
+
+# -- the node agent ---------------------------------------------------------------------------
+
+_STATES = {0: "", 1: "pending", 2: "applied", 3: "refused"}
+
+
+def from_node_state(reply: Any, source: str) -> AgentState:
+    """AgentState from a NodeEnforcer GetNodeStateResponse."""
+    allocations = tuple(
+        AgentAllocation(namespace=a.pod.namespace, pod=a.pod.name, container=a.container,
+                        uid=a.pod.uid, state=_STATES.get(a.state, ""), reason=a.reason,
+                        message=a.message, used_bytes=a.memory_used_bytes)
+        for a in reply.allocations)
+    condition = None
+    if reply.HasField("condition"):
+        c = reply.condition
+        condition = AgentCondition(c.type, c.ready, c.reason, c.message)
+    return AgentState(
+        source=source,
+        devices=tuple(AgentDevice(d.index, d.uuid, d.name, d.memory_total_bytes, d.compute_mode)
+                      for d in reply.devices),
+        allocations=allocations, condition=condition, driver_version=reply.driver_version,
+        memory_limits_supported=reply.memory_limits_supported)
+
+
+def agent_from_socket(path: str, timeout: float = AGENT_TIMEOUT) -> AgentState:
+    import grpc
+
+    from ..api.v1 import node_pb2, node_pb2_grpc
+
+    target = path if path.startswith("unix:") else f"unix://{os.path.abspath(path)}"
+    source = f"socket {target}"
+    socket_path = target.removeprefix("unix://").removeprefix("unix:")
+    if not os.path.exists(socket_path):
+        return unreachable(source, f"no socket at {socket_path} (run inspect on the node, or "
+                           "give --agent-metrics)")
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = node_pb2_grpc.NodeEnforcerStub(channel).GetNodeState(
+                node_pb2.GetNodeStateRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            return unreachable(source, f"{e.code().name}: {e.details()}")
+    return from_node_state(reply, source)
+
+
+def _metrics_url(url: str) -> str:
+    if "://" not in url:
+        url = f"http://{url}"
+    parts = urllib.parse.urlsplit(url)
+    if parts.path in ("", "/"):
+        parts = parts._replace(path="/metrics")
+    return urllib.parse.urlunsplit(parts)
+
+
+def parse_usage(text: str) -> dict[tuple[str, str, str], dict[str, int]]:
+    """(namespace, pod, container) -> {gpu uuid: bytes} from the agent's Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, str, str], dict[str, int]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name != MEMORY_USED_METRIC:
+                continue
+            labels = sample.labels
+            key = (labels.get("namespace", ""), labels.get("pod", ""),
+                   labels.get("container", ""))
+            out.setdefault(key, {})[labels.get("gpu_uuid", "")] = int(sample.value)
+    return out
+
+
+def agent_from_metrics(url: str, timeout: float = AGENT_TIMEOUT) -> AgentState:
+    target = _metrics_url(url)
+    source = f"metrics {target}"
+    try:
+        with urllib.request.urlopen(target, timeout=timeout) as response:
+            text = response.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", None) or e
+        return unreachable(source, f"{type(e).__name__}: {reason}")
+    try:
+        usage = parse_usage(text)
+    except ValueError as e:
+        return unreachable(source, f"not Prometheus text: {e}")
+    allocations = tuple(
+        AgentAllocation(namespace=ns, pod=pod, container=container,
+                        used_bytes=sum(by_gpu.values()),
+                        used_by_gpu=MappingProxyType(dict(by_gpu)))
+        for (ns, pod, container), by_gpu in sorted(usage.items()))
+    return AgentState(source=source, allocations=allocations)
+
+
+def agent_state(socket: str | None, metrics: str | None) -> AgentState:
+    """The socket when given (or present at the default path), else the metrics endpoint."""
+    if socket:
+        state = agent_from_socket(socket)
+        if state.reachable or not metrics:
+            return state
+    if metrics:
+        return agent_from_metrics(metrics)
+    if os.path.exists(DEFAULT_AGENT_SOCKET):
+        return agent_from_socket(DEFAULT_AGENT_SOCKET)
+    return unreachable("none", "give --agent-socket PATH (on the node) or --agent-metrics URL")

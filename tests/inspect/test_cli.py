@@ -1,0 +1,229 @@
+"""`kai-fractions inspect` against kmock (the `kube` fixture) with hand-made pods, and against
+a node agent reached through a NodeEnforcer unix socket or a Prometheus endpoint."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kai_fractions.api.v1 import allocation_pb2, node_pb2, node_pb2_grpc
+from kai_fractions.cli import main
+from tests.support.kube import KubeServer
+
+from .pods import GPU0, GPU1, MIB, NODE, bind, gate_status, memory_pod, node
+
+UID = "cccccccc-0000-4000-8000-000000000003"
+
+
+def _create(kube: KubeServer, pod: dict) -> None:
+    status = pod.pop("status", None)
+    meta = pod["metadata"]
+    kube.core.create_namespaced_pod(meta["namespace"], pod)
+    if status:
+        kube.core.patch_namespaced_pod_status(meta["name"], meta["namespace"],
+                                              {"status": status})
+
+
+@pytest.fixture
+def cluster(kube: KubeServer, tmp_path: Path) -> Path:
+    kube.core.create_node(node())
+    kube.core.create_node(node(name="other-node"))
+    _create(kube, gate_status(bind(memory_pod("notebook", UID, "8Gi", "16Gi"), (GPU0,)),
+                              exit_code=0, message="limits applied"))
+    _create(kube, gate_status(bind(memory_pod("elsewhere", UID, "4Gi"), (GPU0,),
+                                   node="other-node"), exit_code=0))
+    _create(kube, memory_pod("waiting", UID, "4Gi"))  # not bound: on no node
+    return kube.write_kubeconfig(tmp_path / "kubeconfig")
+
+
+def _inspect(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["inspect", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_node_as_json(cluster: Path, capsys) -> None:
+    code, out, err = _inspect(capsys, "node", NODE, "--kubeconfig", str(cluster),
+                              "--output", "json")
+    assert (code, err) == (0, "")
+    data = json.loads(out)
+    [gpu] = data["gpus"]
+    [row] = gpu["allocations"]
+    assert (row["namespace"], row["pod"], row["container"], row["gpu_uuid"]) == (
+        "team-a", "notebook", "main", GPU0)
+    assert (row["request_bytes"], row["limit_bytes"], row["state"], row["message"]) == (
+        8192 * MIB, 16384 * MIB, "enforced", "limits applied")
+    assert data["unplaced"] == []  # pods of other nodes and unbound pods are not this node's
+    assert data["notes"] == ["used: n/a (agent not reachable: give --agent-socket PATH (on the "
+                             "node) or --agent-metrics URL)"]
+
+
+def test_pod_as_table(cluster: Path, capsys) -> None:
+    code, out, _ = _inspect(capsys, "pod", "team-a/notebook", "--kubeconfig", str(cluster))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == ("pod team-a/notebook  on node gpu-node-1  nvidia.com/gpu.memory=40960  "
+                        "gpu-fractioning.nvidia.com/Ready=True")
+    assert lines[1].startswith("note: used: n/a (agent not reachable: ")
+    row = next(line for line in lines if "team-a/notebook/main" in line).split()
+    assert row == ["team-a/notebook/main", "time-slicing", "8192", "MiB", "16384", "MiB", "-",
+                   "n/a", "enforced"]
+
+
+def test_unbound_pod(cluster: Path, capsys) -> None:
+    code, out, _ = _inspect(capsys, "pod", "team-a/waiting", "--kubeconfig", str(cluster),
+                            "-o", "yaml")
+    assert code == 0
+    assert "state: unscheduled" in out and "reason: NotBound" in out
+
+
+def test_missing_objects_exit_1(cluster: Path, capsys) -> None:
+    assert _inspect(capsys, "node", "nope", "--kubeconfig", str(cluster)) == (
+        1, "", "kai-fractions inspect: node nope: not found\n")
+    assert _inspect(capsys, "pod", "team-a/nope", "--kubeconfig", str(cluster)) == (
+        1, "", "kai-fractions inspect: pod team-a/nope: not found\n")
+
+
+def test_usage_errors_exit_2(tmp_path: Path, capsys) -> None:
+    code, _, err = _inspect(capsys, "node", NODE, "--kubeconfig", str(tmp_path / "missing"))
+    assert code == 2
+    assert err == f"kai-fractions inspect: --kubeconfig {tmp_path / 'missing'}: no such file\n"
+    code, _, err = _inspect(capsys, "pod", "a/b/c", "--kubeconfig", str(tmp_path / "x"))
+    assert (code, err) == (2, "kai-fractions inspect: pod: expected NS/NAME, got 'a/b/c'\n")
+
+
+def test_api_not_reachable_exit_2(tmp_path: Path, capsys) -> None:
+    with KubeServer() as gone:
+        kubeconfig = gone.write_kubeconfig(tmp_path / "kubeconfig")
+    code, out, err = _inspect(capsys, "node", NODE, "--kubeconfig", str(kubeconfig))
+    assert (code, out) == (2, "")
+    assert err.startswith(f"kai-fractions inspect: node {NODE}: the Kubernetes API is not "
+                          "reachable: ")
+    assert err.count("\n") == 1
+
+
+# -- the agent ----------------------------------------------------------------------------------
+
+
+class _Agent(node_pb2_grpc.NodeEnforcerServicer):
+    uid = UID
+
+    def GetNodeState(self, request, context):
+        return node_pb2.GetNodeStateResponse(
+            node_name=NODE, driver_version="615.00.00", memory_limits_supported=True,
+            devices=[node_pb2.Device(index=0, uuid=GPU0, name="NVIDIA A100-SXM4-40GB",
+                                     memory_total_bytes=40960 * MIB, compute_mode="Default"),
+                     node_pb2.Device(index=1, uuid=GPU1, name="NVIDIA A100-SXM4-40GB",
+                                     memory_total_bytes=40960 * MIB, compute_mode="Default")],
+            allocations=[node_pb2.ContainerAllocation(
+                pod=allocation_pb2.PodRef(namespace="team-a", name="notebook", uid=self.uid),
+                container="main", state=node_pb2.ALLOCATION_STATE_REFUSED,
+                reason="MemoryOvercommitted", message="GPU full", memory_used_bytes=0)],
+            condition=node_pb2.NodeCondition(type="gpu-fractioning.nvidia.com/Ready",
+                                             ready=True))
+
+
+@pytest.fixture
+def agent_socket(kube: KubeServer, cluster: Path, tmp_path: Path):
+    path = tmp_path / "agent.sock"
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    agent = _Agent()
+    agent.uid = kube.core.read_namespaced_pod("notebook", "team-a").metadata.uid
+    node_pb2_grpc.add_NodeEnforcerServicer_to_server(agent, server)
+    server.add_insecure_port(f"unix:{path}")
+    server.start()
+    yield path
+    server.stop(0).wait()
+
+
+def test_agent_socket(cluster: Path, agent_socket: Path, capsys) -> None:
+    code, out, _ = _inspect(capsys, "node", NODE, "--kubeconfig", str(cluster),
+                            "--agent-socket", str(agent_socket), "-o", "json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["agent"] == {"source": f"socket unix://{agent_socket}", "reachable": True,
+                             "error": "", "driver_version": "615.00.00"}
+    assert [(g["index"], g["name"], len(g["allocations"])) for g in data["gpus"]] == [
+        (0, "NVIDIA A100-SXM4-40GB", 1), (1, "NVIDIA A100-SXM4-40GB", 0)]
+    row = data["gpus"][0]["allocations"][0]
+    assert (row["state"], row["reason"], row["message"], row["used_bytes"]) == (
+        "refused", "MemoryOvercommitted", "GPU full", 0)
+    assert data["notes"] == []
+
+
+def test_agent_state_of_another_pod_with_that_name_is_not_used(
+        cluster: Path, tmp_path: Path, capsys) -> None:
+    path = tmp_path / "stale.sock"
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    node_pb2_grpc.add_NodeEnforcerServicer_to_server(_Agent(), server)  # UID: not the pod's
+    server.add_insecure_port(f"unix:{path}")
+    server.start()
+    try:
+        code, out, _ = _inspect(capsys, "node", NODE, "--kubeconfig", str(cluster),
+                                "--agent-socket", str(path), "-o", "json")
+    finally:
+        server.stop(0).wait()
+    row = json.loads(out)["gpus"][0]["allocations"][0]
+    assert (code, row["state"], row["reason"], row["used_bytes"]) == (
+        0, "enforced", "GateReleased", None)
+
+
+def test_agent_socket_missing(cluster: Path, tmp_path: Path, capsys) -> None:
+    code, out, _ = _inspect(capsys, "node", NODE, "--kubeconfig", str(cluster),
+                            "--agent-socket", str(tmp_path / "none.sock"))
+    assert code == 0
+    assert (f"note: used: n/a (agent not reachable: no socket at {tmp_path / 'none.sock'} (run "
+            "inspect on the node, or give --agent-metrics))") in out.splitlines()
+
+
+METRICS = f"""\
+# HELP gpu_fractioning_gpu_memory_used_bytes GPU memory used by the container's processes.
+# TYPE gpu_fractioning_gpu_memory_used_bytes gauge
+gpu_fractioning_gpu_memory_used_bytes{{container="main",gpu_uuid="{GPU0}",namespace="team-a",pod="notebook"}} 4.294967296e+09
+gpu_fractioning_gpu_memory_used_bytes{{container="x",gpu_uuid="{GPU1}",namespace="team-a",pod="other"}} 1.0
+"""  # noqa: E501
+
+
+@pytest.fixture
+def metrics_url():
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = METRICS.encode() if self.path == "/metrics" else b"nope"
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_agent_metrics(cluster: Path, metrics_url: str, capsys) -> None:
+    code, out, _ = _inspect(capsys, "node", NODE, "--kubeconfig", str(cluster),
+                            "--agent-metrics", metrics_url, "-o", "json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["agent"]["source"] == f"metrics http://{metrics_url}/metrics"
+    row = data["gpus"][0]["allocations"][0]
+    assert (row["used_bytes"], row["state"]) == (4096 * MIB, "enforced")
+
+
+def test_agent_metrics_not_reachable(cluster: Path, capsys) -> None:
+    code, out, _ = _inspect(capsys, "node", NODE, "--kubeconfig", str(cluster),
+                            "--agent-metrics", "http://127.0.0.1:9/metrics")
+    assert code == 0
+    note = next(line for line in out.splitlines() if line.startswith("note: used: n/a"))
+    assert note.startswith("note: used: n/a (agent not reachable: URLError: ")

@@ -1,0 +1,161 @@
+"""The inspect report, pure: numbers from the pods' annotations, state from agent and gate."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from kai_fractions.contract import ComputeMode
+from kai_fractions.inspect.agent_state import (
+    AgentAllocation,
+    AgentDevice,
+    AgentState,
+    unreachable,
+)
+from kai_fractions.inspect.model import node_report, pod_report
+
+from .pods import GPU0, GPU1, MIB, NODE, bind, gate_status, memory_pod, node, pod
+
+UID_A = "aaaaaaaa-0000-4000-8000-000000000001"
+UID_B = "bbbbbbbb-0000-4000-8000-000000000002"
+AGENT_DOWN = unreachable("none", "give --agent-socket PATH (on the node) or --agent-metrics URL")
+
+
+def test_a_released_pod_is_enforced_with_its_planned_numbers():
+    p = gate_status(bind(memory_pod("train", UID_A, "8Gi", "12Gi"), (GPU0,)), exit_code=0,
+                    message="limits applied: main sha256:x")
+    report = node_report(NODE, node(), [p], AGENT_DOWN)
+    [gpu] = report.gpus
+    assert gpu.uuid == GPU0 and gpu.memory_bytes == 40960 * MIB and gpu.index is None
+    [row] = gpu.rows
+    assert (row.ref, row.mode, row.request_bytes, row.limit_bytes, row.active_thread_percentage,
+            row.state, row.reason, row.message, row.used_bytes) == (
+        "team-a/train/main", "time-slicing", 8192 * MIB, 12288 * MIB, None, "enforced",
+        "GateReleased", "limits applied: main sha256:x", None)
+    assert report.notes == ("used: n/a (agent not reachable: give --agent-socket PATH (on the "
+                            "node) or --agent-metrics URL)",)
+
+
+def test_sm_sharing_gets_its_active_thread_percentage():
+    p = bind(memory_pod("srv", UID_A, "20480Mi", mode=ComputeMode.SM_SHARING), (GPU1,))
+    [row] = node_report(NODE, node(), [p], None).rows
+    assert (row.mode, row.request_bytes, row.active_thread_percentage) == (
+        "sm-sharing", 20480 * MIB, 50)
+
+
+def test_gate_states_waiting_failed_and_no_gate():
+    bound = bind(memory_pod("a", UID_A), (GPU0,))
+    waiting = gate_status(bound, exit_code=None, running=True)
+    failed = gate_status(bound, exit_code=1, message="container 'main' refused by the node "
+                         "agent: SmSharingDisabled: no MPS here")
+    ungated = bind(memory_pod("a", UID_A, gate=False), (GPU0,))
+
+    def state(p):
+        [row] = node_report(NODE, node(), [p], None).rows
+        return row.state, row.reason, row.message
+
+    assert state(waiting) == ("waiting", "GateWaiting",
+                              "the gate waits for the node agent to apply the limits")
+    assert state(failed) == ("refused", "GateFailed", "container 'main' refused by the node "
+                             "agent: SmSharingDisabled: no MPS here")
+    assert state(bound) == ("pending", "", "waiting for the node agent")
+    assert state(ungated)[:2] == ("ungated", "NoGate")
+
+
+def test_unbound_pods_are_unplaced_with_the_schedulers_reason():
+    plain = memory_pod("later", UID_A)
+    refused = {**memory_pod("never", UID_B), "status": {"conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/2 GPUs fit"}]}}
+    fraction = pod("frac", {"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"})
+    report = node_report(NODE, node(), [plain, refused, fraction], None)
+    assert report.gpus == ()
+    got = {(r.pod, r.state, r.reason, r.message, r.portion, r.device_count)
+           for r in report.unplaced}
+    assert got == {("later", "unscheduled", "NotBound", "not bound to a node yet", "", 1),
+                   ("never", "unscheduled", "Unschedulable", "0/2 GPUs fit", "", 1),
+                   ("frac", "unscheduled", "NotBound", "not bound to a node yet", "0.5", 2)}
+
+
+def test_the_agent_state_wins_over_the_gate_but_not_over_a_failed_gate():
+    released = gate_status(bind(memory_pod("a", UID_A), (GPU0,)), exit_code=0)
+    failed = gate_status(bind(memory_pod("b", UID_B), (GPU0,)), exit_code=1, message="digest")
+    agent = AgentState(source="socket unix:///x", allocations=(
+        AgentAllocation("team-a", "a", "main", UID_A, "refused", "MemoryOvercommitted",
+                        "too much", used_bytes=None),
+        AgentAllocation("team-a", "b", "main", UID_B, "applied", used_bytes=5 * MIB),
+    ))
+    rows = {r.pod: r for r in node_report(NODE, node(), [released, failed], agent).rows}
+    assert (rows["a"].state, rows["a"].reason, rows["a"].message) == (
+        "refused", "MemoryOvercommitted", "too much")
+    assert (rows["b"].state, rows["b"].reason, rows["b"].used_bytes) == (
+        "refused", "GateFailed", 5 * MIB)
+
+
+def test_used_memory_per_gpu_and_devices_from_the_agent():
+    multi = bind(pod("m", {"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}, uid=UID_A),
+                 (GPU0, GPU1), portion="0.5")
+    agent = AgentState(
+        source="metrics http://x/metrics",
+        devices=(AgentDevice(1, GPU1, "NVIDIA A100", 40960 * MIB, "Default"),
+                 AgentDevice(0, GPU0, "NVIDIA A100", 40960 * MIB, "Default"),
+                 AgentDevice(2, "GPU-idle", "NVIDIA A100", 40960 * MIB, "Default")),
+        allocations=(AgentAllocation("team-a", "m", "main", used_bytes=3 * MIB,
+                                     used_by_gpu=MappingProxyType({GPU0: MIB, GPU1: 2 * MIB})),))
+    report = node_report(NODE, node(), [multi], agent)
+    assert [(g.index, g.uuid, len(g.rows)) for g in report.gpus] == [
+        (0, GPU0, 1), (1, GPU1, 1), (2, "GPU-idle", 0)]
+    assert [r.used_bytes for r in report.rows] == [MIB, 2 * MIB]
+    assert [r.request_bytes for r in report.rows] == [20480 * MIB, 20480 * MIB]
+    assert report.gpus[0].requested_bytes == 20480 * MIB
+
+
+def test_a_multi_device_container_without_per_gpu_usage_shows_none():
+    multi = bind(pod("m", {"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}, uid=UID_A),
+                 (GPU0, GPU1), portion="0.5")
+    agent = AgentState(source="socket", allocations=(
+        AgentAllocation("team-a", "m", "main", UID_A, "applied", used_bytes=3 * MIB),))
+    assert [r.used_bytes for r in node_report(NODE, node(), [multi], agent).rows] == [None, None]
+
+
+def test_contract_errors_show_as_invalid():
+    bad = pod("bad", {"nvidia.com/container.main.gpu-memory.request": "8Gi",
+                      "nvidia.com/container.main.gpu-memory.limit": "4Gi"})
+    [row] = node_report(NODE, node(), [bad], None).unplaced
+    assert (row.state, row.reason) == ("invalid", "ContractInvalid")
+    assert row.message == ("nvidia.com/container.main.gpu-memory.limit: must be greater than or "
+                           "equal to the request '8Gi' (got '4Gi')")
+
+
+def test_notes_for_a_missing_label_and_a_false_condition():
+    n = node(labels={}, conditions=[{"type": "gpu-fractioning.nvidia.com/Ready",
+                                     "status": "False", "reason": "DriverTooOld",
+                                     "message": "driver 550 has no memory limits"}])
+    report = node_report(NODE, n, [], None)
+    assert report.gpu_memory_label is None
+    assert report.condition == ("gpu-fractioning.nvidia.com/Ready", "False", "DriverTooOld",
+                                "driver 550 has no memory limits")
+    assert report.notes == (
+        "node gpu-node-1 has no nvidia.com/gpu.memory label: the mirror and KAI's binder cannot "
+        "turn portions into memory for it (GPU feature discovery publishes it; the node agent "
+        "does with --publish-gpu-memory-label)",
+        "gpu-fractioning.nvidia.com/Ready is False: DriverTooOld: driver 550 has no memory "
+        "limits")
+    no_condition = node_report(NODE, node(conditions=[]), [], None)
+    assert no_condition.notes == ("node gpu-node-1 has no gpu-fractioning.nvidia.com/Ready "
+                                  "condition: no node agent has reported from it",)
+
+
+def test_pod_report_of_a_pod_without_a_fraction():
+    plain = pod("web", {})
+    report = pod_report(plain, None, None)
+    assert report.title == "pod team-a/web"
+    assert report.rows == () and report.notes == ("the pod requests no GPU fraction",)
+
+
+def test_pod_report_lists_only_that_pods_gpus():
+    p = bind(memory_pod("a", UID_A), (GPU1,))
+    agent = AgentState(source="socket", devices=(
+        AgentDevice(0, GPU0, "A", 1, "Default"), AgentDevice(1, GPU1, "A", 1, "Default")))
+    report = pod_report(p, node(), agent)
+    assert [g.uuid for g in report.gpus] == [GPU1]
+    assert report.node == NODE

@@ -1,0 +1,74 @@
+"""The report as a table per GPU, and as JSON / YAML."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from kai_fractions.contract import ComputeMode
+from kai_fractions.inspect.agent_state import AgentAllocation, AgentDevice, AgentState
+from kai_fractions.inspect.model import node_report
+from kai_fractions.inspect.render import render
+
+from .pods import GPU0, GPU1, MIB, NODE, bind, gate_status, memory_pod, node
+
+UID_A = "aaaaaaaa-0000-4000-8000-000000000001"
+UID_B = "bbbbbbbb-0000-4000-8000-000000000002"
+
+
+def _report():
+    a = gate_status(bind(memory_pod("notebook", UID_A, "8Gi", "16Gi"), (GPU0,)), exit_code=0)
+    b = gate_status(bind(memory_pod("server", UID_B, "20480Mi", mode=ComputeMode.SM_SHARING),
+                         (GPU1,)), exit_code=1, message="container 'main' refused by the node "
+                    "agent: SmSharingDisabled: no MPS")
+    agent = AgentState(
+        source="socket unix:///run/kai-fractions/agent.sock", driver_version="615.00.00",
+        devices=(AgentDevice(0, GPU0, "NVIDIA A100-SXM4-40GB", 40960 * MIB, "Default"),
+                 AgentDevice(1, GPU1, "NVIDIA A100-SXM4-40GB", 40960 * MIB, "Default")),
+        allocations=(AgentAllocation("team-a", "notebook", "main", UID_A, "applied",
+                                     used_bytes=6144 * MIB),))
+    return node_report(NODE, node(), [a, b], agent)
+
+
+def test_table_per_gpu():
+    assert render(_report(), "table") == """\
+node gpu-node-1  nvidia.com/gpu.memory=40960  gpu-fractioning.nvidia.com/Ready=True
+agent: socket unix:///run/kai-fractions/agent.sock (driver 615.00.00)
+
+GPU 0  GPU-00000000-1111-2222-3333-444444444440  NVIDIA A100-SXM4-40GB  40960 MiB  time-slicing  requested 8192 MiB (20%)
+  POD/CONTAINER         MODE          REQUEST   LIMIT      ATP  USED      STATE
+  team-a/notebook/main  time-slicing  8192 MiB  16384 MiB  -    6144 MiB  enforced
+
+GPU 1  GPU-00000000-1111-2222-3333-444444444441  NVIDIA A100-SXM4-40GB  40960 MiB  sm-sharing  requested 0 MiB (0%)
+  POD/CONTAINER       MODE        REQUEST    LIMIT      ATP  USED  STATE
+  team-a/server/main  sm-sharing  20480 MiB  20480 MiB  50%  n/a   refused (GateFailed)
+  ! team-a/server/main: GateFailed: container 'main' refused by the node agent: SmSharingDisabled: no MPS
+"""  # noqa: E501
+
+
+@pytest.mark.parametrize("output, load", [("json", json.loads), ("yaml", yaml.safe_load)])
+def test_machine_readable(output, load):
+    data = load(render(_report(), output))
+    assert data["node"] == NODE and data["gpu_memory_label"] == "40960"
+    assert data["condition"] == {"type": "gpu-fractioning.nvidia.com/Ready", "status": "True",
+                                 "reason": "Reconciling", "message": "ok"}
+    assert data["agent"] == {"source": "socket unix:///run/kai-fractions/agent.sock",
+                             "reachable": True, "error": "", "driver_version": "615.00.00"}
+    [g0, g1] = data["gpus"]
+    assert (g0["index"], g0["uuid"], g0["memory_bytes"], g0["modes"], g0["requested_bytes"]) == (
+        0, GPU0, 40960 * MIB, ["time-slicing"], 8192 * MIB)
+    assert g0["allocations"] == [{
+        "namespace": "team-a", "pod": "notebook", "container": "main", "gpu_uuid": GPU0,
+        "mode": "time-slicing", "request_bytes": 8192 * MIB, "limit_bytes": 16384 * MIB,
+        "active_thread_percentage": None, "devices": [GPU0], "state": "enforced", "reason": "",
+        "message": "", "used_bytes": 6144 * MIB, "portion": "", "device_count": 1}]
+    assert g1["allocations"][0]["state"] == "refused"
+    assert g1["allocations"][0]["active_thread_percentage"] == 50
+    assert data["unplaced"] == [] and data["notes"] == []
+
+
+def test_unknown_output():
+    with pytest.raises(ValueError, match="--output must be one of table, json, yaml"):
+        render(_report(), "xml")
