@@ -22,6 +22,7 @@ _COMMAND_MODULES = (
     "kai_fractions.cli.admission",
     "kai_fractions.cli.gate",
     "kai_fractions.cli.inspect",
+    "kai_fractions.cli.demo",
 )
 
 EXIT_OK, EXIT_CONTRACT, EXIT_USAGE = 0, 1, 2

@@ -1,0 +1,149 @@
+"""The demo's settings: the simulated node and its GPUs, from a small YAML file (`--config`).
+
+    node: demo-node            # the Node's name
+    gpus:                      # the simulated GPUs, as kai_fractions.node.nvml_fake reads them
+      - model: H100-80GB       # H100-80GB, H200-141GB, A100-40GB, A100-80GB, L4, T4
+        count: 2               # (or name + memory: 24Gi)
+    driver_version: 615.00.00  # r615+ has cgroup GPU memory limits; older: watchdog only
+    sm_sharing: true           # the agent's --sm-sharing (MPS); false refuses sm-sharing pods
+    memory_enforcement: cgroup,mps-pinned,watchdog
+    reserve_mib: null          # the mirror's --reserve-mib; null: 1024 with sm_sharing, else 0
+    namespace: default         # where the example pods go
+    examples: null             # a directory of manifests; null: the repository's examples/
+
+Every key is optional; an unknown key or a bad value is an error naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..node.config import parse_memory_enforcement
+from ..node.errors import ConfigError as NodeConfigError
+from ..node.nvml_fake import FakeNvml
+
+DEFAULT_NODE = "demo-node"
+DEFAULT_GPUS: tuple[Mapping[str, Any], ...] = ({"model": "H100-80GB", "count": 2},)
+DEFAULT_DRIVER = "615.00.00"
+MPS_RESERVE_MIB = 1024
+"""What the chart withholds per GPU with sm-sharing on (the MPS server's own context)."""
+_KEYS = ("node", "gpus", "driver_version", "sm_sharing", "memory_enforcement", "reserve_mib",
+         "namespace", "examples")
+_DNS_LABEL_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-.")
+
+
+class DemoConfigError(ValueError):
+    """The config file is unreadable or wrong: the message names the key."""
+
+
+def repository_examples() -> Path:
+    """`examples/` next to the package in a checkout (scripts/demo runs from one)."""
+    return Path(__file__).resolve().parents[2] / "examples"
+
+
+@dataclass(frozen=True, slots=True)
+class DemoConfig:
+    node: str = DEFAULT_NODE
+    gpus: tuple[Mapping[str, Any], ...] = DEFAULT_GPUS
+    driver_version: str = DEFAULT_DRIVER
+    sm_sharing: bool = True
+    memory_enforcement: str = "cgroup,mps-pinned,watchdog"
+    reserve_mib: int | None = None
+    namespace: str = "default"
+    examples: Path = field(default_factory=repository_examples)
+
+    @property
+    def mirror_reserve_mib(self) -> int:
+        if self.reserve_mib is not None:
+            return self.reserve_mib
+        return MPS_RESERVE_MIB if self.sm_sharing else 0
+
+    def nvml(self) -> FakeNvml:
+        """The simulated GPUs (UUIDs are stable for a node name)."""
+        try:
+            return FakeNvml.from_dict({"driver_version": self.driver_version,
+                                       "gpus": [dict(g) for g in self.gpus]}, seed=self.node)
+        except NodeConfigError as e:
+            raise DemoConfigError(f"gpus: {e}") from None
+
+
+def _name(value: Any, key: str) -> str:
+    text = str(value or "")
+    if not text or not set(text) <= _DNS_LABEL_CHARS or len(text) > 63:
+        raise DemoConfigError(f"{key}: must be a lower-case DNS name, got {value!r}")
+    return text
+
+
+def config_from_dict(data: Any, base: Path | None = None) -> DemoConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise DemoConfigError("the config must be a mapping of the keys " + ", ".join(_KEYS))
+    unknown = sorted(set(data) - set(_KEYS))
+    if unknown:
+        raise DemoConfigError(f"unknown key(s) {', '.join(map(str, unknown))}; known: "
+                              + ", ".join(_KEYS))
+    out: dict[str, Any] = {}
+    if "node" in data:
+        out["node"] = _name(data["node"], "node")
+    if "namespace" in data:
+        out["namespace"] = _name(data["namespace"], "namespace")
+    if "gpus" in data:
+        gpus = data["gpus"]
+        if not isinstance(gpus, list) or not gpus or not all(isinstance(g, Mapping)
+                                                             for g in gpus):
+            raise DemoConfigError("gpus: must be a non-empty list of mappings such as "
+                                  "{model: H100-80GB, count: 2}")
+        out["gpus"] = tuple(dict(g) for g in gpus)
+    if "driver_version" in data:
+        out["driver_version"] = str(data["driver_version"])
+    if "sm_sharing" in data:
+        if not isinstance(data["sm_sharing"], bool):
+            raise DemoConfigError(f"sm_sharing: must be true or false, got "
+                                  f"{data['sm_sharing']!r}")
+        out["sm_sharing"] = data["sm_sharing"]
+    if "memory_enforcement" in data:
+        value = data["memory_enforcement"]
+        if isinstance(value, list):
+            value = ",".join(map(str, value))
+        try:
+            parse_memory_enforcement(str(value))
+        except NodeConfigError as e:
+            raise DemoConfigError(f"memory_enforcement: {e}") from None
+        out["memory_enforcement"] = str(value)
+    if data.get("reserve_mib") is not None:
+        value = data["reserve_mib"]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise DemoConfigError(f"reserve_mib: must be a whole number of MiB >= 0, got "
+                                  f"{value!r}")
+        out["reserve_mib"] = value
+    if data.get("examples") is not None:
+        path = Path(str(data["examples"]))
+        out["examples"] = path if path.is_absolute() or base is None else base / path
+    config = DemoConfig(**out)
+    config.nvml()  # the GPUs must make a valid simulated NVML
+    return config
+
+
+def load_config(path: str | Path | None) -> DemoConfig:
+    """The defaults, or the file's settings over them; raises DemoConfigError."""
+    if path is None:
+        return DemoConfig()
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise DemoConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise DemoConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    try:
+        return config_from_dict(data, base=path.parent)
+    except DemoConfigError as e:
+        raise DemoConfigError(f"{path}: {e}") from None

@@ -1,0 +1,326 @@
+"""The demo's story, step by step, over a started `DemoSession`:
+
+1. admit the example pods (mutating + validating webhook logic) and create them in the API;
+2. schedule them: size each with PreviewAllocation, place it (`Placer`), MirrorAllocation over
+   gRPC, bind; a pod that fits nowhere stays Pending with the reason (PodScheduled=False);
+3. play the kubelet: start each bound pod's gate, which waits for the node agent's marker;
+   the workload starts only when the gate releases it;
+4. start a simulated CUDA process in each running container and wait until the agent sees it;
+5. print the per-GPU table (the `inspect` report, the agent reached through its socket);
+6. push one container over its cap and show the watchdog's LimitViolation event;
+7. show a manifest the admission webhook refuses, with its message.
+
+Progress goes to `progress` (stderr); the tables and findings to `out` (stdout).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from ..api.v1 import allocation_pb2 as pb
+from ..contract import (
+    MIB,
+    ContainerShare,
+    ContractViolation,
+    parse_pod,
+    plan_pod,
+    view_from_pod_spec,
+)
+from ..inspect.model import ENFORCED, Report, node_report
+from ..inspect.render import mib, table
+from ..inspect.sources import agent_from_socket
+from .admission_step import USER, admission_config, admit
+from .kubelet import GateResult, SimulatedKubelet
+from .scheduler import Ask, GpuSlot, Placer, allocation, idempotency_key, request_mib
+from .session import DemoSession
+from .workloads import DemoPod, forged_gpu_pod, load_examples
+
+WAIT_SECONDS = 15.0
+POLL_SECONDS = 0.05
+USED_SHARE = (3, 4)
+"""A running container's simulated process uses 3/4 of its memory request."""
+OVER_CAP_MIB = 1024
+"""How far the violating process takes its container above the cap."""
+
+
+class DemoFailure(Exception):
+    """A step the demo depends on did not happen in time (the message says which)."""
+
+
+@dataclass
+class Outcome:
+    report: Report | None = None
+    unscheduled: dict[str, str] = field(default_factory=dict)
+    gates: dict[str, GateResult] = field(default_factory=dict)
+    violation: list[str] = field(default_factory=list)
+    rejection: list[str] = field(default_factory=list)
+
+
+def _wait(what: str, probe: Callable[[], Any], timeout: float = WAIT_SECONDS) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise DemoFailure(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(POLL_SECONDS)
+
+
+def _share(pod: Mapping[str, Any], session: DemoSession) -> ContainerShare | None:
+    view = view_from_pod_spec(pod["metadata"], pod["spec"])
+    return parse_pod(view, session.keys).share
+
+
+class Scenario:
+    def __init__(self, session: DemoSession, out: TextIO, progress: Callable[[str], None]):
+        self.s = session
+        self.out = out
+        self.progress = progress
+        self.core = session.core
+        self.node = session.config.node
+        self.kubelet = SimulatedKubelet(
+            session.core, self.node, session.marker_dir, session.workdir, session.keys,
+            session.nvml, session.proc_root, session.node_config.layout)
+        self.outcome = Outcome()
+        self.pids: dict[tuple[str, str, str], list[int]] = {}
+        """(pod uid, container, gpu) -> simulated process ids."""
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _pod(self, namespace: str, name: str) -> dict[str, Any]:
+        return self.core.api_client.sanitize_for_serialization(
+            self.core.read_namespaced_pod(name, namespace))
+
+    def _all_pods(self) -> list[dict[str, Any]]:
+        pods = self.core.list_pod_for_all_namespaces().items
+        return [self.core.api_client.sanitize_for_serialization(p) for p in pods]
+
+    def _node(self) -> dict[str, Any]:
+        return self.core.api_client.sanitize_for_serialization(self.core.read_node(self.node))
+
+    # -- 1. admission ---------------------------------------------------------------------------
+
+    def create(self, pods: list[DemoPod]) -> list[dict[str, Any]]:
+        config = admission_config(self.s.keys)
+        created = []
+        for demo_pod in pods:
+            admitted = admit(demo_pod.manifest, config)
+            ref = f"{demo_pod.namespace}/{demo_pod.name}"
+            if not admitted.allowed:
+                # An example the webhook refuses is worth showing, not hiding.
+                self.outcome.rejection.append(
+                    f"pod {ref} ({demo_pod.source}): {admitted.decision.code} "
+                    f"{admitted.decision.reason}: {admitted.decision.message}")
+                continue
+            assert admitted.pod is not None
+            pod = self.core.api_client.sanitize_for_serialization(
+                self.core.create_namespaced_pod(demo_pod.namespace, admitted.pod))
+            created.append(pod)
+            self.progress(f"admitted {ref} from {demo_pod.source}: "
+                          + ("; ".join(admitted.wired) or "not fractional, unchanged"))
+        return created
+
+    # -- 2. scheduling --------------------------------------------------------------------------
+
+    def _unschedulable(self, pod: Mapping[str, Any], message: str) -> None:
+        meta = pod["metadata"]
+        ref = f"{meta['namespace']}/{meta['name']}"
+        self.outcome.unscheduled[ref] = message
+        self.core.patch_namespaced_pod_status(meta["name"], meta["namespace"], {"status": {
+            "phase": "Pending", "conditions": [{
+                "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                "message": message}]}})
+        self.progress(f"not scheduled {ref}: {message}")
+
+    def schedule(self, pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        import grpc
+
+        inventory = self.s.nvml.devices()
+        reserve = self.s.config.mirror_reserve_mib
+        slots = [GpuSlot(d.index, d.uuid, self.s.gpu_memory_mib - reserve) for d in inventory]
+        placer = Placer(slots)
+        bound = []
+        for pod in pods:
+            meta = pod["metadata"]
+            ref = f"{meta['namespace']}/{meta['name']}"
+            share = _share(pod, self.s)
+            if share is None:
+                continue  # not fractional: nothing of ours to decide
+            if share.num_devices > len(slots):
+                self._unschedulable(pod, f"it asks for {share.num_devices} GPUs, node "
+                                    f"{self.node} has {len(slots)}")
+                continue
+            try:
+                preview = self.s.stub.PreviewAllocation(pb.PreviewAllocationRequest(
+                    allocation=allocation(pod, share, self.node,
+                                          [s.uuid for s in slots[: share.num_devices]])),
+                    timeout=10)
+                ask = Ask(ref, share.compute_mode, request_mib(preview), share.num_devices)
+                chosen = placer.place(ask)
+                if isinstance(chosen, str):
+                    self._unschedulable(pod, chosen)
+                    continue
+                gpus = [g.uuid for g in chosen]
+                reply = self.s.stub.MirrorAllocation(pb.MirrorAllocationRequest(
+                    allocation=allocation(pod, share, self.node, gpus),
+                    idempotency_key=idempotency_key(pod)), timeout=10)
+            except grpc.RpcError as e:
+                self._unschedulable(pod, f"the mirror refused the allocation: "
+                                    f"{e.code().name}: {e.details()}")
+                continue
+            bound_pod = self.core.api_client.sanitize_for_serialization(
+                self.core.patch_namespaced_pod(meta["name"], meta["namespace"], {
+                    "metadata": {"uid": meta["uid"]}, "spec": {"nodeName": self.node}}))
+            bound.append(bound_pod)
+            where = ", ".join(f"GPU {g.index}" for g in chosen)
+            self.progress(f"scheduled {ref} on {where} ({ask.request_mib} MiB, "
+                          f"{share.compute_mode.value}): MirrorAllocation wrote "
+                          f"{len(reply.annotations)} annotations (changed={reply.changed}), "
+                          f"bound to {self.node}")
+        return bound
+
+    # -- 3. kubelet and gates -----------------------------------------------------------------
+
+    def start_pods(self, bound: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        running = []
+        for pod in bound:
+            meta = pod["metadata"]
+            ref = f"{meta['namespace']}/{meta['name']}"
+            self.kubelet.start(pod)
+            fresh = self._pod(meta["namespace"], meta["name"])
+            result = self.kubelet.run_gate(fresh)
+            self.outcome.gates[ref] = result
+            after = self.kubelet.finish(fresh, result)
+            if result.released:
+                running.append(after)
+                self.progress(f"gate {ref}: released, containers running")
+            else:
+                self.progress(f"gate {ref}: FAILED (exit {result.exit_code}): {result.message}")
+        return running
+
+    # -- 4. processes ---------------------------------------------------------------------------
+
+    def start_processes(self, running: list[dict[str, Any]]) -> dict[tuple[str, str, str], int]:
+        """One process per container and GPU using 3/4 of its request; what the agent must
+        report afterwards, per (namespace, pod, container)."""
+        expected: dict[tuple[str, str, str], int] = {}
+        for pod in running:
+            meta = pod["metadata"]
+            try:
+                plans = plan_pod(parse_pod(view_from_pod_spec(meta, pod["spec"]), self.s.keys),
+                                 keys=self.s.keys)
+            except ContractViolation:
+                continue
+            for plan in plans:
+                used = plan.request_mib * USED_SHARE[0] // USED_SHARE[1] * MIB
+                for gpu in plan.device_uuids:
+                    pid = self.kubelet.start_process(pod, plan.container, gpu, used)
+                    self.pids.setdefault((meta["uid"], plan.container, gpu), []).append(pid)
+                key = (meta["namespace"], meta["name"], plan.container)
+                expected[key] = used * len(plan.device_uuids)
+        return expected
+
+    def _agent_sees(self, expected: Mapping[tuple[str, str, str], int]) -> bool:
+        state = agent_from_socket(str(self.s.endpoints.agent_socket))
+        if not state.reachable:
+            return False
+        for (ns, pod, container), used in expected.items():
+            found = state.allocation(ns, pod, container)
+            if found is None or found.used_bytes != used:
+                return False
+        return True
+
+    # -- 5. the report ---------------------------------------------------------------------------
+
+    def report(self) -> Report:
+        agent = agent_from_socket(str(self.s.endpoints.agent_socket))
+        pods = [p for p in self._all_pods()
+                if (p.get("spec") or {}).get("nodeName") in ("", None, self.node)]
+        return node_report(self.node, self._node(), pods, agent, keys=self.s.keys)
+
+    # -- 6. the violation ------------------------------------------------------------------------
+
+    def violate(self, report: Report) -> list[str]:
+        victim = next((r for g in report.gpus for r in g.rows
+                       if r.state == ENFORCED and r.limit_bytes), None)
+        if victim is None:
+            return ["(no running container to push over its cap)"]
+        pod = self._pod(victim.namespace, victim.pod)
+        uid = pod["metadata"]["uid"]
+        using = (victim.used_bytes or 0)
+        extra = victim.limit_bytes - using + OVER_CAP_MIB * MIB
+        gpu_index = next(g.index for g in report.gpus if g.uuid == victim.gpu_uuid)
+        pid = self.kubelet.start_process(pod, victim.container, victim.gpu_uuid, extra)
+        self.progress(f"violation: a second process (pid {pid}) in {victim.ref} allocates "
+                      f"{mib(extra)} on GPU {gpu_index}")
+
+        def event() -> Any:
+            items = self.core.list_namespaced_event(victim.namespace).items
+            return next((e for e in items if e.reason == "LimitViolation"
+                         and e.involved_object.uid == uid), None)
+
+        try:
+            found = _wait(f"the watchdog's LimitViolation event on {victim.ref}", event)
+        finally:
+            self.kubelet.stop_process(pid)
+        total = using + extra
+        return [
+            f"{victim.ref} on GPU {gpu_index}: a process (pid {pid}) takes it to {mib(total)}, "
+            f"over its cap of {mib(victim.limit_bytes)}",
+            f"watchdog (policy {self.s.node_config.watchdog_policy.value}) -> Event "
+            f"{found.type} {found.reason} on pod {victim.namespace}/{victim.pod}: "
+            f"{found.message}",
+        ]
+
+    # -- 7. the rejection ----------------------------------------------------------------------
+
+    def reject(self) -> list[str]:
+        gpu = self.s.nvml.gpus[0].uuid
+        manifest = forged_gpu_pod(self.s.config.namespace, gpu)
+        admitted = admit(manifest, admission_config(self.s.keys))
+        meta = manifest["metadata"]
+        if admitted.allowed:
+            raise DemoFailure(f"admission let pod {meta['namespace']}/{meta['name']} pick its "
+                              "own GPU")
+        d = admitted.decision
+        return [f"pod {meta['namespace']}/{meta['name']} (created by {USER}, sets the binder's "
+                f"key itself): {d.code} {d.reason}: {d.message}"]
+
+    # -- all of it -----------------------------------------------------------------------------
+
+    def run(self) -> Outcome:
+        s = self.s
+        examples = load_examples(s.config.examples, s.config.namespace)
+        self.progress(f"{len(examples)} pods from {s.config.examples}")
+        created = self.create(examples)
+        bound = self.schedule(created)
+        running = self.start_pods(bound)
+        expected = self.start_processes(running)
+        _wait("the node agent to report the simulated processes' memory",
+              lambda: self._agent_sees(expected))
+        report = self.outcome.report = self.report()
+        self.print_report(report)
+        self.outcome.violation = self.violate(report)
+        self._section("Violation caught", self.outcome.violation)
+        self.outcome.rejection += self.reject()
+        self._section("Rejected by admission", self.outcome.rejection)
+        return self.outcome
+
+    def print_report(self, report: Report) -> None:
+        gpus = self.s.nvml.gpus
+        self.out.write(
+            f"kai-fractions demo: {len({r.ref for r in report.rows})} fractional containers from "
+            f"{self.s.config.examples.name}/ on node {self.node} ({len(gpus)} x {gpus[0].name}, "
+            f"simulated)\n\n")
+        self.out.write(table(report))
+        self.out.flush()
+
+    def _section(self, title: str, lines: list[str]) -> None:
+        self.out.write(f"\n{title}:\n")
+        for line in lines:
+            self.out.write(f"  {line}\n")
+        self.out.flush()

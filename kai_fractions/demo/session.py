@@ -1,0 +1,209 @@
+"""Everything the demo runs, started and stopped in one place.
+
+In this process, each on its own thread(s), talking over real sockets:
+- the Kubernetes API: kmock on 127.0.0.1 (`apiserver.EmbeddedApiServer`), with the Node
+  object of the simulated node (its `nvidia.com/gpu.memory` label from the simulated GPUs);
+- the mirror: the real AllocationMirror gRPC server on 127.0.0.1, over the API with the real
+  Kubernetes client (`KubePodStore`);
+- the node agent: the real `NodeAgent` (pod watch, reconcile worker, node condition, NodeEnforcer
+  on a unix socket, Prometheus metrics on 127.0.0.1) on a simulated node: NVML is `FakeNvml`
+  (the GPUs of the config), the MPS control daemon `FakeMpsControl`, the cgroup tree
+  `FakeCgroupFs(assume_present=True)` (no kubelet creates cgroups here), /proc a temp directory.
+
+`stop()` undoes `start()` in reverse order and is safe to call after a partial start; it leaves
+no thread but daemon threads of libraries that end with the process, and no file outside the
+session's temp directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..contract import MIB, Keys
+from ..contract import keys as k
+from ..node.cgroups import FakeCgroupFs
+from ..node.config import NodeConfig
+from ..node.mps.fake import FakeMpsControl
+from ..node.nvml_fake import FakeNvml
+from .config import DemoConfig
+
+log = logging.getLogger(__name__)
+
+WATCHDOG_INTERVAL = 0.2
+"""The agent's --watchdog-interval here: a violation shows up within a fraction of a second."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    api_url: str
+    kubeconfig: Path
+    mirror: str
+    agent_socket: Path
+    metrics_url: str
+
+
+class DemoSession:
+    def __init__(self, config: DemoConfig, *, keys: Keys = k.DEFAULT_KEYS,
+                 progress: Callable[[str], None] = lambda line: None,
+                 workdir: Path | None = None):
+        self.config = config
+        self.keys = keys
+        self.progress = progress
+        self._own_workdir = workdir is None
+        # Short: the agent's unix socket path must fit in 107 bytes.
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="kf-demo-"))
+        self.nvml: FakeNvml = config.nvml()
+        self.mps = FakeMpsControl(pipe_dir=str(self.workdir / "mps"),
+                                  log_dir=str(self.workdir / "mps-log"),
+                                  devices=len(self.nvml.gpus))
+        self.node_config = NodeConfig(
+            node_name=config.node, proc_root=str(self.workdir / "proc"),
+            sm_sharing=config.sm_sharing, mps_pipe_dir=str(self.workdir / "mps"),
+            mps_log_dir=str(self.workdir / "mps-log"),
+            memory_enforcement=config.memory_enforcement,
+            watchdog_interval=WATCHDOG_INTERVAL, keys=keys)
+        self.marker_dir = self.workdir / "markers"
+        self.proc_root = self.workdir / "proc"
+        self.proc_root.mkdir(parents=True, exist_ok=True)
+        self.api: Any = None
+        self.api_client: Any = None
+        self.core: Any = None
+        self.mirror: Any = None
+        self._mirror_client: Any = None
+        self.agent: Any = None
+        self._agent_client: Any = None
+        self._agent_cluster: Any = None
+        self.channel: Any = None
+        self.stub: Any = None
+        self.endpoints: Endpoints | None = None
+
+    # -- facts -----------------------------------------------------------------------------------
+
+    @property
+    def gpu_memory_mib(self) -> int:
+        """The node label: MiB of the smallest GPU, as GPU feature discovery publishes it."""
+        return min(g.memory_total for g in self.nvml.gpus) // MIB
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> DemoSession:
+        try:
+            self._start_api()
+            self._start_mirror()
+            self._start_agent()
+        except BaseException:
+            self.stop()
+            raise
+        assert self.agent is not None
+        host, port = self.agent.metrics_address
+        self.endpoints = Endpoints(
+            api_url=self.api.url, kubeconfig=self.workdir / "kubeconfig",
+            mirror=self.mirror.address, agent_socket=self.workdir / "agent.sock",
+            metrics_url=f"http://{host}:{port}/metrics")
+        return self
+
+    def _start_api(self) -> None:
+        from kubernetes import client as k8s
+
+        from .apiserver import EmbeddedApiServer
+
+        self.api = EmbeddedApiServer().start()
+        self.api.write_kubeconfig(self.workdir / "kubeconfig", namespace=self.config.namespace)
+        self.api_client = k8s.ApiClient(self.api.configuration())
+        self.core = k8s.CoreV1Api(self.api_client)
+        gpus = self.nvml.gpus
+        self.core.create_node({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": self.config.node, "labels": {
+                k.NODE_GPU_MEMORY_LABEL: str(self.gpu_memory_mib),
+                "nvidia.com/gpu.count": str(len(gpus)),
+                "nvidia.com/gpu.product": gpus[0].name.replace(" ", "-"),
+                "kubernetes.io/hostname": self.config.node,
+            }},
+            "status": {"capacity": {"nvidia.com/gpu": str(len(gpus))},
+                       "allocatable": {"nvidia.com/gpu": str(len(gpus))}},
+        })
+        self.progress(f"Kubernetes API (kmock) on {self.api.url}; node {self.config.node}: "
+                      f"{len(gpus)} x {gpus[0].name} (simulated), "
+                      f"{k.NODE_GPU_MEMORY_LABEL}={self.gpu_memory_mib}")
+
+    def _start_mirror(self) -> None:
+        import grpc
+        from kubernetes import client as k8s
+
+        from ..api.v1 import allocation_pb2_grpc as pb_grpc
+        from ..mirror.kube_store import KubePodStore
+        from ..mirror.server import MirrorServer, ServerOptions
+        from ..mirror.service import MirrorService
+
+        self._mirror_client = k8s.ApiClient(self.api.configuration())
+        service = MirrorService(KubePodStore(self._mirror_client), keys=self.keys,
+                                default_reserve_mib=self.config.mirror_reserve_mib)
+        self.mirror = MirrorServer(service, ServerOptions(listen="127.0.0.1:0",
+                                                          grace_seconds=1.0)).start()
+        self.channel = grpc.insecure_channel(self.mirror.address)
+        self.stub = pb_grpc.AllocationMirrorStub(self.channel)
+        self.progress(f"mirror (kai_fractions.v1.AllocationMirror) on {self.mirror.address}, "
+                      f"reserve {self.config.mirror_reserve_mib} MiB per GPU")
+
+    def _start_agent(self) -> None:
+        from kubernetes import client as k8s
+
+        from ..node.agent.agent import NodeAgent
+        from ..node.agent.fakes import FakeMpsSupervisor
+        from ..node.agent.kube import KubeCluster
+        from ..node.agent.options import AgentOptions
+        from ..node.procfs import Procfs
+        from ..node.watchdog import RecordingKiller
+
+        self._agent_client = k8s.ApiClient(self.api.configuration())
+        self._agent_cluster = KubeCluster(self._agent_client, request_timeout=5.0)
+        options = AgentOptions(
+            marker_dir=str(self.marker_dir), socket=str(self.workdir / "agent.sock"),
+            metrics_listen="127.0.0.1:0", retry_seconds=0.2, retry_max_seconds=1.0,
+            status_tick_seconds=0.2)
+        self.agent = NodeAgent(
+            config=self.node_config, options=options, nvml=self.nvml,
+            cgroup_fs=FakeCgroupFs(assume_present=True), source=self._agent_cluster,
+            cluster=self._agent_cluster,
+            mps=FakeMpsSupervisor(self.mps) if self.config.sm_sharing else None,
+            procfs=Procfs(self.proc_root), killer=RecordingKiller())
+        self.agent.start()
+        host, port = self.agent.metrics_address
+        self.progress(f"node agent on {self.config.node}: NodeEnforcer on unix://"
+                      f"{options.socket}, metrics on http://{host}:{port}/metrics, "
+                      f"sm-sharing {'on' if self.config.sm_sharing else 'off'}")
+
+    def stop(self) -> None:
+        """Reverse order; every step runs even when an earlier one failed."""
+        steps: list[tuple[str, Callable[[], Any]]] = [
+            ("node agent", lambda: self.agent.stop(timeout=5.0) if self.agent else None),
+            ("agent client", lambda: self._agent_client.close() if self._agent_client else None),
+            ("mirror channel", lambda: self.channel.close() if self.channel else None),
+            ("mirror", lambda: self.mirror.stop(grace=0) if self.mirror else None),
+            ("mirror client",
+             lambda: self._mirror_client.close() if self._mirror_client else None),
+            ("API client", lambda: self.api_client.close() if self.api_client else None),
+            ("Kubernetes API", lambda: self.api.stop() if self.api else None),
+        ]
+        for what, step in steps:
+            try:
+                step()
+            except Exception as e:  # keep stopping the rest; say what was left
+                log.warning("stopping the %s failed: %s", what, e)
+        self.agent = self.mirror = self.channel = self.api = None
+        self._agent_client = self._mirror_client = self.api_client = None
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> DemoSession:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
