@@ -1,0 +1,58 @@
+"""The agent's own settings (beyond the engine's `NodeConfig`).
+
+The command line fixes the flag names; the timings that have no flag keep defaults that suit
+production and are only changed by tests that build an `AgentOptions` themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...contract import keys as k
+
+DEFAULT_SOCKET = "/run/kai-fractions/agent.sock"
+DEFAULT_MARKER_DIR = "/var/lib/kai-fractions/markers"
+DEFAULT_METRICS_LISTEN = "0.0.0.0:9400"
+DEFAULT_RESYNC_SECONDS = 300.0
+COMPONENT = "kai-fractions-node-agent"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentOptions:
+    marker_dir: str = DEFAULT_MARKER_DIR
+    socket: str | None = DEFAULT_SOCKET
+    """The NodeEnforcer unix socket; None serves no gRPC (in-process tests)."""
+    metrics_listen: str | None = DEFAULT_METRICS_LISTEN
+    """HOST:PORT of the Prometheus endpoint; None serves none (the registry still fills)."""
+    condition_name: str = k.NODE_CONDITION
+    legacy_condition: bool = False
+    publish_gpu_memory_label: bool = False
+    resync_seconds: float = DEFAULT_RESYNC_SECONDS
+    retry_seconds: float = 1.0
+    """First delay before a pass that did not converge (something pending) is tried again."""
+    retry_max_seconds: float = 2.0
+    """Cap of that delay; also how often a broken NVML is re-initialised."""
+    mps_check_seconds: float = 5.0
+    """How often the MPS control daemon is health-checked between passes."""
+    heartbeat_seconds: float = 60.0
+    """An unchanged node condition is re-patched (lastHeartbeatTime) at most this often."""
+    status_tick_seconds: float = 1.0
+    """How often the status publisher looks at the agent's health."""
+    stale_after_seconds: float = 60.0
+    """A pass running this long, or the API unreachable this long, is `NotReconciling`."""
+    rpc_timeout_seconds: float = 30.0
+    """How long a gRPC call waits for its turn on the worker."""
+    marker_grace_seconds: float = 600.0
+    """An empty marker directory of no known pod (the kubelet creates it for subPathExpr before
+    the agent may have seen the pod) is removed only once it is this old."""
+    api_timeout_seconds: float = 10.0
+    """Per Kubernetes request (watches excepted)."""
+    watch_seconds: int = 300
+    """Server-side timeout of one watch request (then it is renewed)."""
+
+    @property
+    def condition_types(self) -> tuple[str, ...]:
+        names = [self.condition_name]
+        if self.legacy_condition and k.LEGACY_NODE_CONDITION not in names:
+            names.append(k.LEGACY_NODE_CONDITION)
+        return tuple(names)
