@@ -1,0 +1,244 @@
+"""The node condition KAI reads before placing fractional pods, and its publisher.
+
+`gpu-fractioning.nvidia.com/Ready` (name configurable; `gpu-sharing.nvidia.com/Ready` too with
+`--legacy-condition`) is True only when NVML works, the MPS control daemon answers (when
+sm-sharing is enabled) and the agent is reconciling. Otherwise False with one reason:
+
+| reason | when |
+|---|---|
+| `NVMLUnavailable` | NVML cannot be loaded or initialised, or the inventory failed |
+| `DriverTooOld` | only the cgroup tier is enabled and the driver lacks the r615 functions |
+| `MPSDaemonUnhealthy` | sm-sharing is enabled and the control daemon does not answer |
+| `NotReconciling` | no pod list yet, API unreachable or a pass running too long, or stopping |
+
+The publisher patches `nodes/status` when the condition changes, and otherwise at most every
+heartbeat interval (`lastHeartbeatTime`); `lastTransitionTime` moves only when the status does
+(across agent restarts too: it is read back from the node).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from ...contract import MIB
+from ...contract import keys as k
+from ..config import Mechanism, NodeConfig
+from ..errors import NodeError
+from ..inventory import Inventory
+from .kube import ClusterWriter, KubeError
+from .options import AgentOptions
+
+log = logging.getLogger(__name__)
+
+READY = "AgentReady"
+NVML_UNAVAILABLE = "NVMLUnavailable"
+DRIVER_TOO_OLD = "DriverTooOld"
+MPS_DAEMON_UNHEALTHY = "MPSDaemonUnhealthy"
+NOT_RECONCILING = "NotReconciling"
+
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    ready: bool
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """What the last pass saw (the worker leaves it behind after each pass)."""
+
+    inventory: Inventory | None = None
+    nvml_error: NodeError | None = None
+    mps_error: NodeError | None = None
+    """sm-sharing only: why the control daemon is not usable; None when it is."""
+    mps_namespaces: bool | None = None
+    """sm-sharing only: whether the daemon has v3 namespaces (False: client env only)."""
+    passes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Liveness:
+    """What the loop is doing now (read by the publisher, never from a stale pass)."""
+
+    synced: bool
+    api_down_for: float | None
+    api_error: str | None
+    busy_for: float | None
+    stopping: bool = False
+
+
+def compute_summary(config: NodeConfig, health: Health) -> str:
+    if not config.sm_sharing:
+        return "time-slicing only (sm-sharing disabled on this node)"
+    if health.mps_namespaces is False:
+        return ("sm-sharing through the MPS client env only: this MPS daemon has no namespaces "
+                "(driver before r615), so the active-thread percentage is the client's own "
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, not enforced by the daemon")
+    return "sm-sharing with one MPS namespace per container"
+
+
+def memory_summary(config: NodeConfig, inventory: Inventory) -> str:
+    tiers = []
+    if Mechanism.CGROUP in config.memory_enforcement and inventory.capabilities.memory_limits:
+        tiers.append("cgroup limits")
+    if Mechanism.MPS_PINNED in config.memory_enforcement and config.sm_sharing:
+        tiers.append("MPS pinned limit (sm-sharing)")
+    if Mechanism.WATCHDOG in config.memory_enforcement:
+        tiers.append(f"watchdog ({config.watchdog_policy.value})")
+    return ", ".join(tiers) or "none"
+
+
+def evaluate(config: NodeConfig, options: AgentOptions, health: Health,
+             live: Liveness) -> Condition:
+    if live.stopping:
+        return Condition(False, NOT_RECONCILING, "the node agent is stopping; the next one "
+                         "publishes this condition again")
+    if health.nvml_error is not None:
+        e = health.nvml_error
+        return Condition(False, NVML_UNAVAILABLE,
+                         f"NVML does not work on this node ({e.reason}): {e.message}")
+    inv = health.inventory
+    if inv is not None and not inv.capabilities.memory_limits \
+            and config.memory_enforcement == frozenset({Mechanism.CGROUP}):
+        return Condition(False, DRIVER_TOO_OLD,
+                         f"NVIDIA driver {inv.driver_version} has no cgroup GPU memory limits "
+                         "(nvmlDeviceSetMemoryLimits_v1 needs r615 or newer) and "
+                         "--memory-enforcement=cgroup allows no fallback: upgrade the driver or "
+                         "add mps-pinned,watchdog to --memory-enforcement")
+    if config.sm_sharing and health.mps_error is not None:
+        e = health.mps_error
+        return Condition(False, MPS_DAEMON_UNHEALTHY,
+                         f"sm-sharing is enabled but the MPS control daemon is not usable "
+                         f"({e.reason}): {e.message}")
+    stale = options.stale_after_seconds
+    if live.api_down_for is not None and live.api_down_for >= stale:
+        return Condition(False, NOT_RECONCILING,
+                         f"the Kubernetes API has been unreachable for {live.api_down_for:.0f}s: "
+                         f"{live.api_error or 'no answer'}")
+    if live.busy_for is not None and live.busy_for >= stale:
+        return Condition(False, NOT_RECONCILING,
+                         f"a reconcile pass has been running for {live.busy_for:.0f}s (a GPU, "
+                         "MPS or API call hangs); see the agent's log")
+    if not live.synced or health.passes == 0 or inv is None:
+        return Condition(False, NOT_RECONCILING,
+                         "the node agent has not listed this node's pods and reconciled them "
+                         "yet")
+    return Condition(True, READY,
+                     f"{len(inv.devices)} GPU(s), driver {inv.driver_version}; memory: "
+                     f"{memory_summary(config, inv)}; compute: {compute_summary(config, health)}")
+
+
+def _stamp(now: float) -> str:
+    return datetime.fromtimestamp(int(now), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class StatusPublisher:
+    """Publishes the condition (and the GPU memory label) from its own thread, so that a stuck
+    worker is still reported."""
+
+    def __init__(self, cluster: ClusterWriter, node: str, options: AgentOptions,
+                 condition: Callable[[], Condition | None],
+                 smallest_gpu_mib: Callable[[], int | None] = lambda: None, *,
+                 clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic):
+        self.cluster = cluster
+        self.node = node
+        self.options = options
+        self.condition = condition
+        self.smallest_gpu_mib = smallest_gpu_mib
+        self.clock = clock
+        self.monotonic = monotonic
+        self.published: Condition | None = None
+        self._published_at = float("-inf")
+        self._transitions: dict[str, str] | None = None
+        """condition type -> lastTransitionTime, as read from the node once."""
+        self._label_done = not options.publish_gpu_memory_label
+        self.wake = threading.Event()
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.tick()
+            self.wake.wait(self.options.status_tick_seconds)
+            self.wake.clear()
+
+    def tick(self, *, force: bool = False) -> bool:
+        """Publishes when due; True when a patch went through."""
+        self._label()
+        cond = self.condition()
+        if cond is None:
+            return False  # nothing known yet: publishing "not ready" would only flap
+        due = self.monotonic() - self._published_at >= self.options.heartbeat_seconds
+        if not force and cond == self.published and not due:
+            return False
+        return self.publish(cond)
+
+    def _previous_transitions(self) -> dict[str, tuple[str, str]]:
+        node = self.cluster.get_node(self.node)
+        out = {}
+        for c in (node.get("status") or {}).get("conditions") or []:
+            if isinstance(c, dict) and c.get("type") in self.options.condition_types:
+                out[str(c["type"])] = (str(c.get("status")), str(c.get("lastTransitionTime")))
+        return out
+
+    def publish(self, cond: Condition) -> bool:
+        now = self.clock()
+        status = "True" if cond.ready else "False"
+        try:
+            if self._transitions is None:
+                previous = self._previous_transitions()
+                self._transitions = {t: when for t, (s, when) in previous.items()
+                                     if s == status and when not in ("", "None")}
+            changed = self.published is None or self.published.ready != cond.ready
+            conditions = []
+            for kind in self.options.condition_types:
+                if changed and (self.published is not None or kind not in self._transitions):
+                    self._transitions[kind] = _stamp(now)
+                conditions.append({
+                    "type": kind, "status": status, "reason": cond.reason,
+                    "message": cond.message, "lastHeartbeatTime": _stamp(now),
+                    "lastTransitionTime": self._transitions.get(kind, _stamp(now))})
+            self.cluster.patch_node_status(self.node, conditions)
+        except KubeError as e:
+            log.warning("node condition not published (%s); retried in %gs", e.message,
+                        self.options.status_tick_seconds)
+            return False
+        if cond != self.published:
+            log.info("node condition %s=%s (%s): %s", self.options.condition_name, status,
+                     cond.reason, cond.message)
+        self.published = cond
+        self._published_at = self.monotonic()
+        return True
+
+    def _label(self) -> None:
+        if self._label_done:
+            return
+        mib = self.smallest_gpu_mib()
+        if mib is None:
+            return
+        try:
+            node = self.cluster.get_node(self.node)
+            labels = (node.get("metadata") or {}).get("labels") or {}
+            if k.NODE_GPU_MEMORY_LABEL not in labels:
+                self.cluster.patch_node_labels(self.node, {k.NODE_GPU_MEMORY_LABEL: str(mib)})
+                log.info("labelled node %s %s=%d", self.node, k.NODE_GPU_MEMORY_LABEL, mib)
+            self._label_done = True
+        except KubeError as e:
+            log.warning("node label %s not published (%s); retried", k.NODE_GPU_MEMORY_LABEL,
+                        e.message)
+
+
+def smallest_gpu_mib(inventory: Inventory | None) -> int | None:
+    if inventory is None or not inventory.devices:
+        return None
+    return min(d.memory_total for d in inventory.devices) // MIB
+
+
+def condition_dicts(cond: Condition) -> dict[str, Any]:
+    return {"ready": cond.ready, "reason": cond.reason, "message": cond.message}

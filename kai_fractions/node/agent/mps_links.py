@@ -1,0 +1,86 @@
+"""sm-sharing on MPS daemons without v3 namespaces (drivers before r615).
+
+The contract gives every sm-sharing container `CUDA_MPS_PIPE_DIRECTORY=<root>/shared/<namespace>`
+(the mirror and the gate compute the same value, whatever the node's driver). A legacy daemon
+has one pipe directory, `<root>` itself. So the agent makes `<root>/shared/<namespace>` a
+RELATIVE symlink to `..` (relative to the link's own directory `<root>/shared`, so it names
+`<root>`; `../..` would name the parent of `<root>`): it resolves to the daemon's directory on the
+host and equally inside the container, where the same directory is mounted at another path (an
+absolute target would name a host path the container does not have). Released with the pod.
+
+What this does NOT give: a per-container compute cap the daemon enforces. The active-thread
+percentage then reaches MPS only through the client's own CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the
+webhook sets it from the pod's annotations), which a process can change for itself: weaker than a
+namespace, and reported as such (node condition message, GetNodeState, marker message).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from ...contract.plan import MPS_SERVER
+from ..engine import is_our_namespace
+from ..errors import NodeError
+
+LINK_TARGET = ".."
+LEGACY_MPS_LINK = "MPSPipeLinkFailed"
+
+
+class LegacyPipeLinks:
+    def __init__(self, pipe_dir: str, server: str = MPS_SERVER):
+        self.server_dir = os.path.join(pipe_dir, server)
+
+    def path(self, namespace: str) -> str:
+        return os.path.join(self.server_dir, namespace)
+
+    def ensure(self, namespace: str) -> bool:
+        """Creates the link (True when it had to); raises NodeError when the path is taken by
+        something that is not our link."""
+        if not is_our_namespace(namespace):
+            raise NodeError(f"MPS namespace name {namespace!r} is not one the agent makes",
+                            reason=LEGACY_MPS_LINK)
+        path = self.path(namespace)
+        try:
+            if os.readlink(path) == LINK_TARGET:
+                return False
+            os.unlink(path)  # our name, wrong target: put it right
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # EINVAL: not a symlink (a v3 daemon's directory, say)
+            raise NodeError(
+                f"{path} exists and is not the agent's link to the MPS pipe directory "
+                f"({e.strerror}); remove it, or run an MPS daemon with namespaces",
+                reason=LEGACY_MPS_LINK) from None
+        try:
+            os.makedirs(self.server_dir, mode=0o755, exist_ok=True)
+            os.symlink(LINK_TARGET, path)
+        except FileExistsError:
+            pass  # made between our check and now: checked again on the next pass
+        except OSError as e:
+            raise NodeError(f"cannot create the MPS pipe link {path}: {e.strerror or e}",
+                            reason=LEGACY_MPS_LINK) from None
+        return True
+
+    def remove(self, namespace: str) -> bool:
+        path = self.path(namespace)
+        if os.path.islink(path) and is_our_namespace(namespace):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                return True
+        return False
+
+    def existing(self) -> set[str]:
+        """Names of the agent's links present now."""
+        try:
+            entries = list(os.scandir(self.server_dir))
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+        return {e.name for e in entries if e.is_symlink() and is_our_namespace(e.name)}
+
+    def sweep(self, keep: set[str]) -> list[str]:
+        removed = []
+        for name in sorted(self.existing() - keep):
+            if self.remove(name):
+                removed.append(name)
+        return removed
