@@ -1,0 +1,159 @@
+"""The node agent assembled: watcher, worker, status publisher, metrics and gRPC servers, and the
+shutdown order.
+
+Shutdown (SIGTERM): stop watching, let the worker finish the task in progress (a pass is never
+cut between its apply and its markers, and markers are written only after an apply), publish
+the condition one last time (False, NotReconciling: the agent is stopping), close the socket,
+stop the MPS control daemon only if this agent started it. Nothing is drained or released: the
+workloads keep running with their limits in force, and the next agent adopts them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..cgroups import CgroupFs
+from ..config import NodeConfig
+from ..nvml import Nvml
+from ..procfs import Procfs
+from ..watchdog import Killer
+from .condition import Condition, Liveness, StatusPublisher, evaluate, smallest_gpu_mib
+from .events import EventRecorder
+from .grpc_service import NodeEnforcerServicer, close_unix, serve_unix
+from .kube import ClusterWriter, PodSource
+from .metrics import AgentMetrics
+from .options import AgentOptions
+from .reconciler import MpsSupervisor, Reconciler
+from .watch import PodCache, PodWatcher
+from .worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        *,
+        config: NodeConfig,
+        options: AgentOptions,
+        nvml: Nvml,
+        cgroup_fs: CgroupFs,
+        source: PodSource | None,
+        cluster: ClusterWriter | None,
+        mps: MpsSupervisor | None = None,
+        procfs: Procfs | None = None,
+        killer: Killer | None = None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        hook: Callable[[str], None] = lambda point: None,
+    ):
+        self.config = config
+        self.options = options
+        self.monotonic = monotonic
+        self.source = source
+        self.cluster = cluster
+        self.cache = PodCache(monotonic)
+        self.metrics = AgentMetrics()
+        self.events = EventRecorder(cluster, config.node_name, clock)
+        self.reconciler = Reconciler(
+            config=config, options=options, nvml=nvml, cgroup_fs=cgroup_fs, pods=self.cache,
+            mps=mps, cluster=cluster, events=self.events, metrics=self.metrics, procfs=procfs,
+            killer=killer, clock=clock, hook=hook)
+        self.worker = Worker(self.reconciler, options,
+                             watchdog_interval=config.watchdog_interval,
+                             mps_checks=self.reconciler.mps is not None, monotonic=monotonic)
+        self.watcher = (PodWatcher(source, config.node_name, self.cache, self.worker.mark_dirty,
+                                   resync_seconds=options.resync_seconds, monotonic=monotonic)
+                        if source is not None else None)
+        self.status = (StatusPublisher(cluster, config.node_name, options, self.condition,
+                                       lambda: smallest_gpu_mib(self.reconciler.view.inventory),
+                                       clock=clock, monotonic=monotonic)
+                       if cluster is not None else None)
+        self.servicer = NodeEnforcerServicer(self.reconciler, self.worker, config.node_name,
+                                             self.condition, options.condition_name)
+        self._stop = threading.Event()
+        self._stopping = False
+        self._started = monotonic()
+        self._threads: list[threading.Thread] = []
+        self._grpc: Any = None
+        self.metrics_address: tuple[str, int] | None = None
+
+    # -- health -----------------------------------------------------------------------------
+
+    def liveness(self) -> Liveness:
+        down = self.cache.api_down_since
+        return Liveness(synced=self.cache.synced,
+                        api_down_for=None if down is None else self.monotonic() - down,
+                        api_error=self.cache.last_error, busy_for=self.worker.busy_for(),
+                        stopping=self._stopping)
+
+    def condition(self) -> Condition | None:
+        """The node condition now; None while the first pass is still to come (publishing
+        "not ready" for the few seconds of a start would only flap the node)."""
+        health = self.reconciler.view.health
+        live = self.liveness()
+        if (health.passes == 0 and not live.stopping
+                and self.monotonic() - self._started < self.options.stale_after_seconds):
+            return None
+        return evaluate(self.config, self.options, health, live)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> NodeAgent:
+        """Servers first (the socket's umask must not race other threads), then threads."""
+        if self.options.metrics_listen:
+            self.metrics_address = self.metrics.serve(self.options.metrics_listen)
+            log.info("metrics on http://%s:%d/metrics", *self.metrics_address)
+        if self.options.socket:
+            self._grpc = serve_unix(self.servicer, self.options.socket)
+        self._threads.append(self.worker.start())
+        if self.watcher is not None:
+            self._spawn("pod-watcher", self.watcher.run)
+        else:
+            self.cache.replace([])  # no API: only provisioned pods exist
+        if self.status is not None:
+            self._spawn("node-status", self.status.run)
+        log.info("node agent for %s started", self.config.node_name)
+        return self
+
+    def _spawn(self, name: str, target: Callable[[threading.Event], None]) -> None:
+        thread = threading.Thread(target=target, args=(self._stop,), name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        self._stopping = True
+        self._stop.set()
+        close = getattr(self.source, "close_watches", None)
+        if close is not None:
+            close()
+        if self.status is not None:
+            self.status.wake.set()
+        finished = self.worker.stop(timeout)
+        for thread in self._threads:
+            if thread is not self.worker.thread:
+                thread.join(2.0)
+        if self.status is not None:
+            cond = self.condition()
+            if cond is not None:
+                self.status.publish(cond)
+        if self._grpc is not None and self.options.socket:
+            close_unix(self._grpc, self.options.socket)
+            self._grpc = None
+        if finished:
+            self.reconciler.close()
+        else:
+            log.error("the worker did not finish within %gs; the MPS daemon and NVML are left "
+                      "as they are", timeout)
+        self.metrics.close()
+        log.info("node agent for %s stopped", self.config.node_name)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._stop.wait(timeout)
+
+    def request_stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,231 @@
+"""`kai_fractions.v1.NodeEnforcer` on a root-only unix socket.
+
+The socket is created with mode 0600 (the umask is narrowed around the bind, then the mode is
+set explicitly), owned by the agent's user (root on a node): only root on the host can call it,
+no workload can. `GetNodeState` answers from the last pass's snapshot without touching the GPUs;
+`Provision`, `Release` and `Drain` run on the agent's worker like any other GPU work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Callable, Mapping
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from ...api.v1 import allocation_pb2, node_pb2, node_pb2_grpc
+from ...contract import ComputeMode
+from ..config import Mechanism
+from ..desired import ComputeEnforcement, ContainerDesired, ContainerKey, Refusal
+from ..engine import ContainerResult, ContainerState
+from ..errors import NodeError
+from ..nvml import GpuComputeMode
+from .condition import Condition
+from .reconciler import LEGACY_MPS_NOTE, KnownPod, NodeView, Reconciler
+from .worker import Worker, WorkerBusy, WorkerStopped
+
+log = logging.getLogger(__name__)
+
+SOCKET_MODE = 0o600
+
+_STATES = {
+    ContainerState.APPLIED: node_pb2.ALLOCATION_STATE_APPLIED,
+    ContainerState.PENDING: node_pb2.ALLOCATION_STATE_PENDING,
+    ContainerState.REFUSED: node_pb2.ALLOCATION_STATE_REFUSED,
+}
+_COMPUTE_MODES = {
+    GpuComputeMode.DEFAULT: "Default",
+    GpuComputeMode.EXCLUSIVE_THREAD: "ExclusiveThread",
+    GpuComputeMode.PROHIBITED: "Prohibited",
+    GpuComputeMode.EXCLUSIVE_PROCESS: "ExclusiveProcess",
+}
+_SHARING = {
+    ComputeMode.TIME_SLICING: allocation_pb2.COMPUTE_SHARING_MODE_TIME_SLICING,
+    ComputeMode.SM_SHARING: allocation_pb2.COMPUTE_SHARING_MODE_SM_SHARING,
+}
+
+
+def _limits(c: ContainerDesired, result: ContainerResult | None) -> list[node_pb2.AppliedLimit]:
+    if result is None or result.state is not ContainerState.APPLIED:
+        return []
+    out = [node_pb2.AppliedLimit(gpu_uuid=t.gpu_uuid, cgroup_path=t.path,
+                                 soft_limit_bytes=t.soft, hard_limit_bytes=t.hard,
+                                 mechanism=Mechanism.CGROUP.value) for t in result.limits]
+    for mechanism in (Mechanism.MPS_PINNED, Mechanism.WATCHDOG):
+        if mechanism in c.mechanisms:
+            out += [node_pb2.AppliedLimit(gpu_uuid=uuid, hard_limit_bytes=c.plan.limit_bytes,
+                                          mechanism=mechanism.value)
+                    for uuid in c.plan.device_uuids]
+    return out
+
+
+def allocation(view: NodeView, key: ContainerKey) -> node_pb2.ContainerAllocation:
+    desired = view.desired
+    c = desired.container(key) if desired is not None else None
+    refusal: Refusal | None = desired.refusal(key) if desired is not None else None
+    result = view.results.get(key)
+    known: KnownPod | None = view.pods.get(key.pod_uid)
+    namespace = c.pod_namespace if c else refusal.pod_namespace if refusal else \
+        known.namespace if known else ""
+    name = c.pod_name if c else refusal.pod_name if refusal else known.name if known else ""
+    out = node_pb2.ContainerAllocation(
+        pod=allocation_pb2.PodRef(namespace=namespace, name=name, uid=key.pod_uid),
+        container=key.container,
+        state=_STATES[result.state] if result else node_pb2.ALLOCATION_STATE_UNSPECIFIED,
+        reason=(result.reason or "") if result else "",
+        message=(result.message or "") if result else "",
+    )
+    if c is not None:
+        plan = c.plan
+        out.devices.extend(plan.device_uuids)
+        out.compute_sharing_mode = _SHARING[plan.compute_mode]
+        out.memory_request_bytes = plan.request_bytes
+        out.memory_limit_bytes = plan.limit_bytes
+        out.active_thread_percentage = plan.active_thread_percentage or 0
+        out.plan_digest = plan.digest
+        out.mps_namespace = plan.mps_namespace or ""
+        out.applied_limits.extend(_limits(c, result))
+        out.memory_used_bytes = sum(u.used_bytes for (k, _uuid), u in view.usage.items()
+                                    if k == key)
+        if (c.compute is ComputeEnforcement.MPS_CLIENT_ENV and result is not None
+                and result.state is ContainerState.APPLIED and not out.message):
+            out.message = LEGACY_MPS_NOTE
+    return out
+
+
+def node_state(view: NodeView, node_name: str, condition: Condition | None,
+               condition_type: str) -> node_pb2.GetNodeStateResponse:
+    inv = view.inventory
+    out = node_pb2.GetNodeStateResponse(node_name=node_name)
+    if inv is not None:
+        out.driver_version = inv.driver_version
+        out.memory_limits_supported = inv.capabilities.memory_limits
+        out.devices.extend(node_pb2.Device(
+            index=d.index, uuid=d.uuid, name=d.name, memory_total_bytes=d.memory_total,
+            compute_mode=_COMPUTE_MODES.get(d.compute_mode, str(int(d.compute_mode))),
+            mig_enabled=d.mig_enabled) for d in inv.devices)
+    for key in sorted(view.results):
+        out.allocations.append(allocation(view, key))
+    if condition is not None:
+        out.condition.CopyFrom(node_pb2.NodeCondition(
+            type=condition_type, ready=condition.ready, reason=condition.reason,
+            message=condition.message))
+    else:
+        out.condition.CopyFrom(node_pb2.NodeCondition(type=condition_type, ready=False,
+                                                      reason="NotReconciling",
+                                                      message="starting"))
+    return out
+
+
+class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
+    def __init__(self, reconciler: Reconciler, worker: Worker, node_name: str,
+                 condition: Callable[[], Condition | None], condition_type: str):
+        self.reconciler = reconciler
+        self.worker = worker
+        self.node_name = node_name
+        self.condition = condition
+        self.condition_type = condition_type
+
+    def _run(self, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
+        try:
+            return self.worker.call(fn)
+        except (WorkerBusy, WorkerStopped) as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except NodeError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e.reason}: {e.message}")
+
+    @staticmethod
+    def _uid(context: grpc.ServicerContext, pod: allocation_pb2.PodRef,
+             pods: Mapping[str, KnownPod]) -> str:
+        if pod.uid:
+            return pod.uid
+        found = [uid for uid, k in pods.items()
+                 if (k.namespace, k.name) == (pod.namespace, pod.name)]
+        if not found:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"no pod {pod.namespace}/{pod.name} on this node; give pod.uid")
+        return found[0]
+
+    def GetNodeState(self, request: node_pb2.GetNodeStateRequest,
+                     context: grpc.ServicerContext) -> node_pb2.GetNodeStateResponse:
+        return node_state(self.reconciler.view, self.node_name, self.condition(),
+                          self.condition_type)
+
+    def Provision(self, request: node_pb2.ProvisionRequest,
+                  context: grpc.ServicerContext) -> node_pb2.ProvisionResponse:
+        pod = request.pod
+        missing = [f for f, v in (("pod.uid", pod.uid), ("pod.namespace", pod.namespace),
+                                  ("pod.name", pod.name), ("containers", request.containers))
+                   if not v]
+        if missing:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"Provision needs {', '.join(missing)} (the uid names the pod's "
+                          "cgroup and MPS namespace)")
+        keys = self._run(context, lambda: self.reconciler.provision(
+            pod.namespace, pod.name, pod.uid, dict(request.annotations),
+            list(request.containers), list(request.init_containers)))
+        view = self.reconciler.view
+        return node_pb2.ProvisionResponse(allocations=[allocation(view, k) for k in keys])
+
+    def Release(self, request: node_pb2.ReleaseRequest,
+                context: grpc.ServicerContext) -> node_pb2.ReleaseResponse:
+        uid = self._uid(context, request.pod, self.reconciler.view.pods)
+        names = self._run(context, lambda: self.reconciler.release(
+            uid, request.container or None))
+        return node_pb2.ReleaseResponse(released_containers=names)
+
+    def Drain(self, request: node_pb2.DrainRequest,
+              context: grpc.ServicerContext) -> node_pb2.DrainResponse:
+        uid = self._uid(context, request.pod, self.reconciler.view.pods)
+        pids = self._run(context, lambda: self.reconciler.drain(uid, request.container or None))
+        return node_pb2.DrainResponse(drained_pids=pids)
+
+
+class SocketError(Exception):
+    """The socket cannot be served (the message says why)."""
+
+
+def serve_unix(servicer: NodeEnforcerServicer, path: str, *,
+               max_workers: int = 4) -> grpc.Server:
+    """Serves on `path` with mode 0600. Call before other threads start: the umask is
+    process-wide."""
+    parent = os.path.dirname(path) or "/"
+    os.makedirs(parent, mode=0o755, exist_ok=True)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise SocketError(f"--socket {path}: exists and is not a socket; remove it")
+        os.unlink(path)  # a previous agent's socket
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                    thread_name_prefix="node-enforcer"))
+    node_pb2_grpc.add_NodeEnforcerServicer_to_server(servicer, server)
+    old = os.umask(0o177)  # the socket file is born 0600: no window where others may connect
+    try:
+        try:
+            bound = server.add_insecure_port(f"unix:{path}")
+        except RuntimeError as e:
+            raise SocketError(f"--socket {path}: cannot listen: {e}") from None
+        if not bound:
+            raise SocketError(f"--socket {path}: cannot listen")
+        server.start()
+    finally:
+        os.umask(old)
+    os.chmod(path, SOCKET_MODE)
+    log.info("NodeEnforcer listening on unix:%s (mode 0600)", path)
+    return server
+
+
+def close_unix(server: grpc.Server, path: str, grace: float = 1.0) -> None:
+    server.stop(grace).wait()
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
