@@ -21,6 +21,7 @@ _COMMAND_MODULES = (
     "kai_fractions.cli.mirror",
     "kai_fractions.cli.admission",
     "kai_fractions.cli.gate",
+    "kai_fractions.cli.node_agent",
     "kai_fractions.cli.inspect",
     "kai_fractions.cli.demo",
 )

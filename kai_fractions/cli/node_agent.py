@@ -1,0 +1,187 @@
+"""`kai-fractions node-agent`: one per GPU node (a DaemonSet); watches the pods bound to the node,
+enforces their GPU shares, writes their readiness markers and publishes the node's condition.
+
+Test-only fault hook: with `KAI_FRACTIONS_TEST_CRASH_AT=before-marker` in its environment the
+agent exits at once (status 86, no cleanup, like a SIGKILL) the first time it is about to write
+a readiness marker, i.e. after the pod's limits were applied. The restart test uses it to prove
+that a new agent converges without duplicate or leaked limits. Nothing sets it in production.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from ..contract import DEFAULT_KEYS
+from ..contract import keys as k
+
+CRASH_ENV = "KAI_FRACTIONS_TEST_CRASH_AT"
+CRASH_EXIT = 86
+log = logging.getLogger("kai_fractions.node.agent")
+
+
+def _positive(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {value!r}")
+    return number
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "node-agent", help="run the node agent (one per GPU node)",
+        description="Watch the pods bound to this node, enforce their NvFractions GPU shares "
+        "(cgroup memory limits, MPS, watchdog), write each pod's readiness marker for its gate, "
+        "publish the node condition KAI reads, serve NodeEnforcer on a root-only unix socket and "
+        "Prometheus metrics. Stops gracefully on SIGTERM. Exit codes: 0 stopped, 2 usage or "
+        "configuration error.",
+    )
+    p.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""), metavar="NAME",
+                   help="this node's name (default: env NODE_NAME)")
+    p.add_argument("--socket", default="/run/kai-fractions/agent.sock", metavar="PATH",
+                   help="NodeEnforcer unix socket, created 0600 (default: %(default)s)")
+    p.add_argument("--marker-dir", default="/var/lib/kai-fractions/markers", metavar="DIR",
+                   help="readiness markers, one directory per pod UID (default: %(default)s)")
+    p.add_argument("--cgroup-root", default="/sys/fs/cgroup", metavar="DIR",
+                   help="the host's cgroup v2 root (default: %(default)s)")
+    p.add_argument("--cgroup-driver", default="systemd", choices=("systemd", "cgroupfs"),
+                   help="the kubelet's cgroup driver (default: %(default)s)")
+    p.add_argument("--proc-root", default="/proc", metavar="DIR",
+                   help="the host's /proc, to map GPU processes to containers (default: "
+                   "%(default)s)")
+    p.add_argument("--sm-sharing", action=argparse.BooleanOptionalAction, default=True,
+                   help="supervise an MPS control daemon and serve sm-sharing (default: on)")
+    p.add_argument("--mps-control-binary", default="nvidia-cuda-mps-control", metavar="PATH",
+                   help="(default: %(default)s)")
+    p.add_argument("--mps-pipe-dir", default="/run/kai-fractions/mps", metavar="DIR",
+                   help="the MPS pipe directory on the host (default: %(default)s)")
+    p.add_argument("--mps-log-dir", default="/var/log/kai-fractions/mps", metavar="DIR",
+                   help="(default: %(default)s)")
+    p.add_argument("--memory-enforcement", default="cgroup,mps-pinned,watchdog", metavar="LIST",
+                   help="comma-separated subset of cgroup,mps-pinned,watchdog (default: "
+                   "%(default)s)")
+    p.add_argument("--watchdog-policy", default="report", choices=("report", "kill"),
+                   help="what the watchdog does with a container over its cap (default: "
+                   "%(default)s)")
+    p.add_argument("--watchdog-interval", type=_positive, default=1.0, metavar="SECONDS",
+                   help="(default: %(default)g)")
+    p.add_argument("--metrics-listen", default="0.0.0.0:9400", metavar="ADDR",
+                   help="HOST:PORT of the Prometheus endpoint (default: %(default)s)")
+    p.add_argument("--condition-name", default=k.NODE_CONDITION, metavar="NAME",
+                   help="node condition type to publish (default: %(default)s)")
+    p.add_argument("--legacy-condition", action="store_true",
+                   help=f"also publish {k.LEGACY_NODE_CONDITION}")
+    p.add_argument("--publish-gpu-memory-label", action="store_true",
+                   help=f"set the node label {k.NODE_GPU_MEMORY_LABEL} (MiB of the smallest "
+                   "GPU) when it is missing")
+    p.add_argument("--resync-seconds", type=_positive, default=300.0, metavar="N",
+                   help="full resync period: relist pods and re-read every limit (default: "
+                   "%(default)g)")
+    p.add_argument("--annotation-prefix", default=DEFAULT_KEYS.prefix, metavar="P",
+                   help="per-container key prefix (default: %(default)s)")
+    p.add_argument("--kubeconfig", metavar="FILE",
+                   help="kubeconfig to use (default: in-cluster, then $KUBECONFIG or "
+                   "~/.kube/config)")
+    p.add_argument("--nvml-library", metavar="PATH",
+                   help="libnvidia-ml.so.1 to load (default: the system's)")
+    p.add_argument("--log-level", default="info",
+                   choices=("debug", "info", "warning", "error"),
+                   help="(default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def _fail(message: str) -> int:
+    print(f"kai-fractions node-agent: {message}", file=sys.stderr)
+    return 2
+
+
+def _crash_hook(point: str) -> None:
+    if os.environ.get(CRASH_ENV) == point:
+        sys.stderr.write(f"kai-fractions node-agent: {CRASH_ENV}={point}: exiting now\n")
+        sys.stderr.flush()
+        os._exit(CRASH_EXIT)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here: `kai-fractions --help` must not pay for grpc, kubernetes and pynvml.
+    from ..contract import Keys
+    from ..node.agent.agent import NodeAgent
+    from ..node.agent.grpc_service import SocketError
+    from ..node.agent.kube import ConfigError as KubeConfigError
+    from ..node.agent.kube import KubeCluster, load_api_client
+    from ..node.agent.metrics import parse_listen
+    from ..node.agent.options import AgentOptions
+    from ..node.cgroups import HostCgroupFs
+    from ..node.config import NodeConfig
+    from ..node.errors import ConfigError
+    from ..node.mps import MpsDaemon, SubprocessRunner
+    from ..node.nvml import PynvmlNvml
+    from ..node.procfs import Procfs
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.node_name:
+        return _fail("--node-name (or env NODE_NAME) is required")
+    try:
+        keys = Keys(prefix=args.annotation_prefix)
+    except ValueError as e:
+        return _fail(f"--annotation-prefix: {e}")
+    if not args.condition_name.strip():
+        return _fail("--condition-name must not be empty")
+    try:
+        config = NodeConfig(
+            node_name=args.node_name, cgroup_root=args.cgroup_root,
+            cgroup_driver=args.cgroup_driver, proc_root=args.proc_root,
+            sm_sharing=args.sm_sharing, mps_control_binary=args.mps_control_binary,
+            mps_pipe_dir=args.mps_pipe_dir, mps_log_dir=args.mps_log_dir,
+            memory_enforcement=args.memory_enforcement, watchdog_policy=args.watchdog_policy,
+            watchdog_interval=args.watchdog_interval, keys=keys,
+            nvml_library=args.nvml_library)
+        parse_listen(args.metrics_listen)
+    except (ConfigError, ValueError) as e:
+        return _fail(str(e))
+    options = AgentOptions(
+        marker_dir=args.marker_dir, socket=args.socket, metrics_listen=args.metrics_listen,
+        condition_name=args.condition_name, legacy_condition=args.legacy_condition,
+        publish_gpu_memory_label=args.publish_gpu_memory_label,
+        resync_seconds=args.resync_seconds)
+    try:
+        api_client = load_api_client(args.kubeconfig)
+    except KubeConfigError as e:
+        return _fail(str(e))
+    cluster = KubeCluster(api_client, request_timeout=options.api_timeout_seconds,
+                          watch_seconds=options.watch_seconds)
+    mps = None
+    if config.sm_sharing:
+        # The daemon's own pid is found in the real /proc (its lock), not under --proc-root.
+        mps = MpsDaemon(config.mps_control_binary, config.mps_pipe_dir, config.mps_log_dir,
+                        SubprocessRunner())
+    agent = NodeAgent(config=config, options=options, nvml=PynvmlNvml(config.nvml_library),
+                      cgroup_fs=HostCgroupFs(), source=cluster, cluster=cluster, mps=mps,
+                      procfs=Procfs(config.proc_root), hook=_crash_hook)
+
+    def on_signal(signum, _frame) -> None:
+        log.info("%s received: shutting down", signal.Signals(signum).name)
+        agent.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        agent.start()
+    except (SocketError, OSError) as e:
+        agent.stop(timeout=5)
+        api_client.close()
+        return _fail(f"cannot start: {e}")
+    try:
+        while not agent.wait(1.0):
+            pass
+    finally:
+        agent.stop()
+        api_client.close()
+    return 0
