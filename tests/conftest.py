@@ -9,4 +9,5 @@ pytest_plugins = [
     "tests.support.mps",
     "tests.support.kube",
     "tests.support.mirror_kube",
+    "tests.support.agent_process",
 ]

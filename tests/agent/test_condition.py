@@ -1,0 +1,217 @@
+"""The node condition: each reason with its message, heartbeats, transition times (also across
+an agent restart), the legacy condition and the GPU memory label."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kai_fractions.node.agent.condition import (
+    Condition,
+    Health,
+    Liveness,
+    StatusPublisher,
+    evaluate,
+)
+from kai_fractions.node.agent.fake_kube import FakeCluster
+from kai_fractions.node.agent.kube import KubeError
+from kai_fractions.node.agent.options import AgentOptions
+from kai_fractions.node.config import NodeConfig
+from kai_fractions.node.errors import nvml_error
+from kai_fractions.node.inventory import Capabilities, Inventory
+from kai_fractions.node.mps.errors import MpsError
+from kai_fractions.node.nvml import DeviceInfo, GpuComputeMode
+from kai_fractions.node.nvml_fake import FakeNvml
+
+from .builders import MIB, NODE, Rig
+
+DEV = DeviceInfo(index=0, uuid="GPU-1", name="NVIDIA H100 80GB HBM3", memory_total=81559 * MIB,
+                 memory_used=0, compute_mode=GpuComputeMode.DEFAULT, mig_enabled=False)
+SMALL = DeviceInfo(index=1, uuid="GPU-2", name="NVIDIA L4", memory_total=23034 * MIB,
+                   memory_used=0, compute_mode=GpuComputeMode.DEFAULT, mig_enabled=False)
+
+
+def inventory(limits: bool = True, namespaces: bool = True) -> Inventory:
+    return Inventory("615.48.02", (DEV, SMALL), Capabilities(limits, namespaces))
+
+
+LIVE = Liveness(synced=True, api_down_for=None, api_error=None, busy_for=None)
+OPTIONS = AgentOptions(socket=None, metrics_listen=None, stale_after_seconds=60)
+
+
+def health(**kw) -> Health:
+    return Health(**{"inventory": inventory(), "passes": 1, "mps_namespaces": True, **kw})
+
+
+def test_ready_names_the_gpus_and_the_enforcement() -> None:
+    cond = evaluate(NodeConfig(node_name=NODE), OPTIONS, health(), LIVE)
+    assert cond == Condition(True, "AgentReady",
+                             "2 GPU(s), driver 615.48.02; memory: cgroup limits, MPS pinned limit "
+                             "(sm-sharing), watchdog (report); compute: sm-sharing with one MPS "
+                             "namespace per container")
+
+
+@pytest.mark.parametrize(("config", "kw", "live", "reason", "message"), [
+    ({}, {"nvml_error": nvml_error(9, "nvmlInit")}, LIVE, "NVMLUnavailable",
+     "NVML does not work on this node (NVMLUnavailable): NVML is installed but the NVIDIA kernel "
+     "driver is not loaded: check `nvidia-smi` on the node and load the driver (the GPU may also "
+     "be missing or unsupported)"),
+    ({"memory_enforcement": "cgroup"}, {"inventory": inventory(limits=False)}, LIVE,
+     "DriverTooOld",
+     "NVIDIA driver 615.48.02 has no cgroup GPU memory limits (nvmlDeviceSetMemoryLimits_v1 needs "
+     "r615 or newer) and --memory-enforcement=cgroup allows no fallback: upgrade the driver or "
+     "add mps-pinned,watchdog to --memory-enforcement"),
+    ({}, {"mps_error": MpsError("MpsBinaryNotFound", "cannot execute x")}, LIVE,
+     "MPSDaemonUnhealthy",
+     "sm-sharing is enabled but the MPS control daemon is not usable (MpsBinaryNotFound): "
+     "cannot execute x"),
+    ({}, {}, Liveness(True, 61.0, "list pods: 503", None), "NotReconciling",
+     "the Kubernetes API has been unreachable for 61s: list pods: 503"),
+    ({}, {}, Liveness(True, None, None, 75.0), "NotReconciling",
+     "a reconcile pass has been running for 75s (a GPU, MPS or API call hangs); see the agent's "
+     "log"),
+    ({}, {"passes": 0}, Liveness(False, None, None, None), "NotReconciling",
+     "the node agent has not listed this node's pods and reconciled them yet"),
+    ({}, {}, Liveness(True, None, None, None, stopping=True), "NotReconciling",
+     "the node agent is stopping; the next one publishes this condition again"),
+])
+def test_not_ready_reasons(config, kw, live, reason, message) -> None:
+    cond = evaluate(NodeConfig(node_name=NODE, **config), OPTIONS, health(**kw), live)
+    assert (cond.ready, cond.reason, cond.message) == (False, reason, message)
+
+
+def test_old_driver_with_a_fallback_is_ready_and_says_how() -> None:
+    cond = evaluate(NodeConfig(node_name=NODE, sm_sharing=False,
+                               memory_enforcement="cgroup,watchdog"),
+                    OPTIONS, health(inventory=inventory(limits=False)), LIVE)
+    assert cond.ready
+    assert cond.message.endswith("memory: watchdog (report); compute: time-slicing only "
+                                 "(sm-sharing disabled on this node)")
+
+
+def test_mps_without_namespaces_is_ready_but_says_it_is_weaker() -> None:
+    cond = evaluate(NodeConfig(node_name=NODE), OPTIONS, health(mps_namespaces=False), LIVE)
+    assert cond.ready
+    assert cond.message.endswith(
+        "compute: sm-sharing through the MPS client env only: this MPS daemon has no namespaces "
+        "(driver before r615), so the active-thread percentage is the client's own "
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, not enforced by the daemon")
+
+
+def test_a_driver_too_old_is_reported_by_a_running_agent(short_tmp: Path) -> None:
+    nvml = FakeNvml.simulated(2, model="H100-80GB", memory_limits=False)
+    rig = Rig(short_tmp, sm_sharing=False, nvml=nvml, memory_enforcement="cgroup")
+    rig.step()
+    cond = rig.agent.condition()
+    assert cond is not None and (cond.ready, cond.reason) == (False, "DriverTooOld")
+
+
+# -- the publisher ----------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def publisher(cluster: FakeCluster, conds: list[Condition], clock: Clock,
+              **options) -> StatusPublisher:
+    opts = AgentOptions(socket=None, metrics_listen=None, heartbeat_seconds=60, **options)
+    return StatusPublisher(cluster, NODE, opts, lambda: conds[-1], lambda: 23034,
+                           clock=clock, monotonic=clock)
+
+
+READY = Condition(True, "AgentReady", "ok")
+DOWN = Condition(False, "NVMLUnavailable", "no driver")
+
+
+def test_publishes_on_change_and_heartbeats_at_most_every_interval() -> None:
+    cluster = FakeCluster()
+    cluster.add_node(NODE)
+    clock = Clock()
+    conds = [READY]
+    p = publisher(cluster, conds, clock)
+    assert p.tick()
+    first = cluster.condition(NODE, "gpu-fractioning.nvidia.com/Ready")
+    assert first == {"type": "gpu-fractioning.nvidia.com/Ready", "status": "True",
+                     "reason": "AgentReady", "message": "ok",
+                     "lastHeartbeatTime": "2023-11-14T22:13:20Z",
+                     "lastTransitionTime": "2023-11-14T22:13:20Z"}
+    clock.t += 30
+    assert not p.tick()  # unchanged, heartbeat not due
+    clock.t += 30
+    assert p.tick()  # heartbeat
+    beat = cluster.condition(NODE, "gpu-fractioning.nvidia.com/Ready")
+    assert beat["lastHeartbeatTime"] == "2023-11-14T22:14:20Z"
+    assert beat["lastTransitionTime"] == "2023-11-14T22:13:20Z"
+    clock.t += 1
+    conds.append(DOWN)
+    assert p.tick()  # a change goes out at once
+    down = cluster.condition(NODE, "gpu-fractioning.nvidia.com/Ready")
+    assert (down["status"], down["reason"], down["message"]) == ("False", "NVMLUnavailable",
+                                                                 "no driver")
+    assert down["lastTransitionTime"] == "2023-11-14T22:14:21Z"
+    clock.t += 1
+    conds.append(Condition(False, "NVMLUnavailable", "still no driver"))
+    assert p.tick()  # the message changed: published, the transition time kept
+    assert cluster.condition(NODE, "gpu-fractioning.nvidia.com/Ready")[
+        "lastTransitionTime"] == "2023-11-14T22:14:21Z"
+    assert len(cluster.node_status_patches) == 4
+
+
+def test_transition_time_survives_an_agent_restart() -> None:
+    cluster = FakeCluster()
+    cluster.add_node(NODE)
+    clock = Clock()
+    publisher(cluster, [READY], clock).tick()
+    clock.t += 600
+    publisher(cluster, [READY], clock).tick()  # a new agent, same status
+    cond = cluster.condition(NODE, "gpu-fractioning.nvidia.com/Ready")
+    assert cond["lastTransitionTime"] == "2023-11-14T22:13:20Z"
+    assert cond["lastHeartbeatTime"] == "2023-11-14T22:23:20Z"
+    clock.t += 1
+    publisher(cluster, [DOWN], clock).tick()  # a new agent, another status
+    cond = cluster.condition(NODE, "gpu-fractioning.nvidia.com/Ready")
+    assert cond["lastTransitionTime"] == "2023-11-14T22:23:21Z"
+
+
+def test_legacy_condition_and_custom_name_are_published_together() -> None:
+    cluster = FakeCluster()
+    cluster.add_node(NODE)
+    p = publisher(cluster, [READY], Clock(), legacy_condition=True,
+                  condition_name="example.com/FractionsReady")
+    p.tick()
+    (patch,) = cluster.node_status_patches
+    assert [c["type"] for c in patch] == ["example.com/FractionsReady",
+                                          "gpu-sharing.nvidia.com/Ready"]
+    assert cluster.condition(NODE, "gpu-fractioning.nvidia.com/Ready") is None
+
+
+def test_a_failed_publish_is_retried_on_the_next_tick() -> None:
+    cluster = FakeCluster()
+    cluster.add_node(NODE)
+    cluster.fail("patch_node_status", KubeError("patch: 503", 503))
+    p = publisher(cluster, [READY], Clock())
+    assert not p.tick()
+    assert p.tick()
+    assert cluster.condition(NODE, "gpu-fractioning.nvidia.com/Ready")["status"] == "True"
+
+
+def test_gpu_memory_label_is_set_only_when_missing() -> None:
+    cluster = FakeCluster()
+    cluster.add_node(NODE)
+    publisher(cluster, [READY], Clock(), publish_gpu_memory_label=True).tick()
+    assert cluster.nodes[NODE]["metadata"]["labels"] == {"nvidia.com/gpu.memory": "23034"}
+    other = FakeCluster()
+    other.add_node(NODE, labels={"nvidia.com/gpu.memory": "40960"})
+    publisher(other, [READY], Clock(), publish_gpu_memory_label=True).tick()
+    assert other.nodes[NODE]["metadata"]["labels"] == {"nvidia.com/gpu.memory": "40960"}
+    assert other.calls["patch_node_labels"] == 0
+    off = FakeCluster()
+    off.add_node(NODE)
+    publisher(off, [READY], Clock()).tick()
+    assert off.nodes[NODE]["metadata"]["labels"] == {}

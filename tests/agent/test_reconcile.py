@@ -1,0 +1,466 @@
+"""The reconcile pass over in-memory fakes: markers, derived annotations, events, releases,
+adoption after a restart, MPS supervision, the legacy pipe links and the watchdog."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from kai_fractions.contract import DEFAULT_KEYS
+from kai_fractions.gate.check import Outcome, judge
+from kai_fractions.marker import read_marker
+from kai_fractions.node.nvml import MEMORY_LIMIT_MAX
+
+from .builders import GIB, Rig, binder_annotations, pod
+
+SLICE = "/sys/fs/cgroup/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{u}.slice"
+LEAF = "cri-containerd-{hex}.scope"
+
+
+def slice_of(uid: str) -> str:
+    return SLICE.format(u=uid.replace("-", "_"))
+
+
+def leaf_of(uid: str, hex_id: str = "a" * 64) -> str:
+    return f"{slice_of(uid)}/{LEAF.format(hex=hex_id)}"
+
+
+def add_pod(rig: Rig, name: str = "p", **kw) -> str:
+    notes = kw.pop("notes", None) or binder_annotations(devices=rig.gpu0)
+    return rig.add(pod(name, notes=notes, **kw))["metadata"]["uid"]
+
+
+def marker(rig: Rig, uid: str) -> dict | None:
+    path = rig.marker_path(uid)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+# -- markers and annotations ------------------------------------------------------------------
+
+
+def test_follower_pod_gets_derived_annotations_then_an_applied_marker(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    order: list[str] = []
+    rig.hook = lambda point: order.append(f"{point}:{len(rig.cluster.annotation_patches)}")
+    report = rig.step()
+    assert report.converged
+    (patched_uid, patch), = rig.cluster.annotation_patches
+    assert patched_uid == uid
+    assert patch == {
+        "kai-fractions.io/container.main.memory-request-mib": "10240",
+        "kai-fractions.io/container.main.memory-limit-mib": "20480",
+        "kai-fractions.io/container.main.mps-pinned-mem-limit": "0=20480M",
+        "kai-fractions.io/container.main.plan-digest": patch[
+            "kai-fractions.io/container.main.plan-digest"],
+    }
+    assert order == ["before-marker:1"]  # the patch came first
+    body = marker(rig, uid)
+    assert body is not None and body["containers"]["main"]["state"] == "applied"
+    assert body["containers"]["main"]["plan_digest"] == patch[
+        "kai-fractions.io/container.main.plan-digest"]
+    # the gate, given the pod's annotations as the downward API shows them now, lets it run
+    notes = rig.cluster.pods[uid]["metadata"]["annotations"]
+    verdict = judge(notes, read_marker(rig.marker_path(uid).parent), pod_uid=uid,
+                    keys=DEFAULT_KEYS, containers=["main"])
+    assert verdict.outcome is Outcome.RELEASE, verdict.message
+    assert rig.cluster.event_reasons(uid) == ["Applied"]
+
+
+def test_pod_that_carries_the_derived_annotations_is_not_patched(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    rig.step()
+    rig.cluster.annotation_patches.clear()
+    rig.reconciler.markers.unlink(uid)  # as if the mirror had written them and no agent ran
+    assert rig.step(full=True).converged
+    assert rig.cluster.annotation_patches == []
+    assert marker(rig, uid) is not None
+
+
+def test_marker_never_written_while_pending_and_events_stay_quiet(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    rig.nvml.fail("set_memory_limits", "NoPermission", times=None)
+    uid = add_pod(rig)
+    for _ in range(3):
+        report = rig.step()
+        assert not report.converged
+        assert "NVMLNoPermission" in report.errors
+    assert marker(rig, uid) is None
+    assert rig.cluster.events == []
+    result = rig.reconciler.view.results[(uid, "main")]
+    assert (result.state.value, result.reason) == ("pending", "NVMLNoPermission")
+    assert rig.agent.metrics.registry.get_sample_value(
+        "gpu_fractioning_reconcile_errors_total", {"reason": "NVMLNoPermission"}) == 3
+    rig.nvml.clear_failures()
+    assert rig.step().converged
+    assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
+
+
+def test_stale_applied_marker_removed_when_the_plan_changes_and_is_pending(
+        short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    rig.step()
+    assert marker(rig, uid) is not None
+    rig.nvml.fail("set_memory_limits", "NoPermission", times=None)
+    manifest = rig.cluster.pods[uid]
+    notes = {**manifest["metadata"]["annotations"],
+             "nvidia.com/container.main.gpu-memory.limit": "16Gi"}
+    rig.cluster.update_pod(uid, metadata={**manifest["metadata"], "annotations": notes})
+    rig.step()
+    assert marker(rig, uid) is None
+    assert rig.marker_path(uid).parent.is_dir()  # the gate's mount keeps its directory
+
+
+def test_pending_keeps_an_applied_marker_of_the_same_plan(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    rig.step()
+    written = rig.marker_path(uid).read_text()
+    rig.nvml.fail("get_memory_limits", "Unknown", times=None)
+    assert not rig.step(full=True).converged
+    assert rig.reconciler.view.results[(uid, "main")].state.value == "pending"
+    assert rig.marker_path(uid).read_text() == written
+
+
+def test_final_refusal_writes_a_refused_marker_and_one_event(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig, notes=binder_annotations(devices="GPU-deadbeef-0000-0000-0000-000000000000"))
+    for _ in range(3):
+        rig.step()
+    body = marker(rig, uid)
+    assert body is not None
+    entry = body["containers"]["main"]
+    assert (entry["state"], entry["reason"]) == ("refused", "DeviceNotOnNode")
+    assert entry["message"].startswith(
+        "GPU GPU-deadbeef-0000-0000-0000-000000000000 assigned to this container is not on node "
+        "node-a")
+    assert rig.cluster.event_reasons(uid) == ["Refused"]
+    assert rig.cluster.annotation_patches == []  # nothing to feed an env that never runs
+
+
+def test_not_bound_is_pending_not_refused(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    notes = binder_annotations(devices=rig.gpu0)
+    del notes["nvidia.com/container.main.gpus.devices"]
+    uid = add_pod(rig, notes=notes)
+    rig.step()
+    assert marker(rig, uid) is None
+    assert rig.reconciler.view.results[(uid, "main")].reason == "NotBound"
+
+
+def test_events_are_not_repeated_every_pass(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    a = add_pod(rig, "a")
+    b = add_pod(rig, "b", notes=binder_annotations(devices=rig.gpu1, limit="200Gi",
+                                                   request="200Gi"))
+    for _ in range(4):
+        rig.step(full=True)
+    assert rig.cluster.event_reasons(a) == ["Applied"]
+    assert rig.cluster.event_reasons(b) == ["Refused"]
+    assert len(rig.cluster.events) == 2
+
+
+def test_event_the_api_refused_is_sent_again(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    rig.cluster.fail("create_event", times=2)  # the emit and the same pass's flush
+    uid = add_pod(rig)
+    rig.step()
+    assert rig.cluster.event_reasons(uid) == []
+    assert marker(rig, uid) is not None
+    for _ in range(3):
+        rig.step()
+    assert rig.cluster.event_reasons(uid) == ["Applied"]
+
+
+# -- deletion, container restarts, adoption ---------------------------------------------------
+
+
+def test_deleted_pod_is_released_everywhere(short_tmp: Path) -> None:
+    rig = Rig(short_tmp)  # sm-sharing with MPS namespaces
+    uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    rig.step()
+    namespaces = set(rig.mps.control.namespaces)
+    assert len(namespaces) == 1
+    assert set(rig.nvml.limits) == {(rig.gpu0, slice_of(uid)), (rig.gpu0, leaf_of(uid))}
+    labels = {"namespace": "default", "pod": "p", "container": "main", "gpu_uuid": rig.gpu0}
+    reg = rig.agent.metrics.registry
+    assert reg.get_sample_value("gpu_fractioning_memory_limit_bytes", labels) == 20 * GIB
+    rig.cluster.delete_pod(uid)
+    assert rig.step().converged
+    assert rig.nvml.limits == {}  # cleared (soft 0, hard max) on the slice and the leaf
+    assert sorted(rig.nvml.set_limit_calls[-2:]) == sorted([
+        (rig.gpu0, slice_of(uid), 0, MEMORY_LIMIT_MAX),
+        (rig.gpu0, leaf_of(uid), 0, MEMORY_LIMIT_MAX)])
+    assert rig.mps.control.namespaces == {}
+    assert not rig.marker_path(uid).parent.exists()
+    for name in ("gpu_fractioning_memory_limit_bytes", "gpu_fractioning_gpu_memory_used_bytes",
+                 "gpu_fractioning_gpu_sm_utilization_percent",
+                 "gpu_fractioning_gpu_sm_utilization_percent_normalized"):
+        assert reg.get_sample_value(name, labels) is None, name
+    assert reg.get_sample_value("gpu_fractioning_containers", {"state": "applied"}) == 0
+
+
+def test_terminal_pod_is_released_like_a_deleted_one(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    rig.step()
+    manifest = rig.cluster.pods[uid]
+    rig.cluster.update_pod(uid, status={**manifest["status"], "phase": "Succeeded"})
+    rig.step()
+    assert rig.nvml.limits == {}
+    assert not rig.marker_path(uid).parent.exists()
+
+
+def test_container_restart_moves_the_leaf_limit(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    rig.cgroups.assume_present = False
+    uid = add_pod(rig)
+    rig.cgroups.add(leaf_of(uid))
+    rig.step()
+    assert rig.nvml.limits[(rig.gpu0, leaf_of(uid))] == (10 * GIB, 20 * GIB)
+    new_cid = "containerd://" + "b" * 64
+    rig.cgroups.add(leaf_of(uid, "b" * 64))  # the new container's cgroup; the old one lingers
+    manifest = rig.cluster.pods[uid]
+    rig.cluster.update_pod(uid, status={**manifest["status"], "containerStatuses": [
+        {"name": "main", "containerID": new_cid}]})
+    assert rig.step().converged
+    assert rig.nvml.limits[(rig.gpu0, leaf_of(uid, "b" * 64))] == (10 * GIB, 20 * GIB)
+    assert (rig.gpu0, leaf_of(uid)) not in rig.nvml.limits  # the old leaf: cleared
+    assert (rig.gpu0, leaf_of(uid), 0, MEMORY_LIMIT_MAX) in rig.nvml.set_limit_calls
+    assert rig.nvml.limits[(rig.gpu0, slice_of(uid))] == (10 * GIB, 20 * GIB)
+
+
+def test_nothing_is_applied_or_cleared_before_the_first_list(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    rig.cgroups.assume_present = False
+    stale = "0a1b2c3d-0000-4000-8000-00000000000f"
+    rig.cgroups.add(slice_of(stale))
+    rig.nvml.limits[(rig.gpu0, slice_of(stale))] = (GIB, 2 * GIB)
+    report = rig.reconciler.reconcile()  # no list yet
+    assert not report.converged and "NotListed" in report.errors
+    assert rig.nvml.set_limit_calls == []
+    assert rig.agent.condition() is None  # nothing to publish yet
+
+
+def test_restart_adopts_limits_and_markers_and_removes_what_has_no_pod(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    rig.cgroups.assume_present = False
+    uid = add_pod(rig)
+    rig.cgroups.add(leaf_of(uid))
+    rig.step()
+    written = rig.marker_path(uid).read_text()
+    limits = dict(rig.nvml.limits)
+    # what a previous life of the agent left behind for a pod that no longer exists
+    gone = "0a1b2c3d-0000-4000-8000-00000000000f"
+    rig.cgroups.add(slice_of(gone))
+    rig.nvml.limits[(rig.gpu0, slice_of(gone))] = (GIB, 2 * GIB)
+    (Path(rig.options.marker_dir) / gone).mkdir()
+    (Path(rig.options.marker_dir) / gone / "marker.json").write_text("{}")
+    young = "0a1b2c3d-0000-4000-8000-0000000000ee"  # kubelet made it for a pod not seen yet
+    (Path(rig.options.marker_dir) / young).mkdir()
+
+    # a new agent process: fresh engine and caches, same GPU, cgroups, markers and cluster
+    new = Rig(short_tmp, sm_sharing=False, nvml=rig.nvml)
+    new.cluster, new.cgroups = rig.cluster, rig.cgroups
+    new.agent = type(rig.agent)(config=new.config, options=new.options, nvml=rig.nvml,
+                                cgroup_fs=rig.cgroups, source=rig.cluster, cluster=rig.cluster)
+    new.reconciler = new.agent.reconciler
+    calls_before = len(rig.nvml.set_limit_calls)
+    assert new.step().converged
+    assert rig.nvml.set_limit_calls[calls_before:] == [
+        (rig.gpu0, slice_of(gone), 0, MEMORY_LIMIT_MAX)]  # only the stale one, cleared
+    assert {k: v for k, v in rig.nvml.limits.items() if k[1] != slice_of(gone)} == limits
+    assert rig.marker_path(uid).read_text() == written  # adopted as is
+    assert rig.cluster.event_reasons(uid) == ["Applied"]  # not announced again
+    assert not (Path(rig.options.marker_dir) / gone).exists()
+    assert (Path(rig.options.marker_dir) / young).exists()
+
+
+def test_marker_of_a_pod_without_fractions_any_more_is_removed(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    rig.step()
+    manifest = rig.cluster.pods[uid]
+    rig.cluster.update_pod(uid, metadata={**manifest["metadata"], "annotations": {}})
+    rig.step()
+    assert not rig.marker_path(uid).exists()
+
+
+def test_nvml_down_writes_nothing_but_removes_gone_pods_markers(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    rig.step()
+    rig.nvml.fail("init", "DriverNotLoaded", times=None)
+    rig.nvml.fail("driver_version", "DriverNotLoaded", times=None)
+    new = add_pod(rig, "new")
+    rig.cluster.delete_pod(uid)
+    report = rig.step()
+    assert not report.converged and "NVMLUnavailable" in report.errors
+    assert marker(rig, new) is None
+    assert not rig.marker_path(uid).parent.exists()
+    cond = rig.agent.condition()
+    assert cond is not None and (cond.ready, cond.reason) == (False, "NVMLUnavailable")
+
+
+# -- MPS --------------------------------------------------------------------------------------
+
+
+def test_mps_daemon_restart_reapplies_and_is_counted(short_tmp: Path) -> None:
+    rig = Rig(short_tmp)
+    uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    rig.step()
+    (name,) = rig.mps.control.namespaces
+    assert rig.mps.control.namespaces[name].active_thread_percentage == 50
+    rig.mps.control.kill()  # the daemon dies and forgets everything
+    assert rig.step().converged
+    assert rig.mps.control.namespaces[name].active_thread_percentage == 50
+    assert rig.mps.control.default_pinned_mib == {0: 20480}
+    assert rig.agent.metrics.registry.get_sample_value(
+        "gpu_fractioning_mps_daemon_restarts_total") == 1
+    assert rig.reconciler.mps_owned  # restarted by us: stopped by us
+    assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
+
+
+def test_mps_daemon_that_cannot_start_makes_the_node_not_ready(short_tmp: Path) -> None:
+    rig = Rig(short_tmp)
+    rig.mps.control.kill()
+    rig.mps.can_start = False
+    uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    ts = add_pod(rig, "ts")
+    rig.step()
+    cond = rig.agent.condition()
+    assert cond is not None and (cond.ready, cond.reason) == (False, "MPSDaemonUnhealthy")
+    assert "MpsDaemonUnreachable" in cond.message
+    assert marker(rig, uid) is None  # sm-sharing cannot be enforced
+    assert marker(rig, ts) is not None  # time-slicing needs no MPS
+
+
+def test_legacy_mps_links_the_namespace_directory_to_the_daemon(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, mps_v3=False)
+    uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    rig.step()
+    notes = rig.cluster.pods[uid]["metadata"]["annotations"]
+    pipe = notes["kai-fractions.io/container.main.mps-pipe-directory"]
+    name = Path(pipe).name
+    link = short_tmp / "mps" / "shared" / name
+    assert os.readlink(link) == ".."
+    assert link.resolve() == (short_tmp / "mps").resolve()
+    result = rig.reconciler.view.results[(uid, "main")]
+    assert result.compute.value == "mps-client-env" and result.state.value == "applied"
+    cond = rig.agent.condition()
+    assert cond is not None and cond.ready
+    assert "not enforced by the daemon" in cond.message
+    rig.cluster.delete_pod(uid)
+    rig.step()
+    assert not os.path.lexists(link)
+
+
+def test_legacy_link_blocked_by_a_directory_keeps_the_container_pending(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, mps_v3=False)
+    uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    rig.step()
+    notes = rig.cluster.pods[uid]["metadata"]["annotations"]
+    name = Path(notes["kai-fractions.io/container.main.mps-pipe-directory"]).name
+    link = short_tmp / "mps" / "shared" / name
+    link.unlink()
+    link.mkdir()
+    rig.step()
+    result = rig.reconciler.view.results[(uid, "main")]
+    assert (result.state.value, result.reason) == ("pending", "MPSPipeLinkFailed")
+    assert marker(rig, uid) is not None  # same plan, applied before: kept
+    link.rmdir()
+    assert rig.step().converged
+    assert os.readlink(link) == ".."
+
+
+# -- watchdog ---------------------------------------------------------------------------------
+
+
+def _running(rig: Rig, uid: str, pid: int, used: int, sm: int | None = None) -> None:
+    rig.proc_entry(pid, leaf_of(uid)[len("/sys/fs/cgroup"):])
+    rig.nvml.add_process(pid, rig.gpu0, used, sm_percent=sm)
+
+
+def test_watchdog_report_emits_one_violation_per_episode(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    rig.step()
+    _running(rig, uid, 4242, 25 * GIB, sm=30)
+    for _ in range(3):
+        rig.reconciler.check_usage()
+    assert rig.cluster.event_reasons(uid) == ["Applied", "LimitViolation"]
+    event = rig.cluster.events[-1]
+    assert event["type"] == "Warning"
+    assert event["message"] == (f"container main of pod {uid} uses 25600 MiB of GPU memory on "
+                                f"{rig.gpu0}, above its cap of 20480 MiB (pids 4242)")
+    labels = {"namespace": "default", "pod": "p", "container": "main", "gpu_uuid": rig.gpu0}
+    reg = rig.agent.metrics.registry
+    assert reg.get_sample_value("gpu_fractioning_gpu_memory_used_bytes", labels) == 25 * GIB
+    assert reg.get_sample_value("gpu_fractioning_gpu_sm_utilization_percent", labels) == 30
+    assert reg.get_sample_value(
+        "gpu_fractioning_gpu_sm_utilization_percent_normalized", labels) is None  # time-slicing
+    rig.nvml.remove_process(4242)
+    rig.reconciler.check_usage()
+    _running(rig, uid, 4243, 21 * GIB)
+    rig.reconciler.check_usage()
+    assert rig.cluster.event_reasons(uid) == ["Applied", "LimitViolation", "LimitViolation"]
+    assert rig.killer.calls == []
+
+
+def test_watchdog_kill_drains_then_stops_and_reports_it(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, watchdog_policy="kill")
+    uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    rig.step()
+    (name,) = rig.mps.control.namespaces
+    _running(rig, uid, 4242, 25 * GIB, sm=20)
+    rig.mps.control.attach_client(4242, name)
+    rig.reconciler.check_usage()
+    assert rig.killer.killed == [4242]
+    assert rig.mps.control.terminated == [4242]
+    assert rig.cluster.event_reasons(uid) == ["Applied", "LimitEnforced"]
+    labels = {"namespace": "default", "pod": "p", "container": "main", "gpu_uuid": rig.gpu0}
+    assert rig.agent.metrics.registry.get_sample_value(
+        "gpu_fractioning_gpu_sm_utilization_percent_normalized", labels) == 40
+
+
+def test_drain_terminates_the_mps_clients_of_the_container(short_tmp: Path) -> None:
+    rig = Rig(short_tmp)
+    uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    rig.step()
+    (name,) = rig.mps.control.namespaces
+    _running(rig, uid, 4242, GIB)
+    _running(rig, uid, 4243, GIB)  # not an MPS client: left alone
+    rig.mps.control.attach_client(4242, name)
+    assert rig.reconciler.drain(uid) == [4242]
+    assert rig.mps.control.terminated == [4242]
+
+
+def test_provision_and_release_without_the_api(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False, with_cluster=False)
+    rig.agent.cache.replace([])
+    uid = "0a1b2c3d-0000-4000-8000-000000000123"
+    keys = rig.reconciler.provision("ns", "direct", uid, binder_annotations(devices=rig.gpu0),
+                                    ["main"])
+    assert [tuple(k) for k in keys] == [(uid, "main")]
+    assert rig.reconciler.view.results[keys[0]].state.value == "applied"
+    assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
+    assert rig.nvml.limits[(rig.gpu0, slice_of(uid))] == (10 * GIB, 20 * GIB)
+    assert rig.reconciler.release(uid) == ["main"]
+    assert rig.nvml.limits == {}
+    assert not rig.marker_path(uid).parent.exists()
+    rig.reconciler.reconcile()  # stays released
+    assert rig.nvml.limits == {}
+
+
+def test_release_of_a_watched_pod_holds_until_the_pod_goes(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    rig.step()
+    assert rig.reconciler.release(uid) == ["main"]
+    rig.step(full=True)
+    assert rig.nvml.limits == {}
+    assert not rig.marker_path(uid).exists()
+    assert rig.marker_path(uid).parent.is_dir()  # the pod (and its gate's mount) still exist

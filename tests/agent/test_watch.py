@@ -1,0 +1,182 @@
+"""The pod watcher and the worker over the in-memory cluster: client-side filtering, deletion,
+410 relists, reconnects with backoff, coalesced passes, retries and calls on the worker."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from kai_fractions.node.agent.fake_kube import FakeCluster
+from kai_fractions.node.agent.kube import KubeError
+from kai_fractions.node.agent.watch import PodCache, PodWatcher
+
+from .builders import NODE, Rig, binder_annotations, pod, wait_for
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self) -> None:
+        self.n += 1
+
+
+def watcher(cluster: FakeCluster, cache: PodCache, on_change=None, **kw) -> PodWatcher:
+    return PodWatcher(cluster, NODE, cache, on_change or Counter(), backoff_base=0.01,
+                      backoff_cap=0.05, **kw)
+
+
+def run_in_thread(w: PodWatcher) -> tuple[threading.Event, threading.Thread]:
+    stop = threading.Event()
+    thread = threading.Thread(target=w.run, args=(stop,), daemon=True)
+    thread.start()
+    return stop, thread
+
+
+def test_only_pods_of_this_node_are_kept_and_deletions_remove_them() -> None:
+    cluster = FakeCluster()
+    mine = cluster.add_pod(pod("mine"))["metadata"]["uid"]
+    cluster.add_pod(pod("other", node="node-b"))
+    cache = PodCache()
+    changes = Counter()
+    stop, thread = run_in_thread(watcher(cluster, cache, changes))
+    try:
+        wait_for(lambda: cache.synced, what="first list")
+        assert set(cache.snapshot()) == {mine}
+        later = cluster.add_pod(pod("later"))["metadata"]["uid"]
+        cluster.add_pod(pod("elsewhere", node="node-b"))
+        wait_for(lambda: later in cache.snapshot(), what="ADDED")
+        cluster.delete_pod(mine)
+        wait_for(lambda: mine not in cache.snapshot(), what="DELETED")
+        assert set(cache.snapshot()) == {later}
+        assert changes.n >= 3
+    finally:
+        stop.set()
+        thread.join(2)
+
+
+def test_watch_expiry_relists_at_once() -> None:
+    cluster = FakeCluster()
+    cache = PodCache()
+    stop, thread = run_in_thread(watcher(cluster, cache))
+    try:
+        wait_for(lambda: cluster.calls["watch_pods"] == 1, what="watching")
+        uid = cluster.add_pod(pod("a"))["metadata"]["uid"]
+        wait_for(lambda: uid in cache.snapshot(), what="the pod")
+        # the history is compacted and a deletion happens while nobody watches
+        cluster.expire()
+        cluster.pods.pop(uid)
+        wait_for(lambda: cluster.calls["list_pods"] == 2, what="a relist")
+        wait_for(lambda: uid not in cache.snapshot(), what="the relist's truth")
+        assert cache.api_down_since is None  # 410 is no outage
+    finally:
+        stop.set()
+        thread.join(2)
+
+
+def test_failures_back_off_then_reconnect_and_clear_the_outage() -> None:
+    cluster = FakeCluster()
+    cluster.fail("list_pods", KubeError("list pods: 503 ServiceUnavailable", 503), times=3)
+    cache = PodCache()
+    w = watcher(cluster, cache)
+    stop, thread = run_in_thread(w)
+    try:
+        wait_for(lambda: cache.api_down_since is not None, what="the outage")
+        assert cache.last_error == "list pods: 503 ServiceUnavailable"
+        wait_for(lambda: cache.synced, what="the reconnect")
+        assert cluster.calls["list_pods"] == 4
+        assert cache.api_down_since is None and cache.last_error is None
+        cluster.fail("watch_pods", KubeError("watch: connection reset"))
+        cluster.end_watches()
+        wait_for(lambda: cluster.calls["list_pods"] == 5, what="a relist after a watch error")
+    finally:
+        stop.set()
+        thread.join(2)
+
+
+def test_backoff_grows_and_is_capped() -> None:
+    w = PodWatcher(FakeCluster(), NODE, PodCache(), Counter(), backoff_base=0.5,
+                   backoff_cap=30.0)
+    w.rng.seed(1)
+    delays = []
+    for failures in range(10):
+        w.failures = failures
+        delays.append(w.delay())
+    assert all(0.25 <= d <= 0.5 for d in delays[:1])
+    assert all(d <= 30.0 for d in delays) and max(delays) >= 15.0
+
+
+def test_an_older_version_never_replaces_a_newer_one() -> None:
+    cache = PodCache()
+    newer = pod("a", uid="u1")
+    newer["metadata"]["resourceVersion"] = "7"
+    older = pod("a", uid="u1")
+    older["metadata"]["resourceVersion"] = "5"
+    assert cache.upsert(newer)
+    assert not cache.upsert(older)
+    assert cache.get("u1")["metadata"]["resourceVersion"] == "7"
+
+
+# -- the worker -------------------------------------------------------------------------------
+
+
+def test_worker_coalesces_changes_and_retries_until_converged(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False, options={"retry_seconds": 0.05,
+                                                    "retry_max_seconds": 0.1})
+    rig.nvml.fail("set_memory_limits", "NoPermission", times=3)
+    rig.sync()
+    passes = []
+    real = rig.reconciler.reconcile
+    rig.reconciler.reconcile = lambda **kw: passes.append(kw) or real(**kw)
+    rig.add(pod(notes=binder_annotations(devices=rig.gpu0)))
+    for _ in range(20):
+        rig.agent.worker.mark_dirty()
+    rig.sync()
+    rig.agent.worker.start()
+    try:
+        wait_for(lambda: rig.agent.worker.last_pass and rig.agent.worker.last_pass.converged,
+                 what="converged")
+        assert 2 <= len(passes) <= 8  # one per burst of changes plus the retries
+    finally:
+        assert rig.agent.worker.stop(2)
+
+
+def test_calls_run_on_the_worker_thread(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    rig.sync()
+    rig.agent.worker.start()
+    try:
+        name = rig.agent.worker.call(lambda: threading.current_thread().name, timeout=5)
+        assert name == "agent-worker"
+    finally:
+        rig.agent.worker.stop(2)
+
+
+def test_a_stuck_pass_is_reported_as_not_reconciling(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False, options={"stale_after_seconds": 0.2})
+    rig.step()
+    release = threading.Event()
+    real = rig.reconciler.reconcile
+    rig.reconciler.reconcile = lambda **kw: release.wait(5) and real(**kw)
+    rig.agent.worker.start()
+    try:
+        rig.agent.worker.mark_dirty()
+        wait_for(lambda: (c := rig.agent.condition()) is not None
+                 and c.reason == "NotReconciling", what="NotReconciling")
+        assert "a reconcile pass has been running for" in rig.agent.condition().message
+    finally:
+        release.set()
+        rig.agent.worker.stop(2)
+
+
+def test_an_unreachable_api_is_reported_after_the_stale_time(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False, options={"stale_after_seconds": 0.1})
+    rig.step()
+    assert rig.agent.condition().ready
+    rig.agent.cache.failed("list pods: connection refused")
+    time.sleep(0.15)
+    cond = rig.agent.condition()
+    assert (cond.ready, cond.reason) == (False, "NotReconciling")
+    assert cond.message.startswith("the Kubernetes API has been unreachable for ")
+    assert cond.message.endswith("s: list pods: connection refused")
