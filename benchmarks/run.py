@@ -14,6 +14,7 @@ from .harness import machine
 BENCHMARKS = {
     "P1": "benchmarks.bench_mirror",
     "P4": "benchmarks.bench_contract",
+    "L1": "benchmarks.load_mirror",
 }
 
 

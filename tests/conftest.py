@@ -9,5 +9,6 @@ pytest_plugins = [
     "tests.support.mps",
     "tests.support.kube",
     "tests.support.mirror_kube",
+    "tests.support.faults_api",
     "tests.support.agent_process",
 ]
