@@ -1,0 +1,149 @@
+"""The benchmark harness runs: each benchmark in its smallest mode produces well-formed figures,
+and `scripts/gpu-check` refuses to run without a GPU and cleans up what it starts.
+
+No timing is asserted anywhere: these machines are noisy and a benchmark is no pass/fail test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench_contract, bench_mirror, run
+from benchmarks.harness import Result
+from tests.support import tools
+
+REPO = Path(__file__).resolve().parents[2]
+GPU_CHECK = REPO / "scripts" / "gpu-check"
+
+
+def assert_well_formed(result: Result, benchmark: str, *names: str) -> None:
+    assert result.benchmark == benchmark
+    assert result.title
+    assert result.figures, "no figures"
+    seen = [f.name for f in result.figures]
+    assert len(seen) == len(set(seen)), f"duplicate figure names: {seen}"
+    for f in result.figures:
+        assert f.name and f.unit, f
+        assert isinstance(f.value, int | float) and math.isfinite(f.value), f
+        assert f.value >= 0, f
+        if f.target:
+            assert f.met in (True, False), f  # the target parses
+        else:
+            assert f.met is None
+    for name in names:
+        assert name in seen, f"{name!r} missing from {seen}"
+    json.dumps(result.to_dict())
+
+
+# -- benchmarks -------------------------------------------------------------------------------
+
+def test_p1_mirror_overhead_smoke():
+    result = bench_mirror.run(quick=True, smoke=True)
+    assert_well_formed(
+        result, "P1",
+        "(a) gRPC echo p50, c=1", "(b) bare PATCH p99, c=16", "(b2) bare GET+PATCH rate, c=1",
+        "(c) MirrorAllocation p99, c=1", "(c) MirrorAllocation rate, c=16",
+        "ratio c/(a+b), c=1", "ratio c/(a+b), c=16", "mirror CPU per allocation, c=16",
+        "stub CPU per API request, c=1")
+    targets = {f.name: f.target for f in result.figures if f.target}
+    assert targets == {"(c) MirrorAllocation p99, c=1": "< 20",
+                       "(c) MirrorAllocation rate, c=16": ">= 500",
+                       "ratio c/(a+b), c=1": "<= 1.2", "ratio c/(a+b), c=16": "<= 1.2"}
+
+
+def test_p4_contract_throughput_smoke():
+    assert_well_formed(bench_contract.run(quick=True), "P4", "pods per second")
+
+
+def test_runner_prints_a_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "results.json"
+    assert run.main(["P4", "--quick", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "pods per second" in table.splitlines()[1]
+    written = json.loads(out.read_text())
+    assert written["quick"] is True
+    assert [r["benchmark"] for r in written["results"]] == ["P4"]
+    assert {"python", "cpus", "cpu_model", "platform"} <= set(written["machine"])
+
+
+def test_runner_refuses_an_unknown_benchmark(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run.main(["P9"])
+    assert exit_.value.code == 2
+    assert "unknown benchmark(s): P9" in capsys.readouterr().err
+
+
+# -- scripts/gpu-check ------------------------------------------------------------------------
+
+def _gpu_check(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(GPU_CHECK), *args], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **env})
+
+
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_is_valid_bash():
+    subprocess.run(["bash", "-n", str(GPU_CHECK)], check=True)
+    assert os.access(GPU_CHECK, os.X_OK)
+
+
+def test_gpu_check_refuses_without_nvidia_smi():
+    done = _gpu_check(NVIDIA_SMI="/nonexistent/nvidia-smi")
+    assert done.returncode == 3
+    assert done.stderr.startswith("gpu-check: refusing to run: no NVIDIA GPU here "
+                                  "(/nonexistent/nvidia-smi not found).")
+    assert done.stdout == ""
+
+
+def test_gpu_check_refuses_when_nvidia_smi_finds_no_gpu():
+    """The real nvidia-smi without a driver (exits 9)."""
+    done = _gpu_check(NVIDIA_SMI=str(tools.real_nvidia_smi()))
+    assert done.returncode == 3
+    assert "gpu-check: refusing to run: no NVIDIA GPU here" in done.stderr
+    assert "-L said: NVIDIA-SMI" in done.stderr
+    assert done.stdout == ""
+
+
+def test_gpu_check_python_parts():
+    gc = _gpu_check_module()
+    facts = gc.parse_smi("NVIDIA H200, 570.86.15, Exclusive_Process, Disabled, 143771 MiB, "
+                         "GPU-3f2a9c1e-7b4d-4e8a-b6c5-1d2e3f4a5b6c", 0)
+    assert (facts.name, facts.driver, facts.compute_mode, facts.mig_mode) == (
+        "NVIDIA H200", "570.86.15", "Exclusive_Process", "Disabled")
+    with pytest.raises(ValueError, match="unexpected nvidia-smi line"):
+        gc.parse_smi("NVIDIA H200, 570.86.15", 0)
+    assert gc.has_memory_limits(str(tools.fake_nvml_library("full"))) is True
+    assert gc.has_memory_limits(str(tools.fake_nvml_library("old-driver"))) is False
+    assert gc.has_memory_limits("/nonexistent/libnvidia-ml.so.1") is False
+    assert gc.ratio(1.0, 2.0) == 0.5 and math.isnan(gc.ratio(1.0, 0.0))
+    assert "__global__ void mm(" in gc.CUDA_SOURCE
+
+
+def test_gpu_check_stops_the_mps_daemon_it_starts():
+    """The real (legacy) control daemon, started and stopped the way the script does it."""
+    gc = _gpu_check_module()
+    report = gc.Report()
+    with tempfile.TemporaryDirectory(prefix="kfg-", dir="/tmp") as tmp:
+        with gc.mps_daemon(str(tools.mps_control()), Path(tmp), 0, report) as pipe:
+            running = gc._pids_with_env("CUDA_MPS_PIPE_DIRECTORY", str(pipe))
+            assert len(running) == 1
+            assert (pipe / "control").exists()
+        assert gc._pids_with_env("CUDA_MPS_PIPE_DIRECTORY", str(pipe)) == []
+    assert report.lines[0] == f"MPS control daemon started (pipe directory {pipe})"
+    assert report.lines[1] == "MPS control daemon stopped; no process of it is left"
