@@ -305,6 +305,22 @@ def test_nvml_down_writes_nothing_but_removes_gone_pods_markers(short_tmp: Path)
     assert cond is not None and (cond.ready, cond.reason) == (False, "NVMLUnavailable")
 
 
+def test_nvml_breaking_after_apply_reports_pending_and_keeps_the_marker(
+        short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    rig.step()
+    written = rig.marker_path(uid).read_text()
+    rig.nvml.fail("init", "DriverNotLoaded", times=None)
+    rig.nvml.fail("driver_version", "DriverNotLoaded", times=None)
+    rig.step()
+    result = rig.reconciler.view.results[(uid, "main")]
+    assert (result.state.value, result.reason) == ("pending", "NVMLUnavailable")
+    assert rig.marker_path(uid).read_text() == written  # the limits stay in the kernel
+    assert rig.agent.metrics.registry.get_sample_value(
+        "gpu_fractioning_containers", {"state": "pending"}) == 1
+
+
 # -- MPS --------------------------------------------------------------------------------------
 
 

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
 from ...contract import MIB
 from ...contract import keys as k
@@ -160,6 +159,7 @@ class StatusPublisher:
         self._transitions: dict[str, str] | None = None
         """condition type -> lastTransitionTime, as read from the node once."""
         self._label_done = not options.publish_gpu_memory_label
+        self._last_failure: str | None = None
         self.wake = threading.Event()
 
     def run(self, stop: threading.Event) -> None:
@@ -206,9 +206,12 @@ class StatusPublisher:
                     "lastTransitionTime": self._transitions.get(kind, _stamp(now))})
             self.cluster.patch_node_status(self.node, conditions)
         except KubeError as e:
-            log.warning("node condition not published (%s); retried in %gs", e.message,
-                        self.options.status_tick_seconds)
+            if e.message != self._last_failure:  # once per distinct failure, not every tick
+                log.warning("node condition not published (%s); retried every %gs", e.message,
+                            self.options.status_tick_seconds)
+            self._last_failure = e.message
             return False
+        self._last_failure = None
         if cond != self.published:
             log.info("node condition %s=%s (%s): %s", self.options.condition_name, status,
                      cond.reason, cond.message)
@@ -230,8 +233,10 @@ class StatusPublisher:
                 log.info("labelled node %s %s=%d", self.node, k.NODE_GPU_MEMORY_LABEL, mib)
             self._label_done = True
         except KubeError as e:
-            log.warning("node label %s not published (%s); retried", k.NODE_GPU_MEMORY_LABEL,
-                        e.message)
+            if e.message != self._last_failure:
+                log.warning("node label %s not published (%s); retried",
+                            k.NODE_GPU_MEMORY_LABEL, e.message)
+            self._last_failure = e.message
 
 
 def smallest_gpu_mib(inventory: Inventory | None) -> int | None:
@@ -239,6 +244,3 @@ def smallest_gpu_mib(inventory: Inventory | None) -> int | None:
         return None
     return min(d.memory_total for d in inventory.devices) // MIB
 
-
-def condition_dicts(cond: Condition) -> dict[str, Any]:
-    return {"ready": cond.ready, "reason": cond.reason, "message": cond.message}

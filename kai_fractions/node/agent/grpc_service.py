@@ -137,6 +137,10 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except NodeError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e.reason}: {e.message}")
+        except Exception as e:  # a bug: a status with a sentence, the trace in the agent's log
+            log.exception("NodeEnforcer call failed")
+            context.abort(grpc.StatusCode.INTERNAL,
+                          f"the node agent failed: {type(e).__name__}: {e}; see its log")
 
     @staticmethod
     def _uid(context: grpc.ServicerContext, pod: allocation_pb2.PodRef,

@@ -38,6 +38,7 @@ from ..desired import (
 from ..engine import ContainerResult, ContainerState, Engine, MpsControlLike
 from ..errors import NodeError, NvmlError
 from ..inventory import Inventory, take_inventory
+from ..mps import errors as mps_errors
 from ..mps.errors import MpsError
 from ..nvml import Nvml
 from ..procfs import Procfs, normalize_container_id
@@ -221,9 +222,13 @@ class Reconciler:
                 self._mps_seen = True
             if not self.mps.ensure_running():
                 error = self.mps.last_error or MpsError(
-                    "MpsDaemonUnreachable", "the MPS control daemon does not answer")
+                    mps_errors.MPS_DAEMON_UNREACHABLE, "the MPS control daemon does not answer")
         except MpsError as e:
             error = e
+        except OSError as e:  # its pipe or log directory cannot be made
+            error = MpsError(mps_errors.MPS_DAEMON_UNREACHABLE,
+                             f"the MPS control daemon cannot be started: {e}; check "
+                             "--mps-pipe-dir and --mps-log-dir")
         if self.mps.restarts > self._mps_restarts:
             self.metrics.mps_restarts.inc(self.mps.restarts - self._mps_restarts)
             self._mps_restarts = self.mps.restarts
@@ -295,8 +300,8 @@ class Reconciler:
             for uid in gone:
                 self._forget(uid)
             self.known = {uid: k for uid, k in self.known.items() if uid in manifests}
-            self._tidy(set(manifests), set())
-            self._publish(None, mps_error, mps_namespaces)
+            self._tidy(set(manifests), None)  # which pods are fractional is unknown now
+            self._publish(None, mps_error, mps_namespaces, unverified=self._nvml_error)
             return PassReport(converged=False, errors=frozenset(errors))
 
         node_pods = []
@@ -352,9 +357,21 @@ class Reconciler:
                       mps_namespaces=mps_namespaces, passes=self.view.health.passes + bump)
 
     def _publish(self, inventory: Inventory | None, mps_error: NodeError | None,
-                 mps_namespaces: bool | None, *, count: bool = True) -> None:
+                 mps_namespaces: bool | None, *, count: bool = True,
+                 unverified: NodeError | None = None) -> None:
+        results = self.view.results
+        if unverified is not None:
+            # Nothing can be verified while NVML is down: what was applied is reported pending
+            # (with the reason) rather than vouched for; gone pods drop out.
+            results = MappingProxyType({
+                k: (dataclasses.replace(r, state=ContainerState.PENDING, reason=unverified.reason,
+                                        message=unverified.message)
+                    if r.state is ContainerState.APPLIED else r)
+                for k, r in results.items() if k.pod_uid in self.known})
+            self.metrics.count_states(r.state for r in results.values())
         self.view = dataclasses.replace(
-            self.view, inventory=inventory,
+            self.view, inventory=inventory, results=results,
+            pods=MappingProxyType(dict(self.known)),
             health=self._health(inventory, mps_error, mps_namespaces, 1 if count else 0))
 
     # -- releasing --------------------------------------------------------------------------
@@ -378,12 +395,14 @@ class Reconciler:
         self.events.forget_pod(uid)
         self.provisioned.pop(uid, None)
 
-    def _tidy(self, live: set[str], fractional: set[str]) -> None:
+    def _tidy(self, live: set[str], fractional: set[str] | None) -> None:
         for uid in self.markers.stale_dirs(live, grace=self.options.marker_grace_seconds,
                                            now=self.clock()):
             if self.markers.remove_pod(uid):
                 log.info("removed the marker directory of pod %s (no such pod on this node)",
                          uid)
+        if fractional is None:
+            return
         for uid in live - fractional:
             # no fractional container any more (annotations removed, or released): a marker
             # left from before must not keep vouching for limits
