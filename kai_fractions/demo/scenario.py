@@ -31,7 +31,7 @@ from ..contract import (
 )
 from ..inspect.model import ENFORCED, Report, node_report
 from ..inspect.render import mib, table
-from ..inspect.sources import agent_from_socket
+from ..inspect.sources import agent_from_socket, agent_state
 from .admission_step import USER, admission_config, admit
 from .kubelet import GateResult, SimulatedKubelet
 from .scheduler import Ask, GpuSlot, Placer, allocation, idempotency_key, request_mib
@@ -237,7 +237,8 @@ class Scenario:
     # -- 5. the report ---------------------------------------------------------------------------
 
     def report(self) -> Report:
-        agent = agent_from_socket(str(self.s.endpoints.agent_socket))
+        endpoints = self.s.endpoints
+        agent = agent_state(str(endpoints.agent_socket), endpoints.metrics_url)
         pods = [p for p in self._all_pods()
                 if (p.get("spec") or {}).get("nodeName") in ("", None, self.node)]
         return node_report(self.node, self._node(), pods, agent, keys=self.s.keys)
@@ -305,6 +306,9 @@ class Scenario:
         report = self.outcome.report = self.report()
         self.print_report(report)
         self.outcome.violation = self.violate(report)
+        # The violating process is gone: leave the node as the table shows it (for --keep).
+        _wait("the node agent to see the violating process go",
+              lambda: self._agent_sees(expected))
         self._section("Violation caught", self.outcome.violation)
         self.outcome.rejection += self.reject()
         self._section("Rejected by admission", self.outcome.rejection)

@@ -4,13 +4,13 @@ Every number comes from the pods' annotations through the contract package (the 
 node agent applies: request, limit, compute mode, active-thread percentage, devices). The state
 of each container comes from, in this order:
 
-1. the node agent, when it answered: `applied` -> enforced, `refused` / `pending` with its reason;
-2. the gate init container's status on the pod: exited 0 -> enforced, exited non-zero ->
-   refused with its termination message, running -> waiting for the node agent;
-3. otherwise what the pod says: not bound yet -> unscheduled; bound without a gate -> ungated
+1. the node agent's refusal, when it answered (the cause, with its reason);
+2. a gate that exited non-zero: refused with its termination message (the workload did not
+   start, whatever the agent says now);
+3. the node agent's `applied` -> enforced, `pending` with its reason;
+4. the gate init container's other states: exited 0 -> enforced, running -> waiting;
+5. otherwise what the pod says: not bound yet -> unscheduled; bound without a gate -> ungated
    (the admission webhook did not wire it: its limits are not guaranteed before it starts).
-
-A gate that failed wins over an agent that says applied: the workload did not start.
 Used memory comes from the agent only; when it is not reachable the report says why.
 """
 
@@ -234,15 +234,18 @@ def _state(pod: Mapping[str, Any], node: str, container: str, gate: tuple[str, s
            agent: AgentState | None, invalid: bool, request: Any) -> tuple[str, str, str]:
     if invalid:
         return INVALID, "ContractInvalid", "; ".join(str(e) for e in request.errors)
-    if gate is not None and gate[0] == REFUSED:
-        return gate
+    found = None
     if agent is not None and agent.reachable and node:
         meta = pod.get("metadata") or {}
         found = agent.allocation(str(meta.get("namespace") or "default"),
                                  str(meta.get("name") or ""), container,
                                  str(meta.get("uid") or ""))
-        if found is not None and found.state in _AGENT_STATES:
-            return _AGENT_STATES[found.state], found.reason, found.message
+    if found is not None and found.state == "refused":
+        return REFUSED, found.reason, found.message  # the cause, not only the gate's echo
+    if gate is not None and gate[0] == REFUSED:
+        return gate
+    if found is not None and found.state in _AGENT_STATES:
+        return _AGENT_STATES[found.state], found.reason, found.message
     if gate is not None:
         return gate
     if not node:

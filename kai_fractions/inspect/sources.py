@@ -5,6 +5,7 @@ the cluster's as `SourceError` (the command exits), the agent's as an unreachabl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import urllib.error
@@ -102,7 +103,9 @@ def from_node_state(reply: Any, source: str) -> AgentState:
     allocations = tuple(
         AgentAllocation(namespace=a.pod.namespace, pod=a.pod.name, container=a.container,
                         uid=a.pod.uid, state=_STATES.get(a.state, ""), reason=a.reason,
-                        message=a.message, used_bytes=a.memory_used_bytes)
+                        message=a.message,
+                        # A refused container is not accounted: its 0 means "not known".
+                        used_bytes=None if a.state == 3 else a.memory_used_bytes)
         for a in reply.allocations)
     condition = None
     if reply.HasField("condition"):
@@ -182,12 +185,27 @@ def agent_from_metrics(url: str, timeout: float = AGENT_TIMEOUT) -> AgentState:
     return AgentState(source=source, allocations=allocations)
 
 
+def merged(socket: AgentState, metrics: AgentState) -> AgentState:
+    """The socket's word with the metrics' per-GPU usage (the socket sums a container's GPUs)."""
+    if not metrics.reachable:
+        return socket
+    by_gpu = {(a.namespace, a.pod, a.container): a.used_by_gpu for a in metrics.allocations}
+    return dataclasses.replace(socket, source=f"{socket.source} + {metrics.source}",
+                               allocations=tuple(
+        dataclasses.replace(a, used_by_gpu=by_gpu.get((a.namespace, a.pod, a.container),
+                                                      a.used_by_gpu))
+        for a in socket.allocations))
+
+
 def agent_state(socket: str | None, metrics: str | None) -> AgentState:
-    """The socket when given (or present at the default path), else the metrics endpoint."""
+    """The socket when given (or present at the default path), with the metrics endpoint's
+    per-GPU usage when given too; the metrics alone otherwise."""
     if socket:
         state = agent_from_socket(socket)
-        if state.reachable or not metrics:
+        if not metrics:
             return state
+        if state.reachable:
+            return merged(state, agent_from_metrics(metrics))
     if metrics:
         return agent_from_metrics(metrics)
     if os.path.exists(DEFAULT_AGENT_SOCKET):

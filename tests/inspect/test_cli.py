@@ -153,7 +153,7 @@ def test_agent_socket(cluster: Path, agent_socket: Path, capsys) -> None:
         (0, "NVIDIA A100-SXM4-40GB", 1), (1, "NVIDIA A100-SXM4-40GB", 0)]
     row = data["gpus"][0]["allocations"][0]
     assert (row["state"], row["reason"], row["message"], row["used_bytes"]) == (
-        "refused", "MemoryOvercommitted", "GPU full", 0)
+        "refused", "MemoryOvercommitted", "GPU full", None)
     assert data["notes"] == []
 
 
@@ -227,3 +227,16 @@ def test_agent_metrics_not_reachable(cluster: Path, capsys) -> None:
     assert code == 0
     note = next(line for line in out.splitlines() if line.startswith("note: used: n/a"))
     assert note.startswith("note: used: n/a (agent not reachable: URLError: ")
+
+
+def test_agent_socket_and_metrics_together(cluster: Path, agent_socket: Path,
+                                           metrics_url: str, capsys) -> None:
+    code, out, _ = _inspect(capsys, "node", NODE, "--kubeconfig", str(cluster),
+                            "--agent-socket", str(agent_socket), "--agent-metrics",
+                            metrics_url, "-o", "json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["agent"]["source"] == (f"socket unix://{agent_socket} + metrics "
+                                       f"http://{metrics_url}/metrics")
+    row = data["gpus"][0]["allocations"][0]
+    assert (row["state"], row["used_bytes"]) == ("refused", 4096 * MIB)  # usage per GPU

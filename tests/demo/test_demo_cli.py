@@ -1,0 +1,133 @@
+"""`kai-fractions demo` as a user runs it: a subprocess, its table checked row by row against
+the plan computed from examples/ with the contract package, and nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from .expected import PLACEMENT, expected_rows, gpu_uuid, parse_tables, row_cells
+
+CLI = Path(sys.executable).parent / "kai-fractions"
+TIMEOUT = 120
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of a process group (the demo's session), from /proc."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.Popen([str(CLI), "demo", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"the demo did not finish in {TIMEOUT}s:\n{err}") from None
+    assert group_members(proc.pid) == [], "the demo left processes behind"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_demo_prints_the_plan_and_exits_clean():
+    result = run_demo()
+    assert result.returncode == 0, result.stderr
+    out, err = result.stdout, result.stderr
+    expected = expected_rows()
+
+    assert out.startswith("kai-fractions demo: 7 fractional containers from examples/ on node "
+                          "demo-node (2 x NVIDIA H100 80GB HBM3, simulated)\n")
+    assert "\nnode demo-node  nvidia.com/gpu.memory=81559  gpu-fractioning.nvidia.com/Ready=True"\
+        in out
+
+    gpus, unplaced, reasons = parse_tables(out)
+    assert sorted(gpus) == [0, 1]
+    for index, (uuid, mode, rows) in gpus.items():
+        assert uuid == gpu_uuid(index)
+        want = sorted(row_cells(e) for e in expected if e.gpus and index in e.gpus)
+        assert rows == want, f"GPU {index}"
+        assert mode == {0: "time-slicing", 1: "sm-sharing"}[index]
+
+    [pending] = [e for e in expected if e.gpus is None]
+    assert unplaced == [[pending.ref, "time-slicing", "0.5 GPU x2", "-", "-", "n/a",
+                         "unscheduled (Unschedulable)"]]
+    # GPU 0's free memory when the two-GPU pod came (file order), from the expected plan.
+    order = list(PLACEMENT)
+    before = [e for e in expected if e.gpus == (0,)
+              and order.index(e.pod) < order.index(pending.pod)]
+    free0 = 81559 - 1024 - sum(e.request_mib for e in before)
+    need = (81559 - 1024) // 2
+    assert reasons == [
+        f"{pending.ref}: Unschedulable: 0/2 GPUs fit default/multi-device-fraction: it needs "
+        f"2 GPU(s) with {need} MiB free that run time-slicing or nothing yet, 1 found (GPU 0: "
+        f"{free0} MiB free, time-slicing; GPU 1: {81559 - 1024} MiB free); one GPU runs one "
+        "compute mode"]
+
+    # The violation: the first container of GPU 0's table, pushed 1024 MiB over its cap.
+    victim = min((e for e in expected if e.gpus == (0,)), key=lambda e: e.ref)
+    section = out.split("\nViolation caught:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert re.fullmatch(rf"  {victim.ref} on GPU 0: a process \(pid \d+\) takes it to "
+                        rf"{victim.limit_mib + 1024} MiB, over its cap of {victim.limit_mib} MiB",
+                        section[0]), section[0]
+    assert re.fullmatch(
+        rf"  watchdog \(policy report\) -> Event Warning LimitViolation on pod "
+        rf"default/{victim.pod}: container {victim.container} of pod [0-9a-f-]+ uses "
+        rf"{victim.limit_mib + 1024} MiB of GPU memory on {gpu_uuid(0)}, above its cap of "
+        rf"{victim.limit_mib} MiB \(pids \d+, \d+\)", section[1]), section[1]
+
+    assert out.endswith(
+        "\nRejected by admission:\n"
+        "  pod default/pick-my-own-gpu (created by kubernetes-admin, sets the binder's key "
+        "itself): 403 Forbidden: nvidia.com/container.app.gpus.devices: is a protected key: "
+        "only system:serviceaccount:kai-scheduler:binder, "
+        "system:serviceaccount:kai-fractions:kai-fractions-mirror may create it, not "
+        "kubernetes-admin\n")
+
+    progress = err.splitlines()
+    assert all(line.startswith("[demo ") for line in progress), err
+    for e in expected:
+        if e.gpus is not None:
+            where = ", ".join(f"GPU {i}" for i in e.gpus)
+            assert any(f"] scheduled default/{e.pod} on {where} ({e.request_mib} MiB, {e.mode})"
+                       in line for line in progress), e.pod
+            assert any(line.endswith(f"] gate default/{e.pod}: released, containers running")
+                       for line in progress), e.pod
+    assert progress[-1].endswith("] stopped")
+
+
+def test_without_the_demo_extra_one_line_and_exit_2():
+    code = ("import sys; sys.modules['kmock'] = None\n"
+            "from kai_fractions.cli import main\n"
+            "sys.exit(main(['demo']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == ("kai-fractions demo: needs the demo extra (kmock is not "
+                             "installed): pip install 'kai-fractions[demo]'\n")
+
+
+def test_a_bad_config_is_a_usage_error(tmp_path: Path):
+    config = tmp_path / "demo.yaml"
+    config.write_text("gpus: [{model: B300, count: 2}]\n")
+    result = subprocess.run([str(CLI), "demo", "--config", str(config)], capture_output=True,
+                            text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.startswith(f"kai-fractions demo: --config {config}: gpus: "
+                                    "gpus[0].model: unknown GPU model 'B300'; known: ")
+    assert result.stderr.count("\n") == 1

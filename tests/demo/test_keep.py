@@ -1,0 +1,163 @@
+"""`kai-fractions demo --keep`: the endpoints it prints work; `inspect` against it shows the
+plan; SIGINT stops it cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kai_fractions.cli import main
+
+from .expected import MIB, NODE, expected_rows, gpu_uuid
+from .test_demo_cli import CLI, group_members
+
+START_TIMEOUT = 90
+ENDPOINTS = ("api", "kubeconfig", "mirror", "agent", "metrics")
+
+
+class Demo:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([str(CLI), "demo", "--keep"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.err: list[str] = []
+        threading.Thread(target=self._read, args=(self.proc.stdout, self.lines.put),
+                         daemon=True).start()
+        threading.Thread(target=self._read, args=(self.proc.stderr, self.err.append),
+                         daemon=True).start()
+
+    @staticmethod
+    def _read(stream, sink) -> None:
+        for line in stream:
+            sink(line.rstrip("\n"))
+        sink(None)
+
+    def endpoints(self) -> dict[str, str]:
+        deadline = time.monotonic() + START_TIMEOUT
+        found: dict[str, str] = {}
+        keeping = False
+        while set(found) != set(ENDPOINTS):
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError("the demo printed no endpoints:\n"
+                                     + "\n".join(filter(None, self.err))) from None
+            if line is None:
+                raise AssertionError("the demo exited:\n" + "\n".join(filter(None, self.err)))
+            if line == "The demo keeps running; Ctrl-C stops it.":
+                keeping = True
+            elif keeping:
+                name, _, value = line.strip().partition(" ")
+                if name in ENDPOINTS:
+                    found[name] = value.strip()
+        return found
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise
+
+
+@pytest.fixture(scope="module")
+def demo():
+    d = Demo()
+    try:
+        d.endpoints_found = d.endpoints()
+        yield d
+    finally:
+        d.stop()  # normally done by the last test already
+
+
+def _inspect(capsys, *args: str) -> tuple[int, str]:
+    code = main(["inspect", *args])
+    out, err = capsys.readouterr()
+    assert err == ""
+    return code, out
+
+
+def test_endpoints(demo):
+    e = demo.endpoints_found
+    assert e["api"].startswith("http://127.0.0.1:")
+    assert Path(e["kubeconfig"]).is_file() and Path(e["agent"]).is_socket()
+    assert e["metrics"].startswith("http://127.0.0.1:") and e["metrics"].endswith("/metrics")
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(e["mirror"]) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="kai_fractions.v1.AllocationMirror"),
+            timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_inspect_node_against_the_demo(demo, capsys):
+    e = demo.endpoints_found
+    code, out = _inspect(capsys, "node", NODE, "--kubeconfig", e["kubeconfig"],
+                         "--agent-socket", e["agent"], "--output", "json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["node"] == NODE and data["gpu_memory_label"] == "81559"
+    assert data["condition"]["status"] == "True" and data["notes"] == []
+    assert data["agent"]["reachable"] is True
+    expected = expected_rows()
+    assert [(g["index"], g["uuid"]) for g in data["gpus"]] == [(0, gpu_uuid(0)),
+                                                               (1, gpu_uuid(1))]
+    for gpu in data["gpus"]:
+        got = [(a["namespace"], a["pod"], a["container"], a["mode"], a["request_bytes"],
+                a["limit_bytes"], a["active_thread_percentage"], a["used_bytes"], a["state"])
+               for a in gpu["allocations"]]
+        want = sorted(("default", x.pod, x.container, x.mode, x.request_mib * MIB,
+                       x.limit_mib * MIB, x.atp, x.used_mib * MIB, "enforced")
+                      for x in expected if x.gpus and gpu["index"] in x.gpus)
+        assert got == want
+    assert data["unplaced"] == []  # a pod that is on no node is not this node's
+
+
+def test_inspect_the_unscheduled_pod(demo, capsys):
+    e = demo.endpoints_found
+    code, out = _inspect(capsys, "pod", "default/multi-device-fraction", "--kubeconfig",
+                         e["kubeconfig"], "-o", "json")
+    assert code == 0
+    data = json.loads(out)
+    [pending] = data["unplaced"]
+    assert (data["gpus"], data["node"], data["agent"]) == ([], "", None)
+    assert (pending["pod"], pending["state"], pending["reason"], pending["portion"],
+            pending["device_count"]) == ("multi-device-fraction", "unscheduled",
+                                         "Unschedulable", "0.5", 2)
+
+
+def test_inspect_pod_with_metrics_only(demo, capsys):
+    e = demo.endpoints_found
+    code, out = _inspect(capsys, "pod", "default/sm-sharing", "--kubeconfig", e["kubeconfig"],
+                         "--agent-metrics", e["metrics"], "-o", "json")
+    assert code == 0
+    data = json.loads(out)
+    [gpu] = data["gpus"]
+    [row] = gpu["allocations"]
+    [want] = [x for x in expected_rows() if x.pod == "sm-sharing"]
+    assert (gpu["uuid"], row["active_thread_percentage"], row["used_bytes"], row["state"],
+            row["reason"]) == (gpu_uuid(1), want.atp, want.used_mib * MIB, "enforced",
+                               "GateReleased")
+
+
+def test_sigint_stops_it_cleanly(demo):
+    assert demo.stop() == 0
+    assert group_members(demo.proc.pid) == []
+    deadline = time.monotonic() + 10
+    while demo.err[-1:] != [None] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = [line for line in demo.err if line is not None]
+    assert lines[-1].endswith("] stopped")
