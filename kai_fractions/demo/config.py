@@ -42,8 +42,10 @@ class DemoConfigError(ValueError):
 
 
 def repository_examples() -> Path:
-    """`examples/` next to the package in a checkout (scripts/demo runs from one)."""
-    return Path(__file__).resolve().parents[2] / "examples"
+    """`examples/` next to the package in a checkout (scripts/demo runs from one), else the
+    current directory's (an installed package, run from a checkout)."""
+    beside = Path(__file__).resolve().parents[2] / "examples"
+    return beside if beside.is_dir() else Path.cwd() / "examples"
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,10 @@ nothing left running afterwards."""
 from __future__ import annotations
 
 import io
+import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -28,9 +30,15 @@ def run(config_data: dict) -> tuple[str, list[str], DemoSession]:
     return out.getvalue(), progress, session
 
 
-def test_nothing_keeps_running_after_stop():
+@pytest.fixture(scope="module")
+def default_run():
     before = set(threading.enumerate())
-    _, _, session = run({})
+    out, progress, session = run({})
+    return out, progress, session, before
+
+
+def test_nothing_keeps_running_after_stop(default_run):
+    _, _, session, before = default_run
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
@@ -39,6 +47,20 @@ def test_nothing_keeps_running_after_stop():
         time.sleep(0.05)
     assert [t.name for t in left if not t.daemon] == []
     assert not session.workdir.exists()
+
+
+def _normalized(text: str) -> str:
+    """Without what changes from run to run: temp paths, ports, pod UIDs, pids."""
+    text = re.sub(r"/tmp/kf-demo-\w+", "/tmp/kf-demo-X", text)
+    text = re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", text)
+    text = re.sub(r"of pod [0-9a-f-]{36}", "of pod UID", text)
+    return re.sub(r"pids? \d+(, \d+)*", "pid N", text)
+
+
+def test_the_readme_shows_a_real_run(default_run):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("A real run:\n\n```\n", 1)[1].split("```", 1)[0]
+    assert _normalized(block) == _normalized(default_run[0])
 
 
 def test_four_gpus_place_every_example():
