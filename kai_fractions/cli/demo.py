@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _DEMO_MODULES = {"kmock", "aiohttp", "attrs", "jsonpatch", "jsonpointer", "yarl"}
 
 
@@ -71,9 +71,8 @@ def _keep_running(session, out) -> None:
         f"  kai-fractions inspect node {node} --kubeconfig {e.kubeconfig} "
         f"--agent-socket {e.agent_socket}\n"
         f"  grpcurl -plaintext {e.mirror} list\n"
-        f"  grpcurl -plaintext -unix {e.agent_socket} "
-        "kai_fractions.v1.NodeEnforcer/GetNodeState  (NodeEnforcer has no reflection: add "
-        "-import-path protos -proto kai_fractions/v1/node.proto)\n"
+        "  grpcurl -plaintext -unix -import-path protos -proto kai_fractions/v1/node.proto "
+        f"{e.agent_socket} kai_fractions.v1.NodeEnforcer/GetNodeState\n"
         f"  curl -s {e.api_url}/api/v1/namespaces/{session.config.namespace}/pods\n"
         f"  curl -s {e.api_url}/api/v1/nodes/{node}\n"
         f"  curl -s {e.metrics_url}\n")
@@ -124,9 +123,16 @@ def run(args: argparse.Namespace) -> int:
     except DemoFailure as e:
         return _fail(str(e), EXIT_FAILED)
     except KeyboardInterrupt:
-        pass
+        code = EXIT_INTERRUPTED
+    except Exception as e:  # one line for a user; the trace with --verbose
+        logging.getLogger(__name__).debug("the demo failed", exc_info=True)
+        if args.verbose:
+            logging.getLogger(__name__).error("the demo failed", exc_info=True)
+        code = _fail(f"{type(e).__name__}: {e}", EXIT_FAILED)
+    else:
+        code = EXIT_OK
     finally:
         progress("stopping")
         session.stop()
         progress("stopped")
-    return EXIT_OK
+    return code
