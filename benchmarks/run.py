@@ -13,6 +13,8 @@ from .harness import machine
 
 BENCHMARKS = {
     "P1": "benchmarks.bench_mirror",
+    "P2": "benchmarks.bench_node",
+    "P3": "benchmarks.bench_agent_steady",
     "P4": "benchmarks.bench_contract",
     "L1": "benchmarks.load_mirror",
 }

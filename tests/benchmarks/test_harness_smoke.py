@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_contract, bench_mirror, run
+from benchmarks import bench_agent_steady, bench_contract, bench_mirror, bench_node, run
 from benchmarks.harness import Result
 from tests.support import tools
 
@@ -58,6 +58,24 @@ def test_p1_mirror_overhead_smoke():
     assert targets == {"(c) MirrorAllocation p99, c=1": "< 20",
                        "(c) MirrorAllocation rate, c=16": ">= 500",
                        "ratio c/(a+b), c=1": "<= 1.2", "ratio c/(a+b), c=16": "<= 1.2"}
+
+
+def test_p2_node_convergence_smoke():
+    result = bench_node.run(smoke=True)
+    assert_well_formed(result, "P2", "one pod p50", "one pod p99", "10 pods at once: last marker",
+                       "10 pods at once: passes")
+    figures = {f.name: f for f in result.figures}
+    assert figures["one pod p99"].target == "<= 100"
+    assert figures["10 pods at once: passes"].value >= 1
+
+
+def test_p3_agent_steady_state_smoke():
+    result = bench_agent_steady.run(smoke=True)
+    assert_well_formed(result, "P3", "CPU, agent process", "peak RSS", "watchdog CPU per check")
+    figures = {f.name: f for f in result.figures}
+    assert (figures["CPU, agent process"].target, figures["peak RSS"].target) == ("<= 1", "<= 80")
+    assert figures["containers with usage seen"].value == 10  # the watchdog saw every process
+    assert figures["peak RSS"].value > 0
 
 
 def test_p4_contract_throughput_smoke():
