@@ -31,7 +31,7 @@ SINGLE = {
     "kai-fractions.io/container.trainer.memory-request-mib": "20480",
     "kai-fractions.io/container.trainer.mps-pinned-mem-limit": "0=20480M",
     "kai-fractions.io/container.trainer.plan-digest":
-        "sha256:e95be9e34004b22d01e8bcd6a839cb3786015eed7468cd15af496ecea73ccbed",
+        "sha256:f56eea6c50b0a08e07c4176f5a1b87c4f99da02d2ef78c5ba81ca5b27ef1e1ea",
     "nvidia.com/container.trainer.gpu-compute.portion": "0.5",
     "nvidia.com/container.trainer.gpu-memory.request": "20480Mi",
     "nvidia.com/container.trainer.gpus.devices": "GPU-1111aaaa",
