@@ -85,6 +85,12 @@ def register(sub) -> None:
                    "%(default)g)")
     p.add_argument("--annotation-prefix", default=DEFAULT_KEYS.prefix, metavar="P",
                    help="per-container key prefix (default: %(default)s)")
+    p.add_argument("--signing-key-file", action="append", default=[], metavar="FILE",
+                   help="apply only allocations signed by the kai-fractions mirror with these "
+                   "keys; refuse the rest (SignatureMissing / SignatureInvalid). FILE holds the "
+                   "raw key, or is a directory with `current` and optionally `previous` (the "
+                   "chart's Secret); repeatable; re-read when it changes. Default: no check "
+                   "(needed with an unmodified KAI, which signs nothing)")
     p.add_argument("--kubeconfig", metavar="FILE",
                    help="kubeconfig to use (default: in-cluster, then $KUBECONFIG or "
                    "~/.kube/config)")
@@ -150,7 +156,15 @@ def run(args: argparse.Namespace) -> int:
         marker_dir=args.marker_dir, socket=args.socket, metrics_listen=args.metrics_listen,
         condition_name=args.condition_name, legacy_condition=args.legacy_condition,
         publish_gpu_memory_label=args.publish_gpu_memory_label,
-        resync_seconds=args.resync_seconds)
+        resync_seconds=args.resync_seconds,
+        signing_key_files=tuple(args.signing_key_file))
+    if options.signing_key_files:
+        from ..signing import KeyringSource, SigningConfigError
+        try:
+            keyring = KeyringSource(options.signing_key_files).current()
+        except SigningConfigError as e:
+            return _fail(str(e))
+        log.info("applying only signed allocations (keys: %s)", ", ".join(keyring.kids))
     try:
         api_client = load_api_client(args.kubeconfig)
     except KubeConfigError as e:

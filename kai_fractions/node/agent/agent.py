@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ...signing import KeyringSource
 from ..cgroups import CgroupFs
 from ..config import NodeConfig
 from ..nvml import Nvml
@@ -28,6 +29,7 @@ from .kube import ClusterWriter, PodSource
 from .metrics import AgentMetrics
 from .options import AgentOptions
 from .reconciler import MpsSupervisor, Reconciler
+from .signatures import SignatureCheck
 from .watch import PodCache, PodWatcher
 from .worker import Worker
 
@@ -59,10 +61,13 @@ class NodeAgent:
         self.cache = PodCache(monotonic)
         self.metrics = AgentMetrics()
         self.events = EventRecorder(cluster, config.node_name, clock)
+        signatures = None
+        if options.signing_key_files:  # raises SigningConfigError for unusable key files
+            signatures = SignatureCheck(KeyringSource(options.signing_key_files), config.keys)
         self.reconciler = Reconciler(
             config=config, options=options, nvml=nvml, cgroup_fs=cgroup_fs, pods=self.cache,
             mps=mps, cluster=cluster, events=self.events, metrics=self.metrics, procfs=procfs,
-            killer=killer, clock=clock, hook=hook)
+            killer=killer, clock=clock, hook=hook, signatures=signatures)
         self.worker = Worker(self.reconciler, options,
                              watchdog_interval=config.watchdog_interval,
                              mps_checks=self.reconciler.mps is not None, monotonic=monotonic)

@@ -49,6 +49,9 @@ class AgentOptions:
     """Per Kubernetes request (watches excepted)."""
     watch_seconds: int = 300
     """Server-side timeout of one watch request (then it is renewed)."""
+    signing_key_files: tuple[str, ...] = ()
+    """`--signing-key-file` values: apply only allocations the mirror signed (see
+    `signatures.py`); empty = signatures are not checked."""
 
     @property
     def condition_types(self) -> tuple[str, ...]:

@@ -59,6 +59,7 @@ from .markers import MarkerStore, decide, still_valid
 from .metrics import AgentMetrics, Usage
 from .mps_links import LegacyPipeLinks
 from .options import AgentOptions
+from .signatures import SignatureCheck, kept_limits, with_refusals
 from .watch import PodCache
 
 log = logging.getLogger(__name__)
@@ -171,8 +172,11 @@ class Reconciler:
         killer: Killer | None = None,
         clock: Callable[[], float] = time.time,
         hook: Callable[[str], None] = lambda point: None,
+        signatures: SignatureCheck | None = None,
     ):
         self.config = config
+        self.signatures = signatures
+        """None: allocations are applied unsigned (`--signing-key-file` not given)."""
         self.options = options
         self.nvml = nvml
         self.cgroup_fs = cgroup_fs
@@ -311,7 +315,15 @@ class Reconciler:
             except ValueError as e:  # a malformed object the API server should have refused
                 log.error("pod %s cannot be read (%s); skipped", uid, e)
                 errors.add("PodUnreadable")
+        screened = None
+        if self.signatures is not None:
+            screened = self.signatures.screen(node_pods, unchecked={
+                uid for uid, (_m, source) in manifests.items() if source == PROVISIONED})
+            node_pods = list(screened.pods)
         desired = without_released(plan_node(node_pods, inventory, self.config), self.released)
+        if screened is not None and screened.refusals:
+            desired = with_refusals(desired, screened, kept_limits(
+                self.engine, inventory, screened.refused_pods), self.released)
 
         for uid in gone:
             self._release_gone(uid, errors)

@@ -1,0 +1,139 @@
+"""Signed allocations on the node (`--signing-key-file`): only what the mirror signed is applied.
+
+Before a pass plans the node, every fractional container of a watched pod that the binder has
+bound is planned on its own and its signature checked (`kai_fractions.signing`). A pod with a
+missing, malformed, unknown-key or wrong signature is left out of planning altogether, so it
+takes no memory, compute mode or MPS pinned limit on any GPU, and each of its fractional
+containers is refused (`SignatureMissing` / `SignatureInvalid`): the marker says so, the gate
+fails the pod with the reason, a `Refused` event tells its owner.
+
+Never loosened: a pod that was applied and is edited afterwards (a user raising their own
+`.gpu-memory.limit` on a running pod, which admission allows on UPDATE) is refused too, but the
+memory limits already in force on its cgroups are kept exactly as the kernel holds them (read
+back every pass, so this survives agent restarts): a refusal must not turn into "unlimited" for
+a container that is already running. What is not kept: its MPS namespace once its clients have
+exited, and the watchdog's watch over it.
+
+Pods given through the root-only NodeEnforcer socket (`Provision`) are not checked: whoever can
+reach that socket is root on the node already.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from ...contract import ContractViolation, Keys, parse_pod, plan_container
+from ...signing import KeyringSource, Reason, signature_key
+from ..desired import ContainerKey, DesiredState, LimitTarget, NodePod, Refusal
+from ..engine import Engine
+from ..errors import NvmlError
+from ..inventory import Inventory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Screened:
+    pods: tuple[NodePod, ...]
+    """The pods to plan (everything but the refused ones)."""
+    refusals: tuple[Refusal, ...] = ()
+    refused_pods: frozenset[str] = frozenset()
+
+
+class SignatureCheck:
+    def __init__(self, source: KeyringSource, keys: Keys) -> None:
+        self.source = source
+        self.keys = keys
+
+    def screen(self, pods: Iterable[NodePod], unchecked: Collection[str] = ()) -> Screened:
+        """Split `pods` into the ones to plan and the refusals; `unchecked` pod UIDs (the
+        provisioned ones) pass as they are."""
+        keyring = self.source.current()
+        kept: list[NodePod] = []
+        refusals: list[Refusal] = []
+        refused: set[str] = set()
+        for pod in pods:
+            mine = [] if pod.uid in unchecked else self._refusals(pod, keyring)
+            if mine:
+                refusals.extend(mine)
+                refused.add(pod.uid)
+            else:
+                kept.append(pod)
+        return Screened(tuple(kept), tuple(refusals), frozenset(refused))
+
+    def _refusals(self, pod: NodePod, keyring) -> list[Refusal]:
+        request = parse_pod(pod.view, self.keys)
+        if request.errors:
+            return []  # planning refuses it as ContractInvalid, with the contract's words
+        failed: dict[str, tuple[str, str]] = {}
+        for share in request.shares:
+            if not share.devices:
+                continue  # not bound yet: nothing to check (planning says NotBound)
+            try:
+                plan = plan_container(share, pod.uid, keys=self.keys)
+            except ContractViolation:
+                continue  # planning refuses it with the reason
+            verdict = keyring.verify(plan, pod.view.annotations.get(
+                signature_key(plan, self.keys)), self.keys)
+            if not verdict.ok:
+                failed[share.container] = (verdict.reason, verdict.message)
+        if not failed:
+            return []
+        first, (reason, _message) = next(iter(failed.items()))
+        out = []
+        for share in request.shares:
+            why, message = failed.get(share.container, (
+                reason, f"not applied because container {first!r} of this pod failed its "
+                "signature check"))
+            out.append(Refusal(key=ContainerKey(pod.uid, share.container),
+                               pod_namespace=pod.view.namespace, pod_name=pod.view.name,
+                               reason=Reason(why), message=message))
+            log.warning("pod %s/%s container %s refused: %s: %s", pod.view.namespace,
+                        pod.view.name, share.container, why, message)
+        return out
+
+
+def kept_limits(engine: Engine, inventory: Inventory, uids: Collection[str]
+                ) -> tuple[LimitTarget, ...]:
+    """The memory limits in force on the cgroups of `uids` (pod slices and below), as targets
+    the engine keeps instead of sweeping them."""
+    if not uids:
+        return ()
+    try:
+        if not engine.limits.supported():
+            return ()
+    except NvmlError:
+        return ()
+    out: list[LimitTarget] = []
+    gpus = [d.uuid for d in inventory.devices if not d.mig_enabled]
+    for pc in engine.layout.scan(engine.cgroup_fs):
+        if pc.uid not in uids:
+            continue
+        for path in (pc.path, *pc.children):
+            for uuid in gpus:
+                try:
+                    got = engine.limits.read(uuid, path)
+                except NvmlError as e:
+                    log.warning("cannot read the GPU memory limit on %s (%s): %s", path,
+                                e.reason, e.message)
+                    continue
+                if not got.cleared:
+                    out.append(LimitTarget(gpu_uuid=uuid, path=path, soft=got.soft,
+                                           hard=got.hard, pod_uid=pc.uid, container=None))
+    return tuple(out)
+
+
+def with_refusals(desired: DesiredState, screened: Screened, keep: Sequence[LimitTarget],
+                  released: Collection[tuple[str, str | None]] = ()) -> DesiredState:
+    """The desired state plus the signature refusals and the limits kept for refused pods."""
+    def gone(key: ContainerKey) -> bool:
+        return (key.pod_uid, None) in released or (key.pod_uid, key.container) in released
+
+    return dataclasses.replace(
+        desired,
+        refusals=desired.refusals + tuple(r for r in screened.refusals if not gone(r.key)),
+        limits=desired.limits + tuple(keep),
+        pod_uids=desired.pod_uids | screened.refused_pods)

@@ -1,0 +1,138 @@
+"""The REAL node agent process with `--signing-key-file` (a Secret-shaped key directory), over
+kmock and the fake libnvidia-ml.so.1: the mirror-signed pod is applied, the same pod unsigned is
+refused (marker, event, no limit); and the NodeEnforcer socket admits root only."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+from typing import Any
+
+import grpc
+import pytest
+
+from kai_fractions.api.v1 import node_pb2, node_pb2_grpc
+from kai_fractions.contract import derived_annotations, parse_pod, plan_pod, pod_views
+from kai_fractions.signing import Keyring
+from tests.support.agent_process import GPU0, H100_MIB, AgentEnv, wait_for
+
+from .allocations import KEY_A, KEY_B
+
+pytestmark = pytest.mark.integration
+
+GIB = 1 << 30
+HEX = "5e" * 32
+NOBODY = 65534
+
+
+def mirrored(env: AgentEnv, name: str, sign: bool) -> str:
+    """A pod as the mirror leaves it (binder keys, derived keys, signature), bound to the node."""
+    body = {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "annotations": {
+                "nvidia.com/container.main.gpu-memory.request": "10Gi",
+                "nvidia.com/container.main.gpu-memory.limit": "20Gi",
+                "nvidia.com/container.main.gpus.devices": GPU0,
+                "nvidia.com/container.main.gpu-compute.portion": "0.25"}},
+            "spec": {"containers": [{"name": "main", "image": "registry.invalid/app:1",
+                                     "resources": {"requests": {"cpu": "100m"}}}]}}
+    uid = env.kube.core.create_namespaced_pod("default", body).metadata.uid
+    env.make_cgroups(uid, HEX)
+    stored: dict[str, Any] = env.kube.get_object("v1/pods", "default", name)
+    (plan,) = plan_pod(parse_pod(next(pod_views(stored))))
+    notes = derived_annotations(plan)
+    if sign:
+        notes["kai-fractions.io/container.main.signature"] = Keyring.of(KEY_B).sign(plan)
+    env.kube.core.patch_namespaced_pod(name, "default", {
+        "metadata": {"annotations": notes}, "spec": {"nodeName": env.node}})
+    return uid
+
+
+def marker(env: AgentEnv, uid: str):
+    path = env.marker(uid)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def test_signed_applied_unsigned_refused(agent_env: AgentEnv, tmp_path):
+    env = agent_env
+    keys = tmp_path / "signing"
+    keys.mkdir()
+    (keys / "current").write_bytes(KEY_B)
+    (keys / "previous").write_bytes(KEY_A)
+    env.nvml.add_gpu(GPU0, memory_mib=H100_MIB)
+    env.create_node()
+    run = env.start(f"--signing-key-file={keys}", sm_sharing=False)
+    good = mirrored(env, "signed", sign=True)
+    bad = mirrored(env, "unsigned", sign=False)
+    wait_for(lambda: marker(env, good) and marker(env, bad), run=run, what="both markers",
+             timeout=20)
+    assert marker(env, good)["containers"]["main"]["state"] == "applied"
+    refused = marker(env, bad)["containers"]["main"]
+    assert (refused["state"], refused["reason"]) == ("refused", "SignatureMissing")
+    assert refused["message"].startswith(
+        "annotation kai-fractions.io/container.main.signature is missing: ")
+    limits = {path for (_gpu, path) in env.nvml.limits()}
+    assert any(good.replace("-", "_") in p for p in limits)
+    assert not any(bad.replace("-", "_") in p for p in limits)
+    events = wait_for(lambda: [e for e in env.events(bad) if e["reason"] == "Refused"],
+                      run=run, what="the Refused event")
+    assert events[0]["type"] == "Warning"
+    assert events[0]["message"].startswith("container main: SignatureMissing: annotation ")
+    kids = ", ".join(Keyring.of(KEY_B, KEY_A).kids)
+    assert f"applying only signed allocations (keys: {kids})" in run.log()
+    assert run.stop() == 0
+
+
+def _connect_as(uid: int, path: str) -> str:
+    """Fork; the child drops to `uid` (setgroups, setgid, setuid) and connects to the unix
+    socket `path`; returns what it reports: "connected" or "<error name> <errno>"."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only system calls, then _exit (no pytest, no cleanup)
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            s = socket.socket(socket.AF_UNIX)
+            try:
+                s.connect(path)
+                out = "connected"
+            except OSError as e:
+                out = f"{type(e).__name__} {e.errno}"
+            os.write(write_end, out.encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        answer = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    return answer
+
+
+def test_the_node_socket_refuses_a_non_root_user(agent_env: AgentEnv):
+    assert os.geteuid() == 0, "this test drops from root to another uid"
+    env = agent_env
+    env.nvml.add_gpu(GPU0, memory_mib=H100_MIB)
+    env.create_node()
+    run = env.start(sm_sharing=False)
+    wait_for(lambda: env.socket.exists(), run=run, what="the agent's socket")
+    # only the socket's own mode may stand in the way: its directories are open to everyone
+    os.chmod(env.short, 0o755)
+    assert stat.S_IMODE(env.socket.stat().st_mode) == 0o600
+    assert (env.socket.stat().st_uid, env.socket.stat().st_gid) == (0, 0)
+    assert _connect_as(NOBODY, str(env.socket)) == "PermissionError 13"  # EACCES
+    # root can, and gets an answer
+    with grpc.insecure_channel(f"unix:{env.socket}") as channel:
+        state = node_pb2_grpc.NodeEnforcerStub(channel).GetNodeState(
+            node_pb2.GetNodeStateRequest(), timeout=10)
+    assert state.node_name == env.node
+    # the control: with the mode opened up, the same user gets through, so it was the mode
+    os.chmod(env.socket, 0o666)
+    try:
+        assert _connect_as(NOBODY, str(env.socket)) == "connected"
+    finally:
+        os.chmod(env.socket, 0o600)
+    assert run.stop() == 0

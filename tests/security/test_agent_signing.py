@@ -1,0 +1,257 @@
+"""The node agent with `--signing-key-file`: it applies what the mirror signed and refuses the
+rest (missing, malformed, unknown key, edited) with a refused marker, a `Refused` event and
+nothing applied; a running pod edited after it was applied keeps the limits it had (never
+loosened); a refused pod takes nothing from any GPU; provisioned pods are not checked."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from kai_fractions.cli import main
+from kai_fractions.contract import DEFAULT_KEYS
+from kai_fractions.gate.check import Outcome, judge
+from kai_fractions.marker import read_marker
+from kai_fractions.signing import Keyring, SigningConfigError
+from tests.agent.builders import GIB, Rig, binder_annotations, pod
+
+from .allocations import KEY_A, KEY_B, plans_of
+
+UID = "0b7e1c9a-3d2f-4a5b-8c6d-7e8f9a0b1c2d"
+UID2 = "1c8f2dab-4e30-4b6c-9d7e-8f9a0b1c2d3e"
+SIG = "kai-fractions.io/container.main.signature"
+SLICE = ("/sys/fs/cgroup/kubepods.slice/kubepods-burstable.slice/"
+         "kubepods-burstable-pod{u}.slice")
+LEAF = "cri-containerd-" + "a" * 64 + ".scope"
+
+
+def slice_of(uid: str) -> str:
+    return SLICE.format(u=uid.replace("-", "_"))
+
+
+def signed(manifest: dict, key: bytes = KEY_A) -> dict:
+    (plan,) = plans_of(manifest)
+    manifest["metadata"]["annotations"][SIG] = Keyring.of(key).sign(plan)
+    return manifest
+
+
+def rig_with_keys(tmp: Path, *secrets: bytes, **kw) -> Rig:
+    keys = tmp / "signing"
+    keys.mkdir(exist_ok=True)
+    for name, secret in zip(("current", "previous"), secrets, strict=False):
+        (keys / name).write_bytes(secret)
+    rig = Rig(tmp, sm_sharing=False, options={"signing_key_files": (str(keys),)}, **kw)
+    return rig
+
+
+def add(rig: Rig, manifest: dict) -> str:
+    uid = rig.add(manifest)["metadata"]["uid"]
+    rig.cgroups.add(f"{slice_of(uid)}/{LEAF}")
+    return uid
+
+
+def marker(rig: Rig, uid: str) -> dict | None:
+    path = rig.marker_path(uid)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def limits(rig: Rig, uid: str) -> dict:
+    return {path: value for (gpu, path), value in rig.nvml.limits.items()
+            if uid.replace("-", "_") in path}
+
+
+def gate(rig: Rig, uid: str):
+    notes = rig.cluster.pods[uid]["metadata"]["annotations"]
+    return judge(notes, read_marker(rig.marker_path(uid).parent), pod_uid=uid,
+                 keys=DEFAULT_KEYS, containers=["main"])
+
+
+def test_a_signed_allocation_is_applied(short_tmp):
+    rig = rig_with_keys(short_tmp, KEY_A)
+    uid = add(rig, signed(pod(uid=UID, notes=binder_annotations(devices=rig.gpu0))))
+    assert rig.step().converged
+    assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
+    assert limits(rig, uid) == {slice_of(uid): (10 * GIB, 20 * GIB),
+                                f"{slice_of(uid)}/{LEAF}": (10 * GIB, 20 * GIB)}
+    assert rig.cluster.event_reasons(uid) == ["Applied"]
+    assert gate(rig, uid).outcome is Outcome.RELEASE
+
+
+MISSING = ("annotation kai-fractions.io/container.main.signature is missing: this node applies "
+           "only allocations signed by the kai-fractions mirror; the pod was bound by something "
+           "that does not sign (a scheduler that does not call the mirror, an unmodified KAI), "
+           "or the annotation was removed: bind it through the mirror, or run the node agent "
+           "without --signing-key-file")
+EDITED = ("annotation kai-fractions.io/container.main.signature does not match the allocation: "
+          "the pod's GPU annotations (devices, memory request or limit, compute mode or portion) "
+          "were changed after the kai-fractions mirror signed them, or were written by someone "
+          "else; nothing is applied: delete the pod so the scheduler binds it again")
+
+
+def unsigned(rig):
+    return pod(uid=UID, notes=binder_annotations(devices=rig.gpu0))
+
+
+def forged(rig):
+    return signed(pod(uid=UID, notes=binder_annotations(devices=rig.gpu0)), KEY_B)
+
+
+def edited(rig):
+    manifest = signed(pod(uid=UID, notes=binder_annotations(devices=rig.gpu0)))
+    manifest["metadata"]["annotations"]["nvidia.com/container.main.gpu-memory.limit"] = "80Gi"
+    return manifest
+
+
+def malformed(rig):
+    manifest = pod(uid=UID, notes=binder_annotations(devices=rig.gpu0))
+    manifest["metadata"]["annotations"][SIG] = "v1;kid=zz;sig=nope"
+    return manifest
+
+
+@pytest.mark.parametrize(("build", "reason", "message"), [
+    (unsigned, "SignatureMissing", MISSING),
+    (forged, "SignatureInvalid", None),
+    (edited, "SignatureInvalid", EDITED),
+    (malformed, "SignatureInvalid", None),
+])
+def test_an_unsigned_or_bad_allocation_is_refused_with_nothing_applied(short_tmp, build, reason,
+                                                                      message):
+    rig = rig_with_keys(short_tmp, KEY_A)
+    uid = add(rig, build(rig))
+    report = rig.step()
+    entry = marker(rig, uid)["containers"]["main"]
+    assert (entry["state"], entry["reason"]) == ("refused", reason)
+    if message is not None:
+        assert entry["message"] == message
+    elif build is forged:
+        kid_b = Keyring.of(KEY_B).current.kid
+        assert entry["message"].startswith(
+            f"annotation {SIG} was signed with key {kid_b}, which this node does not hold")
+    else:
+        assert entry["message"].startswith(f"annotation {SIG} is malformed (the second field "
+                                           "must be kid=<8 lowercase hex digits>)")
+    assert limits(rig, uid) == {}  # nothing applied, on any cgroup of the pod
+    assert rig.nvml.set_limit_calls == []
+    assert rig.cluster.annotation_patches == []  # no derived annotations written for it
+    assert rig.cluster.event_reasons(uid) == ["Refused"]
+    event = rig.cluster.events[0]
+    assert event["reason"] == "Refused" and event["type"] == "Warning"
+    assert event["message"].startswith(f"container main: {reason}: ")
+    verdict = gate(rig, uid)
+    assert verdict.outcome is Outcome.FAIL
+    assert verdict.message.startswith(f"container 'main' refused by the node agent: {reason}: ")
+    assert report.converged  # a refusal is final: nothing left to retry
+    result = rig.reconciler.view.results[(uid, "main")]
+    assert (result.state.value, result.reason) == ("refused", reason)
+
+
+def test_a_running_pod_edited_after_it_was_applied_keeps_its_limits(short_tmp):
+    """The attack the signature closes: a user raises their own limit on a running pod."""
+    rig = rig_with_keys(short_tmp, KEY_A)
+    uid = add(rig, signed(pod(uid=UID, notes=binder_annotations(devices=rig.gpu0))))
+    rig.step()
+    before = limits(rig, uid)
+    assert before == {slice_of(uid): (10 * GIB, 20 * GIB),
+                      f"{slice_of(uid)}/{LEAF}": (10 * GIB, 20 * GIB)}
+    original = copy.deepcopy(rig.cluster.pods[uid]["metadata"])
+    notes = {**original["annotations"], "nvidia.com/container.main.gpu-memory.limit": "80Gi"}
+    rig.cluster.update_pod(uid, metadata={**original, "annotations": notes})
+    writes = len(rig.nvml.set_limit_calls)
+    for _ in range(2):
+        rig.step(full=True)  # a full resync re-reads everything: still kept
+        assert limits(rig, uid) == before  # neither raised to 80Gi nor cleared
+    assert len(rig.nvml.set_limit_calls) == writes
+    entry = marker(rig, uid)["containers"]["main"]
+    assert (entry["state"], entry["reason"], entry["message"]) == (
+        "refused", "SignatureInvalid", EDITED)
+    assert rig.cluster.event_reasons(uid) == ["Applied", "Refused"]
+    # the edit undone: the signature holds again and the pod is applied again
+    rig.cluster.update_pod(uid, metadata=original)
+    assert rig.step().converged
+    assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
+    assert limits(rig, uid) == before
+
+
+def test_a_new_agent_keeps_the_limits_of_an_edited_running_pod(short_tmp):
+    rig = rig_with_keys(short_tmp, KEY_A)
+    uid = add(rig, signed(pod(uid=UID, notes=binder_annotations(devices=rig.gpu0))))
+    rig.step()
+    before = limits(rig, uid)
+    manifest = rig.cluster.pods[uid]
+    notes = {**manifest["metadata"]["annotations"],
+             "nvidia.com/container.main.gpus.devices": rig.gpu1}
+    rig.cluster.update_pod(uid, metadata={**manifest["metadata"], "annotations": notes})
+    # a restarted agent: the same cluster, GPUs and cgroup tree, nothing remembered
+    fresh = Rig(short_tmp, sm_sharing=False, nvml=rig.nvml,
+                options={"signing_key_files": (str(short_tmp / "signing"),)})
+    fresh.cluster = fresh.agent.watcher.source = rig.cluster
+    fresh.agent.reconciler.cgroup_fs = fresh.agent.reconciler.engine.cgroup_fs = rig.cgroups
+    fresh.step()
+    assert fresh.reconciler.view.results[(uid, "main")].reason == "SignatureInvalid"
+    assert limits(rig, uid) == before
+    assert marker(rig, uid)["containers"]["main"]["reason"] == "SignatureInvalid"
+
+
+def test_a_refused_pod_takes_nothing_from_the_gpu(short_tmp):
+    """A forged 80 GiB sm-sharing allocation neither counts against the GPU's memory nor sets
+    its compute mode: the signed pod after it gets the GPU as if it were not there."""
+    keys = short_tmp / "k"
+    keys.write_bytes(KEY_A)
+    rig = Rig(short_tmp, sm_sharing=True, options={"signing_key_files": (str(keys),)})
+    big = pod("forged", uid=UID, notes=binder_annotations(
+        devices=rig.gpu0, request="80Gi", limit="80Gi", mode="sm-sharing"))
+    forged_uid = add(rig, big)
+    small = signed(pod("honest", uid=UID2, notes=binder_annotations(
+        devices=rig.gpu0, request="10Gi", limit="20Gi")))
+    honest = add(rig, small)
+    rig.step()
+    assert marker(rig, forged_uid)["containers"]["main"]["reason"] == "SignatureMissing"
+    assert marker(rig, honest)["containers"]["main"]["state"] == "applied"
+    gpu = rig.reconciler.view.desired.gpu(rig.gpu0)
+    assert gpu.requested_bytes == 10 * GIB and gpu.mps_pinned_mib is None
+    assert gpu.compute_mode.name == "DEFAULT"  # time-slicing, not the forged sm-sharing
+    assert limits(rig, forged_uid) == {}
+
+
+def test_provisioned_pods_are_not_checked(short_tmp):
+    rig = rig_with_keys(short_tmp, KEY_A)
+    rig.sync()
+    keys = rig.reconciler.provision("default", "direct", UID, binder_annotations(
+        devices=rig.gpu0), ["main"])
+    assert [(k.pod_uid, k.container) for k in keys] == [(UID, "main")]
+    assert rig.reconciler.view.results[(UID, "main")].state.value == "applied"
+
+
+def test_rotation_accepts_previous_until_it_is_removed(short_tmp):
+    rig = rig_with_keys(short_tmp, KEY_B, KEY_A)  # current B, previous A
+    uid = add(rig, signed(pod(uid=UID, notes=binder_annotations(devices=rig.gpu0)), KEY_A))
+    rig.step()
+    assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
+    (short_tmp / "signing" / "previous").unlink()  # A retired: the running pod keeps its limits
+    before = limits(rig, uid)
+    rig.step()
+    assert marker(rig, uid)["containers"]["main"]["reason"] == "SignatureInvalid"
+    assert limits(rig, uid) == before
+
+
+def test_without_keys_unsigned_allocations_are_applied(short_tmp):
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add(rig, pod(uid=UID, notes=binder_annotations(devices=rig.gpu0)))
+    assert rig.step().converged
+    assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
+
+
+def test_unusable_keys_stop_the_agent_at_start(short_tmp, capsys):
+    with pytest.raises(SigningConfigError):
+        Rig(short_tmp, sm_sharing=False,
+            options={"signing_key_files": (str(short_tmp / "missing"),)})
+    (short_tmp / "short").write_bytes(b"abc")
+    code = main(["node-agent", "--node-name", "n1", "--signing-key-file",
+                 str(short_tmp / "short"), "--kubeconfig", "/nonexistent"])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        f"kai-fractions node-agent: signing key {short_tmp}/short: 3 byte(s); an HMAC-SHA256 "
+        "key needs at least 16 (the chart makes 32 random bytes)\n")
