@@ -215,7 +215,8 @@ def test_node_agent_daemonset_defaults():
         "--memory-enforcement=cgroup,watchdog", "--watchdog-policy=report",
         "--watchdog-interval=1", "--metrics-listen=0.0.0.0:9400",
         "--condition-name=gpu-fractioning.nvidia.com/Ready", "--legacy-condition",
-        "--resync-seconds=300", "--annotation-prefix=nvidia.com/container.", "--log-level=info"]
+        "--resync-seconds=300", "--signing-key-file=/etc/kai-fractions/signing",
+        "--annotation-prefix=nvidia.com/container.", "--log-level=info"]
     env = {e["name"]: e for e in c["env"]}
     assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"

@@ -1,5 +1,6 @@
-"""The chart wires signing on by default: the Secret it creates is mounted into the mirror,
-whose `--signing-key-file` names the mounted directory; `signing.enabled=false` removes both."""
+"""The chart wires signing on by default: the Secret it creates is mounted into the mirror and
+the node agent, whose `--signing-key-file` names the mounted directory; `signing.enabled=false`
+removes all of it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from kai_fractions.cli import build_parser
 from tests.chart.render import container, find, one, render
 
 MIRROR = "kai-fractions-mirror"
+AGENT = "kai-fractions-node-agent"
 SECRET = "kai-fractions-signing"
 KEY_DIR = "/etc/kai-fractions/signing"
 
@@ -14,6 +16,11 @@ KEY_DIR = "/etc/kai-fractions/signing"
 def mirror_pod(*sets: str) -> tuple[dict, dict]:
     dep = one(render(None, sets), "Deployment", MIRROR)
     return dep["spec"]["template"]["spec"], container(dep, "mirror")
+
+
+def agent_pod(*sets: str) -> tuple[dict, dict]:
+    ds = one(render(None, sets), "DaemonSet", AGENT)
+    return ds["spec"]["template"]["spec"], container(ds, "node-agent")
 
 
 def test_the_mirror_signs_with_the_mounted_secret_by_default():
@@ -46,3 +53,22 @@ def test_signing_disabled_mounts_and_passes_nothing():
     assert not any(a.startswith("--signing-key-file") for a in c["args"])
     assert all(v["name"] != "signing-key" for v in pod["volumes"])
     assert all(m["name"] != "signing-key" for m in c["volumeMounts"])
+
+
+def test_the_node_agent_verifies_with_the_same_secret_by_default():
+    pod, c = agent_pod()
+    assert f"--signing-key-file={KEY_DIR}" in c["args"]
+    assert {"name": "signing-key", "mountPath": KEY_DIR, "readOnly": True} in c["volumeMounts"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "signing-key")
+    assert volume == {"name": "signing-key",
+                      "secret": {"secretName": SECRET, "defaultMode": 0o400}}
+    assert build_parser().parse_args(c["args"]).signing_key_file == [KEY_DIR]
+    pod, c = agent_pod("signing.secretName=allocation-hmac", "signing.create=false")
+    assert next(v for v in pod["volumes"] if v["name"] == "signing-key")["secret"][
+        "secretName"] == "allocation-hmac"
+
+
+def test_signing_disabled_leaves_the_node_agent_unchecked():
+    pod, c = agent_pod("signing.enabled=false")
+    assert not any(a.startswith("--signing-key-file") for a in c["args"])
+    assert all(v["name"] != "signing-key" for v in pod["volumes"])
