@@ -72,9 +72,10 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: `kai-fractions --help` must not pay for grpc and the kubernetes client.
+    from ..kubeconfig import ConfigError
     from ..mirror.bindrequests import KubeBindRequestSource, follow
     from ..mirror.follower import BindRequestView, Follower
-    from ..mirror.kube_store import ConfigError, KubePodStore, load_api_client
+    from ..mirror.kube_store import KubePodStore, load_api_client
     from ..mirror.security import SecurityConfigError
     from ..mirror.server import MirrorServer, ServerOptions
     from ..mirror.service import MirrorService

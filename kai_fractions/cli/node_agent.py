@@ -117,10 +117,11 @@ def _crash_hook(point: str) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported here: `kai-fractions --help` must not pay for grpc, kubernetes and pynvml.
     from ..contract import Keys
+    from ..kubeconfig import ConfigError as KubeConfigError
+    from ..kubeconfig import load_api_client
     from ..node.agent.agent import NodeAgent
     from ..node.agent.grpc_service import SocketError
-    from ..node.agent.kube import ConfigError as KubeConfigError
-    from ..node.agent.kube import KubeCluster, load_api_client
+    from ..node.agent.kube import KubeCluster
     from ..node.agent.metrics import parse_listen
     from ..node.agent.options import AgentOptions
     from ..node.cgroups import HostCgroupFs

@@ -85,7 +85,7 @@ class KubeReader:
 def load_kube(kubeconfig: str | None) -> Any:
     """An ApiClient (in-cluster, else `kubeconfig`, else $KUBECONFIG / ~/.kube/config);
     raises SourceError with the reason."""
-    from ..mirror.kube_store import ConfigError, load_api_client
+    from ..kubeconfig import ConfigError, load_api_client
 
     try:
         return load_api_client(kubeconfig)

@@ -16,14 +16,13 @@ import logging
 import random
 import uuid
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, TypeVar
 
 import urllib3
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
+from ..kubeconfig import load_api_client as _load_api_client
 from .errors import ApiRejected, PodNotFound
 from .retry import Backoff, Transient, retrying
 from .store import (
@@ -53,30 +52,9 @@ makes concurrent calls open a connection, then discard it with a warning: measur
 benchmarks/ (P1), a 16-deep load lost about one connection in 40."""
 
 
-class ConfigError(Exception):
-    """No usable cluster configuration (the CLI prints it and exits 2)."""
-
-
 def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
-    """In-cluster config, else `kubeconfig` (or ~/.kube/config / $KUBECONFIG)."""
-    configuration = k8s.Configuration()
-    try:
-        if kubeconfig:
-            if not Path(kubeconfig).is_file():
-                raise ConfigError(f"--kubeconfig {kubeconfig}: no such file")
-            k8s_config.load_kube_config(config_file=kubeconfig,
-                                        client_configuration=configuration)
-        else:
-            try:
-                k8s_config.load_incluster_config(client_configuration=configuration)
-            except k8s_config.ConfigException:
-                k8s_config.load_kube_config(client_configuration=configuration)
-    except (k8s_config.ConfigException, OSError, ValueError) as e:
-        raise ConfigError(f"cannot load a Kubernetes configuration: {e}") from None
-    configuration.retries = False  # our own bounded, deadline-aware retries only
-    configuration.connection_pool_maxsize = max(configuration.connection_pool_maxsize or 0,
-                                                CONNECTION_POOL_SIZE)
-    return k8s.ApiClient(configuration)
+    """The mirror's client: enough kept connections for its concurrent gRPC calls."""
+    return _load_api_client(kubeconfig, pool_size=CONNECTION_POOL_SIZE)
 
 
 def _status_message(e: ApiException) -> str:

@@ -15,12 +15,10 @@ import contextlib
 import json
 import threading
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any, Protocol
 
 import urllib3
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
@@ -53,10 +51,6 @@ class Gone(KubeError):
     """410: the watch's resourceVersion is older than the server keeps; list again."""
 
     reason = "Expired"
-
-
-class ConfigError(Exception):
-    """No usable cluster configuration (the command prints it and exits 2)."""
 
 
 def on_node(pod: Mapping[str, Any], node: str) -> bool:
@@ -103,26 +97,6 @@ class ClusterWriter(Protocol):
 
     def create_event(self, namespace: str, event: dict[str, Any]) -> None:
         ...
-
-
-def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
-    """`kubeconfig` when given, else in-cluster, else $KUBECONFIG / ~/.kube/config."""
-    configuration = k8s.Configuration()
-    try:
-        if kubeconfig:
-            if not Path(kubeconfig).is_file():
-                raise ConfigError(f"--kubeconfig {kubeconfig}: no such file")
-            k8s_config.load_kube_config(config_file=kubeconfig,
-                                        client_configuration=configuration)
-        else:
-            try:
-                k8s_config.load_incluster_config(client_configuration=configuration)
-            except k8s_config.ConfigException:
-                k8s_config.load_kube_config(client_configuration=configuration)
-    except (k8s_config.ConfigException, OSError, ValueError) as e:
-        raise ConfigError(f"cannot load a Kubernetes configuration: {e}") from None
-    configuration.retries = False  # the agent's loop retries; urllib3 must not hide failures
-    return k8s.ApiClient(configuration)
 
 
 def _message(e: ApiException) -> str:
