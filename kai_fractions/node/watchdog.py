@@ -288,6 +288,11 @@ class Watchdog:
         self.killer = killer
         self.mps = mps_control
         self.clock: Clock = clock or SystemClock()
+        # pid -> owner, for the pids NVML reported in the last check. A GPU process keeps its
+        # pid (and cgroup) for its lifetime, so re-reading /proc/<pid>/cgroup every second for
+        # every process is wasted work; entries go as soon as NVML stops reporting the pid.
+        # Enforcement never trusts this cache: `_still_in` reads /proc afresh before acting.
+        self._owners: dict[int, PodContainer | bool] = {}
 
     def check(
         self,
@@ -303,16 +308,20 @@ class Watchdog:
                 managed[c.key] = c
         # (container key, device) -> [pids, used, unknown]
         found: dict[tuple[tuple[str, str], str], tuple[list[int], list[int], list[int]]] = {}
+        devices_of: dict[tuple[str, str], set[str]] = {}
         unmanaged: list[tuple[str, int]] = []
+        seen: set[int] = set()
         for device, procs in processes.items():
             for proc in procs:
-                owner = self._owner(proc.pid)
+                seen.add(proc.pid)
+                owner = self._owner(proc.pid, cached=True)
                 if owner is None:
                     continue  # vanished while we looked: nothing to account, nothing to touch
                 container = self._managed(owner, managed)
                 if container is None:
                     unmanaged.append((device, proc.pid))
                     continue
+                devices_of.setdefault(container.key, set()).add(device)
                 pids, used, unknown = found.setdefault((container.key, device), ([], [], []))
                 pids.append(proc.pid)
                 if proc.used_bytes is None:
@@ -323,7 +332,7 @@ class Watchdog:
         usage: list[ContainerUsage] = []
         violations: list[tuple[Violation, ManagedContainer]] = []
         for key, c in managed.items():
-            devices = list(c.caps) + sorted({d for (k, d) in found if k == key} - set(c.caps))
+            devices = list(c.caps) + sorted(devices_of.get(key, set()) - set(c.caps))
             for device in devices:
                 pids, used, unknown = found.get((key, device), ([], [], []))
                 cap = c.caps.get(device)
@@ -337,6 +346,7 @@ class Watchdog:
                     violations.append((Violation(c.pod_uid, c.container_name, c.container_id,
                                                  device, sum(used), cap, tuple(pids)), c))
 
+        self._owners = {pid: o for pid, o in self._owners.items() if pid in seen}
         actions: list[Action] = []
         if self.policy == KILL and violations:
             actions = self._enforce(violations)
@@ -345,14 +355,19 @@ class Watchdog:
 
     # -------------------------------------------------------------------- mapping
 
-    def _owner(self, pid: int) -> PodContainer | bool | None:
+    def _owner(self, pid: int, cached: bool = False) -> PodContainer | bool | None:
         """The pod/container of `pid`; False for a live process of no pod; None if it is gone."""
         if pid <= 1 or pid == os.getpid():
             return False
+        if cached and pid in self._owners:
+            return self._owners[pid]
         path = self.procfs.cgroup_path(pid)
         if path is None:
+            self._owners.pop(pid, None)
             return None
-        return parse_cgroup_path(path) or False
+        owner = parse_cgroup_path(path) or False
+        self._owners[pid] = owner
+        return owner
 
     @staticmethod
     def _managed(owner: PodContainer | bool,

@@ -356,3 +356,36 @@ def test_signal_killer_grace_runs_on_the_clock_seam():
     finally:
         p.kill()
         p.wait()
+
+
+class CountingProcfs(Procfs):
+    def __init__(self, root):
+        super().__init__(root)
+        self.reads: list[int] = []
+
+    def cgroup_path(self, pid):
+        self.reads.append(pid)
+        return super().cgroup_path(pid)
+
+
+def test_known_pids_are_not_read_again_and_gone_ones_are_forgotten(proc):
+    procfs = CountingProcfs(proc.root)
+    dog = Watchdog("report", procfs, RecordingKiller(), None, Clock())
+    first = {GPU0: [Proc(100, 500 * MIB), Proc(200, MIB)]}
+    dog.check(first, managed())
+    dog.check(first, managed())
+    assert sorted(procfs.reads) == [100, 200]  # the second check read no /proc file
+    dog.check({GPU0: [Proc(100, 500 * MIB)]}, managed())  # 200 no longer on the GPU
+    dog.check(first, managed())  # ... and back: read afresh, not trusted from before
+    assert sorted(procfs.reads) == [100, 200, 200]
+
+
+def test_enforcement_reads_proc_afresh_even_for_a_known_pid(proc):
+    killer = RecordingKiller()
+    dog = watchdog(proc, "kill", killer)
+    dog.check({GPU0: [Proc(100, 500 * MIB)]}, managed())  # 100 known, within its cap
+    proc.add(100, cgroupfs(POD_B, CID_B))  # the pid now belongs to pod B
+    report = dog.check({GPU0: [Proc(100, 10 * CAP)]}, managed())
+    # Accounting used the known owner, but nothing is done to a pid that is no longer ours.
+    assert killer.killed == []
+    assert [a.outcome for a in report.actions] == ["skipped"]
