@@ -325,9 +325,13 @@ class Reconciler:
             desired = with_refusals(desired, screened, kept_limits(
                 self.engine, inventory, screened.refused_pods), self.released)
 
+        # Markers go before the limits they vouch for: a gone pod's marker first, then its
+        # release; and markers of pods this agent never knew (gone while no agent ran) before
+        # the apply, whose sweep clears their limits.
         for uid in gone:
-            self._release_gone(uid, errors)
             self._forget(uid)
+            self._release_gone(uid, errors)
+        self._tidy(set(manifests), None)
 
         report = self.engine.apply(desired)
         errors.update(i.reason for i in report.issues)
