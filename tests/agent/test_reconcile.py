@@ -340,6 +340,19 @@ def test_mps_daemon_restart_reapplies_and_is_counted(short_tmp: Path) -> None:
     assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
 
 
+def test_the_periodic_mps_check_asks_for_a_pass_only_when_something_changed(
+        short_tmp: Path) -> None:
+    rig = Rig(short_tmp)
+    add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    rig.step()
+    passes = rig.reconciler.passes
+    assert rig.reconciler.mps_needs_pass() is False  # healthy, as the last pass saw it
+    assert rig.reconciler.mps_needs_pass() is False
+    rig.mps.control.kill()
+    assert rig.reconciler.mps_needs_pass() is True  # restarted: its state must be re-applied
+    assert rig.reconciler.passes == passes  # the check itself ran no pass
+
+
 def test_mps_daemon_that_cannot_start_makes_the_node_not_ready(short_tmp: Path) -> None:
     rig = Rig(short_tmp)
     rig.mps.control.kill()

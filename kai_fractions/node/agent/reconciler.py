@@ -207,6 +207,7 @@ class Reconciler:
         """Whether this agent started the MPS control daemon (only then it stops it)."""
         self._mps_seen = False
         self._mps_restarts = 0
+        self._mps_state: str | None = None  # the daemon's error reason the last pass saw
         self._util_since: dict[str, int] = {}
         self._nvml_error: NodeError | None = None
         self._inventory: Inventory | None = None
@@ -272,6 +273,17 @@ class Reconciler:
         out.update({uid: (m, API) for uid, m in self.pods.snapshot().items()})
         return {uid: v for uid, v in out.items() if not _terminal(v[0])}
 
+    def mps_needs_pass(self) -> bool:
+        """The periodic MPS check: supervise the daemon (restart it if it died) and say whether
+        a pass is needed, i.e. it was restarted (its state must be applied again) or its health
+        changed since the last pass. A healthy daemon costs one control command, not a pass."""
+        if self.mps is None:
+            return False
+        restarts = self._mps_restarts
+        _, error = self._check_mps()
+        state = error.reason if error is not None else None
+        return self._mps_restarts != restarts or state != self._mps_state
+
     def reconcile(self, *, full: bool = False) -> PassReport:
         started = time.monotonic()
         try:
@@ -288,6 +300,7 @@ class Reconciler:
         if full:
             self.engine.forget()
         mps_namespaces, mps_error = self._check_mps()
+        self._mps_state = mps_error.reason if mps_error is not None else None
         if mps_error is not None:
             errors.add(mps_error.reason)
         inventory = self._take_inventory(mps_namespaces)

@@ -143,13 +143,14 @@ class Worker:
         now = self.monotonic()
         full = now >= self._next_resync
         retry = self._next_retry is not None and now >= self._next_retry
-        mps = self.mps_checks and now >= self._next_mps
+        mps = False
+        if self.mps_checks and now >= self._next_mps:
+            self._next_mps = now + self.options.mps_check_seconds
+            mps = self._mps_needs_pass()
         if dirty or full or retry or mps:
             self._pass(full)
             if full:
                 self._next_resync = now + self.options.resync_seconds
-            if mps:
-                self._next_mps = now + self.options.mps_check_seconds
         if self.monotonic() >= self._next_watchdog:
             try:
                 self.reconciler.check_usage()
@@ -157,6 +158,13 @@ class Worker:
                 log.exception("watchdog check failed")
                 self.reconciler.metrics.reconcile_errors.labels(INTERNAL_ERROR).inc()
             self._next_watchdog = self.monotonic() + self.watchdog_interval
+
+    def _mps_needs_pass(self) -> bool:
+        try:
+            return self.reconciler.mps_needs_pass()
+        except Exception:
+            log.exception("MPS health check failed")
+            return True  # let a pass find out and report it
 
     def _pass(self, full: bool) -> None:
         try:
