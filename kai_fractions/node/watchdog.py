@@ -91,6 +91,13 @@ class ManagedContainer:
     container cannot be recognised from /proc until then, so nothing of it is touched."""
     caps: Mapping[str, int] = field(default_factory=dict)
     """GPU UUID -> cap in bytes. A GPU without a cap here is observed, never enforced."""
+    _key: tuple[str, str] | None = field(init=False, repr=False, compare=False, default=None)
+
+    def __post_init__(self) -> None:
+        # Computed once: every check looks the key up for every process.
+        key = (self.pod_uid.lower(), normalize_container_id(self.container_id)
+               ) if self.container_id else None
+        object.__setattr__(self, "_key", key)
 
     @classmethod
     def uniform(cls, pod_uid: str, container_name: str, container_id: str | None,
@@ -101,9 +108,7 @@ class ManagedContainer:
 
     @property
     def key(self) -> tuple[str, str] | None:
-        if not self.container_id:
-            return None
-        return self.pod_uid.lower(), normalize_container_id(self.container_id)
+        return self._key
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,9 @@ class AgentMetrics:
         for state in ContainerState:
             self.containers.labels(state.value).set(0)
         self._series: dict[ContainerKey, set[tuple[str, ...]]] = {}
+        # label values -> (limit, used, sm, sm_normalized) children: `labels()` is a locked
+        # lookup, and the watchdog updates every series every second.
+        self._children: dict[tuple[str, ...], tuple[Any, Any, Any, Any]] = {}
         self._server: Any = None
 
     # -- per container ------------------------------------------------------------------------
@@ -93,18 +96,29 @@ class AgentMetrics:
                 labels = self._labels(c, uuid)
                 seen.setdefault(c.key, set()).add(labels)
                 u = usage.get((c.key, uuid))
-                self.memory_limit.labels(*labels).set(c.plan.limit_bytes)
-                self.memory_used.labels(*labels).set(u.used_bytes if u else 0)
+                limit, used, sm_gauge, normalized = self._series_of(labels, bool(atp))
+                limit.set(c.plan.limit_bytes)
+                used.set(u.used_bytes if u else 0)
                 sm = (u.sm_percent or 0) if u else 0
-                self.sm.labels(*labels).set(sm)
-                if atp:
-                    self.sm_normalized.labels(*labels).set(round(sm * 100 / atp, 3))
+                sm_gauge.set(sm)
+                if normalized is not None:
+                    normalized.set(round(sm * 100 / atp, 3))
         for key, old in self._series.items():
             for labels in old - seen.get(key, set()):
                 self._remove(labels)
         self._series = seen
 
+    def _series_of(self, labels: tuple[str, ...], normalized: bool) -> tuple[Any, Any, Any, Any]:
+        children = self._children.get(labels)
+        if children is None or (normalized and children[3] is None):
+            children = (self.memory_limit.labels(*labels), self.memory_used.labels(*labels),
+                        self.sm.labels(*labels),
+                        self.sm_normalized.labels(*labels) if normalized else None)
+            self._children[labels] = children
+        return children
+
     def _remove(self, labels: tuple[str, ...]) -> None:
+        self._children.pop(labels, None)
         for gauge in (self.memory_used, self.sm, self.sm_normalized, self.memory_limit):
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)
