@@ -4,11 +4,11 @@ read a node's labels, find reservation pods, record events. `KubePodStore` is th
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..clock import Clock, SystemClock
 from ..contract import PodView, view_from_pod_spec
 from .errors import MirrorError
 
@@ -70,18 +70,6 @@ class NodeNotFound(MirrorError):
         super().__init__(f"node {node} not found")
 
 
-class Clock(Protocol):
-    def monotonic(self) -> float: ...
-
-    def sleep(self, seconds: float) -> None: ...
-
-
-class SystemClock:
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
 
 
 @dataclass(frozen=True, slots=True)

@@ -427,13 +427,18 @@ class MpsControl:
         self._client_cmd(["client", "terminate", str(pid)])
 
     def _check_namespace(self, name: str) -> None:
-        check_namespace_name(name)
-        directory = f"{self.pipe_dir.rstrip('/')}/{self.server}/{name}"
-        if len(directory.encode()) > MAX_PIPE_DIRECTORY:
-            raise MpsError(
-                e.INVALID_ARGUMENT,
-                f"MPS pipe directory {directory!r} is longer than {MAX_PIPE_DIRECTORY} bytes "
-                "(unix socket paths are at most 107): use a shorter --mps-pipe-dir")
+        check_namespace(self.pipe_dir, self.server, name)
+
+
+def check_namespace(pipe_dir: str, server: str, name: str) -> None:
+    """A valid namespace name whose pipe directory still fits a unix socket path."""
+    check_namespace_name(name)
+    directory = f"{pipe_dir.rstrip('/')}/{server}/{name}"
+    if len(directory.encode()) > MAX_PIPE_DIRECTORY:
+        raise MpsError(
+            e.INVALID_ARGUMENT,
+            f"MPS pipe directory {directory!r} is longer than {MAX_PIPE_DIRECTORY} bytes "
+            "(unix socket paths are at most 107): use a shorter --mps-pipe-dir")
 
 
 def check_namespace_name(name: object) -> None:

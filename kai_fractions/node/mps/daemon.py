@@ -24,13 +24,13 @@ import contextlib
 import logging
 import os
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 from kai_fractions.node.procfs import Procfs
 
+from ...clock import Clock, SystemClock
 from . import errors as e
 from .control import MpsControl, error_for_exit
 from .errors import MpsError
@@ -43,18 +43,6 @@ DAEMON_COMM = "nvidia-cuda-mps"
 """The daemon's /proc/<pid>/comm (the kernel keeps 15 characters of the name)."""
 
 
-class Clock(Protocol):
-    def monotonic(self) -> float: ...
-
-    def sleep(self, seconds: float) -> None: ...
-
-
-class SystemClock:
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
 
 
 class DaemonProcesses(Protocol):

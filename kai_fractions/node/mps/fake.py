@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kai_fractions.contract import MAX_PIPE_DIRECTORY, MPS_SERVER
+from kai_fractions.contract import MPS_SERVER
 from kai_fractions.contract import keys as k
 
 from . import errors as e
@@ -21,7 +21,7 @@ from .control import (
     NAME_RE,
     MpsClient,
     check_index,
-    check_namespace_name,
+    check_namespace,
     check_pct,
     check_positive,
     displayed_mem_limit,
@@ -154,13 +154,7 @@ class FakeMpsControl:
         return self.namespaces[name]
 
     def _check_namespace(self, name: str) -> None:
-        check_namespace_name(name)
-        directory = f"{self.pipe_dir.rstrip('/')}/{self.server}/{name}"
-        if len(directory.encode()) > MAX_PIPE_DIRECTORY:
-            raise MpsError(
-                e.INVALID_ARGUMENT,
-                f"MPS pipe directory {directory!r} is longer than {MAX_PIPE_DIRECTORY} bytes "
-                "(unix socket paths are at most 107): use a shorter --mps-pipe-dir")
+        check_namespace(self.pipe_dir, self.server, name)
 
     # ------------------------------------------------------------------ MpsControl's surface
 
