@@ -58,7 +58,8 @@ def register(sub) -> None:
     p.add_argument("--follow-bindrequests", action="store_true",
                    help="also watch KAI's BindRequests (scheduling.run.ai/v1alpha2) and report "
                    "pods whose annotations differ from what the binder should have written as "
-                   "events (reason NvFractionsMismatch); writes no annotation")
+                   "events (reason NvFractionsMismatch); with --signing-key-file it signs the pods "
+                   "whose annotations match (and writes nothing else)")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"),
                    help="(default: %(default)s)")
@@ -95,12 +96,12 @@ def run(args: argparse.Namespace) -> int:
                             insecure=args.insecure)
     try:
         MirrorServer.check(options)  # flags before the cluster: usage errors come first
-        signer = None
+        signer, keyring = None, None
         if args.signing_key_file:
-            source = KeyringSource(args.signing_key_file)
-            signer = signing_annotations(source, keys)
+            keyring = KeyringSource(args.signing_key_file)
+            signer = signing_annotations(keyring, keys)
             log.info("signing allocations with key %s (accepted: %s)",
-                     source.current().current.kid, ", ".join(source.current().kids))
+                     keyring.current().current.kid, ", ".join(keyring.current().kids))
         api_client = load_api_client(args.kubeconfig)
         store = KubePodStore(api_client)
         service = MirrorService(store, keys=keys, default_reserve_mib=args.reserve_mib,
@@ -119,13 +120,15 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     if args.follow_bindrequests:
-        follower = Follower(store, keys=keys, default_reserve_mib=args.reserve_mib)
+        follower = Follower(store, keys=keys, default_reserve_mib=args.reserve_mib,
+                            signer=keyring)
         source = KubeBindRequestSource(api_client)
         threading.Thread(
             target=follow, name="bindrequest-follower", daemon=True,
             args=(source, lambda obj: follower.verify(BindRequestView.from_object(obj)), stop),
         ).start()
-        log.info("following BindRequests (scheduling.run.ai/v1alpha2)")
+        log.info("following BindRequests (scheduling.run.ai/v1alpha2)%s",
+                 "; signing the pods whose annotations match" if keyring else "")
     try:
         while not stop.wait(1.0):
             pass

@@ -4,8 +4,15 @@ For each fractional BindRequest (scheduling.run.ai/v1alpha2) that KAI reports as
 `Follower` rebuilds the scheduler's decision as the SAME `AllocationInput` the gRPC servicer
 hands to `MirrorService`, computes with the contract package what the binder must have written,
 compares it with the pod, and reports each difference as a pod event (reason
-`NvFractionsMismatch`, naming the key, the expected and the found value). It writes no
-annotation today; letting it write is `MirrorService.mirror(follower.decide(...))`.
+`NvFractionsMismatch`, naming the key, the expected and the found value).
+
+With a signing key (`--signing-key-file`) it signs what it verified, and nothing else: when
+every key matches, one signature annotation per fractional container (`kai_fractions.signing`,
+over the `ContainerPlan` the node agent builds from the pod's current annotations), in ONE
+merge patch guarded by the pod's uid and resourceVersion. A pod that changed between the read
+and the patch is refused by the API server (409); the follower reads it again and checks it
+again (bounded), so it never signs annotations it did not check. A mismatch is never signed; a
+signature that already verifies is not rewritten. Derived annotations stay the node agent's.
 
 What it cannot know, and assumes: the binder's memory reserve (`--reserve-mib`, as configured
 for the mirror) and whether a memory request on the pod was the user's or the binder's (a
@@ -22,12 +29,28 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
-from ..contract import ContractError, ContractViolation, Keys, binder_annotations, parse_pod
+from ..contract import (
+    ContractError,
+    ContractViolation,
+    Keys,
+    binder_annotations,
+    parse_pod,
+    plan_container,
+)
 from ..contract import keys as k
+from ..signing import KeyringSource, signature_key
 from .compute import is_mirror_managed
 from .decision import AllocationInput, resolve_decision
 from .errors import InvalidAllocation, PodNotFound
-from .store import NO_DEADLINE, Deadline, NodeNotFound, PodSnapshot, PodStore
+from .store import (
+    NO_DEADLINE,
+    Deadline,
+    NodeNotFound,
+    PodSnapshot,
+    PodStore,
+    WriteConflict,
+    WriteInvalid,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +59,8 @@ RESERVATION_NAMESPACE = k.RESERVATION_NAMESPACE
 SUCCEEDED = "Succeeded"
 MISMATCH_REASON = "NvFractionsMismatch"
 INVALID_REASON = "NvFractionsInvalid"
+SIGN_ATTEMPTS = 3
+"""Reads of a pod per check when its signing patch meets a conflict (it changed meanwhile)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +134,10 @@ class Verification:
     errors: tuple[ContractError, ...] = ()
     skipped: str = ""
     """Why nothing was checked (not fractional, not bound yet, reservation unknown...)."""
+    signed: tuple[str, ...] = ()
+    """The signature annotations this check wrote (none when already signed, or unsigned)."""
+    unsigned: str = ""
+    """Why a matching pod was left unsigned ("" when signed, or signing is off)."""
 
 
 def binder_expectation(pod: PodSnapshot, allocation: AllocationInput, decision_of,
@@ -137,8 +166,10 @@ class Follower:
     def __init__(self, store: PodStore, *, keys: Keys = k.DEFAULT_KEYS,
                  default_reserve_mib: int = 0,
                  reservation_namespace: str = RESERVATION_NAMESPACE,
-                 remember: int = 10_000) -> None:
+                 remember: int = 10_000, signer: KeyringSource | None = None) -> None:
         self.store = store
+        self.signer = signer
+        """None: check only (the node agent then runs without --signing-key-file)."""
         self.keys = keys
         self.default_reserve_mib = default_reserve_mib
         self.reservation_namespace = reservation_namespace
@@ -177,10 +208,32 @@ class Follower:
             return Verification(br.ref, pod_ref, skipped="not a fractional bind")
         if br.phase != SUCCEEDED:
             return Verification(br.ref, pod_ref, skipped=f"phase {br.phase or 'Pending'}")
-        try:
-            pod = self.store.get_pod(br.namespace, br.pod_name, deadline)
-        except PodNotFound:
-            return Verification(br.ref, pod_ref, skipped="pod not found")
+        result = Verification(br.ref, pod_ref)
+        for _attempt in range(SIGN_ATTEMPTS):
+            try:
+                pod = self.store.get_pod(br.namespace, br.pod_name, deadline)
+            except PodNotFound:
+                return Verification(br.ref, pod_ref, skipped="pod not found")
+            result = self._check(br, pod, deadline)
+            if result.skipped or result.errors or result.mismatches or self.signer is None:
+                return result
+            try:
+                return self._sign(pod, result, deadline)
+            except (WriteConflict, WriteInvalid) as e:
+                # The pod changed since it was read (or was recreated): what was checked is
+                # not what is there now, so read it again and check it again.
+                log.info("pod %s changed before it was signed (%s); checking it again",
+                         pod_ref, e)
+                result = replace(result, unsigned=f"the pod kept changing: {e}")
+            except PodNotFound:
+                return Verification(br.ref, pod_ref, skipped="pod not found")
+        log.warning("pod %s not signed: it changed under %d attempt(s); the next resync "
+                    "checks it again", pod_ref, SIGN_ATTEMPTS)
+        return result
+
+    def _check(self, br: BindRequestView, pod: PodSnapshot,
+               deadline: Deadline) -> Verification:
+        pod_ref = f"{br.namespace}/{br.pod_name}"
         allocation = self.decide(br, deadline=deadline)
         if allocation is None:
             return Verification(br.ref, pod_ref, skipped="reserved GPU not known yet")
@@ -204,6 +257,41 @@ class Follower:
         for m in mismatches:
             self._report(pod, MISMATCH_REASON, f"{m.message} (BindRequest {br.ref})", deadline)
         return Verification(br.ref, pod_ref, mismatches=mismatches)
+
+    def _sign(self, pod: PodSnapshot, checked: Verification,
+              deadline: Deadline = NO_DEADLINE) -> Verification:
+        """Signs the checked `pod` as it was read: one patch, guarded by its uid and
+        resourceVersion (raises WriteConflict / WriteInvalid when it changed since)."""
+        if self.signer is None:
+            return checked
+        if not pod.uid or not pod.resource_version:
+            # Without both guards the patch could land on annotations nobody checked.
+            return replace(checked, unsigned="the pod has no uid or resourceVersion to guard "
+                                             "the signing patch")
+        request = parse_pod(pod.view, self.keys)
+        if request.errors:  # pragma: no cover - the check above parsed the same annotations
+            return replace(checked, unsigned="the pod's annotations do not parse")
+        keyring = self.signer.current()
+        changes: dict[str, str | None] = {}
+        for share in request.shares:
+            try:
+                # Exactly what the node agent verifies (signatures.SignatureCheck).
+                plan = plan_container(share, pod.uid, keys=self.keys)
+            except ContractViolation as e:
+                return replace(checked, unsigned=f"container {share.container} cannot be "
+                                                 f"planned: {e}")
+            annotation = signature_key(plan, self.keys)
+            existing = pod.annotations.get(annotation)
+            if existing and keyring.verify(plan, existing, self.keys).ok:
+                continue
+            changes[annotation] = keyring.sign(plan)
+        if not changes:
+            return checked
+        self.store.patch_annotations(pod.namespace, pod.name, changes, uid=pod.uid,
+                                     resource_version=pod.resource_version, deadline=deadline)
+        log.info("pod %s/%s: signed %s (key %s)", pod.namespace, pod.name,
+                 ", ".join(sorted(changes)), keyring.current.kid)
+        return replace(checked, signed=tuple(sorted(changes)), unsigned="")
 
     def _node_labels(self, node: str, deadline: Deadline) -> Mapping[str, str] | None:
         try:

@@ -1,0 +1,190 @@
+"""The KAI follower with a signing key, on kmock: it signs a pod whose annotations match what the
+binder should have written (one guarded merge patch carrying only the signature, which verifies
+exactly as the node agent checks it), never a mismatching one, never twice, and never a pod that
+changed between its read and its patch."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kai_fractions.contract import DEFAULT_KEYS, parse_pod, plan_container, pod_views
+from kai_fractions.mirror.follower import BindRequestView, Follower
+from kai_fractions.mirror.kube_store import KubePodStore
+from kai_fractions.mirror.retry import Backoff
+from kai_fractions.node.agent.signatures import SignatureCheck
+from kai_fractions.node.desired import NodePod
+from kai_fractions.signing import Keyring, KeyringSource
+from tests.support.mirror_kube import honour_label_selectors
+
+from .test_follower import BOUND, GPU_A, GPU_B, NS, T, bind_request, pod, reservation_pod
+
+pytestmark = pytest.mark.integration
+
+KEY = b"k" * 32
+SIG = "kai-fractions.io/container.trainer.signature"
+PATCHES = re.compile(r"/api/v1/namespaces/team-a/pods/[^/]+")
+
+
+@pytest.fixture
+def cluster(kube):
+    honour_label_selectors(kube)
+    kube.core.create_node({"metadata": {"name": "gpu-node-1",
+                                        "labels": {"nvidia.com/gpu.memory": "40960"}}})
+    for group, gpu in (("group-a", GPU_A), ("group-b", GPU_B)):
+        kube.core.create_namespaced_pod("kai-resource-reservation", reservation_pod(group, gpu))
+    return kube
+
+
+KEYRING = Keyring.of(KEY)
+
+
+def follower(kube, store_cls=KubePodStore, keyring: Keyring | None = KEYRING):
+    store = store_cls(kube.api_client, backoff=Backoff(attempts=3, base=0.01, cap=0.05))
+    return Follower(store, signer=KeyringSource.fixed(keyring) if keyring else None)
+
+
+def check(f: Follower, pod_name: str):
+    return f.verify(BindRequestView.from_object(bind_request("br-1", pod_name)))
+
+
+def stored(kube, name: str) -> dict:
+    return kube.api_client.sanitize_for_serialization(kube.core.read_namespaced_pod(name, NS))
+
+
+def agent_verdict(obj: dict, keyring: Keyring = KEYRING):
+    """What the node agent decides (node.agent.signatures.SignatureCheck): plan each bound
+    share with the pod's uid and verify the signature annotation."""
+    view = next(pod_views({"apiVersion": "v1", "kind": "Pod", **obj}))
+    (share,) = parse_pod(view).shares
+    plan = plan_container(share, obj["metadata"]["uid"])
+    return keyring.verify(plan, view.annotations.get(SIG))
+
+
+def patches(kube) -> list:
+    return kube.requests("PATCH", PATCHES)
+
+
+def test_a_matching_pod_is_signed_in_one_guarded_patch(cluster):
+    created = cluster.core.create_namespaced_pod(NS, pod("good-0", {"gpu-fraction": "0.5",
+                                                                    **BOUND}))
+    result = check(follower(cluster), "good-0")
+    assert (result.mismatches, result.errors, result.skipped) == ((), (), "")
+    assert result.signed == (SIG,)
+    (request,) = patches(cluster)
+    body = request.data
+    assert body == {"metadata": {"annotations": {SIG: body["metadata"]["annotations"][SIG]},
+                                 "uid": created.metadata.uid,
+                                 "resourceVersion": created.metadata.resource_version}}
+    obj = stored(cluster, "good-0")
+    assert agent_verdict(obj).ok
+    # The node agent's own check takes it (nothing refused, nothing pending).
+    screened = SignatureCheck(KeyringSource.fixed(KEYRING), DEFAULT_KEYS).screen(
+        [NodePod.from_manifest({"apiVersion": "v1", "kind": "Pod", **obj})])
+    assert (len(screened.pods), screened.refusals) == (1, ())
+    # Nothing else was written: the pod's annotations are the user's and binder's plus SIG.
+    assert obj["metadata"]["annotations"] == {"gpu-fraction": "0.5", **BOUND, SIG: body[
+        "metadata"]["annotations"][SIG]}
+    assert cluster.core.list_namespaced_event(NS).items == []
+
+
+def test_a_signed_pod_is_not_signed_again(cluster):
+    cluster.core.create_namespaced_pod(NS, pod("good-0", {"gpu-fraction": "0.5", **BOUND}))
+    f = follower(cluster)
+    assert check(f, "good-0").signed == (SIG,)
+    again = check(f, "good-0")  # a relist replays every BindRequest
+    assert (again.signed, again.mismatches) == ((), ())
+    assert check(follower(cluster), "good-0").signed == ()  # a restarted mirror too
+    assert len(patches(cluster)) == 1
+
+
+def test_a_signature_under_a_retired_key_is_replaced(cluster):
+    cluster.core.create_namespaced_pod(NS, pod("good-0", {"gpu-fraction": "0.5", **BOUND}))
+    check(follower(cluster, keyring=Keyring.of(b"o" * 32)), "good-0")
+    assert check(follower(cluster), "good-0").signed == (SIG,)
+    assert agent_verdict(stored(cluster, "good-0")).ok
+    assert len(patches(cluster)) == 2
+
+
+def test_a_mismatching_pod_is_not_signed(cluster):
+    cluster.core.create_namespaced_pod(NS, pod("bad-0", {"gpu-fraction": "0.5", **{
+        **BOUND, f"{T}.gpus.devices": GPU_B}}))
+    result = check(follower(cluster), "bad-0")
+    assert [m.key for m in result.mismatches] == [f"{T}.gpus.devices"]
+    assert result.signed == ()
+    assert patches(cluster) == []
+    assert SIG not in stored(cluster, "bad-0")["metadata"]["annotations"]
+    assert [e.reason for e in cluster.core.list_namespaced_event(NS).items] == [
+        "NvFractionsMismatch"]
+
+
+def test_without_a_key_the_follower_writes_nothing(cluster):
+    cluster.core.create_namespaced_pod(NS, pod("good-0", {"gpu-fraction": "0.5", **BOUND}))
+    result = check(follower(cluster, keyring=None), "good-0")
+    assert (result.mismatches, result.signed) == ((), ())
+    assert patches(cluster) == []
+
+
+def test_a_conflict_reads_the_pod_again_before_signing(cluster):
+    cluster.core.create_namespaced_pod(NS, pod("good-0", {"gpu-fraction": "0.5", **BOUND}))
+    conflict = cluster.fail("PATCH", PATCHES, 409, times=1)
+    result = check(follower(cluster), "good-0")
+    assert conflict.hits == 1
+    assert result.signed == (SIG,)
+    assert len(patches(cluster)) == 2
+    assert cluster.count("GET", "/api/v1/namespaces/team-a/pods/good-0") == 2
+    assert agent_verdict(stored(cluster, "good-0")).ok
+
+
+def test_a_pod_changed_between_the_read_and_the_patch_is_not_signed(cluster):
+    """Someone moves the pod to a GPU the binder did not pick right after the follower read it,
+    and the follower's patch meets an injected 409: the re-read and re-check find the mismatch
+    and nothing is signed."""
+    cluster.core.create_namespaced_pod(NS, pod("edit-0", {"gpu-fraction": "0.5", **BOUND}))
+    faults = []
+
+    class EditingStore(KubePodStore):
+        reads = 0
+
+        def get_pod(self, namespace, name, deadline=None, **kw):
+            snapshot = super().get_pod(namespace, name, **({"deadline": deadline}
+                                                           if deadline else {}))
+            EditingStore.reads += 1
+            if EditingStore.reads == 1:  # someone edits the pod right after the first read
+                cluster.core.patch_namespaced_pod(name, namespace, {"metadata": {
+                    "annotations": {f"{T}.gpus.devices": GPU_B}}})
+                faults.append(cluster.fail("PATCH", PATCHES, 409, times=1))
+            return snapshot
+
+    result = check(follower(cluster, store_cls=EditingStore), "edit-0")
+    assert faults[0].hits == 1 and EditingStore.reads == 2
+    assert [m.key for m in result.mismatches] == [f"{T}.gpus.devices"]
+    assert result.signed == ()
+    assert SIG not in stored(cluster, "edit-0")["metadata"]["annotations"]
+    # Only the user's edit and the refused signing patch reached the server.
+    assert len(patches(cluster)) == 2
+
+
+def test_the_resource_version_guard_refuses_a_stale_signature(cluster):
+    """No injected fault: the edit after the read makes the server refuse the signing patch by
+    its resourceVersion (409); the re-check sees the edit and signs nothing."""
+    cluster.core.create_namespaced_pod(NS, pod("edit-1", {"gpu-fraction": "0.5", **BOUND}))
+
+    class EditingStore(KubePodStore):
+        reads = 0
+
+        def get_pod(self, namespace, name, deadline=None, **kw):
+            snapshot = super().get_pod(namespace, name, **({"deadline": deadline}
+                                                           if deadline else {}))
+            EditingStore.reads += 1
+            if EditingStore.reads == 1:
+                cluster.core.patch_namespaced_pod(name, namespace, {"metadata": {
+                    "annotations": {f"{T}.gpu-compute.portion": "0.9"}}})
+            return snapshot
+
+    result = check(follower(cluster, store_cls=EditingStore), "edit-1")
+    assert [m.key for m in result.mismatches] == [f"{T}.gpu-compute.portion"]
+    assert result.signed == ()
+    assert SIG not in stored(cluster, "edit-1")["metadata"]["annotations"]
+    assert EditingStore.reads == 2
