@@ -1,6 +1,8 @@
 """The REAL node agent process with `--signing-key-file` (a Secret-shaped key directory), over
-kmock and the fake libnvidia-ml.so.1: the mirror-signed pod is applied, the same pod unsigned is
-refused (marker, event, no limit); and the NodeEnforcer socket admits root only."""
+kmock and the fake libnvidia-ml.so.1: the mirror-signed pod is applied, the same pod unsigned
+waits (no marker, one event, no limit) until its signature lands, one signed with a key the node
+does not hold is refused (marker, event, no limit); and the NodeEnforcer socket admits root
+only."""
 
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ HEX = "5e" * 32
 NOBODY = 65534
 
 
-def mirrored(env: AgentEnv, name: str, sign: bool) -> str:
-    """A pod as the mirror leaves it (binder keys, derived keys, signature), bound to the node."""
+def mirrored(env: AgentEnv, name: str, sign: bytes | None) -> str:
+    """A pod as the mirror leaves it (binder keys, derived keys, and a signature with `sign`),
+    bound to the node."""
     body = {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": "default", "annotations": {
                 "nvidia.com/container.main.gpu-memory.request": "10Gi",
@@ -39,14 +42,22 @@ def mirrored(env: AgentEnv, name: str, sign: bool) -> str:
                                      "resources": {"requests": {"cpu": "100m"}}}]}}
     uid = env.kube.core.create_namespaced_pod("default", body).metadata.uid
     env.make_cgroups(uid, HEX)
-    stored: dict[str, Any] = env.kube.get_object("v1/pods", "default", name)
-    (plan,) = plan_pod(parse_pod(next(pod_views(stored))))
-    notes = derived_annotations(plan)
-    if sign:
-        notes["kai-fractions.io/container.main.signature"] = Keyring.of(KEY_B).sign(plan)
+    notes = derived_annotations(plan_of(env, name))
+    if sign is not None:
+        notes[SIG] = Keyring.of(sign).sign(plan_of(env, name))
     env.kube.core.patch_namespaced_pod(name, "default", {
         "metadata": {"annotations": notes}, "spec": {"nodeName": env.node}})
     return uid
+
+
+SIG = "kai-fractions.io/container.main.signature"
+KEY_C = b"c" * 32  # held by no node
+
+
+def plan_of(env: AgentEnv, name: str):
+    stored: dict[str, Any] = env.kube.get_object("v1/pods", "default", name)
+    (plan,) = plan_pod(parse_pod(next(pod_views(stored))))
+    return plan
 
 
 def marker(env: AgentEnv, uid: str):
@@ -54,7 +65,8 @@ def marker(env: AgentEnv, uid: str):
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def test_signed_applied_unsigned_refused(agent_env: AgentEnv, tmp_path):
+def test_signed_applied_unsigned_waits_for_its_signature_forged_refused(agent_env: AgentEnv,
+                                                                       tmp_path):
     env = agent_env
     keys = tmp_path / "signing"
     keys.mkdir()
@@ -63,22 +75,37 @@ def test_signed_applied_unsigned_refused(agent_env: AgentEnv, tmp_path):
     env.nvml.add_gpu(GPU0, memory_mib=H100_MIB)
     env.create_node()
     run = env.start(f"--signing-key-file={keys}", sm_sharing=False)
-    good = mirrored(env, "signed", sign=True)
-    bad = mirrored(env, "unsigned", sign=False)
+    good = mirrored(env, "signed", sign=KEY_B)
+    late = mirrored(env, "unsigned", sign=None)
+    bad = mirrored(env, "forged", sign=KEY_C)
     wait_for(lambda: marker(env, good) and marker(env, bad), run=run, what="both markers",
              timeout=20)
     assert marker(env, good)["containers"]["main"]["state"] == "applied"
     refused = marker(env, bad)["containers"]["main"]
-    assert (refused["state"], refused["reason"]) == ("refused", "SignatureMissing")
-    assert refused["message"].startswith(
-        "annotation kai-fractions.io/container.main.signature is missing: ")
+    assert (refused["state"], refused["reason"]) == ("refused", "SignatureInvalid")
+    assert refused["message"].startswith(f"annotation {SIG} was signed with key ")
+    # The unsigned pod waits: no marker, one SignatureMissing event, nothing applied.
+    waiting = wait_for(lambda: [e for e in env.events(late) if e["reason"] ==
+                                "SignatureMissing"], run=run, what="the SignatureMissing event")
+    assert waiting[0]["type"] == "Warning"
+    assert waiting[0]["message"].startswith(
+        f"container main: waiting for its signature: annotation {SIG} is missing: ")
+    assert marker(env, late) is None
     limits = {path for (_gpu, path) in env.nvml.limits()}
     assert any(good.replace("-", "_") in p for p in limits)
+    assert not any(late.replace("-", "_") in p for p in limits)
     assert not any(bad.replace("-", "_") in p for p in limits)
     events = wait_for(lambda: [e for e in env.events(bad) if e["reason"] == "Refused"],
                       run=run, what="the Refused event")
     assert events[0]["type"] == "Warning"
-    assert events[0]["message"].startswith("container main: SignatureMissing: annotation ")
+    assert events[0]["message"].startswith("container main: SignatureInvalid: annotation ")
+    # The signature lands (the follower's patch): the pod is applied.
+    env.kube.core.patch_namespaced_pod("unsigned", "default", {"metadata": {"annotations": {
+        SIG: Keyring.of(KEY_A).sign(plan_of(env, "unsigned"))}}})
+    wait_for(lambda: marker(env, late), run=run, what="the late pod's marker", timeout=20)
+    assert marker(env, late)["containers"]["main"]["state"] == "applied"
+    assert any(late.replace("-", "_") in p for (_gpu, p) in env.nvml.limits())
+    assert [e["reason"] for e in env.events(late)].count("SignatureMissing") == 1
     kids = ", ".join(Keyring.of(KEY_B, KEY_A).kids)
     assert f"applying only signed allocations (keys: {kids})" in run.log()
     assert run.stop() == 0

@@ -1,5 +1,6 @@
-"""The node agent with `--signing-key-file`: it applies what the mirror signed and refuses the
-rest (missing, malformed, unknown key, edited) with a refused marker, a `Refused` event and
+"""The node agent with `--signing-key-file`: it applies what the mirror signed; a missing
+signature is pending (no marker, one `SignatureMissing` event, nothing applied) until it lands;
+a malformed, unknown-key or edited one is refused with a refused marker, a `Refused` event and
 nothing applied; a running pod edited after it was applied keeps the limits it had (never
 loosened); a refused pod takes nothing from any GPU; provisioned pods are not checked."""
 
@@ -81,10 +82,11 @@ def test_a_signed_allocation_is_applied(short_tmp):
 
 
 MISSING = ("annotation kai-fractions.io/container.main.signature is missing: this node applies "
-           "only allocations signed by the kai-fractions mirror; the pod was bound by something "
-           "that does not sign (a scheduler that does not call the mirror, an unmodified KAI), "
-           "or the annotation was removed: bind it through the mirror, or run the node agent "
-           "without --signing-key-file")
+           "only allocations signed by the kai-fractions mirror, and waits for it (with an "
+           "unmodified KAI the mirror's BindRequest follower signs once it has checked the "
+           "binder's annotations); if it never comes, look for NvFractionsMismatch events on "
+           "the pod and check that the mirror runs with --signing-key-file (and "
+           "--follow-bindrequests for an unmodified KAI)")
 EDITED = ("annotation kai-fractions.io/container.main.signature does not match the allocation: "
           "the pod's GPU annotations (devices, memory request or limit, compute mode or portion) "
           "were changed after the kai-fractions mirror signed them, or were written by someone "
@@ -112,12 +114,11 @@ def malformed(rig):
 
 
 @pytest.mark.parametrize(("build", "reason", "message"), [
-    (unsigned, "SignatureMissing", MISSING),
     (forged, "SignatureInvalid", None),
     (edited, "SignatureInvalid", EDITED),
     (malformed, "SignatureInvalid", None),
 ])
-def test_an_unsigned_or_bad_allocation_is_refused_with_nothing_applied(short_tmp, build, reason,
+def test_a_bad_allocation_is_refused_with_nothing_applied(short_tmp, build, reason,
                                                                       message):
     rig = rig_with_keys(short_tmp, KEY_A)
     uid = add(rig, build(rig))
@@ -146,6 +147,36 @@ def test_an_unsigned_or_bad_allocation_is_refused_with_nothing_applied(short_tmp
     assert report.converged  # a refusal is final: nothing left to retry
     result = rig.reconciler.view.results[(uid, "main")]
     assert (result.state.value, result.reason) == ("refused", reason)
+
+
+def test_an_unsigned_allocation_waits_for_its_signature_then_is_applied(short_tmp):
+    """With an unmodified KAI the binder's keys land first and the mirror's follower signs them
+    after it checked them: until then the pod is pending, not refused."""
+    rig = rig_with_keys(short_tmp, KEY_A)
+    uid = add(rig, unsigned(rig))
+    for _ in range(2):  # the retries of a pending pod: still one event, still no marker
+        report = rig.step()
+        assert not report.converged  # pending: retried until the signature lands
+        assert marker(rig, uid) is None
+        assert limits(rig, uid) == {} and rig.nvml.set_limit_calls == []
+        assert rig.cluster.annotation_patches == []
+    result = rig.reconciler.view.results[(uid, "main")]
+    assert (result.state.value, result.reason, result.message) == (
+        "pending", "SignatureMissing", MISSING)
+    assert rig.cluster.event_reasons(uid) == ["SignatureMissing"]
+    event = rig.cluster.events[0]
+    assert (event["type"], event["message"]) == (
+        "Warning", f"container main: waiting for its signature: {MISSING}")
+    assert gate(rig, uid).outcome is Outcome.WAIT  # the gate keeps waiting (its own timeout)
+    # The follower's signature lands: applied.
+    manifest = rig.cluster.pods[uid]
+    rig.cluster.update_pod(uid, metadata=signed(copy.deepcopy(manifest))["metadata"])
+    assert rig.step().converged
+    assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
+    assert limits(rig, uid) == {slice_of(uid): (10 * GIB, 20 * GIB),
+                                f"{slice_of(uid)}/{LEAF}": (10 * GIB, 20 * GIB)}
+    assert rig.cluster.event_reasons(uid) == ["SignatureMissing", "Applied"]
+    assert gate(rig, uid).outcome is Outcome.RELEASE
 
 
 def test_a_running_pod_edited_after_it_was_applied_keeps_its_limits(short_tmp):
@@ -208,7 +239,8 @@ def test_a_refused_pod_takes_nothing_from_the_gpu(short_tmp):
         devices=rig.gpu0, request="10Gi", limit="20Gi")))
     honest = add(rig, small)
     rig.step()
-    assert marker(rig, forged_uid)["containers"]["main"]["reason"] == "SignatureMissing"
+    assert marker(rig, forged_uid) is None  # unsigned: pending, waiting for its signature
+    assert rig.reconciler.view.results[(forged_uid, "main")].reason == "SignatureMissing"
     assert marker(rig, honest)["containers"]["main"]["state"] == "applied"
     gpu = rig.reconciler.view.desired.gpu(rig.gpu0)
     assert gpu.requested_bytes == 10 * GIB and gpu.mps_pinned_mib is None

@@ -141,10 +141,11 @@ def test_a_missing_signature(value):
     assert (verdict.ok, verdict.reason) == (False, Reason.MISSING)
     assert verdict.message == (
         "annotation kai-fractions.io/container.main.signature is missing: this node applies "
-        "only allocations signed by the kai-fractions mirror; the pod was bound by something "
-        "that does not sign (a scheduler that does not call the mirror, an unmodified KAI), or "
-        "the annotation was removed: bind it through the mirror, or run the node agent without "
-        "--signing-key-file")
+        "only allocations signed by the kai-fractions mirror, and waits for it (with an "
+        "unmodified KAI the mirror's BindRequest follower signs once it has checked the "
+        "binder's annotations); if it never comes, look for NvFractionsMismatch events on "
+        "the pod and check that the mirror runs with --signing-key-file (and "
+        "--follow-bindrequests for an unmodified KAI)")
     assert Reason.MISSING == "SignatureMissing" and Reason.INVALID == "SignatureInvalid"
 
 

@@ -1,7 +1,8 @@
 """Pod events (core/v1 Event), each emitted once.
 
 Reasons: `Applied` (limits in force, marker written), `Refused` (a final refusal, marker
-written), `LimitViolation` (the watchdog in report mode saw a container above its cap; once per
+written), `SignatureMissing` (waiting for the allocation's signature, no marker yet),
+`LimitViolation` (the watchdog in report mode saw a container above its cap; once per
 episode: again only after the usage went back under the cap) and `LimitEnforced` (kill mode:
 the watchdog drained and stopped a process). The de-duplication key says what "the same event"
 is; an event the API did not take is kept and sent again by `flush()` (every pass), at most
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from ...signing import Reason
 from .kube import ClusterWriter, KubeError
 from .options import COMPONENT
 
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 APPLIED = "Applied"
 REFUSED = "Refused"
 LIMIT_VIOLATION = "LimitViolation"
+SIGNATURE_MISSING = Reason.MISSING.value
 LIMIT_ENFORCED = "LimitEnforced"
 NORMAL = "Normal"
 WARNING = "Warning"

@@ -471,6 +471,7 @@ class Reconciler:
         ref = PodRef(str(meta.get("namespace") or ""), str(meta.get("name") or ""), uid)
         decision = decide(results)
         existing = self.markers.read(uid)
+        self._pending_events(ref, results)
         if decision.write is None:
             if existing is not None and not still_valid(existing, results):
                 self.markers.unlink(uid)
@@ -528,6 +529,15 @@ class Reconciler:
         if isinstance(updated, dict) and updated.get("metadata"):
             self.pods.upsert(updated)
         return True
+
+    def _pending_events(self, ref: PodRef, results: Mapping[str, ContainerResult]) -> None:
+        """One event per container waiting for its signature (the follower signs after the
+        binder's annotations land): its owner sees why the gate is still waiting."""
+        for name, r in sorted(results.items()):
+            if r.state is ContainerState.PENDING and r.reason == ev.SIGNATURE_MISSING:
+                self.events.emit(ref, ev.WARNING, ev.SIGNATURE_MISSING,
+                                 f"container {name}: waiting for its signature: {r.message}",
+                                 key=(ev.SIGNATURE_MISSING, ref.uid, name))
 
     def _marker_events(self, ref: PodRef, results: Mapping[str, ContainerResult]) -> None:
         for name, r in sorted(results.items()):

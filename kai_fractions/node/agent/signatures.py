@@ -1,11 +1,16 @@
 """Signed allocations on the node (`--signing-key-file`): only what the mirror signed is applied.
 
 Before a pass plans the node, every fractional container of a watched pod that the binder has
-bound is planned on its own and its signature checked (`kai_fractions.signing`). A pod with a
-missing, malformed, unknown-key or wrong signature is left out of planning altogether, so it
-takes no memory, compute mode or MPS pinned limit on any GPU, and each of its fractional
-containers is refused (`SignatureMissing` / `SignatureInvalid`): the marker says so, the gate
-fails the pod with the reason, a `Refused` event tells its owner.
+bound is planned on its own and its signature checked (`kai_fractions.signing`). A pod whose
+signature is not valid is left out of planning altogether, so it takes no memory, compute mode
+or MPS pinned limit on any GPU:
+
+- a MISSING signature is pending (`SignatureMissing`, not final): with an unmodified KAI its
+  binder's annotations land before the mirror's BindRequest follower has checked and signed
+  them. No marker is written, the gate keeps waiting (and fails the pod on its own timeout if
+  the signature never comes), and one `SignatureMissing` event tells the pod's owner why;
+- a malformed, unknown-key or wrong signature is a final refusal (`SignatureInvalid`): the
+  marker says so, the gate fails the pod with the reason, a `Refused` event tells its owner.
 
 Never loosened: a pod that was applied and is edited afterwards (a user raising their own
 `.gpu-memory.limit` on a running pod, which admission allows on UPDATE) is refused too, but the
@@ -82,17 +87,27 @@ class SignatureCheck:
                 failed[share.container] = (verdict.reason, verdict.message)
         if not failed:
             return []
-        first, (reason, _message) = next(iter(failed.items()))
+        # One bad signature decides for the whole pod; only a pod whose every failure is a
+        # missing signature waits for it.
+        final = any(why != Reason.MISSING for why, _ in failed.values())
+        first, (reason, _message) = next((name, f) for name, f in failed.items()
+                                         if not final or f[0] != Reason.MISSING)
+        sibling = ("failed its signature check" if final
+                   else "is waiting for its signature")
         out = []
         for share in request.shares:
             why, message = failed.get(share.container, (
-                reason, f"not applied because container {first!r} of this pod failed its "
-                "signature check"))
+                reason, f"not applied because container {first!r} of this pod {sibling}"))
+            if final and why == Reason.MISSING:
+                why, message = reason, (f"not applied because container {first!r} of this "
+                                        f"pod failed its signature check ({message})")
             out.append(Refusal(key=ContainerKey(pod.uid, share.container),
                                pod_namespace=pod.view.namespace, pod_name=pod.view.name,
-                               reason=Reason(why), message=message))
-            log.warning("pod %s/%s container %s refused: %s: %s", pod.view.namespace,
-                        pod.view.name, share.container, why, message)
+                               reason=Reason(why), message=message, final=final))
+            # A pending one is logged at info: it is retried every pass until it is signed.
+            log.log(logging.WARNING if final else logging.INFO, "pod %s/%s container %s %s: "
+                    "%s: %s", pod.view.namespace, pod.view.name, share.container,
+                    "refused" if final else "pending", why, message)
         return out
 
 
