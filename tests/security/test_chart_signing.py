@@ -39,6 +39,27 @@ def test_the_mirror_signs_with_the_mounted_secret_by_default():
     assert args.signing_key_file == [KEY_DIR]
 
 
+def test_by_default_the_follower_signs_with_the_key_the_agent_checks():
+    """Defaults for an unmodified KAI: the one mirror process follows BindRequests AND holds the
+    key, so it signs the binds it verified; it may patch pods; the admission webhook lets its
+    service account write the (protected) signature key; the agent checks with the same
+    Secret."""
+    docs = render()
+    _pod, c = mirror_pod()
+    args = build_parser().parse_args(c["args"])
+    assert (args.follow_bindrequests, args.signing_key_file) == (True, [KEY_DIR])
+    role = one(docs, "ClusterRole", MIRROR)
+    assert {"apiGroups": [""], "resources": ["pods"],
+            "verbs": ["get", "list", "watch", "patch"]} in role["rules"]
+    admission = one(docs, "Deployment", "kai-fractions-admission")
+    hook = next(x for x in admission["spec"]["template"]["spec"]["containers"])
+    assert f"--allowed-identity=system:serviceaccount:kai-fractions:{MIRROR}" in hook["args"]
+    agent, a = agent_pod()
+    assert f"--signing-key-file={KEY_DIR}" in a["args"]
+    assert next(v for v in agent["volumes"] if v["name"] == "signing-key")["secret"][
+        "secretName"] == SECRET
+
+
 def test_a_secret_of_your_own():
     pod, c = mirror_pod("signing.secretName=allocation-hmac", "signing.create=false")
     volume = next(v for v in pod["volumes"] if v["name"] == "signing-key")
