@@ -87,10 +87,11 @@ def register(sub) -> None:
                    help="per-container key prefix (default: %(default)s)")
     p.add_argument("--signing-key-file", action="append", default=[], metavar="FILE",
                    help="apply only allocations signed by the kai-fractions mirror with these "
-                   "keys; refuse the rest (SignatureMissing / SignatureInvalid). FILE holds the "
-                   "raw key, or is a directory with `current` and optionally `previous` (the "
-                   "chart's Secret); repeatable; re-read when it changes. Default: no check "
-                   "(needed with an unmodified KAI, which signs nothing)")
+                   "keys: wait while the signature is missing (SignatureMissing; with an "
+                   "unmodified KAI the mirror's BindRequest follower signs), refuse a bad one "
+                   "(SignatureInvalid). FILE holds the raw key, or is a directory with `current` "
+                   "and optionally `previous` (the chart's Secret); repeatable; re-read when it "
+                   "changes. Default: no check")
     p.add_argument("--kubeconfig", metavar="FILE",
                    help="kubeconfig to use (default: in-cluster, then $KUBECONFIG or "
                    "~/.kube/config)")
