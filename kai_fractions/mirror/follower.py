@@ -227,8 +227,8 @@ class Follower:
                 result = replace(result, unsigned=f"the pod kept changing: {e}")
             except PodNotFound:
                 return Verification(br.ref, pod_ref, skipped="pod not found")
-        log.warning("pod %s not signed: it changed under %d attempt(s); the next resync "
-                    "checks it again", pod_ref, SIGN_ATTEMPTS)
+        log.warning("pod %s not signed: it changed under %d attempt(s); the follower "
+                    "checks it again on its next list", pod_ref, SIGN_ATTEMPTS)
         return result
 
     def _check(self, br: BindRequestView, pod: PodSnapshot,
