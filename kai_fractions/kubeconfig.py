@@ -1,11 +1,13 @@
-"""Loading a Kubernetes client configuration, the same way for every component."""
+"""The Kubernetes client, configured and reporting errors the same way for every component."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
 
 
 class ConfigError(Exception):
@@ -37,3 +39,14 @@ def load_api_client(kubeconfig: str | None = None, *, pool_size: int = 0) -> k8s
     configuration.connection_pool_maxsize = max(configuration.connection_pool_maxsize or 0,
                                                 pool_size)
     return k8s.ApiClient(configuration)
+
+
+def api_error_message(e: ApiException) -> str:
+    """`409 Conflict: <the API server's message>` from the Status body, else status + reason."""
+    try:
+        body = json.loads(e.body or "")
+        if isinstance(body, dict) and body.get("message"):
+            return f"{e.status} {body.get('reason') or e.reason}: {body['message']}"
+    except ValueError:
+        pass
+    return f"{e.status} {e.reason or ''}".strip()

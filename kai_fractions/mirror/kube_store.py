@@ -22,6 +22,7 @@ import urllib3
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from ..kubeconfig import api_error_message
 from ..kubeconfig import load_api_client as _load_api_client
 from .errors import ApiRejected, PodNotFound
 from .retry import Backoff, Transient, retrying
@@ -57,14 +58,6 @@ def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
     return _load_api_client(kubeconfig, pool_size=CONNECTION_POOL_SIZE)
 
 
-def _status_message(e: ApiException) -> str:
-    try:
-        body = json.loads(e.body or "")
-        if isinstance(body, dict) and body.get("message"):
-            return f"{e.status} {body.get('reason') or e.reason}: {body['message']}"
-    except ValueError:
-        pass
-    return f"{e.status} {e.reason or ''}".strip()
 
 
 def _retry_after(e: ApiException) -> float | None:
@@ -111,11 +104,11 @@ class KubePodStore:
                 if mapped is not None:
                     raise mapped from None
                 if e.status in _TRANSIENT_STATUS or (e.status or 0) >= 500:
-                    raise Transient(_status_message(e), _retry_after(e)) from None
+                    raise Transient(api_error_message(e), _retry_after(e)) from None
                 if e.status in (401, 403):
                     raise ApiRejected(f"{what}: the API server refused the mirror's identity "
-                                      f"({_status_message(e)}); check its RBAC") from None
-                raise ApiRejected(f"{what}: {_status_message(e)}") from None
+                                      f"({api_error_message(e)}); check its RBAC") from None
+                raise ApiRejected(f"{what}: {api_error_message(e)}") from None
             except (urllib3.exceptions.HTTPError, OSError) as e:
                 raise Transient(f"{type(e).__name__}: {e}") from None
 
@@ -149,9 +142,9 @@ class KubePodStore:
             if e.status == 404:
                 return PodNotFound(namespace, name)
             if e.status == 409:
-                return WriteConflict(_status_message(e))
+                return WriteConflict(api_error_message(e))
             if e.status == 422:
-                return WriteInvalid(_status_message(e))
+                return WriteInvalid(api_error_message(e))
             return None
 
         obj = self._call(f"patch pod {namespace}/{name}", deadline, lambda t:

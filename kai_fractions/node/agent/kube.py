@@ -22,6 +22,8 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from ...kubeconfig import api_error_message
+
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 
@@ -99,19 +101,11 @@ class ClusterWriter(Protocol):
         ...
 
 
-def _message(e: ApiException) -> str:
-    try:
-        body = json.loads(e.body or "")
-        if isinstance(body, dict) and body.get("message"):
-            return f"{e.status} {body.get('reason') or e.reason}: {body['message']}"
-    except ValueError:
-        pass
-    return f"{e.status} {e.reason or ''}".strip()
 
 
 def _error(what: str, e: Exception) -> KubeError:
     if isinstance(e, ApiException):
-        text = f"{what}: {_message(e)}"
+        text = f"{what}: {api_error_message(e)}"
         cls = {404: NotFound, 409: Conflict, 410: Gone}.get(e.status or 0, KubeError)
         return cls(text, e.status)
     return KubeError(f"{what}: {type(e).__name__}: {e}")
