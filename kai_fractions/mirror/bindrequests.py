@@ -7,6 +7,7 @@ import json
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 
 WATCH_BACKOFF = Backoff(attempts=1_000_000, base=0.5, cap=30.0)
 """Between failed list/watch calls; the follower never gives up, it only slows down."""
+RESYNC_SECONDS = 600.0
+"""Everything is listed (and handled) again at least this often."""
 
 
 class Gone(Exception):
@@ -103,15 +106,24 @@ def follow(
     *,
     backoff: Backoff = WATCH_BACKOFF,
     rng: random.Random | None = None,
+    resync_seconds: float = RESYNC_SECONDS,
+    monotonic: Callable[[], float] = time.monotonic,
 ) -> None:
     """Level-triggered: every BindRequest seen (listed or watched) goes to `handle`, which must
-    be idempotent. Returns when `stop` is set."""
+    be idempotent. A watch only replays changes, so a handling that failed for a reason of its
+    own (a conflict while signing, the API briefly away) is retried by listing everything again
+    once `resync_seconds` have passed, when the current watch stream ends. Returns when `stop`
+    is set."""
     rng = rng or random.Random()
     resource_version = ""
     failures = 0
+    listed_at = monotonic()
     while not stop.is_set():
         try:
+            if resource_version and monotonic() - listed_at >= resync_seconds:
+                resource_version = ""  # periodic resync
             if not resource_version:
+                listed_at = monotonic()
                 items, resource_version = source.list()
                 log.info("listed %d BindRequest(s) at resourceVersion %s", len(items),
                          resource_version or "-")

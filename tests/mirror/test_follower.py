@@ -217,6 +217,29 @@ def test_watch_resumes_from_the_last_version_and_relists_on_gone():
     assert seen == ["a", "b", "a", "b", "b"]
 
 
+def test_everything_is_listed_again_after_the_resync_period():
+    stop = threading.Event()
+    source = ScriptedSource(
+        lists=[([obj("a", "5")], "10"), ([obj("a", "5")], "30")],
+        watches=[[("ADDED", obj("b", "12"))], [("ADDED", obj("c", "14"))]],
+        stop=stop)
+    now = [0.0]
+
+    def handle(o):
+        seen.append(o["metadata"]["name"])
+        now[0] += 400  # each handled object "takes" 400 s of the clock
+
+    seen: list[str] = []
+    follow(source, handle, stop, backoff=Backoff(base=0.001, cap=0.001), resync_seconds=1000,
+           monotonic=lambda: now[0])
+    # a (400 s), b (800 s): the stream ends before 1000 s, the watch resumes; c (1200 s): the
+    # next stream end relists, so `a` (whose handling may have failed) is handled again; the
+    # scripted source stops the loop at the watch after that.
+    assert source.calls == [("list", ""), ("watch", "10"), ("watch", "12"), ("list", ""),
+                            ("watch", "30")]
+    assert seen == ["a", "b", "c", "a"]
+
+
 def test_failures_back_off_and_a_bad_object_does_not_stop_the_loop():
     stop = threading.Event()
     source = ScriptedSource(lists=[OSError("connection refused"), ([obj("x", "1")], "1")],
