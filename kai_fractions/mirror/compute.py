@@ -63,7 +63,7 @@ def current_record(pod: PodSnapshot) -> MirrorRecord | None:
 
 def is_mirror_managed(key: str, keys: Keys) -> bool:
     """Keys only the binder role writes: always recomputed, never taken as the user's."""
-    return key == k.RECEIVED_RESOURCE_TYPE or key == MIRRORED_ANNOTATION or keys.is_protected(key)
+    return key == k.RECEIVED_RESOURCE_TYPE or keys.is_protected(key)  # protected: the record too
 
 
 def user_view(pod: PodSnapshot, keys: Keys) -> PodView:
