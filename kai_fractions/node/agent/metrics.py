@@ -77,6 +77,7 @@ class AgentMetrics:
         # label values -> (limit, used, sm, sm_normalized) children: `labels()` is a locked
         # lookup, and the watchdog updates every series every second.
         self._children: dict[tuple[str, ...], tuple[Any, Any, Any, Any]] = {}
+        self._values: dict[tuple[str, ...], tuple[Any, ...]] = {}  # what each series holds
         self._server: Any = None
 
     # -- per container ------------------------------------------------------------------------
@@ -96,13 +97,18 @@ class AgentMetrics:
                 labels = self._labels(c, uuid)
                 seen.setdefault(c.key, set()).add(labels)
                 u = usage.get((c.key, uuid))
-                limit, used, sm_gauge, normalized = self._series_of(labels, bool(atp))
-                limit.set(c.plan.limit_bytes)
-                used.set(u.used_bytes if u else 0)
                 sm = (u.sm_percent or 0) if u else 0
-                sm_gauge.set(sm)
+                values = (c.plan.limit_bytes, u.used_bytes if u else 0, sm,
+                          round(sm * 100 / atp, 3) if atp else None)
+                if self._values.get(labels) == values:
+                    continue  # usage is mostly steady: skip four locked sets per series
+                self._values[labels] = values
+                limit, used, sm_gauge, normalized = self._series_of(labels, bool(atp))
+                limit.set(values[0])
+                used.set(values[1])
+                sm_gauge.set(values[2])
                 if normalized is not None:
-                    normalized.set(round(sm * 100 / atp, 3))
+                    normalized.set(values[3])
         for key, old in self._series.items():
             for labels in old - seen.get(key, set()):
                 self._remove(labels)
@@ -119,6 +125,7 @@ class AgentMetrics:
 
     def _remove(self, labels: tuple[str, ...]) -> None:
         self._children.pop(labels, None)
+        self._values.pop(labels, None)
         for gauge in (self.memory_used, self.sm, self.sm_normalized, self.memory_limit):
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)
