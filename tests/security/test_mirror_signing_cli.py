@@ -9,16 +9,15 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.cli import build_parser, main
 from kai_fractions.signing import Keyring
 from tests.mirror.messages import allocation, mirror_request
+from tests.support.mirror_kube import wait_until_serving
 
 from .allocations import KEY_A, KEY_B, plans_of
 
@@ -71,18 +70,7 @@ def test_a_real_mirror_signs_what_it_writes(kube, tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         with grpc.insecure_channel(listen) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    pass
-                assert process.poll() is None, process.communicate()[1]
-                assert time.monotonic() < deadline, "the mirror did not become healthy"
-                time.sleep(0.1)
+            wait_until_serving(channel, process)
             pod = {"metadata": {"namespace": "team-a", "name": "train-0",
                                 "uid": created.metadata.uid}}
             reply = pb_grpc.AllocationMirrorStub(channel).MirrorAllocation(

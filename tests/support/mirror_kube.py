@@ -11,7 +11,9 @@ Reactions added to the ``kube`` emulator (kmock ignores selectors and knows no C
 from __future__ import annotations
 
 import shutil
+import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import grpc
 import kmock
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.mirror.kube_store import KubePodStore
@@ -187,3 +190,21 @@ __all__ = [
     "start_mirror",
     "stop_mirror",
 ]
+
+
+def wait_until_serving(channel: grpc.Channel, process: subprocess.Popen, timeout: float = 30
+                       ) -> None:
+    """Polls the gRPC health service of a mirror started as a process until it says SERVING;
+    fails with the process's stderr if it exits first."""
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                    health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        assert process.poll() is None, process.communicate()[1]
+        assert time.monotonic() < deadline, "the mirror did not become healthy"
+        time.sleep(0.1)
