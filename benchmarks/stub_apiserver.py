@@ -61,7 +61,7 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
-def _status(code: int, reason: str, message: str) -> tuple[int, dict]:
+def status_response(code: int, reason: str, message: str) -> tuple[int, dict]:
     return code, {"apiVersion": "v1", "kind": "Status", "status": "Failure",
                   "message": message, "reason": reason, "code": code}
 
@@ -95,23 +95,23 @@ class Cluster:
                 return 200, pod
             if method == "PATCH":
                 return self.patch(pod, body)
-            return _status(405, "MethodNotAllowed", f"{method} is not served by the stub")
+            return status_response(405, "MethodNotAllowed", f"{method} is not served by the stub")
         if (m := _NODE.match(path)) is not None and method == "GET":
             return 200, {"apiVersion": "v1", "kind": "Node", "metadata": {
                 "name": m.group(1), "uid": pod_uid("", m.group(1)), "resourceVersion": "1",
                 "labels": {k.NODE_GPU_MEMORY_LABEL: str(self.node_memory_mib)}}}
-        return _status(404, "NotFound", f"{method} {path} is not served by the stub")
+        return status_response(404, "NotFound", f"{method} {path} is not served by the stub")
 
     def patch(self, pod: dict, body: bytes) -> tuple[int, dict]:
         try:
             patch = json.loads(body)
         except ValueError as e:
-            return _status(400, "BadRequest", f"not JSON: {e}")
+            return status_response(400, "BadRequest", f"not JSON: {e}")
         meta = pod["metadata"]
         want = patch.get("metadata") or {}
         for field in ("uid", "resourceVersion"):
             if field in want and want[field] != meta[field]:
-                return _status(409, "Conflict", f'Operation cannot be fulfilled on pods '
+                return status_response(409, "Conflict", f'Operation cannot be fulfilled on pods '
                                f'"{meta["name"]}": precondition {field} {want[field]} != '
                                f'{meta[field]}')
         patched = merge_patch(pod, patch)

@@ -40,6 +40,8 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
+from benchmarks.stub_apiserver import merge_patch, status_response
+
 _POD = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/?]+)$")
 _NODE = re.compile(r"^/api/v1/nodes/([^/?]+)$")
 _EVENTS = re.compile(r"^/api/v1/namespaces/([^/]+)/events$")
@@ -106,24 +108,6 @@ class RandomFaults:
         return self.rng.choice(kinds)
 
 
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386."""
-    if not isinstance(patch, dict):
-        return patch
-    out = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
-
-
-def _status(code: int, reason: str, message: str) -> tuple[int, dict]:
-    return code, {"apiVersion": "v1", "kind": "Status", "status": "Failure",
-                  "message": message, "reason": reason, "code": code}
-
-
 @dataclass
 class PodStats:
     gets: int = 0
@@ -169,36 +153,36 @@ class Cluster:
                 return 0, {}  # the caller serves the fault instead
             pod = self.pods.get(key)
             if pod is None:
-                return _status(404, "NotFound", f'pods "{key[1]}" not found')
+                return status_response(404, "NotFound", f'pods "{key[1]}" not found')
             if method == "GET":
                 return 200, pod
             if method == "PATCH":
                 return self._patch(pod, body, stats)
-            return _status(405, "MethodNotAllowed", method)
+            return status_response(405, "MethodNotAllowed", method)
         if fault is not None and not fault.after_write:
             return 0, {}
         if (m := _NODE.match(path)) is not None and method == "GET":
             labels = self.nodes.get(m.group(1))
             if labels is None:
-                return _status(404, "NotFound", f'nodes "{m.group(1)}" not found')
+                return status_response(404, "NotFound", f'nodes "{m.group(1)}" not found')
             return 200, {"apiVersion": "v1", "kind": "Node",
                          "metadata": {"name": m.group(1), "labels": dict(labels)}}
         if _EVENTS.match(path) is not None and method == "POST":
             event = json.loads(body or b"{}")
             self.events.append(event)
             return 201, event
-        return _status(404, "NotFound", f"{method} {path} is not served")
+        return status_response(404, "NotFound", f"{method} {path} is not served")
 
     def _patch(self, pod: dict, body: bytes, stats: PodStats) -> tuple[int, dict]:
         try:
             patch = json.loads(body)
         except ValueError as e:
-            return _status(400, "BadRequest", f"not JSON: {e}")
+            return status_response(400, "BadRequest", f"not JSON: {e}")
         meta = pod["metadata"]
         want = patch.get("metadata") or {}
         for name in ("uid", "resourceVersion"):
             if name in want and want[name] != meta[name]:
-                return _status(409, "Conflict", f'Operation cannot be fulfilled on pods '
+                return status_response(409, "Conflict", f'Operation cannot be fulfilled on pods '
                                f'"{meta["name"]}": the object has been modified; please apply '
                                "your changes to the latest version and try again")
         patched = merge_patch(pod, patch)
@@ -258,7 +242,7 @@ class _Http(asyncio.Protocol):
             extra = b"Retry-After: 0\r\n" if fault is Fault.THROTTLE else b""
             reason = {409: "Conflict", 429: "TooManyRequests", 500: "InternalError",
                       503: "ServiceUnavailable"}[fault.status]
-            self.transport.write(_response(*_status(fault.status, reason,
+            self.transport.write(_response(*status_response(fault.status, reason,
                                                     f"injected {fault.value}"), extra))
             return True
         if fault in (Fault.RESET, Fault.RESET_AFTER_WRITE):
