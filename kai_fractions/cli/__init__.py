@@ -29,6 +29,21 @@ _COMMAND_MODULES = (
 EXIT_OK, EXIT_CONTRACT, EXIT_USAGE = 0, 1, 2
 
 
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    """`--log-level` for the long-running services (mirror, node agent, admission)."""
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"),
+                        help="(default: %(default)s)")
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    """One log format for every service, on stderr, at `--log-level`."""
+    import logging
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own errors: one line, exit 2, no traceback
         self.print_usage(sys.stderr)

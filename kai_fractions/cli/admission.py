@@ -12,6 +12,7 @@ from ..admission.config import (
     DEFAULT_MARKER_HOST_DIR,
     DEFAULT_MPS_PIPE_HOST_DIR,
 )
+from . import add_log_level, setup_logging
 
 
 def register(sub) -> None:
@@ -36,8 +37,7 @@ def register(sub) -> None:
                    help="the node agent's MPS pipe root on the host (default: %(default)s)")
     p.add_argument("--annotation-prefix", default=None, metavar="P",
                    help="per-container key prefix (default: nvidia.com/container.)")
-    p.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error"), help="(default: %(default)s)")
+    add_log_level(p)
     p.set_defaults(func=run)
 
 
@@ -52,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from ..admission.tls import ReloadingContext, TLSError
     from ..contract import DEFAULT_KEYS, Keys
 
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args)
     try:
         keys = Keys(prefix=args.annotation_prefix) if args.annotation_prefix else DEFAULT_KEYS
         config = AdmissionConfig(

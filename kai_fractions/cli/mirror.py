@@ -10,6 +10,7 @@ import sys
 import threading
 
 from ..contract import DEFAULT_KEYS, Keys
+from . import add_log_level, setup_logging
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 log = logging.getLogger("kai_fractions.mirror")
@@ -60,9 +61,7 @@ def register(sub) -> None:
                    "pods whose annotations differ from what the binder should have written as "
                    "events (reason NvFractionsMismatch); with --signing-key-file it signs the pods "
                    "whose annotations match (and writes nothing else)")
-    p.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error"),
-                   help="(default: %(default)s)")
+    add_log_level(p)
     p.set_defaults(func=run)
 
 
@@ -83,8 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from ..mirror.signing import signing_annotations
     from ..signing import KeyringSource, SigningConfigError
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args)
     try:
         keys = Keys(prefix=args.annotation_prefix)
     except ValueError as e:

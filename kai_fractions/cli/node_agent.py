@@ -17,6 +17,7 @@ import sys
 
 from ..contract import DEFAULT_KEYS
 from ..contract import keys as k
+from . import add_log_level, setup_logging
 
 CRASH_ENV = "KAI_FRACTIONS_TEST_CRASH_AT"
 CRASH_EXIT = 86
@@ -97,9 +98,7 @@ def register(sub) -> None:
                    "~/.kube/config)")
     p.add_argument("--nvml-library", metavar="PATH",
                    help="libnvidia-ml.so.1 to load (default: the system's)")
-    p.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error"),
-                   help="(default: %(default)s)")
+    add_log_level(p)
     p.set_defaults(func=run)
 
 
@@ -132,8 +131,7 @@ def run(args: argparse.Namespace) -> int:
     from ..node.nvml import PynvmlNvml
     from ..node.procfs import Procfs
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args)
     if not args.node_name:
         return _fail("--node-name (or env NODE_NAME) is required")
     try:
