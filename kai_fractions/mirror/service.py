@@ -3,6 +3,10 @@
 Every write is ONE merge patch guarded by the pod's uid and resourceVersion. A write conflict
 (someone changed the pod since it was read) re-reads the pod and recomputes, a bounded number of
 times: the decision is re-applied to the pod as it now is, never blindly replayed.
+
+With a PodCache the first try computes from the cached pod and guards the write with its
+resourceVersion, saving the read; a stale entry costs one refused write and a re-read, and an
+answer that writes nothing is always confirmed by a read from the API (pod_cache explains why).
 """
 
 from __future__ import annotations
@@ -16,9 +20,17 @@ from dataclasses import dataclass
 
 from ..contract import DEFAULT_MPS_PIPE_ROOT, ContainerPlan, Keys
 from ..contract import keys as k
-from .compute import ExtraAnnotations, Outcome, compute_outcome, mirror_patch, release_patch
+from .compute import (
+    ExtraAnnotations,
+    Outcome,
+    Patch,
+    compute_outcome,
+    mirror_patch,
+    release_patch,
+)
 from .decision import AllocationInput, check_idempotency_key, resolve_decision
 from .errors import ApiRejected, ApiUnavailable, DeadlineExceeded, PodReplaced
+from .pod_cache import PodCache
 from .retry import Backoff
 from .store import (
     NO_DEADLINE,
@@ -97,8 +109,11 @@ class MirrorService:
         clock: Clock | None = None,
         rng: random.Random | None = None,
         extra_annotations: ExtraAnnotations | None = None,
+        cache: PodCache | None = None,
     ) -> None:
         self.store = store
+        self.cache = cache
+        """Pods as last seen (pod_cache); None reads every pod from the API."""
         self.keys = keys
         self.default_reserve_mib = default_reserve_mib
         self.mps_pipe_root = mps_pipe_root
@@ -120,11 +135,15 @@ class MirrorService:
         ns, name = allocation.namespace, allocation.pod_name
         with self._locks.hold(ns, name):
             for attempt in self._attempts(f"mirror on pod {ns}/{name}", deadline):
-                pod = self._get(allocation.namespace, allocation.pod_name, allocation.pod_uid,
-                                deadline)
-                outcome = self._outcome(pod, allocation, decision)
-                patch = mirror_patch(pod, outcome, idempotency_key=idempotency_key,
-                                     replace=replace, keys=self.keys)
+                # A conflict means the pod moved on: every later try reads it from the API.
+                pod, fresh = self._read(allocation, deadline, cached=attempt == 0)
+                outcome, patch = self._plan_write(pod, allocation, decision, idempotency_key,
+                                                  replace)
+                if not patch.changes and not fresh:
+                    # Never answer "nothing to write" from the cache: confirm with the API.
+                    pod, fresh = self._get(ns, name, allocation.pod_uid, deadline), True
+                    outcome, patch = self._plan_write(pod, allocation, decision,
+                                                      idempotency_key, replace)
                 if not patch.changes:
                     log.info("pod %s/%s already carries its allocation (%s); nothing written",
                              ns, name, outcome.digest[:19])
@@ -164,6 +183,23 @@ class MirrorService:
 
     # -- steps --------------------------------------------------------------------------------
 
+    def _read(self, allocation: AllocationInput, deadline: Deadline, *, cached: bool
+              ) -> tuple[PodSnapshot, bool]:
+        """The pod and whether it came from the API (True) or the cache (False). A cached pod
+        of another uid than the caller's is read again: the cache may lag a recreation."""
+        if cached and self.cache is not None:
+            pod = self.cache.lookup(allocation.namespace, allocation.pod_name)
+            if pod is not None and (not allocation.pod_uid or pod.uid == allocation.pod_uid):
+                return pod, False
+        return self._get(allocation.namespace, allocation.pod_name, allocation.pod_uid,
+                         deadline), True
+
+    def _plan_write(self, pod: PodSnapshot, allocation: AllocationInput, decision,
+                    idempotency_key: str, replace: bool) -> tuple[Outcome, Patch]:
+        outcome = self._outcome(pod, allocation, decision)
+        return outcome, mirror_patch(pod, outcome, idempotency_key=idempotency_key,
+                                     replace=replace, keys=self.keys)
+
     def _outcome(self, pod: PodSnapshot, allocation: AllocationInput, decision) -> Outcome:
         return compute_outcome(pod, decision, container=allocation.container, keys=self.keys,
                                mps_pipe_root=self.mps_pipe_root, extra=self.extra_annotations)
@@ -176,6 +212,8 @@ class MirrorService:
 
     def _get(self, namespace: str, name: str, uid: str, deadline: Deadline) -> PodSnapshot:
         pod = self.store.get_pod(namespace, name, deadline)
+        if self.cache is not None:
+            self.cache.remember(pod)
         if uid and pod.uid and pod.uid != uid:
             raise PodReplaced(namespace, name, uid, pod.uid)
         return pod
@@ -184,9 +222,12 @@ class MirrorService:
                attempt: int) -> PodSnapshot | None:
         """The written pod, or None after a conflict (the caller re-reads and recomputes)."""
         try:
-            return self.store.patch_annotations(
+            written = self.store.patch_annotations(
                 pod.namespace, pod.name, changes, uid=pod.uid,
                 resource_version=pod.resource_version, deadline=deadline)
+            if self.cache is not None:
+                self.cache.remember(written)  # write-through: a duplicate call sees it at once
+            return written
         except WriteConflict as e:
             log.info("pod %s/%s changed under the write (try %d): %s; re-reading",
                      pod.namespace, pod.name, attempt + 1, e)

@@ -20,15 +20,18 @@ from .messages import allocation, mirror_request
 
 FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file",
          "--signing-key-file", "--insecure", "--reserve-mib", "--annotation-prefix",
-         "--kubeconfig", "--follow-bindrequests", "--log-level"]
+         "--kubeconfig", "--follow-bindrequests", "--scheduler-name", "--no-pod-cache",
+         "--log-level"]
 
 
 def test_every_flag_is_there_with_its_default():
     parser = build_parser()
     args = parser.parse_args(["mirror"])
     assert (args.listen, args.reserve_mib, args.annotation_prefix, args.insecure,
-            args.follow_bindrequests, args.log_level, args.kubeconfig, args.token_file) == (
-        "127.0.0.1:50051", 0, "nvidia.com/container.", False, False, "info", None, None)
+            args.follow_bindrequests, args.log_level, args.kubeconfig, args.token_file,
+            args.scheduler_name, args.pod_cache) == (
+        "127.0.0.1:50051", 0, "nvidia.com/container.", False, False, "info", None, None,
+        "kai-scheduler", True)
     mirror_parser = parser._subparsers._group_actions[0].choices["mirror"]
     options = [o for a in mirror_parser._actions for o in a.option_strings
                if o.startswith("--") and o != "--help"]
@@ -89,6 +92,7 @@ def test_a_real_process_serves_and_stops_on_sigterm(kube, tmp_path):
     assert "AllocationMirror listening on " + listen + " (plaintext, bearer token required)" \
         in err
     assert "following BindRequests (scheduling.run.ai/v1alpha2)" in err
+    assert "listed 1 pod(s) of kai-scheduler at resourceVersion" in err  # the pod cache
     assert "SIGTERM received: shutting down" in err
     assert "AllocationMirror stopped" in err
     assert "Traceback" not in err

@@ -10,9 +10,11 @@ Reactions added to the ``kube`` emulator (kmock ignores selectors and knows no C
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,6 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.mirror.kube_store import KubePodStore
+from kai_fractions.mirror.listwatch import KubeListWatch, list_watch
+from kai_fractions.mirror.pod_cache import PodCache
 from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
@@ -120,9 +124,26 @@ def start_mirror(kube: KubeServer, *, transport: str = "tcp", **options: Any) ->
     store = KubePodStore(kube.api_client, backoff=options.pop("store_backoff",
                                                                 FAST_STORE_BACKOFF),
                          request_timeout=options.pop("request_timeout", 5.0))
-    service = MirrorService(store, conflict_backoff=FAST_CONFLICT_BACKOFF,
-                            default_reserve_mib=options.pop("default_reserve_mib", 0))
     cleanups: list[Callable[[], None]] = []
+    cache = None
+    if options.pop("pod_cache", False):
+        cache = PodCache()
+        stop = threading.Event()
+        source = KubeListWatch(functools.partial(kube.core.list_pod_for_all_namespaces))
+        watcher = threading.Thread(target=list_watch, daemon=True, args=(
+            source, cache.replace, cache.event, stop),
+            kwargs={"what": "pod(s)", "backoff": FAST_STORE_BACKOFF})
+        watcher.start()
+
+        def stop_watching() -> None:
+            stop.set()
+            source.close()
+            watcher.join(5)
+
+        cleanups.append(stop_watching)
+    service = MirrorService(store, conflict_backoff=FAST_CONFLICT_BACKOFF,
+                            default_reserve_mib=options.pop("default_reserve_mib", 0),
+                            cache=cache)
     if transport == "unix":
         # A short directory: a unix socket path must fit in 107 bytes.
         directory = tempfile.mkdtemp(prefix="kfm-")
@@ -166,8 +187,9 @@ def mirror_factory(kube: KubeServer) -> Iterator[Callable[..., MirrorHarness]]:
 
 @pytest.fixture(params=["tcp", "unix"])
 def mirror(request: pytest.FixtureRequest, mirror_factory) -> MirrorHarness:
-    """The mirror on loopback TCP and, as a second run of the test, on a unix socket."""
-    return mirror_factory(transport=request.param)
+    """The mirror on loopback TCP reading every pod from the API and, as a second run of the
+    test, on a unix socket with its pod cache (list + watch) on."""
+    return mirror_factory(transport=request.param, pod_cache=request.param == "unix")
 
 
 @pytest.fixture

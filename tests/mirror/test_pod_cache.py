@@ -1,0 +1,289 @@
+"""The mirror's pod cache: what it keeps, and that MirrorService with it writes exactly what it
+writes without it, while reading the pod from the API only when the cache cannot be trusted."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kai_fractions.mirror.errors import PodReplaced
+from kai_fractions.mirror.fake_store import FakePodStore
+from kai_fractions.mirror.listwatch import Gone, KubeListWatch, list_watch
+from kai_fractions.mirror.pod_cache import PodCache, trimmed
+from kai_fractions.mirror.retry import Backoff
+from kai_fractions.mirror.service import MirrorService
+from kai_fractions.mirror.store import PodSnapshot
+from tests.support.mirror_kube import pod_path
+
+from . import messages
+from .messages import mirror_request
+from .test_service import NS, POD, SINGLE, UID, NoSleep, allocation, pod
+
+NEW_UID = "99999999-2222-3333-4444-555555555555"
+
+
+def full_pod(**meta) -> dict:
+    return {
+        "metadata": {"name": POD, "namespace": NS, "uid": UID, "resourceVersion": "7",
+                     "labels": {"app": "x"}, "annotations": {"gpu-fraction": "0.5"},
+                     "managedFields": [{"manager": "kubectl"}] * 20,
+                     "ownerReferences": [{"kind": "Job"}], **meta},
+        "spec": {"nodeName": "node-1", "schedulerName": "kai-scheduler",
+                 "containers": [{"name": "trainer", "image": "r/x:1", "env": [{"name": "A"}],
+                                 "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+                 "initContainers": [{"name": "setup", "command": ["true"]}],
+                 "volumes": [{"name": "v", "emptyDir": {}}]},
+        "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled"}]},
+    }
+
+
+def test_an_entry_keeps_only_what_the_contract_reads():
+    obj = full_pod()
+    kept = trimmed(obj)
+    assert kept.view == PodSnapshot.from_object(obj).view
+    assert (kept.uid, kept.resource_version) == (UID, "7")
+    assert set(kept.metadata) == {"name", "namespace", "uid", "resourceVersion", "annotations",
+                                  "labels"}
+    assert kept.spec == {"containers": [{"name": "trainer", "resources": {
+                             "limits": {"nvidia.com/gpu": "1"}}}],
+                         "initContainers": [{"name": "setup"}], "nodeName": "node-1"}
+    assert len(json.dumps(kept.metadata | kept.spec)) < len(json.dumps(obj)) / 2
+
+
+def test_a_malformed_pod_is_kept_as_is_so_the_contract_names_the_field():
+    obj = {"metadata": {"name": POD, "namespace": NS}, "spec": {"containers": "nope"}}
+    assert trimmed(obj).spec == {"containers": "nope"}
+    assert trimmed({"metadata": "nope"}).name == ""  # a nameless entry: never cached
+    cache = PodCache()
+    cache.event("ADDED", {"metadata": "nope"})
+    assert len(cache) == 0
+
+
+def rv(cache: PodCache, name: str = POD) -> str | None:
+    entry = cache.lookup(NS, name)
+    return entry.resource_version if entry is not None else None
+
+
+def test_a_newer_version_is_never_replaced_by_an_older_one():
+    cache = PodCache()
+    cache.event("ADDED", full_pod(resourceVersion="10"))
+    cache.event("MODIFIED", full_pod(resourceVersion="9"))  # a late event
+    assert rv(cache) == "10"
+    cache.remember(PodSnapshot.from_object(full_pod(resourceVersion="12")))  # a write
+    cache.event("MODIFIED", full_pod(resourceVersion="11"))
+    assert rv(cache) == "12"
+    cache.event("BOOKMARK", {"metadata": {"resourceVersion": "13"}})
+    assert rv(cache) == "12"
+    # A recreated pod (another uid) replaces the old one whatever its version.
+    cache.event("ADDED", full_pod(uid=NEW_UID, resourceVersion="3"))
+    assert cache.lookup(NS, POD).uid == NEW_UID
+    # Versions that are not integers are opaque: the latest one wins.
+    cache.event("MODIFIED", full_pod(uid=NEW_UID, resourceVersion="abc"))
+    assert rv(cache) == "abc"
+
+
+def test_a_delete_removes_only_the_pod_it_names():
+    cache = PodCache()
+    cache.event("ADDED", full_pod(uid=NEW_UID, resourceVersion="20"))
+    cache.event("DELETED", full_pod(resourceVersion="15"))  # the old pod of the same name
+    assert cache.lookup(NS, POD).uid == NEW_UID
+    cache.event("DELETED", full_pod(uid=NEW_UID, resourceVersion="21"))
+    assert cache.lookup(NS, POD) is None
+    assert (cache.hits, cache.misses) == (1, 1)
+
+
+def test_a_list_replaces_everything_but_keeps_newer_writes():
+    cache = PodCache()
+    assert not cache.synced
+    cache.event("ADDED", full_pod(name="gone", resourceVersion="5"))
+    cache.remember(PodSnapshot.from_object(full_pod(resourceVersion="30")))
+    cache.replace([full_pod(resourceVersion="25"), full_pod(name="new", resourceVersion="26")])
+    assert cache.synced and len(cache) == 2
+    assert (rv(cache), rv(cache, "new"), rv(cache, "gone")) == ("30", "26", None)
+
+
+# -- MirrorService with a cache ---------------------------------------------------------------
+
+@pytest.fixture
+def store() -> FakePodStore:
+    store = FakePodStore()
+    store.reads = 0
+
+    def count(operation: str, namespace: str, name: str) -> None:
+        if operation == "get":
+            store.reads += 1
+
+    store.faults.append(count)
+    return store
+
+
+@pytest.fixture
+def cache() -> PodCache:
+    return PodCache()
+
+
+@pytest.fixture
+def service(store: FakePodStore, cache: PodCache) -> MirrorService:
+    return MirrorService(store, clock=NoSleep(), cache=cache)
+
+
+def cached_from_store(store: FakePodStore, cache: PodCache) -> None:
+    cache.replace([store.pods[(NS, POD)]])
+
+
+def test_a_cached_pod_is_written_without_a_read(service, store, cache):
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    cached_from_store(store, cache)
+    result = service.mirror(allocation())
+    assert result.changed and store.reads == 0 and len(store.patches) == 1
+    owned = {key: store.annotations(NS, POD)[key] for key in SINGLE}
+    assert owned == SINGLE
+    # Write-through: the written pod is the cache's entry at once.
+    assert cache.lookup(NS, POD).resource_version == result.resource_version
+
+
+def test_a_duplicate_is_confirmed_by_a_read_and_writes_nothing(service, store, cache):
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    cached_from_store(store, cache)
+    service.mirror(allocation(), idempotency_key="k-1")
+    again = service.mirror(allocation(), idempotency_key="k-1")
+    assert not again.changed and len(store.patches) == 1 and store.reads == 1
+
+
+def test_a_stale_entry_that_looks_done_never_answers_done(service, store, cache):
+    """The cache says the allocation is there; meanwhile somebody removed it: the mirror must
+    write it again, not report success from the cache."""
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    cached_from_store(store, cache)
+    service.mirror(allocation())
+    store.pods[(NS, POD)]["metadata"]["annotations"] = {"gpu-fraction": "0.5"}  # not watched
+    again = service.mirror(allocation())
+    assert again.changed and len(store.patches) == 2 and store.reads == 1
+    assert {key: store.annotations(NS, POD)[key] for key in SINGLE} == SINGLE
+
+
+def test_a_stale_entry_costs_one_refused_write_and_a_read(service, store, cache):
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    cached_from_store(store, cache)
+    # The pod changes behind the cache's back (a label, say): its resourceVersion moves on.
+    store.patch_annotations(NS, POD, {"team": "a"}, uid=UID, resource_version="")
+    result = service.mirror(allocation())
+    assert result.changed and store.reads == 1
+    label, refused, written = store.patches  # the first write was refused (409), then read
+    assert label[2] == {"team": "a"} and refused[2] == written[2]
+    assert store.annotations(NS, POD)["team"] == "a"
+
+
+def test_a_cached_pod_of_another_uid_is_read_again(service, store, cache):
+    store.add_pod(pod({"gpu-fraction": "0.5"}, uid=NEW_UID))
+    cache.replace([pod({"gpu-fraction": "0.5"}) | {"metadata": {
+        "name": POD, "namespace": NS, "uid": UID, "resourceVersion": "1"}}])
+    # The caller names the new pod; the cache still has the old one: read, then write.
+    result = service.mirror(allocation(pod_uid=NEW_UID))
+    assert result.changed and store.reads == 1
+    # The caller names the old pod, which the API no longer has: refused, nothing written.
+    with pytest.raises(PodReplaced):
+        service.mirror(allocation(pod_uid=UID))
+    assert len(store.patches) == 1
+
+
+def test_without_an_entry_the_pod_is_read_and_then_cached(service, store, cache):
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    service.mirror(allocation())
+    assert store.reads == 1 and cache.lookup(NS, POD) is not None
+
+
+# -- list + watch -----------------------------------------------------------------------------
+
+class ScriptedSource:
+    """list() and watch() answer from scripts; the last watch sets `stop`."""
+
+    def __init__(self, lists, watches, stop: threading.Event):
+        self.lists, self.watches, self.stop = list(lists), list(watches), stop
+
+    def list(self):
+        item = self.lists.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def watch(self, resource_version, stop):
+        events = self.watches.pop(0)
+        if not self.watches:
+            self.stop.set()
+        for event in events:
+            if isinstance(event, Exception):
+                raise event
+            yield event
+
+
+def test_the_cache_follows_a_list_and_its_watch_through_an_expiry():
+    stop = threading.Event()
+    cache = PodCache()
+    source = ScriptedSource(
+        lists=[([full_pod(resourceVersion="5")], "5"),
+               ([full_pod(name="b", resourceVersion="9")], "9")],
+        watches=[[("MODIFIED", full_pod(resourceVersion="6")), Gone("too old")],
+                 [("ADDED", full_pod(name="c", resourceVersion="10"))]],
+        stop=stop)
+    list_watch(source, cache.replace, cache.event, stop, what="pod(s)",
+               backoff=Backoff(base=0.001, cap=0.001))
+    # The relist after the expiry dropped the pod that is gone, the watch then added one.
+    assert (rv(cache), rv(cache, "b"), rv(cache, "c")) == (None, "9", "10")
+
+
+def test_a_list_comes_in_pages_of_one_snapshot():
+    pages = {None: ({"resourceVersion": "40", "continue": "t1"}, [full_pod(name="a")]),
+             "t1": ({"resourceVersion": "41", "continue": "t2"}, [full_pod(name="b")]),
+             "t2": ({"resourceVersion": "42"}, [full_pod(name="c")])}
+    calls = []
+
+    def list_call(**kwargs):
+        calls.append((kwargs["limit"], kwargs["_continue"]))
+        meta, items = pages[kwargs["_continue"]]
+        body = {"metadata": meta, "items": items}
+        return SimpleNamespace(data=json.dumps(body).encode())
+
+    items, version = KubeListWatch(list_call, page_size=1).list()
+    assert [i["metadata"]["name"] for i in items] == ["a", "b", "c"]
+    assert version == "40" and calls == [(1, None), (1, "t1"), (1, "t2")]
+
+
+# -- against kmock, through gRPC --------------------------------------------------------------
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the pod cache did not catch up"
+        time.sleep(0.02)
+
+
+@pytest.mark.integration
+def test_a_watched_pod_costs_one_patch_and_its_duplicate_one_read(mirror_factory):
+    mirror = mirror_factory(transport="tcp", pod_cache=True)
+    cache = mirror.service.cache
+    created = mirror.create_pod("train-0", {"gpu-fraction": "0.5"})
+    path = pod_path("team-a", "train-0")
+    wait_for(lambda: cache.lookup("team-a", "train-0") is not None)
+
+    request = mirror_request(messages.allocation(created), key="k-1")
+    first = mirror.stub.MirrorAllocation(request, timeout=10)
+    assert first.changed
+    assert (mirror.kube.count("GET", path), mirror.patches("team-a", "train-0")) == (0, 1)
+
+    again = mirror.stub.MirrorAllocation(request, timeout=10)
+    assert not again.changed and again.resource_version == first.resource_version
+    assert (mirror.kube.count("GET", path), mirror.patches("team-a", "train-0")) == (1, 1)
+
+    # Somebody strips the annotations; before the watch delivers that, the mirror's answer
+    # must still come from the API server, and it writes them again.
+    mirror.kube.core.patch_namespaced_pod("train-0", "team-a", {"metadata": {
+        "annotations": {key: None for key in mirror.annotations("team-a", "train-0")
+                        if key != "gpu-fraction"}}})
+    third = mirror.stub.MirrorAllocation(request, timeout=10)
+    assert third.changed and mirror.annotations("team-a", "train-0")[
+        "nvidia.com/container.trainer.gpu-memory.request"] == "20480Mi"
