@@ -19,6 +19,7 @@ class PodSnapshot:
 
     metadata: Mapping[str, Any]
     spec: Mapping[str, Any] = field(default_factory=dict)
+    _view: PodView | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def namespace(self) -> str:
@@ -47,7 +48,10 @@ class PodSnapshot:
 
     @property
     def view(self) -> PodView:
-        return view_from_pod_spec(self.metadata, self.spec)
+        """Built once: a call reads it several times, and a snapshot never changes."""
+        if self._view is None:
+            object.__setattr__(self, "_view", view_from_pod_spec(self.metadata, self.spec))
+        return self._view  # type: ignore[return-value]
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> PodSnapshot:
