@@ -3,9 +3,11 @@ cannot avoid. Three processes besides this one, measured side by side in one run
 
 (a)  gRPC echo: `benchmarks.grpc_echo`, a server built like the mirror's that answers the same
      method with a canned response: the floor of any gRPC call.
-(b)  a bare `kubernetes`-client pod PATCH (merge patch, uid + resourceVersion guarded, the same
-     annotations the mirror writes) against the stub API server (`benchmarks.stub_apiserver`).
-(b2) a bare GET + PATCH: the mirror must read the pod before it writes (two round trips).
+(b)  a bare `kubernetes`-client pod PATCH (merge patch, uid guarded, the same annotations the
+     mirror writes) against the stub API server (`benchmarks.stub_apiserver`). Not guarded by
+     resourceVersion: the stub makes the pod on first use, at a resourceVersion of its own that
+     only a read (or a watch) would tell.
+(b2) a bare GET + PATCH, guarded by uid and the resourceVersion read (two round trips).
 (c)  `MirrorAllocation` end to end: the real `kai-fractions mirror` process, configured by a
      kubeconfig that points at the stub, called by a real gRPC client.
 
@@ -40,7 +42,7 @@ from kai_fractions.contract import keys as k
 from kai_fractions.mirror.kube_store import MERGE_PATCH, load_api_client
 
 from .harness import Result, percentile
-from .stub_apiserver import REPO, kubeconfig, pod_uid, read_port, running
+from .stub_apiserver import REPO, kubeconfig, pod_uid, read_port, running, seed
 
 GPU = "GPU-3f2a9c1e-7b4d-4e8a-b6c5-1d2e3f4a5b6c"
 CONTAINER = "main"
@@ -251,14 +253,14 @@ class BarePatch:
         self.read_first = read_first
 
     def __call__(self, namespace: str, name: str) -> None:
-        resource_version = "1"
+        metadata = {"annotations": self.annotations, "uid": pod_uid(namespace, name)}
         if self.read_first:
             response = self.core.read_namespaced_pod(name, namespace, _preload_content=False,
                                                      _request_timeout=CALL_TIMEOUT_S)
-            resource_version = json.loads(response.data)["metadata"]["resourceVersion"]
+            metadata["resourceVersion"] = json.loads(response.data)["metadata"][
+                "resourceVersion"]
             response.release_conn()
-        body = {"metadata": {"annotations": self.annotations, "uid": pod_uid(namespace, name),
-                             "resourceVersion": resource_version}}
+        body = {"metadata": metadata}
         response = self.core.patch_namespaced_pod(name, namespace, body,
                                                   _content_type=MERGE_PATCH,
                                                   _preload_content=False,
@@ -280,6 +282,7 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kf-p1-")))
         url = stack.enter_context(running(POD_TEMPLATE, NODE_MEMORY_MIB))
+        _seed_mirror_pods(url, 2 * warmup + serial_count + concurrent_count)
         stub_pid = _stub_pid(url)
         config = kubeconfig(url, tmp / "kubeconfig")
         mirror_address, mirror_pid = stack.enter_context(
@@ -360,6 +363,15 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
         f"interleaved in 4 rounds; every call a new pod; {os.cpu_count()} CPUs shared by "
         "client, mirror and stub")
     return result
+
+
+def _seed_mirror_pods(url: str, calls: int) -> None:
+    """Creates, before the mirror starts, every pod the (c) kind will allocate for (`calls` of
+    them, plus a margin): a real pod exists, and the scheduler has seen it, long before it is
+    bound, so the mirror knows it from its LIST, not from a GET at allocation time."""
+    names = Names("bench-c").take(calls + 2 * CONCURRENCY)  # the names `names["c"]` hands out
+    seed(url, "bench-c", [*names, "warm-channel"])  # grpc_serial's first call
+    seed(url, "sample", ["p0"])  # the one real call that makes the echo server's response
 
 
 def _grpc(address: str, names: Names, count: int, concurrency: int
