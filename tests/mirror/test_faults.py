@@ -13,11 +13,13 @@ from kubernetes import client as k8s
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
+from kai_fractions.mirror.errors import PodNotFound
 from kai_fractions.mirror.kube_store import KubePodStore
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION
 from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
+from kai_fractions.mirror.store import WriteConflict
 from tests.support.mirror_kube import pod_path
 
 from .messages import allocation, detail, mirror_request
@@ -232,3 +234,36 @@ def test_an_invalid_patch_on_the_same_pod_is_internal(mirror_tcp):
         "the API server refused the patch of pod team-a/train-0: 422 Invalid: injected 422 "
         "Invalid for PATCH /api/v1/namespaces/team-a/pods/train-0")
     assert mirror_tcp.kube.count("GET", PATH) == 2  # re-read: still the same pod
+
+
+def test_the_mirrors_patch_is_the_generated_clients_request_with_its_credentials(kube):
+    """KubePodStore sends its pod PATCH without the generated method (the hot path): same
+    path, headers, token and body as `patch_namespaced_pod`, and the same errors."""
+    configuration = kube.configuration()
+    configuration.api_key = {"authorization": "rotating-token"}
+    configuration.api_key_prefix = {"authorization": "Bearer"}
+    api_client = k8s.ApiClient(configuration)
+    try:
+        kube.core.create_namespaced_pod(NS, {"metadata": {"name": "train-x", "namespace": NS},
+                                             "spec": {"containers": [{"name": "c"}]}})
+        path = pod_path(NS, "train-x")
+        changes = {"kai": "1"}
+        store = KubePodStore(api_client, backoff=Backoff(attempts=1))
+        store.patch_annotations(NS, "train-x", changes, uid="", resource_version="")
+        body = {"metadata": {"annotations": changes}}
+        k8s.CoreV1Api(api_client).patch_namespaced_pod("train-x", NS, body,
+                                                       _content_type="application/merge-patch+json")
+        ours, generated = kube.requests("PATCH", path)[-2:]
+        for request in (ours, generated):
+            assert request.headers["Authorization"] == "Bearer rotating-token"
+            assert request.headers["Content-Type"] == "application/merge-patch+json"
+            assert request.headers["Accept"] == "application/json"
+            assert request.headers["User-Agent"] == api_client.user_agent
+            assert request.data == body
+        kube.fail("PATCH", path, 409, times=1)
+        with pytest.raises(WriteConflict):
+            store.patch_annotations(NS, "train-x", changes, uid="", resource_version="")
+        with pytest.raises(PodNotFound):
+            store.patch_annotations(NS, "gone", changes, uid="", resource_version="")
+    finally:
+        api_client.close()
