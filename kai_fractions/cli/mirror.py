@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     watches: list[KubeListWatch] = []
     if cache is not None:
         what = f"pod(s) of {args.scheduler_name}" if args.scheduler_name else "pod(s)"
-        watches.append(pod_list_watch(api_client, args.scheduler_name))
+        watches.append(pod_list_watch(api_client, cache, args.scheduler_name))
         threading.Thread(
             target=list_watch, name="pod-cache", daemon=True,
             args=(watches[-1], cache.replace, cache.event, stop), kwargs={"what": what},

@@ -57,8 +57,11 @@ class KubeListWatch:
 
     def __init__(self, list_call: Callable[..., Any], *, watch_seconds: int = 300,
                  request_timeout: float = 30.0, read_timeout: float | None = None,
-                 page_size: int = PAGE_SIZE) -> None:
+                 page_size: int = PAGE_SIZE, skip: Callable[[str], bool] | None = None
+                 ) -> None:
         self.list_call = list_call
+        self.skip = skip
+        """Called with each raw event line; True drops it unparsed (a cheap filter)."""
         self.watch_seconds = watch_seconds
         self.request_timeout = request_timeout
         # A server ends the stream after watch_seconds; the read timeout only catches one that
@@ -111,7 +114,7 @@ class KubeListWatch:
             for line in iter_resp_lines(response):
                 if stop.is_set():
                     return
-                if not line.strip():
+                if not line.strip() or (self.skip is not None and self.skip(line)):
                     continue
                 event = json.loads(line)
                 kind, obj = str(event.get("type") or ""), event.get("object") or {}

@@ -226,7 +226,9 @@ class MirrorService:
                 pod.namespace, pod.name, changes, uid=pod.uid,
                 resource_version=pod.resource_version, deadline=deadline)
             if self.cache is not None:
-                self.cache.remember(written)  # write-through: a duplicate call sees it at once
+                # Write-through: a duplicate call sees it at once, and its watch event, which
+                # brings nothing new, is skipped unparsed.
+                self.cache.remember(written, written=True)
             return written
         except WriteConflict as e:
             log.info("pod %s/%s changed under the write (try %d): %s; re-reading",

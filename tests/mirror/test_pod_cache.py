@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from kai_fractions.mirror import pod_cache
 from kai_fractions.mirror.errors import PodReplaced
 from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.listwatch import Gone, KubeListWatch, list_watch
@@ -287,3 +288,60 @@ def test_a_watched_pod_costs_one_patch_and_its_duplicate_one_read(mirror_factory
     third = mirror.stub.MirrorAllocation(request, timeout=10)
     assert third.changed and mirror.annotations("team-a", "train-0")[
         "nvidia.com/container.trainer.gpu-memory.request"] == "20480Mi"
+
+
+# -- the mirror's own writes coming back on the watch -----------------------------------------
+
+def event_line(kind: str, obj: dict) -> str:
+    return json.dumps({"type": kind, "object": obj}, separators=(",", ":"))
+
+
+def test_an_echo_of_the_mirrors_own_write_is_recognised_once():
+    cache = PodCache()
+    written = full_pod(resourceVersion="31")
+    other = full_pod(resourceVersion="32")
+    assert not cache.is_echo(event_line("MODIFIED", written))  # nothing written yet
+    cache.remember(PodSnapshot.from_object(full_pod(resourceVersion="30")))  # a read
+    cache.remember(PodSnapshot.from_object(written), written=True)
+    assert not cache.is_echo(event_line("MODIFIED", other))
+    assert cache.is_echo(event_line("MODIFIED", written))
+    assert not cache.is_echo(event_line("MODIFIED", written))  # once only (a replay parses)
+    assert not cache.is_echo('{"type":"BOOKMARK","object":{}}')
+    # The watch may bring a write before its response does: then no echo is left to expect.
+    cache.event("MODIFIED", full_pod(resourceVersion="35"))
+    cache.remember(PodSnapshot.from_object(full_pod(resourceVersion="35")), written=True)
+    assert cache._echoes == {}
+
+
+def test_only_the_latest_writes_are_remembered_as_echoes(monkeypatch):
+    monkeypatch.setattr(pod_cache, "ECHOES_KEPT", 2)
+    cache = PodCache()
+    for version in ("1", "2", "3"):
+        cache.remember(PodSnapshot.from_object(full_pod(resourceVersion=version)), written=True)
+    assert [cache.is_echo(event_line("MODIFIED", full_pod(resourceVersion=v)))
+            for v in ("1", "2", "3")] == [False, True, True]
+
+
+class StreamedResponse:
+    def __init__(self, lines: list[str]):
+        self.body = "".join(f"{line}\n" for line in lines).encode()
+        self.closed = False
+
+    def stream(self, amt=None, decode_content=False):
+        yield self.body
+
+    def close(self):
+        self.closed = True
+
+    def release_conn(self):
+        pass
+
+
+def test_a_watch_drops_skipped_lines_before_parsing_them():
+    lines = [event_line("MODIFIED", full_pod(resourceVersion="41")), "{not json: skipped",
+             event_line("MODIFIED", full_pod(resourceVersion="43"))]
+    response = StreamedResponse(lines)
+    source = KubeListWatch(lambda **kwargs: response, skip=lambda line: "not json" in line)
+    events = list(source.watch("40", threading.Event()))
+    assert [obj["metadata"]["resourceVersion"] for _, obj in events] == ["41", "43"]
+    assert response.closed

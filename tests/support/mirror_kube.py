@@ -10,7 +10,6 @@ Reactions added to the ``kube`` emulator (kmock ignores selectors and knows no C
 
 from __future__ import annotations
 
-import functools
 import shutil
 import subprocess
 import tempfile
@@ -27,8 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.mirror.kube_store import KubePodStore
-from kai_fractions.mirror.listwatch import KubeListWatch, list_watch
-from kai_fractions.mirror.pod_cache import PodCache
+from kai_fractions.mirror.listwatch import list_watch
+from kai_fractions.mirror.pod_cache import PodCache, pod_list_watch
 from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
@@ -129,7 +128,7 @@ def start_mirror(kube: KubeServer, *, transport: str = "tcp", **options: Any) ->
     if options.pop("pod_cache", False):
         cache = PodCache()
         stop = threading.Event()
-        source = KubeListWatch(functools.partial(kube.core.list_pod_for_all_namespaces))
+        source = pod_list_watch(kube.api_client, cache)
         watcher = threading.Thread(target=list_watch, daemon=True, args=(
             source, cache.replace, cache.event, stop),
             kwargs={"what": "pod(s)", "backoff": FAST_STORE_BACKOFF})
