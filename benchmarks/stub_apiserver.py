@@ -185,14 +185,22 @@ class Cluster:
 
     def emit(self, event_type: str, pod: dict, encoded: bytes) -> None:
         """Records the change at `self.revision` and sends it to every watch it matches: the
-        same bytes to each."""
+        same bytes to each, once the request that made the change is answered (a real API
+        server answers the write when it is stored and fans the event out after that)."""
         chunk = _chunk(event_type, encoded)
         scheduler = _scheduler(pod)
         if len(self.history) == self.history.maxlen:
             self.compacted = self.history[0][0]
         self.history.append((self.revision, scheduler, chunk))
-        for watcher in self.watchers:
-            if watcher.scheduler is None or watcher.scheduler == scheduler:
+        # The watches of now: one that starts before the fan-out replays this change itself.
+        matching = [w for w in self.watchers if w.scheduler in (None, scheduler)]
+        if matching:  # there are none before the loop runs (--seed)
+            asyncio.get_running_loop().call_soon(self.fan_out, matching, chunk)
+
+    @staticmethod
+    def fan_out(watchers: list[_Http], chunk: bytes) -> None:
+        for watcher in watchers:
+            if watcher.watching:  # still open
                 watcher.send(chunk)
 
     def seed(self, body: bytes) -> tuple[int, bytes]:
