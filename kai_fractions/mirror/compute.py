@@ -8,7 +8,7 @@ diffs what should be on the pod against what is.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from ..contract import (
@@ -46,11 +46,16 @@ class Outcome:
     plans: tuple[ContainerPlan, ...]
     hook_keys: frozenset[str] = frozenset()
     """Keys the ExtraAnnotations hook wrote (they do not identify the decision)."""
+    _digest: str = field(default="", init=False, repr=False, compare=False)
 
     @property
     def digest(self) -> str:
-        return allocation_digest({key: value for key, value in self.annotations.items()
-                                  if key not in self.hook_keys})
+        """Computed once (a JSON dump and a hash): the patch, the record and the log use it."""
+        if not self._digest:
+            object.__setattr__(self, "_digest", allocation_digest(
+                {key: value for key, value in self.annotations.items()
+                 if key not in self.hook_keys}))
+        return self._digest
 
 
 def current_record(pod: PodSnapshot) -> MirrorRecord | None:
