@@ -8,6 +8,9 @@ cannot avoid. Three processes besides this one, measured side by side in one run
      resourceVersion: the stub makes the pod on first use, at a resourceVersion of its own that
      only a read (or a watch) would tell.
 (b2) a bare GET + PATCH, guarded by uid and the resourceVersion read (two round trips).
+(d)  a gRPC echo server that makes (b)'s PATCH in its handler before it answers: a and b
+     composed in one Python process (thread handoffs and the GIL included), the floor of any
+     Python gRPC service that writes one pod per call, with none of the mirror's own work.
 (c)  `MirrorAllocation` end to end: the real `kai-fractions mirror` process, configured by a
      kubeconfig that points at the stub, called by a real gRPC client.
 
@@ -134,11 +137,19 @@ def mirror_process(kubeconfig_path: Path, log_path: Path, main: str = _MIRROR_MA
 
 
 @contextmanager
-def echo_process(response: bytes, directory: Path) -> Iterator[str]:
+def echo_process(response: bytes, directory: Path, patch_kubeconfig: Path | None = None,
+                 patch_annotations: dict[str, str] | None = None) -> Iterator[str]:
+    """The gRPC echo server (a); with `patch_kubeconfig`, one that also makes (b)'s PATCH (d)."""
+    directory.mkdir(exist_ok=True)
     path = directory / "response.bin"
     path.write_bytes(response)
-    process = subprocess.Popen([sys.executable, "-m", "benchmarks.grpc_echo", "--response",
-                                str(path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-m", "benchmarks.grpc_echo", "--response", str(path)]
+    if patch_kubeconfig is not None:
+        annotations = directory / "annotations.json"
+        annotations.write_text(json.dumps(patch_annotations or {}))
+        argv += ["--patch-kubeconfig", str(patch_kubeconfig), "--patch-annotations",
+                 str(annotations)]
+    process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         address = f"127.0.0.1:{read_port(process, 'the gRPC echo server')}"
         _wait_ready(address, "the gRPC echo server", process)
@@ -296,6 +307,8 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
         added = {key: value for key, value in written.items()
                  if POD_TEMPLATE["metadata"]["annotations"].get(key) != value}
         echo_address = stack.enter_context(echo_process(response.SerializeToString(), tmp))
+        echo_patch_address = stack.enter_context(echo_process(
+            response.SerializeToString(), tmp / "d", config, added))
         patch = BarePatch(config, added, read_first=False)
         get_patch = BarePatch(config, added, read_first=True)
         stack.callback(patch.close)
@@ -305,10 +318,11 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
             "a": lambda ns, n, c: _grpc(echo_address, ns, n, c),
             "b": lambda ns, n, c: _kube(patch, ns, n, c),
             "b2": lambda ns, n, c: _kube(get_patch, ns, n, c),
+            "d": lambda ns, n, c: _grpc(echo_patch_address, ns, n, c),
             "c": lambda ns, n, c: _grpc(mirror_address, ns, n, c),
         }
         labels = {"a": "(a) gRPC echo", "b": "(b) bare PATCH", "b2": "(b2) bare GET+PATCH",
-                  "c": "(c) MirrorAllocation"}
+                  "d": "(d) gRPC echo + bare PATCH", "c": "(c) MirrorAllocation"}
         names = {kind: Names(f"bench-{kind}") for kind in kinds}
         for kind, measure in kinds.items():  # warm every path: connections, caches
             measure(names[kind], warmup, 1)
@@ -352,6 +366,7 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
                        round(cost["c"] / (cost["a"] + cost["b"]), 2), "x", "<= 1.2")
             result.add(f"ratio c/(a+b2), c={concurrency}",
                        round(cost["c"] / (cost["a"] + cost["b2"]), 2), "x")
+            result.add(f"ratio c/d, c={concurrency}", round(cost["c"] / cost["d"], 2), "x")
             calls = len(samples["c"])
             result.add(f"mirror CPU per allocation, c={concurrency}",
                        round(mirror_cpu / calls * 1e3, 3), "ms")
