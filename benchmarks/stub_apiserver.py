@@ -18,8 +18,9 @@ watch cache of pods:
   and changes nothing, as on a real API server, and so is a change of ``spec.schedulerName``
   (immutable: 422); otherwise the patch is applied, the resourceVersion moves on, the pod is
   answered and the change is a ``MODIFIED`` event.
-* ``GET /api/v1/pods`` (all namespaces), with ``fieldSelector`` absent, empty or
-  ``spec.schedulerName=X`` (anything else, or a ``labelSelector``: 400):
+* ``GET /api/v1/pods`` (all namespaces), with ``fieldSelector`` absent, empty,
+  ``spec.schedulerName=X``, ``status.phase=Pending`` or both, comma-joined (every stub pod is
+  Pending: nothing runs here; anything else, or a ``labelSelector``: 400):
 
   - a LIST: a ``PodList`` of the matching pods, ``metadata.resourceVersion`` = the counter now
     (always of now, in one page: ``resourceVersion``, ``limit`` and ``continue`` are ignored,
@@ -72,6 +73,7 @@ _NODE = re.compile(r"^/api/v1/nodes/([^/?]+)")
 _POD_LIST = "/api/v1/pods"
 _UID_NAMESPACE = uuid.UUID("6ba7b811-9dad-11d1-80b4-00c04fd430c8")  # RFC 4122 URL namespace
 _SCHEDULER_FIELD = "spec.schedulerName"
+_PHASE_FIELD = "status.phase"
 UNSEEDED_SCHEDULER = "default-scheduler"
 """The scheduler of a pod made by its first GET or PATCH (seeded pods keep the template's): the
 bare-client baselines' pods are not KAI's, so a watch of KAI's pods never carries their
@@ -279,12 +281,16 @@ class Cluster:
         if params.get("labelSelector"):
             return _status(400, "BadRequest", "the stub serves no labelSelector on pods")
         scheduler = None
-        if selector := params.get("fieldSelector", ""):
-            field, _, value = selector.replace("==", "=", 1).partition("=")
-            if field != _SCHEDULER_FIELD or "," in value or value.startswith("="):
+        selector = params.get("fieldSelector", "")
+        for term in filter(None, selector.split(",")):
+            field, _, value = term.replace("==", "=", 1).partition("=")
+            if field == _SCHEDULER_FIELD and value and not value.startswith("="):
+                scheduler = value
+            elif field == _PHASE_FIELD and value == "Pending":
+                pass  # every pod here is Pending: the stub runs nothing
+            else:
                 return _status(400, "BadRequest", f"fieldSelector {selector!r}: the stub "
-                               f"serves {_SCHEDULER_FIELD}=NAME only")
-            scheduler = value
+                               f"serves {_SCHEDULER_FIELD}=NAME and {_PHASE_FIELD}=Pending only")
         watch = params.get("watch", "false")
         if watch not in _TRUE and watch not in _FALSE:
             return _status(400, "BadRequest", f"watch={watch!r} is not a boolean")

@@ -63,9 +63,9 @@ def register(sub) -> None:
                    "events (reason NvFractionsMismatch); with --signing-key-file it signs the pods "
                    "whose annotations match (and writes nothing else)")
     p.add_argument("--scheduler-name", default=KAI_SCHEDULER_NAME, metavar="NAME",
-                   help="the scheduler whose pods the mirror keeps in its pod cache (a field "
-                   "selector on spec.schedulerName, so the API server sends no others); \"\" "
-                   "caches every pod (default: %(default)s)")
+                   help="the scheduler whose Pending pods the mirror keeps in its pod cache "
+                   "(a field selector, so the API server sends no others); \"\" caches every "
+                   "Pending pod (default: %(default)s)")
     p.add_argument("--no-pod-cache", dest="pod_cache", action="store_false",
                    help="read every pod from the API server before writing it, instead of "
                    "keeping a list + watch cache of pods (one API request per call instead of "

@@ -9,9 +9,10 @@ The cache only ever saves a read; correctness never rests on it being fresh (Mir
 * a pod the cache lacks, or holds with another uid than the caller names, is read from the API.
 
 Entries keep only what the contract reads (names, uid, resourceVersion, annotations, labels,
-container names and resources, nodeName): a few hundred bytes per pod, whatever the pod's size.
-They are fed by a list + watch of pods (`listwatch`), by every pod the mirror reads, and by every
-pod a PATCH returns (write-through), newest resourceVersion first.
+container names and resources, nodeName), about 4 KB per pod as Python objects with a dozen
+annotations, and only for Pending pods (`pod_selector`). They are fed by a list + watch of pods
+(`listwatch`), by every pod the mirror reads, and by every pod a PATCH returns (write-through),
+newest resourceVersion first.
 """
 
 from __future__ import annotations
@@ -156,12 +157,20 @@ class PodCache:
             return True
 
 
+def pod_selector(scheduler_name: str = "") -> str:
+    """The pods worth caching: Pending ones (a scheduler binds a pod before it runs; a pod that
+    starts leaves the watch as a DELETED event), of `scheduler_name` when given. A field
+    selector, so the API server filters and the mirror never holds the others: the cache stays
+    as large as the queue of pods waiting to start, not as the cluster."""
+    terms = [f"spec.schedulerName={scheduler_name}"] if scheduler_name else []
+    return ",".join([*terms, "status.phase=Pending"])
+
+
 def pod_list_watch(api_client: k8s.ApiClient, cache: PodCache, scheduler_name: str = ""
                    ) -> KubeListWatch:
-    """Every pod of the cluster, or only those of `scheduler_name` (a field selector, so the API
-    server filters and the mirror never sees the others); the cache's own writes coming back
+    """The list + watch that feeds `cache` (pod_selector); the cache's own writes coming back
     are skipped unparsed."""
     core = k8s.CoreV1Api(api_client)
-    selector = f"spec.schedulerName={scheduler_name}" if scheduler_name else None
     return KubeListWatch(functools.partial(core.list_pod_for_all_namespaces,
-                                           field_selector=selector), skip=cache.is_echo)
+                                           field_selector=pod_selector(scheduler_name)),
+                         skip=cache.is_echo)

@@ -85,13 +85,14 @@ def stub(tmp_path_factory) -> Iterator[Stub]:
 
 def test_list_with_and_without_the_scheduler_selector(stub: Stub):
     seed(stub.url, "list", ["a", "b"])
-    for selector in (SELECTOR, None, "", f"spec.schedulerName=={SCHEDULER}"):
+    for selector in (SELECTOR, None, "", f"spec.schedulerName=={SCHEDULER}",
+                     f"{SELECTOR},status.phase=Pending", "status.phase=Pending"):
         listed = stub.list(selector)
         assert (listed["apiVersion"], listed["kind"]) == ("v1", "PodList")
         assert {("list", "a"), ("list", "b")} <= names_of(listed["items"]), selector
     assert stub.list("spec.schedulerName=nobody-uses-this")["items"] == []
     for unsupported in ("spec.nodeName=n1", f"spec.schedulerName!={SCHEDULER}",
-                        f"{SELECTOR},spec.nodeName=n1"):
+                        f"{SELECTOR},spec.nodeName=n1", "status.phase=Running"):
         with pytest.raises(ApiException) as refused:
             stub.list(unsupported)
         assert refused.value.status == 400

@@ -14,7 +14,7 @@ from kai_fractions.mirror import pod_cache
 from kai_fractions.mirror.errors import PodReplaced
 from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.listwatch import Gone, KubeListWatch, list_watch
-from kai_fractions.mirror.pod_cache import PodCache, trimmed
+from kai_fractions.mirror.pod_cache import PodCache, pod_selector, trimmed
 from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import PodSnapshot
@@ -62,6 +62,11 @@ def test_a_malformed_pod_is_kept_as_is_so_the_contract_names_the_field():
     cache = PodCache()
     cache.event("ADDED", {"metadata": "nope"})
     assert len(cache) == 0
+
+
+def test_only_pending_pods_of_the_scheduler_are_watched():
+    assert pod_selector("kai-scheduler") == "spec.schedulerName=kai-scheduler,status.phase=Pending"
+    assert pod_selector("") == "status.phase=Pending"
 
 
 def rv(cache: PodCache, name: str = POD) -> str | None:
