@@ -135,7 +135,7 @@ def test_mirror_deployment_defaults():
                                     "capabilities": {"drop": ["ALL"]}}
     assert c["args"] == [
         "mirror", "--listen=0.0.0.0:50051", "--annotation-prefix=nvidia.com/container.",
-        "--reserve-mib=0", "--follow-bindrequests",
+        "--reserve-mib=0", "--follow-bindrequests", "--scheduler-name=kai-scheduler",
         "--tls-cert=/etc/kai-fractions/tls/tls.crt", "--tls-key=/etc/kai-fractions/tls/tls.key",
         "--signing-key-file=/etc/kai-fractions/signing", "--log-level=info"]
     tls = next(v for v in pod["volumes"] if v["name"] == "tls")
@@ -164,6 +164,16 @@ def test_mirror_reserve_follows_sm_sharing_unless_set():
     assert reserve(render(WATCHDOG_KILL)) == "--reserve-mib=2048"
     # an explicit 0 stays 0 even with MPS on (not mistaken for "unset")
     assert reserve(render(SM_SHARING, CUSTOM)) == "--reserve-mib=0"
+
+
+def test_mirror_pod_cache_follows_the_scheduler_name_or_is_off():
+    def cache_args(*sets):
+        return [a for a in _args(one(render(sets=sets), "Deployment", MIRROR), "mirror")
+                if a.startswith(("--scheduler-name", "--no-pod-cache"))]
+    assert cache_args() == ["--scheduler-name=kai-scheduler"]
+    assert cache_args("mirror.schedulerName=kai-scheduler-gpu") == [
+        "--scheduler-name=kai-scheduler-gpu"]
+    assert cache_args("mirror.podCache=false") == ["--no-pod-cache"]
 
 
 def test_mirror_mutual_tls_with_generated_client_certificate():
