@@ -68,6 +68,12 @@ class PodView:
     def container(self, name: str) -> ContainerView | None:
         return next((c for c in self.all_containers if c.name == name), None)
 
+    def with_annotations(self, annotations: Mapping[str, str]) -> PodView:
+        """This view with other annotations (the mirror's hot path: a direct constructor call
+        costs a fraction of dataclasses.replace)."""
+        return PodView(self.name, self.namespace, self.uid, annotations, self.labels,
+                       self.containers, self.init_containers, self.node_name, self.kind)
+
     @property
     def ref(self) -> str:
         """How messages name this object: `Deployment/ns/name` or `ns/name` for a pod."""

@@ -8,7 +8,7 @@ diffs what should be on the pod against what is.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ..contract import (
@@ -80,7 +80,7 @@ def user_view(pod: PodSnapshot, keys: Keys) -> PodView:
     view = pod.view
     kept = {key: value for key, value in view.annotations.items()
             if key not in owned and not is_mirror_managed(key, keys)}
-    return replace(view, annotations=MappingProxyType(kept))
+    return view.with_annotations(MappingProxyType(kept))
 
 
 def compute_outcome(
@@ -112,7 +112,8 @@ def compute_outcome(
         written = binder_annotations(request, decision, keys)
         plans: tuple[ContainerPlan, ...] = ()
         if decision.resource_type == k.RESOURCE_TYPE_FRACTION:
-            bound = replace(view, annotations=MappingProxyType({**view.annotations, **written}))
+            bound = view.with_annotations(MappingProxyType({**view.annotations,
+                                                            **written}))
             plans = plan_pod(parse_pod(bound, keys), keys=keys, mps_pipe_root=mps_pipe_root)
     except ContractViolation as e:
         raise InvalidAllocation(e.errors) from None

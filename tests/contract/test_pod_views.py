@@ -130,3 +130,19 @@ def test_init_container_keys_are_valid_on_workloads() -> None:
     request = parse_pod(view)
     assert request.errors == ()
     assert request.share is not None and request.share.container == "setup"
+
+
+def test_with_annotations_changes_the_annotations_and_nothing_else() -> None:
+    import dataclasses
+
+    view = view_from_pod_spec(
+        {"name": "p", "namespace": "ns", "uid": "u", "labels": {"a": "b"},
+         "annotations": {"x": "1"}},
+        {"nodeName": "n1", "containers": [{"name": "c"}], "initContainers": [{"name": "i"}]},
+        kind="Job")
+    other = view.with_annotations({"y": "2"})
+    assert other == dataclasses.replace(view, annotations={"y": "2"})
+    # every field is passed on: a field added to PodView later must be added there too
+    assert {f.name for f in dataclasses.fields(PodView)} == {
+        "name", "namespace", "uid", "annotations", "labels", "containers", "init_containers",
+        "node_name", "kind"}
