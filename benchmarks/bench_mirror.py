@@ -429,13 +429,14 @@ def _stub_pid(url: str) -> int:
 # -- profile ----------------------------------------------------------------------------------
 
 def profile(count: int = 2000, top: int = 25) -> None:
-    """The mirror's path in-process, under cProfile: servicer -> service -> KubePodStore ->
-    the official client -> the stub (in its own process). gRPC transport is left out (it is
-    (a)); what is left is what the mirror adds."""
+    """The mirror's path in-process, under cProfile: servicer -> service (its pod cache primed,
+    as the watch keeps it) -> KubePodStore -> the stub (in its own process). gRPC transport is
+    left out (it is (a)); what is left is what the mirror adds."""
     import cProfile
     import pstats
 
     from kai_fractions.mirror.kube_store import KubePodStore
+    from kai_fractions.mirror.pod_cache import PodCache
     from kai_fractions.mirror.service import MirrorService
     from kai_fractions.mirror.servicer import AllocationMirrorServicer
 
@@ -447,8 +448,13 @@ def profile(count: int = 2000, top: int = 25) -> None:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kf-p1-")))
         url = stack.enter_context(running(POD_TEMPLATE, NODE_MEMORY_MIB))
         api = load_api_client(str(kubeconfig(url, tmp / "kubeconfig")))
-        servicer = AllocationMirrorServicer(MirrorService(KubePodStore(api)))
-        requests = [request("profile", f"p{i}") for i in range(count + 100)]
+        store, cache = KubePodStore(api), PodCache()
+        names = [f"p{i}" for i in range(count + 100)]
+        seed(url, "profile", names)
+        for name in names:
+            cache.remember(store.get_pod("profile", name))
+        servicer = AllocationMirrorServicer(MirrorService(store, cache=cache))
+        requests = [request("profile", name) for name in names]
         for req in requests[:100]:
             servicer.MirrorAllocation(req, Context())
         profiler = cProfile.Profile()
