@@ -4,8 +4,9 @@ guarded PATCH) instead of two (GET, then PATCH).
 The cache only ever saves a read; correctness never rests on it being fresh (MirrorService):
 * a write carries the cached uid and resourceVersion as its precondition, so a stale entry makes
   the API server refuse it (409) and the service reads the pod from the API and recomputes;
-* an answer that writes nothing ("the pod already carries this allocation") is confirmed by a
-  read from the API first, so a stale entry never turns into a success nobody checked;
+* an answer that writes nothing ("the pod already carries this allocation") and a refusal
+  (an invalid annotation, another allocation on the pod) are confirmed by a read from the API
+  first, so a stale entry never turns into a success nobody checked, nor into a wrong refusal;
 * a pod the cache lacks, or holds with another uid than the caller names, is read from the API.
 
 Entries keep only what the contract reads (names, uid, resourceVersion, annotations, labels,

@@ -6,7 +6,8 @@ times: the decision is re-applied to the pod as it now is, never blindly replaye
 
 With a PodCache the first try computes from the cached pod and guards the write with its
 resourceVersion, saving the read; a stale entry costs one refused write and a re-read, and an
-answer that writes nothing is always confirmed by a read from the API (pod_cache explains why).
+answer that writes nothing, or refuses the call, is always confirmed by a read from the API
+(pod_cache explains why).
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from .compute import (
     release_patch,
 )
 from .decision import AllocationInput, check_idempotency_key, resolve_decision
-from .errors import ApiRejected, ApiUnavailable, DeadlineExceeded, PodReplaced
+from .errors import (
+    AllocationConflict,
+    ApiRejected,
+    ApiUnavailable,
+    DeadlineExceeded,
+    InvalidAllocation,
+    PodReplaced,
+)
 from .pod_cache import PodCache
 from .retry import Backoff
 from .store import (
@@ -137,13 +145,16 @@ class MirrorService:
             for attempt in self._attempts(f"mirror on pod {ns}/{name}", deadline):
                 # A conflict means the pod moved on: every later try reads it from the API.
                 pod, fresh = self._read(allocation, deadline, cached=attempt == 0)
-                outcome, patch = self._plan_write(pod, allocation, decision, idempotency_key,
-                                                  replace)
-                if not patch.changes and not fresh:
-                    # Never answer "nothing to write" from the cache: confirm with the API.
-                    pod, fresh = self._get(ns, name, allocation.pod_uid, deadline), True
-                    outcome, patch = self._plan_write(pod, allocation, decision,
-                                                      idempotency_key, replace)
+                planned = self._plan_write(pod, allocation, decision, idempotency_key, replace,
+                                           final=fresh)
+                if planned is None or (not planned[1].changes and not fresh):
+                    # Never refuse, nor answer "nothing to write", from the cache: what it
+                    # holds may be stale. Only the API server's copy decides those.
+                    pod = self._get(ns, name, allocation.pod_uid, deadline)
+                    planned = self._plan_write(pod, allocation, decision, idempotency_key,
+                                               replace, final=True)
+                assert planned is not None  # final=True raises instead
+                outcome, patch = planned
                 if not patch.changes:
                     log.info("pod %s/%s already carries its allocation (%s); nothing written",
                              ns, name, outcome.digest[:19])
@@ -195,10 +206,18 @@ class MirrorService:
                          deadline), True
 
     def _plan_write(self, pod: PodSnapshot, allocation: AllocationInput, decision,
-                    idempotency_key: str, replace: bool) -> tuple[Outcome, Patch]:
-        outcome = self._outcome(pod, allocation, decision)
-        return outcome, mirror_patch(pod, outcome, idempotency_key=idempotency_key,
-                                     replace=replace, keys=self.keys)
+                    idempotency_key: str, replace: bool, *, final: bool
+                    ) -> tuple[Outcome, Patch] | None:
+        """The outcome and the patch; None instead of a refusal when not `final` (a pod from
+        the cache, which is read again before anyone is refused)."""
+        try:
+            outcome = self._outcome(pod, allocation, decision)
+            return outcome, mirror_patch(pod, outcome, idempotency_key=idempotency_key,
+                                         replace=replace, keys=self.keys)
+        except (InvalidAllocation, AllocationConflict):
+            if final:
+                raise
+            return None
 
     def _outcome(self, pod: PodSnapshot, allocation: AllocationInput, decision) -> Outcome:
         return compute_outcome(pod, decision, container=allocation.container, keys=self.keys,

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from kai_fractions.mirror import pod_cache
-from kai_fractions.mirror.errors import PodReplaced
+from kai_fractions.mirror.errors import InvalidAllocation, PodReplaced
 from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.listwatch import Gone, KubeListWatch, list_watch
 from kai_fractions.mirror.pod_cache import PodCache, pod_selector, trimmed
@@ -350,3 +350,37 @@ def test_a_watch_drops_skipped_lines_before_parsing_them():
     events = list(source.watch("40", threading.Event()))
     assert [obj["metadata"]["resourceVersion"] for _, obj in events] == ["41", "43"]
     assert response.closed
+
+
+def test_a_stale_entry_never_refuses_a_call(service, store, cache):
+    """The cache holds another allocation (since released) and a bad user key (since fixed):
+    neither refusal may come from it, only from the API server's copy."""
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    cached_from_store(store, cache)
+    service.mirror(allocation())
+    stale = cache.lookup(NS, POD)  # it holds this allocation now
+    service.release(NS, POD, UID)
+
+    def lagging(snapshot: PodSnapshot, **annotations: str) -> PodCache:
+        lag = PodCache()  # a cache whose watch has not delivered the latest change yet
+        lag.replace([{"metadata": {**snapshot.metadata, "annotations": {
+            **snapshot.annotations, **annotations}}, "spec": snapshot.spec}])
+        return lag
+
+    service.cache = lagging(stale)
+    rebind = allocation(portion="0.25", gpu_ids=("GPU-2222bbbb",))
+    reads = store.reads
+    assert service.mirror(rebind).changed and store.reads == reads + 1
+    assert store.annotations(NS, POD)["nvidia.com/container.trainer.gpu-compute.portion"] == \
+        "0.25"
+    # A bad key only the cache still has: not refused either (and nothing left to write).
+    service.cache = lagging(store.get_pod(NS, POD), **{"gpu-fraction": "1.5"})
+    assert not service.mirror(rebind).changed
+
+
+def test_a_refusal_the_api_confirms_is_the_answer(service, store, cache):
+    store.add_pod(pod({"gpu-fraction": "1.5"}))
+    cached_from_store(store, cache)
+    with pytest.raises(InvalidAllocation):
+        service.mirror(allocation())
+    assert store.reads == 1 and store.patches == []
