@@ -105,11 +105,12 @@ class PodCache:
 
     def is_echo(self, line: str) -> bool:
         """Whether a raw watch event is the mirror's own write coming back, which the cache
-        already holds: it is then skipped unparsed (that parse was a tenth of the mirror's CPU
-        per allocation). resourceVersions are unique across a cluster's writes, and the
-        object's own is the first in the event (metadata comes first). Should the pattern ever
-        catch another field, the event is skipped wrongly at worst, and an entry that is
-        stale only ever costs a refused write or a confirming read."""
+        already holds: it is then skipped unparsed (the parse cost about 0.1 ms of CPU per
+        allocation, measured in-process against the benchmark stub). resourceVersions are
+        unique across a cluster's writes, and the object's own is the first in the event
+        (metadata comes first). Should the pattern ever catch another field, the event is
+        skipped wrongly at worst, and an entry that is stale only ever costs a refused write or
+        a confirming read."""
         if not self._echoes:
             return False
         found = _RESOURCE_VERSION.search(line)
