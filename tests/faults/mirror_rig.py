@@ -10,6 +10,7 @@ import grpc
 
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.mirror.kube_store import KubePodStore
+from kai_fractions.mirror.pod_cache import PodCache
 from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
@@ -34,14 +35,18 @@ class Rig:
 
 @contextmanager
 def mirror_over(api: FaultyApi, *, workers: int = 16, signed: bool = True,
-                store_backoff: Backoff = STORE_BACKOFF) -> Iterator[Rig]:
+                store_backoff: Backoff = STORE_BACKOFF, pod_cache: bool = True
+                ) -> Iterator[Rig]:
+    """The mirror over `api`, with its pod cache as deployed (fed here by reads and by what
+    writes return: FaultyApi serves no watch), so faults also hit the cached path."""
     client = api.api_client(pool=workers + 4)
     store = KubePodStore(client, backoff=store_backoff, request_timeout=REQUEST_TIMEOUT)
     extra = None
     if signed:
         from kai_fractions.mirror.signing import signing_annotations
         extra = signing_annotations(KeyringSource.fixed(Keyring.of(SIGNING_KEY)))
-    service = MirrorService(store, conflict_backoff=CONFLICT_BACKOFF, extra_annotations=extra)
+    service = MirrorService(store, conflict_backoff=CONFLICT_BACKOFF, extra_annotations=extra,
+                            cache=PodCache() if pod_cache else None)
     server = MirrorServer(service, ServerOptions(listen="127.0.0.1:0", max_workers=workers))
     server.start()
     channel = grpc.insecure_channel(server.address)
