@@ -41,6 +41,7 @@ class Node:
         self.live: dict[str, tuple[str, Path, Path]] = {}  # uid -> (name, slice, leaf)
         self.gone: dict[str, tuple[Path, Path]] = {}
         self.count = 0
+        env.notes.append(self.describe)
 
     def create(self) -> str:
         name = f"p{self.count}"
@@ -118,6 +119,23 @@ class Node:
         return (set(markers) == set(self.live) == marker_dirs
                 and all(m["containers"]["main"]["state"] == "applied" for m in markers.values())
                 and self.limits() == self.expected_limits())
+
+    def describe(self) -> str:
+        """Both sides of `converged` (and the last agent's count), for a failure report."""
+        run = self.env.runs[-1] if self.env.runs else None
+        markers = {uid: {n: c.get("state") for n, c in m.get("containers", {}).items()}
+                   for uid, m in self.markers().items()}
+        dirs = sorted(p.name for p in self.env.marker_dir.iterdir()) \
+            if self.env.marker_dir.exists() else []
+        return "\n".join([
+            "the node as the test compares it:",
+            f"live pods: {sorted((name, uid) for uid, (name, _s, _l) in self.live.items())}",
+            f"deleted pods: {sorted(self.gone)}",
+            f"applied (last agent's metrics): {self.applied_by(run) if run else None}",
+            f"markers: {markers}",
+            f"marker directories: {dirs}",
+            f"limits: {sorted(self.limits().items())}",
+            f"expected limits: {sorted(self.expected_limits().items())}"])
 
     def wait_converged(self, run: AgentRun, timeout: float = 30) -> None:
         """Until THIS agent has applied every live pod (its own metrics say so: the state a

@@ -4,7 +4,9 @@ cgroup tree, a fake /proc, and the real `nvidia-cuda-mps-control` on short temp 
 
 Fixture: ``agent_env`` (needs ``kube``). ``agent_env.start(...)`` launches an agent and returns an
 ``AgentRun``; everything is stopped and removed at teardown (agents killed, an MPS daemon left by
-a killed agent quit).
+a killed agent quit). A failed test that uses it gets an "agent diagnostics" report section
+(``AgentEnv.diagnostics``): the agent processes run outside pytest's capture, so without it a
+rare failure in CI would leave nothing to read.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,9 @@ class AgentRun:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def log_tail(self, lines: int = 80) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -92,6 +97,8 @@ class AgentEnv:
     tmp: Path
     node: str = NODE
     runs: list[AgentRun] = field(default_factory=list)
+    notes: list[Callable[[], str]] = field(default_factory=list)
+    """What a test compares, described for its failure report (see `diagnostics`)."""
 
     def __post_init__(self) -> None:
         self.cgroup_root = self.tmp / "cgroup"
@@ -192,6 +199,41 @@ class AgentEnv:
         self.runs.append(run)
         return run
 
+    def diagnostics(self, lines: int = 80) -> str:
+        """The tails of the last two agents' logs (a killed agent's last words explain what its
+        successor found), the MPS control daemon's log, the marker directories and NVML limits
+        as they are now, and each test note. Every part is read defensively: this runs when a
+        test has already failed."""
+        parts = []
+        for i, run in list(enumerate(self.runs))[-2:]:
+            rc = run.proc.poll()
+            state = "running" if rc is None else f"exited {rc}"
+            parts.append(f"--- agent run {i} (pid {run.proc.pid}, {state}; {run.log_path}), "
+                         f"last {lines} lines:\n{run.log_tail(lines)}")
+        control_log = self.mps_log_dir / "control.log"
+        if control_log.exists():
+            tail = control_log.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- MPS {control_log}, last {lines} lines:\n" + "\n".join(tail))
+        dirs = []
+        for d in sorted(self.marker_dir.iterdir()) if self.marker_dir.is_dir() else []:
+            try:
+                dirs.append(f"{d.name}: {sorted(e.name for e in d.iterdir())}")
+            except OSError as e:
+                dirs.append(f"{d.name}: {e}")
+        parts.append("--- marker directories:\n" + ("\n".join(dirs) or "(none)"))
+        try:
+            limits = "\n".join(f"{path}: {v.soft}/{v.hard}"
+                               for (_gpu, path), v in sorted(self.nvml.limits().items()))
+        except (OSError, ValueError) as e:
+            limits = f"unreadable: {e}"
+        parts.append("--- NVML limits (soft/hard):\n" + (limits or "(none)"))
+        for note in self.notes:
+            try:
+                parts.append(f"--- {note()}")
+            except Exception as e:  # a broken note must not hide the rest of the report
+                parts.append(f"--- note {note!r} failed: {e!r}")
+        return "\n".join(parts)
+
     def cleanup(self) -> None:
         for run in self.runs:
             if run.proc.poll() is None:
@@ -201,6 +243,22 @@ class AgentEnv:
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 self.mps("quit")
         shutil.rmtree(self.short, ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test that used `agent_env` gets `AgentEnv.diagnostics` as a report section,
+    taken before teardown kills the agents."""
+    report: pytest.TestReport = yield
+    env = getattr(item, "funcargs", {}).get("agent_env")
+    if report.when == "call" and report.failed and isinstance(env, AgentEnv):
+        try:
+            text = env.diagnostics()
+        except Exception as e:  # the report of the real failure must survive
+            text = f"diagnostics failed: {e!r}"
+        report.sections.append(("agent diagnostics", text))
+    return report
 
 
 @pytest.fixture
