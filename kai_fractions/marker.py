@@ -37,6 +37,9 @@ MARKER_FILE = "marker.json"
 ROOT_MODE = 0o700
 POD_DIR_MODE = 0o755
 FILE_MODE = 0o644
+TEMP_PREFIX = f".{MARKER_FILE}."
+TEMP_SUFFIX = ".tmp"
+"""`write_marker`'s temp files: `.marker.json.<random>.tmp` in the pod's directory."""
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _REASON = re.compile(r"[A-Z][A-Za-z0-9]*")
@@ -244,7 +247,7 @@ def write_marker(root: str | os.PathLike[str], marker: Marker) -> Path:
     pod_dir = pod_marker_dir(root_path, marker.pod_uid)
     _ensure_dir(pod_dir, POD_DIR_MODE)
     target = pod_dir / MARKER_FILE
-    fd, tmp = tempfile.mkstemp(dir=pod_dir, prefix=f".{MARKER_FILE}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=pod_dir, prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(marker.to_json().encode())
@@ -258,6 +261,11 @@ def write_marker(root: str | os.PathLike[str], marker: Marker) -> Path:
         raise
     _fsync_dir(pod_dir)
     return target
+
+
+def is_temp_file(name: str) -> bool:
+    """A temp file of `write_marker`: one is left when the writer dies before its rename."""
+    return name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX)
 
 
 def remove_marker(root: str | os.PathLike[str], pod_uid: str) -> bool:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from kai_fractions.contract import DEFAULT_KEYS
 from kai_fractions.gate.check import Outcome, judge
-from kai_fractions.marker import read_marker
+from kai_fractions.marker import TEMP_PREFIX, TEMP_SUFFIX, read_marker
 from kai_fractions.node.nvml import MEMORY_LIMIT_MAX
 
 from .builders import GIB, Rig, binder_annotations, pod
@@ -277,6 +278,28 @@ def test_restart_adopts_limits_and_markers_and_removes_what_has_no_pod(short_tmp
     assert rig.cluster.event_reasons(uid) == ["Applied"]  # not announced again
     assert not (Path(rig.options.marker_dir) / gone).exists()
     assert (Path(rig.options.marker_dir) / young).exists()
+
+
+def test_a_first_marker_write_cut_by_a_crash_goes_with_its_pod(short_tmp: Path) -> None:
+    """An agent SIGKILLed inside `write_marker` of a pod's first marker (its fsync is the wide
+    part) leaves the pod's directory holding only the temp file. If the pod is deleted before
+    an agent runs again, the next agent never knew it: the temp file shows the directory is an
+    agent's, so it goes at once, not after the grace an empty directory gets (the kubelet's,
+    for a pod not seen yet). The real-process SIGKILL fault test timed out on this rarely."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    rig.step()
+    markers = Path(rig.options.marker_dir)
+    gone = "0a1b2c3d-0000-4000-8000-00000000000f"
+    (markers / gone).mkdir()
+    fd, _tmp = tempfile.mkstemp(dir=markers / gone, prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX)
+    os.close(fd)
+    young = "0a1b2c3d-0000-4000-8000-0000000000ee"  # kubelet made it for a pod not seen yet
+    (markers / young).mkdir()
+    assert rig.step().converged
+    assert not (markers / gone).exists()
+    assert (markers / young).is_dir()
+    assert rig.marker_path(uid).exists()
 
 
 def test_marker_of_a_pod_without_fractions_any_more_is_removed(short_tmp: Path) -> None:

@@ -30,6 +30,7 @@ from ...marker import (
     Marker,
     MarkerError,
     MarkerState,
+    is_temp_file,
     pod_marker_dir,
     read_marker,
     remove_marker,
@@ -119,10 +120,15 @@ class MarkerStore:
             return False
 
     def stale_dirs(self, live: set[str], *, grace: float, now: float) -> list[str]:
-        """Directories of pods not in `live`: any with a marker (we wrote it), and empty ones
-        older than `grace` (the kubelet makes a new pod's directory for the gate's mount before
-        the agent may have seen the pod: removing it then would hide the marker from the gate).
-        """
+        """Directories of pods not in `live`: any with a marker or a marker's temp file (an
+        agent wrote it), and empty ones older than `grace` (the kubelet makes a new pod's
+        directory for the gate's mount before the agent may have seen the pod: removing it then
+        would hide the marker from the gate).
+
+        The temp file counts because an agent killed while writing a pod's first marker (during
+        its fsync) leaves the directory with nothing else; if the pod goes before an agent runs
+        again, the next agent never knew it and would otherwise keep the directory as the
+        kubelet's for the whole grace period."""
         try:
             entries = list(os.scandir(self.root))
         except (FileNotFoundError, NotADirectoryError):
@@ -135,8 +141,9 @@ class MarkerStore:
                 pod_marker_dir(self.root, entry.name)
             except MarkerError:
                 continue  # not a pod UID: not ours to touch
-            has_marker = os.path.exists(os.path.join(entry.path, MARKER_FILE))
             with contextlib.suppress(OSError):
-                if has_marker or now - entry.stat(follow_symlinks=False).st_mtime >= grace:
+                written = any(name == MARKER_FILE or is_temp_file(name)
+                              for name in os.listdir(entry.path))
+                if written or now - entry.stat(follow_symlinks=False).st_mtime >= grace:
                     stale.append(entry.name)
         return sorted(stale)
