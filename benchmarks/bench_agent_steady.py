@@ -78,27 +78,32 @@ def child(pods_file: str, seconds: float, settle: float = SETTLE_S) -> int:
 
         reconciler.check_usage = check_usage
         node.agent.start()
-        deadline = time.monotonic() + 60
-        uids = list(node.cluster.pods)
-        while not all((node.markers / uid / "marker.json").exists() for uid in uids):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the agent did not write every marker within 60 s")
-            time.sleep(0.05)
-        time.sleep(settle)
-        cpu0, kids0, t0, maxrss_start = _rusage()
-        passes0, checks0, check_cpu0 = reconciler.passes, checks[0], checks[1]
-        pass_s0 = _pass_seconds(node)
-        threading.Event().wait(seconds)
-        cpu1, kids1, t1, maxrss = _rusage()
-        pass_s = _pass_seconds(node) - pass_s0
-        watched = sum(1 for u in reconciler.view.usage.values() if u.used_bytes)
-        print(json.dumps({
-            "wall_s": t1 - t0, "cpu_s": cpu1 - cpu0, "children_cpu_s": kids1 - kids0,
-            "maxrss_kb": maxrss, "maxrss_start_kb": maxrss_start, "rss_kb": _status_kb("VmRSS"),
-            "passes": reconciler.passes - passes0,
-            "watchdog_checks": checks[0] - checks0, "watchdog_cpu_s": checks[1] - check_cpu0,
-            "pass_wall_s": pass_s, "containers_with_usage": watched,
-            "threads": threading.active_count()}), flush=True)
+        # sim_node(start=False) leaves stopping to whoever started the agent: stopping it
+        # stops the MPS control daemon it started (it would outlive this process).
+        try:
+            deadline = time.monotonic() + 60
+            uids = list(node.cluster.pods)
+            while not all((node.markers / uid / "marker.json").exists() for uid in uids):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the agent did not write every marker within 60 s")
+                time.sleep(0.05)
+            time.sleep(settle)
+            cpu0, kids0, t0, maxrss_start = _rusage()
+            passes0, checks0, check_cpu0 = reconciler.passes, checks[0], checks[1]
+            pass_s0 = _pass_seconds(node)
+            threading.Event().wait(seconds)
+            cpu1, kids1, t1, maxrss = _rusage()
+            pass_s = _pass_seconds(node) - pass_s0
+            watched = sum(1 for u in reconciler.view.usage.values() if u.used_bytes)
+            print(json.dumps({
+                "wall_s": t1 - t0, "cpu_s": cpu1 - cpu0, "children_cpu_s": kids1 - kids0,
+                "maxrss_kb": maxrss, "maxrss_start_kb": maxrss_start, "rss_kb": _status_kb("VmRSS"),
+                "passes": reconciler.passes - passes0,
+                "watchdog_checks": checks[0] - checks0, "watchdog_cpu_s": checks[1] - check_cpu0,
+                "pass_wall_s": pass_s, "containers_with_usage": watched,
+                "threads": threading.active_count()}), flush=True)
+        finally:
+            node.agent.stop(timeout=20)
     return 0
 
 

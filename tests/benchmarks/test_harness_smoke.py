@@ -60,7 +60,28 @@ def test_p1_mirror_overhead_smoke():
                        "ratio c/(a+b), c=1": "<= 1.2", "ratio c/(a+b), c=16": "<= 1.2"}
 
 
-def test_p2_node_convergence_smoke():
+def mps_daemons() -> set[int]:
+    """Pids of MPS control daemons running now (any user's, any pipe directory)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue  # not a process, or gone meanwhile
+        if argv[0].endswith(b"nvidia-cuda-mps-control") and b"-d" in argv:
+            found.add(int(entry.name))
+    return found
+
+
+@pytest.fixture
+def no_daemon_left():
+    """A benchmark stops every MPS daemon it starts (its agent's)."""
+    before = mps_daemons()
+    yield
+    assert mps_daemons() - before == set()
+
+
+def test_p2_node_convergence_smoke(no_daemon_left):
     result = bench_node.run(smoke=True)
     assert_well_formed(result, "P2", "one pod p50", "one pod p99", "10 pods at once: last marker",
                        "10 pods at once: passes")
@@ -69,7 +90,7 @@ def test_p2_node_convergence_smoke():
     assert figures["10 pods at once: passes"].value >= 1
 
 
-def test_p3_agent_steady_state_smoke():
+def test_p3_agent_steady_state_smoke(no_daemon_left):
     result = bench_agent_steady.run(smoke=True)
     assert_well_formed(result, "P3", "CPU, agent process", "peak RSS", "watchdog CPU per check")
     figures = {f.name: f for f in result.figures}
