@@ -118,15 +118,16 @@ sys.exit(args.func(args))
 
 
 @contextmanager
-def mirror_process(kubeconfig_path: Path, log_path: Path, main: str = _MIRROR_MAIN
-                   ) -> Iterator[tuple[str, int]]:
-    """`kai-fractions mirror` as deployed (default flags, info logging); yields (address, pid).
-    `main` is the Python that starts it (a before/after comparison swaps in its own)."""
+def mirror_process(kubeconfig_path: Path, log_path: Path, main: str = _MIRROR_MAIN,
+                   flags: tuple[str, ...] = ()) -> Iterator[tuple[str, int]]:
+    """`kai-fractions mirror` as deployed (default flags, info logging; `flags` added);
+    yields (address, pid). `main` is the Python that starts it (a before/after comparison swaps
+    in its own)."""
     address = f"127.0.0.1:{_free_port()}"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-c", main, "mirror", "--listen", address,
-             "--kubeconfig", str(kubeconfig_path)],
+             "--kubeconfig", str(kubeconfig_path), *flags],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
         try:
             _wait_ready(address, "the mirror", process, log_path)
@@ -472,14 +473,59 @@ def profile(count: int = 2000, top: int = 25) -> None:
         api.close()
 
 
+# -- the pod cache, on and off ----------------------------------------------------------------
+
+def compare_cache(count: int = 3000, rounds: int = 3) -> None:
+    """Two mirrors against one stub, the default (pod cache on) and `--no-pod-cache`, and (d),
+    each at c=1 and c=16 in alternating rounds of count / rounds calls: rate and mirror CPU.
+    The cached mirror's watch also carries the other mirror's writes (both write KAI's pods):
+    a cost the comparison counts against the cache."""
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kf-p1c-")))
+        url = stack.enter_context(running(POD_TEMPLATE, NODE_MEMORY_MIB))
+        kinds = {"cache on": (), "--no-pod-cache": ("--no-pod-cache",)}
+        for kind in kinds:  # every pod both mirrors write exists before they start
+            seed(url, kind.strip("-").replace(" ", "-"), Names("").take(2 * count + 200))
+        config = kubeconfig(url, tmp / "kubeconfig")
+        added = {"kai-fractions.io/bench": "x" * 40}
+        servers: dict[str, tuple[str, int | None]] = {"(d) echo + PATCH": (stack.enter_context(
+            echo_process(b"", tmp / "d", config, added)), None)}
+        for kind, flags in kinds.items():
+            servers[kind] = stack.enter_context(
+                mirror_process(config, tmp / f"{len(servers)}.log", flags=flags))
+        names = {kind: Names(kind.strip("-").replace(" ", "-")) for kind in kinds}
+        names["(d) echo + PATCH"] = Names("bench-d")
+        for concurrency in (1, CONCURRENCY):
+            calls, walls, cpus = dict.fromkeys(servers, 0), dict.fromkeys(servers, 0.0), \
+                dict.fromkeys(servers, 0.0)
+            for kind, (address, _) in servers.items():  # warm
+                _grpc(address, names[kind], min(100, count), concurrency)
+            for _ in range(rounds):
+                for kind, (address, pid) in servers.items():
+                    cpu0 = cpu_seconds(pid) if pid else 0.0
+                    lat, wall = _grpc(address, names[kind], count // rounds, concurrency)
+                    calls[kind] += len(lat)
+                    walls[kind] += wall
+                    cpus[kind] += cpu_seconds(pid) - cpu0 if pid else 0.0
+            for kind in servers:
+                cpu = f", mirror CPU {cpus[kind] / calls[kind] * 1e3:.2f} ms per call" \
+                    if servers[kind][1] else ""
+                print(f"c={concurrency:<2} {kind:18} {calls[kind] / walls[kind]:6.0f} calls/s{cpu}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_mirror")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--compare-cache", action="store_true",
+                        help="the mirror with and without its pod cache, side by side")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--count", type=int, default=2000)
     args = parser.parse_args(argv)
     if args.profile:
         profile(args.count)
+        return 0
+    if args.compare_cache:
+        compare_cache(args.count)
         return 0
     result = run(quick=args.quick)
     for f in result.figures:

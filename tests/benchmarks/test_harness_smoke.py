@@ -81,6 +81,13 @@ def no_daemon_left():
     assert mps_daemons() - before == set()
 
 
+def test_mirror_cache_comparison_smoke(capsys):
+    bench_mirror.compare_cache(count=6)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" calls/s")[0].split()[-1].isdigit() for line in lines] == [True] * 6
+    assert sum("mirror CPU" in line for line in lines) == 4
+
+
 def test_p2_node_convergence_smoke(no_daemon_left):
     result = bench_node.run(smoke=True)
     assert_well_formed(result, "P2", "one pod p50", "one pod p99", "10 pods at once: last marker",
