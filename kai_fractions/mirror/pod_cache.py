@@ -41,7 +41,10 @@ def _containers(value: Any) -> Any:
 
 
 def trimmed(obj: Mapping[str, Any]) -> PodSnapshot:
-    """The part of a pod the mirror reads, as a PodSnapshot."""
+    """The part of a pod the mirror reads, as a PodSnapshot (a nameless one, never cached, for
+    what is not a pod: the watch thread must outlive a bad event)."""
+    if not isinstance(obj, Mapping):
+        return PodSnapshot({}, {})
     meta = obj.get("metadata") or {}
     spec = obj.get("spec") or {}
     if not isinstance(meta, Mapping) or not isinstance(spec, Mapping):

@@ -61,7 +61,9 @@ def test_a_malformed_pod_is_kept_as_is_so_the_contract_names_the_field():
     assert trimmed({"metadata": "nope"}).name == ""  # a nameless entry: never cached
     cache = PodCache()
     cache.event("ADDED", {"metadata": "nope"})
-    assert len(cache) == 0
+    cache.event("MODIFIED", "not a pod")  # type: ignore[arg-type]
+    cache.replace(["not a pod", full_pod()])  # type: ignore[list-item]
+    assert len(cache) == 1
 
 
 def test_only_pending_pods_of_the_scheduler_are_watched():
