@@ -207,6 +207,30 @@ def test_timeout_is_an_unreachable_daemon_and_binary_missing_has_its_own_reason(
     assert "--mps-control-binary" in exc.value.message
 
 
+BUSY = CommandResult(1, "Cannot send command to MPS control daemon process\n", "")
+
+
+def test_a_daemon_busy_with_another_client_is_asked_again():
+    runner = RecordingRunner()
+    runner.respond([BIN], BUSY, BUSY, "12345\n", stdin="get_server_list\n")
+    pauses: list[float] = []
+    assert control(runner, sleep=pauses.append).get_server_list() == [12345]
+    assert len(runner.calls) == 3 and pauses == [0.02, 0.04]
+
+
+def test_a_daemon_that_stays_busy_is_busy_not_unreachable():
+    runner = RecordingRunner(BUSY)
+    pauses: list[float] = []
+    with pytest.raises(MpsError) as exc:
+        control(runner, sleep=pauses.append).set_default_active_thread_percentage(50)
+    assert exc.value.reason == e.MPS_DAEMON_BUSY == "MpsDaemonBusy"
+    assert exc.value.message == (
+        f"the MPS control daemon on {PIPE} is serving another client "
+        "('set_default_active_thread_percentage 50': Cannot send command to MPS control daemon "
+        "process); it is alive, try again")
+    assert len(runner.calls) == 7 and sum(pauses) == pytest.approx(1.26)
+
+
 def test_other_exit_codes_are_command_failed():
     runner = RecordingRunner(CommandResult(3, "", "boom\n"))
     with pytest.raises(MpsError) as exc:

@@ -113,6 +113,25 @@ def test_an_error_answer_still_proves_the_daemon_is_alive(dirs):
     assert make(dirs, runner, protocol_v3=True).healthy() is True
 
 
+def test_a_daemon_busy_with_other_clients_is_alive_and_never_killed(dirs):
+    """The legacy daemon serves one client at a time and turns others away with "Cannot send
+    command": taken for a dead daemon, the supervisor would SIGKILL it, and every MPS workload
+    on the node with it."""
+    runner = RecordingRunner()
+    busy = CommandResult(1, "Cannot send command to MPS control daemon process\n", "")
+    runner.respond([BIN], busy, stdin=LIST)
+    processes = FakeProcesses(pid=4242)
+    clock = FakeClock()
+    daemon = make(dirs, runner, clock=clock, processes=processes, protocol_v3=False)
+    assert daemon.ensure_running() is True
+    assert processes.killed == [] and daemon.restarts == 0
+    assert [c.argv for c in runner.calls] == [(BIN,)] * 7  # asked again, never started
+    assert sum(clock.slept) == pytest.approx(1.26)  # on the daemon's clock: no real wait
+    # Free again: answered at once.
+    runner.respond([BIN], busy, "", stdin=LIST)
+    assert daemon.healthy() is True and len(runner.calls) == 9
+
+
 def test_restart_after_death_counts_and_reapplies(dirs):
     runner = RecordingRunner()
     runner.respond([BIN], "", NO_DAEMON, "", stdin=LIST)

@@ -10,9 +10,11 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,35 @@ def test_start_set_and_read_back(daemon):
     assert c.set_default_active_thread_percentage(40) == "40.0"
     assert c.get_default_active_thread_percentage() == "40.0"
     assert c.get_default_active_thread_percentage_value() == 40.0
+
+
+def test_concurrent_clients_are_served_and_never_taken_for_a_dead_daemon(daemon):
+    """The real 535 daemon turns a client away while it serves another ("Cannot send command",
+    exit 1). Commands from many threads at once all succeed (asked again), and a supervisor
+    checking in the middle of a storm of other clients neither restarts nor kills it."""
+    assert daemon.ensure_running() is True
+    pid = daemon.pid()
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(lambda _: daemon.control.get_default_pinned_mem_limit(0),
+                                range(24)))
+    assert answers == ["4G"] * 24
+    command = Path(daemon.log_dir) / "storm-command"
+    command.write_text("get_server_list\n")
+    storm = []
+    try:
+        for _ in range(16):  # other clients, all at once: most of them are turned away
+            with open(command) as stdin:
+                storm.append(subprocess.Popen(
+                    [daemon.binary], stdin=stdin, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL, env=daemon.control.env))
+        for _ in range(5):
+            assert daemon.ensure_running() is True
+    finally:
+        for client in storm:
+            client.wait(10)
+    assert (daemon.pid(), daemon.restarts) == (pid, 0)
+    assert "Starting control daemon" in control_log(daemon)
+    assert control_log(daemon).count("Starting control daemon") == 1
 
 
 def test_killed_daemon_is_restarted_and_state_reapplied(daemon):

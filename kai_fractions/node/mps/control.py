@@ -22,7 +22,9 @@ One command per run keeps answers unambiguous: the daemon prints nothing for som
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kai_fractions.contract import MAX_PIPE_DIRECTORY, MPS_SERVER
@@ -99,9 +101,30 @@ _ANSWER_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
 _UNREACHABLE_TEXTS = (
     "Cannot find MPS control daemon process",
     "Cannot authenticate or connect to MPS control daemon process",
-    "Cannot send command to MPS control daemon process",
     "Cannot access CUDA_MPS_PIPE_DIRECTORY",
 )
+_BUSY_TEXT = "Cannot send command to MPS control daemon process"
+"""What a client gets while another one talks to the daemon (measured with the 535 binary: 28
+of 30 simultaneous clients got it, exit 1, and one more exited 1 saying nothing; the daemon kept
+answering). A dead daemon says "Cannot find", a hung one makes the client wait: this one is
+alive. A silent exit 1 is taken the same way: a daemon that keeps failing so is reported busy
+(its pods wait, visibly) rather than killed with every MPS workload on the node."""
+_CLIENT_LOCKS: dict[str, threading.Lock] = {}
+_CLIENT_LOCKS_GUARD = threading.Lock()
+
+
+def _client_lock(pipe_dir: str) -> threading.Lock:
+    """One client at a time per daemon from this process: under concurrent clients the legacy
+    daemon turns most away and may even answer one with nothing at all (exit 0, empty output,
+    seen with the 535 binary), which would read as an unset value."""
+    with _CLIENT_LOCKS_GUARD:
+        return _CLIENT_LOCKS.setdefault(pipe_dir, threading.Lock())
+
+
+BUSY_RETRIES = 6
+BUSY_PAUSE_S = 0.02
+"""A busy daemon is asked again this many times, `BUSY_PAUSE_S` doubling in between (1.3 s in
+all): another client's command takes milliseconds."""
 _ALREADY_RUNNING_TEXT = "An instance of this daemon is already running"
 
 
@@ -121,6 +144,11 @@ def error_for_exit(result: CommandResult, what: str, *, binary: str, pipe_dir: s
     """The error for a client run that exited non-zero (the client's own failures: no daemon,
     a second daemon; the daemon's rejections exit 0 and are parsed from stdout instead)."""
     text = (result.stdout + "\n" + result.stderr).strip()
+    if _BUSY_TEXT in text or (result.returncode == 1 and not text):
+        return MpsError(
+            e.MPS_DAEMON_BUSY,
+            f"the MPS control daemon on {pipe_dir} is serving another client ({what!r}: "
+            f"{_first_line(text) or 'exit 1, no output'}); it is alive, try again")
     if any(t in text for t in _UNREACHABLE_TEXTS):
         return MpsError(
             e.MPS_DAEMON_UNREACHABLE,
@@ -154,6 +182,7 @@ class MpsControl:
         *,
         protocol_v3: bool | None = None,
         timeout: float = 10.0,
+        sleep: Callable[[float], None] = time.sleep,
     ):
         if not NAME_RE.fullmatch(server):
             raise MpsError(e.INVALID_ARGUMENT,
@@ -164,6 +193,8 @@ class MpsControl:
         self.runner = runner
         self.server = server
         self.timeout = timeout
+        self.sleep = sleep
+        """Between the tries at a busy daemon (a seam: tests do not wait)."""
         self._protocol_v3 = protocol_v3
 
     # ------------------------------------------------------------------ plumbing
@@ -174,9 +205,24 @@ class MpsControl:
 
     def _run(self, argv: Sequence[str], stdin: str | None, what: str,
              timeout: float | None) -> CommandResult:
+        """One command; a daemon busy with another client is asked again (BUSY_RETRIES)."""
+        pause = BUSY_PAUSE_S
+        for _ in range(BUSY_RETRIES):
+            try:
+                return self._run_once(argv, stdin, what, timeout)
+            except MpsError as err:
+                if err.reason != e.MPS_DAEMON_BUSY:
+                    raise
+            self.sleep(pause)
+            pause *= 2
+        return self._run_once(argv, stdin, what, timeout)
+
+    def _run_once(self, argv: Sequence[str], stdin: str | None, what: str,
+                  timeout: float | None) -> CommandResult:
         limit = self.timeout if timeout is None else timeout
         try:
-            result = self.runner.run(argv, stdin=stdin, env=self.env, timeout=limit)
+            with _client_lock(self.pipe_dir):
+                result = self.runner.run(argv, stdin=stdin, env=self.env, timeout=limit)
         except CommandTimeout as exc:
             raise MpsError(
                 e.MPS_DAEMON_UNREACHABLE,

@@ -118,7 +118,7 @@ class MpsDaemon:
         self.backoff_max = backoff_max
         self.poll_interval = poll_interval
         self.control = MpsControl(self.binary, self.pipe_dir, self.log_dir, runner, server,
-                                  protocol_v3=protocol_v3)
+                                  protocol_v3=protocol_v3, sleep=self.clock.sleep)
         self.restarts = 0
         """Successful starts after the first one this supervisor made or found."""
         self.failures = 0
@@ -152,7 +152,9 @@ class MpsDaemon:
     def healthy(self) -> bool:
         """The daemon answers a cheap command within `health_timeout`. A dead daemon, a stale
         socket and a hung one all fail this; an answer that is an error (a v3 daemon without
-        the server yet) still proves it is alive."""
+        the server yet) still proves it is alive, and so does a daemon that stays busy with
+        other clients (MpsDaemonBusy): restarting that one would kill every MPS workload on
+        the node for nothing."""
         try:
             if self.protocol_v3:
                 # a v3 daemon makes every client follow its protocol: ask in v3
