@@ -218,6 +218,14 @@ def test_a_daemon_busy_with_another_client_is_asked_again():
     assert len(runner.calls) == 3 and pauses == [0.02, 0.04]
 
 
+def test_a_silent_exit_1_is_a_busy_daemon_too():
+    runner = RecordingRunner()
+    runner.respond([BIN], CommandResult(1, "", ""), "4G\n",
+                   stdin="get_default_device_pinned_mem_limit 0\n")
+    assert control(runner, sleep=lambda _: None).get_default_pinned_mem_limit(0) == "4G"
+    assert len(runner.calls) == 2
+
+
 def test_a_daemon_that_stays_busy_is_busy_not_unreachable():
     runner = RecordingRunner(BUSY)
     pauses: list[float] = []

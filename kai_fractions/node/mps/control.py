@@ -107,8 +107,9 @@ _BUSY_TEXT = "Cannot send command to MPS control daemon process"
 """What a client gets while another one talks to the daemon (measured with the 535 binary: 28
 of 30 simultaneous clients got it, exit 1, and one more exited 1 saying nothing; the daemon kept
 answering). A dead daemon says "Cannot find", a hung one makes the client wait: this one is
-alive. A silent exit 1 is taken the same way: a daemon that keeps failing so is reported busy
-(its pods wait, visibly) rather than killed with every MPS workload on the node."""
+alive. A command's silent exit 1 is taken the same way (`MpsControl._run_once`): a daemon that
+keeps failing so is reported busy (its pods wait, visibly) rather than killed with every MPS
+workload on the node."""
 _CLIENT_LOCKS: dict[str, threading.Lock] = {}
 _CLIENT_LOCKS_GUARD = threading.Lock()
 
@@ -140,15 +141,18 @@ def classify_answer(stdout: str) -> tuple[str, str] | None:
     return None
 
 
+def _busy(what: str, said: str, pipe_dir: str) -> MpsError:
+    return MpsError(e.MPS_DAEMON_BUSY,
+                    f"the MPS control daemon on {pipe_dir} is serving another client ({what!r}: "
+                    f"{said}); it is alive, try again")
+
+
 def error_for_exit(result: CommandResult, what: str, *, binary: str, pipe_dir: str) -> MpsError:
     """The error for a client run that exited non-zero (the client's own failures: no daemon,
     a second daemon; the daemon's rejections exit 0 and are parsed from stdout instead)."""
     text = (result.stdout + "\n" + result.stderr).strip()
-    if _BUSY_TEXT in text or (result.returncode == 1 and not text):
-        return MpsError(
-            e.MPS_DAEMON_BUSY,
-            f"the MPS control daemon on {pipe_dir} is serving another client ({what!r}: "
-            f"{_first_line(text) or 'exit 1, no output'}); it is alive, try again")
+    if _BUSY_TEXT in text:
+        return _busy(what, _first_line(text), pipe_dir)
     if any(t in text for t in _UNREACHABLE_TEXTS):
         return MpsError(
             e.MPS_DAEMON_UNREACHABLE,
@@ -233,6 +237,9 @@ class MpsControl:
                 e.MPS_BINARY_NOT_FOUND,
                 f"{exc.message}; install the NVIDIA driver's nvidia-cuda-mps-control on the "
                 "node or point --mps-control-binary at it") from exc
+        if result.returncode == 1 and not (result.stdout + result.stderr).strip():
+            # A client turned away in silence (a command's own failures print why).
+            raise _busy(what, "exit 1, no output", self.pipe_dir)
         if result.returncode != 0:
             raise error_for_exit(result, what, binary=self.binary, pipe_dir=self.pipe_dir)
         return result
