@@ -3,20 +3,10 @@ writes through kmock and stops gracefully on SIGTERM."""
 
 from __future__ import annotations
 
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-
-import grpc
 import pytest
 
-from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.cli import build_parser, main
-from tests.support.mirror_kube import register_bindrequests, wait_until_serving
-
-from .messages import allocation, mirror_request
+from tests.support.mirror_kube import register_bindrequests, run_mirror_process
 
 FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file",
          "--signing-key-file", "--insecure", "--reserve-mib", "--annotation-prefix",
@@ -59,37 +49,13 @@ def test_refusals_are_one_line_and_exit_2(capsys, argv, message):
 @pytest.mark.integration
 def test_a_real_process_serves_and_stops_on_sigterm(kube, tmp_path):
     register_bindrequests(kube)
-    kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
     (tmp_path / "token").write_text("process-token")
-    socket_dir = tempfile.mkdtemp(prefix="kfm-")
-    listen = f"unix://{socket_dir}/mirror.sock"
-    created = kube.core.create_namespaced_pod("team-a", {
-        "metadata": {"name": "train-0", "namespace": "team-a",
-                     "annotations": {"gpu-fraction": "0.5"}},
-        "spec": {"containers": [{"name": "trainer", "image": "registry.invalid/app:1"}]}})
-    process = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from kai_fractions.cli import main; "
-         "sys.exit(main())", "mirror", "--listen", listen, "--kubeconfig", str(kubeconfig),
-         "--token-file", str(tmp_path / "token"), "--follow-bindrequests"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        with grpc.insecure_channel(listen) as channel:
-            wait_until_serving(channel, process)
-            pod = {"metadata": {"namespace": "team-a", "name": "train-0",
-                                "uid": created.metadata.uid}}
-            reply = pb_grpc.AllocationMirrorStub(channel).MirrorAllocation(
-                mirror_request(allocation(pod)), timeout=10,
-                metadata=(("authorization", "Bearer process-token"),))
-            assert reply.changed
-        process.send_signal(signal.SIGTERM)
-        _, err = process.communicate(timeout=20)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-        shutil.rmtree(socket_dir, ignore_errors=True)
-    assert process.returncode == 0, err
-    assert "AllocationMirror listening on " + listen + " (plaintext, bearer token required)" \
+    run = run_mirror_process(kube, tmp_path, "--token-file", str(tmp_path / "token"),
+                             "--follow-bindrequests",
+                             metadata=(("authorization", "Bearer process-token"),))
+    err = run.err
+    assert run.returncode == 0, err
+    assert "AllocationMirror listening on " + run.listen + " (plaintext, bearer token required)" \
         in err
     assert "following BindRequests (scheduling.run.ai/v1alpha2)" in err
     assert "listed 1 pod(s) of kai-scheduler at resourceVersion" in err  # the pod cache

@@ -4,20 +4,12 @@ writes through the Kubernetes API (kmock) with the key from a Secret-shaped dire
 from __future__ import annotations
 
 import hashlib
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 
-import grpc
 import pytest
 
-from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.cli import build_parser, main
 from kai_fractions.signing import Keyring
-from tests.mirror.messages import allocation, mirror_request
-from tests.support.mirror_kube import wait_until_serving
+from tests.support.mirror_kube import run_mirror_process
 
 from .allocations import KEY_A, KEY_B, plans_of
 
@@ -56,34 +48,9 @@ def test_a_real_mirror_signs_what_it_writes(kube, tmp_path):
     keys.mkdir()
     (keys / "current").write_bytes(KEY_B)
     (keys / "previous").write_bytes(KEY_A)
-    kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
-    socket_dir = tempfile.mkdtemp(prefix="kfs-")
-    listen = f"unix://{socket_dir}/mirror.sock"
-    created = kube.core.create_namespaced_pod("team-a", {
-        "metadata": {"name": "train-0", "namespace": "team-a",
-                     "annotations": {"gpu-fraction": "0.5"}},
-        "spec": {"containers": [{"name": "trainer", "image": "registry.invalid/app:1"}]}})
-    process = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from kai_fractions.cli import main; "
-         "sys.exit(main())", "mirror", "--listen", listen, "--kubeconfig", str(kubeconfig),
-         "--signing-key-file", str(keys)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        with grpc.insecure_channel(listen) as channel:
-            wait_until_serving(channel, process)
-            pod = {"metadata": {"namespace": "team-a", "name": "train-0",
-                                "uid": created.metadata.uid}}
-            reply = pb_grpc.AllocationMirrorStub(channel).MirrorAllocation(
-                mirror_request(allocation(pod)), timeout=10)
-            assert reply.changed
-        process.send_signal(signal.SIGTERM)
-        _, err = process.communicate(timeout=20)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-        shutil.rmtree(socket_dir, ignore_errors=True)
-    assert process.returncode == 0, err
+    run = run_mirror_process(kube, tmp_path, "--signing-key-file", str(keys))
+    err, reply = run.err, run.reply
+    assert run.returncode == 0, err
     assert f"signing allocations with key {KID_B} (accepted: {KID_B}, {KID_A})" in err
     obj = kube.core.api_client.sanitize_for_serialization(
         kube.core.read_namespaced_pod("train-0", "team-a"))

@@ -11,12 +11,15 @@ Reactions added to the ``kube`` emulator (kmock ignores selectors and knows no C
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -208,9 +211,57 @@ __all__ = [
     "mirror_tcp",
     "pod_path",
     "register_bindrequests",
+    "run_mirror_process",
     "start_mirror",
     "stop_mirror",
 ]
+
+
+@dataclass
+class MirrorProcessRun:
+    """What `run_mirror_process` saw: where it listened, its one answer, how it ended."""
+
+    listen: str
+    reply: Any
+    returncode: int
+    err: str
+
+
+def run_mirror_process(kube: KubeServer, tmp_path: Path, *flags: str,
+                       metadata: tuple[tuple[str, str], ...] = ()) -> MirrorProcessRun:
+    """`kai-fractions mirror` as a real process over `kube` on a unix socket (plus `flags`):
+    creates pod team-a/train-0 (gpu-fraction 0.5), makes one MirrorAllocation call for it
+    (which must write), then stops the process with SIGTERM."""
+    from tests.mirror.messages import allocation, mirror_request
+
+    kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
+    socket_dir = tempfile.mkdtemp(prefix="kfm-")  # short: a socket path fits in 107 bytes
+    listen = f"unix://{socket_dir}/mirror.sock"
+    created = kube.core.create_namespaced_pod("team-a", {
+        "metadata": {"name": "train-0", "namespace": "team-a",
+                     "annotations": {"gpu-fraction": "0.5"}},
+        "spec": {"containers": [{"name": "trainer", "image": "registry.invalid/app:1"}]}})
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from kai_fractions.cli import main; "
+         "sys.exit(main())", "mirror", "--listen", listen, "--kubeconfig", str(kubeconfig),
+         *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with grpc.insecure_channel(listen) as channel:
+            wait_until_serving(channel, process)
+            pod = {"metadata": {"namespace": "team-a", "name": "train-0",
+                                "uid": created.metadata.uid}}
+            reply = pb_grpc.AllocationMirrorStub(channel).MirrorAllocation(
+                mirror_request(allocation(pod)), timeout=10, metadata=metadata)
+            assert reply.changed
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    return MirrorProcessRun(listen, reply, process.returncode, err)
 
 
 def wait_until_serving(channel: grpc.Channel, process: subprocess.Popen, timeout: float = 30
