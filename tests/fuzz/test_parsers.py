@@ -13,14 +13,10 @@ from kai_fractions.contract import (
     DEFAULT_KEYS,
     ContractViolation,
     ManifestError,
-    NumberError,
-    QuantityError,
     derived_annotations,
     format_plain,
-    memory_bytes,
     parse_decimal,
     parse_pod,
-    parse_quantity,
     plan_pod,
     pod_views,
     view_from_pod_spec,
@@ -59,44 +55,8 @@ KEYRING = Keyring.of(bytes(range(32)))
 
 
 # -- numbers ---------------------------------------------------------------------------------
-
-_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "": 1, "k": 10**3, "M": 10**6,
-           "G": 10**9, "m": Fraction(1, 1000)}
-
-
-@FUZZ
-@given(st.text(max_size=40))
-def test_quantities_parse_or_say_why(text):
-    try:
-        value = parse_quantity(text)
-    except QuantityError as e:
-        assert str(e)
-    else:
-        assert isinstance(value, Fraction)
-    try:
-        n = memory_bytes(text)
-    except QuantityError as e:
-        assert str(e)
-    else:
-        assert isinstance(n, int) and n > 0
-
-
-@FUZZ
-@given(st.integers(0, 10**9), st.integers(0, 999), st.sampled_from(sorted(_SUFFIX)))
-def test_quantities_are_exact(whole, frac, suffix):
-    text = f"{whole}.{frac:03d}{suffix}"
-    assert parse_quantity(text) == (Fraction(whole) + Fraction(frac, 1000)) * _SUFFIX[suffix]
-
-
-@FUZZ
-@given(st.text(max_size=40))
-def test_decimals_parse_or_say_why(text):
-    try:
-        value = parse_decimal(text)
-    except NumberError as e:
-        assert str(e)
-    else:
-        assert isinstance(value, Fraction)
+# That quantities and decimals parse or say why, and parse exactly, is property-tested with the
+# contract (tests/contract/test_properties.py); what stays here is the exact round trip.
 
 
 @FUZZ
