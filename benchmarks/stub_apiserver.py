@@ -122,6 +122,17 @@ def status_response(code: int, reason: str, message: str) -> tuple[int, dict]:
                   "message": message, "reason": reason, "code": code}
 
 
+def stale_precondition(pod: dict, patch: dict) -> tuple[int, dict] | None:
+    """The 409 a real API server answers when a patch's `metadata.uid` or
+    `metadata.resourceVersion` is not the stored pod's; None when both hold (or are absent)."""
+    meta, want = pod["metadata"], patch.get("metadata") or {}
+    if any(field in want and want[field] != meta[field] for field in ("uid", "resourceVersion")):
+        return status_response(409, "Conflict", f'Operation cannot be fulfilled on pods '
+                               f'"{meta["name"]}": the object has been modified; please apply '
+                               "your changes to the latest version and try again")
+    return None
+
+
 def _status(code: int, reason: str, message: str) -> tuple[int, bytes]:
     code, body = status_response(code, reason, message)
     return code, _encode(body)
@@ -255,12 +266,8 @@ class Cluster:
         if not isinstance(patch, dict):
             return _status(400, "BadRequest", "a merge patch of a pod is a JSON object")
         meta = pod["metadata"]
-        want = patch.get("metadata") or {}
-        for field in ("uid", "resourceVersion"):
-            if field in want and want[field] != meta[field]:
-                return _status(409, "Conflict", f'Operation cannot be fulfilled on pods '
-                               f'"{meta["name"]}": precondition {field} {want[field]} != '
-                               f'{meta[field]}')
+        if (refused := stale_precondition(pod, patch)) is not None:
+            return refused[0], _encode(refused[1])
         # The scheduler is what watches select on; a real API server refuses to change it.
         spec = patch.get("spec")
         if isinstance(spec, dict) and "schedulerName" in spec and (

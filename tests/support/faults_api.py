@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
-from benchmarks.stub_apiserver import merge_patch, status_response
+from benchmarks.stub_apiserver import merge_patch, stale_precondition, status_response
 
 _POD = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/?]+)$")
 _NODE = re.compile(r"^/api/v1/nodes/([^/?]+)$")
@@ -179,12 +179,8 @@ class Cluster:
         except ValueError as e:
             return status_response(400, "BadRequest", f"not JSON: {e}")
         meta = pod["metadata"]
-        want = patch.get("metadata") or {}
-        for name in ("uid", "resourceVersion"):
-            if name in want and want[name] != meta[name]:
-                return status_response(409, "Conflict", f'Operation cannot be fulfilled on pods '
-                               f'"{meta["name"]}": the object has been modified; please apply '
-                               "your changes to the latest version and try again")
+        if (refused := stale_precondition(pod, patch)) is not None:
+            return refused
         patched = merge_patch(pod, patch)
         self.revision += 1
         patched["metadata"]["resourceVersion"] = str(self.revision)
