@@ -137,12 +137,9 @@ def test_a_conflict_reads_the_pod_again_before_signing(cluster):
     assert agent_verdict(stored(cluster, "good-0")).ok
 
 
-def test_a_pod_changed_between_the_read_and_the_patch_is_not_signed(cluster):
-    """Someone moves the pod to a GPU the binder did not pick right after the follower read it,
-    and the follower's patch meets an injected 409: the re-read and re-check find the mismatch
-    and nothing is signed."""
-    cluster.core.create_namespaced_pod(NS, pod("edit-0", {"gpu-fraction": "0.5", **BOUND}))
-    faults = []
+def editing_after_first_read(cluster, annotations: dict[str, str], then=lambda: None):
+    """A KubePodStore class whose first read is followed at once by someone else's edit of the
+    pod's `annotations` (then `then()`); `.reads` counts its reads."""
 
     class EditingStore(KubePodStore):
         reads = 0
@@ -151,12 +148,24 @@ def test_a_pod_changed_between_the_read_and_the_patch_is_not_signed(cluster):
             snapshot = super().get_pod(namespace, name, **({"deadline": deadline}
                                                            if deadline else {}))
             EditingStore.reads += 1
-            if EditingStore.reads == 1:  # someone edits the pod right after the first read
+            if EditingStore.reads == 1:
                 cluster.core.patch_namespaced_pod(name, namespace, {"metadata": {
-                    "annotations": {f"{T}.gpus.devices": GPU_B}}})
-                faults.append(cluster.fail("PATCH", PATCHES, 409, times=1))
+                    "annotations": annotations}})
+                then()
             return snapshot
 
+    return EditingStore
+
+
+def test_a_pod_changed_between_the_read_and_the_patch_is_not_signed(cluster):
+    """Someone moves the pod to a GPU the binder did not pick right after the follower read it,
+    and the follower's patch meets an injected 409: the re-read and re-check find the mismatch
+    and nothing is signed."""
+    cluster.core.create_namespaced_pod(NS, pod("edit-0", {"gpu-fraction": "0.5", **BOUND}))
+    faults = []
+    EditingStore = editing_after_first_read(
+        cluster, {f"{T}.gpus.devices": GPU_B},
+        then=lambda: faults.append(cluster.fail("PATCH", PATCHES, 409, times=1)))
     result = check(follower(cluster, store_cls=EditingStore), "edit-0")
     assert faults[0].hits == 1 and EditingStore.reads == 2
     assert [m.key for m in result.mismatches] == [f"{T}.gpus.devices"]
@@ -170,19 +179,8 @@ def test_the_resource_version_guard_refuses_a_stale_signature(cluster):
     """No injected fault: the edit after the read makes the server refuse the signing patch by
     its resourceVersion (409); the re-check sees the edit and signs nothing."""
     cluster.core.create_namespaced_pod(NS, pod("edit-1", {"gpu-fraction": "0.5", **BOUND}))
-
-    class EditingStore(KubePodStore):
-        reads = 0
-
-        def get_pod(self, namespace, name, deadline=None, **kw):
-            snapshot = super().get_pod(namespace, name, **({"deadline": deadline}
-                                                           if deadline else {}))
-            EditingStore.reads += 1
-            if EditingStore.reads == 1:
-                cluster.core.patch_namespaced_pod(name, namespace, {"metadata": {
-                    "annotations": {f"{T}.gpu-compute.portion": "0.9"}}})
-            return snapshot
-
+    EditingStore = editing_after_first_read(
+        cluster, {f"{T}.gpu-compute.portion": "0.9"})
     result = check(follower(cluster, store_cls=EditingStore), "edit-1")
     assert [m.key for m in result.mismatches] == [f"{T}.gpu-compute.portion"]
     assert result.signed == ()
