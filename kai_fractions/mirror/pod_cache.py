@@ -80,7 +80,8 @@ class PodCache:
         self._pods: dict[tuple[str, str], PodSnapshot] = {}
         self._echoes: dict[str, None] = {}  # an ordered set: the oldest is forgotten first
         self.synced = False
-        """True once a list arrived; before that every lookup misses."""
+        """True once a list arrived. Lookups do not wait for it: until then only the pods read
+        or written so far are here, and every other pod is read from the API."""
         self.hits = 0
         self.misses = 0
 
