@@ -43,10 +43,15 @@ def load_api_client(kubeconfig: str | None = None, *, pool_size: int = 0) -> k8s
 
 def api_error_message(e: ApiException) -> str:
     """`409 Conflict: <the API server's message>` from the Status body, else status + reason."""
+    return status_message(e.status, e.reason, e.body)
+
+
+def status_message(status: int | None, reason: str | None, body: str | bytes | None) -> str:
+    """`api_error_message` from the parts of an answer (a client that is not the official one)."""
     try:
-        body = json.loads(e.body or "")
-        if isinstance(body, dict) and body.get("message"):
-            return f"{e.status} {body.get('reason') or e.reason}: {body['message']}"
+        parsed = json.loads(body or "")
+        if isinstance(parsed, dict) and parsed.get("message"):
+            return f"{status} {parsed.get('reason') or reason}: {parsed['message']}"
     except ValueError:
         pass
-    return f"{e.status} {e.reason or ''}".strip()
+    return f"{status} {reason or ''}".strip()

@@ -1,42 +1,45 @@
-"""The real PodStore over the official `kubernetes` client (in-cluster or kubeconfig).
+"""The blocking PodStore over the official `kubernetes` client (in-cluster or kubeconfig): the
+BindRequest follower's, and the mirror's own where its event-loop transport cannot go
+(aio_store). The requests and what their refusals mean are `kube_api`'s.
 
 Every request gets a timeout bounded by the caller's deadline, and transient failures (429, 5xx,
 timeouts, refused or reset connections) are retried with bounded, jittered exponential backoff.
-A write is ONE JSON merge patch of `metadata.annotations` that carries `metadata.uid` and
-`metadata.resourceVersion`: a real API server refuses it when the pod was recreated (uid is
-immutable) or changed since it was read (409), so a set of keys is never half-written and never
-lands on the wrong pod.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import random
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
-from urllib.parse import quote
 
 import urllib3
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 from kubernetes.client.rest import RESTResponse
 
-from ..kubeconfig import api_error_message
 from ..kubeconfig import load_api_client as _load_api_client
-from .errors import ApiRejected, PodNotFound
+from .kube_api import (
+    MERGE_PATCH,
+    Refusal,
+    annotation_patch,
+    failure,
+    node_refusal,
+    patch_refusal,
+    pod_path,
+    read_refusal,
+)
 from .retry import Backoff, Transient, retrying
 from .store import (
     NO_DEADLINE,
     Clock,
     Deadline,
-    NodeNotFound,
     PodSnapshot,
     SystemClock,
-    WriteConflict,
-    WriteInvalid,
     label_selector,
     matches_labels,
 )
@@ -44,9 +47,7 @@ from .store import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MERGE_PATCH = "application/merge-patch+json"
 COMPONENT = "kai-fractions-mirror"
-_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 DEFAULT_BACKOFF = Backoff()
 CONNECTION_POOL_SIZE = 32
 """Kept connections to the API server: at least one per concurrent caller (the gRPC server's 16
@@ -60,14 +61,9 @@ def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
     return _load_api_client(kubeconfig, pool_size=CONNECTION_POOL_SIZE)
 
 
-
-
-def _retry_after(e: ApiException) -> float | None:
-    value = (e.headers or {}).get("Retry-After") if e.headers is not None else None
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
+def refusal_of(e: ApiException) -> Refusal:
+    return Refusal.of(e.status or 0, e.reason, e.body,
+                      (e.headers or {}).get("Retry-After") if e.headers is not None else None)
 
 
 class KubePodStore:
@@ -91,8 +87,9 @@ class KubePodStore:
     # -- plumbing -----------------------------------------------------------------------------
 
     def _call(self, what: str, deadline: Deadline, fn: Callable[[float], Any],
-              on_status: Callable[[ApiException], Exception | None] | None = None) -> Any:
-        """fn(timeout) -> urllib3 response; returns its decoded JSON body."""
+              on_status: Callable[[Refusal], Exception | None] | None = None) -> Any:
+        """fn(timeout) -> urllib3 response; returns its decoded JSON body. `on_status` claims
+        the refusals its caller gives a meaning (404: no such pod, ...)."""
 
         def once() -> Any:
             try:
@@ -102,15 +99,9 @@ class KubePodStore:
                 finally:
                     response.release_conn()  # back to the pool (the body was read unbuffered)
             except ApiException as e:
-                mapped = on_status(e) if on_status is not None else None
-                if mapped is not None:
-                    raise mapped from None
-                if e.status in _TRANSIENT_STATUS or (e.status or 0) >= 500:
-                    raise Transient(api_error_message(e), _retry_after(e)) from None
-                if e.status in (401, 403):
-                    raise ApiRejected(f"{what}: the API server refused the mirror's identity "
-                                      f"({api_error_message(e)}); check its RBAC") from None
-                raise ApiRejected(f"{what}: {api_error_message(e)}") from None
+                refusal = refusal_of(e)
+                mapped = on_status(refusal) if on_status is not None else None
+                raise (mapped or failure(what, refusal)) from None
             except (urllib3.exceptions.HTTPError, OSError) as e:
                 raise Transient(f"{type(e).__name__}: {e}") from None
 
@@ -121,37 +112,20 @@ class KubePodStore:
 
     def get_pod(self, namespace: str, name: str, deadline: Deadline = NO_DEADLINE
                 ) -> PodSnapshot:
-        def not_found(e: ApiException) -> Exception | None:
-            return PodNotFound(namespace, name) if e.status == 404 else None
-
         obj = self._call(f"read pod {namespace}/{name}", deadline, lambda t:
                          self.core.read_namespaced_pod(name, namespace, _preload_content=False,
-                                                       _request_timeout=t), not_found)
+                                                       _request_timeout=t),
+                         functools.partial(read_refusal, namespace, name))
         return PodSnapshot.from_object(obj)
 
     def patch_annotations(
         self, namespace: str, name: str, changes: Mapping[str, str | None], *, uid: str,
         resource_version: str, deadline: Deadline = NO_DEADLINE,
     ) -> PodSnapshot:
-        metadata: dict[str, Any] = {"annotations": dict(changes)}
-        if uid:
-            metadata["uid"] = uid
-        if resource_version:
-            metadata["resourceVersion"] = resource_version
-        body = {"metadata": metadata}
-
-        def refused(e: ApiException) -> Exception | None:
-            if e.status == 404:
-                return PodNotFound(namespace, name)
-            if e.status == 409:
-                return WriteConflict(api_error_message(e))
-            if e.status == 422:
-                return WriteInvalid(api_error_message(e))
-            return None
-
-        encoded = json.dumps(body, separators=(",", ":")).encode()
+        body = annotation_patch(changes, uid=uid, resource_version=resource_version)
         obj = self._call(f"patch pod {namespace}/{name}", deadline, lambda t:
-                         self._send_patch(namespace, name, encoded, t), refused)
+                         self._send_patch(namespace, name, body, t),
+                         functools.partial(patch_refusal, namespace, name))
         return PodSnapshot.from_object(obj)
 
     def _send_patch(self, namespace: str, name: str, body: bytes, timeout: float
@@ -162,7 +136,7 @@ class KubePodStore:
         MirrorAllocation's (benchmarks/, P1). This is the mirror's hot path; its reads stay on
         the generated methods. Raises ApiException on a non-2xx answer, as they do."""
         api = self.core.api_client
-        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
+        path = pod_path(namespace, name)
         headers = {**api.default_headers, "Content-Type": MERGE_PATCH,
                    "Accept": "application/json"}
         if api.cookie:
@@ -180,12 +154,9 @@ class KubePodStore:
         return response
 
     def node_labels(self, node: str, deadline: Deadline = NO_DEADLINE) -> Mapping[str, str]:
-        def not_found(e: ApiException) -> Exception | None:
-            return NodeNotFound(node) if e.status == 404 else None
-
         obj = self._call(f"read node {node}", deadline, lambda t:
                          self.core.read_node(node, _preload_content=False, _request_timeout=t),
-                         not_found)
+                         functools.partial(node_refusal, node))
         labels = (obj.get("metadata") or {}).get("labels") or {}
         return {str(k): str(v) for k, v in labels.items()}
 

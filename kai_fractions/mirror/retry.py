@@ -9,12 +9,13 @@ never runs past the deadline.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from ..clock import AsyncClock, Clock, SystemClock
 from .errors import ApiUnavailable, DeadlineExceeded
-from .store import Clock, Deadline, SystemClock
+from .store import Deadline
 
 T = TypeVar("T")
 
@@ -44,6 +45,37 @@ class Backoff:
         return delay
 
 
+class _Tries:
+    """The bookkeeping of one bounded retry loop, shared by `retrying` and `retrying_async`
+    (they differ only in how they wait)."""
+
+    def __init__(self, what: str, backoff: Backoff, deadline: Deadline,
+                 rng: random.Random | None) -> None:
+        self.what, self.backoff, self.deadline = what, backoff, deadline
+        self.rng = rng or random.Random()
+        self.attempt = 0
+        self.last: Transient | None = None
+
+    def begin(self) -> None:
+        """Before each try: raises DeadlineExceeded when the deadline has passed."""
+        if self.deadline.expired:
+            raise _deadline(self.what, self.attempt, self.last)
+
+    def failed(self, error: Transient) -> float:
+        """After a transient failure: the delay before the next try, or raises ApiUnavailable
+        (tries used up) / DeadlineExceeded (the delay would outlast the deadline)."""
+        self.last = error
+        self.attempt += 1
+        if self.attempt >= max(1, self.backoff.attempts):
+            raise ApiUnavailable(f"{self.what}: the Kubernetes API failed "
+                                 f"{self.backoff.attempts} time(s), last: {error}; retry later")
+        delay = self.backoff.delay(self.attempt - 1, self.rng, error.retry_after)
+        remaining = self.deadline.remaining()
+        if remaining is not None and remaining <= delay:
+            raise _deadline(self.what, self.attempt, error)
+        return delay
+
+
 def retrying(
     call: Callable[[], T],
     *,
@@ -55,24 +87,33 @@ def retrying(
 ) -> T:
     """Run `call` until it returns or raises something other than Transient."""
     clock = clock or SystemClock()
-    rng = rng or random.Random()
-    last: Transient | None = None
-    for attempt in range(max(1, backoff.attempts)):
-        if deadline.expired:
-            raise _deadline(what, attempt, last)
+    tries = _Tries(what, backoff, deadline, rng)
+    while True:
+        tries.begin()
         try:
             return call()
         except Transient as e:
-            last = e
-        if attempt + 1 >= backoff.attempts:
-            break
-        delay = backoff.delay(attempt, rng, last.retry_after)
-        remaining = deadline.remaining()
-        if remaining is not None and remaining <= delay:
-            raise _deadline(what, attempt + 1, last)
-        clock.sleep(delay)
-    raise ApiUnavailable(f"{what}: the Kubernetes API failed {backoff.attempts} time(s), "
-                         f"last: {last}; retry later")
+            clock.sleep(tries.failed(e))
+
+
+async def retrying_async(
+    call: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    backoff: Backoff,
+    deadline: Deadline,
+    clock: AsyncClock | None = None,
+    rng: random.Random | None = None,
+) -> T:
+    """`retrying` for a coroutine: the waits between tries do not block the event loop."""
+    clock = clock or SystemClock()
+    tries = _Tries(what, backoff, deadline, rng)
+    while True:
+        tries.begin()
+        try:
+            return await call()
+        except Transient as e:
+            await clock.asleep(tries.failed(e))
 
 
 def _deadline(what: str, tries: int, last: Transient | None) -> DeadlineExceeded:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
 from kai_fractions.mirror.errors import ApiUnavailable, DeadlineExceeded
-from kai_fractions.mirror.retry import Backoff, Transient, retrying
+from kai_fractions.mirror.retry import Backoff, Transient, retrying, retrying_async
 from kai_fractions.mirror.store import Deadline
 
 
@@ -22,6 +23,21 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
         self.now += seconds
+
+    async def asleep(self, seconds: float) -> None:
+        self.sleep(seconds)
+
+
+def run_async(call, **options):
+    """`retrying_async` over the same blocking `call`, as a coroutine."""
+    async def acall():
+        return call()
+
+    return asyncio.run(retrying_async(acall, **options))
+
+
+# Every loop test runs both drivers: they share the bookkeeping and must not drift apart.
+drivers = pytest.mark.parametrize("retrying", [retrying, run_async], ids=["sync", "async"])
 
 
 def failing(times: int, result: str = "ok", retry_after: float | None = None):
@@ -50,7 +66,8 @@ def test_retry_after_hint_is_honoured_up_to_the_cap():
     assert backoff.delay(0, random.Random(1), hint=60) == 2.0
 
 
-def test_transient_failures_are_retried_then_succeed():
+@drivers
+def test_transient_failures_are_retried_then_succeed(retrying):
     clock = FakeClock()
     call, calls = failing(2)
     assert retrying(call, what="read pod", backoff=Backoff(attempts=5), deadline=Deadline(),
@@ -58,7 +75,8 @@ def test_transient_failures_are_retried_then_succeed():
     assert (len(calls), len(clock.sleeps)) == (3, 2)
 
 
-def test_attempts_are_bounded_then_unavailable():
+@drivers
+def test_attempts_are_bounded_then_unavailable(retrying):
     clock = FakeClock()
     call, calls = failing(99)
     with pytest.raises(ApiUnavailable) as e:
@@ -69,7 +87,8 @@ def test_attempts_are_bounded_then_unavailable():
     assert (len(calls), len(clock.sleeps)) == (4, 3)
 
 
-def test_a_sleep_never_runs_past_the_deadline():
+@drivers
+def test_a_sleep_never_runs_past_the_deadline(retrying):
     clock = FakeClock()
     call, calls = failing(99)
     deadline = Deadline(expires_at=0.25, clock=clock)
@@ -80,7 +99,8 @@ def test_a_sleep_never_runs_past_the_deadline():
     assert len(calls) == 2
 
 
-def test_an_expired_deadline_makes_no_call():
+@drivers
+def test_an_expired_deadline_makes_no_call(retrying):
     clock = FakeClock()
     call, calls = failing(0)
     with pytest.raises(DeadlineExceeded):
