@@ -63,6 +63,16 @@ class Refusal:
         return cls(status, status_message(status, reason, body), hint)
 
 
+def decoded(what: str, body: bytes | None) -> Any:
+    """The JSON of a 2xx answer; ApiRejected when it is not JSON (a proxy's or a gateway's
+    page, say): retrying would read the same page again."""
+    try:
+        return json.loads(body or b"null")
+    except ValueError:
+        raise ApiRejected(f"{what}: the API server's answer is not JSON "
+                          f"({(body or b'')[:60]!r})") from None
+
+
 def failure(what: str, refusal: Refusal) -> Exception:
     """What a refusal no caller-specific rule claimed means: Transient where retrying may
     help (throttling, timeouts, 5xx), else ApiRejected, naming RBAC for 401/403."""

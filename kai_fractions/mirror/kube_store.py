@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import logging
 import random
 import uuid
@@ -27,6 +26,7 @@ from .kube_api import (
     MERGE_PATCH,
     Refusal,
     annotation_patch,
+    decoded,
     failure,
     node_refusal,
     patch_refusal,
@@ -95,7 +95,7 @@ class KubePodStore:
             try:
                 response = fn(deadline.timeout(self.request_timeout))
                 try:
-                    return json.loads(response.data or b"null")
+                    return decoded(what, response.data)
                 finally:
                     response.release_conn()  # back to the pool (the body was read unbuffered)
             except ApiException as e:

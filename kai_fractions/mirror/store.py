@@ -1,9 +1,15 @@
 """The Kubernetes seam of the mirror: read a pod, patch its annotations in one guarded write,
-read a node's labels, find reservation pods, record events. `KubePodStore` is the real one,
-`FakePodStore` the in-memory one for unit tests."""
+read a node's labels, find reservation pods, record events.
+
+`PodStore` is the blocking seam (the BindRequest follower's): `KubePodStore` is the real one,
+`FakePodStore` the in-memory one for unit tests. `AsyncPodStore` is the part MirrorService uses,
+on the gRPC server's event loop: `AsyncKubePodStore` (aio_store) is the real one, and
+`ThreadedPodStore` runs any PodStore's calls in worker threads (a fake's, or the official
+client's where the event loop's own transport cannot go)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -134,6 +140,51 @@ class PodStore(Protocol):
 
     def emit_event(self, pod: PodSnapshot, event_type: str, reason: str, message: str,
                    deadline: Deadline = NO_DEADLINE) -> None: ...
+
+
+class AsyncPodStore(Protocol):
+    """PodStore's reads and its write, as coroutines (the same errors), and `close()`, which
+    the event loop that used the store awaits when it stops."""
+
+    async def get_pod(self, namespace: str, name: str, deadline: Deadline = NO_DEADLINE
+                      ) -> PodSnapshot: ...
+
+    async def patch_annotations(
+        self, namespace: str, name: str, changes: Mapping[str, str | None], *, uid: str,
+        resource_version: str, deadline: Deadline = NO_DEADLINE,
+    ) -> PodSnapshot: ...
+
+    async def node_labels(self, node: str, deadline: Deadline = NO_DEADLINE
+                          ) -> Mapping[str, str]: ...
+
+    async def close(self) -> None: ...
+
+
+class ThreadedPodStore:
+    """An AsyncPodStore over a blocking PodStore: each call runs in a worker thread, so the
+    event loop goes on serving while it waits. `store` stays the caller's to close."""
+
+    def __init__(self, store: PodStore) -> None:
+        self.store = store
+
+    async def get_pod(self, namespace: str, name: str, deadline: Deadline = NO_DEADLINE
+                      ) -> PodSnapshot:
+        return await asyncio.to_thread(self.store.get_pod, namespace, name, deadline)
+
+    async def patch_annotations(
+        self, namespace: str, name: str, changes: Mapping[str, str | None], *, uid: str,
+        resource_version: str, deadline: Deadline = NO_DEADLINE,
+    ) -> PodSnapshot:
+        return await asyncio.to_thread(
+            self.store.patch_annotations, namespace, name, changes, uid=uid,
+            resource_version=resource_version, deadline=deadline)
+
+    async def node_labels(self, node: str, deadline: Deadline = NO_DEADLINE
+                          ) -> Mapping[str, str]:
+        return await asyncio.to_thread(self.store.node_labels, node, deadline)
+
+    async def close(self) -> None:
+        return None
 
 
 def matches_labels(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
