@@ -4,10 +4,12 @@ following KAI's BindRequests (`--follow-bindrequests`) for clusters that run an 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from ..contract import DEFAULT_KEYS, Keys
 from ..contract.keys import KAI_SCHEDULER_NAME
@@ -82,6 +84,7 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     # Imported here: `kai-fractions --help` must not pay for grpc and the kubernetes client.
     from ..kubeconfig import ConfigError
+    from ..mirror.aio_store import async_pod_store
     from ..mirror.bindrequests import KubeBindRequestSource, follow
     from ..mirror.follower import BindRequestView, Follower
     from ..mirror.kube_store import KubePodStore, load_api_client
@@ -112,15 +115,35 @@ def run(args: argparse.Namespace) -> int:
             log.info("signing allocations with key %s (accepted: %s)",
                      keyring.current().current.kid, ", ".join(keyring.current().kids))
         api_client = load_api_client(args.kubeconfig)
-        store = KubePodStore(api_client)
         cache = PodCache() if args.pod_cache else None
-        service = MirrorService(store, keys=keys, default_reserve_mib=args.reserve_mib,
+        service = MirrorService(async_pod_store(api_client), keys=keys,
+                                default_reserve_mib=args.reserve_mib,
                                 extra_annotations=signer, cache=cache)
-        server = MirrorServer(service, options).start()
+        server = MirrorServer(service, options)
     except (SecurityConfigError, ConfigError, SigningConfigError) as e:
         return _fail(str(e))
 
+    # Everything is built before the server starts (the official client's API classes take
+    # about a second of CPU to import): once it serves, start-up work no longer competes with
+    # the first calls.
     stop = threading.Event()
+    loops: list[tuple[str, KubeListWatch, Callable[[], object]]] = []
+    if cache is not None:
+        what = f"pod(s) of {args.scheduler_name}" if args.scheduler_name else "pod(s)"
+        pods = pod_list_watch(api_client, cache, args.scheduler_name)
+        loops.append(("pod-cache", pods, functools.partial(
+            list_watch, pods, cache.replace, cache.event, stop, what=what)))
+    if args.follow_bindrequests:
+        follower = Follower(KubePodStore(api_client), keys=keys,
+                            default_reserve_mib=args.reserve_mib, signer=keyring)
+        source = KubeBindRequestSource(api_client)
+        loops.append(("bindrequest-follower", source, functools.partial(
+            follow, source, lambda obj: follower.verify(BindRequestView.from_object(obj)),
+            stop)))
+    try:
+        server.start()
+    except SecurityConfigError as e:
+        return _fail(str(e))
 
     def on_signal(signum, _frame) -> None:
         log.info("%s received: shutting down", signal.Signals(signum).name)
@@ -128,24 +151,9 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-
-    watches: list[KubeListWatch] = []
-    if cache is not None:
-        what = f"pod(s) of {args.scheduler_name}" if args.scheduler_name else "pod(s)"
-        watches.append(pod_list_watch(api_client, cache, args.scheduler_name))
-        threading.Thread(
-            target=list_watch, name="pod-cache", daemon=True,
-            args=(watches[-1], cache.replace, cache.event, stop), kwargs={"what": what},
-        ).start()
+    for name, _, loop in loops:
+        threading.Thread(target=loop, name=name, daemon=True).start()
     if args.follow_bindrequests:
-        follower = Follower(store, keys=keys, default_reserve_mib=args.reserve_mib,
-                            signer=keyring)
-        source = KubeBindRequestSource(api_client)
-        watches.append(source)
-        threading.Thread(
-            target=follow, name="bindrequest-follower", daemon=True,
-            args=(source, lambda obj: follower.verify(BindRequestView.from_object(obj)), stop),
-        ).start()
         log.info("following BindRequests (scheduling.run.ai/v1alpha2)%s",
                  "; signing the pods whose annotations match" if keyring else "")
     try:
@@ -153,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
             pass
     finally:
         server.stop()
-        for watch in watches:
+        for _, watch, _ in loops:
             watch.close()
         api_client.close()
     return 0

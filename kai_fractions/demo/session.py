@@ -138,12 +138,12 @@ class DemoSession:
         from kubernetes import client as k8s
 
         from ..api.v1 import allocation_pb2_grpc as pb_grpc
-        from ..mirror.kube_store import KubePodStore
+        from ..mirror.aio_store import async_pod_store
         from ..mirror.server import MirrorServer, ServerOptions
         from ..mirror.service import MirrorService
 
         self._mirror_client = k8s.ApiClient(self.api.configuration())
-        service = MirrorService(KubePodStore(self._mirror_client), keys=self.keys,
+        service = MirrorService(async_pod_store(self._mirror_client), keys=self.keys,
                                 default_reserve_mib=self.config.mirror_reserve_mib)
         self.mirror = MirrorServer(service, ServerOptions(listen="127.0.0.1:0",
                                                           grace_seconds=1.0)).start()

@@ -125,9 +125,17 @@ def resolve_decision(
     )
 
 
+def node_to_read(allocation: AllocationInput) -> str:
+    """The node whose labels `resolve_decision` will ask for, "" when it asks for none: a
+    caller whose reads are coroutines reads them first and hands them over."""
+    if allocation.is_fraction and allocation.node_gpu_memory_mib == 0:
+        return allocation.selected_node
+    return ""
+
+
 def _node_memory(allocation: AllocationInput, node_labels: NodeLabels, error) -> int:
     """The node's label in MiB; 0 when it is missing (the contract then names the problem)."""
-    node = allocation.selected_node
+    node = node_to_read(allocation)
     if not node:
         error("selected_node", "is required to read the node's "
               f"{k.NODE_GPU_MEMORY_LABEL} label when node_gpu_memory_mib is 0")

@@ -136,8 +136,8 @@ class TokenFile:
 
 
 def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    def abort(_request, context: grpc.ServicerContext):
-        context.abort_with_status(unauthenticated(message))
+    async def abort(_request, context: grpc.aio.ServicerContext):
+        await context.abort_with_status(unauthenticated(message))
 
     kinds: tuple[tuple[str, Callable], ...] = (
         ("unary_unary", grpc.unary_unary_rpc_method_handler),
@@ -152,15 +152,15 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
     raise AssertionError("a method handler of no known kind")
 
 
-class BearerTokenInterceptor(grpc.ServerInterceptor):
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """`authorization: Bearer <token>` on every call but health checks; anything else is
     UNAUTHENTICATED before the servicer runs, so nothing is read or written."""
 
     def __init__(self, token: TokenFile) -> None:
         self.token = token
 
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
             return handler
         values = [v for k, v in (handler_call_details.invocation_metadata or ())

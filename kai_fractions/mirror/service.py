@@ -1,4 +1,5 @@
-"""The mirror's three operations over a PodStore, independent of gRPC.
+"""The mirror's three operations over an AsyncPodStore, independent of gRPC. They run on the
+gRPC server's event loop (coroutines), one task per call.
 
 Every write is ONE merge patch guarded by the pod's uid and resourceVersion. A write conflict
 (someone changed the pod since it was read) re-reads the pod and recomputes, a bounded number of
@@ -12,13 +13,14 @@ answer that writes nothing, or refuses the call, is always confirmed by a read f
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
-import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from ..clock import AsyncClock, SystemClock
 from ..contract import DEFAULT_MPS_PIPE_ROOT, ContainerPlan, Keys
 from ..contract import keys as k
 from .compute import (
@@ -29,7 +31,7 @@ from .compute import (
     mirror_patch,
     release_patch,
 )
-from .decision import AllocationInput, check_idempotency_key, resolve_decision
+from .decision import AllocationInput, check_idempotency_key, node_to_read, resolve_decision
 from .errors import (
     AllocationConflict,
     ApiRejected,
@@ -42,12 +44,10 @@ from .pod_cache import PodCache
 from .retry import Backoff
 from .store import (
     NO_DEADLINE,
-    Clock,
+    AsyncPodStore,
     Deadline,
     NodeNotFound,
     PodSnapshot,
-    PodStore,
-    SystemClock,
     WriteConflict,
     WriteInvalid,
 )
@@ -81,40 +81,38 @@ class ReleaseResult:
 
 class _PodLocks:
     """Serialises calls for one pod inside this process, so concurrent duplicates in one replica
-    cost one write even where the server supplies no resourceVersion."""
+    cost one write even where the server supplies no resourceVersion. One event loop's: the
+    table itself needs no lock, nothing awaits between its reads and writes."""
 
     def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._locks: dict[tuple[str, str], tuple[threading.Lock, int]] = {}
+        self._locks: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}
 
-    @contextmanager
-    def hold(self, namespace: str, name: str) -> Iterator[None]:
+    @asynccontextmanager
+    async def hold(self, namespace: str, name: str) -> AsyncIterator[None]:
         key = (namespace, name)
-        with self._guard:
-            lock, users = self._locks.get(key, (threading.Lock(), 0))
-            self._locks[key] = (lock, users + 1)
+        lock, users = self._locks.get(key) or (asyncio.Lock(), 0)
+        self._locks[key] = (lock, users + 1)
         try:
-            with lock:
+            async with lock:
                 yield
         finally:
-            with self._guard:
-                lock, users = self._locks[key]
-                if users == 1:
-                    del self._locks[key]
-                else:
-                    self._locks[key] = (lock, users - 1)
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
 
 
 class MirrorService:
     def __init__(
         self,
-        store: PodStore,
+        store: AsyncPodStore,
         *,
         keys: Keys = k.DEFAULT_KEYS,
         default_reserve_mib: int = 0,
         mps_pipe_root: str = DEFAULT_MPS_PIPE_ROOT,
         conflict_backoff: Backoff = CONFLICT_BACKOFF,
-        clock: Clock | None = None,
+        clock: AsyncClock | None = None,
         rng: random.Random | None = None,
         extra_annotations: ExtraAnnotations | None = None,
         cache: PodCache | None = None,
@@ -133,24 +131,23 @@ class MirrorService:
 
     # -- operations ---------------------------------------------------------------------------
 
-    def mirror(
+    async def mirror(
         self, allocation: AllocationInput, *, idempotency_key: str = "", replace: bool = False,
         deadline: Deadline = NO_DEADLINE,
     ) -> MirrorResult:
         check_idempotency_key(idempotency_key)
-        decision = resolve_decision(allocation, lambda n: self._node_labels(n, deadline),
-                                    default_reserve_mib=self.default_reserve_mib)
+        decision = await self._decision(allocation, deadline)
         ns, name = allocation.namespace, allocation.pod_name
-        with self._locks.hold(ns, name):
-            for attempt in self._attempts(f"mirror on pod {ns}/{name}", deadline):
+        async with self._locks.hold(ns, name):
+            async for attempt in self._attempts(f"mirror on pod {ns}/{name}", deadline):
                 # A conflict means the pod moved on: every later try reads it from the API.
-                pod, fresh = self._read(allocation, deadline, cached=attempt == 0)
+                pod, fresh = await self._read(allocation, deadline, cached=attempt == 0)
                 planned = self._plan_write(pod, allocation, decision, idempotency_key, replace,
                                            final=fresh)
                 if planned is None or (not planned[1].changes and not fresh):
                     # Never refuse, nor answer "nothing to write", from the cache: what it
                     # holds may be stale. Only the API server's copy decides those.
-                    pod = self._get(ns, name, allocation.pod_uid, deadline)
+                    pod = await self._get(ns, name, allocation.pod_uid, deadline)
                     planned = self._plan_write(pod, allocation, decision, idempotency_key,
                                                replace, final=True)
                 assert planned is not None  # final=True raises instead
@@ -160,7 +157,7 @@ class MirrorService:
                              ns, name, outcome.digest[:19])
                     return MirrorResult(outcome.annotations, False, pod.resource_version,
                                         outcome.plans)
-                written = self._patch(pod, patch.changes, deadline, attempt)
+                written = await self._patch(pod, patch.changes, deadline, attempt)
                 if written is None:
                     continue
                 log.info("pod %s/%s: wrote %d annotation change(s) for container %s (%s)",
@@ -170,40 +167,52 @@ class MirrorService:
                                     outcome.plans)
         raise AssertionError("unreachable")  # _attempts raises when it runs out
 
-    def preview(self, allocation: AllocationInput, *, deadline: Deadline = NO_DEADLINE
-                ) -> PreviewResult:
-        decision = resolve_decision(allocation, lambda n: self._node_labels(n, deadline),
-                                    default_reserve_mib=self.default_reserve_mib)
-        pod = self._get(allocation.namespace, allocation.pod_name, allocation.pod_uid, deadline)
+    async def preview(self, allocation: AllocationInput, *, deadline: Deadline = NO_DEADLINE
+                      ) -> PreviewResult:
+        decision = await self._decision(allocation, deadline)
+        pod = await self._get(allocation.namespace, allocation.pod_name, allocation.pod_uid,
+                              deadline)
         outcome = self._outcome(pod, allocation, decision)
         return PreviewResult(outcome.annotations, outcome.plans)
 
-    def release(self, namespace: str, name: str, uid: str = "", *,
-                deadline: Deadline = NO_DEADLINE) -> ReleaseResult:
-        with self._locks.hold(namespace, name):
-            for attempt in self._attempts(f"release on pod {namespace}/{name}", deadline):
-                pod = self._get(namespace, name, uid, deadline)
+    async def release(self, namespace: str, name: str, uid: str = "", *,
+                      deadline: Deadline = NO_DEADLINE) -> ReleaseResult:
+        async with self._locks.hold(namespace, name):
+            async for attempt in self._attempts(f"release on pod {namespace}/{name}", deadline):
+                pod = await self._get(namespace, name, uid, deadline)
                 changes = release_patch(pod)
                 if not changes:
                     return ReleaseResult((), False)
-                if self._patch(pod, changes, deadline, attempt) is None:
+                if await self._patch(pod, changes, deadline, attempt) is None:
                     continue
                 log.info("pod %s/%s: released %d key(s)", namespace, name, len(changes))
                 return ReleaseResult(tuple(sorted(changes)), True)
         raise AssertionError("unreachable")
 
+    async def close(self) -> None:
+        """Closes the store (its connections): the event loop the service ran on awaits it."""
+        await self.store.close()
+
     # -- steps --------------------------------------------------------------------------------
 
-    def _read(self, allocation: AllocationInput, deadline: Deadline, *, cached: bool
-              ) -> tuple[PodSnapshot, bool]:
+    async def _decision(self, allocation: AllocationInput, deadline: Deadline):
+        """The contract's BindDecision; the node's labels are read first when it needs them
+        (resolve_decision is pure: it gets them as a lookup)."""
+        node = node_to_read(allocation)
+        labels = await self._node_labels(node, deadline) if node else None
+        return resolve_decision(allocation, lambda _: labels,
+                                default_reserve_mib=self.default_reserve_mib)
+
+    async def _read(self, allocation: AllocationInput, deadline: Deadline, *, cached: bool
+                    ) -> tuple[PodSnapshot, bool]:
         """The pod and whether it came from the API (True) or the cache (False). A cached pod
         of another uid than the caller's is read again: the cache may lag a recreation."""
         if cached and self.cache is not None:
             pod = self.cache.lookup(allocation.namespace, allocation.pod_name)
             if pod is not None and (not allocation.pod_uid or pod.uid == allocation.pod_uid):
                 return pod, False
-        return self._get(allocation.namespace, allocation.pod_name, allocation.pod_uid,
-                         deadline), True
+        return await self._get(allocation.namespace, allocation.pod_name, allocation.pod_uid,
+                               deadline), True
 
     def _plan_write(self, pod: PodSnapshot, allocation: AllocationInput, decision,
                     idempotency_key: str, replace: bool, *, final: bool
@@ -223,25 +232,26 @@ class MirrorService:
         return compute_outcome(pod, decision, container=allocation.container, keys=self.keys,
                                mps_pipe_root=self.mps_pipe_root, extra=self.extra_annotations)
 
-    def _node_labels(self, node: str, deadline: Deadline) -> Mapping[str, str] | None:
+    async def _node_labels(self, node: str, deadline: Deadline) -> Mapping[str, str] | None:
         try:
-            return self.store.node_labels(node, deadline)
+            return await self.store.node_labels(node, deadline)
         except NodeNotFound:
             return None
 
-    def _get(self, namespace: str, name: str, uid: str, deadline: Deadline) -> PodSnapshot:
-        pod = self.store.get_pod(namespace, name, deadline)
+    async def _get(self, namespace: str, name: str, uid: str, deadline: Deadline
+                   ) -> PodSnapshot:
+        pod = await self.store.get_pod(namespace, name, deadline)
         if self.cache is not None:
             self.cache.remember(pod)
         if uid and pod.uid and pod.uid != uid:
             raise PodReplaced(namespace, name, uid, pod.uid)
         return pod
 
-    def _patch(self, pod: PodSnapshot, changes: Mapping[str, str | None], deadline: Deadline,
-               attempt: int) -> PodSnapshot | None:
+    async def _patch(self, pod: PodSnapshot, changes: Mapping[str, str | None],
+                     deadline: Deadline, attempt: int) -> PodSnapshot | None:
         """The written pod, or None after a conflict (the caller re-reads and recomputes)."""
         try:
-            written = self.store.patch_annotations(
+            written = await self.store.patch_annotations(
                 pod.namespace, pod.name, changes, uid=pod.uid,
                 resource_version=pod.resource_version, deadline=deadline)
             if self.cache is not None:
@@ -256,13 +266,13 @@ class MirrorService:
         except WriteInvalid as e:
             # A uid that no longer matches fails the immutable-field check (422 on a real API
             # server): tell a recreated pod from a genuinely refused patch.
-            fresh = self.store.get_pod(pod.namespace, pod.name, deadline)
+            fresh = await self.store.get_pod(pod.namespace, pod.name, deadline)
             if pod.uid and fresh.uid != pod.uid:
                 raise PodReplaced(pod.namespace, pod.name, pod.uid, fresh.uid) from None
             raise ApiRejected(f"the API server refused the patch of pod {pod.namespace}/"
                               f"{pod.name}: {e}") from None
 
-    def _attempts(self, what: str, deadline: Deadline) -> Iterator[int]:
+    async def _attempts(self, what: str, deadline: Deadline) -> AsyncIterator[int]:
         """Yields try numbers; sleeps (jittered, bounded, within the deadline) between them."""
         backoff = self.conflict_backoff
         for attempt in range(backoff.attempts):
@@ -274,6 +284,6 @@ class MirrorService:
             if remaining is not None and remaining <= delay:
                 raise DeadlineExceeded(f"{what}: the caller's deadline ran out after "
                                        f"{attempt + 1} write conflict(s)")
-            self.clock.sleep(delay)
+            await self.clock.asleep(delay)
         raise ApiUnavailable(f"{what}: the pod kept changing under the write "
                              f"({backoff.attempts} conflicts); retry later")

@@ -1,9 +1,10 @@
-"""kai_fractions.v1.AllocationMirror over MirrorService: protobuf in, protobuf or a status out."""
+"""kai_fractions.v1.AllocationMirror over MirrorService: protobuf in, protobuf or a status out.
+The methods are coroutines of the grpc.aio server (server.py)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import grpc
@@ -25,7 +26,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AllocationMirror"].full_name
 DEADLINE_MARGIN_S = 0.05
 
 
-def deadline_of(context: grpc.ServicerContext) -> Deadline:
+def deadline_of(context: grpc.aio.ServicerContext) -> Deadline:
     remaining = context.time_remaining()
     return Deadline.after(None if remaining is None else max(0.0, remaining - DEADLINE_MARGIN_S))
 
@@ -34,25 +35,26 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
     def __init__(self, service: MirrorService) -> None:
         self.service = service
 
-    def _run(self, context: grpc.ServicerContext, method: str, fn: Callable[[], T],
-             field_prefix: str = "allocation.") -> T:
+    async def _run(self, context: grpc.aio.ServicerContext, method: str,
+                   fn: Callable[[], Awaitable[T]], field_prefix: str = "allocation.") -> T:
         try:
-            return fn()
+            return await fn()
         except MirrorError as e:
             status = to_status(e, field_prefix=field_prefix)
             log.info("%s refused: %s: %s", method, status.code.name, status.details)
-            context.abort_with_status(status)
+            await context.abort_with_status(status)
         except Exception:
             # The trace stays in our log; the caller gets a status it can act on.
             log.exception("%s failed unexpectedly", method)
-            context.abort_with_status(internal(f"{method}: internal error in the mirror; "
-                                               "see its log"))
+            await context.abort_with_status(internal(f"{method}: internal error in the "
+                                                     "mirror; see its log"))
         raise AssertionError("unreachable")  # abort_with_status raises
 
-    def MirrorAllocation(self, request: pb.MirrorAllocationRequest,
-                         context: grpc.ServicerContext) -> pb.MirrorAllocationResponse:
-        def run() -> pb.MirrorAllocationResponse:
-            result = self.service.mirror(
+    async def MirrorAllocation(self, request: pb.MirrorAllocationRequest,
+                               context: grpc.aio.ServicerContext
+                               ) -> pb.MirrorAllocationResponse:
+        async def run() -> pb.MirrorAllocationResponse:
+            result = await self.service.mirror(
                 allocation_from_proto(request.allocation),
                 idempotency_key=request.idempotency_key, replace=request.replace,
                 deadline=deadline_of(context))
@@ -60,27 +62,29 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
                 annotations=dict(result.annotations), changed=result.changed,
                 resource_version=result.resource_version,
                 containers=[plan_to_proto(p) for p in result.plans])
-        return self._run(context, "MirrorAllocation", run)
+        return await self._run(context, "MirrorAllocation", run)
 
-    def PreviewAllocation(self, request: pb.PreviewAllocationRequest,
-                          context: grpc.ServicerContext) -> pb.PreviewAllocationResponse:
-        def run() -> pb.PreviewAllocationResponse:
-            result = self.service.preview(allocation_from_proto(request.allocation),
-                                          deadline=deadline_of(context))
+    async def PreviewAllocation(self, request: pb.PreviewAllocationRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> pb.PreviewAllocationResponse:
+        async def run() -> pb.PreviewAllocationResponse:
+            result = await self.service.preview(allocation_from_proto(request.allocation),
+                                                deadline=deadline_of(context))
             return pb.PreviewAllocationResponse(
                 annotations=dict(result.annotations),
                 containers=[plan_to_proto(p) for p in result.plans])
-        return self._run(context, "PreviewAllocation", run)
+        return await self._run(context, "PreviewAllocation", run)
 
-    def ReleaseAllocation(self, request: pb.ReleaseAllocationRequest,
-                          context: grpc.ServicerContext) -> pb.ReleaseAllocationResponse:
-        def run() -> pb.ReleaseAllocationResponse:
+    async def ReleaseAllocation(self, request: pb.ReleaseAllocationRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> pb.ReleaseAllocationResponse:
+        async def run() -> pb.ReleaseAllocationResponse:
             missing = [ContractError(f"pod.{f}", "is required")
                        for f in ("namespace", "name") if not getattr(request.pod, f)]
             if missing:
                 raise InvalidAllocation(missing)
-            result = self.service.release(request.pod.namespace, request.pod.name,
-                                          request.pod.uid, deadline=deadline_of(context))
+            result = await self.service.release(request.pod.namespace, request.pod.name,
+                                                request.pod.uid, deadline=deadline_of(context))
             return pb.ReleaseAllocationResponse(removed_keys=list(result.removed_keys),
                                                 changed=result.changed)
-        return self._run(context, "ReleaseAllocation", run, field_prefix="")
+        return await self._run(context, "ReleaseAllocation", run, field_prefix="")

@@ -1,4 +1,5 @@
-"""The real AllocationMirror gRPC server and KubePodStore over the FaultyApi, fast retries."""
+"""The real AllocationMirror gRPC server and its AsyncKubePodStore over the FaultyApi, fast
+retries."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
-from kai_fractions.mirror.kube_store import KubePodStore
+from kai_fractions.mirror.aio_store import AsyncKubePodStore
 from kai_fractions.mirror.pod_cache import PodCache
 from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.server import MirrorServer, ServerOptions
@@ -20,7 +21,7 @@ from tests.support.faults_api import FaultyApi
 STORE_BACKOFF = Backoff(attempts=3, base=0.01, cap=0.05)
 CONFLICT_BACKOFF = Backoff(attempts=4, base=0.01, cap=0.05)
 REQUEST_TIMEOUT = 0.3
-"""Seconds KubePodStore waits for one API answer (FaultyApi holds a timed-out one longer)."""
+"""Seconds the store waits for one API answer (FaultyApi holds a timed-out one longer)."""
 SIGNING_KEY = bytes(range(32))
 
 
@@ -34,20 +35,20 @@ class Rig:
 
 
 @contextmanager
-def mirror_over(api: FaultyApi, *, workers: int = 16, signed: bool = True,
+def mirror_over(api: FaultyApi, *, signed: bool = True,
                 store_backoff: Backoff = STORE_BACKOFF, pod_cache: bool = True
                 ) -> Iterator[Rig]:
     """The mirror over `api`, with its pod cache as deployed (fed here by reads and by what
     writes return: FaultyApi serves no watch), so faults also hit the cached path."""
-    client = api.api_client(pool=workers + 4)
-    store = KubePodStore(client, backoff=store_backoff, request_timeout=REQUEST_TIMEOUT)
+    client = api.api_client()
+    store = AsyncKubePodStore(client, backoff=store_backoff, request_timeout=REQUEST_TIMEOUT)
     extra = None
     if signed:
         from kai_fractions.mirror.signing import signing_annotations
         extra = signing_annotations(KeyringSource.fixed(Keyring.of(SIGNING_KEY)))
     service = MirrorService(store, conflict_backoff=CONFLICT_BACKOFF, extra_annotations=extra,
                             cache=PodCache() if pod_cache else None)
-    server = MirrorServer(service, ServerOptions(listen="127.0.0.1:0", max_workers=workers))
+    server = MirrorServer(service, ServerOptions(listen="127.0.0.1:0"))
     server.start()
     channel = grpc.insecure_channel(server.address)
     try:

@@ -18,6 +18,7 @@ from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.signing import signing_annotations
+from kai_fractions.mirror.store import ThreadedPodStore
 from kai_fractions.signing import Keyring, KeyringSource
 
 from .strategies import FUZZ, GPU_A, GPU_B, annotations, values
@@ -129,7 +130,7 @@ pod_annotations = st.one_of(
 def rig():
     store = FakePodStore()
     store.nodes["node-1"] = {"nvidia.com/gpu.memory": "40960"}
-    service = MirrorService(store, extra_annotations=signing_annotations(
+    service = MirrorService(ThreadedPodStore(store), extra_annotations=signing_annotations(
         KeyringSource.fixed(Keyring.of(bytes(range(32))))))
     server = MirrorServer(service, ServerOptions(listen="127.0.0.1:0")).start()
     channel = grpc.insecure_channel(server.address)

@@ -1,4 +1,4 @@
-"""The load run: N pods, N MirrorAllocation calls through the real gRPC server and KubePodStore,
+"""The load run: N pods, N MirrorAllocation calls through the real gRPC server and its store,
 a Kubernetes API that fails 5% of its requests (every kind of FaultyApi fault, transport-level
 ones included), and clients that retry UNAVAILABLE / DEADLINE_EXCEEDED with the same
 idempotency key, as a scheduler does. Shared by tests/load (CI, a reduced count) and
@@ -95,7 +95,7 @@ def run_load(count: int, *, fault_rate: float = 0.05, seed: int = 10,
         work: queue.Queue = queue.Queue()
         for pod in pods:
             work.put(pod)
-        with mirror_over(api, workers=workers * 2, store_backoff=STORE_BACKOFF) as rig:
+        with mirror_over(api, store_backoff=STORE_BACKOFF) as rig:
 
             def client() -> None:
                 while True:

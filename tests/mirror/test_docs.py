@@ -15,6 +15,7 @@ from kai_fractions.api.v1 import allocation_pb2 as pb
 from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.proto import allocation_from_proto, plan_to_proto
 from kai_fractions.mirror.service import MirrorService
+from kai_fractions.mirror.store import ThreadedPodStore
 from tests.api.test_protos import MIRROR_ALLOCATION_REQUEST_JSON
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "mirror.md").read_text()
@@ -32,14 +33,14 @@ def test_grpcurl_example_is_the_apis_example():
     assert json.loads(body) == json.loads(MIRROR_ALLOCATION_REQUEST_JSON)
 
 
-def test_example_reply_is_what_the_mirror_returns():
+async def test_example_reply_is_what_the_mirror_returns():
     store = FakePodStore()
     store.add_pod({"metadata": {"name": "train-0", "namespace": "team-a", "uid": UID,
                                 "annotations": SM_POD},
                    "spec": {"containers": [{"name": "trainer"}]}})
     request = json_format.Parse(MIRROR_ALLOCATION_REQUEST_JSON, pb.MirrorAllocationRequest())
-    result = MirrorService(store).mirror(allocation_from_proto(request.allocation),
-                                         idempotency_key=request.idempotency_key)
+    result = await MirrorService(ThreadedPodStore(store)).mirror(
+        allocation_from_proto(request.allocation), idempotency_key=request.idempotency_key)
     reply = pb.MirrorAllocationResponse(
         annotations=dict(result.annotations), changed=result.changed,
         resource_version=result.resource_version,

@@ -13,6 +13,7 @@ from kubernetes import client as k8s
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
+from kai_fractions.mirror.aio_store import AsyncKubePodStore
 from kai_fractions.mirror.errors import PodNotFound
 from kai_fractions.mirror.kube_store import KubePodStore
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION
@@ -48,8 +49,8 @@ def test_a_real_resource_version_conflict_is_recomputed(mirror_tcp):
     original = mirror_tcp.store.get_pod
     raced = []
 
-    def get_then_race(namespace, name, deadline):
-        snapshot = original(namespace, name, deadline)
+    async def get_then_race(namespace, name, deadline):
+        snapshot = await original(namespace, name, deadline)
         if not raced:
             raced.append(True)
             mirror_tcp.kube.core.patch_namespaced_pod(
@@ -106,8 +107,8 @@ def test_api_down_is_unavailable_and_nothing_is_written(kube):
     """The API server cannot be reached at all (connection refused)."""
     configuration = k8s.Configuration(host=f"http://127.0.0.1:{_closed_port()}")
     configuration.retries = False
-    store = KubePodStore(k8s.ApiClient(configuration),
-                         backoff=Backoff(attempts=3, base=0.01, cap=0.02))
+    store = AsyncKubePodStore(k8s.ApiClient(configuration),
+                              backoff=Backoff(attempts=3, base=0.01, cap=0.02))
     server = MirrorServer(MirrorService(store), ServerOptions(listen="127.0.0.1:0")).start()
     try:
         with grpc.insecure_channel(server.address) as channel:
@@ -236,9 +237,10 @@ def test_an_invalid_patch_on_the_same_pod_is_internal(mirror_tcp):
     assert mirror_tcp.kube.count("GET", PATH) == 2  # re-read: still the same pod
 
 
-def test_the_mirrors_patch_is_the_generated_clients_request_with_its_credentials(kube):
-    """KubePodStore sends its pod PATCH without the generated method (the hot path): same
-    path, headers, token and body as `patch_namespaced_pod`, and the same errors."""
+def test_the_blocking_stores_patch_is_the_generated_clients_request_with_its_credentials(kube):
+    """KubePodStore (the follower's, and the mirror's behind a proxy) sends its pod PATCH
+    without the generated method: same path, headers, token and body as
+    `patch_namespaced_pod`, and the same errors."""
     configuration = kube.configuration()
     configuration.api_key = {"authorization": "rotating-token"}
     configuration.api_key_prefix = {"authorization": "Bearer"}

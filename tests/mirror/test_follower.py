@@ -16,6 +16,7 @@ from kai_fractions.mirror.follower import BindRequestView, Follower
 from kai_fractions.mirror.kube_store import KubePodStore
 from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.service import MirrorService
+from kai_fractions.mirror.store import ThreadedPodStore
 from tests.support.mirror_kube import honour_label_selectors, register_bindrequests
 
 NS = "team-a"
@@ -158,14 +159,15 @@ def test_contract_errors_are_one_invalid_event(store):
          "team-a/br-1")]
 
 
-def test_decide_is_the_servicers_decision(store):
+async def test_decide_is_the_servicers_decision(store):
     """The follower's decision, handed to MirrorService, writes exactly what it expects the
     binder to have written (plus the derived keys): the hook for a writing follower."""
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5"}))
     follower = Follower(store)
     decision = follower.decide(BindRequestView.from_object(bind_request("br-1", "train-0")))
     assert decision is not None
-    written = MirrorService(store).mirror(decision, idempotency_key="bindrequest/br-1")
+    written = await MirrorService(ThreadedPodStore(store)).mirror(
+        decision, idempotency_key="bindrequest/br-1")
     assert {k: v for k, v in written.annotations.items() if k in BOUND} == BOUND
     assert verify(store, bind_request("br-1", "train-0")).mismatches == ()
 

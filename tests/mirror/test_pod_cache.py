@@ -17,7 +17,7 @@ from kai_fractions.mirror.listwatch import Gone, KubeListWatch, list_watch
 from kai_fractions.mirror.pod_cache import PodCache, pod_selector, trimmed
 from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.service import MirrorService
-from kai_fractions.mirror.store import PodSnapshot
+from kai_fractions.mirror.store import PodSnapshot, ThreadedPodStore
 from tests.support.mirror_kube import pod_path
 
 from . import messages
@@ -136,17 +136,17 @@ def cache() -> PodCache:
 
 @pytest.fixture
 def service(store: FakePodStore, cache: PodCache) -> MirrorService:
-    return MirrorService(store, clock=NoSleep(), cache=cache)
+    return MirrorService(ThreadedPodStore(store), clock=NoSleep(), cache=cache)
 
 
 def cached_from_store(store: FakePodStore, cache: PodCache) -> None:
     cache.replace([store.pods[(NS, POD)]])
 
 
-def test_a_cached_pod_is_written_without_a_read(service, store, cache):
+async def test_a_cached_pod_is_written_without_a_read(service, store, cache):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
     cached_from_store(store, cache)
-    result = service.mirror(allocation())
+    result = await service.mirror(allocation())
     assert result.changed and store.reads == 0 and len(store.patches) == 1
     owned = {key: store.annotations(NS, POD)[key] for key in SINGLE}
     assert owned == SINGLE
@@ -154,54 +154,54 @@ def test_a_cached_pod_is_written_without_a_read(service, store, cache):
     assert cache.lookup(NS, POD).resource_version == result.resource_version
 
 
-def test_a_duplicate_is_confirmed_by_a_read_and_writes_nothing(service, store, cache):
+async def test_a_duplicate_is_confirmed_by_a_read_and_writes_nothing(service, store, cache):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
     cached_from_store(store, cache)
-    service.mirror(allocation(), idempotency_key="k-1")
-    again = service.mirror(allocation(), idempotency_key="k-1")
+    await service.mirror(allocation(), idempotency_key="k-1")
+    again = await service.mirror(allocation(), idempotency_key="k-1")
     assert not again.changed and len(store.patches) == 1 and store.reads == 1
 
 
-def test_a_stale_entry_that_looks_done_never_answers_done(service, store, cache):
+async def test_a_stale_entry_that_looks_done_never_answers_done(service, store, cache):
     """The cache says the allocation is there; meanwhile somebody removed it: the mirror must
     write it again, not report success from the cache."""
     store.add_pod(pod({"gpu-fraction": "0.5"}))
     cached_from_store(store, cache)
-    service.mirror(allocation())
+    await service.mirror(allocation())
     store.pods[(NS, POD)]["metadata"]["annotations"] = {"gpu-fraction": "0.5"}  # not watched
-    again = service.mirror(allocation())
+    again = await service.mirror(allocation())
     assert again.changed and len(store.patches) == 2 and store.reads == 1
     assert {key: store.annotations(NS, POD)[key] for key in SINGLE} == SINGLE
 
 
-def test_a_stale_entry_costs_one_refused_write_and_a_read(service, store, cache):
+async def test_a_stale_entry_costs_one_refused_write_and_a_read(service, store, cache):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
     cached_from_store(store, cache)
     # The pod changes behind the cache's back (a label, say): its resourceVersion moves on.
     store.patch_annotations(NS, POD, {"team": "a"}, uid=UID, resource_version="")
-    result = service.mirror(allocation())
+    result = await service.mirror(allocation())
     assert result.changed and store.reads == 1
     label, refused, written = store.patches  # the first write was refused (409), then read
     assert label[2] == {"team": "a"} and refused[2] == written[2]
     assert store.annotations(NS, POD)["team"] == "a"
 
 
-def test_a_cached_pod_of_another_uid_is_read_again(service, store, cache):
+async def test_a_cached_pod_of_another_uid_is_read_again(service, store, cache):
     store.add_pod(pod({"gpu-fraction": "0.5"}, uid=NEW_UID))
     cache.replace([pod({"gpu-fraction": "0.5"}) | {"metadata": {
         "name": POD, "namespace": NS, "uid": UID, "resourceVersion": "1"}}])
     # The caller names the new pod; the cache still has the old one: read, then write.
-    result = service.mirror(allocation(pod_uid=NEW_UID))
+    result = await service.mirror(allocation(pod_uid=NEW_UID))
     assert result.changed and store.reads == 1
     # The caller names the old pod, which the API no longer has: refused, nothing written.
     with pytest.raises(PodReplaced):
-        service.mirror(allocation(pod_uid=UID))
+        await service.mirror(allocation(pod_uid=UID))
     assert len(store.patches) == 1
 
 
-def test_without_an_entry_the_pod_is_read_and_then_cached(service, store, cache):
+async def test_without_an_entry_the_pod_is_read_and_then_cached(service, store, cache):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
-    service.mirror(allocation())
+    await service.mirror(allocation())
     assert store.reads == 1 and cache.lookup(NS, POD) is not None
 
 
@@ -354,14 +354,14 @@ def test_a_watch_drops_skipped_lines_before_parsing_them():
     assert response.closed
 
 
-def test_a_stale_entry_never_refuses_a_call(service, store, cache):
+async def test_a_stale_entry_never_refuses_a_call(service, store, cache):
     """The cache holds another allocation (since released) and a bad user key (since fixed):
     neither refusal may come from it, only from the API server's copy."""
     store.add_pod(pod({"gpu-fraction": "0.5"}))
     cached_from_store(store, cache)
-    service.mirror(allocation())
+    await service.mirror(allocation())
     stale = cache.lookup(NS, POD)  # it holds this allocation now
-    service.release(NS, POD, UID)
+    await service.release(NS, POD, UID)
 
     def lagging(snapshot: PodSnapshot, **annotations: str) -> PodCache:
         lag = PodCache()  # a cache whose watch has not delivered the latest change yet
@@ -372,17 +372,17 @@ def test_a_stale_entry_never_refuses_a_call(service, store, cache):
     service.cache = lagging(stale)
     rebind = allocation(portion="0.25", gpu_ids=("GPU-2222bbbb",))
     reads = store.reads
-    assert service.mirror(rebind).changed and store.reads == reads + 1
+    assert (await service.mirror(rebind)).changed and store.reads == reads + 1
     assert store.annotations(NS, POD)["nvidia.com/container.trainer.gpu-compute.portion"] == \
         "0.25"
     # A bad key only the cache still has: not refused either (and nothing left to write).
     service.cache = lagging(store.get_pod(NS, POD), **{"gpu-fraction": "1.5"})
-    assert not service.mirror(rebind).changed
+    assert not (await service.mirror(rebind)).changed
 
 
-def test_a_refusal_the_api_confirms_is_the_answer(service, store, cache):
+async def test_a_refusal_the_api_confirms_is_the_answer(service, store, cache):
     store.add_pod(pod({"gpu-fraction": "1.5"}))
     cached_from_store(store, cache)
     with pytest.raises(InvalidAllocation):
-        service.mirror(allocation())
+        await service.mirror(allocation())
     assert store.reads == 1 and store.patches == []

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-import threading
 from dataclasses import replace
 
 import pytest
@@ -20,7 +20,7 @@ from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION, allocation_digest
 from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.service import MirrorService
-from kai_fractions.mirror.store import WriteConflict
+from kai_fractions.mirror.store import ThreadedPodStore, WriteConflict
 
 UID = "11111111-2222-3333-4444-555555555555"
 NS, POD = "team-a", "train-0"
@@ -46,7 +46,7 @@ class NoSleep:
     def monotonic(self) -> float:
         return sum(self.sleeps)
 
-    def sleep(self, seconds: float) -> None:
+    async def asleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
 
 
@@ -77,16 +77,16 @@ def clock() -> NoSleep:
 
 @pytest.fixture
 def service(store: FakePodStore, clock: NoSleep) -> MirrorService:
-    return MirrorService(store, clock=clock)
+    return MirrorService(ThreadedPodStore(store), clock=clock)
 
 
 def record_of(store: FakePodStore) -> dict:
     return json.loads(store.annotations(NS, POD)[MIRRORED_ANNOTATION])
 
 
-def test_mirror_writes_binder_and_derived_keys_and_the_record_in_one_patch(store, service):
+async def test_mirror_writes_binder_and_derived_keys_and_the_record_in_one_patch(store, service):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
-    result = service.mirror(allocation(), idempotency_key="bind-1")
+    result = await service.mirror(allocation(), idempotency_key="bind-1")
     assert result.changed is True
     assert dict(result.annotations) == SINGLE
     assert len(store.patches) == 1
@@ -99,22 +99,22 @@ def test_mirror_writes_binder_and_derived_keys_and_the_record_in_one_patch(store
     assert [p.container for p in result.plans] == ["trainer"]
 
 
-def test_identical_repeat_and_same_key_write_nothing(store, service):
+async def test_identical_repeat_and_same_key_write_nothing(store, service):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
-    first = service.mirror(allocation(), idempotency_key="bind-1")
-    again = service.mirror(allocation(), idempotency_key="bind-1")
-    other_key = service.mirror(allocation(), idempotency_key="bind-2")
+    first = await service.mirror(allocation(), idempotency_key="bind-1")
+    again = await service.mirror(allocation(), idempotency_key="bind-1")
+    other_key = await service.mirror(allocation(), idempotency_key="bind-2")
     assert (again.changed, other_key.changed) == (False, False)
     assert again.annotations == first.annotations
     assert len(store.patches) == 1
     assert record_of(store)["idempotencyKey"] == "bind-1"  # the first caller's key stays
 
 
-def test_a_different_decision_is_refused_without_replace(store, service):
+async def test_a_different_decision_is_refused_without_replace(store, service):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
-    service.mirror(allocation(), idempotency_key="bind-1")
+    await service.mirror(allocation(), idempotency_key="bind-1")
     with pytest.raises(AllocationConflict) as e:
-        service.mirror(allocation(portion="0.25", gpu_ids=(GPU_B,)), idempotency_key="bind-2")
+        await service.mirror(allocation(portion="0.25", gpu_ids=(GPU_B,)), idempotency_key="bind-2")
     assert e.value.kind == "ALLOCATION_CONFLICT"
     assert str(e.value).startswith("pod team-a/train-0 already carries a different mirrored "
                                    "allocation (container trainer, sha256:")
@@ -122,22 +122,22 @@ def test_a_different_decision_is_refused_without_replace(store, service):
     assert len(store.patches) == 1
 
 
-def test_reusing_an_idempotency_key_for_another_decision_is_refused_even_with_replace(
+async def test_reusing_an_idempotency_key_for_another_decision_is_refused_even_with_replace(
         store, service):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
-    service.mirror(allocation(), idempotency_key="bind-1")
+    await service.mirror(allocation(), idempotency_key="bind-1")
     with pytest.raises(AllocationConflict) as e:
-        service.mirror(allocation(portion="0.25"), idempotency_key="bind-1", replace=True)
+        await service.mirror(allocation(portion="0.25"), idempotency_key="bind-1", replace=True)
     assert e.value.kind == "IDEMPOTENCY_KEY_REUSED"
     assert len(store.patches) == 1
 
 
-def test_replace_recomputes_the_request_the_mirror_wrote(store, service):
+async def test_replace_recomputes_the_request_the_mirror_wrote(store, service):
     """The subtle case: after the first mirror the pod carries a request the MIRROR wrote. A
     rebind to another portion must recompute it, not keep it as if the user had set it."""
     store.add_pod(pod({"gpu-fraction": "0.5"}))
-    service.mirror(allocation())
-    result = service.mirror(allocation(portion="0.25", gpu_ids=(GPU_B,)), replace=True)
+    await service.mirror(allocation())
+    result = await service.mirror(allocation(portion="0.25", gpu_ids=(GPU_B,)), replace=True)
     assert result.changed
     now = store.annotations(NS, POD)
     assert now["nvidia.com/container.trainer.gpu-memory.request"] == "10240Mi"
@@ -147,17 +147,17 @@ def test_replace_recomputes_the_request_the_mirror_wrote(store, service):
     assert len(store.patches) == 2
 
 
-def test_replace_to_time_slicing_removes_the_sm_sharing_keys(store, service):
+async def test_replace_to_time_slicing_removes_the_sm_sharing_keys(store, service):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
     # The pod's mode is the user's; here the user switches it between two binds.
     store.pods[(NS, POD)]["metadata"]["annotations"][
         "nvidia.com/container.trainer.gpu-compute.mode"] = "sm-sharing"
-    service.mirror(allocation(group_modes=("sm-sharing",)))
+    await service.mirror(allocation(group_modes=("sm-sharing",)))
     assert "kai-fractions.io/container.trainer.mps-active-thread-percentage" in \
         store.annotations(NS, POD)
     del store.pods[(NS, POD)]["metadata"]["annotations"][
         "nvidia.com/container.trainer.gpu-compute.mode"]
-    service.mirror(allocation(), replace=True)
+    await service.mirror(allocation(), replace=True)
     last = store.patches[-1][2]
     assert last["kai-fractions.io/container.trainer.mps-active-thread-percentage"] is None
     assert last["kai-fractions.io/container.trainer.mps-pipe-directory"] is None
@@ -165,11 +165,11 @@ def test_replace_to_time_slicing_removes_the_sm_sharing_keys(store, service):
             if k != MIRRORED_ANNOTATION} == {"gpu-fraction": "0.5", **SINGLE}
 
 
-def test_user_request_and_limit_are_never_overwritten(store, service):
+async def test_user_request_and_limit_are_never_overwritten(store, service):
     user = {"nvidia.com/container.trainer.gpu-memory.request": "8Gi",
             "nvidia.com/container.trainer.gpu-memory.limit": "12Gi"}
     store.add_pod(pod(user))
-    result = service.mirror(allocation(portion="0.25"))
+    result = await service.mirror(allocation(portion="0.25"))
     assert "nvidia.com/container.trainer.gpu-memory.request" not in result.annotations
     assert "nvidia.com/container.trainer.gpu-memory.limit" not in result.annotations
     now = store.annotations(NS, POD)
@@ -177,51 +177,51 @@ def test_user_request_and_limit_are_never_overwritten(store, service):
     assert now["kai-fractions.io/container.trainer.memory-request-mib"] == "8192"
     assert now["kai-fractions.io/container.trainer.memory-limit-mib"] == "12288"
     # ...and a release leaves them too
-    service.release(NS, POD)
+    await service.release(NS, POD)
     assert store.annotations(NS, POD) == user
 
 
-def test_binder_owned_keys_are_always_rewritten(store, service):
+async def test_binder_owned_keys_are_always_rewritten(store, service):
     store.add_pod(pod({"gpu-fraction": "0.5",
                        "nvidia.com/container.trainer.gpus.devices": "GPU-9999ffff",
                        "nvidia.com/container.trainer.gpu-compute.portion": "1",
                        "kai-fractions.io/container.trainer.memory-limit-mib": "999999"}))
-    service.mirror(allocation())
+    await service.mirror(allocation())
     now = store.annotations(NS, POD)
     assert {k: v for k, v in now.items() if k != MIRRORED_ANNOTATION} == {
         "gpu-fraction": "0.5", **SINGLE}
 
 
-def test_release_removes_what_the_mirror_wrote_and_is_idempotent(store, service):
+async def test_release_removes_what_the_mirror_wrote_and_is_idempotent(store, service):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
-    service.mirror(allocation())
-    first = service.release(NS, POD)
+    await service.mirror(allocation())
+    first = await service.release(NS, POD)
     assert first.changed
     assert first.removed_keys == tuple(sorted([*SINGLE, MIRRORED_ANNOTATION]))
     assert store.annotations(NS, POD) == {"gpu-fraction": "0.5"}
-    second = service.release(NS, POD)
+    second = await service.release(NS, POD)
     assert (second.changed, second.removed_keys) == (False, ())
     assert len(store.patches) == 2
 
 
-def test_preview_writes_nothing(store, service):
+async def test_preview_writes_nothing(store, service):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
-    result = service.preview(allocation())
+    result = await service.preview(allocation())
     assert dict(result.annotations) == SINGLE
     assert store.patches == []
 
 
-def test_a_recreated_pod_is_refused(store, service):
+async def test_a_recreated_pod_is_refused(store, service):
     store.add_pod(pod({"gpu-fraction": "0.5"}, uid="99999999-0000-0000-0000-000000000000"))
     with pytest.raises(PodReplaced) as e:
-        service.mirror(allocation())
+        await service.mirror(allocation())
     assert str(e.value) == (
         f"pod team-a/train-0 has uid 99999999-0000-0000-0000-000000000000, not {UID}: the pod "
         "the decision was made for was deleted and recreated; nothing was written")
     assert store.patches == []
 
 
-def test_a_pod_recreated_between_read_and_write_is_refused(store, service):
+async def test_a_pod_recreated_between_read_and_write_is_refused(store, service):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
 
     def recreate(operation, namespace, name):
@@ -232,11 +232,11 @@ def test_a_pod_recreated_between_read_and_write_is_refused(store, service):
 
     store.faults.append(recreate)
     with pytest.raises(PodReplaced):
-        service.mirror(allocation(pod_uid=""))
+        await service.mirror(allocation(pod_uid=""))
     assert MIRRORED_ANNOTATION not in store.annotations(NS, POD)
 
 
-def test_a_write_conflict_rereads_and_retries(store, service, clock):
+async def test_a_write_conflict_rereads_and_retries(store, service, clock):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
 
     def conflict_once(operation, namespace, name):
@@ -245,14 +245,15 @@ def test_a_write_conflict_rereads_and_retries(store, service, clock):
             raise WriteConflict("the object has been modified")
 
     store.faults.append(conflict_once)
-    result = service.mirror(allocation())
+    result = await service.mirror(allocation())
     assert result.changed
     assert len(clock.sleeps) == 1
     assert MIRRORED_ANNOTATION in store.annotations(NS, POD)
 
 
-def test_endless_conflicts_end_as_unavailable(store, clock):
-    service = MirrorService(store, clock=clock, conflict_backoff=Backoff(attempts=3))
+async def test_endless_conflicts_end_as_unavailable(store, clock):
+    service = MirrorService(ThreadedPodStore(store), clock=clock,
+                            conflict_backoff=Backoff(attempts=3))
     store.add_pod(pod({"gpu-fraction": "0.5"}))
 
     def always(operation, namespace, name):
@@ -261,66 +262,60 @@ def test_endless_conflicts_end_as_unavailable(store, clock):
 
     store.faults.append(always)
     with pytest.raises(ApiUnavailable, match=r"kept changing under the write \(3 conflicts\)"):
-        service.mirror(allocation())
+        await service.mirror(allocation())
     assert len(clock.sleeps) == 2
 
 
-def test_missing_pod_is_not_found(store, service):
+async def test_missing_pod_is_not_found(store, service):
     with pytest.raises(PodNotFound, match=r"^pod team-a/train-0 not found$"):
-        service.mirror(allocation())
+        await service.mirror(allocation())
     with pytest.raises(PodNotFound):
-        service.release(NS, POD)
+        await service.release(NS, POD)
 
 
-def test_unknown_container_is_a_request_error(store, service):
+async def test_unknown_container_is_a_request_error(store, service):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
     with pytest.raises(InvalidAllocation) as e:
-        service.mirror(allocation(container="worker"))
+        await service.mirror(allocation(container="worker"))
     assert [(x.key, x.rule) for x in e.value.errors] == [(
         "container_name", "names container 'worker', which is not in pod team-a/train-0 "
         "(containers: trainer)")]
     assert store.patches == []
 
 
-def test_container_other_than_the_fractional_one_is_refused(store, service):
+async def test_container_other_than_the_fractional_one_is_refused(store, service):
     store.add_pod(pod({"gpu-fraction": "0.5", "gpu-fraction-container-name": "trainer"},
                       containers=("sidecar", "trainer")))
     with pytest.raises(InvalidAllocation) as e:
-        service.mirror(allocation(container="sidecar"))
+        await service.mirror(allocation(container="sidecar"))
     assert [x.key for x in e.value.errors] == ["container_name"]
 
 
-def test_broken_pod_annotations_are_reported_by_key(store, service):
+async def test_broken_pod_annotations_are_reported_by_key(store, service):
     store.add_pod(pod({"nvidia.com/container.trainer.gpu-memory.request": "-1"}))
     with pytest.raises(InvalidAllocation) as e:
-        service.mirror(allocation())
+        await service.mirror(allocation())
     assert [x.key for x in e.value.errors] == [
         "nvidia.com/container.trainer.gpu-memory.request"]
 
 
-def test_node_memory_comes_from_the_node_label_when_zero(store, service):
+async def test_node_memory_comes_from_the_node_label_when_zero(store, service):
     store.nodes["node-1"] = {"nvidia.com/gpu.memory": "16384"}
     store.add_pod(pod({"gpu-fraction": "0.5"}))
-    result = service.mirror(allocation(node_gpu_memory_mib=0))
+    result = await service.mirror(allocation(node_gpu_memory_mib=0))
     assert result.annotations["nvidia.com/container.trainer.gpu-memory.request"] == "8192Mi"
 
 
-def test_regular_bind_writes_only_the_resource_type(store, service):
+async def test_regular_bind_writes_only_the_resource_type(store, service):
     store.add_pod(pod({}))
-    result = service.mirror(allocation(resource_type="Regular", portion="", group_modes=(),
+    result = await service.mirror(allocation(resource_type="Regular", portion="", group_modes=(),
                                        gpu_ids=(), gpu_count=0))
     assert dict(result.annotations) == {"received-resource-type": "Regular"}
     assert result.plans == ()
 
 
-def test_concurrent_duplicates_cost_one_write(store, service):
+async def test_concurrent_duplicates_cost_one_write(store, service):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
-    results = []
-    threads = [threading.Thread(target=lambda: results.append(service.mirror(allocation())))
-               for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = await asyncio.gather(*(service.mirror(allocation()) for _ in range(8)))
     assert sorted(r.changed for r in results) == [False] * 7 + [True]
     assert len(store.patches) == 1

@@ -18,6 +18,7 @@ from kai_fractions.mirror.security import (
 )
 from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
+from kai_fractions.mirror.store import ThreadedPodStore
 
 from .certs import CertificateAuthority
 from .messages import allocation, mirror_request
@@ -140,7 +141,7 @@ def test_reflection_needs_the_token_too(grpcurl_bin, mirror_factory, tmp_path):
 # -- configuration guards (no server needed) ---------------------------------------------------
 
 def make(**options) -> MirrorServer:
-    return MirrorServer(MirrorService(FakePodStore()), ServerOptions(**options))
+    return MirrorServer(MirrorService(ThreadedPodStore(FakePodStore())), ServerOptions(**options))
 
 
 @pytest.mark.parametrize("listen", ["0.0.0.0:50051", "10.0.0.7:50051", "[::]:50051",

@@ -16,6 +16,7 @@ from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION, allocation_digest
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.signing import signing_annotations
+from kai_fractions.mirror.store import ThreadedPodStore
 from kai_fractions.signing import Keyring, KeyringSource, Reason
 
 from .allocations import GPU_A, GPU_B, KEY_A, KEY_B, UID, plans_of
@@ -28,7 +29,7 @@ class NoSleep:
     def monotonic(self) -> float:
         return 0.0
 
-    def sleep(self, seconds: float) -> None:
+    async def asleep(self, seconds: float) -> None:
         pass
 
 
@@ -69,7 +70,8 @@ def keys() -> Keys:
 
 @pytest.fixture
 def service(store, keys) -> MirrorService:
-    return MirrorService(store, clock=NoSleep(), extra_annotations=signing_annotations(keys))
+    return MirrorService(ThreadedPodStore(store), clock=NoSleep(),
+                         extra_annotations=signing_annotations(keys))
 
 
 def pod_object(store: FakePodStore) -> dict:
@@ -83,9 +85,9 @@ def verify(keyring: Keyring, store: FakePodStore):
     return keyring.verify(plan, obj["metadata"]["annotations"].get(SIG))
 
 
-def test_the_signature_is_written_in_the_same_patch_and_recorded(store, service):
+async def test_the_signature_is_written_in_the_same_patch_and_recorded(store, service):
     new_pod(store)
-    result = service.mirror(allocation(), idempotency_key="bind-1")
+    result = await service.mirror(allocation(), idempotency_key="bind-1")
     assert len(store.patches) == 1
     patch = store.patches[0][2]
     (plan,) = result.plans
@@ -97,85 +99,85 @@ def test_the_signature_is_written_in_the_same_patch_and_recorded(store, service)
     assert verify(Keyring.of(KEY_A), store).ok
 
 
-def test_sm_sharing_on_two_gpus_is_signed_too(store, service):
+async def test_sm_sharing_on_two_gpus_is_signed_too(store, service):
     new_pod(store, {"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2",
                     "nvidia.com/container.trainer.gpu-compute.mode": "sm-sharing"})
-    service.mirror(allocation(gpu_count=2, gpu_ids=(GPU_A, GPU_B), group_ids=("g-1", "g-2"),
+    await service.mirror(allocation(gpu_count=2, gpu_ids=(GPU_A, GPU_B), group_ids=("g-1", "g-2"),
                               group_modes=("sm-sharing", "sm-sharing")))
     assert verify(Keyring.of(KEY_A), store).ok
 
 
-def test_a_repeat_writes_nothing(store, service):
+async def test_a_repeat_writes_nothing(store, service):
     new_pod(store)
-    service.mirror(allocation(), idempotency_key="bind-1")
-    again = service.mirror(allocation(), idempotency_key="bind-1")
+    await service.mirror(allocation(), idempotency_key="bind-1")
+    again = await service.mirror(allocation(), idempotency_key="bind-1")
     assert again.changed is False and len(store.patches) == 1
 
 
-def test_a_repeat_after_rotation_keeps_the_still_valid_signature(store, service, keys):
+async def test_a_repeat_after_rotation_keeps_the_still_valid_signature(store, service, keys):
     new_pod(store)
-    first = service.mirror(allocation(), idempotency_key="bind-1")
+    first = await service.mirror(allocation(), idempotency_key="bind-1")
     keys.keyring = Keyring.of(KEY_B, KEY_A)
-    again = service.mirror(allocation(), idempotency_key="bind-1")
+    again = await service.mirror(allocation(), idempotency_key="bind-1")
     assert again.changed is False and len(store.patches) == 1
     assert again.annotations[SIG] == first.annotations[SIG]
     assert verify(keys.keyring, store).ok
 
 
-def test_a_repeat_after_the_old_key_is_retired_re_signs_without_a_conflict(store, service,
+async def test_a_repeat_after_the_old_key_is_retired_re_signs_without_a_conflict(store, service,
                                                                            keys):
     new_pod(store)
-    service.mirror(allocation(), idempotency_key="bind-1")
+    await service.mirror(allocation(), idempotency_key="bind-1")
     keys.keyring = Keyring.of(KEY_B)
     assert verify(keys.keyring, store).reason == Reason.INVALID
-    again = service.mirror(allocation(), idempotency_key="bind-1")
+    again = await service.mirror(allocation(), idempotency_key="bind-1")
     assert again.changed is True and len(store.patches) == 2
     assert set(store.patches[1][2]) == {SIG}  # only the signature moves; the record stays
     assert verify(keys.keyring, store).ok
 
 
-def test_a_different_decision_still_conflicts(store, service):
+async def test_a_different_decision_still_conflicts(store, service):
     new_pod(store)
-    service.mirror(allocation(), idempotency_key="bind-1")
+    await service.mirror(allocation(), idempotency_key="bind-1")
     with pytest.raises(AllocationConflict):
-        service.mirror(allocation(portion="0.25"), idempotency_key="bind-2")
-    rebound = service.mirror(allocation(portion="0.25", gpu_ids=(GPU_B,)), replace=True)
+        await service.mirror(allocation(portion="0.25"), idempotency_key="bind-2")
+    rebound = await service.mirror(allocation(portion="0.25", gpu_ids=(GPU_B,)), replace=True)
     assert rebound.changed and verify(Keyring.of(KEY_A), store).ok
 
 
-def test_a_forged_signature_on_the_pod_is_replaced(store, service):
+async def test_a_forged_signature_on_the_pod_is_replaced(store, service):
     new_pod(store, {"gpu-fraction": "0.5", SIG: "v1;kid=00000000;sig=" + "A" * 43})
-    service.mirror(allocation())
+    await service.mirror(allocation())
     assert verify(Keyring.of(KEY_A), store).ok
 
 
-def test_release_removes_the_signature(store, service):
+async def test_release_removes_the_signature(store, service):
     new_pod(store)
-    service.mirror(allocation())
-    released = service.release(NS, POD)
+    await service.mirror(allocation())
+    released = await service.release(NS, POD)
     assert SIG in released.removed_keys
     assert store.annotations(NS, POD) == {"gpu-fraction": "0.5"}
 
 
-def test_preview_shows_the_signature_and_writes_nothing(store, service):
+async def test_preview_shows_the_signature_and_writes_nothing(store, service):
     new_pod(store)
-    preview = service.preview(allocation())
+    preview = await service.preview(allocation())
     assert SIG in preview.annotations and store.patches == []
 
 
-def test_a_whole_gpu_bind_has_nothing_to_sign(store, service):
+async def test_a_whole_gpu_bind_has_nothing_to_sign(store, service):
     new_pod(store, {})
-    result = service.mirror(allocation(resource_type="Regular", portion="", gpu_count=0,
+    result = await service.mirror(allocation(resource_type="Regular", portion="", gpu_count=0,
                                        group_modes=(), gpu_ids=()))
     assert dict(result.annotations) == {"received-resource-type": "Regular"}
     assert not any(key.endswith(k.DERIVED_SIGNATURE) for key in store.annotations(NS, POD))
 
 
-def test_a_user_edit_after_the_mirror_is_caught(store, service):
+async def test_a_user_edit_after_the_mirror_is_caught(store, service):
     """The attack the signature exists for: the user raises their own limit after the bind
     (a user key, so admission lets it through on UPDATE)."""
     new_pod(store)
-    service.mirror(allocation())
+    await service.mirror(allocation())
     pod_object(store)["metadata"]["annotations"][
         "nvidia.com/container.trainer.gpu-memory.limit"] = "40Gi"
     verdict = verify(Keyring.of(KEY_A), store)

@@ -1,5 +1,6 @@
 """The mirror's test harness: kmock (``kube``) with the reactions the mirror relies on, plus the
-real AllocationMirror gRPC server on loopback TCP or a unix socket, with fast retries.
+real AllocationMirror gRPC server on loopback TCP or a unix socket, with fast retries, writing
+through its real event-loop store (AsyncKubePodStore).
 
 Reactions added to the ``kube`` emulator (kmock ignores selectors and knows no CRDs):
 
@@ -28,7 +29,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
-from kai_fractions.mirror.kube_store import KubePodStore
+from kai_fractions.mirror.aio_store import AsyncKubePodStore
 from kai_fractions.mirror.listwatch import list_watch
 from kai_fractions.mirror.pod_cache import PodCache, pod_list_watch
 from kai_fractions.mirror.retry import Backoff
@@ -82,7 +83,7 @@ def pod_path(namespace: str, name: str) -> str:
 @dataclass
 class MirrorHarness:
     kube: KubeServer
-    store: KubePodStore
+    store: AsyncKubePodStore
     service: MirrorService
     server: MirrorServer
     channel: grpc.Channel
@@ -123,9 +124,9 @@ class MirrorHarness:
 
 def start_mirror(kube: KubeServer, *, transport: str = "tcp", **options: Any) -> MirrorHarness:
     honour_label_selectors(kube)
-    store = KubePodStore(kube.api_client, backoff=options.pop("store_backoff",
-                                                                FAST_STORE_BACKOFF),
-                         request_timeout=options.pop("request_timeout", 5.0))
+    store = AsyncKubePodStore(kube.api_client, backoff=options.pop("store_backoff",
+                                                                     FAST_STORE_BACKOFF),
+                              request_timeout=options.pop("request_timeout", 5.0))
     cleanups: list[Callable[[], None]] = []
     cache = None
     if options.pop("pod_cache", False):
