@@ -1,16 +1,19 @@
 """P1 mirror overhead: what `MirrorAllocation` costs beyond the gRPC call and the pod write it
-cannot avoid. Three processes besides this one, measured side by side in one run:
+cannot avoid. Six processes besides this one, measured side by side in one run:
 
-(a)  gRPC echo: `benchmarks.grpc_echo`, a server built like the mirror's that answers the same
-     method with a canned response: the floor of any gRPC call.
+(a)  gRPC echo: `benchmarks.grpc_echo`, a thread-pool gRPC server (16 workers) that answers
+     the same method with a canned response: the floor of any gRPC call. (a2) the same echo
+     on a grpc.aio server, the kind the mirror runs.
 (b)  a bare `kubernetes`-client pod PATCH (merge patch, uid guarded, the same annotations the
      mirror writes) against the stub API server (`benchmarks.stub_apiserver`). Not guarded by
      resourceVersion: the stub makes the pod on first use, at a resourceVersion of its own that
      only a read (or a watch) would tell.
 (b2) a bare GET + PATCH, guarded by uid and the resourceVersion read (two round trips).
 (d)  a gRPC echo server that makes (b)'s PATCH in its handler before it answers: a and b
-     composed in one Python process (thread handoffs and the GIL included), the floor of any
-     Python gRPC service that writes one pod per call, with none of the mirror's own work.
+     composed in one Python process (thread handoffs and the GIL included), the floor of a
+     threaded Python gRPC service that writes one pod per call. (d2) a2's server making the
+     same PATCH through the mirror's own event-loop store (AsyncKubePodStore): the floor of the
+     mirror's design, with none of its own work (contract, cache, records, logging).
 (c)  `MirrorAllocation` end to end: the real `kai-fractions mirror` process, configured by a
      kubeconfig that points at the stub, called by a real gRPC client.
 
@@ -42,7 +45,8 @@ import grpc
 from kai_fractions.api.v1 import allocation_pb2 as pb
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.contract import keys as k
-from kai_fractions.mirror.kube_store import MERGE_PATCH, load_api_client
+from kai_fractions.mirror.kube_api import MERGE_PATCH
+from kai_fractions.mirror.kube_store import load_api_client
 
 from .harness import Result, percentile
 from .stub_apiserver import REPO, kubeconfig, pod_uid, read_port, running, seed
@@ -139,12 +143,15 @@ def mirror_process(kubeconfig_path: Path, log_path: Path, main: str = _MIRROR_MA
 
 @contextmanager
 def echo_process(response: bytes, directory: Path, patch_kubeconfig: Path | None = None,
-                 patch_annotations: dict[str, str] | None = None) -> Iterator[str]:
-    """The gRPC echo server (a); with `patch_kubeconfig`, one that also makes (b)'s PATCH (d)."""
+                 patch_annotations: dict[str, str] | None = None, server: str = "threads"
+                 ) -> Iterator[str]:
+    """The gRPC echo server (a; a2 with `server="aio"`); with `patch_kubeconfig`, one that also
+    makes the pod's PATCH (d; d2)."""
     directory.mkdir(exist_ok=True)
     path = directory / "response.bin"
     path.write_bytes(response)
-    argv = [sys.executable, "-m", "benchmarks.grpc_echo", "--response", str(path)]
+    argv = [sys.executable, "-m", "benchmarks.grpc_echo", "--response", str(path),
+            "--server", server]
     if patch_kubeconfig is not None:
         annotations = directory / "annotations.json"
         annotations.write_text(json.dumps(patch_annotations or {}))
@@ -307,9 +314,12 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
         written = _pod_annotations(url, "sample", "p0")
         added = {key: value for key, value in written.items()
                  if POD_TEMPLATE["metadata"]["annotations"].get(key) != value}
-        echo_address = stack.enter_context(echo_process(response.SerializeToString(), tmp))
-        echo_patch_address = stack.enter_context(echo_process(
-            response.SerializeToString(), tmp / "d", config, added))
+        canned = response.SerializeToString()
+        echo_address = stack.enter_context(echo_process(canned, tmp))
+        aio_echo_address = stack.enter_context(echo_process(canned, tmp / "a2", server="aio"))
+        echo_patch_address = stack.enter_context(echo_process(canned, tmp / "d", config, added))
+        aio_patch_address = stack.enter_context(echo_process(canned, tmp / "d2", config, added,
+                                                             server="aio"))
         patch = BarePatch(config, added, read_first=False)
         get_patch = BarePatch(config, added, read_first=True)
         stack.callback(patch.close)
@@ -317,13 +327,17 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
 
         kinds: dict[str, Callable[[Names, int, int], tuple[list[float], float]]] = {
             "a": lambda ns, n, c: _grpc(echo_address, ns, n, c),
+            "a2": lambda ns, n, c: _grpc(aio_echo_address, ns, n, c),
             "b": lambda ns, n, c: _kube(patch, ns, n, c),
             "b2": lambda ns, n, c: _kube(get_patch, ns, n, c),
             "d": lambda ns, n, c: _grpc(echo_patch_address, ns, n, c),
+            "d2": lambda ns, n, c: _grpc(aio_patch_address, ns, n, c),
             "c": lambda ns, n, c: _grpc(mirror_address, ns, n, c),
         }
-        labels = {"a": "(a) gRPC echo", "b": "(b) bare PATCH", "b2": "(b2) bare GET+PATCH",
-                  "d": "(d) gRPC echo + bare PATCH", "c": "(c) MirrorAllocation"}
+        labels = {"a": "(a) gRPC echo", "a2": "(a2) gRPC echo, aio",
+                  "b": "(b) bare PATCH", "b2": "(b2) bare GET+PATCH",
+                  "d": "(d) gRPC echo + bare PATCH",
+                  "d2": "(d2) aio echo + the mirror's PATCH", "c": "(c) MirrorAllocation"}
         names = {kind: Names(f"bench-{kind}") for kind in kinds}
         for kind, measure in kinds.items():  # warm every path: connections, caches
             measure(names[kind], warmup, 1)
@@ -368,6 +382,7 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
             result.add(f"ratio c/(a+b2), c={concurrency}",
                        round(cost["c"] / (cost["a"] + cost["b2"]), 2), "x")
             result.add(f"ratio c/d, c={concurrency}", round(cost["c"] / cost["d"], 2), "x")
+            result.add(f"ratio c/d2, c={concurrency}", round(cost["c"] / cost["d2"], 2), "x")
             calls = len(samples["c"])
             result.add(f"mirror CPU per allocation, c={concurrency}",
                        round(mirror_cpu / calls * 1e3, 3), "ms")
@@ -431,11 +446,13 @@ def _stub_pid(url: str) -> int:
 
 def profile(count: int = 2000, top: int = 25) -> None:
     """The mirror's path in-process, under cProfile: servicer -> service (its pod cache primed,
-    as the watch keeps it) -> KubePodStore -> the stub (in its own process). gRPC transport is
-    left out (it is (a)); what is left is what the mirror adds."""
+    as the watch keeps it) -> AsyncKubePodStore -> the stub (in its own process), one call
+    after the other on one event loop. gRPC transport is left out (it is (a)); what is left is
+    what the mirror adds."""
     import cProfile
     import pstats
 
+    from kai_fractions.mirror.aio_store import AsyncKubePodStore
     from kai_fractions.mirror.kube_store import KubePodStore
     from kai_fractions.mirror.pod_cache import PodCache
     from kai_fractions.mirror.service import MirrorService
@@ -445,32 +462,42 @@ def profile(count: int = 2000, top: int = 25) -> None:
         def time_remaining(self) -> float:
             return CALL_TIMEOUT_S
 
+        async def abort_with_status(self, status) -> None:
+            raise RuntimeError(f"the call failed: {status.code}: {status.details}")
+
+    async def calls(servicer: AllocationMirrorServicer, requests: list) -> None:
+        for req in requests:
+            await servicer.MirrorAllocation(req, Context())
+
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kf-p1-")))
         url = stack.enter_context(running(POD_TEMPLATE, NODE_MEMORY_MIB))
         api = load_api_client(str(kubeconfig(url, tmp / "kubeconfig")))
-        store, cache = KubePodStore(api), PodCache()
+        stack.callback(api.close)
+        cache = PodCache()
         names = [f"p{i}" for i in range(count + 100)]
         seed(url, "profile", names)
+        reader = KubePodStore(api)
         for name in names:
-            cache.remember(store.get_pod("profile", name))
-        servicer = AllocationMirrorServicer(MirrorService(store, cache=cache))
+            cache.remember(reader.get_pod("profile", name))
         requests = [request("profile", name) for name in names]
-        for req in requests[:100]:
-            servicer.MirrorAllocation(req, Context())
+        loop = asyncio.new_event_loop()
+        stack.callback(loop.close)
+        store = AsyncKubePodStore(api)
+        servicer = AllocationMirrorServicer(MirrorService(store, cache=cache))
+        loop.run_until_complete(calls(servicer, requests[:100]))
         profiler = cProfile.Profile()
         begin = time.perf_counter()
         profiler.enable()
-        for req in requests[100:]:
-            servicer.MirrorAllocation(req, Context())
+        loop.run_until_complete(calls(servicer, requests[100:]))
         profiler.disable()
         took = time.perf_counter() - begin
+        loop.run_until_complete(store.close())
         print(f"{count} MirrorAllocation calls in-process (profiled): "
               f"{took / count * 1e3:.3f} ms each")
         stats = pstats.Stats(profiler).strip_dirs()
         stats.sort_stats("tottime").print_stats(top)
         stats.sort_stats("cumulative").print_stats(top)
-        api.close()
 
 
 # -- the pod cache, on and off ----------------------------------------------------------------
