@@ -34,6 +34,12 @@ def _parse_decimal(text: str) -> Fraction:
     return Fraction(text)
 
 
+def at_most(a: Fraction, b: Fraction) -> bool:
+    """a <= b by integer cross-multiplication (denominators are positive): the same answer as
+    Fraction's own comparison at a fraction of its cost, which parsing pays per pod."""
+    return a.numerator * b.denominator <= b.numerator * a.denominator
+
+
 def decimal_places(text: str) -> int:
     """Digits after the point in the value's plain form (`5e-1` has 1, `0.12500` has 5)."""
     exponent = Decimal(text).normalize().as_tuple().exponent

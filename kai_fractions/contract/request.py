@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from . import keys as k
 from .errors import ContractError
-from .numbers import NumberError, decimal_places, parse_decimal, parse_positive_int
+from .numbers import NumberError, at_most, decimal_places, parse_decimal, parse_positive_int
 from .pod import PodView
 from .quantity import MIB, QuantityError, has_unit, memory_bytes
 
@@ -184,9 +184,10 @@ def _scan(
     prefix, skip = keys.prefix, len(keys.prefix)
     for key, value in pod.annotations.items():
         if not key.startswith(prefix):
-            name = keys.split_portion_limit(key)
-            if name is not None:
-                portion_limits.append((key, name, value))
+            if key.startswith(k.PORTION_LIMIT_PREFIX):  # most keys are nobody's: skip the call
+                name = keys.split_portion_limit(key)
+                if name is not None:
+                    portion_limits.append((key, name, value))
             continue
         name, dot, tail = key[skip:].partition(".")
         suffix = dot + tail
@@ -265,11 +266,14 @@ class _Legacy:
         return self.fraction is not None or self.memory_bytes is not None
 
 
+_LEGACY_POD_KEYS = frozenset(k.LEGACY_POD_KEYS)
+
+
 def _legacy(pod: PodView, c: _Collector) -> _Legacy | None:
     a = pod.annotations
-    present = [key for key in k.LEGACY_POD_KEYS if key in a]
-    if not present:
+    if _LEGACY_POD_KEYS.isdisjoint(a):  # the usual pod: one set operation, not six lookups
         return None
+    present = [key for key in k.LEGACY_POD_KEYS if key in a]
     regular = [ct.name for ct in pod.containers]
     target = a.get(k.GPU_FRACTION_CONTAINER_NAME) or (regular[0] if regular else "")
     if k.GPU_FRACTION_CONTAINER_NAME in a and pod.container(target) is None:
@@ -293,7 +297,7 @@ def _legacy(pod: PodView, c: _Collector) -> _Legacy | None:
             legacy.limit_portion = _portion(c, k.GPU_FRACTION_LIMIT, value, target,
                                             upper_open=True, max_decimals=_MAX_LEGACY_DECIMALS)
             if (legacy.limit_portion is not None and legacy.fraction is not None
-                    and legacy.limit_portion <= legacy.fraction):
+                    and at_most(legacy.limit_portion, legacy.fraction)):
                 c.error(k.GPU_FRACTION_LIMIT, f"must be greater than gpu-fraction "
                         f"{a[k.GPU_FRACTION]!r}", value, target)
                 legacy.limit_portion = None
@@ -366,7 +370,7 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
             # The absolute limit wins. After a bind it is the one the binder computed from
             # this very key, so both being present is the normal, bound state.
             continue
-        elif share.fraction is not None and portion <= share.fraction:
+        elif share.fraction is not None and at_most(portion, share.fraction):
             c.error(key, "must be greater than the container's gpu-fraction", None, name)
         else:
             shares[name] = replace(share, limit_portion=portion)
@@ -375,7 +379,9 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
         c.warn(k.LEGACY_COMPUTE_MODE, "is ignored by KAI and by kai_fractions; set "
                f"{keys.prefix}<container>{k.COMPUTE_MODE} instead",
                pod.annotations[k.LEGACY_COMPUTE_MODE])
-    ordered = tuple(shares[ct.name] for ct in pod.all_containers if ct.name in shares)
+    # In the pod's container order; KAI allows one fractional container, so one is the rule.
+    ordered = tuple(shares.values()) if len(shares) < 2 else tuple(
+        shares[ct.name] for ct in pod.all_containers if ct.name in shares)
     return PodRequest(pod=pod, shares=ordered, errors=tuple(c.errors),
                       warnings=tuple(c.warnings))
 
