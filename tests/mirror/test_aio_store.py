@@ -28,7 +28,8 @@ import urllib3
 from kubernetes import client as k8s
 
 from kai_fractions.kubeconfig import ConfigError
-from kai_fractions.mirror.aio_store import AsyncKubePodStore, async_pod_store, tls_context
+from kai_fractions.mirror.aio_api import tls_context
+from kai_fractions.mirror.aio_store import AsyncKubePodStore, async_pod_store
 from kai_fractions.mirror.errors import ApiRejected, ApiUnavailable, DeadlineExceeded, PodNotFound
 from kai_fractions.mirror.kube_store import KubePodStore
 from kai_fractions.mirror.retry import Backoff
@@ -547,7 +548,7 @@ async def test_an_api_that_refuses_connections_is_unavailable_after_the_configur
     assert str(e.value).startswith("read pod team-a/train-0: the Kubernetes API failed 3 time(s), "
                                    "last: ConnectionRefusedError")
     assert len(clock.sleeps) == FAST.attempts - 1
-    assert store.pool.opened == 0
+    assert store.transport.pool.opened == 0
 
 
 async def test_sequential_calls_share_one_kept_connection(kube, open_store):
@@ -561,7 +562,7 @@ async def test_sequential_calls_share_one_kept_connection(kube, open_store):
         with pytest.raises(PodNotFound):
             await store.get_pod(NS, "gone")
     assert kube.count() == 2 + 5 * 4
-    assert store.pool.opened == 1
+    assert store.transport.pool.opened == 1
 
 
 # -- configuration: proxies, URLs, TLS -------------------------------------------------------
@@ -654,7 +655,7 @@ def test_the_configured_ca_is_the_one_trusted(tmp_path, given_as):
 ], ids=["host", "tls-server-name", "assert-hostname", "no-hostname-check", "both"])
 async def test_the_tls_server_name_is_the_name_the_pool_dials(open_store, settings,
                                                               server_hostname):
-    pool = open_store(configured("https://api.example.test:6443", **settings)).pool
+    pool = open_store(configured("https://api.example.test:6443", **settings)).transport.pool
     assert (pool.host, pool.port, pool.server_hostname) == ("api.example.test", 6443,
                                                             server_hostname)
 
