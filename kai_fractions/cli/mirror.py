@@ -9,7 +9,6 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable
 
 from ..contract import DEFAULT_KEYS, Keys
 from ..contract.keys import KAI_SCHEDULER_NAME
@@ -88,8 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from ..mirror.bindrequests import KubeBindRequestSource, follow
     from ..mirror.follower import BindRequestView, Follower
     from ..mirror.kube_store import KubePodStore, load_api_client
-    from ..mirror.listwatch import KubeListWatch, list_watch
-    from ..mirror.pod_cache import PodCache, pod_list_watch
+    from ..mirror.pod_cache import PodCache, pod_feed
     from ..mirror.security import SecurityConfigError
     from ..mirror.server import MirrorServer, ServerOptions
     from ..mirror.service import MirrorService
@@ -119,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         service = MirrorService(async_pod_store(api_client), keys=keys,
                                 default_reserve_mib=args.reserve_mib,
                                 extra_annotations=signer, cache=cache)
-        server = MirrorServer(service, options)
+        feeds = [pod_feed(api_client, cache, args.scheduler_name)] if cache is not None else []
+        server = MirrorServer(service, options, tasks=feeds)
     except (SecurityConfigError, ConfigError, SigningConfigError) as e:
         return _fail(str(e))
 
@@ -127,19 +126,13 @@ def run(args: argparse.Namespace) -> int:
     # about a second of CPU to import): once it serves, start-up work no longer competes with
     # the first calls.
     stop = threading.Event()
-    loops: list[tuple[str, KubeListWatch, Callable[[], object]]] = []
-    if cache is not None:
-        what = f"pod(s) of {args.scheduler_name}" if args.scheduler_name else "pod(s)"
-        pods = pod_list_watch(api_client, cache, args.scheduler_name)
-        loops.append(("pod-cache", pods, functools.partial(
-            list_watch, pods, cache.replace, cache.event, stop, what=what)))
+    source: KubeBindRequestSource | None = None
     if args.follow_bindrequests:
         follower = Follower(KubePodStore(api_client), keys=keys,
                             default_reserve_mib=args.reserve_mib, signer=keyring)
         source = KubeBindRequestSource(api_client)
-        loops.append(("bindrequest-follower", source, functools.partial(
-            follow, source, lambda obj: follower.verify(BindRequestView.from_object(obj)),
-            stop)))
+        follow_loop = functools.partial(
+            follow, source, lambda obj: follower.verify(BindRequestView.from_object(obj)), stop)
     try:
         server.start()
     except SecurityConfigError as e:
@@ -151,9 +144,8 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    for name, _, loop in loops:
-        threading.Thread(target=loop, name=name, daemon=True).start()
-    if args.follow_bindrequests:
+    if source is not None:
+        threading.Thread(target=follow_loop, name="bindrequest-follower", daemon=True).start()
         log.info("following BindRequests (scheduling.run.ai/v1alpha2)%s",
                  "; signing the pods whose annotations match" if keyring else "")
     try:
@@ -161,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
             pass
     finally:
         server.stop()
-        for _, watch, _ in loops:
-            watch.close()
+        if source is not None:
+            source.close()
         api_client.close()
     return 0

@@ -134,6 +134,53 @@ class KubeListWatch:
             response.release_conn()
 
 
+class Cycle:
+    """The bookkeeping of one list + watch loop, shared by `list_watch` (a thread's) and
+    `aio_listwatch.list_watch_async` (an event loop's): where the watch resumes, when to list
+    again, and how long to wait after a failure."""
+
+    def __init__(self, what: str, *, backoff: Backoff, rng: random.Random | None,
+                 resync_seconds: float, monotonic: Callable[[], float]) -> None:
+        self.what, self.backoff, self.resync_seconds = what, backoff, resync_seconds
+        self.rng = rng or random.Random()
+        self.monotonic = monotonic
+        self.resource_version = ""
+        self.failures = 0
+        self.listed_at = monotonic()
+
+    def must_list(self) -> bool:
+        """Before each list-or-watch step: True when the step must begin with a list (first,
+        after an expiry, and at least every `resync_seconds`)."""
+        if self.resource_version and self.monotonic() - self.listed_at >= self.resync_seconds:
+            self.resource_version = ""  # periodic resync
+        if not self.resource_version:
+            self.listed_at = self.monotonic()
+        return not self.resource_version
+
+    def listed(self, count: int, resource_version: str) -> None:
+        self.resource_version = resource_version
+        log.info("listed %d %s at resourceVersion %s", count, self.what,
+                 resource_version or "-")
+
+    def progressed(self, obj: Mapping[str, Any] | None = None) -> None:
+        """A list handled, or a watch event (`obj`): the watch resumes after it."""
+        if obj is not None:
+            self.resource_version = object_rv(obj) or self.resource_version
+        self.failures = 0
+
+    def expired(self, error: Exception) -> None:
+        log.info("the %s watch expired (%s); listing again", self.what, error)
+        self.resource_version = ""
+
+    def failed(self, error: Exception) -> float:
+        """The delay before the next try."""
+        delay = self.backoff.delay(min(self.failures, 16), self.rng)
+        self.failures += 1
+        log.warning("%s list/watch failed (%s: %s); again in %.1fs", self.what,
+                    type(error).__name__, error, delay)
+        return delay
+
+
 def list_watch(
     source: ListWatchSource,
     on_list: Callable[[list[Mapping[str, Any]]], object],
@@ -150,31 +197,19 @@ def list_watch(
     `on_event`, until `stop` is set. `what` names the objects in the log ("BindRequest(s)").
     A failing list or watch is retried after a backoff; an exception from a handler is not
     caught here (the handlers own their errors)."""
-    rng = rng or random.Random()
-    resource_version = ""
-    failures = 0
-    listed_at = monotonic()
+    cycle = Cycle(what, backoff=backoff, rng=rng, resync_seconds=resync_seconds,
+                  monotonic=monotonic)
     while not stop.is_set():
         try:
-            if resource_version and monotonic() - listed_at >= resync_seconds:
-                resource_version = ""  # periodic resync
-            if not resource_version:
-                listed_at = monotonic()
+            if cycle.must_list():
                 items, resource_version = source.list()
-                log.info("listed %d %s at resourceVersion %s", len(items), what,
-                         resource_version or "-")
+                cycle.listed(len(items), resource_version)
                 on_list(items)
-                failures = 0
-            for kind, obj in source.watch(resource_version, stop):
+                cycle.progressed()
+            for kind, obj in source.watch(cycle.resource_version, stop):
                 on_event(kind, obj)
-                resource_version = object_rv(obj) or resource_version
-                failures = 0
+                cycle.progressed(obj)
         except Gone as e:
-            log.info("the %s watch expired (%s); listing again", what, e)
-            resource_version = ""
+            cycle.expired(e)
         except (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError) as e:
-            delay = backoff.delay(min(failures, 16), rng)
-            failures += 1
-            log.warning("%s list/watch failed (%s: %s); again in %.1fs", what,
-                        type(e).__name__, e, delay)
-            stop.wait(delay)
+            stop.wait(cycle.failed(e))

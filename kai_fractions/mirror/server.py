@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -52,11 +52,15 @@ class ServerOptions:
 class MirrorServer:
     """Build with the options (raises SecurityConfigError), then `start()`; `address` is what a
     client dials (the real port when the options asked for port 0). The service, and its
-    store, run on this server's event loop and are closed there by `stop()`."""
+    store, run on this server's event loop and are closed there by `stop()`. `tasks` run on
+    the same loop while it serves (the pod cache's feed), and are cancelled by `stop()`."""
 
-    def __init__(self, service: MirrorService, options: ServerOptions) -> None:
+    def __init__(self, service: MirrorService, options: ServerOptions,
+                 tasks: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()) -> None:
         self.service = service
         self.options = options
+        self.tasks = tuple(tasks)
+        self._running: list[asyncio.Task] = []
         self.listen, self.credentials, self._token = self.check(options)
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -156,6 +160,9 @@ class MirrorServer:
         if not path and not self.port:
             raise SecurityConfigError(f"cannot listen on {target}")
         await server.start()
+        for task in self.tasks:
+            self._running.append(asyncio.create_task(task(), name=task.__qualname__))
+            self._running[-1].add_done_callback(_report_end)
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -164,4 +171,16 @@ class MirrorServer:
             await self._health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace)
+        for task in self._running:  # after the last call: they may still use the cache
+            task.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
         await self.service.close()
+
+
+def _report_end(task: asyncio.Task) -> None:
+    """A task meant to run until cancelled ended on its own: say why. The server goes on; a
+    pod cache that lost its feed still learns from the mirror's reads and writes, and what it
+    holds is never trusted (pod_cache), so a stale entry costs a refused write, not a wrong
+    answer."""
+    if not task.cancelled():
+        log.error("background task %s ended: %r", task.get_name(), task.exception())

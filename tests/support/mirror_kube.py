@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,8 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.mirror.aio_store import AsyncKubePodStore
-from kai_fractions.mirror.listwatch import list_watch
-from kai_fractions.mirror.pod_cache import PodCache, pod_list_watch
+from kai_fractions.mirror.pod_cache import PodCache, pod_feed
 from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
@@ -128,22 +126,9 @@ def start_mirror(kube: KubeServer, *, transport: str = "tcp", **options: Any) ->
                                                                      FAST_STORE_BACKOFF),
                               request_timeout=options.pop("request_timeout", 5.0))
     cleanups: list[Callable[[], None]] = []
-    cache = None
-    if options.pop("pod_cache", False):
-        cache = PodCache()
-        stop = threading.Event()
-        source = pod_list_watch(kube.api_client, cache)
-        watcher = threading.Thread(target=list_watch, daemon=True, args=(
-            source, cache.replace, cache.event, stop),
-            kwargs={"what": "pod(s)", "backoff": FAST_STORE_BACKOFF})
-        watcher.start()
-
-        def stop_watching() -> None:
-            stop.set()
-            source.close()
-            watcher.join(5)
-
-        cleanups.append(stop_watching)
+    cache = PodCache() if options.pop("pod_cache", False) else None
+    feeds = [pod_feed(kube.api_client, cache, backoff=FAST_STORE_BACKOFF)] \
+        if cache is not None else []
     service = MirrorService(store, conflict_backoff=FAST_CONFLICT_BACKOFF,
                             default_reserve_mib=options.pop("default_reserve_mib", 0),
                             cache=cache)
@@ -155,7 +140,8 @@ def start_mirror(kube: KubeServer, *, transport: str = "tcp", **options: Any) ->
     else:
         listen = "127.0.0.1:0"
     credentials = options.pop("channel_credentials", None)
-    server = MirrorServer(service, ServerOptions(listen=listen, **options)).start()
+    server = MirrorServer(service, ServerOptions(listen=listen, **options),
+                          tasks=feeds).start()
     if credentials is not None:
         channel = grpc.secure_channel(server.address, credentials, options=(
             ("grpc.ssl_target_name_override", "localhost"),))
