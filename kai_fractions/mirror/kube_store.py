@@ -50,14 +50,15 @@ T = TypeVar("T")
 COMPONENT = "kai-fractions-mirror"
 DEFAULT_BACKOFF = Backoff()
 CONNECTION_POOL_SIZE = 32
-"""Kept connections to the API server: at least one per concurrent caller (the gRPC server's 16
-worker threads plus the BindRequest follower). The client's default (5 per CPU, 10 on two)
-makes concurrent calls open a connection, then discard it with a warning: measured in
-benchmarks/ (P1), a 16-deep load lost about one connection in 40."""
+"""The official client's kept connections: at least one per thread that may use it at once
+(behind a proxy, ThreadedPodStore's worker threads, up to 32 in asyncio's default executor; the
+BindRequest follower; the pod watch). The client's default (5 per CPU, 10 on two) makes
+concurrent calls open a connection, then discard it with a warning: measured in benchmarks/
+(P1, when the mirror still served from threads), a 16-deep load lost one connection in 40."""
 
 
 def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
-    """The mirror's client: enough kept connections for its concurrent gRPC calls."""
+    """The mirror's client: enough kept connections for its threads' concurrent calls."""
     return _load_api_client(kubeconfig, pool_size=CONNECTION_POOL_SIZE)
 
 
