@@ -173,12 +173,13 @@ class Stream:
         pending = b""
         with _spent_on_failure(self._connection):
             async for piece in self._head.pieces(self._connection.reader, self._idle_timeout):
-                pending += piece
-                if len(pending) > MAX_BODY:
-                    raise ProtocolError(f"a line longer than {MAX_BODY} bytes")
-                *complete, pending = pending.split(b"\n")
+                *complete, pending = (pending + piece).split(b"\n")
                 for line in complete:
+                    if len(line) > MAX_BODY:
+                        raise ProtocolError(f"a line longer than {MAX_BODY} bytes")
                     yield line
+                if len(pending) > MAX_BODY:  # a line still without its end: do not hold more
+                    raise ProtocolError(f"a line longer than {MAX_BODY} bytes")
         if pending:
             yield pending
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
+import struct
 from dataclasses import dataclass
 
 import pytest
@@ -476,3 +478,319 @@ async def test_tls_refuses_a_server_it_cannot_verify(serve, pki, trusted, server
     assert isinstance(raised.value, OSError)  # a failure of the peer, as the module promises
     assert peer.requests == []
     assert pool.opened == 0
+
+
+# -- streams ----------------------------------------------------------------------------------
+
+WATCH = "/api/v1/pods?watch=true"
+LINES = b'{"a":1}\n{"b":2}\n\n{"c":3}\n{"d":4}'
+"""A body of lines: an empty one among them, the last without its newline."""
+LINES_READ = [b'{"a":1}', b'{"b":2}', b"", b'{"c":3}', b'{"d":4}']
+STREAM_FRAMINGS = {
+    "content-length": ok,
+    # A line across two chunks, several lines in one, a chunk that ends within a line.
+    "chunked": lambda body: chunked(chunks(body[:3], body[3:20], body[20:26], body[26:])),
+    "until-the-end": lambda body: Close(message("HTTP/1.1 200 OK", body=body)),
+}
+
+
+@contextlib.asynccontextmanager
+async def open_stream(pool: Http1Pool, target: str = WATCH, *, timeout: float = TIMEOUT,
+                      idle_timeout: float = TIMEOUT):
+    async with pool.stream("GET", target, {"Accept": "application/json"}, timeout=timeout,
+                           idle_timeout=idle_timeout) as stream:
+        yield stream
+
+
+async def lines_of(pool: Http1Pool, **options) -> list[bytes]:
+    async with open_stream(pool, **options) as stream:
+        return [line async for line in stream.lines()]
+
+
+@dataclass
+class Conversation:
+    """One connection of a LivePeer, its answer's head sent: the test writes the rest."""
+
+    writer: asyncio.StreamWriter
+    ended: asyncio.Event
+    """Set when the client has closed the connection."""
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    def reset(self) -> None:
+        """Ends the connection with a TCP reset (SO_LINGER 0), not a FIN."""
+        self.writer.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.writer.transport.abort()
+
+
+class LivePeer:
+    """A server on 127.0.0.1 that reads each connection's request, answers `head`, and hands
+    the connection to the test (`next`), which writes the body as the test goes on."""
+
+    def __init__(self, head: bytes) -> None:
+        self.head = head
+        self._conversations: asyncio.Queue[Conversation] = asyncio.Queue()
+        self._handlers: dict[asyncio.Task, asyncio.StreamWriter] = {}
+
+    async def __aenter__(self) -> LivePeer:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._server.close()
+        for writer in self._handlers.values():
+            writer.close()
+        async with asyncio.timeout(TIMEOUT):
+            await asyncio.gather(*self._handlers)
+        await self._server.wait_closed()
+
+    async def next(self) -> Conversation:
+        async with asyncio.timeout(TIMEOUT):
+            return await self._conversations.get()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._handlers[asyncio.current_task()] = writer
+        ended = asyncio.Event()
+        try:
+            if await _read_request(reader) is None:
+                return
+            writer.write(self.head)
+            self._conversations.put_nowait(Conversation(writer, ended))
+            await reader.read()  # until the client closes its end
+        except ConnectionError:
+            pass
+        finally:
+            ended.set()
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+@pytest.fixture
+async def live():
+    """`peer, pool = await live(head)`: a LivePeer and a pool of connections to it."""
+    async with contextlib.AsyncExitStack() as stack:
+        async def start(head: bytes) -> tuple[LivePeer, Http1Pool]:
+            peer = await stack.enter_async_context(LivePeer(head))
+            pool = Http1Pool("127.0.0.1", peer.port)
+            stack.push_async_callback(pool.close)
+            return peer, pool
+
+        yield start
+
+
+async def ended(conversation: Conversation) -> None:
+    async with asyncio.timeout(TIMEOUT):
+        await conversation.ended.wait()
+
+
+def live_head(framing: str, length: int = 0) -> bytes:
+    return {"chunked": message("HTTP/1.1 200 OK", "Content-Type: application/json",
+                               "Transfer-Encoding: chunked"),
+            "content-length": message("HTTP/1.1 200 OK", "Content-Type: application/json",
+                                      f"Content-Length: {length}"),
+            "until-the-end": message("HTTP/1.1 200 OK", "Content-Type: application/json"),
+            }[framing]
+
+
+def live_piece(framing: str, data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data) if framing == "chunked" else data
+
+
+async def test_a_stream_is_a_get_with_no_body_on_a_connection_of_its_own(serve):
+    peer, pool = await serve(chunked(chunks(b"x\n")), ok(b"next"))
+    assert await lines_of(pool) == [b"x"]
+    assert peer.requests == [message(f"GET {WATCH} HTTP/1.1", f"Host: 127.0.0.1:{peer.port}",
+                                     "Accept: application/json", "Content-Length: 0")]
+    await peer.saw_end_of(1)  # closed at the end of the block, though it could carry more
+    assert (await get(pool)).body == b"next"
+    assert pool.opened == peer.connections == 2
+
+
+@pytest.mark.parametrize("framing", list(STREAM_FRAMINGS.values()), ids=list(STREAM_FRAMINGS))
+async def test_lines_are_the_bodys_lines_however_it_is_delimited_and_cut(serve, framing):
+    _, pool = await serve(framing(LINES))
+    assert await lines_of(pool) == LINES_READ
+
+
+@pytest.mark.parametrize("framing", list(STREAM_FRAMINGS.values()), ids=list(STREAM_FRAMINGS))
+async def test_a_body_that_ends_with_a_newline_has_no_empty_last_line(serve, framing):
+    _, pool = await serve(framing(b"one\ntwo\n"))
+    assert await lines_of(pool) == [b"one", b"two"]
+
+
+@pytest.mark.parametrize("framing", list(STREAM_FRAMINGS))
+async def test_the_head_comes_before_the_body_and_each_line_as_soon_as_it_is_complete(
+        live, framing):
+    pieces = [b"ab", b"c\nde", b"f\ng\nh"]
+    peer, pool = await live(live_head(framing, sum(map(len, pieces))))
+    async with open_stream(pool) as stream:
+        # Nothing of the body was sent yet.
+        assert (stream.status, stream.reason) == (200, "OK")
+        assert stream.headers["content-type"] == "application/json"
+        conversation = await peer.next()
+        lines = stream.lines()
+        first = asyncio.ensure_future(anext(lines))
+        await conversation.send(live_piece(framing, pieces[0]))
+        await asyncio.sleep(0.02)
+        assert not first.done()  # half a line is not a line
+        await conversation.send(live_piece(framing, pieces[1]))
+        assert await asyncio.wait_for(first, TIMEOUT) == b"abc"
+        await conversation.send(live_piece(framing, pieces[2]))
+        assert [await anext(lines), await anext(lines)] == [b"def", b"g"]
+        if framing == "chunked":
+            await conversation.send(b"0\r\n\r\n")
+        elif framing == "until-the-end":
+            conversation.writer.close()
+        assert [line async for line in lines] == [b"h"]
+    await ended(conversation)
+
+
+STATUS = b'{"kind":"Status","code":403,"reason":"Forbidden"}'
+ERROR_ANSWERS = {
+    "content-length": message("HTTP/1.1 403 Forbidden", f"Content-Length: {len(STATUS)}",
+                              body=STATUS),
+    "chunked": message("HTTP/1.1 403 Forbidden", "Transfer-Encoding: chunked",
+                       body=chunks(STATUS[:10], STATUS[10:])),
+    "until-the-end": Close(message("HTTP/1.1 403 Forbidden", body=STATUS)),
+}
+
+
+@pytest.mark.parametrize("answer", list(ERROR_ANSWERS.values()), ids=list(ERROR_ANSWERS))
+async def test_read_gives_the_whole_body_of_an_error_answer(serve, answer):
+    peer, pool = await serve(answer)
+    async with open_stream(pool) as stream:
+        assert (stream.status, stream.reason) == (403, "Forbidden")
+        assert await stream.read() == STATUS
+    await peer.saw_end_of(1)
+
+
+@pytest.mark.parametrize("reads", ["lines", "read"])
+async def test_a_peer_silent_mid_stream_is_a_timeout_error_and_its_connection_closed(
+        live, reads):
+    peer, pool = await live(live_head("chunked"))
+    loop = asyncio.get_running_loop()
+    async with open_stream(pool, idle_timeout=0.1) as stream:
+        conversation = await peer.next()
+        await conversation.send(live_piece("chunked", b"first\n"))
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            if reads == "lines":
+                lines = stream.lines()
+                assert await anext(lines) == b"first"
+                started = loop.time()
+                await anext(lines)
+            else:
+                await stream.read()
+        assert 0.09 <= loop.time() - started < 1
+        await ended(conversation)  # by the failure itself, before the block ends
+
+
+async def test_the_timeout_bounds_the_head_only_and_the_idle_timeout_each_wait_for_the_body(
+        live):
+    peer, pool = await live(live_head("chunked"))
+    async with open_stream(pool, timeout=0.05, idle_timeout=TIMEOUT) as stream:
+        conversation = await peer.next()
+        lines = stream.lines()
+        for line in (b"1", b"2"):
+            await asyncio.sleep(0.1)  # twice the timeout, all of it within the idle timeout
+            await conversation.send(live_piece("chunked", line + b"\n"))
+            assert await anext(lines) == line
+
+
+@pytest.mark.parametrize("answer", [b"", b"HTTP/1.1 200 OK\r\n"], ids=["no-answer",
+                                                                       "status-line-only"])
+async def test_a_head_not_complete_within_the_timeout_is_a_timeout_error(serve, answer):
+    peer, pool = await serve(answer, ok())
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(TimeoutError):
+        async with open_stream(pool, timeout=0.1, idle_timeout=TIMEOUT):
+            pytest.fail("the stream opened without its head")
+    assert 0.09 <= loop.time() - started < 1
+    await assert_recovers(peer, pool)
+
+
+async def _read_all(stream: http1.Stream) -> None:
+    async for _ in stream.lines():
+        pass
+
+
+@pytest.mark.parametrize("answer", [
+    chunked(chunks(b"ok\n01234", b"56789\n")),
+    chunked(chunks(b"0123", b"45678")),
+    Close(message("HTTP/1.1 200 OK", body=b"ok\n0123456789\n")),
+], ids=["across-chunks", "unfinished-across-chunks", "until-the-end"])
+async def test_a_line_longer_than_max_body_is_a_protocol_error(serve, monkeypatch, answer):
+    monkeypatch.setattr(http1, "MAX_BODY", 8)  # a chunk is bounded by it too
+    peer, pool = await serve(answer)
+    async with open_stream(pool) as stream:
+        with pytest.raises(ProtocolError, match="longer than 8 bytes"):
+            await _read_all(stream)
+    await peer.saw_end_of(1)
+
+
+@pytest.mark.parametrize("answer", [
+    chunked(chunks(b"abc\ndefg", b"h\nijklmn", b"\n")),
+    Close(message("HTTP/1.1 200 OK", body=b"abc\ndefgh\nijklmn\n")),
+], ids=["chunked", "until-the-end"])
+async def test_lines_within_max_body_are_read_however_the_pieces_cut_them(
+        serve, monkeypatch, answer):
+    """MAX_BODY bounds a line, not what a piece of the body carries around it: no line here is
+    longer than 6 bytes (nor any chunk than 8), though a piece with its neighbours is."""
+    monkeypatch.setattr(http1, "MAX_BODY", 8)
+    _, pool = await serve(answer)
+    assert await lines_of(pool) == [b"abc", b"defgh", b"ijklmn"]
+
+
+async def _break_early(stream: http1.Stream) -> None:
+    async for _ in stream.lines():
+        break
+
+
+async def _raise(stream: http1.Stream) -> None:
+    await anext(stream.lines())
+    raise RuntimeError("the caller's own failure")
+
+
+@pytest.mark.parametrize("use", [_read_all, _break_early, _raise],
+                         ids=["read-to-the-end", "break-out-of-lines", "exception-in-the-block"])
+async def test_a_streams_connection_is_closed_when_its_block_ends_and_never_pooled(serve, use):
+    peer, pool = await serve(chunked(chunks(b"one\ntwo\n")), ok(b"next"))
+    with contextlib.suppress(RuntimeError):
+        async with open_stream(pool) as stream:
+            await use(stream)
+    await peer.saw_end_of(1)
+    assert (await get(pool)).body == b"next"
+    assert pool.opened == peer.connections == 2
+    assert len(pool._idle) == 1  # the request's connection, not the stream's
+
+
+@pytest.mark.parametrize("framing", list(STREAM_FRAMINGS))
+async def test_a_peer_that_resets_mid_stream_is_a_connection_error(live, framing):
+    peer, pool = await live(live_head(framing, 100))
+    async with open_stream(pool) as stream:
+        conversation = await peer.next()
+        await conversation.send(live_piece(framing, b"first\nsec"))
+        lines = stream.lines()
+        assert await anext(lines) == b"first"
+        conversation.reset()
+        with pytest.raises(ConnectionError) as raised:
+            await anext(lines)
+    assert not isinstance(raised.value, ProtocolError)
+
+
+@pytest.mark.parametrize("framing", ["chunked", "content-length"])
+async def test_a_body_cut_short_mid_stream_is_a_connection_error(live, framing):
+    peer, pool = await live(live_head(framing, 100))
+    async with open_stream(pool) as stream:
+        conversation = await peer.next()
+        await conversation.send(live_piece(framing, b"first\nsec")[:-2])
+        conversation.writer.close()
+        with pytest.raises(ConnectionError) as raised:
+            await _read_all(stream)
+    assert not isinstance(raised.value, ProtocolError)
