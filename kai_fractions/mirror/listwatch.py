@@ -69,11 +69,14 @@ class KubeListWatch:
         self.read_timeout = watch_seconds + 30.0 if read_timeout is None else read_timeout
         self.page_size = page_size
         self._open: set[Any] = set()
+        self._closed = False
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        """Ends the watch streams open now (shutdown): their blocked reads return at once."""
+        """Ends the watch streams open now, and any opened later (shutdown): their blocked
+        reads return at once."""
         with self._lock:
+            self._closed = True
             responses = list(self._open)
         for response in responses:
             with contextlib.suppress(Exception):  # already closed: nothing to end
@@ -110,6 +113,9 @@ class KubeListWatch:
                               _request_timeout=(self.request_timeout, self.read_timeout))
         with self._lock:
             self._open.add(response)
+            if self._closed:  # close() came while the watch was being opened
+                with contextlib.suppress(Exception):  # as in close()
+                    response.shutdown()
         try:
             for line in iter_resp_lines(response):
                 if stop.is_set():
@@ -206,6 +212,8 @@ def list_watch(
                 cycle.listed(len(items), resource_version)
                 on_list(items)
                 cycle.progressed()
+                if stop.is_set():  # stopped while it listed: no watch to open
+                    return
             for kind, obj in source.watch(cycle.resource_version, stop):
                 on_event(kind, obj)
                 cycle.progressed(obj)
