@@ -328,6 +328,25 @@ async def test_max_idle_bounds_the_connections_kept(serve):
     assert pool.opened == peer.connections == 4
 
 
+async def test_max_connections_bounds_the_requests_under_way_and_the_rest_wait(serve):
+    peer, pool = await serve(*[ok(b"%d" % i) for i in range(5)], max_connections=2)
+    answers = await asyncio.gather(*(get(pool) for _ in range(5)))
+    assert sorted(a.body for a in answers) == [b"0", b"1", b"2", b"3", b"4"]
+    assert pool.opened == peer.connections == 2  # the waiting three reused them
+
+
+async def test_the_wait_for_a_connection_counts_against_the_requests_timeout(serve):
+    _, pool = await serve(b"", max_connections=1)  # the first request is never answered
+    first = asyncio.create_task(get(pool))
+    await asyncio.sleep(0.05)
+    with pytest.raises(TimeoutError):
+        await pool.request("GET", "/", {}, timeout=0.1)
+    assert pool.opened == 1
+    first.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+
+
 async def test_close_closes_the_idle_connections(serve):
     peer, pool = await serve(ok(), ok())
     await asyncio.gather(get(pool), get(pool))
