@@ -52,7 +52,12 @@ def format_plain(value: Fraction) -> str:
     This is what Go's strconv.FormatFloat(x, 'f', -1, 64) prints, so the mirror writes the same
     bytes as KAI's binder for the same portion.
     """
-    text = format(Decimal(repr(float(value))), "f")
+    return _format_plain(value.numerator, value.denominator)
+
+
+@lru_cache(maxsize=4096)  # keyed by integers: hashing a Fraction costs more than formatting it
+def _format_plain(numerator: int, denominator: int) -> str:
+    text = format(Decimal(repr(numerator / denominator)), "f")
     if "." in text:
         text = text.rstrip("0").rstrip(".")
     return text or "0"

@@ -22,9 +22,14 @@ MIRRORED_ANNOTATION = k.MIRRORED_RECORD  # the record's key, protected by admiss
 RECORD_VERSION = 1
 
 
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+"""One encoder for both encodings below: `json.dumps` with these options builds a new one per
+call, a sizeable part of the mirror's own work per allocation (benchmarks/, P1)."""
+
+
 def allocation_digest(annotations: Mapping[str, str]) -> str:
     """Identifies what an allocation writes (every owned key and value, order-free)."""
-    canonical = json.dumps(dict(annotations), sort_keys=True, separators=(",", ":"))
+    canonical = _CANONICAL.encode(dict(annotations))
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -39,12 +44,10 @@ class MirrorRecord:
     idempotency_key: str = ""
 
     def encode(self) -> str:
-        return json.dumps(
+        return _CANONICAL.encode(
             {"v": RECORD_VERSION, "uid": self.pod_uid, "container": self.container,
              "keys": sorted(self.keys), "digest": self.digest,
-             "idempotencyKey": self.idempotency_key},
-            sort_keys=True, separators=(",", ":"),
-        )
+             "idempotencyKey": self.idempotency_key})
 
     def same_allocation(self, other: MirrorRecord) -> bool:
         """Equal but for the idempotency key (the first caller's key is kept)."""
