@@ -29,17 +29,19 @@ def _enum(table: dict[int, str], number: int) -> str:
 
 
 def allocation_from_proto(msg: pb.Allocation) -> AllocationInput:
+    # Each field read through the protobuf runtime costs: every one is read once.
+    pod, gpu = msg.pod, msg.received_gpu
+    groups = [(g.id, g.compute_sharing_mode) for g in msg.selected_fractional_gpu_groups]
     return AllocationInput(
-        namespace=msg.pod.namespace,
-        pod_name=msg.pod.name,
-        pod_uid=msg.pod.uid,
+        namespace=pod.namespace,
+        pod_name=pod.name,
+        pod_uid=pod.uid,
         selected_node=msg.selected_node,
         resource_type=_enum(_RESOURCE_TYPES, msg.received_resource_type),
-        gpu_count=msg.received_gpu.count,
-        portion=msg.received_gpu.portion,
-        group_ids=tuple(g.id for g in msg.selected_fractional_gpu_groups),
-        group_modes=tuple(_enum(_MODES, g.compute_sharing_mode)
-                          for g in msg.selected_fractional_gpu_groups),
+        gpu_count=gpu.count,
+        portion=gpu.portion,
+        group_ids=tuple(group_id for group_id, _ in groups),
+        group_modes=tuple(_enum(_MODES, mode) for _, mode in groups),
         gpu_ids=tuple(msg.reserved_gpu_ids),
         node_gpu_memory_mib=msg.node_gpu_memory_mib,
         cdi=msg.cdi,
