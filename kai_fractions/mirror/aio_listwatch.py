@@ -6,7 +6,6 @@ P1). The loop logic is `listwatch.Cycle`'s, shared with the threaded `list_watch
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -17,7 +16,7 @@ from ..clock import AsyncClock, SystemClock
 from .aio_api import AsyncKubeApi
 from .errors import MirrorError
 from .kube_api import Refusal, decoded, failure
-from .listwatch import PAGE_SIZE, RESYNC_SECONDS, WATCH_BACKOFF, Cycle, Gone
+from .listwatch import PAGE_SIZE, RESYNC_SECONDS, WATCH_BACKOFF, Cycle, Gone, watch_event
 from .retry import Backoff, Transient
 
 
@@ -74,13 +73,11 @@ class AsyncListWatch:
                 raise self._refused(Refusal.of(stream.status, stream.reason,
                                                await stream.read()))
             async for line in stream.lines():
-                if not line.strip() or (self.skip is not None and self.skip(line)):
+                event = watch_event(line, self.skip)
+                if event is None:
                     continue
-                event = json.loads(line)
-                kind, obj = str(event.get("type") or ""), event.get("object") or {}
+                kind, obj = event
                 if kind == "ERROR":
-                    if obj.get("code") == 410:
-                        raise Gone(str(obj.get("message") or "resource version too old"))
                     raise self._refused(Refusal(int(obj.get("code") or 500),
                                                 str(obj.get("message") or "watch error")))
                 yield kind, obj

@@ -50,6 +50,20 @@ def object_rv(obj: Mapping[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion") or "")
 
 
+def watch_event(line: str | bytes, skip: Callable[[Any], bool] | None
+                ) -> tuple[str, Mapping[str, Any]] | None:
+    """One line of a watch stream as (type, object); None for a blank line or one `skip`
+    drops unparsed. An ERROR event whose code is 410 raises Gone; any other ERROR is returned
+    for the caller to raise as its transport's error."""
+    if not line.strip() or (skip is not None and skip(line)):
+        return None
+    event = json.loads(line)
+    kind, obj = str(event.get("type") or ""), event.get("object") or {}
+    if kind == "ERROR" and obj.get("code") == 410:
+        raise Gone(str(obj.get("message") or "resource version too old"))
+    return kind, obj
+
+
 class KubeListWatch:
     """A ListWatchSource over one list method of the official client, for example
     `functools.partial(CoreV1Api.list_pod_for_all_namespaces, field_selector=...)`: the same
@@ -120,13 +134,11 @@ class KubeListWatch:
             for line in iter_resp_lines(response):
                 if stop.is_set():
                     return
-                if not line.strip() or (self.skip is not None and self.skip(line)):
+                event = watch_event(line, self.skip)
+                if event is None:
                     continue
-                event = json.loads(line)
-                kind, obj = str(event.get("type") or ""), event.get("object") or {}
+                kind, obj = event
                 if kind == "ERROR":
-                    if obj.get("code") == 410:
-                        raise Gone(str(obj.get("message") or "resource version too old"))
                     raise ApiException(status=obj.get("code"), reason=obj.get("message"))
                 yield kind, obj
         except (urllib3.exceptions.HTTPError, OSError):

@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubernetes import client as k8s
 
 from benchmarks.stub_apiserver import running, seed
-from kai_fractions.mirror import aio_listwatch, pod_cache
+from kai_fractions.mirror import listwatch, pod_cache
 from kai_fractions.mirror.aio_api import AsyncKubeApi
 from kai_fractions.mirror.aio_listwatch import AsyncListWatch, list_watch_async
 from kai_fractions.mirror.errors import ApiRejected
@@ -40,9 +40,10 @@ from kai_fractions.mirror.retry import Backoff, Transient
 from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import PodSnapshot, ThreadedPodStore
+from tests.support.clock import FakeClock
 from tests.support.kube import pod_manifest
 
-from .test_aio_store import FakeClock, StandIn, answer
+from .test_aio_store import StandIn, answer
 
 integration = pytest.mark.integration
 
@@ -212,7 +213,7 @@ async def test_a_line_the_skip_refuses_is_dropped_without_being_parsed(
         parsed.append(line)
         return json.loads(line)
 
-    monkeypatch.setattr(aio_listwatch, "json", SimpleNamespace(loads=loads))
+    monkeypatch.setattr(listwatch, "json", SimpleNamespace(loads=loads))  # watch_event parses
     events = await first_events(source_for(api, skip=skip), version, "skipped", 1)
     assert events == [("MODIFIED", "p0", other)]
     refused = [line for line in offered if refuses(line)]
