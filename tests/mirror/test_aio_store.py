@@ -19,7 +19,7 @@ import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -41,6 +41,7 @@ from kai_fractions.mirror.store import (
     WriteConflict,
     WriteInvalid,
 )
+from tests.support.clock import FakeClock
 from tests.support.faults_api import Fault, FaultyApi
 from tests.support.kube import KubeServer, pod_manifest
 
@@ -102,25 +103,6 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@dataclass
-class FakeClock:
-    """Either store's clock (Clock, AsyncClock): records each wait and runs time forward
-    instead of sleeping."""
-
-    now: float = 0.0
-    sleeps: list[float] = field(default_factory=list)
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-    async def asleep(self, seconds: float) -> None:
-        self.sleep(seconds)
 
 
 # -- the stand-in API server -------------------------------------------------------------------

@@ -10,22 +10,7 @@ import pytest
 from kai_fractions.mirror.errors import ApiUnavailable, DeadlineExceeded
 from kai_fractions.mirror.retry import Backoff, Transient, retrying, retrying_async
 from kai_fractions.mirror.store import Deadline
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.sleeps: list[float] = []
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-    async def asleep(self, seconds: float) -> None:
-        self.sleep(seconds)
+from tests.support.clock import FakeClock
 
 
 def run_async(call, **options):
