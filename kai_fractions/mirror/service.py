@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -139,7 +139,9 @@ class MirrorService:
         decision = await self._decision(allocation, deadline)
         ns, name = allocation.namespace, allocation.pod_name
         async with self._locks.hold(ns, name):
-            async for attempt in self._attempts(f"mirror on pod {ns}/{name}", deadline):
+            for attempt, wait in enumerate(self._waits(f"mirror on pod {ns}/{name}", deadline)):
+                if wait:
+                    await self.clock.asleep(wait)
                 # A conflict means the pod moved on: every later try reads it from the API.
                 pod, fresh = await self._read(allocation, deadline, cached=attempt == 0)
                 planned = self._plan_write(pod, allocation, decision, idempotency_key, replace,
@@ -165,7 +167,7 @@ class MirrorService:
                          outcome.digest[:19])
                 return MirrorResult(outcome.annotations, True, written.resource_version,
                                     outcome.plans)
-        raise AssertionError("unreachable")  # _attempts raises when it runs out
+        raise AssertionError("unreachable")  # _waits raises when it runs out
 
     async def preview(self, allocation: AllocationInput, *, deadline: Deadline = NO_DEADLINE
                       ) -> PreviewResult:
@@ -178,7 +180,10 @@ class MirrorService:
     async def release(self, namespace: str, name: str, uid: str = "", *,
                       deadline: Deadline = NO_DEADLINE) -> ReleaseResult:
         async with self._locks.hold(namespace, name):
-            async for attempt in self._attempts(f"release on pod {namespace}/{name}", deadline):
+            what = f"release on pod {namespace}/{name}"
+            for attempt, wait in enumerate(self._waits(what, deadline)):
+                if wait:
+                    await self.clock.asleep(wait)
                 pod = await self._get(namespace, name, uid, deadline)
                 changes = release_patch(pod)
                 if not changes:
@@ -272,18 +277,20 @@ class MirrorService:
             raise ApiRejected(f"the API server refused the patch of pod {pod.namespace}/"
                               f"{pod.name}: {e}") from None
 
-    async def _attempts(self, what: str, deadline: Deadline) -> AsyncIterator[int]:
-        """Yields try numbers; sleeps (jittered, bounded, within the deadline) between them."""
+    def _waits(self, what: str, deadline: Deadline) -> Iterator[float]:
+        """The wait before each try: 0 before the first, then a jittered, bounded delay after
+        each write conflict. Raises DeadlineExceeded when the next wait would outlast the
+        caller's deadline, ApiUnavailable when the tries are spent. A plain generator that the
+        caller's loop awaits between tries: an async one, left suspended by the `return` of a
+        successful try, made the event loop finalize it (a wakeup and a task) on every call."""
         backoff = self.conflict_backoff
-        for attempt in range(backoff.attempts):
-            yield attempt
-            if attempt + 1 >= backoff.attempts:
-                break
-            delay = backoff.delay(attempt, self.rng)
+        yield 0.0
+        for conflicts in range(1, backoff.attempts):
+            delay = backoff.delay(conflicts - 1, self.rng)
             remaining = deadline.remaining()
             if remaining is not None and remaining <= delay:
                 raise DeadlineExceeded(f"{what}: the caller's deadline ran out after "
-                                       f"{attempt + 1} write conflict(s)")
-            await self.clock.asleep(delay)
+                                       f"{conflicts} write conflict(s)")
+            yield delay
         raise ApiUnavailable(f"{what}: the pod kept changing under the write "
                              f"({backoff.attempts} conflicts); retry later")
