@@ -24,8 +24,9 @@ from .http1 import Http1Pool, Response, Stream
 from .kube_api import MERGE_PATCH
 
 CONNECTION_POOL_SIZE = 32
-"""Idle connections kept to the API server: one per call in flight at the load the mirror is
-built for (a scheduler's 16 plus retries); more are opened when needed, and closed after."""
+"""Requests in flight to the API server at most, and idle connections kept: one per call in
+flight at the load the mirror is built for (a scheduler's 16, plus retries and the cache's
+list); a larger burst waits for a connection within each call's deadline."""
 
 
 def behind_proxy(configuration: k8s.Configuration) -> bool:
@@ -55,7 +56,8 @@ class AsyncKubeApi:
     """Requests to the server of `client`'s configuration, one try each (the callers retry).
     Raises ConfigError at construction for a server URL or TLS settings that cannot work."""
 
-    def __init__(self, client: k8s.ApiClient, *, max_idle: int = CONNECTION_POOL_SIZE) -> None:
+    def __init__(self, client: k8s.ApiClient, *, connections: int = CONNECTION_POOL_SIZE
+                 ) -> None:
         self.client = client
         configuration = client.configuration
         url = urlsplit(configuration.host)
@@ -75,7 +77,8 @@ class AsyncKubeApi:
                                   f"server: {e}") from None
         assert_name = configuration.assert_hostname
         self.pool = Http1Pool(
-            url.hostname, port or (443 if tls else 80), tls=tls, max_idle=max_idle,
+            url.hostname, port or (443 if tls else 80), tls=tls, max_idle=connections,
+            max_connections=connections,
             server_hostname=configuration.tls_server_name
             or (assert_name if isinstance(assert_name, str) else None) or url.hostname)
         self._prefix = url.path.rstrip("/")

@@ -1,7 +1,8 @@
 """List, then watch, on the event loop: the mirror's pod cache is fed on the loop that serves
-from it. Each of the mirror's writes comes back on this watch; read in a thread of its own, the
-echo cost a GIL handoff per allocation and about a quarter of the mirror's CPU (benchmarks/,
-P1). The loop logic is `listwatch.Cycle`'s, shared with the threaded `list_watch`.
+from it. Each of the mirror's writes comes back on this watch; read in a thread of its own, each
+echo also cost a handoff of the GIL between that thread and the loop (benchmarks/README.md,
+round three, has what it measured). The loop logic is `listwatch.Cycle`'s, shared with the
+threaded `list_watch`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Why not aiohttp (already installed with the `kubernetes` client): measured against the
 benchmark's API stand-in, a request costs about 0.35 ms of CPU through aiohttp and 0.15 ms here,
-and the mirror's whole budget per allocation is about 1 ms (benchmarks/, P1). What it covers is
+and the mirror spends about 1.3 ms of CPU per allocation in all (benchmarks/, P1). What it covers is
 exactly what the mirror sends and an API server answers: a request with a body of known length;
 an answer delimited by Content-Length, chunked transfer coding or the end of the connection;
 1xx answers skipped; keep-alive with a pool of idle connections; TLS (ALPN `http/1.1`).
