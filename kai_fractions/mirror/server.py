@@ -161,7 +161,8 @@ class MirrorServer:
             raise SecurityConfigError(f"cannot listen on {target}")
         await server.start()
         for task in self.tasks:
-            self._running.append(asyncio.create_task(task(), name=task.__qualname__))
+            name = getattr(task, "__qualname__", repr(task))  # a partial has no name
+            self._running.append(asyncio.create_task(task(), name=name))
             self._running[-1].add_done_callback(_report_end)
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
