@@ -123,16 +123,16 @@ sys.exit(args.func(args))
 
 @contextmanager
 def mirror_process(kubeconfig_path: Path, log_path: Path, main: str = _MIRROR_MAIN,
-                   flags: tuple[str, ...] = ()) -> Iterator[tuple[str, int]]:
+                   flags: tuple[str, ...] = (), cwd: Path = REPO) -> Iterator[tuple[str, int]]:
     """`kai-fractions mirror` as deployed (default flags, info logging; `flags` added);
-    yields (address, pid). `main` is the Python that starts it (a before/after comparison swaps
-    in its own)."""
+    yields (address, pid). `main` is the Python that starts it; it imports kai_fractions from
+    `cwd` (first on `python -c`'s path), so another checkout's mirror runs from its own tree."""
     address = f"127.0.0.1:{_free_port()}"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-c", main, "mirror", "--listen", address,
              "--kubeconfig", str(kubeconfig_path), *flags],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+            cwd=cwd, stdout=subprocess.DEVNULL, stderr=log)
         try:
             _wait_ready(address, "the mirror", process, log_path)
             yield address, process.pid
@@ -500,44 +500,65 @@ def profile(count: int = 2000, top: int = 25) -> None:
         stats.sort_stats("cumulative").print_stats(top)
 
 
-# -- the pod cache, on and off ----------------------------------------------------------------
+# -- side by side: the pod cache on and off, or two builds ---------------------------------
 
 def compare_cache(count: int = 3000, rounds: int = 3) -> None:
     """Two mirrors against one stub, the default (pod cache on) and `--no-pod-cache`, and (d),
     each at c=1 and c=16 in alternating rounds of count / rounds calls: rate and mirror CPU.
     The cached mirror's watch also carries the other mirror's writes (both write KAI's pods):
     a cost the comparison counts against the cache."""
+    _side_by_side({"cache on": (REPO, ()), "--no-pod-cache": (REPO, ("--no-pod-cache",))},
+                  count, rounds, with_d=True)
+
+
+def compare_tree(other: Path, count: int = 3000, rounds: int = 6) -> None:
+    """This checkout's mirror and the one in `other` (another checkout, say a `git worktree`
+    of the commit before a change), against one stub in alternating rounds: the way to judge
+    a change smaller than the noise between two runs."""
+    _side_by_side({"this tree": (REPO, ()), f"{other}": (other.resolve(), ())}, count, rounds)
+
+
+def _side_by_side(mirrors: dict[str, tuple[Path, tuple[str, ...]]], count: int, rounds: int,
+                  with_d: bool = False) -> None:
+    """Mirrors (label -> (the checkout it runs from, its flags)), and (d) when `with_d`,
+    against one stub: at c=1 and c=16, in alternating rounds of count / rounds calls each,
+    rate, p50 and the mirror's CPU per call. Every pod they write exists before they start."""
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kf-p1c-")))
         url = stack.enter_context(running(POD_TEMPLATE, NODE_MEMORY_MIB))
-        kinds = {"cache on": (), "--no-pod-cache": ("--no-pod-cache",)}
-        for kind in kinds:  # every pod both mirrors write exists before they start
-            seed(url, kind.strip("-").replace(" ", "-"), Names("").take(2 * count + 200))
+        namespaces = {label: f"side-{i}" for i, label in enumerate(mirrors)}
+        for namespace in namespaces.values():
+            seed(url, namespace, Names("").take(2 * count + 200))
         config = kubeconfig(url, tmp / "kubeconfig")
-        added = {"kai-fractions.io/bench": "x" * 40}
-        servers: dict[str, tuple[str, int | None]] = {"(d) echo + PATCH": (stack.enter_context(
-            echo_process(b"", tmp / "d", config, added)), None)}
-        for kind, flags in kinds.items():
-            servers[kind] = stack.enter_context(
-                mirror_process(config, tmp / f"{len(servers)}.log", flags=flags))
-        names = {kind: Names(kind.strip("-").replace(" ", "-")) for kind in kinds}
-        names["(d) echo + PATCH"] = Names("bench-d")
+        servers: dict[str, tuple[str, int | None]] = {}
+        names: dict[str, Names] = {}
+        if with_d:
+            added = {"kai-fractions.io/bench": "x" * 40}
+            servers["(d) echo + PATCH"] = (stack.enter_context(
+                echo_process(b"", tmp / "d", config, added)), None)
+            names["(d) echo + PATCH"] = Names("bench-d")
+        for label, (tree, flags) in mirrors.items():
+            servers[label] = stack.enter_context(mirror_process(
+                config, tmp / f"{len(servers)}.log", flags=flags, cwd=tree))
+            names[label] = Names(namespaces[label])
         for concurrency in (1, CONCURRENCY):
-            calls, walls, cpus = dict.fromkeys(servers, 0), dict.fromkeys(servers, 0.0), \
-                dict.fromkeys(servers, 0.0)
+            samples: dict[str, list[float]] = {kind: [] for kind in servers}
+            walls, cpus = dict.fromkeys(servers, 0.0), dict.fromkeys(servers, 0.0)
             for kind, (address, _) in servers.items():  # warm
                 _grpc(address, names[kind], min(100, count), concurrency)
             for _ in range(rounds):
                 for kind, (address, pid) in servers.items():
                     cpu0 = cpu_seconds(pid) if pid else 0.0
                     lat, wall = _grpc(address, names[kind], count // rounds, concurrency)
-                    calls[kind] += len(lat)
+                    samples[kind] += lat
                     walls[kind] += wall
                     cpus[kind] += cpu_seconds(pid) - cpu0 if pid else 0.0
             for kind in servers:
-                cpu = f", mirror CPU {cpus[kind] / calls[kind] * 1e3:.2f} ms per call" \
+                calls = len(samples[kind])
+                cpu = f", mirror CPU {cpus[kind] / calls * 1e3:.2f} ms per call" \
                     if servers[kind][1] else ""
-                print(f"c={concurrency:<2} {kind:18} {calls[kind] / walls[kind]:6.0f} calls/s{cpu}")
+                print(f"c={concurrency:<2} {kind:18} {calls / walls[kind]:6.0f} calls/s, p50 "
+                      f"{percentile(samples[kind], 50) * 1e3:.3f} ms{cpu}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -545,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--compare-cache", action="store_true",
                         help="the mirror with and without its pod cache, side by side")
+    parser.add_argument("--compare-tree", type=Path, metavar="CHECKOUT",
+                        help="this checkout's mirror and CHECKOUT's, side by side")
+    parser.add_argument("--rounds", type=int, default=6, help="with --compare-tree")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--count", type=int, default=2000)
     args = parser.parse_args(argv)
@@ -553,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.compare_cache:
         compare_cache(args.count)
+        return 0
+    if args.compare_tree:
+        compare_tree(args.compare_tree, args.count, args.rounds)
         return 0
     result = run(quick=args.quick)
     for f in result.figures:

@@ -4,14 +4,14 @@ The methods are coroutines of the grpc.aio server (server.py)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
 import grpc
 
 from ..api.v1 import allocation_pb2 as pb
 from ..api.v1 import allocation_pb2_grpc as pb_grpc
-from ..contract import ContractError
+from ..contract import ContainerPlan, ContractError
 from .errors import InvalidAllocation, MirrorError
 from .proto import allocation_from_proto, plan_to_proto
 from .service import MirrorService
@@ -54,14 +54,23 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
                                context: grpc.aio.ServicerContext
                                ) -> pb.MirrorAllocationResponse:
         async def run() -> pb.MirrorAllocationResponse:
+            early: list = []  # (annotations, answer) built while the pod's write was in flight
+
+            def prepare(annotations: Mapping[str, str], plans: tuple[ContainerPlan, ...]
+                        ) -> None:
+                early[:] = [annotations, _mirror_answer(annotations, plans)]
+
             result = await self.service.mirror(
                 allocation_from_proto(request.allocation),
                 idempotency_key=request.idempotency_key, replace=request.replace,
-                deadline=deadline_of(context))
-            return pb.MirrorAllocationResponse(
-                annotations=dict(result.annotations), changed=result.changed,
-                resource_version=result.resource_version,
-                containers=[plan_to_proto(p) for p in result.plans])
+                deadline=deadline_of(context), while_writing=prepare)
+            # Built early for the write that made this result, or now (nothing was written,
+            # or the answer came back before the loop got to it).
+            response = early[1] if early and early[0] is result.annotations else \
+                _mirror_answer(result.annotations, result.plans)
+            response.changed = result.changed
+            response.resource_version = result.resource_version
+            return response
         return await self._run(context, "MirrorAllocation", run)
 
     async def PreviewAllocation(self, request: pb.PreviewAllocationRequest,
@@ -71,7 +80,7 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
             result = await self.service.preview(allocation_from_proto(request.allocation),
                                                 deadline=deadline_of(context))
             return pb.PreviewAllocationResponse(
-                annotations=dict(result.annotations),
+                annotations=result.annotations,
                 containers=[plan_to_proto(p) for p in result.plans])
         return await self._run(context, "PreviewAllocation", run)
 
@@ -88,3 +97,10 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
             return pb.ReleaseAllocationResponse(removed_keys=list(result.removed_keys),
                                                 changed=result.changed)
         return await self._run(context, "ReleaseAllocation", run, field_prefix="")
+
+
+def _mirror_answer(annotations: Mapping[str, str], plans: tuple[ContainerPlan, ...]
+                   ) -> pb.MirrorAllocationResponse:
+    """The answer but for `changed` and `resource_version`, which the write decides."""
+    return pb.MirrorAllocationResponse(annotations=annotations,
+                                       containers=[plan_to_proto(p) for p in plans])

@@ -122,6 +122,22 @@ def test_mirror_preview_release(mirror, case):
     assert mirror.patches("team-a", "train-0") == 2
 
 
+def test_a_repeat_writes_nothing_and_answers_the_same(mirror_tcp):
+    # The first answer is built while its write is in flight, the repeat's after its read:
+    # both say the same.
+    pod = mirror_tcp.create_pod("train-0", {"gpu-fraction": "0.5",
+                                            f"{T}.gpu-compute.mode": "sm-sharing"})
+    request = mirror_request(allocation(pod, modes=(SM,), reserve=1024))
+    first = mirror_tcp.stub.MirrorAllocation(request, timeout=10)
+    again = mirror_tcp.stub.MirrorAllocation(request, timeout=10)
+    assert (first.changed, again.changed) == (True, False)
+    assert dict(again.annotations) == dict(first.annotations)
+    assert list(again.containers) == list(first.containers)
+    assert again.resource_version == first.resource_version == mirror_tcp.pod(
+        "team-a", "train-0")["metadata"]["resourceVersion"]
+    assert mirror_tcp.patches("team-a", "train-0") == 1
+
+
 def test_container_plan_in_the_response(mirror_tcp):
     pod = mirror_tcp.create_pod("train-0", {"gpu-fraction": "0.5",
                                             f"{T}.gpu-compute.mode": "sm-sharing"})
