@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from ..kubeconfig import ConfigError
     from ..mirror.aio_store import async_pod_store
     from ..mirror.bindrequests import KubeBindRequestSource, follow
+    from ..mirror.compute import user_request
     from ..mirror.follower import BindRequestView, Follower
     from ..mirror.kube_store import KubePodStore, load_api_client
     from ..mirror.pod_cache import PodCache, pod_feed
@@ -113,7 +114,10 @@ def run(args: argparse.Namespace) -> int:
             log.info("signing allocations with key %s (accepted: %s)",
                      keyring.current().current.kid, ", ".join(keyring.current().kids))
         api_client = load_api_client(args.kubeconfig)
-        cache = PodCache() if args.pod_cache else None
+        # Each pod the cache learns of is parsed as the service will read it, before it is
+        # bound: an allocation for it starts from that.
+        cache = PodCache(prepare=functools.partial(user_request, keys=keys)) \
+            if args.pod_cache else None
         service = MirrorService(async_pod_store(api_client), keys=keys,
                                 default_reserve_mib=args.reserve_mib,
                                 extra_annotations=signer, cache=cache)

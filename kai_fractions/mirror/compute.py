@@ -18,6 +18,7 @@ from ..contract import (
     ContractError,
     ContractViolation,
     Keys,
+    PodRequest,
     PodView,
     binder_annotations,
     derived_annotations,
@@ -83,6 +84,17 @@ def user_view(pod: PodSnapshot, keys: Keys) -> PodView:
     return view.with_annotations(MappingProxyType(kept))
 
 
+def user_request(pod: PodSnapshot, keys: Keys = k.DEFAULT_KEYS) -> tuple[PodView, PodRequest]:
+    """`user_view` and its parse, computed once per snapshot and Keys. The pod cache has it
+    computed when a pod arrives (PodCache's `prepare`), long before a scheduler binds the pod,
+    so an allocation for a cached pod starts from it: about a third of compute_outcome."""
+    found = pod.derived.get(keys)
+    if found is None:
+        view = user_view(pod, keys)
+        found = pod.derived[keys] = (view, parse_pod(view, keys))
+    return found
+
+
 def compute_outcome(
     pod: PodSnapshot,
     decision: BindDecision,
@@ -93,13 +105,12 @@ def compute_outcome(
     extra: ExtraAnnotations | None = None,
 ) -> Outcome:
     """Raises InvalidAllocation (request fields and pod annotation keys)."""
-    view = user_view(pod, keys)
+    view, request = user_request(pod, keys)
     if container and view.container(container) is None:
         names = ", ".join(c.name for c in view.all_containers) or "none"
         raise InvalidAllocation([ContractError(
             "container_name", f"names container {container!r}, which is not in pod "
             f"{pod.namespace}/{pod.name} (containers: {names})", container)])
-    request = parse_pod(view, keys)
     if request.errors:
         raise InvalidAllocation(request.errors)
     share = request.share

@@ -13,13 +13,16 @@ Entries keep only what the contract reads (names, uid, resourceVersion, annotati
 container names and resources, nodeName), about 4 KB per pod as Python objects with a dozen
 annotations, and only for Pending pods (`pod_selector`). They are fed by a list + watch of pods
 on the mirror server's event loop (`pod_feed`), by every pod the mirror reads, and by every pod
-a PATCH returns (write-through), newest resourceVersion first.
+a PATCH returns (write-through), newest resourceVersion first. What the list and the watch
+bring is also prepared for an allocation (`prepare`: the mirror parses it as its user wrote it),
+about 2 KB more per pod, while the pod waits for the scheduler.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import re
 import threading
 from collections.abc import Callable, Coroutine, Mapping
@@ -31,6 +34,8 @@ from .aio_api import AsyncKubeApi, behind_proxy
 from .aio_listwatch import AsyncListWatch, list_watch_async
 from .listwatch import KubeListWatch, list_watch
 from .store import PodSnapshot
+
+log = logging.getLogger(__name__)
 
 _METADATA = ("name", "namespace", "uid", "resourceVersion", "annotations", "labels")
 _CONTAINER = ("name", "resources")
@@ -79,7 +84,11 @@ only in flight when the watch lags far behind; a forgotten one just costs a pars
 class PodCache:
     """(namespace, name) -> trimmed PodSnapshot; thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, prepare: Callable[[PodSnapshot], object] | None = None) -> None:
+        self.prepare = prepare
+        """Run on every pod the list and the watch bring in (not on those the mirror reads or
+        writes itself): the work an allocation for the pod would otherwise start with, done
+        while the pod waits to be scheduled (the mirror's is compute.user_request)."""
         self._lock = threading.Lock()
         self._pods: dict[tuple[str, str], PodSnapshot] = {}
         self._echoes: dict[str, None] = {}  # an ordered set: the oldest is forgotten first
@@ -139,10 +148,15 @@ class PodCache:
         with self._lock:
             for key, pod in fresh.items():
                 old = self._pods.get(key)
-                if old is not None and old.uid == pod.uid and _newer(old, pod):
+                # The same version stays the same object: what was prepared for it is kept.
+                if old is not None and old.uid == pod.uid and (
+                        old.resource_version == pod.resource_version or _newer(old, pod)):
                     fresh[key] = old
+            new = [pod for key, pod in fresh.items() if self._pods.get(key) is not pod]
             self._pods = fresh
             self.synced = True
+        for pod in new:
+            self._prepare(pod)
 
     def event(self, kind: str, obj: Mapping[str, Any]) -> None:
         """One watch event (ADDED, MODIFIED, DELETED; BOOKMARK and others change nothing)."""
@@ -152,7 +166,8 @@ class PodCache:
         if not pod.name:
             return
         if kind != "DELETED":
-            self._store(pod)
+            if self._store(pod):
+                self._prepare(pod)
             return
         key = (pod.namespace, pod.name)
         with self._lock:
@@ -160,6 +175,14 @@ class PodCache:
             # A recreated pod of the same name may already be here: drop only this one.
             if old is not None and old.uid == pod.uid:
                 del self._pods[key]
+
+    def _prepare(self, pod: PodSnapshot) -> None:
+        if self.prepare is None:
+            return
+        try:
+            self.prepare(pod)
+        except Exception:  # the feed outlives it; an allocation for the pod redoes the work
+            log.exception("preparing pod %s/%s for allocations failed", pod.namespace, pod.name)
 
     def _store(self, pod: PodSnapshot) -> bool:
         """Whether `pod` was news: False when the cache held this version or a newer one."""

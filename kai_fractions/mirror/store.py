@@ -26,6 +26,10 @@ class PodSnapshot:
     metadata: Mapping[str, Any]
     spec: Mapping[str, Any] = field(default_factory=dict)
     _view: PodView | None = field(default=None, init=False, repr=False, compare=False)
+    derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False,
+                                    compare=False)
+    """What its readers compute from it, kept because a snapshot never changes (the pod as
+    its user wrote it, parsed: compute.user_request)."""
 
     @property
     def namespace(self) -> str:

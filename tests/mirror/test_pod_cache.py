@@ -114,6 +114,61 @@ def test_a_list_replaces_everything_but_keeps_newer_writes():
     assert (rv(cache), rv(cache, "new"), rv(cache, "gone")) == ("30", "26", None)
 
 
+def test_prepare_runs_on_what_the_list_and_the_watch_bring_once_per_version():
+    prepared: list[tuple[str, str]] = []
+    cache = PodCache(prepare=lambda p: prepared.append((p.name, p.resource_version)))
+    cache.replace([full_pod(resourceVersion="5"), full_pod(name="other", resourceVersion="6")])
+    cache.event("MODIFIED", full_pod(resourceVersion="7"))
+    cache.event("MODIFIED", full_pod(resourceVersion="7"))  # a repeat: nothing new
+    cache.event("MODIFIED", full_pod(resourceVersion="6"))  # late: not kept
+    cache.remember(PodSnapshot.from_object(full_pod(resourceVersion="8")), written=True)
+    assert prepared == [(POD, "5"), ("other", "6"), (POD, "7")]  # the mirror's own: never
+    kept = cache.lookup(NS, "other")
+    cache.replace([full_pod(resourceVersion="8"), full_pod(name="other", resourceVersion="6")])
+    assert cache.lookup(NS, "other") is kept  # the same version: the prepared object stays
+    assert prepared == [(POD, "5"), ("other", "6"), (POD, "7")]
+
+
+def test_a_failing_prepare_is_logged_and_the_pod_still_cached(caplog):
+    def broken(pod):
+        raise RuntimeError("bug")
+
+    cache = PodCache(prepare=broken)
+    cache.event("ADDED", full_pod())
+    cache.replace([full_pod(name="other")])
+    assert cache.lookup(NS, "other") is not None
+    assert "preparing pod team-a/train-0 for allocations failed" in caplog.text
+
+
+def test_user_request_is_computed_once_per_snapshot_and_keys():
+    from kai_fractions.contract import Keys
+    from kai_fractions.mirror.compute import user_request
+
+    snapshot = trimmed(full_pod())
+    view, request = user_request(snapshot)
+    assert user_request(snapshot) == (view, request)
+    assert user_request(snapshot)[1] is request
+    assert [s.container for s in request.shares] == ["trainer"]
+    other = user_request(snapshot, Keys(prefix="example.com/container."))
+    assert other[1] is not request
+    assert user_request(trimmed(full_pod()))[1] is not request  # another snapshot
+
+
+async def test_a_prepared_pod_is_mirrored_exactly_as_an_unprepared_one(store):
+    from kai_fractions.mirror.compute import user_request
+
+    for prepare in (None, user_request):
+        store.pods.clear()
+        store.add_pod(pod({"gpu-fraction": "0.5"}))
+        cache = PodCache(prepare=prepare)
+        service = MirrorService(ThreadedPodStore(store), clock=NoSleep(), cache=cache)
+        listed = store.get_pod(NS, POD)
+        cache.replace([{"metadata": listed.metadata, "spec": listed.spec}])
+        assert bool(cache.lookup(NS, POD).derived) is (prepare is not None)
+        result = await service.mirror(allocation())
+        assert dict(result.annotations) == SINGLE
+
+
 # -- MirrorService with a cache ---------------------------------------------------------------
 
 @pytest.fixture
