@@ -56,6 +56,9 @@ CONTAINER = "main"
 NODE_MEMORY_MIB = 81920
 CONCURRENCY = 16
 CALL_TIMEOUT_S = 5.0
+ROUNDS = 16
+"""Every kind is measured in this many short rounds, in turn: a slow stretch of this shared
+machine (seconds long) then lands on every kind alike instead of on one kind's long block."""
 POD_TEMPLATE = {
     "apiVersion": "v1", "kind": "Pod",
     "metadata": {"labels": {"app": "bench"}, "annotations": {
@@ -298,6 +301,7 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
     result = Result("P1", "mirror overhead: MirrorAllocation vs gRPC echo + bare pod patch")
     serial_count, concurrent_count, warmup = (
         (8, 32, 2) if smoke else (60, 160, 10) if quick else (800, 3000, 100))
+    rounds = 2 if smoke else 4 if quick else ROUNDS
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kf-p1-")))
         url = stack.enter_context(running(POD_TEMPLATE, NODE_MEMORY_MIB))
@@ -348,7 +352,6 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
             mirror_cpu = stub_cpu = 0.0
             stub_requests = 0
             # Interleaved, in rounds, so a burst of noise on this machine hits every kind.
-            rounds = 4
             samples: dict[str, list[float]] = {kind: [] for kind in kinds}
             walls: dict[str, float] = dict.fromkeys(kinds, 0.0)
             for _ in range(rounds):
@@ -391,7 +394,7 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
                            round(stub_cpu / stub_requests * 1e3, 3), "ms")
     result.notes.append(
         f"{serial_count} calls at c=1, {concurrent_count} at c={CONCURRENCY} per kind, "
-        f"interleaved in 4 rounds; every call a new pod; {os.cpu_count()} CPUs shared by "
+        f"interleaved in {rounds} rounds; every call a new pod; {os.cpu_count()} CPUs shared by "
         "client, mirror and stub")
     return result
 
