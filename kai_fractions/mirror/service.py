@@ -140,9 +140,9 @@ class MirrorService:
         self, allocation: AllocationInput, *, idempotency_key: str = "", replace: bool = False,
         deadline: Deadline = NO_DEADLINE, while_writing: WhileWriting | None = None,
     ) -> MirrorResult:
-        """`while_writing` runs once per write, while the write waits for the API server (its
-        result's annotations are the same object as those of the MirrorResult that follows
-        the write). The log line of a write is written after the caller has its answer."""
+        """`while_writing(annotations, plans)` runs once per write, while the write waits for
+        the API server; when that write succeeds, the result's annotations are the very object
+        it was given. The log line of a write is written after the caller has its answer."""
         check_idempotency_key(idempotency_key)
         decision = await self._decision(allocation, deadline)
         ns, name = allocation.namespace, allocation.pod_name

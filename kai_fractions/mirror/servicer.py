@@ -56,14 +56,14 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
         async def run() -> pb.MirrorAllocationResponse:
             early: list = []  # (annotations, answer) built while the pod's write was in flight
 
-            def prepare(annotations: Mapping[str, str], plans: tuple[ContainerPlan, ...]
-                        ) -> None:
+            def answer_early(annotations: Mapping[str, str], plans: tuple[ContainerPlan, ...]
+                             ) -> None:
                 early[:] = [annotations, _mirror_answer(annotations, plans)]
 
             result = await self.service.mirror(
                 allocation_from_proto(request.allocation),
                 idempotency_key=request.idempotency_key, replace=request.replace,
-                deadline=deadline_of(context), while_writing=prepare)
+                deadline=deadline_of(context), while_writing=answer_early)
             # Built early for the write that made this result, or now (nothing was written,
             # or the answer came back before the loop got to it).
             response = early[1] if early and early[0] is result.annotations else \
