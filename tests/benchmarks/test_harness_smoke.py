@@ -88,6 +88,14 @@ def test_mirror_cache_comparison_smoke(capsys):
     assert sum("mirror CPU" in line for line in lines) == 4
 
 
+def test_mirror_tree_comparison_smoke(capsys):
+    # This checkout against itself: two mirror processes, each importing from its own tree.
+    bench_mirror.compare_tree(bench_mirror.REPO, count=6, rounds=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and all("p50" in line and "mirror CPU" in line for line in lines)
+    assert sum("this tree" in line for line in lines) == 2
+
+
 def test_p2_node_convergence_smoke(no_daemon_left):
     result = bench_node.run(smoke=True)
     assert_well_formed(result, "P2", "one pod p50", "one pod p99", "10 pods at once: last marker",
