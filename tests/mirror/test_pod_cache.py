@@ -18,11 +18,12 @@ from kai_fractions.mirror.pod_cache import PodCache, pod_selector, trimmed
 from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import PodSnapshot, ThreadedPodStore
+from tests.support.clock import FakeClock
 from tests.support.mirror_kube import pod_path
 
 from . import messages
 from .messages import mirror_request
-from .test_service import NS, POD, SINGLE, UID, NoSleep, allocation, pod
+from .test_service import NS, POD, SINGLE, UID, allocation, pod
 
 NEW_UID = "99999999-2222-3333-4444-555555555555"
 
@@ -161,7 +162,7 @@ async def test_a_prepared_pod_is_mirrored_exactly_as_an_unprepared_one(store):
         store.pods.clear()
         store.add_pod(pod({"gpu-fraction": "0.5"}))
         cache = PodCache(prepare=prepare)
-        service = MirrorService(ThreadedPodStore(store), clock=NoSleep(), cache=cache)
+        service = MirrorService(ThreadedPodStore(store), clock=FakeClock(), cache=cache)
         listed = store.get_pod(NS, POD)
         cache.replace([{"metadata": listed.metadata, "spec": listed.spec}])
         assert bool(cache.lookup(NS, POD).derived) is (prepare is not None)
@@ -191,7 +192,7 @@ def cache() -> PodCache:
 
 @pytest.fixture
 def service(store: FakePodStore, cache: PodCache) -> MirrorService:
-    return MirrorService(ThreadedPodStore(store), clock=NoSleep(), cache=cache)
+    return MirrorService(ThreadedPodStore(store), clock=FakeClock(), cache=cache)
 
 
 def cached_from_store(store: FakePodStore, cache: PodCache) -> None:

@@ -23,6 +23,7 @@ from kai_fractions.mirror.record import MIRRORED_ANNOTATION, allocation_digest
 from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import ThreadedPodStore, WriteConflict
+from tests.support.clock import FakeClock
 
 UID = "11111111-2222-3333-4444-555555555555"
 NS, POD = "team-a", "train-0"
@@ -39,17 +40,6 @@ SINGLE = {
     "nvidia.com/container.trainer.gpus.devices": "GPU-1111aaaa",
     "received-resource-type": "Fraction",
 }
-
-
-class NoSleep:
-    def __init__(self) -> None:
-        self.sleeps: list[float] = []
-
-    def monotonic(self) -> float:
-        return sum(self.sleeps)
-
-    async def asleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
 
 
 def pod(annotations: dict[str, str], *, name: str = POD, uid: str = UID,
@@ -73,12 +63,12 @@ def store() -> FakePodStore:
 
 
 @pytest.fixture
-def clock() -> NoSleep:
-    return NoSleep()
+def clock() -> FakeClock:
+    return FakeClock()
 
 
 @pytest.fixture
-def service(store: FakePodStore, clock: NoSleep) -> MirrorService:
+def service(store: FakePodStore, clock: FakeClock) -> MirrorService:
     return MirrorService(ThreadedPodStore(store), clock=clock)
 
 

@@ -18,19 +18,12 @@ from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.signing import signing_annotations
 from kai_fractions.mirror.store import ThreadedPodStore
 from kai_fractions.signing import Keyring, KeyringSource, Reason
+from tests.support.clock import FakeClock
 
 from .allocations import GPU_A, GPU_B, KEY_A, KEY_B, UID, plans_of
 
 NS, POD = "team-a", "train-0"
 SIG = "kai-fractions.io/container.trainer.signature"
-
-
-class NoSleep:
-    def monotonic(self) -> float:
-        return 0.0
-
-    async def asleep(self, seconds: float) -> None:
-        pass
 
 
 class Keys:
@@ -70,7 +63,7 @@ def keys() -> Keys:
 
 @pytest.fixture
 def service(store, keys) -> MirrorService:
-    return MirrorService(ThreadedPodStore(store), clock=NoSleep(),
+    return MirrorService(ThreadedPodStore(store), clock=FakeClock(),
                          extra_annotations=signing_annotations(keys))
 
 
