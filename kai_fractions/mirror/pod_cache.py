@@ -216,7 +216,8 @@ def pod_list_watch(api_client: k8s.ApiClient, cache: PodCache, scheduler_name: s
 
 
 Feed = Callable[[], Coroutine[Any, Any, None]]
-"""Work for the mirror server's event loop for as long as it serves (MirrorServer tasks)."""
+"""Work for the mirror server's event loop for as long as it serves: what MirrorServer's
+`tasks` are (the pod cache's feed is one)."""
 
 
 def pod_feed(api_client: k8s.ApiClient, cache: PodCache, scheduler_name: str = "",

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..api.v1 import allocation_pb2_grpc as pb_grpc
+from .pod_cache import Feed
 from .security import (
     BearerTokenInterceptor,
     ListenAddress,
@@ -56,7 +57,7 @@ class MirrorServer:
     the same loop while it serves (the pod cache's feed), and are cancelled by `stop()`."""
 
     def __init__(self, service: MirrorService, options: ServerOptions,
-                 tasks: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()) -> None:
+                 tasks: Sequence[Feed] = ()) -> None:
         self.service = service
         self.options = options
         self.tasks = tuple(tasks)
