@@ -56,12 +56,12 @@ def _check_decision(share: ContainerShare, d: BindDecision) -> list[ContractErro
     if portion is not None and not 0 < portion.numerator <= portion.denominator:  # 0 < x <= 1
         errors.append(ContractError(
             "received_gpu.portion", "must be a portion of one GPU, 0 < x <= 1",
-            format_plain(d.received_portion) if abs(d.received_portion) < 10**15 else "huge"))
-    elif d.received_portion is not None and float(d.received_portion) == 0.0:
+            format_plain(portion) if abs(portion) < 10**15 else "huge"))
+    elif portion is not None and float(portion) == 0.0:
         # It would be written as "0", which the contract itself rejects as a portion.
         errors.append(ContractError(
             "received_gpu.portion", "is too small to be written as a decimal portion",
-            str(d.received_portion)))
+            str(portion)))
     if not d.gpu_ids:
         errors.append(ContractError("reserved_gpu_ids", "must name the reserved GPU of each "
                                     "fractional group"))
