@@ -5,6 +5,7 @@ Pure (no I/O) and the only place in kai_fractions that knows key strings and val
 
 from . import keys
 from .binder import BindDecision, binder_annotations, binder_keys, parse_group_modes
+from .dialect import DEFAULT_DIALECT, DIALECTS, Dialect
 from .errors import ContractError, ContractViolation
 from .keys import DEFAULT_KEYS, Keys
 from .numbers import NumberError, format_plain, parse_decimal
@@ -27,8 +28,10 @@ from .quantity import MIB, QuantityError, memory_bytes, mib_ceil, parse_quantity
 from .request import ComputeMode, ContainerShare, PodRequest, parse_pod
 
 __all__ = [
+    "DEFAULT_DIALECT",
     "DEFAULT_KEYS",
     "DEFAULT_MPS_PIPE_ROOT",
+    "DIALECTS",
     "MAX_PIPE_DIRECTORY",
     "MIB",
     "MPS_SERVER",
@@ -39,6 +42,7 @@ __all__ = [
     "ContainerView",
     "ContractError",
     "ContractViolation",
+    "Dialect",
     "Keys",
     "ManifestError",
     "NumberError",

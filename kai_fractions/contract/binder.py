@@ -1,8 +1,10 @@
 """Binder arithmetic: the exact annotation map KAI's binder writes for one allocation decision.
 
-Worked numbers (contract doc): M=2000 MiB, portion 0.5, reserve 0 -> `1000Mi`; reserve 1024 ->
-`488Mi`; portion.limit 0.8, reserve 1024 -> `780Mi`; A100-40GB (40960), reserve 1024, 0.5 ->
-`19968Mi`. A user-given request is never overwritten; binder-owned keys are always (re)written.
+Both dialects (`dialect.Dialect`) compute as KAI does, in float64 with truncation, and write
+canonical quantities: M=2000 MiB, portion 0.5 -> `1000Mi`; 20480 MiB -> `20Gi`; 10000 x 0.57 ->
+`5699Mi`; with the patched dialect's reserve of 1024: `488Mi`, portion.limit 0.8 -> `780Mi`,
+A100-40GB (40960) at 0.5 -> `19968Mi`. A user-given request is never overwritten; binder-owned
+keys are always (re)written; `.gpu-compute.portion` only by the patched dialect.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from . import keys as k
+from .dialect import DEFAULT_DIALECT, Dialect, compute_portion_of, memory_mib
 from .errors import ContractError, ContractViolation
 from .numbers import format_plain
-from .quantity import MIB, mib_ceil
+from .quantity import MIB, canonical_mib, mib_ceil
 from .request import _GPU_UUID, ComputeMode, ContainerShare, PodRequest
 
 
@@ -22,8 +25,9 @@ from .request import _GPU_UUID, ComputeMode, ContainerShare, PodRequest
 class BindDecision:
     """What the scheduler decided (the fields of KAI's BindRequest that the arithmetic reads)."""
 
-    node_gpu_memory_mib: int
-    """The node's `nvidia.com/gpu.memory` label (MiB per GPU); 0 or less means it is missing."""
+    node_gpu_memory_mib: float
+    """The node's `nvidia.com/gpu.memory` label (MiB per GPU, read as a float as KAI reads
+    it); 0 or less means it is missing."""
     gpu_ids: tuple[str, ...] = ()
     """Reserved GPU UUIDs, one per fractional group."""
     received_portion: Fraction | None = None
@@ -31,12 +35,7 @@ class BindDecision:
     reserve_mib: int = 0
     cdi: bool = False
     resource_type: str = k.RESOURCE_TYPE_FRACTION
-
-
-def _floor_mib(usable_mib: int, portion: Fraction) -> int:
-    """floor(usable * portion), exactly, in integers (Fraction arithmetic costs microseconds
-    on the mirror's hot path; the denominator is positive, so // is the floor)."""
-    return usable_mib * portion.numerator // portion.denominator
+    dialect: Dialect = DEFAULT_DIALECT
 
 
 def _check_decision(share: ContainerShare, d: BindDecision) -> list[ContractError]:
@@ -53,10 +52,17 @@ def _check_decision(share: ContainerShare, d: BindDecision) -> list[ContractErro
             "reserve_mib", f"leaves no GPU memory to share: the node has "
             f"{d.node_gpu_memory_mib} MiB per GPU", str(d.reserve_mib)))
     portion = d.received_portion
-    if portion is not None and not 0 < portion.numerator <= portion.denominator:  # 0 < x <= 1
+    if portion is not None and portion.numerator <= 0:
         errors.append(ContractError(
-            "received_gpu.portion", "must be a portion of one GPU, 0 < x <= 1",
+            "received_gpu.portion", "must be greater than 0",
             format_plain(portion) if abs(portion) < 10**15 else "huge"))
+    elif (portion is not None and portion > 1 and share.node_request_bytes is None
+          and (share.fraction is not None or share.legacy_memory_bytes is None)):
+        # KAI would write more memory than one GPU has; no node can honour that. With a
+        # request of the pod's own, a portion above 1 only caps the compute portion at 1.
+        errors.append(ContractError(
+            "received_gpu.portion", "is above 1: the memory request computed from it would "
+            "exceed one GPU", format_plain(portion) if portion < 10**15 else "huge"))
     elif portion is not None and float(portion) == 0.0:
         # It would be written as "0", which the contract itself rejects as a portion.
         errors.append(ContractError(
@@ -85,7 +91,7 @@ def _check_decision(share: ContainerShare, d: BindDecision) -> list[ContractErro
     return errors
 
 
-def _request_mib(share: ContainerShare, usable: int, d: BindDecision) -> int | None:
+def _request_mib(share: ContainerShare, d: BindDecision) -> int | None:
     """The request to write, or None when the user gave one (it is never overwritten)."""
     if share.node_request_bytes is not None:
         return None
@@ -94,7 +100,8 @@ def _request_mib(share: ContainerShare, usable: int, d: BindDecision) -> int | N
         if portion is None:
             raise ContractViolation([ContractError(
                 "received_gpu.portion", "is required: the pod gives no GPU memory request")])
-        return _floor_mib(usable, portion)
+        return memory_mib(d.node_gpu_memory_mib, d.reserve_mib, portion)
+    # KAI's admission turns `gpu-memory: N` into an `NMi` request before the binder runs.
     return mib_ceil(share.legacy_memory_bytes)
 
 
@@ -125,14 +132,15 @@ def binder_annotations(
     usable = decision.node_gpu_memory_mib - decision.reserve_mib
     name = share.container
     out: dict[str, str] = {}
-    request_mib = _request_mib(share, usable, decision)
+    request_mib = _request_mib(share, decision)
     if request_mib is not None:
         if request_mib <= 0:
             raise ContractViolation([ContractError(
                 keys.container(name, k.MEMORY_REQUEST), f"would be {request_mib} MiB: the "
-                f"portion of {usable} MiB (GPU memory minus reserve) rounds down to nothing",
+                f"portion of {_mib_text(usable)} MiB (GPU memory minus reserve) rounds down "
+                "to nothing",
                 container=name)])
-        out[keys.container(name, k.MEMORY_REQUEST)] = f"{request_mib}Mi"
+        out[keys.container(name, k.MEMORY_REQUEST)] = canonical_mib(request_mib)
     effective_request = (share.node_request_bytes if request_mib is None
                          else request_mib * MIB)
     assert effective_request is not None
@@ -140,7 +148,8 @@ def binder_annotations(
     if share.limit_bytes is None:
         limit_mib = None
         if share.limit_portion is not None:
-            limit_mib = _floor_mib(usable, share.limit_portion)
+            limit_mib = memory_mib(decision.node_gpu_memory_mib, decision.reserve_mib,
+                                   share.limit_portion)
         elif share.legacy_limit_bytes is not None:
             limit_mib = mib_ceil(share.legacy_limit_bytes)
         if limit_mib is not None:
@@ -148,22 +157,36 @@ def binder_annotations(
                 raise ContractViolation([ContractError(
                     keys.container(name, k.MEMORY_LIMIT), f"would be {limit_mib} MiB, below "
                     f"the request of {mib_ceil(effective_request)} MiB", container=name)])
-            out[keys.container(name, k.MEMORY_LIMIT)] = f"{limit_mib}Mi"
+            out[keys.container(name, k.MEMORY_LIMIT)] = canonical_mib(limit_mib)
 
     if effective_request > usable * MIB:
         raise ContractViolation([ContractError(
             keys.container(name, k.MEMORY_REQUEST), f"asks for {mib_ceil(effective_request)} "
-            f"MiB but a GPU on this node shares only {usable} MiB", container=name)])
-    if decision.received_portion is not None:
-        portion = decision.received_portion  # checked to be in (0, 1] above
-    else:
-        portion = Fraction(effective_request, usable * MIB)
+            f"MiB but a GPU on this node shares only {_mib_text(usable)} MiB", container=name)])
 
     prefix = k.CDI_DEVICE_PREFIX if decision.cdi else ""
     out[keys.container(name, k.DEVICES)] = ",".join(prefix + g for g in decision.gpu_ids)
-    out[keys.container(name, k.COMPUTE_PORTION)] = format_plain(portion)
+    if decision.dialect.writes_compute_portion:
+        portion = _compute_portion(effective_request, usable, decision)
+        if portion is not None:
+            out[keys.container(name, k.COMPUTE_PORTION)] = portion
     out[k.RECEIVED_RESOURCE_TYPE] = k.RESOURCE_TYPE_FRACTION
     return out
+
+
+def _mib_text(mib: float) -> str:
+    return str(int(mib)) if mib == int(mib) else str(mib)
+
+
+def _compute_portion(request_bytes: int, usable_mib: float, d: BindDecision) -> str | None:
+    """The patched binder's `.gpu-compute.portion`: the received portion capped at 1, else the
+    request's share of the usable memory; None (no key) when that rounds to nothing."""
+    if d.received_portion is not None:
+        return format_plain(min(d.received_portion, Fraction(1)))
+    portion = compute_portion_of(request_bytes, usable_mib)
+    if portion <= 0:
+        return None
+    return format_plain(Fraction(portion))
 
 
 def binder_keys(request: PodRequest, keys: k.Keys = k.DEFAULT_KEYS) -> tuple[str, ...]:

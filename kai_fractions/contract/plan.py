@@ -25,6 +25,9 @@ MAX_PIPE_DIRECTORY = 83
 """A unix socket path is at most 107 bytes; MPS appends its own names to the directory."""
 
 
+NO_COMPUTE_CAP = 100
+"""The active-thread percentage of an sm-sharing container whose binder wrote no portion."""
+
 MPS_NAMESPACE_PREFIX = "kf_"
 _MPS_NAMESPACE = re.compile(MPS_NAMESPACE_PREFIX + "[0-9a-f]{20}")
 
@@ -146,12 +149,10 @@ def plan_container(
                                     "binder writes it when the user gives none", container=name))
     atp = namespace = pipe = None
     if share.compute_mode is ComputeMode.SM_SHARING:
-        if share.compute_portion is None:
-            errors.append(ContractError(keys.container(name, k.COMPUTE_PORTION), "is missing: "
-                                        "sm-sharing needs the binder's compute portion",
-                                        container=name))
-        else:
-            atp = active_thread_percentage(share.compute_portion)
+        # Upstream KAI main writes no compute portion: the container then shares the SMs
+        # without a cap (100%), as on upstream's own node side; its memory is still capped.
+        atp = (NO_COMPUTE_CAP if share.compute_portion is None
+               else active_thread_percentage(share.compute_portion))
         namespace = mps_namespace_name(pod_identity, name)
         pipe = f"{mps_pipe_root.rstrip('/')}/{MPS_SERVER}/{namespace}"
         if len(pipe.encode()) > MAX_PIPE_DIRECTORY:

@@ -99,6 +99,22 @@ def _memory_bytes(text: str) -> int:
     return int(value)
 
 
+_BINARY_BY_EXPONENT = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
+
+
+def canonical_mib(mib: int) -> str:
+    """`<mib>Mi` as Kubernetes prints it (`resource.MustParse("<n>Mi").String()`): the largest
+    binary suffix that keeps the number whole, so 20480 MiB is `20Gi` and 1000 MiB `1000Mi`.
+    This is the spelling KAI's binder writes; writing the same bytes keeps pods comparable."""
+    if mib <= 0:
+        raise ValueError(f"a memory amount must be positive, got {mib} MiB")
+    exponent = 2
+    while mib % 1024 == 0 and exponent < len(_BINARY_BY_EXPONENT) - 1:
+        mib //= 1024
+        exponent += 1
+    return f"{mib}{_BINARY_BY_EXPONENT[exponent]}"
+
+
 def mib_ceil(n_bytes: int) -> int:
     """Whole MiB, rounding up, at least 1 (the contract's conversion: 1000M -> 954)."""
     return max(1, -(-n_bytes // MIB))

@@ -358,6 +358,8 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
         share = shares.get(legacy.container)
         base = share or ContainerShare(container=legacy.container)
         shares[legacy.container] = _merge_legacy(base, legacy, c)
+    elif legacy is not None and k.GPU_FRACTION_NUM_DEVICES in pod.annotations:
+        _apply_num_devices(pod, shares, legacy.num_devices, c)
     for name, portion in _portion_limits(pod, portion_limit_items, c).items():
         share = shares.get(name)
         key = keys.portion_limit(name)
@@ -402,6 +404,26 @@ def _merge_legacy(share: ContainerShare, legacy: _Legacy, c: _Collector) -> Cont
         num_devices=max(legacy.num_devices, len(share.devices)),
         source_key=share.source_key or legacy_key,
     )
+
+
+def _apply_num_devices(pod: PodView, shares: dict[str, ContainerShare], num_devices: int,
+                       c: _Collector) -> None:
+    """`gpu-fraction-num-devices` beside an NvFractions request: the same request on each of N
+    GPUs (upstream ParsePodGPUFractionRequest applies it to every fraction type)."""
+    if any(e.key == k.GPU_FRACTION_NUM_DEVICES for e in c.errors):
+        return  # already reported as unreadable
+    requesting = [s for s in shares.values()
+                  if s.request_bytes is not None or s.limit_bytes is not None]
+    value = pod.annotations[k.GPU_FRACTION_NUM_DEVICES]
+    if not requesting:
+        c.error(k.GPU_FRACTION_NUM_DEVICES, "needs a fraction request (gpu-fraction, "
+                "gpu-memory or an NvFractions memory request) to apply to", value)
+        return
+    for share in requesting:
+        if share.devices and len(share.devices) != num_devices:
+            c.error(k.GPU_FRACTION_NUM_DEVICES, f"asks for {num_devices} device(s) but the "
+                    f"binder wrote {len(share.devices)}", value, share.container)
+        _complete(share, num_devices=num_devices)
 
 
 def _complete(share: ContainerShare, **fields: object) -> ContainerShare:

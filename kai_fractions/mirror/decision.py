@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from ..contract import (
+    DEFAULT_DIALECT,
     BindDecision,
     ComputeMode,
     ContractError,
     ContractViolation,
+    Dialect,
     NumberError,
     parse_decimal,
     parse_group_modes,
@@ -25,6 +27,9 @@ from ..contract import keys as k
 from .errors import InvalidAllocation
 
 MAX_IDEMPOTENCY_KEY = 256
+MAX_NODE_GPU_MEMORY_MIB = 1 << 40
+"""A bound far above any GPU (a MiB count of 2^40 is an exbibyte): past it, a label or a
+request is an error rather than a number nobody can enforce or encode."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +49,7 @@ class AllocationInput:
     """One per group: `time-slicing`, `sm-sharing`, or "" (time-slicing, KAI's older groups)."""
     gpu_ids: tuple[str, ...] = ()
     """The GPU UUID behind each group, same order."""
-    node_gpu_memory_mib: int = 0
+    node_gpu_memory_mib: float = 0
     """0 = read the node's `nvidia.com/gpu.memory` label."""
     cdi: bool = False
     reserve_mib: int | None = None
@@ -62,10 +67,12 @@ NodeLabels = Callable[[str], Mapping[str, str] | None]
 
 
 def resolve_decision(
-    allocation: AllocationInput, node_labels: NodeLabels, *, default_reserve_mib: int = 0
+    allocation: AllocationInput, node_labels: NodeLabels, *, default_reserve_mib: int = 0,
+    dialect: Dialect = DEFAULT_DIALECT,
 ) -> BindDecision:
-    """The contract's BindDecision for `allocation`; raises InvalidAllocation with every request
-    field error found. Reads the node's labels (through `node_labels`) only when it must."""
+    """The contract's BindDecision for `allocation`, written in `dialect`; raises
+    InvalidAllocation with every request field error found. Reads the node's labels (through
+    `node_labels`) only when it must."""
     errors: list[ContractError] = []
 
     def error(field: str, rule: str, value: object = None) -> None:
@@ -83,7 +90,7 @@ def resolve_decision(
         if errors:
             raise InvalidAllocation(errors)
         # A whole-GPU bind writes only `received-resource-type`: no arithmetic, no node read.
-        return BindDecision(node_gpu_memory_mib=0, resource_type=kind)
+        return BindDecision(node_gpu_memory_mib=0, resource_type=kind, dialect=dialect)
 
     portion: Fraction | None = None
     if allocation.portion:
@@ -110,6 +117,8 @@ def resolve_decision(
     if memory < 0:
         error("node_gpu_memory_mib", "must not be negative (0 reads the node's "
               f"{k.NODE_GPU_MEMORY_LABEL} label)", memory)
+    elif memory > MAX_NODE_GPU_MEMORY_MIB:
+        error("node_gpu_memory_mib", f"must be at most {MAX_NODE_GPU_MEMORY_MIB} MiB", memory)
     elif memory == 0:
         memory = _node_memory(allocation, node_labels, error)
     if errors:
@@ -122,6 +131,7 @@ def resolve_decision(
         reserve_mib=reserve,
         cdi=allocation.cdi,
         resource_type=kind,
+        dialect=dialect,
     )
 
 
@@ -133,8 +143,9 @@ def node_to_read(allocation: AllocationInput) -> str:
     return ""
 
 
-def _node_memory(allocation: AllocationInput, node_labels: NodeLabels, error) -> int:
-    """The node's label in MiB; 0 when it is missing (the contract then names the problem)."""
+def _node_memory(allocation: AllocationInput, node_labels: NodeLabels, error) -> float:
+    """The node's label in MiB, read as a number as KAI reads it (strconv.ParseFloat: `40960`
+    and `40960.0` alike); 0 when it is missing (the contract then names the problem)."""
     node = node_to_read(allocation)
     if not node:
         error("selected_node", "is required to read the node's "
@@ -147,11 +158,16 @@ def _node_memory(allocation: AllocationInput, node_labels: NodeLabels, error) ->
     raw = labels.get(k.NODE_GPU_MEMORY_LABEL)
     if raw is None:
         return 0
-    if not raw.isdigit() or int(raw) <= 0:
+    try:
+        mib = parse_decimal(raw)
+    except NumberError:
+        mib = Fraction(0)
+    if mib <= 0 or mib > MAX_NODE_GPU_MEMORY_MIB:
         error("node_gpu_memory_mib", f"cannot be read from node {node}: its "
-              f"{k.NODE_GPU_MEMORY_LABEL} label is not a positive whole number of MiB", raw)
+              f"{k.NODE_GPU_MEMORY_LABEL} label is not a positive number of MiB (at most "
+              f"{MAX_NODE_GPU_MEMORY_MIB})", raw[:40])
         return 0
-    return int(raw)
+    return int(mib) if mib.denominator == 1 else float(mib)
 
 
 def check_idempotency_key(key: str) -> None:

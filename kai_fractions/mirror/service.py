@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from ..clock import AsyncClock, SystemClock
-from ..contract import DEFAULT_MPS_PIPE_ROOT, ContainerPlan, Keys
+from ..contract import DEFAULT_DIALECT, DEFAULT_MPS_PIPE_ROOT, ContainerPlan, Dialect, Keys
 from ..contract import keys as k
 from .compute import (
     ExtraAnnotations,
@@ -115,6 +115,7 @@ class MirrorService:
         *,
         keys: Keys = k.DEFAULT_KEYS,
         default_reserve_mib: int = 0,
+        dialect: Dialect = DEFAULT_DIALECT,
         mps_pipe_root: str = DEFAULT_MPS_PIPE_ROOT,
         conflict_backoff: Backoff = CONFLICT_BACKOFF,
         clock: AsyncClock | None = None,
@@ -127,6 +128,8 @@ class MirrorService:
         """Pods as last seen (pod_cache); None reads every pod from the API."""
         self.keys = keys
         self.default_reserve_mib = default_reserve_mib
+        self.dialect = dialect
+        """Which KAI binder the written annotations match (the compute portion key or not)."""
         self.mps_pipe_root = mps_pipe_root
         self.conflict_backoff = conflict_backoff
         self.clock = clock or SystemClock()
@@ -221,7 +224,8 @@ class MirrorService:
         node = node_to_read(allocation)
         labels = await self._node_labels(node, deadline) if node else None
         return resolve_decision(allocation, lambda _: labels,
-                                default_reserve_mib=self.default_reserve_mib)
+                                default_reserve_mib=self.default_reserve_mib,
+                                dialect=self.dialect)
 
     async def _read(self, allocation: AllocationInput, deadline: Deadline, *, cached: bool
                     ) -> tuple[PodSnapshot, bool]:

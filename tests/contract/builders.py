@@ -14,6 +14,7 @@ from kai_fractions.contract import (
     BindDecision,
     ComputeMode,
     ContainerView,
+    Dialect,
     Keys,
     PodRequest,
     PodView,
@@ -58,6 +59,7 @@ def decision(
     cdi: bool = False,
     modes: tuple[ComputeMode, ...] = (),
     resource_type: str = "Fraction",
+    dialect: Dialect = Dialect.UPSTREAM,
 ) -> BindDecision:
     return BindDecision(
         node_gpu_memory_mib=node_mib,
@@ -67,7 +69,13 @@ def decision(
         reserve_mib=reserve,
         cdi=cdi,
         resource_type=resource_type,
+        dialect=dialect,
     )
+
+
+def patched(node_mib: int = 2000, *args, **kwargs) -> BindDecision:
+    """A decision of the patched KAI (writes `.gpu-compute.portion`)."""
+    return decision(node_mib, *args, dialect=Dialect.PATCHED, **kwargs)
 
 
 def bind(view: PodView, d: BindDecision, keys: Keys | None = None) -> tuple[dict, PodRequest]:

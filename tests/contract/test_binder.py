@@ -16,7 +16,7 @@ from kai_fractions.contract import (
     parse_pod,
 )
 
-from .builders import GPU_A, GPU_B, bind, decision, pod
+from .builders import GPU_A, GPU_B, bind, decision, patched, pod
 
 REQ = "nvidia.com/container.main.gpu-memory.request"
 LIM = "nvidia.com/container.main.gpu-memory.limit"
@@ -35,7 +35,16 @@ def written(annotations: dict, d=None) -> dict:
 
 
 def test_2000_mib_half_is_1000mi() -> None:
+    # Upstream KAI main (pkg/binder/plugins/nvfractions/nv_fractions.go) writes no portion.
     assert written({"gpu-fraction": "0.5"}, decision(2000, portion="0.5")) == {
+        REQ: "1000Mi",
+        DEV: GPU_A,
+        RRT: "Fraction",
+    }
+
+
+def test_patched_dialect_also_writes_the_compute_portion() -> None:
+    assert written({"gpu-fraction": "0.5"}, patched(2000, portion="0.5")) == {
         REQ: "1000Mi",
         DEV: GPU_A,
         POR: "0.5",
@@ -81,7 +90,7 @@ def test_nvfractions_pod_without_request_gets_portion_of_memory() -> None:
 
 
 def test_user_request_is_never_overwritten() -> None:
-    out = written({REQ: "3000Mi"}, decision(40960, portion="0.5"))
+    out = written({REQ: "3000Mi"}, patched(40960, portion="0.5"))
     assert REQ not in out
     assert LIM not in out
     assert out[POR] == "0.5"
@@ -110,22 +119,22 @@ def test_only_request_means_limit_is_the_request_on_the_node_side() -> None:
 
 def test_compute_portion_from_request_when_no_portion_received() -> None:
     # request / (M - reserve): 1 MiB of 20000 MiB.
-    out = written({REQ: "1Mi"}, decision(20000, portion=None))
+    out = written({REQ: "1Mi"}, patched(20000, portion=None))
     assert out[POR] == "0.00005"
 
 
 def test_compute_portion_is_plain_decimal_never_exponent() -> None:
-    out = written({REQ: "1Mi"}, decision(20000, portion="0.00005"))
+    out = written({REQ: "1Mi"}, patched(20000, portion="0.00005"))
     assert out[POR] == "0.00005"
-    out = written({REQ: "1Mi"}, decision(20000, portion="5e-5"))
+    out = written({REQ: "1Mi"}, patched(20000, portion="5e-5"))
     assert out[POR] == "0.00005"
-    out = written({REQ: "1Mi"}, decision(20000, portion="0.0000001"))
+    out = written({REQ: "1Mi"}, patched(20000, portion="0.0000001"))
     assert out[POR] == "0.0000001"
     assert "e" not in out[POR].lower()
 
 
 def test_self_declared_compute_portion_is_overwritten() -> None:
-    out = written({REQ: "1000Mi", POR: "1"}, decision(2000, portion="0.25"))
+    out = written({REQ: "1000Mi", POR: "1"}, patched(2000, portion="0.25"))
     assert out[POR] == "0.25"
 
 
@@ -174,15 +183,15 @@ def test_unknown_resource_type_is_refused() -> None:
 
 
 def test_legacy_gpu_memory_request_and_limit() -> None:
-    out = written({"gpu-memory": "1000", "gpu-memory.limit": "2Gi"}, decision(8000, portion=None))
+    out = written({"gpu-memory": "1000", "gpu-memory.limit": "2Gi"}, patched(8000, portion=None))
     assert out[REQ] == "1000Mi"
-    assert out[LIM] == "2048Mi"
+    assert out[LIM] == "2Gi"  # 2048 MiB, as Kubernetes spells it
     assert out[POR] == "0.125"
 
 
 def test_custom_prefix_is_written() -> None:
     keys = Keys(prefix="gpu.example.com/c.")
-    out = binder_annotations(parse_pod(pod({"gpu-fraction": "0.5"}), keys), decision(), keys)
+    out = binder_annotations(parse_pod(pod({"gpu-fraction": "0.5"}), keys), patched(), keys)
     assert set(out) == {
         "gpu.example.com/c.main.gpu-memory.request",
         "gpu.example.com/c.main.gpus.devices",
@@ -236,16 +245,30 @@ def test_negative_reserve() -> None:
     assert [key for key, _ in errors] == ["reserve_mib"]
 
 
-@pytest.mark.parametrize("portion", ["-0.5", "0", "1.5", "50"])
-def test_received_portion_out_of_range(portion: str) -> None:
+@pytest.mark.parametrize("portion", ["-0.5", "0"])
+def test_received_portion_not_above_zero(portion: str) -> None:
     errors = _violation({REQ: "100Mi"}, decision(2000, portion=portion))
     assert [key for key, _ in errors] == ["received_gpu.portion"]
-    assert errors[0][1] == "must be a portion of one GPU, 0 < x <= 1"
+    assert errors[0][1] == "must be greater than 0"
+
+
+@pytest.mark.parametrize("portion", ["1.5", "50"])
+def test_received_portion_above_one_is_refused_when_it_sizes_the_request(portion: str) -> None:
+    # KAI would write portion x M MiB, more than the GPU has.
+    errors = _violation({"gpu-fraction": "0.5"}, decision(2000, portion=portion))
+    assert [key for key, _ in errors] == ["received_gpu.portion"]
+    assert "is above 1" in errors[0][1]
+
+
+@pytest.mark.parametrize("portion", ["1.5", "50"])
+def test_received_portion_above_one_caps_the_compute_portion_at_one(portion: str) -> None:
+    # The patched binder writes min(portion, 1) (its resolveComputePortion).
+    assert written({REQ: "100Mi"}, patched(2000, portion=portion))[POR] == "1"
+    assert POR not in written({REQ: "100Mi"}, decision(2000, portion=portion))
 
 
 def test_missing_portion_and_no_request() -> None:
-    errors = _violation({"gpu-fraction-num-devices": "1", MODE: "time-slicing", DEV: GPU_A},
-                        decision(2000, portion=None))
+    errors = _violation({MODE: "time-slicing", DEV: GPU_A}, decision(2000, portion=None))
     assert [key for key, _ in errors] == ["received_gpu.portion"]
 
 
@@ -294,7 +317,7 @@ def test_group_mode_differs_from_the_containers_mode() -> None:
 
 def test_matching_group_modes_are_accepted() -> None:
     out = written(
-        {"gpu-fraction": "0.5", MODE: "sm-sharing"}, decision(modes=(ComputeMode.SM_SHARING,))
+        {"gpu-fraction": "0.5", MODE: "sm-sharing"}, patched(modes=(ComputeMode.SM_SHARING,))
     )
     assert out[POR] == "0.5"
 
@@ -342,7 +365,7 @@ def test_parse_group_modes_reports_unknown_mode_as_contract_violation() -> None:
 
 
 def test_received_portion_of_one_is_written_as_1() -> None:
-    out = written({REQ: "100Mi"}, decision(2000, portion=Fraction(1)))
+    out = written({REQ: "100Mi"}, patched(2000, portion=Fraction(1)))
     assert out[POR] == "1"
 
 
@@ -352,7 +375,7 @@ def test_compute_portion_written_is_always_in_0_1() -> None:
     as `0`, a value the contract's own parser then rejects on the bound pod."""
     tiny = Fraction(1, 10**400)
     try:
-        out = written({REQ: "100Mi"}, decision(2000, portion=tiny))
+        out = written({REQ: "100Mi"}, patched(2000, portion=tiny))
     except ContractViolation as e:
         assert e.errors[0].key == "received_gpu.portion"
     else:

@@ -17,7 +17,7 @@ from kai_fractions.contract import (
     plan_pod,
 )
 
-from .builders import GPU_A, GPU_B, bind, decision, pod
+from .builders import GPU_A, GPU_B, bind, decision, patched, pod
 
 MIB = 1 << 20
 REQ = "nvidia.com/container.main.gpu-memory.request"
@@ -53,7 +53,7 @@ def test_time_slicing_env_exactly() -> None:
 
 
 def test_sm_sharing_half_gives_atp_50_and_a_pipe_directory() -> None:
-    plan, _ = planned({"gpu-fraction": "0.5", MODE: "sm-sharing"}, uid="uid-1")
+    plan, _ = planned({"gpu-fraction": "0.5", MODE: "sm-sharing"}, patched(), uid="uid-1")
     assert plan.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
     assert plan.active_thread_percentage == 50
     pipe = plan.env["CUDA_MPS_PIPE_DIRECTORY"]
@@ -91,7 +91,7 @@ def test_active_thread_percentage_is_1_to_100_never_0(portion: str, atp: int) ->
 
 
 def test_portion_0001_gives_atp_1_through_the_binder() -> None:
-    plan, merged = planned({REQ: "1Gi", MODE: "sm-sharing"}, decision(40960, portion="0.001"))
+    plan, merged = planned({REQ: "1Gi", MODE: "sm-sharing"}, patched(40960, portion="0.001"))
     assert merged[POR] == "0.001"
     assert plan.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "1"
 
@@ -203,7 +203,7 @@ def test_digest_changes_with_what_is_enforced() -> None:
 
 
 def test_to_dict_shape() -> None:
-    plan, _ = planned({"gpu-fraction": "0.5", MODE: "sm-sharing"}, uid="u")
+    plan, _ = planned({"gpu-fraction": "0.5", MODE: "sm-sharing"}, patched(), uid="u")
     assert plan.to_dict() == {
         "env": plan.env,
         "memory": {"request_bytes": 1000 * MIB, "limit_bytes": 1000 * MIB},
@@ -226,10 +226,15 @@ def test_unbound_pod_cannot_be_planned() -> None:
     assert [e.key for e in info.value.errors] == [DEV, REQ]
 
 
-def test_sm_sharing_without_portion_cannot_be_planned() -> None:
-    with pytest.raises(ContractViolation) as info:
-        plan_pod(parse_pod(pod({REQ: "1Gi", DEV: GPU_A, MODE: "sm-sharing"})))
-    assert [e.key for e in info.value.errors] == [POR]
+def test_sm_sharing_bound_by_upstream_kai_has_no_compute_cap() -> None:
+    # Upstream KAI main writes no `.gpu-compute.portion` (pkg/binder/plugins/nvfractions/
+    # nv_fractions.go): the container gets its own MPS namespace and memory cap, and all SMs.
+    plan, merged = planned({"gpu-fraction": "0.5", MODE: "sm-sharing"}, uid="u")
+    assert POR not in merged
+    assert plan.active_thread_percentage == 100
+    assert plan.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"
+    assert plan.mps_namespace and plan.env["CUDA_MPS_PIPE_DIRECTORY"] == plan.mps_pipe_directory
+    assert plan.limit_mib == 1000
 
 
 def test_long_pipe_root_is_refused() -> None:

@@ -28,7 +28,7 @@ def test_negative_portion(mirror_tcp):
     pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
     error = refused(mirror_tcp, mirror_request(allocation(pod, portion="-0.5")))
     assert bad_request_fields(error) == [(
-        "allocation.received_gpu.portion", "must be a portion of one GPU, 0 < x <= 1 "
+        "allocation.received_gpu.portion", "must be greater than 0 "
         "(got '-0.5')")]
     assert error.details() == ("allocation.received_gpu.portion: must be a portion of one GPU, "
                                "0 < x <= 1 (got '-0.5')")
