@@ -7,7 +7,8 @@
     driver_version: 615.00.00  # r615+ has cgroup GPU memory limits; older: watchdog only
     sm_sharing: true           # the agent's --sm-sharing (MPS); false refuses sm-sharing pods
     memory_enforcement: cgroup,mps-pinned,watchdog
-    reserve_mib: null          # the mirror's --reserve-mib; null: 1024 with sm_sharing, else 0
+    reserve_mib: 0             # the mirror's --reserve-mib: 0 is upstream KAI main (no reserve);
+                               # more simulates a patched KAI (reserve + compute portion)
     namespace: default         # where the example pods go
     examples: null             # a directory of manifests; null: the repository's examples/
 
@@ -23,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from ..contract import Dialect
 from ..node.config import parse_memory_enforcement
 from ..node.errors import ConfigError as NodeConfigError
 from ..node.nvml_fake import FakeNvml
@@ -30,8 +32,6 @@ from ..node.nvml_fake import FakeNvml
 DEFAULT_NODE = "demo-node"
 DEFAULT_GPUS: tuple[Mapping[str, Any], ...] = ({"model": "H100-80GB", "count": 2},)
 DEFAULT_DRIVER = "615.00.00"
-MPS_RESERVE_MIB = 1024
-"""What the chart withholds per GPU with sm-sharing on (the MPS server's own context)."""
 _KEYS = ("node", "gpus", "driver_version", "sm_sharing", "memory_enforcement", "reserve_mib",
          "namespace", "examples")
 _DNS_LABEL_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-.")
@@ -55,15 +55,19 @@ class DemoConfig:
     driver_version: str = DEFAULT_DRIVER
     sm_sharing: bool = True
     memory_enforcement: str = "cgroup,mps-pinned,watchdog"
-    reserve_mib: int | None = None
+    reserve_mib: int = 0
     namespace: str = "default"
     examples: Path = field(default_factory=repository_examples)
 
     @property
     def mirror_reserve_mib(self) -> int:
-        if self.reserve_mib is not None:
-            return self.reserve_mib
-        return MPS_RESERVE_MIB if self.sm_sharing else 0
+        return self.reserve_mib
+
+    @property
+    def dialect(self) -> Dialect:
+        """Upstream KAI main subtracts no reserve; a reserve is what a patched KAI's binder
+        does (and it writes the compute portion too)."""
+        return Dialect.PATCHED if self.reserve_mib else Dialect.UPSTREAM
 
     def nvml(self) -> FakeNvml:
         """The simulated GPUs (UUIDs are stable for a node name)."""

@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from ..admission.config import GATE_CONTAINER
-from ..contract import Keys
+from ..contract import MIB, Keys
+from ..contract import keys as k
 from ..gate import GateOptions, run_gate
 from ..marker import pod_marker_dir
 from ..node.cgroups import CgroupLayout, compute_qos_class
-from ..node.nvml_fake import FakeNvml
+from ..node.nvml_fake import FakeNvml, GpuOutOfMemory
 
 GATE_TIMEOUT = 20.0
 GATE_POLL = 0.05
@@ -42,6 +43,44 @@ def downward_annotations(annotations: Mapping[str, str]) -> str:
     values quoted like Go's strconv.Quote (JSON's escapes are a subset the gate reads)."""
     return "\n".join(f"{key}={json.dumps(value, ensure_ascii=False)}"
                      for key, value in sorted(annotations.items()))
+
+
+class CapHeld(Exception):
+    """A simulated allocation refused by a hard memory tier; `tier` names it (cgroup or
+    mps-pinned) and the message says which limit held."""
+
+    def __init__(self, tier: str, message: str):
+        self.tier = tier
+        super().__init__(message)
+
+
+def container_env(pod: Mapping[str, Any], container: str) -> dict[str, str]:
+    """The container's env as the kubelet resolves it: plain values, and downward-API fieldRefs
+    to the pod's annotations (how admission wires the enforced variables)."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    spec = next((c for c in (pod.get("spec") or {}).get("containers") or []
+                 if isinstance(c, Mapping) and c.get("name") == container), {})
+    env: dict[str, str] = {}
+    for entry in spec.get("env") or []:
+        if "value" in entry:
+            env[entry["name"]] = str(entry["value"])
+            continue
+        path = ((entry.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath", "")
+        if path.startswith("metadata.annotations['") and path.endswith("']"):
+            env[entry["name"]] = str(annotations.get(path[len("metadata.annotations['"):-2], ""))
+    return env
+
+
+def pinned_limit_mib(env: Mapping[str, str], ordinal: int) -> int | None:
+    """The MPS pinned device memory limit of in-container device `ordinal` (`0=8192M,1=...`),
+    or None when the process is no MPS client (no pipe directory) or has no such entry."""
+    if k.ENV_PIPE_DIRECTORY not in env:
+        return None
+    for item in env.get(k.ENV_PINNED_MEM_LIMIT, "").split(","):
+        index, _, value = item.partition("=")
+        if index.strip() == str(ordinal) and value.strip().endswith("M"):
+            return int(value.strip()[:-1])
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +225,31 @@ class SimulatedKubelet:
         (proc / "comm").write_text("python\n")
         self.nvml.add_process(pid, gpu, used_bytes, cgroup=path)
         return pid
+
+    def allocate(self, pod: Mapping[str, Any], container: str, gpu: str, pid: int,
+                 extra: int) -> None:
+        """Process `pid` of `container` asks for `extra` bytes more on `gpu`, as a CUDA
+        allocation would; raises CapHeld (and nothing changes) when a hard limit in force stops
+        it: the driver's cgroup limits the node agent set (the strongest tier, checked first),
+        then the MPS client's own pinned device memory limit from its env (sm-sharing)."""
+        refused = self.nvml.over_hard_limit(pid, gpu, extra)
+        if refused is not None:
+            raise CapHeld("cgroup", f"the allocation fails (out of memory): the NVML cgroup "
+                          f"hard limit of {refused.hard // MIB} MiB on {refused.cgroup} holds it")
+        env = container_env(pod, container)
+        devices = [d.rsplit("=", 1)[-1] for d in env.get(k.ENV_VISIBLE_DEVICES, "").split(",")]
+        ordinal = devices.index(gpu) if gpu in devices else 0
+        pinned = pinned_limit_mib(env, ordinal)
+        used = next((p.used_bytes or 0 for p in self.nvml.processes
+                     if p.pid == pid and p.gpu == gpu), 0)
+        if pinned is not None and used + extra > pinned * MIB:
+            raise CapHeld("mps-pinned", f"the allocation fails (out of memory): the MPS "
+                          f"client's pinned device memory limit ({k.ENV_PINNED_MEM_LIMIT} "
+                          f"{ordinal}={pinned}M) holds it")
+        try:
+            self.nvml.allocate(pid, gpu, extra)
+        except GpuOutOfMemory as e:  # a limit set since the check above
+            raise CapHeld("cgroup", f"the allocation fails (out of memory): {e}") from None
 
     def stop_process(self, pid: int) -> None:
         self.nvml.remove_process(pid)

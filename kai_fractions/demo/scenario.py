@@ -6,8 +6,11 @@
 3. play the kubelet: start each bound pod's gate, which waits for the node agent's marker;
    the workload starts only when the gate releases it;
 4. start a simulated CUDA process in each running container and wait until the agent sees it;
-5. print the per-GPU table (the `inspect` report, the agent reached through its socket);
-6. push one container over its cap and show the watchdog's LimitViolation event;
+5. print the per-GPU table (the `inspect` report, the agent reached through its socket) with the
+   memory tier that enforces each row;
+6. let one container's process ask for more than its cap: a hard tier (cgroup, mps-pinned)
+   makes the allocation fail; with only the watchdog it succeeds and the watchdog's
+   LimitViolation event shows;
 7. show a manifest the admission webhook refuses, with its message.
 
 Progress goes to `progress` (stderr); the tables and findings to `out` (stdout).
@@ -30,12 +33,13 @@ from ..contract import (
     view_from_pod_spec,
 )
 from ..inspect.model import ENFORCED, Report, node_report
-from ..inspect.render import mib, table
+from ..inspect.render import mib
 from ..inspect.sources import agent_from_socket, agent_state
 from .admission_step import USER, admission_config, admit
-from .kubelet import GateResult, SimulatedKubelet
+from .kubelet import CapHeld, GateResult, SimulatedKubelet
 from .scheduler import Ask, GpuSlot, Placer, allocation, idempotency_key, request_mib
 from .session import DemoSession
+from .tiers import TierKey, agent_tiers, row_tier, table
 from .workloads import DemoPod, forged_gpu_pod, load_examples
 
 WAIT_SECONDS = 15.0
@@ -43,7 +47,9 @@ POLL_SECONDS = 0.05
 USED_SHARE = (3, 4)
 """A running container's simulated process uses 3/4 of its memory request."""
 OVER_CAP_MIB = 1024
-"""How far the violating process takes its container above the cap."""
+"""How far above its cap the over-asking process would take its container."""
+HELD, CAUGHT, NOTHING = "Cap held", "Violation caught", "Over the cap"
+"""The titles of step 6's section: a hard tier refused it, the watchdog caught it, no victim."""
 
 
 class DemoFailure(Exception):
@@ -53,6 +59,8 @@ class DemoFailure(Exception):
 @dataclass
 class Outcome:
     report: Report | None = None
+    tiers: dict[TierKey, str] = field(default_factory=dict)
+    over_cap_title: str = NOTHING
     unscheduled: dict[str, str] = field(default_factory=dict)
     gates: dict[str, GateResult] = field(default_factory=dict)
     violation: list[str] = field(default_factory=list)
@@ -246,18 +254,32 @@ class Scenario:
     # -- 6. the violation ------------------------------------------------------------------------
 
     def violate(self, report: Report) -> list[str]:
+        """The first enforced container's process asks for enough to end OVER_CAP_MIB above the
+        container's cap: what stops it is the tier the table shows for that row."""
         victim = next((r for g in report.gpus for r in g.rows
                        if r.state == ENFORCED and r.limit_bytes), None)
         if victim is None:
+            self.outcome.over_cap_title = NOTHING
             return ["(no running container to push over its cap)"]
         pod = self._pod(victim.namespace, victim.pod)
         uid = pod["metadata"]["uid"]
-        using = (victim.used_bytes or 0)
+        pid = self.pids[(uid, victim.container, victim.gpu_uuid)][0]
+        using = victim.used_bytes or 0
         extra = victim.limit_bytes - using + OVER_CAP_MIB * MIB
         gpu_index = next(g.index for g in report.gpus if g.uuid == victim.gpu_uuid)
-        pid = self.kubelet.start_process(pod, victim.container, victim.gpu_uuid, extra)
-        self.progress(f"violation: a second process (pid {pid}) in {victim.ref} allocates "
-                      f"{mib(extra)} on GPU {gpu_index}")
+        tier = row_tier(victim, self.outcome.tiers)
+        asked = (f"{victim.ref} on GPU {gpu_index} (tier {tier}): its process (pid {pid}) asks "
+                 f"for {mib(extra)} more, which would take it to {mib(using + extra)}, over its "
+                 f"cap of {mib(victim.limit_bytes)}")
+        try:
+            self.kubelet.allocate(pod, victim.container, victim.gpu_uuid, pid, extra)
+        except CapHeld as e:
+            self.progress(f"over the cap: {victim.ref}'s process {pid} asked for {mib(extra)} "
+                          f"more on GPU {gpu_index}: refused ({e.tier})")
+            self.outcome.over_cap_title = HELD
+            return [asked, f"{e.tier} -> {e}"]
+        self.progress(f"over the cap: {victim.ref}'s process {pid} allocated {mib(extra)} more "
+                      f"on GPU {gpu_index}; no hard limit stops it")
 
         def event() -> Any:
             items = self.core.list_namespaced_event(victim.namespace).items
@@ -265,13 +287,13 @@ class Scenario:
                          and e.involved_object.uid == uid), None)
 
         try:
-            found = _wait(f"the watchdog's LimitViolation event on {victim.ref}", event)
+            found = _wait(f"the watchdog's LimitViolation event on {victim.ref} (its process "
+                          "went over the cap and no hard tier stopped it)", event)
         finally:
-            self.kubelet.stop_process(pid)
-        total = using + extra
+            self.s.nvml.free(pid, victim.gpu_uuid, extra)
+        self.outcome.over_cap_title = CAUGHT
         return [
-            f"{victim.ref} on GPU {gpu_index}: a process (pid {pid}) takes it to {mib(total)}, "
-            f"over its cap of {mib(victim.limit_bytes)}",
+            f"{asked}: the allocation succeeds, no hard limit stops it",
             f"watchdog (policy {self.s.node_config.watchdog_policy.value}) -> Event "
             f"{found.type} {found.reason} on pod {victim.namespace}/{victim.pod}: "
             f"{found.message}",
@@ -304,12 +326,13 @@ class Scenario:
         _wait("the node agent to report the simulated processes' memory",
               lambda: self._agent_sees(expected))
         report = self.outcome.report = self.report()
+        self.outcome.tiers = agent_tiers(str(s.endpoints.agent_socket))
         self.print_report(report)
         self.outcome.violation = self.violate(report)
-        # The violating process is gone: leave the node as the table shows it (for --keep).
-        _wait("the node agent to see the violating process go",
+        # The extra memory is freed: leave the node as the table shows it (for --keep).
+        _wait("the node agent to see the container back under its cap",
               lambda: self._agent_sees(expected))
-        self._section("Violation caught", self.outcome.violation)
+        self._section(self.outcome.over_cap_title, self.outcome.violation)
         self.outcome.rejection += self.reject()
         self._section("Rejected by admission", self.outcome.rejection)
         return self.outcome
@@ -320,7 +343,7 @@ class Scenario:
             f"kai-fractions demo: {len({r.ref for r in report.rows})} fractional containers from "
             f"{self.s.config.examples.name}/ on node {self.node} ({len(gpus)} x {gpus[0].name}, "
             f"simulated)\n\n")
-        self.out.write(table(report))
+        self.out.write(table(report, self.outcome.tiers))
         self.out.flush()
 
     def _section(self, title: str, lines: list[str]) -> None:

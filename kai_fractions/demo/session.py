@@ -59,8 +59,11 @@ class DemoSession:
         # Short: the agent's unix socket path must fit in 107 bytes.
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="kf-demo-"))
         self.nvml: FakeNvml = config.nvml()
+        # MPS v3 namespaces came with the same r615 release as the memory limits: an older
+        # simulated driver has neither, as a real one would.
         self.mps = FakeMpsControl(pipe_dir=str(self.workdir / "mps"),
                                   log_dir=str(self.workdir / "mps-log"),
+                                  protocol_v3=self.nvml.has_memory_limits,
                                   devices=len(self.nvml.gpus))
         self.node_config = NodeConfig(
             node_name=config.node, proc_root=str(self.workdir / "proc"),
@@ -144,13 +147,15 @@ class DemoSession:
 
         self._mirror_client = k8s.ApiClient(self.api.configuration())
         service = MirrorService(async_pod_store(self._mirror_client), keys=self.keys,
-                                default_reserve_mib=self.config.mirror_reserve_mib)
+                                default_reserve_mib=self.config.mirror_reserve_mib,
+                                dialect=self.config.dialect)
         self.mirror = MirrorServer(service, ServerOptions(listen="127.0.0.1:0",
                                                           grace_seconds=1.0)).start()
         self.channel = grpc.insecure_channel(self.mirror.address)
         self.stub = pb_grpc.AllocationMirrorStub(self.channel)
         self.progress(f"mirror (kai_fractions.v1.AllocationMirror) on {self.mirror.address}, "
-                      f"reserve {self.config.mirror_reserve_mib} MiB per GPU")
+                      f"reserve {self.config.mirror_reserve_mib} MiB per GPU, "
+                      f"{self.config.dialect.value} KAI binder")
 
     def _start_agent(self) -> None:
         from kubernetes import client as k8s

@@ -8,6 +8,11 @@ keeps the memory limits and compute modes that were set, and fails on request:
                                "gpus": [{"model": "H100-80GB", "count": 2}],
                                "processes": [{"gpu": 0, "pid": 4242, "used": "2Gi"}]})
     nvml.fail("set_memory_limits", "NoPermission", times=1)
+
+The simulated driver decides what exists: below driver 615 (`driver_version: 550.54.15`) the
+r615 memory-limit functions raise FunctionNotFound, exactly as a real old driver's NVML does, so
+the node agent falls back (or refuses) as it would on such a node; `memory_limits: true|false`
+overrides the driver's say.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ GPU_MODELS: Mapping[str, tuple[str, int]] = {
     "T4": ("Tesla T4", 15360 * MIB),
 }
 DEFAULT_MODEL = "H100-80GB"
+MEMORY_LIMITS_DRIVER = 615
+"""The first driver branch with nvmlDeviceSet/GetMemoryLimits_v1 (and MPS v3 namespaces)."""
 
 # The NVML function each seam method stands for (what error messages name).
 _FUNCTIONS = {
@@ -75,6 +82,14 @@ _MODE_NAMES = {
     "exclusive_process": GpuComputeMode.EXCLUSIVE_PROCESS,
     "prohibited": GpuComputeMode.PROHIBITED,
 }
+
+
+def driver_has_memory_limits(version: str) -> bool:
+    """Whether a real driver of this version exports the r615 memory-limit functions: its
+    branch (the number before the first dot) is 615 or newer. An unreadable version is taken
+    as new, so a typo does not silently simulate an old driver."""
+    branch = version.strip().split(".", 1)[0]
+    return not branch.isdigit() or int(branch) >= MEMORY_LIMITS_DRIVER
 
 
 def fake_uuid(seed: str, index: int) -> str:
@@ -107,6 +122,17 @@ class FakeProcess:
     """The process's cgroup path (counted in `current_used` of the limits of it and its parents)."""
 
 
+class GpuOutOfMemory(Exception):
+    """A simulated allocation the driver refuses: a cgroup hard limit in force on the GPU would
+    be exceeded (what CUDA reports as cudaErrorMemoryAllocation under r615 limits)."""
+
+    def __init__(self, gpu: str, cgroup: str, hard: int, used: int, extra: int):
+        self.gpu, self.cgroup, self.hard, self.used, self.extra = gpu, cgroup, hard, used, extra
+        super().__init__(f"out of memory on {gpu}: {extra // MIB} MiB more would take cgroup "
+                         f"{cgroup} to {(used + extra) // MIB} MiB, over its hard limit of "
+                         f"{hard // MIB} MiB")
+
+
 @dataclass(frozen=True, slots=True)
 class NvmlCall:
     method: str
@@ -133,6 +159,12 @@ def _memory(value: Any, where: str) -> int:
         raise ConfigError(f"{where}: {e} (got {value!r})") from None
 
 
+def _under(cgroup: str, path: str) -> bool:
+    """`cgroup` is `path` or below it (a cgroup v2 limit covers its whole subtree)."""
+    base = path.rstrip("/")
+    return bool(cgroup) and (cgroup.rstrip("/") == base or cgroup.startswith(base + "/"))
+
+
 def _code(error: str | int) -> int:
     if isinstance(error, int):
         return error
@@ -151,13 +183,15 @@ class FakeNvml:
         *,
         processes: Iterable[FakeProcess] = (),
         driver_version: str = "615.00.00",
-        memory_limits: bool = True,
+        memory_limits: bool | None = None,
     ):
         self.gpus: list[FakeGpu] = list(gpus)
         self.processes: list[FakeProcess] = list(processes)
         self.driver: str = driver_version
-        self.has_memory_limits = memory_limits
-        """False: the driver lacks the r615 memory-limit functions (FunctionNotFound)."""
+        self.has_memory_limits = (driver_has_memory_limits(driver_version)
+                                  if memory_limits is None else memory_limits)
+        """False: the driver lacks the r615 memory-limit functions (FunctionNotFound), as a real
+        driver below 615 does; by default it follows `driver_version`."""
         self.limits: dict[tuple[str, str], tuple[int, int]] = {}
         """(gpu uuid, cgroup path) -> (soft, hard): what is in force now."""
         self.calls: list[NvmlCall] = []
@@ -202,8 +236,11 @@ class FakeNvml:
         gpus: list[FakeGpu] = []
         for n, entry in enumerate(data.get("gpus") or []):
             gpus.extend(cls._gpus_from(entry, f"gpus[{n}]", seed, len(gpus)))
+        limits = data.get("memory_limits")
+        if limits is not None and not isinstance(limits, bool):
+            raise ConfigError(f"memory_limits: must be true or false, got {limits!r}")
         fake = cls(gpus, driver_version=str(data.get("driver_version", "615.00.00")),
-                   memory_limits=bool(data.get("memory_limits", True)))
+                   memory_limits=limits)
         for n, entry in enumerate(data.get("processes") or []):
             fake.processes.append(fake._process_from(entry, f"processes[{n}]"))
         return fake
@@ -306,6 +343,46 @@ class FakeNvml:
         with self._lock:
             self.processes.append(FakeProcess(pid=pid, gpu=self.gpu(gpu).uuid,
                                               used_bytes=used_bytes, **kw))
+
+    def over_hard_limit(self, pid: int, gpu: str | int, extra: int) -> GpuOutOfMemory | None:
+        """Why the driver would refuse `extra` bytes more for process `pid` on `gpu`: the first
+        hard limit in force on that GPU for its cgroup or a parent that it would exceed; None
+        when nothing stops it."""
+        with self._lock:
+            uuid = self.gpu(gpu).uuid
+            proc = next((p for p in self.processes if p.pid == pid and p.gpu == uuid), None)
+            if proc is None:
+                raise KeyError(f"no process {pid} on {uuid}")
+            for (limit_gpu, path), (_soft, hard) in sorted(self.limits.items()):
+                if limit_gpu != uuid or not _under(proc.cgroup, path):
+                    continue
+                used = sum(p.used_bytes or 0 for p in self.processes
+                           if p.gpu == uuid and _under(p.cgroup, path))
+                if used + extra > hard:
+                    return GpuOutOfMemory(uuid, path, hard, used, extra)
+            return None
+
+    def allocate(self, pid: int, gpu: str | int, extra: int) -> None:
+        """Process `pid` allocates `extra` bytes more on `gpu`, as its CUDA calls would: the
+        driver refuses it (GpuOutOfMemory, nothing changes) when a cgroup hard limit in force
+        would be exceeded (`over_hard_limit`); else its usage grows. Not an NVML call (NVML
+        only observes memory), so it is not recorded in `calls`."""
+        with self._lock:
+            refused = self.over_hard_limit(pid, gpu, extra)
+            if refused is not None:
+                raise refused
+            uuid = self.gpu(gpu).uuid
+            for p in self.processes:
+                if p.pid == pid and p.gpu == uuid:
+                    p.used_bytes = (p.used_bytes or 0) + extra
+
+    def free(self, pid: int, gpu: str | int, nbytes: int) -> None:
+        """Process `pid` frees `nbytes` of what it uses on `gpu`."""
+        with self._lock:
+            uuid = self.gpu(gpu).uuid
+            for p in self.processes:
+                if p.pid == pid and p.gpu == uuid:
+                    p.used_bytes = max(0, (p.used_bytes or 0) - nbytes)
 
     def remove_process(self, pid: int) -> None:
         with self._lock:
@@ -460,10 +537,13 @@ class FakeNvml:
 __all__ = [
     "DEFAULT_MODEL",
     "GPU_MODELS",
+    "MEMORY_LIMITS_DRIVER",
     "SEAM_METHODS",
     "FakeGpu",
     "FakeNvml",
     "FakeProcess",
+    "GpuOutOfMemory",
     "NvmlCall",
+    "driver_has_memory_limits",
     "fake_uuid",
 ]

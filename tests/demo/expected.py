@@ -2,9 +2,9 @@
 
 The placement is written down by hand from the demo's rule (pods in file order, first GPU(s)
 in index order that run the pod's compute mode or nothing and have its request free of the
-GPU's memory minus the 1024 MiB reserve): on 2 x H100 80GB the five time-slicing pods fill
-GPU 0, sm-sharing takes GPU 1, and the two-GPU fraction finds only one time-slicing GPU with
-room. The numbers are the binder arithmetic and the node plan of the contract package.
+GPU's memory; upstream KAI main subtracts no reserve): on 2 x H100 80GB the five time-slicing
+pods fill GPU 0, sm-sharing takes GPU 1, and the two-GPU fraction finds only one time-slicing
+GPU with room. The numbers are the binder arithmetic and the node plan of the contract package.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kai_fractions.node.nvml_fake import fake_uuid
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NODE = "demo-node"
 H100_MIB = 81559  # what NVML reports for an H100 80GB HBM3, and so the node label
-RESERVE_MIB = 1024  # the chart's reserve with sm-sharing on
+RESERVE_MIB = 0  # upstream KAI main's binder subtracts no reserve (the demo's default)
 PLACEMENT = {  # pod -> GPU indexes; None: not schedulable
     "gpu-fraction-with-limit": (0,),
     "llm-inference-0": (0,),
@@ -107,7 +107,7 @@ _GPU = re.compile(r"GPU (\d+)  (GPU-[0-9a-f-]+)  (.+?)  (\d+) MiB  (\S+)  reques
 def parse_tables(text: str) -> tuple[dict[int, tuple[str, str, list[list[str]]]],
                                      list[list[str]], list[str]]:
     """({gpu index: (uuid, mode, rows)}, unplaced rows, `!` reason lines); each row is the
-    columns POD/CONTAINER, MODE, REQUEST, LIMIT, ATP, USED, STATE."""
+    columns POD/CONTAINER, MODE, REQUEST, LIMIT, ATP, USED, STATE, TIER."""
     gpus: dict[int, tuple[str, str, list[list[str]]]] = {}
     unplaced: list[list[str]] = []
     reasons: list[str] = []
@@ -133,7 +133,7 @@ def parse_tables(text: str) -> tuple[dict[int, tuple[str, str, list[list[str]]]]
     return gpus, unplaced, reasons
 
 
-def row_cells(e: Expected, state: str = "enforced") -> list[str]:
+def row_cells(e: Expected, state: str = "enforced", tier: str = "cgroup") -> list[str]:
     atp = "-" if e.atp is None else f"{e.atp}%"
     return [e.ref, e.mode, f"{e.request_mib} MiB", f"{e.limit_mib} MiB", atp,
-            f"{e.used_mib} MiB", state]
+            f"{e.used_mib} MiB", state, tier]

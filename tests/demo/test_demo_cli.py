@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .expected import PLACEMENT, expected_rows, gpu_uuid, parse_tables, row_cells
+from .expected import PLACEMENT, RESERVE_MIB, expected_rows, gpu_uuid, parse_tables, row_cells
 
 CLI = Path(sys.executable).parent / "kai-fractions"
 TIMEOUT = 120
@@ -66,30 +66,33 @@ def test_demo_prints_the_plan_and_exits_clean():
 
     [pending] = [e for e in expected if e.gpus is None]
     assert unplaced == [[pending.ref, "time-slicing", "0.5 GPU x2", "-", "-", "n/a",
-                         "unscheduled (Unschedulable)"]]
+                         "unscheduled (Unschedulable)", "-"]]
     # GPU 0's free memory when the two-GPU pod came (file order), from the expected plan.
     order = list(PLACEMENT)
     before = [e for e in expected if e.gpus == (0,)
               and order.index(e.pod) < order.index(pending.pod)]
-    free0 = 81559 - 1024 - sum(e.request_mib for e in before)
-    need = (81559 - 1024) // 2
+    free0 = 81559 - RESERVE_MIB - sum(e.request_mib for e in before)
+    need = (81559 - RESERVE_MIB) // 2
     assert reasons == [
         f"{pending.ref}: Unschedulable: 0/2 GPUs fit default/multi-device-fraction: it needs "
         f"2 GPU(s) with {need} MiB free that run time-slicing or nothing yet, 1 found (GPU 0: "
-        f"{free0} MiB free, time-slicing; GPU 1: {81559 - 1024} MiB free); one GPU runs one "
-        "compute mode"]
+        f"{free0} MiB free, time-slicing; GPU 1: {81559 - RESERVE_MIB} MiB free); one GPU runs "
+        "one compute mode"]
 
-    # The violation: the first container of GPU 0's table, pushed 1024 MiB over its cap.
+    # Over the cap: the first container of GPU 0's table asks for 1024 MiB above its cap, and
+    # the driver's cgroup hard limit (r615) refuses it.
     victim = min((e for e in expected if e.gpus == (0,)), key=lambda e: e.ref)
-    section = out.split("\nViolation caught:\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    assert re.fullmatch(rf"  {victim.ref} on GPU 0: a process \(pid \d+\) takes it to "
+    section = out.split("\nCap held:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    extra = victim.limit_mib - victim.used_mib + 1024
+    assert re.fullmatch(rf"  {victim.ref} on GPU 0 \(tier cgroup\): its process \(pid \d+\) "
+                        rf"asks for {extra} MiB more, which would take it to "
                         rf"{victim.limit_mib + 1024} MiB, over its cap of {victim.limit_mib} MiB",
                         section[0]), section[0]
     assert re.fullmatch(
-        rf"  watchdog \(policy report\) -> Event Warning LimitViolation on pod "
-        rf"default/{victim.pod}: container {victim.container} of pod [0-9a-f-]+ uses "
-        rf"{victim.limit_mib + 1024} MiB of GPU memory on {gpu_uuid(0)}, above its cap of "
-        rf"{victim.limit_mib} MiB \(pids \d+, \d+\)", section[1]), section[1]
+        rf"  cgroup -> the allocation fails \(out of memory\): the NVML cgroup hard limit of "
+        rf"{victim.limit_mib} MiB on /sys/fs/cgroup/kubepods.slice/\S+ holds it",
+        section[1]), section[1]
+    assert "Violation caught" not in out
 
     assert out.endswith(
         "\nRejected by admission:\n"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kai_fractions.contract import ComputeMode
+from kai_fractions.contract import ComputeMode, Dialect
 from kai_fractions.demo.config import DemoConfig, DemoConfigError, config_from_dict, load_config
 from kai_fractions.demo.kubelet import container_id, downward_annotations
 from kai_fractions.demo.scheduler import Ask, GpuSlot, Placer
@@ -89,9 +89,11 @@ def test_container_ids_are_stable_and_well_formed():
 
 
 def test_config_defaults_and_reserve():
-    assert DemoConfig().mirror_reserve_mib == 1024
+    # Upstream KAI main subtracts no reserve; an explicit one simulates a patched KAI.
+    assert (DemoConfig().mirror_reserve_mib, DemoConfig().dialect) == (0, Dialect.UPSTREAM)
     assert config_from_dict({"sm_sharing": False}).mirror_reserve_mib == 0
-    assert config_from_dict({"sm_sharing": False, "reserve_mib": 512}).mirror_reserve_mib == 512
+    patched = config_from_dict({"reserve_mib": 1024})
+    assert (patched.mirror_reserve_mib, patched.dialect) == (1024, Dialect.PATCHED)
     nvml = config_from_dict({"gpus": [{"model": "A100-40GB", "count": 3}]}).nvml()
     assert [g.name for g in nvml.gpus] == ["NVIDIA A100-SXM4-40GB"] * 3
 
@@ -121,3 +123,36 @@ def test_config_errors(data, error):
     with pytest.raises(DemoConfigError) as e:
         config_from_dict(data)
     assert str(e.value) == error
+
+
+@pytest.mark.parametrize(("driver", "limits"), [("550.54.15", False), ("535.104.05", False),
+                                                ("615.00.00", True), ("620.10.01", True)])
+def test_the_simulated_gpus_follow_the_simulated_driver(driver, limits):
+    from kai_fractions.node.errors import NvmlFunctionNotFound
+
+    nvml = config_from_dict({"driver_version": driver}).nvml()
+    nvml.init()
+    gpu = nvml.gpus[0].uuid
+    assert nvml.memory_limits_supported() is limits
+    if limits:
+        nvml.set_memory_limits(gpu, "/pod", 1, 2)
+    else:
+        with pytest.raises(NvmlFunctionNotFound, match="nvmlDeviceSetMemoryLimits_v1"):
+            nvml.set_memory_limits(gpu, "/pod", 1, 2)
+
+
+def test_an_allocation_over_a_cgroup_hard_limit_fails_and_changes_nothing():
+    from kai_fractions.node.nvml_fake import FakeNvml, GpuOutOfMemory
+
+    mib = 1024 * 1024
+    nvml = FakeNvml.simulated(1)
+    nvml.init()
+    gpu = nvml.gpus[0].uuid
+    nvml.add_process(7, gpu, 6 * mib, cgroup="/pod/c1")
+    nvml.add_process(8, gpu, 1 * mib, cgroup="/pod/c2")
+    nvml.set_memory_limits(gpu, "/pod", 0, 10 * mib)
+    nvml.allocate(7, gpu, 3 * mib)  # 10 MiB in the pod: at the limit, not over it
+    with pytest.raises(GpuOutOfMemory) as e:
+        nvml.allocate(7, gpu, 1)
+    assert (e.value.cgroup, e.value.hard, e.value.used) == ("/pod", 10 * mib, 10 * mib)
+    assert [p.used_bytes for p in nvml.processes] == [9 * mib, 1 * mib]
