@@ -10,7 +10,8 @@ import signal
 import sys
 import threading
 
-from ..contract import DEFAULT_KEYS, Keys
+from ..contract import DEFAULT_DIALECT, DEFAULT_KEYS, DIALECTS, Dialect, Keys
+from ..contract.dialect import check_reserve
 from ..contract.keys import KAI_SCHEDULER_NAME
 from . import add_log_level, setup_logging
 
@@ -49,10 +50,14 @@ def register(sub) -> None:
     p.add_argument("--insecure", action="store_true",
                    help="allow plaintext on a non-loopback address (inside a trusted network "
                    "only)")
+    p.add_argument("--kai-dialect", choices=DIALECTS, default=DEFAULT_DIALECT.value,
+                   help="which KAI binder the annotations match: `upstream` (KAI main: no "
+                   "compute portion, no reserve) or `patched` (the KAI + gpu-fractioning "
+                   "forks that also write .gpu-compute.portion; default: %(default)s)")
     p.add_argument("--reserve-mib", type=int, default=0, metavar="N",
                    help="GPU memory (MiB) withheld per GPU before a portion becomes memory, "
-                   "when the caller does not say (1024 with sm-sharing/MPS; default: "
-                   "%(default)s)")
+                   "when the caller does not say; only the patched dialect has one (1024 "
+                   "there; default: %(default)s)")
     p.add_argument("--annotation-prefix", default=DEFAULT_KEYS.prefix, metavar="P",
                    help="per-container key prefix (default: %(default)s)")
     p.add_argument("--kubeconfig", metavar="FILE",
@@ -100,8 +105,10 @@ def run(args: argparse.Namespace) -> int:
         keys = Keys(prefix=args.annotation_prefix)
     except ValueError as e:
         return _fail(f"--annotation-prefix: {e}")
-    if args.reserve_mib < 0:
-        return _fail(f"--reserve-mib must not be negative, got {args.reserve_mib}")
+    dialect = Dialect(args.kai_dialect)
+    problem = check_reserve(dialect, args.reserve_mib)
+    if problem:
+        return _fail(f"--reserve-mib {problem}")
     options = ServerOptions(listen=args.listen, tls_cert=args.tls_cert, tls_key=args.tls_key,
                             tls_client_ca=args.tls_client_ca, token_file=args.token_file,
                             insecure=args.insecure)
@@ -119,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         cache = PodCache(prepare=functools.partial(user_request, keys=keys)) \
             if args.pod_cache else None
         service = MirrorService(async_pod_store(api_client), keys=keys,
-                                default_reserve_mib=args.reserve_mib,
+                                default_reserve_mib=args.reserve_mib, dialect=dialect,
                                 extra_annotations=signer, cache=cache)
         feeds = [pod_feed(api_client, cache, args.scheduler_name)] if cache is not None else []
         server = MirrorServer(service, options, tasks=feeds)
@@ -133,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     source: KubeBindRequestSource | None = None
     if args.follow_bindrequests:
         follower = Follower(KubePodStore(api_client), keys=keys,
-                            default_reserve_mib=args.reserve_mib, signer=keyring)
+                            default_reserve_mib=args.reserve_mib, dialect=dialect,
+                            signer=keyring)
         source = KubeBindRequestSource(api_client)
         follow_loop = functools.partial(
             follow, source, lambda obj: follower.verify(BindRequestView.from_object(obj)), stop)

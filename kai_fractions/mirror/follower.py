@@ -2,9 +2,10 @@
 
 For each fractional BindRequest (scheduling.run.ai/v1alpha2) that KAI reports as Succeeded,
 `Follower` rebuilds the scheduler's decision as the SAME `AllocationInput` the gRPC servicer
-hands to `MirrorService`, computes with the contract package what the binder must have written,
-compares it with the pod, and reports each difference as a pod event (reason
-`NvFractionsMismatch`, naming the key, the expected and the found value).
+hands to `MirrorService`, computes with the contract package what the binder must have written
+(in the configured dialect: upstream KAI main, or the patched KAI that also writes a compute
+portion), compares it with the pod BY MEANING (`20Gi` is `20480Mi`) and reports each difference
+as a pod event (reason `NvFractionsMismatch`, naming the key, the expected and the found value).
 
 With a signing key (`--signing-key-file`) it signs what it verified, and nothing else: when
 every key matches, one signature annotation per fractional container (`kai_fractions.signing`,
@@ -13,11 +14,14 @@ merge patch guarded by the pod's uid and resourceVersion. A pod that changed bet
 and the patch is refused by the API server (409); the follower reads it again and checks it
 again (bounded), so it never signs annotations it did not check. A mismatch is never signed; a
 signature that already verifies is not rewritten. Derived annotations stay the node agent's.
+Every decision not to sign a bound fractional pod is an event on the pod and a log line that
+name the reason (`NvFractionsMismatch`, `NvFractionsInvalid`, `NvFractionsUnsigned`).
 
-What it cannot know, and assumes: the binder's memory reserve (`--reserve-mib`, as configured
-for the mirror) and whether a memory request on the pod was the user's or the binder's (a
-request beside a legacy `gpu-fraction`/`gpu-memory` key is taken as the binder's, since
-precedence makes a user's own request win over those keys anyway).
+What it cannot know, and assumes: the binder's dialect and memory reserve (`--kai-dialect`,
+`--reserve-mib`, as configured for the mirror) and whether a memory request on the pod was the
+user's or the binder's (a request beside a legacy `gpu-fraction`/`gpu-memory` key is taken as
+the binder's or KAI admission's, since precedence makes a user's own request win over those
+keys anyway).
 """
 
 from __future__ import annotations
@@ -30,14 +34,17 @@ from types import MappingProxyType
 from typing import Any
 
 from ..contract import (
+    DEFAULT_DIALECT,
     ContractError,
     ContractViolation,
+    Dialect,
     Keys,
     binder_annotations,
     parse_pod,
     plan_container,
 )
 from ..contract import keys as k
+from ..contract.compare import same_value
 from ..signing import KeyringSource, signature_key
 from .compute import is_mirror_managed
 from .decision import AllocationInput, resolve_decision
@@ -59,6 +66,7 @@ RESERVATION_NAMESPACE = k.RESERVATION_NAMESPACE
 SUCCEEDED = "Succeeded"
 MISMATCH_REASON = "NvFractionsMismatch"
 INVALID_REASON = "NvFractionsInvalid"
+UNSIGNED_REASON = "NvFractionsUnsigned"
 SIGN_ATTEMPTS = 3
 """Reads of a pod per check when its signing patch meets a conflict (it changed meanwhile)."""
 
@@ -164,7 +172,7 @@ def binder_expectation(pod: PodSnapshot, allocation: AllocationInput, decision_o
 
 class Follower:
     def __init__(self, store: PodStore, *, keys: Keys = k.DEFAULT_KEYS,
-                 default_reserve_mib: int = 0,
+                 default_reserve_mib: int = 0, dialect: Dialect = DEFAULT_DIALECT,
                  reservation_namespace: str = RESERVATION_NAMESPACE,
                  remember: int = 10_000, signer: KeyringSource | None = None) -> None:
         self.store = store
@@ -172,6 +180,7 @@ class Follower:
         """None: check only (the node agent then runs without --signing-key-file)."""
         self.keys = keys
         self.default_reserve_mib = default_reserve_mib
+        self.dialect = dialect
         self.reservation_namespace = reservation_namespace
         self._reported: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._remember = remember
@@ -218,17 +227,23 @@ class Follower:
             if result.skipped or result.errors or result.mismatches or self.signer is None:
                 return result
             try:
-                return self._sign(pod, result, deadline)
+                result = self._sign(pod, result, deadline)
             except (WriteConflict, WriteInvalid) as e:
                 # The pod changed since it was read (or was recreated): what was checked is
                 # not what is there now, so read it again and check it again.
                 log.info("pod %s changed before it was signed (%s); checking it again",
                          pod_ref, e)
                 result = replace(result, unsigned=f"the pod kept changing: {e}")
+                continue
             except PodNotFound:
                 return Verification(br.ref, pod_ref, skipped="pod not found")
-        log.warning("pod %s not signed: it changed under %d attempt(s); the follower "
-                    "checks it again on its next list", pod_ref, SIGN_ATTEMPTS)
+            if result.unsigned:
+                self._report(pod, UNSIGNED_REASON, f"not signed: {result.unsigned} "
+                             f"(BindRequest {br.ref})", deadline)
+            return result
+        self._report(pod, UNSIGNED_REASON, f"not signed: it changed under {SIGN_ATTEMPTS} "
+                     f"attempt(s); the follower checks it again on its next list "
+                     f"(BindRequest {br.ref})", deadline)
         return result
 
     def _check(self, br: BindRequestView, pod: PodSnapshot,
@@ -236,7 +251,13 @@ class Follower:
         pod_ref = f"{br.namespace}/{br.pod_name}"
         allocation = self.decide(br, deadline=deadline)
         if allocation is None:
-            return Verification(br.ref, pod_ref, skipped="reserved GPU not known yet")
+            reason = (f"the GPU reserved for group(s) {', '.join(br.group_ids)} is not known "
+                      f"yet: no pod labelled {k.GPU_GROUP_LABEL} in "
+                      f"{self.reservation_namespace} carries {k.RESERVE_FOR_GPU}")
+            if self.signer is not None:
+                self._report(pod, UNSIGNED_REASON, f"not signed yet: {reason} (BindRequest "
+                             f"{br.ref})", deadline)
+            return Verification(br.ref, pod_ref, skipped=reason)
         share = parse_pod(pod.view, self.keys).share
         written = pod.annotations.get(self.keys.container(share.container, k.DEVICES), "") \
             if share is not None else ""
@@ -244,18 +265,28 @@ class Follower:
 
         def decision_of(a: AllocationInput):
             return resolve_decision(a, lambda n: self._node_labels(n, deadline),
-                                    default_reserve_mib=self.default_reserve_mib)
+                                    default_reserve_mib=self.default_reserve_mib,
+                                    dialect=self.dialect)
         try:
             expected = binder_expectation(pod, allocation, decision_of, self.keys)
         except InvalidAllocation as e:
             self._report(pod, INVALID_REASON, f"cannot check the binder's annotations for "
                          f"BindRequest {br.ref}: {e}", deadline)
             return Verification(br.ref, pod_ref, errors=e.errors)
+        wanted: dict[str, str | None] = dict(expected)
+        if share is not None and not self.dialect.writes_compute_portion:
+            # Upstream KAI never writes it (its webhook refuses the key): one on the pod was
+            # not written by that binder, and the node would take it as a compute cap.
+            wanted.setdefault(self.keys.container(share.container, k.COMPUTE_PORTION), None)
         mismatches = tuple(Mismatch(key, value, pod.annotations.get(key))
-                           for key, value in sorted(expected.items())
-                           if pod.annotations.get(key) != value)
+                           for key, value in sorted(wanted.items())
+                           if not same_value(key, value, pod.annotations.get(key), self.keys))
         for m in mismatches:
-            self._report(pod, MISMATCH_REASON, f"{m.message} (BindRequest {br.ref})", deadline)
+            hint = ("; a binder that writes it is the patched KAI: run the follower with "
+                    "--kai-dialect patched" if m.expected is None
+                    and m.key.endswith(k.COMPUTE_PORTION) else "")
+            self._report(pod, MISMATCH_REASON, f"{m.message} (BindRequest {br.ref}){hint}",
+                         deadline)
         return Verification(br.ref, pod_ref, mismatches=mismatches)
 
     def _sign(self, pod: PodSnapshot, checked: Verification,

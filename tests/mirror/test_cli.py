@@ -9,7 +9,7 @@ from kai_fractions.cli import build_parser, main
 from tests.support.mirror_kube import register_bindrequests, run_mirror_process
 
 FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file",
-         "--signing-key-file", "--insecure", "--reserve-mib", "--annotation-prefix",
+         "--signing-key-file", "--insecure", "--kai-dialect", "--reserve-mib", "--annotation-prefix",
          "--kubeconfig", "--follow-bindrequests", "--scheduler-name", "--no-pod-cache",
          "--log-level"]
 
@@ -35,6 +35,10 @@ def test_every_flag_is_there_with_its_default():
     (["--tls-client-ca", "/ca.crt"], "--tls-client-ca needs --tls-cert and --tls-key (mutual "
      "TLS is TLS plus client certificates)"),
     (["--reserve-mib", "-1"], "--reserve-mib must not be negative, got -1"),
+    (["--reserve-mib", "1024"], "--reserve-mib is 1024 MiB, but upstream KAI main subtracts no "
+     "reserve: use 0, or the patched dialect for a KAI that does"),
+    (["--kai-dialect", "patched", "--reserve-mib", "-5"], "--reserve-mib must not be negative, "
+     "got -5"),
     (["--annotation-prefix", "nope"], "--annotation-prefix: prefix must look like "
      "'example.com/container.' (a domain, a slash, ending with a dot), got 'nope'"),
     (["--kubeconfig", "/nonexistent/kubeconfig"],
@@ -63,4 +67,5 @@ def test_a_real_process_serves_and_stops_on_sigterm(kube, tmp_path):
     assert "AllocationMirror stopped" in err
     assert "Traceback" not in err
     annotations = kube.core.read_namespaced_pod("train-0", "team-a").metadata.annotations
-    assert annotations["nvidia.com/container.trainer.gpu-memory.request"] == "20480Mi"
+    # 20480 MiB as KAI writes it (resource.MustParse("20480Mi").String()).
+    assert annotations["nvidia.com/container.trainer.gpu-memory.request"] == "20Gi"

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client as k8s
 
+from kai_fractions.contract import Dialect
 from kai_fractions.mirror.bindrequests import Gone, KubeBindRequestSource, follow
 from kai_fractions.mirror.fake_store import FakePodStore, RecordedEvent
 from kai_fractions.mirror.follower import BindRequestView, Follower
@@ -23,9 +24,12 @@ NS = "team-a"
 GPU_A = "GPU-1111aaaa-0000-4000-8000-000000000001"
 GPU_B = "GPU-2222bbbb-0000-4000-8000-000000000002"
 T = "nvidia.com/container.trainer"
-BOUND = {  # what KAI's binder writes for gpu-fraction 0.5 on a 40960 MiB GPU, reserve 0
-    f"{T}.gpu-memory.request": "20480Mi", f"{T}.gpus.devices": GPU_A,
-    f"{T}.gpu-compute.portion": "0.5", "received-resource-type": "Fraction"}
+# What upstream KAI main's binder writes for gpu-fraction 0.5 on a 40960 MiB GPU: the request
+# as a canonical quantity, no compute portion, no reserve (KAI-Scheduler
+# pkg/binder/plugins/nvfractions/nv_fractions.go).
+BOUND = {
+    f"{T}.gpu-memory.request": "20Gi", f"{T}.gpus.devices": GPU_A,
+    "received-resource-type": "Fraction"}
 
 
 def bind_request(name: str, pod: str, *, phase: str = "Succeeded", groups=("group-a",),
@@ -77,19 +81,46 @@ def test_correct_annotations_raise_no_event(store):
 
 def test_each_wrong_or_missing_key_is_an_event(store):
     wrong = {**BOUND, f"{T}.gpus.devices": GPU_B}
-    del wrong[f"{T}.gpu-compute.portion"]
+    del wrong["received-resource-type"]
     created = store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **wrong}))
     result = verify(store, bind_request("br-1", "train-0"))
-    assert [m.key for m in result.mismatches] == [f"{T}.gpu-compute.portion",
-                                                  f"{T}.gpus.devices"]
+    assert [m.key for m in result.mismatches] == [f"{T}.gpus.devices", "received-resource-type"]
     assert store.events == [
-        RecordedEvent(NS, "train-0", created.uid, "Warning", "NvFractionsMismatch",
-                      f"annotation {T}.gpu-compute.portion: expected '0.5', found nothing "
-                      "(BindRequest team-a/br-1)"),
         RecordedEvent(NS, "train-0", created.uid, "Warning", "NvFractionsMismatch",
                       f"annotation {T}.gpus.devices: expected '{GPU_A}', found '{GPU_B}' "
                       "(BindRequest team-a/br-1)"),
+        RecordedEvent(NS, "train-0", created.uid, "Warning", "NvFractionsMismatch",
+                      "annotation received-resource-type: expected 'Fraction', found nothing "
+                      "(BindRequest team-a/br-1)"),
     ]
+
+
+@pytest.mark.parametrize("spelling", ["20Gi", "20480Mi", "21474836480", "0.01953125Ti"])
+def test_values_are_compared_by_meaning_not_spelling(store, spelling):
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND,
+                                  f"{T}.gpu-memory.request": spelling}))
+    assert verify(store, bind_request("br-1", "train-0")).mismatches == ()
+
+
+def test_a_compute_portion_upstream_kai_never_writes_is_a_mismatch(store):
+    created = store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND,
+                                            f"{T}.gpu-compute.portion": "1"}))
+    result = verify(store, bind_request("br-1", "train-0"))
+    assert [(m.key, m.expected, m.actual) for m in result.mismatches] == [
+        (f"{T}.gpu-compute.portion", None, "1")]
+    assert store.events[0].pod_uid == created.uid
+    assert "--kai-dialect patched" in store.events[0].message
+
+
+def test_the_patched_dialect_expects_the_compute_portion(store):
+    patched = {**BOUND, f"{T}.gpu-compute.portion": "0.5"}
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **patched}))
+    assert verify(store, bind_request("br-1", "train-0"), dialect=Dialect.PATCHED).mismatches \
+        == ()
+    store.add_pod(pod("train-1", {"gpu-fraction": "0.5", **BOUND}))
+    result = verify(store, bind_request("br-2", "train-1"), dialect=Dialect.PATCHED)
+    assert [(m.key, m.expected, m.actual) for m in result.mismatches] == [
+        (f"{T}.gpu-compute.portion", "0.5", None)]
 
 
 def test_a_binder_request_beside_gpu_fraction_is_checked_too(store):
@@ -97,7 +128,7 @@ def test_a_binder_request_beside_gpu_fraction_is_checked_too(store):
                                   f"{T}.gpu-memory.request": "30000Mi"}))
     result = verify(store, bind_request("br-1", "train-0"))
     assert [(m.key, m.expected, m.actual) for m in result.mismatches] == [
-        (f"{T}.gpu-memory.request", "20480Mi", "30000Mi")]
+        (f"{T}.gpu-memory.request", "20Gi", "30000Mi")]
 
 
 def test_a_users_own_request_is_not_the_binders(store):
@@ -113,14 +144,16 @@ def test_findings_are_reported_once(store):
     view = BindRequestView.from_object(bind_request("br-1", "train-0"))
     follower.verify(view)
     follower.verify(view)  # a relist replays every BindRequest
-    assert len(store.events) == 4
+    assert len(store.events) == 3
 
 
 @pytest.mark.parametrize(("br", "skipped"), [
     (bind_request("br-1", "train-0", phase="Pending"), "phase Pending"),
     (bind_request("br-1", "train-0", phase=""), "phase Pending"),
     (bind_request("br-1", "gone-pod"), "pod not found"),
-    (bind_request("br-1", "train-0", groups=("group-unknown",)), "reserved GPU not known yet"),
+    (bind_request("br-1", "train-0", groups=("group-unknown",)),
+     "the GPU reserved for group(s) group-unknown is not known yet: no pod labelled "
+     "runai-gpu-group in kai-resource-reservation carries run.ai/reserve_for_gpu_index"),
     ({**bind_request("br-1", "train-0"), "spec": {"podName": "train-0",
                                                   "receivedResourceType": "Regular"}},
      "not a fractional bind"),
