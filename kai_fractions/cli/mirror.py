@@ -12,7 +12,7 @@ import threading
 
 from ..contract import DEFAULT_DIALECT, DEFAULT_KEYS, DIALECTS, Dialect, Keys
 from ..contract.dialect import check_reserve
-from ..contract.keys import KAI_SCHEDULER_NAME
+from ..contract.keys import KAI_BINDER_IDENTITY, KAI_SCHEDULER_NAME
 from . import add_log_level, setup_logging
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -58,6 +58,11 @@ def register(sub) -> None:
                    help="GPU memory (MiB) withheld per GPU before a portion becomes memory, "
                    "when the caller does not say; only the patched dialect has one (1024 "
                    "there; default: %(default)s)")
+    p.add_argument("--write-as", default="", metavar="USER",
+                   help="impersonate USER for every pod write (Impersonate-User), e.g. "
+                   f"{KAI_BINDER_IDENTITY}: KAI's NvFractions admission webhook lets only its "
+                   "binder's service account write .gpus.devices; needs RBAC `impersonate` on "
+                   "exactly that service account (default: write as the mirror itself)")
     p.add_argument("--annotation-prefix", default=DEFAULT_KEYS.prefix, metavar="P",
                    help="per-container key prefix (default: %(default)s)")
     p.add_argument("--kubeconfig", metavar="FILE",
@@ -125,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
         # bound: an allocation for it starts from that.
         cache = PodCache(prepare=functools.partial(user_request, keys=keys)) \
             if args.pod_cache else None
-        service = MirrorService(async_pod_store(api_client), keys=keys,
+        if args.write_as:
+            log.info("pod writes impersonate %s", args.write_as)
+        service = MirrorService(async_pod_store(api_client, write_as=args.write_as), keys=keys,
                                 default_reserve_mib=args.reserve_mib, dialect=dialect,
                                 extra_annotations=signer, cache=cache)
         feeds = [pod_feed(api_client, cache, args.scheduler_name)] if cache is not None else []

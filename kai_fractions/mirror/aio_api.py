@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
 from kubernetes import client as k8s
@@ -85,10 +85,14 @@ class AsyncKubeApi:
         """A path the server is reached under (a cluster behind an API gateway)."""
 
     async def request(self, method: str, path: str, *, query: str = "", body: bytes = b"",
-                      timeout: float) -> Response:
+                      timeout: float, extra_headers: Mapping[str, str] | None = None
+                      ) -> Response:
         """`path` is the API path (`/api/v1/...`); `query` is encoded, without its `?`."""
-        return await self.pool.request(method, self._target(path, query),
-                                       self.headers(method, path, body), body, timeout=timeout)
+        headers = self.headers(method, path, body)
+        if extra_headers:
+            headers.update(extra_headers)
+        return await self.pool.request(method, self._target(path, query), headers, body,
+                                       timeout=timeout)
 
     @contextlib.asynccontextmanager
     async def stream(self, path: str, query: str, *, timeout: float, idle_timeout: float

@@ -31,6 +31,7 @@ from .kube_api import (
     patch_refusal,
     pod_path,
     read_refusal,
+    write_as_headers,
 )
 from .kube_store import DEFAULT_BACKOFF, KubePodStore
 from .retry import Backoff, Transient, retrying_async
@@ -61,9 +62,12 @@ class AsyncKubePodStore:
         request_timeout: float = 10.0,
         clock: AsyncClock | None = None,
         rng: random.Random | None = None,
+        write_as: str = "",
     ) -> None:
         self.api = api_client
         self.transport = AsyncKubeApi(api_client)
+        self.write_headers = write_as_headers(write_as)
+        """Pod writes impersonate `write_as` (kube_api.write_as_headers); reads do not."""
         self.backoff = backoff
         self.request_timeout = request_timeout
         self.clock = clock or SystemClock()
@@ -85,7 +89,8 @@ class AsyncKubePodStore:
         body = annotation_patch(changes, uid=uid, resource_version=resource_version)
         obj = await self._call(f"patch pod {namespace}/{name}", "PATCH",
                                pod_path(namespace, name), deadline,
-                               functools.partial(patch_refusal, namespace, name), body)
+                               functools.partial(patch_refusal, namespace, name), body,
+                               self.write_headers)
         return PodSnapshot.from_object(obj)
 
     async def node_labels(self, node: str, deadline: Deadline = NO_DEADLINE
@@ -101,7 +106,8 @@ class AsyncKubePodStore:
     # -- plumbing ------------------------------------------------------------------------------
 
     async def _call(self, what: str, method: str, path: str, deadline: Deadline,
-                    on_status: OnStatus, body: bytes = b"") -> Any:
+                    on_status: OnStatus, body: bytes = b"",
+                    headers: Mapping[str, str] | None = None) -> Any:
         """The decoded JSON of a 2xx answer; `on_status` claims the refusals its caller gives
         a meaning (404: no such pod, ...), `kube_api.failure` the rest."""
 
@@ -109,7 +115,7 @@ class AsyncKubePodStore:
             timeout = deadline.timeout(self.request_timeout)
             try:
                 response = await self.transport.request(method, path, body=body,
-                                                        timeout=timeout)
+                                                        timeout=timeout, extra_headers=headers)
             except TimeoutError:
                 raise Transient(f"no answer within {timeout:.3g} s") from None
             except OSError as e:

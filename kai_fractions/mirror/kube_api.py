@@ -100,3 +100,15 @@ def patch_refusal(namespace: str, name: str, refusal: Refusal) -> Exception | No
 
 def node_refusal(node: str, refusal: Refusal) -> Exception | None:
     return NodeNotFound(node) if refusal.status == 404 else None
+
+
+IMPERSONATE_USER = "Impersonate-User"
+
+
+def write_as_headers(write_as: str) -> dict[str, str]:
+    """Headers that make a pod write carry `write_as`'s identity (Kubernetes impersonation).
+
+    KAI's own NvFractions webhook lets exactly one username create or change `.gpus.devices`:
+    its binder's service account. A mirror that writes them on the binder's behalf must carry
+    that name; RBAC `impersonate` on exactly that service account is what allows it."""
+    return {IMPERSONATE_USER: write_as} if write_as else {}

@@ -32,6 +32,7 @@ from .kube_api import (
     patch_refusal,
     pod_path,
     read_refusal,
+    write_as_headers,
 )
 from .retry import Backoff, Transient, retrying
 from .store import (
@@ -77,8 +78,11 @@ class KubePodStore:
         clock: Clock | None = None,
         rng: random.Random | None = None,
         component: str = COMPONENT,
+        write_as: str = "",
     ) -> None:
         self.core = k8s.CoreV1Api(api_client)
+        self.write_headers = write_as_headers(write_as)
+        """Pod writes impersonate `write_as` (kube_api.write_as_headers); reads do not."""
         self.backoff = backoff
         self.request_timeout = request_timeout
         self.clock = clock or SystemClock()
@@ -139,7 +143,7 @@ class KubePodStore:
         api = self.core.api_client
         path = pod_path(namespace, name)
         headers = {**api.default_headers, "Content-Type": MERGE_PATCH,
-                   "Accept": "application/json"}
+                   "Accept": "application/json", **self.write_headers}
         if api.cookie:
             headers["Cookie"] = api.cookie
         # The credentials the generated method would send (a refreshed token included).

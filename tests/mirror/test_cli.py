@@ -10,8 +10,8 @@ from tests.support.mirror_kube import register_bindrequests, run_mirror_process
 
 FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file",
          "--signing-key-file", "--insecure", "--kai-dialect", "--reserve-mib",
-         "--annotation-prefix", "--kubeconfig", "--follow-bindrequests", "--scheduler-name",
-         "--no-pod-cache", "--log-level"]
+         "--write-as", "--annotation-prefix", "--kubeconfig", "--follow-bindrequests",
+         "--scheduler-name", "--no-pod-cache", "--log-level"]
 
 
 def test_every_flag_is_there_with_its_default():
