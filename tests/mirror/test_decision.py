@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from kai_fractions.contract import BindDecision, ComputeMode
+from kai_fractions.contract import BindDecision, ComputeMode, Dialect
 from kai_fractions.mirror.decision import AllocationInput, check_idempotency_key, resolve_decision
 from kai_fractions.mirror.errors import InvalidAllocation
 
@@ -35,6 +35,11 @@ def test_fields_become_a_bind_decision():
         reserve_mib=1024, cdi=True, resource_type="Fraction")
 
 
+def test_the_dialect_is_carried_into_the_decision():
+    assert resolve_decision(BASE, no_nodes).dialect is Dialect.UPSTREAM
+    assert resolve_decision(BASE, no_nodes, dialect=Dialect.PATCHED).dialect is Dialect.PATCHED
+
+
 def test_explicit_reserve_wins_over_the_default():
     decision = resolve_decision(replace(BASE, reserve_mib=0), no_nodes, default_reserve_mib=1024)
     assert decision.reserve_mib == 0
@@ -53,6 +58,14 @@ def test_node_memory_label_is_read_when_zero():
 
     decision = resolve_decision(replace(BASE, node_gpu_memory_mib=0), labels)
     assert (decision.node_gpu_memory_mib, seen) == (81920, ["node-1"])
+
+
+@pytest.mark.parametrize(("label", "mib"), [("40960", 40960), ("40960.0", 40960),
+                                           ("40960.5", 40960.5)])
+def test_node_memory_label_is_read_as_a_number(label, mib):
+    decision = resolve_decision(replace(BASE, node_gpu_memory_mib=0),
+                                lambda n: {"nvidia.com/gpu.memory": label})
+    assert decision.node_gpu_memory_mib == mib
 
 
 def test_missing_label_is_left_to_the_contract_which_names_it():
@@ -84,7 +97,7 @@ def test_missing_label_is_left_to_the_contract_which_names_it():
         "selected_node", "names a node that does not exist", "node-1")]),
     ({"node_gpu_memory_mib": 0}, lambda n: {"nvidia.com/gpu.memory": "40GB"}, [(
         "node_gpu_memory_mib", "cannot be read from node node-1: its nvidia.com/gpu.memory "
-        "label is not a positive whole number of MiB", "40GB")]),
+        "label is not a positive number of MiB (at most 1099511627776)", "40GB")]),
     ({"resource_type": ""}, no_nodes, [("received_resource_type",
                                          "is required: Fraction or Regular", None)]),
     ({"resource_type": "7"}, no_nodes, [("received_resource_type",
