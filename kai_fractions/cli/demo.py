@@ -57,9 +57,15 @@ def _missing_extra() -> str | None:
     return None
 
 
-def _keep_running(session, out) -> None:
+def _keep_running(session, call, out) -> None:
+    from ..demo.first_call import END, Tools, render
+
     e = session.endpoints
     node = session.config.node
+    tools = Tools.here()
+    node_state = (f"  {tools.grpcurl} -plaintext -unix -import-path {tools.protos} -proto "
+                  f"kai_fractions/v1/node.proto {e.agent_socket} "
+                  "kai_fractions.v1.NodeEnforcer/GetNodeState\n" if tools.protos else "")
     out.write(
         "\nThe demo keeps running; Ctrl-C stops it.\n"
         f"  api         {e.api_url}\n"
@@ -67,15 +73,16 @@ def _keep_running(session, out) -> None:
         f"  mirror      {e.mirror}\n"
         f"  agent       {e.agent_socket}\n"
         f"  metrics     {e.metrics_url}\n"
-        "Try:\n"
-        f"  kai-fractions inspect node {node} --kubeconfig {e.kubeconfig} "
+        "Try (from any directory):\n"
+        f"  {tools.cli} inspect node {node} --kubeconfig {e.kubeconfig} "
         f"--agent-socket {e.agent_socket}\n"
-        f"  grpcurl -plaintext {e.mirror} list\n"
-        "  grpcurl -plaintext -unix -import-path protos -proto kai_fractions/v1/node.proto "
-        f"{e.agent_socket} kai_fractions.v1.NodeEnforcer/GetNodeState\n"
+        f"  {tools.grpcurl} -plaintext {e.mirror} list\n"
+        f"{node_state}"
         f"  curl -s {e.api_url}/api/v1/namespaces/{session.config.namespace}/pods\n"
         f"  curl -s {e.api_url}/api/v1/nodes/{node}\n"
         f"  curl -s {e.metrics_url}\n")
+    out.write(render(call, e.mirror, str(e.kubeconfig), str(e.agent_socket), tools))
+    out.write(f"\n{END}\n")
     out.flush()
     stop = threading.Event()
 
@@ -115,9 +122,10 @@ def run(args: argparse.Namespace) -> int:
     session = DemoSession(config, progress=progress)
     try:
         session.start()
-        Scenario(session, sys.stdout, progress).run()
+        scenario = Scenario(session, sys.stdout, progress)
+        scenario.run()
         if args.keep:
-            _keep_running(session, sys.stdout)
+            _keep_running(session, scenario.first_call(), sys.stdout)
     except WorkloadError as e:
         return _fail(str(e))
     except DemoFailure as e:

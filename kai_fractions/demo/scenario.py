@@ -36,6 +36,8 @@ from ..inspect.model import ENFORCED, Report, node_report
 from ..inspect.render import mib
 from ..inspect.sources import agent_from_socket, agent_state
 from .admission_step import USER, admission_config, admit
+from .first_call import FirstCall
+from .first_call import manifest as first_call_manifest
 from .kubelet import CapHeld, GateResult, SimulatedKubelet
 from .scheduler import Ask, GpuSlot, Placer, allocation, idempotency_key, request_mib
 from .session import DemoSession
@@ -94,6 +96,7 @@ class Scenario:
             session.core, self.node, session.marker_dir, session.workdir, session.keys,
             session.nvml, session.proc_root, session.node_config.layout)
         self.outcome = Outcome()
+        self.placer: Placer | None = None
         self.pids: dict[tuple[str, str, str], list[int]] = {}
         """(pod uid, container, gpu) -> simulated process ids."""
 
@@ -150,7 +153,7 @@ class Scenario:
         inventory = self.s.nvml.devices()
         reserve = self.s.config.mirror_reserve_mib
         slots = [GpuSlot(d.index, d.uuid, self.s.gpu_memory_mib - reserve) for d in inventory]
-        placer = Placer(slots)
+        placer = self.placer = Placer(slots)
         bound = []
         for pod in pods:
             meta = pod["metadata"]
@@ -312,6 +315,35 @@ class Scenario:
         d = admitted.decision
         return [f"pod {meta['namespace']}/{meta['name']} (created by {USER}, sets the binder's "
                 f"key itself): {d.code} {d.reason}: {d.message}"]
+
+    # -- --keep: a pod for the user's first MirrorAllocation -------------------------------------
+
+    def first_call(self) -> FirstCall:
+        """Admit and create the first-call pod, Pending and not bound; size it with
+        PreviewAllocation and pick the GPU the demo's scheduler would give it (booked, so a
+        second look does not hand it out again); the MirrorAllocation is left to the user."""
+        namespace = self.s.config.namespace
+        admitted = admit(first_call_manifest(namespace), admission_config(self.s.keys))
+        if not admitted.allowed or admitted.pod is None:
+            raise DemoFailure(f"admission refused the first-call pod: {admitted.decision.message}")
+        pod = self.core.api_client.sanitize_for_serialization(
+            self.core.create_namespaced_pod(namespace, admitted.pod))
+        share = _share(pod, self.s)
+        assert share is not None and self.placer is not None
+        slots = list(self.placer.gpus)
+        preview = self.s.stub.PreviewAllocation(pb.PreviewAllocationRequest(
+            allocation=allocation(pod, share, self.node, [slots[0].uuid])), timeout=10)
+        ref = f"{namespace}/{pod['metadata']['name']}"
+        chosen = self.placer.place(Ask(ref, share.compute_mode, request_mib(preview)))
+        gpu = chosen[0] if not isinstance(chosen, str) else slots[0]
+        request = pb.MirrorAllocationRequest(
+            allocation=allocation(pod, share, self.node, [gpu.uuid]),
+            idempotency_key=idempotency_key(pod))
+        self.progress(f"first call: created {ref} (Pending, not bound) for a MirrorAllocation "
+                      f"by hand on GPU {gpu.index}")
+        return FirstCall(namespace=namespace, name=pod["metadata"]["name"],
+                         uid=pod["metadata"]["uid"], node=self.node, gpu_index=gpu.index,
+                         gpu_uuid=gpu.uuid, fits=not isinstance(chosen, str), request=request)
 
     # -- all of it -----------------------------------------------------------------------------
 

@@ -1,11 +1,13 @@
 """`kai-fractions demo --keep`: the endpoints it prints work; `inspect` against it shows the
-plan; SIGINT stops it cleanly."""
+plan; the first-call commands it prints work when pasted in another directory; SIGINT stops it
+cleanly."""
 
 from __future__ import annotations
 
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -16,11 +18,13 @@ import grpc
 import pytest
 
 from kai_fractions.cli import main
+from kai_fractions.demo.first_call import END
 
 from .expected import MIB, NODE, expected_rows, gpu_uuid
 from .test_demo_cli import CLI, group_members
 
 START_TIMEOUT = 90
+REPO = Path(__file__).resolve().parents[2]
 ENDPOINTS = ("api", "kubeconfig", "mirror", "agent", "metrics")
 
 
@@ -62,6 +66,18 @@ class Demo:
                     found[name] = value.strip()
         return found
 
+    def until_end(self) -> list[str]:
+        """The lines after the endpoints, up to the last one --keep prints."""
+        lines: list[str] = []
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if line is None:
+                raise AssertionError("the demo exited:\n" + "\n".join(filter(None, self.err)))
+            if line == END:
+                return lines
+            lines.append(line)
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
@@ -77,9 +93,26 @@ def demo():
     d = Demo()
     try:
         d.endpoints_found = d.endpoints()
+        d.first_call = first_call_blocks(d.until_end())
         yield d
     finally:
         d.stop()  # normally done by the last test already
+
+
+def first_call_blocks(lines: list[str]) -> dict[str, str]:
+    """The pasteable commands of the first-call section, by the first words of their comment."""
+    text = "\n".join(lines).split("Paste these into another shell (any directory):\n", 1)[1]
+    blocks = {}
+    for block in text.strip().split("\n\n# "):
+        title, _, command = block.removeprefix("# ").partition("\n")
+        blocks[" ".join(title.split()[:2])] = command
+    return blocks
+
+
+def paste(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """As a user pastes it into a new shell: another directory, a bare PATH."""
+    return subprocess.run(["/bin/bash", "-c", command], cwd=cwd, capture_output=True, text=True,
+                          timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": str(cwd)})
 
 
 def _inspect(capsys, *args: str) -> tuple[int, str]:
@@ -151,6 +184,41 @@ def test_inspect_pod_with_metrics_only(demo, capsys):
     assert (gpu["uuid"], row["active_thread_percentage"], row["used_bytes"], row["state"],
             row["reason"]) == (gpu_uuid(1), want.atp, want.used_mib * MIB, "enforced",
                                "GateReleased")
+
+
+def test_the_first_call_works_when_pasted_elsewhere(demo, tmp_path):
+    blocks = demo.first_call
+    assert list(blocks) == ["PreviewAllocation: what", "MirrorAllocation from",
+                            "MirrorAllocation with", "the pod"]
+    grpcurl = REPO / ".tools" / "bin" / "grpcurl"
+    request_key = "nvidia.com/container.main.gpu-memory.request"
+    if grpcurl.exists():  # scripts/test-tools.sh fetches it (CI always has it)
+        preview = paste(blocks["PreviewAllocation: what"], tmp_path)
+        assert preview.returncode == 0, preview.stderr
+        assert json.loads(preview.stdout)["annotations"][request_key] == "8155Mi"
+
+    python = blocks["MirrorAllocation from"]
+    result = paste(python, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("MirrorAllocation: OK, changed: True, resource_version: ")
+    assert f"\n  {request_key}: 8155Mi\n" in result.stdout  # floor(81559 x 0.1)
+
+    if grpcurl.exists():
+        again = paste(blocks["MirrorAllocation with"], tmp_path)
+        assert again.returncode == 0, again.stderr
+        reply = json.loads(again.stdout)
+        assert (reply["changed"], reply["annotations"][request_key]) == (False, "8155Mi")
+
+    shown = paste(blocks["the pod"], tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "\n  default/first-call/main  time-slicing  8155 MiB  8155 MiB  " in shown.stdout
+    assert "unscheduled (NotBound)" in shown.stdout
+
+    # A failed call is said, and the exit status says it too.
+    uid = re.search(r'uid="([0-9a-f-]{36})"', python).group(1)
+    wrong = paste(python.replace(uid, "00000000-0000-4000-8000-000000000000"), tmp_path)
+    assert wrong.returncode == 1
+    assert wrong.stderr.startswith("MirrorAllocation failed: ")
 
 
 def test_sigint_stops_it_cleanly(demo):
