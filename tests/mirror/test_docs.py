@@ -12,6 +12,7 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
+from kai_fractions.contract import Dialect
 from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.proto import allocation_from_proto, plan_to_proto
 from kai_fractions.mirror.service import MirrorService
@@ -39,7 +40,9 @@ async def test_example_reply_is_what_the_mirror_returns():
                                 "annotations": SM_POD},
                    "spec": {"containers": [{"name": "trainer"}]}})
     request = json_format.Parse(MIRROR_ALLOCATION_REQUEST_JSON, pb.MirrorAllocationRequest())
-    result = await MirrorService(ThreadedPodStore(store)).mirror(
+    # The documented request carries the patched KAI's MPS reserve (reserveMib 1024) and the
+    # reply its compute portion and 50% cap: a mirror run with `--kai-dialect patched`.
+    result = await MirrorService(ThreadedPodStore(store), dialect=Dialect.PATCHED).mirror(
         allocation_from_proto(request.allocation), idempotency_key=request.idempotency_key)
     reply = pb.MirrorAllocationResponse(
         annotations=dict(result.annotations), changed=result.changed,
