@@ -11,6 +11,8 @@ MIRROR_IDENTITY = "system:serviceaccount:kai-fractions:kai-fractions-mirror"
 DEFAULT_ALLOWED_IDENTITIES = (k.KAI_BINDER_IDENTITY, MIRROR_IDENTITY)
 DEFAULT_MARKER_HOST_DIR = "/var/lib/kai-fractions/markers"
 DEFAULT_MPS_PIPE_HOST_DIR = "/run/kai-fractions/mps"
+DEFAULT_AGENT_SOCKET_HOST_DIR = "/run/kai-fractions"
+"""Where the node agent's NodeEnforcer socket lives (the chart's `hostPaths.socketDir`)."""
 
 # Names the mutating webhook puts into a pod. They are reserved: a pod's own definition under
 # one of these names is replaced, and the validating webhook refuses other containers that
@@ -31,6 +33,7 @@ class AdmissionConfig:
     """Who may create, change or remove protected keys (binder-owned and derived)."""
     marker_host_dir: str = DEFAULT_MARKER_HOST_DIR
     mps_pipe_host_dir: str = DEFAULT_MPS_PIPE_HOST_DIR
+    agent_socket_host_dir: str = DEFAULT_AGENT_SOCKET_HOST_DIR
 
     def __post_init__(self) -> None:
         if not self.gate_image.strip():
@@ -38,7 +41,7 @@ class AdmissionConfig:
         if not self.allowed_identities:
             raise ValueError("allowed_identities: at least one identity must be allowed to "
                              "write protected keys (the binder's)")
-        for name in ("marker_host_dir", "mps_pipe_host_dir"):
+        for name in ("marker_host_dir", "mps_pipe_host_dir", "agent_socket_host_dir"):
             value = getattr(self, name)
             if not value.startswith("/") or value.rstrip("/") == "":
                 raise ValueError(f"{name}: must be an absolute host directory other than /, "

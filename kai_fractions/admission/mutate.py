@@ -18,6 +18,7 @@ from . import podspec
 from .config import GATE_CONTAINER, MPS_VOLUME, AdmissionConfig
 from .errors import contract_denial, manifest_denial
 from .review import Decision, allow, kind_of
+from .wiring import VOID_ENV
 
 Json = dict[str, Any]
 
@@ -45,6 +46,15 @@ def _ensure_named(items: list[Json], wanted: Json) -> list[Json]:
 
 def _strip_enforced(env: list[Json]) -> list[Json]:
     return [e for e in env if not (isinstance(e, Mapping) and e.get("name") in k.ENFORCED_ENV)]
+
+
+def _void_env(env: list[Json]) -> list[Json]:
+    """`NVIDIA_VISIBLE_DEVICES=void` first, no other enforced variable; unchanged when so.
+    Set, not just removed: an image's own `ENV NVIDIA_VISIBLE_DEVICES=all` would apply."""
+    enforced = [e for e in env if isinstance(e, Mapping) and e.get("name") in k.ENFORCED_ENV]
+    if len(enforced) == 1 and dict(enforced[0]) == VOID_ENV:
+        return env
+    return [dict(VOID_ENV), *_strip_enforced(env)]
 
 
 def _fractional_env(env: list[Json], wanted: list[Json]) -> list[Json]:
@@ -80,8 +90,8 @@ def _with_list(container: Json, field: str, items: list[Json]) -> Json:
 def _container(container: Json, share: ContainerShare, config: AdmissionConfig) -> Json:
     env = list(container.get("env") or [])
     if container.get("name") != share.container:
-        # A sidecar must not carry GPU limits of its own either.
-        return _with_list(container, "env", _strip_enforced(env))
+        # A sidecar must not carry GPU limits of its own, nor see a GPU at all.
+        return _with_list(container, "env", _void_env(env))
     wanted = podspec.enforced_env(share.container, share.compute_mode, config.keys)
     out = _with_list(container, "env", _fractional_env(env, wanted))
     if share.compute_mode is ComputeMode.SM_SHARING:
@@ -128,10 +138,36 @@ def _ops(spec: Mapping[str, Any], new: Json) -> list[Json]:
     return ops
 
 
+def _ephemeral_ops(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
+    """An ephemeral container added to a fractional pod gets `NVIDIA_VISIBLE_DEVICES=void`
+    like any other container without the fraction."""
+    pod = request.get("object")
+    spec = pod.get("spec") if isinstance(pod, Mapping) else None
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("ephemeralContainers"), list):
+        return allow()
+    try:
+        parsed = parse_pod(view_from_pod_spec(pod.get("metadata") or {}, spec, namespace=str(
+            request.get("namespace") or "")), config.keys)
+    except ManifestError as e:
+        return manifest_denial(e)
+    if parsed.share is None:
+        return allow()
+    ops = [{"op": "replace", "path": f"/spec/ephemeralContainers/{i}",
+            "value": _with_list(c, "env", _void_env(list(c.get("env") or [])))}
+           for i, c in enumerate(spec["ephemeralContainers"])
+           if isinstance(c, Mapping)
+           and _void_env(list(c.get("env") or [])) != list(c.get("env") or [])]
+    return allow(patch=tuple(ops))
+
+
 def mutate(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
     """Review one AdmissionReview request for the mutating webhook."""
-    if kind_of(request) != "Pod" or request.get("operation") != "CREATE" or request.get(
-            "subResource"):
+    if kind_of(request) != "Pod":
+        return allow()
+    if request.get("operation") == "UPDATE" and request.get("subResource") == \
+            "ephemeralcontainers":
+        return _ephemeral_ops(request, config)
+    if request.get("operation") != "CREATE" or request.get("subResource"):
         return allow()  # only new pods are wired; a pod's containers cannot change later
     pod = request.get("object")
     if not isinstance(pod, Mapping):

@@ -4,16 +4,18 @@ Pods: every contract error is refused (on UPDATE only errors the change introduc
 admitted before the webhook existed can still be updated and deleted); protected keys
 (`Keys.is_protected`: binder-owned and derived) may be created, changed or removed only by the
 configured identities; a pod's fractional containers and compute modes are fixed once it
-exists (its env, mounts and gate were wired from them); and in a fractional pod only the gate
-may mount the marker root, only the fractional container the MPS pipes, and no other hostPath
-may reach either directory (whoever can write the marker root can release any pod on the node).
+exists (its env, mounts and gate were wired from them); user-owned keys are frozen once the
+binder set `.gpus.devices` (`frozen`); in a fractional pod the gate is exactly the injected one
+and every other container says `NVIDIA_VISIBLE_DEVICES=void` (`wiring`), only the gate may
+mount the marker root and only the fractional container the MPS pipes; and in EVERY pod no
+hostPath may reach the marker root, the MPS pipes or the agent's socket directory, however
+spelled (`hostpaths`: whoever can write the marker root can release any pod on the node).
 Workloads with a pod template get the contract checks early; a template never carries a
 protected key, whoever writes it (the binder writes those on each pod, after scheduling).
 """
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -28,6 +30,7 @@ from ..contract import (
 )
 from ..contract import keys as k
 from ..gate import paths
+from . import frozen, hostpaths, wiring
 from .config import GATE_CONTAINER, MARKER_VOLUME, MPS_VOLUME, AdmissionConfig
 from .errors import error_text, manifest_denial
 from .review import Decision, allow, annotations_of, deny, kind_of, user_of
@@ -92,32 +95,39 @@ def _containers(spec: Mapping[str, Any]) -> Iterator[tuple[str, int, Mapping[str
                 yield field, i, c
 
 
-def _overlaps(a: str, b: str) -> bool:
-    a, b = posixpath.normpath(a), posixpath.normpath(b)
-    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
-
-
-def _integrity(spec: Mapping[str, Any], request: PodRequest, config: AdmissionConfig) -> list[str]:
-    """Only the gate reads the marker root, only the fractional container reaches the MPS
-    pipes, and no other volume of this pod opens a way to either directory."""
-    share = request.share
-    sm_container = (share.container if share is not None
-                    and share.compute_mode is ComputeMode.SM_SHARING else None)
+def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> list[str]:
+    """No hostPath of any pod reaches the marker root, the MPS pipes or the agent's socket
+    directory (the directory, a parent or a child, however spelled), except the webhook's own
+    reserved volumes, which must point exactly at theirs."""
+    reserved = {MARKER_VOLUME: config.marker_host_dir, MPS_VOLUME: config.mps_pipe_host_dir}
+    guarded = ((config.marker_host_dir, f"only the webhook's own volume {MARKER_VOLUME!r} may"),
+               (config.mps_pipe_host_dir, f"only the webhook's own volume {MPS_VOLUME!r} may"),
+               (config.agent_socket_host_dir, "no volume may: whoever reaches the node "
+                "agent's socket can release any pod's limits"))
     out = []
     for i, volume in enumerate(spec.get("volumes") or []):
         if not isinstance(volume, Mapping) or not isinstance(volume.get("hostPath"), Mapping):
             continue
         path = str(volume["hostPath"].get("path") or "")
         where = f"spec.volumes[{i}].hostPath.path"
-        for reserved, directory in ((MARKER_VOLUME, config.marker_host_dir),
-                                    (MPS_VOLUME, config.mps_pipe_host_dir)):
-            if volume.get("name") == reserved:
-                if posixpath.normpath(path or "/") != posixpath.normpath(directory):
-                    out.append(f"{where}: volume {reserved!r} must be the host directory "
-                               f"{directory!r}, not {path!r}")
-            elif path and _overlaps(path, directory):
-                out.append(f"{where}: {path!r} reaches the kai-fractions directory "
-                           f"{directory!r}; only the webhook's own volume {reserved!r} may")
+        own = reserved.get(str(volume.get("name")))
+        if own is not None:
+            if not hostpaths.same(path or "/", own):
+                out.append(f"{where}: volume {volume.get('name')!r} must be the host directory "
+                           f"{own!r}, not {path!r}")
+            continue
+        out += [f"{where}: {path!r} reaches the kai-fractions directory {directory!r}; {who}"
+                for directory, who in guarded if hostpaths.overlaps(path or "/", directory)]
+    return out
+
+
+def _mount_problems(spec: Mapping[str, Any], request: PodRequest) -> list[str]:
+    """Only the gate reads the marker root, only the fractional container reaches the MPS
+    pipes."""
+    share = request.share
+    sm_container = (share.container if share is not None
+                    and share.compute_mode is ComputeMode.SM_SHARING else None)
+    out = []
     for field, i, c in _containers(spec):
         name = c.get("name")
         for j, mount in enumerate(c.get("volumeMounts") or []):
@@ -140,12 +150,36 @@ def _integrity(spec: Mapping[str, Any], request: PodRequest, config: AdmissionCo
     return out
 
 
+def _spec_problems(obj: Any, request: PodRequest | None, config: AdmissionConfig) -> list[str]:
+    """Everything wrong with the pod's spec: host paths for every pod; mounts, the gate and
+    the other containers' GPU env for a pod that is fractional or carries the gate."""
+    spec = obj.get("spec") if isinstance(obj, Mapping) else None
+    if not isinstance(spec, Mapping) or request is None:
+        return []
+    out = _host_path_problems(spec, config)
+    carries_gate = any(c.get("name") == GATE_CONTAINER for f, _, c in _containers(spec)
+                       if f == "initContainers")
+    # A pod that breaks the contract is refused for that (and by the node agent); the mutating
+    # webhook did not wire it, so its gate and env would only repeat the refusal.
+    wired = request.share is not None and not request.errors
+    if wired or carries_gate:
+        out = wiring.gate_problems(spec, config) + out
+    out += _mount_problems(spec, request)
+    if wired and request.share is not None:
+        out += wiring.env_problems(spec, request.share)
+    return out
+
+
 def _validate_pod(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
     obj, old_obj = request.get("object"), request.get("oldObject")
     namespace = str(request.get("namespace") or "")
     updating = request.get("operation") == "UPDATE"
-    forbidden = _protected_changes(annotations_of(old_obj) if updating else {},
-                                   annotations_of(obj), user_of(request), config)
+    old_annotations = annotations_of(old_obj) if updating else {}
+    user = user_of(request)
+    forbidden = _protected_changes(old_annotations, annotations_of(obj), user, config)
+    if updating:
+        forbidden += frozen.frozen_changes(old_obj, old_annotations, annotations_of(obj), user,
+                                           config)
     new = _parse(obj, config, namespace)
     if new is None:
         return allow()
@@ -153,11 +187,11 @@ def _validate_pod(request: Mapping[str, Any], config: AdmissionConfig) -> Decisi
     invalid = _new_errors(new, old)
     if old is not None:
         invalid += _fixed_shares(old, new, config)
-    spec = obj.get("spec") or {}
-    carries_gate = any(c.get("name") == GATE_CONTAINER for f, _, c in _containers(spec)
-                       if f == "initContainers")
-    if new.share is not None or carries_gate:
-        forbidden += _integrity(spec, new, config)
+    # On UPDATE only what the change introduces: a pod wired by an older webhook (or admitted
+    # before it existed) can still be updated and deleted. The spec of a pod barely changes
+    # after creation (images, ephemeral containers), so this is where a swap would show.
+    seen = set(_spec_problems(old_obj, old, config)) if old is not None else set()
+    forbidden += [p for p in _spec_problems(obj, new, config) if p not in seen]
     warnings = tuple(str(w) for w in new.warnings)
     if forbidden:
         return deny("; ".join(forbidden + invalid), warnings=warnings)

@@ -44,7 +44,9 @@ def test_an_invalid_pod_is_denied_here_too_with_the_contract_message() -> None:
 
 
 def test_the_patch_touches_only_what_differs() -> None:
-    decision = mutate(request(pod(TS, containers=("main", "side"))), CONFIG)
+    obj = pod(TS, containers=("main", "side"))
+    obj["spec"]["containers"][1]["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
+    decision = mutate(request(obj), CONFIG)
     assert [(op["op"], op["path"]) for op in decision.patch] == [
         ("replace", "/spec/containers/0"), ("add", "/spec/initContainers"),
         ("add", "/spec/volumes")]

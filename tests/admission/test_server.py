@@ -99,7 +99,9 @@ def test_preset_pinned_limit_is_replaced_in_every_container(webhook: Webhook) ->
         "apiVersion": "v1",
         "fieldPath": "metadata.annotations['kai-fractions.io/container.main."
                      "mps-pinned-mem-limit']"}}}]
-    assert "env" not in metrics  # the sidecar's NVIDIA_VISIBLE_DEVICES and limit are gone
+    # the sidecar's NVIDIA_VISIBLE_DEVICES=all and limit are gone; it sees no GPU (not even
+    # through its image's own env)
+    assert metrics["env"] == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
 
 
 def test_the_patched_pod_passes_validation(webhook: Webhook) -> None:

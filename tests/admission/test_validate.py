@@ -20,8 +20,8 @@ DERIVED = "kai-fractions.io/container.main.memory-limit-mib"
 IDS = f"{BINDER}, {MIRROR}"
 
 
-def mutated(obj: dict[str, Any]) -> dict[str, Any]:
-    decision = mutate(request(obj), CONFIG)
+def mutated(obj: dict[str, Any], config: AdmissionConfig = CONFIG) -> dict[str, Any]:
+    decision = mutate(request(obj), config)
     return jsonpatch.apply_patch(copy.deepcopy(obj), list(decision.patch))
 
 
@@ -39,7 +39,8 @@ def test_protected_keys_are_the_binders_alone(old: dict, new: dict, action: str)
 
 
 def test_every_protected_key_is_named_and_derived_keys_are_protected_too() -> None:
-    d = validate(request(pod({**TS, DEVICES: GPU, PORTION: "0.5", DERIVED: "99999"})), CONFIG)
+    d = validate(request(mutated(pod({**TS, DEVICES: GPU, PORTION: "0.5", DERIVED: "99999"}))),
+                 CONFIG)
     assert d.message == "; ".join(
         f"{key}: is a protected key: only {IDS} may create it, not alice"
         for key in (DERIVED, PORTION, DEVICES))
@@ -55,13 +56,13 @@ def test_unchanged_protected_keys_pass_for_anyone() -> None:
 
 def test_the_allowed_identities_are_configurable() -> None:
     config = AdmissionConfig(gate_image="img", allowed_identities=("system:serviceaccount:x:y",))
-    d = validate(request(pod({**TS, DEVICES: GPU}), user=BINDER), config)
+    d = validate(request(mutated(pod({**TS, DEVICES: GPU}), config), user=BINDER), config)
     assert d.message == (f"{DEVICES}: is a protected key: only system:serviceaccount:x:y may "
                          f"create it, not {BINDER}")
 
 
 def test_an_anonymous_request_is_named_as_such() -> None:
-    req = request(pod({**TS, DEVICES: GPU}))
+    req = request(mutated(pod({**TS, DEVICES: GPU})))
     del req["userInfo"]
     assert validate(req, CONFIG).message.endswith("may create it, not an anonymous user")
 
@@ -111,13 +112,18 @@ def test_the_compute_mode_is_fixed_once_the_pod_exists() -> None:
 
 def test_a_fraction_cannot_be_added_to_an_existing_pod() -> None:
     d = validate(request(pod(TS), old=pod({})), CONFIG)
-    assert d.message == ("nvidia.com/container.main.gpu-memory.request: whether container "
+    # (the pod has no gate either: its init containers cannot change after creation)
+    assert d.message.startswith("spec.initContainers[0]: the first init container of a "
+                                "fractional pod must be kai-fractions-gate")
+    assert d.message.endswith("; nvidia.com/container.main.gpu-memory.request: "
+                              "whether container "
                          "'main' has a GPU fraction is fixed once the pod exists (the admission "
                          "webhook wired its env and gate at creation); create a new pod instead")
 
 
 def test_contract_warnings_are_passed_on() -> None:
-    d = validate(request(pod({**TS, "kai.scheduler/gpu-compute-sharing-mode": "mps"})), CONFIG)
+    d = validate(request(mutated(pod({**TS, "kai.scheduler/gpu-compute-sharing-mode": "mps"}))),
+                 CONFIG)
     assert d.allowed
     assert d.warnings == ("kai.scheduler/gpu-compute-sharing-mode: is ignored by KAI and by "
                           "kai_fractions; set nvidia.com/container.<container>.gpu-compute.mode "
@@ -143,8 +149,11 @@ def test_the_gate_mounts_only_its_own_directory_read_only() -> None:
     mount = obj["spec"]["initContainers"][0]["volumeMounts"][0]
     mount["readOnly"] = False
     d = validate(request(obj), CONFIG)
-    assert d.message == ("spec.initContainers[0].volumeMounts[0]: kai-fractions-gate must "
-                         "mount kai-fractions-marker read-only with subPathExpr $(POD_UID)")
+    # the gate differs from the injected one, and its mount is named
+    assert d.message.startswith("spec.initContainers[0].volumeMounts: must be exactly what the "
+                                "admission webhook injects into kai-fractions-gate")
+    assert d.message.endswith("spec.initContainers[0].volumeMounts[0]: kai-fractions-gate must "
+                              "mount kai-fractions-marker read-only with subPathExpr $(POD_UID)")
 
 
 def test_only_the_sm_sharing_container_may_mount_the_mps_pipes() -> None:
@@ -159,8 +168,10 @@ def test_only_the_sm_sharing_container_may_mount_the_mps_pipes() -> None:
 def test_an_ephemeral_container_may_not_mount_the_marker_root() -> None:
     old = mutated(pod(SM))
     new = copy.deepcopy(old)
-    new["spec"]["ephemeralContainers"] = [{"name": "debug", "image": "busybox", "volumeMounts": [
-        {"name": "kai-fractions-marker", "mountPath": "/m"}]}]
+    new["spec"]["ephemeralContainers"] = [{
+        "name": "debug", "image": "busybox",
+        "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}],
+        "volumeMounts": [{"name": "kai-fractions-marker", "mountPath": "/m"}]}]
     d = validate(request(new, old=old, sub="ephemeralcontainers"), CONFIG)
     assert d.message == ("spec.ephemeralContainers[0].volumeMounts[0]: only the "
                          "kai-fractions-gate init container may mount kai-fractions-marker")
@@ -187,12 +198,18 @@ def test_the_reserved_volumes_point_at_the_configured_directories() -> None:
                          "the host directory '/var/lib/kai-fractions/markers', not '/tmp'")
 
 
-def test_host_paths_elsewhere_and_non_fractional_pods_are_not_our_business() -> None:
+def test_host_paths_elsewhere_pass_and_non_fractional_pods_are_checked_too() -> None:
     obj = mutated(pod(TS))
     obj["spec"]["volumes"].append({"name": "logs", "hostPath": {"path": "/var/log"}})
     assert validate(request(obj), CONFIG).allowed
-    agent = pod({}, volumes=[{"name": "m", "hostPath": {"path": "/var/lib/kai-fractions"}}])
-    assert validate(request(agent), CONFIG).allowed  # e.g. the node agent's own pod
+    # Any pod in a namespace the webhook covers: the node agent's own pod lives in the
+    # release's namespace, which the chart leaves out of the webhook.
+    other = pod({}, volumes=[{"name": "m", "hostPath": {"path": "/var/lib/kai-fractions"}}])
+    d = validate(request(other), CONFIG)
+    assert (d.allowed, d.message) == (False, (
+        "spec.volumes[0].hostPath.path: '/var/lib/kai-fractions' reaches the kai-fractions "
+        "directory '/var/lib/kai-fractions/markers'; only the webhook's own volume "
+        "'kai-fractions-marker' may"))
 
 
 def in_template(template: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,76 @@
+"""Host paths compared as the node resolves them, not as they are spelled.
+
+The kubelet hands a hostPath to the kernel, so `//var/lib/x`, `/var/lib/./x`, `/var/log/../lib/x`,
+`/proc/1/root/var/lib/x` and, through the symlink every distribution ships, `/var/run/x` for
+`/run/x` all open the same directory. `canonical` resolves a path component by component with
+the known symlinks (so `..` after a symlink climbs from its target, as the kernel does), and
+treats a `/proc` entry that can lead anywhere (a process's directory, `cwd`, `fd`, ...) as `/`:
+it reaches every directory. A symlink that a writable hostPath lets a pod create on the host is
+beyond any spelling check (SECURITY.md).
+"""
+
+from __future__ import annotations
+
+import re
+
+KNOWN_SYMLINKS = {
+    "/var/run": "/run",
+    "/var/lock": "/run/lock",
+}
+"""Symlinks on every systemd host (FHS 3.0): either spelling reaches the same directory."""
+
+_PROCESS = re.compile(r"[0-9]+|self|thread-self")
+_MAX_STEPS = 4096
+"""Bounds the work on a hostile path (a symlink target is re-walked)."""
+
+
+def _components(path: str) -> list[str]:
+    return [p for p in path.split("/") if p not in ("", ".")]
+
+
+def canonical(path: str) -> str:
+    """The absolute path the kernel would open for `path` (relative = from `/`), with the known
+    symlinks and `/proc/<pid>/root` resolved; a `/proc` path that may lead anywhere is `/`."""
+    pending = _components(path)
+    out: list[str] = []
+    steps = 0
+    while pending:
+        steps += 1
+        if steps > _MAX_STEPS:
+            return "/"  # not a real path; treat it as reaching everything
+        part = pending.pop(0)
+        if part == "..":
+            if out:
+                out.pop()
+            continue
+        out.append(part)
+        target = KNOWN_SYMLINKS.get("/" + "/".join(out))
+        if target is not None:
+            out = []
+            pending = _components(target) + pending
+            continue
+        if out[0] != "proc" or len(out) < 2:
+            continue
+        if not _PROCESS.fullmatch(out[1]):
+            continue  # /proc/meminfo, /proc/sys/...: files of the kernel, not a way out
+        tail = out[2:]
+        if tail and tail[0] == "task" and len(tail) >= 2:
+            tail = tail[2:]  # /proc/<pid>/task/<tid>/... is that thread's view of the same
+        if tail and tail[0] == "root":
+            out = []  # that process's root: the host's own for a host process
+            continue
+        if tail or not pending:
+            return "/"  # cwd, fd, map_files, or the process directory itself: anywhere
+    if out and out[0] == "proc" and len(out) == 1:
+        return "/"  # /proc holds every process's root
+    return "/" + "/".join(out)
+
+
+def overlaps(a: str, b: str) -> bool:
+    """`a` and `b` are the same directory, or one is inside the other (after `canonical`)."""
+    a, b = canonical(a), canonical(b)
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def same(a: str, b: str) -> bool:
+    return canonical(a) == canonical(b)

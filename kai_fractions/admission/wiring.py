@@ -1,0 +1,87 @@
+"""What the mutating webhook wired into a fractional pod must stay exactly so.
+
+- The gate: the first init container, with exactly the image, command, env, mounts and security
+  context the webhook injects. Another image or command releases the workload without waiting
+  for the node agent; `restartPolicy: Always` makes it a sidecar that blocks nothing; an extra
+  mount or env could feed it a forged marker or code. A few fields that change nothing the gate
+  does (`LENIENT`) may differ, so the API server's defaults never get a pod refused.
+- Every other container (sidecars, other init containers, ephemeral containers): exactly
+  `NVIDIA_VISIBLE_DEVICES=void` among the enforced variables. Removing the variable is not
+  enough: an image's own `ENV NVIDIA_VISIBLE_DEVICES=all` would then apply.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ..contract import ContainerShare
+from ..contract import keys as k
+from . import podspec
+from .config import GATE_CONTAINER, AdmissionConfig
+
+VOID_ENV = {"name": k.ENV_VISIBLE_DEVICES, "value": "void"}
+LENIENT = frozenset({"resources", "imagePullPolicy", "terminationMessagePath",
+                     "terminationMessagePolicy", "resizePolicy", "stdin", "stdinOnce", "tty"})
+"""Fields of the gate that do not change what it checks or when the workload may start."""
+_SHOWN = 120
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
+
+
+def _names(items: Any) -> list[str]:
+    return [str(c.get("name", "")) for c in items or [] if isinstance(c, Mapping)]
+
+
+def gate_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> list[str]:
+    """Why the pod's gate is not the one the mutating webhook injects (empty: it is)."""
+    init = [c for c in spec.get("initContainers") or [] if isinstance(c, Mapping)]
+    if not init or init[0].get("name") != GATE_CONTAINER:
+        return [f"spec.initContainers[0]: the first init container of a fractional pod must be "
+                f"{GATE_CONTAINER} (the admission webhook injects it), not "
+                f"{init[0].get('name') if init else 'none'!r}"]
+    gate = init[0]
+    wanted = podspec.gate_container(config, _names(spec.get("containers")),
+                                    _names(init[1:]))
+    out = []
+    for field in sorted(set(gate) | set(wanted)):
+        if field in LENIENT:
+            continue
+        have = gate.get(field)
+        if field not in wanted:
+            if have not in (None, "", [], {}, False):
+                out.append(f"spec.initContainers[0].{field}: the {GATE_CONTAINER} init "
+                           f"container may not set it (got {_show(have)})")
+        elif have != wanted[field]:
+            out.append(f"spec.initContainers[0].{field}: must be exactly what the admission "
+                       f"webhook injects into {GATE_CONTAINER}, {_show(wanted[field])} "
+                       f"(got {_show(have)})")
+    return out
+
+
+def _is_void(env: Any) -> bool:
+    enforced = [e for e in env or [] if isinstance(e, Mapping) and e.get("name") in k.ENFORCED_ENV]
+    return len(enforced) == 1 and dict(enforced[0]) == VOID_ENV
+
+
+def env_problems(spec: Mapping[str, Any], share: ContainerShare) -> list[str]:
+    """The containers without the GPU fraction that do not say `NVIDIA_VISIBLE_DEVICES=void`
+    (the gate's env is checked with the rest of the gate)."""
+    others = ", ".join(n for n in k.ENFORCED_ENV if n != k.ENV_VISIBLE_DEVICES)
+    out = []
+    for field in ("initContainers", "containers", "ephemeralContainers"):
+        for i, c in enumerate(spec.get(field) or []):
+            if not isinstance(c, Mapping):
+                continue
+            name = c.get("name")
+            if (field != "ephemeralContainers" and name == share.container) or (
+                    field == "initContainers" and name == GATE_CONTAINER):
+                continue
+            if not _is_void(c.get("env")):
+                out.append(f"spec.{field}[{i}].env: container {name!r} has no GPU fraction: "
+                           f"it must set {k.ENV_VISIBLE_DEVICES}=void and none of {others}")
+    return out

@@ -1,0 +1,336 @@
+"""The security review's attacks on admission (issue 17, findings 2, 3, 4 and 6), each played
+through the real HTTPS webhook server: a pod is created and wired by POST /mutate, then the
+attacker's CREATE or UPDATE goes to POST /validate (or /mutate) as the API server would send it.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from typing import Any
+
+import jsonpatch
+import pytest
+
+from kai_fractions.contract import keys as k
+
+from .conftest import GATE_IMAGE, Webhook
+from .reviews import ALICE, BINDER, GPU, MIRROR, pod, request
+
+KEYS = k.DEFAULT_KEYS
+DEVICES = KEYS.container("main", k.DEVICES)
+PORTION = KEYS.container("main", k.COMPUTE_PORTION)
+REQUEST = KEYS.container("main", k.MEMORY_REQUEST)
+LIMIT = KEYS.container("main", k.MEMORY_LIMIT)
+MODE = KEYS.container("main", k.COMPUTE_MODE)
+VOID = {"name": k.ENV_VISIBLE_DEVICES, "value": "void"}
+
+
+def wired(webhook: Webhook, obj: dict[str, Any], *, old: dict[str, Any] | None = None,
+          sub: str = "") -> dict[str, Any]:
+    """`obj` after the mutating webhook's patch (asserting it was allowed)."""
+    status, answer = webhook.post("/mutate", {
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": request(obj, old=old, sub=sub)})
+    assert status == 200
+    response = answer["response"]
+    assert response["allowed"] is True, response
+    if "patch" not in response:
+        return copy.deepcopy(obj)
+    return jsonpatch.apply_patch(copy.deepcopy(obj), json.loads(base64.b64decode(
+        response["patch"])))
+
+
+def review(webhook: Webhook, obj: dict[str, Any], *, old: dict[str, Any] | None = None,
+           user: str = ALICE, sub: str = "") -> dict[str, Any]:
+    status, answer = webhook.post("/validate", {
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": request(obj, old=old, user=user, sub=sub)})
+    assert status == 200
+    return answer["response"]
+
+
+def bound_pod(webhook: Webhook, annotations: dict[str, str], **kw: Any) -> dict[str, Any]:
+    """A wired pod with the binder's keys on it, as it runs on its node."""
+    obj = wired(webhook, pod(annotations, **kw))
+    obj["metadata"]["annotations"].update({DEVICES: GPU, PORTION: "0.25"})
+    return obj
+
+
+# -- finding 2: a tenant edits its own user-owned keys after the bind -------------------------
+
+USER_KEYS = [
+    (LIMIT, "8Gi", "80Gi"),
+    (REQUEST, "8Gi", "1Gi"),
+    (MODE, "time-slicing", "sm-sharing"),
+    (k.GPU_FRACTION, "0.25", "1"),
+    (k.GPU_FRACTION_LIMIT, "0.5", "1"),
+    (k.GPU_MEMORY, "8192", "81920"),
+    (k.GPU_MEMORY_LIMIT, "8192", "81920"),
+    (k.GPU_FRACTION_NUM_DEVICES, "1", "2"),
+    (k.GPU_FRACTION_CONTAINER_NAME, "main", "side"),
+    (KEYS.portion_limit("main"), "0.5", "1"),
+]
+
+
+@pytest.mark.parametrize(("key", "before", "after"), USER_KEYS,
+                         ids=[key for key, _, _ in USER_KEYS])
+def test_a_user_owned_key_is_frozen_once_the_binder_set_the_devices(
+        webhook: Webhook, key: str, before: str, after: str) -> None:
+    base = {REQUEST: "8Gi", LIMIT: "8Gi"}
+    if key == MODE or key == KEYS.portion_limit("main"):
+        base[key] = before
+    old = bound_pod(webhook, base, containers=("main", "side"))
+    old["metadata"]["annotations"][key] = before
+    frozen = f"{key}: is frozen once {DEVICES} is set"
+    for change in ("change", "remove"):
+        new = copy.deepcopy(old)
+        if change == "change":
+            new["metadata"]["annotations"][key] = after
+        else:
+            del new["metadata"]["annotations"][key]
+        for user in (ALICE, BINDER):  # nobody changes a user's key after the bind
+            response = review(webhook, new, old=old, user=user)
+            assert response["allowed"] is False, (key, change, user)
+            assert response["status"]["code"] == 403
+            assert frozen in response["status"]["message"]
+    # adding one is a change too
+    added = copy.deepcopy(old)
+    del added["metadata"]["annotations"][key]
+    response = review(webhook, old, old=added)
+    assert response["allowed"] is False and frozen in response["status"]["message"]
+
+
+def test_the_freeze_names_the_key_and_what_to_do(webhook: Webhook) -> None:
+    old = bound_pod(webhook, {REQUEST: "8Gi", LIMIT: "8Gi"})
+    new = copy.deepcopy(old)
+    new["metadata"]["annotations"][LIMIT] = "80Gi"
+    response = review(webhook, new, old=old)
+    assert response["status"]["message"] == (
+        f"{LIMIT}: is frozen once {DEVICES} is set (the node enforces what the scheduler "
+        "placed); create a new pod to change it")
+
+
+def test_the_status_subresource_cannot_unfreeze_a_key(webhook: Webhook) -> None:
+    old = bound_pod(webhook, {REQUEST: "8Gi", LIMIT: "8Gi"})
+    new = copy.deepcopy(old)
+    new["metadata"]["annotations"][LIMIT] = "80Gi"
+    assert review(webhook, new, old=old, sub="status")["allowed"] is False
+
+
+def test_before_the_bind_user_keys_may_change_and_the_binder_adds_a_missing_request(
+        webhook: Webhook) -> None:
+    old = wired(webhook, pod({k.GPU_FRACTION: "0.25"}))
+    new = copy.deepcopy(old)
+    new["metadata"]["annotations"][k.GPU_FRACTION] = "0.5"
+    assert review(webhook, new, old=old)["allowed"] is True
+    # KAI writes the request it computed together with the devices, in one patch
+    bound = copy.deepcopy(old)
+    bound["metadata"]["annotations"].update({DEVICES: GPU, PORTION: "0.25", REQUEST: "20133Mi"})
+    assert review(webhook, bound, old=old, user=BINDER)["allowed"] is True
+    # the rest of the pod stays editable after the bind
+    relabelled = copy.deepcopy(bound)
+    relabelled["metadata"]["labels"] = {"team": "a"}
+    relabelled["metadata"]["annotations"]["example.com/note"] = "x"
+    assert review(webhook, relabelled, old=bound)["allowed"] is True
+
+
+def test_the_mirror_may_replace_or_release_a_request_it_wrote_itself(webhook: Webhook) -> None:
+    old = wired(webhook, pod({k.GPU_FRACTION: "0.25"}))
+    old["metadata"]["uid"] = "uid-1"
+    record = json.dumps({"v": 1, "uid": "uid-1", "container": "main",
+                         "keys": sorted([DEVICES, PORTION, REQUEST]),
+                         "digest": "sha256:" + "0" * 64, "idempotencyKey": ""})
+    old["metadata"]["annotations"].update({DEVICES: GPU, PORTION: "0.25", REQUEST: "20133Mi",
+                                           k.MIRRORED_RECORD: record})
+    released = copy.deepcopy(old)
+    for key in (DEVICES, PORTION, REQUEST, k.MIRRORED_RECORD):
+        del released["metadata"]["annotations"][key]
+    assert review(webhook, released, old=old, user=MIRROR)["allowed"] is True
+    assert review(webhook, released, old=old, user=ALICE)["allowed"] is False
+    # a record for another pod (a recreated one) exempts nothing
+    stale = copy.deepcopy(old)
+    stale["metadata"]["uid"] = "uid-2"
+    released["metadata"]["uid"] = "uid-2"
+    response = review(webhook, released, old=stale, user=MIRROR)
+    assert response["allowed"] is False
+    assert f"{REQUEST}: is frozen once {DEVICES} is set" in response["status"]["message"]
+
+
+# -- finding 3: the gate swapped on UPDATE ------------------------------------------------------
+
+GATE_EDITS = [
+    ("image", lambda g: g.update(image="registry.example.com/not-the-gate:1")),
+    ("command", lambda g: g.update(command=["sh", "-c", "exit 0"])),
+    ("args", lambda g: g.update(args=["--timeout", "0"])),
+    ("env", lambda g: g["env"].append({"name": "PYTHONPATH", "value": "/x"})),
+    ("envFrom", lambda g: g.update(envFrom=[{"configMapRef": {"name": "x"}}])),
+    ("volumeMounts", lambda g: g["volumeMounts"].append(
+        {"name": "kai-fractions-podinfo", "mountPath": "/tmp"})),
+    ("securityContext", lambda g: g["securityContext"].update(runAsUser=0)),
+    ("restartPolicy", lambda g: g.update(restartPolicy="Always")),  # a sidecar blocks nothing
+]
+
+
+@pytest.mark.parametrize(("field", "edit"), GATE_EDITS, ids=[f for f, _ in GATE_EDITS])
+def test_the_gate_cannot_be_changed_on_create_or_update(webhook: Webhook, field: str,
+                                                        edit: Any) -> None:
+    old = bound_pod(webhook, {REQUEST: "8Gi"})
+    new = copy.deepcopy(old)
+    edit(new["spec"]["initContainers"][0])
+    response = review(webhook, new, old=old)
+    assert response["allowed"] is False, field
+    assert f"spec.initContainers[0].{field}: " in response["status"]["message"]
+    created = copy.deepcopy(new)
+    for key in (DEVICES, PORTION):
+        del created["metadata"]["annotations"][key]
+    response = review(webhook, created)
+    assert response["allowed"] is False, field
+    assert f"spec.initContainers[0].{field}: " in response["status"]["message"]
+
+
+def test_the_gate_must_come_first(webhook: Webhook) -> None:
+    obj = wired(webhook, pod({REQUEST: "8Gi"}, initContainers=[
+        {"name": "fetch", "image": "busybox"}]))
+    assert obj["spec"]["initContainers"][0]["name"] == "kai-fractions-gate"
+    obj["spec"]["initContainers"].reverse()
+    response = review(webhook, obj)
+    assert response["allowed"] is False
+    assert response["status"]["message"].startswith(
+        "spec.initContainers[0]: the first init container of a fractional pod must be "
+        "kai-fractions-gate")
+    obj["spec"]["initContainers"] = obj["spec"]["initContainers"][:1]  # no gate at all
+    assert review(webhook, obj)["allowed"] is False
+
+
+def test_the_wired_gate_passes_and_the_image_is_the_configured_one(webhook: Webhook) -> None:
+    obj = bound_pod(webhook, {REQUEST: "8Gi"})
+    assert obj["spec"]["initContainers"][0]["image"] == GATE_IMAGE
+    new = copy.deepcopy(obj)
+    new["spec"]["containers"][0]["image"] = "img:2"  # a workload's image may change
+    assert review(webhook, new, old=obj)["allowed"] is True
+
+
+# -- finding 4: host paths spelled another way, and pods without NvFractions keys --------------
+
+SPELLINGS = [
+    "//var/lib/kai-fractions/markers", "/var//lib/kai-fractions", "/var/lib/./kai-fractions",
+    "/var/log/../lib/kai-fractions/markers", "/proc/1/root/var/lib/kai-fractions",
+    "/proc/self/root/var/lib", "/proc/1/cwd", "/proc", "/var/run/kai-fractions",
+    "/var/run/kai-fractions/agent.sock", "/run/kai-fractions/agent.sock", "/run",
+    "/var/run", "/proc/1/root/var/run/../run/kai-fractions",
+]
+
+
+@pytest.mark.parametrize("path", SPELLINGS)
+def test_host_paths_are_compared_after_normalisation(webhook: Webhook, path: str) -> None:
+    obj = wired(webhook, pod({REQUEST: "8Gi"}))
+    obj["spec"]["volumes"].append({"name": "host", "hostPath": {"path": path}})
+    response = review(webhook, obj)
+    assert response["allowed"] is False, path
+    assert f"{path!r} reaches the kai-fractions directory" in response["status"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/var/lib/kai-fractions/markers", "/run/kai-fractions",
+                                  "/var/run/kai-fractions", "/", "/proc/1/root/run"])
+def test_pods_without_nvfractions_keys_may_not_reach_them_either(webhook: Webhook,
+                                                                 path: str) -> None:
+    plain = pod({}, volumes=[{"name": "host", "hostPath": {"path": path}}])
+    response = review(webhook, plain)
+    assert response["allowed"] is False, path
+    assert response["status"]["message"].startswith(
+        f"spec.volumes[0].hostPath.path: {path!r} reaches the kai-fractions directory")
+
+
+@pytest.mark.parametrize("path", ["/var/log", "/var/lib/kubelet", "/run/containerd",
+                                  "/var/run-other", "/proc/meminfo", "/var/lib/kai"])
+def test_other_host_paths_pass(webhook: Webhook, path: str) -> None:
+    plain = pod({}, volumes=[{"name": "host", "hostPath": {"path": path}}])
+    assert review(webhook, plain)["allowed"] is True, path
+    obj = wired(webhook, pod({REQUEST: "8Gi"}))
+    obj["spec"]["volumes"].append({"name": "host", "hostPath": {"path": path}})
+    assert review(webhook, obj)["allowed"] is True, path
+
+
+# -- finding 6: GPU env outside the fractional container ---------------------------------------
+
+def test_every_other_container_gets_visible_devices_void(webhook: Webhook) -> None:
+    obj = wired(webhook, pod({REQUEST: "8Gi"}, containers=("main", "side"), initContainers=[
+        {"name": "fetch", "image": "busybox",
+         "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]))
+    side = obj["spec"]["containers"][1]
+    fetch = obj["spec"]["initContainers"][1]
+    gate = obj["spec"]["initContainers"][0]
+    for c in (side, fetch, gate):
+        assert [e for e in c["env"] if e["name"] in k.ENFORCED_ENV] == [VOID], c["name"]
+    assert review(webhook, obj)["allowed"] is True
+    assert wired(webhook, obj) == obj  # idempotent
+
+
+@pytest.mark.parametrize("env", [
+    [],
+    [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
+    [VOID, {"name": "CUDA_MPS_PIPE_DIRECTORY", "value": "/tmp"}],
+    [{"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {"fieldRef": {
+        "fieldPath": f"metadata.annotations['{DEVICES}']"}}}],
+])
+def test_a_sidecar_without_void_is_denied(webhook: Webhook, env: list) -> None:
+    obj = wired(webhook, pod({REQUEST: "8Gi"}, containers=("main", "side")))
+    obj["spec"]["containers"][1]["env"] = env
+    response = review(webhook, obj)
+    assert response["allowed"] is False
+    assert response["status"]["message"] == (
+        "spec.containers[1].env: container 'side' has no GPU fraction: it must set "
+        "NVIDIA_VISIBLE_DEVICES=void and none of NVIDIA_GPU_MEMORY_REQUEST, "
+        "NVIDIA_GPU_MEMORY_LIMIT, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, "
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PIPE_DIRECTORY")
+
+
+def debug_container(env: list | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": "debug", "image": "busybox", "targetContainerName": "main"}
+    if env is not None:
+        out["env"] = env
+    return out
+
+
+def test_an_ephemeral_container_is_wired_and_validated_like_the_others(webhook: Webhook) -> None:
+    old = bound_pod(webhook, {REQUEST: "8Gi"})
+    new = copy.deepcopy(old)
+    new["spec"]["ephemeralContainers"] = [debug_container(
+        [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+         {"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "80000"}])]
+    # as the user sent it: GPU env of its own
+    response = review(webhook, new, old=old, sub="ephemeralcontainers")
+    assert response["allowed"] is False
+    assert response["status"]["message"].startswith(
+        "spec.ephemeralContainers[0].env: container 'debug' has no GPU fraction")
+    # the mutating webhook replaces it with void, and then it passes
+    fixed = wired(webhook, new, old=old, sub="ephemeralcontainers")
+    assert fixed["spec"]["ephemeralContainers"][0]["env"] == [VOID]
+    assert fixed["spec"]["containers"] == old["spec"]["containers"]
+    assert fixed["spec"]["initContainers"] == old["spec"]["initContainers"]
+    assert review(webhook, fixed, old=old, sub="ephemeralcontainers")["allowed"] is True
+    assert wired(webhook, fixed, old=old, sub="ephemeralcontainers") == fixed
+
+
+def test_an_ephemeral_container_may_not_reach_the_agent(webhook: Webhook) -> None:
+    old = bound_pod(webhook, {REQUEST: "8Gi"})
+    new = copy.deepcopy(old)
+    debug = debug_container([VOID])
+    debug["volumeMounts"] = [{"name": "kai-fractions-marker", "mountPath": "/m"}]
+    new["spec"]["ephemeralContainers"] = [debug]
+    response = review(webhook, new, old=old, sub="ephemeralcontainers")
+    assert response["allowed"] is False
+    assert "spec.ephemeralContainers[0].volumeMounts[0]: only the kai-fractions-gate" in \
+        response["status"]["message"]
+
+
+def test_pods_created_before_these_rules_can_still_be_updated(webhook: Webhook) -> None:
+    """A pod wired by an older webhook (sidecar without void) keeps working: only what an
+    update introduces is judged."""
+    old = bound_pod(webhook, {REQUEST: "8Gi"}, containers=("main", "side"))
+    old["spec"]["containers"][1]["env"] = []
+    new = copy.deepcopy(old)
+    new["metadata"]["labels"] = {"team": "a"}
+    assert review(webhook, new, old=old)["allowed"] is True
