@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
-from kai_fractions.contract import mps_namespace_name
+from kai_fractions.contract import Dialect, mps_namespace_name
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION
 
 from .messages import (
@@ -28,22 +28,31 @@ T = "nvidia.com/container.trainer"
 D = "kai-fractions.io/container.trainer"
 
 CASES = {
+    # Upstream KAI main (the default dialect): canonical quantities, no compute portion key.
     "single-gpu": (
         {"gpu-fraction": "0.5"}, ("trainer",), {},
-        {f"{T}.gpu-memory.request": "20480Mi", f"{T}.gpus.devices": GPU_A,
-         f"{T}.gpu-compute.portion": "0.5", "received-resource-type": "Fraction",
+        {f"{T}.gpu-memory.request": "20Gi", f"{T}.gpus.devices": GPU_A,
+         "received-resource-type": "Fraction",
          f"{D}.memory-request-mib": "20480", f"{D}.memory-limit-mib": "20480",
          f"{D}.mps-pinned-mem-limit": "0=20480M"}),
     "multi-device": (
         {"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}, ("trainer",),
         {"modes": (TS, TS), "gpus": (GPU_A, GPU_B)},
-        {f"{T}.gpu-memory.request": "20480Mi", f"{T}.gpus.devices": f"{GPU_A},{GPU_B}",
-         f"{T}.gpu-compute.portion": "0.5", "received-resource-type": "Fraction",
+        {f"{T}.gpu-memory.request": "20Gi", f"{T}.gpus.devices": f"{GPU_A},{GPU_B}",
+         "received-resource-type": "Fraction",
          f"{D}.memory-request-mib": "20480", f"{D}.memory-limit-mib": "20480",
          f"{D}.mps-pinned-mem-limit": "0=20480M,1=20480M"}),
-    "sm-sharing": (
+    "sm-sharing": (  # no compute portion from upstream KAI: no compute cap (100%)
         {"gpu-fraction": "0.5", f"{T}.gpu-compute.mode": "sm-sharing"}, ("trainer",),
-        {"modes": (SM,), "reserve": 1024},
+        {"modes": (SM,)},
+        {f"{T}.gpu-memory.request": "20Gi", f"{T}.gpus.devices": GPU_A,
+         "received-resource-type": "Fraction",
+         f"{D}.memory-request-mib": "20480", f"{D}.memory-limit-mib": "20480",
+         f"{D}.mps-pinned-mem-limit": "0=20480M", f"{D}.mps-active-thread-percentage": "100",
+         f"{D}.mps-pipe-directory": "/run/kai-fractions/mps/shared/<ns>"}),
+    "sm-sharing-patched": (  # the patched KAI: the MPS reserve and the compute portion
+        {"gpu-fraction": "0.5", f"{T}.gpu-compute.mode": "sm-sharing"}, ("trainer",),
+        {"modes": (SM,), "reserve": 1024, "dialect": Dialect.PATCHED},
         {f"{T}.gpu-memory.request": "19968Mi", f"{T}.gpus.devices": GPU_A,
          f"{T}.gpu-compute.portion": "0.5", "received-resource-type": "Fraction",
          f"{D}.memory-request-mib": "19968", f"{D}.memory-limit-mib": "19968",
@@ -51,16 +60,24 @@ CASES = {
          f"{D}.mps-pipe-directory": "/run/kai-fractions/mps/shared/<ns>"}),
     "cdi-names": (
         {"gpu-fraction": "0.5"}, ("trainer",), {"cdi": True},
-        {f"{T}.gpu-memory.request": "20480Mi",
+        {f"{T}.gpu-memory.request": "20Gi",
          f"{T}.gpus.devices": f"k8s.device-plugin.nvidia.com/gpu={GPU_A}",
-         f"{T}.gpu-compute.portion": "0.5", "received-resource-type": "Fraction",
+         "received-resource-type": "Fraction",
          f"{D}.memory-request-mib": "20480", f"{D}.memory-limit-mib": "20480",
          f"{D}.mps-pinned-mem-limit": "0=20480M"}),
     "legacy-gpu-fraction": (
         {"gpu-fraction": "0.25", "gpu-fraction.limit": "0.5",
          "gpu-fraction-container-name": "trainer"}, ("sidecar", "trainer"),
         {"portion": "0.25", "memory": 0},  # node memory from the node's label (16384)
-        {f"{T}.gpu-memory.request": "4096Mi", f"{T}.gpu-memory.limit": "8192Mi",
+        {f"{T}.gpu-memory.request": "4Gi", f"{T}.gpu-memory.limit": "8Gi",
+         f"{T}.gpus.devices": GPU_A, "received-resource-type": "Fraction",
+         f"{D}.memory-request-mib": "4096", f"{D}.memory-limit-mib": "8192",
+         f"{D}.mps-pinned-mem-limit": "0=8192M"}),
+    "legacy-gpu-fraction-patched": (
+        {"gpu-fraction": "0.25", "gpu-fraction.limit": "0.5",
+         "gpu-fraction-container-name": "trainer"}, ("sidecar", "trainer"),
+        {"portion": "0.25", "memory": 0, "dialect": Dialect.PATCHED},
+        {f"{T}.gpu-memory.request": "4Gi", f"{T}.gpu-memory.limit": "8Gi",
          f"{T}.gpus.devices": GPU_A, f"{T}.gpu-compute.portion": "0.25",
          "received-resource-type": "Fraction",
          f"{D}.memory-request-mib": "4096", f"{D}.memory-limit-mib": "8192",
@@ -68,6 +85,12 @@ CASES = {
     "user-request-kept": (
         {f"{T}.gpu-memory.request": "8Gi", f"{T}.gpu-memory.limit": "12Gi"}, ("trainer",),
         {"portion": "0.25"},
+        {f"{T}.gpus.devices": GPU_A, "received-resource-type": "Fraction",
+         f"{D}.memory-request-mib": "8192", f"{D}.memory-limit-mib": "12288",
+         f"{D}.mps-pinned-mem-limit": "0=12288M"}),
+    "user-request-kept-patched": (
+        {f"{T}.gpu-memory.request": "8Gi", f"{T}.gpu-memory.limit": "12Gi"}, ("trainer",),
+        {"portion": "0.25", "dialect": Dialect.PATCHED},
         {f"{T}.gpus.devices": GPU_A, f"{T}.gpu-compute.portion": "0.25",
          "received-resource-type": "Fraction",
          f"{D}.memory-request-mib": "8192", f"{D}.memory-limit-mib": "12288",
@@ -89,6 +112,8 @@ def owned_annotations(expected: dict[str, str], pod: dict) -> dict[str, str]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_mirror_preview_release(mirror, case):
     user, containers, kwargs, expected = CASES[case]
+    kwargs = dict(kwargs)
+    mirror.service.dialect = kwargs.pop("dialect", Dialect.UPSTREAM)  # read on every call
     mirror.create_node("gpu-node-1", "16384")
     pod = mirror.create_pod("train-0", user, containers=containers)
     alloc = allocation(pod, **kwargs)
@@ -138,7 +163,8 @@ def test_a_repeat_writes_nothing_and_answers_the_same(mirror_tcp):
     assert mirror_tcp.patches("team-a", "train-0") == 1
 
 
-def test_container_plan_in_the_response(mirror_tcp):
+def test_container_plan_in_the_response(mirror_factory):
+    mirror_tcp = mirror_factory(transport="tcp", dialect=Dialect.PATCHED)
     pod = mirror_tcp.create_pod("train-0", {"gpu-fraction": "0.5",
                                             f"{T}.gpu-compute.mode": "sm-sharing"})
     response = mirror_tcp.stub.MirrorAllocation(
@@ -154,6 +180,23 @@ def test_container_plan_in_the_response(mirror_tcp):
         compute_sharing_mode=SM, active_thread_percentage=50, devices=[GPU_A])]
 
 
+def test_container_plan_without_a_compute_portion_has_no_compute_cap(mirror_tcp):
+    pod = mirror_tcp.create_pod("train-0", {"gpu-fraction": "0.5",
+                                            f"{T}.gpu-compute.mode": "sm-sharing"})
+    response = mirror_tcp.stub.MirrorAllocation(
+        mirror_request(allocation(pod, modes=(SM,))), timeout=10)
+    pipe = "/run/kai-fractions/mps/shared/" + mps_namespace_name(pod["metadata"]["uid"],
+                                                                  "trainer")
+    assert list(response.containers) == [pb.ContainerPlan(
+        container="trainer",
+        env={"NVIDIA_VISIBLE_DEVICES": GPU_A, "NVIDIA_GPU_MEMORY_REQUEST": "20480",
+             "NVIDIA_GPU_MEMORY_LIMIT": "20480", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=20480M",
+             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100", "CUDA_MPS_PIPE_DIRECTORY": pipe},
+        memory_request_bytes=20480 << 20, memory_limit_bytes=20480 << 20,
+        compute_sharing_mode=SM, active_thread_percentage=100, devices=[GPU_A])]
+    assert f"{T}.gpu-compute.portion" not in mirror_tcp.annotations("team-a", "train-0")
+
+
 def test_rebind_with_replace_recomputes_what_the_mirror_wrote(mirror_tcp):
     pod = mirror_tcp.create_pod("train-0", {"gpu-fraction": "0.5"})
     mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod), key="a1"), timeout=10)
@@ -161,7 +204,7 @@ def test_rebind_with_replace_recomputes_what_the_mirror_wrote(mirror_tcp):
         allocation(pod, portion="0.25", gpus=(GPU_B,)), key="a2", replace=True), timeout=10)
     assert response.changed
     now = mirror_tcp.annotations("team-a", "train-0")
-    assert now[f"{T}.gpu-memory.request"] == "10240Mi"
+    assert now[f"{T}.gpu-memory.request"] == "10Gi"
     assert now[f"{T}.gpus.devices"] == GPU_B
     assert now[f"{D}.memory-limit-mib"] == "10240"
     assert record(mirror_tcp.pod("team-a", "train-0"))["idempotencyKey"] == "a2"

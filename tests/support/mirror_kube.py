@@ -28,6 +28,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
+from kai_fractions.contract import DEFAULT_DIALECT
 from kai_fractions.mirror.aio_store import AsyncKubePodStore
 from kai_fractions.mirror.pod_cache import PodCache, pod_feed
 from kai_fractions.mirror.retry import Backoff
@@ -131,7 +132,7 @@ def start_mirror(kube: KubeServer, *, transport: str = "tcp", **options: Any) ->
         if cache is not None else []
     service = MirrorService(store, conflict_backoff=FAST_CONFLICT_BACKOFF,
                             default_reserve_mib=options.pop("default_reserve_mib", 0),
-                            cache=cache)
+                            dialect=options.pop("dialect", DEFAULT_DIALECT), cache=cache)
     if transport == "unix":
         # A short directory: a unix socket path must fit in 107 bytes.
         directory = tempfile.mkdtemp(prefix="kfm-")
@@ -161,7 +162,9 @@ def stop_mirror(harness: MirrorHarness) -> None:
 @pytest.fixture
 def mirror_factory(kube: KubeServer) -> Iterator[Callable[..., MirrorHarness]]:
     """``mirror_factory(transport="tcp"|"unix", tls_cert=..., token_file=..., ...)``: starts a
-    mirror server against ``kube``; every one started is stopped after the test."""
+    mirror server against ``kube``; every one started is stopped after the test. Besides the
+    ServerOptions fields: ``dialect`` (the KAI binder to match; upstream by default),
+    ``default_reserve_mib``, ``pod_cache``, ``store_backoff``, ``request_timeout``."""
     started: list[MirrorHarness] = []
 
     def factory(**options: Any) -> MirrorHarness:
