@@ -116,10 +116,15 @@ class _Collector:
 
 def _memory(c: _Collector, key: str, value: str, container: str | None) -> int | None:
     try:
-        return memory_bytes(value)
+        amount = memory_bytes(value)
     except QuantityError as e:
         c.error(key, f"GPU memory {e}", value, container)
         return None
+    if amount < MIB:
+        # The node enforces whole MiB; gpu-fractioning's node side refuses less, and so do we.
+        c.error(key, "GPU memory must be at least 1 MiB (1Mi)", value, container)
+        return None
+    return amount
 
 
 def _portion(
@@ -352,6 +357,12 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
         for name, values in by_container.items()
     }
     legacy = _legacy(pod, c)
+    named = pod.annotations.get(k.GPU_FRACTION_CONTAINER_NAME)
+    for name, values in by_container.items():
+        if named and legacy is not None and name != named and not values.keys().isdisjoint(
+                _SOURCE_SUFFIXES):
+            c.error(k.GPU_FRACTION_CONTAINER_NAME, f"names container {named!r} but the "
+                    f"NvFractions keys name {name!r}; they must agree", named, name)
     if legacy is not None and legacy.requested:
         # After a bind the binder's NvFractions request sits beside the legacy key it came
         # from; the NvFractions key wins (precedence), so that is not worth a warning.
@@ -389,12 +400,19 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
 
 
 def _merge_legacy(share: ContainerShare, legacy: _Legacy, c: _Collector) -> ContainerShare:
-    if share.request_bytes is not None or share.limit_bytes is not None:
-        return share  # NvFractions request/limit win over the legacy keys
-    legacy_key = k.GPU_FRACTION if legacy.fraction is not None else k.GPU_MEMORY
     if share.devices and len(share.devices) != legacy.num_devices:
         c.error(k.GPU_FRACTION_NUM_DEVICES, f"asks for {legacy.num_devices} device(s) but the "
                 f"binder wrote {len(share.devices)}", str(legacy.num_devices), share.container)
+    if share.request_bytes is not None or share.limit_bytes is not None:
+        # NvFractions request/limit win over the legacy keys (KAI's admission writes the
+        # request of a `gpu-memory` pod itself, so both must say the same amount).
+        if (legacy.memory_bytes is not None and share.request_bytes is not None
+                and share.request_bytes != legacy.memory_bytes):
+            c.error(k.GPU_MEMORY, f"says {legacy.memory_bytes // MIB} MiB but the container's "
+                    f"NvFractions memory request is {share.request_bytes / MIB:g} MiB; they "
+                    "must agree", str(legacy.memory_bytes // MIB), share.container)
+        return _complete(share, num_devices=max(legacy.num_devices, len(share.devices)))
+    legacy_key = k.GPU_FRACTION if legacy.fraction is not None else k.GPU_MEMORY
     return _complete(
         share,
         fraction=legacy.fraction,

@@ -210,7 +210,8 @@ def test_binder_returns_or_raises_contract_violation(request: PodRequest, d: Bin
         if key.endswith(".gpu-compute.portion"):
             assert "e" not in value.lower()
         if key.endswith((".gpu-memory.request", ".gpu-memory.limit")):
-            assert value.endswith("Mi") and int(value[:-2]) > 0
+            # Kubernetes' canonical spelling of whole MiB, as KAI writes it (20480 -> 20Gi).
+            assert value[-2:] in ("Mi", "Gi", "Ti", "Pi", "Ei") and int(value[:-2]) > 0
             assert key not in request.pod.annotations  # a user value is never overwritten
 
 
@@ -242,7 +243,8 @@ def valid_pod_and_decision(draw, kai_portion_limit: bool):
         shape = draw(st.sampled_from(["request", "limit", "both", "fraction", "memory"]))
         if shape in ("request", "limit", "both"):
             unit, size = draw(st.sampled_from(QUANTITY_UNITS))
-            request_n = draw(st.integers(1, (usable * MIB // 2) // size))
+            # At least 1 MiB: less is refused (the node enforces whole MiB).
+            request_n = draw(st.integers(-(-MIB // size), (usable * MIB // 2) // size))
             if shape in ("request", "both"):
                 annotations["nvidia.com/container.main.gpu-memory.request"] = f"{request_n}{unit}"
             if shape in ("limit", "both"):

@@ -92,9 +92,18 @@ def test_init_containers_count_as_in_the_pod() -> None:
 
 
 def test_exponent_memory_is_accepted_exactly() -> None:
-    """`1e3` is a valid Kubernetes quantity: accepted, and it means exactly 1000 bytes."""
-    share = parse_pod(pod({REQ: "1e3"})).share
-    assert share is not None and share.request_bytes == 1000
+    """`2e9` is a valid Kubernetes quantity: accepted, and it means exactly 2e9 bytes."""
+    share = parse_pod(pod({REQ: "2e9"})).share
+    assert share is not None and share.request_bytes == 2 * 10**9
+
+
+@pytest.mark.parametrize("value", ["1e3", "1M", "500Ki", "1048575", "1023Ki"])
+def test_memory_under_one_mib_is_refused(value: str) -> None:
+    """Less than 1 MiB cannot be enforced in whole MiB; gpu-fractioning's node side refuses it
+    too (kai-gpu-fractioning fractiond/internal/annotations: `minimum is 1 MiB`)."""
+    request = parse_pod(pod({REQ: value}))
+    assert [(e.key, e.rule) for e in request.errors] == [
+        (REQ, "GPU memory must be at least 1 MiB (1Mi)")]
 
 
 def test_exponent_portion_is_accepted_exactly() -> None:
