@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from kai_fractions.contract import Dialect
 from tests.api.test_protos import MIRROR_ALLOCATION_REQUEST_JSON
 
 from .messages import node_plan
@@ -45,7 +46,10 @@ def test_reflection_lists_and_describes_the_service(grpcurl_bin, mirror):
         "kai_fractions.v1.AllocationMirror.ReleaseAllocation"]
 
 
-def test_preview_allocation_with_json(grpcurl_bin, mirror_tcp):
+def test_preview_allocation_with_json(grpcurl_bin, mirror_factory):
+    # The README's request carries the patched KAI's reserve (1024 MiB): a patched-dialect
+    # mirror writes its compute portion and caps the SMs at 50%.
+    mirror_tcp = mirror_factory(transport="tcp", dialect=Dialect.PATCHED)
     pod = mirror_tcp.create_pod("train-0", SM_POD)
     result = grpcurl(grpcurl_bin, "-plaintext", "-d", "@", mirror_tcp.server.address,
                      "kai_fractions.v1.AllocationMirror/PreviewAllocation",
@@ -74,10 +78,14 @@ def test_preview_allocation_with_json(grpcurl_bin, mirror_tcp):
         node_plan(written).digest
 
 
-def test_bad_json_request_names_the_field(grpcurl_bin, mirror_tcp):
+@pytest.mark.parametrize(("portion", "rule"), [
+    ("-1", "must be greater than 0"),
+    ("1.5", "is above 1: the memory request computed from it would exceed one GPU"),
+])
+def test_bad_json_request_names_the_field(grpcurl_bin, mirror_tcp, portion, rule):
     pod = mirror_tcp.create_pod("train-0", SM_POD)
     request = json.loads(preview_json(pod["metadata"]["uid"]))
-    request["allocation"]["receivedGpu"]["portion"] = "-1"
+    request["allocation"]["receivedGpu"]["portion"] = portion
     result = grpcurl(grpcurl_bin, "-plaintext", "-format-error", "-d", "@",
                      mirror_tcp.server.address,
                      "kai_fractions.v1.AllocationMirror/PreviewAllocation",
@@ -85,10 +93,8 @@ def test_bad_json_request_names_the_field(grpcurl_bin, mirror_tcp):
     assert result.returncode != 0
     error = json.loads(result.stderr)
     assert error["code"] == 3  # INVALID_ARGUMENT
-    assert error["message"] == ("allocation.received_gpu.portion: must be a portion of one "
-                                "GPU, 0 < x <= 1 (got '-1')")
+    assert error["message"] == f"allocation.received_gpu.portion: {rule} (got '{portion}')"
     assert error["details"] == [{
         "@type": "type.googleapis.com/google.rpc.BadRequest",
         "field_violations": [{"field": "allocation.received_gpu.portion",
-                              "description": "must be a portion of one GPU, 0 < x <= 1 "
-                              "(got '-1')"}]}]
+                              "description": f"{rule} (got '{portion}')"}]}]
