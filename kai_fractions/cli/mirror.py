@@ -16,6 +16,7 @@ from ..contract.keys import KAI_BINDER_IDENTITY, KAI_SCHEDULER_NAME
 from . import add_log_level, setup_logging
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
+DEFAULT_NODE_AGENT_DAEMONSET = "kai-fractions/kai-fractions-node-agent"
 log = logging.getLogger("kai_fractions.mirror")
 
 
@@ -81,6 +82,18 @@ def register(sub) -> None:
                    help="read every pod from the API server before writing it, instead of "
                    "keeping a list + watch cache of pods (one API request per call instead of "
                    "two; the write stays guarded by uid and resourceVersion either way)")
+    p.add_argument("--report-gpu-fractioning-config", action="store_true",
+                   help="keep the Ready condition of the cluster-scoped GpuFractioningConfig "
+                   "`default` (gpu-fractioning.kai.scheduler/v1alpha1, which KAI's operator "
+                   "reads in NvFractions mode) in step with the node agent DaemonSet: True only "
+                   "when every scheduled agent is updated and ready")
+    p.add_argument("--node-agent-daemonset", default=DEFAULT_NODE_AGENT_DAEMONSET,
+                   metavar="NAMESPACE/NAME",
+                   help="the node agent DaemonSet whose readiness --report-gpu-fractioning-"
+                   "config reports (default: %(default)s)")
+    p.add_argument("--report-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="how often --report-gpu-fractioning-config re-reads the DaemonSet; the "
+                   "object is written only when its condition changes (default: %(default)s)")
     add_log_level(p)
     p.set_defaults(func=run)
 
@@ -114,6 +127,13 @@ def run(args: argparse.Namespace) -> int:
     problem = check_reserve(dialect, args.reserve_mib)
     if problem:
         return _fail(f"--reserve-mib {problem}")
+    daemonset = args.node_agent_daemonset.split("/")
+    if len(daemonset) != 2 or not all(daemonset):
+        return _fail(f"--node-agent-daemonset must be NAMESPACE/NAME, got "
+                     f"{args.node_agent_daemonset!r}")
+    if not args.report_interval > 0:
+        return _fail(f"--report-interval must be a positive number of seconds, got "
+                     f"{args.report_interval}")
     options = ServerOptions(listen=args.listen, tls_cert=args.tls_cert, tls_key=args.tls_key,
                             tls_client_ca=args.tls_client_ca, token_file=args.token_file,
                             insecure=args.insecure)
@@ -163,6 +183,14 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if args.report_gpu_fractioning_config:
+        from ..mirror.kai_dependency import Reporter
+
+        reporter = Reporter(api_client, *daemonset, interval=args.report_interval)
+        threading.Thread(target=reporter.run, args=(stop,), name="gpu-fractioning-config",
+                         daemon=True).start()
+        log.info("reporting node agent DaemonSet %s as GpuFractioningConfig default's Ready",
+                 reporter.daemonset)
     if source is not None:
         threading.Thread(target=follow_loop, name="bindrequest-follower", daemon=True).start()
         log.info("following BindRequests (scheduling.run.ai/v1alpha2)%s",

@@ -11,7 +11,8 @@ from tests.support.mirror_kube import register_bindrequests, run_mirror_process
 FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file",
          "--signing-key-file", "--insecure", "--kai-dialect", "--reserve-mib",
          "--write-as", "--annotation-prefix", "--kubeconfig", "--follow-bindrequests",
-         "--scheduler-name", "--no-pod-cache", "--log-level"]
+         "--scheduler-name", "--no-pod-cache", "--report-gpu-fractioning-config",
+         "--node-agent-daemonset", "--report-interval", "--log-level"]
 
 
 def test_every_flag_is_there_with_its_default():

@@ -7,6 +7,11 @@ against the API stand-in (kmock) while the DaemonSet's status changes."""
 from __future__ import annotations
 
 import datetime
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -15,6 +20,7 @@ import kmock
 import pytest
 from kubernetes import client as k8s
 
+from kai_fractions.cli import main
 from kai_fractions.mirror import kai_dependency as kd
 from kai_fractions.mirror.kai_dependency import (
     Readiness,
@@ -273,3 +279,44 @@ def test_a_missing_config_object_is_logged_not_raised(kube: KubeServer,
 def test_interval_must_be_positive(kube: KubeServer):
     with pytest.raises(ValueError, match="interval must be positive"):
         Reporter(kube.api_client, NS, NAME, interval=0)
+
+
+# -- the mirror process runs it ---------------------------------------------------------------
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--node-agent-daemonset", "kai-fractions-node-agent"],
+     "--node-agent-daemonset must be NAMESPACE/NAME, got 'kai-fractions-node-agent'"),
+    (["--node-agent-daemonset", "kai-fractions/"],
+     "--node-agent-daemonset must be NAMESPACE/NAME, got 'kai-fractions/'"),
+    (["--report-interval", "0"], "--report-interval must be a positive number of seconds, "
+     "got 0.0"),
+])
+def test_reporter_flags_are_refused_with_a_reason(capsys, argv, message):
+    assert main(["mirror", *argv]) == 2
+    assert capsys.readouterr().err == f"kai-fractions mirror: {message}\n"
+
+
+@pytest.mark.integration
+def test_the_mirror_process_reports_with_the_flag(cluster: KubeServer, tmp_path):
+    _set_daemonset_status(cluster, desired=2, ready=1, updated=2)
+    kubeconfig = cluster.write_kubeconfig(tmp_path / "kubeconfig")
+    socket_dir = tempfile.mkdtemp(prefix="kfm-")  # short: a socket path fits in 107 bytes
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from kai_fractions.cli import main; "
+         "sys.exit(main())", "mirror", "--listen", f"unix://{socket_dir}/mirror.sock",
+         "--kubeconfig", str(kubeconfig), "--no-pod-cache", "--report-gpu-fractioning-config",
+         f"--node-agent-daemonset={NS}/{NAME}", "--report-interval=0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(cluster, "False", "1/2 node agents ready", timeout=60)
+        _set_daemonset_status(cluster, desired=2, ready=2, updated=2)
+        _wait_for(cluster, "True", "2/2 node agents ready", timeout=30)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    assert process.returncode == 0, err
+    assert f"reporting node agent DaemonSet {NS}/{NAME}" in err
