@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from kai_fractions.contract import Dialect
 from kai_fractions.mirror.decision import AllocationInput
 from kai_fractions.mirror.errors import (
     AllocationConflict,
@@ -35,11 +36,14 @@ SINGLE = {
     "kai-fractions.io/container.trainer.mps-pinned-mem-limit": "0=20480M",
     "kai-fractions.io/container.trainer.plan-digest":
         "sha256:f56eea6c50b0a08e07c4176f5a1b87c4f99da02d2ef78c5ba81ca5b27ef1e1ea",
-    "nvidia.com/container.trainer.gpu-compute.portion": "0.5",
-    "nvidia.com/container.trainer.gpu-memory.request": "20480Mi",
+    "nvidia.com/container.trainer.gpu-memory.request": "20Gi",
     "nvidia.com/container.trainer.gpus.devices": "GPU-1111aaaa",
     "received-resource-type": "Fraction",
 }
+"""What the mirror writes for `allocation()` as upstream KAI main would: canonical quantities,
+no compute portion."""
+SINGLE_PATCHED = {**SINGLE, "nvidia.com/container.trainer.gpu-compute.portion": "0.5"}
+"""The same in the patched dialect: its compute portion too (the plan is the same)."""
 
 
 def pod(annotations: dict[str, str], *, name: str = POD, uid: str = UID,
@@ -72,6 +76,11 @@ def service(store: FakePodStore, clock: FakeClock) -> MirrorService:
     return MirrorService(ThreadedPodStore(store), clock=clock)
 
 
+@pytest.fixture
+def patched(store: FakePodStore, clock: FakeClock) -> MirrorService:
+    return MirrorService(ThreadedPodStore(store), clock=clock, dialect=Dialect.PATCHED)
+
+
 def record_of(store: FakePodStore) -> dict:
     return json.loads(store.annotations(NS, POD)[MIRRORED_ANNOTATION])
 
@@ -88,6 +97,14 @@ async def test_mirror_writes_binder_and_derived_keys_and_the_record_in_one_patch
     assert record_of(store) == {
         "v": 1, "uid": UID, "container": "trainer", "keys": sorted(SINGLE),
         "digest": allocation_digest(SINGLE), "idempotencyKey": "bind-1"}
+    assert [p.container for p in result.plans] == ["trainer"]
+
+
+async def test_the_patched_dialect_also_writes_the_compute_portion(store, patched):
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    result = await patched.mirror(allocation(), idempotency_key="bind-1")
+    assert dict(result.annotations) == SINGLE_PATCHED
+    assert record_of(store)["keys"] == sorted(SINGLE_PATCHED)
     assert [p.container for p in result.plans] == ["trainer"]
 
 
@@ -132,10 +149,24 @@ async def test_replace_recomputes_the_request_the_mirror_wrote(store, service):
     result = await service.mirror(allocation(portion="0.25", gpu_ids=(GPU_B,)), replace=True)
     assert result.changed
     now = store.annotations(NS, POD)
-    assert now["nvidia.com/container.trainer.gpu-memory.request"] == "10240Mi"
-    assert now["nvidia.com/container.trainer.gpu-compute.portion"] == "0.25"
+    assert now["nvidia.com/container.trainer.gpu-memory.request"] == "10Gi"
+    assert "nvidia.com/container.trainer.gpu-compute.portion" not in now
     assert now["nvidia.com/container.trainer.gpus.devices"] == GPU_B
     assert now["kai-fractions.io/container.trainer.memory-limit-mib"] == "10240"
+    assert len(store.patches) == 2
+
+
+async def test_replace_recomputes_the_compute_portion_of_the_patched_dialect(store, patched):
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    await patched.mirror(allocation())
+    assert store.annotations(NS, POD)["nvidia.com/container.trainer.gpu-compute.portion"] == \
+        "0.5"
+    result = await patched.mirror(allocation(portion="0.25", gpu_ids=(GPU_B,)), replace=True)
+    assert result.changed
+    now = store.annotations(NS, POD)
+    assert now["nvidia.com/container.trainer.gpu-memory.request"] == "10Gi"
+    assert now["nvidia.com/container.trainer.gpu-compute.portion"] == "0.25"
+    assert now["nvidia.com/container.trainer.gpus.devices"] == GPU_B
     assert len(store.patches) == 2
 
 
@@ -173,7 +204,11 @@ async def test_user_request_and_limit_are_never_overwritten(store, service):
     assert store.annotations(NS, POD) == user
 
 
-async def test_binder_owned_keys_are_always_rewritten(store, service):
+@pytest.mark.parametrize(("dialect", "written"), [(Dialect.UPSTREAM, SINGLE),
+                                                   (Dialect.PATCHED, SINGLE_PATCHED)])
+async def test_binder_owned_keys_are_always_rewritten(store, clock, dialect, written):
+    # A stale compute portion is binder-owned too: the upstream dialect removes it.
+    service = MirrorService(ThreadedPodStore(store), clock=clock, dialect=dialect)
     store.add_pod(pod({"gpu-fraction": "0.5",
                        "nvidia.com/container.trainer.gpus.devices": "GPU-9999ffff",
                        "nvidia.com/container.trainer.gpu-compute.portion": "1",
@@ -181,7 +216,7 @@ async def test_binder_owned_keys_are_always_rewritten(store, service):
     await service.mirror(allocation())
     now = store.annotations(NS, POD)
     assert {k: v for k, v in now.items() if k != MIRRORED_ANNOTATION} == {
-        "gpu-fraction": "0.5", **SINGLE}
+        "gpu-fraction": "0.5", **written}
 
 
 async def test_release_removes_what_the_mirror_wrote_and_is_idempotent(store, service):
@@ -289,7 +324,7 @@ async def test_a_write_is_logged_once_the_caller_has_its_answer(store, service, 
     await service.mirror(allocation())
     assert "wrote" not in caplog.text  # queued behind the answer
     await asyncio.sleep(0)
-    assert "pod team-a/train-0: wrote 9 annotation change(s) for container trainer" \
+    assert "pod team-a/train-0: wrote 8 annotation change(s) for container trainer" \
         in caplog.text
 
 
@@ -341,11 +376,14 @@ async def test_broken_pod_annotations_are_reported_by_key(store, service):
         "nvidia.com/container.trainer.gpu-memory.request"]
 
 
-async def test_node_memory_comes_from_the_node_label_when_zero(store, service):
-    store.nodes["node-1"] = {"nvidia.com/gpu.memory": "16384"}
+@pytest.mark.parametrize(("label", "written"), [("16384", "8Gi"), ("16384.0", "8Gi"),
+                                               ("16000", "8000Mi"), ("16001.9", "8000Mi")])
+async def test_node_memory_comes_from_the_node_label_when_zero(store, service, label, written):
+    # The label is read as a number, as KAI reads it; float64 product, truncated.
+    store.nodes["node-1"] = {"nvidia.com/gpu.memory": label}
     store.add_pod(pod({"gpu-fraction": "0.5"}))
     result = await service.mirror(allocation(node_gpu_memory_mib=0))
-    assert result.annotations["nvidia.com/container.trainer.gpu-memory.request"] == "8192Mi"
+    assert result.annotations["nvidia.com/container.trainer.gpu-memory.request"] == written
 
 
 async def test_regular_bind_writes_only_the_resource_type(store, service):
