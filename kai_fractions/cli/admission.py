@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from ..admission.config import (
+    DEFAULT_AGENT_SOCKET_HOST_DIR,
     DEFAULT_ALLOWED_IDENTITIES,
     DEFAULT_MARKER_HOST_DIR,
     DEFAULT_MPS_PIPE_HOST_DIR,
@@ -35,6 +36,9 @@ def register(sub) -> None:
                    help="the node agent's marker root on the host (default: %(default)s)")
     p.add_argument("--mps-pipe-host-dir", default=DEFAULT_MPS_PIPE_HOST_DIR, metavar="DIR",
                    help="the node agent's MPS pipe root on the host (default: %(default)s)")
+    p.add_argument("--agent-socket-dir", default=DEFAULT_AGENT_SOCKET_HOST_DIR, metavar="DIR",
+                   help="the directory of the node agent's socket on the host; no pod's "
+                   "hostPath may reach it (default: %(default)s)")
     p.add_argument("--annotation-prefix", default=None, metavar="P",
                    help="per-container key prefix (default: nvidia.com/container.)")
     add_log_level(p)
@@ -58,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         config = AdmissionConfig(
             gate_image=args.gate_image, keys=keys,
             allowed_identities=tuple(args.allowed_identity or DEFAULT_ALLOWED_IDENTITIES),
-            marker_host_dir=args.marker_host_dir, mps_pipe_host_dir=args.mps_pipe_host_dir)
+            marker_host_dir=args.marker_host_dir, mps_pipe_host_dir=args.mps_pipe_host_dir,
+            agent_socket_host_dir=args.agent_socket_dir)
         tls = ReloadingContext(args.tls_cert, args.tls_key)
         server = make_server(args.listen, config, tls)
     except (ValueError, TLSError, OSError) as e:

@@ -8,6 +8,10 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import jsonpatch
@@ -334,3 +338,36 @@ def test_pods_created_before_these_rules_can_still_be_updated(webhook: Webhook) 
     new = copy.deepcopy(old)
     new["metadata"]["labels"] = {"team": "a"}
     assert review(webhook, new, old=old)["allowed"] is True
+
+
+def test_the_admission_process_guards_the_configured_socket_directory(tls_dir: Path) -> None:
+    """`kai-fractions admission --agent-socket-dir`: a plain pod's hostPath to the agent's socket,
+    spelled through /var/run, is refused by the real process."""
+    cli = Path(sys.executable).parent / "kai-fractions"
+    proc = subprocess.Popen(
+        [str(cli), "admission", "--listen", "127.0.0.1:0", "--tls-cert",
+         str(tls_dir / "tls.crt"), "--tls-key", str(tls_dir / "tls.key"),
+         "--gate-image", GATE_IMAGE, "--agent-socket-dir", "/run/gpu-agent"],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert "serving /validate, /mutate and /healthz on https://127.0.0.1:" in line, line
+        server = type("S", (), {"port": int(line.rsplit(":", 1)[1])})()
+        hook = Webhook(server, tls_dir / "tls.crt")  # type: ignore[arg-type]
+        sneaky = pod({}, volumes=[{"name": "s", "hostPath": {
+            "path": "/var/run//gpu-agent/./agent.sock", "type": "Socket"}}])
+        response = review(hook, sneaky)
+        assert response["allowed"] is False
+        assert response["status"]["message"] == (
+            "spec.volumes[0].hostPath.path: '/var/run//gpu-agent/./agent.sock' reaches the "
+            "kai-fractions directory '/run/gpu-agent'; no volume may: whoever reaches the node "
+            "agent's socket can release any pod's limits")
+        elsewhere = pod({}, volumes=[{"name": "s", "hostPath": {"path": "/run/gpu-agent-2"}}])
+        assert review(hook, elsewhere)["allowed"] is True
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

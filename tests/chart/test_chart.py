@@ -309,7 +309,7 @@ def test_admission_deployment():
         f"--allowed-identity=system:serviceaccount:{NAMESPACE}:{AGENT}",
         "--gate-image=ghcr.io/kai-fractions/kai-fractions:0.1.0",
         "--marker-host-dir=/var/lib/kai-fractions/markers",
-        "--mps-pipe-host-dir=/run/kai-fractions/mps",
+        "--mps-pipe-host-dir=/run/kai-fractions/mps", "--agent-socket-dir=/run/kai-fractions",
         "--annotation-prefix=nvidia.com/container.", "--log-level=info"]
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "https",
                                               "scheme": "HTTPS"}

@@ -93,8 +93,14 @@ def test_pod_webhooks_fail_closed_and_are_safe_to_reinvoke(docs):
     assert mutating["reinvocationPolicy"] == "IfNeeded"
     assert mutating["clientConfig"]["service"]["path"] == "/mutate"
     assert validating["clientConfig"]["service"]["path"] == "/validate"
+    # pods are wired at creation; an ephemeral container added later gets NVIDIA_VISIBLE_DEVICES
+    # =void like the pod's other containers without the fraction
     assert mutating["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"],
                                   "operations": ["CREATE"], "resources": ["pods"],
+                                  "scope": "Namespaced"},
+                                 {"apiGroups": [""], "apiVersions": ["v1"],
+                                  "operations": ["UPDATE"],
+                                  "resources": ["pods/ephemeralcontainers"],
                                   "scope": "Namespaced"}]
     # status updates can change annotations, a Binding's annotations land on its pod, and an
     # ephemeral container could mount the marker root: all reviewed, fail closed
@@ -129,6 +135,28 @@ def test_other_pods_are_not_intercepted(docs):
         assert not matches(mutating, other)
         assert not matches(validating, other)
         assert not matches(validating, other, other, "UPDATE")
+
+
+def host_path_pod(path: str, annotations: dict[str, str] | None = None) -> dict:
+    obj = pod(annotations)
+    obj["spec"]["volumes"] = [{"name": "cache", "emptyDir": {}},
+                              {"name": "host", "hostPath": {"path": path}}]
+    return obj
+
+
+@pytest.mark.parametrize("path", ["/var/lib/kai-fractions", "/run", "/var/log"])
+def test_every_pod_with_a_host_path_is_validated(docs, path):
+    """No hostPath may reach the agent's directories, so a pod without NvFractions keys but with
+    a hostPath volume is reviewed too; the mutating webhook leaves it alone."""
+    mutating = hooks(docs, "MutatingWebhookConfiguration")["pods.mutate.kai-fractions.io"]
+    validating = hooks(docs, "ValidatingWebhookConfiguration")["pods.validate.kai-fractions.io"]
+    obj = host_path_pod(path)
+    assert matches(validating, obj)
+    assert matches(validating, obj, obj, "UPDATE")
+    assert not matches(mutating, obj)
+    no_host = pod({"team": "a"})
+    no_host["spec"]["volumes"] = [{"name": "cache", "emptyDir": {}}]
+    assert not matches(validating, no_host)
 
 
 def test_removing_protected_keys_is_still_validated(docs):
