@@ -10,6 +10,7 @@ import queue
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -93,7 +94,8 @@ def demo():
     d = Demo()
     try:
         d.endpoints_found = d.endpoints()
-        d.first_call = first_call_blocks(d.until_end())
+        d.keep_lines = d.until_end()
+        d.first_call = first_call_blocks(d.keep_lines)
         yield d
     finally:
         d.stop()  # normally done by the last test already
@@ -219,6 +221,26 @@ def test_the_first_call_works_when_pasted_elsewhere(demo, tmp_path):
     wrong = paste(python.replace(uid, "00000000-0000-4000-8000-000000000000"), tmp_path)
     assert wrong.returncode == 1
     assert wrong.stderr.startswith("MirrorAllocation failed: ")
+
+
+def _normalized(text: str) -> str:
+    """Without what changes from run to run or machine to machine: the checkout and venv
+    paths, the temp directory, ports, the pod's uid (and the group id made from it)."""
+    text = text.replace(str(Path(sys.executable).parent), "/path/to/kai_fractions/.venv/bin")
+    text = text.replace(str(REPO), "/path/to/kai_fractions")
+    text = re.sub(r"\S*grpcurl ", "grpcurl ", text)  # .tools/bin's, or the bare name without
+    text = re.sub(r"/tmp/kf-demo-\w+", "/tmp/kf-demo-X", text)
+    text = re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", text)
+    return re.sub(r"(?<![-\w])[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+                  "UUID", text)
+
+
+def test_docs_mirror_shows_the_printed_commands(demo):
+    doc = (REPO / "docs" / "mirror.md").read_text()
+    block = doc.split("<!-- demo-first-call:begin", 1)[1].split("```bash\n", 1)[1]
+    block = block.split("\n```", 1)[0]
+    printed = "\n".join(demo.keep_lines).split("(any directory):\n\n", 1)[1].strip()
+    assert _normalized(block) == _normalized(printed)
 
 
 def test_sigint_stops_it_cleanly(demo):
