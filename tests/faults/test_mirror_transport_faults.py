@@ -27,7 +27,7 @@ def assert_mirrored_once(api, stats: PodStats) -> None:
     obj = api.pod(NS, NAME)
     annotations = obj["metadata"]["annotations"]
     assert MIRRORED_ANNOTATION in annotations
-    assert annotations["nvidia.com/container.trainer.gpu-memory.request"] == "20480Mi"
+    assert annotations["nvidia.com/container.trainer.gpu-memory.request"] == "20Gi"
     (plan,) = plans_of(obj)
     assert Keyring.of(SIGNING_KEY).verify(plan, annotations[SIG]).ok
     assert api.stats(NS, NAME) == stats
