@@ -9,8 +9,10 @@ from typing import Any
 
 from kai_fractions.admission.config import GATE_CONTAINER
 from kai_fractions.contract import (
+    DEFAULT_DIALECT,
     BindDecision,
     ComputeMode,
+    Dialect,
     binder_annotations,
     derived_annotations,
     parse_pod,
@@ -38,8 +40,10 @@ def pod(name: str, annotations: dict[str, str], *, namespace: str = "team-a",
 
 
 def bind(p: dict[str, Any], gpus: tuple[str, ...], *, node: str = NODE,
-         portion: str | None = None, reserve: int = 0) -> dict[str, Any]:
-    """The pod as the mirror leaves it, bound to `node` (needs metadata.uid)."""
+         portion: str | None = None, reserve: int = 0,
+         dialect: Dialect = DEFAULT_DIALECT) -> dict[str, Any]:
+    """The pod as the mirror leaves it, bound to `node` (needs metadata.uid), written in the
+    KAI `dialect` (the patched one adds the compute portion an sm-sharing cap comes from)."""
     out = copy.deepcopy(p)
     meta = out["metadata"]
     request = parse_pod(view_from_pod_spec(meta, out["spec"]))
@@ -47,7 +51,8 @@ def bind(p: dict[str, Any], gpus: tuple[str, ...], *, node: str = NODE,
     assert share is not None
     decision = BindDecision(node_gpu_memory_mib=NODE_MIB, gpu_ids=gpus,
                             received_portion=Fraction(portion) if portion else None,
-                            group_modes=(share.compute_mode,) * len(gpus), reserve_mib=reserve)
+                            group_modes=(share.compute_mode,) * len(gpus), reserve_mib=reserve,
+                            dialect=dialect)
     meta["annotations"].update(binder_annotations(request, decision))
     [plan] = plan_pod(parse_pod(view_from_pod_spec(meta, out["spec"])))
     meta["annotations"].update(derived_annotations(plan))

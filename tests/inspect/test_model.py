@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from kai_fractions.contract import ComputeMode
+import pytest
+
+from kai_fractions.contract import ComputeMode, Dialect
 from kai_fractions.inspect.agent_state import (
     AgentAllocation,
     AgentDevice,
@@ -35,11 +37,16 @@ def test_a_released_pod_is_enforced_with_its_planned_numbers():
                             "node) or --agent-metrics URL)",)
 
 
-def test_sm_sharing_gets_its_active_thread_percentage():
-    p = bind(memory_pod("srv", UID_A, "20480Mi", mode=ComputeMode.SM_SHARING), (GPU1,))
+@pytest.mark.parametrize(("dialect", "atp"), [
+    (Dialect.PATCHED, 50),    # its compute portion: 20480 of 40960 MiB
+    (Dialect.UPSTREAM, 100),  # no compute portion: no compute cap
+])
+def test_sm_sharing_gets_its_active_thread_percentage(dialect, atp):
+    p = bind(memory_pod("srv", UID_A, "20480Mi", mode=ComputeMode.SM_SHARING), (GPU1,),
+             dialect=dialect)
     [row] = node_report(NODE, node(), [p], None).rows
     assert (row.mode, row.request_bytes, row.active_thread_percentage) == (
-        "sm-sharing", 20480 * MIB, 50)
+        "sm-sharing", 20480 * MIB, atp)
 
 
 def test_gate_states_waiting_failed_and_no_gate():

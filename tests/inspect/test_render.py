@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from kai_fractions.contract import ComputeMode
+from kai_fractions.contract import ComputeMode, Dialect
 from kai_fractions.inspect.agent_state import AgentAllocation, AgentDevice, AgentState
 from kai_fractions.inspect.model import node_report
 from kai_fractions.inspect.render import render
@@ -20,8 +20,10 @@ UID_B = "bbbbbbbb-0000-4000-8000-000000000002"
 
 def _report():
     a = gate_status(bind(memory_pod("notebook", UID_A, "8Gi", "16Gi"), (GPU0,)), exit_code=0)
-    b = gate_status(bind(memory_pod("server", UID_B, "20480Mi", mode=ComputeMode.SM_SHARING),
-                         (GPU1,)), exit_code=1, message="container 'main' refused by the node "
+    # The patched KAI's compute portion gives the server its 50% cap.
+    server = bind(memory_pod("server", UID_B, "20480Mi", mode=ComputeMode.SM_SHARING), (GPU1,),
+                  dialect=Dialect.PATCHED)
+    b = gate_status(server, exit_code=1, message="container 'main' refused by the node "
                     "agent: SmSharingDisabled: no MPS")
     agent = AgentState(
         source="socket unix:///run/kai-fractions/agent.sock", driver_version="615.00.00",
