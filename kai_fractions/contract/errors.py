@@ -20,7 +20,19 @@ class ContractError:
     def __str__(self) -> str:
         if self.value is None:
             return f"{self.key}: {self.rule}"
-        return f"{self.key}: {self.rule} (got {self.value!r})"
+        return f"{self.key}: {self.rule} (got {shown(self.value)})"
+
+
+SHOWN_VALUE = 80
+"""Characters of an offending value that a message quotes: an annotation may hold 256 KiB, and
+messages travel as events, gRPC status details and log lines."""
+
+
+def shown(value: str) -> str:
+    """`value` quoted, cut to SHOWN_VALUE characters with its full length said."""
+    if len(value) <= SHOWN_VALUE:
+        return repr(value)
+    return f"{value[:SHOWN_VALUE]!r}... ({len(value)} characters)"
 
 
 class ContractViolation(ValueError):

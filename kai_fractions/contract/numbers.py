@@ -15,8 +15,20 @@ from functools import lru_cache
 _DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?")
 
 
+MAX_NUMBER_LENGTH = 64
+"""Characters a contract number may have. Longer values are refused before any conversion:
+Python refuses ints of more than 4300 digits with a plain ValueError, and no portion or MiB
+count needs more than a few dozen characters."""
+
+
 class NumberError(ValueError):
     """The string is not a decimal number; the message says why."""
+
+
+def _check_length(text: str) -> None:
+    if len(text) > MAX_NUMBER_LENGTH:
+        raise NumberError(f"must be at most {MAX_NUMBER_LENGTH} characters long "
+                          f"(got {len(text)})")
 
 
 def parse_decimal(text: str) -> Fraction:
@@ -29,6 +41,7 @@ def parse_decimal(text: str) -> Fraction:
 def _parse_decimal(text: str) -> Fraction:
     if text.strip() == "":
         raise NumberError("must be a decimal number, not blank")
+    _check_length(text)
     if not _DECIMAL.fullmatch(text):
         raise NumberError("must be a finite decimal number such as 0.5 (no NaN, Inf or hex)")
     return Fraction(text)
@@ -66,6 +79,7 @@ def _format_plain(numerator: int, denominator: int) -> str:
 def parse_positive_int(text: str) -> int:
     if not isinstance(text, str) or not re.fullmatch(r"[0-9]+", text):
         raise NumberError("must be a positive whole number")
+    _check_length(text)
     value = int(text)
     if value <= 0:
         raise NumberError("must be a positive whole number")

@@ -31,6 +31,8 @@ _MODES = ", ".join(m.value for m in ComputeMode)
 # NVML memory limits do not support MIG handles.
 _GPU_UUID = re.compile(r"GPU-[0-9a-fA-F]+(?:-[0-9a-fA-F]+)*")
 _MAX_LEGACY_DECIMALS = 5
+MAX_DEVICES = 64
+"""More GPUs than any node has: a longer list is refused before it is split and checked."""
 
 
 @lru_cache(maxsize=4096)
@@ -163,6 +165,8 @@ def _devices(c: _Collector, key: str, value: str, container: str) -> tuple[str, 
 @lru_cache(maxsize=4096)  # pure; every pod on a GPU carries the same device string
 def _checked_devices(value: str) -> tuple[tuple[str, ...], str | None, str]:
     """(items, None, "") when valid, else ((), rule, offending value)."""
+    if value.count(",") >= MAX_DEVICES:
+        return (), f"must list at most {MAX_DEVICES} GPUs", value
     items = [item.strip() for item in value.split(",")]
     if not value.strip() or any(not item for item in items):
         return (), "must be a comma-separated list of GPU UUIDs with no empty item", value

@@ -12,6 +12,7 @@ can never take a GPU's compute mode or memory away from a pod that was there bef
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -60,6 +61,9 @@ class ContainerKey(NamedTuple):
     pod_uid: str
     container: str
 
+
+
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class NodePod:
@@ -362,7 +366,14 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig)
     refusals: list[Refusal] = []
     candidates: list[_Candidate] = []
     for pod in live:
-        ok, refused = _contract_refusals(pod, config)
+        try:
+            ok, refused = _contract_refusals(pod, config)
+        except Exception as e:  # one pod's annotations must not stop the node
+            log.exception("pod %s/%s: its GPU annotations could not be read",
+                          pod.view.namespace, pod.view.name)
+            ok, refused = [], [_refuse(pod, "", RefusalReason.CONTRACT_INVALID,
+                                       "the pod's GPU annotations could not be read "
+                                       f"({type(e).__name__}); fix them and recreate the pod")]
         candidates.extend(ok)
         refusals.extend(refused)
 
