@@ -5,13 +5,25 @@ defines, and explained in examples/README.md."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import yaml
 
 from kai_fractions.cli import main
-from kai_fractions.contract import DEFAULT_KEYS, keys, parse_pod, pod_views
+from kai_fractions.contract import (
+    DEFAULT_KEYS,
+    BindDecision,
+    ComputeMode,
+    Dialect,
+    binder_annotations,
+    keys,
+    parse_pod,
+    plan_pod,
+    pod_views,
+)
 from tests.chart.render import EXAMPLES, kube_validate, yaml_files
 
 FILES = tuple(yaml_files(EXAMPLES))
@@ -22,6 +34,7 @@ EXPECTED = {"memory-request.yaml", "request-and-limit.yaml", "gpu-fraction-with-
 QUEUE_SPEC_FIELDS = {"displayName", "parentQueue", "priority", "resources",
                      "preemptMinRuntime", "reclaimMinRuntime"}
 QUEUE_RESOURCE_FIELDS = {"quota", "limit", "overQuotaWeight"}
+GPU = "GPU-00000000-0000-0000-0000-000000000001"
 
 
 def load(path: Path) -> list[dict]:
@@ -119,11 +132,29 @@ def test_the_demo_plans_memory_request(capsys):
     assert "memory: request 8192 MiB, limit 8192 MiB" in out
 
 
-def test_sm_sharing_example_gets_half_the_sms_with_the_mps_reserve(capsys):
+def test_sm_sharing_example_gets_half_the_sms_with_the_mps_reserve():
+    # The patched KAI (MPS reserve 1024 MiB) writes the compute portion 19968 / 39936 = 0.5.
+    [view] = pod_views(load(EXAMPLES / "sm-sharing.yaml")[0])
+    request = parse_pod(view, DEFAULT_KEYS)
+    decision = BindDecision(node_gpu_memory_mib=40960, gpu_ids=(GPU,), reserve_mib=1024,
+                            group_modes=(ComputeMode.SM_SHARING,), dialect=Dialect.PATCHED)
+    written = binder_annotations(request, decision)
+    assert written["nvidia.com/container.server.gpu-compute.portion"] == "0.5"
+    bound = replace(view, annotations=MappingProxyType({**view.annotations, **written}))
+    [plan] = plan_pod(parse_pod(bound, DEFAULT_KEYS))
+    assert (plan.request_mib, plan.active_thread_percentage) == (19968, 50)
+    assert plan.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+
+
+def test_sm_sharing_example_has_no_compute_cap_from_upstream_kai(capsys):
+    # `plan` plays upstream KAI main, which writes no compute portion: the SMs are not capped,
+    # the memory still is.
     assert main(["plan", "-f", str(EXAMPLES / "sm-sharing.yaml"), "--node-gpu-memory", "40960",
-                 "--reserve", "1024", "--devices",
-                 "GPU-00000000-0000-0000-0000-000000000001"]) == 0
-    assert "env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in capsys.readouterr().out
+                 "--devices", GPU]) == 0
+    out = capsys.readouterr().out
+    assert "gpu-compute.portion" not in out
+    assert "env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100" in out
+    assert "memory: request 19968 MiB, limit 19968 MiB" in out
 
 
 def test_readme_explains_every_example():
