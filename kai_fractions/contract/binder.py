@@ -16,7 +16,7 @@ from fractions import Fraction
 from . import keys as k
 from .dialect import DEFAULT_DIALECT, Dialect, compute_portion_of, memory_mib
 from .errors import ContractError, ContractViolation
-from .numbers import format_plain
+from .numbers import MAX_NUMBER_LENGTH, format_plain
 from .quantity import MIB, canonical_mib, mib_ceil
 from .request import _GPU_UUID, ComputeMode, ContainerShare, PodRequest
 
@@ -63,7 +63,8 @@ def _check_decision(share: ContainerShare, d: BindDecision) -> list[ContractErro
         errors.append(ContractError(
             "received_gpu.portion", "is above 1: the memory request computed from it would "
             "exceed one GPU", format_plain(portion) if portion < 10**15 else "huge"))
-    elif portion is not None and float(portion) == 0.0:
+    elif portion is not None and (float(portion) == 0.0
+                                  or len(format_plain(portion)) > MAX_NUMBER_LENGTH):
         # It would be written as "0", which the contract itself rejects as a portion.
         errors.append(ContractError(
             "received_gpu.portion", "is too small to be written as a decimal portion",

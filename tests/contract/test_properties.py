@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +30,7 @@ from kai_fractions.contract import (
     parse_quantity,
     plan_pod,
 )
+from kai_fractions.contract.numbers import MAX_NUMBER_LENGTH
 
 from .builders import bind, pod
 
@@ -130,6 +132,10 @@ def test_parse_decimal_raises_only_number_error(text: str) -> None:
 def test_format_plain_is_plain_and_parses_back(value: Fraction) -> None:
     text = format_plain(value)
     assert "e" not in text.lower()
+    if len(text) > MAX_NUMBER_LENGTH:  # e.g. 1.4e-123 in plain digits: refused, never misread
+        with pytest.raises(NumberError):
+            parse_decimal(text)
+        return
     assert float(parse_decimal(text)) == float(value)
 
 
