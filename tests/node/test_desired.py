@@ -187,11 +187,19 @@ def test_contract_invalid() -> None:
     assert_nothing_for(state, UID_A)
 
 
-def test_contract_invalid_when_sm_sharing_lacks_its_portion() -> None:
+def test_sm_sharing_without_a_portion_shares_the_sms_without_a_cap() -> None:
+    # Upstream KAI main writes no compute portion: the container is served, its memory capped,
+    # its MPS namespace uncapped (100%).
     state = plan(node_pod(notes=annotations(mode="sm-sharing", portion=None)))
-    (r,) = state.refusals
-    assert r.reason is RefusalReason.CONTRACT_INVALID
-    assert "nvidia.com/container.main.gpu-compute.portion: is missing" in r.message
+    assert state.refusals == ()
+    (c,) = state.containers
+    assert c.compute is ComputeEnforcement.MPS_NAMESPACE
+    assert c.mps_namespace == mps_namespace_name(UID_A, "main")
+    assert c.active_thread_percentage == 100
+    assert c.plan.request_bytes == 10 * GIB and c.plan.limit_bytes == 20 * GIB
+    assert state.gpus[0].compute_mode is GpuComputeMode.EXCLUSIVE_PROCESS
+    assert state.gpus[0].mps_pinned_mib == 20 * 1024
+    assert dict(state.watchdog_caps) == {(UID_A, "main"): 20 * GIB}
 
 
 def test_device_not_on_node() -> None:
