@@ -53,7 +53,7 @@ def _rusage() -> tuple[float, float, float, int]:
 
 def _pass_seconds(node) -> float:
     return node.agent.metrics.registry.get_sample_value(
-        "gpu_fractioning_reconcile_duration_seconds_sum") or 0.0
+        "kai_fractions_reconcile_duration_seconds_sum") or 0.0
 
 
 def child(pods_file: str, seconds: float, settle: float = SETTLE_S) -> int:

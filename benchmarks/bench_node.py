@@ -93,7 +93,7 @@ def _passes(node: SimNode) -> tuple[float, float]:
     """(passes so far, seconds they took), once the pass in progress has finished."""
     _wait(lambda: node.agent.worker.busy_for() is None, "the pass in progress")
     registry = node.agent.metrics.registry
-    name = "gpu_fractioning_reconcile_duration_seconds"
+    name = "kai_fractions_reconcile_duration_seconds"
     return (registry.get_sample_value(f"{name}_count") or 0.0,
             registry.get_sample_value(f"{name}_sum") or 0.0)
 

@@ -23,7 +23,7 @@ from .agent_state import (
 )
 
 DEFAULT_AGENT_SOCKET = "/run/kai-fractions/agent.sock"
-MEMORY_USED_METRIC = "gpu_fractioning_gpu_memory_used_bytes"
+MEMORY_USED_METRIC = "kai_fractions_container_gpu_memory_used_bytes"
 AGENT_TIMEOUT = 3.0
 
 

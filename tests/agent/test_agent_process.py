@@ -172,15 +172,21 @@ def test_end_to_end_mirrored_pod_applied_then_released(agent_env: AgentEnv) -> N
     assert len(applied) == 1 and applied[0]["type"] == "Normal"
     assert applied[0]["message"] == f"container main: GPU limits in force (plan {digest})"
 
-    labels = (f'{{container="main",gpu_uuid="{GPU0}",namespace="default",pod="p"}}')
+    labels = (f'{{gpu="0",gpu_uuid="{GPU0}",namespace="default",pod="p",pod_uuid="{uid}"}}')
+    ours = (f'{{container="main",gpu="0",gpu_uuid="{GPU0}",namespace="default",'
+            f'node="{env.node}",pod="p",pod_uuid="{uid}"}}')
     text = wait_for(lambda: (t := run.metrics()) and metric(
         t, "gpu_fractioning_gpu_sm_utilization_percent", labels) == 40 and t,
         run=run, what="usage metrics")
     assert metric(text, "gpu_fractioning_gpu_memory_used_bytes", labels) == 2 * GIB
-    assert metric(text, "gpu_fractioning_gpu_sm_utilization_percent_normalized", labels) == 80
-    assert metric(text, "gpu_fractioning_memory_limit_bytes", labels) == 20 * GIB
-    assert metric(text, "gpu_fractioning_containers", '{state="applied"}') == 1
-    assert (metric(text, "gpu_fractioning_reconcile_duration_seconds_count", "") or 0) >= 1
+    # 40% of the GPU on a 20 GiB limit of an 81559 MiB GPU: 40 / (20480 / 81559) = 159.3,
+    # clamped to 100 as upstream does
+    assert metric(text, "gpu_fractioning_gpu_sm_utilization_percent_normalized", labels) == 100
+    assert metric(text, "kai_fractions_container_gpu_memory_limit_bytes", ours) == 20 * GIB
+    assert metric(text, "kai_fractions_container_gpu_sm_share_percent", ours) == 50
+    assert metric(text, "kai_fractions_containers",
+                  f'{{node="{env.node}",state="applied"}}') == 1
+    assert (metric(text, "kai_fractions_reconcile_duration_seconds_count", "") or 0) >= 1
 
     # the node-local API over the root-only socket
     assert stat.S_IMODE(env.socket.stat().st_mode) == 0o600
@@ -203,9 +209,10 @@ def test_end_to_end_mirrored_pod_applied_then_released(agent_env: AgentEnv) -> N
     # The pass that releases the limits removes the link after them: wait, do not race it.
     wait_for(lambda: not os.path.lexists(link), run=run, what="MPS namespace link removed")
     text = wait_for(lambda: (t := run.metrics()) and uid not in t and
-                    not metric_lines(t, "gpu_fractioning_memory_limit_bytes") and t,
+                    not metric_lines(t, "kai_fractions_container_gpu_memory_limit_bytes") and t,
                     run=run, what="series removed")
     for name in ("gpu_fractioning_gpu_memory_used_bytes",
+                 "kai_fractions_container_gpu_memory_used_bytes",
                  "gpu_fractioning_gpu_sm_utilization_percent",
                  "gpu_fractioning_gpu_sm_utilization_percent_normalized"):
         assert metric_lines(text, name) == []

@@ -161,13 +161,16 @@ def test_metrics_scrape_and_series_of_a_deleted_pod_disappear(running: Rig) -> N
     uid = rig.add(pod(notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing")))[
         "metadata"]["uid"]
     wait_for(lambda: applied(rig, uid), what="applied")
-    series = (f'{{container="main",gpu_uuid="{rig.gpu0}",namespace="default",pod="p"}}')
+    series = (f'{{container="main",gpu="0",gpu_uuid="{rig.gpu0}",namespace="default",'
+              f'node="node-a",pod="p",pod_uuid="{uid}"}}')
+    pod_series = f'{{gpu="0",gpu_uuid="{rig.gpu0}",namespace="default",pod="p",pod_uuid="{uid}"}}'
     text = wait_for(lambda: (t := scrape(rig)) and
-                    f"gpu_fractioning_memory_limit_bytes{series}" in t and t, what="series")
-    assert f"gpu_fractioning_gpu_memory_used_bytes{series} 0.0" in text
-    assert f"gpu_fractioning_gpu_sm_utilization_percent_normalized{series} 0.0" in text
-    assert 'gpu_fractioning_containers{state="applied"} 1.0' in text
-    assert "gpu_fractioning_mps_daemon_restarts_total 0.0" in text
+                    f"kai_fractions_container_gpu_memory_limit_bytes{series}" in t and t,
+                    what="series")
+    assert f"kai_fractions_container_gpu_memory_used_bytes{series} 0.0" in text
+    assert f"gpu_fractioning_gpu_sm_utilization_percent_normalized{pod_series} 0.0" in text
+    assert 'kai_fractions_containers{node="node-a",state="applied"} 1.0' in text
+    assert "kai_fractions_mps_daemon_restarts_total 0.0" in text
     rig.cluster.delete_pod(uid)
     wait_for(lambda: 'pod="p"' not in scrape(rig), what="series removed")
 

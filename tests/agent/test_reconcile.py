@@ -93,7 +93,7 @@ def test_marker_never_written_while_pending_and_events_stay_quiet(short_tmp: Pat
     result = rig.reconciler.view.results[(uid, "main")]
     assert (result.state.value, result.reason) == ("pending", "NVMLNoPermission")
     assert rig.agent.metrics.registry.get_sample_value(
-        "gpu_fractioning_reconcile_errors_total", {"reason": "NVMLNoPermission"}) == 3
+        "kai_fractions_reconcile_errors_total", {"reason": "NVMLNoPermission"}) == 3
     rig.nvml.clear_failures()
     assert rig.step().converged
     assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
@@ -186,9 +186,11 @@ def test_deleted_pod_is_released_everywhere(short_tmp: Path) -> None:
     namespaces = set(rig.mps.control.namespaces)
     assert len(namespaces) == 1
     assert set(rig.nvml.limits) == {(rig.gpu0, slice_of(uid)), (rig.gpu0, leaf_of(uid))}
-    labels = {"namespace": "default", "pod": "p", "container": "main", "gpu_uuid": rig.gpu0}
+    labels = {"node": "node-a", "namespace": "default", "pod": "p", "pod_uuid": uid,
+              "container": "main", "gpu_uuid": rig.gpu0, "gpu": "0"}
     reg = rig.agent.metrics.registry
-    assert reg.get_sample_value("gpu_fractioning_memory_limit_bytes", labels) == 20 * GIB
+    assert reg.get_sample_value("kai_fractions_container_gpu_memory_limit_bytes",
+                                labels) == 20 * GIB
     rig.cluster.delete_pod(uid)
     assert rig.step().converged
     assert rig.nvml.limits == {}  # cleared (soft 0, hard max) on the slice and the leaf
@@ -197,11 +199,17 @@ def test_deleted_pod_is_released_everywhere(short_tmp: Path) -> None:
         (rig.gpu0, leaf_of(uid), 0, MEMORY_LIMIT_MAX)])
     assert rig.mps.control.namespaces == {}
     assert not rig.marker_path(uid).parent.exists()
-    for name in ("gpu_fractioning_memory_limit_bytes", "gpu_fractioning_gpu_memory_used_bytes",
+    for name in ("kai_fractions_container_gpu_memory_limit_bytes",
+                 "kai_fractions_container_gpu_memory_used_bytes",
+                 "kai_fractions_container_gpu_sm_utilization_percent"):
+        assert reg.get_sample_value(name, labels) is None, name
+    pod_labels = {k: v for k, v in labels.items() if k not in ("node", "container")}
+    for name in ("gpu_fractioning_gpu_memory_used_bytes",
                  "gpu_fractioning_gpu_sm_utilization_percent",
                  "gpu_fractioning_gpu_sm_utilization_percent_normalized"):
-        assert reg.get_sample_value(name, labels) is None, name
-    assert reg.get_sample_value("gpu_fractioning_containers", {"state": "applied"}) == 0
+        assert reg.get_sample_value(name, pod_labels) is None, name
+    assert reg.get_sample_value("kai_fractions_containers",
+                                {"node": "node-a", "state": "applied"}) == 0
 
 
 def test_terminal_pod_is_released_like_a_deleted_one(short_tmp: Path) -> None:
@@ -341,7 +349,7 @@ def test_nvml_breaking_after_apply_reports_pending_and_keeps_the_marker(
     assert (result.state.value, result.reason) == ("pending", "NVMLUnavailable")
     assert rig.marker_path(uid).read_text() == written  # the limits stay in the kernel
     assert rig.agent.metrics.registry.get_sample_value(
-        "gpu_fractioning_containers", {"state": "pending"}) == 1
+        "kai_fractions_containers", {"node": "node-a", "state": "pending"}) == 1
 
 
 # -- MPS --------------------------------------------------------------------------------------
@@ -358,7 +366,7 @@ def test_mps_daemon_restart_reapplies_and_is_counted(short_tmp: Path) -> None:
     assert rig.mps.control.namespaces[name].active_thread_percentage == 50
     assert rig.mps.control.default_pinned_mib == {0: 20480}
     assert rig.agent.metrics.registry.get_sample_value(
-        "gpu_fractioning_mps_daemon_restarts_total") == 1
+        "kai_fractions_mps_daemon_restarts_total") == 1
     assert rig.reconciler.mps_owned  # restarted by us: stopped by us
     assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
 
@@ -448,12 +456,17 @@ def test_watchdog_report_emits_one_violation_per_episode(short_tmp: Path) -> Non
     assert event["type"] == "Warning"
     assert event["message"] == (f"container main of pod {uid} uses 25600 MiB of GPU memory on "
                                 f"{rig.gpu0}, above its cap of 20480 MiB (pids 4242)")
-    labels = {"namespace": "default", "pod": "p", "container": "main", "gpu_uuid": rig.gpu0}
+    labels = {"node": "node-a", "namespace": "default", "pod": "p", "pod_uuid": uid,
+              "container": "main", "gpu_uuid": rig.gpu0, "gpu": "0"}
     reg = rig.agent.metrics.registry
-    assert reg.get_sample_value("gpu_fractioning_gpu_memory_used_bytes", labels) == 25 * GIB
-    assert reg.get_sample_value("gpu_fractioning_gpu_sm_utilization_percent", labels) == 30
-    assert reg.get_sample_value(
-        "gpu_fractioning_gpu_sm_utilization_percent_normalized", labels) is None  # time-slicing
+    assert reg.get_sample_value("kai_fractions_container_gpu_memory_used_bytes",
+                                labels) == 25 * GIB
+    assert reg.get_sample_value("kai_fractions_container_gpu_sm_utilization_percent",
+                                labels) == 30
+    assert reg.get_sample_value(  # time-slicing: no active-thread share
+        "kai_fractions_container_gpu_sm_share_percent", labels) is None
+    assert reg.get_sample_value(  # one episode, however many checks saw it
+        "kai_fractions_container_gpu_memory_limit_violations_total", labels) == 1
     rig.nvml.remove_process(4242)
     rig.reconciler.check_usage()
     _running(rig, uid, 4243, 21 * GIB)
@@ -473,9 +486,16 @@ def test_watchdog_kill_drains_then_stops_and_reports_it(short_tmp: Path) -> None
     assert rig.killer.killed == [4242]
     assert rig.mps.control.terminated == [4242]
     assert rig.cluster.event_reasons(uid) == ["Applied", "LimitEnforced"]
-    labels = {"namespace": "default", "pod": "p", "container": "main", "gpu_uuid": rig.gpu0}
-    assert rig.agent.metrics.registry.get_sample_value(
-        "gpu_fractioning_gpu_sm_utilization_percent_normalized", labels) == 40
+    labels = {"namespace": "default", "pod": "p", "pod_uuid": uid, "gpu_uuid": rig.gpu0,
+              "gpu": "0"}
+    reg = rig.agent.metrics.registry
+    # normalized by the requested fraction as upstream does: 20 GiB of an 81559 MiB GPU
+    assert reg.get_sample_value("gpu_fractioning_gpu_sm_utilization_percent_normalized",
+                                labels) == round(20 * 81559 / 20480, 3)
+    ours = {**labels, "node": "node-a", "container": "main"}
+    assert reg.get_sample_value("kai_fractions_container_gpu_sm_share_percent", ours) == 50
+    assert reg.get_sample_value(
+        "kai_fractions_container_gpu_memory_limit_violations_total", ours) == 1
 
 
 def test_drain_terminates_the_mps_clients_of_the_container(short_tmp: Path) -> None:

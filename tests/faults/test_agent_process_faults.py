@@ -75,7 +75,7 @@ class Node:
         except OSError:  # not serving yet
             return None
         for line in text.splitlines():
-            if line.startswith('gpu_fractioning_containers{state="applied"} '):
+            if line.startswith('kai_fractions_containers{node="gpu-node-1",state="applied"} '):
                 return int(float(line.rsplit(" ", 1)[1]))
         return None
 

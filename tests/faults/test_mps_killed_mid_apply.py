@@ -95,7 +95,7 @@ def test_daemon_killed_before_the_pinned_limit_is_set(fake_nvml, short_tmp: Path
     assert runner.killed == first and second not in (None, first)
     assert daemon.restarts == 1
     assert agent.metrics.registry.get_sample_value(
-        "gpu_fractioning_mps_daemon_restarts_total") == 1
+        "kai_fractions_mps_daemon_restarts_total") == 1
     events = runner.log
     kill = events.index(("kill", "", first))
     assert events[kill + 1] == ("failed", f"{PINNED} 20480M", None)  # the daemon was gone

@@ -183,10 +183,10 @@ def test_agent_socket_missing(cluster: Path, tmp_path: Path, capsys) -> None:
 
 
 METRICS = f"""\
-# HELP gpu_fractioning_gpu_memory_used_bytes GPU memory used by the container's processes.
-# TYPE gpu_fractioning_gpu_memory_used_bytes gauge
-gpu_fractioning_gpu_memory_used_bytes{{container="main",gpu_uuid="{GPU0}",namespace="team-a",pod="notebook"}} 4.294967296e+09
-gpu_fractioning_gpu_memory_used_bytes{{container="x",gpu_uuid="{GPU1}",namespace="team-a",pod="other"}} 1.0
+# HELP kai_fractions_container_gpu_memory_used_bytes GPU memory used by the container's processes on the GPU.
+# TYPE kai_fractions_container_gpu_memory_used_bytes gauge
+kai_fractions_container_gpu_memory_used_bytes{{container="main",gpu="0",gpu_uuid="{GPU0}",namespace="team-a",node="n",pod="notebook",pod_uuid="u1"}} 4.294967296e+09
+kai_fractions_container_gpu_memory_used_bytes{{container="x",gpu="1",gpu_uuid="{GPU1}",namespace="team-a",node="n",pod="other",pod_uuid="u2"}} 1.0
 """  # noqa: E501
 
 

@@ -59,7 +59,7 @@ class NodeAgent:
         self.source = source
         self.cluster = cluster
         self.cache = PodCache(monotonic)
-        self.metrics = AgentMetrics()
+        self.metrics = AgentMetrics(config.node_name, condition=self.condition)
         self.events = EventRecorder(cluster, config.node_name, clock)
         signatures = None
         if options.signing_key_files:  # raises SigningConfigError for unusable key files

@@ -1,36 +1,50 @@
 """Prometheus metrics of the agent, in a registry of its own (served on `--metrics-listen`).
 
-Per container and GPU (labels namespace, pod, container, gpu_uuid):
-- `gpu_fractioning_gpu_memory_used_bytes`: what its processes use (NVML, mapped through /proc);
-- `gpu_fractioning_gpu_sm_utilization_percent`: summed SM utilisation of its processes;
-- `gpu_fractioning_gpu_sm_utilization_percent_normalized`: the same divided by the container's
-  active-thread share (40% of the GPU on a 50% share reads 80); sm-sharing containers only, a
-  time-slicing container has no share to divide by;
-- `gpu_fractioning_memory_limit_bytes`: its cap.
-The agent itself: `gpu_fractioning_reconcile_duration_seconds` (histogram),
-`gpu_fractioning_reconcile_errors_total{reason}`, `gpu_fractioning_mps_daemon_restarts_total`,
-`gpu_fractioning_containers{state}` (applied, pending, refused).
+Two families of names:
+- `gpu_fractioning_*`: exactly what the upstream gpu-fractioning operator's metricsd exports
+  (names, help, gauge type, labels `namespace, pod, pod_uuid, gpu_uuid, gpu`), one series per
+  pod and GPU, so dashboards and queries written for it work unchanged. No extra label: a
+  `container` label would split a pod's series, and the normalized value does not add up.
+- `kai_fractions_*`: what upstream has no word for, per container (the labels above plus
+  `node` and `container`) and per node (`node`): requested, capped and used memory, SM use and
+  share, limit violations, refusals, GPU memory, node readiness and the agent's own health.
 
-Every label set of a container is removed when the container leaves the node's desired state,
-so a deleted pod leaves no stale series behind.
+Every series of a container (and of its pod) goes when it leaves the node's desired state, so
+a deleted pod leaves no stale series behind; a known container with no usage reads 0.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
-from ..desired import ContainerDesired, ContainerKey
+from ..desired import ContainerKey, DesiredState
 from ..engine import ContainerState
+from ..inventory import Inventory
 
-log = logging.getLogger(__name__)
+UPSTREAM_LABELS = ("namespace", "pod", "pod_uuid", "gpu_uuid", "gpu")
+CONTAINER_LABELS = ("node", "namespace", "pod", "pod_uuid", "container", "gpu_uuid", "gpu")
 
-LABELS = ("namespace", "pod", "container", "gpu_uuid")
+# Help strings as upstream metricsd registers them (its dashboards show them).
+UPSTREAM_HELP = {
+    "gpu_fractioning_gpu_memory_used_bytes":
+        "GPU memory used by processes attributed to a Kubernetes pod.",
+    "gpu_fractioning_gpu_sm_utilization_percent":
+        "GPU SM utilization attributed to a Kubernetes pod: the sum of per-process NVML SM-active "
+        "time fractions, clamped to [0,100]. Approximate under MPS where a pod's processes "
+        "execute concurrently.",
+    "gpu_fractioning_gpu_sm_utilization_percent_normalized":
+        "GPU SM utilization normalized by the pod's requested GPU fraction (SM utilization ÷ "
+        "requested fraction), clamped to [0,100]. A pod using as much of the GPU as it requested "
+        "reports 100. Falls back to the raw SM utilization when the requested fraction is "
+        "unknown.",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,101 +55,197 @@ class Usage:
     sm_percent: int | None
 
 
+class _Family:
+    """One labelled metric and its children: `set` skips unchanged values (the watchdog sets
+    every series every second and `labels()` is a locked lookup); `sweep` removes the series
+    not touched since the last sweep."""
+
+    def __init__(self, metric: Any):
+        self.metric = metric
+        self._children: dict[tuple[str, ...], list[Any]] = {}  # labels -> [child, value]
+        self._touched: set[tuple[str, ...]] = set()
+
+    def child(self, labels: tuple[str, ...]) -> Any:
+        self._touched.add(labels)
+        entry = self._children.get(labels)
+        if entry is None:
+            entry = self._children[labels] = [self.metric.labels(*labels), None]
+        return entry[0]
+
+    def set(self, labels: tuple[str, ...], value: float) -> None:
+        child = self.child(labels)
+        entry = self._children[labels]
+        if entry[1] != value:
+            child.set(value)
+            entry[1] = value
+
+    def sweep(self) -> None:
+        for labels in self._children.keys() - self._touched:
+            del self._children[labels]
+            with contextlib.suppress(KeyError):
+                self.metric.remove(*labels)
+        self._touched = set()
+
+
+class _NodeReady:
+    """`kai_fractions_node_ready{node, reason}`: the node condition as the agent would publish
+    it now, read at scrape time (absent before the first pass, like the condition)."""
+
+    NAME = "kai_fractions_node_ready"
+    HELP = ("1 when the agent reports the node ready for fractional pods (the node condition "
+            "KAI reads), else 0; reason as in the condition.")
+
+    def __init__(self, node: str, condition: Callable[[], Any]):
+        self.node = node
+        self.condition = condition
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self.NAME, self.HELP, labels=("node", "reason"))
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.NAME, self.HELP, labels=("node", "reason"))
+        cond = self.condition()
+        if cond is not None:
+            family.add_metric((self.node, cond.reason), 1.0 if cond.ready else 0.0)
+        yield family
+
+
+def _clamp(value: float) -> float:
+    return min(100.0, max(0.0, value))
+
+
 class AgentMetrics:
-    def __init__(self) -> None:
+    def __init__(self, node: str = "", condition: Callable[[], Any] | None = None) -> None:
+        self.node = node
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.memory_used = Gauge("gpu_fractioning_gpu_memory_used_bytes",
-                                 "GPU memory used by the container's processes on the GPU.",
-                                 LABELS, registry=r)
-        self.sm = Gauge("gpu_fractioning_gpu_sm_utilization_percent",
-                        "SM utilisation of the container's processes on the GPU (percent of "
-                        "the whole GPU).", LABELS, registry=r)
-        self.sm_normalized = Gauge(
-            "gpu_fractioning_gpu_sm_utilization_percent_normalized",
-            "SM utilisation divided by the container's active-thread share (percent of its "
-            "share; sm-sharing containers only).", LABELS, registry=r)
-        self.memory_limit = Gauge("gpu_fractioning_memory_limit_bytes",
-                                  "The container's GPU memory cap on the GPU.", LABELS,
-                                  registry=r)
+
+        def gauge(name: str, help_: str, labels: tuple[str, ...]) -> _Family:
+            return _Family(Gauge(name, help_, labels, registry=r))
+
+        up = {name: gauge(name, text, UPSTREAM_LABELS) for name, text in UPSTREAM_HELP.items()}
+        self._pod_used = up["gpu_fractioning_gpu_memory_used_bytes"]
+        self._pod_sm = up["gpu_fractioning_gpu_sm_utilization_percent"]
+        self._pod_normalized = up["gpu_fractioning_gpu_sm_utilization_percent_normalized"]
+        c = CONTAINER_LABELS
+        self._requested = gauge("kai_fractions_container_gpu_memory_requested_bytes",
+                                "GPU memory the container requested on the GPU (soft limit).", c)
+        self._limit = gauge("kai_fractions_container_gpu_memory_limit_bytes",
+                            "The container's GPU memory cap on the GPU.", c)
+        self._used = gauge("kai_fractions_container_gpu_memory_used_bytes",
+                           "GPU memory used by the container's processes on the GPU.", c)
+        self._sm = gauge("kai_fractions_container_gpu_sm_utilization_percent",
+                         "Summed SM utilization of the container's processes (percent of the "
+                         "whole GPU).", c)
+        self._share = gauge("kai_fractions_container_gpu_sm_share_percent",
+                            "The container's active-thread share of the GPU's SMs (sm-sharing "
+                            "containers only).", c)
+        self._violations = _Family(Counter(
+            "kai_fractions_container_gpu_memory_limit_violations",
+            "Episodes of the container's GPU memory use above its cap, seen by the watchdog.",
+            c, registry=r))
+        self._refused = gauge("kai_fractions_container_refused",
+                              "1 for each container the agent refuses, by reason.",
+                              ("node", "namespace", "pod", "pod_uuid", "container", "reason"))
+        self._gpu_total = gauge("kai_fractions_gpu_memory_total_bytes",
+                                "Total memory of each GPU of the node.",
+                                ("node", "gpu_uuid", "gpu"))
         self.reconcile_duration = Histogram(
-            "gpu_fractioning_reconcile_duration_seconds", "Duration of one reconcile pass.",
+            "kai_fractions_reconcile_duration_seconds", "Duration of one reconcile pass.",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r)
         self.reconcile_errors = Counter(
-            "gpu_fractioning_reconcile_errors", "Reconcile passes that hit an error, by reason "
+            "kai_fractions_reconcile_errors", "Reconcile passes that hit an error, by reason "
             "(each reason counted once per pass).", ("reason",), registry=r)
-        self.mps_restarts = Counter("gpu_fractioning_mps_daemon_restarts",
+        self.mps_restarts = Counter("kai_fractions_mps_daemon_restarts",
                                     "Restarts of the MPS control daemon by the agent.",
                                     registry=r)
-        self.containers = Gauge("gpu_fractioning_containers",
-                                "Fractional containers on the node by state.", ("state",),
+        self.containers = Gauge("kai_fractions_containers",
+                                "Fractional containers on the node by state.", ("node", "state"),
                                 registry=r)
         for state in ContainerState:
-            self.containers.labels(state.value).set(0)
-        self._series: dict[ContainerKey, set[tuple[str, ...]]] = {}
-        # label values -> (limit, used, sm, sm_normalized) children: `labels()` is a locked
-        # lookup, and the watchdog updates every series every second.
-        self._children: dict[tuple[str, ...], tuple[Any, Any, Any, Any]] = {}
-        self._values: dict[tuple[str, ...], tuple[Any, ...]] = {}  # what each series holds
+            self.containers.labels(node, state.value).set(0)
+        if condition is not None:
+            r.register(_NodeReady(node, condition))
+        self._families = (self._pod_used, self._pod_sm, self._pod_normalized, self._requested,
+                          self._limit, self._used, self._sm, self._share, self._violations,
+                          self._refused, self._gpu_total)
+        self._labels_of: dict[tuple[str, str, str], tuple[str, ...]] = {}
+        self._violating: set[tuple[str, str, str]] = set()
+        self._lock = threading.Lock()
         self._server: Any = None
 
     # -- per container ------------------------------------------------------------------------
 
-    @staticmethod
-    def _labels(c: ContainerDesired, uuid: str) -> tuple[str, ...]:
-        return (c.pod_namespace, c.pod_name, c.key.container, uuid)
+    def update(self, desired: DesiredState, usage: Mapping[tuple[ContainerKey, str], Usage],
+               inventory: Inventory) -> None:
+        """Sets every series of the desired state (its containers, their pods, its refusals)
+        and of the GPUs, and removes every other."""
+        with self._lock:
+            self._update(desired, usage, inventory)
 
-    def update(self, containers: Iterable[ContainerDesired],
-               usage: Mapping[tuple[ContainerKey, str], Usage]) -> None:
-        """Sets every series of the containers in the desired state and removes the series of
-        the containers that left it."""
-        seen: dict[ContainerKey, set[tuple[str, ...]]] = {}
-        for c in containers:
+    def _update(self, desired: DesiredState, usage: Mapping[tuple[ContainerKey, str], Usage],
+                inventory: Inventory) -> None:
+        node = self.node
+        totals = {}
+        for d in inventory.devices:
+            totals[d.uuid] = d.memory_total
+            self._gpu_total.set((node, d.uuid, str(d.index)), d.memory_total)
+        pods: dict[tuple[str, ...], list[int]] = {}  # upstream labels -> [used, sm, limit]
+        labels_of = {}
+        for c in desired.containers:
             atp = c.active_thread_percentage
-            for uuid in c.plan.device_uuids:
-                labels = self._labels(c, uuid)
-                seen.setdefault(c.key, set()).add(labels)
+            for uuid, index in zip(c.plan.device_uuids, c.device_indexes, strict=True):
+                labels = (node, c.pod_namespace, c.pod_name, c.key.pod_uid, c.key.container,
+                          uuid, str(index))
+                labels_of[(c.key.pod_uid, c.key.container, uuid)] = labels
                 u = usage.get((c.key, uuid))
-                sm = (u.sm_percent or 0) if u else 0
-                values = (c.plan.limit_bytes, u.used_bytes if u else 0, sm,
-                          round(sm * 100 / atp, 3) if atp else None)
-                if self._values.get(labels) == values:
-                    continue  # usage is mostly steady: skip four locked sets per series
-                self._values[labels] = values
-                limit, used, sm_gauge, normalized = self._series_of(labels, bool(atp))
-                limit.set(values[0])
-                used.set(values[1])
-                sm_gauge.set(values[2])
-                if normalized is not None:
-                    normalized.set(values[3])
-        for key, old in self._series.items():
-            for labels in old - seen.get(key, set()):
-                self._remove(labels)
-        self._series = seen
+                used, sm = (u.used_bytes, u.sm_percent or 0) if u else (0, 0)
+                self._requested.set(labels, c.plan.request_bytes)
+                self._limit.set(labels, c.plan.limit_bytes)
+                self._used.set(labels, used)
+                self._sm.set(labels, sm)
+                if atp:
+                    self._share.set(labels, atp)
+                self._violations.child(labels)  # from 0, so that the first episode counts
+                pod = pods.setdefault(labels[1:4] + labels[5:], [0, 0, 0])
+                pod[0] += used
+                pod[1] += sm
+                pod[2] += c.plan.limit_bytes
+        for labels, (used, sm_sum, limit) in pods.items():
+            sm = _clamp(sm_sum)
+            total = totals.get(labels[3])
+            # upstream: requested fraction = the pod's memory limit / the GPU's memory
+            fraction = limit / total if total and limit else None
+            self._pod_used.set(labels, used)
+            self._pod_sm.set(labels, sm)
+            self._pod_normalized.set(labels, round(_clamp(sm / fraction), 3) if fraction else sm)
+        for r in desired.refusals:
+            if r.final:  # a refusal that may still clear (NotBound) is pending, not refused
+                self._refused.set((node, r.pod_namespace, r.pod_name, r.key.pod_uid,
+                                   r.key.container, str(r.reason)), 1)
+        for family in self._families:
+            family.sweep()
+        self._labels_of = labels_of
+        self._violating &= set(labels_of)
 
-    def _series_of(self, labels: tuple[str, ...], normalized: bool) -> tuple[Any, Any, Any, Any]:
-        children = self._children.get(labels)
-        if children is None or (normalized and children[3] is None):
-            children = (self.memory_limit.labels(*labels), self.memory_used.labels(*labels),
-                        self.sm.labels(*labels),
-                        self.sm_normalized.labels(*labels) if normalized else None)
-            self._children[labels] = children
-        return children
-
-    def _remove(self, labels: tuple[str, ...]) -> None:
-        self._children.pop(labels, None)
-        self._values.pop(labels, None)
-        for gauge in (self.memory_used, self.sm, self.sm_normalized, self.memory_limit):
-            with contextlib.suppress(KeyError):
-                gauge.remove(*labels)
+    def count_violations(self, violations: Iterable[Any]) -> None:
+        """One watchdog check's `Violation`s: each container and GPU that went over its cap
+        since the last check counts one episode (as the LimitViolation event)."""
+        with self._lock:
+            now = {(v.pod_uid, v.container_name, v.device_uuid) for v in violations}
+            for key in now - self._violating:
+                labels = self._labels_of.get(key)
+                if labels is not None:
+                    self._violations.child(labels).inc()
+            self._violating = now
 
     def count_states(self, states: Iterable[ContainerState]) -> None:
         counts = dict.fromkeys(ContainerState, 0)
         for s in states:
             counts[s] += 1
         for state, n in counts.items():
-            self.containers.labels(state.value).set(n)
+            self.containers.labels(self.node, state.value).set(n)
 
     # -- serving -------------------------------------------------------------------------------
 

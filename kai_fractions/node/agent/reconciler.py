@@ -184,7 +184,7 @@ class Reconciler:
         self.mps = mps if config.sm_sharing else None
         self.cluster = cluster
         self.events = events or EventRecorder(cluster, config.node_name, clock)
-        self.metrics = metrics or AgentMetrics()
+        self.metrics = metrics or AgentMetrics(config.node_name)
         self.procfs = procfs or Procfs(config.proc_root)
         self.clock = clock
         self.hook = hook
@@ -371,7 +371,7 @@ class Reconciler:
             for name in self.links.sweep(keep):
                 log.info("removed the MPS pipe link %s (no container uses it)", name)
         self.metrics.count_states(r.state for r in results.values())
-        self.metrics.update(desired.containers, self.view.usage)
+        self.metrics.update(desired, self.view.usage, inventory)
         self.view = NodeView(inventory=inventory, desired=desired,
                              results=MappingProxyType(results), usage=self.view.usage,
                              pods=MappingProxyType(dict(self.known)),
@@ -586,7 +586,8 @@ class Reconciler:
         usage = {(ContainerKey(u.pod_uid, u.container_name), u.device_uuid):
                  Usage(u.used_bytes, u.sm_percent) for u in report.usage}
         self.view = dataclasses.replace(self.view, usage=MappingProxyType(usage))
-        self.metrics.update(desired.containers, usage)
+        self.metrics.update(desired, usage, inventory)
+        self.metrics.count_violations(report.violations)
         self._violation_events(desired, report)
 
     def _violation_events(self, desired: DesiredState, report: Any) -> None:

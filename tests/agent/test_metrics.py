@@ -1,0 +1,169 @@
+"""The agent's metrics over in-memory fakes: the gpu-fractioning series (one per pod and GPU,
+upstream's labels only, SM use clamped and normalized as upstream metricsd does), the
+per-container kai_fractions series they aggregate, refusals, GPU memory and node readiness.
+
+Upstream facts: NVIDIA gpu-fractioning, `fractioning-manager/metricsd/internal/metrics/
+exporter.go` (names, help, labels `namespace, pod, pod_uuid, gpu_uuid, gpu`; `gpu` is the GPU
+index) and its collector (SM use summed over the pod's processes and clamped to [0,100];
+normalized = SM use / (memory limit / GPU memory), clamped; raw SM use when the fraction is
+unknown). Names and label sets are written out literally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from kai_fractions.node.agent.metrics import Usage
+from kai_fractions.node.desired import ContainerKey
+
+from .builders import GIB, Rig, binder_annotations
+from .test_reconcile import add_pod, leaf_of
+
+UPSTREAM = {"namespace", "pod", "pod_uuid", "gpu_uuid", "gpu"}
+PER_CONTAINER = UPSTREAM | {"node", "container"}
+H100_BYTES = 81559 * (1 << 20)
+
+
+def samples(rig: Rig, name: str) -> dict[frozenset, float]:
+    """label set (as items) -> value, for every sample of `name`."""
+    out = {}
+    for family in rig.agent.metrics.registry.collect():
+        for s in family.samples:
+            if s.name == name:
+                out[frozenset(s.labels.items())] = s.value
+    return out
+
+
+def label_names(rig: Rig, name: str) -> set[frozenset[str]]:
+    return {frozenset(k for k, _ in labels) for labels in samples(rig, name)}
+
+
+def run(rig: Rig, uid: str, pid: int, used: int, sm: int) -> None:
+    rig.proc_entry(pid, leaf_of(uid)[len("/sys/fs/cgroup"):])
+    rig.nvml.add_process(pid, rig.gpu0, used, sm_percent=sm)
+
+
+def test_one_upstream_series_per_pod_and_gpu_with_upstream_labels_only(
+        short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig, namespace="team-a")
+    assert rig.step().converged
+    run(rig, uid, 100, 3 * GIB, 10)
+    run(rig, uid, 200, 5 * GIB, 15)
+    rig.reconciler.check_usage()
+
+    pod = {"namespace": "team-a", "pod": "p", "pod_uuid": uid, "gpu_uuid": rig.gpu0, "gpu": "0"}
+    key = frozenset(pod.items())
+    for name in ("gpu_fractioning_gpu_memory_used_bytes",
+                 "gpu_fractioning_gpu_sm_utilization_percent",
+                 "gpu_fractioning_gpu_sm_utilization_percent_normalized"):
+        assert label_names(rig, name) == {frozenset(UPSTREAM)}, name
+    assert samples(rig, "gpu_fractioning_gpu_memory_used_bytes") == {key: 8 * GIB}
+    assert samples(rig, "gpu_fractioning_gpu_sm_utilization_percent") == {key: 25}
+    # the pod's fraction: a 20 GiB limit of an 81559 MiB GPU
+    assert samples(rig, "gpu_fractioning_gpu_sm_utilization_percent_normalized") == {
+        key: round(25 / (20 * GIB / H100_BYTES), 3)}
+
+    ours = frozenset({**pod, "node": "node-a", "container": "main"}.items())
+    for name, want in (("kai_fractions_container_gpu_memory_requested_bytes", 10 * GIB),
+                       ("kai_fractions_container_gpu_memory_limit_bytes", 20 * GIB),
+                       ("kai_fractions_container_gpu_memory_used_bytes", 8 * GIB),
+                       ("kai_fractions_container_gpu_sm_utilization_percent", 25),
+                       ("kai_fractions_container_gpu_memory_limit_violations_total", 0)):
+        assert label_names(rig, name) == {frozenset(PER_CONTAINER)}, name
+        assert samples(rig, name) == {ours: want}, name
+    assert samples(rig, "kai_fractions_container_gpu_sm_share_percent") == {}  # time-slicing
+
+
+def test_pod_series_add_up_its_containers_and_clamp(short_tmp: Path) -> None:
+    """KAI gives a pod one fractional container; the pod series would still add up several
+    (as upstream adds up a pod's processes): shown on a desired state with a second one."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    rig.step()
+    view = rig.reconciler.view
+    assert view.desired is not None and view.inventory is not None
+    (main,) = view.desired.containers
+    side = dataclasses.replace(main, key=ContainerKey(uid, "side"))
+    desired = dataclasses.replace(view.desired, containers=(main, side))
+    usage = {(main.key, rig.gpu0): Usage(GIB, 70), (side.key, rig.gpu0): Usage(2 * GIB, 60)}
+    metrics = rig.agent.metrics
+    metrics.update(desired, usage, view.inventory)
+
+    pod = {"namespace": "default", "pod": "p", "pod_uuid": uid, "gpu_uuid": rig.gpu0,
+           "gpu": "0"}
+    key = frozenset(pod.items())
+    assert samples(rig, "gpu_fractioning_gpu_memory_used_bytes") == {key: 3 * GIB}
+    assert samples(rig, "gpu_fractioning_gpu_sm_utilization_percent") == {key: 100}  # 130
+    assert samples(rig, "gpu_fractioning_gpu_sm_utilization_percent_normalized") == {key: 100}
+    # the per-container series keep their own values and sum to the pod's by upstream's labels
+    used = samples(rig, "kai_fractions_container_gpu_memory_used_bytes")
+    assert {dict(k)["container"]: v for k, v in used.items()} == {"main": GIB, "side": 2 * GIB}
+    assert sorted(samples(rig, "kai_fractions_container_gpu_sm_utilization_percent")
+                  .values()) == [60, 70]
+
+    # 20 on two 20 GiB limits; then a GPU whose memory is unknown: no fraction, so the raw SM
+    # use, as upstream falls back
+    usage = {(main.key, rig.gpu0): Usage(GIB, 20)}
+    metrics.update(desired, usage, view.inventory)
+    assert samples(rig, "gpu_fractioning_gpu_sm_utilization_percent_normalized") == {
+        key: round(20 / (40 * GIB / H100_BYTES), 3)}
+    blind = dataclasses.replace(view.inventory, devices=tuple(
+        dataclasses.replace(d, memory_total=0) for d in view.inventory.devices))
+    metrics.update(desired, usage, blind)
+    assert samples(rig, "gpu_fractioning_gpu_sm_utilization_percent_normalized") == {key: 20}
+
+
+def test_idle_containers_read_zero_and_series_go_with_the_pod(short_tmp: Path) -> None:
+    rig = Rig(short_tmp)
+    uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    rig.step()
+    rig.reconciler.check_usage()
+    for name in ("gpu_fractioning_gpu_memory_used_bytes",
+                 "gpu_fractioning_gpu_sm_utilization_percent",
+                 "gpu_fractioning_gpu_sm_utilization_percent_normalized",
+                 "kai_fractions_container_gpu_memory_used_bytes",
+                 "kai_fractions_container_gpu_sm_utilization_percent",
+                 "kai_fractions_container_gpu_memory_limit_violations_total"):
+        assert list(samples(rig, name).values()) == [0], name
+    assert list(samples(rig, "kai_fractions_container_gpu_sm_share_percent").values()) == [50]
+    rig.cluster.delete_pod(uid)
+    rig.step()
+    for family in rig.agent.metrics.registry.collect():
+        for s in family.samples:
+            assert uid not in s.labels.values(), s
+
+
+def test_final_refusals_are_series_with_their_reason(short_tmp: Path) -> None:
+    rig = Rig(short_tmp)
+    add_pod(rig, "first", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    rig.step()
+    late = add_pod(rig, "second", notes=binder_annotations(devices=rig.gpu0,
+                                                            mode="time-slicing"))
+    rig.step()
+    refused = samples(rig, "kai_fractions_container_refused")
+    assert refused == {frozenset({
+        "node": "node-a", "namespace": "default", "pod": "second", "pod_uuid": late,
+        "container": "main", "reason": "ComputeModeMix"}.items()): 1}
+    assert samples(rig, "kai_fractions_containers")[
+        frozenset({"node": "node-a", "state": "refused"}.items())] == 1
+    rig.cluster.delete_pod(late)
+    rig.step()
+    assert samples(rig, "kai_fractions_container_refused") == {}
+
+
+def test_node_readiness_and_gpu_memory(short_tmp: Path) -> None:
+    rig = Rig(short_tmp)
+    assert samples(rig, "kai_fractions_node_ready") == {}  # no condition before the first pass
+    rig.step()
+    assert samples(rig, "kai_fractions_node_ready") == {
+        frozenset({"node": "node-a", "reason": "AgentReady"}.items()): 1}
+    assert samples(rig, "kai_fractions_gpu_memory_total_bytes") == {
+        frozenset({"node": "node-a", "gpu_uuid": g, "gpu": str(i)}.items()): H100_BYTES
+        for i, g in enumerate((rig.gpu0, rig.gpu1))}
+    rig.nvml.fail("init", "DriverNotLoaded", times=None)
+    rig.nvml.fail("driver_version", "DriverNotLoaded", times=None)
+    rig.step()
+    assert samples(rig, "kai_fractions_node_ready") == {
+        frozenset({"node": "node-a", "reason": "NVMLUnavailable"}.items()): 0}
