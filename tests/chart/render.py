@@ -22,7 +22,8 @@ RELEASE = "kf"
 # The chart's floor (Chart.yaml kubeVersion) and the newest schemas kubernetes-validate ships.
 KUBE_VERSIONS = ("1.30.0", "1.35.0")
 # Kinds the official OpenAPI schemas do not have (CRDs): kubernetes-validate only warns on them.
-CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("scheduling.run.ai/v2", "Queue")}
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("scheduling.run.ai/v2", "Queue"),
+                ("gpu-fractioning.kai.scheduler/v1alpha1", "GpuFractioningConfig")}
 
 
 class HelmError(AssertionError):

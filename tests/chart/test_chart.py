@@ -27,13 +27,16 @@ from .render import (
 )
 
 VALUES = (None, *CI_VALUES)
+PATCHED_KAI_NAMESPACE = "kai-system"
 SM_SHARING = CHART / "ci" / "sm-sharing-values.yaml"
 TIME_SLICING = CHART / "ci" / "time-slicing-only-values.yaml"
 DISABLED = CHART / "ci" / "disabled-values.yaml"
 PROVIDED_TLS = CHART / "ci" / "provided-tls-values.yaml"
 WATCHDOG_KILL = CHART / "ci" / "watchdog-kill-values.yaml"
 # One extra render for the tests that need values no documented file sets.
-CUSTOM = ("mirror.reserveMiB=0", "image.repository=registry.example.com/kf", "image.tag=1.2.3")
+CUSTOM = ("image.repository=registry.example.com/kf", "image.tag=1.2.3")
+PATCHED = CHART / "ci" / "patched-kai-values.yaml"
+WRITE_AS_BINDER = "kai-fractions-mirror-write-as-binder"  # the one Role (+ binding) in KAI's ns
 MIRROR, AGENT, ADMISSION = ("kai-fractions-mirror", "kai-fractions-node-agent",
                             "kai-fractions-admission")
 
@@ -41,7 +44,7 @@ MIRROR, AGENT, ADMISSION = ("kai-fractions-mirror", "kai-fractions-node-agent",
 def test_documented_values_files_exist():
     assert {p.name for p in CI_VALUES} >= {
         "sm-sharing-values.yaml", "time-slicing-only-values.yaml", "disabled-values.yaml",
-        "provided-tls-values.yaml", "watchdog-kill-values.yaml"}
+        "provided-tls-values.yaml", "watchdog-kill-values.yaml", "patched-kai-values.yaml"}
     for path in CI_VALUES:  # each says what it is for, first thing
         assert path.read_text().startswith("# "), f"{path.name} has no explaining comment"
 
@@ -60,11 +63,14 @@ def test_helm_lint_strict(values_file: Path | None):
 def test_rendered_manifests_pass_kubernetes_validate_strict(values_file: Path | None):
     docs = render(values_file)
     assert kube_validate(docs, values_id(values_file)) == []
-    for doc in docs:  # everything namespaced lands in the release namespace
+    for doc in docs:  # everything namespaced lands in the release namespace...
         if doc["kind"] not in {"ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
-                               "ValidatingAdmissionPolicyBinding",
+                               "ValidatingAdmissionPolicyBinding", "GpuFractioningConfig",
                                "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"}:
-            assert doc["metadata"]["namespace"] == NAMESPACE, doc["metadata"]["name"]
+            # ...but the right to impersonate KAI's binder, which lives where the binder does
+            expected = (PATCHED_KAI_NAMESPACE if values_file == PATCHED else "kai-scheduler") \
+                if doc["metadata"]["name"] == WRITE_AS_BINDER else NAMESPACE
+            assert doc["metadata"]["namespace"] == expected, doc["metadata"]["name"]
 
 
 def test_default_values_render_every_component():
@@ -74,6 +80,9 @@ def test_default_values_render_every_component():
         ("ServiceAccount", MIRROR), ("ServiceAccount", AGENT), ("ServiceAccount", ADMISSION),
         ("ClusterRole", MIRROR), ("ClusterRoleBinding", MIRROR),
         ("Role", f"{MIRROR}-signing-key"), ("RoleBinding", f"{MIRROR}-signing-key"),
+        ("Role", f"{MIRROR}-node-agent-status"), ("RoleBinding", f"{MIRROR}-node-agent-status"),
+        ("Role", WRITE_AS_BINDER), ("RoleBinding", WRITE_AS_BINDER),
+        ("GpuFractioningConfig", "default"),
         ("ClusterRole", AGENT), ("ClusterRoleBinding", AGENT),
         ("ValidatingAdmissionPolicy", f"{AGENT}-own-node"),
         ("ValidatingAdmissionPolicyBinding", f"{AGENT}-own-node"),
@@ -135,8 +144,12 @@ def test_mirror_deployment_defaults():
                                     "capabilities": {"drop": ["ALL"]}}
     assert c["args"] == [
         "mirror", "--listen=0.0.0.0:50051", "--annotation-prefix=nvidia.com/container.",
-        "--reserve-mib=0", "--follow-bindrequests", "--scheduler-name=kai-scheduler",
+        "--kai-dialect=upstream", "--reserve-mib=0",
+        "--write-as=system:serviceaccount:kai-scheduler:binder",
+        "--follow-bindrequests", "--scheduler-name=kai-scheduler",
         "--tls-cert=/etc/kai-fractions/tls/tls.crt", "--tls-key=/etc/kai-fractions/tls/tls.key",
+        "--report-gpu-fractioning-config",
+        "--node-agent-daemonset=kai-fractions/kai-fractions-node-agent", "--report-interval=10",
         "--signing-key-file=/etc/kai-fractions/signing", "--log-level=info"]
     tls = next(v for v in pod["volumes"] if v["name"] == "tls")
     assert tls["secret"]["secretName"] == f"{MIRROR}-tls"
@@ -154,16 +167,40 @@ def test_mirror_deployment_defaults():
             "matchLabels": {"kubernetes.io/metadata.name": "kai-scheduler"}}}]}]
 
 
-def test_mirror_reserve_follows_sm_sharing_unless_set():
-    def reserve(docs):
-        return next(a for a in _args(one(docs, "Deployment", MIRROR), "mirror")
-                    if a.startswith("--reserve-mib="))
-    assert reserve(render()) == "--reserve-mib=0"
-    assert reserve(render(TIME_SLICING)) == "--reserve-mib=0"
-    assert reserve(render(SM_SHARING)) == "--reserve-mib=1024"
-    assert reserve(render(WATCHDOG_KILL)) == "--reserve-mib=2048"
-    # an explicit 0 stays 0 even with MPS on (not mistaken for "unset")
-    assert reserve(render(SM_SHARING, CUSTOM)) == "--reserve-mib=0"
+def test_mirror_dialect_and_reserve():
+    def dialect_and_reserve(docs):
+        return [a for a in _args(one(docs, "Deployment", MIRROR), "mirror")
+                if a.startswith(("--kai-dialect=", "--reserve-mib="))]
+    # upstream KAI subtracts nothing, with MPS or without: no reserve by default anywhere
+    for values_file in (None, TIME_SLICING, SM_SHARING, WATCHDOG_KILL):
+        assert dialect_and_reserve(render(values_file)) == [
+            "--kai-dialect=upstream", "--reserve-mib=0"], values_id(values_file)
+    # the patched binder's reserve is an explicit setting
+    assert dialect_and_reserve(render(PATCHED)) == ["--kai-dialect=patched", "--reserve-mib=1024"]
+
+
+def test_schema_rejects_a_reserve_with_the_upstream_dialect():
+    err = template_error("mirror.reserveMiB=1024")
+    assert "values don't meet the specifications of the schema" in err
+    assert "/mirror/reserveMiB" in err and "value must be 0" in err
+    err = template_error("kaiScheduler.dialect=patched", "mirror.reserveMiB=-1")
+    assert "/mirror/reserveMiB" in err
+    err = template_error("kaiScheduler.dialect=Upstream")
+    assert "/kaiScheduler/dialect" in err and "'upstream', 'patched'" in err
+
+
+def test_mirror_writes_as_kai_binder_unless_told_not_to():
+    def write_as(docs):
+        return [a for a in _args(one(docs, "Deployment", MIRROR), "mirror")
+                if a.startswith("--write-as")]
+    assert write_as(render()) == ["--write-as=system:serviceaccount:kai-scheduler:binder"]
+    assert write_as(render(PATCHED)) == ["--write-as=system:serviceaccount:kai-system:binder"]
+    assert write_as(render(sets=("kaiScheduler.binderServiceAccount=kai-binder",))) == [
+        "--write-as=system:serviceaccount:kai-scheduler:kai-binder"]
+    docs = render(sets=("mirror.writeAsBinder=false",))
+    assert write_as(docs) == []
+    assert not find(docs, "Role", WRITE_AS_BINDER)
+    assert not find(docs, "RoleBinding", WRITE_AS_BINDER)
 
 
 def test_mirror_pod_cache_follows_the_scheduler_name_or_is_off():
@@ -406,8 +443,14 @@ def _notes(*args: str) -> str:
 
 def test_notes_tell_how_to_check_it_works():
     notes = _notes()
-    assert "global.gpuSharingMode=NvFractions" in notes
-    assert "global.nvFractions.set=true" in notes
+    assert "--set global.gpuSharingMode=NvFractions" in notes
+    # never the switch that installs the upstream gpu-fractioning operator as well
+    assert "global.nvFractions.set=true" not in notes
+    assert "Do not set KAI's global.nvFractions.set" in notes
+    assert "KAI dialect: upstream (KAI main: no compute portion, no reserve)" in notes
+    assert "impersonate KAI's binder, system:serviceaccount:kai-scheduler:binder" in notes
+    assert "kubectl get gpufractioningconfigs default" in notes
+    assert ('[?(@.type=="DependenciesFulfilled")]}{.status}: {.message}' in notes)
     assert ('.status.conditions[?(@.type=="gpu-fractioning.nvidia.com/Ready")].status'
             in notes)
     assert "kubectl get nodes -l nvidia.com/gpu.present=true" in notes

@@ -1,6 +1,7 @@
 """Least privilege, read from the rendered RBAC: each component's service account gets exactly its
 rule set, nothing is a wildcard, and Secrets are reachable only by name (the signing key, by the
-mirror). The admission server has no API access at all."""
+mirror). The one impersonation right (the mirror writing as KAI's binder) names its single
+ServiceAccount. The admission server has no API access at all."""
 
 from __future__ import annotations
 
@@ -23,12 +24,29 @@ def rule(groups, resources, verbs, names=()):
     return ((frozenset(groups), frozenset(resources), frozenset(names)), frozenset(verbs))
 
 
+IMPERSONATE_BINDER = rule([""], ["serviceaccounts"], ["impersonate"], ["binder"])
+REPORTER_RULES = {
+    rule(["gpu-fractioning.kai.scheduler"], ["gpufractioningconfigs"], ["get"], ["default"]),
+    rule(["gpu-fractioning.kai.scheduler"], ["gpufractioningconfigs/status"], ["patch"],
+         ["default"]),
+    rule(["apps"], ["daemonsets"], ["get"], ["kai-fractions-node-agent"]),
+}
+
+
 MIRROR_RULES = {
     rule([""], ["pods"], ["get", "list", "watch", "patch"]),
     rule([""], ["nodes"], ["get"]),
     rule(["scheduling.run.ai"], ["bindrequests"], ["get", "list", "watch"]),
     EVENTS,
     rule([""], ["secrets"], ["get"], ["kai-fractions-signing"]),
+    # the GpuFractioningConfig reporter: the one object KAI's operator reads, its status only
+    # written, and the one DaemonSet whose readiness it reports
+    rule(["gpu-fractioning.kai.scheduler"], ["gpufractioningconfigs"], ["get"], ["default"]),
+    rule(["gpu-fractioning.kai.scheduler"], ["gpufractioningconfigs/status"], ["patch"],
+         ["default"]),
+    rule(["apps"], ["daemonsets"], ["get"], ["kai-fractions-node-agent"]),
+    # writes as KAI's binder (its NvFractions webhook lets only that account write .gpus.devices)
+    IMPERSONATE_BINDER,
 }
 AGENT_RULES = {
     rule([""], ["pods"], ["get", "list", "watch", "patch"]),
@@ -67,9 +85,16 @@ def test_no_wildcards_and_secrets_only_by_name(values_file: Path | None):
             for field in ("apiGroups", "resources", "verbs", "resourceNames"):
                 assert not any("*" in item for item in r.get(field, [])), where
             assert "nonResourceURLs" not in r, where
-            # no escalation paths: nothing that grants or impersonates
-            assert not {"escalate", "bind", "impersonate", "create"} & set(r["verbs"]) or (
+            # no escalation paths: nothing that grants; events are the only thing created;
+            # the only impersonation is of KAI's binder ServiceAccount, by name, in KAI's
+            # namespace (the mirror writes as it: test_kai_identity.py)
+            assert not {"escalate", "bind", "create"} & set(r["verbs"]) or (
                 set(r["resources"]) == {"events"}), where
+            if "impersonate" in r["verbs"]:
+                assert role["kind"] == "Role", where
+                assert role["metadata"]["name"] == "kai-fractions-mirror-write-as-binder", where
+                assert r == {"apiGroups": [""], "resources": ["serviceaccounts"],
+                             "resourceNames": ["binder"], "verbs": ["impersonate"]}, where
             if "secrets" in r["resources"]:
                 assert r["resources"] == ["secrets"] and r["verbs"] == ["get"], where
                 assert r.get("resourceNames") == ["kai-fractions-signing"], where
@@ -85,9 +110,11 @@ def test_each_component_gets_exactly_its_rules():
 
 def test_mirror_rules_shrink_with_its_options():
     docs = render(CHART / "ci" / "watchdog-kill-values.yaml",
-                  ("mirror.followBindRequests=false", "signing.enabled=false"))
+                  ("mirror.followBindRequests=false", "signing.enabled=false",
+                   "gpuFractioningConfig.enabled=false", "mirror.writeAsBinder=false"))
     rules = granted(docs)
-    assert rules[MIRROR] == MIRROR_RULES - {
+    assert rules[MIRROR] == MIRROR_RULES - REPORTER_RULES - {
+        IMPERSONATE_BINDER,
         rule(["scheduling.run.ai"], ["bindrequests"], ["get", "list", "watch"]),
         rule([""], ["secrets"], ["get"], ["kai-fractions-signing"])}
     assert not find(docs, "Secret", "kai-fractions-signing")

@@ -41,13 +41,36 @@ app.kubernetes.io/component: {{ .component }}
 system:serviceaccount:{{ .ctx.Release.Namespace }}:{{ .name }}
 {{- end -}}
 
-{{/* MiB the mirror keeps back per GPU: the value, or 1024 with MPS and 0 without. An explicit 0
-stays 0 (so no `default`, which would treat 0 as unset). */}}
-{{- define "kf.mirror.reserveMiB" -}}
-{{- if kindIs "invalid" .Values.mirror.reserveMiB -}}
-{{- if .Values.smSharing.enabled -}}1024{{- else -}}0{{- end -}}
+{{/* KAI's binder as the API server names it: the username KAI's NvFractions admission webhook
+compares with the writer of .gpus.devices (upstream KAI-Scheduler
+pkg/admission/webhook/v1alpha2/nvfractions), and the identity the mirror writes as. */}}
+{{- define "kf.kaiBinderUser" -}}
+system:serviceaccount:{{ .Values.kaiScheduler.namespace }}:{{ .Values.kaiScheduler.binderServiceAccount }}
+{{- end -}}
+
+{{/* The GpuFractioningConfig CRD (crds/) carries this label; a CRD without it belongs to someone
+else (the upstream gpu-fractioning operator). */}}
+{{- define "kf.gfc.crdName" -}}gpufractioningconfigs.gpu-fractioning.kai.scheduler{{- end -}}
+{{- define "kf.gfc.ownerLabel" -}}app.kubernetes.io/part-of{{- end -}}
+
+{{/* What the cluster holds of the GpuFractioningConfig CRD and its `default` object, as YAML
+{crd: OBJ-or-empty, object: OBJ-or-empty}. From `lookup`, or from
+gpuFractioningConfig.simulatedLookup when that is set (tests and dry runs: `helm template` has no
+cluster). The object is looked up only when the CRD exists: a lookup of a kind the API server
+does not serve is an error. */}}
+{{- define "kf.gfc.clusterState" -}}
+{{- $sim := .Values.gpuFractioningConfig.simulatedLookup | default dict -}}
+{{- if $sim -}}
+crd: {{ $sim.crd | default dict | toJson }}
+object: {{ $sim.object | default dict | toJson }}
 {{- else -}}
-{{- .Values.mirror.reserveMiB | int -}}
+{{- $crd := lookup "apiextensions.k8s.io/v1" "CustomResourceDefinition" "" (include "kf.gfc.crdName" .) | default dict -}}
+{{- $object := dict -}}
+{{- if $crd -}}
+{{- $object = lookup "gpu-fractioning.kai.scheduler/v1alpha1" "GpuFractioningConfig" "" "default" | default dict -}}
+{{- end -}}
+crd: {{ $crd | toJson }}
+object: {{ $object | toJson }}
 {{- end -}}
 {{- end -}}
 
@@ -135,7 +158,7 @@ clientKey: {{ $clientCert.Key | b64enc }}
 {{/* Who may create, change or remove binder-owned and derived keys: KAI's binder, the mirror
 (gRPC mode), the node agent (derived keys when following an unmodified KAI), and any extras. */}}
 {{- define "kf.allowedIdentities" -}}
-{{- $ids := list (printf "system:serviceaccount:%s:%s" .Values.kaiScheduler.namespace .Values.kaiScheduler.binderServiceAccount) -}}
+{{- $ids := list (include "kf.kaiBinderUser" .) -}}
 {{- if .Values.mirror.enabled -}}
 {{- $ids = append $ids (include "kf.serviceAccountUser" (dict "ctx" . "name" (include "kf.mirror.name" .))) -}}
 {{- end -}}
