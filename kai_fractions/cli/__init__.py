@@ -60,12 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    parser.set_defaults(_commands=sub.choices)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # A flag the command does not know: that command's usage, not the top-level one.
+        command = getattr(args, "_commands", {}).get(getattr(args, "command", None), parser)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE

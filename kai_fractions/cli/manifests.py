@@ -1,9 +1,17 @@
-"""Reading YAML manifests for the CLI: files, directories, or `-` for stdin."""
+"""Reading YAML manifests for the CLI: files, directories, or `-` for stdin.
+
+Every pod (or pod template) comes with where it was found, `file:line` (the line its YAML
+document starts on), so an error points at it. A YAML syntax error names the file, line and
+column. A file given by name (`-f FILE`) with no Pod or workload with a pod template in it is
+worth a warning; a file found in a directory is simply skipped (directories hold other objects
+too); no pod-bearing object at all is a usage error (`NothingToCheck`).
+"""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,46 +24,128 @@ class InputError(Exception):
     """Unreadable input: the message names the file and what is wrong (exit code 2)."""
 
 
-def _files(path: str) -> list[Path]:
+class NothingToCheck(InputError):
+    """The input holds no Pod and no workload with a pod template (exit code 2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    view: PodView
+    file: str
+    line: int
+    """1-based: where the object's YAML document starts."""
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclass
+class Manifests:
+    views: list[Located] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """A file named on the command line that holds nothing to check, one line each."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    name: str
+    text: str
+    named: bool
+    """Given by name (or stdin), not found by walking a directory."""
+
+
+def _files(path: str) -> list[tuple[Path, bool]]:
     p = Path(path)
     if p.is_dir():
-        return sorted(f for f in p.rglob("*") if f.suffix in (".yaml", ".yml") and f.is_file())
+        return [(f, False) for f in sorted(p.rglob("*"))
+                if f.suffix in (".yaml", ".yml") and f.is_file()]
     if not p.exists():
         raise InputError(f"{path}: no such file or directory")
-    return [p]
+    return [(p, True)]
+
+
+def _sources(paths: list[str]) -> Iterator[_Source]:
+    for path in paths:
+        if path == "-":
+            yield _Source("<stdin>", sys.stdin.read(), True)
+            continue
+        for f, named in _files(path):
+            try:
+                yield _Source(str(f), f.read_text(), named)
+            except (OSError, UnicodeDecodeError) as e:
+                raise InputError(f"{f}: cannot read: {e}") from None
+
+
+def _yaml_error(name: str, e: yaml.YAMLError) -> InputError:
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f"{name}:{mark.line + 1}:{mark.column + 1}" if mark is not None else name
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    context, context_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context and context_mark is not None:
+        problem += f" ({context} from line {context_mark.line + 1})"
+    return InputError(f"{where}: not valid YAML: {problem}")
+
+
+def _documents(source: _Source) -> Iterator[tuple[int, Any]]:
+    """(start line, document) of each non-empty document."""
+    loader = yaml.SafeLoader(source.text)
+    try:
+        while loader.check_node():
+            node = loader.get_node()
+            if node is None:
+                continue
+            doc = loader.construct_document(node)
+            if doc is None:
+                continue
+            if not isinstance(doc, dict):
+                raise InputError(f"{source.name}:{node.start_mark.line + 1}: a document is not "
+                                 "a Kubernetes object (a mapping)")
+            yield node.start_mark.line + 1, doc
+    except yaml.YAMLError as e:
+        raise _yaml_error(source.name, e) from None
+    finally:
+        loader.dispose()
 
 
 def load_documents(paths: list[str]) -> Iterator[tuple[str, Any]]:
-    """(source, document) for every non-empty YAML document; raises InputError."""
-    for path in paths:
-        if path == "-":
-            sources = [("<stdin>", sys.stdin.read())]
-        else:
-            sources = []
-            for f in _files(path):
-                try:
-                    sources.append((str(f), f.read_text()))
-                except (OSError, UnicodeDecodeError) as e:
-                    raise InputError(f"{f}: cannot read: {e}") from None
-        for name, text in sources:
+    """(`file:line`, document) for every non-empty YAML document; raises InputError."""
+    for source in _sources(paths):
+        for line, doc in _documents(source):
+            yield f"{source.name}:{line}", doc
+
+
+def load_manifests(paths: list[str]) -> Manifests:
+    """Every pod and pod template in the files, located; raises InputError for a malformed
+    object or unreadable input, NothingToCheck when none is found anywhere."""
+    out = Manifests()
+    kinds: set[str] = set()
+    for source in _sources(paths):
+        found, here = 0, set()
+        for line, doc in _documents(source):
+            kind = str(doc.get("kind") or "object")
+            here.add(kind)
             try:
-                docs = list(yaml.safe_load_all(text))
-            except yaml.YAMLError as e:
-                raise InputError(f"{name}: not valid YAML: {e}".splitlines()[0]) from None
-            for doc in docs:
-                if doc is None:
-                    continue
-                if not isinstance(doc, dict):
-                    raise InputError(f"{name}: a document is not a Kubernetes object (a mapping)")
-                yield name, doc
+                views = list(pod_views(doc))
+            except ManifestError as e:
+                raise InputError(f"{source.name}:{line}: {kind}: {e}") from None
+            out.views += [Located(v, source.name, line) for v in views]
+            found += len(views)
+        kinds |= here
+        if not found and source.named:
+            out.warnings.append(f"{source.name}: no Pod or workload with a pod template "
+                                f"({_kinds(here)}): nothing in it to check")
+    if not out.views:
+        verb = "holds" if len(paths) == 1 else "hold"
+        raise NothingToCheck(f"nothing to check: {', '.join(paths)} {verb} no Pod or workload "
+                             f"with a pod template ({_kinds(kinds)})")
+    return out
+
+
+def _kinds(kinds: set[str]) -> str:
+    return "found: " + ", ".join(sorted(kinds)) if kinds else "no objects"
 
 
 def load_pod_views(paths: list[str]) -> list[PodView]:
-    """Every pod and pod template in the files; raises InputError for a malformed object."""
-    views: list[PodView] = []
-    for name, doc in load_documents(paths):
-        try:
-            views.extend(pod_views(doc))
-        except ManifestError as e:
-            raise InputError(f"{name}: {doc.get('kind') or 'object'}: {e}") from None
-    return views
+    """The views of `load_manifests`, without where they came from."""
+    return [located.view for located in load_manifests(paths).views]

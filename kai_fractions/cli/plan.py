@@ -11,8 +11,11 @@ from fractions import Fraction
 from types import MappingProxyType
 
 from ..contract import (
+    DEFAULT_DIALECT,
+    DIALECTS,
     BindDecision,
     ContractViolation,
+    Dialect,
     NumberError,
     binder_annotations,
     derived_annotations,
@@ -20,8 +23,35 @@ from ..contract import (
     parse_pod,
     plan_pod,
 )
-from .manifests import InputError, load_pod_views
+from ..contract.dialect import check_reserve
+from .manifests import InputError, load_manifests
 from .validate import add_common, keys_from, line
+
+# The scheduler's decision comes from these flags: its errors name the flag, not the field.
+_FLAGS = {
+    "node_gpu_memory_mib": "--node-gpu-memory",
+    "reserved_gpu_ids": "--devices",
+    "received_gpu.portion": "--portion",
+    "reserve_mib": "--reserve",
+    "cdi": "--cdi",
+}
+
+
+def _flag(key: str) -> str | None:
+    """`reserved_gpu_ids[1]` -> `--devices (item 2)`; None for a key of the pod's own."""
+    base, _, index = key.partition("[")
+    flag = _FLAGS.get(base)
+    if flag is None or not index:
+        return flag
+    return f"{flag} (item {int(index.rstrip(']')) + 1})"
+
+
+def error_line(where: str, ref: str, error) -> str:
+    flag = _flag(error.key)
+    if flag is None:
+        return line(where, ref, error.container, error)
+    return f"{where}: {ref}: {flag}: {error.rule}" + (
+        f" (got {error.value!r})" if error.value is not None else "")
 
 
 def register(sub) -> None:
@@ -29,8 +59,9 @@ def register(sub) -> None:
         "plan", help="show the annotations the mirror would write and the node plan",
         description="Play the binder for each pod in FILE: compute the annotations KAI's binder "
         "(and the kai_fractions mirror) would write for the given node and devices, then the "
-        "node-side plan per container (env, memory limits, compute mode). Exit codes as "
-        "`validate`.",
+        "node-side plan per container (env, memory limits, compute mode). Errors name the "
+        "flag (--devices, --portion, ...) or the pod's file:line, object, container and key. "
+        "Exit codes as `validate`.",
     )
     add_common(p)
     p.add_argument("--node-gpu-memory", type=int, required=True, metavar="MIB",
@@ -40,13 +71,23 @@ def register(sub) -> None:
     p.add_argument("--portion", metavar="P",
                    help="the portion the scheduler gave (default: from the pod's own request)")
     p.add_argument("--reserve", type=int, default=0, metavar="MIB",
-                   help="GPU memory kept back per GPU, e.g. 1024 for the MPS server "
-                   "(default: %(default)s)")
+                   help="GPU memory kept back per GPU before the portion is taken, e.g. 1024 "
+                   "for the MPS server; patched dialect only (default: %(default)s)")
+    p.add_argument("--dialect", choices=DIALECTS, default=DEFAULT_DIALECT.value,
+                   help="which KAI binder to play: upstream (KAI main: no compute portion key, "
+                   "no reserve) or patched (both) (default: %(default)s)")
     p.add_argument("--cdi", action="store_true", help="write CDI device names")
     p.set_defaults(func=run)
 
 
 def _decision(args: argparse.Namespace) -> BindDecision:
+    if args.node_gpu_memory <= 0:
+        raise InputError(f"--node-gpu-memory: must be the GPU memory in MiB, greater than 0, "
+                         f"got {args.node_gpu_memory}")
+    dialect = Dialect(args.dialect)
+    why = check_reserve(dialect, args.reserve)
+    if why is not None:
+        raise InputError(f"--reserve: {why}")
     portion: Fraction | None = None
     if args.portion is not None:
         try:
@@ -59,6 +100,7 @@ def _decision(args: argparse.Namespace) -> BindDecision:
         received_portion=portion,
         reserve_mib=args.reserve,
         cdi=args.cdi,
+        dialect=dialect,
     )
 
 
@@ -66,12 +108,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         keys = keys_from(args)
         decision = _decision(args)
-        views = load_pod_views(args.filename)
+        loaded = load_manifests(args.filename)
     except InputError as e:
         print(f"kai-fractions plan: {e}", file=sys.stderr)
         return 2
+    for warning in loaded.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     results, failed = [], False
-    for view in views:
+    for located in loaded.views:
+        view = located.view
         request = parse_pod(view, keys)
         if request.share is None and not request.errors:
             continue  # not a fractional pod: nothing to plan
@@ -83,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         except ContractViolation as e:
             failed = True
             for err in e.errors:
-                print(line(view.ref, err.container, err), file=sys.stderr)
+                print(error_line(located.where, view.ref, err), file=sys.stderr)
             continue
         for plan in plans:
             annotations.update(derived_annotations(plan, keys))

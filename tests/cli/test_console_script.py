@@ -18,6 +18,7 @@ def test_console_script_exit_code_and_output() -> None:
     )
     assert result.returncode == 1, result.stderr
     assert result.stdout.splitlines() == [
-        "Job/ml/train/trainer: gpu-fraction: must be a portion of one GPU, 0 < x < 1 (got '50')"]
+        f"{data('invalid-job.yaml')}:1: Job/ml/train/trainer: gpu-fraction: must be a portion "
+        "of one GPU, 0 < x < 1 (got '50')"]
     assert "Traceback" not in result.stderr
     assert "1 of 2 object(s) valid" in result.stderr

@@ -19,9 +19,12 @@ def plan_json(capsys, manifest: str, *extra: str) -> tuple[int, dict | list, str
     return code, (json.loads(out) if out.strip() else {}), err
 
 
+PATCHED = ("--dialect", "patched")
+
+
 def test_json_shape_sm_sharing(capsys) -> None:
     code, doc, _ = plan_json(capsys, "valid-pod.yaml", "--node-gpu-memory", "2000",
-                             "--devices", GPU_A, "--portion", "0.5")
+                             "--devices", GPU_A, "--portion", "0.5", *PATCHED)
     assert code == 0
     assert isinstance(doc, dict)
     assert set(doc) >= {"annotations", "containers"}
@@ -55,9 +58,21 @@ def test_json_shape_sm_sharing(capsys) -> None:
     assert annotations["kai-fractions.io/container.main.plan-digest"].startswith("sha256:")
 
 
+def test_upstream_kai_writes_no_compute_portion(capsys) -> None:
+    code, doc, _ = plan_json(capsys, "valid-pod.yaml", "--node-gpu-memory", "2000",
+                             "--devices", GPU_A, "--portion", "0.5")
+    assert code == 0
+    assert isinstance(doc, dict)
+    assert "nvidia.com/container.main.gpu-compute.portion" not in doc["annotations"]
+    assert doc["annotations"]["nvidia.com/container.main.gpu-memory.request"] == "1000Mi"
+    assert doc["containers"]["main"]["compute"] == {"mode": "sm-sharing",
+                                                    "active_thread_percentage": 100}
+
+
 def test_reserve_1024_gives_488mi(capsys) -> None:
     code, doc, _ = plan_json(capsys, "valid-pod.yaml", "--node-gpu-memory", "2000",
-                             "--devices", GPU_A, "--portion", "0.5", "--reserve", "1024")
+                             "--devices", GPU_A, "--portion", "0.5", "--reserve", "1024",
+                             *PATCHED)
     assert code == 0
     assert isinstance(doc, dict)
     assert doc["annotations"]["nvidia.com/container.main.gpu-memory.request"] == "488Mi"
@@ -66,7 +81,8 @@ def test_reserve_1024_gives_488mi(capsys) -> None:
 
 def test_a100_40gb(capsys) -> None:
     code, doc, _ = plan_json(capsys, "valid-pod.yaml", "--node-gpu-memory", "40960",
-                             "--devices", GPU_A, "--portion", "0.5", "--reserve", "1024")
+                             "--devices", GPU_A, "--portion", "0.5", "--reserve", "1024",
+                             *PATCHED)
     assert code == 0
     assert isinstance(doc, dict)
     assert doc["annotations"]["nvidia.com/container.main.gpu-memory.request"] == "19968Mi"
@@ -74,7 +90,7 @@ def test_a100_40gb(capsys) -> None:
 
 def test_portion_defaults_to_the_pods_own_fraction(capsys) -> None:
     code, doc, _ = plan_json(capsys, "valid-pod.yaml", "--node-gpu-memory", "2000",
-                             "--devices", GPU_A)
+                             "--devices", GPU_A, *PATCHED)
     assert code == 0
     assert isinstance(doc, dict)
     assert doc["annotations"]["nvidia.com/container.main.gpu-memory.request"] == "1000Mi"
@@ -83,7 +99,7 @@ def test_portion_defaults_to_the_pods_own_fraction(capsys) -> None:
 
 def test_portion_limit_key_gives_780mi(capsys) -> None:
     code, doc, err = plan_json(capsys, "portion-limit.yaml", "--node-gpu-memory", "2000",
-                               "--devices", GPU_A, "--reserve", "1024")
+                               "--devices", GPU_A, "--reserve", "1024", *PATCHED)
     assert code == 0, err
     assert isinstance(doc, dict)
     assert doc["annotations"]["nvidia.com/container.main.gpu-memory.request"] == "488Mi"
@@ -116,7 +132,7 @@ def test_compute_portion_is_never_an_exponent(capsys, tmp_path: Path) -> None:
         "    nvidia.com/container.main.gpu-memory.request: 1Mi\n"
         "spec:\n  containers:\n  - name: main\n")
     code, out, _ = cli(capsys, "plan", "-f", str(manifest), "--node-gpu-memory", "20000",
-                       "--devices", GPU_A, "-o", "json")
+                       "--devices", GPU_A, "-o", "json", *PATCHED)
     assert code == 0
     assert json.loads(out)["annotations"]["nvidia.com/container.main.gpu-compute.portion"] == (
         "0.00005")
@@ -135,12 +151,13 @@ def test_several_fractional_objects_give_a_json_list(capsys) -> None:
     assert infer["containers"]["server"]["memory"] == {"request_bytes": 8192 * MIB,
                                                        "limit_bytes": 10240 * MIB}
     db = by_object["StatefulSet/default/db"]
-    assert db["annotations"]["nvidia.com/container.db.gpu-memory.request"] == "4096Mi"
+    # KAI writes canonical quantities: 4096 MiB is 4Gi.
+    assert db["annotations"]["nvidia.com/container.db.gpu-memory.request"] == "4Gi"
 
 
 def test_text_output(capsys) -> None:
     code, out, _ = cli(capsys, "plan", "-f", data("valid-pod.yaml"), "--node-gpu-memory",
-                       "2000", "--devices", GPU_A, "--portion", "0.5")
+                       "2000", "--devices", GPU_A, "--portion", "0.5", *PATCHED)
     assert code == 0
     lines = out.splitlines()
     assert lines[0] == "team/half:"
@@ -175,35 +192,57 @@ def test_invalid_pod_exits_1(capsys) -> None:
     assert code == 1
     assert out == ""
     assert err.splitlines() == [
-        "Job/ml/train/trainer: gpu-fraction: must be a portion of one GPU, 0 < x < 1 (got '50')"]
+        f"{data('invalid-job.yaml')}:1: Job/ml/train/trainer: gpu-fraction: must be a portion of "
+        "one GPU, 0 < x < 1 (got '50')"]
 
 
 @pytest.mark.parametrize(
-    ("extra", "field"),
+    ("extra", "flag"),
     [
-        (["--node-gpu-memory", "0", "--devices", GPU_A], "node_gpu_memory_mib"),
-        (["--node-gpu-memory", "2000", "--devices", GPU_A, "--reserve", "2000"], "reserve_mib"),
-        (["--node-gpu-memory", "2000", "--devices", GPU_A, "--portion", "1.5"],
-         "received_gpu.portion"),
-        (["--node-gpu-memory", "2000", "--devices", GPU_A, "--portion", "-0.5"],
-         "received_gpu.portion"),
-        (["--node-gpu-memory", "2000", "--devices", f"{GPU_A},{GPU_B}"], "reserved_gpu_ids"),
-        (["--node-gpu-memory", "2000", "--devices", "gpu0"], "reserved_gpu_ids[0]"),
+        (["--reserve", "2000", *PATCHED], "--reserve"),
+        (["--portion", "1.5"], "--portion"),
+        (["--portion", "-0.5"], "--portion"),
+        (["--devices", f"{GPU_A},{GPU_B}"], "--devices"),
+        (["--devices", f"{GPU_A},gpu1"], "--devices"),  # two for one: the count first
+        (["--devices", "gpu0"], "--devices (item 1)"),
     ],
 )
-def test_bad_decision_exits_1_naming_the_field(capsys, extra: list[str], field: str) -> None:
-    code, out, err = cli(capsys, "plan", "-f", data("valid-pod.yaml"), *extra)
+def test_bad_decision_exits_1_naming_the_flag(capsys, extra: list[str], flag: str) -> None:
+    """The scheduler's decision comes from flags here: errors name the flag and the pod's
+    file:line, not the mirror's field names, and no container (the decision is the pod's)."""
+    argv = ["--node-gpu-memory", "2000", "--devices", GPU_A, *extra]
+    code, out, err = cli(capsys, "plan", "-f", data("valid-pod.yaml"), *argv)
     assert code == 1
     assert out.strip() in ("", "[]")
-    assert any(line.startswith(f"team/half/-: {field}: ") for line in err.splitlines()), err
+    where = f"{data('valid-pod.yaml')}:2: team/half"
+    assert any(line.startswith(f"{where}: {flag}: ") for line in err.splitlines()), err
+    assert "reserved_gpu_ids" not in err and "/-:" not in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--node-gpu-memory", "0"], "--node-gpu-memory: must be the GPU memory in MiB, greater "
+                                     "than 0, got 0"),
+        (["--node-gpu-memory", "2000", "--reserve", "1024"],
+         "--reserve: is 1024 MiB, but upstream KAI main subtracts no reserve: use 0, or the "
+         "patched dialect for a KAI that does"),
+    ],
+)
+def test_bad_decision_flags_exit_2(capsys, extra: list[str], message: str) -> None:
+    code, out, err = cli(capsys, "plan", "-f", data("valid-pod.yaml"), "--devices", GPU_A,
+                         *extra)
+    assert (code, out) == (2, "")
+    assert err == f"kai-fractions plan: {message}\n"
 
 
 def test_request_larger_than_the_gpu_exits_1(capsys) -> None:
     code, _, err = cli(capsys, "plan", "-f", data("workloads.yaml"), "--node-gpu-memory", "4096",
                        "--devices", GPU_A, "--portion", "0.5")
     assert code == 1
-    assert ("Deployment/team/infer/server: nvidia.com/container.server.gpu-memory.request: "
-            "asks for 8192 MiB but a GPU on this node shares only 4096 MiB") in err.splitlines()
+    assert (f"{data('workloads.yaml')}:1: Deployment/team/infer/server: "
+            "nvidia.com/container.server.gpu-memory.request: asks for 8192 MiB but a GPU on "
+            "this node shares only 4096 MiB") in err.splitlines()
 
 
 # -- exit 2: usage and unreadable input -------------------------------------------------------
@@ -237,15 +276,16 @@ def test_bad_portion_flag_exits_2(capsys, portion: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "message"),
-    [("bad-yaml.yaml", "not valid YAML"),
-     ("not-mapping.yaml", "a document is not a Kubernetes object (a mapping)")],
+    [("bad-yaml.yaml", "6:1: not valid YAML: expected ',' or '}', but got '<scalar>' (while "
+                       "parsing a flow mapping from line 5)"),
+     ("not-mapping.yaml", "1: a document is not a Kubernetes object (a mapping)")],
 )
 def test_unreadable_input_exits_2(capsys, name: str, message: str) -> None:
     code, out, err = cli(capsys, "plan", "-f", data(name), "--node-gpu-memory", "2000",
                          "--devices", GPU_A)
     assert code == 2
     assert out == ""
-    assert err.startswith(f"kai-fractions plan: {data(name)}: {message}")
+    assert err == f"kai-fractions plan: {data(name)}:{message}\n"
 
 
 def test_missing_file_exits_2(capsys, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from .helpers import cli, data
 
-INVALID_POD_LINES = [
+INVALID_POD_LINES = [  # after `<file>:<line>: `
     "default/bad/ghost: nvidia.com/container.ghost.gpu-memory.limit: names container 'ghost', "
     "which is not in the pod (containers: main) (got '1Gi')",
     "default/bad/main: nvidia.com/container.main.gpu-memory.request: GPU memory must be greater "
@@ -21,6 +21,13 @@ INVALID_POD_LINES = [
 ]
 INVALID_JOB_LINE = ("Job/ml/train/trainer: gpu-fraction: must be a portion of one GPU, 0 < x < 1 "
                     "(got '50')")
+
+
+def located(out: str, where: str) -> list[str]:
+    """The lines of `out`, each checked to start with `where: ` and returned without it."""
+    lines = out.splitlines()
+    assert all(line.startswith(f"{where}: ") for line in lines), lines
+    return [line[len(where) + 2:] for line in lines]
 
 
 def test_valid_pod_exits_0(capsys) -> None:
@@ -45,21 +52,23 @@ def test_whole_gpu_pod_is_valid(capsys) -> None:
 def test_invalid_pod_exits_1_with_every_error_on_its_own_line(capsys) -> None:
     code, out, err = cli(capsys, "validate", "-f", data("invalid-pod.yaml"))
     assert code == 1
-    assert sorted(out.splitlines()) == sorted(INVALID_POD_LINES)
+    assert sorted(located(out, data("invalid-pod.yaml") + ":2")) == sorted(INVALID_POD_LINES)
     assert "0 of 1 object(s) valid" in err
 
 
 def test_workload_errors_name_the_workload(capsys) -> None:
     code, out, _ = cli(capsys, "validate", "-f", data("invalid-job.yaml"))
     assert code == 1
-    assert out.splitlines() == [INVALID_JOB_LINE]
+    assert located(out, data("invalid-job.yaml") + ":1") == [INVALID_JOB_LINE]
 
 
 def test_error_line_shape(capsys) -> None:
     _, out, _ = cli(capsys, "validate", "-f", data("invalid-pod.yaml"), "-f",
                     data("invalid-job.yaml"))
     for line in out.splitlines():
-        obj_container, key, rule = line.split(": ", 2)
+        where, obj_container, key, rule = line.split(": ", 3)
+        file, _, number = where.rpartition(":")
+        assert Path(file).is_file() and int(number) >= 1
         assert obj_container.count("/") >= 2
         assert key and " " not in key
         assert rule
@@ -69,7 +78,7 @@ def test_repeated_files_and_one_invalid_exits_1(capsys) -> None:
     code, out, err = cli(capsys, "validate", "-f", data("valid-pod.yaml"), "-f",
                          data("invalid-job.yaml"))
     assert code == 1
-    assert out.splitlines() == [INVALID_JOB_LINE]
+    assert located(out, data("invalid-job.yaml") + ":1") == [INVALID_JOB_LINE]
     assert "1 of 2 object(s) valid" in err
 
 
@@ -77,7 +86,7 @@ def test_directory_reads_yaml_and_yml_recursively(capsys) -> None:
     # dir/a.yaml is valid, dir/nested/b.yml is not, dir/notes.txt is not YAML and is skipped.
     code, out, err = cli(capsys, "validate", "-f", data("dir"))
     assert code == 1
-    assert out.splitlines() == [INVALID_JOB_LINE]
+    assert located(out, data("dir/nested/b.yml") + ":1") == [INVALID_JOB_LINE]
     assert "1 of 2 object(s) valid" in err
 
 
@@ -87,7 +96,7 @@ def test_stdin(capsys, monkeypatch) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO(text))
     code, out, err = cli(capsys, "validate", "-f", "-")
     assert code == 1
-    assert out.splitlines() == [INVALID_JOB_LINE]
+    assert located(out, "<stdin>:1") == [INVALID_JOB_LINE]
     assert "1 of 2 object(s) valid" in err
 
 
@@ -100,15 +109,16 @@ def test_stdin_valid(capsys, monkeypatch) -> None:
 def test_json_output_valid(capsys) -> None:
     code, out, _ = cli(capsys, "validate", "-f", data("workloads.yaml"), "--output", "json")
     assert code == 0
+    where = data("workloads.yaml")
     assert json.loads(out) == {
         "valid": True,
         "objects": [
-            {"object": "Deployment/team/infer", "fractional_containers": ["server"],
-             "errors": [], "warnings": []},
-            {"object": "StatefulSet/default/db", "fractional_containers": ["db"],
-             "errors": [], "warnings": []},
-            {"object": "CronJob/team/nightly", "fractional_containers": ["train"],
-             "errors": [], "warnings": []},
+            {"object": "Deployment/team/infer", "file": where, "line": 1,
+             "fractional_containers": ["server"], "errors": [], "warnings": []},
+            {"object": "StatefulSet/default/db", "file": where, "line": 20,
+             "fractional_containers": ["db"], "errors": [], "warnings": []},
+            {"object": "CronJob/team/nightly", "file": where, "line": 37,
+             "fractional_containers": ["train"], "errors": [], "warnings": []},
         ],
     }
 
@@ -148,7 +158,8 @@ def test_custom_annotation_prefix(capsys, tmp_path: Path) -> None:
     code, out, _ = cli(capsys, "validate", "-f", str(manifest),
                        "--annotation-prefix", "gpu.example.com/c.")
     assert code == 1
-    assert out.startswith("default/p/main: gpu.example.com/c.main.gpu-memory.request: ")
+    assert out.startswith(f"{manifest}:1: default/p/main: "
+                          "gpu.example.com/c.main.gpu-memory.request: ")
     code, _, _ = cli(capsys, "validate", "-f", str(manifest))
     assert code == 0
 
@@ -164,19 +175,20 @@ def test_missing_file(capsys, tmp_path: Path) -> None:
     assert err.strip() == f"kai-fractions validate: {missing}: no such file or directory"
 
 
-def test_invalid_yaml(capsys) -> None:
+def test_invalid_yaml_names_the_file_line_and_column(capsys) -> None:
     code, out, err = cli(capsys, "validate", "-f", data("bad-yaml.yaml"))
     assert code == 2
     assert out == ""
-    assert err.startswith(f"kai-fractions validate: {data('bad-yaml.yaml')}: not valid YAML")
-    assert len(err.strip().splitlines()) == 1
+    assert err == (f"kai-fractions validate: {data('bad-yaml.yaml')}:6:1: not valid YAML: "
+                   "expected ',' or '}', but got '<scalar>' (while parsing a flow mapping from "
+                   "line 5)\n")
 
 
 def test_non_mapping_document(capsys) -> None:
     code, _, err = cli(capsys, "validate", "-f", data("not-mapping.yaml"))
     assert code == 2
-    assert err.strip() == (f"kai-fractions validate: {data('not-mapping.yaml')}: a document is "
-                           "not a Kubernetes object (a mapping)")
+    assert err.strip() == (f"kai-fractions validate: {data('not-mapping.yaml')}:1: a document "
+                           "is not a Kubernetes object (a mapping)")
 
 
 def test_scalar_document(capsys, monkeypatch) -> None:
@@ -194,12 +206,46 @@ def test_binary_file(capsys, tmp_path: Path) -> None:
     assert str(blob) in err
 
 
-def test_empty_file_is_valid(capsys, tmp_path: Path) -> None:
+def test_nothing_to_check_is_a_usage_error(capsys, tmp_path: Path) -> None:
     empty = tmp_path / "empty.yaml"
     empty.write_text("---\n")
-    code, _, err = cli(capsys, "validate", "-f", str(empty))
-    assert code == 0
-    assert "0 of 0 object(s) valid" in err
+    queue = tmp_path / "queue.yaml"
+    queue.write_text("apiVersion: scheduling.run.ai/v2\nkind: Queue\nmetadata: {name: q}\n")
+    code, out, err = cli(capsys, "validate", "-f", str(empty))
+    assert (code, out) == (2, "")
+    assert err == (f"kai-fractions validate: nothing to check: {empty} holds no Pod or workload "
+                   "with a pod template (no objects)\n")
+    code, out, err = cli(capsys, "validate", "-f", str(queue), "-f", str(empty))
+    assert (code, out) == (2, "")
+    assert err.endswith(f"nothing to check: {queue}, {empty} hold no Pod or workload with a "
+                        "pod template (found: Queue)\n")
+
+
+def test_a_named_file_with_nothing_to_check_is_a_warning(capsys, tmp_path: Path) -> None:
+    queue = tmp_path / "queue.yaml"
+    queue.write_text("kind: Queue\nmetadata: {name: q}\n")
+    code, out, err = cli(capsys, "validate", "-f", str(queue), "-f", data("valid-pod.yaml"))
+    assert (code, out) == (0, "")
+    assert err.splitlines() == [
+        f"warning: {queue}: no Pod or workload with a pod template (found: Queue): nothing in "
+        "it to check",
+        "1 of 1 object(s) valid"]
+    # Found in a directory, it is skipped quietly: directories hold other objects too.
+    (tmp_path / "pod.yaml").write_text(Path(data("valid-pod.yaml")).read_text())
+    code, _, err = cli(capsys, "validate", "-f", str(tmp_path))
+    assert (code, err) == (0, "1 of 1 object(s) valid\n")
+
+
+def test_a_wrong_flag_shows_the_commands_usage(capsys) -> None:
+    code, out, err = cli(capsys, "validate", "-f", "x.yaml", "--bogus")
+    assert (code, out) == (2, "")
+    assert err.startswith("usage: kai-fractions validate ")
+    assert err.endswith("kai-fractions validate: error: unrecognized arguments: --bogus\n")
+    code, _, err = cli(capsys, "plan", "--nope", "-f", "x.yaml", "--node-gpu-memory", "1",
+                       "--devices", "GPU-x")
+    assert code == 2 and err.startswith("usage: kai-fractions plan ")
+    code, _, err = cli(capsys, "--bogus")
+    assert code == 2 and err.startswith("usage: kai-fractions [-h]")
 
 
 @pytest.mark.parametrize(
