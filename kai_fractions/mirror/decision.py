@@ -82,6 +82,7 @@ def resolve_decision(
         error("pod.namespace", "is required")
     if not allocation.pod_name:
         error("pod.name", "is required")
+    _check_bounds(allocation, error)
     kind = allocation.resource_type
     if kind not in (k.RESOURCE_TYPE_FRACTION, k.RESOURCE_TYPE_REGULAR):
         error("received_resource_type", ("must be " if kind else "is required: ")
@@ -143,17 +144,37 @@ def node_to_read(allocation: AllocationInput) -> str:
     return ""
 
 
+# Bounds on what a caller may send: far above any real allocation, low enough that nothing
+# past them is parsed, stored or echoed back in an error (gRPC metadata holds 16 KiB).
+MAX_NAME = 253  # a DNS subdomain: namespaces, pods, nodes, group ids
+MAX_IDS = 64  # GPUs or groups of one allocation (no node has more)
+MAX_ID = 128  # one GPU UUID or group id
+
+
+def _check_bounds(allocation: AllocationInput, error) -> None:
+    for field, value in (("pod.namespace", allocation.namespace),
+                         ("pod.name", allocation.pod_name), ("pod.uid", allocation.pod_uid),
+                         ("selected_node", allocation.selected_node),
+                         ("container_name", allocation.container)):
+        if len(value) > MAX_NAME:
+            error(field, f"must be at most {MAX_NAME} characters (got {len(value)})")
+    for field, ids in (("reserved_gpu_ids", allocation.gpu_ids),
+                       ("selected_fractional_gpu_groups", allocation.group_ids)):
+        if len(ids) > MAX_IDS:
+            error(field, f"must list at most {MAX_IDS} (got {len(ids)})")
+        elif any(len(i) > MAX_ID for i in ids):
+            error(field, f"each item must be at most {MAX_ID} characters")
+    reserve = allocation.reserve_mib
+    if reserve is not None and not 0 <= reserve <= MAX_NODE_GPU_MEMORY_MIB:
+        error("reserve_mib", f"must be between 0 and {MAX_NODE_GPU_MEMORY_MIB}", reserve)
+
+
 def _node_memory(allocation: AllocationInput, node_labels: NodeLabels, error) -> float:
     """The node's label in MiB, read as a number as KAI reads it (strconv.ParseFloat: `40960`
     and `40960.0` alike); 0 when it is missing (the contract then names the problem)."""
     node = node_to_read(allocation)
-    if not node:
-        error("selected_node", "is required to read the node's "
-              f"{k.NODE_GPU_MEMORY_LABEL} label when node_gpu_memory_mib is 0")
-        return 0
-    labels = node_labels(node)
+    labels = _node(allocation, node_labels, error)
     if labels is None:
-        error("selected_node", "names a node that does not exist", node)
         return 0
     raw = labels.get(k.NODE_GPU_MEMORY_LABEL)
     if raw is None:
@@ -168,6 +189,20 @@ def _node_memory(allocation: AllocationInput, node_labels: NodeLabels, error) ->
               f"{MAX_NODE_GPU_MEMORY_MIB})", raw[:40])
         return 0
     return int(mib) if mib.denominator == 1 else float(mib)
+
+
+def _node(allocation: AllocationInput, node_labels: NodeLabels, error
+          ) -> Mapping[str, str] | None:
+    """The selected node's labels; None (and an error) when it is not named or not there."""
+    node = node_to_read(allocation)
+    if not node:
+        error("selected_node", "is required to read the node's "
+              f"{k.NODE_GPU_MEMORY_LABEL} label when node_gpu_memory_mib is 0")
+        return None
+    labels = node_labels(node)
+    if labels is None:
+        error("selected_node", "names a node that does not exist", node)
+    return labels
 
 
 def check_idempotency_key(key: str) -> None:

@@ -13,6 +13,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from ..contract import ContractError
+from ..contract.errors import shown
 from .errors import (
     AllocationConflict,
     ApiRejected,
@@ -44,8 +45,20 @@ def field_path(key: str, prefix: str) -> str:
     return f'pod.metadata.annotations["{key}"]'
 
 
+MAX_VIOLATIONS = 20
+"""Field violations one status carries: with values cut to 80 characters (contract.errors.shown)
+the details stay far below gRPC's metadata limit (16 KiB by default, 8 KiB on some clients)."""
+
+
 def _description(e: ContractError) -> str:
-    return e.rule if e.value is None else f"{e.rule} (got {e.value!r})"
+    return e.rule if e.value is None else f"{e.rule} (got {shown(e.value)})"
+
+
+def _violations(errors: tuple[ContractError, ...], prefix: str) -> list[tuple[str, str]]:
+    out = [(field_path(e.key, prefix), _description(e)) for e in errors[:MAX_VIOLATIONS]]
+    if len(errors) > MAX_VIOLATIONS:
+        out.append(("", f"... and {len(errors) - MAX_VIOLATIONS} more"))
+    return out
 
 
 def _pack(*messages) -> list[any_pb2.Any]:
@@ -62,12 +75,12 @@ def to_status(error: MirrorError, *, field_prefix: str = "allocation.") -> grpc.
     details: list = []
     if isinstance(error, InvalidAllocation):
         code = code_pb2.INVALID_ARGUMENT
+        violations = _violations(error.errors, field_prefix)
         details = _pack(error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(
-                field=field_path(e.key, field_prefix), description=_description(e))
-            for e in error.errors]))
-        message = "; ".join(f"{field_path(e.key, field_prefix)}: {_description(e)}"
-                            for e in error.errors)
+            error_details_pb2.BadRequest.FieldViolation(field=field, description=description)
+            for field, description in violations]))
+        message = "; ".join(f"{field}: {description}" if field else description
+                            for field, description in violations)
     elif isinstance(error, PodReplaced):
         code = code_pb2.NOT_FOUND
         details = _pack(error_details_pb2.ErrorInfo(

@@ -30,8 +30,8 @@ def test_negative_portion(mirror_tcp):
     assert bad_request_fields(error) == [(
         "allocation.received_gpu.portion", "must be greater than 0 "
         "(got '-0.5')")]
-    assert error.details() == ("allocation.received_gpu.portion: must be a portion of one GPU, "
-                               "0 < x <= 1 (got '-0.5')")
+    assert error.details() == ("allocation.received_gpu.portion: must be greater than 0 "
+                               "(got '-0.5')")
 
 
 def test_unparsable_portion(mirror_tcp):

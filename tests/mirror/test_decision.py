@@ -21,14 +21,19 @@ def no_nodes(_node: str):
     raise AssertionError("the node must not be read")
 
 
-def errors_of(allocation: AllocationInput, node_labels=no_nodes, **kw) -> list[tuple]:
+def exists(node: str):
+    """node-1 exists (with no GPU memory label: the allocation gives the memory itself)."""
+    return {} if node == "node-1" else None
+
+
+def errors_of(allocation: AllocationInput, node_labels=exists, **kw) -> list[tuple]:
     with pytest.raises(InvalidAllocation) as e:
         resolve_decision(allocation, node_labels, **kw)
     return [(x.key, x.rule, x.value) for x in e.value.errors]
 
 
 def test_fields_become_a_bind_decision():
-    assert resolve_decision(BASE, no_nodes, default_reserve_mib=1024) == BindDecision(
+    assert resolve_decision(BASE, exists, default_reserve_mib=1024) == BindDecision(
         node_gpu_memory_mib=40960, gpu_ids=("GPU-1111aaaa", "GPU-2222bbbb"),
         received_portion=Fraction(1, 2),
         group_modes=(ComputeMode.SM_SHARING, ComputeMode.TIME_SLICING),
@@ -36,17 +41,17 @@ def test_fields_become_a_bind_decision():
 
 
 def test_the_dialect_is_carried_into_the_decision():
-    assert resolve_decision(BASE, no_nodes).dialect is Dialect.UPSTREAM
-    assert resolve_decision(BASE, no_nodes, dialect=Dialect.PATCHED).dialect is Dialect.PATCHED
+    assert resolve_decision(BASE, exists).dialect is Dialect.UPSTREAM
+    assert resolve_decision(BASE, exists, dialect=Dialect.PATCHED).dialect is Dialect.PATCHED
 
 
 def test_explicit_reserve_wins_over_the_default():
-    decision = resolve_decision(replace(BASE, reserve_mib=0), no_nodes, default_reserve_mib=1024)
+    decision = resolve_decision(replace(BASE, reserve_mib=0), exists, default_reserve_mib=1024)
     assert decision.reserve_mib == 0
 
 
 def test_empty_portion_means_from_the_pod():
-    assert resolve_decision(replace(BASE, portion=""), no_nodes).received_portion is None
+    assert resolve_decision(replace(BASE, portion=""), exists).received_portion is None
 
 
 def test_node_memory_label_is_read_when_zero():
@@ -74,35 +79,46 @@ def test_missing_label_is_left_to_the_contract_which_names_it():
 
 
 @pytest.mark.parametrize(("changes", "labels", "expected"), [
-    ({"portion": "NaN"}, no_nodes, [("received_gpu.portion", "must be a finite decimal number "
+    ({"portion": "NaN"}, exists, [("received_gpu.portion", "must be a finite decimal number "
                                      "such as 0.5 (no NaN, Inf or hex)", "NaN")]),
-    ({"portion": " "}, no_nodes, [("received_gpu.portion", "must be a decimal number, not "
+    ({"portion": " "}, exists, [("received_gpu.portion", "must be a decimal number, not "
                                    "blank", " ")]),
-    ({"gpu_count": 3}, no_nodes, [("received_gpu.count", "is 3 but reserved_gpu_ids lists 2 "
+    ({"gpu_count": 3}, exists, [("received_gpu.count", "is 3 but reserved_gpu_ids lists 2 "
                                    "GPU(s)", "3")]),
-    ({"gpu_count": -1}, no_nodes, [("received_gpu.count", "must not be negative", "-1")]),
-    ({"group_modes": ("sm-sharing",), "gpu_count": 0}, no_nodes, [(
+    ({"gpu_count": -1}, exists, [("received_gpu.count", "must not be negative", "-1")]),
+    ({"group_modes": ("sm-sharing",), "gpu_count": 0}, exists, [(
         "reserved_gpu_ids", "lists 2 GPU(s) for 1 selected group(s): one per group, same order",
         "GPU-1111aaaa,GPU-2222bbbb")]),
-    ({"group_modes": ("mps", "")}, no_nodes, [(
+    ({"group_modes": ("mps", "")}, exists, [(
         "selected_fractional_gpu_groups[0].compute_sharing_mode",
         "must be one of: time-slicing, sm-sharing (empty means time-slicing)", "mps")]),
-    ({"node_gpu_memory_mib": -5}, no_nodes, [(
+    ({"node_gpu_memory_mib": -5}, exists, [(
         "node_gpu_memory_mib", "must not be negative (0 reads the node's nvidia.com/gpu.memory "
         "label)", "-5")]),
-    ({"node_gpu_memory_mib": 0, "selected_node": ""}, no_nodes, [(
+    ({"node_gpu_memory_mib": 0, "selected_node": ""}, exists, [(
         "selected_node", "is required to read the node's nvidia.com/gpu.memory label when "
         "node_gpu_memory_mib is 0", None)]),
+    # Issue 17, finding 9: bounds on what a caller may send, checked before anything else.
+    ({"node_gpu_memory_mib": 2**63 - 1}, exists, [(
+        "node_gpu_memory_mib", "must be at most 1099511627776 MiB", str(2**63 - 1))]),
+    ({"gpu_ids": ("GPU-1",) * 5000, "gpu_count": 0}, exists, [
+        ("reserved_gpu_ids", "must list at most 64 (got 5000)", None),
+        ("reserved_gpu_ids", "lists 5000 GPU(s) for 2 selected group(s): one per group, same "
+         "order", ",".join(["GPU-1"] * 5000))]),
+    ({"selected_node": "n" * 300}, exists, [
+        ("selected_node", "must be at most 253 characters (got 300)", None)]),
+    ({"reserve_mib": -1}, exists, [("reserve_mib", "must be between 0 and 1099511627776",
+                                    "-1")]),
     ({"node_gpu_memory_mib": 0}, lambda n: None, [(
         "selected_node", "names a node that does not exist", "node-1")]),
     ({"node_gpu_memory_mib": 0}, lambda n: {"nvidia.com/gpu.memory": "40GB"}, [(
         "node_gpu_memory_mib", "cannot be read from node node-1: its nvidia.com/gpu.memory "
         "label is not a positive number of MiB (at most 1099511627776)", "40GB")]),
-    ({"resource_type": ""}, no_nodes, [("received_resource_type",
+    ({"resource_type": ""}, exists, [("received_resource_type",
                                          "is required: Fraction or Regular", None)]),
-    ({"resource_type": "7"}, no_nodes, [("received_resource_type",
+    ({"resource_type": "7"}, exists, [("received_resource_type",
                                           "must be Fraction or Regular", "7")]),
-    ({"namespace": "", "pod_name": ""}, no_nodes, [("pod.namespace", "is required", None),
+    ({"namespace": "", "pod_name": ""}, exists, [("pod.namespace", "is required", None),
                                                    ("pod.name", "is required", None)]),
 ])
 def test_request_field_errors(changes, labels, expected):

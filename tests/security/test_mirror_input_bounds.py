@@ -1,0 +1,47 @@
+"""Issue 17, finding 9, through the real gRPC server: a caller's oversized input is refused
+with INVALID_ARGUMENT naming the field, before anything is written; error details always fit
+gRPC's metadata (a 5000-GPU list answered RESOURCE_EXHAUSTED on the caller's side before)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tests.mirror.messages import allocation, bad_request_fields, mirror_request
+
+pytestmark = pytest.mark.integration
+
+NS, NAME = "team-a", "train-0"
+
+
+def refused(mirror, request) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        mirror.stub.MirrorAllocation(request, timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert mirror.patches(NS, NAME) == 0
+    return e.value
+
+
+def test_int64_max_node_memory_is_refused_before_any_write(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    error = refused(mirror_tcp, mirror_request(allocation(pod, memory=2**63 - 1)))
+    assert bad_request_fields(error) == [(
+        "allocation.node_gpu_memory_mib",
+        f"must be at most 1099511627776 MiB (got '{2**63 - 1}')")]
+
+
+def test_5000_gpu_ids_are_refused_with_details_that_fit(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    gpus = tuple(f"GPU-{i:08x}-0000-4000-8000-000000000000" for i in range(5000))
+    error = refused(mirror_tcp, mirror_request(allocation(pod, gpus=gpus, count=0)))
+    fields = bad_request_fields(error)
+    assert fields[0] == ("allocation.reserved_gpu_ids", "must list at most 64 (got 5000)")
+    assert sum(len(f) + len(d) for f, d in fields) < 4096
+    assert len(error.details()) < 4096
+
+
+def test_oversized_names_are_refused(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    error = refused(mirror_tcp, mirror_request(allocation(pod, node="n" * 5000)))
+    assert bad_request_fields(error)[0] == (
+        "allocation.selected_node", "must be at most 253 characters (got 5000)")
