@@ -50,8 +50,10 @@ def test_nothing_keeps_running_after_stop(default_run):
 
 
 def _normalized(text: str) -> str:
-    """Without what changes from run to run: temp paths, ports, pod UIDs, pids."""
+    """Without what changes from run to run: temp paths, ports, pod UIDs (in cgroup paths too),
+    pids."""
     text = re.sub(r"/tmp/kf-demo-\w+", "/tmp/kf-demo-X", text)
+    text = re.sub(r"-pod[0-9a-f_]{36}\.slice", "-podUID.slice", text)
     text = re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", text)
     text = re.sub(r"of pod [0-9a-f-]{36}", "of pod UID", text)
     return re.sub(r"pids? \d+(, \d+)*", "pid N", text)
