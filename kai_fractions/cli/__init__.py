@@ -2,7 +2,8 @@
 
 A command module exposes `register(subparsers)`, which adds its parser and sets `func` to a
 callable taking the parsed args and returning the exit code. Exit codes across commands:
-0 success, 1 a contract error or refused work, 2 usage or unreadable input.
+0 success, 1 the command's own failure (a contract error, a refusal, not found, a failed demo
+step: each command's help says which), 2 usage or unreadable input, 130 interrupted.
 """
 
 from __future__ import annotations

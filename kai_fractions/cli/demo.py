@@ -26,10 +26,13 @@ def register(sub) -> None:
         "(default: demo-node with 2 x H100 80GB, simulated at the NVML seam); create the pods "
         "of examples/, schedule them (PreviewAllocation, MirrorAllocation, bind), run their "
         "gates, and print a table per GPU: request, limit, compute mode, active-thread "
-        "percentage, used memory and state. Then catch one container over its cap (watchdog) "
-        "and show one manifest admission refuses. Progress goes to stderr, the results to "
-        "stdout. Needs the demo extra: pip install 'kai-fractions[demo]'. Exit codes: 0 done, "
-        "1 a step of the demo failed, 2 usage error, bad --config or the extra is missing.",
+        "percentage, used memory, state and the memory tier that holds each cap. Then let one "
+        "container ask for more than its cap (a hard tier refuses it, or the watchdog catches "
+        "it) and show one manifest admission refuses. With --keep, also create a Pending pod "
+        "and print the commands for a first MirrorAllocation on it. Progress goes to stderr, "
+        "the results to stdout. Needs the demo extra: pip install 'kai-fractions[demo]'. Exit "
+        "codes: 0 done (with --keep: stopped by Ctrl-C), 1 a step of the demo failed, 2 usage "
+        "error, bad --config or the extra is missing, 130 interrupted before the end.",
     )
     p.add_argument("--config", metavar="FILE",
                    help="YAML settings of the simulated node: node, gpus (model/count), "
@@ -37,7 +40,8 @@ def register(sub) -> None:
                    "examples (see kai_fractions/demo/config.py)")
     p.add_argument("--keep", action="store_true",
                    help="keep everything running afterwards and print the endpoints (API URL, "
-                   "kubeconfig, mirror address, agent socket, metrics URL) until Ctrl-C")
+                   "kubeconfig, mirror address, agent socket, metrics URL), commands to try and "
+                   "a first MirrorAllocation to paste, until Ctrl-C")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also log the components' own messages (info level) to stderr")
     p.set_defaults(func=run)

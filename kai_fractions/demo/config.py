@@ -4,7 +4,8 @@
     gpus:                      # the simulated GPUs, as kai_fractions.node.nvml_fake reads them
       - model: H100-80GB       # H100-80GB, H200-141GB, A100-40GB, A100-80GB, L4, T4
         count: 2               # (or name + memory: 24Gi)
-    driver_version: 615.00.00  # r615+ has cgroup GPU memory limits; older: watchdog only
+    driver_version: 615.00.00  # r615+ has NVML cgroup memory limits and MPS namespaces; an
+                               # older one has neither (FunctionNotFound), as a real driver
     sm_sharing: true           # the agent's --sm-sharing (MPS); false refuses sm-sharing pods
     memory_enforcement: cgroup,mps-pinned,watchdog
     reserve_mib: 0             # the mirror's --reserve-mib: 0 is upstream KAI main (no reserve);
