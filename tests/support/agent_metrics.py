@@ -1,7 +1,8 @@
 """A live agent's /metrics with every family populated: the REAL agent process (`agent_env`)
-with one applied sm-sharing pod whose process runs over its cap (usage, SM share, one limit
-violation) and one refused pod (a time-slicing newcomer on the sm-sharing GPU), so the scrape
-holds a sample of every metric the agent exports. Used by the metrics and dashboard tests."""
+with one applied sm-sharing pod whose first limit write NVML refuses once (a reconcile error)
+and whose process then runs over its cap (usage, SM share, one limit violation), and one refused
+pod (a time-slicing newcomer on the sm-sharing GPU), so the scrape holds a sample of every
+metric the agent exports. Used by the metrics and dashboard tests."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.support.agent_process import GPU0, H100_MIB, AgentEnv, AgentRun, wait
 GIB = 1 << 30
 CONTAINER_HEX = "5ca1ab1e" + "0" * 56
 PID = 5151
+NVML_ERROR_NO_PERMISSION = 4  # nvmlReturn_t
 
 
 def _binder_keys(mode: str) -> dict[str, str]:
@@ -47,6 +49,7 @@ def populated_scrape(env: AgentEnv) -> tuple[str, dict[str, str], AgentRun]:
     env.nvml.add_gpu(GPU0, memory_mib=H100_MIB)
     env.create_node()
     run = env.start()
+    env.nvml.inject_error("nvmlDeviceSetMemoryLimits_v1", NVML_ERROR_NO_PERMISSION, times=1)
     applied = _pod(env, "applied", "sm-sharing")
     env.make_cgroups(applied, CONTAINER_HEX)
     env.kube.core.patch_namespaced_pod_status(name="applied", namespace="default", body={
@@ -68,7 +71,9 @@ def populated_scrape(env: AgentEnv) -> tuple[str, dict[str, str], AgentRun]:
                 and _value(text, "kai_fractions_container_refused", pod_uuid=refused) == 1
                 and _value(text, "gpu_fractioning_gpu_sm_utilization_percent",
                            pod_uuid=applied) == 10
-                and _value(text, "kai_fractions_node_ready") is not None)
+                and _value(text, "kai_fractions_node_ready") is not None
+                and _value(text, "kai_fractions_reconcile_errors_total",
+                           reason="NVMLNoPermission") is not None)
         return text if done else None
 
     text = wait_for(full, run=run, what="every metric family populated", timeout=20)
