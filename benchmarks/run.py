@@ -17,6 +17,7 @@ BENCHMARKS = {
     "P3": "benchmarks.bench_agent_steady",
     "P4": "benchmarks.bench_contract",
     "L1": "benchmarks.load_mirror",
+    "P6": "benchmarks.bench_pending",
 }
 
 

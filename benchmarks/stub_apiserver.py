@@ -23,8 +23,9 @@ watch cache of pods:
   Pending: nothing runs here; anything else, or a ``labelSelector``: 400):
 
   - a LIST: a ``PodList`` of the matching pods, ``metadata.resourceVersion`` = the counter now
-    (always of now, in one page: ``resourceVersion``, ``limit`` and ``continue`` are ignored,
-    which a real API server may do too);
+    (``resourceVersion`` is ignored: always of now). With ``limit=N``, in pages of N, as a
+    real API server answers a list from etcd: the first page takes a snapshot, and its
+    ``metadata.continue`` token brings the next page of the same snapshot;
   - with ``watch=true`` (``true``, ``True``, ``1``, ...): a WATCH, answered 200 with
     ``Transfer-Encoding: chunked``, one chunk per event, each one JSON line
     ``{"type": ..., "object": <pod>}``. From ``resourceVersion=R``: every change after R, in
@@ -40,6 +41,9 @@ watch cache of pods:
   there yet) from the template, as a real pod exists before anything allocates for it; answers
   ``{"created": n}``. ``--seed NAMESPACE:COUNT`` does the same at start for ``p0`` ..
   ``p<COUNT-1>``.
+* ``POST /expire``: every open watch gets an ``ERROR`` event (410 Expired) and its end, and
+  the history is forgotten, as when a real API server's watch cache moved past a client: each
+  watching client lists again. Answers ``{"expired": n}`` (the watches ended).
 * ``GET /stats``: ``{"requests": N, "pods": M, "watchers": W, "pid": P}`` (API requests so far,
   open watches). Neither /stats nor /seed is counted as a request.
 
@@ -172,6 +176,7 @@ class Cluster:
         self.history: deque[tuple[int, str | None, bytes]] = deque(maxlen=history)
         self.compacted = self.revision  # changes up to here are no longer in the history
         self.watchers: list[_Http] = []
+        self.snapshots: dict[str, tuple[list[dict], int]] = {}  # continue token -> the rest
 
     # -- pods and their events --
 
@@ -242,6 +247,8 @@ class Cluster:
                                  "watchers": len(self.watchers), "pid": os.getpid()})
         if path == "/seed" and method == "POST":  # setting the scene, not an API request
             return self.seed(body)
+        if path == "/expire" and method == "POST":
+            return 200, _encode({"expired": self.expire()})
         self.requests += 1
         if (m := _POD.match(path)) is not None:
             pod, created = self.pod(m.group(1), m.group(2))
@@ -302,11 +309,7 @@ class Cluster:
         if watch not in _TRUE and watch not in _FALSE:
             return _status(400, "BadRequest", f"watch={watch!r} is not a boolean")
         if watch in _FALSE:
-            items = [pod for pod in self.pods.values()
-                     if scheduler is None or _scheduler(pod) == scheduler]
-            return 200, _encode({"apiVersion": "v1", "kind": "PodList",
-                                 "metadata": {"resourceVersion": str(self.revision)},
-                                 "items": items})
+            return self.list_page(scheduler, params)
         try:
             since = int(params.get("resourceVersion") or 0)
             timeout_s = int(params.get("timeoutSeconds") or 0)
@@ -316,6 +319,44 @@ class Cluster:
             return _status(400, "BadRequest", f"resourceVersion {since}: negative")
         return WatchRequest(scheduler, since or None,  # "0" is "any": the same as none here
                             timeout_s if timeout_s > 0 else DEFAULT_WATCH_TIMEOUT_S)
+
+    def list_page(self, scheduler: str | None, params: dict[str, str]) -> tuple[int, bytes]:
+        token = params.get("continue", "")
+        if token:
+            if token not in self.snapshots:
+                return _status(410, "Expired", f"continue token {token!r}: unknown or used")
+            items, revision = self.snapshots.pop(token)
+        else:
+            items = [pod for pod in self.pods.values()
+                     if scheduler is None or _scheduler(pod) == scheduler]
+            revision = self.revision
+        try:
+            limit = int(params.get("limit") or 0)
+        except ValueError as e:
+            return _status(400, "BadRequest", f"limit: {e}")
+        meta: dict[str, Any] = {"resourceVersion": str(revision)}
+        if 0 < limit < len(items):
+            rest = items[limit:]
+            items = items[:limit]
+            meta["continue"] = token = uuid.uuid4().hex
+            self.snapshots[token] = rest, revision
+        # A page is encoded pod by pod: a snapshot's pods may change after it was taken.
+        return 200, b'{"apiVersion":"v1","kind":"PodList","metadata":%s,"items":[%s]}' % (
+            _encode(meta), b",".join(map(_encode, items)))
+
+    def expire(self) -> int:
+        """Ends every watch with 410 Expired and forgets the history (POST /expire)."""
+        self.compacted = self.revision
+        self.history.clear()
+        _, gone = status_response(410, "Expired", "too old resource version: expired")
+        gone["metadata"] = {}
+        ended = list(self.watchers)
+        for http in ended:
+            if http.watch_timer is not None:
+                http.watch_timer.cancel()
+            http.send(_chunk("ERROR", _encode(gone)))
+            http.end_watch()
+        return len(ended)
 
     def start_watch(self, http: _Http, watch: WatchRequest) -> bool:
         """Sends `http` what `watch` missed; False when it ends right there (410)."""
@@ -345,7 +386,7 @@ class Cluster:
 
 
 _REASON = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-           409: "Conflict", 422: "Unprocessable Entity"}
+           409: "Conflict", 410: "Gone", 422: "Unprocessable Entity"}
 
 
 class _Http(asyncio.Protocol):

@@ -30,7 +30,8 @@ class AsyncListWatch:
     def __init__(self, api: AsyncKubeApi, path: str, params: Mapping[str, str], *,
                  what: str, watch_seconds: int = 300, request_timeout: float = 30.0,
                  read_timeout: float | None = None, page_size: int = PAGE_SIZE,
-                 skip: Callable[[bytes], bool] | None = None) -> None:
+                 skip: Callable[[bytes], bool] | None = None,
+                 keep: Callable[[Mapping[str, Any]], Any] | None = None) -> None:
         self.api, self.path, self.params, self.what = api, path, dict(params), what
         self.watch_seconds = watch_seconds
         self.request_timeout = request_timeout
@@ -40,6 +41,9 @@ class AsyncListWatch:
         self.page_size = page_size
         self.skip = skip
         """Called with each raw event line; True drops it unparsed (a cheap filter)."""
+        self.keep = keep
+        """Applied to each listed object as its page arrives: what the list returns instead
+        of the objects (the pod cache's trimmed entries, so no page outlives its decoding)."""
 
     async def list(self) -> tuple[list[Mapping[str, Any]], str]:
         items: list[Mapping[str, Any]] = []
@@ -54,7 +58,8 @@ class AsyncListWatch:
                 raise self._refused(Refusal.of(response.status, response.reason,
                                                response.body))
             body = decoded(f"list {self.what}", response.body) or {}
-            items.extend(body.get("items") or [])
+            page = body.get("items") or []
+            items.extend(page if self.keep is None else map(self.keep, page))
             meta = body.get("metadata") or {}
             # Every page of one list is the same snapshot: the first page's version is its.
             resource_version = resource_version or str(meta.get("resourceVersion") or "")

@@ -10,21 +10,30 @@ The cache only ever saves a read; correctness never rests on it being fresh (Mir
 * a pod the cache lacks, or holds with another uid than the caller names, is read from the API.
 
 Entries keep only what the contract reads (names, uid, resourceVersion, annotations, labels,
-container names and resources, nodeName), about 4 KB per pod as Python objects with a dozen
-annotations, and only for Pending pods (`pod_selector`). They are fed by a list + watch of pods
+container names and resources, nodeName), with equal annotation maps, label maps and container
+lists shared between pods (`_one_of`), and only for Pending pods (`pod_selector`). They are fed by a list + watch of pods
 on the mirror server's event loop (`pod_feed`), by every pod the mirror reads, and by every pod
 a PATCH returns (write-through), newest resourceVersion first. What the list and the watch
-bring is also prepared for an allocation (`prepare`: the mirror parses it as its user wrote it),
-about 2 KB more per pod, while the pod waits for the scheduler.
+bring is also prepared for an allocation (`prepare`: the mirror parses it as its user wrote it)
+while the pod waits for the scheduler, for the first `PREPARED_KEPT` pods held (the head of
+the queue, about 1.5 KB more each); the others are parsed by their first allocation.
+
+A queue of tens of thousands of Pending pods must not stall the loop that serves (P6 in
+benchmarks/): on that loop, the list is trimmed page by page as it arrives (`keep`) and merged
+into the cache in slices of at most `SLICE_SECONDS` of work (`merge_soon`), the calls running
+between them; watch events that arrive meanwhile win over the list.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import re
+import sys
 import threading
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
@@ -48,20 +57,60 @@ def _containers(value: Any) -> Any:
             for c in value]
 
 
-def trimmed(obj: Mapping[str, Any]) -> PodSnapshot:
+def _interned(value: Any) -> Any:
+    """A string map with its keys and values interned: pods of one job repeat them, and each
+    JSON decoding makes copies of its own (about 50 bytes a string per pod)."""
+    if not isinstance(value, dict):
+        return value
+    return {sys.intern(k) if type(k) is str else k: sys.intern(v) if type(v) is str else v
+            for k, v in value.items()}
+
+
+SHARED_KEPT = 4096
+"""Distinct annotation maps, label maps and container lists shared at most (then forgotten,
+which only ends the sharing of the older ones)."""
+_shared: dict[str, Any] = {}
+
+
+def _one_of(value: Any) -> Any:
+    """One object for equal values: the pods of one job carry the same annotations, labels and
+    containers, about 1 KB per pod as JSON decoding makes them (P6). Safe because a
+    snapshot's parts are never changed; a JSON value's repr is equal exactly when the value
+    is (for maps, in the same order: the other orders are just not shared)."""
+    if not value:
+        return value
+    key = repr(value)
+    found = _shared.get(key)
+    if found is None:
+        if len(_shared) >= SHARED_KEPT:
+            _shared.clear()
+        found = _shared[key] = _interned(value)
+    return found
+
+
+def trimmed(obj: Mapping[str, Any] | PodSnapshot) -> PodSnapshot:
     """The part of a pod the mirror reads, as a PodSnapshot (a nameless one, never cached, for
-    what is not a pod: the watch thread must outlive a bad event)."""
+    what is not a pod: the watch thread must outlive a bad event). A snapshot is kept as is:
+    it was trimmed as its list page arrived."""
+    if isinstance(obj, PodSnapshot):
+        return obj
     if not isinstance(obj, Mapping):
         return PodSnapshot({}, {})
     meta = obj.get("metadata") or {}
     spec = obj.get("spec") or {}
     if not isinstance(meta, Mapping) or not isinstance(spec, Mapping):
         return PodSnapshot({}, {})  # no API server sends this; a nameless entry is not kept
-    kept: dict[str, Any] = {key: _containers(spec[key])
+    kept: dict[str, Any] = {key: _one_of(_containers(spec[key]))
                             for key in ("containers", "initContainers") if key in spec}
     if "nodeName" in spec:
         kept["nodeName"] = spec["nodeName"]
-    return PodSnapshot({k: meta[k] for k in _METADATA if k in meta}, kept)
+    metadata = {k: meta[k] for k in _METADATA if k in meta}
+    for key in ("annotations", "labels"):
+        if key in metadata:
+            metadata[key] = _one_of(metadata[key])
+    if type(metadata.get("namespace")) is str:
+        metadata["namespace"] = sys.intern(metadata["namespace"])
+    return PodSnapshot(metadata, kept)
 
 
 def _newer(a: PodSnapshot, b: PodSnapshot) -> bool:
@@ -79,16 +128,33 @@ _RESOURCE_VERSION_BYTES = re.compile(rb'"resourceVersion":"([^"]*)"')
 ECHOES_KEPT = 4096
 """resourceVersions of the mirror's own writes kept until their watch event arrives (more are
 only in flight when the watch lags far behind; a forgotten one just costs a parse)."""
+PREPARED_KEPT = 2048
+"""Pods held prepared at most: the first ones the cache learns of, which a scheduler that
+binds its queue in order binds first; a gang of this many starts from parsed pods. The bound
+keeps a large queue's memory to the trimmed pods (P6)."""
+LIST_PAGE_SIZE = 100
+"""Pods per page of the list on the serving loop: a page is decoded and trimmed in one go
+(about 2 ms for 100 pods of 2 KB of JSON), so it is what a call may wait for."""
+SLICE_SECONDS = 0.0005
+"""The most work a list's merge does on the serving loop before it lets the calls waiting
+there run: a call waits for one slice at most per step it takes on the loop."""
+BUSY_SECONDS = 0.0002
+"""A yield to the loop that takes longer than this ran other work (calls): the merge yields
+again before its next slice, so calls go first while there are any."""
 
 
 class PodCache:
     """(namespace, name) -> trimmed PodSnapshot; thread-safe."""
 
-    def __init__(self, prepare: Callable[[PodSnapshot], object] | None = None) -> None:
+    def __init__(self, prepare: Callable[[PodSnapshot], object] | None = None, *,
+                 prepared_kept: int = PREPARED_KEPT, slice_seconds: float = SLICE_SECONDS,
+                 busy_seconds: float = BUSY_SECONDS,
+                 monotonic: Callable[[], float] = time.perf_counter) -> None:
         self.prepare = prepare
-        """Run on every pod the list and the watch bring in (not on those the mirror reads or
-        writes itself): the work an allocation for the pod would otherwise start with, done
-        while the pod waits to be scheduled (the mirror's is compute.user_request)."""
+        """Run on the pods the list and the watch bring in (not on those the mirror reads or
+        writes itself), up to `prepared_kept` held at a time: the work an allocation for the
+        pod would otherwise start with, done while the pod waits to be scheduled (the
+        mirror's is compute.user_request, which the others run on first use)."""
         self._lock = threading.Lock()
         self._pods: dict[tuple[str, str], PodSnapshot] = {}
         self._echoes: dict[str, None] = {}  # an ordered set: the oldest is forgotten first
@@ -97,6 +163,18 @@ class PodCache:
         or written so far are here, and every other pod is read from the API."""
         self.hits = 0
         self.misses = 0
+        self.prepared_kept = prepared_kept
+        self.slice_seconds = slice_seconds
+        self.busy_seconds = busy_seconds
+        self._monotonic = monotonic
+        self._prepared: set[tuple[str, str]] = set()  # the keys whose entry was prepared
+        self._touched: set[tuple[str, str]] | None = None
+        """While a list is merged (merge_soon): the keys a watch event changed since, whose
+        event is newer than anything the list says about them."""
+        self._merging: asyncio.Task | None = None
+        self._kept = 0
+        self.lists = 0
+        """Full lists merged so far (replace, or merge_soon's when its last slice is done)."""
 
     def __len__(self) -> int:
         return len(self._pods)
@@ -144,6 +222,7 @@ class PodCache:
 
     def replace(self, items: list[Mapping[str, Any]]) -> None:
         """A full list: pods that are gone disappear, writes newer than the list are kept."""
+        self.cancel_merge()
         fresh = {(p.namespace, p.name): p for p in map(trimmed, items) if p.name}
         with self._lock:
             for key, pod in fresh.items():
@@ -153,10 +232,70 @@ class PodCache:
                         old.resource_version == pod.resource_version or _newer(old, pod)):
                     fresh[key] = old
             new = [pod for key, pod in fresh.items() if self._pods.get(key) is not pod]
+            self._prepared -= {key for key in self._prepared if key not in fresh}
+            self._prepared -= {(pod.namespace, pod.name) for pod in new}
             self._pods = fresh
             self.synced = True
+            self.lists += 1
         for pod in new:
             self._prepare(pod)
+
+    def keep(self, obj: Mapping[str, Any]) -> PodSnapshot:
+        """`trimmed`, as each pod of a list page arrives on the serving loop; every
+        LIST_PAGE_SIZE pods, what the cache keeps is moved out of the cyclic collector's way
+        (`settle`)."""
+        self._kept += 1
+        if self._kept % LIST_PAGE_SIZE == 0:
+            settle()
+        return trimmed(obj)
+
+    def merge_soon(self, items: list[Mapping[str, Any] | PodSnapshot]) -> None:
+        """`replace` for the serving event loop (called on it): the list is merged in slices
+        of `slice_seconds` of work by a task of its own, which a later list cancels. Until the
+        last slice, lookups see the cache as it was with part of the list merged in; watch
+        events handled meanwhile win over the list (they are newer); the pods the list lacks
+        leave at the end, unless an event brought them."""
+        self.cancel_merge()
+        self._touched = set()
+        self._merging = asyncio.get_running_loop().create_task(
+            self._merge(items, self._touched), name="pod-cache-merge")
+
+    def cancel_merge(self) -> None:
+        """Stops a merge in progress (a newer list, or the feed's end); what it merged stays."""
+        if self._merging is not None:
+            self._merging.cancel()
+            self._merging = None
+        self._touched = None
+
+    async def _merge(self, items: list[Mapping[str, Any] | PodSnapshot],
+                     touched: set[tuple[str, str]]) -> None:
+        listed: set[tuple[str, str]] = set()
+        clock = self._monotonic
+        began = clock()
+        for item in items:
+            pod = trimmed(item)
+            if pod.name:
+                key = (pod.namespace, pod.name)
+                listed.add(key)
+                if key not in touched and self._store(pod):
+                    self._prepare(pod)
+            if clock() - began > self.slice_seconds:
+                while True:  # the calls waiting on the loop run now, and first
+                    began = clock()
+                    await asyncio.sleep(0)
+                    if clock() - began <= self.busy_seconds:
+                        break
+                began = clock()
+        del items  # the list's references go as soon as it is merged
+        with self._lock:
+            for key in [key for key in self._pods if key not in listed and key not in touched]:
+                del self._pods[key]
+                self._prepared.discard(key)
+            self.synced = True
+            self.lists += 1
+            self._touched = None
+            self._merging = None
+        settle()
 
     def event(self, kind: str, obj: Mapping[str, Any]) -> None:
         """One watch event (ADDED, MODIFIED, DELETED; BOOKMARK and others change nothing)."""
@@ -165,20 +304,28 @@ class PodCache:
         pod = trimmed(obj)
         if not pod.name:
             return
+        key = (pod.namespace, pod.name)
+        if self._touched is not None:
+            self._touched.add(key)
         if kind != "DELETED":
             if self._store(pod):
                 self._prepare(pod)
             return
-        key = (pod.namespace, pod.name)
         with self._lock:
             old = self._pods.get(key)
             # A recreated pod of the same name may already be here: drop only this one.
             if old is not None and old.uid == pod.uid:
                 del self._pods[key]
+                self._prepared.discard(key)
 
     def _prepare(self, pod: PodSnapshot) -> None:
         if self.prepare is None:
             return
+        key = (pod.namespace, pod.name)
+        with self._lock:
+            if key not in self._prepared and len(self._prepared) >= self.prepared_kept:
+                return  # parsed by its first allocation instead (compute.user_request)
+            self._prepared.add(key)
         try:
             self.prepare(pod)
         except Exception:  # the feed outlives it; an allocation for the pod redoes the work
@@ -193,7 +340,19 @@ class PodCache:
                     old.resource_version == pod.resource_version or _newer(old, pod)):
                 return False
             self._pods[key] = pod
+            self._prepared.discard(key)  # the new version is not prepared yet
             return True
+
+
+def settle() -> None:
+    """Moves every object alive now out of CPython's cyclic collector's reach (gc.freeze),
+    after collecting the young generations. A full collection visits every tracked object:
+    with tens of thousands of cached pods (several tracked objects each) one took 100-200 ms
+    of the serving loop (P6). Entries hold no reference cycles, so reference counting still
+    frees them when they leave; only cyclic garbage older than the last full collection
+    stays, which the young collection first keeps small."""
+    gc.collect(1)
+    gc.freeze()
 
 
 def pod_selector(scheduler_name: str = "") -> str:
@@ -246,9 +405,11 @@ def pod_feed(api_client: k8s.ApiClient, cache: PodCache, scheduler_name: str = "
         try:
             await list_watch_async(
                 AsyncListWatch(api, "/api/v1/pods", {"fieldSelector": pod_selector(
-                    scheduler_name)}, what=what, skip=cache.is_echo),
-                cache.replace, cache.event, **options)
+                    scheduler_name)}, what=what, skip=cache.is_echo, keep=cache.keep,
+                page_size=LIST_PAGE_SIZE),
+                cache.merge_soon, cache.event, **options)
         finally:
+            cache.cancel_merge()
             await api.close()
 
     return on_loop

@@ -3,6 +3,7 @@ writes without it, while reading the pod from the API only when the cache cannot
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -168,6 +169,85 @@ async def test_a_prepared_pod_is_mirrored_exactly_as_an_unprepared_one(store):
         assert bool(cache.lookup(NS, POD).derived) is (prepare is not None)
         result = await service.mirror(allocation())
         assert dict(result.annotations) == SINGLE
+
+
+class Ticks:
+    """A monotonic clock that moves one second per reading: with a slice of half a second, a
+    merge lets the loop run after every pod (and, with 1.5 s of "busy", once each time)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+async def settle(cache: PodCache) -> None:
+    while cache._merging is not None:
+        await asyncio.sleep(0)
+
+
+async def test_a_merged_list_lets_the_loop_run_between_slices_and_events_win():
+    cache = PodCache(slice_seconds=0.5, busy_seconds=1.5, monotonic=Ticks())
+    cache.event("ADDED", full_pod(name="gone", resourceVersion="5"))
+    cache.event("ADDED", full_pod(name="kept-by-event", resourceVersion="4"))
+    listed = [full_pod(name=f"p{i}", resourceVersion=str(10 + i)) for i in range(6)]
+    cache.merge_soon([trimmed(p) for p in listed])  # pages arrive trimmed on the loop
+    assert not cache.synced and cache.lists == 0
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    partly = len(cache)
+    assert 2 < partly < 8  # some of the list merged, the old entries still there
+    # Events of the watch that follows the list are newer than it: they win.
+    cache.event("MODIFIED", full_pod(name="p5", resourceVersion="30"))
+    cache.event("DELETED", full_pod(name="p4", resourceVersion="31"))
+    cache.event("MODIFIED", full_pod(name="kept-by-event", resourceVersion="32"))
+    await settle(cache)
+    assert cache.synced and cache.lists == 1
+    assert {name for _, name in cache._pods} == {"p0", "p1", "p2", "p3", "p5", "kept-by-event"}
+    assert rv(cache, "p5") == "30" and rv(cache, "p0") == "10"
+
+
+async def test_a_newer_list_cancels_the_merge_in_progress():
+    cache = PodCache(slice_seconds=0.5, busy_seconds=1.5, monotonic=Ticks())
+    cache.merge_soon([full_pod(name=f"old{i}", resourceVersion=str(i + 1)) for i in range(50)])
+    await asyncio.sleep(0)
+    cache.merge_soon([full_pod(name="new", resourceVersion="100")])
+    await settle(cache)
+    assert [name for _, name in cache._pods] == ["new"] and cache.lists == 1
+
+
+async def test_a_merge_prepares_what_is_new_and_keeps_what_was_prepared():
+    prepared: list[str] = []
+    cache = PodCache(prepare=lambda p: prepared.append(p.name))
+    cache.merge_soon([full_pod(resourceVersion="5"), full_pod(name="other")])
+    await settle(cache)
+    kept = cache.lookup(NS, "other")
+    cache.merge_soon([full_pod(resourceVersion="6"), full_pod(name="other")])
+    await settle(cache)
+    assert prepared == [POD, "other", POD] and cache.lookup(NS, "other") is kept
+
+
+def test_only_the_first_pods_are_prepared_and_a_slot_frees_when_one_leaves():
+    prepared: list[str] = []
+    cache = PodCache(prepare=lambda p: prepared.append(p.name), prepared_kept=2)
+    cache.replace([full_pod(name=f"p{i}", resourceVersion=str(i + 1)) for i in range(4)])
+    assert prepared == ["p0", "p1"]  # the others: parsed by their first allocation
+    cache.event("MODIFIED", full_pod(name="p1", resourceVersion="9"))  # its new version
+    cache.event("DELETED", full_pod(name="p0", resourceVersion="10"))
+    cache.event("ADDED", full_pod(name="p9", resourceVersion="11"))
+    assert prepared == ["p0", "p1", "p1", "p9"]
+    cache.event("ADDED", full_pod(name="p8", resourceVersion="12"))
+    assert prepared[-1] == "p9"
+
+
+def test_trimmed_keeps_a_snapshot_and_shares_repeated_strings():
+    snapshot = trimmed(full_pod())
+    assert trimmed(snapshot) is snapshot
+    a, b = trimmed(json.loads(json.dumps(full_pod()))), trimmed(json.loads(json.dumps(full_pod())))
+    assert a.annotations["gpu-fraction"] is b.annotations["gpu-fraction"]
+    assert a.metadata["namespace"] is b.metadata["namespace"]
 
 
 # -- MirrorService with a cache ---------------------------------------------------------------

@@ -1,0 +1,354 @@
+"""P6 a large pending queue: the mirror while its pod cache lists 1k, 10k and 50k Pending pods.
+
+Per size, against the stub API server (`benchmarks.stub_apiserver`, lists in pages of 500 as a
+real API server answers from etcd), a mirror process built as `kai-fractions mirror` builds
+it (pod cache with `prepare`, its list + watch on the serving loop) plus a probe on that loop:
+a coroutine that sleeps `PROBE_PERIOD_S` and records how late it wakes. A late wake is a
+stall of the loop, which every call waiting on it shares. In order:
+1. the mirror starts with its feed held back; a few calls warm it up; RSS is read (before);
+2. the feed starts (the first list) while one client calls MirrorAllocation back to back
+   (c=1), until the whole list is merged: the stall and the calls "during the first list";
+3. RSS is read again (after): the growth over the pods now cached;
+4. the same client makes `IDLE_CALLS` calls with nothing else happening ("idle");
+5. the stub expires every watch (410), so the mirror lists again, calls going on: "re-list".
+Every call allocates a pod of its own, from the queue's head (the scheduler binds in order).
+Targets (issue 20): no stall over 50 ms at any size; RSS growth <= 2 KB per cached pod;
+allocation p99 during the first list <= 2 x idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import grpc
+
+from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
+
+from .bench_mirror import CALL_TIMEOUT_S, NODE_MEMORY_MIB, POD_TEMPLATE, _free_port, _wait_ready
+from .bench_mirror import request as allocation_request
+from .harness import Result, percentile
+from .stub_apiserver import REPO, kubeconfig, running, seed
+
+SIZES = (1_000, 10_000, 50_000)
+PROBE_PERIOD_S = 0.002
+IDLE_CALLS = 300
+QUEUE_NAMESPACE = "queue"
+SEED_BATCH = 5_000
+TEMPLATE = json.loads(json.dumps(POD_TEMPLATE))
+"""P1's pod with what a real Pending pod of a Job also carries (owner, managed fields, env,
+mounts, tolerations, status): about 2 KB of JSON, most of which the cache drops."""
+TEMPLATE["metadata"].update(
+    generateName="train-", creationTimestamp="2026-12-01T10:00:00Z",
+    labels={"app": "bench", "batch.kubernetes.io/job-name": "train",
+            "controller-uid": "0b6c1f7e-3c1e-4a53-9a4f-4f1c7d0e2b11"},
+    ownerReferences=[{"apiVersion": "batch/v1", "kind": "Job", "name": "train",
+                      "uid": "0b6c1f7e-3c1e-4a53-9a4f-4f1c7d0e2b11", "controller": True,
+                      "blockOwnerDeletion": True}],
+    managedFields=[{"manager": "kube-controller-manager", "operation": "Update",
+                    "apiVersion": "v1", "time": "2026-12-01T10:00:00Z",
+                    "fieldsType": "FieldsV1", "fieldsV1": {"f:metadata": {
+                        "f:generateName": {}, "f:labels": {"f:app": {}}}}}])
+TEMPLATE["spec"]["containers"][0].update(
+    env=[{"name": f"VAR_{i}", "value": f"value-{i}"} for i in range(6)],
+    volumeMounts=[{"name": "data", "mountPath": "/data"}],
+    resources={"requests": {"cpu": "4", "memory": "16Gi"}})
+TEMPLATE["spec"].update(
+    volumes=[{"name": "data", "emptyDir": {}}], restartPolicy="Never",
+    tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
+TEMPLATE["status"] = {"phase": "Pending", "qosClass": "Burstable", "conditions": [
+    {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}
+
+
+# -- the mirror process (its own `serve` entry) -----------------------------------------------
+
+def serve(kubeconfig_path: str, listen: str) -> int:
+    """The mirror as `kai-fractions mirror` builds it, plus the probe; driven by stdin lines:
+    `list` starts the feed, `mark NAME` / `end NAME` bound a window, `report` prints what the
+    probe saw in each window. Prints `{"listed": n, "pods": m}` when the n-th list is merged."""
+    from kai_fractions.contract import DEFAULT_KEYS
+    from kai_fractions.mirror.aio_store import async_pod_store
+    from kai_fractions.mirror.compute import user_request
+    from kai_fractions.mirror.kube_store import load_api_client
+    from kai_fractions.mirror.pod_cache import PodCache, pod_feed
+    from kai_fractions.mirror.server import MirrorServer, ServerOptions
+    from kai_fractions.mirror.service import MirrorService
+
+    api_client = load_api_client(kubeconfig_path)
+    cache = PodCache(prepare=functools.partial(user_request, keys=DEFAULT_KEYS))
+    service = MirrorService(async_pod_store(api_client), keys=DEFAULT_KEYS, cache=cache)
+    feed = pod_feed(api_client, cache, "")
+    begin = asyncio.Event()
+    samples: list[tuple[float, float]] = []  # (when the probe woke, how late)
+    windows: dict[str, list[float]] = {}
+    out_lock = threading.Lock()
+
+    def say(obj: dict) -> None:
+        with out_lock:
+            print(json.dumps(obj), flush=True)
+
+    async def held_feed() -> None:
+        await begin.wait()
+        await feed()
+
+    async def probe() -> None:
+        seen = 0
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(PROBE_PERIOD_S)
+            woke = time.perf_counter()
+            samples.append((woke, woke - start - PROBE_PERIOD_S))
+            if cache.lists != seen:
+                seen = cache.lists
+                say({"listed": seen, "pods": len(cache)})
+
+    server = MirrorServer(service, ServerOptions(listen=listen), tasks=[held_feed, probe])
+    server.start()
+    loop = server._loop
+    assert loop is not None
+    say({"ready": True})
+    try:
+        for line in sys.stdin:
+            command, _, name = line.strip().partition(" ")
+            if command == "list":
+                loop.call_soon_threadsafe(begin.set)
+            elif command == "mark":
+                windows[name] = [time.perf_counter(), float("inf")]
+            elif command == "end":
+                windows[name][1] = time.perf_counter()
+            elif command == "report":
+                report = {}
+                for window, (start, end) in windows.items():
+                    late = [lateness for woke, lateness in list(samples) if start <= woke <= end]
+                    report[window] = {"max_ms": max(late, default=0.0) * 1000,
+                                      "p99_ms": percentile(late, 99) * 1000 if late else 0.0,
+                                      "samples": len(late), "seconds": end - start}
+                say({"report": report, "pods": len(cache)})
+            elif command == "quit":
+                break
+    finally:
+        server.stop(grace=0)
+        api_client.close()
+    return 0
+
+
+class MirrorWithProbe:
+    """The `serve` process, seen from the benchmark."""
+
+    def __init__(self, config: Path, log_path: Path) -> None:
+        self.address = f"127.0.0.1:{_free_port()}"
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed by close())
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.bench_pending", "serve", "--kubeconfig",
+             str(config), "--listen", self.address], cwd=REPO, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.lines: queue.Queue[dict] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        if "ready" not in self.next(60):
+            raise RuntimeError("the P6 mirror did not start")
+        _wait_ready(self.address, "the P6 mirror", self.process, log_path)
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(json.loads(line))
+
+    def next(self, timeout: float) -> dict:
+        return self.lines.get(timeout=timeout)
+
+    def send(self, command: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.process.pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.send("quit")
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self._log.close()
+
+
+class Caller:
+    """One blocking client (c=1): the scheduler binding the queue's pods in order, a pod of
+    its own per call."""
+
+    def __init__(self, address: str, pods: int) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.AllocationMirrorStub(self.channel)
+        self.names = iter([f"p{i}" for i in range(pods)])
+
+    def call(self) -> float | None:
+        """The latency of one call; None once every pod of the queue was allocated."""
+        name = next(self.names, None)
+        if name is None:
+            return None
+        req = allocation_request(QUEUE_NAMESPACE, name)
+        start = time.perf_counter()
+        self.stub.MirrorAllocation(req, timeout=CALL_TIMEOUT_S)
+        return time.perf_counter() - start
+
+    def until(self, mirror: MirrorWithProbe, listed: int, timeout: float) -> tuple[list[float],
+                                                                                   float]:
+        """Calls back to back until the mirror says its `listed`-th list is merged; the
+        latencies and the seconds it took."""
+        out: list[float] = []
+        begin = time.perf_counter()
+        deadline = begin + timeout
+        while True:
+            try:
+                said = mirror.lines.get_nowait()
+                if said.get("listed") == listed:
+                    return out, time.perf_counter() - begin
+            except queue.Empty:
+                pass
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"list {listed} not merged within {timeout} s")
+            took = self.call()
+            if took is None:
+                time.sleep(PROBE_PERIOD_S)  # the queue is all allocated: just wait
+            else:
+                out.append(took)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+@contextmanager
+def scene(size: int) -> Iterator[tuple[str, Path]]:
+    """The stub with `size` queued pods; yields (url, tmp)."""
+    with tempfile.TemporaryDirectory(prefix="kf-p6-") as tmp, \
+            running(TEMPLATE, NODE_MEMORY_MIB) as url:
+        for start in range(0, size, SEED_BATCH):
+            seed(url, QUEUE_NAMESPACE,
+                 [f"p{i}" for i in range(start, min(size, start + SEED_BATCH))])
+        yield url, Path(tmp)
+
+
+def _expire(url: str) -> None:
+    import urllib.request
+
+    with urllib.request.urlopen(urllib.request.Request(url + "/expire", data=b"",
+                                                       method="POST"), timeout=30):
+        pass
+
+
+def measure(size: int, idle_calls: int, warmup: int = 20, timeout: float = 600.0) -> dict:
+    """One size: every figure of P6 for it, as a dict."""
+    with ExitStack() as stack:
+        url, tmp = stack.enter_context(scene(size))
+        mirror = MirrorWithProbe(kubeconfig(url, tmp / "kubeconfig"), tmp / "mirror.log")
+        stack.callback(mirror.close)
+        caller = Caller(mirror.address, size)
+        stack.callback(caller.close)
+        for _ in range(warmup):
+            caller.call()
+        before = mirror.rss_bytes()
+        mirror.send("mark first")
+        mirror.send("list")
+        during, first_s = caller.until(mirror, 1, timeout)
+        mirror.send("end first")
+        time.sleep(0.5)  # what the list left behind is collected
+        after = mirror.rss_bytes()
+        mirror.send("mark idle")
+        idle = [took for _ in range(idle_calls) if (took := caller.call()) is not None]
+        mirror.send("end idle")
+        mirror.send("mark relist")
+        _expire(url)
+        relist, relist_s = caller.until(mirror, 2, timeout)
+        mirror.send("end relist")
+        mirror.send("report")
+        while "report" not in (said := mirror.next(60)):
+            pass
+        cached = said["pods"]
+        windows = said["report"]
+    ms = 1000.0
+    return {
+        "size": size, "cached": cached, "first_list_s": first_s, "relist_s": relist_s,
+        "rss_before_mb": before / 2**20, "rss_after_mb": after / 2**20,
+        "rss_kb_per_pod": (after - before) / 1024 / max(1, cached),
+        "stall_first_ms": windows["first"]["max_ms"], "stall_relist_ms": windows["relist"][
+            "max_ms"], "stall_idle_ms": windows["idle"]["max_ms"],
+        "calls_first": len(during), "calls_relist": len(relist),
+        "p50_idle_ms": percentile(idle, 50) * ms, "p99_idle_ms": percentile(idle, 99) * ms,
+        "p50_first_ms": percentile(during, 50) * ms, "p99_first_ms": percentile(during, 99) * ms,
+        "p50_relist_ms": percentile(relist, 50) * ms,
+        "p99_relist_ms": percentile(relist, 99) * ms,
+    }
+
+
+def run(quick: bool = False, smoke: bool = False, sizes: tuple[int, ...] = SIZES) -> Result:
+    """`quick`: fewer idle calls; `smoke`: one tiny size (the harness's own test)."""
+    result = Result("P6", "a large pending queue: the mirror's loop, memory and calls while "
+                    "its pod cache lists")
+    if smoke:
+        sizes = (200,)
+    idle_calls = 30 if smoke else 100 if quick else IDLE_CALLS
+    for size in sizes:
+        m = measure(size, idle_calls, warmup=5 if smoke else 20)
+        tag = f"{size // 1000}k" if size >= 1000 else str(size)
+        result.add(f"{tag}: loop stall max, first list", round(m["stall_first_ms"], 1), "ms",
+                   "<= 50")
+        result.add(f"{tag}: loop stall max, re-list", round(m["stall_relist_ms"], 1), "ms",
+                   "<= 50")
+        result.add(f"{tag}: loop stall max, idle", round(m["stall_idle_ms"], 1), "ms")
+        result.add(f"{tag}: RSS growth per cached pod", round(m["rss_kb_per_pod"], 2), "KB",
+                   "<= 2")
+        result.add(f"{tag}: RSS before / after", round(m["rss_after_mb"], 1), "MB")
+        result.add(f"{tag}: first list merged in", round(m["first_list_s"], 2), "s")
+        result.add(f"{tag}: re-list merged in", round(m["relist_s"], 2), "s")
+        result.add(f"{tag}: allocation p50 / p99 idle", round(m["p99_idle_ms"], 2), "ms")
+        result.add(f"{tag}: allocation p99 first list", round(m["p99_first_ms"], 2), "ms")
+        result.add(f"{tag}: p99 first list / idle",
+                   round(m["p99_first_ms"] / m["p99_idle_ms"], 2), "x", "<= 2")
+        result.add(f"{tag}: allocation p99 re-list", round(m["p99_relist_ms"], 2), "ms")
+        result.notes.append(
+            f"{tag}: {m['cached']} pods cached; RSS {m['rss_before_mb']:.1f} -> "
+            f"{m['rss_after_mb']:.1f} MB; calls during the first list {m['calls_first']} "
+            f"(p50 {m['p50_first_ms']:.2f} ms), during the re-list {m['calls_relist']} "
+            f"(p50 {m['p50_relist_ms']:.2f} ms); idle p50 {m['p50_idle_ms']:.2f} ms over "
+            f"{idle_calls} calls")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_pending",
+                                     description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    serving = sub.add_parser("serve", help="the mirror with its probe (the benchmark runs it)")
+    serving.add_argument("--kubeconfig", required=True)
+    serving.add_argument("--listen", required=True)
+    measuring = sub.add_parser("measure", help="the benchmark, for the sizes given")
+    measuring.add_argument("sizes", nargs="*", type=int, default=list(SIZES))
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args.kubeconfig, args.listen)
+    result = run(sizes=tuple(getattr(args, "sizes", SIZES)))
+    for f in result.figures:
+        print(f"{f.name:42} {f.value:>10} {f.unit:4} {f.target}")
+    for note in result.notes:
+        print(f"note: {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
