@@ -2,11 +2,12 @@
 by hand, and the exact commands that make it from another shell, in any directory.
 
 The pod asks for `gpu-fraction: "0.1"` (time-slicing, small enough for the room the examples
-leave on the default node) and goes through admission like the
-examples. The demo's scheduler sizes it (`PreviewAllocation`) and picks the GPU it would give it,
-but stops before the mirror: that call is the user's. The commands use absolute paths only
-(the venv's python and kai-fractions, grpcurl from the checkout's `.tools/bin`, the checkout's
-`protos/`), the mirror's real address and the pod's real uid.
+leave on the default node) and goes through admission like the examples. The demo's scheduler
+sizes it (`PreviewAllocation`) and picks the GPU it would give it, but stops before the mirror:
+that call is the user's. The commands use absolute paths only (the venv's python and
+kai-fractions, grpcurl from the checkout's `.tools/bin`, the checkout's `protos/`), the mirror's
+real address and the pod's real uid. Preview, the first MirrorAllocation and inspect need only
+the venv `scripts/demo` made; the grpcurl repeat needs grpcurl (`scripts/test-tools.sh`).
 """
 
 from __future__ import annotations
@@ -124,17 +125,40 @@ for key, value in sorted(reply.annotations.items()):
     print(f"  {{key}}: {{value}}")'''
 
 
+def _python_preview(call: FirstCall, mirror: str) -> str:
+    preview = pb.PreviewAllocationRequest(allocation=call.request.allocation)
+    return f'''import sys
+
+import grpc
+from google.protobuf import json_format
+
+from kai_fractions.api.v1 import allocation_pb2 as pb
+from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
+
+request = json_format.Parse("""
+{_json(preview)}
+""", pb.PreviewAllocationRequest())
+with grpc.insecure_channel("{mirror}") as channel:
+    try:
+        reply = pb_grpc.AllocationMirrorStub(channel).PreviewAllocation(request, timeout=10)
+    except grpc.RpcError as error:
+        print(f"PreviewAllocation failed: {{error.code().name}}: {{error.details()}}",
+              file=sys.stderr)
+        sys.exit(1)
+print("PreviewAllocation: OK, it would write:")
+for key, value in sorted(reply.annotations.items()):
+    print(f"  {{key}}: {{value}}")'''
+
+
 def commands(call: FirstCall, mirror: str, kubeconfig: str, agent_socket: str,
              tools: Tools) -> list[tuple[str, str]]:
     """(what it does, the shell command) for the first call, in the order to paste them."""
-    preview = pb.PreviewAllocationRequest(allocation=call.request.allocation)
     grpcurl = f"{tools.grpcurl} -plaintext -emit-defaults -d @ {mirror} "
     inspect = (f"{tools.cli} inspect pod {call.ref} --kubeconfig {kubeconfig} "
                f"--agent-socket {agent_socket}")
     return [
-        ("PreviewAllocation: what the mirror would write (nothing is written)",
-         f"{grpcurl}kai_fractions.v1.AllocationMirror/PreviewAllocation <<'EOF'\n"
-         f"{_json(preview)}\nEOF"),
+        ("PreviewAllocation from Python: what the mirror would write (nothing is written)",
+         f"{tools.python} - <<'EOF'\n{_python_preview(call, mirror)}\nEOF"),
         ("MirrorAllocation from Python: prints the status, exits 1 on an error",
          f"{tools.python} - <<'EOF'\n{_python(call, mirror)}\nEOF"),
         ("MirrorAllocation with grpcurl: the same decision again (same idempotency key), so "

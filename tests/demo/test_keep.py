@@ -190,22 +190,22 @@ def test_inspect_pod_with_metrics_only(demo, capsys):
 
 def test_the_first_call_works_when_pasted_elsewhere(demo, tmp_path):
     blocks = demo.first_call
-    assert list(blocks) == ["PreviewAllocation: what", "MirrorAllocation from",
+    assert list(blocks) == ["PreviewAllocation from", "MirrorAllocation from",
                             "MirrorAllocation with", "the pod"]
     grpcurl = REPO / ".tools" / "bin" / "grpcurl"
     request_key = "nvidia.com/container.main.gpu-memory.request"
-    if grpcurl.exists():  # scripts/test-tools.sh fetches it (CI always has it)
-        preview = paste(blocks["PreviewAllocation: what"], tmp_path)
-        assert preview.returncode == 0, preview.stderr
-        assert json.loads(preview.stdout)["annotations"][request_key] == "8155Mi"
+    preview = paste(blocks["PreviewAllocation from"], tmp_path)
+    assert preview.returncode == 0, preview.stderr
+    assert preview.stdout.startswith("PreviewAllocation: OK, it would write:\n")
+    assert f"\n  {request_key}: 8155Mi\n" in preview.stdout  # floor(81559 x 0.1)
 
     python = blocks["MirrorAllocation from"]
     result = paste(python, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("MirrorAllocation: OK, changed: True, resource_version: ")
-    assert f"\n  {request_key}: 8155Mi\n" in result.stdout  # floor(81559 x 0.1)
+    assert f"\n  {request_key}: 8155Mi\n" in result.stdout
 
-    if grpcurl.exists():
+    if grpcurl.exists():  # scripts/test-tools.sh fetches it (CI always has it)
         again = paste(blocks["MirrorAllocation with"], tmp_path)
         assert again.returncode == 0, again.stderr
         reply = json.loads(again.stdout)
