@@ -3,26 +3,34 @@
 Why: admission is the only thing that keeps users from writing the annotations a node enforces,
 and a webhook with `failurePolicy: Ignore` (or one that is down, or a user key such as
 `.gpu-memory.limit` edited on a running pod) lets a forged or edited allocation through. With
-signing, the node agent applies an allocation only when the mirror's HMAC over it is valid.
+signing, the node agent applies an allocation only when the mirror's signature over it holds.
+
+Two kinds of key, told apart by the key file:
+- Ed25519 (v2, the default): the mirror holds the private key (PEM, `PRIVATE KEY`); nodes hold
+  only the public key (PEM, `PUBLIC KEY`). A node, or anyone who can read what nodes hold,
+  can check signatures but cannot make one.
+- HMAC-SHA256 (v1, raw bytes): every holder can sign. Still verified for one release so that
+  pods signed before an upgrade keep running; new signatures are v2 once the mirror has an
+  Ed25519 key.
 
 What is signed, per fractional container: the values the node enforces, taken from the
-contract's `ContainerPlan` (the same function of the annotations on both sides):
+contract's `ContainerPlan` (the same function of the annotations on both sides), and in v2 the
+node the allocation was made for:
 
-    ["kai-fractions.io/allocation", 1, <pod UID>, <container>, <devices, verbatim>,
-     <compute mode>, <request MiB>, <limit MiB>, <active-thread percentage or null>]
+    v2: ["kai-fractions.io/allocation", 2, <node>, <pod UID>, <container>, <devices, verbatim>,
+         <compute mode>, <request MiB>, <limit MiB>, <active-thread percentage or null>]
+    v1: the same without the node, with version 1
 
-as compact JSON (an array: no key order to agree on, no separator a value could fake). The
-compute portion enters as the active-thread percentage the node enforces (round(portion x 100));
-memory as the whole MiB the limits and env carry. Two sets of annotations that sign the same
-are enforced identically.
+as compact JSON (an array: no key order to agree on, no separator a value could fake). A v2
+signature made for one node does not verify on another.
 
 The annotation (`kai-fractions.io/container.<c>.signature`, `keys.DERIVED_SIGNATURE`):
 
-    v1;kid=<first 8 hex digits of sha256(key)>;sig=<HMAC-SHA256, base64url without padding>
+    v2;kid=<first 8 hex digits of sha256(raw public key)>;sig=<Ed25519, base64url, no padding>
+    v1;kid=<first 8 hex digits of sha256(key)>;sig=<HMAC-SHA256, base64url, no padding>
 
-Keys: raw bytes (the chart's Secret `kai-fractions-signing` holds 32 random bytes under
-`current`). Rotation with two keys active: sign with `current`; accept `current` or `previous`.
-`kid` only picks the key to try; it is not trusted for anything else.
+Rotation with two keys active: sign with `current`; accept `current` or `previous`. `kid` only
+picks the key to try; it is not trusted for anything else.
 """
 
 from __future__ import annotations
@@ -41,22 +49,31 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
 from .contract import ContainerPlan, Keys
 from .contract import keys as k
 
 log = logging.getLogger(__name__)
 
-VERSION = "v1"
+V1, V2 = "v1", "v2"
+VERSION = V2
 CLAIMS_DOMAIN = "kai-fractions.io/allocation"
-CLAIMS_VERSION = 1
 MIN_KEY_BYTES = 16
-"""HMAC-SHA256 keys shorter than this are refused (the chart generates 32 bytes)."""
+"""HMAC-SHA256 keys shorter than this are refused."""
 CURRENT, PREVIOUS = "current", "previous"
 """File names inside a `--signing-key-file` directory (the data keys of the Secret)."""
 MAC_BYTES = 32
+ED25519_BYTES = 64
 _KID = re.compile(r"[0-9a-f]{8}")
-_B64URL = re.compile(r"[A-Za-z0-9_-]{43}")  # 32 bytes, unpadded
+_B64URL = {V1: re.compile(r"[A-Za-z0-9_-]{43}"), V2: re.compile(r"[A-Za-z0-9_-]{86}")}
+_SIG_BYTES = {V1: MAC_BYTES, V2: ED25519_BYTES}
+_ALGORITHM = {V1: "HMAC-SHA256", V2: "Ed25519"}
 MAX_SIGNATURE_LENGTH = 128
+_PRIVATE_PEM = b"-----BEGIN PRIVATE KEY-----"
+_PUBLIC_PEM = b"-----BEGIN PUBLIC KEY-----"
 
 
 class SigningConfigError(Exception):
@@ -64,7 +81,8 @@ class SigningConfigError(Exception):
 
 
 class SignatureFormatError(ValueError):
-    """The signature annotation is not `v1;kid=<8 hex>;sig=<base64url>`; says what is wrong."""
+    """The signature annotation is not `v2|v1;kid=<8 hex>;sig=<base64url>`; says what is
+    wrong."""
 
 
 class Reason(StrEnum):
@@ -77,10 +95,12 @@ class Reason(StrEnum):
 # -- what is signed ----------------------------------------------------------------------------
 
 
-def allocation_claims(plan: ContainerPlan) -> bytes:
-    """The canonical bytes the HMAC covers (see the module docstring)."""
+def allocation_claims(plan: ContainerPlan, node: str | None = None) -> bytes:
+    """The canonical bytes a signature covers (see the module docstring): v2 with a node,
+    v1 (HMAC, no node) without one."""
+    head: list = [CLAIMS_DOMAIN, 1] if node is None else [CLAIMS_DOMAIN, 2, node]
     return json.dumps(
-        [CLAIMS_DOMAIN, CLAIMS_VERSION, plan.pod_identity, plan.container, plan.devices_value,
+        [*head, plan.pod_identity, plan.container, plan.devices_value,
          plan.compute_mode.value, plan.request_mib, plan.limit_mib,
          plan.active_thread_percentage],
         separators=(",", ":"), ensure_ascii=True,
@@ -95,43 +115,109 @@ def signature_key(plan: ContainerPlan, keys: Keys = k.DEFAULT_KEYS) -> str:
 # -- keys --------------------------------------------------------------------------------------
 
 
-def key_id(secret: bytes) -> str:
-    return hashlib.sha256(secret).hexdigest()[:8]
+def key_id(material: bytes) -> str:
+    return hashlib.sha256(material).hexdigest()[:8]
 
 
 @dataclass(frozen=True, slots=True)
 class SigningKey:
+    """An HMAC-SHA256 key (v1): signs and verifies. Kept for one release of upgrades."""
+
     secret: bytes = field(repr=False)
     source: str = ""
     """Where it was read from (for messages; never the key itself)."""
+    version = V1
 
     def __post_init__(self) -> None:
         if len(self.secret) < MIN_KEY_BYTES:
             raise SigningConfigError(
                 f"signing key {self.source or '(inline)'}: {len(self.secret)} byte(s); an "
-                f"HMAC-SHA256 key needs at least {MIN_KEY_BYTES} (the chart makes 32 random "
-                "bytes)")
+                f"HMAC-SHA256 key needs at least {MIN_KEY_BYTES} (better: an Ed25519 key "
+                "pair from `kai-fractions signing-keys`)")
 
     @property
     def kid(self) -> str:
         return key_id(self.secret)
 
+    @property
+    def can_sign(self) -> bool:
+        return True
+
     def mac(self, claims: bytes) -> bytes:
         return hmac.new(self.secret, claims, hashlib.sha256).digest()
+
+    def sign(self, claims: bytes) -> bytes:
+        return self.mac(claims)
+
+    def verifies(self, claims: bytes, signature: bytes) -> bool:
+        return hmac.compare_digest(self.mac(claims), signature)
+
+
+@dataclass(frozen=True, slots=True)
+class Ed25519Key:
+    """An Ed25519 key (v2): the private one signs (the mirror), the public one verifies
+    (nodes)."""
+
+    public: ed25519.Ed25519PublicKey = field(repr=False)
+    private: ed25519.Ed25519PrivateKey | None = field(default=None, repr=False)
+    source: str = ""
+    version = V2
+
+    @classmethod
+    def generate(cls) -> Ed25519Key:
+        private = ed25519.Ed25519PrivateKey.generate()
+        return cls(private.public_key(), private)
+
+    @property
+    def kid(self) -> str:
+        return key_id(self.public.public_bytes(serialization.Encoding.Raw,
+                                               serialization.PublicFormat.Raw))
+
+    @property
+    def can_sign(self) -> bool:
+        return self.private is not None
+
+    def sign(self, claims: bytes) -> bytes:
+        if self.private is None:
+            raise SigningConfigError(f"signing key {self.kid} is a public key: only the "
+                                     "mirror, which holds the private key, signs")
+        return self.private.sign(claims)
+
+    def verifies(self, claims: bytes, signature: bytes) -> bool:
+        try:
+            self.public.verify(signature, claims)
+        except InvalidSignature:
+            return False
+        return True
+
+    def public_pem(self) -> bytes:
+        return self.public.public_bytes(serialization.Encoding.PEM,
+                                        serialization.PublicFormat.SubjectPublicKeyInfo)
+
+    def private_pem(self) -> bytes:
+        if self.private is None:
+            raise SigningConfigError(f"key {self.kid} has no private half")
+        return self.private.private_bytes(serialization.Encoding.PEM,
+                                          serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption())
+
+
+AnyKey = SigningKey | Ed25519Key
 
 
 @dataclass(frozen=True, slots=True)
 class Signature:
     kid: str
     mac: bytes = field(repr=False)
+    version: str = V1
 
     def encode(self) -> str:
         sig = base64.urlsafe_b64encode(self.mac).rstrip(b"=").decode()
-        return f"{VERSION};kid={self.kid};sig={sig}"
+        return f"{self.version};kid={self.kid};sig={sig}"
 
 
 def parse_signature(value: str) -> Signature:
-    """`v1;kid=<8 hex>;sig=<43 base64url chars>` -> Signature; raises SignatureFormatError."""
+    """`v2|v1;kid=<8 hex>;sig=<base64url>` -> Signature; raises SignatureFormatError."""
     if not isinstance(value, str):
         raise SignatureFormatError("must be a string")
     if len(value) > MAX_SIGNATURE_LENGTH:
@@ -142,24 +228,29 @@ def parse_signature(value: str) -> Signature:
         raise SignatureFormatError(f"expected {VERSION};kid=<key id>;sig=<signature> "
                                    f"(3 fields separated by ';'), got {len(parts)} field(s)")
     version, kid_field, sig_field = parts
-    if version != VERSION:
-        raise SignatureFormatError(f"version {version!r} is not {VERSION!r}")
+    if version not in _B64URL:
+        raise SignatureFormatError(f"version {version!r} is not {V2!r} (or {V1!r})")
     name, eq, kid = kid_field.partition("=")
     if name != "kid" or not eq or not _KID.fullmatch(kid):
         raise SignatureFormatError("the second field must be kid=<8 lowercase hex digits>")
     name, eq, sig = sig_field.partition("=")
-    if name != "sig" or not eq or not _B64URL.fullmatch(sig):
-        raise SignatureFormatError("the third field must be sig=<43 base64url characters "
-                                   "(HMAC-SHA256, no padding)>")
+    size = _SIG_BYTES[version]
+    if name != "sig" or not eq or not _B64URL[version].fullmatch(sig):
+        raise SignatureFormatError(f"the third field must be sig=<{len(_b64(bytes(size)))} "
+                                   f"base64url characters ({_ALGORITHM[version]}, no padding)>")
     try:
-        mac = base64.urlsafe_b64decode(sig + "=")
+        mac = base64.urlsafe_b64decode(sig + "=" * (-len(sig) % 4))
     except (binascii.Error, ValueError):  # pragma: no cover - the pattern admits only valid
         raise SignatureFormatError("sig is not base64url") from None
-    if len(mac) != MAC_BYTES or base64.urlsafe_b64encode(mac).rstrip(b"=").decode() != sig:
-        # 43 characters carry 258 bits: the last one must leave the 2 spare bits zero, so that
-        # one signature has exactly one spelling.
-        raise SignatureFormatError("sig is not the canonical base64url of 32 bytes")
-    return Signature(kid, mac)
+    if len(mac) != size or _b64(mac) != sig:
+        # The last character carries spare bits that must be zero, so that one signature has
+        # exactly one spelling.
+        raise SignatureFormatError(f"sig is not the canonical base64url of {size} bytes")
+    return Signature(kid, mac, version)
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
 # -- verdicts ----------------------------------------------------------------------------------
@@ -184,34 +275,39 @@ _EDITED = ("the pod's GPU annotations (devices, memory request or limit, compute
 class Keyring:
     """The signing key (`current`) first, then every other key still accepted (`previous`)."""
 
-    keys: tuple[SigningKey, ...]
+    keys: tuple[AnyKey, ...]
 
     def __post_init__(self) -> None:
         if not self.keys:
             raise SigningConfigError("no signing key")
-        unique: dict[str, SigningKey] = {}
+        unique: dict[str, AnyKey] = {}
         for key in self.keys:
             unique.setdefault(key.kid, key)
         object.__setattr__(self, "keys", tuple(unique.values()))
 
     @classmethod
-    def of(cls, *secrets: bytes) -> Keyring:
-        return cls(tuple(SigningKey(s) for s in secrets))
+    def of(cls, *keys: bytes | AnyKey) -> Keyring:
+        """Raw bytes are HMAC keys (v1); key objects are taken as they are."""
+        return cls(tuple(SigningKey(x) if isinstance(x, bytes) else x for x in keys))
 
     @property
-    def current(self) -> SigningKey:
+    def current(self) -> AnyKey:
         return self.keys[0]
 
     @property
     def kids(self) -> tuple[str, ...]:
         return tuple(key.kid for key in self.keys)
 
-    def sign(self, plan: ContainerPlan) -> str:
+    def sign(self, plan: ContainerPlan, node: str = "") -> str:
+        """The signature annotation for `plan` on `node`: v2 with an Ed25519 key (the node is
+        part of what is signed), v1 with an HMAC key."""
         key = self.current
-        return Signature(key.kid, key.mac(allocation_claims(plan))).encode()
+        claims = allocation_claims(plan, node if key.version == V2 else None)
+        return Signature(key.kid, key.sign(claims), key.version).encode()
 
     def verify(self, plan: ContainerPlan, value: str | None,
-               keys: Keys = k.DEFAULT_KEYS) -> Verification:
+               keys: Keys = k.DEFAULT_KEYS, node: str = "") -> Verification:
+        """Whether `value` signs `plan` for `node` under one of these keys."""
         annotation = signature_key(plan, keys)
         if value is None or value == "":
             return Verification(False, Reason.MISSING, (
@@ -226,31 +322,57 @@ class Keyring:
         except SignatureFormatError as e:
             return Verification(False, Reason.INVALID,
                                 f"annotation {annotation} is malformed ({e}); {_EDITED}")
-        key = next((key for key in self.keys if key.kid == signature.kid), None)
+        key = next((key for key in self.keys if key.kid == signature.kid
+                    and key.version == signature.version), None)
         if key is None:
             return Verification(False, Reason.INVALID, (
-                f"annotation {annotation} was signed with key {signature.kid}, which this node "
-                f"does not hold (it holds {', '.join(self.kids)}): the signing key was rotated "
-                "without keeping the old one as `previous`, or the mirror and the node agent "
-                "use different keys"), signature.kid)
-        if not hmac.compare_digest(key.mac(allocation_claims(plan)), signature.mac):
+                f"annotation {annotation} was signed with {signature.version} key "
+                f"{signature.kid}, which this node does not hold (it holds "
+                f"{', '.join(self.kids)}): the signing key was rotated without keeping the old "
+                "one as `previous`, or the mirror and the node agent use different keys"),
+                signature.kid)
+        claims = allocation_claims(plan, node if signature.version == V2 else None)
+        if not key.verifies(claims, signature.mac):
+            where = f" for node {node}" if signature.version == V2 else ""
             return Verification(False, Reason.INVALID,
-                                f"annotation {annotation} does not match the allocation: "
-                                f"{_EDITED}", signature.kid)
+                                f"annotation {annotation} does not match the allocation"
+                                f"{where}: {_EDITED}", signature.kid)
         return Verification(True, kid=signature.kid)
 
 
 # -- key files ---------------------------------------------------------------------------------
 
 
-def _read_key(path: Path) -> SigningKey:
+def _read_key(path: Path) -> AnyKey:
     try:
-        secret = path.read_bytes()
+        material = path.read_bytes()
     except OSError as e:
         raise SigningConfigError(f"--signing-key-file {path}: {e.strerror or e}") from None
-    # Raw bytes, verbatim: the Secret's value is the key (a trailing newline is key material
-    # too; both sides read the same bytes).
-    return SigningKey(secret, str(path))
+    if material.lstrip().startswith((_PRIVATE_PEM, _PUBLIC_PEM)):
+        return load_ed25519(material, str(path))
+    # Raw bytes, verbatim: an HMAC key (a trailing newline is key material too; both sides
+    # read the same bytes).
+    return SigningKey(material, str(path))
+
+
+def load_ed25519(pem: bytes, source: str = "") -> Ed25519Key:
+    """An Ed25519 key from PEM: a private key (PKCS8) signs and verifies, a public key
+    (SubjectPublicKeyInfo) only verifies. Raises SigningConfigError."""
+    where = f"--signing-key-file {source}" if source else "signing key"
+    try:
+        if pem.lstrip().startswith(_PRIVATE_PEM):
+            private = serialization.load_pem_private_key(pem, password=None)
+            if not isinstance(private, ed25519.Ed25519PrivateKey):
+                raise SigningConfigError(f"{where}: a {type(private).__name__}; an Ed25519 "
+                                         "key is needed (`kai-fractions signing-keys`)")
+            return Ed25519Key(private.public_key(), private, source)
+        public = serialization.load_pem_public_key(pem)
+    except (ValueError, TypeError) as e:
+        raise SigningConfigError(f"{where}: not a usable PEM key ({e})") from None
+    if not isinstance(public, ed25519.Ed25519PublicKey):
+        raise SigningConfigError(f"{where}: a {type(public).__name__}; an Ed25519 key is "
+                                 "needed (`kai-fractions signing-keys`)")
+    return Ed25519Key(public, None, source)
 
 
 def _entries(path: str) -> list[Path]:

@@ -25,6 +25,7 @@ _COMMAND_MODULES = (
     "kai_fractions.cli.node_agent",
     "kai_fractions.cli.inspect",
     "kai_fractions.cli.demo",
+    "kai_fractions.cli.signing_keys",
 )
 
 EXIT_OK, EXIT_CONTRACT, EXIT_USAGE = 0, 1, 2

@@ -30,12 +30,13 @@ from .errors import AllocationConflict, InvalidAllocation
 from .record import MIRRORED_ANNOTATION, MirrorRecord, allocation_digest, decode_record
 from .store import PodSnapshot
 
-ExtraAnnotations = Callable[[PodSnapshot, Mapping[str, str], tuple[ContainerPlan, ...]],
-                            Mapping[str, str]]
-"""A hook whose annotations join the mirror's own, in the same patch and owned (recorded,
-released) the same way: allocation signatures (`mirror.signing`). Its values are a function of
-the decision, not part of it, so they stay out of the decision digest: re-signing the same
-allocation with a rotated key is the same allocation, not a conflicting one."""
+ExtraAnnotations = Callable[
+    [PodSnapshot, Mapping[str, str], tuple[ContainerPlan, ...], str], Mapping[str, str]]
+"""A hook (pod, written, plans, node) whose annotations join the mirror's own, in the same
+patch and owned (recorded, released) the same way: allocation signatures (`mirror.signing`).
+Its values are a function of the decision, not part of it, so they stay out of the decision
+digest: re-signing the same allocation with a rotated key is the same allocation, not a
+conflicting one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +104,10 @@ def compute_outcome(
     keys: Keys = k.DEFAULT_KEYS,
     mps_pipe_root: str = DEFAULT_MPS_PIPE_ROOT,
     extra: ExtraAnnotations | None = None,
+    node: str = "",
 ) -> Outcome:
-    """Raises InvalidAllocation (request fields and pod annotation keys)."""
+    """Raises InvalidAllocation (request fields and pod annotation keys). `node` is the node
+    the allocation was made for (what a signature binds, through `extra`)."""
     view, request = user_request(pod, keys)
     if container and view.container(container) is None:
         names = ", ".join(c.name for c in view.all_containers) or "none"
@@ -132,7 +135,7 @@ def compute_outcome(
         written.update(derived_annotations(plan, keys))
     hooked: dict[str, str] = {}
     if extra is not None:
-        hooked = {key: value for key, value in extra(pod, dict(written), plans).items()
+        hooked = {key: value for key, value in extra(pod, dict(written), plans, node).items()
                   if key not in written}  # the hook adds keys; it never rewrites the decision
         written.update(hooked)
     name = share.container if share is not None and plans else ""

@@ -227,7 +227,7 @@ class Follower:
             if result.skipped or result.errors or result.mismatches or self.signer is None:
                 return result
             try:
-                result = self._sign(pod, result, deadline)
+                result = self._sign(pod, result, br.selected_node, deadline)
             except (WriteConflict, WriteInvalid) as e:
                 # The pod changed since it was read (or was recreated): what was checked is
                 # not what is there now, so read it again and check it again.
@@ -289,12 +289,16 @@ class Follower:
                          deadline)
         return Verification(br.ref, pod_ref, mismatches=mismatches)
 
-    def _sign(self, pod: PodSnapshot, checked: Verification,
+    def _sign(self, pod: PodSnapshot, checked: Verification, node: str,
               deadline: Deadline = NO_DEADLINE) -> Verification:
-        """Signs the checked `pod` as it was read: one patch, guarded by its uid and
-        resourceVersion (raises WriteConflict / WriteInvalid when it changed since)."""
+        """Signs the checked `pod` as it was read, for `node` (the BindRequest's selected
+        node): one patch, guarded by its uid and resourceVersion (raises WriteConflict /
+        WriteInvalid when it changed since)."""
         if self.signer is None:
             return checked
+        if not node:
+            return replace(checked, unsigned="the BindRequest names no selected node to sign "
+                                             "the allocation for")
         if not pod.uid or not pod.resource_version:
             # Without both guards the patch could land on annotations nobody checked.
             return replace(checked, unsigned="the pod has no uid or resourceVersion to guard "
@@ -313,9 +317,9 @@ class Follower:
                                                  f"planned: {e}")
             annotation = signature_key(plan, self.keys)
             existing = pod.annotations.get(annotation)
-            if existing and keyring.verify(plan, existing, self.keys).ok:
+            if existing and keyring.verify(plan, existing, self.keys, node=node).ok:
                 continue
-            changes[annotation] = keyring.sign(plan)
+            changes[annotation] = keyring.sign(plan, node=node)
         if not changes:
             return checked
         self.store.patch_annotations(pod.namespace, pod.name, changes, uid=pod.uid,

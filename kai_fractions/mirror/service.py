@@ -254,7 +254,8 @@ class MirrorService:
 
     def _outcome(self, pod: PodSnapshot, allocation: AllocationInput, decision) -> Outcome:
         return compute_outcome(pod, decision, container=allocation.container, keys=self.keys,
-                               mps_pipe_root=self.mps_pipe_root, extra=self.extra_annotations)
+                               mps_pipe_root=self.mps_pipe_root, extra=self.extra_annotations,
+                               node=allocation.selected_node)
 
     async def _node_labels(self, node: str, deadline: Deadline) -> Mapping[str, str] | None:
         try:

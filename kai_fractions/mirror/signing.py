@@ -1,5 +1,6 @@
 """The mirror's side of signed allocations: one signature annotation per planned container,
-written in the same patch as the allocation (`MirrorService(extra_annotations=...)`).
+written in the same patch as the allocation (`MirrorService(extra_annotations=...)`), for the
+node the allocation was made for (an Ed25519 signature binds it: `kai_fractions.signing`).
 
 A signature already on the pod that is still valid for the new plan under any accepted key is
 kept as it is, so a repeated call after a key rotation writes nothing. Signatures do not
@@ -11,25 +12,29 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..contract import ContainerPlan, Keys
+from ..contract import ContainerPlan, ContractError, Keys
 from ..contract import keys as k
-from ..signing import KeyringSource, signature_key
+from ..signing import V2, KeyringSource, signature_key
 from .compute import ExtraAnnotations
+from .errors import InvalidAllocation
 from .store import PodSnapshot
 
 
 def signing_annotations(source: KeyringSource, keys: Keys = k.DEFAULT_KEYS) -> ExtraAnnotations:
     def extra(pod: PodSnapshot, written: Mapping[str, str],
-              plans: tuple[ContainerPlan, ...]) -> dict[str, str]:
+              plans: tuple[ContainerPlan, ...], node: str) -> dict[str, str]:
         keyring = source.current()
+        if plans and not node and keyring.current.version == V2:
+            raise InvalidAllocation([ContractError(
+                "selected_node", "is required: a signed allocation names the node it is for")])
         out = {}
         for plan in plans:
             annotation = signature_key(plan, keys)
             existing = pod.annotations.get(annotation)
-            if existing and keyring.verify(plan, existing, keys).ok:
+            if existing and keyring.verify(plan, existing, keys, node=node).ok:
                 out[annotation] = existing
             else:
-                out[annotation] = keyring.sign(plan)
+                out[annotation] = keyring.sign(plan, node=node)
         return out
 
     return extra

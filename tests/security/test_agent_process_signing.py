@@ -83,7 +83,7 @@ def test_signed_applied_unsigned_waits_for_its_signature_forged_refused(agent_en
     assert marker(env, good)["containers"]["main"]["state"] == "applied"
     refused = marker(env, bad)["containers"]["main"]
     assert (refused["state"], refused["reason"]) == ("refused", "SignatureInvalid")
-    assert refused["message"].startswith(f"annotation {SIG} was signed with key ")
+    assert refused["message"].startswith(f"annotation {SIG} was signed with v1 key ")
     # The unsigned pod waits: no marker, one SignatureMissing event, nothing applied.
     waiting = wait_for(lambda: [e for e in env.events(late) if e["reason"] ==
                                 "SignatureMissing"], run=run, what="the SignatureMissing event")

@@ -130,7 +130,7 @@ def test_a_bad_allocation_is_refused_with_nothing_applied(short_tmp, build, reas
     elif build is forged:
         kid_b = Keyring.of(KEY_B).current.kid
         assert entry["message"].startswith(
-            f"annotation {SIG} was signed with key {kid_b}, which this node does not hold")
+            f"annotation {SIG} was signed with v1 key {kid_b}, which this node does not hold")
     else:
         assert entry["message"].startswith(f"annotation {SIG} is malformed (the second field "
                                            "must be kid=<8 lowercase hex digits>)")
@@ -286,4 +286,4 @@ def test_unusable_keys_stop_the_agent_at_start(short_tmp, capsys):
     assert code == 2
     assert capsys.readouterr().err == (
         f"kai-fractions node-agent: signing key {short_tmp}/short: 3 byte(s); an HMAC-SHA256 "
-        "key needs at least 16 (the chart makes 32 random bytes)\n")
+        "key needs at least 16 (better: an Ed25519 key pair from `kai-fractions signing-keys`)\n")

@@ -28,8 +28,8 @@ def test_the_flag_is_repeatable_and_off_by_default():
     ("missing", "--signing-key-file {d}/missing: no such file or directory"),
     ("empty-dir", "--signing-key-file {d}/empty-dir: a key directory needs a file named "
      "'current' (and may have 'previous')"),
-    ("short", "signing key {d}/short: 5 byte(s); an HMAC-SHA256 key needs at least 16 (the "
-     "chart makes 32 random bytes)"),
+    ("short", "signing key {d}/short: 5 byte(s); an HMAC-SHA256 key needs at least 16 "
+     "(better: an Ed25519 key pair from `kai-fractions signing-keys`)"),
 ])
 def test_unusable_keys_are_refused_before_the_cluster_is_touched(tmp_path, capsys, setup,
                                                                  message):

@@ -151,7 +151,9 @@ def test_a_missing_signature(value):
 
 GOOD_SIG = expected_signature(KEY_A, TS_CLAIMS).split("sig=")[1]
 MALFORMED = [
-    ("v2;kid=00000000;sig=" + GOOD_SIG, "version 'v2' is not 'v1'"),
+    ("v3;kid=00000000;sig=" + GOOD_SIG, "version 'v3' is not 'v2' (or 'v1')"),
+    ("v2;kid=00000000;sig=" + GOOD_SIG,
+     "the third field must be sig=<86 base64url characters (Ed25519, no padding)>"),
     ("v1;kid=0000000;sig=" + GOOD_SIG, "the second field must be kid=<8 lowercase hex digits>"),
     ("v1;kid=ABCDEF01;sig=" + GOOD_SIG, "the second field must be kid=<8 lowercase hex digits>"),
     ("v1;key=00000000;sig=" + GOOD_SIG, "the second field must be kid=<8 lowercase hex digits>"),
@@ -162,9 +164,9 @@ MALFORMED = [
     ("v1;kid=00000000;sig=" + GOOD_SIG[:-1] + "+",
      "the third field must be sig=<43 base64url characters (HMAC-SHA256, no padding)>"),
     ("v1;kid=00000000;sig=" + "A" * 42 + "B", "sig is not the canonical base64url of 32 bytes"),
-    ("v1;kid=00000000", "expected v1;kid=<key id>;sig=<signature> (3 fields separated by ';'), "
+    ("v1;kid=00000000", "expected v2;kid=<key id>;sig=<signature> (3 fields separated by ';'), "
      "got 2 field(s)"),
-    ("v1;kid=00000000;sig=" + GOOD_SIG + ";x=1", "expected v1;kid=<key id>;sig=<signature> "
+    ("v1;kid=00000000;sig=" + GOOD_SIG + ";x=1", "expected v2;kid=<key id>;sig=<signature> "
      "(3 fields separated by ';'), got 4 field(s)"),
     ("x" * 129, "is 129 characters long; a signature has at most 128"),
 ]
@@ -203,7 +205,7 @@ def test_rotation_signs_with_current_and_accepts_previous():
     verdict = retired.verify(plan, old)
     assert (verdict.ok, verdict.reason, verdict.kid) == (False, Reason.INVALID, KID_A)
     assert verdict.message == (
-        f"annotation kai-fractions.io/container.main.signature was signed with key {KID_A}, "
+        f"annotation kai-fractions.io/container.main.signature was signed with v1 key {KID_A}, "
         f"which this node does not hold (it holds {KID_B}): the signing key was rotated without "
         "keeping the old one as `previous`, or the mirror and the node agent use different keys")
 
@@ -222,7 +224,8 @@ def test_short_keys_are_refused_and_keys_never_show_in_repr():
     with pytest.raises(SigningConfigError) as e:
         SigningKey(b"x" * 15, "/keys/current")
     assert str(e.value) == ("signing key /keys/current: 15 byte(s); an HMAC-SHA256 key needs at "
-                            "least 16 (the chart makes 32 random bytes)")
+                            "least 16 (better: an Ed25519 key pair from `kai-fractions "
+                            "signing-keys`)")
     assert KEY_A.hex() not in repr(Keyring.of(KEY_A)) and str(KEY_A) not in repr(
         Keyring.of(KEY_A))
     with pytest.raises(SigningConfigError):
@@ -284,7 +287,7 @@ def test_unusable_key_files(tmp_path):
         ([str(empty_dir)], f"--signing-key-file {empty_dir}: a key directory needs a file "
          "named 'current' (and may have 'previous')"),
         ([str(tmp_path / "short")], f"signing key {tmp_path}/short: 3 byte(s); an HMAC-SHA256 "
-         "key needs at least 16 (the chart makes 32 random bytes)"),
+         "key needs at least 16 (better: an Ed25519 key pair from `kai-fractions signing-keys`)"),
         ([], "--signing-key-file: no key file given"),
     ]
     for paths, message in cases:

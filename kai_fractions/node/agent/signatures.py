@@ -49,9 +49,12 @@ class Screened:
 
 
 class SignatureCheck:
-    def __init__(self, source: KeyringSource, keys: Keys) -> None:
+    def __init__(self, source: KeyringSource, keys: Keys, node: str = "") -> None:
         self.source = source
         self.keys = keys
+        self.node = node
+        """This agent's node: an Ed25519 signature must have been made for it ("" = the
+        node each pod is bound to, for agents run without a node name)."""
 
     def screen(self, pods: Iterable[NodePod], unchecked: Collection[str] = ()) -> Screened:
         """Split `pods` into the ones to plan and the refusals; `unchecked` pod UIDs (the
@@ -82,7 +85,8 @@ class SignatureCheck:
             except ContractViolation:
                 continue  # planning refuses it with the reason
             verdict = keyring.verify(plan, pod.view.annotations.get(
-                signature_key(plan, self.keys)), self.keys)
+                signature_key(plan, self.keys)), self.keys,
+                node=self.node or pod.view.node_name)
             if not verdict.ok:
                 failed[share.container] = (verdict.reason, verdict.message)
         if not failed:
