@@ -1,9 +1,12 @@
 """`kai_fractions.v1.NodeEnforcer` on a root-only unix socket.
 
 The socket is created with mode 0600 (the umask is narrowed around the bind, then the mode is
-set explicitly), owned by the agent's user (root on a node): only root on the host can call it,
-no workload can. `GetNodeState` answers from the last pass's snapshot without touching the GPUs;
-`Provision`, `Release` and `Drain` run on the agent's worker like any other GPU work.
+set explicitly), owned by the agent's user (root on a node): only root on the host can call it.
+Every call is also checked against its caller's credentials (`peer_guard`: SO_PEERCRED): only
+the allowed uids may call at all, and a process in a pod's cgroup (a root container that reached
+the socket) may read the node's state but not change any limit. `GetNodeState` answers from the
+last pass's snapshot without touching the GPUs; `Provision`, `Release` and `Drain` run on the
+agent's worker like any other GPU work.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
 from typing import Any
 
@@ -25,6 +29,7 @@ from ..engine import ContainerResult, ContainerState
 from ..errors import NodeError
 from ..nvml import GpuComputeMode
 from .condition import Condition
+from .peer_guard import PeerPolicy, PeerTable, Relay, private_dir
 from .reconciler import LEGACY_MPS_NOTE, KnownPod, NodeView, Reconciler
 from .worker import Worker, WorkerBusy, WorkerStopped
 
@@ -129,6 +134,22 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
         self.node_name = node_name
         self.condition = condition
         self.condition_type = condition_type
+        self.peers: PeerTable | None = None
+        self.policy: PeerPolicy | None = None
+        """Set by `serve_unix`: the caller of each call, and what it may do."""
+
+    def _authorize(self, context: grpc.ServicerContext, method: str, *, changes: bool) -> None:
+        if self.peers is None or self.policy is None:
+            return  # called in-process, not through the socket
+        peer = self.peers.lookup(context.peer())
+        if peer is None:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{method}: the caller's credentials are unknown; only "
+                          f"{self.policy.who_may_call()} may call the node agent")
+        refusal = self.policy.refusal(peer, method, changes=changes)
+        if refusal is not None:
+            log.warning("NodeEnforcer: refused pid %d uid %d: %s", peer.pid, peer.uid, refusal)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
 
     def _run(self, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
         try:
@@ -156,11 +177,13 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
 
     def GetNodeState(self, request: node_pb2.GetNodeStateRequest,
                      context: grpc.ServicerContext) -> node_pb2.GetNodeStateResponse:
+        self._authorize(context, "GetNodeState", changes=False)
         return node_state(self.reconciler.view, self.node_name, self.condition(),
                           self.condition_type)
 
     def Provision(self, request: node_pb2.ProvisionRequest,
                   context: grpc.ServicerContext) -> node_pb2.ProvisionResponse:
+        self._authorize(context, "Provision", changes=True)
         pod = request.pod
         missing = [f for f, v in (("pod.uid", pod.uid), ("pod.namespace", pod.namespace),
                                   ("pod.name", pod.name), ("containers", request.containers))
@@ -177,6 +200,7 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
 
     def Release(self, request: node_pb2.ReleaseRequest,
                 context: grpc.ServicerContext) -> node_pb2.ReleaseResponse:
+        self._authorize(context, "Release", changes=True)
         uid = self._uid(context, request.pod, self.reconciler.view.pods)
         names = self._run(context, lambda: self.reconciler.release(
             uid, request.container or None))
@@ -184,6 +208,7 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
 
     def Drain(self, request: node_pb2.DrainRequest,
               context: grpc.ServicerContext) -> node_pb2.DrainResponse:
+        self._authorize(context, "Drain", changes=True)
         uid = self._uid(context, request.pod, self.reconciler.view.pods)
         pids = self._run(context, lambda: self.reconciler.drain(uid, request.container or None))
         return node_pb2.DrainResponse(drained_pids=pids)
@@ -193,10 +218,27 @@ class SocketError(Exception):
     """The socket cannot be served (the message says why)."""
 
 
+class EnforcerServer:
+    """The gRPC server behind its relay; `stop` ends both and removes the private directory."""
+
+    def __init__(self, server: grpc.Server, relay: Relay) -> None:
+        self.server, self.relay = server, relay
+
+    def stop(self, grace: float | None) -> threading.Event:
+        self.relay.close()
+        self.server.stop(grace).wait()
+        done = threading.Event()
+        done.set()
+        return done
+
+
 def serve_unix(servicer: NodeEnforcerServicer, path: str, *,
-               max_workers: int = 4) -> grpc.Server:
-    """Serves on `path` with mode 0600. Call before other threads start: the umask is
-    process-wide."""
+               allowed_uids: Iterable[int] | None = None, max_workers: int = 4
+               ) -> EnforcerServer:
+    """Serves on `path` with mode 0600 (0666 when `allowed_uids` names other users: each call
+    is checked against its caller's credentials either way). Call before other threads start:
+    the umask is process-wide."""
+    policy = PeerPolicy(servicer.reconciler.procfs, allowed_uids)
     parent = os.path.dirname(path) or "/"
     os.makedirs(parent, mode=0o755, exist_ok=True)
     try:
@@ -207,26 +249,32 @@ def serve_unix(servicer: NodeEnforcerServicer, path: str, *,
         if not stat.S_ISSOCK(st.st_mode):
             raise SocketError(f"--socket {path}: exists and is not a socket; remove it")
         os.unlink(path)  # a previous agent's socket
+    directory = private_dir(path)  # 0700: only the agent's user reaches the gRPC server
+    upstream = os.path.join(directory, "grpc.sock")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="node-enforcer"))
     node_pb2_grpc.add_NodeEnforcerServicer_to_server(servicer, server)
-    old = os.umask(0o177)  # the socket file is born 0600: no window where others may connect
     try:
-        try:
-            bound = server.add_insecure_port(f"unix:{path}")
-        except RuntimeError as e:
-            raise SocketError(f"--socket {path}: cannot listen: {e}") from None
-        if not bound:
-            raise SocketError(f"--socket {path}: cannot listen")
-        server.start()
-    finally:
-        os.umask(old)
-    os.chmod(path, SOCKET_MODE)
-    log.info("NodeEnforcer listening on unix:%s (mode 0600)", path)
-    return server
+        bound = server.add_insecure_port(f"unix:{upstream}")
+    except RuntimeError as e:
+        raise SocketError(f"--socket {path}: cannot listen: {e}") from None
+    if not bound:
+        raise SocketError(f"--socket {path}: cannot listen")
+    server.start()
+    servicer.peers, servicer.policy = PeerTable(), policy
+    others = policy.allowed_uids - {0, os.geteuid()}
+    try:
+        relay = Relay(path, upstream, directory, servicer.peers,
+                      0o666 if others else SOCKET_MODE)
+    except OSError as e:
+        server.stop(None)
+        raise SocketError(f"--socket {path}: cannot listen: {e.strerror or e}") from None
+    log.info("NodeEnforcer listening on unix:%s (mode %o; callers: %s; pods may only read)",
+             path, 0o666 if others else SOCKET_MODE, policy.who_may_call())
+    return EnforcerServer(server, relay)
 
 
-def close_unix(server: grpc.Server, path: str, grace: float = 1.0) -> None:
+def close_unix(server: EnforcerServer, path: str, grace: float = 1.0) -> None:
     server.stop(grace).wait()
     try:
         if stat.S_ISSOCK(os.lstat(path).st_mode):

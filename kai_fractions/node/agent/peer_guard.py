@@ -1,0 +1,221 @@
+"""Who is calling the NodeEnforcer socket, by the kernel's word (SO_PEERCRED), and what it may do.
+
+The socket's mode (0600, root) keeps other users out, but a root container that reaches the
+socket's directory (a hostPath admission did not stop: a namespace it does not cover, or a
+privileged pod) is root too. So each connection's peer credentials decide:
+
+- a uid not in `allowed_uids` (default: root and the agent's own user) may call nothing;
+- a process in a pod's cgroup, other than the node agent's own pod, may read the node's state
+  but not Provision, Release or Drain anything: a workload must not lift other pods' limits;
+- a process whose pid the agent cannot see (another pid namespace: SO_PEERCRED says 0) cannot be
+  told from a pod, so it is treated like one.
+
+grpcio does not show a call's peer credentials, so the agent owns the public socket itself
+(`Relay`): it reads the peer's credentials when it accepts, then relays the bytes to the gRPC
+server on a private socket in a directory only the agent's user can enter, from a client socket
+bound to a fresh path there. gRPC reports that path as the call's peer (`unix:<path>`), which
+`PeerTable` maps back to the credentials.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..procfs import Procfs
+
+log = logging.getLogger(__name__)
+
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_MAX_UNIX_PATH = 100  # sun_path is 108 bytes; leave room for the peer names
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_of(sock: socket.socket) -> Peer:
+    return Peer(*_CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                               _CREDS.size)))
+
+
+def default_allowed_uids() -> frozenset[int]:
+    """Root, and the user the agent runs as (who owns the socket anyway)."""
+    return frozenset({0, os.geteuid()})
+
+
+class PeerPolicy:
+    """Decides what a peer may do; the answer is a refusal message, or None."""
+
+    def __init__(self, procfs: Procfs, allowed_uids: Iterable[int] | None = None,
+                 own_pid: int | None = None) -> None:
+        self.procfs = procfs
+        self.allowed_uids = frozenset(default_allowed_uids() if allowed_uids is None
+                                      else allowed_uids)
+        if not self.allowed_uids:
+            raise ValueError("allowed_uids: at least one uid must be allowed to call the node "
+                             "agent (root's, 0)")
+        self.own_pid = os.getpid() if own_pid is None else own_pid
+        own = procfs.container_of(self.own_pid)
+        self.own_pod = own.pod_uid if own is not None else None
+
+    def who_may_call(self) -> str:
+        return "uid " + ", ".join(str(u) for u in sorted(self.allowed_uids))
+
+    def refusal(self, peer: Peer, method: str, *, changes: bool) -> str | None:
+        if peer.uid not in self.allowed_uids:
+            return (f"{method}: uid {peer.uid} may not call the node agent; only "
+                    f"{self.who_may_call()} may (the socket checks its caller's credentials)")
+        if not changes or peer.pid == self.own_pid:
+            return None
+        if peer.pid <= 0:
+            return (f"{method}: refused: the caller's pid is not visible to the node agent "
+                    "(another pid namespace), so it cannot be told from a pod; call it from "
+                    "the host's pid namespace or the node agent's own pod")
+        owner = self.procfs.container_of(peer.pid)
+        if owner is not None and owner.pod_uid != self.own_pod:
+            return (f"{method}: refused: pid {peer.pid} runs in pod {owner.pod_uid}; only "
+                    "processes on the host or in the node agent's own pod may change GPU "
+                    "limits through this socket")
+        return None
+
+
+class PeerTable:
+    """Relay client path -> the credentials of the connection it carries."""
+
+    def __init__(self) -> None:
+        self._peers: dict[str, Peer] = {}
+        self._lock = threading.Lock()
+
+    def add(self, path: str, peer: Peer) -> None:
+        with self._lock:
+            self._peers[path] = peer
+
+    def remove(self, path: str) -> None:
+        with self._lock:
+            self._peers.pop(path, None)
+
+    def lookup(self, grpc_peer: str) -> Peer | None:
+        """`grpc_peer` is `ServicerContext.peer()`: `unix:<path>` for a relayed call."""
+        path = grpc_peer.removeprefix("unix:")
+        with self._lock:
+            return self._peers.get(path)
+
+
+def private_dir(public_path: str) -> str:
+    """A new 0700 directory for the gRPC server's socket and the relay's client sockets: next to
+    the public socket, or in the temporary directory when that path would be too long."""
+    parent = os.path.dirname(public_path) or "."
+    if len(parent) + 40 > _MAX_UNIX_PATH:
+        parent = None  # type: ignore[assignment]
+    return tempfile.mkdtemp(prefix=".kf-enforcer-", dir=parent)
+
+
+class Relay:
+    """Accepts on the public socket (mode `mode`) and relays each connection to `upstream`."""
+
+    def __init__(self, public_path: str, upstream: str, directory: str, peers: PeerTable,
+                 mode: int) -> None:
+        self.public_path, self.upstream, self.directory = public_path, upstream, directory
+        self.peers = peers
+        self._ids = itertools.count(1)
+        self._stop = threading.Event()
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # born 0600: no window where others may connect
+        try:
+            self._listener.bind(public_path)
+        except OSError:
+            self._listener.close()
+            raise
+        finally:
+            os.umask(old)
+        os.chmod(public_path, mode)
+        self._listener.listen(64)
+        self._listener.settimeout(0.2)  # so `close` is noticed without a wake-up trick
+        self._thread = threading.Thread(target=self._accept, name="node-enforcer-relay",
+                                        daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                log.exception("NodeEnforcer relay: accept failed")
+                continue
+            conn.settimeout(None)
+            threading.Thread(target=self._serve, args=(conn,), name="node-enforcer-conn",
+                             daemon=True).start()
+
+    def _track(self, *socks: socket.socket, add: bool) -> None:
+        with self._lock:
+            for s in socks:
+                (self._open.add if add else self._open.discard)(s)
+
+    def _serve(self, conn: socket.socket) -> None:
+        path = os.path.join(self.directory, f"p{next(self._ids)}.sock")
+        up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._track(conn, up, add=True)
+        try:
+            peer = peer_of(conn)
+            self.peers.add(path, peer)
+            up.bind(path)  # the name gRPC will report as this call's peer
+            up.connect(self.upstream)
+            os.unlink(path)
+            log.debug("NodeEnforcer connection from pid %d uid %d", peer.pid, peer.uid)
+            pump = threading.Thread(target=_copy, args=(conn, up), daemon=True)
+            pump.start()
+            _copy(up, conn)
+            pump.join()
+        except OSError as e:
+            if not self._stop.is_set():
+                log.warning("NodeEnforcer relay: connection dropped: %s", e)
+        finally:
+            self.peers.remove(path)
+            self._track(conn, up, add=False)
+            for s in (conn, up):
+                s.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        self._thread.join(2.0)
+        with self._lock:
+            for s in list(self._open):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _copy(src: socket.socket, dst: socket.socket) -> None:
+    """Bytes from `src` to `dst` until `src` ends; then `dst` learns that no more come."""
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        return
+    with contextlib.suppress(OSError):
+        dst.shutdown(socket.SHUT_WR)
