@@ -1,0 +1,54 @@
+"""Only the mirror holds the Ed25519 private key; it publishes the public half into a ConfigMap
+that node agents mount as their --signing-key-file directory (issue 17, finding 8)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kai_fractions.mirror.public_key import Publisher, public_data
+from kai_fractions.signing import Ed25519Key, Keyring, KeyringSource, load_keyring
+
+from .allocations import KEY_A
+
+pytestmark = pytest.mark.integration
+
+
+def key_dir(tmp_path, name: str, *keys: Ed25519Key):
+    d = tmp_path / name
+    d.mkdir(exist_ok=True)
+    for file, key in zip(("current", "previous"), keys, strict=False):
+        (d / file).write_bytes(key.private_pem())
+    return d
+
+
+def test_the_public_keys_are_published_once_and_again_after_a_rotation(kube, tmp_path):
+    old, new = Ed25519Key.generate(), Ed25519Key.generate()
+    keys = key_dir(tmp_path, "secret", old)
+    publisher = Publisher(kube.api_client, "kai-fractions", "kai-fractions-signing-public",
+                          KeyringSource([str(keys)]))
+    assert publisher.publish() is True
+    assert publisher.publish() is False  # nothing changed: nothing written
+    stored = kube.core.read_namespaced_config_map("kai-fractions-signing-public",
+                                                  "kai-fractions")
+    assert stored.data == {"current": old.public_pem().decode()}
+    assert "PRIVATE" not in str(stored.data)
+
+    key_dir(tmp_path, "secret", new, old)  # the Secret after a rotation
+    assert publisher.publish() is True
+    stored = kube.core.read_namespaced_config_map("kai-fractions-signing-public",
+                                                  "kai-fractions")
+    assert stored.data == {"current": new.public_pem().decode(),
+                           "previous": old.public_pem().decode()}
+
+    # What a node agent mounts verifies what the mirror signs, and cannot sign.
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    for name, pem in stored.data.items():
+        (mounted / name).write_text(pem)
+    node_keys = load_keyring([str(mounted)])
+    assert node_keys.kids == (new.kid, old.kid)
+    assert not any(key.can_sign for key in node_keys.keys)
+
+
+def test_an_hmac_key_has_nothing_to_publish():
+    assert public_data(KeyringSource.fixed(Keyring.of(KEY_A))) == {}
