@@ -54,7 +54,9 @@ def canonical(path: str) -> str:
         if not _PROCESS.fullmatch(out[1]):
             continue  # /proc/meminfo, /proc/sys/...: files of the kernel, not a way out
         tail = out[2:]
-        if tail and tail[0] == "task" and len(tail) >= 2:
+        if tail and tail[0] == "task":
+            if len(tail) == 1 and pending:
+                continue  # the thread id comes next
             tail = tail[2:]  # /proc/<pid>/task/<tid>/... is that thread's view of the same
         if tail and tail[0] == "root":
             out = []  # that process's root: the host's own for a host process
