@@ -69,6 +69,19 @@ def _check_decision(share: ContainerShare, d: BindDecision) -> list[ContractErro
         errors.append(ContractError(
             "received_gpu.portion", "is too small to be written as a decimal portion",
             str(portion)))
+    # For a gpu-fraction pod the portion sizes everything granted (its memory, and its SMs in
+    # the patched dialect). A memory-sized pod keeps its own request whatever the portion; in
+    # the patched dialect its portion may exceed its memory share on purpose (a compute
+    # request), so it is not held to it.
+    asked = share.fraction
+    if (portion is not None and asked is not None and portion > asked
+            and not any(e.key == "received_gpu.portion" for e in errors)):
+        # A decision must not grant more than the pod asked for: a caller that could write a
+        # larger portion would hand the pod more memory or SMs than its owner requested.
+        errors.append(ContractError(
+            "received_gpu.portion", f"grants more than container {share.container!r} asks "
+            f"for (at most {format_plain(asked)} of a GPU)",
+            format_plain(portion) if portion < 10**15 else "huge"))
     if not d.gpu_ids:
         errors.append(ContractError("reserved_gpu_ids", "must name the reserved GPU of each "
                                     "fractional group"))

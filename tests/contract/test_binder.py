@@ -380,3 +380,19 @@ def test_compute_portion_written_is_always_in_0_1() -> None:
         assert e.errors[0].key == "received_gpu.portion"
     else:
         assert Fraction(out[POR]) > 0, out[POR]
+
+
+# -- a decision never grants more than the pod asked for (issue 17, finding 1) -----------------
+
+
+@pytest.mark.parametrize("dialect_of", [decision, patched])
+def test_a_portion_above_the_pods_gpu_fraction_is_refused(dialect_of) -> None:
+    """The review's attack: portion 1 mirrored onto a pod that asked for gpu-fraction 0.1."""
+    errors = _violation({"gpu-fraction": "0.1"}, dialect_of(81559, portion="1"))
+    assert errors == [("received_gpu.portion",
+                       "grants more than container 'main' asks for (at most 0.1 of a GPU)")]
+
+
+def test_a_portion_at_or_below_the_pods_gpu_fraction_is_accepted() -> None:
+    assert written({"gpu-fraction": "0.1"}, decision(81559, portion="0.1"))[REQ] == "8155Mi"
+    assert written({"gpu-fraction": "0.1"}, decision(81559, portion="0.05"))[REQ] == "4077Mi"

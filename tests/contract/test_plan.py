@@ -159,7 +159,7 @@ def test_only_request_plans_limit_equal_to_request() -> None:
         {"gpu-fraction": "0.5", MODE: "sm-sharing"},
         {REQ: "300Mi", LIM: "900Mi", MODE: "sm-sharing"},
         {"gpu-memory": "700", "gpu-memory.limit": "1Gi"},
-        {"gpu-fraction": "0.25", "gpu-fraction.limit": "0.75", MODE: "time-slicing"},
+        {"gpu-fraction": "0.5", "gpu-fraction.limit": "0.75", MODE: "time-slicing"},
     ],
 )
 @pytest.mark.parametrize("cdi", [False, True])

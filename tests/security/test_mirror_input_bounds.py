@@ -45,3 +45,20 @@ def test_oversized_names_are_refused(mirror_tcp):
     error = refused(mirror_tcp, mirror_request(allocation(pod, node="n" * 5000)))
     assert bad_request_fields(error)[0] == (
         "allocation.selected_node", "must be at most 253 characters (got 5000)")
+
+
+def test_a_portion_above_what_the_pod_asked_for_is_refused(mirror_tcp):
+    """Finding 1: portion 1 mirrored onto a pod that asked for gpu-fraction 0.1 was written,
+    signed and applied as a 79 GiB cap."""
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.1"})
+    error = refused(mirror_tcp, mirror_request(allocation(pod, portion="1")))
+    assert bad_request_fields(error) == [(
+        "allocation.received_gpu.portion",
+        "grants more than container 'trainer' asks for (at most 0.1 of a GPU) (got '1')")]
+
+
+def test_more_gpus_than_the_pod_asked_for_are_refused(mirror_tcp):
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    gpus = ("GPU-1111aaaa-0000-4000-8000-000000000001", "GPU-2222bbbb-0000-4000-8000-000000000002")
+    error = refused(mirror_tcp, mirror_request(allocation(pod, gpus=gpus, modes=(1, 1))))
+    assert [field for field, _ in bad_request_fields(error)] == ["allocation.reserved_gpu_ids"]
