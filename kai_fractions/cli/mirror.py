@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -74,6 +75,25 @@ def register(sub) -> None:
                    "pods whose annotations differ from what the binder should have written as "
                    "events (reason NvFractionsMismatch); with --signing-key-file it signs the pods "
                    "whose annotations match (and writes nothing else)")
+    p.add_argument("--leader-elect", action="store_true",
+                   help="with --follow-bindrequests: follow only while holding a "
+                   "coordination.k8s.io Lease, so one replica of several checks and signs each "
+                   "BindRequest (every replica still serves MirrorAllocation)")
+    p.add_argument("--leader-elect-lease-name", default="kai-fractions-mirror-follower",
+                   metavar="NAME", help="the Lease (default: %(default)s)")
+    p.add_argument("--leader-elect-lease-namespace", default="", metavar="NS",
+                   help="the Lease's namespace (default: $POD_NAMESPACE, else the service "
+                   "account's namespace, else \"default\")")
+    p.add_argument("--leader-elect-identity", default="", metavar="ID",
+                   help="this replica's holderIdentity (default: $POD_NAME, else the host "
+                   "name and process id)")
+    p.add_argument("--leader-elect-lease-duration", type=float, default=15.0, metavar="S",
+                   help="seconds a silent holder keeps the Lease (default: %(default)s)")
+    p.add_argument("--leader-elect-renew-deadline", type=float, default=10.0, metavar="S",
+                   help="seconds without a renewal after which a holder stops following "
+                   "(default: %(default)s)")
+    p.add_argument("--leader-elect-retry-period", type=float, default=2.0, metavar="S",
+                   help="seconds between attempts to acquire or renew (default: %(default)s)")
     p.add_argument("--scheduler-name", default=KAI_SCHEDULER_NAME, metavar="NAME",
                    help="the scheduler whose Pending pods the mirror keeps in its pod cache "
                    "(a field selector, so the API server sends no others); \"\" caches every "
@@ -134,6 +154,16 @@ def run(args: argparse.Namespace) -> int:
     if not args.report_interval > 0:
         return _fail(f"--report-interval must be a positive number of seconds, got "
                      f"{args.report_interval}")
+    election = None
+    if args.leader_elect:
+        from ..mirror.leader import election_config
+
+        election = election_config(args, os.environ)
+        if not args.follow_bindrequests:
+            return _fail("--leader-elect elects the BindRequest follower: it needs "
+                         "--follow-bindrequests")
+        if election.problems():
+            return _fail("--leader-elect: " + "; ".join(election.problems()))
     options = ServerOptions(listen=args.listen, tls_cert=args.tls_cert, tls_key=args.tls_key,
                             tls_client_ca=args.tls_client_ca, token_file=args.token_file,
                             insecure=args.insecure)
@@ -170,8 +200,19 @@ def run(args: argparse.Namespace) -> int:
                             default_reserve_mib=args.reserve_mib, dialect=dialect,
                             signer=keyring)
         source = KubeBindRequestSource(api_client)
-        follow_loop = functools.partial(
-            follow, source, lambda obj: follower.verify(BindRequestView.from_object(obj)), stop)
+
+        def handle(obj):
+            return follower.verify(BindRequestView.from_object(obj))
+
+        follow_loop = functools.partial(follow, source, handle, stop)
+        if election is not None:  # the same loop while leading, a source of its own per term
+            from ..mirror.leader import KubeLease, LeaderElector, while_leading
+
+            elector = LeaderElector(KubeLease(api_client, election.namespace, election.name),
+                                    election)
+            follow_loop = functools.partial(elector.run, while_leading(
+                functools.partial(KubeBindRequestSource, api_client),
+                lambda term, lost: follow(term, handle, lost)), stop)
     try:
         server.start()
     except SecurityConfigError as e:
@@ -191,10 +232,15 @@ def run(args: argparse.Namespace) -> int:
                          daemon=True).start()
         log.info("reporting node agent DaemonSet %s as GpuFractioningConfig default's Ready",
                  reporter.daemonset)
+    following = None
     if source is not None:
-        threading.Thread(target=follow_loop, name="bindrequest-follower", daemon=True).start()
-        log.info("following BindRequests (scheduling.run.ai/v1alpha2)%s",
-                 "; signing the pods whose annotations match" if keyring else "")
+        following = threading.Thread(target=follow_loop, name="bindrequest-follower",
+                                     daemon=True)
+        following.start()
+        log.info("following BindRequests (scheduling.run.ai/v1alpha2)%s%s",
+                 "; signing the pods whose annotations match" if keyring else "",
+                 f" while holding lease {election.namespace}/{election.name} as "
+                 f"{election.identity}" if election is not None else "")
     try:
         while not stop.wait(1.0):
             pass
@@ -202,5 +248,7 @@ def run(args: argparse.Namespace) -> int:
         server.stop()
         if source is not None:
             source.close()
+        if following is not None and election is not None:
+            following.join(10)  # the Lease is released before the client closes
         api_client.close()
     return 0

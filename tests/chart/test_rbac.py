@@ -32,6 +32,11 @@ REPORTER_RULES = {
     rule(["apps"], ["daemonsets"], ["get"], ["kai-fractions-node-agent"]),
 }
 
+LEASE_RULES = {
+    rule(["coordination.k8s.io"], ["leases"], ["get", "patch"], ["kai-fractions-mirror-follower"]),
+    rule(["coordination.k8s.io"], ["leases"], ["create"]),
+}
+
 
 MIRROR_RULES = {
     rule([""], ["pods"], ["get", "list", "watch", "patch"]),
@@ -47,6 +52,8 @@ MIRROR_RULES = {
     rule(["apps"], ["daemonsets"], ["get"], ["kai-fractions-node-agent"]),
     # writes as KAI's binder (its NvFractions webhook lets only that account write .gpus.devices)
     IMPERSONATE_BINDER,
+    # one BindRequest follower among the replicas: its Lease (test_mirror_lease.py)
+    *LEASE_RULES,
 }
 AGENT_RULES = {
     rule([""], ["pods"], ["get", "list", "watch", "patch"]),
@@ -85,11 +92,14 @@ def test_no_wildcards_and_secrets_only_by_name(values_file: Path | None):
             for field in ("apiGroups", "resources", "verbs", "resourceNames"):
                 assert not any("*" in item for item in r.get(field, [])), where
             assert "nonResourceURLs" not in r, where
-            # no escalation paths: nothing that grants; events are the only thing created;
+            # no escalation paths: nothing that grants; events are the only thing created,
+            # and the mirror's election Lease in its own namespace (test_mirror_lease.py);
             # the only impersonation is of KAI's binder ServiceAccount, by name, in KAI's
             # namespace (the mirror writes as it: test_kai_identity.py)
             assert not {"escalate", "bind", "create"} & set(r["verbs"]) or (
-                set(r["resources"]) == {"events"}), where
+                set(r["resources"]) == {"events"}) or (
+                set(r["resources"]) == {"leases"} and role["kind"] == "Role"
+                and role["metadata"]["namespace"] == NAMESPACE), where
             if "impersonate" in r["verbs"]:
                 assert role["kind"] == "Role", where
                 assert role["metadata"]["name"] == "kai-fractions-mirror-write-as-binder", where
@@ -113,7 +123,7 @@ def test_mirror_rules_shrink_with_its_options():
                   ("mirror.followBindRequests=false", "signing.enabled=false",
                    "gpuFractioningConfig.enabled=false", "mirror.writeAsBinder=false"))
     rules = granted(docs)
-    assert rules[MIRROR] == MIRROR_RULES - REPORTER_RULES - {
+    assert rules[MIRROR] == MIRROR_RULES - REPORTER_RULES - LEASE_RULES - {
         IMPERSONATE_BINDER,
         rule(["scheduling.run.ai"], ["bindrequests"], ["get", "list", "watch"]),
         rule([""], ["secrets"], ["get"], ["kai-fractions-signing"])}

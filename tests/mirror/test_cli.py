@@ -11,6 +11,9 @@ from tests.support.mirror_kube import register_bindrequests, run_mirror_process
 FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file",
          "--signing-key-file", "--insecure", "--kai-dialect", "--reserve-mib",
          "--write-as", "--annotation-prefix", "--kubeconfig", "--follow-bindrequests",
+         "--leader-elect", "--leader-elect-lease-name", "--leader-elect-lease-namespace",
+         "--leader-elect-identity", "--leader-elect-lease-duration",
+         "--leader-elect-renew-deadline", "--leader-elect-retry-period",
          "--scheduler-name", "--no-pod-cache", "--report-gpu-fractioning-config",
          "--node-agent-daemonset", "--report-interval", "--log-level"]
 

@@ -1,0 +1,241 @@
+"""Leader election on a Lease for the BindRequest follower: acquire, renew, take over an expired
+Lease (judged by the replica's own clock), lose to a faster writer (resourceVersion), release,
+and stop leading when renewals fail; then the same through the official client on kmock."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from types import SimpleNamespace
+
+import pytest
+from kubernetes import client as k8s
+
+from kai_fractions.mirror.leader import (
+    ElectionConfig,
+    KubeLease,
+    LeaderElector,
+    LeaseConflict,
+    election_config,
+    micro_time,
+    while_leading,
+)
+
+NS, NAME = "kai-fractions", "kai-fractions-mirror-follower"
+T0 = datetime.datetime(2026, 12, 1, 12, 0, 0, tzinfo=datetime.UTC)
+
+
+class FakeLease:
+    """One Lease in memory, with a resourceVersion and 409 on a stale one, as the API server
+    does; `broken` makes every call fail as an unreachable API would."""
+
+    def __init__(self) -> None:
+        self.obj: dict | None = None
+        self.version = 0
+        self.writes = 0
+        self.broken = False
+
+    def _check(self) -> None:
+        if self.broken:
+            raise OSError("connection refused")
+
+    def get(self):
+        self._check()
+        return None if self.obj is None else {"metadata": {"resourceVersion": str(
+            self.version)}, "spec": dict(self.obj)}
+
+    def create(self, spec):
+        self._check()
+        if self.obj is not None:
+            raise LeaseConflict("already exists")
+        return self._store(spec)
+
+    def update(self, spec, resource_version):
+        self._check()
+        if resource_version != str(self.version):
+            raise LeaseConflict("modified")
+        return self._store(spec)
+
+    def _store(self, spec):
+        self.version += 1
+        self.writes += 1
+        self.obj = dict(spec)
+        return {"metadata": {"resourceVersion": str(self.version)}, "spec": dict(spec)}
+
+
+class Clocks:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> datetime.datetime:
+        return T0 + datetime.timedelta(seconds=self.now)
+
+
+def elector(lease, identity: str, clocks: Clocks, **durations) -> LeaderElector:
+    return LeaderElector(lease, ElectionConfig(NS, NAME, identity, **durations),
+                         monotonic=clocks.monotonic, wall=clocks.wall)
+
+
+def test_the_first_replica_creates_the_lease_and_renews_it():
+    lease, clocks = FakeLease(), Clocks()
+    a = elector(lease, "mirror-a", clocks)
+    assert a.try_acquire_or_renew()
+    assert lease.obj == {"holderIdentity": "mirror-a", "leaseDurationSeconds": 15,
+                         "acquireTime": "2026-12-01T12:01:40.000000Z",
+                         "renewTime": "2026-12-01T12:01:40.000000Z", "leaseTransitions": 0}
+    clocks.now += 2
+    assert a.try_acquire_or_renew()
+    assert lease.obj["renewTime"] == "2026-12-01T12:01:42.000000Z"
+    assert (lease.obj["acquireTime"], lease.obj["leaseTransitions"]) == (
+        "2026-12-01T12:01:40.000000Z", 0)
+
+
+def test_another_replica_takes_over_only_after_the_lease_went_unrenewed_for_its_duration():
+    lease, clocks = FakeLease(), Clocks()
+    a, b = elector(lease, "mirror-a", clocks), elector(lease, "mirror-b", clocks)
+    assert a.try_acquire_or_renew()
+    for _ in range(10):  # a renews every 2 s: b never sees the same record for 15 s
+        clocks.now += 2
+        assert a.try_acquire_or_renew()
+        assert not b.try_acquire_or_renew()
+    clocks.now += 14.9  # a went silent; b's clock, not a's renewTime, decides
+    assert not b.try_acquire_or_renew()
+    clocks.now += 0.2
+    assert b.try_acquire_or_renew()
+    assert (lease.obj["holderIdentity"], lease.obj["leaseTransitions"]) == ("mirror-b", 1)
+    assert lease.obj["acquireTime"] == micro_time(clocks.wall())
+    clocks.now += 2
+    assert not a.try_acquire_or_renew()  # a, back, finds b renewing
+
+
+def test_of_two_replicas_taking_over_at_once_the_first_write_wins():
+    lease, clocks = FakeLease(), Clocks()
+    assert elector(lease, "mirror-a", clocks).try_acquire_or_renew()
+    b, c = elector(lease, "mirror-b", clocks), elector(lease, "mirror-c", clocks)
+    assert not b.try_acquire_or_renew() and not c.try_acquire_or_renew()
+    clocks.now += 16
+    stale = lease.get()  # c read the record before b wrote
+    assert b.try_acquire_or_renew()
+    c.lease = SimpleNamespace(get=lambda: stale, update=lease.update, create=lease.create)
+    assert not c.try_acquire_or_renew()  # 409: the resourceVersion it read is gone
+    assert lease.obj["holderIdentity"] == "mirror-b"
+
+
+def test_a_released_lease_is_taken_at_the_next_attempt():
+    lease, clocks = FakeLease(), Clocks()
+    a, b = elector(lease, "mirror-a", clocks), elector(lease, "mirror-b", clocks)
+    assert a.try_acquire_or_renew()
+    assert not b.try_acquire_or_renew()
+    a.release()
+    assert (lease.obj["holderIdentity"], lease.obj["leaseDurationSeconds"]) == ("", 1)
+    assert b.try_acquire_or_renew()
+    b.release()
+    b.lease.broken = True
+    a.release()  # not the holder, and the API away: logged, nothing raised
+
+
+@pytest.mark.parametrize(("durations", "problem"), [
+    ({"lease_seconds": 10, "renew_deadline_seconds": 10}, "retry period (2.0) < renew deadline "
+     "(10) < lease duration (10)"),
+    ({"retry_seconds": 0}, "retry period must be positive, got 0"),
+    ({"lease_seconds": 2.5, "renew_deadline_seconds": 2}, "lease duration must be a whole "
+     "number of seconds >= 1"),
+])
+def test_durations_that_would_let_two_leaders_overlap_are_refused(durations, problem):
+    problems = ElectionConfig(NS, NAME, "a", **durations).problems()
+    assert any(problem in p for p in problems), problems
+    assert ElectionConfig("", NAME, "a").problems() == ["lease namespace is empty"]
+
+
+def test_flags_default_from_the_downward_api_then_the_host(tmp_path):
+    args = SimpleNamespace(leader_elect_lease_namespace="", leader_elect_identity="",
+                           leader_elect_lease_name=NAME, leader_elect_lease_duration=15.0,
+                           leader_elect_renew_deadline=10.0, leader_elect_retry_period=2.0)
+    config = election_config(args, {"POD_NAME": "m-0", "POD_NAMESPACE": "kf"})
+    assert (config.namespace, config.identity) == ("kf", "m-0")
+    (tmp_path / "ns").write_text("from-sa\n")
+    config = election_config(args, {}, namespace_file=str(tmp_path / "ns"))
+    assert config.namespace == "from-sa" and "_" in config.identity
+    assert election_config(args, {}, namespace_file=str(tmp_path / "none")).namespace == \
+        "default"
+
+
+def test_a_leader_that_cannot_renew_stops_leading_within_its_deadline():
+    lease = FakeLease()
+    a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=2,
+                                            renew_deadline_seconds=0.3, retry_seconds=0.05))
+    terms: list[str] = []
+    stop = threading.Event()
+
+    def lead(lost: threading.Event) -> None:
+        terms.append("started")
+        lease.broken = True  # the API goes away while leading
+        assert lost.wait(5)
+        terms.append("lost")
+        stop.set()
+
+    runner = threading.Thread(target=a.run, args=(lead, stop))
+    runner.start()
+    runner.join(10)
+    assert not runner.is_alive()
+    assert terms == ["started", "lost"] and not a.leading
+
+
+def test_stopping_a_leader_ends_its_work_and_releases_the_lease():
+    lease = FakeLease()
+    a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=2,
+                                            renew_deadline_seconds=1, retry_seconds=0.05))
+    stop, led = threading.Event(), threading.Event()
+    closed: list[bool] = []
+
+    class Source:
+        def close(self) -> None:
+            closed.append(True)
+
+    def follow(source, lost: threading.Event) -> None:
+        led.set()
+        lost.wait()
+
+    runner = threading.Thread(target=a.run, args=(while_leading(Source, follow), stop))
+    runner.start()
+    assert led.wait(5)
+    stop.set()
+    runner.join(10)
+    assert closed == [True]
+    assert lease.obj["holderIdentity"] == ""
+
+
+@pytest.mark.integration
+def test_two_electors_through_the_official_client_on_kmock(kube):
+    clocks = Clocks()
+    a = elector(KubeLease(kube.api_client, NS, NAME), "mirror-a", clocks)
+    b = elector(KubeLease(kube.api_client, NS, NAME), "mirror-b", clocks)
+    assert a.try_acquire_or_renew()
+    assert not b.try_acquire_or_renew()
+    clocks.now += 16
+    assert b.try_acquire_or_renew()
+    stored = kube.api_client.sanitize_for_serialization(
+        k8s.CoordinationV1Api(kube.api_client).read_namespaced_lease(NAME, NS))
+    assert stored["spec"]["holderIdentity"] == "mirror-b"
+    assert stored["spec"]["leaseTransitions"] == 1
+    clocks.now += 1
+    assert not a.try_acquire_or_renew()
+    with pytest.raises(LeaseConflict):
+        KubeLease(kube.api_client, NS, NAME).update({"holderIdentity": "x"}, "1")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--leader-elect"], "--leader-elect elects the BindRequest follower: it needs "
+     "--follow-bindrequests"),
+    (["--follow-bindrequests", "--leader-elect", "--leader-elect-renew-deadline", "20"],
+     "--leader-elect: the durations must satisfy retry period (2.0) < renew deadline (20.0) < "
+     "lease duration (15.0): a leader gives up before another takes over"),
+])
+def test_the_cli_refuses_an_election_it_cannot_hold(capsys, argv, message):
+    from kai_fractions.cli import main
+
+    assert main(["mirror", *argv]) == 2
+    assert capsys.readouterr().err == f"kai-fractions mirror: {message}\n"
