@@ -34,6 +34,26 @@ NORMAL = "Normal"
 WARNING = "Warning"
 MAX_MESSAGE = 1024
 MAX_BACKLOG = 200
+EVENT_BURST = 50
+EVENT_RATE = 1.0
+"""Events per second an agent creates once its burst is spent; the others wait in the
+backlog. A restarted agent announces every pod it applies again (its memory of what it sent
+is gone): a DaemonSet rollout must not turn into a burst of Event writes (docs/scale.md)."""
+AGGREGATE_AFTER = 10
+AGGREGATE_SECONDS = 600.0
+"""After this many events of one pod and reason within the window, the rest of the window's
+are counted and sent as one event when it ends (client-go's EventCorrelator keeps the same
+ten in ten minutes)."""
+
+
+@dataclass(slots=True)
+class _Group:
+    """The events of one pod and reason in the current window."""
+
+    start: float
+    created: int = 0
+    folded: int = 0
+    last: tuple[PodRef, str, str] | None = None  # (pod, kind, message) of the latest folded
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +86,22 @@ def event_body(pod: PodRef, kind: str, reason: str, message: str, *, node: str,
 
 
 class EventRecorder:
+    """Creates events at most `rate` per second after a burst of `burst` (the others wait in
+    the backlog), and folds the events of one pod and reason beyond `aggregate_after` in a
+    window of `aggregate_seconds` into one, sent when the window ends."""
+
     def __init__(self, cluster: ClusterWriter | None, node: str,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, *, burst: int = EVENT_BURST,
+                 rate: float = EVENT_RATE, aggregate_after: int = AGGREGATE_AFTER,
+                 aggregate_seconds: float = AGGREGATE_SECONDS):
         self.cluster = cluster
         self.node = node
         self.clock = clock
+        self.burst, self.rate = burst, rate
+        self.aggregate_after, self.aggregate_seconds = aggregate_after, aggregate_seconds
+        self._tokens = float(burst)
+        self._refilled = clock()
+        self._groups: dict[tuple[str, str], _Group] = {}
         self._sent: dict[Hashable, str] = {}
         """dedup key -> pod uid, for the keys already emitted."""
         self.emitted: list[tuple[str, str, str]] = []
@@ -79,20 +110,23 @@ class EventRecorder:
 
     def emit(self, pod: PodRef, kind: str, reason: str, message: str,
              key: Hashable) -> bool:
-        """Emits unless `key` was emitted before; True when it was sent now."""
+        """Emits unless `key` was emitted before; True when it was sent now, or folded into
+        its pod and reason's summary (sent when the window ends)."""
         if key in self._sent:
             return False
-        if self.cluster is not None and pod.name:
-            try:
-                self.cluster.create_event(pod.namespace, event_body(
-                    pod, kind, reason, message, node=self.node, now=self.clock()))
-            except KubeError as e:
-                log.warning("event %s on pod %s/%s not recorded (%s); retried later", reason,
-                            pod.namespace, pod.name, e.message)
-                self._backlog[key] = (pod, kind, reason, message)
-                while len(self._backlog) > MAX_BACKLOG:
-                    del self._backlog[next(iter(self._backlog))]
-                return False
+        now = self.clock()
+        group = self._group(pod.uid, reason, now)
+        if group.created >= self.aggregate_after:
+            group.folded += 1
+            group.last = (pod, kind, message)
+            self._backlog.pop(key, None)
+            self._sent[key] = pod.uid
+            log.info("pod %s/%s: %s (folded into the window's summary): %s", pod.namespace,
+                     pod.name, reason, message)
+            return True
+        if not self._create(pod, kind, reason, message, now, key):
+            return False
+        group.created += 1
         self._backlog.pop(key, None)
         self._sent[key] = pod.uid
         self.emitted.append((pod.uid, reason, message))
@@ -100,10 +134,69 @@ class EventRecorder:
         return True
 
     def flush(self) -> None:
-        """Sends again the events the API did not take before."""
+        """Sends the summaries of the windows that ended, then again the events the API did
+        not take before or the rate held back."""
+        now = self.clock()
+        for (uid, reason), group in list(self._groups.items()):
+            if now - group.start >= self.aggregate_seconds and not self._summarise(
+                    uid, reason, group, now):
+                return
         for key, (pod, kind, reason, message) in list(self._backlog.items()):
             if key in self._backlog and not self.emit(pod, kind, reason, message, key):
                 return  # the API still refuses: the rest waits for the next pass
+
+    def _group(self, uid: str, reason: str, now: float) -> _Group:
+        group = self._groups.get((uid, reason))
+        if group is not None and now - group.start >= self.aggregate_seconds:
+            if not self._summarise(uid, reason, group, now):
+                return group  # its summary waits: the window goes on until it is sent
+            group = None
+        if group is None:
+            group = self._groups[(uid, reason)] = _Group(start=now)
+        return group
+
+    def _summarise(self, uid: str, reason: str, group: _Group, now: float) -> bool:
+        """Sends the ended window's summary (when events were folded) and forgets the window;
+        False when the rate or the API held it back."""
+        if group.folded and group.last is not None:
+            pod, kind, message = group.last
+            summary = (f"{message} (and {group.folded - 1} more {reason} event(s) of this pod "
+                       f"in {self.aggregate_seconds:.0f} s, not sent one by one)"
+                       if group.folded > 1 else message)
+            if not self._create(pod, kind, reason, summary, now, None, count=group.folded):
+                return False
+            self.emitted.append((pod.uid, reason, summary))
+        del self._groups[(uid, reason)]
+        return True
+
+    def _create(self, pod: PodRef, kind: str, reason: str, message: str, now: float,
+                key: Hashable | None, count: int = 1) -> bool:
+        """One Event to the API, within the rate; an event with a `key` that could not go
+        now waits in the backlog."""
+        if self.cluster is None or not pod.name:
+            return True
+        self._tokens = min(float(self.burst),
+                           self._tokens + (now - self._refilled) * self.rate)
+        self._refilled = now
+        problem = None
+        if self._tokens < 1:
+            problem = "over the agent's event rate"
+        else:
+            body = event_body(pod, kind, reason, message, node=self.node, now=now)
+            body["count"] = count
+            try:
+                self.cluster.create_event(pod.namespace, body)
+                self._tokens -= 1
+                return True
+            except KubeError as e:
+                problem = e.message
+        log.warning("event %s on pod %s/%s not recorded (%s); retried later", reason,
+                    pod.namespace, pod.name, problem)
+        if key is not None:
+            self._backlog[key] = (pod, kind, reason, message)
+            while len(self._backlog) > MAX_BACKLOG:
+                del self._backlog[next(iter(self._backlog))]
+        return False
 
     def seen(self, key: Hashable) -> bool:
         return key in self._sent
@@ -118,5 +211,7 @@ class EventRecorder:
     def forget_pod(self, uid: str) -> None:
         for key in [k for k, owner in self._sent.items() if owner == uid]:
             del self._sent[key]
+        for group in [g for g in self._groups if g[0] == uid]:
+            del self._groups[group]
         for key in [k for k, v in self._backlog.items() if v[0].uid == uid]:
             del self._backlog[key]

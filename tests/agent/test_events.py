@@ -1,0 +1,86 @@
+"""The node agent's events under load: at most `rate` per second after a burst (the rest wait
+in the backlog and go out with later passes), and the events of one pod and reason beyond ten
+in a window folded into one summary, so a restart or a misbehaving workload cannot flood the
+API server with Event writes."""
+
+from __future__ import annotations
+
+from kai_fractions.node.agent.events import WARNING, EventRecorder, PodRef
+from kai_fractions.node.agent.fake_kube import FakeCluster
+from kai_fractions.node.agent.kube import KubeError
+
+A = PodRef("team-a", "train-0", "uid-a")
+B = PodRef("team-a", "train-1", "uid-b")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def recorder(cluster: FakeCluster, clock: Clock, **kw) -> EventRecorder:
+    return EventRecorder(cluster, "node-a", clock, **kw)
+
+
+def test_a_burst_goes_out_then_the_rest_at_the_rate_from_the_backlog():
+    cluster, clock = FakeCluster(), Clock()
+    events = recorder(cluster, clock, burst=3, rate=0.5)
+    sent = [events.emit(PodRef("ns", f"p{i}", f"u{i}"), WARNING, "Applied", f"pod {i}",
+                        key=("Applied", i)) for i in range(5)]
+    assert sent == [True, True, True, False, False]
+    assert len(cluster.events) == 3
+    events.flush()  # no time has passed: nothing more
+    assert len(cluster.events) == 3
+    clock.now += 2.0  # one more token
+    events.flush()
+    assert [e["message"] for e in cluster.events] == ["pod 0", "pod 1", "pod 2", "pod 3"]
+    clock.now += 10.0
+    events.flush()
+    assert len(cluster.events) == 5
+    assert not events.emit(PodRef("ns", "p0", "u0"), WARNING, "Applied", "again",
+                           key=("Applied", 0))  # sent before: never twice
+
+
+def test_a_refusing_api_keeps_the_event_and_spends_no_rate():
+    cluster, clock = FakeCluster(), Clock()
+    events = recorder(cluster, clock, burst=1, rate=0.001)
+    cluster.fail("create_event", KubeError("events: 503", 503))
+    assert not events.emit(A, WARNING, "Refused", "no", key="k")
+    events.flush()
+    assert [e["reason"] for e in cluster.events] == ["Refused"]
+
+
+def test_events_of_one_pod_and_reason_beyond_ten_are_folded_into_one_per_window():
+    cluster, clock = FakeCluster(), Clock()
+    events = recorder(cluster, clock, burst=100, aggregate_after=10, aggregate_seconds=600)
+    for i in range(25):
+        assert events.emit(A, WARNING, "LimitViolation", f"episode {i}", key=("v", i))
+        clock.now += 1
+    events.emit(B, WARNING, "LimitViolation", "another pod", key=("v", "b"))
+    events.emit(A, WARNING, "LimitEnforced", "another reason", key=("e", 0))
+    assert len(cluster.events) == 12  # ten of A's, then B's and A's other reason
+    clock.now += 600
+    events.flush()
+    summary = cluster.events[-1]
+    assert summary["message"] == ("episode 24 (and 14 more LimitViolation event(s) of this "
+                                  "pod in 600 s, not sent one by one)")
+    assert (summary["count"], summary["involvedObject"]["uid"]) == (15, "uid-a")
+    # A new window: the pod's events are sent one by one again.
+    assert events.emit(A, WARNING, "LimitViolation", "episode 25", key=("v", 25))
+    assert cluster.events[-1]["message"] == "episode 25"
+    events.flush()
+    assert len(cluster.events) == 14
+
+
+def test_a_forgotten_pod_leaves_no_window_behind():
+    cluster, clock = FakeCluster(), Clock()
+    events = recorder(cluster, clock, aggregate_after=1)
+    events.emit(A, WARNING, "LimitViolation", "first", key=1)
+    events.emit(A, WARNING, "LimitViolation", "folded", key=2)
+    events.forget_pod("uid-a")
+    clock.now += 601
+    events.flush()
+    assert [e["message"] for e in cluster.events] == ["first"]
