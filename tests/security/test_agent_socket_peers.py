@@ -7,6 +7,7 @@ Release, Drain or Provision anything. The agent runs over kmock and the fake NVM
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -117,3 +118,20 @@ def test_a_uid_that_is_not_allowed_is_refused_naming_who_may_call(agent_env: Age
     with stub(env) as s:  # root still can
         assert s.GetNodeState(node_pb2.GetNodeStateRequest(), timeout=10).node_name == env.node
     assert run.stop() == 0
+
+
+def test_the_private_grpc_socket_behind_the_relay_answers_no_one_directly(agent_env: AgentEnv):
+    """A root process that reaches the agent's directory could connect to the gRPC server's own
+    socket and skip the relay: its calls carry no known credentials and are refused."""
+    env = agent_env
+    run = started(env)
+    private = env.socket.parent / f".{env.socket.name}.d"
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    with grpc.insecure_channel(f"unix:{private / 'grpc.sock'}") as channel:
+        got = refused(node_pb2_grpc.NodeEnforcerStub(channel).GetNodeState,
+                      node_pb2.GetNodeStateRequest())
+    assert got == (grpc.StatusCode.PERMISSION_DENIED, (
+        "GetNodeState: the caller's credentials are unknown; only uid 0 may call the node "
+        "agent"))
+    assert run.stop() == 0
+    assert not private.exists() and not env.socket.exists()  # stopping leaves nothing behind

@@ -13,8 +13,9 @@ privileged pod) is root too. So each connection's peer credentials decide:
 grpcio does not show a call's peer credentials, so the agent owns the public socket itself
 (`Relay`): it reads the peer's credentials when it accepts, then relays the bytes to the gRPC
 server on a private socket in a directory only the agent's user can enter, from a client socket
-bound to a fresh path there. gRPC reports that path as the call's peer (`unix:<path>`), which
-`PeerTable` maps back to the credentials.
+bound to a fresh, unguessable path there. gRPC reports that path as the call's peer
+(`unix:<path>`), which `PeerTable` maps back to the credentials. A call whose peer is not in the
+table (a root process that connected to the private socket directly) is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import contextlib
 import itertools
 import logging
 import os
+import secrets
 import shutil
 import socket
 import struct
@@ -115,12 +117,19 @@ class PeerTable:
 
 
 def private_dir(public_path: str) -> str:
-    """A new 0700 directory for the gRPC server's socket and the relay's client sockets: next to
-    the public socket, or in the temporary directory when that path would be too long."""
+    """A fresh 0700 directory for the gRPC server's socket and the relay's client sockets:
+    `.<socket name>.d` next to the public socket (a previous agent's, left by a crash, is
+    replaced), or a new one in the temporary directory when that path would be too long."""
     parent = os.path.dirname(public_path) or "."
-    if len(parent) + 40 > _MAX_UNIX_PATH:
-        parent = None  # type: ignore[assignment]
-    return tempfile.mkdtemp(prefix=".kf-enforcer-", dir=parent)
+    directory = os.path.join(parent, f".{os.path.basename(public_path)}.d")
+    if len(directory) + 32 > _MAX_UNIX_PATH:  # room for the relay's peer names
+        return tempfile.mkdtemp(prefix="kf-enforcer-")
+    if os.path.islink(directory):
+        os.unlink(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.mkdir(directory, 0o700)
+    os.chmod(directory, 0o700)  # whatever the umask
+    return directory
 
 
 class Relay:
@@ -171,15 +180,19 @@ class Relay:
                 (self._open.add if add else self._open.discard)(s)
 
     def _serve(self, conn: socket.socket) -> None:
-        path = os.path.join(self.directory, f"p{next(self._ids)}.sock")
+        # An unguessable name, bound BEFORE it enters the table and kept bound until it left it:
+        # a root process that reaches this directory can neither take over a live entry's name
+        # nor see its own connection credited with another caller's credentials.
+        path = os.path.join(self.directory, f"p{next(self._ids)}-{secrets.token_hex(6)}.sock")
         up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._track(conn, up, add=True)
+        bound = False
         try:
             peer = peer_of(conn)
-            self.peers.add(path, peer)
             up.bind(path)  # the name gRPC will report as this call's peer
+            bound = True
+            self.peers.add(path, peer)
             up.connect(self.upstream)
-            os.unlink(path)
             log.debug("NodeEnforcer connection from pid %d uid %d", peer.pid, peer.uid)
             pump = threading.Thread(target=_copy, args=(conn, up), daemon=True)
             pump.start()
@@ -193,8 +206,9 @@ class Relay:
             self._track(conn, up, add=False)
             for s in (conn, up):
                 s.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            if bound:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     def close(self) -> None:
         self._stop.set()
