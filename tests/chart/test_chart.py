@@ -152,7 +152,8 @@ def test_mirror_deployment_defaults():
         "--tls-cert=/etc/kai-fractions/tls/tls.crt", "--tls-key=/etc/kai-fractions/tls/tls.key",
         "--report-gpu-fractioning-config",
         "--node-agent-daemonset=kai-fractions/kai-fractions-node-agent", "--report-interval=10",
-        "--signing-key-file=/etc/kai-fractions/signing", "--log-level=info"]
+        "--signing-key-file=/etc/kai-fractions/signing",
+        "--publish-public-key=kai-fractions/kai-fractions-signing-public", "--log-level=info"]
     tls = next(v for v in pod["volumes"] if v["name"] == "tls")
     assert tls["secret"]["secretName"] == f"{MIRROR}-tls"
     pdb = one(docs, "PodDisruptionBudget", MIRROR)

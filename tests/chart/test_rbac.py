@@ -32,6 +32,11 @@ REPORTER_RULES = {
     rule(["apps"], ["daemonsets"], ["get"], ["kai-fractions-node-agent"]),
 }
 
+PUBLIC_KEY_RULES = {
+    rule([""], ["configmaps"], ["get", "patch"], ["kai-fractions-signing-public"]),
+    rule([""], ["configmaps"], ["create"]),
+}
+
 LEASE_RULES = {
     rule(["coordination.k8s.io"], ["leases"], ["get", "patch"], ["kai-fractions-mirror-follower"]),
     rule(["coordination.k8s.io"], ["leases"], ["create"]),
@@ -44,6 +49,8 @@ MIRROR_RULES = {
     rule(["scheduling.run.ai"], ["bindrequests"], ["get", "list", "watch"]),
     EVENTS,
     rule([""], ["secrets"], ["get"], ["kai-fractions-signing"]),
+    # publishes the signing public key for the node agents (--publish-public-key)
+    *PUBLIC_KEY_RULES,
     # the GpuFractioningConfig reporter: the one object KAI's operator reads, its status only
     # written, and the one DaemonSet whose readiness it reports
     rule(["gpu-fractioning.kai.scheduler"], ["gpufractioningconfigs"], ["get"], ["default"]),
@@ -93,12 +100,13 @@ def test_no_wildcards_and_secrets_only_by_name(values_file: Path | None):
                 assert not any("*" in item for item in r.get(field, [])), where
             assert "nonResourceURLs" not in r, where
             # no escalation paths: nothing that grants; events are the only thing created,
-            # and the mirror's election Lease in its own namespace (test_mirror_lease.py);
+            # and the mirror's election Lease and signing public key ConfigMap in its own
+            # namespace (test_mirror_lease.py, tests/security/test_chart_signing.py);
             # the only impersonation is of KAI's binder ServiceAccount, by name, in KAI's
             # namespace (the mirror writes as it: test_kai_identity.py)
             assert not {"escalate", "bind", "create"} & set(r["verbs"]) or (
                 set(r["resources"]) == {"events"}) or (
-                set(r["resources"]) == {"leases"} and role["kind"] == "Role"
+                set(r["resources"]) in ({"leases"}, {"configmaps"}) and role["kind"] == "Role"
                 and role["metadata"]["namespace"] == NAMESPACE), where
             if "impersonate" in r["verbs"]:
                 assert role["kind"] == "Role", where
@@ -126,7 +134,7 @@ def test_mirror_rules_shrink_with_its_options():
     assert rules[MIRROR] == MIRROR_RULES - REPORTER_RULES - LEASE_RULES - {
         IMPERSONATE_BINDER,
         rule(["scheduling.run.ai"], ["bindrequests"], ["get", "list", "watch"]),
-        rule([""], ["secrets"], ["get"], ["kai-fractions-signing"])}
+        rule([""], ["secrets"], ["get"], ["kai-fractions-signing"])} - PUBLIC_KEY_RULES
     assert not find(docs, "Secret", "kai-fractions-signing")
 
 
@@ -135,6 +143,10 @@ def test_signing_key_rule_follows_the_secret_name():
                   ("signing.secretName=allocation-hmac", "signing.create=false"))
     assert rule([""], ["secrets"], ["get"], ["allocation-hmac"]) in granted(docs)[MIRROR]
     assert not find(docs, "Secret", "allocation-hmac")
+    docs = render(CHART / "ci" / "time-slicing-only-values.yaml",
+                  ("signing.publicKeyConfigMap=allocation-public",))
+    assert rule([""], ["configmaps"], ["get", "patch"], ["allocation-public"]) in granted(
+        docs)[MIRROR]
 
 
 @pytest.mark.parametrize("values_file", VALUES, ids=values_id)

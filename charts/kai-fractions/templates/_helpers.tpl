@@ -173,3 +173,17 @@ object is untyped in webhook match conditions. */}}
 {{- $p := include "kf.cel.isFractionKey" . -}}
 (has(object.spec) && has(object.spec.template) && has(object.spec.template.metadata) && has(object.spec.template.metadata.annotations) && object.spec.template.metadata.annotations.exists(k, {{ $p }})) || (has(object.spec) && has(object.spec.jobTemplate) && has(object.spec.jobTemplate.spec) && has(object.spec.jobTemplate.spec.template) && has(object.spec.jobTemplate.spec.template.metadata) && has(object.spec.jobTemplate.spec.template.metadata.annotations) && object.spec.jobTemplate.spec.template.metadata.annotations.exists(k, {{ $p }}))
 {{- end -}}
+
+{{/* What the cluster holds of the signing Secrets, as YAML {signing: DATA, legacy: DATA} (the
+Secrets' base64 data, {} when absent): from `lookup`, or from signing.simulatedLookup when that
+is set (tests and dry runs: `helm template` has no cluster). */}}
+{{- define "kf.signing.clusterState" -}}
+{{- $sim := .Values.signing.simulatedLookup | default dict -}}
+{{- if $sim -}}
+signing: {{ $sim.signing | default dict | toJson }}
+legacy: {{ $sim.legacy | default dict | toJson }}
+{{- else -}}
+signing: {{ (lookup "v1" "Secret" .Release.Namespace .Values.signing.secretName).data | default dict | toJson }}
+legacy: {{ (lookup "v1" "Secret" .Release.Namespace .Values.signing.legacyHmac.secretName).data | default dict | toJson }}
+{{- end -}}
+{{- end -}}
