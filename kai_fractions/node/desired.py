@@ -6,8 +6,15 @@ returns a `DesiredState`: compute mode per GPU, cgroup memory limits per pod sli
 cgroup, MPS namespaces and pinned limits, and for every container it cannot serve a `Refusal`
 with a reason a user can act on. A refused container gets nothing applied.
 
-Containers are judged oldest pod first (creation time, then namespace/name/uid), so a newcomer
-can never take a GPU's compute mode or memory away from a pod that was there before it.
+A container that is already running keeps its applied plan (`applied`, read back from durable
+facts by `kai_fractions.node.applied`) whatever its pod's annotations say now: a different or
+invalid new plan, or a signature refusal (`vetoes`), is reported as a `PlanChangeRefused`
+refusal next to the container, which keeps its limits, its place in the GPU's accounting
+(requested memory, compute mode, MPS namespace and pinned limit) and the watchdog's attention.
+
+Containers already applied are judged first, then the others oldest pod first (creation time,
+then namespace/name/uid), so a newcomer can never take a GPU's compute mode or memory away from
+a pod that was there before it.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from ..contract import (
     view_from_pod_spec,
 )
 from ..contract import keys as k
+from . import applied as ap
 from .cgroups import ContainerId, QosClass, qos_class_of
 from .config import Mechanism, NodeConfig
 from .inventory import Inventory
@@ -46,6 +54,9 @@ class RefusalReason(StrEnum):
     SM_SHARING_DISABLED = "SmSharingDisabled"
     MEMORY_LIMITS_UNSUPPORTED = "MemoryLimitsUnsupported"
     MIG_NOT_SUPPORTED = "MigNotSupported"
+    PLAN_CHANGE_REFUSED = "PlanChangeRefused"
+    """The only refusal of a container that stays applied: its new plan is refused, the plan
+    it runs with stays in force."""
 
 
 class ComputeEnforcement(StrEnum):
@@ -238,7 +249,8 @@ def _mib(n: int) -> str:
 
 class _Candidate(NamedTuple):
     pod: NodePod
-    share: ContainerShare
+    share: ContainerShare | None
+    """None for an applied plan kept in force (`_hold`)."""
     plan: ContainerPlan
 
 
@@ -361,21 +373,74 @@ def _cgroup_paths(c: _Candidate, config: NodeConfig) -> tuple[str, str | None] |
         return pod_path, None
 
 
-def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig) -> DesiredState:
+def _hold(pod: NodePod, ok: list[_Candidate], refused: list[Refusal],
+          applied: Mapping[str, ContainerPlan], changes: dict[ContainerKey, Refusal]
+          ) -> tuple[list[_Candidate], list[Refusal]]:
+    """The pod's candidates and refusals with every applied plan kept: a container whose new
+    plan differs, is refused or is gone keeps its applied plan, and the change is refused."""
+    if not applied:
+        return ok, refused
+    kept, out, seen = [], [], set()
+
+    def hold(old: ContainerPlan, why: str) -> None:
+        kept.append(_Candidate(pod, None, old))
+        changes[ContainerKey(pod.uid, old.container)] = _refuse(
+            pod, old.container, RefusalReason.PLAN_CHANGE_REFUSED, ap.change_refused(old, why))
+
+    for c in ok:
+        old = applied.get(c.plan.container)
+        seen.add(c.plan.container)
+        if old is None or old.digest == c.plan.digest:
+            kept.append(c)
+        else:
+            hold(old, ap.edited(old, c.plan))
+    for r in refused:
+        old = applied.get(r.key.container)
+        if old is None:
+            out.append(r)
+        else:
+            seen.add(r.key.container)
+            hold(old, ap.refused_now(r.reason, r.message))
+    pod_level = next((r for r in refused if r.key.container not in applied), None)
+    for name, old in applied.items():
+        if name not in seen:
+            hold(old, ap.GONE if pod_level is None
+                 else ap.refused_now(pod_level.reason, pod_level.message))
+    return kept, out
+
+
+def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig, *,
+              applied: Mapping[ContainerKey, ContainerPlan] | None = None,
+              vetoes: Iterable[Refusal] = ()) -> DesiredState:
+    """`applied`: the plan in force for each running container (`kai_fractions.node.applied`);
+    `vetoes`: refusals decided before planning (a signature check), by pod: such a pod is
+    not planned from its annotations, only its applied plans are kept."""
     live = sorted((p for p in pods if not p.terminal), key=_order)
+    applied = applied or {}
+    vetoed: dict[str, list[Refusal]] = {}
+    for r in vetoes:
+        vetoed.setdefault(r.key.pod_uid, []).append(r)
+    held: dict[str, dict[str, ContainerPlan]] = {}
+    for key, plan in applied.items():
+        held.setdefault(key.pod_uid, {})[key.container] = plan
+    changes: dict[ContainerKey, Refusal] = {}
     refusals: list[Refusal] = []
     candidates: list[_Candidate] = []
     for pod in live:
         try:
-            ok, refused = _contract_refusals(pod, config)
+            ok, refused = ([], vetoed[pod.uid]) if pod.uid in vetoed else \
+                _contract_refusals(pod, config)
         except Exception as e:  # one pod's annotations must not stop the node
             log.exception("pod %s/%s: its GPU annotations could not be read",
                           pod.view.namespace, pod.view.name)
             ok, refused = [], [_refuse(pod, "", RefusalReason.CONTRACT_INVALID,
                                        "the pod's GPU annotations could not be read "
                                        f"({type(e).__name__}); fix them and recreate the pod")]
+        ok, refused = _hold(pod, ok, refused, held.get(pod.uid, {}), changes)
         candidates.extend(ok)
         refusals.extend(refused)
+    # What runs already is placed first: a newcomer never takes its memory or compute mode.
+    candidates.sort(key=lambda c: ContainerKey(c.pod.uid, c.plan.container) not in applied)
 
     accepted: list[ContainerDesired] = []
     modes: dict[str, tuple[ComputeMode, str]] = {}  # gpu -> (mode, first container's ref)
@@ -394,6 +459,7 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig)
         if refusal is None:
             refusal = _sharing_refusal(c, inventory, modes, requested)
         if refusal is not None:
+            changes.pop(refusal.key, None)  # an applied plan that cannot be kept: this says why
             refusals.append(refusal)
             continue
         assert isinstance(mechanisms, frozenset) and isinstance(paths, tuple)
@@ -424,7 +490,7 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig)
         gpus=tuple(_gpu(d, accepted, modes, requested, members, config)
                    for d in inventory.devices),
         containers=tuple(accepted),
-        refusals=tuple(refusals),
+        refusals=tuple(refusals) + tuple(changes.values()),
         pod_uids=frozenset(p.uid for p in live if p.uid),
         limits=_pod_limits(accepted) + tuple(t for c in accepted for t in c.limits),
     )

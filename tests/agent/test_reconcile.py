@@ -99,8 +99,26 @@ def test_marker_never_written_while_pending_and_events_stay_quiet(short_tmp: Pat
     assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
 
 
+def test_a_running_pods_plan_change_keeps_the_applied_plan_and_its_marker(
+        short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    rig.step()
+    written = rig.marker_path(uid).read_text()
+    rig.nvml.fail("set_memory_limits", "NoPermission", times=None)
+    manifest = rig.cluster.pods[uid]
+    notes = {**manifest["metadata"]["annotations"],
+             "nvidia.com/container.main.gpu-memory.limit": "16Gi"}
+    rig.cluster.update_pod(uid, metadata={**manifest["metadata"], "annotations": notes})
+    assert rig.step().converged  # nothing to write: the applied plan is in force
+    assert rig.marker_path(uid).read_text() == written
+    assert rig.cluster.event_reasons(uid) == ["Applied", "PlanChangeRefused"]
+
+
 def test_stale_applied_marker_removed_when_the_plan_changes_and_is_pending(
         short_tmp: Path) -> None:
+    """A marker whose plan can no longer be read back from the pod (its derived annotations
+    say another plan) vouches for nothing: removed while the new plan is pending."""
     rig = Rig(short_tmp, sm_sharing=False)
     uid = add_pod(rig)
     rig.step()
@@ -108,7 +126,8 @@ def test_stale_applied_marker_removed_when_the_plan_changes_and_is_pending(
     rig.nvml.fail("set_memory_limits", "NoPermission", times=None)
     manifest = rig.cluster.pods[uid]
     notes = {**manifest["metadata"]["annotations"],
-             "nvidia.com/container.main.gpu-memory.limit": "16Gi"}
+             "nvidia.com/container.main.gpu-memory.limit": "16Gi",
+             "kai-fractions.io/container.main.memory-limit-mib": "16384"}
     rig.cluster.update_pod(uid, metadata={**manifest["metadata"], "annotations": notes})
     rig.step()
     assert marker(rig, uid) is None

@@ -1,8 +1,9 @@
 """The node agent with `--signing-key-file`: it applies what the mirror signed; a missing
 signature is pending (no marker, one `SignatureMissing` event, nothing applied) until it lands;
 a malformed, unknown-key or edited one is refused with a refused marker, a `Refused` event and
-nothing applied; a running pod edited after it was applied keeps the limits it had (never
-loosened); a refused pod takes nothing from any GPU; provisioned pods are not checked."""
+nothing applied; a running pod edited after it was applied keeps the plan it had (never
+loosened: its marker stays, a `PlanChangeRefused` event names the signature failure); a refused
+pod takes nothing from any GPU; provisioned pods are not checked."""
 
 from __future__ import annotations
 
@@ -187,6 +188,7 @@ def test_a_running_pod_edited_after_it_was_applied_keeps_its_limits(short_tmp):
     before = limits(rig, uid)
     assert before == {slice_of(uid): (10 * GIB, 20 * GIB),
                       f"{slice_of(uid)}/{LEAF}": (10 * GIB, 20 * GIB)}
+    applied = marker(rig, uid)["containers"]["main"]
     original = copy.deepcopy(rig.cluster.pods[uid]["metadata"])
     notes = {**original["annotations"], "nvidia.com/container.main.gpu-memory.limit": "80Gi"}
     rig.cluster.update_pod(uid, metadata={**original, "annotations": notes})
@@ -195,10 +197,16 @@ def test_a_running_pod_edited_after_it_was_applied_keeps_its_limits(short_tmp):
         rig.step(full=True)  # a full resync re-reads everything: still kept
         assert limits(rig, uid) == before  # neither raised to 80Gi nor cleared
     assert len(rig.nvml.set_limit_calls) == writes
-    entry = marker(rig, uid)["containers"]["main"]
-    assert (entry["state"], entry["reason"], entry["message"]) == (
-        "refused", "SignatureInvalid", EDITED)
-    assert rig.cluster.event_reasons(uid) == ["Applied", "Refused"]
+    assert marker(rig, uid)["containers"]["main"] == applied  # the applied plan stays
+    assert rig.reconciler.view.results[(uid, "main")].state.value == "applied"
+    assert rig.cluster.event_reasons(uid) == ["Applied", "PlanChangeRefused"]
+    message = rig.cluster.events[-1]["message"]
+    assert message.startswith("container main: its plan is refused now (SignatureInvalid: "
+                              "annotation kai-fractions.io/container.main.signature does not "
+                              "match the allocation")
+    assert message.endswith("the change is refused and the applied plan (memory request 10240 "
+                            f"MiB, limit 20480 MiB, time-slicing on {rig.gpu0}) stays in force "
+                            "until the pod is recreated (delete it to have it planned again)")
     # the edit undone: the signature holds again and the pod is applied again
     rig.cluster.update_pod(uid, metadata=original)
     assert rig.step().converged
@@ -221,6 +229,9 @@ def test_a_new_agent_keeps_the_limits_of_an_edited_running_pod(short_tmp):
     fresh.cluster = fresh.agent.watcher.source = rig.cluster
     fresh.agent.reconciler.cgroup_fs = fresh.agent.reconciler.engine.cgroup_fs = rig.cgroups
     fresh.step()
+    # The binder-owned devices changed: the applied plan cannot be read back from the pod
+    # (its digest names the old devices), so the pod is refused, but the limits the kernel
+    # holds stay (`kept_limits`).
     assert fresh.reconciler.view.results[(uid, "main")].reason == "SignatureInvalid"
     assert limits(rig, uid) == before
     assert marker(rig, uid)["containers"]["main"]["reason"] == "SignatureInvalid"
@@ -265,7 +276,9 @@ def test_rotation_accepts_previous_until_it_is_removed(short_tmp):
     (short_tmp / "signing" / "previous").unlink()  # A retired: the running pod keeps its limits
     before = limits(rig, uid)
     rig.step()
-    assert marker(rig, uid)["containers"]["main"]["reason"] == "SignatureInvalid"
+    assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
+    refusal = rig.reconciler.view.desired.refusal((uid, "main"))
+    assert refusal.reason == "PlanChangeRefused" and "SignatureInvalid" in refusal.message
     assert limits(rig, uid) == before
 
 

@@ -3,10 +3,12 @@
 Reasons: `Applied` (limits in force, marker written), `Refused` (a final refusal, marker
 written), `SignatureMissing` (waiting for the allocation's signature, no marker yet),
 `LimitViolation` (the watchdog in report mode saw a container above its cap; once per
-episode: again only after the usage went back under the cap) and `LimitEnforced` (kill mode:
-the watchdog drained and stopped a process). The de-duplication key says what "the same event"
-is; an event the API did not take is kept and sent again by `flush()` (every pass), at most
-`MAX_BACKLOG` of them (events are information, not state: the oldest are dropped first).
+episode: again only after the usage went back under the cap), `LimitEnforced` (kill mode:
+the watchdog drained and stopped a process) and `PlanChangeRefused` (a running container's
+annotations changed: the new plan is refused, the applied one stays in force). The
+de-duplication key says what "the same event" is; an event the API did not take is kept and
+sent again by `flush()` (every pass), at most `MAX_BACKLOG` of them (events are information,
+not state: the oldest are dropped first).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ REFUSED = "Refused"
 LIMIT_VIOLATION = "LimitViolation"
 SIGNATURE_MISSING = Reason.MISSING.value
 LIMIT_ENFORCED = "LimitEnforced"
+PLAN_CHANGE_REFUSED = "PlanChangeRefused"
 NORMAL = "Normal"
 WARNING = "Warning"
 MAX_MESSAGE = 1024

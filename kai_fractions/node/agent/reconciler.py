@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from ...contract import derived_annotations
+from ...contract import ContainerPlan, derived_annotations
+from ..applied import applied_plans, has_recorded_plans
 from ..cgroups import CgroupFs
 from ..config import Mechanism, NodeConfig
 from ..desired import (
@@ -33,6 +34,7 @@ from ..desired import (
     ContainerKey,
     DesiredState,
     NodePod,
+    RefusalReason,
     plan_node,
 )
 from ..engine import ContainerResult, ContainerState, Engine, MpsControlLike
@@ -59,7 +61,7 @@ from .markers import MarkerStore, decide, still_valid
 from .metrics import AgentMetrics, Usage
 from .mps_links import LegacyPipeLinks
 from .options import AgentOptions
-from .signatures import SignatureCheck, kept_limits, with_refusals
+from .signatures import SignatureCheck, kept_limits, with_kept_limits
 from .watch import PodCache
 
 log = logging.getLogger(__name__)
@@ -328,15 +330,19 @@ class Reconciler:
             except ValueError as e:  # a malformed object the API server should have refused
                 log.error("pod %s cannot be read (%s); skipped", uid, e)
                 errors.add("PodUnreadable")
+        applied = self._applied(node_pods, manifests)
         screened = None
         if self.signatures is not None:
             screened = self.signatures.screen(node_pods, unchecked={
                 uid for uid, (_m, source) in manifests.items() if source == PROVISIONED})
-            node_pods = list(screened.pods)
-        desired = without_released(plan_node(node_pods, inventory, self.config), self.released)
-        if screened is not None and screened.refusals:
-            desired = with_refusals(desired, screened, kept_limits(
-                self.engine, inventory, screened.refused_pods), self.released)
+        desired = without_released(plan_node(
+            node_pods, inventory, self.config, applied=applied,
+            vetoes=screened.refusals if screened is not None else ()), self.released)
+        if screened is not None and screened.refused_pods:
+            # a refused pod that runs no applied plan keeps the limits the kernel holds
+            held = {c.key.pod_uid for c in desired.containers}
+            desired = with_kept_limits(desired, kept_limits(
+                self.engine, inventory, screened.refused_pods - held))
 
         # Markers go before the limits they vouch for: a gone pod's marker first, then its
         # release; and markers of pods this agent never knew (gone while no agent ran) before
@@ -364,6 +370,7 @@ class Reconciler:
             source=source, containers=tuple(sorted(by_pod.get(uid, {}))))
             for uid, (m, source) in manifests.items()}
         self._tidy(set(manifests), set(by_pod))
+        self._plan_change_events(desired)
         self.events.flush()
         if self.links is not None:
             keep = {c.plan.mps_namespace for c in desired.containers
@@ -379,6 +386,28 @@ class Reconciler:
         pending = any(r.state is ContainerState.PENDING for r in results.values())
         return PassReport(converged=converged and not pending and not errors,
                           errors=frozenset(errors), applied=True)
+
+    def _applied(self, pods: Sequence[NodePod], manifests: Mapping[str, tuple[Any, str]]
+                 ) -> dict[ContainerKey, ContainerPlan]:
+        """The plan each running container was applied with, from durable facts only: its
+        pod's derived annotations and this node's marker (`kai_fractions.node.applied`).
+        Provisioned pods are not held: whoever provisions them may change them."""
+        keys = self.config.keys
+        out: dict[ContainerKey, ContainerPlan] = {}
+        for pod in pods:
+            if manifests.get(pod.uid, (None, PROVISIONED))[1] != API \
+                    or not has_recorded_plans(pod.view, keys):
+                continue
+            for name, plan in applied_plans(pod.view, self.markers.read(pod.uid), keys).items():
+                out[ContainerKey(pod.uid, name)] = plan
+        return out
+
+    def _plan_change_events(self, desired: DesiredState) -> None:
+        for r in desired.refusals:
+            if r.reason == RefusalReason.PLAN_CHANGE_REFUSED:
+                self.events.emit(PodRef(r.pod_namespace, r.pod_name, r.key.pod_uid), ev.WARNING,
+                                 ev.PLAN_CHANGE_REFUSED, f"container {r.key.container}: "
+                                 f"{r.message}", key=(ev.PLAN_CHANGE_REFUSED, r.key, r.message))
 
     def _health(self, inventory: Inventory | None, mps_error: NodeError | None,
                 mps_namespaces: bool | None, bump: int) -> Health:

@@ -2,8 +2,9 @@
 
 Before a pass plans the node, every fractional container of a watched pod that the binder has
 bound is planned on its own and its signature checked (`kai_fractions.signing`). A pod whose
-signature is not valid is left out of planning altogether, so it takes no memory, compute mode
-or MPS pinned limit on any GPU:
+signature is not valid is not planned from its annotations (its refusals are `plan_node`'s
+vetoes), so it takes no memory, compute mode or MPS pinned limit on any GPU, unless it runs
+already:
 
 - a MISSING signature is pending (`SignatureMissing`, not final): with an unmodified KAI its
   binder's annotations land before the mirror's BindRequest follower has checked and signed
@@ -13,11 +14,13 @@ or MPS pinned limit on any GPU:
   marker says so, the gate fails the pod with the reason, a `Refused` event tells its owner.
 
 Never loosened: a pod that was applied and is edited afterwards (a user raising their own
-`.gpu-memory.limit` on a running pod, which admission allows on UPDATE) is refused too, but the
-memory limits already in force on its cgroups are kept exactly as the kernel holds them (read
-back every pass, so this survives agent restarts): a refusal must not turn into "unlimited" for
-a container that is already running. What is not kept: its MPS namespace once its clients have
-exited, and the watchdog's watch over it.
+`.gpu-memory.limit` on a running pod while admission is down or skips its namespace) keeps its
+applied plan (`kai_fractions.node.applied`): its limits, its place in the GPU's accounting, its
+MPS namespace and pinned limit and the watchdog's attention; the edit is reported as
+`PlanChangeRefused` naming the signature failure. A refused pod whose applied plan cannot be
+read back (no marker, derived annotations gone) keeps at least the memory limits in force on its
+cgroups exactly as the kernel holds them (`kept_limits`, read back every pass, so this survives
+agent restarts): a refusal must not turn into "unlimited" for a container that may be running.
 
 Pods given through the root-only NodeEnforcer socket (`Provision`) are not checked: whoever can
 reach that socket is root on the node already.
@@ -145,14 +148,8 @@ def kept_limits(engine: Engine, inventory: Inventory, uids: Collection[str]
     return tuple(out)
 
 
-def with_refusals(desired: DesiredState, screened: Screened, keep: Sequence[LimitTarget],
-                  released: Collection[tuple[str, str | None]] = ()) -> DesiredState:
-    """The desired state plus the signature refusals and the limits kept for refused pods."""
-    def gone(key: ContainerKey) -> bool:
-        return (key.pod_uid, None) in released or (key.pod_uid, key.container) in released
-
-    return dataclasses.replace(
-        desired,
-        refusals=desired.refusals + tuple(r for r in screened.refusals if not gone(r.key)),
-        limits=desired.limits + tuple(keep),
-        pod_uids=desired.pod_uids | screened.refused_pods)
+def with_kept_limits(desired: DesiredState, keep: Sequence[LimitTarget]) -> DesiredState:
+    """The desired state plus the limits kept for refused pods (`kept_limits`)."""
+    if not keep:
+        return desired
+    return dataclasses.replace(desired, limits=desired.limits + tuple(keep))
