@@ -89,6 +89,7 @@ def test_default_values_render_every_component():
         ("ValidatingAdmissionPolicyBinding", f"{AGENT}-own-node"),
         ("Deployment", MIRROR), ("Service", MIRROR), ("PodDisruptionBudget", MIRROR),
         ("NetworkPolicy", MIRROR), ("Secret", f"{MIRROR}-tls"),
+        ("Secret", f"{MIRROR}-client-tls"),
         ("DaemonSet", AGENT),
         ("Deployment", ADMISSION), ("Service", ADMISSION), ("PodDisruptionBudget", ADMISSION),
         ("Secret", f"{ADMISSION}-tls"),
@@ -150,6 +151,8 @@ def test_mirror_deployment_defaults():
         "--follow-bindrequests", "--leader-elect",
         f"--leader-elect-lease-name={MIRROR}-follower", "--scheduler-name=kai-scheduler",
         "--tls-cert=/etc/kai-fractions/tls/tls.crt", "--tls-key=/etc/kai-fractions/tls/tls.key",
+        # mirror.auth=mutualTLS by default: callers need the generated client certificate
+        "--tls-client-ca=/etc/kai-fractions/tls/ca.crt",
         "--report-gpu-fractioning-config",
         "--node-agent-daemonset=kai-fractions/kai-fractions-node-agent", "--report-interval=10",
         "--signing-key-file=/etc/kai-fractions/signing",

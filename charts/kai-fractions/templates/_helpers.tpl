@@ -187,3 +187,27 @@ signing: {{ (lookup "v1" "Secret" .Release.Namespace .Values.signing.secretName)
 legacy: {{ (lookup "v1" "Secret" .Release.Namespace .Values.signing.legacyHmac.secretName).data | default dict | toJson }}
 {{- end -}}
 {{- end -}}
+
+{{/* How the mirror authenticates its gRPC callers (mirror.auth): "true" or "" for each of
+mutual TLS and the bearer token. kf.mirror.checkAuth fails the render on a contradiction. */}}
+{{- define "kf.mirror.mtls" -}}
+{{- if has .Values.mirror.auth (list "mutualTLS" "mutualTLSAndToken") -}}true{{- end -}}
+{{- end -}}
+{{- define "kf.mirror.token" -}}
+{{- if has .Values.mirror.auth (list "token" "mutualTLSAndToken") -}}true{{- end -}}
+{{- end -}}
+{{- define "kf.mirror.tokenSecretName" -}}
+{{- .Values.mirror.tokenSecretName | default (printf "%s-token" (include "kf.mirror.name" .)) -}}
+{{- end -}}
+{{- define "kf.mirror.checkAuth" -}}
+{{- $m := .Values.mirror -}}
+{{- if hasKey $m.tls "clientAuth" -}}
+{{- fail (printf "mirror.tls.clientAuth was replaced by mirror.auth: mutualTLS (the default: callers need the client certificate), token, mutualTLSAndToken, or none (no authentication, explicitly); remove mirror.tls.clientAuth") -}}
+{{- end -}}
+{{- if and (ne $m.auth "none") (not $m.tls.enabled) -}}
+{{- fail (printf "mirror.auth=%s needs mirror.tls.enabled=true (%s); set mirror.auth=none to run the mirror unauthenticated on plaintext (only its NetworkPolicy then limits who may write allocations)" $m.auth (ternary "client certificates are checked in the TLS handshake" "without TLS the bearer token would cross the network in the clear" (eq $m.auth "mutualTLS"))) -}}
+{{- end -}}
+{{- if and $m.tokenSecretName (not (include "kf.mirror.token" .)) -}}
+{{- fail (printf "mirror.tokenSecretName=%s is set but mirror.auth=%s checks no token: set mirror.auth=token or mutualTLSAndToken, or leave mirror.tokenSecretName empty" $m.tokenSecretName $m.auth) -}}
+{{- end -}}
+{{- end -}}
