@@ -63,13 +63,18 @@ async def mirrored(pair: Ed25519Key, node: str, gpu: str = "") -> dict:
 GPU = "GPU-00000000-0000-4000-8000-000000000000"
 
 
+def a_plan():
+    """The plan of a bound 1Gi time-slicing container, as both sides compute it."""
+    (plan,) = plans_of({"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "p", "namespace": "team-a", "uid": UID, "annotations": {
+            "nvidia.com/container.trainer.gpu-memory.request": "1Gi",
+            "nvidia.com/container.trainer.gpus.devices": GPU}},
+        "spec": {"containers": [{"name": "trainer"}]}})
+    return plan
+
+
 def test_v2_signatures_bind_the_node_and_only_the_private_key_signs(pair):
-    manifest = {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": "p", "namespace": "team-a", "uid": UID, "annotations": {
-                    "nvidia.com/container.trainer.gpu-memory.request": "1Gi",
-                    "nvidia.com/container.trainer.gpus.devices": GPU}},
-                "spec": {"containers": [{"name": "trainer"}]}}
-    (plan,) = plans_of(manifest)
+    plan = a_plan()
     value = Keyring.of(pair).sign(plan, node="node-a")
     assert value.startswith(f"v2;kid={pair.kid};sig=") and len(parse_signature(value).mac) == 64
     nodes = Keyring.of(public_only(pair))
@@ -86,12 +91,7 @@ def test_v2_signatures_bind_the_node_and_only_the_private_key_signs(pair):
 
 def test_an_hmac_signature_still_verifies_where_the_hmac_key_is_kept(pair):
     """One release of upgrades: a node with both keys accepts v1 (no node in it) and v2."""
-    manifest = {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": "p", "namespace": "team-a", "uid": UID, "annotations": {
-                    "nvidia.com/container.trainer.gpu-memory.request": "1Gi",
-                    "nvidia.com/container.trainer.gpus.devices": GPU}},
-                "spec": {"containers": [{"name": "trainer"}]}}
-    (plan,) = plans_of(manifest)
+    plan = a_plan()
     nodes = Keyring.of(public_only(pair), KEY_A)
     assert nodes.verify(plan, Keyring.of(KEY_A).sign(plan), node="node-a").ok
     assert nodes.verify(plan, Keyring.of(pair).sign(plan, node="node-a"), node="node-a").ok
