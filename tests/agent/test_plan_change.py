@@ -1,0 +1,234 @@
+"""Issue 17, finding 2 (node half): a tenant cannot switch its own enforcement off by editing the
+user-owned keys of its running pod (admission denies that, but a webhook can be down or skip
+the namespace). The container keeps its APPLIED plan: its limits, its place in the GPU's
+accounting (requested memory, compute mode, MPS namespace and pinned limit) and the watchdog's
+attention; the new plan is refused with a `PlanChangeRefused` event and the refusal metric, and
+all of it survives an agent restart (read back from the derived annotations and the marker).
+
+Annotation keys are spelled out literally."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from kai_fractions.node.agent.agent import NodeAgent
+from kai_fractions.node.nvml import GpuComputeMode
+from kai_fractions.node.watchdog import RecordingKiller
+
+from .builders import GIB, Rig, binder_annotations, pod
+
+LIMIT = "nvidia.com/container.main.gpu-memory.limit"
+MODE = "nvidia.com/container.main.gpu-compute.mode"
+SLICE = "/sys/fs/cgroup/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{u}.slice"
+LEAF = "cri-containerd-" + "a" * 64 + ".scope"
+KEEPS = ("the change is refused and the applied plan (memory request 10240 MiB, limit 20480 "
+         "MiB, {mode} on {gpu}) stays in force until the pod is recreated (delete it to have it "
+         "planned again)")
+
+
+def slice_of(uid: str) -> str:
+    return SLICE.format(u=uid.replace("-", "_"))
+
+
+def restarted(rig: Rig) -> Rig:
+    """A new agent over the same cluster, GPUs, cgroup tree, MPS daemon, /proc and marker
+    directory: nothing it remembers, only what those say."""
+    fresh = copy.copy(rig)
+    fresh.killer = RecordingKiller()
+    fresh.agent = NodeAgent(config=rig.config, options=rig.options, nvml=rig.nvml,
+                            cgroup_fs=rig.cgroups, source=rig.cluster, cluster=rig.cluster,
+                            mps=rig.mps if rig.config.sm_sharing else None, procfs=None,
+                            killer=fresh.killer, hook=lambda point: None)
+    fresh.reconciler = fresh.agent.reconciler
+    return fresh
+
+
+def edit(rig: Rig, uid: str, **notes: str | None) -> None:
+    meta = copy.deepcopy(rig.cluster.pods[uid]["metadata"])
+    for key, value in notes.items():
+        if value is None:
+            meta["annotations"].pop(key, None)
+        else:
+            meta["annotations"][key] = value
+    rig.cluster.update_pod(uid, metadata=meta)
+
+
+def add(rig: Rig, name: str, **kw) -> str:
+    uid = rig.add(pod(name, notes=binder_annotations(devices=rig.gpu0, **kw)))["metadata"]["uid"]
+    rig.cgroups.add(f"{slice_of(uid)}/{LEAF}")
+    return uid
+
+
+def marker(rig: Rig, uid: str) -> dict | None:
+    path = rig.marker_path(uid)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def limits(rig: Rig, uid: str) -> dict:
+    return {path: value for (_gpu, path), value in rig.nvml.limits.items()
+            if uid.replace("-", "_") in path}
+
+
+def running(rig: Rig, uid: str, pid: int, used: int) -> None:
+    rig.proc_entry(pid, f"{slice_of(uid)}/{LEAF}"[len("/sys/fs/cgroup"):])
+    rig.nvml.add_process(pid, rig.gpu0, used)
+
+
+def violations(rig: Rig, uid: str) -> list[str]:
+    return [m for (u, reason, m) in rig.reconciler.events.emitted
+            if u == uid and reason == "LimitViolation"]
+
+
+def change_events(rig: Rig, uid: str) -> list[str]:
+    return [e["message"] for e in rig.cluster.events
+            if e["involvedObject"]["uid"] == uid and e["reason"] == "PlanChangeRefused"]
+
+
+def refused_metric(rig: Rig, uid: str, name: str = "p") -> float | None:
+    return rig.agent.metrics.registry.get_sample_value("kai_fractions_container_refused", {
+        "node": "node-a", "namespace": "default", "pod": name, "pod_uuid": uid,
+        "container": "main", "reason": "PlanChangeRefused"})
+
+
+def assert_applied_plan_kept(rig: Rig, uid: str, digest: str, *, sm: bool = False) -> None:
+    result = rig.reconciler.view.results[(uid, "main")]
+    assert (result.state.value, result.plan_digest) == ("applied", digest)
+    assert marker(rig, uid)["containers"]["main"]["plan_digest"] == digest
+    desired = rig.reconciler.view.desired
+    (c,) = [c for c in desired.containers if c.key.pod_uid == uid]
+    assert (c.plan.request_bytes, c.plan.limit_bytes) == (10 * GIB, 20 * GIB)
+    gpu = desired.gpu(rig.gpu0)
+    assert c.key in gpu.containers and gpu.requested_bytes == 10 * GIB
+    assert desired.refusal((uid, "main")).reason == "PlanChangeRefused"
+    assert refused_metric(rig, uid) == 1
+    if sm:
+        assert gpu.compute_mode is GpuComputeMode.EXCLUSIVE_PROCESS
+        assert gpu.mps_pinned_mib == 20 * 1024
+
+
+# -- the finding: a raised limit on a watchdog-only node ---------------------------------------
+
+
+def test_a_raised_limit_keeps_the_old_cap_under_the_watchdog_even_after_a_restart(
+        short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False, memory_enforcement="watchdog")
+    uid = add(rig, "p")
+    assert rig.step().converged
+    digest = marker(rig, uid)["containers"]["main"]["plan_digest"]
+    edit(rig, uid, **{LIMIT: "75Gi"})
+    assert rig.step().converged  # nothing to retry: the applied plan is in force
+    assert_applied_plan_kept(rig, uid, digest)
+    assert change_events(rig, uid) == [
+        "container main: the pod's GPU annotations changed after this container's limits were "
+        "applied (memory limit 20480 MiB -> 76800 MiB): "
+        + KEEPS.format(mode="time-slicing", gpu=rig.gpu0)]
+    running(rig, uid, 4242, 30 * GIB)  # above the old cap, below the edited one
+    rig.reconciler.check_usage()
+    assert violations(rig, uid) == [
+        f"container main of pod {uid} uses 30720 MiB of GPU memory on {rig.gpu0}, above its cap "
+        "of 20480 MiB (pids 4242)"]
+
+    fresh = restarted(rig)
+    assert fresh.step().converged
+    assert_applied_plan_kept(fresh, uid, digest)
+    fresh.reconciler.check_usage()
+    assert len(violations(fresh, uid)) == 1
+    assert rig.cluster.event_reasons(uid) == [
+        "Applied", "PlanChangeRefused", "LimitViolation", "PlanChangeRefused", "LimitViolation"]
+
+
+# -- invalid annotations: limits and the GPU's accounting stay ----------------------------------
+
+
+def test_invalid_annotations_keep_the_limits_and_the_memory_they_hold(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add(rig, "p")
+    rig.step()
+    digest = marker(rig, uid)["containers"]["main"]["plan_digest"]
+    before = limits(rig, uid)
+    assert before == {slice_of(uid): (10 * GIB, 20 * GIB),
+                      f"{slice_of(uid)}/{LEAF}": (10 * GIB, 20 * GIB)}
+    edit(rig, uid, **{LIMIT: "a lot"})
+    # a pod that fits only if the first one's 10 GiB were free (81559 MiB GPU)
+    waiting = add(rig, "q", request="75Gi", limit="75Gi")
+    for agent in (rig, restarted(rig)):
+        agent.step(full=True)
+        assert limits(rig, uid) == before
+        assert_applied_plan_kept(agent, uid, digest)
+        (message,) = change_events(agent, uid)[-1:]
+        assert message.startswith(
+            "container main: its plan is refused now (ContractInvalid: the pod's GPU "
+            f"annotations are invalid: {LIMIT}: ")
+        assert message.endswith(KEEPS.format(mode="time-slicing", gpu=rig.gpu0))
+        entry = marker(rig, waiting)["containers"]["main"]
+        assert (entry["state"], entry["reason"]) == ("refused", "MemoryOvercommitted")
+        assert limits(rig, waiting) == {}
+        running(rig, uid, 4242, 25 * GIB)
+        agent.reconciler.check_usage()
+        assert len(violations(agent, uid)) == 1
+
+
+# -- a compute mode change: the GPU's mode, MPS namespace and pinned limit stay ------------------
+
+
+def test_a_compute_mode_change_keeps_the_gpu_mode_and_mps_state(short_tmp: Path) -> None:
+    rig = Rig(short_tmp)
+    uid = add(rig, "p", mode="sm-sharing")
+    rig.step()
+    digest = marker(rig, uid)["containers"]["main"]["plan_digest"]
+    (namespace,) = rig.mps.control.namespaces
+    assert rig.nvml.gpu(rig.gpu0).compute_mode is GpuComputeMode.EXCLUSIVE_PROCESS
+    edit(rig, uid, **{MODE: "time-slicing"})
+    # a time-slicing pod on the same GPU may come only once the sm-sharing one is gone
+    newcomer = add(rig, "q", request="1Gi", limit="1Gi", mode="time-slicing")
+    for agent in (rig, restarted(rig)):
+        agent.step(full=True)
+        assert_applied_plan_kept(agent, uid, digest, sm=True)
+        (message,) = change_events(agent, uid)[-1:]
+        assert message == (
+            "container main: the pod's GPU annotations changed after this container's limits "
+            "were applied (compute mode sm-sharing -> time-slicing): "
+            + KEEPS.format(mode="sm-sharing at 50% of the SMs", gpu=rig.gpu0))
+        assert rig.nvml.gpu(rig.gpu0).compute_mode is GpuComputeMode.EXCLUSIVE_PROCESS
+        assert set(rig.mps.control.namespaces) == {namespace}
+        assert rig.mps.control.default_pinned_mib[0] == 20 * 1024
+        entry = marker(rig, newcomer)["containers"]["main"]
+        assert (entry["state"], entry["reason"]) == ("refused", "ComputeModeMix")
+
+
+# -- what is not a plan change ---------------------------------------------------------------
+
+
+def test_undoing_the_edit_ends_the_refusal_and_deleting_the_pod_releases_it(
+        short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add(rig, "p")
+    rig.step()
+    original = copy.deepcopy(rig.cluster.pods[uid]["metadata"])
+    edit(rig, uid, **{LIMIT: "40Gi"})
+    rig.step()
+    assert refused_metric(rig, uid) == 1
+    rig.cluster.update_pod(uid, metadata=original)
+    assert rig.step().converged
+    assert rig.reconciler.view.desired.refusals == ()
+    assert refused_metric(rig, uid) is None
+    rig.cluster.delete_pod(uid)
+    rig.step()
+    assert limits(rig, uid) == {} and rig.reconciler.view.desired.containers == ()
+
+
+def test_a_pod_not_yet_applied_is_planned_from_its_annotations_as_they_are(
+        short_tmp: Path) -> None:
+    """No marker yet (the gate has not released anything): an edit is simply the plan."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    rig.nvml.fail("set_memory_limits", "NoPermission", times=None)
+    uid = add(rig, "p")
+    rig.step()
+    assert marker(rig, uid) is None
+    edit(rig, uid, **{LIMIT: "16Gi"})
+    rig.nvml.clear_failures()
+    assert rig.step().converged
+    assert limits(rig, uid)[slice_of(uid)] == (10 * GIB, 16 * GIB)
+    assert "PlanChangeRefused" not in rig.cluster.event_reasons(uid)
