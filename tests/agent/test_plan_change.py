@@ -214,6 +214,9 @@ def test_undoing_the_edit_ends_the_refusal_and_deleting_the_pod_releases_it(
     assert rig.step().converged
     assert rig.reconciler.view.desired.refusals == ()
     assert refused_metric(rig, uid) is None
+    edit(rig, uid, **{LIMIT: "40Gi"})  # the same edit again: reported again
+    rig.step()
+    assert len(change_events(rig, uid)) == 2
     rig.cluster.delete_pod(uid)
     rig.step()
     assert limits(rig, uid) == {} and rig.reconciler.view.desired.containers == ()

@@ -403,11 +403,17 @@ class Reconciler:
         return out
 
     def _plan_change_events(self, desired: DesiredState) -> None:
+        """One Warning per refused change; a change undone and made again is reported again."""
+        now = set()
         for r in desired.refusals:
             if r.reason == RefusalReason.PLAN_CHANGE_REFUSED:
+                key = (ev.PLAN_CHANGE_REFUSED, r.key, r.message)
+                now.add(key)
                 self.events.emit(PodRef(r.pod_namespace, r.pod_name, r.key.pod_uid), ev.WARNING,
                                  ev.PLAN_CHANGE_REFUSED, f"container {r.key.container}: "
-                                 f"{r.message}", key=(ev.PLAN_CHANGE_REFUSED, r.key, r.message))
+                                 f"{r.message}", key=key)
+        self.events.forget_matching(lambda k: isinstance(k, tuple) and len(k) == 3
+                                    and k[0] == ev.PLAN_CHANGE_REFUSED and k not in now)
 
     def _health(self, inventory: Inventory | None, mps_error: NodeError | None,
                 mps_namespaces: bool | None, bump: int) -> Health:
