@@ -11,17 +11,19 @@ The cache only ever saves a read; correctness never rests on it being fresh (Mir
 
 Entries keep only what the contract reads (names, uid, resourceVersion, annotations, labels,
 container names and resources, nodeName), with equal annotation maps, label maps and container
-lists shared between pods (`_one_of`), and only for Pending pods (`pod_selector`). They are fed by a list + watch of pods
-on the mirror server's event loop (`pod_feed`), by every pod the mirror reads, and by every pod
-a PATCH returns (write-through), newest resourceVersion first. What the list and the watch
-bring is also prepared for an allocation (`prepare`: the mirror parses it as its user wrote it)
-while the pod waits for the scheduler, for the first `PREPARED_KEPT` pods held (the head of
-the queue, about 1.5 KB more each); the others are parsed by their first allocation.
+lists shared between pods (`_one_of`), and only for Pending pods (`pod_selector`). They are
+fed by a list + watch of pods on the mirror server's event loop (`pod_feed`), by every pod the
+mirror reads, and by every pod a PATCH returns (write-through), newest resourceVersion first.
+What the list and the watch bring is also prepared for an allocation (`prepare`: the mirror
+parses it as its user wrote it) while the pod waits for the scheduler, for the first
+`PREPARED_KEPT` pods held (the head of the queue, about 1.5 KB more each); the others are
+parsed by their first allocation.
 
 A queue of tens of thousands of Pending pods must not stall the loop that serves (P6 in
-benchmarks/): on that loop, the list is trimmed page by page as it arrives (`keep`) and merged
-into the cache in slices of at most `SLICE_SECONDS` of work (`merge_soon`), the calls running
-between them; watch events that arrive meanwhile win over the list.
+benchmarks/): on that loop, the list is trimmed and stored page by page as it arrives
+(`keep`), then merged (prepared, and the pods it lacks removed) in slices of at most
+`SLICE_SECONDS` of work that yield to the calls (`merge_soon`); watch events that arrive
+meanwhile win over the list.
 """
 
 from __future__ import annotations
@@ -241,13 +243,18 @@ class PodCache:
             self._prepare(pod)
 
     def keep(self, obj: Mapping[str, Any]) -> PodSnapshot:
-        """`trimmed`, as each pod of a list page arrives on the serving loop; every
-        LIST_PAGE_SIZE pods, what the cache keeps is moved out of the cyclic collector's way
-        (`settle`)."""
+        """`trimmed`, as each pod of a list page arrives on the serving loop, and stored at
+        once unless the cache holds that version or a newer one, so a call for a pod of an
+        early page finds it while the rest of the list is still on its way (the merge then
+        prepares it and removes what the list lacks). Every LIST_PAGE_SIZE pods, what the
+        cache keeps is moved out of the cyclic collector's way (`settle`)."""
         self._kept += 1
         if self._kept % LIST_PAGE_SIZE == 0:
             settle()
-        return trimmed(obj)
+        pod = trimmed(obj)
+        if pod.name:
+            self._store(pod)
+        return pod
 
     def merge_soon(self, items: list[Mapping[str, Any] | PodSnapshot]) -> None:
         """`replace` for the serving event loop (called on it): the list is merged in slices
@@ -277,8 +284,9 @@ class PodCache:
             if pod.name:
                 key = (pod.namespace, pod.name)
                 listed.add(key)
-                if key not in touched and self._store(pod):
-                    self._prepare(pod)
+                if key not in touched and (self._store(pod) or (
+                        self._pods.get(key) is pod and key not in self._prepared)):
+                    self._prepare(pod)  # new, or stored as its page arrived (keep)
             if clock() - began > self.slice_seconds:
                 while True:  # the calls waiting on the loop run now, and first
                     began = clock()

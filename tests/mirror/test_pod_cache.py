@@ -209,6 +209,19 @@ async def test_a_merged_list_lets_the_loop_run_between_slices_and_events_win():
     assert rv(cache, "p5") == "30" and rv(cache, "p0") == "10"
 
 
+async def test_a_listed_page_is_stored_as_it_arrives_and_the_merge_prepares_it():
+    prepared: list[str] = []
+    cache = PodCache(prepare=lambda p: prepared.append(p.name))
+    cache.remember(PodSnapshot.from_object(full_pod(name="written", resourceVersion="50")))
+    page = [cache.keep(full_pod(name="early", resourceVersion="5")),
+            cache.keep(full_pod(name="written", resourceVersion="40"))]
+    assert rv(cache, "early") == "5" and not cache.synced  # found before the list ends
+    assert rv(cache, "written") == "50" and prepared == []  # a newer write stays
+    cache.merge_soon(page)
+    await settle(cache)
+    assert prepared == ["early"] and cache.synced
+
+
 async def test_a_newer_list_cancels_the_merge_in_progress():
     cache = PodCache(slice_seconds=0.5, busy_seconds=1.5, monotonic=Ticks())
     cache.merge_soon([full_pod(name=f"old{i}", resourceVersion=str(i + 1)) for i in range(50)])
@@ -430,7 +443,7 @@ def test_a_watched_pod_costs_one_patch_and_its_duplicate_one_read(mirror_factory
                         if key != "gpu-fraction"}}})
     third = mirror.stub.MirrorAllocation(request, timeout=10)
     assert third.changed and mirror.annotations("team-a", "train-0")[
-        "nvidia.com/container.trainer.gpu-memory.request"] == "20480Mi"
+        "nvidia.com/container.trainer.gpu-memory.request"] == "20Gi"  # upstream KAI's form
 
 
 # -- the mirror's own writes coming back on the watch -----------------------------------------
@@ -509,8 +522,8 @@ async def test_a_stale_entry_never_refuses_a_call(service, store, cache):
     rebind = allocation(portion="0.25", gpu_ids=("GPU-2222bbbb",))
     reads = store.reads
     assert (await service.mirror(rebind)).changed and store.reads == reads + 1
-    assert store.annotations(NS, POD)["nvidia.com/container.trainer.gpu-compute.portion"] == \
-        "0.25"
+    assert store.annotations(NS, POD)["nvidia.com/container.trainer.gpu-memory.request"] == \
+        "10Gi"  # the rebind's quarter, not the cached half
     # A bad key only the cache still has: not refused either (and nothing left to write).
     service.cache = lagging(store.get_pod(NS, POD), **{"gpu-fraction": "1.5"})
     assert not (await service.mirror(rebind)).changed
