@@ -84,6 +84,15 @@ def register(sub) -> None:
     p.add_argument("--resync-seconds", type=_positive, default=300.0, metavar="N",
                    help="full resync period: relist pods and re-read every limit (default: "
                    "%(default)g)")
+    p.add_argument("--first-list-jitter", type=float, default=2.0, metavar="SECONDS",
+                   help="wait a random 0..SECONDS before the first list of the node's pods, so "
+                   "agents restarted together (a DaemonSet rollout) list apart; 0 lists at "
+                   "once (default: %(default)s)")
+    p.add_argument("--list-from-watch-cache", action="store_true",
+                   help="list the node's pods with resourceVersion=0: the API server answers "
+                   "from its watch cache instead of reading every pod from etcd (what the "
+                   "kubelet does; the list may be a moment old, the watch then catches up); "
+                   "the list after an expired watch stays a consistent read")
     p.add_argument("--annotation-prefix", default=DEFAULT_KEYS.prefix, metavar="P",
                    help="per-container key prefix (default: %(default)s)")
     p.add_argument("--signing-key-file", action="append", default=[], metavar="FILE",
@@ -138,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
         keys = Keys(prefix=args.annotation_prefix)
     except ValueError as e:
         return _fail(f"--annotation-prefix: {e}")
+    if not args.first_list_jitter >= 0:
+        return _fail(f"--first-list-jitter must be 0 or more seconds, got {args.first_list_jitter}")
     if not args.condition_name.strip():
         return _fail("--condition-name must not be empty")
     try:
@@ -157,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
         condition_name=args.condition_name, legacy_condition=args.legacy_condition,
         publish_gpu_memory_label=args.publish_gpu_memory_label,
         resync_seconds=args.resync_seconds,
+        first_list_jitter_seconds=args.first_list_jitter,
+        list_from_watch_cache=args.list_from_watch_cache,
         signing_key_files=tuple(args.signing_key_file))
     if options.signing_key_files:
         from ..signing import KeyringSource, SigningConfigError

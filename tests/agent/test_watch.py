@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from pathlib import Path
@@ -95,6 +96,70 @@ def test_failures_back_off_then_reconnect_and_clear_the_outage() -> None:
         thread.join(2)
 
 
+class RecordingStop(threading.Event):
+    """A stop event that says how long the watcher waited on it, and stops it right there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(timeout or 0.0)
+        return True
+
+
+def test_the_first_list_waits_a_random_part_of_the_jitter() -> None:
+    cluster = FakeCluster()
+    w = watcher(cluster, PodCache(), first_list_jitter=10.0, rng=random.Random(7))
+    stop = RecordingStop()
+    w.run(stop)  # stopped during the wait: it never lists
+    assert stop.waits == [random.Random(7).uniform(0, 10.0)]
+    assert cluster.calls["list_pods"] == 0
+    cache = PodCache()
+    stop, thread = run_in_thread(watcher(cluster, cache, first_list_jitter=0.05))
+    try:
+        wait_for(lambda: cache.synced, what="the list after the wait")
+    finally:
+        stop.set()
+        thread.join(2)
+
+
+def test_cached_lists_ask_the_watch_cache_but_not_right_after_an_expiry() -> None:
+    cluster = FakeCluster()
+    cache = PodCache()
+    stop, thread = run_in_thread(watcher(cluster, cache, cached_lists=True))
+    try:
+        wait_for(lambda: cluster.calls["watch_pods"] == 1, what="watching")
+        cluster.expire()  # 410: a cache behind it could send the watcher round again
+        wait_for(lambda: cluster.calls["watch_pods"] == 2, what="watching again")
+        cluster.fail("watch_pods", KubeError("watch: connection reset"))
+        cluster.end_watches()
+        wait_for(lambda: cluster.calls["list_pods"] == 3, what="a relist after an error")
+        assert cluster.list_versions == ["0", "", "0"]
+    finally:
+        stop.set()
+        thread.join(2)
+    uncached = FakeCluster()
+    stop, thread = run_in_thread(watcher(uncached, PodCache()))
+    try:
+        wait_for(lambda: uncached.calls["list_pods"] == 1, what="a list")
+        assert uncached.list_versions == [""]
+    finally:
+        stop.set()
+        thread.join(2)
+
+
+def test_the_agent_cli_spreads_its_first_list_by_default_and_refuses_a_negative_jitter(
+        capsys) -> None:
+    from kai_fractions.cli import build_parser, main
+
+    args = build_parser().parse_args(["node-agent"])
+    assert (args.first_list_jitter, args.list_from_watch_cache) == (2.0, False)
+    assert main(["node-agent", "--node-name", "n1", "--first-list-jitter", "-1"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "--first-list-jitter must be 0 or more seconds, got -1.0\n")
+
+
 def test_backoff_grows_and_is_capped() -> None:
     w = PodWatcher(FakeCluster(), NODE, PodCache(), Counter(), backoff_base=0.5,
                    backoff_cap=30.0)
@@ -180,3 +245,14 @@ def test_an_unreachable_api_is_reported_after_the_stale_time(short_tmp: Path) ->
     assert (cond.ready, cond.reason) == (False, "NotReconciling")
     assert cond.message.startswith("the Kubernetes API has been unreachable for ")
     assert cond.message.endswith("s: list pods: connection refused")
+
+
+def test_a_cached_list_asks_the_api_server_for_resource_version_0(kube) -> None:
+    from kai_fractions.node.agent.kube import KubeCluster
+
+    cluster = KubeCluster(kube.api_client)
+    cluster.list_pods(NODE, version="0")
+    cluster.list_pods(NODE)
+    lists = kube.requests("GET", "/api/v1/pods")
+    assert [r.params.get("resourceVersion") for r in lists] == ["0", None]
+    assert {r.params.get("fieldSelector") for r in lists} == {f"spec.nodeName={NODE}"}

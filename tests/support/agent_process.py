@@ -181,6 +181,7 @@ class AgentEnv:
             f"--mps-pipe-dir={self.mps_pipe_dir}",
             f"--mps-log-dir={self.mps_log_dir}",
             "--watchdog-interval=0.2",
+            "--first-list-jitter=0",  # one agent: nothing to spread
             "--log-level=debug",
             *extra,
         ]

@@ -73,7 +73,9 @@ class NodeAgent:
                              watchdog_interval=config.watchdog_interval,
                              mps_checks=self.reconciler.mps is not None, monotonic=monotonic)
         self.watcher = (PodWatcher(source, config.node_name, self.cache, self.worker.mark_dirty,
-                                   resync_seconds=options.resync_seconds, monotonic=monotonic)
+                                   resync_seconds=options.resync_seconds, monotonic=monotonic,
+                                   first_list_jitter=options.first_list_jitter_seconds,
+                                   cached_lists=options.list_from_watch_cache)
                         if source is not None else None)
         self.status = (StatusPublisher(cluster, config.node_name, options, self.condition,
                                        lambda: smallest_gpu_mib(self.reconciler.view.inventory),

@@ -35,6 +35,8 @@ class FakeCluster:
         self.history: list[tuple[int, str, dict[str, Any]]] = []
         """(resourceVersion, event type, pod) of every pod change."""
         self.calls: Counter[str] = Counter()
+        self.list_versions: list[str] = []
+        """The resourceVersion each list asked for ("" a consistent read, "0" any)."""
         self.node_status_patches: list[list[dict[str, Any]]] = []
         self.annotation_patches: list[tuple[str, dict[str, str]]] = []
         self._faults: dict[str, list[Exception]] = {}
@@ -122,9 +124,10 @@ class FakeCluster:
 
     # -- PodSource ----------------------------------------------------------------------------
 
-    def list_pods(self, node: str) -> tuple[list[dict[str, Any]], str]:
+    def list_pods(self, node: str, version: str = "") -> tuple[list[dict[str, Any]], str]:
         with self._lock:
             self._enter("list_pods")
+            self.list_versions.append(version)
             self._expired = False
             # Like kmock, the node's field selector is ignored: the agent must filter.
             return [copy.deepcopy(p) for p in self.pods.values()], str(self._rv)

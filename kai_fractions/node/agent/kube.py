@@ -70,8 +70,9 @@ def resource_version(obj: Mapping[str, Any]) -> str:
 
 
 class PodSource(Protocol):
-    def list_pods(self, node: str) -> tuple[list[dict[str, Any]], str]:
-        """The node's pods and the list's resourceVersion."""
+    def list_pods(self, node: str, version: str = "") -> tuple[list[dict[str, Any]], str]:
+        """The node's pods and the list's resourceVersion; `version` "0" lets the API server
+        answer from its watch cache (cheap, possibly a moment old)."""
         ...
 
     def watch_pods(self, node: str, resource_version: str, stop: threading.Event
@@ -137,10 +138,11 @@ class KubeCluster:
 
     # -- PodSource ----------------------------------------------------------------------------
 
-    def list_pods(self, node: str) -> tuple[list[dict[str, Any]], str]:
+    def list_pods(self, node: str, version: str = "") -> tuple[list[dict[str, Any]], str]:
         body = self._json(f"list the pods of node {node}", lambda: (
             self.core.list_pod_for_all_namespaces(
                 field_selector=f"spec.nodeName={node}", _preload_content=False,
+                resource_version=version or None,
                 _request_timeout=self.request_timeout)))
         items = [i for i in (body or {}).get("items") or [] if isinstance(i, dict)]
         return items, resource_version(body or {})

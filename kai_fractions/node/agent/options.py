@@ -28,6 +28,10 @@ class AgentOptions:
     legacy_condition: bool = False
     publish_gpu_memory_label: bool = False
     resync_seconds: float = DEFAULT_RESYNC_SECONDS
+    first_list_jitter_seconds: float = 0.0
+    """The first list waits a random 0..this: agents restarted together list apart."""
+    list_from_watch_cache: bool = False
+    """Lists with resourceVersion "0": the API server answers from its watch cache."""
     retry_seconds: float = 1.0
     """First delay before a pass that did not converge (something pending) is tried again."""
     retry_max_seconds: float = 2.0

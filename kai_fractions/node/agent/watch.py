@@ -4,9 +4,16 @@
 cache, so a pod deleted while the watch was down disappears), then watches from the list's
 resourceVersion. A 410 Gone relists at once; any other failure relists after a jittered
 exponential backoff (0.5 s doubling to 30 s), and the time since the API was last reachable
-feeds the node condition (NotReconciling). Every change calls `on_change`, which only marks the
-worker dirty: the worker reads the whole cache (level-triggered), so coalesced or replayed
-events are harmless.
+feeds the node condition (NotReconciling).
+
+Under a rollout every agent starts at once: the first list waits a random part of
+`first_list_jitter` seconds, and with `cached_lists` lists ask for resourceVersion "0", which
+the API server answers from its watch cache (indexed by node) instead of a read of every pod
+from etcd; the list after a 410 stays a consistent read, so a cache behind the expired watch
+cannot send the agent round again (as client-go's reflector does).
+
+Every change calls `on_change`, which only marks the worker dirty: the worker reads the whole
+cache (level-triggered), so coalesced or replayed events are harmless.
 """
 
 from __future__ import annotations
@@ -101,7 +108,8 @@ class PodWatcher:
                  on_change: Callable[[], None], *, resync_seconds: float = 300.0,
                  backoff_base: float = 0.5, backoff_cap: float = 30.0,
                  monotonic: Callable[[], float] = time.monotonic,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, first_list_jitter: float = 0.0,
+                 cached_lists: bool = False):
         self.source = source
         self.node = node
         self.cache = cache
@@ -112,12 +120,21 @@ class PodWatcher:
         self.monotonic = monotonic
         self.rng = rng or random.Random()
         self.failures = 0
+        self.first_list_jitter = first_list_jitter
+        self.cached_lists = cached_lists
+        self._consistent_next = False  # after a 410: the next list reads from etcd
 
     def delay(self) -> float:
         delay = min(self.backoff_cap, self.backoff_base * 2 ** min(self.failures, 16))
         return delay * (1 - 0.5 * self.rng.random())
 
     def run(self, stop: threading.Event) -> None:
+        if self.first_list_jitter > 0:
+            wait = self.rng.uniform(0, self.first_list_jitter)
+            log.info("first list of node %s's pods in %.2f s (agents restarted together "
+                     "list apart)", self.node, wait)
+            if stop.wait(wait):
+                return
         rv = ""
         listed_at = float("-inf")
         while not stop.is_set():
@@ -134,6 +151,7 @@ class PodWatcher:
             except Gone as e:
                 log.info("the pod watch expired (%s); listing again", e.message)
                 rv = ""
+                self._consistent_next = True
             except (KubeError, OSError, ValueError) as e:
                 message = e.message if isinstance(e, KubeError) else f"{type(e).__name__}: {e}"
                 self.cache.failed(message)
@@ -144,7 +162,11 @@ class PodWatcher:
                 stop.wait(delay)
 
     def _list(self) -> str:
-        items, rv = self.source.list_pods(self.node)
+        if self.cached_lists and not self._consistent_next:
+            items, rv = self.source.list_pods(self.node, version="0")
+        else:
+            items, rv = self.source.list_pods(self.node)
+        self._consistent_next = False
         mine = [p for p in items if on_node(p, self.node)]
         self.cache.replace(mine)
         self.failures = 0
