@@ -62,11 +62,13 @@ MIRROR_RULES = {
     # one BindRequest follower among the replicas: its Lease (test_mirror_lease.py)
     *LEASE_RULES,
 }
+# Exactly what kai_fractions/node/agent/kube.py calls (test_node_agent_policy.py); `patch nodes`
+# only with nodeAgent.publishGpuMemoryLabel.
 AGENT_RULES = {
-    rule([""], ["pods"], ["get", "list", "watch", "patch"]),
-    EVENTS,
-    rule([""], ["nodes"], ["get", "patch"]),
-    rule([""], ["nodes/status"], ["get", "patch"]),
+    rule([""], ["pods"], ["list", "watch", "patch"]),
+    rule([""], ["events"], ["create"]),
+    rule([""], ["nodes"], ["get"]),
+    rule([""], ["nodes/status"], ["patch"]),
 }
 
 

@@ -236,20 +236,28 @@ def test_provided_secret_and_cert_manager():
 # -- the node agent's own-node policy -------------------------------------------------------
 
 def policy_allows(policy: dict, obj: dict, resource: str, user: str = AGENT_USER,
-                  node: str | None = "gpu-node-1") -> tuple[bool, list[str]]:
-    """Evaluates the policy like the API server: matchConditions, variables, validations."""
+                  node: str | None = "gpu-node-1", old: dict | None = None
+                  ) -> tuple[bool, list[str]]:
+    """Evaluates the policy like the API server: matchConditions, variables, validations.
+    `resource` may name a subresource (`nodes/status`); `old` defaults to `obj` (an update that
+    changes nothing; test_node_agent_policy.py covers what may change)."""
     extra = {NODE_KEY: [node]} if node else {}
+    resource, _, subresource = resource.partition("/")
     request = {"operation": "UPDATE", "resource": {"group": "", "version": "v1",
                                                    "resource": resource},
+               "subResource": subresource,
                "userInfo": {"username": user, "extra": extra}}
+    objects = {"object": obj, "oldObject": obj if old is None else old}
     spec = policy["spec"]
     if not all(cel(m["expression"], request=request) for m in spec["matchConditions"]):
         return True, []
-    variables = {v["name"]: cel(v["expression"], request=request, object=obj)
-                 for v in spec["variables"]}
+    variables: dict[str, Any] = {}
+    for v in spec["variables"]:
+        variables[v["name"]] = cel(v["expression"], request=request, variables=variables,
+                                   **objects)
     failed = [v.get("message") or str(cel(v["messageExpression"], variables=variables))
               for v in spec["validations"]
-              if not cel(v["expression"], request=request, object=obj, variables=variables)]
+              if not cel(v["expression"], request=request, variables=variables, **objects)]
     return not failed, failed
 
 
@@ -263,8 +271,9 @@ def test_node_agent_may_update_only_its_own_node_and_its_pods(docs):
     assert policy_allows(policy, own_pod, "pods") == (True, [])
     assert policy_allows(policy, other_pod, "pods") == (
         False, ["the node agent on gpu-node-1 may update only pods bound to that node"])
-    assert policy_allows(policy, {"metadata": {"name": "gpu-node-1"}}, "nodes") == (True, [])
-    assert policy_allows(policy, {"metadata": {"name": "gpu-node-2"}}, "nodes") == (
+    assert policy_allows(policy, {"metadata": {"name": "gpu-node-1"}}, "nodes/status") == (
+        True, [])
+    assert policy_allows(policy, {"metadata": {"name": "gpu-node-2"}}, "nodes/status") == (
         False, ["the node agent on gpu-node-1 may update only its own Node"])
     allowed, why = policy_allows(policy, own_pod, "pods", node=None)
     assert not allowed and "carries no node name" in why[0]

@@ -211,3 +211,31 @@ mutual TLS and the bearer token. kf.mirror.checkAuth fails the render on a contr
 {{- fail (printf "mirror.tokenSecretName=%s is set but mirror.auth=%s checks no token: set mirror.auth=token or mutualTLSAndToken, or leave mirror.tokenSecretName empty" $m.tokenSecretName $m.auth) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* CEL: every field on a dotted path is present: (dict "root" "object" "path" "status.capacity")
+-> has(object.status) && has(object.status.capacity). */}}
+{{- define "kf.cel.has" -}}
+{{- $acc := .root -}}
+{{- $out := list -}}
+{{- range splitList "." .path -}}
+{{- $acc = printf "%s.%s" $acc . -}}
+{{- $out = append $out (printf "has(%s)" $acc) -}}
+{{- end -}}
+{{- join " && " $out -}}
+{{- end -}}
+
+{{/* CEL: the field at a dotted path is the same in object and oldObject (both absent, or both
+present and equal). Arg: the path. */}}
+{{- define "kf.cel.unchanged" -}}
+{{- $new := include "kf.cel.has" (dict "root" "object" "path" .) -}}
+{{- $old := include "kf.cel.has" (dict "root" "oldObject" "path" .) -}}
+(({{ $new }}) == ({{ $old }}) && (!({{ $new }}) || object.{{ . }} == oldObject.{{ . }}))
+{{- end -}}
+
+{{/* CEL: the keys of a string map (metadata.labels, metadata.annotations) added, changed or
+removed between oldObject and object. Arg: the field under metadata. */}}
+{{- define "kf.cel.changedKeys" -}}
+{{- $new := printf "(has(object.metadata.%s) ? object.metadata.%s : {})" . . -}}
+{{- $old := printf "(has(oldObject.metadata.%s) ? oldObject.metadata.%s : {})" . . -}}
+{{ $new }}.filter(k, !(k in {{ $old }}) || {{ $old }}[k] != {{ $new }}[k]) + {{ $old }}.filter(k, !(k in {{ $new }}))
+{{- end -}}
