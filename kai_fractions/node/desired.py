@@ -398,7 +398,7 @@ def _hold(pod: NodePod, ok: list[_Candidate], refused: list[Refusal],
         old = applied.get(r.key.container)
         if old is None:
             out.append(r)
-        else:
+        elif r.key.container not in seen:  # one hold per container, however many refusals
             seen.add(r.key.container)
             hold(old, ap.refused_now(r.reason, r.message))
     pod_level = next((r for r in refused if r.key.container not in applied), None)

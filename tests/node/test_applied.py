@@ -138,8 +138,9 @@ def test_a_vetoed_pod_keeps_its_applied_plan_and_the_veto_is_named() -> None:
     veto = plan_node([pod], inventory(), CONFIG).containers[0]
     refusal = Refusal(key=veto.key, pod_namespace="default", pod_name="p",
                       reason=RefusalReason.CONTRACT_INVALID, message="bad signature")
-    state = plan_node([pod], inventory(), CONFIG, applied=applied, vetoes=[refusal])
-    assert [c.plan for c in state.containers] == [applied[KEY_A]]
+    state = plan_node([pod], inventory(), CONFIG, applied=applied, vetoes=[refusal, refusal])
+    assert [c.plan for c in state.containers] == [applied[KEY_A]]  # held once
+    assert state.gpu(GPU0).requested_bytes == 10 * GIB
     assert state.refusal(KEY_A).message.startswith(
         "its plan is refused now (ContractInvalid: bad signature)")
     # without an applied plan the veto is the pod's refusal, and nothing is planned
