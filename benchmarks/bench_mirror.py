@@ -81,7 +81,7 @@ def request(namespace: str, name: str) -> pb.MirrorAllocationRequest:
         received_gpu=pb.ReceivedGpu(count=1, portion="0.5"),
         selected_fractional_gpu_groups=[pb.FractionalGpuGroup(
             id="group-0", compute_sharing_mode=pb.COMPUTE_SHARING_MODE_SM_SHARING)],
-        reserved_gpu_ids=[GPU], node_gpu_memory_mib=NODE_MEMORY_MIB, reserve_mib=1024),
+        reserved_gpu_ids=[GPU], node_gpu_memory_mib=NODE_MEMORY_MIB, reserve_mib=0),
         idempotency_key=f"bench/{name}")
 
 

@@ -37,7 +37,15 @@ import grpc
 
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 
-from .bench_mirror import CALL_TIMEOUT_S, NODE_MEMORY_MIB, POD_TEMPLATE, _free_port, _wait_ready
+from .bench_mirror import (
+    CALL_TIMEOUT_S,
+    NODE_MEMORY_MIB,
+    POD_TEMPLATE,
+    _free_port,
+    _stub_pid,
+    _wait_ready,
+    cpu_seconds,
+)
 from .bench_mirror import request as allocation_request
 from .harness import Result, percentile
 from .stub_apiserver import REPO, kubeconfig, running, seed
@@ -263,10 +271,14 @@ def measure(size: int, idle_calls: int, warmup: int = 20, timeout: float = 600.0
         for _ in range(warmup):
             caller.call()
         before = mirror.rss_bytes()
+        stub = _stub_pid(url)
+        cpu = cpu_seconds(mirror.process.pid), cpu_seconds(stub)
         mirror.send("mark first")
         mirror.send("list")
         during, first_s = caller.until(mirror, 1, timeout)
         mirror.send("end first")
+        mirror_cpu = cpu_seconds(mirror.process.pid) - cpu[0]
+        stub_cpu = cpu_seconds(stub) - cpu[1]
         time.sleep(0.5)  # what the list left behind is collected
         after = mirror.rss_bytes()
         mirror.send("mark idle")
@@ -286,6 +298,7 @@ def measure(size: int, idle_calls: int, warmup: int = 20, timeout: float = 600.0
         "size": size, "cached": cached, "first_list_s": first_s, "relist_s": relist_s,
         "rss_before_mb": before / 2**20, "rss_after_mb": after / 2**20,
         "rss_kb_per_pod": (after - before) / 1024 / max(1, cached),
+        "mirror_cpu_first_s": mirror_cpu, "stub_cpu_first_s": stub_cpu,
         "stall_first_ms": windows["first"]["max_ms"], "stall_relist_ms": windows["relist"][
             "max_ms"], "stall_idle_ms": windows["idle"]["max_ms"],
         "calls_first": len(during), "calls_relist": len(relist),
@@ -315,6 +328,8 @@ def run(quick: bool = False, smoke: bool = False, sizes: tuple[int, ...] = SIZES
                    "<= 2")
         result.add(f"{tag}: RSS before / after", round(m["rss_after_mb"], 1), "MB")
         result.add(f"{tag}: first list merged in", round(m["first_list_s"], 2), "s")
+        result.add(f"{tag}: mirror CPU per listed pod, first list",
+                   round(m["mirror_cpu_first_s"] / size * 1e6, 1), "us")
         result.add(f"{tag}: re-list merged in", round(m["relist_s"], 2), "s")
         result.add(f"{tag}: allocation p50 / p99 idle", round(m["p99_idle_ms"], 2), "ms")
         result.add(f"{tag}: allocation p99 first list", round(m["p99_first_ms"], 2), "ms")
@@ -322,7 +337,9 @@ def run(quick: bool = False, smoke: bool = False, sizes: tuple[int, ...] = SIZES
                    round(m["p99_first_ms"] / m["p99_idle_ms"], 2), "x", "<= 2")
         result.add(f"{tag}: allocation p99 re-list", round(m["p99_relist_ms"], 2), "ms")
         result.notes.append(
-            f"{tag}: {m['cached']} pods cached; RSS {m['rss_before_mb']:.1f} -> "
+            f"{tag}: {m['cached']} pods cached; CPU during the first list: mirror "
+            f"{m['mirror_cpu_first_s']:.2f} s, stub {m['stub_cpu_first_s']:.2f} s (with the "
+            f"calls'); RSS {m['rss_before_mb']:.1f} -> "
             f"{m['rss_after_mb']:.1f} MB; calls during the first list {m['calls_first']} "
             f"(p50 {m['p50_first_ms']:.2f} ms), during the re-list {m['calls_relist']} "
             f"(p50 {m['p50_relist_ms']:.2f} ms); idle p50 {m['p50_idle_ms']:.2f} ms over "

@@ -176,7 +176,10 @@ class Cluster:
         self.history: deque[tuple[int, str | None, bytes]] = deque(maxlen=history)
         self.compacted = self.revision  # changes up to here are no longer in the history
         self.watchers: list[_Http] = []
-        self.snapshots: dict[str, tuple[list[dict], int]] = {}  # continue token -> the rest
+        self.snapshots: dict[str, tuple[list[bytes], int]] = {}  # continue token -> the rest
+        self.encoded: dict[tuple[str, str], bytes] = {}
+        """Each pod's JSON as of its last change: a list is a join of these, as a real API
+        server's watch cache keeps its objects serialized."""
 
     # -- pods and their events --
 
@@ -197,7 +200,7 @@ class Cluster:
             name=name, namespace=namespace, uid=pod_uid(namespace, name),
             resourceVersion=str(self.revision))
         self.pods[(namespace, name)] = pod
-        encoded = _encode(pod)
+        encoded = self.encoded[(namespace, name)] = _encode(pod)
         self.emit("ADDED", pod, encoded)
         return pod, encoded
 
@@ -286,7 +289,7 @@ class Cluster:
         patched["metadata"]["resourceVersion"] = str(self.revision)
         pod.clear()
         pod.update(patched)
-        encoded = _encode(pod)
+        encoded = self.encoded[(meta["namespace"], meta["name"])] = _encode(pod)
         self.emit("MODIFIED", pod, encoded)
         return 200, encoded
 
@@ -327,7 +330,7 @@ class Cluster:
                 return _status(410, "Expired", f"continue token {token!r}: unknown or used")
             items, revision = self.snapshots.pop(token)
         else:
-            items = [pod for pod in self.pods.values()
+            items = [self.encoded[key] for key, pod in self.pods.items()
                      if scheduler is None or _scheduler(pod) == scheduler]
             revision = self.revision
         try:
@@ -340,9 +343,8 @@ class Cluster:
             items = items[:limit]
             meta["continue"] = token = uuid.uuid4().hex
             self.snapshots[token] = rest, revision
-        # A page is encoded pod by pod: a snapshot's pods may change after it was taken.
         return 200, b'{"apiVersion":"v1","kind":"PodList","metadata":%s,"items":[%s]}' % (
-            _encode(meta), b",".join(map(_encode, items)))
+            _encode(meta), b",".join(items))
 
     def expire(self) -> int:
         """Ends every watch with 410 Expired and forgets the history (POST /expire)."""

@@ -288,11 +288,7 @@ class PodCache:
                         self._pods.get(key) is pod and key not in self._prepared)):
                     self._prepare(pod)  # new, or stored as its page arrived (keep)
             if clock() - began > self.slice_seconds:
-                while True:  # the calls waiting on the loop run now, and first
-                    began = clock()
-                    await asyncio.sleep(0)
-                    if clock() - began <= self.busy_seconds:
-                        break
+                await calls_first(self.busy_seconds, clock)
                 began = clock()
         del items  # the list's references go as soon as it is merged
         with self._lock:
@@ -350,6 +346,33 @@ class PodCache:
             self._pods[key] = pod
             self._prepared.discard(key)  # the new version is not prepared yet
             return True
+
+
+async def calls_first(busy_seconds: float = BUSY_SECONDS,
+                      clock: Callable[[], float] = time.perf_counter) -> None:
+    """Returns once a turn of the event loop ran nothing else: the calls waiting on the loop
+    go before the cache's own work (asyncio has no priorities; a yield that comes back later
+    than `busy_seconds` ran other work, so the loop may have more)."""
+    while True:
+        began = clock()
+        await asyncio.sleep(0)
+        if clock() - began <= busy_seconds:
+            return
+
+
+class _CallsFirst:
+    """The list's API requests, each sent once the loop has nothing else ready (`calls_first`):
+    decoding and storing a page is work the calls would otherwise wait behind."""
+
+    def __init__(self, api: AsyncKubeApi) -> None:
+        self._api = api
+
+    async def request(self, *args: Any, **kwargs: Any) -> Any:
+        await calls_first()
+        return await self._api.request(*args, **kwargs)
+
+    def stream(self, *args: Any, **kwargs: Any) -> Any:
+        return self._api.stream(*args, **kwargs)
 
 
 def settle() -> None:
@@ -410,11 +433,12 @@ def pod_feed(api_client: k8s.ApiClient, cache: PodCache, scheduler_name: str = "
 
     async def on_loop() -> None:
         api = AsyncKubeApi(api_client)
+        calls_first_api: Any = _CallsFirst(api)  # an AsyncKubeApi to the list + watch
         try:
             await list_watch_async(
-                AsyncListWatch(api, "/api/v1/pods", {"fieldSelector": pod_selector(
+                AsyncListWatch(calls_first_api, "/api/v1/pods", {"fieldSelector": pod_selector(
                     scheduler_name)}, what=what, skip=cache.is_echo, keep=cache.keep,
-                page_size=LIST_PAGE_SIZE),
+                    page_size=LIST_PAGE_SIZE),
                 cache.merge_soon, cache.event, **options)
         finally:
             cache.cancel_merge()
