@@ -29,12 +29,12 @@ from ..marker import Marker, MarkerState
 
 MAX_DEVICES_VALUE = 64 * 128
 """At most 64 GPUs (the contract's bound), each item well under 128 characters."""
-_MAX_MIB_DIGITS = 12
+_MAX_DIGITS = 12
 
 
-def _mib(value: str | None) -> int | None:
+def _number(value: str | None) -> int | None:
     if value is None or not value.isascii() or not value.isdigit() \
-            or len(value) > _MAX_MIB_DIGITS:
+            or len(value) > _MAX_DIGITS:
         return None
     return int(value)
 
@@ -45,8 +45,8 @@ def recorded_plan(view: PodView, container: str, keys: Keys) -> ContainerPlan | 
     notes = view.annotations
     digest = notes.get(keys.derived(container, k.DERIVED_PLAN_DIGEST))
     devices = notes.get(keys.container(container, k.DEVICES))
-    request = _mib(notes.get(keys.derived(container, k.DERIVED_MEMORY_REQUEST_MIB)))
-    limit = _mib(notes.get(keys.derived(container, k.DERIVED_MEMORY_LIMIT_MIB)))
+    request = _number(notes.get(keys.derived(container, k.DERIVED_MEMORY_REQUEST_MIB)))
+    limit = _number(notes.get(keys.derived(container, k.DERIVED_MEMORY_LIMIT_MIB)))
     if not digest or not devices or len(devices) > MAX_DEVICES_VALUE or request is None \
             or limit is None or not view.uid:
         return None
@@ -56,7 +56,7 @@ def recorded_plan(view: PodView, container: str, keys: Keys) -> ContainerPlan | 
     atp = namespace = None
     mode = ComputeMode.TIME_SLICING
     if atp_value is not None or pipe is not None:
-        atp = _mib(atp_value)
+        atp = _number(atp_value)
         if atp is None or not 1 <= atp <= 100 or not pipe \
                 or len(pipe.encode()) > MAX_PIPE_DIRECTORY:
             return None
