@@ -281,3 +281,23 @@ def test_schema_checks_the_signing_values():
     assert "additional properties 'enable' not allowed" in err
     with pytest.raises(HelmError, match="/signing/simulatedLookup/signing/current"):
         render(None, ("signing.simulatedLookup.signing.current=not base64!",))
+
+
+def _notes(*sets: str) -> str:
+    from tests.chart.render import CHART, NAMESPACE, helm
+    args = ["install", "kf", str(CHART), "--namespace", NAMESPACE, "--dry-run=client"]
+    for s in sets:
+        args += ["--set", s]
+    proc = helm(*args)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split("NOTES:", 1)[1]
+
+
+def test_notes_say_the_agents_wait_for_the_public_key_and_when_hmac_is_still_held():
+    text = _notes()
+    assert f"Node agents start once the mirror has published the signing public key into\n" \
+           f"   ConfigMap {PUBLIC}" in text
+    assert "legacyHmac" not in text
+    text = _notes(*LEGACY_PROVIDED)
+    assert f"node agents also verify with the old HMAC key ({LEGACY})" in text
+    assert "Set it to false in the next upgrade" in text
