@@ -15,7 +15,17 @@ import pytest
 
 from kai_fractions.cli import build_parser
 
-from .render import CHART, NAMESPACE, container, find, helm, one, render, template_error
+from .render import (
+    CHART,
+    NAMESPACE,
+    container,
+    find,
+    helm,
+    kube_validate,
+    one,
+    render,
+    template_error,
+)
 
 MIRROR = "kai-fractions-mirror"
 CLIENT = f"{MIRROR}-client-tls"
@@ -196,3 +206,14 @@ def mutual_handshake(server_data: dict, client_data: dict) -> ssl.SSLError | Non
                     return e
                 return None
         raise AssertionError(f"the handshake neither completed nor failed: {done}")
+
+
+@pytest.mark.parametrize("sets", [
+    ("mirror.auth=token",),
+    ("mirror.auth=mutualTLSAndToken", "mirror.tokenSecretName=my-token"),
+    ("mirror.auth=none", "mirror.tls.enabled=false"),
+    ("signing.legacyHmac.enabled=true", "signing.legacyHmac.create=false",
+     "nodeAgent.publishGpuMemoryLabel=true"),
+], ids=["token", "both", "none", "legacy-hmac-and-label"])
+def test_these_renders_are_valid_kubernetes(sets):
+    assert kube_validate(render(None, sets), ",".join(sets)) == []
