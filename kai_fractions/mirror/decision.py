@@ -24,6 +24,7 @@ from ..contract import (
     parse_group_modes,
 )
 from ..contract import keys as k
+from ..contract.dialect import check_reserve
 from .errors import InvalidAllocation
 
 MAX_IDEMPOTENCY_KEY = 256
@@ -114,6 +115,9 @@ def resolve_decision(
     except ContractViolation as e:
         errors.extend(e.errors)
     reserve = default_reserve_mib if allocation.reserve_mib is None else allocation.reserve_mib
+    if (allocation.reserve_mib and allocation.reserve_mib > 0
+            and (problem := check_reserve(dialect, allocation.reserve_mib))):
+        error("reserve_mib", problem)
     memory = allocation.node_gpu_memory_mib
     if memory < 0:
         error("node_gpu_memory_mib", "must not be negative (0 reads the node's "

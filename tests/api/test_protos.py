@@ -49,7 +49,6 @@ MIRROR_ALLOCATION_REQUEST_JSON = """\
       "GPU-3f2a9c1e-7b4d-4e8a-b6c5-1d2e3f4a5b6c"
     ],
     "nodeGpuMemoryMib": "40960",
-    "reserveMib": "1024",
     "containerName": "trainer"
   },
   "idempotencyKey": "team-a/train-0/attempt-1"
@@ -174,8 +173,7 @@ def test_mirror_allocation_request_json_round_trip() -> None:
     assert group.compute_sharing_mode == allocation_pb2.COMPUTE_SHARING_MODE_SM_SHARING
     assert list(allocation.reserved_gpu_ids) == ["GPU-3f2a9c1e-7b4d-4e8a-b6c5-1d2e3f4a5b6c"]
     assert allocation.node_gpu_memory_mib == 40960
-    assert allocation.HasField("reserve_mib")
-    assert allocation.reserve_mib == 1024
+    assert not allocation.HasField("reserve_mib")  # the mirror's own (0 for upstream KAI)
     assert not allocation.cdi
     assert allocation.container_name == "trainer"
     assert request.idempotency_key == "team-a/train-0/attempt-1"

@@ -95,6 +95,9 @@ def test_missing_label_is_left_to_the_contract_which_names_it():
     ({"node_gpu_memory_mib": -5}, exists, [(
         "node_gpu_memory_mib", "must not be negative (0 reads the node's nvidia.com/gpu.memory "
         "label)", "-5")]),
+    ({"reserve_mib": 1024}, exists, [(
+        "reserve_mib", "is 1024 MiB, but upstream KAI main subtracts no reserve: use 0, or the "
+        "patched dialect for a KAI that does", None)]),
     ({"node_gpu_memory_mib": 0, "selected_node": ""}, exists, [(
         "selected_node", "is required to read the node's nvidia.com/gpu.memory label when "
         "node_gpu_memory_mib is 0", None)]),

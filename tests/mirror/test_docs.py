@@ -12,7 +12,6 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
-from kai_fractions.contract import Dialect
 from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.proto import allocation_from_proto, plan_to_proto
 from kai_fractions.mirror.service import MirrorService
@@ -40,9 +39,8 @@ async def test_example_reply_is_what_the_mirror_returns():
                                 "annotations": SM_POD},
                    "spec": {"containers": [{"name": "trainer"}]}})
     request = json_format.Parse(MIRROR_ALLOCATION_REQUEST_JSON, pb.MirrorAllocationRequest())
-    # The documented request carries the patched KAI's MPS reserve (reserveMib 1024) and the
-    # reply its compute portion and 50% cap: a mirror run with `--kai-dialect patched`.
-    result = await MirrorService(ThreadedPodStore(store), dialect=Dialect.PATCHED).mirror(
+    # The documented reply is a mirror's with its defaults: upstream KAI's dialect.
+    result = await MirrorService(ThreadedPodStore(store)).mirror(
         allocation_from_proto(request.allocation), idempotency_key=request.idempotency_key)
     reply = pb.MirrorAllocationResponse(
         annotations=dict(result.annotations), changed=result.changed,
@@ -62,5 +60,5 @@ def test_python_client_runs_against_a_mirror(mirror_tcp):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(code, "docs/mirror.md", "exec"), {})
-    assert out.getvalue() == "changed: True 19968Mi\n"
+    assert out.getvalue() == "changed: True 20Gi\n"
     assert mirror_tcp.patches("team-a", "train-0") == 1

@@ -152,7 +152,7 @@ def test_a_repeat_writes_nothing_and_answers_the_same(mirror_tcp):
     # both say the same.
     pod = mirror_tcp.create_pod("train-0", {"gpu-fraction": "0.5",
                                             f"{T}.gpu-compute.mode": "sm-sharing"})
-    request = mirror_request(allocation(pod, modes=(SM,), reserve=1024))
+    request = mirror_request(allocation(pod, modes=(SM,)))
     first = mirror_tcp.stub.MirrorAllocation(request, timeout=10)
     again = mirror_tcp.stub.MirrorAllocation(request, timeout=10)
     assert (first.changed, again.changed) == (True, False)

@@ -47,8 +47,7 @@ def test_reflection_lists_and_describes_the_service(grpcurl_bin, mirror):
 
 
 def test_preview_allocation_with_json(grpcurl_bin, mirror_factory):
-    # The README's request carries the patched KAI's reserve (1024 MiB): a patched-dialect
-    # mirror writes its compute portion and caps the SMs at 50%.
+    # A patched-dialect mirror also writes the compute portion, which caps the SMs at 50%.
     mirror_tcp = mirror_factory(transport="tcp", dialect=Dialect.PATCHED)
     pod = mirror_tcp.create_pod("train-0", SM_POD)
     result = grpcurl(grpcurl_bin, "-plaintext", "-d", "@", mirror_tcp.server.address,
@@ -59,7 +58,7 @@ def test_preview_allocation_with_json(grpcurl_bin, mirror_factory):
     gpu = "GPU-3f2a9c1e-7b4d-4e8a-b6c5-1d2e3f4a5b6c"
     annotations = reply["annotations"]
     assert {k: v for k, v in annotations.items() if k.startswith("nvidia.com/")} == {
-        "nvidia.com/container.trainer.gpu-memory.request": "19968Mi",
+        "nvidia.com/container.trainer.gpu-memory.request": "20Gi",
         "nvidia.com/container.trainer.gpus.devices": gpu,
         "nvidia.com/container.trainer.gpu-compute.portion": "0.5"}
     assert annotations["received-resource-type"] == "Fraction"
@@ -68,7 +67,7 @@ def test_preview_allocation_with_json(grpcurl_bin, mirror_factory):
     assert (container["container"], container["compute_sharing_mode"],
             container["active_thread_percentage"], container["memory_request_bytes"],
             container["devices"]) == (
-        "trainer", "COMPUTE_SHARING_MODE_SM_SHARING", 50, str(19968 << 20), [gpu])
+        "trainer", "COMPUTE_SHARING_MODE_SM_SHARING", 50, str(20480 << 20), [gpu])
     # Nothing was written: a preview.
     assert mirror_tcp.patches("team-a", "train-0") == 0
     # The digest it previews is the one the node will compute once the mirror has written.
