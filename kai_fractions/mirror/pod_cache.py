@@ -291,10 +291,18 @@ class PodCache:
                 await calls_first(self.busy_seconds, clock)
                 began = clock()
         del items  # the list's references go as soon as it is merged
+        stale = []
+        for key in list(self._pods):  # the pods the list lacks, found in slices too
+            if key not in listed and key not in touched:
+                stale.append(key)
+            if clock() - began > self.slice_seconds:
+                await calls_first(self.busy_seconds, clock)
+                began = clock()
         with self._lock:
-            for key in [key for key in self._pods if key not in listed and key not in touched]:
-                del self._pods[key]
-                self._prepared.discard(key)
+            for key in stale:
+                if key not in touched:  # an event may have brought it back meanwhile
+                    self._pods.pop(key, None)
+                    self._prepared.discard(key)
             self.synced = True
             self.lists += 1
             self._touched = None
