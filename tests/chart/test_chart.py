@@ -95,7 +95,7 @@ def test_default_values_render_every_component():
         ("Secret", f"{ADMISSION}-tls"),
         ("MutatingWebhookConfiguration", ADMISSION),
         ("ValidatingWebhookConfiguration", ADMISSION),
-        ("Secret", "kai-fractions-signing"),
+        ("Secret", "kai-fractions-signing-key"),
     ])
 
 

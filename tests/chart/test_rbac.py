@@ -48,7 +48,7 @@ MIRROR_RULES = {
     rule([""], ["nodes"], ["get"]),
     rule(["scheduling.run.ai"], ["bindrequests"], ["get", "list", "watch"]),
     EVENTS,
-    rule([""], ["secrets"], ["get"], ["kai-fractions-signing"]),
+    rule([""], ["secrets"], ["get"], ["kai-fractions-signing-key"]),
     # publishes the signing public key for the node agents (--publish-public-key)
     *PUBLIC_KEY_RULES,
     # the GpuFractioningConfig reporter: the one object KAI's operator reads, its status only
@@ -117,7 +117,7 @@ def test_no_wildcards_and_secrets_only_by_name(values_file: Path | None):
                              "resourceNames": ["binder"], "verbs": ["impersonate"]}, where
             if "secrets" in r["resources"]:
                 assert r["resources"] == ["secrets"] and r["verbs"] == ["get"], where
-                assert r.get("resourceNames") == ["kai-fractions-signing"], where
+                assert r.get("resourceNames") == ["kai-fractions-signing-key"], where
                 assert role["kind"] == "Role", where  # namespaced, never cluster-wide
 
 
@@ -136,8 +136,8 @@ def test_mirror_rules_shrink_with_its_options():
     assert rules[MIRROR] == MIRROR_RULES - REPORTER_RULES - LEASE_RULES - {
         IMPERSONATE_BINDER,
         rule(["scheduling.run.ai"], ["bindrequests"], ["get", "list", "watch"]),
-        rule([""], ["secrets"], ["get"], ["kai-fractions-signing"])} - PUBLIC_KEY_RULES
-    assert not find(docs, "Secret", "kai-fractions-signing")
+        rule([""], ["secrets"], ["get"], ["kai-fractions-signing-key"])} - PUBLIC_KEY_RULES
+    assert not find(docs, "Secret", "kai-fractions-signing-key")
 
 
 def test_signing_key_rule_follows_the_secret_name():

@@ -24,8 +24,8 @@ from .allocations import KEY_A, KEY_B, plan_of, time_slicing
 
 MIRROR = "kai-fractions-mirror"
 AGENT = "kai-fractions-node-agent"
-SECRET = "kai-fractions-signing"
-LEGACY = "kai-fractions-signing-legacy-hmac"
+SECRET = "kai-fractions-signing-key"
+LEGACY = "kai-fractions-signing"  # where the releases that signed with HMAC kept their key
 PUBLIC = "kai-fractions-signing-public"
 KEY_DIR = "/etc/kai-fractions/signing"
 LEGACY_DIR = "/etc/kai-fractions/signing-legacy-hmac"
@@ -60,6 +60,7 @@ def lookup_values(tmp_path: Path, signing: dict[str, bytes] | None = None,
     for key, data in (("signing", signing), ("legacy", legacy)):
         if data is not None:
             sim[key] = {k: base64.b64encode(v).decode() for k, v in data.items()}
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "upgrade-values.yaml"
     path.write_text(yaml.safe_dump({"signing": {"simulatedLookup": sim, **values}}))
     return path
@@ -219,18 +220,33 @@ def test_an_upgrade_keeps_the_ed25519_keys_the_secret_holds(tmp_path):
     assert files == {"current": current, "previous": previous}  # a rotation in progress too
 
 
-def test_an_upgrade_from_hmac_gets_an_ed25519_key_and_drops_the_hmac_one(tmp_path):
-    values = lookup_values(tmp_path, signing={"current": KEY_A, "previous": KEY_B})
+def test_an_upgrade_from_hmac_gets_an_ed25519_key_in_a_new_secret(tmp_path):
+    """The HMAC releases' Secret is never overwritten with the private key: their agents mount
+    it, and keep it until the rollout replaces them."""
+    values = lookup_values(tmp_path, legacy={"current": KEY_A, "previous": KEY_B})
     docs = render(values)
     files = secret_files(docs, SECRET)
     assert list(files) == ["current"]
     assert isinstance(serialization.load_pem_private_key(files["current"], password=None),
                       ed25519.Ed25519PrivateKey)
-    assert not find(docs, "Secret", LEGACY)  # legacyHmac is off by default
+    assert not find(docs, "Secret", LEGACY)  # legacyHmac is off by default: Helm deletes it
+
+
+def test_a_signing_secret_holding_an_hmac_key_gets_an_ed25519_one(tmp_path):
+    values = lookup_values(tmp_path, signing={"current": KEY_A, "previous": KEY_B})
+    files = secret_files(render(values), SECRET)
+    assert list(files) == ["current"]
+    assert files["current"].startswith(b"-----BEGIN PRIVATE KEY-----")
+
+
+def test_the_private_key_never_goes_into_the_secret_the_agents_mount():
+    err = template_error(f"signing.secretName={LEGACY}")
+    assert (f"signing.secretName and signing.legacyHmac.secretName are both {LEGACY}: the "
+            "private key must not go into the Secret the node agents mount") in err
 
 
 def test_the_upgrade_release_keeps_the_hmac_key_for_the_agents_only(tmp_path):
-    values = lookup_values(tmp_path, signing={"current": KEY_A, "previous": KEY_B},
+    values = lookup_values(tmp_path, legacy={"current": KEY_A, "previous": KEY_B},
                            legacyHmac={"enabled": True})
     docs = render(values)
     assert list(secret_files(docs, SECRET)) == ["current"]  # the mirror: Ed25519 only
@@ -259,16 +275,23 @@ def test_the_upgrade_release_keeps_the_hmac_key_for_the_agents_only(tmp_path):
 
 
 def test_later_upgrades_keep_the_legacy_secret_until_it_is_disabled(tmp_path):
-    values = lookup_values(tmp_path, signing={"current": Ed25519Key.generate().private_pem()},
-                           legacy={"current": KEY_A}, legacyHmac={"enabled": True})
-    assert secret_files(render(values), LEGACY) == {"current": KEY_A}
+    key = Ed25519Key.generate().private_pem()
+    values = lookup_values(tmp_path, signing={"current": key}, legacy={"current": KEY_A},
+                           legacyHmac={"enabled": True})
+    docs = render(values)
+    assert secret_files(docs, LEGACY) == {"current": KEY_A}
+    assert secret_files(docs, SECRET) == {"current": key}
+    # an HMAC key the signing Secret still held (a hand-made setup) is kept for the agents too
+    values = lookup_values(tmp_path / "b", signing={"current": KEY_B},
+                           legacyHmac={"enabled": True})
+    assert secret_files(render(values), LEGACY) == {"current": KEY_B}
 
 
 def test_legacy_hmac_without_an_hmac_key_is_refused_with_the_reason():
     err = template_error("signing.legacyHmac.enabled=true")
     assert "signing.legacyHmac.enabled: there is no HMAC key to keep" in err
-    assert f"neither Secret kai-fractions/{LEGACY} nor an HMAC key in Secret " \
-           f"kai-fractions/{SECRET} exists" in err
+    assert (f"neither Secret kai-fractions/{LEGACY} nor Secret kai-fractions/{SECRET} holds "
+            "one") in err
     # a Secret you provide is mounted as it is
     docs = render(None, ("signing.legacyHmac.enabled=true", "signing.legacyHmac.create=false"))
     assert not find(docs, "Secret", LEGACY)
