@@ -134,9 +134,12 @@ PREPARED_KEPT = 2048
 """Pods held prepared at most: the first ones the cache learns of, which a scheduler that
 binds its queue in order binds first; a gang of this many starts from parsed pods. The bound
 keeps a large queue's memory to the trimmed pods (P6)."""
-LIST_PAGE_SIZE = 100
-"""Pods per page of the list on the serving loop: a page is decoded and trimmed in one go
-(about 2 ms for 100 pods of 2 KB of JSON), so it is what a call may wait for."""
+LIST_PAGE_SIZE = 25
+"""Pods per page of the list on the serving loop. Small, because a page is decoded and trimmed
+in one go and the calls waiting on the loop wait for it; the price is more list requests
+(benchmarks/README.md, round five, has the side-by-side runs of 100, 50 and 25)."""
+SETTLE_EVERY = 1000
+"""Listed pods between two `settle()`s (each a young collection, then gc.freeze)."""
 SLICE_SECONDS = 0.0005
 """The most work a list's merge does on the serving loop before it lets the calls waiting
 there run: a call waits for one slice at most per step it takes on the loop."""
@@ -246,10 +249,10 @@ class PodCache:
         """`trimmed`, as each pod of a list page arrives on the serving loop, and stored at
         once unless the cache holds that version or a newer one, so a call for a pod of an
         early page finds it while the rest of the list is still on its way (the merge then
-        prepares it and removes what the list lacks). Every LIST_PAGE_SIZE pods, what the
+        prepares it and removes what the list lacks). Every SETTLE_EVERY pods, what the
         cache keeps is moved out of the cyclic collector's way (`settle`)."""
         self._kept += 1
-        if self._kept % LIST_PAGE_SIZE == 0:
+        if self._kept % SETTLE_EVERY == 0:
             settle()
         pod = trimmed(obj)
         if pod.name:
