@@ -126,6 +126,8 @@ def resolve_decision(
         error("node_gpu_memory_mib", f"must be at most {MAX_NODE_GPU_MEMORY_MIB} MiB", memory)
     elif memory == 0:
         memory = _node_memory(allocation, node_labels, error)
+    else:
+        _node(allocation, node_labels, error)  # given its memory, the node must still exist
     if errors:
         raise InvalidAllocation(errors)
     return BindDecision(
@@ -142,10 +144,10 @@ def resolve_decision(
 
 def node_to_read(allocation: AllocationInput) -> str:
     """The node whose labels `resolve_decision` will ask for, "" when it asks for none: a
-    caller whose reads are coroutines reads them first and hands them over."""
-    if allocation.is_fraction and allocation.node_gpu_memory_mib == 0:
-        return allocation.selected_node
-    return ""
+    caller whose reads are coroutines reads them first and hands them over. A fractional
+    allocation always names its node, which must exist (its labels also give the GPU memory
+    when the caller does not)."""
+    return allocation.selected_node if allocation.is_fraction else ""
 
 
 # Bounds on what a caller may send: far above any real allocation, low enough that nothing
@@ -176,7 +178,7 @@ def _check_bounds(allocation: AllocationInput, error) -> None:
 def _node_memory(allocation: AllocationInput, node_labels: NodeLabels, error) -> float:
     """The node's label in MiB, read as a number as KAI reads it (strconv.ParseFloat: `40960`
     and `40960.0` alike); 0 when it is missing (the contract then names the problem)."""
-    node = node_to_read(allocation)
+    node = allocation.selected_node
     labels = _node(allocation, node_labels, error)
     if labels is None:
         return 0
@@ -200,8 +202,9 @@ def _node(allocation: AllocationInput, node_labels: NodeLabels, error
     """The selected node's labels; None (and an error) when it is not named or not there."""
     node = node_to_read(allocation)
     if not node:
-        error("selected_node", "is required to read the node's "
-              f"{k.NODE_GPU_MEMORY_LABEL} label when node_gpu_memory_mib is 0")
+        error("selected_node", "is required: a fractional allocation names the node it is "
+              "for (and that node's GPU memory comes from its "
+              f"{k.NODE_GPU_MEMORY_LABEL} label when node_gpu_memory_mib is 0)")
         return None
     labels = node_labels(node)
     if labels is None:

@@ -58,6 +58,11 @@ CONFLICT_BACKOFF = Backoff(attempts=5, base=0.05, cap=1.0)
 """Re-reads after a write conflict (another writer changed the pod in between)."""
 
 
+NODE_LABELS_TTL = 30.0
+"""Seconds a node's labels are reused (see MirrorService._node_labels)."""
+NODES_KEPT = 20_000
+
+
 @dataclass(frozen=True, slots=True)
 class MirrorResult:
     annotations: Mapping[str, str]
@@ -136,6 +141,7 @@ class MirrorService:
         self.rng = rng or random.Random()
         self.extra_annotations = extra_annotations
         self._locks = _PodLocks()
+        self._nodes: dict[str, tuple[float, Mapping[str, str]]] = {}
 
     # -- operations ---------------------------------------------------------------------------
 
@@ -258,10 +264,22 @@ class MirrorService:
                                node=allocation.selected_node)
 
     async def _node_labels(self, node: str, deadline: Deadline) -> Mapping[str, str] | None:
+        """The node's labels, read at most every NODE_LABELS_TTL seconds per node: every
+        fractional call checks that its node exists, and a node's GPU memory label does not
+        change while it runs. A node that is not there is asked again on the next call."""
+        now = self.clock.monotonic()
+        cached = self._nodes.get(node)
+        if cached is not None and now - cached[0] < NODE_LABELS_TTL:
+            return cached[1]
         try:
-            return await self.store.node_labels(node, deadline)
+            labels = await self.store.node_labels(node, deadline)
         except NodeNotFound:
+            self._nodes.pop(node, None)
             return None
+        if len(self._nodes) >= NODES_KEPT:
+            self._nodes.clear()  # a cluster's node count is far below this; never unbounded
+        self._nodes[node] = (now, labels)
+        return labels
 
     async def _get(self, namespace: str, name: str, uid: str, deadline: Deadline
                    ) -> PodSnapshot:

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..contract import ContainerPlan, ContractError, Keys
+from ..contract import ContainerPlan, Keys
 from ..contract import keys as k
-from ..signing import V2, KeyringSource, signature_key
+from ..signing import KeyringSource, signature_key
 from .compute import ExtraAnnotations
-from .errors import InvalidAllocation
 from .store import PodSnapshot
 
 
@@ -24,9 +23,6 @@ def signing_annotations(source: KeyringSource, keys: Keys = k.DEFAULT_KEYS) -> E
     def extra(pod: PodSnapshot, written: Mapping[str, str],
               plans: tuple[ContainerPlan, ...], node: str) -> dict[str, str]:
         keyring = source.current()
-        if plans and not node and keyring.current.version == V2:
-            raise InvalidAllocation([ContractError(
-                "selected_node", "is required: a signed allocation names the node it is for")])
         out = {}
         for plan in plans:
             annotation = signature_key(plan, keys)

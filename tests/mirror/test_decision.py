@@ -99,8 +99,12 @@ def test_missing_label_is_left_to_the_contract_which_names_it():
         "reserve_mib", "is 1024 MiB, but upstream KAI main subtracts no reserve: use 0, or the "
         "patched dialect for a KAI that does", None)]),
     ({"node_gpu_memory_mib": 0, "selected_node": ""}, exists, [(
-        "selected_node", "is required to read the node's nvidia.com/gpu.memory label when "
-        "node_gpu_memory_mib is 0", None)]),
+        "selected_node", "is required: a fractional allocation names the node it is for (and "
+        "that node's GPU memory comes from its nvidia.com/gpu.memory label when "
+        "node_gpu_memory_mib is 0)", None)]),
+    # Issue 17, finding 9: the node must exist even when the caller gives its memory.
+    ({"selected_node": "node-that-is-not"}, exists, [(
+        "selected_node", "names a node that does not exist", "node-that-is-not")]),
     # Issue 17, finding 9: bounds on what a caller may send, checked before anything else.
     ({"node_gpu_memory_mib": 2**63 - 1}, exists, [(
         "node_gpu_memory_mib", "must be at most 1099511627776 MiB", str(2**63 - 1))]),
@@ -109,7 +113,8 @@ def test_missing_label_is_left_to_the_contract_which_names_it():
         ("reserved_gpu_ids", "lists 5000 GPU(s) for 2 selected group(s): one per group, same "
          "order", ",".join(["GPU-1"] * 5000))]),
     ({"selected_node": "n" * 300}, exists, [
-        ("selected_node", "must be at most 253 characters (got 300)", None)]),
+        ("selected_node", "must be at most 253 characters (got 300)", None),
+        ("selected_node", "names a node that does not exist", "n" * 300)]),
     ({"reserve_mib": -1}, exists, [("reserve_mib", "must be between 0 and 1099511627776",
                                     "-1")]),
     ({"node_gpu_memory_mib": 0}, lambda n: None, [(

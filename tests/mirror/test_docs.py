@@ -34,7 +34,7 @@ def test_grpcurl_example_is_the_apis_example():
 
 
 async def test_example_reply_is_what_the_mirror_returns():
-    store = FakePodStore()
+    store = FakePodStore(nodes={"gpu-node-1": {}})
     store.add_pod({"metadata": {"name": "train-0", "namespace": "team-a", "uid": UID,
                                 "annotations": SM_POD},
                    "spec": {"containers": [{"name": "trainer"}]}})

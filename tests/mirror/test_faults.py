@@ -119,7 +119,8 @@ def test_api_down_is_unavailable_and_nothing_is_written(kube):
     finally:
         server.stop(grace=0)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert e.value.details().startswith("read pod team-a/train-0: the Kubernetes API failed 3 "
+    # The node is read first (every fractional allocation's node must exist).
+    assert e.value.details().startswith("read node gpu-node-1: the Kubernetes API failed 3 "
                                         "time(s), last: ")
     assert kube.count("PATCH") == 0
 

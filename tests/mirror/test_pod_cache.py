@@ -267,7 +267,7 @@ def test_trimmed_keeps_a_snapshot_and_shares_repeated_strings():
 
 @pytest.fixture
 def store() -> FakePodStore:
-    store = FakePodStore()
+    store = FakePodStore(nodes={"node-1": {}})  # the node the allocations name
     store.reads = 0
 
     def count(operation: str, namespace: str, name: str) -> None:

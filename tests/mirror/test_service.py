@@ -63,7 +63,7 @@ def allocation(**changes) -> AllocationInput:
 
 @pytest.fixture
 def store() -> FakePodStore:
-    return FakePodStore()
+    return FakePodStore(nodes={"node-1": {}})  # the node every allocation here names
 
 
 @pytest.fixture

@@ -50,7 +50,7 @@ def public_only(key: Ed25519Key) -> Ed25519Key:
 
 async def mirrored(pair: Ed25519Key, node: str, gpu: str = "") -> dict:
     """A pod the mirror allocated on `node` with the Ed25519 key, as the API stores it."""
-    store = FakePodStore()
+    store = FakePodStore(nodes={node: {}} if node else {})
     store.add_pod({"metadata": {"name": "train-0", "namespace": "team-a", "uid": UID,
                                 "annotations": {"gpu-fraction": "0.5"}},
                    "spec": {"containers": [{"name": "trainer"}]}})
@@ -129,6 +129,6 @@ async def test_the_agent_applies_a_signature_only_on_the_node_it_was_made_for(
 async def test_a_signed_allocation_needs_its_node(pair):
     from kai_fractions.mirror.errors import InvalidAllocation
 
-    with pytest.raises(InvalidAllocation, match="selected_node: is required: a signed "
+    with pytest.raises(InvalidAllocation, match="selected_node: is required: a fractional "
                                                 "allocation names the node it is for"):
         await mirrored(pair, node="")

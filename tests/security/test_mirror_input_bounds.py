@@ -62,3 +62,11 @@ def test_more_gpus_than_the_pod_asked_for_are_refused(mirror_tcp):
     gpus = ("GPU-1111aaaa-0000-4000-8000-000000000001", "GPU-2222bbbb-0000-4000-8000-000000000002")
     error = refused(mirror_tcp, mirror_request(allocation(pod, gpus=gpus, modes=(1, 1))))
     assert [field for field, _ in bad_request_fields(error)] == ["allocation.reserved_gpu_ids"]
+
+
+def test_an_allocation_for_a_node_that_does_not_exist_is_refused(mirror_tcp):
+    """Finding 9: `selected_node` was not checked when the caller gave the node's memory."""
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    error = refused(mirror_tcp, mirror_request(allocation(pod, node="no-such-node")))
+    assert bad_request_fields(error) == [(
+        "allocation.selected_node", "names a node that does not exist (got 'no-such-node')")]

@@ -53,7 +53,7 @@ def new_pod(store: FakePodStore, annotations: dict[str, str] | None = None) -> N
 
 @pytest.fixture
 def store() -> FakePodStore:
-    return FakePodStore()
+    return FakePodStore(nodes={"node-1": {}})  # the node every allocation here names
 
 
 @pytest.fixture

@@ -120,7 +120,8 @@ class PodStats:
 @dataclass
 class Cluster:
     pods: dict[tuple[str, str], dict] = field(default_factory=dict)
-    nodes: dict[str, dict[str, str]] = field(default_factory=dict)
+    nodes: dict[str, dict[str, str]] = field(default_factory=lambda: {"gpu-node-1": {}})
+    """Node name -> labels; gpu-node-1 is the node the tests' allocations name."""
     stats: dict[tuple[str, str], PodStats] = field(default_factory=dict)
     events: list[dict] = field(default_factory=list)
     faults_served: Counter = field(default_factory=Counter)

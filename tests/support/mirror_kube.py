@@ -104,7 +104,11 @@ class MirrorHarness:
         return self.pod(namespace, name)
 
     def create_node(self, name: str, gpu_memory_mib: str | None) -> None:
+        """The node `name` with (or, None, without) its GPU memory label; an existing node
+        (the harness makes gpu-node-1) gets exactly these labels."""
         labels = {} if gpu_memory_mib is None else {"nvidia.com/gpu.memory": gpu_memory_mib}
+        if self.kube.get_object("v1/nodes", None, name) is not None:
+            self.kube.core.delete_node(name)
         self.kube.core.create_node({"apiVersion": "v1", "kind": "Node",
                                     "metadata": {"name": name, "labels": labels}})
 
@@ -148,8 +152,13 @@ def start_mirror(kube: KubeServer, *, transport: str = "tcp", **options: Any) ->
             ("grpc.ssl_target_name_override", "localhost"),))
     else:
         channel = grpc.insecure_channel(server.address)
-    return MirrorHarness(kube, store, service, server, channel,
-                         pb_grpc.AllocationMirrorStub(channel), cleanups)
+    harness = MirrorHarness(kube, store, service, server, channel,
+                            pb_grpc.AllocationMirrorStub(channel), cleanups)
+    if kube.get_object("v1/nodes", None, "gpu-node-1") is None:
+        # The node the tests' allocations name (the mirror checks that it exists); the GPU
+        # memory comes with each call unless a test labels the node itself.
+        harness.create_node("gpu-node-1", None)
+    return harness
 
 
 def stop_mirror(harness: MirrorHarness) -> None:
@@ -227,6 +236,8 @@ def run_mirror_process(kube: KubeServer, tmp_path: Path, *flags: str,
     kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
     socket_dir = tempfile.mkdtemp(prefix="kfm-")  # short: a socket path fits in 107 bytes
     listen = f"unix://{socket_dir}/mirror.sock"
+    if kube.get_object("v1/nodes", None, "gpu-node-1") is None:
+        kube.core.create_node({"metadata": {"name": "gpu-node-1"}})  # the allocation's node
     created = kube.core.create_namespaced_pod("team-a", {
         "metadata": {"name": "train-0", "namespace": "team-a",
                      "annotations": {"gpu-fraction": "0.5"}},
