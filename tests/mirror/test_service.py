@@ -386,6 +386,25 @@ async def test_node_memory_comes_from_the_node_label_when_zero(store, service, l
     assert result.annotations["nvidia.com/container.trainer.gpu-memory.request"] == written
 
 
+async def test_a_nodes_labels_are_read_once_per_ttl_and_a_missing_node_every_time(
+        store, service, clock):
+    reads = []
+    store.faults.append(lambda op, ns, name: reads.append(name) if op == "node" else None)
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    await service.preview(allocation())
+    await service.preview(allocation())
+    assert reads == ["node-1"]  # reused: a node's GPU memory label does not change
+    clock.now += 31
+    await service.preview(allocation())
+    assert reads == ["node-1", "node-1"]
+    for _ in range(2):
+        with pytest.raises(InvalidAllocation, match="names a node that does not exist"):
+            await service.preview(allocation(selected_node="node-2"))
+    assert reads == ["node-1", "node-1", "node-2", "node-2"]  # a missing node is not cached
+    store.nodes["node-2"] = {}
+    await service.preview(allocation(selected_node="node-2"))
+
+
 async def test_regular_bind_writes_only_the_resource_type(store, service):
     store.add_pod(pod({}))
     result = await service.mirror(allocation(resource_type="Regular", portion="", group_modes=(),
