@@ -49,6 +49,11 @@ def register(sub) -> None:
                    "or is a directory with `current` and optionally `previous` (the chart's "
                    "Secret); repeatable: the first key signs, every key is accepted as still "
                    "valid. Re-read when it changes. Default: no signatures")
+    p.add_argument("--publish-public-key", default="", metavar="NAMESPACE/NAME",
+                   help="write the public half of the Ed25519 signing key(s) into this "
+                   "ConfigMap (`current`, `previous`), which node agents mount as their "
+                   "--signing-key-file: nodes verify, only the mirror signs (needs "
+                   "--signing-key-file with an Ed25519 private key)")
     p.add_argument("--insecure", action="store_true",
                    help="allow plaintext on a non-loopback address (inside a trusted network "
                    "only)")
@@ -154,6 +159,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.report_interval > 0:
         return _fail(f"--report-interval must be a positive number of seconds, got "
                      f"{args.report_interval}")
+    publish_to = args.publish_public_key.split("/") if args.publish_public_key else []
+    if publish_to and (len(publish_to) != 2 or not all(publish_to)):
+        return _fail(f"--publish-public-key must be NAMESPACE/NAME, got "
+                     f"{args.publish_public_key!r}")
+    if publish_to and not args.signing_key_file:
+        return _fail("--publish-public-key publishes the signing key's public half: it needs "
+                     "--signing-key-file")
     election = None
     if args.leader_elect:
         from ..mirror.leader import election_config
@@ -232,6 +244,13 @@ def run(args: argparse.Namespace) -> int:
                          daemon=True).start()
         log.info("reporting node agent DaemonSet %s as GpuFractioningConfig default's Ready",
                  reporter.daemonset)
+    if publish_to and keyring is not None:
+        from ..mirror.public_key import Publisher
+
+        publisher = Publisher(api_client, *publish_to, keyring)
+        publisher.try_publish()  # before the first signature: nodes can check it at once
+        threading.Thread(target=publisher.run, args=(stop,), name="public-key",
+                         daemon=True).start()
     following = None
     if source is not None:
         following = threading.Thread(target=follow_loop, name="bindrequest-follower",

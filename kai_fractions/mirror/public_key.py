@@ -60,13 +60,17 @@ class Publisher:
                  self.namespace, self.name)
         return True
 
+    def try_publish(self) -> None:
+        """`publish`, with a failure logged (it is tried again on the next round)."""
+        try:
+            self.publish()
+        except (ApiException, OSError) as e:
+            log.warning("could not publish the signing public key to %s/%s (%s); trying "
+                        "again in %g s", self.namespace, self.name, e, self.interval)
+
     def run(self, stop: threading.Event) -> None:
         """Publishes now and after every change of the key files, until `stop`."""
         while True:
-            try:
-                self.publish()
-            except (ApiException, OSError) as e:
-                log.warning("could not publish the signing public key to %s/%s (%s); trying "
-                            "again in %g s", self.namespace, self.name, e, self.interval)
+            self.try_publish()
             if stop.wait(self.interval):
                 return

@@ -9,8 +9,9 @@ from kai_fractions.cli import build_parser, main
 from tests.support.mirror_kube import register_bindrequests, run_mirror_process
 
 FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file",
-         "--signing-key-file", "--insecure", "--kai-dialect", "--reserve-mib",
-         "--write-as", "--annotation-prefix", "--kubeconfig", "--follow-bindrequests",
+         "--signing-key-file", "--publish-public-key", "--insecure", "--kai-dialect",
+         "--reserve-mib", "--write-as", "--annotation-prefix", "--kubeconfig",
+         "--follow-bindrequests",
          "--leader-elect", "--leader-elect-lease-name", "--leader-elect-lease-namespace",
          "--leader-elect-identity", "--leader-elect-lease-duration",
          "--leader-elect-renew-deadline", "--leader-elect-retry-period",
@@ -39,6 +40,10 @@ def test_every_flag_is_there_with_its_default():
     (["--tls-client-ca", "/ca.crt"], "--tls-client-ca needs --tls-cert and --tls-key (mutual "
      "TLS is TLS plus client certificates)"),
     (["--reserve-mib", "-1"], "--reserve-mib must not be negative, got -1"),
+    (["--publish-public-key", "just-a-name"], "--publish-public-key must be NAMESPACE/NAME, "
+     "got 'just-a-name'"),
+    (["--publish-public-key", "ns/name"], "--publish-public-key publishes the signing key's "
+     "public half: it needs --signing-key-file"),
     (["--reserve-mib", "1024"], "--reserve-mib is 1024 MiB, but upstream KAI main subtracts no "
      "reserve: use 0, or the patched dialect for a KAI that does"),
     (["--kai-dialect", "patched", "--reserve-mib", "-5"], "--reserve-mib must not be negative, "

@@ -52,3 +52,16 @@ def test_the_public_keys_are_published_once_and_again_after_a_rotation(kube, tmp
 
 def test_an_hmac_key_has_nothing_to_publish():
     assert public_data(KeyringSource.fixed(Keyring.of(KEY_A))) == {}
+
+
+def test_the_mirror_process_publishes_its_public_key(kube, tmp_path):
+    from tests.support.mirror_kube import run_mirror_process
+
+    key = Ed25519Key.generate()
+    keys = key_dir(tmp_path, "secret", key)
+    run = run_mirror_process(kube, tmp_path, "--signing-key-file", str(keys),
+                             "--publish-public-key", "kai-fractions/signing-public")
+    assert run.returncode == 0, run.err
+    stored = kube.core.read_namespaced_config_map("signing-public", "kai-fractions")
+    assert stored.data == {"current": key.public_pem().decode()}
+    assert f"published the signing public key(s) {key.kid}" in run.err
