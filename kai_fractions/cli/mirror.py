@@ -225,6 +225,13 @@ def run(args: argparse.Namespace) -> int:
             follow_loop = functools.partial(elector.run, while_leading(
                 functools.partial(KubeBindRequestSource, api_client),
                 lambda term, lost: follow(term, handle, lost)), stop)
+    if publish_to and keyring is not None:
+        from ..mirror.public_key import Publisher
+
+        publisher = Publisher(api_client, *publish_to, keyring)
+        publisher.try_publish()  # before the server signs anything: nodes can check at once
+        threading.Thread(target=publisher.run, args=(stop,), name="public-key",
+                         daemon=True).start()
     try:
         server.start()
     except SecurityConfigError as e:
@@ -244,13 +251,6 @@ def run(args: argparse.Namespace) -> int:
                          daemon=True).start()
         log.info("reporting node agent DaemonSet %s as GpuFractioningConfig default's Ready",
                  reporter.daemonset)
-    if publish_to and keyring is not None:
-        from ..mirror.public_key import Publisher
-
-        publisher = Publisher(api_client, *publish_to, keyring)
-        publisher.try_publish()  # before the first signature: nodes can check it at once
-        threading.Thread(target=publisher.run, args=(stop,), name="public-key",
-                         daemon=True).start()
     following = None
     if source is not None:
         following = threading.Thread(target=follow_loop, name="bindrequest-follower",
