@@ -185,7 +185,8 @@ class LeaderElector:
     def run(self, lead: Callable[[threading.Event], object], stop: threading.Event) -> None:
         """Until `stop`: wait to acquire the Lease, then run `lead(lost)` in a thread while
         renewing it; `lost` is set, and the thread joined, when a renewal has failed for
-        `renew_deadline_seconds` or on `stop` (then the Lease is released)."""
+        `renew_deadline_seconds`, when another replica is found holding the Lease, or on
+        `stop` (then the Lease is released)."""
         cfg = self.config
         while not stop.is_set():
             if not self._attempt():
@@ -198,9 +199,13 @@ class LeaderElector:
                                       daemon=True)
             worker.start()
             renewed = self._monotonic()
+            why = f"no renewal for {cfg.renew_deadline_seconds:.0f} s"
             while not stop.wait(cfg.retry_seconds):
                 if self._attempt():
                     renewed = self._monotonic()
+                elif self.holder() not in ("", cfg.identity):
+                    why = f"{self.holder()} holds it"  # it judged the Lease expired: step down
+                    break
                 elif self._monotonic() - renewed >= cfg.renew_deadline_seconds:
                     break
             lost.set()
@@ -209,8 +214,11 @@ class LeaderElector:
             if stop.is_set():
                 self.release()
                 return
-            log.warning("lost lease %s/%s: no renewal for %.0f s; following stopped",
-                        cfg.namespace, cfg.name, cfg.renew_deadline_seconds)
+            log.warning("lost lease %s/%s: %s; following stopped", cfg.namespace, cfg.name, why)
+
+    def holder(self) -> str:
+        """The holder the Lease named when last read or written ("" when none, or not read)."""
+        return str((self._observed or {}).get("holderIdentity") or "")
 
     def _attempt(self) -> bool:
         try:

@@ -184,6 +184,28 @@ def test_a_leader_that_cannot_renew_stops_leading_within_its_deadline():
     assert terms == ["started", "lost"] and not a.leading
 
 
+def test_a_leader_that_finds_another_holder_steps_down_at_once():
+    lease = FakeLease()
+    a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=60,
+                                            renew_deadline_seconds=30, retry_seconds=0.05))
+    stop, terms = threading.Event(), []
+
+    def lead(lost: threading.Event) -> None:
+        terms.append("started")
+        # Another replica took the Lease over (it saw a renewal gap of a full lease).
+        lease.obj = {**lease.obj, "holderIdentity": "mirror-b"}
+        lease.version += 1
+        assert lost.wait(5)  # long before the 30 s renew deadline
+        terms.append("lost")
+        stop.set()
+
+    runner = threading.Thread(target=a.run, args=(lead, stop))
+    runner.start()
+    runner.join(10)
+    assert terms == ["started", "lost"] and a.holder() == "mirror-b"
+    assert lease.obj["holderIdentity"] == "mirror-b"  # stopping released nothing of b's
+
+
 def test_stopping_a_leader_ends_its_work_and_releases_the_lease():
     lease = FakeLease()
     a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=2,
