@@ -258,3 +258,50 @@ def test_the_scheduler_of_a_pod_cannot_change(stub: Stub):
     assert refused.value.status == 422
     assert stub.patch("immutable", "p0", {"labels": {"x": "y"}})["spec"]["schedulerName"] == (
         SCHEDULER)
+
+
+def test_a_list_with_a_limit_comes_in_pages_of_one_snapshot(stub: Stub):
+    seed(stub.url, "paged", [f"p{i}" for i in range(5)])
+    everything = stub.list()
+    pages, token = [], None
+    while True:
+        response = stub.core.list_pod_for_all_namespaces(
+            field_selector=SELECTOR, limit=2, _continue=token, _preload_content=False,
+            _request_timeout=TIMEOUT_S)
+        page = json.loads(response.data)
+        pages.append(page)
+        if len(pages) == 1:
+            seed(stub.url, "paged", ["late"])  # after the snapshot: not in this list
+        token = page["metadata"].get("continue")
+        if not token:
+            break
+    assert all(len(p["items"]) == 2 for p in pages[:-1]) and len(pages[-1]["items"]) <= 2
+    assert {p["metadata"]["resourceVersion"] for p in pages} == {
+        everything["metadata"]["resourceVersion"]}
+    assert names_of([i for p in pages for i in p["items"]]) == names_of(everything["items"])
+    with pytest.raises(ApiException) as used:  # a token serves its page once
+        stub.core.list_pod_for_all_namespaces(field_selector=SELECTOR, limit=2,
+                                              _continue=pages[0]["metadata"]["continue"],
+                                              _request_timeout=TIMEOUT_S)
+    assert used.value.status == 410
+
+
+def test_expire_ends_every_watch_with_410(stub: Stub):
+    response = stub.watch(stub.list()["metadata"]["resourceVersion"])
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while stub.stats()["watchers"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        request = urllib.request.Request(stub.url + "/expire", data=b"", method="POST")
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
+            assert json.loads(answer.read())["expired"] >= 1
+        seen = list(events(response))
+    finally:
+        response.close()
+    assert [(kind, obj.get("code")) for kind, obj in seen] == [("ERROR", 410)]
+    # The history went with it: a watch from before the expiry is told so at once.
+    late = stub.watch("2")
+    try:
+        assert [(kind, obj.get("code")) for kind, obj in events(late)] == [("ERROR", 410)]
+    finally:
+        late.close()
