@@ -48,13 +48,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
+from typing import TYPE_CHECKING
 
 from .contract import ContainerPlan, Keys
 from .contract import keys as k
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric import ed25519
 
 log = logging.getLogger(__name__)
 
@@ -165,11 +165,15 @@ class Ed25519Key:
 
     @classmethod
     def generate(cls) -> Ed25519Key:
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+
         private = ed25519.Ed25519PrivateKey.generate()
         return cls(private.public_key(), private)
 
     @property
     def kid(self) -> str:
+        from cryptography.hazmat.primitives import serialization
+
         return key_id(self.public.public_bytes(serialization.Encoding.Raw,
                                                serialization.PublicFormat.Raw))
 
@@ -184,6 +188,8 @@ class Ed25519Key:
         return self.private.sign(claims)
 
     def verifies(self, claims: bytes, signature: bytes) -> bool:
+        from cryptography.exceptions import InvalidSignature
+
         try:
             self.public.verify(signature, claims)
         except InvalidSignature:
@@ -191,12 +197,16 @@ class Ed25519Key:
         return True
 
     def public_pem(self) -> bytes:
+        from cryptography.hazmat.primitives import serialization
+
         return self.public.public_bytes(serialization.Encoding.PEM,
                                         serialization.PublicFormat.SubjectPublicKeyInfo)
 
     def private_pem(self) -> bytes:
         if self.private is None:
             raise SigningConfigError(f"key {self.kid} has no private half")
+        from cryptography.hazmat.primitives import serialization
+
         return self.private.private_bytes(serialization.Encoding.PEM,
                                           serialization.PrivateFormat.PKCS8,
                                           serialization.NoEncryption())
@@ -358,6 +368,11 @@ def _read_key(path: Path) -> AnyKey:
 def load_ed25519(pem: bytes, source: str = "") -> Ed25519Key:
     """An Ed25519 key from PEM: a private key (PKCS8) signs and verifies, a public key
     (SubjectPublicKeyInfo) only verifies. Raises SigningConfigError."""
+    # Imported here: an agent without Ed25519 keys (HMAC, or no signing) does not load the
+    # library (several MB of memory).
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
     where = f"--signing-key-file {source}" if source else "signing key"
     try:
         if pem.lstrip().startswith(_PRIVATE_PEM):

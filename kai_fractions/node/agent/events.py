@@ -193,8 +193,10 @@ class EventRecorder:
                 return True
             except KubeError as e:
                 problem = e.message
-        log.warning("event %s on pod %s/%s not recorded (%s); retried later", reason,
-                    pod.namespace, pod.name, problem)
+        # Held back by the rate limit is the design working (debug); an API failure is not.
+        log.log(logging.DEBUG if self._tokens < 1 else logging.WARNING,
+                "event %s on pod %s/%s not recorded (%s); retried later", reason,
+                pod.namespace, pod.name, problem)
         if key is not None:
             self._backlog[key] = (pod, kind, reason, message)
             while len(self._backlog) > MAX_BACKLOG:

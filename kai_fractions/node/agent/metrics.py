@@ -173,6 +173,8 @@ class AgentMetrics:
         self._labels_of: dict[tuple[str, str, str], tuple[str, ...]] = {}
         self._violating: set[tuple[str, str, str]] = set()
         self._lock = threading.Lock()
+        self._last: tuple[object, object] | None = None
+        self._last_usage: dict = {}
         self._server: Any = None
 
     # -- per container ------------------------------------------------------------------------
@@ -182,7 +184,14 @@ class AgentMetrics:
         """Sets every series of the desired state (its containers, their pods, its refusals)
         and of the GPUs, and removes every other."""
         with self._lock:
+            # The watchdog calls this every second; between reconcile passes the desired state
+            # and inventory are the same objects and usage often the same values: nothing to do.
+            seen = (desired, inventory)
+            if (self._last is not None and self._last[0] is desired
+                    and self._last[1] is inventory and self._last_usage == usage):
+                return
             self._update(desired, usage, inventory)
+            self._last, self._last_usage = seen, dict(usage)
 
     def _update(self, desired: DesiredState, usage: Mapping[tuple[ContainerKey, str], Usage],
                 inventory: Inventory) -> None:
