@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ..inspect.model import ENFORCED, REFUSED, Report, Row
-from ..inspect.render import HEADER, cells, gpu_heading, heading
+from ..inspect.render import HEADER, cells, gpu_heading, heading, reasons
 
 TIERS = ("cgroup", "mps-pinned", "watchdog")
 """Strongest first."""
@@ -55,20 +55,12 @@ def _columns(rows: Sequence[tuple[str, ...]]) -> list[str]:
             for r in rows]
 
 
-def _reasons(rows: Sequence[Row]) -> list[str]:
-    seen: dict[str, str] = {}
-    for r in rows:
-        if r.state != ENFORCED and r.message and r.ref not in seen:
-            seen[r.ref] = f"  ! {r.ref}: {r.reason + ': ' if r.reason else ''}{r.message}"
-    return list(seen.values())
-
-
 def table(report: Report, tiers: Mapping[TierKey, str]) -> str:
     """`kai-fractions inspect`'s table (kai_fractions.inspect.render) with a TIER column."""
     header = (*HEADER, "TIER")
 
     def rows(of: Sequence[Row]) -> list[str]:
-        return _columns([header, *((*cells(r), row_tier(r, tiers)) for r in of)]) + _reasons(of)
+        return _columns([header, *((*cells(r), row_tier(r, tiers)) for r in of)]) + reasons(of)
 
     lines = heading(report)
     lines += [f"note: {note}" for note in report.notes]

@@ -67,7 +67,8 @@ def gpu_heading(gpu: Gpu) -> str:
     return "  ".join(parts)
 
 
-def _reasons(rows: Sequence[Row]) -> list[str]:
+def reasons(rows: Sequence[Row]) -> list[str]:
+    """One `! <ref>: <reason>: <message>` line per row that is not enforced."""
     seen: dict[str, str] = {}
     for r in rows:
         if r.state != ENFORCED and r.message and r.ref not in seen:
@@ -99,13 +100,13 @@ def table(report: Report) -> str:
         lines += ["", gpu_heading(gpu)]
         if gpu.rows:
             lines += _table([HEADER, *(cells(r) for r in gpu.rows)])
-            lines += _reasons(gpu.rows)
+            lines += reasons(gpu.rows)
         else:
             lines.append("  (no fractional allocations)")
     if report.unplaced:
         lines += ["", "not on a GPU:"]
         lines += _table([HEADER, *(cells(r) for r in report.unplaced)])
-        lines += _reasons(report.unplaced)
+        lines += reasons(report.unplaced)
     if not report.gpus and not report.unplaced:
         lines += ["", "(no fractional allocations)"]
     return "\n".join(lines) + "\n"
