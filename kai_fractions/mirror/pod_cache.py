@@ -16,11 +16,11 @@ fed by a list + watch of pods on the mirror server's event loop (`pod_feed`), by
 mirror reads, and by every pod a PATCH returns (write-through), newest resourceVersion first.
 What the list and the watch bring is also prepared for an allocation (`prepare`: the mirror
 parses it as its user wrote it) while the pod waits for the scheduler, for the first
-`PREPARED_KEPT` pods held (the head of the queue, about 1.5 KB more each); the others are
+`PREPARED_KEPT` pods held (the head of the queue: a parse costs memory per pod); the others are
 parsed by their first allocation.
 
-A queue of tens of thousands of Pending pods must not stall the loop that serves (P6 in
-benchmarks/): on that loop, the list is trimmed and stored page by page as it arrives
+A queue of tens of thousands of Pending pods must not stall the loop that serves (measured as
+P6 in benchmarks/): on that loop, the list is trimmed and stored page by page as it arrives
 (`keep`), then merged (prepared, and the pods it lacks removed) in slices of at most
 `SLICE_SECONDS` of work that yield to the calls (`merge_soon`); watch events that arrive
 meanwhile win over the list.
@@ -76,7 +76,7 @@ _shared: dict[str, Any] = {}
 
 def _one_of(value: Any) -> Any:
     """One object for equal values: the pods of one job carry the same annotations, labels and
-    containers, about 1 KB per pod as JSON decoding makes them (P6). Safe because a
+    containers, a copy per pod as JSON decoding makes them. Safe because a
     snapshot's parts are never changed; a JSON value's repr is equal exactly when the value
     is (for maps, in the same order: the other orders are just not shared)."""
     if not value:
@@ -133,7 +133,7 @@ only in flight when the watch lags far behind; a forgotten one just costs a pars
 PREPARED_KEPT = 2048
 """Pods held prepared at most: the first ones the cache learns of, which a scheduler that
 binds its queue in order binds first; a gang of this many starts from parsed pods. The bound
-keeps a large queue's memory to the trimmed pods (P6)."""
+keeps a large queue's memory to the trimmed pods."""
 LIST_PAGE_SIZE = 25
 """Pods per page of the list on the serving loop. Small, because a page is decoded and trimmed
 in one go and the calls waiting on the loop wait for it; the price is more list requests
@@ -389,10 +389,10 @@ class _CallsFirst:
 def settle() -> None:
     """Moves every object alive now out of CPython's cyclic collector's reach (gc.freeze),
     after collecting the young generations. A full collection visits every tracked object:
-    with tens of thousands of cached pods (several tracked objects each) one took 100-200 ms
-    of the serving loop (P6). Entries hold no reference cycles, so reference counting still
-    frees them when they leave; only cyclic garbage older than the last full collection
-    stays, which the young collection first keeps small."""
+    with tens of thousands of cached pods (several tracked objects each) it holds the serving
+    loop for a long stretch (benchmarks/README.md, round five). Entries hold no reference
+    cycles, so reference counting still frees them when they leave; only cyclic garbage older
+    than the last full collection stays, which the young collection first keeps small."""
     gc.collect(1)
     gc.freeze()
 
