@@ -268,7 +268,8 @@ def test_node_agent_daemonset_defaults():
         "--memory-enforcement=cgroup,watchdog", "--watchdog-policy=report",
         "--watchdog-interval=1", "--metrics-listen=0.0.0.0:9400",
         "--condition-name=gpu-fractioning.nvidia.com/Ready", "--legacy-condition",
-        "--resync-seconds=300", "--signing-key-file=/etc/kai-fractions/signing",
+        "--resync-seconds=300", "--first-list-jitter=2",
+        "--signing-key-file=/etc/kai-fractions/signing",
         "--annotation-prefix=nvidia.com/container.", "--log-level=info"]
     env = {e["name"]: e for e in c["env"]}
     assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
@@ -290,6 +291,16 @@ def test_node_agent_daemonset_defaults():
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
     assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in c["ports"]
+
+
+def test_node_agent_lists_from_the_watch_cache_when_asked():
+    """docs/scale.md: large clusters list from the API server's watch cache."""
+    args = container(one(render(sets=("nodeAgent.listFromWatchCache=true",
+                                      "nodeAgent.firstListJitterSeconds=5")),
+                         "DaemonSet", AGENT), "node-agent")["args"]
+    assert "--list-from-watch-cache" in args and "--first-list-jitter=5" in args
+    default = container(one(render(), "DaemonSet", AGENT), "node-agent")["args"]
+    assert "--list-from-watch-cache" not in default
 
 
 def test_node_agent_with_mps():
