@@ -450,8 +450,8 @@ def _apply_num_devices(pod: PodView, shares: dict[str, ContainerShare], num_devi
 
 def _complete(share: ContainerShare, **fields: object) -> ContainerShare:
     """Sets fields of a share this parse made and has not handed out yet, in place: it is
-    frozen for everyone who receives it, and a copy (`dataclasses.replace`) was a quarter of
-    the cost of parsing a legacy pod (benchmarks/, P1 and P4)."""
+    frozen for everyone who receives it, and a copy (`dataclasses.replace`) is a sizeable part
+    of parsing a legacy pod (measured as P4 in benchmarks/)."""
     for name, value in fields.items():
         object.__setattr__(share, name, value)
     return share

@@ -1,7 +1,7 @@
 """The mirror's AsyncPodStore on its event loop: the requests of `kube_api` over the loop's own
 connections to the API server (aio_api), so a MirrorAllocation never leaves the gRPC server's
 loop (no thread handoff, no waiting for the GIL between the server, a worker and the HTTP client:
-measured in benchmarks/, P1, that handoff alone cost as much as the mirror's own work).
+benchmarks/README.md, round three, measured what that handoff cost).
 
 Every request gets a timeout bounded by the caller's deadline; transient failures (429, 5xx,
 timeouts, refused or reset connections) are retried with bounded, jittered backoff, exactly as

@@ -1,4 +1,4 @@
-"""An in-memory PodStore for unit tests (and the load tests that come later): uid and
+"""An in-memory PodStore for the mirror's tests: uid and
 resourceVersion preconditions like a real API server, a log of every write, injectable faults."""
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """A small HTTP/1.1 client on asyncio streams, for the mirror's requests to ONE API server.
 
-Why not aiohttp (already installed with the `kubernetes` client): measured against the
-benchmark's API stand-in, a request costs about 0.35 ms of CPU through aiohttp and 0.15 ms here,
-and the mirror spends about 1.3 ms of CPU per allocation in all (benchmarks/, P1). What it covers is
+Why not aiohttp (already installed with the `kubernetes` client): less CPU per request, measured
+in benchmarks/README.md (round three). What it covers is
 exactly what the mirror sends and an API server answers: a request with a body of known length;
 an answer delimited by Content-Length, chunked transfer coding or the end of the connection;
 1xx answers skipped; keep-alive with a pool of idle connections; TLS (ALPN `http/1.1`).

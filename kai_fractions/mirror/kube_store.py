@@ -54,8 +54,8 @@ CONNECTION_POOL_SIZE = 32
 """The official client's kept connections: at least one per thread that may use it at once
 (behind a proxy, ThreadedPodStore's worker threads, up to 32 in asyncio's default executor; the
 BindRequest follower; the pod watch). The client's default (5 per CPU, 10 on two) makes
-concurrent calls open a connection, then discard it with a warning: measured in benchmarks/
-(P1, when the mirror still served from threads), a 16-deep load lost one connection in 40."""
+concurrent calls open a connection, then discard it with a warning (seen in benchmarks/, P1,
+when the mirror still served from threads)."""
 
 
 def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
@@ -137,8 +137,8 @@ class KubePodStore:
                     ) -> urllib3.BaseHTTPResponse:
         """The pod merge patch as `CoreV1Api.patch_namespaced_pod` sends it (same URL, headers,
         credentials, TLS and connection pool), without the generated method's per-call argument
-        validation and model serialization: about 0.15 ms of CPU per write, a tenth of a
-        MirrorAllocation's (benchmarks/, P1). This is the mirror's hot path; its reads stay on
+        validation and model serialization (a measurable part of a MirrorAllocation's CPU:
+        benchmarks/, P1). This is the mirror's hot path; its reads stay on
         the generated methods. Raises ApiException on a non-2xx answer, as they do."""
         api = self.core.api_client
         path = pod_path(namespace, name)

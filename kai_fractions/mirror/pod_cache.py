@@ -206,8 +206,8 @@ class PodCache:
     def is_echo(self, line: str | bytes) -> bool:
         """Whether a raw watch event (as the event loop's watch reads it, bytes, or the
         official client's, str) is the mirror's own write coming back, which the cache
-        already holds: it is then skipped unparsed (the parse cost about 0.1 ms of CPU per
-        allocation, measured in-process against the benchmark stub). resourceVersions are
+        already holds: it is then skipped unparsed (a parse per allocation the mirror wrote
+        itself would be wasted). resourceVersions are
         unique across a cluster's writes, and the object's own is the first in the event
         (metadata comes first). Should the pattern ever catch another field, the event is
         skipped wrongly at worst, and an entry that is stale only ever costs a refused write or

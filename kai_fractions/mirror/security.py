@@ -3,7 +3,7 @@ the rule that a plaintext server listens only on loopback or a unix socket.
 
 The token check is a server interceptor, so every method (reflection included) is covered by
 construction; only the standard health service is exempt, because kubelet's gRPC probes cannot
-send metadata. Signatures of allocations (issue 10) belong to the write path, not here: see
+send metadata. Signatures of allocations belong to the write path, not here: see
 `MirrorService(extra_annotations=...)`.
 """
 
