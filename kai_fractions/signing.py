@@ -126,6 +126,8 @@ class SigningKey:
     secret: bytes = field(repr=False)
     source: str = ""
     """Where it was read from (for messages; never the key itself)."""
+    kid: str = field(init=False, default="")
+    """Computed once: every verification looks the key up by it."""
     version = V1
 
     def __post_init__(self) -> None:
@@ -134,10 +136,7 @@ class SigningKey:
                 f"signing key {self.source or '(inline)'}: {len(self.secret)} byte(s); an "
                 f"HMAC-SHA256 key needs at least {MIN_KEY_BYTES} (better: an Ed25519 key "
                 "pair from `kai-fractions signing-keys`)")
-
-    @property
-    def kid(self) -> str:
-        return key_id(self.secret)
+        object.__setattr__(self, "kid", key_id(self.secret))
 
     @property
     def can_sign(self) -> bool:
@@ -161,7 +160,15 @@ class Ed25519Key:
     public: ed25519.Ed25519PublicKey = field(repr=False)
     private: ed25519.Ed25519PrivateKey | None = field(default=None, repr=False)
     source: str = ""
+    kid: str = field(init=False, default="")
+    """Computed once: every verification looks the key up by it."""
     version = V2
+
+    def __post_init__(self) -> None:
+        from cryptography.hazmat.primitives import serialization
+
+        object.__setattr__(self, "kid", key_id(self.public.public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw)))
 
     @classmethod
     def generate(cls) -> Ed25519Key:
@@ -169,13 +176,6 @@ class Ed25519Key:
 
         private = ed25519.Ed25519PrivateKey.generate()
         return cls(private.public_key(), private)
-
-    @property
-    def kid(self) -> str:
-        from cryptography.hazmat.primitives import serialization
-
-        return key_id(self.public.public_bytes(serialization.Encoding.Raw,
-                                               serialization.PublicFormat.Raw))
 
     @property
     def can_sign(self) -> bool:
