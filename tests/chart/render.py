@@ -56,6 +56,18 @@ def render(values_file: Path | None = None, sets: tuple[str, ...] = ()) -> list[
     return [d for d in yaml.safe_load_all(render_text(values_file, sets)) if d]
 
 
+def chart_notes(*sets: str, values_file: Path | None = None) -> str:
+    """NOTES.txt as `helm install --dry-run=client` prints it, with `--set` values."""
+    args = ["install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client"]
+    if values_file is not None:
+        args += ["--values", str(values_file)]
+    for value in sets:
+        args += ["--set", value]
+    proc = helm(*args)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split("NOTES:", 1)[1]
+
+
 def template_error(*sets: str, set_string: Iterable[str] = ()) -> str:
     """helm template that must FAIL: returns its stderr."""
     args = _template_args(None, tuple(sets))

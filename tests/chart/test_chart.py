@@ -3,7 +3,6 @@ Kubernetes; the schema refuses bad values; each component is wired with the flag
 
 from __future__ import annotations
 
-import base64
 import shlex
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from .render import (
     CHART,
     CI_VALUES,
     NAMESPACE,
+    chart_notes,
     container,
     find,
     helm,
@@ -25,6 +25,7 @@ from .render import (
     template_error,
     values_id,
 )
+from .tls_memory import handshake
 
 VALUES = (None, *CI_VALUES)
 PATCHED_KAI_NAMESPACE = "kai-system"
@@ -418,48 +419,14 @@ def test_image_and_gate_image_follow_values():
 def _assert_tls_handshake(server_data: dict, ca_b64: str, hostname: str) -> None:
     """A client that trusts only `ca_b64` completes a TLS handshake with the server's
     certificate for `hostname` (the Service DNS name the API server or a caller uses): the
-    certificate chains to the CA, names the host, and matches its key. All in memory."""
-    import ssl
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        files = {}
-        for name, b64 in (("tls.crt", server_data["tls.crt"]), ("tls.key", server_data["tls.key"]),
-                          ("ca.crt", ca_b64)):
-            files[name] = Path(tmp, name)
-            files[name].write_bytes(base64.b64decode(b64))
-        server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        server_ctx.load_cert_chain(files["tls.crt"], files["tls.key"])
-        client_ctx = ssl.create_default_context(cafile=str(files["ca.crt"]))
-        c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
-        client = client_ctx.wrap_bio(c_in, c_out, server_hostname=hostname)
-        server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
-        done = {"client": False, "server": False}
-        for _ in range(10):
-            for side, obj in (("client", client), ("server", server)):
-                if not done[side]:
-                    try:
-                        obj.do_handshake()
-                        done[side] = True
-                    except ssl.SSLWantReadError:
-                        pass
-            s_in.write(c_out.read())
-            c_in.write(s_out.read())
-            if all(done.values()):
-                break
-        assert all(done.values()), f"TLS handshake for {hostname} did not complete: {done}"
+    certificate chains to the CA, names the host, and matches its key."""
+    assert handshake(server_data, ca_b64, hostname) is None
 
 
 # -- NOTES.txt ------------------------------------------------------------------------------
 
-def _notes(*args: str) -> str:
-    proc = helm("install", "kf", str(CHART), "--namespace", NAMESPACE, "--dry-run=client", *args)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.split("NOTES:", 1)[1]
-
-
 def test_notes_tell_how_to_check_it_works():
-    notes = _notes()
+    notes = chart_notes()
     assert "--set global.gpuSharingMode=NvFractions" in notes
     # never the switch that installs the upstream gpu-fractioning operator as well
     assert "global.nvFractions.set=true" not in notes
@@ -477,5 +444,5 @@ def test_notes_tell_how_to_check_it_works():
 
 
 def test_notes_say_when_nothing_is_deployed():
-    notes = _notes("--values", str(DISABLED))
+    notes = chart_notes(values_file=DISABLED)
     assert "gpuSharing=Disabled: nothing was deployed" in notes

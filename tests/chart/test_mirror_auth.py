@@ -8,24 +8,22 @@ from __future__ import annotations
 import base64
 import ssl
 import string
-import tempfile
-from pathlib import Path
 
 import pytest
 
 from kai_fractions.cli import build_parser
 
 from .render import (
-    CHART,
     NAMESPACE,
+    chart_notes,
     container,
     find,
-    helm,
     kube_validate,
     one,
     render,
     template_error,
 )
+from .tls_memory import handshake
 
 MIRROR = "kai-fractions-mirror"
 CLIENT = f"{MIRROR}-client-tls"
@@ -42,15 +40,6 @@ def mirror(*sets: str) -> tuple[list[dict], dict, dict]:
 
 def auth_args(c: dict) -> list[str]:
     return [a for a in c["args"] if a.startswith(("--tls-", "--token-file", "--insecure"))]
-
-
-def notes(*sets: str) -> str:
-    args = ["install", "kf", str(CHART), "--namespace", NAMESPACE, "--dry-run=client"]
-    for s in sets:
-        args += ["--set", s]
-    proc = helm(*args)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.split("NOTES:", 1)[1]
 
 
 def test_the_default_is_mutual_tls_with_a_generated_client_certificate():
@@ -136,25 +125,25 @@ def test_contradictions_are_refused_with_the_field_and_the_rule(sets, message):
 
 
 def test_notes_say_how_a_caller_gets_its_credentials():
-    text = notes()
+    text = chart_notes()
     assert "authenticates its callers (mirror.auth=mutualTLS)" in text
     assert (f"kubectl -n {NAMESPACE} get secret {CLIENT} -o jsonpath='{{.data.tls\\.crt}}'"
             in text)
     assert f"kubectl -n kai-scheduler create secret generic {CLIENT}" in text
     assert "WARNING" not in text
-    text = notes("mirror.auth=token")
+    text = chart_notes("mirror.auth=token")
     assert (f"kubectl -n {NAMESPACE} get secret {TOKEN} -o jsonpath='{{.data.token}}' | "
             "base64 -d") in text
     assert CLIENT not in text
 
 
 def test_notes_shout_when_nobody_is_authenticated():
-    text = notes("mirror.auth=none")
+    text = chart_notes("mirror.auth=none")
     assert "WARNING: mirror.auth=none: THE MIRROR AUTHENTICATES NOBODY" in text
     assert "Only its NetworkPolicy limits who can reach it." in text
     assert "plaintext" not in text
-    text = notes("mirror.auth=none", "mirror.tls.enabled=false",
-                 "mirror.networkPolicy.enabled=false")
+    text = chart_notes("mirror.auth=none", "mirror.tls.enabled=false",
+                       "mirror.networkPolicy.enabled=false")
     assert "every pod in the cluster can reach it" in text
     assert "It also serves plaintext gRPC" in text
 
@@ -162,50 +151,11 @@ def test_notes_shout_when_nobody_is_authenticated():
 # -- helpers --------------------------------------------------------------------------------
 
 def mutual_handshake(server_data: dict, client_data: dict) -> ssl.SSLError | None:
-    """A TLS handshake in memory between a server that requires a client certificate signed by
-    its `ca.crt` (what `--tls-client-ca` does) and a client presenting `client_data`'s pair and
-    trusting the server's CA. None when it completes, else the error."""
-    with tempfile.TemporaryDirectory() as tmp:
-        def file(name: str, b64: str) -> str:
-            path = Path(tmp, name)
-            path.write_bytes(base64.b64decode(b64))
-            return str(path)
-        server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        server_ctx.load_cert_chain(file("s.crt", server_data["tls.crt"]),
-                                   file("s.key", server_data["tls.key"]))
-        server_ctx.load_verify_locations(file("ca.crt", server_data["ca.crt"]))
-        server_ctx.verify_mode = ssl.CERT_REQUIRED
-        client_ctx = ssl.create_default_context(cafile=file("client-ca.crt",
-                                                            server_data["ca.crt"]))
-        client_ctx.load_cert_chain(file("c.crt", client_data["tls.crt"]),
-                                   file("c.key", client_data["tls.key"]))
-        c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
-        client = client_ctx.wrap_bio(c_in, c_out,
-                                     server_hostname=f"{MIRROR}.{NAMESPACE}.svc")
-        server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
-        done = {"client": False, "server": False}
-        for _ in range(10):
-            for side, obj in (("client", client), ("server", server)):
-                if not done[side]:
-                    try:
-                        obj.do_handshake()
-                        done[side] = True
-                    except ssl.SSLWantReadError:
-                        pass
-                    except ssl.SSLError as e:
-                        return e
-            s_in.write(c_out.read())
-            c_in.write(s_out.read())
-            if all(done.values()):
-                # TLS 1.3: the server checks the client's certificate after the client is done
-                try:
-                    client.read(1)
-                except ssl.SSLWantReadError:
-                    pass
-                except ssl.SSLError as e:
-                    return e
-                return None
-        raise AssertionError(f"the handshake neither completed nor failed: {done}")
+    """The mirror (its server pair, requiring a client certificate signed by its `ca.crt`, as
+    `--tls-client-ca` does) and a caller presenting `client_data`'s pair: None when the
+    handshake completes, else the error."""
+    return handshake(server_data, server_data["ca.crt"], f"{MIRROR}.{NAMESPACE}.svc",
+                     client=client_data)
 
 
 @pytest.mark.parametrize("sets", [

@@ -18,7 +18,15 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from kai_fractions.cli import build_parser
 from kai_fractions.mirror.public_key import public_data
 from kai_fractions.signing import V1, V2, Ed25519Key, Keyring, KeyringSource, load_keyring
-from tests.chart.render import HelmError, container, find, one, render, template_error
+from tests.chart.render import (
+    HelmError,
+    chart_notes,
+    container,
+    find,
+    one,
+    render,
+    template_error,
+)
 
 from .allocations import KEY_A, KEY_B, plan_of, time_slicing
 
@@ -306,21 +314,11 @@ def test_schema_checks_the_signing_values():
         render(None, ("signing.simulatedLookup.signing.current=not base64!",))
 
 
-def _notes(*sets: str) -> str:
-    from tests.chart.render import CHART, NAMESPACE, helm
-    args = ["install", "kf", str(CHART), "--namespace", NAMESPACE, "--dry-run=client"]
-    for s in sets:
-        args += ["--set", s]
-    proc = helm(*args)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.split("NOTES:", 1)[1]
-
-
 def test_notes_say_the_agents_wait_for_the_public_key_and_when_hmac_is_still_held():
-    text = _notes()
+    text = chart_notes()
     assert f"Node agents start once the mirror has published the signing public key into\n" \
            f"   ConfigMap {PUBLIC}" in text
     assert "legacyHmac" not in text
-    text = _notes(*LEGACY_PROVIDED)
+    text = chart_notes(*LEGACY_PROVIDED)
     assert f"node agents also verify with the old HMAC key ({LEGACY})" in text
     assert "Set it to false in the next upgrade" in text
