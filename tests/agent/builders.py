@@ -6,6 +6,7 @@ Annotation keys are written out literally (never built from kai_fractions' key h
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -25,6 +26,10 @@ NODE = "node-a"
 MIB = 1 << 20
 GIB = 1 << 30
 CID = "containerd://" + "a" * 64
+SLICE = "/sys/fs/cgroup/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{u}.slice"
+"""A Burstable pod's cgroup (systemd driver), by pod UID."""
+LEAF = "cri-containerd-" + "a" * 64 + ".scope"
+"""The cgroup of the container whose ID is CID, under its pod's slice."""
 
 
 def binder_annotations(container: str = "main", *, request: str = "10Gi", limit: str = "20Gi",
@@ -120,3 +125,23 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 5.0, interval: float
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def slice_of(uid: str) -> str:
+    return SLICE.format(u=uid.replace("-", "_"))
+
+
+def leaf_of(uid: str) -> str:
+    return f"{slice_of(uid)}/{LEAF}"
+
+
+def marker_of(rig: Rig, uid: str) -> dict | None:
+    """The pod's readiness marker as the agent wrote it, None when there is none."""
+    path = rig.marker_path(uid)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def limits_of(rig: Rig, uid: str) -> dict:
+    """The memory limits the (fake) driver holds on the pod's cgroups: path -> (soft, hard)."""
+    return {path: value for (_gpu, path), value in rig.nvml.limits.items()
+            if uid.replace("-", "_") in path}

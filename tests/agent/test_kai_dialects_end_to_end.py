@@ -8,7 +8,6 @@ patched KAI (the same file @e396c876): a 1024 MiB reserve and `.gpu-compute.port
 
 from __future__ import annotations
 
-import json
 import uuid
 from pathlib import Path
 
@@ -18,15 +17,12 @@ from kai_fractions.contract import Dialect
 from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.follower import BindRequestView, Follower
 from kai_fractions.signing import Keyring, KeyringSource
-from tests.agent.builders import CID, MIB, Rig
+from tests.agent.builders import CID, MIB, Rig, leaf_of, marker_of
 
 KEY = b"e2e-signing-key-0123456789abcdef"
 NS = "team-a"
 NODE_MIB = "81559"  # an H100 80GB's nvidia.com/gpu.memory, as the simulated GPUs report it
 P = "nvidia.com/container.main"
-SLICE = ("/sys/fs/cgroup/kubepods.slice/kubepods-burstable.slice/"
-         "kubepods-burstable-pod{u}.slice")
-LEAF = "cri-containerd-" + "a" * 64 + ".scope"
 
 
 def bind_request(groups: list[tuple[str, str]], portion: str) -> dict:
@@ -111,9 +107,9 @@ def test_a_kai_bind_is_signed_by_the_follower_and_applied_by_the_agent(short_tmp
     signed = store.pods[(NS, "train-0")]
     uid = rig.add(kai_bound_pod(dict(signed["metadata"]["annotations"]),
                                 uid=created.uid))["metadata"]["uid"]
-    rig.cgroups.add(f"{SLICE.format(u=uid.replace('-', '_'))}/{LEAF}")
+    rig.cgroups.add(leaf_of(uid))
     rig.step()
-    marker = json.loads(rig.marker_path(uid).read_text())
+    marker = marker_of(rig, uid)
     assert marker["containers"]["main"]["state"] == "applied", marker
     derived = rig.cluster.pods[uid]["metadata"]["annotations"]
     assert derived["kai-fractions.io/container.main.memory-request-mib"] == str(c["request_mib"])

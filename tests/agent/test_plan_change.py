@@ -10,26 +10,21 @@ Annotation keys are spelled out literally."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 from kai_fractions.node.agent.agent import NodeAgent
 from kai_fractions.node.nvml import GpuComputeMode
 from kai_fractions.node.watchdog import RecordingKiller
 
-from .builders import GIB, Rig, binder_annotations, pod
+from .builders import GIB, LEAF, Rig, binder_annotations, pod, slice_of
+from .builders import limits_of as limits
+from .builders import marker_of as marker
 
 LIMIT = "nvidia.com/container.main.gpu-memory.limit"
 MODE = "nvidia.com/container.main.gpu-compute.mode"
-SLICE = "/sys/fs/cgroup/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{u}.slice"
-LEAF = "cri-containerd-" + "a" * 64 + ".scope"
 KEEPS = ("the change is refused and the applied plan (memory request 10240 MiB, limit 20480 "
          "MiB, {mode} on {gpu}) stays in force until the pod is recreated (delete it to have it "
          "planned again)")
-
-
-def slice_of(uid: str) -> str:
-    return SLICE.format(u=uid.replace("-", "_"))
 
 
 def restarted(rig: Rig) -> Rig:
@@ -59,16 +54,6 @@ def add(rig: Rig, name: str, **kw) -> str:
     uid = rig.add(pod(name, notes=binder_annotations(devices=rig.gpu0, **kw)))["metadata"]["uid"]
     rig.cgroups.add(f"{slice_of(uid)}/{LEAF}")
     return uid
-
-
-def marker(rig: Rig, uid: str) -> dict | None:
-    path = rig.marker_path(uid)
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def limits(rig: Rig, uid: str) -> dict:
-    return {path: value for (_gpu, path), value in rig.nvml.limits.items()
-            if uid.replace("-", "_") in path}
 
 
 def running(rig: Rig, uid: str, pid: int, used: int) -> None:

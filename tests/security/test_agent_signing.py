@@ -8,7 +8,6 @@ pod takes nothing from any GPU; provisioned pods are not checked."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
@@ -18,20 +17,15 @@ from kai_fractions.contract import DEFAULT_KEYS
 from kai_fractions.gate.check import Outcome, judge
 from kai_fractions.marker import read_marker
 from kai_fractions.signing import Keyring, SigningConfigError
-from tests.agent.builders import GIB, Rig, binder_annotations, pod
+from tests.agent.builders import GIB, LEAF, Rig, binder_annotations, pod, slice_of
+from tests.agent.builders import limits_of as limits
+from tests.agent.builders import marker_of as marker
 
 from .allocations import KEY_A, KEY_B, plans_of
 
 UID = "0b7e1c9a-3d2f-4a5b-8c6d-7e8f9a0b1c2d"
 UID2 = "1c8f2dab-4e30-4b6c-9d7e-8f9a0b1c2d3e"
 SIG = "kai-fractions.io/container.main.signature"
-SLICE = ("/sys/fs/cgroup/kubepods.slice/kubepods-burstable.slice/"
-         "kubepods-burstable-pod{u}.slice")
-LEAF = "cri-containerd-" + "a" * 64 + ".scope"
-
-
-def slice_of(uid: str) -> str:
-    return SLICE.format(u=uid.replace("-", "_"))
 
 
 def signed(manifest: dict, key: bytes = KEY_A) -> dict:
@@ -53,16 +47,6 @@ def add(rig: Rig, manifest: dict) -> str:
     uid = rig.add(manifest)["metadata"]["uid"]
     rig.cgroups.add(f"{slice_of(uid)}/{LEAF}")
     return uid
-
-
-def marker(rig: Rig, uid: str) -> dict | None:
-    path = rig.marker_path(uid)
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def limits(rig: Rig, uid: str) -> dict:
-    return {path: value for (gpu, path), value in rig.nvml.limits.items()
-            if uid.replace("-", "_") in path}
 
 
 def gate(rig: Rig, uid: str):

@@ -9,7 +9,6 @@ reconciler (over the in-memory GPU, cgroup and MPS stand-ins) applies or refuses
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -27,16 +26,13 @@ from kai_fractions.signing import (
     load_ed25519,
     parse_signature,
 )
-from tests.agent.builders import NODE, Rig
+from tests.agent.builders import NODE, Rig, leaf_of, marker_of
 from tests.support.clock import FakeClock
 
 from .allocations import KEY_A, UID, plans_of
 from .test_mirror_signing import allocation
 
 SIG = "kai-fractions.io/container.trainer.signature"
-SLICE = ("/sys/fs/cgroup/kubepods.slice/kubepods-burstable.slice/"
-         "kubepods-burstable-pod{u}.slice")
-LEAF = "cri-containerd-" + "a" * 64 + ".scope"
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +110,9 @@ async def test_the_agent_applies_a_signature_only_on_the_node_it_was_made_for(
                 "status": {"phase": "Running", "qosClass": "Burstable", "containerStatuses": [
                     {"name": "trainer", "containerID": "containerd://" + "a" * 64}]}}
     uid = rig.add(manifest)["metadata"]["uid"]
-    rig.cgroups.add(f"{SLICE.format(u=uid.replace('-', '_'))}/{LEAF}")
+    rig.cgroups.add(leaf_of(uid))
     rig.step()
-    body = json.loads(rig.marker_path(uid).read_text())
+    body = marker_of(rig, uid)
     state = body["containers"]["trainer"]
     assert state["state"] == ("applied" if applied else "refused"), body
     limits = [path for (_gpu, path) in rig.nvml.limits if uid.replace("-", "_") in path]
