@@ -1,0 +1,152 @@
+"""Requests to the Kubernetes API on an event loop, over aiohttp: one try each (callers that
+retry use `retry.retrying`), every failure one of `errors`.
+
+`Kube` is built from the official client's `ApiClient`: its configuration says where the server
+is (URL with path prefix, TLS, proxy), and the client itself supplies the credentials of each
+request. The aiohttp session is opened on the first request, on the loop that makes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+from urllib.parse import urlencode
+
+import aiohttp
+from kubernetes import client as k8s
+from yarl import URL
+
+from .config import auth_headers, endpoint
+from .errors import BadAnswer, KubeError, refused, unreachable
+
+JSON = "application/json"
+MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+
+CONNECTIONS = 32
+"""Requests in flight at most, and idle connections kept: one per call in flight at the load
+the mirror is built for (a scheduler's 16 concurrent calls, retries and the cache's list)."""
+
+Query = Mapping[str, str] | None
+
+
+class Kube:
+    """Raises ConfigError at construction for settings that cannot work."""
+
+    def __init__(self, api_client: k8s.ApiClient, *, connections: int = CONNECTIONS,
+                 request_timeout: float = 10.0) -> None:
+        self.api_client = api_client
+        self.endpoint = endpoint(api_client.configuration)
+        self.connections = connections
+        self.request_timeout = request_timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self.connections,
+                                             ssl=self.endpoint.tls or False)
+            # No cookie jar: the official client's cookie, if any, is sent as it sends it.
+            self._session = aiohttp.ClientSession(
+                connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
+                skip_auto_headers=("User-Agent",), auto_decompress=True)
+        return self._session
+
+    async def request(self, method: str, path: str, *, what: str, query: Query = None,
+                      body: Any = None, content_type: str = JSON,
+                      timeout: float | None = None,
+                      headers: Mapping[str, str] | None = None) -> Any:
+        """The decoded JSON of a 2xx answer to `method path?query`. `body` is sent as JSON
+        (bytes as they are); `what` names the request in errors ("patch pod ns/name")."""
+        data = body if body is None or isinstance(body, bytes) else (
+            json.dumps(body, separators=(",", ":")).encode())
+        sent = self._headers(method, path, data, content_type, headers)
+        seconds = self.request_timeout if timeout is None else timeout
+        try:
+            async with self.session.request(
+                    method, self._url(path, query), data=data, headers=sent,
+                    timeout=aiohttp.ClientTimeout(total=seconds), **self._route()) as response:
+                payload = await response.read()
+                if not 200 <= response.status <= 299:
+                    raise refused(what, response.status, response.reason, payload,
+                                  response.headers.get("Retry-After"))
+        except KubeError:
+            raise
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            raise unreachable(what, e) from None
+        try:
+            return json.loads(payload or b"null")
+        except ValueError:
+            raise BadAnswer(f"{what}: the API server's answer is not JSON "
+                            f"({payload[:60]!r})", response.status) from None
+
+    @contextlib.asynccontextmanager
+    async def stream(self, path: str, *, what: str, query: Query = None,
+                     timeout: float | None = None, idle_timeout: float | None = None
+                     ) -> AsyncIterator[AsyncIterator[bytes]]:
+        """A GET whose answer is read line by line as it arrives (a watch). `timeout` bounds
+        the wait for the answer's head, `idle_timeout` each wait for more of its body."""
+        seconds = self.request_timeout if timeout is None else timeout
+        limits = aiohttp.ClientTimeout(total=None, sock_connect=seconds, connect=seconds,
+                                       sock_read=idle_timeout)
+        try:
+            async with self.session.get(self._url(path, query), timeout=limits,
+                                        headers=self._headers("GET", path, None, JSON, None),
+                                        **self._route()) as response:
+                if not 200 <= response.status <= 299:
+                    raise refused(what, response.status, response.reason,
+                                  await response.read(), response.headers.get("Retry-After"))
+                yield _lines(response.content, what)
+        except KubeError:
+            raise
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            raise unreachable(what, e) from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _url(self, path: str, query: Query) -> URL:
+        target = self.endpoint.base_url + path
+        if query:
+            target += "?" + urlencode(query)
+        return URL(target, encoded=True)  # the paths are quoted by `objects` already
+
+    def _headers(self, method: str, path: str, data: bytes | None, content_type: str,
+                 extra: Mapping[str, str] | None) -> dict[str, str]:
+        headers = auth_headers(self.api_client, method, path, data)
+        if data is not None:
+            headers["Content-Type"] = content_type
+        if extra:
+            headers.update(extra)
+        return headers
+
+    def _route(self) -> dict[str, Any]:
+        point = self.endpoint
+        route: dict[str, Any] = {}
+        if point.server_hostname:
+            route["server_hostname"] = point.server_hostname
+        if point.proxy:
+            route["proxy"] = point.proxy
+            if point.proxy_headers:
+                route["proxy_headers"] = point.proxy_headers
+        return route
+
+
+async def _lines(content: aiohttp.StreamReader, what: str) -> AsyncIterator[bytes]:
+    """The body's lines, each whole however the server chunks it and however long it is
+    (a pod with large annotations is one long line)."""
+    pending = b""
+    try:
+        async for chunk in content.iter_any():
+            pending += chunk
+            *complete, pending = pending.split(b"\n")
+            for line in complete:
+                yield line
+    except (aiohttp.ClientError, OSError, TimeoutError) as e:
+        raise unreachable(what, e) from None
+    if pending:
+        yield pending

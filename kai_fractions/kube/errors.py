@@ -1,0 +1,121 @@
+"""Why a request to the Kubernetes API failed: one error tree for every component, and the one
+place that reads an API server's refusal (`refused`) or a transport failure (`unreachable`).
+
+Callers give these a meaning of their own where they have one (the mirror: a 404 on its pod is
+NOT_FOUND to the scheduler; the agent: a 409 on its marker write means the pod was recreated);
+everything else is reported with the API server's own message, which names the object and the
+rule it broke.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+class KubeError(Exception):
+    """A request failed; `status` is the HTTP status when the server answered (else None).
+    `str(e)` is one line: what was asked, then the server's (or the transport's) answer."""
+
+    reason = "APIError"
+    """A word for events, metrics and node conditions."""
+
+    def __init__(self, message: str, status: int | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.retry_after = retry_after
+        """The server's Retry-After hint, in seconds, when it gave one."""
+
+
+class NotFound(KubeError):
+    reason = "NotFound"
+
+
+class Conflict(KubeError):
+    """409: the object changed (resourceVersion) or was recreated (uid) since it was read."""
+
+    reason = "Conflict"
+
+
+class Gone(KubeError):
+    """410: a watch's resourceVersion, or a list page's continue token, expired: list again."""
+
+    reason = "Expired"
+
+
+class Invalid(KubeError):
+    """422: the server refused the object or patch as invalid (an immutable field, a uid that
+    is not the stored object's)."""
+
+    reason = "Invalid"
+
+
+class Forbidden(KubeError):
+    """401 or 403: the API server refused this component's identity (its RBAC)."""
+
+    reason = "Forbidden"
+
+
+class Transient(KubeError):
+    """Worth trying again: throttled (429), timed out (408), a server error (5xx), or no
+    answer at all (refused, reset, timed out connections)."""
+
+    reason = "Unavailable"
+
+
+class BadAnswer(KubeError):
+    """A 2xx answer that is not JSON (a proxy's or gateway's page): asking again reads the
+    same page again."""
+
+    reason = "BadAnswer"
+
+
+class Unavailable(KubeError):
+    """Transient failures used up the retries a caller allowed: retry later."""
+
+    reason = "Unavailable"
+
+
+class DeadlineExceeded(KubeError):
+    """The caller's deadline ran out before an answer came."""
+
+    reason = "DeadlineExceeded"
+
+
+_BY_STATUS: dict[int, type[KubeError]] = {
+    401: Forbidden, 403: Forbidden, 404: NotFound, 408: Transient, 409: Conflict, 410: Gone,
+    422: Invalid, 429: Transient,
+}
+
+
+def status_message(status: int | None, reason: str | None, body: str | bytes | None) -> str:
+    """`409 Conflict: <the message of the server's Status>`, else the status and its reason."""
+    try:
+        parsed = json.loads(body or "")
+        if isinstance(parsed, dict) and parsed.get("message"):
+            return f"{status} {parsed.get('reason') or reason}: {parsed['message']}"
+    except ValueError:
+        pass
+    return f"{status} {reason or ''}".strip()
+
+
+def refused(what: str, status: int, reason: str | None = None, body: str | bytes | None = None,
+            retry_after: str | None = None) -> KubeError:
+    """The error for a non-2xx answer to the request `what` ("patch pod ns/name")."""
+    cls = _BY_STATUS.get(status) or (Transient if status >= 500 else KubeError)
+    message = f"{what}: {status_message(status, reason, body)}"
+    if cls is Forbidden:
+        message += " (check the RBAC of this component's service account)"
+    try:
+        hint = float(retry_after) if retry_after is not None else None
+    except ValueError:
+        hint = None
+    return cls(message, status, hint)
+
+
+def unreachable(what: str, error: BaseException) -> Transient:
+    """The error for a request that got no answer (the connection failed or timed out)."""
+    if isinstance(error, TimeoutError):
+        return Transient(f"{what}: no answer in time")
+    return Transient(f"{what}: {type(error).__name__}: {error}")

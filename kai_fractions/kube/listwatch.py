@@ -1,0 +1,213 @@
+"""List, then watch, forever: the one loop behind every cache of API objects here (the
+mirror's pods and KAI's BindRequests, the node agent's pods).
+
+`Collection` lists one collection in pages and watches it as a stream of events; `list_watch`
+runs the loop: it resumes a watch from the last resourceVersion seen (bookmarks included), lists
+again when the server says that version expired (410 Gone) or every `resync_seconds`, and backs
+off (jittered, capped, never giving up) while the API server is away. It ends only when
+cancelled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, NoReturn
+
+from ..clock import AsyncClock, SystemClock
+from .client import Kube
+from .errors import BadAnswer, Gone, KubeError, refused
+from .retry import Backoff
+
+log = logging.getLogger(__name__)
+
+WATCH_BACKOFF = Backoff(attempts=1_000_000, base=0.5, cap=30.0)
+"""Between failed lists or watches: a watcher never gives up, it only slows down."""
+RESYNC_SECONDS = 600.0
+"""Everything is listed again at least this often."""
+PAGE_SIZE = 500
+"""Objects per list page: a large collection comes in bounded pieces, not one huge body."""
+WATCH_CACHE = "0"
+"""A list's resourceVersion that lets the API server answer from its watch cache (cheap, maybe
+a moment old) instead of a read of every object from etcd."""
+
+
+def object_rv(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
+
+
+def watch_event(line: str | bytes, what: str, skip: Callable[[Any], bool] | None = None
+                ) -> tuple[str, Mapping[str, Any]] | None:
+    """One line of a watch stream as (type, object); None for a blank line or one `skip`
+    drops unparsed. An ERROR event raises its error (Gone for 410)."""
+    if not line.strip() or (skip is not None and skip(line)):
+        return None
+    try:
+        event = json.loads(line)
+    except ValueError:
+        raise BadAnswer(f"{what}: an event that is not JSON ({line[:60]!r})") from None
+    kind, obj = str(event.get("type") or ""), event.get("object") or {}
+    if kind == "ERROR":
+        raise refused(what, int(obj.get("code") or 500), str(obj.get("reason") or ""),
+                      json.dumps(obj))
+    return kind, obj
+
+
+class Collection:
+    """One collection (`path`, with `params` such as a fieldSelector), listed and watched.
+    Raises the errors of `errors` (Gone when a version or continue token expired)."""
+
+    def __init__(self, kube: Kube, path: str, params: Mapping[str, str] | None = None, *,
+                 what: str, watch_seconds: int = 300, request_timeout: float = 30.0,
+                 read_timeout: float | None = None, page_size: int = PAGE_SIZE,
+                 skip: Callable[[bytes], bool] | None = None,
+                 keep: Callable[[Mapping[str, Any]], Any] | None = None) -> None:
+        self.kube, self.path, self.params, self.what = kube, path, dict(params or {}), what
+        self.watch_seconds = watch_seconds
+        self.request_timeout = request_timeout
+        # A server ends the stream after watch_seconds; the read timeout only catches one that
+        # went silent (a dead connection), so it leaves the server some slack.
+        self.read_timeout = watch_seconds + 30.0 if read_timeout is None else read_timeout
+        self.page_size = page_size
+        self.skip = skip
+        """Called with each raw event line; True drops it unparsed (a cheap filter)."""
+        self.keep = keep
+        """Applied to each listed object as its page arrives: what the list returns instead
+        of the objects (a cache's trimmed entries, so no page outlives its decoding)."""
+
+    async def list(self, resource_version: str = "") -> tuple[list[Any], str]:
+        """Every object (or what `keep` made of it) and the list's resourceVersion."""
+        items: list[Any] = []
+        version, token = "", ""
+        while True:
+            query = {**self.params, "limit": str(self.page_size)}
+            if token:
+                query["continue"] = token
+            elif resource_version:
+                query["resourceVersion"] = resource_version
+            body = await self.kube.request("GET", self.path, what=f"list {self.what}",
+                                           query=query, timeout=self.request_timeout) or {}
+            page = body.get("items") or []
+            items.extend(page if self.keep is None else map(self.keep, page))
+            meta = body.get("metadata") or {}
+            # Every page of one list is the same snapshot: the first page's version is its.
+            version = version or str(meta.get("resourceVersion") or "")
+            token = str(meta.get("continue") or "")
+            if not token:
+                return items, version
+
+    async def watch(self, resource_version: str) -> AsyncIterator[tuple[str, Mapping[str, Any]]]:
+        """(event type, object) from `resource_version` on, until the server ends the stream."""
+        query = {**self.params, "watch": "true", "allowWatchBookmarks": "true",
+                 "timeoutSeconds": str(self.watch_seconds)}
+        if resource_version:
+            query["resourceVersion"] = resource_version
+        what = f"watch {self.what}"
+        async with self.kube.stream(self.path, what=what, query=query,
+                                    timeout=self.request_timeout,
+                                    idle_timeout=self.read_timeout) as lines:
+            async for line in lines:
+                event = watch_event(line, what, self.skip)
+                if event is not None:
+                    yield event
+
+
+class Cycle:
+    """The bookkeeping of one loop: where the watch resumes, when to list again, how long to
+    wait after a failure."""
+
+    def __init__(self, what: str, *, backoff: Backoff, rng: random.Random | None,
+                 resync_seconds: float, monotonic: Callable[[], float],
+                 relist_after_failure: bool, cached_lists: bool) -> None:
+        self.what, self.backoff, self.resync_seconds = what, backoff, resync_seconds
+        self.rng = rng or random.Random()
+        self.monotonic = monotonic
+        self.relist_after_failure = relist_after_failure
+        self.cached_lists = cached_lists
+        self.resource_version = ""
+        self.failures = 0
+        self.listed_at = monotonic()
+        self._consistent_next = False
+
+    def list_version(self) -> str | None:
+        """None when the next step is a watch; else the resourceVersion to list at ("" for a
+        consistent read)."""
+        if self.resource_version and self.monotonic() - self.listed_at >= self.resync_seconds:
+            self.resource_version = ""  # periodic resync
+        if self.resource_version:
+            return None
+        self.listed_at = self.monotonic()
+        # After a 410 the next list stays a consistent read: a watch cache behind the expired
+        # watch could otherwise send the loop round again (as client-go's reflector does).
+        return WATCH_CACHE if self.cached_lists and not self._consistent_next else ""
+
+    def listed(self, count: int, resource_version: str) -> None:
+        self.resource_version = resource_version
+        self._consistent_next = False
+        log.info("listed %d %s at resourceVersion %s", count, self.what,
+                 resource_version or "-")
+
+    def progressed(self, obj: Mapping[str, Any] | None = None) -> None:
+        """A list handled, or a watch event (`obj`): the watch resumes after it."""
+        if obj is not None:
+            self.resource_version = object_rv(obj) or self.resource_version
+        self.failures = 0
+
+    def expired(self, error: Exception) -> None:
+        log.info("the %s watch expired (%s); listing again", self.what, error)
+        self.resource_version = ""
+        self._consistent_next = True
+
+    def failed(self, error: Exception) -> float:
+        """The delay before the next try."""
+        delay = self.backoff.delay(min(self.failures, 16), self.rng)
+        self.failures += 1
+        if self.relist_after_failure:
+            self.resource_version = ""
+        log.warning("%s list/watch failed (%s); again in %.1fs", self.what, error, delay)
+        return delay
+
+
+async def list_watch(
+    source: Collection,
+    on_list: Callable[[list[Any]], object],
+    on_event: Callable[[str, Mapping[str, Any]], object],
+    *,
+    on_failure: Callable[[KubeError], object] | None = None,
+    backoff: Backoff = WATCH_BACKOFF,
+    rng: random.Random | None = None,
+    resync_seconds: float = RESYNC_SECONDS,
+    relist_after_failure: bool = False,
+    cached_lists: bool = False,
+    monotonic: Callable[[], float] = time.monotonic,
+    clock: AsyncClock | None = None,
+) -> NoReturn:
+    """Hands every full list to `on_list` and every watch event (BOOKMARK included) to
+    `on_event` until cancelled. A failing list or watch goes to `on_failure`, and is tried
+    again after a backoff: resuming the watch, or with a fresh list when
+    `relist_after_failure`. With `cached_lists`, lists are answered from the API server's watch
+    cache. An exception from a handler is not caught: the handlers own their errors."""
+    clock = clock or SystemClock()
+    cycle = Cycle(source.what, backoff=backoff, rng=rng, resync_seconds=resync_seconds,
+                  monotonic=monotonic, relist_after_failure=relist_after_failure,
+                  cached_lists=cached_lists)
+    while True:
+        try:
+            version = cycle.list_version()
+            if version is not None:
+                items, resource_version = await source.list(version)
+                cycle.listed(len(items), resource_version)
+                on_list(items)
+                cycle.progressed()
+            async for kind, obj in source.watch(cycle.resource_version):
+                on_event(kind, obj)
+                cycle.progressed(obj)
+        except Gone as e:
+            cycle.expired(e)
+        except KubeError as e:
+            if on_failure is not None:
+                on_failure(e)
+            await clock.asleep(cycle.failed(e))

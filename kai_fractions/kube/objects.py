@@ -1,0 +1,94 @@
+"""The API's paths and the few object shapes every component sends: quoted paths of pods,
+nodes, leases and custom resources, a guarded annotation merge patch, and a pod event."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import uuid
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote
+
+
+def _q(part: str) -> str:
+    return quote(part, safe="")
+
+
+def pods_path(namespace: str | None = None) -> str:
+    """Every namespace's pods when `namespace` is None."""
+    return f"/api/v1/namespaces/{_q(namespace)}/pods" if namespace else "/api/v1/pods"
+
+
+def pod_path(namespace: str, name: str) -> str:
+    return f"{pods_path(namespace)}/{_q(name)}"
+
+
+def node_path(node: str) -> str:
+    return f"/api/v1/nodes/{_q(node)}"
+
+
+def events_path(namespace: str) -> str:
+    return f"/api/v1/namespaces/{_q(namespace)}/events"
+
+
+def namespaced_path(group: str, version: str, plural: str, namespace: str | None,
+                    name: str | None = None) -> str:
+    """A resource of an API group (`apps`, `coordination.k8s.io`, a custom resource's);
+    cluster-wide when `namespace` is None."""
+    base = f"/apis/{group}/{version}"
+    if namespace:
+        base += f"/namespaces/{_q(namespace)}"
+    base += f"/{plural}"
+    return f"{base}/{_q(name)}" if name else base
+
+
+def meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    return obj.get("metadata") or {}
+
+
+def uid_of(obj: Mapping[str, Any]) -> str:
+    return str(meta(obj).get("uid") or "")
+
+
+def resource_version(obj: Mapping[str, Any]) -> str:
+    return str(meta(obj).get("resourceVersion") or "")
+
+
+def annotation_patch(changes: Mapping[str, str | None], *, uid: str = "",
+                     resource_version: str = "") -> bytes:
+    """A JSON merge patch of `metadata.annotations` (None deletes a key) that carries the
+    object's uid and resourceVersion when given: the API server refuses it (422 for another
+    uid, 409 for another version) instead of writing to a recreated or changed object."""
+    metadata: dict[str, Any] = {"annotations": dict(changes)}
+    if uid:
+        metadata["uid"] = uid
+    if resource_version:
+        metadata["resourceVersion"] = resource_version
+    return json.dumps({"metadata": metadata}, separators=(",", ":")).encode()
+
+
+MAX_EVENT_MESSAGE = 1024
+
+
+def pod_event(namespace: str, name: str, uid: str, *, event_type: str, reason: str,
+              message: str, component: str, host: str = "", resource_version: str = "",
+              now: datetime.datetime | None = None) -> dict[str, Any]:
+    """A core/v1 Event about a pod (what `kubectl describe pod` lists)."""
+    stamp = (now or datetime.datetime.now(datetime.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    involved = {"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": name}
+    if uid:
+        involved["uid"] = uid
+    if resource_version:
+        involved["resourceVersion"] = resource_version
+    source = {"component": component, **({"host": host} if host else {})}
+    event = {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": f"{name}.{uuid.uuid4().hex[:16]}", "namespace": namespace},
+        "involvedObject": involved, "reason": reason, "message": message[:MAX_EVENT_MESSAGE],
+        "type": event_type, "source": source, "reportingComponent": component,
+        "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+    }
+    if host:
+        event["reportingInstance"] = host
+    return event
