@@ -8,6 +8,7 @@ request. The aiohttp session is opened on the first request, on the loop that ma
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping
@@ -89,20 +90,20 @@ class Kube:
         """A GET whose answer is read line by line as it arrives (a watch). `timeout` bounds
         the wait for the answer's head, `idle_timeout` each wait for more of its body."""
         seconds = self.request_timeout if timeout is None else timeout
-        limits = aiohttp.ClientTimeout(total=None, sock_connect=seconds, connect=seconds,
-                                       sock_read=idle_timeout)
-        try:
-            async with self.session.get(self._url(path, query), timeout=limits,
-                                        headers=self._headers("GET", path, None, JSON, None),
-                                        **self._route()) as response:
-                if not 200 <= response.status <= 299:
-                    raise refused(what, response.status, response.reason,
-                                  await response.read(), response.headers.get("Retry-After"))
-                yield _lines(response.content, what)
-        except KubeError:
-            raise
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
-            raise unreachable(what, e) from None
+        limits = aiohttp.ClientTimeout(total=None, sock_read=idle_timeout)
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                async with asyncio.timeout(seconds):  # the connection and the answer's head
+                    response = await stack.enter_async_context(self.session.get(
+                        self._url(path, query), timeout=limits,
+                        headers=self._headers("GET", path, None, JSON, None), **self._route()))
+                    if not 200 <= response.status <= 299:
+                        raise refused(what, response.status, response.reason,
+                                      await response.read(),
+                                      response.headers.get("Retry-After"))
+            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                raise unreachable(what, e) from None
+            yield _lines(response.content, what)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -118,6 +119,11 @@ class Kube:
     def _headers(self, method: str, path: str, data: bytes | None, content_type: str,
                  extra: Mapping[str, str] | None) -> dict[str, str]:
         headers = auth_headers(self.api_client, method, path, data)
+        point = self.endpoint
+        if point.proxy and point.tls is None and point.proxy_headers:
+            # aiohttp sends proxy headers only with a CONNECT (an https server); a plain-http
+            # server's requests go to the proxy as they are, so they carry them themselves.
+            headers.update(point.proxy_headers)
         if data is not None:
             headers["Content-Type"] = content_type
         if extra:

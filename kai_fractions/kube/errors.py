@@ -106,7 +106,8 @@ def refused(what: str, status: int, reason: str | None = None, body: str | bytes
     cls = _BY_STATUS.get(status) or (Transient if status >= 500 else KubeError)
     message = f"{what}: {status_message(status, reason, body)}"
     if cls is Forbidden:
-        message += " (check the RBAC of this component's service account)"
+        message = (f"{what}: the API server refused this component's identity "
+                   f"({status_message(status, reason, body)}); check its RBAC")
     try:
         hint = float(retry_after) if retry_after is not None else None
     except ValueError:

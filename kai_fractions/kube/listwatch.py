@@ -14,7 +14,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, NoReturn
 
 from ..clock import AsyncClock, SystemClock
@@ -64,7 +64,8 @@ class Collection:
                  what: str, watch_seconds: int = 300, request_timeout: float = 30.0,
                  read_timeout: float | None = None, page_size: int = PAGE_SIZE,
                  skip: Callable[[bytes], bool] | None = None,
-                 keep: Callable[[Mapping[str, Any]], Any] | None = None) -> None:
+                 keep: Callable[[Mapping[str, Any]], Any] | None = None,
+                 pace: Callable[[], Awaitable[None]] | None = None) -> None:
         self.kube, self.path, self.params, self.what = kube, path, dict(params or {}), what
         self.watch_seconds = watch_seconds
         self.request_timeout = request_timeout
@@ -77,6 +78,9 @@ class Collection:
         self.keep = keep
         """Applied to each listed object as its page arrives: what the list returns instead
         of the objects (a cache's trimmed entries, so no page outlives its decoding)."""
+        self.pace = pace
+        """Awaited before each list page is asked for: a loop that also serves calls lets
+        them go first (decoding a page is work they would otherwise wait behind)."""
 
     async def list(self, resource_version: str = "") -> tuple[list[Any], str]:
         """Every object (or what `keep` made of it) and the list's resourceVersion."""
@@ -88,6 +92,8 @@ class Collection:
                 query["continue"] = token
             elif resource_version:
                 query["resourceVersion"] = resource_version
+            if self.pace is not None:
+                await self.pace()
             body = await self.kube.request("GET", self.path, what=f"list {self.what}",
                                            query=query, timeout=self.request_timeout) or {}
             page = body.get("items") or []
