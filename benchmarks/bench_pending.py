@@ -87,17 +87,20 @@ def serve(kubeconfig_path: str, listen: str) -> int:
     `list` starts the feed, `mark NAME` / `end NAME` bound a window, `report` prints what the
     probe saw in each window. Prints `{"listed": n, "pods": m}` when the n-th list is merged."""
     from kai_fractions.contract import DEFAULT_KEYS
-    from kai_fractions.mirror.aio_store import async_pod_store
+    from kai_fractions.kube.client import Kube
+    from kai_fractions.kube.config import load_api_client
     from kai_fractions.mirror.compute import user_request
-    from kai_fractions.mirror.kube_store import load_api_client
-    from kai_fractions.mirror.pod_cache import PodCache, pod_feed
-    from kai_fractions.mirror.server import MirrorServer, ServerOptions
+    from kai_fractions.mirror.grpc.server import MirrorServer, ServerOptions
+    from kai_fractions.mirror.kube_store import KubePodStore
+    from kai_fractions.mirror.pod_cache import PodCache
+    from kai_fractions.mirror.pod_feed import pod_feed
     from kai_fractions.mirror.service import MirrorService
 
     api_client = load_api_client(kubeconfig_path)
+    kube = Kube(api_client)
     cache = PodCache(prepare=functools.partial(user_request, keys=DEFAULT_KEYS))
-    service = MirrorService(async_pod_store(api_client), keys=DEFAULT_KEYS, cache=cache)
-    feed = pod_feed(api_client, cache, "")
+    service = MirrorService(KubePodStore(kube), keys=DEFAULT_KEYS, cache=cache)
+    feed = pod_feed(kube, cache, "")
     begin = asyncio.Event()
     samples: list[tuple[float, float, float]] = []  # (woke, how late, loop thread's CPU)
     windows: dict[str, list[float]] = {}

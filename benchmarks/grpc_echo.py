@@ -1,20 +1,16 @@
 """The gRPC baselines of P1, each in its own process (`python -m benchmarks.grpc_echo`).
 
-A server that serves the SAME method as the mirror, `kai_fractions.v1.AllocationMirror/
-MirrorAllocation`: it parses the request and answers a canned response (`--response FILE`, a
-serialized MirrorAllocationResponse taken from the real mirror), so client code, message sizes
-and (de)serialisation match the real call and only the mirror's own work is missing.
-
-``--server threads`` (default): a classic gRPC server with a pool of 16 worker threads, as the
-mirror's was before it moved to grpc.aio; ``--server aio``: a grpc.aio server on one event
-loop, as the mirror's is now.
+A grpc.aio server on one event loop, the kind the mirror runs, that serves the SAME method as
+the mirror, `kai_fractions.v1.AllocationMirror/MirrorAllocation`: it parses the request and
+answers a canned response (`--response FILE`, a serialized MirrorAllocationResponse taken from
+the real mirror), so client code, message sizes and (de)serialisation match the real call and
+only the mirror's own work is missing: baseline (a2).
 
 With ``--patch-kubeconfig FILE --patch-annotations FILE`` each call first makes the pod PATCH
-for the request's pod before it answers: with threads, the bare official-client PATCH of (b)
-from the handler thread, baseline (d); on aio, the same merge patch through the mirror's own
-event-loop store (`AsyncKubePodStore.patch_annotations`), baseline (d2). Either is the floor of
-a Python gRPC service of that shape that writes one pod per call, with none of the mirror's own
-work. Prints ``PORT <n>`` on stdout when it is listening.
+for the request's pod before it answers, through the mirror's own store
+(`KubePodStore(Kube(...)).patch_annotations`: the same aiohttp client, retries and error
+mapping): baseline (d2), the floor of the mirror's design with none of its own work (contract,
+cache, records, logging). Prints ``PORT <n>`` on stdout when it is listening.
 """
 
 from __future__ import annotations
@@ -24,17 +20,13 @@ import asyncio
 import contextlib
 import json
 import sys
-import threading
 from collections.abc import Awaitable, Callable
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
-from kai_fractions.mirror.servicer import SERVICE_NAME
-
-WORKERS = 16
+from kai_fractions.mirror.grpc.servicer import SERVICE_NAME
 
 
 def _handlers(behaviour: Callable) -> grpc.GenericRpcHandler:
@@ -44,28 +36,10 @@ def _handlers(behaviour: Callable) -> grpc.GenericRpcHandler:
             response_serializer=pb.MirrorAllocationResponse.SerializeToString)})
 
 
-def serve(response: pb.MirrorAllocationResponse, port: int = 0,
-          patch: Callable[[str, str, str], None] | None = None) -> tuple[grpc.Server, int]:
-    """The thread-pool server; `patch(namespace, name, uid)` runs in the handler thread."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS,
-                                                    thread_name_prefix="echo-rpc"))
-
-    def mirror_allocation(request: pb.MirrorAllocationRequest, context
-                          ) -> pb.MirrorAllocationResponse:
-        if patch is not None:
-            pod = request.allocation.pod
-            patch(pod.namespace, pod.name, pod.uid)
-        return response
-
-    server.add_generic_rpc_handlers((_handlers(mirror_allocation),))
-    bound = server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    return server, bound
-
-
 async def serve_aio(response: pb.MirrorAllocationResponse,
                     patch: Callable[[str, str, str], Awaitable[object]] | None = None) -> None:
-    """The grpc.aio server, until cancelled; `patch` is awaited on the loop."""
+    """The grpc.aio server, until cancelled; `patch(namespace, name, uid)` is awaited on the
+    loop before each answer."""
     server = grpc.aio.server()
 
     async def mirror_allocation(request: pb.MirrorAllocationRequest, context
@@ -82,12 +56,14 @@ async def serve_aio(response: pb.MirrorAllocationResponse,
     await server.wait_for_termination()
 
 
-def _aio_patch(kubeconfig: Path, annotations: dict[str, str]
-               ) -> Callable[[str, str, str], Awaitable[object]]:
-    from kai_fractions.mirror.aio_store import AsyncKubePodStore
-    from kai_fractions.mirror.kube_store import load_api_client
+def mirror_store_patch(kubeconfig: Path, annotations: dict[str, str]
+                       ) -> Callable[[str, str, str], Awaitable[object]]:
+    """The uid-guarded merge patch of `annotations`, through the mirror's store."""
+    from kai_fractions.kube.client import Kube
+    from kai_fractions.kube.config import load_api_client
+    from kai_fractions.mirror.kube_store import KubePodStore
 
-    store = AsyncKubePodStore(load_api_client(str(kubeconfig)))
+    store = KubePodStore(Kube(load_api_client(str(kubeconfig))))
 
     def patch(namespace: str, name: str, uid: str) -> Awaitable[object]:
         return store.patch_annotations(namespace, name, annotations, uid=uid,
@@ -100,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.grpc_echo")
     parser.add_argument("--response", required=True, metavar="FILE",
                         help="a serialized MirrorAllocationResponse")
-    parser.add_argument("--server", choices=("threads", "aio"), default="threads")
     parser.add_argument("--patch-kubeconfig", metavar="FILE",
                         help="make the pod PATCH of the request's pod in every call")
     parser.add_argument("--patch-annotations", metavar="FILE",
@@ -108,27 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with open(args.response, "rb") as f:
         response = pb.MirrorAllocationResponse.FromString(f.read())
-    annotations: dict[str, str] = {}
+    patch = None
     if args.patch_kubeconfig:
         with open(args.patch_annotations) as f:
-            annotations = json.load(f)
-    if args.server == "aio":
-        patch = _aio_patch(Path(args.patch_kubeconfig), annotations) \
-            if args.patch_kubeconfig else None
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(serve_aio(response, patch))
-        return 0
-    bare = None
-    if args.patch_kubeconfig:
-        from .bench_mirror import BarePatch
-
-        bare = BarePatch(Path(args.patch_kubeconfig), annotations, read_first=False)
-    server, port = serve(response, patch=(lambda ns, name, _uid: bare(ns, name))
-                         if bare is not None else None)
-    print(f"PORT {port}", flush=True)
+            patch = mirror_store_patch(Path(args.patch_kubeconfig), json.load(f))
     with contextlib.suppress(KeyboardInterrupt):
-        threading.Event().wait()
-    server.stop(0)
+        asyncio.run(serve_aio(response, patch))
     return 0
 
 

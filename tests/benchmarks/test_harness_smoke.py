@@ -50,14 +50,44 @@ def test_p1_mirror_overhead_smoke():
     result = bench_mirror.run(quick=True, smoke=True)
     assert_well_formed(
         result, "P1",
-        "(a) gRPC echo p50, c=1", "(b) bare PATCH p99, c=16", "(b2) bare GET+PATCH rate, c=1",
+        "(a2) gRPC echo, aio p50, c=1", "(b) bare PATCH, aiohttp p99, c=16",
+        "(b2) bare GET+PATCH, aiohttp rate, c=1", "(d2) aio echo + KubePodStore PATCH p50, c=1",
         "(c) MirrorAllocation p99, c=1", "(c) MirrorAllocation rate, c=16",
-        "ratio c/(a+b), c=1", "ratio c/(a+b), c=16", "mirror CPU per allocation, c=16",
-        "stub CPU per API request, c=1")
+        "(c) MirrorAllocation p99, c=16", "ratio c/(a2+b), c=1", "ratio c/(a2+b), c=16",
+        "ratio c/d2, c=16", "mirror CPU per allocation, c=16", "stub CPU per API request, c=1")
     targets = {f.name: f.target for f in result.figures if f.target}
-    assert targets == {"(c) MirrorAllocation p99, c=1": "< 20",
-                       "(c) MirrorAllocation rate, c=16": ">= 500",
-                       "ratio c/(a+b), c=1": "<= 1.2", "ratio c/(a+b), c=16": "<= 1.2"}
+    assert targets == {"ratio c/(a2+b), c=1": "<= 1.2",
+                       "(c) MirrorAllocation rate, c=16": ">= 800",
+                       "(c) MirrorAllocation p99, c=16": "< 25"}
+    # (a) and (d), the thread-pool baselines, are gone with the official client
+    assert not any(f.name.startswith(("(a) ", "(d) ")) for f in result.figures)
+
+
+def test_p1_bare_patch_is_the_guarded_merge_patch(tmp_path, monkeypatch):
+    """(b) and (b2) write what the mirror writes with aiohttp, guarded by the pod's uid (and
+    (b2) by the resourceVersion it read): a patch for another uid is refused."""
+    import aiohttp
+
+    from benchmarks.stub_apiserver import kubeconfig, pod_uid, running
+
+    with running(bench_mirror.POD_TEMPLATE) as url:
+        config = kubeconfig(url, tmp_path / "kubeconfig")
+        for read_first in (False, True):
+            patch = bench_mirror.BarePatch(config, {"kai-fractions.io/x": str(read_first)},
+                                           read_first=read_first)
+            try:
+                latencies, wall = patch.measure(f"ns{read_first}", ["p1", "p2", "p3"], 2)
+                assert len(latencies) == 3 and wall > 0
+                written = patch.loop.run_until_complete(patch.patch("ns", "p4"))
+                assert written["metadata"]["annotations"]["kai-fractions.io/x"] == str(read_first)
+                assert written["metadata"]["uid"] == pod_uid("ns", "p4")
+                monkeypatch.setattr(bench_mirror, "pod_uid", lambda namespace, name: "another")
+                with pytest.raises(aiohttp.ClientResponseError) as refused:
+                    patch.loop.run_until_complete(patch.patch("ns", "p4"))
+                assert refused.value.status == 409
+                monkeypatch.undo()
+            finally:
+                patch.close()
 
 
 def mps_daemons() -> set[int]:
@@ -127,6 +157,14 @@ def test_runner_prints_a_table_and_writes_json(tmp_path, capsys):
     assert written["quick"] is True
     assert [r["benchmark"] for r in written["results"]] == ["P4"]
     assert {"python", "cpus", "cpu_model", "platform"} <= set(written["machine"])
+
+
+def test_runner_smoke_runs_quick_where_a_benchmark_has_no_smoke_mode(tmp_path, capsys):
+    out = tmp_path / "results.json"
+    assert run.main(["P4", "--smoke", "--json", str(out)]) == 0
+    assert "pods per second" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert (written["smoke"], written["quick"]) == (True, True)
 
 
 def test_runner_refuses_an_unknown_benchmark(capsys):

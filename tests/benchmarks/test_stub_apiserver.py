@@ -17,7 +17,7 @@ from kubernetes.watch import Watch
 from kubernetes.watch.watch import iter_resp_lines
 
 from benchmarks.stub_apiserver import kubeconfig, pod_uid, running, seed
-from kai_fractions.kubeconfig import load_api_client
+from kai_fractions.kube.config import load_api_client
 
 SCHEDULER = "kai-scheduler"
 SELECTOR = f"spec.schedulerName={SCHEDULER}"
