@@ -35,13 +35,13 @@ from typing import Any
 from kai_fractions.contract import BindDecision, ComputeMode
 from kai_fractions.contract import keys as k
 from kai_fractions.node.agent.agent import NodeAgent
-from kai_fractions.node.agent.fake_kube import FakeCluster
 from kai_fractions.node.agent.options import AgentOptions
 from kai_fractions.node.cgroups import ContainerId, HostCgroupFs, QosClass
 from kai_fractions.node.config import NodeConfig
 from kai_fractions.node.mps import MpsDaemon, SubprocessRunner
 from kai_fractions.node.nvml import PynvmlNvml
 from kai_fractions.node.procfs import Procfs
+from tests.support.fake_kube import FakeCluster
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = REPO / ".tools"

@@ -1,10 +1,9 @@
 """`kai-fractions demo`: the whole system on one machine, with simulated GPUs.
 
-- `apiserver`: the embedded Kubernetes API (kmock, the `demo` extra) with uids and
-  resourceVersions; the tests use it too (tests/support/kube.py);
 - `config`: the simulated node from a small YAML file (`--config`);
 - `session`: starts and stops the API, the real mirror gRPC server and the real node agent on
-  the simulated node (FakeNvml at the NVML seam, FakeMpsControl, FakeCgroupFs);
+  the simulated node (the simulators of `kai_fractions.sim`: the embedded Kubernetes API,
+  FakeNvml at the NVML seam, FakeMpsControl, FakeCgroupFs);
 - `workloads`: the example pods (one per workload) and a manifest admission must refuse;
 - `admission_step`: the webhooks' review functions as the API server would call them;
 - `scheduler`: a deterministic stand-in for KAI (PreviewAllocation, place, MirrorAllocation,

@@ -1,7 +1,7 @@
 """The demo's settings: the simulated node and its GPUs, from a small YAML file (`--config`).
 
     node: demo-node            # the Node's name
-    gpus:                      # the simulated GPUs, as kai_fractions.node.nvml_fake reads them
+    gpus:                      # the simulated GPUs, as kai_fractions.sim.nvml reads them
       - model: H100-80GB       # H100-80GB, H200-141GB, A100-40GB, A100-80GB, L4, T4
         count: 2               # (or name + memory: 24Gi)
     driver_version: 615.00.00  # r615+ has NVML cgroup memory limits and MPS namespaces; an
@@ -28,7 +28,7 @@ import yaml
 from ..contract import Dialect
 from ..node.config import parse_memory_enforcement
 from ..node.errors import ConfigError as NodeConfigError
-from ..node.nvml_fake import FakeNvml
+from ..sim.nvml import FakeNvml
 
 DEFAULT_NODE = "demo-node"
 DEFAULT_GPUS: tuple[Mapping[str, Any], ...] = ({"model": "H100-80GB", "count": 2},)

@@ -26,7 +26,7 @@ from ..contract import keys as k
 from ..gate import GateOptions, run_gate
 from ..marker import pod_marker_dir
 from ..node.cgroups import CgroupLayout, compute_qos_class
-from ..node.nvml_fake import FakeNvml, GpuOutOfMemory
+from ..sim.nvml import FakeNvml, GpuOutOfMemory
 
 GATE_TIMEOUT = 20.0
 GATE_POLL = 0.05

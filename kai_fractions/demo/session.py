@@ -27,10 +27,10 @@ from typing import Any
 
 from ..contract import MIB, Keys
 from ..contract import keys as k
-from ..node.cgroups import FakeCgroupFs
 from ..node.config import NodeConfig
-from ..node.mps.fake import FakeMpsControl
-from ..node.nvml_fake import FakeNvml
+from ..sim.cgroups import FakeCgroupFs
+from ..sim.mps import FakeMpsControl
+from ..sim.nvml import FakeNvml
 from .config import DemoConfig
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class DemoSession:
     def _start_api(self) -> None:
         from kubernetes import client as k8s
 
-        from .apiserver import EmbeddedApiServer
+        from ..sim.apiserver import EmbeddedApiServer
 
         self.api = EmbeddedApiServer().start()
         self.api.write_kubeconfig(self.workdir / "kubeconfig", namespace=self.config.namespace)
@@ -161,11 +161,11 @@ class DemoSession:
         from kubernetes import client as k8s
 
         from ..node.agent.agent import NodeAgent
-        from ..node.agent.fakes import FakeMpsSupervisor
         from ..node.agent.kube import KubeCluster
         from ..node.agent.options import AgentOptions
         from ..node.procfs import Procfs
-        from ..node.watchdog import RecordingKiller
+        from ..sim.killer import RecordingKiller
+        from ..sim.mps import FakeMpsSupervisor
 
         self._agent_client = k8s.ApiClient(self.api.configuration())
         self._agent_cluster = KubeCluster(self._agent_client, request_timeout=5.0)

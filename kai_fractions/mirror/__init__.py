@@ -9,7 +9,7 @@
   official client's configuration and credentials) and `http1` (the loop's own connections);
   `kube_api`: the requests and what their refusals mean, for both stores.
 - `kube_store.KubePodStore` (official client, blocking: the follower's, and the service's behind a
-  proxy through `store.ThreadedPodStore`) and `fake_store.FakePodStore` (in memory, for tests).
+  proxy through `store.ThreadedPodStore`); the tests' in-memory one is tests/support/fake_store.py.
 - `pod_cache`, `aio_listwatch`, `listwatch`: the cache of Pending pods and the list + watch loops
   that feed it (on the event loop) and the follower (in a thread).
 - `servicer`, `status`, `proto`, `security`, `server`: the kai_fractions.v1.AllocationMirror

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from fractions import Fraction
@@ -119,38 +119,6 @@ class HostCgroupFs:
                 return tuple(sorted(e.name for e in it if e.is_dir(follow_symlinks=False)))
         except (FileNotFoundError, NotADirectoryError):
             return ()
-
-
-class FakeCgroupFs:
-    """An in-memory cgroup tree (for pure tests and simulated nodes).
-
-    `assume_present=True` answers every `exists` with yes, as if a kubelet had created each
-    pod's cgroups: a simulated node (the demo) has no kubelet. Listing still shows only the
-    paths added, so the stale-limit sweep finds only those."""
-
-    def __init__(self, paths: Iterable[str] = (), *, assume_present: bool = False):
-        self._dirs: set[str] = set()
-        self.assume_present = assume_present
-        for p in paths:
-            self.add(p)
-
-    def add(self, path: str) -> None:
-        path = path.rstrip("/") or "/"
-        while path not in ("/", ""):
-            self._dirs.add(path)
-            path = os.path.dirname(path)
-
-    def remove(self, path: str) -> None:
-        path = path.rstrip("/")
-        self._dirs = {d for d in self._dirs if d != path and not d.startswith(path + "/")}
-
-    def exists(self, path: str) -> bool:
-        return self.assume_present or path.rstrip("/") in self._dirs
-
-    def list_dirs(self, path: str) -> tuple[str, ...]:
-        base = path.rstrip("/") + "/"
-        return tuple(sorted(d[len(base):] for d in self._dirs
-                            if d.startswith(base) and "/" not in d[len(base):]))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """The NVML seam: the few NVML calls the node engine and agent make, by GPU UUID.
 
 `Nvml` is the protocol; `PynvmlNvml` is the real implementation over nvidia-ml-py (module
-`pynvml`) and `kai_fractions.node.nvml_fake.FakeNvml` the in-memory one. Both raise the typed
+`pynvml`) and `kai_fractions.sim.nvml.FakeNvml` the simulated one. Both raise the typed
 errors of `errors.py` (built by `errors.nvml_error`), never a pynvml exception.
 """
 

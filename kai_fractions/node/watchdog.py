@@ -239,31 +239,6 @@ class SignalKiller:
         return True
 
 
-class RecordingKiller:
-    """The fake: records each pid it was asked to stop (in `calls`, and in a shared `journal`
-    when given, to pin the order against MPS drains) and answers `outcome` (or
-    `outcomes[pid]`). It honours `still_ours` like the real one."""
-
-    def __init__(self, outcome: str = TERMINATED, outcomes: Mapping[int, str] | None = None,
-                 journal: list | None = None):
-        self.outcome = outcome
-        self.outcomes = dict(outcomes or {})
-        self.journal = journal
-        self.calls: list[int] = []
-        self.killed: list[int] = []
-
-    def terminate(self, pid: int, still_ours: Callable[[], bool]) -> str:
-        self.calls.append(pid)
-        if not still_ours():
-            return SKIPPED
-        if self.journal is not None:
-            self.journal.append(("terminate", (pid,)))
-        outcome = self.outcomes.get(pid, self.outcome)
-        if outcome in (TERMINATED, KILLED):
-            self.killed.append(pid)
-        return outcome
-
-
 # ---------------------------------------------------------------------------- the watchdog
 
 

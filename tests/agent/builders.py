@@ -13,14 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from kai_fractions.node.agent.agent import NodeAgent
-from kai_fractions.node.agent.fake_kube import FakeCluster
-from kai_fractions.node.agent.fakes import FakeMpsSupervisor
 from kai_fractions.node.agent.options import AgentOptions
-from kai_fractions.node.cgroups import FakeCgroupFs
 from kai_fractions.node.config import NodeConfig
-from kai_fractions.node.mps.fake import FakeMpsControl
-from kai_fractions.node.nvml_fake import FakeNvml
-from kai_fractions.node.watchdog import RecordingKiller
+from kai_fractions.sim.cgroups import FakeCgroupFs
+from kai_fractions.sim.killer import RecordingKiller
+from kai_fractions.sim.mps import FakeMpsControl, FakeMpsSupervisor
+from kai_fractions.sim.nvml import FakeNvml
+from tests.support.fake_kube import FakeCluster
 
 NODE = "node-a"
 MIB = 1 << 20

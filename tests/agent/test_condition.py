@@ -14,7 +14,6 @@ from kai_fractions.node.agent.condition import (
     StatusPublisher,
     evaluate,
 )
-from kai_fractions.node.agent.fake_kube import FakeCluster
 from kai_fractions.node.agent.kube import KubeError
 from kai_fractions.node.agent.options import AgentOptions
 from kai_fractions.node.config import NodeConfig
@@ -22,7 +21,8 @@ from kai_fractions.node.errors import nvml_error
 from kai_fractions.node.inventory import Capabilities, Inventory
 from kai_fractions.node.mps.errors import MpsError
 from kai_fractions.node.nvml import DeviceInfo, GpuComputeMode
-from kai_fractions.node.nvml_fake import FakeNvml
+from kai_fractions.sim.nvml import FakeNvml
+from tests.support.fake_kube import FakeCluster
 
 from .builders import MIB, NODE, Rig
 

@@ -6,8 +6,8 @@ API server with Event writes."""
 from __future__ import annotations
 
 from kai_fractions.node.agent.events import WARNING, EventRecorder, PodRef
-from kai_fractions.node.agent.fake_kube import FakeCluster
 from kai_fractions.node.agent.kube import KubeError
+from tests.support.fake_kube import FakeCluster
 
 A = PodRef("team-a", "train-0", "uid-a")
 B = PodRef("team-a", "train-1", "uid-b")

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from kai_fractions.contract import Dialect
-from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.follower import BindRequestView, Follower
 from kai_fractions.signing import Keyring, KeyringSource
 from tests.agent.builders import CID, MIB, Rig, leaf_of, marker_of
+from tests.support.fake_store import FakePodStore
 
 KEY = b"e2e-signing-key-0123456789abcdef"
 NS = "team-a"

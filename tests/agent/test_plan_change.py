@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kai_fractions.node.agent.agent import NodeAgent
 from kai_fractions.node.nvml import GpuComputeMode
-from kai_fractions.node.watchdog import RecordingKiller
+from kai_fractions.sim.killer import RecordingKiller
 
 from .builders import GIB, LEAF, Rig, binder_annotations, pod, slice_of
 from .builders import limits_of as limits

@@ -8,9 +8,9 @@ import threading
 import time
 from pathlib import Path
 
-from kai_fractions.node.agent.fake_kube import FakeCluster
 from kai_fractions.node.agent.kube import KubeError
 from kai_fractions.node.agent.watch import PodCache, PodWatcher
+from tests.support.fake_kube import FakeCluster
 
 from .builders import NODE, Rig, binder_annotations, pod, wait_for
 

@@ -25,7 +25,7 @@ from kai_fractions.contract import (
     plan_container,
     pod_views,
 )
-from kai_fractions.node.nvml_fake import fake_uuid
+from kai_fractions.sim.nvml import fake_uuid
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NODE = "demo-node"

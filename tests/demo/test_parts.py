@@ -142,7 +142,7 @@ def test_the_simulated_gpus_follow_the_simulated_driver(driver, limits):
 
 
 def test_an_allocation_over_a_cgroup_hard_limit_fails_and_changes_nothing():
-    from kai_fractions.node.nvml_fake import FakeNvml, GpuOutOfMemory
+    from kai_fractions.sim.nvml import FakeNvml, GpuOutOfMemory
 
     mib = 1024 * 1024
     nvml = FakeNvml.simulated(1)

@@ -16,9 +16,9 @@ from kubernetes import client as k8s
 from kai_fractions.node.agent.agent import NodeAgent
 from kai_fractions.node.agent.kube import KubeCluster
 from kai_fractions.node.agent.options import AgentOptions
-from kai_fractions.node.cgroups import FakeCgroupFs
 from kai_fractions.node.config import NodeConfig
-from kai_fractions.node.nvml_fake import FakeNvml
+from kai_fractions.sim.cgroups import FakeCgroupFs
+from kai_fractions.sim.nvml import FakeNvml
 from tests.support.kube import KubeServer
 
 from .proxy import FaultProxy

@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 
 from kai_fractions.node.agent.agent import NodeAgent
-from kai_fractions.node.agent.fake_kube import FakeCluster
 from kai_fractions.node.agent.options import AgentOptions
 from kai_fractions.node.agent.reconciler import CRASH_BEFORE_MARKER
-from kai_fractions.node.cgroups import FakeCgroupFs
 from kai_fractions.node.config import NodeConfig
 from kai_fractions.node.mps import MpsDaemon, SubprocessRunner
 from kai_fractions.node.mps.daemon import ProcDaemonProcesses
 from kai_fractions.node.mps.runner import CommandResult
 from kai_fractions.node.nvml import PynvmlNvml
+from kai_fractions.sim.cgroups import FakeCgroupFs
 from tests.agent.builders import binder_annotations, pod, wait_for
 from tests.support import tools
+from tests.support.fake_kube import FakeCluster
 from tests.support.mps import mps_command
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]

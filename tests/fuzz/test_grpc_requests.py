@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
-from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.signing import signing_annotations
 from kai_fractions.mirror.store import ThreadedPodStore
 from kai_fractions.signing import Keyring, KeyringSource
+from tests.support.fake_store import FakePodStore
 
 from .strategies import FUZZ, GPU_A, GPU_B, annotations, values
 

@@ -32,7 +32,6 @@ from kai_fractions.mirror import listwatch, pod_cache
 from kai_fractions.mirror.aio_api import AsyncKubeApi
 from kai_fractions.mirror.aio_listwatch import AsyncListWatch, list_watch_async
 from kai_fractions.mirror.errors import ApiRejected
-from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.http1 import Http1Pool
 from kai_fractions.mirror.listwatch import Gone, list_watch
 from kai_fractions.mirror.pod_cache import PodCache, pod_feed, pod_list_watch, pod_selector
@@ -41,6 +40,7 @@ from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import PodSnapshot, ThreadedPodStore
 from tests.support.clock import FakeClock
+from tests.support.fake_store import FakePodStore
 from tests.support.kube import pod_manifest
 
 from .test_aio_store import StandIn, answer

@@ -12,11 +12,11 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
-from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.proto import allocation_from_proto, plan_to_proto
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import ThreadedPodStore
 from tests.api.test_protos import MIRROR_ALLOCATION_REQUEST_JSON
+from tests.support.fake_store import FakePodStore
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "mirror.md").read_text()
 UID = "5f0c7a52-3b8e-4c1d-9a6f-2e7b1d4c8a90"

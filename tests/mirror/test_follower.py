@@ -12,12 +12,12 @@ from kubernetes import client as k8s
 
 from kai_fractions.contract import Dialect
 from kai_fractions.mirror.bindrequests import Gone, KubeBindRequestSource, follow
-from kai_fractions.mirror.fake_store import FakePodStore, RecordedEvent
 from kai_fractions.mirror.follower import BindRequestView, Follower
 from kai_fractions.mirror.kube_store import KubePodStore
 from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import ThreadedPodStore
+from tests.support.fake_store import FakePodStore, RecordedEvent
 from tests.support.mirror_kube import honour_label_selectors, register_bindrequests
 
 NS = "team-a"

@@ -13,13 +13,13 @@ import pytest
 
 from kai_fractions.mirror import pod_cache
 from kai_fractions.mirror.errors import InvalidAllocation, PodReplaced
-from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.listwatch import Gone, KubeListWatch, list_watch
 from kai_fractions.mirror.pod_cache import PodCache, pod_selector, trimmed
 from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import PodSnapshot, ThreadedPodStore
 from tests.support.clock import FakeClock
+from tests.support.fake_store import FakePodStore
 from tests.support.mirror_kube import pod_path
 
 from . import messages

@@ -19,12 +19,12 @@ from kai_fractions.mirror.errors import (
     PodNotFound,
     PodReplaced,
 )
-from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION, allocation_digest
 from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import ThreadedPodStore, WriteConflict
 from tests.support.clock import FakeClock
+from tests.support.fake_store import FakePodStore
 
 UID = "11111111-2222-3333-4444-555555555555"
 NS, POD = "team-a", "train-0"

@@ -10,7 +10,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
-from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.security import (
     ListenAddress,
     SecurityConfigError,
@@ -19,6 +18,7 @@ from kai_fractions.mirror.security import (
 from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import ThreadedPodStore
+from tests.support.fake_store import FakePodStore
 
 from .certs import CertificateAuthority
 from .messages import allocation, mirror_request

@@ -11,13 +11,13 @@ from kai_fractions.node.cgroups import (
     CgroupLayout,
     ContainerId,
     ContainerRuntime,
-    FakeCgroupFs,
     HostCgroupFs,
     PodCgroup,
     QosClass,
     compute_qos_class,
     qos_class_of,
 )
+from kai_fractions.sim.cgroups import FakeCgroupFs
 
 UID = "1f2e3d4c-5b6a-4789-8abc-def012345678"
 CID = "0123456789abcdef" * 4

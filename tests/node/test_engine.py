@@ -19,9 +19,10 @@ from kai_fractions.node.engine import (
     is_our_namespace,
 )
 from kai_fractions.node.inventory import take_inventory
-from kai_fractions.node.mps import FakeMpsControl, MpsError
+from kai_fractions.node.mps import MpsError
 from kai_fractions.node.nvml import MEMORY_LIMIT_MAX, GpuComputeMode
-from kai_fractions.node.nvml_fake import FakeGpu, FakeNvml
+from kai_fractions.sim.mps import FakeMpsControl
+from kai_fractions.sim.nvml import FakeGpu, FakeNvml
 
 from .nodepods import (
     CID_A,
@@ -440,7 +441,7 @@ def test_every_refusal_reason_applies_nothing_for_that_container(tmp_path: Path,
 
 
 def test_simulated_node_for_the_demo() -> None:
-    from kai_fractions.node.cgroups import FakeCgroupFs
+    from kai_fractions.sim.cgroups import FakeCgroupFs
 
     nvml = FakeNvml.from_dict({"gpus": [{"model": "H100-80GB", "count": 2}]}, seed="node-a")
     nvml.init()

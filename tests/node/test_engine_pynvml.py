@@ -14,8 +14,8 @@ from kai_fractions.node.config import Mechanism, NodeConfig
 from kai_fractions.node.desired import NodePod, plan_node
 from kai_fractions.node.engine import ContainerState, Engine
 from kai_fractions.node.inventory import take_inventory
-from kai_fractions.node.mps import FakeMpsControl
 from kai_fractions.node.nvml import MEMORY_LIMIT_MAX, PynvmlNvml
+from kai_fractions.sim.mps import FakeMpsControl
 
 from .nodepods import CID_A, CID_B, GPU0, GPU1, UID_A, UID_B, annotations, make_cgroups, node_pod
 

@@ -7,7 +7,7 @@ import pytest
 from kai_fractions.node.errors import NvmlDriverNotLoaded
 from kai_fractions.node.inventory import Capabilities, Inventory, take_inventory
 from kai_fractions.node.nvml import GpuComputeMode, PynvmlNvml
-from kai_fractions.node.nvml_fake import FakeNvml
+from kai_fractions.sim.nvml import FakeNvml
 
 MIB = 1 << 20
 U0 = "GPU-00000000-0000-0000-0000-000000000001"

@@ -7,7 +7,7 @@ import pytest
 from kai_fractions.node.mps import errors as e
 from kai_fractions.node.mps.control import MpsClient, MpsControl
 from kai_fractions.node.mps.errors import MpsError
-from kai_fractions.node.mps.fake import FakeMpsControl
+from kai_fractions.sim.mps import FakeMpsControl
 
 PUBLIC = [name for name in dir(MpsControl)
           if not name.startswith("_") and callable(getattr(MpsControl, name))]

@@ -23,7 +23,7 @@ from kai_fractions.node.nvml import (
     MemoryLimits,
     Nvml,
 )
-from kai_fractions.node.nvml_fake import FakeGpu, FakeNvml, NvmlCall, fake_uuid
+from kai_fractions.sim.nvml import FakeGpu, FakeNvml, NvmlCall, fake_uuid
 
 MIB = 1 << 20
 GIB = 1 << 30

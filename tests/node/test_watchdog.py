@@ -15,16 +15,16 @@ import pytest
 
 from kai_fractions.contract import MIB
 from kai_fractions.node.mps.errors import MpsError
-from kai_fractions.node.mps.fake import FakeMpsControl
 from kai_fractions.node.procfs import Procfs
 from kai_fractions.node.watchdog import (
     ContainerUsage,
     ManagedContainer,
-    RecordingKiller,
     SignalKiller,
     Violation,
     Watchdog,
 )
+from kai_fractions.sim.killer import RecordingKiller
+from kai_fractions.sim.mps import FakeMpsControl
 
 GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
 GPU1 = "GPU-11111111-1111-1111-1111-111111111111"

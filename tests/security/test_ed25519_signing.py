@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.signing import signing_annotations
 from kai_fractions.mirror.store import ThreadedPodStore
@@ -28,6 +27,7 @@ from kai_fractions.signing import (
 )
 from tests.agent.builders import NODE, Rig, leaf_of, marker_of
 from tests.support.clock import FakeClock
+from tests.support.fake_store import FakePodStore
 
 from .allocations import KEY_A, UID, plans_of
 from .test_mirror_signing import allocation

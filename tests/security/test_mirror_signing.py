@@ -12,13 +12,13 @@ import pytest
 from kai_fractions.contract import keys as k
 from kai_fractions.mirror.decision import AllocationInput
 from kai_fractions.mirror.errors import AllocationConflict
-from kai_fractions.mirror.fake_store import FakePodStore
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION, allocation_digest
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.signing import signing_annotations
 from kai_fractions.mirror.store import ThreadedPodStore
 from kai_fractions.signing import Keyring, KeyringSource, Reason
 from tests.support.clock import FakeClock
+from tests.support.fake_store import FakePodStore
 
 from .allocations import GPU_A, GPU_B, KEY_A, KEY_B, UID, plans_of
 

@@ -6,6 +6,8 @@
   ``fake_nvml_old_driver``.
 * ``mps``       - the real nvidia-cuda-mps-control daemon; fixture ``mps_daemon``.
 * ``kube``      - kmock Kubernetes API + official sync client; fixture ``kube``.
+* ``fake_kube`` - an in-memory cluster behind the node agent's Kubernetes seams (``FakeCluster``).
+* ``fake_store`` - an in-memory PodStore for the mirror (``FakePodStore``).
 
 Fixture modules are registered in tests/conftest.py (``pytest_plugins``).
 """

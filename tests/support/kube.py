@@ -4,7 +4,7 @@
 ``Server`` on 127.0.0.1 in a background thread with its own event loop, and gives a configured
 ``kubernetes.client.ApiClient`` / ``CoreV1Api``. Fixture: ``kube``.
 
-The emulator and the threaded server live in the package (``kai_fractions.demo.apiserver``:
+The emulator and the threaded server live in the package (``kai_fractions.sim.apiserver``:
 the demo runs the same embedded API); this module adds the test client, request recording
 helpers and fault injection on top, with the same public API as before.
 
@@ -55,7 +55,7 @@ import kmock
 import pytest
 from kubernetes import client as k8s_client
 
-from kai_fractions.demo.apiserver import (
+from kai_fractions.sim.apiserver import (
     EmbeddedApiServer,
     Fault,
     PathMatch,

@@ -3,7 +3,8 @@
 `PodSource` lists and watches the pods bound to one node; `ClusterWriter` does the few writes the
 agent makes: a merge patch of its derived annotations on a pod (guarded by the pod's uid), the
 node's condition (a strategic merge patch of `nodes/status`, merged by condition type), the
-node's GPU memory label, and pod events. `fake_kube.FakeCluster` implements both in memory.
+node's GPU memory label, and pod events. `tests/support/fake_kube.py`'s `FakeCluster`
+implements both in memory.
 
 Every error is one of the types below, with the API server's message: the agent logs it, counts
 it and tries again on its next pass; nothing here retries by itself (the loop is the retry).

@@ -1,10 +1,10 @@
 """The MPS enforcer: a runner seam for `nvidia-cuda-mps-control`, the control commands (legacy
-and v3 namespaces), a supervisor for the control daemon, and an in-memory fake."""
+and v3 namespaces), and a supervisor for the control daemon. The simulated daemon the demo
+runs is `kai_fractions.sim.mps`."""
 
 from .control import MpsClient, MpsControl, displayed_mem_limit, parse_mem_limit
 from .daemon import MpsDaemon, SystemClock
 from .errors import MpsError
-from .fake import FakeMpsControl
 from .runner import (
     CommandNotFound,
     CommandResult,
@@ -19,7 +19,6 @@ __all__ = [
     "CommandResult",
     "CommandRunner",
     "CommandTimeout",
-    "FakeMpsControl",
     "MpsClient",
     "MpsControl",
     "MpsDaemon",

@@ -1,4 +1,6 @@
-"""An embedded Kubernetes API for the demo (and the tests): kmock with uids and resourceVersions.
+"""A simulated Kubernetes API server for the demo (and the tests): kmock with uids and
+resourceVersions, so the demo runs the real mirror and node agent, with the official client,
+without a cluster.
 
 `EmbeddedApiServer` runs kmock's `KubernetesEmulator` (subclassed, see below) with kmock's
 `Server` on 127.0.0.1 in a background thread with its own event loop; the official `kubernetes`
@@ -33,7 +35,7 @@ What plain kmock 0.8 lacks, and what this module does about it:
 * Strategic merge patches are applied as JSON merge patches (lists are replaced, no
   `$patch` directives); server-side apply is not supported.
 * Discovery of custom resources, the dynamic client and kubectl do not work against kmock.
-* Cost grows with the number of stored objects (~5 ms/request at 20 pods, ~0.1 s at 500).
+* Every request costs more the more objects are stored.
 * kmock's own reactions (`emulator[...] << 409`) answer AFTER kmock has already applied the
   create/patch/delete to its store: a raw "409" reaction on a PATCH still changes the object.
   Use `add_fault` for faults that must leave the state untouched (checked before

@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import PodNotFound
-from .store import (
+from kai_fractions.mirror.errors import PodNotFound
+from kai_fractions.mirror.store import (
     NO_DEADLINE,
     Deadline,
     NodeNotFound,

@@ -1,9 +1,11 @@
-"""An in-memory MPS control daemon with `MpsControl`'s methods, for engine, agent and demo tests.
+"""A simulated MPS control daemon and its supervisor, for the demo's simulated node (and tests).
 
-Same validation, same error reasons and readback formats as the real client (`4096` MiB reads
-back `4G`, percentages `25.0`); every call is recorded in `calls` as (method, args) before it is
-validated, so tests can pin what was asked and in which order. `inject(method, error)` makes the
+The demo has no GPU and no `nvidia-cuda-mps-control`, yet the node agent must drive MPS as it
+would on a real node. `FakeMpsControl` has `MpsControl`'s methods with the same validation, error
+reasons and readback formats (`4096` MiB reads back `4G`, percentages `25.0`); every call is
+recorded in `calls` as (method, args) before it is validated. `inject(method, error)` makes the
 next call(s) of a method fail; `kill()` loses every setting, like the real daemon exiting.
+`FakeMpsSupervisor` has `MpsDaemon`'s interface over a `FakeMpsControl`.
 """
 
 from __future__ import annotations
@@ -12,11 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kai_fractions.contract import MPS_SERVER
-from kai_fractions.contract import keys as k
-
-from . import errors as e
-from .control import (
+from ..contract import MPS_SERVER
+from ..contract import keys as k
+from ..node.mps import errors as e
+from ..node.mps.control import (
     ENV_LOG_DIRECTORY,
     NAME_RE,
     MpsClient,
@@ -27,7 +28,7 @@ from .control import (
     displayed_mem_limit,
     parse_mem_limit,
 )
-from .errors import MpsError
+from ..node.mps.errors import MpsError
 
 
 @dataclass
@@ -320,3 +321,46 @@ class FakeMpsControl:
                            f"{pid} not found")
         self.detach_client(pid)
         self.terminated.append(pid)
+
+
+class FakeMpsSupervisor:
+    """`MpsDaemon`'s interface over a `FakeMpsControl`: `control.kill()` makes the daemon die,
+    `can_start=False` makes every (re)start fail."""
+
+    def __init__(self, control: FakeMpsControl | None = None, *, can_start: bool = True):
+        self.control = control or FakeMpsControl()
+        self.can_start = can_start
+        self.restarts = 0
+        self.starts = 0
+        self.last_error: MpsError | None = None
+        self.on_restart: Any = None
+        self.stopped = False
+        self._seen_running = False
+
+    def healthy(self) -> bool:
+        return self.control.running
+
+    def ensure_running(self) -> bool:
+        if self.control.running:
+            self._seen_running = True
+            self.last_error = None
+            return True
+        if not self.can_start:
+            self.last_error = MpsError(e.MPS_DAEMON_UNREACHABLE,
+                                       f"no MPS control daemon answers on "
+                                       f"{self.control.pipe_dir} and it cannot be started")
+            return False
+        self.control.start()
+        self.starts += 1
+        if self._seen_running:
+            self.restarts += 1
+        self._seen_running = True
+        if self.on_restart is not None:
+            self.on_restart(self.control)
+        self.last_error = None
+        return True
+
+    def stop(self, grace: float | None = None) -> bool:
+        self.control.kill()
+        self.stopped = True
+        return True

@@ -1,5 +1,5 @@
 """An in-memory cluster with the agent's Kubernetes seams (`PodSource` and `ClusterWriter`), for
-unit tests and simulated nodes.
+the agent's unit tests and the benchmarks' simulated nodes (benchmarks/node_sim.py).
 
 Pods, nodes and events live in dicts; every write takes the next resourceVersion of one counter
 and is appended to a history that watches replay. Faults: `fail(op, error, times)` makes the next
@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from .kube import Conflict, Gone, KubeError, NotFound, on_node, pod_uid
+from kai_fractions.node.agent.kube import Conflict, Gone, KubeError, NotFound, on_node, pod_uid
 
 
 def _now() -> str:

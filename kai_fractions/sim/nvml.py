@@ -1,4 +1,5 @@
-"""An in-memory NVML for tests and the demo's simulated GPUs (no C library involved).
+"""A simulated NVML (GPUs, their processes, memory limits, compute modes), for the demo's
+simulated node (and tests): the demo runs without a GPU, a driver or any C library.
 
 It implements the `Nvml` seam with the same typed errors as the real one, records every call,
 keeps the memory limits and compute modes that were set, and fails on request:
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..contract import MIB, QuantityError, memory_bytes
-from .errors import (
+from ..node.errors import (
     NVML_CODES_BY_NAME,
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_GPU_IS_LOST,
@@ -36,7 +37,7 @@ from .errors import (
     ConfigError,
     nvml_error,
 )
-from .nvml import (
+from ..node.nvml import (
     GET_MEMORY_LIMITS,
     MEMORY_LIMIT_MAX,
     SET_MEMORY_LIMITS,
