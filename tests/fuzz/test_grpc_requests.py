@@ -14,10 +14,9 @@ from hypothesis import strategies as st
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
-from kai_fractions.mirror.server import MirrorServer, ServerOptions
+from kai_fractions.mirror.grpc.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.signing import signing_annotations
-from kai_fractions.mirror.store import ThreadedPodStore
 from kai_fractions.signing import Keyring, KeyringSource
 from tests.support.fake_store import FakePodStore
 
@@ -130,7 +129,7 @@ pod_annotations = st.one_of(
 def rig():
     store = FakePodStore()
     store.nodes["node-1"] = {"nvidia.com/gpu.memory": "40960"}
-    service = MirrorService(ThreadedPodStore(store), extra_annotations=signing_annotations(
+    service = MirrorService(store, extra_annotations=signing_annotations(
         KeyringSource.fixed(Keyring.of(bytes(range(32))))))
     server = MirrorServer(service, ServerOptions(listen="127.0.0.1:0")).start()
     channel = grpc.insecure_channel(server.address)

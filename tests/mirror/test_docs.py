@@ -12,9 +12,8 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
-from kai_fractions.mirror.proto import allocation_from_proto, plan_to_proto
+from kai_fractions.mirror.grpc.proto import allocation_from_proto, plan_to_proto
 from kai_fractions.mirror.service import MirrorService
-from kai_fractions.mirror.store import ThreadedPodStore
 from tests.api.test_protos import MIRROR_ALLOCATION_REQUEST_JSON
 from tests.support.fake_store import FakePodStore
 
@@ -40,7 +39,7 @@ async def test_example_reply_is_what_the_mirror_returns():
                    "spec": {"containers": [{"name": "trainer"}]}})
     request = json_format.Parse(MIRROR_ALLOCATION_REQUEST_JSON, pb.MirrorAllocationRequest())
     # The documented reply is a mirror's with its defaults: upstream KAI's dialect.
-    result = await MirrorService(ThreadedPodStore(store)).mirror(
+    result = await MirrorService(store).mirror(
         allocation_from_proto(request.allocation), idempotency_key=request.idempotency_key)
     reply = pb.MirrorAllocationResponse(
         annotations=dict(result.annotations), changed=result.changed,

@@ -10,14 +10,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
-from kai_fractions.mirror.security import (
+from kai_fractions.mirror.grpc.security import (
     ListenAddress,
     SecurityConfigError,
     parse_listen,
 )
-from kai_fractions.mirror.server import MirrorServer, ServerOptions
+from kai_fractions.mirror.grpc.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
-from kai_fractions.mirror.store import ThreadedPodStore
 from tests.support.fake_store import FakePodStore
 
 from .certs import CertificateAuthority
@@ -141,7 +140,7 @@ def test_reflection_needs_the_token_too(grpcurl_bin, mirror_factory, tmp_path):
 # -- configuration guards (no server needed) ---------------------------------------------------
 
 def make(**options) -> MirrorServer:
-    return MirrorServer(MirrorService(ThreadedPodStore(FakePodStore())), ServerOptions(**options))
+    return MirrorServer(MirrorService(FakePodStore()), ServerOptions(**options))
 
 
 @pytest.mark.parametrize("listen", ["0.0.0.0:50051", "10.0.0.7:50051", "[::]:50051",

@@ -15,7 +15,6 @@ import pytest
 
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.signing import signing_annotations
-from kai_fractions.mirror.store import ThreadedPodStore
 from kai_fractions.signing import (
     Ed25519Key,
     Keyring,
@@ -50,7 +49,7 @@ async def mirrored(pair: Ed25519Key, node: str, gpu: str = "") -> dict:
     store.add_pod({"metadata": {"name": "train-0", "namespace": "team-a", "uid": UID,
                                 "annotations": {"gpu-fraction": "0.5"}},
                    "spec": {"containers": [{"name": "trainer"}]}})
-    service = MirrorService(ThreadedPodStore(store), clock=FakeClock(), extra_annotations=(
+    service = MirrorService(store, clock=FakeClock(), extra_annotations=(
         signing_annotations(KeyringSource.fixed(Keyring.of(pair)))))
     await service.mirror(allocation(selected_node=node, gpu_ids=(gpu or GPU,)))
     return store.pods[("team-a", "train-0")]

@@ -15,7 +15,6 @@ from kai_fractions.mirror.errors import AllocationConflict
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION, allocation_digest
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.signing import signing_annotations
-from kai_fractions.mirror.store import ThreadedPodStore
 from kai_fractions.signing import Keyring, KeyringSource, Reason
 from tests.support.clock import FakeClock
 from tests.support.fake_store import FakePodStore
@@ -63,7 +62,7 @@ def keys() -> Keys:
 
 @pytest.fixture
 def service(store, keys) -> MirrorService:
-    return MirrorService(ThreadedPodStore(store), clock=FakeClock(),
+    return MirrorService(store, clock=FakeClock(),
                          extra_annotations=signing_annotations(keys))
 
 

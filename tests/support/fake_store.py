@@ -1,4 +1,4 @@
-"""An in-memory PodStore for the mirror's tests: uid and
+"""An in-memory PodStore for the mirror's tests, as coroutines like the real one: uid and
 resourceVersion preconditions like a real API server, a log of every write, injectable faults."""
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kai_fractions.kube.retry import NO_DEADLINE, Deadline
 from kai_fractions.mirror.errors import PodNotFound
 from kai_fractions.mirror.store import (
-    NO_DEADLINE,
-    Deadline,
     NodeNotFound,
     PodSnapshot,
     WriteConflict,
@@ -69,8 +68,8 @@ class FakePodStore:
 
     # -- PodStore -----------------------------------------------------------------------------
 
-    def get_pod(self, namespace: str, name: str, deadline: Deadline = NO_DEADLINE
-                ) -> PodSnapshot:
+    async def get_pod(self, namespace: str, name: str, deadline: Deadline = NO_DEADLINE
+                      ) -> PodSnapshot:
         self._fault("get", namespace, name)
         with self._lock:
             obj = self.pods.get((namespace, name))
@@ -78,7 +77,7 @@ class FakePodStore:
                 raise PodNotFound(namespace, name)
             return PodSnapshot.from_object(copy.deepcopy(obj))
 
-    def patch_annotations(
+    async def patch_annotations(
         self, namespace: str, name: str, changes: Mapping[str, str | None], *, uid: str,
         resource_version: str, deadline: Deadline = NO_DEADLINE,
     ) -> PodSnapshot:
@@ -103,14 +102,15 @@ class FakePodStore:
             meta["resourceVersion"] = str(next(self._versions))
             return PodSnapshot.from_object(copy.deepcopy(obj))
 
-    def node_labels(self, node: str, deadline: Deadline = NO_DEADLINE) -> Mapping[str, str]:
+    async def node_labels(self, node: str, deadline: Deadline = NO_DEADLINE
+                          ) -> Mapping[str, str]:
         self._fault("node", "", node)
         if node not in self.nodes:
             raise NodeNotFound(node)
         return dict(self.nodes[node])
 
-    def list_pods(self, namespace: str, labels: Mapping[str, str],
-                  deadline: Deadline = NO_DEADLINE) -> list[PodSnapshot]:
+    async def list_pods(self, namespace: str, labels: Mapping[str, str],
+                        deadline: Deadline = NO_DEADLINE) -> list[PodSnapshot]:
         self._fault("list", namespace, "")
         with self._lock:
             return [PodSnapshot.from_object(copy.deepcopy(obj))
@@ -118,8 +118,11 @@ class FakePodStore:
                     if ns == namespace
                     and matches_labels(obj["metadata"].get("labels") or {}, labels)]
 
-    def emit_event(self, pod: PodSnapshot, event_type: str, reason: str, message: str,
-                   deadline: Deadline = NO_DEADLINE) -> None:
+    async def emit_event(self, pod: PodSnapshot, event_type: str, reason: str, message: str,
+                         deadline: Deadline = NO_DEADLINE) -> None:
         self._fault("event", pod.namespace, pod.name)
         self.events.append(RecordedEvent(pod.namespace, pod.name, pod.uid, event_type, reason,
                                          message))
+
+    async def close(self) -> None:
+        pass  # nothing to close: a test reads the store after the server stopped
