@@ -4,6 +4,7 @@ following KAI's BindRequests (`--follow-bindrequests`) for clusters that run an 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import logging
 import os
@@ -130,15 +131,14 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: `kai-fractions --help` must not pay for grpc and the kubernetes client.
-    from ..kubeconfig import ConfigError
-    from ..mirror.aio_store import async_pod_store
-    from ..mirror.bindrequests import KubeBindRequestSource, follow
+    from ..kube.client import Kube
+    from ..kube.config import ConfigError, load_api_client
     from ..mirror.compute import user_request
-    from ..mirror.follower import BindRequestView, Follower
-    from ..mirror.kube_store import KubePodStore, load_api_client
-    from ..mirror.pod_cache import PodCache, pod_feed
-    from ..mirror.security import SecurityConfigError
-    from ..mirror.server import MirrorServer, ServerOptions
+    from ..mirror.grpc.security import SecurityConfigError
+    from ..mirror.grpc.server import MirrorServer, ServerOptions
+    from ..mirror.kube_store import KubePodStore
+    from ..mirror.pod_cache import PodCache
+    from ..mirror.pod_feed import pod_feed
     from ..mirror.service import MirrorService
     from ..mirror.signing import signing_annotations
     from ..signing import KeyringSource, SigningConfigError
@@ -188,17 +188,21 @@ def run(args: argparse.Namespace) -> int:
             log.info("signing allocations with key %s (accepted: %s)",
                      keyring.current().current.kid, ", ".join(keyring.current().kids))
         api_client = load_api_client(args.kubeconfig)
+        kube = Kube(api_client)
         # Each pod the cache learns of is parsed as the service will read it, before it is
         # bound: an allocation for it starts from that.
         cache = PodCache(prepare=functools.partial(user_request, keys=keys)) \
             if args.pod_cache else None
         if args.write_as:
             log.info("pod writes impersonate %s", args.write_as)
-        service = MirrorService(async_pod_store(api_client, write_as=args.write_as), keys=keys,
+        service = MirrorService(KubePodStore(kube, write_as=args.write_as), keys=keys,
                                 default_reserve_mib=args.reserve_mib, dialect=dialect,
                                 extra_annotations=signer, cache=cache)
-        feeds = [pod_feed(api_client, cache, args.scheduler_name)] if cache is not None else []
-        server = MirrorServer(service, options, tasks=feeds)
+        feeds = [pod_feed(kube, cache, args.scheduler_name)] if cache is not None else []
+        work, publisher = _background(args, kube, keys=keys, dialect=dialect, keyring=keyring,
+                                      election=election, publish_to=publish_to,
+                                      daemonset=daemonset)
+        server = MirrorServer(service, options, tasks=[*feeds, *work])
     except (SecurityConfigError, ConfigError, SigningConfigError) as e:
         return _fail(str(e))
 
@@ -206,32 +210,10 @@ def run(args: argparse.Namespace) -> int:
     # about a second of CPU to import): once it serves, start-up work no longer competes with
     # the first calls.
     stop = threading.Event()
-    source: KubeBindRequestSource | None = None
-    if args.follow_bindrequests:
-        follower = Follower(KubePodStore(api_client), keys=keys,
-                            default_reserve_mib=args.reserve_mib, dialect=dialect,
-                            signer=keyring)
-        source = KubeBindRequestSource(api_client)
-
-        def handle(obj):
-            return follower.verify(BindRequestView.from_object(obj))
-
-        follow_loop = functools.partial(follow, source, handle, stop)
-        if election is not None:  # the same loop while leading, a source of its own per term
-            from ..mirror.leader import KubeLease, LeaderElector, while_leading
-
-            elector = LeaderElector(KubeLease(api_client, election.namespace, election.name),
-                                    election)
-            follow_loop = functools.partial(elector.run, while_leading(
-                functools.partial(KubeBindRequestSource, api_client),
-                lambda term, lost: follow(term, handle, lost)), stop)
-    if publish_to and keyring is not None:
-        from ..mirror.public_key import Publisher
-
-        publisher = Publisher(api_client, *publish_to, keyring)
-        publisher.try_publish()  # before the server signs anything: nodes can check at once
-        threading.Thread(target=publisher.run, args=(stop,), name="public-key",
-                         daemon=True).start()
+    if publisher is not None:
+        # Before the server signs anything, so that nodes can check at once. On a loop of its
+        # own: the session it opens is closed here, the server's loop opens its own.
+        asyncio.run(_first_publish(publisher, kube))
     try:
         server.start()
     except SecurityConfigError as e:
@@ -244,18 +226,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if args.report_gpu_fractioning_config:
-        from ..mirror.kai_dependency import Reporter
-
-        reporter = Reporter(api_client, *daemonset, interval=args.report_interval)
-        threading.Thread(target=reporter.run, args=(stop,), name="gpu-fractioning-config",
-                         daemon=True).start()
         log.info("reporting node agent DaemonSet %s as GpuFractioningConfig default's Ready",
-                 reporter.daemonset)
-    following = None
-    if source is not None:
-        following = threading.Thread(target=follow_loop, name="bindrequest-follower",
-                                     daemon=True)
-        following.start()
+                 "/".join(daemonset))
+    if args.follow_bindrequests:
         log.info("following BindRequests (scheduling.run.ai/v1alpha2)%s%s",
                  "; signing the pods whose annotations match" if keyring else "",
                  f" while holding lease {election.namespace}/{election.name} as "
@@ -264,10 +237,58 @@ def run(args: argparse.Namespace) -> int:
         while not stop.wait(1.0):
             pass
     finally:
-        server.stop()
-        if source is not None:
-            source.close()
-        if following is not None and election is not None:
-            following.join(10)  # the Lease is released before the client closes
+        server.stop()  # cancels the follower (a leader releases its Lease), then closes kube
         api_client.close()
     return 0
+
+
+def _background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, keyring,
+                election, publish_to: list[str], daemonset: list[str]) -> tuple[list, object]:
+    """The mirror's work besides serving, as tasks of its event loop (callables that return
+    coroutines, run until cancelled), and the public key's publisher when there is one."""
+    from ..mirror.kube_store import KubePodStore
+
+    tasks: list = []
+    publisher = None
+    if publish_to and keyring is not None:
+        from ..mirror.public_key import Publisher
+
+        publisher = Publisher(kube, *publish_to, keyring)
+        tasks.append(publisher.run)
+    if args.report_gpu_fractioning_config:
+        from ..mirror.kai_dependency import Reporter
+
+        tasks.append(Reporter(kube, *daemonset, interval=args.report_interval).run)
+    if args.follow_bindrequests:
+        from ..mirror.bindrequests import bindrequest_source, follow
+        from ..mirror.follower import BindRequestView, Follower
+
+        follower = Follower(KubePodStore(kube), keys=keys, default_reserve_mib=args.reserve_mib,
+                            dialect=dialect, signer=keyring)
+
+        async def handle(obj) -> None:
+            await follower.verify(BindRequestView.from_object(obj))
+
+        async def follow_bindrequests() -> None:
+            await follow(bindrequest_source(kube), handle)
+
+        if election is None:
+            tasks.append(follow_bindrequests)
+        else:  # the same loop, while holding the Lease
+            from ..mirror.leader import KubeLease, LeaderElector
+
+            elector = LeaderElector(KubeLease(kube, election.namespace, election.name),
+                                    election)
+
+            async def follow_while_leading() -> None:
+                await elector.run(follow_bindrequests)
+
+            tasks.append(follow_while_leading)
+    return tasks, publisher
+
+
+async def _first_publish(publisher, kube) -> None:
+    try:
+        await publisher.try_publish()
+    finally:
+        await kube.close()

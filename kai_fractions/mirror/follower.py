@@ -35,23 +35,24 @@ from typing import Any
 
 from ..contract import (
     DEFAULT_DIALECT,
+    BindDecision,
     ContractError,
     ContractViolation,
     Dialect,
     Keys,
+    PodRequest,
     binder_annotations,
     parse_pod,
     plan_container,
 )
 from ..contract import keys as k
 from ..contract.compare import same_value
+from ..kube.retry import NO_DEADLINE, Deadline
 from ..signing import KeyringSource, signature_key
 from .compute import is_mirror_managed
-from .decision import AllocationInput, resolve_decision
+from .decision import AllocationInput, node_to_read, resolve_decision
 from .errors import InvalidAllocation, PodNotFound
 from .store import (
-    NO_DEADLINE,
-    Deadline,
     NodeNotFound,
     PodSnapshot,
     PodStore,
@@ -148,9 +149,9 @@ class Verification:
     """Why a matching pod was left unsigned ("" when signed, or signing is off)."""
 
 
-def binder_expectation(pod: PodSnapshot, allocation: AllocationInput, decision_of,
-                       keys: Keys) -> dict[str, str]:
-    """What KAI's binder must have written on `pod` (raises InvalidAllocation)."""
+def binder_request(pod: PodSnapshot, keys: Keys) -> PodRequest:
+    """The pod's request as its user wrote it, what the binder wrote left out (raises
+    InvalidAllocation)."""
     view = pod.view
     kept = {key: v for key, v in view.annotations.items() if not is_mirror_managed(key, keys)}
     share = parse_pod(replace(view, annotations=MappingProxyType(kept)), keys).share
@@ -164,8 +165,14 @@ def binder_expectation(pod: PodSnapshot, allocation: AllocationInput, decision_o
     request = parse_pod(replace(view, annotations=MappingProxyType(kept)), keys)
     if request.errors:
         raise InvalidAllocation(request.errors)
+    return request
+
+
+def binder_expectation(request: PodRequest, decision: BindDecision, keys: Keys
+                       ) -> dict[str, str]:
+    """What KAI's binder must have written for `request` (raises InvalidAllocation)."""
     try:
-        return binder_annotations(request, decision_of(allocation), keys)
+        return binder_annotations(request, decision, keys)
     except ContractViolation as e:
         raise InvalidAllocation(e.errors) from None
 
@@ -185,23 +192,24 @@ class Follower:
         self._reported: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._remember = remember
 
-    def reserved_gpu(self, group_id: str, deadline: Deadline = NO_DEADLINE) -> str | None:
+    async def reserved_gpu(self, group_id: str, deadline: Deadline = NO_DEADLINE
+                           ) -> str | None:
         """The GPU UUID behind a group: its reservation pod's `run.ai/reserve_for_gpu_index`."""
-        pods = self.store.list_pods(self.reservation_namespace, {k.GPU_GROUP_LABEL: group_id},
-                                    deadline)
+        pods = await self.store.list_pods(self.reservation_namespace,
+                                          {k.GPU_GROUP_LABEL: group_id}, deadline)
         for pod in pods:
             uuid = pod.annotations.get(k.RESERVE_FOR_GPU)
             if uuid:
                 return uuid
         return None
 
-    def decide(self, br: BindRequestView, *, cdi: bool = False,
-               deadline: Deadline = NO_DEADLINE) -> AllocationInput | None:
+    async def decide(self, br: BindRequestView, *, cdi: bool = False,
+                     deadline: Deadline = NO_DEADLINE) -> AllocationInput | None:
         """The decision as the servicer would receive it; None while a group's device is not
         known yet (the binder has not finished reserving)."""
         gpu_ids = []
         for group in br.group_ids:
-            uuid = self.reserved_gpu(group, deadline)
+            uuid = await self.reserved_gpu(group, deadline)
             if uuid is None:
                 return None
             gpu_ids.append(uuid)
@@ -211,7 +219,8 @@ class Follower:
             group_ids=br.group_ids, group_modes=br.group_modes, gpu_ids=tuple(gpu_ids),
             cdi=cdi, container="")
 
-    def verify(self, br: BindRequestView, deadline: Deadline = NO_DEADLINE) -> Verification:
+    async def verify(self, br: BindRequestView, deadline: Deadline = NO_DEADLINE
+                     ) -> Verification:
         pod_ref = f"{br.namespace}/{br.pod_name}"
         if br.resource_type != k.RESOURCE_TYPE_FRACTION:
             return Verification(br.ref, pod_ref, skipped="not a fractional bind")
@@ -220,14 +229,14 @@ class Follower:
         result = Verification(br.ref, pod_ref)
         for _attempt in range(SIGN_ATTEMPTS):
             try:
-                pod = self.store.get_pod(br.namespace, br.pod_name, deadline)
+                pod = await self.store.get_pod(br.namespace, br.pod_name, deadline)
             except PodNotFound:
                 return Verification(br.ref, pod_ref, skipped="pod not found")
-            result = self._check(br, pod, deadline)
+            result = await self._check(br, pod, deadline)
             if result.skipped or result.errors or result.mismatches or self.signer is None:
                 return result
             try:
-                result = self._sign(pod, result, br.selected_node, deadline)
+                result = await self._sign(pod, result, br.selected_node, deadline)
             except (WriteConflict, WriteInvalid) as e:
                 # The pod changed since it was read (or was recreated): what was checked is
                 # not what is there now, so read it again and check it again.
@@ -238,40 +247,37 @@ class Follower:
             except PodNotFound:
                 return Verification(br.ref, pod_ref, skipped="pod not found")
             if result.unsigned:
-                self._report(pod, UNSIGNED_REASON, f"not signed: {result.unsigned} "
-                             f"(BindRequest {br.ref})", deadline)
+                await self._report(pod, UNSIGNED_REASON, f"not signed: {result.unsigned} "
+                                   f"(BindRequest {br.ref})", deadline)
             return result
-        self._report(pod, UNSIGNED_REASON, f"not signed: it changed under {SIGN_ATTEMPTS} "
-                     f"attempt(s); the follower checks it again on its next list "
-                     f"(BindRequest {br.ref})", deadline)
+        await self._report(pod, UNSIGNED_REASON, f"not signed: it changed under "
+                           f"{SIGN_ATTEMPTS} attempt(s); the follower checks it again on its "
+                           f"next list (BindRequest {br.ref})", deadline)
         return result
 
-    def _check(self, br: BindRequestView, pod: PodSnapshot,
-               deadline: Deadline) -> Verification:
+    async def _check(self, br: BindRequestView, pod: PodSnapshot,
+                     deadline: Deadline) -> Verification:
         pod_ref = f"{br.namespace}/{br.pod_name}"
-        allocation = self.decide(br, deadline=deadline)
+        allocation = await self.decide(br, deadline=deadline)
         if allocation is None:
             reason = (f"the GPU reserved for group(s) {', '.join(br.group_ids)} is not known "
                       f"yet: no pod labelled {k.GPU_GROUP_LABEL} in "
                       f"{self.reservation_namespace} carries {k.RESERVE_FOR_GPU}")
             if self.signer is not None:
-                self._report(pod, UNSIGNED_REASON, f"not signed yet: {reason} (BindRequest "
-                             f"{br.ref})", deadline)
+                await self._report(pod, UNSIGNED_REASON, f"not signed yet: {reason} "
+                                   f"(BindRequest {br.ref})", deadline)
             return Verification(br.ref, pod_ref, skipped=reason)
         share = parse_pod(pod.view, self.keys).share
         written = pod.annotations.get(self.keys.container(share.container, k.DEVICES), "") \
             if share is not None else ""
         allocation = replace(allocation, cdi=written.startswith(k.CDI_DEVICE_PREFIX))
-
-        def decision_of(a: AllocationInput):
-            return resolve_decision(a, lambda n: self._node_labels(n, deadline),
-                                    default_reserve_mib=self.default_reserve_mib,
-                                    dialect=self.dialect)
         try:
-            expected = binder_expectation(pod, allocation, decision_of, self.keys)
+            request = binder_request(pod, self.keys)
+            expected = binder_expectation(request, await self._decision(allocation, deadline),
+                                          self.keys)
         except InvalidAllocation as e:
-            self._report(pod, INVALID_REASON, f"cannot check the binder's annotations for "
-                         f"BindRequest {br.ref}: {e}", deadline)
+            await self._report(pod, INVALID_REASON, f"cannot check the binder's annotations "
+                               f"for BindRequest {br.ref}: {e}", deadline)
             return Verification(br.ref, pod_ref, errors=e.errors)
         wanted: dict[str, str | None] = dict(expected)
         if share is not None and not self.dialect.writes_compute_portion:
@@ -285,12 +291,12 @@ class Follower:
             hint = ("; a binder that writes it is the patched KAI: run the follower with "
                     "--kai-dialect patched" if m.expected is None
                     and m.key.endswith(k.COMPUTE_PORTION) else "")
-            self._report(pod, MISMATCH_REASON, f"{m.message} (BindRequest {br.ref}){hint}",
-                         deadline)
+            await self._report(pod, MISMATCH_REASON,
+                               f"{m.message} (BindRequest {br.ref}){hint}", deadline)
         return Verification(br.ref, pod_ref, mismatches=mismatches)
 
-    def _sign(self, pod: PodSnapshot, checked: Verification, node: str,
-              deadline: Deadline = NO_DEADLINE) -> Verification:
+    async def _sign(self, pod: PodSnapshot, checked: Verification, node: str,
+                    deadline: Deadline = NO_DEADLINE) -> Verification:
         """Signs the checked `pod` as it was read, for `node` (the BindRequest's selected
         node): one patch, guarded by its uid and resourceVersion (raises WriteConflict /
         WriteInvalid when it changed since)."""
@@ -322,25 +328,37 @@ class Follower:
             changes[annotation] = keyring.sign(plan, node=node)
         if not changes:
             return checked
-        self.store.patch_annotations(pod.namespace, pod.name, changes, uid=pod.uid,
-                                     resource_version=pod.resource_version, deadline=deadline)
+        await self.store.patch_annotations(pod.namespace, pod.name, changes, uid=pod.uid,
+                                           resource_version=pod.resource_version,
+                                           deadline=deadline)
         log.info("pod %s/%s: signed %s (key %s)", pod.namespace, pod.name,
                  ", ".join(sorted(changes)), keyring.current.kid)
         return replace(checked, signed=tuple(sorted(changes)), unsigned="")
 
-    def _node_labels(self, node: str, deadline: Deadline) -> Mapping[str, str] | None:
+    async def _decision(self, allocation: AllocationInput, deadline: Deadline
+                        ) -> BindDecision:
+        """resolve_decision, the node's labels read first when it needs them (raises
+        InvalidAllocation)."""
+        node = node_to_read(allocation)
+        labels = await self._node_labels(node, deadline) if node else None
+        return resolve_decision(allocation, lambda _: labels,
+                                default_reserve_mib=self.default_reserve_mib,
+                                dialect=self.dialect)
+
+    async def _node_labels(self, node: str, deadline: Deadline) -> Mapping[str, str] | None:
         try:
-            return self.store.node_labels(node, deadline)
+            return await self.store.node_labels(node, deadline)
         except NodeNotFound:
             return None
 
-    def _report(self, pod: PodSnapshot, reason: str, message: str, deadline: Deadline) -> None:
+    async def _report(self, pod: PodSnapshot, reason: str, message: str,
+                      deadline: Deadline) -> None:
         """One event per distinct finding per pod (a relist replays every BindRequest)."""
         key = (pod.uid or f"{pod.namespace}/{pod.name}", reason, message)
         if key in self._reported:
             return
         log.warning("pod %s/%s: %s: %s", pod.namespace, pod.name, reason, message)
-        self.store.emit_event(pod, "Warning", reason, message, deadline)
+        await self.store.emit_event(pod, "Warning", reason, message, deadline)
         self._reported[key] = None
         while len(self._reported) > self._remember:
             self._reported.popitem(last=False)

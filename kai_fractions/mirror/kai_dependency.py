@@ -13,17 +13,16 @@ DaemonSet, compares, and writes the status subresource only when something chang
 
 from __future__ import annotations
 
+import asyncio
 import datetime
-import json
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
-import urllib3
-from kubernetes import client as k8s
-from kubernetes.client.exceptions import ApiException
+from ..kube.client import MERGE_PATCH, Kube
+from ..kube.errors import Conflict, KubeError, NotFound
+from ..kube.objects import namespaced_path
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +32,6 @@ PLURAL = "gpufractioningconfigs"
 NAME = "default"
 """KAI's operator reads exactly this object: cluster-scoped, named `default`."""
 CONDITION = "Ready"
-MERGE_PATCH = "application/merge-patch+json"
 
 # Reasons (CamelCase, as metav1.Condition wants them).
 ALL_READY = "AllNodeAgentsReady"
@@ -140,14 +138,12 @@ class Reporter:
     after `unknown_after` rounds in a row, so that one failed request does not make KAI's
     operator report a missing dependency. Errors are logged, never raised out of `run`."""
 
-    def __init__(self, api_client: k8s.ApiClient, daemonset_namespace: str,
-                 daemonset_name: str, *, interval: float = 10.0, unknown_after: int = 3,
-                 request_timeout: float = 10.0,
+    def __init__(self, kube: Kube, daemonset_namespace: str, daemonset_name: str, *,
+                 interval: float = 10.0, unknown_after: int = 3, request_timeout: float = 10.0,
                  now: Callable[[], datetime.datetime] = _utc_now) -> None:
         if interval <= 0:
             raise ValueError(f"interval must be positive, got {interval}")
-        self.apps = k8s.AppsV1Api(api_client)
-        self.custom = k8s.CustomObjectsApi(api_client)
+        self.kube = kube
         self.namespace = daemonset_namespace
         self.name = daemonset_name
         self.interval = interval
@@ -155,31 +151,27 @@ class Reporter:
         self.request_timeout = request_timeout
         self.now = now
         self.failures = 0
+        self._config_path = namespaced_path(GROUP, VERSION, PLURAL, None, NAME)
 
     @property
     def daemonset(self) -> str:
         return f"{self.namespace}/{self.name}"
 
-    def _read_daemonset(self) -> Rollout | None:
-        response = self.apps.read_namespaced_daemon_set(
-            self.name, self.namespace, _preload_content=False,
-            _request_timeout=self.request_timeout)
-        try:
-            return Rollout.from_object(json.loads(response.data))
-        finally:
-            response.release_conn()
-
-    def evaluate(self) -> Readiness | None:
+    async def evaluate(self) -> Readiness | None:
         """The condition the DaemonSet calls for now, or None while a read failure is still
         too young to say Unknown."""
+        what = f"read DaemonSet {self.daemonset}"
         try:
-            rollout = self._read_daemonset()
-        except ApiException as e:
-            if e.status == 404:
-                self.failures = 0
-                return readiness(None, self.daemonset)
-            return self._unreadable(f"{e.status} {e.reason}")
-        except (urllib3.exceptions.HTTPError, OSError, ValueError) as e:
+            obj = await self.kube.request(
+                "GET", namespaced_path("apps", "v1", "daemonsets", self.namespace, self.name),
+                what=what, timeout=self.request_timeout)
+            rollout = Rollout.from_object(obj or {})
+        except NotFound:
+            self.failures = 0
+            return readiness(None, self.daemonset)
+        except KubeError as e:  # the server's answer, without the request it already names
+            return self._unreadable(str(e).removeprefix(f"{what}: "))
+        except ValueError as e:  # a count that is not a number
             return self._unreadable(f"{type(e).__name__}: {e}")
         self.failures = 0
         return readiness(rollout, self.daemonset)
@@ -192,15 +184,16 @@ class Reporter:
             return None
         return readiness(None, self.daemonset, error=error)
 
-    def report_once(self) -> bool:
+    async def report_once(self) -> bool:
         """One round: evaluate, compare with the object, write its status if it differs.
         True when it wrote."""
-        wanted = self.evaluate()
+        wanted = await self.evaluate()
         if wanted is None:
             return False
         try:
-            obj = self.custom.get_cluster_custom_object(
-                GROUP, VERSION, PLURAL, NAME, _request_timeout=self.request_timeout)
+            obj = await self.kube.request("GET", self._config_path,
+                                          what=f"read GpuFractioningConfig {NAME}",
+                                          timeout=self.request_timeout) or {}
             meta = obj.get("metadata") or {}
             status = next_status(obj.get("status"), wanted, meta.get("generation"), self.now())
             if status is None:
@@ -209,34 +202,31 @@ class Reporter:
             if meta.get("resourceVersion"):
                 # Conditional: a replica that raced us makes this one 409 and re-read next round.
                 body["metadata"] = {"resourceVersion": meta["resourceVersion"]}
-            self.custom.patch_cluster_custom_object_status(
-                GROUP, VERSION, PLURAL, NAME, body, _content_type=MERGE_PATCH,
-                _request_timeout=self.request_timeout)
-        except ApiException as e:
-            if e.status == 404:
-                log.warning("GpuFractioningConfig %s not found (%s.%s): KAI's operator reports "
-                            "its NvFractions dependency missing until it exists; the chart "
-                            "creates it", NAME, PLURAL, GROUP)
-            elif e.status == 409:
-                log.info("GpuFractioningConfig %s changed while writing its status; "
-                         "re-evaluating next round", NAME)
-            else:
-                log.warning("writing GpuFractioningConfig %s status failed: %s %s",
-                            NAME, e.status, e.reason)
+            await self.kube.request("PATCH", f"{self._config_path}/status",
+                                    what=f"write GpuFractioningConfig {NAME} status",
+                                    body=body, content_type=MERGE_PATCH,
+                                    timeout=self.request_timeout)
+        except NotFound:
+            log.warning("GpuFractioningConfig %s not found (%s.%s): KAI's operator reports "
+                        "its NvFractions dependency missing until it exists; the chart "
+                        "creates it", NAME, PLURAL, GROUP)
             return False
-        except (urllib3.exceptions.HTTPError, OSError) as e:
-            log.warning("writing GpuFractioningConfig %s status failed: %s: %s",
-                        NAME, type(e).__name__, e)
+        except Conflict:
+            log.info("GpuFractioningConfig %s changed while writing its status; "
+                     "re-evaluating next round", NAME)
+            return False
+        except KubeError as e:
+            log.warning("writing GpuFractioningConfig %s status failed: %s", NAME, e)
             return False
         log.info("GpuFractioningConfig %s: Ready=%s (%s: %s)", NAME, wanted.status,
                  wanted.reason, wanted.message)
         return True
 
-    def run(self, stop: threading.Event) -> None:
-        """Rounds until `stop` is set; nothing it meets ends it (the mirror keeps serving)."""
-        while not stop.is_set():
+    async def run(self) -> NoReturn:
+        """Rounds until cancelled; nothing it meets ends it (the mirror keeps serving)."""
+        while True:
             try:
-                self.report_once()
+                await self.report_once()
             except Exception:  # a bug here must not take the mirror's other work down
                 log.exception("GpuFractioningConfig reporter round failed")
-            stop.wait(self.interval)
+            await asyncio.sleep(self.interval)

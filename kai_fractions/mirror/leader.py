@@ -11,32 +11,35 @@ the same rate and renew_deadline < lease duration. Every write carries the resou
 read just before (a merge patch the API server refuses with 409 when another replica wrote
 first); a holder that stops releases the Lease (empty holder, duration 1 s) so a successor
 need not wait out the lease.
+
+It all runs on the mirror's event loop: the leader's work is a task, cancelled when its term
+ends; cancelling the elector ends the term and releases the Lease.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
-import json
 import logging
 import os
 import socket
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
-from kubernetes import client as k8s
-from kubernetes.client.exceptions import ApiException
+from ..kube.client import MERGE_PATCH, Kube
+from ..kube.errors import Conflict, KubeError, NotFound
+from ..kube.objects import namespaced_path
 
 log = logging.getLogger(__name__)
 
-MERGE_PATCH = "application/merge-patch+json"
 LEASE_SECONDS = 15.0
 RENEW_DEADLINE_SECONDS = 10.0
 RETRY_SECONDS = 2.0
 """client-go's defaults (a lease of 15 s, renewed every 2 s, given up after 10 s without a
 renewal)."""
+GROUP, VERSION, PLURAL = "coordination.k8s.io", "v1", "leases"
 
 
 class LeaseConflict(Exception):
@@ -78,55 +81,49 @@ def micro_time(now: datetime.datetime | None = None) -> str:
 
 
 class KubeLease:
-    """Read, create and guarded-patch one Lease through the official client (dicts in, dicts
-    out: the generated models add nothing here)."""
+    """Read, create and guarded-patch one Lease (dicts in, dicts out). Writes are merge patches
+    carrying the resourceVersion read before, not PUTs: the same guard, and the API stand-in the
+    tests use serves no PUT."""
 
-    def __init__(self, api_client: k8s.ApiClient, namespace: str, name: str,
+    def __init__(self, kube: Kube, namespace: str, name: str,
                  request_timeout: float = 5.0) -> None:
-        self.api = k8s.CoordinationV1Api(api_client)
+        self.kube = kube
         self.namespace, self.name = namespace, name
         self.timeout = request_timeout
+        self.path = namespaced_path(GROUP, VERSION, PLURAL, namespace, name)
+        self.ref = f"lease {namespace}/{name}"
 
-    def get(self) -> Mapping[str, Any] | None:
+    async def get(self) -> Mapping[str, Any] | None:
         try:
-            response = self.api.read_namespaced_lease(self.name, self.namespace,
-                                                      _preload_content=False,
-                                                      _request_timeout=self.timeout)
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
-        return json.loads(response.data)
+            return await self.kube.request("GET", self.path, what=f"read {self.ref}",
+                                           timeout=self.timeout)
+        except NotFound:
+            return None
 
-    def create(self, spec: Mapping[str, Any]) -> Mapping[str, Any]:
-        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+    async def create(self, spec: Mapping[str, Any]) -> Mapping[str, Any]:
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Lease",
                 "metadata": {"name": self.name, "namespace": self.namespace}, "spec": dict(spec)}
         try:
-            response = self.api.create_namespaced_lease(self.namespace, body,
-                                                        _preload_content=False,
-                                                        _request_timeout=self.timeout)
-        except ApiException as e:
-            if e.status == 409:  # created by another replica meanwhile
-                raise LeaseConflict(str(e.reason)) from None
-            raise
-        return json.loads(response.data)
+            return await self.kube.request(
+                "POST", namespaced_path(GROUP, VERSION, PLURAL, self.namespace),
+                what=f"create {self.ref}", body=body, timeout=self.timeout)
+        except Conflict as e:  # created by another replica meanwhile
+            raise LeaseConflict(e.message) from None
 
-    def update(self, spec: Mapping[str, Any], resource_version: str) -> Mapping[str, Any]:
+    async def update(self, spec: Mapping[str, Any], resource_version: str
+                     ) -> Mapping[str, Any]:
         body = {"metadata": {"resourceVersion": resource_version}, "spec": dict(spec)}
         try:
-            response = self.api.patch_namespaced_lease(
-                self.name, self.namespace, body, _content_type=MERGE_PATCH,
-                _preload_content=False, _request_timeout=self.timeout)
-        except ApiException as e:
-            if e.status == 409:
-                raise LeaseConflict(str(e.reason)) from None
-            raise
-        return json.loads(response.data)
+            return await self.kube.request("PATCH", self.path, what=f"write {self.ref}",
+                                           body=body, content_type=MERGE_PATCH,
+                                           timeout=self.timeout)
+        except Conflict as e:
+            raise LeaseConflict(e.message) from None
 
 
 class LeaderElector:
     """Acquire, renew and release one Lease for `config.identity`. `lease` is KubeLease or a
-    stand-in with the same three methods; `monotonic` judges expiry, `wall` writes times."""
+    stand-in with the same three coroutines; `monotonic` judges expiry, `wall` writes times."""
 
     def __init__(self, lease: KubeLease, config: ElectionConfig, *,
                  monotonic: Callable[[], float] = time.monotonic,
@@ -138,13 +135,13 @@ class LeaderElector:
         self._observed_at = 0.0  # when it last changed, by this replica's clock
         self.leading = False
 
-    def try_acquire_or_renew(self) -> bool:
+    async def try_acquire_or_renew(self) -> bool:
         """One attempt: True when this replica holds the Lease afterwards."""
         identity, now = self.config.identity, micro_time(self._wall())
-        current = self.lease.get()
+        current = await self.lease.get()
         if current is None:
             spec = self._spec(acquire_time=now, renew_time=now, transitions=0)
-            return self._written(self.lease.create, spec)
+            return await self._written(self.lease.create, spec)
         observed = dict(current.get("spec") or {})
         if observed != self._observed:
             self._observed, self._observed_at = observed, self._monotonic()
@@ -160,13 +157,13 @@ class LeaderElector:
         else:
             spec = self._spec(acquire_time=now, renew_time=now, transitions=transitions + 1)
         version = str((current.get("metadata") or {}).get("resourceVersion") or "")
-        return self._written(lambda s: self.lease.update(s, version), spec)
+        return await self._written(lambda s: self.lease.update(s, version), spec)
 
-    def release(self) -> None:
+    async def release(self) -> None:
         """Hands the Lease back when this replica holds it: an empty holder and a duration of
         1 s, so the next replica takes over at its next attempt."""
         try:
-            current = self.lease.get()
+            current = await self.lease.get()
             if current is None:
                 return
             spec = dict(current.get("spec") or {})
@@ -176,54 +173,59 @@ class LeaderElector:
             spec.update(holderIdentity="", leaseDurationSeconds=1, renewTime=now,
                         acquireTime=now)
             version = str((current.get("metadata") or {}).get("resourceVersion") or "")
-            self.lease.update(spec, version)
+            await self.lease.update(spec, version)
             log.info("released lease %s/%s", self.config.namespace, self.config.name)
-        except (LeaseConflict, ApiException, OSError, ValueError) as e:
+        except (LeaseConflict, KubeError, OSError, ValueError) as e:
             log.warning("could not release lease %s/%s: %s (it expires on its own)",
                         self.config.namespace, self.config.name, e)
 
-    def run(self, lead: Callable[[threading.Event], object], stop: threading.Event) -> None:
-        """Until `stop`: wait to acquire the Lease, then run `lead(lost)` in a thread while
-        renewing it; `lost` is set, and the thread joined, when a renewal has failed for
-        `renew_deadline_seconds`, when another replica is found holding the Lease, or on
-        `stop` (then the Lease is released)."""
+    async def run(self, lead: Callable[[], Awaitable[object]]) -> NoReturn:
+        """Until cancelled: wait to acquire the Lease, then run `lead()` as a task while
+        renewing it. The task is cancelled (and awaited) when a renewal has failed for
+        `renew_deadline_seconds` or another replica is found holding the Lease, and the
+        elector waits to acquire it again; or when the elector is cancelled, which then
+        releases the Lease."""
         cfg = self.config
-        while not stop.is_set():
-            if not self._attempt():
-                stop.wait(cfg.retry_seconds)
+        while True:
+            if not await self._attempt():
+                await asyncio.sleep(cfg.retry_seconds)
                 continue
             log.info("leading: lease %s/%s acquired by %s", cfg.namespace, cfg.name,
                      cfg.identity)
-            lost = threading.Event()
-            worker = threading.Thread(target=lead, args=(lost,), name="leader-work",
-                                      daemon=True)
-            worker.start()
-            renewed = self._monotonic()
-            why = f"no renewal for {cfg.renew_deadline_seconds:.0f} s"
-            while not stop.wait(cfg.retry_seconds):
-                if self._attempt():
-                    renewed = self._monotonic()
-                elif self.holder() not in ("", cfg.identity):
-                    why = f"{self.holder()} holds it"  # it judged the Lease expired: step down
-                    break
-                elif self._monotonic() - renewed >= cfg.renew_deadline_seconds:
-                    break
-            lost.set()
-            worker.join()
+            work = asyncio.create_task(_coroutine(lead), name="leader-work")
+            work.add_done_callback(_report_end)
+            try:
+                why = await self._renew()
+            except asyncio.CancelledError:
+                await _cancelled(work)
+                self.leading = False
+                await self.release()
+                raise
+            await _cancelled(work)
             self.leading = False
-            if stop.is_set():
-                self.release()
-                return
             log.warning("lost lease %s/%s: %s; following stopped", cfg.namespace, cfg.name, why)
 
     def holder(self) -> str:
         """The holder the Lease named when last read or written ("" when none, or not read)."""
         return str((self._observed or {}).get("holderIdentity") or "")
 
-    def _attempt(self) -> bool:
+    async def _renew(self) -> str:
+        """Renews every `retry_seconds` while it can; returns why the term ended."""
+        cfg = self.config
+        renewed = self._monotonic()
+        while True:
+            await asyncio.sleep(cfg.retry_seconds)
+            if await self._attempt():
+                renewed = self._monotonic()
+            elif self.holder() not in ("", cfg.identity):
+                return f"{self.holder()} holds it"  # it judged the Lease expired: step down
+            elif self._monotonic() - renewed >= cfg.renew_deadline_seconds:
+                return f"no renewal for {cfg.renew_deadline_seconds:.0f} s"
+
+    async def _attempt(self) -> bool:
         try:
-            self.leading = self.try_acquire_or_renew()
-        except Exception as e:  # the API away, a refusal, the client's transport errors
+            self.leading = await self.try_acquire_or_renew()
+        except Exception as e:  # the API away, a refusal, a transport error
             log.warning("lease %s/%s: %r", self.config.namespace, self.config.name, e)
             self.leading = False
         return self.leading
@@ -234,15 +236,33 @@ class LeaderElector:
                 "acquireTime": acquire_time, "renewTime": renew_time,
                 "leaseTransitions": transitions}
 
-    def _written(self, write: Callable[[dict[str, Any]], Mapping[str, Any]],
-                 spec: dict[str, Any]) -> bool:
+    async def _written(self, write: Callable[[dict[str, Any]], Awaitable[Mapping[str, Any]]],
+                       spec: dict[str, Any]) -> bool:
         try:
-            written = write(spec)
+            written = await write(spec)
         except LeaseConflict:
             return False
         self._observed = dict(written.get("spec") or spec)
         self._observed_at = self._monotonic()
         return True
+
+
+async def _coroutine(lead: Callable[[], Awaitable[object]]) -> object:
+    return await lead()
+
+
+async def _cancelled(work: asyncio.Task) -> None:
+    """Cancels `work` and waits until it has ended (its own clean-up done)."""
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+
+
+def _report_end(work: asyncio.Task) -> None:
+    """The leader's work is meant to run until its term ends: say why it ended before."""
+    if not work.cancelled() and work.exception() is not None:
+        log.error("the leader's work ended: %r", work.exception())
+    elif not work.cancelled():
+        log.error("the leader's work ended while leading")
 
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -266,23 +286,3 @@ def election_config(args: Any, env: Mapping[str, str],
                           identity=identity, lease_seconds=args.leader_elect_lease_duration,
                           renew_deadline_seconds=args.leader_elect_renew_deadline,
                           retry_seconds=args.leader_elect_retry_period)
-
-
-def while_leading(new_source: Callable[[], Any], follow: Callable[[Any, threading.Event], object]
-                  ) -> Callable[[threading.Event], None]:
-    """LeaderElector.run's `lead` for a list + watch loop: `follow(source, lost)` with a
-    source of its own per term, whose open watch is closed the moment the term ends (a watch
-    can wait minutes for its next event; the loop must not outlive the Lease)."""
-
-    def lead(lost: threading.Event) -> None:
-        source = new_source()
-        closer = threading.Thread(target=lambda: (lost.wait(), source.close()),
-                                  name="leader-term-end", daemon=True)
-        closer.start()
-        try:
-            follow(source, lost)
-        finally:
-            lost.set()  # should the loop end first, the closer ends too
-            closer.join()
-
-    return lead

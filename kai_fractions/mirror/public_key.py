@@ -8,12 +8,13 @@ rotated Secret reaches every node without anyone copying keys, and no node can s
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
+from typing import NoReturn
+from urllib.parse import quote
 
-from kubernetes import client as k8s
-from kubernetes.client.exceptions import ApiException
-
+from ..kube.client import STRATEGIC_MERGE_PATCH, Kube
+from ..kube.errors import KubeError, NotFound
 from ..signing import CURRENT, PREVIOUS, V2, KeyringSource
 
 log = logging.getLogger(__name__)
@@ -28,15 +29,16 @@ def public_data(source: KeyringSource) -> dict[str, str]:
 
 
 class Publisher:
-    def __init__(self, api_client: k8s.ApiClient, namespace: str, name: str,
-                 source: KeyringSource, *, interval: float = 30.0) -> None:
-        self.core = k8s.CoreV1Api(api_client)
+    def __init__(self, kube: Kube, namespace: str, name: str, source: KeyringSource, *,
+                 interval: float = 30.0, request_timeout: float = 10.0) -> None:
+        self.kube = kube
         self.namespace, self.name = namespace, name
         self.source = source
         self.interval = interval
+        self.request_timeout = request_timeout
         self._published: dict[str, str] | None = None
 
-    def publish(self) -> bool:
+    async def publish(self) -> bool:
         """Writes the ConfigMap when what it should say changed; True when it wrote."""
         data = public_data(self.source)
         if not data:
@@ -48,29 +50,32 @@ class Publisher:
         body = {"metadata": {"name": self.name, "namespace": self.namespace,
                              "labels": {"app.kubernetes.io/part-of": "kai-fractions"}},
                 "data": data}
+        collection = f"/api/v1/namespaces/{quote(self.namespace, safe='')}/configmaps"
+        ref = f"ConfigMap {self.namespace}/{self.name}"
         try:
-            self.core.patch_namespaced_config_map(self.name, self.namespace, body)
-        except ApiException as e:
-            if e.status != 404:
-                raise
-            self.core.create_namespaced_config_map(self.namespace, body)
+            await self.kube.request("PATCH", f"{collection}/{quote(self.name, safe='')}",
+                                    what=f"patch {ref}", body=body,
+                                    content_type=STRATEGIC_MERGE_PATCH,
+                                    timeout=self.request_timeout)
+        except NotFound:
+            await self.kube.request("POST", collection, what=f"create {ref}", body=body,
+                                    timeout=self.request_timeout)
         self._published = data
         log.info("published the signing public key(s) %s to ConfigMap %s/%s",
                  ", ".join(k.kid for k in self.source.current().keys if k.version == V2),
                  self.namespace, self.name)
         return True
 
-    def try_publish(self) -> None:
+    async def try_publish(self) -> None:
         """`publish`, with a failure logged (it is tried again on the next round)."""
         try:
-            self.publish()
-        except (ApiException, OSError) as e:
+            await self.publish()
+        except (KubeError, OSError) as e:
             log.warning("could not publish the signing public key to %s/%s (%s); trying "
                         "again in %g s", self.namespace, self.name, e, self.interval)
 
-    def run(self, stop: threading.Event) -> None:
-        """Publishes now and after every change of the key files, until `stop`."""
+    async def run(self) -> NoReturn:
+        """Publishes now and after every change of the key files, until cancelled."""
         while True:
-            self.try_publish()
-            if stop.wait(self.interval):
-                return
+            await self.try_publish()
+            await asyncio.sleep(self.interval)

@@ -8,6 +8,7 @@ patched KAI (the same file @e396c876): a 1024 MiB reserve and `.gpu-compute.port
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 
@@ -98,8 +99,8 @@ def test_a_kai_bind_is_signed_by_the_follower_and_applied_by_the_agent(short_tmp
     created = store.add_pod(kai_bound_pod(annotations, uid=str(uuid.uuid4())))
     follower = Follower(store, dialect=c["dialect"], default_reserve_mib=c["reserve"],
                         signer=KeyringSource.fixed(Keyring.of(KEY)))
-    result = follower.verify(BindRequestView.from_object(
-        bind_request(list(zip(groups, c["modes"], strict=True)), c["portion"])))
+    result = asyncio.run(follower.verify(BindRequestView.from_object(
+        bind_request(list(zip(groups, c["modes"], strict=True)), c["portion"]))))
     assert (result.mismatches, result.errors, result.unsigned) == ((), (), ""), result
     assert result.signed == ("kai-fractions.io/container.main.signature",)
     assert store.events == []
@@ -131,8 +132,8 @@ def test_a_mismatch_is_an_event_and_never_signed(short_tmp: Path):
     store.add_pod(kai_bound_pod({"gpu-fraction": "0.57", f"{P}.gpu-memory.request": "46489Mi",
                                  f"{P}.gpus.devices": rig.gpu0,
                                  "received-resource-type": "Fraction"}, uid="x"))
-    result = Follower(store, signer=KeyringSource.fixed(Keyring.of(KEY))).verify(
-        BindRequestView.from_object(bind_request([("group-0", "")], "0.57")))
+    result = asyncio.run(Follower(store, signer=KeyringSource.fixed(Keyring.of(KEY))).verify(
+        BindRequestView.from_object(bind_request([("group-0", "")], "0.57"))))
     assert [(m.expected, m.actual) for m in result.mismatches] == [("46488Mi", "46489Mi")]
     assert result.signed == ()
     assert [e.reason for e in store.events] == ["NvFractionsMismatch"]

@@ -3,20 +3,21 @@ reports each difference as a pod event; and its list/watch loop (410 Gone -> rel
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 from kubernetes import client as k8s
 
 from kai_fractions.contract import Dialect
-from kai_fractions.mirror.bindrequests import Gone, KubeBindRequestSource, follow
+from kai_fractions.kube.client import Kube
+from kai_fractions.kube.errors import Gone, Transient
+from kai_fractions.kube.retry import Backoff
+from kai_fractions.mirror.bindrequests import bindrequest_source, follow
 from kai_fractions.mirror.follower import BindRequestView, Follower
 from kai_fractions.mirror.kube_store import KubePodStore
-from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.service import MirrorService
-from kai_fractions.mirror.store import ThreadedPodStore
 from tests.support.fake_store import FakePodStore, RecordedEvent
 from tests.support.mirror_kube import honour_label_selectors, register_bindrequests
 
@@ -68,22 +69,22 @@ def store() -> FakePodStore:
     return store
 
 
-def verify(store: FakePodStore, br: dict, **kw):
-    return Follower(store, **kw).verify(BindRequestView.from_object(br))
+async def verify(store: FakePodStore, br: dict, **kw):
+    return await Follower(store, **kw).verify(BindRequestView.from_object(br))
 
 
-def test_correct_annotations_raise_no_event(store):
+async def test_correct_annotations_raise_no_event(store):
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
-    result = verify(store, bind_request("br-1", "train-0"))
+    result = await verify(store, bind_request("br-1", "train-0"))
     assert (result.mismatches, result.errors, result.skipped) == ((), (), "")
     assert store.events == []
 
 
-def test_each_wrong_or_missing_key_is_an_event(store):
+async def test_each_wrong_or_missing_key_is_an_event(store):
     wrong = {**BOUND, f"{T}.gpus.devices": GPU_B}
     del wrong["received-resource-type"]
     created = store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **wrong}))
-    result = verify(store, bind_request("br-1", "train-0"))
+    result = await verify(store, bind_request("br-1", "train-0"))
     assert [m.key for m in result.mismatches] == [f"{T}.gpus.devices", "received-resource-type"]
     assert store.events == [
         RecordedEvent(NS, "train-0", created.uid, "Warning", "NvFractionsMismatch",
@@ -96,54 +97,54 @@ def test_each_wrong_or_missing_key_is_an_event(store):
 
 
 @pytest.mark.parametrize("spelling", ["20Gi", "20480Mi", "21474836480", "0.01953125Ti"])
-def test_values_are_compared_by_meaning_not_spelling(store, spelling):
+async def test_values_are_compared_by_meaning_not_spelling(store, spelling):
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND,
                                   f"{T}.gpu-memory.request": spelling}))
-    assert verify(store, bind_request("br-1", "train-0")).mismatches == ()
+    assert (await verify(store, bind_request("br-1", "train-0"))).mismatches == ()
 
 
-def test_a_compute_portion_upstream_kai_never_writes_is_a_mismatch(store):
+async def test_a_compute_portion_upstream_kai_never_writes_is_a_mismatch(store):
     created = store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND,
                                             f"{T}.gpu-compute.portion": "1"}))
-    result = verify(store, bind_request("br-1", "train-0"))
+    result = await verify(store, bind_request("br-1", "train-0"))
     assert [(m.key, m.expected, m.actual) for m in result.mismatches] == [
         (f"{T}.gpu-compute.portion", None, "1")]
     assert store.events[0].pod_uid == created.uid
     assert "--kai-dialect patched" in store.events[0].message
 
 
-def test_the_patched_dialect_expects_the_compute_portion(store):
+async def test_the_patched_dialect_expects_the_compute_portion(store):
     patched = {**BOUND, f"{T}.gpu-compute.portion": "0.5"}
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **patched}))
-    assert verify(store, bind_request("br-1", "train-0"), dialect=Dialect.PATCHED).mismatches \
-        == ()
+    result = await verify(store, bind_request("br-1", "train-0"), dialect=Dialect.PATCHED)
+    assert result.mismatches == ()
     store.add_pod(pod("train-1", {"gpu-fraction": "0.5", **BOUND}))
-    result = verify(store, bind_request("br-2", "train-1"), dialect=Dialect.PATCHED)
+    result = await verify(store, bind_request("br-2", "train-1"), dialect=Dialect.PATCHED)
     assert [(m.key, m.expected, m.actual) for m in result.mismatches] == [
         (f"{T}.gpu-compute.portion", "0.5", None)]
 
 
-def test_a_binder_request_beside_gpu_fraction_is_checked_too(store):
+async def test_a_binder_request_beside_gpu_fraction_is_checked_too(store):
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND,
                                   f"{T}.gpu-memory.request": "30000Mi"}))
-    result = verify(store, bind_request("br-1", "train-0"))
+    result = await verify(store, bind_request("br-1", "train-0"))
     assert [(m.key, m.expected, m.actual) for m in result.mismatches] == [
         (f"{T}.gpu-memory.request", "20Gi", "30000Mi")]
 
 
-def test_a_users_own_request_is_not_the_binders(store):
+async def test_a_users_own_request_is_not_the_binders(store):
     user = {f"{T}.gpu-memory.request": "8Gi"}
     store.add_pod(pod("train-0", {**user, **{k: v for k, v in BOUND.items()
                                             if k != f"{T}.gpu-memory.request"}}))
-    assert verify(store, bind_request("br-1", "train-0")).mismatches == ()
+    assert (await verify(store, bind_request("br-1", "train-0"))).mismatches == ()
 
 
-def test_findings_are_reported_once(store):
+async def test_findings_are_reported_once(store):
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5"}))
     follower = Follower(store)
     view = BindRequestView.from_object(bind_request("br-1", "train-0"))
-    follower.verify(view)
-    follower.verify(view)  # a relist replays every BindRequest
+    await follower.verify(view)
+    await follower.verify(view)  # a relist replays every BindRequest
     assert len(store.events) == 3
 
 
@@ -158,34 +159,34 @@ def test_findings_are_reported_once(store):
                                                   "receivedResourceType": "Regular"}},
      "not a fractional bind"),
 ])
-def test_nothing_is_checked_before_the_binder_is_done(store, br, skipped):
+async def test_nothing_is_checked_before_the_binder_is_done(store, br, skipped):
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5"}))
-    assert verify(store, br).skipped == skipped
+    assert (await verify(store, br)).skipped == skipped
     assert store.events == []
 
 
-def test_older_plain_group_ids_mean_time_slicing(store):
+async def test_older_plain_group_ids_mean_time_slicing(store):
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
-    assert verify(store, bind_request("br-1", "train-0", legacy=True)).mismatches == ()
+    assert (await verify(store, bind_request("br-1", "train-0", legacy=True))).mismatches == ()
 
 
-def test_cdi_device_names_are_compared_as_written(store):
+async def test_cdi_device_names_are_compared_as_written(store):
     cdi = {**BOUND, f"{T}.gpus.devices": f"k8s.device-plugin.nvidia.com/gpu={GPU_A}"}
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **cdi}))
-    assert verify(store, bind_request("br-1", "train-0")).mismatches == ()
+    assert (await verify(store, bind_request("br-1", "train-0"))).mismatches == ()
 
 
-def test_reserve_is_configuration(store):
+async def test_reserve_is_configuration(store):
     bound = {**BOUND, f"{T}.gpu-memory.request": "19968Mi"}
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **bound}))
-    assert verify(store, bind_request("br-1", "train-0"), default_reserve_mib=1024
-                  ).mismatches == ()
+    result = await verify(store, bind_request("br-1", "train-0"), default_reserve_mib=1024)
+    assert result.mismatches == ()
 
 
-def test_contract_errors_are_one_invalid_event(store):
+async def test_contract_errors_are_one_invalid_event(store):
     store.nodes["gpu-node-1"] = {}
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
-    result = verify(store, bind_request("br-1", "train-0"))
+    result = await verify(store, bind_request("br-1", "train-0"))
     assert [e.key for e in result.errors] == ["node_gpu_memory_mib"]
     assert [(e.reason, e.message.split(":")[0]) for e in store.events] == [
         ("NvFractionsInvalid", "cannot check the binder's annotations for BindRequest "
@@ -197,76 +198,91 @@ async def test_decide_is_the_servicers_decision(store):
     binder to have written (plus the derived keys): the hook for a writing follower."""
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5"}))
     follower = Follower(store)
-    decision = follower.decide(BindRequestView.from_object(bind_request("br-1", "train-0")))
+    decision = await follower.decide(BindRequestView.from_object(bind_request("br-1", "train-0")))
     assert decision is not None
-    written = await MirrorService(ThreadedPodStore(store)).mirror(
+    written = await MirrorService(store).mirror(
         decision, idempotency_key="bindrequest/br-1")
     assert {k: v for k, v in written.annotations.items() if k in BOUND} == BOUND
-    assert verify(store, bind_request("br-1", "train-0")).mismatches == ()
+    assert (await verify(store, bind_request("br-1", "train-0"))).mismatches == ()
 
 
 # -- the list/watch loop ----------------------------------------------------------------------
 
 class ScriptedSource:
-    """list() and watch() play a script; the last watch blocks until stopped."""
+    """list() and watch() play a script (a Collection's two coroutines); once the script is
+    played, the next watch sets `played` and waits to be cancelled."""
 
-    def __init__(self, lists, watches, stop: threading.Event) -> None:
-        self.lists, self.watches, self.stop = list(lists), list(watches), stop
+    what = "BindRequest(s)"
+
+    def __init__(self, lists, watches) -> None:
+        self.lists, self.watches = list(lists), list(watches)
         self.calls: list[tuple[str, str]] = []
+        self.played = asyncio.Event()
 
-    def list(self):
-        self.calls.append(("list", ""))
+    async def list(self, resource_version: str = ""):
+        self.calls.append(("list", resource_version))
         item = self.lists.pop(0)
         if isinstance(item, Exception):
             raise item
         return item
 
-    def watch(self, resource_version, stop) -> Iterator:
+    async def watch(self, resource_version: str) -> AsyncIterator:
         self.calls.append(("watch", resource_version))
         if not self.watches:
-            self.stop.set()
-            return
+            self.played.set()
+            await asyncio.Event().wait()
         step = self.watches.pop(0)
         if isinstance(step, Exception):
             raise step
-        yield from step
+        for event in step:
+            yield event
+
+
+async def play(source: ScriptedSource, handle, **options) -> None:
+    """follow() over `source` until its script is played, then cancelled."""
+    task = asyncio.create_task(follow(source, handle, backoff=Backoff(base=0.001, cap=0.001),
+                                      **options))
+    played = asyncio.create_task(source.played.wait())
+    await asyncio.wait([task, played], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    assert source.played.is_set(), task.exception() if task.done() else "still playing"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 def obj(name: str, rv: str) -> dict:
     return {"metadata": {"name": name, "namespace": NS, "resourceVersion": rv}}
 
 
-def test_watch_resumes_from_the_last_version_and_relists_on_gone():
-    stop = threading.Event()
+async def test_watch_resumes_from_the_last_version_and_relists_on_gone():
     source = ScriptedSource(
         lists=[([obj("a", "5")], "10"), ([obj("a", "5"), obj("b", "12")], "20")],
         watches=[[("ADDED", obj("b", "12")), ("BOOKMARK", obj("", "15"))],
                  Gone("too old"),
-                 [("MODIFIED", obj("b", "21")), ("DELETED", obj("a", "22"))]],
-        stop=stop)
+                 [("MODIFIED", obj("b", "21")), ("DELETED", obj("a", "22"))]])
     seen: list[str] = []
-    follow(source, lambda o: seen.append(o["metadata"]["name"]), stop,
-           backoff=Backoff(base=0.001, cap=0.001))
+
+    async def handle(o):
+        seen.append(o["metadata"]["name"])
+
+    await play(source, handle)
     assert source.calls == [("list", ""), ("watch", "10"), ("watch", "15"), ("list", ""),
                             ("watch", "20"), ("watch", "22")]
     assert seen == ["a", "b", "a", "b", "b"]
 
 
-def test_everything_is_listed_again_after_the_resync_period():
-    stop = threading.Event()
+async def test_everything_is_listed_again_after_the_resync_period():
     source = ScriptedSource(
         lists=[([obj("a", "5")], "10"), ([obj("a", "5")], "30")],
-        watches=[[("ADDED", obj("b", "12"))], [("ADDED", obj("c", "14"))]],
-        stop=stop)
+        watches=[[("ADDED", obj("b", "12"))], [("ADDED", obj("c", "14"))]])
     now = [0.0]
 
-    def handle(o):
+    async def handle(o):
         seen.append(o["metadata"]["name"])
         now[0] += 400  # each handled object "takes" 400 s of the clock
 
     seen: list[str] = []
-    follow(source, handle, stop, backoff=Backoff(base=0.001, cap=0.001), resync_seconds=1000,
-           monotonic=lambda: now[0])
+    await play(source, handle, resync_seconds=1000, monotonic=lambda: now[0])
     # a (400 s), b (800 s): the stream ends before 1000 s, the watch resumes; c (1200 s): the
     # next stream end relists, so `a` (whose handling may have failed) is handled again; the
     # scripted source stops the loop at the watch after that.
@@ -275,32 +291,50 @@ def test_everything_is_listed_again_after_the_resync_period():
     assert seen == ["a", "b", "c", "a"]
 
 
-def test_failures_back_off_and_a_bad_object_does_not_stop_the_loop():
-    stop = threading.Event()
-    source = ScriptedSource(lists=[OSError("connection refused"), ([obj("x", "1")], "1")],
-                            watches=[], stop=stop)
+async def test_objects_are_handled_one_at_a_time_in_order_before_the_loop_goes_on():
+    source = ScriptedSource(lists=[([obj("a", "1"), obj("b", "2")], "2")],
+                            watches=[[("ADDED", obj("c", "3")), ("MODIFIED", obj("a", "4"))]])
+    steps: list[str] = []
+    running = [0]
 
-    def handle(_obj):
+    async def handle(o):
+        running[0] += 1
+        assert running[0] == 1  # never two at once
+        steps.append(f"start {o['metadata']['name']}, {len(source.calls)} call(s)")
+        await asyncio.sleep(0.01)
+        running[0] -= 1
+
+    await play(source, handle)
+    # The list's objects are handled before the watch opens, each event before the next.
+    assert steps == ["start a, 1 call(s)", "start b, 1 call(s)", "start c, 2 call(s)",
+                     "start a, 2 call(s)"]
+
+
+async def test_failures_back_off_and_a_bad_object_does_not_stop_the_loop():
+    source = ScriptedSource(lists=[Transient("connection refused"), ([obj("x", "1")], "1")],
+                            watches=[])
+
+    async def handle(_obj):
         raise RuntimeError("boom")
 
-    follow(source, handle, stop, backoff=Backoff(base=0.001, cap=0.001))
+    await play(source, handle)
     assert source.calls == [("list", ""), ("list", ""), ("watch", "1")]
 
 
 # -- against kmock ----------------------------------------------------------------------------
 
-def wait_for(predicate, timeout: float = 10.0):
+async def wait_for(predicate, timeout: float = 10.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         value = predicate()
         if value:
             return value
-        time.sleep(0.05)
+        await asyncio.sleep(0.05)
     raise AssertionError("timed out waiting")
 
 
 @pytest.mark.integration
-def test_follower_reports_a_mismatch_as_a_pod_event(kube):
+async def test_follower_reports_a_mismatch_as_a_pod_event(kube):
     honour_label_selectors(kube)
     register_bindrequests(kube)
     custom = k8s.CustomObjectsApi(kube.api_client)
@@ -316,24 +350,27 @@ def test_follower_reports_a_mismatch_as_a_pod_event(kube):
     custom.create_namespaced_custom_object("scheduling.run.ai", "v1alpha2", NS, "bindrequests",
                                            bind_request("br-good", "good-0"))
 
-    store = KubePodStore(kube.api_client, backoff=Backoff(attempts=3, base=0.01, cap=0.05))
+    client = Kube(k8s.ApiClient(kube.configuration()))
+    store = KubePodStore(client, backoff=Backoff(attempts=3, base=0.01, cap=0.05))
     follower = Follower(store)
     checked: list = []
-    stop = threading.Event()
-    source = KubeBindRequestSource(kube.api_client, watch_seconds=1, read_timeout=1.0)
-    thread = threading.Thread(target=follow, args=(source, lambda o: checked.append(
-        follower.verify(BindRequestView.from_object(o))), stop), kwargs={
-        "backoff": Backoff(base=0.01, cap=0.05)}, daemon=True)
-    thread.start()
+
+    async def handle(o):
+        checked.append(await follower.verify(BindRequestView.from_object(o)))
+
+    task = asyncio.create_task(follow(
+        bindrequest_source(client, watch_seconds=1, read_timeout=1.0), handle,
+        backoff=Backoff(base=0.01, cap=0.05)))
     try:
-        wait_for(lambda: any(v.bind_request == "team-a/br-good" for v in checked))
+        await wait_for(lambda: any(v.bind_request == "team-a/br-good" for v in checked))
         # Arrives through the watch, after the list:
         custom.create_namespaced_custom_object("scheduling.run.ai", "v1alpha2", NS,
                                                "bindrequests", bind_request("br-bad", "bad-0"))
-        events = wait_for(lambda: kube.core.list_namespaced_event(NS).items)
+        events = await wait_for(lambda: kube.core.list_namespaced_event(NS).items)
     finally:
-        stop.set()
-        thread.join(5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.close()
     assert gone.hits == 1
     assert [(e.involved_object.name, e.type, e.reason, e.message, e.source.component)
             for e in events] == [(

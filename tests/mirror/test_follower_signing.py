@@ -8,11 +8,13 @@ from __future__ import annotations
 import re
 
 import pytest
+from kubernetes import client as k8s
 
 from kai_fractions.contract import DEFAULT_KEYS, parse_pod, plan_container, pod_views
+from kai_fractions.kube.client import Kube
+from kai_fractions.kube.retry import Backoff
 from kai_fractions.mirror.follower import BindRequestView, Follower
 from kai_fractions.mirror.kube_store import KubePodStore
-from kai_fractions.mirror.retry import Backoff
 from kai_fractions.node.agent.signatures import SignatureCheck
 from kai_fractions.node.desired import NodePod
 from kai_fractions.signing import Keyring, KeyringSource
@@ -37,16 +39,24 @@ def cluster(kube):
     return kube
 
 
+@pytest.fixture
+async def client(cluster):
+    """The follower's way to the cluster: `kube` as the mirror reaches it."""
+    client = Kube(k8s.ApiClient(cluster.configuration()))
+    yield client
+    await client.close()
+
+
 KEYRING = Keyring.of(KEY)
 
 
-def follower(kube, store_cls=KubePodStore, keyring: Keyring | None = KEYRING):
-    store = store_cls(kube.api_client, backoff=Backoff(attempts=3, base=0.01, cap=0.05))
+def follower(client: Kube, store_cls=KubePodStore, keyring: Keyring | None = KEYRING):
+    store = store_cls(client, backoff=Backoff(attempts=3, base=0.01, cap=0.05))
     return Follower(store, signer=KeyringSource.fixed(keyring) if keyring else None)
 
 
-def check(f: Follower, pod_name: str):
-    return f.verify(BindRequestView.from_object(bind_request("br-1", pod_name)))
+async def check(f: Follower, pod_name: str):
+    return await f.verify(BindRequestView.from_object(bind_request("br-1", pod_name)))
 
 
 def stored(kube, name: str) -> dict:
@@ -66,10 +76,10 @@ def patches(kube) -> list:
     return kube.requests("PATCH", PATCHES)
 
 
-def test_a_matching_pod_is_signed_in_one_guarded_patch(cluster):
+async def test_a_matching_pod_is_signed_in_one_guarded_patch(cluster, client):
     created = cluster.core.create_namespaced_pod(NS, pod("good-0", {"gpu-fraction": "0.5",
                                                                     **BOUND}))
-    result = check(follower(cluster), "good-0")
+    result = await check(follower(client), "good-0")
     assert (result.mismatches, result.errors, result.skipped) == ((), (), "")
     assert result.signed == (SIG,)
     (request,) = patches(cluster)
@@ -89,28 +99,28 @@ def test_a_matching_pod_is_signed_in_one_guarded_patch(cluster):
     assert cluster.core.list_namespaced_event(NS).items == []
 
 
-def test_a_signed_pod_is_not_signed_again(cluster):
+async def test_a_signed_pod_is_not_signed_again(cluster, client):
     cluster.core.create_namespaced_pod(NS, pod("good-0", {"gpu-fraction": "0.5", **BOUND}))
-    f = follower(cluster)
-    assert check(f, "good-0").signed == (SIG,)
-    again = check(f, "good-0")  # a relist replays every BindRequest
+    f = follower(client)
+    assert (await check(f, "good-0")).signed == (SIG,)
+    again = await check(f, "good-0")  # a relist replays every BindRequest
     assert (again.signed, again.mismatches) == ((), ())
-    assert check(follower(cluster), "good-0").signed == ()  # a restarted mirror too
+    assert (await check(follower(client), "good-0")).signed == ()  # a restarted mirror too
     assert len(patches(cluster)) == 1
 
 
-def test_a_signature_under_a_retired_key_is_replaced(cluster):
+async def test_a_signature_under_a_retired_key_is_replaced(cluster, client):
     cluster.core.create_namespaced_pod(NS, pod("good-0", {"gpu-fraction": "0.5", **BOUND}))
-    check(follower(cluster, keyring=Keyring.of(b"o" * 32)), "good-0")
-    assert check(follower(cluster), "good-0").signed == (SIG,)
+    await check(follower(client, keyring=Keyring.of(b"o" * 32)), "good-0")
+    assert (await check(follower(client), "good-0")).signed == (SIG,)
     assert agent_verdict(stored(cluster, "good-0")).ok
     assert len(patches(cluster)) == 2
 
 
-def test_a_mismatching_pod_is_not_signed(cluster):
+async def test_a_mismatching_pod_is_not_signed(cluster, client):
     cluster.core.create_namespaced_pod(NS, pod("bad-0", {"gpu-fraction": "0.5", **{
         **BOUND, f"{T}.gpus.devices": GPU_B}}))
-    result = check(follower(cluster), "bad-0")
+    result = await check(follower(client), "bad-0")
     assert [m.key for m in result.mismatches] == [f"{T}.gpus.devices"]
     assert result.signed == ()
     assert patches(cluster) == []
@@ -119,17 +129,17 @@ def test_a_mismatching_pod_is_not_signed(cluster):
         "NvFractionsMismatch"]
 
 
-def test_without_a_key_the_follower_writes_nothing(cluster):
+async def test_without_a_key_the_follower_writes_nothing(cluster, client):
     cluster.core.create_namespaced_pod(NS, pod("good-0", {"gpu-fraction": "0.5", **BOUND}))
-    result = check(follower(cluster, keyring=None), "good-0")
+    result = await check(follower(client, keyring=None), "good-0")
     assert (result.mismatches, result.signed) == ((), ())
     assert patches(cluster) == []
 
 
-def test_a_conflict_reads_the_pod_again_before_signing(cluster):
+async def test_a_conflict_reads_the_pod_again_before_signing(cluster, client):
     cluster.core.create_namespaced_pod(NS, pod("good-0", {"gpu-fraction": "0.5", **BOUND}))
     conflict = cluster.fail("PATCH", PATCHES, 409, times=1)
-    result = check(follower(cluster), "good-0")
+    result = await check(follower(client), "good-0")
     assert conflict.hits == 1
     assert result.signed == (SIG,)
     assert len(patches(cluster)) == 2
@@ -144,9 +154,9 @@ def editing_after_first_read(cluster, annotations: dict[str, str], then=lambda: 
     class EditingStore(KubePodStore):
         reads = 0
 
-        def get_pod(self, namespace, name, deadline=None, **kw):
-            snapshot = super().get_pod(namespace, name, **({"deadline": deadline}
-                                                           if deadline else {}))
+        async def get_pod(self, namespace, name, deadline=None, **kw):
+            snapshot = await super().get_pod(namespace, name, **({"deadline": deadline}
+                                                                 if deadline else {}))
             EditingStore.reads += 1
             if EditingStore.reads == 1:
                 cluster.core.patch_namespaced_pod(name, namespace, {"metadata": {
@@ -157,7 +167,7 @@ def editing_after_first_read(cluster, annotations: dict[str, str], then=lambda: 
     return EditingStore
 
 
-def test_a_pod_changed_between_the_read_and_the_patch_is_not_signed(cluster):
+async def test_a_pod_changed_between_the_read_and_the_patch_is_not_signed(cluster, client):
     """Someone moves the pod to a GPU the binder did not pick right after the follower read it,
     and the follower's patch meets an injected 409: the re-read and re-check find the mismatch
     and nothing is signed."""
@@ -166,7 +176,7 @@ def test_a_pod_changed_between_the_read_and_the_patch_is_not_signed(cluster):
     EditingStore = editing_after_first_read(
         cluster, {f"{T}.gpus.devices": GPU_B},
         then=lambda: faults.append(cluster.fail("PATCH", PATCHES, 409, times=1)))
-    result = check(follower(cluster, store_cls=EditingStore), "edit-0")
+    result = await check(follower(client, store_cls=EditingStore), "edit-0")
     assert faults[0].hits == 1 and EditingStore.reads == 2
     assert [m.key for m in result.mismatches] == [f"{T}.gpus.devices"]
     assert result.signed == ()
@@ -175,13 +185,13 @@ def test_a_pod_changed_between_the_read_and_the_patch_is_not_signed(cluster):
     assert len(patches(cluster)) == 2
 
 
-def test_the_resource_version_guard_refuses_a_stale_signature(cluster):
+async def test_the_resource_version_guard_refuses_a_stale_signature(cluster, client):
     """No injected fault: the edit after the read makes the server refuse the signing patch by
     its resourceVersion (409); the re-check sees the edit and signs nothing."""
     cluster.core.create_namespaced_pod(NS, pod("edit-1", {"gpu-fraction": "0.5", **BOUND}))
     EditingStore = editing_after_first_read(
         cluster, {f"{T}.gpu-compute.portion": "0.9"})
-    result = check(follower(cluster, store_cls=EditingStore), "edit-1")
+    result = await check(follower(client, store_cls=EditingStore), "edit-1")
     assert [m.key for m in result.mismatches] == [f"{T}.gpu-compute.portion"]
     assert result.signed == ()
     assert SIG not in stored(cluster, "edit-1")["metadata"]["annotations"]

@@ -6,13 +6,13 @@ against the API stand-in (kmock) while the DaemonSet's status changes."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -21,6 +21,7 @@ import pytest
 from kubernetes import client as k8s
 
 from kai_fractions.cli import main
+from kai_fractions.kube.client import Kube
 from kai_fractions.mirror import kai_dependency as kd
 from kai_fractions.mirror.kai_dependency import (
     Readiness,
@@ -192,6 +193,17 @@ def _wait_for(kube: KubeServer, status: str, message: str, timeout: float = 10) 
         time.sleep(0.02)
 
 
+async def _await(kube: KubeServer, status: str, message: str, timeout: float = 10) -> dict:
+    """_wait_for, letting the loop's reporter run meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        condition = _ready(kube)
+        if condition and (condition["status"], condition["message"]) == (status, message):
+            return condition
+        assert time.monotonic() < deadline, f"Ready is {condition}, not {status} ({message})"
+        await asyncio.sleep(0.02)
+
+
 @pytest.fixture
 def cluster(kube: KubeServer) -> KubeServer:
     _register_gpu_fractioning_configs(kube)
@@ -200,44 +212,52 @@ def cluster(kube: KubeServer) -> KubeServer:
     return kube
 
 
-def test_the_loop_writes_ready_false_then_true_as_the_agents_come_up(cluster: KubeServer):
+@pytest.fixture
+async def client(kube: KubeServer):
+    """The reporter's way to the API stand-in, as the mirror reaches it."""
+    client = Kube(k8s.ApiClient(kube.configuration()))
+    yield client
+    await client.close()
+
+
+async def test_the_loop_writes_ready_false_then_true_as_the_agents_come_up(
+        cluster: KubeServer, client: Kube):
     ticks = iter(range(1_000_000))  # a clock one second further on each round
-    reporter = Reporter(cluster.api_client, NS, NAME, interval=0.02,
+    reporter = Reporter(client, NS, NAME, interval=0.02,
                         now=lambda: T0 + datetime.timedelta(seconds=next(ticks)))
-    stop = threading.Event()
-    thread = threading.Thread(target=reporter.run, args=(stop,), daemon=True)
-    thread.start()
+    task = asyncio.create_task(reporter.run())
     try:
         # a DaemonSet its controller has not counted yet: no agent, not ready
-        _wait_for(cluster, "False", f"0/0 node agents ready: no node matches the node agent "
-                  f"DaemonSet {DS}'s node selector and tolerations")
+        await _await(cluster, "False", f"0/0 node agents ready: no node matches the node "
+                     f"agent DaemonSet {DS}'s node selector and tolerations")
         _set_daemonset_status(cluster, desired=3, ready=2, updated=3)
-        not_ready = _wait_for(cluster, "False", "2/3 node agents ready")
+        not_ready = await _await(cluster, "False", "2/3 node agents ready")
         assert not_ready["reason"] == "NodeAgentsNotReady"
         assert not_ready["observedGeneration"] == 1
         _set_daemonset_status(cluster, desired=3, ready=3, updated=3)
-        ready = _wait_for(cluster, "True", "3/3 node agents ready")
+        ready = await _await(cluster, "True", "3/3 node agents ready")
         assert ready["reason"] == "AllNodeAgentsReady"
         assert ready["lastTransitionTime"] != not_ready["lastTransitionTime"]
         # nothing changes any more: rounds go on, writes do not
         writes = cluster.count("PATCH", GFC_STATUS_PATH)
         rounds = cluster.count("GET", DS_PATH)
         while cluster.count("GET", DS_PATH) < rounds + 5:
-            time.sleep(0.02)
+            await asyncio.sleep(0.02)
         assert cluster.count("PATCH", GFC_STATUS_PATH) == writes
         _set_daemonset_status(cluster, desired=3, ready=1, updated=3)  # an agent crashed
-        _wait_for(cluster, "False", "1/3 node agents ready")
+        await _await(cluster, "False", "1/3 node agents ready")
+        assert not task.done()
     finally:
-        stop.set()
-        thread.join(timeout=5)
-    assert not thread.is_alive()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert task.cancelled()
 
 
-def test_one_round_writes_only_what_changed(cluster: KubeServer):
+async def test_one_round_writes_only_what_changed(cluster: KubeServer, client: Kube):
     _set_daemonset_status(cluster, desired=2, ready=2, updated=2)
-    reporter = Reporter(cluster.api_client, NS, NAME, now=lambda: T0)
-    assert reporter.report_once() is True
-    assert reporter.report_once() is False
+    reporter = Reporter(client, NS, NAME, now=lambda: T0)
+    assert await reporter.report_once() is True
+    assert await reporter.report_once() is False
     assert cluster.count("PATCH", GFC_STATUS_PATH) == 1
     request = cluster.requests("PATCH", GFC_STATUS_PATH)[0]
     assert request.headers["Content-Type"] == "application/merge-patch+json"
@@ -245,40 +265,42 @@ def test_one_round_writes_only_what_changed(cluster: KubeServer):
     assert _ready(cluster)["status"] == "True"
 
 
-def test_a_missing_daemonset_is_not_ready(cluster: KubeServer):
+async def test_a_missing_daemonset_is_not_ready(cluster: KubeServer, client: Kube):
     k8s.AppsV1Api(cluster.api_client).delete_namespaced_daemon_set(NAME, NS,
                                                                    _preload_content=False)
-    assert Reporter(cluster.api_client, NS, NAME).report_once() is True
+    assert await Reporter(client, NS, NAME).report_once() is True
     assert _ready(cluster)["reason"] == "NodeAgentDaemonSetMissing"
 
 
-def test_read_errors_turn_unknown_only_when_they_persist(cluster: KubeServer):
+async def test_read_errors_turn_unknown_only_when_they_persist(cluster: KubeServer,
+                                                               client: Kube):
     _set_daemonset_status(cluster, desired=1, ready=1, updated=1)
-    reporter = Reporter(cluster.api_client, NS, NAME, unknown_after=3, request_timeout=2)
-    assert reporter.report_once() is True
+    reporter = Reporter(client, NS, NAME, unknown_after=3, request_timeout=2)
+    assert await reporter.report_once() is True
     cluster.fail("GET", DS_PATH, 500, times=None)
-    assert reporter.report_once() is False  # one failed read says nothing yet
-    assert reporter.report_once() is False
+    assert await reporter.report_once() is False  # one failed read says nothing yet
+    assert await reporter.report_once() is False
     assert _ready(cluster)["status"] == "True"
-    assert reporter.report_once() is True
+    assert await reporter.report_once() is True
     condition = _ready(cluster)
     assert (condition["status"], condition["reason"]) == ("Unknown", "NodeAgentStatusUnavailable")
+    assert condition["message"].startswith(f"cannot read node agent DaemonSet {DS}: 500 ")
     cluster.emulator.clear_faults()
-    assert reporter.report_once() is True
+    assert await reporter.report_once() is True
     assert _ready(cluster)["status"] == "True"
 
 
-def test_a_missing_config_object_is_logged_not_raised(kube: KubeServer,
-                                                      caplog: pytest.LogCaptureFixture):
+async def test_a_missing_config_object_is_logged_not_raised(kube: KubeServer, client: Kube,
+                                                            caplog: pytest.LogCaptureFixture):
     _register_gpu_fractioning_configs(kube)
     _create_daemonset(kube)
-    assert Reporter(kube.api_client, NS, NAME).report_once() is False
+    assert await Reporter(client, NS, NAME).report_once() is False
     assert "GpuFractioningConfig default not found" in caplog.text
 
 
 def test_interval_must_be_positive(kube: KubeServer):
     with pytest.raises(ValueError, match="interval must be positive"):
-        Reporter(kube.api_client, NS, NAME, interval=0)
+        Reporter(Kube(kube.api_client), NS, NAME, interval=0)
 
 
 # -- the mirror process runs it ---------------------------------------------------------------

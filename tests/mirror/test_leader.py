@@ -1,16 +1,18 @@
 """Leader election on a Lease for the BindRequest follower: acquire, renew, take over an expired
 Lease (judged by the replica's own clock), lose to a faster writer (resourceVersion), release,
-and stop leading when renewals fail; then the same through the official client on kmock."""
+and stop leading when renewals fail, on the event loop; then the same through `kube` on
+kmock."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
-import threading
 from types import SimpleNamespace
 
 import pytest
 from kubernetes import client as k8s
 
+from kai_fractions.kube.client import Kube
 from kai_fractions.mirror.leader import (
     ElectionConfig,
     KubeLease,
@@ -18,7 +20,6 @@ from kai_fractions.mirror.leader import (
     LeaseConflict,
     election_config,
     micro_time,
-    while_leading,
 )
 
 NS, NAME = "kai-fractions", "kai-fractions-mirror-follower"
@@ -39,18 +40,18 @@ class FakeLease:
         if self.broken:
             raise OSError("connection refused")
 
-    def get(self):
+    async def get(self):
         self._check()
         return None if self.obj is None else {"metadata": {"resourceVersion": str(
             self.version)}, "spec": dict(self.obj)}
 
-    def create(self, spec):
+    async def create(self, spec):
         self._check()
         if self.obj is not None:
             raise LeaseConflict("already exists")
         return self._store(spec)
 
-    def update(self, spec, resource_version):
+    async def update(self, spec, resource_version):
         self._check()
         if resource_version != str(self.version):
             raise LeaseConflict("modified")
@@ -79,62 +80,66 @@ def elector(lease, identity: str, clocks: Clocks, **durations) -> LeaderElector:
                          monotonic=clocks.monotonic, wall=clocks.wall)
 
 
-def test_the_first_replica_creates_the_lease_and_renews_it():
+async def test_the_first_replica_creates_the_lease_and_renews_it():
     lease, clocks = FakeLease(), Clocks()
     a = elector(lease, "mirror-a", clocks)
-    assert a.try_acquire_or_renew()
+    assert await a.try_acquire_or_renew()
     assert lease.obj == {"holderIdentity": "mirror-a", "leaseDurationSeconds": 15,
                          "acquireTime": "2026-12-01T12:01:40.000000Z",
                          "renewTime": "2026-12-01T12:01:40.000000Z", "leaseTransitions": 0}
     clocks.now += 2
-    assert a.try_acquire_or_renew()
+    assert await a.try_acquire_or_renew()
     assert lease.obj["renewTime"] == "2026-12-01T12:01:42.000000Z"
     assert (lease.obj["acquireTime"], lease.obj["leaseTransitions"]) == (
         "2026-12-01T12:01:40.000000Z", 0)
 
 
-def test_another_replica_takes_over_only_after_the_lease_went_unrenewed_for_its_duration():
+async def test_another_replica_takes_over_only_after_the_lease_went_unrenewed_for_its_duration():
     lease, clocks = FakeLease(), Clocks()
     a, b = elector(lease, "mirror-a", clocks), elector(lease, "mirror-b", clocks)
-    assert a.try_acquire_or_renew()
+    assert await a.try_acquire_or_renew()
     for _ in range(10):  # a renews every 2 s: b never sees the same record for 15 s
         clocks.now += 2
-        assert a.try_acquire_or_renew()
-        assert not b.try_acquire_or_renew()
+        assert await a.try_acquire_or_renew()
+        assert not await b.try_acquire_or_renew()
     clocks.now += 14.9  # a went silent; b's clock, not a's renewTime, decides
-    assert not b.try_acquire_or_renew()
+    assert not await b.try_acquire_or_renew()
     clocks.now += 0.2
-    assert b.try_acquire_or_renew()
+    assert await b.try_acquire_or_renew()
     assert (lease.obj["holderIdentity"], lease.obj["leaseTransitions"]) == ("mirror-b", 1)
     assert lease.obj["acquireTime"] == micro_time(clocks.wall())
     clocks.now += 2
-    assert not a.try_acquire_or_renew()  # a, back, finds b renewing
+    assert not await a.try_acquire_or_renew()  # a, back, finds b renewing
 
 
-def test_of_two_replicas_taking_over_at_once_the_first_write_wins():
+async def test_of_two_replicas_taking_over_at_once_the_first_write_wins():
     lease, clocks = FakeLease(), Clocks()
-    assert elector(lease, "mirror-a", clocks).try_acquire_or_renew()
+    assert await elector(lease, "mirror-a", clocks).try_acquire_or_renew()
     b, c = elector(lease, "mirror-b", clocks), elector(lease, "mirror-c", clocks)
-    assert not b.try_acquire_or_renew() and not c.try_acquire_or_renew()
+    assert not await b.try_acquire_or_renew() and not await c.try_acquire_or_renew()
     clocks.now += 16
-    stale = lease.get()  # c read the record before b wrote
-    assert b.try_acquire_or_renew()
-    c.lease = SimpleNamespace(get=lambda: stale, update=lease.update, create=lease.create)
-    assert not c.try_acquire_or_renew()  # 409: the resourceVersion it read is gone
+    stale = await lease.get()  # c read the record before b wrote
+    assert await b.try_acquire_or_renew()
+
+    async def read_stale():
+        return stale
+
+    c.lease = SimpleNamespace(get=read_stale, update=lease.update, create=lease.create)
+    assert not await c.try_acquire_or_renew()  # 409: the resourceVersion it read is gone
     assert lease.obj["holderIdentity"] == "mirror-b"
 
 
-def test_a_released_lease_is_taken_at_the_next_attempt():
+async def test_a_released_lease_is_taken_at_the_next_attempt():
     lease, clocks = FakeLease(), Clocks()
     a, b = elector(lease, "mirror-a", clocks), elector(lease, "mirror-b", clocks)
-    assert a.try_acquire_or_renew()
-    assert not b.try_acquire_or_renew()
-    a.release()
+    assert await a.try_acquire_or_renew()
+    assert not await b.try_acquire_or_renew()
+    await a.release()
     assert (lease.obj["holderIdentity"], lease.obj["leaseDurationSeconds"]) == ("", 1)
-    assert b.try_acquire_or_renew()
-    b.release()
+    assert await b.try_acquire_or_renew()
+    await b.release()
     b.lease.broken = True
-    a.release()  # not the holder, and the API away: logged, nothing raised
+    await a.release()  # not the holder, and the API away: logged, nothing raised
 
 
 @pytest.mark.parametrize(("durations", "problem"), [
@@ -163,90 +168,121 @@ def test_flags_default_from_the_downward_api_then_the_host(tmp_path):
         "default"
 
 
-def test_a_leader_that_cannot_renew_stops_leading_within_its_deadline():
+async def stop(runner: asyncio.Task) -> None:
+    runner.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await runner
+
+
+async def test_a_leader_that_cannot_renew_stops_leading_within_its_deadline():
     lease = FakeLease()
     a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=2,
                                             renew_deadline_seconds=0.3, retry_seconds=0.05))
     terms: list[str] = []
-    stop = threading.Event()
+    lost = asyncio.Event()
 
-    def lead(lost: threading.Event) -> None:
+    async def lead() -> None:
         terms.append("started")
         lease.broken = True  # the API goes away while leading
-        assert lost.wait(5)
-        terms.append("lost")
-        stop.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            terms.append("lost")
+            lost.set()
 
-    runner = threading.Thread(target=a.run, args=(lead, stop))
-    runner.start()
-    runner.join(10)
-    assert not runner.is_alive()
+    runner = asyncio.create_task(a.run(lead))
+    await asyncio.wait_for(lost.wait(), 5)
     assert terms == ["started", "lost"] and not a.leading
+    await asyncio.sleep(0.2)  # it tries to acquire the Lease again, and fails
+    assert terms == ["started", "lost"] and not a.leading
+    await stop(runner)
 
 
-def test_a_leader_that_finds_another_holder_steps_down_at_once():
+async def test_a_leader_that_finds_another_holder_steps_down_at_once():
     lease = FakeLease()
     a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=60,
                                             renew_deadline_seconds=30, retry_seconds=0.05))
-    stop, terms = threading.Event(), []
+    terms: list[str] = []
+    lost = asyncio.Event()
 
-    def lead(lost: threading.Event) -> None:
+    async def lead() -> None:
         terms.append("started")
         # Another replica took the Lease over (it saw a renewal gap of a full lease).
         lease.obj = {**lease.obj, "holderIdentity": "mirror-b"}
         lease.version += 1
-        assert lost.wait(5)  # long before the 30 s renew deadline
-        terms.append("lost")
-        stop.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            terms.append("lost")
+            lost.set()
 
-    runner = threading.Thread(target=a.run, args=(lead, stop))
-    runner.start()
-    runner.join(10)
+    runner = asyncio.create_task(a.run(lead))
+    await asyncio.wait_for(lost.wait(), 5)  # long before the 30 s renew deadline
+    await stop(runner)
     assert terms == ["started", "lost"] and a.holder() == "mirror-b"
     assert lease.obj["holderIdentity"] == "mirror-b"  # stopping released nothing of b's
 
 
-def test_stopping_a_leader_ends_its_work_and_releases_the_lease():
+async def test_stopping_a_leader_ends_its_work_and_releases_the_lease():
     lease = FakeLease()
     a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=2,
                                             renew_deadline_seconds=1, retry_seconds=0.05))
-    stop, led = threading.Event(), threading.Event()
-    closed: list[bool] = []
+    led = asyncio.Event()
+    ended: list[str] = []
 
-    class Source:
-        def close(self) -> None:
-            closed.append(True)
-
-    def follow(source, lost: threading.Event) -> None:
+    async def lead() -> None:
         led.set()
-        lost.wait()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.append(lease.obj["holderIdentity"])  # before the release
 
-    runner = threading.Thread(target=a.run, args=(while_leading(Source, follow), stop))
-    runner.start()
-    assert led.wait(5)
-    stop.set()
-    runner.join(10)
-    assert closed == [True]
-    assert lease.obj["holderIdentity"] == ""
+    runner = asyncio.create_task(a.run(lead))
+    await asyncio.wait_for(led.wait(), 5)
+    await stop(runner)
+    assert ended == ["mirror-a"]
+    assert lease.obj["holderIdentity"] == "" and not a.leading
+
+
+async def test_work_that_ends_on_its_own_is_logged(caplog):
+    lease = FakeLease()
+    a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=2,
+                                            renew_deadline_seconds=1, retry_seconds=0.05))
+
+    async def lead() -> None:
+        raise RuntimeError("boom")
+
+    runner = asyncio.create_task(a.run(lead))
+    await asyncio.sleep(0.2)
+    assert a.leading  # it still holds the Lease, renewed
+    await stop(runner)
+    assert "the leader's work ended: RuntimeError('boom')" in caplog.text
 
 
 @pytest.mark.integration
-def test_two_electors_through_the_official_client_on_kmock(kube):
+async def test_two_electors_through_kube_on_kmock(kube):
     clocks = Clocks()
-    a = elector(KubeLease(kube.api_client, NS, NAME), "mirror-a", clocks)
-    b = elector(KubeLease(kube.api_client, NS, NAME), "mirror-b", clocks)
-    assert a.try_acquire_or_renew()
-    assert not b.try_acquire_or_renew()
-    clocks.now += 16
-    assert b.try_acquire_or_renew()
-    stored = kube.api_client.sanitize_for_serialization(
-        k8s.CoordinationV1Api(kube.api_client).read_namespaced_lease(NAME, NS))
-    assert stored["spec"]["holderIdentity"] == "mirror-b"
-    assert stored["spec"]["leaseTransitions"] == 1
-    clocks.now += 1
-    assert not a.try_acquire_or_renew()
-    with pytest.raises(LeaseConflict):
-        KubeLease(kube.api_client, NS, NAME).update({"holderIdentity": "x"}, "1")
+    client = Kube(k8s.ApiClient(kube.configuration()))
+    try:
+        a = elector(KubeLease(client, NS, NAME), "mirror-a", clocks)
+        b = elector(KubeLease(client, NS, NAME), "mirror-b", clocks)
+        assert await a.try_acquire_or_renew()
+        assert not await b.try_acquire_or_renew()
+        clocks.now += 16
+        assert await b.try_acquire_or_renew()
+        stored = kube.api_client.sanitize_for_serialization(
+            k8s.CoordinationV1Api(kube.api_client).read_namespaced_lease(NAME, NS))
+        assert stored["spec"]["holderIdentity"] == "mirror-b"
+        assert stored["spec"]["leaseTransitions"] == 1
+        clocks.now += 1
+        assert not await a.try_acquire_or_renew()
+        with pytest.raises(LeaseConflict):
+            await KubeLease(client, NS, NAME).update({"holderIdentity": "x"}, "1")
+        await b.release()
+        assert k8s.CoordinationV1Api(kube.api_client).read_namespaced_lease(
+            NAME, NS).spec.holder_identity in ("", None)
+    finally:
+        await client.close()
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -4,7 +4,9 @@ that node agents mount as their --signing-key-file directory (issue 17, finding 
 from __future__ import annotations
 
 import pytest
+from kubernetes import client as k8s
 
+from kai_fractions.kube.client import Kube
 from kai_fractions.mirror.public_key import Publisher, public_data
 from kai_fractions.signing import Ed25519Key, Keyring, KeyringSource, load_keyring
 
@@ -21,20 +23,23 @@ def key_dir(tmp_path, name: str, *keys: Ed25519Key):
     return d
 
 
-def test_the_public_keys_are_published_once_and_again_after_a_rotation(kube, tmp_path):
+async def test_the_public_keys_are_published_once_and_again_after_a_rotation(kube, tmp_path):
     old, new = Ed25519Key.generate(), Ed25519Key.generate()
     keys = key_dir(tmp_path, "secret", old)
-    publisher = Publisher(kube.api_client, "kai-fractions", "kai-fractions-signing-public",
+    client = Kube(k8s.ApiClient(kube.configuration()))
+    publisher = Publisher(client, "kai-fractions", "kai-fractions-signing-public",
                           KeyringSource([str(keys)]))
-    assert publisher.publish() is True
-    assert publisher.publish() is False  # nothing changed: nothing written
-    stored = kube.core.read_namespaced_config_map("kai-fractions-signing-public",
-                                                  "kai-fractions")
-    assert stored.data == {"current": old.public_pem().decode()}
-    assert "PRIVATE" not in str(stored.data)
-
-    key_dir(tmp_path, "secret", new, old)  # the Secret after a rotation
-    assert publisher.publish() is True
+    try:
+        assert await publisher.publish() is True  # created
+        assert await publisher.publish() is False  # nothing changed: nothing written
+        stored = kube.core.read_namespaced_config_map("kai-fractions-signing-public",
+                                                      "kai-fractions")
+        assert stored.data == {"current": old.public_pem().decode()}
+        assert "PRIVATE" not in str(stored.data)
+        key_dir(tmp_path, "secret", new, old)  # the Secret after a rotation
+        assert await publisher.publish() is True  # patched
+    finally:
+        await client.close()
     stored = kube.core.read_namespaced_config_map("kai-fractions-signing-public",
                                                   "kai-fractions")
     assert stored.data == {"current": new.public_pem().decode(),
