@@ -10,6 +10,7 @@ cancelled.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import random
@@ -179,8 +180,8 @@ class Cycle:
 
 async def list_watch(
     source: Collection,
-    on_list: Callable[[list[Any]], object],
-    on_event: Callable[[str, Mapping[str, Any]], object],
+    on_list: Callable[[list[Any]], object | Awaitable[object]],
+    on_event: Callable[[str, Mapping[str, Any]], object | Awaitable[object]],
     *,
     on_failure: Callable[[KubeError], object] | None = None,
     backoff: Backoff = WATCH_BACKOFF,
@@ -195,7 +196,9 @@ async def list_watch(
     `on_event` until cancelled. A failing list or watch goes to `on_failure`, and is tried
     again after a backoff: resuming the watch, or with a fresh list when
     `relist_after_failure`. With `cached_lists`, lists are answered from the API server's watch
-    cache. An exception from a handler is not caught: the handlers own their errors."""
+    cache. A handler may be a coroutine function: the loop then awaits each handling before it
+    reads on, so it never runs ahead of its handlers. An exception from a handler is not
+    caught: the handlers own their errors."""
     clock = clock or SystemClock()
     cycle = Cycle(source.what, backoff=backoff, rng=rng, resync_seconds=resync_seconds,
                   monotonic=monotonic, relist_after_failure=relist_after_failure,
@@ -206,10 +209,10 @@ async def list_watch(
             if version is not None:
                 items, resource_version = await source.list(version)
                 cycle.listed(len(items), resource_version)
-                on_list(items)
+                await _handled(on_list(items))
                 cycle.progressed()
             async for kind, obj in source.watch(cycle.resource_version):
-                on_event(kind, obj)
+                await _handled(on_event(kind, obj))
                 cycle.progressed(obj)
         except Gone as e:
             cycle.expired(e)
@@ -217,3 +220,8 @@ async def list_watch(
             if on_failure is not None:
                 on_failure(e)
             await clock.asleep(cycle.failed(e))
+
+
+async def _handled(result: object) -> None:
+    if inspect.isawaitable(result):
+        await result

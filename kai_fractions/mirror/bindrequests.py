@@ -1,21 +1,16 @@
 """List and watch KAI's BindRequests (scheduling.run.ai/v1alpha2) and hand each one to the
 follower: the one list + watch loop of `kube.listwatch`, with BindRequest-specific handling.
 
-`list_watch` hands what it reads to plain callbacks; the follower's handler is a coroutine (it
-reads and writes pods). The callbacks only queue each BindRequest, and the loop's next step
-(its next list, the opening of a watch, the next event of a watch) first awaits the handling of
-everything queued, in order, one at a time. So the loop never runs ahead of the follower, as
-when the handler was called in the loop itself: nothing piles up, a watch resumes after what
-was handled, and the resync period is measured in the same steps.
+The loop awaits each handling before it reads on: BindRequests are handled in the order seen,
+one at a time, nothing piles up, and a watch resumes after what was handled.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NoReturn
 
 from ..clock import AsyncClock
@@ -58,37 +53,16 @@ async def follow(
     `resync_seconds` have passed, when the current watch stream ends. An error of one
     BindRequest is logged and the loop goes on. Runs until cancelled (cancelling it cancels
     the handling in progress)."""
-    queued: collections.deque[Mapping[str, Any]] = collections.deque()
+    async def on_list(items: list[Mapping[str, Any]]) -> None:
+        for obj in items:
+            await _handle(handle, obj)
 
-    async def drain() -> None:
-        while queued:
-            await _handle(handle, queued.popleft())
-
-    def on_event(kind: str, obj: Mapping[str, Any]) -> None:
+    async def on_event(kind: str, obj: Mapping[str, Any]) -> None:
         if kind in ("ADDED", "MODIFIED"):
-            queued.append(obj)
+            await _handle(handle, obj)
 
-    await list_watch(_Handled(source, drain), queued.extend, on_event, backoff=backoff,
-                     rng=rng, resync_seconds=resync_seconds, monotonic=monotonic, clock=clock)
-
-
-class _Handled:
-    """`source`, each of whose steps first awaits `drain` (the handling of what the loop's
-    callbacks queued)."""
-
-    def __init__(self, source: Collection, drain: Callable[[], Awaitable[None]]) -> None:
-        self.source, self.drain, self.what = source, drain, source.what
-
-    async def list(self, resource_version: str = "") -> tuple[list[Any], str]:
-        await self.drain()
-        return await self.source.list(resource_version)
-
-    async def watch(self, resource_version: str
-                    ) -> AsyncIterator[tuple[str, Mapping[str, Any]]]:
-        await self.drain()  # the list before this watch
-        async for event in self.source.watch(resource_version):
-            yield event
-            await self.drain()  # the event just yielded, before the next is read
+    await list_watch(source, on_list, on_event, backoff=backoff, rng=rng,
+                     resync_seconds=resync_seconds, monotonic=monotonic, clock=clock)
 
 
 async def _handle(handle: Handler, obj: Mapping[str, Any]) -> None:
