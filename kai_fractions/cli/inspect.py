@@ -57,7 +57,7 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
 def run(args: argparse.Namespace) -> int:
     from ..inspect.model import node_report, pod_report
     from ..inspect.render import render
-    from ..inspect.sources import KubeReader, SourceError, agent_state, load_kube
+    from ..inspect.sources import SourceError, agent_state, load_kube
 
     try:
         keys = Keys(prefix=args.annotation_prefix)
@@ -70,11 +70,10 @@ def run(args: argparse.Namespace) -> int:
         if not name or "/" in namespace:
             return _fail(f"pod: expected NS/NAME, got {args.name!r}")
     try:
-        api_client = load_kube(args.kubeconfig)
+        reader = load_kube(args.kubeconfig)
     except SourceError as e:
         return _fail(e.message)
     try:
-        reader = KubeReader(api_client)
         if args.what == "node":
             node = reader.node(name)
             if node is None:
@@ -93,6 +92,6 @@ def run(args: argparse.Namespace) -> int:
     except SourceError as e:
         return _fail(e.message, EXIT_NOT_FOUND if e.not_found else EXIT_USAGE)
     finally:
-        api_client.close()
+        reader.close()
     sys.stdout.write(render(report, args.output))
     return EXIT_OK

@@ -1,10 +1,5 @@
 """`kai-fractions node-agent`: one per GPU node (a DaemonSet); watches the pods bound to the node,
 enforces their GPU shares, writes their readiness markers and publishes the node's condition.
-
-Test-only fault hook: with `KAI_FRACTIONS_TEST_CRASH_AT=before-marker` in its environment the
-agent exits at once (status 86, no cleanup, like a SIGKILL) the first time it is about to write
-a readiness marker, i.e. after the pod's limits were applied. The restart test uses it to prove
-that a new agent converges without duplicate or leaked limits. Nothing sets it in production.
 """
 
 from __future__ import annotations
@@ -19,8 +14,6 @@ from ..contract import DEFAULT_KEYS
 from ..contract import keys as k
 from . import add_log_level, setup_logging
 
-CRASH_ENV = "KAI_FRACTIONS_TEST_CRASH_AT"
-CRASH_EXIT = 86
 log = logging.getLogger("kai_fractions.node.agent")
 
 
@@ -116,18 +109,11 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _crash_hook(point: str) -> None:
-    if os.environ.get(CRASH_ENV) == point:
-        sys.stderr.write(f"kai-fractions node-agent: {CRASH_ENV}={point}: exiting now\n")
-        sys.stderr.flush()
-        os._exit(CRASH_EXIT)
-
-
 def run(args: argparse.Namespace) -> int:
     # Imported here: `kai-fractions --help` must not pay for grpc, kubernetes and pynvml.
     from ..contract import Keys
-    from ..kubeconfig import ConfigError as KubeConfigError
-    from ..kubeconfig import load_api_client
+    from ..kube.config import ConfigError as KubeConfigError
+    from ..kube.config import load_api_client
     from ..node.agent.agent import NodeAgent
     from ..node.agent.grpc_service import SocketError
     from ..node.agent.kube import KubeCluster
@@ -180,10 +166,10 @@ def run(args: argparse.Namespace) -> int:
         log.info("applying only signed allocations (keys: %s)", ", ".join(keyring.kids))
     try:
         api_client = load_api_client(args.kubeconfig)
+        cluster = KubeCluster(api_client, request_timeout=options.api_timeout_seconds,
+                              watch_seconds=options.watch_seconds)
     except KubeConfigError as e:
         return _fail(str(e))
-    cluster = KubeCluster(api_client, request_timeout=options.api_timeout_seconds,
-                          watch_seconds=options.watch_seconds)
     mps = None
     if config.sm_sharing:
         # The daemon's own pid is found in the real /proc (its lock), not under --proc-root.
@@ -191,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
                         SubprocessRunner())
     agent = NodeAgent(config=config, options=options, nvml=PynvmlNvml(config.nvml_library),
                       cgroup_fs=HostCgroupFs(), source=cluster, cluster=cluster, mps=mps,
-                      procfs=Procfs(config.proc_root), hook=_crash_hook)
+                      procfs=Procfs(config.proc_root))
 
     def on_signal(signum, _frame) -> None:
         log.info("%s received: shutting down", signal.Signals(signum).name)
@@ -202,13 +188,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         agent.start()
     except (SocketError, OSError) as e:
-        agent.stop(timeout=5)
+        agent.stop(timeout=5)  # closes the cluster too
         api_client.close()
         return _fail(f"cannot start: {e}")
     try:
         while not agent.wait(1.0):
             pass
     finally:
-        agent.stop()
+        agent.stop()  # closes the cluster too
         api_client.close()
     return 0

@@ -6,7 +6,6 @@ the cluster's as `SourceError` (the command exits), the agent's as an unreachabl
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import urllib.error
 import urllib.parse
@@ -40,55 +39,68 @@ class SourceError(Exception):
 
 
 class KubeReader:
-    """Pods and nodes as plain dicts, through the official client."""
+    """Pods and nodes as plain dicts, through `kai_fractions.kube` (blocking). `close` ends
+    its connections and its event loop thread."""
 
     def __init__(self, api_client: Any, timeout: float = 10.0):
-        from kubernetes import client as k8s
+        """Raises kube.config.ConfigError for settings that cannot work."""
+        from ..kube.blocking import BlockingKube
 
-        self.core = k8s.CoreV1Api(api_client)
-        self.timeout = timeout
+        self.kube = BlockingKube(api_client, name="inspect-kube", request_timeout=timeout)
 
-    def _get(self, what: str, call: Any, *, missing_ok: bool = False) -> Any:
-        from kubernetes.client.exceptions import ApiException
+    def close(self) -> None:
+        self.kube.close()
+
+    def __enter__(self) -> KubeReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _get(self, what: str, path: str, query: dict[str, str] | None = None, *,
+             missing_ok: bool = False) -> Any:
+        from ..kube.errors import KubeError, NotFound
 
         try:
-            response = call()
-            return json.loads(response.data or b"null")
-        except ApiException as e:
-            if e.status == 404:
-                if missing_ok:
-                    return None
-                raise SourceError(f"{what}: not found", not_found=True) from None
-            raise SourceError(f"{what}: {e.status} {e.reason or ''}".strip()) from None
-        except Exception as e:  # urllib3 / socket errors: the API is not reachable
-            raise SourceError(f"{what}: the Kubernetes API is not reachable: "
-                              f"{type(e).__name__}: {e}") from None
+            return self.kube.request("GET", path, what=what, query=query)
+        except NotFound:
+            if missing_ok:
+                return None
+            raise SourceError(f"{what}: not found", not_found=True) from None
+        except KubeError as e:
+            if e.status is None:  # no answer: the connection failed or timed out
+                raise SourceError(f"{what}: the Kubernetes API is not reachable: "
+                                  f"{e.message.removeprefix(f'{what}: ')}") from None
+            raise SourceError(e.message) from None
 
     def node(self, name: str) -> dict[str, Any] | None:
-        return self._get(f"node {name}", lambda: self.core.read_node(
-            name, _preload_content=False, _request_timeout=self.timeout), missing_ok=True)
+        from ..kube.objects import node_path
+
+        return self._get(f"node {name}", node_path(name), missing_ok=True)
 
     def pods_on(self, node: str) -> list[dict[str, Any]]:
-        body = self._get(f"pods of node {node}", lambda: self.core.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={node}", _preload_content=False,
-            _request_timeout=self.timeout))
+        from ..kube.objects import pods_path
+
+        body = self._get(f"pods of node {node}", pods_path(),
+                         {"fieldSelector": f"spec.nodeName={node}"})
         # Filtered here too: a server (or an emulator) that ignores the selector must not put
         # another node's pods in the report.
         return [p for p in (body or {}).get("items") or []
                 if isinstance(p, dict) and (p.get("spec") or {}).get("nodeName") == node]
 
     def pod(self, namespace: str, name: str) -> dict[str, Any]:
-        return self._get(f"pod {namespace}/{name}", lambda: self.core.read_namespaced_pod(
-            name, namespace, _preload_content=False, _request_timeout=self.timeout))
+        from ..kube.objects import pod_path
+
+        return self._get(f"pod {namespace}/{name}", pod_path(namespace, name))
 
 
-def load_kube(kubeconfig: str | None) -> Any:
-    """An ApiClient (in-cluster, else `kubeconfig`, else $KUBECONFIG / ~/.kube/config);
-    raises SourceError with the reason."""
-    from ..kubeconfig import ConfigError, load_api_client
+def load_kube(kubeconfig: str | None, timeout: float = 10.0) -> KubeReader:
+    """A KubeReader configured from `kubeconfig` when given, else in-cluster, else from
+    $KUBECONFIG / ~/.kube/config; raises SourceError with the reason."""
+    from ..kube.config import ConfigError, load_api_client
 
     try:
-        return load_api_client(kubeconfig)
+        return KubeReader(load_api_client(kubeconfig), timeout)
     except ConfigError as e:
         raise SourceError(str(e)) from None
 

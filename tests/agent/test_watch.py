@@ -1,14 +1,20 @@
 """The pod watcher and the worker over the in-memory cluster: client-side filtering, deletion,
-410 relists, reconnects with backoff, coalesced passes, retries and calls on the worker."""
+410 relists, reconnects with backoff, a prompt stop, coalesced passes, retries and calls on the
+worker; and KubeCluster (the watcher's list + watch and the agent's writes) against kmock."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
 from pathlib import Path
 
-from kai_fractions.node.agent.kube import KubeError
+import pytest
+
+from kai_fractions.kube.errors import Conflict, KubeError, NotFound
+from kai_fractions.kube.listwatch import WATCH_BACKOFF
+from kai_fractions.kube.retry import Backoff
 from kai_fractions.node.agent.watch import PodCache, PodWatcher
 from tests.support.fake_kube import FakeCluster
 
@@ -24,8 +30,8 @@ class Counter:
 
 
 def watcher(cluster: FakeCluster, cache: PodCache, on_change=None, **kw) -> PodWatcher:
-    return PodWatcher(cluster, NODE, cache, on_change or Counter(), backoff_base=0.01,
-                      backoff_cap=0.05, **kw)
+    return PodWatcher(cluster, NODE, cache, on_change or Counter(),
+                      backoff=Backoff(attempts=1_000_000, base=0.01, cap=0.05), **kw)
 
 
 def run_in_thread(w: PodWatcher) -> tuple[threading.Event, threading.Thread]:
@@ -96,29 +102,69 @@ def test_failures_back_off_then_reconnect_and_clear_the_outage() -> None:
         thread.join(2)
 
 
-class RecordingStop(threading.Event):
-    """A stop event that says how long the watcher waited on it, and stops it right there."""
+class WaitingClock:
+    """A clock whose waits are recorded and never end (the watcher is stopped in one)."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.waits: list[float] = []
 
-    def wait(self, timeout: float | None = None) -> bool:
-        self.waits.append(timeout or 0.0)
-        return True
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    async def asleep(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        await asyncio.Event().wait()
 
 
 def test_the_first_list_waits_a_random_part_of_the_jitter() -> None:
     cluster = FakeCluster()
-    w = watcher(cluster, PodCache(), first_list_jitter=10.0, rng=random.Random(7))
-    stop = RecordingStop()
-    w.run(stop)  # stopped during the wait: it never lists
-    assert stop.waits == [random.Random(7).uniform(0, 10.0)]
+    clock = WaitingClock()
+    stop, thread = run_in_thread(watcher(cluster, PodCache(), first_list_jitter=10.0,
+                                         rng=random.Random(7), clock=clock))
+    try:
+        wait_for(lambda: clock.waits, what="the wait")
+        assert clock.waits == [random.Random(7).uniform(0, 10.0)]
+    finally:
+        stop.set()  # stopped during the wait: it never lists
+        thread.join(2)
     assert cluster.calls["list_pods"] == 0
     cache = PodCache()
     stop, thread = run_in_thread(watcher(cluster, cache, first_list_jitter=0.05))
     try:
         wait_for(lambda: cache.synced, what="the list after the wait")
+    finally:
+        stop.set()
+        thread.join(2)
+
+
+def test_stop_ends_the_watch_at_once() -> None:
+    cluster = FakeCluster()
+    cache = PodCache()
+    stop, thread = run_in_thread(watcher(cluster, cache))
+    wait_for(lambda: cluster.watching == 1, what="watching")
+    started = time.monotonic()
+    stop.set()
+    thread.join(2)
+    assert not thread.is_alive() and time.monotonic() - started < 1.0
+    wait_for(lambda: cluster.watching == 0, timeout=1.0, what="the watch cancelled")
+    cluster.add_pod(pod("late"))
+    time.sleep(0.05)
+    assert cache.snapshot() == {} and cluster.calls["list_pods"] == 1
+
+
+def test_a_handler_that_raises_ends_the_watch_and_says_so(caplog) -> None:
+    cluster = FakeCluster()
+    cache = PodCache()
+
+    def broken() -> None:
+        raise RuntimeError("a bug")
+
+    stop, thread = run_in_thread(watcher(cluster, cache, broken))
+    try:
+        wait_for(lambda: cache.last_error, what="the failure")
+        assert cache.last_error == "the pod watch stopped: RuntimeError: a bug"
+        assert cache.api_down_since is not None  # the condition reports it in time
+        assert "the watch of node node-a's pods stopped: a bug" in caplog.text
     finally:
         stop.set()
         thread.join(2)
@@ -161,14 +207,11 @@ def test_the_agent_cli_spreads_its_first_list_by_default_and_refuses_a_negative_
 
 
 def test_backoff_grows_and_is_capped() -> None:
-    w = PodWatcher(FakeCluster(), NODE, PodCache(), Counter(), backoff_base=0.5,
-                   backoff_cap=30.0)
-    w.rng.seed(1)
-    delays = []
-    for failures in range(10):
-        w.failures = failures
-        delays.append(w.delay())
-    assert all(0.25 <= d <= 0.5 for d in delays[:1])
+    w = PodWatcher(FakeCluster(), NODE, PodCache(), Counter())
+    assert w.backoff == WATCH_BACKOFF  # 0.5 s doubling to 30 s, never giving up
+    rng = random.Random(1)
+    delays = [w.backoff.delay(failures, rng) for failures in range(10)]
+    assert 0.25 <= delays[0] <= 0.5
     assert all(d <= 30.0 for d in delays) and max(delays) >= 15.0
 
 
@@ -247,12 +290,86 @@ def test_an_unreachable_api_is_reported_after_the_stale_time(short_tmp: Path) ->
     assert cond.message.endswith("s: list pods: connection refused")
 
 
-def test_a_cached_list_asks_the_api_server_for_resource_version_0(kube) -> None:
+# -- KubeCluster against kmock ---------------------------------------------------------------
+
+
+@pytest.fixture
+def kube_cluster(kube):
     from kai_fractions.node.agent.kube import KubeCluster
 
-    cluster = KubeCluster(kube.api_client)
-    cluster.list_pods(NODE, version="0")
-    cluster.list_pods(NODE)
+    cluster = KubeCluster(kube.api_client, request_timeout=5.0)
+    yield cluster
+    cluster.close()
+
+
+def test_a_cached_list_asks_the_api_server_for_resource_version_0(kube, kube_cluster) -> None:
+    pods = kube_cluster.node_pods(NODE)
+    kube_cluster.spawn(pods.list("0")).result(10)
+    kube_cluster.spawn(pods.list()).result(10)
     lists = kube.requests("GET", "/api/v1/pods")
     assert [r.params.get("resourceVersion") for r in lists] == ["0", None]
     assert {r.params.get("fieldSelector") for r in lists} == {f"spec.nodeName={NODE}"}
+
+
+def bare(name: str, node: str = NODE) -> dict:
+    """A pod as a client creates it (no status)."""
+    manifest = pod(name, node=node)
+    del manifest["status"]
+    return manifest
+
+
+def test_the_watcher_over_kube_cluster_follows_the_api_and_stops_at_once(
+        kube, kube_cluster) -> None:
+    mine = kube.core.create_namespaced_pod("default", bare("mine")).metadata.uid
+    kube.core.create_namespaced_pod("default", bare("other", node="node-b"))
+    cache = PodCache()
+    stop, thread = run_in_thread(PodWatcher(kube_cluster, NODE, cache, Counter()))
+    try:
+        wait_for(lambda: set(cache.snapshot()) == {mine}, what="the list")
+        wait_for(lambda: kube.count("GET", "/api/v1/pods") == 2, what="the watch")
+        later = kube.core.create_namespaced_pod("default", bare("later")).metadata.uid
+        wait_for(lambda: later in cache.snapshot(), what="ADDED")
+        kube.core.delete_namespaced_pod("mine", "default")
+        wait_for(lambda: mine not in cache.snapshot(), what="DELETED")
+    finally:
+        started = time.monotonic()
+        stop.set()
+        thread.join(2)
+    assert not thread.is_alive() and time.monotonic() - started < 1.0
+    watch = kube.requests("GET", "/api/v1/pods")[1]
+    assert watch.params.get("watch") == "true"
+    assert watch.params.get("fieldSelector") == f"spec.nodeName={NODE}"
+
+
+def test_kube_cluster_writes_and_their_errors(kube, kube_cluster) -> None:
+    kube.core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}})
+    uid = kube.core.create_namespaced_pod("default", bare("a")).metadata.uid
+    patched = kube_cluster.patch_pod_annotations("default", "a", uid, {"k": "v"})
+    assert patched["metadata"]["annotations"] == {"k": "v"}
+    with pytest.raises(Conflict) as conflict:  # a recreated pod of the same name
+        kube_cluster.patch_pod_annotations("default", "a", "another-uid", {"k": "w"})
+    assert conflict.value.message.startswith("patch the annotations of pod default/a: 409 ")
+    with pytest.raises(NotFound) as missing:
+        kube_cluster.patch_pod_annotations("default", "gone", uid, {"k": "v"})
+    assert missing.value.message.startswith("patch the annotations of pod default/gone: 404 ")
+    condition = {"type": "Example", "status": "True", "reason": "Fine"}
+    kube_cluster.patch_node_status(NODE, [condition])
+    kube_cluster.patch_node_labels(NODE, {"example.com/gpu-memory": "81920"})
+    node = kube_cluster.get_node(NODE)
+    assert node["status"]["conditions"] == [condition]
+    assert node["metadata"]["labels"] == {"example.com/gpu-memory": "81920"}
+    status = kube.requests("PATCH", f"/api/v1/nodes/{NODE}/status")[0]
+    assert status.headers["Content-Type"] == "application/strategic-merge-patch+json"
+    with pytest.raises(NotFound, match=r"^read node nope: 404 "):
+        kube_cluster.get_node("nope")
+    event = {"apiVersion": "v1", "kind": "Event",
+             "metadata": {"name": "a.1", "namespace": "default"}, "reason": "Applied",
+             "involvedObject": {"kind": "Pod", "namespace": "default", "name": "a", "uid": uid}}
+    kube_cluster.create_event("default", event)
+    assert kube.core.read_namespaced_event("a.1", "default").reason == "Applied"
+    kube.fail("POST", "/api/v1/namespaces/default/events", 403, message="no events for you")
+    with pytest.raises(KubeError) as refused:
+        kube_cluster.create_event("default", event)
+    message = refused.value.message  # the request, the status and the server's words
+    assert message.startswith("record event Applied in default: ")
+    assert "403" in message and "no events for you" in message

@@ -89,8 +89,8 @@ def agent_over_proxy(kube: KubeServer, tmp: Path, **options: Any) -> Iterator[Ag
     configuration = k8s.Configuration(host=proxy.url)
     configuration.retries = False
     api_client = k8s.ApiClient(configuration)
-    cluster = KubeCluster(api_client, request_timeout=1.0, watch_seconds=30)
-    cluster.read_timeout = 2.0  # a silent watch connection is given up quickly
+    # a silent watch connection is given up quickly
+    cluster = KubeCluster(api_client, request_timeout=1.0, watch_seconds=30, read_timeout=2.0)
     nvml = FakeNvml.simulated(1, model="H100-80GB", seed=NODE)
     cgroups = FakeCgroupFs(assume_present=True)
     marker_dir = tmp / "markers"
@@ -107,5 +107,6 @@ def agent_over_proxy(kube: KubeServer, tmp: Path, **options: Any) -> Iterator[Ag
         yield rig
     finally:
         agent.stop(timeout=10)
+        cluster.close()
         proxy.close()
         api_client.close()

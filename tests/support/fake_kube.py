@@ -2,22 +2,43 @@
 the agent's unit tests and the benchmarks' simulated nodes (benchmarks/node_sim.py).
 
 Pods, nodes and events live in dicts; every write takes the next resourceVersion of one counter
-and is appended to a history that watches replay. Faults: `fail(op, error, times)` makes the next
-call(s) of an operation raise; `expire()` makes open and new watches raise Gone (410) until the
-next list. `calls` counts operations, so tests can pin relists and reconnects.
+and is appended to a history that watches replay. The pods' list and watch (`node_pods(node)`)
+run on one event loop in a thread of its own (`spawn`), as KubeCluster's run on its
+BlockingKube's. Faults: `fail(op, error, times)` makes the next call(s) of an operation raise
+(`list_pods` and `watch_pods` are the list and the watch); `expire()` makes open and new watches
+raise Gone (410) until the next list. `calls` counts operations, so tests can pin relists and
+reconnects; `watching` is the number of watches open now.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import copy
 import threading
 import uuid as uuid_mod
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from kai_fractions.node.agent.kube import Conflict, Gone, KubeError, NotFound, on_node, pod_uid
+from kai_fractions.kube.errors import Conflict, Gone, KubeError, NotFound
+from kai_fractions.node.agent.kube import on_node, pod_uid
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _shared_loop() -> asyncio.AbstractEventLoop:
+    """One event loop, in a daemon thread, for every fake's list + watch."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="fake-kube-loop",
+                             daemon=True).start()
+        return _loop
 
 
 def _now() -> str:
@@ -26,7 +47,7 @@ def _now() -> str:
 
 class FakeCluster:
     def __init__(self) -> None:
-        self._lock = threading.Condition()
+        self._lock = threading.RLock()
         self._rv = 0
         self.pods: dict[str, dict[str, Any]] = {}
         """uid -> pod."""
@@ -42,6 +63,8 @@ class FakeCluster:
         self._faults: dict[str, list[Exception]] = {}
         self._expired = False
         self._end_watches = 0
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self.watching = 0
 
     # -- test controls ----------------------------------------------------------------------
 
@@ -51,7 +74,13 @@ class FakeCluster:
 
     def _record(self, kind: str, pod: dict[str, Any]) -> None:
         self.history.append((self._rv, kind, copy.deepcopy(pod)))
-        self._lock.notify_all()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Called with the lock held."""
+        for loop, event in list(self._waiters):
+            with contextlib.suppress(RuntimeError):  # a closed loop
+                loop.call_soon_threadsafe(event.set)
 
     def add_pod(self, pod: Mapping[str, Any]) -> dict[str, Any]:
         pod = copy.deepcopy(dict(pod))
@@ -108,13 +137,13 @@ class FakeCluster:
         """Watches raise Gone (410) until the next list, like an etcd compaction."""
         with self._lock:
             self._expired = True
-            self._lock.notify_all()
+            self._wake()
 
     def end_watches(self) -> None:
         """Open watches end normally (the server's timeout)."""
         with self._lock:
             self._end_watches += 1
-            self._lock.notify_all()
+            self._wake()
 
     def _enter(self, op: str) -> None:
         self.calls[op] += 1
@@ -124,38 +153,14 @@ class FakeCluster:
 
     # -- PodSource ----------------------------------------------------------------------------
 
-    def list_pods(self, node: str, version: str = "") -> tuple[list[dict[str, Any]], str]:
-        with self._lock:
-            self._enter("list_pods")
-            self.list_versions.append(version)
-            self._expired = False
-            # Like kmock, the node's field selector is ignored: the agent must filter.
-            return [copy.deepcopy(p) for p in self.pods.values()], str(self._rv)
+    def node_pods(self, node: str) -> FakePods:
+        return FakePods(self, node)
 
-    def watch_pods(self, node: str, resource_version: str, stop: threading.Event
-                   ) -> Iterator[tuple[str, dict[str, Any]]]:
-        with self._lock:
-            self._enter("watch_pods")
-            ended = self._end_watches
-        since = int(resource_version or 0)
-        while not stop.is_set():
-            with self._lock:
-                if self._expired:
-                    raise Gone("watch: 410 Expired: too old resource version", 410)
-                if self._end_watches != ended:
-                    return
-                # Writers notify; the timeout only bounds how late a stop is seen. Nothing new
-                # costs no scan of the history (the benchmarks run this fake beside the agent).
-                if self._rv <= since:
-                    self._lock.wait(0.05)
-                    continue
-                pending = [(rv, kind, pod) for rv, kind, pod in self.history if rv > since]
-                if not pending:  # versions that went to other objects (the node)
-                    since = self._rv
-                    continue
-            for rv, kind, pod in pending:
-                since = rv
-                yield kind, copy.deepcopy(pod)
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(work, _shared_loop())
+
+    def close(self) -> None:
+        """The shared loop stays: nothing to end."""
 
     # -- ClusterWriter ------------------------------------------------------------------------
 
@@ -219,3 +224,57 @@ class FakeCluster:
         with self._lock:
             return [e["reason"] for e in self.events
                     if uid is None or e["involvedObject"].get("uid") == uid]
+
+
+class FakePods:
+    """The pods of one node as `kube.listwatch.list_watch` drives them (a PodCollection)."""
+
+    def __init__(self, cluster: FakeCluster, node: str) -> None:
+        self.cluster = cluster
+        self.node = node
+        self.what = f"pods of node {node}"
+
+    async def list(self, resource_version: str = "") -> tuple[list[dict[str, Any]], str]:
+        c = self.cluster
+        with c._lock:
+            c._enter("list_pods")
+            c.list_versions.append(resource_version)
+            c._expired = False
+            # Like kmock, the node's field selector is ignored: the agent must filter.
+            return [copy.deepcopy(p) for p in c.pods.values()], str(c._rv)
+
+    async def watch(self, resource_version: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        c = self.cluster
+        with c._lock:
+            c._enter("watch_pods")
+            ended = c._end_watches
+            c.watching += 1
+            waiter = (asyncio.get_running_loop(), asyncio.Event())
+            c._waiters.add(waiter)
+        since = int(resource_version or 0)
+        try:
+            while True:
+                waiter[1].clear()
+                with c._lock:
+                    if c._expired:
+                        raise Gone(f"watch {self.what}: 410 Expired: too old resource version",
+                                   410)
+                    if c._end_watches != ended:
+                        return
+                    # Writers wake the watch; nothing new costs no scan of the history (the
+                    # benchmarks run this fake beside the agent).
+                    pending = ([(rv, kind, pod) for rv, kind, pod in c.history if rv > since]
+                               if c._rv > since else [])
+                    if c._rv > since and not pending:  # versions that went to the node
+                        since = c._rv
+                if not pending:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(waiter[1].wait(), 1.0)
+                    continue
+                for rv, kind, pod in pending:
+                    since = rv
+                    yield kind, copy.deepcopy(pod)
+        finally:
+            with c._lock:
+                c._waiters.discard(waiter)
+                c.watching -= 1

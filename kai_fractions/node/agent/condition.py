@@ -27,10 +27,11 @@ from datetime import UTC, datetime
 
 from ...contract import MIB
 from ...contract import keys as k
+from ...kube.errors import KubeError
 from ..config import Mechanism, NodeConfig
 from ..errors import NodeError
 from ..inventory import Inventory
-from .kube import ClusterWriter, KubeError
+from .kube import ClusterWriter
 from .options import AgentOptions
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from ...kube.errors import KubeError
 from ...signing import Reason
-from .kube import ClusterWriter, KubeError
+from .kube import ClusterWriter
 from .options import COMPONENT
 
 log = logging.getLogger(__name__)

@@ -1,59 +1,40 @@
-"""The agent's Kubernetes seams and their implementation over the official `kubernetes` client.
+"""The agent's Kubernetes seams and their implementation over `kai_fractions.kube`.
 
-`PodSource` lists and watches the pods bound to one node; `ClusterWriter` does the few writes the
-agent makes: a merge patch of its derived annotations on a pod (guarded by the pod's uid), the
-node's condition (a strategic merge patch of `nodes/status`, merged by condition type), the
-node's GPU memory label, and pod events. `tests/support/fake_kube.py`'s `FakeCluster`
-implements both in memory.
+`PodSource` gives the pods bound to one node as `kube.listwatch.list_watch` lists and watches
+them, and the event loop that runs that loop; `ClusterWriter` does the few writes the agent
+makes: a merge patch of its derived annotations on a pod (guarded by the pod's uid), the node's
+condition (a strategic merge patch of `nodes/status`, merged by condition type), the node's GPU
+memory label, and pod events. `tests/support/fake_kube.py`'s `FakeCluster` implements both in
+memory.
 
-Every error is one of the types below, with the API server's message: the agent logs it, counts
-it and tries again on its next pass; nothing here retries by itself (the loop is the retry).
+Every error is one of `kai_fractions.kube.errors`, with the API server's message and the object
+named: the agent logs it, counts it and tries again on its next pass; nothing here retries by
+itself (the loop is the retry).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import threading
-from collections.abc import Iterator, Mapping
+import concurrent.futures
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import Any, Protocol
 
-import urllib3
 from kubernetes import client as k8s
-from kubernetes.client.exceptions import ApiException
-from kubernetes.watch.watch import iter_resp_lines
 
-from ...kubeconfig import api_error_message
+from ...kube.blocking import BlockingKube
+from ...kube.client import MERGE_PATCH, STRATEGIC_MERGE_PATCH
+from ...kube.listwatch import Collection
+from ...kube.objects import (
+    annotation_patch,
+    events_path,
+    node_path,
+    pod_path,
+    pods_path,
+    resource_version,
+    uid_of,
+)
 
-MERGE_PATCH = "application/merge-patch+json"
-STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
-
-
-class KubeError(Exception):
-    """A Kubernetes request failed; `status` is the HTTP status when the server answered."""
-
-    reason = "APIError"
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-
-
-class NotFound(KubeError):
-    reason = "NotFound"
-
-
-class Conflict(KubeError):
-    """409: the object changed or was recreated (another uid) since it was read."""
-
-    reason = "Conflict"
-
-
-class Gone(KubeError):
-    """410: the watch's resourceVersion is older than the server keeps; list again."""
-
-    reason = "Expired"
+__all__ = ["ClusterWriter", "KubeCluster", "PodCollection", "PodSource", "on_node", "pod_uid",
+           "resource_version"]
 
 
 def on_node(pod: Mapping[str, Any], node: str) -> bool:
@@ -62,24 +43,37 @@ def on_node(pod: Mapping[str, Any], node: str) -> bool:
     return str((pod.get("spec") or {}).get("nodeName") or "") == node
 
 
-def pod_uid(pod: Mapping[str, Any]) -> str:
-    return str((pod.get("metadata") or {}).get("uid") or "")
+pod_uid = uid_of
 
 
-def resource_version(obj: Mapping[str, Any]) -> str:
-    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
+class PodCollection(Protocol):
+    """What `kube.listwatch.list_watch` drives: a `kube.listwatch.Collection`, or a fake."""
+
+    what: str
+
+    async def list(self, resource_version: str = "") -> tuple[list[Any], str]:
+        """The pods and the list's resourceVersion; `resource_version` "0" lets the API
+        server answer from its watch cache (cheap, possibly a moment old)."""
+        ...
+
+    def watch(self, resource_version: str) -> AsyncIterator[tuple[str, Mapping[str, Any]]]:
+        """(event type, pod) from `resource_version` on, until the server ends the stream;
+        raises Gone when the version expired."""
+        ...
 
 
 class PodSource(Protocol):
-    def list_pods(self, node: str, version: str = "") -> tuple[list[dict[str, Any]], str]:
-        """The node's pods and the list's resourceVersion; `version` "0" lets the API server
-        answer from its watch cache (cheap, possibly a moment old)."""
+    def node_pods(self, node: str) -> PodCollection:
+        """The pods bound to `node` (asked of the server by field selector)."""
         ...
 
-    def watch_pods(self, node: str, resource_version: str, stop: threading.Event
-                   ) -> Iterator[tuple[str, dict[str, Any]]]:
-        """(event type, pod) from `resource_version` on, until the server ends the stream or
-        `stop` is set; raises Gone when the version expired."""
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        """Runs `work` on the source's event loop; cancelling the future ends it."""
+        ...
+
+    def close(self) -> None:
+        """Ends the source's connections and its loop (the agent's last step when it stops;
+        closing again does nothing)."""
         ...
 
 
@@ -87,7 +81,7 @@ class ClusterWriter(Protocol):
     def patch_pod_annotations(self, namespace: str, name: str, uid: str,
                               annotations: Mapping[str, str]) -> dict[str, Any]:
         """One merge patch carrying `metadata.uid` (a recreated pod of the same name is
-        refused with Conflict); returns the updated pod."""
+        refused); returns the updated pod."""
         ...
 
     def get_node(self, name: str) -> dict[str, Any]:
@@ -103,128 +97,59 @@ class ClusterWriter(Protocol):
         ...
 
 
-
-
-def _error(what: str, e: Exception) -> KubeError:
-    if isinstance(e, ApiException):
-        text = f"{what}: {api_error_message(e)}"
-        cls = {404: NotFound, 409: Conflict, 410: Gone}.get(e.status or 0, KubeError)
-        return cls(text, e.status)
-    return KubeError(f"{what}: {type(e).__name__}: {e}")
-
-
-_TRANSPORT_ERRORS = (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError)
-
-
 class KubeCluster:
-    """PodSource and ClusterWriter over `kubernetes.client.CoreV1Api`."""
+    """PodSource and ClusterWriter over `kube.blocking.BlockingKube`: the writes block the
+    calling thread, the list + watch runs on the BlockingKube's loop. `close` ends both."""
 
     def __init__(self, api_client: k8s.ApiClient, *, request_timeout: float = 10.0,
-                 watch_seconds: int = 300):
-        self.core = k8s.CoreV1Api(api_client)
+                 watch_seconds: int = 300, read_timeout: float | None = None):
+        """Raises kube.config.ConfigError for settings that cannot work."""
+        self.blocking = BlockingKube(api_client, name="agent-kube",
+                                     request_timeout=request_timeout)
         self.request_timeout = request_timeout
         self.watch_seconds = watch_seconds
-        # The server ends a watch after watch_seconds; the read timeout only catches a
-        # connection that went silent, so it leaves the server some slack.
-        self.read_timeout = watch_seconds + 30.0
-        self._responses: set[Any] = set()
-        self._lock = threading.Lock()
+        self.read_timeout = read_timeout
+        """How long a watch may stay silent (None: the server's timeout and some slack)."""
 
-    def _json(self, what: str, call: Any) -> Any:
-        try:
-            response = call()
-            return json.loads(response.data or b"null")
-        except _TRANSPORT_ERRORS as e:
-            raise _error(what, e) from None
+    def close(self) -> None:
+        self.blocking.close()
 
     # -- PodSource ----------------------------------------------------------------------------
 
-    def list_pods(self, node: str, version: str = "") -> tuple[list[dict[str, Any]], str]:
-        body = self._json(f"list the pods of node {node}", lambda: (
-            self.core.list_pod_for_all_namespaces(
-                field_selector=f"spec.nodeName={node}", _preload_content=False,
-                resource_version=version or None,
-                _request_timeout=self.request_timeout)))
-        items = [i for i in (body or {}).get("items") or [] if isinstance(i, dict)]
-        return items, resource_version(body or {})
+    def node_pods(self, node: str) -> Collection:
+        return Collection(self.blocking.kube, pods_path(),
+                          {"fieldSelector": f"spec.nodeName={node}"},
+                          what=f"pods of node {node}", watch_seconds=self.watch_seconds,
+                          request_timeout=self.request_timeout, read_timeout=self.read_timeout)
 
-    def watch_pods(self, node: str, resource_version: str, stop: threading.Event
-                   ) -> Iterator[tuple[str, dict[str, Any]]]:
-        what = f"watch the pods of node {node}"
-        try:
-            response = self.core.list_pod_for_all_namespaces(
-                field_selector=f"spec.nodeName={node}", watch=True,
-                allow_watch_bookmarks=True, resource_version=resource_version or None,
-                timeout_seconds=self.watch_seconds, _preload_content=False,
-                _request_timeout=(self.request_timeout, self.read_timeout))
-        except _TRANSPORT_ERRORS as e:
-            raise _error(what, e) from None
-        with self._lock:
-            self._responses.add(response)
-        try:
-            for line in iter_resp_lines(response):
-                if stop.is_set():
-                    return
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                kind, obj = str(event.get("type") or ""), event.get("object") or {}
-                if kind == "ERROR":
-                    code = obj.get("code")
-                    message = f"{what}: {code} {obj.get('reason')}: {obj.get('message')}"
-                    if code == 410:
-                        raise Gone(message, 410)
-                    raise KubeError(message, code)
-                yield kind, obj
-        except _TRANSPORT_ERRORS as e:
-            if stop.is_set():
-                return
-            raise _error(what, e) from None
-        finally:
-            with self._lock:
-                self._responses.discard(response)
-            response.release_conn()
-
-    def close_watches(self) -> None:
-        """Ends every open watch at once (shutdown): the blocked read returns."""
-        with self._lock:
-            responses = list(self._responses)
-        for response in responses:
-            # already closed, or an older urllib3: the watch thread is a daemon anyway
-            with contextlib.suppress(Exception):
-                response.shutdown()
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        return self.blocking.spawn(lambda _kube: work)
 
     # -- ClusterWriter ------------------------------------------------------------------------
 
     def patch_pod_annotations(self, namespace: str, name: str, uid: str,
                               annotations: Mapping[str, str]) -> dict[str, Any]:
-        body = {"metadata": {"uid": uid, "annotations": dict(annotations)}}
-        return self._json(f"patch the annotations of pod {namespace}/{name}", lambda: (
-            self.core.patch_namespaced_pod(name, namespace, body, _content_type=MERGE_PATCH,
-                                           _preload_content=False,
-                                           _request_timeout=self.request_timeout)))
+        return self.blocking.request(
+            "PATCH", pod_path(namespace, name),
+            what=f"patch the annotations of pod {namespace}/{name}",
+            body=annotation_patch(annotations, uid=uid), content_type=MERGE_PATCH)
 
     def get_node(self, name: str) -> dict[str, Any]:
-        return self._json(f"read node {name}", lambda: self.core.read_node(
-            name, _preload_content=False, _request_timeout=self.request_timeout))
+        return self.blocking.request("GET", node_path(name), what=f"read node {name}")
 
     def patch_node_status(self, name: str, conditions: list[dict[str, Any]]) -> None:
         # Strategic merge: the API server merges `conditions` by type, so the kubelet's own
         # conditions are left alone.
-        body = {"status": {"conditions": conditions}}
-        self._json(f"patch the conditions of node {name}", lambda: (
-            self.core.patch_node_status(name, body, _content_type=STRATEGIC_MERGE_PATCH,
-                                        _preload_content=False,
-                                        _request_timeout=self.request_timeout)))
+        self.blocking.request("PATCH", node_path(name) + "/status",
+                          what=f"patch the conditions of node {name}",
+                          body={"status": {"conditions": conditions}},
+                          content_type=STRATEGIC_MERGE_PATCH)
 
     def patch_node_labels(self, name: str, labels: Mapping[str, str]) -> None:
-        body = {"metadata": {"labels": dict(labels)}}
-        self._json(f"label node {name}", lambda: self.core.patch_node(
-            name, body, _content_type=MERGE_PATCH, _preload_content=False,
-            _request_timeout=self.request_timeout))
+        self.blocking.request("PATCH", node_path(name), what=f"label node {name}",
+                          body={"metadata": {"labels": dict(labels)}},
+                          content_type=MERGE_PATCH)
 
     def create_event(self, namespace: str, event: dict[str, Any]) -> None:
-        self._json(f"record event {event.get('reason')} in {namespace}", lambda: (
-            self.core.create_namespaced_event(namespace, k8s.CoreV1Event.from_dict(event),
-                                              _preload_content=False,
-                                              _request_timeout=self.request_timeout)))
+        self.blocking.request("POST", events_path(namespace),
+                          what=f"record event {event.get('reason')} in {namespace}", body=event)
