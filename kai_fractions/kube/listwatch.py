@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from ..clock import AsyncClock, SystemClock
 from .client import Kube
@@ -55,6 +55,16 @@ def watch_event(line: str | bytes, what: str, skip: Callable[[Any], bool] | None
         raise refused(what, int(obj.get("code") or 500), str(obj.get("reason") or ""),
                       json.dumps(obj))
     return kind, obj
+
+
+class Source(Protocol):
+    """What `list_watch` lists and watches: a `Collection`, or a test's scripted stand-in."""
+
+    what: str
+
+    async def list(self, resource_version: str = "") -> tuple[list[Any], str]: ...
+
+    def watch(self, resource_version: str) -> AsyncIterator[tuple[str, Mapping[str, Any]]]: ...
 
 
 class Collection:
@@ -179,7 +189,7 @@ class Cycle:
 
 
 async def list_watch(
-    source: Collection,
+    source: Source,
     on_list: Callable[[list[Any]], object | Awaitable[object]],
     on_event: Callable[[str, Mapping[str, Any]], object | Awaitable[object]],
     *,

@@ -58,8 +58,8 @@ def resource_version(obj: Mapping[str, Any]) -> str:
 def annotation_patch(changes: Mapping[str, str | None], *, uid: str = "",
                      resource_version: str = "") -> bytes:
     """A JSON merge patch of `metadata.annotations` (None deletes a key) that carries the
-    object's uid and resourceVersion when given: the API server refuses it (422 for another
-    uid, 409 for another version) instead of writing to a recreated or changed object."""
+    object's uid and resourceVersion when given: the API server refuses it (409 or 422 for
+    another uid, 409 for another version) instead of writing to a recreated or changed object."""
     metadata: dict[str, Any] = {"annotations": dict(changes)}
     if uid:
         metadata["uid"] = uid
