@@ -220,23 +220,17 @@ class DesiredState:
     def mps_namespaces(self) -> frozenset[str]:
         return frozenset(c.mps_namespace for c in self.containers if c.mps_namespace)
 
-    @property
-    def watchdog_caps(self) -> Mapping[tuple[str, str], int]:
-        """(pod uid, container) -> cap in bytes, for the containers the watchdog guards."""
-        return MappingProxyType({
-            tuple(c.key): c.plan.limit_bytes for c in self.containers
-            if Mechanism.WATCHDOG in c.mechanisms
-        })
-
     def watchdog_containers(self) -> tuple[Any, ...]:
-        """`kai_fractions.node.watchdog.ManagedContainer` for each container the watchdog
-        guards: the cap (the plan's limit) on each of its GPUs."""
+        """`kai_fractions.node.watchdog.ManagedContainer` for each container, as the watchdog
+        sees it: capped (the plan's limit on each of its GPUs) where the watchdog guards it,
+        observed only (usage, no cap) where it does not."""
         from .watchdog import ManagedContainer  # the watchdog pulls in /proc and MPS plumbing
 
         return tuple(
-            ManagedContainer.uniform(c.key.pod_uid, c.key.container, c.container_id,
-                                     c.plan.limit_bytes, c.plan.device_uuids)
-            for c in self.containers if Mechanism.WATCHDOG in c.mechanisms
+            ManagedContainer.uniform(
+                c.key.pod_uid, c.key.container, c.container_id, c.plan.limit_bytes,
+                c.plan.device_uuids if Mechanism.WATCHDOG in c.mechanisms else ())
+            for c in self.containers
         )
 
 

@@ -1,4 +1,4 @@
-"""The reconcile API of the node engine: `apply(desired)`, `release(pod)`, `observe()`.
+"""The reconcile API of the node engine: `apply(desired)` and `release(pod)`.
 
 Level-triggered and idempotent: every call reads what the GPU, the cgroup tree and the MPS
 daemon say now and writes only the difference, so an engine started over any state (an agent
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Protocol
 
 from ..contract import is_mps_namespace_name, mps_namespace_name
-from .cgroups import CgroupFs, PodCgroup
+from .cgroups import CgroupFs
 from .config import Mechanism, NodeConfig
 from .desired import (
     ComputeEnforcement,
@@ -34,7 +34,7 @@ from .desired import (
 from .errors import NodeError, NvmlError
 from .memory_limits import LimitWrite, MemoryLimitEnforcer
 from .mps.control import displayed_mem_limit
-from .nvml import DeviceInfo, GpuComputeMode, GpuProcess, Nvml
+from .nvml import DeviceInfo, GpuComputeMode, Nvml
 
 # -- the MPS control seam as the engine uses it (kai_fractions.node.mps.control.MpsControl and
 # kai_fractions.node.mps.fake.FakeMpsControl both fit) -------------------------------------------
@@ -124,13 +124,6 @@ class ApplyReport:
     compute_modes_set: tuple[tuple[str, GpuComputeMode], ...] = ()
     issues: tuple[Issue, ...] = ()
 
-    def result(self, pod_uid: str, container: str) -> ContainerResult | None:
-        return self.containers.get(ContainerKey(pod_uid, container))
-
-    @property
-    def applied(self) -> tuple[ContainerResult, ...]:
-        return tuple(r for r in self.containers.values() if r.state is ContainerState.APPLIED)
-
     @property
     def converged(self) -> bool:
         """Nothing pending and nothing left to retry."""
@@ -149,35 +142,6 @@ class ReleaseReport:
     @property
     def complete(self) -> bool:
         return not self.issues
-
-
-@dataclass(frozen=True, slots=True)
-class ObservedLimit:
-    gpu_uuid: str
-    path: str
-    pod_uid: str
-    soft: int
-    hard: int
-    current_used: int
-    pod_level: bool
-    """True on the pod's slice, False on a cgroup below it (a container's)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ObservedState:
-    devices: tuple[DeviceInfo, ...] = ()
-    driver_version: str | None = None
-    memory_limits_supported: bool | None = None
-    limits: tuple[ObservedLimit, ...] = ()
-    """Every limit in force on a pod cgroup (cleared ones are left out)."""
-    pod_cgroups: tuple[PodCgroup, ...] = ()
-    mps_namespaces: tuple[str, ...] | None = None
-    """None: no MPS control, or the daemon has no namespaces (legacy protocol)."""
-    mps_clients: tuple[tuple[int, str | None], ...] | None = None
-    """(pid, namespace) of each MPS client; None when unknown."""
-    processes: Mapping[str, tuple[GpuProcess, ...]] = field(
-        default_factory=lambda: MappingProxyType({}))
-    issues: tuple[Issue, ...] = ()
 
 
 # -- the engine -----------------------------------------------------------------------------
@@ -295,52 +259,6 @@ class Engine:
                     issues.append(_issue(e))
         return ReleaseReport(pod_uid=pod_uid, container=container, cleared=tuple(cleared),
                              namespaces_deleted=tuple(deleted), issues=tuple(issues))
-
-    # -- observe ----------------------------------------------------------------------------
-
-    def observe(self) -> ObservedState:
-        """What the GPUs, the cgroup tree and the MPS daemon say now (reads only)."""
-        issues: list[Issue] = []
-        try:
-            devices = self.nvml.devices()
-            driver = self.nvml.driver_version()
-            supported = self.nvml.memory_limits_supported()
-        except NvmlError as e:
-            return ObservedState(issues=(_issue(e),))
-        pods = self.layout.scan(self.cgroup_fs)
-        limits: list[ObservedLimit] = []
-        if supported:
-            for pc in pods:
-                for path in (pc.path, *pc.children):
-                    for d in (d for d in devices if not d.mig_enabled):
-                        try:
-                            got = self.limits.read(d.uuid, path)
-                        except NvmlError as e:
-                            issues.append(_issue(e))
-                            continue
-                        if not got.cleared:
-                            limits.append(ObservedLimit(
-                                gpu_uuid=d.uuid, path=path, pod_uid=pc.uid, soft=got.soft,
-                                hard=got.hard, current_used=got.current_used,
-                                pod_level=path == pc.path))
-        processes: dict[str, tuple[GpuProcess, ...]] = {}
-        for d in devices:
-            try:
-                processes[d.uuid] = self.nvml.running_processes(d.uuid)
-            except NvmlError as e:
-                issues.append(_issue(e))
-        namespaces = clients = None
-        if self.mps is not None:
-            try:
-                if _has_namespaces(self.mps):
-                    clients = tuple((c.pid, c.namespace) for c in self.mps.client_list())
-                    namespaces = tuple(self.mps.namespace_list())
-            except NodeError as e:
-                issues.append(_issue(e))
-        return ObservedState(
-            devices=devices, driver_version=driver, memory_limits_supported=supported,
-            limits=tuple(limits), pod_cgroups=pods, mps_namespaces=namespaces,
-            mps_clients=clients, processes=MappingProxyType(processes), issues=tuple(issues))
 
 
 class _Run:

@@ -79,14 +79,12 @@ class Rig:
                                  proc_root=str(self.proc), **config)
         self.options = AgentOptions(**{"marker_dir": str(tmp_path / "markers"), "socket": None,
                                        "metrics_listen": None, **dict(options or {})})
-        self.hooks: list[str] = []
-        self.hook: Callable[[str], None] = self.hooks.append
         self.agent = NodeAgent(config=self.config, options=self.options, nvml=self.nvml,
                                cgroup_fs=self.cgroups,
                                source=self.cluster if with_cluster else None,
                                cluster=self.cluster if with_cluster else None,
                                mps=self.mps if sm_sharing else None, procfs=None,
-                               killer=self.killer, hook=lambda point: self.hook(point))
+                               killer=self.killer)
         self.reconciler = self.agent.reconciler
 
     # -- driving ------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def restarted(rig: Rig) -> Rig:
     fresh.agent = NodeAgent(config=rig.config, options=rig.options, nvml=rig.nvml,
                             cgroup_fs=rig.cgroups, source=rig.cluster, cluster=rig.cluster,
                             mps=rig.mps if rig.config.sm_sharing else None, procfs=None,
-                            killer=fresh.killer, hook=lambda point: None)
+                            killer=fresh.killer)
     fresh.reconciler = fresh.agent.reconciler
     return fresh
 

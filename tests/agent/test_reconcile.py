@@ -44,7 +44,13 @@ def test_follower_pod_gets_derived_annotations_then_an_applied_marker(short_tmp:
     rig = Rig(short_tmp, sm_sharing=False)
     uid = add_pod(rig)
     order: list[str] = []
-    rig.hook = lambda point: order.append(f"{point}:{len(rig.cluster.annotation_patches)}")
+    write = rig.reconciler.markers.write
+
+    def written(*args, **kw):
+        order.append(f"marker:{len(rig.cluster.annotation_patches)}")
+        return write(*args, **kw)
+
+    rig.reconciler.markers.write = written
     report = rig.step()
     assert report.converged
     (patched_uid, patch), = rig.cluster.annotation_patches
@@ -56,7 +62,7 @@ def test_follower_pod_gets_derived_annotations_then_an_applied_marker(short_tmp:
         "kai-fractions.io/container.main.plan-digest": patch[
             "kai-fractions.io/container.main.plan-digest"],
     }
-    assert order == ["before-marker:1"]  # the patch came first
+    assert order == ["marker:1"]  # the patch came first
     body = marker(rig, uid)
     assert body is not None and body["containers"]["main"]["state"] == "applied"
     assert body["containers"]["main"]["plan_digest"] == patch[
@@ -386,7 +392,7 @@ def test_mps_daemon_restart_reapplies_and_is_counted(short_tmp: Path) -> None:
     assert rig.mps.control.default_pinned_mib == {0: 20480}
     assert rig.agent.metrics.registry.get_sample_value(
         "kai_fractions_mps_daemon_restarts_total") == 1
-    assert rig.reconciler.mps_owned  # restarted by us: stopped by us
+    assert rig.reconciler.mps_health.owned  # restarted by us: stopped by us
     assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
 
 

@@ -16,7 +16,6 @@ import pytest
 
 from kai_fractions.node.agent.agent import NodeAgent
 from kai_fractions.node.agent.options import AgentOptions
-from kai_fractions.node.agent.reconciler import CRASH_BEFORE_MARKER
 from kai_fractions.node.config import NodeConfig
 from kai_fractions.node.mps import MpsDaemon, SubprocessRunner
 from kai_fractions.node.mps.daemon import ProcDaemonProcesses
@@ -78,7 +77,14 @@ def test_daemon_killed_before_the_pinned_limit_is_set(fake_nvml, short_tmp: Path
         marker_dir=str(short_tmp / "markers"), socket=None, metrics_listen=None,
         retry_seconds=0.1, retry_max_seconds=0.3), nvml=PynvmlNvml(),
         cgroup_fs=FakeCgroupFs(assume_present=True), source=cluster, cluster=cluster,
-        mps=daemon, hook=lambda point: runner.log.append((point, "", None)))
+        mps=daemon)
+    store, write = agent.reconciler.markers, agent.reconciler.markers.write
+
+    def marker_written(*args, **kw):
+        runner.log.append(("marker", "", None))
+        return write(*args, **kw)
+
+    store.write = marker_written
     agent.start()
     try:
         wait_for(lambda: daemon.pid() is not None, timeout=20, what="the first daemon")
@@ -99,7 +105,7 @@ def test_daemon_killed_before_the_pinned_limit_is_set(fake_nvml, short_tmp: Path
     events = runner.log
     kill = events.index(("kill", "", first))
     assert events[kill + 1] == ("failed", f"{PINNED} 20480M", None)  # the daemon was gone
-    marker_at = events.index((CRASH_BEFORE_MARKER, "", None))
+    marker_at = events.index(("marker", "", None))
     assert marker_at > kill
     # before the marker: the pinned limit set on the NEW daemon, and read back from it
     after = events[kill + 2:marker_at]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kai_fractions.node.cgroups import CgroupFs, CgroupLayout, ContainerId, QosClass
-from kai_fractions.node.desired import NodePod
+from kai_fractions.node.desired import DesiredState, NodePod
 from kai_fractions.node.inventory import Capabilities, Inventory
 from kai_fractions.node.nvml import DeviceInfo, GpuComputeMode
 
@@ -124,3 +124,9 @@ def pod_cgroup(root: str, uid: str, qos: QosClass = QosClass.BURSTABLE) -> str:
 
 def exists_all(fs: CgroupFs, paths: Iterable[str]) -> bool:
     return all(fs.exists(p) for p in paths)
+
+
+def watchdog_caps(state: DesiredState) -> dict[tuple[str, str], dict[str, int]]:
+    """(pod uid, container) -> {GPU uuid: cap} of each container the watchdog guards (caps)."""
+    return {(m.pod_uid, m.container_name): dict(m.caps) for m in state.watchdog_containers()
+            if m.caps}

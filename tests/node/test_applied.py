@@ -10,7 +10,18 @@ from kai_fractions.node.config import Mechanism, NodeConfig
 from kai_fractions.node.desired import ContainerKey, NodePod, Refusal, RefusalReason, plan_node
 from kai_fractions.node.nvml import GpuComputeMode
 
-from .nodepods import GIB, GPU0, GPU1, UID_A, UID_B, annotations, device, inventory, node_pod
+from .nodepods import (
+    GIB,
+    GPU0,
+    GPU1,
+    UID_A,
+    UID_B,
+    annotations,
+    device,
+    inventory,
+    node_pod,
+    watchdog_caps,
+)
 
 CONFIG = NodeConfig(node_name="node-a")
 KEY_A = ContainerKey(UID_A, "main")
@@ -84,7 +95,7 @@ def test_a_raised_limit_is_refused_and_the_applied_plan_stays() -> None:
     (c,) = state.containers
     assert c.plan == applied[KEY_A] and c.plan.limit_bytes == 20 * GIB
     assert {t.hard for t in state.limits} == {20 * GIB}
-    assert state.watchdog_caps == {KEY_A: 20 * GIB}
+    assert watchdog_caps(state) == {KEY_A: {GPU0: 20 * GIB}}
     assert state.gpu(GPU0).requested_bytes == 10 * GIB
     (r,) = state.refusals
     assert (r.key, r.reason, r.final) == (KEY_A, RefusalReason.PLAN_CHANGE_REFUSED, True)
@@ -173,4 +184,4 @@ def test_an_applied_plan_the_node_cannot_serve_any_more_is_refused_for_that_reas
     watchdog_only = NodeConfig(node_name="node-a",
                                memory_enforcement=frozenset({Mechanism.WATCHDOG}))
     state = plan_node([raised], inventory(), watchdog_only, applied=applied)
-    assert state.watchdog_caps == {KEY_A: 20 * GIB} and state.limits == ()
+    assert watchdog_caps(state) == {KEY_A: {GPU1: 20 * GIB}} and state.limits == ()

@@ -34,6 +34,7 @@ from .nodepods import (
     manifest,
     node_pod,
     pod_cgroup,
+    watchdog_caps,
 )
 
 ROOT = "/sys/fs/cgroup"
@@ -51,7 +52,7 @@ def assert_nothing_for(state: DesiredState, uid: str) -> None:
     assert all(t.pod_uid != uid for t in state.limits)
     assert all(c.key.pod_uid != uid for c in state.containers)
     assert all(k.pod_uid != uid for g in state.gpus for k in g.containers)
-    assert all(k[0] != uid for k in state.watchdog_caps)
+    assert all(m.pod_uid != uid for m in state.watchdog_containers())
 
 
 def test_sm_sharing_container_plan() -> None:
@@ -80,7 +81,7 @@ def test_sm_sharing_container_plan() -> None:
     assert g0.requested_bytes == 10 * GIB and g0.mps_pinned_mib == 20 * 1024
     assert (g1.compute_mode, g1.containers, g1.mps_pinned_mib) == (None, (), None)
     assert state.mps_namespaces == {c.mps_namespace}
-    assert dict(state.watchdog_caps) == {(UID_A, "main"): 20 * GIB}
+    assert watchdog_caps(state) == {(UID_A, "main"): {GPU0: 20 * GIB}}
     assert state.pod_uids == {UID_A}
 
 
@@ -199,7 +200,7 @@ def test_sm_sharing_without_a_portion_shares_the_sms_without_a_cap() -> None:
     assert c.plan.request_bytes == 10 * GIB and c.plan.limit_bytes == 20 * GIB
     assert state.gpus[0].compute_mode is GpuComputeMode.EXCLUSIVE_PROCESS
     assert state.gpus[0].mps_pinned_mib == 20 * 1024
-    assert dict(state.watchdog_caps) == {(UID_A, "main"): 20 * GIB}
+    assert watchdog_caps(state) == {(UID_A, "main"): {GPU0: 20 * GIB}}
 
 
 def test_device_not_on_node() -> None:
@@ -325,5 +326,6 @@ def test_watchdog_containers_for_the_watchdog() -> None:
     assert (a.pod_uid, a.container_name, a.container_id) == (UID_A, "main", CID_A)
     assert dict(a.caps) == {GPU0: 20 * GIB, GPU1: 20 * GIB}
     assert (b.pod_uid, b.container_id, dict(b.caps)) == (UID_B, None, {GPU1: GIB})
-    assert plan(node_pod(), config=NodeConfig(memory_enforcement="cgroup")
-                ).watchdog_containers() == ()
+    # without the watchdog mechanism a container is observed (its usage), never capped
+    (c,) = plan(node_pod(), config=NodeConfig(memory_enforcement="cgroup")).watchdog_containers()
+    assert (c.pod_uid, c.container_name, dict(c.caps)) == (UID_A, "main", {})

@@ -1,5 +1,5 @@
 """The engine's reconcile API over the in-memory seams (FakeNvml, a temp cgroup tree,
-FakeMpsControl): apply / release / observe, idempotence and convergence from any state."""
+FakeMpsControl): apply / release, idempotence and convergence from any state."""
 
 from __future__ import annotations
 
@@ -94,8 +94,8 @@ def ts_pod(uid: str = UID_B, cid: str = CID_B, device: str = GPU1, **kw) -> Node
 
 def test_apply_enforces_everything_the_plan_needs(node: Node) -> None:
     report = node.apply(sm_pod(), ts_pod())
-    a = report.result(UID_A, "main")
-    b = report.result(UID_B, "main")
+    a = report.containers[(UID_A, "main")]
+    b = report.containers[(UID_B, "main")]
     assert a.state is ContainerState.APPLIED and b.state is ContainerState.APPLIED
     assert a.reason is None and not a.container_limit_pending
     assert a.mps_namespace == NS_A and a.plan_digest.startswith("sha256:")
@@ -144,7 +144,7 @@ def test_second_apply_writes_nothing(node: Node) -> None:
 def test_pod_slice_missing_is_pending_until_kubelet_creates_it(node: Node) -> None:
     p = sm_pod()
     report = node.apply(p, cgroups=False)
-    r = report.result(UID_A, "main")
+    r = report.containers[(UID_A, "main")]
     assert (r.state, r.reason) == (ContainerState.PENDING, CGROUP_NOT_FOUND)
     assert r.message == (
         f"the pod's cgroup {node.slice(UID_A)} does not exist yet (kubelet creates it when the "
@@ -152,19 +152,19 @@ def test_pod_slice_missing_is_pending_until_kubelet_creates_it(node: Node) -> No
         "appears, check --cgroup-root and --cgroup-driver against the kubelet's configuration")
     assert node.nvml.set_limit_calls == []
     assert not report.converged
-    assert node.apply(p).result(UID_A, "main").state is ContainerState.APPLIED
+    assert node.apply(p).containers[(UID_A, "main")].state is ContainerState.APPLIED
 
 
 def test_container_cgroup_comes_later(node: Node) -> None:
     early = node_pod(UID_A, name="p-a", notes=annotations(mode="sm-sharing"), container_ids={})
-    r = node.apply(early).result(UID_A, "main")
+    r = node.apply(early).containers[(UID_A, "main")]
     assert r.state is ContainerState.APPLIED and r.container_limit_pending
     assert node.nvml.set_limit_calls == [(GPU0, node.slice(UID_A), 10 * GIB, 20 * GIB)]
     # the runtime reports the container's ID but its cgroup is not there yet
     p = sm_pod()
-    r = node.apply(p, cgroups=False).result(UID_A, "main")
+    r = node.apply(p, cgroups=False).containers[(UID_A, "main")]
     assert r.state is ContainerState.APPLIED and r.container_limit_pending
-    r = node.apply(p).result(UID_A, "main")
+    r = node.apply(p).containers[(UID_A, "main")]
     assert not r.container_limit_pending
     assert node.nvml.set_limit_calls[-1] == (GPU0, node.leaf(UID_A, CID_A), 10 * GIB, 20 * GIB)
 
@@ -172,12 +172,12 @@ def test_container_cgroup_comes_later(node: Node) -> None:
 def test_nvml_error_mid_apply_is_not_applied_and_next_apply_converges(node: Node) -> None:
     node.nvml.fail("set_memory_limits", "NoPermission", times=1, device=GPU1)
     report = node.apply(sm_pod(), ts_pod())
-    a, b = report.result(UID_A, "main"), report.result(UID_B, "main")
+    a, b = report.containers[(UID_A, "main")], report.containers[(UID_B, "main")]
     assert a.state is ContainerState.APPLIED
     assert (b.state, b.reason) == (ContainerState.PENDING, "NVMLNoPermission")
     assert b.message.startswith("NVML refused nvmlDeviceSetMemoryLimits_v1 on GPU " + GPU1)
     report = node.apply(sm_pod(), ts_pod())
-    assert report.result(UID_B, "main").state is ContainerState.APPLIED
+    assert report.containers[(UID_B, "main")].state is ContainerState.APPLIED
     # the container's own cgroup got its limit the first time; only the slice was missing
     assert [w.path for w in report.writes] == [node.slice(UID_B)]
 
@@ -185,34 +185,35 @@ def test_nvml_error_mid_apply_is_not_applied_and_next_apply_converges(node: Node
 def test_compute_mode_failure_keeps_the_gpus_containers_pending(node: Node) -> None:
     node.nvml.fail("set_compute_mode", "NoPermission", times=1)
     report = node.apply(sm_pod(), ts_pod())
-    assert report.result(UID_A, "main").state is ContainerState.PENDING
-    assert report.result(UID_A, "main").reason == "NVMLNoPermission"
-    assert report.result(UID_B, "main").state is ContainerState.APPLIED
+    assert report.containers[(UID_A, "main")].state is ContainerState.PENDING
+    assert report.containers[(UID_A, "main")].reason == "NVMLNoPermission"
+    assert report.containers[(UID_B, "main")].state is ContainerState.APPLIED
     (g0, _g1) = report.gpus
     assert g0.error is not None and g0.compute_mode is GpuComputeMode.DEFAULT
-    assert node.apply(sm_pod(), ts_pod()).result(UID_A, "main").state is ContainerState.APPLIED
+    report = node.apply(sm_pod(), ts_pod())
+    assert report.containers[(UID_A, "main")].state is ContainerState.APPLIED
 
 
 def test_mps_error_keeps_the_container_pending(node: Node) -> None:
     node.mps.inject("namespace_create", MpsError("MpsDaemonUnreachable", "no daemon"))
-    r = node.apply(sm_pod()).result(UID_A, "main")
+    r = node.apply(sm_pod()).containers[(UID_A, "main")]
     assert (r.state, r.reason, r.message) == (ContainerState.PENDING, "MpsDaemonUnreachable",
                                               "no daemon")
-    assert node.apply(sm_pod()).result(UID_A, "main").state is ContainerState.APPLIED
+    assert node.apply(sm_pod()).containers[(UID_A, "main")].state is ContainerState.APPLIED
 
 
 def test_without_mps_control_sm_sharing_is_pending(tmp_path: Path) -> None:
     node = Node(tmp_path, mps=False)
-    r = node.apply(sm_pod()).result(UID_A, "main")
+    r = node.apply(sm_pod()).containers[(UID_A, "main")]
     assert (r.state, r.reason) == (ContainerState.PENDING, MPS_UNAVAILABLE)
-    assert node.apply(ts_pod()).result(UID_B, "main").state is ContainerState.APPLIED
+    assert node.apply(ts_pod()).containers[(UID_B, "main")].state is ContainerState.APPLIED
 
 
 def test_refused_container_gets_nothing(node: Node) -> None:
     other = "GPU-99999999-9999-9999-9999-999999999999"
     p = sm_pod(notes=annotations(mode="sm-sharing", devices=(other,)))
     report = node.apply(p)
-    r = report.result(UID_A, "main")
+    r = report.containers[(UID_A, "main")]
     assert (r.state, r.reason) == (ContainerState.REFUSED, "DeviceNotOnNode")
     assert r.message.startswith(f"GPU {other} assigned to this container is not on node node-a")
     assert node.nvml.set_limit_calls == [] and node.nvml.calls_of("set_compute_mode") == []
@@ -220,7 +221,7 @@ def test_refused_container_gets_nothing(node: Node) -> None:
 
 
 def test_not_bound_is_reported_pending(node: Node) -> None:
-    r = node.apply(sm_pod(notes=annotations(devices=None))).result(UID_A, "main")
+    r = node.apply(sm_pod(notes=annotations(devices=None))).containers[(UID_A, "main")]
     assert (r.state, r.reason) == (ContainerState.PENDING, "NotBound")
 
 
@@ -270,7 +271,7 @@ def test_restart_converges_from_the_gpu_and_daemon_state(node: Node) -> None:
     node.engine = node.new_engine()
     before = len(node.nvml.set_limit_calls)
     report = node.apply(sm_pod())
-    assert report.result(UID_A, "main").state is ContainerState.APPLIED
+    assert report.containers[(UID_A, "main")].state is ContainerState.APPLIED
     writes = node.nvml.set_limit_calls[before:]
     assert sorted(writes) == sorted([(GPU1, node.slice(UID_B), 0, MEMORY_LIMIT_MAX),
                                      (GPU1, node.leaf(UID_B, CID_B), 0, MEMORY_LIMIT_MAX)])
@@ -306,7 +307,7 @@ def test_mps_daemon_restart_recreates_the_namespace(node: Node) -> None:
     node.mps.kill()
     node.mps.start()
     report = node.apply(sm_pod())
-    assert report.result(UID_A, "main").state is ContainerState.APPLIED
+    assert report.containers[(UID_A, "main")].state is ContainerState.APPLIED
     assert report.namespaces_created == (NS_A,)
     assert node.mps.namespaces[NS_A].active_thread_percentage == 25
     assert node.mps.default_pinned_mib == {0: 20480}
@@ -317,14 +318,14 @@ def test_attached_namespace_cap_is_not_reset_after_restart(node: Node) -> None:
     node.mps.attach_client(77, NS_A)
     node.engine = node.new_engine()
     n = len(node.mps.calls)
-    assert node.apply(sm_pod()).result(UID_A, "main").state is ContainerState.APPLIED
+    assert node.apply(sm_pod()).containers[(UID_A, "main")].state is ContainerState.APPLIED
     assert "namespace_set_active_thread_percentage" not in [m for m, _ in node.mps.calls[n:]]
 
 
 def test_old_driver_uses_the_configured_fallback(tmp_path: Path) -> None:
     node = Node(tmp_path, memory_limits=False, protocol_v3=False)
     report = node.apply(sm_pod(), ts_pod())
-    a, b = report.result(UID_A, "main"), report.result(UID_B, "main")
+    a, b = report.containers[(UID_A, "main")], report.containers[(UID_B, "main")]
     assert a.state is ContainerState.APPLIED and b.state is ContainerState.APPLIED
     assert a.mechanisms == {Mechanism.MPS_PINNED, Mechanism.WATCHDOG} and a.mps_namespace is None
     assert b.mechanisms == {Mechanism.WATCHDOG}
@@ -336,7 +337,7 @@ def test_old_driver_uses_the_configured_fallback(tmp_path: Path) -> None:
 
 def test_old_driver_without_fallback_refuses(tmp_path: Path) -> None:
     node = Node(tmp_path, memory_limits=False, memory_enforcement="cgroup")
-    r = node.apply(ts_pod()).result(UID_B, "main")
+    r = node.apply(ts_pod()).containers[(UID_B, "main")]
     assert (r.state, r.reason) == (ContainerState.REFUSED, "MemoryLimitsUnsupported")
     assert node.nvml.set_limit_calls == []
 
@@ -345,9 +346,9 @@ def test_sm_sharing_disabled_never_sets_compute_modes(tmp_path: Path) -> None:
     node = Node(tmp_path, sm_sharing=False)
     node.nvml.gpu(GPU1).compute_mode = GpuComputeMode.EXCLUSIVE_PROCESS
     report = node.apply(ts_pod())
-    assert report.result(UID_B, "main").state is ContainerState.APPLIED
+    assert report.containers[(UID_B, "main")].state is ContainerState.APPLIED
     assert node.nvml.calls_of("set_compute_mode") == []
-    refused = node.apply(sm_pod()).result(UID_A, "main")
+    refused = node.apply(sm_pod()).containers[(UID_A, "main")]
     assert refused.reason == "SmSharingDisabled"
 
 
@@ -356,35 +357,25 @@ def test_nvml_down_applies_nothing_and_cleans_nothing(node: Node) -> None:
     desired = node.desired(ts_pod())
     node.nvml.fail("devices", "DriverNotLoaded", times=1)
     report = node.engine.apply(desired)
-    r = report.result(UID_B, "main")
+    r = report.containers[(UID_B, "main")]
     assert (r.state, r.reason) == (ContainerState.PENDING, "NVMLUnavailable")
     assert report.issues[0].reason == "NVMLUnavailable"
     assert report.cleared == () and (GPU0, node.slice(UID_A)) in node.nvml.limits
 
 
-def test_observe_reports_what_is_in_force(node: Node) -> None:
+def test_what_an_apply_leaves_in_force(node: Node) -> None:
     node.apply(sm_pod(), ts_pod())
+    assert node.nvml.limits == {
+        (GPU0, node.slice(UID_A)): (10 * GIB, 20 * GIB),
+        (GPU0, node.leaf(UID_A, CID_A)): (10 * GIB, 20 * GIB),
+        (GPU1, node.slice(UID_B)): (4 * GIB, 8 * GIB),
+        (GPU1, node.leaf(UID_B, CID_B)): (4 * GIB, 8 * GIB),
+    }
+    assert set(node.mps.namespaces) == {NS_A}
+    # a process of the pod's container is charged to its pod's limit
     node.nvml.add_process(500, GPU0, 3 * GIB, cgroup=node.leaf(UID_A, CID_A))
-    node.mps.attach_client(500, NS_A)
-    seen = node.engine.observe()
-    assert [d.uuid for d in seen.devices] == [GPU0, GPU1]
-    assert seen.driver_version == "615.00.00" and seen.memory_limits_supported
-    by_path = {(x.gpu_uuid, x.path): x for x in seen.limits}
-    pod_a = by_path[(GPU0, node.slice(UID_A))]
-    assert (pod_a.pod_uid, pod_a.soft, pod_a.hard, pod_a.current_used, pod_a.pod_level) == (
-        UID_A, 10 * GIB, 20 * GIB, 3 * GIB, True)
-    assert not by_path[(GPU0, node.leaf(UID_A, CID_A))].pod_level
-    assert len(seen.limits) == 4
-    assert seen.mps_namespaces == (NS_A,) and seen.mps_clients == ((500, NS_A),)
-    assert [p.pid for p in seen.processes[GPU0]] == [500]
-    assert {p.uid for p in seen.pod_cgroups} == {UID_A, UID_B}
-    assert seen.issues == ()
-
-
-def test_observe_with_nvml_down() -> None:
-    nvml = FakeNvml([FakeGpu(GPU0)])
-    seen = Engine(nvml, HostCgroupFs(), None).observe()
-    assert seen.devices == () and seen.issues[0].reason == "NVMLError"
+    got = node.engine.limits.read(GPU0, node.slice(UID_A))
+    assert (got.soft, got.hard, got.current_used) == (10 * GIB, 20 * GIB, 3 * GIB)
 
 
 def test_our_namespace_shape() -> None:
@@ -427,7 +418,7 @@ def test_every_refusal_reason_applies_nothing_for_that_container(tmp_path: Path,
     newcomer = node_pod(UID_B, name="new", notes=notes, container_ids={"main": CID_B})
     pods.append(newcomer)
     report = node.apply(*pods)
-    r = report.result(UID_B, "main")
+    r = report.containers[(UID_B, "main")]
     assert r.reason == reason and r.message
     assert r.state is (ContainerState.PENDING if reason == "NotBound" else ContainerState.REFUSED)
     assert r.limits == () and r.plan_digest is None
@@ -451,7 +442,7 @@ def test_simulated_node_for_the_demo() -> None:
     p = node_pod(UID_A, notes=annotations(mode="sm-sharing", devices=(gpu,)))
     desired = plan_node([p], take_inventory(nvml), config)
     report = engine.apply(desired)
-    assert report.result(UID_A, "main").state is ContainerState.APPLIED
+    assert report.containers[(UID_A, "main")].state is ContainerState.APPLIED
     slice_a = pod_cgroup("/sys/fs/cgroup", UID_A)
     assert nvml.limits[(gpu, slice_a)] == (10 * GIB, 20 * GIB)
     assert nvml.gpu(gpu).compute_mode is GpuComputeMode.EXCLUSIVE_PROCESS

@@ -131,7 +131,7 @@ def test_restart_clears_stale_limits_of_vanished_pods(tmp_path: Path, gpus) -> N
     second = Agentish(root, mps)
     try:
         report = second.apply(a)
-        assert report.result(UID_A, "main").state is ContainerState.APPLIED
+        assert report.containers[(UID_A, "main")].state is ContainerState.APPLIED
         slice_b = f"{root}/kubepods.slice/kubepods-pod0a1b2c3d_0000_4000_8000_00000000000b.slice"
         assert sorted(set_calls(gpus)[4:]) == sorted([
             (GPU1, slice_b, "0", MAX, 0),
@@ -150,13 +150,13 @@ def test_injected_nvml_error_mid_apply_then_convergence(tmp_path: Path, gpus) ->
     gpus.inject_error("nvmlDeviceSetMemoryLimits_v1", pynvml.NVML_ERROR_UNKNOWN, times=1)
     try:
         report = agent.apply(a, b)
-        ra, rb = report.result(UID_A, "main"), report.result(UID_B, "main")
+        ra, rb = report.containers[(UID_A, "main")], report.containers[(UID_B, "main")]
         assert ra.state is ContainerState.PENDING and ra.reason == "NVMLError"
         assert "nvmlDeviceSetMemoryLimits_v1 failed on GPU " + GPU0 in ra.message
         assert rb.state is ContainerState.APPLIED
         assert set_calls(gpus)[0][-1] == pynvml.NVML_ERROR_UNKNOWN  # the failed call, logged
         report = agent.apply(a, b)
-        assert report.result(UID_A, "main").state is ContainerState.APPLIED
+        assert report.containers[(UID_A, "main")].state is ContainerState.APPLIED
         assert [w.gpu_uuid for w in report.writes] == [GPU0]
         assert agent.apply(a, b).writes == ()
     finally:
@@ -175,7 +175,7 @@ def test_old_driver_falls_back_or_refuses(tmp_path: Path, fake_nvml_old_driver) 
     make_cgroups(root, agent.config.layout, [a, b])
     try:
         report = agent.apply(a, b)
-        ra, rb = report.result(UID_A, "main"), report.result(UID_B, "main")
+        ra, rb = report.containers[(UID_A, "main")], report.containers[(UID_B, "main")]
         assert ra.state is ContainerState.APPLIED and rb.state is ContainerState.APPLIED
         assert ra.mechanisms == {Mechanism.MPS_PINNED, Mechanism.WATCHDOG}
         assert rb.mechanisms == {Mechanism.WATCHDOG}
@@ -187,7 +187,7 @@ def test_old_driver_falls_back_or_refuses(tmp_path: Path, fake_nvml_old_driver) 
     try:
         report = strict.apply(a, b)
         for uid in (UID_A, UID_B):
-            r = report.result(uid, "main")
+            r = report.containers[(uid, "main")]
             assert (r.state, r.reason) == (ContainerState.REFUSED, "MemoryLimitsUnsupported")
             assert "NVIDIA driver 535.104.05 has no cgroup GPU memory limits" in r.message
         assert fake.calls("SetMemoryLimits") == []

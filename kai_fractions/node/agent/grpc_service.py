@@ -29,8 +29,10 @@ from ..engine import ContainerResult, ContainerState
 from ..errors import NodeError
 from ..nvml import GpuComputeMode
 from .condition import Condition
+from .mps_links import LEGACY_MPS_NOTE
 from .peer_guard import PeerPolicy, PeerTable, Relay, private_dir
-from .reconciler import LEGACY_MPS_NOTE, KnownPod, NodeView, Reconciler
+from .pods import KnownPod
+from .reconciler import NodeView, Reconciler
 from .worker import Worker, WorkerBusy, WorkerStopped
 
 log = logging.getLogger(__name__)

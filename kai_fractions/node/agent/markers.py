@@ -13,17 +13,26 @@ tidy. The rules, in the order they are checked:
 
 Removal of a live pod's stale marker unlinks the file only: the gate holds a bind mount of the
 pod's directory (subPathExpr), and a new directory would be invisible to it.
+
+Settling a pod after an apply (`MarkerWriter`) writes what the gate reads, in the order it must
+see it: the derived annotations first (patched onto the pod when no mirror wrote them, i.e. the
+agent follows an unmodified KAI; the workload's env reads them too), then the marker, then the
+pod's Applied / Refused events. Directories of pods that are not on the node any more are
+removed; a live pod with no fractional container left loses its marker file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from ...contract import ContainerPlan, Keys, derived_annotations
 from ...marker import (
     MARKER_FILE,
     ContainerMarker,
@@ -36,9 +45,18 @@ from ...marker import (
     remove_marker,
     write_marker,
 )
+from ..desired import ContainerKey, DesiredState
 from ..engine import ContainerResult, ContainerState
+from . import events as ev
+from .events import EventRecorder, PodRef
+from .kube import ClusterWriter, Conflict, KubeError, NotFound
+from .watch import PodCache
+
+log = logging.getLogger(__name__)
 
 REFUSED_DEFAULT_REASON = "Refused"
+ANNOTATIONS_NOT_WRITTEN = "AnnotationsNotWritten"
+MARKER_NOT_WRITTEN = "MarkerNotWritten"
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,3 +165,118 @@ class MarkerStore:
                 if written or now - entry.stat(follow_symlinks=False).st_mtime >= grace:
                     stale.append(entry.name)
         return sorted(stale)
+
+    def tidy(self, live: set[str], fractional: set[str] | None, *, grace: float,
+             now: float) -> None:
+        """Removes the directories of pods not in `live` (`stale_dirs`) and, when `fractional`
+        is known, the marker of each live pod without a fractional container (its annotations
+        were removed, or it was released): a marker left from before must not keep vouching
+        for limits."""
+        for uid in self.stale_dirs(live, grace=grace, now=now):
+            if self.remove_pod(uid):
+                log.info("removed the marker directory of pod %s (no such pod on this node)",
+                         uid)
+        if fractional is None:
+            return
+        for uid in live - fractional:
+            if self.read(uid) is not None and self.unlink(uid):
+                log.info("removed the marker of pod %s (it has no fractional container now)",
+                         uid)
+
+
+class MarkerWriter:
+    """Settles fractional pods after an apply: derived annotations, marker, events."""
+
+    def __init__(self, store: MarkerStore, *, keys: Keys, cluster: ClusterWriter | None,
+                 pods: PodCache, events: EventRecorder, clock: Callable[[], float]):
+        self.store = store
+        self.keys = keys
+        self.cluster = cluster
+        self.pods = pods
+        self.events = events
+        self.clock = clock
+
+    def settle(self, uid: str, manifest: Mapping[str, Any], from_api: bool,
+               results: Mapping[str, ContainerResult], desired: DesiredState, errors: set[str]
+               ) -> bool:
+        """One fractional pod; True when settled. Only a pod read from the API gets derived
+        annotations (a provisioned one has none to write)."""
+        meta = manifest.get("metadata") or {}
+        ref = PodRef(str(meta.get("namespace") or ""), str(meta.get("name") or ""), uid)
+        decision = decide(results)
+        existing = self.store.read(uid)
+        self._pending_events(ref, results)
+        if decision.write is None:
+            if existing is not None and not still_valid(existing, results):
+                self.store.unlink(uid)
+                log.info("pod %s/%s: removed its marker (no longer the applied plan)",
+                         ref.namespace, ref.name)
+            return False
+        refused = any(r.state is ContainerState.REFUSED for r in results.values())
+        if not refused and from_api:
+            plans = [c.plan for name in results
+                     if (c := desired.container(ContainerKey(uid, name))) is not None]
+            if not self._ensure_annotations(ref, manifest, plans, errors):
+                return False
+        if existing is None or dict(existing.containers) != dict(decision.write):
+            try:
+                self.store.write(uid, decision.write, now=self.clock())
+            except OSError as e:
+                errors.add(MARKER_NOT_WRITTEN)
+                log.error("pod %s/%s: the readiness marker could not be written under %s: %s",
+                          ref.namespace, ref.name, self.store.root, e)
+                return False
+            log.info("pod %s/%s: marker written (%s)", ref.namespace, ref.name, ", ".join(
+                f"{n}={m.state.value}" for n, m in sorted(decision.write.items())))
+            self._marker_events(ref, results)
+        return True
+
+    def _ensure_annotations(self, ref: PodRef, manifest: Mapping[str, Any],
+                            plans: Sequence[ContainerPlan], errors: set[str]) -> bool:
+        have = (manifest.get("metadata") or {}).get("annotations") or {}
+        want: dict[str, str] = {}
+        for plan in plans:
+            want.update(derived_annotations(plan, self.keys))
+        missing = {key: value for key, value in want.items() if have.get(key) != value}
+        if not missing:
+            return True
+        if self.cluster is None:
+            errors.add(ANNOTATIONS_NOT_WRITTEN)
+            return False
+        try:
+            updated = self.cluster.patch_pod_annotations(ref.namespace, ref.name, ref.uid,
+                                                         missing)
+        except (NotFound, Conflict) as e:
+            log.info("pod %s/%s changed under the agent (%s); waiting for the watch",
+                     ref.namespace, ref.name, e.message)
+            return False
+        except KubeError as e:
+            errors.add(ANNOTATIONS_NOT_WRITTEN)
+            log.warning("pod %s/%s: derived annotations not written (%s); retried",
+                        ref.namespace, ref.name, e.message)
+            return False
+        log.info("pod %s/%s: wrote %d derived annotation(s) (%s)", ref.namespace, ref.name,
+                 len(missing), ", ".join(sorted(missing)))
+        if isinstance(updated, dict) and updated.get("metadata"):
+            self.pods.upsert(updated)
+        return True
+
+    def _pending_events(self, ref: PodRef, results: Mapping[str, ContainerResult]) -> None:
+        """One event per container waiting for its signature (the follower signs after the
+        binder's annotations land): its owner sees why the gate is still waiting."""
+        for name, r in sorted(results.items()):
+            if r.state is ContainerState.PENDING and r.reason == ev.SIGNATURE_MISSING:
+                self.events.emit(ref, ev.WARNING, ev.SIGNATURE_MISSING,
+                                 f"container {name}: waiting for its signature: {r.message}",
+                                 key=(ev.SIGNATURE_MISSING, ref.uid, name))
+
+    def _marker_events(self, ref: PodRef, results: Mapping[str, ContainerResult]) -> None:
+        for name, r in sorted(results.items()):
+            if r.state is ContainerState.APPLIED:
+                self.events.emit(ref, ev.NORMAL, ev.APPLIED,
+                                 f"container {name}: GPU limits in force (plan {r.plan_digest})",
+                                 key=(ev.APPLIED, ref.uid, name, r.plan_digest))
+            elif r.state is ContainerState.REFUSED:
+                self.events.emit(ref, ev.WARNING, ev.REFUSED,
+                                 f"container {name}: {r.reason}: {r.message}",
+                                 key=(ev.REFUSED, ref.uid, name, r.reason, r.message))

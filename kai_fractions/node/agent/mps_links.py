@@ -17,14 +17,23 @@ namespace, and reported as such (node condition message, GetNodeState, marker me
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import os
 
 from ...contract.plan import MPS_SERVER
-from ..engine import is_our_namespace
+from ..desired import ComputeEnforcement, ContainerKey, DesiredState
+from ..engine import ContainerResult, ContainerState, is_our_namespace
 from ..errors import NodeError
+
+log = logging.getLogger(__name__)
 
 LINK_TARGET = ".."
 LEGACY_MPS_LINK = "MPSPipeLinkFailed"
+LEGACY_MPS_NOTE = ("compute cap through the client's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE only: this "
+                   "MPS daemon has no namespaces (driver before r615), so it is not enforced by "
+                   "the daemon")
+"""What GetNodeState says of such a container."""
 
 
 class LegacyPipeLinks:
@@ -84,3 +93,30 @@ class LegacyPipeLinks:
             if self.remove(name):
                 removed.append(name)
         return removed
+
+    def link_applied(self, desired: DesiredState, results: dict[ContainerKey, ContainerResult],
+                     errors: set[str]) -> dict[ContainerKey, ContainerResult]:
+        """Links each applied container that reaches the daemon through its client env; one
+        whose link cannot be made turns pending (with the reason) in the returned results."""
+        for c in desired.containers:
+            if c.compute is not ComputeEnforcement.MPS_CLIENT_ENV or not c.plan.mps_namespace:
+                continue
+            result = results.get(c.key)
+            if result is None or result.state is not ContainerState.APPLIED:
+                continue
+            try:
+                if self.ensure(c.plan.mps_namespace):
+                    log.info("linked %s to the legacy MPS pipe directory for %s",
+                             self.path(c.plan.mps_namespace), c.ref)
+            except NodeError as e:
+                errors.add(e.reason)
+                results[c.key] = dataclasses.replace(result, state=ContainerState.PENDING,
+                                                     reason=e.reason, message=e.message)
+        return results
+
+    def tidy(self, desired: DesiredState) -> None:
+        """Removes the links no container of `desired` uses."""
+        keep = {c.plan.mps_namespace for c in desired.containers
+                if c.compute is ComputeEnforcement.MPS_CLIENT_ENV and c.plan.mps_namespace}
+        for name in self.sweep(keep):
+            log.info("removed the MPS pipe link %s (no container uses it)", name)

@@ -1,0 +1,140 @@
+"""The MPS control daemon as the agent sees it (sm-sharing only): kept running, and drained of a
+container's clients on request.
+
+Every pass, and the worker's periodic MPS check between passes, makes sure the daemon runs and
+asks whether it has namespaces (the v3 protocol). A daemon that was restarted knows nothing: the
+restart is counted and the engine drops what it cached, so the pass applies everything again.
+The agent stops on shutdown only a daemon it started: one that already answered when the agent
+first looked (started by someone else, or by an agent before a restart) is adopted and left
+running. Drain (gRPC) ends the MPS client work of a container's processes; the processes
+themselves are left to their owners.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..desired import DesiredState
+from ..errors import NodeError
+from ..mps import errors as mps_errors
+from ..mps.errors import MpsError
+from ..nvml import Nvml
+from ..procfs import Procfs, normalize_container_id
+from .metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
+
+
+class MpsSupervisor(Protocol):
+    """`kai_fractions.node.mps.MpsDaemon` (and the simulated one of `kai_fractions.sim`)."""
+
+    control: Any
+    restarts: int
+    last_error: MpsError | None
+    on_restart: Any
+
+    def ensure_running(self) -> bool: ...
+    def healthy(self) -> bool: ...
+    def stop(self, grace: float | None = None) -> bool: ...
+
+
+class MpsHealth:
+    def __init__(self, daemon: MpsSupervisor, metrics: AgentMetrics,
+                 on_restart: Callable[[], None]):
+        self.daemon = daemon
+        self.metrics = metrics
+        daemon.on_restart = lambda _control: on_restart()
+        self.owned = False
+        """Whether this agent started the daemon (only then it stops it)."""
+        self._seen = False
+        self._restarts = 0
+        self._state: str | None = None  # the daemon's error reason the last pass saw
+
+    def check(self) -> tuple[bool, NodeError | None]:
+        """(has v3 namespaces, why the daemon is unusable), for a pass."""
+        v3, error = self._check()
+        self._state = error.reason if error is not None else None
+        return v3, error
+
+    def needs_pass(self) -> bool:
+        """The periodic check: supervise the daemon (restart it if it died) and say whether a
+        pass is needed, i.e. it was restarted (its state must be applied again) or its health
+        changed since the last pass. A healthy daemon costs one control command, not a pass."""
+        restarts = self._restarts
+        _, error = self._check()
+        state = error.reason if error is not None else None
+        return self._restarts != restarts or state != self._state
+
+    def _check(self) -> tuple[bool, NodeError | None]:
+        error: NodeError | None = None
+        try:
+            if not self._seen:
+                self.owned = not self.daemon.healthy()
+                self._seen = True
+            if not self.daemon.ensure_running():
+                error = self.daemon.last_error or MpsError(
+                    mps_errors.MPS_DAEMON_UNREACHABLE, "the MPS control daemon does not answer")
+        except MpsError as e:
+            error = e
+        except OSError as e:  # its pipe or log directory cannot be made
+            error = MpsError(mps_errors.MPS_DAEMON_UNREACHABLE,
+                             f"the MPS control daemon cannot be started: {e}; check "
+                             "--mps-pipe-dir and --mps-log-dir")
+        if self.daemon.restarts > self._restarts:
+            self.metrics.mps_restarts.inc(self.daemon.restarts - self._restarts)
+            self._restarts = self.daemon.restarts
+            self.owned = True
+            log.warning("the MPS control daemon was restarted; its state is applied again")
+        try:
+            v3 = bool(self.daemon.control.supports_protocol_v3())
+        except MpsError as e:
+            return False, error or e
+        return v3, error
+
+    def stop(self) -> None:
+        """On shutdown: stops the daemon if this agent started it."""
+        if not self.owned:
+            return
+        log.info("stopping the MPS control daemon this agent started")
+        try:
+            self.daemon.stop()
+        except MpsError as e:
+            log.warning("MPS control daemon stop: %s", e.message)
+
+
+def drain(control: Any, desired: DesiredState, nvml: Nvml, procfs: Procfs, uid: str,
+          container: str | None = None) -> list[int]:
+    """Ends the MPS client work (`client terminate`) of the processes of a pod's containers (or
+    one of them) on their GPUs; returns the pids drained. Raises MpsError / NvmlError."""
+    mine = [c for c in desired.containers if c.key.pod_uid == uid
+            and (not container or c.key.container == container) and c.container_id]
+    pids: list[int] = []
+    for c in mine:
+        want = (uid.lower(), normalize_container_id(c.container_id or ""))
+        for uuid in c.plan.device_uuids:
+            for p in nvml.running_processes(uuid):
+                owner = procfs.container_of(p.pid)
+                if owner is not None and (owner.pod_uid, owner.container_id) == want \
+                        and p.pid not in pids:
+                    pids.append(p.pid)
+    if not pids:
+        return []
+    drained = []
+    if control.supports_protocol_v3():
+        clients = {int(cl.pid) for cl in control.client_list()}
+        for pid in pids:
+            if pid in clients:
+                control.client_terminate(pid)
+                drained.append(pid)
+    else:
+        servers = {}
+        for server in control.get_server_list():
+            for pid in control.get_client_list(server):
+                servers[pid] = server
+        for pid in pids:
+            if pid in servers:
+                control.terminate_client(servers[pid], pid)
+                drained.append(pid)
+    return drained

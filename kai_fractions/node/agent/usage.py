@@ -1,0 +1,100 @@
+"""The watchdog check the worker runs between passes (`--watchdog-interval`): each fractional
+container's GPU memory and SM use, and what the watchdog policy does about use over a cap.
+
+The processes on each GPU come from NVML and are matched to containers through /proc (by the
+watchdog); SM use is the newest NVML sample per process since the last check. The usage feeds
+the metrics and GetNodeState. Use over a cap is counted, reported once per episode as a
+LimitViolation event in `report` mode (an episode ends when the use is back under the cap), and
+in `kill` mode the watchdog drains the process from MPS and stops it, with a LimitEnforced
+event on its pod. Only containers whose plan has the watchdog mechanism are capped; the others
+are observed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from ..desired import ContainerKey, DesiredState
+from ..errors import NvmlError
+from ..inventory import Inventory
+from ..nvml import Nvml
+from ..watchdog import KILLED, TERMINATE, TERMINATED, Watchdog, WatchdogReport
+from . import events as ev
+from .events import EventRecorder, PodRef
+from .metrics import AgentMetrics, Usage
+
+log = logging.getLogger(__name__)
+
+
+class UsageCheck:
+    def __init__(self, nvml: Nvml, watchdog: Watchdog, events: EventRecorder,
+                 metrics: AgentMetrics):
+        self.nvml = nvml
+        self.watchdog = watchdog
+        self.events = events
+        self.metrics = metrics
+        self._util_since: dict[str, int] = {}
+        """GPU uuid -> timestamp (µs) of the newest utilization sample read."""
+
+    def check(self, desired: DesiredState, inventory: Inventory
+              ) -> Mapping[tuple[ContainerKey, str], Usage]:
+        """Usage by (container, GPU uuid); metrics, violations and events updated."""
+        processes: dict[str, Any] = {}
+        sm: dict[int, int] = {}
+        for d in inventory.devices:
+            try:
+                processes[d.uuid] = self.nvml.running_processes(d.uuid)
+            except NvmlError as e:
+                log.debug("running processes of %s: %s", d.uuid, e)
+                continue
+            sm.update(self._sm_percent(d.uuid))
+        report = self.watchdog.check(processes, desired.watchdog_containers(), sm)
+        usage = MappingProxyType({(ContainerKey(u.pod_uid, u.container_name), u.device_uuid):
+                                  Usage(u.used_bytes, u.sm_percent) for u in report.usage})
+        self.metrics.update(desired, usage, inventory)
+        self.metrics.count_violations(report.violations)
+        self._events(desired, report)
+        return usage
+
+    def _sm_percent(self, uuid: str) -> dict[int, int]:
+        """pid -> SM percent of its newest sample since the last check."""
+        try:
+            samples = self.nvml.process_utilization(uuid, self._util_since.get(uuid, 0))
+        except NvmlError:
+            samples = ()
+        latest: dict[int, tuple[int, int]] = {}
+        for s in samples:
+            if s.pid not in latest or s.timestamp_us >= latest[s.pid][0]:
+                latest[s.pid] = (s.timestamp_us, s.sm_percent)
+            self._util_since[uuid] = max(self._util_since.get(uuid, 0), s.timestamp_us)
+        return {pid: pct for pid, (_ts, pct) in latest.items()}
+
+    def _events(self, desired: DesiredState, report: WatchdogReport) -> None:
+        refs = {c.key: PodRef(c.pod_namespace, c.pod_name, c.key.pod_uid)
+                for c in desired.containers}
+        now_violating = set()
+        for v in report.violations:
+            ref = refs.get(ContainerKey(v.pod_uid, v.container_name))
+            if ref is None:
+                continue
+            dedup = (ev.LIMIT_VIOLATION, v.pod_uid, v.container_name, v.device_uuid)
+            now_violating.add(dedup)
+            if self.watchdog.policy == "report":
+                self.events.emit(ref, ev.WARNING, ev.LIMIT_VIOLATION, v.message, key=dedup)
+        # an episode ends when the usage is back under the cap: the next one is reported again
+        self.events.forget_matching(lambda k: isinstance(k, tuple) and len(k) == 4
+                                    and k[0] == ev.LIMIT_VIOLATION and k not in now_violating)
+        for a in report.actions:
+            if a.step != TERMINATE or a.outcome not in (TERMINATED, KILLED):
+                continue
+            ref = refs.get(ContainerKey(a.pod_uid, a.container_name))
+            if ref is None:
+                continue
+            self.events.emit(
+                ref, ev.WARNING, ev.LIMIT_ENFORCED,
+                f"container {a.container_name}: process {a.pid} {a.outcome} for using more GPU "
+                f"memory on {a.device_uuid} than its cap (drained from MPS first when it was "
+                "a client)", key=(ev.LIMIT_ENFORCED, a.pod_uid, a.container_name, a.pid))
