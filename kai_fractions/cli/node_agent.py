@@ -112,8 +112,8 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     # Imported here: `kai-fractions --help` must not pay for grpc, kubernetes and pynvml.
     from ..contract import Keys
-    from ..kubeconfig import ConfigError as KubeConfigError
-    from ..kubeconfig import load_api_client
+    from ..kube.config import ConfigError as KubeConfigError
+    from ..kube.config import load_api_client
     from ..node.agent.agent import NodeAgent
     from ..node.agent.grpc_service import SocketError
     from ..node.agent.kube import KubeCluster
@@ -166,10 +166,10 @@ def run(args: argparse.Namespace) -> int:
         log.info("applying only signed allocations (keys: %s)", ", ".join(keyring.kids))
     try:
         api_client = load_api_client(args.kubeconfig)
+        cluster = KubeCluster(api_client, request_timeout=options.api_timeout_seconds,
+                              watch_seconds=options.watch_seconds)
     except KubeConfigError as e:
         return _fail(str(e))
-    cluster = KubeCluster(api_client, request_timeout=options.api_timeout_seconds,
-                          watch_seconds=options.watch_seconds)
     mps = None
     if config.sm_sharing:
         # The daemon's own pid is found in the real /proc (its lock), not under --proc-root.
@@ -188,13 +188,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         agent.start()
     except (SocketError, OSError) as e:
-        agent.stop(timeout=5)
+        agent.stop(timeout=5)  # closes the cluster too
         api_client.close()
         return _fail(f"cannot start: {e}")
     try:
         while not agent.wait(1.0):
             pass
     finally:
-        agent.stop()
+        agent.stop()  # closes the cluster too
         api_client.close()
     return 0

@@ -92,7 +92,7 @@ class Rig:
     def sync(self) -> None:
         """One list, as the watcher does at start."""
         assert self.agent.watcher is not None
-        self.agent.watcher._list()
+        self.agent.watcher.list_once()
 
     def step(self, **kw: Any):
         """A list, then one pass."""

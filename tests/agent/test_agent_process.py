@@ -315,7 +315,7 @@ def test_nvml_broken_condition_false_and_no_marker_until_it_works(agent_env: Age
     # published after the first pass over the listed pods (the new pod among them)
     cond = wait_for(lambda: (c := env.condition()) and c["status"] == "False" and c,
                     run=run, what="condition False", timeout=20)
-    assert "listed 1 pod(s) on node gpu-node-1" in run.log()
+    assert "listed 1 pods of node gpu-node-1 at resourceVersion" in run.log()
     assert cond["reason"] == "NVMLUnavailable"
     assert cond["message"] == (
         "NVML does not work on this node (NVMLUnavailable): NVML is installed but the NVIDIA "

@@ -4,8 +4,9 @@ shutdown order.
 Shutdown (SIGTERM): stop watching, let the worker finish the task in progress (a pass is never
 cut between its apply and its markers, and markers are written only after an apply), publish
 the condition one last time (False, NotReconciling: the agent is stopping), close the socket,
-stop the MPS control daemon only if this agent started it. Nothing is drained or released: the
-workloads keep running with their limits in force, and the next agent adopts them.
+stop the MPS control daemon only if this agent started it, close the Kubernetes connections
+(`PodSource.close`). Nothing is drained or released: the workloads keep running with their
+limits in force, and the next agent adopts them.
 """
 
 from __future__ import annotations
@@ -135,10 +136,7 @@ class NodeAgent:
 
     def stop(self, timeout: float = 20.0) -> None:
         self._stopping = True
-        self._stop.set()
-        close = getattr(self.source, "close_watches", None)
-        if close is not None:
-            close()
+        self._stop.set()  # the watcher cancels its list + watch at once
         if self.status is not None:
             self.status.wake.set()
         finished = self.worker.stop(timeout)
@@ -158,6 +156,8 @@ class NodeAgent:
             log.error("the worker did not finish within %gs; the MPS daemon and NVML are left "
                       "as they are", timeout)
         self.metrics.close()
+        if self.source is not None:  # last: the condition above went through its connections
+            self.source.close()
         log.info("node agent for %s stopped", self.config.node_name)
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ...contract import ContainerPlan, Keys, derived_annotations
+from ...kube.errors import Conflict, KubeError, NotFound
 from ...marker import (
     MARKER_FILE,
     ContainerMarker,
@@ -49,7 +50,7 @@ from ..desired import ContainerKey, DesiredState
 from ..engine import ContainerResult, ContainerState
 from . import events as ev
 from .events import EventRecorder, PodRef
-from .kube import ClusterWriter, Conflict, KubeError, NotFound
+from .kube import ClusterWriter
 from .watch import PodCache
 
 log = logging.getLogger(__name__)
