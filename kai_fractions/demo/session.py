@@ -142,7 +142,7 @@ class DemoSession:
 
         from ..api.v1 import allocation_pb2_grpc as pb_grpc
         from ..mirror.aio_store import async_pod_store
-        from ..mirror.server import MirrorServer, ServerOptions
+        from ..mirror.grpc.server import MirrorServer, ServerOptions
         from ..mirror.service import MirrorService
 
         self._mirror_client = k8s.ApiClient(self.api.configuration())

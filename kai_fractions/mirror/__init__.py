@@ -12,9 +12,10 @@
   proxy through `store.ThreadedPodStore`); the tests' in-memory one is tests/support/fake_store.py.
 - `pod_cache`, `aio_listwatch`, `listwatch`: the cache of Pending pods and the list + watch loops
   that feed it (on the event loop) and the follower (in a thread).
-- `servicer`, `status`, `proto`, `security`, `server`: the kai_fractions.v1.AllocationMirror
-  gRPC service (grpc.aio, one event loop) with health, reflection, TLS / mutual TLS and a bearer
-  token.
+- `grpc`: the mirror's gRPC face, the kai_fractions.v1.AllocationMirror service (grpc.aio, one
+  event loop) with health, reflection, TLS / mutual TLS and a bearer token: `grpc.server`,
+  `grpc.servicer` (MirrorService's values and errors -> protobuf and gRPC status: `grpc.proto`,
+  `grpc.status`), `grpc.security`.
 - `follower`, `bindrequests`: the KAI follower (`--follow-bindrequests`).
 
 See docs/mirror.md.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -70,11 +70,6 @@ class MirrorResult:
     changed: bool
     resource_version: str
     plans: tuple[ContainerPlan, ...]
-
-
-WhileWriting = Callable[[Mapping[str, str], tuple[ContainerPlan, ...]], None]
-"""Called with what a write will put on the pod (annotations, plans) while that write is in
-flight: the servicer builds its answer then, instead of after the API server's reply."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,11 +142,10 @@ class MirrorService:
 
     async def mirror(
         self, allocation: AllocationInput, *, idempotency_key: str = "", replace: bool = False,
-        deadline: Deadline = NO_DEADLINE, while_writing: WhileWriting | None = None,
+        deadline: Deadline = NO_DEADLINE,
     ) -> MirrorResult:
-        """`while_writing(annotations, plans)` runs once per write, while the write waits for
-        the API server; when that write succeeds, the result's annotations are the very object
-        it was given. The log line of a write is written after the caller has its answer."""
+        """What the pod carries once the call is done: written by this call (`changed`) or
+        already there. The log line of a write is written after the caller has its answer."""
         check_idempotency_key(idempotency_key)
         decision = await self._decision(allocation, deadline)
         ns, name = allocation.namespace, allocation.pod_name
@@ -176,19 +170,14 @@ class MirrorService:
                              ns, name, outcome.digest[:19])
                     return MirrorResult(outcome.annotations, False, pod.resource_version,
                                         outcome.plans)
-                loop = asyncio.get_running_loop()
-                if while_writing is not None:
-                    # Queued before the request is sent, it runs as soon as this task waits
-                    # for the answer: its work overlaps the round trip instead of following it.
-                    loop.call_soon(while_writing, outcome.annotations, outcome.plans)
                 written = await self._patch(pod, patch.changes, deadline, attempt)
                 if written is None:
                     continue
                 # Queued, the line is written once this task has handed its answer back (a
                 # write to stderr is not worth a caller's wait).
-                loop.call_soon(log.info, "pod %s/%s: wrote %d annotation change(s) for "
-                               "container %s (%s)", ns, name, len(patch.changes),
-                               outcome.container or "-", outcome.digest[:19])
+                asyncio.get_running_loop().call_soon(
+                    log.info, "pod %s/%s: wrote %d annotation change(s) for container %s (%s)",
+                    ns, name, len(patch.changes), outcome.container or "-", outcome.digest[:19])
                 return MirrorResult(outcome.annotations, True, written.resource_version,
                                     outcome.plans)
         raise AssertionError("unreachable")  # _waits raises when it runs out

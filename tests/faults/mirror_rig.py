@@ -11,9 +11,9 @@ import grpc
 
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.mirror.aio_store import AsyncKubePodStore
+from kai_fractions.mirror.grpc.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.pod_cache import PodCache
 from kai_fractions.mirror.retry import Backoff
-from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.signing import Keyring, KeyringSource
 from tests.support.faults_api import FaultyApi

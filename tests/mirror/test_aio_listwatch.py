@@ -32,11 +32,11 @@ from kai_fractions.mirror import listwatch, pod_cache
 from kai_fractions.mirror.aio_api import AsyncKubeApi
 from kai_fractions.mirror.aio_listwatch import AsyncListWatch, list_watch_async
 from kai_fractions.mirror.errors import ApiRejected
+from kai_fractions.mirror.grpc.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.http1 import Http1Pool
 from kai_fractions.mirror.listwatch import Gone, list_watch
 from kai_fractions.mirror.pod_cache import PodCache, pod_feed, pod_list_watch, pod_selector
 from kai_fractions.mirror.retry import Backoff, Transient
-from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import PodSnapshot, ThreadedPodStore
 from tests.support.clock import FakeClock
@@ -711,7 +711,7 @@ def new_server(*tasks: Callable[[], Any]) -> MirrorServer:
                         ServerOptions(listen="127.0.0.1:0"), tasks=tasks)
 
 
-SERVER_LOG = "kai_fractions.mirror.server"
+SERVER_LOG = "kai_fractions.mirror.grpc.server"
 
 
 def errors(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:

@@ -15,10 +15,10 @@ from kai_fractions.api.v1 import allocation_pb2 as pb
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.mirror.aio_store import AsyncKubePodStore
 from kai_fractions.mirror.errors import PodNotFound
+from kai_fractions.mirror.grpc.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.kube_store import KubePodStore
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION
 from kai_fractions.mirror.retry import Backoff
-from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import WriteConflict
 from tests.support.mirror_kube import pod_path

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 from dataclasses import replace
 
 import pytest
@@ -278,31 +277,8 @@ async def test_a_write_conflict_rereads_and_retries(store, service, clock):
     assert MIRRORED_ANNOTATION in store.annotations(NS, POD)
 
 
-async def test_while_writing_gets_what_the_write_puts_on_the_pod_while_it_is_in_flight(
-        store, service):
+async def test_the_result_is_what_the_write_that_succeeded_put_on_the_pod(store, service):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
-    seen, hooked = [], threading.Event()
-
-    def hook(annotations, plans):
-        seen.append((annotations, plans))
-        hooked.set()
-
-    def patch_waits_for_the_hook(operation, namespace, name):
-        # The store's thread holds the write open: the hook must run in the meantime.
-        if operation == "patch":
-            assert hooked.wait(5), "while_writing did not run while the write was in flight"
-
-    store.faults.append(patch_waits_for_the_hook)
-    result = await service.mirror(allocation(), while_writing=hook)
-    assert len(seen) == 1
-    assert seen[0][0] is result.annotations  # what the servicer matches its early answer by
-    assert seen[0][1] == result.plans
-
-
-async def test_while_writing_runs_once_per_write_and_never_when_nothing_is_written(
-        store, service):
-    store.add_pod(pod({"gpu-fraction": "0.5"}))
-    seen: list = []
 
     def conflict_once(operation, namespace, name):
         if operation == "patch":
@@ -310,12 +286,14 @@ async def test_while_writing_runs_once_per_write_and_never_when_nothing_is_writt
             raise WriteConflict("the object has been modified")
 
     store.faults.append(conflict_once)
-    result = await service.mirror(allocation(), while_writing=lambda a, p: seen.append(a))
-    await asyncio.sleep(0)
-    assert len(seen) == 2 and seen[-1] is result.annotations  # the refused write, the retry
-    again = await service.mirror(allocation(), while_writing=lambda a, p: seen.append(a))
-    await asyncio.sleep(0)
-    assert (again.changed, len(seen)) == (False, 2)
+    result = await service.mirror(allocation())
+    written = await service.store.get_pod(NS, POD)
+    assert (result.changed, result.resource_version) == (True, written.resource_version)
+    assert dict(result.annotations) == SINGLE
+    assert [p.container for p in result.plans] == ["trainer"]
+    again = await service.mirror(allocation())
+    assert (again.changed, again.resource_version) == (False, written.resource_version)
+    assert (again.annotations, again.plans) == (result.annotations, result.plans)
 
 
 async def test_a_write_is_logged_once_the_caller_has_its_answer(store, service, caplog):

@@ -30,9 +30,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.contract import DEFAULT_DIALECT
 from kai_fractions.mirror.aio_store import AsyncKubePodStore
+from kai_fractions.mirror.grpc.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.pod_cache import PodCache, pod_feed
 from kai_fractions.mirror.retry import Backoff
-from kai_fractions.mirror.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.service import MirrorService
 from tests.support.kube import KubeServer
 

@@ -12,9 +12,9 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from ..contract import ContractError
-from ..contract.errors import shown
-from .errors import (
+from ...contract import ContractError
+from ...contract.errors import shown
+from ..errors import (
     AllocationConflict,
     ApiRejected,
     ApiUnavailable,

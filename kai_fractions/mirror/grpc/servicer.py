@@ -1,22 +1,23 @@
 """kai_fractions.v1.AllocationMirror over MirrorService: protobuf in, protobuf or a status out.
-The methods are coroutines of the grpc.aio server (server.py)."""
+The methods are coroutines of the grpc.aio server (`server`); the service decides and writes,
+this module only translates its values and errors."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import grpc
 
-from ..api.v1 import allocation_pb2 as pb
-from ..api.v1 import allocation_pb2_grpc as pb_grpc
-from ..contract import ContainerPlan, ContractError
-from .errors import InvalidAllocation, MirrorError
+from ...api.v1 import allocation_pb2 as pb
+from ...api.v1 import allocation_pb2_grpc as pb_grpc
+from ...contract import ContractError
+from ..errors import InvalidAllocation, MirrorError
+from ..service import MirrorService
+from ..store import Deadline
 from .proto import allocation_from_proto, plan_to_proto
-from .service import MirrorService
 from .status import internal, to_status
-from .store import Deadline
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,23 +55,14 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
                                context: grpc.aio.ServicerContext
                                ) -> pb.MirrorAllocationResponse:
         async def run() -> pb.MirrorAllocationResponse:
-            early: list = []  # (annotations, answer) built while the pod's write was in flight
-
-            def answer_early(annotations: Mapping[str, str], plans: tuple[ContainerPlan, ...]
-                             ) -> None:
-                early[:] = [annotations, _mirror_answer(annotations, plans)]
-
             result = await self.service.mirror(
                 allocation_from_proto(request.allocation),
                 idempotency_key=request.idempotency_key, replace=request.replace,
-                deadline=deadline_of(context), while_writing=answer_early)
-            # Built early for the write that made this result, or now (nothing was written,
-            # or the answer came back before the loop got to it).
-            response = early[1] if early and early[0] is result.annotations else \
-                _mirror_answer(result.annotations, result.plans)
-            response.changed = result.changed
-            response.resource_version = result.resource_version
-            return response
+                deadline=deadline_of(context))
+            return pb.MirrorAllocationResponse(
+                annotations=result.annotations,
+                containers=[plan_to_proto(p) for p in result.plans],
+                changed=result.changed, resource_version=result.resource_version)
         return await self._run(context, "MirrorAllocation", run)
 
     async def PreviewAllocation(self, request: pb.PreviewAllocationRequest,
@@ -98,9 +90,3 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
                                                 changed=result.changed)
         return await self._run(context, "ReleaseAllocation", run, field_prefix="")
 
-
-def _mirror_answer(annotations: Mapping[str, str], plans: tuple[ContainerPlan, ...]
-                   ) -> pb.MirrorAllocationResponse:
-    """The answer but for `changed` and `resource_version`, which the write decides."""
-    return pb.MirrorAllocationResponse(annotations=annotations,
-                                       containers=[plan_to_proto(p) for p in plans])

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..api.v1 import allocation_pb2 as pb
-from ..contract import ComputeMode, ContainerPlan
-from ..contract import keys as k
-from .decision import AllocationInput
+from ...api.v1 import allocation_pb2 as pb
+from ...contract import ComputeMode, ContainerPlan
+from ...contract import keys as k
+from ..decision import AllocationInput
 
 _RESOURCE_TYPES = {
     pb.RECEIVED_RESOURCE_TYPE_UNSPECIFIED: "",

@@ -3,8 +3,9 @@ bearer token, TCP or unix socket, graceful shutdown.
 
 It is a grpc.aio server on an event loop of its own, in one thread ("mirror-loop"): every call
 is a task on that loop, from the request's arrival through the pod's PATCH to the answer, with
-no thread handoff on the way (benchmarks/, P1). `start()` and `stop()` are plain blocking calls,
-so the CLI, the demo and the tests drive it like any other server.
+no thread handoff on the way (handoffs between threads under one GIL were the threaded design's
+largest cost: benchmarks/README.md). `start()` and `stop()` are plain blocking calls, so the
+CLI, the demo and the tests drive it like any other server.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ..api.v1 import allocation_pb2_grpc as pb_grpc
-from .pod_cache import Feed
+from ...api.v1 import allocation_pb2_grpc as pb_grpc
+from ..pod_cache import Feed
+from ..service import MirrorService
 from .security import (
     BearerTokenInterceptor,
     ListenAddress,
@@ -32,7 +34,6 @@ from .security import (
     parse_listen,
     server_credentials,
 )
-from .service import MirrorService
 from .servicer import SERVICE_NAME, AllocationMirrorServicer
 
 log = logging.getLogger(__name__)
