@@ -141,12 +141,13 @@ class DemoSession:
         from kubernetes import client as k8s
 
         from ..api.v1 import allocation_pb2_grpc as pb_grpc
-        from ..mirror.aio_store import async_pod_store
+        from ..kube.client import Kube
         from ..mirror.grpc.server import MirrorServer, ServerOptions
+        from ..mirror.kube_store import KubePodStore
         from ..mirror.service import MirrorService
 
         self._mirror_client = k8s.ApiClient(self.api.configuration())
-        service = MirrorService(async_pod_store(self._mirror_client), keys=self.keys,
+        service = MirrorService(KubePodStore(Kube(self._mirror_client)), keys=self.keys,
                                 default_reserve_mib=self.config.mirror_reserve_mib,
                                 dialect=self.config.dialect)
         self.mirror = MirrorServer(service, ServerOptions(listen="127.0.0.1:0",

@@ -11,9 +11,10 @@ The cache only ever saves a read; correctness never rests on it being fresh (Mir
 
 Entries keep only what the contract reads (names, uid, resourceVersion, annotations, labels,
 container names and resources, nodeName), with equal annotation maps, label maps and container
-lists shared between pods (`_one_of`), and only for Pending pods (`pod_selector`). They are
-fed by a list + watch of pods on the mirror server's event loop (`pod_feed`), by every pod the
-mirror reads, and by every pod a PATCH returns (write-through), newest resourceVersion first.
+lists shared between pods (`_one_of`), and only for Pending pods (`pod_feed.pod_selector`).
+The cache is fed from outside: by a list + watch of pods on the mirror server's event loop
+(`pod_feed`), by every pod the mirror reads, and by every pod a PATCH returns (write-through),
+newest resourceVersion first.
 What the list and the watch bring is also prepared for an allocation (`prepare`: the mirror
 parses it as its user wrote it) while the pod waits for the scheduler, for the first
 `PREPARED_KEPT` pods held (the head of the queue: a parse costs memory per pod); the others are
@@ -29,21 +30,15 @@ meanwhile win over the list.
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import logging
 import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from kubernetes import client as k8s
-
-from .aio_api import AsyncKubeApi, behind_proxy
-from .aio_listwatch import AsyncListWatch, list_watch_async
-from .listwatch import KubeListWatch, list_watch
 from .store import PodSnapshot
 
 log = logging.getLogger(__name__)
@@ -134,10 +129,6 @@ PREPARED_KEPT = 2048
 """Pods held prepared at most: the first ones the cache learns of, which a scheduler that
 binds its queue in order binds first; a gang of this many starts from parsed pods. The bound
 keeps a large queue's memory to the trimmed pods."""
-LIST_PAGE_SIZE = 25
-"""Pods per page of the list on the serving loop. Small, because a page is decoded and trimmed
-in one go and the calls waiting on the loop wait for it; the price is more list requests
-(benchmarks/README.md, round five, has the side-by-side runs of 100, 50 and 25)."""
 SETTLE_EVERY = 1000
 """Listed pods between two `settle()`s (each a young collection, then gc.freeze)."""
 SLICE_SECONDS = 0.0005
@@ -371,21 +362,6 @@ async def calls_first(busy_seconds: float = BUSY_SECONDS,
             return
 
 
-class _CallsFirst:
-    """The list's API requests, each sent once the loop has nothing else ready (`calls_first`):
-    decoding and storing a page is work the calls would otherwise wait behind."""
-
-    def __init__(self, api: AsyncKubeApi) -> None:
-        self._api = api
-
-    async def request(self, *args: Any, **kwargs: Any) -> Any:
-        await calls_first()
-        return await self._api.request(*args, **kwargs)
-
-    def stream(self, *args: Any, **kwargs: Any) -> Any:
-        return self._api.stream(*args, **kwargs)
-
-
 def settle() -> None:
     """Moves every object alive now out of CPython's cyclic collector's reach (gc.freeze),
     after collecting the young generations. A full collection visits every tracked object:
@@ -395,64 +371,3 @@ def settle() -> None:
     than the last full collection stays, which the young collection first keeps small."""
     gc.collect(1)
     gc.freeze()
-
-
-def pod_selector(scheduler_name: str = "") -> str:
-    """The pods worth caching: Pending ones (a scheduler binds a pod before it runs; a pod that
-    starts leaves the watch as a DELETED event), of `scheduler_name` when given. A field
-    selector, so the API server filters and the mirror never holds the others: the cache stays
-    as large as the queue of pods waiting to start, not as the cluster."""
-    terms = [f"spec.schedulerName={scheduler_name}"] if scheduler_name else []
-    return ",".join([*terms, "status.phase=Pending"])
-
-
-def pod_list_watch(api_client: k8s.ApiClient, cache: PodCache, scheduler_name: str = ""
-                   ) -> KubeListWatch:
-    """The official client's list + watch that feeds `cache` (pod_selector), in a thread; the
-    cache's own writes coming back are skipped unparsed."""
-    core = k8s.CoreV1Api(api_client)
-    return KubeListWatch(functools.partial(core.list_pod_for_all_namespaces,
-                                           field_selector=pod_selector(scheduler_name)),
-                         skip=cache.is_echo)
-
-
-Feed = Callable[[], Coroutine[Any, Any, None]]
-"""Work for the mirror server's event loop for as long as it serves: what MirrorServer's
-`tasks` are (the pod cache's feed is one)."""
-
-
-def pod_feed(api_client: k8s.ApiClient, cache: PodCache, scheduler_name: str = "",
-             **options: Any) -> Feed:
-    """What keeps `cache` fed, run on the mirror server's loop until it stops: the list +
-    watch on that loop (aio_listwatch), or, where the API is behind a proxy (which the loop's
-    own connections do not speak), the official client's in a worker thread. `options` go to
-    the list + watch loop (backoff, resync_seconds)."""
-    what = f"pod(s) of {scheduler_name}" if scheduler_name else "pod(s)"
-    if behind_proxy(api_client.configuration):
-        source = pod_list_watch(api_client, cache, scheduler_name)
-
-        async def threaded() -> None:
-            stop = threading.Event()
-            try:
-                await asyncio.to_thread(list_watch, source, cache.replace, cache.event, stop,
-                                        what=what, **options)
-            finally:  # cancelled: end the thread's loop and its open stream
-                stop.set()
-                source.close()
-
-        return threaded
-
-    async def on_loop() -> None:
-        api = AsyncKubeApi(api_client)
-        calls_first_api: Any = _CallsFirst(api)  # an AsyncKubeApi to the list + watch
-        try:
-            await list_watch_async(
-                AsyncListWatch(calls_first_api, "/api/v1/pods", {"fieldSelector": pod_selector(
-                    scheduler_name)}, what=what, skip=cache.is_echo, keep=cache.keep,
-                    page_size=LIST_PAGE_SIZE),
-                cache.merge_soon, cache.event, **options)
-        finally:
-            cache.cancel_merge()
-            await api.close()
-
-    return on_loop

@@ -1,4 +1,4 @@
-"""The mirror's three operations over an AsyncPodStore, independent of gRPC. They run on the
+"""The mirror's three operations over a PodStore, independent of gRPC. They run on the
 gRPC server's event loop (coroutines), one task per call.
 
 Every write is ONE merge patch guarded by the pod's uid and resourceVersion. A write conflict
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ..clock import AsyncClock, SystemClock
 from ..contract import DEFAULT_DIALECT, DEFAULT_MPS_PIPE_ROOT, ContainerPlan, Dialect, Keys
 from ..contract import keys as k
+from ..kube.retry import Backoff
 from .compute import (
     ExtraAnnotations,
     Outcome,
@@ -41,13 +42,12 @@ from .errors import (
     PodReplaced,
 )
 from .pod_cache import PodCache
-from .retry import Backoff
 from .store import (
     NO_DEADLINE,
-    AsyncPodStore,
     Deadline,
     NodeNotFound,
     PodSnapshot,
+    PodStore,
     WriteConflict,
     WriteInvalid,
 )
@@ -111,7 +111,7 @@ class _PodLocks:
 class MirrorService:
     def __init__(
         self,
-        store: AsyncPodStore,
+        store: PodStore,
         *,
         keys: Keys = k.DEFAULT_KEYS,
         default_reserve_mib: int = 0,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kai_fractions.kube.errors import KubeError
 from kai_fractions.node.agent.condition import (
     Condition,
     Health,
@@ -14,7 +15,6 @@ from kai_fractions.node.agent.condition import (
     StatusPublisher,
     evaluate,
 )
-from kai_fractions.node.agent.kube import KubeError
 from kai_fractions.node.agent.options import AgentOptions
 from kai_fractions.node.config import NodeConfig
 from kai_fractions.node.errors import nvml_error

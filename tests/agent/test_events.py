@@ -5,8 +5,8 @@ API server with Event writes."""
 
 from __future__ import annotations
 
+from kai_fractions.kube.errors import KubeError
 from kai_fractions.node.agent.events import WARNING, EventRecorder, PodRef
-from kai_fractions.node.agent.kube import KubeError
 from tests.support.fake_kube import FakeCluster
 
 A = PodRef("team-a", "train-0", "uid-a")

@@ -125,17 +125,20 @@ BOTH_CONDITIONS = status_only(f"{k.NODE_CONDITION}, {k.LEGACY_NODE_CONDITION}")
 
 # -- RBAC: exactly the verbs the agent's client calls -------------------------------------------
 
-# Every CoreV1Api method kai_fractions/node/agent/kube.py calls, and the (resource, verbs) it
-# needs. A new call fails test_the_agent_calls_only_what_it_is_granted until it is listed here
-# (and granted, or refused on purpose).
+# Every request kai_fractions/node/agent/kube.py makes (verb, the kube.objects path helper, a
+# subresource), and the (resource, verbs) it needs. A new request fails
+# test_the_agent_calls_only_what_it_is_granted until it is listed here (and granted, or refused
+# on purpose).
 CALLS = {
-    "list_pod_for_all_namespaces": ("pods", {"list", "watch"}),  # watch=True is the watch
-    "patch_namespaced_pod": ("pods", {"patch"}),
-    "read_node": ("nodes", {"get"}),
-    "patch_node_status": ("nodes/status", {"patch"}),
-    "patch_node": ("nodes", {"patch"}),  # the GPU memory label only
-    "create_namespaced_event": ("events", {"create"}),
+    ("LIST", "pods_path", ""): ("pods", {"list", "watch"}),  # the Collection: list, then watch
+    ("PATCH", "pod_path", ""): ("pods", {"patch"}),
+    ("GET", "node_path", ""): ("nodes", {"get"}),
+    ("PATCH", "node_path", "/status"): ("nodes/status", {"patch"}),
+    ("PATCH", "node_path", ""): ("nodes", {"patch"}),  # the GPU memory label only
+    ("POST", "events_path", ""): ("events", {"create"}),
 }
+REQUEST = re.compile(r'request\(\s*"(\w+)",\s*(\w+)\([^)]*\)(?:\s*\+\s*"(/\w+)")?')
+COLLECTION = re.compile(r"Collection\(\s*self\.blocking\.kube,\s*(\w+)\(")
 
 
 def agent_rules(*sets: str) -> dict[str, set[str]]:
@@ -151,14 +154,15 @@ def agent_rules(*sets: str) -> dict[str, set[str]]:
 
 def test_the_agent_calls_only_what_it_is_granted():
     source = Path(kube.__file__).read_text()
-    called = set(re.findall(r"self\.core\.(\w+)\(", source))
+    called = {(verb, path, sub or "") for verb, path, sub in REQUEST.findall(source)}
+    called |= {("LIST", path, "") for path in COLLECTION.findall(source)}
     assert called == set(CALLS), f"update CALLS: the agent now calls {sorted(called)}"
     with_label = agent_rules(*LABEL)
     for method, (resource, verbs) in CALLS.items():
         assert verbs <= with_label.get(resource, set()), method
     without = agent_rules()
     for method, (resource, verbs) in CALLS.items():
-        if method != "patch_node":
+        if method != ("PATCH", "node_path", ""):
             assert verbs <= without.get(resource, set()), method
 
 

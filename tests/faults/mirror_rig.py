@@ -1,4 +1,4 @@
-"""The real AllocationMirror gRPC server and its AsyncKubePodStore over the FaultyApi, fast
+"""The real AllocationMirror gRPC server and its KubePodStore over the FaultyApi, fast
 retries."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from dataclasses import dataclass
 import grpc
 
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
-from kai_fractions.mirror.aio_store import AsyncKubePodStore
+from kai_fractions.kube.client import Kube
+from kai_fractions.kube.retry import Backoff
 from kai_fractions.mirror.grpc.server import MirrorServer, ServerOptions
+from kai_fractions.mirror.kube_store import KubePodStore
 from kai_fractions.mirror.pod_cache import PodCache
-from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.signing import Keyring, KeyringSource
 from tests.support.faults_api import FaultyApi
@@ -41,7 +42,7 @@ def mirror_over(api: FaultyApi, *, signed: bool = True,
     """The mirror over `api`, with its pod cache as deployed (fed here by reads and by what
     writes return: FaultyApi serves no watch), so faults also hit the cached path."""
     client = api.api_client()
-    store = AsyncKubePodStore(client, backoff=store_backoff, request_timeout=REQUEST_TIMEOUT)
+    store = KubePodStore(Kube(client), backoff=store_backoff, request_timeout=REQUEST_TIMEOUT)
     extra = None
     if signed:
         from kai_fractions.mirror.signing import signing_annotations

@@ -20,8 +20,8 @@ import grpc
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
 from kai_fractions.contract import parse_pod, plan_pod, view_from_pod_spec
+from kai_fractions.kube.retry import Backoff
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION, decode_record
-from kai_fractions.mirror.retry import Backoff
 from kai_fractions.signing import Keyring, signature_key
 from tests.faults.mirror_rig import SIGNING_KEY, mirror_over
 from tests.support.faults_api import FaultyApi, RandomFaults

@@ -3,6 +3,7 @@ pods deleted or recreated, duplicates, deadlines. Counted in PATCH requests kmoc
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 
@@ -13,12 +14,12 @@ from kubernetes import client as k8s
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
-from kai_fractions.mirror.aio_store import AsyncKubePodStore
+from kai_fractions.kube.client import Kube
+from kai_fractions.kube.retry import Backoff
 from kai_fractions.mirror.errors import PodNotFound
 from kai_fractions.mirror.grpc.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.kube_store import KubePodStore
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION
-from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import WriteConflict
 from tests.support.mirror_kube import pod_path
@@ -107,8 +108,8 @@ def test_api_down_is_unavailable_and_nothing_is_written(kube):
     """The API server cannot be reached at all (connection refused)."""
     configuration = k8s.Configuration(host=f"http://127.0.0.1:{_closed_port()}")
     configuration.retries = False
-    store = AsyncKubePodStore(k8s.ApiClient(configuration),
-                              backoff=Backoff(attempts=3, base=0.01, cap=0.02))
+    store = KubePodStore(Kube(k8s.ApiClient(configuration)),
+                         backoff=Backoff(attempts=3, base=0.01, cap=0.02))
     server = MirrorServer(MirrorService(store), ServerOptions(listen="127.0.0.1:0")).start()
     try:
         with grpc.insecure_channel(server.address) as channel:
@@ -219,7 +220,8 @@ def test_forbidden_is_internal_and_names_rbac(mirror_tcp):
         mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod)), timeout=10)
     assert e.value.code() == grpc.StatusCode.INTERNAL
     assert e.value.details() == (
-        "patch pod team-a/train-0: the API server refused the mirror's identity (403 Forbidden: "
+        "patch pod team-a/train-0: the API server refused this component's identity (403 "
+        "Forbidden: "
         "injected 403 Forbidden for PATCH /api/v1/namespaces/team-a/pods/train-0); check its "
         "RBAC")
     assert mirror_tcp.patches(NS, NAME) == 1  # not retried
@@ -238,35 +240,43 @@ def test_an_invalid_patch_on_the_same_pod_is_internal(mirror_tcp):
     assert mirror_tcp.kube.count("GET", PATH) == 2  # re-read: still the same pod
 
 
-def test_the_blocking_stores_patch_is_the_generated_clients_request_with_its_credentials(kube):
-    """KubePodStore (the follower's, and the mirror's behind a proxy) sends its pod PATCH
-    without the generated method: same path, headers, token and body as
-    `patch_namespaced_pod`, and the same errors."""
+def test_the_stores_patch_is_the_generated_clients_request_with_its_credentials(kube):
+    """KubePodStore's pod PATCH is what `patch_namespaced_pod` sends: same path, headers,
+    token and body; and its refusals are the mirror's errors."""
     configuration = kube.configuration()
     configuration.api_key = {"authorization": "rotating-token"}
     configuration.api_key_prefix = {"authorization": "Bearer"}
     api_client = k8s.ApiClient(configuration)
-    try:
-        kube.core.create_namespaced_pod(NS, {"metadata": {"name": "train-x", "namespace": NS},
-                                             "spec": {"containers": [{"name": "c"}]}})
-        path = pod_path(NS, "train-x")
-        changes = {"kai": "1"}
-        store = KubePodStore(api_client, backoff=Backoff(attempts=1))
-        store.patch_annotations(NS, "train-x", changes, uid="", resource_version="")
-        body = {"metadata": {"annotations": changes}}
-        k8s.CoreV1Api(api_client).patch_namespaced_pod("train-x", NS, body,
-                                                       _content_type="application/merge-patch+json")
-        ours, generated = kube.requests("PATCH", path)[-2:]
-        for request in (ours, generated):
-            assert request.headers["Authorization"] == "Bearer rotating-token"
-            assert request.headers["Content-Type"] == "application/merge-patch+json"
-            assert request.headers["Accept"] == "application/json"
-            assert request.headers["User-Agent"] == api_client.user_agent
-            assert request.data == body
-        kube.fail("PATCH", path, 409, times=1)
-        with pytest.raises(WriteConflict):
-            store.patch_annotations(NS, "train-x", changes, uid="", resource_version="")
-        with pytest.raises(PodNotFound):
-            store.patch_annotations(NS, "gone", changes, uid="", resource_version="")
-    finally:
-        api_client.close()
+    kube.core.create_namespaced_pod(NS, {"metadata": {"name": "train-x", "namespace": NS},
+                                         "spec": {"containers": [{"name": "c"}]}})
+    path = pod_path(NS, "train-x")
+    changes = {"kai": "1"}
+    store = KubePodStore(Kube(api_client), backoff=Backoff(attempts=1))
+
+    async def patch(name: str) -> None:
+        await store.patch_annotations(NS, name, changes, uid="", resource_version="")
+
+    async def scenario() -> None:
+        try:
+            await patch("train-x")
+            body = {"metadata": {"annotations": changes}}
+            await asyncio.to_thread(
+                k8s.CoreV1Api(api_client).patch_namespaced_pod, "train-x", NS, body,
+                _content_type="application/merge-patch+json")
+            ours, generated = kube.requests("PATCH", path)[-2:]
+            for request in (ours, generated):
+                assert request.headers["Authorization"] == "Bearer rotating-token"
+                assert request.headers["Content-Type"] == "application/merge-patch+json"
+                assert request.headers["Accept"] == "application/json"
+                assert request.headers["User-Agent"] == api_client.user_agent
+                assert request.data == body
+            kube.fail("PATCH", path, 409, times=1)
+            with pytest.raises(WriteConflict):
+                await patch("train-x")
+            with pytest.raises(PodNotFound):
+                await patch("gone")
+        finally:
+            await store.close()
+            api_client.close()
+
+    asyncio.run(scenario())

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
+from kai_fractions.kube.errors import Gone
+from kai_fractions.kube.listwatch import list_watch
+from kai_fractions.kube.retry import Backoff
 from kai_fractions.mirror import pod_cache
 from kai_fractions.mirror.errors import InvalidAllocation, PodReplaced
-from kai_fractions.mirror.listwatch import Gone, KubeListWatch, list_watch
-from kai_fractions.mirror.pod_cache import PodCache, pod_selector, trimmed
-from kai_fractions.mirror.retry import Backoff
+from kai_fractions.mirror.pod_cache import PodCache, trimmed
+from kai_fractions.mirror.pod_feed import pod_selector
 from kai_fractions.mirror.service import MirrorService
-from kai_fractions.mirror.store import PodSnapshot, ThreadedPodStore
+from kai_fractions.mirror.store import PodSnapshot
 from tests.support.clock import FakeClock
 from tests.support.fake_store import FakePodStore
 from tests.support.mirror_kube import pod_path
@@ -163,8 +163,8 @@ async def test_a_prepared_pod_is_mirrored_exactly_as_an_unprepared_one(store):
         store.pods.clear()
         store.add_pod(pod({"gpu-fraction": "0.5"}))
         cache = PodCache(prepare=prepare)
-        service = MirrorService(ThreadedPodStore(store), clock=FakeClock(), cache=cache)
-        listed = store.get_pod(NS, POD)
+        service = MirrorService(store, clock=FakeClock(), cache=cache)
+        listed = await store.get_pod(NS, POD)
         cache.replace([{"metadata": listed.metadata, "spec": listed.spec}])
         assert bool(cache.lookup(NS, POD).derived) is (prepare is not None)
         result = await service.mirror(allocation())
@@ -285,7 +285,7 @@ def cache() -> PodCache:
 
 @pytest.fixture
 def service(store: FakePodStore, cache: PodCache) -> MirrorService:
-    return MirrorService(ThreadedPodStore(store), clock=FakeClock(), cache=cache)
+    return MirrorService(store, clock=FakeClock(), cache=cache)
 
 
 def cached_from_store(store: FakePodStore, cache: PodCache) -> None:
@@ -327,7 +327,7 @@ async def test_a_stale_entry_costs_one_refused_write_and_a_read(service, store, 
     store.add_pod(pod({"gpu-fraction": "0.5"}))
     cached_from_store(store, cache)
     # The pod changes behind the cache's back (a label, say): its resourceVersion moves on.
-    store.patch_annotations(NS, POD, {"team": "a"}, uid=UID, resource_version="")
+    await store.patch_annotations(NS, POD, {"team": "a"}, uid=UID, resource_version="")
     result = await service.mirror(allocation())
     assert result.changed and store.reads == 1
     label, refused, written = store.patches  # the first write was refused (409), then read
@@ -357,57 +357,37 @@ async def test_without_an_entry_the_pod_is_read_and_then_cached(service, store, 
 # -- list + watch -----------------------------------------------------------------------------
 
 class ScriptedSource:
-    """list() and watch() answer from scripts; the last watch sets `stop`."""
+    """list() and watch() answer from scripts; after the last watch the loop is cancelled."""
 
-    def __init__(self, lists, watches, stop: threading.Event):
-        self.lists, self.watches, self.stop = list(lists), list(watches), stop
+    what = "pod(s)"
 
-    def list(self):
-        item = self.lists.pop(0)
-        if isinstance(item, Exception):
-            raise item
-        return item
+    def __init__(self, lists, watches):
+        self.lists, self.watches = list(lists), list(watches)
 
-    def watch(self, resource_version, stop):
-        events = self.watches.pop(0)
+    async def list(self, resource_version=""):
+        return self.lists.pop(0)
+
+    async def watch(self, resource_version):
         if not self.watches:
-            self.stop.set()
-        for event in events:
+            raise asyncio.CancelledError  # the script is over: end the loop
+        for event in self.watches.pop(0):
             if isinstance(event, Exception):
                 raise event
             yield event
 
 
-def test_the_cache_follows_a_list_and_its_watch_through_an_expiry():
-    stop = threading.Event()
+async def test_the_cache_follows_a_list_and_its_watch_through_an_expiry():
     cache = PodCache()
     source = ScriptedSource(
         lists=[([full_pod(resourceVersion="5")], "5"),
                ([full_pod(name="b", resourceVersion="9")], "9")],
         watches=[[("MODIFIED", full_pod(resourceVersion="6")), Gone("too old")],
-                 [("ADDED", full_pod(name="c", resourceVersion="10"))]],
-        stop=stop)
-    list_watch(source, cache.replace, cache.event, stop, what="pod(s)",
-               backoff=Backoff(base=0.001, cap=0.001))
+                 [("ADDED", full_pod(name="c", resourceVersion="10"))]])
+    with pytest.raises(asyncio.CancelledError):
+        await list_watch(source, cache.replace, cache.event,
+                         backoff=Backoff(base=0.001, cap=0.001))
     # The relist after the expiry dropped the pod that is gone, the watch then added one.
     assert (rv(cache), rv(cache, "b"), rv(cache, "c")) == (None, "9", "10")
-
-
-def test_a_list_comes_in_pages_of_one_snapshot():
-    pages = {None: ({"resourceVersion": "40", "continue": "t1"}, [full_pod(name="a")]),
-             "t1": ({"resourceVersion": "41", "continue": "t2"}, [full_pod(name="b")]),
-             "t2": ({"resourceVersion": "42"}, [full_pod(name="c")])}
-    calls = []
-
-    def list_call(**kwargs):
-        calls.append((kwargs["limit"], kwargs["_continue"]))
-        meta, items = pages[kwargs["_continue"]]
-        body = {"metadata": meta, "items": items}
-        return SimpleNamespace(data=json.dumps(body).encode())
-
-    items, version = KubeListWatch(list_call, page_size=1).list()
-    assert [i["metadata"]["name"] for i in items] == ["a", "b", "c"]
-    assert version == "40" and calls == [(1, None), (1, "t1"), (1, "t2")]
 
 
 # -- against kmock, through gRPC --------------------------------------------------------------
@@ -478,31 +458,6 @@ def test_only_the_latest_writes_are_remembered_as_echoes(monkeypatch):
             for v in ("1", "2", "3")] == [False, True, True]
 
 
-class StreamedResponse:
-    def __init__(self, lines: list[str]):
-        self.body = "".join(f"{line}\n" for line in lines).encode()
-        self.closed = False
-
-    def stream(self, amt=None, decode_content=False):
-        yield self.body
-
-    def close(self):
-        self.closed = True
-
-    def release_conn(self):
-        pass
-
-
-def test_a_watch_drops_skipped_lines_before_parsing_them():
-    lines = [event_line("MODIFIED", full_pod(resourceVersion="41")), "{not json: skipped",
-             event_line("MODIFIED", full_pod(resourceVersion="43"))]
-    response = StreamedResponse(lines)
-    source = KubeListWatch(lambda **kwargs: response, skip=lambda line: "not json" in line)
-    events = list(source.watch("40", threading.Event()))
-    assert [obj["metadata"]["resourceVersion"] for _, obj in events] == ["41", "43"]
-    assert response.closed
-
-
 async def test_a_stale_entry_never_refuses_a_call(service, store, cache):
     """The cache holds another allocation (since released) and a bad user key (since fixed):
     neither refusal may come from it, only from the API server's copy."""
@@ -525,7 +480,7 @@ async def test_a_stale_entry_never_refuses_a_call(service, store, cache):
     assert store.annotations(NS, POD)["nvidia.com/container.trainer.gpu-memory.request"] == \
         "10Gi"  # the rebind's quarter, not the cached half
     # A bad key only the cache still has: not refused either (and nothing left to write).
-    service.cache = lagging(store.get_pod(NS, POD), **{"gpu-fraction": "1.5"})
+    service.cache = lagging(await store.get_pod(NS, POD), **{"gpu-fraction": "1.5"})
     assert not (await service.mirror(rebind)).changed
 
 

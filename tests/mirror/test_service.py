@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from kai_fractions.contract import Dialect
+from kai_fractions.kube.retry import Backoff
 from kai_fractions.mirror.decision import AllocationInput
 from kai_fractions.mirror.errors import (
     AllocationConflict,
@@ -19,9 +20,8 @@ from kai_fractions.mirror.errors import (
     PodReplaced,
 )
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION, allocation_digest
-from kai_fractions.mirror.retry import Backoff
 from kai_fractions.mirror.service import MirrorService
-from kai_fractions.mirror.store import ThreadedPodStore, WriteConflict
+from kai_fractions.mirror.store import WriteConflict
 from tests.support.clock import FakeClock
 from tests.support.fake_store import FakePodStore
 
@@ -72,12 +72,12 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def service(store: FakePodStore, clock: FakeClock) -> MirrorService:
-    return MirrorService(ThreadedPodStore(store), clock=clock)
+    return MirrorService(store, clock=clock)
 
 
 @pytest.fixture
 def patched(store: FakePodStore, clock: FakeClock) -> MirrorService:
-    return MirrorService(ThreadedPodStore(store), clock=clock, dialect=Dialect.PATCHED)
+    return MirrorService(store, clock=clock, dialect=Dialect.PATCHED)
 
 
 def record_of(store: FakePodStore) -> dict:
@@ -207,7 +207,7 @@ async def test_user_request_and_limit_are_never_overwritten(store, service):
                                                    (Dialect.PATCHED, SINGLE_PATCHED)])
 async def test_binder_owned_keys_are_always_rewritten(store, clock, dialect, written):
     # A stale compute portion is binder-owned too: the upstream dialect removes it.
-    service = MirrorService(ThreadedPodStore(store), clock=clock, dialect=dialect)
+    service = MirrorService(store, clock=clock, dialect=dialect)
     store.add_pod(pod({"gpu-fraction": "0.5",
                        "nvidia.com/container.trainer.gpus.devices": "GPU-9999ffff",
                        "nvidia.com/container.trainer.gpu-compute.portion": "1",
@@ -307,7 +307,7 @@ async def test_a_write_is_logged_once_the_caller_has_its_answer(store, service, 
 
 
 async def test_endless_conflicts_end_as_unavailable(store, clock):
-    service = MirrorService(ThreadedPodStore(store), clock=clock,
+    service = MirrorService(store, clock=clock,
                             conflict_backoff=Backoff(attempts=3))
     store.add_pod(pod({"gpu-fraction": "0.5"}))
 

@@ -29,10 +29,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.contract import DEFAULT_DIALECT
-from kai_fractions.mirror.aio_store import AsyncKubePodStore
+from kai_fractions.kube.client import Kube
+from kai_fractions.kube.retry import Backoff
 from kai_fractions.mirror.grpc.server import MirrorServer, ServerOptions
-from kai_fractions.mirror.pod_cache import PodCache, pod_feed
-from kai_fractions.mirror.retry import Backoff
+from kai_fractions.mirror.kube_store import KubePodStore
+from kai_fractions.mirror.pod_cache import PodCache
+from kai_fractions.mirror.pod_feed import pod_feed
 from kai_fractions.mirror.service import MirrorService
 from tests.support.kube import KubeServer
 
@@ -82,7 +84,7 @@ def pod_path(namespace: str, name: str) -> str:
 @dataclass
 class MirrorHarness:
     kube: KubeServer
-    store: AsyncKubePodStore
+    store: KubePodStore
     service: MirrorService
     server: MirrorServer
     channel: grpc.Channel
@@ -127,12 +129,12 @@ class MirrorHarness:
 
 def start_mirror(kube: KubeServer, *, transport: str = "tcp", **options: Any) -> MirrorHarness:
     honour_label_selectors(kube)
-    store = AsyncKubePodStore(kube.api_client, backoff=options.pop("store_backoff",
-                                                                     FAST_STORE_BACKOFF),
-                              request_timeout=options.pop("request_timeout", 5.0))
+    client = Kube(kube.api_client)
+    store = KubePodStore(client, backoff=options.pop("store_backoff", FAST_STORE_BACKOFF),
+                         request_timeout=options.pop("request_timeout", 5.0))
     cleanups: list[Callable[[], None]] = []
     cache = PodCache() if options.pop("pod_cache", False) else None
-    feeds = [pod_feed(kube.api_client, cache, backoff=FAST_STORE_BACKOFF)] \
+    feeds = [pod_feed(client, cache, backoff=FAST_STORE_BACKOFF)] \
         if cache is not None else []
     service = MirrorService(store, conflict_backoff=FAST_CONFLICT_BACKOFF,
                             default_reserve_mib=options.pop("default_reserve_mib", 0),

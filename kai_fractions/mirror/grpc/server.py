@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ...api.v1 import allocation_pb2_grpc as pb_grpc
-from ..pod_cache import Feed
+from ..pod_feed import Feed
 from ..service import MirrorService
 from .security import (
     BearerTokenInterceptor,
@@ -133,7 +133,7 @@ class MirrorServer:
 
     def _end_loop(self) -> None:
         assert self._loop is not None and self._thread is not None
-        self._on_loop(self._loop.shutdown_default_executor())  # ThreadedPodStore's threads
+        self._on_loop(self._loop.shutdown_default_executor())  # asyncio.to_thread's, if any
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()

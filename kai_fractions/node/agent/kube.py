@@ -141,15 +141,16 @@ class KubeCluster:
         # Strategic merge: the API server merges `conditions` by type, so the kubelet's own
         # conditions are left alone.
         self.blocking.request("PATCH", node_path(name) + "/status",
-                          what=f"patch the conditions of node {name}",
-                          body={"status": {"conditions": conditions}},
-                          content_type=STRATEGIC_MERGE_PATCH)
+                              what=f"patch the conditions of node {name}",
+                              body={"status": {"conditions": conditions}},
+                              content_type=STRATEGIC_MERGE_PATCH)
 
     def patch_node_labels(self, name: str, labels: Mapping[str, str]) -> None:
         self.blocking.request("PATCH", node_path(name), what=f"label node {name}",
-                          body={"metadata": {"labels": dict(labels)}},
-                          content_type=MERGE_PATCH)
+                              body={"metadata": {"labels": dict(labels)}},
+                              content_type=MERGE_PATCH)
 
     def create_event(self, namespace: str, event: dict[str, Any]) -> None:
         self.blocking.request("POST", events_path(namespace),
-                          what=f"record event {event.get('reason')} in {namespace}", body=event)
+                              what=f"record event {event.get('reason')} in {namespace}",
+                              body=event)
