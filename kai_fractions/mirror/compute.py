@@ -82,6 +82,8 @@ def user_view(pod: PodSnapshot, keys: Keys) -> PodView:
     view = pod.view
     kept = {key: value for key, value in view.annotations.items()
             if key not in owned and not is_mirror_managed(key, keys)}
+    if len(kept) == len(view.annotations):
+        return view  # a pod the mirror has not written yet: one view, not a copy per pod
     return view.with_annotations(MappingProxyType(kept))
 
 
