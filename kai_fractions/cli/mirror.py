@@ -206,9 +206,8 @@ def run(args: argparse.Namespace) -> int:
     except (SecurityConfigError, ConfigError, SigningConfigError) as e:
         return _fail(str(e))
 
-    # Everything is built before the server starts (the official client's API classes take
-    # about a second of CPU to import): once it serves, start-up work no longer competes with
-    # the first calls.
+    # Everything is built before the server starts: once it serves, start-up work (imports,
+    # configuration) no longer competes with the first calls.
     stop = threading.Event()
     if publisher is not None:
         # Before the server signs anything, so that nodes can check at once. On a loop of its
