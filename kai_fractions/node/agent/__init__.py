@@ -11,5 +11,7 @@ One process per GPU node (`kai-fractions node-agent`, a DaemonSet). Threads and 
 - the metrics HTTP server and the gRPC server (`grpc_service.py`, behind the caller check of
   `peer_guard.py`) read snapshots only.
 
-Kubernetes sits behind `kube.py` (real client; in memory for tests: tests/support/fake_kube.py).
+Kubernetes sits behind `kube.py` (over `kai_fractions.kube`, whose `BlockingKube` runs the
+requests and the watch on an event loop of its own thread; in memory for tests:
+tests/support/fake_kube.py).
 """
