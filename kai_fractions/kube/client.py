@@ -49,10 +49,10 @@ class Kube:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=self.connections,
                                              ssl=self.endpoint.tls or False)
-            # No cookie jar: the official client's cookie, if any, is sent as it sends it.
+            # No cookie jar: the official client's cookie, if any, is sent as it sends it. Its
+            # User-Agent goes with every request (auth_headers), so aiohttp adds none.
             self._session = aiohttp.ClientSession(
-                connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
-                skip_auto_headers=("User-Agent",), auto_decompress=True)
+                connector=connector, cookie_jar=aiohttp.DummyCookieJar())
         return self._session
 
     async def request(self, method: str, path: str, *, what: str, query: Query = None,
