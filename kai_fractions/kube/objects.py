@@ -28,6 +28,14 @@ def node_path(node: str) -> str:
     return f"/api/v1/nodes/{_q(node)}"
 
 
+def configmaps_path(namespace: str) -> str:
+    return f"/api/v1/namespaces/{_q(namespace)}/configmaps"
+
+
+def configmap_path(namespace: str, name: str) -> str:
+    return f"{configmaps_path(namespace)}/{_q(name)}"
+
+
 def events_path(namespace: str) -> str:
     return f"/api/v1/namespaces/{_q(namespace)}/events"
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import NoReturn
-from urllib.parse import quote
 
 from ..kube.client import STRATEGIC_MERGE_PATCH, Kube
 from ..kube.errors import KubeError, NotFound
+from ..kube.objects import configmap_path, configmaps_path
 from ..signing import CURRENT, PREVIOUS, V2, KeyringSource
 
 log = logging.getLogger(__name__)
@@ -50,15 +50,15 @@ class Publisher:
         body = {"metadata": {"name": self.name, "namespace": self.namespace,
                              "labels": {"app.kubernetes.io/part-of": "kai-fractions"}},
                 "data": data}
-        collection = f"/api/v1/namespaces/{quote(self.namespace, safe='')}/configmaps"
         ref = f"ConfigMap {self.namespace}/{self.name}"
         try:
-            await self.kube.request("PATCH", f"{collection}/{quote(self.name, safe='')}",
+            await self.kube.request("PATCH", configmap_path(self.namespace, self.name),
                                     what=f"patch {ref}", body=body,
                                     content_type=STRATEGIC_MERGE_PATCH,
                                     timeout=self.request_timeout)
         except NotFound:
-            await self.kube.request("POST", collection, what=f"create {ref}", body=body,
+            await self.kube.request("POST", configmaps_path(self.namespace),
+                                    what=f"create {ref}", body=body,
                                     timeout=self.request_timeout)
         self._published = data
         log.info("published the signing public key(s) %s to ConfigMap %s/%s",
