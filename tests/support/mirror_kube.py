@@ -1,6 +1,6 @@
 """The mirror's test harness: kmock (``kube``) with the reactions the mirror relies on, plus the
 real AllocationMirror gRPC server on loopback TCP or a unix socket, with fast retries, writing
-through its real event-loop store (AsyncKubePodStore).
+through its real store (KubePodStore over kai_fractions.kube).
 
 Reactions added to the ``kube`` emulator (kmock ignores selectors and knows no CRDs):
 
