@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import AsyncIterator, Coroutine, Mapping
-from typing import Any, Protocol
-
-from kubernetes import client as k8s
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...kube.blocking import BlockingKube
 from ...kube.client import MERGE_PATCH, STRATEGIC_MERGE_PATCH
@@ -32,6 +30,9 @@ from ...kube.objects import (
     resource_version,
     uid_of,
 )
+
+if TYPE_CHECKING:
+    from kubernetes import client as k8s
 
 __all__ = ["ClusterWriter", "KubeCluster", "PodCollection", "PodSource", "on_node", "pod_uid",
            "resource_version"]
