@@ -20,9 +20,12 @@ class KubeError(Exception):
     """A word for events, metrics and node conditions."""
 
     def __init__(self, message: str, status: int | None = None,
-                 retry_after: float | None = None) -> None:
+                 retry_after: float | None = None, *, answer: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.answer = message if answer is None else answer
+        """The answer alone, without the request's name: for a caller whose own message
+        already names the request."""
         self.status = status
         self.retry_after = retry_after
         """The server's Retry-After hint, in seconds, when it gave one."""
@@ -104,19 +107,19 @@ def refused(what: str, status: int, reason: str | None = None, body: str | bytes
             retry_after: str | None = None) -> KubeError:
     """The error for a non-2xx answer to the request `what` ("patch pod ns/name")."""
     cls = _BY_STATUS.get(status) or (Transient if status >= 500 else KubeError)
-    message = f"{what}: {status_message(status, reason, body)}"
+    answer = status_message(status, reason, body)
     if cls is Forbidden:
-        message = (f"{what}: the API server refused this component's identity "
-                   f"({status_message(status, reason, body)}); check its RBAC")
+        answer = (f"the API server refused this component's identity ({answer}); check its "
+                  "RBAC")
     try:
         hint = float(retry_after) if retry_after is not None else None
     except ValueError:
         hint = None
-    return cls(message, status, hint)
+    return cls(f"{what}: {answer}", status, hint, answer=answer)
 
 
 def unreachable(what: str, error: BaseException) -> Transient:
     """The error for a request that got no answer (the connection failed or timed out)."""
-    if isinstance(error, TimeoutError):
-        return Transient(f"{what}: no answer in time")
-    return Transient(f"{what}: {type(error).__name__}: {error}")
+    answer = ("no answer in time" if isinstance(error, TimeoutError)
+              else f"{type(error).__name__}: {error}")
+    return Transient(f"{what}: {answer}", answer=answer)

@@ -91,8 +91,9 @@ async def retrying(
             last = e
             attempt += 1
             if attempt >= max(1, backoff.attempts):
-                raise Unavailable(f"{what}: the Kubernetes API failed {attempt} time(s), "
-                                  f"last: {_detail(what, e)}; retry later", e.status) from None
+                answer = (f"the Kubernetes API failed {attempt} time(s), last: {e.answer}; "
+                          "retry later")
+                raise Unavailable(f"{what}: {answer}", e.status, answer=answer) from None
             delay = backoff.delay(attempt - 1, rng, e.retry_after)
             remaining = deadline.remaining()
             if remaining is not None and remaining <= delay:
@@ -101,10 +102,6 @@ async def retrying(
 
 
 def _deadline(what: str, tries: int, last: Transient | None) -> DeadlineExceeded:
-    tail = f" ({tries} tries, last: {_detail(what, last)})" if last is not None else ""
-    return DeadlineExceeded(f"{what}: the caller's deadline ran out{tail}")
-
-
-def _detail(what: str, error: Transient) -> str:
-    """The error without the request's name, which the message around it already says."""
-    return str(error).removeprefix(f"{what}: ")
+    tail = f" ({tries} tries, last: {last.answer})" if last is not None else ""
+    answer = f"the caller's deadline ran out{tail}"
+    return DeadlineExceeded(f"{what}: {answer}", answer=answer)

@@ -170,7 +170,7 @@ class Reporter:
             self.failures = 0
             return readiness(None, self.daemonset)
         except KubeError as e:  # the server's answer, without the request it already names
-            return self._unreadable(str(e).removeprefix(f"{what}: "))
+            return self._unreadable(e.answer)
         except ValueError as e:  # a count that is not a number
             return self._unreadable(f"{type(e).__name__}: {e}")
         self.failures = 0

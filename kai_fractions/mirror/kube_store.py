@@ -128,9 +128,9 @@ class KubePodStore:
         except kerr.NotFound as e:
             raise (not_found() if not_found is not None else ApiRejected(str(e))) from None
         except kerr.Conflict as e:  # the service says which write, in its own words
-            raise WriteConflict(e.message.removeprefix(f"{what}: ")) from None
+            raise WriteConflict(e.answer) from None
         except kerr.Invalid as e:
-            raise WriteInvalid(e.message.removeprefix(f"{what}: ")) from None
+            raise WriteInvalid(e.answer) from None
         except kerr.Unavailable as e:
             raise ApiUnavailable(e.message) from None
         except kerr.DeadlineExceeded as e:

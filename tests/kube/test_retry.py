@@ -21,6 +21,7 @@ from kai_fractions.kube import (
     Unavailable,
     objects,
 )
+from kai_fractions.kube.errors import refused
 from kai_fractions.kube.retry import Backoff, Deadline, retrying
 from tests.support.clock import FakeClock
 from tests.support.faults_api import Fault, FaultyApi
@@ -40,7 +41,8 @@ def failing(times: int, error: Exception | None = None, result: str = "ok"):
     async def call(timeout: float) -> str:
         timeouts.append(timeout)
         if len(timeouts) <= times:
-            raise error or Transient("read pod a/b: 503 ServiceUnavailable: try later", 503)
+            raise error or refused("read pod a/b", 503, "ServiceUnavailable",
+                                   '{"message": "try later"}')
         return result
 
     return call, timeouts
