@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, NoReturn, Protocol
 
 from ..clock import AsyncClock, SystemClock
+from . import objects
 from .client import Kube
 from .errors import BadAnswer, Gone, KubeError, refused
 from .retry import Backoff
@@ -34,10 +35,6 @@ PAGE_SIZE = 500
 WATCH_CACHE = "0"
 """A list's resourceVersion that lets the API server answer from its watch cache (cheap, maybe
 a moment old) instead of a read of every object from etcd."""
-
-
-def object_rv(obj: Mapping[str, Any]) -> str:
-    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
 
 
 def watch_event(line: str | bytes, what: str, skip: Callable[[Any], bool] | None = None
@@ -170,7 +167,7 @@ class Cycle:
     def progressed(self, obj: Mapping[str, Any] | None = None) -> None:
         """A list handled, or a watch event (`obj`): the watch resumes after it."""
         if obj is not None:
-            self.resource_version = object_rv(obj) or self.resource_version
+            self.resource_version = objects.resource_version(obj) or self.resource_version
         self.failures = 0
 
     def expired(self, error: Exception) -> None:

@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 from ..kube.client import MERGE_PATCH, Kube
 from ..kube.errors import Conflict, KubeError, NotFound
-from ..kube.objects import namespaced_path
+from ..kube.objects import namespaced_path, resource_version
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class LeaderElector:
                               renew_time=now, transitions=transitions)
         else:
             spec = self._spec(acquire_time=now, renew_time=now, transitions=transitions + 1)
-        version = str((current.get("metadata") or {}).get("resourceVersion") or "")
+        version = resource_version(current)
         return await self._written(lambda s: self.lease.update(s, version), spec)
 
     async def release(self) -> None:
@@ -172,7 +172,7 @@ class LeaderElector:
             now = micro_time(self._wall())
             spec.update(holderIdentity="", leaseDurationSeconds=1, renewTime=now,
                         acquireTime=now)
-            version = str((current.get("metadata") or {}).get("resourceVersion") or "")
+            version = resource_version(current)
             await self.lease.update(spec, version)
             log.info("released lease %s/%s", self.config.namespace, self.config.name)
         except (LeaseConflict, KubeError, OSError, ValueError) as e:

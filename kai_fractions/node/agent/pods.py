@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...contract import ContainerPlan, Keys
+from ...kube.objects import meta
 from ..applied import applied_plans, has_recorded_plans
 from ..config import Mechanism, NodeConfig
 from ..desired import ContainerKey, DesiredState, NodePod, RefusalReason, plan_node
@@ -44,10 +45,6 @@ class KnownPod:
     source: str
     containers: tuple[str, ...]
     """Its fractional containers (planned or refused)."""
-
-
-def meta(manifest: Mapping[str, Any]) -> Mapping[str, Any]:
-    return manifest.get("metadata") or {}
 
 
 def _terminal(manifest: Mapping[str, Any]) -> bool:
