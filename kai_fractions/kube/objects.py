@@ -63,6 +63,15 @@ def resource_version(obj: Mapping[str, Any]) -> str:
     return str(meta(obj).get("resourceVersion") or "")
 
 
+def later_version(a: str, b: str) -> bool:
+    """Whether resourceVersion `a` is later than `b`. resourceVersions are opaque in general
+    but integers on every API server in practice; anything else counts as "not later"."""
+    try:
+        return int(a) > int(b)
+    except ValueError:
+        return False
+
+
 def annotation_patch(changes: Mapping[str, str | None], *, uid: str = "",
                      resource_version: str = "") -> bytes:
     """A JSON merge patch of `metadata.annotations` (None deletes a key) that carries the

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..kube.objects import later_version
 from .store import PodSnapshot
 
 log = logging.getLogger(__name__)
@@ -110,14 +111,13 @@ def trimmed(obj: Mapping[str, Any] | PodSnapshot) -> PodSnapshot:
     return PodSnapshot(metadata, kept)
 
 
-def _newer(a: PodSnapshot, b: PodSnapshot) -> bool:
-    """Whether `a` is a later version of the pod than `b`. resourceVersions are opaque in
-    general but integers on every API server in practice; anything else counts as "not newer",
-    which at worst costs one refused write and a re-read."""
-    try:
-        return int(a.resource_version) > int(b.resource_version)
-    except ValueError:
-        return False
+def _holds(old: PodSnapshot | None, pod: PodSnapshot) -> bool:
+    """Whether `old` is the same pod as `pod` at its version or a later one. A version that
+    is not a number counts as not later, which at worst costs one refused write and a
+    re-read."""
+    return old is not None and old.uid == pod.uid and (
+        old.resource_version == pod.resource_version
+        or later_version(old.resource_version, pod.resource_version))
 
 
 _RESOURCE_VERSION = re.compile(r'"resourceVersion":"([^"]*)"')
@@ -224,8 +224,7 @@ class PodCache:
             for key, pod in fresh.items():
                 old = self._pods.get(key)
                 # The same version stays the same object: what was prepared for it is kept.
-                if old is not None and old.uid == pod.uid and (
-                        old.resource_version == pod.resource_version or _newer(old, pod)):
+                if _holds(old, pod):
                     fresh[key] = old
             new = [pod for key, pod in fresh.items() if self._pods.get(key) is not pod]
             self._prepared -= {key for key in self._prepared if key not in fresh}
@@ -342,8 +341,7 @@ class PodCache:
         key = (pod.namespace, pod.name)
         with self._lock:
             old = self._pods.get(key)
-            if old is not None and old.uid == pod.uid and (
-                    old.resource_version == pod.resource_version or _newer(old, pod)):
+            if _holds(old, pod):
                 return False
             self._pods[key] = pod
             self._prepared.discard(key)  # the new version is not prepared yet

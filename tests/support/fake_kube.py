@@ -24,7 +24,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kai_fractions.kube.errors import Conflict, Gone, KubeError, NotFound
-from kai_fractions.node.agent.kube import on_node, pod_uid
+from kai_fractions.kube.objects import uid_of
+from kai_fractions.node.agent.kube import on_node
 
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
@@ -174,7 +175,7 @@ class FakeCluster:
             if not same_name:
                 raise NotFound(f"pod {namespace}/{name} not found", 404)
             pod = same_name[0]
-            if pod_uid(pod) != uid:
+            if uid_of(pod) != uid:
                 raise Conflict(f"pod {namespace}/{name}: uid precondition failed", 409)
             pod["metadata"].setdefault("annotations", {}).update(annotations)
             pod["metadata"]["resourceVersion"] = self._next_rv()
@@ -227,7 +228,7 @@ class FakeCluster:
 
 
 class FakePods:
-    """The pods of one node as `kube.listwatch.list_watch` drives them (a PodCollection)."""
+    """The pods of one node as `kube.listwatch.list_watch` drives them (a kube.listwatch.Source)."""
 
     def __init__(self, cluster: FakeCluster, node: str) -> None:
         self.cluster = cluster

@@ -15,27 +15,24 @@ itself (the loop is the retry).
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...kube.blocking import BlockingKube
 from ...kube.client import MERGE_PATCH, STRATEGIC_MERGE_PATCH
-from ...kube.listwatch import Collection
+from ...kube.listwatch import Collection, Source
 from ...kube.objects import (
     annotation_patch,
     events_path,
     node_path,
     pod_path,
     pods_path,
-    resource_version,
-    uid_of,
 )
 
 if TYPE_CHECKING:
     from kubernetes import client as k8s
 
-__all__ = ["ClusterWriter", "KubeCluster", "PodCollection", "PodSource", "on_node", "pod_uid",
-           "resource_version"]
+__all__ = ["ClusterWriter", "KubeCluster", "PodSource", "on_node"]
 
 
 def on_node(pod: Mapping[str, Any], node: str) -> bool:
@@ -44,28 +41,10 @@ def on_node(pod: Mapping[str, Any], node: str) -> bool:
     return str((pod.get("spec") or {}).get("nodeName") or "") == node
 
 
-pod_uid = uid_of
-
-
-class PodCollection(Protocol):
-    """What `kube.listwatch.list_watch` drives: a `kube.listwatch.Collection`, or a fake."""
-
-    what: str
-
-    async def list(self, resource_version: str = "") -> tuple[list[Any], str]:
-        """The pods and the list's resourceVersion; `resource_version` "0" lets the API
-        server answer from its watch cache (cheap, possibly a moment old)."""
-        ...
-
-    def watch(self, resource_version: str) -> AsyncIterator[tuple[str, Mapping[str, Any]]]:
-        """(event type, pod) from `resource_version` on, until the server ends the stream;
-        raises Gone when the version expired."""
-        ...
-
-
 class PodSource(Protocol):
-    def node_pods(self, node: str) -> PodCollection:
-        """The pods bound to `node` (asked of the server by field selector)."""
+    def node_pods(self, node: str) -> Source:
+        """The pods bound to `node` (asked of the server by field selector), as
+        `kube.listwatch.list_watch` drives them."""
         ...
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:

@@ -31,8 +31,9 @@ from typing import Any, NoReturn
 from ...clock import AsyncClock, SystemClock
 from ...kube.errors import KubeError
 from ...kube.listwatch import WATCH_BACKOFF, list_watch
+from ...kube.objects import later_version, resource_version, uid_of
 from ...kube.retry import Backoff
-from .kube import PodSource, on_node, pod_uid, resource_version
+from .kube import PodSource, on_node
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +55,19 @@ class PodCache:
 
     def replace(self, pods: list[dict[str, Any]]) -> None:
         with self._lock:
-            self._pods = {pod_uid(p): p for p in pods if pod_uid(p)}
+            self._pods = {uid_of(p): p for p in pods if uid_of(p)}
             self.synced = True
             self.api_down_since = None
             self.last_error = None
 
     def upsert(self, pod: dict[str, Any]) -> bool:
         """Stores `pod` unless the cache already has a newer version of it."""
-        uid = pod_uid(pod)
+        uid = uid_of(pod)
         if not uid:
             return False
         with self._lock:
             old = self._pods.get(uid)
-            if old is not None and _newer(old, pod):
+            if old is not None and later_version(resource_version(old), resource_version(pod)):
                 return False
             self._pods[uid] = pod
             return True
@@ -89,15 +90,6 @@ class PodCache:
         with self._lock:
             pod = self._pods.get(uid)
             return copy.deepcopy(pod) if pod is not None else None
-
-
-def _newer(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether `a` is a later version than `b` (resourceVersions are opaque in general, but
-    integers on every API server in practice; anything else is taken as "not newer")."""
-    try:
-        return int(resource_version(a)) > int(resource_version(b))
-    except ValueError:
-        return False
 
 
 class PodWatcher:
@@ -156,7 +148,7 @@ class PodWatcher:
         self.cache.failed(error.message)
 
     def _event(self, kind: str, pod: Mapping[str, Any]) -> None:
-        uid = pod_uid(pod)
+        uid = uid_of(pod)
         if kind == "BOOKMARK" or not uid:
             return
         if kind == "DELETED" or not on_node(pod, self.node):
