@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from kubernetes import client as k8s
@@ -29,9 +29,10 @@ class BlockingKube:
         self._thread.start()
         self._spawned: set[concurrent.futures.Future[Any]] = set()
 
-    def call(self, work: Callable[[Kube], Awaitable[T]], timeout: float | None = None) -> T:
+    def call(self, work: Callable[[Kube], Coroutine[Any, Any, T]],
+             timeout: float | None = None) -> T:
         """`work(kube)`'s result; its error as raised."""
-        return asyncio.run_coroutine_threadsafe(self._await(work), self._loop).result(timeout)
+        return asyncio.run_coroutine_threadsafe(work(self.kube), self._loop).result(timeout)
 
     def request(self, method: str, path: str, **options: Any) -> Any:
         """`Kube.request`, blocking."""
@@ -50,14 +51,11 @@ class BlockingKube:
             return
         for future in list(self._spawned):
             future.cancel()
-        with_timeout = asyncio.run_coroutine_threadsafe(self.kube.close(), self._loop)
+        closing = asyncio.run_coroutine_threadsafe(self.kube.close(), self._loop)
         try:
-            with_timeout.result(timeout)
+            closing.result(timeout)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout)
             if not self._thread.is_alive():
                 self._loop.close()
-
-    async def _await(self, work: Callable[[Kube], Awaitable[T]]) -> T:
-        return await work(self.kube)
