@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid as uuid_mod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from ...kube.errors import KubeError
+from ...kube.objects import pod_event
 from ...signing import Reason
 from .kube import ClusterWriter
 from .options import COMPONENT
@@ -36,7 +36,6 @@ LIMIT_ENFORCED = "LimitEnforced"
 PLAN_CHANGE_REFUSED = "PlanChangeRefused"
 NORMAL = "Normal"
 WARNING = "Warning"
-MAX_MESSAGE = 1024
 MAX_BACKLOG = 200
 EVENT_BURST = 50
 EVENT_RATE = 1.0
@@ -69,24 +68,9 @@ class PodRef:
 
 def event_body(pod: PodRef, kind: str, reason: str, message: str, *, node: str,
                now: float) -> dict[str, Any]:
-    stamp = datetime.fromtimestamp(int(now), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {"name": f"{pod.name}.{uuid_mod.uuid4().hex[:16]}",
-                     "namespace": pod.namespace},
-        "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": pod.namespace,
-                           "name": pod.name, "uid": pod.uid},
-        "reason": reason,
-        "message": message[:MAX_MESSAGE],
-        "type": kind,
-        "source": {"component": COMPONENT, "host": node},
-        "reportingComponent": COMPONENT,
-        "reportingInstance": node,
-        "firstTimestamp": stamp,
-        "lastTimestamp": stamp,
-        "count": 1,
-    }
+    return pod_event(pod.namespace, pod.name, pod.uid, event_type=kind, reason=reason,
+                     message=message, component=COMPONENT, host=node,
+                     now=datetime.fromtimestamp(int(now), UTC))
 
 
 class EventRecorder:
