@@ -34,6 +34,7 @@ from typing import Any
 
 from ...contract import ContainerPlan, Keys, derived_annotations
 from ...kube.errors import Conflict, KubeError, NotFound
+from ...kube.objects import meta
 from ...marker import (
     MARKER_FILE,
     ContainerMarker,
@@ -202,8 +203,8 @@ class MarkerWriter:
                ) -> bool:
         """One fractional pod; True when settled. Only a pod read from the API gets derived
         annotations (a provisioned one has none to write)."""
-        meta = manifest.get("metadata") or {}
-        ref = PodRef(str(meta.get("namespace") or ""), str(meta.get("name") or ""), uid)
+        ref = PodRef(str(meta(manifest).get("namespace") or ""),
+                     str(meta(manifest).get("name") or ""), uid)
         decision = decide(results)
         existing = self.store.read(uid)
         self._pending_events(ref, results)
@@ -234,7 +235,7 @@ class MarkerWriter:
 
     def _ensure_annotations(self, ref: PodRef, manifest: Mapping[str, Any],
                             plans: Sequence[ContainerPlan], errors: set[str]) -> bool:
-        have = (manifest.get("metadata") or {}).get("annotations") or {}
+        have = meta(manifest).get("annotations") or {}
         want: dict[str, str] = {}
         for plan in plans:
             want.update(derived_annotations(plan, self.keys))
