@@ -70,7 +70,7 @@ class KubeReader:
         except KubeError as e:
             if e.status is None:  # no answer: the connection failed or timed out
                 raise SourceError(f"{what}: the Kubernetes API is not reachable: "
-                                  f"{e.message.removeprefix(f'{what}: ')}") from None
+                                  f"{e.answer}") from None
             raise SourceError(e.message) from None
 
     def node(self, name: str) -> dict[str, Any] | None:
