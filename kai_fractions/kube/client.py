@@ -19,7 +19,7 @@ import aiohttp
 from kubernetes import client as k8s
 from yarl import URL
 
-from .config import auth_headers, endpoint
+from .config import Endpoint, auth_headers, endpoint
 from .errors import BadAnswer, KubeError, refused, unreachable
 
 JSON = "application/json"
@@ -40,6 +40,7 @@ class Kube:
                  request_timeout: float = 10.0) -> None:
         self.api_client = api_client
         self.endpoint = endpoint(api_client.configuration)
+        self._route = _route(self.endpoint)
         self.connections = connections
         self.request_timeout = request_timeout
         self._session: aiohttp.ClientSession | None = None
@@ -68,7 +69,7 @@ class Kube:
         try:
             async with self.session.request(
                     method, self._url(path, query), data=data, headers=sent,
-                    timeout=aiohttp.ClientTimeout(total=seconds), **self._route()) as response:
+                    timeout=aiohttp.ClientTimeout(total=seconds), **self._route) as response:
                 payload = await response.read()
                 if not 200 <= response.status <= 299:
                     raise refused(what, response.status, response.reason, payload,
@@ -96,7 +97,7 @@ class Kube:
                 async with asyncio.timeout(seconds):  # the connection and the answer's head
                     response = await stack.enter_async_context(self.session.get(
                         self._url(path, query), timeout=limits,
-                        headers=self._headers("GET", path, None, JSON, None), **self._route()))
+                        headers=self._headers("GET", path, None, JSON, None), **self._route))
                     if not 200 <= response.status <= 299:
                         raise refused(what, response.status, response.reason,
                                       await response.read(),
@@ -130,16 +131,17 @@ class Kube:
             headers.update(extra)
         return headers
 
-    def _route(self) -> dict[str, Any]:
-        point = self.endpoint
-        route: dict[str, Any] = {}
-        if point.server_hostname:
-            route["server_hostname"] = point.server_hostname
-        if point.proxy:
-            route["proxy"] = point.proxy
-            if point.proxy_headers:
-                route["proxy_headers"] = point.proxy_headers
-        return route
+
+def _route(point: Endpoint) -> dict[str, Any]:
+    """The per-request options of aiohttp that say how the server is reached."""
+    route: dict[str, Any] = {}
+    if point.server_hostname:
+        route["server_hostname"] = point.server_hostname
+    if point.proxy:
+        route["proxy"] = point.proxy
+        if point.proxy_headers:
+            route["proxy_headers"] = point.proxy_headers
+    return route
 
 
 async def _lines(content: aiohttp.StreamReader, what: str) -> AsyncIterator[bytes]:
