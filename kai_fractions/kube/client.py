@@ -62,6 +62,15 @@ class Kube:
                       headers: Mapping[str, str] | None = None) -> Any:
         """The decoded JSON of a 2xx answer to `method path?query`. `body` is sent as JSON
         (bytes as they are); `what` names the request in errors ("patch pod ns/name")."""
+        return decoded(await self.read(method, path, what=what, query=query, body=body,
+                                       content_type=content_type, timeout=timeout,
+                                       headers=headers), what)
+
+    async def read(self, method: str, path: str, *, what: str, query: Query = None,
+                   body: Any = None, content_type: str = JSON, timeout: float | None = None,
+                   headers: Mapping[str, str] | None = None) -> bytes:
+        """`request`'s answer as it came, undecoded (`decoded` makes it JSON): for a caller
+        that decodes it later, when its loop has time."""
         data = body if body is None or isinstance(body, bytes) else (
             json.dumps(body, separators=(",", ":")).encode())
         sent = self._headers(method, path, data, content_type, headers)
@@ -74,15 +83,11 @@ class Kube:
                 if not 200 <= response.status <= 299:
                     raise refused(what, response.status, response.reason, payload,
                                   response.headers.get("Retry-After"))
+                return payload
         except KubeError:
             raise
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             raise unreachable(what, e) from None
-        try:
-            return json.loads(payload or b"null")
-        except ValueError:
-            raise BadAnswer(f"{what}: the API server's answer is not JSON "
-                            f"({payload[:60]!r})", response.status) from None
 
     @contextlib.asynccontextmanager
     async def stream(self, path: str, *, what: str, query: Query = None,
@@ -142,6 +147,15 @@ def _route(point: Endpoint) -> dict[str, Any]:
         if point.proxy_headers:
             route["proxy_headers"] = point.proxy_headers
     return route
+
+
+def decoded(payload: bytes, what: str) -> Any:
+    """The JSON of an API server's answer (None for an empty one)."""
+    try:
+        return json.loads(payload or b"null")
+    except ValueError:
+        raise BadAnswer(f"{what}: the API server's answer is not JSON "
+                        f"({payload[:60]!r})") from None
 
 
 async def _lines(content: aiohttp.StreamReader, what: str) -> AsyncIterator[bytes]:

@@ -20,7 +20,7 @@ from typing import Any, NoReturn, Protocol
 
 from ..clock import AsyncClock, SystemClock
 from . import objects
-from .client import Kube
+from .client import Kube, decoded
 from .errors import BadAnswer, Gone, KubeError, refused
 from .retry import Backoff
 
@@ -87,8 +87,9 @@ class Collection:
         """Applied to each listed object as its page arrives: what the list returns instead
         of the objects (a cache's trimmed entries, so no page outlives its decoding)."""
         self.pace = pace
-        """Awaited before each list page is asked for: a loop that also serves calls lets
-        them go first (decoding a page is work they would otherwise wait behind)."""
+        """Awaited before each list page is decoded: a loop that also serves calls lets them
+        go first (decoding a page, and `keep` on its objects, is work they would otherwise
+        wait behind)."""
 
     async def list(self, resource_version: str = "") -> tuple[list[Any], str]:
         """Every object (or what `keep` made of it) and the list's resourceVersion."""
@@ -100,10 +101,12 @@ class Collection:
                 query["continue"] = token
             elif resource_version:
                 query["resourceVersion"] = resource_version
+            what = f"list {self.what}"
+            raw = await self.kube.read("GET", self.path, what=what, query=query,
+                                       timeout=self.request_timeout)
             if self.pace is not None:
                 await self.pace()
-            body = await self.kube.request("GET", self.path, what=f"list {self.what}",
-                                           query=query, timeout=self.request_timeout) or {}
+            body = decoded(raw, what) or {}
             page = body.get("items") or []
             items.extend(page if self.keep is None else map(self.keep, page))
             meta = body.get("metadata") or {}

@@ -94,6 +94,22 @@ async def test_keep_is_applied_to_each_listed_object_as_its_page_arrives(kube_fo
 
 
 @pytest.mark.integration
+async def test_pace_is_awaited_once_each_page_has_arrived_and_before_it_is_decoded(kube_for):
+    order: list[tuple[str, Any]] = []
+
+    async def pace() -> None:  # the mirror's: a gap between the calls it serves
+        order.append(("pace", len(api.seen)))
+
+    def keep(obj: Any) -> Any:
+        order.append(("keep", obj["metadata"]["name"]))
+        return obj
+
+    async with StandIn(page(["a"], "40", "t1"), page(["b"], "41")) as api:
+        await collection(kube_for(api.url), page_size=1, keep=keep, pace=pace).list()
+    assert order == [("pace", 1), ("keep", "a"), ("pace", 2), ("keep", "b")]
+
+
+@pytest.mark.integration
 async def test_a_watch_sends_its_query_and_yields_each_event_until_the_stream_ends(kube_for):
     script = [("ADDED", pod("a", "41")), ("BOOKMARK", {"metadata": {"resourceVersion": "45"}}),
               ("DELETED", pod("a", "46"))]
