@@ -23,8 +23,8 @@ parsed by their first allocation.
 A queue of tens of thousands of Pending pods must not stall the loop that serves (measured as
 P6 in benchmarks/): on that loop, the list is trimmed and stored page by page as it arrives
 (`keep`), then merged (prepared, and the pods it lacks removed) in slices of at most
-`SLICE_SECONDS` of work that yield to the calls (`merge_soon`); watch events that arrive
-meanwhile win over the list.
+`SLICE_SECONDS` of work (`merge_soon`); each page and each slice waits for a gap between the
+calls (`foreground`); watch events that arrive meanwhile win over the list.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..kube.objects import later_version
+from .foreground import Foreground
 from .store import PodSnapshot
 
 log = logging.getLogger(__name__)
@@ -132,11 +133,9 @@ keeps a large queue's memory to the trimmed pods."""
 SETTLE_EVERY = 1000
 """Listed pods between two `settle()`s (each a young collection, then gc.freeze)."""
 SLICE_SECONDS = 0.0005
-"""The most work a list's merge does on the serving loop before it lets the calls waiting
-there run: a call waits for one slice at most per step it takes on the loop."""
-BUSY_SECONDS = 0.0002
-"""A yield to the loop that takes longer than this ran other work (calls): the merge yields
-again before its next slice, so calls go first while there are any."""
+"""The most work a list's merge does on the serving loop at a time: a call that arrives
+meanwhile waits for one slice at most (between slices the merge waits for a gap between calls:
+`foreground`)."""
 
 
 class PodCache:
@@ -144,7 +143,7 @@ class PodCache:
 
     def __init__(self, prepare: Callable[[PodSnapshot], object] | None = None, *,
                  prepared_kept: int = PREPARED_KEPT, slice_seconds: float = SLICE_SECONDS,
-                 busy_seconds: float = BUSY_SECONDS,
+                 foreground: Foreground | None = None,
                  monotonic: Callable[[], float] = time.perf_counter) -> None:
         self.prepare = prepare
         """Run on the pods the list and the watch bring in (not on those the mirror reads or
@@ -161,7 +160,9 @@ class PodCache:
         self.misses = 0
         self.prepared_kept = prepared_kept
         self.slice_seconds = slice_seconds
-        self.busy_seconds = busy_seconds
+        self.foreground = foreground or Foreground()
+        """The calls in flight on the serving loop (MirrorService marks its own): the list's
+        work on that loop waits for a gap between them (its feed's pace, the merge's slices)."""
         self._monotonic = monotonic
         self._prepared: set[tuple[str, str]] = set()  # the keys whose entry was prepared
         self._touched: set[tuple[str, str]] | None = None
@@ -281,7 +282,7 @@ class PodCache:
                         self._pods.get(key) is pod and key not in self._prepared)):
                     self._prepare(pod)  # new, or stored as its page arrived (keep)
             if clock() - began > self.slice_seconds:
-                await calls_first(self.busy_seconds, clock)
+                await self.foreground.gap()
                 began = clock()
         del items  # the list's references go as soon as it is merged
         stale = []
@@ -289,7 +290,7 @@ class PodCache:
             if key not in listed and key not in touched:
                 stale.append(key)
             if clock() - began > self.slice_seconds:
-                await calls_first(self.busy_seconds, clock)
+                await self.foreground.gap()
                 began = clock()
         with self._lock:
             for key in stale:
@@ -346,18 +347,6 @@ class PodCache:
             self._pods[key] = pod
             self._prepared.discard(key)  # the new version is not prepared yet
             return True
-
-
-async def calls_first(busy_seconds: float = BUSY_SECONDS,
-                      clock: Callable[[], float] = time.perf_counter) -> None:
-    """Returns once a turn of the event loop ran nothing else: the calls waiting on the loop
-    go before the cache's own work (asyncio has no priorities; a yield that comes back later
-    than `busy_seconds` ran other work, so the loop may have more)."""
-    while True:
-        began = clock()
-        await asyncio.sleep(0)
-        if clock() - began <= busy_seconds:
-            return
 
 
 def settle() -> None:

@@ -1,8 +1,8 @@
 """What keeps the mirror's PodCache fed: a list + watch of the scheduler's Pending pods
 (`kube.listwatch`), on the event loop that serves MirrorAllocation, for as long as it serves.
 
-The list comes in small pages, each asked for once the calls waiting on the loop have run
-(`pod_cache.calls_first`), trimmed as it arrives (`PodCache.keep`) and merged in slices
+The list comes in small pages, each decoded in a gap between the calls the loop serves
+(`foreground`), trimmed as it arrives (`PodCache.keep`) and merged in slices
 (`PodCache.merge_soon`); the mirror's own writes coming back on the watch are skipped unparsed
 (`PodCache.is_echo`).
 """
@@ -15,7 +15,7 @@ from typing import Any
 from ..kube.client import Kube
 from ..kube.listwatch import Collection, list_watch
 from ..kube.objects import pods_path
-from .pod_cache import PodCache, calls_first
+from .pod_cache import PodCache
 
 LIST_PAGE_SIZE = 25
 """Pods per page of the list on the serving loop. Small, because a page is decoded and trimmed
@@ -39,7 +39,7 @@ def pod_collection(kube: Kube, cache: PodCache, scheduler_name: str = "") -> Col
     what = f"pod(s) of {scheduler_name}" if scheduler_name else "pod(s)"
     return Collection(kube, pods_path(), {"fieldSelector": pod_selector(scheduler_name)},
                       what=what, skip=cache.is_echo, keep=cache.keep,
-                      page_size=LIST_PAGE_SIZE, pace=calls_first)
+                      page_size=LIST_PAGE_SIZE, pace=cache.foreground.gap)
 
 
 def pod_feed(kube: Kube, cache: PodCache, scheduler_name: str = "", **options: Any) -> Feed:

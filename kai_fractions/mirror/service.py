@@ -41,6 +41,7 @@ from .errors import (
     InvalidAllocation,
     PodReplaced,
 )
+from .foreground import Foreground
 from .pod_cache import PodCache
 from .store import (
     NO_DEADLINE,
@@ -135,6 +136,8 @@ class MirrorService:
         self.clock = clock or SystemClock()
         self.rng = rng or random.Random()
         self.extra_annotations = extra_annotations
+        self.foreground = cache.foreground if cache is not None else Foreground()
+        """Every call is marked in flight here: the cache's list work waits for a gap."""
         self._locks = _PodLocks()
         self._nodes: dict[str, tuple[float, Mapping[str, str]]] = {}
 
@@ -146,6 +149,31 @@ class MirrorService:
     ) -> MirrorResult:
         """What the pod carries once the call is done: written by this call (`changed`) or
         already there. The log line of a write is written after the caller has its answer."""
+        with self.foreground.call():
+            return await self._mirror(allocation, idempotency_key, replace, deadline)
+
+    async def preview(self, allocation: AllocationInput, *, deadline: Deadline = NO_DEADLINE
+                      ) -> PreviewResult:
+        with self.foreground.call():
+            decision = await self._decision(allocation, deadline)
+            pod = await self._get(allocation.namespace, allocation.pod_name,
+                                  allocation.pod_uid, deadline)
+            outcome = self._outcome(pod, allocation, decision)
+            return PreviewResult(outcome.annotations, outcome.plans)
+
+    async def release(self, namespace: str, name: str, uid: str = "", *,
+                      deadline: Deadline = NO_DEADLINE) -> ReleaseResult:
+        with self.foreground.call():
+            return await self._release(namespace, name, uid, deadline)
+
+    async def close(self) -> None:
+        """Closes the store (its connections): the event loop the service ran on awaits it."""
+        await self.store.close()
+
+    # -- steps --------------------------------------------------------------------------------
+
+    async def _mirror(self, allocation: AllocationInput, idempotency_key: str, replace: bool,
+                      deadline: Deadline) -> MirrorResult:
         check_idempotency_key(idempotency_key)
         decision = await self._decision(allocation, deadline)
         ns, name = allocation.namespace, allocation.pod_name
@@ -182,16 +210,8 @@ class MirrorService:
                                     outcome.plans)
         raise AssertionError("unreachable")  # _waits raises when it runs out
 
-    async def preview(self, allocation: AllocationInput, *, deadline: Deadline = NO_DEADLINE
-                      ) -> PreviewResult:
-        decision = await self._decision(allocation, deadline)
-        pod = await self._get(allocation.namespace, allocation.pod_name, allocation.pod_uid,
-                              deadline)
-        outcome = self._outcome(pod, allocation, decision)
-        return PreviewResult(outcome.annotations, outcome.plans)
-
-    async def release(self, namespace: str, name: str, uid: str = "", *,
-                      deadline: Deadline = NO_DEADLINE) -> ReleaseResult:
+    async def _release(self, namespace: str, name: str, uid: str, deadline: Deadline
+                       ) -> ReleaseResult:
         async with self._locks.hold(namespace, name):
             what = f"release on pod {namespace}/{name}"
             for attempt, wait in enumerate(self._waits(what, deadline)):
@@ -206,12 +226,6 @@ class MirrorService:
                 log.info("pod %s/%s: released %d key(s)", namespace, name, len(changes))
                 return ReleaseResult(tuple(sorted(changes)), True)
         raise AssertionError("unreachable")
-
-    async def close(self) -> None:
-        """Closes the store (its connections): the event loop the service ran on awaits it."""
-        await self.store.close()
-
-    # -- steps --------------------------------------------------------------------------------
 
     async def _decision(self, allocation: AllocationInput, deadline: Deadline):
         """The contract's BindDecision; the node's labels are read first when it needs them

@@ -14,6 +14,7 @@ from kai_fractions.kube.listwatch import list_watch
 from kai_fractions.kube.retry import Backoff
 from kai_fractions.mirror import pod_cache
 from kai_fractions.mirror.errors import InvalidAllocation, PodReplaced
+from kai_fractions.mirror.foreground import Foreground
 from kai_fractions.mirror.pod_cache import PodCache, trimmed
 from kai_fractions.mirror.pod_feed import pod_selector
 from kai_fractions.mirror.service import MirrorService
@@ -189,7 +190,8 @@ async def settle(cache: PodCache) -> None:
 
 
 async def test_a_merged_list_lets_the_loop_run_between_slices_and_events_win():
-    cache = PodCache(slice_seconds=0.5, busy_seconds=1.5, monotonic=Ticks())
+    cache = PodCache(slice_seconds=0.5, foreground=Foreground(busy_seconds=1.5, clock=Ticks()),
+                     monotonic=Ticks())
     cache.event("ADDED", full_pod(name="gone", resourceVersion="5"))
     cache.event("ADDED", full_pod(name="kept-by-event", resourceVersion="4"))
     listed = [full_pod(name=f"p{i}", resourceVersion=str(10 + i)) for i in range(6)]
@@ -223,7 +225,8 @@ async def test_a_listed_page_is_stored_as_it_arrives_and_the_merge_prepares_it()
 
 
 async def test_a_newer_list_cancels_the_merge_in_progress():
-    cache = PodCache(slice_seconds=0.5, busy_seconds=1.5, monotonic=Ticks())
+    cache = PodCache(slice_seconds=0.5, foreground=Foreground(busy_seconds=1.5, clock=Ticks()),
+                     monotonic=Ticks())
     cache.merge_soon([full_pod(name=f"old{i}", resourceVersion=str(i + 1)) for i in range(50)])
     await asyncio.sleep(0)
     cache.merge_soon([full_pod(name="new", resourceVersion="100")])

@@ -1,0 +1,96 @@
+"""Calls first, the cache's work after (`mirror.foreground`): the pod cache's list work on the
+serving loop waits for a gap between calls, rests between chunks while calls come, and never
+starves. Waits are measured on the loop's own clock, in tens of milliseconds at most."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kai_fractions.mirror.foreground import Foreground
+from kai_fractions.mirror.pod_cache import PodCache
+from kai_fractions.mirror.service import MirrorService
+from tests.support.fake_store import FakePodStore
+
+from .test_service import SINGLE, allocation, pod
+
+LONG = 10.0  # a wait no test reaches
+
+
+async def held_call(foreground: Foreground, release: asyncio.Event) -> None:
+    with foreground.call():
+        await release.wait()
+
+
+async def test_with_no_call_the_cache_work_goes_after_one_quiet_turn_of_the_loop():
+    foreground = Foreground(rest=LONG, max_wait=LONG)
+    async with asyncio.timeout(1.0):  # neither the rest nor the wait applies
+        await foreground.gap()
+
+
+async def test_the_cache_work_waits_for_the_call_in_flight_then_rests():
+    foreground = Foreground(rest=0.02, max_wait=LONG)
+    release = asyncio.Event()
+    call = asyncio.create_task(held_call(foreground, release))
+    await asyncio.sleep(0)
+    assert foreground.in_flight == 1
+    gap = asyncio.create_task(foreground.gap())
+    await asyncio.sleep(0.05)  # well past the rest: the call holds the cache's work back
+    assert not gap.done()
+    release.set()
+    await call
+    assert foreground.in_flight == 0
+    async with asyncio.timeout(1.0):
+        await gap
+
+
+async def test_while_calls_come_two_chunks_are_at_least_the_rest_apart():
+    foreground = Foreground(rest=0.03, max_wait=LONG)
+    with foreground.call():
+        pass  # a call came and went
+    began = time.perf_counter()
+    await foreground.gap()
+    assert time.perf_counter() - began >= 0.03
+
+
+async def test_under_calls_that_never_end_the_cache_work_still_runs_after_max_wait():
+    foreground = Foreground(rest=0.0, max_wait=0.03)
+    release = asyncio.Event()
+    call = asyncio.create_task(held_call(foreground, release))
+    await asyncio.sleep(0)
+    began = time.perf_counter()
+    async with asyncio.timeout(1.0):
+        await foreground.gap()
+    assert foreground.in_flight == 1 and time.perf_counter() - began >= 0.03
+    release.set()
+    await call
+
+
+async def test_a_call_that_fails_is_no_longer_in_flight():
+    foreground = Foreground()
+    with pytest.raises(RuntimeError), foreground.call():
+        raise RuntimeError("the call failed")
+    assert foreground.in_flight == 0
+
+
+@pytest.mark.parametrize("cached", [True, False])
+async def test_the_service_marks_each_call_in_flight_on_its_caches_foreground(cached):
+    seen: list[int] = []
+    cache = PodCache() if cached else None
+    store = FakePodStore(nodes={"node-1": {}})
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    service = MirrorService(store, cache=cache)
+    if cache is not None:
+        assert service.foreground is cache.foreground  # the cache's list work waits on it
+    patch = service.store.patch_annotations
+
+    async def patch_seen(*args, **kwargs):
+        seen.append(service.foreground.in_flight)
+        return await patch(*args, **kwargs)
+
+    service.store.patch_annotations = patch_seen  # type: ignore[method-assign]
+    result = await service.mirror(allocation())
+    assert dict(result.annotations) == SINGLE
+    assert seen == [1] and service.foreground.in_flight == 0
