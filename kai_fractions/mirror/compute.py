@@ -91,10 +91,12 @@ def user_request(pod: PodSnapshot, keys: Keys = k.DEFAULT_KEYS) -> tuple[PodView
     """`user_view` and its parse, computed once per snapshot and Keys. The pod cache has it
     computed when a pod arrives (PodCache's `prepare`), long before a scheduler binds the pod,
     so an allocation for a cached pod starts from it: about a third of compute_outcome."""
-    found = pod.derived.get(keys)
-    if found is None:
-        view = user_view(pod, keys)
-        found = pod.derived[keys] = (view, parse_pod(view, keys))
+    parsed = pod.parsed
+    if parsed is not None and (parsed[0] is keys or parsed[0] == keys):
+        return parsed[1]
+    view = user_view(pod, keys)
+    found = (view, parse_pod(view, keys))
+    object.__setattr__(pod, "parsed", (keys, found))  # a frozen snapshot's one cache slot
     return found
 
 

@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from ..kube.objects import later_version
@@ -56,11 +57,9 @@ def _containers(value: Any) -> Any:
             for c in value]
 
 
-def _interned(value: Any) -> Any:
+def _interned(value: Mapping[Any, Any]) -> dict[Any, Any]:
     """A string map with its keys and values interned: pods of one job repeat them, and each
     JSON decoding makes copies of its own (about 50 bytes a string per pod)."""
-    if not isinstance(value, dict):
-        return value
     return {sys.intern(k) if type(k) is str else k: sys.intern(v) if type(v) is str else v
             for k, v in value.items()}
 
@@ -68,23 +67,34 @@ def _interned(value: Any) -> Any:
 SHARED_KEPT = 4096
 """Distinct annotation maps, label maps and container lists shared at most (then forgotten,
 which only ends the sharing of the older ones)."""
-_shared: dict[str, Any] = {}
+_shared: dict[Any, Any] = {}
 
 
 def _one_of(value: Any) -> Any:
     """One object for equal values: the pods of one job carry the same annotations, labels and
-    containers, a copy per pod as JSON decoding makes them. Safe because a
-    snapshot's parts are never changed; a JSON value's repr is equal exactly when the value
-    is (for maps, in the same order: the other orders are just not shared)."""
+    containers, a copy per pod as JSON decoding makes them. Safe because a snapshot's parts are
+    never changed: a string map comes back read-only (which the contract's view then shares
+    instead of copying). A map is found by its items' hash and kept only when equal, so a map
+    seen once (a written pod's own record) costs a number, not a copy of its text; a list is
+    found by its repr, equal exactly when the value is."""
     if not value:
         return value
-    key = repr(value)
+    if isinstance(value, Mapping):
+        try:
+            key: Any = hash(tuple(value.items()))
+        except TypeError:
+            return value  # not a string map: left as it is, for the contract to name
+    else:
+        key = repr(value)
     found = _shared.get(key)
-    if found is None:
+    if found is not None and found == value:
+        return found
+    shared = MappingProxyType(_interned(value)) if isinstance(value, Mapping) else value
+    if found is None:  # an unequal value under the same hash is just not shared
         if len(_shared) >= SHARED_KEPT:
             _shared.clear()
-        found = _shared[key] = _interned(value)
-    return found
+        _shared[key] = shared
+    return shared
 
 
 def trimmed(obj: Mapping[str, Any] | PodSnapshot) -> PodSnapshot:

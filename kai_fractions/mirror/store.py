@@ -23,10 +23,11 @@ class PodSnapshot:
     metadata: Mapping[str, Any]
     spec: Mapping[str, Any] = field(default_factory=dict)
     _view: PodView | None = field(default=None, init=False, repr=False, compare=False)
-    derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False,
-                                    compare=False)
-    """What its readers compute from it, kept because a snapshot never changes (the pod as
-    its user wrote it, parsed: compute.user_request)."""
+    parsed: tuple[Any, Any] | None = field(default=None, init=False, repr=False,
+                                           compare=False)
+    """(Keys, the pod as its user wrote it, parsed under them: compute.user_request), kept
+    because a snapshot never changes. One slot, not a map per Keys: a mirror reads every pod
+    with one set of keys, and a slot costs nothing on the pods never parsed."""
 
     @property
     def namespace(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from types import MappingProxyType
 
 import pytest
 
@@ -146,3 +147,12 @@ def test_with_annotations_changes_the_annotations_and_nothing_else() -> None:
     assert {f.name for f in dataclasses.fields(PodView)} == {
         "name", "namespace", "uid", "annotations", "labels", "containers", "init_containers",
         "node_name", "kind"}
+
+
+def test_a_read_only_string_map_is_shared_by_the_view_and_any_other_map_is_copied():
+    shared = MappingProxyType({"team": "a"})
+    given = {"team": "a"}
+    view = view_from_pod_spec({"name": "p", "annotations": shared, "labels": given}, {})
+    assert view.annotations is shared  # nobody can change it through the view
+    given["team"] = "b"
+    assert view.labels == {"team": "a"}  # a copy: the caller's later change is not the view's

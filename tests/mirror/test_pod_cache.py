@@ -55,7 +55,7 @@ def test_an_entry_keeps_only_what_the_contract_reads():
     assert kept.spec == {"containers": [{"name": "trainer", "resources": {
                              "limits": {"nvidia.com/gpu": "1"}}}],
                          "initContainers": [{"name": "setup"}], "nodeName": "node-1"}
-    assert len(json.dumps(kept.metadata | kept.spec)) < len(json.dumps(obj)) / 2
+    assert len(json.dumps(kept.metadata | kept.spec, default=dict)) < len(json.dumps(obj)) / 2
 
 
 def test_a_malformed_pod_is_kept_as_is_so_the_contract_names_the_field():
@@ -167,7 +167,7 @@ async def test_a_prepared_pod_is_mirrored_exactly_as_an_unprepared_one(store):
         service = MirrorService(store, clock=FakeClock(), cache=cache)
         listed = await store.get_pod(NS, POD)
         cache.replace([{"metadata": listed.metadata, "spec": listed.spec}])
-        assert bool(cache.lookup(NS, POD).derived) is (prepare is not None)
+        assert (cache.lookup(NS, POD).parsed is not None) is (prepare is not None)
         result = await service.mirror(allocation())
         assert dict(result.annotations) == SINGLE
 
@@ -264,6 +264,32 @@ def test_trimmed_keeps_a_snapshot_and_shares_repeated_strings():
     a, b = trimmed(json.loads(json.dumps(full_pod()))), trimmed(json.loads(json.dumps(full_pod())))
     assert a.annotations["gpu-fraction"] is b.annotations["gpu-fraction"]
     assert a.metadata["namespace"] is b.metadata["namespace"]
+
+
+def test_equal_maps_are_one_read_only_map_which_the_contracts_view_shares():
+    a, b = (trimmed(json.loads(json.dumps(full_pod()))) for _ in range(2))
+    annotations = a.metadata["annotations"]
+    assert annotations is b.metadata["annotations"] and a.metadata["labels"] is b.metadata[
+        "labels"]
+    with pytest.raises(TypeError):
+        annotations["gpu-fraction"] = "1"  # type: ignore[index]
+    assert a.view.annotations is annotations and b.view.annotations is annotations
+
+
+def test_a_map_seen_once_is_kept_by_its_hash_not_by_a_copy_of_its_text():
+    pod_cache._shared.clear()
+    once = full_pod(name="written")
+    once["metadata"]["annotations"]["kai-fractions.io/mirrored"] = "x" * 500
+    trimmed(once)
+    assert all(not isinstance(key, str) or "x" * 500 not in key for key in pod_cache._shared)
+    # Its labels are a job's, seen on every pod: shared all the same.
+    assert trimmed(full_pod()).metadata["labels"] is trimmed(once).metadata["labels"]
+
+
+def test_a_map_that_is_not_a_string_map_is_left_for_the_contract_to_name():
+    odd = full_pod()
+    odd["metadata"]["labels"] = {"app": ["not", "a", "string"]}
+    assert trimmed(odd).metadata["labels"] == {"app": ["not", "a", "string"]}
 
 
 # -- MirrorService with a cache ---------------------------------------------------------------
