@@ -1,10 +1,12 @@
 """P6 a large pending queue: the mirror while its pod cache lists 1k, 10k and 50k Pending pods.
 
-Per size, against the stub API server (`benchmarks.stub_apiserver`, lists in pages of 500 as a
-real API server answers from etcd), a mirror process built as `kai-fractions mirror` builds
-it (pod cache with `prepare`, its list + watch on the serving loop) plus a probe on that loop:
-a coroutine that sleeps `PROBE_PERIOD_S` and records how late it wakes. A late wake is a
-stall of the loop, which every call waiting on it shares. In order:
+Per size, against the stub API server (`benchmarks.stub_apiserver`, lists in pages of the
+limit asked, as a real API server answers from etcd), a mirror process built as
+`kai-fractions mirror` builds it (pod cache with `prepare`, its list + watch on the serving
+loop) plus a probe on that loop: a coroutine that sleeps `PROBE_PERIOD_S` and records how late
+it wakes. A late wake is a stall of the loop, which every call waiting on it shares. In order:
+0. a first such mirror lists the queue with no call made at all, and stops: the RSS the cache
+   alone grows per pod ("list alone"; the growth in 3. also holds what the calls add);
 1. the mirror starts with its feed held back; a few calls warm it up; RSS is read (before);
 2. the feed starts (the first list) while one client calls MirrorAllocation back to back
    (c=1), until the whole list is merged: the stall and the calls "during the first list";
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import itertools
 import json
 import os
 import queue
@@ -266,10 +269,30 @@ def _expire(url: str) -> None:
         pass
 
 
+def list_alone(url: str, tmp: Path, timeout: float) -> tuple[float, int, float]:
+    """(RSS growth in bytes, pods cached, seconds) of a mirror that lists the queue with no
+    call made at all: the cache's own cost, without what calls add (the pods they write, which
+    stay Pending in the stub, and the heap a process's first calls grow)."""
+    mirror = MirrorWithProbe(kubeconfig(url, tmp / "kubeconfig-alone"), tmp / "alone.log")
+    try:
+        before = mirror.rss_bytes()
+        began = time.perf_counter()
+        mirror.send("list")
+        while "listed" not in (said := mirror.next(timeout)):
+            pass
+        took = time.perf_counter() - began
+        time.sleep(0.5)  # what the list left behind is collected
+        return mirror.rss_bytes() - before, int(said["pods"]), took
+    finally:
+        mirror.close()
+
+
 def measure(size: int, idle_calls: int, warmup: int = 20, timeout: float = 600.0) -> dict:
     """One size: every figure of P6 for it, as a dict."""
     with ExitStack() as stack:
         url, tmp = stack.enter_context(scene(size))
+        # Before any call writes a pod of the queue.
+        alone_bytes, alone_pods, alone_s = list_alone(url, tmp, timeout)
         mirror = MirrorWithProbe(kubeconfig(url, tmp / "kubeconfig"), tmp / "mirror.log")
         stack.callback(mirror.close)
         caller = Caller(mirror.address, size)
@@ -302,8 +325,11 @@ def measure(size: int, idle_calls: int, warmup: int = 20, timeout: float = 600.0
     ms = 1000.0
     return {
         "size": size, "cached": cached, "first_list_s": first_s, "relist_s": relist_s,
+        "alone_list_s": alone_s,
         "rss_before_mb": before / 2**20, "rss_after_mb": after / 2**20,
-        "rss_kb_per_pod": (after - before) / 1024 / max(1, cached),
+        "rss_growth": after - before, "rss_kb_per_pod": (after - before) / 1024 / max(1, cached),
+        "rss_growth_alone": alone_bytes, "cached_alone": alone_pods,
+        "rss_kb_per_pod_alone": alone_bytes / 1024 / max(1, alone_pods),
         "mirror_cpu_first_s": mirror_cpu, "stub_cpu_first_s": stub_cpu,
         "stall_first_ms": windows["first"]["max_ms"], "stall_relist_ms": windows["relist"][
             "max_ms"], "stall_idle_ms": windows["idle"]["max_ms"],
@@ -325,9 +351,11 @@ def run(quick: bool = False, smoke: bool = False, sizes: tuple[int, ...] = SIZES
     if smoke:
         sizes = (200,)
     idle_calls = 30 if smoke else 100 if quick else IDLE_CALLS
+    measured: list[dict] = []
     for size in sizes:
         m = measure(size, idle_calls, warmup=5 if smoke else 20)
-        tag = f"{size // 1000}k" if size >= 1000 else str(size)
+        measured.append(m)
+        tag = _tag(size)
         result.add(f"{tag}: loop stall max, first list", round(m["stall_first_ms"], 1), "ms",
                    "<= 50")
         result.add(f"{tag}: loop stall max, re-list", round(m["stall_relist_ms"], 1), "ms",
@@ -340,12 +368,15 @@ def run(quick: bool = False, smoke: bool = False, sizes: tuple[int, ...] = SIZES
                    round(m["stall_relist_cpu_ms"], 1), "ms")
         result.add(f"{tag}: RSS growth per cached pod", round(m["rss_kb_per_pod"], 2), "KB",
                    "<= 2")
+        result.add(f"{tag}: RSS growth per cached pod, list alone (no calls)",
+                   round(m["rss_kb_per_pod_alone"], 2), "KB")
         result.add(f"{tag}: RSS before / after", round(m["rss_after_mb"], 1), "MB")
         result.add(f"{tag}: first list merged in", round(m["first_list_s"], 2), "s")
+        result.add(f"{tag}: list alone (no calls) merged in", round(m["alone_list_s"], 2), "s")
         result.add(f"{tag}: mirror CPU per listed pod, first list",
                    round(m["mirror_cpu_first_s"] / size * 1e6, 1), "us")
         result.add(f"{tag}: re-list merged in", round(m["relist_s"], 2), "s")
-        result.add(f"{tag}: allocation p50 / p99 idle", round(m["p99_idle_ms"], 2), "ms")
+        result.add(f"{tag}: allocation p99 idle", round(m["p99_idle_ms"], 2), "ms")
         result.add(f"{tag}: allocation p99 first list", round(m["p99_first_ms"], 2), "ms")
         result.add(f"{tag}: p99 first list / idle",
                    round(m["p99_first_ms"] / m["p99_idle_ms"], 2), "x", "<= 2")
@@ -358,7 +389,28 @@ def run(quick: bool = False, smoke: bool = False, sizes: tuple[int, ...] = SIZES
             f"(p50 {m['p50_first_ms']:.2f} ms), during the re-list {m['calls_relist']} "
             f"(p50 {m['p50_relist_ms']:.2f} ms); idle p50 {m['p50_idle_ms']:.2f} ms over "
             f"{idle_calls} calls")
+    _per_added_pod(result, measured)
     return result
+
+
+def _tag(size: int) -> str:
+    return f"{size // 1000}k" if size >= 1000 else str(size)
+
+
+def _per_added_pod(result: Result, measured: list[dict]) -> None:
+    """RSS per cached pod from one size to the next larger one: the growth that scales with the
+    queue, without what does not (the list's machinery and buffers, the heap the first calls
+    grow: about a megabyte, which is most of the 1k figure)."""
+    ordered = sorted(measured, key=lambda m: m["cached"])
+    for small, large in itertools.pairwise(ordered):
+        span = f"{_tag(small['size'])}-{_tag(large['size'])}"
+        for label, growth, cached in (("", "rss_growth", "cached"),
+                                      (", list alone", "rss_growth_alone", "cached_alone")):
+            added = large[cached] - small[cached]
+            if added > 0:
+                result.add(f"{span}: RSS per added cached pod{label}",
+                           round((large[growth] - small[growth]) / 1024 / added, 2), "KB",
+                           "<= 2" if not label else "")
 
 
 def main(argv: list[str] | None = None) -> int:

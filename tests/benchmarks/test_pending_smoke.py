@@ -13,11 +13,25 @@ def test_p6_pending_queue_smoke():
     result = bench_pending.run(smoke=True)
     assert_well_formed(
         result, "P6", "200: loop stall max, first list", "200: loop stall max, re-list",
-        "200: RSS growth per cached pod", "200: p99 first list / idle",
-        "200: allocation p99 first list")
+        "200: RSS growth per cached pod", "200: RSS growth per cached pod, list alone (no calls)",
+        "200: p99 first list / idle", "200: allocation p99 first list")
     targets = {f.name: f.target for f in result.figures if f.target}
     assert targets == {"200: loop stall max, first list": "<= 50",
                        "200: loop stall max, re-list": "<= 50",
                        "200: RSS growth per cached pod": "<= 2",
                        "200: p99 first list / idle": "<= 2"}
     assert result.notes[0].startswith("200: 200 pods cached")
+
+
+def test_rss_per_added_pod_is_the_growth_from_one_size_to_the_next():
+    from benchmarks.harness import Result
+
+    result = Result("P6", "")
+    sizes = [{"size": 10_000, "cached": 10_000, "rss_growth": 15 * 2**20,
+              "cached_alone": 10_000, "rss_growth_alone": 11 * 2**20},
+             {"size": 1_000, "cached": 1_000, "rss_growth": 3 * 2**20,
+              "cached_alone": 1_000, "rss_growth_alone": 2 * 2**20}]
+    bench_pending._per_added_pod(result, sizes)
+    assert [(f.name, f.value, f.target) for f in result.figures] == [
+        ("1k-10k: RSS per added cached pod", round(12 * 1024 / 9_000, 2), "<= 2"),
+        ("1k-10k: RSS per added cached pod, list alone", round(9 * 1024 / 9_000, 2), "")]
