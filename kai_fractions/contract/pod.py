@@ -102,9 +102,9 @@ def _whole_gpus(container: Mapping[str, Any], path: str) -> int:
 
 
 @lru_cache(maxsize=1024)
-def _plain_container(name: str, init: bool) -> ContainerView:
-    """Views are immutable, so containers without resources share one per (name, init)."""
-    return ContainerView(name=name, init=init)
+def _container(name: str, whole_gpus: int, init: bool) -> ContainerView:
+    """Views are immutable, so equal containers (a job's pods) share one."""
+    return ContainerView(name=name, whole_gpus=whole_gpus, init=init)
 
 
 def _containers(spec: Mapping[str, Any], key: str, init: bool) -> tuple[ContainerView, ...]:
@@ -113,11 +113,8 @@ def _containers(spec: Mapping[str, Any], key: str, init: bool) -> tuple[Containe
         # This runs for every pod: field paths are built only for unusual shapes.
         c = item if type(item) is dict else _mapping(item, f"spec.{key}[{i}]")
         name = str(c.get("name", ""))
-        if c.get("resources"):
-            views.append(ContainerView(name=name, whole_gpus=_whole_gpus(c, f"spec.{key}[{i}]"),
-                                       init=init))
-        else:
-            views.append(_plain_container(name, init))
+        whole_gpus = _whole_gpus(c, f"spec.{key}[{i}]") if c.get("resources") else 0
+        views.append(_container(name, whole_gpus, init))
     return tuple(views)
 
 

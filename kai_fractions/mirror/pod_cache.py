@@ -65,27 +65,26 @@ def _interned(value: Mapping[Any, Any]) -> dict[Any, Any]:
 
 
 SHARED_KEPT = 4096
-"""Distinct annotation maps, label maps and container lists shared at most (then forgotten,
-which only ends the sharing of the older ones)."""
+"""Distinct annotation maps, label maps, container lists and specs shared at most (then
+forgotten, which only ends the sharing of the older ones)."""
 _shared: dict[Any, Any] = {}
 
 
 def _one_of(value: Any) -> Any:
-    """One object for equal values: the pods of one job carry the same annotations, labels and
-    containers, a copy per pod as JSON decoding makes them. Safe because a snapshot's parts are
-    never changed: a string map comes back read-only (which the contract's view then shares
-    instead of copying). A map is found by its items' hash and kept only when equal, so a map
-    seen once (a written pod's own record) costs a number, not a copy of its text; a list is
-    found by its repr, equal exactly when the value is."""
+    """One object for equal values: the pods of one job carry the same annotations, labels,
+    containers and trimmed spec, a copy per pod as JSON decoding makes them. Safe because a
+    snapshot's parts are never changed: a map comes back read-only, and the contract's view
+    shares a read-only string map instead of copying it. A string map is found by its items'
+    hash and kept only when equal, so a map seen once (a written pod's own record) costs a
+    number, not a copy of its text; a list, or a map of lists, is found by its repr, equal
+    exactly when the value is."""
     if not value:
         return value
-    if isinstance(value, Mapping):
-        try:
-            key: Any = hash(tuple(value.items()))
-        except TypeError:
-            return value  # not a string map: left as it is, for the contract to name
-    else:
-        key = repr(value)
+    key: Any
+    try:
+        key = hash(tuple(value.items())) if isinstance(value, Mapping) else repr(value)
+    except TypeError:
+        key = repr(value)  # a map of lists (a trimmed spec): equal exactly when its repr is
     found = _shared.get(key)
     if found is not None and found == value:
         return found
@@ -119,7 +118,7 @@ def trimmed(obj: Mapping[str, Any] | PodSnapshot) -> PodSnapshot:
             metadata[key] = _one_of(metadata[key])
     if type(metadata.get("namespace")) is str:
         metadata["namespace"] = sys.intern(metadata["namespace"])
-    return PodSnapshot(metadata, kept)
+    return PodSnapshot(metadata, _one_of(kept))  # a job's pods: one trimmed spec
 
 
 def _holds(old: PodSnapshot | None, pod: PodSnapshot) -> bool:

@@ -274,6 +274,9 @@ def test_equal_maps_are_one_read_only_map_which_the_contracts_view_shares():
     with pytest.raises(TypeError):
         annotations["gpu-fraction"] = "1"  # type: ignore[index]
     assert a.view.annotations is annotations and b.view.annotations is annotations
+    assert a.spec is b.spec and a.view.containers == b.view.containers  # a job's: one spec
+    with pytest.raises(TypeError):
+        a.spec["nodeName"] = "elsewhere"  # type: ignore[index]
 
 
 def test_a_map_seen_once_is_kept_by_its_hash_not_by_a_copy_of_its_text():
