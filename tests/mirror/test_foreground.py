@@ -52,7 +52,7 @@ async def test_while_calls_come_two_chunks_are_at_least_the_rest_apart():
         pass  # a call came and went
     began = time.perf_counter()
     await foreground.gap()
-    assert time.perf_counter() - began >= 0.03
+    assert time.perf_counter() - began >= 0.029  # the loop's timers may fire a hair early
 
 
 async def test_under_calls_that_never_end_the_cache_work_still_runs_after_max_wait():
@@ -63,7 +63,7 @@ async def test_under_calls_that_never_end_the_cache_work_still_runs_after_max_wa
     began = time.perf_counter()
     async with asyncio.timeout(1.0):
         await foreground.gap()
-    assert foreground.in_flight == 1 and time.perf_counter() - began >= 0.03
+    assert foreground.in_flight == 1 and time.perf_counter() - began >= 0.029
     release.set()
     await call
 
