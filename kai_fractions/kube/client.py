@@ -62,15 +62,22 @@ class Kube:
                       headers: Mapping[str, str] | None = None) -> Any:
         """The decoded JSON of a 2xx answer to `method path?query`. `body` is sent as JSON
         (bytes as they are); `what` names the request in errors ("patch pod ns/name")."""
-        return decoded(await self.read(method, path, what=what, query=query, body=body,
-                                       content_type=content_type, timeout=timeout,
-                                       headers=headers), what)
+        status, payload = await self._answer(method, path, what, query, body, content_type,
+                                             timeout, headers)
+        return decoded(payload, what, status)
 
     async def read(self, method: str, path: str, *, what: str, query: Query = None,
                    body: Any = None, content_type: str = JSON, timeout: float | None = None,
                    headers: Mapping[str, str] | None = None) -> bytes:
         """`request`'s answer as it came, undecoded (`decoded` makes it JSON): for a caller
         that decodes it later, when its loop has time."""
+        return (await self._answer(method, path, what, query, body, content_type, timeout,
+                                   headers))[1]
+
+    async def _answer(self, method: str, path: str, what: str, query: Query, body: Any,
+                      content_type: str, timeout: float | None,
+                      headers: Mapping[str, str] | None) -> tuple[int, bytes]:
+        """The status and body of a 2xx answer; anything else raises."""
         data = body if body is None or isinstance(body, bytes) else (
             json.dumps(body, separators=(",", ":")).encode())
         sent = self._headers(method, path, data, content_type, headers)
@@ -83,7 +90,7 @@ class Kube:
                 if not 200 <= response.status <= 299:
                     raise refused(what, response.status, response.reason, payload,
                                   response.headers.get("Retry-After"))
-                return payload
+                return response.status, payload
         except KubeError:
             raise
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
@@ -149,13 +156,14 @@ def _route(point: Endpoint) -> dict[str, Any]:
     return route
 
 
-def decoded(payload: bytes, what: str) -> Any:
-    """The JSON of an API server's answer (None for an empty one)."""
+def decoded(payload: bytes, what: str, status: int = 200) -> Any:
+    """The JSON of a 2xx answer (None for an empty one); BadAnswer, with the answer's
+    `status`, when it is not JSON: a server did answer (a proxy's page, say)."""
     try:
         return json.loads(payload or b"null")
     except ValueError:
         raise BadAnswer(f"{what}: the API server's answer is not JSON "
-                        f"({payload[:60]!r})") from None
+                        f"({payload[:60]!r})", status) from None
 
 
 async def _lines(content: aiohttp.StreamReader, what: str) -> AsyncIterator[bytes]:

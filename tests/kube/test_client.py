@@ -265,6 +265,7 @@ async def test_a_2xx_answer_that_is_not_json_is_a_bad_answer_naming_the_request(
             await open_kube(api.url).request("GET", POD_PATH, what="read pod team-a/train-0")
     assert str(raised.value) == ("read pod team-a/train-0: the API server's answer is not JSON "
                                  "(b'<html>gateway</html>')")
+    assert raised.value.status == 200  # a server answered: not "unreachable" (inspect)
     assert len(api.seen) == 1
 
 
