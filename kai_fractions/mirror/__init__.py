@@ -10,7 +10,8 @@ The core, independent of gRPC:
 - `kube_store.KubePodStore`: the store over `kai_fractions.kube` (the tests' in-memory one is
   tests/support/fake_store.py).
 - `pod_cache`: the cache of Pending pods, a data structure; `pod_feed` feeds it from a list +
-  watch (`kai_fractions.kube.listwatch`) on the serving event loop.
+  watch (`kai_fractions.kube.listwatch`) on the serving event loop, where `foreground` lets the
+  calls go before the list's work.
 
 Its faces:
 - `grpc`: the kai_fractions.v1.AllocationMirror service (grpc.aio, one event loop) with health,

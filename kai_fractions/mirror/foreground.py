@@ -4,11 +4,11 @@ asyncio runs what is ready in turn, with no priorities. The pod cache's list wor
 page, trimming and merging its pods) runs on the loop that serves MirrorAllocation, in chunks of
 about a millisecond. Run flat out between calls, it makes every call wait: for the chunk the
 loop is in when the call arrives, and for the CPU the list takes from the API server and the
-caller on the same cores. So while calls come, the cache's work runs at most one chunk per
-`rest` seconds, each in a gap between calls (no call in flight, and a turn of the loop with
-nothing else to run); with no calls, it runs flat out. Under a load that leaves no gap (calls
-back to back from many callers) it still runs one chunk every `max_wait` seconds: the cache
-fills slowly, and never starves.
+caller on the same cores. So while calls come, the cache's work rests `rest` seconds between
+chunks and runs each in a gap between calls (no call in flight, and a turn of the loop with
+nothing else to run); with no calls, it runs flat out. A call waiting on the API server counts
+as in flight, so under a load that leaves no gap (many callers, or a slow API server) it still
+runs one chunk every `max_wait` seconds: the cache fills slowly, and never starves.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ MAX_WAIT_SECONDS = 0.01
 
 
 class Foreground:
-    """The calls in flight on one event loop, and the wait for a gap between them."""
+    """The calls in flight on one event loop, and the wait for a gap between them. Used on
+    that loop only (its wait is an asyncio.Event of that loop)."""
 
     def __init__(self, *, rest: float = REST_SECONDS, max_wait: float = MAX_WAIT_SECONDS,
                  busy_seconds: float = BUSY_SECONDS,
@@ -57,12 +58,12 @@ class Foreground:
 
     async def gap(self) -> None:
         """Returns when the cache's work may run its next chunk: once no call is in flight
-        and a turn of the loop ran nothing else, `rest` seconds from now or later while calls
-        come, at most `max_wait` seconds after that."""
+        and a turn of the loop ran nothing else, no sooner than `rest` seconds from now while
+        calls come, and `max_wait` seconds from now at the latest (`rest` included)."""
         clock = self._clock
+        deadline = clock() + self.max_wait
         if self.in_flight or clock() - self._last_call < CALLS_COME_SECONDS:
             await asyncio.sleep(self.rest)
-        deadline = clock() + self.max_wait
         while True:
             if self.in_flight:
                 if self._quiet is None:

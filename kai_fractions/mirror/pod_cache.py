@@ -10,8 +10,9 @@ The cache only ever saves a read; correctness never rests on it being fresh (Mir
 * a pod the cache lacks, or holds with another uid than the caller names, is read from the API.
 
 Entries keep only what the contract reads (names, uid, resourceVersion, annotations, labels,
-container names and resources, nodeName), with equal annotation maps, label maps and container
-lists shared between pods (`_one_of`), and only for Pending pods (`pod_feed.pod_selector`).
+container names and resources, nodeName), with equal annotation maps, label maps, container
+lists and trimmed specs shared between pods, read-only (`_one_of`), and only for Pending pods
+(`pod_feed.pod_selector`).
 The cache is fed from outside: by a list + watch of pods on the mirror server's event loop
 (`pod_feed`), by every pod the mirror reads, and by every pod a PATCH returns (write-through),
 newest resourceVersion first.
@@ -76,8 +77,8 @@ def _one_of(value: Any) -> Any:
     snapshot's parts are never changed: a map comes back read-only, and the contract's view
     shares a read-only string map instead of copying it. A string map is found by its items'
     hash and kept only when equal, so a map seen once (a written pod's own record) costs a
-    number, not a copy of its text; a list, or a map of lists, is found by its repr, equal
-    exactly when the value is."""
+    number and a place in the table (until the table is cleared), not a copy of its text; a
+    list, or a map of lists, is found by its repr, equal exactly when the value is."""
     if not value:
         return value
     key: Any

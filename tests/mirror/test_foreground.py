@@ -14,7 +14,7 @@ from kai_fractions.mirror.pod_cache import PodCache
 from kai_fractions.mirror.service import MirrorService
 from tests.support.fake_store import FakePodStore
 
-from .test_service import SINGLE, allocation, pod
+from .test_service import NS, POD, SINGLE, allocation, pod
 
 LONG = 10.0  # a wait no test reaches
 
@@ -30,7 +30,7 @@ async def test_with_no_call_the_cache_work_goes_after_one_quiet_turn_of_the_loop
         await foreground.gap()
 
 
-async def test_the_cache_work_waits_for_the_call_in_flight_then_rests():
+async def test_the_cache_work_waits_for_the_call_in_flight_to_end():
     foreground = Foreground(rest=0.02, max_wait=LONG)
     release = asyncio.Event()
     call = asyncio.create_task(held_call(foreground, release))
@@ -56,7 +56,7 @@ async def test_while_calls_come_two_chunks_are_at_least_the_rest_apart():
 
 
 async def test_under_calls_that_never_end_the_cache_work_still_runs_after_max_wait():
-    foreground = Foreground(rest=0.0, max_wait=0.03)
+    foreground = Foreground(rest=0.01, max_wait=0.03)  # the rest is part of the wait
     release = asyncio.Event()
     call = asyncio.create_task(held_call(foreground, release))
     await asyncio.sleep(0)
@@ -68,6 +68,23 @@ async def test_under_calls_that_never_end_the_cache_work_still_runs_after_max_wa
     await call
 
 
+async def test_a_cancelled_call_and_a_cancelled_wait_leave_nothing_behind():
+    foreground = Foreground(rest=0.0, max_wait=LONG)
+    call = asyncio.create_task(held_call(foreground, asyncio.Event()))
+    await asyncio.sleep(0)
+    gap = asyncio.create_task(foreground.gap())
+    await asyncio.sleep(0.01)
+    gap.cancel()  # the cache's feed stopped (a newer list, or the server's end)
+    with pytest.raises(asyncio.CancelledError):
+        await gap
+    call.cancel()  # the caller went away
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert foreground.in_flight == 0
+    async with asyncio.timeout(1.0):
+        await foreground.gap()
+
+
 async def test_a_call_that_fails_is_no_longer_in_flight():
     foreground = Foreground()
     with pytest.raises(RuntimeError), foreground.call():
@@ -77,20 +94,19 @@ async def test_a_call_that_fails_is_no_longer_in_flight():
 
 @pytest.mark.parametrize("cached", [True, False])
 async def test_the_service_marks_each_call_in_flight_on_its_caches_foreground(cached):
-    seen: list[int] = []
+    seen: list[tuple[str, int]] = []
     cache = PodCache() if cached else None
     store = FakePodStore(nodes={"node-1": {}})
     store.add_pod(pod({"gpu-fraction": "0.5"}))
     service = MirrorService(store, cache=cache)
     if cache is not None:
         assert service.foreground is cache.foreground  # the cache's list work waits on it
-    patch = service.store.patch_annotations
-
-    async def patch_seen(*args, **kwargs):
-        seen.append(service.foreground.in_flight)
-        return await patch(*args, **kwargs)
-
-    service.store.patch_annotations = patch_seen  # type: ignore[method-assign]
+    store.faults.append(lambda operation, *_: seen.append((
+        operation, service.foreground.in_flight)))
     result = await service.mirror(allocation())
     assert dict(result.annotations) == SINGLE
-    assert seen == [1] and service.foreground.in_flight == 0
+    await service.preview(allocation())
+    await service.release(NS, POD)
+    assert {in_flight for _, in_flight in seen} == {1}  # every API request of each call
+    assert {operation for operation, _ in seen} >= {"get", "patch"}
+    assert service.foreground.in_flight == 0
