@@ -269,20 +269,21 @@ def _expire(url: str) -> None:
         pass
 
 
-def list_alone(url: str, tmp: Path, timeout: float) -> tuple[float, int, float]:
-    """(RSS growth in bytes, pods cached, seconds) of a mirror that lists the queue with no
-    call made at all: the cache's own cost, without what calls add (the pods they write, which
-    stay Pending in the stub, and the heap a process's first calls grow)."""
+def list_alone(url: str, tmp: Path, timeout: float) -> tuple[float, int, float, float]:
+    """(RSS growth in bytes, pods cached, seconds, the mirror's CPU seconds) of a mirror that
+    lists the queue with no call made at all: the cache's own cost, without what calls add
+    (the pods they write, which stay Pending in the stub, and the heap a process's first calls
+    grow)."""
     mirror = MirrorWithProbe(kubeconfig(url, tmp / "kubeconfig-alone"), tmp / "alone.log")
     try:
         before = mirror.rss_bytes()
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), cpu_seconds(mirror.process.pid)
         mirror.send("list")
         while "listed" not in (said := mirror.next(timeout)):
             pass
-        took = time.perf_counter() - began
+        took, cpu = time.perf_counter() - began, cpu_seconds(mirror.process.pid) - cpu
         time.sleep(0.5)  # what the list left behind is collected
-        return mirror.rss_bytes() - before, int(said["pods"]), took
+        return mirror.rss_bytes() - before, int(said["pods"]), took, cpu
     finally:
         mirror.close()
 
@@ -292,7 +293,7 @@ def measure(size: int, idle_calls: int, warmup: int = 20, timeout: float = 600.0
     with ExitStack() as stack:
         url, tmp = stack.enter_context(scene(size))
         # Before any call writes a pod of the queue.
-        alone_bytes, alone_pods, alone_s = list_alone(url, tmp, timeout)
+        alone_bytes, alone_pods, alone_s, alone_cpu = list_alone(url, tmp, timeout)
         mirror = MirrorWithProbe(kubeconfig(url, tmp / "kubeconfig"), tmp / "mirror.log")
         stack.callback(mirror.close)
         caller = Caller(mirror.address, size)
@@ -325,7 +326,7 @@ def measure(size: int, idle_calls: int, warmup: int = 20, timeout: float = 600.0
     ms = 1000.0
     return {
         "size": size, "cached": cached, "first_list_s": first_s, "relist_s": relist_s,
-        "alone_list_s": alone_s,
+        "alone_list_s": alone_s, "alone_cpu_s": alone_cpu,
         "rss_before_mb": before / 2**20, "rss_after_mb": after / 2**20,
         "rss_growth": after - before, "rss_kb_per_pod": (after - before) / 1024 / max(1, cached),
         "rss_growth_alone": alone_bytes, "cached_alone": alone_pods,
@@ -373,6 +374,8 @@ def run(quick: bool = False, smoke: bool = False, sizes: tuple[int, ...] = SIZES
         result.add(f"{tag}: RSS before / after", round(m["rss_after_mb"], 1), "MB")
         result.add(f"{tag}: first list merged in", round(m["first_list_s"], 2), "s")
         result.add(f"{tag}: list alone (no calls) merged in", round(m["alone_list_s"], 2), "s")
+        result.add(f"{tag}: mirror CPU per listed pod, list alone",
+                   round(m["alone_cpu_s"] / size * 1e6, 1), "us")
         result.add(f"{tag}: mirror CPU per listed pod, first list",
                    round(m["mirror_cpu_first_s"] / size * 1e6, 1), "us")
         result.add(f"{tag}: re-list merged in", round(m["relist_s"], 2), "s")
