@@ -5,9 +5,9 @@ every second, the gRPC socket and the metrics endpoint open.
 The agent runs in a process of its own (`python -m benchmarks.bench_agent_steady --child`) on a
 simulated node (`benchmarks.node_sim`); nothing else runs in it, so `getrusage` is the agent's.
 The pods are built here and handed over as JSON (the child imports what the agent imports, not
-the mirror). The window opens once every marker is written and the node has settled, and lasts
-60 s (`--quick`: 10 s). CPU of the child processes the agent runs (the MPS control client) is
-reported separately and together.
+the mirror). The window opens once every marker is written, the watchdog has seen every
+container's GPU memory and the node has settled, and lasts 60 s (`--quick`: 10 s). CPU of the
+child processes the agent runs (the MPS control client) is reported separately and together.
 """
 
 from __future__ import annotations
@@ -56,6 +56,11 @@ def _pass_seconds(node) -> float:
         "kai_fractions_reconcile_duration_seconds_sum") or 0.0
 
 
+def _with_usage(reconciler) -> int:
+    """Containers whose GPU memory the watchdog has seen."""
+    return sum(1 for u in reconciler.view.usage.values() if u.used_bytes)
+
+
 def child(pods_file: str, seconds: float, settle: float = SETTLE_S) -> int:
     """Runs the agent, measures the window, prints one JSON line."""
     pods = json.loads(Path(pods_file).read_text())
@@ -87,6 +92,13 @@ def child(pods_file: str, seconds: float, settle: float = SETTLE_S) -> int:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the agent did not write every marker within 60 s")
                 time.sleep(0.05)
+            # Steady state also means the watchdog has seen every container's GPU memory: on a
+            # loaded machine its first check can come before the last container was applied.
+            while _with_usage(reconciler) < len(uids):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the watchdog did not see every container's GPU memory "
+                                       "within 60 s")
+                time.sleep(0.05)
             time.sleep(settle)
             cpu0, kids0, t0, maxrss_start = _rusage()
             passes0, checks0, check_cpu0 = reconciler.passes, checks[0], checks[1]
@@ -94,7 +106,7 @@ def child(pods_file: str, seconds: float, settle: float = SETTLE_S) -> int:
             threading.Event().wait(seconds)
             cpu1, kids1, t1, maxrss = _rusage()
             pass_s = _pass_seconds(node) - pass_s0
-            watched = sum(1 for u in reconciler.view.usage.values() if u.used_bytes)
+            watched = _with_usage(reconciler)
             print(json.dumps({
                 "wall_s": t1 - t0, "cpu_s": cpu1 - cpu0, "children_cpu_s": kids1 - kids0,
                 "maxrss_kb": maxrss, "maxrss_start_kb": maxrss_start, "rss_kb": _status_kb("VmRSS"),
@@ -143,7 +155,8 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
     result.add("time in passes", round(m["pass_wall_s"] / wall * 100, 3), "% of wall")
     result.add("containers with usage seen", m["containers_with_usage"], "containers")
     result.notes.append(
-        f"window {wall:.1f} s after all markers were written and {settle:g} s of settling; "
+        f"window {wall:.1f} s after all markers were written, the watchdog saw every "
+        f"container's GPU memory, and {settle:g} s of settling; "
         f"GPUs of {GPU_MIB} MiB, half sm-sharing (legacy MPS daemon), half time-slicing; "
         f"{m['threads']} threads in the agent process")
     return result
