@@ -145,6 +145,7 @@ def mirror_process(kubeconfig_path: Path, log_path: Path, main: str = _MIRROR_MA
             cwd=cwd, stdout=subprocess.DEVNULL, stderr=log)
         try:
             _wait_ready(address, "the mirror", process, log_path)
+            _wait_quiet(process.pid, "the mirror")
             yield address, process.pid
         finally:
             process.terminate()
@@ -173,6 +174,22 @@ def echo_process(response: bytes, directory: Path, patch_kubeconfig: Path | None
     finally:
         process.terminate()
         process.wait(10)
+
+
+def _wait_quiet(pid: int, what: str, timeout: float = 120.0) -> None:
+    """Until the process has used (almost) no CPU for half a second: a mirror's first list of
+    the seeded pods is merged. The cache's work yields to calls, so a list still going on when
+    the calls start would run through their measurement, slowly, and be counted as theirs."""
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    before = cpu_seconds(pid)
+    while quiet < 5:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not go quiet within {timeout} s")
+        time.sleep(0.1)
+        now = cpu_seconds(pid)
+        quiet = quiet + 1 if now - before <= 0.01 else 0
+        before = now
 
 
 def cpu_seconds(pid: int) -> float:

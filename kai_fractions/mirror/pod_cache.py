@@ -282,7 +282,7 @@ class PodCache:
                      touched: set[tuple[str, str]]) -> None:
         listed: set[tuple[str, str]] = set()
         clock = self._monotonic
-        began = clock()
+        began = started = clock()
         for item in items:
             pod = trimmed(item)
             if pod.name:
@@ -312,6 +312,8 @@ class PodCache:
             self._touched = None
             self._merging = None
         settle()
+        log.info("pod cache synced: %d pod(s), a list of %d merged in %.1f s", len(self._pods),
+                 len(listed), clock() - started)
 
     def event(self, kind: str, obj: Mapping[str, Any]) -> None:
         """One watch event (ADDED, MODIFIED, DELETED; BOOKMARK and others change nothing)."""
