@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from .harness import Result
-from .node_sim import GPU_MIB, REPO, bound_pod, gpu_uuid, mode_of, sim_node
+from .node_sim import GPU_MIB, REPO, bound_pod, gpu_uuid, mode_of, sim_node, wait_until
 
 GPUS = 8
 CONTAINERS = 100
@@ -86,19 +86,13 @@ def child(pods_file: str, seconds: float, settle: float = SETTLE_S) -> int:
         # sim_node(start=False) leaves stopping to whoever started the agent: stopping it
         # stops the MPS control daemon it started (it would outlive this process).
         try:
-            deadline = time.monotonic() + 60
             uids = list(node.cluster.pods)
-            while not all((node.markers / uid / "marker.json").exists() for uid in uids):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the agent did not write every marker within 60 s")
-                time.sleep(0.05)
+            wait_until(lambda: all((node.markers / uid / "marker.json").exists()
+                                   for uid in uids), "every marker", 60, interval=0.05)
             # Steady state also means the watchdog has seen every container's GPU memory: on a
             # loaded machine its first check can come before the last container was applied.
-            while _with_usage(reconciler) < len(uids):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the watchdog did not see every container's GPU memory "
-                                       "within 60 s")
-                time.sleep(0.05)
+            wait_until(lambda: _with_usage(reconciler) >= len(uids),
+                       "the watchdog to see every container's GPU memory", 60, interval=0.05)
             time.sleep(settle)
             cpu0, kids0, t0, maxrss_start = _rusage()
             passes0, checks0, check_cpu0 = reconciler.passes, checks[0], checks[1]

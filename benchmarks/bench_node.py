@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .harness import Result, percentile
-from .node_sim import SimNode, sim_node
+from .node_sim import SimNode, sim_node, wait_until
 
 GPUS = 8
 BACKGROUND = 16
@@ -65,20 +65,13 @@ class MarkerClock:
             raise RuntimeError(f"markers not 'applied': {bad}")
 
 
-def _wait(predicate, what: str, timeout: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.002)
-
-
 @contextmanager
 def _settled_node(background: int) -> Iterator[tuple[SimNode, MarkerClock]]:
     """A started agent whose first passes are done, with `background` running pods applied."""
     with sim_node(GPUS) as node:
         clock = MarkerClock(node)
-        _wait(lambda: node.agent.reconciler.passes >= 1, "the agent's first pass")
+        wait_until(lambda: node.agent.reconciler.passes >= 1, "the agent's first pass",
+                   TIMEOUT_S)
         uids = []
         for i in range(background):
             pod = node.pod(10_000 + i, i % GPUS, running=True)
@@ -91,7 +84,8 @@ def _settled_node(background: int) -> Iterator[tuple[SimNode, MarkerClock]]:
 
 def _passes(node: SimNode) -> tuple[float, float]:
     """(passes so far, seconds they took), once the pass in progress has finished."""
-    _wait(lambda: node.agent.worker.busy_for() is None, "the pass in progress")
+    wait_until(lambda: node.agent.worker.busy_for() is None, "the pass in progress",
+               TIMEOUT_S)
     registry = node.agent.metrics.registry
     name = "kai_fractions_reconcile_duration_seconds"
     return (registry.get_sample_value(f"{name}_count") or 0.0,
@@ -114,9 +108,10 @@ def one_at_a_time(samples: int) -> tuple[list[float], float]:
             # gone again, and forgotten by the agent, before the next one is bound
             node.cluster.delete_pod(uid)
             node.remove_cgroups(uid)
-            _wait(lambda uid=uid: not (node.markers / uid).exists(),
-                  "the agent to forget a deleted pod")
-            _wait(lambda: node.agent.worker.busy_for() is None, "the pass in progress")
+            wait_until(lambda uid=uid: not (node.markers / uid).exists(),
+                       "the agent to forget a deleted pod", TIMEOUT_S)
+            wait_until(lambda: node.agent.worker.busy_for() is None, "the pass in progress",
+                       TIMEOUT_S)
         passes, spent = _passes(node)
     return out, (spent - spent0) / max(1.0, passes - passes0)
 

@@ -24,8 +24,9 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import uuid as uuid_mod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
@@ -150,6 +151,16 @@ class SimNode:
         (entry / "stat").write_text(f"{pid} (python) S 1 {pid} {pid} 0 -1\n")
         self.nvml_fake.add_process(gpu, pid, used_mib * MIB, sm=7, cgroup=relative)
         return pid
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout: float,
+               interval: float = 0.002) -> None:
+    """Polls `predicate` until it holds; RuntimeError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what} ({timeout:g} s)")
+        time.sleep(interval)
 
 
 def gpu_uuid(index: int) -> str:
