@@ -194,14 +194,8 @@ def _wait_for(kube: KubeServer, status: str, message: str, timeout: float = 10) 
 
 
 async def _await(kube: KubeServer, status: str, message: str, timeout: float = 10) -> dict:
-    """_wait_for, letting the loop's reporter run meanwhile."""
-    deadline = time.monotonic() + timeout
-    while True:
-        condition = _ready(kube)
-        if condition and (condition["status"], condition["message"]) == (status, message):
-            return condition
-        assert time.monotonic() < deadline, f"Ready is {condition}, not {status} ({message})"
-        await asyncio.sleep(0.02)
+    """_wait_for in a thread, so the loop's reporter runs meanwhile."""
+    return await asyncio.to_thread(_wait_for, kube, status, message, timeout)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 
 import pytest
@@ -168,6 +169,25 @@ def test_flags_default_from_the_downward_api_then_the_host(tmp_path):
         "default"
 
 
+def recorded_term(disrupt: Callable[[], None]
+                  ) -> tuple[list[str], asyncio.Event, Callable[[], Awaitable[None]]]:
+    """A term of leadership that records "started", then `disrupt()`s the lease and leads
+    until it is cancelled, recording "lost" and setting the event as it ends."""
+    terms: list[str] = []
+    lost = asyncio.Event()
+
+    async def lead() -> None:
+        terms.append("started")
+        disrupt()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            terms.append("lost")
+            lost.set()
+
+    return terms, lost, lead
+
+
 async def stop(runner: asyncio.Task) -> None:
     runner.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -178,17 +198,7 @@ async def test_a_leader_that_cannot_renew_stops_leading_within_its_deadline():
     lease = FakeLease()
     a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=2,
                                             renew_deadline_seconds=0.3, retry_seconds=0.05))
-    terms: list[str] = []
-    lost = asyncio.Event()
-
-    async def lead() -> None:
-        terms.append("started")
-        lease.broken = True  # the API goes away while leading
-        try:
-            await asyncio.Event().wait()
-        finally:
-            terms.append("lost")
-            lost.set()
+    terms, lost, lead = recorded_term(lambda: setattr(lease, "broken", True))  # API gone
 
     runner = asyncio.create_task(a.run(lead))
     await asyncio.wait_for(lost.wait(), 5)
@@ -202,19 +212,11 @@ async def test_a_leader_that_finds_another_holder_steps_down_at_once():
     lease = FakeLease()
     a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=60,
                                             renew_deadline_seconds=30, retry_seconds=0.05))
-    terms: list[str] = []
-    lost = asyncio.Event()
-
-    async def lead() -> None:
-        terms.append("started")
-        # Another replica took the Lease over (it saw a renewal gap of a full lease).
+    def taken_over() -> None:  # another replica saw a renewal gap of a full lease
         lease.obj = {**lease.obj, "holderIdentity": "mirror-b"}
         lease.version += 1
-        try:
-            await asyncio.Event().wait()
-        finally:
-            terms.append("lost")
-            lost.set()
+
+    terms, lost, lead = recorded_term(taken_over)
 
     runner = asyncio.create_task(a.run(lead))
     await asyncio.wait_for(lost.wait(), 5)  # long before the 30 s renew deadline
