@@ -95,13 +95,13 @@ class Collection:
         """Every object (or what `keep` made of it) and the list's resourceVersion."""
         items: list[Any] = []
         version, token = "", ""
+        what = f"list {self.what}"
         while True:
             query = {**self.params, "limit": str(self.page_size)}
             if token:
                 query["continue"] = token
             elif resource_version:
                 query["resourceVersion"] = resource_version
-            what = f"list {self.what}"
             raw = await self.kube.read("GET", self.path, what=what, query=query,
                                        timeout=self.request_timeout)
             if self.pace is not None:

@@ -81,15 +81,16 @@ def _one_of(value: Any) -> Any:
     list, or a map of lists, is found by its repr, equal exactly when the value is."""
     if not value:
         return value
+    is_map = isinstance(value, Mapping)
     key: Any
     try:
-        key = hash(tuple(value.items())) if isinstance(value, Mapping) else repr(value)
+        key = hash(tuple(value.items())) if is_map else repr(value)
     except TypeError:
         key = repr(value)  # a map of lists (a trimmed spec): equal exactly when its repr is
     found = _shared.get(key)
     if found is not None and found == value:
         return found
-    shared = MappingProxyType(_interned(value)) if isinstance(value, Mapping) else value
+    shared = MappingProxyType(_interned(value)) if is_map else value
     if found is None:  # an unequal value under the same hash is just not shared
         if len(_shared) >= SHARED_KEPT:
             _shared.clear()
