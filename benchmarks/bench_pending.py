@@ -12,8 +12,12 @@ it wakes. A late wake is a stall of the loop, which every call waiting on it sha
    (c=1), until the whole list is merged: the stall and the calls "during the first list";
 3. RSS is read again (after): the growth over the pods now cached;
 4. the same client makes `IDLE_CALLS` calls with nothing else happening ("idle");
-5. the stub expires every watch (410), so the mirror lists again, calls going on: "re-list".
-Every call allocates a pod of its own, from the queue's head (the scheduler binds in order).
+5. the stub expires every watch (410), so the mirror lists again, calls going on: "re-list";
+6. a Job's pods arrive at once (`BURST_MAX` of them, or the queue's size when smaller,
+   created `JOB_BATCH` per request; the watch brings the mirror an ADDED event each), calls
+   going on, until the cache holds them all: "a Job at once".
+Every call allocates a pod of its own, from the queue's head (the scheduler binds in order;
+in 6., the burst's pods follow the queue's).
 Targets (issue 20): no stall over 50 ms at any size; RSS growth <= 2 KB per cached pod;
 allocation p99 during the first list <= 2 x idle.
 """
@@ -54,6 +58,10 @@ from .harness import Result, percentile
 from .stub_apiserver import REPO, kubeconfig, running, seed
 
 SIZES = (1_000, 10_000, 50_000)
+BURST_MAX = 5_000
+"""The most pods of the Job that arrives at once in phase 6 (the queue's size when smaller)."""
+JOB_BATCH = 20
+"""Pods the stub creates per request in phase 6."""
 PROBE_PERIOD_S = 0.002
 IDLE_CALLS = 300
 QUEUE_NAMESPACE = "queue"
@@ -87,8 +95,9 @@ TEMPLATE["status"] = {"phase": "Pending", "qosClass": "Burstable", "conditions":
 
 def serve(kubeconfig_path: str, listen: str) -> int:
     """The mirror as `kai-fractions mirror` builds it, plus the probe; driven by stdin lines:
-    `list` starts the feed, `mark NAME` / `end NAME` bound a window, `report` prints what the
-    probe saw in each window. Prints `{"listed": n, "pods": m}` when the n-th list is merged."""
+    `list` starts the feed, `mark NAME` / `end NAME` bound a window, `expect N` asks to be told
+    `{"held": N}` once the cache holds N pods, `report` prints what the probe saw in each
+    window. Prints `{"listed": n, "pods": m}` when the n-th list is merged."""
     from kai_fractions.contract import DEFAULT_KEYS
     from kai_fractions.kube.client import Kube
     from kai_fractions.kube.config import load_api_client
@@ -107,6 +116,7 @@ def serve(kubeconfig_path: str, listen: str) -> int:
     begin = asyncio.Event()
     samples: list[tuple[float, float, float]] = []  # (woke, how late, loop thread's CPU)
     windows: dict[str, list[float]] = {}
+    expected: list[int] = []  # the cache sizes the benchmark waits for
     out_lock = threading.Lock()
 
     def say(obj: dict) -> None:
@@ -127,6 +137,8 @@ def serve(kubeconfig_path: str, listen: str) -> int:
             if cache.lists != seen:
                 seen = cache.lists
                 say({"listed": seen, "pods": len(cache)})
+            if expected and len(cache) >= expected[0]:
+                say({"held": expected.pop(0)})
 
     server = MirrorServer(service, ServerOptions(listen=listen), tasks=[held_feed, probe])
     server.start()
@@ -138,6 +150,8 @@ def serve(kubeconfig_path: str, listen: str) -> int:
             command, _, name = line.strip().partition(" ")
             if command == "list":
                 loop.call_soon_threadsafe(begin.set)
+            elif command == "expect":
+                loop.call_soon_threadsafe(expected.append, int(name))
             elif command == "mark":
                 windows[name] = [time.perf_counter(), float("inf")]
             elif command == "end":
@@ -224,22 +238,24 @@ class Caller:
         self.stub.MirrorAllocation(req, timeout=CALL_TIMEOUT_S)
         return time.perf_counter() - start
 
-    def until(self, mirror: MirrorWithProbe, listed: int, timeout: float) -> tuple[list[float],
-                                                                                   float]:
-        """Calls back to back until the mirror says its `listed`-th list is merged; the
-        latencies and the seconds it took."""
+    def until(self, mirror: MirrorWithProbe, said_key: str, value: int, timeout: float
+              ) -> tuple[list[float], float]:
+        """Calls back to back until the mirror says `{said_key: value}` (`listed`: its n-th
+        list is merged; `held`: its cache holds that many pods); the latencies and the seconds
+        it took."""
         out: list[float] = []
         begin = time.perf_counter()
         deadline = begin + timeout
         while True:
             try:
                 said = mirror.lines.get_nowait()
-                if said.get("listed") == listed:
+                if said.get(said_key) == value:
                     return out, time.perf_counter() - begin
             except queue.Empty:
                 pass
             if time.perf_counter() > deadline:
-                raise RuntimeError(f"list {listed} not merged within {timeout} s")
+                raise RuntimeError(f"the mirror did not say {said_key} {value} within "
+                                   f"{timeout} s")
             took = self.call()
             if took is None:
                 time.sleep(PROBE_PERIOD_S)  # the queue is all allocated: just wait
@@ -296,7 +312,8 @@ def measure(size: int, idle_calls: int, warmup: int = 20, timeout: float = 600.0
         alone_bytes, alone_pods, alone_s, alone_cpu = list_alone(url, tmp, timeout)
         mirror = MirrorWithProbe(kubeconfig(url, tmp / "kubeconfig"), tmp / "mirror.log")
         stack.callback(mirror.close)
-        caller = Caller(mirror.address, size)
+        burst = min(size, BURST_MAX)
+        caller = Caller(mirror.address, size + burst)
         stack.callback(caller.close)
         for _ in range(warmup):
             caller.call()
@@ -305,7 +322,7 @@ def measure(size: int, idle_calls: int, warmup: int = 20, timeout: float = 600.0
         cpu = cpu_seconds(mirror.process.pid), cpu_seconds(stub)
         mirror.send("mark first")
         mirror.send("list")
-        during, first_s = caller.until(mirror, 1, timeout)
+        during, first_s = caller.until(mirror, "listed", 1, timeout)
         mirror.send("end first")
         mirror_cpu = cpu_seconds(mirror.process.pid) - cpu[0]
         stub_cpu = cpu_seconds(stub) - cpu[1]
@@ -316,13 +333,18 @@ def measure(size: int, idle_calls: int, warmup: int = 20, timeout: float = 600.0
         mirror.send("end idle")
         mirror.send("mark relist")
         _expire(url)
-        relist, relist_s = caller.until(mirror, 2, timeout)
+        relist, relist_s = caller.until(mirror, "listed", 2, timeout)
         mirror.send("end relist")
-        mirror.send("report")
-        while "report" not in (said := mirror.next(60)):
-            pass
-        cached = said["pods"]
-        windows = said["report"]
+        cached = _report(mirror)["pods"]
+        mirror.send(f"expect {cached + burst}")
+        mirror.send("mark burst")
+        job = [f"p{i}" for i in range(size, size + burst)]  # the calls' next pods
+        arriving = threading.Thread(target=_create, args=(url, job))
+        arriving.start()
+        during_burst, burst_s = caller.until(mirror, "held", cached + burst, timeout)
+        arriving.join()
+        mirror.send("end burst")
+        windows = _report(mirror)["report"]
     ms = 1000.0
     return {
         "size": size, "cached": cached, "first_list_s": first_s, "relist_s": relist_s,
@@ -342,7 +364,26 @@ def measure(size: int, idle_calls: int, warmup: int = 20, timeout: float = 600.0
         "p50_first_ms": percentile(during, 50) * ms, "p99_first_ms": percentile(during, 99) * ms,
         "p50_relist_ms": percentile(relist, 50) * ms,
         "p99_relist_ms": percentile(relist, 99) * ms,
+        "burst": burst, "burst_s": burst_s, "calls_burst": len(during_burst),
+        "stall_burst_ms": windows["burst"]["max_ms"],
+        "stall_burst_cpu_ms": windows["burst"]["max_cpu_ms"],
+        "p99_burst_ms": percentile(during_burst, 99) * ms if during_burst else 0.0,
     }
+
+
+def _create(url: str, names: list[str]) -> None:
+    """The Job's pods, created JOB_BATCH at a time, as a Job controller does (each of its
+    writes a request of its own: the stub serves the calls' PATCHes in between)."""
+    for start in range(0, len(names), JOB_BATCH):
+        seed(url, QUEUE_NAMESPACE, names[start:start + JOB_BATCH])
+
+
+def _report(mirror: MirrorWithProbe) -> dict:
+    """What the probe saw in each window so far, and the pods cached now."""
+    mirror.send("report")
+    while "report" not in (said := mirror.next(60)):
+        pass
+    return said
 
 
 def run(quick: bool = False, smoke: bool = False, sizes: tuple[int, ...] = SIZES) -> Result:
@@ -384,14 +425,23 @@ def run(quick: bool = False, smoke: bool = False, sizes: tuple[int, ...] = SIZES
         result.add(f"{tag}: p99 first list / idle",
                    round(m["p99_first_ms"] / m["p99_idle_ms"], 2), "x", "<= 2")
         result.add(f"{tag}: allocation p99 re-list", round(m["p99_relist_ms"], 2), "ms")
+        job = f"a Job of {m['burst']} pods at once"
+        result.add(f"{tag}: loop stall max, {job}", round(m["stall_burst_ms"], 1), "ms",
+                   "<= 50")
+        result.add(f"{tag}: loop's CPU in the longest stall, {job}",
+                   round(m["stall_burst_cpu_ms"], 1), "ms")
+        result.add(f"{tag}: {job}, all cached in", round(m["burst_s"], 2), "s")
+        result.add(f"{tag}: allocation p99, {job}", round(m["p99_burst_ms"], 2), "ms")
+        result.add(f"{tag}: p99 {job} / idle", round(m["p99_burst_ms"] / m["p99_idle_ms"], 2),
+                   "x")
         result.notes.append(
             f"{tag}: {m['cached']} pods cached; CPU during the first list: mirror "
             f"{m['mirror_cpu_first_s']:.2f} s, stub {m['stub_cpu_first_s']:.2f} s (with the "
             f"calls'); RSS {m['rss_before_mb']:.1f} -> "
             f"{m['rss_after_mb']:.1f} MB; calls during the first list {m['calls_first']} "
             f"(p50 {m['p50_first_ms']:.2f} ms), during the re-list {m['calls_relist']} "
-            f"(p50 {m['p50_relist_ms']:.2f} ms); idle p50 {m['p50_idle_ms']:.2f} ms over "
-            f"{idle_calls} calls")
+            f"(p50 {m['p50_relist_ms']:.2f} ms), while the Job arrived {m['calls_burst']}; "
+            f"idle p50 {m['p50_idle_ms']:.2f} ms over {idle_calls} calls")
     _per_added_pod(result, measured)
     return result
 
