@@ -11,7 +11,7 @@ The core, independent of gRPC:
   tests/support/fake_store.py).
 - `pod_cache`: the cache of Pending pods, a data structure; `pod_feed` feeds it from a list +
   watch (`kai_fractions.kube.listwatch`) on the serving event loop, where `foreground` lets the
-  calls go before the list's work.
+  calls go before the list's work and a burst of the watch's events.
 
 Its faces:
 - `grpc`: the kai_fractions.v1.AllocationMirror service (grpc.aio, one event loop) with health,

@@ -1,14 +1,15 @@
 """Calls first, the cache's work after: the one priority rule of the mirror's serving loop.
 
-asyncio runs what is ready in turn, with no priorities. The pod cache's list work (decoding a
-page, trimming and merging its pods) runs on the loop that serves MirrorAllocation, in chunks of
-about a millisecond. Run flat out between calls, it makes every call wait: for the chunk the
-loop is in when the call arrives, and for the CPU the list takes from the API server and the
-caller on the same cores. So while calls come, the cache's work rests `rest` seconds between
-chunks and runs each in a gap between calls (no call in flight, and a turn of the loop with
-nothing else to run); with no calls, it runs flat out. A call waiting on the API server counts
-as in flight, so under a load that leaves no gap (many callers, or a slow API server) it still
-runs one chunk every `max_wait` seconds: the cache fills slowly, and never starves.
+asyncio runs what is ready in turn, with no priorities. The pod cache's work (decoding a list
+page, trimming and merging its pods; the watch's events when many come at once, as when a Job of
+thousands of pods is created) runs on the loop that serves MirrorAllocation, in chunks of about
+a millisecond at most (`Slices`). Run flat out between calls, it makes every call wait: for the
+chunk the loop is in when the call arrives, and for the CPU the list takes from the API server
+and the caller on the same cores. So while calls come, the cache's work rests `rest` seconds
+between chunks and runs each in a gap between calls (no call in flight, and a turn of the loop
+with nothing else to run); with no calls, it runs flat out. A call waiting on the API server
+counts as in flight, so under a load that leaves no gap (many callers, or a slow API server) it
+still runs one chunk every `max_wait` seconds: the cache fills slowly, and never starves.
 """
 
 from __future__ import annotations
@@ -79,3 +80,23 @@ class Foreground:
             if (clock() - began <= self.busy_seconds and not self.in_flight) \
                     or clock() >= deadline:
                 break
+
+
+class Slices:
+    """Work on the serving loop in slices of at most `seconds`, each followed by a gap between
+    the calls: the unit of work (a pod, an event) calls `step` when it is done."""
+
+    def __init__(self, foreground: Foreground, seconds: float,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.foreground = foreground
+        self.seconds = seconds
+        self._clock = clock
+        self._began = clock()
+
+    async def step(self) -> None:
+        """Waits for a gap (Foreground.gap) once the slice since the last one is spent. Work
+        that comes alone after a quiet while (one watch event) finds its slice spent, and costs
+        a gap: a turn of the loop with no call in flight, a rest while calls come."""
+        if self._clock() - self._began > self.seconds:
+            await self.foreground.gap()
+            self._began = self._clock()

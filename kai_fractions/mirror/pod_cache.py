@@ -25,7 +25,9 @@ A queue of tens of thousands of Pending pods must not stall the loop that serves
 P6 in benchmarks/): on that loop, the list is trimmed and stored page by page as it arrives
 (`keep`), then merged (prepared, and the pods it lacks removed) in slices of at most
 `SLICE_SECONDS` of work (`merge_soon`); each page and each slice waits for a gap between the
-calls (`foreground`); watch events that arrive meanwhile win over the list.
+calls (`foreground`); watch events that arrive meanwhile win over the list. Watch events are
+applied in such slices too (`event_soon`): a Job of thousands of pods created at once brings
+them back to back.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..kube.objects import later_version
-from .foreground import Foreground
+from .foreground import Foreground, Slices
 from .store import PodSnapshot
 
 log = logging.getLogger(__name__)
@@ -175,6 +177,7 @@ class PodCache:
         """The calls in flight on the serving loop (MirrorService marks its own): the list's
         work on that loop waits for a gap between them (its feed's pace, the merge's slices)."""
         self._monotonic = monotonic
+        self._event_slices = Slices(self.foreground, slice_seconds, monotonic)
         self._prepared: set[tuple[str, str]] = set()  # the keys whose entry was prepared
         self._touched: set[tuple[str, str]] | None = None
         """While a list is merged (merge_soon): the keys a watch event changed since, whose
@@ -282,8 +285,8 @@ class PodCache:
     async def _merge(self, items: list[Mapping[str, Any] | PodSnapshot],
                      touched: set[tuple[str, str]]) -> None:
         listed: set[tuple[str, str]] = set()
-        clock = self._monotonic
-        began = started = clock()
+        started = self._monotonic()
+        slices = Slices(self.foreground, self.slice_seconds, self._monotonic)
         for item in items:
             pod = trimmed(item)
             if pod.name:
@@ -292,17 +295,13 @@ class PodCache:
                 if key not in touched and (self._store(pod) or (
                         self._pods.get(key) is pod and key not in self._prepared)):
                     self._prepare(pod)  # new, or stored as its page arrived (keep)
-            if clock() - began > self.slice_seconds:
-                await self.foreground.gap()
-                began = clock()
+            await slices.step()
         del items  # the list's references go as soon as it is merged
         stale = []
         for key in list(self._pods):  # the pods the list lacks, found in slices too
             if key not in listed and key not in touched:
                 stale.append(key)
-            if clock() - began > self.slice_seconds:
-                await self.foreground.gap()
-                began = clock()
+            await slices.step()
         with self._lock:
             for key in stale:
                 if key not in touched:  # an event may have brought it back meanwhile
@@ -314,7 +313,7 @@ class PodCache:
             self._merging = None
         settle()
         log.info("pod cache synced: %d pod(s), a list of %d merged in %.1f s", len(self._pods),
-                 len(listed), clock() - started)
+                 len(listed), self._monotonic() - started)
 
     def event(self, kind: str, obj: Mapping[str, Any]) -> None:
         """One watch event (ADDED, MODIFIED, DELETED; BOOKMARK and others change nothing)."""
@@ -336,6 +335,13 @@ class PodCache:
             if old is not None and old.uid == pod.uid:
                 del self._pods[key]
                 self._prepared.discard(key)
+
+    async def event_soon(self, kind: str, obj: Mapping[str, Any]) -> None:
+        """`event`, for the serving loop's watch: a burst of events (a Job's thousands of pods
+        created at once) is applied in slices of `slice_seconds` of work, its decoding
+        included, with a gap between the calls after each (`foreground`)."""
+        self.event(kind, obj)
+        await self._event_slices.step()
 
     def _prepare(self, pod: PodSnapshot) -> None:
         if self.prepare is None:

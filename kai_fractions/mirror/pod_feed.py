@@ -48,7 +48,7 @@ def pod_feed(kube: Kube, cache: PodCache, scheduler_name: str = "", **options: A
     async def feed() -> None:
         try:
             await list_watch(pod_collection(kube, cache, scheduler_name), cache.merge_soon,
-                             cache.event, **options)
+                             cache.event_soon, **options)
         finally:
             cache.cancel_merge()
 

@@ -1,6 +1,7 @@
 """Calls first, the cache's work after (`mirror.foreground`): the pod cache's list work on the
 serving loop waits for a gap between calls, rests between chunks while calls come, and never
-starves. Waits are measured on the loop's own clock, in tens of milliseconds at most."""
+starves; work in slices (`Slices`) waits only once its slice is spent. Waits are measured on
+the loop's own clock, in tens of milliseconds at most."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from kai_fractions.mirror.foreground import Foreground
+from kai_fractions.mirror.foreground import Foreground, Slices
 from kai_fractions.mirror.pod_cache import PodCache
 from kai_fractions.mirror.service import MirrorService
 from tests.support.fake_store import FakePodStore
@@ -110,3 +111,34 @@ async def test_the_service_marks_each_call_in_flight_on_its_caches_foreground(ca
     assert {in_flight for _, in_flight in seen} == {1}  # every API request of each call
     assert {operation for operation, _ in seen} >= {"get", "patch"}
     assert service.foreground.in_flight == 0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_slices_wait_for_a_gap_only_once_a_slice_of_work_is_spent():
+    clock = Clock()
+    foreground = Foreground(rest=0.0, max_wait=LONG)
+    slices = Slices(foreground, 0.5, clock)
+    release = asyncio.Event()
+    call = asyncio.create_task(held_call(foreground, release))
+    await asyncio.sleep(0)
+    clock.now = 0.4
+    async with asyncio.timeout(1.0):  # within the slice: no wait, the call in flight or not
+        await slices.step()
+    clock.now = 0.6
+    step = asyncio.create_task(slices.step())
+    await asyncio.sleep(0.02)
+    assert not step.done()  # the slice is spent: the call in flight goes first
+    release.set()
+    await call
+    async with asyncio.timeout(1.0):
+        await step
+    clock.now = 1.0  # a new slice began after the gap
+    async with asyncio.timeout(1.0):
+        await slices.step()
