@@ -266,10 +266,10 @@ def _background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect,
                             dialect=dialect, signer=keyring)
 
         async def handle(obj) -> None:
-            await follower.verify(BindRequestView.from_object(obj))
+            await follower.follow_one(BindRequestView.from_object(obj))
 
         async def follow_bindrequests() -> None:
-            await follow(bindrequest_source(kube), handle)
+            await follow(bindrequest_source(kube), handle, forget=follower.forget)
 
         if election is None:
             tasks.append(follow_bindrequests)

@@ -40,6 +40,7 @@ async def follow(
     source: Collection,
     handle: Handler,
     *,
+    forget: Callable[[Mapping[str, Any]], object] | None = None,
     backoff: Backoff = WATCH_BACKOFF,
     rng: random.Random | None = None,
     resync_seconds: float = RESYNC_SECONDS,
@@ -51,8 +52,8 @@ async def follow(
     watch only replays changes, so a handling that failed for a reason of its own (a conflict
     while signing, the API briefly away) is retried by listing everything again once
     `resync_seconds` have passed, when the current watch stream ends. An error of one
-    BindRequest is logged and the loop goes on. Runs until cancelled (cancelling it cancels
-    the handling in progress)."""
+    BindRequest is logged and the loop goes on. A deleted BindRequest goes to `forget`. Runs
+    until cancelled (cancelling it cancels the handling in progress)."""
     async def on_list(items: list[Mapping[str, Any]]) -> None:
         for obj in items:
             await _handle(handle, obj)
@@ -60,6 +61,8 @@ async def follow(
     async def on_event(kind: str, obj: Mapping[str, Any]) -> None:
         if kind in ("ADDED", "MODIFIED"):
             await _handle(handle, obj)
+        elif kind == "DELETED" and forget is not None:
+            forget(obj)
 
     await list_watch(source, on_list, on_event, backoff=backoff, rng=rng,
                      resync_seconds=resync_seconds, monotonic=monotonic, clock=clock)

@@ -70,6 +70,9 @@ INVALID_REASON = "NvFractionsInvalid"
 UNSIGNED_REASON = "NvFractionsUnsigned"
 SIGN_ATTEMPTS = 3
 """Reads of a pod per check when its signing patch meets a conflict (it changed meanwhile)."""
+COMPLETE_KEPT = 200_000
+"""BindRequests remembered as complete at most (then the oldest is checked again on its next
+list): more than the fractional pods of a 5,000-node cluster (docs/scale.md)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,7 @@ class BindRequestView:
     group_ids: tuple[str, ...]
     group_modes: tuple[str, ...]
     phase: str
+    resource_version: str = ""
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> BindRequestView:
@@ -115,6 +119,7 @@ class BindRequestView:
             group_ids=ids,
             group_modes=modes,  # KAI spells them as the contract does; "" = time-slicing
             phase=str(status.get("phase") or ""),
+            resource_version=str(meta.get("resourceVersion") or ""),
         )
 
     @property
@@ -147,6 +152,11 @@ class Verification:
     """The signature annotations this check wrote (none when already signed, or unsigned)."""
     unsigned: str = ""
     """Why a matching pod was left unsigned ("" when signed, or signing is off)."""
+
+    @property
+    def complete(self) -> bool:
+        """Checked, matching, and signed where signing is on: nothing left to do."""
+        return not (self.skipped or self.errors or self.mismatches or self.unsigned)
 
 
 def binder_request(pod: PodSnapshot, keys: Keys) -> PodRequest:
@@ -191,6 +201,37 @@ class Follower:
         self.reservation_namespace = reservation_namespace
         self._reported: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._remember = remember
+        self._complete: OrderedDict[str, str] = OrderedDict()
+        """BindRequest uid -> the resourceVersion whose check was complete (`follow_one`)."""
+        self._complete_under: tuple[str, ...] | None = None  # the signing keys it was under
+        self.complete_kept = COMPLETE_KEPT
+
+    async def follow_one(self, br: BindRequestView, deadline: Deadline = NO_DEADLINE
+                         ) -> Verification | None:
+        """`verify`, unless this version of `br` was already checked, found matching and
+        signed under the signing keys of now (None then). KAI keeps a BindRequest for as long
+        as its pod lives (its scheduler deletes only failed ones), so every re-list (every
+        resync) replays them all: without this, each costs its reads again (docs/scale.md).
+        What was not complete (a finding, a skip, a pod left unsigned) is checked again; new
+        signing keys make everything be checked (and signed) again."""
+        kids = self.signer.current().kids if self.signer is not None else ()
+        if kids != self._complete_under:
+            self._complete.clear()
+            self._complete_under = kids
+        done = self._complete.get(br.uid)
+        if br.uid and br.resource_version and done == br.resource_version:
+            self._complete.move_to_end(br.uid)
+            return None
+        result = await self.verify(br, deadline)
+        if br.uid and br.resource_version and result.complete:
+            self._complete[br.uid] = br.resource_version
+            while len(self._complete) > self.complete_kept:
+                self._complete.popitem(last=False)
+        return result
+
+    def forget(self, obj: Mapping[str, Any]) -> None:
+        """A BindRequest is gone (its pod was deleted): its memory goes too."""
+        self._complete.pop(str((obj.get("metadata") or {}).get("uid") or ""), None)
 
     async def reserved_gpu(self, group_id: str, deadline: Deadline = NO_DEADLINE
                            ) -> str | None:

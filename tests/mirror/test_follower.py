@@ -18,6 +18,7 @@ from kai_fractions.mirror.bindrequests import bindrequest_source, follow
 from kai_fractions.mirror.follower import BindRequestView, Follower
 from kai_fractions.mirror.kube_store import KubePodStore
 from kai_fractions.mirror.service import MirrorService
+from kai_fractions.signing import Keyring
 from tests.support.fake_store import FakePodStore, RecordedEvent
 from tests.support.mirror_kube import honour_label_selectors, register_bindrequests
 
@@ -25,6 +26,7 @@ NS = "team-a"
 GPU_A = "GPU-1111aaaa-0000-4000-8000-000000000001"
 GPU_B = "GPU-2222bbbb-0000-4000-8000-000000000002"
 T = "nvidia.com/container.trainer"
+SIGNATURE = "kai-fractions.io/container.trainer.signature"
 # What upstream KAI main's binder writes for gpu-fraction 0.5 on a 40960 MiB GPU: the request
 # as a canonical quantity, no compute portion, no reserve (KAI-Scheduler
 # pkg/binder/plugins/nvfractions/nv_fractions.go).
@@ -193,6 +195,82 @@ async def test_contract_errors_are_one_invalid_event(store):
          "team-a/br-1")]
 
 
+def versioned(br: dict, rv: str = "7") -> dict:
+    """`br` as the API server sends it: with a uid and a resourceVersion."""
+    return {**br, "metadata": {**br["metadata"], "uid": "br-uid-1", "resourceVersion": rv}}
+
+
+class Keys:
+    """A signing key source whose keys the test changes (a rotation)."""
+
+    def __init__(self, keyring: Keyring) -> None:
+        self.keyring = keyring
+
+    def current(self) -> Keyring:
+        return self.keyring
+
+
+def requests_of(store: FakePodStore) -> list[str]:
+    seen: list[str] = []
+    store.faults.append(lambda operation, *_: seen.append(operation))
+    return seen
+
+
+async def test_a_complete_check_is_not_repeated_for_the_same_version(store):
+    # KAI keeps a Succeeded BindRequest for as long as its pod lives (KAI-Scheduler
+    # pkg/scheduler/cache/cache.go, cleanStaleBindRequest deletes only failed ones), so every
+    # resync's list replays it.
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
+    follower = Follower(store)
+    requests = requests_of(store)
+    first = await follower.follow_one(BindRequestView.from_object(
+        versioned(bind_request("br-1", "train-0"))))
+    assert first is not None and first.complete and requests
+    requests.clear()
+    again = BindRequestView.from_object(versioned(bind_request("br-1", "train-0")))
+    assert await follower.follow_one(again) is None and requests == []
+    newer = BindRequestView.from_object(versioned(bind_request("br-1", "train-0"), rv="9"))
+    assert (await follower.follow_one(newer)).complete and requests
+    unversioned = BindRequestView.from_object(bind_request("br-1", "train-0"))
+    assert await follower.follow_one(unversioned) is not None  # nothing to recognise it by
+    assert await follower.follow_one(unversioned) is not None
+
+
+@pytest.mark.parametrize("annotations,groups", [
+    ({"gpu-fraction": "0.5"}, ("group-a",)),  # a mismatch: reported, never complete
+    ({"gpu-fraction": "0.5", **BOUND}, ("group-unknown",)),  # skipped: the GPU not known yet
+])
+async def test_what_was_not_complete_is_checked_again(store, annotations, groups):
+    store.add_pod(pod("train-0", annotations))
+    follower = Follower(store)
+    view = BindRequestView.from_object(versioned(bind_request("br-1", "train-0",
+                                                              groups=groups)))
+    for _ in range(2):
+        result = await follower.follow_one(view)
+        assert result is not None and not result.complete
+
+
+async def test_new_signing_keys_make_every_bind_request_be_checked_and_signed_again(store):
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
+    keys = Keys(Keyring.of(b"o" * 32))
+    follower = Follower(store, signer=keys)
+    view = BindRequestView.from_object(versioned(bind_request("br-1", "train-0")))
+    assert (await follower.follow_one(view)).signed == (SIGNATURE,)
+    assert await follower.follow_one(view) is None
+    keys.keyring = Keyring.of(b"n" * 32)  # the old key retired: its signatures fail
+    assert (await follower.follow_one(view)).signed == (SIGNATURE,)
+    assert await follower.follow_one(view) is None
+
+
+async def test_a_deleted_bind_request_is_forgotten(store):
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
+    follower = Follower(store)
+    obj = versioned(bind_request("br-1", "train-0"))
+    await follower.follow_one(BindRequestView.from_object(obj))
+    follower.forget(obj)
+    assert await follower.follow_one(BindRequestView.from_object(obj)) is not None
+
+
 async def test_decide_is_the_servicers_decision(store):
     """The follower's decision, handed to MirrorService, writes exactly what it expects the
     binder to have written (plus the derived keys): the hook for a writing follower."""
@@ -269,6 +347,19 @@ async def test_watch_resumes_from_the_last_version_and_relists_on_gone():
     assert source.calls == [("list", ""), ("watch", "10"), ("watch", "15"), ("list", ""),
                             ("watch", "20"), ("watch", "22")]
     assert seen == ["a", "b", "a", "b", "b"]
+
+
+async def test_a_deleted_object_goes_to_forget():
+    source = ScriptedSource(lists=[([obj("a", "5")], "10")],
+                            watches=[[("DELETED", obj("a", "11")), ("ADDED", obj("b", "12"))]])
+    handled: list[str] = []
+    forgotten: list[str] = []
+
+    async def handle(o):
+        handled.append(o["metadata"]["name"])
+
+    await play(source, handle, forget=lambda o: forgotten.append(o["metadata"]["name"]))
+    assert (handled, forgotten) == (["a", "b"], ["a"])
 
 
 async def test_everything_is_listed_again_after_the_resync_period():
