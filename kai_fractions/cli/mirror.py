@@ -81,6 +81,10 @@ def register(sub) -> None:
                    "pods whose annotations differ from what the binder should have written as "
                    "events (reason NvFractionsMismatch); with --signing-key-file it signs the pods "
                    "whose annotations match (and writes nothing else)")
+    p.add_argument("--follow-concurrency", type=int, default=8, metavar="N",
+                   help="with --follow-bindrequests: BindRequests checked at once; with an "
+                   "unmodified KAI every fractional pod waits for its check and signature, and "
+                   "a check waits on the API server (default: %(default)s)")
     p.add_argument("--leader-elect", action="store_true",
                    help="with --follow-bindrequests: follow only while holding a "
                    "coordination.k8s.io Lease, so one replica of several checks and signs each "
@@ -166,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
     if publish_to and not args.signing_key_file:
         return _fail("--publish-public-key publishes the signing key's public half: it needs "
                      "--signing-key-file")
+    if args.follow_concurrency < 1:
+        return _fail(f"--follow-concurrency {args.follow_concurrency}: at least 1")
     election = None
     if args.leader_elect:
         from ..mirror.leader import election_config
@@ -269,7 +275,8 @@ def _background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect,
             await follower.follow_one(BindRequestView.from_object(obj))
 
         async def follow_bindrequests() -> None:
-            await follow(bindrequest_source(kube), handle, forget=follower.forget)
+            await follow(bindrequest_source(kube), handle, forget=follower.forget,
+                         concurrency=args.follow_concurrency)
 
         if election is None:
             tasks.append(follow_bindrequests)

@@ -118,6 +118,11 @@ def test_schema_rejects_string_where_a_number_belongs():
     assert "/watchdog/intervalSeconds" in err and "got string, want number" in err
 
 
+def test_schema_rejects_a_follower_that_checks_nothing_at_once():
+    err = template_error("mirror.followConcurrency=0")
+    assert "/mirror/followConcurrency" in err and "minimum" in err
+
+
 def test_schema_rejects_unknown_keys_and_values():
     err = template_error("mirror.replica=3", "watchdog.policy=ignore",
                          "memoryEnforcement.tiers={cgroup,nvml}",
@@ -150,7 +155,8 @@ def test_mirror_deployment_defaults():
         "--kai-dialect=upstream", "--reserve-mib=0",
         "--write-as=system:serviceaccount:kai-scheduler:binder",
         "--follow-bindrequests", "--leader-elect",
-        f"--leader-elect-lease-name={MIRROR}-follower", "--scheduler-name=kai-scheduler",
+        f"--leader-elect-lease-name={MIRROR}-follower", "--follow-concurrency=8",
+        "--scheduler-name=kai-scheduler",
         "--tls-cert=/etc/kai-fractions/tls/tls.crt", "--tls-key=/etc/kai-fractions/tls/tls.key",
         # mirror.auth=mutualTLS by default: callers need the generated client certificate
         "--tls-client-ca=/etc/kai-fractions/tls/ca.crt",

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 
 from kai_fractions.cli import build_parser, main
+from kai_fractions.mirror import bindrequests
 from tests.support.mirror_kube import register_bindrequests, run_mirror_process
 
 FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file",
          "--signing-key-file", "--publish-public-key", "--insecure", "--kai-dialect",
          "--reserve-mib", "--write-as", "--annotation-prefix", "--kubeconfig",
-         "--follow-bindrequests",
+         "--follow-bindrequests", "--follow-concurrency",
          "--leader-elect", "--leader-elect-lease-name", "--leader-elect-lease-namespace",
          "--leader-elect-identity", "--leader-elect-lease-duration",
          "--leader-elect-renew-deadline", "--leader-elect-retry-period",
@@ -32,6 +33,7 @@ def test_every_flag_is_there_with_its_default():
                if o.startswith("--") and o != "--help"]
     assert options == FLAGS
     assert all(a.help for a in mirror_parser._actions)
+    assert args.follow_concurrency == bindrequests.CONCURRENCY  # the follow loop's own default
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -50,6 +52,8 @@ def test_every_flag_is_there_with_its_default():
      "got -5"),
     (["--annotation-prefix", "nope"], "--annotation-prefix: prefix must look like "
      "'example.com/container.' (a domain, a slash, ending with a dot), got 'nope'"),
+    (["--follow-bindrequests", "--follow-concurrency", "0"], "--follow-concurrency 0: at "
+     "least 1"),
     (["--kubeconfig", "/nonexistent/kubeconfig"],
      "--kubeconfig /nonexistent/kubeconfig: no such file"),
 ])

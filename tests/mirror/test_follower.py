@@ -317,7 +317,10 @@ class ScriptedSource:
 
 
 async def play(source: ScriptedSource, handle, **options) -> None:
-    """follow() over `source` until its script is played, then cancelled."""
+    """follow() over `source` until its script is played, then cancelled; one BindRequest at a
+    time unless `concurrency` says otherwise (the loop then waits for each handling before it
+    reads on, so what it handled and when it listed or watched come in one order)."""
+    options.setdefault("concurrency", 1)
     task = asyncio.create_task(follow(source, handle, backoff=Backoff(base=0.001, cap=0.001),
                                       **options))
     played = asyncio.create_task(source.played.wait())
@@ -399,6 +402,62 @@ async def test_objects_are_handled_one_at_a_time_in_order_before_the_loop_goes_o
     # The list's objects are handled before the watch opens, each event before the next.
     assert steps == ["start a, 1 call(s)", "start b, 1 call(s)", "start c, 2 call(s)",
                      "start a, 2 call(s)"]
+
+
+async def test_several_bind_requests_are_handled_at_once_each_ones_in_order():
+    # A Job's pods bound at once: each check waits on the API server, so they overlap; two
+    # events of one BindRequest never do, and run in the order seen.
+    names = [f"br-{i}" for i in range(6)]
+    source = ScriptedSource(lists=[([obj(n, "1") for n in names], "2")],
+                            watches=[[("MODIFIED", obj("br-0", "3")),
+                                      ("MODIFIED", obj("br-0", "4"))]])
+    running: list[str] = []
+    most = [0]
+    order: list[tuple[str, str]] = []
+
+    async def handle(o):
+        name, rv = o["metadata"]["name"], o["metadata"]["resourceVersion"]
+        assert name not in running  # never two of one BindRequest at once
+        running.append(name)
+        most[0] = max(most[0], len(running))
+        await asyncio.sleep(0.02)  # the API server's answers
+        order.append((name, rv))
+        running.remove(name)
+
+    async def all_handled() -> None:
+        while len(order) < 8:
+            await asyncio.sleep(0.005)
+
+    task = asyncio.create_task(follow(source, handle, concurrency=4))
+    await asyncio.wait_for(all_handled(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert most[0] == 4  # the list's six: four at once, never more
+    assert [rv for name, rv in order if name == "br-0"] == ["1", "3", "4"]
+    assert sorted(name for name, _ in order) == sorted([*names, "br-0", "br-0"])
+
+
+async def test_a_stopped_follower_cancels_the_handlings_in_progress():
+    source = ScriptedSource(lists=[([obj("a", "1"), obj("b", "1")], "2")], watches=[])
+    started: list[str] = []
+    cancelled: list[str] = []
+
+    async def handle(o):
+        started.append(o["metadata"]["name"])
+        try:
+            await asyncio.Event().wait()  # an API server that never answers
+        except asyncio.CancelledError:
+            cancelled.append(o["metadata"]["name"])
+            raise
+
+    await play(source, handle, concurrency=8)  # the Lease lost, or the mirror stops
+    assert sorted(started) == sorted(cancelled) == ["a", "b"]
+
+
+def test_the_concurrency_is_at_least_one():
+    with pytest.raises(ValueError, match="concurrency 0: at least 1"):
+        asyncio.run(follow(ScriptedSource(lists=[], watches=[]), None, concurrency=0))
 
 
 async def test_failures_back_off_and_a_bad_object_does_not_stop_the_loop():
