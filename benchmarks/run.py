@@ -24,6 +24,7 @@ BENCHMARKS = {
     "P4": "benchmarks.bench_contract",
     "L1": "benchmarks.load_mirror",
     "P6": "benchmarks.bench_pending",
+    "P7": "benchmarks.bench_follower",
 }
 
 
