@@ -32,7 +32,7 @@ from kai_fractions.mirror.store import PodSnapshot
 from kai_fractions.signing import Keyring, KeyringSource
 from tests.support.fake_store import FakePodStore
 
-from .harness import Result
+from .harness import Result, print_table
 
 PODS = 200
 LATENCIES_S = (0.001, 0.005)
@@ -194,11 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    result = run(quick=args.quick)
-    for figure in result.figures:
-        print(f"{figure.name:70} {figure.value:>10} {figure.unit}")
-    for note in result.notes:
-        print(f"note: {note}")
+    print_table([run(quick=args.quick)])
     return 0
 
 

@@ -54,7 +54,7 @@ from .bench_mirror import (
     cpu_seconds,
 )
 from .bench_mirror import request as allocation_request
-from .harness import Result, percentile
+from .harness import Result, percentile, print_table
 from .stub_apiserver import REPO, kubeconfig, running, seed
 
 SIZES = (1_000, 10_000, 50_000)
@@ -478,11 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args.kubeconfig, args.listen)
-    result = run(sizes=tuple(getattr(args, "sizes", SIZES)))
-    for f in result.figures:
-        print(f"{f.name:42} {f.value:>10} {f.unit:4} {f.target}")
-    for note in result.notes:
-        print(f"note: {note}")
+    print_table([run(sizes=tuple(getattr(args, "sizes", SIZES)))])
     return 0
 
 

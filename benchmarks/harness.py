@@ -48,6 +48,19 @@ class Result:
         }
 
 
+def print_table(results: list[Result]) -> None:
+    """Every figure of `results`, its target and whether it was met, then the notes."""
+    width = max([len("figure")] + [len(f.name) for r in results for f in r.figures])
+    print(f"{'bench':6} {'figure':{width}} {'value':>12} {'unit':10} {'target':>12}  met")
+    for r in results:
+        for f in r.figures:
+            met = {True: "yes", False: "NO", None: ""}[f.met]
+            print(f"{r.benchmark:6} {f.name:{width}} {f.value:>12} {f.unit:10} "
+                  f"{f.target:>12}  {met}")
+        for note in r.notes:
+            print(f"{'':6} note: {note}")
+
+
 def percentile(samples: list[float], q: float) -> float:
     """The q-th percentile (0..100) by nearest rank; samples need not be sorted."""
     if not samples:

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from .harness import machine
+from .harness import machine, print_table
 
 BENCHMARKS = {
     "P1": "benchmarks.bench_mirror",
@@ -49,15 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.smoke and "smoke" in inspect.signature(bench).parameters:
             options["smoke"] = True
         results.append(bench(**options))
-    width = max([len("figure")] + [len(f.name) for r in results for f in r.figures])
-    print(f"{'bench':6} {'figure':{width}} {'value':>12} {'unit':10} {'target':>12}  met")
-    for r in results:
-        for f in r.figures:
-            met = {True: "yes", False: "NO", None: ""}[f.met]
-            print(f"{r.benchmark:6} {f.name:{width}} {f.value:>12} {f.unit:10} "
-                  f"{f.target:>12}  {met}")
-        for note in r.notes:
-            print(f"{'':6} note: {note}")
+    print_table(results)
     out = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
