@@ -7,11 +7,15 @@ the API server: a GET of the pod, a LIST of the GPU group's reservation pod, the
 PATCH. So what bounds a wave is the API server's latency times the requests in a row, divided by
 the BindRequests checked at once (`--follow-concurrency`).
 
-In one process: the real follow loop (`mirror.bindrequests.follow`) and `Follower` with an
-HMAC signing key, fed a list of `PODS` Succeeded BindRequests as KAI's binder leaves them (two
-pods per GPU group, each pod carrying what upstream KAI main's binder writes for
-gpu-fraction 0.5), over the tests' in-memory store behind a fixed round trip per request
-(`LATENCIES_S`, as from an API server that far away; the store's own work is microseconds).
+The real follow loop (`mirror.bindrequests.follow`) and `Follower` with an HMAC signing key are
+fed a list of `PODS` Succeeded BindRequests as KAI's binder leaves them (two pods per GPU
+group, each pod carrying what upstream KAI main's binder writes for gpu-fraction 0.5), over:
+* the tests' in-memory store behind a fixed round trip per request (`LATENCIES_S`, as from an
+  API server that far away; the store's own work is microseconds): the follower's concurrency
+  alone;
+* the mirror's own store (`KubePodStore`, aiohttp) against the stub API server answering each
+  request `HTTP_LATENCY_MS` later (`--latency-ms`): the same through the real client, and the
+  follower's CPU per BindRequest (this process's; the stub runs in its own).
 Per latency and concurrency (1, then the default): seconds until the last pod is signed, and
 BindRequests per second. Each run checks that every pod was signed once.
 """
@@ -20,24 +24,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from kai_fractions.kube.client import Kube
+from kai_fractions.kube.config import load_api_client
 from kai_fractions.kube.retry import NO_DEADLINE, Deadline
 from kai_fractions.mirror.bindrequests import CONCURRENCY, follow
 from kai_fractions.mirror.follower import BindRequestView, Follower
+from kai_fractions.mirror.kube_store import KubePodStore
 from kai_fractions.mirror.store import PodSnapshot
 from kai_fractions.signing import Keyring, KeyringSource
 from tests.support.fake_store import FakePodStore
 
 from .harness import Result, print_table
+from .stub_apiserver import kubeconfig, running, seed
 
 PODS = 200
 LATENCIES_S = (0.001, 0.005)
+HTTP_LATENCY_MS = 5.0
+WARM_UP = 16
 NAMESPACE = "team-a"
 NODE = "gpu-node-1"
+GPU_MIB = 40960
+RESERVATIONS = "kai-resource-reservation"
 CONTAINER = "nvidia.com/container.trainer"
 SIGNATURE = "kai-fractions.io/container.trainer.signature"
 
@@ -88,33 +102,47 @@ def gpu(group: int) -> str:
     return f"GPU-{uuid.UUID(int=group + 1)}"
 
 
+def bound(group: int) -> dict[str, str]:
+    """What upstream KAI main's binder writes on a gpu-fraction 0.5 pod of GPU group `group`
+    (40960 MiB GPUs), besides the user's own key."""
+    return {"gpu-fraction": "0.5", f"{CONTAINER}.gpu-memory.request": "20Gi",
+            f"{CONTAINER}.gpus.devices": gpu(group), "received-resource-type": "Fraction"}
+
+
+def reservation(group: int) -> tuple[dict[str, str], dict[str, str]]:
+    """The labels and annotations of GPU group `group`'s reservation pod."""
+    return ({"runai-gpu-group": f"group-{group}"},
+            {"run.ai/reserve_for_gpu_index": gpu(group)})
+
+
+def bind_requests_of(pods: int, first: int = 0) -> list[dict[str, Any]]:
+    """The BindRequests KAI leaves for pods train-`first` .. (`pods` of them) bound two per GPU
+    group, Succeeded."""
+    return [{
+        "metadata": {"name": f"train-{i}", "namespace": NAMESPACE,
+                     "uid": str(uuid.UUID(int=10**6 + i)), "resourceVersion": str(i + 1)},
+        "spec": {"podName": f"train-{i}", "selectedNode": NODE,
+                 "receivedResourceType": "Fraction", "receivedGPU": {"count": 1, "portion": "0.5"},
+                 "selectedFractionalGpuGroups": [{"id": f"group-{i // 2}",
+                                                  "computeSharingMode": ""}]},
+        "status": {"phase": "Succeeded"}} for i in range(first, first + pods)]
+
+
 def wave(pods: int) -> tuple[FakePodStore, list[dict[str, Any]]]:
-    """The store after KAI bound `pods` fractional pods (two per GPU group), and their
-    BindRequests."""
+    """The in-memory store after KAI bound `pods` fractional pods, and their BindRequests."""
     store = FakePodStore()
-    store.nodes[NODE] = {"nvidia.com/gpu.memory": "40960"}
-    bind_requests = []
+    store.nodes[NODE] = {"nvidia.com/gpu.memory": str(GPU_MIB)}
     for i in range(pods):
-        group = f"group-{i // 2}"
         if i % 2 == 0:
+            labels, annotations = reservation(i // 2)
             store.add_pod({"metadata": {
-                "name": f"gpu-reservation-{group}", "namespace": "kai-resource-reservation",
-                "labels": {"runai-gpu-group": group},
-                "annotations": {"run.ai/reserve_for_gpu_index": gpu(i // 2)}},
+                "name": f"gpu-reservation-group-{i // 2}", "namespace": RESERVATIONS,
+                "labels": labels, "annotations": annotations},
                 "spec": {"containers": [{"name": "reserve"}]}})
-        store.add_pod({"metadata": {"name": f"train-{i}", "namespace": NAMESPACE, "annotations": {
-            "gpu-fraction": "0.5", f"{CONTAINER}.gpu-memory.request": "20Gi",
-            f"{CONTAINER}.gpus.devices": gpu(i // 2), "received-resource-type": "Fraction"}},
-            "spec": {"containers": [{"name": "trainer"}], "nodeName": NODE}})
-        bind_requests.append({
-            "metadata": {"name": f"train-{i}", "namespace": NAMESPACE,
-                         "uid": str(uuid.UUID(int=10**6 + i)), "resourceVersion": str(i + 1)},
-            "spec": {"podName": f"train-{i}", "selectedNode": NODE,
-                     "receivedResourceType": "Fraction",
-                     "receivedGPU": {"count": 1, "portion": "0.5"},
-                     "selectedFractionalGpuGroups": [{"id": group, "computeSharingMode": ""}]},
-            "status": {"phase": "Succeeded"}})
-    return store, bind_requests
+        store.add_pod({"metadata": {"name": f"train-{i}", "namespace": NAMESPACE,
+                                    "annotations": bound(i // 2)},
+                       "spec": {"containers": [{"name": "trainer"}], "nodeName": NODE}})
+    return store, bind_requests_of(pods)
 
 
 class Listed:
@@ -133,12 +161,9 @@ class Listed:
         yield  # pragma: no cover - an async generator that never yields
 
 
-async def one_wave(pods: int, latency: float, concurrency: int) -> tuple[float, int]:
-    """(seconds until the last pod is signed, API requests made)."""
-    memory, bind_requests = wave(pods)
-    store = DistantStore(memory, latency)
-    keys = KeyringSource.fixed(Keyring.of(b"p7" * 16))
-    follower = Follower(store, signer=keys)  # type: ignore[arg-type]
+async def _follow(store: Any, bind_requests: list[dict[str, Any]], concurrency: int) -> float:
+    """Seconds until the follow loop over `store` has handled every BindRequest once."""
+    follower = Follower(store, signer=KeyringSource.fixed(Keyring.of(b"p7" * 16)))
     handled = 0
     done = asyncio.Event()
 
@@ -146,7 +171,7 @@ async def one_wave(pods: int, latency: float, concurrency: int) -> tuple[float, 
         nonlocal handled
         await follower.follow_one(BindRequestView.from_object(obj))
         handled += 1
-        if handled == pods:
+        if handled == len(bind_requests):
             done.set()
 
     began = time.perf_counter()
@@ -157,13 +182,62 @@ async def one_wave(pods: int, latency: float, concurrency: int) -> tuple[float, 
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-    took = time.perf_counter() - began
-    unsigned = [key for key, obj in memory.pods.items() if key[0] == NAMESPACE
-                and SIGNATURE not in (obj["metadata"].get("annotations") or {})]
-    if unsigned or len(memory.patches) != pods:
-        raise RuntimeError(f"P7: {len(unsigned)} pod(s) unsigned, {len(memory.patches)} "
-                           f"patch(es) for {pods} pods")
+    return time.perf_counter() - began
+
+
+def _check_signed(annotations: list[Mapping[str, str]], patches: int | None = None) -> None:
+    """Raises unless every pod carries its signature (and, where counted, was patched once)."""
+    unsigned = sum(SIGNATURE not in a for a in annotations)
+    if unsigned or (patches is not None and patches != len(annotations)):
+        raise RuntimeError(f"P7: {unsigned} pod(s) unsigned, {patches} patch(es) for "
+                           f"{len(annotations)} pods")
+
+
+async def one_wave(pods: int, latency: float, concurrency: int) -> tuple[float, int]:
+    """In memory: (seconds until the last pod is signed, API requests made)."""
+    memory, bind_requests = wave(pods)
+    store = DistantStore(memory, latency)
+    took = await _follow(store, bind_requests, concurrency)
+    _check_signed([memory.annotations(NAMESPACE, f"train-{i}") for i in range(pods)],
+                  len(memory.patches))
     return took, store.requests
+
+
+def http_wave(pods: int, latency_ms: float, concurrency: int) -> tuple[float, float]:
+    """Through KubePodStore and the stub: (seconds until the last pod is signed, this
+    process's CPU seconds per BindRequest). A wave of `WARM_UP` pods goes first (the first
+    requests' one-time costs: the connections, what is imported on first use)."""
+    template = {"apiVersion": "v1", "kind": "Pod", "metadata": {},
+                "spec": {"containers": [{"name": "trainer"}], "nodeName": NODE}}
+    with tempfile.TemporaryDirectory(prefix="kf-p7-") as tmp, \
+            running(template, GPU_MIB, latency_ms=latency_ms) as url:
+        total = pods + WARM_UP  # pods and WARM_UP are even: two per GPU group
+        for group in range(total // 2):
+            labels, annotations = reservation(group)
+            seed(url, RESERVATIONS, [f"gpu-reservation-group-{group}"], labels=labels,
+                 annotations=annotations)
+            seed(url, NAMESPACE, [f"train-{2 * group}", f"train-{2 * group + 1}"],
+                 annotations=bound(group))
+        api_client = load_api_client(str(kubeconfig(url, Path(tmp) / "kubeconfig")))
+
+        async def main() -> tuple[float, float, list[Mapping[str, str]]]:
+            store = KubePodStore(Kube(api_client))
+            try:
+                await _follow(store, bind_requests_of(WARM_UP, first=pods), concurrency)
+                cpu = time.process_time()
+                took = await _follow(store, bind_requests_of(pods), concurrency)
+                cpu = time.process_time() - cpu
+                listed = await store.list_pods(NAMESPACE, {})
+                return took, cpu, [pod.annotations for pod in listed]
+            finally:
+                await store.close()
+
+        try:
+            took, cpu, annotations = asyncio.run(main())
+        finally:
+            api_client.close()
+    _check_signed(annotations)
+    return took, cpu / pods
 
 
 def run(quick: bool = False, smoke: bool = False) -> Result:
@@ -176,17 +250,27 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
         took: dict[int, float] = {}
         for concurrency in sorted({1, CONCURRENCY}):
             took[concurrency], requests = asyncio.run(one_wave(pods, latency, concurrency))
-            result.add(f"API {ms} away, concurrency {concurrency}: all {pods} signed in",
-                       round(took[concurrency], 3), "s")
-            result.add(f"API {ms} away, concurrency {concurrency}: BindRequests per second",
-                       round(pods / took[concurrency]), "/s")
+            _add_wave(result, f"API {ms} away", concurrency, pods, took[concurrency])
         result.add(f"API {ms} away: concurrency {CONCURRENCY} / 1, time to sign the wave",
                    round(took[CONCURRENCY] / took[1], 2), "x")
         result.notes.append(f"API {ms} away: {requests / pods:.1f} requests per BindRequest")
-    result.notes.append(f"{pods} fractional pods bound at once, two per GPU group; the follower "
-                        "and the in-memory store in one process, each request delayed by the "
-                        "latency given")
+    label = f"HTTP, the stub {HTTP_LATENCY_MS:g} ms away"
+    for concurrency in sorted({1, CONCURRENCY}):
+        took_http, cpu = http_wave(pods, HTTP_LATENCY_MS, concurrency)
+        _add_wave(result, label, concurrency, pods, took_http)
+        result.add(f"{label}, concurrency {concurrency}: follower CPU per BindRequest",
+                   round(cpu * 1e3, 3), "ms")
+    result.notes.append(f"{pods} fractional pods bound at once, two per GPU group; in memory: "
+                        "the follower and the tests' store in one process, each request "
+                        "delayed by the latency given; HTTP: KubePodStore (aiohttp) against "
+                        "the stub API server in its own process")
     return result
+
+
+def _add_wave(result: Result, label: str, concurrency: int, pods: int, took: float) -> None:
+    result.add(f"{label}, concurrency {concurrency}: all {pods} signed in", round(took, 3), "s")
+    result.add(f"{label}, concurrency {concurrency}: BindRequests per second",
+               round(pods / took), "/s")
 
 
 def main(argv: list[str] | None = None) -> int:

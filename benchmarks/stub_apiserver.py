@@ -36,9 +36,13 @@ watch cache of pods:
     writes back, so every creation and patch reaches every open watch it matches: that is work
     for the watching client, and part of what a benchmark measures. ``allowWatchBookmarks`` is
     accepted; no bookmark is sent.
+* ``GET /api/v1/namespaces/{ns}/pods`` with a ``labelSelector`` of ``key=value`` terms
+  (comma-joined; none: every pod of the namespace): a ``PodList`` of that namespace's matching
+  pods (no paging, no watch).
 * ``GET /api/v1/nodes/{name}``: a node carrying ``nvidia.com/gpu.memory`` = ``--node-memory-mib``.
-* ``POST /seed`` with ``{"namespace": ns, "names": [...]}``: creates those pods (the ones not
-  there yet) from the template, as a real pod exists before anything allocates for it; answers
+* ``POST /seed`` with ``{"namespace": ns, "names": [...]}`` and optionally ``"labels"`` and
+  ``"annotations"`` (maps merged into each new pod's): creates those pods (the ones not there
+  yet) from the template, as a real pod exists before anything allocates for it; answers
   ``{"created": n}``. ``--seed NAMESPACE:COUNT`` does the same at start for ``p0`` ..
   ``p<COUNT-1>``.
 * ``POST /expire``: every open watch gets an ``ERROR`` event (410 Expired) and its end, and
@@ -46,6 +50,10 @@ watch cache of pods:
   watching client lists again. Answers ``{"expired": n}`` (the watches ended).
 * ``GET /stats``: ``{"requests": N, "pods": M, "watchers": W, "pid": P}`` (API requests so far,
   open watches). Neither /stats nor /seed is counted as a request.
+
+With ``--latency-ms L`` every API answer (not /seed, /stats, /expire, nor a watch's events) is
+sent L ms after its request was served, as from an API server that far away; the stub's loop
+serves other connections meanwhile.
 
 Binds 127.0.0.1 only. Prints ``PORT <n>`` on stdout when it is listening.
 """
@@ -74,6 +82,8 @@ from kai_fractions.contract import keys as k
 
 _POD = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/?]+)")
 _NODE = re.compile(r"^/api/v1/nodes/([^/?]+)")
+_NAMESPACED_POD_LIST = re.compile(r"^/api/v1/namespaces/([^/]+)/pods$")
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9._/-]+$")
 _POD_LIST = "/api/v1/pods"
 _UID_NAMESPACE = uuid.UUID("6ba7b811-9dad-11d1-80b4-00c04fd430c8")  # RFC 4122 URL namespace
 _SCHEDULER_FIELD = "spec.schedulerName"
@@ -164,9 +174,10 @@ class WatchRequest:
 
 class Cluster:
     def __init__(self, pod_template: dict, node_memory_mib: int,
-                 history: int = DEFAULT_HISTORY) -> None:
+                 history: int = DEFAULT_HISTORY, latency_s: float = 0.0) -> None:
         if history < 1:
             raise ValueError(f"history {history}: at least one event is kept")
+        self.latency_s = latency_s
         self.template = json.dumps(pod_template)  # json.loads copies faster than deepcopy
         self.node_memory_mib = node_memory_mib
         self.pods: dict[tuple[str, str], dict] = {}
@@ -190,15 +201,19 @@ class Cluster:
             return pod, None
         return self.create(namespace, name, scheduler=UNSEEDED_SCHEDULER)
 
-    def create(self, namespace: str, name: str, scheduler: str | None = None
+    def create(self, namespace: str, name: str, scheduler: str | None = None,
+               labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None,
                ) -> tuple[dict, bytes]:
         pod = json.loads(self.template)
         if scheduler is not None:
             pod.setdefault("spec", {})["schedulerName"] = scheduler
         self.revision += 1
-        pod.setdefault("metadata", {}).update(
-            name=name, namespace=namespace, uid=pod_uid(namespace, name),
-            resourceVersion=str(self.revision))
+        meta = pod.setdefault("metadata", {})
+        meta.update(name=name, namespace=namespace, uid=pod_uid(namespace, name),
+                    resourceVersion=str(self.revision))
+        for key, extra in (("labels", labels), ("annotations", annotations)):
+            if extra:
+                meta[key] = {**(meta.get(key) or {}), **extra}
         self.pods[(namespace, name)] = pod
         encoded = self.encoded[(namespace, name)] = _encode(pod)
         self.emit("ADDED", pod, encoded)
@@ -228,15 +243,19 @@ class Cluster:
         try:
             request = json.loads(body)
             namespace, names = request["namespace"], request["names"]
-        except (ValueError, TypeError, KeyError) as e:
+            labels, annotations = request.get("labels") or {}, request.get("annotations") or {}
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
             return _status(400, "BadRequest", f'want {{"namespace": ..., "names": [...]}}: {e}')
         if not isinstance(namespace, str) or not isinstance(names, list) or not all(
                 isinstance(name, str) for name in names):
             return _status(400, "BadRequest", "namespace is a string, names a list of strings")
+        if not all(isinstance(m, dict) and all(isinstance(v, str) for v in m.values())
+                   for m in (labels, annotations)):
+            return _status(400, "BadRequest", "labels and annotations are maps of strings")
         created = 0
         for name in names:
             if (namespace, name) not in self.pods:
-                self.create(namespace, name)
+                self.create(namespace, name, labels=labels, annotations=annotations)
                 created += 1
         return 200, _encode({"created": created})
 
@@ -262,6 +281,8 @@ class Cluster:
             return _status(405, "MethodNotAllowed", f"{method} is not served by the stub")
         if path == _POD_LIST and method == "GET":
             return self.list_or_watch(query)
+        if (m := _NAMESPACED_POD_LIST.match(path)) is not None and method == "GET":
+            return self.list_labelled(m.group(1), query)
         if (m := _NODE.match(path)) is not None and method == "GET":
             return 200, _encode({"apiVersion": "v1", "kind": "Node", "metadata": {
                 "name": m.group(1), "uid": pod_uid("", m.group(1)), "resourceVersion": "1",
@@ -322,6 +343,23 @@ class Cluster:
             return _status(400, "BadRequest", f"resourceVersion {since}: negative")
         return WatchRequest(scheduler, since or None,  # "0" is "any": the same as none here
                             timeout_s if timeout_s > 0 else DEFAULT_WATCH_TIMEOUT_S)
+
+    def list_labelled(self, namespace: str, query: str) -> tuple[int, bytes]:
+        """One namespace's pods that carry every `key=value` of the labelSelector."""
+        selector = dict(parse_qsl(query, keep_blank_values=True)).get("labelSelector", "")
+        wanted = {}
+        for term in filter(None, selector.split(",")):
+            key, sep, value = term.replace("==", "=", 1).partition("=")
+            if not sep or not _LABEL_KEY.match(key) or value.startswith("="):
+                return _status(400, "BadRequest", f"labelSelector {selector!r}: the stub "
+                               "serves key=value terms only")
+            wanted[key] = value
+        items = [self.encoded[key] for key, pod in self.pods.items() if key[0] == namespace
+                 and all((pod["metadata"].get("labels") or {}).get(k) == v
+                         for k, v in wanted.items())]
+        meta = {"resourceVersion": str(self.revision)}
+        return 200, b'{"apiVersion":"v1","kind":"PodList","metadata":%s,"items":[%s]}' % (
+            _encode(meta), b",".join(items))
 
     def list_page(self, scheduler: str | None, params: dict[str, str]) -> tuple[int, bytes]:
         token = params.get("continue", "")
@@ -404,6 +442,7 @@ class _Http(asyncio.Protocol):
         self.scheduler: str | None = None  # what the open watch selects
         self.watch_timer: asyncio.TimerHandle | None = None
         self.close_after_watch = False
+        self.delayed = False  # an answer waits for --latency-ms: the next request waits for it
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
@@ -429,7 +468,8 @@ class _Http(asyncio.Protocol):
             self.transport.abort()  # connection_lost (soon, not here) drops the watch
 
     def serve(self) -> None:
-        while not self.watching and (end := self.buffer.find(b"\r\n\r\n")) >= 0:
+        while not self.watching and not self.delayed and (
+                end := self.buffer.find(b"\r\n\r\n")) >= 0:
             head = self.buffer[:end].decode("latin-1")
             lines = head.split("\r\n")
             length, close = 0, False
@@ -456,13 +496,30 @@ class _Http(asyncio.Protocol):
                     return
             else:
                 code, payload = reply
-                self.transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
-                                     b"Content-Length: %d\r\n\r\n%s" % (
-                                         code, _REASON.get(code, "").encode(), len(payload),
-                                         payload))
+                answer = (b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (
+                              code, _REASON.get(code, "").encode(), len(payload), payload))
+                latency = self.cluster.latency_s if target.startswith("/api") else 0.0
+                if latency > 0:
+                    self.delayed = True
+                    asyncio.get_running_loop().call_later(latency, self.answer_later, answer,
+                                                          close)
+                    return
+                self.transport.write(answer)
             if close:
                 self.transport.close()
                 return
+
+    def answer_later(self, answer: bytes, close: bool) -> None:
+        assert self.transport is not None
+        self.delayed = False
+        if self.transport.is_closing():
+            return
+        self.transport.write(answer)
+        if close:
+            self.transport.close()
+        else:
+            self.serve()  # what arrived meanwhile
 
     def end_watch(self) -> None:
         """timeoutSeconds is up: the last chunk, and the connection serves requests again."""
@@ -493,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-memory-mib", type=int, default=81920)
     parser.add_argument("--history", type=int, default=DEFAULT_HISTORY, metavar="N",
                         help="events kept for watches that start behind (default %(default)s)")
+    parser.add_argument("--latency-ms", type=float, default=0.0, metavar="L",
+                        help="answer every API request L ms after serving it (default: at once)")
     parser.add_argument("--seed", action="append", default=[], metavar="NAMESPACE:COUNT",
                         help="create pods p0 .. p<COUNT-1> in NAMESPACE at start (repeatable)")
     args = parser.parse_args(argv)
@@ -504,12 +563,14 @@ def main(argv: list[str] | None = None) -> int:
         seeds.append((namespace, int(count)))
     if args.history < 1:
         parser.error(f"--history {args.history}: at least 1")
+    if args.latency_ms < 0:
+        parser.error(f"--latency-ms {args.latency_ms}: not negative")
     template = {"apiVersion": "v1", "kind": "Pod", "metadata": {},
                 "spec": {"containers": [{"name": "main"}]}}
     if args.pod_template:
         with open(args.pod_template) as f:
             template = json.load(f)
-    cluster = Cluster(template, args.node_memory_mib, args.history)
+    cluster = Cluster(template, args.node_memory_mib, args.history, args.latency_ms / 1000)
     for namespace, count in seeds:
         for i in range(count):
             cluster.create(namespace, f"p{i}")
@@ -533,14 +594,15 @@ def read_port(process: subprocess.Popen, what: str) -> int:
 
 @contextmanager
 def running(pod_template: dict, node_memory_mib: int = 81920,
-            history: int = DEFAULT_HISTORY) -> Iterator[str]:
+            history: int = DEFAULT_HISTORY, latency_ms: float = 0.0) -> Iterator[str]:
     """Starts the stub in its own process; yields its base URL; stops it."""
     with tempfile.TemporaryDirectory(prefix="kf-stub-") as tmp:
         template = Path(tmp) / "pod.json"
         template.write_text(json.dumps(pod_template))
         process = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.stub_apiserver", "--pod-template", str(template),
-             "--node-memory-mib", str(node_memory_mib), "--history", str(history)],
+             "--node-memory-mib", str(node_memory_mib), "--history", str(history),
+             "--latency-ms", str(latency_ms)],
             cwd=REPO, stdout=subprocess.PIPE, text=True)
         try:
             yield f"http://127.0.0.1:{read_port(process, 'the stub API server')}"
@@ -549,13 +611,16 @@ def running(pod_template: dict, node_memory_mib: int = 81920,
             process.wait(10)
 
 
-def seed(url: str, namespace: str, names: list[str]) -> int:
-    """Creates pods `namespace/name` for `names` in the stub at `url` (POST /seed); returns how
-    many were new."""
+def seed(url: str, namespace: str, names: list[str], *, labels: dict[str, str] | None = None,
+         annotations: dict[str, str] | None = None) -> int:
+    """Creates pods `namespace/name` for `names` in the stub at `url` (POST /seed), with
+    `labels` and `annotations` over the template's; returns how many were new."""
     import urllib.request
 
+    body = {"namespace": namespace, "names": names, "labels": labels or {},
+            "annotations": annotations or {}}
     request = urllib.request.Request(
-        url + "/seed", data=json.dumps({"namespace": namespace, "names": names}).encode(),
+        url + "/seed", data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(request, timeout=30) as response:  # the stub, on loopback
         return int(json.loads(response.read())["created"])

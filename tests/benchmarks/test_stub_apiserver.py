@@ -305,3 +305,32 @@ def test_expire_ends_every_watch_with_410(stub: Stub):
         assert [(kind, obj.get("code")) for kind, obj in events(late)] == [("ERROR", 410)]
     finally:
         late.close()
+
+
+def test_a_namespace_is_listed_by_label_and_seeded_pods_carry_their_own(stub: Stub):
+    seed(stub.url, "reservations", ["r-a"], labels={"group": "a"},
+         annotations={"gpu": "GPU-a"})
+    seed(stub.url, "reservations", ["r-b"], labels={"group": "b"})
+    seed(stub.url, "elsewhere", ["r-c"], labels={"group": "a"})
+    found = stub.core.list_namespaced_pod("reservations", label_selector="group=a",
+                                          _request_timeout=TIMEOUT_S)
+    (pod,) = found.items
+    assert (pod.metadata.name, pod.metadata.labels, pod.metadata.annotations) == (
+        "r-a", {"app": "t", "group": "a"}, {"gpu": "GPU-a"})
+    every = stub.core.list_namespaced_pod("reservations", _request_timeout=TIMEOUT_S)
+    assert sorted(p.metadata.name for p in every.items) == ["r-a", "r-b"]
+    with pytest.raises(ApiException) as refused:
+        stub.core.list_namespaced_pod("reservations", label_selector="group!=a",
+                                      _request_timeout=TIMEOUT_S)
+    assert refused.value.status == 400
+
+
+def test_with_a_latency_every_api_answer_comes_that_much_later(tmp_path):
+    with running(TEMPLATE, latency_ms=50) as url:
+        slow = Stub(url, tmp_path)
+        seed(url, "default", ["p0"])  # setting the scene is not delayed
+        began = time.perf_counter()
+        slow.core.read_namespaced_pod("p0", "default", _request_timeout=TIMEOUT_S)
+        slow.core.read_namespaced_pod("p0", "default", _request_timeout=TIMEOUT_S)
+        assert time.perf_counter() - began >= 0.1  # each answer waited, in order
+        slow.api.close()
