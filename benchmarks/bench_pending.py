@@ -271,9 +271,7 @@ def scene(size: int) -> Iterator[tuple[str, Path]]:
     """The stub with `size` queued pods; yields (url, tmp)."""
     with tempfile.TemporaryDirectory(prefix="kf-p6-") as tmp, \
             running(TEMPLATE, NODE_MEMORY_MIB) as url:
-        for start in range(0, size, SEED_BATCH):
-            seed(url, QUEUE_NAMESPACE,
-                 [f"p{i}" for i in range(start, min(size, start + SEED_BATCH))])
+        _create(url, [f"p{i}" for i in range(size)], SEED_BATCH)
         yield url, Path(tmp)
 
 
@@ -339,7 +337,7 @@ def measure(size: int, idle_calls: int, warmup: int = 20, timeout: float = 600.0
         mirror.send(f"expect {cached + burst}")
         mirror.send("mark burst")
         job = [f"p{i}" for i in range(size, size + burst)]  # the calls' next pods
-        arriving = threading.Thread(target=_create, args=(url, job))
+        arriving = threading.Thread(target=_create, args=(url, job, JOB_BATCH))
         arriving.start()
         during_burst, burst_s = caller.until(mirror, "held", cached + burst, timeout)
         arriving.join()
@@ -371,11 +369,12 @@ def measure(size: int, idle_calls: int, warmup: int = 20, timeout: float = 600.0
     }
 
 
-def _create(url: str, names: list[str]) -> None:
-    """The Job's pods, created JOB_BATCH at a time, as a Job controller does (each of its
-    writes a request of its own: the stub serves the calls' PATCHes in between)."""
-    for start in range(0, len(names), JOB_BATCH):
-        seed(url, QUEUE_NAMESPACE, names[start:start + JOB_BATCH])
+def _create(url: str, names: list[str], batch: int) -> None:
+    """Pods of the queue's namespace, `batch` per request to the stub (a Job's arrive
+    JOB_BATCH at a time, as a Job controller's writes come: the stub serves the calls' PATCHes
+    in between)."""
+    for start in range(0, len(names), batch):
+        seed(url, QUEUE_NAMESPACE, names[start:start + batch])
 
 
 def _report(mirror: MirrorWithProbe) -> dict:

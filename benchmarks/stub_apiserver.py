@@ -158,6 +158,12 @@ def _chunk(event_type: str, obj_json: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(line), line)
 
 
+def _pod_list(meta: dict[str, Any], items: list[bytes]) -> bytes:
+    """A PodList of pods kept encoded: a join, not a re-encoding."""
+    return b'{"apiVersion":"v1","kind":"PodList","metadata":%s,"items":[%s]}' % (
+        _encode(meta), b",".join(items))
+
+
 def _scheduler(pod: dict) -> str | None:
     return (pod.get("spec") or {}).get("schedulerName")
 
@@ -357,9 +363,7 @@ class Cluster:
         items = [self.encoded[key] for key, pod in self.pods.items() if key[0] == namespace
                  and all((pod["metadata"].get("labels") or {}).get(k) == v
                          for k, v in wanted.items())]
-        meta = {"resourceVersion": str(self.revision)}
-        return 200, b'{"apiVersion":"v1","kind":"PodList","metadata":%s,"items":[%s]}' % (
-            _encode(meta), b",".join(items))
+        return 200, _pod_list({"resourceVersion": str(self.revision)}, items)
 
     def list_page(self, scheduler: str | None, params: dict[str, str]) -> tuple[int, bytes]:
         token = params.get("continue", "")
@@ -381,8 +385,7 @@ class Cluster:
             items = items[:limit]
             meta["continue"] = token = uuid.uuid4().hex
             self.snapshots[token] = rest, revision
-        return 200, b'{"apiVersion":"v1","kind":"PodList","metadata":%s,"items":[%s]}' % (
-            _encode(meta), b",".join(items))
+        return 200, _pod_list(meta, items)
 
     def expire(self) -> int:
         """Ends every watch with 410 Expired and forgets the history (POST /expire)."""
