@@ -114,10 +114,10 @@ def run(args: argparse.Namespace) -> int:
     from ..contract import Keys
     from ..kube.config import ConfigError as KubeConfigError
     from ..kube.config import load_api_client
+    from ..metrics_http import parse_listen
     from ..node.agent.agent import NodeAgent
     from ..node.agent.grpc_service import SocketError
     from ..node.agent.kube import KubeCluster
-    from ..node.agent.metrics import parse_listen
     from ..node.agent.options import AgentOptions
     from ..node.cgroups import HostCgroupFs
     from ..node.config import NodeConfig

@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from ...metrics_http import MetricsEndpoint
 from ..desired import ContainerKey, DesiredState
 from ..engine import ContainerState
 from ..inventory import Inventory
@@ -175,7 +176,7 @@ class AgentMetrics:
         self._lock = threading.Lock()
         self._last: tuple[object, object] | None = None
         self._last_usage: dict = {}
-        self._server: Any = None
+        self._endpoint = MetricsEndpoint(self.registry)
 
     # -- per container ------------------------------------------------------------------------
 
@@ -259,22 +260,8 @@ class AgentMetrics:
     # -- serving -------------------------------------------------------------------------------
 
     def serve(self, listen: str) -> tuple[str, int]:
-        host, port = parse_listen(listen)
-        self._server, _thread = start_http_server(port, host, registry=self.registry)
-        bound = self._server.server_address
-        return str(bound[0]), int(bound[1])
+        return self._endpoint.serve(listen)
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        self._endpoint.close()
 
-
-def parse_listen(listen: str) -> tuple[str, int]:
-    """`HOST:PORT`, `[v6]:PORT` or `:PORT` -> (host, port); raises ValueError."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"--metrics-listen: expected HOST:PORT, got {listen!r}")
-    host = host.strip("[]") or "0.0.0.0"
-    return host, int(port)
