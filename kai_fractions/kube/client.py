@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 from urllib.parse import urlencode
 
@@ -31,14 +31,22 @@ CONNECTIONS = 32
 the mirror is built for (a scheduler's 16 concurrent calls, retries and the cache's list)."""
 
 Query = Mapping[str, str] | None
+Observer = Callable[[str, str], object]
+"""Told of every request made: its verb (the HTTP method; WATCH for a watch) and how it
+ended (the HTTP status code, or `unreachable`): the mirror's API request metric."""
+
+
+def _unobserved(verb: str, code: str) -> None:
+    pass
 
 
 class Kube:
     """Raises ConfigError at construction for settings that cannot work."""
 
     def __init__(self, api_client: k8s.ApiClient, *, connections: int = CONNECTIONS,
-                 request_timeout: float = 10.0) -> None:
+                 request_timeout: float = 10.0, observe: Observer | None = None) -> None:
         self.api_client = api_client
+        self.observe = observe or _unobserved
         self.endpoint = endpoint(api_client.configuration)
         self._route = _route(self.endpoint)
         self.connections = connections
@@ -87,6 +95,7 @@ class Kube:
                     method, self._url(path, query), data=data, headers=sent,
                     timeout=aiohttp.ClientTimeout(total=seconds), **self._route) as response:
                 payload = await response.read()
+                self.observe(method, str(response.status))
                 if not 200 <= response.status <= 299:
                     raise refused(what, response.status, response.reason, payload,
                                   response.headers.get("Retry-After"))
@@ -94,6 +103,7 @@ class Kube:
         except KubeError:
             raise
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            self.observe(method, "unreachable")
             raise unreachable(what, e) from None
 
     @contextlib.asynccontextmanager
@@ -110,11 +120,13 @@ class Kube:
                     response = await stack.enter_async_context(self.session.get(
                         self._url(path, query), timeout=limits,
                         headers=self._headers("GET", path, None, JSON, None), **self._route))
+                    self.observe("WATCH", str(response.status))
                     if not 200 <= response.status <= 299:
                         raise refused(what, response.status, response.reason,
                                       await response.read(),
                                       response.headers.get("Retry-After"))
             except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                self.observe("WATCH", "unreachable")
                 raise unreachable(what, e) from None
             yield _lines(response.content, what)
 

@@ -594,3 +594,34 @@ async def test_close_ends_the_session_and_a_later_request_opens_a_new_one(open_k
         assert await client.request("GET", POD_PATH, what="read pod") == POD
     assert api.connections == 2
     await asyncio.sleep(0)
+
+
+# -- what it tells its observer (the mirror's API request metric) --------------------------------
+
+async def test_every_request_and_stream_is_told_with_its_verb_and_how_it_ended(open_kube):
+    seen: list[tuple[str, str]] = []
+
+    def told(target: str) -> Kube:
+        return open_kube(target, observe=lambda verb, code: seen.append((verb, code)))
+
+    async with StandIn(Answer(200, {})) as ok:
+        await told(ok.url).request("PATCH", "/x", what="x", body={})
+        await told(ok.url).read("GET", "/x", what="x")
+    async with StandIn(Answer(404, status(404, "NotFound", "no such pod"))) as missing:
+        with pytest.raises(NotFound):
+            await told(missing.url).request("GET", "/x", what="x")
+    async with StandIn(Stream(events(("ADDED", POD)))) as api, \
+            told(api.url).stream("/w", what="watch") as lines:
+        assert [line async for line in lines]
+    async with StandIn(Answer(410, status(410, "Expired", "too old"))) as gone:
+        with pytest.raises(Gone):
+            async with told(gone.url).stream("/w", what="watch"):
+                pytest.fail("a refused stream opened")
+    closed = f"http://127.0.0.1:{closed_port()}"
+    with pytest.raises(Transient):
+        await told(closed).request("DELETE", "/x", what="x")
+    with pytest.raises(Transient):
+        async with told(closed).stream("/w", what="watch"):
+            pytest.fail("a stream opened to a closed port")
+    assert seen == [("PATCH", "200"), ("GET", "200"), ("GET", "404"), ("WATCH", "200"),
+                    ("WATCH", "410"), ("DELETE", "unreachable"), ("WATCH", "unreachable")]
