@@ -72,11 +72,12 @@ def _keep_running(session, call, out) -> None:
                   "kai_fractions.v1.NodeEnforcer/GetNodeState\n" if tools.protos else "")
     out.write(
         "\nThe demo keeps running; Ctrl-C stops it.\n"
-        f"  api         {e.api_url}\n"
-        f"  kubeconfig  {e.kubeconfig}\n"
-        f"  mirror      {e.mirror}\n"
-        f"  agent       {e.agent_socket}\n"
-        f"  metrics     {e.metrics_url}\n"
+        f"  api             {e.api_url}\n"
+        f"  kubeconfig      {e.kubeconfig}\n"
+        f"  mirror          {e.mirror}\n"
+        f"  agent           {e.agent_socket}\n"
+        f"  metrics         {e.metrics_url}\n"
+        f"  mirror-metrics  {e.mirror_metrics_url}\n"
         "Try (from any directory):\n"
         f"  {tools.cli} inspect node {node} --kubeconfig {e.kubeconfig} "
         f"--agent-socket {e.agent_socket}\n"
@@ -84,7 +85,8 @@ def _keep_running(session, call, out) -> None:
         f"{node_state}"
         f"  curl -s {e.api_url}/api/v1/namespaces/{session.config.namespace}/pods\n"
         f"  curl -s {e.api_url}/api/v1/nodes/{node}\n"
-        f"  curl -s {e.metrics_url}\n")
+        f"  curl -s {e.metrics_url}\n"
+        f"  curl -s {e.mirror_metrics_url}\n")
     out.write(render(call, e.mirror, str(e.kubeconfig), str(e.agent_socket), tools))
     out.write(f"\n{END}\n")
     out.flush()

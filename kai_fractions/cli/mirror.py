@@ -124,6 +124,10 @@ def register(sub) -> None:
     p.add_argument("--report-interval", type=float, default=10.0, metavar="SECONDS",
                    help="how often --report-gpu-fractioning-config re-reads the DaemonSet; the "
                    "object is written only when its condition changes (default: %(default)s)")
+    p.add_argument("--metrics-listen", default="", metavar="ADDR",
+                   help="serve Prometheus metrics at http://ADDR/metrics, ADDR being HOST:PORT "
+                   "(calls, API requests, the pod cache, the follower, the process; "
+                   "docs/mirror.md). Default: off")
     add_log_level(p)
     p.set_defaults(func=run)
 
@@ -137,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here: `kai-fractions --help` must not pay for grpc and the kubernetes client.
     from ..kube.client import Kube
     from ..kube.config import ConfigError, load_api_client
+    from ..metrics_http import MetricsEndpoint, parse_listen
     from ..mirror.compute import user_request
     from ..mirror.grpc.security import SecurityConfigError
     from ..mirror.grpc.server import MirrorServer, ServerOptions
@@ -146,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     from ..mirror.service import MirrorService
     from ..mirror.signing import signing_annotations
     from ..signing import KeyringSource, SigningConfigError
+    from .mirror_background import background, first_publish
 
     setup_logging(args)
     try:
@@ -172,6 +178,15 @@ def run(args: argparse.Namespace) -> int:
                      "--signing-key-file")
     if args.follow_concurrency < 1:
         return _fail(f"--follow-concurrency {args.follow_concurrency}: at least 1")
+    metrics = None
+    if args.metrics_listen:
+        from ..mirror.metrics import MirrorMetrics
+
+        try:
+            parse_listen(args.metrics_listen)
+        except ValueError as e:
+            return _fail(str(e))
+        metrics = MirrorMetrics()
     election = None
     if args.leader_elect:
         from ..mirror.leader import election_config
@@ -194,21 +209,24 @@ def run(args: argparse.Namespace) -> int:
             log.info("signing allocations with key %s (accepted: %s)",
                      keyring.current().current.kid, ", ".join(keyring.current().kids))
         api_client = load_api_client(args.kubeconfig)
-        kube = Kube(api_client)
+        kube = Kube(api_client, observe=metrics.api_request if metrics else None)
         # Each pod the cache learns of is parsed as the service will read it, before it is
         # bound: an allocation for it starts from that.
         cache = PodCache(prepare=functools.partial(user_request, keys=keys)) \
             if args.pod_cache else None
+        if cache is not None and metrics is not None:
+            metrics.watch_pod_cache(cache)
         if args.write_as:
             log.info("pod writes impersonate %s", args.write_as)
         service = MirrorService(KubePodStore(kube, write_as=args.write_as), keys=keys,
                                 default_reserve_mib=args.reserve_mib, dialect=dialect,
                                 extra_annotations=signer, cache=cache)
         feeds = [pod_feed(kube, cache, args.scheduler_name)] if cache is not None else []
-        work, publisher = _background(args, kube, keys=keys, dialect=dialect, keyring=keyring,
-                                      election=election, publish_to=publish_to,
-                                      daemonset=daemonset)
-        server = MirrorServer(service, options, tasks=[*feeds, *work])
+        work, publisher = background(args, kube, keys=keys, dialect=dialect, keyring=keyring,
+                                    election=election, publish_to=publish_to,
+                                    daemonset=daemonset, metrics=metrics)
+        server = MirrorServer(service, options, tasks=[*feeds, *work],
+                              observe=metrics.call if metrics else None)
     except (SecurityConfigError, ConfigError, SigningConfigError) as e:
         return _fail(str(e))
 
@@ -218,10 +236,20 @@ def run(args: argparse.Namespace) -> int:
     if publisher is not None:
         # Before the server signs anything, so that nodes can check at once. On a loop of its
         # own: the session it opens is closed here, the server's loop opens its own.
-        asyncio.run(_first_publish(publisher, kube))
+        asyncio.run(first_publish(publisher, kube))
+    endpoint = MetricsEndpoint(metrics.registry) if metrics is not None else None
+    if endpoint is not None:
+        try:
+            host, port = endpoint.serve(args.metrics_listen)
+        except OSError as e:
+            api_client.close()
+            return _fail(f"--metrics-listen {args.metrics_listen}: {e.strerror or e}")
+        log.info("metrics at http://%s:%d/metrics", host, port)
     try:
         server.start()
     except SecurityConfigError as e:
+        if endpoint is not None:
+            endpoint.close()
         return _fail(str(e))
 
     def on_signal(signum, _frame) -> None:
@@ -244,57 +272,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.stop()  # cancels the follower (a leader releases its Lease), then closes kube
         api_client.close()
+        if endpoint is not None:
+            endpoint.close()
     return 0
-
-
-def _background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, keyring,
-                election, publish_to: list[str], daemonset: list[str]) -> tuple[list, object]:
-    """The mirror's work besides serving, as tasks of its event loop (callables that return
-    coroutines, run until cancelled), and the public key's publisher when there is one."""
-    from ..mirror.kube_store import KubePodStore
-
-    tasks: list = []
-    publisher = None
-    if publish_to and keyring is not None:
-        from ..mirror.public_key import Publisher
-
-        publisher = Publisher(kube, *publish_to, keyring)
-        tasks.append(publisher.run)
-    if args.report_gpu_fractioning_config:
-        from ..mirror.kai_dependency import Reporter
-
-        tasks.append(Reporter(kube, *daemonset, interval=args.report_interval).run)
-    if args.follow_bindrequests:
-        from ..mirror.bindrequests import bindrequest_source, follow
-        from ..mirror.follower import BindRequestView, Follower
-
-        follower = Follower(KubePodStore(kube), keys=keys, default_reserve_mib=args.reserve_mib,
-                            dialect=dialect, signer=keyring)
-
-        async def handle(obj) -> None:
-            await follower.follow_one(BindRequestView.from_object(obj))
-
-        async def follow_bindrequests() -> None:
-            await follow(bindrequest_source(kube), handle, forget=follower.forget,
-                         concurrency=args.follow_concurrency)
-
-        if election is None:
-            tasks.append(follow_bindrequests)
-        else:  # the same loop, while holding the Lease
-            from ..mirror.leader import KubeLease, LeaderElector
-
-            elector = LeaderElector(KubeLease(kube, election.namespace, election.name),
-                                    election)
-
-            async def follow_while_leading() -> None:
-                await elector.run(follow_bindrequests)
-
-            tasks.append(follow_while_leading)
-    return tasks, publisher
-
-
-async def _first_publish(publisher, kube) -> None:
-    try:
-        await publisher.try_publish()
-    finally:
-        await kube.close()

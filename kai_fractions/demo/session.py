@@ -46,6 +46,7 @@ class Endpoints:
     mirror: str
     agent_socket: Path
     metrics_url: str
+    mirror_metrics_url: str
 
 
 class DemoSession:
@@ -79,6 +80,8 @@ class DemoSession:
         self.core: Any = None
         self.mirror: Any = None
         self._mirror_client: Any = None
+        self._mirror_metrics: Any = None
+        self._mirror_metrics_url = ""
         self.agent: Any = None
         self._agent_client: Any = None
         self._agent_cluster: Any = None
@@ -108,7 +111,8 @@ class DemoSession:
         self.endpoints = Endpoints(
             api_url=self.api.url, kubeconfig=self.workdir / "kubeconfig",
             mirror=self.mirror.address, agent_socket=self.workdir / "agent.sock",
-            metrics_url=f"http://{host}:{port}/metrics")
+            metrics_url=f"http://{host}:{port}/metrics",
+            mirror_metrics_url=self._mirror_metrics_url)
         return self
 
     def _start_api(self) -> None:
@@ -142,16 +146,24 @@ class DemoSession:
 
         from ..api.v1 import allocation_pb2_grpc as pb_grpc
         from ..kube.client import Kube
+        from ..metrics_http import MetricsEndpoint
         from ..mirror.grpc.server import MirrorServer, ServerOptions
         from ..mirror.kube_store import KubePodStore
+        from ..mirror.metrics import MirrorMetrics
         from ..mirror.service import MirrorService
 
         self._mirror_client = k8s.ApiClient(self.api.configuration())
-        service = MirrorService(KubePodStore(Kube(self._mirror_client)), keys=self.keys,
-                                default_reserve_mib=self.config.mirror_reserve_mib,
-                                dialect=self.config.dialect)
+        metrics = MirrorMetrics()
+        service = MirrorService(
+            KubePodStore(Kube(self._mirror_client, observe=metrics.api_request)),
+            keys=self.keys, default_reserve_mib=self.config.mirror_reserve_mib,
+            dialect=self.config.dialect)
         self.mirror = MirrorServer(service, ServerOptions(listen="127.0.0.1:0",
-                                                          grace_seconds=1.0)).start()
+                                                          grace_seconds=1.0),
+                                   observe=metrics.call).start()
+        self._mirror_metrics = MetricsEndpoint(metrics.registry)
+        host, port = self._mirror_metrics.serve("127.0.0.1:0")
+        self._mirror_metrics_url = f"http://{host}:{port}/metrics"
         self.channel = grpc.insecure_channel(self.mirror.address)
         self.stub = pb_grpc.AllocationMirrorStub(self.channel)
         self.progress(f"mirror (kai_fractions.v1.AllocationMirror) on {self.mirror.address}, "
@@ -193,6 +205,8 @@ class DemoSession:
             ("agent client", lambda: self._agent_client.close() if self._agent_client else None),
             ("mirror channel", lambda: self.channel.close() if self.channel else None),
             ("mirror", lambda: self.mirror.stop(grace=0) if self.mirror else None),
+            ("mirror metrics",
+             lambda: self._mirror_metrics.close() if self._mirror_metrics else None),
             ("mirror client",
              lambda: self._mirror_client.close() if self._mirror_client else None),
             ("API client", lambda: self.api_client.close() if self.api_client else None),
@@ -205,6 +219,7 @@ class DemoSession:
                 log.warning("stopping the %s failed: %s", what, e)
         self.agent = self.mirror = self.channel = self.api = None
         self._agent_client = self._mirror_client = self.api_client = None
+        self._mirror_metrics = None
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -91,6 +91,8 @@ class BindRequestView:
     group_modes: tuple[str, ...]
     phase: str
     resource_version: str = ""
+    created: str = ""
+    """metadata.creationTimestamp (RFC 3339): when KAI's scheduler decided the bind."""
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> BindRequestView:
@@ -120,6 +122,7 @@ class BindRequestView:
             group_modes=modes,  # KAI spells them as the contract does; "" = time-slicing
             phase=str(status.get("phase") or ""),
             resource_version=str(meta.get("resourceVersion") or ""),
+            created=str(meta.get("creationTimestamp") or ""),
         )
 
     @property

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -26,7 +27,7 @@ from .test_demo_cli import CLI, group_members
 
 START_TIMEOUT = 90
 REPO = Path(__file__).resolve().parents[2]
-ENDPOINTS = ("api", "kubeconfig", "mirror", "agent", "metrics")
+ENDPOINTS = ("api", "kubeconfig", "mirror", "agent", "metrics", "mirror-metrics")
 
 
 class Demo:
@@ -128,7 +129,12 @@ def test_endpoints(demo):
     e = demo.endpoints_found
     assert e["api"].startswith("http://127.0.0.1:")
     assert Path(e["kubeconfig"]).is_file() and Path(e["agent"]).is_socket()
-    assert e["metrics"].startswith("http://127.0.0.1:") and e["metrics"].endswith("/metrics")
+    for metrics in (e["metrics"], e["mirror-metrics"]):
+        assert metrics.startswith("http://127.0.0.1:") and metrics.endswith("/metrics")
+    with urllib.request.urlopen(e["mirror-metrics"], timeout=10) as answer:
+        # the demo's own calls, answered before it printed its endpoints
+        assert 'kai_fractions_mirror_calls_total{code="OK",method="MirrorAllocation"}' \
+            in answer.read().decode()
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(e["mirror"]) as channel:

@@ -3,10 +3,13 @@ writes through kmock and stops gracefully on SIGTERM."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from kai_fractions.cli import build_parser, main
 from kai_fractions.mirror import bindrequests
+from tests.support.agent_process import free_port
 from tests.support.mirror_kube import register_bindrequests, run_mirror_process
 
 FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file",
@@ -17,7 +20,7 @@ FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file
          "--leader-elect-identity", "--leader-elect-lease-duration",
          "--leader-elect-renew-deadline", "--leader-elect-retry-period",
          "--scheduler-name", "--no-pod-cache", "--report-gpu-fractioning-config",
-         "--node-agent-daemonset", "--report-interval", "--log-level"]
+         "--node-agent-daemonset", "--report-interval", "--metrics-listen", "--log-level"]
 
 
 def test_every_flag_is_there_with_its_default():
@@ -25,9 +28,9 @@ def test_every_flag_is_there_with_its_default():
     args = parser.parse_args(["mirror"])
     assert (args.listen, args.reserve_mib, args.annotation_prefix, args.insecure,
             args.follow_bindrequests, args.log_level, args.kubeconfig, args.token_file,
-            args.scheduler_name, args.pod_cache) == (
+            args.scheduler_name, args.pod_cache, args.metrics_listen) == (
         "127.0.0.1:50051", 0, "nvidia.com/container.", False, False, "info", None, None,
-        "kai-scheduler", True)
+        "kai-scheduler", True, "")
     mirror_parser = parser._subparsers._group_actions[0].choices["mirror"]
     options = [o for a in mirror_parser._actions for o in a.option_strings
                if o.startswith("--") and o != "--help"]
@@ -54,6 +57,7 @@ def test_every_flag_is_there_with_its_default():
      "'example.com/container.' (a domain, a slash, ending with a dot), got 'nope'"),
     (["--follow-bindrequests", "--follow-concurrency", "0"], "--follow-concurrency 0: at "
      "least 1"),
+    (["--metrics-listen", "nowhere"], "--metrics-listen: expected HOST:PORT, got 'nowhere'"),
     (["--kubeconfig", "/nonexistent/kubeconfig"],
      "--kubeconfig /nonexistent/kubeconfig: no such file"),
 ])
@@ -64,14 +68,34 @@ def test_refusals_are_one_line_and_exit_2(capsys, argv, message):
 
 
 @pytest.mark.integration
+def test_a_metrics_port_in_use_is_refused_naming_the_flag(kube, tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["mirror", "--kubeconfig", str(kube.write_kubeconfig(tmp_path / "kc")),
+                     "--no-pod-cache", "--metrics-listen", f"127.0.0.1:{port}"]) == 2
+    assert capsys.readouterr().err == (
+        f"kai-fractions mirror: --metrics-listen 127.0.0.1:{port}: Address already in use\n")
+
+
+@pytest.mark.integration
 def test_a_real_process_serves_and_stops_on_sigterm(kube, tmp_path):
     register_bindrequests(kube)
     (tmp_path / "token").write_text("process-token")
+    port = free_port()
     run = run_mirror_process(kube, tmp_path, "--token-file", str(tmp_path / "token"),
-                             "--follow-bindrequests",
-                             metadata=(("authorization", "Bearer process-token"),))
+                             "--follow-bindrequests", "--metrics-listen", f"127.0.0.1:{port}",
+                             metadata=(("authorization", "Bearer process-token"),),
+                             metrics_url=f"http://127.0.0.1:{port}/metrics")
     err = run.err
     assert run.returncode == 0, err
+    assert f"metrics at http://127.0.0.1:{port}/metrics" in err
+    for series in ('kai_fractions_mirror_calls_total{code="OK",method="MirrorAllocation"} 1.0',
+                   'kai_fractions_mirror_api_requests_total{code="200",verb="PATCH"} 1.0',
+                   "kai_fractions_mirror_pod_cache_synced 1.0",
+                   "kai_fractions_follower_leading 1.0"):
+        assert series in run.metrics
     assert "AllocationMirror listening on " + run.listen + " (plaintext, bearer token required)" \
         in err
     assert "following BindRequests (scheduling.run.ai/v1alpha2)" in err

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -17,6 +18,7 @@ import pytest
 from kubernetes import client as k8s
 
 from kai_fractions.signing import Keyring
+from tests.support.agent_process import free_port
 from tests.support.mirror_kube import (
     BINDREQUESTS,
     honour_label_selectors,
@@ -36,7 +38,8 @@ LEASE_SECONDS = 2
 SLACK_S = 8.0  # a loaded test machine: process start-up and kmock's own pace
 
 
-def start(kube, tmp_path: Path, identity: str, socket_dir: str) -> subprocess.Popen:
+def start(kube, tmp_path: Path, identity: str, socket_dir: str, metrics_port: int
+          ) -> subprocess.Popen:
     key = tmp_path / "signing-key"
     key.write_bytes(KEY)
     listen = f"unix://{socket_dir}/{identity}.sock"
@@ -48,11 +51,20 @@ def start(kube, tmp_path: Path, identity: str, socket_dir: str) -> subprocess.Po
          "--leader-elect", "--leader-elect-identity", identity,
          "--leader-elect-lease-namespace", LEASE_NS,
          "--leader-elect-lease-duration", str(LEASE_SECONDS),
-         "--leader-elect-renew-deadline", "1.5", "--leader-elect-retry-period", "0.25"],
+         "--leader-elect-renew-deadline", "1.5", "--leader-elect-retry-period", "0.25",
+         "--metrics-listen", f"127.0.0.1:{metrics_port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     with grpc.insecure_channel(listen) as channel:
         wait_until_serving(channel, process)
     return process
+
+
+def leading(port: int) -> str:
+    """The replica's own word on whether it follows (its metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        (line,) = [line for line in answer.read().decode().splitlines()
+                   if line.startswith("kai_fractions_follower_leading ")]
+    return line.split()[1]
 
 
 def holder(kube) -> str:
@@ -97,12 +109,15 @@ def test_one_follower_at_a_time_and_a_killed_leader_is_replaced(kube, tmp_path):
         kube.core.create_namespaced_pod("kai-resource-reservation", reservation_pod(group, gpu))
     socket_dir = tempfile.mkdtemp(prefix="kfl-")
     processes: dict[str, subprocess.Popen] = {}
+    ports = {"mirror-a": free_port(), "mirror-b": free_port()}
     try:
         for identity in ("mirror-a", "mirror-b"):
-            processes[identity] = start(kube, tmp_path, identity, socket_dir)
+            processes[identity] = start(kube, tmp_path, identity, socket_dir, ports[identity])
         wait_for(lambda: holder(kube) in processes, 30, "a replica holds the lease")
         leader = holder(kube)
         (survivor,) = set(processes) - {leader}
+        wait_for(lambda: leading(ports[leader]) == "1.0", 10, "the leader says it leads")
+        assert leading(ports[survivor]) == "0.0"
 
         bind(kube, "before-0")
         wait_for(lambda: signature(kube, "before-0"), 30, "the leader signs")
@@ -118,6 +133,7 @@ def test_one_follower_at_a_time_and_a_killed_leader_is_replaced(kube, tmp_path):
         wait_for(lambda: signature(kube, "after-0"), LEASE_SECONDS + SLACK_S,
                  "the survivor signs")
         took = time.monotonic() - killed_at
+        assert leading(ports[survivor]) == "1.0"
         time.sleep(0.5)
         assert signing_patches(kube, "after-0") == 1
         assert signing_patches(kube, "before-0") == 1  # the new leader's list re-checks it

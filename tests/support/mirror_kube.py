@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,11 +130,14 @@ class MirrorHarness:
 
 def start_mirror(kube: KubeServer, *, transport: str = "tcp", **options: Any) -> MirrorHarness:
     honour_label_selectors(kube)
-    client = Kube(kube.api_client)
+    metrics = options.pop("metrics", None)
+    client = Kube(kube.api_client, observe=metrics.api_request if metrics else None)
     store = KubePodStore(client, backoff=options.pop("store_backoff", FAST_STORE_BACKOFF),
                          request_timeout=options.pop("request_timeout", 5.0))
     cleanups: list[Callable[[], None]] = []
     cache = PodCache() if options.pop("pod_cache", False) else None
+    if cache is not None and metrics is not None:
+        metrics.watch_pod_cache(cache)
     feeds = [pod_feed(client, cache, backoff=FAST_STORE_BACKOFF)] \
         if cache is not None else []
     service = MirrorService(store, conflict_backoff=FAST_CONFLICT_BACKOFF,
@@ -148,7 +152,7 @@ def start_mirror(kube: KubeServer, *, transport: str = "tcp", **options: Any) ->
         listen = "127.0.0.1:0"
     credentials = options.pop("channel_credentials", None)
     server = MirrorServer(service, ServerOptions(listen=listen, **options),
-                          tasks=feeds).start()
+                          tasks=feeds, observe=metrics.call if metrics else None).start()
     if credentials is not None:
         channel = grpc.secure_channel(server.address, credentials, options=(
             ("grpc.ssl_target_name_override", "localhost"),))
@@ -175,7 +179,8 @@ def mirror_factory(kube: KubeServer) -> Iterator[Callable[..., MirrorHarness]]:
     """``mirror_factory(transport="tcp"|"unix", tls_cert=..., token_file=..., ...)``: starts a
     mirror server against ``kube``; every one started is stopped after the test. Besides the
     ServerOptions fields: ``dialect`` (the KAI binder to match; upstream by default),
-    ``default_reserve_mib``, ``pod_cache``, ``store_backoff``, ``request_timeout``."""
+    ``default_reserve_mib``, ``pod_cache``, ``store_backoff``, ``request_timeout``,
+    ``metrics`` (a MirrorMetrics the server, its API client and its pod cache report to)."""
     started: list[MirrorHarness] = []
 
     def factory(**options: Any) -> MirrorHarness:
@@ -220,19 +225,23 @@ __all__ = [
 
 @dataclass
 class MirrorProcessRun:
-    """What `run_mirror_process` saw: where it listened, its one answer, how it ended."""
+    """What `run_mirror_process` saw: where it listened, its one answer, how it ended, and
+    its metrics after the answer (when it served them)."""
 
     listen: str
     reply: Any
     returncode: int
     err: str
+    metrics: str = ""
 
 
 def run_mirror_process(kube: KubeServer, tmp_path: Path, *flags: str,
-                       metadata: tuple[tuple[str, str], ...] = ()) -> MirrorProcessRun:
+                       metadata: tuple[tuple[str, str], ...] = (),
+                       metrics_url: str = "") -> MirrorProcessRun:
     """`kai-fractions mirror` as a real process over `kube` on a unix socket (plus `flags`):
     creates pod team-a/train-0 (gpu-fraction 0.5), makes one MirrorAllocation call for it
-    (which must write), then stops the process with SIGTERM."""
+    (which must write), reads `metrics_url` when given, then stops the process with
+    SIGTERM."""
     from tests.mirror.messages import allocation, mirror_request
 
     kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
@@ -257,6 +266,10 @@ def run_mirror_process(kube: KubeServer, tmp_path: Path, *flags: str,
             reply = pb_grpc.AllocationMirrorStub(channel).MirrorAllocation(
                 mirror_request(allocation(pod)), timeout=10, metadata=metadata)
             assert reply.changed
+        metrics = ""
+        if metrics_url:
+            with urllib.request.urlopen(metrics_url, timeout=10) as answer:
+                metrics = answer.read().decode()
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=20)
     finally:
@@ -264,7 +277,7 @@ def run_mirror_process(kube: KubeServer, tmp_path: Path, *flags: str,
             process.kill()
             process.communicate()
         shutil.rmtree(socket_dir, ignore_errors=True)
-    return MirrorProcessRun(listen, reply, process.returncode, err)
+    return MirrorProcessRun(listen, reply, process.returncode, err, metrics)
 
 
 def wait_until_serving(channel: grpc.Channel, process: subprocess.Popen, timeout: float = 30

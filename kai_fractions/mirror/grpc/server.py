@@ -34,7 +34,7 @@ from .security import (
     parse_listen,
     server_credentials,
 )
-from .servicer import SERVICE_NAME, AllocationMirrorServicer
+from .servicer import SERVICE_NAME, AllocationMirrorServicer, CallObserver
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,13 +55,15 @@ class MirrorServer:
     """Build with the options (raises SecurityConfigError), then `start()`; `address` is what a
     client dials (the real port when the options asked for port 0). The service, and its
     store, run on this server's event loop and are closed there by `stop()`. `tasks` run on
-    the same loop while it serves (the pod cache's feed), and are cancelled by `stop()`."""
+    the same loop while it serves (the pod cache's feed), and are cancelled by `stop()`.
+    `observe` is told of every call answered (the metrics')."""
 
     def __init__(self, service: MirrorService, options: ServerOptions,
-                 tasks: Sequence[Feed] = ()) -> None:
+                 tasks: Sequence[Feed] = (), observe: CallObserver | None = None) -> None:
         self.service = service
         self.options = options
         self.tasks = tuple(tasks)
+        self.observe = observe
         self._running: list[asyncio.Task] = []
         self.listen, self.credentials, self._token = self.check(options)
         self.port = 0
@@ -142,8 +144,8 @@ class MirrorServer:
         interceptors = [BearerTokenInterceptor(self._token)] if self._token is not None else []
         server = grpc.aio.server(interceptors=interceptors)
         self._server = server
-        pb_grpc.add_AllocationMirrorServicer_to_server(AllocationMirrorServicer(self.service),
-                                                       server)
+        pb_grpc.add_AllocationMirrorServicer_to_server(
+            AllocationMirrorServicer(self.service, self.observe), server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

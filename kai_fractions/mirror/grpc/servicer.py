@@ -4,7 +4,9 @@ this module only translates its values and errors."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -21,6 +23,8 @@ from .status import internal, to_status
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+CallObserver = Callable[[str, str, float], object]
+"""Told of every call answered: method, status code name, seconds (MirrorMetrics.call)."""
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AllocationMirror"].full_name
 # Answer a little before the caller's deadline, so it gets our status rather than its own.
@@ -33,22 +37,33 @@ def deadline_of(context: grpc.aio.ServicerContext) -> Deadline:
 
 
 class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
-    def __init__(self, service: MirrorService) -> None:
+    def __init__(self, service: MirrorService, observe: CallObserver | None = None) -> None:
         self.service = service
+        self.observe = observe
 
     async def _run(self, context: grpc.aio.ServicerContext, method: str,
                    fn: Callable[[], Awaitable[T]], field_prefix: str = "allocation.") -> T:
+        began = time.perf_counter()
+        code = grpc.StatusCode.OK
         try:
             return await fn()
         except MirrorError as e:
             status = to_status(e, field_prefix=field_prefix)
+            code = status.code
             log.info("%s refused: %s: %s", method, status.code.name, status.details)
             await context.abort_with_status(status)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED  # the caller went away, or the server stops
+            raise
         except Exception:
             # The trace stays in our log; the caller gets a status it can act on.
+            code = grpc.StatusCode.INTERNAL
             log.exception("%s failed unexpectedly", method)
             await context.abort_with_status(internal(f"{method}: internal error in the "
                                                      "mirror; see its log"))
+        finally:
+            if self.observe is not None:
+                self.observe(method, code.name, time.perf_counter() - began)
         raise AssertionError("unreachable")  # abort_with_status raises
 
     async def MirrorAllocation(self, request: pb.MirrorAllocationRequest,
