@@ -163,7 +163,10 @@ def test_mirror_deployment_defaults():
         "--report-gpu-fractioning-config",
         "--node-agent-daemonset=kai-fractions/kai-fractions-node-agent", "--report-interval=10",
         "--signing-key-file=/etc/kai-fractions/signing",
-        "--publish-public-key=kai-fractions/kai-fractions-signing-public", "--log-level=info"]
+        "--publish-public-key=kai-fractions/kai-fractions-signing-public",
+        "--metrics-listen=0.0.0.0:9401", "--log-level=info"]
+    assert c["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
+                          {"name": "metrics", "containerPort": 9401, "protocol": "TCP"}]
     tls = next(v for v in pod["volumes"] if v["name"] == "tls")
     assert tls["secret"]["secretName"] == f"{MIRROR}-tls"
     pdb = one(docs, "PodDisruptionBudget", MIRROR)
@@ -174,10 +177,12 @@ def test_mirror_deployment_defaults():
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     netpol = one(docs, "NetworkPolicy", MIRROR)
     assert netpol["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
-    assert netpol["spec"]["ingress"] == [{
-        "ports": [{"port": "grpc", "protocol": "TCP"}],
-        "from": [{"namespaceSelector": {
-            "matchLabels": {"kubernetes.io/metadata.name": "kai-scheduler"}}}]}]
+    assert netpol["spec"]["ingress"] == [
+        {"ports": [{"port": "grpc", "protocol": "TCP"}],
+         "from": [{"namespaceSelector": {
+             "matchLabels": {"kubernetes.io/metadata.name": "kai-scheduler"}}}]},
+        # the metrics (no secrets) from anywhere: mirror.networkPolicy.metricsFrom is []
+        {"ports": [{"port": "metrics", "protocol": "TCP"}]}]
 
 
 def test_mirror_dialect_and_reserve():
