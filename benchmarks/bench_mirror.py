@@ -552,6 +552,15 @@ def compare_cache(count: int = 3000, rounds: int = 3) -> None:
                   count, rounds, with_d=True)
 
 
+def compare_metrics(count: int = 3000, rounds: int = 6) -> None:
+    """The mirror with its metrics served (`--metrics-listen`, as the chart runs it) and
+    without, against one stub in alternating rounds: what counting each call and API request
+    costs."""
+    _side_by_side({"metrics off": (REPO, ()),
+                   "--metrics-listen": (REPO, ("--metrics-listen",
+                                               f"127.0.0.1:{_free_port()}"))}, count, rounds)
+
+
 def compare_tree(other: Path, count: int = 3000, rounds: int = 6) -> None:
     """This checkout's mirror and the one in `other` (another checkout, say a `git worktree`
     of the commit before a change), against one stub in alternating rounds: the way to judge
@@ -609,9 +618,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-cache", action="store_true",
                         help="the mirror with and without its pod cache, side by side, "
                         "and (d2)")
+    parser.add_argument("--compare-metrics", action="store_true",
+                        help="the mirror with and without --metrics-listen, side by side")
     parser.add_argument("--compare-tree", type=Path, metavar="CHECKOUT",
                         help="this checkout's mirror and CHECKOUT's, side by side")
-    parser.add_argument("--rounds", type=int, default=6, help="with --compare-tree")
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="with --compare-tree and --compare-metrics")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="a handful of calls per kind")
     parser.add_argument("--count", type=int, default=2000)
@@ -621,6 +633,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.compare_cache:
         compare_cache(args.count)
+        return 0
+    if args.compare_metrics:
+        compare_metrics(args.count, args.rounds)
         return 0
     if args.compare_tree:
         compare_tree(args.compare_tree, args.count, args.rounds)
