@@ -31,8 +31,9 @@ class MirrorMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=r)
         self._calls = Counter(
-            "kai_fractions_mirror_calls", "AllocationMirror calls answered, by method and gRPC "
-            "status code.", ("method", "code"), registry=r)
+            "kai_fractions_mirror_calls", "Calls answered, by method and gRPC status code "
+            "(UNAUTHENTICATED: refused for their bearer token before they ran).",
+            ("method", "code"), registry=r)
         self._call_seconds = Histogram(
             "kai_fractions_mirror_call_duration_seconds", "Time from a call's start in the "
             "mirror to its answer, by method.", ("method",), buckets=CALL_BUCKETS, registry=r)
@@ -58,12 +59,15 @@ class MirrorMetrics:
 
     # -- the serving loop: calls and API requests ----------------------------------------------
 
-    def call(self, method: str, code: str, seconds: float) -> None:
-        """One AllocationMirror call answered with `code` (a grpc.StatusCode name)."""
+    def call(self, method: str, code: str, seconds: float | None) -> None:
+        """One call answered with `code` (a grpc.StatusCode name); `seconds` None for one
+        refused before it ran (no bearer token), which is counted, not timed."""
         child = self._children.get((method, code))
         if child is None:
             child = self._children[(method, code)] = self._calls.labels(method, code)
         child.inc()
+        if seconds is None:
+            return
         timer = self._children.get((method,))
         if timer is None:
             timer = self._children[(method,)] = self._call_seconds.labels(method)

@@ -67,6 +67,25 @@ def test_calls_api_requests_and_the_pod_cache_are_counted(mirror_factory):
     assert sample(metrics, "kai_fractions_mirror_pod_cache_lookups_total", result="hit") >= 1
 
 
+@pytest.mark.integration
+def test_a_call_refused_for_its_token_is_counted_not_timed(mirror_factory, tmp_path):
+    (tmp_path / "token").write_text("sesame")
+    metrics = MirrorMetrics()
+    mirror = mirror_factory(token_file=str(tmp_path / "token"), metrics=metrics)
+    created = mirror.create_pod("train-0", {"gpu-fraction": "0.5"})
+    with pytest.raises(grpc.RpcError) as refused:
+        mirror.stub.MirrorAllocation(mirror_request(allocation(created)))
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    mirror.stub.MirrorAllocation(mirror_request(allocation(created)),
+                                 metadata=(("authorization", "Bearer sesame"),))
+    wait_for(lambda: sample(metrics, "kai_fractions_mirror_calls_total",
+                            method="MirrorAllocation", code="OK") == 1)
+    assert sample(metrics, "kai_fractions_mirror_calls_total", method="MirrorAllocation",
+                  code="UNAUTHENTICATED") == 1
+    assert sample(metrics, "kai_fractions_mirror_call_duration_seconds_count",
+                  method="MirrorAllocation") == 1  # only the call that ran
+
+
 def test_the_registry_is_served_over_http_with_the_process_figures():
     metrics = MirrorMetrics()
     metrics.call("ReleaseAllocation", "NOT_FOUND", 0.003)

@@ -156,19 +156,29 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """`authorization: Bearer <token>` on every call but health checks; anything else is
     UNAUTHENTICATED before the servicer runs, so nothing is read or written."""
 
-    def __init__(self, token: TokenFile) -> None:
+    def __init__(self, token: TokenFile,
+                 denied: Callable[[str], object] | None = None) -> None:
         self.token = token
+        self.denied = denied
+        """Told the method name of each call refused here (the metrics count them)."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+        method = handler_call_details.method
+        if handler is None or method.startswith(HEALTH_PREFIX):
             return handler
         values = [v for k, v in (handler_call_details.invocation_metadata or ())
                   if k == "authorization"]
+        problem = ""
         if not values:
-            return _deny(handler, "missing `authorization: Bearer <token>` metadata")
-        scheme, _, presented = str(values[0]).partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-                presented.strip().encode(), self.token.current()):
-            return _deny(handler, "invalid bearer token")
-        return handler
+            problem = "missing `authorization: Bearer <token>` metadata"
+        else:
+            scheme, _, presented = str(values[0]).partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    presented.strip().encode(), self.token.current()):
+                problem = "invalid bearer token"
+        if not problem:
+            return handler
+        if self.denied is not None:
+            self.denied(method.rpartition("/")[2])
+        return _deny(handler, problem)

@@ -141,7 +141,14 @@ class MirrorServer:
         self._loop.close()
 
     async def _start(self) -> None:
-        interceptors = [BearerTokenInterceptor(self._token)] if self._token is not None else []
+        denied = None
+        if self.observe is not None:
+            observe = self.observe
+
+            def denied(method: str) -> None:
+                observe(method, grpc.StatusCode.UNAUTHENTICATED.name, None)
+        interceptors = [BearerTokenInterceptor(self._token, denied)] \
+            if self._token is not None else []
         server = grpc.aio.server(interceptors=interceptors)
         self._server = server
         pb_grpc.add_AllocationMirrorServicer_to_server(

@@ -23,8 +23,9 @@ from .status import internal, to_status
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-CallObserver = Callable[[str, str, float], object]
-"""Told of every call answered: method, status code name, seconds (MirrorMetrics.call)."""
+CallObserver = Callable[[str, str, float | None], object]
+"""Told of every call answered: method, status code name, seconds (MirrorMetrics.call); None
+for a call refused before it ran (no bearer token)."""
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AllocationMirror"].full_name
 # Answer a little before the caller's deadline, so it gets our status rather than its own.
