@@ -1,7 +1,13 @@
 """The Grafana dashboard (charts/kai-fractions/dashboards/kai-fractions.json): every PromQL
-expression in it names only metrics and labels a live node agent really exports (taken from the
-/metrics of the REAL agent process, not from a list here), and the chart ships it as a
-ConfigMap with the `grafana_dashboard` label when `dashboard.enabled` (never by default).
+expression in it names only metrics and labels a live process really exports (taken from the
+/metrics of the REAL process, not from a list here): the panels of the "Mirror" row a live
+mirror's, every other panel and variable a live node agent's. The chart ships it as a ConfigMap
+with the `grafana_dashboard` label when `dashboard.enabled` (never by default).
+
+Which row a panel is in is Grafana's rule: a collapsed row holds its panels, any other panel
+belongs to the last row above it (gridPos.y). Labels Prometheus attaches to a target (`pod`,
+`job`...) count as known only for the mirror's panels: its ServiceMonitor keeps them (the mirror
+exports none of those names), while the agent's honours the agent's own workload labels.
 
 The PromQL reader is minimal but exact for what a dashboard needs: metric names, label matchers
 (`{l="v"}`, `=~`, `!=`, `!~`), the label lists of `by`, `without`, `on`, `ignoring`,
@@ -14,7 +20,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,9 +29,25 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.chart.render import CHART, NAMESPACE, find, kube_validate, one, render
 from tests.support.agent_metrics import populated_scrape
 from tests.support.agent_process import AgentEnv
+from tests.support.kube import KubeServer
+from tests.support.mirror_metrics import populated_mirror_scrape
 
 DASHBOARD = CHART / "dashboards" / "kai-fractions.json"
 CONFIGMAP = "kai-fractions-dashboard"
+MIRROR_ROW = "Mirror"
+MIRROR_SERVICE_MONITOR = "kai-fractions-mirror"
+TARGET_LABELS = frozenset({"job", "instance", "namespace", "service", "endpoint", "pod",
+                           "container"})
+"""What Prometheus Operator attaches to every target of a ServiceMonitor endpoint. The mirror's
+ServiceMonitor has no honorLabels and the mirror exports none of these names (checked), so its
+series keep them as they are: a mirror panel may use them (`pod` is the replica). The agent's
+honours the agent's own `namespace`/`pod`/`container` (the workload's), so an agent panel gets
+no such allowance: every label it names must be in the agent's /metrics."""
+SAMPLE_SUFFIXES = {"counter": ("_total", "_created"),
+                   "histogram": ("_bucket", "_count", "_sum", "_created"),
+                   "gaugehistogram": ("_bucket", "_gcount", "_gsum"),
+                   "summary": ("", "_count", "_sum", "_created"), "info": ("_info",)}
+"""The sample names of a family of each type (a gauge's, an untyped's: its own name)."""
 
 FUNCTIONS = {  # PromQL's aggregations and functions the dashboard may use
     "sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile",
@@ -55,6 +78,8 @@ class Query:
     """(metric, label) of every label matcher in a selector."""
     grouping: set[str] = field(default_factory=set)
     """Labels of by / without / on / ignoring / group_left / group_right."""
+    values: set[tuple[str, str, str, str]] = field(default_factory=set)
+    """(metric, label, operator, value) of every label matcher (the value unquoted)."""
 
 
 def tokens(expr: str) -> list[tuple[str, str]]:
@@ -106,6 +131,7 @@ def parse(expr: str) -> Query:
                 q.metrics.add(metric)
             else:
                 q.matchers.add((metric or "", label))
+                q.values.add((metric or "", label, op[1], value[1][1:-1]))
             j += 3
         return j + 1
 
@@ -141,6 +167,8 @@ def test_the_promql_reader_finds_names_and_labels_and_nothing_in_strings() -> No
     assert q.metrics == {"m_total", "n", "o"}
     assert q.matchers == {("m_total", "x"), ("m_total", "y"), ("n", "z")}
     assert q.grouping == {"a", "b", "c", "d", "e"}
+    assert q.values == {("m_total", "x", "=", "sum by (z)"), ("m_total", "y", "=~", "p|q"),
+                        ("n", "z", "!~", ".*")}
     q = parse('histogram_quantile(0.95, sum without (le) (h_bucket[5m:1m] offset 1h))'
               ' * on () group_left m2{__name__="m3"}')
     assert q.metrics == {"h_bucket", "m2", "m3"} and q.grouping == {"le"}
@@ -154,31 +182,151 @@ def dashboard() -> dict[str, Any]:
     return json.loads(DASHBOARD.read_text())
 
 
-def expressions(board: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(where, expr, legend) for every panel target (rows' nested panels too) and every
-    query variable (`label_values(<selector>, <label>)` read as its selector plus a `by`)."""
+class Expr(NamedTuple):
+    row: str
+    """The title of the row the panel is in ("" above the first row, and for a variable)."""
+    where: str
+    expr: str
+    legend: str
+
+
+def panels_by_row(board: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(row title, panel) for every panel but the rows, as Grafana places them: a collapsed
+    row holds its panels; any other panel belongs to the last row above it (by gridPos.y)."""
+    rows = sorted((p["gridPos"]["y"], p["title"]) for p in board["panels"] if p["type"] == "row")
     out = []
-    panels = list(board["panels"])
-    while panels:
-        p = panels.pop(0)
-        panels.extend(p.get("panels") or [])
+    for p in board["panels"]:
+        if p["type"] == "row":
+            out += [(p["title"], inner) for inner in p.get("panels") or []]
+        else:
+            above = [title for y, title in rows if y < p["gridPos"]["y"]]
+            out.append((above[-1] if above else "", p))
+    return out
+
+
+def expressions(board: dict[str, Any]) -> list[Expr]:
+    """Every panel target (rows' nested panels too) with its row, and every query variable
+    (`label_values(<selector>, <label>)` read as its selector plus a `by`; row "")."""
+    out = []
+    for row, p in panels_by_row(board):
         for t in p.get("targets") or []:
-            out.append((f"panel {p['title']!r} {t['refId']}", t["expr"],
-                        t.get("legendFormat", "")))
+            out.append(Expr(row, f"panel {p['title']!r} {t['refId']}", t["expr"],
+                            t.get("legendFormat", "")))
     for v in board["templating"]["list"]:
         if v["type"] != "query":
             continue
         query = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
         m = re.fullmatch(r"label_values\((.*),\s*([A-Za-z_][A-Za-z0-9_]*)\s*\)", query)
         assert m, f"variable {v['name']}: not a label_values query: {query}"
-        out.append((f"variable {v['name']}", f"sum by ({m.group(2)}) ({m.group(1)})", ""))
+        out.append(Expr("", f"variable {v['name']}", f"sum by ({m.group(2)}) ({m.group(1)})",
+                        ""))
     return out
+
+
+def agent_side(board: dict[str, Any]) -> list[Expr]:
+    return [e for e in expressions(board) if e.row != MIRROR_ROW]
+
+
+def mirror_side(board: dict[str, Any]) -> list[Expr]:
+    return [e for e in expressions(board) if e.row == MIRROR_ROW]
+
+
+def exported(text: str) -> dict[str, set[str]]:
+    """Every sample name the families of a scrape export -> the labels seen on it. A family's
+    sample names follow from its type (a counter `x`: x_total; a histogram: x_bucket, x_count,
+    x_sum), so a family with no sample yet (a labelled counter nothing incremented) is exported
+    all the same, with no label known but a histogram's `le`."""
+    labels_of: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for suffix in SAMPLE_SUFFIXES.get(family.type, ("",)):
+            labels_of.setdefault(family.name + suffix, set())
+        if family.type in ("histogram", "gaugehistogram"):
+            labels_of[family.name + "_bucket"].add("le")
+        for s in family.samples:
+            labels_of.setdefault(s.name, set()).update(s.labels)
+    return labels_of
+
+
+def problems(exprs: list[Expr], labels_of: dict[str, set[str]], source: str,
+             target_labels: frozenset[str] = frozenset()) -> list[str]:
+    """What in `exprs` names a metric or label that `labels_of` (`exported`: what `source`
+    exports) lacks; `target_labels` are known on every metric besides."""
+    out = []
+    for where, expr, legend in ((e.where, e.expr, e.legend) for e in exprs):
+        q = parse(expr)
+        if not q.metrics:
+            out.append(f"{where}: names no metric: {expr}")
+        unknown = q.metrics - labels_of.keys()
+        out += [f"{where}: the {source} exports no {m}" for m in sorted(unknown)]
+        known = set().union(*(labels_of.get(m, set()) for m in q.metrics)) | target_labels
+        for metric, label in sorted(q.matchers):
+            if label not in labels_of.get(metric, known) | target_labels:
+                out.append(f"{where}: {metric or 'the selector'} has no label {label}")
+        for label in sorted(q.grouping - known):
+            out.append(f"{where}: groups by {label}, which none of {sorted(q.metrics)} has")
+        for label in re.findall(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}", legend):
+            if label not in known:
+                out.append(f"{where}: the legend names {label}, which no metric has")
+    return out
+
+
+SCRAPE = """\
+# HELP m_calls_total Calls.
+# TYPE m_calls_total counter
+m_calls_total{code="OK"} 1.0
+# HELP m_checks_total Checks (none yet: no sample, no label known).
+# TYPE m_checks_total counter
+# HELP m_delay_seconds A histogram without labels.
+# TYPE m_delay_seconds histogram
+m_delay_seconds_bucket{le="1.0"} 0.0
+m_delay_seconds_bucket{le="+Inf"} 0.0
+m_delay_seconds_count 0.0
+m_delay_seconds_sum 0.0
+"""
+
+
+def test_the_checker_reports_every_unknown_metric_and_label() -> None:
+    labels_of = exported(SCRAPE)
+    assert labels_of["m_calls_total"] == {"code"} and labels_of["m_checks_total"] == set()
+    assert labels_of["m_delay_seconds_bucket"] == {"le"}
+    assert labels_of["m_delay_seconds_count"] == set()
+
+    def check(expr: str, legend: str = "", targets: frozenset[str] = frozenset()) -> list[str]:
+        return problems([Expr("", "e", expr, legend)], labels_of, "mirror", targets)
+
+    assert check('sum by (code) (rate(m_calls_total{code!="OK"}[5m]))', "{{code}}") == []
+    assert check("histogram_quantile(0.99, sum by (le) (rate(m_delay_seconds_bucket[5m])))") \
+        == []
+    assert check("sum(rate(m_checks_total[5m]))") == []  # exported, though never counted yet
+    assert check("m_nope_total + m_delay_seconds") == [
+        "e: the mirror exports no m_delay_seconds", "e: the mirror exports no m_nope_total"]
+    assert check('m_calls_total{verb="GET"}') == ["e: m_calls_total has no label verb"]
+    assert check("sum by (result) (m_checks_total)") == [
+        "e: groups by result, which none of ['m_checks_total'] has"]
+    assert check("m_calls_total", "{{method}}") == [
+        "e: the legend names method, which no metric has"]
+    # a target label: unknown unless the caller says Prometheus attaches it
+    assert check('sum by (pod) (m_calls_total{job="x"})', "{{pod}}") == [
+        "e: m_calls_total has no label job", "e: groups by pod, which none of "
+        "['m_calls_total'] has", "e: the legend names pod, which no metric has"]
+    assert check('sum by (pod) (m_calls_total{job="x"})', "{{pod}}", TARGET_LABELS) == []
+
+
+def test_panels_belong_to_the_row_above_them_or_to_their_collapsed_row() -> None:
+    def at(pid: int, y: int, kind: str = "timeseries", **rest: Any) -> dict[str, Any]:
+        return {"id": pid, "type": kind, "title": f"p{pid}", "gridPos": {"y": y}, **rest}
+
+    # by y, not by the order of the list; a collapsed row's panels keep their own y
+    board = {"panels": [at(1, 0), at(2, 1, "row", title="A"), at(3, 9),
+                        at(4, 10, "row", title="B", panels=[at(5, 3)]), at(6, 2)]}
+    assert [(row, p["id"]) for row, p in panels_by_row(board)] == [
+        ("", 1), ("A", 3), ("B", 5), ("A", 6)]
 
 
 def test_the_dashboard_has_the_panels_issue_19_asks_for() -> None:
     board = dashboard()
     assert board["uid"] and board["title"]
-    exprs = " ".join(e for _, e, _ in expressions(board))
+    exprs = " ".join(e.expr for e in agent_side(board))
     for metric in ("kai_fractions_container_gpu_memory_requested_bytes",
                    "kai_fractions_container_gpu_memory_limit_bytes",
                    "kai_fractions_container_gpu_memory_used_bytes",
@@ -193,34 +341,123 @@ def test_the_dashboard_has_the_panels_issue_19_asks_for() -> None:
             or p["type"] == "row", p["title"]
 
 
+def test_the_mirror_row_closes_the_dashboard_with_a_panel_per_family() -> None:
+    board = dashboard()
+    placed = panels_by_row(board)
+    mirror = [p for row, p in placed if row == MIRROR_ROW]
+    exprs = " ".join(e.expr for e in mirror_side(board))
+    for metric in ("kai_fractions_mirror_calls_total",
+                   "kai_fractions_mirror_call_duration_seconds_bucket",
+                   "kai_fractions_mirror_api_requests_total",
+                   "kai_fractions_mirror_pod_cache_pods", "kai_fractions_mirror_pod_cache_synced",
+                   "kai_fractions_mirror_pod_cache_lookups_total",
+                   "kai_fractions_follower_leading", "kai_fractions_follower_checks_total",
+                   "kai_fractions_follower_checks_in_progress",
+                   "kai_fractions_follower_signature_delay_seconds_bucket",
+                   "process_resident_memory_bytes", "process_cpu_seconds_total"):
+        assert metric in exprs, metric
+    assert "kai_fractions_mirror" not in " ".join(e.expr for e in agent_side(board))
+    # the last row, below everything else; the panels tile the 24 columns without overlapping
+    rows = [p for p in board["panels"] if p["type"] == "row"]
+    assert rows[-1]["title"] == MIRROR_ROW and mirror
+    others = [p for row, p in placed if row != MIRROR_ROW]
+    assert rows[-1]["gridPos"]["y"] == max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in others)
+    cells: dict[tuple[int, int], int] = {}
+    for p in board["panels"]:
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{p['title']} overlaps panel {cells[(x, y)]}"
+                cells[(x, y)] = p["id"]
+    ids = [p["id"] for p in board["panels"]] + [
+        inner["id"] for p in board["panels"] for inner in p.get("panels") or []]
+    assert len(ids) == len(set(ids))
+    for p in mirror:
+        assert p["targets"] and p["datasource"] == {"type": "prometheus",
+                                                    "uid": "${datasource}"}, p["title"]
+        assert all(t["datasource"] == p["datasource"] for t in p["targets"]), p["title"]
+    # exactly one leader: red below and above 1
+    (leaders,) = [p for p in mirror
+                  if [t["expr"] for t in p["targets"]] == ["sum(kai_fractions_follower_leading)"]]
+    assert leaders["type"] == "stat"
+    assert leaders["fieldConfig"]["defaults"]["thresholds"]["steps"] == [
+        {"color": "red", "value": None}, {"color": "green", "value": 1},
+        {"color": "red", "value": 2}]
+
+
+def mirror_job() -> str:
+    """The `job` of the mirror's targets: Prometheus Operator names it after the Service a
+    ServiceMonitor endpoint scrapes (no jobLabel), here the mirror's metrics Service."""
+    docs = render(sets=("serviceMonitor.enabled=true",))
+    monitor = one(docs, "ServiceMonitor", MIRROR_SERVICE_MONITOR)["spec"]
+    assert "jobLabel" not in monitor
+    selector = monitor["selector"]["matchLabels"]
+    ports = {e["port"] for e in monitor["endpoints"]}
+    (service,) = [s["metadata"]["name"] for s in find(docs, "Service")
+                  if selector.items() <= s["metadata"]["labels"].items()
+                  and ports & {p.get("name") for p in s["spec"]["ports"]}]
+    return service
+
+
+def test_the_mirror_process_panels_select_the_mirror_by_its_job() -> None:
+    """process_* is every process's: the mirror's panels name the job the chart's mirror
+    ServiceMonitor gives its targets, and so does each panel's description."""
+    job = mirror_job()
+    matchers = {(metric, op, value) for e in mirror_side(dashboard())
+                for metric, label, op, value in parse(e.expr).values if label == "job"}
+    assert matchers == {("process_resident_memory_bytes", "=", job),
+                        ("process_cpu_seconds_total", "=", job)}
+    for row, panel in panels_by_row(dashboard()):
+        exprs = [parse(t["expr"]) for t in panel["targets"]]
+        if row == MIRROR_ROW and any(m.startswith("process_") for q in exprs for m in q.metrics):
+            assert all(any(v[1] == "job" for v in q.values) for q in exprs), panel["title"]
+            assert job in panel["description"], panel["title"]
+
+
 @pytest.mark.integration
 def test_every_expression_names_only_what_a_live_agent_exports(agent_env: AgentEnv) -> None:
+    """Every expression but the Mirror row's: against the real agent's /metrics."""
     text, _uids, run = populated_scrape(agent_env)
     run.stop()
-    labels_of: dict[str, set[str]] = {}  # every sample name (with _total, _bucket...) -> labels
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels_of.setdefault(s.name, set()).update(s.labels)
+    labels_of = exported(text)
     assert "gpu_fractioning_gpu_memory_used_bytes" in labels_of  # the scrape is the agent's
+    assert problems(agent_side(dashboard()), labels_of, "agent") == []
+    # what the agent lacks is reported, target labels too
+    assert problems([Expr("", "bad", 'sum by (pod) (kai_fractions_mirror_calls_total)', ""),
+                     Expr("", "worse", 'kai_fractions_node_ready{job="x"}', "{{instance}}")],
+                    labels_of, "agent") == [
+        "bad: the agent exports no kai_fractions_mirror_calls_total",
+        "bad: groups by pod, which none of ['kai_fractions_mirror_calls_total'] has",
+        "worse: kai_fractions_node_ready has no label job",
+        "worse: the legend names instance, which no metric has"]
 
-    problems = []
-    for where, expr, legend in expressions(dashboard()):
-        q = parse(expr)
-        if not q.metrics:
-            problems.append(f"{where}: names no metric: {expr}")
-        unknown = q.metrics - labels_of.keys()
-        problems += [f"{where}: the agent exports no {m}" for m in sorted(unknown)]
-        known = set().union(*(labels_of.get(m, set()) for m in q.metrics))
-        for metric, label in sorted(q.matchers):
-            if label not in labels_of.get(metric, known):
-                problems.append(f"{where}: {metric or 'the selector'} has no label {label}")
-        for label in sorted(q.grouping - known):
-            problems.append(f"{where}: groups by {label}, which none of "
-                            f"{sorted(q.metrics)} has")
-        for label in re.findall(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}", legend):
-            if label not in known:
-                problems.append(f"{where}: the legend names {label}, which no metric has")
-    assert problems == []
+
+@pytest.mark.integration
+def test_every_mirror_row_expression_names_only_what_a_live_mirror_exports(
+        kube: KubeServer, tmp_path: Path) -> None:
+    """The Mirror row's expressions: against the real mirror's /metrics (pod cache on,
+    following BindRequests, after a call that wrote), with the target labels Prometheus adds."""
+    labels_of = exported(populated_mirror_scrape(kube, tmp_path))
+    assert "kai_fractions_mirror_calls_total" in labels_of  # the scrape is the mirror's
+    assert "kai_fractions_node_ready" not in labels_of
+    # none is renamed exported_<label> by the scrape: the target's labels are what panels read
+    assert set().union(*labels_of.values()) & TARGET_LABELS == set()
+    exprs = mirror_side(dashboard())
+    assert exprs
+    assert problems(exprs, labels_of, "mirror", TARGET_LABELS) == []
+    # what the mirror lacks is reported: an agent metric, a label of another family, a typo
+    assert problems([
+        Expr(MIRROR_ROW, "agent's", "sum by (node) (kai_fractions_node_ready)", ""),
+        Expr(MIRROR_ROW, "other family's", 'kai_fractions_mirror_calls_total{verb="GET"}',
+             "{{result}}"),
+        Expr(MIRROR_ROW, "typo", "sum(rate(kai_fractions_mirror_call_total[5m]))", ""),
+    ], labels_of, "mirror", TARGET_LABELS) == [
+        "agent's: the mirror exports no kai_fractions_node_ready",
+        "agent's: groups by node, which none of ['kai_fractions_node_ready'] has",
+        "other family's: kai_fractions_mirror_calls_total has no label verb",
+        "other family's: the legend names result, which no metric has",
+        "typo: the mirror exports no kai_fractions_mirror_call_total"]
 
 
 # -- the chart ------------------------------------------------------------------------------

@@ -237,11 +237,14 @@ class MirrorProcessRun:
 
 def run_mirror_process(kube: KubeServer, tmp_path: Path, *flags: str,
                        metadata: tuple[tuple[str, str], ...] = (),
-                       metrics_url: str = "") -> MirrorProcessRun:
+                       metrics_url: str = "",
+                       metrics_ready: Callable[[str], object] = lambda text: True,
+                       ) -> MirrorProcessRun:
     """`kai-fractions mirror` as a real process over `kube` on a unix socket (plus `flags`):
     creates pod team-a/train-0 (gpu-fraction 0.5), makes one MirrorAllocation call for it
-    (which must write), reads `metrics_url` when given, then stops the process with
-    SIGTERM."""
+    (which must write), reads `metrics_url` when given until `metrics_ready` says the text
+    holds what the test waits for (the follower, say, runs beside the call), then stops the
+    process with SIGTERM."""
     from tests.mirror.messages import allocation, mirror_request
 
     kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
@@ -267,9 +270,15 @@ def run_mirror_process(kube: KubeServer, tmp_path: Path, *flags: str,
                 mirror_request(allocation(pod)), timeout=10, metadata=metadata)
             assert reply.changed
         metrics = ""
-        if metrics_url:
+        deadline = time.monotonic() + 20
+        while metrics_url:
+            assert process.poll() is None, process.communicate()[1]
             with urllib.request.urlopen(metrics_url, timeout=10) as answer:
                 metrics = answer.read().decode()
+            if metrics_ready(metrics):
+                break
+            assert time.monotonic() < deadline, f"the metrics never got ready:\n{metrics}"
+            time.sleep(0.05)
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=20)
     finally:

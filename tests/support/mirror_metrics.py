@@ -1,0 +1,55 @@
+"""A live mirror's /metrics with its families populated, for the dashboard test: the REAL
+`kai-fractions mirror` process over kmock (`run_mirror_process`), its pod cache on, following
+BindRequests, after its one MirrorAllocation call and one BindRequest the follower checked (a
+Pending one: `skipped`, so `kai_fractions_follower_checks_total` has its `result` label)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kubernetes import client as k8s
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.agent_process import free_port
+from tests.support.kube import KubeServer
+from tests.support.mirror_kube import BINDREQUESTS, register_bindrequests, run_mirror_process
+
+NS = "team-a"
+
+
+def _value(text: str, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None
+
+
+def _populated(text: str) -> bool:
+    return bool(_value(text, "kai_fractions_mirror_calls_total", code="OK") == 1
+                and _value(text, "kai_fractions_mirror_api_requests_total", verb="PATCH")
+                and _value(text, "kai_fractions_follower_checks_total", result="skipped")
+                and _value(text, "kai_fractions_follower_leading") == 1)
+
+
+def populated_mirror_scrape(kube: KubeServer, tmp_path: Path) -> str:
+    """The mirror's /metrics text once every family the dashboard reads has its samples; the
+    process has stopped (SIGTERM, exit 0) when this returns."""
+    register_bindrequests(kube)
+    k8s.CustomObjectsApi(kube.api_client).create_namespaced_custom_object(
+        BINDREQUESTS.group, BINDREQUESTS.version, NS, BINDREQUESTS.plural, {
+            "apiVersion": "scheduling.run.ai/v1alpha2", "kind": "BindRequest",
+            "metadata": {"name": "br-pending", "namespace": NS},
+            "spec": {"podName": "train-1", "selectedNode": "gpu-node-1",
+                     "receivedResourceType": "Fraction",
+                     "receivedGPU": {"count": 1, "portion": "0.5"},
+                     "selectedFractionalGpuGroups": [{"id": "group-a",
+                                                      "computeSharingMode": ""}],
+                     "backoffLimit": 3},
+            "status": {"phase": "Pending"}})
+    address = f"127.0.0.1:{free_port()}"
+    run = run_mirror_process(kube, tmp_path, "--follow-bindrequests", "--metrics-listen",
+                             address, metrics_url=f"http://{address}/metrics",
+                             metrics_ready=_populated)
+    assert run.returncode == 0 and "Traceback" not in run.err, run.err
+    return run.metrics
