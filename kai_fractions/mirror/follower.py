@@ -155,6 +155,9 @@ class Verification:
     """The signature annotations this check wrote (none when already signed, or unsigned)."""
     unsigned: str = ""
     """Why a matching pod was left unsigned ("" when signed, or signing is off)."""
+    resigned: bool = False
+    """The signatures written replace ones that no longer verify (their key was retired):
+    the pod was not waiting for them."""
 
     @property
     def complete(self) -> bool:
@@ -377,7 +380,8 @@ class Follower:
                                            deadline=deadline)
         log.info("pod %s/%s: signed %s (key %s)", pod.namespace, pod.name,
                  ", ".join(sorted(changes)), keyring.current.kid)
-        return replace(checked, signed=tuple(sorted(changes)), unsigned="")
+        return replace(checked, signed=tuple(sorted(changes)), unsigned="",
+                       resigned=any(key in pod.annotations for key in changes))
 
     async def _decision(self, allocation: AllocationInput, deadline: Deadline
                         ) -> BindDecision:

@@ -104,7 +104,7 @@ class MirrorMetrics:
         finally:
             self._in_progress.dec()
         self._checks.labels(check_result(result)).inc()
-        if result is not None and result.signed:
+        if result is not None and result.signed and not result.resigned:
             waited = seconds_since(br.created)
             if waited is not None:
                 self._signature_delay.observe(waited)

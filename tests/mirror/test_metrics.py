@@ -172,6 +172,20 @@ async def test_each_check_is_counted_by_its_result_and_a_signature_timed_from_th
     assert sample(metrics, f"{delay}_bucket", le="5.0") == 1  # 3 s, give or take a second
 
 
+async def test_a_pod_signed_again_under_a_new_key_did_not_wait_and_is_not_timed(store):
+    metrics = MirrorMetrics()
+    store.add_pod(pod("good-0", {"gpu-fraction": "0.5", **BOUND}))
+    view = BindRequestView.from_object(created_ago(versioned(bind_request("br-1", "good-0")),
+                                                   3600))
+    retired = Follower(store, signer=KeyringSource.fixed(Keyring.of(b"o" * 32)))
+    assert (await retired.follow_one(view)).resigned is False
+    follower = Follower(store, signer=KeyringSource.fixed(Keyring.of(b"n" * 32)))
+    again = await metrics.check(follower.follow_one, view)  # the old key no longer verifies
+    assert again.signed and again.resigned
+    assert sample(metrics, "kai_fractions_follower_checks_total", result="complete") == 1
+    assert sample(metrics, "kai_fractions_follower_signature_delay_seconds_count") == 0
+
+
 async def test_a_check_in_progress_is_a_gauge_and_one_that_raises_an_error():
     metrics = MirrorMetrics()
     started, release = asyncio.Event(), asyncio.Event()
