@@ -23,6 +23,7 @@ RELEASE = "kf"
 KUBE_VERSIONS = ("1.30.0", "1.35.0")
 # Kinds the official OpenAPI schemas do not have (CRDs): kubernetes-validate only warns on them.
 CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("scheduling.run.ai/v2", "Queue"),
+                ("monitoring.coreos.com/v1", "PrometheusRule"),
                 ("gpu-fractioning.kai.scheduler/v1alpha1", "GpuFractioningConfig")}
 
 

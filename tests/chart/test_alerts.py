@@ -1,0 +1,262 @@
+"""The alerting rules (charts/kai-fractions/templates/prometheusrule.yaml): a Prometheus Operator
+PrometheusRule, only with `prometheusRule.enabled` (never by default, never with gpuSharing
+Disabled), whose every `expr` names only metrics and labels a live process really exports
+(taken from the /metrics of the REAL process, as the dashboard's test does, with the same reader,
+tests/support/promql.py): the `kai-fractions-mirror` group's a live mirror's, with the target
+labels Prometheus adds (its ServiceMonitor keeps them), the `kai-fractions-node-agent` group's a
+live node agent's, without (its ServiceMonitor honours the agent's own workload labels).
+
+Every alert has a severity, a summary and a description, and the `for` listed here; the
+Prometheus templates of its annotations (`{{ $labels.x }}`, `{{ $value }}`) survive Helm
+literally and name only labels the alert's series carry."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from tests.chart.render import (
+    NAMESPACE,
+    find,
+    kube_validate,
+    one,
+    render,
+    render_text,
+    template_error,
+)
+from tests.support.agent_metrics import populated_scrape
+from tests.support.agent_process import AgentEnv
+from tests.support.kube import KubeServer
+from tests.support.mirror_metrics import populated_mirror_scrape
+from tests.support.promql import TARGET_LABELS, Expr, exported, parse, problems
+
+RULE = "kai-fractions"
+ON = ("prometheusRule.enabled=true",)
+MIRROR_GROUP = "kai-fractions-mirror"
+AGENT_GROUP = "kai-fractions-node-agent"
+ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
+    "KaiFractionsFollowerNoLeader": (MIRROR_GROUP, "critical", "2m"),
+    "KaiFractionsFollowerSeveralLeaders": (MIRROR_GROUP, "warning", "5m"),
+    "KaiFractionsMirrorCallsFailing": (MIRROR_GROUP, "warning", "10m"),
+    "KaiFractionsMirrorApiUnreachable": (MIRROR_GROUP, "warning", "5m"),
+    "KaiFractionsSignatureDelayHigh": (MIRROR_GROUP, "warning", "15m"),
+    "KaiFractionsNodeNotReady": (AGENT_GROUP, "warning", "10m"),
+    "KaiFractionsGpuMemoryLimitViolation": (AGENT_GROUP, "warning", None),
+    "KaiFractionsContainerRefused": (AGENT_GROUP, "warning", "5m"),
+    "KaiFractionsReconcileErrors": (AGENT_GROUP, "warning", "15m"),
+    "KaiFractionsMpsDaemonRestarting": (AGENT_GROUP, "warning", None),
+}
+FOLLOWER = {"KaiFractionsFollowerNoLeader", "KaiFractionsFollowerSeveralLeaders",
+            "KaiFractionsSignatureDelayHigh"}
+"""Only with mirror.followBindRequests: without the follower nothing leads or signs."""
+PROMETHEUS_TEMPLATE = re.compile(r"\{\{\s*(.*?)\s*\}\}")
+ALLOWED_TEMPLATE = re.compile(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)|\$value(?: \| humanize\w*)?")
+
+
+def rule(*sets: str) -> dict[str, Any]:
+    return one(render(sets=ON + sets), "PrometheusRule", RULE)
+
+
+def alerts(prometheus_rule: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """alert name -> (its group's name, the rule)."""
+    out = {}
+    for group in prometheus_rule["spec"]["groups"]:
+        for r in group["rules"]:
+            assert r["alert"] not in out, f"{r['alert']} twice"
+            out[r["alert"]] = (group["name"], r)
+    return out
+
+
+def annotation_labels(r: dict[str, Any]) -> set[str]:
+    """The labels the Prometheus templates of an alert's annotations name ({{ $labels.x }})."""
+    return {m.group(1) for text in r["annotations"].values()
+            for m in ALLOWED_TEMPLATE.finditer(text) if m.group(1)}
+
+
+def alert_exprs(group: str, prometheus_rule: dict[str, Any]) -> list[Expr]:
+    """The group's expressions, the labels its annotations name as the legend (so they are
+    checked as a panel legend's are: known on the metrics the expression reads)."""
+    return [Expr(g, f"alert {name}", r["expr"],
+                 " ".join(f"{{{{{label}}}}}" for label in sorted(annotation_labels(r))))
+            for name, (g, r) in alerts(prometheus_rule).items() if g == group]
+
+
+def kept_by_aggregation(expr: str) -> set[str] | None:
+    """The labels an expression's aggregation keeps (its `by` list; none without one), or None
+    when it aggregates nothing (its series keep their own labels)."""
+    if not re.search(r"\b(sum|min|max|avg|count)\s*(by\s*\([^)]*\)\s*)?\(", expr):
+        return None
+    lists = [{label.strip() for label in m.split(",") if label.strip()}
+             for m in re.findall(r"\bby\s*\(([^)]*)\)", expr)]
+    return set.intersection(*lists) if lists else set()
+
+
+# -- the chart ------------------------------------------------------------------------------
+
+
+def test_no_rule_by_default() -> None:
+    assert find(render(), "PrometheusRule") == []
+
+
+def test_gpu_sharing_disabled_renders_no_rule() -> None:
+    assert find(render(sets=(*ON, "gpuSharing=Disabled")), "PrometheusRule") == []
+
+
+def test_enabled_renders_one_prometheus_rule_with_every_alert() -> None:
+    docs = render(sets=ON)
+    (r,) = find(docs, "PrometheusRule")
+    assert (r["apiVersion"], r["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    assert (r["metadata"]["name"], r["metadata"]["namespace"]) == (RULE, NAMESPACE)
+    labels = r["metadata"]["labels"]
+    assert labels["app.kubernetes.io/name"] == "kai-fractions"
+    assert labels["app.kubernetes.io/instance"] == "kf"
+    assert labels["app.kubernetes.io/component"] == "alerts"
+    assert labels["app.kubernetes.io/managed-by"] == "Helm"
+    assert "annotations" not in r["metadata"] and list(r) == ["apiVersion", "kind", "metadata",
+                                                              "spec"]
+    # no schema for the CRD here: kubernetes-validate only checks it is a CUSTOM_KINDS one
+    assert kube_validate([r], "alerts") == []
+    assert [g["name"] for g in r["spec"]["groups"]] == [MIRROR_GROUP, AGENT_GROUP]
+    assert all(set(g) == {"name", "rules"} for g in r["spec"]["groups"])
+    found = alerts(r)
+    assert set(found) == set(ALERTS)
+    for name, (group, rule_) in found.items():
+        want_group, severity, for_ = ALERTS[name]
+        assert group == want_group, name
+        assert rule_["labels"] == {"severity": severity}, name
+        assert rule_.get("for") == for_, name
+        assert set(rule_) <= {"alert", "expr", "for", "labels", "annotations"}, name
+        assert set(rule_["annotations"]) == {"summary", "description"}, name
+        summary, description = rule_["annotations"]["summary"], rule_["annotations"]["description"]
+        assert summary.strip() and "\n" not in summary, name
+        # what it means and where to look: a log, a doc, a kubectl command
+        assert len(description) > len(summary) and "Look at" in description, name
+        assert re.search(r"\blogs?\b|docs/\w+\.md|kubectl", description), name
+        assert isinstance(rule_["expr"], str) and rule_["expr"].strip(), name
+
+
+def test_labels_are_added_for_the_operators_rule_selector() -> None:
+    r = rule("prometheusRule.labels.release=prometheus", "prometheusRule.labels.team=gpu")
+    labels = r["metadata"]["labels"]
+    assert (labels["release"], labels["team"]) == ("prometheus", "gpu")
+    assert labels["app.kubernetes.io/component"] == "alerts"
+
+
+def test_schema_rejects_unknown_keys() -> None:
+    err = template_error("prometheusRule.enable=true")
+    assert "additional properties 'enable' not allowed" in err
+    err = template_error(set_string=["prometheusRule.enabled=yes"])
+    assert "/prometheusRule/enabled" in err
+
+
+def test_without_the_mirror_only_the_node_agent_group() -> None:
+    r = rule("mirror.enabled=false", "gpuFractioningConfig.enabled=false")
+    assert [g["name"] for g in r["spec"]["groups"]] == [AGENT_GROUP]
+    assert set(alerts(r)) == {n for n, (g, _s, _f) in ALERTS.items() if g == AGENT_GROUP}
+
+
+def test_without_the_follower_no_follower_alerts() -> None:
+    r = rule("mirror.followBindRequests=false")
+    assert [g["name"] for g in r["spec"]["groups"]] == [MIRROR_GROUP, AGENT_GROUP]
+    assert set(alerts(r)) == set(ALERTS) - FOLLOWER
+
+
+def test_descriptions_follow_signing_and_the_watchdog_policy() -> None:
+    no_leader = alerts(rule())["KaiFractionsFollowerNoLeader"][1]["annotations"]["description"]
+    assert "SignatureMissing" in no_leader and "kai-fractions-mirror-follower" in no_leader
+    unsigned = alerts(rule("signing.enabled=false"))["KaiFractionsFollowerNoLeader"][1]
+    unsigned_text = unsigned["annotations"]["description"]
+    assert "SignatureMissing" not in unsigned_text and "signs" not in unsigned_text
+    violation = "KaiFractionsGpuMemoryLimitViolation"
+    assert "policy report" in alerts(rule())[violation][1]["annotations"]["description"]
+    killed = alerts(rule("watchdog.policy=kill"))[violation][1]["annotations"]["description"]
+    assert "policy kill" in killed and "LimitEnforced" in killed
+
+
+def test_helm_keeps_the_prometheus_templates_of_the_annotations_literally() -> None:
+    text = render_text(sets=ON)
+    assert "summary: Mirror replica {{ $labels.pod }} cannot reach" in text
+    assert "{{ $labels.node }}" in text and "{{ $value | humanizePercentage }}" in text
+    assert "{{`" not in text and "`}}" not in text
+    used = set()
+    for name, (_group, r) in alerts(rule()).items():
+        for text in r["annotations"].values():
+            for template in PROMETHEUS_TEMPLATE.findall(text):
+                assert ALLOWED_TEMPLATE.fullmatch(template), f"{name}: {{{{ {template} }}}}"
+                used.add(template)
+    assert {"$labels.pod", "$labels.node", "$labels.reason", "$value"} <= used
+    # none is rendered by Helm itself: no value of the chart ended up where Prometheus's go
+    for name, (_group, r) in alerts(rule()).items():
+        assert "<no value>" not in str(r), name
+
+
+def test_annotations_name_only_labels_the_aggregation_keeps() -> None:
+    """Beyond the live check (a label the metric has), a label an aggregation drops is gone:
+    `sum by (reason)` leaves no node to name."""
+    for name, (_group, r) in alerts(rule()).items():
+        kept = kept_by_aggregation(r["expr"])
+        if kept is not None:
+            assert annotation_labels(r) <= kept, name
+    assert kept_by_aggregation("sum by (a, b) (rate(m[5m])) > 0") == {"a", "b"}
+    assert kept_by_aggregation("(sum(m) or vector(0)) < 1") == set()
+    assert kept_by_aggregation("increase(m_total[10m]) > 0") is None
+
+
+def test_the_mirror_calls_alert_counts_real_grpc_codes() -> None:
+    codes = {c.name for c in grpc.StatusCode}
+    expr = alerts(rule())["KaiFractionsMirrorCallsFailing"][1]["expr"]
+    values = [(op, v) for metric, label, op, v in parse(expr).values if label == "code"]
+    assert values == [("=~", "INTERNAL|UNAVAILABLE|DEADLINE_EXCEEDED")]
+    assert set(values[0][1].split("|")) <= codes
+    assert "> 0.05" in expr
+
+
+# -- against the real processes -------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_every_node_agent_alert_names_only_what_a_live_agent_exports(
+        agent_env: AgentEnv) -> None:
+    text, _uids, run = populated_scrape(agent_env)
+    run.stop()
+    labels_of = exported(text)
+    assert "gpu_fractioning_gpu_memory_used_bytes" in labels_of  # the scrape is the agent's
+    exprs = alert_exprs(AGENT_GROUP, rule())
+    assert len(exprs) == 5
+    assert problems(exprs, labels_of, "agent") == []
+    # a misspelt metric, a label the family lacks, a target label: each is reported
+    bad = [Expr(AGENT_GROUP, "typo", "kai_fractions_node_redy == 0", ""),
+           Expr(AGENT_GROUP, "label", "sum by (node) (rate(kai_fractions_reconcile_errors_total"
+                "[10m])) > 0", ""),
+           Expr(AGENT_GROUP, "target", "increase(kai_fractions_mps_daemon_restarts_total[30m])"
+                " > 3", "{{instance}}")]
+    assert problems(bad, labels_of, "agent") == [
+        "typo: the agent exports no kai_fractions_node_redy",
+        "label: groups by node, which none of ['kai_fractions_reconcile_errors_total'] has",
+        "target: the legend names instance, which no metric has"]
+
+
+@pytest.mark.integration
+def test_every_mirror_alert_names_only_what_a_live_mirror_exports(
+        kube: KubeServer, tmp_path: Path) -> None:
+    labels_of = exported(populated_mirror_scrape(kube, tmp_path))
+    assert "kai_fractions_mirror_calls_total" in labels_of  # the scrape is the mirror's
+    assert set().union(*labels_of.values()) & TARGET_LABELS == set()
+    exprs = alert_exprs(MIRROR_GROUP, rule())
+    assert len(exprs) == 5
+    assert problems(exprs, labels_of, "mirror", TARGET_LABELS) == []
+    # a misspelt metric in a real alert's expression fails the check
+    (failing,) = [e for e in exprs if e.where == "alert KaiFractionsMirrorCallsFailing"]
+    typo = failing._replace(expr=failing.expr.replace("mirror_calls_total[",
+                                                      "mirror_call_total["))
+    assert typo.expr != failing.expr
+    assert problems([typo], labels_of, "mirror", TARGET_LABELS) == [
+        "alert KaiFractionsMirrorCallsFailing: the mirror exports no "
+        "kai_fractions_mirror_call_total"]
+    assert problems([Expr(MIRROR_GROUP, "node", "kai_fractions_follower_leading", "{{node}}")],
+                    labels_of, "mirror", TARGET_LABELS) == [
+        "node: the legend names node, which no metric has"]
