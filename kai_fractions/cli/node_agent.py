@@ -178,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     agent = NodeAgent(config=config, options=options, nvml=PynvmlNvml(config.nvml_library),
                       cgroup_fs=HostCgroupFs(), source=cluster, cluster=cluster, mps=mps,
                       procfs=Procfs(config.proc_root))
+    cluster.observe_requests(agent.metrics.api_request)
 
     def on_signal(signum, _frame) -> None:
         log.info("%s received: shutting down", signal.Signals(signum).name)

@@ -72,4 +72,10 @@ def test_a_live_agent_exports_gpu_fractionings_metrics_as_upstream_names_them(
                         "reason": "ComputeModeMix"}]
     (ready,) = families["kai_fractions_node_ready"].samples
     assert (ready.labels, ready.value) == ({"node": agent_env.node, "reason": "AgentReady"}, 1)
+    # its requests to the API server: the pod list + watch, the node's status, marker writes
+    api = {(s.labels["verb"], s.labels["code"]): s.value
+           for s in families["kai_fractions_agent_api_requests"].samples
+           if s.name.endswith("_total") and s.labels["node"] == agent_env.node}
+    assert api[("WATCH", "200")] >= 1 and api[("GET", "200")] >= 1
+    assert api[("PATCH", "200")] >= 1
     assert run.stop() == 0

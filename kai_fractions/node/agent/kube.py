@@ -19,7 +19,7 @@ from collections.abc import Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...kube.blocking import BlockingKube
-from ...kube.client import MERGE_PATCH, STRATEGIC_MERGE_PATCH
+from ...kube.client import MERGE_PATCH, STRATEGIC_MERGE_PATCH, Observer
 from ...kube.listwatch import Collection, Source
 from ...kube.objects import (
     annotation_patch,
@@ -93,6 +93,10 @@ class KubeCluster:
 
     def close(self) -> None:
         self.blocking.close()
+
+    def observe_requests(self, observe: Observer) -> None:
+        """Tell `observe` of every request to the API server from now on (the metrics)."""
+        self.blocking.kube.observe = observe
 
     # -- PodSource ----------------------------------------------------------------------------
 

@@ -161,6 +161,11 @@ class AgentMetrics:
         self.mps_restarts = Counter("kai_fractions_mps_daemon_restarts",
                                     "Restarts of the MPS control daemon by the agent.",
                                     registry=r)
+        self._api = Counter(
+            "kai_fractions_agent_api_requests", "The agent's requests to the Kubernetes API "
+            "server, by verb (the HTTP method; WATCH for a watch) and code (the HTTP status, "
+            "or unreachable).", ("node", "verb", "code"), registry=r)
+        self._api_children: dict[tuple[str, str], Any] = {}
         self.containers = Gauge("kai_fractions_containers",
                                 "Fractional containers on the node by state.", ("node", "state"),
                                 registry=r)
@@ -256,6 +261,13 @@ class AgentMetrics:
             counts[s] += 1
         for state, n in counts.items():
             self.containers.labels(self.node, state.value).set(n)
+
+    def api_request(self, verb: str, code: str) -> None:
+        """kube.client's Observer (docs/scale.md counts these per node)."""
+        child = self._api_children.get((verb, code))
+        if child is None:
+            child = self._api_children[(verb, code)] = self._api.labels(self.node, verb, code)
+        child.inc()
 
     # -- serving -------------------------------------------------------------------------------
 
