@@ -33,7 +33,8 @@ the mirror is built for (a scheduler's 16 concurrent calls, retries and the cach
 Query = Mapping[str, str] | None
 Observer = Callable[[str, str], object]
 """Told of every request made: its verb (the HTTP method; WATCH for a watch) and how it
-ended (the HTTP status code, or `unreachable`): the mirror's API request metric."""
+ended (the HTTP status code, or `unreachable`): the API request metric of the mirror and of
+the node agent."""
 
 
 def _unobserved(verb: str, code: str) -> None:

@@ -141,12 +141,12 @@ class MirrorServer:
         self._loop.close()
 
     async def _start(self) -> None:
-        denied = None
-        if self.observe is not None:
-            observe = self.observe
+        observe = self.observe
 
-            def denied(method: str) -> None:
+        def denied(method: str) -> None:
+            if observe is not None:
                 observe(method, grpc.StatusCode.UNAUTHENTICATED.name, None)
+
         interceptors = [BearerTokenInterceptor(self._token, denied)] \
             if self._token is not None else []
         server = grpc.aio.server(interceptors=interceptors)
