@@ -215,6 +215,34 @@ def test_the_mirror_calls_alert_counts_real_grpc_codes() -> None:
     assert "> 0.05" in expr
 
 
+def test_the_two_thresholds_are_values_and_the_summaries_follow_them() -> None:
+    default = alerts(rule())
+    tuned = alerts(rule("prometheusRule.failingCallsPercent=2",
+                        "prometheusRule.signatureDelaySeconds=120"))
+    for found, ratio, percent, seconds in ((default, "0.05", "5", "300"),
+                                           (tuned, "0.02", "2", "120")):
+        calls, delay = (found[name][1] for name in ("KaiFractionsMirrorCallsFailing",
+                                                    "KaiFractionsSignatureDelayHigh"))
+        assert calls["expr"].endswith(f"> {ratio}")
+        assert calls["annotations"]["summary"] == (
+            f"The mirror fails more than {percent} % of its calls.")
+        assert delay["expr"].endswith(f"> {seconds}")
+        assert delay["annotations"]["summary"] == (
+            f"Fractional pods wait more than {seconds} s for their signature.")
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("prometheusRule.failingCallsPercent=0", "minimum: got 0, want 1"),
+    ("prometheusRule.failingCallsPercent=101", "maximum: got 101, want 100"),
+    ("prometheusRule.signatureDelaySeconds=0", "minimum: got 0, want 1"),
+    ("prometheusRule.signatureDelaySeconds=soon", "got string, want integer"),
+])
+def test_the_schema_refuses_a_threshold_out_of_range(value: str, message: str) -> None:
+    err = template_error(value)
+    assert f"/prometheusRule/{value.split('.')[1].split('=')[0]}" in err
+    assert message in err
+
+
 # -- against the real processes -------------------------------------------------------------
 
 
