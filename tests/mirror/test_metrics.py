@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import time
 import urllib.request
 
 import grpc
@@ -17,6 +16,7 @@ from kai_fractions.mirror.follower import BindRequestView, Follower
 from kai_fractions.mirror.metrics import MirrorMetrics, check_result, seconds_since
 from kai_fractions.mirror.pod_cache import PodCache
 from kai_fractions.signing import Keyring, KeyringSource
+from tests.support.agent_process import wait_for
 from tests.support.fake_store import FakePodStore
 
 from .messages import GPU_A, allocation, mirror_request
@@ -27,13 +27,6 @@ def sample(metrics: MirrorMetrics, name: str, **labels: str) -> float | None:
     return metrics.registry.get_sample_value(name, labels)
 
 
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "not within the time given"
-        time.sleep(0.02)
-
-
 # -- through the real server ------------------------------------------------------------------
 
 @pytest.mark.integration
@@ -41,7 +34,8 @@ def test_calls_api_requests_and_the_pod_cache_are_counted(mirror_factory):
     metrics = MirrorMetrics()
     mirror = mirror_factory(pod_cache=True, metrics=metrics)
     created = mirror.create_pod("train-0", {"gpu-fraction": "0.5"})
-    wait_for(lambda: sample(metrics, "kai_fractions_mirror_pod_cache_pods") == 1)
+    wait_for(lambda: sample(metrics, "kai_fractions_mirror_pod_cache_pods") == 1,
+             what="the pod cache's list")
     mirror.stub.MirrorAllocation(mirror_request(allocation(created)))
     with pytest.raises(grpc.RpcError) as refused:
         mirror.stub.MirrorAllocation(mirror_request(allocation(created, portion="2")))
@@ -52,7 +46,7 @@ def test_calls_api_requests_and_the_pod_cache_are_counted(mirror_factory):
                       code=code)
 
     # A refusal reaches the caller as its handler unwinds, a moment before it is counted.
-    wait_for(lambda: calls("INVALID_ARGUMENT") == 1)
+    wait_for(lambda: calls("INVALID_ARGUMENT") == 1, what="the refusal counted")
     assert calls("OK") == 1
     assert sample(metrics, "kai_fractions_mirror_call_duration_seconds_count",
                   method="MirrorAllocation") == 2

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 
@@ -19,6 +18,7 @@ from kai_fractions.mirror.pod_cache import PodCache, trimmed
 from kai_fractions.mirror.pod_feed import pod_selector
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import PodSnapshot
+from tests.support.agent_process import wait_for
 from tests.support.clock import FakeClock
 from tests.support.fake_store import FakePodStore
 from tests.support.mirror_kube import pod_path
@@ -450,20 +450,14 @@ async def test_the_cache_follows_a_list_and_its_watch_through_an_expiry():
 
 # -- against kmock, through gRPC --------------------------------------------------------------
 
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "the pod cache did not catch up"
-        time.sleep(0.02)
-
-
 @pytest.mark.integration
 def test_a_watched_pod_costs_one_patch_and_its_duplicate_one_read(mirror_factory):
     mirror = mirror_factory(transport="tcp", pod_cache=True)
     cache = mirror.service.cache
     created = mirror.create_pod("train-0", {"gpu-fraction": "0.5"})
     path = pod_path("team-a", "train-0")
-    wait_for(lambda: cache.lookup("team-a", "train-0") is not None)
+    wait_for(lambda: cache.lookup("team-a", "train-0") is not None,
+             what="the pod cache to catch up")
 
     request = mirror_request(messages.allocation(created), key="k-1")
     first = mirror.stub.MirrorAllocation(request, timeout=10)

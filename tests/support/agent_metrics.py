@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.support.agent_process import GPU0, H100_MIB, AgentEnv, AgentRun, wait_for
+from tests.support.promql import sample_value
 
 GIB = 1 << 30
 CONTAINER_HEX = "5ca1ab1e" + "0" * 56
@@ -36,14 +35,6 @@ def _pod(env: AgentEnv, name: str, mode: str) -> str:
     return str(env.kube.core.create_namespaced_pod("default", body).metadata.uid)
 
 
-def _value(text: str, name: str, **labels: str) -> float | None:
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    return None
-
-
 def populated_scrape(env: AgentEnv) -> tuple[str, dict[str, str], AgentRun]:
     """(the scrape, {"applied": uid, "refused": uid}, the agent run)."""
     env.nvml.add_gpu(GPU0, memory_mib=H100_MIB)
@@ -66,13 +57,13 @@ def populated_scrape(env: AgentEnv) -> tuple[str, dict[str, str], AgentRun]:
 
     def full() -> str | None:
         text = run.metrics()
-        done = (_value(text, "kai_fractions_container_gpu_memory_limit_violations_total",
+        done = (sample_value(text, "kai_fractions_container_gpu_memory_limit_violations_total",
                        pod_uuid=applied) == 1
-                and _value(text, "kai_fractions_container_refused", pod_uuid=refused) == 1
-                and _value(text, "gpu_fractioning_gpu_sm_utilization_percent",
+                and sample_value(text, "kai_fractions_container_refused", pod_uuid=refused) == 1
+                and sample_value(text, "gpu_fractioning_gpu_sm_utilization_percent",
                            pod_uuid=applied) == 10
-                and _value(text, "kai_fractions_node_ready") is not None
-                and _value(text, "kai_fractions_reconcile_errors_total",
+                and sample_value(text, "kai_fractions_node_ready") is not None
+                and sample_value(text, "kai_fractions_reconcile_errors_total",
                            reason="NVMLNoPermission") is not None)
         return text if done else None
 

@@ -8,28 +8,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from kubernetes import client as k8s
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.agent_process import free_port
 from tests.support.kube import KubeServer
 from tests.support.mirror_kube import BINDREQUESTS, register_bindrequests, run_mirror_process
+from tests.support.promql import sample_value
 
 NS = "team-a"
 
 
-def _value(text: str, name: str, **labels: str) -> float | None:
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    return None
-
-
 def _populated(text: str) -> bool:
-    return bool(_value(text, "kai_fractions_mirror_calls_total", code="OK") == 1
-                and _value(text, "kai_fractions_mirror_api_requests_total", verb="PATCH")
-                and _value(text, "kai_fractions_follower_checks_total", result="skipped")
-                and _value(text, "kai_fractions_follower_leading") == 1)
+    return bool(sample_value(text, "kai_fractions_mirror_calls_total", code="OK") == 1
+                and sample_value(text, "kai_fractions_mirror_api_requests_total", verb="PATCH")
+                and sample_value(text, "kai_fractions_follower_checks_total", result="skipped")
+                and sample_value(text, "kai_fractions_follower_leading") == 1)
 
 
 def populated_mirror_scrape(kube: KubeServer, tmp_path: Path) -> str:

@@ -151,6 +151,16 @@ class Expr(NamedTuple):
     """A legend template (`{{label}}`): each label it names must be known on the metrics."""
 
 
+def sample_value(text: str, name: str, **labels: str) -> float | None:
+    """The value of the first sample `name` in a /metrics text whose labels include
+    `labels`; None when there is none."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None
+
+
 def exported(text: str) -> dict[str, set[str]]:
     """Every sample name the families of a scrape export -> the labels seen on it. A family's
     sample names follow from its type (a counter `x`: x_total; a histogram: x_bucket, x_count,
