@@ -81,6 +81,7 @@ def _keep_running(session, call, out) -> None:
         "Try (from any directory):\n"
         f"  {tools.cli} inspect node {node} --kubeconfig {e.kubeconfig} "
         f"--agent-socket {e.agent_socket}\n"
+        f"  {tools.cli} inspect mirror {e.mirror_metrics_url}\n"
         f"  {tools.grpcurl} -plaintext {e.mirror} list\n"
         f"{node_state}"
         f"  curl -s {e.api_url}/api/v1/namespaces/{session.config.namespace}/pods\n"

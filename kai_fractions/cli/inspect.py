@@ -1,5 +1,7 @@
 """`kai-fractions inspect node NODE` / `inspect pod NS/NAME`: per-GPU allocations with their
 request, limit, compute mode, active-thread percentage, used memory and whether they are in force.
+`inspect mirror [URL...]`: the mirror's replicas as their metrics say (which one follows
+BindRequests, calls, the pod cache, signature delays), for a cluster without Prometheus.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def register(sub) -> None:
         "else from the gate init container's status. Exit codes: 0 ok, 1 the node or pod does "
         "not exist, 2 usage error or the cluster cannot be read.",
     )
-    what = p.add_subparsers(dest="what", metavar="node|pod", required=True)
+    what = p.add_subparsers(dest="what", metavar="node|pod|mirror", required=True)
     node = what.add_parser("node", help="every GPU of a node")
     node.add_argument("name", metavar="NODE")
     pod = what.add_parser("pod", help="one pod")
@@ -47,6 +49,36 @@ def register(sub) -> None:
         q.add_argument("--condition-name", default=k.NODE_CONDITION, metavar="NAME",
                        help="the node condition the agent publishes (default: %(default)s)")
     p.set_defaults(func=run)
+    _register_mirror(what)
+
+
+def _register_mirror(what) -> None:
+    from ..inspect.mirror_sources import DEFAULT_NAMESPACE, DEFAULT_SELECTOR
+
+    q = what.add_parser(
+        "mirror", help="the mirror's replicas: follower leader, calls, pod cache, signatures",
+        description="One row per mirror replica, from its Prometheus metrics: whether it "
+        "follows BindRequests (exactly one replica should), uptime, pod cache, calls and how "
+        "many failed, requests to the API server, BindRequests checked, and how long pods "
+        "waited for their signature (p50/p99 since the replica started), memory and CPU; "
+        "then what is wrong, if anything. Without URL, the mirror's pods are found through "
+        "the Kubernetes API and read through the API server's pod proxy (get on pods/proxy). "
+        "Exit codes: 0 every replica read and nothing wrong, 1 a problem is reported (no "
+        "replica found or read, no follower leader or several, a pod cache not synced), 2 "
+        "usage error or the cluster cannot be read.")
+    q.add_argument("urls", nargs="*", metavar="URL",
+                   help="a replica's metrics endpoint, e.g. http://127.0.0.1:9401 after "
+                   "kubectl port-forward (/metrics is added when the path is empty)")
+    q.add_argument("--namespace", "-n", default=DEFAULT_NAMESPACE,
+                   help="where the mirror runs, without URL (default: %(default)s)")
+    q.add_argument("--selector", "-l", default=DEFAULT_SELECTOR,
+                   help="the mirror pods' labels, without URL (default: %(default)s)")
+    q.add_argument("--kubeconfig", metavar="FILE",
+                   help="kubeconfig to use, without URL (default: in-cluster, then "
+                   "$KUBECONFIG or ~/.kube/config)")
+    q.add_argument("--output", "-o", default="table", choices=("table", "json", "yaml"),
+                   help="(default: %(default)s)")
+    q.set_defaults(func=run_mirror)
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> int:
@@ -95,3 +127,31 @@ def run(args: argparse.Namespace) -> int:
         reader.close()
     sys.stdout.write(render(report, args.output))
     return EXIT_OK
+
+
+def run_mirror(args: argparse.Namespace) -> int:
+    from ..inspect.mirror_render import render
+    from ..inspect.mirror_sources import replica_from_url, replicas_in_cluster
+    from ..inspect.mirror_state import problems
+    from ..inspect.sources import SourceError, load_kube
+
+    where = ""
+    if args.urls:
+        replicas = [replica_from_url(url) for url in args.urls]
+    else:
+        if not args.selector.strip():
+            return _fail("--selector: must not be empty (it would take every pod of "
+                         f"{args.namespace} for a mirror)")
+        try:
+            reader = load_kube(args.kubeconfig)
+        except SourceError as e:
+            return _fail(e.message)
+        try:
+            replicas = replicas_in_cluster(reader, args.namespace, args.selector)
+        except SourceError as e:
+            return _fail(e.message)
+        finally:
+            reader.close()
+        where = f" in namespace {args.namespace}"
+    sys.stdout.write(render(replicas, args.output, where))
+    return EXIT_NOT_FOUND if problems(replicas) else EXIT_OK

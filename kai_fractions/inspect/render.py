@@ -46,7 +46,8 @@ def cells(row: Row) -> tuple[str, ...]:
             mib(row.used_bytes) if row.used_bytes is not None else "n/a", state_text(row))
 
 
-def _table(rows: Sequence[tuple[str, ...]], indent: str = "  ") -> list[str]:
+def aligned(rows: Sequence[tuple[str, ...]], indent: str = "  ") -> list[str]:
+    """Rows of cells as lines, each column as wide as its widest cell."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
             for r in rows]
@@ -99,13 +100,13 @@ def table(report: Report) -> str:
     for gpu in report.gpus:
         lines += ["", gpu_heading(gpu)]
         if gpu.rows:
-            lines += _table([HEADER, *(cells(r) for r in gpu.rows)])
+            lines += aligned([HEADER, *(cells(r) for r in gpu.rows)])
             lines += reasons(gpu.rows)
         else:
             lines.append("  (no fractional allocations)")
     if report.unplaced:
         lines += ["", "not on a GPU:"]
-        lines += _table([HEADER, *(cells(r) for r in report.unplaced)])
+        lines += aligned([HEADER, *(cells(r) for r in report.unplaced)])
         lines += reasons(report.unplaced)
     if not report.gpus and not report.unplaced:
         lines += ["", "(no fractional allocations)"]

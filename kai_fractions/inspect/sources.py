@@ -93,6 +93,30 @@ class KubeReader:
 
         return self._get(f"pod {namespace}/{name}", pod_path(namespace, name))
 
+    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """The pods of `namespace` that `selector` (a label selector) picks."""
+        from ..kube.objects import pods_path
+
+        body = self._get(f"pods {selector} in namespace {namespace}", pods_path(namespace),
+                         {"labelSelector": selector})
+        return [p for p in (body or {}).get("items") or [] if isinstance(p, dict)]
+
+    def pod_proxy_text(self, namespace: str, name: str, port: int, path: str) -> str:
+        """GET `path` of a pod's `port` through the API server's pod proxy: a pod the caller
+        cannot reach itself, read wherever kubectl works (RBAC: get on pods/proxy)."""
+        from ..kube.errors import KubeError
+        from ..kube.objects import pod_path
+
+        what = f"pod {namespace}/{name}:{port}{path} via the API server"
+        # NAME:PORT as kubectl writes it (a ':' the API server would read percent-encoded too)
+        target = f"{pod_path(namespace, name)}:{port}/proxy{path}"
+        try:
+            return self.kube.call(lambda kube: kube.read(
+                "GET", target, what=what, headers={"Accept": "text/plain"})).decode(
+                "utf-8", "replace")
+        except KubeError as e:
+            raise SourceError(e.message, not_found=e.status == 404) from None
+
 
 def load_kube(kubeconfig: str | None, timeout: float = 10.0) -> KubeReader:
     """A KubeReader configured from `kubeconfig` when given, else in-cluster, else from
@@ -151,7 +175,8 @@ def agent_from_socket(path: str, timeout: float = AGENT_TIMEOUT) -> AgentState:
     return from_node_state(reply, source)
 
 
-def _metrics_url(url: str) -> str:
+def metrics_url(url: str) -> str:
+    """`url` with http:// and /metrics added where it lacks them (`HOST:PORT` works)."""
     if "://" not in url:
         url = f"http://{url}"
     parts = urllib.parse.urlsplit(url)
@@ -176,15 +201,23 @@ def parse_usage(text: str) -> dict[tuple[str, str, str], dict[str, int]]:
     return out
 
 
-def agent_from_metrics(url: str, timeout: float = AGENT_TIMEOUT) -> AgentState:
-    target = _metrics_url(url)
-    source = f"metrics {target}"
+def read_metrics(url: str, timeout: float = AGENT_TIMEOUT) -> str:
+    """The text a Prometheus endpoint serves at `url`; raises SourceError with the reason."""
     try:
-        with urllib.request.urlopen(target, timeout=timeout) as response:
-            text = response.read().decode("utf-8", "replace")
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read().decode("utf-8", "replace")
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", None) or e
-        return unreachable(source, f"{type(e).__name__}: {reason}")
+        raise SourceError(f"{type(e).__name__}: {reason}") from None
+
+
+def agent_from_metrics(url: str, timeout: float = AGENT_TIMEOUT) -> AgentState:
+    target = metrics_url(url)
+    source = f"metrics {target}"
+    try:
+        text = read_metrics(target, timeout)
+    except SourceError as e:
+        return unreachable(source, e.message)
     try:
         usage = parse_usage(text)
     except ValueError as e:

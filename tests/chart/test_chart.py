@@ -451,7 +451,10 @@ def test_notes_tell_how_to_check_it_works():
     assert "kubectl get nodes -l nvidia.com/gpu.present=true" in notes
     assert "kubectl apply -f examples/memory-request.yaml" in notes
     assert "kai-fractions inspect node <node-name>" in notes
+    assert "kai-fractions inspect mirror -n kai-fractions" in notes
     assert "memory tiers: cgroup,watchdog" in notes
+    assert "inspect mirror" not in chart_notes("mirror.enabled=false",
+                                               "gpuFractioningConfig.enabled=false")
 
 
 def test_notes_say_when_nothing_is_deployed():

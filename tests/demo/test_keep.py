@@ -194,6 +194,16 @@ def test_inspect_pod_with_metrics_only(demo, capsys):
                                "GateReleased")
 
 
+def test_inspect_mirror_against_the_demo(demo, capsys):
+    code, out = _inspect(capsys, "mirror", demo.endpoints_found["mirror-metrics"], "-o", "json")
+    assert code == 0
+    data = json.loads(out)
+    [mirror] = data["replicas"]
+    assert data["problems"] == [] and mirror["reachable"]
+    assert mirror["calls"]["OK"] >= 1  # the demo's own calls
+    assert mirror["rss_bytes"] > 0
+
+
 def test_the_first_call_works_when_pasted_elsewhere(demo, tmp_path):
     blocks = demo.first_call
     assert list(blocks) == ["PreviewAllocation from", "MirrorAllocation from",

@@ -1,9 +1,11 @@
 """Two real `kai-fractions mirror --follow-bindrequests --leader-elect` processes on kmock:
 only the Lease's holder checks and signs a BindRequest; killed, it is replaced within the
-lease's duration, and a BindRequest made after is signed once, by the survivor."""
+lease's duration, and a BindRequest made after is signed once, by the survivor.
+`kai-fractions inspect mirror` reads the same from both replicas' metrics."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -17,6 +19,7 @@ import grpc
 import pytest
 from kubernetes import client as k8s
 
+from kai_fractions.cli import main
 from kai_fractions.signing import Keyring
 from tests.support.agent_process import free_port
 from tests.support.mirror_kube import (
@@ -96,11 +99,18 @@ def bind(kube, name: str) -> None:
         bind_request(f"br-{name}", name))
 
 
+def inspected(capsys, ports: dict[str, int]) -> tuple[int, dict]:
+    """`kai-fractions inspect mirror` on both replicas' metrics, as JSON."""
+    code = main(["inspect", "mirror", "-o", "json",
+                 *(f"127.0.0.1:{ports[identity]}" for identity in sorted(ports))])
+    return code, json.loads(capsys.readouterr().out)
+
+
 def signing_patches(kube, name: str) -> int:
     return sum(SIG in str(r.data) for r in kube.requests("PATCH", pod_path(NS, name)))
 
 
-def test_one_follower_at_a_time_and_a_killed_leader_is_replaced(kube, tmp_path):
+def test_one_follower_at_a_time_and_a_killed_leader_is_replaced(kube, tmp_path, capsys):
     register_bindrequests(kube)
     honour_label_selectors(kube)
     kube.core.create_node({"metadata": {"name": "gpu-node-1",
@@ -118,6 +128,9 @@ def test_one_follower_at_a_time_and_a_killed_leader_is_replaced(kube, tmp_path):
         (survivor,) = set(processes) - {leader}
         wait_for(lambda: leading(ports[leader]) == "1.0", 10, "the leader says it leads")
         assert leading(ports[survivor]) == "0.0"
+        code, report = inspected(capsys, ports)
+        assert (code, report["leader"], report["problems"]) == (
+            0, f"127.0.0.1:{ports[leader]}", [])
 
         bind(kube, "before-0")
         wait_for(lambda: signature(kube, "before-0"), 30, "the leader signs")
@@ -139,6 +152,10 @@ def test_one_follower_at_a_time_and_a_killed_leader_is_replaced(kube, tmp_path):
         assert signing_patches(kube, "before-0") == 1  # the new leader's list re-checks it
         assert Keyring.of(KEY).current.kid in signature(kube, "after-0")
         assert took < LEASE_SECONDS + SLACK_S
+        code, report = inspected(capsys, ports)
+        assert (code, report["leader"]) == (1, f"127.0.0.1:{ports[survivor]}")
+        [gone] = report["problems"]
+        assert gone.startswith(f"127.0.0.1:{ports[leader]}: not read: ")
 
         processes[survivor].send_signal(signal.SIGTERM)
         _, err = processes[survivor].communicate(timeout=30)
