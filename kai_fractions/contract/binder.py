@@ -160,18 +160,23 @@ def binder_annotations(
     assert effective_request is not None
 
     if share.limit_bytes is None:
-        limit_mib = None
+        limit_bytes, limit_text = None, ""
         if share.limit_portion is not None:
             limit_mib = memory_mib(decision.node_gpu_memory_mib, decision.reserve_mib,
                                    share.limit_portion)
+            limit_bytes, limit_text = limit_mib * MIB, canonical_mib(limit_mib)
         elif share.legacy_limit_bytes is not None:
-            limit_mib = mib_ceil(share.legacy_limit_bytes)
-        if limit_mib is not None:
-            if limit_mib * MIB < effective_request:
+            # gpu-memory.limit as written: what KAI's mutating webhook copies into the limit
+            # key (upstream nvfractions/mutation.go, translateLegacyMemoryLimit), "8G" too.
+            limit_bytes = share.legacy_limit_bytes
+            limit_text = request.pod.annotations[k.GPU_MEMORY_LIMIT]
+        if limit_bytes is not None:
+            if limit_bytes < effective_request:
                 raise ContractViolation([ContractError(
-                    keys.container(name, k.MEMORY_LIMIT), f"would be {limit_mib} MiB, below "
-                    f"the request of {mib_ceil(effective_request)} MiB", container=name)])
-            out[keys.container(name, k.MEMORY_LIMIT)] = canonical_mib(limit_mib)
+                    keys.container(name, k.MEMORY_LIMIT), f"would be {mib_ceil(limit_bytes)} "
+                    f"MiB, below the request of {mib_ceil(effective_request)} MiB",
+                    container=name)])
+            out[keys.container(name, k.MEMORY_LIMIT)] = limit_text
 
     if effective_request > usable * MIB:
         raise ContractViolation([ContractError(

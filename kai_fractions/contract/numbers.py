@@ -53,10 +53,11 @@ def at_most(a: Fraction, b: Fraction) -> bool:
     return a.numerator * b.denominator <= b.numerator * a.denominator
 
 
-def decimal_places(text: str) -> int:
-    """Digits after the point in the value's plain form (`5e-1` has 1, `0.12500` has 5)."""
-    exponent = Decimal(text).normalize().as_tuple().exponent
-    return max(0, -int(exponent))
+def after_point(text: str) -> int:
+    """Characters after the decimal point as written (`0.123450` has 6, `5e-1` has 0): what
+    KAI's 5-decimals rule on portion limits counts (upstream validatePortionLimitDecimalPrecision
+    cuts the raw value at its first '.'), trailing zeros and exponents included."""
+    return len(text.partition(".")[2])
 
 
 def format_plain(value: Fraction) -> str:

@@ -46,6 +46,9 @@ class ContainerView:
     whole_gpus: int = 0
     """`nvidia.com/gpu` from the container's limits (or requests); 0 when absent."""
     init: bool = False
+    sets_whole_gpus: bool = False
+    """The container names `nvidia.com/gpu` at all, 0 included: KAI refuses a fraction in a
+    pod where any container does (upstream getFirstGPULimit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +91,8 @@ class PodView:
         return base if self.kind == "Pod" else f"{self.kind}/{base}"
 
 
-def _whole_gpus(container: Mapping[str, Any], path: str) -> int:
+def _whole_gpus(container: Mapping[str, Any], path: str) -> int | None:
+    """The container's `nvidia.com/gpu` count; None when it names none."""
     resources = _mapping(container.get("resources"), f"{path}.resources")
     for section in ("limits", "requests"):
         value = _mapping(resources.get(section), f"{path}.resources.{section}").get(
@@ -98,13 +102,14 @@ def _whole_gpus(container: Mapping[str, Any], path: str) -> int:
                 return int(str(value))
             except ValueError:
                 return -1  # not a count; validation reports it
-    return 0
+    return None
 
 
 @lru_cache(maxsize=1024)
-def _container(name: str, whole_gpus: int, init: bool) -> ContainerView:
+def _container(name: str, whole_gpus: int | None, init: bool) -> ContainerView:
     """Views are immutable, so equal containers (a job's pods) share one."""
-    return ContainerView(name=name, whole_gpus=whole_gpus, init=init)
+    return ContainerView(name=name, whole_gpus=whole_gpus or 0, init=init,
+                         sets_whole_gpus=whole_gpus is not None)
 
 
 def _containers(spec: Mapping[str, Any], key: str, init: bool) -> tuple[ContainerView, ...]:
@@ -113,7 +118,7 @@ def _containers(spec: Mapping[str, Any], key: str, init: bool) -> tuple[Containe
         # This runs for every pod: field paths are built only for unusual shapes.
         c = item if type(item) is dict else _mapping(item, f"spec.{key}[{i}]")
         name = str(c.get("name", ""))
-        whole_gpus = _whole_gpus(c, f"spec.{key}[{i}]") if c.get("resources") else 0
+        whole_gpus = _whole_gpus(c, f"spec.{key}[{i}]") if c.get("resources") else None
         views.append(_container(name, whole_gpus, init))
     return tuple(views)
 

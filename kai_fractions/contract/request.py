@@ -8,6 +8,7 @@ NvFractions keys > `gpu-fraction` > `gpu-memory`; only a limit given means reque
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from fractions import Fraction
@@ -15,7 +16,7 @@ from functools import lru_cache
 
 from . import keys as k
 from .errors import ContractError
-from .numbers import NumberError, at_most, decimal_places, parse_decimal, parse_positive_int
+from .numbers import NumberError, after_point, at_most, parse_decimal, parse_positive_int
 from .pod import PodView
 from .quantity import MIB, QuantityError, has_unit, memory_bytes
 
@@ -150,8 +151,8 @@ def _checked_portion(
         return None, e.args[0]
     if number <= 0 or number > 1 or (upper_open and number == 1):
         return None, f"must be a portion of one GPU, {'0 < x < 1' if upper_open else '0 < x <= 1'}"
-    if max_decimals is not None and decimal_places(value) > max_decimals:
-        return None, f"must have at most {max_decimals} decimal places"
+    if max_decimals is not None and after_point(value) > max_decimals:
+        return None, f"must have at most {max_decimals} digits after the decimal point"
     return number, None
 
 
@@ -278,13 +279,17 @@ class _Legacy:
 _LEGACY_POD_KEYS = frozenset(k.LEGACY_POD_KEYS)
 
 
-def _legacy(pod: PodView, c: _Collector) -> _Legacy | None:
+def _legacy(pod: PodView, c: _Collector, nv_names: Iterable[str]) -> _Legacy | None:
+    """The legacy keys' request, on the container KAI puts it on (upstream
+    GetFractionContainerRef): the one `gpu-fraction-container-name` names, else the one the
+    pod's NvFractions keys name (a compute mode is enough), else the first container."""
     a = pod.annotations
     if _LEGACY_POD_KEYS.isdisjoint(a):  # the usual pod: one set operation, not six lookups
         return None
     present = [key for key in k.LEGACY_POD_KEYS if key in a]
     regular = [ct.name for ct in pod.containers]
-    target = a.get(k.GPU_FRACTION_CONTAINER_NAME) or (regular[0] if regular else "")
+    target = (a.get(k.GPU_FRACTION_CONTAINER_NAME) or next(iter(nv_names), "")
+              or (regular[0] if regular else ""))
     if k.GPU_FRACTION_CONTAINER_NAME in a and pod.container(target) is None:
         c.error(k.GPU_FRACTION_CONTAINER_NAME, "names a container that is not in the pod",
                 a[k.GPU_FRACTION_CONTAINER_NAME])
@@ -360,13 +365,19 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
         name: _share_from_nvfractions(name, values, c)
         for name, values in by_container.items()
     }
-    legacy = _legacy(pod, c)
+    legacy = _legacy(pod, c, by_container)
     named = pod.annotations.get(k.GPU_FRACTION_CONTAINER_NAME)
-    for name, values in by_container.items():
-        if named and legacy is not None and name != named and not values.keys().isdisjoint(
-                _SOURCE_SUFFIXES):
-            c.error(k.GPU_FRACTION_CONTAINER_NAME, f"names container {named!r} but the "
-                    f"NvFractions keys name {name!r}; they must agree", named, name)
+    if named and legacy is not None:
+        for name in by_container:
+            if name != named:
+                c.error(k.GPU_FRACTION_CONTAINER_NAME, f"names container {named!r} but the "
+                        f"NvFractions keys name {name!r}; they must agree", named, name)
+    # What KAI's admission refuses in a pod it has not bound yet: a bound pod carries the
+    # binder's own keys (its limit beside the legacy keys), so those rules are for unbound pods.
+    bound = (legacy is not None or bool(portion_limit_items)) and any(
+        share.devices for share in shares.values())
+    if legacy is not None and not bound:
+        _limit_before_bind(pod, keys, legacy.container, c)
     if legacy is not None and legacy.requested:
         # After a bind the binder's NvFractions request sits beside the legacy key it came
         # from; the NvFractions key wins (precedence), so that is not worth a warning.
@@ -378,11 +389,19 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
     for name, portion in _portion_limits(pod, portion_limit_items, c).items():
         share = shares.get(name)
         key = keys.portion_limit(name)
+        value = pod.annotations[key]
+        if not bound and not _portion_limit_placed(pod, key, name, c):
+            continue
         if share is None:
-            c.error(key, "the container requests no GPU fraction to limit", str(portion), name)
+            c.error(key, "the container requests no GPU fraction to limit", value, name)
         elif share.limit_portion is not None:
-            c.error(key, f"the container already has {k.GPU_FRACTION_LIMIT}; set only one",
-                    None, name)
+            # KAI's admission writes this key from gpu-fraction.limit, verbatim (upstream
+            # nvfractions Mutate, translateLegacyGpuFractionLimit): the same value twice is
+            # that pod; another value, KAI refuses.
+            if value != pod.annotations.get(k.GPU_FRACTION_LIMIT):
+                c.error(key, f"differs from {k.GPU_FRACTION_LIMIT} "
+                        f"{pod.annotations.get(k.GPU_FRACTION_LIMIT)!r}, which KAI copies into "
+                        "this key; set one of them", value, name)
         elif share.limit_bytes is not None:
             # The absolute limit wins. After a bind it is the one the binder computed from
             # this very key, so both being present is the normal, bound state.
@@ -401,6 +420,45 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
         shares[ct.name] for ct in pod.all_containers if ct.name in shares)
     return PodRequest(pod=pod, shares=ordered, errors=tuple(c.errors),
                       warnings=tuple(c.warnings))
+
+
+def _limit_before_bind(pod: PodView, keys: k.Keys, container: str, c: _Collector) -> None:
+    """An NvFractions limit beside the legacy keys, as KAI's admission judges a pod it has not
+    bound (upstream kai-scheduler/api utilities/resources/gpu_sharing_validation.go,
+    ValidateGPUFractionRequest; nvfractions Mutate copies gpu-memory.limit into the limit
+    key). After the bind the binder's own limit sits there, so this is for unbound pods."""
+    a = pod.annotations
+    limit_key = keys.container(container, k.MEMORY_LIMIT)
+    if limit_key not in a:
+        return
+    limit = a[limit_key]
+    if a.get(k.GPU_FRACTION):
+        c.error(limit_key, "may not be combined with gpu-fraction in a pod not bound yet (KAI "
+                "refuses the pair); limit a fraction with gpu-fraction.limit", limit, container)
+    elif a.get(k.GPU_MEMORY) and k.GPU_MEMORY_LIMIT not in a:
+        c.error(limit_key, "may not be combined with gpu-memory in a pod not bound yet (KAI "
+                "refuses the pair); give the limit as gpu-memory.limit", limit, container)
+    elif k.GPU_MEMORY_LIMIT in a and a[k.GPU_MEMORY_LIMIT] != limit:
+        c.error(k.GPU_MEMORY_LIMIT, f"differs from {limit_key} {limit!r}, which KAI writes "
+                "from gpu-memory.limit; set one of them", a[k.GPU_MEMORY_LIMIT], container)
+
+
+def _portion_limit_placed(pod: PodView, key: str, name: str, c: _Collector) -> bool:
+    """Whether a portion limit sits where KAI's admission accepts one in a pod not bound yet
+    (upstream validateGpuMemoryPortionLimitAnnotation): beside gpu-fraction, on the container
+    gpu-fraction-container-name names, else on the first container."""
+    a = pod.annotations
+    if not a.get(k.GPU_FRACTION):
+        c.error(key, "can only be used together with gpu-fraction", a[key], name)
+        return False
+    target = a.get(k.GPU_FRACTION_CONTAINER_NAME) or (
+        pod.containers[0].name if pod.containers else "")
+    if name != target:
+        c.error(key, f"names container {name!r}, but KAI takes a portion limit only for the "
+                f"container gpu-fraction applies to by name or position ({target!r})", a[key],
+                name)
+        return False
+    return True
 
 
 def _merge_legacy(share: ContainerShare, legacy: _Legacy, c: _Collector) -> ContainerShare:
@@ -460,18 +518,34 @@ def _complete(share: ContainerShare, **fields: object) -> ContainerShare:
 def _check_shares(
     pod: PodView, keys: k.Keys, shares: dict[str, ContainerShare], c: _Collector
 ) -> None:
-    fractional = []
+    fractional = [name for name, share in shares.items() if share.source_key is not None]
     for name, share in shares.items():
         view = pod.container(name)
         if share.source_key is None:
-            # Only a compute mode (or a portion) on a container that asks for no fraction.
-            c.warn(keys.container(name, k.COMPUTE_MODE), "has no effect: the container "
-                   "requests no GPU fraction", container=name)
+            # Only a compute mode on a container that asks for no fraction. Beside another
+            # container's fraction KAI refuses it (upstream validateNvFractionsAnnotations:
+            # the NvFractions keys of one container per pod); alone it changes nothing.
+            key = keys.container(name, k.COMPUTE_MODE)
+            if fractional:
+                c.error(key, f"names container {name!r}, but the pod's GPU fraction is on "
+                        f"{fractional[0]!r}: KAI allows the NvFractions keys of one container "
+                        "per pod (set the compute mode on that container)", None, name)
+            else:
+                c.warn(key, "has no effect: the container requests no GPU fraction",
+                       container=name)
             continue
-        fractional.append(name)
-        if view is not None and view.whole_gpus != 0:
+        if view is not None and (view.whole_gpus != 0 or view.sets_whole_gpus):
             c.error(share.source_key, "a GPU fraction may not be "
                     f"combined with a whole {k.WHOLE_GPU_RESOURCE} request", None, name)
+    if fractional:
+        # Upstream getFirstGPULimit: any container's nvidia.com/gpu, even 0, even another's.
+        for views in (pod.containers, pod.init_containers):
+            for view in views:
+                if (view.sets_whole_gpus or view.whole_gpus) and view.name not in shares:
+                    share = shares[fractional[0]]
+                    c.error(share.source_key or "", "a GPU fraction may not be combined with a "
+                            f"whole {k.WHOLE_GPU_RESOURCE} request in the same pod (container "
+                            f"{view.name!r} sets one)", None, share.container)
     if len(fractional) > 1:
         c.error(shares[fractional[1]].source_key or "", "KAI allows only one "
                 f"container per pod with a fractional GPU request; {fractional[0]!r} already "

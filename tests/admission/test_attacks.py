@@ -83,8 +83,10 @@ USER_KEYS = [
 def test_a_user_owned_key_is_frozen_once_the_binder_set_the_devices(
         webhook: Webhook, key: str, before: str, after: str) -> None:
     base = {REQUEST: "8Gi", LIMIT: "8Gi"}
-    if key == MODE or key == KEYS.portion_limit("main"):
+    if key == MODE:
         base[key] = before
+    if key == KEYS.portion_limit("main"):  # KAI takes a portion limit beside gpu-fraction only
+        base = {k.GPU_FRACTION: "0.25", key: before}
     old = bound_pod(webhook, base, containers=("main", "side"))
     old["metadata"]["annotations"][key] = before
     frozen = f"{key}: is frozen once {DEVICES} is set"

@@ -43,9 +43,11 @@ def pod(
         namespace=namespace,
         uid=uid,
         annotations=MappingProxyType(dict(annotations or {})),
-        containers=tuple(ContainerView(c, whole_gpus=whole.get(c, 0)) for c in containers),
+        containers=tuple(ContainerView(c, whole_gpus=whole.get(c, 0), sets_whole_gpus=c in whole)
+                         for c in containers),
         init_containers=tuple(
-            ContainerView(c, whole_gpus=whole.get(c, 0), init=True) for c in init
+            ContainerView(c, whole_gpus=whole.get(c, 0), init=True, sets_whole_gpus=c in whole)
+            for c in init
         ),
     )
 

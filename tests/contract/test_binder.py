@@ -189,6 +189,22 @@ def test_legacy_gpu_memory_request_and_limit() -> None:
     assert out[POR] == "0.125"
 
 
+@pytest.mark.parametrize("limit", ["8G", "8000Mi", "7.5Gi", "8000M"])
+def test_gpu_memory_limit_is_written_as_the_user_wrote_it(limit: str) -> None:
+    """KAI's mutating webhook copies gpu-memory.limit into the limit key verbatim (upstream
+    KAI-Scheduler pkg/admission/webhook/v1alpha2/nvfractions/mutation.go,
+    translateLegacyMemoryLimit), so an unmodified KAI's pod says "8G", not 7630Mi: the follower
+    compares what it expects with that."""
+    out = written({"gpu-memory": "1000", "gpu-memory.limit": limit}, patched(80000, portion=None))
+    assert out[LIM] == limit
+
+
+def test_gpu_memory_limit_below_the_request_is_refused() -> None:
+    errors = _violation({"gpu-memory": "1000", "gpu-memory.limit": "1G"},
+                        decision(8000, portion=None))
+    assert errors and errors[0][0] == "gpu-memory.limit"  # the parse refuses it first
+
+
 def test_custom_prefix_is_written() -> None:
     keys = Keys(prefix="gpu.example.com/c.")
     out = binder_annotations(parse_pod(pod({"gpu-fraction": "0.5"}), keys), patched(), keys)
@@ -334,8 +350,8 @@ def test_request_larger_than_the_gpu_after_reserve() -> None:
 
 
 def test_portion_limit_below_user_request_is_refused() -> None:
-    errors = _violation({REQ: "900Mi", PORTION_LIMIT: "0.6"}, decision(2000, portion="0.5",
-                                                                       reserve=1024))
+    errors = _violation({"gpu-fraction": "0.5", REQ: "900Mi", PORTION_LIMIT: "0.6"},
+                        decision(2000, portion="0.5", reserve=1024))
     assert [key for key, _ in errors] == [LIM]
 
 

@@ -12,7 +12,10 @@ change on either side that breaks agreement fails one named case.
 - Pod requests:      kai-scheduler/api utilities/resources/gpu_sharing_test.go @556f51ba
   (ParsePodGPUFractionRequest); KAI-Scheduler pkg/admission/webhook/v1alpha2/nvfractions/
   nvfractions_test.go @10eae30d (TestValidate); pkg/common/resources/
-  gpu_sharing_container_ref_test.go @45103d4c (GetFractionContainerRef).
+  gpu_sharing_container_ref_test.go @45103d4c (GetFractionContainerRef). The last rows of the
+  refused and admitted lists come from the code those tests exercise: kai-scheduler/api
+  utilities/resources/gpu_sharing_validation.go (ValidateGPUFractionRequest) and KAI-Scheduler
+  pkg/admission/webhook/v1alpha2/nvfractions/mutation.go (what the webhook writes).
 - Node side:         kai-scheduler/kai-gpu-fractioning fractioning-manager/fractiond/internal/
   annotations/annotations_test.go (TestParseToMemoryMiB, TestParseComputePortion).
 """
@@ -241,6 +244,10 @@ def test_nvfractions_request_with_sm_sharing():
     {"gpu-fraction-num-devices": "2"},
     {REQ: "1Gi", "gpu-fraction-container-name": "container-1"},
     {"gpu-fraction": "0.5 "}, {REQ: " 1Gi"},  # no trimming on KAI's side (ParseFloat/Quantity)
+    {LIM: "1Gi", "gpu-fraction": "0.5"},  # "rejects nvfractions limit combined with gpu-fraction"
+    {PORTION_LIMIT: "0.8"}, {REQ: "1Gi", PORTION_LIMIT: "0.8"},  # portion limit needs gpu-fraction
+    {"gpu-fraction": "0.5", PORTION_LIMIT: "0.800000"},  # 6 characters after the point
+    {REQ: "1Gi", "nvidia.com/container.container-1.gpu-compute.mode": "sm-sharing"},
 ])
 def test_what_kai_refuses_is_refused(annotations):
     """ParsePodGPUFractionRequest error rows and TestValidate's refusals."""
@@ -251,6 +258,11 @@ def test_what_kai_refuses_is_refused(annotations):
     {REQ: "1Gi"}, {"gpu-fraction": "0.5"}, {"gpu-memory": "2000"},
     {"gpu-memory": "2000", "gpu-fraction-container-name": C},
     {REQ: "2000Mi", "gpu-memory": "2000"},  # what KAI's mutating webhook makes of gpu-memory
+    # ... of gpu-memory.limit and of gpu-fraction.limit (nvfractions/mutation.go)
+    {"gpu-memory": "2000", "gpu-memory.limit": "4G", REQ: "2000Mi", LIM: "4G"},
+    {"gpu-fraction": "0.5", "gpu-fraction.limit": "0.8", PORTION_LIMIT: "0.8"},
+    # the fraction goes where a compute mode names (GetFractionContainerRef)
+    {"gpu-fraction": "0.5", "nvidia.com/container.container-1.gpu-compute.mode": "sm-sharing"},
     {},
 ])
 def test_what_kai_admits_is_admitted(annotations):

@@ -136,6 +136,19 @@ def test_limit_from_kai_portion_limit_key_survives_the_bind() -> None:
     assert (plan.request_mib, plan.limit_mib) == (488, 780)
 
 
+def test_gpu_fraction_is_planned_on_the_container_a_compute_mode_names() -> None:
+    """The binder (ours, or KAI's: GetFractionContainerRef) writes the request and the devices
+    for the container the mode names, and the node plans that one, in sm-sharing."""
+    mode = "nvidia.com/container.trainer.gpu-compute.mode"
+    view = pod({"gpu-fraction": "0.5", mode: "sm-sharing"}, ("sidecar", "trainer"))
+    written, bound = bind(view, decision(2000, portion="0.5"))
+    assert set(written) >= {"nvidia.com/container.trainer.gpu-memory.request",
+                            "nvidia.com/container.trainer.gpus.devices"}
+    (plan,) = plan_pod(bound, keys=Keys())
+    assert (plan.container, plan.compute_mode, plan.request_mib) == (
+        "trainer", ComputeMode.SM_SHARING, 1000)
+
+
 def test_decimal_units_round_up_to_whole_mib() -> None:
     plan, _ = planned({REQ: "1000M", LIM: "1500M"}, decision(2000, portion=None))
     assert (plan.request_mib, plan.limit_mib) == (954, 1431)

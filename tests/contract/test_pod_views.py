@@ -127,6 +127,8 @@ def test_init_container_keys_are_valid_on_workloads() -> None:
     obj = workload("Deployment")
     obj["spec"]["template"]["metadata"]["annotations"] = {
         "nvidia.com/container.setup.gpu-memory.request": "1Gi"}
+    # No whole GPU beside the fraction: KAI refuses that pod whichever container asks for it.
+    del obj["spec"]["template"]["spec"]["containers"][0]["resources"]
     (view,) = pod_views(obj)
     request = parse_pod(view)
     assert request.errors == ()

@@ -238,11 +238,33 @@ def test_two_fractional_containers() -> None:
                         "'main' already has one")
 
 
-def test_two_fractional_containers_legacy_and_nvfractions() -> None:
-    found = errors({"gpu-fraction": "0.5", "nvidia.com/container.side.gpu-memory.request": "1Gi"},
-                   ("main", "side"))
-    assert len(found) == 1
-    assert "only one container" in found[0].rule
+def test_legacy_keys_go_to_the_container_the_nvfractions_keys_name() -> None:
+    """gpu-fraction has no container of its own: KAI puts it on the one the pod's NvFractions
+    keys name (upstream kai-scheduler/api utilities/resources/gpu_sharing_container_ref.go,
+    GetFractionContainerRef), where the NvFractions request wins (ParsePodGPUFractionRequest)."""
+    request = parse_pod(pod({"gpu-fraction": "0.5",
+                             "nvidia.com/container.side.gpu-memory.request": "1Gi"},
+                            ("main", "side")))
+    assert request.errors == ()
+    assert request.share is not None and request.share.container == "side"
+    assert (request.share.request_bytes, request.share.fraction) == (1 << 30, None)
+
+
+@pytest.mark.parametrize(("containers", "init", "whole"), [
+    (("main", "side"), (), {"side": 1}),
+    (("main",), ("setup",), {"setup": 1}),
+    (("main",), (), {"main": 0}),  # even a count of 0
+])
+def test_a_whole_gpu_anywhere_in_the_pod_is_refused_beside_a_fraction(containers, init,
+                                                                       whole) -> None:
+    """Upstream kai-scheduler/api utilities/resources/gpu_sharing_validation.go,
+    getFirstGPULimit: any container or init container with an nvidia.com/gpu limit, whatever
+    its value, makes a fractional pod invalid."""
+    err = only_error({"gpu-fraction": "0.5"}, containers, init=init, whole_gpus=whole)
+    assert (err.key, err.container) == ("gpu-fraction", "main")
+    assert "may not be combined with a whole nvidia.com/gpu request" in err.rule
+    # A pod without a fraction may use whole GPUs as it likes.
+    assert errors({}, containers, init=init, whole_gpus=whole) == []
 
 
 def test_fraction_with_whole_gpu() -> None:
@@ -310,12 +332,23 @@ def test_gpu_fraction_limit_must_exceed_fraction(limit: str) -> None:
     assert err.rule == "must be greater than gpu-fraction '0.5'"
 
 
-def test_gpu_fraction_limit_at_most_five_decimals() -> None:
-    err = only_error({"gpu-fraction": "0.5", "gpu-fraction.limit": "0.123456"})
-    assert err.key == "gpu-fraction.limit"
-    assert err.rule == "must have at most 5 decimal places"
-    assert errors({"gpu-fraction": "0.1", "gpu-fraction.limit": "0.12345"}) == []
-    assert errors({"gpu-fraction": "0.1", "gpu-fraction.limit": "0.123450"}) == []
+@pytest.mark.parametrize(("limit", "valid"), [
+    ("0.123456", False), ("0.12345", True),
+    ("0.123450", False),  # six characters after the point, the zero counts
+    ("0.8000000", False), ("1234e-4", True),  # no point: nothing to count
+    ("0.12e0", True), ("0.1234e0", False),  # everything after the point counts
+])
+def test_gpu_fraction_limit_at_most_five_characters_after_the_point(limit, valid) -> None:
+    """Upstream kai-scheduler/api utilities/resources/gpu_sharing_validation.go,
+    validatePortionLimitDecimalPrecision: `strings.Cut(raw, ".")`, then at most 5 characters
+    of what follows, counted as written."""
+    found = errors({"gpu-fraction": "0.1", "gpu-fraction.limit": limit})
+    if valid:
+        assert found == []
+    else:
+        [err] = found
+        assert err.key == "gpu-fraction.limit"
+        assert err.rule == "must have at most 5 digits after the decimal point"
 
 
 @pytest.mark.parametrize("value", [*ADVERSARIAL, "1"])
@@ -380,10 +413,40 @@ def test_kai_portion_limit_for_a_container_not_in_the_pod() -> None:
     assert err.rule == "names a container that is not in the pod"
 
 
-def test_kai_portion_limit_without_a_fraction() -> None:
-    err = only_error({PORTION_LIMIT: "0.8"})
-    assert err.key == PORTION_LIMIT
-    assert err.rule == "the container requests no GPU fraction to limit"
+@pytest.mark.parametrize("annotations", [{}, {REQ: "1Gi"}, {"gpu-memory": "1000"}])
+def test_kai_portion_limit_without_gpu_fraction(annotations) -> None:
+    """Upstream kai-scheduler/api utilities/resources/gpu_sharing_validation.go,
+    validateGpuMemoryPortionLimitAnnotation: only beside gpu-fraction."""
+    err = only_error({**annotations, PORTION_LIMIT: "0.8"})
+    assert (err.key, err.value) == (PORTION_LIMIT, "0.8")
+    assert err.rule == "can only be used together with gpu-fraction"
+
+
+def test_kai_portion_limit_only_on_the_container_gpu_fraction_names_or_the_first() -> None:
+    """validateGpuMemoryPortionLimitContainerName: gpu-fraction-container-name's container, else
+    the first one, even where the NvFractions keys put the fraction elsewhere."""
+    side = "kai.scheduler/container.side.gpu-memory.portion.limit"
+    mode = "nvidia.com/container.side.gpu-compute.mode"
+    err = only_error({"gpu-fraction": "0.5", mode: "sm-sharing", side: "0.8"}, ("main", "side"))
+    assert err.key == side
+    assert err.rule == ("names container 'side', but KAI takes a portion limit only for the "
+                        "container gpu-fraction applies to by name or position ('main')")
+    named = {"gpu-fraction": "0.5", "gpu-fraction-container-name": "side", side: "0.8"}
+    request = parse_pod(pod(named, ("main", "side")))
+    assert request.errors == () and request.share.limit_portion == Fraction(4, 5)
+
+
+def test_a_portion_limit_kai_copied_from_gpu_fraction_limit_is_the_same_limit() -> None:
+    """KAI's mutating webhook writes gpu-fraction.limit into the portion-limit key, verbatim
+    (upstream KAI-Scheduler pkg/admission/webhook/v1alpha2/nvfractions/mutation.go,
+    translateLegacyGpuFractionLimit), and refuses the pod when the key holds another value."""
+    mutated = {"gpu-fraction": "0.5", "gpu-fraction.limit": "0.8", PORTION_LIMIT: "0.8"}
+    request = parse_pod(pod(mutated))
+    assert request.errors == () and request.share.limit_portion == Fraction(4, 5)
+    err = only_error({**mutated, PORTION_LIMIT: "0.7"})
+    assert (err.key, err.value) == (PORTION_LIMIT, "0.7")
+    assert err.rule == ("differs from gpu-fraction.limit '0.8', which KAI copies into this "
+                        "key; set one of them")
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "1.5", "x", "", "NaN"])
@@ -438,12 +501,43 @@ def test_precedence_nvfractions_over_gpu_fraction() -> None:
 
 
 def test_precedence_nvfractions_over_gpu_memory() -> None:
-    request = parse_pod(pod({LIM: "2Gi", "gpu-memory": "1000"}))
+    request = parse_pod(pod({LIM: "2Gi", "gpu-memory": "1000", DEV: GPU_A}))  # bound
     assert request.errors == ()
     share = request.share
     assert share is not None
     assert share.limit_bytes == 2 << 30
     assert share.legacy_memory_bytes is None
+
+
+@pytest.mark.parametrize(("annotations", "key", "rule"), [
+    ({LIM: "2Gi", "gpu-fraction": "0.5"}, LIM, "may not be combined with gpu-fraction in a pod "
+     "not bound yet (KAI refuses the pair); limit a fraction with gpu-fraction.limit"),
+    ({REQ: "1Gi", LIM: "2Gi", "gpu-fraction": "0.5"}, LIM, None),
+    ({LIM: "2Gi", "gpu-memory": "1000"}, LIM, "may not be combined with gpu-memory in a pod not "
+     "bound yet (KAI refuses the pair); give the limit as gpu-memory.limit"),
+    ({REQ: "1000Mi", LIM: "2G", "gpu-memory": "1000", "gpu-memory.limit": "2Gi"},
+     "gpu-memory.limit", "differs from nvidia.com/container.main.gpu-memory.limit '2G', which "
+     "KAI writes from gpu-memory.limit; set one of them"),
+])
+def test_an_nvfractions_limit_beside_legacy_keys_before_the_bind(annotations, key, rule) -> None:
+    """Upstream kai-scheduler/api utilities/resources/gpu_sharing_validation.go,
+    ValidateGPUFractionRequest: "cannot combine ... limit annotation with gpu-fraction or
+    gpu-memory", unless the limit is what KAI's mutating webhook copied from gpu-memory.limit
+    (nvfractions/mutation.go, translateLegacyMemoryLimit). A bound pod carries the binder's
+    limit there: see the precedence tests around this one."""
+    err = only_error(annotations)
+    assert err.key == key and (rule is None or err.rule == rule)
+    bound = parse_pod(pod({**annotations, DEV: GPU_A}))
+    assert [e for e in bound.errors if e.key == key] == []
+
+
+def test_what_kai_makes_of_gpu_memory_limit_is_valid() -> None:
+    """gpu-memory + gpu-memory.limit after KAI's mutating webhook: the request and the limit
+    copied into the NvFractions keys (the shorthand exception of ValidateGPUFractionRequest)."""
+    mutated = {"gpu-memory": "1000", "gpu-memory.limit": "2G", REQ: "1000Mi", LIM: "2G"}
+    request = parse_pod(pod(mutated))
+    assert request.errors == ()
+    assert request.share.limit_bytes == 2 * 10**9
 
 
 def test_precedence_gpu_fraction_over_gpu_memory() -> None:

@@ -134,6 +134,35 @@ async def test_a_binder_request_beside_gpu_fraction_is_checked_too(store):
         (f"{T}.gpu-memory.request", "20Gi", "30000Mi")]
 
 
+# Pods as upstream KAI main's mutating webhook (KAI-Scheduler pkg/admission/webhook/v1alpha2/
+# nvfractions/mutation.go: gpu-memory, gpu-memory.limit and gpu-fraction.limit copied into the
+# NvFractions keys of the container GetFractionContainerRef picks) and then its binder leave
+# them: each one checks complete, with nothing to report.
+AS_KAI_LEAVES_THEM = [
+    pytest.param({"gpu-memory": "2000", "gpu-memory.limit": "8G",
+                  f"{T}.gpu-memory.request": "2000Mi", f"{T}.gpu-memory.limit": "8G",
+                  f"{T}.gpus.devices": GPU_A, "received-resource-type": "Fraction"},
+                 ("trainer",), id="gpu-memory.limit copied as written"),
+    pytest.param({"gpu-fraction": "0.5", "gpu-fraction.limit": "0.8",
+                  "kai.scheduler/container.trainer.gpu-memory.portion.limit": "0.8",
+                  f"{T}.gpu-memory.limit": "32768Mi", **BOUND},
+                 ("trainer",), id="gpu-fraction.limit copied to the portion limit"),
+    pytest.param({"gpu-fraction": "0.5", f"{T}.gpu-compute.mode": "sm-sharing", **BOUND},
+                 ("sidecar", "trainer"), id="the container a compute mode names"),
+]
+
+
+@pytest.mark.parametrize(("annotations", "containers"), AS_KAI_LEAVES_THEM)
+async def test_what_an_unmodified_kai_leaves_checks_complete(store, annotations, containers):
+    obj = pod("train-0", annotations)
+    obj["spec"]["containers"] = [{"name": name} for name in containers]
+    store.add_pod(obj)
+    result = await verify(store, bind_request("br-1", "train-0", mode="sm-sharing"
+                                              if "sm-sharing" in annotations.values() else ""))
+    assert (result.mismatches, result.errors, result.skipped) == ((), (), "")
+    assert result.complete and store.events == []
+
+
 async def test_a_users_own_request_is_not_the_binders(store):
     user = {f"{T}.gpu-memory.request": "8Gi"}
     store.add_pod(pod("train-0", {**user, **{k: v for k, v in BOUND.items()
