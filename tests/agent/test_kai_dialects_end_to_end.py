@@ -75,6 +75,21 @@ CASES = {
         dialect=Dialect.UPSTREAM, reserve=0, portion="0.26", modes=[""],
         user={f"{P}.gpu-memory.request": "20Gi", f"{P}.gpu-memory.limit": "24Gi"},
         binder={}, request_mib=20480, atp=None),
+    # gpu-memory + gpu-memory.limit as KAI's mutating webhook leaves them (nvfractions/
+    # mutation.go: the request as a canonical quantity, the limit copied as written).
+    "upstream-gpu-memory-limit-as-written": dict(
+        dialect=Dialect.UPSTREAM, reserve=0, portion="0.25", modes=[""],
+        user={"gpu-memory": "20480", "gpu-memory.limit": "24G",
+              f"{P}.gpu-memory.request": "20Gi", f"{P}.gpu-memory.limit": "24G"},
+        binder={}, request_mib=20480, atp=None, limit_mib=22889),  # 24e9 B, rounded up
+    # gpu-fraction.limit copied by the webhook into the portion-limit key; the binder's limit
+    # is 81559 x 0.75 = 61169.25 -> 61169 MiB.
+    "upstream-gpu-fraction-limit": dict(
+        dialect=Dialect.UPSTREAM, reserve=0, portion="0.5", modes=[""],
+        user={"gpu-fraction": "0.5", "gpu-fraction.limit": "0.75",
+              "kai.scheduler/container.main.gpu-memory.portion.limit": "0.75"},
+        binder={f"{P}.gpu-memory.request": "40779Mi", f"{P}.gpu-memory.limit": "61169Mi"},
+        request_mib=40779, atp=None, limit_mib=61169),
     # (81559 - 1024) x 0.5 = 40267.5 -> 40267; the portion caps the SMs at 50%.
     "patched-sm-sharing": dict(
         dialect=Dialect.PATCHED, reserve=1024, portion="0.5", modes=["sm-sharing"],
@@ -120,6 +135,10 @@ def test_a_kai_bind_is_signed_by_the_follower_and_applied_by_the_agent(short_tmp
             if uid.replace("-", "_") in path}
     assert soft and set(soft) == set(gpus)
     assert all(value == c["request_mib"] * MIB for value in soft.values())
+    if "limit_mib" in c:
+        hard = {h for (gpu, path), (_soft, h) in rig.nvml.limits.items()
+                if uid.replace("-", "_") in path}
+        assert hard == {c["limit_mib"] * MIB}
     if c["atp"] is not None:
         (namespace,) = rig.mps.control.namespaces.values()
         assert namespace.active_thread_percentage == c["atp"]
