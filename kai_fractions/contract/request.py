@@ -298,14 +298,17 @@ def _legacy(pod: PodView, c: _Collector, nv_names: Iterable[str]) -> _Legacy | N
         c.error(present[0], "the pod has no container to apply it to", a[present[0]])
         return None
     legacy = _Legacy(container=target)
-    if k.GPU_FRACTION in a and k.GPU_MEMORY in a:
+    # An empty gpu-fraction or gpu-memory asks for nothing, as KAI reads it (upstream
+    # parseGpuFractionalPortion / parseGpuFractionalMemory): a chart may render one empty.
+    fraction, memory = a.get(k.GPU_FRACTION), a.get(k.GPU_MEMORY)
+    if fraction and memory:
         c.error(k.GPU_FRACTION, "gpu-fraction and gpu-memory are mutually exclusive; set one",
-                a[k.GPU_FRACTION], target)
-    if k.GPU_FRACTION in a:
-        legacy.fraction = _portion(c, k.GPU_FRACTION, a[k.GPU_FRACTION], target, upper_open=True)
+                fraction, target)
+    if fraction:
+        legacy.fraction = _portion(c, k.GPU_FRACTION, fraction, target, upper_open=True)
     if k.GPU_FRACTION_LIMIT in a:
         value = a[k.GPU_FRACTION_LIMIT]
-        if k.GPU_FRACTION not in a:
+        if not fraction:
             c.error(k.GPU_FRACTION_LIMIT, "needs gpu-fraction", value, target)
         else:
             legacy.limit_portion = _portion(c, k.GPU_FRACTION_LIMIT, value, target,
@@ -315,14 +318,14 @@ def _legacy(pod: PodView, c: _Collector, nv_names: Iterable[str]) -> _Legacy | N
                 c.error(k.GPU_FRACTION_LIMIT, f"must be greater than gpu-fraction "
                         f"{a[k.GPU_FRACTION]!r}", value, target)
                 legacy.limit_portion = None
-    if k.GPU_MEMORY in a:
+    if memory:
         try:
-            legacy.memory_bytes = parse_positive_int(a[k.GPU_MEMORY]) * MIB
+            legacy.memory_bytes = parse_positive_int(memory) * MIB
         except NumberError as e:
-            c.error(k.GPU_MEMORY, f"{e.args[0]} of MiB", a[k.GPU_MEMORY], target)
+            c.error(k.GPU_MEMORY, f"{e.args[0]} of MiB", memory, target)
     if k.GPU_MEMORY_LIMIT in a:
         value = a[k.GPU_MEMORY_LIMIT]
-        if k.GPU_MEMORY not in a:
+        if not memory:
             c.error(k.GPU_MEMORY_LIMIT, "needs gpu-memory", value, target)
         elif not has_unit(value):
             c.error(k.GPU_MEMORY_LIMIT, "must be a quantity with a unit, such as 8Gi", value,

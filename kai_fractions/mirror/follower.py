@@ -173,7 +173,7 @@ def binder_request(pod: PodSnapshot, keys: Keys) -> PodRequest:
     share = parse_pod(replace(view, annotations=MappingProxyType(kept)), keys).share
     if share is not None:
         c = share.container
-        if k.GPU_FRACTION in kept or k.GPU_MEMORY in kept:
+        if kept.get(k.GPU_FRACTION) or kept.get(k.GPU_MEMORY):  # "" asks for nothing
             kept.pop(keys.container(c, k.MEMORY_REQUEST), None)
         if (k.GPU_FRACTION_LIMIT in kept or k.GPU_MEMORY_LIMIT in kept
                 or keys.portion_limit(c) in kept):

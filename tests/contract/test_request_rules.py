@@ -298,7 +298,17 @@ def test_pod_level_errors_name_a_key_the_pod_has(
 # -- section 2: pod-level and legacy keys -----------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [*ADVERSARIAL, "1", "1.0", "0x1p-1"])
+@pytest.mark.parametrize("key", ["gpu-fraction", "gpu-memory"])
+def test_an_empty_legacy_request_asks_for_nothing(key: str) -> None:
+    """Upstream kai-scheduler/api utilities/resources/gpu_sharing.go, parseGpuFractionalPortion
+    and parseGpuFractionalMemory: an empty value is no request (a chart may render one)."""
+    request = parse_pod(pod({key: ""}))
+    assert (request.errors, request.share) == ((), None)
+    assert [e.rule for e in errors({key: "", f"{key}.limit": "0.5" if key == "gpu-fraction"
+                                    else "1Gi"})] == [f"needs {key}"]
+
+
+@pytest.mark.parametrize("value", [v for v in ADVERSARIAL if v] + ["1", "1.0", "0x1p-1"])
 def test_adversarial_gpu_fraction(value: str) -> None:
     err = only_error({"gpu-fraction": value})
     assert_names_key_and_rule(err, "gpu-fraction", value)
@@ -309,7 +319,7 @@ def test_gpu_fraction_out_of_range_rule() -> None:
     assert err.rule == "must be a portion of one GPU, 0 < x < 1"
     err = only_error({"gpu-fraction": "NaN"})
     assert err.rule == "must be a finite decimal number such as 0.5 (no NaN, Inf or hex)"
-    err = only_error({"gpu-fraction": ""})
+    err = only_error({"gpu-fraction": " "})
     assert err.rule == "must be a decimal number, not blank"
 
 
@@ -362,7 +372,8 @@ def test_gpu_memory_is_mib() -> None:
     assert share is not None and share.legacy_memory_bytes == 1000 * MIB
 
 
-@pytest.mark.parametrize("value", [v for v in ADVERSARIAL if v != "50"] + ["1.5", "1Gi", "1e3"])
+@pytest.mark.parametrize("value", [v for v in ADVERSARIAL if v not in ("50", "")]
+                         + ["1.5", "1Gi", "1e3"])
 def test_adversarial_gpu_memory(value: str) -> None:
     err = only_error({"gpu-memory": value})
     assert_names_key_and_rule(err, "gpu-memory", value)
