@@ -14,7 +14,8 @@ import threading
 
 from ..contract import DEFAULT_DIALECT, DEFAULT_KEYS, DIALECTS, Dialect, Keys
 from ..contract.dialect import check_reserve
-from ..contract.keys import KAI_BINDER_IDENTITY, KAI_SCHEDULER_NAME
+from ..contract.keys import KAI_BINDER_IDENTITY, KAI_SCHEDULER_NAME, RESERVATION_NAMESPACE
+from ..kube.objects import is_dns_label
 from . import add_log_level, setup_logging
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -81,6 +82,10 @@ def register(sub) -> None:
                    "pods whose annotations differ from what the binder should have written as "
                    "events (reason NvFractionsMismatch); with --signing-key-file it signs the pods "
                    "whose annotations match (and writes nothing else)")
+    p.add_argument("--reservation-namespace", default=RESERVATION_NAMESPACE, metavar="NS",
+                   help="with --follow-bindrequests: where KAI's binder creates the GPU "
+                   "groups' reservation pods (KAI's binder.resourceReservation.namespace; "
+                   "default: %(default)s)")
     p.add_argument("--follow-concurrency", type=int, default=8, metavar="N",
                    help="with --follow-bindrequests: BindRequests checked at once; with an "
                    "unmodified KAI every fractional pod waits for its check and signature, and "
@@ -178,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
                      "--signing-key-file")
     if args.follow_concurrency < 1:
         return _fail(f"--follow-concurrency {args.follow_concurrency}: at least 1")
+    if not is_dns_label(args.reservation_namespace):
+        return _fail(f"--reservation-namespace {args.reservation_namespace!r}: not a namespace "
+                     "name (lower-case letters, digits and '-', at most 63)")
     metrics = None
     if args.metrics_listen:
         from ..mirror.metrics import MirrorMetrics
@@ -262,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
         log.info("reporting node agent DaemonSet %s as GpuFractioningConfig default's Ready",
                  "/".join(daemonset))
     if args.follow_bindrequests:
-        log.info("following BindRequests (scheduling.run.ai/v1alpha2)%s%s",
+        log.info("following BindRequests (scheduling.run.ai/v1alpha2), reservation pods in "
+                 "%s%s%s", args.reservation_namespace,
                  "; signing the pods whose annotations match" if keyring else "",
                  f" while holding lease {election.namespace}/{election.name} as "
                  f"{election.identity}" if election is not None else "")

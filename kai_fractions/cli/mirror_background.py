@@ -32,7 +32,8 @@ def background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, 
         from ..mirror.follower import BindRequestView, Follower
 
         follower = Follower(KubePodStore(kube), keys=keys, default_reserve_mib=args.reserve_mib,
-                            dialect=dialect, signer=keyring)
+                            dialect=dialect, signer=keyring,
+                            reservation_namespace=args.reservation_namespace)
 
         async def handle(obj) -> None:
             br = BindRequestView.from_object(obj)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -13,6 +14,14 @@ from urllib.parse import quote
 
 def _q(part: str) -> str:
     return quote(part, safe="")
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+def is_dns_label(name: str) -> bool:
+    """An RFC 1123 label, as a namespace is named: a flag that names one is checked at start."""
+    return len(name) <= 63 and _DNS_LABEL.fullmatch(name) is not None
 
 
 def pods_path(namespace: str | None = None) -> str:

@@ -123,6 +123,18 @@ def test_schema_rejects_a_follower_that_checks_nothing_at_once():
     assert "/mirror/followConcurrency" in err and "minimum" in err
 
 
+def test_kai_reservation_namespace_reaches_the_follower_and_the_webhooks():
+    docs = render(sets=("kaiScheduler.reservationNamespace=gpu-reservations",))
+    assert "--reservation-namespace=gpu-reservations" in container(
+        one(docs, "Deployment", MIRROR), "mirror")["args"]
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        for hook in find(docs, kind)[0]["webhooks"]:
+            excluded = hook["namespaceSelector"]["matchExpressions"][-1]
+            assert excluded["values"][-1] == "gpu-reservations", hook["name"]
+    err = template_error("kaiScheduler.reservationNamespace=KAI_Reservations")
+    assert "/kaiScheduler/reservationNamespace" in err
+
+
 def test_schema_rejects_unknown_keys_and_values():
     err = template_error("mirror.replica=3", "watchdog.policy=ignore",
                          "memoryEnforcement.tiers={cgroup,nvml}",
@@ -156,6 +168,7 @@ def test_mirror_deployment_defaults():
         "--write-as=system:serviceaccount:kai-scheduler:binder",
         "--follow-bindrequests", "--leader-elect",
         f"--leader-elect-lease-name={MIRROR}-follower", "--follow-concurrency=8",
+        "--reservation-namespace=kai-resource-reservation",
         "--scheduler-name=kai-scheduler",
         "--tls-cert=/etc/kai-fractions/tls/tls.crt", "--tls-key=/etc/kai-fractions/tls/tls.key",
         # mirror.auth=mutualTLS by default: callers need the generated client certificate

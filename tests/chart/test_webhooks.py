@@ -85,11 +85,13 @@ def test_pod_webhooks_fail_closed_and_are_safe_to_reinvoke(docs):
         assert hook["clientConfig"]["service"]["namespace"] == NAMESPACE
         assert hook["clientConfig"]["service"]["port"] == 443
         assert hook["timeoutSeconds"] == 10
-        # opt-out by a namespace label; kube-system and our own namespace never wait on it
+        # opt-out by a namespace label; kube-system and our own namespace never wait on it, nor
+        # do KAI's reservation pods (upstream KAI-Scheduler pkg/binder/binding/
+        # resourcereservation/resource_reservation.go gives them a .gpu-compute.mode key)
         assert hook["namespaceSelector"] == {"matchExpressions": [
             {"key": "kai-fractions.io/webhook", "operator": "NotIn", "values": ["disabled"]},
             {"key": "kubernetes.io/metadata.name", "operator": "NotIn",
-             "values": ["kube-system", NAMESPACE]}]}
+             "values": ["kube-system", NAMESPACE, "kai-resource-reservation"]}]}
     assert mutating["reinvocationPolicy"] == "IfNeeded"
     assert mutating["clientConfig"]["service"]["path"] == "/mutate"
     assert validating["clientConfig"]["service"]["path"] == "/validate"

@@ -15,7 +15,7 @@ from tests.support.mirror_kube import register_bindrequests, run_mirror_process
 FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file",
          "--signing-key-file", "--publish-public-key", "--insecure", "--kai-dialect",
          "--reserve-mib", "--write-as", "--annotation-prefix", "--kubeconfig",
-         "--follow-bindrequests", "--follow-concurrency",
+         "--follow-bindrequests", "--reservation-namespace", "--follow-concurrency",
          "--leader-elect", "--leader-elect-lease-name", "--leader-elect-lease-namespace",
          "--leader-elect-identity", "--leader-elect-lease-duration",
          "--leader-elect-renew-deadline", "--leader-elect-retry-period",
@@ -37,6 +37,7 @@ def test_every_flag_is_there_with_its_default():
     assert options == FLAGS
     assert all(a.help for a in mirror_parser._actions)
     assert args.follow_concurrency == bindrequests.CONCURRENCY  # the follow loop's own default
+    assert args.reservation_namespace == "kai-resource-reservation"  # KAI's default
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -58,6 +59,9 @@ def test_every_flag_is_there_with_its_default():
     (["--follow-bindrequests", "--follow-concurrency", "0"], "--follow-concurrency 0: at "
      "least 1"),
     (["--metrics-listen", "nowhere"], "--metrics-listen: expected HOST:PORT, got 'nowhere'"),
+    (["--follow-bindrequests", "--reservation-namespace", "KAI_Reservations"],
+     "--reservation-namespace 'KAI_Reservations': not a namespace name (lower-case letters, "
+     "digits and '-', at most 63)"),
     (["--kubeconfig", "/nonexistent/kubeconfig"],
      "--kubeconfig /nonexistent/kubeconfig: no such file"),
 ])

@@ -163,6 +163,22 @@ async def test_what_an_unmodified_kai_leaves_checks_complete(store, annotations,
     assert result.complete and store.events == []
 
 
+async def test_reservation_pods_are_read_where_kai_creates_them():
+    """KAI's binder.resourceReservation.namespace is configurable (kai-scheduler/api
+    kai/v1/binder/binder.go, ResourceReservation.Namespace): --reservation-namespace."""
+    store = FakePodStore()
+    store.nodes["gpu-node-1"] = {"nvidia.com/gpu.memory": "40960"}
+    reservation = reservation_pod("group-a", GPU_A)
+    reservation["metadata"]["namespace"] = "gpu-reservations"
+    store.add_pod(reservation)
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
+    br = bind_request("br-1", "train-0")
+    result = await verify(store, br, reservation_namespace="gpu-reservations")
+    assert result.complete
+    elsewhere = await verify(store, br)
+    assert "kai-resource-reservation" in elsewhere.skipped
+
+
 async def test_a_users_own_request_is_not_the_binders(store):
     user = {f"{T}.gpu-memory.request": "8Gi"}
     store.add_pod(pod("train-0", {**user, **{k: v for k, v in BOUND.items()
