@@ -14,8 +14,13 @@ import threading
 
 from ..contract import DEFAULT_DIALECT, DEFAULT_KEYS, DIALECTS, Dialect, Keys
 from ..contract.dialect import check_reserve
-from ..contract.keys import KAI_BINDER_IDENTITY, KAI_SCHEDULER_NAME, RESERVATION_NAMESPACE
-from ..kube.objects import is_dns_label
+from ..contract.keys import (
+    KAI_BINDER_IDENTITY,
+    KAI_SCHEDULER_NAME,
+    LEGACY_NODE_CONDITION,
+    NODE_CONDITION,
+    RESERVATION_NAMESPACE,
+)
 from . import add_log_level, setup_logging
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -86,6 +91,15 @@ def register(sub) -> None:
                    help="with --follow-bindrequests: where KAI's binder creates the GPU "
                    "groups' reservation pods (KAI's binder.resourceReservation.namespace; "
                    "default: %(default)s)")
+    p.add_argument("--mark-silent-nodes-after", type=float, default=0.0, metavar="SECONDS",
+                   help="with --follow-bindrequests: when a bind is checked, set its node's "
+                   "readiness condition Unknown if it still says True but its node agent has not "
+                   "renewed it for SECONDS (the agent renews it every 60 s), so KAI stops "
+                   "placing fractional pods where nothing would apply their limits; at least "
+                   "120, 0 for off (default: %(default)s)")
+    p.add_argument("--node-condition", action="append", default=None, metavar="TYPE",
+                   help="with --mark-silent-nodes-after: a node condition the node agent "
+                   f"publishes (repeatable; default: {NODE_CONDITION} and {LEGACY_NODE_CONDITION})")
     p.add_argument("--follow-concurrency", type=int, default=8, metavar="N",
                    help="with --follow-bindrequests: BindRequests checked at once; with an "
                    "unmodified KAI every fractional pod waits for its check and signature, and "
@@ -183,6 +197,14 @@ def run(args: argparse.Namespace) -> int:
                      "--signing-key-file")
     if args.follow_concurrency < 1:
         return _fail(f"--follow-concurrency {args.follow_concurrency}: at least 1")
+    if args.mark_silent_nodes_after and (not args.follow_bindrequests
+                                         or not args.mark_silent_nodes_after >= 120):
+        return _fail(f"--mark-silent-nodes-after {args.mark_silent_nodes_after:g}: "
+                     + ("at least 120 seconds (twice the node agent's heartbeat), or 0 for off"
+                        if args.follow_bindrequests else
+                        "it needs --follow-bindrequests (nodes are checked as binds are)"))
+    from ..kube.objects import is_dns_label
+
     if not is_dns_label(args.reservation_namespace):
         return _fail(f"--reservation-namespace {args.reservation_namespace!r}: not a namespace "
                      "name (lower-case letters, digits and '-', at most 63)")

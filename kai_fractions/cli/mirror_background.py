@@ -35,16 +35,32 @@ def background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, 
                             dialect=dialect, signer=keyring,
                             reservation_namespace=args.reservation_namespace)
 
+        liveness = None
+        if args.mark_silent_nodes_after:
+            from ..contract.keys import LEGACY_NODE_CONDITION, NODE_CONDITION
+            from ..mirror.node_liveness import NodeLiveness
+
+            liveness = NodeLiveness(
+                kube, args.node_condition or (NODE_CONDITION, LEGACY_NODE_CONDITION),
+                stale_after_seconds=args.mark_silent_nodes_after,
+                on_marked=metrics.node_marked_silent if metrics is not None else None)
+
         async def handle(obj) -> None:
             br = BindRequestView.from_object(obj)
+            if liveness is not None and _placing_now(br, args.mark_silent_nodes_after):
+                liveness.saw(br.selected_node)
             if metrics is None:
                 await follower.follow_one(br)
             else:
                 await metrics.check(follower.follow_one, br)
 
         async def follow_bindrequests() -> None:
-            await follow(bindrequest_source(kube), handle, forget=follower.forget,
-                         concurrency=args.follow_concurrency)
+            try:
+                await follow(bindrequest_source(kube), handle, forget=follower.forget,
+                             concurrency=args.follow_concurrency)
+            finally:
+                if liveness is not None:
+                    await liveness.close()
 
         if election is None:
             tasks.append(follow_bindrequests)
@@ -63,6 +79,15 @@ def background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, 
             if metrics is not None:
                 metrics.watch_leading(lambda: elector.leading)
     return tasks, publisher
+
+
+def _placing_now(br, stale_after: float) -> bool:
+    """Whether KAI made this bind lately: a resync replays every BindRequest, and only the
+    nodes KAI is placing pods on now are worth a read (BindRequestView.created)."""
+    from ..mirror.metrics import seconds_since
+
+    age = seconds_since(br.created) if br.created else None
+    return age is None or age <= stale_after
 
 
 async def first_publish(publisher, kube) -> None:

@@ -54,6 +54,10 @@ class MirrorMetrics:
             "creation (whole seconds) to the signature of its pod: how long a fractional pod "
             "of an unmodified KAI waited for the follower.", buckets=SIGNATURE_BUCKETS,
             registry=r)
+        self._silent_nodes = Counter(
+            "kai_fractions_follower_silent_nodes", "Times a node's readiness condition was set "
+            "Unknown because its node agent stopped reporting (--mark-silent-nodes-after): "
+            "KAI places no fractional pod there until the agent reports again.", registry=r)
         # labels() takes a lock and hashes its arguments; a call's path keeps its children.
         self._children: dict[tuple[str, ...], Any] = {}
 
@@ -109,6 +113,11 @@ class MirrorMetrics:
             if waited is not None:
                 self._signature_delay.observe(waited)
         return result
+
+
+    def node_marked_silent(self, _node: str) -> None:
+        """NodeLiveness's `on_marked` (no node label: thousands of nodes)."""
+        self._silent_nodes.inc()
 
 
 def check_result(v: Verification | None) -> str:

@@ -44,6 +44,7 @@ ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
     "KaiFractionsMirrorCallsFailing": (MIRROR_GROUP, "warning", "10m"),
     "KaiFractionsMirrorApiUnreachable": (MIRROR_GROUP, "warning", "5m"),
     "KaiFractionsSignatureDelayHigh": (MIRROR_GROUP, "warning", "15m"),
+    "KaiFractionsNodeAgentSilent": (MIRROR_GROUP, "warning", None),
     "KaiFractionsNodeNotReady": (AGENT_GROUP, "warning", "10m"),
     "KaiFractionsGpuMemoryLimitViolation": (AGENT_GROUP, "warning", None),
     "KaiFractionsContainerRefused": (AGENT_GROUP, "warning", "5m"),
@@ -51,7 +52,7 @@ ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
     "KaiFractionsMpsDaemonRestarting": (AGENT_GROUP, "warning", None),
 }
 FOLLOWER = {"KaiFractionsFollowerNoLeader", "KaiFractionsFollowerSeveralLeaders",
-            "KaiFractionsSignatureDelayHigh"}
+            "KaiFractionsSignatureDelayHigh", "KaiFractionsNodeAgentSilent"}
 """Only with mirror.followBindRequests: without the follower nothing leads or signs."""
 PROMETHEUS_TEMPLATE = re.compile(r"\{\{\s*(.*?)\s*\}\}")
 ALLOWED_TEMPLATE = re.compile(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)|\$value(?: \| humanize\w*)?")
@@ -275,7 +276,7 @@ def test_every_mirror_alert_names_only_what_a_live_mirror_exports(
     assert "kai_fractions_mirror_calls_total" in labels_of  # the scrape is the mirror's
     assert set().union(*labels_of.values()) & TARGET_LABELS == set()
     exprs = alert_exprs(MIRROR_GROUP, rule())
-    assert len(exprs) == 5
+    assert len(exprs) == 6
     assert problems(exprs, labels_of, "mirror", TARGET_LABELS) == []
     # a misspelt metric in a real alert's expression fails the check
     (failing,) = [e for e in exprs if e.where == "alert KaiFractionsMirrorCallsFailing"]

@@ -85,6 +85,8 @@ def test_default_values_render_every_component():
         ("Role", f"{MIRROR}-node-agent-status"), ("RoleBinding", f"{MIRROR}-node-agent-status"),
         ("Role", WRITE_AS_BINDER), ("RoleBinding", WRITE_AS_BINDER),
         ("GpuFractioningConfig", "default"),
+        ("ValidatingAdmissionPolicy", f"{MIRROR}-node-status"),
+        ("ValidatingAdmissionPolicyBinding", f"{MIRROR}-node-status"),
         ("ClusterRole", AGENT), ("ClusterRoleBinding", AGENT),
         ("ValidatingAdmissionPolicy", f"{AGENT}-own-node"),
         ("ValidatingAdmissionPolicyBinding", f"{AGENT}-own-node"),
@@ -169,6 +171,9 @@ def test_mirror_deployment_defaults():
         "--follow-bindrequests", "--leader-elect",
         f"--leader-elect-lease-name={MIRROR}-follower", "--follow-concurrency=8",
         "--reservation-namespace=kai-resource-reservation",
+        "--mark-silent-nodes-after=180",
+        "--node-condition=gpu-fractioning.nvidia.com/Ready",
+        "--node-condition=gpu-sharing.nvidia.com/Ready",
         "--scheduler-name=kai-scheduler",
         "--tls-cert=/etc/kai-fractions/tls/tls.crt", "--tls-key=/etc/kai-fractions/tls/tls.key",
         # mirror.auth=mutualTLS by default: callers need the generated client certificate

@@ -55,7 +55,7 @@ def review(pol: dict, old: dict, new: dict, resource: str, *, user: str = AGENT_
     if not all(cel(m["expression"], request=request) for m in spec["matchConditions"]):
         return []
     variables: dict[str, Any] = {}
-    for v in spec["variables"]:
+    for v in spec.get("variables", []):
         variables[v["name"]] = cel(v["expression"], request=request, object=new,
                                    oldObject=old, variables=variables)
     return [v.get("message") or str(cel(v["messageExpression"], variables=variables))

@@ -43,10 +43,14 @@ LEASE_RULES = {
 }
 
 
+SILENT_NODES = rule([""], ["nodes/status"], ["patch"])
 MIRROR_RULES = {
     rule([""], ["pods"], ["get", "list", "watch", "patch"]),
     rule([""], ["nodes"], ["get"]),
     rule(["scheduling.run.ai"], ["bindrequests"], ["get", "list", "watch"]),
+    # a silent node's readiness condition set Unknown, and nothing else (the mirror's
+    # node-status ValidatingAdmissionPolicy: test_mirror_node_status.py)
+    SILENT_NODES,
     EVENTS,
     rule([""], ["secrets"], ["get"], ["kai-fractions-signing-key"]),
     # publishes the signing public key for the node agents (--publish-public-key)
@@ -134,7 +138,7 @@ def test_mirror_rules_shrink_with_its_options():
                    "gpuFractioningConfig.enabled=false", "mirror.writeAsBinder=false"))
     rules = granted(docs)
     assert rules[MIRROR] == MIRROR_RULES - REPORTER_RULES - LEASE_RULES - {
-        IMPERSONATE_BINDER,
+        IMPERSONATE_BINDER, SILENT_NODES,
         rule(["scheduling.run.ai"], ["bindrequests"], ["get", "list", "watch"]),
         rule([""], ["secrets"], ["get"], ["kai-fractions-signing-key"])} - PUBLIC_KEY_RULES
     assert not find(docs, "Secret", "kai-fractions-signing-key")

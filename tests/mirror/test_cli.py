@@ -15,7 +15,8 @@ from tests.support.mirror_kube import register_bindrequests, run_mirror_process
 FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file",
          "--signing-key-file", "--publish-public-key", "--insecure", "--kai-dialect",
          "--reserve-mib", "--write-as", "--annotation-prefix", "--kubeconfig",
-         "--follow-bindrequests", "--reservation-namespace", "--follow-concurrency",
+         "--follow-bindrequests", "--reservation-namespace", "--mark-silent-nodes-after",
+         "--node-condition", "--follow-concurrency",
          "--leader-elect", "--leader-elect-lease-name", "--leader-elect-lease-namespace",
          "--leader-elect-identity", "--leader-elect-lease-duration",
          "--leader-elect-renew-deadline", "--leader-elect-retry-period",
@@ -59,6 +60,10 @@ def test_every_flag_is_there_with_its_default():
     (["--follow-bindrequests", "--follow-concurrency", "0"], "--follow-concurrency 0: at "
      "least 1"),
     (["--metrics-listen", "nowhere"], "--metrics-listen: expected HOST:PORT, got 'nowhere'"),
+    (["--mark-silent-nodes-after", "180"], "--mark-silent-nodes-after 180: it needs "
+     "--follow-bindrequests (nodes are checked as binds are)"),
+    (["--follow-bindrequests", "--mark-silent-nodes-after", "60"], "--mark-silent-nodes-after "
+     "60: at least 120 seconds (twice the node agent's heartbeat), or 0 for off"),
     (["--follow-bindrequests", "--reservation-namespace", "KAI_Reservations"],
      "--reservation-namespace 'KAI_Reservations': not a namespace name (lower-case letters, "
      "digits and '-', at most 63)"),
