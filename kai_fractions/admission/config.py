@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..contract import DEFAULT_KEYS, Keys
@@ -25,6 +26,9 @@ GATE_USER = 65534
 """`nobody`: the marker is 0644 in a 0755 directory, so the gate needs no root."""
 
 
+_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:
     gate_image: str
@@ -34,6 +38,10 @@ class AdmissionConfig:
     marker_host_dir: str = DEFAULT_MARKER_HOST_DIR
     mps_pipe_host_dir: str = DEFAULT_MPS_PIPE_HOST_DIR
     agent_socket_host_dir: str = DEFAULT_AGENT_SOCKET_HOST_DIR
+    runtime_class: str = ""
+    """Given to fractional pods that name no RuntimeClass: their container reaches its GPU
+    through the NVIDIA runtime, which a node may offer only as a RuntimeClass. "" leaves the
+    pod to the node's default runtime."""
 
     def __post_init__(self) -> None:
         if not self.gate_image.strip():
@@ -41,6 +49,9 @@ class AdmissionConfig:
         if not self.allowed_identities:
             raise ValueError("allowed_identities: at least one identity must be allowed to "
                              "write protected keys (the binder's)")
+        if self.runtime_class and not _DNS_SUBDOMAIN.fullmatch(self.runtime_class):
+            raise ValueError(f"runtime_class: {self.runtime_class!r} is not a RuntimeClass name "
+                             "(lower-case letters, digits, '-' and '.')")
         for name in ("marker_host_dir", "mps_pipe_host_dir", "agent_socket_host_dir"):
             value = getattr(self, name)
             if not value.startswith("/") or value.rstrip("/") == "":

@@ -122,6 +122,8 @@ def desired_spec(spec: Mapping[str, Any], share: ContainerShare,
     for volume in wanted:
         volumes = _ensure_named(volumes, volume)
     out["volumes"] = volumes
+    if config.runtime_class and not out.get("runtimeClassName"):
+        out["runtimeClassName"] = config.runtime_class
     return out
 
 
@@ -135,6 +137,9 @@ def _ops(spec: Mapping[str, Any], new: Json) -> list[Json]:
     for field in ("initContainers", "volumes"):
         if (spec.get(field) or []) != new[field] or field not in spec:
             ops.append({"op": "add", "path": f"/spec/{field}", "value": new[field]})
+    if new.get("runtimeClassName") != spec.get("runtimeClassName"):
+        ops.append({"op": "add", "path": "/spec/runtimeClassName",
+                    "value": new["runtimeClassName"]})
     return ops
 
 
@@ -189,4 +194,9 @@ def mutate(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
     new = desired_spec(spec, share, config)
     if len(new["containers"]) != len(spec["containers"]):
         return allow(warnings=warnings)  # malformed entries; the API server rejects the pod
+    own = spec.get("runtimeClassName")
+    if config.runtime_class and own and own != config.runtime_class:
+        warnings += (f"spec.runtimeClassName: {own!r} is kept, but container "
+                     f"{share.container!r} reaches its GPU through the NVIDIA runtime "
+                     f"({config.runtime_class!r}); without it the container has no GPU",)
     return allow(patch=tuple(_ops(spec, new)), warnings=warnings)

@@ -41,6 +41,10 @@ def register(sub) -> None:
                    "hostPath may reach it (default: %(default)s)")
     p.add_argument("--annotation-prefix", default=None, metavar="P",
                    help="per-container key prefix (default: nvidia.com/container.)")
+    p.add_argument("--runtime-class", default="", metavar="NAME",
+                   help="the RuntimeClass of the NVIDIA runtime, given to fractional pods that "
+                   "name none: their container reaches its GPU through that runtime (default: "
+                   "none, the node's default runtime)")
     add_log_level(p)
     p.set_defaults(func=run)
 
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             gate_image=args.gate_image, keys=keys,
             allowed_identities=tuple(args.allowed_identity or DEFAULT_ALLOWED_IDENTITIES),
             marker_host_dir=args.marker_host_dir, mps_pipe_host_dir=args.mps_pipe_host_dir,
-            agent_socket_host_dir=args.agent_socket_dir)
+            agent_socket_host_dir=args.agent_socket_dir, runtime_class=args.runtime_class)
         tls = ReloadingContext(args.tls_cert, args.tls_key)
         server = make_server(args.listen, config, tls)
     except (ValueError, TLSError, OSError) as e:

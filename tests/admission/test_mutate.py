@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import jsonpatch
+import pytest
 
 from kai_fractions.admission.config import AdmissionConfig
 from kai_fractions.admission.mutate import mutate
@@ -152,3 +154,28 @@ def test_annotation_prefix_and_host_directories_follow_the_configuration() -> No
         "metadata.annotations['example.com/container.main.gpus.devices']")
     assert [v.get("hostPath", {}).get("path") for v in out["spec"]["volumes"]] == [
         "/data/markers", None, "/data/mps"]
+
+
+def test_a_fractional_pod_gets_the_nvidia_runtime_class_when_configured() -> None:
+    """Its container reaches its GPU through the NVIDIA runtime (NVIDIA_VISIBLE_DEVICES); where
+    the node offers it only as a RuntimeClass, a manifest written for KAI names none."""
+    config = dataclasses.replace(CONFIG, runtime_class="nvidia")
+    out = apply(pod(TS), config)
+    assert out["spec"]["runtimeClassName"] == "nvidia"
+    assert mutate(request(out), config).patch == ()  # once is enough
+    assert "runtimeClassName" not in apply(pod(TS))  # not configured: the node's default
+    assert mutate(request(pod({})), config).patch == ()  # not fractional: untouched
+
+    own = pod(TS)
+    own["spec"]["runtimeClassName"] = "kata"
+    decision = mutate(request(own), config)
+    assert "/spec/runtimeClassName" not in [op["path"] for op in decision.patch]  # kept
+    [warning] = decision.warnings
+    assert warning.startswith("spec.runtimeClassName: 'kata' is kept, but container 'main' "
+                              "reaches its GPU through the NVIDIA runtime ('nvidia')")
+
+
+def test_a_runtime_class_that_cannot_be_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="runtime_class: 'NVIDIA runtime' is not a "
+                                         "RuntimeClass name"):
+        AdmissionConfig(gate_image="img", runtime_class="NVIDIA runtime")

@@ -288,3 +288,14 @@ def test_the_cli_refuses_to_start_without_a_readable_certificate(tmp_path: Path)
     assert result.stderr == (f"kai-fractions admission: cannot read TLS files "
                              f"{tmp_path}/missing.crt, {tmp_path}/missing.key: "
                              "No such file or directory\n")
+
+
+def test_the_cli_refuses_a_runtime_class_that_cannot_be_one(tls_dir: Path, capsys) -> None:
+    from kai_fractions.cli import main
+
+    assert main(["admission", "--listen", "127.0.0.1:0", "--tls-cert", str(tls_dir / "tls.crt"),
+                 "--tls-key", str(tls_dir / "tls.key"), "--gate-image", GATE_IMAGE,
+                 "--runtime-class", "NVIDIA runtime"]) == 2
+    assert capsys.readouterr().err == (
+        "kai-fractions admission: runtime_class: 'NVIDIA runtime' is not a RuntimeClass name "
+        "(lower-case letters, digits, '-' and '.')\n")

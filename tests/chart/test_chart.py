@@ -398,6 +398,11 @@ def test_admission_deployment():
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "https",
                                               "scheme": "HTTPS"}
     assert one(docs, "PodDisruptionBudget", ADMISSION)["spec"]["minAvailable"] == 1
+    # where the NVIDIA runtime is a RuntimeClass, fractional pods are given it
+    nvidia = container(one(render(sets=("webhook.runtimeClassName=nvidia",)), "Deployment",
+                           ADMISSION), "admission")["args"]
+    assert nvidia[-2:] == ["--runtime-class=nvidia", "--log-level=info"]
+    assert "/webhook/runtimeClassName" in template_error("webhook.runtimeClassName=NVIDIA")
     svc = one(docs, "Service", ADMISSION)
     assert svc["spec"]["ports"] == [{"name": "https", "port": 443, "targetPort": "https",
                                      "protocol": "TCP"}]
