@@ -114,7 +114,6 @@ class MirrorMetrics:
                 self._signature_delay.observe(waited)
         return result
 
-
     def node_marked_silent(self, _node: str) -> None:
         """NodeLiveness's `on_marked` (no node label: thousands of nodes)."""
         self._silent_nodes.inc()
