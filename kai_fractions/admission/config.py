@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..contract import DEFAULT_KEYS, Keys
 from ..contract import keys as k
+from ..contract.plan import MPS_SERVER
 
 MIRROR_IDENTITY = "system:serviceaccount:kai-fractions:kai-fractions-mirror"
 DEFAULT_ALLOWED_IDENTITIES = (k.KAI_BINDER_IDENTITY, MIRROR_IDENTITY)
@@ -42,6 +43,12 @@ class AdmissionConfig:
     """Given to fractional pods that name no RuntimeClass: their container reaches its GPU
     through the NVIDIA runtime, which a node may offer only as a RuntimeClass. "" leaves the
     pod to the node's default runtime."""
+
+    @property
+    def mps_server_host_dir(self) -> str:
+        """What an sm-sharing container mounts: the MPS server directory under the pipe root,
+        with every namespace, not the root itself (a v3 daemon's control socket is there)."""
+        return f"{self.mps_pipe_host_dir.rstrip('/')}/{MPS_SERVER}"
 
     def __post_init__(self) -> None:
         if not self.gate_image.strip():

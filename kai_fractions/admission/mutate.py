@@ -12,7 +12,14 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from ..contract import ComputeMode, ContainerShare, ManifestError, parse_pod, view_from_pod_spec
+from ..contract import (
+    DEFAULT_MPS_PIPE_ROOT,
+    ComputeMode,
+    ContainerShare,
+    ManifestError,
+    parse_pod,
+    view_from_pod_spec,
+)
 from ..contract import keys as k
 from . import podspec
 from .config import GATE_CONTAINER, MPS_VOLUME, AdmissionConfig
@@ -69,8 +76,10 @@ def _fractional_env(env: list[Json], wanted: list[Json]) -> list[Json]:
 
 def _fractional_mounts(mounts: list[Json]) -> list[Json]:
     wanted = podspec.mps_mount()
+    # The pipe root is reserved too: the pod's own volume there would hold the MPS paths.
+    reserved = (wanted["mountPath"], DEFAULT_MPS_PIPE_ROOT)
     same = [m for m in mounts if isinstance(m, Mapping)
-            and (m.get("name") == MPS_VOLUME or m.get("mountPath") == wanted["mountPath"])]
+            and (m.get("name") == MPS_VOLUME or m.get("mountPath") in reserved)]
     if len(same) == 1 and matches(same[0], wanted):
         return mounts
     return [m for m in mounts if not any(m is s for s in same)] + [wanted]

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..contract import DEFAULT_MPS_PIPE_ROOT, ComputeMode, Keys, env_sources
+from ..contract.plan import MPS_SERVER
 from ..gate import paths
 from .config import (
     GATE_CONTAINER,
@@ -106,12 +107,13 @@ def podinfo_volume() -> dict[str, Any]:
 
 def mps_volume(config: AdmissionConfig) -> dict[str, Any]:
     return {"name": MPS_VOLUME,
-            "hostPath": {"path": config.mps_pipe_host_dir, "type": "DirectoryOrCreate"}}
+            "hostPath": {"path": config.mps_server_host_dir, "type": "DirectoryOrCreate"}}
 
 
 def mps_mount() -> dict[str, Any]:
     # Read-write: an MPS client connects to (writes into) the sockets in its pipe directory.
-    # The whole pipe root: the container's own namespace directory is named by a hash of the
-    # pod UID, which does not exist yet at CREATE, and a mountPath cannot hold a variable
-    # (subPathExpr only picks the host side). docs/admission.md explains the trade-off.
-    return {"name": MPS_VOLUME, "mountPath": DEFAULT_MPS_PIPE_ROOT}
+    # The server directory, which holds every namespace: the container's own namespace
+    # directory is named by a hash of the pod UID, which does not exist yet at CREATE, and a
+    # mountPath cannot hold a variable (subPathExpr only picks the host side). Not the root:
+    # that is a v3 daemon's own pipe directory, with its control socket. docs/admission.md.
+    return {"name": MPS_VOLUME, "mountPath": f"{DEFAULT_MPS_PIPE_ROOT}/{MPS_SERVER}"}

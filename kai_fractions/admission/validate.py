@@ -99,7 +99,7 @@ def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> lis
     """No hostPath of any pod reaches the marker root, the MPS pipes or the agent's socket
     directory (the directory, a parent or a child, however spelled), except the webhook's own
     reserved volumes, which must point exactly at theirs."""
-    reserved = {MARKER_VOLUME: config.marker_host_dir, MPS_VOLUME: config.mps_pipe_host_dir}
+    reserved = {MARKER_VOLUME: config.marker_host_dir, MPS_VOLUME: config.mps_server_host_dir}
     guarded = ((config.marker_host_dir, f"only the webhook's own volume {MARKER_VOLUME!r} may"),
                (config.mps_pipe_host_dir, f"only the webhook's own volume {MPS_VOLUME!r} may"),
                (config.agent_socket_host_dir, "no volume may: whoever reaches the node "

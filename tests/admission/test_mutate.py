@@ -94,7 +94,7 @@ def test_a_fractional_init_container_is_wired_and_the_gate_still_runs_first() ->
     assert warmup["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == (
         "metadata.annotations['nvidia.com/container.warmup.gpus.devices']")
     assert warmup["volumeMounts"] == [{"name": "kai-fractions-mps",
-                                       "mountPath": "/run/kai-fractions/mps"}]
+                                       "mountPath": "/run/kai-fractions/mps/shared"}]
 
 
 def test_reserved_names_the_pod_brought_are_replaced() -> None:
@@ -111,7 +111,7 @@ def test_reserved_names_the_pod_brought_are_replaced() -> None:
     assert names(out["spec"]["volumes"]) == ["kai-fractions-marker", "kai-fractions-podinfo",
                                              "kai-fractions-mps"]
     assert out["spec"]["containers"][0]["volumeMounts"] == [
-        {"name": "kai-fractions-mps", "mountPath": "/run/kai-fractions/mps"}]
+        {"name": "kai-fractions-mps", "mountPath": "/run/kai-fractions/mps/shared"}]
 
 
 def with_api_server_defaults(obj: dict[str, Any]) -> dict[str, Any]:
@@ -152,8 +152,9 @@ def test_annotation_prefix_and_host_directories_follow_the_configuration() -> No
         "example.com/container.")
     assert out["spec"]["containers"][0]["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == (
         "metadata.annotations['example.com/container.main.gpus.devices']")
+    # the MPS server directory only: the daemon's control socket, in the root, stays out
     assert [v.get("hostPath", {}).get("path") for v in out["spec"]["volumes"]] == [
-        "/data/markers", None, "/data/mps"]
+        "/data/markers", None, "/data/mps/shared"]
 
 
 def test_a_fractional_pod_gets_the_nvidia_runtime_class_when_configured() -> None:

@@ -198,6 +198,24 @@ def test_the_reserved_volumes_point_at_the_configured_directories() -> None:
                          "the host directory '/var/lib/kai-fractions/markers', not '/tmp'")
 
 
+def test_the_mps_volume_is_the_server_directory_not_the_pipe_root() -> None:
+    """The pipe root holds a v3 daemon's control socket: a new sm-sharing pod mounts only
+    `<root>/shared`, its namespaces; a pod wired before that (the root) can still be updated."""
+    obj = mutated(pod(SM))
+    mps = next(v for v in obj["spec"]["volumes"] if v["name"] == "kai-fractions-mps")
+    assert mps["hostPath"]["path"] == "/run/kai-fractions/mps/shared"
+    older = copy.deepcopy(obj)
+    next(v for v in older["spec"]["volumes"]
+         if v["name"] == "kai-fractions-mps")["hostPath"]["path"] = "/run/kai-fractions/mps"
+    d = validate(request(older), CONFIG)
+    assert d.message == ("spec.volumes[2].hostPath.path: volume 'kai-fractions-mps' must be "
+                         "the host directory '/run/kai-fractions/mps/shared', not "
+                         "'/run/kai-fractions/mps'")
+    relabelled = copy.deepcopy(older)
+    relabelled["metadata"].setdefault("labels", {})["team"] = "b"
+    assert validate(request(relabelled, old=older), CONFIG).allowed
+
+
 def test_host_paths_elsewhere_pass_and_non_fractional_pods_are_checked_too() -> None:
     obj = mutated(pod(TS))
     obj["spec"]["volumes"].append({"name": "logs", "hostPath": {"path": "/var/log"}})

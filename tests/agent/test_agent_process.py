@@ -165,8 +165,10 @@ def test_end_to_end_mirrored_pod_applied_then_released(agent_env: AgentEnv) -> N
     assert answer.stdout.strip() == "20G"
     namespace = Path(derived["kai-fractions.io/container.main.mps-pipe-directory"]).name
     link = env.mps_pipe_dir / "shared" / namespace
-    assert os.readlink(link) == ".."
+    assert os.readlink(link) == "legacy"
     assert (link / "control").exists()  # resolves to the daemon's own pipe directory
+    # ... which lies inside the server directory, all a container mounts
+    assert env.mps_daemon_dir == env.mps_pipe_dir / "shared" / "legacy"
 
     applied = wait_for(lambda: [e for e in env.events(uid) if e["reason"] == "Applied"],
                        run=run, what="Applied event")

@@ -431,8 +431,9 @@ def test_legacy_mps_links_the_namespace_directory_to_the_daemon(short_tmp: Path)
     pipe = notes["kai-fractions.io/container.main.mps-pipe-directory"]
     name = Path(pipe).name
     link = short_tmp / "mps" / "shared" / name
-    assert os.readlink(link) == ".."
-    assert link.resolve() == (short_tmp / "mps").resolve()
+    # the legacy daemon's directory, beside the link: inside the container's mount of shared/
+    assert os.readlink(link) == "legacy"
+    assert link.resolve() == (short_tmp / "mps" / "shared" / "legacy").resolve()
     result = rig.reconciler.view.results[(uid, "main")]
     assert result.compute.value == "mps-client-env" and result.state.value == "applied"
     cond = rig.agent.condition()
@@ -441,6 +442,21 @@ def test_legacy_mps_links_the_namespace_directory_to_the_daemon(short_tmp: Path)
     rig.cluster.delete_pod(uid)
     rig.step()
     assert not os.path.lexists(link)
+
+
+def test_an_older_agents_link_to_the_root_is_put_right(short_tmp: Path) -> None:
+    """Agents before the legacy daemon moved under shared/ linked to `..` (the pipe root, which
+    containers no longer mount): the link is made again."""
+    rig = Rig(short_tmp, mps_v3=False)
+    uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    rig.step()
+    notes = rig.cluster.pods[uid]["metadata"]["annotations"]
+    link = short_tmp / "mps" / "shared" / Path(
+        notes["kai-fractions.io/container.main.mps-pipe-directory"]).name
+    link.unlink()
+    link.symlink_to("..")
+    rig.step()
+    assert os.readlink(link) == "legacy"
 
 
 def test_legacy_link_blocked_by_a_directory_keeps_the_container_pending(short_tmp: Path) -> None:
@@ -458,7 +474,7 @@ def test_legacy_link_blocked_by_a_directory_keeps_the_container_pending(short_tm
     assert marker(rig, uid) is not None  # same plan, applied before: kept
     link.rmdir()
     assert rig.step().converged
-    assert os.readlink(link) == ".."
+    assert os.readlink(link) == "legacy"
 
 
 # -- watchdog ---------------------------------------------------------------------------------

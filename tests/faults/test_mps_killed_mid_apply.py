@@ -71,6 +71,7 @@ def test_daemon_killed_before_the_pinned_limit_is_set(fake_nvml, short_tmp: Path
                         proc_root=str(short_tmp))
     daemon = MpsDaemon(config.mps_control_binary, str(pipe), str(logs), runner,
                        backoff_initial=0.2)
+    runner.pipe_dir = daemon.pipe_dir  # a daemon without namespaces runs under shared/
     cluster = FakeCluster()
     cluster.add_node("node-a")
     agent = NodeAgent(config=config, options=AgentOptions(
@@ -97,7 +98,7 @@ def test_daemon_killed_before_the_pinned_limit_is_set(fake_nvml, short_tmp: Path
     finally:
         agent.stop(timeout=20)
         with contextlib.suppress(Exception):
-            mps_command(tools.mps_control(), pipe, "quit", log_dir=logs, timeout=5)
+            mps_command(tools.mps_control(), daemon.pipe_dir, "quit", log_dir=logs, timeout=5)
     assert runner.killed == first and second not in (None, first)
     assert daemon.restarts == 1
     assert agent.metrics.registry.get_sample_value(

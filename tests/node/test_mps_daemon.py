@@ -72,13 +72,17 @@ def test_first_start_argv_env_dirs_and_state_applied(dirs):
     applied = []
     daemon = make(dirs, runner, on_restart=applied.append)
     assert daemon.ensure_running() is True
-    pipe, logs = dirs
+    root, logs = dirs
+    # No namespaces (this binary has no v3): the daemon runs inside the server directory, the
+    # one sm-sharing containers mount, and reaches them through their namespace links.
+    pipe = os.path.join(root, "shared", "legacy")
+    assert daemon.pipe_dir == pipe
     env = {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": logs}
     assert [(c.argv, c.stdin) for c in runner.calls] == [
         ((BIN, "--help"), None), ((BIN,), LIST), ((BIN, "-d"), None), ((BIN,), LIST)]
-    assert runner.calls[2].env == env
+    assert runner.calls[1].env == runner.calls[2].env == env
     assert runner.calls[1].timeout == 2.0  # health checks never wait long
-    for d in dirs:
+    for d in (pipe, logs):
         assert stat.S_IMODE(os.stat(d).st_mode) == 0o755
     assert applied == [daemon.control]  # a fresh daemon knows nothing: state goes back
     assert (daemon.restarts, daemon.failures) == (0, 0)
@@ -94,6 +98,10 @@ def test_v3_and_multi_user_start_argv(dirs):
     daemon = make(dirs, runner, multi_user=True)
     assert daemon.start_argv() == [BIN, "-d", "-p", "3", "-m"]
     assert daemon.ensure_running() is True
+    # a v3 daemon runs in the root: its control socket is outside the server directory that
+    # sm-sharing containers mount
+    assert daemon.pipe_dir == dirs[0]
+    assert runner.calls[-1].env["CUDA_MPS_PIPE_DIRECTORY"] == dirs[0]
     assert (BIN, "-d", "-p", "3", "-m") in runner.argvs
     # a v3 daemon is health-checked in v3
     assert runner.argvs[-1] == (BIN, "-p", "3", "namespace", "list", "--server=shared")

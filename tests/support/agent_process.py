@@ -159,8 +159,17 @@ class AgentEnv:
     def marker(self, uid: str) -> Path:
         return self.marker_dir / uid / "marker.json"
 
+    @property
+    def mps_daemon_dir(self) -> Path:
+        """Where the agent's MPS daemon listens: the pipe root for a v3 binary, the legacy
+        directory under shared/ for one without namespaces (the test tools' own)."""
+        from kai_fractions.node.mps.daemon import legacy_pipe_dir
+
+        legacy = Path(legacy_pipe_dir(str(self.mps_pipe_dir), "shared"))
+        return legacy if (legacy / "control").exists() else self.mps_pipe_dir
+
     def mps(self, line: str) -> subprocess.CompletedProcess[str]:
-        return mps_command(tools.mps_control(), self.mps_pipe_dir, line,
+        return mps_command(tools.mps_control(), self.mps_daemon_dir, line,
                            log_dir=self.mps_log_dir, timeout=5)
 
     # -- the agent ----------------------------------------------------------------------------
@@ -240,7 +249,7 @@ class AgentEnv:
             if run.proc.poll() is None:
                 run.proc.kill()
                 run.proc.wait(5)
-        if (self.mps_pipe_dir / "control").exists():
+        if (self.mps_daemon_dir / "control").exists():
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 self.mps("quit")
         shutil.rmtree(self.short, ignore_errors=True)

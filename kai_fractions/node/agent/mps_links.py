@@ -1,12 +1,12 @@
 """sm-sharing on MPS daemons without v3 namespaces (drivers before r615).
 
 The contract gives every sm-sharing container `CUDA_MPS_PIPE_DIRECTORY=<root>/shared/<namespace>`
-(the mirror and the gate compute the same value, whatever the node's driver). A legacy daemon
-has one pipe directory, `<root>` itself. So the agent makes `<root>/shared/<namespace>` a
-RELATIVE symlink to `..` (relative to the link's own directory `<root>/shared`, so it names
-`<root>`; `../..` would name the parent of `<root>`): it resolves to the daemon's directory on the
-host and equally inside the container, where the same directory is mounted at another path (an
-absolute target would name a host path the container does not have). Released with the pod.
+(the mirror and the gate compute the same value, whatever the node's driver), and the container
+mounts `<root>/shared` only. A legacy daemon has one pipe directory, which the supervisor puts in
+`<root>/shared/legacy` (`mps.daemon.legacy_pipe_dir`). So the agent makes
+`<root>/shared/<namespace>` a RELATIVE symlink to `legacy` (its sibling): it resolves to the
+daemon's directory on the host and equally inside the container's mount (an absolute target would
+name a host path the container does not have). Released with the pod.
 
 What this does NOT give: a per-container compute cap the daemon enforces. The active-thread
 percentage then reaches MPS only through the client's own CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the
@@ -25,10 +25,12 @@ from ...contract.plan import MPS_SERVER
 from ..desired import ComputeEnforcement, ContainerKey, DesiredState
 from ..engine import ContainerResult, ContainerState, is_our_namespace
 from ..errors import NodeError
+from ..mps.daemon import LEGACY_DIR
 
 log = logging.getLogger(__name__)
 
-LINK_TARGET = ".."
+LINK_TARGET = LEGACY_DIR
+"""Relative: the legacy daemon's directory beside the link (an older agent's `..` is replaced)."""
 LEGACY_MPS_LINK = "MPSPipeLinkFailed"
 LEGACY_MPS_NOTE = ("compute cap through the client's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE only: this "
                    "MPS daemon has no namespaces (driver before r615), so it is not enforced by "

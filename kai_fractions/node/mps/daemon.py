@@ -41,6 +41,16 @@ log = logging.getLogger(__name__)
 LOCK_FILE = "control_lock"
 DAEMON_COMM = "nvidia-cuda-mps"
 """The daemon's /proc/<pid>/comm (the kernel keeps 15 characters of the name)."""
+LEGACY_DIR = "legacy"
+"""Where a daemon without namespaces runs, under the server directory (`legacy_pipe_dir`)."""
+
+
+def legacy_pipe_dir(root: str, server: str) -> str:
+    """The pipe directory of a daemon without namespaces (drivers before r615): inside the
+    server directory `<root>/<server>`, the one directory sm-sharing containers mount, so its
+    clients reach it through their namespace links while a v3 daemon's own `control` socket, in
+    `<root>`, stays outside every container."""
+    return os.path.join(root, server, LEGACY_DIR)
 
 
 
@@ -104,7 +114,10 @@ class MpsDaemon:
         poll_interval: float = 0.02,
     ):
         self.binary = str(binary)
-        self.pipe_dir = str(pipe_dir)
+        self.root = str(pipe_dir)
+        """The pipe root: a v3 daemon's pipe directory, whose `<server>/` holds the namespaces
+        the containers mount (a daemon without namespaces runs in `legacy_pipe_dir`)."""
+        self._pipe_dir: str | None = None
         self.log_dir = str(log_dir)
         self.runner = runner
         self.clock: Clock = clock or SystemClock()
@@ -117,7 +130,7 @@ class MpsDaemon:
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self.poll_interval = poll_interval
-        self.control = MpsControl(self.binary, self.pipe_dir, self.log_dir, runner, server,
+        self.control = MpsControl(self.binary, self.root, self.log_dir, runner, server,
                                   protocol_v3=protocol_v3, sleep=self.clock.sleep)
         self.restarts = 0
         """Successful starts after the first one this supervisor made or found."""
@@ -138,6 +151,21 @@ class MpsDaemon:
         """Whether this daemon runs (or will be started) with the v3 protocol."""
         return self.control.supports_protocol_v3()
 
+    @property
+    def pipe_dir(self) -> str:
+        """This daemon's own pipe directory, by its binary's protocol (asked once; raises
+        MpsError when the binary cannot be run): the root for a v3 daemon, `legacy_pipe_dir`
+        for one without namespaces. The control client is pointed at it."""
+        if self._pipe_dir is None:
+            self._pipe_dir = (self.root if self.protocol_v3
+                              else legacy_pipe_dir(self.root, self.control.server))
+            self.control.pipe_dir = self._pipe_dir
+        return self._pipe_dir
+
+    def _resolved(self) -> bool:
+        """Whether the control client asks on the daemon's directory (resolving it)."""
+        return bool(self.pipe_dir)
+
     def start_argv(self) -> list[str]:
         argv = [self.binary, "-d"]
         if self.protocol_v3:
@@ -147,7 +175,11 @@ class MpsDaemon:
         return argv
 
     def pid(self) -> int | None:
-        return self.processes.daemon_pid(self.pipe_dir)
+        try:
+            directory = self.pipe_dir
+        except MpsError:
+            return None  # no binary to ask: no daemon of ours either
+        return self.processes.daemon_pid(directory)
 
     def healthy(self) -> bool:
         """The daemon answers a cheap command within `health_timeout`. A dead daemon, a stale
@@ -156,7 +188,7 @@ class MpsDaemon:
         other clients (MpsDaemonBusy): restarting that one would kill every MPS workload on
         the node for nothing."""
         try:
-            if self.protocol_v3:
+            if self._resolved() and self.protocol_v3:
                 # a v3 daemon makes every client follow its protocol: ask in v3
                 self.control.namespace_list(timeout=self.health_timeout)
             else:
