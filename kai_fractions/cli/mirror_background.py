@@ -84,7 +84,7 @@ def background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, 
 def _placing_now(br, stale_after: float) -> bool:
     """Whether KAI made this bind lately: a resync replays every BindRequest, and only the
     nodes KAI is placing pods on now are worth a read (BindRequestView.created)."""
-    from ..mirror.metrics import seconds_since
+    from ..kube.objects import seconds_since
 
     age = seconds_since(br.created) if br.created else None
     return age is None or age <= stale_after

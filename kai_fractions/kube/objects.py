@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import re
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,26 @@ _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 def is_dns_label(name: str) -> bool:
     """An RFC 1123 label, as a namespace is named: a flag that names one is checked at start."""
     return len(name) <= 63 and _DNS_LABEL.fullmatch(name) is not None
+
+
+def seconds_since(timestamp: Any, now: float | None = None) -> float | None:
+    """Seconds from an RFC 3339 time (a creationTimestamp, a condition's lastHeartbeatTime) to
+    `now` (at least 0: the API server's clock and ours differ a little); None when it is not
+    one."""
+    try:
+        then = datetime.datetime.fromisoformat(timestamp)
+    except (TypeError, ValueError):
+        return None
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=datetime.UTC)
+    return max(0.0, (time.time() if now is None else now) - then.timestamp())
+
+
+def condition_time(now: float) -> str:
+    """A condition's time (lastHeartbeatTime, lastTransitionTime) as the API server writes
+    one: whole seconds, UTC."""
+    return datetime.datetime.fromtimestamp(int(now), datetime.UTC).strftime(
+        "%Y-%m-%dT%H:%M:%SZ")
 
 
 def pods_path(namespace: str | None = None) -> str:

@@ -9,13 +9,13 @@ Lease) is read then; what happens per call costs a counter increment on the serv
 
 from __future__ import annotations
 
-import datetime
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..kube.objects import seconds_since
 
 if TYPE_CHECKING:
     from .follower import BindRequestView, Verification
@@ -129,18 +129,6 @@ def check_result(v: Verification | None) -> str:
     if v.skipped:
         return "skipped"
     return "unsigned" if v.unsigned else "complete"
-
-
-def seconds_since(timestamp: str, now: float | None = None) -> float | None:
-    """Seconds from an RFC 3339 time (a creationTimestamp) to `now` (at least 0: the API
-    server's clock and ours differ a little); None when it does not parse."""
-    try:
-        then = datetime.datetime.fromisoformat(timestamp)
-    except ValueError:
-        return None
-    if then.tzinfo is None:
-        then = then.replace(tzinfo=datetime.UTC)
-    return max(0.0, (time.time() if now is None else now) - then.timestamp())
 
 
 class _PodCacheCollector:

@@ -16,7 +16,6 @@ at the node's next bind.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +23,7 @@ from typing import Any
 
 from ..kube.client import STRATEGIC_MERGE_PATCH, Kube
 from ..kube.errors import Conflict, KubeError, NotFound
-from ..kube.objects import node_path
+from ..kube.objects import condition_time, node_path, seconds_since
 
 log = logging.getLogger(__name__)
 
@@ -35,20 +34,6 @@ READS_AT_ONCE = 4
 """Nodes read at once: a wave of binds over thousands of nodes is read a few at a time."""
 
 
-def _parse(stamp: Any) -> float | None:
-    try:
-        when = datetime.datetime.fromisoformat(str(stamp))
-    except ValueError:
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.UTC)
-    return when.timestamp()
-
-
-def _stamp(now: float) -> str:
-    return datetime.datetime.fromtimestamp(now, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def silent_conditions(node: Mapping[str, Any], types: Sequence[str], now: float,
                       stale_after: float) -> list[dict[str, Any]]:
     """The conditions of `types` that say True but were last renewed more than `stale_after`
@@ -57,17 +42,17 @@ def silent_conditions(node: Mapping[str, Any], types: Sequence[str], now: float,
     for c in (node.get("status") or {}).get("conditions") or []:
         if not isinstance(c, dict) or c.get("type") not in types or c.get("status") != "True":
             continue
-        renewed = _parse(c.get("lastHeartbeatTime"))
-        if renewed is not None and now - renewed <= stale_after:
+        age = seconds_since(c.get("lastHeartbeatTime"), now)
+        if age is not None and age <= stale_after:
             continue
-        since = (f"since {c.get('lastHeartbeatTime')} ({now - renewed:.0f} s)"
-                 if renewed is not None else "with no heartbeat time")
+        since = (f"since {c.get('lastHeartbeatTime')} ({age:.0f} s)"
+                 if age is not None else "with no heartbeat time")
         out.append({
             "type": c["type"], "status": "Unknown", "reason": SILENT_REASON,
             "message": f"the kai-fractions node agent has not reported {since}: KAI places "
                        "no fractional pod here until it reports again",
             "lastHeartbeatTime": c.get("lastHeartbeatTime"),
-            "lastTransitionTime": _stamp(now)})
+            "lastTransitionTime": condition_time(now)})
     return out
 
 

@@ -11,9 +11,10 @@ import urllib.request
 import grpc
 import pytest
 
+from kai_fractions.kube.objects import seconds_since
 from kai_fractions.metrics_http import MetricsEndpoint
 from kai_fractions.mirror.follower import BindRequestView, Follower
-from kai_fractions.mirror.metrics import MirrorMetrics, check_result, seconds_since
+from kai_fractions.mirror.metrics import MirrorMetrics, check_result
 from kai_fractions.mirror.pod_cache import PodCache
 from kai_fractions.signing import Keyring, KeyringSource
 from tests.support.agent_process import wait_for

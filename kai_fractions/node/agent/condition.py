@@ -23,11 +23,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
 from ...contract import MIB
 from ...contract import keys as k
 from ...kube.errors import KubeError
+from ...kube.objects import condition_time
 from ..config import Mechanism, NodeConfig
 from ..errors import NodeError
 from ..inventory import Inventory
@@ -135,10 +135,6 @@ def evaluate(config: NodeConfig, options: AgentOptions, health: Health,
                      f"{memory_summary(config, inv)}; compute: {compute_summary(config, health)}")
 
 
-def _stamp(now: float) -> str:
-    return datetime.fromtimestamp(int(now), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 class StatusPublisher:
     """Publishes the condition (and the GPU memory label) from its own thread, so that a stuck
     worker is still reported."""
@@ -200,11 +196,11 @@ class StatusPublisher:
             conditions = []
             for kind in self.options.condition_types:
                 if changed and (self.published is not None or kind not in self._transitions):
-                    self._transitions[kind] = _stamp(now)
+                    self._transitions[kind] = condition_time(now)
                 conditions.append({
                     "type": kind, "status": status, "reason": cond.reason,
-                    "message": cond.message, "lastHeartbeatTime": _stamp(now),
-                    "lastTransitionTime": self._transitions.get(kind, _stamp(now))})
+                    "message": cond.message, "lastHeartbeatTime": condition_time(now),
+                    "lastTransitionTime": self._transitions.get(kind, condition_time(now))})
             self.cluster.patch_node_status(self.node, conditions)
         except KubeError as e:
             if e.message != self._last_failure:  # once per distinct failure, not every tick
