@@ -162,10 +162,6 @@ class MpsDaemon:
             self.control.pipe_dir = self._pipe_dir
         return self._pipe_dir
 
-    def _resolved(self) -> bool:
-        """Whether the control client asks on the daemon's directory (resolving it)."""
-        return bool(self.pipe_dir)
-
     def start_argv(self) -> list[str]:
         argv = [self.binary, "-d"]
         if self.protocol_v3:
@@ -188,7 +184,8 @@ class MpsDaemon:
         other clients (MpsDaemonBusy): restarting that one would kill every MPS workload on
         the node for nothing."""
         try:
-            if self._resolved() and self.protocol_v3:
+            # (reading pipe_dir points the control client at the daemon's directory first)
+            if self.pipe_dir == self.root:  # only a v3 daemon runs in the root
                 # a v3 daemon makes every client follow its protocol: ask in v3
                 self.control.namespace_list(timeout=self.health_timeout)
             else:
