@@ -46,8 +46,9 @@ class AdmissionConfig:
 
     @property
     def mps_server_host_dir(self) -> str:
-        """What an sm-sharing container mounts: the MPS server directory under the pipe root,
-        with every namespace, not the root itself (a v3 daemon's control socket is there)."""
+        """The MPS server directory under the pipe root: the volume an sm-sharing container
+        mounts its own namespace's directory of (a subPath), never the root itself (a v3
+        daemon's control socket is there)."""
         return f"{self.mps_pipe_host_dir.rstrip('/')}/{MPS_SERVER}"
 
     def __post_init__(self) -> None:

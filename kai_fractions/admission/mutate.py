@@ -9,7 +9,7 @@ makes `reinvocationPolicy: IfNeeded` safe.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..contract import (
@@ -21,6 +21,7 @@ from ..contract import (
     view_from_pod_spec,
 )
 from ..contract import keys as k
+from ..contract.plan import MPS_SERVER
 from . import podspec
 from .config import GATE_CONTAINER, MPS_VOLUME, AdmissionConfig
 from .errors import contract_denial, manifest_denial
@@ -74,10 +75,11 @@ def _fractional_env(env: list[Json], wanted: list[Json]) -> list[Json]:
     return wanted + _strip_enforced(env)
 
 
-def _fractional_mounts(mounts: list[Json]) -> list[Json]:
-    wanted = podspec.mps_mount()
-    # The pipe root is reserved too: the pod's own volume there would hold the MPS paths.
-    reserved = (wanted["mountPath"], DEFAULT_MPS_PIPE_ROOT)
+def _fractional_mounts(mounts: list[Json], namespace: str) -> list[Json]:
+    wanted = podspec.mps_mount(namespace)
+    # The pipe root and the server directory are reserved too: the pod's own volume there
+    # would hold the MPS paths.
+    reserved = (wanted["mountPath"], DEFAULT_MPS_PIPE_ROOT, f"{DEFAULT_MPS_PIPE_ROOT}/{MPS_SERVER}")
     same = [m for m in mounts if isinstance(m, Mapping)
             and (m.get("name") == MPS_VOLUME or m.get("mountPath") in reserved)]
     if len(same) == 1 and matches(same[0], wanted):
@@ -96,28 +98,30 @@ def _with_list(container: Json, field: str, items: list[Json]) -> Json:
     return out
 
 
-def _container(container: Json, share: ContainerShare, config: AdmissionConfig) -> Json:
+def _container(container: Json, share: ContainerShare, config: AdmissionConfig,
+               namespace: str | None) -> Json:
     env = list(container.get("env") or [])
     if container.get("name") != share.container:
         # A sidecar must not carry GPU limits of its own, nor see a GPU at all.
         return _with_list(container, "env", _void_env(env))
     wanted = podspec.enforced_env(share.container, share.compute_mode, config.keys)
     out = _with_list(container, "env", _fractional_env(env, wanted))
-    if share.compute_mode is ComputeMode.SM_SHARING:
+    if namespace is not None:
         mounts = list(container.get("volumeMounts") or [])
-        out = _with_list(out, "volumeMounts", _fractional_mounts(mounts))
+        out = _with_list(out, "volumeMounts", _fractional_mounts(mounts, namespace))
     return out
 
 
-def desired_spec(spec: Mapping[str, Any], share: ContainerShare,
-                 config: AdmissionConfig) -> Json:
-    """The pod spec with the env, mounts, volumes and gate a fractional pod must have."""
+def desired_spec(spec: Mapping[str, Any], share: ContainerShare, config: AdmissionConfig,
+                 namespace: str | None = None) -> Json:
+    """The pod spec with the env, mounts, volumes and gate a fractional pod must have;
+    `namespace`: the MPS namespace of an sm-sharing container (its mount's subPath)."""
     out: Json = copy.deepcopy(dict(spec))
     containers = [c for c in out.get("containers") or [] if isinstance(c, Mapping)]
     init = [c for c in out.get("initContainers") or []
             if isinstance(c, Mapping) and c.get("name") != GATE_CONTAINER]
-    out["containers"] = [_container(c, share, config) for c in containers]
-    init = [_container(c, share, config) for c in init]
+    out["containers"] = [_container(c, share, config, namespace) for c in containers]
+    init = [_container(c, share, config, namespace) for c in init]
     gate = podspec.gate_container(config, [str(c.get("name", "")) for c in containers],
                                   [str(c.get("name", "")) for c in init])
     current = [c for c in out.get("initContainers") or [] if isinstance(c, Mapping)]
@@ -126,7 +130,7 @@ def desired_spec(spec: Mapping[str, Any], share: ContainerShare,
     out["initContainers"] = [first if keep else gate, *init]
     volumes = list(out.get("volumes") or [])
     wanted = [podspec.marker_volume(config), podspec.podinfo_volume()]
-    if share.compute_mode is ComputeMode.SM_SHARING:
+    if namespace is not None:
         wanted.append(podspec.mps_volume(config))
     for volume in wanted:
         volumes = _ensure_named(volumes, volume)
@@ -152,6 +156,12 @@ def _ops(spec: Mapping[str, Any], new: Json) -> list[Json]:
     return ops
 
 
+def _namespace_op(key: str, namespace: str) -> Json:
+    # A fractional pod always has annotations (its request is one), so `add` finds the map.
+    escaped = key.replace("~", "~0").replace("/", "~1")  # JSON Pointer, RFC 6901
+    return {"op": "add", "path": f"/metadata/annotations/{escaped}", "value": namespace}
+
+
 def _ephemeral_ops(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
     """An ephemeral container added to a fractional pod gets `NVIDIA_VISIBLE_DEVICES=void`
     like any other container without the fraction."""
@@ -174,8 +184,11 @@ def _ephemeral_ops(request: Mapping[str, Any], config: AdmissionConfig) -> Decis
     return allow(patch=tuple(ops))
 
 
-def mutate(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
-    """Review one AdmissionReview request for the mutating webhook."""
+def mutate(request: Mapping[str, Any], config: AdmissionConfig, *,
+           new_namespace: Callable[[], str] = podspec.new_mps_namespace) -> Decision:
+    """Review one AdmissionReview request for the mutating webhook. `new_namespace` names the
+    MPS namespace of a new sm-sharing container (random; the only impure step, so tests pass
+    their own)."""
     if kind_of(request) != "Pod":
         return allow()
     if request.get("operation") == "UPDATE" and request.get("subResource") == \
@@ -200,7 +213,13 @@ def mutate(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
     share = parsed.share
     if share is None or not isinstance(spec.get("containers"), list):
         return allow(warnings=warnings)  # not a fractional pod: untouched
-    new = desired_spec(spec, share, config)
+    namespace = None
+    if share.compute_mode is ComputeMode.SM_SHARING:
+        # A name already there is kept: this webhook may run again on its own output
+        # (reinvocation). One a user wrote is theirs to have: the node agent refuses a
+        # second container naming a namespace it already gave another.
+        namespace = share.mps_namespace or new_namespace()
+    new = desired_spec(spec, share, config, namespace)
     if len(new["containers"]) != len(spec["containers"]):
         return allow(warnings=warnings)  # malformed entries; the API server rejects the pod
     own = spec.get("runtimeClassName")
@@ -208,4 +227,8 @@ def mutate(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
         warnings += (f"spec.runtimeClassName: {own!r} is kept, but container "
                      f"{share.container!r} reaches its GPU through the NVIDIA runtime "
                      f"({config.runtime_class!r}); without it the container has no GPU",)
-    return allow(patch=tuple(_ops(spec, new)), warnings=warnings)
+    ops = _ops(spec, new)
+    if namespace is not None and share.mps_namespace is None:
+        ops.append(_namespace_op(config.keys.derived(share.container, k.ADMITTED_MPS_NAMESPACE),
+                                 namespace))
+    return allow(patch=tuple(ops), warnings=warnings)

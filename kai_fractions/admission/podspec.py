@@ -7,10 +7,12 @@ stores equals what we emitted, and a reinvocation finds nothing to change.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
 from ..contract import DEFAULT_MPS_PIPE_ROOT, ComputeMode, Keys, env_sources
+from ..contract.keys import MPS_NAMESPACE_PREFIX
 from ..contract.plan import MPS_SERVER
 from ..gate import paths
 from .config import (
@@ -110,10 +112,21 @@ def mps_volume(config: AdmissionConfig) -> dict[str, Any]:
             "hostPath": {"path": config.mps_server_host_dir, "type": "DirectoryOrCreate"}}
 
 
-def mps_mount() -> dict[str, Any]:
+def new_mps_namespace() -> str:
+    """A fresh MPS namespace name for a pod being created: random, because nothing else about
+    the pod is known yet (no UID, often no name), and unguessable, so no one can aim at it."""
+    return f"{MPS_NAMESPACE_PREFIX}{secrets.token_hex(10)}"
+
+
+def mps_namespace_dir(namespace: str) -> str:
+    """The namespace's pipe directory inside the container: the path the contract's
+    CUDA_MPS_PIPE_DIRECTORY names (`<root>/shared/<namespace>`), as on the host."""
+    return f"{DEFAULT_MPS_PIPE_ROOT}/{MPS_SERVER}/{namespace}"
+
+
+def mps_mount(namespace: str) -> dict[str, Any]:
     # Read-write: an MPS client connects to (writes into) the sockets in its pipe directory.
-    # The server directory, which holds every namespace: the container's own namespace
-    # directory is named by a hash of the pod UID, which does not exist yet at CREATE, and a
-    # mountPath cannot hold a variable (subPathExpr only picks the host side). Not the root:
-    # that is a v3 daemon's own pipe directory, with its control socket. docs/admission.md.
-    return {"name": MPS_VOLUME, "mountPath": f"{DEFAULT_MPS_PIPE_ROOT}/{MPS_SERVER}"}
+    # Only the container's own namespace (subPath): not the server directory, where a process
+    # could join another container's namespace and take its compute cap, nor the root, a v3
+    # daemon's own pipe directory with its control socket. docs/admission.md.
+    return {"name": MPS_VOLUME, "mountPath": mps_namespace_dir(namespace), "subPath": namespace}

@@ -30,7 +30,7 @@ from ..contract import (
 )
 from ..contract import keys as k
 from ..gate import paths
-from . import frozen, hostpaths, wiring
+from . import frozen, hostpaths, podspec, wiring
 from .config import GATE_CONTAINER, MARKER_VOLUME, MPS_VOLUME, AdmissionConfig
 from .errors import error_text, manifest_denial
 from .review import Decision, allow, annotations_of, deny, kind_of, user_of
@@ -41,12 +41,12 @@ _CONTAINER_LISTS = ("initContainers", "containers", "ephemeralContainers")
 
 
 def _protected_changes(old: Mapping[str, str], new: Mapping[str, str], user: str,
-                       config: AdmissionConfig) -> list[str]:
+                       config: AdmissionConfig, exempt: str | None = None) -> list[str]:
     if user in config.allowed_identities:
         return []
     out = []
     for key in sorted(set(old) | set(new)):
-        if not config.keys.is_protected(key) or old.get(key) == new.get(key):
+        if not config.keys.is_protected(key) or old.get(key) == new.get(key) or key == exempt:
             continue
         action = "create" if key not in old else "remove" if key not in new else "change"
         out.append(f"{key}: is a protected key: only {', '.join(config.allowed_identities)} "
@@ -121,12 +121,30 @@ def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> lis
     return out
 
 
-def _mount_problems(spec: Mapping[str, Any], request: PodRequest) -> list[str]:
+def _admitted_namespace_key(request: PodRequest | None, config: AdmissionConfig) -> str | None:
+    """The key under which the mutating webhook names a new sm-sharing container's MPS
+    namespace: the one protected key a pod may be created with."""
+    share = request.share if request is not None else None
+    if share is None or share.compute_mode is not ComputeMode.SM_SHARING:
+        return None
+    return config.keys.derived(share.container, k.ADMITTED_MPS_NAMESPACE)
+
+
+def _own_namespace(mount: Mapping[str, Any], own: Mapping[str, Any] | None) -> bool:
+    """The mount reaches exactly the container's own namespace directory, where its
+    CUDA_MPS_PIPE_DIRECTORY points (fields the API server may default do not count)."""
+    return own is not None and not mount.get("subPathExpr") and all(
+        mount.get(field) == own[field] for field in ("mountPath", "subPath"))
+
+
+def _mount_problems(spec: Mapping[str, Any], request: PodRequest,
+                    config: AdmissionConfig) -> list[str]:
     """Only the gate reads the marker root, only the fractional container reaches the MPS
-    pipes."""
+    pipes, and only its own namespace's."""
     share = request.share
     sm_container = (share.container if share is not None
                     and share.compute_mode is ComputeMode.SM_SHARING else None)
+    own = podspec.mps_mount(share.mps_namespace) if share and share.mps_namespace else None
     out = []
     for field, i, c in _containers(spec):
         name = c.get("name")
@@ -147,6 +165,12 @@ def _mount_problems(spec: Mapping[str, Any], request: PodRequest) -> list[str]:
             elif volume == MPS_VOLUME and (name != sm_container or field == "ephemeralContainers"):
                 out.append(f"{where}: only the sm-sharing container of this pod may mount "
                            f"{MPS_VOLUME}")
+            elif volume == MPS_VOLUME and not _own_namespace(mount, own):
+                key = _admitted_namespace_key(request, config)
+                out.append(f"{where}: must mount only the container's own MPS namespace, "
+                           f"exactly {own}" if own is not None else
+                           f"{where}: the container has no MPS namespace of its own ({key} is "
+                           "missing; the mutating webhook names one when the pod is created)")
     return out
 
 
@@ -164,7 +188,7 @@ def _spec_problems(obj: Any, request: PodRequest | None, config: AdmissionConfig
     wired = request.share is not None and not request.errors
     if wired or carries_gate:
         out = wiring.gate_problems(spec, config) + out
-    out += _mount_problems(spec, request)
+    out += _mount_problems(spec, request, config)
     if wired and request.share is not None:
         out += wiring.env_problems(spec, request.share)
     return out
@@ -176,11 +200,14 @@ def _validate_pod(request: Mapping[str, Any], config: AdmissionConfig) -> Decisi
     updating = request.get("operation") == "UPDATE"
     old_annotations = annotations_of(old_obj) if updating else {}
     user = user_of(request)
-    forbidden = _protected_changes(old_annotations, annotations_of(obj), user, config)
+    new = _parse(obj, config, namespace)
+    # The mutating webhook names a new sm-sharing container's MPS namespace as the pod is
+    # created, on the creator's behalf; after that the key is protected like the others.
+    exempt = None if updating else _admitted_namespace_key(new, config)
+    forbidden = _protected_changes(old_annotations, annotations_of(obj), user, config, exempt)
     if updating:
         forbidden += frozen.frozen_changes(old_obj, old_annotations, annotations_of(obj), user,
                                            config)
-    new = _parse(obj, config, namespace)
     if new is None:
         return allow()
     old = _parse(old_obj, config, namespace) if updating else None

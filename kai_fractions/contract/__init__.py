@@ -7,7 +7,7 @@ from . import keys
 from .binder import BindDecision, binder_annotations, binder_keys, parse_group_modes
 from .dialect import DEFAULT_DIALECT, DIALECTS, Dialect
 from .errors import ContractError, ContractViolation
-from .keys import DEFAULT_KEYS, Keys
+from .keys import DEFAULT_KEYS, Keys, is_mps_namespace_name
 from .numbers import NumberError, format_plain, parse_decimal
 from .plan import (
     DEFAULT_MPS_PIPE_ROOT,
@@ -17,7 +17,6 @@ from .plan import (
     active_thread_percentage,
     derived_annotations,
     env_sources,
-    is_mps_namespace_name,
     mps_namespace_name,
     plan_container,
     plan_pod,

@@ -105,6 +105,19 @@ DERIVED_SUFFIXES = (
 # The mirror's signature over a container's allocation (kai_fractions.signing); the node agent
 # verifies it. Under the project prefix, so `Keys.is_protected` covers it; not an env source.
 DERIVED_SIGNATURE = ".signature"
+# The MPS namespace of an sm-sharing container, named by the admission webhook when the pod is
+# created (`kai-fractions.io/container.<c>.mps-namespace`): the container mounts only that
+# namespace's pipe directory, so the name must exist before the pod has a UID. Protected like
+# the derived keys; neither the mirror nor the agent ever writes it.
+ADMITTED_MPS_NAMESPACE = ".mps-namespace"
+MPS_NAMESPACE_PREFIX = "kf_"
+_MPS_NAMESPACE = re.compile(MPS_NAMESPACE_PREFIX + "[0-9a-f]{20}")
+
+
+def is_mps_namespace_name(name: str) -> bool:
+    """True for the names kai_fractions gives MPS namespaces (the webhook's, and the plan's
+    hash of a pod UID): the agent deletes only its own namespaces."""
+    return bool(_MPS_NAMESPACE.fullmatch(name))
 
 _CONTAINER_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
@@ -161,6 +174,11 @@ class Keys:
     def is_binder_owned(self, key: str) -> bool:
         parts = self.split(key)
         return parts is not None and parts[1] in BINDER_SUFFIXES
+
+    def is_admitted_namespace(self, key: str) -> bool:
+        """`<project prefix><container>.mps-namespace`: protected, but the admission webhook's
+        (written once, as the pod is created), not the binder's or the mirror's."""
+        return key.startswith(self.project_prefix) and key.endswith(ADMITTED_MPS_NAMESPACE)
 
     def is_protected(self, key: str) -> bool:
         """Keys only the binder, the mirror or the node agent may write: binder-owned keys,

@@ -8,12 +8,12 @@ the env values and the pinned MPS limit all say the same number.
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 from fractions import Fraction
 
 from . import keys as k
 from .errors import ContractError, ContractViolation
+from .keys import MPS_NAMESPACE_PREFIX
 from .quantity import MIB, mib_ceil
 from .request import ComputeMode, ContainerShare, PodRequest
 
@@ -28,17 +28,9 @@ MAX_PIPE_DIRECTORY = 83
 NO_COMPUTE_CAP = 100
 """The active-thread percentage of an sm-sharing container whose binder wrote no portion."""
 
-MPS_NAMESPACE_PREFIX = "kf_"
-_MPS_NAMESPACE = re.compile(MPS_NAMESPACE_PREFIX + "[0-9a-f]{20}")
-
-
-def is_mps_namespace_name(name: str) -> bool:
-    """True for names `mps_namespace_name` makes: the agent deletes only its own namespaces."""
-    return bool(_MPS_NAMESPACE.fullmatch(name))
-
-
 def mps_namespace_name(pod_identity: str, container: str) -> str:
-    """A v3 namespace name (`[a-z0-9_]+`), stable for one container of one pod.
+    """A v3 namespace name (`[a-z0-9_]+`), stable for one container of one pod: for pods the
+    admission webhook did not name one for (`keys.ADMITTED_MPS_NAMESPACE`).
 
     A hash keeps it short (the pipe directory must fit a unix socket path) whatever the pod UID
     and container name; the node agent reports the mapping back to users.
@@ -153,7 +145,7 @@ def plan_container(
         # without a cap (100%), as on upstream's own node side; its memory is still capped.
         atp = (NO_COMPUTE_CAP if share.compute_portion is None
                else active_thread_percentage(share.compute_portion))
-        namespace = mps_namespace_name(pod_identity, name)
+        namespace = share.mps_namespace or mps_namespace_name(pod_identity, name)
         pipe = f"{mps_pipe_root.rstrip('/')}/{MPS_SERVER}/{namespace}"
         if len(pipe.encode()) > MAX_PIPE_DIRECTORY:
             errors.append(ContractError("mps_pipe_root", f"makes the MPS pipe directory {pipe!r} "

@@ -16,6 +16,7 @@ from functools import lru_cache
 
 from . import keys as k
 from .errors import ContractError
+from .keys import MPS_NAMESPACE_PREFIX, is_mps_namespace_name
 from .numbers import NumberError, after_point, at_most, parse_decimal, parse_positive_int
 from .pod import PodView
 from .quantity import MIB, QuantityError, has_unit, memory_bytes
@@ -68,6 +69,9 @@ class ContainerShare:
     num_devices: int = 1
     source_key: str | None = None
     """The annotation that makes the container fractional (what errors about it name)."""
+    mps_namespace: str | None = None
+    """The MPS namespace the admission webhook named for an sm-sharing container; None for a
+    pod it did not wire (the plan then derives one from the pod UID)."""
 
     @property
     def node_request_bytes(self) -> int | None:
@@ -414,6 +418,8 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
         else:
             _complete(share, limit_portion=portion)
     _check_shares(pod, keys, shares, c)
+    for share in shares.values():
+        _admitted_namespace(pod, keys, share, c)
     if k.LEGACY_COMPUTE_MODE in pod.annotations:
         c.warn(k.LEGACY_COMPUTE_MODE, "is ignored by KAI and by kai_fractions; set "
                f"{keys.prefix}<container>{k.COMPUTE_MODE} instead",
@@ -507,6 +513,20 @@ def _apply_num_devices(pod: PodView, shares: dict[str, ContainerShare], num_devi
             c.error(k.GPU_FRACTION_NUM_DEVICES, f"asks for {num_devices} device(s) but the "
                     f"binder wrote {len(share.devices)}", value, share.container)
         _complete(share, num_devices=num_devices)
+
+
+def _admitted_namespace(pod: PodView, keys: k.Keys, share: ContainerShare,
+                        c: _Collector) -> None:
+    """The webhook's MPS namespace name of an sm-sharing container, when the pod carries one."""
+    key = keys.derived(share.container, k.ADMITTED_MPS_NAMESPACE)
+    value = pod.annotations.get(key)
+    if value is None or share.compute_mode is not ComputeMode.SM_SHARING:
+        return  # a time-slicing container has no namespace: the key changes nothing there
+    if is_mps_namespace_name(value):
+        _complete(share, mps_namespace=value)
+    else:
+        c.error(key, f"must be {MPS_NAMESPACE_PREFIX} and 20 lowercase hex digits, as the "
+                "admission webhook names an MPS namespace", value, share.container)
 
 
 def _complete(share: ContainerShare, **fields: object) -> ContainerShare:

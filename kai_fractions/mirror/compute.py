@@ -69,8 +69,10 @@ def current_record(pod: PodSnapshot) -> MirrorRecord | None:
 
 
 def is_mirror_managed(key: str, keys: Keys) -> bool:
-    """Keys only the binder role writes: always recomputed, never taken as the user's."""
-    return key == k.RECEIVED_RESOURCE_TYPE or keys.is_protected(key)  # protected: the record too
+    """Keys only the binder role writes: always recomputed, never taken as the user's. The
+    MPS namespace the admission webhook named is not one: it stays, and the plan reads it."""
+    return key == k.RECEIVED_RESOURCE_TYPE or (  # protected: the record too
+        keys.is_protected(key) and not keys.is_admitted_namespace(key))
 
 
 def user_view(pod: PodSnapshot, keys: Keys) -> PodView:

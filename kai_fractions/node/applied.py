@@ -22,6 +22,7 @@ from ..contract import (
     ContainerPlan,
     Keys,
     PodView,
+    is_mps_namespace_name,
     mps_namespace_name,
 )
 from ..contract import keys as k
@@ -61,7 +62,8 @@ def recorded_plan(view: PodView, container: str, keys: Keys) -> ContainerPlan | 
                 or len(pipe.encode()) > MAX_PIPE_DIRECTORY:
             return None
         mode = ComputeMode.SM_SHARING
-        namespace = mps_namespace_name(view.uid, container)
+        namespace = admitted_namespace(view, container, keys) or mps_namespace_name(
+            view.uid, container)
     plan = ContainerPlan(
         pod_identity=view.uid, container=container, devices_value=devices,
         device_uuids=tuple(i.removeprefix(k.CDI_DEVICE_PREFIX) for i in items),
@@ -69,6 +71,13 @@ def recorded_plan(view: PodView, container: str, keys: Keys) -> ContainerPlan | 
         active_thread_percentage=atp, mps_namespace=namespace,
         mps_pipe_directory=pipe if mode is ComputeMode.SM_SHARING else None)
     return plan if plan.digest == digest else None
+
+
+def admitted_namespace(view: PodView, container: str, keys: Keys) -> str | None:
+    """The MPS namespace the admission webhook named for `container`, when well-formed (the
+    plan digest then decides whether it is the one applied)."""
+    name = view.annotations.get(keys.derived(container, k.ADMITTED_MPS_NAMESPACE))
+    return name if name is not None and is_mps_namespace_name(name) else None
 
 
 def has_recorded_plans(view: PodView, keys: Keys) -> bool:

@@ -54,6 +54,7 @@ class RefusalReason(StrEnum):
     SM_SHARING_DISABLED = "SmSharingDisabled"
     MEMORY_LIMITS_UNSUPPORTED = "MemoryLimitsUnsupported"
     MIG_NOT_SUPPORTED = "MigNotSupported"
+    MPS_NAMESPACE_TAKEN = "MpsNamespaceTaken"
     PLAN_CHANGE_REFUSED = "PlanChangeRefused"
     """The only refusal of a container that stays applied: its new plan is refused, the plan
     it runs with stays in force."""
@@ -440,6 +441,7 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
     modes: dict[str, tuple[ComputeMode, str]] = {}  # gpu -> (mode, first container's ref)
     requested: dict[str, int] = {}
     members: dict[str, list[ContainerKey]] = {}
+    namespaces: dict[str, str] = {}  # MPS namespace -> the ref of the container it is for
     for c in candidates:
         pod, plan = c.pod, c.plan
         ref = f"{pod.view.namespace}/{pod.view.name}/{plan.container}"
@@ -452,6 +454,8 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
             refusal = paths
         if refusal is None:
             refusal = _sharing_refusal(c, inventory, modes, requested)
+        if refusal is None:
+            refusal = _namespace_refusal(c, namespaces, config.keys)
         if refusal is not None:
             changes.pop(refusal.key, None)  # an applied plan that cannot be kept: this says why
             refusals.append(refusal)
@@ -462,6 +466,8 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
             modes.setdefault(uuid, (plan.compute_mode, ref))
             requested[uuid] = requested.get(uuid, 0) + plan.request_bytes
             members.setdefault(uuid, []).append(key)
+        if plan.mps_namespace:
+            namespaces[plan.mps_namespace] = ref
         sm = plan.compute_mode is ComputeMode.SM_SHARING
         if not sm:
             compute = ComputeEnforcement.TIME_SLICING
@@ -488,6 +494,22 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
         pod_uids=frozenset(p.uid for p in live if p.uid),
         limits=_pod_limits(accepted) + tuple(t for c in accepted for t in c.limits),
     )
+
+
+def _namespace_refusal(c: _Candidate, namespaces: Mapping[str, str],
+                       keys: k.Keys) -> Refusal | None:
+    """A second container naming an MPS namespace already planned for another: the webhook
+    names a fresh one per pod, so this is a copied annotation, and sharing it would hand the
+    newcomer the first one's pipe directory and compute cap. What runs keeps it (it is placed
+    first)."""
+    name = c.plan.mps_namespace
+    if not name or name not in namespaces:
+        return None
+    key = keys.derived(c.plan.container, k.ADMITTED_MPS_NAMESPACE)
+    return _refuse(c.pod, c.plan.container, RefusalReason.MPS_NAMESPACE_TAKEN,
+                   f"MPS namespace {name} is already {namespaces[name]}'s; a pod may not name "
+                   f"another's namespace ({key}): recreate the pod so the admission webhook "
+                   "names one of its own")
 
 
 def _sharing_refusal(c: _Candidate, inventory: Inventory,

@@ -239,11 +239,11 @@ class Engine:
                     self._clean.add((uuid, path))
                 except NvmlError as e:
                     issues.append(_issue(e))
-        if container is not None:
-            names = [mps_namespace_name(pod_uid, container)]
-        else:
-            names = [c.mps_namespace for c in mine if c.mps_namespace]
-            names += [mps_namespace_name(pod_uid, n) for n in container_names]
+        # What this engine applied (the webhook's names among them), and the names derived from
+        # the pod UID; an admitted name it never applied is left to the next apply's sweep.
+        names = [c.mps_namespace for c in mine if c.mps_namespace]
+        names += [mps_namespace_name(pod_uid, n)
+                  for n in ([container] if container is not None else container_names)]
         if self.mps is not None and names:
             try:
                 existing = set(self.mps.namespace_list()) if _has_namespaces(self.mps) else set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from typing import Any
 
 import jsonpatch
@@ -15,9 +16,14 @@ from kai_fractions.contract import Keys
 
 from .reviews import CONFIG, SM, TS, pod, request
 
+NS = "kf_" + "ab" * 10
+"""The MPS namespace name `apply` has the webhook give (it draws a random one)."""
+OWN_MOUNT = {"name": "kai-fractions-mps", "mountPath": f"/run/kai-fractions/mps/shared/{NS}",
+             "subPath": NS}
+
 
 def apply(obj: dict[str, Any], config: AdmissionConfig = CONFIG) -> dict[str, Any]:
-    decision = mutate(request(obj), config)
+    decision = mutate(request(obj), config, new_namespace=lambda: NS)
     assert decision.allowed, decision.message
     return jsonpatch.apply_patch(copy.deepcopy(obj), list(decision.patch))
 
@@ -93,8 +99,7 @@ def test_a_fractional_init_container_is_wired_and_the_gate_still_runs_first() ->
     assert gate["command"][-4:] == ["--containers", "main", "--init-containers", "warmup"]
     assert warmup["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == (
         "metadata.annotations['nvidia.com/container.warmup.gpus.devices']")
-    assert warmup["volumeMounts"] == [{"name": "kai-fractions-mps",
-                                       "mountPath": "/run/kai-fractions/mps/shared"}]
+    assert warmup["volumeMounts"] == [OWN_MOUNT]
 
 
 def test_reserved_names_the_pod_brought_are_replaced() -> None:
@@ -111,7 +116,7 @@ def test_reserved_names_the_pod_brought_are_replaced() -> None:
     assert names(out["spec"]["volumes"]) == ["kai-fractions-marker", "kai-fractions-podinfo",
                                              "kai-fractions-mps"]
     assert out["spec"]["containers"][0]["volumeMounts"] == [
-        {"name": "kai-fractions-mps", "mountPath": "/run/kai-fractions/mps/shared"}]
+        OWN_MOUNT]
 
 
 def with_api_server_defaults(obj: dict[str, Any]) -> dict[str, Any]:
@@ -180,3 +185,45 @@ def test_a_runtime_class_that_cannot_be_one_is_refused() -> None:
     with pytest.raises(ValueError, match="runtime_class: 'NVIDIA runtime' is not a "
                                          "RuntimeClass name"):
         AdmissionConfig(gate_image="img", runtime_class="NVIDIA runtime")
+
+
+# -- the container's own MPS namespace --------------------------------------------------------
+
+NS_KEY = "kai-fractions.io/container.main.mps-namespace"
+
+
+def test_an_sm_sharing_container_gets_a_namespace_of_its_own_and_mounts_only_it() -> None:
+    """The pod has no UID yet, so the webhook names the namespace (random) and mounts only
+    that directory of the MPS server's; the contract's CUDA_MPS_PIPE_DIRECTORY names it."""
+    out = apply(pod(SM))
+    assert out["metadata"]["annotations"][NS_KEY] == NS
+    assert out["spec"]["containers"][0]["volumeMounts"] == [OWN_MOUNT]
+    assert mutate(request(out), CONFIG, new_namespace=lambda: "kf_" + "cd" * 10).patch == ()
+
+
+def test_each_pod_gets_a_different_namespace() -> None:
+    names = {mutate(request(pod(SM)), CONFIG).patch[-1]["value"] for _ in range(20)}
+    assert len(names) == 20
+    assert all(re.fullmatch("kf_[0-9a-f]{20}", n) for n in names)
+
+
+def test_a_namespace_the_pod_already_names_is_kept() -> None:
+    """The webhook may run again on its own output (reinvocation); a name a user wrote is
+    theirs, and the node agent refuses it if another container already has it."""
+    mine = "kf_" + "12" * 10
+    out = apply(pod({**SM, NS_KEY: mine}))
+    assert out["metadata"]["annotations"][NS_KEY] == mine
+    assert out["spec"]["containers"][0]["volumeMounts"][0]["subPath"] == mine
+
+
+def test_a_malformed_namespace_is_refused_with_the_rule() -> None:
+    d = mutate(request(pod({**SM, NS_KEY: "../legacy"})), CONFIG)
+    assert (d.allowed, d.message) == (False, (
+        "kai-fractions.io/container.main.mps-namespace: must be kf_ and 20 lowercase hex "
+        "digits, as the admission webhook names an MPS namespace (got '../legacy')"))
+
+
+def test_a_time_slicing_container_gets_no_namespace() -> None:
+    out = apply(pod(TS))
+    assert NS_KEY not in out["metadata"]["annotations"]
+    assert "volumeMounts" not in out["spec"]["containers"][0]

@@ -284,3 +284,75 @@ def test_a_malformed_object_is_a_bad_request_not_a_crash() -> None:
 
 def test_other_kinds_pass() -> None:
     assert validate(request({"kind": "ConfigMap"}, kind="ConfigMap"), CONFIG).allowed
+
+
+# -- the container's own MPS namespace --------------------------------------------------------
+
+NS_KEY = "kai-fractions.io/container.main.mps-namespace"
+
+
+def own_mount(obj: dict[str, Any]) -> dict[str, Any]:
+    return next(m for m in obj["spec"]["containers"][0]["volumeMounts"]
+                if m["name"] == "kai-fractions-mps")
+
+
+def test_the_creator_may_bring_the_namespace_the_mutating_webhook_named() -> None:
+    """The webhook writes the protected key on the creator's behalf, at CREATE only."""
+    obj = mutated(pod(SM))
+    assert validate(request(obj), CONFIG).allowed
+    later = copy.deepcopy(obj)
+    later["metadata"]["annotations"][NS_KEY] = "kf_" + "ee" * 10
+    d = validate(request(later, old=obj), CONFIG)
+    assert d.message.startswith(f"{NS_KEY}: is a protected key: only ")
+    assert "may change it, not alice; " in d.message  # and the mount no longer matches it
+
+
+def test_the_namespace_key_stays_protected_on_a_time_slicing_pod() -> None:
+    """It names nothing there, so nothing wrote it on the creator's behalf."""
+    obj = mutated(pod({**TS, NS_KEY: "kf_" + "ee" * 10}))
+    d = validate(request(obj), CONFIG)
+    assert d.message.startswith(f"{NS_KEY}: is a protected key: only ")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("subPath", None),  # the whole server directory: every namespace of the node
+    ("subPath", "kf_" + "ee" * 10),  # another namespace
+    ("subPath", "legacy"),  # a legacy daemon's own directory
+    ("mountPath", "/run/kai-fractions/mps/shared"),
+    ("subPathExpr", "$(NS)"),
+])
+def test_a_new_sm_sharing_pod_mounts_only_its_own_namespace(field: str, value: Any) -> None:
+    obj = mutated(pod(SM))
+    mount = own_mount(obj)
+    ns = mount["subPath"]
+    if value is None:
+        del mount[field]
+    else:
+        mount[field] = value
+    d = validate(request(obj), CONFIG)
+    assert d.message == (
+        "spec.containers[0].volumeMounts[0]: must mount only the container's own MPS "
+        f"namespace, exactly {{'name': 'kai-fractions-mps', 'mountPath': "
+        f"'/run/kai-fractions/mps/shared/{ns}', 'subPath': '{ns}'}}")
+
+
+def test_an_sm_sharing_pod_the_mutating_webhook_did_not_name_is_refused() -> None:
+    obj = mutated(pod(SM))
+    del obj["metadata"]["annotations"][NS_KEY]
+    d = validate(request(obj), CONFIG)
+    assert d.message == (
+        "spec.containers[0].volumeMounts[0]: the container has no MPS namespace of its own "
+        f"({NS_KEY} is missing; the mutating webhook names one when the pod is created)")
+
+
+def test_a_pod_wired_to_the_whole_server_directory_before_can_still_be_updated() -> None:
+    """Pods admitted by an older webhook keep their mount of every namespace (and the agent
+    keeps their UID-derived namespace) until they are recreated."""
+    obj = mutated(pod(SM))
+    del obj["metadata"]["annotations"][NS_KEY]
+    mount = own_mount(obj)
+    del mount["subPath"]
+    mount["mountPath"] = "/run/kai-fractions/mps/shared"
+    relabelled = copy.deepcopy(obj)
+    relabelled["metadata"].setdefault("labels", {})["team"] = "b"
+    assert validate(request(relabelled, old=obj), CONFIG).allowed

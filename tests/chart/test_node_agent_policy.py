@@ -101,8 +101,8 @@ def condition(obj: dict, kind: str) -> dict:
 
 
 POD_DENIED = ("the node agent may add, change or remove only its derived annotations "
-              "kai-fractions.io/container.<container>.* on pods (not .signature, not any other "
-              "key)")
+              "kai-fractions.io/container.<container>.* on pods (not .signature or "
+              ".mps-namespace, not any other key)")
 POD_FIELDS = ("the node agent may change only annotations on pods, never their spec, labels, "
               "owner references or finalizers")
 STATUS_ONLY = ("the node agent may update only its Node's status (nodes/status): "
@@ -199,6 +199,7 @@ def test_the_agent_may_write_its_derived_annotations_on_its_pods():
 
 @pytest.mark.parametrize("key", [
     "kai-fractions.io/container.main.signature",  # only the mirror signs
+    "kai-fractions.io/container.main.mps-namespace",  # the admission webhook names it
     k.MIRRORED_RECORD,  # the mirror's record
     "nvidia.com/container.main.gpu-memory.request",  # binder-owned / user keys
     "nvidia.com/container.main.gpus.devices",

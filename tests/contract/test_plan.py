@@ -81,6 +81,36 @@ def test_mps_namespace_is_a_short_stable_name() -> None:
     assert a.mps_namespace == a.mps_namespace.lower()
 
 
+NS = "kai-fractions.io/container.main.mps-namespace"
+
+
+def test_the_namespace_the_admission_webhook_named_wins_over_the_uid() -> None:
+    """The webhook names it at CREATE (the pod has no UID then) and mounts only that
+    directory; every plan of the pod (mirror, agent, gate) must name the same one."""
+    plan, merged = planned({"gpu-fraction": "0.5", MODE: "sm-sharing", NS: "kf_" + "5a" * 10},
+                           uid="uid-1")
+    assert plan.mps_namespace == "kf_" + "5a" * 10
+    assert plan.env["CUDA_MPS_PIPE_DIRECTORY"] == (
+        "/run/kai-fractions/mps/shared/kf_5a5a5a5a5a5a5a5a5a5a")
+    other, _ = planned({"gpu-fraction": "0.5", MODE: "sm-sharing"}, uid="uid-1")
+    assert other.digest != plan.digest
+    assert merged[NS] == "kf_" + "5a" * 10  # the binder and the plan leave it alone
+
+
+@pytest.mark.parametrize("value", ["", "kf_5A5A5A5A5A5A5A5A5A5A", "kf_5a", "../legacy",
+                                   "kf_" + "5a" * 10 + "\n"])
+def test_a_malformed_admitted_namespace_is_a_contract_error(value: str) -> None:
+    parsed = parse_pod(pod({"gpu-fraction": "0.5", MODE: "sm-sharing", NS: value}))
+    assert [(e.key, e.rule) for e in parsed.errors] == [(NS, (
+        "must be kf_ and 20 lowercase hex digits, as the admission webhook names an MPS "
+        "namespace"))]
+
+
+def test_an_admitted_namespace_on_a_time_slicing_container_changes_nothing() -> None:
+    plan, _ = planned({"gpu-fraction": "0.5", NS: "kf_" + "5a" * 10})
+    assert plan.mps_namespace is None and "CUDA_MPS_PIPE_DIRECTORY" not in plan.env
+
+
 @pytest.mark.parametrize(
     ("portion", "atp"),
     [("0.001", 1), ("0.004", 1), ("0.005", 1), ("0.006", 1), ("0.01", 1), ("0.014", 1),

@@ -12,19 +12,25 @@ from pathlib import Path
 import pytest
 
 from kai_fractions.demo.config import config_from_dict
+from kai_fractions.demo.kubelet import container_env
 from kai_fractions.demo.scenario import Scenario
 from kai_fractions.demo.session import DemoSession
 
 from .expected import PLACEMENT, expected_rows, parse_tables, row_cells
 
 
-def run(config_data: dict) -> tuple[str, list[str], DemoSession]:
+def run(config_data: dict, seen: list | None = None) -> tuple[str, list[str], DemoSession]:
+    """`seen` gets the pods and the simulated MPS daemon's namespaces as the story ends."""
     session = DemoSession(config_from_dict(config_data))
     out = io.StringIO()
     progress: list[str] = []
     try:
         session.start()
         Scenario(session, out, progress.append).run()
+        if seen is not None:
+            pods = session.core.list_pod_for_all_namespaces()
+            seen += [session.api_client.sanitize_for_serialization(pods)["items"],
+                     set(session.mps.namespaces)]
     finally:
         session.stop()
     return out.getvalue(), progress, session
@@ -33,12 +39,13 @@ def run(config_data: dict) -> tuple[str, list[str], DemoSession]:
 @pytest.fixture(scope="module")
 def default_run():
     before = set(threading.enumerate())
-    out, progress, session = run({})
-    return out, progress, session, before
+    seen: list = []
+    out, progress, session = run({}, seen)
+    return out, progress, session, before, seen
 
 
 def test_nothing_keeps_running_after_stop(default_run):
-    _, _, session, before = default_run
+    _, _, session, before, _ = default_run
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
@@ -47,6 +54,24 @@ def test_nothing_keeps_running_after_stop(default_run):
         time.sleep(0.05)
     assert [t.name for t in left if not t.daemon] == []
     assert not session.workdir.exists()
+
+
+def test_the_sm_sharing_container_mounts_exactly_the_namespace_it_is_given(default_run):
+    """Webhook, mirror and agent agree: the namespace the webhook named as the pod was created
+    is the one the agent made on the MPS daemon, the container's only MPS mount, and where its
+    CUDA_MPS_PIPE_DIRECTORY points."""
+    pods, namespaces = default_run[4]
+    mounted = [(p, c, m) for p in pods for c in p["spec"]["containers"]
+               for m in c.get("volumeMounts") or [] if m["name"] == "kai-fractions-mps"]
+    assert mounted  # the story has an sm-sharing container
+    for pod, container, mount in mounted:
+        name = pod["metadata"]["annotations"][
+            f"kai-fractions.io/container.{container['name']}.mps-namespace"]
+        env = container_env(pod, container["name"])
+        assert mount == {"name": "kai-fractions-mps", "subPath": name,
+                         "mountPath": f"/run/kai-fractions/mps/shared/{name}"}
+        assert env["CUDA_MPS_PIPE_DIRECTORY"] == mount["mountPath"]
+        assert name in namespaces
 
 
 def _normalized(text: str) -> str:

@@ -50,6 +50,14 @@ CASES = {
          f"{D}.memory-request-mib": "20480", f"{D}.memory-limit-mib": "20480",
          f"{D}.mps-pinned-mem-limit": "0=20480M", f"{D}.mps-active-thread-percentage": "100",
          f"{D}.mps-pipe-directory": "/run/kai-fractions/mps/shared/<ns>"}),
+    "sm-sharing-admitted": (  # the namespace our admission webhook named when it was created
+        {"gpu-fraction": "0.5", f"{T}.gpu-compute.mode": "sm-sharing",
+         f"{D}.mps-namespace": "kf_" + "5a" * 10}, ("trainer",), {"modes": (SM,)},
+        {f"{T}.gpu-memory.request": "20Gi", f"{T}.gpus.devices": GPU_A,
+         "received-resource-type": "Fraction",
+         f"{D}.memory-request-mib": "20480", f"{D}.memory-limit-mib": "20480",
+         f"{D}.mps-pinned-mem-limit": "0=20480M", f"{D}.mps-active-thread-percentage": "100",
+         f"{D}.mps-pipe-directory": "/run/kai-fractions/mps/shared/kf_" + "5a" * 10}),
     "sm-sharing-patched": (  # the patched KAI: the MPS reserve and the compute portion
         {"gpu-fraction": "0.5", f"{T}.gpu-compute.mode": "sm-sharing"}, ("trainer",),
         {"modes": (SM,), "reserve": 1024, "dialect": Dialect.PATCHED},
@@ -99,10 +107,11 @@ CASES = {
 
 
 def owned_annotations(expected: dict[str, str], pod: dict) -> dict[str, str]:
-    """The case's literal values plus the two that hang on the pod's random uid."""
+    """The case's literal values plus the two that hang on the pod's random uid (the pipe
+    directory only when no admitted namespace names it)."""
     out = dict(expected)
     pipe = f"{D}.mps-pipe-directory"
-    if pipe in out:
+    if pipe in out and f"{D}.mps-namespace" not in pod["metadata"]["annotations"]:
         out[pipe] = "/run/kai-fractions/mps/shared/" + mps_namespace_name(
             pod["metadata"]["uid"], "trainer")
     out[f"{D}.plan-digest"] = node_plan(pod).digest

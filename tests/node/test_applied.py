@@ -59,6 +59,20 @@ def test_the_derived_annotations_rebuild_the_plan_exactly() -> None:
         assert applied_plans(pod.view, marker(UID_A, plan.digest), CONFIG.keys) == {"main": plan}
 
 
+def test_the_namespace_the_webhook_named_is_read_back_and_cannot_be_swapped() -> None:
+    ns_key = "kai-fractions.io/container.main.mps-namespace"
+    admitted = "kf_" + "5a" * 10
+    pod = node_pod(UID_A, notes={**annotations(mode="sm-sharing"), ns_key: admitted})
+    (plan,) = plan_pod(parse_pod(pod.view))
+    assert plan.mps_namespace == admitted
+    notes = {**pod.view.annotations, **derived_annotations(plan)}
+    assert recorded_plan(node_pod(UID_A, notes=notes).view, "main", CONFIG.keys) == plan
+    # Another name after the apply (the validating webhook refuses the edit; the digest too)
+    for other in ("kf_" + "ee" * 10, "not-a-name"):
+        view = edited(UID_A, notes, **{ns_key: other}).view
+        assert recorded_plan(view, "main", CONFIG.keys) is None
+
+
 def test_a_plan_that_does_not_match_its_digest_or_the_marker_is_not_trusted() -> None:
     pod, notes = applied_pod()
     (plan,) = plan_pod(parse_pod(pod.view))

@@ -329,3 +329,33 @@ def test_watchdog_containers_for_the_watchdog() -> None:
     # without the watchdog mechanism a container is observed (its usage), never capped
     (c,) = plan(node_pod(), config=NodeConfig(memory_enforcement="cgroup")).watchdog_containers()
     assert (c.pod_uid, c.container_name, dict(c.caps)) == (UID_A, "main", {})
+
+
+NS_KEY = "kai-fractions.io/container.main.mps-namespace"
+ADMITTED = "kf_" + "5a" * 10
+
+
+def test_the_namespace_the_webhook_named_is_the_one_planned() -> None:
+    state = plan(node_pod(notes={**annotations(mode="sm-sharing"), NS_KEY: ADMITTED}))
+    (c,) = state.containers
+    assert c.mps_namespace == ADMITTED
+    assert c.plan.mps_pipe_directory == f"/run/kai-fractions/mps/shared/{ADMITTED}"
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_second_container_naming_a_taken_namespace_is_refused(reverse: bool) -> None:
+    """A copied annotation: sharing the namespace would hand the newcomer the first one's
+    pipe directory and compute cap."""
+    old = node_pod(UID_A, name="old", notes={**annotations(mode="sm-sharing"), NS_KEY: ADMITTED},
+                   created="2025-01-01T00:00:00Z")
+    new = node_pod(UID_B, name="new", notes={
+        **annotations(mode="sm-sharing", request="1Gi", limit="1Gi"), NS_KEY: ADMITTED},
+        created="2025-01-02T00:00:00Z", container_ids={"main": CID_B})
+    state = plan(*([new, old] if reverse else [old, new]))
+    assert [c.key.pod_uid for c in state.containers] == [UID_A]
+    (r,) = state.refusals
+    assert (r.key, r.reason) == (ContainerKey(UID_B, "main"), RefusalReason.MPS_NAMESPACE_TAKEN)
+    assert r.message == (
+        f"MPS namespace {ADMITTED} is already default/old/main's; a pod may not name another's "
+        f"namespace ({NS_KEY}): recreate the pod so the admission webhook names one of its own")
+    assert_nothing_for(state, UID_B)

@@ -241,6 +241,19 @@ def test_release_clears_limits_and_deletes_the_namespace(node: Node) -> None:
     assert again.cleared == () and again.namespaces_deleted == ()
 
 
+def test_the_namespace_the_webhook_named_is_created_and_released_by_container(
+        node: Node) -> None:
+    admitted = "kf_" + "5a" * 10
+    pod = sm_pod(notes={**annotations(mode="sm-sharing", portion="0.25"),
+                        "kai-fractions.io/container.main.mps-namespace": admitted})
+    node.apply(pod)
+    assert set(node.mps.namespaces) == {admitted}
+    assert node.mps.namespaces[admitted].active_thread_percentage == 25
+    report = node.engine.release(UID_A, "main")
+    assert report.namespaces_deleted == (admitted,) and report.complete
+    assert node.mps.namespaces == {}
+
+
 def test_release_one_container_keeps_the_pod_slice_of_other_fractional_containers(
         node: Node) -> None:
     node.apply(ts_pod())

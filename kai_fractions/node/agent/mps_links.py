@@ -2,10 +2,11 @@
 
 The contract gives every sm-sharing container `CUDA_MPS_PIPE_DIRECTORY=<root>/shared/<namespace>`
 (the mirror and the gate compute the same value, whatever the node's driver), and the container
-mounts `<root>/shared` only. A legacy daemon has one pipe directory, which the supervisor puts in
-`<root>/shared/legacy` (`mps.daemon.legacy_pipe_dir`). So the agent makes
-`<root>/shared/<namespace>` a RELATIVE symlink to `legacy` (its sibling): it resolves to the
-daemon's directory on the host and equally inside the container's mount (an absolute target would
+mounts that directory (a subPath the kubelet resolves; pods wired before mount `<root>/shared`).
+A legacy daemon has one pipe directory, which the supervisor puts in `<root>/shared/legacy`
+(`mps.daemon.legacy_pipe_dir`). So the agent makes `<root>/shared/<namespace>` a RELATIVE
+symlink to `legacy` (its sibling): it resolves to the daemon's directory on the host, for the
+kubelet's subPath, and equally inside a whole-directory mount (an absolute target would
 name a host path the container does not have). Released with the pod.
 
 What this does NOT give: a per-container compute cap the daemon enforces. The active-thread
