@@ -57,6 +57,11 @@ def register(sub) -> None:
                    help="the MPS pipe directory on the host (default: %(default)s)")
     p.add_argument("--mps-log-dir", default="/var/log/kai-fractions/mps", metavar="DIR",
                    help="(default: %(default)s)")
+    p.add_argument("--mps-drain-before-kill", type=float, default=3.0, metavar="SECONDS",
+                   help="drain a deleted sm-sharing pod's MPS clients (client terminate) this "
+                   "long before its grace period ends, so the kubelet's SIGKILL does not stop "
+                   "them in the middle of a kernel (which can wedge the GPU's MPS server for "
+                   "every tenant); 0 turns it off (default: %(default)g)")
     p.add_argument("--memory-enforcement", default="cgroup,mps-pinned,watchdog", metavar="LIST",
                    help="comma-separated subset of cgroup,mps-pinned,watchdog (default: "
                    "%(default)s)")
@@ -135,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--annotation-prefix: {e}")
     if not args.first_list_jitter >= 0:
         return _fail(f"--first-list-jitter must be 0 or more seconds, got {args.first_list_jitter}")
+    if not 0 <= args.mps_drain_before_kill < float("inf"):
+        return _fail("--mps-drain-before-kill must be 0 or more seconds, got "
+                     f"{args.mps_drain_before_kill}")
     if not args.condition_name.strip():
         return _fail("--condition-name must not be empty")
     try:
@@ -156,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         resync_seconds=args.resync_seconds,
         first_list_jitter_seconds=args.first_list_jitter,
         list_from_watch_cache=args.list_from_watch_cache,
+        mps_drain_before_kill_seconds=args.mps_drain_before_kill,
         signing_key_files=tuple(args.signing_key_file))
     if options.signing_key_files:
         from ..signing import KeyringSource, SigningConfigError

@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import time
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -15,7 +17,7 @@ import pytest
 
 from kai_fractions.api.v1 import allocation_pb2, node_pb2, node_pb2_grpc
 
-from .builders import GIB, Rig, binder_annotations, pod, wait_for
+from .builders import GIB, Rig, binder_annotations, leaf_of, pod, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -141,6 +143,49 @@ def test_provision_release_and_drain_through_the_socket(running: Rig) -> None:
     assert not rig.marker_path(DIRECT_UID).parent.exists()
     state = s.GetNodeState(node_pb2.GetNodeStateRequest(), timeout=5)
     assert [a.pod.uid for a in state.allocations] == []
+
+
+def test_a_deleted_sm_sharing_pod_is_drained_before_its_grace_period_ends(
+        running: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/node-agent.md, "Stopping an sm-sharing pod": the watch shows the pod's
+    deletionTimestamp; its MPS client is drained 3 s (the default margin) before it, not at
+    once, and the process is left to the kubelet."""
+    rig = running
+    uid = rig.add(pod(notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing")))[
+        "metadata"]["uid"]
+    wait_for(lambda: applied(rig, uid), what="applied")
+    (namespace,) = rig.mps.control.namespaces
+    rig.proc_entry(4242, leaf_of(uid)[len("/sys/fs/cgroup"):])
+    rig.nvml.add_process(4242, rig.gpu0, GIB)
+    rig.mps.control.attach_client(4242, namespace)
+    drained_at = []
+    terminate = rig.mps.control.client_terminate
+    monkeypatch.setattr(rig.mps.control, "client_terminate",
+                        lambda pid: (drained_at.append(time.time()), terminate(pid))[1])
+
+    deadline = int(time.time()) + 5  # the API server writes whole seconds
+    meta = rig.cluster.pods[uid]["metadata"]
+    rig.cluster.update_pod(uid, metadata={
+        **meta, "deletionGracePeriodSeconds": 5,
+        "deletionTimestamp": datetime.fromtimestamp(deadline, UTC).strftime(
+            "%Y-%m-%dT%H:%M:%SZ")})
+    wait_for(lambda: rig.mps.control.terminated == [4242], timeout=10, what="the drain")
+    (when,) = drained_at
+    assert deadline - 3 - 0.5 <= when < deadline  # not at SIGTERM, before the SIGKILL
+    assert rig.killer.calls == []  # the process itself is the kubelet's to stop
+    reg = rig.agent.metrics.registry
+    assert [reg.get_sample_value("kai_fractions_agent_mps_drains_total", {"result": r})
+            for r in ("drained", "nothing", "failed")] == [1, 0, 0]
+    assert 'kai_fractions_agent_mps_drains_total{result="drained"} 1.0' in scrape(rig)
+    assert rig.cluster.event_reasons(uid) == ["Applied", "MpsClientsDrained"]
+    assert rig.cluster.events[-1]["type"] == "Normal"
+    assert rig.cluster.events[-1]["message"].endswith("pids 4242")
+
+    drains = rig.agent.worker.drains
+    assert drains is not None and uid in drains.done
+    rig.cluster.delete_pod(uid)
+    wait_for(lambda: uid not in drains.done, what="the pod forgotten")
+    assert rig.mps.control.terminated == [4242]  # drained once
 
 
 def test_bad_calls_get_a_status_not_a_trace(running: Rig) -> None:

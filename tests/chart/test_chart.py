@@ -294,6 +294,7 @@ def test_node_agent_daemonset_defaults():
         "--marker-dir=/var/lib/kai-fractions/markers", "--cgroup-root=/sys/fs/cgroup",
         "--cgroup-driver=systemd", "--proc-root=/host/proc", "--no-sm-sharing",
         "--mps-pipe-dir=/run/kai-fractions/mps", "--mps-log-dir=/var/log/kai-fractions/mps",
+        "--mps-drain-before-kill=3",
         # mps-pinned is dropped without MPS: it applies to MPS clients only
         "--memory-enforcement=cgroup,watchdog", "--watchdog-policy=report",
         "--watchdog-interval=1", "--metrics-listen=0.0.0.0:9400",
@@ -331,6 +332,18 @@ def test_node_agent_lists_from_the_watch_cache_when_asked():
     assert "--list-from-watch-cache" in args and "--first-list-jitter=5" in args
     default = container(one(render(), "DaemonSet", AGENT), "node-agent")["args"]
     assert "--list-from-watch-cache" not in default
+
+
+def test_node_agent_drains_mps_clients_before_the_kill_as_the_values_say():
+    """docs/node-agent.md, "Stopping an sm-sharing pod": the margin reaches the agent."""
+    args = container(one(render(SM_SHARING, sets=("nodeAgent.mpsDrainBeforeKillSeconds=7",)),
+                         "DaemonSet", AGENT), "node-agent")["args"]
+    assert "--mps-drain-before-kill=7" in args and "--sm-sharing" in args
+    off = container(one(render(SM_SHARING, sets=("nodeAgent.mpsDrainBeforeKillSeconds=0",)),
+                        "DaemonSet", AGENT), "node-agent")["args"]
+    assert "--mps-drain-before-kill=0" in off
+    err = template_error("nodeAgent.mpsDrainBeforeKillSeconds=-1")
+    assert "/nodeAgent/mpsDrainBeforeKillSeconds" in err and "minimum" in err
 
 
 def test_node_agent_with_mps():

@@ -4,8 +4,10 @@ Reasons: `Applied` (limits in force, marker written), `Refused` (a final refusal
 written), `SignatureMissing` (waiting for the allocation's signature, no marker yet),
 `LimitViolation` (the watchdog in report mode saw a container above its cap; once per
 episode: again only after the usage went back under the cap), `LimitEnforced` (kill mode:
-the watchdog drained and stopped a process) and `PlanChangeRefused` (a running container's
-annotations changed: the new plan is refused, the applied one stays in force). The
+the watchdog drained and stopped a process), `PlanChangeRefused` (a running container's
+annotations changed: the new plan is refused, the applied one stays in force), and
+`MpsClientsDrained` / the Warning `MpsDrainFailed` (an sm-sharing pod being deleted was
+drained from MPS before the kubelet's SIGKILL, or could not be: `drain_before_kill`). The
 de-duplication key says what "the same event" is; an event the API did not take is kept and
 sent again by `flush()` (every pass), at most `MAX_BACKLOG` of them (events are information,
 not state: the oldest are dropped first).
@@ -34,6 +36,8 @@ LIMIT_VIOLATION = "LimitViolation"
 SIGNATURE_MISSING = Reason.MISSING.value
 LIMIT_ENFORCED = "LimitEnforced"
 PLAN_CHANGE_REFUSED = "PlanChangeRefused"
+MPS_CLIENTS_DRAINED = "MpsClientsDrained"
+MPS_DRAIN_FAILED = "MpsDrainFailed"
 NORMAL = "Normal"
 WARNING = "Warning"
 MAX_BACKLOG = 200

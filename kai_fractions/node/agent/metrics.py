@@ -7,7 +7,8 @@ Two families of names:
   `container` label would split a pod's series, and the normalized value does not add up.
 - `kai_fractions_*`: what upstream has no word for, per container (the labels above plus
   `node` and `container`) and per node (`node`): requested, capped and used memory, SM use and
-  share, limit violations, refusals, GPU memory, node readiness and the agent's own health.
+  share, limit violations, refusals, GPU memory, node readiness and the agent's own health
+  (passes, MPS daemon restarts and drains, API requests).
 
 Every series of a container (and of its pod) goes when it leaves the node's desired state, so
 a deleted pod leaves no stale series behind; a known container with no usage reads 0.
@@ -161,6 +162,13 @@ class AgentMetrics:
         self.mps_restarts = Counter("kai_fractions_mps_daemon_restarts",
                                     "Restarts of the MPS control daemon by the agent.",
                                     registry=r)
+        self.mps_drains = Counter(
+            "kai_fractions_agent_mps_drains", "Drains of a deleted sm-sharing pod's MPS clients "
+            "before the kubelet's SIGKILL, by result: drained (pids terminated), nothing (no "
+            "client of the pod found), failed (an attempt that raised; retried).", ("result",),
+            registry=r)
+        for result in ("drained", "nothing", "failed"):
+            self.mps_drains.labels(result)
         self._api = Counter(
             "kai_fractions_agent_api_requests", "The agent's requests to the Kubernetes API "
             "server, by verb (the HTTP method; WATCH for a watch) and code (the HTTP status, "

@@ -38,6 +38,9 @@ class AgentOptions:
     """Cap of that delay; also how often a broken NVML is re-initialised."""
     mps_check_seconds: float = 5.0
     """How often the MPS control daemon is health-checked between passes."""
+    mps_drain_before_kill_seconds: float = 3.0
+    """`--mps-drain-before-kill`: a deleted sm-sharing pod's MPS clients are drained this long
+    before its grace period ends (`drain_before_kill`); 0 turns it off."""
     heartbeat_seconds: float = 60.0
     """An unchanged node condition is re-patched (lastHeartbeatTime) at most this often."""
     status_tick_seconds: float = 1.0

@@ -4,8 +4,9 @@ a time (the engine, NVML and MPS control are driven from here only).
 It sleeps until something is due: the dirty flag (a pod changed; any number of changes make one
 pass), a gRPC call, a retry of a pass that did not converge (1 s, then 2 s), the periodic
 full resync (`--resync-seconds`: read caches dropped, everything re-read), an MPS health check
-(sm-sharing) or a watchdog check (`--watchdog-interval`). `stop()` lets the task in progress
-finish, so a pass is never cut between its apply and its markers.
+(sm-sharing), a watchdog check (`--watchdog-interval`) or the drain of a deleted sm-sharing
+pod's MPS clients before the kubelet kills it (`drain_before_kill`). `stop()` lets the task in
+progress finish, so a pass is never cut between its apply and its markers.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from .drain_before_kill import DrainBeforeKill, deleting_sm_pods
 from .options import AgentOptions
 from .reconciler import PassReport, Reconciler
 
@@ -56,6 +58,11 @@ class Worker:
         self._next_watchdog = now + watchdog_interval
         self._next_mps = now + options.mps_check_seconds
         self.last_pass: PassReport | None = None
+        margin = options.mps_drain_before_kill_seconds
+        self.drains = (DrainBeforeKill(margin, reconciler.drain, reconciler.events,
+                                       reconciler.metrics, clock=reconciler.clock,
+                                       monotonic=monotonic)
+                       if reconciler.mps is not None and margin > 0 else None)
         self.thread: threading.Thread | None = None
 
     # -- from other threads -------------------------------------------------------------------
@@ -108,6 +115,9 @@ class Worker:
             times.append(self._next_retry)
         if self.mps_checks:
             times.append(self._next_mps)
+        drain = self.drains.next_due() if self.drains is not None else None
+        if drain is not None:
+            times.append(drain)
         return min(times)
 
     def run(self) -> None:
@@ -151,6 +161,8 @@ class Worker:
             self._pass(full)
             if full:
                 self._next_resync = now + self.options.resync_seconds
+        if self.drains is not None:
+            self._drain_before_kill(self.drains)
         if self.monotonic() >= self._next_watchdog:
             try:
                 self.reconciler.check_usage()
@@ -158,6 +170,17 @@ class Worker:
                 log.exception("watchdog check failed")
                 self.reconciler.metrics.reconcile_errors.labels(INTERNAL_ERROR).inc()
             self._next_watchdog = self.monotonic() + self.watchdog_interval
+
+    def _drain_before_kill(self, drains: DrainBeforeKill) -> None:
+        """Schedules the deleted sm-sharing pods the cache and the last pass show, and drains
+        those due."""
+        try:
+            pods = self.reconciler.pods.cache.snapshot()
+            drains.update(deleting_sm_pods(pods, self.reconciler.view.desired), pods.keys())
+            drains.run_due()
+        except Exception:
+            log.exception("drain before kill failed")
+            self.reconciler.metrics.reconcile_errors.labels(INTERNAL_ERROR).inc()
 
     def _mps_needs_pass(self) -> bool:
         try:
