@@ -43,9 +43,11 @@ from pathlib import Path
 import grpc
 
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
+from kai_fractions.contract import keys as k
 
 from .bench_mirror import (
     CALL_TIMEOUT_S,
+    CONTAINER,
     NODE_MEMORY_MIB,
     POD_TEMPLATE,
     _free_port,
@@ -68,7 +70,11 @@ QUEUE_NAMESPACE = "queue"
 SEED_BATCH = 5_000
 TEMPLATE = json.loads(json.dumps(POD_TEMPLATE))
 """P1's pod with what a real Pending pod of a Job also carries (owner, managed fields, env,
-mounts, tolerations, status): about 2 KB of JSON, most of which the cache drops."""
+mounts, tolerations, status): about 2 KB of JSON, most of which the cache drops. And, from
+round eleven, the MPS namespace our admission webhook names for each sm-sharing pod: the stub
+gives every pod its own (so no two pods share an annotation map any more)."""
+TEMPLATE["metadata"]["annotations"][
+    k.DEFAULT_KEYS.derived(CONTAINER, k.ADMITTED_MPS_NAMESPACE)] = "named per pod by the stub"
 TEMPLATE["metadata"].update(
     generateName="train-", creationTimestamp="2026-12-01T10:00:00Z",
     labels={"app": "bench", "batch.kubernetes.io/job-name": "train",

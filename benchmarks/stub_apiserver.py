@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -89,6 +90,8 @@ _UID_NAMESPACE = uuid.UUID("6ba7b811-9dad-11d1-80b4-00c04fd430c8")  # RFC 4122 U
 _SCHEDULER_FIELD = "spec.schedulerName"
 _PHASE_FIELD = "status.phase"
 UNSEEDED_SCHEDULER = "default-scheduler"
+ADMITTED_NAMESPACE_SUFFIX = k.ADMITTED_MPS_NAMESPACE
+"""A template annotation with this suffix gets a name of its pod's own (see `Cluster.create`)."""
 """The scheduler of a pod made by its first GET or PATCH (seeded pods keep the template's): the
 bare-client baselines' pods are not KAI's, so a watch of KAI's pods never carries their
 traffic, as in a cluster where most pods belong to another scheduler."""
@@ -220,6 +223,11 @@ class Cluster:
         for key, extra in (("labels", labels), ("annotations", annotations)):
             if extra:
                 meta[key] = {**(meta.get(key) or {}), **extra}
+        notes = meta.get("annotations") or {}
+        for key in [key for key in notes if key.endswith(ADMITTED_NAMESPACE_SUFFIX)]:
+            # Each pod its own, as the admission webhook names them: one per pod, so equal
+            # annotation maps are no longer equal across a Job's pods.
+            notes[key] = "kf_" + hashlib.sha256(meta["uid"].encode()).hexdigest()[:20]
         self.pods[(namespace, name)] = pod
         encoded = self.encoded[(namespace, name)] = _encode(pod)
         self.emit("ADDED", pod, encoded)
