@@ -70,6 +70,14 @@ CASES = {
         dialect=Dialect.UPSTREAM, reserve=0, portion="0.5", modes=["sm-sharing"],
         user={"gpu-fraction": "0.5", f"{P}.gpu-compute.mode": "sm-sharing"},
         binder={f"{P}.gpu-memory.request": "40779Mi"}, request_mib=40779, atp=100),
+    # The MPS namespace our admission webhook named as the pod was created: the follower's
+    # signature and the agent's namespace both follow it.
+    "upstream-sm-sharing-admitted-namespace": dict(
+        dialect=Dialect.UPSTREAM, reserve=0, portion="0.5", modes=["sm-sharing"],
+        user={"gpu-fraction": "0.5", f"{P}.gpu-compute.mode": "sm-sharing",
+              "kai-fractions.io/container.main.mps-namespace": "kf_" + "5a" * 10},
+        binder={f"{P}.gpu-memory.request": "40779Mi"}, request_mib=40779, atp=100,
+        namespace="kf_" + "5a" * 10),
     # A user's own request (20Gi) is kept verbatim; the binder adds only devices.
     "upstream-user-request": dict(
         dialect=Dialect.UPSTREAM, reserve=0, portion="0.26", modes=[""],
@@ -142,6 +150,10 @@ def test_a_kai_bind_is_signed_by_the_follower_and_applied_by_the_agent(short_tmp
     if c["atp"] is not None:
         (namespace,) = rig.mps.control.namespaces.values()
         assert namespace.active_thread_percentage == c["atp"]
+    if "namespace" in c:
+        assert set(rig.mps.control.namespaces) == {c["namespace"]}
+        assert derived["kai-fractions.io/container.main.mps-pipe-directory"].endswith(
+            "/shared/" + c["namespace"])
 
 
 def test_a_mismatch_is_an_event_and_never_signed(short_tmp: Path):
