@@ -119,6 +119,7 @@ def is_mps_namespace_name(name: str) -> bool:
     hash of a pod UID): the agent deletes only its own namespaces."""
     return bool(_MPS_NAMESPACE.fullmatch(name))
 
+
 _CONTAINER_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 

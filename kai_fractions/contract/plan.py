@@ -28,6 +28,7 @@ MAX_PIPE_DIRECTORY = 83
 NO_COMPUTE_CAP = 100
 """The active-thread percentage of an sm-sharing container whose binder wrote no portion."""
 
+
 def mps_namespace_name(pod_identity: str, container: str) -> str:
     """A v3 namespace name (`[a-z0-9_]+`), stable for one container of one pod: for pods the
     admission webhook did not name one for (`keys.ADMITTED_MPS_NAMESPACE`).
