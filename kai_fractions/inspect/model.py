@@ -68,6 +68,9 @@ class Row:
     portion: str = ""
     """The fraction of a GPU asked for (`gpu-fraction`), when no memory is planned yet."""
     device_count: int = 1
+    mps_namespace: str = ""
+    """An sm-sharing container's MPS namespace (what `nvidia-cuda-mps-control` lists), once
+    planned."""
 
     @property
     def ref(self) -> str:
@@ -81,7 +84,7 @@ class Row:
             "active_thread_percentage": self.active_thread_percentage,
             "devices": list(self.devices), "state": self.state, "reason": self.reason,
             "message": self.message, "used_bytes": self.used_bytes, "portion": self.portion,
-            "device_count": self.device_count,
+            "device_count": self.device_count, "mps_namespace": self.mps_namespace,
         }
 
 
@@ -186,6 +189,7 @@ class _Planned:
     limit_bytes: int | None
     atp: int | None
     devices: tuple[str, ...]
+    mps_namespace: str = ""
 
 
 def _plan(share: ContainerShare, identity: str, keys: Keys) -> _Planned:
@@ -196,7 +200,7 @@ def _plan(share: ContainerShare, identity: str, keys: Keys) -> _Planned:
         return _Planned(share, share.compute_mode.value, share.node_request_bytes,
                         share.node_limit_bytes, None, share.device_uuids)
     return _Planned(share, plan.compute_mode.value, plan.request_bytes, plan.limit_bytes,
-                    plan.active_thread_percentage, plan.device_uuids)
+                    plan.active_thread_percentage, plan.device_uuids, plan.mps_namespace or "")
 
 
 def pod_rows(pod: Mapping[str, Any], agent: AgentState | None, keys: Keys) -> list[Row]:
@@ -226,7 +230,8 @@ def pod_rows(pod: Mapping[str, Any], agent: AgentState | None, keys: Keys) -> li
                             planned.request_bytes, planned.limit_bytes, planned.atp,
                             planned.devices, state, reason, message, used,
                             portion=format_plain(share.fraction) if share.fraction else "",
-                            device_count=max(len(planned.devices), share.num_devices)))
+                            device_count=max(len(planned.devices), share.num_devices),
+                            mps_namespace=planned.mps_namespace))
     return rows
 
 

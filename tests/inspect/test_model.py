@@ -6,7 +6,7 @@ from types import MappingProxyType
 
 import pytest
 
-from kai_fractions.contract import ComputeMode, Dialect
+from kai_fractions.contract import ComputeMode, Dialect, mps_namespace_name
 from kai_fractions.inspect.agent_state import (
     AgentAllocation,
     AgentDevice,
@@ -47,6 +47,17 @@ def test_sm_sharing_gets_its_active_thread_percentage(dialect, atp):
     [row] = node_report(NODE, node(), [p], None).rows
     assert (row.mode, row.request_bytes, row.active_thread_percentage) == (
         "sm-sharing", 20480 * MIB, atp)
+
+
+def test_an_sm_sharing_row_names_its_mps_namespace():
+    """What `nvidia-cuda-mps-control` lists: the admission webhook's name, else the UID's."""
+    p = bind(memory_pod("srv", UID_A, "20480Mi", mode=ComputeMode.SM_SHARING), (GPU1,))
+    [row] = node_report(NODE, node(), [p], None).rows
+    assert row.mps_namespace == mps_namespace_name(UID_A, "main")
+    p["metadata"]["annotations"]["kai-fractions.io/container.main.mps-namespace"] = (
+        "kf_" + "5a" * 10)
+    [row] = node_report(NODE, node(), [p], None).rows
+    assert row.to_dict()["mps_namespace"] == "kf_" + "5a" * 10
 
 
 def test_gate_states_waiting_failed_and_no_gate():
