@@ -77,8 +77,10 @@ def _format_plain(numerator: int, denominator: int) -> str:
     return text or "0"
 
 
-def parse_positive_int(text: str) -> int:
-    if not isinstance(text, str) or not re.fullmatch(r"[0-9]+", text):
+def parse_positive_int(text: str, *, plus: bool = False) -> int:
+    """A whole number > 0 in decimal digits; `plus` also takes a leading '+', as Go's
+    strconv.ParseInt does (and ParseUint does not)."""
+    if not isinstance(text, str) or not re.fullmatch(r"\+?[0-9]+" if plus else r"[0-9]+", text):
         raise NumberError("must be a positive whole number")
     _check_length(text)
     value = int(text)

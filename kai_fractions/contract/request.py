@@ -343,7 +343,9 @@ def _legacy(pod: PodView, c: _Collector, nv_names: Iterable[str]) -> _Legacy | N
                 legacy.limit_bytes = None
     if k.GPU_FRACTION_NUM_DEVICES in a:
         try:
-            legacy.num_devices = parse_positive_int(a[k.GPU_FRACTION_NUM_DEVICES])
+            # KAI reads it with strconv.ParseInt (a leading '+' passes), gpu-memory with
+            # ParseUint (it does not): upstream utilities/resources/gpu_sharing.go.
+            legacy.num_devices = parse_positive_int(a[k.GPU_FRACTION_NUM_DEVICES], plus=True)
         except NumberError as e:
             c.error(k.GPU_FRACTION_NUM_DEVICES, e.args[0], a[k.GPU_FRACTION_NUM_DEVICES], target)
     return legacy

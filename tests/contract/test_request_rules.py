@@ -471,6 +471,17 @@ def test_num_devices() -> None:
     assert share is not None and share.num_devices == 2
 
 
+def test_num_devices_and_gpu_memory_read_as_kai_reads_them() -> None:
+    """Upstream kai-scheduler/api utilities/resources/gpu_sharing.go: parseNumGPUFractionDevices
+    uses strconv.ParseInt (a leading '+' or zeros pass), parseGpuFractionalMemory ParseUint (no
+    sign)."""
+    for value in ("+2", "02"):
+        share = parse_pod(pod({"gpu-fraction": "0.5", "gpu-fraction-num-devices": value})).share
+        assert share is not None and share.num_devices == 2
+    err = only_error({"gpu-memory": "+1024"})
+    assert_names_key_and_rule(err, "gpu-memory", "+1024")
+
+
 def test_num_devices_disagreeing_with_binder_devices() -> None:
     err = only_error({"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2", DEV: GPU_A})
     assert err.key == "gpu-fraction-num-devices"
