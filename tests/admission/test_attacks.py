@@ -373,3 +373,42 @@ def test_the_admission_process_guards_the_configured_socket_directory(tls_dir: P
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- another container's MPS namespace (docs/admission.md, "The MPS pipe mount") --------------
+
+NS_KEY = KEYS.derived("main", k.ADMITTED_MPS_NAMESPACE)
+
+
+def test_a_running_pod_cannot_move_to_another_mps_namespace(webhook: Webhook) -> None:
+    """Its mount was made from the name at creation; a new name would point the container's
+    CUDA_MPS_PIPE_DIRECTORY at another namespace, so no one but the binder and the mirror may
+    change the key, and they never do."""
+    obj = bound_pod(webhook, {REQUEST: "8Gi", MODE: "sm-sharing"})
+    own = obj["metadata"]["annotations"][NS_KEY]
+    mount = next(m for m in obj["spec"]["containers"][0]["volumeMounts"]
+                 if m["name"] == "kai-fractions-mps")
+    assert mount == {"name": "kai-fractions-mps", "subPath": own,
+                     "mountPath": f"/run/kai-fractions/mps/shared/{own}"}
+    relabelled = copy.deepcopy(obj)
+    relabelled["metadata"].setdefault("labels", {})["team"] = "b"
+    assert review(webhook, relabelled, old=obj)["allowed"] is True
+    moved = copy.deepcopy(obj)
+    moved["metadata"]["annotations"][NS_KEY] = "kf_" + "ee" * 10
+    response = review(webhook, moved, old=obj)
+    assert response["allowed"] is False
+    assert response["status"]["message"].startswith(
+        f"{NS_KEY}: is a protected key: only {BINDER}, {MIRROR} may change it, not {ALICE}")
+
+
+def test_a_new_pod_cannot_mount_every_namespace(webhook: Webhook) -> None:
+    """What the mutating webhook wired, changed afterwards (by another mutating webhook, say):
+    the whole server directory, where any namespace of the node is in reach."""
+    obj = wired(webhook, pod({REQUEST: "8Gi", MODE: "sm-sharing"}))
+    mount = next(m for m in obj["spec"]["containers"][0]["volumeMounts"]
+                 if m["name"] == "kai-fractions-mps")
+    del mount["subPath"]
+    mount["mountPath"] = "/run/kai-fractions/mps/shared"
+    response = review(webhook, obj)
+    assert response["allowed"] is False
+    assert "must mount only the container's own MPS namespace" in response["status"]["message"]
