@@ -228,9 +228,14 @@ def _validate_pod(request: Mapping[str, Any], config: AdmissionConfig) -> Decisi
 
 
 def _validate_binding(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
-    # A Binding's annotations are copied onto the pod: the same keys are protected here.
-    problems = _protected_changes({}, annotations_of(request.get("object")),
-                                  user_of(request), config)
+    # A Binding's annotations are copied onto the pod: the same keys are protected here. And
+    # the pod's MPS namespace never comes with one, whoever binds: its mount was made from the
+    # name the pod was created with, and pod admission does not see this copy.
+    annotations = annotations_of(request.get("object"))
+    problems = [f"{key}: the MPS namespace is named once, when the pod is created; a Binding "
+                "may not carry it" for key in sorted(annotations)
+                if config.keys.is_admitted_namespace(key)]
+    problems += _protected_changes({}, annotations, user_of(request), config)
     return deny("; ".join(problems)) if problems else allow()
 
 

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from ..contract import (
     MIB,
+    MPS_SERVER,
     ComputeMode,
     ContainerPlan,
     ContainerShare,
@@ -55,6 +56,7 @@ class RefusalReason(StrEnum):
     MEMORY_LIMITS_UNSUPPORTED = "MemoryLimitsUnsupported"
     MIG_NOT_SUPPORTED = "MigNotSupported"
     MPS_NAMESPACE_TAKEN = "MpsNamespaceTaken"
+    MPS_MOUNT_MISMATCH = "MpsMountMismatch"
     PLAN_CHANGE_REFUSED = "PlanChangeRefused"
     """The only refusal of a container that stays applied: its new plan is refused, the plan
     it runs with stays in force."""
@@ -88,6 +90,10 @@ class NodePod:
     created: str = ""
     """metadata.creationTimestamp (RFC 3339, UTC): orders pods, oldest first."""
     phase: str = ""
+    mounts: Mapping[str, tuple[tuple[str, str], ...]] = field(
+        default_factory=lambda: MappingProxyType({}))
+    """Container name -> (mountPath, subPath or subPathExpr) of each of its volume mounts: where
+    an sm-sharing container's MPS pipes really are."""
 
     @property
     def uid(self) -> str:
@@ -108,13 +114,27 @@ class NodePod:
             for cs in status.get(key) or []:
                 if isinstance(cs, Mapping) and cs.get("name") and cs.get("containerID"):
                     ids[str(cs["name"])] = str(cs["containerID"])
+        spec = pod.get("spec") or {}
         return cls(
-            view=view_from_pod_spec(metadata, pod.get("spec") or {}),
+            view=view_from_pod_spec(metadata, spec),
             qos=qos_class_of(pod),
             container_ids=MappingProxyType(ids),
             created=str(metadata.get("creationTimestamp") or ""),
             phase=str(status.get("phase") or ""),
+            mounts=MappingProxyType(_mounts(spec)),
         )
+
+
+def _mounts(spec: Mapping[str, Any]) -> dict[str, tuple[tuple[str, str], ...]]:
+    out = {}
+    for field_name in ("initContainers", "containers"):
+        for c in spec.get(field_name) or []:
+            if isinstance(c, Mapping) and c.get("volumeMounts"):
+                out[str(c.get("name"))] = tuple(
+                    (str(m.get("mountPath") or ""), str(m.get("subPath") or m.get("subPathExpr")
+                                                        or ""))
+                    for m in c["volumeMounts"] if isinstance(m, Mapping))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,7 +461,9 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
     modes: dict[str, tuple[ComputeMode, str]] = {}  # gpu -> (mode, first container's ref)
     requested: dict[str, int] = {}
     members: dict[str, list[ContainerKey]] = {}
-    namespaces: dict[str, str] = {}  # MPS namespace -> the ref of the container it is for
+    # MPS namespace -> the container it is for. What runs holds its namespace even when it is
+    # refused below for another reason: its processes still use that directory.
+    namespaces = {plan.mps_namespace: key for key, plan in applied.items() if plan.mps_namespace}
     for c in candidates:
         pod, plan = c.pod, c.plan
         ref = f"{pod.view.namespace}/{pod.view.name}/{plan.container}"
@@ -456,6 +478,8 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
             refusal = _sharing_refusal(c, inventory, modes, requested)
         if refusal is None:
             refusal = _namespace_refusal(c, namespaces, config.keys)
+        if refusal is None:
+            refusal = _mount_refusal(c, config)
         if refusal is not None:
             changes.pop(refusal.key, None)  # an applied plan that cannot be kept: this says why
             refusals.append(refusal)
@@ -467,7 +491,7 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
             requested[uuid] = requested.get(uuid, 0) + plan.request_bytes
             members.setdefault(uuid, []).append(key)
         if plan.mps_namespace:
-            namespaces[plan.mps_namespace] = ref
+            namespaces.setdefault(plan.mps_namespace, key)
         sm = plan.compute_mode is ComputeMode.SM_SHARING
         if not sm:
             compute = ComputeEnforcement.TIME_SLICING
@@ -496,20 +520,50 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
     )
 
 
-def _namespace_refusal(c: _Candidate, namespaces: Mapping[str, str],
+def _namespace_refusal(c: _Candidate, namespaces: Mapping[str, ContainerKey],
                        keys: k.Keys) -> Refusal | None:
     """A second container naming an MPS namespace already planned for another: the webhook
     names a fresh one per pod, so this is a copied annotation, and sharing it would hand the
-    newcomer the first one's pipe directory and compute cap. What runs keeps it (it is placed
-    first)."""
+    newcomer the first one's pipe directory and compute cap. What runs keeps it. The message
+    does not name the holder (another tenant's pod); the agent's log does."""
     name = c.plan.mps_namespace
-    if not name or name not in namespaces:
+    holder = namespaces.get(name) if name else None
+    if holder is None or holder == ContainerKey(c.pod.uid, c.plan.container):
         return None
+    log.warning("pod %s/%s: MPS namespace %s is already container %s of pod %s's: refused",
+                c.pod.view.namespace, c.pod.view.name, name, holder.container, holder.pod_uid)
     key = keys.derived(c.plan.container, k.ADMITTED_MPS_NAMESPACE)
     return _refuse(c.pod, c.plan.container, RefusalReason.MPS_NAMESPACE_TAKEN,
-                   f"MPS namespace {name} is already {namespaces[name]}'s; a pod may not name "
-                   f"another's namespace ({key}): recreate the pod so the admission webhook "
-                   "names one of its own")
+                   f"MPS namespace {name} belongs to another container on this node; a pod may "
+                   f"not name another's namespace ({key}): recreate the pod so the admission "
+                   "webhook names one of its own")
+
+
+def _mount_refusal(c: _Candidate, config: NodeConfig) -> Refusal | None:
+    """A new sm-sharing container whose MPS mount is not where its plan's pipe directory is:
+    the pod was wired for another namespace than every plan now names (a component of another
+    release in between, say), and its clients would find no server there. Fail closed, with
+    the reason, rather than start it. The mounts of pods wired before per-pod namespaces (the
+    whole server directory, or the pipe root) still reach their directory; what runs is not
+    judged again."""
+    plan = c.plan
+    if c.share is None or not plan.mps_pipe_directory:
+        return None
+    root = config.container_mps_pipe_root.rstrip("/")
+    wider = (root, f"{root}/{MPS_SERVER}")
+    for path, sub in c.pod.mounts.get(plan.container, ()):
+        path = path.rstrip("/")
+        if path == plan.mps_pipe_directory and sub == plan.mps_namespace:
+            continue
+        if (path in wider and not sub) or not (path == root or path.startswith(root + "/")):
+            continue
+        return _refuse(c.pod, plan.container, RefusalReason.MPS_MOUNT_MISMATCH,
+                       f"the container mounts {path}" + (f" (subPath {sub})" if sub else "")
+                       + f" but its MPS pipe directory is {plan.mps_pipe_directory} (namespace "
+                       f"{plan.mps_namespace}): it was wired for another MPS namespace; "
+                       "recreate the pod once the admission webhook, the mirror and the node "
+                       "agents run the same release")
+    return None
 
 
 def _sharing_refusal(c: _Candidate, inventory: Inventory,

@@ -84,6 +84,20 @@ def test_a_binding_cannot_smuggle_protected_keys() -> None:
     assert validate(request(binding, kind="Binding", sub="binding", user=BINDER), CONFIG).allowed
 
 
+def test_a_binding_never_carries_an_mps_namespace_whoever_binds() -> None:
+    """The API server copies a Binding's annotations onto the pod without pod admission: a
+    name there would part the pod's plans from the mount it was created with."""
+    key = "kai-fractions.io/container.main.mps-namespace"
+    binding = {"apiVersion": "v1", "kind": "Binding",
+               "metadata": {"name": "p", "annotations": {key: "kf_" + "ee" * 10}},
+               "target": {"kind": "Node", "name": "n1"}}
+    for user in (BINDER, "alice"):
+        d = validate(request(binding, kind="Binding", sub="binding", user=user), CONFIG)
+        assert not d.allowed
+        assert d.message.startswith(f"{key}: the MPS namespace is named once, when the pod is "
+                                    "created; a Binding may not carry it")
+
+
 def test_an_update_is_judged_by_the_errors_it_introduces() -> None:
     broken = pod({"nvidia.com/container.ghost.gpu-memory.request": "1Gi"})
     relabelled = copy.deepcopy(broken)

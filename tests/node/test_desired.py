@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kai_fractions.contract import mps_namespace_name
+from kai_fractions.contract import mps_namespace_name, parse_pod, plan_pod
 from kai_fractions.node.cgroups import QosClass
 from kai_fractions.node.config import Mechanism, NodeConfig
 from kai_fractions.node.desired import (
@@ -355,7 +355,64 @@ def test_a_second_container_naming_a_taken_namespace_is_refused(reverse: bool) -
     assert [c.key.pod_uid for c in state.containers] == [UID_A]
     (r,) = state.refusals
     assert (r.key, r.reason) == (ContainerKey(UID_B, "main"), RefusalReason.MPS_NAMESPACE_TAKEN)
+    # Another tenant's pod is not named to the refused one; the agent's log names it.
     assert r.message == (
-        f"MPS namespace {ADMITTED} is already default/old/main's; a pod may not name another's "
-        f"namespace ({NS_KEY}): recreate the pod so the admission webhook names one of its own")
+        f"MPS namespace {ADMITTED} belongs to another container on this node; a pod may not "
+        f"name another's namespace ({NS_KEY}): recreate the pod so the admission webhook names "
+        "one of its own")
     assert_nothing_for(state, UID_B)
+
+
+def test_a_running_container_keeps_its_namespace_even_when_it_is_refused() -> None:
+    """Its processes still use the directory: a copier on another GPU must not get it because
+    the GPU of the one that runs went MIG (or off the node) meanwhile."""
+    victim = node_pod(UID_A, name="victim", notes={
+        **annotations(mode="sm-sharing"), NS_KEY: ADMITTED}, created="2025-01-01T00:00:00Z")
+    (plan,) = plan_pod(parse_pod(victim.view))
+    copier = node_pod(UID_B, name="copier", notes={
+        **annotations(mode="sm-sharing", devices=(GPU1,), request="1Gi", limit="1Gi"),
+        NS_KEY: ADMITTED}, created="2025-01-02T00:00:00Z", container_ids={"main": CID_B})
+    state = plan_node([victim, copier], inventory(device(GPU0, 0, mig=True), device(GPU1, 1)),
+                      CONFIG, applied={ContainerKey(UID_A, "main"): plan})
+    assert {(r.key.pod_uid, r.reason) for r in state.refusals} == {
+        (UID_A, RefusalReason.MIG_NOT_SUPPORTED), (UID_B, RefusalReason.MPS_NAMESPACE_TAKEN)}
+    assert state.containers == ()
+
+
+def with_mounts(pod: NodePod, *mounts: dict) -> NodePod:
+    m = manifest(pod.uid, name=pod.view.name, notes=dict(pod.view.annotations))
+    m["spec"]["containers"][0]["volumeMounts"] = list(mounts)
+    return NodePod.from_manifest(m)
+
+
+OWN = {"name": "kai-fractions-mps", "mountPath": f"/run/kai-fractions/mps/shared/{ADMITTED}",
+       "subPath": ADMITTED}
+
+
+@pytest.mark.parametrize("mount", [
+    OWN,  # the webhook's own-namespace mount
+    {"name": "kai-fractions-mps", "mountPath": "/run/kai-fractions/mps/shared"},  # wired before
+    {"name": "kai-fractions-mps", "mountPath": "/run/kai-fractions/mps"},  # older still
+    {"name": "data", "mountPath": "/data"},
+])
+def test_an_mps_mount_that_reaches_the_planned_directory_is_planned(mount: dict) -> None:
+    pod = with_mounts(node_pod(notes={**annotations(mode="sm-sharing"), NS_KEY: ADMITTED}), mount)
+    state = plan(pod)
+    assert state.refusals == () and len(state.containers) == 1
+
+
+@pytest.mark.parametrize("mount", [
+    {**OWN, "mountPath": "/run/kai-fractions/mps/shared/kf_" + "ee" * 10,
+     "subPath": "kf_" + "ee" * 10},  # wired for another name than every plan reads now
+    {**OWN, "subPath": "kf_" + "ee" * 10},
+    {**OWN, "subPath": ""},
+])
+def test_an_mps_mount_elsewhere_than_the_plan_is_refused_before_it_starts(mount: dict) -> None:
+    """A component of another release in between (an old mirror dropping the name, say): its
+    clients would find no server; the gate fails it with the reason instead."""
+    pod = with_mounts(node_pod(notes={**annotations(mode="sm-sharing"), NS_KEY: ADMITTED}), mount)
+    state = plan(pod)
+    (r,) = state.refusals
+    assert r.reason is RefusalReason.MPS_MOUNT_MISMATCH
+    assert f"but its MPS pipe directory is /run/kai-fractions/mps/shared/{ADMITTED}" in r.message
+    assert_nothing_for(state, UID_A)
