@@ -157,12 +157,13 @@ class Worker:
         if self.mps_checks and now >= self._next_mps:
             self._next_mps = now + self.options.mps_check_seconds
             mps = self._mps_needs_pass()
-        if dirty or full or retry or mps:
+        passed = dirty or full or retry or mps
+        if passed:
             self._pass(full)
             if full:
                 self._next_resync = now + self.options.resync_seconds
         if self.drains is not None:
-            self._drain_before_kill(self.drains)
+            self._drain_before_kill(self.drains, rescan=passed)
         if self.monotonic() >= self._next_watchdog:
             try:
                 self.reconciler.check_usage()
@@ -171,12 +172,14 @@ class Worker:
                 self.reconciler.metrics.reconcile_errors.labels(INTERNAL_ERROR).inc()
             self._next_watchdog = self.monotonic() + self.watchdog_interval
 
-    def _drain_before_kill(self, drains: DrainBeforeKill) -> None:
-        """Schedules the deleted sm-sharing pods the cache and the last pass show, and drains
-        those due."""
+    def _drain_before_kill(self, drains: DrainBeforeKill, *, rescan: bool) -> None:
+        """After a pass (any change of a pod makes one), schedules the deleted sm-sharing pods
+        the cache and the pass show; then drains those due. A step without a pass (a watchdog
+        check, say) does not read the cache again: nothing in it changed."""
         try:
-            pods = self.reconciler.pods.cache.snapshot()
-            drains.update(deleting_sm_pods(pods, self.reconciler.view.desired), pods.keys())
+            if rescan:
+                pods = self.reconciler.pods.cache.snapshot()
+                drains.update(deleting_sm_pods(pods, self.reconciler.view.desired), pods.keys())
             drains.run_due()
         except Exception:
             log.exception("drain before kill failed")
