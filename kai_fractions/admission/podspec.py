@@ -11,9 +11,9 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from ..contract import DEFAULT_MPS_PIPE_ROOT, ComputeMode, Keys, env_sources
+from ..contract import ComputeMode, Keys, env_sources
 from ..contract.keys import MPS_NAMESPACE_PREFIX
-from ..contract.plan import MPS_SERVER
+from ..contract.plan import mps_pipe_directory
 from ..gate import paths
 from .config import (
     GATE_CONTAINER,
@@ -118,15 +118,9 @@ def new_mps_namespace() -> str:
     return f"{MPS_NAMESPACE_PREFIX}{secrets.token_hex(10)}"
 
 
-def mps_namespace_dir(namespace: str) -> str:
-    """The namespace's pipe directory inside the container: the path the contract's
-    CUDA_MPS_PIPE_DIRECTORY names (`<root>/shared/<namespace>`), as on the host."""
-    return f"{DEFAULT_MPS_PIPE_ROOT}/{MPS_SERVER}/{namespace}"
-
-
 def mps_mount(namespace: str) -> dict[str, Any]:
     # Read-write: an MPS client connects to (writes into) the sockets in its pipe directory.
     # Only the container's own namespace (subPath): not the server directory, where a process
     # could join another container's namespace and take its compute cap, nor the root, a v3
     # daemon's own pipe directory with its control socket. docs/admission.md.
-    return {"name": MPS_VOLUME, "mountPath": mps_namespace_dir(namespace), "subPath": namespace}
+    return {"name": MPS_VOLUME, "mountPath": mps_pipe_directory(namespace), "subPath": namespace}

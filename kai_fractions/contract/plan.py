@@ -29,6 +29,12 @@ NO_COMPUTE_CAP = 100
 """The active-thread percentage of an sm-sharing container whose binder wrote no portion."""
 
 
+def mps_pipe_directory(namespace: str, mps_pipe_root: str = DEFAULT_MPS_PIPE_ROOT) -> str:
+    """A namespace's pipe directory, `<root>/<server>/<namespace>`: where the client finds it
+    (its CUDA_MPS_PIPE_DIRECTORY) and where the admission webhook mounts it."""
+    return f"{mps_pipe_root.rstrip('/')}/{MPS_SERVER}/{namespace}"
+
+
 def mps_namespace_name(pod_identity: str, container: str) -> str:
     """A v3 namespace name (`[a-z0-9_]+`), stable for one container of one pod: for pods the
     admission webhook did not name one for (`keys.ADMITTED_MPS_NAMESPACE`).
@@ -147,7 +153,7 @@ def plan_container(
         atp = (NO_COMPUTE_CAP if share.compute_portion is None
                else active_thread_percentage(share.compute_portion))
         namespace = share.mps_namespace or mps_namespace_name(pod_identity, name)
-        pipe = f"{mps_pipe_root.rstrip('/')}/{MPS_SERVER}/{namespace}"
+        pipe = mps_pipe_directory(namespace, mps_pipe_root)
         if len(pipe.encode()) > MAX_PIPE_DIRECTORY:
             errors.append(ContractError("mps_pipe_root", f"makes the MPS pipe directory {pipe!r} "
                                         f"longer than {MAX_PIPE_DIRECTORY} bytes", mps_pipe_root,

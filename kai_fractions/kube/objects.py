@@ -25,17 +25,24 @@ def is_dns_label(name: str) -> bool:
     return len(name) <= 63 and _DNS_LABEL.fullmatch(name) is not None
 
 
-def seconds_since(timestamp: Any, now: float | None = None) -> float | None:
-    """Seconds from an RFC 3339 time (a creationTimestamp, a condition's lastHeartbeatTime) to
-    `now` (at least 0: the API server's clock and ours differ a little); None when it is not
-    one."""
+def epoch_seconds(timestamp: Any) -> float | None:
+    """An RFC 3339 time of the API server (UTC when it names no zone) as seconds since the
+    epoch; None when it is not one."""
     try:
         then = datetime.datetime.fromisoformat(timestamp)
     except (TypeError, ValueError):
         return None
     if then.tzinfo is None:
         then = then.replace(tzinfo=datetime.UTC)
-    return max(0.0, (time.time() if now is None else now) - then.timestamp())
+    return then.timestamp()
+
+
+def seconds_since(timestamp: Any, now: float | None = None) -> float | None:
+    """Seconds from an RFC 3339 time (a creationTimestamp, a condition's lastHeartbeatTime) to
+    `now` (at least 0: the API server's clock and ours differ a little); None when it is not
+    one."""
+    then = epoch_seconds(timestamp)
+    return None if then is None else max(0.0, (time.time() if now is None else now) - then)
 
 
 def condition_time(now: float) -> str:

@@ -17,14 +17,13 @@ kept in monotonic time, converted when a deadline is first seen (or changes).
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ...contract import ComputeMode
-from ...kube.objects import meta
+from ...kube.objects import epoch_seconds, meta
 from ..desired import DesiredState
 from ..errors import NodeError
 from . import events as ev
@@ -39,14 +38,6 @@ OVERRUN_SECONDS = 5.0
 DRAINED, NOTHING, FAILED = "drained", "nothing", "failed"
 
 
-def _wall_time(timestamp: Any) -> float | None:
-    try:
-        then = datetime.datetime.fromisoformat(str(timestamp))
-    except ValueError:
-        return None
-    return (then if then.tzinfo else then.replace(tzinfo=datetime.UTC)).timestamp()
-
-
 def deleting_sm_pods(pods: Mapping[str, Mapping[str, Any]], desired: DesiredState | None
                      ) -> dict[str, tuple[PodRef, float]]:
     """uid -> (pod, its deletionTimestamp in wall-clock seconds) of the pods being deleted that
@@ -58,7 +49,7 @@ def deleting_sm_pods(pods: Mapping[str, Mapping[str, Any]], desired: DesiredStat
     out = {}
     for uid in sm & pods.keys():
         m = meta(pods[uid])
-        deadline = _wall_time(m.get("deletionTimestamp")) if m.get("deletionTimestamp") else None
+        deadline = epoch_seconds(m.get("deletionTimestamp"))  # None when not being deleted
         if deadline is not None:
             out[uid] = (PodRef(str(m.get("namespace") or ""), str(m.get("name") or ""), uid),
                         deadline)
