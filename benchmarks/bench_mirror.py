@@ -16,6 +16,10 @@ measured side by side in one run:
 (d2) a2's server making (b)'s PATCH in its handler through the mirror's own store
      (`KubePodStore(Kube(...))`): the floor of the mirror's design, with none of its own work
      (contract, cache, records, logging).
+(d3) the same server making (b)'s own PATCH in its handler: no code of this project in the
+     call's path, only the two libraries composed in one process on one loop (as a service
+     must: it answers the call after the write), the floor of any design built on them.
+     d3/(a2+b) says what the composition alone costs, against the c=1 target.
 (c)  `MirrorAllocation` end to end: the real `kai-fractions mirror` process, configured by a
      kubeconfig that points at the stub, called by a real gRPC client.
 
@@ -154,9 +158,10 @@ def mirror_process(kubeconfig_path: Path, log_path: Path, main: str = _MIRROR_MA
 
 @contextmanager
 def echo_process(response: bytes, directory: Path, patch_kubeconfig: Path | None = None,
-                 patch_annotations: dict[str, str] | None = None) -> Iterator[str]:
+                 patch_annotations: dict[str, str] | None = None, bare: bool = False
+                 ) -> Iterator[str]:
     """The aio gRPC echo server (a2); with `patch_kubeconfig`, one that also makes the pod's
-    PATCH through the mirror's store (d2)."""
+    PATCH through the mirror's store (d2), or with `bare` as (b) makes it (d3)."""
     directory.mkdir(exist_ok=True)
     path = directory / "response.bin"
     path.write_bytes(response)
@@ -165,7 +170,7 @@ def echo_process(response: bytes, directory: Path, patch_kubeconfig: Path | None
         annotations = directory / "annotations.json"
         annotations.write_text(json.dumps(patch_annotations or {}))
         argv += ["--patch-kubeconfig", str(patch_kubeconfig), "--patch-annotations",
-                 str(annotations)]
+                 str(annotations)] + (["--bare"] if bare else [])
     process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         address = f"127.0.0.1:{read_port(process, 'the gRPC echo server')}"
@@ -277,7 +282,7 @@ class BarePatch:
         self.annotations = annotations
         self.read_first = read_first
         self.timeout = aiohttp.ClientTimeout(total=CALL_TIMEOUT_S)
-        self.loop = asyncio.new_event_loop()
+        self.loop: asyncio.AbstractEventLoop | None = None  # measure's; (d3) awaits on its own
         self.session: aiohttp.ClientSession | None = None
 
     async def patch(self, namespace: str, name: str) -> dict:
@@ -319,12 +324,15 @@ class BarePatch:
             await asyncio.gather(*(worker() for _ in range(concurrency)))
             return out, time.perf_counter() - begin
 
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
         return self.loop.run_until_complete(main())
 
     def close(self) -> None:
-        if self.session is not None:
-            self.loop.run_until_complete(self.session.close())
-        self.loop.close()
+        if self.loop is not None:
+            if self.session is not None:
+                self.loop.run_until_complete(self.session.close())
+            self.loop.close()
         self.api.close()
 
 
@@ -365,6 +373,8 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
         echo_address = stack.enter_context(echo_process(canned, tmp / "a2"))
         echo_patch_address = stack.enter_context(echo_process(canned, tmp / "d2", config,
                                                               added))
+        echo_bare_address = stack.enter_context(echo_process(canned, tmp / "d3", config,
+                                                             added, bare=True))
         patch = BarePatch(config, added, read_first=False)
         stack.callback(patch.close)
         get_patch = BarePatch(config, added, read_first=True)
@@ -375,11 +385,13 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
             "b": lambda ns, n, c: _kube(patch, ns, n, c),
             "b2": lambda ns, n, c: _kube(get_patch, ns, n, c),
             "d2": lambda ns, n, c: _grpc(echo_patch_address, ns, n, c),
+            "d3": lambda ns, n, c: _grpc(echo_bare_address, ns, n, c),
             "c": lambda ns, n, c: _grpc(mirror_address, ns, n, c),
         }
         labels = {"a2": "(a2) gRPC echo, aio", "b": "(b) bare PATCH, aiohttp",
                   "b2": "(b2) bare GET+PATCH, aiohttp",
-                  "d2": "(d2) aio echo + KubePodStore PATCH", "c": "(c) MirrorAllocation"}
+                  "d2": "(d2) aio echo + KubePodStore PATCH",
+                  "d3": "(d3) aio echo + bare aiohttp PATCH", "c": "(c) MirrorAllocation"}
         names = {kind: Names(f"bench-{kind}") for kind in kinds}
         for kind, measure in kinds.items():  # warm every path: connections, caches
             measure(names[kind], warmup, 1)
@@ -425,6 +437,8 @@ def run(quick: bool = False, smoke: bool = False) -> Result:
             result.add(f"ratio c/(a2+b2), c={concurrency}",
                        round(cost["c"] / (cost["a2"] + cost["b2"]), 2), "x")
             result.add(f"ratio c/d2, c={concurrency}", round(cost["c"] / cost["d2"], 2), "x")
+            result.add(f"ratio d3/(a2+b), c={concurrency}",
+                       round(cost["d3"] / (cost["a2"] + cost["b"]), 2), "x")
             calls = len(samples["c"])
             result.add(f"mirror CPU per allocation, c={concurrency}",
                        round(mirror_cpu / calls * 1e3, 3), "ms")

@@ -10,7 +10,10 @@ With ``--patch-kubeconfig FILE --patch-annotations FILE`` each call first makes 
 for the request's pod before it answers, through the mirror's own store
 (`KubePodStore(Kube(...)).patch_annotations`: the same aiohttp client, retries and error
 mapping): baseline (d2), the floor of the mirror's design with none of its own work (contract,
-cache, records, logging). Prints ``PORT <n>`` on stdout when it is listening.
+cache, records, logging). With ``--bare`` as well, that PATCH is (b)'s, aiohttp used directly
+with no code of this project in the call's path: baseline (d3), what the two libraries cost
+composed in one process on one loop, the floor of any design a user could write with them.
+Prints ``PORT <n>`` on stdout when it is listening.
 """
 
 from __future__ import annotations
@@ -72,6 +75,19 @@ def mirror_store_patch(kubeconfig: Path, annotations: dict[str, str]
     return patch
 
 
+def bare_patch(kubeconfig: Path, annotations: dict[str, str]
+               ) -> Callable[[str, str, str], Awaitable[object]]:
+    """The same PATCH as (b) makes it (`bench_mirror.BarePatch`), on the server's loop."""
+    from .bench_mirror import BarePatch
+
+    bare = BarePatch(kubeconfig, annotations, read_first=False)
+
+    def patch(namespace: str, name: str, uid: str) -> Awaitable[object]:
+        return bare.patch(namespace, name)  # (b)'s body carries the uid it knows the pod by
+
+    return patch
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.grpc_echo")
     parser.add_argument("--response", required=True, metavar="FILE",
@@ -80,13 +96,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="make the pod PATCH of the request's pod in every call")
     parser.add_argument("--patch-annotations", metavar="FILE",
                         help="the annotations it writes (a JSON object)")
+    parser.add_argument("--bare", action="store_true",
+                        help="make that PATCH with aiohttp directly, as (b) does")
     args = parser.parse_args(argv)
     with open(args.response, "rb") as f:
         response = pb.MirrorAllocationResponse.FromString(f.read())
     patch = None
     if args.patch_kubeconfig:
         with open(args.patch_annotations) as f:
-            patch = mirror_store_patch(Path(args.patch_kubeconfig), json.load(f))
+            make = bare_patch if args.bare else mirror_store_patch
+            patch = make(Path(args.patch_kubeconfig), json.load(f))
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve_aio(response, patch))
     return 0
