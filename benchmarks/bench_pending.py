@@ -6,7 +6,9 @@ limit asked, as a real API server answers from etcd), a mirror process built as
 loop) plus a probe on that loop: a coroutine that sleeps `PROBE_PERIOD_S` and records how late
 it wakes. A late wake is a stall of the loop, which every call waiting on it shares. In order:
 0. a first such mirror lists the queue with no call made at all, and stops: the RSS the cache
-   alone grows per pod ("list alone"; the growth in 3. also holds what the calls add);
+   alone grows per pod ("list alone"; the growth in 3. also holds what the calls add); then
+   the baseline, `benchmarks.bare_cache`, lists it into a cache as a user of aiohttp would
+   write one, with no code of this project: the RSS such a cache grows per pod ("a bare cache");
 1. the mirror starts with its feed held back; a few calls warm it up; RSS is read (before);
 2. the feed starts (the first list) while one client calls MirrorAllocation back to back
    (c=1), until the whole list is merged: the stall and the calls "during the first list";
@@ -308,12 +310,25 @@ def list_alone(url: str, tmp: Path, timeout: float) -> tuple[float, int, float, 
         mirror.close()
 
 
+def bare_cache(url: str, tmp: Path, timeout: float) -> tuple[int, int]:
+    """(RSS growth in bytes, pods cached) of the baseline: the queue listed into a cache as a
+    user of aiohttp would write one, with no code of this project (`benchmarks.bare_cache`)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bare_cache", str(kubeconfig(url, tmp / "kc-bare"))],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the bare cache failed: {done.stderr[-500:]}")
+    said = json.loads(done.stdout)
+    return int(said["rss_growth"]), int(said["pods"])
+
+
 def measure(size: int, idle_calls: int, warmup: int = 20, timeout: float = 600.0) -> dict:
     """One size: every figure of P6 for it, as a dict."""
     with ExitStack() as stack:
         url, tmp = stack.enter_context(scene(size))
         # Before any call writes a pod of the queue.
         alone_bytes, alone_pods, alone_s, alone_cpu = list_alone(url, tmp, timeout)
+        bare_bytes, bare_pods = bare_cache(url, tmp, timeout)
         mirror = MirrorWithProbe(kubeconfig(url, tmp / "kubeconfig"), tmp / "mirror.log")
         stack.callback(mirror.close)
         burst = min(size, BURST_MAX)
@@ -357,6 +372,8 @@ def measure(size: int, idle_calls: int, warmup: int = 20, timeout: float = 600.0
         "rss_growth": after - before, "rss_kb_per_pod": (after - before) / 1024 / max(1, cached),
         "rss_growth_alone": alone_bytes, "cached_alone": alone_pods,
         "rss_kb_per_pod_alone": alone_bytes / 1024 / max(1, alone_pods),
+        "rss_growth_bare": bare_bytes, "cached_bare": bare_pods,
+        "rss_kb_per_pod_bare": bare_bytes / 1024 / max(1, bare_pods),
         "mirror_cpu_first_s": mirror_cpu, "stub_cpu_first_s": stub_cpu,
         "stall_first_ms": windows["first"]["max_ms"], "stall_relist_ms": windows["relist"][
             "max_ms"], "stall_idle_ms": windows["idle"]["max_ms"],
@@ -417,6 +434,8 @@ def run(quick: bool = False, smoke: bool = False, sizes: tuple[int, ...] = SIZES
                    "<= 2")
         result.add(f"{tag}: RSS growth per cached pod, list alone (no calls)",
                    round(m["rss_kb_per_pod_alone"], 2), "KB")
+        result.add(f"{tag}: RSS growth per cached pod, a bare cache (aiohttp, no project code)",
+                   round(m["rss_kb_per_pod_bare"], 2), "KB")
         result.add(f"{tag}: RSS before / after", round(m["rss_after_mb"], 1), "MB")
         result.add(f"{tag}: first list merged in", round(m["first_list_s"], 2), "s")
         result.add(f"{tag}: list alone (no calls) merged in", round(m["alone_list_s"], 2), "s")
@@ -463,7 +482,8 @@ def _per_added_pod(result: Result, measured: list[dict]) -> None:
     for small, large in itertools.pairwise(ordered):
         span = f"{_tag(small['size'])}-{_tag(large['size'])}"
         for label, growth, cached in (("", "rss_growth", "cached"),
-                                      (", list alone", "rss_growth_alone", "cached_alone")):
+                                      (", list alone", "rss_growth_alone", "cached_alone"),
+                                      (", a bare cache", "rss_growth_bare", "cached_bare")):
             added = large[cached] - small[cached]
             if added > 0:
                 result.add(f"{span}: RSS per added cached pod{label}",

@@ -15,6 +15,7 @@ def test_p6_pending_queue_smoke():
     assert_well_formed(
         result, "P6", "200: loop stall max, first list", "200: loop stall max, re-list",
         "200: RSS growth per cached pod", "200: RSS growth per cached pod, list alone (no calls)",
+        "200: RSS growth per cached pod, a bare cache (aiohttp, no project code)",
         "200: p99 first list / idle", "200: allocation p99 first list",
         "200: loop stall max, a Job of 200 pods at once",
         "200: allocation p99, a Job of 200 pods at once")
@@ -33,10 +34,13 @@ def test_rss_per_added_pod_is_the_growth_from_one_size_to_the_next():
 
     result = Result("P6", "")
     sizes = [{"size": 10_000, "cached": 10_000, "rss_growth": 15 * 2**20,
-              "cached_alone": 10_000, "rss_growth_alone": 11 * 2**20},
+              "cached_alone": 10_000, "rss_growth_alone": 11 * 2**20,
+              "cached_bare": 10_000, "rss_growth_bare": 28 * 2**20},
              {"size": 1_000, "cached": 1_000, "rss_growth": 3 * 2**20,
-              "cached_alone": 1_000, "rss_growth_alone": 2 * 2**20}]
+              "cached_alone": 1_000, "rss_growth_alone": 2 * 2**20,
+              "cached_bare": 1_000, "rss_growth_bare": 1 * 2**20}]
     bench_pending._per_added_pod(result, sizes)
     assert [(f.name, f.value, f.target) for f in result.figures] == [
         ("1k-10k: RSS per added cached pod", round(12 * 1024 / 9_000, 2), "<= 2"),
-        ("1k-10k: RSS per added cached pod, list alone", round(9 * 1024 / 9_000, 2), "")]
+        ("1k-10k: RSS per added cached pod, list alone", round(9 * 1024 / 9_000, 2), ""),
+        ("1k-10k: RSS per added cached pod, a bare cache", round(27 * 1024 / 9_000, 2), "")]
