@@ -38,6 +38,10 @@ from .review import Decision, allow, annotations_of, deny, kind_of, user_of
 WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job",
                             "CronJob", "ReplicationController", "PodTemplate"})
 _CONTAINER_LISTS = ("initContainers", "containers", "ephemeralContainers")
+HOST_PATH_EXEMPTION_HINT = (
+    "to admit a trusted host agent without NvFractions keys, exempt its namespace: the label "
+    "kai-fractions.io/webhook=disabled, or the chart's webhook.hostPathExemptNamespaces")
+"""Ends a host-path refusal: host-level agents (node exporters, GPU operator parts) mount `/`."""
 
 
 def _protected_changes(old: Mapping[str, str], new: Mapping[str, str], user: str,
@@ -104,7 +108,8 @@ def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> lis
                (config.mps_pipe_host_dir, f"only the webhook's own volume {MPS_VOLUME!r} may"),
                (config.agent_socket_host_dir, "no volume may: whoever reaches the node "
                 "agent's socket can release any pod's limits"))
-    out = []
+    out: list[str] = []
+    last_reaching = -1
     for i, volume in enumerate(spec.get("volumes") or []):
         if not isinstance(volume, Mapping) or not isinstance(volume.get("hostPath"), Mapping):
             continue
@@ -116,8 +121,15 @@ def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> lis
                 out.append(f"{where}: volume {volume.get('name')!r} must be the host directory "
                            f"{own!r}, not {path!r}")
             continue
-        out += [f"{where}: {path!r} reaches the kai-fractions directory {directory!r}; {who}"
-                for directory, who in guarded if hostpaths.overlaps(path or "/", directory)]
+        reaching = [f"{where}: {path!r} reaches the kai-fractions directory {directory!r}; "
+                    f"{who}" for directory, who in guarded
+                    if hostpaths.overlaps(path or "/", directory)]
+        last_reaching = len(out) + len(reaching) - 1 if reaching else last_reaching
+        out += reaching
+    if last_reaching >= 0:
+        # Host-level agents (node exporters, GPU operator parts) mount `/`, `/run` or `/proc`:
+        # say once, after the last such problem, how an admin lets trusted ones through.
+        out[last_reaching] += f" ({HOST_PATH_EXEMPTION_HINT})"
     return out
 
 

@@ -40,8 +40,9 @@ def register(sub) -> None:
                        help="the node agent's NodeEnforcer unix socket (on the node; default: "
                        "/run/kai-fractions/agent.sock when it exists)")
         q.add_argument("--agent-metrics", metavar="URL",
-                       help="the node agent's Prometheus endpoint, e.g. http://NODE:9400 "
-                       "(used memory only)")
+                       help="the node agent's Prometheus endpoint (used memory only): its "
+                       "pod's IP and port 9400, or http://127.0.0.1:9400 through kubectl "
+                       "port-forward (the chart's agent has no host port)")
         q.add_argument("--output", "-o", default="table", choices=("table", "json", "yaml"),
                        help="(default: %(default)s)")
         q.add_argument("--annotation-prefix", default=DEFAULT_KEYS.prefix, metavar="P",

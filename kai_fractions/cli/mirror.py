@@ -50,10 +50,15 @@ def register(sub) -> None:
                    help="require `authorization: Bearer <token>` metadata on every call but "
                    "health checks; the file holds the token and is re-read when it changes")
     p.add_argument("--signing-key-file", action="append", default=[], metavar="FILE",
-                   help="sign every container's allocation (HMAC-SHA256, annotation "
-                   "kai-fractions.io/container.<c>.signature) so node agents run with the same "
-                   "keys apply only what the mirror wrote. FILE holds the raw key (>= 16 bytes), "
-                   "or is a directory with `current` and optionally `previous` (the chart's "
+                   help="sign every container's allocation (annotation "
+                   "kai-fractions.io/container.<c>.signature) so node agents apply only what "
+                   "the mirror wrote. FILE is an Ed25519 private key (PEM; `kai-fractions "
+                   "signing-keys generate` writes one, the chart generates one): Ed25519 "
+                   "signatures, which node agents verify with the public half alone "
+                   "(--publish-public-key). A FILE of raw bytes (>= 16) is an HMAC-SHA256 key, "
+                   "the format of releases before Ed25519, kept for upgrades: anyone holding it "
+                   "can sign, and the mirror signs with it only when it is the first key. FILE "
+                   "may be a directory with `current` and optionally `previous` (the chart's "
                    "Secret); repeatable: the first key signs, every key is accepted as still "
                    "valid. Re-read when it changes. Default: no signatures")
     p.add_argument("--publish-public-key", default="", metavar="NAMESPACE/NAME",

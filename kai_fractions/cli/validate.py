@@ -1,4 +1,5 @@
-"""`kai-fractions validate -f FILE`: check manifests against the NvFractions contract.
+"""`kai-fractions validate -f FILE`: check manifests against the NvFractions contract, and for
+the protected keys the validating webhook refuses from users.
 
 Each error is one line, `<file>:<line>: <object>/<container>: <key>: <rule>`, the line being
 where the object's YAML document starts."""
@@ -9,8 +10,23 @@ import argparse
 import json
 import sys
 
-from ..contract import DEFAULT_KEYS, Keys, parse_pod
+from ..contract import (
+    DEFAULT_KEYS,
+    ComputeMode,
+    ContractError,
+    Keys,
+    PodRequest,
+    PodView,
+    parse_pod,
+)
+from ..contract import keys as k
 from .manifests import InputError, load_manifests
+
+# The validating webhook's reasons (kai_fractions/admission/validate.py), for a user's manifest.
+PROTECTED_IN_POD = ("is a protected key: only KAI's binder and the kai-fractions mirror and node "
+                    "agent may create it; the validating webhook refuses it from anyone else")
+PROTECTED_IN_TEMPLATE = ("a pod template may not carry a protected key; the binder writes it on "
+                         "each pod after scheduling")
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +41,10 @@ def register(sub) -> None:
     p = sub.add_parser(
         "validate", help="check manifests against the NvFractions contract",
         description="Check Pods and workloads with a pod template (Deployment, StatefulSet, Job, "
-        "CronJob, ...) against the NvFractions annotation contract; each error names its "
+        "CronJob, ...) against the NvFractions annotation contract, and for protected keys "
+        "(binder-owned, kai-fractions.io derived, the mirror's record), which the validating "
+        "webhook refuses from users (a Pod read back from the cluster, with a metadata.uid, "
+        "may carry them); each error names its "
         "file:line, object, container and key. A file given by name with none of those kinds "
         "is a warning; no such object anywhere is a usage error. Exit 0 when all are valid, "
         "1 when any breaks the contract, 2 on usage errors, unreadable input or nothing to "
@@ -49,6 +68,29 @@ def line(where: str, ref: str, container: str | None, error) -> str:
         f" (got {error.value!r})" if error.value is not None else "")
 
 
+def protected_key_errors(view: PodView, request: PodRequest, keys: Keys) -> list[ContractError]:
+    """The protected keys (`Keys.is_protected`, as the validating webhook decides) on a manifest
+    a user would apply: the webhook refuses them on a pod template always, and on a new Pod from
+    anyone but the binder and kai-fractions' components. The one exception, as in the webhook:
+    a new sm-sharing Pod may name its own container's MPS namespace. A Pod that has a
+    metadata.uid was read back from the cluster, where the binder wrote them: not reported."""
+    template = view.kind != "Pod"
+    if not template and view.uid:
+        return []
+    share = request.share
+    exempt = (keys.derived(share.container, k.ADMITTED_MPS_NAMESPACE)
+              if not template and share is not None
+              and share.compute_mode is ComputeMode.SM_SHARING else None)
+    out = []
+    for key in sorted(view.annotations):
+        if not keys.is_protected(key) or key == exempt:
+            continue
+        named = keys.split(key) or keys.split_derived(key)
+        out.append(ContractError(key, PROTECTED_IN_TEMPLATE if template else PROTECTED_IN_POD,
+                                 container=named[0] if named else None))
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         keys = keys_from(args)
@@ -58,8 +100,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for warning in loaded.warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    results = [(located, parse_pod(located.view, keys)) for located in loaded.views]
-    invalid = [r for _, r in results if r.errors]
+    results = []
+    for located in loaded.views:
+        request = parse_pod(located.view, keys)
+        errors = (*request.errors, *protected_key_errors(located.view, request, keys))
+        results.append((located, request, errors))
+    invalid = [r for _, r, errors in results if errors]
     if args.output == "json":
         print(json.dumps({
             "valid": not invalid,
@@ -68,13 +114,13 @@ def run(args: argparse.Namespace) -> int:
                 "file": at.file,
                 "line": at.line,
                 "fractional_containers": [s.container for s in r.shares],
-                "errors": [_error_dict(e) for e in r.errors],
+                "errors": [_error_dict(e) for e in errors],
                 "warnings": [_error_dict(e) for e in r.warnings],
-            } for at, r in results],
+            } for at, r, errors in results],
         }, indent=2))
     else:
-        for at, r in results:
-            for e in r.errors:
+        for at, r, errors in results:
+            for e in errors:
                 print(line(at.where, r.pod.ref, e.container, e))
             for w in r.warnings:
                 print("warning: " + line(at.where, r.pod.ref, w.container, w), file=sys.stderr)

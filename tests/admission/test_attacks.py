@@ -364,7 +364,9 @@ def test_the_admission_process_guards_the_configured_socket_directory(tls_dir: P
         assert response["status"]["message"] == (
             "spec.volumes[0].hostPath.path: '/var/run//gpu-agent/./agent.sock' reaches the "
             "kai-fractions directory '/run/gpu-agent'; no volume may: whoever reaches the node "
-            "agent's socket can release any pod's limits")
+            "agent's socket can release any pod's limits (to admit a trusted host agent without "
+            "NvFractions keys, exempt its namespace: the label kai-fractions.io/webhook=disabled, "
+            "or the chart's webhook.hostPathExemptNamespaces)")
         elsewhere = pod({}, volumes=[{"name": "s", "hostPath": {"path": "/run/gpu-agent-2"}}])
         assert review(hook, elsewhere)["allowed"] is True
         proc.terminate()

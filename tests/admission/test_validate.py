@@ -241,7 +241,21 @@ def test_host_paths_elsewhere_pass_and_non_fractional_pods_are_checked_too() -> 
     assert (d.allowed, d.message) == (False, (
         "spec.volumes[0].hostPath.path: '/var/lib/kai-fractions' reaches the kai-fractions "
         "directory '/var/lib/kai-fractions/markers'; only the webhook's own volume "
-        "'kai-fractions-marker' may"))
+        "'kai-fractions-marker' may (to admit a trusted host agent without NvFractions keys, "
+        "exempt its namespace: the label kai-fractions.io/webhook=disabled, or the chart's "
+        "webhook.hostPathExemptNamespaces)"))
+
+
+def test_a_host_path_refusal_ends_with_the_exemption_hint_once() -> None:
+    """A host agent mounting `/` reaches all three directories: one hint, at the very end."""
+    agent = pod({}, volumes=[{"name": "root", "hostPath": {"path": "/"}},
+                             {"name": "proc", "hostPath": {"path": "/proc"}}])
+    d = validate(request(agent), CONFIG)
+    assert not d.allowed
+    assert d.message.count("reaches the kai-fractions directory") == 6  # 3 each
+    assert d.message.count("webhook.hostPathExemptNamespaces") == 1
+    assert d.message.endswith("the label kai-fractions.io/webhook=disabled, or the chart's "
+                              "webhook.hostPathExemptNamespaces)")
 
 
 def in_template(template: dict[str, Any]) -> dict[str, Any]:

@@ -156,7 +156,7 @@ def test_schema_rejects_unknown_keys() -> None:
 
 
 def test_without_the_mirror_only_the_node_agent_group() -> None:
-    r = rule("mirror.enabled=false", "gpuFractioningConfig.enabled=false")
+    r = rule("mirror.enabled=false", "gpuFractioningConfig.enabled=false", "signing.enabled=false")
     assert [g["name"] for g in r["spec"]["groups"]] == [AGENT_GROUP]
     assert set(alerts(r)) == {n for n, (g, _s, _f) in ALERTS.items() if g == AGENT_GROUP}
 

@@ -324,6 +324,21 @@ def test_node_agent_daemonset_defaults():
     assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in c["ports"]
 
 
+def test_signing_needs_the_mirror():
+    """Only the chart's mirror signs and publishes the public key the node agents mount: signing
+    without it would leave every agent in ContainerCreating, so the render fails, naming both
+    values and the ways out."""
+    err = template_error("mirror.enabled=false", "gpuFractioningConfig.enabled=false")
+    assert "signing.enabled needs mirror.enabled" in err
+    assert "ConfigMap kai-fractions-signing-public" in err
+    assert "Set signing.enabled=false" in err and "keep mirror.enabled=true" in err
+    docs = render(sets=("mirror.enabled=false", "gpuFractioningConfig.enabled=false",
+                        "signing.enabled=false"))
+    args = container(one(docs, "DaemonSet", AGENT), "node-agent")["args"]
+    assert not [a for a in args if a.startswith("--signing-key-file")]
+    assert not find(docs, "Secret", "kai-fractions-signing-key")
+
+
 def test_node_agent_lists_from_the_watch_cache_when_asked():
     """docs/scale.md: large clusters list from the API server's watch cache."""
     args = container(one(render(sets=("nodeAgent.listFromWatchCache=true",
@@ -490,7 +505,23 @@ def test_notes_tell_how_to_check_it_works():
     assert "kai-fractions inspect mirror -n kai-fractions" in notes
     assert "memory tiers: cgroup,watchdog" in notes
     assert "inspect mirror" not in chart_notes("mirror.enabled=false",
-                                               "gpuFractioningConfig.enabled=false")
+                                               "gpuFractioningConfig.enabled=false",
+                                               "signing.enabled=false")
+
+
+def test_notes_tell_to_exempt_trusted_host_agents_and_read_the_env_of_a_finished_pod():
+    notes = chart_notes()
+    assert "reviews EVERY pod with a hostPath volume" in notes
+    assert "--set 'webhook.hostPathExemptNamespaces={monitoring,gpu-operator}'" in notes
+    assert "kai-fractions.io/webhook=disabled" in notes
+    exempt = chart_notes("webhook.hostPathExemptNamespaces={monitoring,gpu-operator}")
+    assert ("Exempt for pods without NvFractions keys (webhook.hostPathExemptNamespaces): "
+            "monitoring, gpu-operator.") in exempt
+    # examples/memory-request.yaml exits in seconds (restartPolicy Never): no exec into it
+    assert "kubectl exec" not in notes
+    assert ("kubectl get pod memory-request -o jsonpath='{range .spec.containers"
+            "[?(@.name==\"trainer\")].env[*]}") in notes
+    assert "kubectl logs memory-request" in notes
 
 
 def test_notes_say_when_nothing_is_deployed():

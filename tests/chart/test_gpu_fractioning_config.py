@@ -147,9 +147,10 @@ def test_disabled_means_no_object_no_reporter():
 
 
 def test_the_reporter_needs_the_mirror():
-    err = template_error("mirror.enabled=false")
+    err = template_error("mirror.enabled=false", "signing.enabled=false")
     assert "gpuFractioningConfig.enabled needs mirror.enabled" in err
-    docs = render(sets=("mirror.enabled=false", "gpuFractioningConfig.enabled=false"))
+    docs = render(sets=("mirror.enabled=false", "gpuFractioningConfig.enabled=false",
+                        "signing.enabled=false"))
     assert not find(docs, "Deployment", MIRROR) and not find(docs, "GpuFractioningConfig")
 
 

@@ -24,7 +24,8 @@ PEERS = ("mirror.networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team
          "mirror.networkPolicy.metricsFrom[0].podSelector.matchLabels.app=prometheus",
          "mirror.networkPolicy.metricsFrom[1].ipBlock.cidr=10.20.0.0/16")
 # No mirror (the GpuFractioningConfig reporter needs it, so that goes too).
-NO_MIRROR = ("mirror.enabled=false", "gpuFractioningConfig.enabled=false")
+NO_MIRROR = ("mirror.enabled=false", "gpuFractioningConfig.enabled=false",
+             "signing.enabled=false")
 
 
 def mirror_container(docs: list[dict[str, Any]]) -> dict[str, Any]:

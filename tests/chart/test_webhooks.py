@@ -13,7 +13,7 @@ import yaml
 
 from kai_fractions.contract import keys as k
 
-from .render import CHART, EXAMPLES, NAMESPACE, one, render, yaml_files
+from .render import CHART, EXAMPLES, NAMESPACE, one, render, template_error, yaml_files
 
 ADMISSION = "kai-fractions-admission"
 AGENT = "kai-fractions-node-agent"
@@ -45,9 +45,10 @@ def pod(annotations: dict[str, str] | None = None) -> dict:
             "spec": {"containers": [{"name": "main", "image": "busybox"}]}}
 
 
-def matches(hook: dict, obj: dict, old: dict | None = None, operation: str = "CREATE") -> bool:
+def matches(hook: dict, obj: dict, old: dict | None = None, operation: str = "CREATE",
+            namespace: str = "team-a") -> bool:
     return bool(cel(condition(hook), object=obj, oldObject=old,
-                    request={"operation": operation}))
+                    request={"operation": operation, "namespace": namespace}))
 
 
 def example_objects() -> list[dict]:
@@ -159,6 +160,51 @@ def test_every_pod_with_a_host_path_is_validated(docs, path):
     no_host = pod({"team": "a"})
     no_host["spec"]["volumes"] = [{"name": "cache", "emptyDir": {}}]
     assert not matches(validating, no_host)
+
+
+def test_host_path_exempt_namespaces_lift_only_the_host_path_clause():
+    """webhook.hostPathExemptNamespaces: trusted host agents (node exporters, GPU operator parts
+    that mount `/` or `/run`) there are not reviewed for their hostPath volumes; the same pod
+    anywhere else is, and a fractional pod in the exempt namespace still is."""
+    docs = render(sets=("webhook.hostPathExemptNamespaces={monitoring,gpu-operator}",))
+    validating = hooks(docs, "ValidatingWebhookConfiguration")["pods.validate.kai-fractions.io"]
+    agent = host_path_pod("/")
+    for namespace in ("monitoring", "gpu-operator"):
+        assert not matches(validating, agent, namespace=namespace)
+        assert not matches(validating, agent, agent, "UPDATE", namespace=namespace)
+    assert matches(validating, agent, namespace="team-a")
+    assert matches(validating, agent, namespace="monitoring-2")
+    # a request without a namespace is never taken for an exempt one (fail closed)
+    assert cel(condition(validating), object=agent, oldObject=None,
+               request={"operation": "CREATE"})
+    fractional = host_path_pod("/", {k.DEFAULT_KEYS.container("main", k.MEMORY_REQUEST): "8Gi"})
+    assert matches(validating, fractional, namespace="monitoring")
+    # removing NvFractions keys there is still checked too
+    assert matches(validating, agent, fractional, "UPDATE", namespace="monitoring")
+    # the mutating webhook and the rest of the validating one are as without the value (but
+    # for the caBundle: every render generates a new CA)
+    default = render()
+
+    def others(rendered: list[dict], kind: str) -> list[dict]:
+        out = []
+        for hook in copy.deepcopy(one(rendered, kind, ADMISSION)["webhooks"]):
+            hook["clientConfig"].pop("caBundle", None)
+            if hook["name"] != "pods.validate.kai-fractions.io":
+                out.append(hook)
+        return out
+
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        assert others(docs, kind) == others(default, kind)
+    # empty (the default): no namespace is exempt, and the expression does not mention one
+    default_hook = hooks(default, "ValidatingWebhookConfiguration")[
+        "pods.validate.kai-fractions.io"]
+    assert "request.namespace" not in condition(default_hook)
+    assert matches(default_hook, agent, namespace="monitoring")
+
+
+def test_host_path_exempt_namespaces_must_be_namespace_names():
+    error = template_error("webhook.hostPathExemptNamespaces={Monitoring}")
+    assert "hostPathExemptNamespaces" in error
 
 
 def test_removing_protected_keys_is_still_validated(docs):
