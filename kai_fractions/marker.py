@@ -2,12 +2,15 @@
 
 One JSON file per pod, `<marker-root>/<pod-uid>/marker.json`:
 
-    {"version": 1, "pod_uid": "...", "written_at": "<RFC3339>",
+    {"version": 1, "pod_uid": "...", "written_at": "<RFC3339>", "boot_id": "<the host's>",
      "containers": {"<name>": {"state": "applied" | "refused", "plan_digest": "sha256:...",
                                "reason": "CamelCase", "message": "..."}}}
 
 The node agent writes it (`write_marker`) only after every fractional container's plan is applied,
-or with a refusal; the gate reads it (`read_marker`). Writes are atomic (temp file in the same
+or with a refusal; the gate reads it (`read_marker`). A marker speaks for one boot of the host
+(`boot_id`, the kernel's random ID of the boot it was written in): a reboot clears the kernel's
+limits but not the marker directory, so the gate and the agent treat a marker of another boot,
+or one without a boot ID, as no marker at all. Writes are atomic (temp file in the same
 directory, fsync, rename, fsync of the directory), so a reader sees the old marker or the new one,
 never half of one. Permissions: the root 0700 (only root on the host lists pod UIDs), each pod
 directory 0755 and the file 0644, so the gate, running as an unprivileged user with only its own
@@ -45,6 +48,9 @@ _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _REASON = re.compile(r"[A-Z][A-Za-z0-9]*")
 # Pod UIDs are RFC 4122 strings; refuse anything that could escape the marker root.
 _POD_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,127}")
+_BOOT_ID = re.compile(r"[A-Za-z0-9-]{1,64}")
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+"""A random UUID the kernel draws at each boot; the host's own in every container."""
 
 
 class MarkerState(StrEnum):
@@ -95,6 +101,8 @@ class Marker:
     containers: Mapping[str, ContainerMarker] = field(
         default_factory=lambda: MappingProxyType({}))
     version: int = MARKER_VERSION
+    boot_id: str = ""
+    """The host's boot ID when the marker was written ("" from agents before boot IDs)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "containers", MappingProxyType(dict(self.containers)))
@@ -103,22 +111,29 @@ class Marker:
         if not _POD_UID.fullmatch(self.pod_uid):
             raise MarkerError(f"pod_uid: must be a pod UID, got {self.pod_uid!r}")
         _check_time(self.written_at)
+        if not isinstance(self.boot_id, str) or (self.boot_id
+                                                   and not _BOOT_ID.fullmatch(self.boot_id)):
+            raise MarkerError(f"boot_id: must be a boot ID, got {self.boot_id!r}")
         for name, container in self.containers.items():
             if not isinstance(container, ContainerMarker):
                 raise MarkerError(f"containers.{name}: must be a ContainerMarker")
 
     @classmethod
     def build(cls, pod_uid: str, containers: Mapping[str, ContainerMarker], *,
-              clock: Callable[[], float] = time.time) -> Marker:
-        return cls(pod_uid=pod_uid, written_at=rfc3339(clock()), containers=containers)
+              boot_id: str, clock: Callable[[], float] = time.time) -> Marker:
+        return cls(pod_uid=pod_uid, written_at=rfc3339(clock()), containers=containers,
+                   boot_id=boot_id)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "version": self.version,
             "pod_uid": self.pod_uid,
             "written_at": self.written_at,
             "containers": {n: c.to_dict() for n, c in sorted(self.containers.items())},
         }
+        if self.boot_id:
+            out["boot_id"] = self.boot_id
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
@@ -168,6 +183,9 @@ def parse_marker(text: str | bytes, *, expected_pod_uid: str | None = None) -> M
     for name in ("pod_uid", "written_at"):
         if not isinstance(data.get(name), str):
             raise MarkerError(f"{name}: is missing or not a string")
+    boot_id = data.get("boot_id", "")
+    if not isinstance(boot_id, str):
+        raise MarkerError(f"boot_id: must be a string, got {boot_id!r}")
     raw = data.get("containers")
     if not isinstance(raw, dict):
         raise MarkerError("containers: must be an object keyed by container name")
@@ -192,17 +210,34 @@ def parse_marker(text: str | bytes, *, expected_pod_uid: str | None = None) -> M
         except MarkerError as e:
             raise MarkerError(str(e).replace("container", where, 1)) from None
     marker = Marker(pod_uid=data["pod_uid"], written_at=data["written_at"],
-                    containers=containers)
+                    containers=containers, boot_id=boot_id)
     if expected_pod_uid is not None and marker.pod_uid != expected_pod_uid:
         raise MarkerError(f"pod_uid: is {marker.pod_uid!r}, expected this pod's "
                           f"{expected_pod_uid!r}")
     return marker
 
 
-def pod_marker_dir(root: str | os.PathLike[str], pod_uid: str) -> Path:
-    if not _POD_UID.fullmatch(pod_uid):
+def read_boot_id(path: str | os.PathLike[str] = BOOT_ID_PATH) -> str:
+    """This boot's ID; raises MarkerError when it cannot be read (then no marker can be told
+    from one written before a reboot)."""
+    try:
+        value = Path(path).read_text().strip()
+    except OSError as e:
+        raise MarkerError(f"{path}: cannot read the host's boot ID: {e.strerror or e}") from None
+    if not _BOOT_ID.fullmatch(value):
+        raise MarkerError(f"{path}: not a boot ID: {value[:60]!r}")
+    return value
+
+
+def check_pod_uid(pod_uid: str) -> str:
+    """`pod_uid`, or MarkerError when it is not one (it names a directory under the root)."""
+    if not isinstance(pod_uid, str) or not _POD_UID.fullmatch(pod_uid):
         raise MarkerError(f"pod_uid: must be a pod UID, got {pod_uid!r}")
-    return Path(root) / pod_uid
+    return pod_uid
+
+
+def pod_marker_dir(root: str | os.PathLike[str], pod_uid: str) -> Path:
+    return Path(root) / check_pod_uid(pod_uid)
 
 
 def read_marker(pod_dir: str | os.PathLike[str], *,

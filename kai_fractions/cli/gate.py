@@ -60,11 +60,13 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import contextlib
     import sys
     from pathlib import Path
 
     from ..contract import DEFAULT_KEYS, Keys
     from ..gate import GateOptions, parse_names, run_gate
+    from ..marker import MarkerError, read_boot_id
 
     if not args.pod_uid:
         print("kai-fractions gate: no pod UID: set env POD_UID (fieldRef metadata.uid) or pass "
@@ -75,6 +77,15 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kai-fractions gate: --annotation-prefix: {e}", file=sys.stderr)
         return 2
+    try:
+        boot_id = read_boot_id()
+    except MarkerError as e:
+        line = (f"kai-fractions gate: {e}: a readiness marker written before the node restarted "
+                "could not be told from this boot's, so none is trusted")
+        print(line, file=sys.stderr)
+        with contextlib.suppress(OSError):
+            Path(args.termination_log).write_text(line + "\n")
+        return 1
     opts = GateOptions(
         marker_dir=Path(args.marker_dir),
         annotations_file=Path(args.annotations_file),
@@ -83,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         poll_interval=args.poll_interval,
         termination_log=Path(args.termination_log),
         keys=keys,
+        boot_id=boot_id,
         containers=parse_names(args.containers),
         init_containers=parse_names(args.init_containers),
     )

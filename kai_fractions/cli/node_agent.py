@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from ..contract import Keys
     from ..kube.config import ConfigError as KubeConfigError
     from ..kube.config import load_api_client
+    from ..marker import MarkerError
     from ..metrics_http import parse_listen
     from ..node.agent.agent import NodeAgent
     from ..node.agent.grpc_service import SocketError
@@ -184,9 +185,14 @@ def run(args: argparse.Namespace) -> int:
         # The daemon's own pid is found in the real /proc (its lock), not under --proc-root.
         mps = MpsDaemon(config.mps_control_binary, config.mps_pipe_dir, config.mps_log_dir,
                         SubprocessRunner())
-    agent = NodeAgent(config=config, options=options, nvml=PynvmlNvml(config.nvml_library),
-                      cgroup_fs=HostCgroupFs(), source=cluster, cluster=cluster, mps=mps,
-                      procfs=Procfs(config.proc_root))
+    try:
+        agent = NodeAgent(config=config, options=options,
+                          nvml=PynvmlNvml(config.nvml_library), cgroup_fs=HostCgroupFs(),
+                          source=cluster, cluster=cluster, mps=mps,
+                          procfs=Procfs(config.proc_root))
+    except MarkerError as e:  # the boot ID: without it no marker can be told from a stale one
+        api_client.close()
+        return _fail(f"cannot start: {e}")
     cluster.observe_requests(agent.metrics.api_request)
 
     def on_signal(signum, _frame) -> None:

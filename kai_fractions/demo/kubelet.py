@@ -24,7 +24,7 @@ from ..admission.config import GATE_CONTAINER
 from ..contract import MIB, Keys
 from ..contract import keys as k
 from ..gate import GateOptions, run_gate
-from ..marker import pod_marker_dir
+from ..marker import pod_marker_dir, read_boot_id
 from ..node.cgroups import CgroupLayout, compute_qos_class
 from ..sim.nvml import FakeNvml, GpuOutOfMemory
 
@@ -199,7 +199,7 @@ class SimulatedKubelet:
         options = GateOptions(
             marker_dir=pod_marker_dir(self.marker_dir, uid), annotations_file=annotations,
             pod_uid=uid, timeout=timeout, poll_interval=GATE_POLL,
-            termination_log=termination, keys=self.keys,
+            termination_log=termination, keys=self.keys, boot_id=read_boot_id(),
             containers=tuple(_names(spec, "containers")),
             init_containers=tuple(n for n in _names(spec, "initContainers")
                                   if n != GATE_CONTAINER))

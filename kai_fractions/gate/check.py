@@ -2,8 +2,9 @@
 and the node agent's readiness marker.
 
 Release only when every fractional container's plan, computed from the annotations exactly as
-the node agent computes it, was applied with the same digest, and the derived annotations the
-workload's env reads say what that plan says. A refusal is final. Anything else is "not yet":
+the node agent computes it, was applied with the same digest in this boot of the host (a reboot
+clears the kernel's limits, not the marker on disk), and the derived annotations the workload's
+env reads say what that plan says. A refusal of this boot is final. Anything else is "not yet":
 the kubelet refreshes the downward-API file on its own sync period, so annotations written just
 before the marker (the node agent does that when it follows an unmodified KAI) may show up a
 little later; the caller keeps polling and reports the last reason when its time runs out.
@@ -93,15 +94,28 @@ def _refusal(marker: Marker) -> Verdict | None:
     return None
 
 
+def _earlier_boot(marker: Marker, boot_id: str) -> str:
+    written = (f"in boot {marker.boot_id}" if marker.boot_id else
+               "by a node agent that does not record boots (an older release)")
+    return (f"the node agent's marker was written {written}, not in this boot of the node "
+            f"({boot_id}): the limits it vouched for are gone with a restart; waiting for the "
+            "agent to apply them again")
+
+
 def judge(
     annotations: Mapping[str, str] | None,
     marker: Marker | None,
     *,
     pod_uid: str,
     keys: Keys,
+    boot_id: str,
     containers: Sequence[str] = (),
     init_containers: Sequence[str] = (),
 ) -> Verdict:
+    """`boot_id`: the host's, now (`kai_fractions.marker.read_boot_id`)."""
+    earlier = None
+    if marker is not None and marker.boot_id != boot_id:
+        earlier, marker = _earlier_boot(marker, boot_id), None
     if marker is not None:
         refused = _refusal(marker)
         if refused is not None:
@@ -116,7 +130,8 @@ def judge(
         return _fail("the pod's annotations request no GPU fraction, yet the pod carries the "
                      "kai-fractions gate: its GPU env would be empty")
     if marker is None:
-        return _wait("the node agent has not written this pod's readiness marker yet")
+        return _wait(earlier or "the node agent has not written this pod's readiness marker "
+                     "yet")
     try:
         plans = plan_pod(request, keys=keys)
     except ContractViolation as e:

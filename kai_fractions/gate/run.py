@@ -33,6 +33,8 @@ class GateOptions:
     poll_interval: float
     termination_log: Path
     keys: Keys
+    boot_id: str
+    """The host's boot ID, read once at the gate's start: only a marker of this boot counts."""
     containers: tuple[str, ...] = ()
     init_containers: tuple[str, ...] = ()
 
@@ -54,7 +56,8 @@ def observe(opts: GateOptions) -> Verdict:
     except DownwardError as e:
         return Verdict(Outcome.WAIT, f"the pod's annotations cannot be read: {e}")
     return judge(annotations, marker, pod_uid=opts.pod_uid, keys=opts.keys,
-                 containers=opts.containers, init_containers=opts.init_containers)
+                 boot_id=opts.boot_id, containers=opts.containers,
+                 init_containers=opts.init_containers)
 
 
 def _write_termination_log(path: Path, line: str, stderr: TextIO) -> None:

@@ -227,6 +227,10 @@ class DesiredState:
     """Every live (non-terminal) pod on the node, fractional or not."""
     limits: tuple[LimitTarget, ...] = ()
     """Every cgroup limit to have in force: pod slices first, then container cgroups."""
+    unread: frozenset[tuple[str, str]] = frozenset()
+    """(GPU UUID, cgroup path) whose limit is kept as the kernel holds it but could not be read
+    this pass: the engine neither writes nor sweeps them (a limit that may be in force is
+    never cleared on a guess)."""
 
     def container(self, key: tuple[str, str]) -> ContainerDesired | None:
         return next((c for c in self.containers if c.key == key), None)

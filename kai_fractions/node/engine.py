@@ -187,8 +187,11 @@ class Engine:
 
     # -- apply ------------------------------------------------------------------------------
 
-    def apply(self, desired: DesiredState) -> ApplyReport:
-        run = _Run(self, desired)
+    def apply(self, desired: DesiredState, *, mps_down: NodeError | None = None
+              ) -> ApplyReport:
+        """`mps_down`: why the node's MPS control daemon is unusable this pass (the agent's
+        health check), if it is: every sm-sharing container then stays pending."""
+        run = _Run(self, desired, mps_down)
         run.go()
         self._last = desired
         return run.report()
@@ -264,9 +267,10 @@ class Engine:
 class _Run:
     """One apply: collects per-container failures, then builds the report."""
 
-    def __init__(self, engine: Engine, desired: DesiredState):
+    def __init__(self, engine: Engine, desired: DesiredState, mps_down: NodeError | None = None):
         self.e = engine
         self.d = desired
+        self.mps_down = mps_down
         self.at = engine.clock()
         self.failed: dict[ContainerKey, NodeError] = {}
         self.issues: list[Issue] = []
@@ -321,8 +325,12 @@ class _Run:
     # MPS ----------------------------------------------------------------------------------------
 
     def mps(self) -> None:
+        # Every sm-sharing container: its processes are clients of the node's MPS server, even
+        # where no namespace or pinned limit is applied for it (a driver without namespaces
+        # caps it by its client env alone), so without a daemon no share is enforced.
         needs_mps = [c for c in self.d.containers
-                     if c.mps_namespace or Mechanism.MPS_PINNED in c.mechanisms]
+                     if c.compute is not ComputeEnforcement.TIME_SLICING
+                     or c.mps_namespace or Mechanism.MPS_PINNED in c.mechanisms]
         if not needs_mps:
             return
         mps = self.e.mps
@@ -331,6 +339,9 @@ class _Run:
                 "the MPS control daemon is not available on this node (the agent runs without "
                 "MPS control): sm-sharing cannot be enforced; check the agent's MPS settings",
                 reason=MPS_UNAVAILABLE))
+            return
+        if self.mps_down is not None:
+            self.fail((c.key for c in needs_mps), self.mps_down)
             return
         for g in self.d.gpus:
             if g.mps_pinned_mib is None:
@@ -425,7 +436,7 @@ class _Run:
             for path in (pc.path, *pc.children):
                 for uuid in gpus:
                     key = (uuid, path)
-                    if key in wanted or key in self.e._clean:
+                    if key in wanted or key in self.d.unread or key in self.e._clean:
                         continue
                     try:
                         write = self.e.limits.clear(uuid, path)

@@ -19,6 +19,7 @@ import pytest
 
 from kai_fractions.api.v1 import node_pb2, node_pb2_grpc
 from kai_fractions.contract import derived_annotations, parse_pod, plan_pod, pod_views
+from kai_fractions.marker import read_boot_id
 from tests.support.agent_process import GPU0, H100_MIB, AgentEnv, wait_for
 
 pytestmark = pytest.mark.integration
@@ -142,9 +143,11 @@ def test_end_to_end_mirrored_pod_applied_then_released(agent_env: AgentEnv) -> N
                       what="the readiness marker", timeout=15)
     body = json.loads(marker.read_text())
     assert body["version"] == 1 and body["pod_uid"] == uid
+    assert body["boot_id"] == read_boot_id()  # this boot's: a reboot voids it
     assert body["containers"] == {"main": {
         "state": "applied", "plan_digest": digest, "reason": "Applied",
-        "message": "limits in force: memory cgroup,mps-pinned,watchdog; compute mps-client-env"}}
+        "message": "limits in force: memory cgroup,mps-pinned,watchdog (reports, stops nothing); "
+                   "compute mps-client-env"}}
     assert stat.S_IMODE(marker.stat().st_mode) == 0o644
     assert stat.S_IMODE(marker.parent.stat().st_mode) == 0o755
     assert stat.S_IMODE(env.marker_dir.stat().st_mode) == 0o700

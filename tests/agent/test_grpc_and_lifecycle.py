@@ -199,6 +199,21 @@ def test_bad_calls_get_a_status_not_a_trace(running: Rig) -> None:
         s.Release(node_pb2.ReleaseRequest(pod=allocation_pb2.PodRef(namespace="a", name="b")),
                   timeout=5)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    # A uid names a directory and a cgroup: one that is not a pod UID changes nothing (it used
+    # to be provisioned, and then every pass failed on its marker, the good pods' too).
+    for call, request in (
+            (s.Provision, node_pb2.ProvisionRequest(
+                pod=allocation_pb2.PodRef(namespace="a", name="b", uid="../x"),
+                annotations=binder_annotations(devices=running.gpu0), containers=["main"])),
+            (s.Release, node_pb2.ReleaseRequest(pod=allocation_pb2.PodRef(uid="../x"))),
+            (s.Drain, node_pb2.DrainRequest(pod=allocation_pb2.PodRef(uid="../x")))):
+        with pytest.raises(grpc.RpcError) as e:
+            call(request, timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details() == (
+            "pod.uid: must be the pod's metadata.uid (letters, digits and dashes, at most 128), "
+            "got '../x': it names the pod's marker directory and cgroup")
+    assert running.reconciler.pods.provisioned == {}
 
 
 def test_metrics_scrape_and_series_of_a_deleted_pod_disappear(running: Rig) -> None:

@@ -12,7 +12,10 @@ unknown). Names and label sets are written out literally.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
+
+import pytest
 
 from kai_fractions.node.agent.metrics import Usage
 from kai_fractions.node.desired import ContainerKey
@@ -167,3 +170,21 @@ def test_node_readiness_and_gpu_memory(short_tmp: Path) -> None:
     rig.step()
     assert samples(rig, "kai_fractions_node_ready") == {
         frozenset({"node": "node-a", "reason": "NVMLUnavailable"}.items()): 0}
+
+
+def test_a_gpu_whose_processes_cannot_be_listed_is_counted_and_logged_once(
+        short_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A watchdog that cannot see a GPU's processes reads no usage there: that must show, not
+    pass for "nothing used" (found by the fail-closed audit)."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    add_pod(rig)
+    assert rig.step().converged
+    rig.nvml.fail("running_processes", "Unknown", times=2, device=rig.gpu0)
+    with caplog.at_level(logging.INFO, logger="kai_fractions.node.agent.usage"):
+        for _ in range(3):
+            rig.reconciler.check_usage()
+    assert samples(rig, "kai_fractions_agent_gpu_usage_unreadable_total") == {
+        frozenset({"node": "node-a", "gpu_uuid": rig.gpu0, "reason": "NVMLError"}.items()): 2}
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]  # began, and ended
+    assert caplog.records[0].getMessage().startswith(
+        f"cannot list the processes of GPU {rig.gpu0} (NVMLError): ")

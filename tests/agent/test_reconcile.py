@@ -8,9 +8,12 @@ import os
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from kai_fractions.contract import DEFAULT_KEYS
 from kai_fractions.gate.check import Outcome, judge
 from kai_fractions.marker import TEMP_PREFIX, TEMP_SUFFIX, read_marker
+from kai_fractions.node.errors import NodeError
 from kai_fractions.node.nvml import MEMORY_LIMIT_MAX
 
 from .builders import GIB, Rig, binder_annotations, pod
@@ -70,7 +73,8 @@ def test_follower_pod_gets_derived_annotations_then_an_applied_marker(short_tmp:
     # the gate, given the pod's annotations as the downward API shows them now, lets it run
     notes = rig.cluster.pods[uid]["metadata"]["annotations"]
     verdict = judge(notes, read_marker(rig.marker_path(uid).parent), pod_uid=uid,
-                    keys=DEFAULT_KEYS, containers=["main"])
+                    keys=DEFAULT_KEYS, boot_id=rig.reconciler.markers.boot_id,
+                    containers=["main"])
     assert verdict.outcome is Outcome.RELEASE, verdict.message
     assert rig.cluster.event_reasons(uid) == ["Applied"]
 
@@ -423,6 +427,29 @@ def test_mps_daemon_that_cannot_start_makes_the_node_not_ready(short_tmp: Path) 
     assert marker(rig, ts) is not None  # time-slicing needs no MPS
 
 
+@pytest.mark.parametrize("mps_v3", [True, False])
+def test_without_a_daemon_no_sm_sharing_container_is_applied_whatever_the_tiers(
+        short_tmp: Path, mps_v3: bool) -> None:
+    """Without mps-pinned, an sm-sharing container on a driver without namespaces (or with a
+    daemon whose protocol cannot be probed) gets nothing applied by MPS but its client env:
+    without a daemon that answers, no share of the SMs would be enforced, so it stays pending
+    (found by the fail-closed audit: it was marked applied)."""
+    rig = Rig(short_tmp, mps_v3=mps_v3, memory_enforcement="cgroup,watchdog")
+    rig.mps.control.kill()
+    rig.mps.can_start = False
+    uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    ts = add_pod(rig, "ts")
+    report = rig.step()
+    assert "MpsDaemonUnreachable" in report.errors
+    assert marker(rig, uid) is None
+    assert marker(rig, ts) is not None  # time-slicing needs no MPS
+    result = rig.reconciler.view.results[(uid, "main")]
+    assert (result.state.value, result.reason) == ("pending", "MpsDaemonUnreachable")
+    rig.mps.can_start = True  # the daemon comes back: the container is applied
+    assert rig.step().converged
+    assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
+
+
 def test_legacy_mps_links_the_namespace_directory_to_the_daemon(short_tmp: Path) -> None:
     rig = Rig(short_tmp, mps_v3=False)
     uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
@@ -568,6 +595,36 @@ def test_provision_and_release_without_the_api(short_tmp: Path) -> None:
     assert rig.nvml.limits == {}
 
 
+def test_a_release_that_could_not_remove_a_limit_says_so(short_tmp: Path) -> None:
+    """The caller of Release must not believe the pod unlimited while a limit may still be in
+    force: the call fails with the reason; the pod stays released and a later pass clears it."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    rig.cgroups.add(leaf_of(uid))  # as the kubelet made them: the sweep finds them by scanning
+    rig.step()
+    rig.nvml.fail("clear_memory_limits", "GpuIsLost", times=None)
+    with pytest.raises(NodeError) as e:
+        rig.reconciler.release(uid)
+    assert e.value.reason == "GPULost"
+    assert str(e.value.message).startswith(
+        f"pod {uid} is released, but not everything enforced for it could be removed yet (")
+    assert rig.nvml.limits  # still in force, as the error says
+    rig.nvml.clear_failures()
+    rig.step(full=True)
+    assert rig.nvml.limits == {}  # the released pod's limit is swept
+    assert rig.reconciler.release(uid) == []  # repeating it is harmless: nothing is left
+
+
+def test_a_pod_whose_marker_cannot_be_written_does_not_stop_the_others(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    rig.reconciler.pods.provision("ns", "bad", "not a uid", binder_annotations(
+        devices=rig.gpu0), ["main"])  # only possible in process: Provision refuses it
+    good = add_pod(rig)
+    report = rig.step()
+    assert "MarkerNotWritten" in report.errors
+    assert marker(rig, good)["containers"]["main"]["state"] == "applied"
+
+
 def test_release_of_a_watched_pod_holds_until_the_pod_goes(short_tmp: Path) -> None:
     rig = Rig(short_tmp, sm_sharing=False)
     uid = add_pod(rig)
@@ -577,3 +634,22 @@ def test_release_of_a_watched_pod_holds_until_the_pod_goes(short_tmp: Path) -> N
     assert rig.nvml.limits == {}
     assert not rig.marker_path(uid).exists()
     assert rig.marker_path(uid).parent.is_dir()  # the pod (and its gate's mount) still exist
+
+
+def test_an_applied_marker_names_a_watchdog_that_only_reports() -> None:
+    """The marker's message says what is in force: with `--watchdog-policy report` the watchdog
+    reports a container over its cap and stops nothing (found by the fail-closed audit)."""
+    from kai_fractions.node.agent.markers import decide
+    from kai_fractions.node.config import Mechanism
+    from kai_fractions.node.desired import ComputeEnforcement, ContainerKey
+    from kai_fractions.node.engine import ContainerResult, ContainerState
+
+    result = ContainerResult(ContainerKey("uid", "main"), "ns/p/main", ContainerState.APPLIED,
+                             plan_digest="sha256:" + "a" * 64,
+                             mechanisms=frozenset({Mechanism.CGROUP, Mechanism.WATCHDOG}),
+                             compute=ComputeEnforcement.TIME_SLICING)
+    messages = [decide({"main": result}, watchdog_stops=stops).write["main"].message
+                for stops in (True, False)]
+    assert messages == [
+        "limits in force: memory cgroup,watchdog; compute time-slicing",
+        "limits in force: memory cgroup,watchdog (reports, stops nothing); compute time-slicing"]

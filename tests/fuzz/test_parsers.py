@@ -145,7 +145,8 @@ def test_the_gate_judges_anything_without_raising(anns, marker_text, containers)
         except MarkerError:
             marker = None
     verdict = judge(anns, marker, pod_uid="0b7e1c9a-3d2f-4a5b-8c6d-7e8f9a0b1c2d",
-                    keys=DEFAULT_KEYS, containers=containers)
+                    keys=DEFAULT_KEYS, boot_id="0b0a1c2d-3e4f-4a5b-8c6d-7e8f9a0b1c2d",
+                    containers=containers)
     assert isinstance(verdict, Verdict) and isinstance(verdict.outcome, Outcome)
     assert verdict.message and "\n" not in verdict.message
 
@@ -178,9 +179,9 @@ container_markers = st.one_of(
 @given(st.uuids().map(str),
        st.dictionaries(st.text("abc-z09", min_size=1, max_size=10), container_markers,
                        max_size=3),
-       st.integers(0, 2**33))
-def test_markers_round_trip(uid, containers, when):
-    marker = Marker.build(uid, containers, clock=lambda: when)
+       st.integers(0, 2**33), st.uuids().map(str))
+def test_markers_round_trip(uid, containers, when, boot_id):
+    marker = Marker.build(uid, containers, boot_id=boot_id, clock=lambda: when)
     again = parse_marker(marker.to_json(), expected_pod_uid=uid)
     assert again.to_dict() == marker.to_dict()
     assert all(c.state in (MarkerState.APPLIED, MarkerState.REFUSED)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kai_fractions.marker import write_marker
+from kai_fractions.marker import read_boot_id, write_marker
 
 from .pods import UID, bound_annotations, downward_file, plan_of
 from .test_gate import applied
@@ -16,8 +16,8 @@ CLI = Path(sys.executable).parent / "kai-fractions"
 
 
 def pod_files(tmp_path: Path, with_marker: bool) -> list[str]:
-    if with_marker:
-        write_marker(tmp_path / "markers", applied())
+    if with_marker:  # the process reads this host's boot ID: the marker is of this boot
+        write_marker(tmp_path / "markers", applied(boot_id=read_boot_id()))
     (tmp_path / "annotations").write_text(downward_file(bound_annotations()))
     return ["--marker-dir", str(tmp_path / "markers" / UID),
             "--annotations-file", str(tmp_path / "annotations"),

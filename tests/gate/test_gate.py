@@ -15,20 +15,25 @@ from .pods import UID, bound_annotations, downward_file, plan_of
 
 DERIVED_LIMIT = "kai-fractions.io/container.main.memory-limit-mib"
 STALE = "sha256:" + "0" * 64
+BOOT = "0b0a1c2d-3e4f-4a5b-8c6d-7e8f9a0b1c2d"
+"""The host's boot ID in these tests (the gate process's tests use the real one)."""
+EARLIER_BOOT = "9f8e7d6c-5b4a-4c3d-8e2f-1a0b9c8d7e6f"
 
 
-def marker_for(containers: dict[str, ContainerMarker], uid: str = UID) -> Marker:
-    return Marker.build(uid, containers, clock=lambda: 1.7e9)
+def marker_for(containers: dict[str, ContainerMarker], uid: str = UID,
+               boot_id: str = BOOT) -> Marker:
+    return Marker.build(uid, containers, boot_id=boot_id, clock=lambda: 1.7e9)
 
 
-def applied() -> Marker:
+def applied(boot_id: str = BOOT) -> Marker:
     digest = plan_of(bound_annotations()).digest
-    return marker_for({"main": ContainerMarker.applied(digest)})
+    return marker_for({"main": ContainerMarker.applied(digest)}, boot_id=boot_id)
 
 
 def verdict(annotations: dict[str, str] | None, marker: Marker | None,
             containers: tuple[str, ...] = ("main", "metrics")):
-    return judge(annotations, marker, pod_uid=UID, keys=DEFAULT_KEYS, containers=containers)
+    return judge(annotations, marker, pod_uid=UID, keys=DEFAULT_KEYS, boot_id=BOOT,
+                 containers=containers)
 
 
 def test_matching_marker_and_annotations_release() -> None:
@@ -39,6 +44,32 @@ def test_matching_marker_and_annotations_release() -> None:
 
 def test_container_names_default_to_those_the_annotations_name() -> None:
     assert verdict(bound_annotations(), applied(), containers=()).outcome is Outcome.RELEASE
+
+
+def test_a_marker_of_an_earlier_boot_is_no_marker() -> None:
+    """A reboot clears the kernel's limits, not the marker directory on the host's disk: the
+    kubelet runs the gate again in a new sandbox, and it must wait for the agent to apply the
+    limits again in this boot, not release on what the marker said before."""
+    v = verdict(bound_annotations(), applied(boot_id=EARLIER_BOOT))
+    assert (v.outcome, v.message) == (Outcome.WAIT, (
+        f"the node agent's marker was written in boot {EARLIER_BOOT}, not in this boot of the "
+        f"node ({BOOT}): the limits it vouched for are gone with a restart; waiting for the "
+        "agent to apply them again"))
+    refused = marker_for({"main": ContainerMarker.refused("InsufficientMemory", "no room")},
+                         boot_id=EARLIER_BOOT)
+    assert verdict(bound_annotations(), refused).outcome is Outcome.WAIT  # nor is its refusal
+
+
+def test_a_marker_without_a_boot_id_is_no_marker() -> None:
+    """An agent of an earlier release wrote none: the marker cannot say which boot it is of."""
+    old = Marker(pod_uid=UID, written_at="2026-12-01T10:00:00Z",
+                 containers=dict(applied().containers))
+    assert "boot_id" not in old.to_dict()
+    v = verdict(bound_annotations(), old)
+    assert (v.outcome, v.message) == (Outcome.WAIT, (
+        "the node agent's marker was written by a node agent that does not record boots (an "
+        f"older release), not in this boot of the node ({BOOT}): the limits it vouched for are "
+        "gone with a restart; waiting for the agent to apply them again"))
 
 
 def test_a_refusal_is_final_even_before_the_annotations_are_visible() -> None:
@@ -141,7 +172,7 @@ def setup_pod(tmp_path: Path, annotations: dict[str, str] | None,
     return GateOptions(marker_dir=root / UID, annotations_file=podinfo / "annotations",
                        pod_uid=UID, timeout=2.0, poll_interval=0.5,
                        termination_log=tmp_path / "termination-log", keys=DEFAULT_KEYS,
-                       containers=("main", "metrics"))
+                       boot_id=BOOT, containers=("main", "metrics"))
 
 
 def run(opts: GateOptions, clock: FakeClock) -> tuple[int, str, str, str]:
@@ -216,7 +247,8 @@ def test_a_marker_for_another_pod_is_not_trusted(tmp_path: Path) -> None:
     opts = setup_pod(tmp_path, bound_annotations(), None)
     # Another pod's marker placed in this pod's directory (it cannot happen through the
     # subPathExpr mount, but the gate checks anyway).
-    other = Marker.build("another-pod-uid", dict(applied().containers), clock=lambda: 1.7e9)
+    other = Marker.build("another-pod-uid", dict(applied().containers), boot_id=BOOT,
+                         clock=lambda: 1.7e9)
     write_marker(tmp_path / "markers", other)
     (tmp_path / "markers" / "another-pod-uid").rename(tmp_path / "markers" / UID)
     code, log, _, _ = run(opts, FakeClock())

@@ -12,11 +12,13 @@ import pytest
 
 from kai_fractions import marker as m
 from kai_fractions.marker import (
+    BOOT_ID_PATH,
     ContainerMarker,
     Marker,
     MarkerError,
     MarkerState,
     parse_marker,
+    read_boot_id,
     read_marker,
     remove_marker,
     write_marker,
@@ -25,10 +27,12 @@ from kai_fractions.marker import (
 UID = "5f0c6c1e-2b2b-4c4c-8d8d-000000000001"
 DIGEST = "sha256:" + "ab" * 32
 OTHER_DIGEST = "sha256:" + "cd" * 32
+BOOT = "0b0a1c2d-3e4f-4a5b-8c6d-7e8f9a0b1c2d"
 
 
 def sample(digest: str = DIGEST) -> Marker:
-    return Marker.build(UID, {"main": ContainerMarker.applied(digest)}, clock=lambda: 1.7e9)
+    return Marker.build(UID, {"main": ContainerMarker.applied(digest)}, boot_id=BOOT,
+                        clock=lambda: 1.7e9)
 
 
 def mode(path: Path) -> int:
@@ -39,12 +43,13 @@ def test_the_file_format_is_exactly_the_agreed_json(tmp_path: Path) -> None:
     path = write_marker(tmp_path / "markers", Marker.build(UID, {
         "main": ContainerMarker.applied(DIGEST),
         "side": ContainerMarker.refused("MixedComputeModes", "GPU-1 already runs time-slicing"),
-    }, clock=lambda: 1_700_000_000.9))
+    }, boot_id=BOOT, clock=lambda: 1_700_000_000.9))
     assert path == tmp_path / "markers" / UID / "marker.json"
     assert json.loads(path.read_text()) == {
         "version": 1,
         "pod_uid": UID,
         "written_at": "2023-11-14T22:13:20Z",
+        "boot_id": BOOT,
         "containers": {
             "main": {"state": "applied", "plan_digest": DIGEST, "reason": "Applied",
                      "message": ""},
@@ -59,6 +64,23 @@ def test_write_then_read_round_trips(tmp_path: Path) -> None:
     write_marker(tmp_path, written)
     assert read_marker(tmp_path / UID, expected_pod_uid=UID) == written
     assert read_marker(tmp_path / "no-such-pod") is None
+
+
+def test_the_boot_id_is_this_hosts_and_a_bad_one_is_refused(tmp_path: Path) -> None:
+    real = read_boot_id()  # the kernel's, as the agent and the gate read it
+    assert real == Path(BOOT_ID_PATH).read_text().strip() and len(real) == 36
+    (tmp_path / "boot_id").write_text(BOOT + "\n")
+    assert read_boot_id(tmp_path / "boot_id") == BOOT
+    (tmp_path / "boot_id").write_text("../../etc\n")
+    with pytest.raises(MarkerError, match=r"boot_id: not a boot ID: '\.\./\.\./etc'"):
+        read_boot_id(tmp_path / "boot_id")
+    with pytest.raises(MarkerError, match="cannot read the host's boot ID: No such file"):
+        read_boot_id(tmp_path / "none")
+    with pytest.raises(MarkerError, match="boot_id: must be a boot ID, got 'a b'"):
+        Marker.build(UID, {}, boot_id="a b")
+    with pytest.raises(MarkerError, match="boot_id: must be a string, got 7"):
+        parse_marker(json.dumps({"version": 1, "pod_uid": UID, "boot_id": 7, "containers": {},
+                                 "written_at": "2023-11-14T22:13:20Z"}))
 
 
 def test_permissions_let_an_unprivileged_gate_read_whatever_the_umask(tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ def applied_pod(uid: str = UID_A, created: str = "2025-01-01T00:00:00Z", **kw
 def marker(uid: str, digest: str, state: str = "applied") -> Marker:
     entry = (ContainerMarker.applied(digest) if state == "applied"
              else ContainerMarker.refused("Refused", "no", digest))
-    return Marker.build(uid, {"main": entry})
+    return Marker.build(uid, {"main": entry}, boot_id="0b0a1c2d-3e4f-4a5b-8c6d-7e8f9a0b1c2d")
 
 
 def edited(uid: str, notes: dict[str, str], **changes: str) -> NodePod:

@@ -16,6 +16,7 @@ from kai_fractions.cli import main
 from kai_fractions.contract import DEFAULT_KEYS
 from kai_fractions.gate.check import Outcome, judge
 from kai_fractions.marker import read_marker
+from kai_fractions.node.agent.signatures import kept_limits
 from kai_fractions.signing import Keyring, SigningConfigError
 from tests.agent.builders import GIB, LEAF, Rig, binder_annotations, pod, slice_of
 from tests.agent.builders import limits_of as limits
@@ -52,7 +53,8 @@ def add(rig: Rig, manifest: dict) -> str:
 def gate(rig: Rig, uid: str):
     notes = rig.cluster.pods[uid]["metadata"]["annotations"]
     return judge(notes, read_marker(rig.marker_path(uid).parent), pod_uid=uid,
-                 keys=DEFAULT_KEYS, containers=["main"])
+                 keys=DEFAULT_KEYS, boot_id=rig.reconciler.markers.boot_id,
+                 containers=["main"])
 
 
 def test_a_signed_allocation_is_applied(short_tmp):
@@ -219,6 +221,34 @@ def test_a_new_agent_keeps_the_limits_of_an_edited_running_pod(short_tmp):
     assert fresh.reconciler.view.results[(uid, "main")].reason == "SignatureInvalid"
     assert limits(rig, uid) == before
     assert marker(rig, uid)["containers"]["main"]["reason"] == "SignatureInvalid"
+
+
+def test_a_limit_that_cannot_be_read_back_is_not_swept(short_tmp):
+    """As above, with NVML failing to read the limits back in the new agent's pass: what it
+    cannot read it leaves alone, it does not clear (found by the fail-closed audit)."""
+    rig = rig_with_keys(short_tmp, KEY_A)
+    uid = add(rig, signed(pod(uid=UID, notes=binder_annotations(devices=rig.gpu0))))
+    rig.step()
+    before = limits(rig, uid)
+    manifest = rig.cluster.pods[uid]
+    notes = {**manifest["metadata"]["annotations"],
+             "nvidia.com/container.main.gpus.devices": rig.gpu1}
+    rig.cluster.update_pod(uid, metadata={**manifest["metadata"], "annotations": notes})
+    fresh = Rig(short_tmp, sm_sharing=False, nvml=rig.nvml,
+                options={"signing_key_files": (str(short_tmp / "signing"),)})
+    fresh.cluster = fresh.agent.watcher.source = rig.cluster
+    fresh.agent.reconciler.cgroup_fs = fresh.agent.reconciler.engine.cgroup_fs = rig.cgroups
+    rig.nvml.fail("get_memory_limits", "Unknown", times=1)  # the read back, once
+    fresh.step()
+    assert fresh.reconciler.view.results[(uid, "main")].reason == "SignatureInvalid"
+    assert limits(rig, uid) == before
+    # NVML unable to say whether limits are supported at all: every cgroup of the pod is left
+    engine, inventory = fresh.reconciler.engine, fresh.reconciler.view.inventory
+    assert inventory is not None
+    rig.nvml.fail("memory_limits_supported", "Unknown", times=1)
+    kept, unread = kept_limits(engine, inventory, {uid})
+    assert kept == () and unread >= {(gpu, path) for gpu in (rig.gpu0, rig.gpu1)
+                                     for path in before}
 
 
 def test_a_refused_pod_takes_nothing_from_the_gpu(short_tmp):

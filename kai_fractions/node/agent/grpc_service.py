@@ -23,6 +23,7 @@ import grpc
 
 from ...api.v1 import allocation_pb2, node_pb2, node_pb2_grpc
 from ...contract import ComputeMode
+from ...marker import MarkerError, check_pod_uid
 from ..config import Mechanism
 from ..desired import ComputeEnforcement, ContainerDesired, ContainerKey, Refusal
 from ..engine import ContainerResult, ContainerState
@@ -128,6 +129,11 @@ def node_state(view: NodeView, node_name: str, condition: Condition | None,
     return out
 
 
+def _bad_uid(uid: str) -> str:
+    return (f"pod.uid: must be the pod's metadata.uid (letters, digits and dashes, at most 128), "
+            f"got {uid!r}: it names the pod's marker directory and cgroup")
+
+
 class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
     def __init__(self, reconciler: Reconciler, worker: Worker, node_name: str,
                  condition: Callable[[], Condition | None], condition_type: str):
@@ -169,7 +175,10 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
     def _uid(context: grpc.ServicerContext, pod: allocation_pb2.PodRef,
              pods: Mapping[str, KnownPod]) -> str:
         if pod.uid:
-            return pod.uid
+            try:
+                return check_pod_uid(pod.uid)
+            except MarkerError:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, _bad_uid(pod.uid))
         found = [uid for uid, k in pods.items()
                  if (k.namespace, k.name) == (pod.namespace, pod.name)]
         if not found:
@@ -194,6 +203,10 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"Provision needs {', '.join(missing)} (the uid names the pod's "
                           "cgroup and MPS namespace)")
+        try:
+            check_pod_uid(pod.uid)
+        except MarkerError:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _bad_uid(pod.uid))
         keys = self._run(context, lambda: self.reconciler.provision(
             pod.namespace, pod.name, pod.uid, dict(request.annotations),
             list(request.containers), list(request.init_containers)))

@@ -11,6 +11,11 @@ tidy. The rules, in the order they are checked:
   never claim limits that are not the current plan's;
 - everything applied writes an `applied` marker with each container's plan digest.
 
+A marker of another boot of the host (or one without a boot ID, from an older agent) vouches
+for limits the reboot cleared: it counts as no marker, and is removed when read and, for every
+pod, at the agent's first pass (`forget_other_boots`), before any gate of an older release that
+does not check boot IDs can trust it.
+
 Removal of a live pod's stale marker unlinks the file only: the gate holds a bind mount of the
 pod's directory (subPathExpr), and a new directory would be invisible to it.
 
@@ -47,6 +52,7 @@ from ...marker import (
     remove_marker,
     write_marker,
 )
+from ..config import Mechanism
 from ..desired import ContainerKey, DesiredState
 from ..engine import ContainerResult, ContainerState
 from . import events as ev
@@ -69,16 +75,20 @@ class MarkerDecision:
     """Pending: an existing marker that still matches may stay."""
 
 
-def _applied_message(result: ContainerResult) -> str:
+def _applied_message(result: ContainerResult, watchdog_stops: bool) -> str:
     # Deterministic (no times, no counters): an agent restart compares equal and rewrites
     # nothing.
-    mechanisms = ",".join(sorted(m.value for m in result.mechanisms)) or "none"
+    mechanisms = ",".join(sorted(
+        m.value if m is not Mechanism.WATCHDOG or watchdog_stops
+        else f"{m.value} (reports, stops nothing)" for m in result.mechanisms)) or "none"
     compute = result.compute.value if result.compute is not None else "time-slicing"
     return f"limits in force: memory {mechanisms}; compute {compute}"
 
 
-def decide(results: Mapping[str, ContainerResult]) -> MarkerDecision:
-    """`results`: container name -> the agent's result for each fractional container."""
+def decide(results: Mapping[str, ContainerResult], *, watchdog_stops: bool = True
+           ) -> MarkerDecision:
+    """`results`: container name -> the agent's result for each fractional container;
+    `watchdog_stops`: the watchdog's policy is `kill` (with `report` the marker says so)."""
     refused = {n: r for n, r in results.items() if r.state is ContainerState.REFUSED}
     applied = {n: r for n, r in results.items() if r.state is ContainerState.APPLIED}
     if refused:
@@ -86,13 +96,14 @@ def decide(results: Mapping[str, ContainerResult]) -> MarkerDecision:
             r.reason or REFUSED_DEFAULT_REASON,
             r.message or "refused by the node agent", r.plan_digest or "")
             for n, r in refused.items()}
-        entries.update({n: ContainerMarker.applied(r.plan_digest or "", _applied_message(r))
+        entries.update({n: ContainerMarker.applied(r.plan_digest or "",
+                                                   _applied_message(r, watchdog_stops))
                         for n, r in applied.items() if r.plan_digest})
         return MarkerDecision(write=entries)
     if len(applied) < len(results) or not results:
         return MarkerDecision(keep_existing=True)
     return MarkerDecision(write={n: ContainerMarker.applied(r.plan_digest or "",
-                                                            _applied_message(r))
+                                                            _applied_message(r, watchdog_stops))
                                  for n, r in applied.items()})
 
 
@@ -108,20 +119,54 @@ def still_valid(existing: Marker, results: Mapping[str, ContainerResult]) -> boo
 
 
 class MarkerStore:
-    def __init__(self, root: str | os.PathLike[str]):
+    def __init__(self, root: str | os.PathLike[str], boot_id: str):
         self.root = Path(root)
+        self.boot_id = boot_id
+        """This boot's (`kai_fractions.marker.read_boot_id`): every marker written carries it."""
 
     def read(self, uid: str) -> Marker | None:
-        """The pod's marker; None when absent or unreadable (an unreadable one is replaced)."""
+        """The pod's marker of this boot; None when absent or unreadable (an unreadable one is
+        replaced). One of another boot is removed: its limits went with that boot."""
         try:
-            return read_marker(pod_marker_dir(self.root, uid), expected_pod_uid=uid)
+            marker = read_marker(pod_marker_dir(self.root, uid), expected_pod_uid=uid)
         except MarkerError:
             return None
+        if marker is not None and marker.boot_id != self.boot_id:
+            self._forget(uid, marker)
+            return None
+        return marker
 
     def write(self, uid: str, entries: Mapping[str, ContainerMarker],
               now: float | None = None) -> Path:
-        marker = Marker.build(uid, entries, clock=(lambda: now) if now is not None else time.time)
+        marker = Marker.build(uid, entries, boot_id=self.boot_id,
+                              clock=(lambda: now) if now is not None else time.time)
         return write_marker(self.root, marker)
+
+    def forget_other_boots(self) -> int:
+        """Removes every marker written in another boot of the host; how many. Run once, at the
+        agent's start: every marker written after is this boot's."""
+        try:
+            uids = [e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        forgotten = 0
+        for uid in sorted(uids):
+            try:
+                marker = read_marker(pod_marker_dir(self.root, uid))
+            except MarkerError:
+                continue  # not a pod UID, or unreadable: settled, or tidied, like any other
+            if marker is not None and marker.boot_id != self.boot_id:
+                forgotten += self._forget(uid, marker)
+        return forgotten
+
+    def _forget(self, uid: str, marker: Marker) -> bool:
+        removed = self.unlink(uid)
+        if removed:
+            log.info("removed the marker of pod %s: written in %s, and the limits it vouched "
+                     "for went with that boot (now %s)", uid,
+                     f"boot {marker.boot_id}" if marker.boot_id else
+                     "a boot this agent cannot tell (no boot ID)", self.boot_id)
+        return removed
 
     def unlink(self, uid: str) -> bool:
         """Remove a live pod's marker file (not its directory: the gate's mount holds it)."""
@@ -190,8 +235,10 @@ class MarkerWriter:
     """Settles fractional pods after an apply: derived annotations, marker, events."""
 
     def __init__(self, store: MarkerStore, *, keys: Keys, cluster: ClusterWriter | None,
-                 pods: PodCache, events: EventRecorder, clock: Callable[[], float]):
+                 pods: PodCache, events: EventRecorder, clock: Callable[[], float],
+                 watchdog_stops: bool = True):
         self.store = store
+        self.watchdog_stops = watchdog_stops
         self.keys = keys
         self.cluster = cluster
         self.pods = pods
@@ -205,7 +252,7 @@ class MarkerWriter:
         annotations (a provisioned one has none to write)."""
         ref = PodRef(str(meta(manifest).get("namespace") or ""),
                      str(meta(manifest).get("name") or ""), uid)
-        decision = decide(results)
+        decision = decide(results, watchdog_stops=self.watchdog_stops)
         existing = self.store.read(uid)
         self._pending_events(ref, results)
         if decision.write is None:
@@ -223,7 +270,7 @@ class MarkerWriter:
         if existing is None or dict(existing.containers) != dict(decision.write):
             try:
                 self.store.write(uid, decision.write, now=self.clock())
-            except OSError as e:
+            except (OSError, MarkerError) as e:  # this pod's marker only: the others go on
                 errors.add(MARKER_NOT_WRITTEN)
                 log.error("pod %s/%s: the readiness marker could not be written under %s: %s",
                           ref.namespace, ref.name, self.store.root, e)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...contract import keys as k
+from ...marker import BOOT_ID_PATH
 
 DEFAULT_SOCKET = "/run/kai-fractions/agent.sock"
 DEFAULT_MARKER_DIR = "/var/lib/kai-fractions/markers"
@@ -20,6 +21,9 @@ COMPONENT = "kai-fractions-node-agent"
 @dataclass(frozen=True, slots=True)
 class AgentOptions:
     marker_dir: str = DEFAULT_MARKER_DIR
+    boot_id_file: str = BOOT_ID_PATH
+    """Where the kernel tells this boot's ID, which every marker carries (a reboot clears the
+    limits, not the markers); tests point it at a file of their own to play a reboot."""
     socket: str | None = DEFAULT_SOCKET
     """The NodeEnforcer unix socket; None serves no gRPC (in-process tests)."""
     metrics_listen: str | None = DEFAULT_METRICS_LISTEN

@@ -24,7 +24,7 @@ from ...kube.objects import meta
 from ..applied import applied_plans, has_recorded_plans
 from ..config import Mechanism, NodeConfig
 from ..desired import ContainerKey, DesiredState, NodePod, RefusalReason, plan_node
-from ..engine import Engine
+from ..engine import Engine, Issue
 from ..inventory import Inventory
 from . import events as ev
 from .events import EventRecorder, PodRef
@@ -204,9 +204,11 @@ class NodePods:
         }
         self.released = {r for r in self.released if r[0] != uid}
 
-    def release(self, uid: str, container: str | None = None) -> list[str]:
+    def release(self, uid: str, container: str | None = None
+                ) -> tuple[list[str], tuple[Issue, ...]]:
         """Removes what is enforced for a pod (or one container) and keeps it out of the desired
-        state until the pod goes away (or is provisioned again); returns the containers."""
+        state until the pod goes away (or is provisioned again); returns the containers and what
+        could not be removed (the passes after sweep it)."""
         known = self.known.get(uid)
         names = list(known.containers) if known else []
         if container:
@@ -220,4 +222,4 @@ class NodePods:
         report = self.engine.release(uid, container or None, container_names=names)
         for issue in report.issues:
             log.warning("release of pod %s: %s: %s", uid, issue.reason, issue.message)
-        return names
+        return names, report.issues

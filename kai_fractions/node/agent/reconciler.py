@@ -24,8 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from ...marker import read_boot_id
 from ..cgroups import CgroupFs
-from ..config import NodeConfig
+from ..config import NodeConfig, WatchdogPolicy
 from ..desired import ContainerKey, DesiredState
 from ..engine import ContainerResult, ContainerState, Engine
 from ..errors import NodeError
@@ -97,9 +98,11 @@ class Reconciler:
         self.engine = Engine(nvml, cgroup_fs, control, clock=clock, config=config)
         self.mps_health = (MpsHealth(self.mps, self.metrics, self.engine.forget)
                            if self.mps is not None else None)
-        self.markers = MarkerStore(options.marker_dir)
+        self.markers = MarkerStore(options.marker_dir, read_boot_id(options.boot_id_file))
+        self._other_boots_forgotten = False
         self.writer = MarkerWriter(self.markers, keys=config.keys, cluster=cluster, pods=pods,
-                                   events=self.events, clock=clock)
+                                   events=self.events, clock=clock,
+                                   watchdog_stops=config.watchdog_policy is WatchdogPolicy.KILL)
         self.pods = NodePods(pods, config=config, engine=self.engine, markers=self.markers,
                              events=self.events, signatures=signatures, clock=clock)
         self.links = LegacyPipeLinks(config.mps_pipe_dir) if config.sm_sharing else None
@@ -129,6 +132,9 @@ class Reconciler:
 
     def _reconcile(self, full: bool) -> PassReport:
         errors: set[str] = set()
+        if not self._other_boots_forgotten:  # before anything may keep or trust a marker
+            self.markers.forget_other_boots()
+            self._other_boots_forgotten = True
         if full:
             self.engine.forget()
         mps_namespaces, mps_error = (self.mps_health.check() if self.mps_health is not None
@@ -157,7 +163,7 @@ class Reconciler:
         self.pods.drop_gone(live, errors, release=True)
         self.markers.tidy(set(live), None, **tidy)
 
-        report = self.engine.apply(desired)
+        report = self.engine.apply(desired, mps_down=mps_error)
         errors.update(i.reason for i in report.issues)
         results = dict(report.containers)
         if self.links is not None:
@@ -231,9 +237,16 @@ class Reconciler:
         return [k for k in self.view.results if k.pod_uid == uid]
 
     def release(self, uid: str, container: str | None = None) -> list[str]:
-        """`NodePods.release`, then a pass."""
-        names = self.pods.release(uid, container)
+        """`NodePods.release`, then a pass. Raises NodeError when a limit or namespace could not
+        be removed: the caller must not believe the pod unlimited while it may not be (the pod
+        stays released, so the passes after remove it, and a repeated call is harmless)."""
+        names, issues = self.pods.release(uid, container)
         self.reconcile()
+        if issues:
+            raise NodeError(
+                f"pod {uid} is released, but not everything enforced for it could be removed "
+                "yet (" + "; ".join(f"{i.reason}: {i.message}" for i in issues) + "); the "
+                "agent's next passes remove the rest", reason=issues[0].reason)
         return names
 
     def drain(self, uid: str, container: str | None = None) -> list[int]:

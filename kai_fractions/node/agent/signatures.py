@@ -119,18 +119,25 @@ class SignatureCheck:
 
 
 def kept_limits(engine: Engine, inventory: Inventory, uids: Collection[str]
-                ) -> tuple[LimitTarget, ...]:
+                ) -> tuple[tuple[LimitTarget, ...], frozenset[tuple[str, str]]]:
     """The memory limits in force on the cgroups of `uids` (pod slices and below), as targets
-    the engine keeps instead of sweeping them."""
+    the engine keeps instead of sweeping them; and the (GPU, cgroup) pairs whose limit could
+    not be read, which the engine must leave as they are (a read that failed once must not
+    let the sweep clear a refused pod's limit)."""
     if not uids:
-        return ()
+        return (), frozenset()
+    gpus = [d.uuid for d in inventory.devices if not d.mig_enabled]
+    paths = [path for pc in engine.layout.scan(engine.cgroup_fs) if pc.uid in uids
+             for path in (pc.path, *pc.children)]
     try:
         if not engine.limits.supported():
-            return ()
-    except NvmlError:
-        return ()
+            return (), frozenset()
+    except NvmlError as e:
+        log.warning("cannot tell whether GPU memory limits are in force (%s): %s; the limits "
+                    "of refused pods are left as they are", e.reason, e.message)
+        return (), frozenset((uuid, path) for path in paths for uuid in gpus)
     out: list[LimitTarget] = []
-    gpus = [d.uuid for d in inventory.devices if not d.mig_enabled]
+    unread: set[tuple[str, str]] = set()
     for pc in engine.layout.scan(engine.cgroup_fs):
         if pc.uid not in uids:
             continue
@@ -139,17 +146,22 @@ def kept_limits(engine: Engine, inventory: Inventory, uids: Collection[str]
                 try:
                     got = engine.limits.read(uuid, path)
                 except NvmlError as e:
-                    log.warning("cannot read the GPU memory limit on %s (%s): %s", path,
-                                e.reason, e.message)
+                    log.warning("cannot read the GPU memory limit on %s (%s): %s; it is left "
+                                "as it is", path, e.reason, e.message)
+                    unread.add((uuid, path))
                     continue
                 if not got.cleared:
                     out.append(LimitTarget(gpu_uuid=uuid, path=path, soft=got.soft,
                                            hard=got.hard, pod_uid=pc.uid, container=None))
-    return tuple(out)
+    return tuple(out), frozenset(unread)
 
 
-def with_kept_limits(desired: DesiredState, keep: Sequence[LimitTarget]) -> DesiredState:
-    """The desired state plus the limits kept for refused pods (`kept_limits`)."""
-    if not keep:
+def with_kept_limits(desired: DesiredState, kept: tuple[Sequence[LimitTarget],
+                                                        frozenset[tuple[str, str]]]
+                     ) -> DesiredState:
+    """The desired state plus what `kept_limits` keeps for refused pods."""
+    keep, unread = kept
+    if not keep and not unread:
         return desired
-    return dataclasses.replace(desired, limits=desired.limits + tuple(keep))
+    return dataclasses.replace(desired, limits=desired.limits + tuple(keep),
+                               unread=desired.unread | unread)

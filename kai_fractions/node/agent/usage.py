@@ -38,6 +38,8 @@ class UsageCheck:
         self.metrics = metrics
         self._util_since: dict[str, int] = {}
         """GPU uuid -> timestamp (µs) of the newest utilization sample read."""
+        self._blind: dict[str, str] = {}
+        """GPU uuid -> why its processes could not be listed, while they cannot."""
 
     def check(self, desired: DesiredState, inventory: Inventory
               ) -> Mapping[tuple[ContainerKey, str], Usage]:
@@ -48,8 +50,10 @@ class UsageCheck:
             try:
                 processes[d.uuid] = self.nvml.running_processes(d.uuid)
             except NvmlError as e:
-                log.debug("running processes of %s: %s", d.uuid, e)
+                self._unreadable(d.uuid, e)
                 continue
+            if self._blind.pop(d.uuid, None) is not None:
+                log.info("the processes of GPU %s can be listed again", d.uuid)
             sm.update(self._sm_percent(d.uuid))
         report = self.watchdog.check(processes, desired.watchdog_containers(), sm)
         usage = MappingProxyType({(ContainerKey(u.pod_uid, u.container_name), u.device_uuid):
@@ -58,6 +62,15 @@ class UsageCheck:
         self.metrics.count_violations(report.violations)
         self._events(desired, report)
         return usage
+
+    def _unreadable(self, uuid: str, error: NvmlError) -> None:
+        """Counted every check, logged when it starts or its reason changes: a blind watchdog
+        must be visible, not read as "nothing used"."""
+        self.metrics.usage_blind.labels(self.metrics.node, uuid, error.reason).inc()
+        if self._blind.get(uuid) != error.reason:
+            self._blind[uuid] = error.reason
+            log.warning("cannot list the processes of GPU %s (%s): %s; the watchdog sees no "
+                        "usage there until it can", uuid, error.reason, error.message)
 
     def _sm_percent(self, uuid: str) -> dict[int, int]:
         """pid -> SM percent of its newest sample since the last check."""
