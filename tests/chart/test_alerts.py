@@ -51,6 +51,7 @@ ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
     "KaiFractionsReconcileErrors": (AGENT_GROUP, "warning", "15m"),
     "KaiFractionsMpsDaemonRestarting": (AGENT_GROUP, "warning", None),
     "KaiFractionsMpsDrainFailing": (AGENT_GROUP, "warning", None),
+    "KaiFractionsWatchdogBlind": (AGENT_GROUP, "warning", "10m"),
 }
 FOLLOWER = {"KaiFractionsFollowerNoLeader", "KaiFractionsFollowerSeveralLeaders",
             "KaiFractionsSignatureDelayHigh", "KaiFractionsNodeAgentSilent"}
@@ -256,7 +257,7 @@ def test_every_node_agent_alert_names_only_what_a_live_agent_exports(
     labels_of = exported(text)
     assert "gpu_fractioning_gpu_memory_used_bytes" in labels_of  # the scrape is the agent's
     exprs = alert_exprs(AGENT_GROUP, rule())
-    assert len(exprs) == 6
+    assert len(exprs) == 7
     assert problems(exprs, labels_of, "agent") == []
     # a misspelt metric, a label the family lacks, a target label: each is reported
     bad = [Expr(AGENT_GROUP, "typo", "kai_fractions_node_redy == 0", ""),

@@ -15,6 +15,7 @@ GIB = 1 << 30
 CONTAINER_HEX = "5ca1ab1e" + "0" * 56
 PID = 5151
 NVML_ERROR_NO_PERMISSION = 4  # nvmlReturn_t
+NVML_ERROR_UNKNOWN = 999
 
 
 def _binder_keys(mode: str) -> dict[str, str]:
@@ -53,7 +54,10 @@ def populated_scrape(env: AgentEnv) -> tuple[str, dict[str, str], AgentRun]:
     wait_for(lambda: env.marker(applied).exists(), run=run, what="the applied pod's marker",
              timeout=20)
     refused = _pod(env, "refused", "time-slicing")
-    env.nvml.add_process(0, PID, 25 * GIB, sm_util=10)  # over its 20 GiB cap
+    # one usage check blind on the GPU (kai_fractions_agent_gpu_usage_unreadable_total), then
+    # the process over its 20 GiB cap
+    env.nvml.inject_error("nvmlDeviceGetComputeRunningProcesses_v3", NVML_ERROR_UNKNOWN, times=1)
+    env.nvml.add_process(0, PID, 25 * GIB, sm_util=10)
 
     def full() -> str | None:
         text = run.metrics()
@@ -64,7 +68,9 @@ def populated_scrape(env: AgentEnv) -> tuple[str, dict[str, str], AgentRun]:
                            pod_uuid=applied) == 10
                 and sample_value(text, "kai_fractions_node_ready") is not None
                 and sample_value(text, "kai_fractions_reconcile_errors_total",
-                           reason="NVMLNoPermission") is not None)
+                           reason="NVMLNoPermission") is not None
+                and sample_value(text, "kai_fractions_agent_gpu_usage_unreadable_total")
+                is not None)
         return text if done else None
 
     text = wait_for(full, run=run, what="every metric family populated", timeout=20)
