@@ -200,7 +200,10 @@ def test_a_running_pod_edited_after_it_was_applied_keeps_its_limits(short_tmp):
     assert limits(rig, uid) == before
 
 
-def test_a_new_agent_keeps_the_limits_of_an_edited_running_pod(short_tmp):
+def edited_then_restarted(short_tmp, before_first_pass=lambda rig: None):
+    """A signed pod applied, its binder-owned devices edited, then a restarted agent (the same
+    cluster, GPUs and cgroup tree, nothing remembered) after its first pass: (the old rig, the
+    new one, the pod's uid, the limits in force before)."""
     rig = rig_with_keys(short_tmp, KEY_A)
     uid = add(rig, signed(pod(uid=UID, notes=binder_annotations(devices=rig.gpu0))))
     rig.step()
@@ -209,12 +212,17 @@ def test_a_new_agent_keeps_the_limits_of_an_edited_running_pod(short_tmp):
     notes = {**manifest["metadata"]["annotations"],
              "nvidia.com/container.main.gpus.devices": rig.gpu1}
     rig.cluster.update_pod(uid, metadata={**manifest["metadata"], "annotations": notes})
-    # a restarted agent: the same cluster, GPUs and cgroup tree, nothing remembered
     fresh = Rig(short_tmp, sm_sharing=False, nvml=rig.nvml,
                 options={"signing_key_files": (str(short_tmp / "signing"),)})
     fresh.cluster = fresh.agent.watcher.source = rig.cluster
     fresh.agent.reconciler.cgroup_fs = fresh.agent.reconciler.engine.cgroup_fs = rig.cgroups
+    before_first_pass(rig)
     fresh.step()
+    return rig, fresh, uid, before
+
+
+def test_a_new_agent_keeps_the_limits_of_an_edited_running_pod(short_tmp):
+    rig, fresh, uid, before = edited_then_restarted(short_tmp)
     # The binder-owned devices changed: the applied plan cannot be read back from the pod
     # (its digest names the old devices), so the pod is refused, but the limits the kernel
     # holds stay (`kept_limits`).
@@ -226,20 +234,8 @@ def test_a_new_agent_keeps_the_limits_of_an_edited_running_pod(short_tmp):
 def test_a_limit_that_cannot_be_read_back_is_not_swept(short_tmp):
     """As above, with NVML failing to read the limits back in the new agent's pass: what it
     cannot read it leaves alone, it does not clear (found by the fail-closed audit)."""
-    rig = rig_with_keys(short_tmp, KEY_A)
-    uid = add(rig, signed(pod(uid=UID, notes=binder_annotations(devices=rig.gpu0))))
-    rig.step()
-    before = limits(rig, uid)
-    manifest = rig.cluster.pods[uid]
-    notes = {**manifest["metadata"]["annotations"],
-             "nvidia.com/container.main.gpus.devices": rig.gpu1}
-    rig.cluster.update_pod(uid, metadata={**manifest["metadata"], "annotations": notes})
-    fresh = Rig(short_tmp, sm_sharing=False, nvml=rig.nvml,
-                options={"signing_key_files": (str(short_tmp / "signing"),)})
-    fresh.cluster = fresh.agent.watcher.source = rig.cluster
-    fresh.agent.reconciler.cgroup_fs = fresh.agent.reconciler.engine.cgroup_fs = rig.cgroups
-    rig.nvml.fail("get_memory_limits", "Unknown", times=1)  # the read back, once
-    fresh.step()
+    rig, fresh, uid, before = edited_then_restarted(
+        short_tmp, lambda rig: rig.nvml.fail("get_memory_limits", "Unknown", times=1))
     assert fresh.reconciler.view.results[(uid, "main")].reason == "SignatureInvalid"
     assert limits(rig, uid) == before
     # NVML unable to say whether limits are supported at all: every cgroup of the pod is left
