@@ -108,8 +108,7 @@ class Marker:
         object.__setattr__(self, "containers", MappingProxyType(dict(self.containers)))
         if self.version != MARKER_VERSION:
             raise MarkerError(f"version: must be {MARKER_VERSION}, got {self.version!r}")
-        if not _POD_UID.fullmatch(self.pod_uid):
-            raise MarkerError(f"pod_uid: must be a pod UID, got {self.pod_uid!r}")
+        check_pod_uid(self.pod_uid)
         _check_time(self.written_at)
         if not isinstance(self.boot_id, str) or (self.boot_id
                                                    and not _BOOT_ID.fullmatch(self.boot_id)):

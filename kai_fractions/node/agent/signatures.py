@@ -127,20 +127,18 @@ def kept_limits(engine: Engine, inventory: Inventory, uids: Collection[str]
     if not uids:
         return (), frozenset()
     gpus = [d.uuid for d in inventory.devices if not d.mig_enabled]
-    paths = [path for pc in engine.layout.scan(engine.cgroup_fs) if pc.uid in uids
-             for path in (pc.path, *pc.children)]
+    pods = [pc for pc in engine.layout.scan(engine.cgroup_fs) if pc.uid in uids]
     try:
         if not engine.limits.supported():
             return (), frozenset()
     except NvmlError as e:
         log.warning("cannot tell whether GPU memory limits are in force (%s): %s; the limits "
                     "of refused pods are left as they are", e.reason, e.message)
-        return (), frozenset((uuid, path) for path in paths for uuid in gpus)
+        return (), frozenset((uuid, path) for pc in pods for path in (pc.path, *pc.children)
+                             for uuid in gpus)
     out: list[LimitTarget] = []
     unread: set[tuple[str, str]] = set()
-    for pc in engine.layout.scan(engine.cgroup_fs):
-        if pc.uid not in uids:
-            continue
+    for pc in pods:
         for path in (pc.path, *pc.children):
             for uuid in gpus:
                 try:
