@@ -133,15 +133,6 @@ def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> lis
     return out
 
 
-def _admitted_namespace_key(request: PodRequest | None, config: AdmissionConfig) -> str | None:
-    """The key under which the mutating webhook names a new sm-sharing container's MPS
-    namespace: the one protected key a pod may be created with."""
-    share = request.share if request is not None else None
-    if share is None or share.compute_mode is not ComputeMode.SM_SHARING:
-        return None
-    return config.keys.derived(share.container, k.ADMITTED_MPS_NAMESPACE)
-
-
 def _own_namespace(mount: Mapping[str, Any], own: Mapping[str, Any] | None) -> bool:
     """The mount reaches exactly the container's own namespace directory, where its
     CUDA_MPS_PIPE_DIRECTORY points (fields the API server may default do not count)."""
@@ -178,7 +169,7 @@ def _mount_problems(spec: Mapping[str, Any], request: PodRequest,
                 out.append(f"{where}: only the sm-sharing container of this pod may mount "
                            f"{MPS_VOLUME}")
             elif volume == MPS_VOLUME and not _own_namespace(mount, own):
-                key = _admitted_namespace_key(request, config)
+                key = request.admitted_namespace_key(config.keys)
                 out.append(f"{where}: must mount only the container's own MPS namespace, "
                            f"exactly {own}" if own is not None else
                            f"{where}: the container has no MPS namespace of its own ({key} is "
@@ -215,7 +206,7 @@ def _validate_pod(request: Mapping[str, Any], config: AdmissionConfig) -> Decisi
     new = _parse(obj, config, namespace)
     # The mutating webhook names a new sm-sharing container's MPS namespace as the pod is
     # created, on the creator's behalf; after that the key is protected like the others.
-    exempt = None if updating else _admitted_namespace_key(new, config)
+    exempt = None if updating or new is None else new.admitted_namespace_key(config.keys)
     forbidden = _protected_changes(old_annotations, annotations_of(obj), user, config, exempt)
     if updating:
         forbidden += frozen.frozen_changes(old_obj, old_annotations, annotations_of(obj), user,

@@ -12,14 +12,12 @@ import sys
 
 from ..contract import (
     DEFAULT_KEYS,
-    ComputeMode,
     ContractError,
     Keys,
     PodRequest,
     PodView,
     parse_pod,
 )
-from ..contract import keys as k
 from .manifests import InputError, load_manifests
 
 # The validating webhook's reasons (kai_fractions/admission/validate.py), for a user's manifest.
@@ -77,10 +75,7 @@ def protected_key_errors(view: PodView, request: PodRequest, keys: Keys) -> list
     template = view.kind != "Pod"
     if not template and view.uid:
         return []
-    share = request.share
-    exempt = (keys.derived(share.container, k.ADMITTED_MPS_NAMESPACE)
-              if not template and share is not None
-              and share.compute_mode is ComputeMode.SM_SHARING else None)
+    exempt = None if template else request.admitted_namespace_key(keys)
     out = []
     for key in sorted(view.annotations):
         if not keys.is_protected(key) or key == exempt:

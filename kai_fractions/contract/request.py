@@ -108,6 +108,15 @@ class PodRequest:
         """The pod's fractional container (KAI allows one); None for non-fractional pods."""
         return self.shares[0] if self.shares else None
 
+    def admitted_namespace_key(self, keys: k.Keys = k.DEFAULT_KEYS) -> str | None:
+        """The key under which the admission webhook names the MPS namespace of the pod's
+        sm-sharing container (the one protected key a user's new pod may carry); None when
+        the pod has no sm-sharing container."""
+        share = self.share
+        if share is None or share.compute_mode is not ComputeMode.SM_SHARING:
+            return None
+        return keys.derived(share.container, k.ADMITTED_MPS_NAMESPACE)
+
 
 class _Collector:
     def __init__(self) -> None:
