@@ -219,7 +219,11 @@ async def list_watch(
             if version is not None:
                 items, resource_version = await source.list(version)
                 cycle.listed(len(items), resource_version)
-                await _handled(on_list(items))
+                handling = on_list(items)
+                # The handler owns the list now; held here, it would outlive a cache's merge
+                # (and every listed object a newer write replaced) until the next list.
+                del items
+                await _handled(handling)
                 cycle.progressed()
             async for kind, obj in source.watch(cycle.resource_version):
                 await _handled(on_event(kind, obj))

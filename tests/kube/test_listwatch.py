@@ -4,8 +4,10 @@ the list_watch loop with a scripted source and a fake clock."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -320,6 +322,28 @@ async def test_it_lists_first_hands_every_event_on_and_resumes_after_the_last_on
     assert ran.handled == [("list", ["a"]), ("ADDED", "11"), ("MODIFIED", "12"),
                            ("BOOKMARK", "15"), ("MODIFIED", None)]
     assert (sleeps, ran.failures) == ([], [])
+
+
+class Listed(list):
+    """A list a weak reference can follow: whether anything still holds it."""
+
+
+async def test_once_handed_on_a_list_is_not_held_by_the_loop_while_it_watches():
+    # A cache merges a list and drops it; the loop must not keep it (and every object in it
+    # that a newer write since replaced) alive until the next list (benchmarks P6).
+    clock = FakeClock()
+    source = Scripted([(Listed([pod("a", "5")]), "10")], [], clock)
+    seen: list[weakref.ref] = []
+    task = asyncio.create_task(list_watch(source, lambda items: seen.append(weakref.ref(items)),
+                                          lambda kind, obj: None, clock=clock))
+    async with asyncio.timeout(TIMEOUT):
+        await source.spent.wait()  # watching now, for ever
+    source.lists.clear()
+    gc.collect()
+    assert len(seen) == 1 and seen[0]() is None
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 @pytest.mark.parametrize(("lists", "watches", "calls"), [
