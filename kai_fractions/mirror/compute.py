@@ -94,12 +94,11 @@ def user_request(pod: PodSnapshot, keys: Keys = k.DEFAULT_KEYS) -> tuple[PodView
     computed when a pod arrives (PodCache's `prepare`), long before a scheduler binds the pod,
     so an allocation for a cached pod starts from it: about a third of compute_outcome."""
     parsed = pod.parsed
-    if parsed is not None and (parsed[0] is keys or parsed[0] == keys):
-        return parsed[1]
-    view = user_view(pod, keys)
-    found = (view, parse_pod(view, keys))
-    object.__setattr__(pod, "parsed", (keys, found))  # a frozen snapshot's one cache slot
-    return found
+    if parsed is None or not (parsed[0] is keys or parsed[0] == keys):
+        parsed = (keys, parse_pod(user_view(pod, keys), keys))
+        object.__setattr__(pod, "parsed", parsed)  # a frozen snapshot's one cache slot
+    request = parsed[1]
+    return request.pod, request  # the view is the request's own: one tuple fewer per pod kept
 
 
 def compute_outcome(

@@ -25,9 +25,10 @@ class PodSnapshot:
     _view: PodView | None = field(default=None, init=False, repr=False, compare=False)
     parsed: tuple[Any, Any] | None = field(default=None, init=False, repr=False,
                                            compare=False)
-    """(Keys, the pod as its user wrote it, parsed under them: compute.user_request), kept
-    because a snapshot never changes. One slot, not a map per Keys: a mirror reads every pod
-    with one set of keys, and a slot costs nothing on the pods never parsed."""
+    """(Keys, the pod as its user wrote it parsed under them: a PodRequest, whose `pod` is that
+    view; compute.user_request), kept because a snapshot never changes. One slot, not a map per
+    Keys: a mirror reads every pod with one set of keys, and a slot costs nothing on the pods
+    never parsed."""
 
     @property
     def namespace(self) -> str:
