@@ -90,7 +90,8 @@ def register(sub) -> None:
                    help="list the node's pods with resourceVersion=0: the API server answers "
                    "from its watch cache instead of reading every pod from etcd (what the "
                    "kubelet does; the list may be a moment old, the watch then catches up); "
-                   "the list after an expired watch stays a consistent read")
+                   "the list after an expired watch stays a consistent read, and pods a cached "
+                   "list lacks are cleared only once a consistent list confirms them gone")
     p.add_argument("--annotation-prefix", default=DEFAULT_KEYS.prefix, metavar="P",
                    help="per-container key prefix (default: %(default)s)")
     p.add_argument("--signing-key-file", action="append", default=[], metavar="FILE",

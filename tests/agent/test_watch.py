@@ -182,14 +182,18 @@ def test_cached_lists_ask_the_watch_cache_but_not_right_after_an_expiry() -> Non
         cluster.end_watches()
         wait_for(lambda: cluster.calls["list_pods"] == 3, what="a relist after an error")
         assert cluster.list_versions == ["0", "", "0"]
+        wait_for(lambda: cache.generation == 3, what="the third list handed on")
+        assert not cache.consistent  # the reconciler confirms what it lacks before clearing
     finally:
         stop.set()
         thread.join(2)
-    uncached = FakeCluster()
-    stop, thread = run_in_thread(watcher(uncached, PodCache()))
+    uncached, cache = FakeCluster(), PodCache()
+    stop, thread = run_in_thread(watcher(uncached, cache))
     try:
         wait_for(lambda: uncached.calls["list_pods"] == 1, what="a list")
         assert uncached.list_versions == [""]
+        wait_for(lambda: cache.synced, what="the list handed on")
+        assert cache.consistent
     finally:
         stop.set()
         thread.join(2)

@@ -69,7 +69,8 @@ class NodeAgent:
         self.reconciler = Reconciler(
             config=config, options=options, nvml=nvml, cgroup_fs=cgroup_fs, pods=self.cache,
             mps=mps, cluster=cluster, events=self.events, metrics=self.metrics, procfs=procfs,
-            killer=killer, clock=clock, signatures=signatures)
+            killer=killer, clock=clock, signatures=signatures,
+            confirm_absent=self._confirm_absent)
         self.worker = Worker(self.reconciler, options,
                              watchdog_interval=config.watchdog_interval,
                              mps_checks=self.reconciler.mps is not None, monotonic=monotonic)
@@ -90,6 +91,9 @@ class NodeAgent:
         self._threads: list[threading.Thread] = []
         self._grpc: Any = None
         self.metrics_address: tuple[str, int] | None = None
+
+    def _confirm_absent(self, uids: set[str]) -> bool:
+        return self.watcher is not None and self.watcher.confirm_absent(uids)
 
     # -- health -----------------------------------------------------------------------------
 

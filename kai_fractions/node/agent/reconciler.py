@@ -11,14 +11,18 @@ marker directories and links, and publish metrics and the snapshot read by gRPC 
 condition.
 
 Before the first successful pod list nothing is applied: an apply without the node's pods would
-clear the limits of every running one. While NVML is down nothing is planned or written either
-(a pass cannot verify anything); markers of pods that went away are still removed.
+clear the limits of every running one. Likewise after a list from the API server's watch cache
+that lacks pods the agent knew or holds markers for, until a consistent list confirms them gone
+(`PodWatcher.confirm_absent`): a lagging cache must not clear a running pod's limits. While NVML
+is down nothing is planned or written either (a pass cannot verify anything); markers of pods
+that went away are still removed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +55,9 @@ from .watch import PodCache
 log = logging.getLogger(__name__)
 
 NOT_LISTED = "NotListed"
+UNCONFIRMED = "ListUnconfirmed"
+"""A list from the watch cache lacks pods the agent had limits or markers for, and no
+consistent list confirmed them gone yet."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +90,12 @@ class Reconciler:
                  cluster: ClusterWriter | None = None, events: EventRecorder | None = None,
                  metrics: AgentMetrics | None = None, procfs: Procfs | None = None,
                  killer: Killer | None = None, clock: Callable[[], float] = time.time,
-                 signatures: SignatureCheck | None = None):
-        """`signatures` None: allocations are applied unsigned (no `--signing-key-file`)."""
+                 signatures: SignatureCheck | None = None,
+                 confirm_absent: Callable[[set[str]], bool] | None = None):
+        """`signatures` None: allocations are applied unsigned (no `--signing-key-file`).
+        `confirm_absent`: `PodWatcher.confirm_absent`, asked when a list from the watch cache
+        lacks pods the agent knew (None: such pods are never confirmed, nothing is cleared)."""
+        self.confirm_absent = confirm_absent
         self.config = config
         self.options = options
         self.nvml = nvml
@@ -150,6 +161,11 @@ class Reconciler:
             return PassReport(converged=False, errors=frozenset(errors))
         live = self.pods.live()
         tidy = {"grace": self.options.marker_grace_seconds, "now": self.clock()}
+        if not self.pods.cache.consistent and not self._confirmed(live, tidy["now"]):
+            self._publish(inventory, mps_error, mps_namespaces, count=False)
+            errors.add(UNCONFIRMED)
+            return PassReport(converged=False, errors=frozenset(errors))
+        live = self.pods.live()  # with what a confirmation brought back
         if inventory is None:
             self.pods.drop_gone(live, errors, release=False)
             self.markers.tidy(set(live), None, **tidy)  # which pods are fractional is unknown
@@ -194,6 +210,15 @@ class Reconciler:
         pending = any(r.state is ContainerState.PENDING for r in results.values())
         return PassReport(converged=converged and not pending and not errors,
                           errors=frozenset(errors), applied=True)
+
+    def _confirmed(self, live: Mapping[str, object], now: float) -> bool:
+        """Whether the pods a list from the watch cache lacks may be taken for gone: those the
+        agent knew, and those with a marker here (a restarted agent knew none), are, once a
+        consistent list agrees. A lagging watch cache would otherwise have their limits and
+        markers cleared while they run, until the watch brought them back."""
+        absent = {uid for uid in self.pods.known if uid not in live}
+        absent.update(self.markers.stale_dirs(set(live), grace=math.inf, now=now))
+        return not absent or (self.confirm_absent is not None and self.confirm_absent(absent))
 
     def _health(self, inventory: Inventory | None, mps_error: NodeError | None,
                 mps_namespaces: bool | None, bump: int) -> Health:

@@ -11,7 +11,10 @@ Under a rollout every agent starts at once: the first list waits a random part o
 `first_list_jitter` seconds, and with `cached_lists` lists ask for resourceVersion "0", which
 the API server answers from its watch cache (indexed by node) instead of a read of every pod
 from etcd; the list after a 410 stays a consistent read, so a cache behind the expired watch
-cannot send the agent round again (as client-go's reflector does).
+cannot send the agent round again (as client-go's reflector does). A watch cache may also lag
+behind etcd and lack a pod started meanwhile: the pods such a list lacks that the agent knew,
+or holds a marker for, are taken for gone only once a consistent list agrees
+(`confirm_absent`, which the reconciler asks before it clears anything).
 
 Every change calls `on_change`, which only marks the worker dirty: the worker reads the whole
 cache (level-triggered), so coalesced or replayed events are harmless.
@@ -25,12 +28,12 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, NoReturn
 
 from ...clock import AsyncClock, SystemClock
 from ...kube.errors import KubeError
-from ...kube.listwatch import WATCH_BACKOFF, list_watch
+from ...kube.listwatch import WATCH_BACKOFF, WATCH_CACHE, Source, list_watch
 from ...kube.objects import later_version, resource_version, uid_of
 from ...kube.retry import Backoff
 from .kube import PodSource, on_node
@@ -48,29 +51,50 @@ class PodCache:
         self.synced = False
         """True once a list succeeded: before that the agent must not apply anything (an apply
         without the node's pods would clear the limits of every running pod)."""
+        self.consistent = True
+        """False after a list from the API server's watch cache (`cached_lists`), which may lag
+        behind etcd and lack a pod started meanwhile, until a consistent list confirms the pods
+        the agent would otherwise take for gone (`PodWatcher.confirm_absent`)."""
+        self.generation = 0
+        """Lists handed to `replace` so far."""
         self.api_down_since: float | None = None
         """Monotonic time of the first failure of the current streak; None while the API
         answers."""
         self.last_error: str | None = None
 
-    def replace(self, pods: list[dict[str, Any]]) -> None:
+    def replace(self, pods: list[dict[str, Any]], *, consistent: bool = True) -> None:
         with self._lock:
             self._pods = {uid_of(p): p for p in pods if uid_of(p)}
+            self.consistent = consistent
+            self.generation += 1
             self.synced = True
             self.api_down_since = None
             self.last_error = None
 
     def upsert(self, pod: dict[str, Any]) -> bool:
         """Stores `pod` unless the cache already has a newer version of it."""
+        with self._lock:
+            return self._upsert(pod)
+
+    def _upsert(self, pod: dict[str, Any]) -> bool:
         uid = uid_of(pod)
         if not uid:
             return False
+        old = self._pods.get(uid)
+        if old is not None and later_version(resource_version(old), resource_version(pod)):
+            return False
+        self._pods[uid] = pod
+        return True
+
+    def confirm(self, generation: int, found: list[dict[str, Any]]) -> None:
+        """What a consistent list said of the pods absent from list `generation`: those it
+        `found` are stored (unless a newer version is here), and the cache is consistent again,
+        unless another list replaced it meanwhile."""
         with self._lock:
-            old = self._pods.get(uid)
-            if old is not None and later_version(resource_version(old), resource_version(pod)):
-                return False
-            self._pods[uid] = pod
-            return True
+            for pod in found:
+                self._upsert(pod)
+            if self.generation == generation:
+                self.consistent = True
 
     def remove(self, uid: str) -> bool:
         with self._lock:
@@ -92,6 +116,28 @@ class PodCache:
             return copy.deepcopy(pod) if pod is not None else None
 
 
+CONFIRM_TIMEOUT = 30.0
+"""The longest a pass waits for the consistent list that confirms pods gone."""
+
+
+class _Listing:
+    """The node's pods as `list_watch` lists and watches them, remembering whether the last
+    list was asked of the API server's watch cache."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        self.what = source.what
+        self.from_watch_cache = False
+
+    async def list(self, resource_version: str = "") -> tuple[list[Any], str]:
+        listed = await self.source.list(resource_version)
+        self.from_watch_cache = resource_version == WATCH_CACHE
+        return listed
+
+    def watch(self, resource_version: str) -> AsyncIterator[tuple[str, Mapping[str, Any]]]:
+        return self.source.watch(resource_version)
+
+
 class PodWatcher:
     def __init__(self, source: PodSource, node: str, cache: PodCache,
                  on_change: Callable[[], None], *, resync_seconds: float = 300.0,
@@ -110,6 +156,7 @@ class PodWatcher:
         self.rng = rng or random.Random()
         self.first_list_jitter = first_list_jitter
         self.cached_lists = cached_lists
+        self._listing = _Listing(source.node_pods(node))
 
     def run(self, stop: threading.Event) -> None:
         """Lists and watches on the source's loop until `stop` is set; the loop's list or
@@ -128,7 +175,7 @@ class PodWatcher:
             log.info("first list of node %s's pods in %.2f s (agents restarted together "
                      "list apart)", self.node, wait)
             await self.clock.asleep(wait)
-        await list_watch(self.source.node_pods(self.node), self._listed, self._event,
+        await list_watch(self._listing, self._listed, self._event,
                          on_failure=self._failed, backoff=self.backoff, rng=self.rng,
                          resync_seconds=self.resync_seconds, relist_after_failure=True,
                          cached_lists=self.cached_lists, monotonic=self.monotonic,
@@ -141,8 +188,33 @@ class PodWatcher:
         self._listed(items)
 
     def _listed(self, items: list[Any]) -> None:
-        self.cache.replace([p for p in items if on_node(p, self.node)])
+        self.cache.replace([p for p in items if on_node(p, self.node)],
+                           consistent=not self._listing.from_watch_cache)
         self.on_change()
+
+    def confirm_absent(self, uids: set[str], timeout: float = CONFIRM_TIMEOUT) -> bool:
+        """After a list from the watch cache: a consistent list of the node's pods, for the
+        `uids` the agent would take for gone (it knew them, or their marker is here). Those
+        it finds go back into the cache; the others are gone indeed. False when the API did
+        not answer: nothing may be taken for gone then (its limits would be cleared while it
+        may still run)."""
+        generation = self.cache.generation
+        future = self.source.spawn(self.source.node_pods(self.node).list(""))
+        try:
+            items, _ = future.result(timeout)
+        except (KubeError, TimeoutError) as e:
+            future.cancel()
+            log.warning("a list from the watch cache lacks %d pod(s) this agent had limits "
+                        "or markers for, and the consistent list to confirm they are gone "
+                        "failed (%s): nothing is applied or cleared until one answers",
+                        len(uids), e)
+            return False
+        found = [dict(p) for p in items if on_node(p, self.node) and uid_of(p) in uids]
+        self.cache.confirm(generation, found)
+        if found:
+            log.warning("the list from the watch cache lacked %d pod(s) still on this node "
+                        "(the cache lagged): kept", len(found))
+        return True
 
     def _failed(self, error: KubeError) -> None:
         self.cache.failed(error.message)
