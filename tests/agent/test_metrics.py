@@ -172,6 +172,29 @@ def test_node_readiness_and_gpu_memory(short_tmp: Path) -> None:
         frozenset({"node": "node-a", "reason": "NVMLUnavailable"}.items()): 0}
 
 
+def test_a_process_nvml_lists_without_its_memory_is_counted_and_logged_once(
+        short_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The watchdog sums a container's processes; one NVML reports no memory for counts as 0,
+    so a container over its cap could pass unseen: that must show too."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    assert rig.step().converged
+    run(rig, uid, 100, 3 * GIB, 10)
+    run(rig, uid, 200, None, 15)  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="kai_fractions.node.agent.usage"):
+        rig.reconciler.check_usage()
+        rig.reconciler.check_usage()
+        rig.nvml.processes[-1].used_bytes = GIB  # readable again
+        rig.reconciler.check_usage()
+    assert samples(rig, "kai_fractions_agent_gpu_usage_unreadable_total") == {
+        frozenset({"node": "node-a", "gpu_uuid": rig.gpu0,
+                   "reason": "ProcessMemoryUnknown"}.items()): 2}
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]  # began, and ended
+    assert caplog.records[0].getMessage() == (
+        f"NVML reports no memory for 1 process(es) of managed containers on GPU {rig.gpu0} "
+        "(pids 200): the watchdog counts them as 0 until it does")
+
+
 def test_a_gpu_whose_processes_cannot_be_listed_is_counted_and_logged_once(
         short_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A watchdog that cannot see a GPU's processes reads no usage there: that must show, not

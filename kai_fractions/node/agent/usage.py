@@ -13,7 +13,7 @@ are observed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -21,12 +21,15 @@ from ..desired import ContainerKey, DesiredState
 from ..errors import NvmlError
 from ..inventory import Inventory
 from ..nvml import Nvml
-from ..watchdog import KILLED, TERMINATE, TERMINATED, Watchdog, WatchdogReport
+from ..watchdog import KILLED, TERMINATE, TERMINATED, ContainerUsage, Watchdog, WatchdogReport
 from . import events as ev
 from .events import EventRecorder, PodRef
 from .metrics import AgentMetrics, Usage
 
 log = logging.getLogger(__name__)
+
+MEMORY_UNKNOWN = "ProcessMemoryUnknown"
+"""The usage-unreadable reason for a managed container's process NVML lists without memory."""
 
 
 class UsageCheck:
@@ -40,6 +43,8 @@ class UsageCheck:
         """GPU uuid -> timestamp (µs) of the newest utilization sample read."""
         self._blind: dict[str, str] = {}
         """GPU uuid -> why its processes could not be listed, while they cannot."""
+        self._unknown: set[str] = set()
+        """GPU uuids where NVML lists a managed container's process without its memory."""
 
     def check(self, desired: DesiredState, inventory: Inventory
               ) -> Mapping[tuple[ContainerKey, str], Usage]:
@@ -56,6 +61,7 @@ class UsageCheck:
                 log.info("the processes of GPU %s can be listed again", d.uuid)
             sm.update(self._sm_percent(d.uuid))
         report = self.watchdog.check(processes, desired.watchdog_containers(), sm)
+        self._unknown_memory(report.usage)
         usage = MappingProxyType({(ContainerKey(u.pod_uid, u.container_name), u.device_uuid):
                                   Usage(u.used_bytes, u.sm_percent) for u in report.usage})
         self.metrics.update(desired, usage, inventory)
@@ -71,6 +77,25 @@ class UsageCheck:
             self._blind[uuid] = error.reason
             log.warning("cannot list the processes of GPU %s (%s): %s; the watchdog sees no "
                         "usage there until it can", uuid, error.reason, error.message)
+
+    def _unknown_memory(self, usage: Iterable[ContainerUsage]) -> None:
+        """Processes of managed containers that NVML lists without their memory (it says "not
+        available" without the privileges to read it, and in some virtualised modes) count
+        as 0 in the watchdog's sums: like a GPU it cannot list, counted every check and
+        logged when it starts and ends, so a partly blind watchdog shows."""
+        unknown: dict[str, list[int]] = {}
+        for u in usage:
+            if u.unknown_usage_pids:
+                unknown.setdefault(u.device_uuid, []).extend(u.unknown_usage_pids)
+        for uuid, pids in unknown.items():
+            self.metrics.usage_blind.labels(self.metrics.node, uuid, MEMORY_UNKNOWN).inc()
+            if uuid not in self._unknown:
+                log.warning("NVML reports no memory for %d process(es) of managed containers "
+                            "on GPU %s (pids %s): the watchdog counts them as 0 until it does",
+                            len(pids), uuid, ", ".join(map(str, sorted(pids))))
+        for uuid in self._unknown - set(unknown):
+            log.info("NVML reports the memory of every managed process on GPU %s again", uuid)
+        self._unknown = set(unknown)
 
     def _sm_percent(self, uuid: str) -> dict[int, int]:
         """pid -> SM percent of its newest sample since the last check."""
