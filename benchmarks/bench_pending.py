@@ -481,7 +481,7 @@ def _tag(size: int) -> str:
 def _per_added_pod(result: Result, measured: list[dict]) -> None:
     """RSS per cached pod from one size to the next larger one: the growth that scales with the
     queue, without what does not (the list's machinery and buffers, the heap the first calls
-    grow: about a megabyte, which is most of the 1k figure)."""
+    grow)."""
     ordered = sorted(measured, key=lambda m: m["cached"])
     for small, large in itertools.pairwise(ordered):
         span = f"{_tag(small['size'])}-{_tag(large['size'])}"
