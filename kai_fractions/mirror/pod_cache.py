@@ -27,8 +27,7 @@ P6 in benchmarks/): on that loop, the list is trimmed and stored page by page as
 `SLICE_SECONDS` of work (`merge_soon`); each page and each slice waits for a gap between the
 calls (`foreground`); watch events that arrive meanwhile win over the list. Watch events are
 applied in such slices too (`event_soon`): a Job of thousands of pods created at once brings
-them back to back. Once a list is merged, the memory its decoding freed goes back to the
-operating system (`heap`), or the process would stay at the list's high-water mark.
+them back to back.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from ..heap import release_free_memory
 from ..kube.objects import later_version
 from .foreground import Foreground, Slices
 from .store import PodSnapshot
@@ -159,8 +157,7 @@ class PodCache:
     def __init__(self, prepare: Callable[[PodSnapshot], object] | None = None, *,
                  prepared_kept: int = PREPARED_KEPT, slice_seconds: float = SLICE_SECONDS,
                  foreground: Foreground | None = None,
-                 monotonic: Callable[[], float] = time.perf_counter,
-                 release_memory: Callable[[], object] = release_free_memory) -> None:
+                 monotonic: Callable[[], float] = time.perf_counter) -> None:
         self.prepare = prepare
         """Run on the pods the list and the watch bring in (not on those the mirror reads or
         writes itself), up to `prepared_kept` held at a time: the work an allocation for the
@@ -180,8 +177,6 @@ class PodCache:
         """The calls in flight on the serving loop (MirrorService marks its own): the list's
         work on that loop waits for a gap between them (its feed's pace, the merge's slices)."""
         self._monotonic = monotonic
-        self._release_memory = release_memory
-        """Called once a list is merged: what decoding it freed goes back to the OS (`heap`)."""
         self._event_slices = Slices(self.foreground, slice_seconds, monotonic)
         self._prepared: set[tuple[str, str]] = set()  # the keys whose entry was prepared
         self._touched: set[tuple[str, str]] | None = None
@@ -254,7 +249,6 @@ class PodCache:
             self.lists += 1
         for pod in new:
             self._prepare(pod)
-        self._release_memory()
 
     def keep(self, obj: Mapping[str, Any]) -> PodSnapshot:
         """`trimmed`, as each pod of a list page arrives on the serving loop, and stored at
@@ -326,7 +320,6 @@ class PodCache:
             self._touched = None
             self._merging = None
         settle()
-        self._release_memory()
         log.info("pod cache synced: %d pod(s), a list of %d merged in %.1f s", len(self._pods),
                  len(listed), self._monotonic() - started)
 

@@ -281,17 +281,6 @@ async def test_a_merge_prepares_what_is_new_and_keeps_what_was_prepared():
     assert prepared == [POD, "other", POD] and cache.lookup(NS, "other") is kept
 
 
-async def test_each_merged_list_hands_what_its_decoding_freed_back_to_the_os_once():
-    released: list[int] = []
-    cache = PodCache(release_memory=lambda: released.append(cache.lists))
-    cache.replace([full_pod()])
-    cache.merge_soon([full_pod(resourceVersion="8")])
-    await settle(cache)
-    cache.event("MODIFIED", full_pod(resourceVersion="9"))
-    cache.remember(PodSnapshot.from_object(full_pod(resourceVersion="10")), written=True)
-    assert released == [1, 2]  # after each list is merged, not per event or write
-
-
 def test_only_the_first_pods_are_prepared_and_a_slot_frees_when_one_leaves():
     prepared: list[str] = []
     cache = PodCache(prepare=lambda p: prepared.append(p.name), prepared_kept=2)
