@@ -256,9 +256,9 @@ class PodCache:
         early page finds it while the rest of the list is still on its way (the merge then
         prepares it and removes what the list lacks). A pod held at the listed version comes
         back as the object held, so its copy goes at once: a re-list is mostly such copies,
-        and freed together when the merged list went, 50,000 of them held the loop for up to
-        50 ms (benchmarks P6, round thirteen). Every SETTLE_EVERY pods, what the cache keeps
-        is moved out of the cyclic collector's way (`settle`)."""
+        and all freed together when the merged list goes, they held the serving loop
+        (benchmarks/README.md, P6 round thirteen). Every SETTLE_EVERY pods, what the cache
+        keeps is moved out of the cyclic collector's way (`settle`)."""
         self._kept += 1
         if self._kept % SETTLE_EVERY == 0:
             settle()

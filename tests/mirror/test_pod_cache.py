@@ -250,8 +250,9 @@ async def test_a_listed_page_is_stored_as_it_arrives_and_the_merge_prepares_it()
 
 
 def test_a_listed_pod_held_at_that_version_comes_back_as_the_object_held():
-    # Its copy goes as its page is kept, not with the whole list once merged: a re-list of
-    # 50,000 held pods freed at once held the serving loop (benchmarks/README.md, round 13).
+    # Its copy goes as its page is kept, not with the whole list once merged: a re-list's
+    # copies of every held pod, freed at once, held the serving loop (benchmarks/README.md,
+    # P6 round thirteen).
     cache = PodCache()
     held = cache.keep(full_pod(resourceVersion="5"))
     assert cache.keep(full_pod(resourceVersion="5")) is held
