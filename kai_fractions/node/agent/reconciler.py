@@ -161,11 +161,12 @@ class Reconciler:
             return PassReport(converged=False, errors=frozenset(errors))
         live = self.pods.live()
         tidy = {"grace": self.options.marker_grace_seconds, "now": self.clock()}
-        if not self.pods.cache.consistent and not self._confirmed(live, tidy["now"]):
-            self._publish(inventory, mps_error, mps_namespaces, count=False)
-            errors.add(UNCONFIRMED)
-            return PassReport(converged=False, errors=frozenset(errors))
-        live = self.pods.live()  # with what a confirmation brought back
+        if not self.pods.cache.consistent:
+            if not self._confirmed(live, tidy["now"]):
+                self._publish(inventory, mps_error, mps_namespaces, count=False)
+                errors.add(UNCONFIRMED)
+                return PassReport(converged=False, errors=frozenset(errors))
+            live = self.pods.live()  # with what the confirmation brought back
         if inventory is None:
             self.pods.drop_gone(live, errors, release=False)
             self.markers.tidy(set(live), None, **tidy)  # which pods are fractional is unknown

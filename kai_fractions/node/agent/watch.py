@@ -184,7 +184,7 @@ class PodWatcher:
     def list_once(self) -> None:
         """One consistent list handed to the cache as the loop hands its lists (what the
         agent's tests drive it with)."""
-        items, _ = self.source.spawn(self.source.node_pods(self.node).list("")).result()
+        items, _ = self.source.spawn(self._listing.list("")).result()
         self._listed(items)
 
     def _listed(self, items: list[Any]) -> None:
