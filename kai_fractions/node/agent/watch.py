@@ -156,7 +156,7 @@ class PodWatcher:
         self.rng = rng or random.Random()
         self.first_list_jitter = first_list_jitter
         self.cached_lists = cached_lists
-        self._listing = _Listing(source.node_pods(node))
+        self._listing: _Listing | None = None
 
     def run(self, stop: threading.Event) -> None:
         """Lists and watches on the source's loop until `stop` is set; the loop's list or
@@ -175,6 +175,7 @@ class PodWatcher:
             log.info("first list of node %s's pods in %.2f s (agents restarted together "
                      "list apart)", self.node, wait)
             await self.clock.asleep(wait)
+        self._listing = _Listing(self.source.node_pods(self.node))
         await list_watch(self._listing, self._listed, self._event,
                          on_failure=self._failed, backoff=self.backoff, rng=self.rng,
                          resync_seconds=self.resync_seconds, relist_after_failure=True,
@@ -184,12 +185,14 @@ class PodWatcher:
     def list_once(self) -> None:
         """One consistent list handed to the cache as the loop hands its lists (what the
         agent's tests drive it with)."""
-        items, _ = self.source.spawn(self._listing.list("")).result()
-        self._listed(items)
+        items, _ = self.source.spawn(self.source.node_pods(self.node).list("")).result()
+        self._listed(items, consistent=True)
 
-    def _listed(self, items: list[Any]) -> None:
-        self.cache.replace([p for p in items if on_node(p, self.node)],
-                           consistent=not self._listing.from_watch_cache)
+    def _listed(self, items: list[Any], consistent: bool | None = None) -> None:
+        """`consistent` None: as the loop asked for its last list."""
+        if consistent is None:
+            consistent = self._listing is None or not self._listing.from_watch_cache
+        self.cache.replace([p for p in items if on_node(p, self.node)], consistent=consistent)
         self.on_change()
 
     def confirm_absent(self, uids: set[str], timeout: float = CONFIRM_TIMEOUT) -> bool:
