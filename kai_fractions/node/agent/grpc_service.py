@@ -129,9 +129,15 @@ def node_state(view: NodeView, node_name: str, condition: Condition | None,
     return out
 
 
-def _bad_uid(uid: str) -> str:
-    return (f"pod.uid: must be the pod's metadata.uid (letters, digits and dashes, at most 128), "
-            f"got {uid!r}: it names the pod's marker directory and cgroup")
+def _valid_uid(context: grpc.ServicerContext, uid: str) -> str:
+    """`uid`, or the call ends with INVALID_ARGUMENT: it names the pod's marker directory."""
+    try:
+        return check_pod_uid(uid)
+    except MarkerError:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"pod.uid: must be the pod's metadata.uid (letters, digits and dashes, at "
+                      f"most 128), got {uid!r}: it names the pod's marker directory and cgroup")
+        raise  # abort raises; this line is for readers and type checkers
 
 
 class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
@@ -175,10 +181,7 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
     def _uid(context: grpc.ServicerContext, pod: allocation_pb2.PodRef,
              pods: Mapping[str, KnownPod]) -> str:
         if pod.uid:
-            try:
-                return check_pod_uid(pod.uid)
-            except MarkerError:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, _bad_uid(pod.uid))
+            return _valid_uid(context, pod.uid)
         found = [uid for uid, k in pods.items()
                  if (k.namespace, k.name) == (pod.namespace, pod.name)]
         if not found:
@@ -203,10 +206,7 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"Provision needs {', '.join(missing)} (the uid names the pod's "
                           "cgroup and MPS namespace)")
-        try:
-            check_pod_uid(pod.uid)
-        except MarkerError:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _bad_uid(pod.uid))
+        _valid_uid(context, pod.uid)
         keys = self._run(context, lambda: self.reconciler.provision(
             pod.namespace, pod.name, pod.uid, dict(request.annotations),
             list(request.containers), list(request.init_containers)))
