@@ -17,9 +17,13 @@ The cache is fed from outside: by a list + watch of pods on the mirror server's 
 (`pod_feed`), by every pod the mirror reads, and by every pod a PATCH returns (write-through),
 newest resourceVersion first.
 What the list and the watch bring is also prepared for an allocation (`prepare`: the mirror
-parses it as its user wrote it) while the pod waits for the scheduler, for the first
-`PREPARED_KEPT` pods held (the head of the queue: a parse costs memory per pod); the others are
-parsed by their first allocation.
+parses it as its user wrote it) while the pod waits for the scheduler, for at most
+`PREPARED_KEPT` pods at a time (a parse costs memory per pod): the head of the queue, in the
+order the cache learned of its pods. Slots that free (the mirror wrote the pod, or it left) are
+refilled in gaps between the calls with the oldest pods still waiting (`_refill`, a quarter of
+the slots at a time), so a scheduler that works through a long queue finds the next pods
+parsed; a pod allocated before its turn is parsed by its allocation, and one the mirror has
+allocated is never prepared.
 
 A queue of tens of thousands of Pending pods must not stall the loop that serves (measured as
 P6 in benchmarks/): on that loop, the list is trimmed and stored page by page as it arrives
@@ -33,6 +37,7 @@ them back to back.
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import logging
 import re
@@ -45,6 +50,7 @@ from typing import Any
 
 from ..kube.objects import later_version
 from .foreground import Foreground, Slices
+from .record import MIRRORED_ANNOTATION
 from .store import PodSnapshot
 
 log = logging.getLogger(__name__)
@@ -139,10 +145,10 @@ _RESOURCE_VERSION_BYTES = re.compile(rb'"resourceVersion":"([^"]*)"')
 ECHOES_KEPT = 4096
 """resourceVersions of the mirror's own writes kept until their watch event arrives (more are
 only in flight when the watch lags far behind; a forgotten one just costs a parse)."""
-PREPARED_KEPT = 2048
-"""Pods held prepared at most: the first ones the cache learns of, which a scheduler that
-binds its queue in order binds first; a gang of this many starts from parsed pods. The bound
-keeps a large queue's memory to the trimmed pods."""
+PREPARED_KEPT = 256
+"""Pods held prepared at most: the oldest ones held, which a scheduler that binds its queue in
+order binds first; a gang of this many starts from parsed pods, and the slots its pods free are
+refilled between the calls. The bound keeps a large queue's memory to the trimmed pods."""
 SETTLE_EVERY = 1000
 """Listed pods between two `settle()`s (each a young collection, then gc.freeze)."""
 SLICE_SECONDS = 0.0005
@@ -159,8 +165,8 @@ class PodCache:
                  foreground: Foreground | None = None,
                  monotonic: Callable[[], float] = time.perf_counter) -> None:
         self.prepare = prepare
-        """Run on the pods the list and the watch bring in (not on those the mirror reads or
-        writes itself), up to `prepared_kept` held at a time: the work an allocation for the
+        """Run on the pods the list and the watch bring in that carry no allocation of the
+        mirror's, up to `prepared_kept` held at a time: the work an allocation for the
         pod would otherwise start with, done while the pod waits to be scheduled (the
         mirror's is compute.user_request, which the others run on first use)."""
         self._lock = threading.Lock()
@@ -179,6 +185,10 @@ class PodCache:
         self._monotonic = monotonic
         self._event_slices = Slices(self.foreground, slice_seconds, monotonic)
         self._prepared: set[tuple[str, str]] = set()  # the keys whose entry was prepared
+        self._waiting: collections.deque[tuple[str, str]] = collections.deque()
+        """Keys brought in while every slot was taken, oldest first (some may have left or been
+        prepared since: skipped when their turn comes); `_refill` prepares them."""
+        self._refilling: asyncio.Task | None = None
         self._touched: set[tuple[str, str]] | None = None
         """While a list is merged (merge_soon): the keys a watch event changed since, whose
         event is newer than anything the list says about them."""
@@ -245,10 +255,12 @@ class PodCache:
             self._prepared -= {key for key in self._prepared if key not in fresh}
             self._prepared -= {(pod.namespace, pod.name) for pod in new}
             self._pods = fresh
+            self._waiting.clear()  # the list's order is the queue's now: _prepare refills it
             self.synced = True
             self.lists += 1
         for pod in new:
             self._prepare(pod)
+        self._refill_soon()
 
     def keep(self, obj: Mapping[str, Any]) -> PodSnapshot:
         """`trimmed`, as each pod of a list page arrives on the serving loop, and stored at
@@ -284,16 +296,21 @@ class PodCache:
             self._merge(items, self._touched), name="pod-cache-merge")
 
     def cancel_merge(self) -> None:
-        """Stops a merge in progress (a newer list, or the feed's end); what it merged stays."""
+        """Stops a merge in progress (a newer list, or the feed's end) and a refill of the
+        prepared pods; what they did stays (the next list or freed slot refills)."""
         if self._merging is not None:
             self._merging.cancel()
             self._merging = None
+        if self._refilling is not None:
+            self._refilling.cancel()
+            self._refilling = None
         self._touched = None
 
     async def _merge(self, items: list[Mapping[str, Any] | PodSnapshot],
                      touched: set[tuple[str, str]]) -> None:
         listed: set[tuple[str, str]] = set()
         started = self._monotonic()
+        self._waiting.clear()  # the list's order is the queue's now: _prepare refills it
         slices = Slices(self.foreground, self.slice_seconds, self._monotonic)
         for item in items:
             pod = trimmed(item)
@@ -319,6 +336,7 @@ class PodCache:
             self.lists += 1
             self._touched = None
             self._merging = None
+        self._refill_soon()
         settle()
         log.info("pod cache synced: %d pod(s), a list of %d merged in %.1f s", len(self._pods),
                  len(listed), self._monotonic() - started)
@@ -343,6 +361,7 @@ class PodCache:
             if old is not None and old.uid == pod.uid:
                 del self._pods[key]
                 self._prepared.discard(key)
+        self._refill_soon()
 
     async def event_soon(self, kind: str, obj: Mapping[str, Any]) -> None:
         """`event`, for the serving loop's watch: a burst of events (a Job's thousands of pods
@@ -352,17 +371,53 @@ class PodCache:
         await self._event_slices.step()
 
     def _prepare(self, pod: PodSnapshot) -> None:
-        if self.prepare is None:
-            return
+        if self.prepare is None or MIRRORED_ANNOTATION in pod.metadata.get("annotations", ()):
+            return  # allocated already: the scheduler binds it next, it does not allocate it
         key = (pod.namespace, pod.name)
         with self._lock:
             if key not in self._prepared and len(self._prepared) >= self.prepared_kept:
-                return  # parsed by its first allocation instead (compute.user_request)
+                self._waiting.append(key)  # its turn comes when a slot frees (_refill)
+                if len(self._waiting) > 2 * len(self._pods) + self.prepared_kept:
+                    # Only a long watch with much churn and no list gets here: forget the
+                    # keys that left, keep the order of the others.
+                    self._waiting = collections.deque(
+                        key for key in dict.fromkeys(self._waiting) if key in self._pods)
+                return
             self._prepared.add(key)
         try:
             self.prepare(pod)
         except Exception:  # the feed outlives it; an allocation for the pod redoes the work
             log.exception("preparing pod %s/%s for allocations failed", pod.namespace, pod.name)
+
+    def _refill_soon(self) -> None:
+        """Starts `_refill` on the running loop once a quarter of the slots is free and pods
+        wait for them: in batches, because each refill first waits for a gap between the calls,
+        and that wait per freed slot cost the calls more than the parse it moved (off the loop,
+        as in a thread's watch, the next list or event takes a free slot instead)."""
+        free = self.prepared_kept - len(self._prepared)
+        if (self.prepare is None or not self._waiting or self._refilling is not None
+                or free < max(1, self.prepared_kept // 4)):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._refilling = loop.create_task(self._refill(), name="pod-cache-prepare")
+
+    async def _refill(self) -> None:
+        """Prepares the oldest pods waiting, one slice of work at a time between the calls,
+        until every slot is taken or none waits."""
+        slices = Slices(self.foreground, self.slice_seconds, self._monotonic)
+        try:
+            await self.foreground.gap()  # a slot frees inside a call: the call goes first
+            while self._waiting and len(self._prepared) < self.prepared_kept:
+                key = self._waiting.popleft()
+                pod = self._pods.get(key)
+                if pod is not None and key not in self._prepared:
+                    self._prepare(pod)
+                    await slices.step()
+        finally:
+            self._refilling = None
 
     def _store(self, pod: PodSnapshot) -> bool:
         """Whether `pod` was news: False when the cache held this version or a newer one."""
@@ -372,8 +427,11 @@ class PodCache:
             if _holds(old, pod):
                 return False
             self._pods[key] = pod
+            freed = key in self._prepared
             self._prepared.discard(key)  # the new version is not prepared yet
-            return True
+        if freed:  # a list or an event prepares the new version at once (still the head)
+            self._refill_soon()
+        return True
 
 
 def settle() -> None:

@@ -15,6 +15,7 @@ from kubernetes import client as k8s
 from kai_fractions.contract import keys as k
 from kai_fractions.kube.client import Kube
 from kai_fractions.mirror.node_liveness import SILENT_REASON, NodeLiveness, silent_conditions
+from tests.support.aio import until
 from tests.support.kube import KubeServer
 
 NOW = datetime.datetime(2026, 12, 2, 12, 0, tzinfo=datetime.UTC)
@@ -109,15 +110,6 @@ async def test_a_heartbeat_that_lands_in_between_wins(kube, client):
     client.request = heartbeat_after_the_read  # type: ignore[method-assign]
     assert await watcher.check("n") is False  # 409: the newer node wins
     assert conditions_of(kube, "n")[k.NODE_CONDITION]["status"] == "True"
-
-
-async def until(predicate, timeout: float = 5.0) -> None:
-    """The checks run in tasks of their own: wait for what they do."""
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("not within the timeout")
 
 
 async def test_a_node_is_read_at_most_once_per_recheck_period(kube, client):

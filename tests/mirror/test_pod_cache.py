@@ -19,6 +19,7 @@ from kai_fractions.mirror.pod_feed import pod_selector
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import PodSnapshot
 from tests.support.agent_process import wait_for
+from tests.support.aio import until
 from tests.support.clock import FakeClock
 from tests.support.fake_store import FakePodStore
 from tests.support.mirror_kube import pod_path
@@ -293,6 +294,56 @@ def test_only_the_first_pods_are_prepared_and_a_slot_frees_when_one_leaves():
     assert prepared == ["p0", "p1", "p1", "p9"]
     cache.event("ADDED", full_pod(name="p8", resourceVersion="12"))
     assert prepared[-1] == "p9"
+
+
+async def test_a_freed_slot_is_refilled_between_calls_with_the_oldest_pod_waiting():
+    # A scheduler working through a long queue in order: the pods it binds next are parsed
+    # ahead, not only the first `prepared_kept` the cache ever held.
+    prepared: list[str] = []
+    foreground = Foreground(rest=0, max_wait=0.5)
+    cache = PodCache(prepare=lambda p: prepared.append(p.name), prepared_kept=2,
+                     foreground=foreground)
+    cache.merge_soon([full_pod(name=f"p{i}", resourceVersion=str(i + 1)) for i in range(5)])
+    await settle(cache)
+    assert prepared == ["p0", "p1"]
+    with foreground.call():  # the mirror writes p0: its slot frees inside the call
+        cache.remember(PodSnapshot.from_object(full_pod(name="p0", resourceVersion="20")),
+                       written=True)
+        await asyncio.sleep(0.01)
+        assert prepared == ["p0", "p1"]  # the call goes first
+    await until(lambda: prepared == ["p0", "p1", "p2"], "p2 prepared")
+    cache.event("DELETED", full_pod(name="p1", resourceVersion="21"))
+    await until(lambda: prepared == ["p0", "p1", "p2", "p3"], "p3 prepared")
+    cache.remember(PodSnapshot.from_object(full_pod(name="p3", resourceVersion="22")),
+                   written=True)
+    cache.event("DELETED", full_pod(name="p4", resourceVersion="23"))  # gone before its turn
+    await asyncio.sleep(0.05)
+    assert prepared == ["p0", "p1", "p2", "p3"] and cache._refilling is None
+
+
+def test_a_pod_the_mirror_allocated_is_not_prepared_again():
+    # Its next step is the bind, not an allocation: a parse would take a slot for nothing.
+    prepared: list[str] = []
+    cache = PodCache(prepare=lambda p: prepared.append(p.name))
+    bound = full_pod(resourceVersion="9")
+    bound["metadata"]["annotations"][pod_cache.MIRRORED_ANNOTATION] = '{"container":"t"}'
+    cache.event("MODIFIED", bound)
+    cache.replace([bound, full_pod(name="waiting")])
+    assert prepared == ["waiting"] and cache.lookup(NS, POD) is not None
+
+
+async def test_a_new_list_orders_the_pods_waiting_anew_and_the_wait_stays_bounded():
+    prepared: list[str] = []
+    cache = PodCache(prepare=lambda p: prepared.append(p.name), prepared_kept=1)
+    cache.merge_soon([full_pod(name="p0", resourceVersion="1")])
+    await settle(cache)
+    for i in range(50):  # churn with no list: pods come and go while the slot stays taken
+        cache.event("ADDED", full_pod(name=f"c{i}", resourceVersion=str(100 + 2 * i)))
+        cache.event("DELETED", full_pod(name=f"c{i}", resourceVersion=str(101 + 2 * i)))
+    assert len(cache._waiting) < 10  # not one per pod that came and went
+    cache.merge_soon([full_pod(name=n, resourceVersion="1") for n in ("p0", "a", "b")])
+    await settle(cache)
+    assert list(cache._waiting) == [(NS, "a"), (NS, "b")]
 
 
 def test_trimmed_keeps_a_snapshot_and_shares_repeated_strings():

@@ -21,6 +21,7 @@ from kai_fractions.mirror.grpc.server import MirrorServer, ServerOptions
 from kai_fractions.mirror.pod_cache import PodCache
 from kai_fractions.mirror.pod_feed import LIST_PAGE_SIZE, pod_feed, pod_selector
 from kai_fractions.mirror.service import MirrorService
+from tests.support.aio import until
 from tests.support.fake_store import FakePodStore
 from tests.support.kube import pod_manifest
 
@@ -30,13 +31,6 @@ SCHEDULER = "kai-scheduler"
 PODS = "/api/v1/pods"
 TIMEOUT = 5.0
 FAST = Backoff(attempts=3, base=0.01, cap=0.05)
-
-
-async def until(predicate: Callable[[], bool], what: str) -> None:
-    async with asyncio.timeout(TIMEOUT):
-        while not predicate():
-            await asyncio.sleep(0.01)
-    assert predicate(), what
 
 
 async def cancelled(task: asyncio.Task) -> None:
