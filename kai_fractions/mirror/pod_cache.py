@@ -407,9 +407,9 @@ class PodCache:
     async def _refill(self) -> None:
         """Prepares the oldest pods waiting, one slice of work at a time between the calls,
         until every slot is taken or none waits."""
-        slices = Slices(self.foreground, self.slice_seconds, self._monotonic)
         try:
             await self.foreground.gap()  # a slot frees inside a call: the call goes first
+            slices = Slices(self.foreground, self.slice_seconds, self._monotonic)
             while self._waiting and len(self._prepared) < self.prepared_kept:
                 key = self._waiting.popleft()
                 pod = self._pods.get(key)
