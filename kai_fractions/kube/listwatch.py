@@ -107,12 +107,16 @@ class Collection:
             if self.pace is not None:
                 await self.pace()
             body = decoded(raw, what) or {}
+            del raw
             page = body.get("items") or []
             items.extend(page if self.keep is None else map(self.keep, page))
             meta = body.get("metadata") or {}
             # Every page of one list is the same snapshot: the first page's version is its.
             version = version or str(meta.get("resourceVersion") or "")
             token = str(meta.get("continue") or "")
+            # Let the page go before the next one is read: held until its successor was
+            # decoded, it doubled what a list's pages take at a time.
+            del body, page, meta
             if not token:
                 return items, version
 
