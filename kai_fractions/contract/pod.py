@@ -136,9 +136,9 @@ def _str_map(value: Any, path: str) -> Mapping[str, str]:
             break
     else:
         # The usual case: no conversion needed. A read-only map is kept as it is: whoever
-        # passes one promises that the map under it does not change (the mirror's pod cache,
-        # which shares one between the pods of a job, owns its maps and never changes them);
-        # any other is copied, so the view never changes under its reader.
+        # passes one promises that the map under it does not change; any other is copied, so
+        # the view never changes under its reader and the parse reads a dict (the mirror's
+        # pod cache keeps compact maps of its own, which the copy turns into one).
         return value if type(value) is MappingProxyType else MappingProxyType(dict(value))
     return MappingProxyType({str(a): "" if b is None else str(b) for a, b in value.items()})
 

@@ -11,8 +11,9 @@ The cache only ever saves a read; correctness never rests on it being fresh (Mir
 
 Entries keep only what the contract reads (names, uid, resourceVersion, annotations, labels,
 container names and resources, nodeName), with equal annotation maps, label maps, container
-lists and trimmed specs shared between pods, read-only (`_one_of`), and only for Pending pods
-(`pod_feed.pod_selector`).
+lists and trimmed specs shared between pods, read-only (`_one_of`), every map a CompactMap (a
+tuple of values beside a key index shared by the maps of the same keys), and only for Pending
+pods (`pod_feed.pod_selector`).
 The cache is fed from outside: by a list + watch of pods on the mirror server's event loop
 (`pod_feed`), by every pod the mirror reads, and by every pod a PATCH returns (write-through),
 newest resourceVersion first.
@@ -45,10 +46,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import Any
 
 from ..kube.objects import later_version
+from .compact_map import CompactMap
 from .foreground import Foreground, Slices
 from .record import MIRRORED_ANNOTATION
 from .store import PodSnapshot
@@ -82,8 +83,8 @@ _shared: dict[Any, Any] = {}
 def _one_of(value: Any) -> Any:
     """One object for equal values: the pods of one job carry the same annotations, labels,
     containers and trimmed spec, a copy per pod as JSON decoding makes them. Safe because a
-    snapshot's parts are never changed: a map comes back read-only, and the contract's view
-    shares a read-only string map instead of copying it. A string map is found by its items'
+    snapshot's parts are never changed: a map comes back read-only (a CompactMap; the
+    contract's view reads a dict copy of it). A string map is found by its items'
     hash and kept only when equal, so a map seen once (a written pod's own record) costs a
     number and a place in the table (until the table is cleared), not a copy of its text; a
     list, or a map of lists, is found by its repr, equal exactly when the value is."""
@@ -98,7 +99,7 @@ def _one_of(value: Any) -> Any:
     found = _shared.get(key)
     if found is not None and found == value:
         return found
-    shared = MappingProxyType(_interned(value)) if is_map else value
+    shared = CompactMap(_interned(value)) if is_map else value
     if found is None:  # an unequal value under the same hash is just not shared
         if len(_shared) >= SHARED_KEPT:
             _shared.clear()
@@ -128,7 +129,7 @@ def trimmed(obj: Mapping[str, Any] | PodSnapshot) -> PodSnapshot:
             metadata[key] = _one_of(metadata[key])
     if type(metadata.get("namespace")) is str:
         metadata["namespace"] = sys.intern(metadata["namespace"])
-    return PodSnapshot(metadata, _one_of(kept))  # a job's pods: one trimmed spec
+    return PodSnapshot(CompactMap(metadata), _one_of(kept))  # a job's pods: one trimmed spec
 
 
 def _holds(old: PodSnapshot | None, pod: PodSnapshot) -> bool:
