@@ -56,6 +56,8 @@ class CompactMap(Mapping[Any, Any]):
             return NotImplemented
         if isinstance(other, CompactMap) and other._index is self._index:
             return other._values == self._values
+        if type(other) is dict and tuple(other) == tuple(self._index):
+            return tuple(other.values()) == self._values  # the cache's case, at C speed
         return len(other) == len(self._values) and all(
             other.get(key, _MISSING) == value
             for key, value in zip(self._index, self._values, strict=True))

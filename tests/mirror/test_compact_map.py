@@ -14,6 +14,7 @@ def test_it_reads_and_compares_as_the_dict_it_was_made_from():
     items = {"name": "train-0", "namespace": "team-a", "uid": "u-0"}
     m = CompactMap(items)
     assert m == items and items == m and m == CompactMap(dict(items))
+    assert m == dict(reversed(items.items())) == m  # equal in another order, as dicts are
     assert (m["name"], m.get("uid"), m.get("absent"), m.get("absent", "-")) == (
         "train-0", "u-0", None, "-")
     assert "namespace" in m and "absent" not in m and len(m) == 3
