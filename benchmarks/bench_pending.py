@@ -504,9 +504,19 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--listen", required=True)
     measuring = sub.add_parser("measure", help="the benchmark, for the sizes given")
     measuring.add_argument("sizes", nargs="*", type=int, default=list(SIZES))
+    alone = sub.add_parser("alone", help="RSS growth of the list alone (no calls), twice per "
+                           "size: what does not scale with the queue shows at small sizes")
+    alone.add_argument("sizes", nargs="+", type=int)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args.kubeconfig, args.listen)
+    if args.command == "alone":
+        for size in args.sizes:
+            with scene(size) as (url, tmp):
+                grown = [list_alone(url, tmp, 600.0)[0] / 1024 for _ in range(2)]
+            print(f"{size} pods: list alone grew RSS by "
+                  f"{' / '.join(f'{kb:.0f}' for kb in grown)} KB", flush=True)
+        return 0
     print_table([run(sizes=tuple(getattr(args, "sizes", SIZES)))])
     return 0
 

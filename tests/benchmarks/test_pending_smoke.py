@@ -44,3 +44,10 @@ def test_rss_per_added_pod_is_the_growth_from_one_size_to_the_next():
         ("1k-10k: RSS per added cached pod", round(12 * 1024 / 9_000, 2), "<= 2"),
         ("1k-10k: RSS per added cached pod, list alone", round(9 * 1024 / 9_000, 2), ""),
         ("1k-10k: RSS per added cached pod, a bare cache", round(27 * 1024 / 9_000, 2), "")]
+
+
+def test_alone_prints_the_list_alones_growth_twice_per_size(capsys):
+    assert bench_pending.main(["alone", "0", "5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["0 pods", "5 pods"]
+    assert all(line.endswith(" KB") and line.count(" / ") == 1 for line in lines)
