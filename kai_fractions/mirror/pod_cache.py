@@ -259,8 +259,9 @@ class PodCache:
             self._waiting.clear()  # the list's order is the queue's now: _prepare refills it
             self.synced = True
             self.lists += 1
-        for pod in new:
-            self._prepare(pod)
+        for key, pod in list(fresh.items()):  # new, or held and still waiting its turn
+            if key not in self._prepared:
+                self._prepare(pod)
         self._refill_soon()
 
     def keep(self, obj: Mapping[str, Any]) -> PodSnapshot:
@@ -416,7 +417,7 @@ class PodCache:
                 pod = self._pods.get(key)
                 if pod is not None and key not in self._prepared:
                     self._prepare(pod)
-                    await slices.step()
+                await slices.step()  # skipping thousands the calls got to first is work too
         finally:
             self._refilling = None
 

@@ -131,7 +131,9 @@ def test_prepare_runs_on_what_the_list_and_the_watch_bring_once_per_version():
     kept = cache.lookup(NS, "other")
     cache.replace([full_pod(resourceVersion="8"), full_pod(name="other", resourceVersion="6")])
     assert cache.lookup(NS, "other") is kept  # the same version: the prepared object stays
-    assert prepared == [(POD, "5"), ("other", "6"), (POD, "7")]
+    # Listed, the version the mirror read or wrote waits its turn as any other (as in a merge);
+    # one that carries the mirror's allocation never does (test_a_pod_the_mirror_allocated_...).
+    assert prepared == [(POD, "5"), ("other", "6"), (POD, "7"), (POD, "8")]
 
 
 def test_a_failing_prepare_is_logged_and_the_pod_still_cached(caplog):
@@ -320,6 +322,18 @@ async def test_a_freed_slot_is_refilled_between_calls_with_the_oldest_pod_waitin
     cache.event("DELETED", full_pod(name="p4", resourceVersion="23"))  # gone before its turn
     await asyncio.sleep(0.05)
     assert prepared == ["p0", "p1", "p2", "p3"] and cache._refilling is None
+
+
+async def test_a_pod_still_waiting_keeps_its_turn_across_a_list_of_the_same_versions():
+    prepared: list[str] = []
+    cache = PodCache(prepare=lambda p: prepared.append(p.name), prepared_kept=1,
+                     foreground=Foreground(rest=0))
+    listed = [full_pod(name="p0", resourceVersion="1"), full_pod(name="p1", resourceVersion="2")]
+    cache.replace(listed)
+    cache.replace(listed)  # the same versions: p0 stays prepared, p1 waits again
+    assert prepared == ["p0"]
+    cache.event("DELETED", full_pod(name="p0", resourceVersion="3"))
+    await until(lambda: prepared == ["p0", "p1"], "p1 prepared")
 
 
 def test_a_pod_the_mirror_allocated_is_not_prepared_again():
