@@ -80,3 +80,17 @@ def test_a_pod_the_consistent_list_lacks_too_is_gone_and_released(short_tmp: Pat
     assert rig.cluster.list_versions[asked:] == [""]
     assert not any(key[1].startswith(slice_of(uid)) for key in rig.nvml.limits)
     assert not rig.marker_path(uid).parent.exists()
+
+
+def test_once_a_pass_found_nothing_missing_a_deletion_the_watch_brings_costs_no_list(
+        short_tmp: Path):
+    # A watch event is newer than any list: only what a cached list lacks needs a confirmation.
+    rig, uid, _, _ = applied(short_tmp)
+    lagging_list(rig)
+    assert rig.reconciler.reconcile().converged
+    asked = len(rig.cluster.list_versions)
+    rig.cluster.delete_pod(uid)
+    rig.agent.cache.remove(uid)  # the watch's DELETED event
+    assert rig.reconciler.reconcile().converged
+    assert rig.cluster.list_versions[asked:] == []
+    assert not rig.marker_path(uid).parent.exists()

@@ -159,10 +159,11 @@ class Reconciler:
             self._publish(inventory, mps_error, mps_namespaces, count=False)
             errors.add(NOT_LISTED)
             return PassReport(converged=False, errors=frozenset(errors))
+        generation = self.pods.cache.generation  # read first: a later list is not vouched for
         live = self.pods.live()
         tidy = {"grace": self.options.marker_grace_seconds, "now": self.clock()}
         if not self.pods.cache.consistent:
-            if not self._confirmed(live, tidy["now"]):
+            if not self._confirmed(live, tidy["now"], generation):
                 self._publish(inventory, mps_error, mps_namespaces, count=False)
                 errors.add(UNCONFIRMED)
                 return PassReport(converged=False, errors=frozenset(errors))
@@ -212,14 +213,19 @@ class Reconciler:
         return PassReport(converged=converged and not pending and not errors,
                           errors=frozenset(errors), applied=True)
 
-    def _confirmed(self, live: Mapping[str, object], now: float) -> bool:
+    def _confirmed(self, live: Mapping[str, object], now: float, generation: int) -> bool:
         """Whether the pods a list from the watch cache lacks may be taken for gone: those the
         agent knew, and those with a marker here (a restarted agent knew none), are, once a
         consistent list agrees. A lagging watch cache would otherwise have their limits and
-        markers cleared while they run, until the watch brought them back."""
+        markers cleared while they run, until the watch brought them back. A list that lacks
+        none of them is as good as a consistent one: the cache is marked so, and a pod the
+        watch removes later (its events are newer than any list) costs no confirmation."""
         absent = {uid for uid in self.pods.known if uid not in live}
         absent.update(self.markers.stale_dirs(set(live), grace=math.inf, now=now))
-        return not absent or (self.confirm_absent is not None and self.confirm_absent(absent))
+        if not absent:
+            self.pods.cache.confirm(generation, [])
+            return True
+        return self.confirm_absent is not None and self.confirm_absent(absent)
 
     def _health(self, inventory: Inventory | None, mps_error: NodeError | None,
                 mps_namespaces: bool | None, bump: int) -> Health:
