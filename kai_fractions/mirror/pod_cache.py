@@ -383,7 +383,7 @@ class PodCache:
                     # Only a long watch with much churn and no list gets here: forget the
                     # keys that left, keep the order of the others.
                     self._waiting = collections.deque(
-                        key for key in dict.fromkeys(self._waiting) if key in self._pods)
+                        held for held in dict.fromkeys(self._waiting) if held in self._pods)
                 return
             self._prepared.add(key)
         try:
