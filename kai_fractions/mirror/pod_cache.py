@@ -14,6 +14,12 @@ container names and resources, nodeName), with equal annotation maps, label maps
 lists and trimmed specs shared between pods, read-only (`_one_of`), every map a CompactMap (a
 tuple of values beside a key index shared by the maps of the same keys), and only for Pending
 pods (`pod_feed.pod_selector`).
+A pod that carries the mirror's record (it was allocated, and waits for its bind or its start)
+is kept as its name, uid and resourceVersion alone (`ALLOCATED`), and a lookup of it misses:
+every call about such a pod (a duplicate, a conflicting allocation) is answered from the API
+server's copy anyway, so its annotations, the largest and least shared part of a pod, would
+save no read. What the entry still does is keep an older copy of the pod (a list that started
+before the write) from taking its place.
 The cache is fed from outside: by a list + watch of pods on the mirror server's event loop
 (`pod_feed`), by every pod the mirror reads, and by every pod a PATCH returns (write-through),
 newest resourceVersion first.
@@ -85,7 +91,7 @@ def _one_of(value: Any) -> Any:
     containers and trimmed spec, a copy per pod as JSON decoding makes them. Safe because a
     snapshot's parts are never changed: a map comes back read-only (a CompactMap; the
     contract's view reads a dict copy of it). A string map is found by its items'
-    hash and kept only when equal, so a map seen once (a written pod's own record) costs a
+    hash and kept only when equal, so a map seen once (a pod's own MPS namespace) costs a
     number and a place in the table (until the table is cleared), not a copy of its text; a
     list, or a map of lists, is found by its repr, equal exactly when the value is."""
     if not value:
@@ -123,6 +129,9 @@ def trimmed(obj: Mapping[str, Any] | PodSnapshot) -> PodSnapshot:
                             for key in ("containers", "initContainers") if key in spec}
     if "nodeName" in spec:
         kept["nodeName"] = spec["nodeName"]
+    annotations = meta.get("annotations")
+    if isinstance(annotations, Mapping) and MIRRORED_ANNOTATION in annotations:
+        return _allocated(meta)
     metadata = {k: meta[k] for k in _METADATA if k in meta}
     for key in ("annotations", "labels"):
         if key in metadata:
@@ -130,6 +139,19 @@ def trimmed(obj: Mapping[str, Any] | PodSnapshot) -> PodSnapshot:
     if type(metadata.get("namespace")) is str:
         metadata["namespace"] = sys.intern(metadata["namespace"])
     return PodSnapshot(CompactMap(metadata), _one_of(kept))  # a job's pods: one trimmed spec
+
+
+ALLOCATED: Mapping[str, Any] = CompactMap({})
+"""The spec of an entry for a pod the mirror allocated: compared by identity (`is`), never
+read. Such an entry holds the pod's identity and version only; `lookup` misses it."""
+_IDENTITY = ("name", "namespace", "uid", "resourceVersion")
+
+
+def _allocated(meta: Mapping[str, Any]) -> PodSnapshot:
+    identity = {k: meta[k] for k in _IDENTITY if k in meta}
+    if type(identity.get("namespace")) is str:
+        identity["namespace"] = sys.intern(identity["namespace"])
+    return PodSnapshot(CompactMap(identity), ALLOCATED)
 
 
 def _holds(old: PodSnapshot | None, pod: PodSnapshot) -> bool:
@@ -203,10 +225,10 @@ class PodCache:
 
     def lookup(self, namespace: str, name: str) -> PodSnapshot | None:
         pod = self._pods.get((namespace, name))  # one dict read: atomic under the GIL
-        if pod is None:
+        if pod is None or pod.spec is ALLOCATED:
             self.misses += 1
-        else:
-            self.hits += 1
+            return None
+        self.hits += 1
         return pod
 
     def remember(self, pod: PodSnapshot, *, written: bool = False) -> None:
@@ -373,7 +395,7 @@ class PodCache:
         await self._event_slices.step()
 
     def _prepare(self, pod: PodSnapshot) -> None:
-        if self.prepare is None or MIRRORED_ANNOTATION in pod.metadata.get("annotations", ()):
+        if self.prepare is None or pod.spec is ALLOCATED:
             return  # allocated already: the scheduler binds it next, it does not allocate it
         key = (pod.namespace, pod.name)
         with self._lock:

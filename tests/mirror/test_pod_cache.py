@@ -344,7 +344,28 @@ def test_a_pod_the_mirror_allocated_is_not_prepared_again():
     bound["metadata"]["annotations"][pod_cache.MIRRORED_ANNOTATION] = '{"container":"t"}'
     cache.event("MODIFIED", bound)
     cache.replace([bound, full_pod(name="waiting")])
-    assert prepared == ["waiting"] and cache.lookup(NS, POD) is not None
+    assert prepared == ["waiting"] and cache._pods[(NS, POD)].resource_version == "9"
+
+
+def test_a_pod_the_mirror_allocated_is_held_as_its_identity_and_a_lookup_misses():
+    # Every call about an allocated pod reads the API's copy anyway (a duplicate is confirmed
+    # by a read, a conflicting allocation too): its annotations would save no read, only cost
+    # memory, and they are the largest part of a written pod.
+    cache = PodCache()
+    bound = full_pod(resourceVersion="9")
+    bound["metadata"]["annotations"][pod_cache.MIRRORED_ANNOTATION] = '{"container":"t"}'
+    cache.event("MODIFIED", bound)
+    held = cache._pods[(NS, POD)]
+    assert dict(held.metadata) == {"name": POD, "namespace": NS, "uid": UID,
+                                   "resourceVersion": "9"}
+    assert held.spec is pod_cache.ALLOCATED and cache.lookup(NS, POD) is None
+    assert (cache.hits, cache.misses) == (0, 1)
+    # It still keeps an older copy out (a list that began before the write)...
+    cache.replace([full_pod(resourceVersion="8")])
+    assert cache._pods[(NS, POD)] is held
+    # ...and the pod comes back whole once it no longer carries an allocation (a release).
+    cache.event("MODIFIED", full_pod(resourceVersion="10"))
+    assert rv(cache) == "10" and cache.lookup(NS, POD).annotations == {"gpu-fraction": "0.5"}
 
 
 async def test_a_new_list_orders_the_pods_waiting_anew_and_the_wait_stays_bounded():
@@ -387,8 +408,8 @@ def test_equal_maps_are_one_read_only_map_which_the_contracts_view_reads_as_a_di
 
 def test_a_map_seen_once_is_kept_by_its_hash_not_by_a_copy_of_its_text():
     pod_cache._shared.clear()
-    once = full_pod(name="written")
-    once["metadata"]["annotations"]["kai-fractions.io/mirrored"] = "x" * 500
+    once = full_pod(name="its-own")
+    once["metadata"]["annotations"]["team-note"] = "x" * 500
     trimmed(once)
     assert all(not isinstance(key, str) or "x" * 500 not in key for key in pod_cache._shared)
     # Its labels are a job's, seen on every pod: shared all the same.
@@ -437,8 +458,10 @@ async def test_a_cached_pod_is_written_without_a_read(service, store, cache):
     assert result.changed and store.reads == 0 and len(store.patches) == 1
     owned = {key: store.annotations(NS, POD)[key] for key in SINGLE}
     assert owned == SINGLE
-    # Write-through: the written pod is the cache's entry at once.
-    assert cache.lookup(NS, POD).resource_version == result.resource_version
+    # Write-through: the written version is the cache's entry at once (identity only: a
+    # later call about the pod reads it).
+    assert cache._pods[(NS, POD)].resource_version == result.resource_version
+    assert cache.lookup(NS, POD) is None
 
 
 async def test_a_duplicate_is_confirmed_by_a_read_and_writes_nothing(service, store, cache):
@@ -488,8 +511,9 @@ async def test_a_cached_pod_of_another_uid_is_read_again(service, store, cache):
 
 async def test_without_an_entry_the_pod_is_read_and_then_cached(service, store, cache):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
-    await service.mirror(allocation())
+    await service.preview(allocation())  # reads the pod, writes nothing
     assert store.reads == 1 and cache.lookup(NS, POD) is not None
+    assert (await service.mirror(allocation())).changed and store.reads == 1
 
 
 # -- list + watch -----------------------------------------------------------------------------
@@ -596,7 +620,7 @@ async def test_a_stale_entry_never_refuses_a_call(service, store, cache):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
     cached_from_store(store, cache)
     await service.mirror(allocation())
-    stale = cache.lookup(NS, POD)  # it holds this allocation now
+    stale = await store.get_pod(NS, POD)  # it holds this allocation now
     await service.release(NS, POD, UID)
 
     def lagging(snapshot: PodSnapshot, **annotations: str) -> PodCache:
@@ -614,6 +638,13 @@ async def test_a_stale_entry_never_refuses_a_call(service, store, cache):
     # A bad key only the cache still has: not refused either (and nothing left to write).
     service.cache = lagging(await store.get_pod(NS, POD), **{"gpu-fraction": "1.5"})
     assert not (await service.mirror(rebind)).changed
+    # The same on a pod with no allocation yet, which the cache holds whole: read, then written.
+    store.add_pod(pod({"gpu-fraction": "0.5"}, name="fresh"))
+    service.cache = lagging(await store.get_pod(NS, "fresh"), **{"gpu-fraction": "1.5"})
+    reads = store.reads
+    assert service.cache.lookup(NS, "fresh") is not None
+    assert (await service.mirror(allocation(pod_name="fresh"))).changed
+    assert store.reads == reads + 1
 
 
 async def test_a_refusal_the_api_confirms_is_the_answer(service, store, cache):
