@@ -314,6 +314,29 @@ def list_alone(url: str, tmp: Path, timeout: float) -> tuple[float, int, float, 
         mirror.close()
 
 
+def calls_after_list(url: str, tmp: Path, pods: int, calls: int, timeout: float) -> int:
+    """RSS growth in bytes over `calls` calls (c=1, each allocating a pod of the queue not
+    allocated before) made once the list is merged and 20 calls have warmed the mirror up:
+    what a pod costs once the mirror has written it, next to what it cost as listed."""
+    mirror = MirrorWithProbe(kubeconfig(url, tmp / "kubeconfig-calls"), tmp / "calls.log")
+    caller = Caller(mirror.address, pods)
+    try:
+        mirror.send("list")
+        while "listed" not in mirror.next(timeout):
+            pass
+        for _ in range(20):
+            caller.call()
+        time.sleep(0.5)
+        before = mirror.rss_bytes()
+        for _ in range(calls):
+            caller.call()
+        time.sleep(0.5)
+        return mirror.rss_bytes() - before
+    finally:
+        caller.close()
+        mirror.close()
+
+
 def bare_cache(url: str, tmp: Path, timeout: float) -> tuple[int, int]:
     """(RSS growth in bytes, pods cached) of the baseline: the queue listed into a cache as a
     user of aiohttp would write one, with no code of this project (`benchmarks.bare_cache`)."""
@@ -507,6 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     alone = sub.add_parser("alone", help="RSS growth of the list alone (no calls), twice per "
                            "size: what does not scale with the queue shows at small sizes")
     alone.add_argument("sizes", nargs="+", type=int)
+    calling = sub.add_parser("calls", help="RSS growth over CALLS calls after a list of SIZE "
+                             "pods, twice: what a written pod costs next to a listed one")
+    calling.add_argument("size", type=int)
+    calling.add_argument("calls", type=int)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args.kubeconfig, args.listen)
@@ -516,6 +543,18 @@ def main(argv: list[str] | None = None) -> int:
                 grown = [list_alone(url, tmp, 600.0)[0] / 1024 for _ in range(2)]
             print(f"{size} pods: list alone grew RSS by "
                   f"{' / '.join(f'{kb:.0f}' for kb in grown)} KB", flush=True)
+        return 0
+    if args.command == "calls":
+        if args.calls + 20 > args.size:
+            parser.error("calls: SIZE must exceed CALLS by 20 (each call allocates a pod of "
+                         "its own, after 20 to warm up)")
+        with scene(args.size) as (url, tmp):
+            grown = [calls_after_list(url, tmp, args.size, args.calls, 600.0) / 1024
+                     for _ in range(2)]
+        print(f"{args.calls} calls after a list of {args.size} pods grew RSS by "
+              f"{' / '.join(f'{kb:.0f}' for kb in grown)} KB "
+              f"({' / '.join(f'{kb / args.calls:.2f}' for kb in grown)} KB per call)",
+              flush=True)
         return 0
     print_table([run(sizes=tuple(getattr(args, "sizes", SIZES)))])
     return 0

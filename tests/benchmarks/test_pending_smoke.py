@@ -5,6 +5,8 @@ asserted: a benchmark is no pass/fail test."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import bench_pending
 
 from .test_harness_smoke import assert_well_formed
@@ -51,3 +53,16 @@ def test_alone_prints_the_list_alones_growth_twice_per_size(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["0 pods", "5 pods"]
     assert all(line.endswith(" KB") and line.count(" / ") == 1 for line in lines)
+
+
+def test_calls_prints_the_growth_over_the_calls_twice(capsys):
+    assert bench_pending.main(["calls", "30", "5"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("5 calls after a list of 30 pods grew RSS by ")
+    assert line.endswith(" KB per call)") and line.count(" / ") == 2
+
+
+def test_calls_needs_a_pod_for_each_call(capsys):
+    with pytest.raises(SystemExit):
+        bench_pending.main(["calls", "20", "5"])
+    assert "SIZE must exceed CALLS by 20" in capsys.readouterr().err
