@@ -16,10 +16,10 @@ tuple of values beside a key index shared by the maps of the same keys), and onl
 pods (`pod_feed.pod_selector`).
 A pod that carries the mirror's record (it was allocated, and waits for its bind or its start)
 is kept as its name, uid and resourceVersion alone (`ALLOCATED`), and a lookup of it misses:
-every call about such a pod (a duplicate, a conflicting allocation) is answered from the API
-server's copy anyway, so its annotations, the largest and least shared part of a pod, would
-save no read. What the entry still does is keep an older copy of the pod (a list that started
-before the write) from taking its place.
+a duplicate call or a conflicting allocation for such a pod is answered from the API server's
+copy anyway, and a rebind (`replace`) of an allocated pod is rare, so its annotations, the
+largest and least shared part of a pod, would save next to no read. What the entry still does
+is keep an older copy of the pod (a list that started before the write) from taking its place.
 The cache is fed from outside: by a list + watch of pods on the mirror server's event loop
 (`pod_feed`), by every pod the mirror reads, and by every pod a PATCH returns (write-through),
 newest resourceVersion first.
