@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..contract.keys import ADMITTED_MPS_NAMESPACE
 from ..kube.objects import later_version
 from .compact_map import CompactMap
 from .foreground import Foreground, Slices
@@ -73,10 +74,18 @@ def _containers(value: Any) -> Any:
             for c in value]
 
 
+def _per_pod(key: Any) -> bool:
+    """Whether an annotation's value is one pod's alone: the MPS namespace our admission
+    webhook names for each sm-sharing container (`contract.keys`)."""
+    return type(key) is str and key.endswith(ADMITTED_MPS_NAMESPACE)
+
+
 def _interned(value: Mapping[Any, Any]) -> dict[Any, Any]:
     """A string map with its keys and values interned: pods of one job repeat them, and each
-    JSON decoding makes copies of its own (about 50 bytes a string per pod)."""
-    return {sys.intern(k) if type(k) is str else k: sys.intern(v) if type(v) is str else v
+    JSON decoding makes copies of its own (about 50 bytes a string per pod). A value that is
+    one pod's alone is not: interning it would only add it to the interpreter's table."""
+    return {sys.intern(k) if type(k) is str else k:
+            sys.intern(v) if type(v) is str and not _per_pod(k) else v
             for k, v in value.items()}
 
 
@@ -91,12 +100,15 @@ def _one_of(value: Any) -> Any:
     containers and trimmed spec, a copy per pod as JSON decoding makes them. Safe because a
     snapshot's parts are never changed: a map comes back read-only (a CompactMap; the
     contract's view reads a dict copy of it). A string map is found by its items'
-    hash and kept only when equal, so a map seen once (a pod's own MPS namespace) costs a
-    number and a place in the table (until the table is cleared), not a copy of its text; a
-    list, or a map of lists, is found by its repr, equal exactly when the value is."""
+    hash and kept only when equal, so a map seen once costs a number and a place in the table
+    (until the table is cleared), not a copy of its text, and a map that names a pod's own MPS
+    namespace, equal to no other pod's, is neither looked up nor kept; a list, or a map of
+    lists, is found by its repr, equal exactly when the value is."""
     if not value:
         return value
     is_map = isinstance(value, Mapping)
+    if is_map and any(map(_per_pod, value)):
+        return CompactMap(_interned(value))
     key: Any
     try:
         key = hash(tuple(value.items())) if is_map else repr(value)

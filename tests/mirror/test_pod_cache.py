@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+from collections.abc import Mapping
 from types import MappingProxyType
 
 import pytest
 
+from kai_fractions.contract.keys import ADMITTED_MPS_NAMESPACE, DEFAULT_KEYS
 from kai_fractions.kube.errors import Gone
 from kai_fractions.kube.listwatch import list_watch
 from kai_fractions.kube.retry import Backoff
@@ -414,6 +417,22 @@ def test_a_map_seen_once_is_kept_by_its_hash_not_by_a_copy_of_its_text():
     assert all(not isinstance(key, str) or "x" * 500 not in key for key in pod_cache._shared)
     # Its labels are a job's, seen on every pod: shared all the same.
     assert trimmed(full_pod()).metadata["labels"] is trimmed(once).metadata["labels"]
+
+
+def test_a_map_naming_a_pods_own_mps_namespace_skips_the_table_and_the_interning():
+    # The admission webhook names an MPS namespace per sm-sharing container: such a map is equal
+    # to no other pod's, and its namespace is in no other string.
+    pod_cache._shared.clear()
+    key = DEFAULT_KEYS.derived("trainer", ADMITTED_MPS_NAMESPACE)
+    pods = [full_pod(name=f"p{i}") for i in range(2)]
+    for i, p in enumerate(pods):
+        p["metadata"]["annotations"][key] = f"kf_{i:020x}"
+    a, b = (trimmed(json.loads(json.dumps(p))).metadata["annotations"] for p in pods)
+    kept = [v for v in pod_cache._shared.values() if isinstance(v, Mapping)]
+    assert kept and all(key not in v for v in kept)  # the labels are kept, not these
+    assert a["gpu-fraction"] is b["gpu-fraction"]  # the values pods share are still one string
+    namespace = a[key]
+    assert sys.intern("".join(["kf_", "0" * 20])) is not namespace
 
 
 def test_a_map_that_is_not_a_string_map_is_left_for_the_contract_to_name():
