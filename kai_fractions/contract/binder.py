@@ -38,6 +38,14 @@ class BindDecision:
     dialect: Dialect = DEFAULT_DIALECT
 
 
+def as_scheduler_writes(fraction: Fraction) -> Fraction:
+    """The portion KAI's scheduler puts in its BindRequest for a `gpu-fraction` pod: the
+    fraction as a float64, printed with two decimals (`fmt.Sprintf("%.2f", ...)` in upstream's
+    pkg/scheduler/cache/cache.go, createBindRequest). Python's fixed-point format rounds the
+    float's exact value, ties to even, as Go's does: 0.375 -> 0.38, 0.125 -> 0.12."""
+    return Fraction(format(float(fraction), ".2f"))
+
+
 def _check_decision(share: ContainerShare, d: BindDecision) -> list[ContractError]:
     errors = []
     if d.node_gpu_memory_mib <= 0:
@@ -75,12 +83,17 @@ def _check_decision(share: ContainerShare, d: BindDecision) -> list[ContractErro
     # request), so it is not held to it.
     asked = share.fraction
     if (portion is not None and asked is not None and portion > asked
+            and portion != as_scheduler_writes(asked)
             and not any(e.key == "received_gpu.portion" for e in errors)):
         # A decision must not grant more than the pod asked for: a caller that could write a
-        # larger portion would hand the pod more memory or SMs than its owner requested.
+        # larger portion would hand the pod more memory or SMs than its owner requested. The
+        # one exception is KAI's own rounding of the fraction to two decimals.
+        rounded = as_scheduler_writes(asked)
+        also = (f", or {format_plain(rounded)} as KAI's scheduler writes it"
+                if rounded > asked else "")
         errors.append(ContractError(
             "received_gpu.portion", f"grants more than container {share.container!r} asks "
-            f"for (at most {format_plain(asked)} of a GPU)",
+            f"for (at most {format_plain(asked)} of a GPU{also})",
             format_plain(portion) if portion < 10**15 else "huge"))
     if not d.gpu_ids:
         errors.append(ContractError("reserved_gpu_ids", "must name the reserved GPU of each "

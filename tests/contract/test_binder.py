@@ -409,6 +409,26 @@ def test_a_portion_above_the_pods_gpu_fraction_is_refused(dialect_of) -> None:
                        "grants more than container 'main' asks for (at most 0.1 of a GPU)")]
 
 
+@pytest.mark.parametrize(("fraction", "portion", "memory"), [
+    ("0.375", "0.38", "30992Mi"), ("0.875", "0.88", "71771Mi"), ("0.667", "0.67", "54644Mi"),
+    ("0.999", "1.00", "81559Mi"), ("0.125", "0.12", "9787Mi")])
+def test_the_portion_kai_writes_with_two_decimals_is_accepted(fraction, portion, memory):
+    # Upstream KAI main, pkg/scheduler/cache/cache.go (createBindRequest): the BindRequest's
+    # portion is fmt.Sprintf("%.2f", GpuFractionalPortion()), so a gpu-fraction of 0.375 is
+    # bound as "0.38", and the binder writes uint64(M * 0.38) (pkg/binder/plugins/nvfractions).
+    assert written({"gpu-fraction": fraction}, decision(81559, portion=portion))[REQ] == memory
+
+
+def test_a_portion_above_both_the_fraction_and_its_rounding_is_refused() -> None:
+    errors = _violation({"gpu-fraction": "0.375"}, decision(81559, portion="0.39"))
+    assert errors == [("received_gpu.portion", "grants more than container 'main' asks for "
+                       "(at most 0.375 of a GPU, or 0.38 as KAI's scheduler writes it)")]
+    # 0.125 rounds down (ties to even, as Go's %.2f does): nothing above 0.125 is granted.
+    errors = _violation({"gpu-fraction": "0.125"}, decision(81559, portion="0.13"))
+    assert errors == [("received_gpu.portion",
+                       "grants more than container 'main' asks for (at most 0.125 of a GPU)")]
+
+
 def test_a_portion_at_or_below_the_pods_gpu_fraction_is_accepted() -> None:
     assert written({"gpu-fraction": "0.1"}, decision(81559, portion="0.1"))[REQ] == "8155Mi"
     assert written({"gpu-fraction": "0.1"}, decision(81559, portion="0.05"))[REQ] == "4077Mi"

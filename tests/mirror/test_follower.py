@@ -163,6 +163,17 @@ async def test_what_an_unmodified_kai_leaves_checks_complete(store, annotations,
     assert result.complete and store.events == []
 
 
+async def test_a_fraction_kai_rounds_up_to_two_decimals_checks_complete(store):
+    # KAI-Scheduler pkg/scheduler/cache/cache.go (createBindRequest) writes the portion with
+    # fmt.Sprintf("%.2f"): gpu-fraction 0.375 is bound as "0.38", and the binder writes
+    # uint64(40960 * 0.38) = 15564Mi (pkg/binder/plugins/nvfractions/nv_fractions.go).
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.375", **BOUND,
+                                  f"{T}.gpu-memory.request": "15564Mi"}))
+    result = await verify(store, bind_request("br-1", "train-0", portion="0.38"))
+    assert (result.mismatches, result.errors, result.skipped) == ((), (), "")
+    assert result.complete and store.events == []
+
+
 async def test_reservation_pods_are_read_where_kai_creates_them():
     """KAI's binder.resourceReservation.namespace is configurable (kai-scheduler/api
     kai/v1/binder/binder.go, ResourceReservation.Namespace): --reservation-namespace."""
