@@ -94,3 +94,30 @@ def test_once_a_pass_found_nothing_missing_a_deletion_the_watch_brings_costs_no_
     assert rig.reconciler.reconcile().converged
     assert rig.cluster.list_versions[asked:] == []
     assert not rig.marker_path(uid).parent.exists()
+
+
+def test_a_list_that_replaces_the_confirmed_one_meanwhile_clears_nothing(short_tmp: Path):
+    # While the consistent list that confirms what list N lacks is on its way, the loop lists
+    # again from a watch cache that lags differently (list N+1 lacks a running pod of its
+    # own). The confirmation vouches for list N only: nothing N+1 lacks may be cleared.
+    rig = Rig(short_tmp, sm_sharing=False, options=CACHED)
+    first, second = add_pod(rig, "p1"), add_pod(rig, "p2")
+    assert rig.step().converged
+    limits, written = dict(rig.nvml.limits), rig.marker_path(second).read_text()
+    lagging_list(rig, first)
+    confirm = rig.agent.cache.confirm
+
+    def relisted_meanwhile(generation, found):
+        lagging_list(rig, second)
+        confirm(generation, found)
+
+    rig.agent.cache.confirm = relisted_meanwhile
+    report = rig.reconciler.reconcile()
+    rig.agent.cache.confirm = confirm
+    assert not report.converged and UNCONFIRMED in report.errors
+    assert rig.nvml.limits == limits and rig.marker_path(second).read_text() == written
+    assert not rig.agent.cache.consistent
+    # The next pass confirms what the newer list lacks: both pods run on, as they were.
+    assert rig.reconciler.reconcile().converged
+    assert rig.nvml.limits == limits and rig.marker_path(second).read_text() == written
+    assert rig.agent.cache.consistent and {first, second} <= set(rig.agent.cache.snapshot())

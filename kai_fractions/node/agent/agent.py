@@ -92,8 +92,8 @@ class NodeAgent:
         self._grpc: Any = None
         self.metrics_address: tuple[str, int] | None = None
 
-    def _confirm_absent(self, uids: set[str]) -> bool:
-        return self.watcher is not None and self.watcher.confirm_absent(uids)
+    def _confirm_absent(self, uids: set[str], generation: int) -> bool:
+        return self.watcher is not None and self.watcher.confirm_absent(uids, generation)
 
     # -- health -----------------------------------------------------------------------------
 

@@ -91,7 +91,7 @@ class Reconciler:
                  metrics: AgentMetrics | None = None, procfs: Procfs | None = None,
                  killer: Killer | None = None, clock: Callable[[], float] = time.time,
                  signatures: SignatureCheck | None = None,
-                 confirm_absent: Callable[[set[str]], bool] | None = None):
+                 confirm_absent: Callable[[set[str], int], bool] | None = None):
         """`signatures` None: allocations are applied unsigned (no `--signing-key-file`).
         `confirm_absent`: `PodWatcher.confirm_absent`, asked when a list from the watch cache
         lacks pods the agent knew (None: such pods are never confirmed, nothing is cleared)."""
@@ -168,6 +168,12 @@ class Reconciler:
                 errors.add(UNCONFIRMED)
                 return PassReport(converged=False, errors=frozenset(errors))
             live = self.pods.live()  # with what the confirmation brought back
+            if self.pods.cache.generation != generation:
+                # Another list replaced the one confirmed while the consistent list was on its
+                # way: what it lacks is unconfirmed. The next pass checks it.
+                self._publish(inventory, mps_error, mps_namespaces, count=False)
+                errors.add(UNCONFIRMED)
+                return PassReport(converged=False, errors=frozenset(errors))
         if inventory is None:
             self.pods.drop_gone(live, errors, release=False)
             self.markers.tidy(set(live), None, **tidy)  # which pods are fractional is unknown
@@ -225,7 +231,7 @@ class Reconciler:
         if not absent:
             self.pods.cache.confirm(generation, [])
             return True
-        return self.confirm_absent is not None and self.confirm_absent(absent)
+        return self.confirm_absent is not None and self.confirm_absent(absent, generation)
 
     def _health(self, inventory: Inventory | None, mps_error: NodeError | None,
                 mps_namespaces: bool | None, bump: int) -> Health:

@@ -195,13 +195,14 @@ class PodWatcher:
         self.cache.replace([p for p in items if on_node(p, self.node)], consistent=consistent)
         self.on_change()
 
-    def confirm_absent(self, uids: set[str], timeout: float = CONFIRM_TIMEOUT) -> bool:
-        """After a list from the watch cache: a consistent list of the node's pods, for the
-        `uids` the agent would take for gone (it knew them, or their marker is here). Those
-        it finds go back into the cache; the others are gone indeed. False when the API did
-        not answer: nothing may be taken for gone then (its limits would be cleared while it
-        may still run)."""
-        generation = self.cache.generation
+    def confirm_absent(self, uids: set[str], generation: int,
+                       timeout: float = CONFIRM_TIMEOUT) -> bool:
+        """After list `generation`, from the watch cache: a consistent list of the node's pods,
+        for the `uids` that list lacks and the agent would take for gone (it knew them, or
+        their marker is here). Those it finds go back into the cache; the others are gone
+        indeed. False when the API did not answer: nothing may be taken for gone then (its
+        limits would be cleared while it may still run). It vouches for list `generation`
+        only: a list that replaced it meanwhile may lack other pods (`PodCache.confirm`)."""
         future = self.source.spawn(self.source.node_pods(self.node).list(""))
         try:
             items, _ = future.result(timeout)
