@@ -7,7 +7,10 @@ replica. The holder renews the Lease every `retry_seconds`; a replica that sees 
 record (holder, renewTime, ...) unchanged for `lease_seconds` by its own clock takes the Lease
 over (no clock of another machine is trusted), and a holder that could not renew for
 `renew_deadline_seconds` stops leading first, so two leaders never overlap while clocks run at
-the same rate and renew_deadline < lease duration. Every write carries the resourceVersion
+the same rate and renew_deadline < lease duration: the deadline counts from the start of the
+last attempt that renewed (its write is no older than that), and an attempt still waiting on a
+slow API server is cut off when the deadline comes, as client-go's context timeout does. Every
+write carries the resourceVersion
 read just before (a merge patch the API server refuses with 409 when another replica wrote
 first); a holder that stops releases the Lease (empty holder, duration 1 s) so a successor
 need not wait out the lease.
@@ -187,6 +190,7 @@ class LeaderElector:
         releases the Lease."""
         cfg = self.config
         while True:
+            started = self._monotonic()
             if not await self._attempt():
                 await asyncio.sleep(cfg.retry_seconds)
                 continue
@@ -195,7 +199,7 @@ class LeaderElector:
             work = asyncio.create_task(_coroutine(lead), name="leader-work")
             work.add_done_callback(_report_end)
             try:
-                why = await self._renew()
+                why = await self._renew(started)
             except asyncio.CancelledError:
                 await _cancelled(work)
                 self.leading = False
@@ -209,18 +213,26 @@ class LeaderElector:
         """The holder the Lease named when last read or written ("" when none, or not read)."""
         return str((self._observed or {}).get("holderIdentity") or "")
 
-    async def _renew(self) -> str:
-        """Renews every `retry_seconds` while it can; returns why the term ended."""
+    async def _renew(self, renewed: float) -> str:
+        """Renews every `retry_seconds` while it can; returns why the term ended. `renewed`:
+        when the attempt that last wrote the Lease started, by this replica's clock."""
         cfg = self.config
-        renewed = self._monotonic()
+        gave_up = f"no renewal for {cfg.renew_deadline_seconds:g} s"
         while True:
             await asyncio.sleep(cfg.retry_seconds)
-            if await self._attempt():
-                renewed = self._monotonic()
+            started = self._monotonic()
+            left = renewed + cfg.renew_deadline_seconds - started
+            if left <= 0:
+                return gave_up
+            try:
+                written = await asyncio.wait_for(self._attempt(), left)
+            except TimeoutError:
+                self.leading = False
+                return gave_up + " (the API server did not answer in time)"
+            if written:
+                renewed = started
             elif self.holder() not in ("", cfg.identity):
                 return f"{self.holder()} holds it"  # it judged the Lease expired: step down
-            elif self._monotonic() - renewed >= cfg.renew_deadline_seconds:
-                return f"no renewal for {cfg.renew_deadline_seconds:.0f} s"
 
     async def _attempt(self) -> bool:
         try:

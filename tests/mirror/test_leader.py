@@ -208,6 +208,30 @@ async def test_a_leader_that_cannot_renew_stops_leading_within_its_deadline():
     await stop(runner)
 
 
+async def test_a_renewal_the_api_leaves_hanging_is_cut_off_at_the_deadline():
+    # A standby that saw the last renewal takes over lease_seconds after it; the holder must
+    # have stopped by then, so an attempt waiting on a slow API server cannot outlast the renew
+    # deadline (counted from the start of the attempt that last wrote the Lease).
+    lease = FakeLease()
+    a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=2,
+                                            renew_deadline_seconds=0.4, retry_seconds=0.05))
+    hanging = asyncio.Event()
+
+    async def slow_get():
+        hanging.set()
+        await asyncio.sleep(30)  # far past the deadline (each real request may wait 5 s)
+
+    def slow_api() -> None:
+        lease.get = slow_get
+
+    terms, lost, lead = recorded_term(slow_api)
+    runner = asyncio.create_task(a.run(lead))
+    await asyncio.wait_for(hanging.wait(), 5)
+    await asyncio.wait_for(lost.wait(), 5)  # without the cut-off: when the GET answers, at 30 s
+    assert terms == ["started", "lost"] and not a.leading
+    await stop(runner)
+
+
 async def test_a_leader_that_finds_another_holder_steps_down_at_once():
     lease = FakeLease()
     a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=60,
