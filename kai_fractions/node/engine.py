@@ -34,6 +34,7 @@ from .desired import (
 from .errors import NodeError, NvmlError
 from .memory_limits import LimitWrite, MemoryLimitEnforcer
 from .mps.control import displayed_mem_limit
+from .mps.errors import NAMESPACE_BUSY, MpsError
 from .nvml import DeviceInfo, GpuComputeMode, Nvml
 
 # -- the MPS control seam as the engine uses it (kai_fractions.node.mps.control.MpsControl and
@@ -177,13 +178,24 @@ class Engine:
         """(gpu, cgroup path) read back without a limit since the last write there: skipped by
         the stale-limit sweep (a pure read cache; `forget()` drops it)."""
         self._atp: dict[str, int] = {}
-        """Active-thread percentage this engine set per MPS namespace (saves re-setting it)."""
+        """Active-thread percentage this engine set per MPS namespace. MPS fixes it when the
+        first client attaches, so with clients attached it is the one in force: kept by
+        `forget()`, dropped with the namespace (deleted, or created again after a daemon
+        restart)."""
+        self._atp_checked: set[str] = set()
+        """Namespaces whose percentage was set or found in force since the last `forget()`
+        (saves re-setting it)."""
         self._last: DesiredState | None = None
 
     def forget(self) -> None:
-        """Drop the read caches: the next apply re-reads every cgroup (a periodic resync)."""
+        """Drop the read caches: the next apply re-reads every cgroup and re-sets every MPS
+        namespace's percentage it can (a periodic resync)."""
         self._clean.clear()
-        self._atp.clear()
+        self._atp_checked.clear()
+
+    def _namespace_gone(self, name: str) -> None:
+        self._atp.pop(name, None)
+        self._atp_checked.discard(name)
 
     # -- apply ------------------------------------------------------------------------------
 
@@ -257,7 +269,7 @@ class Engine:
                 try:
                     self.mps.namespace_delete(name, missing_ok=True)
                     deleted.append(name)
-                    self._atp.pop(name, None)
+                    self._namespace_gone(name)
                 except NodeError as e:
                     issues.append(_issue(e))
         return ReleaseReport(pod_uid=pod_uid, container=container, cleared=tuple(cleared),
@@ -370,18 +382,32 @@ class _Run:
                 if name not in existing:
                     mps.namespace_create(name, exist_ok=True)
                     self.created.append(name)
-                    self.e._atp.pop(name, None)
-                if self.e._atp.get(name) == pct:
+                    self.e._namespace_gone(name)
+                in_force = self.e._atp.get(name)
+                if in_force == pct and name in self.e._atp_checked:
                     continue
                 if clients is None:
                     clients = list(mps.client_list())
                 if any(cl.namespace == name for cl in clients):
-                    # MPS fixed the cap when the first client attached; it was set then (the
-                    # gate let no client start before this engine applied the namespace).
-                    self.e._atp[name] = pct
+                    # MPS fixed the cap when the first client attached: a new percentage
+                    # cannot take effect until they exit.
+                    if in_force is not None and in_force != pct:
+                        self.fail([c.key], MpsError(NAMESPACE_BUSY, (
+                            f"MPS namespace {name} has clients attached, which run with the "
+                            f"active-thread percentage {in_force} set before they attached "
+                            f"(MPS fixes it at the first attach); the plan's {pct} takes "
+                            "effect once they have exited: stop the container's GPU "
+                            "processes, or recreate the pod")))
+                    elif in_force is not None:
+                        self.e._atp_checked.add(name)
+                    # None: they attached before this engine set any (an agent restart), on
+                    # the percentage set then: the gate let no client start before the
+                    # namespace was applied, and a running container's plan is held.
+                    # Nothing was set, so nothing is recorded.
                     continue
                 mps.namespace_set_active_thread_percentage(name, pct)
                 self.e._atp[name] = pct
+                self.e._atp_checked.add(name)
             except NodeError as e:
                 self.fail([c.key], e)
 
@@ -469,7 +495,7 @@ class _Run:
             try:
                 mps.namespace_delete(name, missing_ok=True)
                 self.deleted.append(name)
-                self.e._atp.pop(name, None)
+                self.e._namespace_gone(name)
             except NodeError as e:
                 self.issues.append(Issue(e.reason, f"could not delete the stale MPS namespace "
                                          f"{name}: {e.message}"))

@@ -24,7 +24,7 @@ from kai_fractions.node.nvml import DeviceInfo, GpuComputeMode
 from kai_fractions.sim.nvml import FakeNvml
 from tests.support.fake_kube import FakeCluster
 
-from .builders import MIB, NODE, Rig
+from .builders import MIB, NODE, Rig, binder_annotations, pod
 
 DEV = DeviceInfo(index=0, uuid="GPU-1", name="NVIDIA H100 80GB HBM3", memory_total=81559 * MIB,
                  memory_used=0, compute_mode=GpuComputeMode.DEFAULT, mig_enabled=False)
@@ -75,6 +75,14 @@ def test_ready_names_the_gpus_and_the_enforcement() -> None:
      "the node agent has not listed this node's pods and reconciled them yet"),
     ({}, {}, Liveness(True, None, None, None, stopping=True), "NotReconciling",
      "the node agent is stopping; the next one publishes this condition again"),
+    ({}, {}, Liveness(True, None, None, None, failed_passes=3, failing_for=4.2,
+                      pass_error="OSError: [Errno 12] Cannot allocate memory"), "NotReconciling",
+     "reconcile passes have been failing for 4s (3 in a row, none completed) with an internal "
+     "error, the last: OSError: [Errno 12] Cannot allocate memory; see the agent's log"),
+    ({}, {}, Liveness(True, None, None, None, failed_passes=1, failing_for=61.0,
+                      pass_error="KeyError: 'x'"), "NotReconciling",
+     "reconcile passes have been failing for 61s (1 in a row, none completed) with an internal "
+     "error, the last: KeyError: 'x'; see the agent's log"),
 ])
 def test_not_ready_reasons(config, kw, live, reason, message) -> None:
     cond = evaluate(NodeConfig(node_name=NODE, **config), OPTIONS, health(**kw), live)
@@ -105,6 +113,48 @@ def test_a_driver_too_old_is_reported_by_a_running_agent(short_tmp: Path) -> Non
     rig.step()
     cond = rig.agent.condition()
     assert cond is not None and (cond.ready, cond.reason) == (False, "DriverTooOld")
+
+
+def test_passes_failing_with_an_internal_error_make_the_node_not_ready_until_one_completes(
+        short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    rig.sync()
+    worker = rig.agent.worker
+    worker._pass(False)
+    assert rig.agent.condition().ready
+    real = rig.reconciler.engine.apply
+
+    def broken(*a, **kw):
+        raise OSError(12, "Cannot allocate memory")
+
+    rig.reconciler.engine.apply = broken
+    rig.add(pod("new", notes=binder_annotations(devices=rig.gpu0)))
+    rig.sync()
+    for _ in range(2):  # one failure retried is not worth a flap
+        worker._pass(False)
+        assert rig.agent.condition().ready
+    worker._pass(False)
+    cond = rig.agent.condition()
+    assert (cond.ready, cond.reason) == (False, "NotReconciling")
+    assert "(3 in a row, none completed) with an internal error, the last: OSError: [Errno 12] " \
+           "Cannot allocate memory; see the agent's log" in cond.message
+    rig.reconciler.engine.apply = real
+    worker._pass(False)
+    assert rig.agent.condition().ready
+
+
+def test_an_agent_whose_first_passes_fail_says_so_without_waiting(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+
+    def broken(**kw):
+        raise RuntimeError("a bug")
+
+    rig.reconciler.reconcile = broken
+    for _ in range(3):
+        rig.agent.worker._pass(False)
+    cond = rig.agent.condition()
+    assert cond is not None and (cond.ready, cond.reason) == (False, "NotReconciling")
+    assert cond.message.endswith("the last: RuntimeError: a bug; see the agent's log")
 
 
 # -- the publisher ----------------------------------------------------------------------------

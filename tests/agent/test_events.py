@@ -84,3 +84,19 @@ def test_a_forgotten_pod_leaves_no_window_behind():
     clock.now += 601
     events.flush()
     assert [e["message"] for e in cluster.events] == ["first"]
+
+
+def test_a_recorder_keeps_nothing_of_the_pods_it_forgot():
+    """Events are sent, not kept: an agent's life of pods must not grow its memory."""
+    cluster, clock = FakeCluster(), Clock()
+    events = recorder(cluster, clock, burst=10, rate=1.0)
+    for i in range(30):
+        pod = PodRef("ns", f"p{i}", f"u{i}")
+        events.emit(pod, WARNING, "Applied", f"pod {i}", key=("Applied", i))
+        events.flush()
+        clock.now += 1
+        events.forget_pod(pod.uid)
+    assert len(cluster.events) == 30
+    held = {name: value for name, value in vars(events).items()
+            if isinstance(value, (list, dict, set, tuple)) and value}
+    assert held == {}

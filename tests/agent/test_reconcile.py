@@ -595,6 +595,54 @@ def test_provision_and_release_without_the_api(short_tmp: Path) -> None:
     assert rig.nvml.limits == {}
 
 
+@pytest.mark.parametrize("parent", [
+    "kubepods.slice/kubepods-pod{u}.slice",
+    "kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{u}.slice"])
+def test_a_pod_provisioned_before_its_cgroup_exists_is_applied_once_it_does(
+        short_tmp: Path, parent: str) -> None:
+    """Its QoS class is where the kubelet makes its cgroup (Guaranteed, BestEffort): unknown
+    until then, so it is looked for again on every pass, not guessed once for good."""
+    rig = Rig(short_tmp, sm_sharing=False, with_cluster=False)
+    rig.cgroups.assume_present = False
+    rig.agent.cache.replace([])
+    uid = "0a1b2c3d-0000-4000-8000-000000000123"
+    rig.reconciler.provision("ns", "direct", uid, binder_annotations(devices=rig.gpu0), ["main"])
+    assert rig.reconciler.view.results[(uid, "main")].reason == "CgroupNotFound"
+    path = "/sys/fs/cgroup/" + parent.format(u=uid.replace("-", "_"))
+    rig.cgroups.add(path)  # the kubelet starts the pod
+    rig.reconciler.reconcile()
+    assert rig.reconciler.view.results[(uid, "main")].state.value == "applied"
+    assert rig.nvml.limits == {(rig.gpu0, path): (10 * GIB, 20 * GIB)}
+    assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
+
+
+def test_a_reprovisioned_percentage_waits_for_the_namespaces_clients_to_exit(
+        short_tmp: Path) -> None:
+    """A provisioned pod is not held to its applied plan, but MPS holds its clients to the
+    percentage of their first attach: no Applied result or marker for a plan not in force."""
+    rig = Rig(short_tmp, with_cluster=False)
+    rig.agent.cache.replace([])
+    uid = "0a1b2c3d-0000-4000-8000-000000000123"
+
+    def provision(portion: str) -> None:
+        rig.reconciler.provision("ns", "direct", uid, binder_annotations(
+            devices=rig.gpu0, mode="sm-sharing", portion=portion), ["main"])
+
+    provision("0.5")
+    (name,) = rig.mps.control.namespaces
+    rig.mps.control.attach_client(4242, name)
+    provision("0.2")
+    r = rig.reconciler.view.results[(uid, "main")]
+    assert (r.state.value, r.reason) == ("pending", "NamespaceBusy")
+    assert marker(rig, uid) is None
+    assert rig.mps.control.namespaces[name].active_thread_percentage == 50
+    rig.mps.control.detach_client(4242)
+    rig.reconciler.reconcile()
+    assert rig.reconciler.view.results[(uid, "main")].state.value == "applied"
+    assert rig.mps.control.namespaces[name].active_thread_percentage == 20
+    assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
+
+
 def test_a_release_that_could_not_remove_a_limit_says_so(short_tmp: Path) -> None:
     """The caller of Release must not believe the pod unlimited while a limit may still be in
     force: the call fails with the reason; the pod stays released and a later pass clears it."""
@@ -634,6 +682,27 @@ def test_release_of_a_watched_pod_holds_until_the_pod_goes(short_tmp: Path) -> N
     assert rig.nvml.limits == {}
     assert not rig.marker_path(uid).exists()
     assert rig.marker_path(uid).parent.is_dir()  # the pod (and its gate's mount) still exist
+
+
+def test_release_of_a_watched_pod_also_provisioned_holds_it_and_keeps_its_directory(
+        short_tmp: Path) -> None:
+    """The watched copy would be planned again in Release's own pass, and a new directory is
+    invisible to the gate's bind mount: released like a watched pod, whatever was provisioned."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    assert rig.step().converged
+    directory = rig.marker_path(uid).parent
+    inode = directory.stat().st_ino
+    rig.reconciler.provision("default", "p", uid, binder_annotations(devices=rig.gpu0), ["main"])
+    assert rig.reconciler.release(uid) == ["main"]
+    for _ in range(2):
+        assert rig.nvml.limits == {}
+        assert not rig.marker_path(uid).exists()
+        assert directory.stat().st_ino == inode
+        rig.step(full=True)
+    rig.cluster.delete_pod(uid)
+    rig.step()
+    assert not directory.exists()  # goes with the pod: nothing provisioned keeps it
 
 
 def test_an_applied_marker_names_a_watchdog_that_only_reports() -> None:

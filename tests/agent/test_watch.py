@@ -5,6 +5,7 @@ worker; and KubeCluster (the watcher's list + watch and the agent's writes) agai
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
 import threading
 import time
@@ -228,6 +229,44 @@ def test_an_older_version_never_replaces_a_newer_one() -> None:
     assert cache.upsert(newer)
     assert not cache.upsert(older)
     assert cache.get("u1")["metadata"]["resourceVersion"] == "7"
+
+
+def test_a_pod_the_watch_saw_deleted_is_not_brought_back_by_an_older_read() -> None:
+    """A read begun before the deletion (a consistent list confirming pods, the answer to an
+    annotation patch) lands after the watch's DELETED: no ghost until the next relist."""
+    cache = PodCache()
+    listed = pod("a", uid="u1")
+    listed["metadata"]["resourceVersion"] = "5"
+    cache.replace([listed])
+    gone = copy.deepcopy(listed)
+    gone["metadata"]["resourceVersion"] = "9"
+    watcher(FakeCluster(), cache)._event("DELETED", gone)
+    read_before = copy.deepcopy(listed)
+    read_before["metadata"]["resourceVersion"] = "7"
+    assert not cache.upsert(read_before)
+    cache.confirm(cache.generation, [read_before])
+    assert "u1" not in cache and cache.snapshot() == {}
+
+
+def test_a_pod_deleted_while_its_annotations_are_patched_is_released(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = rig.add(pod(notes=binder_annotations(devices=rig.gpu0)))["metadata"]["uid"]
+    rig.sync()
+    real = rig.cluster.patch_pod_annotations
+
+    def patch_then_delete(*args, **kw):
+        answer = real(*args, **kw)
+        rig.cluster.delete_pod(uid)  # its DELETED event is handled before the answer lands
+        rig.agent.watcher._event("DELETED", rig.cluster.history[-1][2])
+        return answer
+
+    rig.cluster.patch_pod_annotations = patch_then_delete
+    rig.reconciler.reconcile()
+    assert uid not in rig.agent.cache
+    rig.reconciler.reconcile()  # no relist: the watch is all there is
+    assert uid not in rig.reconciler.pods.known
+    assert rig.nvml.limits == {}
+    assert not rig.marker_path(uid).parent.exists()
 
 
 # -- the worker -------------------------------------------------------------------------------

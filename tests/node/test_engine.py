@@ -335,6 +335,28 @@ def test_attached_namespace_cap_is_not_reset_after_restart(node: Node) -> None:
     assert "namespace_set_active_thread_percentage" not in [m for m, _ in node.mps.calls[n:]]
 
 
+def test_a_new_percentage_for_an_attached_namespace_is_pending_until_its_clients_exit(
+        node: Node) -> None:
+    """MPS fixes the percentage at the first attach: the new one is not in force, so the
+    container is not applied, and nothing records it as set (a resync between included)."""
+    node.apply(sm_pod())
+    node.mps.attach_client(77, NS_A)
+    half = sm_pod(notes=annotations(mode="sm-sharing", portion="0.5"))
+    for _ in range(2):
+        r = node.apply(half).containers[(UID_A, "main")]
+        assert (r.state, r.reason) == (ContainerState.PENDING, "NamespaceBusy")
+        assert r.message == (
+            f"MPS namespace {NS_A} has clients attached, which run with the active-thread "
+            "percentage 25 set before they attached (MPS fixes it at the first attach); the "
+            "plan's 50 takes effect once they have exited: stop the container's GPU processes, "
+            "or recreate the pod")
+        assert node.mps.namespaces[NS_A].active_thread_percentage == 25
+        node.engine.forget()  # a periodic resync forgets nothing the daemon holds
+    node.mps.detach_client(77)
+    assert node.apply(half).containers[(UID_A, "main")].state is ContainerState.APPLIED
+    assert node.mps.namespaces[NS_A].active_thread_percentage == 50
+
+
 def test_old_driver_uses_the_configured_fallback(tmp_path: Path) -> None:
     node = Node(tmp_path, memory_limits=False, protocol_v3=False)
     report = node.apply(sm_pod(), ts_pod())

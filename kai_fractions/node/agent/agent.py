@@ -23,7 +23,14 @@ from ..config import NodeConfig
 from ..nvml import Nvml
 from ..procfs import Procfs
 from ..watchdog import Killer
-from .condition import Condition, Liveness, StatusPublisher, evaluate, smallest_gpu_mib
+from .condition import (
+    Condition,
+    Liveness,
+    StatusPublisher,
+    evaluate,
+    passes_failing,
+    smallest_gpu_mib,
+)
 from .events import EventRecorder
 from .grpc_service import NodeEnforcerServicer, close_unix, serve_unix
 from .kube import ClusterWriter, PodSource
@@ -99,17 +106,21 @@ class NodeAgent:
 
     def liveness(self) -> Liveness:
         down = self.cache.api_down_since
+        failing = self.worker.failing
         return Liveness(synced=self.cache.synced,
                         api_down_for=None if down is None else self.monotonic() - down,
                         api_error=self.cache.last_error, busy_for=self.worker.busy_for(),
-                        stopping=self._stopping)
+                        stopping=self._stopping,
+                        failed_passes=0 if failing is None else failing.passes,
+                        failing_for=None if failing is None else self.monotonic() - failing.since,
+                        pass_error=None if failing is None else failing.error)
 
     def condition(self) -> Condition | None:
         """The node condition now; None while the first pass is still to come (publishing
         "not ready" for the few seconds of a start would only flap the node)."""
         health = self.reconciler.view.health
         live = self.liveness()
-        if (health.passes == 0 and not live.stopping
+        if (health.passes == 0 and not live.stopping and not passes_failing(self.options, live)
                 and self.monotonic() - self._started < self.options.stale_after_seconds):
             return None
         return evaluate(self.config, self.options, health, live)

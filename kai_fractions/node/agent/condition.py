@@ -9,7 +9,7 @@ sm-sharing is enabled) and the agent is reconciling. Otherwise False with one re
 | `NVMLUnavailable` | NVML cannot be loaded or initialised, or the inventory failed |
 | `DriverTooOld` | only the cgroup tier is enabled and the driver lacks the r615 functions |
 | `MPSDaemonUnhealthy` | sm-sharing is enabled and the control daemon does not answer |
-| `NotReconciling` | no pod list yet, API unreachable or a pass running too long, or stopping |
+| `NotReconciling` | no pod list yet, API unreachable, passes hung or failing too long, stopping |
 
 The publisher patches `nodes/status` when the condition changes, and otherwise at most every
 heartbeat interval (`lastHeartbeatTime`); `lastTransitionTime` moves only when the status does
@@ -72,6 +72,12 @@ class Liveness:
     api_error: str | None
     busy_for: float | None
     stopping: bool = False
+    failed_passes: int = 0
+    """Passes in a row that raised (an internal error) since the last one that completed."""
+    failing_for: float | None = None
+    """Seconds since the first of them started; None while passes complete."""
+    pass_error: str | None = None
+    """The last one's exception."""
 
 
 def compute_summary(config: NodeConfig, health: Health) -> str:
@@ -93,6 +99,14 @@ def memory_summary(config: NodeConfig, inventory: Inventory) -> str:
     if Mechanism.WATCHDOG in config.memory_enforcement:
         tiers.append(f"watchdog ({config.watchdog_policy.value})")
     return ", ".join(tiers) or "none"
+
+
+def passes_failing(options: AgentOptions, live: Liveness) -> bool:
+    """Whether passes have failed often or long enough to make the node not ready: the last
+    good pass's health says nothing of a node whose pods are no longer reconciled (a new pod's
+    gate would wait forever), while one failure retried at once is not worth a flap."""
+    return live.failed_passes >= options.failed_passes_not_ready or (
+        live.failing_for is not None and live.failing_for >= options.stale_after_seconds)
 
 
 def evaluate(config: NodeConfig, options: AgentOptions, health: Health,
@@ -126,6 +140,11 @@ def evaluate(config: NodeConfig, options: AgentOptions, health: Health,
         return Condition(False, NOT_RECONCILING,
                          f"a reconcile pass has been running for {live.busy_for:.0f}s (a GPU, "
                          "MPS or API call hangs); see the agent's log")
+    if passes_failing(options, live):
+        return Condition(False, NOT_RECONCILING,
+                         f"reconcile passes have been failing for {live.failing_for or 0:.0f}s "
+                         f"({live.failed_passes} in a row, none completed) with an internal "
+                         f"error, the last: {live.pass_error}; see the agent's log")
     if not live.synced or health.passes == 0 or inv is None:
         return Condition(False, NOT_RECONCILING,
                          "the node agent has not listed this node's pods and reconciled them "

@@ -95,9 +95,7 @@ class EventRecorder:
         self._refilled = clock()
         self._groups: dict[tuple[str, str], _Group] = {}
         self._sent: dict[Hashable, str] = {}
-        """dedup key -> pod uid, for the keys already emitted."""
-        self.emitted: list[tuple[str, str, str]] = []
-        """(pod uid, reason, message) of every event handed to the API (for tests, logs)."""
+        """dedup key -> pod uid, for the keys already emitted (`forget_pod` drops a pod's)."""
         self._backlog: dict[Hashable, tuple[PodRef, str, str, str]] = {}
 
     def emit(self, pod: PodRef, kind: str, reason: str, message: str,
@@ -121,7 +119,6 @@ class EventRecorder:
         group.created += 1
         self._backlog.pop(key, None)
         self._sent[key] = pod.uid
-        self.emitted.append((pod.uid, reason, message))
         log.info("pod %s/%s: %s: %s", pod.namespace, pod.name, reason, message)
         return True
 
@@ -157,7 +154,6 @@ class EventRecorder:
                        if group.folded > 1 else message)
             if not self._create(pod, kind, reason, summary, now, None, count=group.folded):
                 return False
-            self.emitted.append((pod.uid, reason, summary))
         del self._groups[(uid, reason)]
         return True
 

@@ -50,7 +50,11 @@ class AgentOptions:
     status_tick_seconds: float = 1.0
     """How often the status publisher looks at the agent's health."""
     stale_after_seconds: float = 60.0
-    """A pass running this long, or the API unreachable this long, is `NotReconciling`."""
+    """A pass running this long, the API unreachable this long, or passes failing with an
+    internal error this long, is `NotReconciling`."""
+    failed_passes_not_ready: int = 3
+    """This many passes in a row failing with an internal error are `NotReconciling` too (the
+    retries come 1 s, then 2 s apart: sooner than `stale_after_seconds`)."""
     rpc_timeout_seconds: float = 30.0
     """How long a gRPC call waits for its turn on the worker."""
     marker_grace_seconds: float = 600.0

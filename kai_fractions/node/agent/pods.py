@@ -87,11 +87,15 @@ class NodePods:
         self.signatures = signatures
         self.clock = clock
         self.provisioned: dict[str, dict[str, Any]] = {}
+        self._qos_unknown: set[str] = set()
+        """Provisioned pods whose cgroup did not exist yet: their QoS class is a guess (the
+        kubelet's QoS parent is where their cgroup will be), looked for again every pass."""
         self.released: set[tuple[str, str | None]] = set()
         self.known: dict[str, KnownPod] = {}
 
     def live(self) -> dict[str, tuple[Mapping[str, Any], str]]:
         """Live pods by uid with their source; releases of pods that went away are dropped."""
+        self._find_qos()
         out: dict[str, tuple[Mapping[str, Any], str]] = {
             uid: (m, PROVISIONED) for uid, m in self.provisioned.items()}
         out.update({uid: (m, API) for uid, m in self.cache.snapshot().items()})
@@ -186,11 +190,31 @@ class NodePods:
 
     # -- direct driving (gRPC) -----------------------------------------------------------------
 
+    def _scan_qos(self, uids: set[str]) -> dict[str, str]:
+        """The QoS class of those of `uids` whose pod cgroup exists, from its QoS parent."""
+        return {pc.uid: pc.qos.value for pc in self.engine.layout.scan(self.engine.cgroup_fs)
+                if pc.uid in uids}
+
+    def _find_qos(self) -> None:
+        self._qos_unknown &= self.provisioned.keys()
+        if not self._qos_unknown:
+            return
+        for uid, qos in self._scan_qos(self._qos_unknown).items():
+            manifest = self.provisioned[uid]
+            self.provisioned[uid] = {**manifest, "status": {**manifest["status"],
+                                                            "qosClass": qos}}
+            self._qos_unknown.discard(uid)
+
     def provision(self, namespace: str, name: str, uid: str, annotations: Mapping[str, str],
                   containers: Sequence[str], init_containers: Sequence[str] = ()) -> None:
-        """A pod given by an integration (not read from the API), as the API would show it."""
-        qos = next((pc.qos.value for pc in self.engine.layout.scan(self.engine.cgroup_fs)
-                    if pc.uid == uid), "Burstable")
+        """A pod given by an integration (not read from the API), as the API would show it. Its
+        QoS class is read from where its cgroup is; until the kubelet has made it, Burstable is
+        guessed (its cgroup is not found, so it is pending) and every pass looks again."""
+        qos = self._scan_qos({uid}).get(uid)
+        if qos is None:
+            self._qos_unknown.add(uid)
+        else:
+            self._qos_unknown.discard(uid)
         self.provisioned[uid] = {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": namespace, "uid": uid,
@@ -200,7 +224,7 @@ class NodePods:
             "spec": {"nodeName": self.config.node_name,
                      "containers": [{"name": c} for c in containers],
                      "initContainers": [{"name": c} for c in init_containers]},
-            "status": {"phase": "Running", "qosClass": qos},
+            "status": {"phase": "Running", "qosClass": qos or "Burstable"},
         }
         self.released = {r for r in self.released if r[0] != uid}
 
@@ -213,10 +237,15 @@ class NodePods:
         names = list(known.containers) if known else []
         if container:
             names = [n for n in names if n == container]
-        if uid in self.provisioned and not container:
-            del self.provisioned[uid]
+        if not container and uid in self.provisioned and uid not in self.cache:
+            del self.provisioned[uid]  # provisioned only: nothing plans it again
             self.markers.remove_pod(uid)
         else:
+            if not container:
+                self.provisioned.pop(uid, None)  # the integration gave it up
+            # A watched pod (provisioned too, maybe) is planned again from the watch: it stays
+            # out of the desired state until it goes, and its directory stays (the gate's bind
+            # mount holds it; a new one would be invisible to it).
             self.released.add((uid, container or None))
             self.markers.unlink(uid)
         report = self.engine.release(uid, container or None, container_names=names)

@@ -17,7 +17,9 @@ or holds a marker for, are taken for gone only once a consistent list agrees
 (`confirm_absent`, which the reconciler asks before it clears anything).
 
 Every change calls `on_change`, which only marks the worker dirty: the worker reads the whole
-cache (level-triggered), so coalesced or replayed events are harmless.
+cache (level-triggered), so coalesced or replayed events are harmless. A pod the watch saw
+deleted is remembered for a while (`TOMBSTONES`): a read that began before the deletion (a
+consistent list confirming pods, the answer to an annotation patch) must not bring it back.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import logging
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, NoReturn
 
@@ -40,6 +43,10 @@ from .kube import PodSource, on_node
 
 log = logging.getLogger(__name__)
 
+TOMBSTONES = 1024
+"""Deleted pods remembered (uid and the deletion's resourceVersion), oldest dropped first: far
+more than a node deletes while one read is in flight."""
+
 
 class PodCache:
     """uid -> pod manifest of the pods bound to this node; thread-safe."""
@@ -47,6 +54,8 @@ class PodCache:
     def __init__(self, monotonic: Callable[[], float] = time.monotonic):
         self._lock = threading.Lock()
         self._pods: dict[str, dict[str, Any]] = {}
+        self._deleted: OrderedDict[str, str] = OrderedDict()
+        """uid -> resourceVersion of its deletion, for the pods the watch saw deleted."""
         self._monotonic = monotonic
         self.synced = False
         """True once a list succeeded: before that the agent must not apply anything (an apply
@@ -80,6 +89,9 @@ class PodCache:
         uid = uid_of(pod)
         if not uid:
             return False
+        deleted = self._deleted.get(uid)
+        if deleted is not None and not later_version(resource_version(pod), deleted):
+            return False  # read before its deletion (uids are never reused): no ghost
         old = self._pods.get(uid)
         if old is not None and later_version(resource_version(old), resource_version(pod)):
             return False
@@ -96,8 +108,15 @@ class PodCache:
             if self.generation == generation:
                 self.consistent = True
 
-    def remove(self, uid: str) -> bool:
+    def remove(self, uid: str, *, deleted: str | None = None) -> bool:
+        """`deleted`: the resourceVersion of the pod's deletion, when the watch said so; a later
+        upsert of an older version of it is then ignored."""
         with self._lock:
+            if deleted is not None:
+                self._deleted[uid] = deleted
+                self._deleted.move_to_end(uid)
+                while len(self._deleted) > TOMBSTONES:
+                    self._deleted.popitem(last=False)
             return self._pods.pop(uid, None) is not None
 
     def failed(self, error: str) -> None:
@@ -109,6 +128,10 @@ class PodCache:
     def snapshot(self) -> dict[str, dict[str, Any]]:
         with self._lock:
             return dict(self._pods)
+
+    def __contains__(self, uid: object) -> bool:
+        with self._lock:
+            return uid in self._pods
 
     def get(self, uid: str) -> dict[str, Any] | None:
         with self._lock:
@@ -227,7 +250,9 @@ class PodWatcher:
         uid = uid_of(pod)
         if kind == "BOOKMARK" or not uid:
             return
-        if kind == "DELETED" or not on_node(pod, self.node):
+        if kind == "DELETED":
+            changed = self.cache.remove(uid, deleted=resource_version(pod))
+        elif not on_node(pod, self.node):
             changed = self.cache.remove(uid)
         elif kind in ("ADDED", "MODIFIED"):
             changed = self.cache.upsert(dict(pod))

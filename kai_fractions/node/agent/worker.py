@@ -7,6 +7,9 @@ full resync (`--resync-seconds`: read caches dropped, everything re-read), an MP
 (sm-sharing), a watchdog check (`--watchdog-interval`) or the drain of a deleted sm-sharing
 pod's MPS clients before the kubelet kills it (`drain_before_kill`). `stop()` lets the task in
 progress finish, so a pass is never cut between its apply and its markers.
+
+A pass that raises (an internal error) is retried like one that did not converge; the streak of
+such passes (`failing`) feeds the node condition, which a pass that completes clears.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .drain_before_kill import DrainBeforeKill, deleting_sm_pods
@@ -27,6 +31,20 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 INTERNAL_ERROR = "InternalError"
+ERROR_TEXT_MAX = 300
+"""Characters of an exception's text kept for the node condition's message."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failing:
+    """Passes that raised in a row since the last one that completed (read by other threads:
+    replaced whole, never changed in place)."""
+
+    passes: int
+    since: float
+    """Monotonic time the first of them started."""
+    error: str
+    """The last one's exception, type and text."""
 
 
 class WorkerStopped(Exception):
@@ -58,6 +76,7 @@ class Worker:
         self._next_watchdog = now + watchdog_interval
         self._next_mps = now + options.mps_check_seconds
         self.last_pass: PassReport | None = None
+        self.failing: Failing | None = None
         margin = options.mps_drain_before_kill_seconds
         self.drains = (DrainBeforeKill(margin, reconciler.drain, reconciler.events,
                                        reconciler.metrics, clock=reconciler.clock,
@@ -193,13 +212,23 @@ class Worker:
             return True  # let a pass find out and report it
 
     def _pass(self, full: bool) -> None:
+        started = self.monotonic()
         try:
             report = self.reconciler.reconcile(full=full)
-        except Exception:
-            # A bug must not end the loop: the pass is retried (nothing was marked ready).
+            self.failing = None
+        except Exception as e:
+            # A bug must not end the loop: the pass is retried (nothing was marked ready), and
+            # a streak of them makes the node not ready (`condition.evaluate`).
             log.exception("reconcile pass failed")
             self.reconciler.metrics.reconcile_errors.labels(INTERNAL_ERROR).inc()
             report = PassReport(converged=False, errors=frozenset({INTERNAL_ERROR}))
+            text = f"{type(e).__name__}: {e}"
+            if len(text) > ERROR_TEXT_MAX:
+                text = text[:ERROR_TEXT_MAX - 3] + "..."
+            previous = self.failing
+            self.failing = Failing(passes=1 if previous is None else previous.passes + 1,
+                                   since=started if previous is None else previous.since,
+                                   error=text)
         self.last_pass = report
         if report.converged:
             self._next_retry = None
