@@ -12,16 +12,26 @@ beyond any spelling check (SECURITY.md).
 from __future__ import annotations
 
 import re
+from collections import deque
 
 KNOWN_SYMLINKS = {
     "/var/run": "/run",
     "/var/lock": "/run/lock",
 }
 """Symlinks on every systemd host (FHS 3.0): either spelling reaches the same directory."""
+_SYMLINK_DEPTHS = frozenset(link.count("/") for link in KNOWN_SYMLINKS)
 
 _PROCESS = re.compile(r"[0-9]+|self|thread-self")
 _MAX_STEPS = 4096
 """Bounds the work on a hostile path (a symlink target is re-walked)."""
+PATH_MAX = 4096
+"""Linux's PATH_MAX, the terminating NUL included: the kernel opens no longer path, so a
+hostPath this long is refused before it is resolved (`fits`)."""
+
+
+def fits(path: str) -> bool:
+    """`path` is shorter than PATH_MAX bytes, as the kernel counts them."""
+    return len(path) < PATH_MAX and len(path.encode("utf-8", "surrogatepass")) < PATH_MAX
 
 
 def _components(path: str) -> list[str]:
@@ -31,23 +41,24 @@ def _components(path: str) -> list[str]:
 def canonical(path: str) -> str:
     """The absolute path the kernel would open for `path` (relative = from `/`), with the known
     symlinks and `/proc/<pid>/root` resolved; a `/proc` path that may lead anywhere is `/`."""
-    pending = _components(path)
+    pending = deque(_components(path))
     out: list[str] = []
     steps = 0
     while pending:
         steps += 1
         if steps > _MAX_STEPS:
             return "/"  # not a real path; treat it as reaching everything
-        part = pending.pop(0)
+        part = pending.popleft()
         if part == "..":
             if out:
                 out.pop()
             continue
         out.append(part)
-        target = KNOWN_SYMLINKS.get("/" + "/".join(out))
+        target = (KNOWN_SYMLINKS.get("/" + "/".join(out)) if len(out) in _SYMLINK_DEPTHS
+                  else None)
         if target is not None:
             out = []
-            pending = _components(target) + pending
+            pending.extendleft(reversed(_components(target)))
             continue
         if out[0] != "proc" or len(out) < 2:
             continue
@@ -68,10 +79,14 @@ def canonical(path: str) -> str:
     return "/" + "/".join(out)
 
 
+def related(a: str, b: str) -> bool:
+    """Canonical paths `a` and `b` are the same directory, or one is inside the other."""
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
 def overlaps(a: str, b: str) -> bool:
     """`a` and `b` are the same directory, or one is inside the other (after `canonical`)."""
-    a, b = canonical(a), canonical(b)
-    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+    return related(canonical(a), canonical(b))
 
 
 def same(a: str, b: str) -> bool:

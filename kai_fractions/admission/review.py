@@ -46,6 +46,9 @@ def parse_review(body: bytes) -> dict[str, Any]:
         review = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise ReviewError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ReviewError("the request body is not an AdmissionReview: it nests deeper than "
+                          "any Kubernetes object") from None
     if not isinstance(review, dict):
         raise ReviewError("the request body must be a JSON object (an AdmissionReview)")
     if review.get("apiVersion") != API_VERSION or review.get("kind") != KIND:

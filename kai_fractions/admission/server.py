@@ -4,6 +4,10 @@ Standard library only (ThreadingHTTPServer + ssl). The listening socket stays pl
 accepted connection is wrapped with the context current at that moment (certificate reload),
 and the TLS handshake runs in the connection's own thread with a timeout, so one slow client
 cannot hold up the others.
+
+Memory is bounded whoever sends the requests (any pod that reaches the Service can): a body is
+at most MAX_BODY, at most MAX_BODIES bodies are held at once and at most MAX_REVIEWS of them
+parsed; a request that finds no room within QUEUE_WAIT gets a 503.
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ import json
 import logging
 import socket
 import ssl
+import threading
+import time
 from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from .config import AdmissionConfig
+from .errors import clip
 from .mutate import mutate
 from .review import Decision, ReviewError, deny, parse_review, response
 from .tls import ReloadingContext
@@ -25,8 +32,25 @@ from .validate import validate
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 16 * 1024 * 1024
-"""An AdmissionReview carries the object and the old object; etcd caps each near 1.5 MiB."""
+MAX_BODY = 3 * 1024 * 1024
+"""The largest AdmissionReview read. The API server itself reads no write request over 3 MiB
+(its MaxRequestBodyBytes: twice etcd's default 1.5 MiB request limit, as JSON is larger than
+the protobuf etcd stores), so no pod it can store is larger than that in JSON. Pods are a few
+KiB; a review past this (an UPDATE carries two objects) is refused with 413, so the pod fails
+closed, never open. A larger cap only raises what a hostile body costs: parsed, JSON takes tens
+of times its size in memory."""
+MAX_BODIES = 4
+"""Request bodies held at once (read, or waiting for a review)."""
+MAX_REVIEWS = 2
+"""Bodies parsed and reviewed at once. Python runs one at a time anyway (the GIL), so more
+would add no throughput, only parsed bodies in memory; the chart's memory limit holds two of
+the largest."""
+QUEUE_WAIT = 5.0
+"""How long a request waits for room before it gets 503: less than the webhook's timeout, so
+the API server hears why."""
+BODY_DEADLINE = 10.0
+"""The whole body must arrive within this: a slow sender holds its room no longer."""
+_CHUNK = 64 * 1024
 HANDSHAKE_TIMEOUT = 10.0
 IO_TIMEOUT = 30.0
 
@@ -51,6 +75,8 @@ class WebhookServer(ThreadingHTTPServer):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.config = config
         self.tls = tls
+        self.bodies = threading.BoundedSemaphore(MAX_BODIES)
+        self.reviews = threading.BoundedSemaphore(MAX_REVIEWS)
         super().__init__(address, _Handler)
 
     def get_request(self) -> tuple[socket.socket, Any]:
@@ -105,15 +131,15 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path.split("?", 1)[0] == "/healthz":
             self._send_text(HTTPStatus.OK, "ok")
         else:
-            self._send_text(HTTPStatus.NOT_FOUND, f"no such path {self.path}; "
+            self._send_text(HTTPStatus.NOT_FOUND, f"no such path {clip(self.path, 200)}; "
                             "GET /healthz, POST /validate or /mutate")
 
     def do_POST(self) -> None:
         route = ROUTES.get(self.path.split("?", 1)[0])
         if route is None:
-            self._drain()
-            self._send_text(HTTPStatus.NOT_FOUND, f"no such path {self.path}; "
-                            "POST /validate or /mutate")
+            if self._drain():
+                self._send_text(HTTPStatus.NOT_FOUND, f"no such path {clip(self.path, 200)}; "
+                                "POST /validate or /mutate")
             return
         length = self.headers.get("Content-Length")
         if length is None or not length.isdigit():
@@ -123,13 +149,68 @@ class _Handler(BaseHTTPRequestHandler):
         if int(length) > MAX_BODY:
             self.close_connection = True
             self._send_text(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                            f"the body is larger than {MAX_BODY} bytes")
+                            f"the body is {int(length)} bytes, larger than the {MAX_BODY} bytes "
+                            "an AdmissionReview can take (the API server's own request limit)")
             return
-        body = self.rfile.read(int(length))
+        if not self._room(self.server.bodies):
+            return
+        try:
+            body = self._read_body(int(length))
+            if body is None or not self._room(self.server.reviews):
+                return
+            try:
+                self._review(route, body)
+            finally:
+                self.server.reviews.release()
+        finally:
+            self.server.bodies.release()
+
+    def _room(self, slots: threading.BoundedSemaphore) -> bool:
+        """Takes one of `slots`, or answers 503 (and closes: the body is not read)."""
+        if slots.acquire(timeout=QUEUE_WAIT):
+            return True
+        self.close_connection = True
+        self._send_text(HTTPStatus.SERVICE_UNAVAILABLE, "the webhook is busy with other "
+                        f"reviews and found no room within {QUEUE_WAIT:g} s; try again")
+        return False
+
+    def _read_body(self, length: int, keep: bool = True) -> bytes | None:
+        """The body, read within BODY_DEADLINE (discarded when not `keep`); None after
+        answering 400 or 408 when it does not arrive whole."""
+        deadline = time.monotonic() + BODY_DEADLINE
+        chunks: list[bytes] = []
+        got = 0
+        try:
+            while got < length:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self.connection.settimeout(min(left, IO_TIMEOUT))
+                chunk = self.rfile.read1(min(length - got, _CHUNK))
+                if not chunk:
+                    break
+                got += len(chunk)
+                if keep:
+                    chunks.append(chunk)
+        except TimeoutError:
+            self.close_connection = True
+            self._send_text(HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive within "
+                            f"{BODY_DEADLINE:g} s ({got} of {length} bytes)")
+            return None
+        finally:
+            self.connection.settimeout(IO_TIMEOUT)
+        if got < length:
+            self.close_connection = True
+            self._send_text(HTTPStatus.BAD_REQUEST, f"the body ended after {got} of the "
+                            f"{length} bytes its Content-Length announced")
+            return None
+        return b"".join(chunks)
+
+    def _review(self, route: Reviewer, body: bytes) -> None:
         try:
             request = parse_review(body)
         except ReviewError as e:
-            self._send_text(HTTPStatus.BAD_REQUEST, str(e))
+            self._send_text(HTTPStatus.BAD_REQUEST, clip(str(e)))
             return
         try:
             decision = route(request, self.server.config)
@@ -143,16 +224,20 @@ class _Handler(BaseHTTPRequestHandler):
                  request.get("namespace") or "-", request.get("name") or "-",
                  (request.get("userInfo") or {}).get("username", "-"),
                  "allowed" + (f" with {len(decision.patch)} patch op(s)" if decision.patch
-                              else "") if decision.allowed else f"denied: {decision.message}")
+                              else "") if decision.allowed
+                 else f"denied: {clip(decision.message)}")
         payload = json.dumps(response(request["uid"], decision)).encode()
         self._send(HTTPStatus.OK, payload, "application/json")
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
+        """Reads and drops the body of a request that gets no review, so the connection can be
+        reused; one too large (or without a length) closes it instead. False: answered already
+        (the body did not arrive)."""
         length = self.headers.get("Content-Length")
         if length and length.isdigit() and int(length) <= MAX_BODY:
-            self.rfile.read(int(length))
-        else:
-            self.close_connection = True
+            return self._read_body(int(length), keep=False) is not None
+        self.close_connection = True
+        return True
 
 
 def make_server(listen: str, config: AdmissionConfig, tls: ReloadingContext) -> WebhookServer:

@@ -6,10 +6,13 @@ admitted before the webhook existed can still be updated and deleted); protected
 configured identities; a pod's fractional containers and compute modes are fixed once it
 exists (its env, mounts and gate were wired from them); user-owned keys are frozen once the
 binder set `.gpus.devices` (`frozen`); in a fractional pod the gate is exactly the injected one
-and every other container says `NVIDIA_VISIBLE_DEVICES=void` (`wiring`), only the gate may
-mount the marker root and only the fractional container the MPS pipes; and in EVERY pod no
-hostPath may reach the marker root, the MPS pipes or the agent's socket directory, however
-spelled (`hostpaths`: whoever can write the marker root can release any pod on the node).
+and every other container says `NVIDIA_VISIBLE_DEVICES=void` (`wiring`), no container asks for
+a way past its own (`isolation`: privileged, hostPID, ...), only the gate may mount the marker
+root and only the fractional container the MPS pipes; and in EVERY pod no hostPath may reach
+the marker root, the MPS pipes or the agent's socket directory, however spelled (`hostpaths`:
+whoever can write the marker root can release any pod on the node). On UPDATE only what the
+change introduces is refused, compared on full values. A Binding carries no NvFractions key
+unless an allowed identity binds (its annotations reach the pod without pod admission).
 Workloads with a pod template get the contract checks early; a template never carries a
 protected key, whoever writes it (the binder writes those on each pod, after scheduling).
 """
@@ -29,15 +32,17 @@ from ..contract import (
     view_from_pod_spec,
 )
 from ..contract import keys as k
+from ..contract.errors import shown
 from ..gate import paths
-from . import frozen, hostpaths, podspec, wiring
-from .config import GATE_CONTAINER, MARKER_VOLUME, MPS_VOLUME, AdmissionConfig
-from .errors import error_text, manifest_denial
+from . import frozen, hostpaths, isolation, podspec, wiring
+from .config import GATE_CONTAINER, MARKER_VOLUME, MPS_VOLUME, PODINFO_VOLUME, AdmissionConfig
+from .errors import Problem, denial_text, error_text, exact, manifest_denial
 from .review import Decision, allow, annotations_of, deny, kind_of, user_of
 
 WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job",
                             "CronJob", "ReplicationController", "PodTemplate"})
 _CONTAINER_LISTS = ("initContainers", "containers", "ephemeralContainers")
+_RESERVED_VOLUMES = frozenset({MARKER_VOLUME, PODINFO_VOLUME, MPS_VOLUME})
 HOST_PATH_EXEMPTION_HINT = (
     "to admit a trusted host agent without NvFractions keys, exempt its namespace: the label "
     "kai-fractions.io/webhook=disabled, or the chart's webhook.hostPathExemptNamespaces")
@@ -59,8 +64,9 @@ def _protected_changes(old: Mapping[str, str], new: Mapping[str, str], user: str
 
 
 def _new_errors(new: PodRequest, old: PodRequest | None) -> list[str]:
-    seen = {error_text(e) for e in old.errors} if old is not None else set()
-    return [t for t in (error_text(e) for e in new.errors) if t not in seen]
+    # Compared on the full value: the text leaves out (or cuts) a long one.
+    seen = {(e.key, e.rule, e.value) for e in old.errors} if old is not None else set()
+    return [error_text(e) for e in new.errors if (e.key, e.rule, e.value) not in seen]
 
 
 def _parse(obj: Any, config: AdmissionConfig, namespace: str) -> PodRequest | None:
@@ -99,37 +105,39 @@ def _containers(spec: Mapping[str, Any]) -> Iterator[tuple[str, int, Mapping[str
                 yield field, i, c
 
 
-def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> list[str]:
+def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> list[Problem]:
     """No hostPath of any pod reaches the marker root, the MPS pipes or the agent's socket
     directory (the directory, a parent or a child, however spelled), except the webhook's own
-    reserved volumes, which must point exactly at theirs."""
+    reserved volumes, which must point exactly at theirs. Each path is resolved once."""
     reserved = {MARKER_VOLUME: config.marker_host_dir, MPS_VOLUME: config.mps_server_host_dir}
-    guarded = ((config.marker_host_dir, f"only the webhook's own volume {MARKER_VOLUME!r} may"),
-               (config.mps_pipe_host_dir, f"only the webhook's own volume {MPS_VOLUME!r} may"),
-               (config.agent_socket_host_dir, "no volume may: whoever reaches the node "
-                "agent's socket can release any pod's limits"))
-    out: list[str] = []
-    last_reaching = -1
+    guarded = [(directory, hostpaths.canonical(directory), who) for directory, who in (
+        (config.marker_host_dir, f"only the webhook's own volume {MARKER_VOLUME!r} may"),
+        (config.mps_pipe_host_dir, f"only the webhook's own volume {MPS_VOLUME!r} may"),
+        (config.agent_socket_host_dir, "no volume may: whoever reaches the node agent's "
+         "socket can release any pod's limits"))]
+    out: list[Problem] = []
     for i, volume in enumerate(spec.get("volumes") or []):
         if not isinstance(volume, Mapping) or not isinstance(volume.get("hostPath"), Mapping):
             continue
         path = str(volume["hostPath"].get("path") or "")
         where = f"spec.volumes[{i}].hostPath.path"
+        if not hostpaths.fits(path):
+            out.append(Problem(f"{where}: must be shorter than PATH_MAX ({hostpaths.PATH_MAX} "
+                               f"bytes), the longest path the kernel opens (got {shown(path)})",
+                               exact(path)))
+            continue
+        resolved = hostpaths.canonical(path or "/")
         own = reserved.get(str(volume.get("name")))
         if own is not None:
-            if not hostpaths.same(path or "/", own):
-                out.append(f"{where}: volume {volume.get('name')!r} must be the host directory "
-                           f"{own!r}, not {path!r}")
+            if resolved != hostpaths.canonical(own):
+                out.append(Problem(f"{where}: volume {volume.get('name')!r} must be the host "
+                                   f"directory {own!r}, not {shown(path)}", exact(path)))
             continue
-        reaching = [f"{where}: {path!r} reaches the kai-fractions directory {directory!r}; "
-                    f"{who}" for directory, who in guarded
-                    if hostpaths.overlaps(path or "/", directory)]
-        last_reaching = len(out) + len(reaching) - 1 if reaching else last_reaching
-        out += reaching
-    if last_reaching >= 0:
         # Host-level agents (node exporters, GPU operator parts) mount `/`, `/run` or `/proc`:
-        # say once, after the last such problem, how an admin lets trusted ones through.
-        out[last_reaching] += f" ({HOST_PATH_EXEMPTION_HINT})"
+        # the denial says once, after the last such problem, how an admin lets trusted ones in.
+        out += [Problem(f"{where}: {shown(path)} reaches the kai-fractions directory "
+                        f"{directory!r}; {who}", exact(path), hint=HOST_PATH_EXEMPTION_HINT)
+                for directory, canonical, who in guarded if hostpaths.related(resolved, canonical)]
     return out
 
 
@@ -141,14 +149,14 @@ def _own_namespace(mount: Mapping[str, Any], own: Mapping[str, Any] | None) -> b
 
 
 def _mount_problems(spec: Mapping[str, Any], request: PodRequest,
-                    config: AdmissionConfig) -> list[str]:
+                    config: AdmissionConfig) -> list[Problem]:
     """Only the gate reads the marker root, only the fractional container reaches the MPS
     pipes, and only its own namespace's."""
     share = request.share
     sm_container = (share.container if share is not None
                     and share.compute_mode is ComputeMode.SM_SHARING else None)
     own = podspec.mps_mount(share.mps_namespace) if share and share.mps_namespace else None
-    out = []
+    out: list[str] = []
     for field, i, c in _containers(spec):
         name = c.get("name")
         for j, mount in enumerate(c.get("volumeMounts") or []):
@@ -174,23 +182,29 @@ def _mount_problems(spec: Mapping[str, Any], request: PodRequest,
                            f"exactly {own}" if own is not None else
                            f"{where}: the container has no MPS namespace of its own ({key} is "
                            "missing; the mutating webhook names one when the pod is created)")
-    return out
+    return [Problem(text) for text in out]
 
 
-def _spec_problems(obj: Any, request: PodRequest | None, config: AdmissionConfig) -> list[str]:
-    """Everything wrong with the pod's spec: host paths for every pod; mounts, the gate and
-    the other containers' GPU env for a pod that is fractional or carries the gate."""
+def _spec_problems(obj: Any, request: PodRequest | None,
+                   config: AdmissionConfig) -> list[Problem]:
+    """Everything wrong with the pod's spec: host paths for every pod; mounts, the gate, the
+    other containers' GPU env and any way past its containers (`isolation`) for a pod that is
+    fractional or carries the gate or a reserved volume."""
     spec = obj.get("spec") if isinstance(obj, Mapping) else None
     if not isinstance(spec, Mapping) or request is None:
         return []
     out = _host_path_problems(spec, config)
     carries_gate = any(c.get("name") == GATE_CONTAINER for f, _, c in _containers(spec)
                        if f == "initContainers")
+    carries_reserved = any(isinstance(v, Mapping) and v.get("name") in _RESERVED_VOLUMES
+                           for v in spec.get("volumes") or [])
     # A pod that breaks the contract is refused for that (and by the node agent); the mutating
     # webhook did not wire it, so its gate and env would only repeat the refusal.
     wired = request.share is not None and not request.errors
     if wired or carries_gate:
         out = wiring.gate_problems(spec, config) + out
+    if request.share is not None or request.errors or carries_gate or carries_reserved:
+        out += isolation.isolation_problems(spec)
     out += _mount_problems(spec, request, config)
     if wired and request.share is not None:
         out += wiring.env_problems(spec, request.share)
@@ -220,26 +234,46 @@ def _validate_pod(request: Mapping[str, Any], config: AdmissionConfig) -> Decisi
     # On UPDATE only what the change introduces: a pod wired by an older webhook (or admitted
     # before it existed) can still be updated and deleted. The spec of a pod barely changes
     # after creation (images, ephemeral containers), so this is where a swap would show.
+    # Problems compare on their full values, not on their (cut) text.
     seen = set(_spec_problems(old_obj, old, config)) if old is not None else set()
-    forbidden += [p for p in _spec_problems(obj, new, config) if p not in seen]
+    problems: list[Problem | str] = [*forbidden]
+    problems += [p for p in _spec_problems(obj, new, config) if p not in seen]
     warnings = tuple(str(w) for w in new.warnings)
-    if forbidden:
-        return deny("; ".join(forbidden + invalid), warnings=warnings)
+    if problems:
+        return deny(denial_text(problems + invalid), warnings=warnings)
     if invalid:
-        return deny("; ".join(invalid), code=422, reason="Invalid", warnings=warnings)
+        return deny(denial_text(invalid), code=422, reason="Invalid", warnings=warnings)
     return allow(warnings=warnings)
 
 
+def _is_nvfractions_key(key: str, keys: k.Keys) -> bool:
+    """A key the contract reads (or the webhooks protect): what the chart's match conditions
+    call an NvFractions key, and the mirror's record."""
+    return (key.startswith((keys.prefix, keys.project_prefix, k.PORTION_LIMIT_PREFIX))
+            or key in k.LEGACY_POD_KEYS or key == k.MIRRORED_RECORD)
+
+
 def _validate_binding(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
-    # A Binding's annotations are copied onto the pod: the same keys are protected here. And
+    # A Binding's annotations are copied onto the pod without pod admission, and its review
+    # holds no pod to compare with: no freeze, no contract check can apply. So only the allowed
+    # identities (KAI's binder binds with annotations) may bind with any NvFractions key:
+    # protected keys as on the pod, and user-owned ones (request, limit, mode, the pod-level
+    # keys), which a user could otherwise change after the pod was created and reviewed. And
     # the pod's MPS namespace never comes with one, whoever binds: its mount was made from the
-    # name the pod was created with, and pod admission does not see this copy.
+    # name the pod was created with.
     annotations = annotations_of(request.get("object"))
+    user = user_of(request)
     problems = [f"{key}: the MPS namespace is named once, when the pod is created; a Binding "
                 "may not carry it" for key in sorted(annotations)
                 if config.keys.is_admitted_namespace(key)]
-    problems += _protected_changes({}, annotations, user_of(request), config)
-    return deny("; ".join(problems)) if problems else allow()
+    problems += _protected_changes({}, annotations, user, config)
+    if user not in config.allowed_identities:
+        problems += [f"{key}: a Binding's annotations reach the pod without pod admission: only "
+                     f"{', '.join(config.allowed_identities)} may bind with an NvFractions "
+                     f"key, not {user or 'an anonymous user'}"
+                     for key in sorted(annotations) if _is_nvfractions_key(key, config.keys)
+                     and not config.keys.is_protected(key)]
+    return deny(denial_text(problems)) if problems else allow()
 
 
 def _template_view(obj: Any) -> PodView | None:

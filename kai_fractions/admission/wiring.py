@@ -18,32 +18,36 @@ from typing import Any
 
 from ..contract import ContainerShare
 from ..contract import keys as k
+from ..contract.errors import shown
 from . import podspec
 from .config import GATE_CONTAINER, AdmissionConfig
+from .errors import Problem, exact
 
 VOID_ENV = {"name": k.ENV_VISIBLE_DEVICES, "value": "void"}
 LENIENT = frozenset({"resources", "imagePullPolicy", "terminationMessagePath",
                      "terminationMessagePolicy", "resizePolicy", "stdin", "stdinOnce", "tty"})
 """Fields of the gate that do not change what it checks or when the workload may start."""
 _SHOWN = 120
+"""Characters of a value a message shows; the problem keeps the value in full (`Problem`)."""
 
 
 def _show(value: Any) -> str:
     text = json.dumps(value, sort_keys=True, separators=(",", ":"))
-    return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
 
 
 def _names(items: Any) -> list[str]:
     return [str(c.get("name", "")) for c in items or [] if isinstance(c, Mapping)]
 
 
-def gate_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> list[str]:
+def gate_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> list[Problem]:
     """Why the pod's gate is not the one the mutating webhook injects (empty: it is)."""
     init = [c for c in spec.get("initContainers") or [] if isinstance(c, Mapping)]
     if not init or init[0].get("name") != GATE_CONTAINER:
-        return [f"spec.initContainers[0]: the first init container of a fractional pod must be "
-                f"{GATE_CONTAINER} (the admission webhook injects it), not "
-                f"{init[0].get('name') if init else 'none'!r}"]
+        name = init[0].get("name") if init else "none"
+        return [Problem(f"spec.initContainers[0]: the first init container of a fractional pod "
+                        f"must be {GATE_CONTAINER} (the admission webhook injects it), not "
+                        f"{shown(str(name))}", exact(name))]
     gate = init[0]
     wanted = podspec.gate_container(config, _names(spec.get("containers")),
                                     _names(init[1:]))
@@ -54,12 +58,12 @@ def gate_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> list[str]
         have = gate.get(field)
         if field not in wanted:
             if have not in (None, "", [], {}, False):
-                out.append(f"spec.initContainers[0].{field}: the {GATE_CONTAINER} init "
-                           f"container may not set it (got {_show(have)})")
+                out.append(Problem(f"spec.initContainers[0].{field}: the {GATE_CONTAINER} init "
+                                   f"container may not set it (got {_show(have)})", exact(have)))
         elif have != wanted[field]:
-            out.append(f"spec.initContainers[0].{field}: must be exactly what the admission "
-                       f"webhook injects into {GATE_CONTAINER}, {_show(wanted[field])} "
-                       f"(got {_show(have)})")
+            out.append(Problem(f"spec.initContainers[0].{field}: must be exactly what the "
+                               f"admission webhook injects into {GATE_CONTAINER}, "
+                               f"{_show(wanted[field])} (got {_show(have)})", exact(have)))
     return out
 
 
@@ -68,7 +72,7 @@ def _is_void(env: Any) -> bool:
     return len(enforced) == 1 and dict(enforced[0]) == VOID_ENV
 
 
-def env_problems(spec: Mapping[str, Any], share: ContainerShare) -> list[str]:
+def env_problems(spec: Mapping[str, Any], share: ContainerShare) -> list[Problem]:
     """The containers without the GPU fraction that do not say `NVIDIA_VISIBLE_DEVICES=void`
     (the gate's env is checked with the rest of the gate)."""
     others = ", ".join(n for n in k.ENFORCED_ENV if n != k.ENV_VISIBLE_DEVICES)
@@ -82,6 +86,7 @@ def env_problems(spec: Mapping[str, Any], share: ContainerShare) -> list[str]:
                     field == "initContainers" and name == GATE_CONTAINER):
                 continue
             if not _is_void(c.get("env")):
-                out.append(f"spec.{field}[{i}].env: container {name!r} has no GPU fraction: "
-                           f"it must set {k.ENV_VISIBLE_DEVICES}=void and none of {others}")
+                out.append(Problem(f"spec.{field}[{i}].env: container {name!r} has no GPU "
+                                   f"fraction: it must set {k.ENV_VISIBLE_DEVICES}=void and none "
+                                   f"of {others}"))
     return out

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import jsonpatch
 import pytest
 
+from kai_fractions.admission import hostpaths
 from kai_fractions.admission.config import AdmissionConfig
 from kai_fractions.admission.mutate import mutate
 from kai_fractions.admission.validate import validate
@@ -98,6 +100,39 @@ def test_a_binding_never_carries_an_mps_namespace_whoever_binds() -> None:
                                     "created; a Binding may not carry it")
 
 
+BINDING_USER_KEYS = [
+    ("nvidia.com/container.main.gpu-memory.request", "80Gi"),
+    ("nvidia.com/container.main.gpu-memory.limit", "80Gi"),
+    ("nvidia.com/container.main.gpu-compute.mode", "sm-sharing"),
+    ("gpu-fraction", "0.9"), ("gpu-fraction.limit", "1"), ("gpu-memory", "81920"),
+    ("gpu-memory.limit", "81920"), ("gpu-fraction-num-devices", "2"),
+    ("gpu-fraction-container-name", "main"),
+    ("kai.scheduler/container.main.gpu-memory.portion.limit", "1"),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), BINDING_USER_KEYS,
+                         ids=[key for key, _ in BINDING_USER_KEYS])
+@pytest.mark.parametrize("sub", ["binding", ""], ids=["pods/binding", "bindings"])
+def test_a_binding_may_not_change_user_owned_keys(key: str, value: str, sub: str) -> None:
+    """The API server copies a Binding's annotations onto the pod without pod admission, and
+    the review holds no pod to compare with, so no freeze or contract check can apply: only
+    the allowed identities may bind with any NvFractions key (KAI's binder binds with
+    annotations). The legacy `bindings` resource makes the same Binding, without a
+    subresource."""
+    binding = {"apiVersion": "v1", "kind": "Binding",
+               "metadata": {"name": "p", "namespace": "ns", "annotations": {key: value}},
+               "target": {"kind": "Node", "name": "n1"}}
+    d = validate(request(binding, kind="Binding", sub=sub), CONFIG)
+    assert (d.allowed, d.code, d.message) == (False, 403, (
+        f"{key}: a Binding's annotations reach the pod without pod admission: only {IDS} may "
+        "bind with an NvFractions key, not alice"))
+    for user in (BINDER, MIRROR):
+        assert validate(request(binding, kind="Binding", sub=sub, user=user), CONFIG).allowed
+    binding["metadata"]["annotations"] = {"team": "a"}
+    assert validate(request(binding, kind="Binding", sub=sub), CONFIG).allowed
+
+
 def test_an_update_is_judged_by_the_errors_it_introduces() -> None:
     broken = pod({"nvidia.com/container.ghost.gpu-memory.request": "1Gi"})
     relabelled = copy.deepcopy(broken)
@@ -108,6 +143,20 @@ def test_an_update_is_judged_by_the_errors_it_introduces() -> None:
     d = validate(request(worse, old=broken), CONFIG)
     assert (d.allowed, d.code, d.message) == (False, 422, (
         "gpu-fraction: must be a portion of one GPU, 0 < x < 1 (got '2')"))
+
+
+def test_an_update_to_another_long_invalid_value_is_a_new_error() -> None:
+    """Errors compare on their full value, not on their text, which leaves a long value out:
+    a pod admitted with one invalid value may not take another."""
+    before = pod({**TS, "gpu-fraction": "0." + "1" * 300})
+    after = copy.deepcopy(before)
+    after["metadata"]["annotations"]["gpu-fraction"] = "0." + "2" * 300
+    relabelled = copy.deepcopy(before)
+    relabelled["metadata"]["labels"] = {"x": "y"}
+    assert validate(request(relabelled, old=before), CONFIG).allowed
+    d = validate(request(after, old=before), CONFIG)
+    assert (d.allowed, d.code) == (False, 422)
+    assert d.message.startswith("gpu-fraction: ")
 
 
 def test_delete_and_connect_are_allowed() -> None:
@@ -256,6 +305,83 @@ def test_a_host_path_refusal_ends_with_the_exemption_hint_once() -> None:
     assert d.message.count("webhook.hostPathExemptNamespaces") == 1
     assert d.message.endswith("the label kai-fractions.io/webhook=disabled, or the chart's "
                               "webhook.hostPathExemptNamespaces)")
+
+
+def test_a_host_path_longer_than_path_max_is_refused_before_it_is_resolved() -> None:
+    """The kernel opens no path of PATH_MAX (4096) bytes or more: such a path is refused up
+    front, quoted cut, whatever it would resolve to."""
+    path = "/var/run" + "/a" * 600_000
+    d = validate(request(pod({}, volumes=[{"name": "x", "hostPath": {"path": path}}])), CONFIG)
+    assert (d.allowed, d.message) == (False, (
+        "spec.volumes[0].hostPath.path: must be shorter than PATH_MAX (4096 bytes), the longest "
+        f"path the kernel opens (got {path[:80]!r}... ({len(path)} characters))"))
+    # counted in bytes, as the kernel does
+    wide = "/" + "\u00e9" * 2048
+    d = validate(request(pod({}, volumes=[{"name": "x", "hostPath": {"path": wide}}])), CONFIG)
+    assert "must be shorter than PATH_MAX" in d.message
+    assert validate(request(pod({}, volumes=[{"name": "x", "hostPath": {
+        "path": "/data" + "/a" * 2045}}])), CONFIG).allowed  # 4095 bytes
+
+
+def test_each_host_path_is_resolved_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    resolved: list[str] = []
+    real = hostpaths.canonical
+
+    def counting(path: str) -> str:
+        resolved.append(path)
+        return real(path)
+
+    monkeypatch.setattr(hostpaths, "canonical", counting)
+    obj = pod({}, volumes=[{"name": "x", "hostPath": {"path": "/var/run/x/../y"}},
+                           {"name": "y", "hostPath": {"path": "/"}}])
+    assert not validate(request(obj), CONFIG).allowed
+    assert resolved.count("/var/run/x/../y") == 1
+    assert resolved.count("/") == 1
+
+
+def test_a_long_path_is_quoted_cut_in_every_problem_it_causes() -> None:
+    path = "/" + "a/../" * 800  # 4001 characters, resolves to `/`: three problems
+    d = validate(request(pod({}, volumes=[{"name": "x", "hostPath": {"path": path}}])), CONFIG)
+    assert d.message.count("reaches the kai-fractions directory") == 3
+    assert d.message.count(f"{path[:80]!r}... ({len(path)} characters)") == 3
+    assert len(d.message) < 1200
+
+
+def test_a_denial_lists_at_most_twenty_problems() -> None:
+    volumes = [{"name": f"v{i}", "hostPath": {"path": "/"}} for i in range(100)]
+    d = validate(request(pod({}, volumes=volumes)), CONFIG)
+    assert d.message.count("reaches the kai-fractions directory") == 20
+    assert d.message.endswith("spec.volumes[6].hostPath.path: '/' reaches the kai-fractions "
+                              "directory '/run/kai-fractions/mps'; only the webhook's own "
+                              "volume 'kai-fractions-mps' may (to admit a trusted host "
+                              "agent without NvFractions keys, exempt its namespace: the label "
+                              "kai-fractions.io/webhook=disabled, or the chart's "
+                              "webhook.hostPathExemptNamespaces); and 280 more problem(s) of "
+                              "the same kinds")
+
+
+def test_a_gate_image_that_reads_the_same_once_cut_is_still_another_image() -> None:
+    """A problem the old pod already had is not held against an update: compared on the full
+    value, so a gate image of 120 characters or more cannot be swapped for another one that
+    shares its first 119 (`kubectl set image` on a pod admitted by an older release)."""
+    registry = ("123456789012.dkr.ecr.eu-central-1.amazonaws.com/platform-mirror/ghcr.io/"
+                "example-org/gpu/accelerators/")
+    before = dataclasses.replace(CONFIG, gate_image=registry + "kai-fractions/gate:0.3.0")
+    now = dataclasses.replace(CONFIG, gate_image=registry + "kai-fractions/gate:0.4.0")
+    old = mutated(pod(TS), before)
+    old["metadata"]["annotations"].update({DEVICES: GPU, PORTION: "0.25"})
+    relabelled = copy.deepcopy(old)
+    relabelled["metadata"]["labels"] = {"team": "a"}
+    assert validate(request(relabelled, old=old), now).allowed
+    swapped = copy.deepcopy(old)
+    image = old["spec"]["initContainers"][0]["image"]
+    assert len(image) >= 120
+    evil = image[:119] + "x" * (len(image) - 119)  # as long, so it reads the same once cut
+    swapped["spec"]["initContainers"][0]["image"] = evil
+    d = validate(request(swapped, old=old), now)
+    assert not d.allowed
+    assert d.message.startswith("spec.initContainers[0].image: must be exactly what the "
+                                "admission webhook injects into kai-fractions-gate")
 
 
 def in_template(template: dict[str, Any]) -> dict[str, Any]:

@@ -95,7 +95,7 @@ def test_default_values_render_every_component():
         ("Secret", f"{MIRROR}-client-tls"),
         ("DaemonSet", AGENT),
         ("Deployment", ADMISSION), ("Service", ADMISSION), ("PodDisruptionBudget", ADMISSION),
-        ("Secret", f"{ADMISSION}-tls"),
+        ("NetworkPolicy", ADMISSION), ("Secret", f"{ADMISSION}-tls"),
         ("MutatingWebhookConfiguration", ADMISSION),
         ("ValidatingWebhookConfiguration", ADMISSION),
         ("Secret", "kai-fractions-signing-key"),

@@ -105,12 +105,15 @@ def test_pod_webhooks_fail_closed_and_are_safe_to_reinvoke(docs):
                                   "operations": ["UPDATE"],
                                   "resources": ["pods/ephemeralcontainers"],
                                   "scope": "Namespaced"}]
-    # status updates can change annotations, a Binding's annotations land on its pod, and an
-    # ephemeral container could mount the marker root: all reviewed, fail closed
+    # status updates can change annotations, a Binding's annotations land on its pod (through
+    # pods/binding or the legacy bindings resource, which a pods/binding rule does not match),
+    # and an ephemeral container could mount the marker root: all reviewed, fail closed
     assert validating["rules"] == [{
         "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
         "resources": ["pods", "pods/status", "pods/ephemeralcontainers", "pods/binding"],
-        "scope": "Namespaced"}]
+        "scope": "Namespaced"}, {
+        "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+        "resources": ["bindings"], "scope": "Namespaced"}]
 
 
 def test_workload_webhook_gives_early_feedback_without_blocking(docs):
@@ -215,15 +218,39 @@ def test_removing_protected_keys_is_still_validated(docs):
     assert matches(validating, after, before, "UPDATE")
 
 
-def test_a_binding_with_protected_keys_is_intercepted(docs):
+@pytest.mark.parametrize("key", [*FRACTION_KEYS, k.MIRRORED_RECORD])
+def test_a_binding_with_any_nvfractions_key_is_intercepted(docs, key):
+    """A Binding's annotations are copied onto its pod without pod admission: one carrying any
+    key the webhook guards (the mirror's protected record included) is reviewed."""
     validating = hooks(docs, "ValidatingWebhookConfiguration")["pods.validate.kai-fractions.io"]
     binding = {"apiVersion": "v1", "kind": "Binding",
-               "metadata": {"name": "p", "annotations": {
-                   k.DEFAULT_KEYS.container("main", k.DEVICES): "GPU-1"}},
+               "metadata": {"name": "p", "annotations": {key: "1"}},
                "target": {"kind": "Node", "name": "gpu-node-1"}}
     assert matches(validating, binding)
+    binding["metadata"] = {"name": "p", "annotations": {"team": "a"}}
+    assert not matches(validating, binding)
     binding["metadata"] = {"name": "p"}
     assert not matches(validating, binding)
+
+
+def test_the_webhook_port_is_open_to_the_api_server_and_can_be_narrowed():
+    """The API server's address differs per cluster: by default every source may reach the
+    webhook's HTTPS port (its only one); webhook.networkPolicy.from narrows it."""
+    default = one(render(), "NetworkPolicy", ADMISSION)
+    deployment = one(render(), "Deployment", ADMISSION)
+    assert default["spec"]["podSelector"]["matchLabels"] == \
+        deployment["spec"]["selector"]["matchLabels"]
+    assert [p["name"] for p in deployment["spec"]["template"]["spec"]["containers"][0][
+        "ports"]] == ["https"]
+    assert default["spec"]["policyTypes"] == ["Ingress"]
+    assert default["spec"]["ingress"] == [{"ports": [{"port": "https", "protocol": "TCP"}]}]
+    narrowed = one(render(sets=("webhook.networkPolicy.from[0].ipBlock.cidr=10.0.0.0/24",)),
+                   "NetworkPolicy", ADMISSION)
+    assert narrowed["spec"]["ingress"] == [{"ports": [{"port": "https", "protocol": "TCP"}],
+                                            "from": [{"ipBlock": {"cidr": "10.0.0.0/24"}}]}]
+    off = render(sets=("webhook.networkPolicy.enabled=false",))
+    assert not [d for d in off if d["kind"] == "NetworkPolicy"
+                and d["metadata"]["name"] == ADMISSION]
 
 
 def test_every_example_is_intercepted(docs):

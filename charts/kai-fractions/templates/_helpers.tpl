@@ -76,11 +76,12 @@ object: {{ $object | toJson }}
 
 {{/*
 The CEL predicate "this annotation key belongs to NvFractions": the configured per-container
-prefix, kai_fractions' own derived keys, KAI's portion-limit keys and the pod-level legacy keys.
-Used with `k` bound to an annotation key.
+prefix, kai_fractions' own derived keys, KAI's portion-limit keys, the pod-level legacy keys and
+the mirror's record (kai-fractions.io/mirrored: protected, so a Binding or pod that carries only
+it must still be reviewed). Used with `k` bound to an annotation key.
 */}}
 {{- define "kf.cel.isFractionKey" -}}
-k.startsWith('{{ .Values.annotationPrefix }}') || k.startsWith('kai-fractions.io/container.') || k.startsWith('kai.scheduler/container.') || k in ['gpu-fraction', 'gpu-fraction.limit', 'gpu-memory', 'gpu-memory.limit', 'gpu-fraction-num-devices', 'gpu-fraction-container-name']
+k.startsWith('{{ .Values.annotationPrefix }}') || k.startsWith('kai-fractions.io/container.') || k.startsWith('kai.scheduler/container.') || k in ['gpu-fraction', 'gpu-fraction.limit', 'gpu-memory', 'gpu-memory.limit', 'gpu-fraction-num-devices', 'gpu-fraction-container-name', 'kai-fractions.io/mirrored']
 {{- end -}}
 
 {{/* CEL: the pod `obj` (object or oldObject) carries an NvFractions key. Callers guard oldObject
