@@ -1,4 +1,5 @@
-"""The mutating webhook: wire a fractional pod's env, MPS mount and gate. Pure.
+"""The mutating webhook: wire a fractional pod's env, MPS mount and gate, and write the request
+of a container that gives only a memory limit. Pure.
 
 The pod's desired shape is computed from the pod itself; a part that already has that shape is
 left exactly as it is (so the API server's defaults do not count as a difference), and only the
@@ -156,10 +157,28 @@ def _ops(spec: Mapping[str, Any], new: Json) -> list[Json]:
     return ops
 
 
-def _namespace_op(key: str, namespace: str) -> Json:
+def _annotation_op(key: str, value: str) -> Json:
     # A fractional pod always has annotations (its request is one), so `add` finds the map.
     escaped = key.replace("~", "~0").replace("/", "~1")  # JSON Pointer, RFC 6901
-    return {"op": "add", "path": f"/metadata/annotations/{escaped}", "value": namespace}
+    return {"op": "add", "path": f"/metadata/annotations/{escaped}", "value": value}
+
+
+def _request_from_limit(annotations: Mapping[str, Any], share: ContainerShare,
+                        keys: k.Keys) -> list[Json]:
+    """A container that sets only `.gpu-memory.limit` gets its request written as the limit:
+    what the contract reads anyway, and what KAI's scheduler reads too (upstream
+    pkg/common/resources, ExtractNvFractionsData: defaultRequestFromLimit). Written, because
+    KAI's binder writes a request wherever the pod has none, as node memory x the BindRequest's
+    portion (pkg/binder/plugins/nvfractions, setNvFractionsMemoryAnnotation), and the scheduler
+    rounds that portion up to a hundredth (getGpuMemoryFractionalOnNode): the request it would
+    write exceeds the limit unless the limit is a whole hundredth of the GPU, and the node
+    agent refuses a request above the limit."""
+    if share.request_bytes is not None or share.limit_bytes is None:
+        return []
+    value = annotations.get(keys.container(share.container, k.MEMORY_LIMIT))
+    if not isinstance(value, str):
+        return []  # the limit came from elsewhere: nothing the binder would overwrite
+    return [_annotation_op(keys.container(share.container, k.MEMORY_REQUEST), value)]
 
 
 def _ephemeral_ops(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
@@ -229,6 +248,7 @@ def mutate(request: Mapping[str, Any], config: AdmissionConfig, *,
                      f"({config.runtime_class!r}); without it the container has no GPU",)
     ops = _ops(spec, new)
     if namespace is not None and share.mps_namespace is None:
-        ops.append(_namespace_op(config.keys.derived(share.container, k.ADMITTED_MPS_NAMESPACE),
-                                 namespace))
+        ops.append(_annotation_op(config.keys.derived(share.container, k.ADMITTED_MPS_NAMESPACE),
+                                  namespace))
+    ops += _request_from_limit(metadata.get("annotations") or {}, share, config.keys)
     return allow(patch=tuple(ops), warnings=warnings)

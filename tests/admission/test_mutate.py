@@ -227,3 +227,26 @@ def test_a_time_slicing_container_gets_no_namespace() -> None:
     out = apply(pod(TS))
     assert NS_KEY not in out["metadata"]["annotations"]
     assert "volumeMounts" not in out["spec"]["containers"][0]
+
+
+LIMIT_KEY = "nvidia.com/container.main.gpu-memory.limit"
+REQUEST_KEY = "nvidia.com/container.main.gpu-memory.request"
+
+
+def test_a_container_that_gives_only_a_limit_gets_it_as_its_request() -> None:
+    # Upstream KAI main reads such a pod as request := limit (pkg/common/resources,
+    # ExtractNvFractionsData: defaultRequestFromLimit) and schedules it with the portion
+    # ceil(limit / M * 100) / 100 (node_info.go, getGpuMemoryFractionalOnNode); its binder then
+    # writes a missing request as uint64(M * portion) (pkg/binder/plugins/nvfractions,
+    # setNvFractionsMemoryAnnotation): 10240Mi for a 10000Mi limit on a 40960 MiB GPU, above
+    # the limit. Written here, the request keeps the binder from writing one.
+    out = apply(pod({LIMIT_KEY: "10000Mi"}))
+    assert out["metadata"]["annotations"][REQUEST_KEY] == "10000Mi"
+    assert mutate(request(out), CONFIG).patch == ()  # reinvocation: nothing more
+
+
+def test_a_request_the_pod_gives_is_never_rewritten() -> None:
+    out = apply(pod({REQUEST_KEY: "8Gi", LIMIT_KEY: "10Gi"}))
+    assert (out["metadata"]["annotations"][REQUEST_KEY],
+            out["metadata"]["annotations"][LIMIT_KEY]) == ("8Gi", "10Gi")
+    assert REQUEST_KEY not in apply(pod({"gpu-fraction": "0.5"}))["metadata"]["annotations"]

@@ -174,6 +174,19 @@ async def test_a_fraction_kai_rounds_up_to_two_decimals_checks_complete(store):
     assert result.complete and store.events == []
 
 
+async def test_a_limit_only_pod_as_admission_leaves_it_checks_complete(store):
+    # Our mutating webhook writes a limit-only container's request as its limit, so KAI's
+    # binder writes none (setNvFractionsMemoryAnnotation skips a pod with a request), whatever
+    # portion the scheduler rounded up to (ceil(10000 / 40960 * 100) / 100 = 0.25).
+    store.add_pod(pod("train-0", {f"{T}.gpu-memory.limit": "10000Mi",
+                                  f"{T}.gpu-memory.request": "10000Mi",
+                                  f"{T}.gpus.devices": GPU_A,
+                                  "received-resource-type": "Fraction"}))
+    result = await verify(store, bind_request("br-1", "train-0", portion="0.25"))
+    assert (result.mismatches, result.errors, result.skipped) == ((), (), "")
+    assert result.complete and store.events == []
+
+
 async def test_reservation_pods_are_read_where_kai_creates_them():
     """KAI's binder.resourceReservation.namespace is configurable (kai-scheduler/api
     kai/v1/binder/binder.go, ResourceReservation.Namespace): --reservation-namespace."""
