@@ -47,18 +47,23 @@ class Publisher:
             return False
         if data == self._published:
             return False
-        body = {"metadata": {"name": self.name, "namespace": self.namespace,
-                             "labels": {"app.kubernetes.io/part-of": "kai-fractions"}},
-                "data": data}
+        metadata = {"name": self.name, "namespace": self.namespace,
+                    "labels": {"app.kubernetes.io/part-of": "kai-fractions"}}
+        # A merge patch keeps the keys it does not name: a key the Secret no longer holds is
+        # removed by name (null), or a retired key, leaked perhaps, would stay trusted on every
+        # node for good.
+        gone = {name: None for name in (CURRENT, PREVIOUS) if name not in data}
         ref = f"ConfigMap {self.namespace}/{self.name}"
         try:
             await self.kube.request("PATCH", configmap_path(self.namespace, self.name),
-                                    what=f"patch {ref}", body=body,
+                                    what=f"patch {ref}",
+                                    body={"metadata": metadata, "data": {**data, **gone}},
                                     content_type=STRATEGIC_MERGE_PATCH,
                                     timeout=self.request_timeout)
         except NotFound:
             await self.kube.request("POST", configmaps_path(self.namespace),
-                                    what=f"create {ref}", body=body,
+                                    what=f"create {ref}",
+                                    body={"metadata": metadata, "data": data},
                                     timeout=self.request_timeout)
         self._published = data
         log.info("published the signing public key(s) %s to ConfigMap %s/%s",

@@ -55,6 +55,26 @@ async def test_the_public_keys_are_published_once_and_again_after_a_rotation(kub
     assert not any(key.can_sign for key in node_keys.keys)
 
 
+async def test_a_key_retired_from_the_secret_is_no_longer_trusted_by_the_nodes(kube, tmp_path):
+    # The last step of a rotation (docs/chart.md): `previous` leaves the Secret once no pod
+    # signed with it remains. It must leave the ConfigMap too, or a leaked old key stays
+    # trusted on every node however often the keys are rotated.
+    old, new = Ed25519Key.generate(), Ed25519Key.generate()
+    keys = key_dir(tmp_path, "secret", new, old)
+    client = Kube(k8s.ApiClient(kube.configuration()))
+    publisher = Publisher(client, "kai-fractions", "kai-fractions-signing-public",
+                          KeyringSource([str(keys)]))
+    try:
+        assert await publisher.publish() is True
+        (keys / "previous").unlink()
+        assert await publisher.publish() is True
+    finally:
+        await client.close()
+    stored = kube.core.read_namespaced_config_map("kai-fractions-signing-public",
+                                                  "kai-fractions")
+    assert stored.data == {"current": new.public_pem().decode()}
+
+
 def test_an_hmac_key_has_nothing_to_publish():
     assert public_data(KeyringSource.fixed(Keyring.of(KEY_A))) == {}
 
