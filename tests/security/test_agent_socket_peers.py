@@ -7,6 +7,7 @@ Release, Drain or Provision anything. The agent runs over kmock and the fake NVM
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,7 +31,10 @@ HOST_CGROUP = "/user.slice/user-0.slice/session-1.scope"
 
 @contextmanager
 def stub(env: AgentEnv) -> Iterator[node_pb2_grpc.NodeEnforcerStub]:
-    with grpc.insecure_channel(f"unix:{env.socket}") as channel:
+    """A channel with a connection of its own: the agent places a caller as it accepts the
+    connection, and gRPC would otherwise reuse an earlier channel's to the same socket."""
+    with grpc.insecure_channel(f"unix:{env.socket}",
+                               options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
         yield node_pb2_grpc.NodeEnforcerStub(channel)
 
 
@@ -87,6 +91,34 @@ def test_a_process_in_a_pod_may_read_but_not_release_other_pods_limits(agent_env
     env.proc_entry(os.getpid(), HOST_CGROUP)
     with stub(env) as s:
         assert list(s.Release(release, timeout=10).released_containers) == ["main"]
+    assert run.stop() == 0
+
+
+def test_a_pod_process_that_exits_after_connecting_leaves_its_connection_a_pods(
+        agent_env: AgentEnv):
+    # A pod process connects, forks and exits; its child calls on the inherited connection.
+    # Its pid then names nothing in /proc, which read at call time looked like the host.
+    env = agent_env
+    env.proc_entry(os.getpid(), HOST_CGROUP)
+    run = started(env)
+    provision_victim(env)
+    release = node_pb2.ReleaseRequest(pod=allocation_pb2.PodRef(uid=VICTIM))
+    env.proc_entry(os.getpid(), POD_CGROUP)
+    with stub(env) as s:
+        s.GetNodeState(node_pb2.GetNodeStateRequest(), timeout=10)  # connected, from the pod
+        shutil.rmtree(env.proc_root / str(os.getpid()))  # the connecting process is gone
+        code, details = refused(s.Release, release)
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert details.startswith(f"Release: refused: pid {os.getpid()} runs in pod {ATTACKER_POD}")
+    # A connection whose process is gone before it is accepted cannot be placed: refused too.
+    with stub(env) as s:
+        code, details = refused(s.Release, release)
+    assert (code, details) == (grpc.StatusCode.PERMISSION_DENIED, (
+        f"Release: refused: pid {os.getpid()} had exited when the node agent accepted its "
+        "connection, so it cannot be told from a pod; call from a process that stays until it "
+        "is connected"))
+    assert env.marker(VICTIM).exists()
+    env.proc_entry(os.getpid(), HOST_CGROUP)
     assert run.stop() == 0
 
 

@@ -280,7 +280,7 @@ def serve_unix(servicer: NodeEnforcerServicer, path: str, *,
     others = policy.allowed_uids - {0, os.geteuid()}
     try:
         relay = Relay(path, upstream, directory, servicer.peers,
-                      0o666 if others else SOCKET_MODE)
+                      0o666 if others else SOCKET_MODE, policy.procfs)
     except OSError as e:
         server.stop(None)
         raise SocketError(f"--socket {path}: cannot listen: {e.strerror or e}") from None

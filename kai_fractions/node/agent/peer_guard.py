@@ -8,7 +8,11 @@ privileged pod) is root too. So each connection's peer credentials decide:
 - a process in a pod's cgroup, other than the node agent's own pod, may read the node's state
   but not Provision, Release or Drain anything: a workload must not lift other pods' limits;
 - a process whose pid the agent cannot see (another pid namespace: SO_PEERCRED says 0) cannot be
-  told from a pod, so it is treated like one.
+  told from a pod, so it is treated like one; so is one gone before the agent placed it.
+
+Where a caller runs is read once, as its connection is accepted, and kept with its credentials:
+read at each call instead, a pod process could connect, fork, exit, and have its child call on
+the inherited connection from a pid that no longer names anything (which read as the host).
 
 grpcio does not show a call's peer credentials, so the agent owns the public socket itself
 (`Relay`): it reads the peer's credentials when it accepts, then relays the bytes to the gRPC
@@ -33,7 +37,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..procfs import Procfs
+from ..procfs import Procfs, parse_cgroup_path
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +50,22 @@ class Peer:
     pid: int
     uid: int
     gid: int
+    pod: str | None = None
+    """The pod (uid) whose cgroup the caller's process was in when it connected; None: the
+    host."""
+    placed: bool = True
+    """False when its process could not be placed then (another pid namespace, or gone)."""
 
 
-def peer_of(sock: socket.socket) -> Peer:
-    return Peer(*_CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                               _CREDS.size)))
+def peer_of(sock: socket.socket, procfs: Procfs) -> Peer:
+    """The kernel's credentials of the connecting process, and where it runs, read now."""
+    pid, uid, gid = _CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                  _CREDS.size))
+    path = procfs.cgroup_path(pid) if pid > 0 else None
+    if path is None:
+        return Peer(pid, uid, gid, placed=False)
+    owner = parse_cgroup_path(path)
+    return Peer(pid, uid, gid, pod=owner.pod_uid if owner is not None else None)
 
 
 def default_allowed_uids() -> frozenset[int]:
@@ -86,9 +101,12 @@ class PeerPolicy:
             return (f"{method}: refused: the caller's pid is not visible to the node agent "
                     "(another pid namespace), so it cannot be told from a pod; call it from "
                     "the host's pid namespace or the node agent's own pod")
-        owner = self.procfs.container_of(peer.pid)
-        if owner is not None and owner.pod_uid != self.own_pod:
-            return (f"{method}: refused: pid {peer.pid} runs in pod {owner.pod_uid}; only "
+        if not peer.placed:
+            return (f"{method}: refused: pid {peer.pid} had exited when the node agent "
+                    "accepted its connection, so it cannot be told from a pod; call from a "
+                    "process that stays until it is connected")
+        if peer.pod is not None and peer.pod != self.own_pod:
+            return (f"{method}: refused: pid {peer.pid} runs in pod {peer.pod}; only "
                     "processes on the host or in the node agent's own pod may change GPU "
                     "limits through this socket")
         return None
@@ -136,9 +154,10 @@ class Relay:
     """Accepts on the public socket (mode `mode`) and relays each connection to `upstream`."""
 
     def __init__(self, public_path: str, upstream: str, directory: str, peers: PeerTable,
-                 mode: int) -> None:
+                 mode: int, procfs: Procfs) -> None:
         self.public_path, self.upstream, self.directory = public_path, upstream, directory
         self.peers = peers
+        self.procfs = procfs
         self._ids = itertools.count(1)
         self._stop = threading.Event()
         self._open: set[socket.socket] = set()
@@ -181,14 +200,16 @@ class Relay:
 
     def _serve(self, conn: socket.socket) -> None:
         # An unguessable name, bound BEFORE it enters the table and kept bound until it left it:
-        # a root process that reaches this directory can neither take over a live entry's name
-        # nor see its own connection credited with another caller's credentials.
+        # a process that connects to the private socket directly is credited with no one's
+        # credentials. (Root in this 0700 directory could still unlink a live entry's socket
+        # and bind its own there while that caller is connected; such root is the node's, which
+        # admission keeps pods from: the agent's directories are refused as host paths.)
         path = os.path.join(self.directory, f"p{next(self._ids)}-{secrets.token_hex(6)}.sock")
         up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._track(conn, up, add=True)
         bound = False
         try:
-            peer = peer_of(conn)
+            peer = peer_of(conn, self.procfs)
             up.bind(path)  # the name gRPC will report as this call's peer
             bound = True
             self.peers.add(path, peer)
