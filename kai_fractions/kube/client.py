@@ -19,8 +19,8 @@ import aiohttp
 from kubernetes import client as k8s
 from yarl import URL
 
-from .config import Endpoint, auth_headers, endpoint
-from .errors import BadAnswer, KubeError, refused, unreachable
+from .config import CredentialError, Endpoint, auth_headers, endpoint
+from .errors import BadAnswer, KubeError, Transient, refused, unreachable
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
@@ -89,7 +89,7 @@ class Kube:
         """The status and body of a 2xx answer; anything else raises."""
         data = body if body is None or isinstance(body, bytes) else (
             json.dumps(body, separators=(",", ":")).encode())
-        sent = self._headers(method, path, data, content_type, headers)
+        sent = self._headers(what, method, path, data, content_type, headers)
         seconds = self.request_timeout if timeout is None else timeout
         try:
             async with self.session.request(
@@ -115,12 +115,12 @@ class Kube:
         the wait for the answer's head, `idle_timeout` each wait for more of its body."""
         seconds = self.request_timeout if timeout is None else timeout
         limits = aiohttp.ClientTimeout(total=None, sock_read=idle_timeout)
+        sent = self._headers(what, "GET", path, None, JSON, None)
         async with contextlib.AsyncExitStack() as stack:
             try:
                 async with asyncio.timeout(seconds):  # the connection and the answer's head
                     response = await stack.enter_async_context(self.session.get(
-                        self._url(path, query), timeout=limits,
-                        headers=self._headers("GET", path, None, JSON, None), **self._route))
+                        self._url(path, query), timeout=limits, headers=sent, **self._route))
                     self.observe("WATCH", str(response.status))
                     if not 200 <= response.status <= 299:
                         raise refused(what, response.status, response.reason,
@@ -142,9 +142,14 @@ class Kube:
             target += "?" + urlencode(query)
         return URL(target, encoded=True)  # the paths are quoted by `objects` already
 
-    def _headers(self, method: str, path: str, data: bytes | None, content_type: str,
-                 extra: Mapping[str, str] | None) -> dict[str, str]:
-        headers = auth_headers(self.api_client, method, path, data)
+    def _headers(self, what: str, method: str, path: str, data: bytes | None,
+                 content_type: str, extra: Mapping[str, str] | None) -> dict[str, str]:
+        """Transient, and nothing sent, when the credentials cannot be had (a token file being
+        rotated, say): a caller's loop tries again as it would for an API server away."""
+        try:
+            headers = auth_headers(self.api_client, method, path, data)
+        except CredentialError as e:
+            raise Transient(f"{what}: {e}", answer=str(e)) from None
         point = self.endpoint
         if point.proxy and point.tls is None and point.proxy_headers:
             # aiohttp sends proxy headers only with a CONNECT (an https server); a plain-http

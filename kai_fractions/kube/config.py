@@ -3,23 +3,41 @@ loaded the same way for every component (a kubeconfig file, else in-cluster, els
 $KUBECONFIG / ~/.kube/config), and what an HTTP session needs from it (TLS, proxy, headers).
 
 The official client keeps supplying the credentials: a token refreshed by in-cluster rotation or
-an exec plugin is read through it on every request (`auth_headers`).
+an exec plugin is read through it on every request (`auth_headers`). A kubeconfig user's
+`tokenFile`, which it reads only once, is read again every minute here (`TokenFile`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import ssl
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.rest import should_bypass_proxies
+from kubernetes.config import incluster_config, kube_config
+
+log = logging.getLogger(__name__)
+
+TOKEN_FILE_SECONDS = 60.0
+"""How often a kubeconfig user's tokenFile is read again (client-go's cached file token
+source; the official client's in-cluster token is read again as often)."""
 
 
 class ConfigError(Exception):
     """No usable cluster configuration (the commands print it and exit 2)."""
+
+
+class CredentialError(Exception):
+    """The official client could not give a request its credentials (a token file that cannot
+    be read, a token refresh that failed); the message names where they come from."""
 
 
 def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
@@ -29,16 +47,92 @@ def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
         if kubeconfig:
             if not Path(kubeconfig).is_file():
                 raise ConfigError(f"--kubeconfig {kubeconfig}: no such file")
-            k8s_config.load_kube_config(config_file=kubeconfig,
-                                        client_configuration=configuration)
+            _load_kube_config(configuration, kubeconfig)
         else:
             try:
                 k8s_config.load_incluster_config(client_configuration=configuration)
+                _name_refresh(configuration, "the in-cluster service account token "
+                              f"{incluster_config.SERVICE_TOKEN_FILENAME}")
             except k8s_config.ConfigException:
-                k8s_config.load_kube_config(client_configuration=configuration)
+                _load_kube_config(configuration, kube_config.KUBE_CONFIG_DEFAULT_LOCATION)
     except (k8s_config.ConfigException, OSError, ValueError) as e:
         raise ConfigError(f"cannot load a Kubernetes configuration: {e}") from None
     return k8s.ApiClient(configuration)
+
+
+def _load_kube_config(configuration: k8s.Configuration, paths: str) -> None:
+    """`load_kube_config`'s own two steps, keeping its loader: a token from the user's
+    tokenFile is then read again every TOKEN_FILE_SECONDS, as client-go does."""
+    loader = kube_config._get_kube_config_loader(filename=paths, persist_config=True)
+    loader.load_and_set(configuration)
+    user = loader._user  # the current context's user; the loader has no public accessor
+    # The loader's order: an auth-provider first, then `token`, then `tokenFile`.
+    if user and "tokenFile" in user and "token" not in user and "auth-provider" not in user:
+        base = os.path.dirname(os.path.abspath(user.path)) if user.path else ""
+        token_file = TokenFile(os.path.normpath(os.path.join(base, user["tokenFile"])))
+        configuration.api_key["BearerToken"] = token_file.token
+        configuration.refresh_api_key_hook = token_file
+    else:
+        name = (loader.current_context.get("context") or {}).get("user")
+        _name_refresh(configuration, f"the kubeconfig's user {name!r}")
+
+
+def _name_refresh(configuration: k8s.Configuration, source: str) -> None:
+    if configuration.refresh_api_key_hook is not None:
+        configuration.refresh_api_key_hook = NamedRefresh(configuration.refresh_api_key_hook,
+                                                          source)
+
+
+@dataclass(slots=True)
+class NamedRefresh:
+    """The official loader's refresh_api_key_hook, with where its token comes from (for the
+    errors of `auth_headers`)."""
+
+    refresh: Callable[[k8s.Configuration], Any]
+    source: str
+
+    def __call__(self, configuration: k8s.Configuration) -> None:
+        try:
+            self.refresh(configuration)
+        finally:
+            # The official loaders set their hook again at each refresh: keep theirs, under
+            # this name.
+            if configuration.refresh_api_key_hook is not self:
+                self.refresh = configuration.refresh_api_key_hook
+                configuration.refresh_api_key_hook = self
+
+
+class TokenFile:
+    """The refresh_api_key_hook of a kubeconfig user's tokenFile: the token read again every
+    TOKEN_FILE_SECONDS (the official client reads it once), so one rotated in the file is sent
+    within a minute. A read that fails keeps the last token, as client-go does, and is tried
+    again at the next request. The first read raises OSError or ValueError."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.source = f"the kubeconfig's tokenFile {path}"
+        self.token = self._read()
+        self._read_at = time.monotonic()
+        self._failing = False
+
+    def __call__(self, configuration: k8s.Configuration) -> None:
+        if time.monotonic() - self._read_at >= TOKEN_FILE_SECONDS:
+            try:
+                self.token = self._read()
+            except (OSError, ValueError) as e:
+                if not self._failing:
+                    log.warning("cannot read %s again (%s); the last token read is sent",
+                                self.source, e)
+                self._failing = True
+            else:
+                self._read_at, self._failing = time.monotonic(), False
+        configuration.api_key["BearerToken"] = self.token
+
+    def _read(self) -> str:
+        token = Path(self.path).read_text().strip()  # as client-go: no surrounding space
+        if not token:
+            raise ValueError(f"{self.source} is empty")
+        return f"Bearer {token}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +194,16 @@ def tls_context(configuration: k8s.Configuration) -> ssl.SSLContext:
 def auth_headers(client: k8s.ApiClient, method: str, path: str, body: bytes | None
                  ) -> dict[str, str]:
     """What the official client sends with such a request: its default headers (User-Agent),
-    its cookie, and its credentials as of now (a refreshed token included)."""
+    its cookie, and its credentials as of now (a refreshed token included). CredentialError
+    when they cannot be had."""
     headers = {**client.default_headers, "Accept": "application/json"}
     if client.cookie:
         headers["Cookie"] = client.cookie
-    client.update_params_for_auth(headers, [], ["BearerToken"], path, method, body)
+    try:
+        client.update_params_for_auth(headers, [], ["BearerToken"], path, method, body)
+    except Exception as e:  # the refresh hook's: a token file unread, a plugin that failed
+        source = getattr(client.configuration.refresh_api_key_hook, "source",
+                         "the configuration's refresh_api_key_hook")
+        raise CredentialError(f"cannot get credentials from {source}: "
+                              f"{type(e).__name__}: {e}") from e
     return headers

@@ -4,8 +4,8 @@ mirror's pods and KAI's BindRequests, the node agent's pods).
 `Collection` lists one collection in pages and watches it as a stream of events; `list_watch`
 runs the loop: it resumes a watch from the last resourceVersion seen (bookmarks included), lists
 again when the server says that version expired (410 Gone) or every `resync_seconds`, and backs
-off (jittered, capped, never giving up) while the API server is away. It ends only when
-cancelled.
+off (jittered, capped, never giving up) while the API server is away, or while it ends each
+watch at once with nothing in it. It ends only when cancelled.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, NoReturn, Protocol
 from ..clock import AsyncClock, SystemClock
 from . import objects
 from .client import Kube, decoded
-from .errors import BadAnswer, Gone, KubeError, refused
+from .errors import BadAnswer, Gone, KubeError, Transient, refused
 from .retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,10 @@ PAGE_SIZE = 500
 WATCH_CACHE = "0"
 """A list's resourceVersion that lets the API server answer from its watch cache (cheap, maybe
 a moment old) instead of a read of every object from etcd."""
+SHORT_WATCH_SECONDS = 1.0
+"""A watch that ends sooner than this with no event in it failed (client-go's reflector's rule):
+a server or proxy that answers every watch with an empty 200 is backed off, not asked again
+at once, for ever."""
 
 
 def watch_event(line: str | bytes, what: str, skip: Callable[[Any], bool] | None = None
@@ -207,7 +211,8 @@ async def list_watch(
     clock: AsyncClock | None = None,
 ) -> NoReturn:
     """Hands every full list to `on_list` and every watch event (BOOKMARK included) to
-    `on_event` until cancelled. A failing list or watch goes to `on_failure`, and is tried
+    `on_event` until cancelled. A failing list or watch (one that ended within
+    SHORT_WATCH_SECONDS with no events included) goes to `on_failure`, and is tried
     again after a backoff: resuming the watch, or with a fresh list when
     `relist_after_failure`. With `cached_lists`, lists are answered from the API server's watch
     cache. A handler may be a coroutine function: the loop then awaits each handling before it
@@ -229,9 +234,15 @@ async def list_watch(
                 del items
                 await _handled(handling)
                 cycle.progressed()
+            started, events = monotonic(), 0
             async for kind, obj in source.watch(cycle.resource_version):
+                events += 1
                 await _handled(on_event(kind, obj))
                 cycle.progressed(obj)
+            if not events and monotonic() - started < SHORT_WATCH_SECONDS:
+                raise Transient(f"watch {source.what}: the API server ended the watch at once, "
+                                "with no events")
+            cycle.progressed()  # a watch of a quiet collection, ended by its timeout
         except Gone as e:
             cycle.expired(e)
         except KubeError as e:

@@ -16,7 +16,10 @@ first); a holder that stops releases the Lease (empty holder, duration 1 s) so a
 need not wait out the lease.
 
 It all runs on the mirror's event loop: the leader's work is a task, cancelled when its term
-ends; cancelling the elector ends the term and releases the Lease.
+ends; cancelling the elector ends the term and releases the Lease. Work that ends on its own
+(its loop broke) ends the term too, and releases the Lease, so that a new term, here or in
+another replica, starts it again: a Lease renewed with no work under it would leave every
+replica idle until a restart.
 """
 
 from __future__ import annotations
@@ -187,7 +190,9 @@ class LeaderElector:
         renewing it. The task is cancelled (and awaited) when a renewal has failed for
         `renew_deadline_seconds` or another replica is found holding the Lease, and the
         elector waits to acquire it again; or when the elector is cancelled, which then
-        releases the Lease."""
+        releases the Lease. When the task ends on its own, the term ends: the Lease is
+        released and, `retry_seconds` later (another replica may take it meanwhile), sought
+        again."""
         cfg = self.config
         while True:
             started = self._monotonic()
@@ -197,17 +202,27 @@ class LeaderElector:
             log.info("leading: lease %s/%s acquired by %s", cfg.namespace, cfg.name,
                      cfg.identity)
             work = asyncio.create_task(_coroutine(lead), name="leader-work")
-            work.add_done_callback(_report_end)
+            renewing = asyncio.create_task(self._renew(started), name="lease-renewal")
             try:
-                why = await self._renew(started)
+                await asyncio.wait((work, renewing), return_when=asyncio.FIRST_COMPLETED)
             except asyncio.CancelledError:
+                await _cancelled(renewing)
                 await _cancelled(work)
                 self.leading = False
                 await self.release()
                 raise
-            await _cancelled(work)
+            if renewing.done():
+                await _cancelled(work)
+                self.leading = False
+                log.warning("lost lease %s/%s: %s; following stopped", cfg.namespace,
+                            cfg.name, renewing.result())
+                continue
+            await _cancelled(renewing)
             self.leading = False
-            log.warning("lost lease %s/%s: %s; following stopped", cfg.namespace, cfg.name, why)
+            log.error("the leader's work ended%s; stepping down from lease %s/%s",
+                      _why_ended(work), cfg.namespace, cfg.name)
+            await self.release()
+            await asyncio.sleep(cfg.retry_seconds)
 
     def holder(self) -> str:
         """The holder the Lease named when last read or written ("" when none, or not read)."""
@@ -269,12 +284,12 @@ async def _cancelled(work: asyncio.Task) -> None:
     await asyncio.gather(work, return_exceptions=True)
 
 
-def _report_end(work: asyncio.Task) -> None:
-    """The leader's work is meant to run until its term ends: say why it ended before."""
-    if not work.cancelled() and work.exception() is not None:
-        log.error("the leader's work ended: %r", work.exception())
-    elif not work.cancelled():
-        log.error("the leader's work ended while leading")
+def _why_ended(work: asyncio.Task) -> str:
+    """Why work meant to run until its term ends ended before."""
+    if work.cancelled():
+        return " (cancelled)"
+    error = work.exception()
+    return f": {error!r}" if error is not None else " while leading"
 
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"

@@ -96,8 +96,8 @@ def test_failures_back_off_then_reconnect_and_clear_the_outage() -> None:
         assert cluster.calls["list_pods"] == 4
         assert cache.api_down_since is None and cache.last_error is None
         cluster.fail("watch_pods", KubeError("watch: connection reset"))
-        cluster.end_watches()
-        wait_for(lambda: cluster.calls["list_pods"] == 5, what="a relist after a watch error")
+        cluster.end_watches()  # an empty watch ended at once is a failure too (backed off)
+        wait_for(lambda: cluster.calls["list_pods"] >= 5, what="a relist after a watch error")
     finally:
         stop.set()
         thread.join(2)
@@ -181,9 +181,9 @@ def test_cached_lists_ask_the_watch_cache_but_not_right_after_an_expiry() -> Non
         wait_for(lambda: cluster.calls["watch_pods"] == 2, what="watching again")
         cluster.fail("watch_pods", KubeError("watch: connection reset"))
         cluster.end_watches()
-        wait_for(lambda: cluster.calls["list_pods"] == 3, what="a relist after an error")
-        assert cluster.list_versions == ["0", "", "0"]
-        wait_for(lambda: cache.generation == 3, what="the third list handed on")
+        wait_for(lambda: cluster.calls["list_pods"] >= 3, what="a relist after an error")
+        assert cluster.list_versions[:3] == ["0", "", "0"]
+        wait_for(lambda: cache.generation >= 3, what="the third list handed on")
         assert not cache.consistent  # the reconciler confirms what it lacks before clearing
     finally:
         stop.set()

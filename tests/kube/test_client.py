@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client as k8s
+from kubernetes.config import ConfigException
 
 from kai_fractions.kube import (
     MERGE_PATCH,
@@ -154,6 +155,32 @@ async def test_a_token_refreshed_by_the_configurations_hook_is_sent_on_the_next_
         await anext(lines)
     assert [r.headers["Authorization"] for r in kube.requests()[1:]] == [
         "Bearer first", "Bearer second", "Bearer third"]
+
+
+@pytest.mark.parametrize("failure", [
+    FileNotFoundError(2, "No such file or directory", "/var/run/secrets/token"),
+    ConfigException("Token file exists but empty."),
+], ids=["token-file-missing", "token-file-empty"])
+async def test_a_token_refresh_that_fails_is_transient_and_sends_nothing(open_kube, failure):
+    # It escaped as the hook's own exception: a list + watch loop ended with it.
+    def refresh(configuration: k8s.Configuration) -> None:
+        raise failure
+
+    expected = ("read pod: cannot get credentials from the configuration's "
+                f"refresh_api_key_hook: {type(failure).__name__}: {failure}")
+    async with StandIn(Answer(200, POD), Stream(events(("ADDED", POD)))) as api:
+        configuration = with_token(configured(api.url))
+        configuration.refresh_api_key_hook = refresh
+        client = open_kube(configuration)
+        for call in (client.request, client.read):
+            with pytest.raises(Transient) as raised:
+                await call("GET", POD_PATH, what="read pod")
+            assert str(raised.value) == expected
+        with pytest.raises(Transient) as raised:
+            async with client.stream(POD_PATH, what="read pod"):
+                pytest.fail("a stream opened without credentials")
+        assert str(raised.value) == expected
+    assert api.seen == []
 
 
 @pytest.mark.parametrize("prefix", ["/prefix", "/prefix/"])

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client as k8s
+from kubernetes.config import ConfigException
 
 from kai_fractions.kube import BadAnswer, Forbidden, Gone, Kube, KubeError, Transient, listwatch
 from kai_fractions.kube.listwatch import Collection, list_watch, watch_event
@@ -346,7 +347,7 @@ async def test_it_lists_first_hands_every_event_on_and_resumes_after_the_last_on
         watches=[[("ADDED", pod("b", "11")), ("MODIFIED", pod("a", "12"))],
                  [("BOOKMARK", {"metadata": {"resourceVersion": "15"}}),
                   ("MODIFIED", {"metadata": {"name": "c"}})],  # no version: 15 still holds
-                 [], []])  # streams the server ended: watched again, from where they were
+                 [Tick(5)], [Tick(5)]])  # streams the server ended: watched again, from there
     assert ran.calls == ["list ''", "watch 10", "watch 12", "watch 15", "watch 15", "watch 15"]
     assert ran.handled == [("list", ["a"]), ("ADDED", "11"), ("MODIFIED", "12"),
                            ("BOOKMARK", "15"), ("MODIFIED", None)]
@@ -400,12 +401,24 @@ async def test_failures_back_off_more_each_time_up_to_the_cap_and_progress_start
         lists=[Transient("refused"), Transient("503"), Forbidden("403"), Transient("timeout"),
                BadAnswer("not JSON"), ([], "10")],
         watches=[[Transient("reset")], [("ADDED", pod("a", "11")), Transient("reset")],
-                 [BadAnswer("bad line")], []])
+                 [BadAnswer("bad line")], [Tick(5)]])
     assert sleeps == [1, 2, 4, 8, 8, 1, 1, 2]
     assert ran.calls == ["list ''"] * 6 + ["watch 10", "watch 10", "watch 11", "watch 11",
                                             "watch 11"]
     assert ran.failures == ["refused", "503", "403", "timeout", "not JSON", "reset", "reset",
                             "bad line"]
+
+
+async def test_a_watch_ended_at_once_with_no_events_fails_and_is_backed_off():
+    # A server or proxy answering each watch with an empty 200 had the loop ask again at once,
+    # tens of thousands of times a second; client-go's reflector counts it a failure.
+    ran, sleeps = await run(
+        lists=[([], "10")],
+        watches=[[], [], [Tick(0.9)], [("ADDED", pod("a", "11"))], [], [Tick(1)], []])
+    assert ran.calls == ["list ''"] + ["watch 10"] * 4 + ["watch 11"] * 4
+    assert sleeps == [1, 2, 4, 1, 1]  # an event, or a watch a second long, is progress
+    assert ran.failures == [
+        "watch pod(s): the API server ended the watch at once, with no events"] * 5
 
 
 async def test_after_a_failure_it_resumes_the_watch_or_lists_again_when_told():
@@ -458,6 +471,43 @@ async def test_a_cancelled_loop_ends_at_once_even_while_it_waits_to_try_again():
     with pytest.raises(asyncio.CancelledError):
         async with asyncio.timeout(1.0):
             await task
+
+
+@pytest.mark.integration
+async def test_credentials_that_cannot_be_had_are_a_failure_the_loop_outlives():
+    # A token refresh that raised (the in-cluster token file unreadable for a moment) ended
+    # the loop: the mirror's follower stopped for good.
+    spoiled = [ConfigException("Token file exists but empty.")]
+
+    def refresh(configuration: k8s.Configuration) -> None:
+        if spoiled:
+            raise spoiled.pop()
+
+    configuration = k8s.Configuration(host="")
+    configuration.api_key = {"BearerToken": "Bearer tok"}
+    configuration.refresh_api_key_hook = refresh
+    ran = Run()
+    async with StandIn(page(["a"], "40"), Stream(events(("ADDED", pod("b", "41"))),
+                                                 then="silent")) as api:
+        configuration.host = api.url
+        client = Kube(k8s.ApiClient(configuration))
+        task = asyncio.create_task(list_watch(
+            collection(client), ran.on_list, ran.on_event, on_failure=ran.on_failure,
+            backoff=Backoff(base=0.01, cap=0.01)))
+        try:
+            async with asyncio.timeout(TIMEOUT):
+                while len(ran.handled) < 2 and not task.done():
+                    await asyncio.sleep(0.01)
+            assert not task.done(), task.exception()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await client.close()
+    assert ran.failures == ["list pod(s): cannot get credentials from the configuration's "
+                            "refresh_api_key_hook: ConfigException: Token file exists but "
+                            "empty."]
+    assert ran.handled == [("list", ["a"]), ("ADDED", "41")]
+    assert [seen.headers["authorization"] for seen in api.seen] == ["Bearer tok"] * 2
 
 
 @pytest.mark.integration

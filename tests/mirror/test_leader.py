@@ -270,19 +270,50 @@ async def test_stopping_a_leader_ends_its_work_and_releases_the_lease():
     assert lease.obj["holderIdentity"] == "" and not a.leading
 
 
-async def test_work_that_ends_on_its_own_is_logged(caplog):
+async def test_work_that_ends_on_its_own_ends_the_term_and_starts_again_in_a_new_one(caplog):
+    # The follower's loop broke while its replica kept renewing the Lease: no replica signed a
+    # pod until a restart. The term ends instead, and the next one starts the work again.
     lease = FakeLease()
     a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=2,
                                             renew_deadline_seconds=1, retry_seconds=0.05))
+    holders: list[str] = []
+    second = asyncio.Event()
 
     async def lead() -> None:
-        raise RuntimeError("boom")
+        holders.append(lease.obj["holderIdentity"])
+        if len(holders) == 1:
+            raise RuntimeError("boom")
+        second.set()
+        await asyncio.Event().wait()
 
     runner = asyncio.create_task(a.run(lead))
-    await asyncio.sleep(0.2)
-    assert a.leading  # it still holds the Lease, renewed
+    await asyncio.wait_for(second.wait(), 5)
+    assert holders == ["mirror-a", "mirror-a"] and a.leading
+    assert lease.obj["leaseTransitions"] == 1  # released, then acquired anew
     await stop(runner)
-    assert "the leader's work ended: RuntimeError('boom')" in caplog.text
+    assert "the leader's work ended: RuntimeError('boom'); stepping down" in caplog.text
+
+
+async def test_work_that_ends_on_its_own_releases_the_lease_to_another_replica():
+    lease, clocks = FakeLease(), Clocks()
+    a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=4,
+                                            renew_deadline_seconds=3, retry_seconds=2))
+    b = elector(lease, "mirror-b", clocks)
+    ended = asyncio.Event()
+
+    async def lead() -> None:  # returns: its loop ended without an error
+        ended.set()
+
+    runner = asyncio.create_task(a.run(lead))
+    await asyncio.wait_for(ended.wait(), 5)
+    async with asyncio.timeout(5):
+        while lease.obj["holderIdentity"] != "":
+            await asyncio.sleep(0.01)
+    assert not a.leading
+    assert await b.try_acquire_or_renew()  # within a's retry period: no lease to wait out
+    assert not await a.try_acquire_or_renew()  # as a's next attempt finds it
+    await stop(runner)
+    assert lease.obj["holderIdentity"] == "mirror-b"
 
 
 @pytest.mark.integration
