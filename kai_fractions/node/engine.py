@@ -3,8 +3,10 @@
 Level-triggered and idempotent: every call reads what the GPU, the cgroup tree and the MPS
 daemon say now and writes only the difference, so an engine started over any state (an agent
 restart, a crash between two writes) converges to the desired state, and a second `apply` of
-the same state writes nothing. Nothing here needs private state to be correct; the little it
-keeps (which cgroups are known clean, which MPS namespace caps it set) only saves reads.
+the same state writes nothing. The little private state it keeps (which cgroups are known
+clean, which MPS namespace caps and pinned limits it set) only saves reads, except one fact no
+read gives back: which MPS namespaces it created whose cap is not verified in force yet (a client
+may have attached before it was set), which keeps their containers pending (`Engine._fresh`).
 
 A container is reported `applied` only when everything its plan needs is in force: its GPUs'
 compute mode, its MPS namespace and pinned limit, and the cgroup limit on its pod's slice
@@ -54,11 +56,16 @@ class MpsControlLike(Protocol):
     def namespace_delete(self, name: str, *, missing_ok: bool = False) -> None: ...
     def namespace_list(self) -> list[str]: ...
     def client_list(self) -> list[MpsClientLike]: ...
+    def namespace_get_active_thread_percentage(self, name: str) -> float | None: ...
 
 
 # Reasons the engine itself gives (NVML and MPS errors bring their own).
 CGROUP_NOT_FOUND = "CgroupNotFound"
 MPS_UNAVAILABLE = "MPSUnavailable"
+NAMESPACE_CAP_UNVERIFIED = "NamespaceCapUnverified"
+"""An MPS namespace this engine created (again, e.g. after a daemon restart) had clients attached
+before its active-thread percentage could be verified in force: they may run uncapped for their
+lifetime, so its container stays pending until they exit."""
 
 
 def is_our_namespace(name: str) -> bool:
@@ -152,6 +159,23 @@ def _issue(e: NodeError) -> Issue:
     return Issue(e.reason, e.message)
 
 
+def _attached(clients: Iterable[MpsClientLike], namespace: str) -> list[int]:
+    """Pids of the clients attached to `namespace`."""
+    return sorted(int(cl.pid) for cl in clients if cl.namespace == namespace)
+
+
+def _cap_unverified(name: str, pct: int, pids: list[int], said: str | None = None) -> MpsError:
+    who = (f"clients (pids {', '.join(map(str, pids))}) attached" if pids
+           else f"clients attached ({said})" if said else "clients attached")
+    return MpsError(NAMESPACE_CAP_UNVERIFIED, (
+        f"MPS namespace {name} was created (again, e.g. after an MPS daemon restart) and "
+        f"{who} before its active-thread percentage {pct} could be verified in force: MPS "
+        "fixes the percentage at the first attach, so they may run without the cap for their "
+        "lifetime. The container stays pending until they have exited (restart the "
+        "container's GPU processes, or recreate the pod); the cap is then set before anything "
+        "attaches again"))
+
+
 def _has_namespaces(mps: MpsControlLike) -> bool:
     """Whether the daemon speaks the v3 protocol (namespaces); assumed when it cannot say."""
     probe = getattr(mps, "supports_protocol_v3", None)
@@ -185,6 +209,16 @@ class Engine:
         self._atp_checked: set[str] = set()
         """Namespaces whose percentage was set or found in force since the last `forget()`
         (saves re-setting it)."""
+        self._fresh: set[str] = set()
+        """MPS namespaces this engine created whose percentage is not yet known to be in force
+        for every client: it is set right after the create, and verified only by a client list
+        read after that set which shows none of them attached (a client that attached in
+        between, e.g. a running container's process reconnecting after a daemon restart, may
+        run uncapped). Not a cache: `forget()` keeps it; it goes with the namespace."""
+        self._pinned: dict[int, int] = {}
+        """MiB this engine wrote as the MPS default pinned device memory limit, per GPU index:
+        the daemon reads it back in whole GiB only, so a change within the same GiB is seen
+        here. Dropped by `forget()` (the next apply writes the value again)."""
         self._last: DesiredState | None = None
 
     def forget(self) -> None:
@@ -192,10 +226,12 @@ class Engine:
         namespace's percentage it can (a periodic resync)."""
         self._clean.clear()
         self._atp_checked.clear()
+        self._pinned.clear()
 
     def _namespace_gone(self, name: str) -> None:
         self._atp.pop(name, None)
         self._atp_checked.discard(name)
+        self._fresh.discard(name)
 
     # -- apply ------------------------------------------------------------------------------
 
@@ -361,9 +397,14 @@ class _Run:
             users = [c.key for c in needs_mps if Mechanism.MPS_PINNED in c.mechanisms
                      and g.uuid in c.plan.device_uuids]
             try:
-                if mps.get_default_pinned_mem_limit(g.index) != displayed_mem_limit(
-                        g.mps_pinned_mib):
+                # The readback shows whole GiB only: it tells a daemon that lost the value (a
+                # restart, another writer) apart, and what this engine wrote the exact MiB.
+                if (mps.get_default_pinned_mem_limit(g.index)
+                        != displayed_mem_limit(g.mps_pinned_mib)
+                        or self.e._pinned.get(g.index) != g.mps_pinned_mib):
+                    self.e._pinned.pop(g.index, None)
                     mps.set_default_pinned_mem_limit(g.index, g.mps_pinned_mib)
+                    self.e._pinned[g.index] = g.mps_pinned_mib
             except NodeError as e:
                 self.fail(users, e)
         wanted = [c for c in needs_mps if c.mps_namespace]
@@ -374,21 +415,83 @@ class _Run:
         except NodeError as e:
             self.fail((c.key for c in wanted), e)
             return
-        clients: list[MpsClientLike] | None = None
+        self.namespaces(mps, wanted, existing)
+
+    def namespaces(self, mps: MpsControlLike, wanted: list[ContainerDesired],
+                   existing: set[str]) -> None:
+        """Each container's MPS namespace, with its active-thread percentage in force.
+
+        MPS fixes a namespace's percentage when its first client attaches, so a namespace
+        created here gets its percentage right after the create, and counts as applied only
+        once a client list read after that set shows no client attached (`Engine._fresh`);
+        one with clients by then stays pending until they exit."""
+        fresh = self.e._fresh
+        set_now: set[str] = set()
+        """Fresh namespaces whose percentage was set in this pass before the next client list."""
+        before = set(self.failed)
+
+        def broken(key: ContainerKey) -> bool:
+            """A step of this method failed for the container (not an earlier one)."""
+            return key in self.failed and key not in before
+
         for c in wanted:
             name, pct = c.mps_namespace, c.active_thread_percentage
             assert name is not None and pct is not None
+            if name in existing:
+                continue
             try:
-                if name not in existing:
-                    mps.namespace_create(name, exist_ok=True)
-                    self.created.append(name)
-                    self.e._namespace_gone(name)
+                mps.namespace_create(name, exist_ok=True)
+                self.created.append(name)
+                self.e._namespace_gone(name)
+                fresh.add(name)
+                self._set_fresh(mps, c, name, pct, set_now)
+            except NodeError as e:
+                self.fail([c.key], e)
+        clients: list[MpsClientLike] | None = None
+        # Fresh namespaces of earlier passes: set again once nobody is attached, then verified by
+        # the client list below.
+        again = [c for c in wanted if c.mps_namespace in fresh
+                 and c.mps_namespace not in set_now and not broken(c.key)]
+        if again:
+            try:
+                clients = list(mps.client_list())
+            except NodeError as e:
+                self.fail((c.key for c in again), e)
+            else:
+                sets = len(set_now)
+                for c in again:
+                    name, pct = c.mps_namespace, c.active_thread_percentage
+                    assert name is not None and pct is not None
+                    if not _attached(clients, name):
+                        try:
+                            self._set_fresh(mps, c, name, pct, set_now)
+                        except NodeError as e:
+                            self.fail([c.key], e)
+                if len(set_now) > sets:
+                    clients = None  # the verification needs a list read after the sets
+        for c in wanted:
+            name, pct = c.mps_namespace, c.active_thread_percentage
+            assert name is not None and pct is not None
+            if broken(c.key):
+                continue
+            try:
                 in_force = self.e._atp.get(name)
-                if in_force == pct and name in self.e._atp_checked:
+                if name not in fresh and in_force == pct and name in self.e._atp_checked:
                     continue
                 if clients is None:
                     clients = list(mps.client_list())
-                if any(cl.namespace == name for cl in clients):
+                attached = _attached(clients, name)
+                if name in fresh:
+                    if name in set_now and not attached:
+                        # Set before this list, and nobody attached: every client from now on
+                        # attaches under the cap.
+                        fresh.discard(name)
+                        self.e._atp[name] = pct
+                        self.e._atp_checked.add(name)
+                    else:
+                        self.fail([c.key], _cap_unverified(name, pct, attached))
+                    continue
+                if attached:
                     # MPS fixed the cap when the first client attached: a new percentage
                     # cannot take effect until they exit.
                     if in_force is not None and in_force != pct:
@@ -400,16 +503,52 @@ class _Run:
                             "processes, or recreate the pod")))
                     elif in_force is not None:
                         self.e._atp_checked.add(name)
-                    # None: they attached before this engine set any (an agent restart), on
-                    # the percentage set then: the gate let no client start before the
-                    # namespace was applied, and a running container's plan is held.
-                    # Nothing was set, so nothing is recorded.
+                    else:
+                        self._adopt(mps, c, name, pct, attached)
                     continue
                 mps.namespace_set_active_thread_percentage(name, pct)
                 self.e._atp[name] = pct
                 self.e._atp_checked.add(name)
             except NodeError as e:
                 self.fail([c.key], e)
+
+    def _adopt(self, mps: MpsControlLike, c: ContainerDesired, name: str, pct: int,
+               attached: list[int]) -> None:
+        """A namespace with clients that this engine never set (an agent restart): they
+        attached on the percentage set then (the gate let no client start before the namespace
+        was applied, and a running container's plan is held). Where the daemon can say which
+        percentage the namespace holds: it must be the plan's (an earlier agent may have left
+        it `fresh`, a client attached before its set)."""
+        held = mps.namespace_get_active_thread_percentage(name)
+        if held is None:
+            self.fail([c.key], MpsError(NAMESPACE_CAP_UNVERIFIED, (
+                f"MPS namespace {name} has clients (pids {', '.join(map(str, attached))}) "
+                f"attached but holds no active-thread percentage, not the plan's {pct}: MPS "
+                "fixes it at the first attach, so they run without the cap for their "
+                "lifetime. The container stays pending until they have exited (restart the "
+                "container's GPU processes, or recreate the pod)")))
+        elif held != float(pct):
+            self.fail([c.key], MpsError(NAMESPACE_BUSY, (
+                f"MPS namespace {name} has clients attached, which run with the "
+                f"active-thread percentage {held:g} the namespace holds (MPS fixes it at the "
+                f"first attach); the plan's {pct} takes effect once they have exited: stop "
+                "the container's GPU processes, or recreate the pod")))
+        else:
+            self.e._atp[name] = pct
+            self.e._atp_checked.add(name)
+
+    def _set_fresh(self, mps: MpsControlLike, c: ContainerDesired, name: str, pct: int,
+                   set_now: set[str]) -> None:
+        """The percentage of a fresh namespace; a daemon refusing it because clients are
+        attached already means they may run uncapped."""
+        try:
+            mps.namespace_set_active_thread_percentage(name, pct)
+        except MpsError as e:
+            if e.reason != NAMESPACE_BUSY:
+                raise
+            self.fail([c.key], _cap_unverified(name, pct, [], said=e.message))
+            return
+        set_now.add(name)
 
     # cgroup limits -----------------------------------------------------------------------------
 

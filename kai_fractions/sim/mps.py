@@ -277,6 +277,13 @@ class FakeMpsControl:
                            "are attached (the cap is fixed at the first attach)")
         ns.active_thread_percentage = pct
 
+    def namespace_get_active_thread_percentage(self, name: str) -> float | None:
+        self._enter("namespace_get_active_thread_percentage", name, v3=True)
+        self._check_namespace(name)
+        self._alive("namespace get")
+        pct = self._namespace(name).active_thread_percentage
+        return None if pct is None else float(pct)
+
     def namespace_get_pipe_directory(self, name: str) -> str:
         self._enter("namespace_get_pipe_directory", name, v3=True)
         self._check_namespace(name)

@@ -20,7 +20,7 @@ import pytest
 from kai_fractions.node.agent.metrics import Usage
 from kai_fractions.node.desired import ContainerKey
 
-from .builders import GIB, Rig, binder_annotations
+from .builders import GIB, MIB, Rig, binder_annotations
 from .test_reconcile import add_pod, leaf_of
 
 UPSTREAM = {"namespace", "pod", "pod_uuid", "gpu_uuid", "gpu"}
@@ -211,3 +211,96 @@ def test_a_gpu_whose_processes_cannot_be_listed_is_counted_and_logged_once(
     assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]  # began, and ended
     assert caplog.records[0].getMessage().startswith(
         f"cannot list the processes of GPU {rig.gpu0} (NVMLError): ")
+
+
+def hide(rig: Rig, *pids: int) -> None:
+    """NVML lists these pids no more, as for an agent outside the host's pid namespace (NVML
+    shows only the caller's); the GPU's memory still counts them."""
+    listed = type(rig.nvml).running_processes
+
+    def running_processes(uuid: str):
+        return tuple(p for p in listed(rig.nvml, uuid) if p.pid not in pids)
+
+    rig.nvml.running_processes = running_processes  # type: ignore[method-assign]
+
+
+def unseen_samples(rig: Rig) -> dict[str, float]:
+    return {dict(k)["gpu_uuid"]: v for k, v in
+            samples(rig, "kai_fractions_agent_gpu_usage_unreadable_total").items()
+            if dict(k)["reason"] == "NoProcessesVisible"}
+
+
+def test_memory_used_by_processes_nvml_does_not_list_is_counted_and_logged_once(
+        short_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Without the host's pid namespace NVML lists no process of the GPU, with no error: the
+    watchdog reads 0 and a container over its cap passes unseen. The GPU's used memory says
+    someone is there: that must show, like a GPU whose processes cannot be listed."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    assert rig.step().converged
+    run(rig, uid, 100, 30 * GIB, 10)  # over its 20 GiB cap
+    hide(rig, 100)
+    with caplog.at_level(logging.INFO, logger="kai_fractions.node.agent.usage"):
+        rig.reconciler.check_usage()
+        rig.reconciler.check_usage()
+        assert samples(rig, "kai_fractions_container_gpu_memory_used_bytes") == {
+            frozenset({"node": "node-a", "namespace": "default", "pod": "p", "pod_uuid": uid,
+                       "container": "main", "gpu_uuid": rig.gpu0, "gpu": "0"}.items()): 0}
+        del rig.nvml.running_processes  # listed again
+        rig.reconciler.check_usage()
+    assert unseen_samples(rig) == {rig.gpu0: 2}
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]  # began, and ended
+    assert caplog.records[0].getMessage() == (
+        f"GPU {rig.gpu0} has 30720 MiB of memory in use that no process NVML lists accounts "
+        "for, and NVML lists no process of its managed containers: the agent may not run in "
+        "the host's pid namespace (hostPID), where NVML and /proc show every GPU process; the "
+        "watchdog sees no usage there until it does")
+    assert caplog.records[1].getMessage() == (
+        f"the processes using the memory of GPU {rig.gpu0} are listed again")
+
+
+def test_hidden_clients_next_to_a_listed_mps_server_are_counted(short_tmp: Path) -> None:
+    """sm-sharing: the MPS server the agent's daemon started is in the agent's own pid
+    namespace and listed; the containers' clients are not."""
+    rig = Rig(short_tmp)
+    uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    assert rig.step().converged
+    rig.proc_entry(50, "/system.slice/kai-fractions-agent.scope")
+    rig.nvml.add_process(50, rig.gpu0, 400 * MIB)  # the MPS server
+    run(rig, uid, 100, 6 * GIB, 10)
+    hide(rig, 100)
+    rig.reconciler.check_usage()
+    assert unseen_samples(rig) == {rig.gpu0: 1}
+
+
+def test_only_memory_of_processes_nvml_does_not_list_is_counted_as_unseen(
+        short_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Not an idle GPU, processes NVML lists (whoever's), a few hundred MiB of overhead, nor a
+    GPU without managed containers."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    assert rig.step().converged
+    with caplog.at_level(logging.INFO, logger="kai_fractions.node.agent.usage"):
+        rig.reconciler.check_usage()  # idle: nothing used, nothing listed
+        rig.proc_entry(300, "/system.slice/some-daemon.service")
+        rig.nvml.add_process(300, rig.gpu0, 8 * GIB)  # listed, of no managed container
+        rig.reconciler.check_usage()
+        run(rig, uid, 100, 3 * GIB, 10)  # the container's own, listed
+        rig.nvml.add_process(400, rig.gpu0, 4 * GIB)  # one not listed, next to it
+        hide(rig, 400)
+        rig.reconciler.check_usage()
+        rig.nvml.remove_process(100)
+        rig.nvml.remove_process(400)
+        rig.nvml.add_process(400, rig.gpu0, 512 * MIB)  # hidden, but no more than overhead
+        rig.reconciler.check_usage()
+        rig.nvml.add_process(500, rig.gpu1, 4 * GIB)  # hidden on a GPU with no managed one
+        hide(rig, 400, 500)
+        rig.reconciler.check_usage()
+        assert unseen_samples(rig) == {} and caplog.records == []
+        rig.nvml.add_process(600, rig.gpu0, 2 * GIB)  # now hidden memory, beyond overhead
+        hide(rig, 400, 500, 600)
+        rig.reconciler.check_usage()
+    assert unseen_samples(rig) == {rig.gpu0: 1}
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert caplog.records[0].getMessage().startswith(
+        f"GPU {rig.gpu0} has 2560 MiB of memory in use that no process NVML lists accounts for")

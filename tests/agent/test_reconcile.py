@@ -400,6 +400,38 @@ def test_mps_daemon_restart_reapplies_and_is_counted(short_tmp: Path) -> None:
     assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
 
 
+def test_a_client_back_before_the_restarted_daemons_namespace_got_its_cap_is_not_applied(
+        short_tmp: Path) -> None:
+    """The daemon restarts and the running container's process attaches to its namespace as
+    soon as the agent creates it again, before its active-thread percentage is set: that client
+    may run uncapped, so the container is reported pending with the reason (its marker stays:
+    the pod runs on the plan it was admitted with) until the client exits."""
+    rig = Rig(short_tmp)
+    uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    rig.step()
+    written = rig.marker_path(uid).read_text()
+    (name,) = rig.mps.control.namespaces
+    control = rig.mps.control
+    create = control.namespace_create
+
+    def create_then_attach(ns: str, **kw) -> None:
+        create(ns, **kw)
+        control.attach_client(4242, ns)
+
+    control.namespace_create = create_then_attach  # type: ignore[method-assign]
+    control.kill()
+    report = rig.step()
+    r = rig.reconciler.view.results[(uid, "main")]
+    assert (r.state.value, r.reason) == ("pending", "NamespaceCapUnverified")
+    assert not report.converged and "NamespaceCapUnverified" in report.errors
+    assert control.namespaces[name].active_thread_percentage is None
+    assert rig.marker_path(uid).read_text() == written
+    control.detach_client(4242)
+    assert rig.step().converged
+    assert rig.reconciler.view.results[(uid, "main")].state.value == "applied"
+    assert control.namespaces[name].active_thread_percentage == 50
+
+
 def test_the_periodic_mps_check_asks_for_a_pass_only_when_something_changed(
         short_tmp: Path) -> None:
     rig = Rig(short_tmp)

@@ -112,14 +112,15 @@ def test_apply_enforces_everything_the_plan_needs(node: Node) -> None:
     assert report.compute_modes_set == ((GPU0, GpuComputeMode.EXCLUSIVE_PROCESS),)
     assert [c.args for c in node.nvml.calls_of("set_compute_mode")] == [
         (GPU0, GpuComputeMode.EXCLUSIVE_PROCESS)]
-    # MPS: pinned default for GPU index 0, the namespace and its cap
+    # MPS: pinned default for GPU index 0, the namespace and its cap (set right after the
+    # create, then verified: no client had attached by the list that follows)
     assert node.mps.calls == [
         ("get_default_pinned_mem_limit", (0,)),
         ("set_default_pinned_mem_limit", (0, 20480)),
         ("namespace_list", ()),
         ("namespace_create", (NS_A,)),
-        ("client_list", ()),
         ("namespace_set_active_thread_percentage", (NS_A, 25)),
+        ("client_list", ()),
         ("namespace_list", ()),
     ]
     assert node.mps.namespaces[NS_A].active_thread_percentage == 25
@@ -326,6 +327,94 @@ def test_mps_daemon_restart_recreates_the_namespace(node: Node) -> None:
     assert node.mps.default_pinned_mib == {0: 20480}
 
 
+def _attach_during(node: Node, method: str, pid: int) -> None:
+    """A client attaches to the namespace right after the engine's `method` call on it: a
+    running container's process reconnecting to a daemon that was restarted."""
+    original = getattr(node.mps, method)
+
+    def then_attach(name, *args, **kw):
+        original(name, *args, **kw)
+        node.mps.attach_client(pid, name)
+
+    setattr(node.mps, method, then_attach)
+
+
+def _cap_unverified(pct: int, who: str) -> str:
+    return (f"MPS namespace {NS_A} was created (again, e.g. after an MPS daemon restart) and "
+            f"{who} before its active-thread percentage {pct} could be verified in force: MPS "
+            "fixes the percentage at the first attach, so they may run without the cap for "
+            "their lifetime. The container stays pending until they have exited (restart the "
+            "container's GPU processes, or recreate the pod); the cap is then set before "
+            "anything attaches again")
+
+
+def test_a_client_that_attached_before_a_recreated_namespace_got_its_cap_keeps_it_pending(
+        node: Node) -> None:
+    """After an MPS daemon restart the namespace is created again; a client that attaches
+    before its percentage is set runs uncapped for its lifetime: never reported applied."""
+    node.apply(sm_pod())
+    node.mps.kill()
+    node.mps.start()
+    _attach_during(node, "namespace_create", 4242)
+    report = node.apply(sm_pod())
+    r = report.containers[(UID_A, "main")]
+    assert report.namespaces_created == (NS_A,)
+    assert (r.state, r.reason) == (ContainerState.PENDING, "NamespaceCapUnverified")
+    assert r.message == _cap_unverified(25, (
+        "clients attached (the MPS control daemon rejected 'namespace set "
+        f"{NS_A}': clients are attached (the cap is fixed at the first attach))"))
+    assert node.mps.namespaces[NS_A].active_thread_percentage is None  # uncapped
+    for _ in range(2):  # a resync between changes nothing: the client still runs uncapped
+        r = node.apply(sm_pod()).containers[(UID_A, "main")]
+        assert (r.state, r.reason) == (ContainerState.PENDING, "NamespaceCapUnverified")
+        assert r.message == _cap_unverified(25, "clients (pids 4242) attached")
+        node.engine.forget()
+    node.mps.detach_client(4242)
+    n = len(node.mps.calls)
+    report = node.apply(sm_pod())
+    assert report.containers[(UID_A, "main")].state is ContainerState.APPLIED
+    assert node.mps.namespaces[NS_A].active_thread_percentage == 25
+    assert [m for m, _ in node.mps.calls[n:] if "pinned" not in m] == [
+        "namespace_list", "client_list", "namespace_set_active_thread_percentage",
+        "client_list", "namespace_list"]
+    n = len(node.mps.calls)
+    assert node.apply(sm_pod()).containers[(UID_A, "main")].state is ContainerState.APPLIED
+    assert "client_list" not in node.mps.methods_called()[n:]  # verified: nothing to re-check
+
+
+def test_a_client_seen_right_after_a_recreated_namespace_got_its_cap_is_not_vouched_for(
+        node: Node) -> None:
+    """Set, then a client in the list that follows: whether it attached before or after the
+    set cannot be told, so the namespace is not applied until its clients have exited."""
+    node.apply(sm_pod())
+    node.mps.kill()
+    node.mps.start()
+    _attach_during(node, "namespace_set_active_thread_percentage", 4242)
+    r = node.apply(sm_pod()).containers[(UID_A, "main")]
+    assert (r.state, r.reason) == (ContainerState.PENDING, "NamespaceCapUnverified")
+    assert r.message == _cap_unverified(25, "clients (pids 4242) attached")
+    node.mps.detach_client(4242)
+    del node.mps.namespace_set_active_thread_percentage  # the plain fake again
+    assert node.apply(sm_pod()).containers[(UID_A, "main")].state is ContainerState.APPLIED
+
+
+def test_a_recreated_namespace_whose_cap_could_not_be_set_is_retried_before_anyone_attaches(
+        node: Node) -> None:
+    node.apply(sm_pod())
+    node.mps.kill()
+    node.mps.start()
+    node.mps.inject("namespace_set_active_thread_percentage",
+                    MpsError("MpsDaemonBusy", "busy"))
+    r = node.apply(sm_pod()).containers[(UID_A, "main")]
+    assert (r.state, r.reason) == (ContainerState.PENDING, "MpsDaemonBusy")
+    n = len(node.mps.calls)
+    assert node.apply(sm_pod()).containers[(UID_A, "main")].state is ContainerState.APPLIED
+    assert [m for m, _ in node.mps.calls[n:] if "pinned" not in m] == [
+        "namespace_list", "client_list", "namespace_set_active_thread_percentage",
+        "client_list", "namespace_list"]
+    assert node.mps.namespaces[NS_A].active_thread_percentage == 25
+
+
 def test_attached_namespace_cap_is_not_reset_after_restart(node: Node) -> None:
     node.apply(sm_pod())
     node.mps.attach_client(77, NS_A)
@@ -333,6 +422,67 @@ def test_attached_namespace_cap_is_not_reset_after_restart(node: Node) -> None:
     n = len(node.mps.calls)
     assert node.apply(sm_pod()).containers[(UID_A, "main")].state is ContainerState.APPLIED
     assert "namespace_set_active_thread_percentage" not in [m for m, _ in node.mps.calls[n:]]
+
+
+class ReadableMps(FakeMpsControl):
+    """The fake daemon, with the read of a namespace's percentage MpsControl has."""
+
+    def namespace_get_active_thread_percentage(self, name: str) -> float | None:
+        self._enter("namespace_get_active_thread_percentage", name, v3=True)
+        self._alive("namespace get")
+        pct = self._namespace(name).active_thread_percentage
+        return None if pct is None else float(pct)
+
+
+def readable(node: Node) -> Node:
+    node.mps = ReadableMps()
+    node.engine = node.new_engine()
+    return node
+
+
+def test_a_restarted_engine_does_not_adopt_an_uncapped_namespace_with_clients(
+        node: Node) -> None:
+    """The agent restarts while a recreated namespace's clients run uncapped: the new engine
+    has no record of it, but the namespace holds no percentage, so it is not applied."""
+    readable(node).apply(sm_pod())
+    node.mps.kill()
+    node.mps.start()
+    _attach_during(node, "namespace_create", 4242)
+    assert node.apply(sm_pod()).containers[(UID_A, "main")].reason == "NamespaceCapUnverified"
+    node.engine = node.new_engine()  # the agent restarts
+    for _ in range(2):
+        r = node.apply(sm_pod()).containers[(UID_A, "main")]
+        assert (r.state, r.reason) == (ContainerState.PENDING, "NamespaceCapUnverified")
+        assert r.message == (
+            f"MPS namespace {NS_A} has clients (pids 4242) attached but holds no active-thread "
+            "percentage, not the plan's 25: MPS fixes it at the first attach, so they run "
+            "without the cap for their lifetime. The container stays pending until they have "
+            "exited (restart the container's GPU processes, or recreate the pod)")
+    node.mps.detach_client(4242)
+    assert node.apply(sm_pod()).containers[(UID_A, "main")].state is ContainerState.APPLIED
+    assert node.mps.namespaces[NS_A].active_thread_percentage == 25
+
+
+def test_a_restarted_engine_adopts_a_namespace_with_clients_on_the_plans_percentage(
+        node: Node) -> None:
+    readable(node).apply(sm_pod())
+    node.mps.attach_client(77, NS_A)
+    node.engine = node.new_engine()
+    assert node.apply(sm_pod()).containers[(UID_A, "main")].state is ContainerState.APPLIED
+    n = len(node.mps.calls)
+    assert node.apply(sm_pod()).containers[(UID_A, "main")].state is ContainerState.APPLIED
+    assert not {"client_list", "namespace_set_active_thread_percentage",
+                "namespace_get_active_thread_percentage"} & set(node.mps.methods_called()[n:])
+    # one whose clients run on another percentage is not the plan in force
+    half = sm_pod(notes=annotations(mode="sm-sharing", portion="0.5"))
+    node.engine = node.new_engine()
+    r = node.apply(half).containers[(UID_A, "main")]
+    assert (r.state, r.reason) == (ContainerState.PENDING, "NamespaceBusy")
+    assert r.message == (
+        f"MPS namespace {NS_A} has clients attached, which run with the active-thread "
+        "percentage 25 the namespace holds (MPS fixes it at the first attach); the plan's 50 "
+        "takes effect once they have exited: stop the container's GPU processes, or recreate "
+        "the pod")
 
 
 def test_a_new_percentage_for_an_attached_namespace_is_pending_until_its_clients_exit(
@@ -355,6 +505,28 @@ def test_a_new_percentage_for_an_attached_namespace_is_pending_until_its_clients
     node.mps.detach_client(77)
     assert node.apply(half).containers[(UID_A, "main")].state is ContainerState.APPLIED
     assert node.mps.namespaces[NS_A].active_thread_percentage == 50
+
+
+def test_a_pinned_limit_change_within_the_same_gib_is_written(node: Node) -> None:
+    """The daemon reads a pinned limit back in whole GiB: 20900 MiB shows as 20G, like 20480."""
+    a = sm_pod(notes=annotations(mode="sm-sharing", portion="0.25", limit="20Gi"))
+    b = sm_pod(UID_B, CID_B, notes=annotations(mode="sm-sharing", portion="0.25",
+                                               limit="20900Mi"))
+    node.apply(a)
+    assert node.mps.default_pinned_mib == {0: 20480}
+    report = node.apply(a, b)
+    assert report.containers[(UID_B, "main")].state is ContainerState.APPLIED
+    assert node.mps.default_pinned_mib == {0: 20900}
+    n = len(node.mps.calls)
+    node.apply(a, b)
+    assert "set_default_pinned_mem_limit" not in node.mps.methods_called()[n:]
+    node.apply(a)
+    assert node.mps.default_pinned_mib == {0: 20480}
+    # a restarted engine does not know what was written: it writes its value once
+    node.mps.default_pinned_mib[0] = 20900  # as another writer left it
+    node.engine = node.new_engine()
+    node.apply(a)
+    assert node.mps.default_pinned_mib == {0: 20480}
 
 
 def test_old_driver_uses_the_configured_fallback(tmp_path: Path) -> None:

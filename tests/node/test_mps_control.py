@@ -302,6 +302,8 @@ def test_v3_namespace_commands_exact_argv_and_env():
     c, runner = v3()
     runner.respond([BIN, "-p", "3", "namespace", "get", "kf_abc", "shared", "pipe-directory"],
                    f"{PIPE}/shared/kf_abc\n")
+    runner.respond([BIN, "-p", "3", "namespace", "get", "kf_abc", "shared",
+                    "active-thread-percentage"], "50\n")
     c.namespace_create("kf_abc")
     c.namespace_set_active_thread_percentage("kf_abc", 50)
     assert c.namespace_get_pipe_directory("kf_abc") == f"{PIPE}/shared/kf_abc"
@@ -314,6 +316,7 @@ def test_v3_namespace_commands_exact_argv_and_env():
         (BIN, "-p", "3", "namespace", "create", "kf_abc", "--server=shared"),
         (BIN, "-p", "3", "namespace", "set", "kf_abc", "--server=shared",
          "--active-thread-percentage=50"),
+        (BIN, "-p", "3", "namespace", "get", "kf_abc", "shared", "active-thread-percentage"),
         (BIN, "-p", "3", "namespace", "get", "kf_abc", "shared", "pipe-directory"),
         (BIN, "-p", "3", "namespace", "delete", "kf_abc", "--server=shared"),
         (BIN, "-p", "3", "namespace", "list", "--server=shared"),
@@ -323,6 +326,47 @@ def test_v3_namespace_commands_exact_argv_and_env():
     assert all(call.env == ENV for call in runner.calls)
     # v3 commands take their command from argv: nothing on stdin
     assert all(call.stdin is None for call in runner.calls)
+
+
+GET_ATP = [BIN, "-p", "3", "namespace", "get", "kf_abc", "shared", "active-thread-percentage"]
+
+
+@pytest.mark.parametrize("said", ["50\n", "50.0\n", "50%\n", " 50 \n"])
+def test_namespace_percentage_is_read_back_in_the_forms_a_daemon_may_print(said):
+    c, runner = v3()
+    runner.respond(GET_ATP, said)
+    c.namespace_set_active_thread_percentage("kf_abc", 50)
+    assert runner.argvs[-1] == tuple(GET_ATP)
+    assert c.namespace_get_active_thread_percentage("kf_abc") == 50.0
+
+
+@pytest.mark.parametrize(("said", "got"), [("100\n", "100"), ("", "(unset)"), ("-\n", "(unset)"),
+                                           ("25.0\n", "25")])
+def test_namespace_percentage_the_daemon_did_not_take_is_not_applied(said, got):
+    """The daemon may report a rejected `namespace set` (clients already attached, a bad value)
+    only in its log: the readback is what says whether the cap is in force."""
+    c, runner = v3()
+    runner.respond(GET_ATP, said)
+    with pytest.raises(MpsError) as exc:
+        c.namespace_set_active_thread_percentage("kf_abc", 50)
+    assert (exc.value.reason, exc.value.message) == (
+        "NotApplied",
+        "after 'namespace set kf_abc --server=shared --active-thread-percentage=50' the daemon "
+        f"reads back {got} for namespace kf_abc, not 50 (see {LOGS}/control.log)")
+
+
+def test_namespace_percentage_readback_that_is_no_percentage_is_unexpected():
+    c, runner = v3()
+    runner.respond(GET_ATP, "fifty\n")
+    with pytest.raises(MpsError) as exc:
+        c.namespace_set_active_thread_percentage("kf_abc", 50)
+    assert (exc.value.reason, exc.value.message) == (
+        "UnexpectedOutput",
+        "namespace get kf_abc shared active-thread-percentage printed 'fifty', not a percentage")
+    runner.respond(GET_ATP, "Error: namespace kf_abc not found\n")
+    with pytest.raises(MpsError) as exc:
+        c.namespace_set_active_thread_percentage("kf_abc", 50)
+    assert exc.value.reason == "NamespaceNotFound"
 
 
 def test_v3_server_name_is_configurable():
@@ -438,6 +482,19 @@ def test_client_list_csv_parsing():
     with pytest.raises(MpsError) as exc:
         c.client_list()
     assert exc.value.reason == "UnexpectedOutput"
+
+
+def test_client_list_in_the_columns_nvidia_documents():
+    """`pid,server,device,namespace,cmd` (NVIDIA's MPS v3 interface page): the namespace is
+    the fourth column, the third the device; a command may hold commas."""
+    c, runner = v3()
+    runner.respond([BIN, "client", "list", "--format=csv,noheader"],
+                   "51023,shared,0,default,python train.py\n"
+                   "51087,shared,1,kf_abc,python eval.py --a,b\n"
+                   "51090,shared,GPU-74d43ed3-cdf7-e667-3644-bf5b4f46ed65,kf_def,x\n"
+                   "51091,shared,0,,x\n")
+    assert c.client_list() == [MpsClient(51023, "default"), MpsClient(51087, "kf_abc"),
+                               MpsClient(51090, "kf_def"), MpsClient(51091, None)]
 
 
 def test_client_terminate_of_a_non_client():

@@ -171,10 +171,13 @@ class AgentMetrics:
             self.mps_drains.labels(result)
         self.usage_blind = Counter(
             "kai_fractions_agent_gpu_usage_unreadable", "Usage checks (the watchdog's, every "
-            "--watchdog-interval) in which NVML could not list a GPU's processes, or listed a "
-            "managed container's process without its memory (reason ProcessMemoryUnknown), by "
-            "GPU and reason: the watchdog saw nothing there (or counted that process as 0), so "
-            "it could neither report nor stop a container over its cap.",
+            "--watchdog-interval) in which NVML could not list a GPU's processes, listed a "
+            "managed container's process without its memory (reason ProcessMemoryUnknown), or "
+            "listed no process of a GPU's managed containers while memory the listed ones do "
+            "not account for is in use (reason NoProcessesVisible: the agent without the "
+            "host's pid namespace), by GPU and reason: the watchdog saw nothing there (or "
+            "counted that process as 0), so it could neither report nor stop a container over "
+            "its cap.",
             ("node", "gpu_uuid", "reason"), registry=r)
         self._api = Counter(
             "kai_fractions_agent_api_requests", "The agent's requests to the Kubernetes API "

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from ...contract import MIB
 from ..desired import ContainerKey, DesiredState
 from ..errors import NvmlError
 from ..inventory import Inventory
@@ -30,6 +31,16 @@ log = logging.getLogger(__name__)
 
 MEMORY_UNKNOWN = "ProcessMemoryUnknown"
 """The usage-unreadable reason for a managed container's process NVML lists without memory."""
+NO_PROCESSES_VISIBLE = "NoProcessesVisible"
+"""The usage-unreadable reason for a GPU with managed containers whose memory is used by
+processes NVML does not list: NVML (like /proc) shows only the processes of the caller's pid
+namespace, so an agent without the host's (no `hostPID`) gets empty lists and no error."""
+UNSEEN_MEMORY_BYTES = 512 * MIB
+"""GPU memory in use beyond what the listed processes account for that counts as processes NVML
+does not show. NVML's `used` (nvmlMemory_v2, drivers since R510) leaves the driver's reserved
+memory out, so an idle GPU reads 0 to a few MiB; the v1 fallback of older drivers counts the
+reserved memory too, typically a few hundred MiB. One CUDA context alone takes some 300-500 MiB
+on recent GPUs: a hidden workload crosses this at its first allocations, an idle GPU does not."""
 
 
 class UsageCheck:
@@ -45,6 +56,8 @@ class UsageCheck:
         """GPU uuid -> why its processes could not be listed, while they cannot."""
         self._unknown: set[str] = set()
         """GPU uuids where NVML lists a managed container's process without its memory."""
+        self._unseen: set[str] = set()
+        """GPU uuids whose memory is used by processes NVML does not list."""
 
     def check(self, desired: DesiredState, inventory: Inventory
               ) -> Mapping[tuple[ContainerKey, str], Usage]:
@@ -62,6 +75,7 @@ class UsageCheck:
             sm.update(self._sm_percent(d.uuid))
         report = self.watchdog.check(processes, desired.watchdog_containers(), sm)
         self._unknown_memory(report.usage)
+        self._unseen_processes(desired, processes, report.usage)
         usage = MappingProxyType({(ContainerKey(u.pod_uid, u.container_name), u.device_uuid):
                                   Usage(u.used_bytes, u.sm_percent) for u in report.usage})
         self.metrics.update(desired, usage, inventory)
@@ -96,6 +110,47 @@ class UsageCheck:
         for uuid in self._unknown - set(unknown):
             log.info("NVML reports the memory of every managed process on GPU %s again", uuid)
         self._unknown = set(unknown)
+
+    def _unseen_processes(self, desired: DesiredState, processes: Mapping[str, Any],
+                          usage: Iterable[ContainerUsage]) -> None:
+        """GPUs with managed containers where NVML lists no process of theirs while more than
+        UNSEEN_MEMORY_BYTES of memory is used beyond what the listed processes (none at all,
+        or an MPS server in the agent's own pid namespace) account for: an agent without the
+        host's pid namespace sees such lists, with no error, and the watchdog would read 0
+        there. Counted every check and logged when it starts and ends, like an unlistable
+        GPU. Only GPUs listed this check are judged; a process listed without its memory
+        leaves the GPU unjudged (its share cannot be told)."""
+        planned = {u for c in desired.containers for u in c.plan.device_uuids}
+        seen = {u.device_uuid for u in usage if u.pids}
+        suspects = [uuid for uuid, procs in processes.items()
+                    if uuid in planned and uuid not in seen
+                    and all(p.used_bytes is not None for p in procs)]
+        checked = set(processes)
+        unseen: dict[str, int] = {}
+        if suspects:
+            try:
+                devices = {d.uuid: d for d in self.nvml.devices()}
+            except NvmlError:
+                return  # nothing can be judged this check; the state stays as it was
+            for uuid in suspects:
+                d = devices.get(uuid)
+                if d is None or d.mig_enabled:
+                    continue
+                hidden = d.memory_used - sum(p.used_bytes for p in processes[uuid])
+                if hidden > UNSEEN_MEMORY_BYTES:
+                    unseen[uuid] = hidden
+        for uuid, hidden in unseen.items():
+            self.metrics.usage_blind.labels(self.metrics.node, uuid, NO_PROCESSES_VISIBLE).inc()
+            if uuid not in self._unseen:
+                log.warning(
+                    "GPU %s has %d MiB of memory in use that no process NVML lists accounts "
+                    "for, and NVML lists no process of its managed containers: the agent may "
+                    "not run in the host's pid namespace (hostPID), where NVML and /proc show "
+                    "every GPU process; the watchdog sees no usage there until it does",
+                    uuid, hidden // MIB)
+        for uuid in (self._unseen & checked) - set(unseen):
+            log.info("the processes using the memory of GPU %s are listed again", uuid)
+        self._unseen = set(unseen) | (self._unseen - checked)
 
     def _sm_percent(self, uuid: str) -> dict[int, int]:
         """pid -> SM percent of its newest sample since the last check."""

@@ -15,6 +15,9 @@ stdout. What the real 535 daemon does (checked against the binary):
 - with no daemon the client exits 1 with `Cannot find MPS control daemon process` on stderr;
 - the old binary ignores argv it does not know (`-p 3 ...`) and reads commands from stdin, so a
   v3 command "succeeds" with no output: v3 support is probed from `--help` instead.
+- v3 (NVIDIA's "MPS v3 Interface"; not testable here, no r615 binary): `namespace get <n>
+  <server> <field>` prints one unformatted field (`pipe-directory`, `active-thread-percentage`,
+  ...): a namespace's percentage is read back through it.
 One command per run keeps answers unambiguous: the daemon prints nothing for some commands
 (an unset limit), so the lines of a multi-command session cannot be matched to commands.
 """
@@ -40,9 +43,13 @@ ENV_LOG_DIRECTORY = "CUDA_MPS_LOG_DIRECTORY"
 NAME_RE = re.compile(r"[a-z0-9_]+")
 """MPS v3 server and namespace names."""
 
-CLIENT_LIST_COLUMNS = ("pid", "server", "namespace")
-"""Column order assumed for `client list --format=csv,noheader` (v3). Only `pid` (first) and
-`namespace` (third, optional) are used; confirm on an r615 node if the output ever changes."""
+CLIENT_LIST_COLUMNS = ("pid", "server", "device", "namespace", "cmd")
+"""Columns of `client list --format=csv,noheader` (v3) as NVIDIA's "MPS v3 Interface" shows
+them (`51023,training,0,default,python train.py`; not checked against an r615 binary here).
+Only `pid` (first) and `namespace` are used. A line of three columns is read as `pid, server,
+namespace` (what this module assumed before), and so is a longer one whose third column is not
+a device (an ordinal or a GPU/MIG UUID)."""
+_DEVICE_RE = re.compile(r"\d+|(?:GPU|MIG)-[0-9A-Fa-f-]+")
 
 _MIB_PER_GIB = 1024
 
@@ -61,6 +68,7 @@ def displayed_mem_limit(mib: int) -> str:
 
 
 _LIMIT_RE = re.compile(r"(\d+)([MG])")
+_PCT_RE = re.compile(r"(\d+(?:\.\d+)?)\s*%?")
 
 
 def parse_mem_limit(text: str) -> int | None:
@@ -420,11 +428,36 @@ class MpsControl:
                 raise
 
     def namespace_set_active_thread_percentage(self, name: str, pct: int) -> None:
-        """Only takes effect for a namespace without clients yet (MPS fixes it at first attach)."""
+        """Only takes effect for a namespace without clients yet (MPS fixes it at first attach).
+        Read back like every setter (`namespace get <n> <server> active-thread-percentage`):
+        raises NotApplied when the daemon holds another value (it may report a rejection only
+        in its log)."""
         self._check_namespace(name)
         check_pct(pct)
+        what = f"namespace set {name} --server={self.server} --active-thread-percentage={pct}"
         self._v3(["namespace", "set", name, f"--server={self.server}",
                   f"--active-thread-percentage={pct}"])
+        got = self.namespace_get_active_thread_percentage(name)
+        if got != float(pct):
+            raise MpsError(
+                e.NOT_APPLIED,
+                f"after {what!r} the daemon reads back "
+                f"{'(unset)' if got is None else f'{got:g}'} for namespace {name}, not {pct} "
+                f"(see {self.log_dir}/control.log)")
+
+    def namespace_get_active_thread_percentage(self, name: str) -> float | None:
+        """The namespace's active-thread percentage as the daemon holds it (`25`, `25.0` or
+        `25%`); None when it prints none (not set)."""
+        self._check_namespace(name)
+        args = ["namespace", "get", name, self.server, "active-thread-percentage"]
+        out = self._v3(args).strip()
+        if not out or out == "-":
+            return None
+        m = _PCT_RE.fullmatch(out)
+        if m is None:
+            raise MpsError(e.UNEXPECTED_OUTPUT,
+                           f"{' '.join(args)} printed {out!r}, not a percentage")
+        return float(m.group(1))
 
     def namespace_get_pipe_directory(self, name: str) -> str:
         self._check_namespace(name)
@@ -470,6 +503,8 @@ class MpsControl:
             fields = [f.strip() for f in line.split(",")]
             pid = _parse_int(fields[0], "client list")
             ns_at = CLIENT_LIST_COLUMNS.index("namespace")
+            if len(fields) <= ns_at or not _DEVICE_RE.fullmatch(fields[2]):
+                ns_at = 2  # pid, server, namespace
             namespace = fields[ns_at] if len(fields) > ns_at and fields[ns_at] else None
             clients.append(MpsClient(pid=pid, namespace=namespace))
         return clients
