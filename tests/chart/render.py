@@ -19,6 +19,10 @@ CI_VALUES = tuple(sorted((CHART / "ci").glob("*.yaml")))
 EXAMPLES = REPO / "examples"
 NAMESPACE = "kai-fractions"
 RELEASE = "kf"
+# image.repository is required (the project publishes no image, and the chart refuses to render
+# without one): every render sets it first, so a test's own --set (later) wins.
+TEST_IMAGE = "registry.example.com/kai-fractions"
+IMAGE_SETS = (f"image.repository={TEST_IMAGE}",)
 # The chart's floor (Chart.yaml kubeVersion) and the newest schemas kubernetes-validate ships.
 KUBE_VERSIONS = ("1.30.0", "1.35.0")
 # Kinds the official OpenAPI schemas do not have (CRDs): kubernetes-validate only warns on them.
@@ -36,25 +40,29 @@ def helm(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=60, check=False)
 
 
-def _template_args(values_file: Path | None, sets: tuple[str, ...]) -> list[str]:
+def _template_args(values_file: Path | None, sets: tuple[str, ...],
+                   image: bool = True) -> list[str]:
     args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
     if values_file is not None:
         args += ["--values", str(values_file)]
-    for s in sets:
+    for s in (*IMAGE_SETS, *sets) if image else sets:
         args += ["--set", s]
     return args
 
 
 @functools.cache
-def render_text(values_file: Path | None = None, sets: tuple[str, ...] = ()) -> str:
-    proc = helm(*_template_args(values_file, sets))
+def render_text(values_file: Path | None = None, sets: tuple[str, ...] = (),
+                image: bool = True) -> str:
+    """`image=False`: without the test image, as a user who set no image.repository."""
+    proc = helm(*_template_args(values_file, sets, image))
     if proc.returncode != 0:
         raise HelmError(f"helm template failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc.stdout
 
 
-def render(values_file: Path | None = None, sets: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(render_text(values_file, sets)) if d]
+def render(values_file: Path | None = None, sets: tuple[str, ...] = (),
+           image: bool = True) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(render_text(values_file, sets, image)) if d]
 
 
 def chart_notes(*sets: str, values_file: Path | None = None) -> str:
@@ -62,16 +70,16 @@ def chart_notes(*sets: str, values_file: Path | None = None) -> str:
     args = ["install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client"]
     if values_file is not None:
         args += ["--values", str(values_file)]
-    for value in sets:
+    for value in (*IMAGE_SETS, *sets):
         args += ["--set", value]
     proc = helm(*args)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.split("NOTES:", 1)[1]
 
 
-def template_error(*sets: str, set_string: Iterable[str] = ()) -> str:
+def template_error(*sets: str, set_string: Iterable[str] = (), image: bool = True) -> str:
     """helm template that must FAIL: returns its stderr."""
-    args = _template_args(None, tuple(sets))
+    args = _template_args(None, tuple(sets), image)
     for s in set_string:
         args += ["--set-string", s]
     proc = helm(*args)

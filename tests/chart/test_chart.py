@@ -13,7 +13,9 @@ from kai_fractions.cli import build_parser
 from .render import (
     CHART,
     CI_VALUES,
+    IMAGE_SETS,
     NAMESPACE,
+    TEST_IMAGE,
     chart_notes,
     container,
     find,
@@ -55,6 +57,8 @@ def test_helm_lint_strict(values_file: Path | None):
     args = ["lint", "--strict", str(CHART), "--namespace", NAMESPACE]
     if values_file is not None:
         args += ["--values", str(values_file)]
+    for value in IMAGE_SETS:
+        args += ["--set", value]
     proc = helm(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 chart(s) failed" in proc.stdout
@@ -286,8 +290,9 @@ def test_node_agent_daemonset_defaults():
                                    "effect": "NoSchedule"}]
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["serviceAccountName"] == AGENT
-    # no MPS and a report-only watchdog: nothing needs the host's PID or IPC namespace
-    assert pod["hostPID"] is False and pod["hostIPC"] is False
+    # the host's pids always (NVML shows only the GPU processes of the caller's pid namespace);
+    # no MPS: no host IPC
+    assert pod["hostPID"] is True and pod["hostIPC"] is False
     c = container(ds, "node-agent")
     assert c["args"] == [
         "node-agent", "--node-name=$(NODE_NAME)", "--socket=/run/kai-fractions/agent.sock",
@@ -398,6 +403,18 @@ def test_node_agent_capabilities_instead_of_privileged():
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
 
 
+@pytest.mark.parametrize("values_file", [v for v in VALUES if v != DISABLED], ids=values_id)
+def test_node_agent_always_shares_the_host_pid_namespace(values_file: Path | None):
+    """NVML reports only the GPU processes of the caller's pid namespace: in one of its own the
+    agent's watchdog would see no container's process (nothing measured, reported or stopped),
+    whatever the policy or MPS say. Host IPC stays with sm-sharing only."""
+    docs = render(values_file)
+    pod = one(docs, "DaemonSet", AGENT)["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    sm = "--sm-sharing" in container(one(docs, "DaemonSet", AGENT), "node-agent")["args"]
+    assert pod["hostIPC"] is sm
+
+
 def test_memory_tiers_that_leave_nothing_fail_with_a_reason():
     err = template_error("memoryEnforcement.tiers={mps-pinned}")
     assert "memoryEnforcement.tiers: nothing left to enforce memory with" in err
@@ -419,7 +436,7 @@ def test_admission_deployment():
         "--allowed-identity=system:serviceaccount:kai-scheduler:binder",
         f"--allowed-identity=system:serviceaccount:{NAMESPACE}:{MIRROR}",
         f"--allowed-identity=system:serviceaccount:{NAMESPACE}:{AGENT}",
-        "--gate-image=ghcr.io/kai-fractions/kai-fractions:0.1.0",
+        f"--gate-image={TEST_IMAGE}:0.1.0",
         "--marker-host-dir=/var/lib/kai-fractions/markers",
         "--mps-pipe-host-dir=/run/kai-fractions/mps", "--agent-socket-dir=/run/kai-fractions",
         "--annotation-prefix=nvidia.com/container.", "--log-level=info"]
@@ -476,6 +493,42 @@ def test_image_and_gate_image_follow_values():
     assert "registry.example.com/kf:1.2.3" not in render_text()
 
 
+def test_image_repository_must_be_set():
+    """The project publishes no image: without image.repository (empty, or the old placeholder)
+    every pod would pull an image nobody published while both pod webhooks fail closed with no
+    server behind them. The render fails, naming the value and how to set it."""
+    for error in (template_error(image=False), template_error("image.repository="),
+                  template_error("image.repository= "),
+                  template_error("image.repository=ghcr.io/kai-fractions/kai-fractions")):
+        assert "image.repository must be set to the registry you pushed the kai-fractions " \
+            "image to" in error, error
+        assert "--set image.repository=<registry>/kai-fractions,image.tag=<version>" in error
+    assert "ghcr.io/kai-fractions/kai-fractions is only a placeholder" in template_error(
+        "image.repository=ghcr.io/kai-fractions/kai-fractions")
+    # nothing pulls the image with gpuSharing=Disabled: it renders (nothing) without one
+    assert render(DISABLED, image=False) == []
+    assert "nothing was deployed" in helm(
+        "install", "kf", str(CHART), "--namespace", NAMESPACE, "--dry-run=client",
+        "--values", str(DISABLED)).stdout
+
+
+@pytest.mark.parametrize(("component", "value", "name"), [
+    ("mirror", "mirror.replicas", MIRROR), ("admission", "webhook.replicas", ADMISSION)])
+def test_no_disruption_budget_that_would_block_a_drain(component: str, value: str, name: str):
+    """minAvailable 1 over a single replica lets no eviction through: `kubectl drain` of its node
+    would wait for ever. With one replica no budget is rendered; with two or more it is."""
+    assert not find(render(sets=(f"{value}=1",)), "PodDisruptionBudget", name)
+    pct = f"{value.split('.')[0]}.podDisruptionBudget.minAvailable=50%"
+    assert not find(render(sets=(f"{value}=1", pct)), "PodDisruptionBudget", name)
+    for replicas in (2, 3):
+        pdb = one(render(sets=(f"{value}={replicas}",)), "PodDisruptionBudget", name)
+        assert pdb["spec"]["minAvailable"] == 1
+        assert pdb["spec"]["selector"]["matchLabels"][
+            "app.kubernetes.io/component"] == component
+    off = f"{value.split('.')[0]}.podDisruptionBudget.enabled=false"
+    assert not find(render(sets=(off,)), "PodDisruptionBudget", name)
+
+
 # -- helpers --------------------------------------------------------------------------------
 
 def _assert_tls_handshake(server_data: dict, ca_b64: str, hostname: str) -> None:
@@ -522,6 +575,20 @@ def test_notes_tell_to_exempt_trusted_host_agents_and_read_the_env_of_a_finished
     assert ("kubectl get pod memory-request -o jsonpath='{range .spec.containers"
             "[?(@.name==\"trainer\")].env[*]}") in notes
     assert "kubectl logs memory-request" in notes
+
+
+def test_notes_tell_what_namespaces_that_run_fractions_need():
+    """The gate (the chart's image) is pulled in the workloads' namespaces, which the chart's
+    imagePullSecrets do not reach, and its hostPath needs Pod Security `privileged` there; the
+    critical priority classes may be refused outside kube-system (GKE)."""
+    notes = chart_notes("image.tag=1.2.3")
+    assert f"- to pull {TEST_IMAGE}:1.2.3: the webhook adds it to every fractional pod" in notes
+    assert "imagePullSecrets here\n  reach only this chart's pods" in notes
+    assert "kubectl label namespace <namespace> pod-security.kubernetes.io/enforce=privileged" \
+        in notes
+    assert "set nodeAgent.priorityClassName / webhook.priorityClassName" in notes
+    assert "priorityClassName" not in chart_notes("nodeAgent.priorityClassName=gpu-critical",
+                                                  "webhook.priorityClassName=")
 
 
 def test_notes_say_when_nothing_is_deployed():

@@ -8,7 +8,7 @@ import re
 
 import yaml
 
-from .render import CHART, REPO
+from .render import CHART, EXAMPLES, REPO
 
 DOC = (REPO / "docs" / "chart.md").read_text()
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
@@ -52,3 +52,40 @@ def test_this_charts_kai_values_are_documented_with_their_defaults():
     assert VALUES["gpuFractioningConfig"]["reportIntervalSeconds"] == 10
     assert "### KAI versions and dialects" in DOC
     assert "### Check after install" in DOC
+
+
+def _install_commands(text: str) -> list[str]:
+    """Every `helm install|upgrade --install ... charts/kai-fractions` command, with its
+    continuation lines."""
+    out = []
+    for m in re.finditer(r"^[ \t]*helm (?:install|upgrade --install) kai-fractions "
+                         r"charts/kai-fractions(?:[^\n]*\\\n)*[^\n]*", text, flags=re.M):
+        out.append(m.group(0))
+    return out
+
+
+def test_documented_install_commands_set_the_image():
+    """The chart refuses to render without image.repository (no image is published): every
+    install command a reader may copy sets it, and the tag."""
+    for path in (REPO / "docs" / "chart.md", REPO / "README.md"):
+        commands = _install_commands(path.read_text())
+        assert commands, path.name
+        for command in commands:
+            assert "image.repository=<registry>/kai-fractions" in command, command
+            assert "image.tag=<version>" in command, command
+    assert len(_install_commands(DOC)) == 3  # Install, Pairing with KAI, the ci/ example
+
+
+def test_namespaces_that_run_fractions_are_documented():
+    """The gate runs the chart's image in the workloads' namespaces (the chart's pull secrets
+    do not reach them) and mounts a hostPath (Pod Security `privileged`); the critical priority
+    classes may be refused outside kube-system."""
+    section = DOC.split("### Namespaces that run fractional pods", 1)[1].split("\n## ", 1)[0]
+    for text in (section, (EXAMPLES / "README.md").read_text()):
+        text = " ".join(text.split())
+        assert "kai-fractions-gate" in text
+        assert "pull secret" in text and "imagePullSecrets" in text
+        assert "pod-security.kubernetes.io/enforce=privileged" in text
+        assert "`baseline` and `restricted` forbid" in text
+    assert "ResourceQuota" in DOC and "GKE" in DOC
+    assert "`nodeAgent.priorityClassName`" in DOC and "`webhook.priorityClassName`" in DOC

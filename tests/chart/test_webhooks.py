@@ -11,6 +11,12 @@ import celpy
 import pytest
 import yaml
 
+from kai_fractions.admission.config import (
+    DEFAULT_MARKER_HOST_DIR,
+    MARKER_VOLUME,
+    AdmissionConfig,
+)
+from kai_fractions.admission.validate import validate
 from kai_fractions.contract import keys as k
 
 from .render import CHART, EXAMPLES, NAMESPACE, one, render, template_error, yaml_files
@@ -46,9 +52,13 @@ def pod(annotations: dict[str, str] | None = None) -> dict:
 
 
 def matches(hook: dict, obj: dict, old: dict | None = None, operation: str = "CREATE",
-            namespace: str = "team-a") -> bool:
-    return bool(cel(condition(hook), object=obj, oldObject=old,
-                    request={"operation": operation, "namespace": namespace}))
+            namespace: str = "team-a", subresource: str = "") -> bool:
+    # As the API server hands `request` to CEL: an AdmissionRequest made unstructured, so an
+    # empty subResource (omitempty) is absent rather than "".
+    request = {"operation": operation, "namespace": namespace}
+    if subresource:
+        request["subResource"] = subresource
+    return bool(cel(condition(hook), object=obj, oldObject=old, request=request))
 
 
 def example_objects() -> list[dict]:
@@ -153,16 +163,110 @@ def host_path_pod(path: str, annotations: dict[str, str] | None = None) -> dict:
 @pytest.mark.parametrize("path", ["/var/lib/kai-fractions", "/run", "/var/log"])
 def test_every_pod_with_a_host_path_is_validated(docs, path):
     """No hostPath may reach the agent's directories, so a pod without NvFractions keys but with
-    a hostPath volume is reviewed too; the mutating webhook leaves it alone."""
+    a hostPath volume is reviewed too, when it is created and when an ephemeral container (which
+    may mount one of its volumes) is added; the mutating webhook leaves it alone."""
     mutating = hooks(docs, "MutatingWebhookConfiguration")["pods.mutate.kai-fractions.io"]
     validating = hooks(docs, "ValidatingWebhookConfiguration")["pods.validate.kai-fractions.io"]
     obj = host_path_pod(path)
     assert matches(validating, obj)
-    assert matches(validating, obj, obj, "UPDATE")
+    assert matches(validating, obj, obj, "UPDATE", subresource="ephemeralcontainers")
     assert not matches(mutating, obj)
     no_host = pod({"team": "a"})
     no_host["spec"]["volumes"] = [{"name": "cache", "emptyDir": {}}]
     assert not matches(validating, no_host)
+    assert not matches(validating, no_host, no_host, "UPDATE",
+                       subresource="ephemeralcontainers")
+
+
+@pytest.mark.parametrize("subresource", ["", "status"])
+def test_status_and_other_updates_of_a_host_path_pod_without_fraction_keys_are_not_sent(
+        docs, subresource):
+    """Every kubelet status write of every node-level pod (exporters, CNI/CSI plugins, GPU
+    operator parts) would otherwise wait on the webhook, fail closed: refused while it is down or
+    not yet ready. Nothing is lost: spec.volumes and the mounts never change after creation, and
+    the validator refuses on UPDATE only what the change introduces (checked below on its own
+    verdict). A pod with NvFractions keys (or one that had them) is still sent on every
+    operation."""
+    validating = hooks(docs, "ValidatingWebhookConfiguration")["pods.validate.kai-fractions.io"]
+    exporter = host_path_pod("/")  # reaches every kai-fractions directory
+    status = copy.deepcopy(exporter)
+    status["status"] = {"phase": "Running"}
+    assert not matches(validating, status, exporter, "UPDATE", subresource=subresource)
+    # the validator itself lets such an update through: sending it would only risk a refusal
+    config = AdmissionConfig(gate_image="registry.example.com/kai-fractions:test")
+    review = {"uid": "1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+              "resource": {"group": "", "version": "v1", "resource": "pods"},
+              "operation": "UPDATE", "namespace": "team-a", "object": status,
+              "oldObject": exporter, "userInfo": {"username": "system:node:gpu-node-1"}}
+    if subresource:
+        review["subResource"] = subresource
+    assert validate(review, config).allowed
+    assert not validate({**review, "operation": "CREATE", "oldObject": None}, config).allowed
+    # fractional pods, and pods that had NvFractions keys, keep every operation
+    fractional = host_path_pod("/", {k.DEFAULT_KEYS.container("main", k.MEMORY_REQUEST): "8Gi"})
+    assert matches(validating, fractional, fractional, "UPDATE", subresource=subresource)
+    assert matches(validating, exporter, fractional, "UPDATE", subresource=subresource)
+
+
+def test_an_ephemeral_container_on_a_host_path_pod_is_still_validated(docs):
+    """An ephemeral container cannot add a volume but can mount one the pod has: a pod without
+    NvFractions keys that carries the marker volume (admitted: nothing mounted it) must not get
+    one that mounts it, so that UPDATE is still sent, and refused."""
+    validating = hooks(docs, "ValidatingWebhookConfiguration")["pods.validate.kai-fractions.io"]
+    before = pod({"team": "a"})
+    before["spec"]["volumes"] = [{"name": MARKER_VOLUME,
+                                  "hostPath": {"path": DEFAULT_MARKER_HOST_DIR}}]
+    after = copy.deepcopy(before)
+    after["spec"]["ephemeralContainers"] = [{
+        "name": "debug", "image": "busybox",
+        "volumeMounts": [{"name": MARKER_VOLUME, "mountPath": "/markers"}]}]
+    assert matches(validating, after, before, "UPDATE", subresource="ephemeralcontainers")
+    config = AdmissionConfig(gate_image="registry.example.com/kai-fractions:test")
+    review = {"uid": "1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+              "resource": {"group": "", "version": "v1", "resource": "pods"},
+              "subResource": "ephemeralcontainers", "operation": "UPDATE",
+              "namespace": "team-a", "object": after, "oldObject": before,
+              "userInfo": {"username": "alice"}}
+    assert validate({**review, "operation": "CREATE", "object": before, "oldObject": None},
+                    config).allowed
+    decision = validate(review, config)
+    assert not decision.allowed and "only the kai-fractions-gate init container" in \
+        decision.message
+
+
+def _agent_pod(docs: list[dict]) -> dict:
+    """A pod of the chart's node agent DaemonSet, as its controller creates it."""
+    template = one(docs, "DaemonSet", AGENT)["spec"]["template"]
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"{AGENT}-x1", "namespace": NAMESPACE,
+                         **copy.deepcopy(template["metadata"])},
+            "spec": copy.deepcopy(template["spec"])}
+
+
+@pytest.mark.parametrize("exempt", [(), ("webhook.hostPathExemptNamespaces={monitoring}",)])
+def test_the_node_agents_own_pods_are_never_reviewed_for_host_paths(exempt):
+    """The agent's pods mount /proc, the marker root and the socket directory, which the
+    validator refuses in any pod. The namespace selector leaves the release namespace out by
+    default; with webhook.excludeSystemNamespaces=false the host-path clause still does, or no
+    node agent could start. Other namespaces, and fractional pods there, are still matched."""
+    docs = render(sets=("webhook.excludeSystemNamespaces=false", *exempt))
+    validating = hooks(docs, "ValidatingWebhookConfiguration")["pods.validate.kai-fractions.io"]
+    assert "namespaceSelector" not in validating or all(
+        e["key"] != "kubernetes.io/metadata.name"
+        for e in validating["namespaceSelector"].get("matchExpressions", []))
+    agent = _agent_pod(docs)
+    config = AdmissionConfig(gate_image="registry.example.com/kai-fractions:test")
+    review = {"uid": "1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+              "resource": {"group": "", "version": "v1", "resource": "pods"},
+              "operation": "CREATE", "namespace": NAMESPACE, "object": agent,
+              "userInfo": {"username": "system:serviceaccount:kube-system:daemon-set-controller"}}
+    assert not validate(review, config).allowed  # so it must never be sent
+    assert not matches(validating, agent, namespace=NAMESPACE)
+    assert matches(validating, agent, namespace="team-a")
+    if exempt:
+        assert not matches(validating, agent, namespace="monitoring")
+    fractional = host_path_pod("/", {k.DEFAULT_KEYS.container("main", k.MEMORY_REQUEST): "8Gi"})
+    assert matches(validating, fractional, namespace=NAMESPACE)
 
 
 def test_host_path_exempt_namespaces_lift_only_the_host_path_clause():
@@ -306,6 +410,21 @@ def test_provided_secret_and_cert_manager():
         assert config["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from":
                                                      "kf/admission"}
         assert all("caBundle" not in h["clientConfig"] for h in config["webhooks"])
+
+
+def test_cert_manager_injection_needs_the_secret_it_issues():
+    """certManagerInjectFrom alone: the chart would generate and serve its own certificate while
+    cert-manager overwrites the caBundle with another CA, so no handshake succeeds and every
+    fractional pod is refused. The render fails, naming both values."""
+    error = template_error("webhook.tls.certManagerInjectFrom=kai-fractions/admission")
+    assert "webhook.tls.certManagerInjectFrom=kai-fractions/admission needs " \
+        "webhook.tls.secretName" in error
+    assert "kai-fractions-admission-tls" in error
+    # with the Secret the Certificate writes, it renders (test_provided_secret_and_cert_manager)
+    docs = render(sets=("webhook.tls.certManagerInjectFrom=kai-fractions/admission",
+                        "webhook.tls.secretName=admission-cert"))
+    assert not [d for d in docs if d["kind"] == "Secret"
+                and d["metadata"]["name"] == f"{ADMISSION}-tls"]
 
 
 # -- the node agent's own-node policy -------------------------------------------------------

@@ -13,8 +13,17 @@ cluster-scoped, so one release per cluster.
 {{- if eq .Values.gpuSharing "NvFractions" -}}true{{- end -}}
 {{- end -}}
 
+{{/* The one image every component runs, and the gate init container the admission webhook
+injects into fractional pods. This project publishes none, so image.repository has no usable
+default: the render fails, naming the value, rather than deploy pods that pull an image nobody
+published while both pod webhooks fail closed with no server behind them. The old placeholder
+(ghcr.io/kai-fractions/kai-fractions, the default before) is refused the same way. */}}
 {{- define "kf.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- $repository := .Values.image.repository | default "" | trim -}}
+{{- if or (not $repository) (eq $repository "ghcr.io/kai-fractions/kai-fractions") -}}
+{{- fail (printf "image.repository must be set to the registry you pushed the kai-fractions image to%s: this project publishes no image. Build it from the Dockerfile at the root of the checkout (docker build -t <registry>/kai-fractions:<version> . && docker push <registry>/kai-fractions:<version>) and install with --set image.repository=<registry>/kai-fractions,image.tag=<version>. Every component runs it, and so does the gate init container of every fractional pod" (ternary "" (printf " (%s is only a placeholder)" $repository) (not $repository))) -}}
+{{- end -}}
+{{ $repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
 
 {{- define "kf.labels" -}}
