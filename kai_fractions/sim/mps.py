@@ -18,6 +18,7 @@ from ..contract import MPS_SERVER
 from ..contract import keys as k
 from ..node.mps import errors as e
 from ..node.mps.control import (
+    ENV_DEVICE_ORDER,
     ENV_LOG_DIRECTORY,
     NAME_RE,
     MpsClient,
@@ -121,7 +122,8 @@ class FakeMpsControl:
 
     @property
     def env(self) -> dict[str, str]:
-        return {k.ENV_PIPE_DIRECTORY: self.pipe_dir, ENV_LOG_DIRECTORY: self.log_dir}
+        return {k.ENV_PIPE_DIRECTORY: self.pipe_dir, ENV_LOG_DIRECTORY: self.log_dir,
+                ENV_DEVICE_ORDER[0]: ENV_DEVICE_ORDER[1]}
 
     def _enter(self, method: str, *args: Any, v3: bool = False) -> None:
         self.calls.append((method, args))

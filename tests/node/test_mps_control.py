@@ -24,7 +24,8 @@ from kai_fractions.node.mps.runner import (
 BIN = "/usr/bin/nvidia-cuda-mps-control"
 PIPE = "/run/kf/mps"
 LOGS = "/var/log/kf/mps"
-ENV = {"CUDA_MPS_PIPE_DIRECTORY": PIPE, "CUDA_MPS_LOG_DIRECTORY": LOGS}
+ENV = {"CUDA_MPS_PIPE_DIRECTORY": PIPE, "CUDA_MPS_LOG_DIRECTORY": LOGS,
+       "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}  # the pinned limit's device index is NVML's
 V3_HELP = ("Usage: nvidia-cuda-mps-control [OPTIONS] [MODULE VERB ...]\n"
            "  -p, --protocol <2|3>   Protocol 2 (legacy, default) or 3.\n")
 OLD_HELP = ("CUDA MPS Control for Linux/Unix.\nCopyright (C) 2003 - 2023 NVIDIA Corporation.\n\n"

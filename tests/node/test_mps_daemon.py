@@ -77,7 +77,8 @@ def test_first_start_argv_env_dirs_and_state_applied(dirs):
     # one sm-sharing containers mount, and reaches them through their namespace links.
     pipe = os.path.join(root, "shared", "legacy")
     assert daemon.pipe_dir == pipe
-    env = {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": logs}
+    env = {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": logs,
+           "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert [(c.argv, c.stdin) for c in runner.calls] == [
         ((BIN, "--help"), None), ((BIN,), LIST), ((BIN, "-d"), None), ((BIN,), LIST)]
     assert runner.calls[1].env == runner.calls[2].env == env

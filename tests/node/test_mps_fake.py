@@ -137,4 +137,5 @@ def test_shared_call_journal():
     mps.namespace_list()
     assert journal == [("namespace_list", ())]
     assert mps.env == {"CUDA_MPS_PIPE_DIRECTORY": "/run/kai-fractions/mps",
-                       "CUDA_MPS_LOG_DIRECTORY": "/var/log/kai-fractions/mps"}
+                       "CUDA_MPS_LOG_DIRECTORY": "/var/log/kai-fractions/mps",
+                       "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}

@@ -38,6 +38,10 @@ from .errors import MpsError
 from .runner import CommandNotFound, CommandResult, CommandRunner, CommandTimeout
 
 ENV_LOG_DIRECTORY = "CUDA_MPS_LOG_DIRECTORY"
+ENV_DEVICE_ORDER = ("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+"""For the daemon and the servers it starts: CUDA numbers devices fastest first by default,
+NVML by PCI bus. A pinned limit is addressed by the NVML index (and read back by it), so on a
+node with GPUs of mixed kinds the default order would set it on another GPU."""
 """Read by the control daemon only (where control.log goes); not part of the pod contract."""
 
 NAME_RE = re.compile(r"[a-z0-9_]+")
@@ -213,7 +217,8 @@ class MpsControl:
 
     @property
     def env(self) -> dict[str, str]:
-        return {k.ENV_PIPE_DIRECTORY: self.pipe_dir, ENV_LOG_DIRECTORY: self.log_dir}
+        return {k.ENV_PIPE_DIRECTORY: self.pipe_dir, ENV_LOG_DIRECTORY: self.log_dir,
+                ENV_DEVICE_ORDER[0]: ENV_DEVICE_ORDER[1]}
 
     def _run(self, argv: Sequence[str], stdin: str | None, what: str,
              timeout: float | None) -> CommandResult:
