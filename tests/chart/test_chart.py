@@ -527,6 +527,16 @@ def test_no_disruption_budget_that_would_block_a_drain(component: str, value: st
             "app.kubernetes.io/component"] == component
     off = f"{value.split('.')[0]}.podDisruptionBudget.enabled=false"
     assert not find(render(sets=(off,)), "PodDisruptionBudget", name)
+    # A budget set by hand to let no pod go is refused, naming both values.
+    prefix = value.split(".")[0]
+    for replicas, least in ((2, "2"), (2, "3"), (3, "3")):
+        error = template_error(f"{value}={replicas}",
+                               f"{prefix}.podDisruptionBudget.minAvailable={least}")
+        assert (f"{prefix}.podDisruptionBudget.minAvailable={least} with {value}={replicas} "
+                "lets no pod be evicted") in error, error
+    kept = one(render(sets=(f"{value}=3", f"{prefix}.podDisruptionBudget.minAvailable=2")),
+               "PodDisruptionBudget", name)
+    assert kept["spec"]["minAvailable"] == 2
 
 
 # -- helpers --------------------------------------------------------------------------------

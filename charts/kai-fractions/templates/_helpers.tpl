@@ -249,3 +249,13 @@ removed between oldObject and object. Arg: the field under metadata. */}}
 {{- $old := printf "(has(oldObject.metadata.%s) ? oldObject.metadata.%s : {})" . . -}}
 {{ $new }}.filter(k, !(k in {{ $old }}) || {{ $old }}[k] != {{ $new }}[k]) + {{ $old }}.filter(k, !(k in {{ $new }}))
 {{- end -}}
+
+{{/* A PodDisruptionBudget's minAvailable that lets no eviction through (a number of pods at
+least the replicas): `kubectl drain` of a node running one would wait for ever. A percentage is
+left alone (below 100% it always leaves room once there are 2+ replicas). Call with dict "min",
+"replicas" and "value" (the values path, for the message). */}}
+{{- define "kf.pdb.check" -}}
+{{- if and (not (kindIs "string" .min)) (ge (int .min) (int .replicas)) -}}
+{{- fail (printf "%s.minAvailable=%v with %s.replicas=%v lets no pod be evicted: kubectl drain of their nodes would wait for ever. Set minAvailable below the replicas (or a percentage under 100%%), or raise the replicas" .value .min (trimSuffix ".podDisruptionBudget" .value) .replicas) -}}
+{{- end -}}
+{{- end -}}
