@@ -164,14 +164,20 @@ def gate_state(pod: Mapping[str, Any]) -> tuple[str, str, str] | None:
     if status is None:
         return None
     st = status.get("state") or {}
-    terminated = st.get("terminated") or (status.get("lastState") or {}).get("terminated")
-    if terminated:
-        message = " ".join(str(terminated.get("message") or "").split())
-        if int(terminated.get("exitCode") or 0) == 0:
-            return ENFORCED, "GateReleased", message
-        return REFUSED, "GateFailed", message or str(terminated.get("reason") or "")
+    # The current state decides: a gate that runs again (a node reboot, a new sandbox) waits
+    # again, whatever its last run said; lastState only tells why it is being retried.
     if "running" in st:
         return WAITING, "GateWaiting", "the gate waits for the node agent to apply the limits"
+    terminated = st.get("terminated") or (
+        (status.get("lastState") or {}).get("terminated") if "waiting" in st or not st else None)
+    if terminated:
+        message = " ".join(str(terminated.get("message") or "").split())
+        if int(terminated.get("exitCode") or 0) == 0 and "terminated" in st:
+            return ENFORCED, "GateReleased", message
+        if int(terminated.get("exitCode") or 0) == 0:
+            return WAITING, "GateWaiting", "the gate is about to run again (it released the " \
+                "pod before; a new sandbox runs it anew)"
+        return REFUSED, "GateFailed", message or str(terminated.get("reason") or "")
     return None
 
 

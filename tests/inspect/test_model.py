@@ -13,7 +13,7 @@ from kai_fractions.inspect.agent_state import (
     AgentState,
     unreachable,
 )
-from kai_fractions.inspect.model import node_report, pod_report
+from kai_fractions.inspect.model import gate_state, node_report, pod_report
 
 from .pods import GPU0, GPU1, MIB, NODE, bind, gate_status, memory_pod, node, pod
 
@@ -77,6 +77,26 @@ def test_gate_states_waiting_failed_and_no_gate():
                              "agent: SmSharingDisabled: no MPS here")
     assert state(bound) == ("pending", "", "waiting for the node agent")
     assert state(ungated)[:2] == ("ungated", "NoGate")
+
+
+def test_a_gate_that_runs_again_is_waiting_whatever_its_last_run_said():
+    """After a node reboot or a new sandbox the gate runs again: its last run's exit 0 says
+    nothing of the limits now (they went with the reboot); a retry is waiting, not failed."""
+
+    def gate(state: dict, last: dict | None = None) -> dict:
+        status = {"name": "kai-fractions-gate", "state": state}
+        if last is not None:
+            status["lastState"] = {"terminated": last}
+        return {"status": {"initContainerStatuses": [status]}}
+
+    released, failed = {"exitCode": 0}, {"exitCode": 1, "message": "timed out"}
+    assert gate_state(gate({"running": {}}, released))[:2] == ("waiting", "GateWaiting")
+    assert gate_state(gate({"running": {}}, failed))[:2] == ("waiting", "GateWaiting")
+    assert gate_state(gate({"waiting": {"reason": "PodInitializing"}}, released))[:2] == (
+        "waiting", "GateWaiting")
+    assert gate_state(gate({"waiting": {"reason": "CrashLoopBackOff"}}, failed)) == (
+        "refused", "GateFailed", "timed out")
+    assert gate_state(gate({"terminated": released}))[:2] == ("enforced", "GateReleased")
 
 
 def test_unbound_pods_are_unplaced_with_the_schedulers_reason():
