@@ -68,7 +68,10 @@ def _files(path: str) -> list[tuple[Path, bool]]:
 def _sources(paths: list[str]) -> Iterator[_Source]:
     for path in paths:
         if path == "-":
-            yield _Source("<stdin>", sys.stdin.read(), True)
+            try:
+                yield _Source("<stdin>", sys.stdin.read(), True)
+            except UnicodeDecodeError as e:
+                raise InputError(f"<stdin>: cannot read: {e}") from None
             continue
         for f, named in _files(path):
             try:
@@ -89,7 +92,11 @@ def _yaml_error(name: str, e: yaml.YAMLError) -> InputError:
 
 def _documents(source: _Source) -> Iterator[tuple[int, Any]]:
     """(start line, document) of each non-empty document."""
-    loader = yaml.SafeLoader(source.text)
+    try:
+        # The loader's reader checks the whole text at once (unprintable characters).
+        loader = yaml.SafeLoader(source.text)
+    except yaml.YAMLError as e:
+        raise _yaml_error(source.name, e) from None
     try:
         while loader.check_node():
             node = loader.get_node()
@@ -104,6 +111,9 @@ def _documents(source: _Source) -> Iterator[tuple[int, Any]]:
             yield node.start_mark.line + 1, doc
     except yaml.YAMLError as e:
         raise _yaml_error(source.name, e) from None
+    except RecursionError:
+        raise InputError(f"{source.name}: not valid YAML: nested too deep to read "
+                         "(no Kubernetes object nests like this)") from None
     finally:
         loader.dispose()
 

@@ -140,8 +140,10 @@ def run(args: argparse.Namespace) -> int:
         keys = Keys(prefix=args.annotation_prefix)
     except ValueError as e:
         return _fail(f"--annotation-prefix: {e}")
-    if not args.first_list_jitter >= 0:
-        return _fail(f"--first-list-jitter must be 0 or more seconds, got {args.first_list_jitter}")
+    if not 0 <= args.first_list_jitter < float("inf"):
+        # inf would put the first list off for ever: every gate on the node would time out.
+        return _fail("--first-list-jitter must be 0 or more seconds (and finite), got "
+                     f"{args.first_list_jitter}")
     if not 0 <= args.mps_drain_before_kill < float("inf"):
         return _fail("--mps-drain-before-kill must be 0 or more seconds, got "
                      f"{args.mps_drain_before_kill}")

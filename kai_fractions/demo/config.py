@@ -146,6 +146,9 @@ def load_config(path: str | Path | None) -> DemoConfig:
         text = path.read_text()
     except OSError as e:
         raise DemoConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise DemoConfigError(f"{path}: cannot read: not UTF-8 text ({e.reason} at byte "
+                              f"{e.start})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

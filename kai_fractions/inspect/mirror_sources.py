@@ -19,7 +19,10 @@ METRICS_PORT = "metrics"
 
 
 def replica_from_url(url: str, now: float | None = None) -> Replica:
-    target = metrics_url(url)
+    try:
+        target = metrics_url(url)
+    except SourceError as e:
+        return unreadable(url, url, e.message)
     try:
         text = read_metrics(target)
         return replica_from_metrics(url, target, text, time.time() if now is None else now)

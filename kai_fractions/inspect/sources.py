@@ -6,6 +6,7 @@ the cluster's as `SourceError` (the command exits), the agent's as an unreachabl
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import os
 import urllib.error
 import urllib.parse
@@ -179,7 +180,10 @@ def metrics_url(url: str) -> str:
     """`url` with http:// and /metrics added where it lacks them (`HOST:PORT` works)."""
     if "://" not in url:
         url = f"http://{url}"
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as e:  # an unclosed [IPv6] bracket, say
+        raise SourceError(f"{url}: not a URL: {e}") from None
     if parts.path in ("", "/"):
         parts = parts._replace(path="/metrics")
     return urllib.parse.urlunsplit(parts)
@@ -206,13 +210,17 @@ def read_metrics(url: str, timeout: float = AGENT_TIMEOUT) -> str:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.read().decode("utf-8", "replace")
-    except (urllib.error.URLError, OSError, ValueError) as e:
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+        # HTTPException: a port that is not a number, or a server that does not speak HTTP
         reason = getattr(e, "reason", None) or e
         raise SourceError(f"{type(e).__name__}: {reason}") from None
 
 
 def agent_from_metrics(url: str, timeout: float = AGENT_TIMEOUT) -> AgentState:
-    target = metrics_url(url)
+    try:
+        target = metrics_url(url)
+    except SourceError as e:
+        return unreachable(f"metrics {url}", e.message)
     source = f"metrics {target}"
     try:
         text = read_metrics(target, timeout)

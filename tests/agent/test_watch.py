@@ -206,9 +206,10 @@ def test_the_agent_cli_spreads_its_first_list_by_default_and_refuses_a_negative_
 
     args = build_parser().parse_args(["node-agent"])
     assert (args.first_list_jitter, args.list_from_watch_cache) == (2.0, False)
-    assert main(["node-agent", "--node-name", "n1", "--first-list-jitter", "-1"]) == 2
-    assert capsys.readouterr().err.endswith(
-        "--first-list-jitter must be 0 or more seconds, got -1.0\n")
+    for bad in ("-1", "inf"):
+        assert main(["node-agent", "--node-name", "n1", "--first-list-jitter", bad]) == 2
+        assert capsys.readouterr().err.endswith(
+            f"--first-list-jitter must be 0 or more seconds (and finite), got {float(bad)}\n")
 
 
 def test_backoff_grows_and_is_capped() -> None:

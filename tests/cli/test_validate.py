@@ -184,6 +184,18 @@ def test_invalid_yaml_names_the_file_line_and_column(capsys) -> None:
                    "line 5)\n")
 
 
+def test_yaml_the_reader_refuses_or_cannot_nest_is_a_clear_error(capsys, tmp_path) -> None:
+    control = tmp_path / "bell.yaml"
+    control.write_text("kind: Pod\x07\n")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    for path, said in ((control, "not valid YAML: unacceptable character #x0007"),
+                       (deep, "not valid YAML: nested too deep to read")):
+        code, out, err = cli(capsys, "validate", "-f", str(path))
+        assert (code, out) == (2, "")
+        assert err.startswith(f"kai-fractions validate: {path}: {said}"), err
+
+
 def test_non_mapping_document(capsys) -> None:
     code, _, err = cli(capsys, "validate", "-f", data("not-mapping.yaml"))
     assert code == 2

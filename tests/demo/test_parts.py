@@ -107,6 +107,9 @@ def test_config_file(tmp_path: Path):
     path.write_text("node: [1\n")
     with pytest.raises(DemoConfigError, match=f"^{path}: not valid YAML: "):
         load_config(path)
+    path.write_bytes(b"node: \xff\xfe\n")  # not text: an error naming the file, no traceback
+    with pytest.raises(DemoConfigError, match=f"^{path}: cannot read: not UTF-8 text"):
+        load_config(path)
 
 
 @pytest.mark.parametrize("data, error", [

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from kai_fractions.inspect.mirror_render import duration, render, short_time
+from kai_fractions.inspect.mirror_sources import replica_from_url
 from kai_fractions.inspect.mirror_state import (
     Replica,
     bucket_quantile,
@@ -18,6 +19,7 @@ from kai_fractions.inspect.mirror_state import (
     replica_from_metrics,
     unreadable,
 )
+from kai_fractions.inspect.sources import agent_from_metrics
 
 from .mirrors import mirror_metrics, scrape
 
@@ -135,3 +137,14 @@ def test_durations_read_at_a_glance():
     assert [duration(s) for s in (None, 42, 61, 3 * 3600 + 12 * 60 + 5, 2 * 86400 + 3600)] == [
         "-", "42s", "1m1s", "3h12m", "2d1h"]
     assert [short_time(s) for s in (None, 0.0123, 4.8)] == ["-", "12.3 ms", "4.8 s"]
+
+
+@pytest.mark.parametrize(("url", "said"), [
+    ("http://127.0.0.1:abc", "InvalidURL: nonnumeric port: 'abc'"),
+    ("http://[::1", "http://[::1: not a URL: Invalid IPv6 URL"),
+])
+def test_a_url_that_cannot_be_read_is_a_replica_not_read_not_a_crash(url, said):
+    replica = replica_from_url(url)
+    assert said in json.dumps(replica.to_dict()), replica
+    agent = agent_from_metrics(url)
+    assert not agent.reachable and said in agent.error
