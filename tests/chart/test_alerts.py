@@ -44,6 +44,7 @@ ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
     "KaiFractionsMirrorCallsFailing": (MIRROR_GROUP, "warning", "10m"),
     "KaiFractionsMirrorApiUnreachable": (MIRROR_GROUP, "warning", "5m"),
     "KaiFractionsSignatureDelayHigh": (MIRROR_GROUP, "warning", "15m"),
+    "KaiFractionsFollowerFailing": (MIRROR_GROUP, "warning", "10m"),
     "KaiFractionsNodeAgentSilent": (MIRROR_GROUP, "warning", None),
     "KaiFractionsNodeNotReady": (AGENT_GROUP, "warning", "10m"),
     "KaiFractionsGpuMemoryLimitViolation": (AGENT_GROUP, "warning", None),
@@ -54,7 +55,8 @@ ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
     "KaiFractionsWatchdogBlind": (AGENT_GROUP, "warning", "10m"),
 }
 FOLLOWER = {"KaiFractionsFollowerNoLeader", "KaiFractionsFollowerSeveralLeaders",
-            "KaiFractionsSignatureDelayHigh", "KaiFractionsNodeAgentSilent"}
+            "KaiFractionsSignatureDelayHigh", "KaiFractionsFollowerFailing",
+            "KaiFractionsNodeAgentSilent"}
 """Only with mirror.followBindRequests: without the follower nothing leads or signs."""
 PROMETHEUS_TEMPLATE = re.compile(r"\{\{\s*(.*?)\s*\}\}")
 ALLOWED_TEMPLATE = re.compile(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)|\$value(?: \| humanize\w*)?")
@@ -278,7 +280,7 @@ def test_every_mirror_alert_names_only_what_a_live_mirror_exports(
     assert "kai_fractions_mirror_calls_total" in labels_of  # the scrape is the mirror's
     assert set().union(*labels_of.values()) & TARGET_LABELS == set()
     exprs = alert_exprs(MIRROR_GROUP, rule())
-    assert len(exprs) == 6
+    assert len(exprs) == 7
     assert problems(exprs, labels_of, "mirror", TARGET_LABELS) == []
     # a misspelt metric in a real alert's expression fails the check
     (failing,) = [e for e in exprs if e.where == "alert KaiFractionsMirrorCallsFailing"]
@@ -291,3 +293,13 @@ def test_every_mirror_alert_names_only_what_a_live_mirror_exports(
     assert problems([Expr(MIRROR_GROUP, "node", "kai_fractions_follower_leading", "{{node}}")],
                     labels_of, "mirror", TARGET_LABELS) == [
         "node: the legend names node, which no metric has"]
+
+
+def test_the_waits_every_bound_pod_goes_through_are_no_reconcile_error_alert():
+    """A busy cluster's pods each wait a moment for their signature and their bind: counted as
+    reconcile errors, they would keep the alert firing for ever (the follower's alerts cover a
+    signature that never comes)."""
+    _, r = alerts(rule())["KaiFractionsReconcileErrors"]
+    assert 'reason!~"SignatureMissing|NotBound"' in r["expr"]
+    _, failing = alerts(rule())["KaiFractionsFollowerFailing"]
+    assert 'result="complete"' in failing["expr"] and "unless on()" in failing["expr"]
