@@ -47,6 +47,7 @@ ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
     "KaiFractionsFollowerFailing": (MIRROR_GROUP, "warning", "10m"),
     "KaiFractionsNodeAgentSilent": (MIRROR_GROUP, "warning", None),
     "KaiFractionsNodeNotReady": (AGENT_GROUP, "warning", "10m"),
+    "KaiFractionsNodeAgentWritesRefused": (AGENT_GROUP, "warning", "10m"),
     "KaiFractionsGpuMemoryLimitViolation": (AGENT_GROUP, "warning", None),
     "KaiFractionsContainerRefused": (AGENT_GROUP, "warning", "5m"),
     "KaiFractionsReconcileErrors": (AGENT_GROUP, "warning", "15m"),
@@ -259,7 +260,7 @@ def test_every_node_agent_alert_names_only_what_a_live_agent_exports(
     labels_of = exported(text)
     assert "gpu_fractioning_gpu_memory_used_bytes" in labels_of  # the scrape is the agent's
     exprs = alert_exprs(AGENT_GROUP, rule())
-    assert len(exprs) == 7
+    assert len(exprs) == 8
     assert problems(exprs, labels_of, "agent") == []
     # a misspelt metric, a label the family lacks, a target label: each is reported
     bad = [Expr(AGENT_GROUP, "typo", "kai_fractions_node_redy == 0", ""),
