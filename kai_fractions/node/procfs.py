@@ -120,19 +120,6 @@ class Procfs:
         fields = text.rsplit(")", 1)[1].split()
         return fields[0] if fields else None
 
-    def start_time(self, pid: int) -> int | None:
-        """When the process started (`stat` field 22, clock ticks since boot): with the pid, it
-        names one process, as a reused pid gets a new start time. None when there is no such
-        pid or its `stat` has no such field."""
-        text = self._read(str(int(pid)), "stat")
-        if not text or ")" not in text:
-            return None
-        fields = text.rsplit(")", 1)[1].split()  # field 3 (state) onwards
-        try:
-            return int(fields[19])
-        except (IndexError, ValueError):
-            return None
-
     def is_alive(self, pid: int) -> bool:
         """Runs (a zombie nobody reaped yet counts as gone: it holds no GPU and no lock)."""
         return self.state(pid) not in (None, "Z", "X", "x")

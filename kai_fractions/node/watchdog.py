@@ -268,14 +268,11 @@ class Watchdog:
         self.killer = killer
         self.mps = mps_control
         self.clock: Clock = clock or SystemClock()
-        # pid -> (start time, owner), for the pids NVML reported in the last check. A GPU process
-        # keeps its cgroup for its lifetime, so re-parsing /proc/<pid>/cgroup every second for
-        # every process is wasted work; but a pid can be reused (by another container's process)
-        # between two checks while NVML keeps listing it, so an entry holds only while the pid's
-        # start time (/proc/<pid>/stat) is the one read with it. Entries go as soon as NVML
-        # stops reporting the pid. Enforcement never trusts this cache: `_still_in` reads /proc
-        # afresh before acting.
-        self._owners: dict[int, tuple[int, PodContainer | bool]] = {}
+        # pid -> owner, for the pids NVML reported in the last check. A GPU process keeps its
+        # pid (and cgroup) for its lifetime, so re-reading /proc/<pid>/cgroup every second for
+        # every process is wasted work; entries go as soon as NVML stops reporting the pid.
+        # Enforcement never trusts this cache: `_still_in` reads /proc afresh before acting.
+        self._owners: dict[int, PodContainer | bool] = {}
 
     def check(
         self,
@@ -342,19 +339,14 @@ class Watchdog:
         """The pod/container of `pid`; False for a live process of no pod; None if it is gone."""
         if pid <= 1 or pid == os.getpid():
             return False
-        started = self.procfs.start_time(pid)
-        known = self._owners.get(pid)
-        if cached and started is not None and known is not None and known[0] == started:
-            return known[1]
-        self._owners.pop(pid, None)
+        if cached and pid in self._owners:
+            return self._owners[pid]
         path = self.procfs.cgroup_path(pid)
         if path is None:
+            self._owners.pop(pid, None)
             return None
         owner = parse_cgroup_path(path) or False
-        if started is not None:
-            # Read before the cgroup: should the pid be taken by another process in between,
-            # the next check reads another start time and looks again.
-            self._owners[pid] = (started, owner)
+        self._owners[pid] = owner
         return owner
 
     @staticmethod

@@ -139,15 +139,3 @@ def test_real_proc_of_this_process():
     fs = Procfs()
     assert fs.is_alive(os.getpid())
     assert fs.cgroup_path(os.getpid()) is not None
-
-
-def test_start_time_is_stat_field_22_whatever_the_command_name(tmp_path):
-    d = tmp_path / "77"
-    d.mkdir()
-    (d / "stat").write_text("77 (a) b (c)) S 1 77 77 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 "
-                            "123456 10000 100 18446744073709551615\n")
-    procfs = Procfs(tmp_path)
-    assert procfs.start_time(77) == 123456
-    assert procfs.start_time(78) is None  # no such pid
-    (d / "stat").write_text("77 (a) S 1 77 77 0 -1\n")  # too short to say
-    assert procfs.start_time(77) is None
