@@ -176,6 +176,16 @@ def _cap_unverified(name: str, pct: int, pids: list[int], said: str | None = Non
         "attaches again"))
 
 
+def _namespace_busy(name: str, in_force: str, pct: int) -> MpsError:
+    """Clients attached to `name` run with another percentage than the plan's `pct`
+    (`in_force` says which, and how it is known)."""
+    return MpsError(NAMESPACE_BUSY, (
+        f"MPS namespace {name} has clients attached, which run with the active-thread "
+        f"percentage {in_force} (MPS fixes it at the first attach); the plan's {pct} takes "
+        "effect once they have exited: stop the container's GPU processes, or recreate the "
+        "pod"))
+
+
 def _has_namespaces(mps: MpsControlLike) -> bool:
     """Whether the daemon speaks the v3 protocol (namespaces); assumed when it cannot say."""
     probe = getattr(mps, "supports_protocol_v3", None)
@@ -495,12 +505,8 @@ class _Run:
                     # MPS fixed the cap when the first client attached: a new percentage
                     # cannot take effect until they exit.
                     if in_force is not None and in_force != pct:
-                        self.fail([c.key], MpsError(NAMESPACE_BUSY, (
-                            f"MPS namespace {name} has clients attached, which run with the "
-                            f"active-thread percentage {in_force} set before they attached "
-                            f"(MPS fixes it at the first attach); the plan's {pct} takes "
-                            "effect once they have exited: stop the container's GPU "
-                            "processes, or recreate the pod")))
+                        self.fail([c.key], _namespace_busy(
+                            name, f"{in_force} set before they attached", pct))
                     elif in_force is not None:
                         self.e._atp_checked.add(name)
                     else:
@@ -528,11 +534,7 @@ class _Run:
                 "lifetime. The container stays pending until they have exited (restart the "
                 "container's GPU processes, or recreate the pod)")))
         elif held != float(pct):
-            self.fail([c.key], MpsError(NAMESPACE_BUSY, (
-                f"MPS namespace {name} has clients attached, which run with the "
-                f"active-thread percentage {held:g} the namespace holds (MPS fixes it at the "
-                f"first attach); the plan's {pct} takes effect once they have exited: stop "
-                "the container's GPU processes, or recreate the pod")))
+            self.fail([c.key], _namespace_busy(name, f"{held:g} the namespace holds", pct))
         else:
             self.e._atp[name] = pct
             self.e._atp_checked.add(name)

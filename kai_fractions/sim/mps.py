@@ -15,17 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..contract import MPS_SERVER
-from ..contract import keys as k
 from ..node.mps import errors as e
 from ..node.mps.control import (
-    ENV_DEVICE_ORDER,
-    ENV_LOG_DIRECTORY,
     NAME_RE,
     MpsClient,
     check_index,
     check_namespace,
     check_pct,
     check_positive,
+    control_env,
     displayed_mem_limit,
     parse_mem_limit,
 )
@@ -122,8 +120,7 @@ class FakeMpsControl:
 
     @property
     def env(self) -> dict[str, str]:
-        return {k.ENV_PIPE_DIRECTORY: self.pipe_dir, ENV_LOG_DIRECTORY: self.log_dir,
-                ENV_DEVICE_ORDER[0]: ENV_DEVICE_ORDER[1]}
+        return control_env(self.pipe_dir, self.log_dir)
 
     def _enter(self, method: str, *args: Any, v3: bool = False) -> None:
         self.calls.append((method, args))

@@ -71,6 +71,12 @@ def displayed_mem_limit(mib: int) -> str:
     return f"{mib}M"
 
 
+def control_env(pipe_dir: str, log_dir: str) -> dict[str, str]:
+    """The environment of every MPS control call, the daemon's start included."""
+    return {k.ENV_PIPE_DIRECTORY: pipe_dir, ENV_LOG_DIRECTORY: log_dir,
+            ENV_DEVICE_ORDER[0]: ENV_DEVICE_ORDER[1]}
+
+
 _LIMIT_RE = re.compile(r"(\d+)([MG])")
 _PCT_RE = re.compile(r"(\d+(?:\.\d+)?)\s*%?")
 
@@ -217,8 +223,7 @@ class MpsControl:
 
     @property
     def env(self) -> dict[str, str]:
-        return {k.ENV_PIPE_DIRECTORY: self.pipe_dir, ENV_LOG_DIRECTORY: self.log_dir,
-                ENV_DEVICE_ORDER[0]: ENV_DEVICE_ORDER[1]}
+        return control_env(self.pipe_dir, self.log_dir)
 
     def _run(self, argv: Sequence[str], stdin: str | None, what: str,
              timeout: float | None) -> CommandResult:
