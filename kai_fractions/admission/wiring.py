@@ -21,7 +21,7 @@ from ..contract import keys as k
 from ..contract.errors import shown
 from . import podspec
 from .config import GATE_CONTAINER, AdmissionConfig
-from .errors import Problem, exact
+from .errors import Problem, clip, exact
 
 VOID_ENV = {"name": k.ENV_VISIBLE_DEVICES, "value": "void"}
 LENIENT = frozenset({"resources", "imagePullPolicy", "terminationMessagePath",
@@ -32,8 +32,7 @@ _SHOWN = 120
 
 
 def _show(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
-    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
+    return clip(json.dumps(value, sort_keys=True, separators=(",", ":")), _SHOWN)
 
 
 def _names(items: Any) -> list[str]:
