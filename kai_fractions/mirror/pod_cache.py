@@ -125,6 +125,20 @@ def _one_of(value: Any) -> Any:
     return shared
 
 
+ALLOCATED: Mapping[str, Any] = CompactMap({})
+"""The spec of an entry for a pod the mirror allocated: compared by identity (`is`), never
+read. Such an entry holds the pod's identity and version only; `lookup` misses it."""
+_IDENTITY = ("name", "namespace", "uid", "resourceVersion")
+
+
+def _picked(meta: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    """Those of `fields` that `meta` has, its namespace interned (a cluster has few)."""
+    picked = {k: meta[k] for k in fields if k in meta}
+    if type(picked.get("namespace")) is str:
+        picked["namespace"] = sys.intern(picked["namespace"])
+    return picked
+
+
 def trimmed(obj: Mapping[str, Any] | PodSnapshot) -> PodSnapshot:
     """The part of a pod the mirror reads, as a PodSnapshot (a nameless one, never cached, for
     what is not a pod: the watch thread must outlive a bad event). A snapshot is kept as is:
@@ -137,33 +151,18 @@ def trimmed(obj: Mapping[str, Any] | PodSnapshot) -> PodSnapshot:
     spec = obj.get("spec") or {}
     if not isinstance(meta, Mapping) or not isinstance(spec, Mapping):
         return PodSnapshot({}, {})  # no API server sends this; a nameless entry is not kept
+    annotations = meta.get("annotations")
+    if isinstance(annotations, Mapping) and MIRRORED_ANNOTATION in annotations:
+        return PodSnapshot(CompactMap(_picked(meta, _IDENTITY)), ALLOCATED)
     kept: dict[str, Any] = {key: _one_of(_containers(spec[key]))
                             for key in ("containers", "initContainers") if key in spec}
     if "nodeName" in spec:
         kept["nodeName"] = spec["nodeName"]
-    annotations = meta.get("annotations")
-    if isinstance(annotations, Mapping) and MIRRORED_ANNOTATION in annotations:
-        return _allocated(meta)
-    metadata = {k: meta[k] for k in _METADATA if k in meta}
+    metadata = _picked(meta, _METADATA)
     for key in ("annotations", "labels"):
         if key in metadata:
             metadata[key] = _one_of(metadata[key])
-    if type(metadata.get("namespace")) is str:
-        metadata["namespace"] = sys.intern(metadata["namespace"])
     return PodSnapshot(CompactMap(metadata), _one_of(kept))  # a job's pods: one trimmed spec
-
-
-ALLOCATED: Mapping[str, Any] = CompactMap({})
-"""The spec of an entry for a pod the mirror allocated: compared by identity (`is`), never
-read. Such an entry holds the pod's identity and version only; `lookup` misses it."""
-_IDENTITY = ("name", "namespace", "uid", "resourceVersion")
-
-
-def _allocated(meta: Mapping[str, Any]) -> PodSnapshot:
-    identity = {k: meta[k] for k in _IDENTITY if k in meta}
-    if type(identity.get("namespace")) is str:
-        identity["namespace"] = sys.intern(identity["namespace"])
-    return PodSnapshot(CompactMap(identity), ALLOCATED)
 
 
 def _holds(old: PodSnapshot | None, pod: PodSnapshot) -> bool:
