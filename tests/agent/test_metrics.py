@@ -21,7 +21,7 @@ from kai_fractions.node.agent.metrics import Usage
 from kai_fractions.node.desired import ContainerKey
 
 from .builders import GIB, MIB, Rig, binder_annotations
-from .test_reconcile import add_pod, leaf_of
+from .test_reconcile import _running, add_pod, leaf_of
 
 UPSTREAM = {"namespace", "pod", "pod_uuid", "gpu_uuid", "gpu"}
 PER_CONTAINER = UPSTREAM | {"node", "container"}
@@ -154,6 +154,50 @@ def test_final_refusals_are_series_with_their_reason(short_tmp: Path) -> None:
     rig.cluster.delete_pod(late)
     rig.step()
     assert samples(rig, "kai_fractions_container_refused") == {}
+
+
+def test_refusals_and_violations_are_counted_per_node_and_outlive_the_pod(
+        short_tmp: Path) -> None:
+    """A Job's pod that its gate fails, or that goes over its cap and dies, goes within
+    seconds and takes its per-container series with it, often before a scrape: the per-node
+    counters (from 0, for an alert's increase()) keep the count."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    node = {"node": "node-a"}
+    refusals = "kai_fractions_node_container_refusals_total"
+    violations = "kai_fractions_node_gpu_memory_limit_violations_total"
+    zero = {frozenset({**node, "reason": r}.items()): 0 for r in (
+        "ContractInvalid", "DeviceNotOnNode", "ComputeModeMix", "MemoryOvercommitted",
+        "SmSharingDisabled", "MemoryLimitsUnsupported", "MigNotSupported", "MpsNamespaceTaken",
+        "MpsMountMismatch", "PlanChangeRefused")}  # NotBound is a wait, never counted
+    assert samples(rig, refusals) == zero
+    assert samples(rig, violations) == {frozenset(node.items()): 0}
+
+    refused = add_pod(rig, "refused", notes=binder_annotations(devices=rig.gpu0,
+                                                                mode="sm-sharing"))
+    for _ in range(3):  # one refusal, however many passes see it
+        rig.step()
+    disabled = frozenset({**node, "reason": "SmSharingDisabled"}.items())
+    assert samples(rig, refusals) == {**zero, disabled: 1}
+    uid = add_pod(rig)
+    rig.step()
+    _running(rig, uid, 4242, 25 * GIB)
+    for _ in range(3):  # one episode, however many checks see it
+        rig.reconciler.check_usage()
+    assert samples(rig, violations) == {frozenset(node.items()): 1}
+
+    rig.cluster.delete_pod(refused)
+    rig.cluster.delete_pod(uid)
+    rig.nvml.remove_process(4242)
+    rig.step()
+    rig.reconciler.check_usage()
+    for family in rig.agent.metrics.registry.collect():  # the pods' own series are gone
+        for s in family.samples:
+            assert refused not in s.labels.values() and uid not in s.labels.values(), s
+    assert samples(rig, refusals) == {**zero, disabled: 1}
+    assert samples(rig, violations) == {frozenset(node.items()): 1}
+    add_pod(rig, "again", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    rig.step()
+    assert samples(rig, refusals) == {**zero, disabled: 2}
 
 
 def test_node_readiness_and_gpu_memory(short_tmp: Path) -> None:

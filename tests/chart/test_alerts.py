@@ -50,6 +50,8 @@ ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
     "KaiFractionsNodeAgentWritesRefused": (AGENT_GROUP, "warning", "10m"),
     "KaiFractionsGpuMemoryLimitViolation": (AGENT_GROUP, "warning", None),
     "KaiFractionsContainerRefused": (AGENT_GROUP, "warning", "5m"),
+    "KaiFractionsNodeGpuMemoryLimitViolations": (AGENT_GROUP, "warning", None),
+    "KaiFractionsNodeRefusedGonePods": (AGENT_GROUP, "warning", None),
     "KaiFractionsReconcileErrors": (AGENT_GROUP, "warning", "15m"),
     "KaiFractionsMpsDaemonRestarting": (AGENT_GROUP, "warning", None),
     "KaiFractionsMpsDrainFailing": (AGENT_GROUP, "warning", None),
@@ -181,6 +183,11 @@ def test_descriptions_follow_signing_and_the_watchdog_policy() -> None:
     assert "policy report" in alerts(rule())[violation][1]["annotations"]["description"]
     killed = alerts(rule("watchdog.policy=kill"))[violation][1]["annotations"]["description"]
     assert "policy kill" in killed and "LimitEnforced" in killed
+    gone = "KaiFractionsNodeGpuMemoryLimitViolations"
+    reported = alerts(rule())[gone][1]["annotations"]["description"]
+    assert "reason=LimitViolation" in reported and "LimitEnforced" not in reported
+    killed = alerts(rule("watchdog.policy=kill"))[gone][1]["annotations"]["description"]
+    assert "reason=LimitEnforced" in killed and "reason=LimitViolation" not in killed
 
 
 def test_helm_keeps_the_prometheus_templates_of_the_annotations_literally() -> None:
@@ -260,7 +267,7 @@ def test_every_node_agent_alert_names_only_what_a_live_agent_exports(
     labels_of = exported(text)
     assert "gpu_fractioning_gpu_memory_used_bytes" in labels_of  # the scrape is the agent's
     exprs = alert_exprs(AGENT_GROUP, rule())
-    assert len(exprs) == 8
+    assert len(exprs) == 10
     assert problems(exprs, labels_of, "agent") == []
     # a misspelt metric, a label the family lacks, a target label: each is reported
     bad = [Expr(AGENT_GROUP, "typo", "kai_fractions_node_redy == 0", ""),
@@ -294,6 +301,21 @@ def test_every_mirror_alert_names_only_what_a_live_mirror_exports(
     assert problems([Expr(MIRROR_GROUP, "node", "kai_fractions_follower_leading", "{{node}}")],
                     labels_of, "mirror", TARGET_LABELS) == [
         "node: the legend names node, which no metric has"]
+
+
+def test_the_per_node_alerts_fire_only_for_what_the_per_container_ones_miss() -> None:
+    """A pod that fails within seconds takes its own series with it (docs/node-agent.md,
+    "Events and metrics"): its refusal or violation shows only in the per-node counters. While
+    a per-container alert covers the node, the per-node one stays quiet: one alert, not two."""
+    found = alerts(rule())
+    refused = found["KaiFractionsNodeRefusedGonePods"][1]["expr"]
+    assert "increase(kai_fractions_node_container_refusals_total[10m])" in refused
+    assert "unless on (node, reason) (max by (node, reason) (kai_fractions_container_refused)" \
+        in refused
+    over = found["KaiFractionsNodeGpuMemoryLimitViolations"][1]["expr"]
+    assert "increase(kai_fractions_node_gpu_memory_limit_violations_total[10m])" in over
+    assert ("unless on (node) (sum by (node) (increase("
+            "kai_fractions_container_gpu_memory_limit_violations_total[10m]))") in over
 
 
 def test_the_waits_every_bound_pod_goes_through_are_no_reconcile_error_alert():

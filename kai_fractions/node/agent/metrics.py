@@ -11,7 +11,10 @@ Two families of names:
   (passes, MPS daemon restarts and drains, API requests).
 
 Every series of a container (and of its pod) goes when it leaves the node's desired state, so
-a deleted pod leaves no stale series behind; a known container with no usage reads 0.
+a deleted pod leaves no stale series behind; a known container with no usage reads 0. So the
+refusals and limit violations are also counted per node, from 0 when the agent starts: a pod
+that fails and goes within seconds (a Job's) takes its own series with it, often before any
+scrape saw them, and only a series that outlives it lets an alert see that it happened.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from ...metrics_http import MetricsEndpoint
-from ..desired import ContainerKey, DesiredState
+from ..desired import ContainerKey, DesiredState, RefusalReason
 from ..engine import ContainerState
 from ..inventory import Inventory
 
@@ -149,6 +152,18 @@ class AgentMetrics:
         self._refused = gauge("kai_fractions_container_refused",
                               "1 for each container the agent refuses, by reason.",
                               ("node", "namespace", "pod", "pod_uuid", "container", "reason"))
+        self.refusals = Counter(
+            "kai_fractions_node_container_refusals", "Containers the agent began to refuse, "
+            "by reason (counted when the refusal starts; it outlives the pod's own series).",
+            ("node", "reason"), registry=r)
+        for reason in RefusalReason:
+            if reason is not RefusalReason.NOT_BOUND:  # a wait for the binder, never final
+                self.refusals.labels(node, reason.value)
+        self.violation_episodes = Counter(
+            "kai_fractions_node_gpu_memory_limit_violations", "Episodes of a container's GPU "
+            "memory use above its cap on the node, seen by the watchdog (as the per-container "
+            "counter, but it outlives the pod's own series).", ("node",), registry=r)
+        self._violation_episodes = self.violation_episodes.labels(node)
         self._gpu_total = gauge("kai_fractions_gpu_memory_total_bytes",
                                 "Total memory of each GPU of the node.",
                                 ("node", "gpu_uuid", "gpu"))
@@ -196,6 +211,7 @@ class AgentMetrics:
                           self._refused, self._gpu_total)
         self._labels_of: dict[tuple[str, str, str], tuple[str, ...]] = {}
         self._violating: set[tuple[str, str, str]] = set()
+        self._refusing: set[tuple[str, ...]] = set()
         self._lock = threading.Lock()
         self._last: tuple[object, object] | None = None
         self._last_usage: dict = {}
@@ -253,10 +269,16 @@ class AgentMetrics:
             self._pod_used.set(labels, used)
             self._pod_sm.set(labels, sm)
             self._pod_normalized.set(labels, round(_clamp(sm / fraction), 3) if fraction else sm)
+        refusing = set()
         for r in desired.refusals:
             if r.final:  # a refusal that may still clear (NotBound) is pending, not refused
-                self._refused.set((node, r.pod_namespace, r.pod_name, r.key.pod_uid,
-                                   r.key.container, str(r.reason)), 1)
+                labels = (node, r.pod_namespace, r.pod_name, r.key.pod_uid, r.key.container,
+                          str(r.reason))
+                self._refused.set(labels, 1)
+                refusing.add(labels)
+        for labels in refusing - self._refusing:
+            self.refusals.labels(node, labels[-1]).inc()
+        self._refusing = refusing
         for family in self._families:
             family.sweep()
         self._labels_of = labels_of
@@ -268,6 +290,7 @@ class AgentMetrics:
         with self._lock:
             now = {(v.pod_uid, v.container_name, v.device_uuid) for v in violations}
             for key in now - self._violating:
+                self._violation_episodes.inc()
                 labels = self._labels_of.get(key)
                 if labels is not None:
                     self._violations.child(labels).inc()
