@@ -365,7 +365,7 @@ def _read_key(path: Path) -> AnyKey:
     return SigningKey(material, str(path))
 
 
-def load_ed25519(pem: bytes, source: str = "") -> Ed25519Key:
+def load_ed25519(pem: bytes, source: str = "", *, what: str = "") -> Ed25519Key:
     """An Ed25519 key from PEM: a private key (PKCS8) signs and verifies, a public key
     (SubjectPublicKeyInfo) only verifies. Raises SigningConfigError."""
     # Imported here: an agent without Ed25519 keys (HMAC, or no signing) does not load the
@@ -373,7 +373,7 @@ def load_ed25519(pem: bytes, source: str = "") -> Ed25519Key:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
-    where = f"--signing-key-file {source}" if source else "signing key"
+    where = what or (f"--signing-key-file {source}" if source else "signing key")
     try:
         if pem.lstrip().startswith(_PRIVATE_PEM):
             private = serialization.load_pem_private_key(pem, password=None)

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.action == "public":
         try:
-            key = load_ed25519(Path(args.file).read_bytes(), args.file)
+            key = load_ed25519(Path(args.file).read_bytes(), args.file, what=args.file)
         except OSError as e:
             return _fail(f"{args.file}: {e.strerror or e}")
         except SigningConfigError as e:
