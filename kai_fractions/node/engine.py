@@ -36,7 +36,7 @@ from .desired import (
 from .errors import NodeError, NvmlError
 from .memory_limits import LimitWrite, MemoryLimitEnforcer
 from .mps.control import displayed_mem_limit
-from .mps.errors import NAMESPACE_BUSY, MpsError
+from .mps.errors import COMMAND_FAILED, NAMESPACE_BUSY, NOT_APPLIED, MpsError
 from .nvml import DeviceInfo, GpuComputeMode, Nvml
 
 # -- the MPS control seam as the engine uses it (kai_fractions.node.mps.control.MpsControl and
@@ -157,6 +157,11 @@ class ReleaseReport:
 
 def _issue(e: NodeError) -> Issue:
     return Issue(e.reason, e.message)
+
+
+_SET_REFUSED = (NAMESPACE_BUSY, NOT_APPLIED, COMMAND_FAILED)
+"""How a daemon answers a percentage set on a namespace whose first client came and went: a
+refusal, or a value it does not hold when read back."""
 
 
 def _attached(clients: Iterable[MpsClientLike], namespace: str) -> list[int]:
@@ -512,7 +517,17 @@ class _Run:
                     else:
                         self._adopt(mps, c, name, pct, attached)
                     continue
-                mps.namespace_set_active_thread_percentage(name, pct)
+                # Nobody attached: the namespace holds the plan's percentage already (a
+                # resync, an agent restart), or takes it now, made again if clients that have
+                # left fixed another.
+                if (mps.namespace_get_active_thread_percentage(name) != float(pct)
+                        and self._set_or_remake(mps, name, pct)):
+                    clients = list(mps.client_list())  # read after the set
+                    attached = _attached(clients, name)
+                    if attached:  # they may have attached before the set
+                        self.fail([c.key], _cap_unverified(name, pct, attached))
+                        continue
+                    fresh.discard(name)
                 self.e._atp[name] = pct
                 self.e._atp_checked.add(name)
             except NodeError as e:
@@ -544,13 +559,44 @@ class _Run:
         """The percentage of a fresh namespace; a daemon refusing it because clients are
         attached already means they may run uncapped."""
         try:
-            mps.namespace_set_active_thread_percentage(name, pct)
+            self._set_or_remake(mps, name, pct)
         except MpsError as e:
             if e.reason != NAMESPACE_BUSY:
                 raise
             self.fail([c.key], _cap_unverified(name, pct, [], said=e.message))
             return
         set_now.add(name)
+
+    def _set_or_remake(self, mps: MpsControlLike, name: str, pct: int) -> bool:
+        """Sets the percentage of `name`, which no client is attached to; True when the
+        namespace had to be made again for it. MPS fixes a namespace's percentage at its first
+        attach, for good: once its clients have come and gone, the daemon refuses another (or
+        keeps the old one, read back), and only a namespace of the same name made again takes
+        it. Raises NamespaceBusy when a client is attached by then."""
+        try:
+            mps.namespace_set_active_thread_percentage(name, pct)
+            return False
+        except MpsError as e:
+            if e.reason not in _SET_REFUSED:
+                raise
+            refused = e
+        try:
+            mps.namespace_delete(name)
+        except MpsError as e:
+            # clients attached: the set's own refusal says so best, when it did
+            raise refused if e.reason == refused.reason == NAMESPACE_BUSY else e from None
+        self.deleted.append(name)
+        self.e._namespace_gone(name)
+        mps.namespace_create(name)
+        self.created.append(name)
+        self.e._fresh.add(name)  # verified like every namespace made here
+        try:
+            mps.namespace_set_active_thread_percentage(name, pct)
+        except MpsError as e:
+            if e.reason != NAMESPACE_BUSY:
+                raise
+            raise _cap_unverified(name, pct, [], said=e.message) from None
+        return True
 
     # cgroup limits -----------------------------------------------------------------------------
 

@@ -35,6 +35,9 @@ class FakeNamespace:
     name: str
     active_thread_percentage: int | None = None
     clients: set[int] = field(default_factory=set)
+    attached_once: bool = False
+    """A client has attached since the namespace was made: MPS fixed its percentage then, for
+    good (only a namespace made again takes another)."""
 
 
 @dataclass
@@ -103,7 +106,9 @@ class FakeMpsControl:
                       server_pid: int | None = None) -> None:
         """A CUDA process connects (to a namespace in v3, to a server in legacy mode)."""
         if namespace is not None:
-            self.namespaces[namespace].clients.add(pid)
+            ns = self.namespaces[namespace]
+            ns.clients.add(pid)
+            ns.attached_once = True
         else:
             self.add_server(server_pid or 1).clients.add(pid)
 
@@ -270,10 +275,16 @@ class FakeMpsControl:
         check_pct(pct)
         self._alive("namespace set")
         ns = self._namespace(name)
+        # The cap of a namespace can be set only before its first client attaches
+        # (enforcement-primitives): with clients attached, or after they have all left.
         if ns.clients and ns.active_thread_percentage != pct:
             raise MpsError(e.NAMESPACE_BUSY,
                            f"the MPS control daemon rejected 'namespace set {name}': clients "
                            "are attached (the cap is fixed at the first attach)")
+        if ns.attached_once and ns.active_thread_percentage != pct:
+            raise MpsError(e.NAMESPACE_BUSY,
+                           f"the MPS control daemon rejected 'namespace set {name}': the cap "
+                           "was fixed when its first client attached")
         ns.active_thread_percentage = pct
 
     def namespace_get_active_thread_percentage(self, name: str) -> float | None:

@@ -414,9 +414,10 @@ def test_a_client_back_before_the_restarted_daemons_namespace_got_its_cap_is_not
     control = rig.mps.control
     create = control.namespace_create
 
-    def create_then_attach(ns: str, **kw) -> None:
+    def create_then_attach(ns: str, **kw) -> None:  # once: the process reconnects
         create(ns, **kw)
         control.attach_client(4242, ns)
+        control.namespace_create = create  # type: ignore[method-assign]
 
     control.namespace_create = create_then_attach  # type: ignore[method-assign]
     control.kill()

@@ -328,13 +328,14 @@ def test_mps_daemon_restart_recreates_the_namespace(node: Node) -> None:
 
 
 def _attach_during(node: Node, method: str, pid: int) -> None:
-    """A client attaches to the namespace right after the engine's `method` call on it: a
-    running container's process reconnecting to a daemon that was restarted."""
+    """A client attaches to the namespace right after the engine's next `method` call on it: a
+    running container's process reconnecting (once) to a daemon that was restarted."""
     original = getattr(node.mps, method)
 
     def then_attach(name, *args, **kw):
         original(name, *args, **kw)
         node.mps.attach_client(pid, name)
+        setattr(node.mps, method, original)
 
     setattr(node.mps, method, then_attach)
 
@@ -374,8 +375,12 @@ def test_a_client_that_attached_before_a_recreated_namespace_got_its_cap_keeps_i
     report = node.apply(sm_pod())
     assert report.containers[(UID_A, "main")].state is ContainerState.APPLIED
     assert node.mps.namespaces[NS_A].active_thread_percentage == 25
+    # the client fixed the namespace's percentage (none) when it attached, for good: the daemon
+    # refuses the set, so the namespace is made again, and set before anything attaches
+    assert (report.namespaces_deleted, report.namespaces_created) == ((NS_A,), (NS_A,))
     assert [m for m, _ in node.mps.calls[n:] if "pinned" not in m] == [
         "namespace_list", "client_list", "namespace_set_active_thread_percentage",
+        "namespace_delete", "namespace_create", "namespace_set_active_thread_percentage",
         "client_list", "namespace_list"]
     n = len(node.mps.calls)
     assert node.apply(sm_pod()).containers[(UID_A, "main")].state is ContainerState.APPLIED
@@ -503,7 +508,52 @@ def test_a_new_percentage_for_an_attached_namespace_is_pending_until_its_clients
         assert node.mps.namespaces[NS_A].active_thread_percentage == 25
         node.engine.forget()  # a periodic resync forgets nothing the daemon holds
     node.mps.detach_client(77)
-    assert node.apply(half).containers[(UID_A, "main")].state is ContainerState.APPLIED
+    report = node.apply(half)
+    assert report.containers[(UID_A, "main")].state is ContainerState.APPLIED
+    assert node.mps.namespaces[NS_A].active_thread_percentage == 50
+    # the daemon holds 25 for good (fixed at the first attach): made again to take 50
+    assert (report.namespaces_deleted, report.namespaces_created) == ((NS_A,), (NS_A,))
+
+
+def test_a_resync_reads_an_idle_namespaces_percentage_back_and_sets_nothing(
+        node: Node) -> None:
+    """A namespace whose clients came and went holds its percentage for good: a resync (or a
+    restarted agent) reads it back; a set would be refused, and making it again is needless."""
+    node.apply(sm_pod())
+    node.mps.attach_client(77, NS_A)
+    node.mps.detach_client(77)
+    for engine in (node.engine, node.new_engine()):  # a resync, then an agent restart
+        node.engine = engine
+        engine.forget()
+        n = len(node.mps.calls)
+        report = node.apply(sm_pod())
+        assert report.containers[(UID_A, "main")].state is ContainerState.APPLIED
+        called = node.mps.methods_called()[n:]
+        assert "namespace_get_active_thread_percentage" in called
+        assert not {"namespace_set_active_thread_percentage", "namespace_delete",
+                    "namespace_create"} & set(called), called
+
+
+def test_a_namespace_made_again_with_a_client_right_after_its_set_is_not_vouched_for(
+        node: Node) -> None:
+    """Made again to take a new percentage, then a client in the list read after the set:
+    whether it attached before the set cannot be told, so not applied until it has exited."""
+    node.apply(sm_pod())
+    node.mps.attach_client(77, NS_A)
+    node.mps.detach_client(77)
+    half = sm_pod(notes=annotations(mode="sm-sharing", portion="0.5"))
+    _attach_during(node, "namespace_create", 4242)
+    r = node.apply(half).containers[(UID_A, "main")]
+    assert (r.state, r.reason) == (ContainerState.PENDING, "NamespaceCapUnverified")
+    assert r.message == _cap_unverified(50, (
+        "clients attached (the MPS control daemon rejected 'namespace set "
+        f"{NS_A}': clients are attached (the cap is fixed at the first attach))"))
+    r = node.apply(half).containers[(UID_A, "main")]  # the client is still there
+    assert (r.state, r.reason) == (ContainerState.PENDING, "NamespaceCapUnverified")
+    assert r.message == _cap_unverified(50, "clients (pids 4242) attached")
+    node.mps.detach_client(4242)
+    report = node.apply(half)
+    assert report.containers[(UID_A, "main")].state is ContainerState.APPLIED
     assert node.mps.namespaces[NS_A].active_thread_percentage == 50
 
 

@@ -68,6 +68,16 @@ def test_namespaces_lifecycle_with_busy_delete():
     assert exc.value.reason == e.NAMESPACE_BUSY
     mps.client_terminate(4321)
     assert mps.terminated == [4321]
+    # its clients gone, the cap stays the one the first attach fixed (enforcement-primitives:
+    # it "can be set only before its first client attaches"); a namespace made again takes one
+    with pytest.raises(MpsError) as exc:
+        mps.namespace_set_active_thread_percentage("kf_a", 30)
+    assert exc.value.reason == e.NAMESPACE_BUSY
+    assert "the cap was fixed when its first client attached" in exc.value.message
+    mps.namespace_delete("kf_a")
+    mps.namespace_create("kf_a")
+    mps.namespace_set_active_thread_percentage("kf_a", 30)
+    assert mps.namespace_get_active_thread_percentage("kf_a") == 30.0
     mps.namespace_delete("kf_a")
     assert mps.namespace_list() == []
     with pytest.raises(MpsError) as exc:
