@@ -9,6 +9,7 @@ keys are always (re)written; `.gpu-compute.portion` only by the patched dialect.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -95,6 +96,9 @@ def _check_decision(share: ContainerShare, d: BindDecision) -> list[ContractErro
             "received_gpu.portion", f"grants more than container {share.container!r} asks "
             f"for (at most {format_plain(asked)} of a GPU{also})",
             format_plain(portion) if portion < 10**15 else "huge"))
+    short = _portion_short_of_memory(share, d)
+    if short is not None and not any(e.key == "received_gpu.portion" for e in errors):
+        errors.append(short)
     if not d.gpu_ids:
         errors.append(ContractError("reserved_gpu_ids", "must name the reserved GPU of each "
                                     "fractional group"))
@@ -116,6 +120,35 @@ def _check_decision(share: ContainerShare, d: BindDecision) -> list[ContractErro
                 f"is {mode.value} but container {share.container!r} asks for "
                 f"{share.compute_mode.value}; one GPU runs one compute mode", mode.value))
     return errors
+
+
+def _portion_short_of_memory(share: ContainerShare, d: BindDecision) -> ContractError | None:
+    """A memory-sized pod keeps its own request, so a portion below its share of the GPU
+    would leave it more guaranteed memory than the scheduler counted on the GPU (a request
+    raised after scheduling, or a caller's mistake): refused. Upstream KAI sizes the portion
+    of such a pod as its whole MiB over the node's GPU memory, rounded UP to a hundredth, then
+    prints it with two decimals, which keeps it (pkg/scheduler/api/node_info/
+    gpu_sharing_node_info.go, getGpuMemoryFractionalOnNode; pkg/scheduler/cache/cache.go,
+    createBindRequest); 1 MiB of slack absorbs its float64 arithmetic. The patched dialect's
+    portion is a compute share, sized on its own, so it is not held to the memory."""
+    portion, memory_mib_per_gpu = d.received_portion, d.node_gpu_memory_mib
+    if (portion is None or portion <= 0 or share.fraction is not None or memory_mib_per_gpu <= 0
+            or d.dialect.writes_compute_portion):
+        return None
+    asked = (share.node_request_bytes if share.node_request_bytes is not None
+             else share.legacy_memory_bytes)
+    if asked is None:
+        return None
+    asked_mib = asked // MIB  # KAI's Memory.Value() / BytesInMiB
+    if (portion * Fraction(memory_mib_per_gpu) >= asked_mib - 1
+            or asked_mib > memory_mib_per_gpu):  # no portion fits: the plan refuses the request
+        return None
+    needed = math.ceil(Fraction(asked_mib, 1) / Fraction(memory_mib_per_gpu) * 100) / 100
+    return ContractError(
+        "received_gpu.portion", f"is too small for container {share.container!r}: its own "
+        f"request of {asked_mib} MiB of GPU memory (the binder keeps it) needs at least "
+        f"{needed:g} of a {memory_mib_per_gpu:g} MiB GPU, as KAI's scheduler sizes it",
+        format_plain(portion) if portion < 10**15 else "huge")
 
 
 def _request_mib(share: ContainerShare, d: BindDecision) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import pytest
@@ -427,6 +428,46 @@ def test_a_portion_above_both_the_fraction_and_its_rounding_is_refused() -> None
     errors = _violation({"gpu-fraction": "0.125"}, decision(81559, portion="0.13"))
     assert errors == [("received_gpu.portion",
                        "grants more than container 'main' asks for (at most 0.125 of a GPU)")]
+
+
+# -- nor less than a memory-sized pod keeps (its own request, which the binder never rewrites) -
+
+
+def _kai_portion(mib: int, node_mib: int) -> str:
+    """Upstream KAI main's portion for a memory request: whole MiB over the node's GPU memory,
+    rounded up to a hundredth (pkg/scheduler/api/node_info/gpu_sharing_node_info.go,
+    getGpuMemoryFractionalOnNode), printed with %.2f (pkg/scheduler/cache/cache.go)."""
+    return format(math.ceil(mib / node_mib * 100) / 100, ".2f")
+
+
+@pytest.mark.parametrize("annotations", [
+    {REQ: "20000Mi"}, {LIM: "20000Mi"}, {REQ: "20000Mi", LIM: "30000Mi"},
+    {"gpu-memory": "20000"}])
+def test_a_portion_below_a_memory_sized_pods_share_is_refused(annotations) -> None:
+    """A request raised between scheduling and the bind (the freeze starts at the bind), or a
+    caller's slip: the node would guarantee 20000 MiB on a GPU where the scheduler counted
+    0.48 of 40960 (19660 MiB)."""
+    assert _kai_portion(20000, 40960) == "0.49"
+    errors = _violation(annotations, decision(40960, portion="0.48"))
+    assert errors == [("received_gpu.portion", (
+        "is too small for container 'main': its own request of 20000 MiB of GPU memory (the "
+        "binder keeps it) needs at least 0.49 of a 40960 MiB GPU, as KAI's scheduler sizes "
+        "it"))]
+
+
+@pytest.mark.parametrize(("mib", "node_mib"), [
+    (20000, 40960), (1, 81559), (10240, 81920), (45600, 80000), (40960, 40960),
+    (22528, 40960), (9787, 81559)])
+def test_the_portion_kai_sizes_for_a_memory_request_is_accepted(mib, node_mib) -> None:
+    # 22528/40960 is 0.55 exactly, and float64 puts it at 0.56: above the share is accepted
+    portion = _kai_portion(mib, node_mib)
+    assert written({REQ: f"{mib}Mi"}, decision(node_mib, portion=portion)) == {
+        DEV: GPU_A, RRT: "Fraction"}
+    assert written({REQ: f"{mib}Mi"}, decision(node_mib, portion="1"))[DEV] == GPU_A
+
+
+def test_the_patched_dialects_portion_is_a_compute_share_not_held_to_the_memory() -> None:
+    assert written({REQ: "20000Mi"}, patched(40960, portion="0.1"))[POR] == "0.1"
 
 
 def test_a_portion_at_or_below_the_pods_gpu_fraction_is_accepted() -> None:

@@ -256,8 +256,11 @@ def valid_pod_and_decision(draw, kai_portion_limit: bool):
             if shape in ("limit", "both"):
                 limit_n = draw(st.integers(request_n, (usable * MIB) // size))
                 annotations["nvidia.com/container.main.gpu-memory.limit"] = f"{limit_n}{unit}"
-            if draw(st.booleans()):
-                portion = None
+            # KAI's scheduler sizes the portion of such a pod from its memory: whole MiB over
+            # the node's, rounded up to a hundredth (binder.py, _portion_short_of_memory)
+            kept_mib = (request_n if shape != "limit" else limit_n) * size // MIB
+            portion = (None if draw(st.booleans())
+                       else Fraction(-(-kept_mib * 100 // node_mib), 100))
         elif shape == "fraction":
             fraction = draw(st.integers(1, 99))
             annotations["gpu-fraction"] = format_plain(Fraction(fraction, 100))

@@ -57,6 +57,22 @@ def test_a_portion_above_what_the_pod_asked_for_is_refused(mirror_tcp):
         "grants more than container 'trainer' asks for (at most 0.1 of a GPU) (got '1')")]
 
 
+def test_a_portion_below_a_memory_sized_pods_request_is_refused(mirror_tcp):
+    """The pod keeps its own request (20000 MiB), so a portion the scheduler did not size for
+    it (0.25 of 40960 MiB) would leave the node guaranteeing more than the GPU's ledger holds.
+    Upstream KAI sizes it 0.49 (tests/contract/test_binder.py, _kai_portion)."""
+    pod = mirror_tcp.create_pod(NAME, {
+        "nvidia.com/container.trainer.gpu-memory.request": "20000Mi"})
+    error = refused(mirror_tcp, mirror_request(allocation(pod, portion="0.25")))
+    assert bad_request_fields(error) == [(
+        "allocation.received_gpu.portion",
+        "is too small for container 'trainer': its own request of 20000 MiB of GPU memory (the "
+        "binder keeps it) needs at least 0.49 of a 40960 MiB GPU, as KAI's scheduler sizes it "
+        "(got '0.25')")]
+    mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod, portion="0.49")), timeout=10)
+    assert mirror_tcp.patches(NS, NAME) == 1
+
+
 def test_more_gpus_than_the_pod_asked_for_are_refused(mirror_tcp):
     pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
     gpus = ("GPU-1111aaaa-0000-4000-8000-000000000001", "GPU-2222bbbb-0000-4000-8000-000000000002")
