@@ -86,7 +86,8 @@ CASES = {
     # gpu-memory + gpu-memory.limit as KAI's mutating webhook leaves them (nvfractions/
     # mutation.go: the request as a canonical quantity, the limit copied as written).
     "upstream-gpu-memory-limit-as-written": dict(
-        dialect=Dialect.UPSTREAM, reserve=0, portion="0.25", modes=[""],
+        # the portion KAI's scheduler sizes for 20480 MiB: ceil(20480 / 81559 x 100) / 100
+        dialect=Dialect.UPSTREAM, reserve=0, portion="0.26", modes=[""],
         user={"gpu-memory": "20480", "gpu-memory.limit": "24G",
               f"{P}.gpu-memory.request": "20Gi", f"{P}.gpu-memory.limit": "24G"},
         binder={}, request_mib=20480, atp=None, limit_mib=22889),  # 24e9 B, rounded up
