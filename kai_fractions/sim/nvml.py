@@ -14,16 +14,22 @@ The simulated driver decides what exists: below driver 615 (`driver_version: 550
 r615 memory-limit functions raise FunctionNotFound, exactly as a real old driver's NVML does, so
 the node agent falls back (or refuses) as it would on such a node; `memory_limits: true|false`
 overrides the driver's say.
+
+Allocations (`allocate`, what a CUDA process would do) fail as the driver would: over a cgroup
+hard limit in force, or over the GPU's own memory. Memory-limit calls on a cgroup path are
+refused the way the real library refuses a path that names no cgroup only when the fake knows
+the node's cgroup tree (`use_cgroups`, opt-in: many tests name made-up paths).
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..contract import MIB, QuantityError, memory_bytes
 from ..node.errors import (
@@ -60,6 +66,9 @@ GPU_MODELS: Mapping[str, tuple[str, int]] = {
 DEFAULT_MODEL = "H100-80GB"
 MEMORY_LIMITS_DRIVER = 615
 """The first driver branch with nvmlDeviceSet/GetMemoryLimits_v1 (and MPS v3 namespaces)."""
+CALL_LOG_SIZE = 10_000
+"""How many calls `FakeNvml.calls` keeps, newest last: a demo left running (--keep) polls NVML
+for hours and must not grow without end; a test makes far fewer calls than this."""
 
 # The NVML function each seam method stands for (what error messages name).
 _FUNCTIONS = {
@@ -124,14 +133,17 @@ class FakeProcess:
 
 
 class GpuOutOfMemory(Exception):
-    """A simulated allocation the driver refuses: a cgroup hard limit in force on the GPU would
-    be exceeded (what CUDA reports as cudaErrorMemoryAllocation under r615 limits)."""
+    """A simulated allocation the driver refuses (what CUDA reports as
+    cudaErrorMemoryAllocation): a cgroup hard limit in force on the GPU would be exceeded
+    (`cgroup` names it), or the GPU's own memory (`cgroup` is None, `hard` its total)."""
 
-    def __init__(self, gpu: str, cgroup: str, hard: int, used: int, extra: int):
+    def __init__(self, gpu: str, cgroup: str | None, hard: int, used: int, extra: int):
         self.gpu, self.cgroup, self.hard, self.used, self.extra = gpu, cgroup, hard, used, extra
-        super().__init__(f"out of memory on {gpu}: {extra // MIB} MiB more would take cgroup "
-                         f"{cgroup} to {(used + extra) // MIB} MiB, over its hard limit of "
-                         f"{hard // MIB} MiB")
+        over = (f"cgroup {cgroup} to {(used + extra) // MIB} MiB, over its hard limit of "
+                f"{hard // MIB} MiB" if cgroup is not None else
+                f"the GPU to {(used + extra) // MIB} MiB in use, over its {hard // MIB} MiB of "
+                "memory")
+        super().__init__(f"out of memory on {gpu}: {extra // MIB} MiB more would take {over}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,11 +152,35 @@ class NvmlCall:
     args: tuple[Any, ...] = ()
 
 
+class CallLog(deque):
+    """The newest calls (at most `maxlen`), oldest first; a slice gives a list, so a test can
+    take the calls since a `len()` it noted (while the log is not full)."""
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return list(self)[index]
+        return super().__getitem__(index)
+
+
+class CgroupTree(Protocol):
+    """What the fake asks of the node's cgroup tree (`CgroupFs`, `FakeCgroupFs`)."""
+
+    def exists(self, path: str) -> bool: ...
+
+
 @dataclass
 class _Failure:
     code: int
     remaining: int | None  # None: forever
     device: str | None = None  # only calls on this GPU fail
+
+
+def _flag(value: Any, where: str) -> bool:
+    """A YAML boolean only: `mig: "false"` is a non-empty string, which bool() takes as true."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: must be true or false (a YAML boolean, unquoted), got "
+                          f"{value!r}")
+    return value
 
 
 def _memory(value: Any, where: str) -> int:
@@ -195,7 +231,11 @@ class FakeNvml:
         driver below 615 does; by default it follows `driver_version`."""
         self.limits: dict[tuple[str, str], tuple[int, int]] = {}
         """(gpu uuid, cgroup path) -> (soft, hard): what is in force now."""
-        self.calls: list[NvmlCall] = []
+        self.calls: CallLog = CallLog(maxlen=CALL_LOG_SIZE)
+        """The newest CALL_LOG_SIZE seam calls, oldest first."""
+        self.cgroup_root: str | None = None
+        self.cgroup_tree: CgroupTree | None = None
+        """Set by `use_cgroups`; None: any absolute path is taken as a cgroup."""
         self.initialized = 0
         self._failures: dict[str, list[_Failure]] = {}
         self._lock = threading.RLock()
@@ -275,11 +315,15 @@ class FakeNvml:
         name = str(entry.get("name", name))
         if "memory" in entry:
             total = _memory(entry["memory"], f"{where}.memory")
+            if total < MIB:  # NVML reports memory in whole MiB; a bare number is bytes
+                raise ConfigError(f"{where}.memory: must be at least 1Mi (a bare number is "
+                                  f"bytes: write 80Gi for 80 GiB), got {entry['memory']!r}")
         count = entry.get("count", 1)
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ConfigError(f"{where}.count: must be a whole number >= 1, got {count!r}")
         if "uuid" in entry and count != 1:
             raise ConfigError(f"{where}: uuid can only be given with count 1")
+        mig = _flag(entry.get("mig", False), f"{where}.mig")
         mode_name = str(entry.get("compute_mode", "default"))
         if mode_name not in _MODE_NAMES:
             raise ConfigError(f"{where}.compute_mode: one of default, exclusive-process, "
@@ -287,7 +331,7 @@ class FakeNvml:
         return [
             FakeGpu(uuid=str(entry.get("uuid") or fake_uuid(seed, first + i)), name=name,
                     memory_total=total, compute_mode=_MODE_NAMES[mode_name],
-                    mig=bool(entry.get("mig", False)))
+                    mig=mig)
             for i in range(count)
         ]
 
@@ -332,6 +376,16 @@ class FakeNvml:
         with self._lock:
             self._failures.clear()
 
+    def use_cgroups(self, root: str, tree: CgroupTree) -> None:
+        """From now on, a memory-limit call's cgroup must be a directory of the node's cgroup
+        tree, named by its full sysfs path as the real library needs it: under `root` (not the
+        /proc form `/kubepods.slice/...`, not /etc) and present in `tree` (the one the node
+        agent sees). Else the call fails with NVML_ERROR_INVALID_ARGUMENT, as a path that names
+        no cgroup v2 directory does."""
+        with self._lock:
+            self.cgroup_root = root.rstrip("/") or "/"
+            self.cgroup_tree = tree
+
     def gpu(self, uuid_or_index: str | int) -> FakeGpu:
         if isinstance(uuid_or_index, int):
             return self.gpus[uuid_or_index]
@@ -366,13 +420,18 @@ class FakeNvml:
     def allocate(self, pid: int, gpu: str | int, extra: int) -> None:
         """Process `pid` allocates `extra` bytes more on `gpu`, as its CUDA calls would: the
         driver refuses it (GpuOutOfMemory, nothing changes) when a cgroup hard limit in force
-        would be exceeded (`over_hard_limit`); else its usage grows. Not an NVML call (NVML
+        would be exceeded (`over_hard_limit`), or the GPU's memory (what all its processes use,
+        plus `extra`, over `memory_total`); else its usage grows. Not an NVML call (NVML
         only observes memory), so it is not recorded in `calls`."""
         with self._lock:
             refused = self.over_hard_limit(pid, gpu, extra)
             if refused is not None:
                 raise refused
-            uuid = self.gpu(gpu).uuid
+            device = self.gpu(gpu)
+            uuid = device.uuid
+            used = sum(p.used_bytes or 0 for p in self.processes if p.gpu == uuid)
+            if used + extra > device.memory_total:
+                raise GpuOutOfMemory(uuid, None, device.memory_total, used, extra)
             for p in self.processes:
                 if p.pid == pid and p.gpu == uuid:
                     p.used_bytes = (p.used_bytes or 0) + extra
@@ -390,13 +449,16 @@ class FakeNvml:
             self.processes = [p for p in self.processes if p.pid != pid]
 
     def calls_of(self, method: str) -> list[NvmlCall]:
-        return [c for c in self.calls if c.method == method]
+        with self._lock:  # a deque must not change while it is read
+            return [c for c in self.calls if c.method == method]
 
     @property
     def set_limit_calls(self) -> list[tuple[str, str, int, int]]:
         """Every memory-limit write as (uuid, cgroup path, soft, hard), clears included."""
         out = []
-        for c in self.calls:
+        with self._lock:
+            calls = list(self.calls)
+        for c in calls:
             if c.method == "set_memory_limits":
                 out.append(c.args)
             elif c.method == "clear_memory_limits":
@@ -434,6 +496,15 @@ class FakeNvml:
         if not namespace.startswith("/"):
             raise nvml_error(NVML_ERROR_INVALID_ARGUMENT, _FUNCTIONS[method], device=uuid,
                              detail=f"namespace {namespace!r} is not an absolute cgroup path")
+        if self.cgroup_root is not None and self.cgroup_tree is not None:
+            path = namespace.rstrip("/") or "/"
+            if not _under(path, self.cgroup_root):
+                raise nvml_error(NVML_ERROR_INVALID_ARGUMENT, _FUNCTIONS[method], device=uuid,
+                                 detail=f"namespace {namespace!r} is not a cgroup: the full "
+                                 f"sysfs path of one starts with {self.cgroup_root}/")
+            if not self.cgroup_tree.exists(path):
+                raise nvml_error(NVML_ERROR_INVALID_ARGUMENT, _FUNCTIONS[method], device=uuid,
+                                 detail=f"namespace {namespace!r}: no such cgroup")
         if gpu.mig:
             raise nvml_error(NVML_ERROR_NOT_SUPPORTED, _FUNCTIONS[method], device=uuid)
         return gpu
@@ -536,10 +607,13 @@ class FakeNvml:
 
 
 __all__ = [
+    "CALL_LOG_SIZE",
     "DEFAULT_MODEL",
     "GPU_MODELS",
     "MEMORY_LIMITS_DRIVER",
     "SEAM_METHODS",
+    "CallLog",
+    "CgroupTree",
     "FakeGpu",
     "FakeNvml",
     "FakeProcess",

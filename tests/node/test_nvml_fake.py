@@ -23,7 +23,15 @@ from kai_fractions.node.nvml import (
     MemoryLimits,
     Nvml,
 )
-from kai_fractions.sim.nvml import FakeGpu, FakeNvml, NvmlCall, fake_uuid
+from kai_fractions.sim.cgroups import FakeCgroupFs
+from kai_fractions.sim.nvml import (
+    CALL_LOG_SIZE,
+    FakeGpu,
+    FakeNvml,
+    GpuOutOfMemory,
+    NvmlCall,
+    fake_uuid,
+)
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -96,6 +104,11 @@ def test_from_yaml_file(tmp_path: Path) -> None:
     ({"processes": [{"pid": 1}]}, "processes[0]: gpu is required"),
     ({"gpu": []}, "fake NVML config: unknown keys ['gpu']"),
     ({"gpus": [{"uuid": "GPU-x"}, {"uuid": "GPU-x"}]}, "GPU UUIDs must be unique"),
+    # A quoted "false" is a non-empty string: it must not turn MIG on.
+    ({"gpus": [{"mig": "false"}]},
+     "gpus[0].mig: must be true or false (a YAML boolean, unquoted), got 'false'"),
+    ({"gpus": [{"mig": None}]}, "gpus[0].mig: must be true or false"),
+    ({"gpus": [{"memory": 1}]}, "gpus[0].memory: must be at least 1Mi (a bare number is bytes"),
 ])
 def test_config_errors_say_what_is_wrong(data, message) -> None:
     with pytest.raises(ConfigError) as e:
@@ -211,3 +224,71 @@ def test_compute_mode() -> None:
         nvml.set_compute_mode("GPU-a", GpuComputeMode.EXCLUSIVE_THREAD)
     assert nvml.calls_of("set_compute_mode")[0].args == ("GPU-a",
                                                          GpuComputeMode.EXCLUSIVE_PROCESS)
+
+
+def test_mig_takes_a_yaml_boolean() -> None:
+    nvml = FakeNvml.from_yaml("gpus: [{mig: false}, {mig: true}]")
+    assert [g.mig for g in nvml.gpus] == [False, True]
+    with pytest.raises(ConfigError, match=r"gpus\[0\]\.mig: must be true or false"):
+        FakeNvml.from_yaml('gpus: [{mig: "false"}]')
+
+
+def test_the_call_log_keeps_the_newest_calls_only() -> None:
+    nvml = started(FakeNvml([FakeGpu("GPU-a")]))
+    mark = len(nvml.calls)
+    nvml.set_memory_limits("GPU-a", NS, 1, 2)
+    assert nvml.calls[mark:] == [NvmlCall("set_memory_limits", ("GPU-a", NS, 1, 2))]
+    for _ in range(CALL_LOG_SIZE):
+        nvml.driver_version()
+    assert len(nvml.calls) == CALL_LOG_SIZE  # bounded: a demo left running does not grow
+    assert nvml.calls[-1] == NvmlCall("driver_version")
+    assert nvml.calls_of("set_memory_limits") == [] and nvml.set_limit_calls == []
+
+
+def test_an_allocation_over_the_gpus_memory_fails_and_changes_nothing() -> None:
+    nvml = started(FakeNvml([FakeGpu("GPU-a", memory_total=10 * GIB)]))
+    nvml.add_process(7, "GPU-a", 6 * GIB, cgroup=NS + "/a")
+    nvml.add_process(8, "GPU-a", 3 * GIB, cgroup=NS + "/b")
+    nvml.allocate(7, "GPU-a", GIB)  # 10 GiB in use: all of it, not more
+    with pytest.raises(GpuOutOfMemory) as e:  # no cgroup limit set: the GPU itself is full
+        nvml.allocate(8, "GPU-a", 1)
+    assert (e.value.cgroup, e.value.hard, e.value.used, e.value.extra) == (
+        None, 10 * GIB, 10 * GIB, 1)
+    assert str(e.value) == ("out of memory on GPU-a: 0 MiB more would take the GPU to 10240 MiB "
+                            "in use, over its 10240 MiB of memory")
+    assert [p.used_bytes for p in nvml.processes] == [7 * GIB, 3 * GIB]
+
+
+ROOT = "/sys/fs/cgroup"
+POD = ROOT + "/kubepods.slice/kubepods-pod1.slice"
+
+
+@pytest.mark.parametrize(("path", "detail"), [
+    ("/kubepods.slice/kubepods-pod1.slice",  # the /proc/<pid>/cgroup form, not the sysfs path
+     "namespace '/kubepods.slice/kubepods-pod1.slice' is not a cgroup: the full sysfs path of "
+     "one starts with /sys/fs/cgroup/"),
+    ("/etc", "namespace '/etc' is not a cgroup: the full sysfs path of one starts with "
+             "/sys/fs/cgroup/"),
+    ("/sys/fs/cgroupx/a", "is not a cgroup"),
+    (ROOT + "/kubepods.slice/kubepods-pod2.slice",
+     f"namespace '{ROOT}/kubepods.slice/kubepods-pod2.slice': no such cgroup"),
+])
+def test_with_the_nodes_cgroup_tree_only_its_cgroups_take_limits(path, detail) -> None:
+    nvml = started(FakeNvml([FakeGpu("GPU-a")]))
+    nvml.use_cgroups(ROOT, FakeCgroupFs([POD]))
+    for call in (lambda: nvml.set_memory_limits("GPU-a", path, 1, 2),
+                 lambda: nvml.get_memory_limits("GPU-a", path),
+                 lambda: nvml.clear_memory_limits("GPU-a", path)):
+        with pytest.raises(NvmlUnknown) as e:  # NVML_ERROR_INVALID_ARGUMENT
+            call()
+        assert e.value.code == 2 and detail in e.value.message
+    assert nvml.limits == {}
+    nvml.set_memory_limits("GPU-a", POD, 1, 2)
+    nvml.set_memory_limits("GPU-a", POD + "/", 1, 2)
+    assert nvml.get_memory_limits("GPU-a", POD).hard == 2
+
+
+def test_without_the_nodes_cgroup_tree_any_absolute_path_takes_limits() -> None:
+    nvml = started(FakeNvml([FakeGpu("GPU-a")]))
+    nvml.set_memory_limits("GPU-a", "/made/up", 1, 2)  # what many tests rely on
+    assert nvml.limits == {("GPU-a", "/made/up"): (1, 2)}
