@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 _DEMO_MODULES = {"kmock", "aiohttp", "attrs", "jsonpatch", "jsonpointer", "yarl"}
 
 
@@ -31,8 +31,10 @@ def register(sub) -> None:
         "it) and show one manifest admission refuses. With --keep, also create a Pending pod "
         "and print the commands for a first MirrorAllocation on it. Progress goes to stderr, "
         "the results to stdout. Needs the demo extra: pip install 'kai-fractions[demo]'. Exit "
-        "codes: 0 done (with --keep: stopped by Ctrl-C), 1 a step of the demo failed, 2 usage "
-        "error, bad --config or the extra is missing, 130 interrupted before the end.",
+        "codes: 0 done (with --keep: stopped by Ctrl-C or SIGTERM), 1 a step of the demo "
+        "failed, 2 usage error, bad --config, a bad example manifest or the extra is missing, "
+        "130 interrupted (Ctrl-C) before the end, 143 terminated (SIGTERM) before the end; "
+        "either way everything it started is stopped and its temp directory removed.",
     )
     p.add_argument("--config", metavar="FILE",
                    help="YAML settings of the simulated node: node, gpus (model/count), "
@@ -45,6 +47,17 @@ def register(sub) -> None:
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also log the components' own messages (info level) to stderr")
     p.set_defaults(func=run)
+
+
+class Terminated(BaseException):
+    """SIGTERM before the end: unwinds the run like Ctrl-C's KeyboardInterrupt, through the
+    same cleanup (a BaseException, so no `except Exception` on the way stops it)."""
+
+
+def _on_sigterm(signum, _frame) -> None:
+    # Once: a second SIGTERM must not cut the cleanup short (stop() has its own timeouts).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> int:
@@ -113,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from ..demo.config import DemoConfigError, load_config
     from ..demo.scenario import DemoFailure, Scenario
     from ..demo.session import DemoSession
-    from ..demo.workloads import WorkloadError
+    from ..demo.workloads import WorkloadError, load_examples
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -121,24 +134,35 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config)
     except DemoConfigError as e:
         return _fail(f"--config {e}")
+    try:  # before anything starts: a bad manifest costs nothing
+        examples = load_examples(config.examples, config.namespace)
+    except WorkloadError as e:
+        return _fail(str(e))
     started = time.monotonic()
 
     def progress(line: str) -> None:
         print(f"[demo {time.monotonic() - started:5.2f}s] {line}", file=sys.stderr, flush=True)
 
-    session = DemoSession(config, progress=progress)
+    # SIGTERM ends the run as Ctrl-C does, through the cleanup below (--keep's wait installs
+    # its own handler and puts this one back). Python allows handlers in the main thread only.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
+    session = None
     try:
+        session = DemoSession(config, progress=progress)
         session.start()
         scenario = Scenario(session, sys.stdout, progress)
-        scenario.run()
+        scenario.run(examples)
         if args.keep:
             _keep_running(session, scenario.first_call(), sys.stdout)
     except WorkloadError as e:
-        return _fail(str(e))
+        code = _fail(str(e))
     except DemoFailure as e:
-        return _fail(str(e), EXIT_FAILED)
+        code = _fail(str(e), EXIT_FAILED)
     except KeyboardInterrupt:
         code = EXIT_INTERRUPTED
+    except Terminated:
+        code = _fail("terminated (SIGTERM) before the end", EXIT_TERMINATED)
     except Exception as e:  # one line for a user; the trace with --verbose
         logging.getLogger(__name__).debug("the demo failed", exc_info=True)
         if args.verbose:
@@ -147,7 +171,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         code = EXIT_OK
     finally:
-        progress("stopping")
-        session.stop()
-        progress("stopped")
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup runs to its end
+        if session is not None:
+            progress("stopping")
+            session.stop()
+            progress("stopped")
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     return code

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from ..contract import keys as k
 from ..gate import GateOptions, run_gate
 from ..marker import pod_marker_dir, read_boot_id
 from ..node.cgroups import CgroupLayout, compute_qos_class
-from ..sim.nvml import FakeNvml, GpuOutOfMemory
+from ..sim.nvml import FakeNvml
 
 GATE_TIMEOUT = 20.0
 GATE_POLL = 0.05
@@ -227,29 +227,34 @@ class SimulatedKubelet:
         return pid
 
     def allocate(self, pod: Mapping[str, Any], container: str, gpu: str, pid: int,
-                 extra: int) -> None:
+                 extra: int, mechanisms: Collection[str]) -> None:
         """Process `pid` of `container` asks for `extra` bytes more on `gpu`, as a CUDA
-        allocation would; raises CapHeld (and nothing changes) when a hard limit in force stops
-        it: the driver's cgroup limits the node agent set (the strongest tier, checked first),
-        then the MPS client's own pinned device memory limit from its env (sm-sharing)."""
-        refused = self.nvml.over_hard_limit(pid, gpu, extra)
-        if refused is not None:
-            raise CapHeld("cgroup", f"the allocation fails (out of memory): the NVML cgroup "
-                          f"hard limit of {refused.hard // MIB} MiB on {refused.cgroup} holds it")
-        env = container_env(pod, container)
-        devices = [d.rsplit("=", 1)[-1] for d in env.get(k.ENV_VISIBLE_DEVICES, "").split(",")]
-        ordinal = devices.index(gpu) if gpu in devices else 0
-        pinned = pinned_limit_mib(env, ordinal)
-        used = next((p.used_bytes or 0 for p in self.nvml.processes
-                     if p.pid == pid and p.gpu == gpu), 0)
-        if pinned is not None and used + extra > pinned * MIB:
-            raise CapHeld("mps-pinned", f"the allocation fails (out of memory): the MPS "
-                          f"client's pinned device memory limit ({k.ENV_PINNED_MEM_LIMIT} "
-                          f"{ordinal}={pinned}M) holds it")
-        try:
-            self.nvml.allocate(pid, gpu, extra)
-        except GpuOutOfMemory as e:  # a limit set since the check above
-            raise CapHeld("cgroup", f"the allocation fails (out of memory): {e}") from None
+        allocation would; raises CapHeld (and nothing changes) when a hard tier the node agent
+        reports in force for it (`mechanisms`, what the TIER column shows) stops it, strongest
+        first: the driver's cgroup limits, then the MPS client's pinned device memory limit
+        (sm-sharing). The pinned limit counts only when the agent applied it: the env is wired
+        into every fractional container, and the demo's verdict must follow the agent's.
+        Raises GpuOutOfMemory when the driver refuses it for another reason (the GPU's memory
+        is full, or a cgroup limit the agent does not report)."""
+        if "cgroup" in mechanisms:
+            refused = self.nvml.over_hard_limit(pid, gpu, extra)
+            if refused is not None:
+                raise CapHeld("cgroup", f"the allocation fails (out of memory): the NVML "
+                              f"cgroup hard limit of {refused.hard // MIB} MiB on "
+                              f"{refused.cgroup} holds it")
+        if "mps-pinned" in mechanisms:
+            env = container_env(pod, container)
+            devices = [d.rsplit("=", 1)[-1]
+                       for d in env.get(k.ENV_VISIBLE_DEVICES, "").split(",")]
+            ordinal = devices.index(gpu) if gpu in devices else 0
+            pinned = pinned_limit_mib(env, ordinal)
+            used = next((p.used_bytes or 0 for p in self.nvml.processes
+                         if p.pid == pid and p.gpu == gpu), 0)
+            if pinned is not None and used + extra > pinned * MIB:
+                raise CapHeld("mps-pinned", f"the allocation fails (out of memory): the MPS "
+                              f"client's pinned device memory limit ({k.ENV_PINNED_MEM_LIMIT} "
+                              f"{ordinal}={pinned}M) holds it")
+        self.nvml.allocate(pid, gpu, extra)
 
     def stop_process(self, pid: int) -> None:
         self.nvml.remove_process(pid)

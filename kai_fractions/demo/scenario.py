@@ -6,11 +6,11 @@
 3. play the kubelet: start each bound pod's gate, which waits for the node agent's marker;
    the workload starts only when the gate releases it;
 4. start a simulated CUDA process in each running container and wait until the agent sees it;
-5. print the per-GPU table (the `inspect` report, the agent reached through its socket) with the
-   memory tier that enforces each row;
-6. let one container's process ask for more than its cap: a hard tier (cgroup, mps-pinned)
-   makes the allocation fail; with only the watchdog it succeeds and the watchdog's
-   LimitViolation event shows;
+5. once the agent has published its node condition, print the per-GPU table (the `inspect`
+   report, the agent reached through its socket) with the memory tier that enforces each row;
+6. let one container's process ask for more than its cap: a hard tier the agent reports in
+   force for it (cgroup, mps-pinned: what its TIER says) makes the allocation fail; with only
+   the watchdog it succeeds and the watchdog's LimitViolation event shows;
 7. show a manifest the admission webhook refuses, with its message.
 
 Progress goes to `progress` (stderr); the tables and findings to `out` (stdout).
@@ -32,16 +32,18 @@ from ..contract import (
     plan_pod,
     view_from_pod_spec,
 )
+from ..contract import keys as k
 from ..inspect.model import ENFORCED, Report, node_report
 from ..inspect.render import mib
 from ..inspect.sources import agent_from_socket, agent_state
+from ..sim.nvml import GpuOutOfMemory
 from .admission_step import USER, admission_config, admit
 from .first_call import FirstCall
 from .first_call import manifest as first_call_manifest
 from .kubelet import CapHeld, GateResult, SimulatedKubelet
 from .scheduler import Ask, GpuSlot, Placer, allocation, idempotency_key, request_mib
-from .session import DemoSession
-from .tiers import TierKey, agent_tiers, row_tier, table
+from .session import DemoSession, gpu_summary
+from .tiers import TierKey, agent_mechanisms, row_tier, strongest, table
 from .workloads import DemoPod, forged_gpu_pod, load_examples
 
 WAIT_SECONDS = 15.0
@@ -61,7 +63,10 @@ class DemoFailure(Exception):
 @dataclass
 class Outcome:
     report: Report | None = None
+    mechanisms: dict[TierKey, frozenset[str]] = field(default_factory=dict)
+    """What the agent reports in force per container and GPU (GetNodeState)."""
     tiers: dict[TierKey, str] = field(default_factory=dict)
+    """The strongest of them: the TIER column."""
     over_cap_title: str = NOTHING
     unscheduled: dict[str, str] = field(default_factory=dict)
     gates: dict[str, GateResult] = field(default_factory=dict)
@@ -247,6 +252,10 @@ class Scenario:
 
     # -- 5. the report ---------------------------------------------------------------------------
 
+    def _condition_published(self) -> bool:
+        conditions = (self._node().get("status") or {}).get("conditions") or []
+        return any(c.get("type") == k.NODE_CONDITION for c in conditions)
+
     def report(self) -> Report:
         endpoints = self.s.endpoints
         agent = agent_state(str(endpoints.agent_socket), endpoints.metrics_url)
@@ -271,16 +280,24 @@ class Scenario:
         extra = victim.limit_bytes - using + OVER_CAP_MIB * MIB
         gpu_index = next(g.index for g in report.gpus if g.uuid == victim.gpu_uuid)
         tier = row_tier(victim, self.outcome.tiers)
+        key = (victim.namespace, victim.pod, victim.container, victim.gpu_uuid)
+        held_by = self.outcome.mechanisms.get(key, frozenset())
         asked = (f"{victim.ref} on GPU {gpu_index} (tier {tier}): its process (pid {pid}) asks "
                  f"for {mib(extra)} more, which would take it to {mib(using + extra)}, over its "
                  f"cap of {mib(victim.limit_bytes)}")
         try:
-            self.kubelet.allocate(pod, victim.container, victim.gpu_uuid, pid, extra)
+            self.kubelet.allocate(pod, victim.container, victim.gpu_uuid, pid, extra, held_by)
         except CapHeld as e:
             self.progress(f"over the cap: {victim.ref}'s process {pid} asked for {mib(extra)} "
                           f"more on GPU {gpu_index}: refused ({e.tier})")
             self.outcome.over_cap_title = HELD
             return [asked, f"{e.tier} -> {e}"]
+        except GpuOutOfMemory as e:
+            if e.cgroup is not None:  # the driver holds a limit the agent does not report
+                raise DemoFailure(f"{victim.ref}'s allocation was refused by a cgroup limit the "
+                                  f"node agent does not report (tier {tier}): {e}") from None
+            self.outcome.over_cap_title = NOTHING
+            return [asked, f"the allocation fails, but not for its cap: {e}"]
         self.progress(f"over the cap: {victim.ref}'s process {pid} allocated {mib(extra)} more "
                       f"on GPU {gpu_index}; no hard limit stops it")
 
@@ -347,9 +364,12 @@ class Scenario:
 
     # -- all of it -----------------------------------------------------------------------------
 
-    def run(self) -> Outcome:
+    def run(self, examples: list[DemoPod] | None = None) -> Outcome:
+        """The story; `examples` as `load_examples` reads them (by default it reads the
+        config's directory here)."""
         s = self.s
-        examples = load_examples(s.config.examples, s.config.namespace)
+        if examples is None:
+            examples = load_examples(s.config.examples, s.config.namespace)
         self.progress(f"{len(examples)} pods from {s.config.examples}")
         created = self.create(examples)
         bound = self.schedule(created)
@@ -357,8 +377,13 @@ class Scenario:
         expected = self.start_processes(running)
         _wait("the node agent to report the simulated processes' memory",
               lambda: self._agent_sees(expected))
+        # The agent publishes its node condition on its own schedule; a report read before it
+        # would say that no agent reported from this node.
+        _wait(f"the node agent's {k.NODE_CONDITION} condition on node {self.node}",
+              self._condition_published)
         report = self.outcome.report = self.report()
-        self.outcome.tiers = agent_tiers(str(s.endpoints.agent_socket))
+        mechanisms = self.outcome.mechanisms = agent_mechanisms(str(s.endpoints.agent_socket))
+        self.outcome.tiers = {key: strongest(names) for key, names in mechanisms.items()}
         self.print_report(report)
         self.outcome.violation = self.violate(report)
         # The extra memory is freed: leave the node as the table shows it (for --keep).
@@ -370,11 +395,10 @@ class Scenario:
         return self.outcome
 
     def print_report(self, report: Report) -> None:
-        gpus = self.s.nvml.gpus
         self.out.write(
             f"kai-fractions demo: {len({r.ref for r in report.rows})} fractional containers from "
-            f"{self.s.config.examples.name}/ on node {self.node} ({len(gpus)} x {gpus[0].name}, "
-            f"simulated)\n\n")
+            f"{self.s.config.examples.name}/ on node {self.node} "
+            f"({gpu_summary(self.s.nvml.gpus)}, simulated)\n\n")
         self.out.write(table(report, self.outcome.tiers))
         self.out.flush()
 

@@ -2,10 +2,11 @@
 
 Placement (pure, `Placer`): pods in order, each on the first GPU(s) in index order that run its
 compute mode (or nothing yet) and still have its memory request free. One GPU runs one compute
-mode. The memory a pod occupies is what the mirror would write for it: the scheduler asks with
-`PreviewAllocation` (the contract's binder arithmetic, nothing written), then decides, then calls
-`MirrorAllocation` (one guarded patch of the pod's annotations) and only then binds the pod, the
-order KAI's binder follows.
+mode; a pod that fits nowhere is told, per GPU, what keeps it off (another compute mode, too
+little free memory). The memory a pod occupies is what the mirror would write for it: the
+scheduler asks with `PreviewAllocation` (the contract's binder arithmetic, nothing written),
+then decides, then calls `MirrorAllocation` (one guarded patch of the pod's annotations) and
+only then binds the pod, the order KAI's binder follows.
 """
 
 from __future__ import annotations
@@ -55,17 +56,28 @@ class Placer:
         mode = self.modes.get(gpu.uuid)
         return (mode is None or mode is ask.mode) and ask.request_mib <= self.free_mib(gpu)
 
+    def blocker(self, gpu: GpuSlot, ask: Ask) -> str:
+        """What this GPU has, and what keeps `ask` off it, if anything: another compute mode,
+        too little free memory, or both."""
+        mode = self.modes.get(gpu.uuid)
+        free = f"{self.free_mib(gpu)} MiB free"
+        if self.fits(gpu, ask):
+            return f"fits ({free})"
+        why = []
+        if mode is not None and mode is not ask.mode:
+            why.append(f"runs {mode.value}")
+        if ask.request_mib > self.free_mib(gpu):
+            why.append(f"only {free}")
+        return ", and ".join(why)
+
     def place(self, ask: Ask) -> tuple[GpuSlot, ...] | str:
-        """The GPUs chosen (and booked), or why none fit."""
+        """The GPUs chosen (and booked), or why none fit: each GPU's blocker."""
         fitting = [g for g in self.gpus if self.fits(g, ask)]
         if len(fitting) < ask.count:
-            states = "; ".join(
-                f"GPU {g.index}: {self.free_mib(g)} MiB free"
-                + (f", {self.modes[g.uuid].value}" if g.uuid in self.modes else "")
-                for g in self.gpus)
-            return (f"0/{len(self.gpus)} GPUs fit {ask.ref}: it needs {ask.count} GPU(s) with "
-                    f"{ask.request_mib} MiB free that run {ask.mode.value} or nothing yet, "
-                    f"{len(fitting)} found ({states}); one GPU runs one compute mode")
+            states = "; ".join(f"GPU {g.index}: {self.blocker(g, ask)}" for g in self.gpus)
+            return (f"{ask.ref} needs {ask.count} GPU(s) with {ask.request_mib} MiB free that "
+                    f"run {ask.mode.value} or nothing yet; {len(fitting)} of {len(self.gpus)} "
+                    f"fit ({states})")
         chosen = tuple(fitting[: ask.count])
         for g in chosen:
             self.used[g.uuid] = self.used.get(g.uuid, 0) + ask.request_mib

@@ -8,11 +8,14 @@ In this process, each on its own thread(s), talking over real sockets:
 - the node agent: the real `NodeAgent` (pod watch, reconcile worker, node condition, NodeEnforcer
   on a unix socket, Prometheus metrics on 127.0.0.1) on a simulated node: NVML is `FakeNvml`
   (the GPUs of the config), the MPS control daemon `FakeMpsControl`, the cgroup tree
-  `FakeCgroupFs(assume_present=True)` (no kubelet creates cgroups here), /proc a temp directory.
+  `FakeCgroupFs(assume_present=True)` (no kubelet creates cgroups here; FakeNvml takes limits
+  only on paths of that tree, under the agent's cgroup root), /proc a temp directory.
 
+Everything lives in one temp directory, `kf-demo-*` under TMPDIR, or under /tmp when TMPDIR is
+too long for the unix socket paths below it (the agent's socket, the MPS pipe directory).
 `stop()` undoes `start()` in reverse order and is safe to call after a partial start; it leaves
 no thread but daemon threads of libraries that end with the process, and no file outside the
-session's temp directory.
+session's temp directory. A constructor that fails removes the directory it made.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,15 +32,57 @@ from typing import Any
 from ..contract import MIB, Keys
 from ..contract import keys as k
 from ..node.config import NodeConfig
+from ..node.errors import ConfigError
 from ..sim.cgroups import FakeCgroupFs
 from ..sim.mps import FakeMpsControl
-from ..sim.nvml import FakeNvml
+from ..sim.nvml import FakeGpu, FakeNvml
 from .config import DemoConfig
 
 log = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL = 0.2
 """The agent's --watchdog-interval here: a violation shows up within a fraction of a second."""
+SOCKET_PATH_MAX = 107
+"""Bytes of a unix socket's path (sun_path, with its terminating NUL: 108)."""
+SHORT_TMP = "/tmp"
+"""Where the session's directory goes when TMPDIR is too long for its socket paths."""
+
+
+def gpu_summary(gpus: Sequence[FakeGpu]) -> str:
+    """`2 x NVIDIA H100 80GB HBM3`, or per model in order of first appearance on a mixed node:
+    `1 x NVIDIA H100 80GB HBM3, 1 x Tesla T4`."""
+    return ", ".join(f"{n} x {name}" for name, n in Counter(g.name for g in gpus).items())
+
+
+def _node_config(config: DemoConfig, workdir: Path, keys: Keys) -> NodeConfig:
+    return NodeConfig(
+        node_name=config.node, proc_root=str(workdir / "proc"),
+        sm_sharing=config.sm_sharing, mps_pipe_dir=str(workdir / "mps"),
+        mps_log_dir=str(workdir / "mps-log"), memory_enforcement=config.memory_enforcement,
+        watchdog_interval=WATCHDOG_INTERVAL, keys=keys)
+
+
+def _fits(workdir: Path, config: DemoConfig, keys: Keys) -> bool:
+    """Whether the session's unix sockets fit below `workdir`: the agent's, and those of the
+    MPS pipe directories (the node agent's own rule)."""
+    if len(str(workdir / "agent.sock").encode()) > SOCKET_PATH_MAX:
+        return False
+    try:
+        _node_config(config, workdir, keys)
+    except ConfigError:
+        return False
+    return True
+
+
+def make_workdir(config: DemoConfig, keys: Keys = k.DEFAULT_KEYS) -> Path:
+    """A new `kf-demo-*` directory under TMPDIR, or under /tmp when the socket paths below it
+    would not fit (a TMPDIR longer than about 30 bytes)."""
+    prefix = "kf-demo-"
+    longest = prefix + "x" * 8  # mkdtemp's 8 random characters
+    base = tempfile.gettempdir()
+    if not _fits(Path(base) / longest, config, keys):
+        base = SHORT_TMP
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +103,16 @@ class DemoSession:
         self.keys = keys
         self.progress = progress
         self._own_workdir = workdir is None
-        # Short: the agent's unix socket path must fit in 107 bytes.
-        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="kf-demo-"))
+        self.workdir = workdir or make_workdir(config, keys)
+        try:
+            self._build()
+        except BaseException:
+            if self._own_workdir:  # nothing else is made yet
+                shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
+
+    def _build(self) -> None:
+        config = self.config
         self.nvml: FakeNvml = config.nvml()
         # MPS v3 namespaces came with the same r615 release as the memory limits: an older
         # simulated driver has neither, as a real one would.
@@ -66,12 +120,13 @@ class DemoSession:
                                   log_dir=str(self.workdir / "mps-log"),
                                   protocol_v3=self.nvml.has_memory_limits,
                                   devices=len(self.nvml.gpus))
-        self.node_config = NodeConfig(
-            node_name=config.node, proc_root=str(self.workdir / "proc"),
-            sm_sharing=config.sm_sharing, mps_pipe_dir=str(self.workdir / "mps"),
-            mps_log_dir=str(self.workdir / "mps-log"),
-            memory_enforcement=config.memory_enforcement,
-            watchdog_interval=WATCHDOG_INTERVAL, keys=keys)
+        try:
+            self.node_config = _node_config(config, self.workdir, self.keys)
+        except ConfigError as e:  # only a workdir given by the caller can be too long
+            raise ValueError(f"the demo's directory {self.workdir} is too long for the unix "
+                             f"sockets below it: {e.message}") from None
+        self.cgroup_fs = FakeCgroupFs(assume_present=True)
+        self.nvml.use_cgroups(self.node_config.layout.root, self.cgroup_fs)
         self.marker_dir = self.workdir / "markers"
         self.proc_root = self.workdir / "proc"
         self.proc_root.mkdir(parents=True, exist_ok=True)
@@ -125,19 +180,24 @@ class DemoSession:
         self.api_client = k8s.ApiClient(self.api.configuration())
         self.core = k8s.CoreV1Api(self.api_client)
         gpus = self.nvml.gpus
+        # GPU feature discovery labels product, count and memory per model, and on a node with
+        # several models writes one model's three labels over the others' (whichever its map
+        # iteration visits last: it can change from run to run). The demo keeps the model its
+        # memory label already names, the smallest GPU's (KAI's fractions of it fit every GPU).
+        smallest = min(gpus, key=lambda g: g.memory_total)
         self.core.create_node({
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": self.config.node, "labels": {
                 k.NODE_GPU_MEMORY_LABEL: str(self.gpu_memory_mib),
-                "nvidia.com/gpu.count": str(len(gpus)),
-                "nvidia.com/gpu.product": gpus[0].name.replace(" ", "-"),
+                "nvidia.com/gpu.count": str(sum(g.name == smallest.name for g in gpus)),
+                "nvidia.com/gpu.product": smallest.name.replace(" ", "-"),
                 "kubernetes.io/hostname": self.config.node,
             }},
             "status": {"capacity": {"nvidia.com/gpu": str(len(gpus))},
                        "allocatable": {"nvidia.com/gpu": str(len(gpus))}},
         })
         self.progress(f"Kubernetes API (kmock) on {self.api.url}; node {self.config.node}: "
-                      f"{len(gpus)} x {gpus[0].name} (simulated), "
+                      f"{gpu_summary(gpus)} (simulated), "
                       f"{k.NODE_GPU_MEMORY_LABEL}={self.gpu_memory_mib}")
 
     def _start_mirror(self) -> None:
@@ -188,7 +248,7 @@ class DemoSession:
             status_tick_seconds=0.2)
         self.agent = NodeAgent(
             config=self.node_config, options=options, nvml=self.nvml,
-            cgroup_fs=FakeCgroupFs(assume_present=True), source=self._agent_cluster,
+            cgroup_fs=self.cgroup_fs, source=self._agent_cluster,
             cluster=self._agent_cluster,
             mps=FakeMpsSupervisor(self.mps) if self.config.sm_sharing else None,
             procfs=Procfs(self.proc_root), killer=RecordingKiller())

@@ -9,7 +9,7 @@ container the agent refused, `-` for one on no GPU of the node.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from ..inspect.model import ENFORCED, REFUSED, Report, Row
 from ..inspect.render import HEADER, cells, gpu_heading, heading, reasons
@@ -21,8 +21,9 @@ TierKey = tuple[str, str, str, str]
 """(namespace, pod, container, GPU UUID)."""
 
 
-def agent_tiers(socket: str, timeout: float = 5.0) -> dict[TierKey, str]:
-    """The strongest mechanism in force per container and GPU, from the agent's socket."""
+def agent_mechanisms(socket: str, timeout: float = 5.0) -> dict[TierKey, frozenset[str]]:
+    """The mechanisms in force per container and GPU, from the agent's socket: what the TIER
+    column and the over-the-cap step both go by."""
     import grpc
 
     from ..api.v1 import node_pb2, node_pb2_grpc
@@ -35,7 +36,12 @@ def agent_tiers(socket: str, timeout: float = 5.0) -> dict[TierKey, str]:
         for limit in a.applied_limits:
             key = (a.pod.namespace, a.pod.name, a.container, limit.gpu_uuid)
             found.setdefault(key, set()).add(limit.mechanism)
-    return {key: next((t for t in TIERS if t in names), NONE) for key, names in found.items()}
+    return {key: frozenset(names) for key, names in found.items()}
+
+
+def strongest(mechanisms: Collection[str]) -> str:
+    """The tier that holds a cap first (TIERS, strongest first); NONE without any."""
+    return next((t for t in TIERS if t in mechanisms), NONE)
 
 
 def row_tier(row: Row, tiers: Mapping[TierKey, str]) -> str:

@@ -29,7 +29,8 @@ TEMPLATE_PATHS = {
 
 
 class WorkloadError(ValueError):
-    """A manifest cannot be read; the message names the file."""
+    """A manifest cannot be read or names no pod the demo can create; the message names the
+    file (and the field)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +57,35 @@ def _dig(obj: Mapping[str, Any], path: tuple[str, ...]) -> Any:
     return obj
 
 
+def _metadata(obj: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    """The object's metadata with a name the demo can create it by: the demo creates each pod
+    once, by name, so `generateName` alone (what `kubectl create` completes) is not enough."""
+    meta = obj.get("metadata")
+    if not isinstance(meta, Mapping):
+        raise WorkloadError(f"{kind}: metadata: must be a mapping with a name, got {meta!r}")
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        also = (f" (generateName {meta['generateName']!r} is not enough: the demo creates each "
+                "pod by name)" if meta.get("generateName") else "")
+        raise WorkloadError(f"{kind}: metadata.name: must be a non-empty string, got "
+                            f"{name!r}{also}")
+    ns = meta.get("namespace")
+    if ns is not None and (not isinstance(ns, str) or not ns):
+        raise WorkloadError(f"{kind}: metadata.namespace: must be a non-empty string, got "
+                            f"{ns!r}")
+    return meta
+
+
 def pod_of(obj: Mapping[str, Any], namespace: str) -> tuple[dict[str, Any], str] | None:
-    """(the pod, its kind note) an object stands for, or None for kinds without pods."""
+    """(the pod, its kind note) an object stands for, or None for kinds without pods; raises
+    WorkloadError (without the file's name) for one with no usable metadata."""
     kind = str(obj.get("kind") or "")
-    meta = obj.get("metadata") or {}
+    if kind != "Pod" and kind not in TEMPLATE_PATHS:
+        return None
+    meta = _metadata(obj, kind)
     if kind == "Pod":
         pod = copy.deepcopy(dict(obj))
-        pod.setdefault("metadata", {})["namespace"] = meta.get("namespace") or namespace
+        pod["metadata"] = {**pod["metadata"], "namespace": meta.get("namespace") or namespace}
         return pod, ""
     path = TEMPLATE_PATHS.get(kind)
     template = _dig(obj, path) if path else None
@@ -88,10 +111,14 @@ def load_examples(directory: Path, namespace: str = "default") -> list[DemoPod]:
             docs = list(yaml.safe_load_all(path.read_text()))
         except (OSError, yaml.YAMLError) as e:
             raise WorkloadError(f"{path}: {' '.join(str(e).split())}") from None
-        for doc in docs:
+        for n, doc in enumerate(docs, 1):
             if not isinstance(doc, Mapping):
                 continue
-            found = pod_of(doc, namespace)
+            try:
+                found = pod_of(doc, namespace)
+            except WorkloadError as e:
+                where = f" (document {n})" if len(docs) > 1 else ""
+                raise WorkloadError(f"{path}{where}: {e}") from None
             if found is None:
                 continue
             pod, note = found

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from .expected import PLACEMENT, RESERVE_MIB, expected_rows, gpu_uuid, parse_tables, row_cells
@@ -73,11 +75,11 @@ def test_demo_prints_the_plan_and_exits_clean():
               and order.index(e.pod) < order.index(pending.pod)]
     free0 = 81559 - RESERVE_MIB - sum(e.request_mib for e in before)
     need = (81559 - RESERVE_MIB) // 2
+    # What keeps it off each GPU: GPU 0's free memory (its mode would do), GPU 1 fits.
     assert reasons == [
-        f"{pending.ref}: Unschedulable: 0/2 GPUs fit default/multi-device-fraction: it needs "
-        f"2 GPU(s) with {need} MiB free that run time-slicing or nothing yet, 1 found (GPU 0: "
-        f"{free0} MiB free, time-slicing; GPU 1: {81559 - RESERVE_MIB} MiB free); one GPU runs "
-        "one compute mode"]
+        f"{pending.ref}: Unschedulable: default/multi-device-fraction needs 2 GPU(s) with "
+        f"{need} MiB free that run time-slicing or nothing yet; 1 of 2 fit (GPU 0: only "
+        f"{free0} MiB free; GPU 1: fits ({81559 - RESERVE_MIB} MiB free))"]
 
     # Over the cap: the first container of GPU 0's table asks for 1024 MiB above its cap, and
     # the driver's cgroup hard limit (r615) refuses it.
@@ -134,3 +136,66 @@ def test_a_bad_config_is_a_usage_error(tmp_path: Path):
     assert result.stderr.startswith(f"kai-fractions demo: --config {config}: gpus: "
                                     "gpus[0].model: unknown GPU model 'B300'; known: ")
     assert result.stderr.count("\n") == 1
+
+
+def _kf_demo_dirs(where: Path) -> set[Path]:
+    return set(where.glob("kf-demo-*"))
+
+
+def test_a_long_tmpdir_still_runs_and_leaves_nothing(tmp_path: Path):
+    """TMPDIR too long for the unix sockets below it: the demo puts its directory under /tmp
+    instead, says nothing about flags its user does not have, and removes it at the end."""
+    long = tmp_path / ("a-rather-long-temporary-directory-" * 2)
+    long.mkdir()
+    env = {**os.environ, "TMPDIR": str(long)}
+    proc = subprocess.run([str(CLI), "demo"], capture_output=True, text=True, timeout=TIMEOUT,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "--mps-pipe-dir" not in proc.stderr
+    used = re.search(r"agent: socket unix://(/tmp/kf-demo-\w+)/agent\.sock ", proc.stdout)
+    assert used, proc.stdout
+    assert not Path(used.group(1)).exists()
+    assert list(long.iterdir()) == []
+
+
+def test_sigterm_ends_a_run_through_its_cleanup():
+    short = Path(tempfile.mkdtemp(prefix="kft-", dir="/tmp"))  # short enough to be used
+    try:
+        proc = subprocess.Popen([str(CLI), "demo"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                env={**os.environ, "TMPDIR": str(short)})
+        try:
+            lines = []
+            for line in proc.stderr:  # until the agent is up: everything is started
+                lines.append(line)
+                if "] node agent on " in line:
+                    break
+            assert _kf_demo_dirs(short), "".join(lines)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        assert proc.returncode == 143, err
+        progress = (("".join(lines)) + err).splitlines()
+        assert "kai-fractions demo: terminated (SIGTERM) before the end" in progress
+        assert progress[-1].endswith("] stopped")
+        assert list(short.iterdir()) == []
+        assert group_members(proc.pid) == []
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def test_a_bad_example_is_a_usage_error_before_anything_starts(tmp_path: Path):
+    (tmp_path / "ex").mkdir()
+    (tmp_path / "ex" / "pod.yaml").write_text(
+        "kind: Pod\nmetadata:\n  generateName: trainer-\nspec: {containers: [{name: c}]}\n")
+    config = tmp_path / "demo.yaml"
+    config.write_text("examples: ex\n")
+    result = subprocess.run([str(CLI), "demo", "--config", str(config)], capture_output=True,
+                            text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"kai-fractions demo: {tmp_path / 'ex' / 'pod.yaml'}: Pod: metadata.name: must be a "
+        "non-empty string, got None (generateName 'trainer-' is not enough: the demo creates "
+        "each pod by name)\n")  # one line: no progress, nothing was started

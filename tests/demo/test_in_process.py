@@ -16,7 +16,7 @@ from kai_fractions.demo.kubelet import container_env
 from kai_fractions.demo.scenario import Scenario
 from kai_fractions.demo.session import DemoSession
 
-from .expected import PLACEMENT, expected_rows, parse_tables, row_cells
+from .expected import EXAMPLES, PLACEMENT, expected_rows, parse_tables, row_cells
 
 
 def run(config_data: dict, seen: list | None = None) -> tuple[str, list[str], DemoSession]:
@@ -29,8 +29,10 @@ def run(config_data: dict, seen: list | None = None) -> tuple[str, list[str], De
         Scenario(session, out, progress.append).run()
         if seen is not None:
             pods = session.core.list_pod_for_all_namespaces()
+            node = session.core.read_node(session.config.node)
             seen += [session.api_client.sanitize_for_serialization(pods)["items"],
-                     set(session.mps.namespaces)]
+                     set(session.mps.namespaces),
+                     session.api_client.sanitize_for_serialization(node)]
     finally:
         session.stop()
     return out.getvalue(), progress, session
@@ -60,7 +62,7 @@ def test_the_sm_sharing_container_mounts_exactly_the_namespace_it_is_given(defau
     """Webhook, mirror and agent agree: the namespace the webhook named as the pod was created
     is the one the agent made on the MPS daemon, the container's only MPS mount, and where its
     CUDA_MPS_PIPE_DIRECTORY points."""
-    pods, namespaces = default_run[4]
+    pods, namespaces, _ = default_run[4]
     mounted = [(p, c, m) for p in pods for c in p["spec"]["containers"]
                for m in c.get("volumeMounts") or [] if m["name"] == "kai-fractions-mps"]
     assert mounted  # the story has an sm-sharing container
@@ -130,3 +132,65 @@ def test_bad_configs(data, error):
     with pytest.raises(DemoConfigError) as e:
         config_from_dict(data)
     assert str(e.value) == error
+
+
+def examples(tmp_path: Path, *names: str) -> str:
+    """A directory holding only these of examples/."""
+    for name in names:
+        (tmp_path / name).write_text((EXAMPLES / name).read_text())
+    return str(tmp_path)
+
+
+def test_the_verdict_over_the_cap_follows_the_tier_the_agent_applied(tmp_path: Path):
+    """Only the watchdog in force: the TIER says watchdog, so the allocation succeeds and the
+    watchdog catches it, although the container's env carries an MPS pinned limit."""
+    out, _, _ = run({"memory_enforcement": "watchdog",
+                     "examples": examples(tmp_path, "sm-sharing.yaml")})
+    gpus, _, _ = parse_tables(out)
+    [row] = gpus[0][2]
+    assert (row[0], row[6], row[7]) == ("default/sm-sharing/server", "enforced", "watchdog")
+    assert "\nCap held:\n" not in out and "mps-pinned ->" not in out
+    section = out.split("\nViolation caught:\n", 1)[1].split("\n\n", 1)[0]
+    assert "(tier watchdog)" in section
+    assert "the allocation succeeds, no hard limit stops it" in section
+    assert "-> Event Warning LimitViolation on pod default/sm-sharing" in section
+
+
+def test_the_report_waits_for_the_node_condition(tmp_path: Path):
+    """Nothing runs on the node (the only pod does not fit), so nothing else makes the story
+    wait for the agent: the report must still show the condition it publishes."""
+    out, _, _ = run({"gpus": [{"count": 1}],
+                     "examples": examples(tmp_path, "multi-device-fraction.yaml")})
+    assert ("\nnode demo-node  nvidia.com/gpu.memory=81559  "
+            "gpu-fractioning.nvidia.com/Ready=True\n") in out
+    assert "no node agent has reported" not in out
+
+
+def test_a_node_with_two_models(tmp_path: Path):
+    seen: list = []
+    out, _, _ = run({"gpus": [{"model": "H100-80GB"}, {"model": "T4"}],
+                     "examples": examples(tmp_path, "memory-request.yaml")}, seen)
+    assert out.startswith("kai-fractions demo: 1 fractional containers from "
+                          f"{tmp_path.name}/ on node demo-node (1 x NVIDIA H100 80GB HBM3, "
+                          "1 x Tesla T4, simulated)\n")
+    labels = seen[2]["metadata"]["labels"]
+    # GPU feature discovery labels one model on a mixed node: the one the memory label names.
+    assert {key: labels[key] for key in ("nvidia.com/gpu.memory", "nvidia.com/gpu.product",
+                                         "nvidia.com/gpu.count")} == {
+        "nvidia.com/gpu.memory": "15360", "nvidia.com/gpu.product": "Tesla-T4",
+        "nvidia.com/gpu.count": "1"}
+    assert seen[2]["status"]["capacity"]["nvidia.com/gpu"] == "2"
+
+
+def test_the_demos_nvml_takes_limits_only_on_the_nodes_cgroups(default_run):
+    from kai_fractions.node.errors import NvmlUnknown
+
+    session = default_run[2]
+    nvml = session.nvml
+    assert (nvml.cgroup_root, nvml.cgroup_tree) == ("/sys/fs/cgroup", session.cgroup_fs)
+    nvml.init()
+    try:
+        with pytest.raises(NvmlUnknown, match="is not a cgroup"):
+            nvml.set_memory_limits(nvml.gpus[0].uuid, "/kubepods.slice/x.slice", 1, 2)
+    finally:
+        nvml.shutdown()
