@@ -19,7 +19,7 @@ from .errors import ContractError
 from .keys import MPS_NAMESPACE_PREFIX, is_mps_namespace_name
 from .numbers import NumberError, after_point, at_most, parse_decimal, parse_positive_int
 from .pod import PodView
-from .quantity import MIB, QuantityError, has_unit, memory_bytes
+from .quantity import MIB, QuantityError, canonical_mib, has_unit, memory_bytes
 
 
 class ComputeMode(StrEnum):
@@ -33,6 +33,8 @@ _MODES = ", ".join(m.value for m in ComputeMode)
 # NVML memory limits do not support MIG handles.
 _GPU_UUID = re.compile(r"GPU-[0-9a-fA-F]+(?:-[0-9a-fA-F]+)*")
 _MAX_LEGACY_DECIMALS = 5
+_UINT64 = 1 << 64
+"""KAI reads gpu-memory with strconv.ParseUint(value, 10, 64): this many MiB and more fail."""
 MAX_DEVICES = 64
 """More GPUs than any node has: a longer list is refused before it is split and checked."""
 
@@ -333,9 +335,15 @@ def _legacy(pod: PodView, c: _Collector, nv_names: Iterable[str]) -> _Legacy | N
                 legacy.limit_portion = None
     if memory:
         try:
-            legacy.memory_bytes = parse_positive_int(memory) * MIB
+            mib = parse_positive_int(memory)
         except NumberError as e:
             c.error(k.GPU_MEMORY, f"{e.args[0]} of MiB", memory, target)
+        else:
+            if mib >= _UINT64:  # KAI reads it with strconv.ParseUint(value, 10, 64)
+                c.error(k.GPU_MEMORY, "must be below 2^64 MiB (KAI reads it as a 64-bit "
+                        "number)", memory, target)
+            else:
+                legacy.memory_bytes = mib * MIB
     if k.GPU_MEMORY_LIMIT in a:
         value = a[k.GPU_MEMORY_LIMIT]
         if not memory:
@@ -395,7 +403,7 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
     bound = (legacy is not None or bool(portion_limit_items)) and any(
         share.devices for share in shares.values())
     if legacy is not None and not bound:
-        _limit_before_bind(pod, keys, legacy.container, c)
+        _before_bind(pod, keys, legacy.container, c)
     if legacy is not None and legacy.requested:
         # After a bind the binder's NvFractions request sits beside the legacy key it came
         # from; the NvFractions key wins (precedence), so that is not worth a warning.
@@ -442,12 +450,30 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
                       warnings=tuple(c.warnings))
 
 
-def _limit_before_bind(pod: PodView, keys: k.Keys, container: str, c: _Collector) -> None:
-    """An NvFractions limit beside the legacy keys, as KAI's admission judges a pod it has not
-    bound (upstream kai-scheduler/api utilities/resources/gpu_sharing_validation.go,
-    ValidateGPUFractionRequest; nvfractions Mutate copies gpu-memory.limit into the limit
-    key). After the bind the binder's own limit sits there, so this is for unbound pods."""
+def _before_bind(pod: PodView, keys: k.Keys, container: str, c: _Collector) -> None:
+    """The legacy keys, and NvFractions keys beside them, as KAI's admission judges a pod it
+    has not bound (upstream kai-scheduler/api utilities/resources/gpu_sharing_validation.go,
+    ValidateGPUFractionRequest; KAI-Scheduler pkg/admission/webhook/v1alpha2/nvfractions/
+    mutation.go, Mutate, which writes the NvFractions request, limit and portion limit from
+    gpu-memory, gpu-memory.limit and gpu-fraction.limit and refuses a key already there with
+    other text). After the bind the binder's own keys sit there, so this is for unbound pods."""
     a = pod.annotations
+    for key in (k.GPU_MEMORY, k.GPU_FRACTION_CONTAINER_NAME):
+        if key in a and not a[key]:  # ParseUint(""); GetFractionContainerRef's empty name
+            c.error(key, "is empty: KAI's admission refuses an empty value; remove the key or "
+                    "give it a value", a[key], container)
+    memory, request_key = a.get(k.GPU_MEMORY), keys.container(container, k.MEMORY_REQUEST)
+    if memory and request_key in a:
+        _same_text_as_kai(a[request_key], memory, request_key, container, c)
+    fraction_limit_target = a.get(k.GPU_FRACTION_CONTAINER_NAME) or (
+        pod.containers[0].name if pod.containers else "")
+    if a.get(k.GPU_FRACTION_LIMIT) and a.get(k.GPU_FRACTION) and container != \
+            fraction_limit_target:
+        c.error(k.GPU_FRACTION_LIMIT, f"would limit container {container!r} (its NvFractions "
+                f"keys name it), but KAI takes a portion limit only for the container "
+                f"gpu-fraction-container-name names or the first one "
+                f"({fraction_limit_target!r}): name {container!r} with "
+                "gpu-fraction-container-name", a[k.GPU_FRACTION_LIMIT], container)
     limit_key = keys.container(container, k.MEMORY_LIMIT)
     if limit_key not in a:
         return
@@ -461,6 +487,23 @@ def _limit_before_bind(pod: PodView, keys: k.Keys, container: str, c: _Collector
     elif k.GPU_MEMORY_LIMIT in a and a[k.GPU_MEMORY_LIMIT] != limit:
         c.error(k.GPU_MEMORY_LIMIT, f"differs from {limit_key} {limit!r}, which KAI writes "
                 "from gpu-memory.limit; set one of them", a[k.GPU_MEMORY_LIMIT], container)
+
+
+def _same_text_as_kai(request: str, memory: str, key: str, container: str,
+                      c: _Collector) -> None:
+    """KAI's admission writes gpu-memory N as the request `MustParse("<N>Mi").String()` and
+    refuses a request already there with other text, even for the same amount (`20480Mi`
+    beside gpu-memory 20480, which KAI writes `20Gi`). A different amount is reported where
+    the two are merged."""
+    try:
+        mib = parse_positive_int(memory)
+        same_amount = memory_bytes(request) == mib * MIB
+    except (NumberError, QuantityError):
+        return  # reported where each is read
+    if same_amount and mib < _UINT64 and request != canonical_mib(mib):
+        c.error(key, f"is {request!r}, but KAI's admission writes gpu-memory {memory!r} as "
+                f"{canonical_mib(mib)!r} and refuses other text for the same amount; write "
+                f"{canonical_mib(mib)!r}, or set one of them", request, container)
 
 
 def _portion_limit_placed(pod: PodView, key: str, name: str, c: _Collector) -> bool:

@@ -298,14 +298,85 @@ def test_pod_level_errors_name_a_key_the_pod_has(
 # -- section 2: pod-level and legacy keys -----------------------------------------------------
 
 
-@pytest.mark.parametrize("key", ["gpu-fraction", "gpu-memory"])
-def test_an_empty_legacy_request_asks_for_nothing(key: str) -> None:
-    """Upstream kai-scheduler/api utilities/resources/gpu_sharing.go, parseGpuFractionalPortion
-    and parseGpuFractionalMemory: an empty value is no request (a chart may render one)."""
-    request = parse_pod(pod({key: ""}))
+def test_an_empty_gpu_fraction_asks_for_nothing() -> None:
+    """Upstream kai-scheduler/api utilities/resources/gpu_sharing.go, parseGpuFractionalPortion:
+    an empty value is no request (a chart may render one)."""
+    request = parse_pod(pod({"gpu-fraction": ""}))
     assert (request.errors, request.share) == ((), None)
-    assert [e.rule for e in errors({key: "", f"{key}.limit": "0.5" if key == "gpu-fraction"
-                                    else "1Gi"})] == [f"needs {key}"]
+    assert [e.rule for e in errors({"gpu-fraction": "", "gpu-fraction.limit": "0.5"})] == [
+        "needs gpu-fraction"]
+
+
+def test_an_empty_gpu_memory_is_refused_before_the_bind() -> None:
+    """KAI's scheduler reads an empty gpu-memory as no request (parseGpuFractionalMemory), but
+    its admission refuses the pod first: the key's presence makes RequestsGPUFraction true, and
+    NvFractions Mutate parses the value with strconv.ParseUint (upstream KAI-Scheduler
+    pkg/admission/webhook/v1alpha2/nvfractions/mutation.go, legacyMemoryRequest)."""
+    request = parse_pod(pod({"gpu-memory": ""}))
+    assert request.share is None
+    assert [(e.key, e.rule) for e in request.errors] == [(
+        "gpu-memory", "is empty: KAI's admission refuses an empty value; remove the key or give "
+        "it a value")]
+    assert sorted(e.rule for e in errors({"gpu-memory": "", "gpu-memory.limit": "1Gi"})) == [
+        "is empty: KAI's admission refuses an empty value; remove the key or give it a value",
+        "needs gpu-memory"]
+
+
+# -- what KAI's admission refuses at CREATE (upstream KAI-Scheduler pkg/admission/webhook/
+# v1alpha2/nvfractions/mutation.go, Mutate; kai-scheduler/api utilities/resources/
+# gpu_sharing_container_ref.go, GetFractionContainerRef) ------------------------------------
+
+MAIN_REQUEST = "nvidia.com/container.main.gpu-memory.request"
+
+
+@pytest.mark.parametrize(("memory", "written"), [
+    ("20480", "20Gi"), ("20000", "20000Mi"), ("1048576", "1Ti"), ("1", "1Mi")])
+def test_a_request_as_kai_writes_it_from_gpu_memory_is_taken(memory: str, written: str) -> None:
+    """Mutate writes gpu-memory N as MustParse("<N>Mi").String(): the same text is that pod."""
+    assert errors({"gpu-memory": memory, MAIN_REQUEST: written}) == []
+
+
+@pytest.mark.parametrize(("memory", "given", "written"), [
+    ("20480", "20480Mi", "20Gi"), ("20000", "20000.0Mi", "20000Mi"),
+    ("1024", "1073741824", "1Gi")])
+def test_the_same_amount_in_other_text_than_kai_writes_is_refused(
+        memory: str, given: str, written: str) -> None:
+    """Mutate refuses a request already there whose text differs ("gpu-memory annotation
+    conflicts with ..."), even when it is the same amount."""
+    err = only_error({"gpu-memory": memory, MAIN_REQUEST: given})
+    assert (err.key, err.value, err.container) == (MAIN_REQUEST, given, "main")
+    assert err.rule == (f"is {given!r}, but KAI's admission writes gpu-memory {memory!r} as "
+                        f"{written!r} and refuses other text for the same amount; write "
+                        f"{written!r}, or set one of them")
+
+
+def test_an_empty_gpu_fraction_container_name_is_refused() -> None:
+    err = only_error({"gpu-fraction": "0.5", "gpu-fraction-container-name": ""})
+    assert (err.key, err.value) == ("gpu-fraction-container-name", "")
+    assert err.rule.startswith("is empty: KAI's admission refuses an empty value")
+
+
+def test_gpu_memory_past_64_bits_is_refused() -> None:
+    """legacyMemoryRequest reads it with strconv.ParseUint(value, 10, 64)."""
+    err = only_error({"gpu-memory": str(1 << 64)})
+    assert (err.key, err.rule) == ("gpu-memory", "must be below 2^64 MiB (KAI reads it as a "
+                                                 "64-bit number)")
+    assert errors({"gpu-memory": str((1 << 64) - 1)}) == []
+
+
+def test_a_fraction_limit_for_a_container_kai_would_not_limit_is_refused() -> None:
+    """A compute-mode key puts the fraction on `side`; Mutate copies gpu-fraction.limit to
+    side's portion-limit key, which KAI's own validation then refuses (it takes one only for
+    the container gpu-fraction-container-name names, or the first)."""
+    notes = {"gpu-fraction": "0.25", "gpu-fraction.limit": "0.5",
+             "nvidia.com/container.side.gpu-compute.mode": "time-slicing"}
+    err = only_error(notes, ("main", "side"))
+    assert (err.key, err.container) == ("gpu-fraction.limit", "side")
+    assert err.rule == ("would limit container 'side' (its NvFractions keys name it), but KAI "
+                        "takes a portion limit only for the container gpu-fraction-container-name "
+                        "names or the first one ('main'): name 'side' with "
+                        "gpu-fraction-container-name")
+    assert errors({**notes, "gpu-fraction-container-name": "side"}, ("main", "side")) == []
 
 
 @pytest.mark.parametrize("value", [v for v in ADVERSARIAL if v] + ["1", "1.0", "0x1p-1"])
