@@ -572,7 +572,8 @@ class _Run:
         namespace had to be made again for it. MPS fixes a namespace's percentage at its first
         attach, for good: once its clients have come and gone, the daemon refuses another (or
         keeps the old one, read back), and only a namespace of the same name made again takes
-        it. Raises NamespaceBusy when a client is attached by then."""
+        it. Raises NamespaceBusy when a client is attached (the namespace stays), and
+        NamespaceCapUnverified when one attached to the namespace made again before its set."""
         try:
             mps.namespace_set_active_thread_percentage(name, pct)
             return False
