@@ -167,9 +167,9 @@ async def _follow(store: Any, bind_requests: list[dict[str, Any]], concurrency: 
     handled = 0
     done = asyncio.Event()
 
-    async def handle(obj: Mapping[str, Any]) -> None:
+    async def handle(br: BindRequestView) -> None:
         nonlocal handled
-        await follower.follow_one(BindRequestView.from_object(obj))
+        await follower.follow_one(br)
         handled += 1
         if handled == len(bind_requests):
             done.set()

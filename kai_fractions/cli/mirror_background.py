@@ -45,8 +45,7 @@ def background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, 
                 stale_after_seconds=args.mark_silent_nodes_after,
                 on_marked=metrics.node_marked_silent if metrics is not None else None)
 
-        async def handle(obj) -> None:
-            br = BindRequestView.from_object(obj)
+        async def handle(br: BindRequestView) -> None:
             if liveness is not None and _placing_now(br, args.mark_silent_nodes_after):
                 liveness.saw(br.selected_node)
             if metrics is None:

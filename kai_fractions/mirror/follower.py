@@ -235,9 +235,9 @@ class Follower:
                 self._complete.popitem(last=False)
         return result
 
-    def forget(self, obj: Mapping[str, Any]) -> None:
+    def forget(self, br: BindRequestView) -> None:
         """A BindRequest is gone (its pod was deleted): its memory goes too."""
-        self._complete.pop(str((obj.get("metadata") or {}).get("uid") or ""), None)
+        self._complete.pop(br.uid, None)
 
     async def reserved_gpu(self, group_id: str, deadline: Deadline = NO_DEADLINE
                            ) -> str | None:

@@ -336,7 +336,7 @@ async def test_a_deleted_bind_request_is_forgotten(store):
     follower = Follower(store)
     obj = versioned(bind_request("br-1", "train-0"))
     await follower.follow_one(BindRequestView.from_object(obj))
-    follower.forget(obj)
+    follower.forget(BindRequestView.from_object(obj))
     assert await follower.follow_one(BindRequestView.from_object(obj)) is not None
 
 
@@ -413,7 +413,7 @@ async def test_watch_resumes_from_the_last_version_and_relists_on_gone():
     seen: list[str] = []
 
     async def handle(o):
-        seen.append(o["metadata"]["name"])
+        seen.append(o.name)
 
     await play(source, handle)
     assert source.calls == [("list", ""), ("watch", "10"), ("watch", "15"), ("list", ""),
@@ -428,9 +428,9 @@ async def test_a_deleted_object_goes_to_forget():
     forgotten: list[str] = []
 
     async def handle(o):
-        handled.append(o["metadata"]["name"])
+        handled.append(o.name)
 
-    await play(source, handle, forget=lambda o: forgotten.append(o["metadata"]["name"]))
+    await play(source, handle, forget=lambda o: forgotten.append(o.name))
     assert (handled, forgotten) == (["a", "b"], ["a"])
 
 
@@ -441,7 +441,7 @@ async def test_everything_is_listed_again_after_the_resync_period():
     now = [0.0]
 
     async def handle(o):
-        seen.append(o["metadata"]["name"])
+        seen.append(o.name)
         now[0] += 400  # each handled object "takes" 400 s of the clock
 
     seen: list[str] = []
@@ -463,7 +463,7 @@ async def test_objects_are_handled_one_at_a_time_in_order_before_the_loop_goes_o
     async def handle(o):
         running[0] += 1
         assert running[0] == 1  # never two at once
-        steps.append(f"start {o['metadata']['name']}, {len(source.calls)} call(s)")
+        steps.append(f"start {o.name}, {len(source.calls)} call(s)")
         await asyncio.sleep(0.01)
         running[0] -= 1
 
@@ -485,7 +485,7 @@ async def test_several_bind_requests_are_handled_at_once_each_ones_in_order():
     order: list[tuple[str, str]] = []
 
     async def handle(o):
-        name, rv = o["metadata"]["name"], o["metadata"]["resourceVersion"]
+        name, rv = o.name, o.resource_version
         assert name not in running  # never two of one BindRequest at once
         running.append(name)
         most[0] = max(most[0], len(running))
@@ -513,11 +513,11 @@ async def test_a_stopped_follower_cancels_the_handlings_in_progress():
     cancelled: list[str] = []
 
     async def handle(o):
-        started.append(o["metadata"]["name"])
+        started.append(o.name)
         try:
             await asyncio.Event().wait()  # an API server that never answers
         except asyncio.CancelledError:
-            cancelled.append(o["metadata"]["name"])
+            cancelled.append(o.name)
             raise
 
     await play(source, handle, concurrency=8)  # the Lease lost, or the mirror stops
@@ -575,7 +575,7 @@ async def test_follower_reports_a_mismatch_as_a_pod_event(kube):
     checked: list = []
 
     async def handle(o):
-        checked.append(await follower.verify(BindRequestView.from_object(o)))
+        checked.append(await follower.verify(o))
 
     task = asyncio.create_task(follow(
         bindrequest_source(client, watch_seconds=1, read_timeout=1.0), handle,
