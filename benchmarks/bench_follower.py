@@ -74,9 +74,10 @@ class DistantStore:
         return await self.store.get_pod(namespace, name, deadline)
 
     async def list_pods(self, namespace: str, labels: Mapping[str, str],
-                        deadline: Deadline = NO_DEADLINE) -> list[PodSnapshot]:
+                        deadline: Deadline = NO_DEADLINE, *, cached: bool = False
+                        ) -> list[PodSnapshot]:
         await self._away()
-        return await self.store.list_pods(namespace, labels, deadline)
+        return await self.store.list_pods(namespace, labels, deadline, cached=cached)
 
     async def node_labels(self, node: str, deadline: Deadline = NO_DEADLINE
                           ) -> Mapping[str, str]:

@@ -241,13 +241,21 @@ class Follower:
 
     async def reserved_gpu(self, group_id: str, deadline: Deadline = NO_DEADLINE
                            ) -> str | None:
-        """The GPU UUID behind a group: its reservation pod's `run.ai/reserve_for_gpu_index`."""
-        pods = await self.store.list_pods(self.reservation_namespace,
-                                          {k.GPU_GROUP_LABEL: group_id}, deadline)
-        for pod in pods:
-            uuid = pod.annotations.get(k.RESERVE_FOR_GPU)
-            if uuid:
-                return uuid
+        """The GPU UUID behind a group: its reservation pod's `run.ai/reserve_for_gpu_index`.
+        Read from the API server's watch cache first: a consistent list reads the whole
+        reservation namespace from etcd before Kubernetes 1.31, once per BindRequest checked
+        (thousands a second in a wave; docs/scale.md). Only a cache a moment behind misses
+        it (the binder waited for that annotation before it bound the pod), and only then is
+        it read again, consistently: a miss would leave the pod unsigned until the next
+        resync."""
+        selector = {k.GPU_GROUP_LABEL: group_id}
+        for cached in (True, False):
+            pods = await self.store.list_pods(self.reservation_namespace, selector, deadline,
+                                              cached=cached)
+            for pod in pods:
+                uuid = pod.annotations.get(k.RESERVE_FOR_GPU)
+                if uuid:
+                    return uuid
         return None
 
     async def decide(self, br: BindRequestView, *, cdi: bool = False,

@@ -17,6 +17,7 @@ from typing import Any
 from ..clock import AsyncClock, SystemClock
 from ..kube import errors as kerr
 from ..kube.client import MERGE_PATCH, Kube
+from ..kube.listwatch import WATCH_CACHE
 from ..kube.objects import annotation_patch, events_path, node_path, pod_event, pod_path, pods_path
 from ..kube.retry import NO_DEADLINE, Backoff, Deadline, retrying
 from .errors import ApiRejected, ApiUnavailable, DeadlineExceeded, PodNotFound
@@ -93,12 +94,15 @@ class KubePodStore:
         return {str(k): str(v) for k, v in labels.items()}
 
     async def list_pods(self, namespace: str, labels: Mapping[str, str],
-                        deadline: Deadline = NO_DEADLINE) -> list[PodSnapshot]:
+                        deadline: Deadline = NO_DEADLINE, *, cached: bool = False
+                        ) -> list[PodSnapshot]:
         selector = label_selector(labels)
         what = f"list pods in {namespace} ({selector})"
+        query = {"labelSelector": selector}
+        if cached:
+            query["resourceVersion"] = WATCH_CACHE
         obj = await self._call(what, deadline, lambda t: self.kube.request(
-            "GET", pods_path(namespace), what=what, query={"labelSelector": selector},
-            timeout=t))
+            "GET", pods_path(namespace), what=what, query=query, timeout=t))
         pods = [PodSnapshot.from_object(item) for item in (obj or {}).get("items") or []]
         # The selector already filtered on a real server; filtering again costs nothing and
         # keeps a server that ignores selectors from handing us another group's pod.

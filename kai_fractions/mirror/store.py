@@ -110,8 +110,11 @@ class PodStore(Protocol):
         ...
 
     async def list_pods(self, namespace: str, labels: Mapping[str, str],
-                        deadline: Deadline = NO_DEADLINE) -> list[PodSnapshot]:
-        """Pods of `namespace` carrying every label in `labels` (equality selector)."""
+                        deadline: Deadline = NO_DEADLINE, *, cached: bool = False
+                        ) -> list[PodSnapshot]:
+        """Pods of `namespace` carrying every label in `labels` (equality selector). `cached`:
+        as the API server's watch cache has them (resourceVersion 0), which may be a moment
+        old; else a consistent read (from etcd before Kubernetes 1.31)."""
         ...
 
     async def emit_event(self, pod: PodSnapshot, event_type: str, reason: str, message: str,

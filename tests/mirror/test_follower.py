@@ -13,7 +13,7 @@ from kubernetes import client as k8s
 from kai_fractions.contract import Dialect
 from kai_fractions.kube.client import Kube
 from kai_fractions.kube.errors import Gone, Transient
-from kai_fractions.kube.retry import Backoff
+from kai_fractions.kube.retry import NO_DEADLINE, Backoff
 from kai_fractions.mirror.bindrequests import bindrequest_source, follow
 from kai_fractions.mirror.follower import BindRequestView, Follower
 from kai_fractions.mirror.kube_store import KubePodStore
@@ -245,6 +245,25 @@ async def test_cdi_device_names_are_compared_as_written(store):
     cdi = {**BOUND, f"{T}.gpus.devices": f"k8s.device-plugin.nvidia.com/gpu={GPU_A}"}
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **cdi}))
     assert (await verify(store, bind_request("br-1", "train-0"))).mismatches == ()
+
+
+async def test_a_reservation_pod_is_read_from_the_watch_cache_and_again_only_on_a_miss(store):
+    """A consistent list reads the whole reservation namespace from etcd (before Kubernetes
+    1.31), once per BindRequest: the watch cache first; a cache a moment behind costs one
+    consistent read, not a pod left unsigned until the next resync."""
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
+    assert (await verify(store, bind_request("br-1", "train-0"))).complete
+    assert store.lists == [True]
+    listed = store.list_pods
+
+    async def behind(namespace, labels, deadline=NO_DEADLINE, *, cached=False):
+        found = await listed(namespace, labels, deadline, cached=cached)
+        return [] if cached else found  # the watch cache has not seen it yet
+
+    store.list_pods = behind
+    store.lists.clear()
+    assert (await verify(store, bind_request("br-1", "train-0"))).complete
+    assert store.lists == [True, False]
 
 
 async def test_reserve_is_configuration(store):
@@ -602,5 +621,5 @@ async def test_follower_reports_a_mismatch_as_a_pod_event(kube):
     assert all(v.mismatches == () and v.skipped == "" for v in good)
     # The reservation lookup used a label selector the (reaction-enhanced) server honoured.
     lists = kube.requests("GET", "/api/v1/namespaces/kai-resource-reservation/pods")
-    assert {r.params.get("labelSelector") for r in lists} == {
-        "runai-gpu-group=group-a"}
+    assert {(r.params.get("labelSelector"), r.params.get("resourceVersion")) for r in lists} == {
+        ("runai-gpu-group=group-a", "0")}  # from the watch cache, not etcd

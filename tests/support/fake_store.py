@@ -39,6 +39,8 @@ class FakePodStore:
     patches: list[tuple[str, str, dict[str, str | None]]] = field(default_factory=list)
     """Every patch that reached the store, written or refused: (namespace, name, changes)."""
     events: list[RecordedEvent] = field(default_factory=list)
+    lists: list[bool] = field(default_factory=list)
+    """One entry per list_pods call: whether it asked for the watch cache."""
     faults: list[Callable[[str, str, str], None]] = field(default_factory=list)
     """Called as fault(operation, namespace, name) before each call; pop themselves when spent.
     Raise ApiUnavailable / DeadlineExceeded / WriteConflict... to simulate a failing API."""
@@ -110,7 +112,9 @@ class FakePodStore:
         return dict(self.nodes[node])
 
     async def list_pods(self, namespace: str, labels: Mapping[str, str],
-                        deadline: Deadline = NO_DEADLINE) -> list[PodSnapshot]:
+                        deadline: Deadline = NO_DEADLINE, *, cached: bool = False
+                        ) -> list[PodSnapshot]:
+        self.lists.append(cached)
         self._fault("list", namespace, "")
         with self._lock:
             return [PodSnapshot.from_object(copy.deepcopy(obj))
