@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 
 @dataclass(frozen=True)
@@ -62,12 +64,13 @@ def print_table(results: list[Result]) -> None:
 
 
 def percentile(samples: list[float], q: float) -> float:
-    """The q-th percentile (0..100) by nearest rank; samples need not be sorted."""
+    """The q-th percentile (0..100) by nearest rank: the smallest sample with at least q % of
+    the samples at or below it (rank ceil(q/100 x n), exact); samples need not be sorted."""
     if not samples:
         return float("nan")
     ordered = sorted(samples)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[rank]
+    rank = math.ceil(Fraction(str(q)) * len(ordered) / 100)
+    return ordered[max(0, min(len(ordered), rank) - 1)]
 
 
 def latencies(fn: Callable[[], object], count: int) -> list[float]:

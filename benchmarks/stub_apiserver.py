@@ -92,6 +92,9 @@ _PHASE_FIELD = "status.phase"
 UNSEEDED_SCHEDULER = "default-scheduler"
 ADMITTED_NAMESPACE_SUFFIX = k.ADMITTED_MPS_NAMESPACE
 """A template annotation with this suffix gets a name of its pod's own (see `Cluster.create`)."""
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+"""A template label or annotation with this key gets its pod's own index, as an Indexed Job's
+controller writes both (the number its name ends with; `Cluster.create`)."""
 """The scheduler of a pod made by its first GET or PATCH (seeded pods keep the template's): the
 bare-client baselines' pods are not KAI's, so a watch of KAI's pods never carries their
 traffic, as in a cluster where most pods belong to another scheduler."""
@@ -223,6 +226,10 @@ class Cluster:
         for key, extra in (("labels", labels), ("annotations", annotations)):
             if extra:
                 meta[key] = {**(meta.get(key) or {}), **extra}
+        index = re.search(r"[0-9]+$", name)
+        for key in ("labels", "annotations"):
+            if COMPLETION_INDEX in (meta.get(key) or {}):
+                meta[key][COMPLETION_INDEX] = index.group() if index else "0"
         notes = meta.get("annotations") or {}
         for key in [key for key in notes if key.endswith(ADMITTED_NAMESPACE_SUFFIX)]:
             # Each pod its own, as the admission webhook names them: one per pod, so equal

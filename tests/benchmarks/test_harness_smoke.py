@@ -241,3 +241,16 @@ def test_gpu_check_stops_the_mps_daemon_it_starts():
         assert gc._pids_with_env("CUDA_MPS_PIPE_DIRECTORY", str(pipe)) == []
     assert report.lines[0] == f"MPS control daemon started (pipe directory {pipe})"
     assert report.lines[1] == "MPS control daemon stopped; no process of it is left"
+
+
+def test_percentile_is_the_nearest_rank() -> None:
+    """The smallest sample with at least q % at or below it: of 300, p99 is the 4th largest
+    (rank 297), not the 3rd (Python's round-half-to-even made it 298 before); of 100, p99 is
+    the 2nd largest, not the maximum."""
+    from benchmarks.harness import percentile
+
+    assert percentile(list(range(1, 301)), 99) == 297
+    assert percentile(list(range(100, 0, -1)), 99) == 99
+    assert percentile(list(range(1, 101)), 50) == 50
+    assert percentile(list(range(1, 1001)), 99.9) == 999
+    assert percentile([7.0], 99) == 7.0

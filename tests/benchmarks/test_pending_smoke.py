@@ -35,10 +35,10 @@ def test_rss_per_added_pod_is_the_growth_from_one_size_to_the_next():
     from benchmarks.harness import Result
 
     result = Result("P6", "")
-    sizes = [{"size": 10_000, "cached": 10_000, "rss_growth": 15 * 2**20,
+    sizes = [{"size": 10_000, "added": 10_000, "rss_growth": 15 * 2**20,
               "cached_alone": 10_000, "rss_growth_alone": 11 * 2**20,
               "cached_bare": 10_000, "rss_growth_bare": 28 * 2**20},
-             {"size": 1_000, "cached": 1_000, "rss_growth": 3 * 2**20,
+             {"size": 1_000, "added": 1_000, "rss_growth": 3 * 2**20,
               "cached_alone": 1_000, "rss_growth_alone": 2 * 2**20,
               "cached_bare": 1_000, "rss_growth_bare": 1 * 2**20}]
     bench_pending._per_added_pod(result, sizes)

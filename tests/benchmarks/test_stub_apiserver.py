@@ -334,3 +334,24 @@ def test_with_a_latency_every_api_answer_comes_that_much_later(tmp_path):
         slow.core.read_namespaced_pod("p0", "default", _request_timeout=TIMEOUT_S)
         assert time.perf_counter() - began >= 0.1  # each answer waited, in order
         slow.api.close()
+
+
+def test_an_indexed_jobs_completion_index_is_each_pods_own(tmp_path):
+    """P6's queue is an Indexed Job's pods (round seventeen): the template's completion index,
+    label and annotation, becomes each pod's own, from the number its name ends with."""
+    from benchmarks.stub_apiserver import COMPLETION_INDEX
+
+    template = {**TEMPLATE, "metadata": {**TEMPLATE["metadata"],
+                                         "labels": {"app": "t", COMPLETION_INDEX: "x"},
+                                         "annotations": {COMPLETION_INDEX: "x"}}}
+    with running(template) as url:
+        stub = Stub(url, tmp_path)
+        try:
+            seed(url, "indexed", ["train-7", "train-12"])
+            pods = {p["metadata"]["name"]: p["metadata"] for p in stub.list()["items"]
+                    if p["metadata"]["namespace"] == "indexed"}
+        finally:
+            stub.api.close()
+    assert {n: (m["labels"][COMPLETION_INDEX], m["annotations"][COMPLETION_INDEX])
+            for n, m in pods.items()} == {"train-7": ("7", "7"), "train-12": ("12", "12")}
+    assert pods["train-7"]["labels"]["app"] == "t"
