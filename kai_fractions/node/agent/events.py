@@ -44,8 +44,12 @@ MAX_BACKLOG = 200
 EVENT_BURST = 50
 EVENT_RATE = 1.0
 """Events per second an agent creates once its burst is spent; the others wait in the
-backlog. A restarted agent announces every pod it applies again (its memory of what it sent
-is gone): a DaemonSet rollout must not turn into a burst of Event writes (docs/scale.md)."""
+backlog. A restarted agent does not announce again the pods it adopts: `Applied` and `Refused`
+go with a marker write, and a marker that already says what the plan says is left as it is
+(`MarkerWriter.settle`). Its memory of what it sent is gone, though, so what is still in force
+is reported again (a `PlanChangeRefused`, a `SignatureMissing` still waited for, a container
+still over its cap): the limit bounds that, and what a node with many pods sends in a burst
+of new pods (docs/scale.md)."""
 AGGREGATE_AFTER = 10
 AGGREGATE_SECONDS = 600.0
 """After this many events of one pod and reason within the window, the rest of the window's
