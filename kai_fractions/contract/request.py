@@ -465,8 +465,7 @@ def _before_bind(pod: PodView, keys: k.Keys, container: str, c: _Collector) -> N
     memory, request_key = a.get(k.GPU_MEMORY), keys.container(container, k.MEMORY_REQUEST)
     if memory and request_key in a:
         _same_text_as_kai(a[request_key], memory, request_key, container, c)
-    fraction_limit_target = a.get(k.GPU_FRACTION_CONTAINER_NAME) or (
-        pod.containers[0].name if pod.containers else "")
+    fraction_limit_target = _portion_limit_target(pod)
     if a.get(k.GPU_FRACTION_LIMIT) and a.get(k.GPU_FRACTION) and container != \
             fraction_limit_target:
         c.error(k.GPU_FRACTION_LIMIT, f"would limit container {container!r} (its NvFractions "
@@ -506,6 +505,13 @@ def _same_text_as_kai(request: str, memory: str, key: str, container: str,
                 f"{canonical_mib(mib)!r}, or set one of them", request, container)
 
 
+def _portion_limit_target(pod: PodView) -> str:
+    """The one container KAI's admission takes a portion limit for: the one
+    gpu-fraction-container-name names, else the first."""
+    return pod.annotations.get(k.GPU_FRACTION_CONTAINER_NAME) or (
+        pod.containers[0].name if pod.containers else "")
+
+
 def _portion_limit_placed(pod: PodView, key: str, name: str, c: _Collector) -> bool:
     """Whether a portion limit sits where KAI's admission accepts one in a pod not bound yet
     (upstream validateGpuMemoryPortionLimitAnnotation): beside gpu-fraction, on the container
@@ -514,8 +520,7 @@ def _portion_limit_placed(pod: PodView, key: str, name: str, c: _Collector) -> b
     if not a.get(k.GPU_FRACTION):
         c.error(key, "can only be used together with gpu-fraction", a[key], name)
         return False
-    target = a.get(k.GPU_FRACTION_CONTAINER_NAME) or (
-        pod.containers[0].name if pod.containers else "")
+    target = _portion_limit_target(pod)
     if name != target:
         c.error(key, f"names container {name!r}, but KAI takes a portion limit only for the "
                 f"container gpu-fraction applies to by name or position ({target!r})", a[key],
