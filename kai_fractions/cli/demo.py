@@ -54,10 +54,24 @@ class Terminated(BaseException):
     same cleanup (a BaseException, so no `except Exception` on the way stops it)."""
 
 
-def _on_sigterm(signum, _frame) -> None:
-    # Once: a second SIGTERM must not cut the cleanup short (stop() has its own timeouts).
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Terminated
+class _Signals:
+    """Handlers that raise Terminated / KeyboardInterrupt and also remember the signal: a
+    library may catch what a handler raises and raise its own error instead (the kubernetes
+    client's pydantic builds its validators on first use, and wraps anything raised meanwhile
+    in a SchemaError), and the exit code must still say the run was stopped, not failed."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def on_sigterm(self, signum, _frame) -> None:
+        # Once: a second SIGTERM must not cut the cleanup short (stop() has its own timeouts).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self.received = signal.SIGTERM
+        raise Terminated
+
+    def on_sigint(self, signum, _frame) -> None:
+        self.received = self.received or signal.SIGINT
+        raise KeyboardInterrupt
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> int:
@@ -124,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"needs the demo extra ({missing} is not installed): "
                      "pip install 'kai-fractions[demo]'")
     from ..demo.config import DemoConfigError, load_config
-    from ..demo.scenario import DemoFailure, Scenario
+    from ..demo.scenario import Scenario
     from ..demo.session import DemoSession
     from ..demo.workloads import WorkloadError, load_examples
 
@@ -144,9 +158,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"[demo {time.monotonic() - started:5.2f}s] {line}", file=sys.stderr, flush=True)
 
     # SIGTERM ends the run as Ctrl-C does, through the cleanup below (--keep's wait installs
-    # its own handler and puts this one back). Python allows handlers in the main thread only.
+    # its own handlers and puts these back). Python allows handlers in the main thread only.
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
+    signals = _Signals()
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, signals.on_sigterm)} if main else {}
+    if main and signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not if ignored
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signals.on_sigint)
     session = None
     try:
         session = DemoSession(config, progress=progress)
@@ -155,19 +172,8 @@ def run(args: argparse.Namespace) -> int:
         scenario.run(examples)
         if args.keep:
             _keep_running(session, scenario.first_call(), sys.stdout)
-    except WorkloadError as e:
-        code = _fail(str(e))
-    except DemoFailure as e:
-        code = _fail(str(e), EXIT_FAILED)
-    except KeyboardInterrupt:
-        code = EXIT_INTERRUPTED
-    except Terminated:
-        code = _fail("terminated (SIGTERM) before the end", EXIT_TERMINATED)
-    except Exception as e:  # one line for a user; the trace with --verbose
-        logging.getLogger(__name__).debug("the demo failed", exc_info=True)
-        if args.verbose:
-            logging.getLogger(__name__).error("the demo failed", exc_info=True)
-        code = _fail(f"{type(e).__name__}: {e}", EXIT_FAILED)
+    except (Exception, KeyboardInterrupt, Terminated) as e:
+        code = _exit_code(e, signals.received, args.verbose)
     else:
         code = EXIT_OK
     finally:
@@ -177,6 +183,27 @@ def run(args: argparse.Namespace) -> int:
             progress("stopping")
             session.stop()
             progress("stopped")
-        if main:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
     return code
+
+
+def _exit_code(error: BaseException, received: int | None, verbose: bool) -> int:
+    """The run's exit code and its one line on stderr, from what stopped it: a signal first,
+    whatever a library made of what its handler raised."""
+    from ..demo.scenario import DemoFailure
+    from ..demo.workloads import WorkloadError
+
+    if received == signal.SIGTERM or isinstance(error, Terminated):
+        return _fail("terminated (SIGTERM) before the end", EXIT_TERMINATED)
+    if received == signal.SIGINT or isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(error, WorkloadError):
+        return _fail(str(error))
+    if isinstance(error, DemoFailure):
+        return _fail(str(error), EXIT_FAILED)
+    # One line for a user; the trace with --verbose.
+    logging.getLogger(__name__).debug("the demo failed", exc_info=error)
+    if verbose:
+        logging.getLogger(__name__).error("the demo failed", exc_info=error)
+    return _fail(f"{type(error).__name__}: {error}", EXIT_FAILED)
