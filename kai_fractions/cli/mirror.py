@@ -99,9 +99,15 @@ def register(sub) -> None:
     p.add_argument("--mark-silent-nodes-after", type=float, default=0.0, metavar="SECONDS",
                    help="with --follow-bindrequests: when a bind is checked, set its node's "
                    "readiness condition Unknown if it still says True but its node agent has not "
-                   "renewed it for SECONDS (the agent renews it every 60 s), so KAI stops "
-                   "placing fractional pods where nothing would apply their limits; at least "
-                   "120, 0 for off (default: %(default)s)")
+                   "said it is alive for SECONDS (it renews its heartbeat Lease, or without one "
+                   "the condition, every 60 s), so KAI stops placing fractional pods where "
+                   "nothing would apply their limits; at least 120, 0 for off (default: "
+                   "%(default)s)")
+    p.add_argument("--heartbeat-lease-namespace", default="", metavar="NS",
+                   help="with --mark-silent-nodes-after: where the node agents renew their "
+                   "heartbeat Leases (their --heartbeat-lease-namespace); a node whose agent "
+                   "has no Lease there is judged by its condition's lastHeartbeatTime "
+                   "(default: $POD_NAMESPACE, else the service account's namespace)")
     p.add_argument("--node-condition", action="append", default=None, metavar="TYPE",
                    help="with --mark-silent-nodes-after: a node condition the node agent "
                    f"publishes (repeatable; default: {NODE_CONDITION} and {LEGACY_NODE_CONDITION})")
@@ -210,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
                         "it needs --follow-bindrequests (nodes are checked as binds are)"))
     from ..kube.objects import is_dns_label
 
+    if args.heartbeat_lease_namespace and not is_dns_label(args.heartbeat_lease_namespace):
+        return _fail(f"--heartbeat-lease-namespace {args.heartbeat_lease_namespace!r}: not a "
+                     "namespace name (lower-case letters, digits and '-', at most 63)")
     if not is_dns_label(args.reservation_namespace):
         return _fail(f"--reservation-namespace {args.reservation_namespace!r}: not a namespace "
                      "name (lower-case letters, digits and '-', at most 63)")

@@ -5,6 +5,7 @@ election when asked)."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..contract import Dialect, Keys
 
@@ -38,11 +39,13 @@ def background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, 
         liveness = None
         if args.mark_silent_nodes_after:
             from ..contract.keys import LEGACY_NODE_CONDITION, NODE_CONDITION
+            from ..mirror.leader import own_namespace
             from ..mirror.node_liveness import NodeLiveness
 
             liveness = NodeLiveness(
                 kube, args.node_condition or (NODE_CONDITION, LEGACY_NODE_CONDITION),
                 stale_after_seconds=args.mark_silent_nodes_after,
+                lease_namespace=args.heartbeat_lease_namespace or own_namespace(os.environ),
                 on_marked=metrics.node_marked_silent if metrics is not None else None)
 
         async def handle(br: BindRequestView) -> None:

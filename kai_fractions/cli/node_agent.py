@@ -92,6 +92,12 @@ def register(sub) -> None:
                    "kubelet does; the list may be a moment old, the watch then catches up); "
                    "the list after an expired watch stays a consistent read, and pods a cached "
                    "list lacks are cleared only once a consistent list confirms them gone")
+    p.add_argument("--heartbeat-lease-namespace", default="", metavar="NS",
+                   help="say the agent is alive by renewing the Lease kai-fractions-agent.<node> "
+                   "in NS every 60 s, and write the node condition only when it changes and "
+                   "every 5 min (as the kubelet does since node Leases); the mirror's "
+                   "silent-node check reads it (its --heartbeat-lease-namespace). Default: "
+                   "beat on the node condition every 60 s")
     p.add_argument("--annotation-prefix", default=DEFAULT_KEYS.prefix, metavar="P",
                    help="per-container key prefix (default: %(default)s)")
     p.add_argument("--signing-key-file", action="append", default=[], metavar="FILE",
@@ -120,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from ..contract import Keys
     from ..kube.config import ConfigError as KubeConfigError
     from ..kube.config import load_api_client
+    from ..kube.objects import is_dns_label
     from ..marker import MarkerError
     from ..metrics_http import parse_listen
     from ..node.agent.agent import NodeAgent
@@ -149,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
                      f"{args.mps_drain_before_kill}")
     if not args.condition_name.strip():
         return _fail("--condition-name must not be empty")
+    if args.heartbeat_lease_namespace and not is_dns_label(args.heartbeat_lease_namespace):
+        return _fail(f"--heartbeat-lease-namespace {args.heartbeat_lease_namespace!r}: not a "
+                     "namespace name (lower-case letters, digits and '-', at most 63)")
     try:
         config = NodeConfig(
             node_name=args.node_name, cgroup_root=args.cgroup_root,
@@ -169,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         first_list_jitter_seconds=args.first_list_jitter,
         list_from_watch_cache=args.list_from_watch_cache,
         mps_drain_before_kill_seconds=args.mps_drain_before_kill,
+        heartbeat_lease_namespace=args.heartbeat_lease_namespace or None,
         signing_key_files=tuple(args.signing_key_file))
     if options.signing_key_files:
         from ..signing import KeyringSource, SigningConfigError

@@ -1,5 +1,6 @@
 """The API's paths and the few object shapes every component sends: quoted paths of pods,
-nodes, leases and custom resources, a guarded annotation merge patch, and a pod event."""
+nodes, leases and custom resources, a guarded annotation merge patch, a pod event, and the name
+of a node agent's heartbeat Lease."""
 
 from __future__ import annotations
 
@@ -86,6 +87,31 @@ def namespaced_path(group: str, version: str, plural: str, namespace: str | None
         base += f"/namespaces/{_q(namespace)}"
     base += f"/{plural}"
     return f"{base}/{_q(name)}" if name else base
+
+
+LEASES = ("coordination.k8s.io", "v1", "leases")
+
+
+def lease_path(namespace: str, name: str | None = None) -> str:
+    return namespaced_path(*LEASES, namespace, name)
+
+
+def micro_time(now: float) -> str:
+    """A Lease's MicroTime (acquireTime, renewTime) as the API server writes one: RFC 3339 with
+    microseconds, in UTC."""
+    return datetime.datetime.fromtimestamp(now, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+HEARTBEAT_LEASE_PREFIX = "kai-fractions-agent."
+"""The chart's own-node policy names it too: an agent may write only its node's Lease."""
+
+
+def heartbeat_lease_name(node: str) -> str | None:
+    """The Lease a node's agent renews to say it is alive (in the release's namespace); None
+    when the name would pass the 253 characters of an object name (the agent then beats on its
+    Node's condition, as before Leases)."""
+    name = HEARTBEAT_LEASE_PREFIX + node
+    return name if node and len(name) <= 253 else None
 
 
 def meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -36,6 +36,7 @@ from typing import Any, NoReturn
 
 from ..kube.client import MERGE_PATCH, Kube
 from ..kube.errors import Conflict, KubeError, NotFound
+from ..kube.objects import micro_time as lease_time
 from ..kube.objects import namespaced_path, resource_version
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,7 @@ class ElectionConfig:
 
 def micro_time(now: datetime.datetime | None = None) -> str:
     """A MicroTime as the API server writes one: RFC 3339 with microseconds, in UTC."""
-    now = now or datetime.datetime.now(datetime.UTC)
-    return now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return lease_time((now or datetime.datetime.now(datetime.UTC)).timestamp())
 
 
 class KubeLease:
@@ -295,18 +295,27 @@ def _why_ended(work: asyncio.Task) -> str:
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
-def election_config(args: Any, env: Mapping[str, str],
-                    namespace_file: str = SERVICE_ACCOUNT_NAMESPACE) -> ElectionConfig:
-    """The `kai-fractions mirror --leader-elect-*` flags, with the defaults they name: the
-    namespace from $POD_NAMESPACE or the service account's, the identity from $POD_NAME (the
-    chart sets both from the downward API) or the host name and process id."""
-    namespace = args.leader_elect_lease_namespace or env.get("POD_NAMESPACE", "")
+def own_namespace(env: Mapping[str, str], namespace_file: str = SERVICE_ACCOUNT_NAMESPACE
+                  ) -> str:
+    """The namespace this process runs in: $POD_NAMESPACE (the chart sets it from the downward
+    API), else its service account's; "" outside a cluster."""
+    namespace = env.get("POD_NAMESPACE", "")
     if not namespace:
         try:
             with open(namespace_file) as f:
                 namespace = f.read().strip()
         except OSError:
-            namespace = "default"
+            pass
+    return namespace
+
+
+def election_config(args: Any, env: Mapping[str, str],
+                    namespace_file: str = SERVICE_ACCOUNT_NAMESPACE) -> ElectionConfig:
+    """The `kai-fractions mirror --leader-elect-*` flags, with the defaults they name: the
+    namespace from $POD_NAMESPACE or the service account's, the identity from $POD_NAME (the
+    chart sets both from the downward API) or the host name and process id."""
+    namespace = (args.leader_elect_lease_namespace or own_namespace(env, namespace_file)
+                 or "default")
     identity = args.leader_elect_identity or env.get("POD_NAME", "") or \
         f"{socket.gethostname()}_{os.getpid()}"
     return ElectionConfig(namespace=namespace, name=args.leader_elect_lease_name,

@@ -6,11 +6,15 @@ gpusharingnodevalidation). The agent sets it False when it stops cleanly; killed
 (SIGKILL, out of memory, a hung process), it leaves it True, and KAI goes on binding pods that
 then wait in their gate. So the follower tells `NodeLiveness` the node of every bind it checks;
 at most once per `recheck_seconds` per node, the node is read, and each of its conditions still
-True whose `lastHeartbeatTime` (the agent renews it every minute) is older than
-`stale_after_seconds` is set Unknown, reason `NodeAgentSilent`. The patch carries the node's
-resourceVersion, so a heartbeat that lands in between wins; the agent's next heartbeat sets the
-condition True again. Nothing here ever holds up a check: failures are logged, and tried again
-at the node's next bind.
+True whose agent has not said it is alive for `stale_after_seconds` is set Unknown, reason
+`NodeAgentSilent`. The agent says so every minute: in its heartbeat Lease
+(`kai-fractions-agent.<node>` in `lease_namespace`, read only when the condition's own
+`lastHeartbeatTime` is old: with the Lease, the agent writes its Node every 5 min), or, an agent
+without one, in the condition's `lastHeartbeatTime`. The patch carries the node's
+resourceVersion, so a heartbeat that lands in between wins; the agent publishes its condition
+again as soon as it can renew its Lease. Nothing here ever holds up a check: failures (a Lease
+that cannot be read among them) are logged, mark nothing, and are tried again at the node's next
+bind.
 """
 
 from __future__ import annotations
@@ -23,7 +27,13 @@ from typing import Any
 
 from ..kube.client import STRATEGIC_MERGE_PATCH, Kube
 from ..kube.errors import Conflict, KubeError, NotFound
-from ..kube.objects import condition_time, node_path, seconds_since
+from ..kube.objects import (
+    condition_time,
+    epoch_seconds,
+    heartbeat_lease_name,
+    lease_path,
+    node_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +45,25 @@ READS_AT_ONCE = 4
 
 
 def silent_conditions(node: Mapping[str, Any], types: Sequence[str], now: float,
-                      stale_after: float) -> list[dict[str, Any]]:
-    """The conditions of `types` that say True but were last renewed more than `stale_after`
-    seconds before `now` (or carry no renewal time at all), as their Unknown replacements."""
+                      stale_after: float, alive_at: float | None = None
+                      ) -> list[dict[str, Any]]:
+    """The conditions of `types` that say True but whose agent last said it was alive (its
+    heartbeat Lease renewed at `alive_at`, or the condition's `lastHeartbeatTime`, whichever is
+    later) more than `stale_after` seconds before `now`, or never; as their Unknown
+    replacements."""
     out = []
     for c in (node.get("status") or {}).get("conditions") or []:
         if not isinstance(c, dict) or c.get("type") not in types or c.get("status") != "True":
             continue
-        age = seconds_since(c.get("lastHeartbeatTime"), now)
-        if age is not None and age <= stale_after:
+        beat = epoch_seconds(c.get("lastHeartbeatTime"))
+        last = max((t for t in (beat, alive_at) if t is not None), default=None)
+        if last is not None and now - last <= stale_after:
             continue
-        since = (f"since {c.get('lastHeartbeatTime')} ({age:.0f} s)"
-                 if age is not None else "with no heartbeat time")
+        if last is None:
+            since = "with no heartbeat time"
+        else:
+            when = c.get("lastHeartbeatTime") if last == beat else condition_time(last)
+            since = f"since {when} ({max(0.0, now - last):.0f} s)"
         out.append({
             "type": c["type"], "status": "Unknown", "reason": SILENT_REASON,
             "message": f"the kai-fractions node agent has not reported {since}: KAI places "
@@ -62,6 +79,7 @@ class NodeLiveness:
 
     def __init__(self, kube: Kube, condition_types: Sequence[str], *,
                  stale_after_seconds: float, recheck_seconds: float = 60.0,
+                 lease_namespace: str = "",
                  on_marked: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
@@ -69,6 +87,8 @@ class NodeLiveness:
         self.types = tuple(condition_types)
         self.stale_after = stale_after_seconds
         self.recheck = recheck_seconds
+        self.lease_namespace = lease_namespace
+        """Where the agents' heartbeat Leases are; "" reads none."""
         self.on_marked = on_marked
         """Told the node's name each time its conditions are set Unknown (the metrics)."""
         self.clock = clock
@@ -115,7 +135,12 @@ class NodeLiveness:
             obj = await self.kube.request("GET", node_path(node), what=f"read node {node}")
         except NotFound:
             return False
-        silent = silent_conditions(obj, self.types, self.clock(), self.stale_after)
+        now = self.clock()
+        silent = silent_conditions(obj, self.types, now, self.stale_after)
+        if silent and self.lease_namespace:
+            renewed = await self._lease_renewed(node)
+            if renewed is not None:
+                silent = silent_conditions(obj, self.types, now, self.stale_after, renewed)
         if not silent:
             return False
         version = (obj.get("metadata") or {}).get("resourceVersion")
@@ -132,3 +157,17 @@ class NodeLiveness:
         if self.on_marked is not None:
             self.on_marked(node)
         return True
+
+    async def _lease_renewed(self, node: str) -> float | None:
+        """When the node agent last renewed its heartbeat Lease (seconds since the epoch); None
+        when it has none (an agent without `--heartbeat-lease-namespace`, or of an older
+        release). Raises KubeError: a Lease that cannot be read proves nothing either way."""
+        name = heartbeat_lease_name(node)
+        if name is None:
+            return None
+        try:
+            lease = await self.kube.request("GET", lease_path(self.lease_namespace, name),
+                                            what=f"read lease {self.lease_namespace}/{name}")
+        except NotFound:
+            return None
+        return epoch_seconds((lease.get("spec") or {}).get("renewTime"))

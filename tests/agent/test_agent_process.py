@@ -232,6 +232,58 @@ def test_end_to_end_mirrored_pod_applied_then_released(agent_env: AgentEnv) -> N
                                                 + env.mps("get_server_list").stdout)
 
 
+def test_with_a_heartbeat_lease_the_agent_renews_it_and_the_mirror_reads_it(
+        agent_env: AgentEnv) -> None:
+    """`--heartbeat-lease-namespace`: the real process creates kai-fractions-agent.<node> in
+    that namespace; the follower's silent-node check takes it for a heartbeat even when the
+    condition's own is old (the agent then writes its Node every 5 min only)."""
+    import asyncio
+    import datetime
+
+    from kubernetes import client as k8s
+
+    from kai_fractions.kube.client import Kube
+    from kai_fractions.mirror.node_liveness import NodeLiveness
+
+    env = agent_env
+    env.nvml.add_gpu(GPU0, memory_mib=H100_MIB)
+    env.create_node()
+    run = env.start("--heartbeat-lease-namespace", "kf", sm_sharing=False)
+    wait_for(lambda: ready(env), what="node condition True", run=run, timeout=20)
+    path = f"/apis/coordination.k8s.io/v1/namespaces/kf/leases/kai-fractions-agent.{env.node}"
+    wait_for(lambda: env.kube.count("POST", "/apis/coordination.k8s.io/v1/namespaces/kf/leases"),
+             what="the heartbeat Lease", run=run)
+
+    async def check(lease_namespace: str, later: float) -> bool:
+        kube = Kube(k8s.ApiClient(env.kube.configuration()))
+        try:
+            lease = await kube.request("GET", path, what="read the Lease")
+            assert lease["spec"]["holderIdentity"] == env.node
+            assert lease["spec"]["leaseDurationSeconds"] == 180
+            renewed = datetime.datetime.fromisoformat(lease["spec"]["renewTime"])
+            liveness = NodeLiveness(
+                kube, (COND,), stale_after_seconds=180, lease_namespace=lease_namespace,
+                clock=lambda: renewed.timestamp() + later)
+            return await liveness.check(env.node)
+        finally:
+            await kube.close()
+
+    # The condition's heartbeat an hour old (the agent renews the Lease, and leaves its Node
+    # alone for 5 min): the Lease alone says the agent is alive.
+    hour_ago = (datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=1)).strftime(
+        "%Y-%m-%dT%H:%M:%SZ")
+    env.kube.core.patch_node_status(env.node, {"status": {"conditions": [
+        {**env.condition(), "lastHeartbeatTime": hour_ago}]}})
+    assert asyncio.run(check("kf", 10)) is False
+    assert env.condition()["status"] == "True"
+    assert asyncio.run(check("", 10)) is True  # what a mirror that reads no Lease would do
+    env.kube.core.patch_node_status(env.node, {"status": {"conditions": [
+        {**env.condition(), "status": "True"}]}})
+    assert asyncio.run(check("kf", 400)) is True  # the agent silent for 400 s
+    assert env.condition()["status"] == "Unknown"
+    assert run.stop() == 0
+
+
 def test_follower_mode_agent_writes_derived_annotations_before_the_marker(
         agent_env: AgentEnv) -> None:
     env = agent_env

@@ -251,6 +251,94 @@ def test_a_failed_publish_is_retried_on_the_next_tick() -> None:
     assert cluster.condition(NODE, "gpu-fractioning.nvidia.com/Ready")["status"] == "True"
 
 
+# -- the heartbeat Lease (heartbeat.py) ------------------------------------------------------
+
+LEASE = ("kai-fractions", f"kai-fractions-agent.{NODE}")
+
+
+def leased(cluster: FakeCluster, conds: list[Condition], clock: Clock) -> StatusPublisher:
+    cluster.add_node(NODE)
+    return publisher(cluster, conds, clock, heartbeat_lease_namespace="kai-fractions")
+
+
+def test_with_a_lease_the_node_is_written_on_a_change_and_every_report_interval() -> None:
+    cluster, clock, conds = FakeCluster(), Clock(), [READY]
+    p = leased(cluster, conds, clock)
+    assert p.tick()
+    assert cluster.leases[LEASE] == {"holderIdentity": NODE, "leaseDurationSeconds": 180,
+                                     "renewTime": "2023-11-14T22:13:20.000000Z"}
+    for _ in range(4):  # 4 renewals a minute apart, no Node write
+        clock.t += 60
+        assert not p.tick()
+    assert cluster.leases[LEASE]["renewTime"] == "2023-11-14T22:17:20.000000Z"
+    assert (cluster.calls["renew_lease"], len(cluster.node_status_patches)) == (5, 1)
+    clock.t += 60
+    assert p.tick()  # the status report, 300 s on
+    assert cluster.condition(NODE, "gpu-fractioning.nvidia.com/Ready")[
+        "lastHeartbeatTime"] == "2023-11-14T22:18:20Z"
+    clock.t += 1
+    conds.append(DOWN)
+    assert p.tick()  # a change goes out at once
+    assert cluster.calls["renew_lease"] == 6  # and the Lease waits for its own interval
+
+
+def test_while_the_lease_fails_the_node_carries_the_heartbeat_and_retries_back_off() -> None:
+    cluster, clock = FakeCluster(), Clock()
+    p = leased(cluster, [READY], clock)
+    cluster.fail("renew_lease", KubeError("renew: 403", 403), times=100)
+    assert p.tick()  # published; the Lease refused
+    tried = []
+    for _ in range(130):
+        before = cluster.calls["renew_lease"]
+        clock.t += 1
+        p.tick()
+        if cluster.calls["renew_lease"] > before:
+            tried.append(clock.t - 1_700_000_000.0)
+    assert tried == [1, 3, 7, 15, 31, 63, 123]  # 1, 2, 4 ... s apart, at most 60
+    assert len(cluster.node_status_patches) == 3  # the 60 s heartbeat on the Node
+
+
+def test_a_renewal_after_a_failure_or_a_gap_publishes_the_condition_at_once() -> None:
+    cluster, clock = FakeCluster(), Clock()
+    p = leased(cluster, [READY], clock)
+    p.tick()
+    clock.t += 30
+    cluster.fail("renew_lease", times=2)
+    assert not p.tick() and cluster.calls["renew_lease"] == 1  # not due
+    clock.t += 30
+    assert p.tick()  # the Lease refused: the Node carries the heartbeat at once
+    clock.t += 1
+    assert not p.tick()  # refused again; the Node's heartbeat is not due
+    clock.t += 2
+    assert p.tick()  # back: the follower may have set the condition Unknown meanwhile
+    clock.t += 200  # the process hung (a stopped container, a swapped-out host)
+    assert p.tick()
+    assert len(cluster.node_status_patches) == 4
+
+
+def test_the_agent_cli_beats_on_the_node_by_default_and_refuses_a_bad_lease_namespace(
+        capsys) -> None:
+    from kai_fractions.cli import build_parser, main
+
+    assert build_parser().parse_args(["node-agent"]).heartbeat_lease_namespace == ""
+    assert main(["node-agent", "--node-name", "n1", "--heartbeat-lease-namespace", "KF"]) == 2
+    assert capsys.readouterr().err == (
+        "kai-fractions node-agent: --heartbeat-lease-namespace 'KF': not a namespace name "
+        "(lower-case letters, digits and '-', at most 63)\n")
+
+
+def test_a_node_name_too_long_for_a_lease_beats_on_the_node(caplog) -> None:
+    cluster, clock = FakeCluster(), Clock()
+    name = "n" * 240
+    cluster.add_node(name)
+    opts = AgentOptions(socket=None, metrics_listen=None, heartbeat_lease_namespace="kf")
+    p = StatusPublisher(cluster, name, opts, lambda: READY, clock=clock, monotonic=clock)
+    assert p.lease is None and "too long for a heartbeat Lease name" in caplog.text
+    p.tick()
+    clock.t += 60
+    assert p.tick() and cluster.calls["renew_lease"] == 0
+
+
 def test_gpu_memory_label_is_set_only_when_missing() -> None:
     cluster = FakeCluster()
     cluster.add_node(NODE)

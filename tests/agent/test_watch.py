@@ -417,3 +417,18 @@ def test_kube_cluster_writes_and_their_errors(kube, kube_cluster) -> None:
     message = refused.value.message  # the request, the status and the server's words
     assert message.startswith("record event Applied in default: ")
     assert "403" in message and "no events for you" in message
+
+
+def test_kube_cluster_renews_a_lease_it_creates_the_first_time(kube, kube_cluster) -> None:
+    name, path = "kai-fractions-agent.n1", "/apis/coordination.k8s.io/v1/namespaces/kf/leases"
+    kube_cluster.renew_lease("kf", name, {"holderIdentity": "n1", "renewTime": "t1"})
+    kube_cluster.renew_lease("kf", name, {"renewTime": "t2"})
+    lease = kube_cluster.blocking.request("GET", f"{path}/{name}", what="read it")
+    assert lease["spec"] == {"holderIdentity": "n1", "renewTime": "t2"}
+    assert kube.count("POST", path) == 1  # created once, then one merge patch a renewal
+    patches = kube.requests("PATCH", f"{path}/{name}")
+    assert len(patches) == 2 and patches[1].data == {"spec": {"renewTime": "t2"}}
+    assert patches[1].headers["Content-Type"] == "application/merge-patch+json"
+    kube.fail("PATCH", f"{path}/{name}", 403, message="not your lease")
+    with pytest.raises(KubeError, match=rf"^renew lease kf/{name}: .*403 Forbidden: not your"):
+        kube_cluster.renew_lease("kf", name, {"renewTime": "t3"})

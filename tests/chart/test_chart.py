@@ -92,6 +92,7 @@ def test_default_values_render_every_component():
         ("ValidatingAdmissionPolicy", f"{MIRROR}-node-status"),
         ("ValidatingAdmissionPolicyBinding", f"{MIRROR}-node-status"),
         ("ClusterRole", AGENT), ("ClusterRoleBinding", AGENT),
+        ("Role", f"{AGENT}-heartbeat"), ("RoleBinding", f"{AGENT}-heartbeat"),
         ("ValidatingAdmissionPolicy", f"{AGENT}-own-node"),
         ("ValidatingAdmissionPolicyBinding", f"{AGENT}-own-node"),
         ("Deployment", MIRROR), ("Service", MIRROR), ("PodDisruptionBudget", MIRROR),
@@ -175,7 +176,7 @@ def test_mirror_deployment_defaults():
         "--follow-bindrequests", "--leader-elect",
         f"--leader-elect-lease-name={MIRROR}-follower", "--follow-concurrency=8",
         "--reservation-namespace=kai-resource-reservation",
-        "--mark-silent-nodes-after=180",
+        "--mark-silent-nodes-after=180", "--heartbeat-lease-namespace=kai-fractions",
         "--node-condition=gpu-fractioning.nvidia.com/Ready",
         "--node-condition=gpu-sharing.nvidia.com/Ready",
         "--scheduler-name=kai-scheduler",
@@ -303,7 +304,8 @@ def test_node_agent_daemonset_defaults():
         # mps-pinned is dropped without MPS: it applies to MPS clients only
         "--memory-enforcement=cgroup,watchdog", "--watchdog-policy=report",
         "--watchdog-interval=1", "--metrics-listen=0.0.0.0:9400",
-        "--condition-name=gpu-fractioning.nvidia.com/Ready", "--legacy-condition",
+        "--condition-name=gpu-fractioning.nvidia.com/Ready",
+        "--heartbeat-lease-namespace=kai-fractions", "--legacy-condition",
         "--resync-seconds=300", "--first-list-jitter=2",
         "--signing-key-file=/etc/kai-fractions/signing",
         "--annotation-prefix=nvidia.com/container.", "--log-level=info"]

@@ -25,7 +25,13 @@ def test_the_follower_elects_on_the_one_lease_its_role_names():
     assert role["rules"] == [
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
          "resourceNames": [LEASE], "verbs": ["get", "patch"]},
-        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]}]
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        # the silent-node check (markSilentNodesAfterSeconds) reads the agents' heartbeats
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get"]}]
+    quiet = one(render(sets=("mirror.followBindRequests=true",
+                             "mirror.markSilentNodesAfterSeconds=0")),
+                "Role", f"{MIRROR}-leader-election")
+    assert quiet["rules"] == role["rules"][:2]
     binding = one(docs, "RoleBinding", f"{MIRROR}-leader-election")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                   "name": f"{MIRROR}-leader-election"}

@@ -17,6 +17,7 @@ import celpy
 import pytest
 
 from kai_fractions.contract import keys as k
+from kai_fractions.kube.objects import heartbeat_lease_name
 from kai_fractions.node.agent import kube
 
 from .render import CHART, NAMESPACE, one, render
@@ -40,24 +41,28 @@ def policy(*sets: str) -> dict:
     return one(render(None, sets), "ValidatingAdmissionPolicy", f"{AGENT}-own-node")
 
 
-def review(pol: dict, old: dict, new: dict, resource: str, *, user: str = AGENT_USER,
-           node: str = NODE) -> list[str]:
-    """The messages of the validations an UPDATE fails, evaluated like the API server:
+def review(pol: dict, old: dict | None, new: dict, resource: str, *, user: str = AGENT_USER,
+           node: str = NODE, operation: str = "UPDATE", group: str = "") -> list[str]:
+    """The messages of the validations a write fails, evaluated like the API server:
     matchConstraints, matchConditions, variables in order, validations."""
     name, _, sub = resource.partition("/")
     rules = pol["spec"]["matchConstraints"]["resourceRules"]
-    if not any(resource in r["resources"] and "UPDATE" in r["operations"] for r in rules):
+    if not any(resource in r["resources"] and operation in r["operations"]
+               and group in r["apiGroups"] for r in rules):
         return []
-    request = {"operation": "UPDATE", "subResource": sub,
-               "resource": {"group": "", "version": "v1", "resource": name},
+    request = {"operation": operation, "subResource": sub,
+               "resource": {"group": group, "version": "v1", "resource": name},
                "userInfo": {"username": user, "extra": {NODE_KEY: [node]}}}
     spec = pol["spec"]
     if not all(cel(m["expression"], request=request) for m in spec["matchConditions"]):
         return []
     variables: dict[str, Any] = {}
     for v in spec.get("variables", []):
-        variables[v["name"]] = cel(v["expression"], request=request, object=new,
-                                   oldObject=old, variables=variables)
+        try:  # the API server evaluates a variable only where a validation reads it
+            variables[v["name"]] = cel(v["expression"], request=request, object=new,
+                                       oldObject=old, variables=variables)
+        except Exception:  # oldObject is null on CREATE
+            variables[v["name"]] = None
     return [v.get("message") or str(cel(v["messageExpression"], variables=variables))
             for v in spec["validations"]
             if not cel(v["expression"], request=request, object=new, oldObject=old,
@@ -136,19 +141,26 @@ CALLS = {
     ("PATCH", "node_path", "/status"): ("nodes/status", {"patch"}),
     ("PATCH", "node_path", ""): ("nodes", {"patch"}),  # the GPU memory label only
     ("POST", "events_path", ""): ("events", {"create"}),
+    ("PATCH", "lease_path", ""): ("leases", {"patch"}),  # its heartbeat, renewed
+    ("POST", "lease_path", ""): ("leases", {"create"}),  # the first time
 }
 REQUEST = re.compile(r'request\(\s*"(\w+)",\s*(\w+)\([^)]*\)(?:\s*\+\s*"(/\w+)")?')
 COLLECTION = re.compile(r"Collection\(\s*self\.blocking\.kube,\s*(\w+)\(")
 
 
 def agent_rules(*sets: str) -> dict[str, set[str]]:
-    role = one(render(None, sets), "ClusterRole", AGENT)
+    docs = render(None, sets)
+    role = one(docs, "ClusterRole", AGENT)
     out: dict[str, set[str]] = {}
     for r in role["rules"]:
         assert r["apiGroups"] == [""], r
         assert "resourceNames" not in r, r
         for resource in r["resources"]:
             out.setdefault(resource, set()).update(r["verbs"])
+    heartbeat = one(docs, "Role", f"{AGENT}-heartbeat")  # in the release namespace only
+    assert heartbeat["metadata"]["namespace"] == NAMESPACE
+    assert [r["apiGroups"] for r in heartbeat["rules"]] == [["coordination.k8s.io"]]
+    out.setdefault("leases", set()).update(heartbeat["rules"][0]["verbs"])
     return out
 
 
@@ -167,10 +179,12 @@ def test_the_agent_calls_only_what_it_is_granted():
 
 
 def test_the_agent_rbac_is_exactly_its_calls():
+    leases = {"create", "patch"}
     assert agent_rules() == {"pods": {"list", "watch", "patch"}, "events": {"create"},
-                             "nodes": {"get"}, "nodes/status": {"patch"}}
+                             "nodes": {"get"}, "nodes/status": {"patch"}, "leases": leases}
     assert agent_rules(*LABEL) == {"pods": {"list", "watch", "patch"}, "events": {"create"},
-                                   "nodes": {"get", "patch"}, "nodes/status": {"patch"}}
+                                   "nodes": {"get", "patch"}, "nodes/status": {"patch"},
+                                   "leases": leases}
     role = one(render(WATCHDOG_KILL), "ClusterRole", AGENT)
     assert {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]} in role[
         "rules"]
@@ -327,12 +341,42 @@ def test_with_the_label_option_only_the_gpu_memory_label():
         "the node agent on gpu-node-1 may update only its own Node"]
 
 
+# -- the policy: its heartbeat Lease -------------------------------------------------------------
+
+
+def lease(name: str) -> dict:
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"holderIdentity": NODE, "renewTime": "2026-12-02T12:00:00.000000Z"}}
+
+
+def test_the_agent_may_write_only_its_own_heartbeat_lease():
+    pol = policy()
+    own = lease(heartbeat_lease_name(NODE))
+    renewed = changed(own, lambda le: le["spec"].update(renewTime="2026-12-02T12:01:00.000000Z"))
+    leases = {"resource": "leases", "group": "coordination.k8s.io"}
+    assert review(pol, None, own, **leases, operation="CREATE") == []
+    assert review(pol, own, renewed, **leases) == []
+    refused = [f"the node agent on {NODE} may write only its heartbeat Lease "
+               f"kai-fractions-agent.{NODE}"]
+    for name in (heartbeat_lease_name("gpu-node-2"), "kai-fractions-mirror-follower"):
+        other = lease(name)
+        assert review(pol, None, other, **leases, operation="CREATE") == refused
+        assert review(pol, other, changed(other, lambda le: le["spec"].update(
+            holderIdentity=NODE)), **leases) == refused
+    # other users' Leases (the mirror's election, the kubelets') are not this policy's business
+    assert review(pol, None, lease("kai-fractions-mirror-follower"), **leases,
+                  operation="CREATE", user="system:serviceaccount:kf:kai-fractions-mirror") == []
+
+
 def test_the_policy_is_bound_and_fails_closed():
     docs = render()
     pol = one(docs, "ValidatingAdmissionPolicy", f"{AGENT}-own-node")
     assert pol["spec"]["failurePolicy"] == "Fail"
     assert pol["spec"]["matchConstraints"]["resourceRules"] == [{
         "apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"],
-        "resources": ["pods", "nodes", "nodes/status"]}]
+        "resources": ["pods", "nodes", "nodes/status"]}, {
+        "apiGroups": ["coordination.k8s.io"], "apiVersions": ["v1"],
+        "operations": ["CREATE", "UPDATE"], "resources": ["leases"]}]
     binding = one(docs, "ValidatingAdmissionPolicyBinding", f"{AGENT}-own-node")
     assert binding["spec"] == {"policyName": f"{AGENT}-own-node", "validationActions": ["Deny"]}

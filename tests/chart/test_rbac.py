@@ -45,6 +45,7 @@ LEASE_RULES = {
 
 
 SILENT_NODES = rule([""], ["nodes/status"], ["patch"])
+HEARTBEATS = rule(["coordination.k8s.io"], ["leases"], ["get"])
 MIRROR_RULES = {
     rule([""], ["pods"], ["get", "list", "watch", "patch"]),
     rule([""], ["nodes"], ["get"]),
@@ -66,6 +67,8 @@ MIRROR_RULES = {
     IMPERSONATE_BINDER,
     # one BindRequest follower among the replicas: its Lease (test_mirror_lease.py)
     *LEASE_RULES,
+    # the silent-node check reads the node agents' heartbeat Leases
+    HEARTBEATS,
 }
 # Exactly what kai_fractions/node/agent/kube.py calls (test_node_agent_policy.py); `patch nodes`
 # only with nodeAgent.publishGpuMemoryLabel.
@@ -74,6 +77,8 @@ AGENT_RULES = {
     rule([""], ["events"], ["create"]),
     rule([""], ["nodes"], ["get"]),
     rule([""], ["nodes/status"], ["patch"]),
+    # its heartbeat Lease, in the release namespace; which one: the own-node policy
+    rule(["coordination.k8s.io"], ["leases"], ["create", "patch"]),
 }
 
 
@@ -139,7 +144,7 @@ def test_mirror_rules_shrink_with_its_options():
                    "gpuFractioningConfig.enabled=false", "mirror.writeAsBinder=false"))
     rules = granted(docs)
     assert rules[MIRROR] == MIRROR_RULES - REPORTER_RULES - LEASE_RULES - {
-        IMPERSONATE_BINDER, SILENT_NODES,
+        IMPERSONATE_BINDER, SILENT_NODES, HEARTBEATS,
         rule(["scheduling.run.ai"], ["bindrequests"], ["get", "list", "watch"]),
         rule([""], ["secrets"], ["get"], ["kai-fractions-signing-key"])} - PUBLIC_KEY_RULES
     assert not find(docs, "Secret", "kai-fractions-signing-key")

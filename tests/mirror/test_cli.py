@@ -16,6 +16,7 @@ FLAGS = ["--listen", "--tls-cert", "--tls-key", "--tls-client-ca", "--token-file
          "--signing-key-file", "--publish-public-key", "--insecure", "--kai-dialect",
          "--reserve-mib", "--write-as", "--annotation-prefix", "--kubeconfig",
          "--follow-bindrequests", "--reservation-namespace", "--mark-silent-nodes-after",
+         "--heartbeat-lease-namespace",
          "--node-condition", "--follow-concurrency",
          "--leader-elect", "--leader-elect-lease-name", "--leader-elect-lease-namespace",
          "--leader-elect-identity", "--leader-elect-lease-duration",
@@ -67,6 +68,9 @@ def test_every_flag_is_there_with_its_default():
     (["--follow-bindrequests", "--reservation-namespace", "KAI_Reservations"],
      "--reservation-namespace 'KAI_Reservations': not a namespace name (lower-case letters, "
      "digits and '-', at most 63)"),
+    (["--follow-bindrequests", "--heartbeat-lease-namespace", "Kai"],
+     "--heartbeat-lease-namespace 'Kai': not a namespace name (lower-case letters, digits and "
+     "'-', at most 63)"),
     (["--kubeconfig", "/nonexistent/kubeconfig"],
      "--kubeconfig /nonexistent/kubeconfig: no such file"),
 ])

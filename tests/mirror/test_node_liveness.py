@@ -14,6 +14,7 @@ from kubernetes import client as k8s
 
 from kai_fractions.contract import keys as k
 from kai_fractions.kube.client import Kube
+from kai_fractions.kube.errors import KubeError
 from kai_fractions.mirror.node_liveness import SILENT_REASON, NodeLiveness, silent_conditions
 from tests.support.aio import until
 from tests.support.kube import KubeServer
@@ -149,6 +150,64 @@ async def test_a_wave_over_many_nodes_reads_them_a_few_at_a_time(kube, client):
     await until(lambda: len(done) == 20)
     assert most == READS_AT_ONCE
     await watcher.close()
+
+
+# -- the agents' heartbeat Leases (node/agent/heartbeat.py) ---------------------------------
+
+LEASES = "/apis/coordination.k8s.io/v1/namespaces/kf/leases"
+
+
+def micro(seconds_ago: float) -> str:
+    return (NOW - datetime.timedelta(seconds=seconds_ago)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+async def lease(client: Kube, node: str, renewed_ago: float) -> None:
+    await client.request("POST", LEASES, what="create it", body={
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": f"kai-fractions-agent.{node}", "namespace": "kf"},
+        "spec": {"holderIdentity": node, "renewTime": micro(renewed_ago)}})
+
+
+def leased(client: Kube, marked: list[str]) -> NodeLiveness:
+    return NodeLiveness(client, TYPES, stale_after_seconds=180, lease_namespace="kf",
+                        on_marked=marked.append, clock=NOW.timestamp)
+
+
+def test_a_renewed_lease_is_a_heartbeat_of_its_own():
+    n = node("n", condition(k.NODE_CONDITION, "True", 290))  # the last 5-minute report
+    assert silent_conditions(n, TYPES, NOW.timestamp(), 180,
+                             alive_at=NOW.timestamp() - 60) == []
+    [silent] = silent_conditions(n, TYPES, NOW.timestamp(), 180,
+                                 alive_at=NOW.timestamp() - 200)
+    assert silent["message"].startswith(
+        f"the kai-fractions node agent has not reported since {stamp(200)} (200 s): ")
+    assert silent["lastHeartbeatTime"] == stamp(290)  # the condition's own, kept
+
+
+async def test_a_node_whose_agent_renews_its_lease_is_left_alone(kube, client):
+    kube.core.create_node(node("leased", condition(k.NODE_CONDITION, "True", 290)))
+    kube.core.create_node(node("lapsed", condition(k.NODE_CONDITION, "True", 290)))
+    kube.core.create_node(node("fresh", condition(k.NODE_CONDITION, "True", 30)))
+    kube.core.create_node(node("old-agent", condition(k.NODE_CONDITION, "True", 290)))
+    await lease(client, "leased", 40)
+    await lease(client, "lapsed", 250)
+    marked: list[str] = []
+    watcher = leased(client, marked)
+    assert await watcher.check("leased") is False
+    assert await watcher.check("lapsed") is True
+    assert await watcher.check("fresh") is False
+    assert await watcher.check("old-agent") is True  # no Lease: its condition's heartbeat
+    assert marked == ["lapsed", "old-agent"]
+    assert kube.count("GET", f"{LEASES}/kai-fractions-agent.fresh") == 0  # not needed
+
+
+async def test_a_lease_that_cannot_be_read_marks_nothing(kube, client):
+    kube.core.create_node(node("n", condition(k.NODE_CONDITION, "True", 290)))
+    kube.fail("GET", f"{LEASES}/kai-fractions-agent.n", 403, message="leases is forbidden")
+    marked: list[str] = []
+    with pytest.raises(KubeError, match="leases is forbidden"):
+        await leased(client, marked).check("n")
+    assert marked == [] and kube.count("PATCH", "/api/v1/nodes/n/status") == 0
 
 
 async def test_failures_are_logged_never_raised(kube, client, caplog):

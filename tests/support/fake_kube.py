@@ -60,6 +60,8 @@ class FakeCluster:
         self.list_versions: list[str] = []
         """The resourceVersion each list asked for ("" a consistent read, "0" any)."""
         self.node_status_patches: list[list[dict[str, Any]]] = []
+        self.leases: dict[tuple[str, str], dict[str, Any]] = {}
+        """(namespace, name) -> spec."""
         self.annotation_patches: list[tuple[str, dict[str, str]]] = []
         self._faults: dict[str, list[Exception]] = {}
         self._expired = False
@@ -214,6 +216,11 @@ class FakeCluster:
         with self._lock:
             self._enter("create_event")
             self.events.append(copy.deepcopy(event))
+
+    def renew_lease(self, namespace: str, name: str, spec: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._enter("renew_lease")
+            self.leases.setdefault((namespace, name), {}).update(copy.deepcopy(dict(spec)))
 
     # -- helpers for tests --------------------------------------------------------------------
 

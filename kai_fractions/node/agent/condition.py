@@ -11,8 +11,9 @@ sm-sharing is enabled) and the agent is reconciling. Otherwise False with one re
 | `MPSDaemonUnhealthy` | sm-sharing is enabled and the control daemon does not answer |
 | `NotReconciling` | no pod list yet, API unreachable, passes hung or failing too long, stopping |
 
-The publisher patches `nodes/status` when the condition changes, and otherwise at most every
-heartbeat interval (`lastHeartbeatTime`); `lastTransitionTime` moves only when the status does
+The publisher patches `nodes/status` when the condition changes, and otherwise every heartbeat
+interval (`lastHeartbeatTime`), or with a heartbeat Lease (`heartbeat.py`) only every status
+report interval while the Lease is renewed; `lastTransitionTime` moves only when the status does
 (across agent restarts too: it is read back from the node).
 """
 
@@ -27,10 +28,11 @@ from dataclasses import dataclass
 from ...contract import MIB
 from ...contract import keys as k
 from ...kube.errors import KubeError
-from ...kube.objects import condition_time
+from ...kube.objects import condition_time, heartbeat_lease_name
 from ..config import Mechanism, NodeConfig
 from ..errors import NodeError
 from ..inventory import Inventory
+from .heartbeat import HeartbeatLease
 from .kube import ClusterWriter
 from .options import AgentOptions
 
@@ -177,6 +179,13 @@ class StatusPublisher:
         self._label_done = not options.publish_gpu_memory_label
         self._last_failure: str | None = None
         self.wake = threading.Event()
+        lease = heartbeat_lease_name(node)
+        self.lease = (HeartbeatLease(cluster, options.heartbeat_lease_namespace, lease, node,
+                                     options.heartbeat_seconds, clock=clock, monotonic=monotonic)
+                      if options.heartbeat_lease_namespace and lease else None)
+        if options.heartbeat_lease_namespace and lease is None:
+            log.warning("node name %s too long for a heartbeat Lease name: the node condition "
+                        "carries the heartbeat", node)
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -185,13 +194,18 @@ class StatusPublisher:
             self.wake.clear()
 
     def tick(self, *, force: bool = False) -> bool:
-        """Publishes when due; True when a patch went through."""
+        """Renews the heartbeat Lease and publishes the condition when due; True when a
+        condition patch went through."""
         self._label()
+        back = self.lease.beat() if self.lease is not None else False
         cond = self.condition()
         if cond is None:
             return False  # nothing known yet: publishing "not ready" would only flap
-        due = self.monotonic() - self._published_at >= self.options.heartbeat_seconds
-        if not force and cond == self.published and not due:
+        every = (self.options.status_report_seconds
+                 if self.lease is not None and self.lease.current
+                 else self.options.heartbeat_seconds)
+        due = self.monotonic() - self._published_at >= every
+        if not (force or back or due) and cond == self.published:
             return False
         return self.publish(cond)
 

@@ -4,8 +4,8 @@
 them, and the event loop that runs that loop; `ClusterWriter` does the few writes the agent
 makes: a merge patch of its derived annotations on a pod (guarded by the pod's uid), the node's
 condition (a strategic merge patch of `nodes/status`, merged by condition type), the node's GPU
-memory label, and pod events. `tests/support/fake_kube.py`'s `FakeCluster` implements both in
-memory.
+memory label, pod events, and its heartbeat Lease. `tests/support/fake_kube.py`'s `FakeCluster`
+implements both in memory.
 
 Every error is one of `kai_fractions.kube.errors`, with the API server's message and the object
 named: the agent logs it, counts it and tries again on its next pass; nothing here retries by
@@ -20,10 +20,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ...kube.blocking import BlockingKube
 from ...kube.client import MERGE_PATCH, STRATEGIC_MERGE_PATCH, Observer
+from ...kube.errors import NotFound
 from ...kube.listwatch import Collection, Source
 from ...kube.objects import (
+    LEASES,
     annotation_patch,
     events_path,
+    lease_path,
     node_path,
     pod_path,
     pods_path,
@@ -74,6 +77,10 @@ class ClusterWriter(Protocol):
         ...
 
     def create_event(self, namespace: str, event: dict[str, Any]) -> None:
+        ...
+
+    def renew_lease(self, namespace: str, name: str, spec: Mapping[str, Any]) -> None:
+        """Merges `spec` into the Lease, creating it when there is none."""
         ...
 
 
@@ -138,3 +145,16 @@ class KubeCluster:
         self.blocking.request("POST", events_path(namespace),
                               what=f"record event {event.get('reason')} in {namespace}",
                               body=event)
+
+    def renew_lease(self, namespace: str, name: str, spec: Mapping[str, Any]) -> None:
+        # A merge patch with no resourceVersion: the agent is the Lease's only writer (the
+        # chart's own-node policy), so one request a renewal, and a create only the first time.
+        what = f"renew lease {namespace}/{name}"
+        try:
+            self.blocking.request("PATCH", lease_path(namespace, name), what=what,
+                                  body={"spec": dict(spec)}, content_type=MERGE_PATCH)
+        except NotFound:
+            group, version, _ = LEASES
+            self.blocking.request("POST", lease_path(namespace), what=what, body={
+                "apiVersion": f"{group}/{version}", "kind": "Lease",
+                "metadata": {"name": name, "namespace": namespace}, "spec": dict(spec)})

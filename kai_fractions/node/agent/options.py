@@ -46,7 +46,14 @@ class AgentOptions:
     """`--mps-drain-before-kill`: a deleted sm-sharing pod's MPS clients are drained this long
     before its grace period ends (`drain_before_kill`); 0 turns it off."""
     heartbeat_seconds: float = 60.0
-    """An unchanged node condition is re-patched (lastHeartbeatTime) at most this often."""
+    """How often the agent says it is alive: it renews its heartbeat Lease, or without one
+    re-patches its unchanged node condition (lastHeartbeatTime)."""
+    heartbeat_lease_namespace: str | None = None
+    """`--heartbeat-lease-namespace`: where the agent's heartbeat Lease lives (`heartbeat.py`);
+    None beats on the node condition."""
+    status_report_seconds: float = 300.0
+    """With the heartbeat Lease renewed: an unchanged node condition is re-patched this often
+    (the kubelet's nodeStatusReportFrequency)."""
     status_tick_seconds: float = 1.0
     """How often the status publisher looks at the agent's health."""
     stale_after_seconds: float = 60.0
