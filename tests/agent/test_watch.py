@@ -426,9 +426,19 @@ def test_kube_cluster_renews_a_lease_it_creates_the_first_time(kube, kube_cluste
     lease = kube_cluster.blocking.request("GET", f"{path}/{name}", what="read it")
     assert lease["spec"] == {"holderIdentity": "n1", "renewTime": "t2"}
     assert kube.count("POST", path) == 1  # created once, then one merge patch a renewal
-    patches = kube.requests("PATCH", f"{path}/{name}")
-    assert len(patches) == 2 and patches[1].data == {"spec": {"renewTime": "t2"}}
-    assert patches[1].headers["Content-Type"] == "application/merge-patch+json"
+    [patch] = kube.requests("PATCH", f"{path}/{name}")
+    assert patch.data == {"spec": {"renewTime": "t2"}}
+    assert patch.headers["Content-Type"] == "application/merge-patch+json"
+    # A restarted agent: its first renewal finds the Lease there (409), and patches it; no
+    # PATCH is ever refused with 404 (the agent's refused-writes alert counts those).
+    kube_cluster._leases.clear()
+    kube_cluster.renew_lease("kf", name, {"renewTime": "t3"})
+    assert kube.count("POST", path) == 2 and kube.count("PATCH", f"{path}/{name}") == 2
+    kube_cluster.blocking.request("DELETE", f"{path}/{name}", what="delete it")
+    kube_cluster.renew_lease("kf", name, {"holderIdentity": "n1", "renewTime": "t4"})  # made
+    assert kube.count("POST", path) == 3
+    assert kube_cluster.blocking.request("GET", f"{path}/{name}", what="read it")["spec"][
+        "renewTime"] == "t4"
     kube.fail("PATCH", f"{path}/{name}", 403, message="not your lease")
     with pytest.raises(KubeError, match=rf"^renew lease kf/{name}: .*403 Forbidden: not your"):
-        kube_cluster.renew_lease("kf", name, {"renewTime": "t3"})
+        kube_cluster.renew_lease("kf", name, {"renewTime": "t5"})

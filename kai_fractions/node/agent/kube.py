@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ...kube.blocking import BlockingKube
 from ...kube.client import MERGE_PATCH, STRATEGIC_MERGE_PATCH, Observer
-from ...kube.errors import NotFound
+from ...kube.errors import Conflict, NotFound
 from ...kube.listwatch import Collection, Source
 from ...kube.objects import (
     LEASES,
@@ -97,6 +97,8 @@ class KubeCluster:
         self.watch_seconds = watch_seconds
         self.read_timeout = read_timeout
         """How long a watch may stay silent (None: the server's timeout and some slack)."""
+        self._leases: set[tuple[str, str]] = set()
+        """Leases this process created or found: renewed with a PATCH."""
 
     def close(self) -> None:
         self.blocking.close()
@@ -148,13 +150,23 @@ class KubeCluster:
 
     def renew_lease(self, namespace: str, name: str, spec: Mapping[str, Any]) -> None:
         # A merge patch with no resourceVersion: the agent is the Lease's only writer (the
-        # chart's own-node policy), so one request a renewal, and a create only the first time.
+        # chart's own-node policy), so one request a renewal. A process's first renewal creates
+        # it (409 when it exists): a PATCH refused with 404 at every start would show in the
+        # agent's refused-writes alert.
         what = f"renew lease {namespace}/{name}"
+        if (namespace, name) in self._leases:
+            try:
+                self.blocking.request("PATCH", lease_path(namespace, name), what=what,
+                                      body={"spec": dict(spec)}, content_type=MERGE_PATCH)
+                return
+            except NotFound:
+                self._leases.discard((namespace, name))
+        group, version, _ = LEASES
         try:
-            self.blocking.request("PATCH", lease_path(namespace, name), what=what,
-                                  body={"spec": dict(spec)}, content_type=MERGE_PATCH)
-        except NotFound:
-            group, version, _ = LEASES
             self.blocking.request("POST", lease_path(namespace), what=what, body={
                 "apiVersion": f"{group}/{version}", "kind": "Lease",
                 "metadata": {"name": name, "namespace": namespace}, "spec": dict(spec)})
+        except Conflict:  # it exists: this renewal is a patch after all
+            self.blocking.request("PATCH", lease_path(namespace, name), what=what,
+                                  body={"spec": dict(spec)}, content_type=MERGE_PATCH)
+        self._leases.add((namespace, name))
