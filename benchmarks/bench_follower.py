@@ -146,8 +146,10 @@ def wave(pods: int) -> tuple[FakePodStore, list[dict[str, Any]]]:
     return store, bind_requests_of(pods)
 
 
-class Listed:
-    """The follow loop's source: one list of the wave, then a watch with nothing more."""
+class Arriving:
+    """The follow loop's source: an empty list, then the wave as the watch brings a real one,
+    an ADDED event per BindRequest (a list is replayed behind the watch's events, with one
+    place fewer: not a wave's path)."""
 
     what = "BindRequest(s)"
 
@@ -155,11 +157,12 @@ class Listed:
         self.items = items
 
     async def list(self, resource_version: str = "") -> tuple[list[Any], str]:
-        return self.items, str(len(self.items))
+        return [], "1"
 
     async def watch(self, resource_version: str):
+        for item in self.items:
+            yield "ADDED", item
         await asyncio.Event().wait()
-        yield  # pragma: no cover - an async generator that never yields
 
 
 async def _follow(store: Any, bind_requests: list[dict[str, Any]], concurrency: int) -> float:
@@ -176,7 +179,7 @@ async def _follow(store: Any, bind_requests: list[dict[str, Any]], concurrency: 
             done.set()
 
     began = time.perf_counter()
-    task = asyncio.create_task(follow(Listed(bind_requests), handle,  # type: ignore[arg-type]
+    task = asyncio.create_task(follow(Arriving(bind_requests), handle,  # type: ignore[arg-type]
                                       concurrency=concurrency))
     try:
         await asyncio.wait_for(done.wait(), timeout=600)

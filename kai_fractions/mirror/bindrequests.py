@@ -21,7 +21,6 @@ wait for its signature until they are done.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import logging
 import random
@@ -85,44 +84,65 @@ async def follow(
         replay.restart(items)  # and the watch opens at once
 
     async def on_event(kind: str, obj: Mapping[str, Any]) -> None:
+        if kind not in ("ADDED", "MODIFIED", "DELETED"):
+            return  # a BOOKMARK carries a version, no BindRequest
         view = _view(obj)
         replay.supersede(view)
-        if kind in ("ADDED", "MODIFIED"):
+        if kind != "DELETED":
             await handling.start(view)
-        elif kind == "DELETED" and forget is not None:
+        elif forget is not None:
             forget(view)
 
     try:
         await list_watch(source, on_list, on_event, backoff=backoff, rng=rng,
                          resync_seconds=resync_seconds, monotonic=monotonic, clock=clock)
     finally:
-        await replay.stop()
-        await handling.stop()
+        # Everything cancelled before the first wait: a second cancel cannot leave any
+        # handling running after the follower has stopped (the Lease lost).
+        tasks = [*handling.tasks, *([replay.task] if replay.task is not None else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _key(br: BindRequestView) -> object:
+    """One BindRequest across its list entry and its events: its uid (a recreated one of the
+    same name is another), else its name."""
+    return br.uid or (br.namespace, br.name)
 
 
 class _Replay:
-    """The last list's BindRequests, newest first, handed to `handling` in a task of their own
-    as places free, one place kept for the watch's events; a BindRequest the watch has shown
-    since the list is skipped (its event carried a newer version, or its deletion)."""
+    """The last list's BindRequests, handed to `handling` by a task of their own: first those a
+    previous list left unstarted (a relist must not start over from the newest and never reach
+    the oldest), then newest first. One the watch shows meanwhile leaves the replay (its event
+    carried a newer version, or its deletion), also while it waits for its place."""
 
     def __init__(self, handling: _InFlight) -> None:
         self.handling = handling
-        self.pending: collections.deque[BindRequestView] = collections.deque()
-        self.superseded: set[tuple[str, str]] = set()
+        self.pending: dict[object, BindRequestView] = {}
+        self.holding: object = None
+        """The key of the BindRequest waiting for a place; None once it is dropped."""
         self.listed = asyncio.Event()
         self.task: asyncio.Task | None = None
 
     def restart(self, items: list[Mapping[str, Any] | BindRequestView]) -> None:
-        views = sorted(map(_view, items), key=lambda br: br.created, reverse=True)
-        self.pending = collections.deque(views)
-        self.superseded.clear()
+        views = {_key(br): br for br in sorted(map(_view, items), key=lambda br: br.created,
+                                                 reverse=True)}
+        left = [key for key in self.pending if key in views]
+        if self.holding is not None and self.holding in views:
+            left.insert(0, self.holding)
+        self.holding = None  # the new list has it, at its place
+        self.pending = {key: views.pop(key) for key in left}
+        self.pending.update(views)
         self.listed.set()
-        if self.task is None:
+        if self.task is None or self.task.done():
             self.task = asyncio.create_task(self._run(), name="bindrequest-replay")
 
     def supersede(self, br: BindRequestView) -> None:
-        if self.pending:  # none is kept once the replay is done
-            self.superseded.add((br.namespace, br.name))
+        key = _key(br)
+        self.pending.pop(key, None)
+        if self.holding == key:
+            self.holding = None
 
     async def _run(self) -> None:
         while True:
@@ -130,29 +150,30 @@ class _Replay:
             self.listed.clear()
             began, started = time.monotonic(), 0
             while self.pending:
-                br = self.pending.popleft()
-                key = (br.namespace, br.name)
-                if key not in self.superseded:
-                    # Wanted still once a place is free: the watch may show it meanwhile.
-                    await self.handling.start(br, replayed=functools.partial(self._wanted, key))
-                    started += 1
-            self.superseded.clear()
+                key = next(iter(self.pending))
+                br = self.pending.pop(key)
+                self.holding = key
+                try:
+                    if await self.handling.start(br, replayed=self._still_holding):
+                        started += 1
+                except Exception:  # never seen; a dead replay would leave the rest unchecked
+                    log.exception("BindRequest %s: the replay failed to start it", br.ref)
+                finally:
+                    self.holding = None
             if started:
-                log.info("the listed BindRequests are all under way: %d in %.1f s (those the "
-                         "watch showed since, as it did)", started, time.monotonic() - began)
+                log.info("the listed BindRequests are all under way: %d in %.1f s", started,
+                         time.monotonic() - began)
 
-    def _wanted(self, key: tuple[str, str]) -> bool:
-        return key not in self.superseded
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+    def _still_holding(self) -> bool:
+        return self.holding is not None
 
 
 class _InFlight:
-    """The handlings in progress: the loop reads on once fewer than `limit` are (with a limit of
-    1, once the last one is done), and one BindRequest's run one after the other."""
+    """The handlings in progress, at most `limit`, one BindRequest's one after the other. The
+    watch loop reads on once a place is free (with a limit of 1, once the last one is done). A
+    list's replay always gets one place, and more only while one stays free for the watch's
+    events, which go first when both wait: a wave of binds does not stop the replay, and the
+    replay does not hold up the wave."""
 
     def __init__(self, handle: Handler, limit: int) -> None:
         if limit < 1:
@@ -161,26 +182,33 @@ class _InFlight:
         self.limit = limit
         self.tasks: set[asyncio.Task] = set()
         self.latest: dict[tuple[str, str], asyncio.Task] = {}  # BindRequest -> its last
+        self.replaying = 0
+        """Handlings the replay started, still running."""
         self.waiting = 0
-        """Watch events waiting for a place: the replay lets them go first."""
+        """Watch events waiting for a place."""
+        self.replay_waiting = False
         self._freed = asyncio.Event()
 
     async def start(self, br: BindRequestView, *,
-                    replayed: Callable[[], bool] | None = None) -> None:
-        """Starts handling `br` once a place is free, and returns once one is free again (the
-        loop reads on). `replayed` (a listed BindRequest, still wanted while it says True)
-        leaves one place to the watch's events, unless there is only one, and lets any event
-        waiting for a place go first."""
+                    replayed: Callable[[], bool] | None = None) -> bool:
+        """Starts handling `br` once a place is free (a listed one: once the replay may take
+        one, and only if `replayed()` still says it is wanted); True when it did. An event's
+        returns once a place is free again."""
         if replayed is not None:
-            spare = 1 if self.limit > 1 else 0
-            while len(self.tasks) >= self.limit - spare or self.waiting:
-                await self._place()
+            self.replay_waiting = True
+            try:
+                while not self._replay_may_start():
+                    await self._place()
+            finally:
+                self.replay_waiting = False
+                self._freed.set()  # an event held back for the replay's place goes on
             if not replayed():
-                return
+                return False
+            self.replaying += 1
         else:
             self.waiting += 1
             try:
-                while len(self.tasks) >= self.limit:
+                while not self._event_may_start():
                     await self._place()
             finally:
                 self.waiting -= 1
@@ -188,9 +216,22 @@ class _InFlight:
         task = asyncio.create_task(self._run(self.latest.get(key), br))
         self.tasks.add(task)
         self.latest[key] = task
-        task.add_done_callback(functools.partial(self._done, key))
+        task.add_done_callback(functools.partial(self._done, key, replayed is not None))
         while replayed is None and len(self.tasks) >= self.limit:
             await self._place()
+        return True
+
+    def _event_may_start(self) -> bool:
+        if self.replay_waiting and not self.replaying:  # the replay's one place
+            return len(self.tasks) < self.limit - 1
+        return len(self.tasks) < self.limit
+
+    def _replay_may_start(self) -> bool:
+        if len(self.tasks) >= self.limit:
+            return False
+        if not self.replaying:
+            return True  # its one place, events waiting or not
+        return not self.waiting and len(self.tasks) < self.limit - 1
 
     async def _place(self) -> None:
         self._freed.clear()
@@ -201,17 +242,13 @@ class _InFlight:
             await asyncio.wait([before])
         await _handle(self.handle, br)
 
-    def _done(self, key: tuple[str, str], task: asyncio.Task) -> None:
+    def _done(self, key: tuple[str, str], replayed: bool, task: asyncio.Task) -> None:
         self.tasks.discard(task)
         if self.latest.get(key) is task:
             del self.latest[key]
+        if replayed:
+            self.replaying -= 1
         self._freed.set()
-
-    async def stop(self) -> None:
-        """Cancels what is in progress (the follower stops: shutdown, or the Lease lost)."""
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 async def _handle(handle: Handler, br: BindRequestView) -> None:

@@ -401,10 +401,14 @@ class ScriptedSource:
         if isinstance(step, Exception):
             raise step
         for event in step:
+            if event[0] == "WAIT":  # the script goes on once the test says so
+                await event[1].wait()
+                continue
             yield event
 
 
-async def play(source: ScriptedSource, handle, until=lambda: True, **options) -> None:
+async def play(source: ScriptedSource, handle, until=lambda: True, settle: float = 0.0,
+               **options) -> None:
     """follow() over `source` until its script is played and `until()` holds (the listed
     BindRequests are handled in the background), then cancelled; one BindRequest at a time
     unless `concurrency` says otherwise (the loop then waits for each event's handling before it
@@ -421,6 +425,7 @@ async def play(source: ScriptedSource, handle, until=lambda: True, **options) ->
     finished = asyncio.create_task(done())
     await asyncio.wait([task, finished], timeout=10, return_when=asyncio.FIRST_COMPLETED)
     assert finished.done(), task.exception() if task.done() else "still playing"
+    await asyncio.sleep(settle)  # time for what should not happen
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -442,14 +447,13 @@ async def test_watch_resumes_from_the_last_version_and_relists_on_gone():
     async def handle(o):
         seen.append((o.name, o.resource_version))
 
-    await play(source, handle, until=lambda: ("b", "21") in seen)
+    await play(source, handle, until=lambda: ("b", "21") in seen, settle=0.02)
     assert source.calls == [("list", ""), ("watch", "10"), ("watch", "15"), ("list", ""),
                             ("watch", "20"), ("watch", "22")]
-    # The watch's b first; the listed a waits for the place b holds, and before it gets one the
-    # watch ends (410), the relist and the next watch show b again and a deleted: a is never
-    # handled, and neither is the relist's b (its event carried a newer version).
-    await asyncio.sleep(0.02)
-    assert seen == [("b", "12"), ("b", "21")]
+    # The watch's b first, then the listed a (the replay's one place); after the relist the
+    # watch shows b again and a deleted before the replay gets to them: neither is handled
+    # again as listed.
+    assert seen == [("b", "12"), ("a", "5"), ("b", "21")]
 
 
 async def test_a_deleted_object_goes_to_forget():
@@ -461,9 +465,8 @@ async def test_a_deleted_object_goes_to_forget():
     async def handle(o):
         handled.append(o.name)
 
-    await play(source, handle, until=lambda: handled,
+    await play(source, handle, until=lambda: handled, settle=0.02,
                forget=lambda o: forgotten.append(o.name))
-    await asyncio.sleep(0.02)
     assert (handled, forgotten) == (["b"], ["a"])  # the listed a, deleted since: not handled
 
 
@@ -520,9 +523,84 @@ async def test_the_watch_supersedes_what_it_shows_before_the_replay_gets_there()
         handled.append((o.name, o.resource_version))
         await asyncio.sleep(0.01)
 
-    await play(source, handle, until=lambda: len(handled) == 2, forget=lambda o: None)
-    await asyncio.sleep(0.05)
+    await play(source, handle, until=lambda: len(handled) == 2, settle=0.05,
+               forget=lambda o: None)
     assert handled == [("a", "6"), ("c", "5")]  # a at its newer version only; b deleted
+
+
+async def test_a_listed_one_waiting_for_its_place_is_dropped_when_the_watch_shows_it():
+    # y holds the one place; the replay takes x and waits; the watch then shows x at 7: the
+    # listed x at 5 must not be checked after it.
+    source = ScriptedSource(lists=[([obj("x", "5")], "5")],
+                            watches=[[("ADDED", obj("y", "6")), ("MODIFIED", obj("x", "7"))]])
+    handled: list[tuple[str, str]] = []
+
+    async def handle(o):
+        handled.append((o.name, o.resource_version))
+        await asyncio.sleep(0.01)
+
+    await play(source, handle, until=lambda: len(handled) == 2, settle=0.05)
+    assert handled == [("y", "6"), ("x", "7")]
+
+
+async def test_a_relist_in_the_middle_of_a_replay_finishes_the_old_one_first():
+    # A relist (here a 410; every 10 minutes a resync) while the replay is under way: what the
+    # old list left unstarted goes first, so the oldest are reached even when every replay
+    # outlasts the resync period.
+    first = [obj("a", "1", "T1"), obj("b", "2", "T2"), obj("c", "3", "T3")]
+    b_started = asyncio.Event()
+    source = ScriptedSource(lists=[(first, "3"), ([*first, obj("d", "4", "T4")], "4")],
+                            watches=[[("WAIT", b_started)], Gone("too old"), []])
+    seen: list[str] = []
+
+    async def handle(o):
+        seen.append(o.name)
+        if o.name == "b" and len(seen) == 2:
+            b_started.set()
+            while source.lists:  # until the relist
+                await asyncio.sleep(0.001)
+
+    await play(source, handle, until=lambda: len(seen) == 6, settle=0.02)
+    assert seen == ["c", "b", "a", "d", "c", "b"]
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_the_replay_keeps_a_place_under_a_steady_stream_of_events(concurrency):
+    events = [("ADDED", obj(f"e{i}", str(10 + i))) for i in range(30)]
+    source = ScriptedSource(lists=[([obj(f"l{i}", "1", f"T{i}") for i in range(3)], "1")],
+                            watches=[events])
+    seen: list[str] = []
+
+    async def handle(o):
+        seen.append(o.name)
+        await asyncio.sleep(0.002)
+
+    await play(source, handle, until=lambda: len(seen) == 33, concurrency=concurrency)
+    assert max(seen.index(f"l{i}") for i in range(3)) < 15, seen  # not after the stream
+
+
+async def test_a_follower_cancelled_twice_leaves_no_handling_running():
+    source = ScriptedSource(lists=[([obj("a", "1"), obj("b", "1")], "1")],
+                            watches=[[("ADDED", obj("c", "2"))]])
+    running, stopped = [], []
+
+    async def handle(o):
+        running.append(o.name)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            stopped.append(o.name)
+
+    task = asyncio.create_task(follow(source, handle, concurrency=3))
+    await source.played.wait()
+    while len(running) < 2:
+        await asyncio.sleep(0.001)
+    task.cancel()
+    await asyncio.sleep(0)
+    task.cancel()  # the Lease lost, then the process stopping
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sorted(stopped) == sorted(running)
 
 
 async def test_several_bind_requests_are_handled_at_once_each_ones_in_order():
