@@ -46,7 +46,8 @@ def background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, 
                 kube, args.node_condition or (NODE_CONDITION, LEGACY_NODE_CONDITION),
                 stale_after_seconds=args.mark_silent_nodes_after,
                 lease_namespace=args.heartbeat_lease_namespace or own_namespace(os.environ),
-                on_marked=metrics.node_marked_silent if metrics is not None else None)
+                on_marked=metrics.node_marked_silent if metrics is not None else None,
+                on_failed=metrics.node_check_failed if metrics is not None else None)
 
         async def handle(br: BindRequestView) -> None:
             if liveness is not None and _placing_now(br, args.mark_silent_nodes_after):

@@ -58,6 +58,10 @@ class MirrorMetrics:
             "kai_fractions_follower_silent_nodes", "Times a node's readiness condition was set "
             "Unknown because its node agent stopped reporting (--mark-silent-nodes-after): "
             "KAI places no fractional pod there until the agent reports again.", registry=r)
+        self._node_checks_failed = Counter(
+            "kai_fractions_follower_node_checks_failed", "Silent-node checks that could not "
+            "read a node or its agent's heartbeat Lease (RBAC, the API server): such a node is "
+            "never marked, however long its agent is gone.", registry=r)
         # labels() takes a lock and hashes its arguments; a call's path keeps its children.
         self._children: dict[tuple[str, ...], Any] = {}
 
@@ -117,6 +121,10 @@ class MirrorMetrics:
     def node_marked_silent(self, _node: str) -> None:
         """NodeLiveness's `on_marked` (no node label: thousands of nodes)."""
         self._silent_nodes.inc()
+
+    def node_check_failed(self, _node: str) -> None:
+        """NodeLiveness's `on_failed`."""
+        self._node_checks_failed.inc()
 
 
 def check_result(v: Verification | None) -> str:

@@ -81,6 +81,7 @@ class NodeLiveness:
                  stale_after_seconds: float, recheck_seconds: float = 60.0,
                  lease_namespace: str = "",
                  on_marked: Callable[[str], None] | None = None,
+                 on_failed: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self.kube = kube
@@ -91,6 +92,8 @@ class NodeLiveness:
         """Where the agents' heartbeat Leases are; "" reads none."""
         self.on_marked = on_marked
         """Told the node's name each time its conditions are set Unknown (the metrics)."""
+        self.on_failed = on_failed
+        """Told the node's name each time a check fails (the metrics)."""
         self.clock = clock
         self.monotonic = monotonic
         self._checked: dict[str, float] = {}
@@ -124,6 +127,8 @@ class NodeLiveness:
             async with self._reads:
                 await self.check(node)
         except KubeError as e:
+            if self.on_failed is not None:
+                self.on_failed(node)
             if e.message != self._last_failure:  # once per distinct failure
                 log.warning("node %s: its readiness not checked (%s); checked again at a "
                             "later bind", node, e.message)

@@ -306,14 +306,42 @@ def test_a_renewal_after_a_failure_or_a_gap_publishes_the_condition_at_once() ->
     cluster.fail("renew_lease", times=2)
     assert not p.tick() and cluster.calls["renew_lease"] == 1  # not due
     clock.t += 30
-    assert p.tick()  # the Lease refused: the Node carries the heartbeat at once
+    assert not p.tick() and cluster.calls["renew_lease"] == 2  # refused
     clock.t += 1
-    assert not p.tick()  # refused again; the Node's heartbeat is not due
+    assert p.tick()  # the Node carries the heartbeat at once (and the Lease refused again)
     clock.t += 2
-    assert p.tick()  # back: the follower may have set the condition Unknown meanwhile
-    clock.t += 200  # the process hung (a stopped container, a swapped-out host)
-    assert p.tick()
-    assert len(cluster.node_status_patches) == 4
+    assert not p.tick()  # renewed: back
+    clock.t += 1
+    assert p.tick()  # so the condition goes out: the follower may have set it Unknown
+    clock.t += 200  # the process hung (a stopped container, a paused machine)
+    assert p.tick()  # the Node's heartbeat, 60 s without a current Lease
+    clock.t += 1
+    assert p.tick()  # and once more for the gap the renewal saw
+    clock.t += 1
+    assert not p.tick()
+    assert len(cluster.node_status_patches) == 5
+
+
+def test_the_lease_is_renewed_only_while_the_condition_can_be_written() -> None:
+    # A fresh Lease beside a condition the agent cannot write would hide a stale True from the
+    # follower's silent-node check.
+    cluster, clock = FakeCluster(), Clock()
+    conds = [READY]
+    p = leased(cluster, conds, clock)
+    p.tick()
+    cluster.fail("patch_node_status", times=1000)
+    conds.append(DOWN)
+    for _ in range(300):
+        clock.t += 1
+        p.tick()
+    assert cluster.calls["renew_lease"] == 1  # the first one only
+    assert cluster.condition(NODE, "gpu-fractioning.nvidia.com/Ready")["status"] == "True"
+    cluster._faults.clear()
+    clock.t += 1
+    assert p.tick()  # written again
+    clock.t += 1
+    p.tick()
+    assert cluster.calls["renew_lease"] == 2  # and the Lease with it
 
 
 def test_the_agent_cli_beats_on_the_node_by_default_and_refuses_a_bad_lease_namespace(

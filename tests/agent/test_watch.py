@@ -425,6 +425,9 @@ def test_kube_cluster_renews_a_lease_it_creates_the_first_time(kube, kube_cluste
     kube_cluster.renew_lease("kf", name, {"renewTime": "t2"})
     lease = kube_cluster.blocking.request("GET", f"{path}/{name}", what="read it")
     assert lease["spec"] == {"holderIdentity": "n1", "renewTime": "t2"}
+    assert lease["metadata"]["labels"] == {  # what docs/chart.md deletes them by
+        "app.kubernetes.io/name": "kai-fractions",
+        "app.kubernetes.io/component": "node-agent-heartbeat"}
     assert kube.count("POST", path) == 1  # created once, then one merge patch a renewal
     [patch] = kube.requests("PATCH", f"{path}/{name}")
     assert patch.data == {"spec": {"renewTime": "t2"}}

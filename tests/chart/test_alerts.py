@@ -46,6 +46,7 @@ ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
     "KaiFractionsSignatureDelayHigh": (MIRROR_GROUP, "warning", "15m"),
     "KaiFractionsFollowerFailing": (MIRROR_GROUP, "warning", "10m"),
     "KaiFractionsNodeAgentSilent": (MIRROR_GROUP, "warning", None),
+    "KaiFractionsFollowerNodeChecksFailing": (MIRROR_GROUP, "warning", "15m"),
     "KaiFractionsNodeNotReady": (AGENT_GROUP, "warning", "10m"),
     "KaiFractionsNodeAgentWritesRefused": (AGENT_GROUP, "warning", "10m"),
     "KaiFractionsGpuMemoryLimitViolation": (AGENT_GROUP, "warning", None),
@@ -59,7 +60,7 @@ ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
 }
 FOLLOWER = {"KaiFractionsFollowerNoLeader", "KaiFractionsFollowerSeveralLeaders",
             "KaiFractionsSignatureDelayHigh", "KaiFractionsFollowerFailing",
-            "KaiFractionsNodeAgentSilent"}
+            "KaiFractionsNodeAgentSilent", "KaiFractionsFollowerNodeChecksFailing"}
 """Only with mirror.followBindRequests: without the follower nothing leads or signs."""
 PROMETHEUS_TEMPLATE = re.compile(r"\{\{\s*(.*?)\s*\}\}")
 ALLOWED_TEMPLATE = re.compile(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)|\$value(?: \| humanize\w*)?")
@@ -288,7 +289,7 @@ def test_every_mirror_alert_names_only_what_a_live_mirror_exports(
     assert "kai_fractions_mirror_calls_total" in labels_of  # the scrape is the mirror's
     assert set().union(*labels_of.values()) & TARGET_LABELS == set()
     exprs = alert_exprs(MIRROR_GROUP, rule())
-    assert len(exprs) == 7
+    assert len(exprs) == 8
     assert problems(exprs, labels_of, "mirror", TARGET_LABELS) == []
     # a misspelt metric in a real alert's expression fails the check
     (failing,) = [e for e in exprs if e.where == "alert KaiFractionsMirrorCallsFailing"]

@@ -20,7 +20,7 @@ from kai_fractions.contract import keys as k
 from kai_fractions.kube.objects import heartbeat_lease_name
 from kai_fractions.node.agent import kube
 
-from .render import CHART, NAMESPACE, one, render
+from .render import CHART, NAMESPACE, find, one, render
 
 AGENT = "kai-fractions-node-agent"
 AGENT_USER = f"system:serviceaccount:{NAMESPACE}:{AGENT}"
@@ -61,8 +61,10 @@ def review(pol: dict, old: dict | None, new: dict, resource: str, *, user: str =
         try:  # the API server evaluates a variable only where a validation reads it
             variables[v["name"]] = cel(v["expression"], request=request, object=new,
                                        oldObject=old, variables=variables)
-        except Exception:  # oldObject is null on CREATE
-            variables[v["name"]] = None
+        except Exception:
+            if operation != "CREATE" or "oldObject" not in v["expression"]:
+                raise
+            variables[v["name"]] = None  # oldObject is null on CREATE
     return [v.get("message") or str(cel(v["messageExpression"], variables=variables))
             for v in spec["validations"]
             if not cel(v["expression"], request=request, object=new, oldObject=old,
@@ -380,3 +382,16 @@ def test_the_policy_is_bound_and_fails_closed():
         "operations": ["CREATE", "UPDATE"], "resources": ["leases"]}]
     binding = one(docs, "ValidatingAdmissionPolicyBinding", f"{AGENT}-own-node")
     assert binding["spec"] == {"policyName": f"{AGENT}-own-node", "validationActions": ["Deny"]}
+
+
+def test_without_the_policy_the_agent_gets_no_lease_and_beats_on_its_node():
+    # The Role cannot name the Lease: without the policy an agent could write any Lease of the
+    # release namespace (the mirror's election, another node's heartbeat).
+    docs = render(None, ("nodeAgent.ownNodePolicy.enabled=false",))
+    assert not find(docs, "ValidatingAdmissionPolicy", f"{AGENT}-own-node")
+    assert not find(docs, "Role", f"{AGENT}-heartbeat")
+    assert not find(docs, "RoleBinding", f"{AGENT}-heartbeat")
+    args = one(docs, "DaemonSet", AGENT)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--heartbeat-lease-namespace") for a in args)
+    default = one(render(), "DaemonSet", AGENT)["spec"]["template"]["spec"]["containers"][0]
+    assert f"--heartbeat-lease-namespace={NAMESPACE}" in default["args"]

@@ -210,12 +210,18 @@ async def test_a_lease_that_cannot_be_read_marks_nothing(kube, client):
     assert marked == [] and kube.count("PATCH", "/api/v1/nodes/n/status") == 0
 
 
-async def test_failures_are_logged_never_raised(kube, client, caplog):
+async def test_failures_are_logged_and_counted_never_raised(kube, client, caplog):
+    from kai_fractions.mirror.metrics import MirrorMetrics
+
     kube.fail("GET", "/api/v1/nodes/n", 403, times=None, message="nodes is forbidden")
-    watcher = liveness(client, [])
+    metrics = MirrorMetrics()
+    watcher = NodeLiveness(client, TYPES, stale_after_seconds=180, clock=NOW.timestamp,
+                           on_failed=metrics.node_check_failed)
     watcher.saw("n")
     await until(lambda: "node n: its readiness not checked" in caplog.text)
     assert "nodes is forbidden" in caplog.text
+    assert metrics.registry.get_sample_value(
+        "kai_fractions_follower_node_checks_failed_total") == 1
     await watcher.close()
 
 

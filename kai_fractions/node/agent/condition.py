@@ -179,6 +179,11 @@ class StatusPublisher:
         self._label_done = not options.publish_gpu_memory_label
         self._last_failure: str | None = None
         self.wake = threading.Event()
+        self._current = False
+        """The last condition patch went through: only then does the Lease say "alive" (a
+        fresh Lease beside a condition the agent cannot write would hide a stale True)."""
+        self._republish = False
+        """A renewal came back after a failure or a gap: publish before the next report."""
         lease = heartbeat_lease_name(node)
         self.lease = (HeartbeatLease(cluster, options.heartbeat_lease_namespace, lease, node,
                                      options.heartbeat_seconds, clock=clock, monotonic=monotonic)
@@ -197,17 +202,19 @@ class StatusPublisher:
         """Renews the heartbeat Lease and publishes the condition when due; True when a
         condition patch went through."""
         self._label()
-        back = self.lease.beat() if self.lease is not None else False
-        cond = self.condition()
-        if cond is None:
-            return False  # nothing known yet: publishing "not ready" would only flap
-        every = (self.options.status_report_seconds
-                 if self.lease is not None and self.lease.current
-                 else self.options.heartbeat_seconds)
-        due = self.monotonic() - self._published_at >= every
-        if not (force or back or due) and cond == self.published:
-            return False
-        return self.publish(cond)
+        published = False
+        cond = self.condition()  # None: nothing known yet, publishing "not ready" would flap
+        if cond is not None:
+            every = (self.options.status_report_seconds
+                     if self.lease is not None and self.lease.current
+                     else self.options.heartbeat_seconds)
+            due = self.monotonic() - self._published_at >= every
+            if force or self._republish or due or cond != self.published:
+                published = self.publish(cond)
+        # After the condition: a renewal says the condition on the Node is current.
+        if self.lease is not None and self._current and self.lease.beat():
+            self._republish = True  # the follower may have set it Unknown meanwhile
+        return published
 
     def _previous_transitions(self) -> dict[str, tuple[str, str]]:
         node = self.cluster.get_node(self.node)
@@ -236,12 +243,14 @@ class StatusPublisher:
                     "lastTransitionTime": self._transitions.get(kind, condition_time(now))})
             self.cluster.patch_node_status(self.node, conditions)
         except KubeError as e:
+            self._current = False
             if e.message != self._last_failure:  # once per distinct failure, not every tick
                 log.warning("node condition not published (%s); retried every %gs", e.message,
                             self.options.status_tick_seconds)
             self._last_failure = e.message
             return False
         self._last_failure = None
+        self._current, self._republish = True, False
         if cond != self.published:
             log.info("node condition %s=%s (%s): %s", self.options.condition_name, status,
                      cond.reason, cond.message)

@@ -8,10 +8,14 @@ kubelet's own Node writes at rest (docs/scale.md). As the kubelet did for its ow
 namespace, every `heartbeat_seconds`; the publisher then writes the condition when it changes and
 otherwise every `status_report_seconds`.
 
-While renewals fail (a mirror or chart of an older release, an API server that refuses Leases)
-the publisher beats on the Node as before, so a live agent never looks silent. A renewal that
-goes through after a failure, or after a gap of two intervals (a hung process), asks for the
-condition at once: the follower may have set it Unknown meanwhile.
+The Lease is renewed only while the condition's last patch went through: a live Lease beside a
+condition the agent cannot write would hide a stale True. While renewals fail (a chart of an
+older release, an API server that refuses Leases) the publisher beats on the Node as before, so
+a live agent never looks silent. A renewal that goes through after a failure, or after a gap of
+two intervals (a hung process, a paused machine), asks for the condition until it is published:
+the follower may have set it Unknown meanwhile. A mark the agent cannot see coming (a follower
+of an older release, which reads no Lease, or a hand) stands until the next report, at most
+`status_report_seconds`.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class HeartbeatLease:
         self.monotonic = monotonic
         self._renewed_at: float | None = None
         """When the last renewal that went through was sent (monotonic)."""
+        self._renewed_wall = 0.0
+        """The same by the wall clock, which also counts a suspended or paused machine."""
         self._failed_at: float | None = None
         """When the last renewal failed, while none has gone through since."""
         self._retry = 1.0
@@ -80,9 +86,12 @@ class HeartbeatLease:
                             e.message)
             self._last_failure = e.message
             return False
-        back = self._failed_at is not None or (
-            self._renewed_at is not None and now - self._renewed_at >= 2 * self.every)
+        wall = self.clock()
+        back = self._failed_at is not None or (self._renewed_at is not None and (
+            now - self._renewed_at >= 2 * self.every
+            or wall - self._renewed_wall >= 2 * self.every))
         if self._failed_at is not None:
             log.info("heartbeat lease %s/%s renewed again", self.namespace, self.name)
-        self._renewed_at, self._failed_at, self._last_failure = now, None, ""
+        self._renewed_at, self._renewed_wall = now, wall
+        self._failed_at, self._last_failure = None, ""
         return back

@@ -35,7 +35,12 @@ from ...kube.objects import (
 if TYPE_CHECKING:
     from kubernetes import client as k8s
 
-__all__ = ["ClusterWriter", "KubeCluster", "PodSource", "on_node"]
+__all__ = ["LEASE_LABELS", "ClusterWriter", "KubeCluster", "PodSource", "on_node"]
+
+LEASE_LABELS = {"app.kubernetes.io/name": "kai-fractions",
+                "app.kubernetes.io/component": "node-agent-heartbeat"}
+"""On the heartbeat Leases the agents create: `helm uninstall` leaves them (Helm did not make
+them), and this selects them."""
 
 
 def on_node(pod: Mapping[str, Any], node: str) -> bool:
@@ -165,7 +170,8 @@ class KubeCluster:
         try:
             self.blocking.request("POST", lease_path(namespace), what=what, body={
                 "apiVersion": f"{group}/{version}", "kind": "Lease",
-                "metadata": {"name": name, "namespace": namespace}, "spec": dict(spec)})
+                "metadata": {"name": name, "namespace": namespace, "labels": LEASE_LABELS},
+                "spec": dict(spec)})
         except Conflict:  # it exists: this renewal is a patch after all
             self.blocking.request("PATCH", lease_path(namespace, name), what=what,
                                   body={"spec": dict(spec)}, content_type=MERGE_PATCH)
