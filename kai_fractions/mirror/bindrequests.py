@@ -91,7 +91,11 @@ async def follow(
         if kind != "DELETED":
             await handling.start(view)
         elif forget is not None:
-            forget(view)
+            running = handling.latest.get((view.namespace, view.name))
+            if running is None:
+                forget(view)
+            else:  # after it: what it remembers of the BindRequest is forgotten too
+                running.add_done_callback(lambda _task: forget(view))
 
     try:
         await list_watch(source, on_list, on_event, backoff=backoff, rng=rng,
@@ -173,7 +177,7 @@ class _InFlight:
     watch loop reads on once a place is free (with a limit of 1, once the last one is done). A
     list's replay always gets one place, and more only while one stays free for the watch's
     events, which go first when both wait: a wave of binds does not stop the replay, and the
-    replay does not hold up the wave."""
+    replay does not hold up the wave. With a limit of 1 the two take turns."""
 
     def __init__(self, handle: Handler, limit: int) -> None:
         if limit < 1:
@@ -187,6 +191,8 @@ class _InFlight:
         self.waiting = 0
         """Watch events waiting for a place."""
         self.replay_waiting = False
+        self.replay_owed = False
+        """With one place: an event went while the replay waited; the replay goes next."""
         self._freed = asyncio.Event()
 
     async def start(self, br: BindRequestView, *,
@@ -205,6 +211,7 @@ class _InFlight:
             if not replayed():
                 return False
             self.replaying += 1
+            self.replay_owed = False
         else:
             self.waiting += 1
             try:
@@ -212,6 +219,9 @@ class _InFlight:
                     await self._place()
             finally:
                 self.waiting -= 1
+                self._freed.set()  # a replay held back for this event may go on
+            if self.replay_waiting and not self.replaying:
+                self.replay_owed = True
         key = (br.namespace, br.name)
         task = asyncio.create_task(self._run(self.latest.get(key), br))
         self.tasks.add(task)
@@ -222,6 +232,8 @@ class _InFlight:
         return True
 
     def _event_may_start(self) -> bool:
+        if self.limit == 1:  # turns with a waiting replay
+            return not self.tasks and not (self.replay_waiting and self.replay_owed)
         if self.replay_waiting and not self.replaying:  # the replay's one place
             return len(self.tasks) < self.limit - 1
         return len(self.tasks) < self.limit
@@ -229,6 +241,8 @@ class _InFlight:
     def _replay_may_start(self) -> bool:
         if len(self.tasks) >= self.limit:
             return False
+        if self.limit == 1:  # turns: after an event, or when none waits
+            return not self.waiting or self.replay_owed
         if not self.replaying:
             return True  # its one place, events waiting or not
         return not self.waiting and len(self.tasks) < self.limit - 1

@@ -66,7 +66,10 @@ class AgentRig:
     def markers(self) -> dict[str, dict[str, Any]]:
         out = {}
         for path in sorted(self.marker_dir.glob("*/marker.json")):
-            out[path.parent.name] = json.loads(path.read_text())
+            try:
+                out[path.parent.name] = json.loads(path.read_text())
+            except FileNotFoundError:  # the agent removed it since the glob (a deleted pod)
+                continue
         return out
 
     def marker_dirs(self) -> set[str]:

@@ -450,10 +450,11 @@ async def test_watch_resumes_from_the_last_version_and_relists_on_gone():
     await play(source, handle, until=lambda: ("b", "21") in seen, settle=0.02)
     assert source.calls == [("list", ""), ("watch", "10"), ("watch", "15"), ("list", ""),
                             ("watch", "20"), ("watch", "22")]
-    # The watch's b first, then the listed a (the replay's one place); after the relist the
-    # watch shows b again and a deleted before the replay gets to them: neither is handled
-    # again as listed.
-    assert seen == [("b", "12"), ("a", "5"), ("b", "21")]
+    # The watch's b first (the replay was not waiting yet); the listed a waits for its turn,
+    # and before it comes the watch ends (410): the relist and the next watch show b again and
+    # a deleted, so a is never handled, and neither is the relist's b (its event carried a
+    # newer version).
+    assert seen == [("b", "12"), ("b", "21")]
 
 
 async def test_a_deleted_object_goes_to_forget():
@@ -471,25 +472,28 @@ async def test_a_deleted_object_goes_to_forget():
 
 
 async def test_everything_is_listed_again_after_the_resync_period():
+    a_done = asyncio.Event()
     source = ScriptedSource(
         lists=[([obj("a", "5")], "10"), ([obj("a", "5")], "30")],
-        watches=[[("ADDED", obj("b", "12"))], [("ADDED", obj("c", "14"))]])
+        watches=[[("WAIT", a_done), ("ADDED", obj("b", "12"))], [("ADDED", obj("c", "14"))]])
     now = [0.0]
 
     async def handle(o):
         seen.append(o.name)
-        if o.name != "a":
+        if o.name == "a":
+            a_done.set()
+        else:
             now[0] += 600  # each event's handling "takes" 600 s of the clock
 
     seen: list[str] = []
     await play(source, handle, until=lambda: seen.count("a") == 2, resync_seconds=1000,
                monotonic=lambda: now[0])
-    # b (600 s): the stream ends before 1000 s, the watch resumes; c (1200 s): the next stream
-    # end relists, so `a` (whose handling may have failed) is handled again; the scripted
-    # source stops the loop at the watch after that.
+    # a, then b (600 s): the stream ends before 1000 s, the watch resumes; c (1200 s): the
+    # next stream end relists, so `a` (whose handling may have failed) is handled again; the
+    # scripted source stops the loop at the watch after that.
     assert source.calls == [("list", ""), ("watch", "10"), ("watch", "12"), ("list", ""),
                             ("watch", "30")]
-    assert sorted(seen) == ["a", "a", "b", "c"]
+    assert seen == ["a", "b", "c", "a"]
 
 
 async def test_the_watch_opens_at_once_its_events_go_first_and_the_newest_listed_next():
@@ -577,6 +581,85 @@ async def test_the_replay_keeps_a_place_under_a_steady_stream_of_events(concurre
 
     await play(source, handle, until=lambda: len(seen) == 33, concurrency=concurrency)
     assert max(seen.index(f"l{i}") for i in range(3)) < 15, seen  # not after the stream
+
+
+async def test_with_one_place_the_watch_and_the_replay_take_turns():
+    # --follow-concurrency 1 and 160,000 listed: an event must not wait for the whole replay.
+    second = asyncio.Event()
+    source = ScriptedSource(
+        lists=[([obj(f"l{i:02}", "1", f"T{i:02}") for i in range(50)], "1")],
+        watches=[[("WAIT", second), ("ADDED", obj("e", "2")), ("ADDED", obj("f", "3"))]])
+    seen: list[str] = []
+
+    async def handle(o):
+        seen.append(o.name)
+        if len(seen) == 2:
+            second.set()
+        await asyncio.sleep(0.001)
+
+    await play(source, handle, until=lambda: len(seen) == 52)
+    assert seen[:2] == ["l49", "l48"]  # newest first
+    assert seen.index("e") <= 3 and seen.index("f") <= seen.index("e") + 2, seen
+
+
+async def test_a_replay_held_back_for_an_event_is_woken_when_the_event_goes():
+    # Three events hold three of four places while the replay runs one; when they end at once
+    # the replay must take the places the next event leaves free (it slept with two free).
+    release = asyncio.Event()
+
+    class Source(ScriptedSource):
+        async def watch(self, resource_version: str):
+            self.calls.append(("watch", resource_version))
+            for name in ("e1", "e2", "e3"):
+                yield "ADDED", obj(name, "2")
+            await asyncio.sleep(0.01)
+            yield "ADDED", obj("e4", "3")
+            self.played.set()
+            await asyncio.Event().wait()
+
+    source = Source(lists=[([obj(f"r{i}", "1", f"T{i}") for i in range(1, 4)], "1")],
+                    watches=[])
+    started: list[str] = []
+
+    async def handle(o):
+        started.append(o.name)
+        if o.name.startswith("e") and o.name != "e4":
+            await release.wait()
+        else:
+            await asyncio.Event().wait()  # held: only free places let more start
+
+    task = asyncio.create_task(follow(source, handle, concurrency=4))
+    await asyncio.sleep(0.05)
+    release.set()
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert {"r2", "e4"} <= set(started), started
+
+
+async def test_a_deleted_one_is_forgotten_after_its_handling_in_flight():
+    release = asyncio.Event()
+    source = ScriptedSource(lists=[([], "1")],
+                            watches=[[("ADDED", obj("x", "2")), ("DELETED", obj("x", "3"))]])
+    forgotten: list[str] = []
+    done: list[str] = []
+
+    async def handle(o):
+        await release.wait()
+        done.append(o.name)
+
+    task = asyncio.create_task(follow(source, handle, forget=lambda o: forgotten.append(o.name),
+                                      concurrency=2))
+    await source.played.wait()
+    assert forgotten == []  # x's check is still running: what it remembers comes after
+    release.set()
+    while not forgotten:
+        await asyncio.sleep(0.001)
+    assert done == ["x"] and forgotten == ["x"]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 async def test_a_follower_cancelled_twice_leaves_no_handling_running():
