@@ -49,6 +49,9 @@ def register(sub) -> None:
                        help="per-container key prefix (default: %(default)s)")
         q.add_argument("--condition-name", default=k.NODE_CONDITION, metavar="NAME",
                        help="the node condition the agent publishes (default: %(default)s)")
+        q.add_argument("--namespace", "-n", default="kai-fractions", metavar="NS",
+                       help="the release's namespace, where the node agents renew their "
+                       "heartbeat Leases (default: %(default)s)")
     p.set_defaults(func=run)
     _register_mirror(what)
 
@@ -87,6 +90,23 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
     return code
 
 
+def _heartbeat(reader, node: dict | None, node_name: str, args: argparse.Namespace):
+    """The agent's last sign of life on the node; a Lease that cannot be read (RBAC: a user
+    without get on Leases there) leaves the condition's time alone, and says so."""
+    import time
+
+    from ..inspect.model import heartbeat
+    from ..inspect.sources import SourceError
+
+    lease, ref, error = None, "", ""
+    if node is not None:
+        try:
+            lease, ref = reader.heartbeat_lease(args.namespace, node_name)
+        except SourceError as e:
+            error = e.message
+    return heartbeat(node, args.condition_name, lease, ref, time.time(), error)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..inspect.model import node_report, pod_report
     from ..inspect.render import render
@@ -114,14 +134,16 @@ def run(args: argparse.Namespace) -> int:
             pods = reader.pods_on(name)
             agent = agent_state(args.agent_socket, args.agent_metrics)
             report = node_report(name, node, pods, agent, keys=keys,
-                                 condition_type=args.condition_name)
+                                 condition_type=args.condition_name,
+                                 beat=_heartbeat(reader, node, name, args))
         else:
             pod = reader.pod(namespace, name)
             node_name = (pod.get("spec") or {}).get("nodeName") or ""
             node = reader.node(node_name) if node_name else None
             agent = agent_state(args.agent_socket, args.agent_metrics) if node_name else None
             report = pod_report(pod, node, agent, keys=keys,
-                                condition_type=args.condition_name)
+                                condition_type=args.condition_name,
+                                beat=_heartbeat(reader, node, node_name, args))
     except SourceError as e:
         return _fail(e.message, EXIT_NOT_FOUND if e.not_found else EXIT_USAGE)
     finally:

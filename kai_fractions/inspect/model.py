@@ -34,6 +34,7 @@ from ..contract import (
     view_from_pod_spec,
 )
 from ..contract import keys as k
+from ..kube.objects import epoch_seconds
 from .agent_state import AgentState
 
 ENFORCED = "enforced"
@@ -111,6 +112,46 @@ class Gpu:
                 "allocations": [r.to_dict() for r in self.rows]}
 
 
+SILENT_AFTER_SECONDS = 180
+"""The chart's `mirror.markSilentNodesAfterSeconds`: a quieter agent's node is set Unknown."""
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """When the node agent last said it was alive, as the follower's silent-node check reads
+    it: its heartbeat Lease's renewTime or its condition's lastHeartbeatTime, the later."""
+
+    seconds_ago: float | None
+    """None: neither carries a time."""
+    source: str = ""
+    """`lease NS/NAME` or `condition`."""
+    error: str = ""
+    """Why the Lease could not be read (the condition's time is used alone)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seconds_ago": None if self.seconds_ago is None else round(self.seconds_ago),
+                "from": self.source, "error": self.error}
+
+
+def heartbeat(node: Mapping[str, Any] | None, condition_type: str,
+              lease: Mapping[str, Any] | None, lease_ref: str, now: float,
+              error: str = "") -> Heartbeat | None:
+    """The agent's last sign of life on `node` (None without a node); `lease` is its heartbeat
+    Lease as read (None: there is none, or it could not be read: `error`)."""
+    if not node:
+        return None
+    beat = None
+    for c in (node.get("status") or {}).get("conditions") or []:
+        if isinstance(c, Mapping) and c.get("type") == condition_type:
+            beat = epoch_seconds(c.get("lastHeartbeatTime"))
+    renewed = epoch_seconds(((lease or {}).get("spec") or {}).get("renewTime"))
+    if renewed is not None and (beat is None or renewed >= beat):
+        return Heartbeat(max(0.0, now - renewed), f"lease {lease_ref}", error)
+    if beat is not None:
+        return Heartbeat(max(0.0, now - beat), "condition", error)
+    return Heartbeat(None, "", error)
+
+
 @dataclass(frozen=True, slots=True)
 class Report:
     title: str
@@ -124,6 +165,7 @@ class Report:
     unplaced: tuple[Row, ...] = ()
     """Fractional containers with no GPU yet (not scheduled, or invalid)."""
     agent: AgentState | None = None
+    heartbeat: Heartbeat | None = None
     notes: tuple[str, ...] = ()
     """Problems worth a line of their own (missing label, condition False, ...)."""
 
@@ -139,6 +181,7 @@ class Report:
             "gpu_memory_label": self.gpu_memory_label,
             "condition": None if self.condition is None else dict(zip(
                 ("type", "status", "reason", "message"), self.condition, strict=True)),
+            "heartbeat": None if self.heartbeat is None else self.heartbeat.to_dict(),
             "agent": None if agent is None else {
                 "source": agent.source, "reachable": agent.reachable, "error": agent.error,
                 "driver_version": agent.driver_version},
@@ -293,7 +336,7 @@ def _condition(node: Mapping[str, Any] | None, condition_type: str
 
 def _notes(node_name: str, node: Mapping[str, Any] | None, label: str | None,
            condition: tuple[str, str, str, str] | None, condition_type: str,
-           agent: AgentState | None) -> list[str]:
+           agent: AgentState | None, beat: Heartbeat | None) -> list[str]:
     notes = []
     if node_name and node is None:
         notes.append(f"node {node_name} was not found")
@@ -308,6 +351,14 @@ def _notes(node_name: str, node: Mapping[str, Any] | None, label: str | None,
                          "has reported from it")
         elif condition[1] != "True":
             notes.append(f"{condition_type} is {condition[1]}: {condition[2]}: {condition[3]}")
+        elif beat is not None and (beat.seconds_ago or 0) > SILENT_AFTER_SECONDS:
+            notes.append(f"the node agent last said it is alive {beat.seconds_ago:.0f} s ago "
+                         f"({beat.source}): the mirror's follower sets {condition_type} "
+                         "Unknown at KAI's next bind here (mirror.markSilentNodesAfterSeconds, "
+                         f"{SILENT_AFTER_SECONDS} s by default)")
+        if beat is not None and beat.error:
+            notes.append(f"heartbeat Lease not read ({beat.error}): the condition's "
+                         "lastHeartbeatTime alone is shown")
     if agent is not None and not agent.reachable:
         notes.append(f"used: n/a (agent not reachable: {agent.error})")
     return notes
@@ -333,7 +384,8 @@ def _gpus(rows: Sequence[Row], agent: AgentState | None, label: str | None) -> t
 def node_report(node_name: str, node: Mapping[str, Any] | None,
                 pods: Iterable[Mapping[str, Any]], agent: AgentState | None, *,
                 keys: Keys = k.DEFAULT_KEYS, condition_type: str = k.NODE_CONDITION,
-                title: str | None = None, all_gpus: bool = True) -> Report:
+                title: str | None = None, all_gpus: bool = True,
+                beat: Heartbeat | None = None) -> Report:
     """Every GPU of the node (the agent's devices, else those the pods name) and its
     allocations; pods bound elsewhere are ignored, unbound ones listed as unplaced."""
     rows: list[Row] = []
@@ -351,19 +403,20 @@ def node_report(node_name: str, node: Mapping[str, Any] | None,
         title=title or f"node {node_name}", node=node_name,
         gpu_memory_label=None if label is None else str(label), condition=condition,
         gpus=gpus, unplaced=tuple(sorted(unplaced, key=lambda r: (r.namespace, r.pod))),
-        agent=agent,
+        agent=agent, heartbeat=beat,
         notes=tuple(_notes(node_name, node, None if label is None else str(label), condition,
-                           condition_type, agent)),
+                           condition_type, agent, beat)),
     )
 
 
 def pod_report(pod: Mapping[str, Any], node: Mapping[str, Any] | None,
                agent: AgentState | None, *, keys: Keys = k.DEFAULT_KEYS,
-               condition_type: str = k.NODE_CONDITION) -> Report:
+               condition_type: str = k.NODE_CONDITION, beat: Heartbeat | None = None
+               ) -> Report:
     meta = pod.get("metadata") or {}
     node_name = str((pod.get("spec") or {}).get("nodeName") or "")
     report = node_report(node_name, node if node_name else None, [pod], agent, keys=keys,
-                         condition_type=condition_type, all_gpus=False,
+                         condition_type=condition_type, all_gpus=False, beat=beat,
                          title=f"pod {meta.get('namespace') or 'default'}/{meta.get('name')}")
     if not report.rows:
         return Report(title=report.title, node=node_name, agent=agent,
@@ -373,5 +426,6 @@ def pod_report(pod: Mapping[str, Any], node: Mapping[str, Any] | None,
 
 __all__ = [
     "ENFORCED", "INVALID", "PENDING", "REFUSED", "UNGATED", "UNSCHEDULED", "WAITING",
-    "Gpu", "Report", "Row", "gate_state", "node_report", "pod_report", "pod_rows",
+    "Gpu", "Heartbeat", "Report", "Row", "gate_state", "heartbeat", "node_report", "pod_report",
+    "pod_rows",
 ]

@@ -85,6 +85,9 @@ def heading(report: Report) -> list[str]:
         parts.append(f"nvidia.com/gpu.memory={report.gpu_memory_label}")
     if report.condition is not None:
         parts.append(f"{report.condition[0]}={report.condition[1]}")
+    beat = report.heartbeat
+    if beat is not None and beat.seconds_ago is not None:
+        parts.append(f"agent alive {beat.seconds_ago:.0f} s ago ({beat.source})")
     lines = ["  ".join(parts)]
     agent = report.agent
     if agent is not None and agent.reachable:

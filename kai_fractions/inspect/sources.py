@@ -79,6 +79,16 @@ class KubeReader:
 
         return self._get(f"node {name}", node_path(name), missing_ok=True)
 
+    def heartbeat_lease(self, namespace: str, node: str) -> tuple[dict[str, Any] | None, str]:
+        """The node agent's heartbeat Lease (None: it has none) and its `NS/NAME`."""
+        from ..kube.objects import heartbeat_lease_name, lease_path
+
+        name = heartbeat_lease_name(node)
+        if name is None:
+            return None, ""
+        ref = f"{namespace}/{name}"
+        return self._get(f"lease {ref}", lease_path(namespace, name), missing_ok=True), ref
+
     def pods_on(self, node: str) -> list[dict[str, Any]]:
         from ..kube.objects import pods_path
 

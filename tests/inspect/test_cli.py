@@ -4,6 +4,7 @@ a node agent reached through a NodeEnforcer unix socket or a Prometheus endpoint
 from __future__ import annotations
 
 import json
+import re
 import threading
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from kubernetes import client as k8s
 
 from kai_fractions.api.v1 import allocation_pb2, node_pb2, node_pb2_grpc
 from kai_fractions.cli import main
@@ -88,6 +90,54 @@ def test_missing_objects_exit_1(cluster: Path, capsys) -> None:
         1, "", "kai-fractions inspect: node nope: not found\n")
     assert _inspect(capsys, "pod", "team-a/nope", "--kubeconfig", str(cluster)) == (
         1, "", "kai-fractions inspect: pod team-a/nope: not found\n")
+
+
+def _ago(seconds: float, micro: bool = False) -> str:
+    import datetime
+
+    then = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=seconds)
+    return then.strftime("%Y-%m-%dT%H:%M:%S.%fZ" if micro else "%Y-%m-%dT%H:%M:%SZ")
+
+
+def test_the_agents_heartbeat_is_shown_and_a_silent_one_noted(kube: KubeServer, tmp_path: Path,
+                                                               capsys) -> None:
+    """What the follower's silent-node check reads: the agent's heartbeat Lease (chart) or its
+    condition's lastHeartbeatTime, the later; a quiet agent gets a note before KAI's next bind
+    sets the node Unknown."""
+    cond = {"type": "gpu-fractioning.nvidia.com/Ready", "status": "True", "reason": "AgentReady",
+            "message": "ok", "lastHeartbeatTime": _ago(290)}  # the 5-minute report
+    kube.core.create_node(node(conditions=[cond]))
+    config = kube.write_kubeconfig(tmp_path / "kubeconfig")
+    leases = "/apis/coordination.k8s.io/v1/namespaces/kai-fractions/leases"
+    lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+             "metadata": {"name": f"kai-fractions-agent.{NODE}", "namespace": "kai-fractions"},
+             "spec": {"holderIdentity": NODE, "renewTime": _ago(20, micro=True)}}
+    k8s.CoordinationV1Api(kube.api_client).create_namespaced_lease("kai-fractions", lease)
+    code, out, _ = _inspect(capsys, "node", NODE, "--kubeconfig", str(config))
+    assert code == 0
+    heading = out.splitlines()[0]
+    assert re.search(rf"agent alive (19|20|21) s ago \(lease kai-fractions/kai-fractions-agent"
+                     rf"\.{NODE}\)$", heading), heading
+    assert "note: the node agent last said" not in out
+    # another namespace has no Lease: the condition's time, and the note
+    code, out, _ = _inspect(capsys, "node", NODE, "--kubeconfig", str(config), "-n", "other",
+                            "-o", "json")
+    data = json.loads(out)
+    assert data["heartbeat"]["from"] == "condition" and 285 <= data["heartbeat"][
+        "seconds_ago"] <= 295
+    assert data["notes"][0].startswith("the node agent last said it is alive 29")
+    assert data["notes"][0].endswith("(condition): the mirror's follower sets "
+                                     "gpu-fractioning.nvidia.com/Ready Unknown at KAI's next "
+                                     "bind here (mirror.markSilentNodesAfterSeconds, 180 s by "
+                                     "default)")
+    # a user who may not read Leases: the condition's time, and why
+    kube.fail("GET", f"{leases}/kai-fractions-agent.{NODE}", 403, times=None,
+              message="leases is forbidden")
+    code, out, _ = _inspect(capsys, "node", NODE, "--kubeconfig", str(config), "-o", "json")
+    data = json.loads(out)
+    assert code == 0 and data["heartbeat"]["from"] == "condition"
+    assert any(n.startswith("heartbeat Lease not read (") and "leases is forbidden" in n
+               for n in data["notes"]), data["notes"]
 
 
 def test_usage_errors_exit_2(tmp_path: Path, capsys) -> None:

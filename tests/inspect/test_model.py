@@ -197,3 +197,20 @@ def test_pod_report_lists_only_that_pods_gpus():
     report = pod_report(p, node(), agent)
     assert [g.uuid for g in report.gpus] == [GPU1]
     assert report.node == NODE
+
+
+def test_the_heartbeat_is_the_later_of_the_lease_and_the_condition() -> None:
+    from kai_fractions.inspect.model import Heartbeat, heartbeat
+
+    now = 1_800_000_000.0  # 2027-01-15T08:00:00Z
+    cond = {"type": "gpu-fractioning.nvidia.com/Ready", "status": "True",
+            "lastHeartbeatTime": "2027-01-15T07:55:00Z"}  # 300 s before now
+    n = {"status": {"conditions": [cond]}}
+    lease = {"spec": {"renewTime": "2027-01-15T07:59:30.000000Z"}}  # 30 s
+    assert heartbeat(n, cond["type"], lease, "kf/x", now) == Heartbeat(30.0, "lease kf/x")
+    old = {"spec": {"renewTime": "2027-01-15T07:50:00.000000Z"}}  # older than the condition
+    assert heartbeat(n, cond["type"], old, "kf/x", now) == Heartbeat(300.0, "condition")
+    assert heartbeat(n, cond["type"], None, "", now, "403") == Heartbeat(300.0, "condition",
+                                                                          "403")
+    assert heartbeat({"status": {}}, cond["type"], None, "", now) == Heartbeat(None)
+    assert heartbeat(None, cond["type"], lease, "kf/x", now) is None
