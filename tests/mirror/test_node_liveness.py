@@ -226,19 +226,29 @@ async def test_failures_are_logged_and_counted_never_raised(kube, client, caplog
 
 
 @pytest.mark.integration
-def test_the_mirror_process_sets_a_silent_node_unknown_as_kai_binds_there(kube, tmp_path):
+@pytest.mark.parametrize("leased", [False, True], ids=["condition", "lease"])
+def test_the_mirror_process_sets_a_silent_node_unknown_as_kai_binds_there(kube, tmp_path,
+                                                                          leased):
     """`kai-fractions mirror --follow-bindrequests --mark-silent-nodes-after 120`: a bind to a
-    node whose agent went silent sets its condition Unknown, counted in the metrics."""
+    node whose agent went silent sets its condition Unknown, counted in the metrics; with
+    `--heartbeat-lease-namespace`, an agent that renews its Lease is alive however old its
+    condition's heartbeat (the chart's agents write their Node every 5 min)."""
     from tests.support.agent_process import free_port
     from tests.support.mirror_kube import BINDREQUESTS, register_bindrequests, run_mirror_process
     from tests.support.promql import sample_value
 
     # the process's clock is the real one: an hour before now is long silent
-    hour_ago = (datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=1)).strftime(
-        "%Y-%m-%dT%H:%M:%SZ")
+    now = datetime.datetime.now(datetime.UTC)
+    hour_ago = (now - datetime.timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
     kube.core.create_node({"metadata": {"name": "gpu-node-1"}})
     kube.core.patch_node_status("gpu-node-1", {"status": {"conditions": [
         {**condition(k.NODE_CONDITION, "True", None), "lastHeartbeatTime": hour_ago}]}})
+    lease = "/apis/coordination.k8s.io/v1/namespaces/kf/leases/kai-fractions-agent.gpu-node-1"
+    if leased:
+        k8s.CoordinationV1Api(kube.api_client).create_namespaced_lease("kf", {
+            "metadata": {"name": "kai-fractions-agent.gpu-node-1", "namespace": "kf"},
+            "spec": {"holderIdentity": "gpu-node-1",
+                     "renewTime": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")}})
     register_bindrequests(kube)
     k8s.CustomObjectsApi(kube.api_client).create_namespaced_custom_object(
         BINDREQUESTS.group, BINDREQUESTS.version, "team-a", BINDREQUESTS.plural, {
@@ -252,10 +262,16 @@ def test_the_mirror_process_sets_a_silent_node_unknown_as_kai_binds_there(kube, 
     port = free_port()
     run = run_mirror_process(
         kube, tmp_path, "--follow-bindrequests", "--mark-silent-nodes-after", "120",
+        "--heartbeat-lease-namespace", "kf",
         "--metrics-listen", f"127.0.0.1:{port}", metrics_url=f"http://127.0.0.1:{port}/metrics",
-        metrics_ready=lambda text: sample_value(
+        metrics_ready=lambda text: kube.count("GET", lease) == 1 if leased else sample_value(
             text, "kai_fractions_follower_silent_nodes_total") == 1)
     assert run.returncode == 0 and "Traceback" not in run.err, run.err
     ours = conditions_of(kube, "gpu-node-1")[k.NODE_CONDITION]
-    assert (ours["status"], ours["reason"]) == ("Unknown", SILENT_REASON)
-    assert f"node gpu-node-1: {k.NODE_CONDITION} set Unknown" in run.err
+    if leased:
+        assert ours["status"] == "True"
+        assert kube.count("PATCH", "/api/v1/nodes/gpu-node-1/status") == 1  # the test's own
+    else:
+        assert kube.count("GET", lease) == 1  # read; no Lease there: the condition decides
+        assert (ours["status"], ours["reason"]) == ("Unknown", SILENT_REASON)
+        assert f"node gpu-node-1: {k.NODE_CONDITION} set Unknown" in run.err
