@@ -214,14 +214,13 @@ def run(args: argparse.Namespace) -> int:
                      + ("at least 120 seconds (twice the node agent's heartbeat), or 0 for off"
                         if args.follow_bindrequests else
                         "it needs --follow-bindrequests (nodes are checked as binds are)"))
-    from ..kube.objects import is_dns_label
+    from ..kube.objects import namespace_flag_problem
 
-    if args.heartbeat_lease_namespace and not is_dns_label(args.heartbeat_lease_namespace):
-        return _fail(f"--heartbeat-lease-namespace {args.heartbeat_lease_namespace!r}: not a "
-                     "namespace name (lower-case letters, digits and '-', at most 63)")
-    if not is_dns_label(args.reservation_namespace):
-        return _fail(f"--reservation-namespace {args.reservation_namespace!r}: not a namespace "
-                     "name (lower-case letters, digits and '-', at most 63)")
+    problem = (args.heartbeat_lease_namespace and namespace_flag_problem(
+        "--heartbeat-lease-namespace", args.heartbeat_lease_namespace)) or \
+        namespace_flag_problem("--reservation-namespace", args.reservation_namespace)
+    if problem:
+        return _fail(problem)
     metrics = None
     if args.metrics_listen:
         from ..mirror.metrics import MirrorMetrics

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from ..contract import Keys
     from ..kube.config import ConfigError as KubeConfigError
     from ..kube.config import load_api_client
-    from ..kube.objects import is_dns_label
+    from ..kube.objects import namespace_flag_problem
     from ..marker import MarkerError
     from ..metrics_http import parse_listen
     from ..node.agent.agent import NodeAgent
@@ -156,9 +156,10 @@ def run(args: argparse.Namespace) -> int:
                      f"{args.mps_drain_before_kill}")
     if not args.condition_name.strip():
         return _fail("--condition-name must not be empty")
-    if args.heartbeat_lease_namespace and not is_dns_label(args.heartbeat_lease_namespace):
-        return _fail(f"--heartbeat-lease-namespace {args.heartbeat_lease_namespace!r}: not a "
-                     "namespace name (lower-case letters, digits and '-', at most 63)")
+    problem = args.heartbeat_lease_namespace and namespace_flag_problem(
+        "--heartbeat-lease-namespace", args.heartbeat_lease_namespace)
+    if problem:
+        return _fail(problem)
     try:
         config = NodeConfig(
             node_name=args.node_name, cgroup_root=args.cgroup_root,

@@ -96,6 +96,24 @@ def lease_path(namespace: str, name: str | None = None) -> str:
     return namespaced_path(*LEASES, namespace, name)
 
 
+def lease_body(namespace: str, name: str, spec: Mapping[str, Any],
+               labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A Lease to create (the follower's election, a node agent's heartbeat)."""
+    metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+    if labels:
+        metadata["labels"] = dict(labels)
+    return {"apiVersion": f"{LEASES[0]}/{LEASES[1]}", "kind": "Lease", "metadata": metadata,
+            "spec": dict(spec)}
+
+
+def namespace_flag_problem(flag: str, value: str) -> str | None:
+    """Why `value` cannot be the namespace a flag names (None: it can), as the CLIs say it."""
+    if is_dns_label(value):
+        return None
+    return (f"{flag} {value!r}: not a namespace name (lower-case letters, digits and '-', "
+            "at most 63)")
+
+
 def micro_time(now: float) -> str:
     """A Lease's MicroTime (acquireTime, renewTime) as the API server writes one: RFC 3339 with
     microseconds, in UTC."""

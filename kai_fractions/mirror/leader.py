@@ -36,8 +36,8 @@ from typing import Any, NoReturn
 
 from ..kube.client import MERGE_PATCH, Kube
 from ..kube.errors import Conflict, KubeError, NotFound
+from ..kube.objects import lease_body, lease_path, resource_version
 from ..kube.objects import micro_time as lease_time
-from ..kube.objects import namespaced_path, resource_version
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,6 @@ RENEW_DEADLINE_SECONDS = 10.0
 RETRY_SECONDS = 2.0
 """client-go's defaults (a lease of 15 s, renewed every 2 s, given up after 10 s without a
 renewal)."""
-GROUP, VERSION, PLURAL = "coordination.k8s.io", "v1", "leases"
 
 
 class LeaseConflict(Exception):
@@ -96,7 +95,7 @@ class KubeLease:
         self.kube = kube
         self.namespace, self.name = namespace, name
         self.timeout = request_timeout
-        self.path = namespaced_path(GROUP, VERSION, PLURAL, namespace, name)
+        self.path = lease_path(namespace, name)
         self.ref = f"lease {namespace}/{name}"
 
     async def get(self) -> Mapping[str, Any] | None:
@@ -107,12 +106,10 @@ class KubeLease:
             return None
 
     async def create(self, spec: Mapping[str, Any]) -> Mapping[str, Any]:
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Lease",
-                "metadata": {"name": self.name, "namespace": self.namespace}, "spec": dict(spec)}
         try:
             return await self.kube.request(
-                "POST", namespaced_path(GROUP, VERSION, PLURAL, self.namespace),
-                what=f"create {self.ref}", body=body, timeout=self.timeout)
+                "POST", lease_path(self.namespace), what=f"create {self.ref}",
+                body=lease_body(self.namespace, self.name, spec), timeout=self.timeout)
         except Conflict as e:  # created by another replica meanwhile
             raise LeaseConflict(e.message) from None
 

@@ -23,9 +23,9 @@ from ...kube.client import MERGE_PATCH, STRATEGIC_MERGE_PATCH, Observer
 from ...kube.errors import Conflict, NotFound
 from ...kube.listwatch import Collection, Source
 from ...kube.objects import (
-    LEASES,
     annotation_patch,
     events_path,
+    lease_body,
     lease_path,
     node_path,
     pod_path,
@@ -159,20 +159,19 @@ class KubeCluster:
         # it (409 when it exists): a PATCH refused with 404 at every start would show in the
         # agent's refused-writes alert.
         what = f"renew lease {namespace}/{name}"
-        if (namespace, name) in self._leases:
-            try:
-                self.blocking.request("PATCH", lease_path(namespace, name), what=what,
-                                      body={"spec": dict(spec)}, content_type=MERGE_PATCH)
-                return
-            except NotFound:
-                self._leases.discard((namespace, name))
-        group, version, _ = LEASES
-        try:
-            self.blocking.request("POST", lease_path(namespace), what=what, body={
-                "apiVersion": f"{group}/{version}", "kind": "Lease",
-                "metadata": {"name": name, "namespace": namespace, "labels": LEASE_LABELS},
-                "spec": dict(spec)})
-        except Conflict:  # it exists: this renewal is a patch after all
+
+        def patch() -> None:
             self.blocking.request("PATCH", lease_path(namespace, name), what=what,
                                   body={"spec": dict(spec)}, content_type=MERGE_PATCH)
+
+        if (namespace, name) in self._leases:
+            try:
+                return patch()
+            except NotFound:
+                self._leases.discard((namespace, name))
+        try:
+            self.blocking.request("POST", lease_path(namespace), what=what,
+                                  body=lease_body(namespace, name, spec, LEASE_LABELS))
+        except Conflict:  # it exists: this renewal is a patch after all
+            patch()
         self._leases.add((namespace, name))
