@@ -223,8 +223,13 @@ class DesiredState:
     gpus: tuple[GpuDesired, ...] = ()
     containers: tuple[ContainerDesired, ...] = ()
     refusals: tuple[Refusal, ...] = ()
-    pod_uids: frozenset[str] = frozenset()
-    """Every live (non-terminal) pod on the node, fractional or not."""
+    owned_pods: frozenset[str] = frozenset()
+    """Pods whose cgroups' GPU memory limits are this agent's to clear when no target names
+    them: every live pod with a fractional container (planned, refused or applied), and the
+    pods `plan_node` was told are `marked` (a readiness marker of this boot says the agent
+    applied limits there, e.g. for a pod that went while no agent ran). A limit on any other
+    pod's cgroup is someone else's: NVIDIA's container toolkit sets the same limits from a
+    pod's env, and a sweep must not undo them."""
     limits: tuple[LimitTarget, ...] = ()
     """Every cgroup limit to have in force: pod slices first, then container cgroups."""
     unread: frozenset[tuple[str, str]] = frozenset()
@@ -430,10 +435,11 @@ def _hold(pod: NodePod, ok: list[_Candidate], refused: list[Refusal],
 
 def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig, *,
               applied: Mapping[ContainerKey, ContainerPlan] | None = None,
-              vetoes: Iterable[Refusal] = ()) -> DesiredState:
+              vetoes: Iterable[Refusal] = (), marked: Iterable[str] = ()) -> DesiredState:
     """`applied`: the plan in force for each running container (`kai_fractions.node.applied`);
     `vetoes`: refusals decided before planning (a signature check), by pod: such a pod is
-    not planned from its annotations, only its applied plans are kept."""
+    not planned from its annotations, only its applied plans are kept; `marked`: pods with
+    a readiness marker of this boot (`DesiredState.owned_pods`)."""
     live = sorted((p for p in pods if not p.terminal), key=_order)
     applied = applied or {}
     vetoed: dict[str, list[Refusal]] = {}
@@ -514,12 +520,15 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
             container_id=pod.container_ids.get(plan.container),
         ))
 
+    refusals += changes.values()
+    owned = {*marked, *held, *(c.key.pod_uid for c in accepted),
+             *(r.key.pod_uid for r in refusals)}
     return DesiredState(
         gpus=tuple(_gpu(d, accepted, modes, requested, members, config)
                    for d in inventory.devices),
         containers=tuple(accepted),
-        refusals=tuple(refusals) + tuple(changes.values()),
-        pod_uids=frozenset(p.uid for p in live if p.uid),
+        refusals=tuple(refusals),
+        owned_pods=frozenset(owned),
         limits=_pod_limits(accepted) + tuple(t for c in accepted for t in c.limits),
     )
 

@@ -216,6 +216,11 @@ class Engine:
         self._clean: set[tuple[str, str]] = set()
         """(gpu, cgroup path) read back without a limit since the last write there: skipped by
         the stale-limit sweep (a pure read cache; `forget()` drops it)."""
+        self._limited: set[tuple[str, str]] = set()
+        """(gpu, cgroup path) where this engine put a limit or found the one it wants in force,
+        until it clears it: the sweep's proof of ownership for a pod that is no longer in
+        `DesiredState.owned_pods` (a released pod the next passes must still clear). Not a
+        cache: `forget()` keeps it; entries of cgroups that are gone are dropped by the sweep."""
         self._atp: dict[str, int] = {}
         """Active-thread percentage this engine set per MPS namespace. MPS fixes it when the
         first client attaches, so with clients attached it is the one in force: kept by
@@ -303,6 +308,7 @@ class Engine:
                     if self.limits.clear(uuid, path) is not None:
                         cleared.append((uuid, path))
                     self._clean.add((uuid, path))
+                    self._limited.discard((uuid, path))
                 except NvmlError as e:
                     issues.append(_issue(e))
         # What this engine applied (the webhook's names among them), and the names derived from
@@ -630,13 +636,16 @@ class _Run:
                 self.fail(keys, err)
                 continue
             self.e._clean.discard((t.gpu_uuid, t.path))
+            self.e._limited.add((t.gpu_uuid, t.path))
             if write is not None:
                 self.writes.append(write)
             for k in keys:
                 self.in_force.setdefault(k, []).append(t)
 
     def sweep_limits(self) -> None:
-        """Clear limits on pod cgroups (and below) that no desired target names."""
+        """Clear limits on the cgroups (and below) of our pods that no desired target names.
+        Ours: `DesiredState.owned_pods`, or a cgroup this engine limited; any other pod's
+        limit is left as it is (someone else set it)."""
         if not any(Mechanism.CGROUP in c.mechanisms for c in self.d.containers):
             try:
                 if not self.e.limits.supported():
@@ -646,11 +655,16 @@ class _Run:
                 return
         wanted = {(t.gpu_uuid, t.path) for t in self.d.limits}
         gpus = [d.uuid for d in self.devices.values() if not d.mig_enabled]  # MIG: no limits
+        limited = self.e._limited
+        seen: set[str] = set()
         for pc in self.e.layout.scan(self.e.cgroup_fs):
+            owned = pc.uid in self.d.owned_pods
             for path in (pc.path, *pc.children):
+                seen.add(path)
                 for uuid in gpus:
                     key = (uuid, path)
-                    if key in wanted or key in self.d.unread or key in self.e._clean:
+                    if key in wanted or key in self.d.unread or key in self.e._clean \
+                            or not (owned or key in limited):
                         continue
                     try:
                         write = self.e.limits.clear(uuid, path)
@@ -659,9 +673,12 @@ class _Run:
                                                  f"memory limit on {path}: {e.message}"))
                         continue
                     self.e._clean.add(key)
+                    limited.discard(key)
                     if write is not None:
                         self.writes.append(write)
                         self.cleared.append(key)
+        # A removed cgroup took its limits with it.
+        limited.difference_update([key for key in limited if key[1] not in seen])
 
     def sweep_namespaces(self) -> None:
         """Delete MPS namespaces this engine made (by their name's shape) that no desired

@@ -241,6 +241,22 @@ def test_deleted_pod_is_released_everywhere(short_tmp: Path) -> None:
                                 {"node": "node-a", "state": "applied"}) == 0
 
 
+def test_limits_on_a_pod_kai_does_not_manage_are_left_alone(short_tmp: Path) -> None:
+    """NVIDIA's container toolkit can set the same cgroup limits from a pod's env: a pod with
+    no fractional container and no marker of ours keeps them, pass after pass, while the
+    limits of a fractional pod deleted next to it are cleared."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    plain = add_pod(rig, "plain", notes={"app": "x"})
+    rig.cgroups.add(leaf_of(plain, "b" * 64))
+    ours = add_pod(rig)
+    assert rig.step().converged
+    rig.nvml.set_memory_limits(rig.gpu1, leaf_of(plain, "b" * 64), GIB, 2 * GIB)
+    rig.cluster.delete_pod(ours)
+    for full in (False, True):
+        assert rig.step(full=full).converged
+        assert rig.nvml.limits == {(rig.gpu1, leaf_of(plain, "b" * 64)): (GIB, 2 * GIB)}
+
+
 def test_terminal_pod_is_released_like_a_deleted_one(short_tmp: Path) -> None:
     rig = Rig(short_tmp, sm_sharing=False)
     uid = add_pod(rig)

@@ -171,7 +171,7 @@ def test_a_vetoed_pod_keeps_its_applied_plan_and_the_veto_is_named() -> None:
     # without an applied plan the veto is the pod's refusal, and nothing is planned
     state = plan_node([pod], inventory(), CONFIG, vetoes=[refusal])
     assert state.containers == () and state.refusals == (refusal,)
-    assert state.pod_uids == {UID_A}
+    assert state.owned_pods == {UID_A}  # a refused pod's limits are ours to clear
 
 
 def test_running_containers_are_placed_before_older_pods_that_are_not() -> None:

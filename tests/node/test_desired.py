@@ -82,7 +82,7 @@ def test_sm_sharing_container_plan() -> None:
     assert (g1.compute_mode, g1.containers, g1.mps_pinned_mib) == (None, (), None)
     assert state.mps_namespaces == {c.mps_namespace}
     assert watchdog_caps(state) == {(UID_A, "main"): {GPU0: 20 * GIB}}
-    assert state.pod_uids == {UID_A}
+    assert state.owned_pods == {UID_A}
 
 
 def test_time_slicing_wants_default_mode_and_no_mps() -> None:
@@ -293,7 +293,10 @@ def test_terminal_and_non_fractional_pods() -> None:
     plain = node_pod(UID_B, name="plain", notes={})
     state = plan(done, plain)
     assert state.containers == () and state.refusals == ()
-    assert state.pod_uids == {UID_B}
+    # Neither pod's cgroup limits are the agent's to clear, unless a marker says it set them.
+    assert state.owned_pods == frozenset()
+    marked = plan_node([done, plain], inventory(), CONFIG, marked=[UID_A])
+    assert marked.owned_pods == {UID_A}
 
 
 def test_node_pod_from_manifest() -> None:

@@ -3,6 +3,7 @@ FakeMpsControl): apply / release, idempotence and convergence from any state."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -59,15 +60,16 @@ class Node:
     def new_engine(self) -> Engine:
         return Engine(self.nvml, self.fs, self.mps, lambda: self.clock_value, self.config)
 
-    def desired(self, *pods: NodePod):
+    def desired(self, *pods: NodePod, marked: tuple[str, ...] = ()):
         inv = take_inventory(self.nvml, mps_namespaces=(
             self.mps.supports_protocol_v3() if self.mps else None))
-        return plan_node(pods, inv, self.config)
+        return plan_node(pods, inv, self.config, marked=marked)
 
-    def apply(self, *pods: NodePod, cgroups: bool = True):
+    def apply(self, *pods: NodePod, cgroups: bool = True, marked: tuple[str, ...] = ()):
+        """`marked`: pods with a readiness marker of this boot (the agent passes them)."""
         if cgroups:
             make_cgroups(self.root, self.config.layout, pods)
-        return self.engine.apply(self.desired(*pods))
+        return self.engine.apply(self.desired(*pods, marked=marked))
 
     def slice(self, uid: str) -> str:
         return pod_cgroup(str(self.root), uid)
@@ -281,10 +283,11 @@ def test_release_with_attached_client_reports_and_the_sweep_retries(node: Node) 
 def test_restart_converges_from_the_gpu_and_daemon_state(node: Node) -> None:
     node.apply(sm_pod(), ts_pod())
     node.mps.namespaces["operator_owned"] = type(node.mps.namespaces[NS_A])("operator_owned")
-    # the agent restarts; pod B vanished while it was down (its cgroup is still there)
+    # the agent restarts; pod B vanished while it was down (its cgroup and marker are still
+    # there)
     node.engine = node.new_engine()
     before = len(node.nvml.set_limit_calls)
-    report = node.apply(sm_pod())
+    report = node.apply(sm_pod(), marked=(UID_A, UID_B))
     assert report.containers[(UID_A, "main")].state is ContainerState.APPLIED
     writes = node.nvml.set_limit_calls[before:]
     assert sorted(writes) == sorted([(GPU1, node.slice(UID_B), 0, MEMORY_LIMIT_MAX),
@@ -307,13 +310,47 @@ def test_restart_deletes_stale_namespaces_of_vanished_pods(node: Node) -> None:
     assert set(node.mps.namespaces) == {NS_A}
 
 
-def test_stale_limits_on_live_non_fractional_pods_are_cleared(node: Node) -> None:
+def test_limits_on_pods_that_are_not_ours_are_left_alone(node: Node) -> None:
+    """A limit on the cgroup of a pod that has no fractional container, no marker and was
+    never limited by this engine is someone else's (NVIDIA's container toolkit sets the same
+    limits from a pod's env): the sweep must not undo it, after a restart either."""
     plain = node_pod(UID_B, name="plain", notes={}, container_ids={"main": CID_B})
     make_cgroups(node.root, node.config.layout, [plain])
-    node.nvml.set_memory_limits(GPU1, node.slice(UID_B), GIB, 2 * GIB)  # left by someone
-    report = node.apply(plain)
+    leaf = node.leaf(UID_B, CID_B)
+    node.nvml.set_memory_limits(GPU1, leaf, GIB, 2 * GIB)  # the toolkit's
+    for _ in range(2):
+        report = node.apply(sm_pod(), plain)
+        assert all(w.path.startswith(node.slice(UID_A)) for w in report.writes)
+        assert node.nvml.get_memory_limits(GPU1, leaf).hard == 2 * GIB
+        node.engine = node.new_engine()
+    # and a pod that has gone from the API while its cgroup lingers is not ours either
+    assert node.apply(sm_pod()).writes == ()
+    assert node.nvml.get_memory_limits(GPU1, leaf).hard == 2 * GIB
+
+
+def test_stale_limits_on_live_non_fractional_pods_with_our_marker_are_cleared(
+        node: Node) -> None:
+    plain = node_pod(UID_B, name="plain", notes={}, container_ids={"main": CID_B})
+    make_cgroups(node.root, node.config.layout, [plain])
+    node.nvml.set_memory_limits(GPU1, node.slice(UID_B), GIB, 2 * GIB)  # an agent's, earlier
+    report = node.apply(plain, marked=(UID_B,))
     assert report.cleared == ((GPU1, node.slice(UID_B)),)
     assert node.apply(plain).writes == ()
+
+
+def test_limits_this_engine_set_are_cleared_once_the_pod_is_not_ours_any_more(
+        node: Node) -> None:
+    """A pod this engine limited, gone from the API with its cgroup still there and no marker
+    (the marker's directory was removed first): the engine's own record makes it ours."""
+    node.apply(sm_pod(), ts_pod())
+    report = node.apply(sm_pod())
+    assert sorted(report.cleared) == sorted([(GPU1, node.slice(UID_B)),
+                                             (GPU1, node.leaf(UID_B, CID_B))])
+    assert set(node.nvml.limits) == {(GPU0, node.slice(UID_A)), (GPU0, node.leaf(UID_A, CID_A))}
+    # its cgroups are removed: the record goes with them
+    shutil.rmtree(node.slice(UID_B))
+    assert node.apply(sm_pod()).writes == ()
+    assert all(path.startswith(node.slice(UID_A)) for _gpu, path in node.engine._limited)
 
 
 def test_mps_daemon_restart_recreates_the_namespace(node: Node) -> None:

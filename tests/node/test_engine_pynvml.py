@@ -43,9 +43,9 @@ class Agentish:
         self.mps = mps
         self.engine = Engine(self.nvml, HostCgroupFs(), mps, config=self.config)
 
-    def apply(self, *node_pods: NodePod):
+    def apply(self, *node_pods: NodePod, marked: tuple[str, ...] = ()):
         inv = take_inventory(self.nvml, mps_namespaces=self.mps.supports_protocol_v3())
-        return self.engine.apply(plan_node(node_pods, inv, self.config))
+        return self.engine.apply(plan_node(node_pods, inv, self.config, marked=marked))
 
     def close(self) -> None:
         self.nvml.shutdown()
@@ -127,10 +127,11 @@ def test_restart_clears_stale_limits_of_vanished_pods(tmp_path: Path, gpus) -> N
     make_cgroups(root, first.config.layout, [a, b])
     first.apply(a, b)
     first.close()
-    # a new agent process: pod b was deleted while no agent ran (its cgroup lingers)
+    # a new agent process: pod b was deleted while no agent ran (its cgroup and its marker
+    # linger)
     second = Agentish(root, mps)
     try:
-        report = second.apply(a)
+        report = second.apply(a, marked=(UID_A, UID_B))
         assert report.containers[(UID_A, "main")].state is ContainerState.APPLIED
         slice_b = f"{root}/kubepods.slice/kubepods-pod0a1b2c3d_0000_4000_8000_00000000000b.slice"
         assert sorted(set_calls(gpus)[4:]) == sorted([

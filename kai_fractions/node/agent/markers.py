@@ -32,7 +32,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,24 +194,40 @@ class MarkerStore:
         its fsync) leaves the directory with nothing else; if the pod goes before an agent runs
         again, the next agent never knew it and would otherwise keep the directory as the
         kubelet's for the whole grace period."""
+        stale = []
+        for entry, written in self._pod_dirs(skip=live):
+            with contextlib.suppress(OSError):
+                if written or now - entry.stat(follow_symlinks=False).st_mtime >= grace:
+                    stale.append(entry.name)
+        return sorted(stale)
+
+    def marked(self) -> set[str]:
+        """The pods whose directory holds a marker or a marker's temp file: an agent of this
+        boot (markers of other boots are forgotten first) applied limits for them, or was
+        about to, so their cgroups' limits are the agent's to clear."""
+        return {entry.name for entry, written in self._pod_dirs() if written}
+
+    def _pod_dirs(self, skip: Collection[str] = ()) -> Iterator[tuple[os.DirEntry[str], bool]]:
+        """Each pod directory under the root but those of `skip`, and whether an agent wrote
+        in it (a marker or a marker's temp file). Entries that are not a pod UID are not ours
+        to touch."""
         try:
             entries = list(os.scandir(self.root))
         except (FileNotFoundError, NotADirectoryError):
-            return []
-        stale = []
+            return
         for entry in entries:
-            if entry.name in live or not entry.is_dir(follow_symlinks=False):
+            if entry.name in skip or not entry.is_dir(follow_symlinks=False):
                 continue
             try:
                 pod_marker_dir(self.root, entry.name)
             except MarkerError:
-                continue  # not a pod UID: not ours to touch
-            with contextlib.suppress(OSError):
+                continue
+            try:
                 written = any(name == MARKER_FILE or is_temp_file(name)
                               for name in os.listdir(entry.path))
-                if written or now - entry.stat(follow_symlinks=False).st_mtime >= grace:
-                    stale.append(entry.name)
-        return sorted(stale)
+            except OSError:
+                continue
+            yield entry, written
 
     def tidy(self, live: set[str], fractional: set[str] | None, *, grace: float,
              now: float) -> None:

@@ -120,7 +120,8 @@ class NodePods:
                 uid for uid, (_m, source) in live.items() if source == PROVISIONED})
         desired = without_released(plan_node(
             pods, inventory, self.config, applied=self._applied(pods, live),
-            vetoes=screened.refusals if screened is not None else ()), self.released)
+            vetoes=screened.refusals if screened is not None else (),
+            marked=self.markers.marked()), self.released)
         if screened is not None and screened.refused_pods:
             # a refused pod that runs no applied plan keeps the limits the kernel holds
             held = {c.key.pod_uid for c in desired.containers}
