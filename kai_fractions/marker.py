@@ -281,20 +281,28 @@ def write_marker(root: str | os.PathLike[str], marker: Marker) -> Path:
     pod_dir = pod_marker_dir(root_path, marker.pod_uid)
     _ensure_dir(pod_dir, POD_DIR_MODE)
     target = pod_dir / MARKER_FILE
-    fd, tmp = tempfile.mkstemp(dir=pod_dir, prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX)
+    write_atomically(target, marker.to_json().encode(), FILE_MODE)
+    return target
+
+
+def write_atomically(target: Path, data: bytes, mode: int) -> None:
+    """Replace `target` with `data` so that a reader, or the next boot, sees the old file or
+    the new one, never part of one: a temp file in the same directory (named for
+    `is_temp_file` when the target is a marker), fsync, rename, fsync of the directory."""
+    prefix = TEMP_PREFIX if target.name == MARKER_FILE else f".{target.name}."
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=TEMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(marker.to_json().encode())
+            f.write(data)
             f.flush()
-            os.fchmod(f.fileno(), FILE_MODE)
+            os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(pod_dir)
-    return target
+    _fsync_dir(target.parent)
 
 
 def is_temp_file(name: str) -> bool:

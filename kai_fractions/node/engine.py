@@ -34,6 +34,7 @@ from .desired import (
     LimitTarget,
 )
 from .errors import NodeError, NvmlError
+from .limit_ledger import LEDGER_NOT_WRITTEN, LimitLedger, MemoryLimitLedger
 from .memory_limits import LimitWrite, MemoryLimitEnforcer
 from .mps.control import displayed_mem_limit
 from .mps.errors import COMMAND_FAILED, NAMESPACE_BUSY, NOT_APPLIED, MpsError
@@ -205,6 +206,7 @@ class Engine:
         mps_control: MpsControlLike | None,
         clock: Callable[[], float] = time.time,
         config: NodeConfig | None = None,
+        ledger: LimitLedger | None = None,
     ):
         self.nvml = nvml
         self.cgroup_fs = cgroup_fs
@@ -216,11 +218,12 @@ class Engine:
         self._clean: set[tuple[str, str]] = set()
         """(gpu, cgroup path) read back without a limit since the last write there: skipped by
         the stale-limit sweep (a pure read cache; `forget()` drops it)."""
-        self._limited: set[tuple[str, str]] = set()
-        """(gpu, cgroup path) where this engine put a limit or found the one it wants in force,
-        until it clears it: the sweep's proof of ownership for a pod that is no longer in
-        `DesiredState.owned_pods` (a released pod the next passes must still clear). Not a
-        cache: `forget()` keeps it; entries of cgroups that are gone are dropped by the sweep."""
+        self.ledger = ledger or MemoryLimitLedger()
+        self._limited: set[tuple[str, str]] = self.ledger.load()
+        """(gpu, cgroup path) where the agent put a limit, or was about to, until it is cleared
+        or its cgroup is gone (`kai_fractions.node.limit_ledger`, saved before each write):
+        the sweep's proof of ownership for a pod no longer in `DesiredState.owned_pods`. Not
+        a cache: `forget()` keeps it."""
         self._atp: dict[str, int] = {}
         """Active-thread percentage this engine set per MPS namespace. MPS fixes it when the
         first client attaches, so with clients attached it is the one in force: kept by
@@ -240,6 +243,18 @@ class Engine:
         the daemon reads it back in whole GiB only, so a change within the same GiB is seen
         here. Dropped by `forget()` (the next apply writes the value again)."""
         self._last: DesiredState | None = None
+
+    def _save_ledger(self, before: set[tuple[str, str]] | None = None) -> list[Issue]:
+        """Saves the claims when they changed (`before`: what was saved; None: unknown)."""
+        if before is not None and before == self._limited:
+            return []
+        try:
+            self.ledger.save(self._limited)
+        except OSError as e:
+            return [Issue(LEDGER_NOT_WRITTEN, f"could not record which GPU memory limits the "
+                          f"agent set ({e}); after a restart, one of a pod that went meanwhile "
+                          "stays until its cgroup is removed")]
+        return []
 
     def forget(self) -> None:
         """Drop the read caches: the next apply re-reads every cgroup and re-sets every MPS
@@ -310,7 +325,9 @@ class Engine:
                     self._clean.add((uuid, path))
                     self._limited.discard((uuid, path))
                 except NvmlError as e:
+                    self._limited.add((uuid, path))  # the passes after clear it
                     issues.append(_issue(e))
+        issues.extend(self._save_ledger())
         # What this engine applied (the webhook's names among them), and the names derived from
         # the pod UID; an admitted name it never applied is left to the next apply's sweep.
         names = [c.mps_namespace for c in mine if c.mps_namespace]
@@ -617,9 +634,9 @@ class _Run:
         for c in self.d.containers:
             if Mechanism.CGROUP in c.mechanisms and c.container_cgroup is None:
                 self.leaf_pending.add(c.key)
+        ready: list[tuple[LimitTarget, list[ContainerKey]]] = []
         for t in self.d.limits:
-            owners = self._owners(t)
-            keys = [c.key for c in owners]
+            keys = [c.key for c in self._owners(t)]
             if not self.e.cgroup_fs.exists(t.path):
                 if t.container is None:
                     self.fail(keys, NodeError(
@@ -630,13 +647,18 @@ class _Run:
                 else:
                     self.leaf_pending.update(keys)
                 continue
+            ready.append((t, keys))
+        # Claimed before written: a crash in between leaves a claim, not a stray limit.
+        before = set(self.e._limited)
+        self.e._limited.update((t.gpu_uuid, t.path) for t, _keys in ready)
+        self.issues.extend(self.e._save_ledger(before))
+        for t, keys in ready:
             try:
                 write = self.e.limits.ensure(t)
             except NvmlError as err:
                 self.fail(keys, err)
                 continue
             self.e._clean.discard((t.gpu_uuid, t.path))
-            self.e._limited.add((t.gpu_uuid, t.path))
             if write is not None:
                 self.writes.append(write)
             for k in keys:
@@ -656,6 +678,7 @@ class _Run:
         wanted = {(t.gpu_uuid, t.path) for t in self.d.limits}
         gpus = [d.uuid for d in self.devices.values() if not d.mig_enabled]  # MIG: no limits
         limited = self.e._limited
+        before = set(limited)
         seen: set[str] = set()
         for pc in self.e.layout.scan(self.e.cgroup_fs):
             owned = pc.uid in self.d.owned_pods
@@ -669,6 +692,7 @@ class _Run:
                     try:
                         write = self.e.limits.clear(uuid, path)
                     except NvmlError as e:
+                        limited.add(key)  # ours (a marker may go before the next pass)
                         self.issues.append(Issue(e.reason, f"could not clear the stale GPU "
                                                  f"memory limit on {path}: {e.message}"))
                         continue
@@ -679,6 +703,7 @@ class _Run:
                         self.cleared.append(key)
         # A removed cgroup took its limits with it.
         limited.difference_update([key for key in limited if key[1] not in seen])
+        self.issues.extend(self.e._save_ledger(before))
 
     def sweep_namespaces(self) -> None:
         """Delete MPS namespaces this engine made (by their name's shape) that no desired

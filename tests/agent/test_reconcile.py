@@ -3,6 +3,7 @@ adoption after a restart, MPS supervision, the legacy pipe links and the watchdo
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import tempfile
@@ -13,6 +14,7 @@ import pytest
 from kai_fractions.contract import DEFAULT_KEYS
 from kai_fractions.gate.check import Outcome, judge
 from kai_fractions.marker import TEMP_PREFIX, TEMP_SUFFIX, read_marker
+from kai_fractions.node.agent.agent import NodeAgent
 from kai_fractions.node.errors import NodeError
 from kai_fractions.node.nvml import MEMORY_LIMIT_MAX
 
@@ -255,6 +257,35 @@ def test_limits_on_a_pod_kai_does_not_manage_are_left_alone(short_tmp: Path) -> 
     for full in (False, True):
         assert rig.step(full=full).converged
         assert rig.nvml.limits == {(rig.gpu1, leaf_of(plain, "b" * 64)): (GIB, 2 * GIB)}
+
+
+def test_a_new_agent_clears_the_limits_of_a_pod_that_never_got_a_marker(
+        short_tmp: Path) -> None:
+    """A pending pod has limits but no marker (here its MPS daemon cannot start). It is deleted
+    while the agent restarts, its cgroup lingers, and the new agent's first pass finds NVML
+    down: the record of the limits the old agent set (beside the markers) still says they are
+    the agent's, so a later pass clears them."""
+    rig = Rig(short_tmp)
+    rig.cgroups.assume_present = False
+    rig.mps.control.kill()
+    rig.mps.can_start = False
+    uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    rig.cgroups.add(leaf_of(uid))
+    rig.step()
+    assert not rig.step().converged and marker(rig, uid) is None
+    assert set(rig.nvml.limits) == {(rig.gpu0, slice_of(uid)), (rig.gpu0, leaf_of(uid))}
+    rig.cluster.delete_pod(uid)
+    rig.mps.can_start = True
+    new = copy.copy(rig)
+    new.agent = NodeAgent(config=rig.config, options=rig.options, nvml=rig.nvml,
+                          cgroup_fs=rig.cgroups, source=rig.cluster, cluster=rig.cluster,
+                          mps=rig.mps, procfs=None, killer=rig.killer)
+    new.reconciler = new.agent.reconciler
+    rig.nvml.fail("driver_version", "DriverNotLoaded", times=None)
+    assert not new.step().converged
+    rig.nvml.clear_failures()
+    assert new.step().converged
+    assert rig.nvml.limits == {}
 
 
 def test_terminal_pod_is_released_like_a_deleted_one(short_tmp: Path) -> None:

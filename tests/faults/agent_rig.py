@@ -73,7 +73,9 @@ class AgentRig:
         return out
 
     def marker_dirs(self) -> set[str]:
-        return {p.name for p in self.marker_dir.iterdir()} if self.marker_dir.exists() else set()
+        """The pods' directories (beside them lies the agent's record of its limits)."""
+        return {p.name for p in self.marker_dir.iterdir() if p.is_dir()} \
+            if self.marker_dir.exists() else set()
 
     def ready_without_limits(self) -> list[str]:
         """Pods whose marker says applied while the GPU holds no limit on their slice: the

@@ -114,7 +114,7 @@ class Node:
 
     def converged(self) -> bool:
         markers = self.markers()
-        marker_dirs = {p.name for p in self.env.marker_dir.iterdir()} \
+        marker_dirs = {p.name for p in self.env.marker_dir.iterdir() if p.is_dir()} \
             if self.env.marker_dir.exists() else set()
         return (set(markers) == set(self.live) == marker_dirs
                 and all(m["containers"]["main"]["state"] == "applied" for m in markers.values())
@@ -125,7 +125,7 @@ class Node:
         run = self.env.runs[-1] if self.env.runs else None
         markers = {uid: {n: c.get("state") for n, c in m.get("containers", {}).items()}
                    for uid, m in self.markers().items()}
-        dirs = sorted(p.name for p in self.env.marker_dir.iterdir()) \
+        dirs = sorted(p.name for p in self.env.marker_dir.iterdir() if p.is_dir()) \
             if self.env.marker_dir.exists() else []
         return "\n".join([
             "the node as the test compares it:",

@@ -20,6 +20,7 @@ from kai_fractions.node.engine import (
     is_our_namespace,
 )
 from kai_fractions.node.inventory import take_inventory
+from kai_fractions.node.limit_ledger import LEDGER_NOT_WRITTEN, MemoryLimitLedger
 from kai_fractions.node.mps import MpsError
 from kai_fractions.node.nvml import MEMORY_LIMIT_MAX, GpuComputeMode
 from kai_fractions.sim.mps import FakeMpsControl
@@ -55,10 +56,12 @@ class Node:
         self.fs = HostCgroupFs()
         self.config = NodeConfig(node_name="node-a", cgroup_root=str(root), **config)
         self.clock_value = 1000.0
+        self.ledger = MemoryLimitLedger()  # the agent's record of its limits, on the host
         self.engine = self.new_engine()
 
     def new_engine(self) -> Engine:
-        return Engine(self.nvml, self.fs, self.mps, lambda: self.clock_value, self.config)
+        return Engine(self.nvml, self.fs, self.mps, lambda: self.clock_value, self.config,
+                      ledger=self.ledger)
 
     def desired(self, *pods: NodePod, marked: tuple[str, ...] = ()):
         inv = take_inventory(self.nvml, mps_namespaces=(
@@ -351,6 +354,55 @@ def test_limits_this_engine_set_are_cleared_once_the_pod_is_not_ours_any_more(
     shutil.rmtree(node.slice(UID_B))
     assert node.apply(sm_pod()).writes == ()
     assert all(path.startswith(node.slice(UID_A)) for _gpu, path in node.engine._limited)
+
+
+def test_a_restarted_engine_clears_the_limits_its_predecessor_recorded(node: Node) -> None:
+    """No marker needed: a pod that went while no agent ran (or stayed pending, so it never
+    got one) is found in the record of the limits the agent set."""
+    node.apply(sm_pod(), ts_pod())
+    node.engine = node.new_engine()
+    report = node.apply(sm_pod())
+    assert sorted(report.cleared) == sorted([(GPU1, node.slice(UID_B)),
+                                             (GPU1, node.leaf(UID_B, CID_B))])
+    assert node.ledger.entries == {(GPU0, node.slice(UID_A)), (GPU0, node.leaf(UID_A, CID_A))}
+
+
+def test_a_limit_is_recorded_before_it_is_written(node: Node) -> None:
+    in_force_at_save: list[set] = []
+    save = node.ledger.save
+
+    def spying(entries):
+        in_force_at_save.append(set(node.nvml.limits))
+        save(entries)
+
+    node.ledger.save = spying
+    node.apply(ts_pod())
+    assert in_force_at_save[0] == set()  # the claim came first
+    assert node.ledger.entries == {(GPU1, node.slice(UID_B)), (GPU1, node.leaf(UID_B, CID_B))}
+    node.apply(ts_pod())
+    assert len(in_force_at_save) == 1  # unchanged: not saved again
+
+
+def test_a_clear_that_failed_is_still_claimed_after_a_restart(node: Node) -> None:
+    node.apply(sm_pod(), ts_pod())
+    node.nvml.fail("clear_memory_limits", "Unknown", times=None)
+    assert node.apply(sm_pod()).issues
+    node.nvml.clear_failures()
+    node.engine = node.new_engine()
+    assert len(node.apply(sm_pod()).cleared) == 2
+    assert all(path.startswith(node.slice(UID_A)) for _gpu, path in node.ledger.entries)
+
+
+def test_a_record_that_cannot_be_saved_is_an_issue_and_the_limits_still_apply(
+        node: Node) -> None:
+    def failing(entries):
+        raise PermissionError("read-only file system")
+
+    node.ledger.save = failing
+    report = node.apply(ts_pod())
+    assert report.containers[(UID_B, "main")].state is ContainerState.APPLIED
+    [issue] = report.issues
+    assert issue.reason == LEDGER_NOT_WRITTEN and "read-only file system" in issue.message
 
 
 def test_mps_daemon_restart_recreates_the_namespace(node: Node) -> None:

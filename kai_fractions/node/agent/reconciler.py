@@ -35,6 +35,7 @@ from ..desired import ContainerKey, DesiredState
 from ..engine import ContainerResult, ContainerState, Engine
 from ..errors import NodeError
 from ..inventory import Inventory
+from ..limit_ledger import FileLimitLedger
 from ..nvml import Nvml
 from ..procfs import Procfs
 from ..watchdog import Killer, SignalKiller, Watchdog
@@ -106,10 +107,12 @@ class Reconciler:
         self.procfs = procfs or Procfs(config.proc_root)
         self.clock = clock
         control = self.mps.control if self.mps is not None else None
-        self.engine = Engine(nvml, cgroup_fs, control, clock=clock, config=config)
+        boot_id = read_boot_id(options.boot_id_file)
+        self.engine = Engine(nvml, cgroup_fs, control, clock=clock, config=config,
+                             ledger=FileLimitLedger(options.marker_dir, boot_id))
         self.mps_health = (MpsHealth(self.mps, self.metrics, self.engine.forget)
                            if self.mps is not None else None)
-        self.markers = MarkerStore(options.marker_dir, read_boot_id(options.boot_id_file))
+        self.markers = MarkerStore(options.marker_dir, boot_id)
         self._other_boots_forgotten = False
         self.writer = MarkerWriter(self.markers, keys=config.keys, cluster=cluster, pods=pods,
                                    events=self.events, clock=clock,
