@@ -13,6 +13,10 @@ privileged pod) is root too. So each connection's peer credentials decide:
 Where a caller runs is read once, as its connection is accepted, and kept with its credentials:
 read at each call instead, a pod process could connect, fork, exit, and have its child call on
 the inherited connection from a pid that no longer names anything (which read as the host).
+Where the kernel gives the peer's pidfd (SO_PEERPIDFD, Linux 6.5), the process is checked to be
+alive after its cgroup was read: exited, its pid may already name another process (a host
+one), so it is not placed. Older kernels leave that window open: a pid reused between the
+connecting process's exit and the accept.
 
 grpcio does not show a call's peer credentials, so the agent owns the public socket itself
 (`Relay`): it reads the peer's credentials when it accepts, then relays the bytes to the gRPC
@@ -30,6 +34,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import socket
 import struct
 import tempfile
@@ -42,6 +47,7 @@ from ..procfs import Procfs, parse_cgroup_path
 log = logging.getLogger(__name__)
 
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5; Python 3.11 has no name for it
 _MAX_UNIX_PATH = 100  # sun_path is 108 bytes; leave room for the peer names
 
 
@@ -61,11 +67,34 @@ def peer_of(sock: socket.socket, procfs: Procfs) -> Peer:
     """The kernel's credentials of the connecting process, and where it runs, read now."""
     pid, uid, gid = _CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                   _CREDS.size))
-    path = procfs.cgroup_path(pid) if pid > 0 else None
-    if path is None:
+    if pid <= 0:
         return Peer(pid, uid, gid, placed=False)
+    try:
+        pidfd: int | None = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except ProcessLookupError:
+        return Peer(pid, uid, gid, placed=False)  # reaped already
+    except OSError:
+        pidfd = None  # a kernel before 6.5
+    try:
+        path = procfs.cgroup_path(pid)
+        if path is None or (pidfd is not None and not _alive(pidfd)):
+            return Peer(pid, uid, gid, placed=False)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
     owner = parse_cgroup_path(path)
     return Peer(pid, uid, gid, pod=owner.pod_uid if owner is not None else None)
+
+
+def _alive(pidfd: int) -> bool:
+    """Whether the process is still there (a zombie too: it holds its pid until reaped)."""
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def default_allowed_uids() -> frozenset[int]:

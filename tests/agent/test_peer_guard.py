@@ -1,0 +1,97 @@
+"""Where a NodeEnforcer caller runs, read as its connection is accepted (`peer_guard.peer_of`):
+a process that connected and exited is never placed by a /proc entry its pid may name now."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from kai_fractions.node.agent import peer_guard
+from kai_fractions.node.agent.peer_guard import peer_of
+from kai_fractions.node.procfs import Procfs
+
+HOST_CGROUP = "/user.slice/user-0.slice/session-1.scope"
+POD = "0a1b2c3d-0000-4000-8000-0000000000ff"
+POD_CGROUP = (f"/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod"
+              f"{POD.replace('-', '_')}.slice/cri-containerd-{'ab' * 32}.scope")
+
+
+def proc(root: Path, pid: int, cgroup: str) -> Procfs:
+    (root / str(pid)).mkdir(parents=True, exist_ok=True)
+    (root / str(pid) / "cgroup").write_text(f"0::{cgroup}\n")
+    return Procfs(root)
+
+
+def connected_by_a_child_that_exits(path: str) -> tuple[socket.socket, int]:
+    """A connection whose connect() a child process made before it exited and was reaped: the
+    socket stays open here (created before the fork), its peer credentials name the child."""
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            client.connect(path)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    return client, pid
+
+
+def kernel_gives_peer_pidfds() -> bool:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    with a, b:
+        try:
+            os.close(a.getsockopt(socket.SOL_SOCKET, peer_guard.SO_PEERPIDFD))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture
+def listener(short_tmp: Path):
+    path = str(short_tmp / "s.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen()
+    yield server, path
+    server.close()
+
+
+def test_a_live_caller_is_placed_by_its_cgroup(listener, tmp_path: Path) -> None:
+    server, path = listener
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.connect(path)
+        conn, _ = server.accept()
+        with conn:
+            peer = peer_of(conn, proc(tmp_path, os.getpid(), POD_CGROUP))
+    assert (peer.pid, peer.pod, peer.placed) == (os.getpid(), POD, True)
+
+
+@pytest.mark.skipif(not kernel_gives_peer_pidfds(), reason="a kernel before 6.5: no SO_PEERPIDFD")
+def test_a_caller_gone_before_the_accept_is_not_placed_even_if_its_pid_names_a_host_process(
+        listener, tmp_path: Path) -> None:
+    """The pid of the exited caller may be reused by a host process before the agent reads
+    /proc (played here by the fake /proc entry): the caller's pidfd says it is gone."""
+    server, path = listener
+    client, pid = connected_by_a_child_that_exits(path)
+    with client:
+        conn, _ = server.accept()
+        with conn:
+            peer = peer_of(conn, proc(tmp_path, pid, HOST_CGROUP))
+    assert (peer.pid, peer.placed) == (pid, False)
+
+
+def test_without_the_kernels_peer_pidfd_the_proc_entry_decides(
+        listener, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernels before 6.5 (no SO_PEERPIDFD): the window of a reused pid stays open, as the
+    module says; a live caller is still placed."""
+    monkeypatch.setattr(peer_guard, "SO_PEERPIDFD", 0x7FFF)  # an option no kernel has
+    server, path = listener
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.connect(path)
+        conn, _ = server.accept()
+        with conn:
+            peer = peer_of(conn, proc(tmp_path, os.getpid(), HOST_CGROUP))
+    assert (peer.pod, peer.placed) == (None, True)
