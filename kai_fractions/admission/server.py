@@ -7,15 +7,21 @@ cannot hold up the others.
 
 Memory is bounded whoever sends the requests (any pod that reaches the Service can): a body is
 at most MAX_BODY, at most MAX_BODIES bodies are held at once and at most MAX_REVIEWS of them
-parsed; a request that finds no room within QUEUE_WAIT gets a 503.
+parsed; a request that finds no room within QUEUE_WAIT gets a 503. Threads are bounded too: at
+most MAX_CONNECTIONS connections are open, each with its thread; a new one past that takes the
+place of the one that has waited longest on its peer (an idle keep-alive, a slow handshake, a
+request that trickles in, answers read slowly), or is closed at once when every connection is
+being served.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -53,6 +59,12 @@ BODY_DEADLINE = 10.0
 _CHUNK = 64 * 1024
 HANDSHAKE_TIMEOUT = 10.0
 IO_TIMEOUT = 30.0
+MAX_CONNECTIONS = 128
+"""Connections (and so threads) open at once. The API server keeps a pool of keep-alive
+connections per webhook and replica, and opens more only for calls at the same moment; a
+connection flood from a pod would otherwise cost a thread each, without end."""
+REFUSAL_LOG_EVERY = 60.0
+"""At most one warning this often about connections closed for want of room."""
 
 Reviewer = Callable[[Mapping[str, Any], AdmissionConfig], Decision]
 ROUTES: dict[str, Reviewer] = {"/validate": validate, "/mutate": mutate}
@@ -67,8 +79,60 @@ def parse_listen(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class Connections:
+    """The open connections and whether each is waiting (on its peer: for its handshake, for
+    a request, or for the peer to take a response: a place another connection may take) or
+    being served, since when. Thread-safe: the accepting thread admits, each connection's
+    thread moves its own between the two."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._open: dict[socket.socket, tuple[bool, float]] = {}  # -> (waiting, since)
+        self.evicted = 0
+        self.refused = 0
+
+    def admit(self, conn: socket.socket) -> bool:
+        """Takes a place for `conn`, making one by closing the connection that has waited
+        longest when all are taken; False when every connection is being served."""
+        with self._lock:
+            if len(self._open) >= self.limit:
+                waiting = [(since, i, c) for i, (c, (idle, since)) in enumerate(self._open.items())
+                           if idle]
+                if not waiting:
+                    self.refused += 1
+                    return False
+                _since, _i, victim = min(waiting)
+                del self._open[victim]
+                self.evicted += 1
+                # The plain socket's shutdown: its thread, blocked reading, sees the end and
+                # exits (the TLS object stays as that thread uses it).
+                with contextlib.suppress(OSError):
+                    socket.socket.shutdown(victim, socket.SHUT_RDWR)
+            self._open[conn] = (True, time.monotonic())
+            return True
+
+    def mark(self, conn: socket.socket, *, waiting: bool) -> bool:
+        """False when `conn` has given its place up (evicted): it must stop."""
+        with self._lock:
+            if conn not in self._open:
+                return False
+            self._open[conn] = (waiting, time.monotonic())
+            return True
+
+    def close(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._open.pop(conn, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+
 class WebhookServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128
+    """The listen backlog (the standard library's 5 made connects past it wait ~1 s to retry)."""
 
     def __init__(self, address: tuple[str, int], config: AdmissionConfig,
                  tls: ReloadingContext) -> None:
@@ -77,7 +141,35 @@ class WebhookServer(ThreadingHTTPServer):
         self.tls = tls
         self.bodies = threading.BoundedSemaphore(MAX_BODIES)
         self.reviews = threading.BoundedSemaphore(MAX_REVIEWS)
+        self.connections = Connections(MAX_CONNECTIONS)
+        self._logged = {"refused": -REFUSAL_LOG_EVERY, "evicted": -REFUSAL_LOG_EVERY}
         super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # On the accepting thread, before a thread is started for the connection.
+        evicted = self.connections.evicted
+        if not self.connections.admit(request):
+            self._warn("refused", "closed a connection from %s at once: all %d connections are "
+                       "being served (%d closed so far)", client_address[0],
+                       self.connections.limit, self.connections.refused)
+            self.shutdown_request(request)
+            return
+        if self.connections.evicted != evicted:
+            self._warn("evicted", "all %d connections were taken: closed the one that had "
+                       "waited longest for its peer to make room for %s (%d so far)",
+                       self.connections.limit, client_address[0], self.connections.evicted)
+        super().process_request(request, client_address)
+
+    def _warn(self, kind: str, message: str, *args: Any) -> None:
+        """At most one warning of each kind a REFUSAL_LOG_EVERY: a flood must not flood the log."""
+        now = time.monotonic()
+        if now - self._logged[kind] >= REFUSAL_LOG_EVERY:
+            self._logged[kind] = now
+            log.warning(message, *args)
+
+    def shutdown_request(self, request: Any) -> None:
+        self.connections.close(request)
+        super().shutdown_request(request)
 
     def get_request(self) -> tuple[socket.socket, Any]:
         sock, addr = self.socket.accept()
@@ -101,6 +193,9 @@ class WebhookServer(ThreadingHTTPServer):
         super().finish_request(request, client_address)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], OSError):  # the peer went, or its place was taken
+            log.debug("connection with %s ended: %s", client_address, sys.exc_info()[1])
+            return
         log.exception("error while serving %s", client_address)
 
     @property
@@ -117,7 +212,24 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *args)
 
+    def handle_one_request(self) -> None:
+        # Waiting for the next request (keep-alive): another connection may take the place.
+        self.server.connections.mark(self.request, waiting=True)
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        # Reads the headers too: once they are in, the request is being served, unless its
+        # place was taken meanwhile (the end of the stream then ended the headers).
+        if not super().parse_request():
+            return False
+        if not self.server.connections.mark(self.request, waiting=False):
+            self.close_connection = True
+            return False
+        return True
+
     def _send(self, status: int, body: bytes, content_type: str) -> None:
+        # Writing waits on the peer to read: a slow reader's place may be taken.
+        self.server.connections.mark(self.request, waiting=True)
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -125,7 +237,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _send_text(self, status: int, text: str) -> None:
-        self._send(status, (text + "\n").encode(), "text/plain; charset=utf-8")
+        self._send(*_text(status, text))
 
     def do_GET(self) -> None:
         if self.path.split("?", 1)[0] == "/healthz":
@@ -159,11 +271,14 @@ class _Handler(BaseHTTPRequestHandler):
             if body is None or not self._room(self.server.reviews):
                 return
             try:
-                self._review(route, body)
+                answer = self._review(route, body)
             finally:
                 self.server.reviews.release()
         finally:
             self.server.bodies.release()
+        # Written with no room held: a peer that reads its answers slowly holds only its
+        # connection (a place another may take), never the room the other reviews need.
+        self._send(*answer)
 
     def _room(self, slots: threading.BoundedSemaphore) -> bool:
         """Takes one of `slots`, or answers 503 (and closes: the body is not read)."""
@@ -206,12 +321,12 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return b"".join(chunks)
 
-    def _review(self, route: Reviewer, body: bytes) -> None:
+    def _review(self, route: Reviewer, body: bytes) -> tuple[int, bytes, str]:
+        """The answer to send: status, body, content type."""
         try:
             request = parse_review(body)
         except ReviewError as e:
-            self._send_text(HTTPStatus.BAD_REQUEST, clip(str(e)))
-            return
+            return _text(HTTPStatus.BAD_REQUEST, clip(str(e)))
         try:
             decision = route(request, self.server.config)
         except Exception:
@@ -227,7 +342,7 @@ class _Handler(BaseHTTPRequestHandler):
                               else "") if decision.allowed
                  else f"denied: {clip(decision.message)}")
         payload = json.dumps(response(request["uid"], decision)).encode()
-        self._send(HTTPStatus.OK, payload, "application/json")
+        return HTTPStatus.OK, payload, "application/json"
 
     def _drain(self) -> bool:
         """Reads and drops the body of a request that gets no review, so the connection can be
@@ -238,6 +353,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._read_body(int(length), keep=False) is not None
         self.close_connection = True
         return True
+
+
+def _text(status: int, text: str) -> tuple[int, bytes, str]:
+    return status, (text + "\n").encode(), "text/plain; charset=utf-8"
 
 
 def make_server(listen: str, config: AdmissionConfig, tls: ReloadingContext) -> WebhookServer:

@@ -3,6 +3,7 @@ the body size, the bodies held and the reviews run at once, the time a body may 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -121,3 +122,151 @@ def test_a_long_denial_is_logged_cut(webhook: Webhook, caplog: pytest.LogCapture
     [line] = [r.getMessage() for r in caplog.records if "denied:" in r.getMessage()]
     assert len(line) < 2200
     assert line.endswith(f"... ({len(answer['response']['status']['message'])} characters)")
+
+
+# -- connections (each is a thread) -----------------------------------------------------------
+
+
+def _wait_for(condition: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _closed_by_peer(sock: socket.socket, timeout: float = 5.0) -> bool:
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_connection_flood_costs_at_most_the_connection_limit_in_threads(
+        webhook: Webhook) -> None:
+    """Connections that never start TLS (or idle keep-alives) hold a thread each: past the
+    limit, the one that has waited longest makes way, and a real review is still served."""
+    webhook.server.connections.limit = 4
+    threads_before = threading.active_count()
+    flood = [socket.create_connection(("127.0.0.1", webhook.port), timeout=5)
+             for _ in range(12)]
+    try:
+        _wait_for(lambda: webhook.server.connections.evicted == 8)
+        assert len(webhook.server.connections) == 4
+        _wait_for(lambda: threading.active_count() <= threads_before + 4)  # evicted ones end
+        assert all(_closed_by_peer(s) for s in flood[:8])  # the oldest went first
+        assert send(webhook, review(pod()))[0] == 200  # took the place of flood[8]
+        assert _closed_by_peer(flood[8])
+    finally:
+        for s in flood:
+            s.close()
+
+
+def test_when_every_connection_is_being_served_a_new_one_is_closed_at_once(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Requests whose bodies are on their way are being served (each within BODY_DEADLINE): a
+    new connection finds no place to take and is closed with a warning, once a minute."""
+    monkeypatch.setattr(server, "BODY_DEADLINE", 2.0)
+    webhook.server.connections.limit = 2
+    context = ssl.create_default_context(cafile=str(webhook.ca_file))
+    served = []
+    for _ in range(2):
+        sock = context.wrap_socket(socket.create_connection(("127.0.0.1", webhook.port),
+                                                            timeout=5),
+                                   server_hostname="127.0.0.1")
+        sock.sendall(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Length: 100\r\n\r\n")
+        served.append(sock)
+    try:
+        _wait_for(lambda: webhook.server.connections.refused == 0 and not any(
+            idle for idle, _since in webhook.server.connections._open.values()))
+        with caplog.at_level(logging.WARNING, logger=server.__name__):
+            for _ in range(2):
+                extra = socket.create_connection(("127.0.0.1", webhook.port), timeout=5)
+                assert _closed_by_peer(extra)
+                extra.close()
+        assert webhook.server.connections.refused == 2
+        [warning] = [r.getMessage() for r in caplog.records if "closed a connection" in
+                     r.getMessage()]
+        assert warning == ("closed a connection from 127.0.0.1 at once: all 2 connections are "
+                           "being served (1 closed so far)")
+        for sock in served:  # their bodies never came: 408 after the deadline, then closed
+            response = http.client.HTTPResponse(sock)
+            response.begin()
+            assert response.status == 408
+        _wait_for(lambda: len(webhook.server.connections) == 0)
+        assert send(webhook, review(pod()))[0] == 200
+    finally:
+        for sock in served:
+            sock.close()
+
+
+def test_a_keep_alive_connection_waits_between_requests_and_can_make_way(
+        webhook: Webhook) -> None:
+    """The API server's idle keep-alive connection is a place a new connection may take: it
+    sees the connection end (as Go's pool does, which drops it) and connects again."""
+    webhook.server.connections.limit = 1
+    conn = webhook.connect()
+    try:
+        conn.request("POST", "/validate", body=review(pod()))
+        assert conn.getresponse().read() and len(webhook.server.connections) == 1
+        assert send(webhook, review(pod()))[0] == 200  # made way for this one
+        assert webhook.server.connections.evicted == 1
+        assert _closed_by_peer(conn.sock)
+        conn.close()
+        conn.request("POST", "/validate", body=review(pod()))  # a new connection
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+
+
+def test_a_peer_that_reads_its_answers_slowly_is_waited_on_and_can_make_way(
+        webhook: Webhook) -> None:
+    """Pipelined requests whose answers are never read leave the server writing, blocked on
+    the peer: that connection is waiting, not being served, so a review still finds a place
+    (and no room for reviews is held while an answer is written)."""
+    webhook.server.connections.limit = 1
+    context = ssl.create_default_context(cafile=str(webhook.ca_file))
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.connect(("127.0.0.1", webhook.port))
+    slow = context.wrap_socket(raw, server_hostname="127.0.0.1")
+    flooding = threading.Thread(target=lambda: _quietly(
+        slow.sendall, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 60_000), daemon=True)
+    flooding.start()
+    try:
+        time.sleep(1.0)  # the server's answers fill the socket's buffers: its write blocks
+        assert [waiting for waiting, _ in webhook.server.connections._open.values()] == [True]
+        assert send(webhook, review(pod()))[0] == 200
+        assert webhook.server.connections.evicted == 1 and webhook.server.connections.refused == 0
+    finally:
+        slow.close()
+
+
+def _quietly(write: Any, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        write(data)
+
+
+def test_a_connection_whose_place_was_taken_mid_request_stops_there(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its headers end with the stream: it must not go on to wait for room (QUEUE_WAIT) as a
+    thread no limit counts."""
+    monkeypatch.setattr(server, "QUEUE_WAIT", 3.0)
+    webhook.server.connections.limit = 1
+    for _ in range(server.MAX_BODIES):  # no room: a request past its headers would wait
+        webhook.server.bodies.acquire()
+    context = ssl.create_default_context(cafile=str(webhook.ca_file))
+    baseline = threading.active_count()
+    try:
+        with context.wrap_socket(socket.create_connection(("127.0.0.1", webhook.port)),
+                                 server_hostname="127.0.0.1") as partial:
+            partial.sendall(b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n")
+            _wait_for(lambda: threading.active_count() == baseline + 1)
+            with socket.create_connection(("127.0.0.1", webhook.port)):  # takes its place
+                _wait_for(lambda: webhook.server.connections.evicted == 1)
+                assert _closed_by_peer(partial)
+                _wait_for(lambda: threading.active_count() == baseline + 1, timeout=1.5)
+    finally:
+        for _ in range(server.MAX_BODIES):
+            webhook.server.bodies.release()
