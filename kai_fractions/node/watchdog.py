@@ -273,6 +273,8 @@ class Watchdog:
         # every process is wasted work; entries go as soon as NVML stops reporting the pid.
         # Enforcement never trusts this cache: `_still_in` reads /proc afresh before acting.
         self._owners: dict[int, PodContainer | bool] = {}
+        self._read_now: set[int] = set()
+        """The pids whose /proc entry this check has read (not from `_owners`)."""
 
     def check(
         self,
@@ -286,14 +288,38 @@ class Watchdog:
         for c in containers:
             if c.key is not None:
                 managed[c.key] = c
+        self._read_now = set()
+        usage, violations, unmanaged = self._account(processes, managed, sm_percent)
+        # A violation is never reported on a cached owner: a pid reused since it was read (by a
+        # process of another container) would count against the wrong one. Rare and cheap:
+        # only the pids of violations are read again.
+        stale = {p for v, _c in violations for p in v.pids} - self._read_now
+        if stale:
+            for pid in stale:
+                self._owners.pop(pid, None)
+            usage, violations, unmanaged = self._account(processes, managed, sm_percent)
+        seen = {proc.pid for procs in processes.values() for proc in procs}
+        self._owners = {pid: o for pid, o in self._owners.items() if pid in seen}
+        actions: list[Action] = []
+        if self.policy == KILL and violations:
+            actions = self._enforce(violations)
+        return WatchdogReport(self.clock.monotonic(), tuple(v for v, _ in violations),
+                              tuple(usage), tuple(actions), tuple(unmanaged))
+
+    def _account(
+        self,
+        processes: Mapping[str, Iterable[GpuProcessLike]],
+        managed: Mapping[tuple[str, str], ManagedContainer],
+        sm_percent: Mapping[int, int] | None,
+    ) -> tuple[list[ContainerUsage], list[tuple[Violation, ManagedContainer]],
+               list[tuple[str, int]]]:
+        """Usage per managed container and GPU, the violations, and the unmanaged processes."""
         # (container key, device) -> [pids, used, unknown]
         found: dict[tuple[tuple[str, str], str], tuple[list[int], list[int], list[int]]] = {}
         devices_of: dict[tuple[str, str], set[str]] = {}
         unmanaged: list[tuple[str, int]] = []
-        seen: set[int] = set()
         for device, procs in processes.items():
             for proc in procs:
-                seen.add(proc.pid)
                 owner = self._owner(proc.pid, cached=True)
                 if owner is None:
                     continue  # vanished while we looked: nothing to account, nothing to touch
@@ -325,13 +351,7 @@ class Watchdog:
                 if cap is not None and sum(used) > cap:
                     violations.append((Violation(c.pod_uid, c.container_name, c.container_id,
                                                  device, sum(used), cap, tuple(pids)), c))
-
-        self._owners = {pid: o for pid, o in self._owners.items() if pid in seen}
-        actions: list[Action] = []
-        if self.policy == KILL and violations:
-            actions = self._enforce(violations)
-        return WatchdogReport(self.clock.monotonic(), tuple(v for v, _ in violations),
-                              tuple(usage), tuple(actions), tuple(unmanaged))
+        return usage, violations, unmanaged
 
     # -------------------------------------------------------------------- mapping
 
@@ -342,6 +362,7 @@ class Watchdog:
         if cached and pid in self._owners:
             return self._owners[pid]
         path = self.procfs.cgroup_path(pid)
+        self._read_now.add(pid)
         if path is None:
             self._owners.pop(pid, None)
             return None

@@ -380,12 +380,21 @@ def test_known_pids_are_not_read_again_and_gone_ones_are_forgotten(proc):
     assert sorted(procfs.reads) == [100, 200, 200]
 
 
-def test_enforcement_reads_proc_afresh_even_for_a_known_pid(proc):
+def test_a_violation_is_judged_on_owners_read_afresh_never_on_the_cache(proc):
+    """A known pid reused by another container's process: the cache would charge container A
+    with its memory; a violation re-reads its pids first, so none is reported or acted on."""
     killer = RecordingKiller()
-    dog = watchdog(proc, "kill", killer)
+    procfs = CountingProcfs(proc.root)
+    dog = Watchdog("kill", procfs, killer, None, Clock())
     dog.check({GPU0: [Proc(100, 500 * MIB)]}, managed())  # 100 known, within its cap
     proc.add(100, cgroupfs(POD_B, CID_B))  # the pid now belongs to pod B
     report = dog.check({GPU0: [Proc(100, 10 * CAP)]}, managed())
-    # Accounting used the known owner, but nothing is done to a pid that is no longer ours.
-    assert killer.killed == []
-    assert [a.outcome for a in report.actions] == ["skipped"]
+    assert report.violations == () and report.actions == () and killer.calls == []
+    assert report.unmanaged == ((GPU0, 100),)
+    assert procfs.reads == [100, 100]  # read once more, for the violation only
+    # a real violation is read once (fresh already) and acted on
+    proc.add(101, systemd(POD_A, CID_A))
+    report = dog.check({GPU0: [Proc(101, 10 * CAP)]}, managed())
+    assert [v.pids for v in report.violations] == [(101,)] and killer.killed == [101]
+    # accounting once (its read was fresh: no second one), then enforcement's own re-checks
+    assert procfs.reads == [100, 100, 101, 101, 101]
