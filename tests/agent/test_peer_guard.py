@@ -3,6 +3,7 @@ a process that connected and exited is never placed by a /proc entry its pid may
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 from pathlib import Path
@@ -44,8 +45,8 @@ def kernel_gives_peer_pidfds() -> bool:
     with a, b:
         try:
             os.close(a.getsockopt(socket.SOL_SOCKET, peer_guard.SO_PEERPIDFD))
-        except OSError:
-            return False
+        except OSError as e:
+            return e.errno != errno.ENOPROTOOPT
     return True
 
 
@@ -55,6 +56,7 @@ def listener(short_tmp: Path):
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen()
+    server.settimeout(10)  # a child that failed to connect must not hang the test
     yield server, path
     server.close()
 
@@ -95,3 +97,27 @@ def test_without_the_kernels_peer_pidfd_the_proc_entry_decides(
         with conn:
             peer = peer_of(conn, proc(tmp_path, os.getpid(), HOST_CGROUP))
     assert (peer.pod, peer.placed) == (None, True)
+
+
+class _PidfdRefused:
+    """A socket as kernels 6.5 to 6.14 answer for a reaped peer: EINVAL for its pidfd."""
+
+    def __init__(self, sock: socket.socket, code: int) -> None:
+        self.sock, self.code = sock, code
+
+    def getsockopt(self, level: int, option: int, *size: int):
+        if option == peer_guard.SO_PEERPIDFD:
+            raise OSError(self.code, os.strerror(self.code))
+        return self.sock.getsockopt(level, option, *size)
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.ESRCH])
+def test_a_kernel_that_refuses_the_pidfd_of_a_reaped_caller_leaves_it_unplaced(
+        listener, tmp_path: Path, code: int) -> None:
+    server, path = listener
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.connect(path)
+        conn, _ = server.accept()
+        with conn:
+            peer = peer_of(_PidfdRefused(conn, code), proc(tmp_path, os.getpid(), HOST_CGROUP))
+    assert peer.placed is False

@@ -15,8 +15,9 @@ read at each call instead, a pod process could connect, fork, exit, and have its
 the inherited connection from a pid that no longer names anything (which read as the host).
 Where the kernel gives the peer's pidfd (SO_PEERPIDFD, Linux 6.5), the process is checked to be
 alive after its cgroup was read: exited, its pid may already name another process (a host
-one), so it is not placed. Older kernels leave that window open: a pid reused between the
-connecting process's exit and the accept.
+one), so it is not placed (nor is one whose pidfd the kernel refuses: reaped already). Older
+kernels leave that window open: a pid reused between the connecting process's exit and the
+accept.
 
 grpcio does not show a call's peer credentials, so the agent owns the public socket itself
 (`Relay`): it reads the peer's credentials when it accepts, then relays the bytes to the gRPC
@@ -29,6 +30,7 @@ table (a root process that connected to the private socket directly) is refused.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -71,9 +73,9 @@ def peer_of(sock: socket.socket, procfs: Procfs) -> Peer:
         return Peer(pid, uid, gid, placed=False)
     try:
         pidfd: int | None = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
-    except ProcessLookupError:
-        return Peer(pid, uid, gid, placed=False)  # reaped already
-    except OSError:
+    except OSError as e:
+        if e.errno != errno.ENOPROTOOPT:  # EINVAL (6.5 to 6.14) or ESRCH: reaped already
+            return Peer(pid, uid, gid, placed=False)
         pidfd = None  # a kernel before 6.5
     try:
         path = procfs.cgroup_path(pid)
