@@ -289,7 +289,7 @@ def write_atomically(target: Path, data: bytes, mode: int) -> None:
     """Replace `target` with `data` so that a reader, or the next boot, sees the old file or
     the new one, never part of one: a temp file in the same directory (named for
     `is_temp_file` when the target is a marker), fsync, rename, fsync of the directory."""
-    prefix = TEMP_PREFIX if target.name == MARKER_FILE else f".{target.name}."
+    prefix = f".{target.name.lstrip('.')}."  # TEMP_PREFIX for a marker
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=TEMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -62,7 +62,8 @@ class ContainerId:
         except ValueError:
             raise ValueError(f"container runtime {scheme!r} (in {value!r}) is not supported; "
                              "supported: " + ", ".join(r.value for r in ContainerRuntime)) from None
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", cid):
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", cid) or cid in (".", ".."):
+            # `.` and `..` would name the pod's cgroup or its parent, not a container's.
             raise ValueError(f"container ID {value!r} has characters a cgroup name cannot hold")
         return cls(runtime, cid)
 

@@ -16,6 +16,7 @@ leaves it `pending` with the reason, and the next `apply` tries again.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from .memory_limits import LimitWrite, MemoryLimitEnforcer
 from .mps.control import displayed_mem_limit
 from .mps.errors import COMMAND_FAILED, NAMESPACE_BUSY, NOT_APPLIED, MpsError
 from .nvml import DeviceInfo, GpuComputeMode, Nvml
+
+log = logging.getLogger(__name__)
 
 # -- the MPS control seam as the engine uses it (kai_fractions.node.mps.control.MpsControl and
 # kai_fractions.node.mps.fake.FakeMpsControl both fit) -------------------------------------------
@@ -220,6 +223,8 @@ class Engine:
         the stale-limit sweep (a pure read cache; `forget()` drops it)."""
         self.ledger = ledger or MemoryLimitLedger()
         self._limited: set[tuple[str, str]] = self.ledger.load()
+        self._saved = frozenset(self._limited)
+        """What the ledger holds: a save that failed is tried again at the next change or pass."""
         """(gpu, cgroup path) where the agent put a limit, or was about to, until it is cleared
         or its cgroup is gone (`kai_fractions.node.limit_ledger`, saved before each write):
         the sweep's proof of ownership for a pod no longer in `DesiredState.owned_pods`. Not
@@ -244,9 +249,9 @@ class Engine:
         here. Dropped by `forget()` (the next apply writes the value again)."""
         self._last: DesiredState | None = None
 
-    def _save_ledger(self, before: set[tuple[str, str]] | None = None) -> list[Issue]:
-        """Saves the claims when they changed (`before`: what was saved; None: unknown)."""
-        if before is not None and before == self._limited:
+    def _save_ledger(self) -> list[Issue]:
+        """Saves the claims when they differ from what the ledger holds."""
+        if self._saved == self._limited:
             return []
         try:
             self.ledger.save(self._limited)
@@ -254,6 +259,7 @@ class Engine:
             return [Issue(LEDGER_NOT_WRITTEN, f"could not record which GPU memory limits the "
                           f"agent set ({e}); after a restart, one of a pod that went meanwhile "
                           "stays until its cgroup is removed")]
+        self._saved = frozenset(self._limited)
         return []
 
     def forget(self) -> None:
@@ -327,7 +333,8 @@ class Engine:
                 except NvmlError as e:
                     self._limited.add((uuid, path))  # the passes after clear it
                     issues.append(_issue(e))
-        issues.extend(self._save_ledger())
+        for issue in self._save_ledger():  # the limits are gone: the next pass saves again
+            log.warning("%s", issue.message)
         # What this engine applied (the webhook's names among them), and the names derived from
         # the pod UID; an admitted name it never applied is left to the next apply's sweep.
         names = [c.mps_namespace for c in mine if c.mps_namespace]
@@ -648,10 +655,11 @@ class _Run:
                     self.leaf_pending.update(keys)
                 continue
             ready.append((t, keys))
-        # Claimed before written: a crash in between leaves a claim, not a stray limit.
-        before = set(self.e._limited)
-        self.e._limited.update((t.gpu_uuid, t.path) for t, _keys in ready)
-        self.issues.extend(self.e._save_ledger(before))
+        # Claimed before written: a crash in between leaves a claim, not a stray limit. A
+        # target no container applies (a refused pod's limit kept as the kernel holds it) is
+        # not claimed: the agent may not have set it.
+        self.e._limited.update((t.gpu_uuid, t.path) for t, keys in ready if keys)
+        self.save_ledger()
         for t, keys in ready:
             try:
                 write = self.e.limits.ensure(t)
@@ -678,7 +686,6 @@ class _Run:
         wanted = {(t.gpu_uuid, t.path) for t in self.d.limits}
         gpus = [d.uuid for d in self.devices.values() if not d.mig_enabled]  # MIG: no limits
         limited = self.e._limited
-        before = set(limited)
         seen: set[str] = set()
         for pc in self.e.layout.scan(self.e.cgroup_fs):
             owned = pc.uid in self.d.owned_pods
@@ -703,7 +710,10 @@ class _Run:
                         self.cleared.append(key)
         # A removed cgroup took its limits with it.
         limited.difference_update([key for key in limited if key[1] not in seen])
-        self.issues.extend(self.e._save_ledger(before))
+        self.save_ledger()
+
+    def save_ledger(self) -> None:
+        self.issues.extend(i for i in self.e._save_ledger() if i not in self.issues)
 
     def sweep_namespaces(self) -> None:
         """Delete MPS namespaces this engine made (by their name's shape) that no desired

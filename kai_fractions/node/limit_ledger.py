@@ -15,6 +15,7 @@ the demo's default).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from collections.abc import Set
 from pathlib import Path
 from typing import Protocol
 
-from ..marker import write_atomically
+from ..marker import TEMP_SUFFIX, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,11 @@ class FileLimitLedger:
         self.boot_id = boot_id
 
     def load(self) -> set[Entry]:
+        """Called as the agent starts, before any save: a temp file of a save that an earlier
+        agent did not finish is removed."""
+        for leftover in self.path.parent.glob(f".{LEDGER_FILE.lstrip('.')}.*{TEMP_SUFFIX}"):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
         try:
             body = json.loads(self.path.read_bytes())
         except FileNotFoundError:

@@ -78,6 +78,9 @@ def test_container_id_parse_and_errors() -> None:
         ContainerId.parse("abc")
     with pytest.raises(ValueError, match="cannot hold"):
         ContainerId.parse("containerd://../../etc")
+    for name in (".", ".."):  # with cgroupfs, the pod's own cgroup or its QoS parent
+        with pytest.raises(ValueError, match="cannot hold"):
+            ContainerId.parse(f"containerd://{name}")
 
 
 def test_pod_uid_must_be_a_uuid() -> None:

@@ -3,15 +3,17 @@ FakeMpsControl): apply / release, idempotence and convergence from any state."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
 import pytest
 
 from kai_fractions.contract import mps_namespace_name
+from kai_fractions.node.agent.signatures import with_kept_limits
 from kai_fractions.node.cgroups import HostCgroupFs
 from kai_fractions.node.config import Mechanism, NodeConfig
-from kai_fractions.node.desired import ContainerKey, NodePod, plan_node
+from kai_fractions.node.desired import ContainerKey, LimitTarget, NodePod, plan_node
 from kai_fractions.node.engine import (
     CGROUP_NOT_FOUND,
     MPS_UNAVAILABLE,
@@ -393,16 +395,52 @@ def test_a_clear_that_failed_is_still_claimed_after_a_restart(node: Node) -> Non
     assert all(path.startswith(node.slice(UID_A)) for _gpu, path in node.ledger.entries)
 
 
-def test_a_record_that_cannot_be_saved_is_an_issue_and_the_limits_still_apply(
-        node: Node) -> None:
+def test_a_limit_kept_as_the_kernel_holds_it_is_not_claimed(node: Node) -> None:
+    """A refused pod's limit is kept as it is (the agent may not have set it: the toolkit may
+    have): it stays out of the record, so a later agent never clears it as its own."""
+    plain = node_pod(UID_B, name="p-b", container_ids={"main": CID_B}, notes={})
+    make_cgroups(node.root, node.config.layout, [plain])
+    node.nvml.set_memory_limits(GPU1, node.slice(UID_B), GIB, 2 * GIB)  # the toolkit's
+    kept = LimitTarget(GPU1, node.slice(UID_B), GIB, 2 * GIB, UID_B, None)
+    desired = dataclasses.replace(with_kept_limits(node.desired(plain), ((kept,), frozenset())),
+                                  owned_pods=frozenset({UID_B}))
+    assert node.engine.apply(desired).writes == ()
+    assert node.ledger.entries == set()
+    node.engine = node.new_engine()
+    assert node.apply(plain).cleared == ()
+    assert node.nvml.get_memory_limits(GPU1, node.slice(UID_B)).hard == 2 * GIB
+
+
+def test_a_record_that_cannot_be_saved_is_an_issue_until_it_is_saved(node: Node) -> None:
+    save = node.ledger.save
+
     def failing(entries):
         raise PermissionError("read-only file system")
 
     node.ledger.save = failing
-    report = node.apply(ts_pod())
-    assert report.containers[(UID_B, "main")].state is ContainerState.APPLIED
-    [issue] = report.issues
-    assert issue.reason == LEDGER_NOT_WRITTEN and "read-only file system" in issue.message
+    for _ in range(2):  # tried again at every pass, not only when the claims change
+        report = node.apply(ts_pod())
+        assert report.containers[(UID_B, "main")].state is ContainerState.APPLIED
+        [issue] = report.issues
+        assert issue.reason == LEDGER_NOT_WRITTEN and "read-only file system" in issue.message
+    node.ledger.save = save
+    assert node.apply(ts_pod()).issues == ()
+    assert node.ledger.entries == {(GPU1, node.slice(UID_B)), (GPU1, node.leaf(UID_B, CID_B))}
+
+
+def test_a_release_whose_record_cannot_be_saved_still_succeeds(node: Node) -> None:
+    """Its limits are gone: the record catches up at the next pass."""
+    node.apply(ts_pod())
+
+    def failing(entries):
+        raise PermissionError("read-only file system")
+
+    save, node.ledger.save = node.ledger.save, failing
+    report = node.engine.release(UID_B)
+    assert len(report.cleared) == 2 and report.issues == ()
+    node.ledger.save = save
+    node.apply()
+    assert node.ledger.entries == set()
 
 
 def test_mps_daemon_restart_recreates_the_namespace(node: Node) -> None:

@@ -49,3 +49,11 @@ def test_a_record_that_cannot_be_written_raises_os_error(tmp_path: Path) -> None
     (tmp_path / "file").write_text("")
     with pytest.raises(OSError):
         FileLimitLedger(tmp_path / "file", "boot-1").save(ENTRIES)
+
+
+def test_a_save_an_earlier_agent_did_not_finish_leaves_nothing_behind(tmp_path: Path) -> None:
+    FileLimitLedger(tmp_path, "boot-1").save(ENTRIES)
+    (tmp_path / ".limits.json.k_hr5ip1.tmp").write_text('{"boot_id": "boot-1", "lim')
+    (tmp_path / ".marker.json.abc.tmp").write_text("")  # not the ledger's: left alone
+    assert FileLimitLedger(tmp_path, "boot-1").load() == ENTRIES
+    assert sorted(os.listdir(tmp_path)) == [".limits.json", ".marker.json.abc.tmp"]
