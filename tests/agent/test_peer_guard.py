@@ -7,6 +7,7 @@ import errno
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,13 +62,19 @@ def listener(short_tmp: Path):
     server.close()
 
 
-def test_a_live_caller_is_placed_by_its_cgroup(listener, tmp_path: Path) -> None:
+def peer_of_this_process(listener, procfs: Procfs, wrap: Any = lambda conn: conn
+                         ) -> peer_guard.Peer:
+    """`peer_of` a connection this (live) process made, as the agent accepts it."""
     server, path = listener
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
         client.connect(path)
         conn, _ = server.accept()
         with conn:
-            peer = peer_of(conn, proc(tmp_path, os.getpid(), POD_CGROUP))
+            return peer_of(wrap(conn), procfs)
+
+
+def test_a_live_caller_is_placed_by_its_cgroup(listener, tmp_path: Path) -> None:
+    peer = peer_of_this_process(listener, proc(tmp_path, os.getpid(), POD_CGROUP))
     assert (peer.pid, peer.pod, peer.placed) == (os.getpid(), POD, True)
 
 
@@ -90,12 +97,7 @@ def test_without_the_kernels_peer_pidfd_the_proc_entry_decides(
     """Kernels before 6.5 (no SO_PEERPIDFD): the window of a reused pid stays open, as the
     module says; a live caller is still placed."""
     monkeypatch.setattr(peer_guard, "SO_PEERPIDFD", 0x7FFF)  # an option no kernel has
-    server, path = listener
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-        client.connect(path)
-        conn, _ = server.accept()
-        with conn:
-            peer = peer_of(conn, proc(tmp_path, os.getpid(), HOST_CGROUP))
+    peer = peer_of_this_process(listener, proc(tmp_path, os.getpid(), HOST_CGROUP))
     assert (peer.pod, peer.placed) == (None, True)
 
 
@@ -114,10 +116,6 @@ class _PidfdRefused:
 @pytest.mark.parametrize("code", [errno.EINVAL, errno.ESRCH])
 def test_a_kernel_that_refuses_the_pidfd_of_a_reaped_caller_leaves_it_unplaced(
         listener, tmp_path: Path, code: int) -> None:
-    server, path = listener
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-        client.connect(path)
-        conn, _ = server.accept()
-        with conn:
-            peer = peer_of(_PidfdRefused(conn, code), proc(tmp_path, os.getpid(), HOST_CGROUP))
+    peer = peer_of_this_process(listener, proc(tmp_path, os.getpid(), HOST_CGROUP),
+                                lambda conn: _PidfdRefused(conn, code))
     assert peer.placed is False
