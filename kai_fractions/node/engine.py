@@ -223,12 +223,12 @@ class Engine:
         the stale-limit sweep (a pure read cache; `forget()` drops it)."""
         self.ledger = ledger or MemoryLimitLedger()
         self._limited: set[tuple[str, str]] = self.ledger.load()
-        self._saved = frozenset(self._limited)
-        """What the ledger holds: a save that failed is tried again at the next change or pass."""
         """(gpu, cgroup path) where the agent put a limit, or was about to, until it is cleared
         or its cgroup is gone (`kai_fractions.node.limit_ledger`, saved before each write):
         the sweep's proof of ownership for a pod no longer in `DesiredState.owned_pods`. Not
         a cache: `forget()` keeps it."""
+        self._saved = frozenset(self._limited)
+        """What the ledger holds: a save that failed is tried again at the next change or pass."""
         self._atp: dict[str, int] = {}
         """Active-thread percentage this engine set per MPS namespace. MPS fixes it when the
         first client attaches, so with clients attached it is the one in force: kept by
