@@ -9,8 +9,8 @@ it is cleared or its cgroup is gone, so a crash in between leaves a claim, never
 answers for.
 
 `FileLimitLedger` is the real seam (a JSON file beside the markers, for this boot only: a
-reboot takes the limits with it); `MemoryLimitLedger` keeps nothing past the process (tests and
-the demo's default).
+reboot takes the limits with it), which the node agent uses; `MemoryLimitLedger` keeps nothing
+past the process (an engine given no ledger, as the engine's tests build it).
 """
 
 from __future__ import annotations
