@@ -234,9 +234,14 @@ def test_a_peer_that_reads_its_answers_slowly_is_waited_on_and_can_make_way(
     flooding = threading.Thread(target=lambda: _quietly(
         slow.sendall, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 60_000), daemon=True)
     flooding.start()
+    def write_blocked() -> bool:
+        """The server's answers filled the socket's buffers: its write has not moved for a
+        while (each answer's write marks the connection again)."""
+        [(waiting, since)] = webhook.server.connections._open.values()
+        return waiting and time.monotonic() - since > 0.5
+
     try:
-        time.sleep(1.0)  # the server's answers fill the socket's buffers: its write blocks
-        assert [waiting for waiting, _ in webhook.server.connections._open.values()] == [True]
+        _wait_for(write_blocked, timeout=30)
         assert send(webhook, review(pod()))[0] == 200
         assert webhook.server.connections.evicted == 1 and webhook.server.connections.refused == 0
     finally:
