@@ -14,8 +14,8 @@ import stat
 import pytest
 
 from kai_fractions.node.nvml import PynvmlNvml
-from tests.faults.test_agent_process_faults import GIB, Node
-from tests.support.agent_process import GPU0, H100_MIB, AgentEnv, wait_for
+from tests.faults.test_agent_process_faults import GIB, one_pod_applied
+from tests.support.agent_process import GPU0, AgentEnv, wait_for
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 
@@ -23,12 +23,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.integration]
 def test_the_agent_clears_its_own_limits_and_no_one_elses(
         agent_env: AgentEnv, monkeypatch: pytest.MonkeyPatch) -> None:
     env = agent_env
-    env.nvml.add_gpu(GPU0, memory_mib=H100_MIB)
-    env.create_node()
-    node = Node(env)
-    run = env.start(sm_sharing=False)
-    ours = node.create()
-    node.wait_converged(run)
+    node, run, ours = one_pod_applied(env)
     record = env.marker_dir / ".limits.json"
     assert stat.S_IMODE(os.stat(record).st_mode) == 0o600
     _name, _slice, leaf = node.live[ours]

@@ -148,14 +148,21 @@ class Node:
         assert leaked == [], f"limits left on the cgroups of deleted pods: {leaked}"
 
 
-def test_nvml_errors_mid_reconcile_delay_but_never_fake_readiness(agent_env: AgentEnv):
-    env = agent_env
+def one_pod_applied(env: AgentEnv) -> tuple[Node, AgentRun, str]:
+    """A node with one GPU, its agent (time-slicing only) started, and one fractional pod whose
+    limits it applied."""
     env.nvml.add_gpu(GPU0, memory_mib=H100_MIB)
     env.create_node()
     node = Node(env)
     run = env.start(sm_sharing=False)
-    first = node.create()
+    uid = node.create()
     node.wait_converged(run)
+    return node, run, uid
+
+
+def test_nvml_errors_mid_reconcile_delay_but_never_fake_readiness(agent_env: AgentEnv):
+    env = agent_env
+    node, run, first = one_pod_applied(env)
     # NVML starts refusing limit writes (and so clears): a new pod cannot be limited, the gone
     # one cannot be released yet
     error = env.nvml.inject_error("nvmlDeviceSetMemoryLimits_v1", NVML_ERROR_NO_PERMISSION)
@@ -178,12 +185,7 @@ def test_nvml_errors_mid_reconcile_delay_but_never_fake_readiness(agent_env: Age
 
 def test_nvml_failing_a_few_times_mid_reconcile_then_recovering(agent_env: AgentEnv):
     env = agent_env
-    env.nvml.add_gpu(GPU0, memory_mib=H100_MIB)
-    env.create_node()
-    node = Node(env)
-    run = env.start(sm_sharing=False)
-    node.create()
-    node.wait_converged(run)
+    node, run, _uid = one_pod_applied(env)
     error = env.nvml.inject_error("nvmlDeviceGetMemoryLimits_v1", NVML_ERROR_UNKNOWN, times=3)
     node.create()
     node.wait_converged(run)
