@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
-from .nvml import DeviceInfo, Nvml
+from .nvml import DeviceInfo, GpuComputeMode, Nvml
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,16 @@ class Inventory:
     @property
     def uuids(self) -> tuple[str, ...]:
         return tuple(d.uuid for d in self.devices)
+
+    def with_compute_modes(self, modes: Iterable[tuple[str, GpuComputeMode]]) -> Inventory:
+        """This inventory with the compute modes an apply set since it was taken, so that what
+        the agent reports is the mode in force, not the one it replaced."""
+        by_uuid = dict(modes)
+        if not by_uuid:
+            return self
+        return replace(self, devices=tuple(
+            replace(d, compute_mode=by_uuid[d.uuid]) if d.uuid in by_uuid else d
+            for d in self.devices))
 
 
 def take_inventory(nvml: Nvml, *, mps_namespaces: bool | None = None) -> Inventory:

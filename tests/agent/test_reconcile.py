@@ -15,6 +15,7 @@ from kai_fractions.contract import DEFAULT_KEYS
 from kai_fractions.gate.check import Outcome, judge
 from kai_fractions.marker import TEMP_PREFIX, TEMP_SUFFIX, read_marker
 from kai_fractions.node.agent.agent import NodeAgent
+from kai_fractions.node.agent.grpc_service import node_state
 from kai_fractions.node.errors import NodeError
 from kai_fractions.node.nvml import MEMORY_LIMIT_MAX
 
@@ -429,6 +430,17 @@ def test_nvml_breaking_after_apply_reports_pending_and_keeps_the_marker(
 
 
 # -- MPS --------------------------------------------------------------------------------------
+
+
+def test_the_node_state_shows_the_compute_mode_the_same_pass_set(short_tmp: Path) -> None:
+    """The inventory is read before the apply switches a GPU to EXCLUSIVE_PROCESS; GetNodeState
+    must not show the mode it replaced until some later pass reads it again."""
+    rig = Rig(short_tmp)
+    add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    assert rig.step().converged
+    state = node_state(rig.reconciler.view, "node-a", None, "Ready")
+    assert [(d.uuid, d.compute_mode) for d in state.devices] == [
+        (rig.gpu0, "ExclusiveProcess"), (rig.gpu1, "Default")]
 
 
 def test_mps_daemon_restart_reapplies_and_is_counted(short_tmp: Path) -> None:

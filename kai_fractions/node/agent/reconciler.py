@@ -191,6 +191,7 @@ class Reconciler:
         self.markers.tidy(set(live), None, **tidy)
 
         report = self.engine.apply(desired, mps_down=mps_error)
+        inventory = inventory.with_compute_modes(report.compute_modes_set)
         errors.update(i.reason for i in report.issues)
         results = dict(report.containers)
         if self.links is not None:
