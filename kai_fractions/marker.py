@@ -43,6 +43,8 @@ FILE_MODE = 0o644
 TEMP_PREFIX = f".{MARKER_FILE}."
 TEMP_SUFFIX = ".tmp"
 """`write_marker`'s temp files: `.marker.json.<random>.tmp` in the pod's directory."""
+GONE_PREFIX = ".gone."
+"""`remove_marker` renames a gone pod's directory `.gone.<uid>` before it empties it."""
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _REASON = re.compile(r"[A-Z][A-Za-z0-9]*")
@@ -311,15 +313,43 @@ def is_temp_file(name: str) -> bool:
 
 
 def remove_marker(root: str | os.PathLike[str], pod_uid: str) -> bool:
-    """Remove a gone pod's directory (the marker and any temp file); False when absent."""
+    """Remove a gone pod's directory (the marker and any temp file); False when absent.
+
+    It is renamed out of the pod's name before it is emptied: a remover killed half way
+    (an agent's SIGKILL, say) must not leave an empty `<uid>` directory, which looks like the
+    one the kubelet makes for a new pod and is kept for the agent's grace period. What it
+    leaves is a `GONE_PREFIX` directory, which `remove_leftovers` removes."""
     pod_dir = pod_marker_dir(root, pod_uid)
+    grave = pod_dir.with_name(GONE_PREFIX + pod_dir.name)
+    _remove_dir(grave)  # an earlier removal's leftover: a rename replaces only an empty one
     try:
-        entries = list(pod_dir.iterdir())
+        os.rename(pod_dir, grave)
     except FileNotFoundError:
         return False
-    for entry in entries:
-        with contextlib.suppress(FileNotFoundError):
-            entry.unlink()
-    with contextlib.suppress(FileNotFoundError):
-        pod_dir.rmdir()
+    _remove_dir(grave)
     return True
+
+
+def remove_leftovers(root: str | os.PathLike[str]) -> list[str]:
+    """Remove the directories removals cut short left under `root`; returns their names."""
+    try:
+        names = [e.name for e in os.scandir(root)
+                 if e.name.startswith(GONE_PREFIX) and e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for name in names:
+        _remove_dir(Path(root) / name)
+    return names
+
+
+def _remove_dir(path: Path) -> None:
+    """A pod directory holds files only (the marker, temp files)."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path / name)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(path)

@@ -6,6 +6,7 @@ Annotation keys are written out literally (never built from kai_fractions' key h
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -86,6 +87,18 @@ class Rig:
                                mps=self.mps if sm_sharing else None, procfs=None,
                                killer=self.killer)
         self.reconciler = self.agent.reconciler
+
+    def restarted(self, killer: RecordingKiller | None = None) -> Rig:
+        """A new agent over the same cluster, GPUs, cgroup tree, MPS daemon, /proc and marker
+        directory: it remembers nothing, only what those say."""
+        new = copy.copy(self)
+        new.killer = killer or self.killer
+        new.agent = NodeAgent(config=self.config, options=self.options, nvml=self.nvml,
+                              cgroup_fs=self.cgroups, source=self.cluster, cluster=self.cluster,
+                              mps=self.mps if self.config.sm_sharing else None, procfs=None,
+                              killer=new.killer)
+        new.reconciler = new.agent.reconciler
+        return new
 
     # -- driving ------------------------------------------------------------------------------
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from kai_fractions.node.agent.agent import NodeAgent
 from kai_fractions.node.nvml import GpuComputeMode
 from kai_fractions.sim.killer import RecordingKiller
 
@@ -28,16 +27,7 @@ KEEPS = ("the change is refused and the applied plan (memory request 10240 MiB, 
 
 
 def restarted(rig: Rig) -> Rig:
-    """A new agent over the same cluster, GPUs, cgroup tree, MPS daemon, /proc and marker
-    directory: nothing it remembers, only what those say."""
-    fresh = copy.copy(rig)
-    fresh.killer = RecordingKiller()
-    fresh.agent = NodeAgent(config=rig.config, options=rig.options, nvml=rig.nvml,
-                            cgroup_fs=rig.cgroups, source=rig.cluster, cluster=rig.cluster,
-                            mps=rig.mps if rig.config.sm_sharing else None, procfs=None,
-                            killer=fresh.killer)
-    fresh.reconciler = fresh.agent.reconciler
-    return fresh
+    return rig.restarted(killer=RecordingKiller())
 
 
 def edit(rig: Rig, uid: str, **notes: str | None) -> None:

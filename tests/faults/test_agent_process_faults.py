@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kai_fractions.marker import GONE_PREFIX
 from tests.support.agent_process import GPU0, H100_MIB, AgentEnv, AgentRun, wait_for
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
@@ -82,6 +83,8 @@ class Node:
     def markers(self) -> dict[str, dict[str, Any]]:
         out = {}
         for path in self.env.marker_dir.glob("*/marker.json"):
+            if path.parent.name.startswith(GONE_PREFIX):
+                continue  # a gone pod's, on its way out: no gate reads it there
             try:
                 out[path.parent.name] = json.loads(path.read_text())
             except (OSError, ValueError):  # replaced under us: read again next time
@@ -143,7 +146,11 @@ class Node:
         def check() -> bool:
             assert self.ready_without_limits() == [], "a marker vouches for missing limits"
             return self.applied_by(run) == len(self.live) and self.converged()
-        wait_for(check, run=run, timeout=timeout, what=f"convergence on {sorted(self.live)}")
+        try:
+            wait_for(check, run=run, timeout=timeout,
+                     what=f"convergence on {sorted(self.live)}")
+        except AssertionError as e:  # CI shows a failure's first lines: both sides go first
+            raise AssertionError(f"{self.describe()}\n{e}") from None
         leaked = [p for pair in self.gone.values() for p in pair if str(p) in self.limits()]
         assert leaked == [], f"limits left on the cgroups of deleted pods: {leaked}"
 

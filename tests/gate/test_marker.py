@@ -13,6 +13,7 @@ import pytest
 from kai_fractions import marker as m
 from kai_fractions.marker import (
     BOOT_ID_PATH,
+    GONE_PREFIX,
     ContainerMarker,
     Marker,
     MarkerError,
@@ -20,6 +21,7 @@ from kai_fractions.marker import (
     parse_marker,
     read_boot_id,
     read_marker,
+    remove_leftovers,
     remove_marker,
     write_marker,
 )
@@ -160,6 +162,41 @@ def test_remove_marker_deletes_the_pod_directory(tmp_path: Path) -> None:
     assert remove_marker(tmp_path, UID) is True
     assert not (tmp_path / UID).exists()
     assert remove_marker(tmp_path, UID) is False
+
+
+class Killed(BaseException):
+    """The remover's process dies here (nothing after it runs)."""
+
+
+def test_a_removal_cut_short_leaves_no_directory_that_looks_like_a_new_pods(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent SIGKILLed between emptying a gone pod's directory and removing it left an empty
+    `<uid>` directory: the agent keeps such a one for its grace period (the kubelet makes it for
+    a new pod), so the node stayed untidy for ten minutes (CI caught it in the agent-process
+    fault test). The directory leaves the pod's name first."""
+    write_marker(tmp_path, sample())
+
+    def killed(path: object) -> None:
+        raise Killed
+
+    monkeypatch.setattr(os, "rmdir", killed)
+    with pytest.raises(Killed):
+        remove_marker(tmp_path, UID)
+    monkeypatch.undo()
+    assert not (tmp_path / UID).exists()
+    assert read_marker(tmp_path / UID) is None
+    assert remove_leftovers(tmp_path) == [GONE_PREFIX + UID]
+    assert os.listdir(tmp_path) == []
+    assert remove_leftovers(tmp_path) == []
+
+
+def test_a_leftover_of_the_same_pod_does_not_stop_its_removal(tmp_path: Path) -> None:
+    write_marker(tmp_path, sample())
+    grave = tmp_path / (GONE_PREFIX + UID)
+    grave.mkdir()
+    (grave / "marker.json").write_text("{}")
+    assert remove_marker(tmp_path, UID) is True
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("uid", ["", "../etc", "a/b", ".hidden"])

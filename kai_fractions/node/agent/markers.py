@@ -49,6 +49,7 @@ from ...marker import (
     is_temp_file,
     pod_marker_dir,
     read_marker,
+    remove_leftovers,
     remove_marker,
     write_marker,
 )
@@ -239,6 +240,10 @@ class MarkerStore:
             if self.remove_pod(uid):
                 log.info("removed the marker directory of pod %s (no such pod on this node)",
                          uid)
+        with contextlib.suppress(OSError):
+            for name in remove_leftovers(self.root):
+                log.info("removed %s, left by a removal of a gone pod's marker directory that "
+                         "was cut short", name)
         if fractional is None:
             return
         for uid in live - fractional:
