@@ -1,6 +1,9 @@
 """What `/proc` says about a process: its pod and container (from its cgroup), whether it still
 runs, and who holds a file lock. The root is configurable so tests use a fake tree.
 
+A pin (`Procfs.pin`) holds a process by its pidfd, so that a later look tells it from another
+process that reuses its pid.
+
 A process's cgroup is the `0::` line of `/proc/<pid>/cgroup` (cgroup v2). Kubernetes layouts:
 - systemd driver: `/kubepods.slice/kubepods-<qos>.slice/kubepods-<qos>-pod<uid_with_underscores>
   .slice/<runtime>-<id>.scope` (guaranteed pods have no qos level), runtime `cri-containerd`,
@@ -11,10 +14,13 @@ Anything else (host services, user sessions, other orchestrators) belongs to no 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import select
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +99,71 @@ def normalize_container_id(container_id: str) -> str:
     return container_id.split("://", 1)[-1].strip().lower()
 
 
+class Pin(Protocol):
+    def exited(self) -> bool:
+        """Whether the pinned process has exited (its pid may be another process's now)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class PidfdPin:
+    """A process held by its pidfd, which turns readable once it exits (reaped or not)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self._poller = select.poll()
+        self._poller.register(fd, select.POLLIN)
+
+    def exited(self) -> bool:
+        return bool(self._poller.poll(0))
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    __del__ = close
+
+
+class Unpinned:
+    """No pidfd to hold: never says exited, so what was read of the pid is trusted as before."""
+
+    def exited(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+UNPINNED = Unpinned()
+
+
 class Procfs:
     def __init__(self, root: str | os.PathLike[str] = "/proc"):
         self.root = Path(root)
+
+    @functools.cached_property
+    def own_pid_namespace(self) -> bool:
+        """Whether the root is a /proc of this process's pid namespace (the agent's own, or the
+        host's with hostPID): only then are its pids the ones `pidfd_open` takes. A fake tree
+        (tests, the demo's simulated node) is not."""
+        try:
+            return os.readlink(self.root / "self") == str(os.getpid())
+        except OSError:
+            return False
+
+    def pin(self, pid: int) -> Pin | None:
+        """Holds the process that has `pid` now; None when no process has it. `UNPINNED` where
+        the root is not of this pid namespace, or the kernel has no pidfds (before 5.3)."""
+        if not self.own_pid_namespace:
+            return UNPINNED
+        try:
+            return PidfdPin(os.pidfd_open(pid))
+        except ProcessLookupError:
+            return None
+        except OSError:
+            return UNPINNED
 
     def _read(self, *parts: str) -> str | None:
         try:

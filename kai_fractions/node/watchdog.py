@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from kai_fractions.contract import MIB
 from .mps import errors as mps_errors
 from .mps.daemon import Clock, SystemClock
 from .mps.errors import MpsError
-from .procfs import PodContainer, Procfs, normalize_container_id, parse_cgroup_path
+from .procfs import PidfdPin, Pin, PodContainer, Procfs, normalize_container_id, parse_cgroup_path
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +198,7 @@ class SignalKiller:
         if pid <= 1 or pid == os.getpid():
             return SKIPPED
         try:
-            fd = os.pidfd_open(pid)
+            pin = PidfdPin(os.pidfd_open(pid))
         except ProcessLookupError:
             return GONE
         except OSError as exc:
@@ -208,16 +207,16 @@ class SignalKiller:
         try:
             if not still_ours():
                 return SKIPPED
-            if not self._signal(fd, signal.SIGTERM):
+            if not self._signal(pin.fd, signal.SIGTERM):
                 return GONE
-            if self._wait_exit(fd):
+            if self._wait_exit(pin):
                 return TERMINATED
-            if not self._signal(fd, signal.SIGKILL):
+            if not self._signal(pin.fd, signal.SIGKILL):
                 return TERMINATED
-            self._wait_exit(fd)
+            self._wait_exit(pin)
             return KILLED
         finally:
-            os.close(fd)
+            pin.close()
 
     @staticmethod
     def _signal(fd: int, sig: int) -> bool:
@@ -227,12 +226,10 @@ class SignalKiller:
             return False
         return True
 
-    def _wait_exit(self, fd: int) -> bool:
-        """True once the process exited (a pidfd turns readable then, reaped or not)."""
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
+    def _wait_exit(self, pin: PidfdPin) -> bool:
+        """True once the process exited within the grace period."""
         deadline = self.clock.monotonic() + self.grace
-        while not poller.poll(0):
+        while not pin.exited():
             if self.clock.monotonic() >= deadline:
                 return False
             self.clock.sleep(self.poll_interval)
@@ -268,11 +265,13 @@ class Watchdog:
         self.killer = killer
         self.mps = mps_control
         self.clock: Clock = clock or SystemClock()
-        # pid -> owner, for the pids NVML reported in the last check. A GPU process keeps its
-        # pid (and cgroup) for its lifetime, so re-reading /proc/<pid>/cgroup every second for
-        # every process is wasted work; entries go as soon as NVML stops reporting the pid.
-        # Enforcement never trusts this cache: `_still_in` reads /proc afresh before acting.
-        self._owners: dict[int, PodContainer | bool] = {}
+        # pid -> (owner, pin), for the pids NVML reported in the last check. A GPU process keeps
+        # its pid (and cgroup) for its lifetime, so re-reading /proc/<pid>/cgroup every second
+        # for every process is wasted work; entries go as soon as NVML stops reporting the pid,
+        # or their pin says the process exited (its pid may be another's now, listed by NVML
+        # in the same place). Enforcement never trusts this cache: `_still_in` reads /proc
+        # afresh before acting.
+        self._owners: dict[int, tuple[PodContainer | bool, Pin]] = {}
         self._read_now: set[int] = set()
         """The pids whose /proc entry this check has read (not from `_owners`)."""
 
@@ -296,10 +295,11 @@ class Watchdog:
         stale = {p for v, _c in violations for p in v.pids} - self._read_now
         if stale:
             for pid in stale:
-                self._owners.pop(pid, None)
+                self._forget(pid)
             usage, violations, unmanaged = self._account(processes, managed, sm_percent)
         seen = {proc.pid for procs in processes.values() for proc in procs}
-        self._owners = {pid: o for pid, o in self._owners.items() if pid in seen}
+        for pid in [pid for pid in self._owners if pid not in seen]:
+            self._forget(pid)
         actions: list[Action] = []
         if self.policy == KILL and violations:
             actions = self._enforce(violations)
@@ -359,16 +359,26 @@ class Watchdog:
         """The pod/container of `pid`; False for a live process of no pod; None if it is gone."""
         if pid <= 1 or pid == os.getpid():
             return False
-        if cached and pid in self._owners:
-            return self._owners[pid]
-        path = self.procfs.cgroup_path(pid)
+        entry = self._owners.get(pid)
+        if cached and entry is not None and not entry[1].exited():
+            return entry[0]
+        self._forget(pid)
         self._read_now.add(pid)
-        if path is None:
-            self._owners.pop(pid, None)
+        # Pinned before the read, alive after it: the cgroup read is the pinned process's.
+        pin = self.procfs.pin(pid)
+        path = None if pin is None else self.procfs.cgroup_path(pid)
+        if pin is None or path is None or pin.exited():
+            if pin is not None:
+                pin.close()
             return None
         owner = parse_cgroup_path(path) or False
-        self._owners[pid] = owner
+        self._owners[pid] = (owner, pin)
         return owner
+
+    def _forget(self, pid: int) -> None:
+        entry = self._owners.pop(pid, None)
+        if entry is not None:
+            entry[1].close()
 
     @staticmethod
     def _managed(owner: PodContainer | bool,

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 
 from kai_fractions.node.procfs import (
+    UNPINNED,
+    PidfdPin,
     PodContainer,
     Procfs,
     cgroup_v2_path,
@@ -139,3 +146,34 @@ def test_real_proc_of_this_process():
     fs = Procfs()
     assert fs.is_alive(os.getpid())
     assert fs.cgroup_path(os.getpid()) is not None
+
+
+def test_a_pin_holds_the_process_not_its_pid() -> None:
+    """A pidfd turns readable once its process exits, reaped or not: what lets the watchdog
+    tell the process it read from one that takes its pid later."""
+    procfs = Procfs("/proc")
+    assert procfs.own_pid_namespace
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        pin = procfs.pin(child.pid)
+        assert isinstance(pin, PidfdPin) and not pin.exited()
+        child.kill()
+        deadline = time.monotonic() + 10
+        while not pin.exited():  # a zombie, not reaped yet
+            assert time.monotonic() < deadline, "the pin never said the process exited"
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait()
+    assert pin.exited()
+    pin.close()
+    pin.close()  # twice is harmless
+    assert procfs.pin(child.pid) is None  # reaped: no process has the pid
+
+
+def test_a_tree_of_another_pid_namespace_pins_nothing(tmp_path) -> None:
+    """Its pids are not the ones pidfd_open takes (a fake tree, the demo's simulated node):
+    a pin there never says exited, and the watchdog trusts what it read as before."""
+    procfs = Procfs(tmp_path)
+    assert not procfs.own_pid_namespace
+    assert procfs.pin(os.getpid()) is UNPINNED and not UNPINNED.exited()

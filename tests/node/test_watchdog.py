@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -398,3 +399,90 @@ def test_a_violation_is_judged_on_owners_read_afresh_never_on_the_cache(proc):
     assert [v.pids for v in report.violations] == [(101,)] and killer.killed == [101]
     # accounting once (its read was fresh: no second one), then enforcement's own re-checks
     assert procfs.reads == [100, 100, 101, 101, 101]
+
+
+class FakePin:
+    def __init__(self, exited: Callable[[], bool]):
+        self._exited = exited
+        self.closed = False
+
+    def exited(self) -> bool:
+        return self._exited()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class PinningProcfs(CountingProcfs):
+    """Pins as the kernel keeps them (`Procfs.pin` over a pidfd): when a new process takes a
+    pid (`reuse`), the pins of the one before say it exited."""
+
+    def __init__(self, root, proc: FakeProc):
+        super().__init__(root)
+        self.proc = proc
+        self.born: dict[int, int] = {}
+        self.pins: list[FakePin] = []
+        self.reuse_on_read: dict[int, str] = {}
+
+    def reuse(self, pid: int, cgroup: str) -> None:
+        self.born[pid] = self.born.get(pid, 0) + 1
+        self.proc.add(pid, cgroup)
+
+    def pin(self, pid):
+        if not (self.root / str(pid)).exists():
+            return None
+        born = self.born.get(pid, 0)
+        pin = FakePin(lambda: self.born.get(pid, 0) != born)
+        self.pins.append(pin)
+        return pin
+
+    def cgroup_path(self, pid):
+        path = super().cgroup_path(pid)
+        if pid in self.reuse_on_read:  # the process exits as it is read; another takes the pid
+            self.reuse(pid, self.reuse_on_read.pop(pid))
+        return path
+
+
+CAP_B = 512 * MIB
+
+
+def a_and_b() -> list[ManagedContainer]:
+    return [*managed(),
+            ManagedContainer.uniform(POD_B, "b", f"containerd://{CID_B}", CAP_B, [GPU0])]
+
+
+def test_a_pid_reused_under_a_cached_owner_is_charged_to_its_new_one(proc):
+    """Container A's process 100 is known, within A's cap. It exits, and before the next check
+    a process of container B takes pid 100 and uses more than B's (smaller) cap. Charged to A
+    from the cache, it stays under A's cap and B's violation goes unseen for as long as NVML
+    lists the pid; the pin taken when 100 was read says A's process exited, so it is read
+    again and B's violation is reported."""
+    procfs = PinningProcfs(proc.root, proc)
+    dog = Watchdog("report", procfs, RecordingKiller(), None, Clock())
+    assert dog.check({GPU0: [Proc(100, 500 * MIB)]}, a_and_b()).violations == ()
+    procfs.reuse(100, systemd(POD_B, CID_B))
+    report = dog.check({GPU0: [Proc(100, 800 * MIB)]}, a_and_b())
+    assert [(v.pod_uid, v.used_bytes, v.pids) for v in report.violations] == [
+        (POD_B, 800 * MIB, (100,))]
+    assert procfs.reads == [100, 100]
+    assert procfs.pins[0].closed and not procfs.pins[1].closed
+    # the same process next check, within B's cap: from the cache, no read
+    report = dog.check({GPU0: [Proc(100, 300 * MIB)]}, a_and_b())
+    assert [(u.pod_uid, u.used_bytes) for u in report.usage] == [(POD_A, 0), (POD_B, 300 * MIB)]
+    assert procfs.reads == [100, 100]
+    dog.check({}, a_and_b())  # off the GPU: forgotten, its pin closed
+    assert procfs.pins[1].closed
+
+
+def test_a_pid_reused_while_its_cgroup_is_read_is_charged_to_no_one(proc):
+    """The read may be of the process that took the pid after the pin: the pin held the one
+    before, so the read is not trusted and the pid counts as gone for this check."""
+    procfs = PinningProcfs(proc.root, proc)
+    procfs.reuse_on_read[100] = systemd(POD_B, CID_B)
+    dog = Watchdog("report", procfs, RecordingKiller(), None, Clock())
+    report = dog.check({GPU0: [Proc(100, 10 * CAP)]}, a_and_b())
+    assert report.violations == () and report.unmanaged == ()
+    assert [(u.pod_uid, u.used_bytes) for u in report.usage] == [(POD_A, 0), (POD_B, 0)]
+    assert procfs.pins[0].closed
+    report = dog.check({GPU0: [Proc(100, 10 * CAP)]}, a_and_b())  # read again: B's now
+    assert [v.pod_uid for v in report.violations] == [POD_B]
