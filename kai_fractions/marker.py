@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -44,7 +45,7 @@ TEMP_PREFIX = f".{MARKER_FILE}."
 TEMP_SUFFIX = ".tmp"
 """`write_marker`'s temp files: `.marker.json.<random>.tmp` in the pod's directory."""
 GONE_PREFIX = ".gone."
-"""`remove_marker` renames a gone pod's directory `.gone.<uid>` before it empties it."""
+"""`remove_marker` renames a gone pod's directory `.gone.<uid>.<random>` before it empties it."""
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _REASON = re.compile(r"[A-Z][A-Za-z0-9]*")
@@ -318,38 +319,46 @@ def remove_marker(root: str | os.PathLike[str], pod_uid: str) -> bool:
     It is renamed out of the pod's name before it is emptied: a remover killed half way
     (an agent's SIGKILL, say) must not leave an empty `<uid>` directory, which looks like the
     one the kubelet makes for a new pod and is kept for the agent's grace period. What it
-    leaves is a `GONE_PREFIX` directory, which `remove_leftovers` removes."""
+    leaves is a `GONE_PREFIX` entry of a name of its own, which `remove_leftovers` removes."""
     pod_dir = pod_marker_dir(root, pod_uid)
-    grave = pod_dir.with_name(GONE_PREFIX + pod_dir.name)
-    _remove_dir(grave)  # an earlier removal's leftover: a rename replaces only an empty one
+    grave = pod_dir.with_name(f"{GONE_PREFIX}{pod_dir.name}.{os.urandom(4).hex()}")
     try:
         os.rename(pod_dir, grave)
     except FileNotFoundError:
         return False
-    _remove_dir(grave)
+    _remove(grave)
     return True
 
 
-def remove_leftovers(root: str | os.PathLike[str]) -> list[str]:
-    """Remove the directories removals cut short left under `root`; returns their names."""
+def remove_leftovers(root: str | os.PathLike[str]) -> dict[str, OSError | None]:
+    """Remove what removals cut short left under `root`: each `GONE_PREFIX` entry's name, and
+    None or the error that keeps it (one does not hold up the others)."""
     try:
-        names = [e.name for e in os.scandir(root)
-                 if e.name.startswith(GONE_PREFIX) and e.is_dir(follow_symlinks=False)]
+        names = [e.name for e in os.scandir(root) if e.name.startswith(GONE_PREFIX)]
     except (FileNotFoundError, NotADirectoryError):
-        return []
+        return {}
+    out: dict[str, OSError | None] = {}
     for name in names:
-        _remove_dir(Path(root) / name)
-    return names
+        try:
+            _remove(Path(root) / name)
+            out[name] = None
+        except OSError as e:
+            out[name] = e
+    return out
 
 
-def _remove_dir(path: Path) -> None:
-    """A pod directory holds files only (the marker, temp files)."""
+def _remove(path: Path) -> None:
+    """Remove a file, a symlink (never followed: the agent runs as root) or a directory and
+    what it holds."""
     try:
-        names = os.listdir(path)
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            os.unlink(path)
+            return
+        with os.scandir(path) as it:
+            entries = [Path(e.path) for e in it]
     except FileNotFoundError:
         return
-    for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path / name)
+    for entry in entries:
+        _remove(entry)
     with contextlib.suppress(FileNotFoundError):
         os.rmdir(path)

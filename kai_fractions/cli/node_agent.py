@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import signal
 import sys
 
@@ -15,6 +16,10 @@ from ..contract import keys as k
 from . import add_log_level, setup_logging
 
 log = logging.getLogger("kai_fractions.node.agent")
+
+
+NOFILE_CEILING = 1 << 20
+"""The most open files the agent asks for (the kernel's default `fs.nr_open`)."""
 
 
 def _positive(value: str) -> float:
@@ -121,6 +126,22 @@ def _fail(message: str) -> int:
     return 2
 
 
+def raise_open_file_limit() -> tuple[int, int]:
+    """Takes the hard limit of open files as the soft one; returns (before, after). The
+    watchdog holds a pidfd per GPU process between its checks, and container runtimes start a
+    process at 1,024 open files with a far higher hard limit (Go programs take it by
+    themselves)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = NOFILE_CEILING if hard == resource.RLIM_INFINITY else min(hard, NOFILE_CEILING)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError):
+        return soft, soft
+    return soft, want
+
+
 def run(args: argparse.Namespace) -> int:
     # Imported here: `kai-fractions --help` must not pay for grpc, kubernetes and pynvml.
     from ..contract import Keys
@@ -195,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
                               watch_seconds=options.watch_seconds)
     except KubeConfigError as e:
         return _fail(str(e))
+    before, after = raise_open_file_limit()
+    if after != before:
+        log.info("open file limit raised from %d to %d", before, after)
     mps = None
     if config.sm_sharing:
         # The daemon's own pid is found in the real /proc (its lock), not under --proc-root.

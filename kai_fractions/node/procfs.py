@@ -14,6 +14,7 @@ Anything else (host services, user sessions, other orchestrators) belongs to no 
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -147,22 +148,30 @@ class Procfs:
     def own_pid_namespace(self) -> bool:
         """Whether the root is a /proc of this process's pid namespace (the agent's own, or the
         host's with hostPID): only then are its pids the ones `pidfd_open` takes. A fake tree
-        (tests, the demo's simulated node) is not."""
-        try:
+        (tests, the demo's simulated node) is not. `self/status` of a /proc mounted for an
+        outer pid namespace lists our pid in each namespace (`NSpid:`); of our own, one."""
+        nspid = next((line.split()[1:] for line in (self._read("self", "status") or "")
+                      .splitlines() if line.startswith("NSpid:")), None)
+        if nspid is not None:
+            return nspid == [str(os.getpid())]
+        try:  # a kernel before 4.1 has no NSpid
             return os.readlink(self.root / "self") == str(os.getpid())
         except OSError:
             return False
 
     def pin(self, pid: int) -> Pin | None:
         """Holds the process that has `pid` now; None when no process has it. `UNPINNED` where
-        the root is not of this pid namespace, or the kernel has no pidfds (before 5.3)."""
+        the root is not of this pid namespace, or the kernel has no pidfds (before 5.3).
+        Raises OSError when no file descriptor is left for it (EMFILE, ENFILE)."""
         if not self.own_pid_namespace:
             return UNPINNED
         try:
             return PidfdPin(os.pidfd_open(pid))
         except ProcessLookupError:
             return None
-        except OSError:
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                raise
             return UNPINNED
 
     def _read(self, *parts: str) -> str | None:

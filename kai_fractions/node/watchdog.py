@@ -29,7 +29,15 @@ from kai_fractions.contract import MIB
 from .mps import errors as mps_errors
 from .mps.daemon import Clock, SystemClock
 from .mps.errors import MpsError
-from .procfs import PidfdPin, Pin, PodContainer, Procfs, normalize_container_id, parse_cgroup_path
+from .procfs import (
+    UNPINNED,
+    PidfdPin,
+    Pin,
+    PodContainer,
+    Procfs,
+    normalize_container_id,
+    parse_cgroup_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +282,10 @@ class Watchdog:
         self._owners: dict[int, tuple[PodContainer | bool, Pin]] = {}
         self._read_now: set[int] = set()
         """The pids whose /proc entry this check has read (not from `_owners`)."""
+        if not procfs.own_pid_namespace:
+            log.info("%s is not a /proc of the agent's pid namespace: the watchdog cannot hold "
+                     "GPU processes by pidfd, and a pid reused between two checks is read again "
+                     "only when its usage is over a cap", procfs.root)
 
     def check(
         self,
@@ -289,11 +301,11 @@ class Watchdog:
                 managed[c.key] = c
         self._read_now = set()
         usage, violations, unmanaged = self._account(processes, managed, sm_percent)
-        # A violation is never reported on a cached owner: a pid reused since it was read (by a
-        # process of another container) would count against the wrong one. Rare and cheap:
-        # only the pids of violations are read again.
-        stale = {p for v, _c in violations for p in v.pids} - self._read_now
-        if stale:
+        # A violation is never reported on a cached owner: where no pin tells a reused pid (a
+        # /proc of another pid namespace), it would count against the wrong container. Rare
+        # and cheap: only the pids of violations are read again, until none rests on the
+        # cache (each round reads at least one pid more).
+        while stale := {p for v, _c in violations for p in v.pids} - self._read_now:
             for pid in stale:
                 self._forget(pid)
             usage, violations, unmanaged = self._account(processes, managed, sm_percent)
@@ -365,14 +377,18 @@ class Watchdog:
         self._forget(pid)
         self._read_now.add(pid)
         # Pinned before the read, alive after it: the cgroup read is the pinned process's.
-        pin = self.procfs.pin(pid)
+        try:
+            pin, keep = self.procfs.pin(pid), True
+        except OSError:  # no file descriptor left to hold it: read it now, keep nothing
+            pin, keep = UNPINNED, False
         path = None if pin is None else self.procfs.cgroup_path(pid)
         if pin is None or path is None or pin.exited():
             if pin is not None:
                 pin.close()
             return None
         owner = parse_cgroup_path(path) or False
-        self._owners[pid] = (owner, pin)
+        if keep:
+            self._owners[pid] = (owner, pin)
         return owner
 
     def _forget(self, pid: int) -> None:

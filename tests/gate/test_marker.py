@@ -185,18 +185,55 @@ def test_a_removal_cut_short_leaves_no_directory_that_looks_like_a_new_pods(
     monkeypatch.undo()
     assert not (tmp_path / UID).exists()
     assert read_marker(tmp_path / UID) is None
-    assert remove_leftovers(tmp_path) == [GONE_PREFIX + UID]
+    (grave,) = os.listdir(tmp_path)
+    assert grave.startswith(GONE_PREFIX + UID)
+    assert remove_leftovers(tmp_path) == {grave: None}
     assert os.listdir(tmp_path) == []
-    assert remove_leftovers(tmp_path) == []
+    assert remove_leftovers(tmp_path) == {}
 
 
-def test_a_leftover_of_the_same_pod_does_not_stop_its_removal(tmp_path: Path) -> None:
-    write_marker(tmp_path, sample())
-    grave = tmp_path / (GONE_PREFIX + UID)
-    grave.mkdir()
-    (grave / "marker.json").write_text("{}")
-    assert remove_marker(tmp_path, UID) is True
-    assert os.listdir(tmp_path) == []
+def test_leftovers_are_removed_one_by_one_and_symlinks_are_never_followed(
+        tmp_path: Path) -> None:
+    """Whatever sits under a leftover's name goes (a file, a symlink, a directory holding
+    more), a symlink's target stays untouched, and one that cannot be removed holds up no
+    other."""
+    root, outside = tmp_path / "markers", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("keep")
+    write_marker(root, sample())
+    (root / f"{GONE_PREFIX}link").symlink_to(outside)
+    (root / f"{GONE_PREFIX}file").write_text("x")
+    (root / f"{GONE_PREFIX}deep" / "sub").mkdir(parents=True)
+    (root / f"{GONE_PREFIX}deep" / "sub" / "f").write_text("x")
+    assert remove_marker(root, UID) is True
+    assert not (root / UID).exists()
+    (pod_link := root / UID).symlink_to(outside)  # a pod's name that is a symlink
+    assert remove_marker(root, UID) is True
+    assert not pod_link.is_symlink()
+    assert (outside / "precious").read_text() == "keep"
+    left = remove_leftovers(root)
+    assert sorted(left) == [f"{GONE_PREFIX}deep", f"{GONE_PREFIX}file", f"{GONE_PREFIX}link"]
+    assert set(left.values()) == {None}
+    assert sorted(os.listdir(root)) == [] and os.listdir(outside) == ["precious"]
+
+
+def test_a_leftover_that_cannot_go_holds_up_no_other(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{GONE_PREFIX}{name}").mkdir()
+    real_rmdir = os.rmdir
+
+    def rmdir(path: object) -> None:
+        if str(path).endswith(f"{GONE_PREFIX}b"):
+            raise PermissionError(1, "Operation not permitted")
+        real_rmdir(path)
+
+    monkeypatch.setattr(os, "rmdir", rmdir)
+    left = remove_leftovers(tmp_path)
+    assert {n: type(e) for n, e in left.items()} == {
+        f"{GONE_PREFIX}a": type(None), f"{GONE_PREFIX}b": PermissionError,
+        f"{GONE_PREFIX}c": type(None)}
+    assert os.listdir(tmp_path) == [f"{GONE_PREFIX}b"]
 
 
 @pytest.mark.parametrize("uid", ["", "../etc", "a/b", ".hidden"])

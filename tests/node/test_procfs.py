@@ -177,3 +177,15 @@ def test_a_tree_of_another_pid_namespace_pins_nothing(tmp_path) -> None:
     procfs = Procfs(tmp_path)
     assert not procfs.own_pid_namespace
     assert procfs.pin(os.getpid()) is UNPINNED and not UNPINNED.exited()
+
+
+@pytest.mark.parametrize(("nspid", "own"), [
+    (lambda me: f"{me}", True),                # a /proc of our own pid namespace
+    (lambda me: f"{me + 7}\t{me}", False),     # one of an outer namespace: our pid in each
+    (lambda me: f"{me + 7}", False),           # another process's
+])
+def test_whose_pid_namespace_a_proc_root_is(tmp_path, nspid, own) -> None:
+    (tmp_path / "self").mkdir()
+    (tmp_path / "self" / "status").write_text(
+        f"Name:\tpython3\nPid:\t{os.getpid()}\nNSpid:\t{nspid(os.getpid())}\n")
+    assert Procfs(tmp_path).own_pid_namespace is own

@@ -3,6 +3,7 @@ process of no managed container."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -423,12 +424,19 @@ class PinningProcfs(CountingProcfs):
         self.born: dict[int, int] = {}
         self.pins: list[FakePin] = []
         self.reuse_on_read: dict[int, str] = {}
+        self.pin_error: OSError | None = None
 
     def reuse(self, pid: int, cgroup: str) -> None:
         self.born[pid] = self.born.get(pid, 0) + 1
         self.proc.add(pid, cgroup)
 
+    def exit(self, pid: int) -> None:
+        self.born[pid] = self.born.get(pid, 0) + 1
+        self.proc.remove(pid)
+
     def pin(self, pid):
+        if self.pin_error is not None:
+            raise self.pin_error
         if not (self.root / str(pid)).exists():
             return None
         born = self.born.get(pid, 0)
@@ -486,3 +494,46 @@ def test_a_pid_reused_while_its_cgroup_is_read_is_charged_to_no_one(proc):
     assert procfs.pins[0].closed
     report = dog.check({GPU0: [Proc(100, 10 * CAP)]}, a_and_b())  # read again: B's now
     assert [v.pod_uid for v in report.violations] == [POD_B]
+
+
+def test_no_violation_rests_on_a_cached_owner_after_the_re_read(proc):
+    """Unpinned (a /proc tree of another pid namespace): both cached pids were taken by each
+    other's container. The violation's re-read moves 101 to B, and B's sum then holds 100 from
+    the cache; it is read again too before anything is reported."""
+    proc.add(100, systemd(POD_B, CID_B))
+    proc.add(101, systemd(POD_A, CID_A))
+    procfs = CountingProcfs(proc.root)
+    dog = Watchdog("report", procfs, RecordingKiller(), None, Clock())
+    dog.check({GPU0: [Proc(100, 10 * MIB), Proc(101, 10 * MIB)]}, a_and_b())
+    proc.add(100, systemd(POD_A, CID_A))
+    proc.add(101, systemd(POD_B, CID_B))
+    report = dog.check({GPU0: [Proc(100, 400 * MIB), Proc(101, 1100 * MIB)]}, a_and_b())
+    assert [(v.pod_uid, v.used_bytes, v.pids) for v in report.violations] == [
+        (POD_B, 1100 * MIB, (101,))]
+    assert procfs.reads == [100, 101, 101, 100]
+
+
+def test_a_process_that_exits_while_still_listed_is_not_charged(proc):
+    """NVML may list a process a moment after it exited: its pin says so, and with its /proc
+    entry gone it counts for no one."""
+    procfs = PinningProcfs(proc.root, proc)
+    dog = Watchdog("report", procfs, RecordingKiller(), None, Clock())
+    dog.check({GPU0: [Proc(100, 500 * MIB)]}, a_and_b())
+    procfs.exit(100)
+    report = dog.check({GPU0: [Proc(100, 10 * CAP)]}, a_and_b())
+    assert report.violations == () and report.unmanaged == ()
+    assert [u.used_bytes for u in report.usage] == [0, 0]
+    assert procfs.pins[0].closed and len(procfs.pins) == 1
+
+
+def test_without_a_file_descriptor_for_a_pin_the_owner_is_read_every_check(proc):
+    """Out of file descriptors (EMFILE): the process is read and accounted, and nothing is
+    kept that would need one, so the next check reads it again."""
+    procfs = PinningProcfs(proc.root, proc)
+    procfs.pin_error = OSError(errno.EMFILE, "Too many open files")
+    dog = Watchdog("report", procfs, RecordingKiller(), None, Clock())
+    for _ in range(2):
+        report = dog.check({GPU0: [Proc(100, 500 * MIB)]}, a_and_b())
+        assert [(u.pod_uid, u.used_bytes) for u in report.usage] == [
+            (POD_A, 500 * MIB), (POD_B, 0)]
+    assert procfs.reads == [100, 100] and procfs.pins == []

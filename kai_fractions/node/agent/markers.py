@@ -124,6 +124,8 @@ class MarkerStore:
         self.root = Path(root)
         self.boot_id = boot_id
         """This boot's (`kai_fractions.marker.read_boot_id`): every marker written carries it."""
+        self._stuck: set[str] = set()
+        """Leftovers a tidy could not remove (warned once each)."""
 
     def read(self, uid: str) -> Marker | None:
         """The pod's marker of this boot; None when absent or unreadable (an unreadable one is
@@ -240,10 +242,15 @@ class MarkerStore:
             if self.remove_pod(uid):
                 log.info("removed the marker directory of pod %s (no such pod on this node)",
                          uid)
-        with contextlib.suppress(OSError):
-            for name in remove_leftovers(self.root):
+        for name, error in remove_leftovers(self.root).items():
+            if error is None:
+                self._stuck.discard(name)
                 log.info("removed %s, left by a removal of a gone pod's marker directory that "
                          "was cut short", name)
+            elif name not in self._stuck:
+                self._stuck.add(name)
+                log.warning("cannot remove %s under %s (left by a removal of a gone pod's "
+                            "marker directory): %s", name, self.root, error)
         if fractional is None:
             return
         for uid in live - fractional:
