@@ -13,6 +13,7 @@ are accepted here and evaluated exactly; nothing in kai_fractions ever writes on
 
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
 from functools import lru_cache
@@ -83,7 +84,9 @@ def has_unit(text: str) -> bool:
 
 
 def memory_bytes(text: str) -> int:
-    """A GPU memory amount: a quantity that is a whole, positive number of bytes."""
+    """A GPU memory amount: a positive quantity, in bytes rounded up, as `Quantity.Value()`
+    rounds it for KAI's node side (`2.3Gi` is 2469606196 bytes: Gi amounts with a decimal
+    are rarely whole bytes)."""
     if not isinstance(text, str):
         raise QuantityError("must be a Kubernetes quantity string")
     return _memory_bytes(text)
@@ -94,9 +97,7 @@ def _memory_bytes(text: str) -> int:
     value = _parse_quantity(text)
     if value <= 0:
         raise QuantityError("must be greater than zero")
-    if value.denominator != 1:
-        raise QuantityError("must be a whole number of bytes (e.g. 500m is half a byte)")
-    return int(value)
+    return math.ceil(value)
 
 
 _BINARY_BY_EXPONENT = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")

@@ -47,8 +47,8 @@ def test_updates_and_subresources_are_not_mutated() -> None:
 def test_an_invalid_pod_is_denied_here_too_with_the_contract_message() -> None:
     d = mutate(request(pod({"nvidia.com/container.main.gpu-memory.request": "500m"})), CONFIG)
     assert (d.allowed, d.code, d.message) == (False, 422, (
-        "nvidia.com/container.main.gpu-memory.request: GPU memory must be a whole number of "
-        "bytes (e.g. 500m is half a byte) (got '500m')"))
+        "nvidia.com/container.main.gpu-memory.request: GPU memory must be at least 1 MiB "
+        "(1Mi) (got '500m')"))
 
 
 def test_the_patch_touches_only_what_differs() -> None:

@@ -303,9 +303,13 @@ def test_a_container_name_that_does_not_exist_is_refused():
     ("100Mi", 100), ("1000Mi", 1000), ("100M", 96), ("1024Ki", 1), ("4096M", 3907),
     ("1024M", 977), ("1000M", 954), ("500M", 477), ("1G", 954), ("5G", 4769),
     ("4294967296", 4096), ("2048M", 1954),
+    # not whole bytes: quantityToMemoryMiB takes qty.Value() (rounded up) first
+    ("2.3Gi", 2356), ("1.2Gi", 1229), ("7.8Gi", 7988), ("0.3Gi", 308), ("10.3Mi", 11),
 ])
 def test_node_mib_rounds_up(text, mib):
-    """TestParseToMemoryMiB: whole MiB, rounding up; our plan's request and limit agree."""
+    """TestParseToMemoryMiB: whole MiB, rounding up; our plan's request and limit agree. KAI's
+    admission accepts any positive quantity (kai-scheduler/api,
+    utilities/resources/gpu_sharing_nvfractions.go, parseNvFractionsAnnotationValue)."""
     assert mib_ceil(memory_bytes(text)) == mib
     (plan,) = plan_pod(parse_pod(pod({REQ: text, DEV: GPU_0}, (C,))))
     assert (plan.request_mib, plan.limit_mib) == (mib, mib)

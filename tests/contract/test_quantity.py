@@ -120,24 +120,23 @@ def test_mib_ceil_of_worked_quantities() -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("1000Mi", 1000 * MI), ("1000M", 10**9), ("1e3", 1000), ("1500m", None), ("1", 1),
-     ("2000m", 2), (".5Ki", 512)],
+    [("1000Mi", 1000 * MI), ("1000M", 10**9), ("1e3", 1000), ("1500m", 2), ("500m", 1),
+     ("1", 1), ("2000m", 2), (".5Ki", 512), ("2.3Gi", 2469606196), ("1.2Gi", 1288490189)],
 )
-def test_memory_bytes_accepts_whole_positive_bytes(text: str, expected: int | None) -> None:
-    if expected is None:
-        with pytest.raises(QuantityError, match="whole number of bytes"):
-            memory_bytes(text)
-    else:
-        value = memory_bytes(text)
-        assert type(value) is int
-        assert value == expected
+def test_memory_bytes_rounds_up_to_whole_bytes(text: str, expected: int) -> None:
+    """As Kubernetes' `Quantity.Value()` (rounded up), which KAI's node side takes before it
+    rounds up to whole MiB (kai-scheduler/kai-gpu-fractioning,
+    fractioning-manager/fractiond/internal/annotations/annotations.go, quantityToMemoryMiB);
+    KAI's admission accepts any positive quantity (kai-scheduler/api,
+    utilities/resources/gpu_sharing_nvfractions.go, parseNvFractionsAnnotationValue)."""
+    value = memory_bytes(text)
+    assert type(value) is int
+    assert value == expected
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("500m", "must be a whole number of bytes (e.g. 500m is half a byte)"),
-        ("1.5", "must be a whole number of bytes (e.g. 500m is half a byte)"),
         ("0", "must be greater than zero"),
         ("0Mi", "must be greater than zero"),
         ("-1", "must be greater than zero"),
