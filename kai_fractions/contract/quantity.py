@@ -5,7 +5,7 @@ Grammar (k8s.io/apimachinery resource.ParseQuantity):
     number         ::= digits | digits "." digits? | "." digits
     suffix         ::= binarySI | decimalSI | decimalExponent
     binarySI       ::= Ki | Mi | Gi | Ti | Pi | Ei
-    decimalSI      ::= m | "" | k | M | G | T | P | E
+    decimalSI      ::= n | u | m | "" | k | M | G | T | P | E
     decimalExponent::= ("e" | "E") sign? digits
 Exponent forms (`1e3`, `5E-1`) are valid quantities that KAI reads through ParseQuantity, so they
 are accepted here and evaluated exactly; nothing in kai_fractions ever writes one.
@@ -22,6 +22,8 @@ MIB = 1 << 20
 
 _BINARY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
 _DECIMAL = {
+    "n": Fraction(1, 10**9),
+    "u": Fraction(1, 10**6),
     "m": Fraction(1, 1000),
     "": Fraction(1),
     "k": Fraction(10**3),
@@ -34,7 +36,7 @@ _DECIMAL = {
 _UNIT_DECIMAL = frozenset("kMGTPE")
 _QUANTITY = re.compile(
     r"(?P<sign>[+-]?)(?P<int>[0-9]*)(?:\.(?P<frac>[0-9]*))?"
-    r"(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[mkMGTPE]|[eE][+-]?[0-9]+|)"
+    r"(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+|)"
 )
 # Kubernetes caps the number of digits it will read; anything longer is an error there too.
 _MAX_LEN = 64

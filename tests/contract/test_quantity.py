@@ -121,7 +121,9 @@ def test_mib_ceil_of_worked_quantities() -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [("1000Mi", 1000 * MI), ("1000M", 10**9), ("1e3", 1000), ("1500m", 2), ("500m", 1),
-     ("1", 1), ("2000m", 2), (".5Ki", 512), ("2.3Gi", 2469606196), ("1.2Gi", 1288490189)],
+     ("1", 1), ("2000m", 2), (".5Ki", 512), ("2.3Gi", 2469606196), ("1.2Gi", 1288490189),
+     # nano and micro: suffixes ParseQuantity knows (apimachinery resource/suffix.go)
+     ("8589934592000000u", 8 << 30), ("1000000000n", 1), ("1500000001n", 2)],
 )
 def test_memory_bytes_rounds_up_to_whole_bytes(text: str, expected: int) -> None:
     """As Kubernetes' `Quantity.Value()` (rounded up), which KAI's node side takes before it
