@@ -85,7 +85,8 @@ def _fractional_mounts(mounts: list[Json], namespace: str) -> list[Json]:
             and (m.get("name") == MPS_VOLUME or m.get("mountPath") in reserved)]
     if len(same) == 1 and matches(same[0], wanted):
         return mounts
-    return [m for m in mounts if not any(m is s for s in same)] + [wanted]
+    dropped = {id(m) for m in same}  # by identity, in one pass: a pod may bring thousands
+    return [m for m in mounts if id(m) not in dropped] + [wanted]
 
 
 def _with_list(container: Json, field: str, items: list[Json]) -> Json:

@@ -8,6 +8,7 @@ from types import MappingProxyType
 import pytest
 
 from kai_fractions.contract import PodView, parse_pod, pod_views, view_from_pod_spec
+from kai_fractions.contract.pod import ContainerView
 
 ANNOTATIONS = {"gpu-fraction": "0.5"}
 POD_SPEC = {
@@ -145,8 +146,9 @@ def test_with_annotations_changes_the_annotations_and_nothing_else() -> None:
         kind="Job")
     other = view.with_annotations({"y": "2"})
     assert other == dataclasses.replace(view, annotations={"y": "2"})
-    # every field is passed on: a field added to PodView later must be added there too
-    assert {f.name for f in dataclasses.fields(PodView)} == {
+    # every field is passed on: a field added to PodView later must be added there too (but
+    # `_by_name`, an index of the containers built on first use, not a constructor argument)
+    assert {f.name for f in dataclasses.fields(PodView) if f.init} == {
         "name", "namespace", "uid", "annotations", "labels", "containers", "init_containers",
         "node_name", "kind"}
 
@@ -158,3 +160,19 @@ def test_a_read_only_string_map_is_shared_by_the_view_and_any_other_map_is_copie
     assert view.annotations is shared  # nobody can change it through the view
     given["team"] = "b"
     assert view.labels == {"team": "a"}  # a copy: the caller's later change is not the view's
+
+
+@pytest.mark.parametrize("count", [3, 40])
+def test_a_container_is_found_by_name_the_first_of_a_name_winning(count: int) -> None:
+    """Past a few containers the lookup uses an index (admission parses pods that bring
+    thousands, before the API server's limits apply); it finds what the loop finds: the
+    first container of a name, a regular one before an init one."""
+    containers = tuple(ContainerView(f"c{i}") for i in range(count))
+    first, second = ContainerView("dup", whole_gpus=1), ContainerView("dup", whole_gpus=2)
+    init = (ContainerView("dup", whole_gpus=3, init=True), ContainerView("only-init", init=True))
+    view = PodView("p", containers=(*containers, first, second), init_containers=init)
+    assert view.container("dup") is first
+    assert view.container("only-init") is init[1]
+    assert view.container(f"c{count - 1}") is containers[-1]
+    assert view.container("absent") is None
+    assert view == PodView("p", containers=(*containers, first, second), init_containers=init)
