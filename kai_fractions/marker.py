@@ -22,6 +22,7 @@ Standard library only: the gate imports this module and must start fast.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -44,6 +45,8 @@ FILE_MODE = 0o644
 TEMP_PREFIX = f".{MARKER_FILE}."
 TEMP_SUFFIX = ".tmp"
 """`write_marker`'s temp files: `.marker.json.<random>.tmp` in the pod's directory."""
+MAX_MARKER_BYTES = 256 * 1024
+"""A marker is a few hundred bytes a container: anything larger is not one."""
 GONE_PREFIX = ".gone."
 """`remove_marker` renames a gone pod's directory `.gone.<uid>.<random>` before it empties it."""
 
@@ -177,6 +180,8 @@ def parse_marker(text: str | bytes, *, expected_pod_uid: str | None = None) -> M
         data = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise MarkerError(f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise MarkerError("not a marker: nested too deeply") from None
     if not isinstance(data, dict):
         raise MarkerError("must be a JSON object")
     version = data.get("version")
@@ -248,7 +253,7 @@ def read_marker(pod_dir: str | os.PathLike[str], *,
     raises MarkerError when it is unreadable or malformed."""
     path = Path(pod_dir) / MARKER_FILE
     try:
-        data = path.read_bytes()
+        data = _read_regular(path)
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -257,6 +262,19 @@ def read_marker(pod_dir: str | os.PathLike[str], *,
         return parse_marker(data, expected_pod_uid=expected_pod_uid)
     except MarkerError as e:
         raise MarkerError(f"{path}: {e}") from None
+
+
+def _read_regular(path: Path) -> bytes:
+    """The file's bytes, if it is a regular file of at most MAX_MARKER_BYTES: the gate waits
+    on the marker with a deadline, and a FIFO would block the read, a huge file its memory."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if st.st_size > MAX_MARKER_BYTES:
+            raise OSError(errno.EFBIG, f"larger than {MAX_MARKER_BYTES} bytes")
+        return f.read(MAX_MARKER_BYTES + 1)
 
 
 def _ensure_dir(path: Path, mode: int) -> None:

@@ -288,6 +288,27 @@ def test_the_reader_rejects_a_malformed_marker_with_a_clear_error(text: str,
     assert str(info.value) == message
 
 
+def test_what_is_not_a_marker_file_is_refused_without_blocking(tmp_path: Path) -> None:
+    """Under the marker's name: a FIFO (a read would block past the gate's deadline), a file
+    larger than any marker (read whole, in the gate's small memory), JSON nested deeper than
+    the parser recurses. Each is an unreadable marker, named, never a hang or a traceback."""
+    pod_dir = tmp_path / UID
+    pod_dir.mkdir()
+    path = pod_dir / "marker.json"
+    os.mkfifo(path)
+    with pytest.raises(MarkerError, match=r"marker\.json: cannot read: not a regular file"):
+        read_marker(pod_dir)
+    path.unlink()
+    path.write_bytes(b" " * (m.MAX_MARKER_BYTES + 1))
+    with pytest.raises(MarkerError, match=f"larger than {m.MAX_MARKER_BYTES} bytes"):
+        read_marker(pod_dir)
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(MarkerError, match=r"marker\.json: not a marker: nested too deeply"):
+        read_marker(pod_dir)
+    path.write_text(json.dumps(GOOD))
+    assert read_marker(pod_dir) is not None
+
+
 def test_the_reader_names_the_file_and_checks_the_pod(tmp_path: Path) -> None:
     (tmp_path / UID).mkdir()
     (tmp_path / UID / "marker.json").write_text(json.dumps(GOOD))
