@@ -23,10 +23,10 @@ from ..contract import (
 )
 from ..contract import keys as k
 from ..contract.plan import MPS_SERVER
-from . import podspec
+from . import podspec, wiring
 from .config import GATE_CONTAINER, MPS_VOLUME, AdmissionConfig
 from .errors import contract_denial, manifest_denial
-from .review import Decision, allow, kind_of
+from .review import Decision, allow, deny, kind_of
 from .wiring import VOID_ENV
 
 Json = dict[str, Any]
@@ -128,7 +128,9 @@ def desired_spec(spec: Mapping[str, Any], share: ContainerShare, config: Admissi
                                   [str(c.get("name", "")) for c in init])
     current = [c for c in out.get("initContainers") or [] if isinstance(c, Mapping)]
     first = current[0] if current and current[0].get("name") == GATE_CONTAINER else None
-    keep = first is not None and matches(first, gate)
+    # Kept only when it is the injected gate but for fields the API server defaults: a gate
+    # the pod brought with more in it must not run, even if only this webhook ran.
+    keep = first is not None and not wiring.gate_differences(first, gate)
     out["initContainers"] = [first if keep else gate, *init]
     volumes = list(out.get("volumes") or [])
     wanted = [podspec.marker_volume(config), podspec.podinfo_volume()]
@@ -233,6 +235,8 @@ def mutate(request: Mapping[str, Any], config: AdmissionConfig, *,
     share = parsed.share
     if share is None or not isinstance(spec.get("containers"), list):
         return allow(warnings=warnings)  # not a fractional pod: untouched
+    if (reserved := wiring.gate_name_problem(share)) is not None:
+        return deny(reserved.text, code=422, reason="Invalid", warnings=warnings)
     namespace = None
     if share.compute_mode is ComputeMode.SM_SHARING:
         # A name already there is kept: this webhook may run again on its own output

@@ -208,6 +208,8 @@ def _spec_problems(obj: Any, request: PodRequest | None,
     out += _mount_problems(spec, request, config)
     if wired and request.share is not None:
         out += wiring.env_problems(spec, request.share)
+    if request.share is not None and (reserved := wiring.gate_name_problem(request.share)):
+        out.append(reserved)
     return out
 
 

@@ -39,17 +39,18 @@ def _names(items: Any) -> list[str]:
     return [str(c.get("name", "")) for c in items or [] if isinstance(c, Mapping)]
 
 
-def gate_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> list[Problem]:
-    """Why the pod's gate is not the one the mutating webhook injects (empty: it is)."""
-    init = [c for c in spec.get("initContainers") or [] if isinstance(c, Mapping)]
-    if not init or init[0].get("name") != GATE_CONTAINER:
-        name = init[0].get("name") if init else "none"
-        return [Problem(f"spec.initContainers[0]: the first init container of a fractional pod "
-                        f"must be {GATE_CONTAINER} (the admission webhook injects it), not "
-                        f"{shown(str(name))}", exact(name))]
-    gate = init[0]
-    wanted = podspec.gate_container(config, _names(spec.get("containers")),
-                                    _names(init[1:]))
+def gate_name_problem(share: ContainerShare) -> Problem | None:
+    """The fractional container may not have the gate's name: the mutating webhook replaces
+    every init container of that name with its gate, so the workload would be dropped."""
+    if share.container != GATE_CONTAINER:
+        return None
+    return Problem(f"{share.source_key or 'the pod'}: names container {GATE_CONTAINER!r}, the "
+                   "name of the init container the admission webhook injects (its gate); give "
+                   "the container another name", exact(share.container))
+
+
+def gate_differences(gate: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[Problem]:
+    """How `gate` differs from the injected `wanted`, outside the fields of `LENIENT`."""
     out = []
     for field in sorted(set(gate) | set(wanted)):
         if field in LENIENT:
@@ -64,6 +65,19 @@ def gate_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> list[Prob
                                f"admission webhook injects into {GATE_CONTAINER}, "
                                f"{_show(wanted[field])} (got {_show(have)})", exact(have)))
     return out
+
+
+def gate_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> list[Problem]:
+    """Why the pod's gate is not the one the mutating webhook injects (empty: it is)."""
+    init = [c for c in spec.get("initContainers") or [] if isinstance(c, Mapping)]
+    if not init or init[0].get("name") != GATE_CONTAINER:
+        name = init[0].get("name") if init else "none"
+        return [Problem(f"spec.initContainers[0]: the first init container of a fractional pod "
+                        f"must be {GATE_CONTAINER} (the admission webhook injects it), not "
+                        f"{shown(str(name))}", exact(name))]
+    wanted = podspec.gate_container(config, _names(spec.get("containers")),
+                                    _names(init[1:]))
+    return gate_differences(init[0], wanted)
 
 
 def _is_void(env: Any) -> bool:

@@ -134,6 +134,29 @@ def test_thousands_of_reserved_mounts_all_go_and_the_pods_own_stay_in_order() ->
         m for m in mounts if m["name"] != "kai-fractions-mps"] + [OWN_MOUNT]
 
 
+@pytest.mark.parametrize("extra", [{"args": ["--timeout", "0"]}, {"restartPolicy": "Always"},
+                                   {"envFrom": [{"configMapRef": {"name": "x"}}]}])
+def test_a_gate_the_pod_brought_with_more_in_it_is_replaced(extra: dict[str, Any]) -> None:
+    """The injected gate plus a field of the pod's own is not the gate: replaced here, so a
+    pod does not start with it even if only this webhook ran (the validating one refuses it
+    too)."""
+    gate = apply(pod(TS))["spec"]["initContainers"][0]
+    out = apply(pod(TS, initContainers=[{**copy.deepcopy(gate), **extra}]))
+    assert out["spec"]["initContainers"] == [gate]
+
+
+def test_a_fractional_container_with_the_gates_name_is_refused() -> None:
+    """The webhook replaces every init container named like its gate: a workload of that
+    name would be dropped without a word, and the pod fail once bound."""
+    key = "nvidia.com/container.kai-fractions-gate.gpu-memory.request"
+    obj = pod({key: "8Gi"}, initContainers=[{"name": "kai-fractions-gate", "image": "train"}])
+    d = mutate(request(obj), CONFIG)
+    assert (d.allowed, d.code) == (False, 422)
+    assert d.message == (
+        f"{key}: names container 'kai-fractions-gate', the name of the init container the "
+        "admission webhook injects (its gate); give the container another name")
+
+
 def with_api_server_defaults(obj: dict[str, Any]) -> dict[str, Any]:
     """What the API server adds when it stores the pod (a representative subset)."""
     obj = copy.deepcopy(obj)

@@ -510,3 +510,12 @@ def test_a_pod_wired_to_the_whole_server_directory_before_can_still_be_updated()
     relabelled = copy.deepcopy(obj)
     relabelled["metadata"].setdefault("labels", {})["team"] = "b"
     assert validate(request(relabelled, old=obj), CONFIG).allowed
+
+
+def test_a_fractional_container_with_the_gates_name_is_refused_here_too() -> None:
+    key = "nvidia.com/container.kai-fractions-gate.gpu-memory.request"
+    obj = pod({key: "8Gi"}, initContainers=[{"name": "kai-fractions-gate", "image": "train"}])
+    d = validate(request(obj), CONFIG)
+    assert not d.allowed
+    assert (f"{key}: names container 'kai-fractions-gate', the name of the init container the "
+            "admission webhook injects (its gate)") in d.message
