@@ -26,6 +26,14 @@ def is_dns_label(name: str) -> bool:
     return len(name) <= 63 and _DNS_LABEL.fullmatch(name) is not None
 
 
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+
+
+def is_dns_subdomain(name: str) -> bool:
+    """An RFC 1123 subdomain, as a pod or a node is named."""
+    return len(name) <= 253 and _DNS_SUBDOMAIN.fullmatch(name) is not None
+
+
 def epoch_seconds(timestamp: Any) -> float | None:
     """An RFC 3339 time of the API server (UTC when it names no zone) as seconds since the
     epoch; None when it is not one."""

@@ -23,6 +23,8 @@ import grpc
 
 from ...api.v1 import allocation_pb2, node_pb2, node_pb2_grpc
 from ...contract import ComputeMode
+from ...contract.errors import shown
+from ...kube.objects import is_dns_label, is_dns_subdomain
 from ...marker import MarkerError, check_pod_uid
 from ..config import Mechanism
 from ..desired import ComputeEnforcement, ContainerDesired, ContainerKey, Refusal
@@ -33,7 +35,7 @@ from .condition import Condition
 from .mps_links import LEGACY_MPS_NOTE
 from .peer_guard import PeerPolicy, PeerTable, Relay, private_dir
 from .pods import KnownPod
-from .reconciler import NodeView, Reconciler
+from .reconciler import NodeView, NotReconciled, Reconciler
 from .worker import Worker, WorkerBusy, WorkerStopped
 
 log = logging.getLogger(__name__)
@@ -136,8 +138,23 @@ def _valid_uid(context: grpc.ServicerContext, uid: str) -> str:
     except MarkerError:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                       f"pod.uid: must be the pod's metadata.uid (letters, digits and dashes, at "
-                      f"most 128), got {uid!r}: it names the pod's marker directory and cgroup")
+                      f"most 128), got {shown(uid)}: it names the pod's marker directory and "
+                      "cgroup")
         raise  # abort raises; this line is for readers and type checkers
+
+
+def _valid_names(context: grpc.ServicerContext, pod: allocation_pb2.PodRef) -> None:
+    """The call ends with INVALID_ARGUMENT unless the namespace and name given are ones
+    Kubernetes could have: they are logged and echoed in answers, which gRPC caps at 16 KiB."""
+    for field, value, ok, rule in (
+            ("pod.namespace", pod.namespace, is_dns_label,
+             "lowercase letters, digits and '-', at most 63"),
+            ("pod.name", pod.name, is_dns_subdomain,
+             "lowercase letters, digits, '-' and '.', at most 253")):
+        if value and not ok(value):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{field}: must be a Kubernetes {field[4:]} ({rule}), got "
+                          f"{shown(value)}")
 
 
 class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
@@ -170,6 +187,8 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
             return self.worker.call(fn)
         except (WorkerBusy, WorkerStopped) as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except NotReconciled as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{e.reason}: {e.message}")
         except NodeError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e.reason}: {e.message}")
         except Exception as e:  # a bug: a status with a sentence, the trace in the agent's log
@@ -180,13 +199,28 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
     @staticmethod
     def _uid(context: grpc.ServicerContext, pod: allocation_pb2.PodRef,
              pods: Mapping[str, KnownPod]) -> str:
+        """The pod's uid: `pod.uid`, or the one pod on this node of `pod.namespace`/`name`."""
+        _valid_names(context, pod)
+        if not pod.uid and not (pod.namespace and pod.name):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "pod: give pod.uid, or pod.namespace and pod.name")
+        found = sorted(uid for uid, k in pods.items()
+                       if (k.namespace, k.name) == (pod.namespace, pod.name))
         if pod.uid:
-            return _valid_uid(context, pod.uid)
-        found = [uid for uid, k in pods.items()
-                 if (k.namespace, k.name) == (pod.namespace, pod.name)]
+            uid = _valid_uid(context, pod.uid)
+            if found and uid not in found:  # (a pod gone from the node is released by uid)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"pod: uid {uid} is not the uid of pod {pod.namespace}/{pod.name} "
+                              f"on this node ({', '.join(found)}); give the uid alone, or the "
+                              "pod's own")
+            return uid
         if not found:
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"no pod {pod.namespace}/{pod.name} on this node; give pod.uid")
+        if len(found) > 1:  # a pod deleted and created again under its name, both still here
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{len(found)} pods named {pod.namespace}/{pod.name} on this node "
+                          f"(uids {', '.join(found)}); give pod.uid")
         return found[0]
 
     def GetNodeState(self, request: node_pb2.GetNodeStateRequest,
@@ -207,6 +241,7 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
                           f"Provision needs {', '.join(missing)} (the uid names the pod's "
                           "cgroup and MPS namespace)")
         _valid_uid(context, pod.uid)
+        _valid_names(context, pod)
         keys = self._run(context, lambda: self.reconciler.provision(
             pod.namespace, pod.name, pod.uid, dict(request.annotations),
             list(request.containers), list(request.init_containers)))

@@ -75,6 +75,11 @@ class NodeView:
     health: Health = field(default_factory=Health)
 
 
+class NotReconciled(NodeError):
+    """A call's pass could not apply anything (the pods not listed yet, NVML down): what it
+    asked for is not in force, and may be once a pass runs."""
+
+
 @dataclass(frozen=True, slots=True)
 class PassReport:
     converged: bool
@@ -275,7 +280,14 @@ class Reconciler:
         """Adds a pod given by an integration (not read from the API) and reconciles; returns
         the keys of its fractional containers."""
         self.pods.provision(namespace, name, uid, annotations, containers, init_containers)
-        self.reconcile()
+        report = self.reconcile()
+        if not report.applied:
+            # An empty answer would read as "no fractional container" (the proto's meaning).
+            why = ", ".join(sorted(report.errors)) or "no pass ran"
+            raise NotReconciled(
+                f"pod {namespace}/{name} is provisioned, but no limit of it is in force yet: "
+                f"the agent's pass could not apply ({why}); call again, or watch "
+                "GetNodeState", reason=min(report.errors, default="NotReconciled"))
         return [k for k in self.view.results if k.pod_uid == uid]
 
     def release(self, uid: str, container: str | None = None) -> list[str]:
