@@ -101,6 +101,10 @@ def user_request(pod: PodSnapshot, keys: Keys = k.DEFAULT_KEYS) -> tuple[PodView
     return request.pod, request  # the view is the request's own: one tuple fewer per pod kept
 
 
+_NAMED = 10
+"""Containers a message names."""
+
+
 def compute_outcome(
     pod: PodSnapshot,
     decision: BindDecision,
@@ -115,7 +119,10 @@ def compute_outcome(
     the allocation was made for (what a signature binds, through `extra`)."""
     view, request = user_request(pod, keys)
     if container and view.container(container) is None:
-        names = ", ".join(c.name for c in view.all_containers) or "none"
+        every = [c.name for c in view.all_containers]
+        names = ", ".join(every[:_NAMED]) or "none"
+        if len(every) > _NAMED:  # a status carries at most 16 KiB
+            names += f", ... ({len(every)} in all)"
         raise InvalidAllocation([ContractError(
             "container_name", f"names container {container!r}, which is not in pod "
             f"{pod.namespace}/{pod.name} (containers: {names})", container)])

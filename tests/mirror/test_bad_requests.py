@@ -112,6 +112,38 @@ def test_release_without_pod_name(mirror_tcp):
     assert bad_request_fields(e.value) == [("pod.name", "is required")]
 
 
+def test_names_no_pod_could_have_are_refused_and_echoed_cut(mirror_tcp):
+    """A name is logged and echoed in the status: 20,000 characters made the status exceed
+    gRPC's 16 KiB (the caller got RESOURCE_EXHAUSTED), a newline forged a log line."""
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    forged = "x\nERROR forged line"
+    alloc = allocation(pod)
+    alloc.pod.name = forged
+    error = refused(mirror_tcp, mirror_request(alloc))
+    assert bad_request_fields(error) == [(
+        "allocation.pod.name", "must be a Kubernetes name (lowercase letters, digits, '-' and "
+        "'.') (got 'x\\nERROR forged line')")]
+    for ref in (pb.PodRef(namespace=NS, name="n" * 20_000),
+                pb.PodRef(namespace="Team A", name=NAME),
+                pb.PodRef(namespace=NS, name=NAME, uid="u\n" * 5)):
+        with pytest.raises(grpc.RpcError) as e:
+            mirror_tcp.stub.ReleaseAllocation(pb.ReleaseAllocationRequest(pod=ref), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(e.value.details()) < 300
+    assert mirror_tcp.patches(NS, NAME) == 0
+
+
+def test_a_container_not_in_a_pod_of_many_names_a_few(mirror_tcp):
+    containers = tuple(f"worker-{i:02d}-" + "c" * 50 for i in range(121))
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"}, containers=containers)
+    error = refused(mirror_tcp, mirror_request(allocation(pod, container="trainer")))
+    ((field, rule),) = bad_request_fields(error)
+    assert field == "allocation.container_name"
+    assert rule.startswith("names container 'trainer', which is not in pod team-a/train-0 "
+                           f"(containers: {containers[0]}, ")
+    assert rule.endswith(", ... (121 in all)) (got 'trainer')")
+
+
 def test_preview_validates_the_same_way(mirror_tcp):
     pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
     with pytest.raises(grpc.RpcError) as e:

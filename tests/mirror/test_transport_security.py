@@ -121,6 +121,25 @@ def test_token_rotation_takes_effect_without_restart(mirror_factory, tmp_path):
     preview(mirror.stub, pod, (("authorization", "Bearer second-token-longer"),))
 
 
+def test_a_token_file_emptied_while_running_keeps_the_last_token(mirror_factory, tmp_path,
+                                                                 caplog):
+    """Every call failed with UNKNOWN (and the file's path) while the file was empty; the token
+    read last stays in use, as while the file is missing, and a new one takes over."""
+    token_file = tmp_path / "token"
+    token_file.write_text("first-token")
+    mirror = mirror_factory(token_file=str(token_file))
+    pod = mirror.create_pod("train-0", {"gpu-fraction": "0.5"})
+    token_file.write_text("\n")
+    with caplog.at_level("WARNING"):
+        preview(mirror.stub, pod, (("authorization", "Bearer first-token"),))
+        preview(mirror.stub, pod, (("authorization", "Bearer first-token"),))
+    warned = [r.getMessage() for r in caplog.records if "token read last" in r.getMessage()]
+    assert warned == [f"--token-file {token_file}: the file is empty; the token read last "
+                      "stays in use"]
+    token_file.write_text("second-token")
+    preview(mirror.stub, pod, (("authorization", "Bearer second-token"),))
+
+
 def test_reflection_needs_the_token_too(grpcurl_bin, mirror_factory, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from pathlib import Path
 import grpc
 
 from .status import unauthenticated
+
+log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -118,6 +121,8 @@ class TokenFile:
         self._lock = threading.Lock()
         self._stamp: tuple[int, int] | None = None
         self._token = b""
+        self._bad: tuple[int, int] | None = None
+        """The file's stamp when it last could not be used (warned once)."""
         self.current()  # fail at start, not at the first call
 
     def current(self) -> bytes:
@@ -130,7 +135,16 @@ class TokenFile:
         stamp = (st.st_mtime_ns, st.st_size)
         with self._lock:
             if stamp != self._stamp:
-                token = _read(self.path, "--token-file").strip()
+                try:
+                    token = _read(self.path, "--token-file").strip()
+                except SecurityConfigError as e:
+                    if not self._token:
+                        raise
+                    # Emptied or unreadable while running: every call would fail otherwise.
+                    if stamp != self._bad:
+                        log.warning("%s; the token read last stays in use", e)
+                        self._bad = stamp
+                    return self._token
                 self._token, self._stamp = token, stamp
             return self._token
 

@@ -15,6 +15,7 @@ import grpc
 from ...api.v1 import allocation_pb2 as pb
 from ...api.v1 import allocation_pb2_grpc as pb_grpc
 from ...contract import ContractError
+from ..decision import check_pod_names
 from ..errors import InvalidAllocation, MirrorError
 from ..service import MirrorService
 from ..store import Deadline
@@ -96,10 +97,13 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
                                 context: grpc.aio.ServicerContext
                                 ) -> pb.ReleaseAllocationResponse:
         async def run() -> pb.ReleaseAllocationResponse:
-            missing = [ContractError(f"pod.{f}", "is required")
-                       for f in ("namespace", "name") if not getattr(request.pod, f)]
-            if missing:
-                raise InvalidAllocation(missing)
+            problems = [ContractError(f"pod.{f}", "is required")
+                        for f in ("namespace", "name") if not getattr(request.pod, f)]
+            check_pod_names(request.pod.namespace, request.pod.name, request.pod.uid,
+                            lambda field, rule, value=None: problems.append(
+                                ContractError(field, rule, value)))
+            if problems:
+                raise InvalidAllocation(problems)
             result = await self.service.release(request.pod.namespace, request.pod.name,
                                                 request.pod.uid, deadline=deadline_of(context))
             return pb.ReleaseAllocationResponse(removed_keys=list(result.removed_keys),
