@@ -34,7 +34,7 @@ REPORTER_RULES = {
 }
 
 PUBLIC_KEY_RULES = {
-    rule([""], ["configmaps"], ["get", "patch"], ["kai-fractions-signing-public"]),
+    rule([""], ["configmaps"], ["patch"], ["kai-fractions-signing-public"]),
     rule([""], ["configmaps"], ["create"]),
 }
 
@@ -54,7 +54,6 @@ MIRROR_RULES = {
     # node-status ValidatingAdmissionPolicy: test_mirror_node_status.py)
     SILENT_NODES,
     EVENTS,
-    rule([""], ["secrets"], ["get"], ["kai-fractions-signing-key"]),
     # publishes the signing public key for the node agents (--publish-public-key)
     *PUBLIC_KEY_RULES,
     # the GpuFractioningConfig reporter: the one object KAI's operator reads, its status only
@@ -125,10 +124,8 @@ def test_no_wildcards_and_secrets_only_by_name(values_file: Path | None):
                 assert role["metadata"]["name"] == "kai-fractions-mirror-write-as-binder", where
                 assert r == {"apiGroups": [""], "resources": ["serviceaccounts"],
                              "resourceNames": ["binder"], "verbs": ["impersonate"]}, where
-            if "secrets" in r["resources"]:
-                assert r["resources"] == ["secrets"] and r["verbs"] == ["get"], where
-                assert r.get("resourceNames") == ["kai-fractions-signing-key"], where
-                assert role["kind"] == "Role", where  # namespaced, never cluster-wide
+            # the signing key is mounted: no component reads a Secret through the API
+            assert "secrets" not in r["resources"], where
 
 
 def test_each_component_gets_exactly_its_rules():
@@ -145,20 +142,20 @@ def test_mirror_rules_shrink_with_its_options():
     rules = granted(docs)
     assert rules[MIRROR] == MIRROR_RULES - REPORTER_RULES - LEASE_RULES - {
         IMPERSONATE_BINDER, SILENT_NODES, HEARTBEATS,
-        rule(["scheduling.run.ai"], ["bindrequests"], ["get", "list", "watch"]),
-        rule([""], ["secrets"], ["get"], ["kai-fractions-signing-key"])} - PUBLIC_KEY_RULES
+        rule(["scheduling.run.ai"], ["bindrequests"], ["get", "list", "watch"])} - PUBLIC_KEY_RULES
     assert not find(docs, "Secret", "kai-fractions-signing-key")
 
 
-def test_signing_key_rule_follows_the_secret_name():
+def test_signing_key_rules_follow_the_names_and_never_read_the_key():
+    """The private key is mounted (the kubelet reads its Secret): a leaked token of the mirror
+    must not fetch it through the API. The public key's ConfigMap is written, never read."""
     docs = render(CHART / "ci" / "time-slicing-only-values.yaml",
                   ("signing.secretName=allocation-hmac", "signing.create=false"))
-    assert rule([""], ["secrets"], ["get"], ["allocation-hmac"]) in granted(docs)[MIRROR]
+    assert not any("secrets" in key[1] for key, _verbs in granted(docs)[MIRROR])
     assert not find(docs, "Secret", "allocation-hmac")
     docs = render(CHART / "ci" / "time-slicing-only-values.yaml",
                   ("signing.publicKeyConfigMap=allocation-public",))
-    assert rule([""], ["configmaps"], ["get", "patch"], ["allocation-public"]) in granted(
-        docs)[MIRROR]
+    assert rule([""], ["configmaps"], ["patch"], ["allocation-public"]) in granted(docs)[MIRROR]
 
 
 @pytest.mark.parametrize("values_file", VALUES, ids=values_id)
