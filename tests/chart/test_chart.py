@@ -130,6 +130,21 @@ def test_schema_rejects_a_follower_that_checks_nothing_at_once():
     assert "/mirror/followConcurrency" in err and "minimum" in err
 
 
+def test_schema_rejects_webhook_paths_the_server_does_not_serve():
+    """The admission server serves /validate and /mutate only: other paths rendered into the
+    webhook configurations made every fractional pod's admission fail (a 404)."""
+    err = template_error("webhook.paths.validate=/v1/validate")
+    assert "/webhook/paths/validate" in err and "/validate" in err
+
+
+@pytest.mark.parametrize("name", ["Ready", "MemoryPressure", "example/Ready"])
+def test_schema_rejects_a_node_condition_of_the_kubelets_own(name: str) -> None:
+    """A condition without a domain prefix is the kubelet's (Ready, MemoryPressure): the agent
+    would fight the kubelet over it and the mirror could set the node's Ready Unknown."""
+    err = template_error(f"nodeCondition.name={name}")
+    assert "/nodeCondition/name" in err
+
+
 def test_kai_reservation_namespace_reaches_the_follower_and_the_webhooks():
     docs = render(sets=("kaiScheduler.reservationNamespace=gpu-reservations",))
     assert "--reservation-namespace=gpu-reservations" in container(
