@@ -156,7 +156,14 @@ def _str_map(value: Any, path: str) -> Mapping[str, str]:
         # the view never changes under its reader and the parse reads a dict (the mirror's
         # pod cache keeps compact maps of its own, which the copy turns into one).
         return value if type(value) is MappingProxyType else MappingProxyType(dict(value))
-    return MappingProxyType({str(a): "" if b is None else str(b) for a, b in value.items()})
+    for key, item in value.items():
+        # The API server refuses anything but strings here (null reads as ""): a manifest
+        # checked offline must not pass with a value converted for it. YAML reads an
+        # unquoted 010240 as an octal number, 0.5 as a float, yes as true.
+        if type(key) is not str or not (item is None or type(item) is str):
+            raise ManifestError(f"{path}[{str(key)!r}]: must be a string, got {item!r} "
+                                f"({type(item).__name__}); quote the value in YAML")
+    return MappingProxyType({a: "" if b is None else b for a, b in value.items()})
 
 
 def view_from_pod_spec(

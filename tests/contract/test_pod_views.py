@@ -8,7 +8,7 @@ from types import MappingProxyType
 import pytest
 
 from kai_fractions.contract import PodView, parse_pod, pod_views, view_from_pod_spec
-from kai_fractions.contract.pod import ContainerView
+from kai_fractions.contract.pod import ContainerView, ManifestError
 
 ANNOTATIONS = {"gpu-fraction": "0.5"}
 POD_SPEC = {
@@ -98,10 +98,19 @@ def test_pod_defaults() -> None:
     assert view.ref == "default/p"
 
 
-def test_annotation_values_are_strings() -> None:
+def test_annotation_values_must_be_strings_as_the_api_server_says() -> None:
+    """YAML reads an unquoted `010240` as the octal number 4256: converted, `validate` passed a
+    manifest `kubectl apply` refuses and `plan` printed 4256 MiB. Null reads as "" (as the API
+    server's decoder reads it)."""
     (view,) = pod_views({"kind": "Pod", "metadata": {"name": "p", "annotations": {
-        "gpu-memory": 1000, "gpu-fraction": None}}, "spec": {}})
+        "gpu-memory": "1000", "gpu-fraction": None}}, "spec": {}})
     assert dict(view.annotations) == {"gpu-memory": "1000", "gpu-fraction": ""}
+    for value in (4256, 0.5, True):
+        with pytest.raises(ManifestError) as e:
+            list(pod_views({"kind": "Pod", "metadata": {"name": "p", "annotations": {
+                "gpu-memory": value}}, "spec": {}}))
+        assert str(e.value) == (f"metadata.annotations['gpu-memory']: must be a string, got "
+                                f"{value!r} ({type(value).__name__}); quote the value in YAML")
 
 
 def test_view_from_pod_spec_reads_uid_and_node() -> None:
