@@ -145,6 +145,22 @@ def test_schema_rejects_a_node_condition_of_the_kubelets_own(name: str) -> None:
     assert "/nodeCondition/name" in err
 
 
+@pytest.mark.parametrize(("sets", "message"), [
+    (("hostPaths.markerDir=/run/kai-fractions",),
+     "hostPaths.markerDir and hostPaths.socketDir are both /run/kai-fractions"),
+    (("hostPaths.socketDir=/tmp",), "hostPaths.socketDir and the agent's /tmp are both /tmp"),
+    (("hostPaths.cgroupRoot=/host/proc",),
+     "hostPaths.cgroupRoot and the host's /proc are both /host/proc"),
+    (("smSharing.enabled=true", "hostPaths.mpsLogDir=/run/kai-fractions/mps"),
+     "hostPaths.mpsPipeDir and hostPaths.mpsLogDir are both /run/kai-fractions/mps"),
+])
+def test_host_paths_that_meet_in_the_agent_are_refused_naming_both(sets, message):
+    """Two mounts at one path render, and the API server then refuses the DaemonSet naming
+    only the path: the chart names the values."""
+    err = template_error(*sets)
+    assert f"{message} in the node agent's container" in err
+
+
 def test_kai_reservation_namespace_reaches_the_follower_and_the_webhooks():
     docs = render(sets=("kaiScheduler.reservationNamespace=gpu-reservations",))
     assert "--reservation-namespace=gpu-reservations" in container(
