@@ -15,6 +15,7 @@ from .render import (
     CI_VALUES,
     IMAGE_SETS,
     NAMESPACE,
+    RELEASE,
     TEST_IMAGE,
     chart_notes,
     container,
@@ -608,7 +609,9 @@ def test_notes_tell_how_to_check_it_works():
 def test_notes_tell_to_exempt_trusted_host_agents_and_read_the_env_of_a_finished_pod():
     notes = chart_notes()
     assert "reviews EVERY pod with a hostPath volume" in notes
-    assert "--set 'webhook.hostPathExemptNamespaces={monitoring,gpu-operator}'" in notes
+    # with this release's own name and namespace, keeping what was installed
+    assert (f"helm upgrade {RELEASE} <chart> -n {NAMESPACE} --reuse-values --set "
+            "'webhook.hostPathExemptNamespaces={monitoring,gpu-operator}'") in notes
     assert "kai-fractions.io/webhook=disabled" in notes
     exempt = chart_notes("webhook.hostPathExemptNamespaces={monitoring,gpu-operator}")
     assert ("Exempt for pods without NvFractions keys (webhook.hostPathExemptNamespaces): "
