@@ -582,6 +582,17 @@ def _assert_tls_handshake(server_data: dict, ca_b64: str, hostname: str) -> None
     assert handshake(server_data, ca_b64, hostname) is None
 
 
+def test_an_image_pinned_by_digest_and_a_repository_with_a_tag():
+    digest = "sha256:" + "ab" * 32
+    docs = render(sets=(f"image.tag={digest}",))
+    images = {c["image"] for d in docs if d["kind"] in ("Deployment", "DaemonSet")
+              for c in d["spec"]["template"]["spec"]["containers"]}
+    assert images == {f"{TEST_IMAGE}@{digest}"}
+    err = template_error("image.repository=registry.example.com:5000/kf:1.0")
+    assert ("image.repository=registry.example.com:5000/kf:1.0 carries a tag or digest: give "
+            "the repository alone") in err
+
+
 # -- NOTES.txt ------------------------------------------------------------------------------
 
 def test_notes_tell_how_to_check_it_works():

@@ -23,7 +23,11 @@ published while both pod webhooks fail closed with no server behind them. The ol
 {{- if or (not $repository) (eq $repository "ghcr.io/kai-fractions/kai-fractions") -}}
 {{- fail (printf "image.repository must be set to the registry you pushed the kai-fractions image to%s: this project publishes no image. Build it from the Dockerfile at the root of the checkout (docker build -t <registry>/kai-fractions:<version> . && docker push <registry>/kai-fractions:<version>) and install with --set image.repository=<registry>/kai-fractions,image.tag=<version>. Every component runs it, and so does the gate init container of every fractional pod" (ternary "" (printf " (%s is only a placeholder)" $repository) (not $repository))) -}}
 {{- end -}}
-{{ $repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- if or (contains "@" $repository) (contains ":" (last (splitList "/" $repository))) -}}
+{{- fail (printf "image.repository=%s carries a tag or digest: give the repository alone and the tag (or sha256:<digest>) as image.tag" $repository) -}}
+{{- end -}}
+{{- $tag := .Values.image.tag | default .Chart.AppVersion -}}
+{{ $repository }}{{ ternary "@" ":" (hasPrefix "sha256:" $tag) }}{{ $tag }}
 {{- end -}}
 
 {{- define "kf.labels" -}}
