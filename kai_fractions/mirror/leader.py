@@ -294,8 +294,8 @@ SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/names
 
 def own_namespace(env: Mapping[str, str], namespace_file: str = SERVICE_ACCOUNT_NAMESPACE
                   ) -> str:
-    """The namespace this process runs in: $POD_NAMESPACE (the chart sets it from the downward
-    API), else its service account's; "" outside a cluster."""
+    """The namespace this process runs in: $POD_NAMESPACE when set, else its service
+    account's (what the chart's pods use); "" outside a cluster."""
     namespace = env.get("POD_NAMESPACE", "")
     if not namespace:
         try:
@@ -309,8 +309,8 @@ def own_namespace(env: Mapping[str, str], namespace_file: str = SERVICE_ACCOUNT_
 def election_config(args: Any, env: Mapping[str, str],
                     namespace_file: str = SERVICE_ACCOUNT_NAMESPACE) -> ElectionConfig:
     """The `kai-fractions mirror --leader-elect-*` flags, with the defaults they name: the
-    namespace from $POD_NAMESPACE or the service account's, the identity from $POD_NAME (the
-    chart sets both from the downward API) or the host name and process id."""
+    namespace from $POD_NAMESPACE or the service account's, the identity from $POD_NAME or
+    the host name and process id (in the chart's pods the host name is the pod's name)."""
     namespace = (args.leader_elect_lease_namespace or own_namespace(env, namespace_file)
                  or "default")
     identity = args.leader_elect_identity or env.get("POD_NAME", "") or \
