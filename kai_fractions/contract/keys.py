@@ -141,6 +141,14 @@ class Keys:
                     f"{name} must look like 'example.com/container.' (a domain, a slash, "
                     f"ending with a dot), got {value!r}"
                 )
+        if self.prefix.startswith(self.project_prefix) or \
+                self.project_prefix.startswith(self.prefix):
+            # The derived keys would then be read as the user's and the binder's, and a rule
+            # that lets the node agent write its own keys would let it write the binder's.
+            raise ValueError(
+                f"prefix {self.prefix!r} overlaps the keys kai_fractions derives "
+                f"({self.project_prefix!r}): give the scheduler's per-container prefix, such "
+                "as 'nvidia.com/container.'")
 
     def container(self, container: str, suffix: str) -> str:
         return f"{self.prefix}{container}{suffix}"

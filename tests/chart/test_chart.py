@@ -131,6 +131,13 @@ def test_schema_rejects_a_follower_that_checks_nothing_at_once():
     assert "/mirror/followConcurrency" in err and "minimum" in err
 
 
+def test_schema_rejects_an_annotation_prefix_that_is_the_derived_keys():
+    """The own-node policy lets the agent write the derived keys: with this prefix it could
+    write the binder's too."""
+    err = template_error("annotationPrefix=kai-fractions.io/container.")
+    assert "/annotationPrefix" in err
+
+
 def test_schema_rejects_webhook_paths_the_server_does_not_serve():
     """The admission server serves /validate and /mutate only: other paths rendered into the
     webhook configurations made every fractional pod's admission fail (a 404)."""

@@ -190,6 +190,13 @@ def test_bad_prefix_is_refused(bad: str) -> None:
         Keys(prefix=bad)
 
 
+@pytest.mark.parametrize("prefix", ["kai-fractions.io/container.", "kai-fractions.io/container.x."])
+def test_a_prefix_over_the_derived_keys_is_refused(prefix: str) -> None:
+    """The derived keys would read as the user's and the binder's."""
+    with pytest.raises(ValueError, match="overlaps the keys kai_fractions derives"):
+        Keys(prefix=prefix)
+
+
 def test_container_names_are_dns_labels() -> None:
     assert k.is_container_name("main")
     assert k.is_container_name("a" * 63)
