@@ -122,3 +122,24 @@ def test_release_by_name_needs_a_name_and_refuses_to_guess(short_tmp: Path) -> N
     assert e.value.details == (f"2 pods named default/twin on this node (uids "
                                f"{', '.join(sorted((first, second)))}); give pod.uid")
     assert {k.pod_uid for k in rig.reconciler.view.results} == {first, second}  # none released
+
+
+@pytest.mark.parametrize(("containers", "init", "message"), [
+    (["main", "main"], [], "containers[1]: 'main' is named twice"),
+    (["main"], ["main"], "init_containers[0]: 'main' is named twice"),
+    (["main", ""], [], "containers[1]: must be a container name"),
+    (["Main"], [], "containers[0]: must be a container name"),
+])
+def test_container_names_a_pod_could_not_have_are_refused(short_tmp: Path, containers, init,
+                                                           message: str) -> None:
+    rig = Rig(short_tmp)
+    rig.step()
+    request = node_pb2.ProvisionRequest(
+        pod=allocation_pb2.PodRef(namespace="jobs", name="direct", uid=UID),
+        annotations=binder_annotations(devices=rig.gpu0), containers=containers,
+        init_containers=init)
+    with pytest.raises(Aborted) as e:
+        servicer(rig).Provision(request, Context())
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details.startswith(message)
+    assert rig.reconciler.pods.provisioned == {}

@@ -24,6 +24,7 @@ import grpc
 from ...api.v1 import allocation_pb2, node_pb2, node_pb2_grpc
 from ...contract import ComputeMode
 from ...contract.errors import shown
+from ...contract.keys import is_container_name
 from ...kube.objects import is_dns_label, is_dns_subdomain
 from ...marker import MarkerError, check_pod_uid
 from ..config import Mechanism
@@ -157,6 +158,23 @@ def _valid_names(context: grpc.ServicerContext, pod: allocation_pb2.PodRef) -> N
                           f"{shown(value)}")
 
 
+def _valid_containers(context: grpc.ServicerContext, containers: list[str],
+                      init_containers: list[str]) -> None:
+    """Container names as a pod has them: DNS labels, each once across both lists."""
+    seen: set[str] = set()
+    for field, names in (("containers", containers), ("init_containers", init_containers)):
+        for i, name in enumerate(names):
+            if not is_container_name(name):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{field}[{i}]: must be a container name (a DNS label: lowercase "
+                              f"letters, digits and '-', at most 63), got {shown(name)}")
+            if name in seen:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{field}[{i}]: {name!r} is named twice; a pod's containers "
+                              "and init containers have names of their own")
+            seen.add(name)
+
+
 class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
     def __init__(self, reconciler: Reconciler, worker: Worker, node_name: str,
                  condition: Callable[[], Condition | None], condition_type: str):
@@ -242,6 +260,7 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
                           "cgroup and MPS namespace)")
         _valid_uid(context, pod.uid)
         _valid_names(context, pod)
+        _valid_containers(context, list(request.containers), list(request.init_containers))
         keys = self._run(context, lambda: self.reconciler.provision(
             pod.namespace, pod.name, pod.uid, dict(request.annotations),
             list(request.containers), list(request.init_containers)))
