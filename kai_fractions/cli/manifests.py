@@ -65,19 +65,32 @@ def _files(path: str) -> list[tuple[Path, bool]]:
     return [(p, True)]
 
 
+MAX_FILE_BYTES = 64 << 20
+"""A manifest file larger than this is not read (`/dev/zero` would be read for ever)."""
+
+
+def _bounded(name: str, read) -> str:
+    text = read(MAX_FILE_BYTES + 1)
+    if len(text) > MAX_FILE_BYTES:
+        raise InputError(f"{name}: larger than {MAX_FILE_BYTES:,} bytes; split it")
+    return text
+
+
 def _sources(paths: list[str]) -> Iterator[_Source]:
     for path in paths:
         if path == "-":
             try:
-                yield _Source("<stdin>", sys.stdin.read(), True)
+                yield _Source("<stdin>", _bounded("<stdin>", sys.stdin.read), True)
             except UnicodeDecodeError as e:
                 raise InputError(f"<stdin>: cannot read: {e}") from None
             continue
         for f, named in _files(path):
             try:
-                yield _Source(str(f), f.read_text(), named)
+                with f.open(encoding="utf-8") as handle:
+                    text = _bounded(str(f), handle.read)
             except (OSError, UnicodeDecodeError) as e:
                 raise InputError(f"{f}: cannot read: {e}") from None
+            yield _Source(str(f), text, named)
 
 
 def _yaml_error(name: str, e: yaml.YAMLError) -> InputError:

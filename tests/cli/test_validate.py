@@ -318,3 +318,18 @@ def test_malformed_objects_exit_2_without_traceback(capsys, tmp_path: Path, mani
     code, _, err = cli(capsys, "validate", "-f", str(path))
     assert code == 2
     assert str(path) in err
+
+
+def test_an_endless_or_huge_input_is_refused_not_read_for_ever(capsys, monkeypatch,
+                                                                tmp_path) -> None:
+    """`-f /dev/zero` read until memory ran out; past the cap the file is named instead."""
+    from kai_fractions.cli import manifests
+    monkeypatch.setattr(manifests, "MAX_FILE_BYTES", 1024)
+    big = tmp_path / "big.yaml"
+    big.write_text("# padding\n" * 200)
+    code, out, err = cli(capsys, "validate", "-f", str(big))
+    assert code == 2 and out == ""
+    assert err.strip() == f"kai-fractions validate: {big}: larger than 1,024 bytes; split it"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("# padding\n" * 200))
+    code, _, err = cli(capsys, "validate", "-f", "-")
+    assert code == 2 and "<stdin>: larger than" in err
