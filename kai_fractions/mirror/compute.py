@@ -105,6 +105,20 @@ _NAMED = 10
 """Containers a message names."""
 
 
+def _check_pod_state(pod: PodSnapshot, node: str) -> None:
+    """An allocation is mirrored onto a pod that can still run it: not one being deleted, and
+    not one bound to another node than the allocation's (its GPUs are not there)."""
+    ref = f"{pod.namespace}/{pod.name}"
+    if pod.metadata.get("deletionTimestamp"):
+        raise AllocationConflict(ref, f"pod {ref} is being deleted: no allocation is written "
+                                 "onto it", kind="POD_DELETING")
+    bound = pod.spec.get("nodeName")
+    if node and bound and bound != node:
+        raise AllocationConflict(ref, (
+            f"pod {ref} is bound to node {bound}, not to {node}, the allocation's: its GPUs "
+            "are not there"), kind="POD_ON_ANOTHER_NODE")
+
+
 def compute_outcome(
     pod: PodSnapshot,
     decision: BindDecision,
@@ -117,6 +131,7 @@ def compute_outcome(
 ) -> Outcome:
     """Raises InvalidAllocation (request fields and pod annotation keys). `node` is the node
     the allocation was made for (what a signature binds, through `extra`)."""
+    _check_pod_state(pod, node)
     view, request = user_request(pod, keys)
     if container and view.container(container) is None:
         every = [c.name for c in view.all_containers]

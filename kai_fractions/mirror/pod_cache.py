@@ -63,7 +63,8 @@ from .store import PodSnapshot
 
 log = logging.getLogger(__name__)
 
-_METADATA = ("name", "namespace", "uid", "resourceVersion", "annotations", "labels")
+_METADATA = ("name", "namespace", "uid", "resourceVersion", "annotations", "labels",
+             "deletionTimestamp")
 _CONTAINER = ("name", "resources")
 
 

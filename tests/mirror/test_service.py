@@ -130,6 +130,31 @@ async def test_a_different_decision_is_refused_without_replace(store, service):
     assert len(store.patches) == 1
 
 
+async def test_a_pod_being_deleted_or_bound_elsewhere_gets_no_allocation(store, service):
+    """From the gRPC review: both were written (OK, changed), the node's agent then refusing
+    the devices of another node, or a dying pod carrying a fresh allocation."""
+    deleting = pod({"gpu-fraction": "0.5"})
+    deleting["metadata"]["deletionTimestamp"] = "2026-12-06T12:00:00Z"
+    store.add_pod(deleting)
+    with pytest.raises(AllocationConflict) as e:
+        await service.mirror(allocation())
+    assert (e.value.kind, str(e.value)) == (
+        "POD_DELETING", "pod team-a/train-0 is being deleted: no allocation is written onto it")
+    elsewhere = pod({"gpu-fraction": "0.5"}, name="train-1")
+    elsewhere["spec"]["nodeName"] = "node-2"
+    store.add_pod(elsewhere)
+    with pytest.raises(AllocationConflict) as e:
+        await service.mirror(allocation(pod_name="train-1"))
+    assert (e.value.kind, str(e.value)) == ("POD_ON_ANOTHER_NODE", (
+        "pod team-a/train-1 is bound to node node-2, not to node-1, the allocation's: its GPUs "
+        "are not there"))
+    assert store.patches == []
+    here = pod({"gpu-fraction": "0.5"}, name="train-2")
+    here["spec"]["nodeName"] = "node-1"  # bound to the allocation's node: fine
+    store.add_pod(here)
+    assert (await service.mirror(allocation(pod_name="train-2"))).changed
+
+
 async def test_reusing_an_idempotency_key_for_another_decision_is_refused_even_with_replace(
         store, service):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
