@@ -148,7 +148,9 @@ def node_to_read(allocation: AllocationInput) -> str:
     caller whose reads are coroutines reads them first and hands them over. A fractional
     allocation always names its node, which must exist (its labels also give the GPU memory
     when the caller does not)."""
-    return allocation.selected_node if allocation.is_fraction else ""
+    node = allocation.selected_node
+    # A name no node could have is not sent to the API server: the bounds refuse it.
+    return node if allocation.is_fraction and is_dns_subdomain(node) else ""
 
 
 # Bounds on what a caller may send: far above any real allocation, low enough that nothing
@@ -219,12 +221,14 @@ def _node_memory(allocation: AllocationInput, node_labels: NodeLabels, error) ->
 def _node(allocation: AllocationInput, node_labels: NodeLabels, error
           ) -> Mapping[str, str] | None:
     """The selected node's labels; None (and an error) when it is not named or not there."""
-    node = node_to_read(allocation)
+    node = allocation.selected_node
     if not node:
         error("selected_node", "is required: a fractional allocation names the node it is "
               "for (and that node's GPU memory comes from its "
               f"{k.NODE_GPU_MEMORY_LABEL} label when node_gpu_memory_mib is 0)")
         return None
+    if not node_to_read(allocation):
+        return None  # not a node's name: the bounds said so, and nothing was read
     labels = node_labels(node)
     if labels is None:
         error("selected_node", "names a node that does not exist", node)

@@ -133,6 +133,21 @@ def test_names_no_pod_could_have_are_refused_and_echoed_cut(mirror_tcp):
     assert mirror_tcp.patches(NS, NAME) == 0
 
 
+def test_a_node_name_no_node_could_have_is_refused_before_any_read(mirror_tcp):
+    """It was read from the API server first: 400 came back as INTERNAL (counted against the
+    mirror, feeding its alert), echoed whole in the status and the log."""
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    for node in ("n" * 20_000 + "\nX", "Gpu_Node"):
+        gets = mirror_tcp.kube.count("GET")
+        with pytest.raises(grpc.RpcError) as e:
+            mirror_tcp.stub.PreviewAllocation(pb.PreviewAllocationRequest(
+                allocation=allocation(pod, node=node)), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "allocation.selected_node" in e.value.details()
+        assert len(e.value.details()) < 1000 and "\nX" not in e.value.details()
+        assert mirror_tcp.kube.count("GET") == gets  # no node read
+
+
 def test_a_container_not_in_a_pod_of_many_names_a_few(mirror_tcp):
     containers = tuple(f"worker-{i:02d}-" + "c" * 50 for i in range(121))
     pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"}, containers=containers)
