@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
             if node is None:
                 return _fail(f"node {name}: not found", EXIT_NOT_FOUND)
             pods = reader.pods_on(name)
-            agent = agent_state(args.agent_socket, args.agent_metrics)
+            agent = agent_state(args.agent_socket, args.agent_metrics, node=name)
             report = node_report(name, node, pods, agent, keys=keys,
                                  condition_type=args.condition_name,
                                  beat=_heartbeat(reader, node, name, args))
@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
             pod = reader.pod(namespace, name)
             node_name = (pod.get("spec") or {}).get("nodeName") or ""
             node = reader.node(node_name) if node_name else None
-            agent = agent_state(args.agent_socket, args.agent_metrics) if node_name else None
+            agent = (agent_state(args.agent_socket, args.agent_metrics, node=node_name)
+                     if node_name else None)
             report = pod_report(pod, node, agent, keys=keys,
                                 condition_type=args.condition_name,
                                 beat=_heartbeat(reader, node, node_name, args))

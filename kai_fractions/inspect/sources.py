@@ -166,7 +166,9 @@ def from_node_state(reply: Any, source: str) -> AgentState:
         memory_limits_supported=reply.memory_limits_supported)
 
 
-def agent_from_socket(path: str, timeout: float = AGENT_TIMEOUT) -> AgentState:
+def agent_from_socket(path: str, timeout: float = AGENT_TIMEOUT, node: str = "") -> AgentState:
+    """The agent behind the socket, as unreachable when it is another `node`'s (the default
+    socket is the agent of the node inspect runs on)."""
     import grpc
 
     from ..api.v1 import node_pb2, node_pb2_grpc
@@ -183,6 +185,9 @@ def agent_from_socket(path: str, timeout: float = AGENT_TIMEOUT) -> AgentState:
                 node_pb2.GetNodeStateRequest(), timeout=timeout)
         except grpc.RpcError as e:
             return unreachable(source, f"{e.code().name}: {e.details()}")
+    if node and reply.node_name and reply.node_name != node:
+        return unreachable(source, f"this socket is node {reply.node_name}'s agent, not "
+                           f"{node}'s: run inspect on {node}, or give --agent-metrics")
     return from_node_state(reply, source)
 
 
@@ -260,11 +265,12 @@ def merged(socket: AgentState, metrics: AgentState) -> AgentState:
         for a in socket.allocations))
 
 
-def agent_state(socket: str | None, metrics: str | None) -> AgentState:
+def agent_state(socket: str | None, metrics: str | None, node: str = "") -> AgentState:
     """The socket when given (or present at the default path), with the metrics endpoint's
-    per-GPU usage when given too; the metrics alone otherwise."""
+    per-GPU usage when given too; the metrics alone otherwise. `node`: the node inspected
+    (an agent of another node is not taken for its)."""
     if socket:
-        state = agent_from_socket(socket)
+        state = agent_from_socket(socket, node=node)
         if not metrics:
             return state
         if state.reachable:
@@ -272,5 +278,5 @@ def agent_state(socket: str | None, metrics: str | None) -> AgentState:
     if metrics:
         return agent_from_metrics(metrics)
     if os.path.exists(DEFAULT_AGENT_SOCKET):
-        return agent_from_socket(DEFAULT_AGENT_SOCKET)
+        return agent_from_socket(DEFAULT_AGENT_SOCKET, node=node)
     return unreachable("none", "give --agent-socket PATH (on the node) or --agent-metrics URL")

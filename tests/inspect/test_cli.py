@@ -224,6 +224,20 @@ def test_agent_state_of_another_pod_with_that_name_is_not_used(
         0, "enforced", "GateReleased", None)
 
 
+def test_the_socket_of_another_nodes_agent_is_not_taken_for_this_nodes(
+        cluster: Path, agent_socket: Path, capsys) -> None:
+    """Run on one node (whose socket is found at the default path), `inspect node other` showed
+    this node's GPUs and state under the other's name."""
+    code, out, _ = _inspect(capsys, "node", "other-node", "--kubeconfig", str(cluster),
+                            "--agent-socket", str(agent_socket), "-o", "json")
+    data = json.loads(out)
+    assert (code, data["agent"]["reachable"]) == (0, False)
+    assert data["agent"]["error"] == (
+        f"this socket is node {NODE}'s agent, not other-node's: run inspect on other-node, or "
+        "give --agent-metrics")
+    assert "A100" not in json.dumps(data["gpus"])  # none of the socket's GPUs
+
+
 def test_agent_socket_missing(cluster: Path, tmp_path: Path, capsys) -> None:
     code, out, _ = _inspect(capsys, "node", NODE, "--kubeconfig", str(cluster),
                             "--agent-socket", str(tmp_path / "none.sock"))
