@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from .drain_before_kill import DrainBeforeKill, deleting_sm_pods
 from .options import AgentOptions
+from .pass_errors import PassErrorLog
 from .reconciler import PassReport, Reconciler
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class Worker:
         self._next_watchdog = now + watchdog_interval
         self._next_mps = now + options.mps_check_seconds
         self.last_pass: PassReport | None = None
+        self.error_log = PassErrorLog(monotonic)
         self.failing: Failing | None = None
         margin = options.mps_drain_before_kill_seconds
         self.drains = (DrainBeforeKill(margin, reconciler.drain, reconciler.events,
@@ -230,6 +232,7 @@ class Worker:
                                    since=started if previous is None else previous.since,
                                    error=text)
         self.last_pass = report
+        self.error_log.update(report.errors, lambda: self.reconciler.view)
         if report.converged:
             self._next_retry = None
             self._retry_delay = self.options.retry_seconds
