@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from ..contract import DEFAULT_KEYS, Keys
 from ..contract import keys as k
+from ..contract.names import is_dns_subdomain
 from ..contract.plan import MPS_SERVER
 
 MIRROR_IDENTITY = "system:serviceaccount:kai-fractions:kai-fractions-mirror"
@@ -25,9 +25,6 @@ PODINFO_VOLUME = "kai-fractions-podinfo"
 MPS_VOLUME = "kai-fractions-mps"
 GATE_USER = 65534
 """`nobody`: the marker is 0644 in a 0755 directory, so the gate needs no root."""
-
-
-_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +54,7 @@ class AdmissionConfig:
         if not self.allowed_identities:
             raise ValueError("allowed_identities: at least one identity must be allowed to "
                              "write protected keys (the binder's)")
-        if self.runtime_class and not _DNS_SUBDOMAIN.fullmatch(self.runtime_class):
+        if self.runtime_class and not is_dns_subdomain(self.runtime_class):
             raise ValueError(f"runtime_class: {self.runtime_class!r} is not a RuntimeClass name "
                              "(lower-case letters, digits, '-' and '.')")
         for name in ("marker_host_dir", "mps_pipe_host_dir", "agent_socket_host_dir"):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .names import is_dns_label
+
 DEFAULT_PREFIX = "nvidia.com/container."
 
 # Per-container suffixes.
@@ -120,11 +122,8 @@ def is_mps_namespace_name(name: str) -> bool:
     return bool(_MPS_NAMESPACE.fullmatch(name))
 
 
-_CONTAINER_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-
-
 def is_container_name(name: str) -> bool:
-    return bool(_CONTAINER_NAME.fullmatch(name))
+    return is_dns_label(name)
 
 
 @dataclass(frozen=True, slots=True)

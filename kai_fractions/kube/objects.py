@@ -6,32 +6,17 @@ from __future__ import annotations
 
 import datetime
 import json
-import re
 import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
+from ..contract.names import is_dns_label
+
 
 def _q(part: str) -> str:
     return quote(part, safe="")
-
-
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-
-
-def is_dns_label(name: str) -> bool:
-    """An RFC 1123 label, as a namespace is named: a flag that names one is checked at start."""
-    return len(name) <= 63 and _DNS_LABEL.fullmatch(name) is not None
-
-
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
-
-
-def is_dns_subdomain(name: str) -> bool:
-    """An RFC 1123 subdomain, as a pod or a node is named."""
-    return len(name) <= 253 and _DNS_SUBDOMAIN.fullmatch(name) is not None
 
 
 def epoch_seconds(timestamp: Any) -> float | None:

@@ -25,7 +25,7 @@ from ..contract import (
 )
 from ..contract import keys as k
 from ..contract.dialect import check_reserve
-from ..kube.objects import is_dns_label, is_dns_subdomain
+from ..contract.names import MAX_NAME, is_dns_subdomain, pod_ref_problems
 from .errors import InvalidAllocation
 
 MAX_IDEMPOTENCY_KEY = 256
@@ -155,29 +155,13 @@ def node_to_read(allocation: AllocationInput) -> str:
 
 # Bounds on what a caller may send: far above any real allocation, low enough that nothing
 # past them is parsed, stored or echoed back in an error (gRPC metadata holds 16 KiB).
-MAX_NAME = 253  # a DNS subdomain: namespaces, pods, nodes, group ids
 MAX_IDS = 64  # GPUs or groups of one allocation (no node has more)
 MAX_ID = 128  # one GPU UUID or group id
 
 
-def check_pod_names(namespace: str, name: str, uid: str, error) -> None:
-    """A pod's namespace, name and uid as Kubernetes could have them: they are logged and
-    echoed in statuses, so nothing past a bound or across a line gets further."""
-    for field, value in (("pod.namespace", namespace), ("pod.name", name), ("pod.uid", uid)):
-        if len(value) > MAX_NAME:
-            error(field, f"must be at most {MAX_NAME} characters (got {len(value)})")
-        elif field == "pod.namespace" and value and not is_dns_label(value):
-            error(field, "must be a Kubernetes namespace (lowercase letters, digits and '-', "
-                  "at most 63)", value)
-        elif field == "pod.name" and value and not is_dns_subdomain(value):
-            error(field, "must be a Kubernetes name (lowercase letters, digits, '-' and '.')",
-                  value)
-        elif field == "pod.uid" and not value.isprintable():
-            error(field, "must be printable", value)
-
-
 def _check_bounds(allocation: AllocationInput, error) -> None:
-    check_pod_names(allocation.namespace, allocation.pod_name, allocation.pod_uid, error)
+    for e in pod_ref_problems(allocation.namespace, allocation.pod_name, allocation.pod_uid):
+        error(e.key, e.rule, e.value)
     for field, value in (("selected_node", allocation.selected_node),
                          ("container_name", allocation.container)):
         if len(value) > MAX_NAME:

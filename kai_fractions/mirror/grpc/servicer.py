@@ -15,7 +15,7 @@ import grpc
 from ...api.v1 import allocation_pb2 as pb
 from ...api.v1 import allocation_pb2_grpc as pb_grpc
 from ...contract import ContractError
-from ..decision import check_pod_names
+from ...contract.names import pod_ref_problems
 from ..errors import InvalidAllocation, MirrorError
 from ..service import MirrorService
 from ..store import Deadline
@@ -99,9 +99,8 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
         async def run() -> pb.ReleaseAllocationResponse:
             problems = [ContractError(f"pod.{f}", "is required")
                         for f in ("namespace", "name") if not getattr(request.pod, f)]
-            check_pod_names(request.pod.namespace, request.pod.name, request.pod.uid,
-                            lambda field, rule, value=None: problems.append(
-                                ContractError(field, rule, value)))
+            problems += pod_ref_problems(request.pod.namespace, request.pod.name,
+                                         request.pod.uid)
             if problems:
                 raise InvalidAllocation(problems)
             result = await self.service.release(request.pod.namespace, request.pod.name,

@@ -25,7 +25,7 @@ from ...api.v1 import allocation_pb2, node_pb2, node_pb2_grpc
 from ...contract import ComputeMode
 from ...contract.errors import shown
 from ...contract.keys import is_container_name
-from ...kube.objects import is_dns_label, is_dns_subdomain
+from ...contract.names import pod_ref_problems
 from ...marker import MarkerError, check_pod_uid
 from ..config import Mechanism
 from ..desired import ComputeEnforcement, ContainerDesired, ContainerKey, Refusal
@@ -146,16 +146,11 @@ def _valid_uid(context: grpc.ServicerContext, uid: str) -> str:
 
 def _valid_names(context: grpc.ServicerContext, pod: allocation_pb2.PodRef) -> None:
     """The call ends with INVALID_ARGUMENT unless the namespace and name given are ones
-    Kubernetes could have: they are logged and echoed in answers, which gRPC caps at 16 KiB."""
-    for field, value, ok, rule in (
-            ("pod.namespace", pod.namespace, is_dns_label,
-             "lowercase letters, digits and '-', at most 63"),
-            ("pod.name", pod.name, is_dns_subdomain,
-             "lowercase letters, digits, '-' and '.', at most 253")):
-        if value and not ok(value):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{field}: must be a Kubernetes {field[4:]} ({rule}), got "
-                          f"{shown(value)}")
+    Kubernetes could have: they are logged and echoed in answers, which gRPC caps at 16 KiB.
+    (The uid has a rule of its own: `_valid_uid`.)"""
+    problems = pod_ref_problems(pod.namespace, pod.name, "")
+    if problems:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(problems[0]))
 
 
 def _valid_containers(context: grpc.ServicerContext, containers: list[str],
