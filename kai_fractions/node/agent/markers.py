@@ -232,6 +232,18 @@ class MarkerStore:
                 continue
             yield entry, written
 
+    def remove_leftovers(self) -> None:
+        """What removals of gone pods' directories that were cut short left (once a pass)."""
+        for name, error in remove_leftovers(self.root).items():
+            if error is None:
+                self._stuck.discard(name)
+                log.info("removed %s, left by a removal of a gone pod's marker directory that "
+                         "was cut short", name)
+            elif name not in self._stuck:
+                self._stuck.add(name)
+                log.warning("cannot remove %s under %s (left by a removal of a gone pod's "
+                            "marker directory): %s", name, self.root, error)
+
     def tidy(self, live: set[str], fractional: set[str] | None, *, grace: float,
              now: float) -> None:
         """Removes the directories of pods not in `live` (`stale_dirs`) and, when `fractional`
@@ -242,15 +254,6 @@ class MarkerStore:
             if self.remove_pod(uid):
                 log.info("removed the marker directory of pod %s (no such pod on this node)",
                          uid)
-        for name, error in remove_leftovers(self.root).items():
-            if error is None:
-                self._stuck.discard(name)
-                log.info("removed %s, left by a removal of a gone pod's marker directory that "
-                         "was cut short", name)
-            elif name not in self._stuck:
-                self._stuck.add(name)
-                log.warning("cannot remove %s under %s (left by a removal of a gone pod's "
-                            "marker directory): %s", name, self.root, error)
         if fractional is None:
             return
         for uid in live - fractional:

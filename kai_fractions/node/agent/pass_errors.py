@@ -53,12 +53,11 @@ class PassErrorLog:
 
 def pending(view: NodeView) -> Mapping[str, list[str]]:
     """reason -> `namespace/pod/container: message` of each container pending for it."""
+    refs = {c.key: c.ref for c in view.desired.containers} if view.desired is not None else {}
     out: dict[str, list[str]] = {}
     for key, result in sorted(view.results.items()):
         if result.state is not ContainerState.PENDING or not result.reason:
             continue
-        pod = view.pods.get(key.pod_uid)
-        ref = f"{pod.namespace}/{pod.name}" if pod is not None else key.pod_uid
-        out.setdefault(result.reason, []).append(
-            f"{ref}/{key.container}: {shown(result.message or '')}")
+        ref = refs.get(key, f"{key.pod_uid}/{key.container}")
+        out.setdefault(result.reason, []).append(f"{ref}: {shown(result.message or '')}")
     return out

@@ -182,6 +182,7 @@ class Reconciler:
                 self._publish(inventory, mps_error, mps_namespaces, count=False)
                 errors.add(UNCONFIRMED)
                 return PassReport(converged=False, errors=frozenset(errors))
+        self.markers.remove_leftovers()
         if inventory is None:
             self.pods.drop_gone(live, errors, release=False)
             self.markers.tidy(set(live), None, **tidy)  # which pods are fractional is unknown
