@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kai_fractions.node.agent.grpc_service import node_state
 from kai_fractions.node.agent.metrics import Usage
 from kai_fractions.node.desired import ContainerKey
 
@@ -198,6 +199,42 @@ def test_refusals_and_violations_are_counted_per_node_and_outlive_the_pod(
     add_pod(rig, "again", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
     rig.step()
     assert samples(rig, refusals) == {**zero, disabled: 2}
+
+
+def test_usage_is_not_shown_past_what_nvml_can_read(short_tmp: Path) -> None:
+    """While NVML does not work nothing is read: the last check's usage could be long over (a
+    process that ended), so the gauges and GetNodeState read 0, as for a GPU whose processes
+    cannot be listed, until a check reads it again. The plan's request and limit stay."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    assert rig.step().converged
+    run(rig, uid, 100, 3 * GIB, 10)
+    rig.reconciler.check_usage()
+    used = "kai_fractions_container_gpu_memory_used_bytes"
+    limit = "kai_fractions_container_gpu_memory_limit_bytes"
+    assert list(samples(rig, used).values()) == [3 * GIB]
+
+    def node_used() -> list[int]:
+        state = node_state(rig.reconciler.view, "node-a", None, "Ready")
+        return [a.memory_used_bytes for a in state.allocations]
+
+    assert node_used() == [3 * GIB]
+    rig.nvml.fail("init", "DriverNotLoaded", times=None)
+    rig.nvml.fail("driver_version", "DriverNotLoaded", times=None)
+    rig.step()
+    rig.reconciler.check_usage()  # no inventory: the check reads nothing
+    assert list(samples(rig, used).values()) == [0]
+    assert list(samples(rig, "kai_fractions_container_gpu_sm_utilization_percent").values()) \
+        == [0]
+    assert list(samples(rig, "gpu_fractioning_gpu_memory_used_bytes").values()) == [0]
+    assert list(samples(rig, limit).values()) == [20 * GIB]
+    assert node_used() == [0]
+
+    rig.nvml.clear_failures()  # the driver is back
+    assert rig.step().converged
+    rig.reconciler.check_usage()
+    assert list(samples(rig, used).values()) == [3 * GIB]
+    assert node_used() == [3 * GIB]
 
 
 def test_node_readiness_and_gpu_memory(short_tmp: Path) -> None:

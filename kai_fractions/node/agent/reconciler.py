@@ -186,6 +186,7 @@ class Reconciler:
         if inventory is None:
             self.pods.drop_gone(live, errors, release=False)
             self.markers.tidy(set(live), None, **tidy)  # which pods are fractional is unknown
+            self._forget_usage()
             self._publish(None, mps_error, mps_namespaces, unverified=self.nvml_health.error)
             return PassReport(converged=False, errors=frozenset(errors))
 
@@ -242,6 +243,16 @@ class Reconciler:
             self.pods.cache.confirm(generation, [])
             return True
         return self.confirm_absent is not None and self.confirm_absent(absent, generation)
+
+    def _forget_usage(self) -> None:
+        """While NVML does not work no check reads usage (it needs the inventory), and the last
+        check's could be long over (a process that ended): the gauges and GetNodeState read 0,
+        as for a GPU whose processes cannot be listed, until a check reads it again."""
+        if not self.view.usage:
+            return
+        if self.view.desired is not None and self.view.inventory is not None:
+            self.metrics.update(self.view.desired, {}, self.view.inventory)
+        self.view = dataclasses.replace(self.view, usage=MappingProxyType({}))
 
     def _health(self, inventory: Inventory | None, mps_error: NodeError | None,
                 mps_namespaces: bool | None, bump: int) -> Health:
