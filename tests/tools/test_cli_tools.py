@@ -30,6 +30,10 @@ def test_buf_runs(buf_bin: Path) -> None:
     assert _run(buf_bin, "--version").strip().startswith("1.")
 
 
+def test_promtool_runs(promtool_bin: Path) -> None:
+    assert _run(promtool_bin, "--version").startswith("promtool, version 2.")
+
+
 def test_tool_paths_fixture(tool_paths: ToolPaths) -> None:
     assert all(
         p.is_file()
