@@ -32,7 +32,15 @@ from tests.support.agent_metrics import populated_scrape
 from tests.support.agent_process import AgentEnv
 from tests.support.kube import KubeServer
 from tests.support.mirror_metrics import populated_mirror_scrape
-from tests.support.promql import TARGET_LABELS, Expr, exported, parse, problems
+from tests.support.promql import (
+    AGENT_TARGET_LABELS,
+    TARGET_LABELS,
+    UP_LABELS,
+    Expr,
+    exported,
+    parse,
+    problems,
+)
 
 RULE = "kai-fractions"
 ON = ("prometheusRule.enabled=true",)
@@ -47,6 +55,7 @@ ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
     "KaiFractionsFollowerFailing": (MIRROR_GROUP, "warning", "10m"),
     "KaiFractionsNodeAgentSilent": (MIRROR_GROUP, "warning", None),
     "KaiFractionsFollowerNodeChecksFailing": (MIRROR_GROUP, "warning", "15m"),
+    "KaiFractionsNodeAgentDown": (AGENT_GROUP, "warning", "5m"),
     "KaiFractionsNodeNotReady": (AGENT_GROUP, "warning", "10m"),
     "KaiFractionsNodeAgentWritesRefused": (AGENT_GROUP, "warning", "10m"),
     "KaiFractionsGpuMemoryLimitViolation": (AGENT_GROUP, "warning", None),
@@ -220,6 +229,34 @@ def test_annotations_name_only_labels_the_aggregation_keeps() -> None:
     assert kept_by_aggregation("increase(m_total[10m]) > 0") is None
 
 
+def test_every_node_agent_alert_names_its_node() -> None:
+    """A node agent's alert is acted on at one node: each names it (the per-process counters
+    have no `node` of their own; the agent's ServiceMonitor adds it to every series)."""
+    for name, (group, r) in alerts(rule()).items():
+        if group == AGENT_GROUP:
+            assert "node" in annotation_labels(r), name
+            kept = kept_by_aggregation(r["expr"])
+            assert kept is None or "node" in kept, name
+
+
+def test_the_agent_down_alert_reads_up_of_the_agents_service_monitor() -> None:
+    """Prometheus Operator names a ServiceMonitor target's job after its Service (no jobLabel
+    here), so the alert reads `up` of exactly the agents' metrics Service."""
+    docs = render(sets=(*ON, "serviceMonitor.enabled=true"))
+    monitor = one(docs, "ServiceMonitor", "kai-fractions-node-agent")
+    assert "jobLabel" not in monitor["spec"]
+    (service,) = [s for s in find(docs, "Service")
+                  if monitor["spec"]["selector"]["matchLabels"].items()
+                  <= s["metadata"]["labels"].items()
+                  and any(p["name"] == "metrics" for p in s["spec"]["ports"])]
+    expr = alerts(rule())["KaiFractionsNodeAgentDown"][1]["expr"]
+    assert expr == (f'up{{job="{service["metadata"]["name"]}", namespace="{NAMESPACE}"}} == 0')
+    description = alerts(rule())["KaiFractionsNodeAgentDown"][1]["annotations"]["description"]
+    assert "Unknown after 180 s" in description
+    quiet = alerts(rule("mirror.followBindRequests=false"))["KaiFractionsNodeAgentDown"][1]
+    assert "Unknown after" not in quiet["annotations"]["description"]
+
+
 def test_the_mirror_calls_alert_counts_real_grpc_codes() -> None:
     codes = {c.name for c in grpc.StatusCode}
     expr = alerts(rule())["KaiFractionsMirrorCallsFailing"][1]["expr"]
@@ -267,19 +304,24 @@ def test_every_node_agent_alert_names_only_what_a_live_agent_exports(
     run.stop()
     labels_of = exported(text)
     assert "gpu_fractioning_gpu_memory_used_bytes" in labels_of  # the scrape is the agent's
+    # `up` is Prometheus's own series of each target, never in a /metrics
+    assert "up" not in labels_of
+    labels_of["up"] = set(UP_LABELS)
     exprs = alert_exprs(AGENT_GROUP, rule())
-    assert len(exprs) == 10
-    assert problems(exprs, labels_of, "agent") == []
-    # a misspelt metric, a label the family lacks, a target label: each is reported
+    assert len(exprs) == 11
+    assert problems(exprs, labels_of, "agent", AGENT_TARGET_LABELS) == []
+    # a misspelt metric, a label the family lacks, a target label the agent's workload labels
+    # would shadow: each is reported
     bad = [Expr(AGENT_GROUP, "typo", "kai_fractions_node_redy == 0", ""),
-           Expr(AGENT_GROUP, "label", "sum by (node) (rate(kai_fractions_reconcile_errors_total"
+           Expr(AGENT_GROUP, "label", "sum by (gpu) (rate(kai_fractions_reconcile_errors_total"
                 "[10m])) > 0", ""),
            Expr(AGENT_GROUP, "target", "increase(kai_fractions_mps_daemon_restarts_total[30m])"
-                " > 3", "{{instance}}")]
-    assert problems(bad, labels_of, "agent") == [
+                " > 3", "{{instance}} {{pod}}")]
+    assert problems(bad, labels_of, "agent", AGENT_TARGET_LABELS) == [
         "typo: the agent exports no kai_fractions_node_redy",
-        "label: groups by node, which none of ['kai_fractions_reconcile_errors_total'] has",
-        "target: the legend names instance, which no metric has"]
+        "label: groups by gpu, which none of ['kai_fractions_reconcile_errors_total'] has",
+        "target: the legend names instance, which no metric has",
+        "target: the legend names pod, which no metric has"]
 
 
 @pytest.mark.integration

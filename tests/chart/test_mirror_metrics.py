@@ -151,6 +151,10 @@ def test_service_monitor_scrapes_every_mirror_replica():
     # the node agent's keeps honorLabels (its series carry the workloads' labels)
     agent = one(docs, "ServiceMonitor", AGENT)
     assert agent["spec"]["endpoints"][0]["honorLabels"] is True
+    # and names every series' node (the agent's own counters have none; alerts name it)
+    assert agent["spec"]["endpoints"][0]["relabelings"] == [
+        {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node",
+         "action": "replace"}]
     assert agent["metadata"]["labels"]["release"] == "kube-prometheus"
     assert kube_validate(docs, "serviceMonitor") == []
 

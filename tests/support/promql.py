@@ -22,7 +22,14 @@ TARGET_LABELS = frozenset({"job", "instance", "namespace", "service", "endpoint"
 ServiceMonitor has no honorLabels and the mirror exports none of these names (checked), so its
 series keep them as they are: a mirror panel or rule may use them (`pod` is the replica). The
 agent's honours the agent's own `namespace`/`pod`/`container` (the workload's), so an agent
-panel or rule gets no such allowance: every label it names must be in the agent's /metrics."""
+panel or rule gets no such allowance: every label it names must be in the agent's /metrics, but
+for AGENT_TARGET_LABELS."""
+AGENT_TARGET_LABELS = frozenset({"node"})
+"""What the node agent's ServiceMonitor adds to each of its series (a relabeling of the pod's
+node name): a series with a `node` of its own keeps it, the same name."""
+UP_LABELS = TARGET_LABELS | AGENT_TARGET_LABELS
+"""The labels of `up`, Prometheus's own series of a node agent target (no /metrics has it):
+the target's, with the relabeled node."""
 SAMPLE_SUFFIXES = {"counter": ("_total", "_created"),
                    "histogram": ("_bucket", "_count", "_sum", "_created"),
                    "gaugehistogram": ("_bucket", "_gcount", "_gsum"),

@@ -1,0 +1,460 @@
+"""The alerting rules (charts/kai-fractions/templates/prometheusrule.yaml) run in a real Prometheus
+rule engine: the real `promtool` (Prometheus 2.42) checks the rendered groups for several value
+sets (`promtool check rules`) and unit-tests every alert of the default rendering against series
+shaped as Prometheus stores them (`promtool test rules`): each alert fires on a case it is meant
+for, with the labels and the rendered annotations expected, and stays quiet on a case it is not
+meant for (below its threshold, before its `for`, an excluded reason, a per-node alert whose node
+a per-container alert covers). tests/chart/test_alerts.py checks the names an expression uses
+against a live mirror's and node agent's /metrics; this file checks what the expressions DO.
+
+The series carry the labels the chart's ServiceMonitors give them: a mirror's the Prometheus
+Operator's target labels (job, instance, namespace, service, endpoint, pod = the replica,
+container); a node agent's its own labels first (honorLabels: a per-container series keeps the
+workload's namespace/pod/container), then the target's, and every one of them (and `up`) the
+`node` the ServiceMonitor's relabeling adds.
+
+All the cases run in one promtool call (one test group each, named after the case, so promtool's
+report names the failing one); a mutated rule shows that a broken expression fails its cases."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kai_fractions.mirror.metrics import SIGNATURE_BUCKETS
+from tests.chart.render import NAMESPACE, one, render
+
+RULE = "kai-fractions"
+ON = ("prometheusRule.enabled=true",)
+VALUE_SETS = {
+    "default": (),
+    "watchdog-kill": ("watchdog.policy=kill",),
+    "no-follower": ("mirror.followBindRequests=false",),
+    "no-mirror": ("mirror.enabled=false", "gpuFractioningConfig.enabled=false",
+                  "signing.enabled=false"),
+    "no-silent-node-marking": ("mirror.markSilentNodesAfterSeconds=0",),
+}
+CRITICAL = {"KaiFractionsFollowerNoLeader"}
+"""Every other alert is a warning."""
+
+# -- series as Prometheus stores them --------------------------------------------------------
+
+MIRROR_JOB = "kai-fractions-mirror-metrics"  # the Operator's job label: the Service's name
+AGENT_JOB = "kai-fractions-node-agent-metrics"
+MIRROR_A = "kai-fractions-mirror-6f7d9c8b5-x2k4p"
+MIRROR_B = "kai-fractions-mirror-6f7d9c8b5-q7m3z"
+MIRROR_IPS = {MIRROR_A: "10.244.1.17", MIRROR_B: "10.244.2.9"}
+NODE_1, NODE_2 = "gpu-node-1", "gpu-node-2"
+AGENT_PODS = {NODE_1: "kai-fractions-node-agent-9xk2c", NODE_2: "kai-fractions-node-agent-b4r7t"}
+AGENT_IPS = {NODE_1: "10.244.1.5", NODE_2: "10.244.2.6"}
+WORKLOAD = {"namespace": "team-a", "pod": "train-0", "container": "trainer",
+            "pod_uuid": "6b0f7d6e-3a1c-4f0e-9d57-2c8e1b4a9f10"}
+GPU = {"gpu_uuid": "GPU-8c3e6f2a-1b4d-4e5f-9a7b-0c1d2e3f4a5b", "gpu": "0"}
+
+
+@dataclass(frozen=True)
+class Series:
+    metric: str
+    labels: Mapping[str, str]
+    values: str
+    """promtool's expanding notation, one sample a minute: `0+6x30`, `0x5 1x20`."""
+
+    def selector(self) -> str:
+        pairs = ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(self.labels.items()))
+        return f"{self.metric}{{{pairs}}}"
+
+
+def mirror_target(pod: str) -> dict[str, str]:
+    return {"job": MIRROR_JOB, "instance": f"{MIRROR_IPS[pod]}:9401", "namespace": NAMESPACE,
+            "service": MIRROR_JOB, "endpoint": "metrics", "pod": pod, "container": "mirror"}
+
+
+def agent_target(node: str) -> dict[str, str]:
+    return {"job": AGENT_JOB, "instance": f"{AGENT_IPS[node]}:9400", "namespace": NAMESPACE,
+            "service": AGENT_JOB, "endpoint": "metrics", "pod": AGENT_PODS[node],
+            "container": "node-agent", "node": node}
+
+
+def mirror(metric: str, values: str, pod: str = MIRROR_A, **own: str) -> Series:
+    return Series(metric, {**mirror_target(pod), **own}, values)
+
+
+def agent(metric: str, values: str, on: str = NODE_1, **own: str) -> Series:
+    """honorLabels: the series' own labels win over the target's."""
+    return Series(metric, {**agent_target(on), **own}, values)
+
+
+def per_container(metric: str, values: str, on: str = NODE_1, **own: str) -> Series:
+    """A series of the workload's container: its namespace/pod/container, not the agent's."""
+    return agent(metric, values, on, **WORKLOAD, **own)
+
+
+def up(target: Mapping[str, str], values: str) -> Series:
+    return Series("up", target, values)
+
+
+def signature_delays(worst: float, per_minute: int = 10, minutes: int = 40) -> list[Series]:
+    """The follower's histogram when every signature took between the bucket below `worst` and
+    `worst` seconds (le as prometheus_client writes it)."""
+    def le(bound: float) -> str:
+        return "+Inf" if bound == float("inf") else repr(float(bound))
+    return [mirror("kai_fractions_follower_signature_delay_seconds_bucket",
+                   f"0+{per_minute}x{minutes}" if bound >= worst else f"0x{minutes}", le=le(bound))
+            for bound in (*SIGNATURE_BUCKETS, float("inf"))]
+
+
+# -- the cases -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    alert: str
+    why: str
+    series: tuple[Series, ...]
+    at: str
+    """eval_time."""
+    fires: tuple[Mapping[str, str] | Series, ...] = ()
+    """Each alert expected at `at`: its labels (severity and alertname aside), or the series
+    whose labels it keeps whole (no aggregation). Empty: it must not fire."""
+    value: str | None = None
+    """What `{{ $value ... }}` renders to in its annotations, where they name it."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.alert}: {self.why}"
+
+
+def case(alert: str, why: str, *series: Series | Iterable[Series], at: str,
+         fires: Iterable[Mapping[str, str] | Series] = (), value: str | None = None) -> Case:
+    flat = tuple(s for item in series for s in ([item] if isinstance(item, Series) else item))
+    return Case(alert, why, flat, at, tuple(fires), value)
+
+
+CALLS = "kai_fractions_mirror_calls_total"
+CALLS_OK = mirror(CALLS, "0+100x30", method="MirrorAllocation", code="OK")
+API = "kai_fractions_mirror_api_requests_total"
+CHECKS = "kai_fractions_follower_checks_total"
+SILENT = "kai_fractions_follower_silent_nodes_total"
+AGENT_DOWN = up(agent_target(NODE_1), "0x10")
+NOT_READY = agent("kai_fractions_node_ready", "0x20", node=NODE_1, reason="NVMLUnavailable")
+PATCHES = "kai_fractions_agent_api_requests_total"
+VIOLATIONS = "kai_fractions_container_gpu_memory_limit_violations_total"
+VIOLATED = per_container(VIOLATIONS, "0x5 1x20", **GPU)
+NODE_VIOLATIONS = "kai_fractions_node_gpu_memory_limit_violations_total"
+NODE_VIOLATED = agent(NODE_VIOLATIONS, "0x5 1x20", node=NODE_1)
+REFUSED = "kai_fractions_container_refused"
+REFUSALS = "kai_fractions_node_container_refusals_total"
+ERRORS = "kai_fractions_reconcile_errors_total"
+MPS_RESTARTED = agent("kai_fractions_mps_daemon_restarts_total", "0+1x40")
+DRAINS = "kai_fractions_agent_mps_drains_total"
+DRAIN_FAILED = agent(DRAINS, "0x5 1x20", result="failed")
+BLIND = agent("kai_fractions_agent_gpu_usage_unreadable_total", "6+6x40", node=NODE_1,
+              gpu_uuid=GPU["gpu_uuid"], reason="NoProcessesVisible")
+
+CASES = (
+    # -- the mirror --------------------------------------------------------------------------
+    case("KaiFractionsFollowerNoLeader", "both replicas follow no one",
+         mirror("kai_fractions_follower_leading", "0x10"),
+         mirror("kai_fractions_follower_leading", "0x10", MIRROR_B), at="5m", fires=[{}]),
+    case("KaiFractionsFollowerNoLeader", "no replica scraped at all (or vector(0))",
+         up(mirror_target(MIRROR_A), "0x10"), at="5m", fires=[{}]),
+    case("KaiFractionsFollowerNoLeader", "one replica leads",
+         mirror("kai_fractions_follower_leading", "1x10"),
+         mirror("kai_fractions_follower_leading", "0x10", MIRROR_B), at="5m"),
+    case("KaiFractionsFollowerNoLeader", "a handover shorter than its for",
+         mirror("kai_fractions_follower_leading", "1x4 0 1x5"),
+         mirror("kai_fractions_follower_leading", "0x10", MIRROR_B), at="6m"),
+    case("KaiFractionsFollowerSeveralLeaders", "both replicas lead",
+         mirror("kai_fractions_follower_leading", "1x10"),
+         mirror("kai_fractions_follower_leading", "1x10", MIRROR_B), at="10m", fires=[{}],
+         value="2"),
+    case("KaiFractionsFollowerSeveralLeaders", "both lead for less than its for",
+         mirror("kai_fractions_follower_leading", "1x10"),
+         mirror("kai_fractions_follower_leading", "0x5 1x5", MIRROR_B), at="9m"),
+    case("KaiFractionsMirrorCallsFailing", "9 % of the calls UNAVAILABLE",
+         CALLS_OK, mirror(CALLS, "0+10x30", method="MirrorAllocation", code="UNAVAILABLE"),
+         at="15m", fires=[{}], value="9.091%"),
+    case("KaiFractionsMirrorCallsFailing", "4.8 % of the calls INTERNAL, below 5 %",
+         CALLS_OK, mirror(CALLS, "0+5x30", method="MirrorAllocation", code="INTERNAL"),
+         at="15m"),
+    case("KaiFractionsMirrorCallsFailing", "NOT_FOUND is an answer, not a failure",
+         CALLS_OK, mirror(CALLS, "0+50x30", method="ReleaseAllocation", code="NOT_FOUND"),
+         at="15m"),
+    case("KaiFractionsMirrorApiUnreachable", "one replica's requests end unreachable",
+         mirror(API, "0+6x30", verb="GET", code="unreachable"),
+         mirror(API, "0+60x30", MIRROR_B, verb="GET", code="200"),
+         at="10m", fires=[{"pod": MIRROR_A}], value="100m"),
+    case("KaiFractionsMirrorApiUnreachable", "unreachable no more for 10 minutes",
+         mirror(API, "0+6x5 30x30", verb="GET", code="unreachable"), at="15m"),
+    case("KaiFractionsSignatureDelayHigh", "every signature took 10 to 30 minutes",
+         signature_delays(1800), at="20m", fires=[{}], value="29m 48s"),
+    case("KaiFractionsSignatureDelayHigh", "p99 just below 300 s",
+         signature_delays(300), at="20m"),
+    case("KaiFractionsFollowerFailing", "errors and nothing complete",
+         mirror(CHECKS, "0+5x30", result="error"),
+         mirror(CHECKS, "0x30", result="complete"), at="15m", fires=[{}], value="83.33m"),
+    case("KaiFractionsFollowerFailing", "errors, but others complete",
+         mirror(CHECKS, "0+5x30", result="error"),
+         mirror(CHECKS, "0+1x30", result="complete"), at="15m"),
+    case("KaiFractionsFollowerFailing", "nothing but skipped and unchanged",
+         mirror(CHECKS, "0+5x30", result="skipped"),
+         mirror(CHECKS, "0+5x30", result="unchanged"), at="15m"),
+    case("KaiFractionsNodeAgentSilent", "the leader marked a node",
+         mirror(SILENT, "0x5 1x30"), mirror(SILENT, "0x35", MIRROR_B),
+         at="10m", fires=[{}], value="1"),
+    case("KaiFractionsNodeAgentSilent", "no mark in the last 15 minutes",
+         mirror(SILENT, "0x5 1x30"), at="30m"),
+    case("KaiFractionsFollowerNodeChecksFailing", "the checks keep failing",
+         mirror("kai_fractions_follower_node_checks_failed_total", "0+1x40"),
+         at="20m", fires=[{}]),
+    case("KaiFractionsFollowerNodeChecksFailing", "failing for less than its for",
+         mirror("kai_fractions_follower_node_checks_failed_total", "0+1x40"), at="12m"),
+    # -- the node agents ---------------------------------------------------------------------
+    case("KaiFractionsNodeAgentDown", "the agent's target is down",
+         AGENT_DOWN, up(agent_target(NODE_2), "1x10"), at="10m", fires=[AGENT_DOWN]),
+    case("KaiFractionsNodeAgentDown", "down for less than its for",
+         up(agent_target(NODE_1), "1x5 0x3 1x5"), at="9m"),
+    case("KaiFractionsNodeAgentDown", "a mirror replica down is not an agent",
+         up(mirror_target(MIRROR_A), "0x10"), at="10m"),
+    case("KaiFractionsNodeNotReady", "not ready for 15 minutes",
+         NOT_READY, agent("kai_fractions_node_ready", "1x20", NODE_2, node=NODE_2,
+                          reason="AgentReady"), at="15m", fires=[NOT_READY]),
+    case("KaiFractionsNodeNotReady", "not ready for less than its for",
+         agent("kai_fractions_node_ready", "1x10 0x10", node=NODE_1, reason="NVMLUnavailable"),
+         at="15m"),
+    case("KaiFractionsNodeAgentWritesRefused", "its PATCHes refused",
+         agent(PATCHES, "3+2x30", node=NODE_1, verb="PATCH", code="403"),
+         agent(PATCHES, "0+20x30", node=NODE_1, verb="PATCH", code="200"),
+         at="15m", fires=[{"node": NODE_1}], value="33.33m"),
+    case("KaiFractionsNodeAgentWritesRefused", "its PATCHes unanswered",
+         agent(PATCHES, "1+1x30", on=NODE_2, node=NODE_2, verb="PATCH", code="unreachable"),
+         at="15m", fires=[{"node": NODE_2}], value="16.67m"),
+    case("KaiFractionsNodeAgentWritesRefused", "conflicts and a refused GET",
+         agent(PATCHES, "1+2x30", node=NODE_1, verb="PATCH", code="409"),
+         agent(PATCHES, "1+2x30", node=NODE_1, verb="GET", code="403"), at="15m"),
+    case("KaiFractionsGpuMemoryLimitViolation", "a container went over its cap",
+         VIOLATED, at="10m", fires=[VIOLATED]),
+    case("KaiFractionsGpuMemoryLimitViolation", "no episode in 10 minutes",
+         VIOLATED, per_container(VIOLATIONS, "0x25", **{**GPU, "gpu": "1"}), at="20m"),
+    case("KaiFractionsNodeGpuMemoryLimitViolations", "its pod went before a scrape saw it",
+         NODE_VIOLATED, agent(NODE_VIOLATIONS, "0x25", NODE_2, node=NODE_2),
+         at="10m", fires=[NODE_VIOLATED], value="1"),
+    case("KaiFractionsNodeGpuMemoryLimitViolations", "another node's container does not cover it",
+         NODE_VIOLATED, agent(NODE_VIOLATIONS, "0x5 1x20", NODE_2, node=NODE_2),
+         per_container(VIOLATIONS, "0x5 1x20", NODE_2, node=NODE_2, **GPU),
+         at="10m", fires=[NODE_VIOLATED], value="1"),
+    case("KaiFractionsNodeGpuMemoryLimitViolations", "the per-container alert covers it",
+         NODE_VIOLATED, VIOLATED, at="10m"),
+    case("KaiFractionsContainerRefused", "refused for 10 minutes",
+         per_container(REFUSED, "1x20", node=NODE_1, reason="MemoryOvercommitted"),
+         at="10m", fires=[{"node": NODE_1, "namespace": "team-a", "pod": "train-0",
+                 "container": "trainer", "reason": "MemoryOvercommitted"}]),
+    case("KaiFractionsContainerRefused", "refused for less than its for",
+         per_container(REFUSED, "1x20", node=NODE_1, reason="MemoryOvercommitted"), at="4m"),
+    case("KaiFractionsNodeRefusedGonePods", "the refused pod is gone",
+         agent(REFUSALS, "0x5 1x20", node=NODE_1, reason="DeviceNotOnNode"),
+         agent(REFUSALS, "0x25", node=NODE_1, reason="MemoryOvercommitted"),
+         at="10m", fires=[{"node": NODE_1, "reason": "DeviceNotOnNode"}], value="1"),
+    case("KaiFractionsNodeRefusedGonePods", "a refusal of another reason does not cover it",
+         agent(REFUSALS, "0x5 1x20", node=NODE_1, reason="DeviceNotOnNode"),
+         per_container(REFUSED, "_x5 1x20", node=NODE_1, reason="MemoryOvercommitted"),
+         at="10m", fires=[{"node": NODE_1, "reason": "DeviceNotOnNode"}], value="1"),
+    case("KaiFractionsNodeRefusedGonePods", "the per-container alert covers it",
+         agent(REFUSALS, "0x5 1x20", node=NODE_1, reason="DeviceNotOnNode"),
+         per_container(REFUSED, "_x5 1x20", node=NODE_1, reason="DeviceNotOnNode"), at="10m"),
+    case("KaiFractionsReconcileErrors", "InternalError in every pass",
+         agent(ERRORS, "1+1x40", reason="InternalError"),
+         at="25m", fires=[{"node": NODE_1, "reason": "InternalError"}]),
+    case("KaiFractionsReconcileErrors", "the waits for a signature and a bind",
+         agent(ERRORS, "1+1x40", reason="SignatureMissing"),
+         agent(ERRORS, "1+1x40", reason="NotBound"), at="25m"),
+    case("KaiFractionsReconcileErrors", "errors that stopped 10 minutes ago",
+         agent(ERRORS, "1+1x10 11x30", reason="InternalError"), at="25m"),
+    case("KaiFractionsMpsDaemonRestarting", "a restart a minute",
+         MPS_RESTARTED, at="30m", fires=[MPS_RESTARTED], value="30"),
+    case("KaiFractionsMpsDaemonRestarting", "three restarts in 30 minutes",
+         agent("kai_fractions_mps_daemon_restarts_total", "0x10 1x10 2x10 3x10"), at="35m"),
+    case("KaiFractionsMpsDrainFailing", "a drain failed",
+         DRAIN_FAILED, agent(DRAINS, "0+1x20", result="drained"),
+         at="10m", fires=[DRAIN_FAILED], value="1"),
+    case("KaiFractionsMpsDrainFailing", "drains that work",
+         agent(DRAINS, "0x20", result="failed"), agent(DRAINS, "0+1x20", result="drained"),
+         agent(DRAINS, "0+1x20", result="nothing"), at="10m"),
+    case("KaiFractionsWatchdogBlind", "a GPU's processes invisible in every check",
+         BLIND, at="20m", fires=[BLIND]),
+    case("KaiFractionsWatchdogBlind", "one blind check",
+         agent("kai_fractions_agent_gpu_usage_unreadable_total", "3x5 4x40", node=NODE_1,
+               gpu_uuid=GPU["gpu_uuid"], reason="ProcessMemoryUnknown"), at="20m"),
+)
+
+# -- the rules and promtool ------------------------------------------------------------------
+
+
+def rule_groups(*sets: str) -> list[dict[str, Any]]:
+    return one(render(sets=ON + sets), "PrometheusRule", RULE)["spec"]["groups"]
+
+
+def alerting_rules(groups: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["alert"]: r for g in groups for r in g["rules"]}
+
+
+def alert_labels(c: Case, fired: Mapping[str, str] | Series) -> dict[str, str]:
+    labels = dict(fired.labels if isinstance(fired, Series) else fired)
+    return {**labels, "severity": "critical" if c.alert in CRITICAL else "warning"}
+
+
+TEMPLATE = re.compile(r"\{\{\s*(.*?)\s*\}\}")
+LABEL = re.compile(r"\$labels\.(\w+)")
+VALUE = re.compile(r"\$value(?:\s*\|\s*\w+)?")
+
+
+def rendered(text: str, labels: Mapping[str, str], value: str | None, where: str) -> str:
+    """An annotation as Prometheus renders it for an alert with these labels: each
+    `{{ $labels.x }}` its value, each `{{ $value ... }}` the case's `value`. Prometheus would
+    render a label the alert lacks as "", so naming one fails here."""
+    def substitute(m: re.Match[str]) -> str:
+        template = m.group(1)
+        if label := LABEL.fullmatch(template):
+            assert label.group(1) in labels, f"{where} names {label.group(1)}, which it lacks"
+            return labels[label.group(1)]
+        assert VALUE.fullmatch(template), f"{where}: unexpected template {{{{ {template} }}}}"
+        assert value is not None, f"{where} shows {{{{ {template} }}}}: give the case a value"
+        return value
+    return TEMPLATE.sub(substitute, text)
+
+
+def expected_alert(c: Case, fired: Mapping[str, str] | Series,
+                   rule: Mapping[str, Any]) -> dict[str, Any]:
+    labels = alert_labels(c, fired)
+    series_labels = {k: v for k, v in labels.items() if k != "severity"}
+    return {"exp_labels": labels,
+            "exp_annotations": {key: rendered(text, series_labels, c.value, f"{c.name} ({key})")
+                                for key, text in rule["annotations"].items()}}
+
+
+def unit_test_group(c: Case, rule: Mapping[str, Any]) -> dict[str, Any]:
+    return {"name": c.name, "interval": "1m",
+            "input_series": [{"series": s.selector(), "values": s.values} for s in c.series],
+            "alert_rule_test": [{"eval_time": c.at, "alertname": c.alert,
+                                 "exp_alerts": [expected_alert(c, f, rule) for f in c.fires]}]}
+
+
+def promtool_test(promtool: Path, folder: Path, groups: list[dict[str, Any]],
+                  cases: Iterable[Case]) -> subprocess.CompletedProcess[str]:
+    """`promtool test rules` of `cases` against `groups`, all in one run."""
+    rules = alerting_rules(groups)
+    (folder / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
+    tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m",
+             "tests": [unit_test_group(c, rules[c.alert]) for c in cases]}
+    (folder / "tests.yaml").write_text(yaml.safe_dump(tests, sort_keys=False, width=1000))
+    return subprocess.run([str(promtool), "test", "rules", "tests.yaml"], cwd=folder,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def report(proc: subprocess.CompletedProcess[str], folder: Path) -> str:
+    """promtool's whole output first, then where its input is kept."""
+    return (f"{proc.stdout}{proc.stderr}\npromtool exited {proc.returncode}; its rules and "
+            f"tests are in {folder}")
+
+
+# -- the tests -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sets", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_promtool_checks_the_rendered_rules(sets: tuple[str, ...], promtool_bin: Path,
+                                            tmp_path: Path) -> None:
+    groups = rule_groups(*sets)
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
+    proc = subprocess.run([str(promtool_bin), "check", "rules", "rules.yaml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, report(proc, tmp_path)
+    assert f"SUCCESS: {len(alerting_rules(groups))} rules found" in proc.stdout, \
+        report(proc, tmp_path)
+
+
+def test_every_alert_has_a_case_that_fires_and_one_that_does_not() -> None:
+    alerts = set(alerting_rules(rule_groups()))
+    assert len(CASES) == len({c.name for c in CASES}), "two cases share a name"
+    assert {c.alert for c in CASES} <= alerts, "a case of an alert the chart no longer has"
+    assert alerts == {c.alert for c in CASES if c.fires}, "an alert that never fires here"
+    assert alerts == {c.alert for c in CASES if not c.fires}, "an alert never kept quiet here"
+
+
+def test_every_alert_fires_as_its_cases_say(promtool_bin: Path, tmp_path: Path) -> None:
+    proc = promtool_test(promtool_bin, tmp_path, rule_groups(), CASES)
+    assert proc.returncode == 0, report(proc, tmp_path)
+    assert "SUCCESS" in proc.stdout, report(proc, tmp_path)
+
+
+OTHER_VALUE_SETS = {name: sets for name, sets in VALUE_SETS.items() if sets}
+
+
+@pytest.mark.parametrize("sets", OTHER_VALUE_SETS.values(), ids=OTHER_VALUE_SETS.keys())
+def test_the_alerts_other_values_change_fire_as_their_cases_say(
+        sets: tuple[str, ...], promtool_bin: Path, tmp_path: Path) -> None:
+    """The alerts a value set renders otherwise than the defaults (a watchdog policy changes a
+    description, the follower's silent-node marking another) against their cases, expecting
+    this rendering's annotations; the others are the default's, tested above (a promtool test
+    group costs ~25 ms)."""
+    default = alerting_rules(rule_groups())
+    groups = rule_groups(*sets)
+    changed = {name for name, r in alerting_rules(groups).items() if r != default[name]}
+    assert changed, f"{sets} renders every alert as the defaults do: nothing to test"
+    proc = promtool_test(promtool_bin, tmp_path, groups, [c for c in CASES if c.alert in changed])
+    assert proc.returncode == 0, report(proc, tmp_path)
+    assert "SUCCESS" in proc.stdout, report(proc, tmp_path)
+
+
+def test_an_annotation_that_names_a_label_the_alert_lacks_is_caught() -> None:
+    """Prometheus renders `{{ $labels.node }}` of an alert without a node as "": the expected
+    text is built from the alert's own labels, so such an annotation fails its case."""
+    c = case("KaiFractionsFollowerFailing", "x", at="1m", fires=[{}], value="1")
+    with pytest.raises(AssertionError, match="names node, which it lacks"):
+        expected_alert(c, {}, {"annotations": {"summary": "On {{ $labels.node }}."}})
+    assert expected_alert(c, {}, {"annotations": {"summary": "{{ $value | humanize }}/s"}}) \
+        == {"exp_labels": {"severity": "warning"}, "exp_annotations": {"summary": "1/s"}}
+
+
+MUTATIONS = {  # what breaks -> (alert, a part of its expression, what replaces it)
+    "a misspelt metric": ("KaiFractionsNodeNotReady", "kai_fractions_node_ready",
+                          "kai_fractions_node_redy"),
+    "a threshold": ("KaiFractionsMpsDaemonRestarting", "> 3", "> 30"),
+    "a grouping label dropped": ("KaiFractionsNodeAgentWritesRefused", "by (node)", ""),
+    "the per-container cover dropped": (
+        "KaiFractionsNodeRefusedGonePods",
+        "unless on (node, reason) (max by (node, reason) (kai_fractions_container_refused) > 0)",
+        ""),
+    "the excluded reasons": ("KaiFractionsReconcileErrors",
+                             '{reason!~"SignatureMissing|NotBound"}', ""),
+}
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS.values(), ids=MUTATIONS.keys())
+def test_a_broken_expression_fails_its_cases(mutation: tuple[str, str, str], promtool_bin: Path,
+                                             tmp_path: Path) -> None:
+    """The harness checks something: the same cases pass with the chart's rule and fail, in
+    promtool, with the rule broken."""
+    alert, part, replacement = mutation
+    groups = rule_groups()
+    cases = [c for c in CASES if c.alert == alert]
+    (tmp_path / "chart").mkdir()
+    proc = promtool_test(promtool_bin, tmp_path / "chart", groups, cases)
+    assert proc.returncode == 0, report(proc, tmp_path / "chart")
+    broken = copy.deepcopy(groups)
+    rule = alerting_rules(broken)[alert]
+    assert part in rule["expr"], f"{alert}'s expression no longer has {part!r}"
+    rule["expr"] = rule["expr"].replace(part, replacement)
+    (tmp_path / "broken").mkdir()
+    proc = promtool_test(promtool_bin, tmp_path / "broken", broken, cases)
+    assert proc.returncode == 1, report(proc, tmp_path / "broken")
+    assert "FAILED" in proc.stdout + proc.stderr, report(proc, tmp_path / "broken")
+    assert f"alertname: {alert}," in proc.stdout + proc.stderr, report(proc, tmp_path / "broken")
