@@ -72,7 +72,10 @@ FOLLOWER = {"KaiFractionsFollowerNoLeader", "KaiFractionsFollowerSeveralLeaders"
             "KaiFractionsNodeAgentSilent", "KaiFractionsFollowerNodeChecksFailing"}
 """Only with mirror.followBindRequests: without the follower nothing leads or signs."""
 PROMETHEUS_TEMPLATE = re.compile(r"\{\{\s*(.*?)\s*\}\}")
-ALLOWED_TEMPLATE = re.compile(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)|\$value(?: \| humanize\w*)?")
+ALLOWED_TEMPLATE = re.compile(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)|\$value(?: \| humanize\w*)?"
+                              r'|printf "%\.(?:0f|3g)" \$value')
+"""A label, or the alert's value: humanized, a count (an increase, extrapolated: 1.011 is "1"),
+or a rate (0.0333/s, where humanize would say "33.33m/s")."""
 
 
 def rule(*sets: str) -> dict[str, Any]:
@@ -307,6 +310,11 @@ def test_every_node_agent_alert_names_only_what_a_live_agent_exports(
     # `up` is Prometheus's own series of each target, never in a /metrics
     assert "up" not in labels_of
     labels_of["up"] = set(UP_LABELS)
+    # and ALERTS is Prometheus's own series of the alerts that fire, with the alert's labels
+    assert "ALERTS" not in labels_of
+    refused = alerts(rule())["KaiFractionsContainerRefused"][1]
+    labels_of["ALERTS"] = {"alertname", "alertstate", *refused["labels"],
+                           *(kept_by_aggregation(refused["expr"]) or ())}
     exprs = alert_exprs(AGENT_GROUP, rule())
     assert len(exprs) == 11
     assert problems(exprs, labels_of, "agent", AGENT_TARGET_LABELS) == []

@@ -192,7 +192,7 @@ CASES = (
     case("KaiFractionsMirrorApiUnreachable", "one replica's requests end unreachable",
          mirror(API, "0+6x30", verb="GET", code="unreachable"),
          mirror(API, "0+60x30", MIRROR_B, verb="GET", code="200"),
-         at="10m", fires=[{"pod": MIRROR_A}], value="100m"),
+         at="10m", fires=[{"pod": MIRROR_A}], value="0.1"),
     case("KaiFractionsMirrorApiUnreachable", "unreachable no more for 10 minutes",
          mirror(API, "0+6x5 30x30", verb="GET", code="unreachable"), at="15m"),
     case("KaiFractionsSignatureDelayHigh", "every signature took 10 to 30 minutes",
@@ -201,7 +201,7 @@ CASES = (
          signature_delays(300), at="20m"),
     case("KaiFractionsFollowerFailing", "errors and nothing complete",
          mirror(CHECKS, "0+5x30", result="error"),
-         mirror(CHECKS, "0x30", result="complete"), at="15m", fires=[{}], value="83.33m"),
+         mirror(CHECKS, "0x30", result="complete"), at="15m", fires=[{}], value="0.0833"),
     case("KaiFractionsFollowerFailing", "errors, but others complete",
          mirror(CHECKS, "0+5x30", result="error"),
          mirror(CHECKS, "0+1x30", result="complete"), at="15m"),
@@ -234,12 +234,14 @@ CASES = (
     case("KaiFractionsNodeAgentWritesRefused", "its PATCHes refused",
          agent(PATCHES, "3+2x30", node=NODE_1, verb="PATCH", code="403"),
          agent(PATCHES, "0+20x30", node=NODE_1, verb="PATCH", code="200"),
-         at="15m", fires=[{"node": NODE_1}], value="33.33m"),
+         at="15m", fires=[{"node": NODE_1}], value="0.0333"),
     case("KaiFractionsNodeAgentWritesRefused", "its PATCHes unanswered",
          agent(PATCHES, "1+1x30", on=NODE_2, node=NODE_2, verb="PATCH", code="unreachable"),
-         at="15m", fires=[{"node": NODE_2}], value="16.67m"),
-    case("KaiFractionsNodeAgentWritesRefused", "conflicts and a refused GET",
+         at="15m", fires=[{"node": NODE_2}], value="0.0167"),
+    case("KaiFractionsNodeAgentWritesRefused", "conflicts, pods deleted before their patch, a "
+         "refused GET",
          agent(PATCHES, "1+2x30", node=NODE_1, verb="PATCH", code="409"),
+         agent(PATCHES, "1+2x30", node=NODE_1, verb="PATCH", code="404"),
          agent(PATCHES, "1+2x30", node=NODE_1, verb="GET", code="403"), at="15m"),
     case("KaiFractionsGpuMemoryLimitViolation", "a container went over its cap",
          VIOLATED, at="10m", fires=[VIOLATED]),
@@ -268,9 +270,17 @@ CASES = (
          agent(REFUSALS, "0x5 1x20", node=NODE_1, reason="DeviceNotOnNode"),
          per_container(REFUSED, "_x5 1x20", node=NODE_1, reason="MemoryOvercommitted"),
          at="10m", fires=[{"node": NODE_1, "reason": "DeviceNotOnNode"}], value="1"),
-    case("KaiFractionsNodeRefusedGonePods", "the per-container alert covers it",
+    case("KaiFractionsNodeRefusedGonePods", "a container refused now: its own alert is coming",
          agent(REFUSALS, "0x5 1x20", node=NODE_1, reason="DeviceNotOnNode"),
-         per_container(REFUSED, "_x5 1x20", node=NODE_1, reason="DeviceNotOnNode"), at="10m"),
+         per_container(REFUSED, "_x5 1x20", node=NODE_1, reason="DeviceNotOnNode"), at="8m"),
+    case("KaiFractionsNodeRefusedGonePods", "the per-container alert fired, then its pod went",
+         agent(REFUSALS, "0x5 1x20", node=NODE_1, reason="DeviceNotOnNode"),
+         per_container(REFUSED, "_x5 1x7 stale", node=NODE_1, reason="DeviceNotOnNode"),
+         at="14m"),
+    case("KaiFractionsNodeRefusedGonePods", "refused for 3 minutes, then its pod went",
+         agent(REFUSALS, "0x5 1x20", node=NODE_1, reason="DeviceNotOnNode"),
+         per_container(REFUSED, "_x5 1x2 stale", node=NODE_1, reason="DeviceNotOnNode"),
+         at="14m", fires=[{"node": NODE_1, "reason": "DeviceNotOnNode"}], value="1"),
     case("KaiFractionsReconcileErrors", "InternalError in every pass",
          agent(ERRORS, "1+1x40", reason="InternalError"),
          at="25m", fires=[{"node": NODE_1, "reason": "InternalError"}]),
@@ -314,7 +324,7 @@ def alert_labels(c: Case, fired: Mapping[str, str] | Series) -> dict[str, str]:
 
 TEMPLATE = re.compile(r"\{\{\s*(.*?)\s*\}\}")
 LABEL = re.compile(r"\$labels\.(\w+)")
-VALUE = re.compile(r"\$value(?:\s*\|\s*\w+)?")
+VALUE = re.compile(r'\$value(?:\s*\|\s*\w+)?|printf "[^"]*" \$value')
 
 
 def rendered(text: str, labels: Mapping[str, str], value: str | None, where: str) -> str:
@@ -433,6 +443,11 @@ MUTATIONS = {  # what breaks -> (alert, a part of its expression, what replaces 
         "KaiFractionsNodeRefusedGonePods",
         "unless on (node, reason) (max by (node, reason) (kai_fractions_container_refused) > 0)",
         ""),
+    "the cover of a reported refusal dropped": (
+        "KaiFractionsNodeRefusedGonePods", "unless on (node, reason) (max by (node, reason) "
+        "(max_over_time(ALERTS", "or on (node, reason) (max by (node, reason) "
+        "(max_over_time(ALERTS"),
+    "404 counted as refused": ("KaiFractionsNodeAgentWritesRefused", "|404|", "|"),
     "the excluded reasons": ("KaiFractionsReconcileErrors",
                              '{reason!~"SignatureMissing|NotBound"}', ""),
 }

@@ -655,6 +655,14 @@ def test_notes_tell_what_namespaces_that_run_fractions_need():
                                                   "webhook.priorityClassName=")
 
 
+def test_notes_warn_of_alerts_without_the_scrapes_they_read():
+    warned = chart_notes("prometheusRule.enabled=true")
+    assert "NOTE: prometheusRule.enabled without serviceMonitor.enabled" in warned
+    assert "KaiFractionsFollowerNoLeader fires all the time" in warned
+    for sets in ((), ("prometheusRule.enabled=true", "serviceMonitor.enabled=true")):
+        assert "without serviceMonitor.enabled" not in chart_notes(*sets), sets
+
+
 def test_notes_say_when_nothing_is_deployed():
     notes = chart_notes(values_file=DISABLED)
     assert "gpuSharing=Disabled: nothing was deployed" in notes
