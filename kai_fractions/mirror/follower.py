@@ -12,8 +12,11 @@ every key matches, one signature annotation per fractional container (`kai_fract
 over the `ContainerPlan` the node agent builds from the pod's current annotations), in ONE
 merge patch guarded by the pod's uid and resourceVersion. A pod that changed between the read
 and the patch is refused by the API server (409); the follower reads it again and checks it
-again (bounded), so it never signs annotations it did not check. A mismatch is never signed; a
-signature that already verifies is not rewritten. Derived annotations stay the node agent's.
+again (bounded), so it never signs annotations it did not check. It signs only the pod the
+BindRequest was made for (its owner's uid), never another created under the same name. A
+mismatch is never signed; a signature that already verifies is not rewritten, and one under a
+key the mirror still holds that no longer verifies (the pod was edited after it was signed) is
+not replaced: only a retired key's is. Derived annotations stay the node agent's.
 Every decision not to sign a bound fractional pod is an event on the pod and a log line that
 name the reason (`NvFractionsMismatch`, `NvFractionsInvalid`, `NvFractionsUnsigned`).
 
@@ -30,6 +33,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from datetime import datetime
 from types import MappingProxyType
 from typing import Any
 
@@ -93,6 +97,9 @@ class BindRequestView:
     resource_version: str = ""
     created: str = ""
     """metadata.creationTimestamp (RFC 3339): when KAI's scheduler decided the bind."""
+    owner_uid: str = ""
+    """The uid of the pod KAI's scheduler made it for: it names that pod as the BindRequest's
+    owner (KAI-Scheduler pkg/scheduler/cache/cache.go, createBindRequest). "" when none."""
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> BindRequestView:
@@ -123,11 +130,49 @@ class BindRequestView:
             phase=str(status.get("phase") or ""),
             resource_version=str(meta.get("resourceVersion") or ""),
             created=str(meta.get("creationTimestamp") or ""),
+            owner_uid=_owner_pod_uid(meta.get("ownerReferences"), spec.get("podName")),
         )
 
     @property
     def ref(self) -> str:
         return f"{self.namespace}/{self.name}"
+
+
+def _owner_pod_uid(owners: Any, pod_name: Any) -> str:
+    """The uid of the owner reference that is the BindRequest's pod; "" when none is."""
+    if not isinstance(owners, list):
+        return ""
+    for owner in owners:
+        if (isinstance(owner, Mapping) and owner.get("kind") == "Pod"
+                and owner.get("name") in (None, pod_name)):
+            return str(owner.get("uid") or "")
+    return ""
+
+
+def not_its_pod(br: BindRequestView, pod: PodSnapshot) -> str:
+    """Why `pod` is not the pod `br` was made for ("" when it may be): KAI decided for one pod,
+    and another one of the same name (the first deleted and a new one created, by a user or a
+    controller) must not carry that decision's signature. By the owner's uid; without one, by
+    age: a pod created after the BindRequest cannot be the one it was made for."""
+    ref = f"pod {pod.namespace}/{pod.name}"
+    if br.owner_uid:
+        if pod.uid != br.owner_uid:
+            return (f"{ref} (uid {pod.uid or 'none'}) is not the pod BindRequest {br.ref} was "
+                    f"made for (uid {br.owner_uid}): it was created again under that name")
+        return ""
+    pod_created = _timestamp(pod.metadata.get("creationTimestamp"))
+    br_created = _timestamp(br.created)
+    if pod_created is not None and br_created is not None and pod_created > br_created:
+        return (f"{ref} was created after BindRequest {br.ref}, so it is not the pod that "
+                "BindRequest was made for")
+    return ""
+
+
+def _timestamp(value: Any) -> datetime | None:
+    try:
+        return datetime.fromisoformat(str(value)) if value else None
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +332,11 @@ class Follower:
                 pod = await self.store.get_pod(br.namespace, br.pod_name, deadline)
             except PodNotFound:
                 return Verification(br.ref, pod_ref, skipped="pod not found")
+            if other := not_its_pod(br, pod):
+                # A controller recreating a pod under its name meets this until KAI's garbage
+                # collector removes the old BindRequest: not an event, only never a signature.
+                log.info("%s; not checked", other)
+                return Verification(br.ref, pod_ref, skipped=other)
             result = await self._check(br, pod, deadline)
             if result.skipped or result.errors or result.mismatches or self.signer is None:
                 return result
@@ -378,8 +428,19 @@ class Follower:
                                                  f"planned: {e}")
             annotation = signature_key(plan, self.keys)
             existing = pod.annotations.get(annotation)
-            if existing and keyring.verify(plan, existing, self.keys, node=node).ok:
-                continue
+            if existing:
+                verdict = keyring.verify(plan, existing, self.keys, node=node)
+                if verdict.ok:
+                    continue
+                if verdict.kid in keyring.kids:
+                    # Signed under a key still held: what it signed was changed since (a
+                    # user-owned key raised where admission does not run). Only a retired
+                    # key's signature is replaced.
+                    return replace(checked, unsigned=(
+                        f"container {share.container}'s signature (key {verdict.kid}, which "
+                        "the mirror still holds) no longer matches its GPU annotations: they "
+                        "were changed after they were signed, and are not signed again; "
+                        "delete the pod so the scheduler binds it again"))
             changes[annotation] = keyring.sign(plan, node=node)
         if not changes:
             return checked

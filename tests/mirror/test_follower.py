@@ -350,6 +350,71 @@ async def test_new_signing_keys_make_every_bind_request_be_checked_and_signed_ag
     assert await follower.follow_one(view) is None
 
 
+def owned_by(br: dict, uid: str) -> dict:
+    """`br` as KAI's scheduler creates it: owned by the pod it decided for (KAI-Scheduler
+    pkg/scheduler/cache/cache.go, createBindRequest)."""
+    owner = {"apiVersion": "v1", "kind": "Pod", "name": br["spec"]["podName"], "uid": uid}
+    return {**br, "metadata": {**br["metadata"], "ownerReferences": [owner]}}
+
+
+async def test_a_pod_created_again_under_the_name_gets_no_signature_of_the_old_decision(store):
+    """KAI decided for one pod; a user who deletes it (the BindRequest outlives it with
+    --cascade=orphan, or until the garbage collector runs) and creates another of the same
+    name, bound by hand with the binder's annotations copied, must not get that decision
+    signed: the GPU share it names was freed."""
+    first = store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
+    br = owned_by(bind_request("br-1", "train-0"), first.uid)
+    assert (await verify(store, br, signer=Keys(Keyring.of(b"k" * 32)))).signed == (SIGNATURE,)
+    store.delete_pod(NS, "train-0")
+    again = store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
+    result = await verify(store, br, signer=Keys(Keyring.of(b"k" * 32)))
+    assert result.signed == () and not result.complete
+    assert result.skipped == (
+        f"pod {NS}/train-0 (uid {again.uid}) is not the pod BindRequest {NS}/br-1 was made for "
+        f"(uid {first.uid}): it was created again under that name")
+    assert SIGNATURE not in store.annotations(NS, "train-0") and store.events == []
+
+
+async def test_without_an_owner_a_pod_newer_than_the_bind_request_is_not_its_pod(store):
+    br = bind_request("br-1", "train-0")
+    br["metadata"]["creationTimestamp"] = "2026-12-06T10:00:00Z"
+    newer = pod("train-0", {"gpu-fraction": "0.5", **BOUND})
+    newer["metadata"]["creationTimestamp"] = "2026-12-06T10:00:01Z"
+    store.add_pod(newer)
+    result = await verify(store, br, signer=Keys(Keyring.of(b"k" * 32)))
+    assert result.signed == () and "was created after BindRequest" in result.skipped
+    store.delete_pod(NS, "train-0")
+    newer["metadata"]["creationTimestamp"] = "2026-12-06T10:00:00Z"  # the same second: its pod
+    store.add_pod(newer)
+    assert (await verify(store, br, signer=Keys(Keyring.of(b"k" * 32)))).signed == (SIGNATURE,)
+
+
+async def test_a_signature_broken_by_an_edit_is_not_signed_again(store):
+    """A user-owned key raised after signing (where admission does not run) breaks the
+    signature, and the binder's keys still match KAI's decision: signing again would make the
+    node apply the raised limit. Only a signature under a retired key is replaced."""
+    keys = Keys(Keyring.of(b"k" * 32))
+    # a pod sized in memory by its user (request and limit), a half GPU to KAI
+    created = store.add_pod(pod("train-0", {**BOUND, f"{T}.gpu-memory.limit": "20Gi"}))
+    br = owned_by(bind_request("br-1", "train-0"), created.uid)
+    assert (await verify(store, br, signer=keys)).signed == (SIGNATURE,)
+    signature = store.annotations(NS, "train-0")[SIGNATURE]
+    edited = store.pods[(NS, "train-0")]["metadata"]["annotations"]
+    edited[f"{T}.gpu-memory.limit"] = "40Gi"
+    for follower in (Follower(store, signer=keys), Follower(store, signer=keys)):  # a restart
+        result = await follower.follow_one(BindRequestView.from_object(versioned(br)))
+        assert result is not None and not result.complete and result.signed == ()
+        assert "no longer matches its GPU annotations" in result.unsigned
+    assert store.annotations(NS, "train-0")[SIGNATURE] == signature
+    unsigned = [e.message for e in store.events if e.reason == "NvFractionsUnsigned"]
+    assert len(unsigned) == 2  # one per follower process: each reports it once
+    assert all("were changed after they were signed" in m for m in unsigned)
+    keys.keyring = Keyring.of(b"n" * 32, b"k" * 32)  # rotated, the old key kept as previous
+    assert (await verify(store, br, signer=keys)).signed == ()
+    keys.keyring = Keyring.of(b"n" * 32)  # the old key retired: now it is replaced
+    assert (await verify(store, br, signer=keys)).signed == (SIGNATURE,)
+
+
 async def test_a_deleted_bind_request_is_forgotten(store):
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
     follower = Follower(store)
