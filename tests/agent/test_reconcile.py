@@ -761,6 +761,40 @@ def test_a_reprovisioned_percentage_waits_for_the_namespaces_clients_to_exit(
     assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
 
 
+def test_a_marker_that_cannot_be_rewritten_for_a_new_plan_is_removed(
+        short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pod's new plan is in force, but its marker cannot be written (a full or failing
+    disk): the old marker vouches for limits no longer in force, and a restarted sandbox's
+    gate would open on it. It goes; the next pass that can write puts the new one."""
+    rig = Rig(short_tmp, sm_sharing=False, with_cluster=False)
+    rig.agent.cache.replace([])
+    uid = "0a1b2c3d-0000-4000-8000-000000000123"
+
+    def provision(limit: str) -> None:
+        rig.reconciler.provision("ns", "direct", uid, binder_annotations(
+            devices=rig.gpu0, limit=limit), ["main"])
+
+    provision("20Gi")
+    assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
+
+    def full(*_args: object, **_kw: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rig.reconciler.markers, "write", full)
+    provision("70Gi")
+    assert rig.nvml.limits[(rig.gpu0, slice_of(uid))] == (10 * GIB, 70 * GIB)
+    assert marker(rig, uid) is None
+    gate = judge({}, read_marker(rig.marker_path(uid).parent), pod_uid=uid, keys=DEFAULT_KEYS,
+                 boot_id=rig.reconciler.markers.boot_id, containers=["main"])
+    assert gate.outcome is not Outcome.RELEASE
+    assert "MarkerNotWritten" in rig.reconciler.reconcile().errors
+    monkeypatch.undo()
+    rig.reconciler.reconcile()
+    new = marker(rig, uid)["containers"]["main"]
+    assert (new["state"], new["plan_digest"]) == (
+        "applied", rig.reconciler.view.results[(uid, "main")].plan_digest)
+
+
 def test_a_release_that_could_not_remove_a_limit_says_so(short_tmp: Path) -> None:
     """The caller of Release must not believe the pod unlimited while a limit may still be in
     force: the call fails with the reason; the pod stays released and a later pass clears it."""

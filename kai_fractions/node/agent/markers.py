@@ -287,16 +287,14 @@ class MarkerWriter:
         existing = self.store.read(uid)
         self._pending_events(ref, results)
         if decision.write is None:
-            if existing is not None and not still_valid(existing, results):
-                self.store.unlink(uid)
-                log.info("pod %s/%s: removed its marker (no longer the applied plan)",
-                         ref.namespace, ref.name)
+            self._drop_stale(ref, existing, results, errors)
             return False
         refused = any(r.state is ContainerState.REFUSED for r in results.values())
         if not refused and from_api:
             plans = [c.plan for name in results
                      if (c := desired.container(ContainerKey(uid, name))) is not None]
             if not self._ensure_annotations(ref, manifest, plans, errors):
+                self._drop_stale(ref, existing, results, errors)
                 return False
         if existing is None or dict(existing.containers) != dict(decision.write):
             try:
@@ -305,11 +303,29 @@ class MarkerWriter:
                 errors.add(MARKER_NOT_WRITTEN)
                 log.error("pod %s/%s: the readiness marker could not be written under %s: %s",
                           ref.namespace, ref.name, self.store.root, e)
+                self._drop_stale(ref, existing, results, errors)
                 return False
             log.info("pod %s/%s: marker written (%s)", ref.namespace, ref.name, ", ".join(
                 f"{n}={m.state.value}" for n, m in sorted(decision.write.items())))
             self._marker_events(ref, results)
         return True
+
+    def _drop_stale(self, ref: PodRef, existing: Marker | None,
+                    results: Mapping[str, ContainerResult], errors: set[str]) -> None:
+        """Whatever kept the new marker from being written, an old one that no longer vouches
+        for what is in force goes: a gate (a restarted sandbox's) must not open on it."""
+        if existing is None or still_valid(existing, results):
+            return
+        try:
+            removed = self.store.unlink(ref.uid)
+        except OSError as e:
+            errors.add(MARKER_NOT_WRITTEN)
+            log.error("pod %s/%s: its marker no longer vouches for the limits in force and "
+                      "could not be removed: %s", ref.namespace, ref.name, e)
+            return
+        if removed:
+            log.info("pod %s/%s: removed its marker (no longer the applied plan)",
+                     ref.namespace, ref.name)
 
     def _ensure_annotations(self, ref: PodRef, manifest: Mapping[str, Any],
                             plans: Sequence[ContainerPlan], errors: set[str]) -> bool:
