@@ -126,7 +126,10 @@ def heartbeat_lease_name(node: str) -> str | None:
 
 
 def meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    return obj.get("metadata") or {}
+    """The object's metadata; {} when it has none, or none that is a mapping (an object no
+    schema checked must not stop a list or a watch)."""
+    value = obj.get("metadata")
+    return value if isinstance(value, Mapping) else {}
 
 
 def uid_of(obj: Mapping[str, Any]) -> str:

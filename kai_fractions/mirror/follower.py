@@ -103,17 +103,18 @@ class BindRequestView:
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> BindRequestView:
-        meta = obj.get("metadata") or {}
-        spec = obj.get("spec") or {}
-        status = obj.get("status") or {}
-        received = spec.get("receivedGPU") or {}
-        groups = spec.get("selectedFractionalGpuGroups")
+        """Never raises: a part of the wrong type (which KAI's CRD schema should refuse) reads
+        as absent, so the check reports the BindRequest (not fractional, not Succeeded, no
+        decision to rebuild) and one malformed object cannot stop the follower."""
+        meta, spec, status = (_mapping(obj, part) for part in ("metadata", "spec", "status"))
+        received = _mapping(spec, "receivedGPU")
+        groups = _list(spec, "selectedFractionalGpuGroups")
         if groups:
             ids = tuple(str(g.get("id") or "") for g in groups if isinstance(g, Mapping))
             modes = tuple(str(g.get("computeSharingMode") or "")
                           for g in groups if isinstance(g, Mapping))
         else:  # older BindRequests: plain group ids, time-slicing
-            ids = tuple(str(g) for g in spec.get("selectedGPUGroups") or [])
+            ids = tuple(str(g) for g in _list(spec, "selectedGPUGroups"))
             modes = ("",) * len(ids)
         count = received.get("count") or 0
         return cls(
@@ -123,7 +124,7 @@ class BindRequestView:
             pod_name=str(spec.get("podName") or ""),
             selected_node=str(spec.get("selectedNode") or ""),
             resource_type=str(spec.get("receivedResourceType") or ""),
-            gpu_count=count if isinstance(count, int) else 0,
+            gpu_count=count if isinstance(count, int) and not isinstance(count, bool) else 0,
             portion=str(received.get("portion") or ""),
             group_ids=ids,
             group_modes=modes,  # KAI spells them as the contract does; "" = time-slicing
@@ -136,6 +137,16 @@ class BindRequestView:
     @property
     def ref(self) -> str:
         return f"{self.namespace}/{self.name}"
+
+
+def _mapping(parent: Any, key: str) -> Mapping[str, Any]:
+    value = parent.get(key) if isinstance(parent, Mapping) else None
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list(parent: Mapping[str, Any], key: str) -> list[Any]:
+    value = parent.get(key)
+    return value if isinstance(value, list) else []
 
 
 def _owner_pod_uid(owners: Any, pod_name: Any) -> str:

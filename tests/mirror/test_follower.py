@@ -727,6 +727,34 @@ async def test_a_deleted_one_is_forgotten_after_its_handling_in_flight():
         await task
 
 
+MALFORMED = [  # parts of the wrong type, which KAI's CRD schema should refuse
+    {"metadata": ["x"], "spec": "y", "status": 3},
+    {"metadata": {"name": "bad", "namespace": NS}, "spec": {"receivedGPU": "oops"}},
+    {"metadata": {"name": "bad", "namespace": NS}, "spec": [{"podName": "p"}],
+     "status": "Succeeded"},
+    {"metadata": {"name": "bad", "namespace": NS, "ownerReferences": {"kind": "Pod"}},
+     "spec": {"receivedResourceType": "Fraction", "receivedGPU": {"count": True},
+              "selectedFractionalGpuGroups": "group-a", "selectedGPUGroups": 5}},
+]
+
+
+@pytest.mark.parametrize("bad", MALFORMED)
+async def test_a_malformed_bind_request_neither_stops_the_follower_nor_gets_signed(store, bad):
+    view = BindRequestView.from_object(bad)
+    assert view.gpu_count == 0 and view.group_ids == () and view.owner_uid == ""
+    result = await Follower(store, signer=Keys(Keyring.of(b"k" * 32))).verify(view)
+    assert result.skipped and result.signed == ()
+    handled: list[str] = []
+
+    async def handle(br: BindRequestView) -> None:
+        handled.append(br.name)
+
+    source = ScriptedSource(lists=[([], "1")],
+                            watches=[[("ADDED", bad), ("ADDED", bind_request("good", "p"))]])
+    await play(source, handle, until=lambda: "good" in handled)
+    assert handled[-1] == "good"
+
+
 async def test_a_follower_cancelled_twice_leaves_no_handling_running():
     source = ScriptedSource(lists=[([obj("a", "1"), obj("b", "1")], "1")],
                             watches=[[("ADDED", obj("c", "2"))]])
