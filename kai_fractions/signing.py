@@ -90,6 +90,9 @@ class Reason(StrEnum):
 
     MISSING = "SignatureMissing"
     INVALID = "SignatureInvalid"
+    KEY_UNKNOWN = "SignatureKeyUnknown"
+    """Signed with a key this node does not hold (yet): right after a rotation the mirror signs
+    with its new key a minute or two before the node agents have its public half."""
 
 
 # -- what is signed ----------------------------------------------------------------------------
@@ -335,12 +338,14 @@ class Keyring:
         key = next((key for key in self.keys if key.kid == signature.kid
                     and key.version == signature.version), None)
         if key is None:
-            return Verification(False, Reason.INVALID, (
+            return Verification(False, Reason.KEY_UNKNOWN, (
                 f"annotation {annotation} was signed with {signature.version} key "
                 f"{signature.kid}, which this node does not hold (it holds "
-                f"{', '.join(self.kids)}): the signing key was rotated without keeping the old "
-                "one as `previous`, or the mirror and the node agent use different keys"),
-                signature.kid)
+                f"{', '.join(self.kids)}): after a key rotation the mirror's new public key "
+                "reaches the nodes within minutes (ConfigMap kai-fractions-signing-public, "
+                "as the kubelet syncs it); if it never does, the key was rotated without "
+                "keeping the old one as `previous`, or the mirror and the node agent use "
+                "different keys"), signature.kid)
         claims = allocation_claims(plan, node if signature.version == V2 else None)
         if not key.verifies(claims, signature.mac):
             where = f" for node {node}" if signature.version == V2 else ""

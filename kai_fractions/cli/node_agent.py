@@ -32,6 +32,16 @@ def _positive(value: str) -> float:
     return number
 
 
+def _nonnegative_seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value!r}")
+    return number
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "node-agent", help="run the node agent (one per GPU node)",
@@ -108,10 +118,17 @@ def register(sub) -> None:
     p.add_argument("--signing-key-file", action="append", default=[], metavar="FILE",
                    help="apply only allocations signed by the kai-fractions mirror with these "
                    "keys: wait while the signature is missing (SignatureMissing; with an "
-                   "unmodified KAI the mirror's BindRequest follower signs), refuse a bad one "
-                   "(SignatureInvalid). FILE holds the raw key, or is a directory with `current` "
-                   "and optionally `previous` (the chart's Secret); repeatable; re-read when it "
-                   "changes. Default: no check")
+                   "unmodified KAI the mirror's BindRequest follower signs) or names a key "
+                   "this node does not hold yet (SignatureKeyUnknown; --signature-key-wait), "
+                   "refuse a bad one (SignatureInvalid). FILE holds the raw key, or is a "
+                   "directory with `current` and optionally `previous` (the chart's Secret); "
+                   "repeatable; re-read when it changes. Default: no check")
+    p.add_argument("--signature-key-wait", type=_nonnegative_seconds, default=300.0,
+                   metavar="SECONDS",
+                   help="with --signing-key-file: how long a signature under a key this node "
+                   "does not hold waits for it (SignatureKeyUnknown, pending: right after a key "
+                   "rotation the mirror signs with its new key before the node has its public "
+                   "half) before it is refused (default: %(default)g)")
     p.add_argument("--kubeconfig", metavar="FILE",
                    help="kubeconfig to use (default: in-cluster, then $KUBECONFIG or "
                    "~/.kube/config)")
@@ -202,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
         list_from_watch_cache=args.list_from_watch_cache,
         mps_drain_before_kill_seconds=args.mps_drain_before_kill,
         heartbeat_lease_namespace=args.heartbeat_lease_namespace or None,
-        signing_key_files=tuple(args.signing_key_file))
+        signing_key_files=tuple(args.signing_key_file),
+        signature_key_wait_seconds=args.signature_key_wait)
     if options.signing_key_files:
         from ..signing import KeyringSource, SigningConfigError
         try:

@@ -74,7 +74,8 @@ def test_signed_applied_unsigned_waits_for_its_signature_forged_refused(agent_en
     (keys / "previous").write_bytes(KEY_A)
     env.nvml.add_gpu(GPU0, memory_mib=H100_MIB)
     env.create_node()
-    run = env.start(f"--signing-key-file={keys}", sm_sharing=False)
+    # KEY_C is a forger's own: no rotation brings it, so it is refused after the wait
+    run = env.start(f"--signing-key-file={keys}", "--signature-key-wait=1", sm_sharing=False)
     good = mirrored(env, "signed", sign=KEY_B)
     late = mirrored(env, "unsigned", sign=None)
     bad = mirrored(env, "forged", sign=KEY_C)
@@ -82,8 +83,9 @@ def test_signed_applied_unsigned_waits_for_its_signature_forged_refused(agent_en
              timeout=20)
     assert marker(env, good)["containers"]["main"]["state"] == "applied"
     refused = marker(env, bad)["containers"]["main"]
-    assert (refused["state"], refused["reason"]) == ("refused", "SignatureInvalid")
+    assert (refused["state"], refused["reason"]) == ("refused", "SignatureKeyUnknown")
     assert refused["message"].startswith(f"annotation {SIG} was signed with v1 key ")
+    assert refused["message"].endswith("(refused after 1 s)")
     # The unsigned pod waits: no marker, one SignatureMissing event, nothing applied.
     waiting = wait_for(lambda: [e for e in env.events(late) if e["reason"] ==
                                 "SignatureMissing"], run=run, what="the SignatureMissing event")
@@ -98,7 +100,7 @@ def test_signed_applied_unsigned_waits_for_its_signature_forged_refused(agent_en
     events = wait_for(lambda: [e for e in env.events(bad) if e["reason"] == "Refused"],
                       run=run, what="the Refused event")
     assert events[0]["type"] == "Warning"
-    assert events[0]["message"].startswith("container main: SignatureInvalid: annotation ")
+    assert events[0]["message"].startswith("container main: SignatureKeyUnknown: annotation ")
     # The signature lands (the follower's patch): the pod is applied.
     env.kube.core.patch_namespaced_pod("unsigned", "default", {"metadata": {"annotations": {
         SIG: Keyring.of(KEY_A).sign(plan_of(env, "unsigned"))}}})

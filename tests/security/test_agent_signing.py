@@ -1,9 +1,11 @@
 """The node agent with `--signing-key-file`: it applies what the mirror signed; a missing
 signature is pending (no marker, one `SignatureMissing` event, nothing applied) until it lands;
-a malformed, unknown-key or edited one is refused with a refused marker, a `Refused` event and
-nothing applied; a running pod edited after it was applied keeps the plan it had (never
-loosened: its marker stays, a `PlanChangeRefused` event names the signature failure); a refused
-pod takes nothing from any GPU; provisioned pods are not checked."""
+one under a key the node does not hold waits for it (a rotation on its way) and is refused
+once `--signature-key-wait` is over; a malformed or edited one is refused with a refused
+marker, a `Refused` event and nothing applied; a running pod edited after it was applied keeps
+the plan it had (never loosened: its marker stays, a `PlanChangeRefused` event names the
+signature failure); a refused pod takes nothing from any GPU; provisioned pods are not
+checked."""
 
 from __future__ import annotations
 
@@ -35,12 +37,13 @@ def signed(manifest: dict, key: bytes = KEY_A) -> dict:
     return manifest
 
 
-def rig_with_keys(tmp: Path, *secrets: bytes, **kw) -> Rig:
+def rig_with_keys(tmp: Path, *secrets: bytes, key_wait: float = 300.0, **kw) -> Rig:
     keys = tmp / "signing"
     keys.mkdir(exist_ok=True)
     for name, secret in zip(("current", "previous"), secrets, strict=False):
         (keys / name).write_bytes(secret)
-    rig = Rig(tmp, sm_sharing=False, options={"signing_key_files": (str(keys),)}, **kw)
+    rig = Rig(tmp, sm_sharing=False, options={"signing_key_files": (str(keys),),
+                                              "signature_key_wait_seconds": key_wait}, **kw)
     return rig
 
 
@@ -101,13 +104,13 @@ def malformed(rig):
 
 
 @pytest.mark.parametrize(("build", "reason", "message"), [
-    (forged, "SignatureInvalid", None),
+    (forged, "SignatureKeyUnknown", None),
     (edited, "SignatureInvalid", EDITED),
     (malformed, "SignatureInvalid", None),
 ])
 def test_a_bad_allocation_is_refused_with_nothing_applied(short_tmp, build, reason,
                                                                       message):
-    rig = rig_with_keys(short_tmp, KEY_A)
+    rig = rig_with_keys(short_tmp, KEY_A, key_wait=0)  # a forger's own key: no wait
     uid = add(rig, build(rig))
     report = rig.step()
     entry = marker(rig, uid)["containers"]["main"]
@@ -118,6 +121,7 @@ def test_a_bad_allocation_is_refused_with_nothing_applied(short_tmp, build, reas
         kid_b = Keyring.of(KEY_B).current.kid
         assert entry["message"].startswith(
             f"annotation {SIG} was signed with v1 key {kid_b}, which this node does not hold")
+        assert entry["message"].endswith(" (refused after 0 s)")
     else:
         assert entry["message"].startswith(f"annotation {SIG} is malformed (the second field "
                                            "must be kid=<8 lowercase hex digits>)")
@@ -278,6 +282,51 @@ def test_provisioned_pods_are_not_checked(short_tmp):
     assert rig.reconciler.view.results[(UID, "main")].state.value == "applied"
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_signature_under_a_key_not_here_yet_waits_for_it(short_tmp):
+    """A rotation: the mirror signs with its new key (B) a minute or two before the node's
+    mounted ConfigMap has its public half. The pod waits for it (pending, one event, no
+    marker, nothing applied) and is applied once the keys are re-read; a key that never comes
+    is refused when the wait is over."""
+    rig = rig_with_keys(short_tmp, KEY_A)
+    clock = Clock()
+    rig.reconciler.pods.signatures.monotonic = clock
+    rotated = add(rig, signed(pod(uid=UID, notes=binder_annotations(devices=rig.gpu0)), KEY_B))
+    assert not rig.step().converged
+    assert marker(rig, rotated) is None and limits(rig, rotated) == {}
+    result = rig.reconciler.view.results[(rotated, "main")]
+    assert (result.state.value, result.reason) == ("pending", "SignatureKeyUnknown")
+    (event,) = rig.cluster.events
+    assert (event["reason"], event["type"]) == ("SignatureKeyUnknown", "Warning")
+    assert event["message"].startswith("container main: waiting for its signature's key: ")
+    clock.now += 299
+    rig.step()
+    assert marker(rig, rotated) is None and len(rig.cluster.events) == 1
+    (short_tmp / "signing" / "current").write_bytes(KEY_B)  # the kubelet's sync lands
+    (short_tmp / "signing" / "previous").write_bytes(KEY_A)
+    assert rig.step().converged
+    assert marker(rig, rotated)["containers"]["main"]["state"] == "applied"
+    assert limits(rig, rotated)
+
+    never = add(rig, signed(pod(name="p2", uid=UID2,
+                                notes=binder_annotations(devices=rig.gpu1)), b"c" * 32))
+    rig.step()
+    assert marker(rig, never) is None
+    clock.now += 300
+    rig.step()
+    entry = marker(rig, never)["containers"]["main"]
+    assert (entry["state"], entry["reason"]) == ("refused", "SignatureKeyUnknown")
+    assert entry["message"].endswith("(refused after 300 s)")
+    assert gate(rig, never).outcome is Outcome.FAIL and limits(rig, never) == {}
+
+
 def test_rotation_accepts_previous_until_it_is_removed(short_tmp):
     rig = rig_with_keys(short_tmp, KEY_B, KEY_A)  # current B, previous A
     uid = add(rig, signed(pod(uid=UID, notes=binder_annotations(devices=rig.gpu0)), KEY_A))
@@ -288,7 +337,7 @@ def test_rotation_accepts_previous_until_it_is_removed(short_tmp):
     rig.step()
     assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
     refusal = rig.reconciler.view.desired.refusal((uid, "main"))
-    assert refusal.reason == "PlanChangeRefused" and "SignatureInvalid" in refusal.message
+    assert refusal.reason == "PlanChangeRefused" and "SignatureKeyUnknown" in refusal.message
     assert limits(rig, uid) == before
 
 

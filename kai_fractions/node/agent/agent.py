@@ -71,8 +71,9 @@ class NodeAgent:
         self.events = EventRecorder(cluster, config.node_name, clock)
         signatures = None
         if options.signing_key_files:  # raises SigningConfigError for unusable key files
-            signatures = SignatureCheck(KeyringSource(options.signing_key_files), config.keys,
-                                        config.node_name)
+            signatures = SignatureCheck(
+                KeyringSource(options.signing_key_files), config.keys, config.node_name,
+                key_wait_seconds=options.signature_key_wait_seconds, monotonic=monotonic)
         self.reconciler = Reconciler(
             config=config, options=options, nvml=nvml, cgroup_fs=cgroup_fs, pods=self.cache,
             mps=mps, cluster=cluster, events=self.events, metrics=self.metrics, procfs=procfs,

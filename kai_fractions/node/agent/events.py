@@ -2,6 +2,7 @@
 
 Reasons: `Applied` (limits in force, marker written), `Refused` (a final refusal, marker
 written), `SignatureMissing` (waiting for the allocation's signature, no marker yet),
+`SignatureKeyUnknown` (waiting for the key of its signature: a rotation on its way),
 `LimitViolation` (the watchdog in report mode saw a container above its cap; once per
 episode: again only after the usage went back under the cap), `LimitEnforced` (kill mode:
 the watchdog drained and stopped a process), `PlanChangeRefused` (a running container's
@@ -34,6 +35,7 @@ APPLIED = "Applied"
 REFUSED = "Refused"
 LIMIT_VIOLATION = "LimitViolation"
 SIGNATURE_MISSING = Reason.MISSING.value
+SIGNATURE_KEY_UNKNOWN = Reason.KEY_UNKNOWN.value
 LIMIT_ENFORCED = "LimitEnforced"
 PLAN_CHANGE_REFUSED = "PlanChangeRefused"
 MPS_CLIENTS_DRAINED = "MpsClientsDrained"

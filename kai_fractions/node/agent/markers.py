@@ -359,12 +359,20 @@ class MarkerWriter:
 
     def _pending_events(self, ref: PodRef, results: Mapping[str, ContainerResult]) -> None:
         """One event per container waiting for its signature (the follower signs after the
-        binder's annotations land): its owner sees why the gate is still waiting."""
+        binder's annotations land) or for its signature's key (a rotation on its way to the
+        node): its owner sees why the gate is still waiting."""
         for name, r in sorted(results.items()):
-            if r.state is ContainerState.PENDING and r.reason == ev.SIGNATURE_MISSING:
-                self.events.emit(ref, ev.WARNING, ev.SIGNATURE_MISSING,
-                                 f"container {name}: waiting for its signature: {r.message}",
-                                 key=(ev.SIGNATURE_MISSING, ref.uid, name))
+            if r.state is not ContainerState.PENDING:
+                continue
+            if r.reason == ev.SIGNATURE_MISSING:
+                waiting = "its signature"
+            elif r.reason == ev.SIGNATURE_KEY_UNKNOWN:
+                waiting = "its signature's key"
+            else:
+                continue
+            self.events.emit(ref, ev.WARNING, r.reason,
+                             f"container {name}: waiting for {waiting}: {r.message}",
+                             key=(r.reason, ref.uid, name))
 
     def _marker_events(self, ref: PodRef, results: Mapping[str, ContainerResult]) -> None:
         for name, r in sorted(results.items()):

@@ -74,6 +74,9 @@ class AgentOptions:
     signing_key_files: tuple[str, ...] = ()
     """`--signing-key-file` values: apply only allocations the mirror signed (see
     `signatures.py`); empty = signatures are not checked."""
+    signature_key_wait_seconds: float = 300.0
+    """How long a signature under a key this node does not hold waits for it (a rotation on
+    its way) before it is refused."""
 
     @property
     def condition_types(self) -> tuple[str, ...]:

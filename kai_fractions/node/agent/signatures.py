@@ -10,8 +10,13 @@ already:
   binder's annotations land before the mirror's BindRequest follower has checked and signed
   them. No marker is written, the gate keeps waiting (and fails the pod on its own timeout if
   the signature never comes), and one `SignatureMissing` event tells the pod's owner why;
-- a malformed, unknown-key or wrong signature is a final refusal (`SignatureInvalid`): the
-  marker says so, the gate fails the pod with the reason, a `Refused` event tells its owner.
+- a signature under a key this node does not hold is pending too (`SignatureKeyUnknown`),
+  for `--signature-key-wait` (300 s) from when the agent first saw it: after a rotation the
+  mirror signs with its new key a minute or two before every node has the public half, and
+  the pod is applied once the agent re-reads its keys. A key still unknown then is a final
+  refusal (a forged signature under a key of its own);
+- a malformed or wrong signature is a final refusal (`SignatureInvalid`): the marker says so,
+  the gate fails the pod with the reason, a `Refused` event tells its owner.
 
 Never loosened: a pod that was applied and is edited afterwards (a user raising their own
 `.gpu-memory.limit` on a running pod while admission is down or skips its namespace) keeps its
@@ -30,17 +35,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Collection, Iterable, Sequence
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from ...contract import ContractViolation, Keys, parse_pod, plan_container
-from ...signing import KeyringSource, Reason, signature_key
+from ...signing import KeyringSource, Reason, Verification, signature_key
 from ..desired import ContainerKey, DesiredState, LimitTarget, NodePod, Refusal
 from ..engine import Engine
 from ..errors import NvmlError
 from ..inventory import Inventory
 
 log = logging.getLogger(__name__)
+
+KEY_WAIT_SECONDS = 300.0
+"""How long a signature under a key this node does not hold waits for it: a rotation reaches a
+node within the mirror's publishing interval (30 s) and the kubelet's sync of the mounted
+ConfigMap (about a minute, its cache TTL included), with room to spare."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +63,19 @@ class Screened:
 
 
 class SignatureCheck:
-    def __init__(self, source: KeyringSource, keys: Keys, node: str = "") -> None:
+    def __init__(self, source: KeyringSource, keys: Keys, node: str = "", *,
+                 key_wait_seconds: float = KEY_WAIT_SECONDS,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.source = source
         self.keys = keys
         self.node = node
         """This agent's node: an Ed25519 signature must have been made for it ("" = the
         node each pod is bound to, for agents run without a node name)."""
+        self.key_wait_seconds = key_wait_seconds
+        self.monotonic = monotonic
+        self._unknown_since: dict[tuple[str, str, str], float] = {}
+        """(pod uid, container, kid) -> when a signature under that unknown key was first
+        seen; only the pods of the last screen are kept."""
 
     def screen(self, pods: Iterable[NodePod], unchecked: Collection[str] = ()) -> Screened:
         """Split `pods` into the ones to plan and the refusals; `unchecked` pod UIDs (the
@@ -66,6 +84,9 @@ class SignatureCheck:
         kept: list[NodePod] = []
         refusals: list[Refusal] = []
         refused: set[str] = set()
+        pods = list(pods)
+        seen = {pod.uid for pod in pods}
+        self._unknown_since = {k: t for k, t in self._unknown_since.items() if k[0] in seen}
         for pod in pods:
             mine = [] if pod.uid in unchecked else self._refusals(pod, keyring)
             if mine:
@@ -79,7 +100,7 @@ class SignatureCheck:
         request = parse_pod(pod.view, self.keys)
         if request.errors:
             return []  # planning refuses it as ContractInvalid, with the contract's words
-        failed: dict[str, tuple[str, str]] = {}
+        failed: dict[str, tuple[str, str, bool]] = {}  # container -> (reason, message, waits)
         for share in request.shares:
             if not share.devices:
                 continue  # not bound yet: nothing to check (planning says NotBound)
@@ -91,21 +112,24 @@ class SignatureCheck:
                 signature_key(plan, self.keys)), self.keys,
                 node=self.node or pod.view.node_name)
             if not verdict.ok:
-                failed[share.container] = (verdict.reason, verdict.message)
+                waits = self._waits(pod.uid, share.container, verdict)
+                message = verdict.message if waits or verdict.reason != Reason.KEY_UNKNOWN \
+                    else f"{verdict.message} (refused after {self.key_wait_seconds:g} s)"
+                failed[share.container] = (verdict.reason, message, waits)
         if not failed:
             return []
-        # One bad signature decides for the whole pod; only a pod whose every failure is a
-        # missing signature waits for it.
-        final = any(why != Reason.MISSING for why, _ in failed.values())
-        first, (reason, _message) = next((name, f) for name, f in failed.items()
-                                         if not final or f[0] != Reason.MISSING)
+        # One bad signature decides for the whole pod; only a pod whose every failure may
+        # clear (a signature not there yet, a key not here yet) waits.
+        final = not all(waits for _why, _message, waits in failed.values())
+        first, (reason, _message, _waits) = next((name, f) for name, f in failed.items()
+                                                 if not final or not f[2])
         sibling = ("failed its signature check" if final
                    else "is waiting for its signature")
         out = []
         for share in request.shares:
-            why, message = failed.get(share.container, (
-                reason, f"not applied because container {first!r} of this pod {sibling}"))
-            if final and why == Reason.MISSING:
+            why, message, waits = failed.get(share.container, (
+                reason, f"not applied because container {first!r} of this pod {sibling}", False))
+            if final and waits:
                 why, message = reason, (f"not applied because container {first!r} of this "
                                         f"pod failed its signature check ({message})")
             out.append(Refusal(key=ContainerKey(pod.uid, share.container),
@@ -116,6 +140,16 @@ class SignatureCheck:
                     "%s: %s", pod.view.namespace, pod.view.name, share.container,
                     "refused" if final else "pending", why, message)
         return out
+
+    def _waits(self, uid: str, container: str, verdict: Verification) -> bool:
+        """Whether this failure may still clear: a missing signature always may (the follower
+        signs later), an unknown key for `key_wait_seconds` after it was first seen."""
+        if verdict.reason == Reason.MISSING:
+            return True
+        if verdict.reason != Reason.KEY_UNKNOWN:
+            return False
+        since = self._unknown_since.setdefault((uid, container, verdict.kid), self.monotonic())
+        return self.monotonic() - since < self.key_wait_seconds
 
 
 def kept_limits(engine: Engine, inventory: Inventory, uids: Collection[str]
