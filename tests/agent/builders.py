@@ -7,6 +7,7 @@ Annotation keys are written out literally (never built from kai_fractions' key h
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -88,14 +89,16 @@ class Rig:
                                killer=self.killer)
         self.reconciler = self.agent.reconciler
 
-    def restarted(self, killer: RecordingKiller | None = None) -> Rig:
+    def restarted(self, killer: RecordingKiller | None = None, **config: Any) -> Rig:
         """A new agent over the same cluster, GPUs, cgroup tree, MPS daemon, /proc and marker
-        directory: it remembers nothing, only what those say."""
+        directory: it remembers nothing, only what those say. `config`: NodeConfig fields it
+        runs with otherwise (an operator's changed flags)."""
         new = copy.copy(self)
         new.killer = killer or self.killer
-        new.agent = NodeAgent(config=self.config, options=self.options, nvml=self.nvml,
+        new.config = dataclasses.replace(self.config, **config)
+        new.agent = NodeAgent(config=new.config, options=self.options, nvml=self.nvml,
                               cgroup_fs=self.cgroups, source=self.cluster, cluster=self.cluster,
-                              mps=self.mps if self.config.sm_sharing else None, procfs=None,
+                              mps=self.mps if new.config.sm_sharing else None, procfs=None,
                               killer=new.killer)
         new.reconciler = new.agent.reconciler
         return new

@@ -211,3 +211,27 @@ def test_a_pod_not_yet_applied_is_planned_from_its_annotations_as_they_are(
     assert rig.step().converged
     assert limits(rig, uid)[slice_of(uid)] == (10 * GIB, 16 * GIB)
     assert "PlanChangeRefused" not in rig.cluster.event_reasons(uid)
+
+
+def test_a_running_container_a_node_rule_now_refuses_keeps_its_memory_limits(
+        short_tmp: Path) -> None:
+    """The operator restarts the agent with sm-sharing off: the running sm-sharing container's
+    applied plan can no longer be kept (SmSharingDisabled, reported), but a refusal never turns
+    into "no limit" for a container that runs: the memory limits the kernel holds stay, as for
+    a refused signature."""
+    rig = Rig(short_tmp)
+    uid = rig.add(pod("p", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing")))[
+        "metadata"]["uid"]
+    rig.cgroups.add(f"{slice_of(uid)}/{LEAF}")
+    assert rig.step().converged
+    before = limits(rig, uid)
+    assert before == {slice_of(uid): (10 * GIB, 20 * GIB),
+                      f"{slice_of(uid)}/{LEAF}": (10 * GIB, 20 * GIB)}
+    new = rig.restarted(sm_sharing=False)
+    new.step()
+    entry = marker(new, uid)["containers"]["main"]
+    assert (entry["state"], entry["reason"]) == ("refused", "SmSharingDisabled")
+    assert limits(new, uid) == before
+    new.cluster.delete_pod(uid)  # and they go with the pod
+    new.step()
+    assert limits(new, uid) == {}

@@ -118,15 +118,22 @@ class NodePods:
         if self.signatures is not None:
             screened = self.signatures.screen(pods, unchecked={
                 uid for uid, (_m, source) in live.items() if source == PROVISIONED})
+        applied = self._applied(pods, live)
         desired = without_released(plan_node(
-            pods, inventory, self.config, applied=self._applied(pods, live),
+            pods, inventory, self.config, applied=applied,
             vetoes=screened.refusals if screened is not None else (),
             marked=self.markers.marked()), self.released)
-        if screened is not None and screened.refused_pods:
-            # a refused pod that runs no applied plan keeps the limits the kernel holds
-            held = {c.key.pod_uid for c in desired.containers}
-            desired = with_kept_limits(desired, kept_limits(
-                self.engine, inventory, screened.refused_pods - held))
+        # A refusal never turns into "no limit" for a container that may be running: a pod
+        # refused for its signature, or a running container whose applied plan a node rule
+        # now refuses (an agent restarted with sm-sharing off, a GPU gone), keeps the limits
+        # the kernel holds, unless it was released.
+        planned = {c.key.pod_uid for c in desired.containers}
+        released = {uid for uid, _container in self.released}
+        refused = set(screened.refused_pods) if screened is not None else set()
+        refused |= {key.pod_uid for key in applied}
+        keep = refused - planned - released
+        if keep:
+            desired = with_kept_limits(desired, kept_limits(self.engine, inventory, keep))
         return desired
 
     def _applied(self, pods: Sequence[NodePod], live: Mapping[str, tuple[Any, str]]
