@@ -8,13 +8,14 @@ again in this boot.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 from kai_fractions.contract import DEFAULT_KEYS
 from kai_fractions.gate import Outcome, judge
 from kai_fractions.marker import read_marker
 
-from .builders import Rig, binder_annotations, pod
+from .builders import GIB, Rig, binder_annotations, limits_of, pod
 
 UID = "7c1d2e3f-4a5b-4c6d-8e7f-9a0b1c2d3e4f"
 BOOT_BEFORE = "0b0a1c2d-3e4f-4a5b-8c6d-7e8f9a0b1c2d"
@@ -74,3 +75,34 @@ def test_an_agent_restart_in_the_same_boot_keeps_the_markers(short_tmp: Path) ->
     second.step()
     assert second.marker_path(UID).read_text() == written  # the limits live in the kernel
 
+
+
+def test_a_change_refused_before_a_reboot_stays_refused_after_it(short_tmp: Path) -> None:
+    """A tenant raised its own limit on the running pod where admission did not stop it: the
+    change is refused and the applied plan kept. A reboot clears the kernel's limits and makes
+    the old marker vouch for nothing, but not the pod (the same uid, its containers started
+    again): the plan it was applied with is applied again, not the edit."""
+    before = agent_of_boot(short_tmp, BOOT_BEFORE)
+    assert before.step().converged
+    meta = copy.deepcopy(before.cluster.pods[UID]["metadata"])
+    meta["annotations"]["nvidia.com/container.main.gpu-memory.limit"] = "79Gi"
+    before.cluster.update_pod(UID, metadata=meta)
+    before.step()
+    assert before.reconciler.view.desired.refusal((UID, "main")).reason == "PlanChangeRefused"
+    held = read_marker(before.marker_path(UID).parent).containers["main"].plan_digest
+
+    after = agent_of_boot(short_tmp, BOOT_AFTER)
+    after.cluster.update_pod(UID, metadata=copy.deepcopy(before.cluster.pods[UID]["metadata"]))
+    after.step()
+    assert set(limits_of(after, UID).values()) == {(10 * GIB, 20 * GIB)}
+    assert after.reconciler.view.desired.refusal((UID, "main")).reason == "PlanChangeRefused"
+    marker = read_marker(after.marker_path(UID).parent)
+    assert (marker.boot_id, marker.containers["main"].plan_digest) == (BOOT_AFTER, held)
+    # a restarted sandbox's gate plans from the edited annotations: not what the marker
+    # vouches for, so it waits (docs/node-agent.md, "Applied plans are kept")
+    assert gate(after, BOOT_AFTER) is Outcome.WAIT
+    again = agent_of_boot(short_tmp, BOOT_AFTER)  # and an agent restart in this boot keeps it
+    again.cluster.update_pod(UID, metadata=copy.deepcopy(before.cluster.pods[UID]["metadata"]))
+    again.nvml.limits.update(after.nvml.limits)
+    again.step()
+    assert set(limits_of(again, UID).values()) == {(10 * GIB, 20 * GIB)}

@@ -126,6 +126,10 @@ class MarkerStore:
         """This boot's (`kai_fractions.marker.read_boot_id`): every marker written carries it."""
         self._stuck: set[str] = set()
         """Leftovers a tidy could not remove (warned once each)."""
+        self._earlier: dict[str, Marker] = {}
+        """pod uid -> the marker of another boot removed for it, until this boot writes one or
+        the pod goes: what it vouched for is gone with that boot, but which plan was applied
+        still holds the pod to it (`earlier`)."""
 
     def read(self, uid: str) -> Marker | None:
         """The pod's marker of this boot; None when absent or unreadable (an unreadable one is
@@ -143,7 +147,15 @@ class MarkerStore:
               now: float | None = None) -> Path:
         marker = Marker.build(uid, entries, boot_id=self.boot_id,
                               clock=(lambda: now) if now is not None else time.time)
-        return write_marker(self.root, marker)
+        path = write_marker(self.root, marker)
+        self._earlier.pop(uid, None)
+        return path
+
+    def earlier(self, uid: str) -> Marker | None:
+        """The marker an earlier boot left for this pod (removed since), while this boot has
+        written none: it vouches for no limit, but says which plan the pod ran with, so a
+        reboot does not let an edit that was refused before it take effect."""
+        return self._earlier.get(uid)
 
     def forget_other_boots(self) -> int:
         """Removes every marker written in another boot of the host; how many. Run once, at the
@@ -163,6 +175,8 @@ class MarkerStore:
         return forgotten
 
     def _forget(self, uid: str, marker: Marker) -> bool:
+        if marker.pod_uid == uid:
+            self._earlier[uid] = marker
         removed = self.unlink(uid)
         if removed:
             log.info("removed the marker of pod %s: written in %s, and the limits it vouched "
@@ -182,6 +196,7 @@ class MarkerStore:
 
     def remove_pod(self, uid: str) -> bool:
         """The pod is gone: remove its whole directory."""
+        self._earlier.pop(uid, None)
         try:
             return remove_marker(self.root, uid)
         except (MarkerError, OSError):

@@ -146,7 +146,8 @@ class NodePods:
             if live.get(pod.uid, (None, PROVISIONED))[1] != API \
                     or not has_recorded_plans(pod.view, keys):
                 continue
-            for name, plan in applied_plans(pod.view, self.markers.read(pod.uid), keys).items():
+            marker = self.markers.read(pod.uid) or self.markers.earlier(pod.uid)
+            for name, plan in applied_plans(pod.view, marker, keys).items():
                 out[ContainerKey(pod.uid, name)] = plan
         return out
 
