@@ -54,7 +54,7 @@ from ..contract.compare import same_value
 from ..kube.retry import NO_DEADLINE, Deadline
 from ..signing import KeyringSource, signature_key
 from .compute import is_mirror_managed
-from .decision import AllocationInput, node_to_read, resolve_decision
+from .decision import MAX_ID, MAX_IDS, AllocationInput, node_to_read, resolve_decision
 from .errors import InvalidAllocation, PodNotFound
 from .store import (
     NodeNotFound,
@@ -319,11 +319,14 @@ class Follower:
         """The decision as the servicer would receive it; None while a group's device is not
         known yet (the binder has not finished reserving)."""
         gpu_ids = []
-        for group in br.group_ids:
-            uuid = await self.reserved_gpu(group, deadline)
-            if uuid is None:
-                return None
-            gpu_ids.append(uuid)
+        if len(br.group_ids) > MAX_IDS or any(len(g) > MAX_ID for g in br.group_ids):
+            pass  # resolve_decision refuses the groups: nothing is read for them
+        else:
+            for group in br.group_ids:
+                uuid = await self.reserved_gpu(group, deadline)
+                if uuid is None:
+                    return None
+                gpu_ids.append(uuid)
         return AllocationInput(
             namespace=br.namespace, pod_name=br.pod_name, selected_node=br.selected_node,
             resource_type=br.resource_type, gpu_count=br.gpu_count, portion=br.portion,

@@ -755,6 +755,18 @@ async def test_a_malformed_bind_request_neither_stops_the_follower_nor_gets_sign
     assert handled[-1] == "good"
 
 
+async def test_a_bind_request_with_too_many_groups_is_invalid_without_a_read_for_each(store):
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
+    requests = requests_of(store)
+    groups = tuple(f"group-{i}" for i in range(5000))
+    result = await verify(store, bind_request("br-1", "train-0", groups=groups),
+                          signer=Keys(Keyring.of(b"k" * 32)))
+    (too_many,) = [e for e in result.errors if e.key == "selected_fractional_gpu_groups"]
+    assert too_many.rule == "must list at most 64 (got 5000)"
+    assert result.signed == () and len(requests) < 10
+    assert [e.reason for e in store.events] == ["NvFractionsInvalid"]
+
+
 async def test_a_follower_cancelled_twice_leaves_no_handling_running():
     source = ScriptedSource(lists=[([obj("a", "1"), obj("b", "1")], "1")],
                             watches=[[("ADDED", obj("c", "2"))]])
