@@ -88,13 +88,15 @@ def has_recorded_plans(view: PodView, keys: Keys) -> bool:
 
 
 def applied_plans(view: PodView, marker: Marker | None, keys: Keys) -> dict[str, ContainerPlan]:
-    """Container name -> the plan in force, for each container the marker says is applied and
-    whose derived annotations rebuild a plan with exactly the marker's digest."""
+    """Container name -> the plan it is held to, for each container the marker says is applied,
+    or refused while it ran (a node rule refusing its applied plan keeps that plan's digest in
+    the refused entry), and whose derived annotations rebuild a plan with exactly that
+    digest."""
     if marker is None or marker.pod_uid != view.uid:
         return {}
     out = {}
     for name, entry in marker.containers.items():
-        if entry.state is not MarkerState.APPLIED or not entry.plan_digest:
+        if entry.state not in (MarkerState.APPLIED, MarkerState.REFUSED) or not entry.plan_digest:
             continue
         plan = recorded_plan(view, name, keys)
         if plan is not None and plan.digest == entry.plan_digest:

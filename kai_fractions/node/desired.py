@@ -19,6 +19,7 @@ a pod that was there before it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -199,6 +200,10 @@ class Refusal:
     message: str
     final: bool = True
     """False: not yet servable but may become so (NotBound); the gate keeps waiting."""
+    plan_digest: str = ""
+    """The applied plan of a running container that a node rule now refuses (its GPU gone,
+    sm-sharing off): its refused marker keeps the digest, so the pod stays held to that plan
+    (`applied.applied_plans`) and an edit made meanwhile is never applied."""
 
     @property
     def ref(self) -> str:
@@ -492,6 +497,9 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
             refusal = _mount_refusal(c, config)
         if refusal is not None:
             changes.pop(refusal.key, None)  # an applied plan that cannot be kept: this says why
+            held_plan = applied.get(refusal.key)
+            if held_plan is not None and held_plan.digest == plan.digest:
+                refusal = dataclasses.replace(refusal, plan_digest=plan.digest)
             refusals.append(refusal)
             continue
         assert isinstance(mechanisms, frozenset) and isinstance(paths, tuple)

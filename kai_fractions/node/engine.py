@@ -748,7 +748,7 @@ class _Run:
             results[r.key] = ContainerResult(
                 key=r.key, ref=r.ref,
                 state=ContainerState.REFUSED if r.final else ContainerState.PENDING,
-                reason=r.reason.value, message=r.message)
+                reason=r.reason.value, message=r.message, plan_digest=r.plan_digest or None)
         for c in self.d.containers:
             error = self.failed.get(c.key)
             common = dict(key=c.key, ref=c.ref, plan_digest=c.plan.digest,

@@ -227,11 +227,24 @@ def test_a_running_container_a_node_rule_now_refuses_keeps_its_memory_limits(
     before = limits(rig, uid)
     assert before == {slice_of(uid): (10 * GIB, 20 * GIB),
                       f"{slice_of(uid)}/{LEAF}": (10 * GIB, 20 * GIB)}
+    held = marker(rig, uid)["containers"]["main"]["plan_digest"]
     new = rig.restarted(sm_sharing=False)
+    for _ in range(3):  # every pass, not the first only
+        new.step()
+        entry = marker(new, uid)["containers"]["main"]
+        assert (entry["state"], entry["reason"]) == ("refused", "SmSharingDisabled")
+        assert entry["plan_digest"] == held  # what the pod stays held to
+        assert limits(new, uid) == before
+    # an edit made meanwhile (admission down) is not what the pod is held to: never applied
+    edit(new, uid, **{MODE: "time-slicing", LIMIT: "79Gi"})
     new.step()
-    entry = marker(new, uid)["containers"]["main"]
-    assert (entry["state"], entry["reason"]) == ("refused", "SmSharingDisabled")
     assert limits(new, uid) == before
-    new.cluster.delete_pod(uid)  # and they go with the pod
-    new.step()
-    assert limits(new, uid) == {}
+    assert marker(new, uid)["containers"]["main"]["reason"] == "SmSharingDisabled"
+    back = new.restarted(sm_sharing=True)  # the operator turns sm-sharing on again
+    edit(back, uid, **{MODE: "sm-sharing", LIMIT: "20Gi"})  # and the edit is undone
+    assert back.step().converged
+    entry = marker(back, uid)["containers"]["main"]
+    assert (entry["state"], entry["plan_digest"]) == ("applied", held)
+    back.cluster.delete_pod(uid)  # the limits go with the pod
+    back.step()
+    assert limits(back, uid) == {}

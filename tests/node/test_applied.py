@@ -86,9 +86,13 @@ def test_a_plan_that_does_not_match_its_digest_or_the_marker_is_not_trusted() ->
         assert applied_plans(view, marker(UID_A, plan.digest), CONFIG.keys) == {}
     no_digest = {k: v for k, v in notes.items() if not k.endswith(".plan-digest")}
     assert not has_recorded_plans(node_pod(UID_A, notes=no_digest).view, CONFIG.keys)
-    # the marker is the node's word: a refused one, another pod's or another digest holds nothing
+    # the marker is the node's word: a refusal that names no plan, another pod's or another
+    # digest holds nothing; a refusal naming the plan (a node rule refused it while it ran)
+    # holds the pod to it
     assert applied_plans(pod.view, None, CONFIG.keys) == {}
-    assert applied_plans(pod.view, marker(UID_A, plan.digest, "refused"), CONFIG.keys) == {}
+    assert applied_plans(pod.view, marker(UID_A, "", "refused"), CONFIG.keys) == {}
+    assert applied_plans(pod.view, marker(UID_A, plan.digest, "refused"), CONFIG.keys) == {
+        "main": plan}
     assert applied_plans(pod.view, marker(UID_B, plan.digest), CONFIG.keys) == {}
     assert applied_plans(pod.view, marker(UID_A, "sha256:" + "1" * 64), CONFIG.keys) == {}
 

@@ -119,16 +119,19 @@ class NodePods:
             screened = self.signatures.screen(pods, unchecked={
                 uid for uid, (_m, source) in live.items() if source == PROVISIONED})
         applied = self._applied(pods, live)
-        desired = without_released(plan_node(
-            pods, inventory, self.config, applied=applied,
-            vetoes=screened.refusals if screened is not None else (),
-            marked=self.markers.marked()), self.released)
+        whole = plan_node(pods, inventory, self.config, applied=applied,
+                          vetoes=screened.refusals if screened is not None else (),
+                          marked=self.markers.marked())
+        desired = without_released(whole, self.released)
         # A refusal never turns into "no limit" for a container that may be running: a pod
         # refused for its signature, or a running container whose applied plan a node rule
         # now refuses (an agent restarted with sm-sharing off, a GPU gone), keeps the limits
-        # the kernel holds, unless it was released.
+        # the kernel holds, unless it (or its fractional container) was released.
         planned = {c.key.pod_uid for c in desired.containers}
-        released = {uid for uid, _container in self.released}
+        fractional = {*applied, *(c.key for c in whole.containers),
+                      *(r.key for r in whole.refusals)}
+        released = {uid for uid, container in self.released
+                    if container is None or ContainerKey(uid, container) in fractional}
         refused = set(screened.refused_pods) if screened is not None else set()
         refused |= {key.pod_uid for key in applied}
         keep = refused - planned - released
