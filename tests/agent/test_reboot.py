@@ -1,9 +1,9 @@
 """A node reboot: the kernel's limits are gone, the marker directory (on the host's disk) is not.
 
 After a reboot the kubelet runs every pod's gate again in a new sandbox; the limits the old
-markers vouched for went with the old boot. The agent forgets those markers at its first pass,
-even while NVML is not back yet, and the gate waits until the agent has applied the limits
-again in this boot.
+markers vouched for went with the old boot. The agent sets those markers aside at its first pass
+(where no gate reads them), even while NVML is not back yet, and the gate waits until the agent
+has applied the limits again in this boot.
 """
 
 from __future__ import annotations
@@ -106,3 +106,34 @@ def test_a_change_refused_before_a_reboot_stays_refused_after_it(short_tmp: Path
     again.nvml.limits.update(after.nvml.limits)
     again.step()
     assert set(limits_of(again, UID).values()) == {(10 * GIB, 20 * GIB)}
+
+
+def test_an_agent_restarted_before_it_rewrites_the_marker_still_holds_the_pod(
+        short_tmp: Path) -> None:
+    """After the reboot the first pass (NVML still loading) sets the old marker aside, then the
+    agent restarts before the driver is back: the new agent still holds the pod to the plan the
+    earlier boot applied, not to an edit refused before the reboot."""
+    before = agent_of_boot(short_tmp, BOOT_BEFORE)
+    assert before.step().converged
+    meta = copy.deepcopy(before.cluster.pods[UID]["metadata"])
+    meta["annotations"]["nvidia.com/container.main.gpu-memory.limit"] = "79Gi"
+    before.cluster.update_pod(UID, metadata=meta)
+    before.step()
+    edited = copy.deepcopy(before.cluster.pods[UID]["metadata"])
+
+    first = agent_of_boot(short_tmp, BOOT_AFTER)
+    first.cluster.update_pod(UID, metadata=copy.deepcopy(edited))
+    first.nvml.fail("init", "DriverNotLoaded", times=None)
+    first.nvml.fail("driver_version", "DriverNotLoaded", times=None)
+    first.step()
+    assert not first.marker_path(UID).exists()
+    aside = first.marker_path(UID).parent / "earlier-boot.json"
+    assert read_marker(aside.parent, name="earlier-boot.json").boot_id == BOOT_BEFORE
+
+    second = agent_of_boot(short_tmp, BOOT_AFTER)  # restarted; the driver is back
+    second.cluster.update_pod(UID, metadata=copy.deepcopy(edited))
+    second.step()
+    assert set(limits_of(second, UID).values()) == {(10 * GIB, 20 * GIB)}
+    assert second.reconciler.view.desired.refusal((UID, "main")).reason == "PlanChangeRefused"
+    assert read_marker(second.marker_path(UID).parent).boot_id == BOOT_AFTER
+    assert not aside.exists()  # this boot's marker replaces it

@@ -41,6 +41,7 @@ from ...contract import ContainerPlan, Keys, derived_annotations
 from ...kube.errors import Conflict, KubeError, NotFound
 from ...kube.objects import meta
 from ...marker import (
+    EARLIER_BOOT_FILE,
     MARKER_FILE,
     ContainerMarker,
     Marker,
@@ -108,6 +109,12 @@ def decide(results: Mapping[str, ContainerResult], *, watchdog_stops: bool = Tru
                                  for n, r in applied.items()})
 
 
+def _written(names: Collection[str]) -> bool:
+    """Whether an agent of this boot wrote in a pod's directory: a marker, or a marker's temp
+    file (an earlier boot's marker set aside is not)."""
+    return any(name == MARKER_FILE or is_temp_file(name) for name in names)
+
+
 def still_valid(existing: Marker, results: Mapping[str, ContainerResult]) -> bool:
     """An existing marker may stay while something is pending only if it is an applied
     marker for exactly the current plans."""
@@ -126,10 +133,6 @@ class MarkerStore:
         """This boot's (`kai_fractions.marker.read_boot_id`): every marker written carries it."""
         self._stuck: set[str] = set()
         """Leftovers a tidy could not remove (warned once each)."""
-        self._earlier: dict[str, Marker] = {}
-        """pod uid -> the marker of another boot removed for it, until this boot writes one or
-        the pod goes: what it vouched for is gone with that boot, but which plan was applied
-        still holds the pod to it (`earlier`)."""
 
     def read(self, uid: str) -> Marker | None:
         """The pod's marker of this boot; None when absent or unreadable (an unreadable one is
@@ -148,14 +151,20 @@ class MarkerStore:
         marker = Marker.build(uid, entries, boot_id=self.boot_id,
                               clock=(lambda: now) if now is not None else time.time)
         path = write_marker(self.root, marker)
-        self._earlier.pop(uid, None)
+        with contextlib.suppress(FileNotFoundError):  # this boot's word replaces it
+            (path.parent / EARLIER_BOOT_FILE).unlink()
         return path
 
     def earlier(self, uid: str) -> Marker | None:
-        """The marker an earlier boot left for this pod (removed since), while this boot has
-        written none: it vouches for no limit, but says which plan the pod ran with, so a
-        reboot does not let an edit that was refused before it take effect."""
-        return self._earlier.get(uid)
+        """The marker an earlier boot left for this pod (moved aside, `EARLIER_BOOT_FILE`),
+        while this boot has written none: it vouches for no limit, but says which plan the pod
+        ran with, so a reboot does not let an edit that was refused before it take effect. On
+        disk, so an agent restarted before it writes the pod's new marker still knows."""
+        try:
+            return read_marker(pod_marker_dir(self.root, uid), expected_pod_uid=uid,
+                               name=EARLIER_BOOT_FILE)
+        except MarkerError:
+            return None
 
     def forget_other_boots(self) -> int:
         """Removes every marker written in another boot of the host; how many. Run once, at the
@@ -175,9 +184,7 @@ class MarkerStore:
         return forgotten
 
     def _forget(self, uid: str, marker: Marker) -> bool:
-        if marker.pod_uid == uid:
-            self._earlier[uid] = marker
-        removed = self.unlink(uid)
+        removed = self._set_aside(uid) if marker.pod_uid == uid else self.unlink(uid)
         if removed:
             log.info("removed the marker of pod %s: written in %s, and the limits it vouched "
                      "for went with that boot (now %s)", uid,
@@ -194,9 +201,21 @@ class MarkerStore:
         except FileNotFoundError:
             return False
 
+    def _set_aside(self, uid: str) -> bool:
+        """Move the pod's marker to EARLIER_BOOT_FILE (no gate reads it); False when there was
+        none. One that cannot be moved is removed."""
+        pod_dir = pod_marker_dir(self.root, uid)
+        try:
+            os.replace(pod_dir / MARKER_FILE, pod_dir / EARLIER_BOOT_FILE)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            log.warning("cannot move the marker of pod %s aside (%s); removing it", uid, e)
+            return self.unlink(uid)
+
     def remove_pod(self, uid: str) -> bool:
         """The pod is gone: remove its whole directory."""
-        self._earlier.pop(uid, None)
         try:
             return remove_marker(self.root, uid)
         except (MarkerError, OSError):
@@ -213,7 +232,8 @@ class MarkerStore:
         again, the next agent never knew it and would otherwise keep the directory as the
         kubelet's for the whole grace period."""
         stale = []
-        for entry, written in self._pod_dirs(skip=live):
+        for entry, names in self._pod_dirs(skip=live):
+            written = _written(names) or EARLIER_BOOT_FILE in names
             with contextlib.suppress(OSError):
                 if written or now - entry.stat(follow_symlinks=False).st_mtime >= grace:
                     stale.append(entry.name)
@@ -223,12 +243,12 @@ class MarkerStore:
         """The pods whose directory holds a marker or a marker's temp file: an agent of this
         boot (markers of other boots are forgotten first) applied limits for them, or was
         about to, so their cgroups' limits are the agent's to clear."""
-        return {entry.name for entry, written in self._pod_dirs() if written}
+        return {entry.name for entry, names in self._pod_dirs() if _written(names)}
 
-    def _pod_dirs(self, skip: Collection[str] = ()) -> Iterator[tuple[os.DirEntry[str], bool]]:
-        """Each pod directory under the root but those of `skip`, and whether an agent wrote
-        in it (a marker or a marker's temp file). Entries that are not a pod UID are not ours
-        to touch."""
+    def _pod_dirs(self, skip: Collection[str] = ()
+                  ) -> Iterator[tuple[os.DirEntry[str], frozenset[str]]]:
+        """Each pod directory under the root but those of `skip`, and the names in it. Entries
+        that are not a pod UID are not ours to touch."""
         try:
             entries = list(os.scandir(self.root))
         except (FileNotFoundError, NotADirectoryError):
@@ -241,11 +261,10 @@ class MarkerStore:
             except MarkerError:
                 continue
             try:
-                written = any(name == MARKER_FILE or is_temp_file(name)
-                              for name in os.listdir(entry.path))
+                names = frozenset(os.listdir(entry.path))
             except OSError:
                 continue
-            yield entry, written
+            yield entry, names
 
     def remove_leftovers(self) -> None:
         """What removals of gone pods' directories that were cut short left (once a pass)."""
