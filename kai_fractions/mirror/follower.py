@@ -33,7 +33,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
 
@@ -180,10 +180,15 @@ def not_its_pod(br: BindRequestView, pod: PodSnapshot) -> str:
 
 
 def _timestamp(value: Any) -> datetime | None:
+    """RFC 3339 as the API server writes it (`Z`); one without a zone is taken as UTC, so two
+    always compare."""
     try:
-        return datetime.fromisoformat(str(value)) if value else None
+        parsed = datetime.fromisoformat(str(value)) if value else None
     except ValueError:
         return None
+    if parsed is not None and parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed
 
 
 @dataclass(frozen=True, slots=True)

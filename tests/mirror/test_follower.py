@@ -384,6 +384,10 @@ async def test_without_an_owner_a_pod_newer_than_the_bind_request_is_not_its_pod
     result = await verify(store, br, signer=Keys(Keyring.of(b"k" * 32)))
     assert result.signed == () and "was created after BindRequest" in result.skipped
     store.delete_pod(NS, "train-0")
+    newer["metadata"]["creationTimestamp"] = "2026-12-06T10:00:05"  # no zone: UTC, and newer
+    store.add_pod(newer)
+    assert "was created after" in (await verify(store, br)).skipped
+    store.delete_pod(NS, "train-0")
     newer["metadata"]["creationTimestamp"] = "2026-12-06T10:00:00Z"  # the same second: its pod
     store.add_pod(newer)
     assert (await verify(store, br, signer=Keys(Keyring.of(b"k" * 32)))).signed == (SIGNATURE,)
