@@ -173,7 +173,8 @@ def leaders(replicas: Sequence[Replica]) -> list[Replica]:
 def problems(replicas: Sequence[Replica]) -> list[str]:
     """What an operator must look at, one line each; [] when all is well."""
     if not replicas:
-        return ["no mirror replica found"]
+        return ["no mirror replica found: no pod matched the selector in that namespace (-n "
+                "names the release's namespace; or pass the replicas' metrics URLs)"]
     out = [f"{r.name}: not read: {r.error}" for r in replicas if not r.reachable]
     read = [r for r in replicas if r.reachable]
     following = [r for r in read if r.leading is not None]

@@ -56,7 +56,12 @@ def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
             except k8s_config.ConfigException:
                 _load_kube_config(configuration, kube_config.KUBE_CONFIG_DEFAULT_LOCATION)
     except (k8s_config.ConfigException, OSError, ValueError) as e:
-        raise ConfigError(f"cannot load a Kubernetes configuration: {e}") from None
+        # Without --kubeconfig, say where it looked and how to point it elsewhere.
+        where = "" if kubeconfig else (
+            " (looked for the in-cluster service account, then "
+            f"{kube_config.KUBE_CONFIG_DEFAULT_LOCATION}); pass --kubeconfig FILE or set "
+            "$KUBECONFIG")
+        raise ConfigError(f"cannot load a Kubernetes configuration: {e}{where}") from None
     return k8s.ApiClient(configuration)
 
 

@@ -155,7 +155,8 @@ def test_no_mirror_pod_is_a_problem_and_a_broken_cluster_a_usage_error(kube, tmp
     assert code == 1
     assert out.splitlines() == [
         "mirror: 0 of 0 replicas read in namespace elsewhere, follower unknown",
-        "! no mirror replica found"]
+        "! no mirror replica found: no pod matched the selector in that namespace (-n names "
+        "the release's namespace; or pass the replicas' metrics URLs)"]
 
     code, out, err = _inspect(capsys, "--kubeconfig", kubeconfig, "--selector", " ")
     assert (code, out) == (2, "")

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from kubernetes.config import incluster_config
+from kubernetes.config import incluster_config, kube_config
 
 from kai_fractions.kube import ConfigError, Kube, Transient, config, load_api_client
 from kai_fractions.kube.config import TOKEN_FILE_SECONDS, auth_headers
@@ -86,6 +86,19 @@ def test_an_empty_token_file_is_a_config_error_at_load(tmp_path):
     with pytest.raises(ConfigError, match=r"^cannot load a Kubernetes configuration: the "
                                           r"kubeconfig's tokenFile .*/token is empty$"):
         load_api_client(str(kubeconfig(tmp_path, f"{{tokenFile: {tmp_path / 'token'}}}")))
+
+
+def test_without_any_configuration_it_says_where_it_looked_and_what_to_pass(tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    missing = tmp_path / "no-such-config"
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(missing))
+    with pytest.raises(ConfigError) as e:
+        load_api_client()
+    assert str(e.value).startswith("cannot load a Kubernetes configuration: ")
+    assert str(e.value).endswith(
+        f"(looked for the in-cluster service account, then {missing}); pass --kubeconfig "
+        "FILE or set $KUBECONFIG")
 
 
 @pytest.fixture
