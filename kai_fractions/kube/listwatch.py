@@ -51,10 +51,14 @@ def watch_event(line: str | bytes, what: str, skip: Callable[[Any], bool] | None
         event = json.loads(line)
     except ValueError:
         raise BadAnswer(f"{what}: an event that is not JSON ({line[:60]!r})") from None
-    kind, obj = str(event.get("type") or ""), event.get("object") or {}
+    obj = event.get("object") if isinstance(event, dict) else None
+    if not isinstance(obj, dict):
+        raise BadAnswer(f"{what}: an event that is not a watch event ({line[:60]!r})")
+    kind = str(event.get("type") or "")
     if kind == "ERROR":
-        raise refused(what, int(obj.get("code") or 500), str(obj.get("reason") or ""),
-                      json.dumps(obj))
+        code = obj.get("code")
+        raise refused(what, code if isinstance(code, int) and code >= 400 else 500,
+                      str(obj.get("reason") or ""), json.dumps(obj))
     return kind, obj
 
 
@@ -112,6 +116,9 @@ class Collection:
                 await self.pace()
             body = decoded(raw, what) or {}
             del raw
+            if not isinstance(body, dict):
+                raise BadAnswer(f"{what}: the API server's answer is not a list "
+                                f"({type(body).__name__})")
             page = body.get("items") or []
             items.extend(page if self.keep is None else map(self.keep, page))
             meta = body.get("metadata") or {}
@@ -154,6 +161,10 @@ class Cycle:
         self.cached_lists = cached_lists
         self.resource_version = ""
         self.failures = 0
+        """Failures and expirations since the last watch that worked: a list that works does
+        not reset it (a server that answers lists but fails every watch must be backed off,
+        not listed twice a second for ever)."""
+        self.expirations = 0
         self.listed_at = monotonic()
         self._consistent_next = False
 
@@ -176,15 +187,26 @@ class Cycle:
                  resource_version or "-")
 
     def progressed(self, obj: Mapping[str, Any] | None = None) -> None:
-        """A list handled, or a watch event (`obj`): the watch resumes after it."""
+        """A watch event (`obj`), or a watch that ended by its timeout: the watch works, and
+        resumes after it."""
         if obj is not None:
             self.resource_version = objects.resource_version(obj) or self.resource_version
-        self.failures = 0
+        self.failures = self.expirations = 0
 
-    def expired(self, error: Exception) -> None:
-        log.info("the %s watch expired (%s); listing again", self.what, error)
+    def expired(self, error: Exception) -> float:
+        """The delay before the list again: none for the first 410 since the watch last
+        worked (a version that expired while it was away), the failures' backoff for more in
+        a row (a server or proxy that keeps answering 410 must not be listed in a hot loop)."""
         self.resource_version = ""
         self._consistent_next = True
+        self.expirations += 1
+        if self.expirations == 1:
+            log.info("the %s watch expired (%s); listing again", self.what, error)
+            return 0.0
+        delay = self.backoff.delay(min(self.expirations - 2, 16), self.rng)
+        log.warning("the %s watch expired again (%s, %d in a row); listing again in %.1fs",
+                    self.what, error, self.expirations, delay)
+        return delay
 
     def failed(self, error: Exception) -> float:
         """The delay before the next try."""
@@ -233,7 +255,6 @@ async def list_watch(
                 # (and every listed object a newer write replaced) until the next list.
                 del items
                 await _handled(handling)
-                cycle.progressed()
             started, events = monotonic(), 0
             async for kind, obj in source.watch(cycle.resource_version):
                 events += 1
@@ -244,7 +265,9 @@ async def list_watch(
                                 "with no events")
             cycle.progressed()  # a watch of a quiet collection, ended by its timeout
         except Gone as e:
-            cycle.expired(e)
+            delay = cycle.expired(e)
+            if delay:
+                await clock.asleep(delay)
         except KubeError as e:
             if on_failure is not None:
                 on_failure(e)

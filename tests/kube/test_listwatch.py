@@ -387,6 +387,40 @@ async def test_after_gone_it_lists_again_at_once(lists, watches, calls):
     assert (sleeps, ran.failures) == ([], [])
 
 
+async def test_a_server_that_answers_lists_but_fails_every_watch_is_backed_off():
+    """Each failure lists again (the node agent's way), and each list works: the loop used to
+    count that as progress, and listed twice a second for ever (RBAC without watch, a proxy
+    that breaks streaming, throttled watches)."""
+    ran, sleeps = await run(
+        lists=[([], str(v)) for v in range(10, 17)],
+        watches=[[Transient("500")], [Transient("403")], [], [Transient("429")],
+                 [Transient("500")], [Transient("500")], [("ADDED", pod("a", "30")), Tick(5)]],
+        relist_after_failure=True)
+    assert sleeps == [1, 2, 4, 8, 8, 8]  # doubling to the cap (BACKOFF here: 1 s to 8 s)
+    assert ran.calls[-3:] == ["list ''", "watch 16", "watch 30"]
+
+
+async def test_a_server_that_keeps_answering_gone_is_listed_again_with_a_backoff():
+    """The first 410 since the watch last worked lists again at once (its version expired
+    while it was away); more in a row are a misbehaving server or proxy, not a hot loop."""
+    ran, sleeps = await run(
+        lists=[([], "10"), ([], "20"), Gone("continue token expired"), ([], "30"), ([], "40"),
+               ([], "50")],
+        watches=[[Gone("too old")], [Gone("too old")], [Gone("too old")],
+                 [("ADDED", pod("a", "41")), Gone("too old")], [Tick(5)]])
+    assert sleeps == [1, 2, 4]  # none after the first 410, nor after the one past an event
+    assert ran.failures == []  # an expiry is not a failure
+    assert ran.calls[:11] == ["list ''", "watch 10", "list ''", "watch 20", "list ''",
+                              "list ''", "watch 30", "list ''", "watch 40", "list ''", "watch 50"]
+
+
+@pytest.mark.parametrize("line", [b"null", b'"x"', b"[1]", b'{"type": "ADDED", "object": 3}',
+                                  b'{"type": "ERROR", "object": {"code": "Gone"}}'])
+def test_a_watch_line_that_is_not_a_watch_event_is_a_bad_answer(line):
+    with pytest.raises((BadAnswer, Transient)):
+        watch_event(line, "watch pods")
+
+
 async def test_with_cached_lists_it_lists_from_the_cache_but_consistently_after_gone():
     ran, _ = await run(
         lists=[([], "10"), ([], "20"), Transient("503"), ([], "30")],
@@ -402,7 +436,9 @@ async def test_failures_back_off_more_each_time_up_to_the_cap_and_progress_start
                BadAnswer("not JSON"), ([], "10")],
         watches=[[Transient("reset")], [("ADDED", pod("a", "11")), Transient("reset")],
                  [BadAnswer("bad line")], [Tick(5)]])
-    assert sleeps == [1, 2, 4, 8, 8, 1, 1, 2]
+    # the list that works is not progress: the watch failing after it waits the next backoff;
+    # the watch's event is
+    assert sleeps == [1, 2, 4, 8, 8, 8, 1, 2]
     assert ran.calls == ["list ''"] * 6 + ["watch 10", "watch 10", "watch 11", "watch 11",
                                             "watch 11"]
     assert ran.failures == ["refused", "503", "403", "timeout", "not JSON", "reset", "reset",
