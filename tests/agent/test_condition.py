@@ -67,22 +67,23 @@ def test_ready_names_the_gpus_and_the_enforcement() -> None:
      "sm-sharing is enabled but the MPS control daemon is not usable (MpsBinaryNotFound): "
      "cannot execute x"),
     ({}, {}, Liveness(True, 61.0, "list pods: 503", None), "NotReconciling",
-     "the Kubernetes API has been unreachable for 61s: list pods: 503"),
+     "the Kubernetes API has been unreachable for 60s or more: list pods: 503"),
     ({}, {}, Liveness(True, None, None, 75.0), "NotReconciling",
-     "a reconcile pass has been running for 75s (a GPU, MPS or API call hangs); see the agent's "
-     "log"),
+     "a reconcile pass has been running for 60s or more (a GPU, MPS or API call hangs); see the "
+     "agent's log"),
     ({}, {"passes": 0}, Liveness(False, None, None, None), "NotReconciling",
      "the node agent has not listed this node's pods and reconciled them yet"),
     ({}, {}, Liveness(True, None, None, None, stopping=True), "NotReconciling",
      "the node agent is stopping; the next one publishes this condition again"),
     ({}, {}, Liveness(True, None, None, None, failed_passes=3, failing_for=4.2,
                       pass_error="OSError: [Errno 12] Cannot allocate memory"), "NotReconciling",
-     "reconcile passes have been failing for 4s (3 in a row, none completed) with an internal "
-     "error, the last: OSError: [Errno 12] Cannot allocate memory; see the agent's log"),
+     "reconcile passes keep failing with an internal error (3 or more in a row, or for 60s or "
+     "more, none completed), the last: OSError: [Errno 12] Cannot allocate memory; see the "
+     "agent's log"),
     ({}, {}, Liveness(True, None, None, None, failed_passes=1, failing_for=61.0,
                       pass_error="KeyError: 'x'"), "NotReconciling",
-     "reconcile passes have been failing for 61s (1 in a row, none completed) with an internal "
-     "error, the last: KeyError: 'x'; see the agent's log"),
+     "reconcile passes keep failing with an internal error (3 or more in a row, or for 60s or "
+     "more, none completed), the last: KeyError: 'x'; see the agent's log"),
 ])
 def test_not_ready_reasons(config, kw, live, reason, message) -> None:
     cond = evaluate(NodeConfig(node_name=NODE, **config), OPTIONS, health(**kw), live)
@@ -136,8 +137,10 @@ def test_passes_failing_with_an_internal_error_make_the_node_not_ready_until_one
     worker._pass(False)
     cond = rig.agent.condition()
     assert (cond.ready, cond.reason) == (False, "NotReconciling")
-    assert "(3 in a row, none completed) with an internal error, the last: OSError: [Errno 12] " \
-           "Cannot allocate memory; see the agent's log" in cond.message
+    assert cond.message.endswith("none completed), the last: OSError: [Errno 12] Cannot "
+                                 "allocate memory; see the agent's log")
+    worker._pass(False)  # a fourth failure says the same: the Node is not written again
+    assert rig.agent.condition() == cond
     rig.reconciler.engine.apply = real
     worker._pass(False)
     assert rig.agent.condition().ready
@@ -211,6 +214,29 @@ def test_publishes_on_change_and_heartbeats_at_most_every_interval() -> None:
     assert cluster.condition(NODE, "gpu-fractioning.nvidia.com/Ready")[
         "lastTransitionTime"] == "2023-11-14T22:14:21Z"
     assert len(cluster.node_status_patches) == 4
+
+
+@pytest.mark.parametrize("live", [
+    lambda t: Liveness(True, 60.0 + t, "list pods: 503", None),
+    lambda t: Liveness(True, None, None, 60.0 + t),
+    lambda t: Liveness(True, None, None, None, failed_passes=3 + int(t), failing_for=t,
+                       pass_error="KeyError: 'x'"),
+], ids=["api-unreachable", "pass-hung", "passes-failing"])
+def test_a_lasting_not_reconciling_writes_the_node_on_the_heartbeat_only(live) -> None:
+    """A not-ready condition that lasts must not write the Node every tick (1 s): at 5,000
+    nodes a fleet-wide problem would be 5,000 Node writes a second, to every Node watcher."""
+    cluster = FakeCluster()
+    cluster.add_node(NODE)
+    clock = Clock()
+    config, state = NodeConfig(node_name=NODE), health()
+    conds = [evaluate(config, OPTIONS, state, live(0))]
+    p = publisher(cluster, conds, clock)
+    for second in range(600):
+        conds.append(evaluate(config, OPTIONS, state, live(second)))
+        p.tick()
+        clock.t += 1
+    assert conds[-1].reason == "NotReconciling"
+    assert len(cluster.node_status_patches) == 10  # the first, then every 60 s
 
 
 def test_transition_time_survives_an_agent_restart() -> None:

@@ -133,20 +133,24 @@ def evaluate(config: NodeConfig, options: AgentOptions, health: Health,
         return Condition(False, MPS_DAEMON_UNHEALTHY,
                          f"sm-sharing is enabled but the MPS control daemon is not usable "
                          f"({e.reason}): {e.message}")
+    # No running count in these messages: the condition is patched whenever it changes, and a
+    # message that counted seconds or passes would write the Node every tick while it lasts
+    # (lastTransitionTime says since when).
     stale = options.stale_after_seconds
     if live.api_down_for is not None and live.api_down_for >= stale:
         return Condition(False, NOT_RECONCILING,
-                         f"the Kubernetes API has been unreachable for {live.api_down_for:.0f}s: "
+                         f"the Kubernetes API has been unreachable for {stale:g}s or more: "
                          f"{live.api_error or 'no answer'}")
     if live.busy_for is not None and live.busy_for >= stale:
         return Condition(False, NOT_RECONCILING,
-                         f"a reconcile pass has been running for {live.busy_for:.0f}s (a GPU, "
+                         f"a reconcile pass has been running for {stale:g}s or more (a GPU, "
                          "MPS or API call hangs); see the agent's log")
     if passes_failing(options, live):
         return Condition(False, NOT_RECONCILING,
-                         f"reconcile passes have been failing for {live.failing_for or 0:.0f}s "
-                         f"({live.failed_passes} in a row, none completed) with an internal "
-                         f"error, the last: {live.pass_error}; see the agent's log")
+                         f"reconcile passes keep failing with an internal error "
+                         f"({options.failed_passes_not_ready} or more in a row, or for "
+                         f"{stale:g}s or more, none completed), the last: {live.pass_error}; "
+                         "see the agent's log")
     if not live.synced or health.passes == 0 or inv is None:
         return Condition(False, NOT_RECONCILING,
                          "the node agent has not listed this node's pods and reconciled them "
