@@ -209,8 +209,9 @@ class Cycle:
         return delay
 
     def failed(self, error: Exception) -> float:
-        """The delay before the next try."""
-        delay = self.backoff.delay(min(self.failures, 16), self.rng)
+        """The delay before the next try (at least what a Retry-After asked, up to the cap)."""
+        delay = self.backoff.delay(min(self.failures, 16), self.rng,
+                                   getattr(error, "retry_after", None))
         self.failures += 1
         if self.relist_after_failure:
             self.resource_version = ""

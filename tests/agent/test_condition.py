@@ -407,3 +407,4 @@ def test_gpu_memory_label_is_set_only_when_missing() -> None:
     off.add_node(NODE)
     publisher(off, [READY], Clock()).tick()
     assert off.nodes[NODE]["metadata"]["labels"] == {}
+

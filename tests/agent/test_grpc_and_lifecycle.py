@@ -9,6 +9,7 @@ import stat
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import Future
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import grpc
 import pytest
 
 from kai_fractions.api.v1 import allocation_pb2, node_pb2, node_pb2_grpc
+from kai_fractions.node.agent.worker import WorkerStopped
 
 from .builders import GIB, Rig, binder_annotations, leaf_of, pod, wait_for
 
@@ -262,3 +264,16 @@ def test_a_socket_path_taken_by_a_file_is_refused(short_tmp: Path) -> None:
     with pytest.raises(SocketError, match="exists and is not a socket; remove it"):
         rig.agent.start()
     rig.agent.stop(timeout=2)
+
+
+def test_a_stopping_worker_fails_every_queued_call_even_behind_a_cancelled_one(
+        short_tmp: Path) -> None:
+    """A call whose caller stopped waiting (its timeout) is cancelled; at shutdown it must not
+    keep the calls queued behind it from being told the agent is stopping."""
+    worker = Rig(short_tmp, sm_sharing=False).agent.worker
+    gave_up, waiting = Future(), Future()
+    gave_up.cancel()
+    worker._calls.extend([(lambda: 1, gave_up), (lambda: 2, waiting)])
+    worker._stopping = True
+    worker.run()
+    assert isinstance(waiting.exception(timeout=1), WorkerStopped)

@@ -400,6 +400,13 @@ async def test_a_server_that_answers_lists_but_fails_every_watch_is_backed_off()
     assert ran.calls[-3:] == ["list ''", "watch 16", "watch 30"]
 
 
+async def test_a_retry_after_is_waited_up_to_the_cap():
+    _ran, sleeps = await run(
+        lists=[Transient("429", 429, retry_after=5.0), Transient("503", 503, retry_after=600.0),
+               ([], "10")], watches=[[Tick(5)]])
+    assert sleeps == [5, 8]  # the first would have been 1 s; the second is capped (8 s here)
+
+
 async def test_a_server_that_keeps_answering_gone_is_listed_again_with_a_backoff():
     """The first 410 since the watch last worked lists again at once (its version expired
     while it was away); more in a row are a misbehaving server or proxy, not a hot loop."""

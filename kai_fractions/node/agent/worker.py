@@ -160,7 +160,9 @@ class Worker:
             finally:
                 self._busy_since = None
         for _fn, future in calls:
-            future.set_exception(WorkerStopped("the node agent is shutting down"))
+            # A caller that stopped waiting (its timeout) cancelled its future already.
+            if future.set_running_or_notify_cancel():
+                future.set_exception(WorkerStopped("the node agent is shutting down"))
 
     def _step(self, calls: list[tuple[Callable[[], Any], Future[Any]]], dirty: bool) -> None:
         for fn, future in calls:
