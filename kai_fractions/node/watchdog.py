@@ -15,7 +15,6 @@ rather than risk the other tenants.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -456,9 +455,14 @@ class Watchdog:
                 return {int(c.pid): None for c in self.mps.client_list()}, None
             clients: dict[int, int | None] = {}
             for server in self.mps.get_server_list():
-                with contextlib.suppress(MpsError):  # a server may exit between the two calls
+                try:
                     for pid in self.mps.get_client_list(server):
                         clients[pid] = server
+                except MpsError as err:
+                    # A server may exit between the two calls; any other error (a timeout, a
+                    # busy daemon) leaves unknown whether the process is its client.
+                    if err.reason != mps_errors.SERVER_NOT_FOUND:
+                        raise
             return clients, None
         except MpsError as err:
             return None, err

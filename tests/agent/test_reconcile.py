@@ -15,6 +15,7 @@ from kai_fractions.gate.check import Outcome, judge
 from kai_fractions.marker import TEMP_PREFIX, TEMP_SUFFIX, read_marker
 from kai_fractions.node.agent.grpc_service import node_state
 from kai_fractions.node.errors import NodeError
+from kai_fractions.node.mps.errors import MpsError
 from kai_fractions.node.nvml import MEMORY_LIMIT_MAX
 
 from .builders import GIB, Rig, binder_annotations, pod
@@ -694,6 +695,22 @@ def test_drain_terminates_the_mps_clients_of_the_container(short_tmp: Path) -> N
     rig.mps.control.attach_client(4242, name)
     assert rig.reconciler.drain(uid) == [4242]
     assert rig.mps.control.terminated == [4242]
+
+
+def test_a_client_that_left_mps_since_the_list_does_not_fail_the_drain(
+        short_tmp: Path) -> None:
+    """Between `client list` and `client terminate` a process may exit (ClientNotFound): there
+    is nothing left to drain of it, and the drain of the others stands (no MpsDrainFailed)."""
+    rig = Rig(short_tmp)
+    uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+    rig.step()
+    (name,) = rig.mps.control.namespaces
+    for pid in (4242, 4243):
+        _running(rig, uid, pid, GIB)
+        rig.mps.control.attach_client(pid, name)
+    rig.mps.control.inject("client_terminate", MpsError("ClientNotFound", "gone"))
+    assert rig.reconciler.drain(uid) == [4243]
+    assert rig.mps.control.terminated == [4243]
 
 
 def test_provision_and_release_without_the_api(short_tmp: Path) -> None:

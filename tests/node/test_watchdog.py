@@ -191,6 +191,29 @@ def test_no_kill_when_mps_cannot_say_who_its_clients_are(proc):
     assert len(report.violations) == 1
 
 
+@pytest.mark.parametrize("reason", ["MpsDaemonUnreachable", "MpsDaemonBusy", "UnexpectedOutput"])
+def test_no_legacy_kill_when_a_server_cannot_list_its_clients(proc, reason):
+    """Only a server that exited between the two calls has no client to list; a timeout or a
+    busy daemon leaves unknown whether the process is its client: no kill undrained."""
+    mps = FakeMpsControl(protocol_v3=False)
+    mps.attach_client(100, server_pid=7)
+    mps.inject("get_client_list", MpsError(reason, "no answer"))
+    killer = RecordingKiller()
+    report = watchdog(proc, "kill", killer, mps).check(OVER, managed())
+    assert killer.calls == [] and mps.terminated == []
+    assert {(a.pid, a.step, a.outcome) for a in report.actions} == {
+        (100, "drain", "failed"), (101, "drain", "failed")}
+
+
+def test_a_legacy_server_that_exited_meanwhile_has_no_client_to_drain(proc):
+    mps = FakeMpsControl(protocol_v3=False)
+    mps.attach_client(101, server_pid=900)
+    mps.inject("get_client_list", MpsError("ServerNotFound", "Server 900 not found"))
+    killer = RecordingKiller()
+    watchdog(proc, "kill", killer, mps).check(OVER, managed())
+    assert killer.killed == [100, 101]
+
+
 def test_a_failed_drain_leaves_that_process_alone(proc):
     mps = FakeMpsControl()
     mps.namespace_create("kf_a")

@@ -12,8 +12,9 @@ themselves are left to their owners.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from ..desired import DesiredState
@@ -125,16 +126,38 @@ def drain(control: Any, desired: DesiredState, nvml: Nvml, procfs: Procfs, uid: 
     if control.supports_protocol_v3():
         clients = {int(cl.pid) for cl in control.client_list()}
         for pid in pids:
-            if pid in clients:
-                control.client_terminate(pid)
+            if pid in clients and _ended(lambda pid=pid: control.client_terminate(pid)):
                 drained.append(pid)
     else:
         servers = {}
         for server in control.get_server_list():
-            for pid in control.get_client_list(server):
-                servers[pid] = server
+            # a server that exited since the list has no client left to drain
+            with _gone_ok(mps_errors.SERVER_NOT_FOUND):
+                for pid in control.get_client_list(server):
+                    servers[pid] = server
         for pid in pids:
-            if pid in servers:
-                control.terminate_client(servers[pid], pid)
+            if pid in servers and _ended(
+                    lambda pid=pid: control.terminate_client(servers[pid], pid)):
                 drained.append(pid)
     return drained
+
+
+def _ended(terminate: Callable[[], object]) -> bool:
+    """Runs one client's terminate; False when the client (or its server) had left MPS since
+    the list was read: nothing to drain, and no reason to fail the drain of the others."""
+    try:
+        terminate()
+    except MpsError as e:
+        if e.reason not in (mps_errors.CLIENT_NOT_FOUND, mps_errors.SERVER_NOT_FOUND):
+            raise
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _gone_ok(reason: str) -> Iterator[None]:
+    try:
+        yield
+    except MpsError as e:
+        if e.reason != reason:
+            raise
