@@ -498,6 +498,21 @@ def test_client_list_in_the_columns_nvidia_documents():
                                MpsClient(51090, "kf_def"), MpsClient(51091, None)]
 
 
+def test_a_tenants_command_line_is_never_read_as_the_daemons_error():
+    """A client's row ends with its command line, which its tenant chooses: words the daemon's
+    errors use there (busy, invalid, error) must not fail the list (and with it every drain,
+    and the watchdog's kills, on the node). A line that is no row still can."""
+    c, runner = v3()
+    runner.respond([BIN, "client", "list", "--format=csv,noheader"],
+                   "51023,shared,0,kf_abc,python train.py --on-error=skip --model busy-bee\n"
+                   "51024,shared,0,kf_def,python x.py --invalid-ok\n",
+                   "Error: the server is busy\n")
+    assert c.client_list() == [MpsClient(51023, "kf_abc"), MpsClient(51024, "kf_def")]
+    with pytest.raises(MpsError) as exc:
+        c.client_list()
+    assert exc.value.reason == "NamespaceBusy"
+
+
 def test_client_terminate_of_a_non_client():
     c, runner = v3()
     runner.respond([BIN, "client", "terminate", "99"], "Error: client 99 not found\n")

@@ -284,10 +284,11 @@ class MpsControl:
         result = self._run(argv, None, " ".join(args), timeout)
         return self._check(result.stdout, " ".join(args))
 
-    def _client_cmd(self, args: Sequence[str], timeout: float | None = None) -> str:
+    def _client_cmd(self, args: Sequence[str], timeout: float | None = None, *,
+                    check: bool = True) -> str:
         self._require_v3(" ".join(args))
         result = self._run([self.binary, *args], None, " ".join(args), timeout)
-        return self._check(result.stdout, " ".join(args))
+        return self._check(result.stdout, " ".join(args)) if check else result.stdout
 
     # ------------------------------------------------------------------ protocol probe
 
@@ -505,12 +506,17 @@ class MpsControl:
         return names
 
     def client_list(self) -> list[MpsClient]:
-        out = self._client_cmd(["client", "list", "--format=csv,noheader"])
+        what = "client list --format=csv,noheader"
+        out = self._client_cmd(["client", "list", "--format=csv,noheader"], check=False)
         clients = []
         for line in out.splitlines():
             if not line.strip():
                 continue
             fields = [f.strip() for f in line.split(",")]
+            if not fields[0].isdigit():
+                # Only a line that is not a client's row can be the daemon's error: a row ends
+                # with the client's command line, which its tenant chooses (`--on-error=x`).
+                self._check(line, what)
             pid = _parse_int(fields[0], "client list")
             ns_at = CLIENT_LIST_COLUMNS.index("namespace")
             if len(fields) <= ns_at or not _DEVICE_RE.fullmatch(fields[2]):
