@@ -174,13 +174,52 @@ def test_bounded_exponential_backoff_without_sleeping(dirs):
     assert daemon.failures == 4
     assert daemon.last_error == MpsError(
         "CommandFailed", f"{BIN} '-d' exited 1: boom")
-    # the daemon comes back: the next attempt succeeds and resets the backoff
+    # the daemon comes back: the next attempt succeeds, and once it has run a while the
+    # backoff starts over
     runner.respond([BIN, "-d"], "")
     runner.respond([BIN], NO_DAEMON, "", stdin=LIST)
     clock.now += 4
     assert daemon.ensure_running() is True
-    assert daemon.failures == 0
     assert daemon.last_error is None
+    assert daemon.failures == 4  # not yet: it may die again at once
+    clock.now += 60
+    assert daemon.ensure_running() is True
+    assert daemon.failures == 0
+
+
+class CrashesAfterOneAnswer:
+    """A daemon that starts, answers one command, then dies (on the state put back, say)."""
+
+    def __init__(self) -> None:
+        self.answers, self.starts = 0, 0
+
+    def run(self, argv, stdin=None, env=None, timeout=10.0):
+        if argv[1:] == ["--help"]:
+            return CommandResult(0, "usage", "")
+        if argv[1:] == ["-d"]:
+            self.starts += 1
+            self.answers = 1
+            return CommandResult(0, "", "")
+        if self.answers:
+            self.answers -= 1
+            return CommandResult(0, "", "")
+        return CommandResult(1, "", "Cannot find MPS control daemon process\n")
+
+
+def test_a_daemon_that_dies_right_after_each_start_is_restarted_with_a_backoff(dirs):
+    """It answered once, so each start looked like a success and reset the backoff: the agent
+    restarted it on every call (each restart runs a pass, whose check restarts it again)."""
+    runner, clock = CrashesAfterOneAnswer(), FakeClock()
+    daemon = make(dirs, runner, clock, protocol_v3=False, backoff_initial=1, backoff_max=8)
+    starts_at = []
+    for _ in range(60):  # a call a second for a minute
+        before = runner.starts
+        daemon.ensure_running()
+        if runner.starts > before:
+            starts_at.append(clock.now - 1000.0)
+        clock.now += 1
+    assert starts_at == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 40.0, 48.0, 56.0]  # to 8 s
+    assert clock.slept == []
 
 
 def test_started_but_never_answering_times_out_on_the_fake_clock(dirs):

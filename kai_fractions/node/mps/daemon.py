@@ -111,6 +111,7 @@ class MpsDaemon:
         stop_grace: float = 5.0,
         backoff_initial: float = 1.0,
         backoff_max: float = 60.0,
+        stable_after: float = 60.0,
         poll_interval: float = 0.02,
     ):
         self.binary = str(binary)
@@ -129,18 +130,23 @@ class MpsDaemon:
         self.stop_grace = stop_grace
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
+        self.stable_after = stable_after
+        """A daemon that answered this long after its start ran: the backoff starts over. One
+        that dies sooner counts as a failed start (it answered once, then crashed)."""
         self.poll_interval = poll_interval
         self.control = MpsControl(self.binary, self.root, self.log_dir, runner, server,
                                   protocol_v3=protocol_v3, sleep=self.clock.sleep)
         self.restarts = 0
         """Successful starts after the first one this supervisor made or found."""
         self.failures = 0
-        """Consecutive failed starts (drives the backoff); 0 once it runs."""
+        """Consecutive failed starts, and starts of a daemon that died within `stable_after`
+        (drives the backoff); 0 once one has run that long."""
         self.last_error: MpsError | None = None
         """Why the daemon is not running (or its state not applied) now; None when it is."""
         self.last_health_error: MpsError | None = None
         """What the last failed health check saw."""
         self._next_attempt = float("-inf")
+        self._started_at = float("-inf")
         self._seen_running = False
         self._needs_reapply = False
 
@@ -203,23 +209,30 @@ class MpsDaemon:
         once per backoff step) otherwise. Never sleeps for the backoff."""
         if self.healthy():
             self._seen_running = True
-            self.failures = 0
+            if self.clock.monotonic() - self._started_at >= self.stable_after:
+                self.failures = 0
             return self._reapply_if_needed()
         now = self.clock.monotonic()
         if now < self._next_attempt:
             return False  # backing off: last_error still says why the last start failed
+        quick = now - self._started_at < self.stable_after  # the last one died soon
         try:
             self._start()
         except MpsError as err:
             self.last_error = err
             self.failures += 1
-            delay = min(self.backoff_max, self.backoff_initial * 2 ** (self.failures - 1))
+            delay = self._delay()
             self._next_attempt = self.clock.monotonic() + delay
             log.warning("MPS control daemon start failed (%s: %s); next try in %gs",
                         err.reason, err.message, delay)
             return False
-        self.failures = 0
-        self._next_attempt = float("-inf")
+        # Started. One that answers once and dies again at once must not be restarted on every
+        # call (each restart runs a pass, whose check restarts it again): a start soon after
+        # the last one counts toward the backoff the next restart waits.
+        if quick:
+            self.failures += 1
+        self._started_at = self.clock.monotonic()
+        self._next_attempt = self._started_at + (self._delay() if self.failures else 0.0)
         if self._seen_running:
             self.restarts += 1
         self._seen_running = True
@@ -227,6 +240,9 @@ class MpsDaemon:
         # node's state back before reporting it as running.
         self._needs_reapply = True
         return self._reapply_if_needed()
+
+    def _delay(self) -> float:
+        return min(self.backoff_max, self.backoff_initial * 2 ** (self.failures - 1))
 
     def _reapply_if_needed(self) -> bool:
         if not self._needs_reapply or self.on_restart is None:
