@@ -45,9 +45,10 @@ FILE_MODE = 0o644
 TEMP_PREFIX = f".{MARKER_FILE}."
 TEMP_SUFFIX = ".tmp"
 """`write_marker`'s temp files: `.marker.json.<random>.tmp` in the pod's directory."""
-EARLIER_BOOT_FILE = "earlier-boot.json"
-"""A marker of an earlier boot of the host, moved aside by the node agent: no gate reads it (the
-limits it vouched for went with that boot), but it still says which plan the pod was held to."""
+SET_ASIDE_FILE = "set-aside.json"
+"""A marker the node agent moved out of the gate's sight: one of an earlier boot of the host (the
+limits it vouched for went with that boot), or one a pass could no longer keep (its plan not in
+force at the moment). No gate reads it, but it still says which plan the pod was held to."""
 MAX_MARKER_BYTES = 256 * 1024
 """A marker is a few hundred bytes a container: anything larger is not one."""
 GONE_PREFIX = ".gone."
@@ -254,7 +255,7 @@ def read_marker(pod_dir: str | os.PathLike[str], *, expected_pod_uid: str | None
                 name: str = MARKER_FILE) -> Marker | None:
     """The marker in a pod's directory (the gate's mount), None while there is none yet;
     raises MarkerError when it is unreadable or malformed. `name`: another file of the same
-    format there (EARLIER_BOOT_FILE)."""
+    format there (SET_ASIDE_FILE)."""
     path = Path(pod_dir) / name
     try:
         data = _read_regular(path)

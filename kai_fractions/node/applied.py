@@ -4,8 +4,10 @@ A container's applied plan is what the agent wrote when it applied it: the deriv
 (`kai-fractions.io/container.<c>.*`, which only the agent and the mirror may write; the
 container's env reads them) plus the binder-owned `.gpus.devices` (only the binder writes it).
 It counts as applied only when the node's own readiness marker (written by the agent alone,
-on the host) says `applied` with the same plan digest: the plan is rebuilt from those
-annotations and its digest must equal both the `plan-digest` annotation and the marker's. A
+on the host) names the same plan digest, as `applied`, or as `refused` by a node rule while it
+ran (the marker may also be one the agent set aside: an earlier boot's, or one a pass could not
+keep): the plan is rebuilt from those annotations and its digest must equal both the
+`plan-digest` annotation and the marker's. A
 tenant cannot forge that: it would need a plan whose SHA-256 equals the one the agent wrote.
 
 So the applied plan survives an agent restart, and edits of the user-owned keys of a running

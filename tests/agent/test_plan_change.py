@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+from kai_fractions.node.mps.errors import MpsError
 from kai_fractions.node.nvml import GpuComputeMode
 from kai_fractions.sim.killer import RecordingKiller
 
@@ -241,7 +242,15 @@ def test_a_running_container_a_node_rule_now_refuses_keeps_its_memory_limits(
     assert limits(new, uid) == before
     assert marker(new, uid)["containers"]["main"]["reason"] == "SmSharingDisabled"
     back = new.restarted(sm_sharing=True)  # the operator turns sm-sharing on again
-    edit(back, uid, **{MODE: "sm-sharing", LIMIT: "20Gi"})  # and the edit is undone
+    # its daemon still starting: a pass that cannot apply the held plan yet keeps the hold
+    back.mps.control.inject("namespace_list", MpsError("MpsDaemonUnreachable", "starting"))
+    back.step()
+    assert limits(back, uid) == before and marker(back, uid) is None
+    back.step()  # the edit is still there: the plan the pod is held to comes back, not it
+    entry = marker(back, uid)["containers"]["main"]
+    assert (entry["state"], entry["plan_digest"]) == ("applied", held)
+    assert limits(back, uid) == before
+    edit(back, uid, **{MODE: "sm-sharing", LIMIT: "20Gi"})  # the edit undone: nothing changes
     assert back.step().converged
     entry = marker(back, uid)["containers"]["main"]
     assert (entry["state"], entry["plan_digest"]) == ("applied", held)

@@ -127,8 +127,8 @@ def test_an_agent_restarted_before_it_rewrites_the_marker_still_holds_the_pod(
     first.nvml.fail("driver_version", "DriverNotLoaded", times=None)
     first.step()
     assert not first.marker_path(UID).exists()
-    aside = first.marker_path(UID).parent / "earlier-boot.json"
-    assert read_marker(aside.parent, name="earlier-boot.json").boot_id == BOOT_BEFORE
+    aside = first.marker_path(UID).parent / "set-aside.json"
+    assert read_marker(aside.parent, name="set-aside.json").boot_id == BOOT_BEFORE
 
     second = agent_of_boot(short_tmp, BOOT_AFTER)  # restarted; the driver is back
     second.cluster.update_pod(UID, metadata=copy.deepcopy(edited))

@@ -41,8 +41,8 @@ from ...contract import ContainerPlan, Keys, derived_annotations
 from ...kube.errors import Conflict, KubeError, NotFound
 from ...kube.objects import meta
 from ...marker import (
-    EARLIER_BOOT_FILE,
     MARKER_FILE,
+    SET_ASIDE_FILE,
     ContainerMarker,
     Marker,
     MarkerError,
@@ -152,17 +152,17 @@ class MarkerStore:
                               clock=(lambda: now) if now is not None else time.time)
         path = write_marker(self.root, marker)
         with contextlib.suppress(FileNotFoundError):  # this boot's word replaces it
-            (path.parent / EARLIER_BOOT_FILE).unlink()
+            (path.parent / SET_ASIDE_FILE).unlink()
         return path
 
-    def earlier(self, uid: str) -> Marker | None:
-        """The marker an earlier boot left for this pod (moved aside, `EARLIER_BOOT_FILE`),
-        while this boot has written none: it vouches for no limit, but says which plan the pod
-        ran with, so a reboot does not let an edit that was refused before it take effect. On
-        disk, so an agent restarted before it writes the pod's new marker still knows."""
+    def set_aside_marker(self, uid: str) -> Marker | None:
+        """The pod's marker moved out of the gate's sight (`set_aside`: an earlier boot's, or
+        one a pass could not keep), while no marker has replaced it: it vouches for no limit,
+        but says which plan the pod ran with, so a reboot or a passing failure does not let an
+        edit refused before it take effect. On disk, so a restarted agent still knows."""
         try:
             return read_marker(pod_marker_dir(self.root, uid), expected_pod_uid=uid,
-                               name=EARLIER_BOOT_FILE)
+                               name=SET_ASIDE_FILE)
         except MarkerError:
             return None
 
@@ -184,7 +184,7 @@ class MarkerStore:
         return forgotten
 
     def _forget(self, uid: str, marker: Marker) -> bool:
-        removed = self._set_aside(uid) if marker.pod_uid == uid else self.unlink(uid)
+        removed = self.set_aside(uid) if marker.pod_uid == uid else self.unlink(uid)
         if removed:
             log.info("removed the marker of pod %s: written in %s, and the limits it vouched "
                      "for went with that boot (now %s)", uid,
@@ -201,12 +201,12 @@ class MarkerStore:
         except FileNotFoundError:
             return False
 
-    def _set_aside(self, uid: str) -> bool:
-        """Move the pod's marker to EARLIER_BOOT_FILE (no gate reads it); False when there was
+    def set_aside(self, uid: str) -> bool:
+        """Move the pod's marker to SET_ASIDE_FILE (no gate reads it); False when there was
         none. One that cannot be moved is removed."""
         pod_dir = pod_marker_dir(self.root, uid)
         try:
-            os.replace(pod_dir / MARKER_FILE, pod_dir / EARLIER_BOOT_FILE)
+            os.replace(pod_dir / MARKER_FILE, pod_dir / SET_ASIDE_FILE)
             return True
         except FileNotFoundError:
             return False
@@ -233,7 +233,7 @@ class MarkerStore:
         kubelet's for the whole grace period."""
         stale = []
         for entry, names in self._pod_dirs(skip=live):
-            written = _written(names) or EARLIER_BOOT_FILE in names
+            written = _written(names) or SET_ASIDE_FILE in names
             with contextlib.suppress(OSError):
                 if written or now - entry.stat(follow_symlinks=False).st_mtime >= grace:
                     stale.append(entry.name)
@@ -347,11 +347,14 @@ class MarkerWriter:
     def _drop_stale(self, ref: PodRef, existing: Marker | None,
                     results: Mapping[str, ContainerResult], errors: set[str]) -> None:
         """Whatever kept the new marker from being written, an old one that no longer vouches
-        for what is in force goes: a gate (a restarted sandbox's) must not open on it."""
+        for what is in force goes: a gate (a restarted sandbox's) must not open on it. One that
+        names a plan the pod is held to is set aside rather than removed, so the hold outlasts
+        the passing failure (`NodePods._applied`)."""
         if existing is None or still_valid(existing, results):
             return
+        holds = any(entry.plan_digest for entry in existing.containers.values())
         try:
-            removed = self.store.unlink(ref.uid)
+            removed = (self.store.set_aside if holds else self.store.unlink)(ref.uid)
         except OSError as e:
             errors.add(MARKER_NOT_WRITTEN)
             log.error("pod %s/%s: its marker no longer vouches for the limits in force and "

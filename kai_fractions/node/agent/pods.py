@@ -149,7 +149,7 @@ class NodePods:
             if live.get(pod.uid, (None, PROVISIONED))[1] != API \
                     or not has_recorded_plans(pod.view, keys):
                 continue
-            marker = self.markers.read(pod.uid) or self.markers.earlier(pod.uid)
+            marker = self.markers.read(pod.uid) or self.markers.set_aside_marker(pod.uid)
             for name, plan in applied_plans(pod.view, marker, keys).items():
                 out[ContainerKey(pod.uid, name)] = plan
         return out
