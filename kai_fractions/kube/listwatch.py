@@ -161,9 +161,11 @@ class Cycle:
         self.cached_lists = cached_lists
         self.resource_version = ""
         self.failures = 0
-        """Failures and expirations since the last watch that worked: a list that works does
-        not reset it (a server that answers lists but fails every watch must be backed off,
-        not listed twice a second for ever)."""
+        """Failures since the last watch that worked. A list that works resets it only after
+        failed lists (the API server was away and is back: its first watch failure waits the
+        shortest backoff); after a failed watch it does not (a server that answers lists but
+        fails every watch must be backed off, not listed twice a second for ever)."""
+        self.lists_failing = False
         self.expirations = 0
         self.listed_at = monotonic()
         self._consistent_next = False
@@ -183,6 +185,9 @@ class Cycle:
     def listed(self, count: int, resource_version: str) -> None:
         self.resource_version = resource_version
         self._consistent_next = False
+        if self.lists_failing:
+            self.failures = self.expirations = 0
+            self.lists_failing = False
         log.info("listed %d %s at resourceVersion %s", count, self.what,
                  resource_version or "-")
 
@@ -208,11 +213,13 @@ class Cycle:
                     self.what, error, self.expirations, delay)
         return delay
 
-    def failed(self, error: Exception) -> float:
-        """The delay before the next try (at least what a Retry-After asked, up to the cap)."""
+    def failed(self, error: Exception, listing: bool = False) -> float:
+        """The delay before the next try (at least what a Retry-After asked, up to the cap);
+        `listing`: the list failed (else the watch)."""
         delay = self.backoff.delay(min(self.failures, 16), self.rng,
                                    getattr(error, "retry_after", None))
         self.failures += 1
+        self.lists_failing = listing
         if self.relist_after_failure:
             self.resource_version = ""
         log.warning("%s list/watch failed (%s); again in %.1fs", self.what, error, delay)
@@ -246,10 +253,13 @@ async def list_watch(
                   monotonic=monotonic, relist_after_failure=relist_after_failure,
                   cached_lists=cached_lists)
     while True:
+        listing = False
         try:
             version = cycle.list_version()
             if version is not None:
+                listing = True
                 items, resource_version = await source.list(version)
+                listing = False
                 cycle.listed(len(items), resource_version)
                 handling = on_list(items)
                 # The handler owns the list now; held here, it would outlive a cache's merge
@@ -272,7 +282,7 @@ async def list_watch(
         except KubeError as e:
             if on_failure is not None:
                 on_failure(e)
-            await clock.asleep(cycle.failed(e))
+            await clock.asleep(cycle.failed(e, listing))
 
 
 async def _handled(result: object) -> None:

@@ -443,9 +443,9 @@ async def test_failures_back_off_more_each_time_up_to_the_cap_and_progress_start
                BadAnswer("not JSON"), ([], "10")],
         watches=[[Transient("reset")], [("ADDED", pod("a", "11")), Transient("reset")],
                  [BadAnswer("bad line")], [Tick(5)]])
-    # the list that works is not progress: the watch failing after it waits the next backoff;
-    # the watch's event is
-    assert sleeps == [1, 2, 4, 8, 8, 8, 1, 2]
+    # a list that works after failed lists is a server back: the watch failing after it waits
+    # the shortest backoff again (so does one after a watch's event)
+    assert sleeps == [1, 2, 4, 8, 8, 1, 1, 2]
     assert ran.calls == ["list ''"] * 6 + ["watch 10", "watch 10", "watch 11", "watch 11",
                                             "watch 11"]
     assert ran.failures == ["refused", "503", "403", "timeout", "not JSON", "reset", "reset",
