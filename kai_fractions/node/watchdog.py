@@ -196,14 +196,23 @@ class SignalKiller:
     its ownership is re-checked, so a pid reused in between is never signalled."""
 
     def __init__(self, clock: Clock | None = None, grace: float = 5.0,
-                 poll_interval: float = 0.05):
+                 poll_interval: float = 0.05, *, same_pid_namespace: bool = True):
         self.clock: Clock = clock or SystemClock()
         self.grace = grace
         self.poll_interval = poll_interval
+        self.same_pid_namespace = same_pid_namespace
+        """Whether the pids it is given (NVML's, read against the agent's /proc root) are this
+        process's: when the root is another namespace's /proc, a pid here names some other
+        process, and nothing is signalled."""
 
     def terminate(self, pid: int, still_ours: Callable[[], bool]) -> str:
         if pid <= 1 or pid == os.getpid():
             return SKIPPED
+        if not self.same_pid_namespace:
+            log.warning("not stopping pid %d: the agent's /proc root is not of its own pid "
+                        "namespace, so that pid may name another process here (run the agent "
+                        "with hostPID, as the chart does)", pid)
+            return FAILED
         try:
             pin = PidfdPin(os.pidfd_open(pid))
         except ProcessLookupError:

@@ -357,6 +357,19 @@ def test_signal_killer_escalates_to_sigkill_after_the_grace_period():
         p.wait()
 
 
+def test_signal_killer_signals_nothing_for_pids_of_another_pid_namespace(tmp_path):
+    """An agent whose --proc-root is not its own namespace's /proc (no hostPID) reads pids
+    that name other processes here: it stops none of them."""
+    p = spawn("import time; print('ready', flush=True); time.sleep(30)")
+    try:
+        killer = SignalKiller(same_pid_namespace=Procfs(tmp_path).own_pid_namespace)
+        assert killer.terminate(p.pid, lambda: True) == "failed"
+        assert p.poll() is None  # untouched
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_signal_killer_rechecks_ownership_and_handles_gone_pids():
     p = spawn("import time; print('ready', flush=True); time.sleep(30)")
     try:

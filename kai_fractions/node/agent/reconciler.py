@@ -126,7 +126,9 @@ class Reconciler:
                              events=self.events, signatures=signatures, clock=clock)
         self.links = LegacyPipeLinks(config.mps_pipe_dir) if config.sm_sharing else None
         self.usage = UsageCheck(nvml, Watchdog(config.watchdog_policy, self.procfs,
-                                               killer or SignalKiller(), control),
+                                               killer or SignalKiller(
+                                                   same_pid_namespace=self.procfs
+                                                   .own_pid_namespace), control),
                                 self.events, self.metrics)
         self.nvml_health = NvmlHealth(nvml)
         self.view = NodeView()
