@@ -167,8 +167,8 @@ class MarkerStore:
             return None
 
     def forget_other_boots(self) -> int:
-        """Removes every marker written in another boot of the host; how many. Run once, at the
-        agent's start: every marker written after is this boot's."""
+        """Sets aside (`set_aside`) every marker written in another boot of the host; how many.
+        Run once, at the agent's start: every marker written after is this boot's."""
         try:
             uids = [e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
         except (FileNotFoundError, NotADirectoryError):
@@ -186,7 +186,7 @@ class MarkerStore:
     def _forget(self, uid: str, marker: Marker) -> bool:
         removed = self.set_aside(uid) if marker.pod_uid == uid else self.unlink(uid)
         if removed:
-            log.info("removed the marker of pod %s: written in %s, and the limits it vouched "
+            log.info("set aside the marker of pod %s: written in %s, and the limits it vouched "
                      "for went with that boot (now %s)", uid,
                      f"boot {marker.boot_id}" if marker.boot_id else
                      "a boot this agent cannot tell (no boot ID)", self.boot_id)
@@ -361,8 +361,8 @@ class MarkerWriter:
                       "could not be removed: %s", ref.namespace, ref.name, e)
             return
         if removed:
-            log.info("pod %s/%s: removed its marker (no longer the applied plan)",
-                     ref.namespace, ref.name)
+            log.info("pod %s/%s: %s its marker (no longer the plan in force)", ref.namespace,
+                     ref.name, "set aside" if holds else "removed")
 
     def _ensure_annotations(self, ref: PodRef, manifest: Mapping[str, Any],
                             plans: Sequence[ContainerPlan], errors: set[str]) -> bool:
