@@ -324,14 +324,13 @@ class Follower:
         """The decision as the servicer would receive it; None while a group's device is not
         known yet (the binder has not finished reserving)."""
         gpu_ids = []
-        if len(br.group_ids) > MAX_IDS or any(len(g) > MAX_ID for g in br.group_ids):
-            pass  # resolve_decision refuses the groups: nothing is read for them
-        else:
-            for group in br.group_ids:
-                uuid = await self.reserved_gpu(group, deadline)
-                if uuid is None:
-                    return None
-                gpu_ids.append(uuid)
+        # Past the bounds resolve_decision refuses the groups: nothing is read for them.
+        within = len(br.group_ids) <= MAX_IDS and all(len(g) <= MAX_ID for g in br.group_ids)
+        for group in br.group_ids if within else ():
+            uuid = await self.reserved_gpu(group, deadline)
+            if uuid is None:
+                return None
+            gpu_ids.append(uuid)
         return AllocationInput(
             namespace=br.namespace, pod_name=br.pod_name, selected_node=br.selected_node,
             resource_type=br.resource_type, gpu_count=br.gpu_count, portion=br.portion,
