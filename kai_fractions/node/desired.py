@@ -264,7 +264,8 @@ class DesiredState:
         return tuple(
             ManagedContainer.uniform(
                 c.key.pod_uid, c.key.container, c.container_id, c.plan.limit_bytes,
-                c.plan.device_uuids if Mechanism.WATCHDOG in c.mechanisms else ())
+                c.plan.device_uuids if Mechanism.WATCHDOG in c.mechanisms else (),
+                mps_client=c.plan.compute_mode is ComputeMode.SM_SHARING)
             for c in self.containers
         )
 

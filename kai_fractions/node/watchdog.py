@@ -9,8 +9,9 @@ the usage per container and device, and compares it with the container's cap. By
   tenant), then terminates it (SIGTERM, SIGKILL after a grace period).
 A process that belongs to no managed container (another pod, a container the agent does not
 manage, a host process, a pid that vanished, pid 1, the agent itself) is never touched. When MPS
-is in use but cannot say whether a process is its client, the kill waits for the next check
-rather than risk the other tenants.
+is in use but cannot say whether a process of an sm-sharing container is its client, the kill
+waits for the next check rather than risk the other tenants (a time-slicing container's
+processes cannot be clients: they are stopped without asking MPS).
 """
 
 from __future__ import annotations
@@ -97,6 +98,10 @@ class ManagedContainer:
     container cannot be recognised from /proc until then, so nothing of it is touched."""
     caps: Mapping[str, int] = field(default_factory=dict)
     """GPU UUID -> cap in bytes. A GPU without a cap here is observed, never enforced."""
+    mps_client: bool = True
+    """Whether its processes may be MPS clients (sm-sharing: it mounts an MPS pipe
+    directory). A time-slicing container's cannot, so stopping one needs no word from MPS,
+    and a daemon that does not answer does not hold its kill."""
     _key: tuple[str, str] | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
@@ -107,10 +112,11 @@ class ManagedContainer:
 
     @classmethod
     def uniform(cls, pod_uid: str, container_name: str, container_id: str | None,
-                cap_bytes: int, device_uuids: Iterable[str]) -> ManagedContainer:
+                cap_bytes: int, device_uuids: Iterable[str], *,
+                mps_client: bool = True) -> ManagedContainer:
         """The same cap on each assigned GPU (a fractional container's limit is per GPU)."""
         return cls(pod_uid, container_name, container_id,
-                   MappingProxyType(dict.fromkeys(device_uuids, cap_bytes)))
+                   MappingProxyType(dict.fromkeys(device_uuids, cap_bytes)), mps_client)
 
     @property
     def key(self) -> tuple[str, str] | None:
@@ -437,7 +443,7 @@ class Watchdog:
         if not self._still_in(pid, container):
             return [(TERMINATE, SKIPPED, "the process exited or left the container")]
         steps: list[tuple[str, str, str]] = []
-        if self.mps is not None:
+        if self.mps is not None and container.mps_client:
             if drain.clients is None and drain.error is None:
                 drain.clients, drain.error = self._mps_clients()
             if drain.error is not None:

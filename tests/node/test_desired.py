@@ -332,6 +332,10 @@ def test_watchdog_containers_for_the_watchdog() -> None:
     # without the watchdog mechanism a container is observed (its usage), never capped
     (c,) = plan(node_pod(), config=NodeConfig(memory_enforcement="cgroup")).watchdog_containers()
     assert (c.pod_uid, c.container_name, dict(c.caps)) == (UID_A, "main", {})
+    # only an sm-sharing container's processes may be MPS clients (to drain before a kill)
+    assert (a.mps_client, b.mps_client) == (False, False)
+    (d,) = plan(node_pod(notes=annotations(mode="sm-sharing"))).watchdog_containers()
+    assert d.mps_client
 
 
 NS_KEY = "kai-fractions.io/container.main.mps-namespace"

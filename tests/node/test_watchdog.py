@@ -214,6 +214,19 @@ def test_a_legacy_server_that_exited_meanwhile_has_no_client_to_drain(proc):
     assert killer.killed == [100, 101]
 
 
+def test_a_time_slicing_container_is_stopped_even_while_mps_cannot_answer(proc):
+    """Its processes cannot be MPS clients (it mounts no MPS pipe directory): a daemon that is
+    down must not hold the kill of a container over its cap that needs no drain."""
+    mps = FakeMpsControl()
+    mps.kill()
+    killer = RecordingKiller()
+    time_slicing = [ManagedContainer.uniform(POD_A, "trainer", f"containerd://{CID_A}", CAP,
+                                             [GPU0], mps_client=False)]
+    watchdog(proc, "kill", killer, mps).check(OVER, time_slicing)
+    assert killer.killed == [100, 101]
+    assert mps.methods_called() == []  # MPS is not even asked
+
+
 def test_a_failed_drain_leaves_that_process_alone(proc):
     mps = FakeMpsControl()
     mps.namespace_create("kf_a")
