@@ -77,22 +77,35 @@ def test_an_agent_restart_in_the_same_boot_keeps_the_markers(short_tmp: Path) ->
 
 
 
-def test_a_change_refused_before_a_reboot_stays_refused_after_it(short_tmp: Path) -> None:
-    """A tenant raised its own limit on the running pod where admission did not stop it: the
-    change is refused and the applied plan kept. A reboot clears the kernel's limits and makes
-    the old marker vouch for nothing, but not the pod (the same uid, its containers started
-    again): the plan it was applied with is applied again, not the edit."""
-    before = agent_of_boot(short_tmp, BOOT_BEFORE)
+def refused_edit_before_a_reboot(tmp: Path) -> tuple[Rig, dict]:
+    """An agent of the boot before applies the pod; its tenant then raises its own limit
+    where admission did not stop it: the change is refused, the applied plan kept. The rig and
+    the edited pod's metadata (what the cluster holds after the reboot)."""
+    before = agent_of_boot(tmp, BOOT_BEFORE)
     assert before.step().converged
     meta = copy.deepcopy(before.cluster.pods[UID]["metadata"])
     meta["annotations"]["nvidia.com/container.main.gpu-memory.limit"] = "79Gi"
     before.cluster.update_pod(UID, metadata=meta)
     before.step()
     assert before.reconciler.view.desired.refusal((UID, "main")).reason == "PlanChangeRefused"
+    return before, copy.deepcopy(before.cluster.pods[UID]["metadata"])
+
+
+def agent_after_the_reboot(tmp: Path, metadata: dict) -> Rig:
+    rig = agent_of_boot(tmp, BOOT_AFTER)
+    rig.cluster.update_pod(UID, metadata=copy.deepcopy(metadata))
+    return rig
+
+
+def test_a_change_refused_before_a_reboot_stays_refused_after_it(short_tmp: Path) -> None:
+    """A tenant raised its own limit on the running pod where admission did not stop it: the
+    change is refused and the applied plan kept. A reboot clears the kernel's limits and makes
+    the old marker vouch for nothing, but not the pod (the same uid, its containers started
+    again): the plan it was applied with is applied again, not the edit."""
+    before, edited = refused_edit_before_a_reboot(short_tmp)
     held = read_marker(before.marker_path(UID).parent).containers["main"].plan_digest
 
-    after = agent_of_boot(short_tmp, BOOT_AFTER)
-    after.cluster.update_pod(UID, metadata=copy.deepcopy(before.cluster.pods[UID]["metadata"]))
+    after = agent_after_the_reboot(short_tmp, edited)
     after.step()
     assert set(limits_of(after, UID).values()) == {(10 * GIB, 20 * GIB)}
     assert after.reconciler.view.desired.refusal((UID, "main")).reason == "PlanChangeRefused"
@@ -101,8 +114,7 @@ def test_a_change_refused_before_a_reboot_stays_refused_after_it(short_tmp: Path
     # a restarted sandbox's gate plans from the edited annotations: not what the marker
     # vouches for, so it waits (docs/node-agent.md, "Applied plans are kept")
     assert gate(after, BOOT_AFTER) is Outcome.WAIT
-    again = agent_of_boot(short_tmp, BOOT_AFTER)  # and an agent restart in this boot keeps it
-    again.cluster.update_pod(UID, metadata=copy.deepcopy(before.cluster.pods[UID]["metadata"]))
+    again = agent_after_the_reboot(short_tmp, edited)  # an agent restart in this boot keeps it
     again.nvml.limits.update(after.nvml.limits)
     again.step()
     assert set(limits_of(again, UID).values()) == {(10 * GIB, 20 * GIB)}
@@ -113,16 +125,8 @@ def test_an_agent_restarted_before_it_rewrites_the_marker_still_holds_the_pod(
     """After the reboot the first pass (NVML still loading) sets the old marker aside, then the
     agent restarts before the driver is back: the new agent still holds the pod to the plan the
     earlier boot applied, not to an edit refused before the reboot."""
-    before = agent_of_boot(short_tmp, BOOT_BEFORE)
-    assert before.step().converged
-    meta = copy.deepcopy(before.cluster.pods[UID]["metadata"])
-    meta["annotations"]["nvidia.com/container.main.gpu-memory.limit"] = "79Gi"
-    before.cluster.update_pod(UID, metadata=meta)
-    before.step()
-    edited = copy.deepcopy(before.cluster.pods[UID]["metadata"])
-
-    first = agent_of_boot(short_tmp, BOOT_AFTER)
-    first.cluster.update_pod(UID, metadata=copy.deepcopy(edited))
+    _before, edited = refused_edit_before_a_reboot(short_tmp)
+    first = agent_after_the_reboot(short_tmp, edited)
     first.nvml.fail("init", "DriverNotLoaded", times=None)
     first.nvml.fail("driver_version", "DriverNotLoaded", times=None)
     first.step()
@@ -130,8 +134,7 @@ def test_an_agent_restarted_before_it_rewrites_the_marker_still_holds_the_pod(
     aside = first.marker_path(UID).parent / "set-aside.json"
     assert read_marker(aside.parent, name="set-aside.json").boot_id == BOOT_BEFORE
 
-    second = agent_of_boot(short_tmp, BOOT_AFTER)  # restarted; the driver is back
-    second.cluster.update_pod(UID, metadata=copy.deepcopy(edited))
+    second = agent_after_the_reboot(short_tmp, edited)  # restarted; the driver is back
     second.step()
     assert set(limits_of(second, UID).values()) == {(10 * GIB, 20 * GIB)}
     assert second.reconciler.view.desired.refusal((UID, "main")).reason == "PlanChangeRefused"
