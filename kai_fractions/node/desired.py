@@ -501,6 +501,10 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
             held_plan = applied.get(refusal.key)
             if held_plan is not None and held_plan.digest == plan.digest:
                 refusal = dataclasses.replace(refusal, plan_digest=plan.digest)
+                # It still runs, with the kernel's limits kept: its memory is taken, and a
+                # newcomer placed on it would overcommit the GPU.
+                for uuid in plan.device_uuids:
+                    requested[uuid] = requested.get(uuid, 0) + plan.request_bytes
             refusals.append(refusal)
             continue
         assert isinstance(mechanisms, frozenset) and isinstance(paths, tuple)

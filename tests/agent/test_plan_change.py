@@ -257,3 +257,21 @@ def test_a_running_container_a_node_rule_now_refuses_keeps_its_memory_limits(
     back.cluster.delete_pod(uid)  # the limits go with the pod
     back.step()
     assert limits(back, uid) == {}
+
+
+def test_a_running_container_a_node_rule_refuses_still_takes_its_memory(
+        short_tmp: Path) -> None:
+    """It keeps running with the kernel's limits: a newcomer that fits only without its
+    requested memory is refused, not placed on memory in use."""
+    rig = Rig(short_tmp)
+    uid = rig.add(pod("p", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing")))[
+        "metadata"]["uid"]
+    rig.cgroups.add(f"{slice_of(uid)}/{LEAF}")
+    assert rig.step().converged
+    new = rig.restarted(sm_sharing=False)
+    newcomer = new.add(pod("big", notes=binder_annotations(
+        devices=rig.gpu0, request="70Gi", limit="70Gi")))["metadata"]["uid"]
+    new.step()
+    assert marker(new, uid)["containers"]["main"]["reason"] == "SmSharingDisabled"
+    entry = marker(new, newcomer)["containers"]["main"]
+    assert (entry["state"], entry["reason"]) == ("refused", "MemoryOvercommitted")
