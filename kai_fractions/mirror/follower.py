@@ -33,7 +33,6 @@ import logging
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
 
@@ -51,6 +50,7 @@ from ..contract import (
 )
 from ..contract import keys as k
 from ..contract.compare import same_value
+from ..kube.objects import epoch_seconds
 from ..kube.retry import NO_DEADLINE, Deadline
 from ..signing import KeyringSource, signature_key
 from .compute import is_mirror_managed
@@ -171,24 +171,12 @@ def not_its_pod(br: BindRequestView, pod: PodSnapshot) -> str:
             return (f"{ref} (uid {pod.uid or 'none'}) is not the pod BindRequest {br.ref} was "
                     f"made for (uid {br.owner_uid}): it was created again under that name")
         return ""
-    pod_created = _timestamp(pod.metadata.get("creationTimestamp"))
-    br_created = _timestamp(br.created)
+    pod_created = epoch_seconds(pod.metadata.get("creationTimestamp"))
+    br_created = epoch_seconds(br.created)
     if pod_created is not None and br_created is not None and pod_created > br_created:
         return (f"{ref} was created after BindRequest {br.ref}, so it is not the pod that "
                 "BindRequest was made for")
     return ""
-
-
-def _timestamp(value: Any) -> datetime | None:
-    """RFC 3339 as the API server writes it (`Z`); one without a zone is taken as UTC, so two
-    always compare."""
-    try:
-        parsed = datetime.fromisoformat(str(value)) if value else None
-    except ValueError:
-        return None
-    if parsed is not None and parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=UTC)
-    return parsed
 
 
 @dataclass(frozen=True, slots=True)
