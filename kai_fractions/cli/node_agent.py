@@ -22,21 +22,22 @@ NOFILE_CEILING = 1 << 20
 """The most open files the agent asks for (the kernel's default `fs.nr_open`)."""
 
 
-def _positive(value: str) -> float:
+def _seconds(value: str) -> float:
     try:
-        number = float(value)
+        return float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+
+
+def _positive(value: str) -> float:
+    number = _seconds(value)
     if not 0 < number < float("inf"):
         raise argparse.ArgumentTypeError(f"must be more than 0, got {value!r}")
     return number
 
 
 def _nonnegative_seconds(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    number = _seconds(value)
     if not 0 <= number < float("inf"):
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value!r}")
     return number
