@@ -27,6 +27,7 @@ from typing import Protocol
 from kai_fractions.contract import MIB
 
 from .mps import errors as mps_errors
+from .mps.control import client_servers, end_client
 from .mps.daemon import Clock, SystemClock
 from .mps.errors import MpsError
 from .procfs import (
@@ -452,7 +453,7 @@ class Watchdog:
                 return [(DRAIN, FAILED, f"{drain.error.reason}: {drain.error.message}")]
             if drain.clients is not None and pid in drain.clients:
                 try:
-                    self._drain(pid, drain.clients[pid])
+                    end_client(self.mps, pid, drain.clients[pid])
                     steps.append((DRAIN, DRAINED, ""))
                 except MpsError as err:
                     # ClientNotFound: it left MPS since the list was read; nothing to drain
@@ -466,25 +467,6 @@ class Watchdog:
         """MPS client pid -> its server pid (None in v3, where `client terminate` needs none)."""
         assert self.mps is not None
         try:
-            if self.mps.supports_protocol_v3():
-                return {int(c.pid): None for c in self.mps.client_list()}, None
-            clients: dict[int, int | None] = {}
-            for server in self.mps.get_server_list():
-                try:
-                    for pid in self.mps.get_client_list(server):
-                        clients[pid] = server
-                except MpsError as err:
-                    # A server may exit between the two calls; any other error (a timeout, a
-                    # busy daemon) leaves unknown whether the process is its client.
-                    if err.reason != mps_errors.SERVER_NOT_FOUND:
-                        raise
-            return clients, None
+            return client_servers(self.mps), None
         except MpsError as err:
             return None, err
-
-    def _drain(self, pid: int, server: int | None) -> None:
-        assert self.mps is not None
-        if server is None:
-            self.mps.client_terminate(pid)
-        else:
-            self.mps.terminate_client(server, pid)

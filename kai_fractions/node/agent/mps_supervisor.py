@@ -12,14 +12,14 @@ themselves are left to their owners.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..desired import DesiredState
 from ..errors import NodeError
 from ..mps import errors as mps_errors
+from ..mps.control import client_servers, end_client
 from ..mps.errors import MpsError
 from ..nvml import Nvml
 from ..procfs import Procfs, normalize_container_id
@@ -122,42 +122,17 @@ def drain(control: Any, desired: DesiredState, nvml: Nvml, procfs: Procfs, uid: 
                     pids.append(p.pid)
     if not pids:
         return []
-    drained = []
-    if control.supports_protocol_v3():
-        clients = {int(cl.pid) for cl in control.client_list()}
-        for pid in pids:
-            if pid in clients and _ended(lambda pid=pid: control.client_terminate(pid)):
-                drained.append(pid)
-    else:
-        servers = {}
-        for server in control.get_server_list():
-            # a server that exited since the list has no client left to drain
-            with _gone_ok(mps_errors.SERVER_NOT_FOUND):
-                for pid in control.get_client_list(server):
-                    servers[pid] = server
-        for pid in pids:
-            if pid in servers and _ended(
-                    lambda pid=pid: control.terminate_client(servers[pid], pid)):
-                drained.append(pid)
-    return drained
+    clients = client_servers(control)
+    return [pid for pid in pids if pid in clients and _ended(control, pid, clients[pid])]
 
 
-def _ended(terminate: Callable[[], object]) -> bool:
-    """Runs one client's terminate; False when the client (or its server) had left MPS since
-    the list was read: nothing to drain, and no reason to fail the drain of the others."""
+def _ended(control: Any, pid: int, server: int | None) -> bool:
+    """Ends one client's work; False when the client (or its server) had left MPS since the
+    list was read: nothing to drain, and no reason to fail the drain of the others."""
     try:
-        terminate()
+        end_client(control, pid, server)
     except MpsError as e:
         if e.reason not in (mps_errors.CLIENT_NOT_FOUND, mps_errors.SERVER_NOT_FOUND):
             raise
         return False
     return True
-
-
-@contextlib.contextmanager
-def _gone_ok(reason: str) -> Iterator[None]:
-    try:
-        yield
-    except MpsError as e:
-        if e.reason != reason:
-            raise
