@@ -132,9 +132,10 @@ class NodePods:
                       *(r.key for r in whole.refusals)}
         released = {uid for uid, container in self.released
                     if container is None or ContainerKey(uid, container) in fractional}
-        refused = set(screened.refused_pods) if screened is not None else set()
-        refused |= {key.pod_uid for key in applied}
-        keep = refused - planned - released
+        may_run = {key.pod_uid for key in applied}
+        if screened is not None:
+            may_run |= screened.refused_pods
+        keep = may_run - planned - released
         if keep:
             desired = with_kept_limits(desired, kept_limits(self.engine, inventory, keep))
         return desired
