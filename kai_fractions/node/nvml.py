@@ -271,8 +271,15 @@ class PynvmlNvml:
         p = self._pynvml
         limits = p.c_nvmlGetMemoryLimits_v1_t()
         limits.nameSpace = namespace.encode()
-        self._call(GET_MEMORY_LIMITS, p.nvmlDeviceGetMemoryLimits_v1, self._handle(uuid),
-                   limits, device=uuid)
+        handle = self._handle(uuid)
+        try:
+            p.nvmlDeviceGetMemoryLimits_v1(handle, limits)
+        except (p.NVMLError, p.NVMLLibraryMismatchError) as exc:
+            if getattr(exc, "value", None) == NVML_ERROR_NOT_FOUND:
+                # nvml.h: "the limits were not found for this device and cgroup", the answer
+                # for every cgroup no limit was ever set on: no limit is in force.
+                return MemoryLimits(soft=0, hard=MEMORY_LIMIT_MAX)
+            raise self._error(exc, GET_MEMORY_LIMITS, uuid) from None
         return MemoryLimits(soft=int(limits.softLimit), hard=int(limits.hardLimit),
                             current_used=int(limits.currentUsed))
 

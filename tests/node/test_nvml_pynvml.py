@@ -5,6 +5,7 @@ from __future__ import annotations
 import pynvml
 import pytest
 
+from kai_fractions.node.desired import LimitTarget
 from kai_fractions.node.errors import (
     NvmlDriverNotLoaded,
     NvmlFunctionNotFound,
@@ -14,6 +15,7 @@ from kai_fractions.node.errors import (
     NvmlNotFound,
     NvmlUnknown,
 )
+from kai_fractions.node.memory_limits import MemoryLimitEnforcer
 from kai_fractions.node.nvml import (
     MEMORY_LIMIT_MAX,
     DeviceInfo,
@@ -23,6 +25,7 @@ from kai_fractions.node.nvml import (
     Nvml,
     PynvmlNvml,
 )
+from tests.support.fake_nvml import MemoryLimit
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -77,6 +80,18 @@ def test_set_get_clear_limits_reach_the_library(nvml, fake_nvml) -> None:
     assert fake_nvml.calls("SetMemoryLimits")[-1].args == (SLICE, "0", str(MEMORY_LIMIT_MAX))
     assert fake_nvml.limits() == {}
     assert nvml.get_memory_limits(U0, SLICE).cleared
+
+
+def test_a_cgroup_never_limited_reads_as_no_limit(nvml, fake_nvml) -> None:
+    """nvml.h answers NVML_ERROR_NOT_FOUND "if the limits were not found for this device and
+    cgroup": a new pod's cgroup. That is no limit in force, so the first write goes ahead."""
+    assert nvml.get_memory_limits(U0, SLICE) == MemoryLimits(0, MEMORY_LIMIT_MAX, 0)
+    target = LimitTarget(U0, SLICE, GIB, 2 * GIB, "uid", None)
+    assert MemoryLimitEnforcer(nvml).ensure(target) is not None
+    assert fake_nvml.limits() == {(U0, SLICE): MemoryLimit(GIB, 2 * GIB)}
+    with pytest.raises(NvmlNotFound) as e:  # an unknown GPU is still an error
+        nvml.get_memory_limits("GPU-ffffffff-0000-0000-0000-000000000000", SLICE)
+    assert e.value.reason == "GPUNotFound"
 
 
 def test_compute_mode_set(nvml, fake_nvml) -> None:

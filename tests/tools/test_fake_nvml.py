@@ -110,14 +110,16 @@ def test_memory_limits_round_trip_logged_and_persisted(two_gpus: FakeNvml) -> No
     pynvml.nvmlInit()
     h0 = pynvml.nvmlDeviceGetHandleByIndex(0)
 
-    untouched = _get_limits(h0, POD_CGROUP)
-    assert (untouched.softLimit, untouched.hardLimit) == (0, pynvml.NVML_DEVICE_MEMORY_LIMIT_MAX)
+    # nvml.h: NVML_ERROR_NOT_FOUND "if the limits were not found for this device and cgroup"
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        _get_limits(h0, POD_CGROUP)
 
     _set_limits(h0, POD_CGROUP, soft=20 * 1024 * MIB, hard=40 * 1024 * MIB)
     got = _get_limits(h0, POD_CGROUP)
     assert (got.softLimit, got.hardLimit) == (20 * 1024 * MIB, 40 * 1024 * MIB)
     assert got.currentUsed == 3 * 1024 * MIB  # pid 4242 lives below the pod cgroup
-    assert _get_limits(h0, "/sys/fs/cgroup/other.slice").currentUsed == 0
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        _get_limits(h0, "/sys/fs/cgroup/other.slice")
 
     calls = two_gpus.calls("SetMemoryLimits")
     assert [(c.uuid, c.args, c.rc) for c in calls] == [
@@ -129,6 +131,8 @@ def test_memory_limits_round_trip_logged_and_persisted(two_gpus: FakeNvml) -> No
     _set_limits(h0, POD_CGROUP, soft=0, hard=MEMORY_LIMIT_MAX)
     assert two_gpus.limits() == {}
     assert two_gpus.limits(include_cleared=True)[(UUID0, POD_CGROUP)].cleared
+    cleared = _get_limits(h0, POD_CGROUP)
+    assert (cleared.softLimit, cleared.hardLimit) == (0, pynvml.NVML_DEVICE_MEMORY_LIMIT_MAX)
     pynvml.nvmlShutdown()
 
 

@@ -1140,8 +1140,13 @@ nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, nvmlGetMemoryLimi
         escape_field(limits->nameSpace, ns, sizeof ns);
         state_query q = {.kind = "limit", .key1 = g->uuid, .key2 = ns};
         state_scan(&q);
-        limits->softLimit = q.found ? q.v1 : 0;
-        limits->hardLimit = q.found ? q.v2 : NVML_DEVICE_MEMORY_LIMIT_MAX;
+        if (!q.found) {
+            /* nvml.h: NVML_ERROR_NOT_FOUND "if the limits were not found for this device and
+             * cgroup", the state of every cgroup no limit was ever set on */
+            return fake_end(__func__, NVML_ERROR_NOT_FOUND);
+        }
+        limits->softLimit = q.v1;
+        limits->hardLimit = q.v2;
         /* currentUsed: used bytes of this gpu's processes whose cgroup is the namespace or
          * below it (processes without cgroup= count for no namespace) */
         size_t len = strlen(limits->nameSpace);

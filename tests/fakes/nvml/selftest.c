@@ -163,9 +163,12 @@ int main(int argc, char **argv) {
           get.hardLimit == 50 && get.currentUsed == 100);
     get.nameSpace = "/with space/%";
     CHECK(nvmlDeviceGetMemoryLimits_v1(a, &get) == NVML_SUCCESS && get.hardLimit == 50);
-    get.nameSpace = "/sys/fs/cgroup/po"; /* a prefix that is not a parent */
+    get.nameSpace = "/sys/fs/cgroup/po"; /* never limited: nvml.h's NOT_FOUND */
+    CHECK(nvmlDeviceGetMemoryLimits_v1(a, &get) == NVML_ERROR_NOT_FOUND);
+    set.nameSpace = "/sys/fs/cgroup/po"; /* a prefix that is not a parent */
+    CHECK(nvmlDeviceSetMemoryLimits_v1(a, &set) == NVML_SUCCESS);
     CHECK(nvmlDeviceGetMemoryLimits_v1(a, &get) == NVML_SUCCESS && get.currentUsed == 0 &&
-          get.hardLimit == NVML_DEVICE_MEMORY_LIMIT_MAX);
+          get.hardLimit == 50);
 #endif
 
     write_config("gpu uuid=GPU-a memory=1000\ngpu uuid=GPU-b memory=2000\n");
