@@ -53,6 +53,7 @@ class RefusalReason(StrEnum):
     DEVICE_NOT_ON_NODE = "DeviceNotOnNode"
     COMPUTE_MODE_MIX = "ComputeModeMix"
     MEMORY_OVERCOMMITTED = "MemoryOvercommitted"
+    LIMIT_OVER_DEVICE = "MemoryLimitOverDevice"
     SM_SHARING_DISABLED = "SmSharingDisabled"
     MEMORY_LIMITS_UNSUPPORTED = "MemoryLimitsUnsupported"
     MIG_NOT_SUPPORTED = "MigNotSupported"
@@ -491,7 +492,7 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
         if isinstance(paths, Refusal):
             refusal = paths
         if refusal is None:
-            refusal = _sharing_refusal(c, inventory, modes, requested)
+            refusal = _sharing_refusal(c, inventory, modes, requested, config.keys)
         if refusal is None:
             refusal = _namespace_refusal(c, namespaces, config.keys)
         if refusal is None:
@@ -594,7 +595,7 @@ def _mount_refusal(c: _Candidate, config: NodeConfig) -> Refusal | None:
 
 def _sharing_refusal(c: _Candidate, inventory: Inventory,
                      modes: Mapping[str, tuple[ComputeMode, str]],
-                     requested: Mapping[str, int]) -> Refusal | None:
+                     requested: Mapping[str, int], keys: k.Keys) -> Refusal | None:
     pod, plan = c.pod, c.plan
     for uuid in plan.device_uuids:
         held = modes.get(uuid)
@@ -616,6 +617,14 @@ def _sharing_refusal(c: _Candidate, inventory: Inventory,
                 f"this one already request {_mib(before)}, and this one requests "
                 f"{_mib(plan.request_bytes)} more: the guarantees cannot all be kept; lower the "
                 "request or let the scheduler pick another GPU")
+        if plan.limit_bytes > device.memory_total:
+            # NVML refuses a limit above the device's memory (nvml.h, SetMemoryLimits:
+            # INVALID_ARGUMENT), and one of 2^64 bytes or more would not even fit its field.
+            return _refuse(
+                pod, plan.container, RefusalReason.LIMIT_OVER_DEVICE,
+                f"{keys.container(plan.container, k.MEMORY_LIMIT)} asks a cap of "
+                f"{_mib(plan.limit_bytes)}, more than GPU {uuid}'s {_mib(device.memory_total)}: "
+                "a cap must fit the GPU; lower it to at most the GPU's memory")
     return None
 
 

@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from .errors import (
     NVML_ERROR_FUNCTION_NOT_FOUND,
+    NVML_ERROR_INVALID_ARGUMENT,
     NVML_ERROR_LIBRARY_NOT_FOUND,
     NVML_ERROR_NOT_FOUND,
     NVML_ERROR_NOT_SUPPORTED,
@@ -284,6 +285,11 @@ class PynvmlNvml:
                             current_used=int(limits.currentUsed))
 
     def set_memory_limits(self, uuid: str, namespace: str, soft: int, hard: int) -> None:
+        if not 0 <= soft <= hard <= MEMORY_LIMIT_MAX:
+            # ctypes would store a value of 2^64 or more modulo 2^64: another cap than asked.
+            raise nvml_error(NVML_ERROR_INVALID_ARGUMENT, SET_MEMORY_LIMITS, device=uuid,
+                             detail=f"soft {soft} and hard {hard} bytes must satisfy "
+                             f"0 <= soft <= hard <= {MEMORY_LIMIT_MAX}")
         p = self._pynvml
         limits = p.c_nvmlSetMemoryLimits_v1_t()
         limits.nameSpace = namespace.encode()

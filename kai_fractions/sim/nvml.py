@@ -578,10 +578,15 @@ class FakeNvml:
     def set_memory_limits(self, uuid: str, namespace: str, soft: int, hard: int) -> None:
         with self._lock:
             self._begin("set_memory_limits", uuid, namespace, soft, hard, device=uuid)
-            self._limits_gpu("set_memory_limits", uuid, namespace)
+            gpu = self._limits_gpu("set_memory_limits", uuid, namespace)
             if soft < 0 or hard < 0 or soft > hard or hard > MEMORY_LIMIT_MAX:
                 raise nvml_error(NVML_ERROR_INVALID_ARGUMENT, SET_MEMORY_LIMITS, device=uuid,
                                  detail=f"soft {soft} must be <= hard {hard}")
+            total = gpu.memory_total
+            if hard > total and hard != MEMORY_LIMIT_MAX:
+                # as NVML: "a limit exceeds total device memory" (MAX itself means no limit)
+                raise nvml_error(NVML_ERROR_INVALID_ARGUMENT, SET_MEMORY_LIMITS, device=uuid,
+                                 detail=f"hard {hard} exceeds the GPU's {total} bytes")
             self._store(uuid, namespace, soft, hard)
 
     def clear_memory_limits(self, uuid: str, namespace: str) -> None:

@@ -157,6 +157,11 @@ def test_invalid_limits_are_refused() -> None:
         nvml.set_memory_limits("GPU-a", NS, 2, 1)
     with pytest.raises(NvmlUnknown, match="not an absolute cgroup path"):
         nvml.set_memory_limits("GPU-a", "relative", 1, 2)
+    total = nvml.devices()[0].memory_total  # as nvml.h: no limit above the device's memory
+    with pytest.raises(NvmlUnknown, match=f"hard {total + 1} exceeds the GPU's {total} bytes"):
+        nvml.set_memory_limits("GPU-a", NS, 1, total + 1)
+    nvml.set_memory_limits("GPU-a", NS, 1, total)
+    nvml.set_memory_limits("GPU-a", NS, 0, MEMORY_LIMIT_MAX)  # MAX is "no limit", not a size
     with pytest.raises(NvmlNotFound) as e:
         nvml.set_memory_limits("GPU-nope", NS, 1, 2)
     assert e.value.reason == "GPUNotFound"

@@ -94,6 +94,24 @@ def test_a_cgroup_never_limited_reads_as_no_limit(nvml, fake_nvml) -> None:
     assert e.value.reason == "GPUNotFound"
 
 
+@pytest.mark.parametrize(("soft", "hard"), [(0, MEMORY_LIMIT_MAX + 1), (-1, GIB), (2 * GIB, GIB)])
+def test_limits_outside_the_field_are_never_written(nvml, fake_nvml, soft, hard) -> None:
+    """ctypes stores 2^64 + n as n: a write of it would put another cap in force."""
+    with pytest.raises(NvmlUnknown, match="must satisfy 0 <= soft <= hard <= "):
+        nvml.set_memory_limits(U0, SLICE, soft, hard)
+    assert fake_nvml.calls("SetMemoryLimits") == []
+
+
+def test_the_fake_library_refuses_a_limit_above_the_device(nvml, fake_nvml) -> None:
+    """nvml.h, SetMemoryLimits: INVALID_ARGUMENT if "a limit exceeds total device memory";
+    NVML_DEVICE_MEMORY_LIMIT_MAX itself means no limit."""
+    total = 81559 * MIB
+    with pytest.raises(NvmlUnknown, match="Invalid Argument"):
+        nvml.set_memory_limits(U0, SLICE, GIB, total + 1)
+    nvml.set_memory_limits(U0, SLICE, GIB, total)
+    nvml.clear_memory_limits(U0, SLICE)
+
+
 def test_compute_mode_set(nvml, fake_nvml) -> None:
     nvml.set_compute_mode(U0, GpuComputeMode.EXCLUSIVE_PROCESS)
     assert fake_nvml.compute_modes() == {U0: 3}

@@ -1100,6 +1100,13 @@ nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device, nvmlSetMemoryLimi
     if (rc == NVML_SUCCESS && limits->softLimit > limits->hardLimit) {
         rc = NVML_ERROR_INVALID_ARGUMENT;
     }
+    /* nvml.h: INVALID_ARGUMENT if "a limit exceeds total device memory"; a hard limit of
+     * NVML_DEVICE_MEMORY_LIMIT_MAX is "no limit", not a size */
+    if (rc == NVML_SUCCESS && (limits->softLimit > g->total ||
+                               (limits->hardLimit > g->total &&
+                                limits->hardLimit != NVML_DEVICE_MEMORY_LIMIT_MAX))) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    }
     if (rc == NVML_SUCCESS && g->mig) {
         rc = NVML_ERROR_NOT_SUPPORTED; /* MIG is not supported by cgroup memory limits */
     }
