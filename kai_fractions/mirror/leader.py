@@ -8,8 +8,9 @@ record (holder, renewTime, ...) unchanged for `lease_seconds` by its own clock t
 over (no clock of another machine is trusted), and a holder that could not renew for
 `renew_deadline_seconds` stops leading first, so two leaders never overlap while clocks run at
 the same rate and renew_deadline < lease duration: the deadline counts from the start of the
-last attempt that renewed (its write is no older than that), and an attempt still waiting on a
-slow API server is cut off when the deadline comes, as client-go's context timeout does. Every
+last attempt that renewed (its write is no older than that), the wait for the next attempt
+never runs past it, and an attempt still waiting on a slow API server is cut off when the
+deadline comes, as client-go's context timeout does. Every
 write carries the resourceVersion
 read just before (a merge patch the API server refuses with 409 when another replica wrote
 first); a holder that stops releases the Lease (empty holder, duration 1 s) so a successor
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import math
 import os
 import socket
 import time
@@ -46,6 +48,7 @@ RENEW_DEADLINE_SECONDS = 10.0
 RETRY_SECONDS = 2.0
 """client-go's defaults (a lease of 15 s, renewed every 2 s, given up after 10 s without a
 renewal)."""
+MAX_LEASE_SECONDS = 2**31 - 1  # leaseDurationSeconds is an int32: the API refuses more
 
 
 class LeaseConflict(Exception):
@@ -62,15 +65,25 @@ class ElectionConfig:
     retry_seconds: float = RETRY_SECONDS
 
     def problems(self) -> list[str]:
-        """What is wrong with these settings, one line each, naming the flag's field."""
+        """What is wrong with these settings, one line each, naming the flag's field. A leader
+        stops `renew_deadline_seconds` after the start of its last renewal that landed, others
+        take over `lease_seconds` after they saw it land: renew deadline < lease duration is
+        what keeps two leaders apart."""
         out = []
         for field, value in (("namespace", self.namespace), ("name", self.name),
                              ("identity", self.identity)):
             if not value:
                 out.append(f"lease {field} is empty")
-        if self.lease_seconds != int(self.lease_seconds) or self.lease_seconds < 1:
-            out.append(f"lease duration must be a whole number of seconds >= 1 (the Lease's "
-                       f"leaseDurationSeconds), got {self.lease_seconds}")
+        durations = (self.lease_seconds, self.renew_deadline_seconds, self.retry_seconds)
+        if not all(math.isfinite(d) for d in durations):  # int(inf) raises, nan compares false
+            return [*out, f"the durations must be finite numbers of seconds, got lease "
+                    f"{self.lease_seconds}, renew deadline {self.renew_deadline_seconds}, "
+                    f"retry period {self.retry_seconds}"]
+        if self.lease_seconds != int(self.lease_seconds) or \
+                not 1 <= self.lease_seconds <= MAX_LEASE_SECONDS:
+            out.append(f"lease duration must be a whole number of seconds >= 1 and <= "
+                       f"{MAX_LEASE_SECONDS} (the Lease's leaseDurationSeconds, an int32), got "
+                       f"{self.lease_seconds}")
         if not self.retry_seconds > 0:
             out.append(f"retry period must be positive, got {self.retry_seconds}")
         if not self.retry_seconds < self.renew_deadline_seconds < self.lease_seconds:
@@ -227,24 +240,31 @@ class LeaderElector:
 
     async def _renew(self, renewed: float) -> str:
         """Renews every `retry_seconds` while it can; returns why the term ended. `renewed`:
-        when the attempt that last wrote the Lease started, by this replica's clock."""
+        when the attempt that last wrote the Lease started, by this replica's clock. It returns
+        as soon as `renew_deadline_seconds` have passed since then: another replica may take
+        over `lease_seconds` after it saw that write, so neither the wait for the next attempt
+        nor an attempt itself may run past the deadline."""
         cfg = self.config
         gave_up = f"no renewal for {cfg.renew_deadline_seconds:g} s"
+        next_at = renewed + cfg.retry_seconds
         while True:
-            await asyncio.sleep(cfg.retry_seconds)
-            started = self._monotonic()
-            left = renewed + cfg.renew_deadline_seconds - started
+            now = self._monotonic()
+            left = renewed + cfg.renew_deadline_seconds - now
             if left <= 0:
                 return gave_up
+            if now < next_at:
+                await asyncio.sleep(min(next_at - now, left))
+                continue
             try:
                 written = await asyncio.wait_for(self._attempt(), left)
             except TimeoutError:
                 self.leading = False
                 return gave_up + " (the API server did not answer in time)"
             if written:
-                renewed = started
+                renewed = now
             elif self.holder() not in ("", cfg.identity):
                 return f"{self.holder()} holds it"  # it judged the Lease expired: step down
+            next_at = self._monotonic() + cfg.retry_seconds
 
     async def _attempt(self) -> bool:
         try:

@@ -149,6 +149,11 @@ async def test_a_released_lease_is_taken_at_the_next_attempt():
     ({"retry_seconds": 0}, "retry period must be positive, got 0"),
     ({"lease_seconds": 2.5, "renew_deadline_seconds": 2}, "lease duration must be a whole "
      "number of seconds >= 1"),
+    ({"lease_seconds": 2.0**31}, "lease duration must be a whole number of seconds >= 1 and "
+     "<= 2147483647"),
+    ({"lease_seconds": float("inf")}, "the durations must be finite numbers of seconds, got "
+     "lease inf, renew deadline 10.0, retry period 2.0"),
+    ({"renew_deadline_seconds": float("nan")}, "the durations must be finite"),
 ])
 def test_durations_that_would_let_two_leaders_overlap_are_refused(durations, problem):
     problems = ElectionConfig(NS, NAME, "a", **durations).problems()
@@ -205,6 +210,50 @@ async def test_a_leader_that_cannot_renew_stops_leading_within_its_deadline():
     assert terms == ["started", "lost"] and not a.leading
     await asyncio.sleep(0.2)  # it tries to acquire the Lease again, and fails
     assert terms == ["started", "lost"] and not a.leading
+    await stop(runner)
+
+
+class Partitioned:
+    """One replica's view of a shared FakeLease: every call fails at once while `cut`, as a
+    replica cut off from the API server sees it, while the others still reach it."""
+
+    def __init__(self, lease: FakeLease) -> None:
+        self.lease, self.cut = lease, False
+
+    def _check(self) -> None:
+        if self.cut:
+            raise OSError("connection refused")
+
+    async def get(self):
+        self._check()
+        return await self.lease.get()
+
+    async def create(self, spec):
+        self._check()
+        return await self.lease.create(spec)
+
+    async def update(self, spec, resource_version):
+        self._check()
+        return await self.lease.update(spec, resource_version)
+
+
+async def test_a_leader_cut_off_stops_at_its_deadline_before_another_takes_over():
+    # The deadline (2.5 s) passes while the leader waits for its next attempt (retry 2 s):
+    # waiting the full period would keep it following until 4 s, beside the replica that took
+    # the Lease over at 3 s (the lease's duration after it saw the last renewal).
+    durations = {"lease_seconds": 3, "renew_deadline_seconds": 2.5, "retry_seconds": 2}
+    lease = FakeLease()
+    view = Partitioned(lease)
+    a = LeaderElector(view, ElectionConfig(NS, NAME, "mirror-a", **durations))
+    b = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-b", **durations))
+    terms, lost, lead = recorded_term(lambda: setattr(view, "cut", True))
+    runner = asyncio.create_task(a.run(lead))
+    async with asyncio.timeout(10):
+        while not terms:
+            await asyncio.sleep(0.01)
+        while not await b.try_acquire_or_renew():
+            await asyncio.sleep(0.02)
+    assert lost.is_set(), "b acquired the Lease while a still followed"
     await stop(runner)
 
 
