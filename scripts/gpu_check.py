@@ -425,8 +425,22 @@ def check_mps(report: Report, clients: Clients, control: str, workdir: Path, gpu
                      f"{full['tflops']:.2f} TFLOPS, ratio {r:.2f} (PASS >= 0.8)")
 
 
-def check_cgroup_limit(report: Report, clients: Clients, facts: GpuFacts, limit_mib: int
-                       ) -> None:
+def fresh_cgroup_answer(uuid: str, group: str) -> str:
+    """What the driver answers for a cgroup no limit was ever set on (nvml.h documents
+    NVML_ERROR_NOT_FOUND; the node agent reads that as "no limit"). NVML must be initialized."""
+    import pynvml
+
+    limits = pynvml.c_nvmlGetMemoryLimits_v1_t()
+    limits.nameSpace = group.encode()
+    try:
+        pynvml.nvmlDeviceGetMemoryLimits_v1(pynvml.nvmlDeviceGetHandleByUUID(uuid), limits)
+    except pynvml.NVMLError as e:
+        return f"{type(e).__name__} ({e.value})"
+    return f"success: soft {limits.softLimit}, hard {limits.hardLimit}"
+
+
+def check_cgroup_limit(report: Report, clients: Clients, facts: GpuFacts, limit_mib: int,
+                       control: str | None, workdir: Path) -> None:
     name = "(4) cgroup hard limit (nvmlDeviceSetMemoryLimits_v1)"
     if not has_memory_limits():
         report.check(name, None, f"driver {facts.driver} has no nvmlDeviceSetMemoryLimits_v1 "
@@ -454,6 +468,8 @@ def check_cgroup_limit(report: Report, clients: Clients, facts: GpuFacts, limit_
     nvml = PynvmlNvml()
     nvml.init()
     try:
+        report.say(f"cgroup {group} before any limit: "
+                   f"{fresh_cgroup_answer(facts.uuid, str(group))}")
         hard = limit_mib * MIB
         nvml.set_memory_limits(facts.uuid, str(group), hard // 2, hard)
         limits = nvml.get_memory_limits(facts.uuid, str(group))
@@ -467,6 +483,15 @@ def check_cgroup_limit(report: Report, clients: Clients, facts: GpuFacts, limit_
                      f"MiB; {low.get('error') or 'allocated'}")
         report.check(f"{name}: {limit_mib + 1} MiB refused", code_above == 1,
                      f"exit {code_above}; {high.get('error') or 'ALLOCATED'}")
+        if control is not None:
+            # An MPS client's memory is allocated by the MPS server, which runs in the
+            # daemon's cgroup: does the client's own cgroup limit still hold it?
+            (workdir / "cgroup-mps").mkdir()
+            with mps_daemon(control, workdir / "cgroup-mps", facts.index, report) as pipe:
+                code_mps, mps = clients.run(["alloc", str((limit_mib + 1) * MIB)], {}, pipe,
+                                            join)
+            report.check(f"{name}: {limit_mib + 1} MiB refused to an MPS client in the cgroup",
+                         code_mps == 1, f"exit {code_mps}; {mps.get('error') or 'ALLOCATED'}")
     except Exception as e:  # report, then clean up
         report.check(name, False, f"{type(e).__name__}: {e}")
     finally:
@@ -535,12 +560,13 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="kf-gpu-check-") as tmp:
             workdir = Path(tmp)
             clients = Clients(which, workdir, args.gpu)
-            if shutil.which(args.mps_control) is None:
+            control = shutil.which(args.mps_control)
+            if control is None:
                 report.check("MPS", False, f"{args.mps_control} not found; (1)-(3) not measured")
             else:
                 check_mps(report, clients, args.mps_control, workdir, args.gpu, args.limit_mib,
                           args.seconds, args.size if which != "nvcc" else 4096)
-            check_cgroup_limit(report, clients, facts, args.limit_mib)
+            check_cgroup_limit(report, clients, facts, args.limit_mib, control, workdir)
     took = (datetime.datetime.now(datetime.UTC) - started).total_seconds()
     failed = [name for name, passed in report.checks if passed is False]
     report.say(f"done in {took:.0f} s: {sum(p is True for _, p in report.checks)} passed, "

@@ -229,6 +229,23 @@ def test_gpu_check_python_parts():
     assert "__global__ void mm(" in gc.CUDA_SOURCE
 
 
+def test_gpu_check_reports_what_a_never_limited_cgroup_reads(fake_nvml):
+    """nvml.h: NOT_FOUND for a cgroup no limit was set on; the check prints the raw answer."""
+    from kai_fractions.node.nvml import PynvmlNvml
+
+    gc = _gpu_check_module()
+    uuid = "GPU-00000000-0000-0000-0000-000000000001"
+    fake_nvml.add_gpu(uuid, memory_mib=81559)
+    nvml = PynvmlNvml()
+    nvml.init()
+    try:
+        assert gc.fresh_cgroup_answer(uuid, "/sys/fs/cgroup/kf") == "NVMLError_NotFound (6)"
+        nvml.set_memory_limits(uuid, "/sys/fs/cgroup/kf", 1, 2)
+        assert gc.fresh_cgroup_answer(uuid, "/sys/fs/cgroup/kf") == "success: soft 1, hard 2"
+    finally:
+        nvml.shutdown()
+
+
 def test_gpu_check_stops_the_mps_daemon_it_starts():
     """The real (legacy) control daemon, started and stopped the way the script does it."""
     gc = _gpu_check_module()
