@@ -22,7 +22,9 @@ largest and least shared part of a pod, would save next to no read. What the ent
 is keep an older copy of the pod (a list that started before the write) from taking its place.
 The cache is fed from outside: by a list + watch of pods on the mirror server's event loop
 (`pod_feed`), by every pod the mirror reads, and by every pod a PATCH returns (write-through),
-newest resourceVersion first.
+newest resourceVersion first (resourceVersions are cluster-wide: a later one wins whatever the
+uid). A pod the watch deleted is remembered for a while (a tombstone, `_bury`), so that the late
+answer of a read or write of it that was in flight does not bring it back until the next list.
 What the list and the watch bring is also prepared for an allocation (`prepare`: the mirror
 parses it as its user wrote it) while the pod waits for the scheduler, for at most
 `PREPARED_KEPT` pods at a time (a parse costs memory per pod): the head of the queue, in the
@@ -167,12 +169,16 @@ def trimmed(obj: Mapping[str, Any] | PodSnapshot) -> PodSnapshot:
 
 
 def _holds(old: PodSnapshot | None, pod: PodSnapshot) -> bool:
-    """Whether `old` is the same pod as `pod` at its version or a later one. A version that
-    is not a number counts as not later, which at worst costs one refused write and a
-    re-read."""
-    return old is not None and old.uid == pod.uid and (
-        old.resource_version == pod.resource_version
-        or later_version(old.resource_version, pod.resource_version))
+    """Whether `old` is `pod` at its version, or any pod at a later one. resourceVersions are
+    cluster-wide, so the later one wins whatever the uid: a late answer about a deleted pod
+    never replaces the pod recreated under its name. A pod without a version is always news
+    (nothing orders it, and it must not pin a stale entry); a version that is not a number
+    counts as not later, which at worst costs one refused write and a re-read."""
+    if old is None or not pod.resource_version:
+        return False
+    if old.resource_version == pod.resource_version:
+        return old.uid == pod.uid
+    return later_version(old.resource_version, pod.resource_version)
 
 
 _RESOURCE_VERSION = re.compile(r'"resourceVersion":"([^"]*)"')
@@ -184,6 +190,11 @@ PREPARED_KEPT = 256
 """Pods held prepared at most: the oldest ones held, which a scheduler that binds its queue in
 order binds first; a gang of this many starts from parsed pods, and the slots its pods free are
 refilled between the calls. The bound keeps a large queue's memory to the trimmed pods."""
+TOMBSTONES_KEPT = 4096
+"""Deleted pods remembered at most (`_bury`): the oldest is forgotten first."""
+TOMBSTONE_SECONDS = 60.0
+"""How long a deleted pod is remembered: longer than any read or write of it still in flight
+(a request's timeout and its retries), whose late answer would otherwise bring it back."""
 SETTLE_EVERY = 1000
 """Listed pods between two `settle()`s (each a young collection, then gc.freeze)."""
 SLICE_SECONDS = 0.0005
@@ -207,6 +218,9 @@ class PodCache:
         self._lock = threading.Lock()
         self._pods: dict[tuple[str, str], PodSnapshot] = {}
         self._echoes: dict[str, None] = {}  # an ordered set: the oldest is forgotten first
+        self._tombstones: dict[tuple[str, str], tuple[str, str, float]] = {}
+        """Pods the watch said were deleted: key -> (uid, resourceVersion, when), oldest
+        first, at most TOMBSTONES_KEPT for TOMBSTONE_SECONDS (`_bury`)."""
         self.synced = False
         """True once a list arrived. Lookups do not wait for it: until then only the pods read
         or written so far are here, and every other pod is read from the API."""
@@ -314,7 +328,7 @@ class PodCache:
         if not pod.name:
             return pod
         held = self._pods.get((pod.namespace, pod.name))  # one dict read: atomic
-        if held is not None and held.uid == pod.uid and (
+        if held is not None and held.uid == pod.uid and pod.resource_version and (
                 held.resource_version == pod.resource_version):
             return held
         self._store(pod)
@@ -397,6 +411,7 @@ class PodCache:
             if old is not None and old.uid == pod.uid:
                 del self._pods[key]
                 self._prepared.discard(key)
+            self._bury(key, pod)
         self._refill_soon()
 
     async def event_soon(self, kind: str, obj: Mapping[str, Any]) -> None:
@@ -455,12 +470,45 @@ class PodCache:
         finally:
             self._refilling = None
 
+    def _bury(self, key: tuple[str, str], pod: PodSnapshot) -> None:
+        """Remembers a deleted pod for a while (called under the lock): a read or a write
+        answered before its deletion but arriving after it must not bring it back, where only
+        the next list would remove it. Bounded by a count and an age, oldest forgotten first."""
+        now = self._monotonic()
+        self._tombstones.pop(key, None)  # re-inserted last: the dict stays oldest first
+        self._tombstones[key] = (pod.uid, pod.resource_version, now)
+        while True:  # the key just buried stays: it is the newest
+            oldest = next(iter(self._tombstones))
+            if (len(self._tombstones) <= TOMBSTONES_KEPT
+                    and now - self._tombstones[oldest][2] <= TOMBSTONE_SECONDS):
+                break
+            del self._tombstones[oldest]
+
+    def _buried(self, key: tuple[str, str], pod: PodSnapshot) -> bool:
+        """Whether `pod` is the deleted pod of `key`'s tombstone, or older than it (called
+        under the lock, only for a key the cache does not hold)."""
+        tomb = self._tombstones.get(key)
+        if tomb is None:
+            return False
+        uid, version, when = tomb
+        if self._monotonic() - when > TOMBSTONE_SECONDS:
+            del self._tombstones[key]
+            return False
+        if uid and pod.uid == uid:
+            return True  # a deleted pod's uid never comes back
+        return bool(version) and (version == pod.resource_version
+                                  or later_version(version, pod.resource_version))
+
     def _store(self, pod: PodSnapshot) -> bool:
-        """Whether `pod` was news: False when the cache held this version or a newer one."""
+        """Whether `pod` was news: False when the cache held this version or a newer one, or
+        the watch said it (or a newer pod of its name) was deleted."""
         key = (pod.namespace, pod.name)
         with self._lock:
             old = self._pods.get(key)
-            if _holds(old, pod):
+            if old is None:
+                if self._tombstones and self._buried(key, pod):
+                    return False
+            elif _holds(old, pod):
                 return False
             self._pods[key] = pod
             freed = key in self._prepared

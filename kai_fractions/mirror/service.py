@@ -198,7 +198,8 @@ class MirrorService:
                              ns, name, outcome.digest[:19])
                     return MirrorResult(outcome.annotations, False, pod.resource_version,
                                         outcome.plans)
-                written = await self._patch(pod, patch.changes, deadline, attempt)
+                written = await self._patch(pod, patch.changes, deadline, attempt,
+                                            allocation.pod_uid)
                 if written is None:
                     continue
                 # Queued, the line is written once this task has handed its answer back (a
@@ -221,7 +222,7 @@ class MirrorService:
                 changes = release_patch(pod)
                 if not changes:
                     return ReleaseResult((), False)
-                if await self._patch(pod, changes, deadline, attempt) is None:
+                if await self._patch(pod, changes, deadline, attempt, uid) is None:
                     continue
                 log.info("pod %s/%s: released %d key(s)", namespace, name, len(changes))
                 return ReleaseResult(tuple(sorted(changes)), True)
@@ -294,8 +295,10 @@ class MirrorService:
         return pod
 
     async def _patch(self, pod: PodSnapshot, changes: Mapping[str, str | None],
-                     deadline: Deadline, attempt: int) -> PodSnapshot | None:
-        """The written pod, or None after a conflict (the caller re-reads and recomputes)."""
+                     deadline: Deadline, attempt: int, uid: str) -> PodSnapshot | None:
+        """The written pod, or None after a conflict (the caller re-reads and recomputes).
+        `uid` is the one the caller named ("" none): only then is a recreated pod the end of
+        the call (PodReplaced); a caller that named no uid means whatever pod has the name."""
         try:
             written = await self.store.patch_annotations(
                 pod.namespace, pod.name, changes, uid=pod.uid,
@@ -313,8 +316,14 @@ class MirrorService:
             # A uid that no longer matches fails the immutable-field check (422 on a real API
             # server): tell a recreated pod from a genuinely refused patch.
             fresh = await self.store.get_pod(pod.namespace, pod.name, deadline)
+            if self.cache is not None:
+                self.cache.remember(fresh)  # a stale entry is what sent the old uid
             if pod.uid and fresh.uid != pod.uid:
-                raise PodReplaced(pod.namespace, pod.name, pod.uid, fresh.uid) from None
+                if uid:
+                    raise PodReplaced(pod.namespace, pod.name, uid, fresh.uid) from None
+                log.info("pod %s/%s was recreated under the write (try %d); re-reading",
+                         pod.namespace, pod.name, attempt + 1)
+                return None  # bounded: each try counts as a conflict (_waits)
             raise ApiRejected(f"the API server refused the patch of pod {pod.namespace}/"
                               f"{pod.name}: {e}") from None
 

@@ -30,7 +30,7 @@ from tests.support.mirror_kube import pod_path
 
 from . import messages
 from .messages import mirror_request
-from .test_service import NS, POD, SINGLE, UID, allocation, pod
+from .test_service import GPU_A, NS, POD, SINGLE, UID, allocation, pod
 
 NEW_UID = "99999999-2222-3333-4444-555555555555"
 
@@ -94,8 +94,11 @@ def test_a_newer_version_is_never_replaced_by_an_older_one():
     assert rv(cache) == "12"
     cache.event("BOOKMARK", {"metadata": {"resourceVersion": "13"}})
     assert rv(cache) == "12"
-    # A recreated pod (another uid) replaces the old one whatever its version.
-    cache.event("ADDED", full_pod(uid=NEW_UID, resourceVersion="3"))
+    # resourceVersions are cluster-wide: a pod recreated under the name (another uid) comes
+    # with a later one, and an older answer about another uid is no news either.
+    cache.event("ADDED", full_pod(uid=NEW_UID, resourceVersion="11"))
+    assert (cache.lookup(NS, POD).uid, rv(cache)) == (UID, "12")
+    cache.event("ADDED", full_pod(uid=NEW_UID, resourceVersion="13"))
     assert cache.lookup(NS, POD).uid == NEW_UID
     # Versions that are not integers are opaque: the latest one wins.
     cache.event("MODIFIED", full_pod(uid=NEW_UID, resourceVersion="abc"))
@@ -110,6 +113,55 @@ def test_a_delete_removes_only_the_pod_it_names():
     cache.event("DELETED", full_pod(uid=NEW_UID, resourceVersion="21"))
     assert cache.lookup(NS, POD) is None
     assert (cache.hits, cache.misses) == (1, 1)
+
+
+def test_a_late_answer_about_a_deleted_pod_never_brings_it_back():
+    """A read or write of the old pod answered before its DELETED but handed over after it
+    (and after the recreated pod's ADDED) must not take the new pod's place: the DELETED of
+    the new pod would then remove nothing, and the ghost stayed until the next list."""
+    cache = PodCache()
+    cache.event("ADDED", full_pod(resourceVersion="5"))
+    cache.event("DELETED", full_pod(resourceVersion="7"))
+    cache.remember(PodSnapshot.from_object(full_pod(resourceVersion="6")))  # no entry: a tomb
+    assert cache.lookup(NS, POD) is None
+    cache.event("ADDED", full_pod(uid=NEW_UID, resourceVersion="8"))
+    cache.remember(PodSnapshot.from_object(full_pod(resourceVersion="6")), written=True)
+    assert (cache.lookup(NS, POD).uid, rv(cache)) == (NEW_UID, "8")
+    assert not cache._echoes  # a dropped answer is no echo to wait for
+    cache.event("DELETED", full_pod(uid=NEW_UID, resourceVersion="9"))
+    cache.remember(PodSnapshot.from_object(full_pod(uid=NEW_UID, resourceVersion="8")))
+    cache.remember(PodSnapshot.from_object(full_pod(resourceVersion="6")))
+    assert cache.lookup(NS, POD) is None and len(cache) == 0
+    cache.event("ADDED", full_pod(uid="third", resourceVersion="10"))  # a newer pod is news
+    assert cache.lookup(NS, POD).uid == "third"
+
+
+def test_a_deleted_pod_is_remembered_for_a_bounded_count_and_time(monkeypatch):
+    now = [0.0]
+    cache = PodCache(monotonic=lambda: now[0])
+    monkeypatch.setattr(pod_cache, "TOMBSTONES_KEPT", 2)
+    for name in ("a", "b", "c"):
+        cache.event("DELETED", full_pod(name=name, resourceVersion="5"))
+    assert list(cache._tombstones) == [(NS, "b"), (NS, "c")]  # the oldest forgotten first
+    cache.remember(PodSnapshot.from_object(full_pod(name="a", resourceVersion="4")))
+    assert rv(cache, "a") == "4"  # forgotten: only the next list would correct it
+    now[0] += pod_cache.TOMBSTONE_SECONDS + 1
+    cache.remember(PodSnapshot.from_object(full_pod(name="b", resourceVersion="4")))
+    assert rv(cache, "b") == "4" and (NS, "b") not in cache._tombstones
+    cache.event("DELETED", full_pod(name="d", resourceVersion="6"))
+    assert list(cache._tombstones) == [(NS, "d")]  # and those past their age go as well
+
+
+def test_a_pod_without_a_resource_version_is_always_news():
+    """A server that supplies no resourceVersions (writes are then unguarded) must not leave
+    the first copy of a pod in the cache for good."""
+    cache = PodCache()
+    cache.event("ADDED", full_pod(resourceVersion=""))
+    cache.event("MODIFIED", full_pod(resourceVersion="", annotations={"gpu-fraction": "0.25"}))
+    assert cache.lookup(NS, POD).annotations["gpu-fraction"] == "0.25"
+    listed = full_pod(resourceVersion="", annotations={"gpu-fraction": "0.75"})
+    assert cache.keep(listed).annotations["gpu-fraction"] == "0.75"
+    assert cache.lookup(NS, POD).annotations["gpu-fraction"] == "0.75"
 
 
 def test_a_list_replaces_everything_but_keeps_newer_writes():
@@ -526,6 +578,32 @@ async def test_a_cached_pod_of_another_uid_is_read_again(service, store, cache):
     with pytest.raises(PodReplaced):
         await service.mirror(allocation(pod_uid=UID))
     assert len(store.patches) == 1
+
+
+async def test_a_stale_entry_of_a_recreated_pod_is_read_again_for_a_caller_naming_none(
+        service, store, cache):
+    """KAI's BindRequest names no uid: a write refused for the cached entry's uid (422) is a
+    pod recreated under the name, which the call is for; the mirror reads it, refreshes the
+    cache and writes, where it used to answer PodReplaced ("drop the decision") every time."""
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    cached_from_store(store, cache)
+    store.delete_pod(NS, POD)
+    store.add_pod(pod({"gpu-fraction": "0.5"}, uid=NEW_UID))  # the watch has not said so yet
+    result = await service.mirror(allocation(pod_uid=""))
+    assert result.changed and len(store.patches) == 2  # the refused one, then the write
+    assert cache._pods[(NS, POD)].uid == NEW_UID
+    assert store.annotations(NS, POD)["nvidia.com/container.trainer.gpus.devices"] == GPU_A
+
+
+async def test_a_caller_naming_the_uid_of_a_pod_recreated_under_the_write_gets_pod_replaced(
+        service, store, cache):
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    cached_from_store(store, cache)
+    store.delete_pod(NS, POD)
+    store.add_pod(pod({"gpu-fraction": "0.5"}, uid=NEW_UID))
+    with pytest.raises(PodReplaced):
+        await service.mirror(allocation(pod_uid=UID))
+    assert len(store.patches) == 1 and cache._pods[(NS, POD)].uid == NEW_UID
 
 
 async def test_without_an_entry_the_pod_is_read_and_then_cached(service, store, cache):

@@ -272,9 +272,7 @@ async def test_a_recreated_pod_is_refused(store, service):
     assert store.patches == []
 
 
-async def test_a_pod_recreated_between_read_and_write_is_refused(store, service):
-    store.add_pod(pod({"gpu-fraction": "0.5"}))
-
+def recreate_on_patch(store: FakePodStore) -> None:
     def recreate(operation, namespace, name):
         if operation == "patch":
             store.faults.clear()
@@ -282,9 +280,26 @@ async def test_a_pod_recreated_between_read_and_write_is_refused(store, service)
             store.add_pod(pod({"gpu-fraction": "0.5"}, uid="other-uid"))
 
     store.faults.append(recreate)
+
+
+async def test_a_pod_recreated_between_read_and_write_is_refused_to_its_uids_caller(
+        store, service):
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    recreate_on_patch(store)
     with pytest.raises(PodReplaced):
-        await service.mirror(allocation(pod_uid=""))
+        await service.mirror(allocation())
     assert MIRRORED_ANNOTATION not in store.annotations(NS, POD)
+
+
+async def test_a_pod_recreated_between_read_and_write_is_written_for_a_caller_naming_none(
+        store, service):
+    """A caller that names no uid (KAI's BindRequest) means the pod of that name, as the
+    first read does: the recreated pod is read and written, not refused as replaced."""
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    recreate_on_patch(store)
+    result = await service.mirror(allocation(pod_uid=""))
+    assert result.changed and MIRRORED_ANNOTATION in store.annotations(NS, POD)
+    assert store.pods[(NS, POD)]["metadata"]["uid"] == "other-uid"
 
 
 async def test_a_write_conflict_rereads_and_retries(store, service, clock):
