@@ -235,15 +235,88 @@ def test_started_but_never_answering_times_out_on_the_fake_clock(dirs):
 
 
 def test_a_wedged_daemon_is_killed_before_the_new_start(dirs):
+    """Killed only once it stayed silent for 3 checks spanning 30 s (the defaults); until then
+    it is reported as not answering, and nothing is started."""
     runner = RecordingRunner()
-    runner.respond([BIN], CommandTimeout([BIN], 2), "", stdin=LIST)
+    hung = CommandTimeout([BIN], 2)
+    runner.respond([BIN], hung, hung, hung, "", stdin=LIST)
     processes = FakeProcesses(pid=4242)
-    daemon = make(dirs, runner, processes=processes, protocol_v3=False)
+    clock = FakeClock()
+    daemon = make(dirs, runner, clock, processes=processes, protocol_v3=False)
     runner.respond([BIN, "-d"], lambda call: (
         CommandResult(0, "", "") if not processes.is_alive(4242)
         else CommandResult(1, "An instance of this daemon is already running\n", "")))
-    assert daemon.ensure_running() is True
+    for _ in range(2):
+        assert daemon.ensure_running() is False
+        assert daemon.last_error.reason == "MpsDaemonNotAnswering"
+        assert "pid 4242" in daemon.last_error.message
+        clock.now += 15
+    assert processes.killed == [] and (BIN, "-d") not in runner.argvs
+    assert daemon.ensure_running() is True  # third silent check, 30 s after the first
     assert processes.killed == [(4242, signal.SIGKILL)]
+    assert runner.argvs.count((BIN, "-d")) == 1 and daemon.starts == 1
+
+
+def test_one_slow_health_answer_never_kills_the_daemon(dirs):
+    """A daemon that misses the 2 s health timeout once (a loaded node) is alive: killing it
+    would kill every tenant's MPS clients. It is reported as not answering, and its next
+    answer clears that."""
+    runner = RecordingRunner()
+    runner.respond([BIN], CommandTimeout([BIN], 2), "", stdin=LIST)
+    processes = FakeProcesses(pid=4242)
+    clock = FakeClock()
+    daemon = make(dirs, runner, clock, processes=processes, protocol_v3=False)
+    assert daemon.ensure_running() is False
+    assert daemon.last_error.reason == "MpsDaemonNotAnswering"
+    assert "did not answer" in daemon.last_error.message  # what the health check saw
+    clock.now += 5
+    assert daemon.ensure_running() is True
+    assert daemon.last_error is None
+    assert processes.killed == [] and (BIN, "-d") not in runner.argvs
+    assert (daemon.restarts, daemon.starts) == (0, 0)
+
+
+def test_an_answer_restarts_the_silence_count(dirs):
+    """Silent checks must be consecutive: one answer in between starts the window over."""
+    runner = RecordingRunner()
+    hung = CommandTimeout([BIN], 2)
+    runner.respond([BIN], hung, hung, "", hung, hung, "", stdin=LIST)
+    processes = FakeProcesses(pid=4242)
+    clock = FakeClock()
+    daemon = make(dirs, runner, clock, processes=processes, protocol_v3=False)
+    results = []
+    for _ in range(6):
+        results.append(daemon.ensure_running())
+        clock.now += 20
+    assert results == [False, False, True, False, False, True]
+    assert processes.killed == []
+
+
+def test_many_quick_silent_checks_are_not_enough_to_kill(dirs):
+    """Passes can come in bursts: the count alone does not make a daemon wedged, the window
+    must be spanned too (and both are settings)."""
+    runner = RecordingRunner()
+    runner.respond([BIN], CommandTimeout([BIN], 2), stdin=LIST)
+    processes = FakeProcesses(pid=4242)
+    clock = FakeClock()
+    daemon = make(dirs, runner, clock, processes=processes, protocol_v3=False,
+                  wedged_after=10, wedged_checks=2)
+    for _ in range(10):
+        assert daemon.ensure_running() is False
+        clock.now += 1
+    assert processes.killed == []
+    clock.now += 1  # 11 s after the first silent check
+    daemon.ensure_running()
+    assert processes.killed == [(4242, signal.SIGKILL)]
+
+
+def test_a_dead_daemon_is_restarted_at_once(dirs):
+    """No process holds the lock: nothing to wait for."""
+    runner = RecordingRunner()
+    runner.respond([BIN], NO_DAEMON, "", stdin=LIST)
+    daemon = make(dirs, runner, processes=FakeProcesses(), protocol_v3=False)
+    assert daemon.ensure_running() is True
+    assert runner.argvs.count((BIN, "-d")) == 1 and daemon.starts == 1
 
 
 def test_second_instance_message_is_its_own_reason(dirs):

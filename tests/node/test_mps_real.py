@@ -166,15 +166,36 @@ def test_wedged_daemon_is_killed_and_replaced(daemon):
     os.kill(old, signal.SIGSTOP)  # holds its lock, answers nothing
     try:
         daemon.health_timeout = 0.3
+        daemon.wedged_checks, daemon.wedged_after = 2, 0.5
         assert daemon.healthy() is False
         assert "did not answer 'get_server_list' within 0.3s" in daemon.last_health_error.message
-        assert daemon.ensure_running() is True
+        assert daemon.ensure_running() is False  # silent once: maybe only slow
+        assert daemon.last_error.reason == "MpsDaemonNotAnswering"
+        assert Procfs().is_alive(old)
+        time.sleep(0.5)
+        assert daemon.ensure_running() is True  # silent twice over 0.5 s: wedged
         assert daemon.pid() not in (None, old)
         assert not Procfs().is_alive(old)
         assert daemon.control.get_default_active_thread_percentage() == "25.0"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(old, signal.SIGKILL)
+
+
+def test_a_daemon_stalled_for_a_moment_is_not_killed(daemon):
+    """One missed health answer (the daemon stopped for longer than the timeout, then going
+    on) must not cost every tenant its MPS clients."""
+    assert daemon.ensure_running() is True
+    pid = daemon.pid()
+    daemon.health_timeout = 0.3
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert daemon.ensure_running() is False
+        assert daemon.last_error.reason == "MpsDaemonNotAnswering"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert daemon.ensure_running() is True
+    assert daemon.pid() == pid and daemon.restarts == 0
 
 
 def test_stop_sends_quit_and_the_process_is_gone(daemon):

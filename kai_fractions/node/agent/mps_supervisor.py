@@ -33,6 +33,7 @@ class MpsSupervisor(Protocol):
 
     control: Any
     restarts: int
+    starts: int
     last_error: MpsError | None
     on_restart: Any
 
@@ -49,7 +50,6 @@ class MpsHealth:
         daemon.on_restart = lambda _control: on_restart()
         self.owned = False
         """Whether this agent started the daemon (only then it stops it)."""
-        self._seen = False
         self._restarts = 0
         self._state: str | None = None  # the daemon's error reason the last pass saw
 
@@ -71,9 +71,6 @@ class MpsHealth:
     def _check(self) -> tuple[bool, NodeError | None]:
         error: NodeError | None = None
         try:
-            if not self._seen:
-                self.owned = not self.daemon.healthy()
-                self._seen = True
             if not self.daemon.ensure_running():
                 error = self.daemon.last_error or MpsError(
                     mps_errors.MPS_DAEMON_UNREACHABLE, "the MPS control daemon does not answer")
@@ -83,6 +80,9 @@ class MpsHealth:
             error = MpsError(mps_errors.MPS_DAEMON_UNREACHABLE,
                              f"the MPS control daemon cannot be started: {e}; check "
                              "--mps-pipe-dir and --mps-log-dir")
+        # Ours only once we started one: a daemon found running (even one slow to answer at
+        # the first look) is adopted, and left running at shutdown.
+        self.owned = self.owned or self.daemon.starts > 0
         if self.daemon.restarts > self._restarts:
             self.metrics.mps_restarts.inc(self.daemon.restarts - self._restarts)
             self._restarts = self.daemon.restarts

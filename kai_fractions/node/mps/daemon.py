@@ -14,6 +14,10 @@ Facts about the real binary this relies on (535, checked here; v3 flags from NVI
   the control channel (default pinned limit, active-thread percentage, namespaces) are lost when
   the daemon exits; `on_restart` puts them back.
 - With a SIGSTOPped daemon a client hangs: health checks always run with a short timeout.
+  A daemon that misses that timeout once is not wedged: it may only be slow (a loaded node, a
+  server starting). Killing it kills every tenant's MPS clients, so a daemon process that holds
+  the lock and does not answer is reported `MpsDaemonNotAnswering` and killed only after
+  `wedged_checks` failed checks in a row spanning `wedged_after` seconds; one answer resets it.
 Backoff never sleeps: while it runs, `ensure_running()` just returns False and the caller's
 loop (level-triggered) calls again later.
 """
@@ -113,6 +117,8 @@ class MpsDaemon:
         backoff_max: float = 60.0,
         stable_after: float = 60.0,
         poll_interval: float = 0.02,
+        wedged_after: float = 30.0,
+        wedged_checks: int = 3,
     ):
         self.binary = str(binary)
         self.root = str(pipe_dir)
@@ -134,10 +140,16 @@ class MpsDaemon:
         """A daemon that answered this long after its start ran: the backoff starts over. One
         that dies sooner counts as a failed start (it answered once, then crashed)."""
         self.poll_interval = poll_interval
+        self.wedged_after = wedged_after
+        self.wedged_checks = wedged_checks
+        """A live daemon that does not answer is killed only after this many failed checks in
+        a row (`ensure_running` calls) spanning at least `wedged_after` seconds."""
         self.control = MpsControl(self.binary, self.root, self.log_dir, runner, server,
                                   protocol_v3=protocol_v3, sleep=self.clock.sleep)
         self.restarts = 0
         """Successful starts after the first one this supervisor made or found."""
+        self.starts = 0
+        """Daemons this supervisor started (0: it only ever found one running)."""
         self.failures = 0
         """Consecutive failed starts, and starts of a daemon that died within `stable_after`
         (drives the backoff); 0 once one has run that long."""
@@ -149,6 +161,8 @@ class MpsDaemon:
         self._started_at = float("-inf")
         self._seen_running = False
         self._needs_reapply = False
+        self._silent_since: float | None = None
+        self._silent_checks = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -208,10 +222,13 @@ class MpsDaemon:
         """True when the daemon answers and its state is applied; starts or restarts it (at most
         once per backoff step) otherwise. Never sleeps for the backoff."""
         if self.healthy():
+            self._silent_since, self._silent_checks = None, 0
             self._seen_running = True
             if self.clock.monotonic() - self._started_at >= self.stable_after:
                 self.failures = 0
             return self._reapply_if_needed()
+        if self._not_answering():
+            return False
         now = self.clock.monotonic()
         if now < self._next_attempt:
             return False  # backing off: last_error still says why the last start failed
@@ -231,6 +248,7 @@ class MpsDaemon:
         # the last one counts toward the backoff the next restart waits.
         if quick:
             self.failures += 1
+        self.starts += 1
         self._started_at = self.clock.monotonic()
         self._next_attempt = self._started_at + (self._delay() if self.failures else 0.0)
         if self._seen_running:
@@ -240,6 +258,37 @@ class MpsDaemon:
         # node's state back before reporting it as running.
         self._needs_reapply = True
         return self._reapply_if_needed()
+
+    def _not_answering(self) -> bool:
+        """True (with `last_error` saying so) while a live daemon that failed its health check
+        is given time: killing it would kill every tenant's MPS clients, and a daemon that
+        is only slow answers again. False when no daemon process is left (start one) or it
+        has stayed silent for `wedged_checks` checks over `wedged_after` seconds (wedged:
+        `_start` kills it first)."""
+        pid = self.pid()
+        if pid is None:
+            self._silent_since, self._silent_checks = None, 0
+            return False
+        now = self.clock.monotonic()
+        if self._silent_since is None:
+            self._silent_since = now
+        self._silent_checks += 1
+        silent_for = now - self._silent_since
+        if self._silent_checks >= self.wedged_checks and silent_for >= self.wedged_after:
+            log.warning("MPS control daemon pid %d on %s has not answered %d checks over %gs: "
+                        "taken as wedged", pid, self.pipe_dir, self._silent_checks, silent_for)
+            self._silent_since, self._silent_checks = None, 0
+            return False
+        seen = self.last_health_error
+        self.last_error = MpsError(
+            e.MPS_DAEMON_NOT_ANSWERING,
+            f"the MPS control daemon pid {pid} on {self.pipe_dir} runs but has not answered "
+            f"for {silent_for:g}s ({self._silent_checks} check(s); last: "
+            f"{seen.message if seen else 'no answer'}); it is killed and restarted once it has "
+            f"not answered {self.wedged_checks} checks over {self.wedged_after:g}s")
+        if self._silent_checks == 1:
+            log.warning("%s", self.last_error.message)
+        return True
 
     def _delay(self) -> float:
         return min(self.backoff_max, self.backoff_initial * 2 ** (self.failures - 1))
@@ -296,7 +345,8 @@ class MpsDaemon:
             self.clock.sleep(self.poll_interval)
 
     def _kill_wedged(self) -> None:
-        """A daemon that holds the lock but does not answer blocks every new start."""
+        """A daemon that holds the lock but does not answer blocks every new start (reached
+        only once `_not_answering` gave it up, or when it appeared during a start)."""
         pid = self.pid()
         if pid is None:
             return

@@ -12,6 +12,9 @@ from kai_fractions.node.errors import NodeError
 # Reasons (the values of MpsError.reason). Callers compare against these names.
 MPS_DAEMON_UNREACHABLE = "MpsDaemonUnreachable"
 """No control daemon answers on the pipe directory (not started, dead, or wedged)."""
+MPS_DAEMON_NOT_ANSWERING = "MpsDaemonNotAnswering"
+"""The daemon's process runs but missed its health checks: maybe slow, maybe wedged. It is
+killed (with every tenant's MPS clients) only once it stayed silent long enough."""
 MPS_DAEMON_BUSY = "MpsDaemonBusy"
 """The daemon is alive but serving another client: it takes one at a time and turns a second
 away ("Cannot send command to MPS control daemon process", exit 1). Retry; never restart it."""
@@ -41,7 +44,8 @@ UNEXPECTED_OUTPUT = "UnexpectedOutput"
 """A query printed something that cannot be parsed as its answer."""
 
 REASONS = frozenset({
-    MPS_DAEMON_UNREACHABLE, MPS_DAEMON_BUSY, MPS_BINARY_NOT_FOUND, DAEMON_ALREADY_RUNNING,
+    MPS_DAEMON_UNREACHABLE, MPS_DAEMON_NOT_ANSWERING, MPS_DAEMON_BUSY, MPS_BINARY_NOT_FOUND,
+    DAEMON_ALREADY_RUNNING,
     UNKNOWN_COMMAND,
     PROTOCOL_UNSUPPORTED, SERVER_NOT_FOUND, CLIENT_NOT_FOUND, NAMESPACE_NOT_FOUND, NAMESPACE_EXISTS,
     NAMESPACE_BUSY, INVALID_ARGUMENT, NOT_APPLIED, COMMAND_FAILED, UNEXPECTED_OUTPUT,
