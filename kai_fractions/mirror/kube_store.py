@@ -114,8 +114,13 @@ class KubePodStore:
         event = pod_event(pod.namespace, pod.name, pod.uid, event_type=event_type,
                           reason=reason, message=message, component=self.component,
                           resource_version=pod.resource_version)
-        await self._call(what, deadline, lambda t: self.kube.request(
-            "POST", events_path(pod.namespace), what=what, body=event, timeout=t))
+        try:
+            await self._call(what, deadline, lambda t: self.kube.request(
+                "POST", events_path(pod.namespace), what=what, body=event, timeout=t))
+        except WriteConflict:
+            # 409 AlreadyExists: the event's name is fixed for the call, so a retry of a POST
+            # whose answer was lost meets the event it created. It is recorded: success.
+            return
 
     async def close(self) -> None:
         await self.kube.close()
