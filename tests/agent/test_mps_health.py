@@ -1,13 +1,18 @@
 """MpsHealth over a real MpsDaemon (recording runner, fake process table and clock): a daemon
 that is slow to answer is reported as not answering, never killed at once, and one found
-running is adopted, even when it was slow at the agent's first look."""
+running is adopted, even when it was slow at the agent's first look. And the Drain over a real
+legacy MpsControl."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from kai_fractions.node.agent.metrics import AgentMetrics
-from kai_fractions.node.agent.mps_supervisor import MpsHealth
+from kai_fractions.node.agent.mps_supervisor import MpsHealth, drain
+from kai_fractions.node.mps.control import MpsControl
 from kai_fractions.node.mps.daemon import MpsDaemon
 from kai_fractions.node.mps.runner import CommandTimeout, RecordingRunner
+from kai_fractions.node.procfs import PodContainer
 from tests.node.test_mps_daemon import BIN, LIST, FakeClock, FakeProcesses
 
 
@@ -28,3 +33,25 @@ def test_a_daemon_slow_at_the_first_look_is_adopted_not_owned(tmp_path):
     assert processes.killed == [] and (BIN, "-d") not in runner.argvs
     health.stop()
     assert "quit\n" not in runner.stdins  # not ours to stop
+
+
+def test_a_legacy_client_that_exits_mid_drain_does_not_abort_the_pods_drain():
+    """The legacy daemon answers `Invalid process N!` for a pid that is no client (any more):
+    nothing left to drain of it, and the pod's other clients are still drained."""
+    uid, cid = "0a1b2c3d-0000-4000-8000-000000000001", "ab" * 32
+    runner = RecordingRunner()
+    runner.respond([BIN], "777\n", stdin=LIST)
+    runner.respond([BIN], "11\n12\n", stdin="get_client_list 777\n")
+    runner.respond([BIN], "Invalid process 11!\n1\n", stdin="terminate_client 777 11\n")
+    runner.respond([BIN], "", stdin="terminate_client 777 12\n")
+    control = MpsControl(BIN, "/tmp/p", "/tmp/l", runner, protocol_v3=False,
+                         sleep=lambda s: None)
+    container = SimpleNamespace(key=SimpleNamespace(pod_uid=uid, container="main"),
+                                container_id=f"containerd://{cid}",
+                                plan=SimpleNamespace(device_uuids=("GPU-0",)))
+    nvml = SimpleNamespace(running_processes=lambda _uuid: [SimpleNamespace(pid=11),
+                                                            SimpleNamespace(pid=12)])
+    procfs = SimpleNamespace(container_of=lambda _pid: PodContainer(uid, cid))
+    desired = SimpleNamespace(containers=[container])
+    assert drain(control, desired, nvml, procfs, uid) == [12]
+    assert runner.stdins[-2:] == ["terminate_client 777 11\n", "terminate_client 777 12\n"]

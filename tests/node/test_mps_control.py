@@ -172,6 +172,47 @@ def test_legacy_client_list_and_terminate():
     assert runner.stdins[-1] == "terminate_client 7 11\n"
 
 
+# What the real 535 daemon prints for `terminate_client` on a server it does not have: the
+# text twice, then its status line.
+SERVER_GONE = "Server 900 not found\nServer 900 not found!\n1\n"
+
+
+@pytest.mark.parametrize("said", ["", "0\n"])
+def test_legacy_terminate_client_success_prints_nothing_or_status_0(said):
+    """Which of the two the daemon prints on success cannot be seen without a GPU."""
+    runner = RecordingRunner().respond([BIN], said, stdin="terminate_client 900 11\n")
+    control(runner).terminate_client(900, 11)
+
+
+def test_legacy_terminate_client_failure_status_alone_is_a_failure():
+    """A failure on the server's side prints only the status `1`: read as success, a drain
+    that did not happen counted as done (and the watchdog went on to kill the client)."""
+    runner = RecordingRunner().respond([BIN], "1\n", stdin="terminate_client 900 11\n")
+    with pytest.raises(MpsError) as exc:
+        control(runner).terminate_client(900, 11)
+    assert exc.value.reason == "CommandFailed"
+    assert exc.value.message == (
+        f"the MPS control daemon answered 'terminate_client 900 11' with status 1: the "
+        f"client's work was not ended (see {LOGS}/control.log)")
+
+
+@pytest.mark.parametrize(("said", "reason"), [
+    (SERVER_GONE, "ServerNotFound"),
+    # the client exited mid-drain: nothing left to drain, not a bad argument
+    ("Invalid process 11!\n1\n", "ClientNotFound"),
+    ("Invalid process 11!\n", "ClientNotFound"),
+    ("Server 900 is <busy>\n1\n", "NamespaceBusy"),
+    ("something new\n0\n", "CommandFailed"),
+    ("2\n", "CommandFailed"),
+])
+def test_legacy_terminate_client_failures_keep_their_reasons(said, reason):
+    runner = RecordingRunner().respond([BIN], said, stdin="terminate_client 900 11\n")
+    with pytest.raises(MpsError) as exc:
+        control(runner).terminate_client(900, 11)
+    assert exc.value.reason == reason
+    assert "terminate_client 900 11" in exc.value.message
+
+
 def test_unknown_command_is_reported_with_the_daemon_text():
     runner = RecordingRunner().respond([BIN], 'Unknown command "foo"\n', stdin="foo\n")
     with pytest.raises(MpsError) as exc:
@@ -519,6 +560,59 @@ def test_client_terminate_of_a_non_client():
     with pytest.raises(MpsError) as exc:
         c.client_terminate(99)
     assert exc.value.reason == e.CLIENT_NOT_FOUND == "ClientNotFound"
+
+
+UNKNOWN_WORDINGS = [
+    "Could not terminate client 4242: limit reached",
+    "couldn't terminate client 4242: timed out waiting for server",
+    "Request rejected by server shared",
+    "Unsupported option --server",
+    "Namespace kf_abc has 2 processes attached; deletion deferred",
+    "Operation not allowed while the server is starting",
+    "Namespace kf_abc refused: server shared is shutting down",
+    "Client 4242 will be terminated later",
+]
+V3_DONE = ["", "Client 4242 terminated\n", "Namespace kf_abc deleted.\n", "OK\n"]
+
+
+@pytest.mark.parametrize("said", UNKNOWN_WORDINGS)
+def test_v3_client_terminate_in_words_no_pattern_knows_is_a_failure(said):
+    """Taken as done, a failed drain let the watchdog kill the client mid-kernel."""
+    c, runner = v3()
+    runner.respond([BIN, "client", "terminate", "4242"], said + "\n")
+    with pytest.raises(MpsError) as exc:
+        c.client_terminate(4242)
+    assert exc.value.reason == "CommandFailed"
+    assert "'client terminate 4242'" in exc.value.message and said in exc.value.message
+
+
+@pytest.mark.parametrize("said", UNKNOWN_WORDINGS)
+def test_v3_namespace_delete_in_words_no_pattern_knows_is_a_failure(said):
+    c, runner = v3()
+    runner.respond([BIN, "-p", "3", "namespace", "delete", "kf_abc", "--server=shared"],
+                   said + "\n")
+    with pytest.raises(MpsError) as exc:
+        c.namespace_delete("kf_abc", missing_ok=True)
+    assert exc.value.reason == "CommandFailed"
+    assert "'namespace delete kf_abc --server=shared'" in exc.value.message
+    assert said in exc.value.message
+
+
+@pytest.mark.parametrize("said", V3_DONE)
+def test_v3_client_terminate_and_namespace_delete_success_shapes(said):
+    c, runner = v3()
+    runner.respond([BIN, "client", "terminate", "4242"], said)
+    runner.respond([BIN, "-p", "3", "namespace", "delete", "kf_abc", "--server=shared"], said)
+    c.client_terminate(4242)
+    c.namespace_delete("kf_abc")
+
+
+def test_an_unknown_answer_is_quoted_in_a_bounded_excerpt():
+    c, runner = v3()
+    runner.respond([BIN, "client", "terminate", "4242"], "deferred " * 100)
+    with pytest.raises(MpsError) as exc:
+        c.client_terminate(4242)
+    assert len(exc.value.message) < 400 and exc.value.message.count("deferred") < 30
 
 
 def test_classify_answer_is_clean_for_values():

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import pytest
 
 from kai_fractions.contract import MIB
+from kai_fractions.node.mps.control import MpsControl
 from kai_fractions.node.mps.errors import MpsError
+from kai_fractions.node.mps.runner import RecordingRunner
 from kai_fractions.node.procfs import Procfs
 from kai_fractions.node.watchdog import (
     ContainerUsage,
@@ -237,6 +239,37 @@ def test_a_failed_drain_leaves_that_process_alone(proc):
     assert killer.calls == [101]
     assert (report.actions[0].pid, report.actions[0].outcome, report.actions[0].detail) == (
         100, "failed", "CommandFailed: nope")
+
+
+def _legacy_control(terminate_answer: str) -> tuple[MpsControl, RecordingRunner]:
+    """A real MpsControl over a legacy daemon with server 777, whose client is pid 100."""
+    runner = RecordingRunner()
+    runner.respond(["/bin/mps"], "777\n", stdin="get_server_list\n")
+    runner.respond(["/bin/mps"], "100\n", stdin="get_client_list 777\n")
+    runner.respond(["/bin/mps"], terminate_answer, stdin="terminate_client 777 100\n")
+    return MpsControl("/bin/mps", "/tmp/p", "/tmp/l", runner, protocol_v3=False,
+                      sleep=lambda s: None), runner
+
+
+def test_a_legacy_drain_that_answers_failure_status_leaves_the_client_alone(proc):
+    """The 535 daemon's failure on the server's side prints only its status `1`: that drain
+    did not happen, so the client must not be killed mid-kernel."""
+    control, _runner = _legacy_control("1\n")
+    killer = RecordingKiller()
+    report = watchdog(proc, "kill", killer, control).check(OVER, managed())
+    assert killer.calls == [101]  # 101 is no client: stopped without a drain
+    assert [(a.pid, a.step, a.outcome) for a in report.actions if a.pid == 100] == [
+        (100, "drain", "failed")]
+    assert "status 1" in report.actions[0].detail
+
+
+def test_a_legacy_client_that_exited_mid_drain_is_not_a_failed_drain(proc):
+    """`Invalid process N!` from terminate_client: the pid is no client any more."""
+    control, _runner = _legacy_control("Invalid process 100!\n1\n")
+    killer = RecordingKiller()
+    report = watchdog(proc, "kill", killer, control).check(OVER, managed())
+    assert killer.calls == [100, 101]
+    assert [(a.pid, a.step) for a in report.actions] == [(100, "terminate"), (101, "terminate")]
 
 
 def test_a_client_that_left_mps_meanwhile_is_still_stopped(proc):

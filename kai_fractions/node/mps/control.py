@@ -112,10 +112,28 @@ _ANSWER_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
          e.NAMESPACE_BUSY),
         (r"\balready exists?\b", e.NAMESPACE_EXISTS),
         (r"\b(invalid|out of range|must be|expected)\b", e.INVALID_ARGUMENT),
-        (r"\b(error|fail(ed|ure)?|cannot|can't|unable|denied|not supported|not permitted|"
+        (r"\b(error|fail(ed|ure)?|cannot|can't|could not|couldn't|unable|denied|"
+         r"not supported|unsupported|not permitted|not allowed|rejected|refused|"
          r"unrecognized|unknown|usage)\b", e.COMMAND_FAILED),
     )
 )
+
+_DONE_RE = re.compile(
+    r"(ok|done|success(ful(ly)?)?|(client|namespace)\b.*\b(terminated|deleted|removed))\.?",
+    re.IGNORECASE)
+_NOT_DONE_RE = re.compile(
+    r"\b(not|no|never|could|cannot|unable|fail\w*|error|deferred|pending|later|refused|"
+    r"rejected)\b|n't\b", re.IGNORECASE)
+"""The only texts besides silence that `client terminate` / `namespace delete` are taken to
+print on success (a line that reads as done and says nothing against it). Their r615 wording is
+not pinned anywhere we can test, and a failed drain or delete read as done is worse than a
+success reported as failed (the caller retries)."""
+_STATUS_RE = re.compile(r"-?\d+")
+_INVALID_PROCESS_RE = re.compile(r"^Invalid process (\d+)!?$", re.IGNORECASE | re.MULTILINE)
+"""The legacy daemon's answer to `terminate_client` for a pid that is no client of that
+server (any more: it exited mid-drain)."""
+EXCERPT_MAX = 200
+"""Characters of an unrecognised daemon answer quoted in an error."""
 
 _UNREACHABLE_TEXTS = (
     "Cannot find MPS control daemon process",
@@ -275,6 +293,19 @@ class MpsControl:
             message = f"the MPS control daemon rejected {what!r}: {line}"
         raise MpsError(reason, message)
 
+    def _expect_done(self, stdout: str, what: str) -> None:
+        """For commands whose success prints nothing (or a known text, `_DONE_RE`): the
+        daemon's known error texts keep their reasons, and any other text is CommandFailed
+        quoting it: an answer no pattern knows must not pass as a drain or a delete done."""
+        self._check(stdout, what)
+        lines = [line.strip() for line in stdout.splitlines() if line.strip()]
+        if all(_DONE_RE.fullmatch(line) and not _NOT_DONE_RE.search(line) for line in lines):
+            return
+        raise MpsError(
+            e.COMMAND_FAILED,
+            f"the MPS control daemon answered {what!r} with {_excerpt(stdout)!r}, which is not "
+            "an answer it gives on success: taken as failed")
+
     def _legacy(self, command: str, timeout: float | None = None) -> str:
         result = self._run([self.binary], command + "\n", command, timeout)
         return self._check(result.stdout, command)
@@ -416,7 +447,27 @@ class MpsControl:
         `client_terminate`)."""
         check_positive(server_pid, "server_pid")
         check_positive(client_pid, "client_pid")
-        self._legacy(f"terminate_client {server_pid} {client_pid}")
+        command = f"terminate_client {server_pid} {client_pid}"
+        out = self._run([self.binary], command + "\n", command, None).stdout
+        # The 535 daemon ends this answer with a numeric status line (objdump: `%d`; `1` is a
+        # failure, and a failure on the server's side prints nothing but that `1`). Whether
+        # success prints `0` or nothing cannot be seen without a GPU (no server, no client
+        # here): both are taken as success, any other status as a failure.
+        lines = [line.strip() for line in out.splitlines() if line.strip()]
+        status = int(lines.pop()) if lines and _STATUS_RE.fullmatch(lines[-1]) else None
+        text = "\n".join(lines)
+        gone = _INVALID_PROCESS_RE.search(text)
+        if gone is not None:
+            raise MpsError(e.CLIENT_NOT_FOUND,
+                           f"the MPS control daemon rejected {command!r}: {gone.group(0)} "
+                           f"(process {client_pid} is no client of server {server_pid})")
+        self._expect_done(text, command)
+        if status not in (None, 0):
+            raise MpsError(
+                e.COMMAND_FAILED,
+                f"the MPS control daemon answered {command!r} with status {status}"
+                f"{f' ({_excerpt(text)!r})' if text else ''}: the client's work was not ended "
+                f"(see {self.log_dir}/control.log)")
 
     def quit(self, timeout: float | None = None) -> None:
         """Stops the daemon and its servers; synchronous (returns when the daemon exited).
@@ -486,7 +537,8 @@ class MpsControl:
         """Raises NamespaceBusy while clients are attached: retry after they exit."""
         self._check_namespace(name)
         try:
-            self._v3(["namespace", "delete", name, f"--server={self.server}"])
+            args = ["namespace", "delete", name, f"--server={self.server}"]
+            self._expect_done(self._v3(args), " ".join(args))
         except MpsError as exc:
             if not (missing_ok and exc.reason == e.NAMESPACE_NOT_FOUND):
                 raise
@@ -529,7 +581,8 @@ class MpsControl:
     def client_terminate(self, pid: int) -> None:
         """Ends the client's outstanding GPU work (drain) before its process is stopped."""
         check_positive(pid, "pid")
-        self._client_cmd(["client", "terminate", str(pid)])
+        args = ["client", "terminate", str(pid)]
+        self._expect_done(self._client_cmd(args, check=False), " ".join(args))
 
     def _check_namespace(self, name: str) -> None:
         check_namespace(self.pipe_dir, self.server, name)
@@ -607,6 +660,11 @@ def _parse_float(text: str, what: str) -> float:
         return float(text.strip())
     except ValueError:
         raise MpsError(e.UNEXPECTED_OUTPUT, f"{what} printed {text!r}, not a number") from None
+
+
+def _excerpt(text: str) -> str:
+    text = " | ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+    return text if len(text) <= EXCERPT_MAX else text[:EXCERPT_MAX - 3] + "..."
 
 
 def _first_line(text: str) -> str:
