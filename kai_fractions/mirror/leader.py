@@ -10,11 +10,10 @@ over (no clock of another machine is trusted), and a holder that could not renew
 the same rate and renew_deadline < lease duration: the deadline counts from the start of the
 last attempt that renewed (its write is no older than that), the wait for the next attempt
 never runs past it, and an attempt still waiting on a slow API server is cut off when the
-deadline comes, as client-go's context timeout does. Every
-write carries the resourceVersion
-read just before (a merge patch the API server refuses with 409 when another replica wrote
-first); a holder that stops releases the Lease (empty holder, duration 1 s) so a successor
-need not wait out the lease.
+deadline comes, as client-go's context timeout does. Every write carries the resourceVersion
+read just before, or for a renewal the one the holder's own last write got back (a merge patch
+the API server refuses with 409 when another replica wrote first); a holder that stops releases
+the Lease (empty holder, duration 1 s) so a successor need not wait out the lease.
 
 It all runs on the mirror's event loop: the leader's work is a task, cancelled when its term
 ends; cancelling the elector ends the term and releases the Lease. Work that ends on its own
@@ -149,6 +148,7 @@ class LeaderElector:
         self._monotonic, self._wall = monotonic, wall
         self._observed: Mapping[str, Any] | None = None  # the last spec read or written
         self._observed_at = 0.0  # when it last changed, by this replica's clock
+        self._version = ""  # the resourceVersion this replica's last write got back
         self.leading = False
 
     async def try_acquire_or_renew(self) -> bool:
@@ -174,6 +174,21 @@ class LeaderElector:
             spec = self._spec(acquire_time=now, renew_time=now, transitions=transitions + 1)
         version = resource_version(current)
         return await self._written(lambda s: self.lease.update(s, version), spec)
+
+    async def renew(self) -> bool:
+        """One renewal by the holder: a single PATCH guarded by the resourceVersion its own
+        last write got back, so a slow API server costs one request per renewal, not two (as
+        client-go renews the Lease it keeps); GET + PATCH (try_acquire_or_renew) when another
+        write came between (409) or this replica did not write the Lease last."""
+        observed = self._observed or {}
+        if not self._version or observed.get("holderIdentity") != self.config.identity:
+            return await self.try_acquire_or_renew()
+        now, version = micro_time(self._wall()), self._version
+        spec = self._spec(acquire_time=str(observed.get("acquireTime") or now), renew_time=now,
+                          transitions=int(observed.get("leaseTransitions") or 0))
+        if await self._written(lambda s: self.lease.update(s, version), spec):
+            return True
+        return await self.try_acquire_or_renew()
 
     async def release(self) -> None:
         """Hands the Lease back when this replica holds it: an empty holder and a duration of
@@ -239,8 +254,10 @@ class LeaderElector:
         return str((self._observed or {}).get("holderIdentity") or "")
 
     async def _renew(self, renewed: float) -> str:
-        """Renews every `retry_seconds` while it can; returns why the term ended. `renewed`:
-        when the attempt that last wrote the Lease started, by this replica's clock. It returns
+        """Renews every `retry_seconds`, counted from the start of the previous attempt (an
+        attempt slower than that is followed at once), while it can; returns why the term
+        ended. `renewed`: when the attempt that last wrote the Lease started, by this
+        replica's clock. It returns
         as soon as `renew_deadline_seconds` have passed since then: another replica may take
         over `lease_seconds` after it saw that write, so neither the wait for the next attempt
         nor an attempt itself may run past the deadline."""
@@ -256,7 +273,7 @@ class LeaderElector:
                 await asyncio.sleep(min(next_at - now, left))
                 continue
             try:
-                written = await asyncio.wait_for(self._attempt(), left)
+                written = await asyncio.wait_for(self._attempt(self.renew), left)
             except TimeoutError:
                 self.leading = False
                 return gave_up + " (the API server did not answer in time)"
@@ -264,11 +281,11 @@ class LeaderElector:
                 renewed = now
             elif self.holder() not in ("", cfg.identity):
                 return f"{self.holder()} holds it"  # it judged the Lease expired: step down
-            next_at = self._monotonic() + cfg.retry_seconds
+            next_at = now + cfg.retry_seconds
 
-    async def _attempt(self) -> bool:
+    async def _attempt(self, attempt: Callable[[], Awaitable[bool]] | None = None) -> bool:
         try:
-            self.leading = await self.try_acquire_or_renew()
+            self.leading = await (attempt or self.try_acquire_or_renew)()
         except Exception as e:  # the API away, a refusal, a transport error
             log.warning("lease %s/%s: %r", self.config.namespace, self.config.name, e)
             self.leading = False
@@ -288,6 +305,7 @@ class LeaderElector:
             return False
         self._observed = dict(written.get("spec") or spec)
         self._observed_at = self._monotonic()
+        self._version = resource_version(written)
         return True
 
 

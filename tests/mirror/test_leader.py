@@ -29,31 +29,37 @@ T0 = datetime.datetime(2026, 12, 1, 12, 0, 0, tzinfo=datetime.UTC)
 
 class FakeLease:
     """One Lease in memory, with a resourceVersion and 409 on a stale one, as the API server
-    does; `broken` makes every call fail as an unreachable API would."""
+    does; `broken` makes every call fail as an unreachable API would, `latency` makes each
+    take that long; `requests` names them."""
 
     def __init__(self) -> None:
         self.obj: dict | None = None
         self.version = 0
         self.writes = 0
         self.broken = False
+        self.latency = 0.0
+        self.requests: list[str] = []
 
-    def _check(self) -> None:
+    async def _check(self, request: str) -> None:
+        self.requests.append(request)
+        if self.latency:
+            await asyncio.sleep(self.latency)
         if self.broken:
             raise OSError("connection refused")
 
     async def get(self):
-        self._check()
+        await self._check("GET")
         return None if self.obj is None else {"metadata": {"resourceVersion": str(
             self.version)}, "spec": dict(self.obj)}
 
     async def create(self, spec):
-        self._check()
+        await self._check("POST")
         if self.obj is not None:
             raise LeaseConflict("already exists")
         return self._store(spec)
 
     async def update(self, spec, resource_version):
-        self._check()
+        await self._check("PATCH")
         if resource_version != str(self.version):
             raise LeaseConflict("modified")
         return self._store(spec)
@@ -93,6 +99,29 @@ async def test_the_first_replica_creates_the_lease_and_renews_it():
     assert lease.obj["renewTime"] == "2026-12-01T12:01:42.000000Z"
     assert (lease.obj["acquireTime"], lease.obj["leaseTransitions"]) == (
         "2026-12-01T12:01:40.000000Z", 0)
+
+
+async def test_the_holder_renews_with_one_patch_guarded_by_its_own_last_write():
+    lease, clocks = FakeLease(), Clocks()
+    a = elector(lease, "mirror-a", clocks)
+    assert await a.try_acquire_or_renew()
+    lease.requests.clear()
+    clocks.now += 2
+    assert await a.renew()
+    assert lease.requests == ["PATCH"]  # no GET: a slow API server costs one request
+    assert (lease.obj["renewTime"], lease.obj["acquireTime"]) == (
+        "2026-12-01T12:01:42.000000Z", "2026-12-01T12:01:40.000000Z")
+    lease.version += 1  # someone else wrote the Lease (a label, say), holder unchanged
+    lease.requests.clear()
+    clocks.now += 2
+    assert await a.renew()
+    assert lease.requests == ["PATCH", "GET", "PATCH"]  # 409, then read it and renew
+    assert (lease.obj["holderIdentity"], lease.obj["leaseTransitions"]) == ("mirror-a", 0)
+    lease.obj = {**lease.obj, "holderIdentity": "mirror-b"}  # taken over meanwhile
+    lease.version += 1
+    clocks.now += 2
+    assert not await a.renew()
+    assert lease.obj["holderIdentity"] == "mirror-b" and a.holder() == "mirror-b"
 
 
 async def test_another_replica_takes_over_only_after_the_lease_went_unrenewed_for_its_duration():
@@ -266,18 +295,35 @@ async def test_a_renewal_the_api_leaves_hanging_is_cut_off_at_the_deadline():
                                             renew_deadline_seconds=0.4, retry_seconds=0.05))
     hanging = asyncio.Event()
 
-    async def slow_get():
+    async def slow(*_):
         hanging.set()
         await asyncio.sleep(30)  # far past the deadline (each real request may wait 5 s)
 
     def slow_api() -> None:
-        lease.get = slow_get
+        lease.get = lease.update = slow
 
     terms, lost, lead = recorded_term(slow_api)
     runner = asyncio.create_task(a.run(lead))
     await asyncio.wait_for(hanging.wait(), 5)
     await asyncio.wait_for(lost.wait(), 5)  # without the cut-off: when the GET answers, at 30 s
     assert terms == ["started", "lost"] and not a.leading
+    await stop(runner)
+
+
+async def test_a_slow_api_server_that_answers_keeps_the_leader_leading():
+    # Each request takes 0.3 s: renewing every retry period from the start of the previous
+    # attempt with one PATCH lands every renewal well inside the 1.5 s deadline. Counted from
+    # the end of the previous attempt, with GET + PATCH each time, the first renewal was cut
+    # off at the deadline and the follower restarted, with a full list, every term.
+    lease = FakeLease()
+    lease.latency = 0.3
+    a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=2,
+                                            renew_deadline_seconds=1.5, retry_seconds=0.4))
+    terms, _, lead = recorded_term(lambda: None)
+    runner = asyncio.create_task(a.run(lead))
+    await asyncio.sleep(3)
+    assert terms == ["started"] and a.leading
+    assert lease.requests.count("GET") == 1 and lease.requests.count("PATCH") >= 4
     await stop(runner)
 
 
