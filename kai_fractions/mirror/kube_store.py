@@ -18,10 +18,19 @@ from ..clock import AsyncClock, SystemClock
 from ..kube import errors as kerr
 from ..kube.client import MERGE_PATCH, Kube
 from ..kube.listwatch import WATCH_CACHE
-from ..kube.objects import annotation_patch, events_path, node_path, pod_event, pod_path, pods_path
+from ..kube.objects import (
+    annotation_patch,
+    events_path,
+    node_path,
+    pod_event,
+    pod_path,
+    pods_path,
+    uid_of,
+)
 from ..kube.retry import NO_DEADLINE, Backoff, Deadline, retrying
 from .errors import ApiRejected, ApiUnavailable, DeadlineExceeded, PodNotFound
 from .store import (
+    NodeLabels,
     NodeNotFound,
     PodSnapshot,
     WriteConflict,
@@ -86,12 +95,12 @@ class KubePodStore:
         return PodSnapshot.from_object(obj)
 
     async def node_labels(self, node: str, deadline: Deadline = NO_DEADLINE
-                          ) -> Mapping[str, str]:
+                          ) -> NodeLabels:
         what = f"read node {node}"
         obj = await self._call(what, deadline, lambda t: self.kube.request(
             "GET", node_path(node), what=what, timeout=t), not_found=lambda: NodeNotFound(node))
         labels = (obj.get("metadata") or {}).get("labels") or {}
-        return {str(k): str(v) for k, v in labels.items()}
+        return NodeLabels({str(k): str(v) for k, v in labels.items()}, uid_of(obj))
 
     async def list_pods(self, namespace: str, labels: Mapping[str, str],
                         deadline: Deadline = NO_DEADLINE, *, cached: bool = False

@@ -21,7 +21,15 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from ..clock import AsyncClock, SystemClock
-from ..contract import DEFAULT_DIALECT, DEFAULT_MPS_PIPE_ROOT, ContainerPlan, Dialect, Keys
+from ..contract import (
+    DEFAULT_DIALECT,
+    DEFAULT_MPS_PIPE_ROOT,
+    ContainerPlan,
+    Dialect,
+    Keys,
+    NumberError,
+    parse_decimal,
+)
 from ..contract import keys as k
 from ..kube.retry import Backoff
 from .compute import (
@@ -32,7 +40,13 @@ from .compute import (
     mirror_patch,
     release_patch,
 )
-from .decision import AllocationInput, check_idempotency_key, node_to_read, resolve_decision
+from .decision import (
+    MAX_NODE_GPU_MEMORY_MIB,
+    AllocationInput,
+    check_idempotency_key,
+    node_to_read,
+    resolve_decision,
+)
 from .errors import (
     AllocationConflict,
     ApiRejected,
@@ -60,8 +74,27 @@ CONFLICT_BACKOFF = Backoff(attempts=5, base=0.05, cap=1.0)
 
 
 NODE_LABELS_TTL = 30.0
-"""Seconds a node's labels are reused (see MirrorService._node_labels)."""
+"""Seconds a node's labels are reused (see MirrorService._node_labels): a label that changes,
+or a node recreated under its name with another GPU, reaches the calls this much later."""
 NODES_KEPT = 20_000
+
+
+def _knows_gpu_memory(labels: Mapping[str, str]) -> bool:
+    """Whether the node's GPU memory label is a usable number of MiB (what resolve_decision
+    reads when the caller gives none)."""
+    raw = labels.get(k.NODE_GPU_MEMORY_LABEL)
+    try:
+        return raw is not None and 0 < parse_decimal(raw) <= MAX_NODE_GPU_MEMORY_MIB
+    except NumberError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class _NodeEntry:
+    read_at: float
+    uid: str
+    labels: Mapping[str, str]
+    knows_memory: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +172,7 @@ class MirrorService:
         self.foreground = cache.foreground if cache is not None else Foreground()
         """Every call is marked in flight here: the cache's list work waits for a gap."""
         self._locks = _PodLocks()
-        self._nodes: dict[str, tuple[float, Mapping[str, str]]] = {}
+        self._nodes: dict[str, _NodeEntry] = {}
 
     # -- operations ---------------------------------------------------------------------------
 
@@ -232,7 +265,8 @@ class MirrorService:
         """The contract's BindDecision; the node's labels are read first when it needs them
         (resolve_decision is pure: it gets them as a lookup)."""
         node = node_to_read(allocation)
-        labels = await self._node_labels(node, deadline) if node else None
+        needs_memory = not allocation.node_gpu_memory_mib  # else only that the node exists
+        labels = await self._node_labels(node, needs_memory, deadline) if node else None
         return resolve_decision(allocation, lambda _: labels,
                                 default_reserve_mib=self.default_reserve_mib,
                                 dialect=self.dialect)
@@ -267,22 +301,31 @@ class MirrorService:
                                mps_pipe_root=self.mps_pipe_root, extra=self.extra_annotations,
                                node=allocation.selected_node)
 
-    async def _node_labels(self, node: str, deadline: Deadline) -> Mapping[str, str] | None:
+    async def _node_labels(self, node: str, needs_memory: bool, deadline: Deadline
+                           ) -> Mapping[str, str] | None:
         """The node's labels, read at most every NODE_LABELS_TTL seconds per node: every
-        fractional call checks that its node exists, and a node's GPU memory label does not
-        change while it runs. A node that is not there is asked again on the next call."""
+        fractional call checks that its node exists, and a node's GPU memory label seldom
+        changes. A node that is not there is asked again on the next call, and so is one
+        without a usable GPU memory label by a call that needs it: GPU feature discovery labels
+        a new node a while after it joins, and a refusal (INVALID_ARGUMENT) is final to a
+        scheduler. A read that finds another uid (the node was recreated) replaces the entry."""
         now = self.clock.monotonic()
         cached = self._nodes.get(node)
-        if cached is not None and now - cached[0] < NODE_LABELS_TTL:
-            return cached[1]
+        if (cached is not None and now - cached.read_at < NODE_LABELS_TTL
+                and (cached.knows_memory or not needs_memory)):
+            return cached.labels
         try:
             labels = await self.store.node_labels(node, deadline)
         except NodeNotFound:
             self._nodes.pop(node, None)
             return None
+        uid = str(getattr(labels, "uid", ""))
+        if cached is not None and cached.uid != uid:
+            log.info("node %s was recreated (uid %s, was %s): its labels are read anew",
+                     node, uid or "-", cached.uid or "-")
         if len(self._nodes) >= NODES_KEPT:
             self._nodes.clear()  # a cluster's node count is far below this; never unbounded
-        self._nodes[node] = (now, labels)
+        self._nodes[node] = _NodeEntry(now, uid, labels, _knows_gpu_memory(labels))
         return labels
 
     async def _get(self, namespace: str, name: str, uid: str, deadline: Deadline

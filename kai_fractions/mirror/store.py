@@ -77,6 +77,17 @@ class WriteInvalid(MirrorError):
     stored object's: the immutable-field check). The caller re-reads to tell which."""
 
 
+class NodeLabels(dict[str, str]):
+    """A node's labels as read, with the node's uid ("" where a store knows none): a node
+    deleted and recreated under the same name is another node, whose labels may differ."""
+
+    __slots__ = ("uid",)
+
+    def __init__(self, labels: Mapping[str, str], uid: str = "") -> None:
+        super().__init__(labels)
+        self.uid = uid
+
+
 class NodeNotFound(MirrorError):
     def __init__(self, node: str):
         self.node = node
@@ -106,7 +117,7 @@ class PodStore(Protocol):
 
     async def node_labels(self, node: str, deadline: Deadline = NO_DEADLINE
                           ) -> Mapping[str, str]:
-        """Raises NodeNotFound."""
+        """Raises NodeNotFound. A NodeLabels where the store knows the node's uid."""
         ...
 
     async def list_pods(self, namespace: str, labels: Mapping[str, str],

@@ -46,3 +46,18 @@ async def test_an_event_whose_answer_was_lost_is_recorded_once_and_not_an_error(
     kube = EventsKube()
     await store_over(kube).emit_event(POD, "Warning", "Unsigned", "not signed")
     assert (len(kube.events), kube.posts) == (1, 2)  # the retry met it: 409, success
+
+
+class NodeKube:
+    async def request(self, method, path, *, what, timeout=None, **_):
+        assert (method, path) == ("GET", "/api/v1/nodes/node-1")
+        return {"metadata": {"name": "node-1", "uid": "node-uid-1",
+                             "labels": {"nvidia.com/gpu.memory": 40960}}}
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_nodes_labels_come_with_its_uid():
+    labels = await store_over(NodeKube()).node_labels("node-1")
+    assert labels == {"nvidia.com/gpu.memory": "40960"} and labels.uid == "node-uid-1"

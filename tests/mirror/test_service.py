@@ -20,8 +20,8 @@ from kai_fractions.mirror.errors import (
     PodReplaced,
 )
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION, allocation_digest
-from kai_fractions.mirror.service import MirrorService
-from kai_fractions.mirror.store import WriteConflict
+from kai_fractions.mirror.service import NODE_LABELS_TTL, MirrorService
+from kai_fractions.mirror.store import NodeLabels, WriteConflict
 from tests.support.clock import FakeClock
 from tests.support.fake_store import FakePodStore
 
@@ -421,6 +421,43 @@ async def test_a_nodes_labels_are_read_once_per_ttl_and_a_missing_node_every_tim
     assert reads == ["node-1", "node-1", "node-2", "node-2"]  # a missing node is not cached
     store.nodes["node-2"] = {}
     await service.preview(allocation(selected_node="node-2"))
+
+
+async def test_a_node_without_its_gpu_memory_label_is_read_again_by_a_call_that_needs_it(
+        store, service):
+    """GPU feature discovery labels a node a while after it joins: a node read before that
+    must not be refused (INVALID_ARGUMENT, final to a scheduler) for a TTL once labelled."""
+    reads = []
+    store.faults.append(lambda op, ns, name: reads.append(name) if op == "node" else None)
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    with pytest.raises(InvalidAllocation, match=r"no nvidia\.com/gpu\.memory label"):
+        await service.preview(allocation(node_gpu_memory_mib=0))
+    await service.preview(allocation())  # gives its memory: the node need only exist
+    assert reads == ["node-1"]
+    store.nodes["node-1"] = {"nvidia.com/gpu.memory": "40960"}
+    result = await service.mirror(allocation(node_gpu_memory_mib=0))
+    assert result.annotations["nvidia.com/container.trainer.gpu-memory.request"] == "20Gi"
+    await service.preview(allocation(node_gpu_memory_mib=0))  # usable now: reused
+    assert reads == ["node-1", "node-1"]
+
+
+async def test_a_node_recreated_under_its_name_replaces_its_entry(store, service, clock,
+                                                                   caplog):
+    nodes = {"node-1": NodeLabels({"nvidia.com/gpu.memory": "81920"}, uid="node-uid-1")}
+
+    async def node_labels(node, deadline=None):
+        return nodes[node]
+
+    store.node_labels = node_labels
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    await service.preview(allocation(node_gpu_memory_mib=0))
+    nodes["node-1"] = NodeLabels({"nvidia.com/gpu.memory": "40960"}, uid="node-uid-2")
+    clock.now += NODE_LABELS_TTL  # what the TTL means: a recreation is seen this much later
+    with caplog.at_level(logging.INFO, logger="kai_fractions.mirror.service"):
+        result = await service.mirror(allocation(node_gpu_memory_mib=0))
+    assert result.annotations["nvidia.com/container.trainer.gpu-memory.request"] == "20Gi"
+    assert "node node-1 was recreated (uid node-uid-2, was node-uid-1)" in caplog.text
+    assert service._nodes["node-1"].uid == "node-uid-2"
 
 
 async def test_regular_bind_writes_only_the_resource_type(store, service):
