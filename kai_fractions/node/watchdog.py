@@ -6,7 +6,11 @@ the usage per container and device, and compares it with the container's cap. By
 - `report`: returns the violations (the agent turns them into events and metrics); no action;
 - `kill`: drains each of the container's processes on that GPU from MPS first (`client
   terminate`: killing a client in the middle of a kernel can wedge the MPS server for every
-  tenant), then terminates it (SIGTERM, SIGKILL after a grace period).
+  tenant), then terminates it: SIGTERM, and at a later check SIGKILL once the grace period
+  has passed. The check never waits for a process to exit (it runs on the agent's one worker,
+  with the passes and gRPC calls): each stop in progress is followed from check to check,
+  its outcome reported when it is known, and a process that has not exited some time after
+  SIGKILL (stuck in the kernel) is reported as such, never signalled again.
 A process that belongs to no managed container (another pod, a container the agent does not
 manage, a host process, a pid that vanished, pid 1, the agent itself) is never touched. When MPS
 is in use but cannot say whether a process of an sm-sharing container is its client, the kill
@@ -53,10 +57,17 @@ DRAIN = "drain"
 TERMINATE = "terminate"
 DRAINED = "drained"
 """MPS ended the client's outstanding GPU work."""
+SIGNALLED = "signalled"
+"""SIGTERM sent; it has the grace period to exit (its outcome comes at a later check)."""
+ESCALATED = "escalated"
+"""Still running when the grace period ended: SIGKILL sent (its outcome comes later)."""
 TERMINATED = "terminated"
 """The process exited after SIGTERM."""
 KILLED = "killed"
-"""The process ignored SIGTERM for the grace period and got SIGKILL."""
+"""The process ignored SIGTERM for the grace period, got SIGKILL and exited."""
+UNKILLABLE = "unkillable"
+"""Still running some time after SIGKILL (uninterruptible sleep: stuck in the kernel or the
+driver); its GPU memory stays in use until it exits. Reported once, never signalled again."""
 GONE = "gone"
 """The process had already exited."""
 SKIPPED = "skipped"
@@ -193,28 +204,54 @@ def _mib(n: int) -> str:
 
 class Killer(Protocol):
     def terminate(self, pid: int, still_ours: Callable[[], bool]) -> str:
-        """Stops `pid` if `still_ours()` (checked once the process is pinned); returns one of
-        TERMINATED, KILLED, GONE, SKIPPED, FAILED."""
+        """Starts stopping `pid` if `still_ours()` (checked once the process is pinned), without
+        waiting for it; returns one of SIGNALLED (in progress), TERMINATED, KILLED, GONE,
+        SKIPPED, FAILED."""
+        ...
+
+    def progress(self) -> Iterable[tuple[int, str]]:
+        """Moves every stop in progress on (escalation after the grace period) and returns
+        (pid, outcome) for those whose state changed: ESCALATED, TERMINATED, KILLED,
+        UNKILLABLE."""
         ...
 
 
+@dataclass(slots=True)
+class _Stop:
+    pin: PidfdPin
+    deadline: float
+    """Monotonic: SIGKILL is due (after SIGTERM), or the process counts as unkillable."""
+    killed: bool = False
+    reported: bool = False
+
+
 class SignalKiller:
-    """SIGTERM, then SIGKILL after `grace` seconds, through a pidfd: the process is pinned before
-    its ownership is re-checked, so a pid reused in between is never signalled."""
+    """SIGTERM now; SIGKILL once `grace` seconds have passed; UNKILLABLE when the process still
+    runs `kill_bound` seconds after that. Nothing waits: `progress()` (every watchdog check)
+    moves each stop on. Through a pidfd: the process is pinned before its ownership is
+    re-checked, and held until it exits, so a pid reused meanwhile is never signalled."""
 
     def __init__(self, clock: Clock | None = None, grace: float = 5.0,
-                 poll_interval: float = 0.05, *, same_pid_namespace: bool = True):
+                 kill_bound: float = 10.0, *, same_pid_namespace: bool = True):
         self.clock: Clock = clock or SystemClock()
         self.grace = grace
-        self.poll_interval = poll_interval
+        self.kill_bound = kill_bound
         self.same_pid_namespace = same_pid_namespace
         """Whether the pids it is given (NVML's, read against the agent's /proc root) are this
         process's: when the root is another namespace's /proc, a pid here names some other
         process, and nothing is signalled."""
+        self._stops: dict[int, _Stop] = {}
+
+    @property
+    def in_progress(self) -> frozenset[int]:
+        return frozenset(self._stops)
 
     def terminate(self, pid: int, still_ours: Callable[[], bool]) -> str:
         if pid <= 1 or pid == os.getpid():
             return SKIPPED
+        if pid in self._stops:  # already being stopped: never signalled twice
+            stop = self._stops[pid]
+            return UNKILLABLE if stop.reported else ESCALATED if stop.killed else SIGNALLED
         if not self.same_pid_namespace:
             log.warning("not stopping pid %d: the agent's /proc root is not of its own pid "
                         "namespace, so that pid may name another process here (run the agent "
@@ -227,19 +264,39 @@ class SignalKiller:
         except OSError as exc:
             log.warning("cannot open pid %d: %s", pid, exc)
             return FAILED
-        try:
-            if not still_ours():
-                return SKIPPED
-            if not self._signal(pin.fd, signal.SIGTERM):
-                return GONE
-            if self._wait_exit(pin):
-                return TERMINATED
-            if not self._signal(pin.fd, signal.SIGKILL):
-                return TERMINATED
-            self._wait_exit(pin)
-            return KILLED
-        finally:
+        if not still_ours():
             pin.close()
+            return SKIPPED
+        if not self._signal(pin.fd, signal.SIGTERM):
+            pin.close()
+            return GONE
+        self._stops[pid] = _Stop(pin, self.clock.monotonic() + self.grace)
+        return SIGNALLED
+
+    def progress(self) -> list[tuple[int, str]]:
+        now = self.clock.monotonic()
+        changed: list[tuple[int, str]] = []
+        for pid, stop in list(self._stops.items()):
+            if stop.pin.exited():
+                changed.append((pid, KILLED if stop.killed else TERMINATED))
+                self._drop(pid)
+            elif now < stop.deadline:
+                continue
+            elif not stop.killed:
+                if not self._signal(stop.pin.fd, signal.SIGKILL):
+                    changed.append((pid, TERMINATED))  # exited just now
+                    self._drop(pid)
+                    continue
+                stop.killed, stop.deadline = True, now + self.kill_bound
+                changed.append((pid, ESCALATED))
+            elif not stop.reported:
+                # Kept (pinned) until it exits: then reported KILLED, and never signalled again.
+                stop.reported = True
+                changed.append((pid, UNKILLABLE))
+        return changed
+
+    def _drop(self, pid: int) -> None:
+        self._stops.pop(pid).pin.close()
 
     @staticmethod
     def _signal(fd: int, sig: int) -> bool:
@@ -247,15 +304,6 @@ class SignalKiller:
             signal.pidfd_send_signal(fd, sig)
         except ProcessLookupError:
             return False
-        return True
-
-    def _wait_exit(self, pin: PidfdPin) -> bool:
-        """True once the process exited within the grace period."""
-        deadline = self.clock.monotonic() + self.grace
-        while not pin.exited():
-            if self.clock.monotonic() >= deadline:
-                return False
-            self.clock.sleep(self.poll_interval)
         return True
 
 
@@ -297,6 +345,9 @@ class Watchdog:
         self._owners: dict[int, tuple[PodContainer | bool, Pin]] = {}
         self._read_now: set[int] = set()
         """The pids whose /proc entry this check has read (not from `_owners`)."""
+        self._stopping: dict[int, tuple[str, str, str]] = {}
+        """pid -> (GPU, pod uid, container) of each stop the killer has in progress: never
+        drained nor signalled again, its outcome reported when the killer knows it."""
         if not procfs.own_pid_namespace:
             log.info("%s is not a /proc of the agent's pid namespace: the watchdog cannot hold "
                      "GPU processes by pidfd, and a pid reused between two checks is read again "
@@ -328,8 +379,10 @@ class Watchdog:
         for pid in [pid for pid in self._owners if pid not in seen]:
             self._forget(pid)
         actions: list[Action] = []
-        if self.policy == KILL and violations:
-            actions = self._enforce(violations)
+        if self.policy == KILL:
+            actions = self._progress()
+            if violations:
+                actions += self._enforce(violations)
         return WatchdogReport(self.clock.monotonic(), tuple(v for v, _ in violations),
                               tuple(usage), tuple(actions), tuple(unmanaged))
 
@@ -425,18 +478,38 @@ class Watchdog:
 
     # -------------------------------------------------------------------- enforcement
 
+    def _progress(self) -> list[Action]:
+        """The stops in progress whose state changed since the last check (the process may
+        well be listed no more: it exited)."""
+        actions: list[Action] = []
+        for pid, outcome in self.killer.progress():
+            device, pod_uid, name = self._stopping.get(pid, ("", "", ""))
+            if outcome not in (ESCALATED, UNKILLABLE):
+                self._stopping.pop(pid, None)  # done: a later violation starts over
+            actions.append(self._action(pid, device, pod_uid, name, TERMINATE, outcome, ""))
+        return actions
+
     def _enforce(self, violations: Sequence[tuple[Violation, ManagedContainer]]) -> list[Action]:
         actions: list[Action] = []
         drain = _DrainState()
         for violation, container in violations:
             for pid in violation.pids:
+                if pid in self._stopping:
+                    continue  # being stopped: drained already, its outcome comes from progress
                 for step, outcome, detail in self._enforce_one(pid, container, drain):
-                    actions.append(Action(pid, violation.device_uuid, violation.pod_uid,
-                                          violation.container_name, step, outcome, detail))
-                    log.warning("watchdog %s pid %d of %s/%s on %s: %s %s", step, pid,
-                                violation.pod_uid, violation.container_name,
-                                violation.device_uuid, outcome, detail)
+                    if step == TERMINATE and outcome == SIGNALLED:
+                        self._stopping[pid] = (violation.device_uuid, violation.pod_uid,
+                                               violation.container_name)
+                    actions.append(self._action(pid, violation.device_uuid, violation.pod_uid,
+                                                violation.container_name, step, outcome, detail))
         return actions
+
+    @staticmethod
+    def _action(pid: int, device: str, pod_uid: str, name: str, step: str, outcome: str,
+                detail: str) -> Action:
+        log.warning("watchdog %s pid %d of %s/%s on %s: %s %s", step, pid, pod_uid, name,
+                    device, outcome, detail)
+        return Action(pid, device, pod_uid, name, step, outcome, detail)
 
     def _enforce_one(self, pid: int, container: ManagedContainer,
                      drain: _DrainState) -> list[tuple[str, str, str]]:

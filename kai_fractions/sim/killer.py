@@ -36,3 +36,7 @@ class RecordingKiller:
         if outcome in (TERMINATED, KILLED):
             self.killed.append(pid)
         return outcome
+
+    def progress(self) -> list[tuple[int, str]]:
+        """Its outcomes are final at once: no stop is ever in progress."""
+        return []

@@ -685,6 +685,51 @@ def test_watchdog_kill_drains_then_stops_and_reports_it(short_tmp: Path) -> None
         "kai_fractions_container_gpu_memory_limit_violations_total", ours) == 1
 
 
+class SteppedKiller:
+    """A killer whose stops take several checks, as the real one's do: `terminate` only
+    starts one; `progress` answers what the test queued for the next check."""
+
+    def __init__(self) -> None:
+        self.next: list[tuple[int, str]] = []
+
+    def terminate(self, pid, still_ours):
+        return "signalled" if still_ours() else "skipped"
+
+    def progress(self):
+        out, self.next = self.next, []
+        return out
+
+
+def test_a_stop_is_an_event_when_it_ends_and_a_process_that_outlives_sigkill_is_one_too(
+        short_tmp: Path) -> None:
+    """SIGTERM sent is no event (the process may yet exit or be killed): the event says what
+    happened in the end; a process still running after SIGKILL is a Warning of its own, not
+    reported as killed."""
+    rig = Rig(short_tmp, sm_sharing=False, watchdog_policy="kill")
+    killer = SteppedKiller()
+    rig.reconciler.usage.watchdog.killer = killer
+    uid = add_pod(rig)
+    rig.step()
+    _running(rig, uid, 4242, 25 * GIB)
+    _running(rig, uid, 4243, GIB)
+    rig.reconciler.check_usage()
+    assert rig.cluster.event_reasons(uid) == ["Applied"]
+    killer.next = [(4242, "escalated"), (4243, "escalated")]
+    rig.reconciler.check_usage()
+    assert rig.cluster.event_reasons(uid) == ["Applied"]
+    killer.next = [(4242, "killed"), (4243, "unkillable")]
+    rig.nvml.remove_process(4242)
+    rig.reconciler.check_usage()
+    assert rig.cluster.event_reasons(uid) == ["Applied", "LimitEnforced", "ProcessNotStopped"]
+    enforced, stuck = rig.cluster.events[-2:]
+    assert "process 4242 killed" in enforced["message"]
+    assert stuck["type"] == "Warning"
+    assert stuck["message"] == (
+        f"container main: process 4243, over its GPU memory cap on {rig.gpu0}, still runs "
+        "after SIGKILL (stuck in the kernel or the driver); its GPU memory stays in use until "
+        "it exits")
+
+
 def test_drain_terminates_the_mps_clients_of_the_container(short_tmp: Path) -> None:
     rig = Rig(short_tmp)
     uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))

@@ -379,25 +379,85 @@ def spawn(code: str) -> subprocess.Popen:
     return p
 
 
-def test_signal_killer_terminates_with_sigterm():
+IGNORES_TERM = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('ready', flush=True); time.sleep(30)")
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_signal_killer_terminates_with_sigterm_without_waiting():
     p = spawn("import time; print('ready', flush=True); time.sleep(30)")
+    clock = Clock()
+    killer = SignalKiller(clock, grace=5)
     try:
-        started = time.monotonic()
-        assert SignalKiller(grace=5).terminate(p.pid, lambda: True) == "terminated"
+        assert killer.terminate(p.pid, lambda: True) == "signalled"
+        assert clock.slept == []  # the caller is never held
         assert p.wait(timeout=5) == -signal.SIGTERM
-        assert time.monotonic() - started < 3
+        assert killer.progress() == [(p.pid, "terminated")]
+        assert killer.progress() == [] and killer.in_progress == frozenset()
     finally:
         p.kill()
         p.wait()
 
 
-def test_signal_killer_escalates_to_sigkill_after_the_grace_period():
-    p = spawn("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-              "print('ready', flush=True); time.sleep(30)")
+def test_signal_killer_escalates_to_sigkill_at_a_later_progress():
+    p = spawn(IGNORES_TERM)
+    clock = Clock()
+    killer = SignalKiller(clock, grace=5)
     try:
-        assert SignalKiller(grace=0.3, poll_interval=0.02).terminate(p.pid, lambda: True) == \
-            "killed"
+        assert killer.terminate(p.pid, lambda: True) == "signalled"
+        clock.now += 4.9
+        assert killer.progress() == [] and p.poll() is None  # within the grace period
+        assert killer.terminate(p.pid, lambda: True) == "signalled"  # not signalled twice
+        clock.now += 0.1
+        assert killer.progress() == [(p.pid, "escalated")]
         assert p.wait(timeout=5) == -signal.SIGKILL
+        assert killer.progress() == [(p.pid, "killed")]
+        assert clock.slept == []
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_process_that_survives_sigkill_is_reported_once_and_never_signalled_again(
+        monkeypatch):
+    """A process in uninterruptible sleep (stuck in the kernel or the driver) outlives
+    SIGKILL: it is reported `unkillable` (not `killed`), once, and not signalled again."""
+    import kai_fractions.node.watchdog as wd
+
+    class Stuck(wd.PidfdPin):
+        def exited(self) -> bool:
+            return not alive[0]
+
+    alive = [True]
+    monkeypatch.setattr(wd, "PidfdPin", Stuck)
+    sent: list[int] = []
+    real_send = signal.pidfd_send_signal
+    monkeypatch.setattr(signal, "pidfd_send_signal",
+                        lambda fd, sig: sent.append(sig) or real_send(fd, sig))
+    p = spawn(IGNORES_TERM)
+    clock = Clock()
+    killer = SignalKiller(clock, grace=5, kill_bound=10)
+    try:
+        assert killer.terminate(p.pid, lambda: True) == "signalled"
+        clock.now += 5
+        assert killer.progress() == [(p.pid, "escalated")]
+        p.wait(timeout=5)  # (really gone; the pin says otherwise, as for a D-state process)
+        clock.now += 9.9
+        assert killer.progress() == []
+        clock.now += 0.1
+        assert killer.progress() == [(p.pid, "unkillable")]
+        clock.now += 100
+        assert killer.progress() == []
+        assert killer.terminate(p.pid, lambda: True) == "unkillable"
+        assert sent == [signal.SIGTERM, signal.SIGKILL]
+        alive[0] = False  # it finally exits
+        assert killer.progress() == [(p.pid, "killed")]
     finally:
         p.kill()
         p.wait()
@@ -429,17 +489,58 @@ def test_signal_killer_rechecks_ownership_and_handles_gone_pids():
     assert SignalKiller().terminate(os.getpid(), lambda: True) == "skipped"
 
 
-def test_signal_killer_grace_runs_on_the_clock_seam():
-    p = spawn("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-              "print('ready', flush=True); time.sleep(30)")
+class RealPids(Procfs):
+    """The real /proc, with the given pids in container A of pod A."""
+
+    def __init__(self, pids):
+        super().__init__("/proc")
+        self.pids = set(pids)
+
+    def cgroup_path(self, pid):
+        if pid in self.pids:
+            return systemd(POD_A, CID_A)[3:].strip()
+        return super().cgroup_path(pid)
+
+
+def test_a_kill_never_holds_the_check_and_each_stop_is_followed_across_checks():
+    """The check runs on the agent's one worker: it used to wait the grace period after
+    SIGTERM and again after SIGKILL, per process, serially."""
+    procs = [spawn(IGNORES_TERM) for _ in range(3)]
+    pids = sorted(p.pid for p in procs)
     clock = Clock()
+    mps = FakeMpsControl()
+    mps.namespace_create("kf_a")
+    mps.attach_client(pids[0], "kf_a")
+    dog = Watchdog("kill", RealPids(pids), SignalKiller(clock, grace=5), mps, clock)
+    listed = {GPU0: [Proc(pid, 800 * MIB) for pid in pids]}
+
+    def outcomes(report):
+        return sorted((a.pid, a.step, a.outcome) for a in report.actions)
+
     try:
-        assert SignalKiller(clock, grace=10, poll_interval=1).terminate(p.pid, lambda: True) \
-            == "killed"
-        assert sum(clock.slept) >= 10  # the fake clock waited, the test did not
+        started = time.monotonic()
+        first = dog.check(listed, managed())
+        assert time.monotonic() - started < 2 and clock.slept == []
+        assert outcomes(first) == sorted(
+            [(pids[0], "drain", "drained")] + [(pid, "terminate", "signalled") for pid in pids])
+        clock.now += 1
+        assert dog.check(listed, managed()).actions == ()  # in progress: nothing again
+        assert mps.terminated == [pids[0]]  # drained once
+        clock.now += 4
+        assert outcomes(dog.check(listed, managed())) == [
+            (pid, "terminate", "escalated") for pid in pids]
+        for p in procs:
+            assert p.wait(timeout=5) == -signal.SIGKILL
+        # Gone, and no longer listed: the outcome is still reported, for its container.
+        last = dog.check({GPU0: []}, managed())
+        assert outcomes(last) == [(pid, "terminate", "killed") for pid in pids]
+        assert {(a.device_uuid, a.pod_uid, a.container_name) for a in last.actions} == {
+            (GPU0, POD_A, "trainer")}
+        assert clock.slept == []
     finally:
-        p.kill()
-        p.wait()
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 class CountingProcfs(Procfs):

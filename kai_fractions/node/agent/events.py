@@ -5,8 +5,10 @@ written), `SignatureMissing` (waiting for the allocation's signature, no marker 
 `SignatureKeyUnknown` (waiting for the key of its signature: a rotation on its way),
 `LimitViolation` (the watchdog in report mode saw a container above its cap; once per
 episode: again only after the usage went back under the cap), `LimitEnforced` (kill mode:
-the watchdog drained and stopped a process), `PlanChangeRefused` (a running container's
-annotations changed: the new plan is refused, the applied one stays in force), and
+the watchdog drained and stopped a process), the Warning `ProcessNotStopped` (kill mode: a
+process over its cap still runs some time after SIGKILL, stuck in the kernel),
+`PlanChangeRefused` (a running container's annotations changed: the new plan is refused, the
+applied one stays in force), and
 `MpsClientsDrained` / the Warning `MpsDrainFailed` (an sm-sharing pod being deleted was
 drained from MPS before the kubelet's SIGKILL, or could not be: `drain_before_kill`). The
 de-duplication key says what "the same event" is; an event the API did not take is kept and
@@ -37,6 +39,7 @@ LIMIT_VIOLATION = "LimitViolation"
 SIGNATURE_MISSING = Reason.MISSING.value
 SIGNATURE_KEY_UNKNOWN = Reason.KEY_UNKNOWN.value
 LIMIT_ENFORCED = "LimitEnforced"
+PROCESS_NOT_STOPPED = "ProcessNotStopped"
 PLAN_CHANGE_REFUSED = "PlanChangeRefused"
 MPS_CLIENTS_DRAINED = "MpsClientsDrained"
 MPS_DRAIN_FAILED = "MpsDrainFailed"

@@ -22,7 +22,15 @@ from ..desired import ContainerKey, DesiredState
 from ..errors import NvmlError
 from ..inventory import Inventory
 from ..nvml import Nvml
-from ..watchdog import KILLED, TERMINATE, TERMINATED, ContainerUsage, Watchdog, WatchdogReport
+from ..watchdog import (
+    KILLED,
+    TERMINATE,
+    TERMINATED,
+    UNKILLABLE,
+    ContainerUsage,
+    Watchdog,
+    WatchdogReport,
+)
 from . import events as ev
 from .events import EventRecorder, PodRef
 from .metrics import AgentMetrics, Usage
@@ -180,11 +188,21 @@ class UsageCheck:
         # an episode ends when the usage is back under the cap: the next one is reported again
         self.events.forget_matching(lambda k: isinstance(k, tuple) and len(k) == 4
                                     and k[0] == ev.LIMIT_VIOLATION and k not in now_violating)
+        # A stop takes several checks (SIGTERM, SIGKILL after the grace period): only what
+        # happened in the end is an event, the steps in between are logged.
         for a in report.actions:
-            if a.step != TERMINATE or a.outcome not in (TERMINATED, KILLED):
+            if a.step != TERMINATE or a.outcome not in (TERMINATED, KILLED, UNKILLABLE):
                 continue
             ref = refs.get(ContainerKey(a.pod_uid, a.container_name))
             if ref is None:
+                continue
+            if a.outcome == UNKILLABLE:
+                self.events.emit(
+                    ref, ev.WARNING, ev.PROCESS_NOT_STOPPED,
+                    f"container {a.container_name}: process {a.pid}, over its GPU memory cap on "
+                    f"{a.device_uuid}, still runs after SIGKILL (stuck in the kernel or the "
+                    "driver); its GPU memory stays in use until it exits",
+                    key=(ev.PROCESS_NOT_STOPPED, a.pod_uid, a.container_name, a.pid))
                 continue
             self.events.emit(
                 ref, ev.WARNING, ev.LIMIT_ENFORCED,
