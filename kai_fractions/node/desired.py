@@ -53,7 +53,6 @@ class RefusalReason(StrEnum):
     DEVICE_NOT_ON_NODE = "DeviceNotOnNode"
     COMPUTE_MODE_MIX = "ComputeModeMix"
     MEMORY_OVERCOMMITTED = "MemoryOvercommitted"
-    LIMIT_OVER_DEVICE = "MemoryLimitOverDevice"
     SM_SHARING_DISABLED = "SmSharingDisabled"
     MEMORY_LIMITS_UNSUPPORTED = "MemoryLimitsUnsupported"
     MIG_NOT_SUPPORTED = "MigNotSupported"
@@ -492,7 +491,7 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
         if isinstance(paths, Refusal):
             refusal = paths
         if refusal is None:
-            refusal = _sharing_refusal(c, inventory, modes, requested, config.keys)
+            refusal = _sharing_refusal(c, inventory, modes, requested)
         if refusal is None:
             refusal = _namespace_refusal(c, namespaces, config.keys)
         if refusal is None:
@@ -543,7 +542,8 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
         containers=tuple(accepted),
         refusals=tuple(refusals),
         owned_pods=frozenset(owned),
-        limits=_pod_limits(accepted) + tuple(t for c in accepted for t in c.limits),
+        limits=_within_devices(_pod_limits(accepted) + tuple(t for c in accepted for t in c.limits),
+                               inventory),
     )
 
 
@@ -595,7 +595,7 @@ def _mount_refusal(c: _Candidate, config: NodeConfig) -> Refusal | None:
 
 def _sharing_refusal(c: _Candidate, inventory: Inventory,
                      modes: Mapping[str, tuple[ComputeMode, str]],
-                     requested: Mapping[str, int], keys: k.Keys) -> Refusal | None:
+                     requested: Mapping[str, int]) -> Refusal | None:
     pod, plan = c.pod, c.plan
     for uuid in plan.device_uuids:
         held = modes.get(uuid)
@@ -617,14 +617,6 @@ def _sharing_refusal(c: _Candidate, inventory: Inventory,
                 f"this one already request {_mib(before)}, and this one requests "
                 f"{_mib(plan.request_bytes)} more: the guarantees cannot all be kept; lower the "
                 "request or let the scheduler pick another GPU")
-        if plan.limit_bytes > device.memory_total:
-            # NVML refuses a limit above the device's memory (nvml.h, SetMemoryLimits:
-            # INVALID_ARGUMENT), and one of 2^64 bytes or more would not even fit its field.
-            return _refuse(
-                pod, plan.container, RefusalReason.LIMIT_OVER_DEVICE,
-                f"{keys.container(plan.container, k.MEMORY_LIMIT)} asks a cap of "
-                f"{_mib(plan.limit_bytes)}, more than GPU {uuid}'s {_mib(device.memory_total)}: "
-                "a cap must fit the GPU; lower it to at most the GPU's memory")
     return None
 
 
@@ -643,6 +635,21 @@ def _gpu(device: DeviceInfo, accepted: list[ContainerDesired],
                       containers=tuple(members.get(device.uuid, ())),
                       requested_bytes=requested.get(device.uuid, 0),
                       mps_pinned_mib=max(pinned) if pinned else None)
+
+
+def _within_devices(targets: tuple[LimitTarget, ...], inventory: Inventory
+                    ) -> tuple[LimitTarget, ...]:
+    """Each limit as the GPU can hold it. A cap above the GPU's memory (`80Gi` on an H100's
+    81,559 MiB, say) caps nothing, and NVML refuses to write it (nvml.h, SetMemoryLimits:
+    INVALID_ARGUMENT "if a limit exceeds total device memory"): it is written as the GPU's
+    memory, the same cap. A request above it was refused before (MemoryOvercommitted)."""
+    fitted = []
+    for t in targets:
+        device = inventory.device(t.gpu_uuid)
+        total = device.memory_total if device is not None else t.hard
+        fitted.append(t if t.hard <= total else
+                      dataclasses.replace(t, soft=min(t.soft, total), hard=total))
+    return tuple(fitted)
 
 
 def _pod_limits(accepted: list[ContainerDesired]) -> tuple[LimitTarget, ...]:

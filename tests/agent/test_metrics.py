@@ -168,7 +168,6 @@ def test_refusals_and_violations_are_counted_per_node_and_outlive_the_pod(
     violations = "kai_fractions_node_gpu_memory_limit_violations_total"
     zero = {frozenset({**node, "reason": r}.items()): 0 for r in (
         "ContractInvalid", "DeviceNotOnNode", "ComputeModeMix", "MemoryOvercommitted",
-        "MemoryLimitOverDevice",
         "SmSharingDisabled", "MemoryLimitsUnsupported", "MigNotSupported", "MpsNamespaceTaken",
         "MpsMountMismatch", "PlanChangeRefused")}  # NotBound is a wait, never counted
     assert samples(rig, refusals) == zero

@@ -272,18 +272,19 @@ def test_memory_overcommitted_refuses_the_newcomer() -> None:
     assert_nothing_for(state, UID_B)
 
 
-@pytest.mark.parametrize("limit", ["90Gi", "18446744095184388096"])
-def test_a_cap_above_the_gpu_is_refused_naming_its_key(limit: str) -> None:
-    """NVML refuses a hard limit above the device's memory (nvml.h, SetMemoryLimits); one of
-    2^64 bytes or more (2^64 + 20 GiB here) would wrap in its 64-bit field into another cap."""
+@pytest.mark.parametrize("limit", ["80Gi", "18446744095184388096"])
+def test_a_cap_above_the_gpu_is_written_as_the_gpus_memory(limit: str) -> None:
+    """A cap above the GPU's memory caps nothing, and NVML refuses to write it (nvml.h,
+    SetMemoryLimits: INVALID_ARGUMENT): the same cap, the GPU's 81559 MiB, is written instead.
+    One of 2^64 bytes or more (2^64 + 20 GiB here) would also wrap in NVML's 64-bit field."""
     state = plan(node_pod(notes=annotations(request="10Gi", limit=limit)))
-    (r,) = state.refusals
-    assert r.reason is RefusalReason.LIMIT_OVER_DEVICE and r.final
-    assert r.message.startswith("nvidia.com/container.main.gpu-memory.limit asks a cap of ")
-    assert r.message.endswith(f"more than GPU {GPU0}'s 81559 MiB: a cap must fit the GPU; "
-                              "lower it to at most the GPU's memory")
-    assert_nothing_for(state, UID_A)
-    assert plan(node_pod(notes=annotations(request="10Gi", limit="81559Mi"))).refusals == ()
+    assert state.refusals == ()
+    (c,) = state.containers
+    assert c.plan.limit_bytes > 81559 * MIB  # the plan (and its marker) keep what was asked
+    assert state.limits == (
+        LimitTarget(GPU0, SLICE_A, 10 * GIB, 81559 * MIB, UID_A, None),
+        LimitTarget(GPU0, LEAF_A, 10 * GIB, 81559 * MIB, UID_A, "main"),
+    )
 
 
 def test_every_refusal_applies_nothing_and_names_an_action() -> None:
