@@ -380,7 +380,7 @@ class Watchdog:
             self._forget(pid)
         actions: list[Action] = []
         if self.policy == KILL:
-            actions = self._progress()
+            actions = self.progress()
             if violations:
                 actions += self._enforce(violations)
         return WatchdogReport(self.clock.monotonic(), tuple(v for v, _ in violations),
@@ -478,9 +478,13 @@ class Watchdog:
 
     # -------------------------------------------------------------------- enforcement
 
-    def _progress(self) -> list[Action]:
+    def progress(self) -> list[Action]:
         """The stops in progress whose state changed since the last check (the process may
-        well be listed no more: it exited)."""
+        well be listed no more: it exited). Part of every kill-mode check, and called alone
+        when no check can read usage (NVML down): signalling needs no NVML, and a process that
+        ignores SIGTERM must not keep its GPU memory for as long as NVML fails."""
+        if self.policy != KILL:
+            return []
         actions: list[Action] = []
         for pid, outcome in self.killer.progress():
             device, pod_uid, name = self._stopping.get(pid, ("", "", ""))

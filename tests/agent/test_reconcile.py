@@ -730,6 +730,30 @@ def test_a_stop_is_an_event_when_it_ends_and_a_process_that_outlives_sigkill_is_
         "it exits")
 
 
+def test_a_stop_in_progress_moves_on_while_nvml_fails(short_tmp: Path) -> None:
+    """SIGKILL is sent only when a stop moves on; signalling needs no NVML, so a GPU that
+    fell off the bus must not let a process that ignores SIGTERM keep running (and keep its
+    GPU memory) for as long as NVML fails. Its outcome is still an event."""
+    rig = Rig(short_tmp, sm_sharing=False, watchdog_policy="kill")
+    killer = SteppedKiller()
+    rig.reconciler.usage.watchdog.killer = killer
+    uid = add_pod(rig)
+    rig.step()
+    _running(rig, uid, 4242, 25 * GIB)
+    rig.reconciler.check_usage()  # SIGTERM sent
+    rig.nvml.fail("devices", "GpuIsLost", times=None)
+    assert "GPULost" in rig.step().errors
+    assert rig.reconciler.nvml_health.inventory is None
+    killer.next = [(4242, "escalated")]
+    rig.reconciler.check_usage()
+    assert killer.next == []  # moved on: SIGKILL sent
+    killer.next = [(4242, "killed")]
+    rig.reconciler.check_usage()
+    assert killer.next == []
+    assert rig.cluster.event_reasons(uid) == ["Applied", "LimitEnforced"]
+    assert "process 4242 killed" in rig.cluster.events[-1]["message"]
+
+
 def test_drain_terminates_the_mps_clients_of_the_container(short_tmp: Path) -> None:
     rig = Rig(short_tmp)
     uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))

@@ -282,9 +282,12 @@ class Reconciler:
     # -- between passes -----------------------------------------------------------------------
 
     def check_usage(self) -> None:
-        """One watchdog check (`usage`), over what the last pass planned."""
+        """One watchdog check (`usage`), over what the last pass planned. Without an
+        inventory (NVML down) or a plan, the stops in progress still move on: they need no
+        NVML, and SIGKILL is sent only there."""
         desired, inventory = self.view.desired, self.nvml_health.inventory
         if desired is None or inventory is None:
+            self.usage.advance_stops(desired)
             return
         self.view = dataclasses.replace(self.view, usage=self.usage.check(desired, inventory))
 

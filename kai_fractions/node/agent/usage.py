@@ -27,6 +27,7 @@ from ..watchdog import (
     TERMINATE,
     TERMINATED,
     UNKILLABLE,
+    Action,
     ContainerUsage,
     Watchdog,
     WatchdogReport,
@@ -174,8 +175,7 @@ class UsageCheck:
         return {pid: pct for pid, (_ts, pct) in latest.items()}
 
     def _events(self, desired: DesiredState, report: WatchdogReport) -> None:
-        refs = {c.key: PodRef(c.pod_namespace, c.pod_name, c.key.pod_uid)
-                for c in desired.containers}
+        refs = _refs(desired)
         now_violating = set()
         for v in report.violations:
             ref = refs.get(ContainerKey(v.pod_uid, v.container_name))
@@ -188,9 +188,19 @@ class UsageCheck:
         # an episode ends when the usage is back under the cap: the next one is reported again
         self.events.forget_matching(lambda k: isinstance(k, tuple) and len(k) == 4
                                     and k[0] == ev.LIMIT_VIOLATION and k not in now_violating)
-        # A stop takes several checks (SIGTERM, SIGKILL after the grace period): only what
-        # happened in the end is an event, the steps in between are logged.
-        for a in report.actions:
+        self._stop_events(report.actions, refs)
+
+    def advance_stops(self, desired: DesiredState | None) -> None:
+        """The watchdog's stops in progress moved on without a usage check: what the agent
+        runs instead of `check` while NVML does not work (no inventory) or nothing is planned
+        yet. Usage, violations and metrics wait for a check that can read them."""
+        self._stop_events(self.watchdog.progress(), _refs(desired))
+
+    def _stop_events(self, actions: Iterable[Action],
+                     refs: Mapping[ContainerKey, PodRef]) -> None:
+        """A stop takes several checks (SIGTERM, SIGKILL after the grace period): only what
+        happened in the end is an event, the steps in between are logged."""
+        for a in actions:
             if a.step != TERMINATE or a.outcome not in (TERMINATED, KILLED, UNKILLABLE):
                 continue
             ref = refs.get(ContainerKey(a.pod_uid, a.container_name))
@@ -209,3 +219,10 @@ class UsageCheck:
                 f"container {a.container_name}: process {a.pid} {a.outcome} for using more GPU "
                 f"memory on {a.device_uuid} than its cap (drained from MPS first when it was "
                 "a client)", key=(ev.LIMIT_ENFORCED, a.pod_uid, a.container_name, a.pid))
+
+
+def _refs(desired: DesiredState | None) -> dict[ContainerKey, PodRef]:
+    """The pod of each planned container, for its events."""
+    if desired is None:
+        return {}
+    return {c.key: PodRef(c.pod_namespace, c.pod_name, c.key.pod_uid) for c in desired.containers}
