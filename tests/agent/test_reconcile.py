@@ -754,6 +754,36 @@ def test_a_stop_in_progress_moves_on_while_nvml_fails(short_tmp: Path) -> None:
     assert "process 4242 killed" in rig.cluster.events[-1]["message"]
 
 
+@pytest.mark.parametrize("ends", ["Failed", "deleted"])
+def test_a_stop_that_ends_after_its_pod_left_the_plan_is_still_its_event(
+        short_tmp: Path, ends: str) -> None:
+    """Stopping the main process usually ends the pod (or it is deleted meanwhile): its
+    outcome comes at a later check, when the pod is planned no more, and is still the pod's
+    event, named from what was remembered when the stop started."""
+    rig = Rig(short_tmp, sm_sharing=False, watchdog_policy="kill")
+    killer = SteppedKiller()
+    rig.reconciler.usage.watchdog.killer = killer
+    uid = add_pod(rig)
+    rig.step()
+    _running(rig, uid, 4242, 25 * GIB)
+    rig.reconciler.check_usage()  # SIGTERM sent
+    rig.nvml.remove_process(4242)  # it exits on SIGTERM
+    if ends == "Failed":
+        rig.cluster.update_pod(uid, status={"phase": "Failed", "qosClass": "Burstable"})
+    else:
+        rig.cluster.delete_pod(uid)
+    rig.step()
+    assert rig.reconciler.view.desired.containers == ()
+    killer.next = [(4242, "terminated")]
+    rig.reconciler.check_usage()
+    assert rig.cluster.event_reasons(uid) == ["Applied", "LimitEnforced"]
+    event = rig.cluster.events[-1]
+    assert event["involvedObject"]["name"] == "p"
+    assert event["involvedObject"]["namespace"] == "default"
+    assert "process 4242 terminated" in event["message"]
+    assert rig.reconciler.usage._stop_refs == {}  # forgotten once it exited
+
+
 def test_drain_terminates_the_mps_clients_of_the_container(short_tmp: Path) -> None:
     rig = Rig(short_tmp)
     uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))

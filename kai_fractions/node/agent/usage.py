@@ -23,7 +23,9 @@ from ..errors import NvmlError
 from ..inventory import Inventory
 from ..nvml import Nvml
 from ..watchdog import (
+    ESCALATED,
     KILLED,
+    SIGNALLED,
     TERMINATE,
     TERMINATED,
     UNKILLABLE,
@@ -67,6 +69,10 @@ class UsageCheck:
         """GPU uuids where NVML lists a managed container's process without its memory."""
         self._unseen: set[str] = set()
         """GPU uuids whose memory is used by processes NVML does not list."""
+        self._stop_refs: dict[int, PodRef] = {}
+        """pid -> the pod of each stop in progress, taken when it started: its outcome comes
+        at a later check, often after the pod left the plan (its main process exited on
+        SIGTERM, so the pod ended), and must still be its event."""
 
     def check(self, desired: DesiredState, inventory: Inventory
               ) -> Mapping[tuple[ContainerKey, str], Usage]:
@@ -201,10 +207,10 @@ class UsageCheck:
         """A stop takes several checks (SIGTERM, SIGKILL after the grace period): only what
         happened in the end is an event, the steps in between are logged."""
         for a in actions:
-            if a.step != TERMINATE or a.outcome not in (TERMINATED, KILLED, UNKILLABLE):
+            if a.step != TERMINATE:
                 continue
-            ref = refs.get(ContainerKey(a.pod_uid, a.container_name))
-            if ref is None:
+            ref = self._stop_ref(a, refs)
+            if ref is None or a.outcome not in (TERMINATED, KILLED, UNKILLABLE):
                 continue
             if a.outcome == UNKILLABLE:
                 self.events.emit(
@@ -219,6 +225,18 @@ class UsageCheck:
                 f"container {a.container_name}: process {a.pid} {a.outcome} for using more GPU "
                 f"memory on {a.device_uuid} than its cap (drained from MPS first when it was "
                 "a client)", key=(ev.LIMIT_ENFORCED, a.pod_uid, a.container_name, a.pid))
+
+    def _stop_ref(self, a: Action, refs: Mapping[ContainerKey, PodRef]) -> PodRef | None:
+        """The pod of a stop's step: remembered while the stop is in progress (SIGTERM sent,
+        SIGKILL sent, or still running after it), forgotten once the process exited."""
+        ref = self._stop_refs.get(a.pid)
+        if ref is None or ref.uid != a.pod_uid:
+            ref = refs.get(ContainerKey(a.pod_uid, a.container_name))
+        if a.outcome in (SIGNALLED, ESCALATED, UNKILLABLE) and ref is not None:
+            self._stop_refs[a.pid] = ref
+        else:
+            self._stop_refs.pop(a.pid, None)
+        return ref
 
 
 def _refs(desired: DesiredState | None) -> dict[ContainerKey, PodRef]:
