@@ -11,7 +11,7 @@ from kai_fractions.node.agent.metrics import AgentMetrics
 from kai_fractions.node.agent.mps_supervisor import MpsHealth, drain
 from kai_fractions.node.mps.control import MpsControl
 from kai_fractions.node.mps.daemon import MpsDaemon
-from kai_fractions.node.mps.runner import CommandTimeout, RecordingRunner
+from kai_fractions.node.mps.runner import CommandResult, CommandTimeout, RecordingRunner
 from kai_fractions.node.procfs import PodContainer
 from tests.node.test_mps_daemon import BIN, LIST, FakeClock, FakeProcesses
 
@@ -33,6 +33,48 @@ def test_a_daemon_slow_at_the_first_look_is_adopted_not_owned(tmp_path):
     assert processes.killed == [] and (BIN, "-d") not in runner.argvs
     health.stop()
     assert "quit\n" not in runner.stdins  # not ours to stop
+
+
+class SlowToAnswer:
+    """Health answers of a daemon that the agent starts and that answers only `slow_for`
+    seconds after its start (a loaded node): until then each check times out."""
+
+    def __init__(self, clock: FakeClock, processes: FakeProcesses, slow_for: float = 10.5):
+        self.clock, self.processes, self.slow_for = clock, processes, slow_for
+        self.started_at: float | None = None
+
+    def health(self, _call):
+        if self.started_at is None:
+            return CommandResult(1, "", "Cannot find MPS control daemon process\n")
+        if self.clock.now < self.started_at + self.slow_for:
+            raise CommandTimeout([BIN], 2)
+        return CommandResult(0, "", "")
+
+    def start(self, _call):
+        self.started_at = self.clock.now
+        self.processes.pid = 4242
+        self.processes.alive.add(4242)
+        return CommandResult(0, "", "")
+
+
+def test_a_daemon_the_agent_started_is_its_own_even_when_it_answered_late(tmp_path):
+    """`-d` returned 0 but the new daemon answered only after the start timeout: it is still
+    the daemon this agent started, and stopped at shutdown."""
+    clock, processes, runner = FakeClock(), FakeProcesses(), RecordingRunner()
+    daemon_side = SlowToAnswer(clock, processes)
+    runner.respond([BIN], daemon_side.health, stdin=LIST)
+    runner.respond([BIN, "-d"], daemon_side.start)
+    daemon = MpsDaemon(BIN, str(tmp_path / "p"), str(tmp_path / "l"), runner, clock,
+                       protocol_v3=False, processes=processes)
+    health = MpsHealth(daemon, AgentMetrics("node-a"), lambda: None)
+    _v3, error = health.check()
+    assert error is not None and error.reason == "MpsDaemonUnreachable"
+    assert daemon.starts == 1 and health.owned
+    clock.now += 5
+    assert health.check() == (False, None)  # it answers now
+    assert health.owned
+    health.stop()
+    assert "quit\n" in runner.stdins
 
 
 def test_a_legacy_client_that_exits_mid_drain_does_not_abort_the_pods_drain():

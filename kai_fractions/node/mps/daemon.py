@@ -149,7 +149,8 @@ class MpsDaemon:
         self.restarts = 0
         """Successful starts after the first one this supervisor made or found."""
         self.starts = 0
-        """Daemons this supervisor started (0: it only ever found one running)."""
+        """Daemons this supervisor started (`-d` returned 0, answering in time or not); 0: it
+        only ever found one running."""
         self.failures = 0
         """Consecutive failed starts, and starts of a daemon that died within `stable_after`
         (drives the backoff); 0 once one has run that long."""
@@ -234,21 +235,20 @@ class MpsDaemon:
             return False  # backing off: last_error still says why the last start failed
         quick = now - self._started_at < self.stable_after  # the last one died soon
         try:
-            self._start()
+            argv = self.start_argv()  # (asks the binary its protocol: may fail too)
+            self._launch(argv)
         except MpsError as err:
-            self.last_error = err
-            self.failures += 1
-            delay = self._delay()
-            self._next_attempt = self.clock.monotonic() + delay
-            log.warning("MPS control daemon start failed (%s: %s); next try in %gs",
-                        err.reason, err.message, delay)
-            return False
+            return self._start_failed(err)
+        self._launched()
+        try:
+            self._await_answer(argv)
+        except MpsError as err:
+            return self._start_failed(err)
         # Started. One that answers once and dies again at once must not be restarted on every
         # call (each restart runs a pass, whose check restarts it again): a start soon after
         # the last one counts toward the backoff the next restart waits.
         if quick:
             self.failures += 1
-        self.starts += 1
         self._started_at = self.clock.monotonic()
         self._next_attempt = self._started_at + (self._delay() if self.failures else 0.0)
         if self._seen_running:
@@ -259,12 +259,27 @@ class MpsDaemon:
         self._needs_reapply = True
         return self._reapply_if_needed()
 
+    def _launched(self) -> None:
+        """`-d` returned 0: a daemon this supervisor started runs, answering or not yet, and
+        is ours (stopped at shutdown)."""
+        self.starts += 1
+
+    def _start_failed(self, err: MpsError) -> bool:
+        """Why the start failed, and the backoff before the next one."""
+        self.last_error = err
+        self.failures += 1
+        delay = self._delay()
+        self._next_attempt = self.clock.monotonic() + delay
+        log.warning("MPS control daemon start failed (%s: %s); next try in %gs",
+                    err.reason, err.message, delay)
+        return False
+
     def _not_answering(self) -> bool:
         """True (with `last_error` saying so) while a live daemon that failed its health check
         is given time: killing it would kill every tenant's MPS clients, and a daemon that
         is only slow answers again. False when no daemon process is left (start one) or it
         has stayed silent for `wedged_checks` checks over `wedged_after` seconds (wedged:
-        `_start` kills it first)."""
+        `_launch` kills it first)."""
         pid = self.pid()
         if pid is None:
             self._silent_since, self._silent_checks = None, 0
@@ -311,13 +326,13 @@ class MpsDaemon:
         self.last_error = None
         return True
 
-    def _start(self) -> None:
+    def _launch(self, argv: list[str]) -> None:
+        """Runs `-d` (after killing a wedged daemon); raises MpsError when it fails."""
         for directory in (self.pipe_dir, self.log_dir):
             os.makedirs(directory, mode=0o755, exist_ok=True)
             # makedirs' mode is masked by the umask; the client sockets need 0755 exactly
             os.chmod(directory, 0o755)
         self._kill_wedged()
-        argv = self.start_argv()
         try:
             result = self.runner.run(argv, env=self.control.env, timeout=self.start_timeout)
         except CommandTimeout as exc:
@@ -331,6 +346,10 @@ class MpsDaemon:
         if result.returncode != 0:
             raise error_for_exit(result, " ".join(argv[1:]), binary=self.binary,
                                  pipe_dir=self.pipe_dir)
+
+    def _await_answer(self, argv: list[str]) -> None:
+        """Waits up to `start_timeout` for the daemon just launched to answer; raises
+        MpsDaemonUnreachable when it does not (it may yet, at a later check)."""
         deadline = self.clock.monotonic() + self.start_timeout
         while True:
             if self.healthy():
