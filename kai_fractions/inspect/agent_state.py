@@ -24,6 +24,20 @@ class AgentDevice:
 
 
 @dataclass(frozen=True, slots=True)
+class AgentPlan:
+    """The plan the agent holds a container to (GetNodeState): once applied, what is in force,
+    whatever the pod's annotations say now."""
+
+    devices: tuple[str, ...]
+    mode: str
+    """time-slicing | sm-sharing"""
+    request_bytes: int
+    limit_bytes: int
+    active_thread_percentage: int | None = None
+    mps_namespace: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class AgentAllocation:
     namespace: str
     pod: str
@@ -37,6 +51,12 @@ class AgentAllocation:
     """Over all the container's GPUs."""
     used_by_gpu: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     """GPU UUID -> bytes, when the source gives it per GPU (metrics)."""
+    plan: AgentPlan | None = None
+    """The agent's plan for it (socket only; None when it has none, e.g. refused)."""
+    change_reason: str = ""
+    change_message: str = ""
+    """Why the annotations' new plan is refused while `plan` stays in force
+    (`PlanChangeRefused`); "" otherwise."""
 
     def used_on(self, gpu_uuid: str, device_count: int) -> int | None:
         if gpu_uuid in self.used_by_gpu:

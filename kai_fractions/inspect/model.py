@@ -1,8 +1,10 @@
 """The per-GPU report of a node (or one pod): pure, from the pods, the node and the agent's word.
 
 Every number comes from the pods' annotations through the contract package (the same plan the
-node agent applies: request, limit, compute mode, active-thread percentage, devices). The state
-of each container comes from, in this order:
+node agent applies: request, limit, compute mode, active-thread percentage, devices), except for
+a container the agent reports applied: its numbers are the agent's plan, what is in force (a
+running pod's edited annotations change nothing; the agent's `PlanChangeRefused` is a warning of
+the row). The state of each container comes from, in this order:
 
 1. the node agent's refusal, when it answered (the cause, with its reason);
 2. a gate that exited non-zero: refused with its termination message (the workload did not
@@ -35,7 +37,7 @@ from ..contract import (
 )
 from ..contract import keys as k
 from ..kube.objects import epoch_seconds
-from .agent_state import AgentState
+from .agent_state import AgentAllocation, AgentState
 
 ENFORCED = "enforced"
 REFUSED = "refused"
@@ -72,6 +74,9 @@ class Row:
     mps_namespace: str = ""
     """An sm-sharing container's MPS namespace (what `nvidia-cuda-mps-control` lists), once
     planned."""
+    warnings: tuple[str, ...] = ()
+    """What is wrong even when enforced (a refused plan change: the annotations are not what is
+    in force), one `!` line each."""
 
     @property
     def ref(self) -> str:
@@ -86,6 +91,7 @@ class Row:
             "devices": list(self.devices), "state": self.state, "reason": self.reason,
             "message": self.message, "used_bytes": self.used_bytes, "portion": self.portion,
             "device_count": self.device_count, "mps_namespace": self.mps_namespace,
+            "warnings": list(self.warnings),
         }
 
 
@@ -252,6 +258,22 @@ def _plan(share: ContainerShare, identity: str, keys: Keys) -> _Planned:
                     plan.active_thread_percentage, plan.device_uuids, plan.mps_namespace or "")
 
 
+def _in_force(planned: _Planned, found: AgentAllocation | None) -> _Planned:
+    """The agent's plan of a container it reports applied: what is in force, which differs
+    from the annotations when it refused their new plan (`PlanChangeRefused`)."""
+    if found is None or found.state != "applied" or found.plan is None:
+        return planned
+    p = found.plan
+    return _Planned(planned.share, p.mode or planned.mode, p.request_bytes, p.limit_bytes,
+                    p.active_thread_percentage, p.devices, p.mps_namespace)
+
+
+def _warnings(found: AgentAllocation | None) -> tuple[str, ...]:
+    if found is None or not found.change_reason:
+        return ()
+    return (f"{found.change_reason}: {found.change_message}",)
+
+
 def pod_rows(pod: Mapping[str, Any], agent: AgentState | None, keys: Keys) -> list[Row]:
     """One row per fractional container and GPU (one row without a GPU when none is assigned)."""
     metadata = pod.get("metadata") or {}
@@ -268,11 +290,13 @@ def pod_rows(pod: Mapping[str, Any], agent: AgentState | None, keys: Keys) -> li
                     INVALID, "ContractInvalid", str(e)) for e in request.errors[:1]]
     gate = gate_state(pod)
     for share in request.shares:
-        planned = _plan(share, pod_identity(request), keys)
         state, reason, message = _state(pod, view.node_name, share.container, gate, agent,
                                         bool(request.errors), request)
         found = agent.allocation(view.namespace, view.name, share.container, view.uid) \
             if agent is not None and agent.reachable else None
+        planned = _plan(share, pod_identity(request), keys)
+        if state == ENFORCED:
+            planned = _in_force(planned, found)
         for uuid in planned.devices or ("",):
             used = found.used_on(uuid, len(planned.devices)) if found is not None else None
             rows.append(Row(view.namespace, view.name, share.container, uuid, planned.mode,
@@ -280,7 +304,8 @@ def pod_rows(pod: Mapping[str, Any], agent: AgentState | None, keys: Keys) -> li
                             planned.devices, state, reason, message, used,
                             portion=format_plain(share.fraction) if share.fraction else "",
                             device_count=max(len(planned.devices), share.num_devices),
-                            mps_namespace=planned.mps_namespace))
+                            mps_namespace=planned.mps_namespace,
+                            warnings=_warnings(found)))
     return rows
 
 

@@ -69,12 +69,15 @@ def gpu_heading(gpu: Gpu) -> str:
 
 
 def reasons(rows: Sequence[Row]) -> list[str]:
-    """One `! <ref>: <reason>: <message>` line per row that is not enforced."""
-    seen: dict[str, str] = {}
+    """One `! <ref>: <reason>: <message>` line per row that is not enforced, and one per
+    warning of any row (each line once: a container on several GPUs has a row each)."""
+    lines: dict[str, None] = {}
     for r in rows:
-        if r.state != ENFORCED and r.message and r.ref not in seen:
-            seen[r.ref] = f"  ! {r.ref}: {r.reason + ': ' if r.reason else ''}{r.message}"
-    return list(seen.values())
+        if r.state != ENFORCED and r.message:
+            lines[f"  ! {r.ref}: {r.reason + ': ' if r.reason else ''}{r.message}"] = None
+        for warning in r.warnings:
+            lines[f"  ! {r.ref}: {warning}"] = None
+    return list(lines)
 
 
 def heading(report: Report) -> list[str]:

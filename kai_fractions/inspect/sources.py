@@ -18,6 +18,7 @@ from .agent_state import (
     AgentAllocation,
     AgentCondition,
     AgentDevice,
+    AgentPlan,
     AgentState,
     unreachable,
 )
@@ -145,15 +146,31 @@ def load_kube(kubeconfig: str | None, timeout: float = 10.0) -> KubeReader:
 _STATES = {0: "", 1: "pending", 2: "applied", 3: "refused"}
 
 
+_MODES = {1: "time-slicing", 2: "sm-sharing"}
+
+
+def _plan(a: Any) -> AgentPlan | None:
+    """The plan of a ContainerAllocation; None when it carries none (no devices)."""
+    if not a.devices:
+        return None
+    return AgentPlan(devices=tuple(a.devices), mode=_MODES.get(a.compute_sharing_mode, ""),
+                     request_bytes=a.memory_request_bytes, limit_bytes=a.memory_limit_bytes,
+                     active_thread_percentage=a.active_thread_percentage or None,
+                     mps_namespace=a.mps_namespace)
+
+
+def _allocation(a: Any) -> AgentAllocation:
+    return AgentAllocation(
+        namespace=a.pod.namespace, pod=a.pod.name, container=a.container, uid=a.pod.uid,
+        state=_STATES.get(a.state, ""), reason=a.reason, message=a.message,
+        # A refused container is not accounted: its 0 means "not known".
+        used_bytes=None if a.state == 3 else a.memory_used_bytes, plan=_plan(a),
+        change_reason=a.change_refused_reason, change_message=a.change_refused_message)
+
+
 def from_node_state(reply: Any, source: str) -> AgentState:
     """AgentState from a NodeEnforcer GetNodeStateResponse."""
-    allocations = tuple(
-        AgentAllocation(namespace=a.pod.namespace, pod=a.pod.name, container=a.container,
-                        uid=a.pod.uid, state=_STATES.get(a.state, ""), reason=a.reason,
-                        message=a.message,
-                        # A refused container is not accounted: its 0 means "not known".
-                        used_bytes=None if a.state == 3 else a.memory_used_bytes)
-        for a in reply.allocations)
+    allocations = tuple(_allocation(a) for a in reply.allocations)
     condition = None
     if reply.HasField("condition"):
         c = reply.condition

@@ -214,3 +214,24 @@ def test_the_heartbeat_is_the_later_of_the_lease_and_the_condition() -> None:
                                                                           "403")
     assert heartbeat({"status": {}}, cond["type"], None, "", now) == Heartbeat(None)
     assert heartbeat(None, cond["type"], lease, "kf/x", now) is None
+
+
+def test_an_applied_container_shows_the_agents_plan_and_a_refused_change():
+    """The limit annotation was raised 16Gi -> 32Gi on the running pod; the agent keeps 16Gi
+    (`PlanChangeRefused`): the row shows what is in force, and why the edit is not."""
+    from kai_fractions.inspect.agent_state import AgentPlan
+    from kai_fractions.inspect.render import render
+
+    p = bind(memory_pod("nb", UID_A, "8Gi", "16Gi"), (GPU0,))
+    p["metadata"]["annotations"]["nvidia.com/container.main.gpu-memory.limit"] = "32Gi"
+    why = "the pod's GPU annotations changed (memory limit 16384 MiB -> 32768 MiB): refused"
+    agent = AgentState(source="socket", allocations=(AgentAllocation(
+        "team-a", "nb", "main", UID_A, "applied", used_bytes=MIB,
+        plan=AgentPlan((GPU0,), "time-slicing", 8192 * MIB, 16384 * MIB),
+        change_reason="PlanChangeRefused", change_message=why),))
+    report = node_report(NODE, node(), [p], agent)
+    [row] = report.rows
+    assert (row.state, row.request_bytes, row.limit_bytes) == ("enforced", 8192 * MIB,
+                                                                16384 * MIB)
+    assert row.warnings == (f"PlanChangeRefused: {why}",)
+    assert f"  ! team-a/nb/main: PlanChangeRefused: {why}" in render(report, "table").splitlines()

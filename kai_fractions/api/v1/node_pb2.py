@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kai_fractions.api.v1 import allocation_pb2 as kai__fractions_dot_v1_dot_allocation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkai_fractions/v1/node.proto\x12\x10kai_fractions.v1\x1a!kai_fractions/v1/allocation.proto\"z\n\x06\x44\x65vice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x03\x12\x14\n\x0c\x63ompute_mode\x18\x05 \x01(\t\x12\x13\n\x0bmig_enabled\x18\x06 \x01(\x08\"|\n\x0c\x41ppliedLimit\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\x13\n\x0b\x63group_path\x18\x02 \x01(\t\x12\x18\n\x10soft_limit_bytes\x18\x03 \x01(\x03\x12\x18\n\x10hard_limit_bytes\x18\x04 \x01(\x03\x12\x11\n\tmechanism\x18\x05 \x01(\t\"\xd2\x03\n\x13\x43ontainerAllocation\x12%\n\x03pod\x18\x01 \x01(\x0b\x32\x18.kai_fractions.v1.PodRef\x12\x11\n\tcontainer\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x03(\t\x12\x42\n\x14\x63ompute_sharing_mode\x18\x04 \x01(\x0e\x32$.kai_fractions.v1.ComputeSharingMode\x12\x1c\n\x14memory_request_bytes\x18\x05 \x01(\x03\x12\x1a\n\x12memory_limit_bytes\x18\x06 \x01(\x03\x12 \n\x18\x61\x63tive_thread_percentage\x18\x07 \x01(\x05\x12\x30\n\x05state\x18\x08 \x01(\x0e\x32!.kai_fractions.v1.AllocationState\x12\x0e\n\x06reason\x18\t \x01(\t\x12\x0f\n\x07message\x18\n \x01(\t\x12\x13\n\x0bplan_digest\x18\x0b \x01(\t\x12\x36\n\x0e\x61pplied_limits\x18\x0c \x03(\x0b\x32\x1e.kai_fractions.v1.AppliedLimit\x12\x19\n\x11memory_used_bytes\x18\r \x01(\x03\x12\x15\n\rmps_namespace\x18\x0e \x01(\t\"M\n\rNodeCondition\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"\x15\n\x13GetNodeStateRequest\"\xfd\x01\n\x14GetNodeStateResponse\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\x16\n\x0e\x64river_version\x18\x02 \x01(\t\x12)\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x18.kai_fractions.v1.Device\x12:\n\x0b\x61llocations\x18\x04 \x03(\x0b\x32%.kai_fractions.v1.ContainerAllocation\x12\x32\n\tcondition\x18\x05 \x01(\x0b\x32\x1f.kai_fractions.v1.NodeCondition\x12\x1f\n\x17memory_limits_supported\x18\x06 \x01(\x08\"\xe4\x01\n\x10ProvisionRequest\x12%\n\x03pod\x18\x01 \x01(\x0b\x32\x18.kai_fractions.v1.PodRef\x12H\n\x0b\x61nnotations\x18\x02 \x03(\x0b\x32\x33.kai_fractions.v1.ProvisionRequest.AnnotationsEntry\x12\x12\n\ncontainers\x18\x03 \x03(\t\x12\x17\n\x0finit_containers\x18\x04 \x03(\t\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"O\n\x11ProvisionResponse\x12:\n\x0b\x61llocations\x18\x01 \x03(\x0b\x32%.kai_fractions.v1.ContainerAllocation\"J\n\x0eReleaseRequest\x12%\n\x03pod\x18\x01 \x01(\x0b\x32\x18.kai_fractions.v1.PodRef\x12\x11\n\tcontainer\x18\x02 \x01(\t\".\n\x0fReleaseResponse\x12\x1b\n\x13released_containers\x18\x01 \x03(\t\"H\n\x0c\x44rainRequest\x12%\n\x03pod\x18\x01 \x01(\x0b\x32\x18.kai_fractions.v1.PodRef\x12\x11\n\tcontainer\x18\x02 \x01(\t\"%\n\rDrainResponse\x12\x14\n\x0c\x64rained_pids\x18\x01 \x03(\r*\x8d\x01\n\x0f\x41llocationState\x12 \n\x1c\x41LLOCATION_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41LLOCATION_STATE_PENDING\x10\x01\x12\x1c\n\x18\x41LLOCATION_STATE_APPLIED\x10\x02\x12\x1c\n\x18\x41LLOCATION_STATE_REFUSED\x10\x03\x32\xdd\x02\n\x0cNodeEnforcer\x12]\n\x0cGetNodeState\x12%.kai_fractions.v1.GetNodeStateRequest\x1a&.kai_fractions.v1.GetNodeStateResponse\x12T\n\tProvision\x12\".kai_fractions.v1.ProvisionRequest\x1a#.kai_fractions.v1.ProvisionResponse\x12N\n\x07Release\x12 .kai_fractions.v1.ReleaseRequest\x1a!.kai_fractions.v1.ReleaseResponse\x12H\n\x05\x44rain\x12\x1e.kai_fractions.v1.DrainRequest\x1a\x1f.kai_fractions.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkai_fractions/v1/node.proto\x12\x10kai_fractions.v1\x1a!kai_fractions/v1/allocation.proto\"z\n\x06\x44\x65vice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x03\x12\x14\n\x0c\x63ompute_mode\x18\x05 \x01(\t\x12\x13\n\x0bmig_enabled\x18\x06 \x01(\x08\"|\n\x0c\x41ppliedLimit\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\x13\n\x0b\x63group_path\x18\x02 \x01(\t\x12\x18\n\x10soft_limit_bytes\x18\x03 \x01(\x03\x12\x18\n\x10hard_limit_bytes\x18\x04 \x01(\x03\x12\x11\n\tmechanism\x18\x05 \x01(\t\"\x91\x04\n\x13\x43ontainerAllocation\x12%\n\x03pod\x18\x01 \x01(\x0b\x32\x18.kai_fractions.v1.PodRef\x12\x11\n\tcontainer\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x03(\t\x12\x42\n\x14\x63ompute_sharing_mode\x18\x04 \x01(\x0e\x32$.kai_fractions.v1.ComputeSharingMode\x12\x1c\n\x14memory_request_bytes\x18\x05 \x01(\x03\x12\x1a\n\x12memory_limit_bytes\x18\x06 \x01(\x03\x12 \n\x18\x61\x63tive_thread_percentage\x18\x07 \x01(\x05\x12\x30\n\x05state\x18\x08 \x01(\x0e\x32!.kai_fractions.v1.AllocationState\x12\x0e\n\x06reason\x18\t \x01(\t\x12\x0f\n\x07message\x18\n \x01(\t\x12\x13\n\x0bplan_digest\x18\x0b \x01(\t\x12\x36\n\x0e\x61pplied_limits\x18\x0c \x03(\x0b\x32\x1e.kai_fractions.v1.AppliedLimit\x12\x19\n\x11memory_used_bytes\x18\r \x01(\x03\x12\x15\n\rmps_namespace\x18\x0e \x01(\t\x12\x1d\n\x15\x63hange_refused_reason\x18\x0f \x01(\t\x12\x1e\n\x16\x63hange_refused_message\x18\x10 \x01(\t\"M\n\rNodeCondition\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"\x15\n\x13GetNodeStateRequest\"\xfd\x01\n\x14GetNodeStateResponse\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\x16\n\x0e\x64river_version\x18\x02 \x01(\t\x12)\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x18.kai_fractions.v1.Device\x12:\n\x0b\x61llocations\x18\x04 \x03(\x0b\x32%.kai_fractions.v1.ContainerAllocation\x12\x32\n\tcondition\x18\x05 \x01(\x0b\x32\x1f.kai_fractions.v1.NodeCondition\x12\x1f\n\x17memory_limits_supported\x18\x06 \x01(\x08\"\xe4\x01\n\x10ProvisionRequest\x12%\n\x03pod\x18\x01 \x01(\x0b\x32\x18.kai_fractions.v1.PodRef\x12H\n\x0b\x61nnotations\x18\x02 \x03(\x0b\x32\x33.kai_fractions.v1.ProvisionRequest.AnnotationsEntry\x12\x12\n\ncontainers\x18\x03 \x03(\t\x12\x17\n\x0finit_containers\x18\x04 \x03(\t\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"O\n\x11ProvisionResponse\x12:\n\x0b\x61llocations\x18\x01 \x03(\x0b\x32%.kai_fractions.v1.ContainerAllocation\"J\n\x0eReleaseRequest\x12%\n\x03pod\x18\x01 \x01(\x0b\x32\x18.kai_fractions.v1.PodRef\x12\x11\n\tcontainer\x18\x02 \x01(\t\".\n\x0fReleaseResponse\x12\x1b\n\x13released_containers\x18\x01 \x03(\t\"H\n\x0c\x44rainRequest\x12%\n\x03pod\x18\x01 \x01(\x0b\x32\x18.kai_fractions.v1.PodRef\x12\x11\n\tcontainer\x18\x02 \x01(\t\"%\n\rDrainResponse\x12\x14\n\x0c\x64rained_pids\x18\x01 \x03(\r*\x8d\x01\n\x0f\x41llocationState\x12 \n\x1c\x41LLOCATION_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41LLOCATION_STATE_PENDING\x10\x01\x12\x1c\n\x18\x41LLOCATION_STATE_APPLIED\x10\x02\x12\x1c\n\x18\x41LLOCATION_STATE_REFUSED\x10\x03\x32\xdd\x02\n\x0cNodeEnforcer\x12]\n\x0cGetNodeState\x12%.kai_fractions.v1.GetNodeStateRequest\x1a&.kai_fractions.v1.GetNodeStateResponse\x12T\n\tProvision\x12\".kai_fractions.v1.ProvisionRequest\x1a#.kai_fractions.v1.ProvisionResponse\x12N\n\x07Release\x12 .kai_fractions.v1.ReleaseRequest\x1a!.kai_fractions.v1.ReleaseResponse\x12H\n\x05\x44rain\x12\x1e.kai_fractions.v1.DrainRequest\x1a\x1f.kai_fractions.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +34,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROVISIONREQUEST_ANNOTATIONSENTRY']._loaded_options = None
   _globals['_PROVISIONREQUEST_ANNOTATIONSENTRY']._serialized_options = b'8\001'
-  _globals['_ALLOCATIONSTATE']._serialized_start=1711
-  _globals['_ALLOCATIONSTATE']._serialized_end=1852
+  _globals['_ALLOCATIONSTATE']._serialized_start=1774
+  _globals['_ALLOCATIONSTATE']._serialized_end=1915
   _globals['_DEVICE']._serialized_start=84
   _globals['_DEVICE']._serialized_end=206
   _globals['_APPLIEDLIMIT']._serialized_start=208
   _globals['_APPLIEDLIMIT']._serialized_end=332
   _globals['_CONTAINERALLOCATION']._serialized_start=335
-  _globals['_CONTAINERALLOCATION']._serialized_end=801
-  _globals['_NODECONDITION']._serialized_start=803
-  _globals['_NODECONDITION']._serialized_end=880
-  _globals['_GETNODESTATEREQUEST']._serialized_start=882
-  _globals['_GETNODESTATEREQUEST']._serialized_end=903
-  _globals['_GETNODESTATERESPONSE']._serialized_start=906
-  _globals['_GETNODESTATERESPONSE']._serialized_end=1159
-  _globals['_PROVISIONREQUEST']._serialized_start=1162
-  _globals['_PROVISIONREQUEST']._serialized_end=1390
-  _globals['_PROVISIONREQUEST_ANNOTATIONSENTRY']._serialized_start=1340
-  _globals['_PROVISIONREQUEST_ANNOTATIONSENTRY']._serialized_end=1390
-  _globals['_PROVISIONRESPONSE']._serialized_start=1392
-  _globals['_PROVISIONRESPONSE']._serialized_end=1471
-  _globals['_RELEASEREQUEST']._serialized_start=1473
-  _globals['_RELEASEREQUEST']._serialized_end=1547
-  _globals['_RELEASERESPONSE']._serialized_start=1549
-  _globals['_RELEASERESPONSE']._serialized_end=1595
-  _globals['_DRAINREQUEST']._serialized_start=1597
-  _globals['_DRAINREQUEST']._serialized_end=1669
-  _globals['_DRAINRESPONSE']._serialized_start=1671
-  _globals['_DRAINRESPONSE']._serialized_end=1708
-  _globals['_NODEENFORCER']._serialized_start=1855
-  _globals['_NODEENFORCER']._serialized_end=2204
+  _globals['_CONTAINERALLOCATION']._serialized_end=864
+  _globals['_NODECONDITION']._serialized_start=866
+  _globals['_NODECONDITION']._serialized_end=943
+  _globals['_GETNODESTATEREQUEST']._serialized_start=945
+  _globals['_GETNODESTATEREQUEST']._serialized_end=966
+  _globals['_GETNODESTATERESPONSE']._serialized_start=969
+  _globals['_GETNODESTATERESPONSE']._serialized_end=1222
+  _globals['_PROVISIONREQUEST']._serialized_start=1225
+  _globals['_PROVISIONREQUEST']._serialized_end=1453
+  _globals['_PROVISIONREQUEST_ANNOTATIONSENTRY']._serialized_start=1403
+  _globals['_PROVISIONREQUEST_ANNOTATIONSENTRY']._serialized_end=1453
+  _globals['_PROVISIONRESPONSE']._serialized_start=1455
+  _globals['_PROVISIONRESPONSE']._serialized_end=1534
+  _globals['_RELEASEREQUEST']._serialized_start=1536
+  _globals['_RELEASEREQUEST']._serialized_end=1610
+  _globals['_RELEASERESPONSE']._serialized_start=1612
+  _globals['_RELEASERESPONSE']._serialized_end=1658
+  _globals['_DRAINREQUEST']._serialized_start=1660
+  _globals['_DRAINREQUEST']._serialized_end=1732
+  _globals['_DRAINRESPONSE']._serialized_start=1734
+  _globals['_DRAINRESPONSE']._serialized_end=1771
+  _globals['_NODEENFORCER']._serialized_start=1918
+  _globals['_NODEENFORCER']._serialized_end=2267
 # @@protoc_insertion_point(module_scope)

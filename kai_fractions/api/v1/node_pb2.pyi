@@ -50,7 +50,7 @@ class AppliedLimit(_message.Message):
     def __init__(self, gpu_uuid: _Optional[str] = ..., cgroup_path: _Optional[str] = ..., soft_limit_bytes: _Optional[int] = ..., hard_limit_bytes: _Optional[int] = ..., mechanism: _Optional[str] = ...) -> None: ...
 
 class ContainerAllocation(_message.Message):
-    __slots__ = ("pod", "container", "devices", "compute_sharing_mode", "memory_request_bytes", "memory_limit_bytes", "active_thread_percentage", "state", "reason", "message", "plan_digest", "applied_limits", "memory_used_bytes", "mps_namespace")
+    __slots__ = ("pod", "container", "devices", "compute_sharing_mode", "memory_request_bytes", "memory_limit_bytes", "active_thread_percentage", "state", "reason", "message", "plan_digest", "applied_limits", "memory_used_bytes", "mps_namespace", "change_refused_reason", "change_refused_message")
     POD_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class ContainerAllocation(_message.Message):
     APPLIED_LIMITS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MPS_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_REFUSED_REASON_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_REFUSED_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     pod: _allocation_pb2.PodRef
     container: str
     devices: _containers.RepeatedScalarFieldContainer[str]
@@ -79,7 +81,9 @@ class ContainerAllocation(_message.Message):
     applied_limits: _containers.RepeatedCompositeFieldContainer[AppliedLimit]
     memory_used_bytes: int
     mps_namespace: str
-    def __init__(self, pod: _Optional[_Union[_allocation_pb2.PodRef, _Mapping]] = ..., container: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., compute_sharing_mode: _Optional[_Union[_allocation_pb2.ComputeSharingMode, str]] = ..., memory_request_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., active_thread_percentage: _Optional[int] = ..., state: _Optional[_Union[AllocationState, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., plan_digest: _Optional[str] = ..., applied_limits: _Optional[_Iterable[_Union[AppliedLimit, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ..., mps_namespace: _Optional[str] = ...) -> None: ...
+    change_refused_reason: str
+    change_refused_message: str
+    def __init__(self, pod: _Optional[_Union[_allocation_pb2.PodRef, _Mapping]] = ..., container: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., compute_sharing_mode: _Optional[_Union[_allocation_pb2.ComputeSharingMode, str]] = ..., memory_request_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., active_thread_percentage: _Optional[int] = ..., state: _Optional[_Union[AllocationState, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., plan_digest: _Optional[str] = ..., applied_limits: _Optional[_Iterable[_Union[AppliedLimit, _Mapping]]] = ..., memory_used_bytes: _Optional[int] = ..., mps_namespace: _Optional[str] = ..., change_refused_reason: _Optional[str] = ..., change_refused_message: _Optional[str] = ...) -> None: ...
 
 class NodeCondition(_message.Message):
     __slots__ = ("type", "ready", "reason", "message")

@@ -105,6 +105,9 @@ def allocation(view: NodeView, key: ContainerKey) -> node_pb2.ContainerAllocatio
         if (c.compute is ComputeEnforcement.MPS_CLIENT_ENV and result is not None
                 and result.state is ContainerState.APPLIED and not out.message):
             out.message = LEGACY_MPS_NOTE
+        if refusal is not None:  # held: the plan above stays, the annotations' new one is not
+            out.change_refused_reason = refusal.reason.value
+            out.change_refused_message = refusal.message
     return out
 
 

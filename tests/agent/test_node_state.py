@@ -1,0 +1,59 @@
+"""GetNodeState of a container whose applied plan is held while its pod's annotations ask for
+another (`PlanChangeRefused`): the plan in force and the refusal's reason, and what
+`kai-fractions inspect` makes of them."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from kai_fractions.api.v1 import node_pb2
+from kai_fractions.inspect.model import pod_report
+from kai_fractions.inspect.sources import from_node_state
+from kai_fractions.node.agent.grpc_service import node_state
+
+from .builders import GIB, LEAF, Rig, binder_annotations, pod, slice_of
+
+LIMIT = "nvidia.com/container.main.gpu-memory.limit"
+
+
+def _held(short_tmp: Path) -> tuple[Rig, str]:
+    """A running pod whose limit annotation was raised 20Gi -> 32Gi after it was applied."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = rig.add(pod("p", notes=binder_annotations(devices=rig.gpu0)))["metadata"]["uid"]
+    rig.cgroups.add(f"{slice_of(uid)}/{LEAF}")
+    assert rig.step().converged
+    meta = copy.deepcopy(rig.cluster.pods[uid]["metadata"])
+    meta["annotations"][LIMIT] = "32Gi"
+    rig.cluster.update_pod(uid, metadata=meta)
+    assert rig.step().converged
+    return rig, uid
+
+
+def test_a_held_plan_carries_the_refusal_of_its_change(short_tmp: Path) -> None:
+    rig, _ = _held(short_tmp)
+    [a] = node_state(rig.reconciler.view, "node-a", None, "Ready").allocations
+    assert (a.state, a.memory_limit_bytes) == (node_pb2.ALLOCATION_STATE_APPLIED, 20 * GIB)
+    assert a.change_refused_reason == "PlanChangeRefused"
+    assert "memory limit 20480 MiB -> 32768 MiB" in a.change_refused_message
+    assert "stays in force until the pod is recreated" in a.change_refused_message
+
+
+def test_an_unchanged_plan_has_no_refused_change(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = rig.add(pod("p", notes=binder_annotations(devices=rig.gpu0)))["metadata"]["uid"]
+    rig.cgroups.add(f"{slice_of(uid)}/{LEAF}")
+    assert rig.step().converged
+    [a] = node_state(rig.reconciler.view, "node-a", None, "Ready").allocations
+    assert (a.change_refused_reason, a.change_refused_message) == ("", "")
+
+
+def test_inspect_shows_the_limit_in_force_and_why_the_edit_is_not(short_tmp: Path) -> None:
+    """Inspect showed the edited 32 GiB limit as enforced while 20 GiB stayed in force."""
+    rig, uid = _held(short_tmp)
+    agent = from_node_state(node_state(rig.reconciler.view, "node-a", None, "Ready"), "socket")
+    [row] = pod_report(rig.cluster.pods[uid], None, agent).rows
+    assert (row.state, row.gpu_uuid, row.request_bytes, row.limit_bytes) == (
+        "enforced", rig.gpu0, 10 * GIB, 20 * GIB)
+    [warning] = row.warnings
+    assert warning.startswith("PlanChangeRefused: the pod's GPU annotations changed after")
