@@ -155,6 +155,43 @@ def test_restart_after_death_counts_and_reapplies(dirs):
     assert daemon.last_health_error.reason == "MpsDaemonUnreachable"
 
 
+def test_a_restart_that_answers_late_still_counts_and_reapplies(dirs):
+    """`-d` returned 0 but the new daemon answered only after the start timeout: it holds none
+    of the state (namespaces, percentages, pinned defaults), so its first answer, at a later
+    check, must put everything back before it counts as running."""
+    clock, processes, runner = FakeClock(), FakeProcesses(pid=4242), RecordingRunner()
+    daemon_side = {"phase": "up", "started_at": 0.0}
+
+    def health(_call):
+        if daemon_side["phase"] == "dead":
+            return NO_DAEMON
+        if daemon_side["phase"] == "slow" and clock.now < daemon_side["started_at"] + 10.5:
+            raise CommandTimeout([BIN], 2)
+        return CommandResult(0, "", "")
+
+    def start(_call):
+        daemon_side.update(phase="slow", started_at=clock.now)
+        processes.pid = 5151
+        processes.alive.add(5151)
+        return CommandResult(0, "", "")
+
+    runner.respond([BIN], health, stdin=LIST)
+    runner.respond([BIN, "-d"], start)
+    applied = []
+    daemon = make(dirs, runner, clock, processes, protocol_v3=False, on_restart=applied.append)
+    assert daemon.ensure_running() is True  # found running
+    daemon_side["phase"] = "dead"
+    processes.alive.discard(4242)
+    assert daemon.ensure_running() is False  # restarted, but no answer in time
+    assert daemon.last_error.reason == "MpsDaemonUnreachable"
+    assert daemon.restarts == 1 and applied == []
+    clock.now += 5
+    assert daemon.ensure_running() is True  # it answers: the state is put back first
+    assert len(applied) == 1 and daemon.last_error is None
+    assert daemon.ensure_running() is True and len(applied) == 1  # once
+    assert runner.argvs.count((BIN, "-d")) == 1
+
+
 def test_bounded_exponential_backoff_without_sleeping(dirs):
     runner = RecordingRunner()
     runner.respond([BIN], NO_DAEMON, stdin=LIST)

@@ -147,7 +147,8 @@ class MpsDaemon:
         self.control = MpsControl(self.binary, self.root, self.log_dir, runner, server,
                                   protocol_v3=protocol_v3, sleep=self.clock.sleep)
         self.restarts = 0
-        """Successful starts after the first one this supervisor made or found."""
+        """Starts (`-d` returned 0) after the first daemon this supervisor made or found,
+        whether or not the new one answered in time: its state is put back either way."""
         self.starts = 0
         """Daemons this supervisor started (`-d` returned 0, answering in time or not); 0: it
         only ever found one running."""
@@ -249,20 +250,20 @@ class MpsDaemon:
         # the last one counts toward the backoff the next restart waits.
         if quick:
             self.failures += 1
-        self._started_at = self.clock.monotonic()
         self._next_attempt = self._started_at + (self._delay() if self.failures else 0.0)
-        if self._seen_running:
-            self.restarts += 1
-        self._seen_running = True
-        # A daemon we just started knows nothing (settings die with the process): put the
-        # node's state back before reporting it as running.
-        self._needs_reapply = True
         return self._reapply_if_needed()
 
     def _launched(self) -> None:
-        """`-d` returned 0: a daemon this supervisor started runs, answering or not yet, and
-        is ours (stopped at shutdown)."""
+        """`-d` returned 0: a daemon this supervisor started runs, answering or not yet. It is
+        ours (stopped at shutdown), a restart when one ran before, and it knows nothing
+        (settings die with the process): the state is put back whenever it first answers,
+        in this call or a later one, before it is reported as running."""
         self.starts += 1
+        self._started_at = self.clock.monotonic()
+        if self._seen_running:
+            self.restarts += 1
+        self._seen_running = True
+        self._needs_reapply = True
 
     def _start_failed(self, err: MpsError) -> bool:
         """Why the start failed, and the backoff before the next one."""
