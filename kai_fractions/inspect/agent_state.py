@@ -53,6 +53,10 @@ class AgentAllocation:
     """GPU UUID -> bytes, when the source gives it per GPU (metrics)."""
     plan: AgentPlan | None = None
     """The agent's plan for it (socket only; None when it has none, e.g. refused)."""
+    mechanisms: Mapping[str, frozenset[str]] = field(
+        default_factory=lambda: MappingProxyType({}))
+    """GPU UUID -> how its memory cap is in force there (cgroup, mps-pinned, watchdog), from
+    the agent's applied limits (socket only)."""
     change_reason: str = ""
     change_message: str = ""
     """Why the annotations' new plan is refused while `plan` stays in force
@@ -86,6 +90,11 @@ class AgentState:
     condition: AgentCondition | None = None
     driver_version: str = ""
     memory_limits_supported: bool | None = None
+
+    @property
+    def knows_limits(self) -> bool:
+        """Whether it says what is in force (its socket answered; metrics do not say)."""
+        return self.reachable and self.source.startswith("socket")
 
     def allocation(self, namespace: str, pod: str, container: str,
                    uid: str = "") -> AgentAllocation | None:

@@ -49,6 +49,14 @@ INVALID = "invalid"
 
 _AGENT_STATES = {"applied": ENFORCED, "refused": REFUSED, "pending": PENDING}
 
+TIERS = ("cgroup", "mps-pinned", "watchdog")
+"""How a memory cap is in force, strongest first: the driver refuses an allocation over it, the
+MPS client refuses it, or usage is polled and reported (or stopped) afterwards."""
+NO_TIER = "none"
+"""The agent has no memory cap in force for it."""
+UNKNOWN_TIER = "n/a"
+"""Enforced, but the agent's socket was not read: which tier holds it is not known."""
+
 
 @dataclass(frozen=True, slots=True)
 class Row:
@@ -76,7 +84,10 @@ class Row:
     planned."""
     warnings: tuple[str, ...] = ()
     """What is wrong even when enforced (a refused plan change: the annotations are not what is
-    in force), one `!` line each."""
+    in force; memory used over the limit), one `!` line each."""
+    tier: str = "-"
+    """The strongest tier holding the memory cap on this GPU (TIERS), NO_TIER, UNKNOWN_TIER;
+    `-` on no GPU or not enforced."""
 
     @property
     def ref(self) -> str:
@@ -91,7 +102,7 @@ class Row:
             "devices": list(self.devices), "state": self.state, "reason": self.reason,
             "message": self.message, "used_bytes": self.used_bytes, "portion": self.portion,
             "device_count": self.device_count, "mps_namespace": self.mps_namespace,
-            "warnings": list(self.warnings),
+            "warnings": list(self.warnings), "tier": self.tier,
         }
 
 
@@ -268,10 +279,57 @@ def _in_force(planned: _Planned, found: AgentAllocation | None) -> _Planned:
                     p.active_thread_percentage, p.devices, p.mps_namespace)
 
 
+def _tier(state: str, uuid: str, found: AgentAllocation | None, agent: AgentState | None) -> str:
+    """Which tier holds the cap on GPU `uuid`, as the agent's applied limits say."""
+    if not uuid:
+        return "-"
+    if agent is not None and agent.knows_limits:
+        held = found.mechanisms.get(uuid, frozenset()) if found is not None else frozenset()
+        return next((t for t in TIERS if t in held), NO_TIER)
+    if state == REFUSED:
+        return NO_TIER
+    return UNKNOWN_TIER if state == ENFORCED else "-"
+
+
+_OVER = {
+    "watchdog": ": only the watchdog holds this cap, which never stops an allocation (it records "
+                "LimitViolation events, and stops the processes only with --watchdog-policy "
+                "kill)",
+    NO_TIER: ": the node agent has no memory cap in force for it",
+    UNKNOWN_TIER: " (which tier holds the cap is not known: give --agent-socket on the node)",
+}
+
+
+def _over_limit(used: int | None, limit: int | None, uuid: str, tier: str) -> tuple[str, ...]:
+    """A warning when the container uses more memory on `uuid` than its limit."""
+    if used is None or limit is None or used <= limit:
+        return ()
+    return (f"OverLimit: uses {-(-used // MIB)} MiB on {uuid}, above its limit of "
+            f"{-(-limit // MIB)} MiB{_OVER.get(tier, '')}",)
+
+
 def _warnings(found: AgentAllocation | None) -> tuple[str, ...]:
     if found is None or not found.change_reason:
         return ()
     return (f"{found.change_reason}: {found.change_message}",)
+
+
+def _rows(view: Any, share: ContainerShare, planned: _Planned, status: tuple[str, str, str],
+          found: AgentAllocation | None, agent: AgentState | None) -> list[Row]:
+    """The rows of one container: one per GPU of its plan, or one without a GPU."""
+    out = []
+    for uuid in planned.devices or ("",):
+        used = found.used_on(uuid, len(planned.devices)) if found is not None else None
+        tier = _tier(status[0], uuid, found, agent)
+        out.append(Row(view.namespace, view.name, share.container, uuid, planned.mode,
+                       planned.request_bytes, planned.limit_bytes, planned.atp,
+                       planned.devices, *status, used,
+                       portion=format_plain(share.fraction) if share.fraction else "",
+                       device_count=max(len(planned.devices), share.num_devices),
+                       mps_namespace=planned.mps_namespace, tier=tier,
+                       warnings=_warnings(found) + _over_limit(
+                           used, planned.limit_bytes, uuid, tier)))
+    return out
 
 
 def pod_rows(pod: Mapping[str, Any], agent: AgentState | None, keys: Keys) -> list[Row]:
@@ -290,22 +348,14 @@ def pod_rows(pod: Mapping[str, Any], agent: AgentState | None, keys: Keys) -> li
                     INVALID, "ContractInvalid", str(e)) for e in request.errors[:1]]
     gate = gate_state(pod)
     for share in request.shares:
-        state, reason, message = _state(pod, view.node_name, share.container, gate, agent,
-                                        bool(request.errors), request)
+        status = _state(pod, view.node_name, share.container, gate, agent,
+                        bool(request.errors), request)
         found = agent.allocation(view.namespace, view.name, share.container, view.uid) \
             if agent is not None and agent.reachable else None
         planned = _plan(share, pod_identity(request), keys)
-        if state == ENFORCED:
+        if status[0] == ENFORCED:
             planned = _in_force(planned, found)
-        for uuid in planned.devices or ("",):
-            used = found.used_on(uuid, len(planned.devices)) if found is not None else None
-            rows.append(Row(view.namespace, view.name, share.container, uuid, planned.mode,
-                            planned.request_bytes, planned.limit_bytes, planned.atp,
-                            planned.devices, state, reason, message, used,
-                            portion=format_plain(share.fraction) if share.fraction else "",
-                            device_count=max(len(planned.devices), share.num_devices),
-                            mps_namespace=planned.mps_namespace,
-                            warnings=_warnings(found)))
+        rows += _rows(view, share, planned, status, found, agent)
     return rows
 
 
@@ -450,7 +500,8 @@ def pod_report(pod: Mapping[str, Any], node: Mapping[str, Any] | None,
 
 
 __all__ = [
-    "ENFORCED", "INVALID", "PENDING", "REFUSED", "UNGATED", "UNSCHEDULED", "WAITING",
+    "ENFORCED", "INVALID", "NO_TIER", "PENDING", "REFUSED", "TIERS", "UNGATED", "UNKNOWN_TIER",
+    "UNSCHEDULED", "WAITING",
     "Gpu", "Heartbeat", "Report", "Row", "gate_state", "heartbeat", "node_report", "pod_report",
     "pod_rows",
 ]

@@ -2,8 +2,10 @@
 
 The table's columns: POD/CONTAINER, MODE, REQUEST, LIMIT, ATP (active-thread percentage, the
 share of the GPU's SMs of an sm-sharing container), USED (GPU memory its processes use now, from
-the node agent) and STATE. Why a container is not enforced is spelled out below its GPU, one
-line each, so the rows stay short.
+the node agent), STATE and TIER (what holds the memory cap: cgroup, mps-pinned, or only the
+watchdog, which never stops an allocation; none; n/a when the agent's socket was not read). Why
+a container is not enforced, and what is wrong with one that is (memory used over its limit, a
+refused plan change), is spelled out below its GPU, one line each, so the rows stay short.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from ..contract import MIB
 from .model import ENFORCED, Gpu, Report, Row
 
 HEADER = ("POD/CONTAINER", "MODE", "REQUEST", "LIMIT", "ATP", "USED", "STATE")
+COLUMNS = (*HEADER, "TIER")
+"""The table's: HEADER (`cells`) and the tier that holds each row's memory cap."""
 OUTPUTS = ("table", "json", "yaml")
 
 
@@ -44,6 +48,10 @@ def cells(row: Row) -> tuple[str, ...]:
     return (row.ref, row.mode or "-", _request(row), mib(row.limit_bytes),
             "-" if row.active_thread_percentage is None else f"{row.active_thread_percentage}%",
             mib(row.used_bytes) if row.used_bytes is not None else "n/a", state_text(row))
+
+
+def row_cells(row: Row) -> tuple[str, ...]:
+    return (*cells(row), row.tier)
 
 
 def aligned(rows: Sequence[tuple[str, ...]], indent: str = "  ") -> list[str]:
@@ -106,13 +114,13 @@ def table(report: Report) -> str:
     for gpu in report.gpus:
         lines += ["", gpu_heading(gpu)]
         if gpu.rows:
-            lines += aligned([HEADER, *(cells(r) for r in gpu.rows)])
+            lines += aligned([COLUMNS, *(row_cells(r) for r in gpu.rows)])
             lines += reasons(gpu.rows)
         else:
             lines.append("  (no fractional allocations)")
     if report.unplaced:
         lines += ["", "not on a GPU:"]
-        lines += aligned([HEADER, *(cells(r) for r in report.unplaced)])
+        lines += aligned([COLUMNS, *(row_cells(r) for r in report.unplaced)])
         lines += reasons(report.unplaced)
     if not report.gpus and not report.unplaced:
         lines += ["", "(no fractional allocations)"]

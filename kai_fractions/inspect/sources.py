@@ -159,12 +159,20 @@ def _plan(a: Any) -> AgentPlan | None:
                      mps_namespace=a.mps_namespace)
 
 
+def _mechanisms(a: Any) -> MappingProxyType[str, frozenset[str]]:
+    found: dict[str, set[str]] = {}
+    for limit in a.applied_limits:
+        found.setdefault(limit.gpu_uuid, set()).add(limit.mechanism)
+    return MappingProxyType({uuid: frozenset(names) for uuid, names in found.items()})
+
+
 def _allocation(a: Any) -> AgentAllocation:
     return AgentAllocation(
         namespace=a.pod.namespace, pod=a.pod.name, container=a.container, uid=a.pod.uid,
         state=_STATES.get(a.state, ""), reason=a.reason, message=a.message,
         # A refused container is not accounted: its 0 means "not known".
         used_bytes=None if a.state == 3 else a.memory_used_bytes, plan=_plan(a),
+        mechanisms=_mechanisms(a),
         change_reason=a.change_refused_reason, change_message=a.change_refused_message)
 
 

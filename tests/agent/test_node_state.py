@@ -57,3 +57,21 @@ def test_inspect_shows_the_limit_in_force_and_why_the_edit_is_not(short_tmp: Pat
         "enforced", rig.gpu0, 10 * GIB, 20 * GIB)
     [warning] = row.warnings
     assert warning.startswith("PlanChangeRefused: the pod's GPU annotations changed after")
+
+
+def test_inspect_shows_a_watchdog_only_cap_and_usage_over_it(short_tmp: Path) -> None:
+    """Memory caps held only by the watchdog (report by default) showed as plain "enforced",
+    even with the container over its limit."""
+    rig = Rig(short_tmp, sm_sharing=False, memory_enforcement="watchdog")
+    uid = rig.add(pod("p", notes=binder_annotations(devices=rig.gpu0)))["metadata"]["uid"]
+    rig.cgroups.add(f"{slice_of(uid)}/{LEAF}")
+    assert rig.step().converged
+    rig.proc_entry(4242, f"{slice_of(uid)}/{LEAF}"[len("/sys/fs/cgroup"):])
+    rig.nvml.add_process(4242, rig.gpu0, 30 * GIB)
+    rig.reconciler.check_usage()
+    agent = from_node_state(node_state(rig.reconciler.view, "node-a", None, "Ready"), "socket")
+    [row] = pod_report(rig.cluster.pods[uid], None, agent).rows
+    assert (row.state, row.tier, row.used_bytes) == ("enforced", "watchdog", 30 * GIB)
+    assert row.warnings[0].startswith(
+        f"OverLimit: uses 30720 MiB on {rig.gpu0}, above its limit of 20480 MiB: only the "
+        "watchdog holds this cap")

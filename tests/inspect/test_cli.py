@@ -75,7 +75,7 @@ def test_pod_as_table(cluster: Path, capsys) -> None:
     assert lines[1].startswith("note: used: n/a (agent not reachable: ")
     row = next(line for line in lines if "team-a/notebook/main" in line).split()
     assert row == ["team-a/notebook/main", "time-slicing", "8192", "MiB", "16384", "MiB", "-",
-                   "n/a", "enforced"]
+                   "n/a", "enforced", "n/a"]
 
 
 def test_unbound_pod(cluster: Path, capsys) -> None:
