@@ -361,9 +361,11 @@ def test_v3_namespace_commands_exact_argv_and_env():
         (BIN, "-p", "3", "namespace", "get", "kf_abc", "shared", "active-thread-percentage"),
         (BIN, "-p", "3", "namespace", "get", "kf_abc", "shared", "pipe-directory"),
         (BIN, "-p", "3", "namespace", "delete", "kf_abc", "--server=shared"),
+        (BIN, "-p", "3", "namespace", "list", "--server=shared"),  # the delete's readback
         (BIN, "-p", "3", "namespace", "list", "--server=shared"),
         (BIN, "client", "list", "--format=csv,noheader"),
         (BIN, "client", "terminate", "4321"),
+        (BIN, "client", "list", "--format=csv,noheader"),  # the terminate's readback
     ]
     assert all(call.env == ENV for call in runner.calls)
     # v3 commands take their command from argv: nothing on stdin
@@ -562,54 +564,92 @@ def test_client_terminate_of_a_non_client():
     assert exc.value.reason == e.CLIENT_NOT_FOUND == "ClientNotFound"
 
 
-UNKNOWN_WORDINGS = [
+KNOWN_FAILURES = [
     "Could not terminate client 4242: limit reached",
     "couldn't terminate client 4242: timed out waiting for server",
     "Request rejected by server shared",
     "Unsupported option --server",
-    "Namespace kf_abc has 2 processes attached; deletion deferred",
     "Operation not allowed while the server is starting",
     "Namespace kf_abc refused: server shared is shutting down",
-    "Client 4242 will be terminated later",
 ]
-V3_DONE = ["", "Client 4242 terminated\n", "Namespace kf_abc deleted.\n", "OK\n"]
+UNKNOWN_WORDINGS = [
+    "Namespace kf_abc has 2 processes attached; deletion deferred",
+    "Client 4242 will be terminated later",
+    "Sent terminate request to client 4242",
+]
+V3_SUCCESS_SHAPES = [
+    "", "OK\n", "Client 4242 terminated\n", "Client 4242 terminated successfully.\n",
+    "Terminated client 4242\n", "Namespace kf_abc deleted.\n",
+    "Namespace kf_abc deleted successfully\n", "Deleted namespace kf_abc\n",
+]
+TERMINATE = [BIN, "client", "terminate", "4242"]
+CLIENT_LIST = [BIN, "client", "list", "--format=csv,noheader"]
+DELETE = [BIN, "-p", "3", "namespace", "delete", "kf_abc", "--server=shared"]
+NAMESPACE_LIST = [BIN, "-p", "3", "namespace", "list", "--server=shared"]
 
 
-@pytest.mark.parametrize("said", UNKNOWN_WORDINGS)
-def test_v3_client_terminate_in_words_no_pattern_knows_is_a_failure(said):
-    """Taken as done, a failed drain let the watchdog kill the client mid-kernel."""
+@pytest.mark.parametrize("said", KNOWN_FAILURES)
+def test_v3_terminate_and_delete_answered_with_a_known_failure_fail_unread(said):
+    """A failure text is a failure, whatever a readback would show: nothing is read back."""
     c, runner = v3()
-    runner.respond([BIN, "client", "terminate", "4242"], said + "\n")
+    runner.respond(TERMINATE, said + "\n")
+    runner.respond(DELETE, said + "\n")
+    for call, what in ((lambda: c.client_terminate(4242), "'client terminate 4242'"),
+                       (lambda: c.namespace_delete("kf_abc", missing_ok=True),
+                        "'namespace delete kf_abc --server=shared'")):
+        with pytest.raises(MpsError) as exc:
+            call()
+        assert exc.value.reason == "CommandFailed"
+        assert what in exc.value.message and said in exc.value.message
+    assert tuple(CLIENT_LIST) not in runner.argvs and tuple(NAMESPACE_LIST) not in runner.argvs
+
+
+@pytest.mark.parametrize("said", UNKNOWN_WORDINGS + V3_SUCCESS_SHAPES)
+def test_v3_client_terminate_is_judged_by_the_client_list_read_back(said):
+    """The r615 wording is pinned nowhere: the client still listed after the answer is a
+    failure (taken as done, a failed drain let the watchdog kill the client mid-kernel), one
+    that is gone is a success, whatever the words."""
+    c, runner = v3()
+    runner.respond(TERMINATE, said)
+    runner.respond(CLIENT_LIST, "4242,shared,0,kf_abc,python x.py\n4243,shared,0,kf_abc,y\n",
+                   "4243,shared,0,kf_abc,y\n")
     with pytest.raises(MpsError) as exc:
         c.client_terminate(4242)
     assert exc.value.reason == "CommandFailed"
-    assert "'client terminate 4242'" in exc.value.message and said in exc.value.message
+    assert "'client terminate 4242'" in exc.value.message
+    assert "still lists client 4242" in exc.value.message
+    assert said.strip() in exc.value.message
+    c.client_terminate(4242)  # the next readback shows it gone
+    assert runner.argvs.count(tuple(CLIENT_LIST)) == 2
 
 
-@pytest.mark.parametrize("said", UNKNOWN_WORDINGS)
-def test_v3_namespace_delete_in_words_no_pattern_knows_is_a_failure(said):
+@pytest.mark.parametrize("said", UNKNOWN_WORDINGS + V3_SUCCESS_SHAPES)
+def test_v3_namespace_delete_is_judged_by_the_namespace_list_read_back(said):
     c, runner = v3()
-    runner.respond([BIN, "-p", "3", "namespace", "delete", "kf_abc", "--server=shared"],
-                   said + "\n")
+    runner.respond(DELETE, said)
+    runner.respond(NAMESPACE_LIST, "default\nkf_abc\nkf_def\n", "default\nkf_def\n")
     with pytest.raises(MpsError) as exc:
         c.namespace_delete("kf_abc", missing_ok=True)
     assert exc.value.reason == "CommandFailed"
     assert "'namespace delete kf_abc --server=shared'" in exc.value.message
-    assert said in exc.value.message
+    assert "still lists namespace kf_abc" in exc.value.message
+    c.namespace_delete("kf_abc")  # the next readback shows it gone
+    assert runner.argvs.count(tuple(NAMESPACE_LIST)) == 2
 
 
-@pytest.mark.parametrize("said", V3_DONE)
-def test_v3_client_terminate_and_namespace_delete_success_shapes(said):
+def test_a_readback_that_fails_fails_the_command():
+    """Nobody can tell whether the client was drained: not done."""
     c, runner = v3()
-    runner.respond([BIN, "client", "terminate", "4242"], said)
-    runner.respond([BIN, "-p", "3", "namespace", "delete", "kf_abc", "--server=shared"], said)
-    c.client_terminate(4242)
-    c.namespace_delete("kf_abc")
+    runner.respond(CLIENT_LIST, "Error: the server is busy\n")
+    with pytest.raises(MpsError) as exc:
+        c.client_terminate(4242)
+    assert exc.value.reason == "NamespaceBusy"
 
 
 def test_an_unknown_answer_is_quoted_in_a_bounded_excerpt():
     c, runner = v3()
-    runner.respond([BIN, "client", "terminate", "4242"], "deferred " * 100)
+    runner.respond(TERMINATE, "deferred " * 100)
+    runner.respond(CLIENT_LIST, "4242,shared,0,kf_abc,python x.py\n")
     with pytest.raises(MpsError) as exc:
         c.client_terminate(4242)
     assert len(exc.value.message) < 400 and exc.value.message.count("deferred") < 30

@@ -17,7 +17,9 @@ stdout. What the real 535 daemon does (checked against the binary):
   v3 command "succeeds" with no output: v3 support is probed from `--help` instead.
 - v3 (NVIDIA's "MPS v3 Interface"; not testable here, no r615 binary): `namespace get <n>
   <server> <field>` prints one unformatted field (`pipe-directory`, `active-thread-percentage`,
-  ...): a namespace's percentage is read back through it.
+  ...): a namespace's percentage is read back through it. What `client terminate` and
+  `namespace delete` print on success is pinned nowhere: a known failure text fails them, and
+  any other answer is judged by reading back `client list` / `namespace list`.
 One command per run keeps answers unambiguous: the daemon prints nothing for some commands
 (an unset limit), so the lines of a multi-command session cannot be matched to commands.
 """
@@ -124,10 +126,10 @@ _DONE_RE = re.compile(
 _NOT_DONE_RE = re.compile(
     r"\b(not|no|never|could|cannot|unable|fail\w*|error|deferred|pending|later|refused|"
     r"rejected)\b|n't\b", re.IGNORECASE)
-"""The only texts besides silence that `client terminate` / `namespace delete` are taken to
-print on success (a line that reads as done and says nothing against it). Their r615 wording is
-not pinned anywhere we can test, and a failed drain or delete read as done is worse than a
-success reported as failed (the caller retries)."""
+"""The only texts besides silence that the legacy `terminate_client` is taken to print on
+success (a line that reads as done and says nothing against it): a failed drain read as done
+is worse than a success reported as failed (the caller retries). The v3 `client terminate` /
+`namespace delete` are judged by a readback instead (`MpsControl._confirm_gone`)."""
 _STATUS_RE = re.compile(r"-?\d+")
 _INVALID_PROCESS_RE = re.compile(r"^Invalid process (\d+)!?$", re.IGNORECASE | re.MULTILINE)
 """The legacy daemon's answer to `terminate_client` for a pid that is no client of that
@@ -305,6 +307,19 @@ class MpsControl:
             e.COMMAND_FAILED,
             f"the MPS control daemon answered {what!r} with {_excerpt(stdout)!r}, which is not "
             "an answer it gives on success: taken as failed")
+
+    def _confirm_gone(self, stdout: str, what: str, subject: str,
+                      still_listed: Callable[[], bool]) -> None:
+        """For v3 `client terminate` / `namespace delete`, whose success wording on r615 is
+        pinned nowhere we can test: a known failure text keeps its reason (ClientNotFound,
+        NamespaceBusy, ...); any other answer, silence included, is decided by reading back
+        whether `subject` is gone, as `namespace set` is read back."""
+        self._check(stdout, what)
+        if still_listed():
+            raise MpsError(
+                e.COMMAND_FAILED,
+                f"after {what!r} (answered {_excerpt(stdout) or '(no output)'!r}) the daemon "
+                f"still lists {subject}: taken as failed (see {self.log_dir}/control.log)")
 
     def _legacy(self, command: str, timeout: float | None = None) -> str:
         result = self._run([self.binary], command + "\n", command, timeout)
@@ -536,9 +551,10 @@ class MpsControl:
     def namespace_delete(self, name: str, *, missing_ok: bool = False) -> None:
         """Raises NamespaceBusy while clients are attached: retry after they exit."""
         self._check_namespace(name)
+        args = ["namespace", "delete", name, f"--server={self.server}"]
         try:
-            args = ["namespace", "delete", name, f"--server={self.server}"]
-            self._expect_done(self._v3(args), " ".join(args))
+            self._confirm_gone(self._v3(args), " ".join(args), f"namespace {name}",
+                               lambda: name in self.namespace_list())
         except MpsError as exc:
             if not (missing_ok and exc.reason == e.NAMESPACE_NOT_FOUND):
                 raise
@@ -582,7 +598,8 @@ class MpsControl:
         """Ends the client's outstanding GPU work (drain) before its process is stopped."""
         check_positive(pid, "pid")
         args = ["client", "terminate", str(pid)]
-        self._expect_done(self._client_cmd(args, check=False), " ".join(args))
+        self._confirm_gone(self._client_cmd(args, check=False), " ".join(args),
+                           f"client {pid}", lambda: any(c.pid == pid for c in self.client_list()))
 
     def _check_namespace(self, name: str) -> None:
         check_namespace(self.pipe_dir, self.server, name)
