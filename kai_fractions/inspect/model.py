@@ -85,6 +85,9 @@ class Row:
     warnings: tuple[str, ...] = ()
     """What is wrong even when enforced (a refused plan change: the annotations are not what is
     in force; memory used over the limit), one `!` line each."""
+    accounted: bool = True
+    """Whether the node agent counts its request in the GPU's memory (not when refused,
+    invalid, or held back before planning, e.g. waiting for its signature)."""
     tier: str = "-"
     """The strongest tier holding the memory cap on this GPU (TIERS), NO_TIER, UNKNOWN_TIER;
     `-` on no GPU or not enforced."""
@@ -102,7 +105,7 @@ class Row:
             "devices": list(self.devices), "state": self.state, "reason": self.reason,
             "message": self.message, "used_bytes": self.used_bytes, "portion": self.portion,
             "device_count": self.device_count, "mps_namespace": self.mps_namespace,
-            "warnings": list(self.warnings), "tier": self.tier,
+            "warnings": list(self.warnings), "tier": self.tier, "accounted": self.accounted,
         }
 
 
@@ -120,7 +123,8 @@ class Gpu:
 
     @property
     def requested_bytes(self) -> int:
-        return sum(r.request_bytes or 0 for r in self.rows if r.state != REFUSED)
+        """What the node agent accounts on this GPU: its plans, not refused or invalid ones."""
+        return sum(r.request_bytes or 0 for r in self.rows if r.accounted)
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "uuid": self.uuid, "name": self.name,
@@ -314,6 +318,15 @@ def _warnings(found: AgentAllocation | None) -> tuple[str, ...]:
     return (f"{found.change_reason}: {found.change_message}",)
 
 
+def _accounted(state: str, found: AgentAllocation | None) -> bool:
+    """As the agent accounts a GPU's memory: plans it holds, never a refused or invalid one,
+    nor one it reports pending without a plan (held back before planning: a signature it
+    waits for)."""
+    if state in (REFUSED, INVALID):
+        return False
+    return not (found is not None and found.state == "pending" and found.plan is None)
+
+
 def _rows(view: Any, share: ContainerShare, planned: _Planned, status: tuple[str, str, str],
           found: AgentAllocation | None, agent: AgentState | None) -> list[Row]:
     """The rows of one container: one per GPU of its plan, or one without a GPU."""
@@ -327,6 +340,7 @@ def _rows(view: Any, share: ContainerShare, planned: _Planned, status: tuple[str
                        portion=format_plain(share.fraction) if share.fraction else "",
                        device_count=max(len(planned.devices), share.num_devices),
                        mps_namespace=planned.mps_namespace, tier=tier,
+                       accounted=_accounted(status[0], found),
                        warnings=_warnings(found) + _over_limit(
                            used, planned.limit_bytes, uuid, tier)))
     return out

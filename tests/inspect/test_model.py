@@ -235,3 +235,27 @@ def test_an_applied_container_shows_the_agents_plan_and_a_refused_change():
                                                                 16384 * MIB)
     assert row.warnings == (f"PlanChangeRefused: {why}",)
     assert f"  ! team-a/nb/main: PlanChangeRefused: {why}" in render(report, "table").splitlines()
+
+
+def test_requested_counts_only_what_the_agent_accounts():
+    """A GPU's "requested" counted a contract-invalid container the agent refuses, and one the
+    agent holds back unplanned (its signature missing)."""
+    uid_c, uid_d = UID_A.replace("a", "c"), UID_A.replace("a", "d")
+    ok = bind(memory_pod("ok", UID_A, "8Gi"), (GPU0,))
+    refused = bind(memory_pod("full", UID_B, "4Gi"), (GPU0,))
+    unsigned = bind(memory_pod("unsigned", uid_c, "2Gi"), (GPU0,))
+    invalid = pod("bad", {"nvidia.com/container.main.gpu-memory.request": "8Gi",
+                          "nvidia.com/container.main.gpu-memory.limit": "1Gi",
+                          "nvidia.com/container.main.gpus.devices": GPU0,
+                          "received-resource-type": "Fraction"}, uid=uid_d)
+    invalid["spec"]["nodeName"] = NODE
+    agent = AgentState(source="socket", allocations=(
+        AgentAllocation("team-a", "ok", "main", UID_A, "applied"),
+        AgentAllocation("team-a", "full", "main", UID_B, "refused", "MemoryOvercommitted"),
+        AgentAllocation("team-a", "unsigned", "main", uid_c, "pending", "SignatureMissing"),
+        AgentAllocation("team-a", "bad", "main", uid_d, "refused", "ContractInvalid")))
+    [gpu] = node_report(NODE, node(), [ok, refused, unsigned, invalid], agent).gpus
+    assert gpu.requested_bytes == 8192 * MIB
+    assert {r.pod: (r.state, r.accounted) for r in gpu.rows} == {
+        "ok": ("enforced", True), "full": ("refused", False), "unsigned": ("pending", False),
+        "bad": ("invalid", False)}
