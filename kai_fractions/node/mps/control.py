@@ -18,8 +18,9 @@ stdout. What the real 535 daemon does (checked against the binary):
 - v3 (NVIDIA's "MPS v3 Interface"; not testable here, no r615 binary): `namespace get <n>
   <server> <field>` prints one unformatted field (`pipe-directory`, `active-thread-percentage`,
   ...): a namespace's percentage is read back through it. What `client terminate` and
-  `namespace delete` print on success is pinned nowhere: a known failure text fails them, and
-  any other answer is judged by reading back `client list` / `namespace list`.
+  `namespace delete` print on success is pinned nowhere: a known failure text fails them,
+  silence or an answer that reads as done passes, and any other answer is judged by reading
+  back `client list` / `namespace list`.
 One command per run keeps answers unambiguous: the daemon prints nothing for some commands
 (an unset limit), so the lines of a multi-command session cannot be matched to commands.
 """
@@ -121,7 +122,8 @@ _ANSWER_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
 )
 
 _DONE_RE = re.compile(
-    r"(ok|done|success(ful(ly)?)?|(client|namespace)\b.*\b(terminated|deleted|removed))\.?",
+    r"(ok|done|success(ful(ly)?)?|.*\b(client|namespace)\b.*\b(terminated|deleted|removed)\b.*"
+    r"|(terminated|deleted|removed)\b.*\b(client|namespace)\b.*)\.?",
     re.IGNORECASE)
 _NOT_DONE_RE = re.compile(
     r"\b(not|no|never|could|cannot|unable|fail\w*|error|deferred|pending|later|refused|"
@@ -129,7 +131,15 @@ _NOT_DONE_RE = re.compile(
 """The only texts besides silence that the legacy `terminate_client` is taken to print on
 success (a line that reads as done and says nothing against it): a failed drain read as done
 is worse than a success reported as failed (the caller retries). The v3 `client terminate` /
-`namespace delete` are judged by a readback instead (`MpsControl._confirm_gone`)."""
+`namespace delete` read back any other answer instead (`MpsControl._confirm_gone`)."""
+
+
+def _reads_done(stdout: str) -> bool:
+    """Silence, or every line reads as done and says nothing against it (`_DONE_RE`)."""
+    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
+    return all(_DONE_RE.fullmatch(line) and not _NOT_DONE_RE.search(line) for line in lines)
+
+
 _STATUS_RE = re.compile(r"-?\d+")
 _INVALID_PROCESS_RE = re.compile(r"^Invalid process (\d+)!?$", re.IGNORECASE | re.MULTILINE)
 """The legacy daemon's answer to `terminate_client` for a pid that is no client of that
@@ -300,8 +310,7 @@ class MpsControl:
         daemon's known error texts keep their reasons, and any other text is CommandFailed
         quoting it: an answer no pattern knows must not pass as a drain or a delete done."""
         self._check(stdout, what)
-        lines = [line.strip() for line in stdout.splitlines() if line.strip()]
-        if all(_DONE_RE.fullmatch(line) and not _NOT_DONE_RE.search(line) for line in lines):
+        if _reads_done(stdout):
             return
         raise MpsError(
             e.COMMAND_FAILED,
@@ -312,9 +321,13 @@ class MpsControl:
                       still_listed: Callable[[], bool]) -> None:
         """For v3 `client terminate` / `namespace delete`, whose success wording on r615 is
         pinned nowhere we can test: a known failure text keeps its reason (ClientNotFound,
-        NamespaceBusy, ...); any other answer, silence included, is decided by reading back
-        whether `subject` is gone, as `namespace set` is read back."""
+        NamespaceBusy, ...); silence or an answer that reads as done is success, unread (a
+        terminated client may stay connected, and listed, until its process exits, which
+        the kill that follows a drain brings about); any other answer is decided by reading
+        back whether `subject` is gone."""
         self._check(stdout, what)
+        if _reads_done(stdout):
+            return
         if still_listed():
             raise MpsError(
                 e.COMMAND_FAILED,
