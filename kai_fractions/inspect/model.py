@@ -470,16 +470,24 @@ def _gpus(rows: Sequence[Row], agent: AgentState | None, label: str | None) -> t
     return tuple(out)
 
 
+def finished(pod: Mapping[str, Any]) -> str:
+    """The phase of a pod that has finished (Succeeded, Failed), else "": the agent drops such
+    pods (their containers are gone), so they hold no GPU memory."""
+    phase = str((pod.get("status") or {}).get("phase") or "")
+    return phase if phase in ("Succeeded", "Failed") else ""
+
+
 def node_report(node_name: str, node: Mapping[str, Any] | None,
                 pods: Iterable[Mapping[str, Any]], agent: AgentState | None, *,
                 keys: Keys = k.DEFAULT_KEYS, condition_type: str = k.NODE_CONDITION,
                 title: str | None = None, all_gpus: bool = True,
                 beat: Heartbeat | None = None) -> Report:
     """Every GPU of the node (the agent's devices, else those the pods name) and its
-    allocations; pods bound elsewhere are ignored, unbound ones listed as unplaced."""
+    allocations; pods bound elsewhere and finished pods are ignored, unbound ones listed as
+    unplaced."""
     rows: list[Row] = []
     unplaced: list[Row] = []
-    for pod in pods:
+    for pod in (p for p in pods if not finished(p)):
         for row in pod_rows(pod, agent, keys):
             (rows if row.gpu_uuid else unplaced).append(row)
     labels = ((node or {}).get("metadata") or {}).get("labels") or {}
@@ -507,6 +515,11 @@ def pod_report(pod: Mapping[str, Any], node: Mapping[str, Any] | None,
     report = node_report(node_name, node if node_name else None, [pod], agent, keys=keys,
                          condition_type=condition_type, all_gpus=False, beat=beat,
                          title=f"pod {meta.get('namespace') or 'default'}/{meta.get('name')}")
+    phase = finished(pod)
+    if phase:
+        return Report(title=report.title, node=node_name, agent=agent, notes=(
+            *report.notes, f"the pod has finished (phase {phase}): it holds no GPU memory "
+            "(the node agent drops finished pods)"))
     if not report.rows:
         return Report(title=report.title, node=node_name, agent=agent,
                       notes=(*report.notes, "the pod requests no GPU fraction"))

@@ -259,3 +259,18 @@ def test_requested_counts_only_what_the_agent_accounts():
     assert {r.pod: (r.state, r.accounted) for r in gpu.rows} == {
         "ok": ("enforced", True), "full": ("refused", False), "unsigned": ("pending", False),
         "bad": ("invalid", False)}
+
+
+@pytest.mark.parametrize("phase", ["Succeeded", "Failed"])
+def test_a_finished_pod_is_not_shown_nor_counted(phase):
+    """The agent drops finished pods; inspect showed them enforced and in "requested"."""
+    running = gate_status(bind(memory_pod("run", UID_A, "8Gi"), (GPU0,)), exit_code=0)
+    done = gate_status(bind(memory_pod("done", UID_B, "16Gi"), (GPU0,)), exit_code=0)
+    done["status"]["phase"] = phase
+    [gpu] = node_report(NODE, node(), [running, done], None).gpus
+    assert gpu.requested_bytes == 8192 * MIB
+    assert [r.pod for r in gpu.rows] == ["run"]
+    report = pod_report(done, node(), None)
+    assert report.rows == ()
+    assert report.notes[-1] == (f"the pod has finished (phase {phase}): it holds no GPU memory "
+                                "(the node agent drops finished pods)")
