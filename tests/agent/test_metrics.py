@@ -169,7 +169,8 @@ def test_refusals_and_violations_are_counted_per_node_and_outlive_the_pod(
     zero = {frozenset({**node, "reason": r}.items()): 0 for r in (
         "ContractInvalid", "DeviceNotOnNode", "ComputeModeMix", "MemoryOvercommitted",
         "SmSharingDisabled", "MemoryLimitsUnsupported", "MigNotSupported", "MpsNamespaceTaken",
-        "MpsMountMismatch", "PlanChangeRefused")}  # NotBound is a wait, never counted
+        "MpsMountMismatch", "PlanChangeRefused", "SignatureInvalid", "SignatureKeyUnknown")}
+    # NotBound and SignatureMissing are waits, never counted
     assert samples(rig, refusals) == zero
     assert samples(rig, violations) == {frozenset(node.items()): 0}
 

@@ -29,9 +29,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from ...metrics_http import MetricsEndpoint
+from ...signing import Reason as SignatureReason
 from ..desired import ContainerKey, DesiredState, RefusalReason
 from ..engine import ContainerState
 from ..inventory import Inventory
+
+FINAL_REASONS = (
+    *(r.value for r in RefusalReason if r is not RefusalReason.NOT_BOUND),
+    *(r.value for r in SignatureReason if r is not SignatureReason.MISSING),
+)
+"""Every reason a refusal can be final with, each counted from 0 when the agent starts (an
+alert's increase() misses the first of a series that does not exist yet). NotBound (a wait for
+the binder) and SignatureMissing (a wait for the mirror's signature) never are."""
 
 UPSTREAM_LABELS = ("namespace", "pod", "pod_uuid", "gpu_uuid", "gpu")
 CONTAINER_LABELS = ("node", "namespace", "pod", "pod_uuid", "container", "gpu_uuid", "gpu")
@@ -156,9 +165,8 @@ class AgentMetrics:
             "kai_fractions_node_container_refusals", "Containers the agent began to refuse, "
             "by reason (counted when the refusal starts; it outlives the pod's own series).",
             ("node", "reason"), registry=r)
-        for reason in RefusalReason:
-            if reason is not RefusalReason.NOT_BOUND:  # a wait for the binder, never final
-                self.refusals.labels(node, reason.value)
+        for reason in FINAL_REASONS:
+            self.refusals.labels(node, reason)
         self.violation_episodes = Counter(
             "kai_fractions_node_gpu_memory_limit_violations", "Episodes of a container's GPU "
             "memory use above its cap on the node, seen by the watchdog (as the per-container "
