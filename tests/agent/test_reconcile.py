@@ -440,6 +440,38 @@ def test_nvml_down_writes_nothing_but_removes_gone_pods_markers(short_tmp: Path)
     assert cond is not None and (cond.ready, cond.reason) == (False, "NVMLUnavailable")
 
 
+def test_a_watchdog_check_that_finds_nvml_failing_asks_for_a_pass_once(
+        short_tmp: Path) -> None:
+    """Only a pass reports NVML failing (the node condition): without one the node stays Ready
+    until the next resync (300 s), and KAI keeps placing pods on it."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    add_pod(rig)
+    rig.step()
+    rig.reconciler.check_usage()
+    assert rig.reconciler.usage_needs_pass() is False
+    rig.nvml.fail("running_processes", "DriverNotLoaded", times=None)
+    rig.reconciler.check_usage()
+    assert rig.reconciler.usage_needs_pass() is True
+    rig.reconciler.check_usage()  # the same failure again: no news
+    assert rig.reconciler.usage_needs_pass() is False
+
+
+def test_a_pod_deleted_while_nvml_is_down_leaves_its_series(short_tmp: Path) -> None:
+    """No pass plans while NVML is down, yet the deleted pod's series must go, as after any
+    pass (docs/node-agent.md: a deleted pod leaves no stale series)."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    gone, kept = add_pod(rig, "gone"), add_pod(rig, "kept")
+    rig.step()
+    rig.nvml.fail("init", "DriverNotLoaded", times=None)
+    rig.nvml.fail("driver_version", "DriverNotLoaded", times=None)
+    rig.cluster.delete_pod(gone)
+    rig.step()
+    requested = "kai_fractions_container_gpu_memory_requested_bytes"
+    uids = {s.labels["pod_uuid"] for m in rig.agent.metrics.registry.collect()
+            if m.name == requested for s in m.samples}
+    assert uids == {kept}
+
+
 def test_nvml_breaking_after_apply_reports_pending_and_keeps_the_marker(
         short_tmp: Path) -> None:
     rig = Rig(short_tmp, sm_sharing=False)

@@ -48,7 +48,7 @@ from .mps_links import LegacyPipeLinks
 from .mps_supervisor import MpsHealth, MpsSupervisor, drain
 from .nvml_health import NvmlHealth
 from .options import AgentOptions
-from .pods import API, KnownPod, NodePods
+from .pods import API, KnownPod, NodePods, without_released
 from .signatures import SignatureCheck
 from .usage import UsageCheck
 from .watch import PodCache
@@ -140,6 +140,10 @@ class Reconciler:
         """The worker's periodic MPS check (`MpsHealth.needs_pass`)."""
         return self.mps_health is not None and self.mps_health.needs_pass()
 
+    def usage_needs_pass(self) -> bool:
+        """Whether a watchdog check found NVML failing (`UsageCheck.take_news`)."""
+        return self.usage.take_news()
+
     def reconcile(self, *, full: bool = False) -> PassReport:
         started = time.monotonic()
         try:
@@ -188,7 +192,7 @@ class Reconciler:
         if inventory is None:
             self.pods.drop_gone(live, errors, release=False)
             self.markers.tidy(set(live), None, **tidy)  # which pods are fractional is unknown
-            self._forget_usage()
+            self._forget_usage(live)
             self._publish(None, mps_error, mps_namespaces, unverified=self.nvml_health.error)
             return PassReport(converged=False, errors=frozenset(errors))
 
@@ -246,15 +250,23 @@ class Reconciler:
             return True
         return self.confirm_absent is not None and self.confirm_absent(absent, generation)
 
-    def _forget_usage(self) -> None:
+    def _forget_usage(self, live: Mapping[str, object]) -> None:
         """While NVML does not work no check reads usage (it needs the inventory), and the last
         check's could be long over (a process that ended): the gauges and GetNodeState read 0,
-        as for a GPU whose processes cannot be listed, until a check reads it again."""
-        if not self.view.usage:
+        as for a GPU whose processes cannot be listed, until a check reads it again. No pass
+        plans meanwhile either: a pod deleted meanwhile leaves the last plan, and its series
+        go, as after any pass."""
+        desired = self.view.desired
+        planned = set() if desired is None else (
+            {c.key.pod_uid for c in desired.containers} | {r.key.pod_uid for r in desired.refusals})
+        gone = {(uid, None) for uid in planned if uid not in live}
+        if not self.view.usage and not gone:
             return
-        if self.view.desired is not None and self.view.inventory is not None:
-            self.metrics.update(self.view.desired, {}, self.view.inventory)
-        self.view = dataclasses.replace(self.view, usage=MappingProxyType({}))
+        if desired is not None and gone:
+            desired = without_released(desired, gone)
+        if desired is not None and self.view.inventory is not None:
+            self.metrics.update(desired, {}, self.view.inventory)
+        self.view = dataclasses.replace(self.view, desired=desired, usage=MappingProxyType({}))
 
     def _health(self, inventory: Inventory | None, mps_error: NodeError | None,
                 mps_namespaces: bool | None, bump: int) -> Health:

@@ -69,6 +69,10 @@ class UsageCheck:
         """GPU uuids where NVML lists a managed container's process without its memory."""
         self._unseen: set[str] = set()
         """GPU uuids whose memory is used by processes NVML does not list."""
+        self.news = False
+        """Set when a GPU's processes stop being listable (or for another reason): NVML may be
+        failing between passes, which only a pass reports (the node condition), so the worker
+        runs one at once instead of at the next resync (`take_news`)."""
         self._stop_refs: dict[int, PodRef] = {}
         """pid -> the pod of each stop in progress, taken when it started: its outcome comes
         at a later check, often after the pod left the plan (its main process exited on
@@ -104,8 +108,14 @@ class UsageCheck:
         self.metrics.usage_blind.labels(self.metrics.node, uuid, error.reason).inc()
         if self._blind.get(uuid) != error.reason:
             self._blind[uuid] = error.reason
+            self.news = True
             log.warning("cannot list the processes of GPU %s (%s): %s; the watchdog sees no "
                         "usage there until it can", uuid, error.reason, error.message)
+
+    def take_news(self) -> bool:
+        """Whether a check found something only a pass can report (once per finding)."""
+        news, self.news = self.news, False
+        return news
 
     def _unknown_memory(self, usage: Iterable[ContainerUsage]) -> None:
         """Processes of managed containers that NVML lists without their memory (it says "not

@@ -180,7 +180,9 @@ class Worker:
         if self.mps_checks and now >= self._next_mps:
             self._next_mps = now + self.options.mps_check_seconds
             mps = self._mps_needs_pass()
-        passed = dirty or full or retry or mps
+        # A watchdog check that found NVML failing: only a pass reports it (the condition).
+        news = self.reconciler.usage_needs_pass()
+        passed = dirty or full or retry or mps or news
         if passed:
             self._pass(full)
             if full:
