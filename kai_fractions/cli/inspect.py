@@ -68,8 +68,9 @@ def _register_mirror(what) -> None:
         "then what is wrong, if anything. Without URL, the mirror's pods are found through "
         "the Kubernetes API and read through the API server's pod proxy (get on pods/proxy). "
         "Exit codes: 0 every replica read and nothing wrong, 1 a problem is reported (no "
-        "replica found or read, no follower leader or several, a pod cache not synced), 2 "
-        "usage error or the cluster cannot be read.")
+        "replica found or read, no follower leader or several, a pod cache not synced, over "
+        "5%% of a replica's API requests or calls failed since it started), 2 usage error or "
+        "the cluster cannot be read.")
     q.add_argument("urls", nargs="*", metavar="URL",
                    help="a replica's metrics endpoint, e.g. http://127.0.0.1:9401 after "
                    "kubectl port-forward (/metrics is added when the path is empty)")

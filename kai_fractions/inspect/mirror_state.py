@@ -31,6 +31,13 @@ STARTED = "process_start_time_seconds"
 
 _EMPTY: Mapping[str, int] = MappingProxyType({})
 
+FAILING_SHARE = 0.05
+"""The share of failed calls, or of failed requests to the API server, since a replica started
+that is a problem: the chart's `prometheusRule.failingCallsPercent` (5) by default."""
+SERVER_FAILURES = ("INTERNAL", "UNAVAILABLE", "DEADLINE_EXCEEDED")
+"""The call codes that are the mirror's failures (KaiFractionsMirrorCallsFailing's); the others
+(INVALID_ARGUMENT, FAILED_PRECONDITION, ...) answer a caller's mistake."""
+
 
 @dataclass(frozen=True, slots=True)
 class Replica:
@@ -166,6 +173,41 @@ def replica_from_metrics(name: str, source: str, text: str, now: float) -> Repli
         cpu_seconds=one(CPU))
 
 
+def _failing(counts: Mapping[str, int], bad: Iterable[str]) -> tuple[int, int, str]:
+    """(failed, total, `CODE n, ...` of the failed ones) when the failed are over
+    FAILING_SHARE of the total; (0, total, "") otherwise."""
+    total = sum(counts.values())
+    failed = {code: n for code, n in counts.items() if code in set(bad) and n}
+    if not total or sum(failed.values()) <= FAILING_SHARE * total:
+        return 0, total, ""
+    return sum(failed.values()), total, ", ".join(f"{c} {n}" for c, n in failed.items())
+
+
+def _api_failing(r: Replica) -> list[str]:
+    """Its requests to the API server end unreachable or 5xx (KaiFractionsMirrorApiUnreachable)."""
+    bad = [c for c in r.api_requests if c == "unreachable" or c.startswith("5")]
+    failed, total, codes = _failing(r.api_requests, bad)
+    if not failed:
+        return []
+    return [f"{r.name}: {failed} of its {total} requests to the API server failed since it "
+            f"started ({codes}): its calls answer UNAVAILABLE, its pod cache goes stale and, if "
+            "it leads, its follower neither checks nor signs BindRequests; check its log "
+            "(kubectl logs) and its way to the API server: DNS, egress NetworkPolicies, the "
+            "API server's health"]
+
+
+def _calls_failing(r: Replica) -> list[str]:
+    """Its calls fail (KaiFractionsMirrorCallsFailing)."""
+    failed, total, codes = _failing(r.calls, SERVER_FAILURES)
+    if not failed:
+        return []
+    return [f"{r.name}: {failed} of its {total} calls failed since it started ({codes}): the "
+            "scheduler's binds that call it fail or retry. UNAVAILABLE: the API server failed "
+            "or was unreachable (see its API requests); INTERNAL: the API server refused a "
+            "write (RBAC, validation: its log says which); DEADLINE_EXCEEDED: the caller's "
+            "deadline ran out"]
+
+
 def leaders(replicas: Sequence[Replica]) -> list[Replica]:
     return [r for r in replicas if r.leading]
 
@@ -190,4 +232,6 @@ def problems(replicas: Sequence[Replica]) -> list[str]:
                    "made that many times; their Lease settings or clocks disagree")
     out += [f"{r.name}: pod cache not synced: every call reads its pod from the API server"
             for r in read if r.cache_synced is False]
+    for r in read:
+        out += _api_failing(r) + _calls_failing(r)
     return out

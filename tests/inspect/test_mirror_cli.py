@@ -58,6 +58,19 @@ def test_one_leader_among_the_replicas_is_all_well(serve, capsys):
     assert not [line for line in lines if line.startswith("!")]
 
 
+def test_a_replica_whose_api_server_is_unreachable_exits_1(serve, capsys):
+    metrics = mirror_metrics(ok=0, invalid=0, leading=None, signed_after=(), skipped=0)
+    for _ in range(3):
+        metrics.call("MirrorAllocation", "UNAVAILABLE", 1.0)
+        metrics.api_request("GET", "unreachable")
+    code, out, _ = _inspect(capsys, serve(metrics))
+    assert code == 1
+    problems = [line for line in out.splitlines() if line.startswith("! ")]
+    assert [p.split(": ", 2)[1] for p in problems] == [
+        "3 of its 4 requests to the API server failed since it started (unreachable 3)",
+        "3 of its 3 calls failed since it started (UNAVAILABLE 3)"]
+
+
 def test_two_leaders_a_dead_replica_and_a_wrong_endpoint_are_problems(serve, capsys):
     from prometheus_client import CollectorRegistry, Gauge
 

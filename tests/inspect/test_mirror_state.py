@@ -98,6 +98,38 @@ def test_problems_are_told_once_each():
         "mirror-b: pod cache not synced: every call reads its pod from the API server"]
 
 
+def test_failing_api_requests_and_calls_are_problems():
+    """Every call failed UNAVAILABLE and every API request ended unreachable: inspect said
+    nothing was wrong."""
+    metrics = mirror_metrics(ok=0, invalid=0, signed_after=(), skipped=0, leading=None)
+    for _ in range(5):
+        metrics.call("MirrorAllocation", "UNAVAILABLE", 1.0)
+        for _ in range(5):
+            metrics.api_request("GET", "unreachable")
+    down = replica_from_metrics("mirror-a", "u", scrape(metrics), now=4e9)
+    api, calls = problems([down])
+    assert api.startswith("mirror-a: 25 of its 26 requests to the API server failed since it "
+                          "started (unreachable 25): its calls answer UNAVAILABLE")
+    assert "check its log (kubectl logs) and its way to the API server" in api
+    assert calls.startswith("mirror-a: 5 of its 5 calls failed since it started (UNAVAILABLE "
+                            "5): the scheduler's binds that call it fail or retry.")
+
+
+def test_a_few_failures_or_callers_mistakes_are_not_problems():
+    """Over the chart's 5 % only, and only the mirror's own failures (as its alerts)."""
+    metrics = mirror_metrics(ok=40, invalid=30)  # INVALID_ARGUMENT: the caller's mistake
+    metrics.call("MirrorAllocation", "INTERNAL", 0.01)  # 1 of 71
+    metrics.api_request("PATCH", "503")  # 1 of 42
+    assert problems([replica_from_metrics("mirror-a", "u", scrape(metrics), now=4e9)]) == []
+    metrics.api_request("PATCH", "500")  # 2 of 43
+    assert problems([replica_from_metrics("mirror-a", "u", scrape(metrics), now=4e9)]) == []
+    for _ in range(2):
+        metrics.api_request("GET", "unreachable")  # 4 of 45
+    [api] = problems([replica_from_metrics("mirror-a", "u", scrape(metrics), now=4e9)])
+    assert "4 of its 45 requests to the API server failed since it started (500 1, 503 1, " \
+        "unreachable 2)" in api
+
+
 def test_the_table_has_a_row_a_replica_its_counts_and_the_problems():
     gone = unreadable("mirror-c", "pod ns/mirror-c", "the pod is Pending, not Running")
     out = render([replica("mirror-a"), replica("mirror-b", leading=False, synced=False),
