@@ -19,9 +19,11 @@ def register(sub) -> None:
     p = sub.add_parser(
         "inspect", help="show what each GPU of a node runs and under which limits",
         description="Per-GPU table of the fractional allocations of a node (or of one pod): "
-        "request, limit, compute mode, active-thread percentage, used memory and state "
-        "(enforced, refused with its reason, pending, waiting, unscheduled). The numbers come "
-        "from the pods' annotations (the NvFractions contract); the state and used memory from "
+        "request, limit, compute mode, active-thread percentage, used memory, state "
+        "(enforced, refused with its reason, pending, waiting, unscheduled, ungated: no gate "
+        "holds it, invalid: its annotations break the contract) and the tier holding each "
+        "memory cap. The numbers come from the pods' annotations (the NvFractions contract), "
+        "or the agent's plan once it is applied; the state and used memory from "
         "the node agent when it is reachable (--agent-socket on the node, or --agent-metrics), "
         "else from the gate init container's status. Exit codes: 0 ok, 1 the node or pod does "
         "not exist, 2 usage error or the cluster cannot be read.",

@@ -304,3 +304,14 @@ def test_agent_socket_and_metrics_together(cluster: Path, agent_socket: Path,
                                        f"http://{metrics_url}/metrics")
     row = data["gpus"][0]["allocations"][0]
     assert (row["state"], row["used_bytes"]) == ("refused", 4096 * MIB)  # usage per GPU
+
+
+def test_the_help_names_every_state(capsys) -> None:
+    from kai_fractions.inspect import model
+
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for state in (model.ENFORCED, model.REFUSED, model.PENDING, model.WAITING,
+                  model.UNSCHEDULED, model.UNGATED, model.INVALID):
+        assert re.search(rf"\b{state}\b", text), state
