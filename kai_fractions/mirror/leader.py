@@ -272,8 +272,9 @@ class LeaderElector:
             if now < next_at:
                 await asyncio.sleep(min(next_at - now, left))
                 continue
-            try:
-                written = await asyncio.wait_for(self._attempt(self.renew), left)
+            try:  # not wait_for: on 3.11 it loses a cancel that comes as the attempt ends
+                async with asyncio.timeout(left):
+                    written = await self._attempt(self.renew)
             except TimeoutError:
                 self.leading = False
                 return gave_up + " (the API server did not answer in time)"

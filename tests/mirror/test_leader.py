@@ -327,6 +327,30 @@ async def test_a_slow_api_server_that_answers_keeps_the_leader_leading():
     await stop(runner)
 
 
+async def test_stopping_a_leader_as_a_renewal_answers_still_stops_it():
+    # On Python 3.11 asyncio.wait_for drops a cancel that arrives as the awaited attempt
+    # finishes: the renewal loop went on, and the mirror never finished stopping on SIGTERM.
+    lease = FakeLease()
+    a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=15,
+                                            renew_deadline_seconds=10, retry_seconds=0.05))
+    in_flight, answer = asyncio.Event(), asyncio.Event()
+    update = lease.update
+
+    async def gated_update(spec, resource_version):
+        in_flight.set()
+        await answer.wait()
+        return await update(spec, resource_version)
+
+    terms, _, lead = recorded_term(lambda: setattr(lease, "update", gated_update))
+    runner = asyncio.create_task(a.run(lead))
+    await asyncio.wait_for(in_flight.wait(), 5)
+    answer.set()  # the renewal's answer and the stop come together
+    runner.cancel()
+    await asyncio.wait({runner}, timeout=5)
+    assert runner.cancelled(), "the leader did not stop"
+    assert terms == ["started", "lost"] and lease.obj["holderIdentity"] == ""
+
+
 async def test_a_leader_that_finds_another_holder_steps_down_at_once():
     lease = FakeLease()
     a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=60,
