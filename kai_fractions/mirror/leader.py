@@ -149,7 +149,7 @@ class LeaderElector:
         self._observed: Mapping[str, Any] | None = None  # the last spec read or written
         self._observed_at = 0.0  # when it last changed, by this replica's clock
         self._version = ""  # the resourceVersion this replica's last write got back
-        self.leading = False
+        self.leading = False  # while its work runs: from its start until it has ended
 
     async def try_acquire_or_renew(self) -> bool:
         """One attempt: True when this replica holds the Lease afterwards."""
@@ -226,6 +226,7 @@ class LeaderElector:
                 continue
             log.info("leading: lease %s/%s acquired by %s", cfg.namespace, cfg.name,
                      cfg.identity)
+            self.leading = True
             work = asyncio.create_task(_coroutine(lead), name="leader-work")
             renewing = asyncio.create_task(self._renew(started), name="lease-renewal")
             try:
@@ -276,7 +277,6 @@ class LeaderElector:
                 async with asyncio.timeout(left):
                     written = await self._attempt(self.renew)
             except TimeoutError:
-                self.leading = False
                 return gave_up + " (the API server did not answer in time)"
             if written:
                 renewed = now
@@ -285,12 +285,13 @@ class LeaderElector:
             next_at = now + cfg.retry_seconds
 
     async def _attempt(self, attempt: Callable[[], Awaitable[bool]] | None = None) -> bool:
+        """One attempt, its error logged. `leading` follows the term, not the attempts: a
+        failed renewal does not end the term, the deadline does."""
         try:
-            self.leading = await (attempt or self.try_acquire_or_renew)()
+            return await (attempt or self.try_acquire_or_renew)()
         except Exception as e:  # the API away, a refusal, a transport error
             log.warning("lease %s/%s: %r", self.config.namespace, self.config.name, e)
-            self.leading = False
-        return self.leading
+            return False
 
     def _spec(self, *, acquire_time: str, renew_time: str, transitions: int) -> dict[str, Any]:
         return {"holderIdentity": self.config.identity,
