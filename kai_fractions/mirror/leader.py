@@ -150,6 +150,7 @@ class LeaderElector:
         self._observed_at = 0.0  # when it last changed, by this replica's clock
         self._version = ""  # the resourceVersion this replica's last write got back
         self.leading = False  # while its work runs: from its start until it has ended
+        self._attempting = False  # an attempt began and has not answered
 
     async def try_acquire_or_renew(self) -> bool:
         """One attempt: True when this replica holds the Lease afterwards."""
@@ -218,6 +219,18 @@ class LeaderElector:
         releases the Lease. When the task ends on its own, the term ends: the Lease is
         released and, `retry_seconds` later (another replica may take it meanwhile), sought
         again."""
+        try:
+            await self._elect(lead)
+        except asyncio.CancelledError:
+            # As client-go's ReleaseOnCancel: whenever this replica was the holder last seen,
+            # in or out of a term, or stopped mid-attempt (its write may have landed); a
+            # standby that saw another holder sends nothing. release() checks and guards.
+            if self.holder() == self.config.identity or self._attempting:
+                await self.release()
+            raise
+
+    async def _elect(self, lead: Callable[[], Awaitable[object]]) -> NoReturn:
+        """run() but for the release when cancelled."""
         cfg = self.config
         while True:
             started = self._monotonic()
@@ -235,7 +248,6 @@ class LeaderElector:
                 await _cancelled(renewing)
                 await _cancelled(work)
                 self.leading = False
-                await self.release()
                 raise
             if renewing.done():
                 await _cancelled(work)
@@ -287,11 +299,14 @@ class LeaderElector:
     async def _attempt(self, attempt: Callable[[], Awaitable[bool]] | None = None) -> bool:
         """One attempt, its error logged. `leading` follows the term, not the attempts: a
         failed renewal does not end the term, the deadline does."""
+        self._attempting = True  # left so when cancelled: its write may have landed
         try:
-            return await (attempt or self.try_acquire_or_renew)()
+            written = await (attempt or self.try_acquire_or_renew)()
         except Exception as e:  # the API away, a refusal, a transport error
             log.warning("lease %s/%s: %r", self.config.namespace, self.config.name, e)
-            return False
+            written = False
+        self._attempting = False
+        return written
 
     def _spec(self, *, acquire_time: str, renew_time: str, transitions: int) -> dict[str, Any]:
         return {"holderIdentity": self.config.identity,

@@ -426,6 +426,39 @@ async def test_stopping_a_leader_ends_its_work_and_releases_the_lease():
     assert lease.obj["holderIdentity"] == "" and not a.leading
 
 
+async def test_stopped_as_its_acquiring_write_lands_a_replica_still_releases():
+    # The create reached the API server, its answer had not come back when SIGTERM came: the
+    # Lease named a stopped replica, and no replica followed until it expired.
+    lease = FakeLease()
+    a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=15,
+                                            renew_deadline_seconds=10, retry_seconds=2))
+    landed = asyncio.Event()
+    create = lease.create
+
+    async def unanswered_create(spec):
+        await create(spec)
+        landed.set()
+        await asyncio.Event().wait()
+
+    lease.create = unanswered_create
+    runner = asyncio.create_task(a.run(recorded_term(lambda: None)[2]))
+    await asyncio.wait_for(landed.wait(), 5)
+    await stop(runner)
+    assert lease.obj["holderIdentity"] == "" and not a.leading
+
+
+async def test_a_stopped_standby_sends_nothing():
+    lease, clocks = FakeLease(), Clocks()
+    assert await elector(lease, "mirror-b", clocks).try_acquire_or_renew()
+    a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=15,
+                                            renew_deadline_seconds=10, retry_seconds=2))
+    runner = asyncio.create_task(a.run(recorded_term(lambda: None)[2]))
+    await until(lambda: a.holder() == "mirror-b")
+    lease.requests.clear()
+    await stop(runner)
+    assert lease.requests == [] and lease.obj["holderIdentity"] == "mirror-b"
+
+
 async def test_work_that_ends_on_its_own_ends_the_term_and_starts_again_in_a_new_one(caplog):
     # The follower's loop broke while its replica kept renewing the Lease: no replica signed a
     # pod until a restart. The term ends instead, and the next one starts the work again.
