@@ -15,6 +15,10 @@ DEFAULT_MARKER_HOST_DIR = "/var/lib/kai-fractions/markers"
 DEFAULT_MPS_PIPE_HOST_DIR = "/run/kai-fractions/mps"
 DEFAULT_AGENT_SOCKET_HOST_DIR = "/run/kai-fractions"
 """Where the node agent's NodeEnforcer socket lives (the chart's `hostPaths.socketDir`)."""
+DEFAULT_KUBELET_ROOT_DIR = "/var/lib/kubelet"
+"""The kubelet's `--root-dir`: it bind-mounts every pod's subPath volumes read-write under
+`pods/<uid>/volume-subpaths/` there, the gate's marker directory and the MPS namespaces
+included, so no hostPath may reach it (the chart's `webhook.kubeletRootDir`)."""
 
 # Names the mutating webhook puts into a pod. They are reserved: a pod's own definition under
 # one of these names is replaced, and the validating webhook refuses other containers that
@@ -36,6 +40,7 @@ class AdmissionConfig:
     marker_host_dir: str = DEFAULT_MARKER_HOST_DIR
     mps_pipe_host_dir: str = DEFAULT_MPS_PIPE_HOST_DIR
     agent_socket_host_dir: str = DEFAULT_AGENT_SOCKET_HOST_DIR
+    kubelet_root_dir: str = DEFAULT_KUBELET_ROOT_DIR
     runtime_class: str = ""
     """Given to fractional pods that name no RuntimeClass: their container reaches its GPU
     through the NVIDIA runtime, which a node may offer only as a RuntimeClass. "" leaves the
@@ -57,7 +62,8 @@ class AdmissionConfig:
         if self.runtime_class and not is_dns_subdomain(self.runtime_class):
             raise ValueError(f"runtime_class: {self.runtime_class!r} is not a RuntimeClass name "
                              "(lower-case letters, digits, '-' and '.')")
-        for name in ("marker_host_dir", "mps_pipe_host_dir", "agent_socket_host_dir"):
+        for name in ("marker_host_dir", "mps_pipe_host_dir", "agent_socket_host_dir",
+                     "kubelet_root_dir"):
             value = getattr(self, name)
             if not value.startswith("/") or value.rstrip("/") == "":
                 raise ValueError(f"{name}: must be an absolute host directory other than /, "

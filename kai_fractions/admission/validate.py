@@ -9,8 +9,9 @@ binder set `.gpus.devices` (`frozen`); in a fractional pod the gate is exactly t
 and every other container says `NVIDIA_VISIBLE_DEVICES=void` (`wiring`), no container asks for
 a way past its own (`isolation`: privileged, hostPID, ...), only the gate may mount the marker
 root and only the fractional container the MPS pipes; and in EVERY pod no hostPath may reach
-the marker root, the MPS pipes or the agent's socket directory, however spelled (`hostpaths`:
-whoever can write the marker root can release any pod on the node). On UPDATE only what the
+the marker root, the MPS pipes, the agent's socket directory or the kubelet's root directory
+(where the marker and MPS subPaths are bind-mounted), however spelled (`hostpaths`: whoever can
+write the marker root can release any pod on the node). On UPDATE only what the
 change introduces is refused, compared on full values. A Binding carries no NvFractions key
 unless an allowed identity binds (its annotations reach the pod without pod admission).
 Workloads with a pod template get the contract checks early; a template never carries a
@@ -105,16 +106,28 @@ def _containers(spec: Mapping[str, Any]) -> Iterator[tuple[str, int, Mapping[str
                 yield field, i, c
 
 
+def _guarded(config: AdmissionConfig) -> list[tuple[str, str, str]]:
+    """The host directories no hostPath may reach: (canonical path, what it is, who may)."""
+    return [(hostpaths.canonical(directory), f"{what} {directory!r}", who)
+            for directory, what, who in (
+        (config.marker_host_dir, "the kai-fractions directory",
+         f"only the webhook's own volume {MARKER_VOLUME!r} may"),
+        (config.mps_pipe_host_dir, "the kai-fractions directory",
+         f"only the webhook's own volume {MPS_VOLUME!r} may"),
+        (config.agent_socket_host_dir, "the kai-fractions directory",
+         "no volume may: whoever reaches the node agent's socket can release any pod's limits"),
+        (config.kubelet_root_dir, "the kubelet's root directory",
+         "no volume may: the kubelet mounts every pod's subPath volumes read-write under it, "
+         "the gate's marker directory and the MPS namespaces included"))]
+
+
 def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> list[Problem]:
-    """No hostPath of any pod reaches the marker root, the MPS pipes or the agent's socket
-    directory (the directory, a parent or a child, however spelled), except the webhook's own
-    reserved volumes, which must point exactly at theirs. Each path is resolved once."""
+    """No hostPath of any pod reaches the marker root, the MPS pipes, the agent's socket
+    directory or the kubelet's root directory (the directory, a parent or a child, however
+    spelled), except the webhook's own reserved volumes, which must point exactly at theirs.
+    Each path is resolved once."""
     reserved = {MARKER_VOLUME: config.marker_host_dir, MPS_VOLUME: config.mps_server_host_dir}
-    guarded = [(directory, hostpaths.canonical(directory), who) for directory, who in (
-        (config.marker_host_dir, f"only the webhook's own volume {MARKER_VOLUME!r} may"),
-        (config.mps_pipe_host_dir, f"only the webhook's own volume {MPS_VOLUME!r} may"),
-        (config.agent_socket_host_dir, "no volume may: whoever reaches the node agent's "
-         "socket can release any pod's limits"))]
+    guarded = _guarded(config)
     out: list[Problem] = []
     for i, volume in enumerate(spec.get("volumes") or []):
         if not isinstance(volume, Mapping) or not isinstance(volume.get("hostPath"), Mapping):
@@ -135,9 +148,9 @@ def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> lis
             continue
         # Host-level agents (node exporters, GPU operator parts) mount `/`, `/run` or `/proc`:
         # the denial says once, after the last such problem, how an admin lets trusted ones in.
-        out += [Problem(f"{where}: {shown(path)} reaches the kai-fractions directory "
-                        f"{directory!r}; {who}", exact(path), hint=HOST_PATH_EXEMPTION_HINT)
-                for directory, canonical, who in guarded if hostpaths.related(resolved, canonical)]
+        out += [Problem(f"{where}: {shown(path)} reaches {what}; {who}", exact(path),
+                        hint=HOST_PATH_EXEMPTION_HINT)
+                for canonical, what, who in guarded if hostpaths.related(resolved, canonical)]
     return out
 
 

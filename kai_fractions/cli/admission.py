@@ -10,6 +10,7 @@ import argparse
 from ..admission.config import (
     DEFAULT_AGENT_SOCKET_HOST_DIR,
     DEFAULT_ALLOWED_IDENTITIES,
+    DEFAULT_KUBELET_ROOT_DIR,
     DEFAULT_MARKER_HOST_DIR,
     DEFAULT_MPS_PIPE_HOST_DIR,
 )
@@ -39,6 +40,10 @@ def register(sub) -> None:
     p.add_argument("--agent-socket-dir", default=DEFAULT_AGENT_SOCKET_HOST_DIR, metavar="DIR",
                    help="the directory of the node agent's socket on the host; no pod's "
                    "hostPath may reach it (default: %(default)s)")
+    p.add_argument("--kubelet-root-dir", default=DEFAULT_KUBELET_ROOT_DIR, metavar="DIR",
+                   help="the kubelet's --root-dir on the nodes; no pod's hostPath may reach it "
+                   "(the kubelet bind-mounts the gate's marker directory and the MPS namespaces "
+                   "under it) (default: %(default)s)")
     p.add_argument("--annotation-prefix", default=None, metavar="P",
                    help="per-container key prefix (default: nvidia.com/container.)")
     p.add_argument("--runtime-class", default="", metavar="NAME",
@@ -67,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
             gate_image=args.gate_image, keys=keys,
             allowed_identities=tuple(args.allowed_identity or DEFAULT_ALLOWED_IDENTITIES),
             marker_host_dir=args.marker_host_dir, mps_pipe_host_dir=args.mps_pipe_host_dir,
-            agent_socket_host_dir=args.agent_socket_dir, runtime_class=args.runtime_class)
+            agent_socket_host_dir=args.agent_socket_dir,
+            kubelet_root_dir=args.kubelet_root_dir, runtime_class=args.runtime_class)
         tls = ReloadingContext(args.tls_cert, args.tls_key)
         server = make_server(args.listen, config, tls)
     except (ValueError, TLSError, OSError) as e:

@@ -249,7 +249,34 @@ def test_pods_without_nvfractions_keys_may_not_reach_them_either(webhook: Webhoo
         f"spec.volumes[0].hostPath.path: {path!r} reaches the kai-fractions directory")
 
 
-@pytest.mark.parametrize("path", ["/var/log", "/var/lib/kubelet", "/run/containerd",
+KUBELET = "/var/lib/kubelet"
+KUBELET_RULE = (f"reaches the kubelet's root directory {KUBELET!r}; no volume may: the kubelet "
+                "mounts every pod's subPath volumes read-write under it, the gate's marker "
+                "directory and the MPS namespaces included")
+
+
+@pytest.mark.parametrize("path", [
+    KUBELET, "/var/lib/kubelet/", "/var/lib/kubelet/pods",
+    "/var/lib/kubelet/pods/uid-1/volume-subpaths/kai-fractions-marker",
+    "//var/lib/./kubelet/pods", "/var/log/../lib/kubelet", "/proc/1/root/var/lib/kubelet/pods",
+    "/var/lib", "/var", "/", "/proc/1/cwd",  # its parents (they reach the markers too)
+])
+@pytest.mark.parametrize("fractional", [False, True], ids=["plain", "fractional"])
+def test_no_pod_may_reach_the_kubelets_directory(webhook: Webhook, path: str,
+                                                  fractional: bool) -> None:
+    """The kubelet bind-mounts each subPath read-write under `<root>/pods/<uid>/volume-subpaths/`:
+    the gate's marker directory, every sm-sharing container's MPS namespace. A pod reaching it
+    could forge a marker (no secret in it: its digest comes from the annotations, its boot ID is
+    the host's) and start without limits, or join another tenant's MPS namespace."""
+    obj = wired(webhook, pod({REQUEST: "8Gi"})) if fractional else pod({}, volumes=[])
+    obj["spec"]["volumes"].append({"name": "host", "hostPath": {"path": path}})
+    response = review(webhook, obj)
+    assert response["allowed"] is False, path
+    where = f"spec.volumes[{len(obj['spec']['volumes']) - 1}].hostPath.path"
+    assert f"{where}: {path!r} {KUBELET_RULE}" in response["status"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/var/log", "/run/containerd", "/var/lib/kubelet-plugins",
                                   "/var/run-other", "/proc/meminfo", "/var/lib/kai"])
 def test_other_host_paths_pass(webhook: Webhook, path: str) -> None:
     plain = pod({}, volumes=[{"name": "host", "hostPath": {"path": path}}])
@@ -343,13 +370,15 @@ def test_pods_created_before_these_rules_can_still_be_updated(webhook: Webhook) 
 
 
 def test_the_admission_process_guards_the_configured_socket_directory(tls_dir: Path) -> None:
-    """`kai-fractions admission --agent-socket-dir`: a plain pod's hostPath to the agent's socket,
-    spelled through /var/run, is refused by the real process."""
+    """`kai-fractions admission --agent-socket-dir --kubelet-root-dir`: a plain pod's hostPath
+    to the agent's socket, spelled through /var/run, or into the kubelet's directory, is refused
+    by the real process."""
     cli = Path(sys.executable).parent / "kai-fractions"
     proc = subprocess.Popen(
         [str(cli), "admission", "--listen", "127.0.0.1:0", "--tls-cert",
          str(tls_dir / "tls.crt"), "--tls-key", str(tls_dir / "tls.key"),
-         "--gate-image", GATE_IMAGE, "--agent-socket-dir", "/run/gpu-agent"],
+         "--gate-image", GATE_IMAGE, "--agent-socket-dir", "/run/gpu-agent",
+         "--kubelet-root-dir", "/srv/kubelet"],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         assert proc.stderr is not None
@@ -369,6 +398,13 @@ def test_the_admission_process_guards_the_configured_socket_directory(tls_dir: P
             "or the chart's webhook.hostPathExemptNamespaces)")
         elsewhere = pod({}, volumes=[{"name": "s", "hostPath": {"path": "/run/gpu-agent-2"}}])
         assert review(hook, elsewhere)["allowed"] is True
+        # --kubelet-root-dir: the configured kubelet directory is guarded, not the default one
+        kubelet = pod({}, volumes=[{"name": "k", "hostPath": {"path": "/srv/kubelet/pods"}}])
+        assert review(hook, kubelet)["status"]["message"].startswith(
+            "spec.volumes[0].hostPath.path: '/srv/kubelet/pods' reaches the kubelet's root "
+            "directory '/srv/kubelet'; no volume may")
+        default = pod({}, volumes=[{"name": "k", "hostPath": {"path": KUBELET}}])
+        assert review(hook, default)["allowed"] is True
         proc.terminate()
         assert proc.wait(timeout=10) == 0
     finally:

@@ -340,24 +340,27 @@ def test_each_host_path_is_resolved_once(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_a_long_path_is_quoted_cut_in_every_problem_it_causes() -> None:
-    path = "/" + "a/../" * 800  # 4001 characters, resolves to `/`: three problems
+    path = "/" + "a/../" * 800  # 4001 characters, resolves to `/`: four problems
     d = validate(request(pod({}, volumes=[{"name": "x", "hostPath": {"path": path}}])), CONFIG)
     assert d.message.count("reaches the kai-fractions directory") == 3
-    assert d.message.count(f"{path[:80]!r}... ({len(path)} characters)") == 3
-    assert len(d.message) < 1200
+    assert d.message.count("reaches the kubelet's root directory") == 1
+    assert d.message.count(f"{path[:80]!r}... ({len(path)} characters)") == 4
+    assert len(d.message) < 1600  # the 4001 characters are never repeated
 
 
 def test_a_denial_lists_at_most_twenty_problems() -> None:
     volumes = [{"name": f"v{i}", "hostPath": {"path": "/"}} for i in range(100)]
     d = validate(request(pod({}, volumes=volumes)), CONFIG)
-    assert d.message.count("reaches the kai-fractions directory") == 20
-    assert d.message.endswith("spec.volumes[6].hostPath.path: '/' reaches the kai-fractions "
-                              "directory '/run/kai-fractions/mps'; only the webhook's own "
-                              "volume 'kai-fractions-mps' may (to admit a trusted host "
-                              "agent without NvFractions keys, exempt its namespace: the label "
-                              "kai-fractions.io/webhook=disabled, or the chart's "
-                              "webhook.hostPathExemptNamespaces); and 280 more problem(s) of "
-                              "the same kinds")
+    assert d.message.count("reaches the kai-fractions directory") == 15
+    assert d.message.count("reaches the kubelet's root directory") == 5
+    assert d.message.endswith("spec.volumes[4].hostPath.path: '/' reaches the kubelet's root "
+                              "directory '/var/lib/kubelet'; no volume may: the kubelet mounts "
+                              "every pod's subPath volumes read-write under it, the gate's "
+                              "marker directory and the MPS namespaces included (to admit a "
+                              "trusted host agent without NvFractions keys, exempt its "
+                              "namespace: the label kai-fractions.io/webhook=disabled, or the "
+                              "chart's webhook.hostPathExemptNamespaces); and 380 more "
+                              "problem(s) of the same kinds")
 
 
 def test_a_gate_image_that_reads_the_same_once_cut_is_still_another_image() -> None:

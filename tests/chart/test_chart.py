@@ -480,6 +480,7 @@ def test_admission_deployment():
         f"--gate-image={TEST_IMAGE}:0.1.0",
         "--marker-host-dir=/var/lib/kai-fractions/markers",
         "--mps-pipe-host-dir=/run/kai-fractions/mps", "--agent-socket-dir=/run/kai-fractions",
+        "--kubelet-root-dir=/var/lib/kubelet",
         "--annotation-prefix=nvidia.com/container.", "--log-level=info"]
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "https",
                                               "scheme": "HTTPS"}
@@ -489,6 +490,13 @@ def test_admission_deployment():
                            ADMISSION), "admission")["args"]
     assert nvidia[-2:] == ["--runtime-class=nvidia", "--log-level=info"]
     assert "/webhook/runtimeClassName" in template_error("webhook.runtimeClassName=NVIDIA")
+    # the kubelet's root directory (guarded like kai-fractions' own) follows the nodes' kubelet
+    moved = container(one(render(sets=(
+        "webhook.kubeletRootDir=/var/snap/microk8s/common/var/lib/kubelet",)), "Deployment",
+        ADMISSION), "admission")["args"]
+    assert "--kubelet-root-dir=/var/snap/microk8s/common/var/lib/kubelet" in moved
+    for bad in ("/", "var/lib/kubelet", "/var/lib/kubelet/"):
+        assert "/webhook/kubeletRootDir" in template_error(f"webhook.kubeletRootDir={bad}"), bad
     svc = one(docs, "Service", ADMISSION)
     assert svc["spec"]["ports"] == [{"name": "https", "port": 443, "targetPort": "https",
                                      "protocol": "TCP"}]
