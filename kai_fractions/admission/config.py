@@ -19,7 +19,9 @@ DEFAULT_AGENT_SOCKET_HOST_DIR = "/run/kai-fractions"
 DEFAULT_KUBELET_ROOT_DIR = "/var/lib/kubelet"
 """The kubelet's `--root-dir`: it bind-mounts every pod's subPath volumes read-write under
 `pods/<uid>/volume-subpaths/` there, the gate's marker directory and the MPS namespaces
-included, so no hostPath may reach it (the chart's `webhook.kubeletRootDir`)."""
+included, so no hostPath may reach its `pods` directory (the chart's `webhook.kubeletRootDir`).
+Its siblings (`device-plugins`, `plugins_registry`) stay open to the device plugins that mount
+them."""
 
 # Names the mutating webhook puts into a pod. They are reserved: a pod's own definition under
 # one of these names is replaced, and the validating webhook refuses other containers that
@@ -51,6 +53,11 @@ class AdmissionConfig:
     """Given to fractional pods that name no RuntimeClass: their container reaches its GPU
     through the NVIDIA runtime, which a node may offer only as a RuntimeClass. "" leaves the
     pod to the node's default runtime."""
+
+    @property
+    def kubelet_pods_dir(self) -> str:
+        """Where the kubelet bind-mounts pods' subPath volumes (`<root>/pods/<uid>/...`)."""
+        return f"{self.kubelet_root_dir.rstrip('/')}/pods"
 
     @property
     def mps_server_host_dir(self) -> str:

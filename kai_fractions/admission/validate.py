@@ -10,7 +10,7 @@ and every other container says `NVIDIA_VISIBLE_DEVICES=void` (`wiring`), no cont
 a way past its own (`isolation`: privileged, hostPID, hostIPC, an untrusted host path, ...),
 only the gate may mount the marker root and only the fractional container the MPS pipes; and
 in EVERY pod no hostPath may reach the marker root, the MPS pipes, the agent's socket directory
-or the kubelet's root directory (where the marker and MPS subPaths are bind-mounted), however
+or the kubelet's pods directory (where the marker and MPS subPaths are bind-mounted), however
 spelled (`hostpaths`: whoever can write the marker root can release any pod on the node). On
 UPDATE only what the change introduces is refused, compared on full values. A Binding carries
 no NvFractions key unless an allowed identity binds (its annotations reach the pod without pod
@@ -117,7 +117,7 @@ def _guarded(config: AdmissionConfig) -> list[tuple[str, str, str]]:
          f"only the webhook's own volume {MPS_VOLUME!r} may"),
         (config.agent_socket_host_dir, "the kai-fractions directory",
          "no volume may: whoever reaches the node agent's socket can release any pod's limits"),
-        (config.kubelet_root_dir, "the kubelet's root directory",
+        (config.kubelet_pods_dir, "the kubelet's pods directory",
          "no volume may: the kubelet mounts every pod's subPath volumes read-write under it, "
          "the gate's marker directory and the MPS namespaces included"))]
 
@@ -125,7 +125,7 @@ def _guarded(config: AdmissionConfig) -> list[tuple[str, str, str]]:
 def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig,
                         isolated: bool) -> list[Problem]:
     """No hostPath of any pod reaches the marker root, the MPS pipes, the agent's socket
-    directory or the kubelet's root directory (the directory, a parent or a child, however
+    directory or the kubelet's pods directory (the directory, a parent or a child, however
     spelled), except the webhook's own reserved volumes, which must point exactly at theirs;
     in an `isolated` pod (`isolation`) no other hostPath either, unless the administrator
     trusts it. Each path is resolved once."""

@@ -250,9 +250,9 @@ def test_pods_without_nvfractions_keys_may_not_reach_them_either(webhook: Webhoo
 
 
 KUBELET = "/var/lib/kubelet"
-KUBELET_RULE = (f"reaches the kubelet's root directory {KUBELET!r}; no volume may: the kubelet "
-                "mounts every pod's subPath volumes read-write under it, the gate's marker "
-                "directory and the MPS namespaces included")
+KUBELET_RULE = (f"reaches the kubelet's pods directory '{KUBELET}/pods'; no volume may: the "
+                "kubelet mounts every pod's subPath volumes read-write under it, the gate's "
+                "marker directory and the MPS namespaces included")
 
 
 @pytest.mark.parametrize("path", [
@@ -277,7 +277,9 @@ def test_no_pod_may_reach_the_kubelets_directory(webhook: Webhook, path: str,
 
 
 @pytest.mark.parametrize("path", ["/var/log", "/run/containerd", "/var/lib/kubelet-plugins",
-                                  "/var/run-other", "/proc/meminfo", "/var/lib/kai"])
+                                  "/var/run-other", "/proc/meminfo", "/var/lib/kai",
+                                  "/var/lib/kubelet/device-plugins",
+                                  "/var/lib/kubelet/plugins_registry"])
 def test_other_host_paths_pass_in_plain_pods_only(webhook: Webhook, path: str) -> None:
     """A plain pod's other host paths are Pod Security's or a policy engine's; a fractional
     pod's are refused (the next test)."""
@@ -456,8 +458,8 @@ def test_the_admission_process_guards_the_configured_socket_directory(tls_dir: P
         # --kubelet-root-dir: the configured kubelet directory is guarded, not the default one
         kubelet = pod({}, volumes=[{"name": "k", "hostPath": {"path": "/srv/kubelet/pods"}}])
         assert review(hook, kubelet)["status"]["message"].startswith(
-            "spec.volumes[0].hostPath.path: '/srv/kubelet/pods' reaches the kubelet's root "
-            "directory '/srv/kubelet'; no volume may")
+            "spec.volumes[0].hostPath.path: '/srv/kubelet/pods' reaches the kubelet's pods "
+            "directory '/srv/kubelet/pods'; no volume may")
         default = pod({}, volumes=[{"name": "k", "hostPath": {"path": KUBELET}}])
         assert review(hook, default)["allowed"] is True
         # --trusted-host-path: what a fractional pod may mount besides the webhook's own

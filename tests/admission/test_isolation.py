@@ -266,7 +266,7 @@ def test_a_trusted_host_path_passes(path: str) -> None:
     ("/mnt/datasets/../../etc", HOST_PATH_RULE), ("/mnt/datasets-2", HOST_PATH_RULE),
     ("/mnt", HOST_PATH_RULE),
     # trusting a parent never lets kai-fractions' directories or the kubelet's through
-    ("/var/lib/kubelet/pods", " reaches the kubelet's root directory '/var/lib/kubelet'"),
+    ("/var/lib/kubelet/pods", " reaches the kubelet's pods directory '/var/lib/kubelet/pods'"),
     ("/var/lib", " reaches the kai-fractions directory '/var/lib/kai-fractions/markers'"),
 ])
 def test_only_what_is_trusted_passes(path: str, rule: str) -> None:

@@ -345,7 +345,7 @@ def test_a_long_path_is_quoted_cut_in_every_problem_it_causes() -> None:
     path = "/" + "a/../" * 800  # 4001 characters, resolves to `/`: four problems
     d = validate(request(pod({}, volumes=[{"name": "x", "hostPath": {"path": path}}])), CONFIG)
     assert d.message.count("reaches the kai-fractions directory") == 3
-    assert d.message.count("reaches the kubelet's root directory") == 1
+    assert d.message.count("reaches the kubelet's pods directory") == 1
     assert d.message.count(f"{path[:80]!r}... ({len(path)} characters)") == 4
     assert len(d.message) < 1600  # the 4001 characters are never repeated
 
@@ -354,10 +354,10 @@ def test_a_denial_lists_at_most_twenty_problems() -> None:
     volumes = [{"name": f"v{i}", "hostPath": {"path": "/"}} for i in range(100)]
     d = validate(request(pod({}, volumes=volumes)), CONFIG)
     assert d.message.count("reaches the kai-fractions directory") == 15
-    assert d.message.count("reaches the kubelet's root directory") == 5
-    assert d.message.endswith("spec.volumes[4].hostPath.path: '/' reaches the kubelet's root "
-                              "directory '/var/lib/kubelet'; no volume may: the kubelet mounts "
-                              "every pod's subPath volumes read-write under it, the gate's "
+    assert d.message.count("reaches the kubelet's pods directory") == 5
+    assert d.message.endswith("spec.volumes[4].hostPath.path: '/' reaches the kubelet's pods "
+                              "directory '/var/lib/kubelet/pods'; no volume may: the kubelet "
+                              "mounts every pod's subPath volumes read-write under it, the gate's "
                               "marker directory and the MPS namespaces included (to admit a "
                               "trusted host agent without NvFractions keys, exempt its "
                               "namespace: the label kai-fractions.io/webhook=disabled, or the "

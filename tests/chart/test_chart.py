@@ -490,7 +490,7 @@ def test_admission_deployment():
                            ADMISSION), "admission")["args"]
     assert nvidia[-2:] == ["--runtime-class=nvidia", "--log-level=info"]
     assert "/webhook/runtimeClassName" in template_error("webhook.runtimeClassName=NVIDIA")
-    # the kubelet's root directory (guarded like kai-fractions' own) follows the nodes' kubelet
+    # the kubelet's pods directory (guarded like kai-fractions' own) follows the nodes' kubelet
     moved = container(one(render(sets=(
         "webhook.kubeletRootDir=/var/snap/microk8s/common/var/lib/kubelet",)), "Deployment",
         ADMISSION), "admission")["args"]
