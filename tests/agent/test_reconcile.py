@@ -762,17 +762,23 @@ def test_a_stop_is_an_event_when_it_ends_and_a_process_that_outlives_sigkill_is_
         "it exits")
 
 
-def test_a_stop_in_progress_moves_on_while_nvml_fails(short_tmp: Path) -> None:
-    """SIGKILL is sent only when a stop moves on; signalling needs no NVML, so a GPU that
-    fell off the bus must not let a process that ignores SIGTERM keep running (and keep its
-    GPU memory) for as long as NVML fails. Its outcome is still an event."""
+def _sigterm_sent(short_tmp: Path) -> tuple[Rig, SteppedKiller, str]:
+    """A kill-mode agent whose watchdog has just sent SIGTERM to pid 4242, over its cap."""
     rig = Rig(short_tmp, sm_sharing=False, watchdog_policy="kill")
     killer = SteppedKiller()
     rig.reconciler.usage.watchdog.killer = killer
     uid = add_pod(rig)
     rig.step()
     _running(rig, uid, 4242, 25 * GIB)
-    rig.reconciler.check_usage()  # SIGTERM sent
+    rig.reconciler.check_usage()
+    return rig, killer, uid
+
+
+def test_a_stop_in_progress_moves_on_while_nvml_fails(short_tmp: Path) -> None:
+    """SIGKILL is sent only when a stop moves on; signalling needs no NVML, so a GPU that
+    fell off the bus must not let a process that ignores SIGTERM keep running (and keep its
+    GPU memory) for as long as NVML fails. Its outcome is still an event."""
+    rig, killer, uid = _sigterm_sent(short_tmp)
     rig.nvml.fail("devices", "GpuIsLost", times=None)
     assert "GPULost" in rig.step().errors
     assert rig.reconciler.nvml_health.inventory is None
@@ -792,13 +798,7 @@ def test_a_stop_that_ends_after_its_pod_left_the_plan_is_still_its_event(
     """Stopping the main process usually ends the pod (or it is deleted meanwhile): its
     outcome comes at a later check, when the pod is planned no more, and is still the pod's
     event, named from what was remembered when the stop started."""
-    rig = Rig(short_tmp, sm_sharing=False, watchdog_policy="kill")
-    killer = SteppedKiller()
-    rig.reconciler.usage.watchdog.killer = killer
-    uid = add_pod(rig)
-    rig.step()
-    _running(rig, uid, 4242, 25 * GIB)
-    rig.reconciler.check_usage()  # SIGTERM sent
+    rig, killer, uid = _sigterm_sent(short_tmp)
     rig.nvml.remove_process(4242)  # it exits on SIGTERM
     if ends == "Failed":
         rig.cluster.update_pod(uid, status={"phase": "Failed", "qosClass": "Burstable"})
