@@ -732,19 +732,27 @@ class SteppedKiller:
         return out
 
 
-def test_a_stop_is_an_event_when_it_ends_and_a_process_that_outlives_sigkill_is_one_too(
-        short_tmp: Path) -> None:
-    """SIGTERM sent is no event (the process may yet exit or be killed): the event says what
-    happened in the end; a process still running after SIGKILL is a Warning of its own, not
-    reported as killed."""
+def _sigterm_sent(short_tmp: Path, *others: int) -> tuple[Rig, SteppedKiller, str]:
+    """A kill-mode agent whose watchdog has just sent SIGTERM to its container's processes:
+    pid 4242 over its cap, and `others` (1 GiB each) beside it."""
     rig = Rig(short_tmp, sm_sharing=False, watchdog_policy="kill")
     killer = SteppedKiller()
     rig.reconciler.usage.watchdog.killer = killer
     uid = add_pod(rig)
     rig.step()
     _running(rig, uid, 4242, 25 * GIB)
-    _running(rig, uid, 4243, GIB)
+    for pid in others:
+        _running(rig, uid, pid, GIB)
     rig.reconciler.check_usage()
+    return rig, killer, uid
+
+
+def test_a_stop_is_an_event_when_it_ends_and_a_process_that_outlives_sigkill_is_one_too(
+        short_tmp: Path) -> None:
+    """SIGTERM sent is no event (the process may yet exit or be killed): the event says what
+    happened in the end; a process still running after SIGKILL is a Warning of its own, not
+    reported as killed."""
+    rig, killer, uid = _sigterm_sent(short_tmp, 4243)
     assert rig.cluster.event_reasons(uid) == ["Applied"]
     killer.next = [(4242, "escalated"), (4243, "escalated")]
     rig.reconciler.check_usage()
@@ -760,18 +768,6 @@ def test_a_stop_is_an_event_when_it_ends_and_a_process_that_outlives_sigkill_is_
         f"container main: process 4243, over its GPU memory cap on {rig.gpu0}, still runs "
         "after SIGKILL (stuck in the kernel or the driver); its GPU memory stays in use until "
         "it exits")
-
-
-def _sigterm_sent(short_tmp: Path) -> tuple[Rig, SteppedKiller, str]:
-    """A kill-mode agent whose watchdog has just sent SIGTERM to pid 4242, over its cap."""
-    rig = Rig(short_tmp, sm_sharing=False, watchdog_policy="kill")
-    killer = SteppedKiller()
-    rig.reconciler.usage.watchdog.killer = killer
-    uid = add_pod(rig)
-    rig.step()
-    _running(rig, uid, 4242, 25 * GIB)
-    rig.reconciler.check_usage()
-    return rig, killer, uid
 
 
 def test_a_stop_in_progress_moves_on_while_nvml_fails(short_tmp: Path) -> None:
