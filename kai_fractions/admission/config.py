@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..contract import DEFAULT_KEYS, Keys
 from ..contract import keys as k
 from ..contract.names import is_dns_subdomain
 from ..contract.plan import MPS_SERVER
-from . import hostpaths
 
 MIRROR_IDENTITY = "system:serviceaccount:kai-fractions:kai-fractions-mirror"
 DEFAULT_ALLOWED_IDENTITIES = (k.KAI_BINDER_IDENTITY, MIRROR_IDENTITY)
@@ -44,11 +43,6 @@ class AdmissionConfig:
     mps_pipe_host_dir: str = DEFAULT_MPS_PIPE_HOST_DIR
     agent_socket_host_dir: str = DEFAULT_AGENT_SOCKET_HOST_DIR
     kubelet_root_dir: str = DEFAULT_KUBELET_ROOT_DIR
-    trusted_host_paths: tuple[str, ...] = ()
-    """Host paths (and what is under them) a pod with a GPU fraction may mount besides the
-    webhook's own volumes: the administrator's call (datasets, model caches). Empty: none."""
-    trusted_canonical: tuple[str, ...] = field(init=False, repr=False, compare=False)
-    """`trusted_host_paths` as the kernel resolves them (`hostpaths.canonical`), once."""
     runtime_class: str = ""
     """Given to fractional pods that name no RuntimeClass: their container reaches its GPU
     through the NVIDIA runtime, which a node may offer only as a RuntimeClass. "" leaves the
@@ -81,15 +75,3 @@ class AdmissionConfig:
             if not value.startswith("/") or value.rstrip("/") == "":
                 raise ValueError(f"{name}: must be an absolute host directory other than /, "
                                  f"got {value!r}")
-        object.__setattr__(self, "trusted_canonical", tuple(
-            self._trusted(path) for path in self.trusted_host_paths))
-
-    @staticmethod
-    def _trusted(path: str) -> str:
-        """A trusted host path, resolved; refused when it is not one (/ would trust all)."""
-        resolved = hostpaths.canonical(path) if hostpaths.fits(path) else "/"
-        if not path.startswith("/") or resolved == "/":
-            raise ValueError(f"trusted_host_paths: {path!r} must be an absolute host path "
-                             "shorter than PATH_MAX that is not / (nor reaches everything, as "
-                             "/proc does)")
-        return resolved

@@ -79,11 +79,6 @@ def canonical(path: str) -> str:
     return "/" + "/".join(out)
 
 
-def within(path: str, directory: str) -> bool:
-    """Canonical `path` is `directory` or inside it."""
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
-
-
 def related(a: str, b: str) -> bool:
     """Canonical paths `a` and `b` are the same directory, or one is inside the other."""
     return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")

@@ -7,14 +7,13 @@ configured identities; a pod's fractional containers and compute modes are fixed
 exists (its env, mounts and gate were wired from them); user-owned keys are frozen once the
 binder set `.gpus.devices` (`frozen`); in a fractional pod the gate is exactly the injected one
 and every other container says `NVIDIA_VISIBLE_DEVICES=void` (`wiring`), no container asks for
-a way past its own (`isolation`: privileged, hostPID, hostIPC, an untrusted host path, ...),
-only the gate may mount the marker root and only the fractional container the MPS pipes; and
-in EVERY pod no hostPath may reach the marker root, the MPS pipes, the agent's socket directory
-or the kubelet's pods directory (where the marker and MPS subPaths are bind-mounted), however
-spelled (`hostpaths`: whoever can write the marker root can release any pod on the node). On
-UPDATE only what the change introduces is refused, compared on full values. A Binding carries
-no NvFractions key unless an allowed identity binds (its annotations reach the pod without pod
-admission).
+a way past its own (`isolation`: privileged, hostPID, ...), only the gate may mount the marker
+root and only the fractional container the MPS pipes; and in EVERY pod no hostPath may reach
+the marker root, the MPS pipes, the agent's socket directory or the kubelet's pods directory
+(where the marker and MPS subPaths are bind-mounted), however spelled (`hostpaths`: whoever can
+write the marker root can release any pod on the node). On UPDATE only what the
+change introduces is refused, compared on full values. A Binding carries no NvFractions key
+unless an allowed identity binds (its annotations reach the pod without pod admission).
 Workloads with a pod template get the contract checks early; a template never carries a
 protected key, whoever writes it (the binder writes those on each pod, after scheduling).
 """
@@ -122,13 +121,11 @@ def _guarded(config: AdmissionConfig) -> list[tuple[str, str, str]]:
          "the gate's marker directory and the MPS namespaces included"))]
 
 
-def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig,
-                        isolated: bool) -> list[Problem]:
+def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> list[Problem]:
     """No hostPath of any pod reaches the marker root, the MPS pipes, the agent's socket
     directory or the kubelet's pods directory (the directory, a parent or a child, however
-    spelled), except the webhook's own reserved volumes, which must point exactly at theirs;
-    in an `isolated` pod (`isolation`) no other hostPath either, unless the administrator
-    trusts it. Each path is resolved once."""
+    spelled), except the webhook's own reserved volumes, which must point exactly at theirs.
+    Each path is resolved once."""
     reserved = {MARKER_VOLUME: config.marker_host_dir, MPS_VOLUME: config.mps_server_host_dir}
     guarded = _guarded(config)
     out: list[Problem] = []
@@ -151,13 +148,9 @@ def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig,
             continue
         # Host-level agents (node exporters, GPU operator parts) mount `/`, `/run` or `/proc`:
         # the denial says once, after the last such problem, how an admin lets trusted ones in.
-        reached = [Problem(f"{where}: {shown(path)} reaches {what}; {who}", exact(path),
-                           hint=HOST_PATH_EXEMPTION_HINT)
-                   for canonical, what, who in guarded if hostpaths.related(resolved, canonical)]
-        if not reached and isolated:
-            untrusted = isolation.host_path_problem(where, path, resolved, config)
-            reached += [untrusted] if untrusted is not None else []
-        out += reached
+        out += [Problem(f"{where}: {shown(path)} reaches {what}; {who}", exact(path),
+                        hint=HOST_PATH_EXEMPTION_HINT)
+                for canonical, what, who in guarded if hostpaths.related(resolved, canonical)]
     return out
 
 
@@ -208,24 +201,22 @@ def _mount_problems(spec: Mapping[str, Any], request: PodRequest,
 def _spec_problems(obj: Any, request: PodRequest | None,
                    config: AdmissionConfig) -> list[Problem]:
     """Everything wrong with the pod's spec: host paths for every pod; mounts, the gate, the
-    other containers' GPU env and any way past its containers (`isolation`, its other host
-    paths included) for a pod that is fractional or carries the gate or a reserved volume."""
+    other containers' GPU env and any way past its containers (`isolation`) for a pod that is
+    fractional or carries the gate or a reserved volume."""
     spec = obj.get("spec") if isinstance(obj, Mapping) else None
     if not isinstance(spec, Mapping) or request is None:
         return []
+    out = _host_path_problems(spec, config)
     carries_gate = any(c.get("name") == GATE_CONTAINER for f, _, c in _containers(spec)
                        if f == "initContainers")
     carries_reserved = any(isinstance(v, Mapping) and v.get("name") in _RESERVED_VOLUMES
                            for v in spec.get("volumes") or [])
-    isolated = bool(request.share is not None or request.errors or carries_gate
-                    or carries_reserved)
-    out = _host_path_problems(spec, config, isolated)
     # A pod that breaks the contract is refused for that (and by the node agent); the mutating
     # webhook did not wire it, so its gate and env would only repeat the refusal.
     wired = request.share is not None and not request.errors
     if wired or carries_gate:
         out = wiring.gate_problems(spec, config) + out
-    if isolated:
+    if request.share is not None or request.errors or carries_gate or carries_reserved:
         out += isolation.isolation_problems(spec)
     out += _mount_problems(spec, request, config)
     if wired and request.share is not None:

@@ -44,10 +44,6 @@ def register(sub) -> None:
                    help="the kubelet's --root-dir on the nodes; no pod's hostPath may reach it "
                    "(the kubelet bind-mounts the gate's marker directory and the MPS namespaces "
                    "under it) (default: %(default)s)")
-    p.add_argument("--trusted-host-path", action="append", default=None, metavar="PATH",
-                   help="a host path (and what is under it) pods with a GPU fraction may mount "
-                   "besides the webhook's own volumes, e.g. a dataset cache; every other hostPath "
-                   "is refused in them (repeatable; default: none)")
     p.add_argument("--annotation-prefix", default=None, metavar="P",
                    help="per-container key prefix (default: nvidia.com/container.)")
     p.add_argument("--runtime-class", default="", metavar="NAME",
@@ -77,9 +73,7 @@ def run(args: argparse.Namespace) -> int:
             allowed_identities=tuple(args.allowed_identity or DEFAULT_ALLOWED_IDENTITIES),
             marker_host_dir=args.marker_host_dir, mps_pipe_host_dir=args.mps_pipe_host_dir,
             agent_socket_host_dir=args.agent_socket_dir,
-            kubelet_root_dir=args.kubelet_root_dir,
-            trusted_host_paths=tuple(args.trusted_host_path or ()),
-            runtime_class=args.runtime_class)
+            kubelet_root_dir=args.kubelet_root_dir, runtime_class=args.runtime_class)
         tls = ReloadingContext(args.tls_cert, args.tls_key)
         server = make_server(args.listen, config, tls)
     except (ValueError, TLSError, OSError) as e:

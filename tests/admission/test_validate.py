@@ -279,12 +279,10 @@ def test_the_mps_volume_is_the_server_directory_not_the_pipe_root() -> None:
     assert validate(request(relabelled, old=older), CONFIG).allowed
 
 
-def test_trusted_host_paths_pass_and_non_fractional_pods_are_checked_too() -> None:
+def test_host_paths_elsewhere_pass_and_non_fractional_pods_are_checked_too() -> None:
     obj = mutated(pod(TS))
     obj["spec"]["volumes"].append({"name": "logs", "hostPath": {"path": "/var/log"}})
-    assert not validate(request(obj), CONFIG).allowed  # a fractional pod's: only if trusted
-    trusted = AdmissionConfig(gate_image=CONFIG.gate_image, trusted_host_paths=("/var/log",))
-    assert validate(request(obj), trusted).allowed
+    assert validate(request(obj), CONFIG).allowed
     # Any pod in a namespace the webhook covers: the node agent's own pod lives in the
     # release's namespace, which the chart leaves out of the webhook.
     other = pod({}, volumes=[{"name": "m", "hostPath": {"path": "/var/lib/kai-fractions"}}])

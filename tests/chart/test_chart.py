@@ -497,17 +497,6 @@ def test_admission_deployment():
     assert "--kubelet-root-dir=/var/snap/microk8s/common/var/lib/kubelet" in moved
     for bad in ("/", "var/lib/kubelet", "/var/lib/kubelet/"):
         assert "/webhook/kubeletRootDir" in template_error(f"webhook.kubeletRootDir={bad}"), bad
-    # the host paths fractional pods may mount besides the webhook's own: none by default
-    trusted = container(one(render(sets=(
-        "webhook.trustedHostPaths={/mnt/datasets,/srv/models}",)), "Deployment", ADMISSION),
-        "admission")["args"]
-    assert [a for a in trusted if a.startswith("--trusted-host-path")] == [
-        "--trusted-host-path=/mnt/datasets", "--trusted-host-path=/srv/models"]
-    assert trusted[trusted.index("--kubelet-root-dir=/var/lib/kubelet") + 1] == \
-        "--trusted-host-path=/mnt/datasets"
-    for bad in ("/", "mnt/datasets", "/mnt/datasets/", "/mnt/data sets"):
-        assert "/webhook/trustedHostPaths" in template_error(
-            f"webhook.trustedHostPaths={{{bad}}}"), bad
     svc = one(docs, "Service", ADMISSION)
     assert svc["spec"]["ports"] == [{"name": "https", "port": 443, "targetPort": "https",
                                      "protocol": "TCP"}]
@@ -670,11 +659,6 @@ def test_notes_tell_what_namespaces_that_run_fractions_need():
     assert "kubectl label namespace <namespace> pod-security.kubernetes.io/enforce=privileged" \
         in notes
     assert "set nodeAgent.priorityClassName / webhook.priorityClassName" in notes
-    # with that level, the webhook refuses host paths in fractional pods but the trusted ones
-    assert "every hostPath but its own volumes and the trusted host paths\n" \
-        "  (webhook.trustedHostPaths: none)." in notes
-    assert "every hostPath but its own volumes and the trusted host paths /mnt/a, /mnt/b " \
-        "(webhook.trustedHostPaths)." in chart_notes("webhook.trustedHostPaths={/mnt/a,/mnt/b}")
     assert "priorityClassName" not in chart_notes("nodeAgent.priorityClassName=gpu-critical",
                                                   "webhook.priorityClassName=")
 
