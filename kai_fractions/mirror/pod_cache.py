@@ -22,9 +22,9 @@ largest and least shared part of a pod, would save next to no read. What the ent
 is keep an older copy of the pod (a list that started before the write) from taking its place.
 The cache is fed from outside: by a list + watch of pods on the mirror server's event loop
 (`pod_feed`), by every pod the mirror reads, and by every pod a PATCH returns (write-through),
-newest resourceVersion first (resourceVersions are cluster-wide: a later one wins whatever the
-uid). A pod the watch deleted is remembered for a while (a tombstone, `_bury`), so that the late
-answer of a read or write of it that was in flight does not bring it back until the next list.
+newest resourceVersion first. A pod the watch deleted is remembered for a while (a tombstone,
+`_bury`), so that the late answer of a read or write of it that was in flight does not bring it
+back, over the pod recreated under its name, until the next list.
 What the list and the watch bring is also prepared for an allocation (`prepare`: the mirror
 parses it as its user wrote it) while the pod waits for the scheduler, for at most
 `PREPARED_KEPT` pods at a time (a parse costs memory per pod): the head of the queue, in the
@@ -169,16 +169,15 @@ def trimmed(obj: Mapping[str, Any] | PodSnapshot) -> PodSnapshot:
 
 
 def _holds(old: PodSnapshot | None, pod: PodSnapshot) -> bool:
-    """Whether `old` is `pod` at its version, or any pod at a later one. resourceVersions are
-    cluster-wide, so the later one wins whatever the uid: a late answer about a deleted pod
-    never replaces the pod recreated under its name. A pod without a version is always news
+    """Whether `old` is the same pod as `pod` at its version or a later one. Another uid is
+    always news: versions of two pods are compared by no one (an etcd restored from a backup
+    numbers anew, and a list must always win over the cache); a late answer about a deleted
+    pod is kept out by its tombstone instead (`_buried`). A pod without a version is news too
     (nothing orders it, and it must not pin a stale entry); a version that is not a number
     counts as not later, which at worst costs one refused write and a re-read."""
-    if old is None or not pod.resource_version:
-        return False
-    if old.resource_version == pod.resource_version:
-        return old.uid == pod.uid
-    return later_version(old.resource_version, pod.resource_version)
+    return old is not None and old.uid == pod.uid and bool(pod.resource_version) and (
+        old.resource_version == pod.resource_version
+        or later_version(old.resource_version, pod.resource_version))
 
 
 _RESOURCE_VERSION = re.compile(r'"resourceVersion":"([^"]*)"')
@@ -218,8 +217,8 @@ class PodCache:
         self._lock = threading.Lock()
         self._pods: dict[tuple[str, str], PodSnapshot] = {}
         self._echoes: dict[str, None] = {}  # an ordered set: the oldest is forgotten first
-        self._tombstones: dict[tuple[str, str], tuple[str, str, float]] = {}
-        """Pods the watch said were deleted: key -> (uid, resourceVersion, when), oldest
+        self._tombstones: dict[tuple[str, str, str], float] = {}
+        """Pods the watch said were deleted: (namespace, name, uid) -> when, oldest
         first, at most TOMBSTONES_KEPT for TOMBSTONE_SECONDS (`_bury`)."""
         self.synced = False
         """True once a list arrived. Lookups do not wait for it: until then only the pods read
@@ -474,41 +473,38 @@ class PodCache:
         """Remembers a deleted pod for a while (called under the lock): a read or a write
         answered before its deletion but arriving after it must not bring it back, where only
         the next list would remove it. Bounded by a count and an age, oldest forgotten first."""
+        if not pod.uid:
+            return  # nothing to know it by
         now = self._monotonic()
-        self._tombstones.pop(key, None)  # re-inserted last: the dict stays oldest first
-        self._tombstones[key] = (pod.uid, pod.resource_version, now)
-        while True:  # the key just buried stays: it is the newest
+        tomb = (*key, pod.uid)
+        self._tombstones.pop(tomb, None)  # re-inserted last: the dict stays oldest first
+        self._tombstones[tomb] = now
+        while True:  # the one just buried stays: it is the newest
             oldest = next(iter(self._tombstones))
             if (len(self._tombstones) <= TOMBSTONES_KEPT
-                    and now - self._tombstones[oldest][2] <= TOMBSTONE_SECONDS):
+                    and now - self._tombstones[oldest] <= TOMBSTONE_SECONDS):
                 break
             del self._tombstones[oldest]
 
     def _buried(self, key: tuple[str, str], pod: PodSnapshot) -> bool:
-        """Whether `pod` is the deleted pod of `key`'s tombstone, or older than it (called
-        under the lock, only for a key the cache does not hold)."""
-        tomb = self._tombstones.get(key)
-        if tomb is None:
+        """Whether `pod` is the deleted pod of `key`'s tombstone (called under the lock): a
+        deleted pod's uid never comes back, and a pod that left Pending never returns to it."""
+        tomb = (*key, pod.uid)
+        when = self._tombstones.get(tomb)
+        if when is None:
             return False
-        uid, version, when = tomb
         if self._monotonic() - when > TOMBSTONE_SECONDS:
-            del self._tombstones[key]
+            del self._tombstones[tomb]
             return False
-        if uid and pod.uid == uid:
-            return True  # a deleted pod's uid never comes back
-        return bool(version) and (version == pod.resource_version
-                                  or later_version(version, pod.resource_version))
+        return True
 
     def _store(self, pod: PodSnapshot) -> bool:
         """Whether `pod` was news: False when the cache held this version or a newer one, or
-        the watch said it (or a newer pod of its name) was deleted."""
+        the watch said it was deleted."""
         key = (pod.namespace, pod.name)
         with self._lock:
             old = self._pods.get(key)
-            if old is None:
-                if self._tombstones and self._buried(key, pod):
-                    return False
-            elif _holds(old, pod):
+            if _holds(old, pod) or (self._tombstones and self._buried(key, pod)):
                 return False
             self._pods[key] = pod
             freed = key in self._prepared

@@ -94,11 +94,9 @@ def test_a_newer_version_is_never_replaced_by_an_older_one():
     assert rv(cache) == "12"
     cache.event("BOOKMARK", {"metadata": {"resourceVersion": "13"}})
     assert rv(cache) == "12"
-    # resourceVersions are cluster-wide: a pod recreated under the name (another uid) comes
-    # with a later one, and an older answer about another uid is no news either.
-    cache.event("ADDED", full_pod(uid=NEW_UID, resourceVersion="11"))
-    assert (cache.lookup(NS, POD).uid, rv(cache)) == (UID, "12")
-    cache.event("ADDED", full_pod(uid=NEW_UID, resourceVersion="13"))
+    # A recreated pod (another uid) replaces the old one whatever its version: versions of two
+    # pods are not compared (an etcd restored from a backup numbers anew).
+    cache.event("ADDED", full_pod(uid=NEW_UID, resourceVersion="3"))
     assert cache.lookup(NS, POD).uid == NEW_UID
     # Versions that are not integers are opaque: the latest one wins.
     cache.event("MODIFIED", full_pod(uid=NEW_UID, resourceVersion="abc"))
@@ -136,20 +134,36 @@ def test_a_late_answer_about_a_deleted_pod_never_brings_it_back():
     assert cache.lookup(NS, POD).uid == "third"
 
 
+def test_a_deleted_pods_uid_is_kept_out_whatever_the_versions_say():
+    """Versions are opaque strings, and numbered anew by an etcd restored from a backup: a late
+    answer about a deleted pod is kept out by its uid, not by comparing versions, and a list
+    (or an event) of the pod recreated under its name always wins, however it is numbered."""
+    cache = PodCache()
+    cache.event("ADDED", full_pod(resourceVersion="a5"))
+    cache.event("DELETED", full_pod(resourceVersion="a7"))
+    cache.event("ADDED", full_pod(uid=NEW_UID, resourceVersion="a8"))
+    cache.remember(PodSnapshot.from_object(full_pod(resourceVersion="a6")))  # late
+    assert cache.lookup(NS, POD).uid == NEW_UID
+    restored = PodCache()
+    restored.event("ADDED", full_pod(resourceVersion="5000"))
+    restored.replace([full_pod(uid=NEW_UID, resourceVersion="120")])
+    assert (restored.lookup(NS, POD).uid, rv(restored)) == (NEW_UID, "120")
+
+
 def test_a_deleted_pod_is_remembered_for_a_bounded_count_and_time(monkeypatch):
     now = [0.0]
     cache = PodCache(monotonic=lambda: now[0])
     monkeypatch.setattr(pod_cache, "TOMBSTONES_KEPT", 2)
     for name in ("a", "b", "c"):
         cache.event("DELETED", full_pod(name=name, resourceVersion="5"))
-    assert list(cache._tombstones) == [(NS, "b"), (NS, "c")]  # the oldest forgotten first
+    assert list(cache._tombstones) == [(NS, "b", UID), (NS, "c", UID)]  # the oldest go first
     cache.remember(PodSnapshot.from_object(full_pod(name="a", resourceVersion="4")))
     assert rv(cache, "a") == "4"  # forgotten: only the next list would correct it
     now[0] += pod_cache.TOMBSTONE_SECONDS + 1
     cache.remember(PodSnapshot.from_object(full_pod(name="b", resourceVersion="4")))
-    assert rv(cache, "b") == "4" and (NS, "b") not in cache._tombstones
+    assert rv(cache, "b") == "4" and (NS, "b", UID) not in cache._tombstones
     cache.event("DELETED", full_pod(name="d", resourceVersion="6"))
-    assert list(cache._tombstones) == [(NS, "d")]  # and those past their age go as well
+    assert list(cache._tombstones) == [(NS, "d", UID)]  # and those past their age go as well
 
 
 def test_a_pod_without_a_resource_version_is_always_news():
