@@ -180,15 +180,19 @@ class LeaderElector:
         """One renewal by the holder: a single PATCH guarded by the resourceVersion its own
         last write got back, so a slow API server costs one request per renewal, not two (as
         client-go renews the Lease it keeps); GET + PATCH (try_acquire_or_renew) when another
-        write came between (409) or this replica did not write the Lease last."""
+        write came between (409), the Lease was deleted (404), or this replica did not write
+        the Lease last."""
         observed = self._observed or {}
         if not self._version or observed.get("holderIdentity") != self.config.identity:
             return await self.try_acquire_or_renew()
         now, version = micro_time(self._wall()), self._version
         spec = self._spec(acquire_time=str(observed.get("acquireTime") or now), renew_time=now,
                           transitions=int(observed.get("leaseTransitions") or 0))
-        if await self._written(lambda s: self.lease.update(s, version), spec):
-            return True
+        try:
+            if await self._written(lambda s: self.lease.update(s, version), spec):
+                return True
+        except NotFound:
+            pass  # the Lease was deleted: the full attempt creates it again
         return await self.try_acquire_or_renew()
 
     async def release(self) -> None:
@@ -244,19 +248,18 @@ class LeaderElector:
             renewing = asyncio.create_task(self._renew(started), name="lease-renewal")
             try:
                 await asyncio.wait((work, renewing), return_when=asyncio.FIRST_COMPLETED)
+                if renewing.done():
+                    await _cancelled(work)
+                    log.warning("lost lease %s/%s: %s; following stopped", cfg.namespace,
+                                cfg.name, renewing.result())
+                    continue
+                await _cancelled(renewing)
             except asyncio.CancelledError:
                 await _cancelled(renewing)
                 await _cancelled(work)
-                self.leading = False
                 raise
-            if renewing.done():
-                await _cancelled(work)
+            finally:  # a stop that comes while the work is being cancelled ends the term too
                 self.leading = False
-                log.warning("lost lease %s/%s: %s; following stopped", cfg.namespace,
-                            cfg.name, renewing.result())
-                continue
-            await _cancelled(renewing)
-            self.leading = False
             log.error("the leader's work ended%s; stepping down from lease %s/%s",
                       _why_ended(work), cfg.namespace, cfg.name)
             await self.release()

@@ -14,6 +14,7 @@ import pytest
 from kubernetes import client as k8s
 
 from kai_fractions.kube.client import Kube
+from kai_fractions.kube.errors import NotFound
 from kai_fractions.mirror.leader import (
     ElectionConfig,
     KubeLease,
@@ -60,6 +61,8 @@ class FakeLease:
 
     async def update(self, spec, resource_version):
         await self._check("PATCH")
+        if self.obj is None:
+            raise NotFound("leases \"l\" not found")
         if resource_version != str(self.version):
             raise LeaseConflict("modified")
         return self._store(spec)
@@ -122,6 +125,20 @@ async def test_the_holder_renews_with_one_patch_guarded_by_its_own_last_write():
     clocks.now += 2
     assert not await a.renew()
     assert lease.obj["holderIdentity"] == "mirror-b" and a.holder() == "mirror-b"
+
+
+async def test_a_lease_deleted_during_a_term_is_created_again_by_the_next_renewal():
+    """The one-PATCH renewal meets 404 when someone deleted the Lease: the full attempt
+    creates it again, and the term goes on (it used to end at the renew deadline)."""
+    lease, clocks = FakeLease(), Clocks()
+    a = elector(lease, "mirror-a", clocks)
+    assert await a.try_acquire_or_renew()
+    lease.obj = None
+    lease.requests.clear()
+    clocks.now += 2
+    assert await a.renew()
+    assert lease.requests == ["PATCH", "GET", "POST"]
+    assert lease.obj["holderIdentity"] == "mirror-a"
 
 
 async def test_another_replica_takes_over_only_after_the_lease_went_unrenewed_for_its_duration():
@@ -362,6 +379,28 @@ async def test_leading_reads_true_for_the_whole_term_failed_renewals_included():
     assert lease.requests.count("PATCH") > 3 and all(seen) and not ending
     await stop(runner)
     assert ending == [True] and not a.leading
+
+
+async def test_leading_reads_false_after_a_stop_that_comes_while_the_work_winds_down():
+    lease = FakeLease()
+    a = LeaderElector(lease, ElectionConfig(NS, NAME, "mirror-a", lease_seconds=0.6,
+                                            renew_deadline_seconds=0.3, retry_seconds=0.05))
+    started, winding = asyncio.Event(), asyncio.Event()
+
+    async def lead() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            winding.set()
+            await asyncio.sleep(0.5)  # a slow clean-up
+
+    runner = asyncio.create_task(a.run(lead))
+    await asyncio.wait_for(started.wait(), 5)
+    lease.broken = True  # the term ends at the renew deadline
+    await asyncio.wait_for(winding.wait(), 5)
+    await stop(runner)  # while the work's clean-up runs
+    assert not a.leading
 
 
 async def test_stopping_a_leader_as_a_renewal_answers_still_stops_it():
