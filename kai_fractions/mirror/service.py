@@ -76,6 +76,8 @@ CONFLICT_BACKOFF = Backoff(attempts=5, base=0.05, cap=1.0)
 NODE_LABELS_TTL = 30.0
 """Seconds a node's labels are reused (see MirrorService._node_labels): a label that changes,
 or a node recreated under its name with another GPU, reaches the calls this much later."""
+NODE_LABELS_RETRY = 2.0
+"""Seconds a node without a usable GPU memory label is reused by calls that need it."""
 NODES_KEPT = 20_000
 
 
@@ -306,13 +308,15 @@ class MirrorService:
         """The node's labels, read at most every NODE_LABELS_TTL seconds per node: every
         fractional call checks that its node exists, and a node's GPU memory label seldom
         changes. A node that is not there is asked again on the next call, and so is one
-        without a usable GPU memory label by a call that needs it: GPU feature discovery labels
-        a new node a while after it joins, and a refusal (INVALID_ARGUMENT) is final to a
-        scheduler. A read that finds another uid (the node was recreated) replaces the entry."""
+        without a usable GPU memory label by a call that needs it, after NODE_LABELS_RETRY
+        seconds: GPU feature discovery labels a new node a while after it joins, and a refusal
+        (INVALID_ARGUMENT) is final to a scheduler, yet a caller must not turn every call into
+        a read. A read that finds another uid (the node was recreated) replaces the entry."""
         now = self.clock.monotonic()
         cached = self._nodes.get(node)
-        if (cached is not None and now - cached.read_at < NODE_LABELS_TTL
-                and (cached.knows_memory or not needs_memory)):
+        if cached is not None and now - cached.read_at < (
+                NODE_LABELS_TTL if cached.knows_memory or not needs_memory
+                else NODE_LABELS_RETRY):
             return cached.labels
         try:
             labels = await self.store.node_labels(node, deadline)

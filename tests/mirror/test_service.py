@@ -20,7 +20,7 @@ from kai_fractions.mirror.errors import (
     PodReplaced,
 )
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION, allocation_digest
-from kai_fractions.mirror.service import NODE_LABELS_TTL, MirrorService
+from kai_fractions.mirror.service import NODE_LABELS_RETRY, NODE_LABELS_TTL, MirrorService
 from kai_fractions.mirror.store import NodeLabels, WriteConflict
 from tests.support.clock import FakeClock
 from tests.support.fake_store import FakePodStore
@@ -424,7 +424,7 @@ async def test_a_nodes_labels_are_read_once_per_ttl_and_a_missing_node_every_tim
 
 
 async def test_a_node_without_its_gpu_memory_label_is_read_again_by_a_call_that_needs_it(
-        store, service):
+        store, service, clock):
     """GPU feature discovery labels a node a while after it joins: a node read before that
     must not be refused (INVALID_ARGUMENT, final to a scheduler) for a TTL once labelled."""
     reads = []
@@ -434,7 +434,11 @@ async def test_a_node_without_its_gpu_memory_label_is_read_again_by_a_call_that_
         await service.preview(allocation(node_gpu_memory_mib=0))
     await service.preview(allocation())  # gives its memory: the node need only exist
     assert reads == ["node-1"]
+    with pytest.raises(InvalidAllocation):  # at once again: not a read per call
+        await service.preview(allocation(node_gpu_memory_mib=0))
+    assert reads == ["node-1"]
     store.nodes["node-1"] = {"nvidia.com/gpu.memory": "40960"}
+    clock.now += NODE_LABELS_RETRY
     result = await service.mirror(allocation(node_gpu_memory_mib=0))
     assert result.annotations["nvidia.com/container.trainer.gpu-memory.request"] == "20Gi"
     await service.preview(allocation(node_gpu_memory_mib=0))  # usable now: reused
