@@ -184,12 +184,31 @@ def test_a_restart_that_answers_late_still_counts_and_reapplies(dirs):
     processes.alive.discard(4242)
     assert daemon.ensure_running() is False  # restarted, but no answer in time
     assert daemon.last_error.reason == "MpsDaemonUnreachable"
-    assert daemon.restarts == 1 and applied == []
+    assert daemon.restarts == 0 and daemon.starts == 1 and applied == []
     clock.now += 5
     assert daemon.ensure_running() is True  # it answers: the state is put back first
     assert len(applied) == 1 and daemon.last_error is None
+    assert daemon.restarts == 1  # a restart, counted once it answered
     assert daemon.ensure_running() is True and len(applied) == 1  # once
     assert runner.argvs.count((BIN, "-d")) == 1
+
+
+def test_a_daemon_that_never_answers_after_its_start_is_no_restart(dirs):
+    """`-d` returns 0 but the daemon dies before it ever answers, start after start: failed
+    starts, backed off, never a restart each (the restart alert, a pass per try)."""
+    clock, processes, runner = FakeClock(), FakeProcesses(pid=4242), RecordingRunner()
+    up = [True]
+    runner.respond([BIN], lambda _call: CommandResult(0, "", "") if up[0] else NO_DAEMON,
+                   stdin=LIST)
+    runner.respond([BIN, "-d"], CommandResult(0, "", ""))
+    daemon = make(dirs, runner, clock, processes, protocol_v3=False)
+    assert daemon.ensure_running() is True  # one ran: the next one to answer is a restart
+    up[0] = False
+    processes.alive.discard(4242)
+    for _ in range(6):
+        assert daemon.ensure_running() is False
+        clock.now += 61
+    assert daemon.starts == runner.argvs.count((BIN, "-d")) > 1 and daemon.restarts == 0
 
 
 def test_bounded_exponential_backoff_without_sleeping(dirs):

@@ -162,6 +162,8 @@ class MpsDaemon:
         self._next_attempt = float("-inf")
         self._started_at = float("-inf")
         self._seen_running = False
+        self._restart_pending = False
+        """A daemon was launched after one had run: a restart, counted once one answers."""
         self._needs_reapply = False
         self._silent_since: float | None = None
         self._silent_checks = 0
@@ -225,7 +227,7 @@ class MpsDaemon:
         once per backoff step) otherwise. Never sleeps for the backoff."""
         if self.healthy():
             self._silent_since, self._silent_checks = None, 0
-            self._seen_running = True
+            self._answered()
             if self.clock.monotonic() - self._started_at >= self.stable_after:
                 self.failures = 0
             return self._reapply_if_needed()
@@ -245,6 +247,7 @@ class MpsDaemon:
             self._await_answer(argv)
         except MpsError as err:
             return self._start_failed(err)
+        self._answered()
         # Started. One that answers once and dies again at once must not be restarted on every
         # call (each restart runs a pass, whose check restarts it again): a start soon after
         # the last one counts toward the backoff the next restart waits.
@@ -255,15 +258,21 @@ class MpsDaemon:
 
     def _launched(self) -> None:
         """`-d` returned 0: a daemon this supervisor started runs, answering or not yet. It is
-        ours (stopped at shutdown), a restart when one ran before, and it knows nothing
-        (settings die with the process): the state is put back whenever it first answers,
-        in this call or a later one, before it is reported as running."""
+        ours (stopped at shutdown), and it knows nothing (settings die with the process): the
+        state is put back whenever it first answers, in this call or a later one, before it
+        is reported as running. It is a restart when one ran before, counted when it answers:
+        a daemon that dies before it ever does is a failed start, not a restart per try."""
         self.starts += 1
         self._started_at = self.clock.monotonic()
-        if self._seen_running:
-            self.restarts += 1
-        self._seen_running = True
+        self._restart_pending = self._restart_pending or self._seen_running
         self._needs_reapply = True
+
+    def _answered(self) -> None:
+        """A daemon answered: if it is a restart, it counts now."""
+        if self._restart_pending:
+            self.restarts += 1
+            self._restart_pending = False
+        self._seen_running = True
 
     def _start_failed(self, err: MpsError) -> bool:
         """Why the start failed, and the backoff before the next one."""
