@@ -574,6 +574,10 @@ UNKNOWN_WORDINGS = [
     "Namespace kf_abc has 2 processes attached; deletion deferred",
     "Client 4242 will be terminated later",
     "Sent terminate request to client 4242",
+    # they name the deed, and say it failed in words no failure pattern knows: read back
+    "Client 4242 terminated with errors", "Client 4242: nothing terminated",
+    "Namespace kf_abc: 0 clients terminated, 1 remaining", "Client 4242 terminated partially",
+    "Namespace kf_abc deleted: 1 client still remains", "Terminated 0 clients in namespace x",
 ]
 V3_SUCCESS_SHAPES = [
     "", "OK\n", "Client 4242 terminated\n", "Client 4242 terminated successfully.\n",

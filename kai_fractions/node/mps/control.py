@@ -122,8 +122,9 @@ _ANSWER_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
 )
 
 _DONE_RE = re.compile(
-    r"(ok|done|success(ful(ly)?)?|.*\b(client|namespace)\b.*\b(terminated|deleted|removed)\b.*"
-    r"|(terminated|deleted|removed)\b.*\b(client|namespace)\b.*)\.?",
+    r"(ok|done|success(ful(ly)?)?"
+    r"|(client|namespace) \S+ (terminated|deleted|removed)( successfully)?"
+    r"|(terminated|deleted|removed) (client|namespace) \S+)\.?",
     re.IGNORECASE)
 _NOT_DONE_RE = re.compile(
     r"\b(not|no|never|could|cannot|unable|fail\w*|error|deferred|pending|later|refused|"
