@@ -132,6 +132,9 @@ class Reconciler:
                                 self.events, self.metrics)
         self.nvml_health = NvmlHealth(nvml)
         self.view = NodeView()
+        self._metrics_inventory: Inventory | None = None
+        """The last inventory the metrics were set from: while NVML is down the view has none,
+        and the series of a pod deleted meanwhile still have to go (`_forget_usage`)."""
         self.passes = 0
 
     # -- the pass ---------------------------------------------------------------------------
@@ -228,6 +231,7 @@ class Reconciler:
             self.links.tidy(desired)
         self.metrics.count_states(r.state for r in results.values())
         self.metrics.update(desired, self.view.usage, inventory)
+        self._metrics_inventory = inventory
         self.view = NodeView(inventory=inventory, desired=desired,
                              results=MappingProxyType(results), usage=self.view.usage,
                              pods=MappingProxyType(dict(self.pods.known)),
@@ -264,8 +268,8 @@ class Reconciler:
             return
         if desired is not None and gone:
             desired = without_released(desired, gone)
-        if desired is not None and self.view.inventory is not None:
-            self.metrics.update(desired, {}, self.view.inventory)
+        if desired is not None and self._metrics_inventory is not None:
+            self.metrics.update(desired, {}, self._metrics_inventory)
         self.view = dataclasses.replace(self.view, desired=desired, usage=MappingProxyType({}))
 
     def _health(self, inventory: Inventory | None, mps_error: NodeError | None,
