@@ -14,6 +14,7 @@ from kai_fractions.contract import DEFAULT_KEYS
 from kai_fractions.gate.check import Outcome, judge
 from kai_fractions.marker import TEMP_PREFIX, TEMP_SUFFIX, read_marker
 from kai_fractions.node.agent.grpc_service import node_state
+from kai_fractions.node.agent.usage import NEWS_GAP_SECONDS
 from kai_fractions.node.errors import NodeError
 from kai_fractions.node.mps.errors import MpsError
 from kai_fractions.node.nvml import MEMORY_LIMIT_MAX
@@ -454,6 +455,26 @@ def test_a_watchdog_check_that_finds_nvml_failing_asks_for_a_pass_once(
     assert rig.reconciler.usage_needs_pass() is True
     rig.reconciler.check_usage()  # the same failure again: no news
     assert rig.reconciler.usage_needs_pass() is False
+
+
+def test_a_flapping_or_intermittent_failure_asks_for_a_pass_at_most_every_gap(
+        short_tmp: Path) -> None:
+    """A reason that flaps, or a listing that fails every other check, must not turn the
+    watchdog's interval (1 s) into a full pass each: news only when a GPU turns blind, and
+    taken at most every NEWS_GAP_SECONDS."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    add_pod(rig)
+    rig.step()
+    usage, gap = rig.reconciler.usage, NEWS_GAP_SECONDS
+    for reason in ("GpuIsLost", "Unknown", "GpuIsLost"):  # blind all along: one finding
+        rig.nvml.fail("running_processes", reason, times=1)
+        rig.reconciler.check_usage()
+    assert usage.take_news(now=1000.0) is True and usage.take_news(now=1000.0) is False
+    rig.reconciler.check_usage()  # listable again
+    rig.nvml.fail("running_processes", "Unknown", times=1)
+    rig.reconciler.check_usage()  # blind again: news, held back until the gap has passed
+    assert usage.take_news(now=1000.0 + gap / 2) is False
+    assert usage.take_news(now=1000.0 + gap) is True
 
 
 def test_a_pod_deleted_while_nvml_is_down_leaves_its_series(short_tmp: Path) -> None:

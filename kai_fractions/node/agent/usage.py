@@ -13,6 +13,8 @@ are observed.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -52,6 +54,8 @@ does not show. NVML's `used` (nvmlMemory_v2, drivers since R510) leaves the driv
 memory out, so an idle GPU reads 0 to a few MiB; the v1 fallback of older drivers counts the
 reserved memory too, typically a few hundred MiB. One CUDA context alone takes some 300-500 MiB
 on recent GPUs: a hidden workload crosses this at its first allocations, an idle GPU does not."""
+NEWS_GAP_SECONDS = 10.0
+"""The least time between two passes asked for by watchdog checks that found NVML failing."""
 
 
 class UsageCheck:
@@ -70,9 +74,10 @@ class UsageCheck:
         self._unseen: set[str] = set()
         """GPU uuids whose memory is used by processes NVML does not list."""
         self.news = False
-        """Set when a GPU's processes stop being listable (or for another reason): NVML may be
-        failing between passes, which only a pass reports (the node condition), so the worker
-        runs one at once instead of at the next resync (`take_news`)."""
+        """Set when a GPU's processes stop being listable: NVML may be failing between passes,
+        which only a pass reports (the node condition), so the worker runs one soon instead of
+        at the next resync (`take_news`)."""
+        self._news_taken = -math.inf
         self._stop_refs: dict[int, PodRef] = {}
         """pid -> the pod of each stop in progress, taken when it started: its outcome comes
         at a later check, often after the pod left the plan (its main process exited on
@@ -107,15 +112,20 @@ class UsageCheck:
         must be visible, not read as "nothing used"."""
         self.metrics.usage_blind.labels(self.metrics.node, uuid, error.reason).inc()
         if self._blind.get(uuid) != error.reason:
+            self.news = self.news or uuid not in self._blind  # listable before: news
             self._blind[uuid] = error.reason
-            self.news = True
             log.warning("cannot list the processes of GPU %s (%s): %s; the watchdog sees no "
                         "usage there until it can", uuid, error.reason, error.message)
 
-    def take_news(self) -> bool:
-        """Whether a check found something only a pass can report (once per finding)."""
-        news, self.news = self.news, False
-        return news
+    def take_news(self, now: float | None = None) -> bool:
+        """Whether a check found something only a pass can report: once per finding, and at
+        most every NEWS_GAP_SECONDS (a GPU whose listing fails every other check must not
+        turn the watchdog's interval into a pass each)."""
+        now = time.monotonic() if now is None else now
+        if not self.news or now - self._news_taken < NEWS_GAP_SECONDS:
+            return False
+        self.news, self._news_taken = False, now
+        return True
 
     def _unknown_memory(self, usage: Iterable[ContainerUsage]) -> None:
         """Processes of managed containers that NVML lists without their memory (it says "not
