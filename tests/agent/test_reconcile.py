@@ -832,6 +832,7 @@ def test_a_stop_that_ends_after_its_pod_left_the_plan_is_still_its_event(
     assert event["involvedObject"]["namespace"] == "default"
     assert "process 4242 terminated" in event["message"]
     assert rig.reconciler.usage._stop_refs == {}  # forgotten once it exited
+    assert not [k for k in rig.reconciler.usage.events._sent if uid in k]  # nor its event's key
 
 
 def test_drain_terminates_the_mps_clients_of_the_container(short_tmp: Path) -> None:

@@ -233,18 +233,20 @@ class UsageCheck:
             if ref is None or a.outcome not in (TERMINATED, KILLED, UNKILLABLE):
                 continue
             if a.outcome == UNKILLABLE:
-                self.events.emit(
-                    ref, ev.WARNING, ev.PROCESS_NOT_STOPPED,
+                reason, message = ev.PROCESS_NOT_STOPPED, (
                     f"container {a.container_name}: process {a.pid}, over its GPU memory cap on "
                     f"{a.device_uuid}, still runs after SIGKILL (stuck in the kernel or the "
-                    "driver); its GPU memory stays in use until it exits",
-                    key=(ev.PROCESS_NOT_STOPPED, a.pod_uid, a.container_name, a.pid))
-                continue
-            self.events.emit(
-                ref, ev.WARNING, ev.LIMIT_ENFORCED,
-                f"container {a.container_name}: process {a.pid} {a.outcome} for using more GPU "
-                f"memory on {a.device_uuid} than its cap (drained from MPS first when it was "
-                "a client)", key=(ev.LIMIT_ENFORCED, a.pod_uid, a.container_name, a.pid))
+                    "driver); its GPU memory stays in use until it exits")
+            else:
+                reason, message = ev.LIMIT_ENFORCED, (
+                    f"container {a.container_name}: process {a.pid} {a.outcome} for using more "
+                    f"GPU memory on {a.device_uuid} than its cap (drained from MPS first when it "
+                    "was a client)")
+            key = (reason, a.pod_uid, a.container_name, a.pid)
+            self.events.emit(ref, ev.WARNING, reason, message, key=key)
+            if ContainerKey(a.pod_uid, a.container_name) not in refs:
+                # Its pod left the plan (and `forget_pod` ran): nothing would forget the key.
+                self.events.forget_matching(lambda k, key=key: k == key)
 
     def _stop_ref(self, a: Action, refs: Mapping[ContainerKey, PodRef]) -> PodRef | None:
         """The pod of a stop's step: remembered while the stop is in progress (SIGTERM sent,
