@@ -3,9 +3,11 @@
 Every number comes from the pods' annotations through the contract package (the same plan the
 node agent applies: request, limit, compute mode, active-thread percentage, devices), except for
 a container the agent reports applied: its numbers are the agent's plan, what is in force (a
-running pod's edited annotations change nothing; the agent's `PlanChangeRefused` is a warning of
-the row). The state of each container comes from, in this order:
+running pod's edited annotations change nothing, even invalid ones; the agent's
+`PlanChangeRefused`, or else the contract error, is a warning of the row). The state of each
+container comes from, in this order:
 
+0. the annotations' contract errors -> invalid, unless the node agent reports it applied;
 1. the node agent's refusal, when it answered (the cause, with its reason);
 2. a gate that exited non-zero: refused with its termination message (the workload did not
    start, whatever the agent says now);
@@ -253,24 +255,30 @@ def _has_gate(pod: Mapping[str, Any]) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class _Planned:
-    share: ContainerShare
+    container: str
     mode: str
     request_bytes: int | None
     limit_bytes: int | None
     atp: int | None
     devices: tuple[str, ...]
     mps_namespace: str = ""
+    portion: str = ""
+    """The `gpu-fraction` asked for, as written."""
+    num_devices: int = 1
 
 
 def _plan(share: ContainerShare, identity: str, keys: Keys) -> _Planned:
+    portion = format_plain(share.fraction) if share.fraction else ""
     try:
         plan = plan_container(share, identity, keys=keys)
     except ContractViolation:
         # Not bound yet (or the binder's keys are missing): show what the user asked for.
-        return _Planned(share, share.compute_mode.value, share.node_request_bytes,
-                        share.node_limit_bytes, None, share.device_uuids)
-    return _Planned(share, plan.compute_mode.value, plan.request_bytes, plan.limit_bytes,
-                    plan.active_thread_percentage, plan.device_uuids, plan.mps_namespace or "")
+        return _Planned(share.container, share.compute_mode.value, share.node_request_bytes,
+                        share.node_limit_bytes, None, share.device_uuids, portion=portion,
+                        num_devices=share.num_devices)
+    return _Planned(share.container, plan.compute_mode.value, plan.request_bytes,
+                    plan.limit_bytes, plan.active_thread_percentage, plan.device_uuids,
+                    plan.mps_namespace or "", portion, share.num_devices)
 
 
 def _in_force(planned: _Planned, found: AgentAllocation | None) -> _Planned:
@@ -279,8 +287,9 @@ def _in_force(planned: _Planned, found: AgentAllocation | None) -> _Planned:
     if found is None or found.state != "applied" or found.plan is None:
         return planned
     p = found.plan
-    return _Planned(planned.share, p.mode or planned.mode, p.request_bytes, p.limit_bytes,
-                    p.active_thread_percentage, p.devices, p.mps_namespace)
+    return _Planned(planned.container, p.mode or planned.mode, p.request_bytes,
+                    p.limit_bytes, p.active_thread_percentage, p.devices, p.mps_namespace,
+                    planned.portion, planned.num_devices)
 
 
 def _tier(state: str, uuid: str, found: AgentAllocation | None, agent: AgentState | None) -> str:
@@ -312,10 +321,12 @@ def _over_limit(used: int | None, limit: int | None, uuid: str, tier: str) -> tu
             f"{-(-limit // MIB)} MiB{_OVER.get(tier, '')}",)
 
 
-def _warnings(found: AgentAllocation | None) -> tuple[str, ...]:
-    if found is None or not found.change_reason:
-        return ()
-    return (f"{found.change_reason}: {found.change_message}",)
+def _warnings(found: AgentAllocation | None, contract: str) -> tuple[str, ...]:
+    """The agent's refusal of a plan change; else the contract error of annotations edited on
+    a container it applied (`contract`), which its plan outlives."""
+    if found is not None and found.change_reason:
+        return (f"{found.change_reason}: {found.change_message}",)
+    return (f"ContractInvalid: {contract}",) if contract else ()
 
 
 def _accounted(state: str, found: AgentAllocation | None) -> bool:
@@ -327,23 +338,62 @@ def _accounted(state: str, found: AgentAllocation | None) -> bool:
     return not (found is not None and found.state == "pending" and found.plan is None)
 
 
-def _rows(view: Any, share: ContainerShare, planned: _Planned, status: tuple[str, str, str],
-          found: AgentAllocation | None, agent: AgentState | None) -> list[Row]:
+def _rows(view: Any, planned: _Planned, status: tuple[str, str, str],
+          found: AgentAllocation | None, agent: AgentState | None,
+          contract: str = "") -> list[Row]:
     """The rows of one container: one per GPU of its plan, or one without a GPU."""
     out = []
     for uuid in planned.devices or ("",):
         used = found.used_on(uuid, len(planned.devices)) if found is not None else None
         tier = _tier(status[0], uuid, found, agent)
-        out.append(Row(view.namespace, view.name, share.container, uuid, planned.mode,
+        out.append(Row(view.namespace, view.name, planned.container, uuid, planned.mode,
                        planned.request_bytes, planned.limit_bytes, planned.atp,
-                       planned.devices, *status, used,
-                       portion=format_plain(share.fraction) if share.fraction else "",
-                       device_count=max(len(planned.devices), share.num_devices),
+                       planned.devices, *status, used, portion=planned.portion,
+                       device_count=max(len(planned.devices), planned.num_devices),
                        mps_namespace=planned.mps_namespace, tier=tier,
                        accounted=_accounted(status[0], found),
-                       warnings=_warnings(found) + _over_limit(
+                       warnings=_warnings(found, contract) + _over_limit(
                            used, planned.limit_bytes, uuid, tier)))
     return out
+
+
+def _found(view: Any, container: str, agent: AgentState | None) -> AgentAllocation | None:
+    if agent is None or not agent.reachable:
+        return None
+    return agent.allocation(view.namespace, view.name, container, view.uid)
+
+
+def _applied(found: AgentAllocation | None) -> bool:
+    return found is not None and found.state == "applied"
+
+
+def _errors(request: Any, container: str | None = None) -> str:
+    """The contract errors of the pod, or those of `container` (and the pod's own)."""
+    return "; ".join(str(e) for e in request.errors
+                     if container is None or e.container in (container, None, ""))
+
+
+def _container_rows(pod: Mapping[str, Any], view: Any, request: Any, planned: _Planned,
+                    gate: tuple[str, str, str] | None, agent: AgentState | None) -> list[Row]:
+    """One container's rows: its state, and the agent's plan once it is in force (whatever
+    its annotations say now, even invalid: the contract error is then a warning)."""
+    status = _state(pod, view.node_name, planned.container, gate, agent,
+                    bool(request.errors), request)
+    found = _found(view, planned.container, agent)
+    contract = ""
+    if status[0] == ENFORCED:
+        planned = _in_force(planned, found)
+        contract = _errors(request, planned.container) if request.errors else ""
+    return _rows(view, planned, status, found, agent, contract)
+
+
+def _unparsed(view: Any, request: Any, agent: AgentState | None) -> list[str]:
+    """Containers whose annotations no longer make a share (an edit broke them) but that the
+    agent reports applied: its plan holds them still."""
+    shared = {s.container for s in request.shares}
+    names = dict.fromkeys(e.container for e in request.errors
+                          if e.container and e.container not in shared)
+    return [c for c in names if _applied(_found(view, c, agent))]
 
 
 def pod_rows(pod: Mapping[str, Any], agent: AgentState | None, keys: Keys) -> list[Row]:
@@ -356,33 +406,33 @@ def pod_rows(pod: Mapping[str, Any], agent: AgentState | None, keys: Keys) -> li
         return [Row(str(metadata.get("namespace") or ""), str(metadata.get("name") or ""), "",
                     "", "", None, None, None, (), INVALID, "ManifestError", str(e))]
     request = parse_pod(view, keys)
-    rows: list[Row] = []
-    if request.errors and not request.shares:
-        return [Row(view.namespace, view.name, e.container or "", "", "", None, None, None, (),
-                    INVALID, "ContractInvalid", str(e)) for e in request.errors[:1]]
     gate = gate_state(pod)
+    rows: list[Row] = []
     for share in request.shares:
-        status = _state(pod, view.node_name, share.container, gate, agent,
-                        bool(request.errors), request)
-        found = agent.allocation(view.namespace, view.name, share.container, view.uid) \
-            if agent is not None and agent.reachable else None
-        planned = _plan(share, pod_identity(request), keys)
-        if status[0] == ENFORCED:
-            planned = _in_force(planned, found)
-        rows += _rows(view, share, planned, status, found, agent)
+        rows += _container_rows(pod, view, request, _plan(share, pod_identity(request), keys),
+                                gate, agent)
+    unparsed = _unparsed(view, request, agent) if view.node_name else []
+    for container in unparsed:
+        rows += _container_rows(pod, view, request, _Planned(container, "", None, None, None,
+                                                             ()), gate, agent)
+    if not request.shares:
+        rows += [Row(view.namespace, view.name, e.container or "", "", "", None, None, None,
+                     (), INVALID, "ContractInvalid", str(e))
+                 for e in request.errors if e.container not in unparsed][:1]
     return rows
 
 
 def _state(pod: Mapping[str, Any], node: str, container: str, gate: tuple[str, str, str] | None,
            agent: AgentState | None, invalid: bool, request: Any) -> tuple[str, str, str]:
-    if invalid:
-        return INVALID, "ContractInvalid", "; ".join(str(e) for e in request.errors)
     found = None
     if agent is not None and agent.reachable and node:
         meta = pod.get("metadata") or {}
         found = agent.allocation(str(meta.get("namespace") or "default"),
                                  str(meta.get("name") or ""), container,
                                  str(meta.get("uid") or ""))
+    if invalid and not _applied(found):
+        # Annotations edited invalid on an applied container change nothing: its plan holds.
+        return INVALID, "ContractInvalid", _errors(request)
     if found is not None and found.state == "refused":
         return REFUSED, found.reason, found.message  # the cause, not only the gate's echo
     if gate is not None and gate[0] == REFUSED:

@@ -17,14 +17,14 @@ from .builders import GIB, LEAF, Rig, binder_annotations, pod, slice_of
 LIMIT = "nvidia.com/container.main.gpu-memory.limit"
 
 
-def _held(short_tmp: Path) -> tuple[Rig, str]:
-    """A running pod whose limit annotation was raised 20Gi -> 32Gi after it was applied."""
+def _held(short_tmp: Path, limit: str = "32Gi") -> tuple[Rig, str]:
+    """A running pod whose limit annotation was changed 20Gi -> `limit` after it was applied."""
     rig = Rig(short_tmp, sm_sharing=False)
     uid = rig.add(pod("p", notes=binder_annotations(devices=rig.gpu0)))["metadata"]["uid"]
     rig.cgroups.add(f"{slice_of(uid)}/{LEAF}")
     assert rig.step().converged
     meta = copy.deepcopy(rig.cluster.pods[uid]["metadata"])
-    meta["annotations"][LIMIT] = "32Gi"
+    meta["annotations"][LIMIT] = limit
     rig.cluster.update_pod(uid, metadata=meta)
     assert rig.step().converged
     return rig, uid
@@ -57,6 +57,22 @@ def test_inspect_shows_the_limit_in_force_and_why_the_edit_is_not(short_tmp: Pat
         "enforced", rig.gpu0, 10 * GIB, 20 * GIB)
     [warning] = row.warnings
     assert warning.startswith("PlanChangeRefused: the pod's GPU annotations changed after")
+
+
+def test_inspect_keeps_an_applied_container_edited_invalid_enforced(short_tmp: Path) -> None:
+    """A limit edited below the request showed `invalid` with the edited 4 GiB limit, and
+    dropped from the GPU's requested, while the agent kept 20 GiB in force."""
+    rig, uid = _held(short_tmp, limit="4Gi")
+    agent = from_node_state(node_state(rig.reconciler.view, "node-a", None, "Ready"), "socket")
+    [a] = agent.allocations
+    assert (a.state, a.change_reason) == ("applied", "PlanChangeRefused")
+    report = pod_report(rig.cluster.pods[uid], None, agent)
+    [gpu] = report.gpus
+    [row] = gpu.rows
+    assert (row.state, row.request_bytes, row.limit_bytes, row.accounted) == (
+        "enforced", 10 * GIB, 20 * GIB, True)
+    assert gpu.requested_bytes == 10 * GIB
+    assert [w.split(":")[0] for w in row.warnings] == ["PlanChangeRefused"]
 
 
 def test_inspect_shows_a_watchdog_only_cap_and_usage_over_it(short_tmp: Path) -> None:

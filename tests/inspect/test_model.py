@@ -274,3 +274,53 @@ def test_a_finished_pod_is_not_shown_nor_counted(phase):
     assert report.rows == ()
     assert report.notes[-1] == (f"the pod has finished (phase {phase}): it holds no GPU memory "
                                 "(the node agent drops finished pods)")
+
+
+def _applied_then_edited(annotations: dict[str, str], change: str = "") -> tuple[dict, AgentState]:
+    """A pod applied at 8Gi / 16Gi on GPU0, using 6 GiB, whose annotations were then edited
+    (`annotations`); the agent keeps its plan, with the refusal `change` (or none)."""
+    from kai_fractions.inspect.agent_state import AgentPlan
+
+    p = bind(memory_pod("nb", UID_A, "8Gi", "16Gi"), (GPU0,))
+    p["metadata"]["annotations"].update(annotations)
+    agent = AgentState(source="socket", allocations=(AgentAllocation(
+        "team-a", "nb", "main", UID_A, "applied", used_bytes=6144 * MIB,
+        plan=AgentPlan((GPU0,), "time-slicing", 8192 * MIB, 16384 * MIB),
+        mechanisms=MappingProxyType({GPU0: frozenset({"cgroup"})}),
+        change_reason="PlanChangeRefused" if change else "", change_message=change),))
+    return p, agent
+
+
+def test_an_applied_container_edited_invalid_keeps_its_plan_and_its_place():
+    """The limit was edited below the request on a running pod: inspect showed it invalid with
+    the edited 4 GiB limit, a false OverLimit, and dropped it from the GPU's requested."""
+    p, agent = _applied_then_edited({"nvidia.com/container.main.gpu-memory.limit": "4Gi"},
+                                    "its plan is refused now (ContractInvalid: ...)")
+    [gpu] = node_report(NODE, node(), [p], agent).gpus
+    [row] = gpu.rows
+    assert (row.state, row.request_bytes, row.limit_bytes, row.tier, row.accounted) == (
+        "enforced", 8192 * MIB, 16384 * MIB, "cgroup", True)
+    assert row.warnings == ("PlanChangeRefused: its plan is refused now (ContractInvalid: ...)",)
+    assert gpu.requested_bytes == 8192 * MIB
+
+    p, agent = _applied_then_edited({"nvidia.com/container.main.gpu-memory.limit": "4Gi"})
+    [row] = node_report(NODE, node(), [p], agent).rows
+    assert row.state == "enforced"
+    assert row.warnings == ("ContractInvalid: nvidia.com/container.main.gpu-memory.limit: must "
+                            "be greater than or equal to the request '8Gi' (got '4Gi')",)
+
+
+def test_an_applied_container_whose_edit_leaves_no_share_shows_the_plan_in_force():
+    """Annotations replaced by ones the contract cannot read at all (no share is left): still
+    the agent's plan."""
+    p, agent = _applied_then_edited({})
+    p["metadata"]["annotations"] = {"gpu-fraction": "abc"}
+    [gpu] = node_report(NODE, node(), [p], agent).gpus
+    [row] = gpu.rows
+    assert (row.ref, row.state, row.limit_bytes, row.accounted) == (
+        "team-a/nb/main", "enforced", 16384 * MIB, True)
+    assert row.warnings[0].startswith("ContractInvalid: ")
+    assert gpu.requested_bytes == 8192 * MIB
+    # Not applied: invalid, as before.
+    down = node_report(NODE, node(), [p], None)
+    assert [(r.state, r.gpu_uuid) for r in down.rows] == [("invalid", "")]
