@@ -55,7 +55,7 @@ TIERS = ("cgroup", "mps-pinned", "watchdog")
 """How a memory cap is in force, strongest first: the driver refuses an allocation over it, the
 MPS client refuses it, or usage is polled and reported (or stopped) afterwards."""
 NO_TIER = "none"
-"""The agent has no memory cap in force for it."""
+"""The agent has no memory cap in force for an enforced or refused container."""
 UNKNOWN_TIER = "n/a"
 """Enforced, but the agent's socket was not read: which tier holds it is not known."""
 
@@ -92,7 +92,7 @@ class Row:
     invalid, or held back before planning, e.g. waiting for its signature)."""
     tier: str = "-"
     """The strongest tier holding the memory cap on this GPU (TIERS), NO_TIER, UNKNOWN_TIER;
-    `-` on no GPU or not enforced."""
+    `-` on no GPU, or when neither enforced nor refused (no cap is meant to hold yet)."""
 
     @property
     def ref(self) -> str:
@@ -293,15 +293,14 @@ def _in_force(planned: _Planned, found: AgentAllocation | None) -> _Planned:
 
 
 def _tier(state: str, uuid: str, found: AgentAllocation | None, agent: AgentState | None) -> str:
-    """Which tier holds the cap on GPU `uuid`, as the agent's applied limits say."""
-    if not uuid:
+    """Which tier holds the cap on GPU `uuid`, as the agent's applied limits say; `-` when no
+    cap is meant to be in force yet (pending, waiting, ungated, invalid, no GPU)."""
+    if not uuid or state not in (ENFORCED, REFUSED):
         return "-"
     if agent is not None and agent.knows_limits:
         held = found.mechanisms.get(uuid, frozenset()) if found is not None else frozenset()
         return next((t for t in TIERS if t in held), NO_TIER)
-    if state == REFUSED:
-        return NO_TIER
-    return UNKNOWN_TIER if state == ENFORCED else "-"
+    return NO_TIER if state == REFUSED else UNKNOWN_TIER
 
 
 _OVER = {

@@ -3,7 +3,8 @@
 The table's columns: POD/CONTAINER, MODE, REQUEST, LIMIT, ATP (active-thread percentage, the
 share of the GPU's SMs of an sm-sharing container), USED (GPU memory its processes use now, from
 the node agent), STATE and TIER (what holds the memory cap: cgroup, mps-pinned, or only the
-watchdog, which never stops an allocation; none; n/a when the agent's socket was not read). Why
+watchdog, which never stops an allocation; none; n/a when the agent's socket was not read; -
+when neither enforced nor refused). Why
 a container is not enforced, and what is wrong with one that is (memory used over its limit, a
 refused plan change), is spelled out below its GPU, one line each, so the rows stay short.
 """

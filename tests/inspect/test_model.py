@@ -324,3 +324,26 @@ def test_an_applied_container_whose_edit_leaves_no_share_shows_the_plan_in_force
     # Not applied: invalid, as before.
     down = node_report(NODE, node(), [p], None)
     assert [(r.state, r.gpu_uuid) for r in down.rows] == [("invalid", "")]
+
+
+def test_the_tier_is_a_dash_unless_enforced_or_refused():
+    """With the socket read, pending, waiting, ungated and invalid rows said TIER `none` (no
+    cap in force), as if something had failed; no cap is meant to hold for them yet."""
+    from kai_fractions.inspect.agent_state import AgentPlan
+
+    uid_c, uid_d, uid_e = (UID_A.replace("a", x) for x in "cde")
+    pending = bind(memory_pod("pending", UID_A), (GPU0,))
+    waiting = gate_status(bind(memory_pod("waiting", UID_B), (GPU0,)), exit_code=None,
+                          running=True)
+    ungated = bind(memory_pod("ungated", uid_c, gate=False), (GPU0,))
+    invalid = bind(memory_pod("invalid", uid_d, "8Gi", "16Gi"), (GPU0,))
+    invalid["metadata"]["annotations"]["nvidia.com/container.main.gpu-memory.limit"] = "1Gi"
+    refused = bind(memory_pod("refused", uid_e), (GPU0,))
+    agent = AgentState(source="socket unix:///x", allocations=(
+        AgentAllocation("team-a", "pending", "main", UID_A, "pending",
+                        plan=AgentPlan((GPU0,), "time-slicing", 8192 * MIB, 8192 * MIB)),
+        AgentAllocation("team-a", "refused", "main", uid_e, "refused", "MemoryOvercommitted")))
+    rows = node_report(NODE, node(), [pending, waiting, ungated, invalid, refused], agent).rows
+    assert {r.pod: (r.state, r.tier) for r in rows} == {
+        "pending": ("pending", "-"), "waiting": ("waiting", "-"), "ungated": ("ungated", "-"),
+        "invalid": ("invalid", "-"), "refused": ("refused", "none")}
