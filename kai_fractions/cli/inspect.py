@@ -7,12 +7,17 @@ BindRequests, calls, the pod cache, signature delays), for a cluster without Pro
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import time
+from collections.abc import Callable
 
 from ..contract import DEFAULT_KEYS, Keys
 from ..contract import keys as k
 
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE = 0, 1, 2
+_sleep = time.sleep
+"""`inspect mirror`'s wait between its two reads (tests replace it)."""
 
 
 def register(sub) -> None:
@@ -60,6 +65,7 @@ def register(sub) -> None:
 
 def _register_mirror(what) -> None:
     from ..inspect.mirror_sources import DEFAULT_NAMESPACE, DEFAULT_SELECTOR
+    from ..inspect.mirror_state import MIN_JUDGED
 
     q = what.add_parser(
         "mirror", help="the mirror's replicas: follower leader, calls, pod cache, signatures",
@@ -69,10 +75,12 @@ def _register_mirror(what) -> None:
         "waited for their signature (p50/p99 since the replica started), memory and CPU; "
         "then what is wrong, if anything. Without URL, the mirror's pods are found through "
         "the Kubernetes API and read through the API server's pod proxy (get on pods/proxy). "
-        "Exit codes: 0 every replica read and nothing wrong, 1 a problem is reported (no "
-        "replica found or read, no follower leader or several, a pod cache not synced, over "
-        "5%% of a replica's API requests or calls failed since it started), 2 usage error or "
-        "the cluster cannot be read.")
+        "Failing calls and API requests are judged on what each replica did between two "
+        "reads --window seconds apart, not on its totals. Exit codes: 0 every replica read "
+        "and nothing wrong, 1 a problem is reported (no replica found or read, no follower "
+        "leader or several, a pod cache not synced, over 5%% of a replica's API requests or "
+        f"of its calls failed in the window, when it made {MIN_JUDGED} at least there), 2 "
+        "usage error or the cluster cannot be read.")
     q.add_argument("urls", nargs="*", metavar="URL",
                    help="a replica's metrics endpoint, e.g. http://127.0.0.1:9401 after "
                    "kubectl port-forward (/metrics is added when the path is empty)")
@@ -85,6 +93,9 @@ def _register_mirror(what) -> None:
                    "$KUBECONFIG or ~/.kube/config)")
     q.add_argument("--output", "-o", default="table", choices=("table", "json", "yaml"),
                    help="(default: %(default)s)")
+    q.add_argument("--window", type=float, default=5.0, metavar="SECONDS",
+                   help="seconds between the two reads whose difference is judged (default: "
+                   "%(default)g; 0: read once and judge the totals since each replica started)")
     q.set_defaults(func=run_mirror)
 
 
@@ -157,28 +168,40 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_mirror(args: argparse.Namespace) -> int:
-    from ..inspect.mirror_render import render
     from ..inspect.mirror_sources import replica_from_url, replicas_in_cluster
-    from ..inspect.mirror_state import problems
     from ..inspect.sources import SourceError, load_kube
 
-    where = ""
+    if not math.isfinite(args.window) or args.window < 0:
+        return _fail(f"--window: must be 0 or more seconds, got {args.window:g}")
     if args.urls:
-        replicas = [replica_from_url(url) for url in args.urls]
-    else:
-        if not args.selector.strip():
-            return _fail("--selector: must not be empty (it would take every pod of "
-                         f"{args.namespace} for a mirror)")
-        try:
-            reader = load_kube(args.kubeconfig)
-        except SourceError as e:
-            return _fail(e.message)
-        try:
-            replicas = replicas_in_cluster(reader, args.namespace, args.selector)
-        except SourceError as e:
-            return _fail(e.message)
-        finally:
-            reader.close()
-        where = f" in namespace {args.namespace}"
+        return _report_mirror(args, lambda: [replica_from_url(url) for url in args.urls], "")
+    if not args.selector.strip():
+        return _fail("--selector: must not be empty (it would take every pod of "
+                     f"{args.namespace} for a mirror)")
+    try:
+        reader = load_kube(args.kubeconfig)
+    except SourceError as e:
+        return _fail(e.message)
+    try:
+        return _report_mirror(
+            args, lambda: replicas_in_cluster(reader, args.namespace, args.selector),
+            f" in namespace {args.namespace}")
+    except SourceError as e:
+        return _fail(e.message)
+    finally:
+        reader.close()
+
+
+def _report_mirror(args: argparse.Namespace, read: Callable[[], list], where: str) -> int:
+    """Reads the replicas twice, --window seconds apart, so that failures are judged on what
+    they did in between (a replica's history neither hides an outage now nor keeps an old
+    failure a problem for ever); once with --window 0."""
+    from ..inspect.mirror_render import render
+    from ..inspect.mirror_state import problems, windowed
+
+    replicas = read()
+    if args.window > 0:
+        _sleep(args.window)
+        replicas = windowed(replicas, read(), args.window)
     sys.stdout.write(render(replicas, args.output, where))
     return EXIT_NOT_FOUND if problems(replicas) else EXIT_OK

@@ -1,5 +1,5 @@
-"""`inspect mirror`'s report as a table (one row a replica, then what each row sums up, then
-the problems) or as JSON / YAML for scripts.
+"""`inspect mirror`'s report as a table (one row a replica, then what each row sums up and what
+it did in the window judged, then the problems) or as JSON / YAML for scripts.
 
 Columns: REPLICA, FOLLOWER (leading, standby, or off), UP, POD CACHE (pods held; "syncing"
 before its first list), CALLS and FAILED (answered with another code than OK), MEAN (call
@@ -75,6 +75,10 @@ def details(r: Replica) -> str:
     """The counts the row sums up, on one line."""
     parts = [_counts("calls", r.calls), _counts("API", r.api_requests),
              _counts("checks", r.checks)]
+    if r.window_s is not None:
+        recent = [_counts("calls", r.recent_calls), _counts("API", r.recent_api_requests)]
+        parts.append(f"in the last {r.window_s:g} s: "
+                     + (" and ".join(p for p in recent if p) or "no calls, no API requests"))
     if r.checks_in_progress:
         parts.append(f"{r.checks_in_progress} being checked now")
     if r.cache_pods is not None:

@@ -2,15 +2,17 @@
 (`mirror/metrics.py`'s series) read into a `Replica`, and what is wrong across them
 (`problems`): for a cluster without Prometheus, the same questions the chart's alerts ask.
 
-The counters are totals since the replica started; the signature delay's quantiles are read
-from its histogram's buckets the way PromQL's histogram_quantile reads them.
+The counters are totals since the replica started; failing calls and API requests are judged
+on what a replica did between two reads a short window apart (`windowed`), as the chart's alerts
+judge a rate, not on its whole history. The signature delay's quantiles are read from its
+histogram's buckets the way PromQL's histogram_quantile reads them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -32,8 +34,11 @@ STARTED = "process_start_time_seconds"
 _EMPTY: Mapping[str, int] = MappingProxyType({})
 
 FAILING_SHARE = 0.05
-"""The share of failed calls, or of failed requests to the API server, since a replica started
-that is a problem: the chart's `prometheusRule.failingCallsPercent` (5) by default."""
+"""The share of failed calls, or of failed requests to the API server, in the window that is a
+problem: the chart's `prometheusRule.failingCallsPercent` (5) by default."""
+MIN_JUDGED = 10
+"""The fewest calls (or API requests) in the window for their failures to be judged: one
+failure among a handful is not a failing share."""
 SERVER_FAILURES = ("INTERNAL", "UNAVAILABLE", "DEADLINE_EXCEEDED")
 """The call codes that are the mirror's failures (KaiFractionsMirrorCallsFailing's); the others
 (INVALID_ARGUMENT, FAILED_PRECONDITION, ...) answer a caller's mistake."""
@@ -72,6 +77,11 @@ class Replica:
     signature_p99_s: float | None = None
     rss_bytes: int | None = None
     cpu_seconds: float | None = None
+    window_s: float | None = None
+    """Seconds between the two reads `recent_calls` and `recent_api_requests` come from; None
+    when read once: its totals since it started are judged."""
+    recent_calls: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    recent_api_requests: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
 
     @property
     def reachable(self) -> bool:
@@ -87,7 +97,7 @@ class Replica:
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        for key in ("calls", "api_requests", "checks"):
+        for key in ("calls", "api_requests", "checks", "recent_calls", "recent_api_requests"):
             out[key] = dict(out[key])
         out["reachable"] = self.reachable
         return out
@@ -173,24 +183,61 @@ def replica_from_metrics(name: str, source: str, text: str, now: float) -> Repli
         cpu_seconds=one(CPU))
 
 
+def _since(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int] | None:
+    """`after` - `before` per code; None when a count went down (the replica restarted)."""
+    out = {code: n - before.get(code, 0) for code, n in after.items()}
+    if set(before) - set(after) or any(n < 0 for n in out.values()):
+        return None
+    return {code: n for code, n in out.items() if n}
+
+
+def _window(before: Replica | None, after: Replica, seconds: float) -> Replica:
+    if before is None or not before.reachable or not after.reachable:
+        return after  # read once: judged on its totals (or not read now)
+    calls = _since(before.calls, after.calls)
+    api = _since(before.api_requests, after.api_requests)
+    if calls is None or api is None:  # restarted in between: all it did is in the window
+        calls, api = dict(after.calls), dict(after.api_requests)
+    return replace(after, window_s=seconds, recent_calls=MappingProxyType(calls),
+                   recent_api_requests=MappingProxyType(api))
+
+
+def windowed(before: Sequence[Replica], after: Sequence[Replica],
+             seconds: float) -> list[Replica]:
+    """The replicas of the second read, each with the calls and API requests it answered
+    since the first, `seconds` earlier (by name; one not read the first time keeps its
+    totals)."""
+    first = {r.name: r for r in before}
+    return [_window(first.get(r.name), r, seconds) for r in after]
+
+
+def _judged(r: Replica, totals: Mapping[str, int], recent: Mapping[str, int]
+            ) -> tuple[Mapping[str, int], str]:
+    """The counts to judge, and over what span they were counted."""
+    if r.window_s is None:
+        return totals, "since it started"
+    return recent, f"in the last {r.window_s:g} s"
+
+
 def _failing(counts: Mapping[str, int], bad: Iterable[str]) -> tuple[int, int, str]:
-    """(failed, total, `CODE n, ...` of the failed ones) when the failed are over
-    FAILING_SHARE of the total; (0, total, "") otherwise."""
+    """(failed, total, `CODE n, ...` of the failed ones) when there are MIN_JUDGED at least
+    and the failed are over FAILING_SHARE of them; (0, total, "") otherwise."""
     total = sum(counts.values())
     failed = {code: n for code, n in counts.items() if code in set(bad) and n}
-    if not total or sum(failed.values()) <= FAILING_SHARE * total:
+    if total < MIN_JUDGED or sum(failed.values()) <= FAILING_SHARE * total:
         return 0, total, ""
     return sum(failed.values()), total, ", ".join(f"{c} {n}" for c, n in failed.items())
 
 
 def _api_failing(r: Replica) -> list[str]:
     """Its requests to the API server end unreachable or 5xx (KaiFractionsMirrorApiUnreachable)."""
-    bad = [c for c in r.api_requests if c == "unreachable" or c.startswith("5")]
-    failed, total, codes = _failing(r.api_requests, bad)
+    counts, span = _judged(r, r.api_requests, r.recent_api_requests)
+    bad = [c for c in counts if c == "unreachable" or c.startswith("5")]
+    failed, total, codes = _failing(counts, bad)
     if not failed:
         return []
-    return [f"{r.name}: {failed} of its {total} requests to the API server failed since it "
-            f"started ({codes}): its calls answer UNAVAILABLE, its pod cache goes stale and, if "
+    return [f"{r.name}: {failed} of its {total} requests to the API server failed {span} "
+            f"({codes}): its calls answer UNAVAILABLE, its pod cache goes stale and, if "
             "it leads, its follower neither checks nor signs BindRequests; check its log "
             "(kubectl logs) and its way to the API server: DNS, egress NetworkPolicies, the "
             "API server's health"]
@@ -198,10 +245,11 @@ def _api_failing(r: Replica) -> list[str]:
 
 def _calls_failing(r: Replica) -> list[str]:
     """Its calls fail (KaiFractionsMirrorCallsFailing)."""
-    failed, total, codes = _failing(r.calls, SERVER_FAILURES)
+    counts, span = _judged(r, r.calls, r.recent_calls)
+    failed, total, codes = _failing(counts, SERVER_FAILURES)
     if not failed:
         return []
-    return [f"{r.name}: {failed} of its {total} calls failed since it started ({codes}): the "
+    return [f"{r.name}: {failed} of its {total} calls failed {span} ({codes}): the "
             "scheduler's binds that call it fail or retry. UNAVAILABLE: the API server failed "
             "or was unreachable (see its API requests); INTERNAL: the API server refused a "
             "write (RBAC, validation: its log says which); DEADLINE_EXCEEDED: the caller's "

@@ -13,6 +13,7 @@ import pytest
 
 from kai_fractions.cli import main
 from kai_fractions.inspect.mirror_sources import DEFAULT_NAMESPACE
+from kai_fractions.inspect.mirror_state import MIN_JUDGED
 from kai_fractions.metrics_http import MetricsEndpoint
 from kai_fractions.mirror.metrics import MirrorMetrics
 from tests.support.kube import KubeServer
@@ -28,6 +29,27 @@ def _inspect(capsys, *args: str) -> tuple[int, str, str]:
     code = main(["inspect", "mirror", *args])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+@pytest.fixture(autouse=True)
+def in_the_window(monkeypatch) -> list:
+    """What the replicas do between inspect's two reads: run instead of its wait."""
+    actions: list = []
+
+    def sleep(seconds: float) -> None:
+        assert seconds == 5.0  # --window's default
+        for action in actions:
+            action()
+
+    monkeypatch.setattr("kai_fractions.cli.inspect._sleep", sleep, raising=False)
+    return actions
+
+
+def _calls(metrics: MirrorMetrics, code: str, n: int, api: str = "") -> None:
+    for _ in range(n):
+        metrics.call("MirrorAllocation", code, 0.01)
+        if api:
+            metrics.api_request("GET", api)
 
 
 @pytest.fixture
@@ -58,17 +80,43 @@ def test_one_leader_among_the_replicas_is_all_well(serve, capsys):
     assert not [line for line in lines if line.startswith("!")]
 
 
-def test_a_replica_whose_api_server_is_unreachable_exits_1(serve, capsys):
+def test_a_replica_failing_now_exits_1_whatever_its_history(serve, in_the_window, capsys):
+    """Judged on the totals since it started, 12 failures now among 2000 healthy calls were
+    diluted under 5 %: nothing was wrong."""
     metrics = mirror_metrics(ok=0, invalid=0, leading=None, signed_after=(), skipped=0)
-    for _ in range(3):
-        metrics.call("MirrorAllocation", "UNAVAILABLE", 1.0)
-        metrics.api_request("GET", "unreachable")
+    _calls(metrics, "OK", 2000, api="200")
+    in_the_window.append(lambda: _calls(metrics, "UNAVAILABLE", 12, api="unreachable"))
     code, out, _ = _inspect(capsys, serve(metrics))
     assert code == 1
     problems = [line for line in out.splitlines() if line.startswith("! ")]
     assert [p.split(": ", 2)[1] for p in problems] == [
-        "3 of its 4 requests to the API server failed since it started (unreachable 3)",
-        "3 of its 3 calls failed since it started (UNAVAILABLE 3)"]
+        "12 of its 12 requests to the API server failed in the last 5 s (unreachable 12)",
+        "12 of its 12 calls failed in the last 5 s (UNAVAILABLE 12)"]
+    assert "in the last 5 s: calls UNAVAILABLE 12 and API unreachable 12" in out
+
+
+def test_an_early_failure_is_not_a_problem_for_ever(serve, in_the_window, capsys):
+    """One DEADLINE_EXCEEDED at its start made every later inspect exit 1."""
+    metrics = mirror_metrics(ok=0, invalid=0, leading=None, signed_after=(), skipped=0)
+    _calls(metrics, "DEADLINE_EXCEEDED", 1, api="unreachable")
+    in_the_window.append(lambda: _calls(metrics, "OK", 15, api="200"))
+    code, out, _ = _inspect(capsys, serve(metrics))
+    assert (code, [line for line in out.splitlines() if line.startswith("!")]) == (0, [])
+
+    in_the_window[:] = [lambda: _calls(metrics, "UNAVAILABLE", MIN_JUDGED - 1)]
+    code, out, _ = _inspect(capsys, serve(metrics))
+    assert code == 0  # too few to judge
+    assert f"in the last 5 s: calls UNAVAILABLE {MIN_JUDGED - 1}" in out
+
+
+def test_window_0_judges_the_totals_and_a_negative_one_is_refused(serve, capsys):
+    metrics = mirror_metrics(ok=0, invalid=0, leading=None, signed_after=(), skipped=0)
+    _calls(metrics, "INTERNAL", MIN_JUDGED)
+    code, out, _ = _inspect(capsys, serve(metrics), "--window", "0")
+    assert code == 1 and f"{MIN_JUDGED} of its {MIN_JUDGED} calls failed since it started" in out
+    code, out, err = _inspect(capsys, serve(metrics), "--window", "-1")
+    assert (code, out) == (2, "")
+    assert err == "kai-fractions inspect: --window: must be 0 or more seconds, got -1\n"
 
 
 def test_two_leaders_a_dead_replica_and_a_wrong_endpoint_are_problems(serve, capsys):
@@ -137,14 +185,15 @@ def test_the_mirror_pods_are_found_and_read_through_the_api_server(cluster, caps
     assert [line.split()[:2] for line in lines[2:4]] == [
         ["kai-fractions-mirror-a", "leading"], ["kai-fractions-mirror-b", "standby"]]
     assert "node-agent" not in out  # another component's pod, though the API sent it
-    assert kube.count("GET", proxied("kai-fractions-mirror-a")) == 1
-    [listing] = kube.requests("GET", f"/api/v1/namespaces/{NS}/pods")
+    assert kube.count("GET", proxied("kai-fractions-mirror-a")) == 2  # --window apart
+    listing = kube.requests("GET", f"/api/v1/namespaces/{NS}/pods")[-1]
     assert listing.params["labelSelector"] == ",".join(f"{k}={v}" for k, v in LABELS.items())
 
 
 def test_a_replica_the_proxy_refuses_says_what_to_do_instead(cluster, capsys):
     kube, kubeconfig = cluster
-    kube.fail("GET", proxied("kai-fractions-mirror-b"), 403, message="pods/proxy forbidden")
+    kube.fail("GET", proxied("kai-fractions-mirror-b"), 403, times=None,
+              message="pods/proxy forbidden")
     create(kube, mirror_pod("kai-fractions-mirror-c", phase="Pending"))
     create(kube, mirror_pod("kai-fractions-mirror-d", port=None))
     code, out, _ = _inspect(capsys, "--kubeconfig", kubeconfig, "-o", "json")

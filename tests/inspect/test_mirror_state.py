@@ -13,11 +13,13 @@ import yaml
 from kai_fractions.inspect.mirror_render import duration, render, short_time
 from kai_fractions.inspect.mirror_sources import replica_from_url
 from kai_fractions.inspect.mirror_state import (
+    MIN_JUDGED,
     Replica,
     bucket_quantile,
     problems,
     replica_from_metrics,
     unreadable,
+    windowed,
 )
 from kai_fractions.inspect.sources import agent_from_metrics
 
@@ -102,17 +104,17 @@ def test_failing_api_requests_and_calls_are_problems():
     """Every call failed UNAVAILABLE and every API request ended unreachable: inspect said
     nothing was wrong."""
     metrics = mirror_metrics(ok=0, invalid=0, signed_after=(), skipped=0, leading=None)
-    for _ in range(5):
+    for _ in range(10):
         metrics.call("MirrorAllocation", "UNAVAILABLE", 1.0)
         for _ in range(5):
             metrics.api_request("GET", "unreachable")
     down = replica_from_metrics("mirror-a", "u", scrape(metrics), now=4e9)
     api, calls = problems([down])
-    assert api.startswith("mirror-a: 25 of its 26 requests to the API server failed since it "
-                          "started (unreachable 25): its calls answer UNAVAILABLE")
+    assert api.startswith("mirror-a: 50 of its 51 requests to the API server failed since it "
+                          "started (unreachable 50): its calls answer UNAVAILABLE")
     assert "check its log (kubectl logs) and its way to the API server" in api
-    assert calls.startswith("mirror-a: 5 of its 5 calls failed since it started (UNAVAILABLE "
-                            "5): the scheduler's binds that call it fail or retry.")
+    assert calls.startswith("mirror-a: 10 of its 10 calls failed since it started (UNAVAILABLE "
+                            "10): the scheduler's binds that call it fail or retry.")
 
 
 def test_a_few_failures_or_callers_mistakes_are_not_problems():
@@ -128,6 +130,50 @@ def test_a_few_failures_or_callers_mistakes_are_not_problems():
     [api] = problems([replica_from_metrics("mirror-a", "u", scrape(metrics), now=4e9)])
     assert "4 of its 45 requests to the API server failed since it started (500 1, 503 1, " \
         "unreachable 2)" in api
+
+
+def _read(name: str, metrics, now: float = 4e9) -> Replica:
+    return replica_from_metrics(name, "u", scrape(metrics), now=now)
+
+
+def test_failures_are_judged_in_the_window_between_two_reads():
+    """The totals since a replica started judged it: an early failure was a problem for ever,
+    and an outage now was diluted by its healthy history."""
+    metrics = mirror_metrics(ok=0, invalid=0, signed_after=(), skipped=0, leading=None)
+    metrics.call("MirrorAllocation", "DEADLINE_EXCEEDED", 0.01)
+    for _ in range(MIN_JUDGED):
+        metrics.api_request("GET", "unreachable")
+    before = _read("a", metrics)
+    assert len(problems([before])) == 1  # totals: the API requests, 10 of 11
+    for _ in range(MIN_JUDGED):
+        metrics.call("MirrorAllocation", "OK", 0.01)
+    [calm] = windowed([before], [_read("a", metrics)], 5)
+    assert (calm.window_s, dict(calm.recent_calls), dict(calm.recent_api_requests)) == (
+        5, {"OK": MIN_JUDGED}, {})
+    assert problems([calm]) == []
+
+    for _ in range(MIN_JUDGED - 1):
+        metrics.call("MirrorAllocation", "UNAVAILABLE", 0.01)
+    assert problems(windowed([calm], [_read("a", metrics)], 2.5)) == []  # too few to judge
+    metrics.call("MirrorAllocation", "UNAVAILABLE", 0.01)
+    [failing] = problems(windowed([calm], [_read("a", metrics)], 2.5))
+    assert failing.startswith(f"a: {MIN_JUDGED} of its {MIN_JUDGED} calls failed in the last "
+                              f"2.5 s (UNAVAILABLE {MIN_JUDGED}): ")
+
+
+def test_a_replica_restarted_or_read_once_in_the_window():
+    old = mirror_metrics(ok=500, invalid=0, signed_after=(), skipped=0)
+    new = mirror_metrics(ok=0, invalid=0, signed_after=(), skipped=0)
+    for _ in range(MIN_JUDGED):
+        new.call("MirrorAllocation", "INTERNAL", 0.01)
+    [restarted] = windowed([_read("a", old)], [_read("a", new)], 5)
+    assert dict(restarted.recent_calls) == {"INTERNAL": MIN_JUDGED}  # all since its start
+    assert "failed in the last 5 s (INTERNAL 10)" in problems([restarted])[0]
+    gone = unreadable("a", "u", "refused")
+    [first_missed] = windowed([gone], [_read("a", new)], 5)
+    assert first_missed.window_s is None  # its totals are judged
+    assert windowed([_read("a", new)], [gone], 5) == [gone]
+    assert windowed([_read("a", new)], [], 5) == []
 
 
 def test_the_table_has_a_row_a_replica_its_counts_and_the_problems():
