@@ -26,12 +26,17 @@ def register(sub) -> None:
         description="Per-GPU table of the fractional allocations of a node (or of one pod): "
         "request, limit, compute mode, active-thread percentage, used memory, state "
         "(enforced, refused with its reason, pending, waiting, unscheduled, ungated: no gate "
-        "holds it, invalid: its annotations break the contract) and the tier holding each "
-        "memory cap. The numbers come from the pods' annotations (the NvFractions contract), "
-        "or the agent's plan once it is applied; the state and used memory from "
-        "the node agent when it is reachable (--agent-socket on the node, or --agent-metrics), "
-        "else from the gate init container's status. Exit codes: 0 ok, 1 the node or pod does "
-        "not exist, 2 usage error or the cluster cannot be read.",
+        "holds it, invalid: its annotations break the contract) and TIER, what holds each "
+        "memory cap (cgroup, mps-pinned, watchdog; none; n/a without --agent-socket; - when "
+        "neither enforced nor refused). The numbers come from the pods' annotations (the "
+        "NvFractions contract), or, with --agent-socket, from the node agent's plan once it "
+        "reports the container applied. The state comes from the node agent's socket "
+        "(--agent-socket, on the node), else from the gate init container's status; used "
+        "memory from the agent (its socket, or --agent-metrics). Lines starting with ! below "
+        "each GPU say why a row is not enforced, and what is wrong with one that is "
+        "(OverLimit: it uses more memory than its limit; PlanChangeRefused: its annotations "
+        "were edited on the running pod, and the plan in force is not theirs). Exit codes: "
+        "0 ok, 1 the node or pod does not exist, 2 usage error or the cluster cannot be read.",
     )
     what = p.add_subparsers(dest="what", metavar="node|pod|mirror", required=True)
     node = what.add_parser("node", help="every GPU of a node")

@@ -21,7 +21,7 @@ Used memory comes from the agent only; when it is not reachable the report says 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..admission.config import GATE_CONTAINER
@@ -565,13 +565,13 @@ def pod_report(pod: Mapping[str, Any], node: Mapping[str, Any] | None,
                          condition_type=condition_type, all_gpus=False, beat=beat,
                          title=f"pod {meta.get('namespace') or 'default'}/{meta.get('name')}")
     phase = finished(pod)
-    if phase:
-        return Report(title=report.title, node=node_name, agent=agent, notes=(
+    if phase:  # the node's label, condition and heartbeat still tell of the node
+        return replace(report, gpus=(), unplaced=(), notes=(
             *report.notes, f"the pod has finished (phase {phase}): it holds no GPU memory "
             "(the node agent drops finished pods)"))
     if not report.rows:
-        return Report(title=report.title, node=node_name, agent=agent,
-                      notes=(*report.notes, "the pod requests no GPU fraction"))
+        return replace(report, gpus=(),
+                       notes=(*report.notes, "the pod requests no GPU fraction"))
     return report
 
 

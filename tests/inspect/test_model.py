@@ -276,6 +276,20 @@ def test_a_finished_pod_is_not_shown_nor_counted(phase):
                                 "(the node agent drops finished pods)")
 
 
+def test_a_finished_pods_report_keeps_its_nodes_label_condition_and_heartbeat():
+    """The report of a finished pod was rebuilt with the node's label, condition and the
+    agent's heartbeat dropped."""
+    from kai_fractions.inspect.model import Heartbeat
+
+    done = gate_status(bind(memory_pod("done", UID_B, "16Gi"), (GPU0,)), exit_code=0)
+    done["status"]["phase"] = "Succeeded"
+    beat = Heartbeat(12.0, "lease kai-fractions/x")
+    report = pod_report(done, node(), None, beat=beat)
+    assert (report.gpu_memory_label, report.condition[:2], report.heartbeat) == (
+        "40960", ("gpu-fractioning.nvidia.com/Ready", "True"), beat)
+    assert (report.gpus, report.unplaced) == ((), ())
+
+
 def _applied_then_edited(annotations: dict[str, str], change: str = "") -> tuple[dict, AgentState]:
     """A pod applied at 8Gi / 16Gi on GPU0, using 6 GiB, whose annotations were then edited
     (`annotations`); the agent keeps its plan, with the refusal `change` (or none)."""
