@@ -195,7 +195,8 @@ def test_inspect_pod_with_metrics_only(demo, capsys):
 
 
 def test_inspect_mirror_against_the_demo(demo, capsys):
-    code, out = _inspect(capsys, "mirror", demo.endpoints_found["mirror-metrics"], "-o", "json")
+    code, out = _inspect(capsys, "mirror", demo.endpoints_found["mirror-metrics"], "-o", "json",
+                         "--window", "0")  # one reading: no wait
     assert code == 0
     data = json.loads(out)
     [mirror] = data["replicas"]

@@ -101,7 +101,7 @@ def bind(kube, name: str) -> None:
 
 def inspected(capsys, ports: dict[str, int]) -> tuple[int, dict]:
     """`kai-fractions inspect mirror` on both replicas' metrics, as JSON."""
-    code = main(["inspect", "mirror", "-o", "json",
+    code = main(["inspect", "mirror", "-o", "json", "--window", "0",  # one reading: no wait
                  *(f"127.0.0.1:{ports[identity]}" for identity in sorted(ports))])
     return code, json.loads(capsys.readouterr().out)
 
