@@ -19,6 +19,7 @@ from kai_fractions.node.agent.options import AgentOptions
 from kai_fractions.node.config import NodeConfig
 from kai_fractions.sim.cgroups import FakeCgroupFs
 from kai_fractions.sim.nvml import FakeNvml
+from tests.agent.builders import binder_annotations, pod, wait_for
 from tests.support.kube import KubeServer
 
 from .proxy import FaultProxy
@@ -115,3 +116,15 @@ def agent_over_proxy(kube: KubeServer, tmp: Path, **options: Any) -> Iterator[Ag
         cluster.close()
         proxy.close()
         api_client.close()
+
+
+def first_daemon_then_sm_pod(daemon: Any, cluster: Any, markers: Path, gpu: str
+                             ) -> tuple[int, str]:
+    """Waits for the agent's first MPS daemon, then adds an sm-sharing pod on `gpu` and waits
+    for its marker: (the daemon's pid, the pod's uid)."""
+    wait_for(lambda: daemon.pid() is not None, timeout=20, what="the first daemon")
+    first = daemon.pid()
+    uid = cluster.add_pod(pod("sm", node="node-a", notes=binder_annotations(
+        devices=gpu, mode="sm-sharing", request="8Gi", limit="20Gi")))["metadata"]["uid"]
+    wait_for((markers / uid / "marker.json").exists, timeout=30, what="the marker")
+    return first, uid

@@ -22,7 +22,7 @@ from kai_fractions.node.mps.daemon import ProcDaemonProcesses
 from kai_fractions.node.mps.runner import CommandResult
 from kai_fractions.node.nvml import PynvmlNvml
 from kai_fractions.sim.cgroups import FakeCgroupFs
-from tests.agent.builders import binder_annotations, pod, wait_for
+from tests.faults.agent_rig import first_daemon_then_sm_pod
 from tests.support import tools
 from tests.support.fake_kube import FakeCluster
 from tests.support.mps import mps_command
@@ -88,12 +88,7 @@ def test_daemon_killed_before_the_pinned_limit_is_set(fake_nvml, short_tmp: Path
     store.write = marker_written
     agent.start()
     try:
-        wait_for(lambda: daemon.pid() is not None, timeout=20, what="the first daemon")
-        first = daemon.pid()
-        uid = cluster.add_pod(pod("sm", node="node-a", notes=binder_annotations(
-            devices=GPU, mode="sm-sharing", request="8Gi", limit="20Gi")))["metadata"]["uid"]
-        marker = short_tmp / "markers" / uid / "marker.json"
-        wait_for(marker.exists, timeout=30, what="the marker")
+        first, uid = first_daemon_then_sm_pod(daemon, cluster, short_tmp / "markers", GPU)
         second = daemon.pid()
     finally:
         agent.stop(timeout=20)

@@ -23,7 +23,8 @@ from kai_fractions.node.mps import MpsDaemon, SubprocessRunner
 from kai_fractions.node.mps.runner import CommandResult, CommandTimeout
 from kai_fractions.node.nvml import PynvmlNvml
 from kai_fractions.sim.cgroups import FakeCgroupFs
-from tests.agent.builders import binder_annotations, pod, wait_for
+from tests.agent.builders import wait_for
+from tests.faults.agent_rig import first_daemon_then_sm_pod
 from tests.support import tools
 from tests.support.fake_kube import FakeCluster
 from tests.support.mps import mps_command
@@ -83,12 +84,7 @@ def test_a_restart_that_answers_late_gets_the_pods_settings_back(fake_nvml, shor
         mps=daemon)
     agent.start()
     try:
-        wait_for(lambda: daemon.pid() is not None, timeout=20, what="the first daemon")
-        first = daemon.pid()
-        uid = cluster.add_pod(pod("sm", node="node-a", notes=binder_annotations(
-            devices=GPU, mode="sm-sharing", request="8Gi", limit="20Gi")))["metadata"]["uid"]
-        wait_for((short_tmp / "markers" / uid / "marker.json").exists, timeout=30,
-                 what="the marker")
+        first, _ = first_daemon_then_sm_pod(daemon, cluster, short_tmp / "markers", GPU)
         assert _pinned(daemon, logs) == "20G"
         runner.armed = True
         os.kill(first, signal.SIGKILL)
