@@ -11,7 +11,7 @@
 - `kubelet`: the pod statuses, the real gate loop, simulated GPU processes and their
   allocations (refused by a hard tier the agent reports in force, or a full GPU, as CUDA
   would be);
-- `tiers`: which memory tier holds each row's cap, and the table with that column;
-- `scenario`: the story, printed with the `inspect` report;
+- `scenario`: the story, printed with the `inspect` report (its TIER column: which memory tier
+  holds each row's cap);
 - `first_call`: `--keep`'s Pending pod and the commands for a first MirrorAllocation on it.
 """

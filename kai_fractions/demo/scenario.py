@@ -33,8 +33,8 @@ from ..contract import (
     view_from_pod_spec,
 )
 from ..contract import keys as k
-from ..inspect.model import ENFORCED, Report, node_report
-from ..inspect.render import mib
+from ..inspect.model import ENFORCED, Report, Row, node_report
+from ..inspect.render import mib, table
 from ..inspect.sources import agent_from_socket, agent_state
 from ..sim.nvml import GpuOutOfMemory
 from .admission_step import USER, admission_config, admit
@@ -43,7 +43,6 @@ from .first_call import manifest as first_call_manifest
 from .kubelet import CapHeld, GateResult, SimulatedKubelet
 from .scheduler import Ask, GpuSlot, Placer, allocation, idempotency_key, request_mib
 from .session import DemoSession, gpu_summary
-from .tiers import TierKey, agent_mechanisms, row_tier, strongest, table
 from .workloads import DemoPod, forged_gpu_pod, load_examples
 
 WAIT_SECONDS = 15.0
@@ -63,10 +62,6 @@ class DemoFailure(Exception):
 @dataclass
 class Outcome:
     report: Report | None = None
-    mechanisms: dict[TierKey, frozenset[str]] = field(default_factory=dict)
-    """What the agent reports in force per container and GPU (GetNodeState)."""
-    tiers: dict[TierKey, str] = field(default_factory=dict)
-    """The strongest of them: the TIER column."""
     over_cap_title: str = NOTHING
     unscheduled: dict[str, str] = field(default_factory=dict)
     gates: dict[str, GateResult] = field(default_factory=dict)
@@ -83,6 +78,14 @@ def _wait(what: str, probe: Callable[[], Any], timeout: float = WAIT_SECONDS) ->
         if time.monotonic() >= deadline:
             raise DemoFailure(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(POLL_SECONDS)
+
+
+def _held_by(report: Report, row: Row) -> frozenset[str]:
+    """How the agent reports the row's memory cap in force on its GPU (GetNodeState's applied
+    limits, which its TIER shows the strongest of): what the simulated driver and MPS client
+    refuse an allocation by."""
+    found = report.agent.allocation(row.namespace, row.pod, row.container) if report.agent else None
+    return found.mechanisms.get(row.gpu_uuid, frozenset()) if found is not None else frozenset()
 
 
 def _share(pod: Mapping[str, Any], session: DemoSession) -> ContainerShare | None:
@@ -279,9 +282,8 @@ class Scenario:
         using = victim.used_bytes or 0
         extra = victim.limit_bytes - using + OVER_CAP_MIB * MIB
         gpu_index = next(g.index for g in report.gpus if g.uuid == victim.gpu_uuid)
-        tier = row_tier(victim, self.outcome.tiers)
-        key = (victim.namespace, victim.pod, victim.container, victim.gpu_uuid)
-        held_by = self.outcome.mechanisms.get(key, frozenset())
+        tier = victim.tier
+        held_by = _held_by(report, victim)
         asked = (f"{victim.ref} on GPU {gpu_index} (tier {tier}): its process (pid {pid}) asks "
                  f"for {mib(extra)} more, which would take it to {mib(using + extra)}, over its "
                  f"cap of {mib(victim.limit_bytes)}")
@@ -382,8 +384,6 @@ class Scenario:
         _wait(f"the node agent's {k.NODE_CONDITION} condition on node {self.node}",
               self._condition_published)
         report = self.outcome.report = self.report()
-        mechanisms = self.outcome.mechanisms = agent_mechanisms(str(s.endpoints.agent_socket))
-        self.outcome.tiers = {key: strongest(names) for key, names in mechanisms.items()}
         self.print_report(report)
         self.outcome.violation = self.violate(report)
         # The extra memory is freed: leave the node as the table shows it (for --keep).
@@ -399,7 +399,7 @@ class Scenario:
             f"kai-fractions demo: {len({r.ref for r in report.rows})} fractional containers from "
             f"{self.s.config.examples.name}/ on node {self.node} "
             f"({gpu_summary(self.s.nvml.gpus)}, simulated)\n\n")
-        self.out.write(table(report, self.outcome.tiers))
+        self.out.write(table(report))
         self.out.flush()
 
     def _section(self, title: str, lines: list[str]) -> None:
