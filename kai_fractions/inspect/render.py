@@ -19,9 +19,7 @@ import yaml
 from ..contract import MIB
 from .model import ENFORCED, Gpu, Report, Row
 
-HEADER = ("POD/CONTAINER", "MODE", "REQUEST", "LIMIT", "ATP", "USED", "STATE")
-COLUMNS = (*HEADER, "TIER")
-"""The table's: HEADER (`cells`) and the tier that holds each row's memory cap."""
+HEADER = ("POD/CONTAINER", "MODE", "REQUEST", "LIMIT", "ATP", "USED", "STATE", "TIER")
 OUTPUTS = ("table", "json", "yaml")
 
 
@@ -48,11 +46,8 @@ def state_text(row: Row) -> str:
 def cells(row: Row) -> tuple[str, ...]:
     return (row.ref, row.mode or "-", _request(row), mib(row.limit_bytes),
             "-" if row.active_thread_percentage is None else f"{row.active_thread_percentage}%",
-            mib(row.used_bytes) if row.used_bytes is not None else "n/a", state_text(row))
-
-
-def row_cells(row: Row) -> tuple[str, ...]:
-    return (*cells(row), row.tier)
+            mib(row.used_bytes) if row.used_bytes is not None else "n/a", state_text(row),
+            row.tier)
 
 
 def aligned(rows: Sequence[tuple[str, ...]], indent: str = "  ") -> list[str]:
@@ -115,13 +110,13 @@ def table(report: Report) -> str:
     for gpu in report.gpus:
         lines += ["", gpu_heading(gpu)]
         if gpu.rows:
-            lines += aligned([COLUMNS, *(row_cells(r) for r in gpu.rows)])
+            lines += aligned([HEADER, *(cells(r) for r in gpu.rows)])
             lines += reasons(gpu.rows)
         else:
             lines.append("  (no fractional allocations)")
     if report.unplaced:
         lines += ["", "not on a GPU:"]
-        lines += aligned([COLUMNS, *(row_cells(r) for r in report.unplaced)])
+        lines += aligned([HEADER, *(cells(r) for r in report.unplaced)])
         lines += reasons(report.unplaced)
     if not report.gpus and not report.unplaced:
         lines += ["", "(no fractional allocations)"]
