@@ -242,6 +242,10 @@ class SignalKiller:
         process, and nothing is signalled."""
         self._stops: dict[int, _Stop] = {}
 
+    @property
+    def in_progress(self) -> frozenset[int]:
+        return frozenset(self._stops)
+
     def terminate(self, pid: int, still_ours: Callable[[], bool]) -> str:
         if pid <= 1 or pid == os.getpid():
             return SKIPPED
