@@ -190,16 +190,25 @@ def _node_memory(allocation: AllocationInput, node_labels: NodeLabels, error) ->
     raw = labels.get(k.NODE_GPU_MEMORY_LABEL)
     if raw is None:
         return 0
-    try:
-        mib = parse_decimal(raw)
-    except NumberError:
-        mib = Fraction(0)
-    if mib <= 0 or mib > MAX_NODE_GPU_MEMORY_MIB:
+    mib = label_memory_mib(raw)
+    if mib is None:
         error("node_gpu_memory_mib", f"cannot be read from node {node}: its "
               f"{k.NODE_GPU_MEMORY_LABEL} label is not a positive number of MiB (at most "
               f"{MAX_NODE_GPU_MEMORY_MIB})", raw[:40])
         return 0
     return int(mib) if mib.denominator == 1 else float(mib)
+
+
+def label_memory_mib(raw: str | None) -> Fraction | None:
+    """The node's GPU memory label as a usable number of MiB (positive, at most
+    MAX_NODE_GPU_MEMORY_MIB); None when it is missing or is not one."""
+    if raw is None:
+        return None
+    try:
+        mib = parse_decimal(raw)
+    except NumberError:
+        return None
+    return mib if 0 < mib <= MAX_NODE_GPU_MEMORY_MIB else None
 
 
 def _node(allocation: AllocationInput, node_labels: NodeLabels, error

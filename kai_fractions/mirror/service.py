@@ -27,8 +27,6 @@ from ..contract import (
     ContainerPlan,
     Dialect,
     Keys,
-    NumberError,
-    parse_decimal,
 )
 from ..contract import keys as k
 from ..kube.retry import Backoff
@@ -41,9 +39,9 @@ from .compute import (
     release_patch,
 )
 from .decision import (
-    MAX_NODE_GPU_MEMORY_MIB,
     AllocationInput,
     check_idempotency_key,
+    label_memory_mib,
     node_to_read,
     resolve_decision,
 )
@@ -79,16 +77,6 @@ or a node recreated under its name with another GPU, reaches the calls this much
 NODE_LABELS_RETRY = 2.0
 """Seconds a node without a usable GPU memory label is reused by calls that need it."""
 NODES_KEPT = 20_000
-
-
-def _knows_gpu_memory(labels: Mapping[str, str]) -> bool:
-    """Whether the node's GPU memory label is a usable number of MiB (what resolve_decision
-    reads when the caller gives none)."""
-    raw = labels.get(k.NODE_GPU_MEMORY_LABEL)
-    try:
-        return raw is not None and 0 < parse_decimal(raw) <= MAX_NODE_GPU_MEMORY_MIB
-    except NumberError:
-        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,7 +317,8 @@ class MirrorService:
                      node, uid or "-", cached.uid or "-")
         if len(self._nodes) >= NODES_KEPT:
             self._nodes.clear()  # a cluster's node count is far below this; never unbounded
-        self._nodes[node] = _NodeEntry(now, uid, labels, _knows_gpu_memory(labels))
+        usable = label_memory_mib(labels.get(k.NODE_GPU_MEMORY_LABEL)) is not None
+        self._nodes[node] = _NodeEntry(now, uid, labels, usable)
         return labels
 
     async def _get(self, namespace: str, name: str, uid: str, deadline: Deadline
