@@ -47,7 +47,13 @@ _RESERVED_VOLUMES = frozenset({MARKER_VOLUME, PODINFO_VOLUME, MPS_VOLUME})
 HOST_PATH_EXEMPTION_HINT = (
     "to admit a trusted host agent without NvFractions keys, exempt its namespace: the label "
     "kai-fractions.io/webhook=disabled, or the chart's webhook.hostPathExemptNamespaces")
-"""Ends a host-path refusal: host-level agents (node exporters, GPU operator parts) mount `/`."""
+"""Ends a host-path refusal of a pod without NvFractions keys: host-level agents (node
+exporters, GPU operator parts) mount `/`."""
+HOST_PATH_NO_EXEMPTION_HINT = (
+    "no namespace exemption lifts this for a pod with NvFractions keys: mount a narrower host "
+    "directory, or run the host agent as a pod of its own without them")
+"""Ends a host-path refusal of a pod with NvFractions keys, which the exemptions never cover
+(its gate and limits depend on these directories)."""
 
 
 def _protected_changes(old: Mapping[str, str], new: Mapping[str, str], user: str,
@@ -121,11 +127,12 @@ def _guarded(config: AdmissionConfig) -> list[tuple[str, str, str]]:
          "the gate's marker directory and the MPS namespaces included"))]
 
 
-def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> list[Problem]:
+def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig,
+                        hint: str) -> list[Problem]:
     """No hostPath of any pod reaches the marker root, the MPS pipes, the agent's socket
     directory or the kubelet's pods directory (the directory, a parent or a child, however
     spelled), except the webhook's own reserved volumes, which must point exactly at theirs.
-    Each path is resolved once."""
+    Each path is resolved once; `hint` ends the denial (how, if at all, it can be lifted)."""
     reserved = {MARKER_VOLUME: config.marker_host_dir, MPS_VOLUME: config.mps_server_host_dir}
     guarded = _guarded(config)
     out: list[Problem] = []
@@ -149,7 +156,7 @@ def _host_path_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> lis
         # Host-level agents (node exporters, GPU operator parts) mount `/`, `/run` or `/proc`:
         # the denial says once, after the last such problem, how an admin lets trusted ones in.
         out += [Problem(f"{where}: {shown(path)} reaches {what}; {who}", exact(path),
-                        hint=HOST_PATH_EXEMPTION_HINT)
+                        hint=hint)
                 for canonical, what, who in guarded if hostpaths.related(resolved, canonical)]
     return out
 
@@ -198,31 +205,49 @@ def _mount_problems(spec: Mapping[str, Any], request: PodRequest,
     return [Problem(text) for text in out]
 
 
+def manifest_problems(spec: Mapping[str, Any], request: PodRequest,
+                      config: AdmissionConfig) -> list[Problem]:
+    """What a pod's spec may not ask for, as its user writes it (before the mutating webhook
+    wires it): host paths for every pod; for a pod that is fractional or carries the gate or a
+    reserved volume, any way past its containers (`isolation`); the reserved volumes' mounts;
+    and a fractional container may not take the gate's name. `kai-fractions validate` reports
+    these offline, from the same rules."""
+    keyed = any(_is_nvfractions_key(key, config.keys) for key in request.pod.annotations)
+    out = _host_path_problems(
+        spec, config, HOST_PATH_NO_EXEMPTION_HINT if keyed else HOST_PATH_EXEMPTION_HINT)
+    # str(): a name of the wrong shape (a list) is no reserved name, and must not raise.
+    carries_reserved = any(isinstance(v, Mapping) and str(v.get("name")) in _RESERVED_VOLUMES
+                           for v in spec.get("volumes") or [])
+    if (request.share is not None or request.errors or _carries_gate(spec)
+            or carries_reserved):
+        out += isolation.isolation_problems(spec)
+    out += _mount_problems(spec, request, config)
+    if request.share is not None and (reserved := wiring.gate_name_problem(request.share)):
+        out.append(reserved)
+    return out
+
+
+def _carries_gate(spec: Mapping[str, Any]) -> bool:
+    return any(c.get("name") == GATE_CONTAINER for f, _, c in _containers(spec)
+               if f == "initContainers")
+
+
 def _spec_problems(obj: Any, request: PodRequest | None,
                    config: AdmissionConfig) -> list[Problem]:
-    """Everything wrong with the pod's spec: host paths for every pod; mounts, the gate, the
-    other containers' GPU env and any way past its containers (`isolation`) for a pod that is
-    fractional or carries the gate or a reserved volume."""
+    """Everything wrong with the pod's spec: what its user may not ask for
+    (`manifest_problems`), and for a pod the mutating webhook wired, or one that carries the
+    gate, the gate exactly as injected and the other containers' GPU env."""
     spec = obj.get("spec") if isinstance(obj, Mapping) else None
     if not isinstance(spec, Mapping) or request is None:
         return []
-    out = _host_path_problems(spec, config)
-    carries_gate = any(c.get("name") == GATE_CONTAINER for f, _, c in _containers(spec)
-                       if f == "initContainers")
-    carries_reserved = any(isinstance(v, Mapping) and v.get("name") in _RESERVED_VOLUMES
-                           for v in spec.get("volumes") or [])
+    out = manifest_problems(spec, request, config)
     # A pod that breaks the contract is refused for that (and by the node agent); the mutating
     # webhook did not wire it, so its gate and env would only repeat the refusal.
     wired = request.share is not None and not request.errors
-    if wired or carries_gate:
+    if wired or _carries_gate(spec):
         out = wiring.gate_problems(spec, config) + out
-    if request.share is not None or request.errors or carries_gate or carries_reserved:
-        out += isolation.isolation_problems(spec)
-    out += _mount_problems(spec, request, config)
     if wired and request.share is not None:
         out += wiring.env_problems(spec, request.share)
-    if request.share is not None and (reserved := wiring.gate_name_problem(request.share)):
-        out.append(reserved)
     return out
 
 

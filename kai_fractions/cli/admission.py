@@ -6,6 +6,7 @@ Heavy imports stay inside `run`: the CLI imports every command module to build i
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Any
 
 from ..admission.config import (
     DEFAULT_AGENT_SOCKET_HOST_DIR,
@@ -15,6 +16,9 @@ from ..admission.config import (
     DEFAULT_MPS_PIPE_HOST_DIR,
 )
 from . import add_log_level, setup_logging
+
+if TYPE_CHECKING:
+    from ..admission.config import AdmissionConfig
 
 
 def register(sub) -> None:
@@ -33,6 +37,20 @@ def register(sub) -> None:
                    "default: " + ", ".join(DEFAULT_ALLOWED_IDENTITIES) + ")")
     p.add_argument("--gate-image", required=True, metavar="IMAGE",
                    help="image of the gate init container (has `kai-fractions` on its PATH)")
+    add_host_dirs(p)
+    p.add_argument("--annotation-prefix", default=None, metavar="P",
+                   help="per-container key prefix (default: nvidia.com/container.)")
+    p.add_argument("--runtime-class", default="", metavar="NAME",
+                   help="the RuntimeClass of the NVIDIA runtime, given to fractional pods that "
+                   "name none: their container reaches its GPU through that runtime (default: "
+                   "none, the node's default runtime)")
+    add_log_level(p)
+    p.set_defaults(func=run)
+
+
+def add_host_dirs(p: argparse.ArgumentParser) -> None:
+    """The host directories no pod's hostPath may reach, as the webhook is configured (the
+    chart's `hostPaths` and `webhook.kubeletRootDir`); `kai-fractions validate` takes them too."""
     p.add_argument("--marker-host-dir", default=DEFAULT_MARKER_HOST_DIR, metavar="DIR",
                    help="the node agent's marker root on the host (default: %(default)s)")
     p.add_argument("--mps-pipe-host-dir", default=DEFAULT_MPS_PIPE_HOST_DIR, metavar="DIR",
@@ -44,14 +62,28 @@ def register(sub) -> None:
                    help="the kubelet's --root-dir on the nodes; no pod's hostPath may reach it "
                    "(the kubelet bind-mounts the gate's marker directory and the MPS namespaces "
                    "under it) (default: %(default)s)")
-    p.add_argument("--annotation-prefix", default=None, metavar="P",
-                   help="per-container key prefix (default: nvidia.com/container.)")
-    p.add_argument("--runtime-class", default="", metavar="NAME",
-                   help="the RuntimeClass of the NVIDIA runtime, given to fractional pods that "
-                   "name none: their container reaches its GPU through that runtime (default: "
-                   "none, the node's default runtime)")
-    add_log_level(p)
-    p.set_defaults(func=run)
+
+
+_FLAGS = {"marker_host_dir": "--marker-host-dir", "mps_pipe_host_dir": "--mps-pipe-host-dir",
+          "agent_socket_host_dir": "--agent-socket-dir", "kubelet_root_dir": "--kubelet-root-dir",
+          "gate_image": "--gate-image", "runtime_class": "--runtime-class",
+          "allowed_identities": "--allowed-identity"}
+"""The flag that sets each `AdmissionConfig` field, for its errors."""
+
+
+def admission_config(args: argparse.Namespace, **fields: Any) -> AdmissionConfig:
+    """`AdmissionConfig` from `fields` and the flags of `add_host_dirs`; a ValueError names the
+    flag at fault, as a user typed it."""
+    from ..admission.config import AdmissionConfig
+
+    try:
+        return AdmissionConfig(
+            marker_host_dir=args.marker_host_dir, mps_pipe_host_dir=args.mps_pipe_host_dir,
+            agent_socket_host_dir=args.agent_socket_dir, kubelet_root_dir=args.kubelet_root_dir,
+            **fields)
+    except ValueError as e:
+        field, said, rule = str(e).partition(": ")
+        raise ValueError(f"{_FLAGS.get(field, field)}: {rule}" if said else str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,7 +92,6 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import threading
 
-    from ..admission.config import AdmissionConfig
     from ..admission.server import make_server
     from ..admission.tls import ReloadingContext, TLSError
     from ..contract import DEFAULT_KEYS, Keys
@@ -68,12 +99,10 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args)
     try:
         keys = Keys(prefix=args.annotation_prefix) if args.annotation_prefix else DEFAULT_KEYS
-        config = AdmissionConfig(
-            gate_image=args.gate_image, keys=keys,
+        config = admission_config(
+            args, gate_image=args.gate_image, keys=keys,
             allowed_identities=tuple(args.allowed_identity or DEFAULT_ALLOWED_IDENTITIES),
-            marker_host_dir=args.marker_host_dir, mps_pipe_host_dir=args.mps_pipe_host_dir,
-            agent_socket_host_dir=args.agent_socket_dir,
-            kubelet_root_dir=args.kubelet_root_dir, runtime_class=args.runtime_class)
+            runtime_class=args.runtime_class)
         tls = ReloadingContext(args.tls_cert, args.tls_key)
         server = make_server(args.listen, config, tls)
     except (ValueError, TLSError, OSError) as e:

@@ -10,14 +10,14 @@ too); no pod-bearing object at all is a usage error (`NothingToCheck`).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from ..contract import ManifestError, PodView, pod_views
+from ..contract import ManifestError, PodView, pod_specs
 
 
 class InputError(Exception):
@@ -34,6 +34,10 @@ class Located:
     file: str
     line: int
     """1-based: where the object's YAML document starts."""
+    spec: Mapping[str, Any] = field(default_factory=dict)
+    """The pod's (or template's) raw spec, for the checks that read more than the contract."""
+    spec_path: str = "spec"
+    """Where that spec is in the object: `spec`, `spec.template.spec`, ..."""
 
     @property
     def where(self) -> str:
@@ -149,10 +153,10 @@ def load_manifests(paths: list[str]) -> Manifests:
             kind = str(doc.get("kind") or "object")
             here.add(kind)
             try:
-                views = list(pod_views(doc))
+                views = list(pod_specs(doc))
             except ManifestError as e:
                 raise InputError(f"{source.name}:{line}: {kind}: {e}") from None
-            out.views += [Located(v, source.name, line) for v in views]
+            out.views += [Located(v.view, source.name, line, v.spec, v.path) for v in views]
             found += len(views)
         kinds |= here
         if not found and source.named:

@@ -1,8 +1,9 @@
-"""`kai-fractions validate -f FILE`: check manifests against the NvFractions contract, and for
-the protected keys the validating webhook refuses from users.
+"""`kai-fractions validate -f FILE`: check manifests against the NvFractions contract, for the
+protected keys the validating webhook refuses from users, and for what else it refuses in a
+pod's spec (`admission.validate.manifest_problems`: host paths, ways past the containers).
 
 Each error is one line, `<file>:<line>: <object>/<container>: <key>: <rule>`, the line being
-where the object's YAML document starts."""
+where the object's YAML document starts; a spec problem names its field instead of a key."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import argparse
 import json
 import sys
 
+from ..admission.config import AdmissionConfig
 from ..contract import (
     DEFAULT_KEYS,
     ContractError,
@@ -18,13 +20,16 @@ from ..contract import (
     PodView,
     parse_pod,
 )
-from .manifests import InputError, load_manifests
+from .admission import add_host_dirs, admission_config
+from .manifests import InputError, Located, load_manifests
 
 # The validating webhook's reasons (kai_fractions/admission/validate.py), for a user's manifest.
 PROTECTED_IN_POD = ("is a protected key: only KAI's binder and the kai-fractions mirror and node "
                     "agent may create it; the validating webhook refuses it from anyone else")
 PROTECTED_IN_TEMPLATE = ("a pod template may not carry a protected key; the binder writes it on "
                          "each pod after scheduling")
+OFFLINE_GATE_IMAGE = "unused-offline"
+"""`AdmissionConfig` names the gate's image; the checks of a user's manifest never read it."""
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -42,13 +47,16 @@ def register(sub) -> None:
         "CronJob, ...) against the NvFractions annotation contract, and for protected keys "
         "(binder-owned, kai-fractions.io derived, the mirror's record), which the validating "
         "webhook refuses from users (a Pod read back from the cluster, with a metadata.uid, "
-        "may carry them); each error names its "
-        "file:line, object, container and key. A file given by name with none of those kinds "
-        "is a warning; no such object anywhere is a usage error. Exit 0 when all are valid, "
+        "may carry them), and for what else that webhook refuses in a pod's spec (a hostPath "
+        "reaching kai-fractions' or the kubelet's directories; in a fractional pod privileged, "
+        "hostPID and other ways past its containers). Each error names its file:line, object, "
+        "container and key (or field). A file given by name with none of those kinds is a "
+        "warning; no such object anywhere is a usage error. Exit 0 when all are valid, "
         "1 when any breaks the contract, 2 on usage errors, unreadable input or nothing to "
         "check.",
     )
     add_common(p)
+    add_host_dirs(p)
     p.set_defaults(func=run)
 
 
@@ -86,11 +94,31 @@ def protected_key_errors(view: PodView, request: PodRequest, keys: Keys) -> list
     return out
 
 
+def spec_errors(located: Located, request: PodRequest,
+                config: AdmissionConfig) -> list[ContractError]:
+    """What the validating webhook would refuse in the pod's spec, each problem as an error
+    keyed by its field (its path in the object: a template's is `spec.template.spec...`), a
+    hint said once, after the last problem that has it, as in the webhook's denial."""
+    from ..admission.validate import manifest_problems  # only `validate` pays for it
+
+    problems = manifest_problems(located.spec, request, config)
+    last = {p.hint: i for i, p in enumerate(problems) if p.hint}
+    out = []
+    for i, problem in enumerate(problems):
+        text = str(problem) + (f" ({problem.hint})" if last.get(problem.hint) == i else "")
+        field, _, rule = text.partition(": ")
+        if field == "spec" or field.startswith("spec."):
+            field = located.spec_path + field[len("spec"):]
+        out.append(ContractError(field, rule))
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         keys = keys_from(args)
+        config = admission_config(args, gate_image=OFFLINE_GATE_IMAGE, keys=keys)
         loaded = load_manifests(args.filename)
-    except InputError as e:
+    except (InputError, ValueError) as e:  # ValueError: a host directory flag
         print(f"kai-fractions validate: {e}", file=sys.stderr)
         return 2
     for warning in loaded.warnings:
@@ -98,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for located in loaded.views:
         request = parse_pod(located.view, keys)
-        errors = (*request.errors, *protected_key_errors(located.view, request, keys))
+        errors = (*request.errors, *protected_key_errors(located.view, request, keys),
+                  *spec_errors(located, request, config))
         results.append((located, request, errors))
     invalid = [r for _, r, errors in results if errors]
     if args.output == "json":

@@ -22,7 +22,15 @@ from .plan import (
     plan_pod,
     pod_identity,
 )
-from .pod import ContainerView, ManifestError, PodView, pod_views, view_from_pod_spec
+from .pod import (
+    ContainerView,
+    ManifestError,
+    PodSpecAt,
+    PodView,
+    pod_specs,
+    pod_views,
+    view_from_pod_spec,
+)
 from .quantity import MIB, QuantityError, memory_bytes, mib_ceil, parse_quantity
 from .request import ComputeMode, ContainerShare, PodRequest, parse_pod
 
@@ -46,6 +54,7 @@ __all__ = [
     "ManifestError",
     "NumberError",
     "PodRequest",
+    "PodSpecAt",
     "PodView",
     "QuantityError",
     "active_thread_percentage",
@@ -66,6 +75,7 @@ __all__ = [
     "plan_container",
     "plan_pod",
     "pod_identity",
+    "pod_specs",
     "pod_views",
     "view_from_pod_spec",
 ]

@@ -199,7 +199,18 @@ def _template(obj: Mapping[str, Any]) -> tuple[Mapping[str, Any] | None, str]:
     return _mapping(spec.get("template"), f"{path}.template"), f"{path}.template"
 
 
-def pod_views(obj: Mapping[str, Any]) -> Iterator[PodView]:
+@dataclass(frozen=True, slots=True)
+class PodSpecAt:
+    """A pod (or pod template) of a manifest object: its view, its raw spec, and the field
+    path of that spec in the object (`spec`, `spec.template.spec`, ...), for the checks that
+    read more of a spec than the contract does (the validating webhook's, offline)."""
+
+    view: PodView
+    spec: Mapping[str, Any]
+    path: str
+
+
+def pod_specs(obj: Mapping[str, Any]) -> Iterator[PodSpecAt]:
     """Every pod (or pod template) in a manifest object; nothing for kinds without pods.
     Raises ManifestError naming the field when the object has the wrong shape."""
     if not isinstance(obj, Mapping):
@@ -208,10 +219,11 @@ def pod_views(obj: Mapping[str, Any]) -> Iterator[PodView]:
     metadata = _mapping(obj.get("metadata"), "metadata")
     if kind == "List":
         for item in _items(obj.get("items"), "items"):
-            yield from pod_views(item)
+            yield from pod_specs(item)
         return
     if kind == "Pod":
-        yield view_from_pod_spec(metadata, _mapping(obj.get("spec"), "spec"))
+        spec = _mapping(obj.get("spec"), "spec")
+        yield PodSpecAt(view_from_pod_spec(metadata, spec), spec, "spec")
         return
     template, path = _template(obj)
     if template is None:
@@ -221,7 +233,13 @@ def pod_views(obj: Mapping[str, Any]) -> Iterator[PodView]:
         template_meta = {**_mapping(template.get("metadata"), "metadata"),
                          "name": metadata.get("name", "")}
         spec = _mapping(template.get("spec"), "spec")
-        yield view_from_pod_spec(template_meta, spec, kind=kind or "Object",
-                                 namespace=str(metadata.get("namespace") or ""))
+        view = view_from_pod_spec(template_meta, spec, kind=kind or "Object",
+                                  namespace=str(metadata.get("namespace") or ""))
     except ManifestError as e:
         raise ManifestError(f"{path}.{e}") from None
+    yield PodSpecAt(view, spec, f"{path}.spec")
+
+
+def pod_views(obj: Mapping[str, Any]) -> Iterator[PodView]:
+    """The view of every pod (or pod template) in a manifest object (`pod_specs`)."""
+    return (found.view for found in pod_specs(obj))

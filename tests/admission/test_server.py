@@ -312,5 +312,5 @@ def test_the_cli_refuses_a_runtime_class_that_cannot_be_one(tls_dir: Path, capsy
                  "--tls-key", str(tls_dir / "tls.key"), "--gate-image", GATE_IMAGE,
                  "--runtime-class", "NVIDIA runtime"]) == 2
     assert capsys.readouterr().err == (
-        "kai-fractions admission: runtime_class: 'NVIDIA runtime' is not a RuntimeClass name "
-        "(lower-case letters, digits, '-' and '.')\n")
+        "kai-fractions admission: --runtime-class: 'NVIDIA runtime' is not a RuntimeClass "
+        "name (lower-case letters, digits, '-' and '.')\n")

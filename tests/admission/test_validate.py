@@ -522,3 +522,27 @@ def test_a_fractional_container_with_the_gates_name_is_refused_here_too() -> Non
     assert not d.allowed
     assert (f"{key}: names container 'kai-fractions-gate', the name of the init container the "
             "admission webhook injects (its gate)") in d.message
+
+
+def test_a_fractional_pods_host_path_refusal_names_no_exemption_that_cannot_apply() -> None:
+    """The namespace exemptions (chart: webhook.hostPathExemptNamespaces) lift the host-path
+    rule only for pods without NvFractions keys: a fractional pod's refusal says so, instead of
+    pointing at an exemption that would change nothing for it."""
+    obj = mutated(pod(TS))
+    obj["spec"]["volumes"].append({"name": "k", "hostPath": {"path": "/var/lib/kubelet"}})
+    d = validate(request(obj), CONFIG)
+    assert not d.allowed
+    assert "webhook.hostPathExemptNamespaces" not in d.message
+    assert d.message.endswith(
+        "(no namespace exemption lifts this for a pod with NvFractions keys: mount a narrower "
+        "host directory, or run the host agent as a pod of its own without them)")
+    # a KAI-dialect key counts too
+    kai = pod({"gpu-fraction": "0.5"}, volumes=[{"name": "r", "hostPath": {"path": "/run"}}])
+    assert "no namespace exemption lifts this" in validate(request(kai), CONFIG).message
+
+
+def test_a_volume_name_of_the_wrong_shape_is_no_reserved_name() -> None:
+    """A volume named by a list (the API server decodes no such pod, but the webhook must not
+    raise on one: a TypeError here was a 500 for the request) is simply not reserved."""
+    obj = pod({}, volumes=[{"name": []}, {"name": {"a": 1}}])
+    assert validate(request(obj), CONFIG).allowed
