@@ -214,23 +214,49 @@ class Verification:
         return not (self.skipped or self.errors or self.mismatches or self.unsigned)
 
 
-def binder_request(pod: PodSnapshot, keys: Keys) -> PodRequest:
-    """The pod's request as its user wrote it, what the binder wrote left out (raises
-    InvalidAllocation)."""
+def binder_request(pod: PodSnapshot, keys: Keys, decision: BindDecision) -> PodRequest:
+    """The pod's request as KAI's scheduler read it, what the binder wrote left out (raises
+    InvalidAllocation).
+
+    KAI reads a container's own request key before `gpu-fraction` and `gpu-memory`
+    (KAI-Scheduler pkg/common/resources/gpu_sharing.go, ParsePodGPUFractionRequest), and its
+    binder keeps a request it finds (pkg/binder/plugins/nvfractions/nv_fractions.go,
+    setNvFractionsMemoryAnnotation). So a request beside them is the binder's own only when
+    it is exactly what the binder writes from them for this decision; any other was on the pod
+    before the bind (its user's, or what a failed bind left), and it is what the scheduler
+    sized the pod by."""
     view = pod.view
     kept = {key: v for key, v in view.annotations.items() if not is_mirror_managed(key, keys)}
     share = parse_pod(replace(view, annotations=MappingProxyType(kept)), keys).share
     if share is not None:
         c = share.container
-        if kept.get(k.GPU_FRACTION) or kept.get(k.GPU_MEMORY):  # "" asks for nothing
-            kept.pop(keys.container(c, k.MEMORY_REQUEST), None)
         if (k.GPU_FRACTION_LIMIT in kept or k.GPU_MEMORY_LIMIT in kept
                 or keys.portion_limit(c) in kept):
             kept.pop(keys.container(c, k.MEMORY_LIMIT), None)
+        request_key = keys.container(c, k.MEMORY_REQUEST)
+        # A "" gpu-fraction or gpu-memory asks for nothing: KAI sizes by the request alone.
+        if (kept.get(k.GPU_FRACTION) or kept.get(k.GPU_MEMORY)) and request_key in kept:
+            without = {key: v for key, v in kept.items() if key != request_key}
+            if _binder_wrote(request_key, kept[request_key],
+                             parse_pod(replace(view, annotations=MappingProxyType(without)),
+                                       keys), decision, keys):
+                kept = without
     request = parse_pod(replace(view, annotations=MappingProxyType(kept)), keys)
     if request.errors:
         raise InvalidAllocation(request.errors)
     return request
+
+
+def _binder_wrote(key: str, value: str, request: PodRequest, decision: BindDecision,
+                  keys: Keys) -> bool:
+    """`value` of `key` is what the binder writes for `request` (the pod without it)."""
+    if request.errors:
+        return False
+    try:
+        written = binder_annotations(request, decision, keys)
+    except ContractViolation:
+        return False
+    return same_value(key, written.get(key), value, keys)
 
 
 def binder_expectation(request: PodRequest, decision: BindDecision, keys: Keys
@@ -383,8 +409,8 @@ class Follower:
             if share is not None else ""
         allocation = replace(allocation, cdi=written.startswith(k.CDI_DEVICE_PREFIX))
         try:
-            request = binder_request(pod, self.keys)
-            expected = binder_expectation(request, await self._decision(allocation, deadline),
+            decision = await self._decision(allocation, deadline)
+            expected = binder_expectation(binder_request(pod, self.keys, decision), decision,
                                           self.keys)
         except InvalidAllocation as e:
             await self._report(pod, INVALID_REASON, f"cannot check the binder's annotations "

@@ -126,12 +126,47 @@ async def test_the_patched_dialect_expects_the_compute_portion(store):
         (f"{T}.gpu-compute.portion", "0.5", None)]
 
 
-async def test_a_binder_request_beside_gpu_fraction_is_checked_too(store):
+# Upstream KAI main reads a container's own request before gpu-fraction (KAI-Scheduler
+# pkg/common/resources/gpu_sharing.go, ParsePodGPUFractionRequest: "NvFractions request takes
+# priority"), sizes such a pod as ceil(MiB / (M - M % 100) * 100) / 100 (pkg/scheduler/api/
+# node_info/node_info.go, gpu_sharing_node_info.go) and its binder keeps the request it finds
+# (pkg/binder/plugins/nvfractions/nv_fractions.go, setNvFractionsMemoryAnnotation).
+
+
+async def test_a_request_beside_gpu_fraction_is_what_kai_sized_the_pod_by(store):
+    # The user wrote both: KAI's webhook accepts them, its scheduler sizes 10Gi on the
+    # 40960 MiB GPU as ceil(10240 / 40900 * 100) / 100 = 0.26, its binder keeps the 10Gi.
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND,
+                                  f"{T}.gpu-memory.request": "10Gi"}))
+    result = await verify(store, bind_request("br-1", "train-0", portion="0.26"))
+    assert (result.mismatches, result.errors, result.skipped) == ((), (), "")
+    assert result.complete and store.events == []
+
+
+async def test_a_rebind_after_a_failed_bind_checks_complete(store):
+    # A failed BindRequest's binder patch stays on the pod (the nvfractions plugin's Rollback
+    # undoes nothing): on the rebind the scheduler reads that 20Gi request, not gpu-fraction
+    # 0.5, and binds ceil(20480 / 40900 * 100) / 100 = 0.51; the binder keeps the 20Gi. Before,
+    # the follower took the request for the binder's and refused the bind as granting more
+    # than 0.5, so a signing cluster never started the pod.
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
+    result = await verify(store, bind_request("br-2", "train-0", portion="0.51"))
+    assert (result.mismatches, result.errors, result.skipped) == ((), (), "")
+    assert result.complete and store.events == []
+
+
+async def test_a_request_kai_could_not_have_bound_this_way_is_refused(store):
+    # 30000Mi beside gpu-fraction 0.5 is not what the binder writes for 0.5 (20Gi), so it was
+    # the pod's own, and KAI sizes it as 0.74, never 0.5: a portion short of it is refused.
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND,
                                   f"{T}.gpu-memory.request": "30000Mi"}))
     result = await verify(store, bind_request("br-1", "train-0"))
-    assert [(m.key, m.expected, m.actual) for m in result.mismatches] == [
-        (f"{T}.gpu-memory.request", "20Gi", "30000Mi")]
+    assert not result.complete and result.mismatches == ()
+    assert [(e.key, e.rule) for e in result.errors] == [(
+        "received_gpu.portion", "is too small for container 'trainer': its own request of "
+        "30000 MiB of GPU memory (the binder keeps it) needs at least 0.74 of a 40960 MiB GPU, "
+        "as KAI's scheduler sizes it")]
+    assert [e.reason for e in store.events] == ["NvFractionsInvalid"]
 
 
 # Pods as upstream KAI main's mutating webhook (KAI-Scheduler pkg/admission/webhook/v1alpha2/
