@@ -70,6 +70,9 @@ NAMESPACE_CAP_UNVERIFIED = "NamespaceCapUnverified"
 """An MPS namespace this engine created (again, e.g. after a daemon restart) had clients attached
 before its active-thread percentage could be verified in force: they may run uncapped for their
 lifetime, so its container stays pending until they exit."""
+NAMESPACE_CAP_NOT_SET = "NamespaceCapNotSet"
+"""An MPS namespace this engine made holds no active-thread percentage (its set failed) and could
+not be deleted either: a client attaching to it would run uncapped for its lifetime."""
 
 
 def is_our_namespace(name: str) -> bool:
@@ -103,6 +106,12 @@ class ContainerResult:
     exists, its own cgroup)."""
     container_limit_pending: bool = False
     """Its own cgroup is not there yet (or its ID is unknown); the pod slice carries the cap."""
+    mps_cap_missing: bool = False
+    """Its MPS namespace is known not to hold the plan's active-thread percentage in force: not
+    there (not made, or deleted because its percentage could not be set) or there without it
+    (set failed, or not verified: `Engine._fresh`, NamespaceCapUnverified). A client attaching
+    meanwhile may run uncapped, so no readiness marker may vouch for the container; other
+    pending reasons (NVML down, a busy daemon) say nothing of what is in force."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +192,16 @@ def _cap_unverified(name: str, pct: int, pids: list[int], said: str | None = Non
         "lifetime. The container stays pending until they have exited (restart the "
         "container's GPU processes, or recreate the pod); the cap is then set before anything "
         "attaches again"))
+
+
+def _cap_not_set(name: str, pct: int, set_error: NodeError, delete_error: NodeError
+                 ) -> MpsError:
+    return MpsError(NAMESPACE_CAP_NOT_SET, (
+        f"MPS namespace {name} was made but its active-thread percentage {pct} could not be set "
+        f"({set_error.reason}: {set_error.message}), and it could not be deleted either "
+        f"({delete_error.reason}: {delete_error.message}): a client attaching to it would run "
+        "without the cap for its lifetime. The container stays pending; the next pass sets the "
+        "percentage before anything attaches, or deletes the namespace"))
 
 
 def _namespace_busy(name: str, in_force: str, pct: int) -> MpsError:
@@ -376,6 +395,9 @@ class _Run:
         self.in_force: dict[ContainerKey, list[LimitTarget]] = {}
         self.leaf_pending: set[ContainerKey] = set()
         self.devices: dict[str, DeviceInfo] = {}
+        self.uncapped: set[str] = set()
+        """MPS namespaces this pass found not holding the plan's percentage, beyond the
+        unverified ones (`Engine._fresh`): see `ContainerResult.mps_cap_missing`."""
 
     def fail(self, keys: Iterable[ContainerKey], error: NodeError) -> None:
         for key in keys:
@@ -486,12 +508,14 @@ class _Run:
                 continue
             try:
                 mps.namespace_create(name, exist_ok=True)
-                self.created.append(name)
-                self.e._namespace_gone(name)
-                fresh.add(name)
-                self._set_fresh(mps, c, name, pct, set_now)
             except NodeError as e:
+                self.uncapped.add(name)  # not there: nothing in force
                 self.fail([c.key], e)
+                continue
+            self.created.append(name)
+            self.e._namespace_gone(name)
+            fresh.add(name)
+            self._set_fresh(mps, c, name, pct, set_now)
         clients: list[MpsClientLike] | None = None
         # Fresh namespaces of earlier passes: set again once nobody is attached, then verified by
         # the client list below.
@@ -508,10 +532,7 @@ class _Run:
                     name, pct = c.mps_namespace, c.active_thread_percentage
                     assert name is not None and pct is not None
                     if not _attached(clients, name):
-                        try:
-                            self._set_fresh(mps, c, name, pct, set_now)
-                        except NodeError as e:
-                            self.fail([c.key], e)
+                        self._set_fresh(mps, c, name, pct, set_now)
                 if len(set_now) > sets:
                     clients = None  # the verification needs a list read after the sets
         for c in wanted:
@@ -551,7 +572,7 @@ class _Run:
                 # resync, an agent restart), or takes it now, made again if clients that have
                 # left fixed another.
                 if (mps.namespace_get_active_thread_percentage(name) != float(pct)
-                        and self._set_or_remake(mps, name, pct)):
+                        and self._reset(mps, name, pct)):
                     clients = list(mps.client_list())  # read after the set
                     attached = _attached(clients, name)
                     if attached:  # they may have attached before the set
@@ -572,6 +593,7 @@ class _Run:
         it `fresh`, a client attached before its set)."""
         held = mps.namespace_get_active_thread_percentage(name)
         if held is None:
+            self.uncapped.add(name)
             self.fail([c.key], MpsError(NAMESPACE_CAP_UNVERIFIED, (
                 f"MPS namespace {name} has clients (pids {', '.join(map(str, attached))}) "
                 f"attached but holds no active-thread percentage, not the plan's {pct}: MPS "
@@ -586,16 +608,51 @@ class _Run:
 
     def _set_fresh(self, mps: MpsControlLike, c: ContainerDesired, name: str, pct: int,
                    set_now: set[str]) -> None:
-        """The percentage of a fresh namespace; a daemon refusing it because clients are
-        attached already means they may run uncapped."""
+        """The percentage of a fresh namespace nobody was seen attached to; a daemon refusing
+        it because clients are attached already means they may run uncapped."""
         try:
             self._set_or_remake(mps, name, pct)
-        except MpsError as e:
-            if e.reason != NAMESPACE_BUSY:
-                raise
-            self.fail([c.key], _cap_unverified(name, pct, [], said=e.message))
+        except NodeError as e:
+            self.fail([c.key], self._not_set(mps, name, pct, e))
             return
         set_now.add(name)
+
+    def _reset(self, mps: MpsControlLike, name: str, pct: int) -> bool:
+        """`_set_or_remake` for a namespace read back without the plan's percentage: until a
+        set succeeds, what a client attaching gets is not the plan's cap."""
+        self.uncapped.add(name)
+        remade = self._set_or_remake(mps, name, pct)
+        self.uncapped.discard(name)
+        return remade
+
+    def _not_set(self, mps: MpsControlLike, name: str, pct: int, error: NodeError
+                 ) -> NodeError:
+        """Why a fresh namespace's percentage is not in force, once the namespace is made safe.
+        The daemon refusing the set for clients attached: they attached first, uncapped. Any
+        other failure (a busy daemon, a timeout) leaves a namespace nobody is attached to yet
+        and that holds no percentage, which the first client to attach would fix as "no cap"
+        for its lifetime (MPS fixes it at the first attach): it is deleted now, and made again
+        by the next pass."""
+        if error.reason == NAMESPACE_BUSY:
+            error = _cap_unverified(name, pct, [], said=error.message)
+        self.uncapped.add(name)
+        if error.reason in (NAMESPACE_CAP_UNVERIFIED, NAMESPACE_CAP_NOT_SET) \
+                or name not in self.e._fresh:
+            return error  # clients attached, or already deleted (or undeletable) by the remake
+        return self._unmake(mps, name, pct, error)
+
+    def _unmake(self, mps: MpsControlLike, name: str, pct: int, error: NodeError
+                ) -> NodeError:
+        """Deletes `name`, which nobody is attached to and whose percentage could not be set
+        (`error`); the error to report. One that cannot be deleted stays fresh (the next pass
+        sets its percentage once nobody is attached) and `NamespaceCapNotSet`."""
+        try:
+            mps.namespace_delete(name, missing_ok=True)
+        except NodeError as e:
+            return _cap_not_set(name, pct, error, e)
+        self.deleted.append(name)
+        self.e._namespace_gone(name)
+        return error
 
     def _set_or_remake(self, mps: MpsControlLike, name: str, pct: int) -> bool:
         """Sets the percentage of `name`, which no client is attached to; True when the
@@ -623,10 +680,8 @@ class _Run:
         self.e._fresh.add(name)  # verified like every namespace made here
         try:
             mps.namespace_set_active_thread_percentage(name, pct)
-        except MpsError as e:
-            if e.reason != NAMESPACE_BUSY:
-                raise
-            raise _cap_unverified(name, pct, [], said=e.message) from None
+        except NodeError as e:
+            raise self._not_set(mps, name, pct, e) from None
         return True
 
     # cgroup limits -----------------------------------------------------------------------------
@@ -742,6 +797,10 @@ class _Run:
 
     # report ----------------------------------------------------------------------------------
 
+    def cap_missing(self, c: ContainerDesired) -> bool:
+        name = c.mps_namespace
+        return name is not None and (name in self.uncapped or name in self.e._fresh)
+
     def report(self) -> ApplyReport:
         results: dict[ContainerKey, ContainerResult] = {}
         for r in self.d.refusals:
@@ -759,7 +818,7 @@ class _Run:
             if error is not None:
                 results[c.key] = ContainerResult(state=ContainerState.PENDING,
                                                  reason=error.reason, message=error.message,
-                                                 **common)
+                                                 mps_cap_missing=self.cap_missing(c), **common)
             else:
                 results[c.key] = ContainerResult(state=ContainerState.APPLIED, **common)
         return ApplyReport(

@@ -537,12 +537,17 @@ def test_a_recreated_namespace_whose_cap_could_not_be_set_is_retried_before_anyo
     node.mps.start()
     node.mps.inject("namespace_set_active_thread_percentage",
                     MpsError("MpsDaemonBusy", "busy"))
-    r = node.apply(sm_pod()).containers[(UID_A, "main")]
-    assert (r.state, r.reason) == (ContainerState.PENDING, "MpsDaemonBusy")
+    report = node.apply(sm_pod())
+    r = report.containers[(UID_A, "main")]
+    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING, "MpsDaemonBusy",
+                                                      True)
+    # nobody attached yet: deleted at once, so nothing can attach to it without the cap
+    assert (report.namespaces_created, report.namespaces_deleted) == ((NS_A,), (NS_A,))
+    assert NS_A not in node.mps.namespaces
     n = len(node.mps.calls)
     assert node.apply(sm_pod()).containers[(UID_A, "main")].state is ContainerState.APPLIED
     assert [m for m, _ in node.mps.calls[n:] if "pinned" not in m] == [
-        "namespace_list", "client_list", "namespace_set_active_thread_percentage",
+        "namespace_list", "namespace_create", "namespace_set_active_thread_percentage",
         "client_list", "namespace_list"]
     assert node.mps.namespaces[NS_A].active_thread_percentage == 25
 

@@ -7,8 +7,10 @@ tidy. The rules, in the order they are checked:
   the pod with the reason; pending siblings are left out, applied ones listed);
 - anything pending writes nothing; a marker already there stays only if it is an `applied`
   marker whose digests are exactly the current plans' (the limits were in force when it was
-  written and a passing hiccup must not flap it); any other marker is removed, so a marker can
-  never claim limits that are not the current plan's;
+  written and a passing hiccup must not flap it) and no container's MPS namespace is known to
+  be without its active-thread percentage (`ContainerResult.mps_cap_missing`: after an MPS
+  daemon restart, a client attaching then may run uncapped); any other marker is removed (set
+  aside when it names a plan), so a marker can never claim limits that are not in force;
 - everything applied writes an `applied` marker with each container's plan digest.
 
 A marker of another boot of the host (or one without a boot ID, from an older agent) vouches
@@ -103,7 +105,7 @@ def decide(results: Mapping[str, ContainerResult], *, watchdog_stops: bool = Tru
                         for n, r in applied.items() if r.plan_digest})
         return MarkerDecision(write=entries)
     if len(applied) < len(results) or not results:
-        return MarkerDecision(keep_existing=True)
+        return MarkerDecision(keep_existing=not any(r.mps_cap_missing for r in results.values()))
     return MarkerDecision(write={n: ContainerMarker.applied(r.plan_digest or "",
                                                             _applied_message(r, watchdog_stops))
                                  for n, r in applied.items()})
@@ -117,8 +119,11 @@ def _written(names: Collection[str]) -> bool:
 
 def still_valid(existing: Marker, results: Mapping[str, ContainerResult]) -> bool:
     """An existing marker may stay while something is pending only if it is an applied
-    marker for exactly the current plans."""
+    marker for exactly the current plans, and no MPS namespace of the pod is known to lack its
+    percentage: a gate (a restarted sandbox's) would let a client attach to it uncapped."""
     if set(existing.containers) != set(results):
+        return False
+    if any(r.mps_cap_missing for r in results.values()):
         return False
     for name, entry in existing.containers.items():
         if entry.state is not MarkerState.APPLIED or entry.plan_digest != results[name].plan_digest:
