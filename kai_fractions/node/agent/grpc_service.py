@@ -26,7 +26,7 @@ from ...contract import ComputeMode
 from ...contract.errors import shown
 from ...contract.keys import is_container_name
 from ...contract.names import pod_ref_problems
-from ...marker import MarkerError, check_pod_uid
+from ..cgroups import CgroupLayout, QosClass
 from ..config import Mechanism
 from ..desired import ComputeEnforcement, ContainerDesired, ContainerKey, Refusal
 from ..engine import ContainerResult, ContainerState
@@ -135,16 +135,24 @@ def node_state(view: NodeView, node_name: str, condition: Condition | None,
     return out
 
 
+_POD_UID_RULE = CgroupLayout()
+"""Asked only whether a uid names a pod cgroup (`pod_path`): the cgroup code's rule for a pod
+UID, a UUID, which is stricter than the marker directory's."""
+
+
 def _valid_uid(context: grpc.ServicerContext, uid: str) -> str:
-    """`uid`, or the call ends with INVALID_ARGUMENT: it names the pod's marker directory."""
+    """`uid`, or the call ends with INVALID_ARGUMENT before anything is stored or written: it
+    names the pod's cgroup and marker directory. A uid no cgroup can be named by would be kept
+    provisioned, with a marker, yet never limited."""
     try:
-        return check_pod_uid(uid)
-    except MarkerError:
+        _POD_UID_RULE.pod_path(uid, QosClass.GUARANTEED)
+    except ValueError:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"pod.uid: must be the pod's metadata.uid (letters, digits and dashes, at "
-                      f"most 128), got {shown(uid)}: it names the pod's marker directory and "
-                      "cgroup")
+                      f"pod.uid: must be the pod's metadata.uid, a UUID (8-4-4-4-12 hexadecimal "
+                      f"digits), got {shown(uid)}: it names the pod's cgroup and marker "
+                      "directory")
         raise  # abort raises; this line is for readers and type checkers
+    return uid
 
 
 def _valid_names(context: grpc.ServicerContext, pod: allocation_pb2.PodRef) -> None:
