@@ -47,6 +47,24 @@ def as_scheduler_writes(fraction: Fraction) -> Fraction:
     return Fraction(format(float(fraction), ".2f"))
 
 
+def as_scheduler_sizes(request_bytes: int, node_gpu_memory_mib: float) -> Fraction | None:
+    """The portion KAI's scheduler puts in its BindRequest for a pod it sizes by a memory
+    request: the request's whole MiB over the node's GPU memory floored to a multiple of 100,
+    rounded UP to a hundredth in float64, then printed with two decimals (upstream's
+    pkg/scheduler/api/node_info/node_info.go, getNodeGpuMemory; gpu_sharing_node_info.go,
+    getGpuMemoryFractionalOnNode; pkg/scheduler/cache/cache.go, createBindRequest). None where
+    the label is not a whole number of MiB below 2^20 (KAI parses it as an integer, and reads
+    a larger one as bytes): no portion is then known to be KAI's."""
+    node = float(node_gpu_memory_mib)
+    if not (0 < node < 1 << 20) or node != int(node):
+        return None
+    floored = int(node) - int(node) % 100
+    if floored <= 0:
+        return None
+    return as_scheduler_writes(Fraction(math.ceil(float(request_bytes // MIB) / floored * 100)
+                                        / 100))
+
+
 def _check_decision(share: ContainerShare, d: BindDecision) -> list[ContractError]:
     errors = []
     if d.node_gpu_memory_mib <= 0:

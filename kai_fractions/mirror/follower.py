@@ -39,6 +39,7 @@ from typing import Any
 from ..contract import (
     DEFAULT_DIALECT,
     BindDecision,
+    ContainerShare,
     ContractError,
     ContractViolation,
     Dialect,
@@ -49,6 +50,7 @@ from ..contract import (
     plan_container,
 )
 from ..contract import keys as k
+from ..contract.binder import as_scheduler_sizes
 from ..contract.compare import same_value
 from ..kube.objects import epoch_seconds
 from ..kube.retry import NO_DEADLINE, Deadline
@@ -221,42 +223,33 @@ def binder_request(pod: PodSnapshot, keys: Keys, decision: BindDecision) -> PodR
     KAI reads a container's own request key before `gpu-fraction` and `gpu-memory`
     (KAI-Scheduler pkg/common/resources/gpu_sharing.go, ParsePodGPUFractionRequest), and its
     binder keeps a request it finds (pkg/binder/plugins/nvfractions/nv_fractions.go,
-    setNvFractionsMemoryAnnotation). So a request beside them is the binder's own only when
-    it is exactly what the binder writes from them for this decision; any other was on the pod
-    before the bind (its user's, or what a failed bind left), and it is what the scheduler
-    sized the pod by."""
+    setNvFractionsMemoryAnnotation). A request beside those keys is taken for one that was on
+    the pod before the bind (its user's, or what a failed bind left) only when the bind's
+    portion is exactly what the scheduler sizes that request as (`as_scheduler_sizes`): it
+    then decided by it. Any other is checked as the binder's."""
     view = pod.view
     kept = {key: v for key, v in view.annotations.items() if not is_mirror_managed(key, keys)}
     share = parse_pod(replace(view, annotations=MappingProxyType(kept)), keys).share
     if share is not None:
         c = share.container
+        # A "" gpu-fraction or gpu-memory asks for nothing: KAI sizes by the request alone.
+        if ((kept.get(k.GPU_FRACTION) or kept.get(k.GPU_MEMORY))
+                and not _sized_by_request(share, decision)):
+            kept.pop(keys.container(c, k.MEMORY_REQUEST), None)
         if (k.GPU_FRACTION_LIMIT in kept or k.GPU_MEMORY_LIMIT in kept
                 or keys.portion_limit(c) in kept):
             kept.pop(keys.container(c, k.MEMORY_LIMIT), None)
-        request_key = keys.container(c, k.MEMORY_REQUEST)
-        # A "" gpu-fraction or gpu-memory asks for nothing: KAI sizes by the request alone.
-        if (kept.get(k.GPU_FRACTION) or kept.get(k.GPU_MEMORY)) and request_key in kept:
-            without = {key: v for key, v in kept.items() if key != request_key}
-            if _binder_wrote(request_key, kept[request_key],
-                             parse_pod(replace(view, annotations=MappingProxyType(without)),
-                                       keys), decision, keys):
-                kept = without
     request = parse_pod(replace(view, annotations=MappingProxyType(kept)), keys)
     if request.errors:
         raise InvalidAllocation(request.errors)
     return request
 
 
-def _binder_wrote(key: str, value: str, request: PodRequest, decision: BindDecision,
-                  keys: Keys) -> bool:
-    """`value` of `key` is what the binder writes for `request` (the pod without it)."""
-    if request.errors:
-        return False
-    try:
-        written = binder_annotations(request, decision, keys)
-    except ContractViolation:
-        return False
-    return same_value(key, written.get(key), value, keys)
+def _sized_by_request(share: ContainerShare, decision: BindDecision) -> bool:
+    """The bind's portion is what KAI's scheduler sizes the share's own request as."""
+    return (share.request_bytes is not None and decision.received_portion is not None
+            and decision.received_portion == as_scheduler_sizes(
+                share.request_bytes, decision.node_gpu_memory_mib))
 
 
 def binder_expectation(request: PodRequest, decision: BindDecision, keys: Keys

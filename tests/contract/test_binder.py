@@ -16,6 +16,8 @@ from kai_fractions.contract import (
     parse_group_modes,
     parse_pod,
 )
+from kai_fractions.contract.binder import as_scheduler_sizes
+from kai_fractions.contract.quantity import MIB
 
 from .builders import GPU_A, GPU_B, bind, decision, patched, pod
 
@@ -473,3 +475,23 @@ def test_the_patched_dialects_portion_is_a_compute_share_not_held_to_the_memory(
 def test_a_portion_at_or_below_the_pods_gpu_fraction_is_accepted() -> None:
     assert written({"gpu-fraction": "0.1"}, decision(81559, portion="0.1"))[REQ] == "8155Mi"
     assert written({"gpu-fraction": "0.1"}, decision(81559, portion="0.05"))[REQ] == "4077Mi"
+
+
+@pytest.mark.parametrize(("request_mib", "label", "portion"), [
+    (10240, 40960, "0.26"),   # ceil(10240 / 40900 * 100) / 100: the label floored to 100s
+    (20480, 40960, "0.51"),   # a first bind's 20Gi, sized on a rebind
+    (46489, 81559, "0.58"),   # 46489 / 81500 = 0.5704...
+    (40900, 40960, "1.00"),
+    (1, 40960, "0.01"),
+])
+def test_as_scheduler_sizes_a_memory_request_as_kai_does(request_mib, label, portion) -> None:
+    # KAI-Scheduler pkg/scheduler/api/node_info/node_info.go (getNodeGpuMemory floors the
+    # label to a multiple of 100), gpu_sharing_node_info.go (getGpuMemoryFractionalOnNode:
+    # math.Ceil(float64(memory) / float64(M) * 100) / 100), pkg/scheduler/cache/cache.go
+    # (createBindRequest: "%.2f").
+    assert as_scheduler_sizes(request_mib * MIB, label) == Fraction(portion)
+
+
+@pytest.mark.parametrize("label", [0, -1, 99, 40960.5, 1 << 20, float("nan")])
+def test_as_scheduler_sizes_knows_no_portion_for_a_label_kai_reads_otherwise(label) -> None:
+    assert as_scheduler_sizes(10240 * MIB, label) is None

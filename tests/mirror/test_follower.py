@@ -155,18 +155,14 @@ async def test_a_rebind_after_a_failed_bind_checks_complete(store):
     assert result.complete and store.events == []
 
 
-async def test_a_request_kai_could_not_have_bound_this_way_is_refused(store):
-    # 30000Mi beside gpu-fraction 0.5 is not what the binder writes for 0.5 (20Gi), so it was
-    # the pod's own, and KAI sizes it as 0.74, never 0.5: a portion short of it is refused.
+async def test_a_request_kai_did_not_size_the_bind_by_is_checked_as_the_binders(store):
+    # 30000Mi beside gpu-fraction 0.5: KAI would have sized that request as 0.74, so a bind of
+    # 0.5 was decided by the fraction, and the binder should have written 20Gi.
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND,
                                   f"{T}.gpu-memory.request": "30000Mi"}))
     result = await verify(store, bind_request("br-1", "train-0"))
-    assert not result.complete and result.mismatches == ()
-    assert [(e.key, e.rule) for e in result.errors] == [(
-        "received_gpu.portion", "is too small for container 'trainer': its own request of "
-        "30000 MiB of GPU memory (the binder keeps it) needs at least 0.74 of a 40960 MiB GPU, "
-        "as KAI's scheduler sizes it")]
-    assert [e.reason for e in store.events] == ["NvFractionsInvalid"]
+    assert [(m.key, m.expected, m.actual) for m in result.mismatches] == [
+        (f"{T}.gpu-memory.request", "20Gi", "30000Mi")]
 
 
 # Pods as upstream KAI main's mutating webhook (KAI-Scheduler pkg/admission/webhook/v1alpha2/
