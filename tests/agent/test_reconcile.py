@@ -544,8 +544,9 @@ def test_a_client_back_before_the_restarted_daemons_namespace_got_its_cap_is_not
         short_tmp: Path) -> None:
     """The daemon restarts and the running container's process attaches to its namespace as
     soon as the agent creates it again, before its active-thread percentage is set: that client
-    may run uncapped, so the container is reported pending with the reason (its marker stays:
-    the pod runs on the plan it was admitted with) until the client exits."""
+    may run uncapped, so the container is reported pending with the reason until the client
+    exits, and its marker is set aside meanwhile (the pod keeps running; a restarted sandbox's
+    gate waits)."""
     rig = Rig(short_tmp)
     uid = add_pod(rig, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
     rig.step()
@@ -566,11 +567,13 @@ def test_a_client_back_before_the_restarted_daemons_namespace_got_its_cap_is_not
     assert (r.state.value, r.reason) == ("pending", "NamespaceCapUnverified")
     assert not report.converged and "NamespaceCapUnverified" in report.errors
     assert control.namespaces[name].active_thread_percentage is None
-    assert rig.marker_path(uid).read_text() == written
+    assert not rig.marker_path(uid).exists()
+    assert (rig.marker_path(uid).parent / "set-aside.json").read_text() == written
     control.detach_client(4242)
     assert rig.step().converged
     assert rig.reconciler.view.results[(uid, "main")].state.value == "applied"
     assert control.namespaces[name].active_thread_percentage == 50
+    assert marker(rig, uid)["containers"]["main"]["state"] == "applied"
 
 
 def test_the_periodic_mps_check_asks_for_a_pass_only_when_something_changed(
