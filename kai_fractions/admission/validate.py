@@ -16,6 +16,7 @@ change introduces is refused, compared on full values. A Binding carries no NvFr
 unless an allowed identity binds (its annotations reach the pod without pod admission).
 Workloads with a pod template get the contract checks early; a template never carries a
 protected key, whoever writes it (the binder writes those on each pod, after scheduling).
+No `exec` or `attach` may join the gate container while it waits.
 """
 
 from __future__ import annotations
@@ -351,9 +352,30 @@ def validate(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
         return manifest_denial(e)
 
 
+JOINS_A_CONTAINER = frozenset({"exec", "attach"})
+"""The CONNECT subresources that put a process into (or a terminal onto) a running container."""
+
+
+def _validate_connect(request: Mapping[str, Any]) -> Decision:
+    """No process may join the gate while it waits: one in its process namespace, as its user,
+    could make it exit 0 (ptrace) before the node agent applied the pod's limits, as an
+    ephemeral container targeting it could (`isolation`). The chart sends only such requests."""
+    options = request.get("object")
+    container = options.get("container") if isinstance(options, Mapping) else None
+    sub = str(request.get("subResource") or "")
+    if sub in JOINS_A_CONTAINER and container == GATE_CONTAINER:
+        return deny(f"pods/{sub}: container {GATE_CONTAINER!r} is kai-fractions' gate: no "
+                    "process may join it while it waits for the node agent (one could make it "
+                    "exit before the pod's GPU limits are in force); its outcome is in `kubectl "
+                    f"logs -c {GATE_CONTAINER}` and the pod's status")
+    return allow()
+
+
 def _validate(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
+    if request.get("operation") == "CONNECT":
+        return _validate_connect(request)
     if request.get("operation") not in ("CREATE", "UPDATE"):
-        return allow()  # DELETE and CONNECT change no annotation
+        return allow()  # DELETE changes no annotation
     kind = kind_of(request)
     if kind == "Pod":  # the pod itself and its status, ephemeralcontainers, resize subresources
         return _validate_pod(request, config)

@@ -66,8 +66,13 @@ def run(args: argparse.Namespace) -> int:
 
     from ..contract import DEFAULT_KEYS, Keys
     from ..gate import GateOptions, parse_names, run_gate
+    from ..gate.undumpable import make_undumpable
     from ..marker import MarkerError, read_boot_id
 
+    refused = make_undumpable()
+    if refused is not None:  # the webhook's refusal of exec into the gate still holds
+        print(f"kai-fractions gate: warning: cannot make the gate undumpable: {refused}",
+              file=sys.stderr)
     if not args.pod_uid:
         print("kai-fractions gate: no pod UID: set env POD_UID (fieldRef metadata.uid) or pass "
               "--pod-uid", file=sys.stderr)

@@ -546,3 +546,27 @@ def test_a_volume_name_of_the_wrong_shape_is_no_reserved_name() -> None:
     raise on one: a TypeError here was a 500 for the request) is simply not reserved."""
     obj = pod({}, volumes=[{"name": []}, {"name": {"a": 1}}])
     assert validate(request(obj), CONFIG).allowed
+
+
+@pytest.mark.parametrize("sub", ["exec", "attach"])
+def test_no_process_may_join_the_gate(sub: str) -> None:
+    """A process in the gate's process namespace, as its user, can make it exit 0 before the
+    node agent applied the limits (ptrace): exec and attach into it are refused, as an
+    ephemeral container targeting it is (`isolation`); into any other container they pass."""
+    def connect(container: str | None, subresource: str = sub) -> dict[str, Any]:
+        options: dict[str, Any] = {"kind": "PodExecOptions", "apiVersion": "v1"}
+        if container is not None:
+            options["container"] = container
+        return {"uid": "u", "kind": {"group": "", "version": "v1", "kind": "PodExecOptions"},
+                "operation": "CONNECT", "subResource": subresource, "namespace": "ns",
+                "name": "p", "userInfo": {"username": BINDER}, "object": options}
+
+    d = validate(connect("kai-fractions-gate"), CONFIG)
+    assert (d.allowed, d.code, d.message) == (False, 403, (
+        f"pods/{sub}: container 'kai-fractions-gate' is kai-fractions' gate: no process may "
+        "join it while it waits for the node agent (one could make it exit before the pod's "
+        "GPU limits are in force); its outcome is in `kubectl logs -c kai-fractions-gate` and "
+        "the pod's status"))
+    assert validate(connect("main"), CONFIG).allowed
+    assert validate(connect(None), CONFIG).allowed
+    assert validate(connect("kai-fractions-gate", "portforward"), CONFIG).allowed

@@ -475,3 +475,32 @@ def test_node_agent_may_update_only_its_own_node_and_its_pods(docs):
     assert policy_allows(policy, other_pod, "pods",
                          user=f"system:serviceaccount:{NAMESPACE}:kai-fractions-mirror") == (
         True, [])
+
+
+def test_only_an_exec_or_attach_into_the_gate_is_sent(docs):
+    """`kubectl exec -c kai-fractions-gate` would run a process in the gate's process namespace
+    as its user (ptrace could make it exit 0 before the limits are in force): such CONNECTs
+    are sent to the validating webhook, fail closed, and no other exec waits on it."""
+    from kai_fractions.admission.config import GATE_CONTAINER
+
+    hook = hooks(docs, "ValidatingWebhookConfiguration")["gate-exec.validate.kai-fractions.io"]
+    assert hook["failurePolicy"] == "Fail"
+    assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"],
+                              "operations": ["CONNECT"],
+                              "resources": ["pods/exec", "pods/attach"],
+                              "scope": "Namespaced"}]
+    assert "objectSelector" not in hook  # a CONNECT's object (the options) has no labels
+    pods_hook = hooks(docs, "ValidatingWebhookConfiguration")["pods.validate.kai-fractions.io"]
+    assert hook["namespaceSelector"] == pods_hook["namespaceSelector"]
+    assert hook["clientConfig"] == pods_hook["clientConfig"]
+    for container, sent in ((GATE_CONTAINER, True), ("main", False), (None, False)):
+        options = {"kind": "PodExecOptions", "apiVersion": "v1", "command": ["sh"]}
+        if container is not None:
+            options["container"] = container
+        assert matches(hook, options, operation="CONNECT", subresource="exec") is sent
+    # and what is sent is refused
+    review = {"uid": "u", "kind": {"group": "", "version": "v1", "kind": "PodExecOptions"},
+              "operation": "CONNECT", "subResource": "exec", "namespace": "team-a",
+              "name": "p", "userInfo": {"username": "alice"},
+              "object": {"kind": "PodExecOptions", "container": GATE_CONTAINER}}
+    assert validate(review, AdmissionConfig(gate_image="img")).allowed is False
