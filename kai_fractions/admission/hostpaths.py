@@ -17,8 +17,13 @@ from collections import deque
 KNOWN_SYMLINKS = {
     "/var/run": "/run",
     "/var/lock": "/run/lock",
+    "/dev/fd": "/proc/self/fd",
+    "/dev/stdin": "/proc/self/fd/0",
+    "/dev/stdout": "/proc/self/fd/1",
+    "/dev/stderr": "/proc/self/fd/2",
 }
-"""Symlinks on every systemd host (FHS 3.0): either spelling reaches the same directory."""
+"""Symlinks on every systemd host (FHS 3.0; systemd and udev make the /dev ones): either
+spelling reaches the same directory. A /dev/fd path is the opening process's file: anywhere."""
 _SYMLINK_DEPTHS = frozenset(link.count("/") for link in KNOWN_SYMLINKS)
 
 _PROCESS = re.compile(r"[0-9]+|self|thread-self")

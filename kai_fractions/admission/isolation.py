@@ -13,6 +13,10 @@ for every container (init and ephemeral ones included):
   before the node agent applied the limits.
 - `procMount: Unmasked`: /proc without the runtime's masks (the host's kernel interfaces).
 - capabilities that reach past the container (`REACHING`).
+- a mount at or under `/var/run/nvidia-container-devices` (or `/run/...`): with the toolkit's
+  `accept-nvidia-visible-devices-as-volume-mounts` (the GPU Operator's volume-mounts device
+  list strategy), a `/dev/null` mounted there names the container's GPUs, read BEFORE
+  NVIDIA_VISIBLE_DEVICES: any GPU of the node, or `all`, whatever the binder chose.
 
 What real GPU pods carry stays allowed: `hostIPC` (MPS clients may share memory with their
 server), `hostNetwork`, and every other capability (IPC_LOCK pins memory for RDMA, NET_ADMIN and
@@ -22,6 +26,7 @@ files).
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -43,6 +48,15 @@ REACHING = {
 """Capabilities refused in `capabilities.add`, with why."""
 
 _RULE = "in a pod with a GPU fraction"
+DEVICE_LIST_MOUNTS = ("/var/run/nvidia-container-devices", "/run/nvidia-container-devices")
+"""Where the NVIDIA container toolkit reads a device list from mounts (its
+DeviceListAsVolumeMountsRoot), in both spellings of /var/run."""
+
+
+def _names_devices(mount_path: str) -> bool:
+    """The mount's path is at or under the toolkit's device-list root, however spelled."""
+    path = posixpath.normpath("/" + mount_path.lstrip("/"))
+    return any(path == root or path.startswith(root + "/") for root in DEVICE_LIST_MOUNTS)
 _LISTS = ("initContainers", "containers", "ephemeralContainers")
 
 
@@ -75,6 +89,14 @@ def isolation_problems(spec: Mapping[str, Any]) -> list[Problem]:
             out.append(Problem(f"{where}.targetContainerName: must not be {GATE_CONTAINER}: a "
                                "container in the gate's process namespace could make it exit "
                                "before the node agent applied the pod's limits"))
+        for j, mount in enumerate(c.get("volumeMounts") or []):
+            path = mount.get("mountPath") if isinstance(mount, Mapping) else None
+            if isinstance(path, str) and _names_devices(path):
+                out.append(Problem(
+                    f"{where}.volumeMounts[{j}].mountPath: {shown(path)} may not be mounted "
+                    f"{_RULE}: the NVIDIA container toolkit can read mounts there as the "
+                    "container's GPUs (accept-nvidia-visible-devices-as-volume-mounts), any GPU "
+                    "of the node whatever the binder chose", value=path))
         context = c.get("securityContext")
         if not isinstance(context, Mapping):
             continue

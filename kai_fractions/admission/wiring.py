@@ -24,9 +24,11 @@ from .config import GATE_CONTAINER, AdmissionConfig
 from .errors import Problem, clip, exact
 
 VOID_ENV = {"name": k.ENV_VISIBLE_DEVICES, "value": "void"}
-LENIENT = frozenset({"resources", "imagePullPolicy", "terminationMessagePath",
-                     "terminationMessagePolicy", "resizePolicy", "stdin", "stdinOnce", "tty"})
-"""Fields of the gate that do not change what it checks or when the workload may start."""
+LENIENT = frozenset({"resources", "imagePullPolicy", "terminationMessagePolicy",
+                     "resizePolicy", "stdin", "stdinOnce", "tty"})
+"""Fields of the gate that do not change what it checks or when the workload may start. Not
+`terminationMessagePath`: the kubelet mounts a writable host file there (mode 0666), which at
+the marker's path would hide the node agent's marker under one the pod can write."""
 _SHOWN = 120
 """Characters of a value a message shows; the problem keeps the value in full (`Problem`)."""
 

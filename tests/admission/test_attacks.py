@@ -176,6 +176,11 @@ GATE_EDITS = [
         {"name": "kai-fractions-podinfo", "mountPath": "/tmp"})),
     ("securityContext", lambda g: g["securityContext"].update(runAsUser=0)),
     ("restartPolicy", lambda g: g.update(restartPolicy="Always")),  # a sidecar blocks nothing
+    # The kubelet mounts a writable (0666) host file at the termination message path: at the
+    # marker's path it would hide the agent's marker under one an exec could forge (session
+    # 22's security review).
+    ("terminationMessagePath", lambda g: g.update(
+        terminationMessagePath="/kai-fractions/marker/marker.json")),
 ]
 
 
@@ -452,3 +457,39 @@ def test_a_new_pod_cannot_mount_every_namespace(webhook: Webhook) -> None:
     response = review(webhook, obj)
     assert response["allowed"] is False
     assert "must mount only the container's own MPS namespace" in response["status"]["message"]
+
+
+# -- session 22's security review: a process joining the waiting gate -------------------------
+
+def test_no_exec_or_attach_may_join_the_gate_through_the_server(webhook: Webhook) -> None:
+    """`kubectl exec -c kai-fractions-gate` runs a process in the gate's process namespace as
+    its user: ptrace makes the gate exit 0 before the limits are in force. The chart sends such
+    CONNECTs (tests/chart/test_webhooks.py); the server refuses them, and other execs pass."""
+    def connect(container: str, sub: str = "exec") -> dict[str, Any]:
+        status, answer = webhook.post("/validate", {
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {"uid": "u-1", "kind": {"group": "", "version": "v1",
+                                               "kind": "PodExecOptions"},
+                        "resource": {"group": "", "version": "v1", "resource": "pods"},
+                        "subResource": sub, "name": "p", "namespace": "ns",
+                        "operation": "CONNECT", "userInfo": {"username": ALICE},
+                        "object": {"kind": "PodExecOptions", "apiVersion": "v1",
+                                   "container": container, "command": ["sh"]}}})
+        assert status == 200
+        return answer["response"]
+
+    for sub in ("exec", "attach"):
+        refused = connect("kai-fractions-gate", sub)
+        assert refused["allowed"] is False
+        assert refused["status"]["message"].startswith(
+            f"pods/{sub}: container 'kai-fractions-gate' is kai-fractions' gate")
+    assert connect("main")["allowed"] is True
+
+
+def test_a_gate_brought_with_its_termination_log_over_the_marker_is_replaced(
+        webhook: Webhook) -> None:
+    gate = wired(webhook, pod({REQUEST: "8Gi"}))["spec"]["initContainers"][0]
+    assert gate["terminationMessagePath"] == "/dev/termination-log"
+    brought = {**copy.deepcopy(gate), "terminationMessagePath": "/kai-fractions/marker/marker.json"}
+    out = wired(webhook, pod({REQUEST: "8Gi"}, initContainers=[brought]))
+    assert out["spec"]["initContainers"] == [gate]

@@ -23,6 +23,9 @@ from kai_fractions.admission.hostpaths import canonical, overlaps, same
     ("/proc/self/fd/3", "/"), ("/proc/1/task", "/"), ("/proc/1/map_files/x", "/"),
     ("/proc/meminfo", "/proc/meminfo"), ("/proc/sys/kernel", "/proc/sys/kernel"),
     ("/var/run-x", "/var/run-x"),
+    # systemd's /dev/fd -> /proc/self/fd: the opening process's file, anywhere
+    ("/dev/fd/3", "/"), ("/dev/fd", "/"), ("/dev/stdin", "/"), ("/dev/stderr/x", "/"),
+    ("/dev/fdx", "/dev/fdx"), ("/dev/null", "/dev/null"),
 ])
 def test_canonical(path: str, expected: str) -> None:
     assert canonical(path) == expected

@@ -76,7 +76,25 @@ REFUSED = [
       for cap in ("ALL", "SYS_ADMIN", "SYS_PTRACE", "SYS_MODULE", "SYS_RAWIO", "BPF",
                   "PERFMON", "DAC_READ_SEARCH",
                   "CAP_SYS_ADMIN", "sys_ptrace", "all")],  # as the runtimes read them too
+    # The toolkit's device list as volume mounts (nvidia-container-toolkit internal/config/
+    # image, DeviceListAsVolumeMountsRoot): a /dev/null there names a GPU, before the env.
+    *[pytest.param(lambda o, c=c, at=at: device_list_mount(o, c, at),
+                   f"spec.containers[{c}].volumeMounts[0].mountPath: {at!r} may not be mounted "
+                   + RULE + ": the NVIDIA container toolkit can read mounts there as the "
+                   "container's GPUs", id=f"device-list-{c}-{at}")
+      for c, at in ((0, "/var/run/nvidia-container-devices/GPU-ffffffff-0000-0000-0000-"
+                        "000000000000"),
+                    (1, "/var/run/nvidia-container-devices/all"),
+                    (1, "/run/nvidia-container-devices"),
+                    (0, "//var/run/./nvidia-container-devices/x/../all"))],
 ]
+
+
+def device_list_mount(obj: dict[str, Any], container: int, at: str) -> dict[str, Any]:
+    obj["spec"].setdefault("volumes", []).append(
+        {"name": "null", "hostPath": {"path": "/dev/null", "type": "CharDevice"}})
+    obj["spec"]["containers"][container]["volumeMounts"] = [{"name": "null", "mountPath": at}]
+    return obj
 
 
 @pytest.mark.parametrize(("change", "message"), REFUSED)
@@ -96,6 +114,9 @@ def test_what_gpu_training_pods_carry_stays_allowed() -> None:
             procMount="Default", capabilities={
                 "add": ["IPC_LOCK", "NET_ADMIN", "NET_RAW", "SYS_NICE", "SYS_RESOURCE"],
                 "drop": ["ALL"]})
+    obj["spec"]["volumes"] = [{"name": "run", "emptyDir": {}}]
+    obj["spec"]["containers"][1]["volumeMounts"] = [  # beside the device-list root, not in it
+        {"name": "run", "mountPath": "/var/run/nvidia-container-devices-cache"}]
     d = validate(request(wired(obj)), CONFIG)
     assert d.allowed, d.message
     # and the line is drawn inside that same pod
