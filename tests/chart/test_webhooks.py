@@ -504,3 +504,27 @@ def test_only_an_exec_or_attach_into_the_gate_is_sent(docs):
               "name": "p", "userInfo": {"username": "alice"},
               "object": {"kind": "PodExecOptions", "container": GATE_CONTAINER}}
     assert validate(review, AdmissionConfig(gate_image="img")).allowed is False
+
+
+def test_an_object_selector_never_narrows_the_validating_pod_webhook(tmp_path):
+    """webhook.objectSelector narrows the mutating and workloads webhooks only: the validating
+    pod webhook must see every pod with a hostPath (none may reach the agent's socket) and every
+    Binding (which carries no labels). A fractional pod the selector keeps from the mutating
+    webhook is then refused for the gate it lacks (chart review, session 22)."""
+    values = tmp_path / "values.yaml"
+    selector = {"matchExpressions": [{"key": "kai.scheduler/queue", "operator": "Exists"}]}
+    values.write_text(yaml.safe_dump({"webhook": {"objectSelector": selector}}))
+    docs = render(values)
+    mutating = hooks(docs, "MutatingWebhookConfiguration")["pods.mutate.kai-fractions.io"]
+    validating = hooks(docs, "ValidatingWebhookConfiguration")
+    assert mutating["objectSelector"] == selector
+    assert validating["workloads.validate.kai-fractions.io"]["objectSelector"] == selector
+    assert "objectSelector" not in validating["pods.validate.kai-fractions.io"]
+    # a pod without the label, so never wired: refused, not run without its gate
+    unlabelled = pod({k.DEFAULT_KEYS.container("main", k.MEMORY_REQUEST): "8Gi"})
+    assert matches(validating["pods.validate.kai-fractions.io"], unlabelled)
+    d = validate({"uid": "u", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                  "operation": "CREATE", "namespace": "team-a",
+                  "userInfo": {"username": "alice"}, "object": unlabelled},
+                 AdmissionConfig(gate_image="img"))
+    assert not d.allowed and "kai-fractions-gate" in d.message
