@@ -674,3 +674,24 @@ def test_notes_warn_of_alerts_without_the_scrapes_they_read():
 def test_notes_say_when_nothing_is_deployed():
     notes = chart_notes(values_file=DISABLED)
     assert "gpuSharing=Disabled: nothing was deployed" in notes
+
+
+def test_the_mps_pipe_dir_is_held_to_the_agents_length_limit_in_the_schema():
+    """A hostPaths.mpsPipeDir the node agent refuses (its pipe directories' unix socket paths
+    would not fit) rendered fine and crashed every agent, sm-sharing on or off: the schema
+    refuses it, at exactly the agent's limit (chart review, session 22)."""
+    import json
+
+    from kai_fractions.contract import MAX_PIPE_DIRECTORY, MPS_SERVER
+    from kai_fractions.node.config import _NAMESPACE_LEN, NodeConfig
+    from kai_fractions.node.errors import ConfigError
+
+    longest = MAX_PIPE_DIRECTORY - len(f"/{MPS_SERVER}/") - _NAMESPACE_LEN
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["properties"]["hostPaths"]["properties"]["mpsPipeDir"]["maxLength"] == longest
+    fits = "/var/lib/kai-fractions/" + "m" * (longest - len("/var/lib/kai-fractions/"))
+    NodeConfig(node_name="n", mps_pipe_dir=fits)  # the agent takes it, and no more
+    with pytest.raises(ConfigError, match=r"--mps-pipe-dir: .* is too long"):
+        NodeConfig(node_name="n", mps_pipe_dir=fits + "x")
+    render(sets=(f"hostPaths.mpsPipeDir={fits}",))
+    assert "/hostPaths/mpsPipeDir" in template_error(f"hostPaths.mpsPipeDir={fits}x")
