@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # One image for every kai-fractions component; the command picks the part:
 #   kai-fractions mirror | node-agent | admission | gate
-# Build: docker build -t ghcr.io/kai-fractions/kai-fractions:0.1.0 .
+# Build: docker build -t <registry>/kai-fractions:<version> .  (then --set image.repository=...)
 # It runs as a non-root user (10001). The Helm chart runs the node agent as root (runAsUser 0):
 # NVML memory limits, compute mode and the MPS daemon need it; libnvidia-ml and the MPS binaries
 # come from the host driver through the NVIDIA container runtime, never from this image.
