@@ -695,3 +695,44 @@ def test_the_mps_pipe_dir_is_held_to_the_agents_length_limit_in_the_schema():
         NodeConfig(node_name="n", mps_pipe_dir=fits + "x")
     render(sets=(f"hostPaths.mpsPipeDir={fits}",))
     assert "/hostPaths/mpsPipeDir" in template_error(f"hostPaths.mpsPipeDir={fits}x")
+
+
+def test_listen_host_reaches_every_listener_and_each_server_takes_it():
+    """IPv6-only clusters: `listenHost: "[::]"` makes every listener of the chart bind the v6
+    wildcard (each hard-coded 0.0.0.0 before, which such a cluster's probes and API server
+    cannot reach), in the form each server's own parser takes (chart review, session 22)."""
+    import socket
+
+    from prometheus_client import CollectorRegistry
+
+    from kai_fractions.admission.server import parse_listen as admission_listen
+    from kai_fractions.metrics_http import MetricsEndpoint
+    from kai_fractions.metrics_http import parse_listen as metrics_listen
+    from kai_fractions.mirror.grpc.security import parse_listen as grpc_listen
+
+    docs = render(sets=("listenHost=[::]",))
+    flags = {
+        "mirror": container(one(docs, "Deployment", MIRROR), "mirror")["args"],
+        "admission": container(one(docs, "Deployment", ADMISSION), "admission")["args"],
+        "agent": container(one(docs, "DaemonSet", AGENT), "node-agent")["args"],
+    }
+    listens = {(who, a.split("=", 1)[0]): a.split("=", 1)[1] for who, args in flags.items()
+               for a in args if a.startswith(("--listen=", "--metrics-listen="))}
+    assert listens == {("mirror", "--listen"): "[::]:50051",
+                       ("mirror", "--metrics-listen"): "[::]:9401",
+                       ("admission", "--listen"): "[::]:8443",
+                       ("agent", "--metrics-listen"): "[::]:9400"}
+    assert grpc_listen("[::]:50051").target == "[::]:50051"
+    assert admission_listen("[::]:8443") == ("::", 8443)
+    assert metrics_listen("[::]:9400") == ("::", 9400)
+    assert "/listenHost" in template_error("listenHost=::1")
+    if socket.has_ipv6:
+        endpoint = MetricsEndpoint(CollectorRegistry())
+        try:
+            host, port = endpoint.serve("[::]:0")
+        except OSError:
+            return  # a kernel without IPv6: nothing of the chart's to check here
+        try:
+            assert host == "::" and port > 0
+        finally:
+            endpoint.close()
