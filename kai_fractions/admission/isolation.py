@@ -13,7 +13,8 @@ for every container (init and ephemeral ones included):
   before the node agent applied the limits.
 - `procMount: Unmasked`: /proc without the runtime's masks (the host's kernel interfaces).
 - capabilities that reach past the container (`REACHING`).
-- a mount at or under `/var/run/nvidia-container-devices` (or `/run/...`): with the toolkit's
+- a mount whose path starts with `/var/run/nvidia-container-devices` (or `/run/...`), as a
+  string, as the toolkit compares it: with the toolkit's
   `accept-nvidia-visible-devices-as-volume-mounts` (the GPU Operator's volume-mounts device
   list strategy), a `/dev/null` mounted there names the container's GPUs, read BEFORE
   NVIDIA_VISIBLE_DEVICES: any GPU of the node, or `all`, whatever the binder chose.
@@ -54,9 +55,10 @@ DeviceListAsVolumeMountsRoot), in both spellings of /var/run."""
 
 
 def _names_devices(mount_path: str) -> bool:
-    """The mount's path is at or under the toolkit's device-list root, however spelled."""
+    """The mount's path, cleaned, starts with the toolkit's device-list root: as a plain string,
+    as the toolkit compares it (`/var/run/nvidia-container-devicesall` names device `all`)."""
     path = posixpath.normpath("/" + mount_path.lstrip("/"))
-    return any(path == root or path.startswith(root + "/") for root in DEVICE_LIST_MOUNTS)
+    return path.startswith(DEVICE_LIST_MOUNTS)
 _LISTS = ("initContainers", "containers", "ephemeralContainers")
 
 
@@ -94,7 +96,8 @@ def isolation_problems(spec: Mapping[str, Any]) -> list[Problem]:
             if isinstance(path, str) and _names_devices(path):
                 out.append(Problem(
                     f"{where}.volumeMounts[{j}].mountPath: {shown(path)} may not be mounted "
-                    f"{_RULE}: the NVIDIA container toolkit can read mounts there as the "
+                    f"{_RULE}: the NVIDIA container toolkit can read mounts whose path starts "
+                    "with /var/run/nvidia-container-devices as the "
                     "container's GPUs (accept-nvidia-visible-devices-as-volume-mounts), any GPU "
                     "of the node whatever the binder chose", value=path))
         context = c.get("securityContext")

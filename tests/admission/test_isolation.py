@@ -80,13 +80,17 @@ REFUSED = [
     # image, DeviceListAsVolumeMountsRoot): a /dev/null there names a GPU, before the env.
     *[pytest.param(lambda o, c=c, at=at: device_list_mount(o, c, at),
                    f"spec.containers[{c}].volumeMounts[0].mountPath: {at!r} may not be mounted "
-                   + RULE + ": the NVIDIA container toolkit can read mounts there as the "
-                   "container's GPUs", id=f"device-list-{c}-{at}")
+                   + RULE + ": the NVIDIA container toolkit can read mounts whose path starts "
+                   "with /var/run/nvidia-container-devices as the container's GPUs",
+                   id=f"device-list-{c}-{at}")
       for c, at in ((0, "/var/run/nvidia-container-devices/GPU-ffffffff-0000-0000-0000-"
                         "000000000000"),
                     (1, "/var/run/nvidia-container-devices/all"),
                     (1, "/run/nvidia-container-devices"),
-                    (0, "//var/run/./nvidia-container-devices/x/../all"))],
+                    (0, "//var/run/./nvidia-container-devices/x/../all"),
+                    # the toolkit compares strings: this names device `all` (second review)
+                    (0, "/var/run/nvidia-container-devicesall"),
+                    (1, "/var/run/nvidia-container-devices/../nvidia-container-devices0"))],
 ]
 
 
@@ -115,8 +119,8 @@ def test_what_gpu_training_pods_carry_stays_allowed() -> None:
                 "add": ["IPC_LOCK", "NET_ADMIN", "NET_RAW", "SYS_NICE", "SYS_RESOURCE"],
                 "drop": ["ALL"]})
     obj["spec"]["volumes"] = [{"name": "run", "emptyDir": {}}]
-    obj["spec"]["containers"][1]["volumeMounts"] = [  # beside the device-list root, not in it
-        {"name": "run", "mountPath": "/var/run/nvidia-container-devices-cache"}]
+    obj["spec"]["containers"][1]["volumeMounts"] = [  # beside the device-list root
+        {"name": "run", "mountPath": "/var/run/nvidia-container-toolkit"}]
     d = validate(request(wired(obj)), CONFIG)
     assert d.allowed, d.message
     # and the line is drawn inside that same pod
