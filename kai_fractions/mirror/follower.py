@@ -223,18 +223,22 @@ def binder_request(pod: PodSnapshot, keys: Keys, decision: BindDecision) -> PodR
     KAI reads a container's own request key before `gpu-fraction` and `gpu-memory`
     (KAI-Scheduler pkg/common/resources/gpu_sharing.go, ParsePodGPUFractionRequest), and its
     binder keeps a request it finds (pkg/binder/plugins/nvfractions/nv_fractions.go,
-    setNvFractionsMemoryAnnotation). A request beside those keys is taken for one that was on
-    the pod before the bind (its user's, or what a failed bind left) only when the bind's
+    setNvFractionsMemoryAnnotation). A request beside `gpu-fraction` is taken for one that was
+    on the pod before the bind (its user's, or what a failed bind left) only when the bind's
     portion is exactly what the scheduler sizes that request as (`as_scheduler_sizes`): it
-    then decided by it. Any other is checked as the binder's."""
+    then decided by it. Any other is checked as the binder's. So a binder that writes less
+    than it should, by less than a hundredth of the GPU, passes as such a request: never more
+    than KAI accounted."""
     view = pod.view
     kept = {key: v for key, v in view.annotations.items() if not is_mirror_managed(key, keys)}
     share = parse_pod(replace(view, annotations=MappingProxyType(kept)), keys).share
     if share is not None:
         c = share.container
-        # A "" gpu-fraction or gpu-memory asks for nothing: KAI sizes by the request alone.
-        if ((kept.get(k.GPU_FRACTION) or kept.get(k.GPU_MEMORY))
-                and not _sized_by_request(share, decision)):
+        # A "" gpu-fraction or gpu-memory asks for nothing: KAI sizes by the request alone. A
+        # gpu-memory pod is sized by its memory either way (KAI's webhook copies it into the
+        # request), so only beside gpu-fraction can the request be what KAI decided by.
+        if kept.get(k.GPU_MEMORY) or (kept.get(k.GPU_FRACTION)
+                                      and not _sized_by_request(share, decision)):
             kept.pop(keys.container(c, k.MEMORY_REQUEST), None)
         if (k.GPU_FRACTION_LIMIT in kept or k.GPU_MEMORY_LIMIT in kept
                 or keys.portion_limit(c) in kept):

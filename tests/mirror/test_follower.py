@@ -959,3 +959,16 @@ async def test_follower_reports_a_mismatch_as_a_pod_event(kube):
     lists = kube.requests("GET", "/api/v1/namespaces/kai-resource-reservation/pods")
     assert {(r.params.get("labelSelector"), r.params.get("resourceVersion")) for r in lists} == {
         ("runai-gpu-group=group-a", "0")}  # from the watch cache, not etcd
+
+
+async def test_a_gpu_memory_pods_limit_is_still_checked_against_its_legacy_limit(store):
+    # A gpu-memory pod is sized by its memory whatever the request says (KAI's webhook copies
+    # gpu-memory and gpu-memory.limit into the NvFractions keys), so its request is never taken
+    # for "the pod's own" beside it: a limit key that differs from gpu-memory.limit is a
+    # mismatch, as before cabdc3a (second review).
+    store.add_pod(pod("train-0", {"gpu-memory": "10240", "gpu-memory.limit": "20Gi",
+                                  f"{T}.gpu-memory.limit": "40Gi", **BOUND,
+                                  f"{T}.gpu-memory.request": "10Gi"}))
+    result = await verify(store, bind_request("br-1", "train-0", portion="0.26"))
+    assert [(m.key, m.expected, m.actual) for m in result.mismatches] == [
+        (f"{T}.gpu-memory.limit", "20Gi", "40Gi")]
