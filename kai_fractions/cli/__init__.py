@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["gate"]:
+        # Before the commands' imports (about 0.1 s): no process may attach to the gate while
+        # it starts (kai_fractions.undumpable).
+        from ..undumpable import undumpable_once
+
+        undumpable_once()
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:

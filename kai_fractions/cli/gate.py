@@ -66,10 +66,10 @@ def run(args: argparse.Namespace) -> int:
 
     from ..contract import DEFAULT_KEYS, Keys
     from ..gate import GateOptions, parse_names, run_gate
-    from ..gate.undumpable import make_undumpable
     from ..marker import MarkerError, read_boot_id
+    from ..undumpable import undumpable_once
 
-    refused = make_undumpable()
+    refused = undumpable_once()  # done already when `main` started the gate
     if refused is not None:  # the webhook's refusal of exec into the gate still holds
         print(f"kai-fractions gate: warning: cannot make the gate undumpable: {refused}",
               file=sys.stderr)

@@ -1,4 +1,5 @@
-"""The gate makes itself undumpable before it waits.
+"""The gate makes itself undumpable first thing (`cli.main`, before the commands are even
+imported), so no process can attach to it while it starts.
 
 A process of the gate's user in its process namespace (`kubectl exec` into it, which the
 validating webhook refuses, or a namespace the webhook skips) could otherwise ptrace it and make
@@ -23,3 +24,14 @@ def make_undumpable() -> str | None:
     if prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         return os.strerror(ctypes.get_errno())
     return None
+
+
+_outcome: list[str | None] = []
+
+
+def undumpable_once() -> str | None:
+    """`make_undumpable`, done once per process: the CLI calls it as it starts the gate, and
+    the gate's command reads the outcome to warn about a refusal."""
+    if not _outcome:
+        _outcome.append(make_undumpable())
+    return _outcome[0]
