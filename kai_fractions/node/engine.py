@@ -107,11 +107,13 @@ class ContainerResult:
     container_limit_pending: bool = False
     """Its own cgroup is not there yet (or its ID is unknown); the pod slice carries the cap."""
     mps_cap_missing: bool = False
-    """Its MPS namespace is known not to hold the plan's active-thread percentage in force: not
-    there (not made, or deleted because its percentage could not be set) or there without it
-    (set failed, or not verified: `Engine._fresh`, NamespaceCapUnverified). A client attaching
-    meanwhile may run uncapped, so no readiness marker may vouch for the container; other
-    pending reasons (NVML down, a busy daemon) say nothing of what is in force."""
+    """An MPS cap the container relies on is known not to be in force: its MPS namespace does
+    not hold the plan's active-thread percentage (not there: not made, or deleted because its
+    percentage could not be set; or there without it: set failed, or not verified:
+    `Engine._fresh`, NamespaceCapUnverified), or its GPU's default pinned device memory limit
+    (mps-pinned) reads back lost and could not be set again. A client attaching meanwhile may
+    run uncapped, so no readiness marker may vouch for the container; other pending reasons
+    (NVML down, a busy daemon, a read that failed) say nothing of what is in force."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,6 +400,9 @@ class _Run:
         self.uncapped: set[str] = set()
         """MPS namespaces this pass found not holding the plan's percentage, beyond the
         unverified ones (`Engine._fresh`): see `ContainerResult.mps_cap_missing`."""
+        self.unpinned: set[ContainerKey] = set()
+        """mps-pinned containers whose GPU's default pinned limit this pass found lost and
+        could not set again: see `ContainerResult.mps_cap_missing`."""
 
     def fail(self, keys: Iterable[ContainerKey], error: NodeError) -> None:
         for key in keys:
@@ -464,17 +469,12 @@ class _Run:
             users = [c.key for c in needs_mps if Mechanism.MPS_PINNED in c.mechanisms
                      and g.uuid in c.plan.device_uuids]
             try:
-                # The readback shows whole GiB only: it tells a daemon that lost the value (a
-                # restart, another writer) apart, and what this engine wrote the exact MiB.
-                if (mps.get_default_pinned_mem_limit(g.index)
-                        != displayed_mem_limit(g.mps_pinned_mib)
-                        or self.e._pinned.get(g.index) != g.mps_pinned_mib):
-                    self.e._pinned.pop(g.index, None)
-                    mps.set_default_pinned_mem_limit(g.index, g.mps_pinned_mib)
-                    self.e._pinned[g.index] = g.mps_pinned_mib
+                self.pinned_limit(mps, g.index, g.mps_pinned_mib, users)
             except NodeError as e:
                 self.fail(users, e)
-        wanted = [c for c in needs_mps if c.mps_namespace]
+        # A namespace is where a client attaches and an MPS server starts for it: made while
+        # the pinned limit is known lost, it would let a server start without it.
+        wanted = [c for c in needs_mps if c.mps_namespace and c.key not in self.unpinned]
         if not wanted:
             return
         try:
@@ -483,6 +483,26 @@ class _Run:
             self.fail((c.key for c in wanted), e)
             return
         self.namespaces(mps, wanted, existing)
+
+    def pinned_limit(self, mps: MpsControlLike, index: int, mib: int,
+                     users: list[ContainerKey]) -> None:
+        """The default pinned device memory limit of GPU `index`, `mib` MiB. A daemon that
+        reads back another value (a restart forgot it, another writer) holds no limit the plan
+        can vouch for: until a set succeeds, its `users` are `unpinned`. A read that fails says
+        nothing of what is in force. Raises the read's or the set's error."""
+        # The readback shows whole GiB only: it tells a daemon that lost the value apart, and
+        # what this engine wrote the exact MiB.
+        lost = mps.get_default_pinned_mem_limit(index) != displayed_mem_limit(mib)
+        if not lost and self.e._pinned.get(index) == mib:
+            return
+        self.e._pinned.pop(index, None)
+        try:
+            mps.set_default_pinned_mem_limit(index, mib)
+        except NodeError as e:
+            if lost or e.reason == NOT_APPLIED:  # the set's own readback: not the plan's
+                self.unpinned.update(users)
+            raise
+        self.e._pinned[index] = mib
 
     def namespaces(self, mps: MpsControlLike, wanted: list[ContainerDesired],
                    existing: set[str]) -> None:
@@ -799,7 +819,8 @@ class _Run:
 
     def cap_missing(self, c: ContainerDesired) -> bool:
         name = c.mps_namespace
-        return name is not None and (name in self.uncapped or name in self.e._fresh)
+        return c.key in self.unpinned or (
+            name is not None and (name in self.uncapped or name in self.e._fresh))
 
     def report(self) -> ApplyReport:
         results: dict[ContainerKey, ContainerResult] = {}

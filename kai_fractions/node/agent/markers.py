@@ -7,10 +7,11 @@ tidy. The rules, in the order they are checked:
   the pod with the reason; pending siblings are left out, applied ones listed);
 - anything pending writes nothing; a marker already there stays only if it is an `applied`
   marker whose digests are exactly the current plans' (the limits were in force when it was
-  written and a passing hiccup must not flap it) and no container's MPS namespace is known to
-  be without its active-thread percentage (`ContainerResult.mps_cap_missing`: after an MPS
-  daemon restart, a client attaching then may run uncapped); any other marker is removed (set
-  aside when it names a plan), so a marker can never claim limits that are not in force;
+  written and a passing hiccup must not flap it) and no container is known to be without an
+  MPS cap it relies on, its namespace's active-thread percentage or its GPU's default pinned
+  limit (`ContainerResult.mps_cap_missing`: after an MPS daemon restart, a client attaching
+  then may run uncapped); any other marker is removed (set aside when it names a plan), so a
+  marker can never claim limits that are not in force;
 - everything applied writes an `applied` marker with each container's plan digest.
 
 A marker of another boot of the host (or one without a boot ID, from an older agent) vouches
@@ -119,8 +120,9 @@ def _written(names: Collection[str]) -> bool:
 
 def still_valid(existing: Marker, results: Mapping[str, ContainerResult]) -> bool:
     """An existing marker may stay while something is pending only if it is an applied
-    marker for exactly the current plans, and no MPS namespace of the pod is known to lack its
-    percentage: a gate (a restarted sandbox's) would let a client attach to it uncapped."""
+    marker for exactly the current plans, and no container of the pod is known to lack an MPS
+    cap (its namespace's percentage, its GPU's pinned limit): a gate (a restarted sandbox's)
+    would let a client attach uncapped."""
     if set(existing.containers) != set(results):
         return False
     if any(r.mps_cap_missing for r in results.values()):
