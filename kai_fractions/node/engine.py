@@ -38,7 +38,7 @@ from .errors import NodeError, NvmlError
 from .limit_ledger import LEDGER_NOT_WRITTEN, LimitLedger, MemoryLimitLedger
 from .memory_limits import LimitWrite, MemoryLimitEnforcer
 from .mps.control import displayed_mem_limit
-from .mps.errors import COMMAND_FAILED, NAMESPACE_BUSY, NOT_APPLIED, MpsError
+from .mps.errors import COMMAND_FAILED, NAMESPACE_BUSY, NAMESPACE_EXISTS, NOT_APPLIED, MpsError
 from .nvml import DeviceInfo, GpuComputeMode, Nvml
 
 log = logging.getLogger(__name__)
@@ -524,18 +524,8 @@ class _Run:
         for c in wanted:
             name, pct = c.mps_namespace, c.active_thread_percentage
             assert name is not None and pct is not None
-            if name in existing:
-                continue
-            try:
-                mps.namespace_create(name, exist_ok=True)
-            except NodeError as e:
-                self.uncapped.add(name)  # not there: nothing in force
-                self.fail([c.key], e)
-                continue
-            self.created.append(name)
-            self.e._namespace_gone(name)
-            fresh.add(name)
-            self._set_fresh(mps, c, name, pct, set_now)
+            if name not in existing:
+                self._make(mps, c, name, pct, set_now)
         clients: list[MpsClientLike] | None = None
         # Fresh namespaces of earlier passes: set again once nobody is attached, then verified by
         # the client list below.
@@ -603,6 +593,24 @@ class _Run:
                 self.e._atp_checked.add(name)
             except NodeError as e:
                 self.fail([c.key], e)
+
+    def _make(self, mps: MpsControlLike, c: ContainerDesired, name: str, pct: int,
+              set_now: set[str]) -> None:
+        """Creates `name`, which the daemon's list left out, and sets its percentage at once.
+        One the daemon says exists after all (a list answer that left it out) is not fresh: it
+        is read back below like every existing namespace, so a healthy one's clients are not
+        taken for clients that attached before its percentage was set."""
+        try:
+            mps.namespace_create(name)
+        except NodeError as e:
+            if e.reason != NAMESPACE_EXISTS:
+                self.uncapped.add(name)  # not there: nothing in force
+                self.fail([c.key], e)
+            return
+        self.created.append(name)
+        self.e._namespace_gone(name)
+        self.e._fresh.add(name)
+        self._set_fresh(mps, c, name, pct, set_now)
 
     def _adopt(self, mps: MpsControlLike, c: ContainerDesired, name: str, pct: int,
                attached: list[int]) -> None:

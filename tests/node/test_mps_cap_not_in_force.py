@@ -160,3 +160,32 @@ def test_a_marker_does_not_hold_while_a_namespace_lacks_its_cap(tmp_path: Path) 
     uncapped = dataclasses.replace(busy, mps_cap_missing=True)
     assert not still_valid(marker, {"main": uncapped})
     assert not decide({"main": uncapped}).keep_existing
+
+
+def test_a_namespace_a_list_answer_left_out_is_read_back_not_taken_for_a_fresh_one(
+        short_tmp: Path) -> None:
+    """The create that follows says it exists: it holds the plan's percentage, and its client
+    attached under it, so the running pod stays applied and its marker stays."""
+    rig = Rig(short_tmp)
+    uid, name = _sm_pod(rig)
+    control = rig.mps.control
+    control.attach_client(4242, name)  # a long-running client
+    written = rig.marker_path(uid).read_text()
+    listed = control.namespace_list
+
+    def without_it(timeout=None) -> list[str]:  # once
+        control.namespace_list = listed  # type: ignore[method-assign]
+        return [n for n in listed(timeout) if n != name]
+
+    control.namespace_list = without_it  # type: ignore[method-assign]
+    n = len(control.calls)
+    assert rig.step().converged
+    assert _result(rig, uid).state is ContainerState.APPLIED
+    assert not _result(rig, uid).mps_cap_missing
+    calls = control.methods_called()[n:]
+    assert "namespace_create" in calls
+    assert "namespace_set_active_thread_percentage" not in calls
+    assert control.namespaces[name].clients == {4242}
+    assert rig.marker_path(uid).read_text() == written
+    assert not (rig.marker_path(uid).parent / SET_ASIDE_FILE).exists()
+    assert _gate(rig, uid) is Outcome.RELEASE
