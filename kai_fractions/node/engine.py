@@ -646,12 +646,31 @@ class _Run:
         set_now.add(name)
 
     def _reset(self, mps: MpsControlLike, name: str, pct: int) -> bool:
-        """`_set_or_remake` for a namespace read back without the plan's percentage: until a
-        set succeeds, what a client attaching gets is not the plan's cap."""
+        """`_set_or_remake` for a namespace read back without the plan's percentage, nobody
+        attached: until a set succeeds, what a client attaching gets is not the plan's cap. It
+        need not be `fresh` here (an agent restarted since made it, e.g. one left
+        NamespaceCapNotSet), so a set that fails outright (a busy daemon, a timeout) deletes
+        it as the fresh path does (`_unmake_if_unattached`)."""
         self.uncapped.add(name)
-        remade = self._set_or_remake(mps, name, pct)
+        try:
+            refused = self._set(mps, name, pct)
+        except NodeError as e:
+            raise self._unmake_if_unattached(mps, name, pct, e) from None
+        if refused is not None:
+            self._remake(mps, name, pct, refused)
         self.uncapped.discard(name)
-        return remade
+        return refused is not None
+
+    def _unmake_if_unattached(self, mps: MpsControlLike, name: str, pct: int, error: NodeError
+                           ) -> NodeError:
+        """`name`, whose set failed (`error`), deleted if a client list read now shows nobody
+        attached (a client that did fixed what it holds: the next pass reads it back); the
+        error to report. One whose clients cannot be listed stays, as it was."""
+        try:
+            attached = _attached(mps.client_list(), name)
+        except NodeError:
+            return error
+        return error if attached else self._unmake(mps, name, pct, error)
 
     def _not_set(self, mps: MpsControlLike, name: str, pct: int, error: NodeError
                  ) -> NodeError:
@@ -672,8 +691,8 @@ class _Run:
     def _unmake(self, mps: MpsControlLike, name: str, pct: int, error: NodeError
                 ) -> NodeError:
         """Deletes `name`, which nobody is attached to and whose percentage could not be set
-        (`error`); the error to report. One that cannot be deleted stays fresh (the next pass
-        sets its percentage once nobody is attached) and `NamespaceCapNotSet`."""
+        (`error`); the error to report. One that cannot be deleted stays (fresh if it was) and
+        `NamespaceCapNotSet`: the next pass sets its percentage once nobody is attached."""
         try:
             mps.namespace_delete(name, missing_ok=True)
         except NodeError as e:
@@ -689,13 +708,25 @@ class _Run:
         keeps the old one, read back), and only a namespace of the same name made again takes
         it. Raises NamespaceBusy when a client is attached (the namespace stays), and
         NamespaceCapUnverified when one attached to the namespace made again before its set."""
+        refused = self._set(mps, name, pct)
+        if refused is not None:
+            self._remake(mps, name, pct, refused)
+        return refused is not None
+
+    def _set(self, mps: MpsControlLike, name: str, pct: int) -> MpsError | None:
+        """Sets the percentage of `name`: None when it took, the daemon's refusal when it turns
+        away another than the one MPS fixed (`_SET_REFUSED`). Raises any other failure, which
+        leaves the namespace holding what it held."""
         try:
             mps.namespace_set_active_thread_percentage(name, pct)
-            return False
         except MpsError as e:
             if e.reason not in _SET_REFUSED:
                 raise
-            refused = e
+            return e
+        return None
+
+    def _remake(self, mps: MpsControlLike, name: str, pct: int, refused: MpsError) -> None:
+        """Deletes `name` and makes it again to take `pct`, which the daemon `refused`."""
         try:
             mps.namespace_delete(name)
         except MpsError as e:
@@ -710,7 +741,6 @@ class _Run:
             mps.namespace_set_active_thread_percentage(name, pct)
         except NodeError as e:
             raise self._not_set(mps, name, pct, e) from None
-        return True
 
     # cgroup limits -----------------------------------------------------------------------------
 

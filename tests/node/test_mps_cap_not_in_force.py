@@ -7,6 +7,7 @@ restarted sandbox's) lets a client attach to it uncapped."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from kai_fractions.contract import DEFAULT_KEYS
@@ -189,3 +190,69 @@ def test_a_namespace_a_list_answer_left_out_is_read_back_not_taken_for_a_fresh_o
     assert rig.marker_path(uid).read_text() == written
     assert not (rig.marker_path(uid).parent / SET_ASIDE_FILE).exists()
     assert _gate(rig, uid) is Outcome.RELEASE
+
+
+def test_a_namespace_left_without_its_cap_before_an_agent_restart_goes_when_its_set_fails(
+        short_tmp: Path) -> None:
+    """A restarted agent does not know it made the namespace (`Engine._fresh` is memory): its
+    read back shows no percentage, nobody is attached, and the set fails again (a busy daemon).
+    It is deleted as a fresh one is, and made again by the next pass."""
+    rig = Rig(short_tmp)
+    uid, name = _sm_pod(rig)
+    control = rig.mps.control
+    control.kill()
+    control.inject("namespace_set_active_thread_percentage", MpsError("MpsDaemonBusy", "busy"))
+    control.inject("namespace_delete", MpsError("MpsDaemonBusy", "busy"))
+    rig.step()
+    assert _result(rig, uid).reason == "NamespaceCapNotSet"
+    assert control.namespaces[name].active_thread_percentage is None
+    new = rig.restarted()
+    control.inject("namespace_set_active_thread_percentage", MpsError("MpsDaemonBusy", "busy"))
+    assert not new.step().converged
+    r = _result(new, uid)
+    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING, "MpsDaemonBusy",
+                                                      True)
+    assert name not in control.namespaces  # nothing to attach to uncapped
+    _not_vouched_for(new, uid)
+    _applied_again(new, uid, name)
+
+
+def test_a_namespace_read_back_without_its_cap_goes_only_when_nobody_is_attached(
+        tmp_path: Path) -> None:
+    """Its set failing, the namespace is deleted only when a client list read after the set
+    shows nobody attached: a client that attached fixed what it holds (the next pass reads it
+    back), and one that cannot be listed is left as it is."""
+    node = Node(tmp_path / "cgroup")
+    node.apply(sm_pod())
+    busy = MpsError("MpsDaemonBusy", "busy")
+    set_pct = node.mps.namespace_set_active_thread_percentage
+
+    def failing_set(before: Callable[[], None]) -> None:
+        def once(name: str, pct: int) -> None:
+            node.mps.namespace_set_active_thread_percentage = set_pct  # type: ignore[method-assign]
+            before()
+            raise busy
+        node.mps.namespace_set_active_thread_percentage = once  # type: ignore[method-assign]
+
+    def without_cap() -> None:  # as an agent before a restart left it
+        node.mps.namespaces[NS_A].active_thread_percentage = None
+        node.engine = node.new_engine()
+
+    def apply() -> None:
+        r = node.apply(sm_pod()).containers[(UID_A, "main")]
+        assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING,
+                                                          "MpsDaemonBusy", True)
+
+    without_cap()
+    failing_set(lambda: node.mps.inject("client_list", busy))
+    apply()
+    assert node.mps.namespaces[NS_A].active_thread_percentage is None
+    failing_set(lambda: node.mps.attach_client(4242, NS_A))
+    apply()
+    assert node.mps.namespaces[NS_A].clients == {4242}
+    node.mps.detach_client(4242)
+    failing_set(lambda: None)
+    apply()
+    assert NS_A not in node.mps.namespaces
+    assert node.apply(sm_pod()).containers[(UID_A, "main")].state is ContainerState.APPLIED
+    assert node.mps.namespaces[NS_A].active_thread_percentage == 25
