@@ -213,7 +213,8 @@ def test_bad_calls_get_a_status_not_a_trace(running: Rig) -> None:
             call(request, timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert e.value.details() == (
-            "pod.uid: must be the pod's metadata.uid, a UUID (8-4-4-4-12 hexadecimal digits), "
+            "pod.uid: must be the pod's metadata.uid, a lower-case UUID (8-4-4-4-12 hexadecimal "
+            "digits, as the API server writes it), "
             "got '../x': it names the pod's cgroup and marker directory")
     assert running.reconciler.pods.provisioned == {}
 

@@ -140,18 +140,26 @@ _POD_UID_RULE = CgroupLayout()
 UID, a UUID, which is stricter than the marker directory's."""
 
 
-def _valid_uid(context: grpc.ServicerContext, uid: str) -> str:
-    """`uid`, or the call ends with INVALID_ARGUMENT before anything is stored or written: it
-    names the pod's cgroup and marker directory. A uid no cgroup can be named by would be kept
-    provisioned, with a marker, yet never limited."""
+def _names_a_pod_cgroup(uid: str) -> bool:
     try:
         _POD_UID_RULE.pod_path(uid, QosClass.GUARANTEED)
     except ValueError:
+        return False
+    return True
+
+
+def _valid_uid(context: grpc.ServicerContext, uid: str) -> str:
+    """`uid`, or the call ends with INVALID_ARGUMENT before anything is stored or written: it
+    names the pod's cgroup and marker directory. A uid no cgroup can be named by would be kept
+    provisioned, with a marker, yet never limited. The cgroup code's rule takes either case
+    (it reads what the kubelet wrote), but the API server writes a uid in lower case and the
+    kubelet names the cgroup, and the gate its marker directory, by it as it is: an upper-case
+    twin would be kept provisioned yet never limited, or counted beside the lower-case one."""
+    if uid != uid.lower() or not _names_a_pod_cgroup(uid):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"pod.uid: must be the pod's metadata.uid, a UUID (8-4-4-4-12 hexadecimal "
-                      f"digits), got {shown(uid)}: it names the pod's cgroup and marker "
-                      "directory")
-        raise  # abort raises; this line is for readers and type checkers
+                      f"pod.uid: must be the pod's metadata.uid, a lower-case UUID (8-4-4-4-12 "
+                      f"hexadecimal digits, as the API server writes it), got {shown(uid)}: it "
+                      "names the pod's cgroup and marker directory")
     return uid
 
 
