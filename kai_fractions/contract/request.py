@@ -450,6 +450,16 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
                       warnings=tuple(c.warnings))
 
 
+FRACTION_LIMIT_NOT_BOUND = (
+    "beside gpu-fraction, upstream KAI main may never bind this pod: its binder writes the "
+    "container's NvFractions memory limit from it, and KAI's own admission webhook refuses "
+    "that limit beside gpu-fraction on the binder's pod update (kai-scheduler/api utilities/"
+    "resources/gpu_sharing_validation.go, ValidateGPUFractionRequest); to let a container "
+    "burst, use gpu-memory with gpu-memory.limit, or its NvFractions request and limit keys")
+"""Warned on an unbound pod: a patched KAI, or one whose webhook lets its binder through,
+binds it, and the node agent enforces it, so it is not refused."""
+
+
 def _before_bind(pod: PodView, keys: k.Keys, container: str, c: _Collector) -> None:
     """The legacy keys, and NvFractions keys beside them, as KAI's admission judges a pod it
     has not bound (upstream kai-scheduler/api utilities/resources/gpu_sharing_validation.go,
@@ -473,13 +483,18 @@ def _before_bind(pod: PodView, keys: k.Keys, container: str, c: _Collector) -> N
                 f"gpu-fraction-container-name names or the first one "
                 f"({fraction_limit_target!r}): name {container!r} with "
                 "gpu-fraction-container-name", a[k.GPU_FRACTION_LIMIT], container)
+    burst = next((key for key in (k.GPU_FRACTION_LIMIT, keys.portion_limit(container))
+                  if a.get(key)), None)
+    if a.get(k.GPU_FRACTION) and burst is not None:
+        c.warn(burst, FRACTION_LIMIT_NOT_BOUND, a[burst], container)
     limit_key = keys.container(container, k.MEMORY_LIMIT)
     if limit_key not in a:
         return
     limit = a[limit_key]
     if a.get(k.GPU_FRACTION):
         c.error(limit_key, "may not be combined with gpu-fraction in a pod not bound yet (KAI "
-                "refuses the pair); limit a fraction with gpu-fraction.limit", limit, container)
+                "refuses the pair); to let a container burst, use gpu-memory with "
+                "gpu-memory.limit, or its NvFractions request and limit keys", limit, container)
     elif a.get(k.GPU_MEMORY) and k.GPU_MEMORY_LIMIT not in a:
         c.error(limit_key, "may not be combined with gpu-memory in a pod not bound yet (KAI "
                 "refuses the pair); give the limit as gpu-memory.limit", limit, container)

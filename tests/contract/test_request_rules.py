@@ -604,7 +604,8 @@ def test_precedence_nvfractions_over_gpu_memory() -> None:
 
 @pytest.mark.parametrize(("annotations", "key", "rule"), [
     ({LIM: "2Gi", "gpu-fraction": "0.5"}, LIM, "may not be combined with gpu-fraction in a pod "
-     "not bound yet (KAI refuses the pair); limit a fraction with gpu-fraction.limit"),
+     "not bound yet (KAI refuses the pair); to let a container burst, use gpu-memory with "
+     "gpu-memory.limit, or its NvFractions request and limit keys"),
     ({REQ: "1Gi", LIM: "2Gi", "gpu-fraction": "0.5"}, LIM, None),
     ({LIM: "2Gi", "gpu-memory": "1000"}, LIM, "may not be combined with gpu-memory in a pod not "
      "bound yet (KAI refuses the pair); give the limit as gpu-memory.limit"),
@@ -675,3 +676,31 @@ def test_legacy_keys_on_a_pod_without_containers() -> None:
     err = only_error({"gpu-fraction": "0.5"}, ())
     assert err.key == "gpu-fraction"
     assert err.rule == "the pod has no container to apply it to"
+
+
+@pytest.mark.parametrize(("annotations", "warned"), [
+    ({"gpu-fraction": "0.25", "gpu-fraction.limit": "0.5"}, "gpu-fraction.limit"),
+    ({"gpu-fraction": "0.25", PORTION_LIMIT: "0.5"}, PORTION_LIMIT),
+    # as KAI's webhook leaves it: both, one warning
+    ({"gpu-fraction": "0.25", "gpu-fraction.limit": "0.5", PORTION_LIMIT: "0.5"},
+     "gpu-fraction.limit"),
+    ({"gpu-fraction": "0.25"}, None),
+    ({"gpu-memory": "1000", "gpu-memory.limit": "2Gi"}, None),
+    ({REQ: "1Gi", LIM: "2Gi"}, None),
+    # bound: the binder's keys are there, nothing left to warn of
+    ({"gpu-fraction": "0.25", "gpu-fraction.limit": "0.5", REQ: "20480Mi", LIM: "40960Mi",
+      DEV: GPU_A}, None),
+])
+def test_a_burst_limit_beside_gpu_fraction_warns_that_upstream_kai_may_not_bind_it(
+        annotations, warned) -> None:
+    """Upstream KAI main's binder writes the NvFractions limit from a portion limit, and its
+    own admission webhook refuses that limit beside gpu-fraction on the binder's pod update
+    (kai-scheduler/api utilities/resources/gpu_sharing_validation.go, ValidateGPUFractionRequest:
+    `req.Limit != nil && hasLegacyFraction`; KAI-Scheduler pkg/binder/plugins/nvfractions,
+    TestPreBindSetsGpuMemoryPortionLimitAnnotation). Not an error: a patched KAI binds it."""
+    request = parse_pod(pod(annotations))
+    assert request.errors == ()
+    assert [w.key for w in request.warnings] == ([warned] if warned else [])
+    if warned:
+        assert request.warnings[0].rule.startswith(
+            "beside gpu-fraction, upstream KAI main may never bind this pod")

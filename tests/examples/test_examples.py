@@ -56,7 +56,11 @@ def test_kai_fractions_validate_accepts_every_example(capsys):
     assert len(report["objects"]) == 7  # every Pod and workload (the Queue has no pod)
     for obj in report["objects"]:
         assert obj["fractional_containers"], obj["object"]
-        assert obj["warnings"] == [], obj["object"]
+        # The one known upstream limit (docs/mirror.md): KAI main's own webhook refuses the
+        # limit its binder writes beside gpu-fraction, and validate says so.
+        expected = (["gpu-fraction.limit"] if obj["object"] == "default/gpu-fraction-with-limit"
+                    else [])
+        assert [w["key"] for w in obj["warnings"]] == expected, obj["object"]
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
