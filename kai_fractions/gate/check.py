@@ -40,6 +40,9 @@ class Verdict:
     outcome: Outcome
     message: str
     """One line: why the gate releases, waits or fails."""
+    set_aside: bool = False
+    """It waits because the node agent set this pod's marker aside in this boot: the agent
+    runs, and holds the pod back on purpose."""
 
 
 def _release(message: str) -> Verdict:
@@ -102,6 +105,22 @@ def _earlier_boot(marker: Marker, boot_id: str) -> str:
             "agent to apply them again")
 
 
+SET_ASIDE_REASON = (
+    "the node agent set this pod's readiness marker aside: a limit it had vouched for is not in "
+    "force now (such as an MPS cap after an MPS daemon restart); it writes the marker again "
+    "once the limit is back (the reason: `kai-fractions inspect pod NS/NAME` or the pod's "
+    "events)")
+"""Why the gate waits while the agent holds the pod's marker back (`set_aside` in `judge`)."""
+
+
+def _held_back(set_aside: Marker | None, pod_uid: str, boot_id: str) -> bool:
+    """The agent set this pod's marker aside in this boot. One of an earlier boot was set
+    aside because of the reboot (nothing is known to be out of force now), another pod's is
+    not this gate's to read."""
+    return (set_aside is not None and set_aside.pod_uid == pod_uid
+            and set_aside.boot_id == boot_id)
+
+
 def judge(
     annotations: Mapping[str, str] | None,
     marker: Marker | None,
@@ -111,8 +130,12 @@ def judge(
     boot_id: str,
     containers: Sequence[str] = (),
     init_containers: Sequence[str] = (),
+    set_aside: Marker | None = None,
 ) -> Verdict:
-    """`boot_id`: the host's, now (`kai_fractions.marker.read_boot_id`)."""
+    """`boot_id`: the host's, now (`kai_fractions.marker.read_boot_id`). `set_aside`: the
+    marker the agent moved out of the gate's sight (`kai_fractions.marker.SET_ASIDE_FILE`),
+    when there is one; it vouches for nothing and only words the wait while `marker` is
+    None."""
     earlier = None
     if marker is not None and marker.boot_id != boot_id:
         earlier, marker = _earlier_boot(marker, boot_id), None
@@ -130,6 +153,8 @@ def judge(
         return _fail("the pod's annotations request no GPU fraction, yet the pod carries the "
                      "kai-fractions gate: its GPU env would be empty")
     if marker is None:
+        if earlier is None and _held_back(set_aside, pod_uid, boot_id):
+            return Verdict(Outcome.WAIT, SET_ASIDE_REASON, set_aside=True)
         return _wait(earlier or "the node agent has not written this pod's readiness marker "
                      "yet")
     try:

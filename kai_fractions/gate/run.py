@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..contract import Keys
-from ..marker import MARKER_FILE, MarkerError, read_marker
+from ..marker import MARKER_FILE, SET_ASIDE_FILE, Marker, MarkerError, read_marker
 from .check import Outcome, Verdict, judge
 from .downward import DownwardError, read_annotations
 
@@ -57,7 +57,17 @@ def observe(opts: GateOptions) -> Verdict:
         return Verdict(Outcome.WAIT, f"the pod's annotations cannot be read: {e}")
     return judge(annotations, marker, pod_uid=opts.pod_uid, keys=opts.keys,
                  boot_id=opts.boot_id, containers=opts.containers,
-                 init_containers=opts.init_containers)
+                 init_containers=opts.init_containers,
+                 set_aside=_set_aside(opts) if marker is None else None)
+
+
+def _set_aside(opts: GateOptions) -> Marker | None:
+    """The marker the agent set aside, for the message only (it vouches for nothing); None
+    when there is none or it cannot be read as this pod's."""
+    try:
+        return read_marker(opts.marker_dir, expected_pod_uid=opts.pod_uid, name=SET_ASIDE_FILE)
+    except MarkerError:
+        return None
 
 
 def _write_termination_log(path: Path, line: str, stderr: TextIO) -> None:
@@ -96,11 +106,13 @@ def run_gate(
             last = verdict.message
         remaining = deadline - clock()
         if remaining <= 0:
+            marker = opts.marker_dir / MARKER_FILE
+            where = (f"{marker}, set aside as {opts.marker_dir / SET_ASIDE_FILE}"
+                     if verdict.set_aside else
+                     f"{marker}; is the kai-fractions node agent running on this node?")
             return _give_up(opts, one_line(
                 f"timed out after {opts.timeout:g}s waiting for the node agent to apply this "
-                f"pod's GPU limits: {verdict.message} (marker: "
-                f"{opts.marker_dir / MARKER_FILE}; is the kai-fractions node agent running on "
-                "this node?)"), err)
+                f"pod's GPU limits: {verdict.message} (marker: {where})"), err)
         sleep(min(opts.poll_interval, remaining))
 
 

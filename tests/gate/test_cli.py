@@ -80,3 +80,22 @@ def test_the_gate_imports_no_grpc_and_no_kubernetes_client(tmp_path: Path) -> No
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
                 if line.startswith("import time:")}
     assert not {m for m in imported if m.split(".")[0] in ("grpc", "kubernetes")}
+
+
+def test_the_gate_process_names_a_marker_the_agent_set_aside(tmp_path: Path) -> None:
+    """The node agent moved this pod's marker aside in this boot (an MPS cap not in force): the
+    gate waits, and its message says why rather than asking whether the agent runs."""
+    args = [*pod_files(tmp_path, with_marker=True), "--timeout", "0.05", "--poll-interval", "0.01"]
+    pod_dir = tmp_path / "markers" / UID
+    (pod_dir / "marker.json").rename(pod_dir / "set-aside.json")
+    result = gate(args)
+    line = ("timed out after 0.05s waiting for the node agent to apply this pod's GPU limits: "
+            "the node agent set this pod's readiness marker aside: a limit it had vouched for is "
+            "not in force now (such as an MPS cap after an MPS daemon restart); it writes the "
+            "marker again once the limit is back (the reason: `kai-fractions inspect pod "
+            f"NS/NAME` or the pod's events) (marker: {pod_dir}/marker.json, set aside as "
+            f"{pod_dir}/set-aside.json)\n")
+    assert result.returncode == 1
+    assert (tmp_path / "termination-log").read_text() == line
+    assert result.stderr.endswith(line)
+    assert "is the kai-fractions node agent running" not in result.stderr

@@ -266,3 +266,105 @@ def test_an_unwritable_termination_log_is_reported_not_fatal(tmp_path: Path) -> 
     assert code == 0
     assert err == (f"kai-fractions gate: cannot write the termination message to {tmp_path}/"
                    "no-such-dir/log: No such file or directory\n")
+
+
+SET_ASIDE_REASON = (
+    "the node agent set this pod's readiness marker aside: a limit it had vouched for is not in "
+    "force now (such as an MPS cap after an MPS daemon restart); it writes the marker again "
+    "once the limit is back (the reason: `kai-fractions inspect pod NS/NAME` or the pod's "
+    "events)")
+
+
+def set_aside_verdict(set_aside: Marker | None, marker: Marker | None = None):
+    return judge(bound_annotations(), marker, pod_uid=UID, keys=DEFAULT_KEYS, boot_id=BOOT,
+                 containers=("main", "metrics"), set_aside=set_aside)
+
+
+def test_a_marker_set_aside_in_this_boot_is_named_while_the_gate_waits() -> None:
+    """The agent moved the pod's marker aside on purpose (an MPS cap it relies on is not in
+    force): the gate waits, and says so rather than "not written yet"."""
+    v = set_aside_verdict(applied())
+    assert (v.outcome, v.message, v.set_aside) == (Outcome.WAIT, SET_ASIDE_REASON, True)
+
+
+@pytest.mark.parametrize("kept", ["applied", "refused"])
+def test_a_set_aside_marker_is_never_taken_for_a_marker(kept: str) -> None:
+    """It vouches for nothing: its applied plan releases nothing, its refusal fails nothing."""
+    set_aside = applied() if kept == "applied" else marker_for(
+        {"main": ContainerMarker.refused("InsufficientMemory", "no room")})
+    assert set_aside_verdict(set_aside).outcome is Outcome.WAIT
+    # once the agent writes the marker again, it alone decides
+    assert set_aside_verdict(set_aside, applied()).outcome is Outcome.RELEASE
+
+
+@pytest.mark.parametrize("whose", ["another-pod", "earlier-boot", "no-boot-id"])
+def test_a_set_aside_marker_of_another_pod_or_boot_is_ignored(whose: str) -> None:
+    """An earlier boot's marker is set aside at the agent's start (the reboot cleared its
+    limits; nothing was taken away in this boot), and another pod's is none of this gate's."""
+    containers = dict(applied().containers)
+    set_aside = {
+        "another-pod": marker_for(containers, uid="another-pod-uid"),
+        "earlier-boot": marker_for(containers, boot_id=EARLIER_BOOT),
+        "no-boot-id": Marker(pod_uid=UID, written_at="2026-12-01T10:00:00Z",
+                             containers=containers),
+    }[whose]
+    v = set_aside_verdict(set_aside)
+    assert (v.outcome, v.message, v.set_aside) == (
+        Outcome.WAIT, "the node agent has not written this pod's readiness marker yet", False)
+
+
+def set_aside_file(tmp_path: Path, marker: Marker) -> Path:
+    """The agent's move: marker.json renamed to set-aside.json in the pod's directory."""
+    path = write_marker(tmp_path / "markers", marker)
+    return path.rename(path.with_name("set-aside.json"))
+
+
+def test_run_names_the_set_aside_marker_then_releases_when_it_is_written_again(
+        tmp_path: Path) -> None:
+    clock = FakeClock()
+    opts = setup_pod(tmp_path, bound_annotations(), None)
+    set_aside_file(tmp_path, applied())
+
+    def agent(n: int) -> None:  # the cap is back: the agent writes the marker again
+        if n == 2:
+            write_marker(tmp_path / "markers", applied())
+            (opts.marker_dir / "set-aside.json").unlink()
+
+    clock.on_sleep = agent
+    code, _, _, err = run(opts, clock)
+    assert (code, err, clock.sleeps) == (0, f"waiting: {SET_ASIDE_REASON}\n", [0.5, 0.5])
+
+
+def test_run_times_out_on_a_set_aside_marker_without_doubting_the_agent(tmp_path: Path) -> None:
+    opts = setup_pod(tmp_path, bound_annotations(), None)
+    set_aside_file(tmp_path, applied())
+    code, log, _, err = run(opts, FakeClock())
+    line = (f"timed out after 2s waiting for the node agent to apply this pod's GPU limits: "
+            f"{SET_ASIDE_REASON} (marker: {tmp_path}/markers/{UID}/marker.json, set aside as "
+            f"{tmp_path}/markers/{UID}/set-aside.json)\n")
+    assert code == 1
+    assert log == line
+    assert err == f"waiting: {SET_ASIDE_REASON}\n" + line
+
+
+@pytest.mark.parametrize("content", ["another-pod", "earlier-boot", "malformed", "directory"])
+def test_run_ignores_a_set_aside_file_it_cannot_take_for_this_pods(tmp_path: Path,
+                                                                   content: str) -> None:
+    """Not this pod's, not this boot's, or no marker at all: the message is the plain one (the
+    file is not a marker, so nothing about it is worth a "not valid")."""
+    opts = setup_pod(tmp_path, bound_annotations(), None)
+    opts.marker_dir.mkdir()  # the kubelet's, for the gate's mount
+    path = opts.marker_dir / "set-aside.json"
+    if content == "another-pod":
+        set_aside_file(tmp_path, marker_for(dict(applied().containers), uid="another-pod-uid"))
+        (tmp_path / "markers" / "another-pod-uid" / "set-aside.json").rename(path)
+    elif content == "earlier-boot":
+        set_aside_file(tmp_path, applied(boot_id=EARLIER_BOOT))
+    elif content == "malformed":
+        path.write_text("{not json")
+    else:
+        path.mkdir()
+    code, log, _, _ = run(opts, FakeClock())
+    assert code == 1
+    assert log == timeout_line("the node agent has not written this pod's readiness marker "
+                               "yet", tmp_path)
