@@ -71,8 +71,21 @@ NAMESPACE_CAP_UNVERIFIED = "NamespaceCapUnverified"
 before its active-thread percentage could be verified in force: they may run uncapped for their
 lifetime, so its container stays pending until they exit."""
 NAMESPACE_CAP_NOT_SET = "NamespaceCapNotSet"
-"""An MPS namespace this engine made holds no active-thread percentage (its set failed) and could
-not be deleted either: a client attaching to it would run uncapped for its lifetime."""
+"""An MPS namespace this engine made (again, e.g. after a daemon restart) does not hold the plan's
+active-thread percentage because the daemon did not take a step of making it: its set failed and
+it was deleted (no client may attach to it uncapped; the next pass makes it again), or could not
+be deleted either (a client attaching to it would run uncapped for its lifetime), or it could not
+be created. The message says which."""
+MPS_PINNED_LIMIT_LOST = "MpsPinnedLimitLost"
+"""The MPS daemon does not hold a GPU's default pinned device memory limit (a restarted daemon
+forgot it; the set's own readback shows another value) and it could not be set again: an MPS
+server started for a client now would run without it. The GPU's namespaces are not made until
+it is."""
+CAP_NOT_IN_FORCE_REASONS = frozenset({NAMESPACE_CAP_UNVERIFIED, NAMESPACE_CAP_NOT_SET,
+                                      MPS_PINNED_LIMIT_LOST})
+"""The reasons of a container pending with `ContainerResult.mps_cap_missing`, and only of such a
+container: whoever reads the reason alone (GetNodeState, the metrics) tells a container whose
+readiness marker is set aside from one pending for a reason that keeps it (a busy daemon)."""
 
 
 def is_our_namespace(name: str) -> bool:
@@ -113,7 +126,9 @@ class ContainerResult:
     `Engine._fresh`, NamespaceCapUnverified), or its GPU's default pinned device memory limit
     (mps-pinned) reads back lost and could not be set again. A client attaching meanwhile may
     run uncapped, so no readiness marker may vouch for the container; other pending reasons
-    (NVML down, a busy daemon, a read that failed) say nothing of what is in force."""
+    (NVML down, a busy daemon, a read that failed) say nothing of what is in force. Its reason
+    is then one of CAP_NOT_IN_FORCE_REASONS (the message names the daemon's own error), and
+    those reasons mean this."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +219,85 @@ def _cap_not_set(name: str, pct: int, set_error: NodeError, delete_error: NodeEr
         f"({delete_error.reason}: {delete_error.message}): a client attaching to it would run "
         "without the cap for its lifetime. The container stays pending; the next pass sets the "
         "percentage before anything attaches, or deletes the namespace"))
+
+
+def _cap_not_set_deleted(name: str, pct: int, set_error: NodeError) -> MpsError:
+    """`name`'s percentage could not be set (`set_error`), and it was deleted for it."""
+    return MpsError(NAMESPACE_CAP_NOT_SET, (
+        f"MPS namespace {name} was made but its active-thread percentage {pct} could not be set "
+        f"({set_error.reason}: {set_error.message}); it was deleted, so that no client attaches "
+        "to it without the cap. The container stays pending, and its readiness marker set aside, "
+        "until the next pass has made it again with the percentage (it retries every pass; if "
+        "this persists, check the MPS control daemon and its log)"))
+
+
+def _cap_not_set_attached(name: str, pct: int, set_error: NodeError, *,
+                          pids: Iterable[int] = (), delete_error: NodeError | None = None
+                          ) -> MpsError:
+    """`name`'s percentage could not be set (`set_error`), and clients (`pids`, when known)
+    attached to it meanwhile: the delete that was to keep them out was refused for them
+    (`delete_error`: NamespaceBusy), or a client list showed them."""
+    pids = list(pids)
+    who = (f"clients (pids {', '.join(map(str, pids))}) attached to it" if pids
+           else "clients attached to it")
+    when = (f" before it could be deleted ({delete_error.reason}: {delete_error.message})"
+            if delete_error is not None else " meanwhile")
+    return MpsError(NAMESPACE_CAP_UNVERIFIED, (
+        f"MPS namespace {name} does not hold the plan's active-thread percentage {pct}, which "
+        f"could not be set ({set_error.reason}: {set_error.message}), and {who}{when}: MPS "
+        "fixes the percentage at the first attach, so they run without the plan's cap for "
+        "their lifetime. The container stays pending until they have exited (restart the "
+        "container's GPU processes, or recreate the pod); the cap is then set before anything "
+        "attaches again"))
+
+
+def _cap_not_made(name: str, pct: int, error: NodeError) -> MpsError:
+    """`name` is not there (a restarted daemon has none) and could not be made (`error`)."""
+    return MpsError(NAMESPACE_CAP_NOT_SET, (
+        f"MPS namespace {name} is not there (a new container's, or one a restarted MPS daemon "
+        f"lost) and could not be made with its active-thread percentage {pct} ({error.reason}: "
+        f"{error.message}). The container stays pending, and its readiness marker set aside, "
+        "until a pass has made it with the percentage (it retries every pass; if this "
+        "persists, check the MPS control daemon and its log)"))
+
+
+def _cap_not_held(name: str, pct: int, error: NodeError) -> MpsError:
+    """`name` is known not to hold `pct` (`Run.uncapped`), and `error` kept it from being
+    given it."""
+    return MpsError(NAMESPACE_CAP_NOT_SET, (
+        f"MPS namespace {name} does not hold the plan's active-thread percentage {pct}, and "
+        f"it could not be given it ({error.reason}: {error.message}): a client attaching to it "
+        "now would not run with the cap. The container stays pending, and its readiness marker "
+        "set aside, until it holds it (the agent retries every pass; if this persists, check "
+        "the MPS control daemon and its log)"))
+
+
+def _cap_not_verified(name: str, pct: int, error: NodeError) -> MpsError:
+    """`name`, made by this engine (`Engine._fresh`), could not be checked for clients that
+    attached before its percentage was set (`error`)."""
+    return MpsError(NAMESPACE_CAP_UNVERIFIED, (
+        f"MPS namespace {name} was made (again, e.g. after an MPS daemon restart) and whether a "
+        f"client attached to it before its active-thread percentage {pct} was set could not be "
+        f"checked ({error.reason}: {error.message}): such a client would run without the cap "
+        "for its lifetime. The container stays pending, and its readiness marker set aside, "
+        "until a client list shows the percentage in force (the agent retries every pass; if "
+        "this persists, check the MPS control daemon and its log)"))
+
+
+def _pinned_lost(index: int, uuid: str, mib: int, held: str | None, error: NodeError
+                 ) -> MpsError:
+    """GPU `index`'s default pinned limit is not the plan's `mib` (`held`: what the daemon read
+    back; None: the set's own readback said so) and could not be set (`error`)."""
+    cause = (f"it reads back {held or 'no limit'} (a restarted daemon forgets it), and it "
+             f"could not be set again ({error.reason}: {error.message})" if held is not None
+             else f"a set of it read back another value ({error.reason}: {error.message})")
+    return MpsError(MPS_PINNED_LIMIT_LOST, (
+        f"the MPS daemon's default pinned device memory limit of GPU {index} ({uuid}) is not "
+        f"the plan's {mib} MiB ({displayed_mem_limit(mib)}): {cause}. An MPS "
+        "server started for a client now would run without it, so the GPU's MPS namespaces are "
+        "not made until it is set; the container stays pending, and its readiness marker set "
+        "aside, until then (the agent retries every pass; if this persists, check the MPS "
+        "control daemon and its log)"))
 
 
 def _namespace_busy(name: str, in_force: str, pct: int) -> MpsError:
@@ -400,9 +494,10 @@ class _Run:
         self.uncapped: set[str] = set()
         """MPS namespaces this pass found not holding the plan's percentage, beyond the
         unverified ones (`Engine._fresh`): see `ContainerResult.mps_cap_missing`."""
-        self.unpinned: set[ContainerKey] = set()
+        self.unpinned: dict[ContainerKey, NodeError] = {}
         """mps-pinned containers whose GPU's default pinned limit this pass found lost and
-        could not set again: see `ContainerResult.mps_cap_missing`."""
+        could not set again, with why (MpsPinnedLimitLost): see
+        `ContainerResult.mps_cap_missing`."""
 
     def fail(self, keys: Iterable[ContainerKey], error: NodeError) -> None:
         for key in keys:
@@ -469,7 +564,7 @@ class _Run:
             users = [c.key for c in needs_mps if Mechanism.MPS_PINNED in c.mechanisms
                      and g.uuid in c.plan.device_uuids]
             try:
-                self.pinned_limit(mps, g.index, g.mps_pinned_mib, users)
+                self.pinned_limit(mps, g.index, g.uuid, g.mps_pinned_mib, users)
             except NodeError as e:
                 self.fail(users, e)
         # A namespace is where a client attaches and an MPS server starts for it: made while
@@ -484,15 +579,17 @@ class _Run:
             return
         self.namespaces(mps, wanted, existing)
 
-    def pinned_limit(self, mps: MpsControlLike, index: int, mib: int,
+    def pinned_limit(self, mps: MpsControlLike, index: int, uuid: str, mib: int,
                      users: list[ContainerKey]) -> None:
-        """The default pinned device memory limit of GPU `index`, `mib` MiB. A daemon that
-        reads back another value (a restart forgot it, another writer) holds no limit the plan
-        can vouch for: until a set succeeds, its `users` are `unpinned`. A read that fails says
-        nothing of what is in force. Raises the read's or the set's error."""
+        """The default pinned device memory limit of GPU `index` (`uuid`), `mib` MiB. A daemon
+        that reads back another value (a restart forgot it, another writer) holds no limit the
+        plan can vouch for: until a set succeeds, its `users` are `unpinned`, and the error
+        raised is MpsPinnedLimitLost. A read that fails says nothing of what is in force.
+        Raises the read's or the set's error."""
         # The readback shows whole GiB only: it tells a daemon that lost the value apart, and
         # what this engine wrote the exact MiB.
-        lost = mps.get_default_pinned_mem_limit(index) != displayed_mem_limit(mib)
+        held = mps.get_default_pinned_mem_limit(index)
+        lost = held != displayed_mem_limit(mib)
         if not lost and self.e._pinned.get(index) == mib:
             return
         self.e._pinned.pop(index, None)
@@ -500,7 +597,9 @@ class _Run:
             mps.set_default_pinned_mem_limit(index, mib)
         except NodeError as e:
             if lost or e.reason == NOT_APPLIED:  # the set's own readback: not the plan's
-                self.unpinned.update(users)
+                error = _pinned_lost(index, uuid, mib, held if lost else None, e)
+                self.unpinned.update(dict.fromkeys(users, error))
+                raise error from None
             raise
         self.e._pinned[index] = mib
 
@@ -605,7 +704,7 @@ class _Run:
         except NodeError as e:
             if e.reason != NAMESPACE_EXISTS:
                 self.uncapped.add(name)  # not there: nothing in force
-                self.fail([c.key], e)
+                self.fail([c.key], _cap_not_made(name, pct, e))
             return
         self.created.append(name)
         self.e._namespace_gone(name)
@@ -670,7 +769,9 @@ class _Run:
             attached = _attached(mps.client_list(), name)
         except NodeError:
             return error
-        return error if attached else self._unmake(mps, name, pct, error)
+        if attached:
+            return _cap_not_set_attached(name, pct, error, pids=attached)
+        return self._unmake(mps, name, pct, error)
 
     def _not_set(self, mps: MpsControlLike, name: str, pct: int, error: NodeError
                  ) -> NodeError:
@@ -690,16 +791,20 @@ class _Run:
 
     def _unmake(self, mps: MpsControlLike, name: str, pct: int, error: NodeError
                 ) -> NodeError:
-        """Deletes `name`, which nobody is attached to and whose percentage could not be set
-        (`error`); the error to report. One that cannot be deleted stays (fresh if it was) and
-        `NamespaceCapNotSet`: the next pass sets its percentage once nobody is attached."""
+        """Deletes `name`, which nobody was seen attached to and whose percentage could not be
+        set (`error`); the error to report: `NamespaceCapNotSet`, saying whether it went. One
+        that cannot be deleted stays (fresh if it was): the next pass sets its percentage once
+        nobody is attached. A delete the daemon refuses because a client has attached since
+        (NamespaceBusy) is `NamespaceCapUnverified`: that client runs without the cap."""
         try:
             mps.namespace_delete(name, missing_ok=True)
         except NodeError as e:
+            if e.reason == NAMESPACE_BUSY:
+                return _cap_not_set_attached(name, pct, error, delete_error=e)
             return _cap_not_set(name, pct, error, e)
         self.deleted.append(name)
         self.e._namespace_gone(name)
-        return error
+        return _cap_not_set_deleted(name, pct, error)
 
     def _set_or_remake(self, mps: MpsControlLike, name: str, pct: int) -> bool:
         """Sets the percentage of `name`, which no client is attached to; True when the
@@ -860,6 +965,20 @@ class _Run:
         return c.key in self.unpinned or (
             name is not None and (name in self.uncapped or name in self.e._fresh))
 
+    def cap_error(self, c: ContainerDesired, error: NodeError) -> NodeError:
+        """The error to report for a container whose MPS cap is known not in force
+        (`cap_missing`): one of CAP_NOT_IN_FORCE_REASONS, so that its reason alone tells it
+        from one pending for a reason that keeps its marker. Where the step that failed first
+        was not about the cap (a client list, the daemon down), the cap's reason names it."""
+        if error.reason in CAP_NOT_IN_FORCE_REASONS:
+            return error
+        if c.key in self.unpinned:
+            return self.unpinned[c.key]
+        name, pct = c.mps_namespace or "", c.active_thread_percentage or 0
+        if name in self.uncapped:
+            return _cap_not_held(name, pct, error)
+        return _cap_not_verified(name, pct, error)
+
     def report(self) -> ApplyReport:
         results: dict[ContainerKey, ContainerResult] = {}
         for r in self.d.refusals:
@@ -875,9 +994,12 @@ class _Run:
                           limits=tuple(self.in_force.get(c.key, ())),
                           container_limit_pending=c.key in self.leaf_pending)
             if error is not None:
+                missing = self.cap_missing(c)
+                if missing:
+                    error = self.cap_error(c, error)
                 results[c.key] = ContainerResult(state=ContainerState.PENDING,
                                                  reason=error.reason, message=error.message,
-                                                 mps_cap_missing=self.cap_missing(c), **common)
+                                                 mps_cap_missing=missing, **common)
             else:
                 results[c.key] = ContainerResult(state=ContainerState.APPLIED, **common)
         return ApplyReport(

@@ -205,8 +205,12 @@ def test_compute_mode_failure_keeps_the_gpus_containers_pending(node: Node) -> N
 def test_mps_error_keeps_the_container_pending(node: Node) -> None:
     node.mps.inject("namespace_create", MpsError("MpsDaemonUnreachable", "no daemon"))
     r = node.apply(sm_pod()).containers[(UID_A, "main")]
-    assert (r.state, r.reason, r.message) == (ContainerState.PENDING, "MpsDaemonUnreachable",
-                                              "no daemon")
+    # no namespace to attach to: the cap is not in force, and the reason says so (the daemon's
+    # own error in the message)
+    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING,
+                                                      "NamespaceCapNotSet", True)
+    assert f"MPS namespace {NS_A} is not there" in r.message
+    assert "(MpsDaemonUnreachable: no daemon)" in r.message
     assert node.apply(sm_pod()).containers[(UID_A, "main")].state is ContainerState.APPLIED
 
 
@@ -539,8 +543,14 @@ def test_a_recreated_namespace_whose_cap_could_not_be_set_is_retried_before_anyo
                     MpsError("MpsDaemonBusy", "busy"))
     report = node.apply(sm_pod())
     r = report.containers[(UID_A, "main")]
-    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING, "MpsDaemonBusy",
-                                                      True)
+    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING,
+                                                      "NamespaceCapNotSet", True)
+    assert r.message == (
+        f"MPS namespace {NS_A} was made but its active-thread percentage 25 could not be set "
+        "(MpsDaemonBusy: busy); it was deleted, so that no client attaches to it without the "
+        "cap. The container stays pending, and its readiness marker set aside, until the next "
+        "pass has made it again with the percentage (it retries every pass; if this persists, "
+        "check the MPS control daemon and its log)")
     # nobody attached yet: deleted at once, so nothing can attach to it without the cap
     assert (report.namespaces_created, report.namespaces_deleted) == ((NS_A,), (NS_A,))
     assert NS_A not in node.mps.namespaces

@@ -17,6 +17,7 @@ from kai_fractions.node.mps import MpsError
 from kai_fractions.sim.nvml import FakeNvml
 from tests.agent.builders import NODE, Rig, binder_annotations, marker_of, pod
 
+from .nodepods import GPU0
 from .test_engine import UID_A, Node, sm_pod
 from .test_mps_cap_not_in_force import _gate, _not_vouched_for, _result
 
@@ -56,8 +57,13 @@ def test_a_pinned_limit_a_restarted_daemon_lost_is_not_vouched_for_until_set_aga
     for _ in range(2):
         assert not rig.step().converged
         r = _result(rig, uid)
+        # its own reason (a busy daemon's keeps the marker), naming the GPU and the limit
         assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING,
-                                                          "MpsDaemonBusy", True)
+                                                          "MpsPinnedLimitLost", True)
+        assert r.message is not None and r.message.startswith(
+            f"the MPS daemon's default pinned device memory limit of GPU 0 ({rig.gpu0}) is "
+            "not the plan's 20480 MiB (20G): it reads back no limit (a restarted daemon "
+            "forgets it), and it could not be set again (MpsDaemonBusy: busy)")
         assert control.default_pinned_mib == {}
         assert control.namespaces == {}  # nothing to attach to (and start a server) unpinned
         _not_vouched_for(rig, uid)
@@ -78,7 +84,12 @@ def test_a_pinned_limit_the_set_reads_back_wrong_is_not_in_force(tmp_path: Path)
     node.engine.forget()  # a resync writes the exact MiB again
     node.mps.inject("set_default_pinned_mem_limit", MpsError("NotApplied", "reads back 19G"))
     r = node.apply(sm_pod()).containers[(UID_A, "main")]
-    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING, "NotApplied", True)
+    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING,
+                                                      "MpsPinnedLimitLost", True)
+    assert r.message is not None and r.message.startswith(
+        f"the MPS daemon's default pinned device memory limit of GPU 0 ({GPU0}) is not the "
+        "plan's 20480 MiB (20G): a set of it read back another value (NotApplied: reads back "
+        "19G). An MPS server started for a client now would run without it")
     # any other failure of that set says nothing of what the daemon holds (it read back right)
     node.engine.forget()
     node.mps.inject("set_default_pinned_mem_limit", BUSY)
