@@ -8,7 +8,9 @@ episode: again only after the usage went back under the cap), `LimitEnforced` (k
 the watchdog drained and stopped a process), the Warning `ProcessNotStopped` (kill mode: a
 process over its cap still runs some time after SIGKILL, stuck in the kernel),
 `PlanChangeRefused` (a running container's annotations changed: the new plan is refused, the
-applied one stays in force), and
+applied one stays in force), the Warning `MpsCapNotInForce` (an MPS cap a container relies on
+is known not in force, so its readiness marker is set aside; once per episode, again only
+after the container was applied in between, whose `Applied` is then sent again), and
 `MpsClientsDrained` / the Warning `MpsDrainFailed` (an sm-sharing pod being deleted was
 drained from MPS before the kubelet's SIGKILL, or could not be: `drain_before_kill`). The
 de-duplication key says what "the same event" is; an event the API did not take is kept and
@@ -43,6 +45,7 @@ PROCESS_NOT_STOPPED = "ProcessNotStopped"
 PLAN_CHANGE_REFUSED = "PlanChangeRefused"
 MPS_CLIENTS_DRAINED = "MpsClientsDrained"
 MPS_DRAIN_FAILED = "MpsDrainFailed"
+MPS_CAP_NOT_IN_FORCE = "MpsCapNotInForce"
 NORMAL = "Normal"
 WARNING = "Warning"
 MAX_BACKLOG = 200

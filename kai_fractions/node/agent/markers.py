@@ -367,9 +367,18 @@ class MarkerWriter:
             log.error("pod %s/%s: its marker no longer vouches for the limits in force and "
                       "could not be removed: %s", ref.namespace, ref.name, e)
             return
-        if removed:
-            log.info("pod %s/%s: %s its marker (no longer the plan in force)", ref.namespace,
-                     ref.name, "set aside" if holds else "removed")
+        if not removed:
+            return
+        done = "set aside" if holds else "removed"
+        uncapped = {n: r for n, r in sorted(results.items()) if r.mps_cap_missing}
+        if uncapped:
+            log.warning("pod %s/%s: %s its marker: an MPS cap is not in force for %s (the plan "
+                        "is unchanged; the marker is written again once the cap is back)",
+                        ref.namespace, ref.name, done, ", ".join(
+                            f"container {n} ({r.reason})" for n, r in uncapped.items()))
+        else:
+            log.info("pod %s/%s: %s its marker (it does not vouch for the plans in force now)",
+                     ref.namespace, ref.name, done)
 
     def _ensure_annotations(self, ref: PodRef, manifest: Mapping[str, Any],
                             plans: Sequence[ContainerPlan], errors: set[str]) -> bool:
@@ -404,7 +413,9 @@ class MarkerWriter:
     def _pending_events(self, ref: PodRef, results: Mapping[str, ContainerResult]) -> None:
         """One event per container waiting for its signature (the follower signs after the
         binder's annotations land) or for its signature's key (a rotation on its way to the
-        node): its owner sees why the gate is still waiting."""
+        node): its owner sees why the gate is still waiting. One per episode of an MPS cap
+        not in force (`_cap_events`)."""
+        self._cap_events(ref, results)
         for name, r in sorted(results.items()):
             if r.state is not ContainerState.PENDING:
                 continue
@@ -417,6 +428,30 @@ class MarkerWriter:
             self.events.emit(ref, ev.WARNING, r.reason,
                              f"container {name}: waiting for {waiting}: {r.message}",
                              key=(r.reason, ref.uid, name))
+
+    def _cap_events(self, ref: PodRef, results: Mapping[str, ContainerResult]) -> None:
+        """A Warning `MpsCapNotInForce` when a container's MPS cap turns out not in force
+        (`ContainerResult.mps_cap_missing`): its marker is set aside, and a client attaching
+        meanwhile may run uncapped. Once per episode: the episode lasts until the container is
+        applied (or refused) again, whatever it is pending for in between, so a reason that
+        changes, or a pass pending for something else, sends nothing new. The `Applied` it had
+        sent is forgotten as the episode begins, so its return is told too (the marker is
+        written again then)."""
+        for name, r in sorted(results.items()):
+            key = (ev.MPS_CAP_NOT_IN_FORCE, ref.uid, name)
+            if r.state is not ContainerState.PENDING:
+                self.events.forget(key)  # the episode is over
+                continue
+            if not r.mps_cap_missing or self.events.seen(key):
+                continue
+            self.events.forget_matching(
+                lambda k, name=name: isinstance(k, tuple) and k[:3] == (ev.APPLIED, ref.uid, name))
+            # What to do is in the engine's message, after the reason: kept short before it
+            # (an event's message is cut at 1024 characters).
+            self.events.emit(ref, ev.WARNING, ev.MPS_CAP_NOT_IN_FORCE, (
+                f"container {name}: an MPS cap it relies on is not in force, so its readiness "
+                "marker is set aside (a gate of the pod waits; Applied follows once the cap is "
+                f"back): {r.reason}: {r.message}"), key=key)
 
     def _marker_events(self, ref: PodRef, results: Mapping[str, ContainerResult]) -> None:
         for name, r in sorted(results.items()):

@@ -1,0 +1,127 @@
+"""What an operator sees of a container whose MPS cap is known not in force (its readiness marker
+set aside, `ContainerResult.mps_cap_missing`): one Warning event `MpsCapNotInForce` per episode,
+naming the container, the reason and its cause, then `Applied` again once the cap is back; a log
+line that says why the marker was set aside (the plan did not change)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kai_fractions.node.mps import MpsError
+from tests.agent.builders import Rig, binder_annotations, pod
+
+BUSY = MpsError("MpsDaemonBusy", "busy")
+
+
+def _sm_pod(rig: Rig) -> str:
+    uid = rig.add(pod("sm", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+                  )["metadata"]["uid"]
+    assert rig.step().converged
+    return uid
+
+
+def _events(rig: Rig, since: int = 0) -> list[tuple[str, str, str]]:
+    return [(e["type"], e["reason"], e["message"]) for e in rig.cluster.events[since:]]
+
+
+def _reasons(rig: Rig, since: int = 0) -> list[str]:
+    return [reason for _type, reason, _message in _events(rig, since)]
+
+
+def _result(rig: Rig, uid: str) -> Any:
+    return rig.reconciler.view.results[(uid, "main")]
+
+
+def test_one_warning_per_episode_and_applied_again_when_the_cap_is_back(short_tmp: Path
+                                                                         ) -> None:
+    rig = Rig(short_tmp)
+    uid = _sm_pod(rig)
+    assert _reasons(rig) == ["Applied"]
+    control = rig.mps.control
+    (name,) = control.namespaces
+    control.kill()
+    control.inject("namespace_set_active_thread_percentage", BUSY, times=3)
+    control.inject("namespace_delete", BUSY, times=3)
+    for _ in range(3):  # one episode, three passes: one event
+        assert not rig.step().converged
+        assert _result(rig, uid).reason == "NamespaceCapNotSet"
+    ((kind, reason, message),) = _events(rig, 1)
+    assert (kind, reason) == ("Warning", "MpsCapNotInForce")
+    assert message.startswith(
+        "container main: an MPS cap it relies on is not in force, so its readiness marker is "
+        "set aside (a gate of the pod waits; Applied follows once the cap is back): "
+        f"NamespaceCapNotSet: MPS namespace {name} was made but its active-thread percentage "
+        "50 could not be set (MpsDaemonBusy: busy), and it could not be deleted either")
+    assert message.endswith("the next pass sets the percentage before anything attaches, or "
+                            "deletes the namespace")
+    assert len(message) <= 1024  # an event's message is cut there
+    assert rig.step().converged
+    # the recovery is told too: Applied again, although its plan digest is the same
+    assert _reasons(rig) == ["Applied", "MpsCapNotInForce", "Applied"]
+    assert rig.step().converged
+    assert _reasons(rig) == ["Applied", "MpsCapNotInForce", "Applied"]
+    # a second episode is a second event
+    control.kill()
+    control.inject("set_default_pinned_mem_limit", BUSY)
+    assert not rig.step().converged
+    assert _result(rig, uid).reason == "MpsPinnedLimitLost"
+    assert rig.step().converged
+    assert _reasons(rig) == ["Applied", "MpsCapNotInForce", "Applied", "MpsCapNotInForce",
+                             "Applied"]
+    assert "MpsPinnedLimitLost: the MPS daemon's default pinned device memory limit of GPU 0" \
+        in _events(rig)[3][2]
+
+
+def test_an_episode_is_one_event_whatever_it_is_pending_for_in_between(short_tmp: Path
+                                                                       ) -> None:
+    """The reason changes, a pass is pending for something that keeps a marker (a busy daemon):
+    still one episode, until the container is applied again."""
+    rig = Rig(short_tmp)
+    uid = _sm_pod(rig)
+    control = rig.mps.control
+    (name,) = control.namespaces
+    create = control.namespace_create
+
+    def create_then_attach(ns: str, **kw: Any) -> None:  # once: the running process reconnects
+        create(ns, **kw)
+        control.attach_client(4242, ns)
+        control.namespace_create = create  # type: ignore[method-assign]
+
+    control.kill()
+    control.inject("namespace_set_active_thread_percentage", BUSY)
+    assert not rig.step().converged
+    assert _result(rig, uid).reason == "NamespaceCapNotSet"  # deleted
+    control.inject("namespace_list", BUSY)
+    assert not rig.step().converged
+    r = _result(rig, uid)
+    assert (r.reason, r.mps_cap_missing) == ("MpsDaemonBusy", False)
+    control.namespace_create = create_then_attach  # type: ignore[method-assign]
+    assert not rig.step().converged
+    assert _result(rig, uid).reason == "NamespaceCapUnverified"
+    assert not rig.step().converged
+    assert _reasons(rig, 1) == ["MpsCapNotInForce"]
+    control.detach_client(4242)
+    assert rig.step().converged
+    assert _reasons(rig, 1) == ["MpsCapNotInForce", "Applied"]
+    assert control.namespaces[name].active_thread_percentage == 50
+
+
+def test_the_log_says_the_marker_is_set_aside_for_a_cap_not_for_another_plan(
+        short_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
+    rig = Rig(short_tmp)
+    _sm_pod(rig)
+    control = rig.mps.control
+    control.kill()
+    control.inject("set_default_pinned_mem_limit", BUSY)
+    with caplog.at_level(logging.INFO, logger="kai_fractions.node.agent.markers"):
+        assert not rig.step().converged
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records
+             if r.name == "kai_fractions.node.agent.markers"]
+    assert lines == [(logging.WARNING, (
+        "pod default/sm: set aside its marker: an MPS cap is not in force for container main "
+        "(MpsPinnedLimitLost) (the plan is unchanged; the marker is written again once the cap "
+        "is back)"))]
