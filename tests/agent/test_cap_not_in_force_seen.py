@@ -125,3 +125,77 @@ def test_the_log_says_the_marker_is_set_aside_for_a_cap_not_for_another_plan(
         "pod default/sm: set aside its marker: an MPS cap is not in force for container main "
         "(MpsPinnedLimitLost) (the plan is unchanged; the marker is written again once the cap "
         "is back)"))]
+
+
+CAP_METRIC = "kai_fractions_container_cap_not_in_force"
+
+
+def _caps(rig: Rig) -> list[dict[str, str]]:
+    """The labels of every kai_fractions_container_cap_not_in_force sample (each reads 1)."""
+    out = []
+    for family in rig.agent.metrics.registry.collect():
+        for s in family.samples:
+            if s.name == CAP_METRIC:
+                assert s.value == 1, s
+                out.append(dict(s.labels))
+    return out
+
+
+def _cap(uid: str, reason: str) -> dict[str, str]:
+    return {"node": "node-a", "namespace": "default", "pod": "sm", "pod_uuid": uid,
+            "container": "main", "reason": reason}
+
+
+def test_a_series_per_container_while_its_cap_is_not_in_force(short_tmp: Path) -> None:
+    rig = Rig(short_tmp)
+    uid = _sm_pod(rig)
+    control = rig.mps.control
+    create = control.namespace_create
+    assert _caps(rig) == []
+    control.inject("namespace_list", BUSY)  # a busy daemon says nothing of the caps: none
+    assert not rig.step().converged
+    assert _caps(rig) == []
+    control.kill()
+    control.inject("namespace_set_active_thread_percentage", BUSY)
+    control.inject("namespace_delete", BUSY)
+    assert not rig.step().converged
+    assert _caps(rig) == [_cap(uid, "NamespaceCapNotSet")]
+    rig.reconciler.check_usage()  # a watchdog check sets the other series; this one stays
+    assert _caps(rig) == [_cap(uid, "NamespaceCapNotSet")]
+
+    def create_then_attach(ns: str, **kw: Any) -> None:  # once: the process reconnects
+        create(ns, **kw)
+        control.attach_client(4242, ns)
+        control.namespace_create = create  # type: ignore[method-assign]
+
+    control.kill()
+    control.namespace_create = create_then_attach  # type: ignore[method-assign]
+    assert not rig.step().converged
+    assert _caps(rig) == [_cap(uid, "NamespaceCapUnverified")]  # the reason it has now only
+    control.detach_client(4242)
+    assert rig.step().converged
+    assert _caps(rig) == []  # in force again: the series goes
+
+
+def test_the_series_goes_with_its_pod(short_tmp: Path) -> None:
+    rig = Rig(short_tmp)
+    uid = _sm_pod(rig)
+    kept = rig.add(pod("kept", notes=binder_annotations(devices=rig.gpu1, mode="sm-sharing"))
+                   )["metadata"]["uid"]
+    assert rig.step().converged
+    rig.mps.control.kill()
+    rig.mps.control.inject("set_default_pinned_mem_limit", BUSY, times=100)
+    assert not rig.step().converged
+    assert sorted(_caps(rig), key=lambda c: c["pod"]) == [
+        {**_cap(kept, "MpsPinnedLimitLost"), "pod": "kept"}, _cap(uid, "MpsPinnedLimitLost")]
+    rig.cluster.delete_pod(uid)
+    assert not rig.step().converged
+    assert _caps(rig) == [{**_cap(kept, "MpsPinnedLimitLost"), "pod": "kept"}]
+    # NVML down: no pass plans, yet a pod deleted meanwhile leaves no series
+    rig.nvml.fail("init", "DriverNotLoaded", times=None)
+    rig.nvml.fail("driver_version", "DriverNotLoaded", times=None)
+    rig.step()
+    assert _caps(rig) == [{**_cap(kept, "MpsPinnedLimitLost"), "pod": "kept"}]
+    rig.cluster.delete_pod(kept)
+    rig.step()
+    assert _caps(rig) == []

@@ -7,8 +7,8 @@ Two families of names:
   `container` label would split a pod's series, and the normalized value does not add up.
 - `kai_fractions_*`: what upstream has no word for, per container (the labels above plus
   `node` and `container`) and per node (`node`): requested, capped and used memory, SM use and
-  share, limit violations, refusals, GPU memory, node readiness and the agent's own health
-  (passes, MPS daemon restarts and drains, API requests).
+  share, limit violations, refusals, MPS caps not in force, GPU memory, node readiness and the
+  agent's own health (passes, MPS daemon restarts and drains, API requests).
 
 Every series of a container (and of its pod) goes when it leaves the node's desired state, so
 a deleted pod leaves no stale series behind; a known container with no usage reads 0. So the
@@ -31,7 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 from ...metrics_http import MetricsEndpoint
 from ...signing import Reason as SignatureReason
 from ..desired import ContainerKey, DesiredState, RefusalReason
-from ..engine import ContainerState
+from ..engine import ContainerResult, ContainerState
 from ..inventory import Inventory
 
 FINAL_REASONS = (
@@ -44,6 +44,9 @@ the binder) and SignatureMissing (a wait for the mirror's signature) never are."
 
 UPSTREAM_LABELS = ("namespace", "pod", "pod_uuid", "gpu_uuid", "gpu")
 CONTAINER_LABELS = ("node", "namespace", "pod", "pod_uuid", "container", "gpu_uuid", "gpu")
+REASON_LABELS = ("node", "namespace", "pod", "pod_uuid", "container", "reason")
+"""A container's series that says why (kai_fractions_container_refused, ..._cap_not_in_force)."""
+CAP_NOT_IN_FORCE = "kai_fractions_container_cap_not_in_force"
 
 # Help strings as upstream metricsd registers them (its dashboards show them).
 UPSTREAM_HELP = {
@@ -160,7 +163,13 @@ class AgentMetrics:
             c, registry=r))
         self._refused = gauge("kai_fractions_container_refused",
                               "1 for each container the agent refuses, by reason.",
-                              ("node", "namespace", "pod", "pod_uuid", "container", "reason"))
+                              REASON_LABELS)
+        self._cap_not_in_force = gauge(
+            CAP_NOT_IN_FORCE, "1 for each container an MPS cap it relies on is known not to be "
+            "in force for (its MPS namespace's active-thread percentage, its GPU's default "
+            "pinned device memory limit), by the reason it is pending: its readiness marker is "
+            "set aside, and a client of it that attached meanwhile may run uncapped.",
+            REASON_LABELS)
         self.refusals = Counter(
             "kai_fractions_node_container_refusals", "Containers the agent began to refuse, "
             "by reason (counted when the refusal starts; it outlives the pod's own series).",
@@ -303,6 +312,18 @@ class AgentMetrics:
                 if labels is not None:
                     self._violations.child(labels).inc()
             self._violating = now
+
+    def count_caps(self, results: Iterable[ContainerResult]) -> None:
+        """`kai_fractions_container_cap_not_in_force`: 1 for each container pending with an MPS
+        cap known not in force (`ContainerResult.mps_cap_missing`), by reason; every other
+        series goes (its container applied again, or another reason now, or its pod gone)."""
+        with self._lock:
+            for r in results:
+                if r.state is ContainerState.PENDING and r.mps_cap_missing:
+                    namespace, pod, _container = r.ref.split("/", 2)
+                    self._cap_not_in_force.set((self.node, namespace, pod, r.key.pod_uid,
+                                                r.key.container, r.reason or ""), 1)
+            self._cap_not_in_force.sweep()
 
     def count_states(self, states: Iterable[ContainerState]) -> None:
         counts = dict.fromkeys(ContainerState, 0)

@@ -230,6 +230,7 @@ class Reconciler:
         if self.links is not None:
             self.links.tidy(desired)
         self.metrics.count_states(r.state for r in results.values())
+        self.metrics.count_caps(results.values())
         self.metrics.update(desired, self.view.usage, inventory)
         self._metrics_inventory = inventory
         self.view = NodeView(inventory=inventory, desired=desired,
@@ -290,6 +291,7 @@ class Reconciler:
                     if r.state is ContainerState.APPLIED else r)
                 for k, r in results.items() if k.pod_uid in self.pods.known})
             self.metrics.count_states(r.state for r in results.values())
+            self.metrics.count_caps(results.values())
         self.view = dataclasses.replace(
             self.view, inventory=inventory, results=results,
             pods=MappingProxyType(dict(self.pods.known)),
