@@ -152,6 +152,8 @@ VIOLATED = per_container(VIOLATIONS, "0x5 1x20", **GPU)
 NODE_VIOLATIONS = "kai_fractions_node_gpu_memory_limit_violations_total"
 NODE_VIOLATED = agent(NODE_VIOLATIONS, "0x5 1x20", node=NODE_1)
 REFUSED = "kai_fractions_container_refused"
+CAP = "kai_fractions_container_cap_not_in_force"
+CAP_MISSING = {"node": NODE_1, "namespace": "team-a", "pod": "train-0", "container": "trainer"}
 REFUSALS = "kai_fractions_node_container_refusals_total"
 ERRORS = "kai_fractions_reconcile_errors_total"
 MPS_RESTARTED = agent("kai_fractions_mps_daemon_restarts_total", "0+1x40")
@@ -262,6 +264,17 @@ CASES = (
                  "container": "trainer", "reason": "MemoryOvercommitted"}]),
     case("KaiFractionsContainerRefused", "refused for less than its for",
          per_container(REFUSED, "1x20", node=NODE_1, reason="MemoryOvercommitted"), at="4m"),
+    case("KaiFractionsMpsCapNotInForce", "a cap not in force for 3 minutes",
+         per_container(CAP, "1x10", node=NODE_1, reason="NamespaceCapNotSet"),
+         at="3m", fires=[CAP_MISSING]),
+    case("KaiFractionsMpsCapNotInForce", "its reason changed: one episode, its for not over",
+         per_container(CAP, "1x1 stale", node=NODE_1, reason="NamespaceCapNotSet"),
+         per_container(CAP, "_x1 1x10", node=NODE_1, reason="NamespaceCapUnverified"),
+         at="3m", fires=[CAP_MISSING]),
+    case("KaiFractionsMpsCapNotInForce", "not in force for less than its for",
+         per_container(CAP, "1x10", node=NODE_1, reason="MpsPinnedLimitLost"), at="1m"),
+    case("KaiFractionsMpsCapNotInForce", "back in force (applied again): the series went",
+         per_container(CAP, "1x2 stale", node=NODE_1, reason="NamespaceCapNotSet"), at="6m"),
     case("KaiFractionsNodeRefusedGonePods", "the refused pod is gone",
          agent(REFUSALS, "0x5 1x20", node=NODE_1, reason="DeviceNotOnNode"),
          agent(REFUSALS, "0x25", node=NODE_1, reason="MemoryOvercommitted"),
@@ -448,6 +461,9 @@ MUTATIONS = {  # what breaks -> (alert, a part of its expression, what replaces 
         "(max_over_time(ALERTS", "or on (node, reason) (max by (node, reason) "
         "(max_over_time(ALERTS"),
     "404 counted as refused": ("KaiFractionsNodeAgentWritesRefused", "|404|", "|"),
+    "the reason kept apart": ("KaiFractionsMpsCapNotInForce",
+                              "by (node, namespace, pod, container)",
+                              "by (node, namespace, pod, container, reason)"),
     "the excluded reasons": ("KaiFractionsReconcileErrors",
                              '{reason!~"SignatureMissing|NotBound"}', ""),
 }
