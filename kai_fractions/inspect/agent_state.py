@@ -2,8 +2,8 @@
 
 `AgentState` is filled from the agent's NodeEnforcer socket (everything: devices, allocations
 with their state, usage, the condition) or from its Prometheus endpoint (usage per container and
-GPU only); `unreachable(why)` records why neither answered, so the report can say so instead of
-guessing.
+GPU, and the containers whose MPS cap it knows not in force); `unreachable(why)` records why
+neither answered, so the report can say so instead of guessing.
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ class AgentAllocation:
     """applied | refused | pending; "" when the source does not say (metrics)."""
     reason: str = ""
     message: str = ""
+    cap_not_in_force: bool = False
+    """The agent's metrics say an MPS cap the container relies on is known not in force
+    (`kai_fractions_container_cap_not_in_force`; `reason` says why): it is pending, its
+    readiness marker set aside, whatever its gate did before. The socket says so in `state`
+    and `reason` (and leaves this False)."""
     used_bytes: int | None = None
     """Over all the container's GPUs."""
     used_by_gpu: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))

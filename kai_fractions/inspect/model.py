@@ -11,7 +11,9 @@ container comes from, in this order:
 1. the node agent's refusal, when it answered (the cause, with its reason);
 2. a gate that exited non-zero: refused with its termination message (the workload did not
    start, whatever the agent says now);
-3. the node agent's `applied` -> enforced, `pending` with its reason;
+3. the node agent's `applied` -> enforced, `pending` with its reason; off the node, its metrics
+   saying an MPS cap of the container is not in force -> pending with that reason (its marker
+   is set aside: a gate that released before says nothing of what is in force now);
 4. the gate init container's other states: exited 0 -> enforced, running -> waiting;
 5. otherwise what the pod says: not bound yet -> unscheduled; bound without a gate -> ungated
    (the admission webhook did not wire it: its limits are not guaranteed before it starts).
@@ -438,6 +440,8 @@ def _state(pod: Mapping[str, Any], node: str, container: str, gate: tuple[str, s
         return gate
     if found is not None and found.state in _AGENT_STATES:
         return _AGENT_STATES[found.state], found.reason, found.message
+    if found is not None and found.cap_not_in_force:
+        return PENDING, found.reason, found.message
     if gate is not None:
         return gate
     if not node:

@@ -25,6 +25,7 @@ from .agent_state import (
 
 DEFAULT_AGENT_SOCKET = "/run/kai-fractions/agent.sock"
 MEMORY_USED_METRIC = "kai_fractions_container_gpu_memory_used_bytes"
+CAP_NOT_IN_FORCE_METRIC = "kai_fractions_container_cap_not_in_force"
 AGENT_TIMEOUT = 3.0
 
 
@@ -245,6 +246,52 @@ def parse_usage(text: str) -> dict[tuple[str, str, str], dict[str, int]]:
     return out
 
 
+def parse_caps(text: str) -> dict[tuple[str, str, str], tuple[str, str]]:
+    """(namespace, pod, container) -> (pod uid, reason) of each container whose MPS cap the
+    agent's Prometheus text says is not in force (a series at 1)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, str, str], tuple[str, str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name != CAP_NOT_IN_FORCE_METRIC or sample.value < 1:
+                continue
+            labels = sample.labels
+            key = (labels.get("namespace", ""), labels.get("pod", ""),
+                   labels.get("container", ""))
+            found = (labels.get("pod_uuid", ""), labels.get("reason", ""))
+            out[key] = min(out.get(key, found), found)  # one series per container: stable
+    return out
+
+
+def _cap_message() -> str:
+    return ("the node agent's metrics say an MPS cap this container relies on is not in force: "
+            "its readiness marker is set aside (a gate of the pod waits), and a "
+            "client of it that attached meanwhile may run uncapped, whatever its gate did "
+            "before. The pod's MpsCapNotInForce event says why and what to do (on the node, "
+            "--agent-socket gives the agent's own message)")
+
+
+def from_metrics_text(text: str, source: str) -> AgentState:
+    """AgentState from the agent's Prometheus text: each container's usage per GPU, and the
+    containers whose MPS cap is known not in force (`AgentAllocation.cap_not_in_force`).
+    Raises ValueError for text that is not Prometheus's."""
+    usage = parse_usage(text)
+    caps = parse_caps(text)
+    allocations = []
+    for key in sorted(usage.keys() | caps.keys()):
+        namespace, pod, container = key
+        by_gpu = usage.get(key)
+        uid, reason = caps.get(key, ("", ""))
+        allocations.append(AgentAllocation(
+            namespace=namespace, pod=pod, container=container, uid=uid,
+            reason=reason, message=_cap_message() if key in caps else "",
+            cap_not_in_force=key in caps,
+            used_bytes=sum(by_gpu.values()) if by_gpu is not None else None,
+            used_by_gpu=MappingProxyType(dict(by_gpu or {}))))
+    return AgentState(source=source, allocations=tuple(allocations))
+
+
 def read_metrics(url: str, timeout: float = AGENT_TIMEOUT) -> str:
     """The text a Prometheus endpoint serves at `url`; raises SourceError with the reason."""
     try:
@@ -267,15 +314,9 @@ def agent_from_metrics(url: str, timeout: float = AGENT_TIMEOUT) -> AgentState:
     except SourceError as e:
         return unreachable(source, e.message)
     try:
-        usage = parse_usage(text)
+        return from_metrics_text(text, source)
     except ValueError as e:
         return unreachable(source, f"not Prometheus text: {e}")
-    allocations = tuple(
-        AgentAllocation(namespace=ns, pod=pod, container=container,
-                        used_bytes=sum(by_gpu.values()),
-                        used_by_gpu=MappingProxyType(dict(by_gpu)))
-        for (ns, pod, container), by_gpu in sorted(usage.items()))
-    return AgentState(source=source, allocations=allocations)
 
 
 def merged(socket: AgentState, metrics: AgentState) -> AgentState:

@@ -3,9 +3,11 @@ a node agent reached through a NodeEnforcer unix socket or a Prometheus endpoint
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
+from collections.abc import Iterator
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -254,11 +256,19 @@ kai_fractions_container_gpu_memory_used_bytes{{container="x",gpu="1",gpu_uuid="{
 """  # noqa: E501
 
 
-@pytest.fixture
-def metrics_url():
+CAP_NOT_IN_FORCE = """\
+# HELP kai_fractions_container_cap_not_in_force 1 for each container an MPS cap it relies on is known not to be in force for.
+# TYPE kai_fractions_container_cap_not_in_force gauge
+kai_fractions_container_cap_not_in_force{{container="main",namespace="team-a",node="n",pod="notebook",pod_uuid="{uid}",reason="MpsPinnedLimitLost"}} 1.0
+"""  # noqa: E501
+
+
+@contextlib.contextmanager
+def serving(text: str) -> Iterator[str]:
+    """HOST:PORT of a Prometheus endpoint serving `text` at /metrics."""
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
-            body = METRICS.encode() if self.path == "/metrics" else b"nope"
+            body = text.encode() if self.path == "/metrics" else b"nope"
             self.send_response(200 if self.path == "/metrics" else 404)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.end_headers()
@@ -270,9 +280,17 @@ def metrics_url():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def metrics_url():
+    with serving(METRICS) as url:
+        yield url
 
 
 def test_agent_metrics(cluster: Path, metrics_url: str, capsys) -> None:
@@ -283,6 +301,32 @@ def test_agent_metrics(cluster: Path, metrics_url: str, capsys) -> None:
     assert data["agent"]["source"] == f"metrics http://{metrics_url}/metrics"
     row = data["gpus"][0]["allocations"][0]
     assert (row["used_bytes"], row["state"]) == (4096 * MIB, "enforced")
+
+
+def test_agent_metrics_say_an_mps_cap_is_not_in_force(cluster: Path, kube: KubeServer,
+                                                      capsys) -> None:
+    """Off the node (no socket), the gate's exit 0 of long ago is not taken for enforced while
+    the agent's metrics say an MPS cap of the container is not in force now; a pod of the same
+    name but another uid (recreated) is not that container."""
+    uid = kube.core.read_namespaced_pod("notebook", "team-a").metadata.uid
+    for pod_uuid, state, reason in ((uid, "pending", "MpsPinnedLimitLost"),
+                                    ("dddddddd-0000-4000-8000-000000000004", "enforced",
+                                     "GateReleased")):
+        with serving(METRICS + CAP_NOT_IN_FORCE.format(uid=pod_uuid)) as url:
+            code, out, _ = _inspect(capsys, "pod", "team-a/notebook", "--kubeconfig",
+                                    str(cluster), "--agent-metrics", url, "-o", "json")
+            assert code == 0
+            row = json.loads(out)["gpus"][0]["allocations"][0]
+            assert (row["state"], row["reason"]) == (state, reason)
+            if state == "enforced":
+                continue
+            assert (row["used_bytes"], row["tier"]) == (4096 * MIB, "-")
+            assert row["message"].startswith(
+                "the node agent's metrics say an MPS cap this container relies on is not in "
+                "force: its readiness marker is set aside")
+            code, out, _ = _inspect(capsys, "pod", "team-a/notebook", "--kubeconfig",
+                                    str(cluster), "--agent-metrics", url)
+            assert "pending (MpsPinnedLimitLost)" in out and "enforced" not in out
 
 
 def test_agent_metrics_not_reachable(cluster: Path, capsys) -> None:

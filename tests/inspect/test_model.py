@@ -361,3 +361,32 @@ def test_the_tier_is_a_dash_unless_enforced_or_refused():
     assert {r.pod: (r.state, r.tier) for r in rows} == {
         "pending": ("pending", "-"), "waiting": ("waiting", "-"), "ungated": ("ungated", "-"),
         "invalid": ("invalid", "-"), "refused": ("refused", "none")}
+
+
+def test_off_the_node_a_container_whose_mps_cap_is_not_in_force_is_pending_not_enforced():
+    """The agent's metrics (no socket) say an MPS cap of the container is not in force: its
+    marker is set aside, so the gate's exit 0 of long ago says nothing of what is in force now.
+    Pending with the reason, still counted in its GPU's requested memory (the agent holds its
+    plan); a gate that failed still wins (the workload did not start)."""
+    released = gate_status(bind(memory_pod("a", UID_A, "8Gi"), (GPU0,)), exit_code=0)
+    failed = gate_status(bind(memory_pod("b", UID_B, "4Gi"), (GPU0,)), exit_code=1,
+                         message="timed out")
+    cap = "the node agent's metrics say an MPS cap this container relies on is not in force"
+    agent = AgentState(source="metrics http://x/metrics", allocations=(
+        AgentAllocation("team-a", "a", "main", UID_A, reason="NamespaceCapUnverified",
+                        message=cap, cap_not_in_force=True, used_bytes=MIB,
+                        used_by_gpu=MappingProxyType({GPU0: MIB})),
+        AgentAllocation("team-a", "b", "main", UID_B, reason="MpsPinnedLimitLost",
+                        message=cap, cap_not_in_force=True)))
+    [gpu] = node_report(NODE, node(), [released, failed], agent).gpus
+    rows = {r.pod: r for r in gpu.rows}
+    a = rows["a"]
+    assert (a.state, a.reason, a.message, a.tier, a.used_bytes, a.accounted) == (
+        "pending", "NamespaceCapUnverified", cap, "-", MIB, True)
+    assert (rows["b"].state, rows["b"].reason) == ("refused", "GateFailed")
+    assert gpu.requested_bytes == 8192 * MIB
+    # the usage of a container the metrics say nothing more of: the gate's word, as before
+    usage_only = AgentState(source="metrics http://x/metrics", allocations=(
+        AgentAllocation("team-a", "a", "main", used_bytes=MIB),))
+    [row] = node_report(NODE, node(), [released], usage_only).rows
+    assert (row.state, row.reason, row.tier) == ("enforced", "GateReleased", "n/a")

@@ -1,0 +1,39 @@
+"""`kai-fractions inspect --agent-metrics`: what the node agent's Prometheus text says of each
+container, read from text the agent's own metrics code writes."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from kai_fractions.inspect import sources
+from kai_fractions.node.agent.metrics import AgentMetrics
+from kai_fractions.node.desired import ContainerKey
+from kai_fractions.node.engine import ContainerResult, ContainerState
+
+UID_A = "aaaaaaaa-0000-4000-8000-000000000001"
+UID_B = "bbbbbbbb-0000-4000-8000-000000000002"
+
+
+def _result(uid: str, pod: str, state: ContainerState, reason: str | None = None,
+            missing: bool = False) -> ContainerResult:
+    return ContainerResult(key=ContainerKey(uid, "main"), ref=f"team-a/{pod}/main", state=state,
+                           reason=reason, mps_cap_missing=missing)
+
+
+def test_a_container_whose_mps_cap_is_not_in_force_is_read_with_its_uid_and_reason() -> None:
+    metrics = AgentMetrics("node-a")
+    metrics.count_caps([
+        _result(UID_A, "a", ContainerState.PENDING, "MpsPinnedLimitLost", missing=True),
+        _result(UID_B, "b", ContainerState.PENDING, "MpsDaemonBusy")])  # keeps its marker
+    state = sources.from_metrics_text(generate_latest(metrics.registry).decode(), "metrics http://x")
+    (a,) = state.allocations
+    assert (a.namespace, a.pod, a.container, a.uid, a.state, a.reason, a.cap_not_in_force) == (
+        "team-a", "a", "main", UID_A, "", "MpsPinnedLimitLost", True)
+    assert a.message.startswith("the node agent's metrics say an MPS cap this container relies "
+                                "on is not in force: its readiness marker is set aside")
+    assert a.used_bytes is None  # no usage series read: not known
+    assert not state.knows_limits
+    # applied again: the series went, and nothing is said of it
+    metrics.count_caps([_result(UID_A, "a", ContainerState.APPLIED)])
+    assert sources.from_metrics_text(generate_latest(metrics.registry).decode(),
+                             "metrics http://x").allocations == ()
