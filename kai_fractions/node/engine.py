@@ -975,6 +975,8 @@ class _Run:
         if c.key in self.unpinned:
             return self.unpinned[c.key]
         name, pct = c.mps_namespace or "", c.active_thread_percentage or 0
+        if error.reason == NAMESPACE_BUSY:  # the daemon says clients are attached: uncapped
+            return _cap_not_set_attached(name, pct, error)
         if name in self.uncapped:
             return _cap_not_held(name, pct, error)
         return _cap_not_verified(name, pct, error)

@@ -370,3 +370,23 @@ def test_a_namespace_whose_verification_cannot_be_read_is_unverified(tmp_path: P
         "client attached to it before its active-thread percentage 25 was set could not be "
         "checked (MpsDaemonBusy: busy)")
     assert node.apply(sm_pod()).containers[(UID_A, "main")].state is ContainerState.APPLIED
+
+
+def test_a_namespace_without_its_cap_that_clients_keep_from_its_remake_is_unverified(
+        tmp_path: Path) -> None:
+    """Read back without the plan's percentage, nobody listed: the daemon refuses the set and
+    then the delete that would make it again, both for clients attached (NamespaceBusy). Those
+    clients run without the plan's cap: NamespaceCapUnverified, not NamespaceCapNotSet."""
+    node = Node(tmp_path / "cgroup")
+    assert node.apply(sm_pod()).converged
+    node.mps.namespaces[NS_A].active_thread_percentage = None  # as an agent before left it
+    node.engine = node.new_engine()
+    attached = MpsError("NamespaceBusy", "clients are attached")
+    node.mps.inject("namespace_set_active_thread_percentage", attached)
+    node.mps.inject("namespace_delete", attached)
+    r = node.apply(sm_pod()).containers[(UID_A, "main")]
+    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING,
+                                                      "NamespaceCapUnverified", True)
+    assert r.message is not None and r.message.startswith(
+        f"MPS namespace {NS_A} does not hold the plan's active-thread percentage 25, which could "
+        "not be set (NamespaceBusy: clients are attached), and clients attached to it meanwhile")
