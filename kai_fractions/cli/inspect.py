@@ -52,7 +52,8 @@ def register(sub) -> None:
                        help="the node agent's NodeEnforcer unix socket (on the node; default: "
                        "/run/kai-fractions/agent.sock when it exists)")
         q.add_argument("--agent-metrics", metavar="URL",
-                       help="the node agent's Prometheus endpoint (used memory only): its "
+                       help="the node agent's Prometheus endpoint (used memory, and a "
+                       "container whose MPS cap is not in force, as pending): its "
                        "pod's IP and port 9400, or http://127.0.0.1:9400 through kubectl "
                        "port-forward (the chart's agent has no host port)")
         q.add_argument("--output", "-o", default="table", choices=("table", "json", "yaml"),

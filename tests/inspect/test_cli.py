@@ -359,7 +359,8 @@ def test_the_help_names_every_state(capsys) -> None:
     for state in (model.ENFORCED, model.REFUSED, model.PENDING, model.WAITING,
                   model.UNSCHEDULED, model.UNGATED, model.INVALID):
         assert re.search(rf"\b{state}\b", text), state
-    # The plan and the state need the socket (the metrics give used memory only).
+    # The plan and the state need the socket (the metrics give used memory, and a container
+    # whose MPS cap is not in force).
     assert "or, with --agent-socket, from the node agent's plan" in text
     assert "The state comes from the node agent's socket (--agent-socket" in text
     for said in ("n/a without --agent-socket", "OverLimit", "PlanChangeRefused"):
