@@ -4,9 +4,11 @@ Level-triggered and idempotent: every call reads what the GPU, the cgroup tree a
 daemon say now and writes only the difference, so an engine started over any state (an agent
 restart, a crash between two writes) converges to the desired state, and a second `apply` of
 the same state writes nothing. The little private state it keeps (which cgroups are known
-clean, which MPS namespace caps and pinned limits it set) only saves reads, except one fact no
-read gives back: which MPS namespaces it created whose cap is not verified in force yet (a client
-may have attached before it was set), which keeps their containers pending (`Engine._fresh`).
+clean, which MPS namespace caps and pinned limits it set) only saves reads, except facts no
+read gives back, which keep their containers pending: which MPS namespaces it created whose cap
+is not verified in force yet (a client may have attached before it was set: `Engine._fresh`),
+and which GPUs' default pinned limits it found lost and has not set since, and which namespaces
+were there while they were (`Engine.pins`, `kai_fractions.node.mps_pinned`).
 
 A container is reported `applied` only when everything its plan needs is in force: its GPUs'
 compute mode, its MPS namespace and pinned limit, and the cgroup limit on its pod's slice
@@ -37,8 +39,8 @@ from .desired import (
 from .errors import NodeError, NvmlError
 from .limit_ledger import LEDGER_NOT_WRITTEN, LimitLedger, MemoryLimitLedger
 from .memory_limits import LimitWrite, MemoryLimitEnforcer
-from .mps.control import displayed_mem_limit
 from .mps.errors import COMMAND_FAILED, NAMESPACE_BUSY, NAMESPACE_EXISTS, NOT_APPLIED, MpsError
+from .mps_pinned import MPS_PINNED_LIMIT_LOST, PinnedLimits, suspect_error
 from .nvml import DeviceInfo, GpuComputeMode, Nvml
 
 log = logging.getLogger(__name__)
@@ -76,11 +78,6 @@ active-thread percentage because the daemon did not take a step of making it: it
 it was deleted (no client may attach to it uncapped; the next pass makes it again), or could not
 be deleted either (a client attaching to it would run uncapped for its lifetime), or it could not
 be created. The message says which."""
-MPS_PINNED_LIMIT_LOST = "MpsPinnedLimitLost"
-"""The MPS daemon does not hold a GPU's default pinned device memory limit (a restarted daemon
-forgot it; the set's own readback shows another value) and it could not be set again: an MPS
-server started for a client now would run without it. The GPU's namespaces are not made until
-it is."""
 CAP_NOT_IN_FORCE_REASONS = frozenset({NAMESPACE_CAP_UNVERIFIED, NAMESPACE_CAP_NOT_SET,
                                       MPS_PINNED_LIMIT_LOST})
 """The reasons of a container pending with `ContainerResult.mps_cap_missing`, and only of such a
@@ -124,7 +121,8 @@ class ContainerResult:
     not hold the plan's active-thread percentage (not there: not made, or deleted because its
     percentage could not be set; or there without it: set failed, or not verified:
     `Engine._fresh`, NamespaceCapUnverified), or its GPU's default pinned device memory limit
-    (mps-pinned) reads back lost and could not be set again. A client attaching meanwhile may
+    (mps-pinned) reads back lost and is not set again since, or its namespace was there while
+    that limit was lost (`PinnedLimits.suspect`). A client attaching meanwhile may
     run uncapped, so no readiness marker may vouch for the container; other pending reasons
     (NVML down, a busy daemon, a read that failed) say nothing of what is in force. Its reason
     is then one of CAP_NOT_IN_FORCE_REASONS (the message names the daemon's own error), and
@@ -284,22 +282,6 @@ def _cap_not_verified(name: str, pct: int, error: NodeError) -> MpsError:
         "this persists, check the MPS control daemon and its log)"))
 
 
-def _pinned_lost(index: int, uuid: str, mib: int, held: str | None, error: NodeError
-                 ) -> MpsError:
-    """GPU `index`'s default pinned limit is not the plan's `mib` (`held`: what the daemon read
-    back; None: the set's own readback said so) and could not be set (`error`)."""
-    cause = (f"it reads back {held or 'no limit'} (a restarted daemon forgets it), and it "
-             f"could not be set again ({error.reason}: {error.message})" if held is not None
-             else f"a set of it read back another value ({error.reason}: {error.message})")
-    return MpsError(MPS_PINNED_LIMIT_LOST, (
-        f"the MPS daemon's default pinned device memory limit of GPU {index} ({uuid}) is not "
-        f"the plan's {mib} MiB ({displayed_mem_limit(mib)}): {cause}. An MPS "
-        "server started for a client now would run without it, so the GPU's MPS namespaces are "
-        "not made until it is set; the container stays pending, and its readiness marker set "
-        "aside, until then (the agent retries every pass; if this persists, check the MPS "
-        "control daemon and its log)"))
-
-
 def _namespace_busy(name: str, in_force: str, pct: int) -> MpsError:
     """Clients attached to `name` run with another percentage than the plan's `pct`
     (`in_force` says which, and how it is known)."""
@@ -358,10 +340,9 @@ class Engine:
         read after that set which shows none of them attached (a client that attached in
         between, e.g. a running container's process reconnecting after a daemon restart, may
         run uncapped). Not a cache: `forget()` keeps it; it goes with the namespace."""
-        self._pinned: dict[int, int] = {}
-        """MiB this engine wrote as the MPS default pinned device memory limit, per GPU index:
-        the daemon reads it back in whole GiB only, so a change within the same GiB is seen
-        here. Dropped by `forget()` (the next apply writes the value again)."""
+        self.pins = PinnedLimits()
+        """The MPS default pinned device memory limits: MiB written (a cache), GPUs whose limit
+        is known lost and namespaces that may hold a server started without it (not caches)."""
         self._last: DesiredState | None = None
 
     def _save_ledger(self) -> list[Issue]:
@@ -382,12 +363,13 @@ class Engine:
         namespace's percentage it can (a periodic resync)."""
         self._clean.clear()
         self._atp_checked.clear()
-        self._pinned.clear()
+        self.pins.forget()
 
     def _namespace_gone(self, name: str) -> None:
         self._atp.pop(name, None)
         self._atp_checked.discard(name)
         self._fresh.discard(name)
+        self.pins.suspect.discard(name)  # deleted, or made while the pinned limit is in force
 
     # -- apply ------------------------------------------------------------------------------
 
@@ -395,6 +377,7 @@ class Engine:
               ) -> ApplyReport:
         """`mps_down`: why the node's MPS control daemon is unusable this pass (the agent's
         health check), if it is: every sm-sharing container then stays pending."""
+        self.pins.suspect.intersection_update(desired.mps_namespaces)  # their containers went
         run = _Run(self, desired, mps_down)
         run.go()
         self._last = desired
@@ -494,10 +477,10 @@ class _Run:
         self.uncapped: set[str] = set()
         """MPS namespaces this pass found not holding the plan's percentage, beyond the
         unverified ones (`Engine._fresh`): see `ContainerResult.mps_cap_missing`."""
-        self.unpinned: dict[ContainerKey, NodeError] = {}
-        """mps-pinned containers whose GPU's default pinned limit this pass found lost and
-        could not set again, with why (MpsPinnedLimitLost): see
-        `ContainerResult.mps_cap_missing`."""
+        self.unpinned: set[ContainerKey] = set()
+        """mps-pinned containers whose GPU's default pinned limit this pass could not read back
+        or set: no namespace of theirs is made or touched (a client attaching would start an
+        MPS server that may lack it)."""
 
     def fail(self, keys: Iterable[ContainerKey], error: NodeError) -> None:
         for key in keys:
@@ -558,17 +541,9 @@ class _Run:
         if self.mps_down is not None:
             self.fail((c.key for c in needs_mps), self.mps_down)
             return
-        for g in self.d.gpus:
-            if g.mps_pinned_mib is None:
-                continue
-            users = [c.key for c in needs_mps if Mechanism.MPS_PINNED in c.mechanisms
-                     and g.uuid in c.plan.device_uuids]
-            try:
-                self.pinned_limit(mps, g.index, g.uuid, g.mps_pinned_mib, users)
-            except NodeError as e:
-                self.fail(users, e)
+        self.pinned_limits(mps, needs_mps)
         # A namespace is where a client attaches and an MPS server starts for it: made while
-        # the pinned limit is known lost, it would let a server start without it.
+        # the pinned limit is not known in force, it may let a server start without it.
         wanted = [c for c in needs_mps if c.mps_namespace and c.key not in self.unpinned]
         if not wanted:
             return
@@ -578,30 +553,31 @@ class _Run:
             self.fail((c.key for c in wanted), e)
             return
         self.namespaces(mps, wanted, existing)
+        if self.created:
+            self.pinned_limits(mps, needs_mps, made=set(self.created))
 
-    def pinned_limit(self, mps: MpsControlLike, index: int, uuid: str, mib: int,
-                     users: list[ContainerKey]) -> None:
-        """The default pinned device memory limit of GPU `index` (`uuid`), `mib` MiB. A daemon
-        that reads back another value (a restart forgot it, another writer) holds no limit the
-        plan can vouch for: until a set succeeds, its `users` are `unpinned`, and the error
-        raised is MpsPinnedLimitLost. A read that fails says nothing of what is in force.
-        Raises the read's or the set's error."""
-        # The readback shows whole GiB only: it tells a daemon that lost the value apart, and
-        # what this engine wrote the exact MiB.
-        held = mps.get_default_pinned_mem_limit(index)
-        lost = held != displayed_mem_limit(mib)
-        if not lost and self.e._pinned.get(index) == mib:
-            return
-        self.e._pinned.pop(index, None)
-        try:
-            mps.set_default_pinned_mem_limit(index, mib)
-        except NodeError as e:
-            if lost or e.reason == NOT_APPLIED:  # the set's own readback: not the plan's
-                error = _pinned_lost(index, uuid, mib, held if lost else None, e)
-                self.unpinned.update(dict.fromkeys(users, error))
-                raise error from None
-            raise
-        self.e._pinned[index] = mib
+    def pinned_limits(self, mps: MpsControlLike, needs_mps: list[ContainerDesired],
+                      made: set[str] | None = None) -> None:
+        """Each GPU's default pinned limit (`PinnedLimits.ensure`): its mps-pinned containers
+        are `unpinned` while it is not known in force. `made`: only the GPUs of the namespaces
+        this pass made, read back after the creates: a daemon someone else restarted in
+        between (the agent's own restarts come between passes) holds none, and a server
+        started in one would have none; those are made again (`_repin`) by a later pass."""
+        for g in self.d.gpus:
+            users = [c for c in needs_mps if Mechanism.MPS_PINNED in c.mechanisms
+                     and g.uuid in c.plan.device_uuids
+                     and (made is None or c.mps_namespace in made)]
+            if g.mps_pinned_mib is None or (made is not None and not users):
+                continue
+            try:
+                self.e.pins.ensure(mps, g.index, g.uuid, g.mps_pinned_mib,
+                                   [c.mps_namespace for c in users if c.mps_namespace])
+            except NodeError as e:
+                self.fail((c.key for c in users), e)
+                self.unpinned.update(c.key for c in users)
+            for c in users:
+                if made is not None and c.mps_namespace in self.e.pins.suspect:
+                    self.fail([c.key], suspect_error(c.mps_namespace or ""))
 
     def namespaces(self, mps: MpsControlLike, wanted: list[ContainerDesired],
                    existing: set[str]) -> None:
@@ -620,6 +596,7 @@ class _Run:
             """A step of this method failed for the container (not an earlier one)."""
             return key in self.failed and key not in before
 
+        self._repin(mps, wanted, existing)
         for c in wanted:
             name, pct = c.mps_namespace, c.active_thread_percentage
             assert name is not None and pct is not None
@@ -692,6 +669,41 @@ class _Run:
                 self.e._atp_checked.add(name)
             except NodeError as e:
                 self.fail([c.key], e)
+        for c in wanted:  # not made again this pass (`_repin`): a server in it may lack the limit
+            if c.mps_namespace is not None and c.mps_namespace in self.e.pins.suspect:
+                self.fail([c.key], suspect_error(c.mps_namespace))
+
+    def _repin(self, mps: MpsControlLike, wanted: list[ContainerDesired],
+               existing: set[str]) -> None:
+        """Namespaces that were there while their GPU's default pinned limit was lost
+        (`PinnedLimits.suspect`), now that it is in force again: each nobody is attached to is
+        deleted (and dropped from `existing`), for `_make` to make it again, so a server
+        started in it from now on gets the limit. One with clients attached stays, its
+        container pending until they exit. One not there holds no server: `_make` makes it."""
+        stale = [c for c in wanted
+                 if c.mps_namespace in existing and c.mps_namespace in self.e.pins.suspect]
+        if not stale:
+            return
+        try:
+            clients = list(mps.client_list())
+        except NodeError as e:
+            self.fail((c.key for c in stale), e)
+            return
+        for c in stale:
+            name = c.mps_namespace
+            assert name is not None
+            attached = _attached(clients, name)
+            if attached:
+                self.fail([c.key], suspect_error(name, pids=attached))
+                continue
+            try:
+                mps.namespace_delete(name)
+            except NodeError as e:
+                self.fail([c.key], e)  # a client attached in between, or a busy daemon
+                continue
+            self.deleted.append(name)
+            self.e._namespace_gone(name)
+            existing.discard(name)
 
     def _make(self, mps: MpsControlLike, c: ContainerDesired, name: str, pct: int,
               set_now: set[str]) -> None:
@@ -962,8 +974,21 @@ class _Run:
 
     def cap_missing(self, c: ContainerDesired) -> bool:
         name = c.mps_namespace
-        return c.key in self.unpinned or (
-            name is not None and (name in self.uncapped or name in self.e._fresh))
+        return self.pin_lost(c) is not None or (name is not None and (
+            name in self.uncapped or name in self.e._fresh or name in self.e.pins.suspect))
+
+    def pin_lost(self, c: ContainerDesired, since: NodeError | None = None
+                 ) -> MpsError | None:
+        """MpsPinnedLimitLost while a GPU of the mps-pinned container `c` is known to lack its
+        default pinned limit (`PinnedLimits.lost`); `since`: this pass's failure."""
+        if Mechanism.MPS_PINNED not in c.mechanisms:
+            return None
+        for g in self.d.gpus:
+            if g.uuid in c.plan.device_uuids and g.mps_pinned_mib is not None:
+                lost = self.e.pins.lost_error(g.index, since)
+                if lost is not None:
+                    return lost
+        return None
 
     def cap_error(self, c: ContainerDesired, error: NodeError) -> NodeError:
         """The error to report for a container whose MPS cap is known not in force
@@ -972,9 +997,12 @@ class _Run:
         was not about the cap (a client list, the daemon down), the cap's reason names it."""
         if error.reason in CAP_NOT_IN_FORCE_REASONS:
             return error
-        if c.key in self.unpinned:
-            return self.unpinned[c.key]
+        lost = self.pin_lost(c, error)
+        if lost is not None:
+            return lost
         name, pct = c.mps_namespace or "", c.active_thread_percentage or 0
+        if name in self.e.pins.suspect:
+            return suspect_error(name, error=error)
         if error.reason == NAMESPACE_BUSY:  # the daemon says clients are attached: uncapped
             return _cap_not_set_attached(name, pct, error)
         if name in self.uncapped:

@@ -128,6 +128,8 @@ def test_apply_enforces_everything_the_plan_needs(node: Node) -> None:
         ("namespace_create", (NS_A,)),
         ("namespace_set_active_thread_percentage", (NS_A, 25)),
         ("client_list", ()),
+        # read back after the create: a daemon restarted in between would hold no limit
+        ("get_default_pinned_mem_limit", (0,)),
         ("namespace_list", ()),
     ]
     assert node.mps.namespaces[NS_A].active_thread_percentage == 25

@@ -90,9 +90,145 @@ def test_a_pinned_limit_the_set_reads_back_wrong_is_not_in_force(tmp_path: Path)
         f"the MPS daemon's default pinned device memory limit of GPU 0 ({GPU0}) is not the "
         "plan's 20480 MiB (20G): a set of it read back another value (NotApplied: reads back "
         "19G). An MPS server started for a client now would run without it")
-    # any other failure of that set says nothing of what the daemon holds (it read back right)
+    # known lost until a set succeeds: a set that fails for another reason keeps it so
+    node.engine.forget()
+    node.mps.inject("set_default_pinned_mem_limit", BUSY)
+    r = node.apply(sm_pod()).containers[(UID_A, "main")]
+    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING,
+                                                      "MpsPinnedLimitLost", True)
+    assert r.message is not None and "it is not known set since (MpsDaemonBusy: busy)" in r.message
+    assert node.apply(sm_pod()).containers[(UID_A, "main")].state is ContainerState.APPLIED
+    # once set, any other failure of that set says nothing of what the daemon holds (it read
+    # back right)
     node.engine.forget()
     node.mps.inject("set_default_pinned_mem_limit", BUSY)
     r = node.apply(sm_pod()).containers[(UID_A, "main")]
     assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING, "MpsDaemonBusy",
                                                       False)
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_a_pinned_limit_known_lost_stays_lost_while_its_read_fails(
+        short_tmp: Path, setup: str) -> None:
+    """Found lost, then unreadable (a busy daemon): nothing says it was set since, so its
+    containers stay pending with the loss and no namespace of theirs is made (a client attaching
+    would start an MPS server without it). Only a set that succeeds ends it."""
+    rig = Rig(short_tmp, **SETUPS[setup]())
+    uid = rig.add(pod("sm", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+                  )["metadata"]["uid"]
+    assert rig.step().converged
+    control = rig.mps.control
+    names = set(control.namespaces)
+    control.kill()
+    control.inject("set_default_pinned_mem_limit", BUSY)
+    assert not rig.step().converged
+    assert _result(rig, uid).reason == "MpsPinnedLimitLost"
+    control.inject("get_default_pinned_mem_limit", MpsError("MpsDaemonBusy", "read busy"))
+    assert not rig.step().converged
+    r = _result(rig, uid)
+    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING,
+                                                      "MpsPinnedLimitLost", True)
+    assert r.message is not None and r.message.startswith(
+        f"the MPS daemon's default pinned device memory limit of GPU 0 ({rig.gpu0}) is not "
+        "the plan's 20480 MiB (20G): it reads back no limit (a restarted daemon forgets it), "
+        "and it could not be set again (MpsDaemonBusy: busy); it is not known set since "
+        "(MpsDaemonBusy: read busy)")
+    assert control.namespaces == {}  # nothing to attach to, and start a server, unpinned
+    _not_vouched_for(rig, uid)
+    assert rig.step().converged  # set, then the namespaces made
+    assert control.default_pinned_mib == {0: 20480}
+    assert set(control.namespaces) == names
+    assert marker_of(rig, uid)["containers"]["main"]["state"] == "applied"
+
+
+def test_no_namespace_is_made_while_the_pinned_limit_is_not_read(short_tmp: Path) -> None:
+    """A restarted daemon whose pinned limit the first pass cannot read: whether it holds one
+    is not known, so the namespaces wait for a pass that reads or sets it."""
+    rig = Rig(short_tmp)
+    uid = rig.add(pod("sm", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+                  )["metadata"]["uid"]
+    assert rig.step().converged
+    control = rig.mps.control
+    control.kill()
+    control.inject("get_default_pinned_mem_limit", BUSY)
+    assert not rig.step().converged
+    assert (_result(rig, uid).reason, _result(rig, uid).mps_cap_missing) == ("MpsDaemonBusy",
+                                                                             False)
+    assert control.namespaces == {}
+    assert rig.step().converged
+    assert control.default_pinned_mib == {0: 20480} and len(control.namespaces) == 1
+
+
+@pytest.mark.parametrize("attached", [False, True], ids=["nobody-attached", "client-attached"])
+def test_a_namespace_there_while_the_pinned_limit_was_lost_is_made_again(
+        short_tmp: Path, attached: bool) -> None:
+    """The daemon lost its default pinned limit while the namespace was there (not through a
+    restart, which takes the namespaces too): an MPS server started in it meanwhile runs without
+    the limit, and nothing tells such a server apart. Once the limit is set again the namespace
+    is made again before it is vouched for, when nobody is attached; a client attached may be on
+    such a server, so the container stays pending until it exits."""
+    rig = Rig(short_tmp)
+    uid = rig.add(pod("sm", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+                  )["metadata"]["uid"]
+    assert rig.step().converged
+    control = rig.mps.control
+    (name,) = control.namespaces
+    if attached:
+        control.attach_client(4242, name)
+    control.default_pinned_mib.clear()  # lost, the namespace still there
+    rig.step()
+    assert control.default_pinned_mib == {0: 20480}
+    r = _result(rig, uid)
+    if attached:
+        assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING,
+                                                          "MpsPinnedLimitLost", True)
+        assert r.message is not None and r.message.startswith(
+            f"MPS namespace {name} was there while the default pinned device memory limit of "
+            "its GPU was lost")
+        assert "clients (pids 4242) are attached" in r.message
+        assert control.namespaces[name].clients == {4242}  # the running pod is left alone
+        _not_vouched_for(rig, uid)
+        assert not rig.step().converged  # still attached: still pending
+        control.detach_client(4242)
+        rig.step()
+    assert _result(rig, uid).state is ContainerState.APPLIED
+    created = [args[0] for m, args in control.calls if m == "namespace_create"]
+    assert created.count(name) == 2  # made, then made again once the limit was back
+    assert control.namespaces[name].active_thread_percentage == 50
+    assert marker_of(rig, uid)["containers"]["main"]["state"] == "applied"
+    assert _gate(rig, uid) is Outcome.RELEASE
+
+
+def test_a_namespace_made_after_a_restart_behind_the_pinned_set_is_made_again(
+        short_tmp: Path) -> None:
+    """Someone else restarts the daemon between the agent's pinned set and its namespace
+    create: the namespace is made in a daemon without the limit. The limit read back after the
+    create shows it, so the pass vouches for nothing, and the next makes the namespace again
+    once the limit is set."""
+    rig = Rig(short_tmp)
+    uid = rig.add(pod("sm", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+                  )["metadata"]["uid"]
+    assert rig.step().converged
+    control = rig.mps.control
+    (name,) = control.namespaces
+    listed = control.namespace_list
+
+    def restarted_then_listed(timeout=None) -> list[str]:  # once
+        control.namespace_list = listed  # type: ignore[method-assign]
+        control.kill()
+        control.start()
+        return listed(timeout)
+
+    control.namespace_list = restarted_then_listed  # type: ignore[method-assign]
+    assert not rig.step().converged
+    r = _result(rig, uid)
+    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING,
+                                                      "MpsPinnedLimitLost", True)
+    assert r.message is not None and r.message.startswith(
+        f"MPS namespace {name} was there while the default pinned device memory limit")
+    _not_vouched_for(rig, uid)
+    n = len(control.calls)
+    assert rig.step().converged
+    assert [m for m, _ in control.calls[n:]].count("namespace_delete") == 1
+    assert control.namespaces[name].active_thread_percentage == 50
+    assert marker_of(rig, uid)["containers"]["main"]["state"] == "applied"
