@@ -120,7 +120,8 @@ class ContainerResult:
     """An MPS cap the container relies on is known not to be in force: its MPS namespace does
     not hold the plan's active-thread percentage (not there: not made, or deleted because its
     percentage could not be set; or there without it: set failed, or not verified:
-    `Engine._fresh`, NamespaceCapUnverified), or its GPU's default pinned device memory limit
+    `Engine._fresh`, NamespaceCapUnverified; known until put right, whatever a later pass
+    fails at first: `Engine._uncapped`), or its GPU's default pinned device memory limit
     (mps-pinned) reads back lost and is not set again since, or its namespace was there while
     that limit was lost (`PinnedLimits.suspect`). A client attaching meanwhile may
     run uncapped, so no readiness marker may vouch for the container; other pending reasons
@@ -260,7 +261,7 @@ def _cap_not_made(name: str, pct: int, error: NodeError) -> MpsError:
 
 
 def _cap_not_held(name: str, pct: int, error: NodeError) -> MpsError:
-    """`name` is known not to hold `pct` (`Run.uncapped`), and `error` kept it from being
+    """`name` is known not to hold `pct` (`Engine._uncapped`), and `error` kept it from being
     given it."""
     return MpsError(NAMESPACE_CAP_NOT_SET, (
         f"MPS namespace {name} does not hold the plan's active-thread percentage {pct}, and "
@@ -340,6 +341,13 @@ class Engine:
         read after that set which shows none of them attached (a client that attached in
         between, e.g. a running container's process reconnecting after a daemon restart, may
         run uncapped). Not a cache: `forget()` keeps it; it goes with the namespace."""
+        self._uncapped: set[str] = set()
+        """MPS namespaces known not to hold their plan's percentage, beyond the unverified ones
+        (`_fresh`): deleted because it could not be set, not made, left without it. Kept
+        until a percentage is set or verified there, or their container goes, so that a pass
+        failing before it reaches them (a busy namespace list, the daemon down) still reports
+        the cap missing (`ContainerResult.mps_cap_missing`). Not a cache: `forget()` keeps it,
+        and a delete does not end it."""
         self.pins = PinnedLimits()
         """The MPS default pinned device memory limits: MiB written (a cache), GPUs whose limit
         is known lost and namespaces that may hold a server started without it (not caches)."""
@@ -377,7 +385,8 @@ class Engine:
               ) -> ApplyReport:
         """`mps_down`: why the node's MPS control daemon is unusable this pass (the agent's
         health check), if it is: every sm-sharing container then stays pending."""
-        self.pins.suspect.intersection_update(desired.mps_namespaces)  # their containers went
+        for names in (self._uncapped, self.pins.suspect):  # drop those whose container went
+            names.intersection_update(desired.mps_namespaces)
         run = _Run(self, desired, mps_down)
         run.go()
         self._last = desired
@@ -474,9 +483,6 @@ class _Run:
         self.in_force: dict[ContainerKey, list[LimitTarget]] = {}
         self.leaf_pending: set[ContainerKey] = set()
         self.devices: dict[str, DeviceInfo] = {}
-        self.uncapped: set[str] = set()
-        """MPS namespaces this pass found not holding the plan's percentage, beyond the
-        unverified ones (`Engine._fresh`): see `ContainerResult.mps_cap_missing`."""
         self.unpinned: set[ContainerKey] = set()
         """mps-pinned containers whose GPU's default pinned limit this pass could not read back
         or set: no namespace of theirs is made or touched (a client attaching would start an
@@ -637,9 +643,7 @@ class _Run:
                     if name in set_now and not attached:
                         # Set before this list, and nobody attached: every client from now on
                         # attaches under the cap.
-                        fresh.discard(name)
-                        self.e._atp[name] = pct
-                        self.e._atp_checked.add(name)
+                        self._verified(name, pct)
                     else:
                         self.fail([c.key], _cap_unverified(name, pct, attached))
                     continue
@@ -664,9 +668,7 @@ class _Run:
                     if attached:  # they may have attached before the set
                         self.fail([c.key], _cap_unverified(name, pct, attached))
                         continue
-                    fresh.discard(name)
-                self.e._atp[name] = pct
-                self.e._atp_checked.add(name)
+                self._verified(name, pct)
             except NodeError as e:
                 self.fail([c.key], e)
         for c in wanted:  # not made again this pass (`_repin`): a server in it may lack the limit
@@ -705,6 +707,20 @@ class _Run:
             self.e._namespace_gone(name)
             existing.discard(name)
 
+    def _verified(self, name: str, pct: int) -> None:
+        """`name` holds `pct` for every client attached to it now and from now on."""
+        self.e._fresh.discard(name)
+        self.e._uncapped.discard(name)
+        self.e._atp[name] = pct
+        self.e._atp_checked.add(name)
+
+    def _uncap(self, name: str) -> None:
+        """`name` is known not to hold its percentage (`Engine._uncapped`): whatever this engine
+        set there is not what it holds."""
+        self.e._uncapped.add(name)
+        self.e._atp.pop(name, None)
+        self.e._atp_checked.discard(name)
+
     def _make(self, mps: MpsControlLike, c: ContainerDesired, name: str, pct: int,
               set_now: set[str]) -> None:
         """Creates `name`, which the daemon's list left out, and sets its percentage at once.
@@ -715,7 +731,8 @@ class _Run:
             mps.namespace_create(name)
         except NodeError as e:
             if e.reason != NAMESPACE_EXISTS:
-                self.uncapped.add(name)  # not there: nothing in force
+                self._uncap(name)  # not there: nothing in force
+                self.e.pins.suspect.discard(name)  # nor a server started without the limit
                 self.fail([c.key], _cap_not_made(name, pct, e))
             return
         self.created.append(name)
@@ -732,7 +749,7 @@ class _Run:
         it `fresh`, a client attached before its set)."""
         held = mps.namespace_get_active_thread_percentage(name)
         if held is None:
-            self.uncapped.add(name)
+            self._uncap(name)
             self.fail([c.key], MpsError(NAMESPACE_CAP_UNVERIFIED, (
                 f"MPS namespace {name} has clients (pids {', '.join(map(str, attached))}) "
                 f"attached but holds no active-thread percentage, not the plan's {pct}: MPS "
@@ -742,8 +759,7 @@ class _Run:
         elif held != float(pct):
             self.fail([c.key], _namespace_busy(name, f"{held:g} the namespace holds", pct))
         else:
-            self.e._atp[name] = pct
-            self.e._atp_checked.add(name)
+            self._verified(name, pct)
 
     def _set_fresh(self, mps: MpsControlLike, c: ContainerDesired, name: str, pct: int,
                    set_now: set[str]) -> None:
@@ -754,6 +770,7 @@ class _Run:
         except NodeError as e:
             self.fail([c.key], self._not_set(mps, name, pct, e))
             return
+        self.e._uncapped.discard(name)  # holds it now; fresh until a client list verifies it
         set_now.add(name)
 
     def _reset(self, mps: MpsControlLike, name: str, pct: int) -> bool:
@@ -762,14 +779,14 @@ class _Run:
         need not be `fresh` here (an agent restarted since made it, e.g. one left
         NamespaceCapNotSet), so a set that fails outright (a busy daemon, a timeout) deletes
         it as the fresh path does (`_unmake_if_unattached`)."""
-        self.uncapped.add(name)
+        self._uncap(name)
         try:
             refused = self._set(mps, name, pct)
         except NodeError as e:
             raise self._unmake_if_unattached(mps, name, pct, e) from None
         if refused is not None:
             self._remake(mps, name, pct, refused)
-        self.uncapped.discard(name)
+        self.e._uncapped.discard(name)  # holds it: verified by a client list like a new one
         return refused is not None
 
     def _unmake_if_unattached(self, mps: MpsControlLike, name: str, pct: int, error: NodeError
@@ -795,7 +812,7 @@ class _Run:
         by the next pass."""
         if error.reason == NAMESPACE_BUSY:
             error = _cap_unverified(name, pct, [], said=error.message)
-        self.uncapped.add(name)
+        self._uncap(name)
         if error.reason in (NAMESPACE_CAP_UNVERIFIED, NAMESPACE_CAP_NOT_SET) \
                 or name not in self.e._fresh:
             return error  # clients attached, or already deleted (or undeletable) by the remake
@@ -973,9 +990,11 @@ class _Run:
     # report ----------------------------------------------------------------------------------
 
     def cap_missing(self, c: ContainerDesired) -> bool:
+        """What the engine knows, not only this pass: a pass failing before it reaches the
+        namespace or the pinned limit learns nothing that puts them right."""
         name = c.mps_namespace
         return self.pin_lost(c) is not None or (name is not None and (
-            name in self.uncapped or name in self.e._fresh or name in self.e.pins.suspect))
+            name in self.e._uncapped or name in self.e._fresh or name in self.e.pins.suspect))
 
     def pin_lost(self, c: ContainerDesired, since: NodeError | None = None
                  ) -> MpsError | None:
@@ -1005,7 +1024,7 @@ class _Run:
             return suspect_error(name, error=error)
         if error.reason == NAMESPACE_BUSY:  # the daemon says clients are attached: uncapped
             return _cap_not_set_attached(name, pct, error)
-        if name in self.uncapped:
+        if name in self.e._uncapped:
             return _cap_not_held(name, pct, error)
         return _cap_not_verified(name, pct, error)
 

@@ -78,8 +78,8 @@ def test_one_warning_per_episode_and_applied_again_when_the_cap_is_back(short_tm
 
 def test_an_episode_is_one_event_whatever_it_is_pending_for_in_between(short_tmp: Path
                                                                        ) -> None:
-    """The reason changes, a pass is pending for something that keeps a marker (a busy daemon):
-    still one episode, until the container is applied again."""
+    """The reason changes, a pass is pending for something that keeps a marker (a GPU memory
+    limit that cannot be read): still one episode, until the container is applied again."""
     rig = Rig(short_tmp)
     uid = _sm_pod(rig)
     control = rig.mps.control
@@ -98,16 +98,22 @@ def test_an_episode_is_one_event_whatever_it_is_pending_for_in_between(short_tmp
     control.inject("namespace_list", BUSY)
     assert not rig.step().converged
     r = _result(rig, uid)
-    assert (r.reason, r.mps_cap_missing) == ("MpsDaemonBusy", False)
+    assert (r.reason, r.mps_cap_missing) == ("NamespaceCapNotSet", True)  # still not made
     control.namespace_create = create_then_attach  # type: ignore[method-assign]
     assert not rig.step().converged
     assert _result(rig, uid).reason == "NamespaceCapUnverified"
     assert not rig.step().converged
     assert _reasons(rig, 1) == ["MpsCapNotInForce"]
     control.detach_client(4242)
+    rig.reconciler.engine.forget()  # the limits are read again, and the read fails
+    rig.nvml.fail("get_memory_limits", "Unknown")
+    assert not rig.step().converged
+    r = _result(rig, uid)
+    assert (r.reason, r.mps_cap_missing) == ("NVMLError", False)
+    assert control.namespaces[name].active_thread_percentage == 50
+    assert _reasons(rig, 1) == ["MpsCapNotInForce"]
     assert rig.step().converged
     assert _reasons(rig, 1) == ["MpsCapNotInForce", "Applied"]
-    assert control.namespaces[name].active_thread_percentage == 50
 
 
 def test_the_log_says_the_marker_is_set_aside_for_a_cap_not_for_another_plan(
@@ -199,3 +205,49 @@ def test_the_series_goes_with_its_pod(short_tmp: Path) -> None:
     rig.cluster.delete_pod(kept)
     rig.step()
     assert _caps(rig) == []
+
+
+CAP_LOST = {  # how the restarted daemon's namespace ends up without its cap
+    "deleted": "namespace_set_active_thread_percentage",  # made, its set failed: deleted
+    "not-made": "namespace_create",
+}
+EARLIER = {  # a later pass that fails before it reaches the namespace -> what the message names
+    "namespace-list-busy": "MpsDaemonBusy: list busy",
+    "daemon-down": "MpsDaemonUnreachable: ",
+}
+
+
+@pytest.mark.parametrize("earlier", sorted(EARLIER))
+@pytest.mark.parametrize("lost", sorted(CAP_LOST))
+def test_a_cap_known_missing_stays_so_while_a_later_pass_fails_earlier(
+        short_tmp: Path, lost: str, earlier: str) -> None:
+    """A namespace deleted because its percentage could not be set, or not made: a later pass
+    that fails before it reaches the namespace learns nothing new, and the cap is still not in
+    force. The container keeps its cap reason (the new failure in the message) and its series,
+    so the alert's 2 minutes do not start over and `inspect --agent-metrics` does not read it as
+    enforced while its marker is set aside."""
+    rig = Rig(short_tmp)
+    uid = _sm_pod(rig)
+    control = rig.mps.control
+    (name,) = control.namespaces
+    control.kill()
+    control.inject(CAP_LOST[lost], BUSY)
+    assert not rig.step().converged
+    assert _caps(rig) == [_cap(uid, "NamespaceCapNotSet")]
+    if earlier == "namespace-list-busy":
+        control.inject("namespace_list", MpsError("MpsDaemonBusy", "list busy"))
+    else:
+        control.kill()
+        rig.mps.can_start = False
+    assert not rig.step().converged
+    r = _result(rig, uid)
+    assert (r.reason, r.mps_cap_missing) == ("NamespaceCapNotSet", True)
+    assert r.message.startswith(
+        f"MPS namespace {name} does not hold the plan's active-thread percentage 50, and it "
+        f"could not be given it ({EARLIER[earlier]}")
+    assert _caps(rig) == [_cap(uid, "NamespaceCapNotSet")]
+    assert not rig.marker_path(uid).exists()
+    rig.mps.can_start = True
+    assert rig.step().converged
+    assert _caps(rig) == []
+    assert _reasons(rig, 1) == ["MpsCapNotInForce", "Applied"]
