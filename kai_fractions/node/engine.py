@@ -377,7 +377,7 @@ class Engine:
         self._atp.pop(name, None)
         self._atp_checked.discard(name)
         self._fresh.discard(name)
-        self.pins.suspect.discard(name)  # deleted, or made while the pinned limit is in force
+        self.pins.gone(name)  # deleted, or made while the pinned limit is in force
 
     # -- apply ------------------------------------------------------------------------------
 
@@ -385,8 +385,8 @@ class Engine:
               ) -> ApplyReport:
         """`mps_down`: why the node's MPS control daemon is unusable this pass (the agent's
         health check), if it is: every sm-sharing container then stays pending."""
-        for names in (self._uncapped, self.pins.suspect):  # drop those whose container went
-            names.intersection_update(desired.mps_namespaces)
+        self._uncapped.intersection_update(desired.mps_namespaces)  # their containers went
+        self.pins.keep_only(desired.mps_namespaces)
         run = _Run(self, desired, mps_down)
         run.go()
         self._last = desired
@@ -581,8 +581,11 @@ class _Run:
             except NodeError as e:
                 self.fail((c.key for c in users), e)
                 self.unpinned.update(c.key for c in users)
+            if made is None:
+                continue
+            self.e.pins.confirm(made)  # just made: there
             for c in users:
-                if made is not None and c.mps_namespace in self.e.pins.suspect:
+                if c.mps_namespace in self.e.pins.suspect:
                     self.fail([c.key], suspect_error(c.mps_namespace or ""))
 
     def namespaces(self, mps: MpsControlLike, wanted: list[ContainerDesired],
@@ -682,6 +685,7 @@ class _Run:
         deleted (and dropped from `existing`), for `_make` to make it again, so a server
         started in it from now on gets the limit. One with clients attached stays, its
         container pending until they exit. One not there holds no server: `_make` makes it."""
+        self.e.pins.confirm(existing)
         stale = [c for c in wanted
                  if c.mps_namespace in existing and c.mps_namespace in self.e.pins.suspect]
         if not stale:
@@ -732,7 +736,7 @@ class _Run:
         except NodeError as e:
             if e.reason != NAMESPACE_EXISTS:
                 self._uncap(name)  # not there: nothing in force
-                self.e.pins.suspect.discard(name)  # nor a server started without the limit
+                self.e.pins.gone(name)  # nor a server started without the limit
                 self.fail([c.key], _cap_not_made(name, pct, e))
             return
         self.created.append(name)

@@ -64,16 +64,35 @@ class PinnedLimits:
         self.lost: dict[int, _Loss] = {}
         """GPU indexes whose limit a pass found lost (read back another value, or the set's
         own readback did) and that no set has succeeded on since. Not a cache."""
-        self.suspect: set[str] = set()
+        self.exposed: set[str] = set()
         """MPS namespaces of a GPU's mps-pinned containers while the daemon held no limit for
-        it: a server started in one then keeps running without it, and nothing tells such a
-        server apart, so each that is there is made again once the limit is back (nobody
-        attached) before its container is vouched for. Goes with the namespace (deleted, or
-        made by this engine while the limit is in force). Not a cache."""
+        it, whether they are there or not: the next namespace list (`confirm`) tells."""
+        self.suspect: set[str] = set()
+        """Those of `exposed` that are there: a server started in one while the daemon held
+        no limit keeps running without it, and nothing tells such a server apart, so each is
+        made again once the limit is back (nobody attached) before its container is vouched
+        for. Not a cache."""
 
     def forget(self) -> None:
         """Drops the read cache: the next pass writes every limit again."""
         self.written.clear()
+
+    def confirm(self, existing: Iterable[str]) -> None:
+        """`existing`: every namespace the daemon lists now. Those of `exposed` are `suspect`;
+        the others hold no server (a namespace is made only while the limit is in force)."""
+        self.suspect.update(self.exposed.intersection(existing))
+        self.exposed.clear()
+
+    def gone(self, name: str) -> None:
+        """`name` was deleted, is not there, or was made while the limit is in force."""
+        self.exposed.discard(name)
+        self.suspect.discard(name)
+
+    def keep_only(self, names: Iterable[str]) -> None:
+        """Forgets the namespaces of containers that went."""
+        names = set(names)
+        self.exposed.intersection_update(names)
+        self.suspect.intersection_update(names)
 
     def lost_error(self, index: int, since: NodeError | None = None) -> MpsError | None:
         """MpsPinnedLimitLost while GPU `index`'s limit is known lost, else None."""
@@ -83,7 +102,7 @@ class PinnedLimits:
     def ensure(self, mps: PinnedControl, index: int, uuid: str, mib: int,
                namespaces: Iterable[str]) -> None:
         """GPU `index`'s (`uuid`) limit, `mib` MiB: read back, and set unless this engine
-        wrote it. `namespaces`: those of its mps-pinned containers (`suspect` while it holds
+        wrote it. `namespaces`: those of its mps-pinned containers (`exposed` while it holds
         none). Raises the read's or the set's error, as MpsPinnedLimitLost while the limit is
         known lost (`lost`)."""
         try:
@@ -93,7 +112,7 @@ class PinnedLimits:
             if loss is None:
                 raise
             if loss.unset:
-                self.suspect.update(namespaces)  # a server may start without it meanwhile
+                self.exposed.update(namespaces)  # a server may start without it meanwhile
             raise (e if e.reason == MPS_PINNED_LIMIT_LOST else loss.error(index, e)) from None
 
     def _ensure(self, mps: PinnedControl, index: int, uuid: str, mib: int,
@@ -103,7 +122,7 @@ class PinnedLimits:
         held = mps.get_default_pinned_mem_limit(index)
         differs = held != displayed_mem_limit(mib)
         if not held.strip():
-            self.suspect.update(namespaces)  # servers started until the set have no limit
+            self.exposed.update(namespaces)  # servers started until the set have no limit
         if not differs and self.written.get(index) == mib:
             return
         self.written.pop(index, None)

@@ -232,3 +232,30 @@ def test_a_namespace_made_after_a_restart_behind_the_pinned_set_is_made_again(
     assert [m for m, _ in control.calls[n:]].count("namespace_delete") == 1
     assert control.namespaces[name].active_thread_percentage == 50
     assert marker_of(rig, uid)["containers"]["main"]["state"] == "applied"
+
+
+@pytest.mark.parametrize("when", ["new-pod", "daemon-restarted"])
+def test_a_namespace_not_there_is_not_taken_for_one_without_the_pinned_limit(
+        short_tmp: Path, when: str) -> None:
+    """The daemon reads back no pinned limit (a new GPU's first pod, a restarted daemon): the
+    limit is set, then the namespace list is busy. The namespaces of that GPU were not there
+    (nothing to hold a server without the limit): a busy daemon, which keeps the marker, not
+    MpsPinnedLimitLost "was there"."""
+    rig = Rig(short_tmp)
+    notes = binder_annotations(devices=rig.gpu0, mode="sm-sharing")
+    control = rig.mps.control
+    if when == "daemon-restarted":
+        uid = rig.add(pod("sm", notes=notes))["metadata"]["uid"]
+        assert rig.step().converged
+        control.kill()
+    control.inject("namespace_list", BUSY)
+    if when == "new-pod":
+        uid = rig.add(pod("sm", notes=notes))["metadata"]["uid"]
+    assert not rig.step().converged
+    r = _result(rig, uid)
+    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING, "MpsDaemonBusy",
+                                                      False)
+    assert control.default_pinned_mib == {0: 20480}
+    n = len(control.calls)
+    assert rig.step().converged
+    assert "namespace_delete" not in [m for m, _ in control.calls[n:]]  # made once, as usual
