@@ -251,3 +251,28 @@ def test_a_cap_known_missing_stays_so_while_a_later_pass_fails_earlier(
     assert rig.step().converged
     assert _caps(rig) == []
     assert _reasons(rig, 1) == ["MpsCapNotInForce", "Applied"]
+
+
+@pytest.mark.parametrize("step", ["namespace_create", "client_list"])
+def test_a_new_pod_without_a_marker_gets_no_warning_of_one_set_aside(
+        short_tmp: Path, step: str) -> None:
+    """A pod that never had a marker (its gate waits anyway) whose first namespace create, or
+    the client list that verifies it, is busy: its cap is not in force (the series says so),
+    but no marker was set aside, so no Warning says one was. A pod with a marker of this boot,
+    even one set aside already, gets it."""
+    rig = Rig(short_tmp)
+    rig.mps.control.inject(step, BUSY)
+    uid = rig.add(pod("sm", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+                  )["metadata"]["uid"]
+    assert not rig.step().converged
+    assert _result(rig, uid).mps_cap_missing
+    assert len(_caps(rig)) == 1
+    assert _reasons(rig) == []
+    assert rig.step().converged
+    assert _reasons(rig) == ["Applied"]
+    assert rig.reconciler.markers.set_aside(uid)  # as a pass that could not keep it does
+    control = rig.mps.control
+    control.kill()
+    control.inject("namespace_set_active_thread_percentage", BUSY)
+    assert not rig.step().converged
+    assert _reasons(rig) == ["Applied", "MpsCapNotInForce"]

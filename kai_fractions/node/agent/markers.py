@@ -326,7 +326,7 @@ class MarkerWriter:
                      str(meta(manifest).get("name") or ""), uid)
         decision = decide(results, watchdog_stops=self.watchdog_stops)
         existing = self.store.read(uid)
-        self._pending_events(ref, results)
+        self._pending_events(ref, results, existing)
         if decision.write is None:
             self._drop_stale(ref, existing, results, errors)
             return False
@@ -410,12 +410,13 @@ class MarkerWriter:
             self.pods.upsert(updated)
         return True
 
-    def _pending_events(self, ref: PodRef, results: Mapping[str, ContainerResult]) -> None:
+    def _pending_events(self, ref: PodRef, results: Mapping[str, ContainerResult],
+                        existing: Marker | None) -> None:
         """One event per container waiting for its signature (the follower signs after the
         binder's annotations land) or for its signature's key (a rotation on its way to the
         node): its owner sees why the gate is still waiting. One per episode of an MPS cap
         not in force (`_cap_events`)."""
-        self._cap_events(ref, results)
+        self._cap_events(ref, results, existing)
         for name, r in sorted(results.items()):
             if r.state is not ContainerState.PENDING:
                 continue
@@ -429,20 +430,27 @@ class MarkerWriter:
                              f"container {name}: waiting for {waiting}: {r.message}",
                              key=(r.reason, ref.uid, name))
 
-    def _cap_events(self, ref: PodRef, results: Mapping[str, ContainerResult]) -> None:
+    def _cap_events(self, ref: PodRef, results: Mapping[str, ContainerResult],
+                    existing: Marker | None) -> None:
         """A Warning `MpsCapNotInForce` when a container's MPS cap turns out not in force
         (`ContainerResult.mps_cap_missing`): its marker is set aside, and a client attaching
         meanwhile may run uncapped. Once per episode: the episode lasts until the container is
         applied (or refused) again, whatever it is pending for in between, so a reason that
         changes, or a pass pending for something else, sends nothing new. The `Applied` it had
         sent is forgotten as the episode begins, so its return is told too (the marker is
-        written again then)."""
+        written again then). None for a pod that had no marker this boot (`existing`, or one
+        set aside): a new pod's gate waits anyway, and no marker of it was set aside."""
+        had_marker: bool | None = None
         for name, r in sorted(results.items()):
             key = (ev.MPS_CAP_NOT_IN_FORCE, ref.uid, name)
             if r.state is not ContainerState.PENDING:
                 self.events.forget(key)  # the episode is over
                 continue
             if not r.mps_cap_missing or self.events.seen(key):
+                continue
+            if had_marker is None:  # read once, and only for a warning to send
+                had_marker = existing is not None or self._set_aside_this_boot(ref.uid)
+            if not had_marker:
                 continue
             self.events.forget_matching(
                 lambda k, name=name: isinstance(k, tuple) and k[:3] == (ev.APPLIED, ref.uid, name))
@@ -452,6 +460,10 @@ class MarkerWriter:
                 f"container {name}: an MPS cap it relies on is not in force, so its readiness "
                 "marker is set aside (a gate of the pod waits; Applied follows once the cap is "
                 f"back): {r.reason}: {r.message}"), key=key)
+
+    def _set_aside_this_boot(self, uid: str) -> bool:
+        set_aside = self.store.set_aside_marker(uid)
+        return set_aside is not None and set_aside.boot_id == self.store.boot_id
 
     def _marker_events(self, ref: PodRef, results: Mapping[str, ContainerResult]) -> None:
         for name, r in sorted(results.items()):
