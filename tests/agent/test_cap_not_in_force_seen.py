@@ -276,3 +276,38 @@ def test_a_new_pod_without_a_marker_gets_no_warning_of_one_set_aside(
     control.inject("namespace_set_active_thread_percentage", BUSY)
     assert not rig.step().converged
     assert _reasons(rig) == ["Applied", "MpsCapNotInForce"]
+
+
+def test_a_warning_the_api_refused_is_not_sent_after_the_episode_ended(short_tmp: Path
+                                                                       ) -> None:
+    """The Warning waits in the backlog (the API refused it), and the cap is back next pass:
+    its Applied is the last word, not a late Warning of an episode that is over."""
+    rig = Rig(short_tmp)
+    uid = _sm_pod(rig)
+    control = rig.mps.control
+    control.kill()
+    control.inject("namespace_set_active_thread_percentage", BUSY)
+    rig.cluster.fail("create_event", times=2)  # the Warning, and its retry in the pass's flush
+    assert not rig.step().converged
+    assert _reasons(rig, 1) == []
+    for _ in range(2):
+        rig.step()
+        assert _result(rig, uid).state.value == "applied"
+        assert _reasons(rig, 1) == ["Applied"]
+
+
+def test_an_applied_the_api_refused_is_not_sent_after_the_warning(short_tmp: Path) -> None:
+    """The Applied of a new pod waits in the backlog, and the next pass finds its cap not in
+    force: the Warning is the last word until the cap is back, then Applied."""
+    rig = Rig(short_tmp)
+    rig.cluster.fail("create_event", times=2)  # the Applied, and its retry in the pass's flush
+    uid = _sm_pod(rig)
+    assert _reasons(rig) == []
+    control = rig.mps.control
+    control.kill()
+    control.inject("namespace_set_active_thread_percentage", BUSY)
+    assert not rig.step().converged
+    assert _reasons(rig) == ["MpsCapNotInForce"]
+    assert rig.step().converged
+    assert _result(rig, uid).state.value == "applied"
+    assert _reasons(rig) == ["MpsCapNotInForce", "Applied"]

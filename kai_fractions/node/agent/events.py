@@ -15,7 +15,8 @@ after the container was applied in between, whose `Applied` is then sent again),
 drained from MPS before the kubelet's SIGKILL, or could not be: `drain_before_kill`). The
 de-duplication key says what "the same event" is; an event the API did not take is kept and
 sent again by `flush()` (every pass), at most `MAX_BACKLOG` of them (events are information,
-not state: the oldest are dropped first).
+not state: the oldest are dropped first), unless what it told is over first (`forget`'s
+`withdraw`).
 """
 
 from __future__ import annotations
@@ -203,12 +204,20 @@ class EventRecorder:
     def seen(self, key: Hashable) -> bool:
         return key in self._sent
 
-    def forget(self, key: Hashable) -> None:
-        self._sent.pop(key, None)
+    def forget(self, key: Hashable, *, withdraw: bool = False) -> None:
+        """`key` may be emitted again. `withdraw`: one still in the backlog is not sent
+        either: its news is over, and sent late, after what ended it (an Applied after the
+        Warning of an episode that followed, or the other way round), it would say the
+        opposite of what is so."""
+        self.forget_matching(lambda k: k == key, withdraw=withdraw)
 
-    def forget_matching(self, predicate: Callable[[Hashable], bool]) -> None:
+    def forget_matching(self, predicate: Callable[[Hashable], bool], *,
+                        withdraw: bool = False) -> None:
         for key in [k for k in self._sent if predicate(k)]:
             del self._sent[key]
+        if withdraw:
+            for key in [k for k in self._backlog if predicate(k)]:
+                del self._backlog[key]
 
     def forget_pod(self, uid: str) -> None:
         for key in [k for k, owner in self._sent.items() if owner == uid]:

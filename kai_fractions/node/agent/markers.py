@@ -438,13 +438,15 @@ class MarkerWriter:
         applied (or refused) again, whatever it is pending for in between, so a reason that
         changes, or a pass pending for something else, sends nothing new. The `Applied` it had
         sent is forgotten as the episode begins, so its return is told too (the marker is
-        written again then). None for a pod that had no marker this boot (`existing`, or one
-        set aside): a new pod's gate waits anyway, and no marker of it was set aside."""
+        written again then). Either event still waiting in the backlog when the other's turn
+        comes is withdrawn: the last event sent says what is so. None for a pod that had no
+        marker this boot (`existing`, or one set aside): a new pod's gate waits anyway, and no
+        marker of it was set aside."""
         had_marker: bool | None = None
         for name, r in sorted(results.items()):
             key = (ev.MPS_CAP_NOT_IN_FORCE, ref.uid, name)
             if r.state is not ContainerState.PENDING:
-                self.events.forget(key)  # the episode is over
+                self.events.forget(key, withdraw=True)  # the episode is over
                 continue
             if not r.mps_cap_missing or self.events.seen(key):
                 continue
@@ -453,7 +455,8 @@ class MarkerWriter:
             if not had_marker:
                 continue
             self.events.forget_matching(
-                lambda k, name=name: isinstance(k, tuple) and k[:3] == (ev.APPLIED, ref.uid, name))
+                lambda k, name=name: isinstance(k, tuple) and k[:3] == (ev.APPLIED, ref.uid, name),
+                withdraw=True)
             # What to do is in the engine's message, after the reason: kept short before it
             # (an event's message is cut at 1024 characters).
             self.events.emit(ref, ev.WARNING, ev.MPS_CAP_NOT_IN_FORCE, (
