@@ -60,6 +60,19 @@ def _applied_again(rig: Rig, uid: str, name: str) -> None:
     assert _gate(rig, uid) is Outcome.RELEASE
 
 
+
+def _reconnect_on_create(control, pid: int = 4242) -> None:
+    """The next namespace the daemon makes gets a client at once: the running process
+    reconnects before the agent could set the namespace's percentage."""
+    create = control.namespace_create
+
+    def create_then_attach(ns: str, **kw) -> None:
+        create(ns, **kw)
+        control.attach_client(pid, ns)
+        control.namespace_create = create  # once
+
+    control.namespace_create = create_then_attach
+
 def test_a_restarted_daemons_namespace_whose_cap_cannot_be_set_is_deleted_and_gates_wait(
         short_tmp: Path) -> None:
     rig = Rig(short_tmp)
@@ -113,14 +126,7 @@ def test_a_client_back_before_the_recreated_namespace_got_its_cap_lets_no_gate_r
     rig = Rig(short_tmp)
     uid, name = _sm_pod(rig)
     control = rig.mps.control
-    create = control.namespace_create
-
-    def create_then_attach(ns: str, **kw) -> None:  # once: the running process reconnects
-        create(ns, **kw)
-        control.attach_client(4242, ns)
-        control.namespace_create = create  # type: ignore[method-assign]
-
-    control.namespace_create = create_then_attach  # type: ignore[method-assign]
+    _reconnect_on_create(control)
     control.kill()
     for _ in range(2):  # the pod keeps running; no pass vouches for it meanwhile
         assert "NamespaceCapUnverified" in rig.step().errors
@@ -281,14 +287,7 @@ def test_a_client_attached_before_the_delete_of_a_namespace_without_its_cap_is_u
     rig = Rig(short_tmp)
     uid, name = _sm_pod(rig)
     control = rig.mps.control
-    create = control.namespace_create
-
-    def create_then_attach(ns: str, **kw) -> None:  # once: the running process reconnects
-        create(ns, **kw)
-        control.attach_client(4242, ns)
-        control.namespace_create = create  # type: ignore[method-assign]
-
-    control.namespace_create = create_then_attach  # type: ignore[method-assign]
+    _reconnect_on_create(control)
     control.kill()
     control.inject("namespace_set_active_thread_percentage", MpsError("MpsDaemonBusy", "busy"))
     assert not rig.step().converged
