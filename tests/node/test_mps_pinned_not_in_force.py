@@ -34,6 +34,15 @@ SETUPS: dict[str, Any] = {
 }
 
 
+def _pinned_lost(r, gpu: str, cause: str) -> None:
+    """`r` is pending for its GPU's lost pinned limit, its marker set aside, for `cause`."""
+    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING,
+                                                      "MpsPinnedLimitLost", True)
+    assert r.message is not None and r.message.startswith(
+        f"the MPS daemon's default pinned device memory limit of GPU 0 ({gpu}) is not the "
+        f"plan's 20480 MiB (20G): {cause}")
+
+
 @pytest.mark.parametrize("setup", sorted(SETUPS))
 def test_a_pinned_limit_a_restarted_daemon_lost_is_not_vouched_for_until_set_again(
         short_tmp: Path, setup: str) -> None:
@@ -58,12 +67,8 @@ def test_a_pinned_limit_a_restarted_daemon_lost_is_not_vouched_for_until_set_aga
         assert not rig.step().converged
         r = _result(rig, uid)
         # its own reason (a busy daemon's keeps the marker), naming the GPU and the limit
-        assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING,
-                                                          "MpsPinnedLimitLost", True)
-        assert r.message is not None and r.message.startswith(
-            f"the MPS daemon's default pinned device memory limit of GPU 0 ({rig.gpu0}) is "
-            "not the plan's 20480 MiB (20G): it reads back no limit (a restarted daemon "
-            "forgets it), and it could not be set again (MpsDaemonBusy: busy)")
+        _pinned_lost(r, rig.gpu0, "it reads back no limit (a restarted daemon forgets it), "
+                     "and it could not be set again (MpsDaemonBusy: busy)")
         assert control.default_pinned_mib == {}
         assert control.namespaces == {}  # nothing to attach to (and start a server) unpinned
         _not_vouched_for(rig, uid)
@@ -84,12 +89,8 @@ def test_a_pinned_limit_the_set_reads_back_wrong_is_not_in_force(tmp_path: Path)
     node.engine.forget()  # a resync writes the exact MiB again
     node.mps.inject("set_default_pinned_mem_limit", MpsError("NotApplied", "reads back 19G"))
     r = node.apply(sm_pod()).containers[(UID_A, "main")]
-    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING,
-                                                      "MpsPinnedLimitLost", True)
-    assert r.message is not None and r.message.startswith(
-        f"the MPS daemon's default pinned device memory limit of GPU 0 ({GPU0}) is not the "
-        "plan's 20480 MiB (20G): a set of it read back another value (NotApplied: reads back "
-        "19G). An MPS server started for a client now would run without it")
+    _pinned_lost(r, GPU0, "a set of it read back another value (NotApplied: reads back "
+                 "19G). An MPS server started for a client now would run without it")
     # known lost until a set succeeds: a set that fails for another reason keeps it so
     node.engine.forget()
     node.mps.inject("set_default_pinned_mem_limit", BUSY)
@@ -126,13 +127,9 @@ def test_a_pinned_limit_known_lost_stays_lost_while_its_read_fails(
     control.inject("get_default_pinned_mem_limit", MpsError("MpsDaemonBusy", "read busy"))
     assert not rig.step().converged
     r = _result(rig, uid)
-    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING,
-                                                      "MpsPinnedLimitLost", True)
-    assert r.message is not None and r.message.startswith(
-        f"the MPS daemon's default pinned device memory limit of GPU 0 ({rig.gpu0}) is not "
-        "the plan's 20480 MiB (20G): it reads back no limit (a restarted daemon forgets it), "
-        "and it could not be set again (MpsDaemonBusy: busy); it is not known set since "
-        "(MpsDaemonBusy: read busy)")
+    _pinned_lost(r, rig.gpu0, "it reads back no limit (a restarted daemon forgets it), and "
+                 "it could not be set again (MpsDaemonBusy: busy); it is not known set since "
+                 "(MpsDaemonBusy: read busy)")
     assert control.namespaces == {}  # nothing to attach to, and start a server, unpinned
     _not_vouched_for(rig, uid)
     assert rig.step().converged  # set, then the namespaces made
