@@ -74,6 +74,17 @@ class _Signals:
         raise KeyboardInterrupt
 
 
+def progress_writer(started: float, stream):
+    """`progress(line)`: one timed line on `stream`, in ONE write. SIGTERM's handler raises
+    between bytecodes: `print` writes the text and the newline apart, so a signal between them
+    left a line without its end, and the run's last message glued to it."""
+    def progress(line: str) -> None:
+        stream.write(f"[demo {time.monotonic() - started:5.2f}s] {line}\n")
+        stream.flush()
+
+    return progress
+
+
 def _fail(message: str, code: int = EXIT_USAGE) -> int:
     print(f"kai-fractions demo: {message}", file=sys.stderr)
     return code
@@ -152,10 +163,7 @@ def run(args: argparse.Namespace) -> int:
         examples = load_examples(config.examples, config.namespace)
     except WorkloadError as e:
         return _fail(str(e))
-    started = time.monotonic()
-
-    def progress(line: str) -> None:
-        print(f"[demo {time.monotonic() - started:5.2f}s] {line}", file=sys.stderr, flush=True)
+    progress = progress_writer(time.monotonic(), sys.stderr)
 
     # SIGTERM ends the run as Ctrl-C does, through the cleanup below (--keep's wait installs
     # its own handlers and puts these back). Python allows handlers in the main thread only.

@@ -199,3 +199,24 @@ def test_a_bad_example_is_a_usage_error_before_anything_starts(tmp_path: Path):
         f"kai-fractions demo: {tmp_path / 'ex' / 'pod.yaml'}: Pod: metadata.name: must be a "
         "non-empty string, got None (generateName 'trainer-' is not enough: the demo creates "
         "each pod by name)\n")  # one line: no progress, nothing was started
+
+
+def test_a_progress_line_is_one_write():
+    """SIGTERM's handler raises between bytecodes: a line written in two parts (print's text,
+    then its newline) was cut by it, and the run's last message glued to it."""
+    from kai_fractions.cli.demo import progress_writer
+
+    class Stream:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    stream = Stream()
+    progress_writer(0.0, stream)("stopping")
+    assert len(stream.writes) == 1 and stream.writes[0].endswith("] stopping\n")
