@@ -82,6 +82,13 @@ _CGROUPFS_PREFIX = {
     ContainerRuntime.DOCKER: "",
 }
 _UID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+
+
+def is_pod_uid(uid: str) -> bool:
+    """`uid` can name a pod's cgroup: a UUID, in either case (what the kubelet wrote)."""
+    return _UID.fullmatch(uid) is not None
+
+
 _SYSTEMD_POD = re.compile(r"kubepods(?:-(burstable|besteffort))?-pod([0-9a-fA-F_]+)\.slice")
 _CGROUPFS_POD = re.compile(r"pod([0-9a-fA-F-]+)")
 _LEVEL_QOS = {None: QosClass.GUARANTEED, "burstable": QosClass.BURSTABLE,
@@ -139,7 +146,7 @@ class CgroupLayout:
         return "/".join([self.root.rstrip("/"), *parts])
 
     def pod_path(self, uid: str, qos: QosClass) -> str:
-        if not _UID.fullmatch(uid):
+        if not is_pod_uid(uid):
             raise ValueError(f"pod UID {uid!r} is not a UUID")
         level = QosClass(qos).level
         if self.driver is CgroupDriver.SYSTEMD:
@@ -186,7 +193,7 @@ class CgroupLayout:
             if not m:
                 return None
             uid, qos = m.group(1), QosClass.GUARANTEED  # the caller knows the level
-        return (uid, qos) if _UID.fullmatch(uid) else None
+        return (uid, qos) if is_pod_uid(uid) else None
 
     def scan(self, fs: CgroupFs) -> tuple[PodCgroup, ...]:
         """Every pod cgroup on the node, with its children, sorted by path."""

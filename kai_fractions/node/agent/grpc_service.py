@@ -26,7 +26,7 @@ from ...contract import ComputeMode
 from ...contract.errors import shown
 from ...contract.keys import is_container_name
 from ...contract.names import pod_ref_problems
-from ..cgroups import CgroupLayout, QosClass
+from ..cgroups import is_pod_uid
 from ..config import Mechanism
 from ..desired import ComputeEnforcement, ContainerDesired, ContainerKey, Refusal
 from ..engine import ContainerResult, ContainerState
@@ -135,19 +135,6 @@ def node_state(view: NodeView, node_name: str, condition: Condition | None,
     return out
 
 
-_POD_UID_RULE = CgroupLayout()
-"""Asked only whether a uid names a pod cgroup (`pod_path`): the cgroup code's rule for a pod
-UID, a UUID, which is stricter than the marker directory's."""
-
-
-def _names_a_pod_cgroup(uid: str) -> bool:
-    try:
-        _POD_UID_RULE.pod_path(uid, QosClass.GUARANTEED)
-    except ValueError:
-        return False
-    return True
-
-
 def _valid_uid(context: grpc.ServicerContext, uid: str) -> str:
     """`uid`, or the call ends with INVALID_ARGUMENT before anything is stored or written: it
     names the pod's cgroup and marker directory. A uid no cgroup can be named by would be kept
@@ -155,7 +142,7 @@ def _valid_uid(context: grpc.ServicerContext, uid: str) -> str:
     (it reads what the kubelet wrote), but the API server writes a uid in lower case and the
     kubelet names the cgroup, and the gate its marker directory, by it as it is: an upper-case
     twin would be kept provisioned yet never limited, or counted beside the lower-case one."""
-    if uid != uid.lower() or not _names_a_pod_cgroup(uid):
+    if uid != uid.lower() or not is_pod_uid(uid):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                       f"pod.uid: must be the pod's metadata.uid, a lower-case UUID (8-4-4-4-12 "
                       f"hexadecimal digits, as the API server writes it), got {shown(uid)}: it "
