@@ -198,6 +198,12 @@ def _attached(clients: Iterable[MpsClientLike], namespace: str) -> list[int]:
     return sorted(int(cl.pid) for cl in clients if cl.namespace == namespace)
 
 
+_UNTIL_THEY_EXIT = (
+    "The container stays pending until they have exited (restart the container's GPU "
+    "processes, or recreate the pod); the cap is then set before anything attaches again")
+"""What a container whose clients attached before its cap waits for, and what to do."""
+
+
 def _cap_unverified(name: str, pct: int, pids: list[int], said: str | None = None) -> MpsError:
     who = (f"clients (pids {', '.join(map(str, pids))}) attached" if pids
            else f"clients attached ({said})" if said else "clients attached")
@@ -205,9 +211,7 @@ def _cap_unverified(name: str, pct: int, pids: list[int], said: str | None = Non
         f"MPS namespace {name} was created (again, e.g. after an MPS daemon restart) and "
         f"{who} before its active-thread percentage {pct} could be verified in force: MPS "
         "fixes the percentage at the first attach, so they may run without the cap for their "
-        "lifetime. The container stays pending until they have exited (restart the "
-        "container's GPU processes, or recreate the pod); the cap is then set before anything "
-        "attaches again"))
+        "lifetime. " + _UNTIL_THEY_EXIT))
 
 
 def _cap_not_set(name: str, pct: int, set_error: NodeError, delete_error: NodeError
@@ -245,9 +249,7 @@ def _cap_not_set_attached(name: str, pct: int, set_error: NodeError, *,
         f"MPS namespace {name} does not hold the plan's active-thread percentage {pct}, which "
         f"could not be set ({set_error.reason}: {set_error.message}), and {who}{when}: MPS "
         "fixes the percentage at the first attach, so they run without the plan's cap for "
-        "their lifetime. The container stays pending until they have exited (restart the "
-        "container's GPU processes, or recreate the pod); the cap is then set before anything "
-        "attaches again"))
+        "their lifetime. " + _UNTIL_THEY_EXIT))
 
 
 def _cap_not_made(name: str, pct: int, error: NodeError) -> MpsError:
