@@ -61,6 +61,14 @@ def _applied_again(rig: Rig, uid: str, name: str) -> None:
 
 
 
+
+def _restart_refusing_set_and_delete(control) -> None:
+    """The daemon restarts (its namespaces gone), and once refuses both the made-again
+    namespace's percentage and its delete, as a busy daemon does."""
+    control.kill()
+    control.inject("namespace_set_active_thread_percentage", MpsError("MpsDaemonBusy", "busy"))
+    control.inject("namespace_delete", MpsError("MpsDaemonBusy", "busy"))
+
 def _reconnect_on_create(control, pid: int = 4242) -> None:
     """The next namespace the daemon makes gets a client at once: the running process
     reconnects before the agent could set the namespace's percentage."""
@@ -104,9 +112,7 @@ def test_a_namespace_whose_cap_cannot_be_set_nor_itself_deleted_is_not_vouched_f
     rig = Rig(short_tmp)
     uid, name = _sm_pod(rig)
     control = rig.mps.control
-    control.kill()
-    control.inject("namespace_set_active_thread_percentage", MpsError("MpsDaemonBusy", "busy"))
-    control.inject("namespace_delete", MpsError("MpsDaemonBusy", "busy"))
+    _restart_refusing_set_and_delete(control)
     assert not rig.step().converged
     r = _result(rig, uid)
     assert (r.state, r.reason) == (ContainerState.PENDING, "NamespaceCapNotSet")
@@ -215,9 +221,7 @@ def test_a_namespace_left_without_its_cap_before_an_agent_restart_goes_when_its_
     rig = Rig(short_tmp)
     uid, name = _sm_pod(rig)
     control = rig.mps.control
-    control.kill()
-    control.inject("namespace_set_active_thread_percentage", MpsError("MpsDaemonBusy", "busy"))
-    control.inject("namespace_delete", MpsError("MpsDaemonBusy", "busy"))
+    _restart_refusing_set_and_delete(control)
     rig.step()
     assert _result(rig, uid).reason == "NamespaceCapNotSet"
     assert control.namespaces[name].active_thread_percentage is None

@@ -34,6 +34,15 @@ SETUPS: dict[str, Any] = {
 }
 
 
+def _applied_sm_pod(short_tmp: Path, setup: str = "v3-every-tier") -> tuple[Rig, str]:
+    """A rig of `setup` with one sm-sharing pod applied: (the rig, the pod's uid)."""
+    rig = Rig(short_tmp, **SETUPS[setup]())
+    uid = rig.add(pod("sm", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+                  )["metadata"]["uid"]
+    assert rig.step().converged
+    return rig, uid
+
+
 def _pinned_lost(r, gpu: str, cause: str) -> None:
     """`r` is pending for its GPU's lost pinned limit, its marker set aside, for `cause`."""
     assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING,
@@ -46,10 +55,7 @@ def _pinned_lost(r, gpu: str, cause: str) -> None:
 @pytest.mark.parametrize("setup", sorted(SETUPS))
 def test_a_pinned_limit_a_restarted_daemon_lost_is_not_vouched_for_until_set_again(
         short_tmp: Path, setup: str) -> None:
-    rig = Rig(short_tmp, **SETUPS[setup]())
-    uid = rig.add(pod("sm", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
-                  )["metadata"]["uid"]
-    assert rig.step().converged
+    rig, uid = _applied_sm_pod(short_tmp, setup)
     control = rig.mps.control
     names = set(control.namespaces)
     assert control.default_pinned_mib == {0: 20480} and _gate(rig, uid) is Outcome.RELEASE
@@ -114,10 +120,7 @@ def test_a_pinned_limit_known_lost_stays_lost_while_its_read_fails(
     """Found lost, then unreadable (a busy daemon): nothing says it was set since, so its
     containers stay pending with the loss and no namespace of theirs is made (a client attaching
     would start an MPS server without it). Only a set that succeeds ends it."""
-    rig = Rig(short_tmp, **SETUPS[setup]())
-    uid = rig.add(pod("sm", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
-                  )["metadata"]["uid"]
-    assert rig.step().converged
+    rig, uid = _applied_sm_pod(short_tmp, setup)
     control = rig.mps.control
     names = set(control.namespaces)
     control.kill()
@@ -141,10 +144,7 @@ def test_a_pinned_limit_known_lost_stays_lost_while_its_read_fails(
 def test_no_namespace_is_made_while_the_pinned_limit_is_not_read(short_tmp: Path) -> None:
     """A restarted daemon whose pinned limit the first pass cannot read: whether it holds one
     is not known, so the namespaces wait for a pass that reads or sets it."""
-    rig = Rig(short_tmp)
-    uid = rig.add(pod("sm", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
-                  )["metadata"]["uid"]
-    assert rig.step().converged
+    rig, uid = _applied_sm_pod(short_tmp)
     control = rig.mps.control
     control.kill()
     control.inject("get_default_pinned_mem_limit", BUSY)
@@ -164,10 +164,7 @@ def test_a_namespace_there_while_the_pinned_limit_was_lost_is_made_again(
     the limit, and nothing tells such a server apart. Once the limit is set again the namespace
     is made again before it is vouched for, when nobody is attached; a client attached may be on
     such a server, so the container stays pending until it exits."""
-    rig = Rig(short_tmp)
-    uid = rig.add(pod("sm", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
-                  )["metadata"]["uid"]
-    assert rig.step().converged
+    rig, uid = _applied_sm_pod(short_tmp)
     control = rig.mps.control
     (name,) = control.namespaces
     if attached:
@@ -202,10 +199,7 @@ def test_a_namespace_made_after_a_restart_behind_the_pinned_set_is_made_again(
     create: the namespace is made in a daemon without the limit. The limit read back after the
     create shows it, so the pass vouches for nothing, and the next makes the namespace again
     once the limit is set."""
-    rig = Rig(short_tmp)
-    uid = rig.add(pod("sm", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
-                  )["metadata"]["uid"]
-    assert rig.step().converged
+    rig, uid = _applied_sm_pod(short_tmp)
     control = rig.mps.control
     (name,) = control.namespaces
     listed = control.namespace_list
