@@ -50,13 +50,18 @@ def clip(text: str, limit: int = MAX_LOGGED) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def denial_text(problems: Sequence[Problem | str]) -> str:
-    """The problems joined with `; `, at most MAX_LISTED of them, each hint said once."""
-    listed = problems[:MAX_LISTED]
-    texts = [str(p) for p in listed]
-    last = {p.hint: i for i, p in enumerate(listed) if isinstance(p, Problem) and p.hint}
+def hinted(problems: Sequence[Problem | str]) -> list[str]:
+    """Each problem's text, a hint said once: after the last problem that has it."""
+    texts = [str(p) for p in problems]
+    last = {p.hint: i for i, p in enumerate(problems) if isinstance(p, Problem) and p.hint}
     for hint, i in last.items():
         texts[i] += f" ({hint})"
+    return texts
+
+
+def denial_text(problems: Sequence[Problem | str]) -> str:
+    """The problems joined with `; `, at most MAX_LISTED of them, each hint said once."""
+    texts = hinted(problems[:MAX_LISTED])
     if len(problems) > MAX_LISTED:
         texts.append(f"and {len(problems) - MAX_LISTED} more problem(s) of the same kinds")
     return "; ".join(texts)

@@ -99,13 +99,11 @@ def spec_errors(located: Located, request: PodRequest,
     """What the validating webhook would refuse in the pod's spec, each problem as an error
     keyed by its field (its path in the object: a template's is `spec.template.spec...`), a
     hint said once, after the last problem that has it, as in the webhook's denial."""
+    from ..admission.errors import hinted
     from ..admission.validate import manifest_problems  # only `validate` pays for it
 
-    problems = manifest_problems(located.spec, request, config)
-    last = {p.hint: i for i, p in enumerate(problems) if p.hint}
     out = []
-    for i, problem in enumerate(problems):
-        text = str(problem) + (f" ({problem.hint})" if last.get(problem.hint) == i else "")
+    for text in hinted(manifest_problems(located.spec, request, config)):
         field, _, rule = text.partition(": ")
         if field == "spec" or field.startswith("spec."):
             field = located.spec_path + field[len("spec"):]
