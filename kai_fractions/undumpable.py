@@ -10,6 +10,7 @@ only with CAP_SYS_PTRACE, which no container of a fractional pod may add (`admis
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 PR_SET_DUMPABLE = 4
@@ -26,12 +27,8 @@ def make_undumpable() -> str | None:
     return None
 
 
-_outcome: list[str | None] = []
-
-
+@functools.cache
 def undumpable_once() -> str | None:
     """`make_undumpable`, done once per process: the CLI calls it as it starts the gate, and
     the gate's command reads the outcome to warn about a refusal."""
-    if not _outcome:
-        _outcome.append(make_undumpable())
-    return _outcome[0]
+    return make_undumpable()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,13 @@ from .test_cli import pod_files
 
 
 @pytest.fixture
-def calls(monkeypatch) -> list[str]:
+def calls(monkeypatch) -> Iterator[list[str]]:
     """make_undumpable's calls, none real, with the once-per-process outcome forgotten."""
     made: list[str] = []
-    monkeypatch.setattr(undumpable, "_outcome", [])
+    undumpable.undumpable_once.cache_clear()
     monkeypatch.setattr(undumpable, "make_undumpable", lambda: made.append("undumpable"))
-    return made
+    yield made
+    undumpable.undumpable_once.cache_clear()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
@@ -62,9 +64,12 @@ def test_it_happens_before_the_commands_are_imported() -> None:
 def test_a_refusal_is_a_warning_not_a_failure(tmp_path: Path, monkeypatch, capsys) -> None:
     """The webhook's refusal of exec into the gate still holds; the pod is not failed for a
     kernel without prctl."""
-    monkeypatch.setattr(undumpable, "_outcome", [])
+    undumpable.undumpable_once.cache_clear()
     monkeypatch.setattr(undumpable, "make_undumpable", lambda: "Operation not permitted")
-    code = main(["gate", *pod_files(tmp_path, with_marker=True), "--pod-uid", UID])
+    try:
+        code = main(["gate", *pod_files(tmp_path, with_marker=True), "--pod-uid", UID])
+    finally:
+        undumpable.undumpable_once.cache_clear()  # no other test inherits the refusal
     err = capsys.readouterr().err
     assert "kai-fractions gate: warning: cannot make the gate undumpable: Operation not " \
         "permitted" in err
