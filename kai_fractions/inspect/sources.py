@@ -230,54 +230,56 @@ def metrics_url(url: str) -> str:
     return urllib.parse.urlunsplit(parts)
 
 
-def parse_usage(text: str) -> dict[tuple[str, str, str], dict[str, int]]:
-    """(namespace, pod, container) -> {gpu uuid: bytes} from the agent's Prometheus text."""
+Key = tuple[str, str, str]
+"""(namespace, pod, container) of a container's series."""
+
+
+def _container_samples(text: str) -> list[tuple[Key, Any]]:
+    """The samples of the agent's per-container families inspect reads, each with its
+    container's key, from one parse of its Prometheus text (raises ValueError)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[tuple[str, str, str], dict[str, int]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name != MEMORY_USED_METRIC:
-                continue
-            labels = sample.labels
-            key = (labels.get("namespace", ""), labels.get("pod", ""),
-                   labels.get("container", ""))
-            out.setdefault(key, {})[labels.get("gpu_uuid", "")] = int(sample.value)
+    wanted = (MEMORY_USED_METRIC, CAP_NOT_IN_FORCE_METRIC)
+    return [((s.labels.get("namespace", ""), s.labels.get("pod", ""),
+              s.labels.get("container", "")), s)
+            for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name in wanted]
+
+
+def parse_usage(samples: list[tuple[Key, Any]]) -> dict[Key, dict[str, int]]:
+    """(namespace, pod, container) -> {gpu uuid: bytes}."""
+    out: dict[Key, dict[str, int]] = {}
+    for key, sample in samples:
+        if sample.name == MEMORY_USED_METRIC:
+            out.setdefault(key, {})[sample.labels.get("gpu_uuid", "")] = int(sample.value)
     return out
 
 
-def parse_caps(text: str) -> dict[tuple[str, str, str], tuple[str, str]]:
+def parse_caps(samples: list[tuple[Key, Any]]) -> dict[Key, tuple[str, str]]:
     """(namespace, pod, container) -> (pod uid, reason) of each container whose MPS cap the
-    agent's Prometheus text says is not in force (a series at 1)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[tuple[str, str, str], tuple[str, str]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name != CAP_NOT_IN_FORCE_METRIC or sample.value < 1:
-                continue
-            labels = sample.labels
-            key = (labels.get("namespace", ""), labels.get("pod", ""),
-                   labels.get("container", ""))
-            found = (labels.get("pod_uuid", ""), labels.get("reason", ""))
+    agent says is not in force (a series at 1)."""
+    out: dict[Key, tuple[str, str]] = {}
+    for key, sample in samples:
+        if sample.name == CAP_NOT_IN_FORCE_METRIC and sample.value >= 1:
+            found = (sample.labels.get("pod_uuid", ""), sample.labels.get("reason", ""))
             out[key] = min(out.get(key, found), found)  # one series per container: stable
     return out
 
 
-def _cap_message() -> str:
-    return ("the node agent's metrics say an MPS cap this container relies on is not in force: "
-            "its readiness marker is set aside (a gate of the pod waits), and a "
-            "client of it that attached meanwhile may run uncapped, whatever its gate did "
-            "before. The pod's MpsCapNotInForce event says why and what to do (on the node, "
-            "--agent-socket gives the agent's own message)")
+CAP_MESSAGE = (
+    "the node agent's metrics say an MPS cap this container relies on is not in force: its "
+    "readiness marker is set aside (a gate of the pod waits), and a client of it that attached "
+    "meanwhile may run uncapped, whatever its gate did before. The pod's MpsCapNotInForce "
+    "event says why and what to do (on the node, --agent-socket gives the agent's own "
+    "message)")
 
 
 def from_metrics_text(text: str, source: str) -> AgentState:
     """AgentState from the agent's Prometheus text: each container's usage per GPU, and the
     containers whose MPS cap is known not in force (`AgentAllocation.cap_not_in_force`).
     Raises ValueError for text that is not Prometheus's."""
-    usage = parse_usage(text)
-    caps = parse_caps(text)
+    samples = _container_samples(text)
+    usage, caps = parse_usage(samples), parse_caps(samples)
     allocations = []
     for key in sorted(usage.keys() | caps.keys()):
         namespace, pod, container = key
@@ -285,7 +287,7 @@ def from_metrics_text(text: str, source: str) -> AgentState:
         uid, reason = caps.get(key, ("", ""))
         allocations.append(AgentAllocation(
             namespace=namespace, pod=pod, container=container, uid=uid,
-            reason=reason, message=_cap_message() if key in caps else "",
+            reason=reason, message=CAP_MESSAGE if key in caps else "",
             cap_not_in_force=key in caps,
             used_bytes=sum(by_gpu.values()) if by_gpu is not None else None,
             used_by_gpu=MappingProxyType(dict(by_gpu or {}))))
