@@ -5,7 +5,6 @@ the API under the agent's list/watch and writes, and to check the GPU state afte
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from kai_fractions.node.config import NodeConfig
 from kai_fractions.sim.cgroups import FakeCgroupFs
 from kai_fractions.sim.nvml import FakeNvml
 from tests.agent.builders import binder_annotations, pod, wait_for
+from tests.support.agent_process import read_markers
 from tests.support.kube import KubeServer
 
 from .proxy import FaultProxy
@@ -65,13 +65,7 @@ class AgentRig:
         return {path: value for (_gpu, path), value in self.nvml.limits.items()}
 
     def markers(self) -> dict[str, dict[str, Any]]:
-        out = {}
-        for path in sorted(self.marker_dir.glob("*/marker.json")):
-            try:
-                out[path.parent.name] = json.loads(path.read_text())
-            except FileNotFoundError:  # the agent removed it since the glob (a deleted pod)
-                continue
-        return out
+        return read_markers(self.marker_dir)
 
     def marker_dirs(self) -> set[str]:
         """The pods' directories (beside them lies the agent's record of its limits)."""

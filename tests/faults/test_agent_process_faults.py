@@ -6,7 +6,6 @@ on the cgroups of pods that went away."""
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import time
@@ -15,8 +14,14 @@ from typing import Any
 
 import pytest
 
-from kai_fractions.marker import GONE_PREFIX
-from tests.support.agent_process import GPU0, H100_MIB, AgentEnv, AgentRun, wait_for
+from tests.support.agent_process import (
+    GPU0,
+    H100_MIB,
+    AgentEnv,
+    AgentRun,
+    read_markers,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 
@@ -81,15 +86,7 @@ class Node:
         return None
 
     def markers(self) -> dict[str, dict[str, Any]]:
-        out = {}
-        for path in self.env.marker_dir.glob("*/marker.json"):
-            if path.parent.name.startswith(GONE_PREFIX):
-                continue  # a gone pod's, on its way out: no gate reads it there
-            try:
-                out[path.parent.name] = json.loads(path.read_text())
-            except (OSError, ValueError):  # replaced under us: read again next time
-                continue
-        return out
+        return read_markers(self.env.marker_dir)
 
     def limits(self) -> dict[str, tuple[int, int]]:
         return {path: (v.soft, v.hard) for (_gpu, path), v in self.env.nvml.limits().items()}

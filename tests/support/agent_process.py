@@ -12,6 +12,7 @@ rare failure in CI would leave nothing to read.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import signal
 import socket
@@ -27,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from kai_fractions.marker import GONE_PREFIX
 from tests.support import tools
 from tests.support.fake_nvml import FakeNvml
 from tests.support.kube import KubeServer
@@ -36,6 +38,21 @@ CLI = Path(sys.executable).parent / "kai-fractions"
 NODE = "gpu-node-1"
 GPU0 = "GPU-00000000-0000-0000-0000-0000000000a0"
 H100_MIB = 81559
+
+
+def read_markers(marker_dir: Path) -> dict[str, dict[str, Any]]:
+    """Each pod's marker under `marker_dir`, by uid, as a gate would find it. A directory the
+    agent is removing is renamed `GONE_PREFIX...` first and is no gate's, so it is skipped; a
+    marker gone or replaced between the glob and the read is read again at the next look."""
+    out = {}
+    for path in sorted(marker_dir.glob("*/marker.json")):
+        if path.parent.name.startswith(GONE_PREFIX):
+            continue
+        try:
+            out[path.parent.name] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def free_port() -> int:
