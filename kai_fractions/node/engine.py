@@ -39,19 +39,31 @@ from .desired import (
 from .errors import NodeError, NvmlError
 from .limit_ledger import LEDGER_NOT_WRITTEN, LimitLedger, MemoryLimitLedger
 from .memory_limits import LimitWrite, MemoryLimitEnforcer
-from .mps.errors import COMMAND_FAILED, NAMESPACE_BUSY, NAMESPACE_EXISTS, NOT_APPLIED, MpsError
-from .mps_pinned import MPS_PINNED_LIMIT_LOST, PinnedLimits, suspect_error
+from .mps.errors import NAMESPACE_BUSY, NAMESPACE_EXISTS, MpsError
+from .mps_caps import (
+    CAP_NOT_IN_FORCE_REASONS,
+    NAMESPACE_CAP_NOT_SET,
+    NAMESPACE_CAP_UNVERIFIED,
+    SET_REFUSED,
+    MpsClientLike,
+    attached_pids,
+    cap_not_held,
+    cap_not_held_by_clients,
+    cap_not_made,
+    cap_not_set,
+    cap_not_set_attached,
+    cap_not_set_deleted,
+    cap_not_verified,
+    cap_unverified,
+    namespace_busy,
+)
+from .mps_pinned import PinnedLimits, suspect_error
 from .nvml import DeviceInfo, GpuComputeMode, Nvml
 
 log = logging.getLogger(__name__)
 
 # -- the MPS control seam as the engine uses it (kai_fractions.node.mps.control.MpsControl and
-# kai_fractions.node.mps.fake.FakeMpsControl both fit) -------------------------------------------
-
-
-class MpsClientLike(Protocol):
-    pid: int
-    namespace: str | None
+# kai_fractions.sim.mps.FakeMpsControl both fit) ------------------------------------------------
 
 
 class MpsControlLike(Protocol):
@@ -68,21 +80,6 @@ class MpsControlLike(Protocol):
 # Reasons the engine itself gives (NVML and MPS errors bring their own).
 CGROUP_NOT_FOUND = "CgroupNotFound"
 MPS_UNAVAILABLE = "MPSUnavailable"
-NAMESPACE_CAP_UNVERIFIED = "NamespaceCapUnverified"
-"""An MPS namespace this engine created (again, e.g. after a daemon restart) had clients attached
-before its active-thread percentage could be verified in force: they may run uncapped for their
-lifetime, so its container stays pending until they exit."""
-NAMESPACE_CAP_NOT_SET = "NamespaceCapNotSet"
-"""An MPS namespace this engine made (again, e.g. after a daemon restart) does not hold the plan's
-active-thread percentage because the daemon did not take a step of making it: its set failed and
-it was deleted (no client may attach to it uncapped; the next pass makes it again), or could not
-be deleted either (a client attaching to it would run uncapped for its lifetime), or it could not
-be created. The message says which."""
-CAP_NOT_IN_FORCE_REASONS = frozenset({NAMESPACE_CAP_UNVERIFIED, NAMESPACE_CAP_NOT_SET,
-                                      MPS_PINNED_LIMIT_LOST})
-"""The reasons of a container pending with `ContainerResult.mps_cap_missing`, and only of such a
-container: whoever reads the reason alone (GetNodeState, the metrics) tells a container whose
-readiness marker is set aside from one pending for a reason that keeps it (a busy daemon)."""
 
 
 def is_our_namespace(name: str) -> bool:
@@ -186,113 +183,6 @@ class ReleaseReport:
 
 def _issue(e: NodeError) -> Issue:
     return Issue(e.reason, e.message)
-
-
-_SET_REFUSED = (NAMESPACE_BUSY, NOT_APPLIED, COMMAND_FAILED)
-"""How a daemon answers a percentage set on a namespace whose first client came and went: a
-refusal, or a value it does not hold when read back."""
-
-
-def _attached(clients: Iterable[MpsClientLike], namespace: str) -> list[int]:
-    """Pids of the clients attached to `namespace`."""
-    return sorted(int(cl.pid) for cl in clients if cl.namespace == namespace)
-
-
-_UNTIL_THEY_EXIT = (
-    "The container stays pending until they have exited (restart the container's GPU "
-    "processes, or recreate the pod); the cap is then set before anything attaches again")
-"""What a container whose clients attached before its cap waits for, and what to do."""
-
-
-def _cap_unverified(name: str, pct: int, pids: list[int], said: str | None = None) -> MpsError:
-    who = (f"clients (pids {', '.join(map(str, pids))}) attached" if pids
-           else f"clients attached ({said})" if said else "clients attached")
-    return MpsError(NAMESPACE_CAP_UNVERIFIED, (
-        f"MPS namespace {name} was created (again, e.g. after an MPS daemon restart) and "
-        f"{who} before its active-thread percentage {pct} could be verified in force: MPS "
-        "fixes the percentage at the first attach, so they may run without the cap for their "
-        "lifetime. " + _UNTIL_THEY_EXIT))
-
-
-def _cap_not_set(name: str, pct: int, set_error: NodeError, delete_error: NodeError
-                 ) -> MpsError:
-    return MpsError(NAMESPACE_CAP_NOT_SET, (
-        f"MPS namespace {name} was made but its active-thread percentage {pct} could not be set "
-        f"({set_error.reason}: {set_error.message}), and it could not be deleted either "
-        f"({delete_error.reason}: {delete_error.message}): a client attaching to it would run "
-        "without the cap for its lifetime. The container stays pending; the next pass sets the "
-        "percentage before anything attaches, or deletes the namespace"))
-
-
-def _cap_not_set_deleted(name: str, pct: int, set_error: NodeError) -> MpsError:
-    """`name`'s percentage could not be set (`set_error`), and it was deleted for it."""
-    return MpsError(NAMESPACE_CAP_NOT_SET, (
-        f"MPS namespace {name} was made but its active-thread percentage {pct} could not be set "
-        f"({set_error.reason}: {set_error.message}); it was deleted, so that no client attaches "
-        "to it without the cap. The container stays pending, and its readiness marker set aside, "
-        "until the next pass has made it again with the percentage (it retries every pass; if "
-        "this persists, check the MPS control daemon and its log)"))
-
-
-def _cap_not_set_attached(name: str, pct: int, set_error: NodeError, *,
-                          pids: Iterable[int] = (), delete_error: NodeError | None = None
-                          ) -> MpsError:
-    """`name`'s percentage could not be set (`set_error`), and clients (`pids`, when known)
-    attached to it meanwhile: the delete that was to keep them out was refused for them
-    (`delete_error`: NamespaceBusy), or a client list showed them."""
-    pids = list(pids)
-    who = (f"clients (pids {', '.join(map(str, pids))}) attached to it" if pids
-           else "clients attached to it")
-    when = (f" before it could be deleted ({delete_error.reason}: {delete_error.message})"
-            if delete_error is not None else " meanwhile")
-    return MpsError(NAMESPACE_CAP_UNVERIFIED, (
-        f"MPS namespace {name} does not hold the plan's active-thread percentage {pct}, which "
-        f"could not be set ({set_error.reason}: {set_error.message}), and {who}{when}: MPS "
-        "fixes the percentage at the first attach, so they run without the plan's cap for "
-        "their lifetime. " + _UNTIL_THEY_EXIT))
-
-
-def _cap_not_made(name: str, pct: int, error: NodeError) -> MpsError:
-    """`name` is not there (a restarted daemon has none) and could not be made (`error`)."""
-    return MpsError(NAMESPACE_CAP_NOT_SET, (
-        f"MPS namespace {name} is not there (a new container's, or one a restarted MPS daemon "
-        f"lost) and could not be made with its active-thread percentage {pct} ({error.reason}: "
-        f"{error.message}). The container stays pending, and its readiness marker set aside, "
-        "until a pass has made it with the percentage (it retries every pass; if this "
-        "persists, check the MPS control daemon and its log)"))
-
-
-def _cap_not_held(name: str, pct: int, error: NodeError) -> MpsError:
-    """`name` is known not to hold `pct` (`Engine._uncapped`), and `error` kept it from being
-    given it."""
-    return MpsError(NAMESPACE_CAP_NOT_SET, (
-        f"MPS namespace {name} does not hold the plan's active-thread percentage {pct}, and "
-        f"it could not be given it ({error.reason}: {error.message}): a client attaching to it "
-        "now would not run with the cap. The container stays pending, and its readiness marker "
-        "set aside, until it holds it (the agent retries every pass; if this persists, check "
-        "the MPS control daemon and its log)"))
-
-
-def _cap_not_verified(name: str, pct: int, error: NodeError) -> MpsError:
-    """`name`, made by this engine (`Engine._fresh`), could not be checked for clients that
-    attached before its percentage was set (`error`)."""
-    return MpsError(NAMESPACE_CAP_UNVERIFIED, (
-        f"MPS namespace {name} was made (again, e.g. after an MPS daemon restart) and whether a "
-        f"client attached to it before its active-thread percentage {pct} was set could not be "
-        f"checked ({error.reason}: {error.message}): such a client would run without the cap "
-        "for its lifetime. The container stays pending, and its readiness marker set aside, "
-        "until a client list shows the percentage in force (the agent retries every pass; if "
-        "this persists, check the MPS control daemon and its log)"))
-
-
-def _namespace_busy(name: str, in_force: str, pct: int) -> MpsError:
-    """Clients attached to `name` run with another percentage than the plan's `pct`
-    (`in_force` says which, and how it is known)."""
-    return MpsError(NAMESPACE_BUSY, (
-        f"MPS namespace {name} has clients attached, which run with the active-thread "
-        f"percentage {in_force} (MPS fixes it at the first attach); the plan's {pct} takes "
-        "effect once they have exited: stop the container's GPU processes, or recreate the "
-        "pod"))
 
 
 def _has_namespaces(mps: MpsControlLike) -> bool:
@@ -628,7 +518,7 @@ class _Run:
                 for c in again:
                     name, pct = c.mps_namespace, c.active_thread_percentage
                     assert name is not None and pct is not None
-                    if not _attached(clients, name):
+                    if not attached_pids(clients, name):
                         self._set_fresh(mps, c, name, pct, set_now)
                 if len(set_now) > sets:
                     clients = None  # the verification needs a list read after the sets
@@ -643,20 +533,20 @@ class _Run:
                     continue
                 if clients is None:
                     clients = list(mps.client_list())
-                attached = _attached(clients, name)
+                attached = attached_pids(clients, name)
                 if name in fresh:
                     if name in set_now and not attached:
                         # Set before this list, and nobody attached: every client from now on
                         # attaches under the cap.
                         self._verified(name, pct)
                     else:
-                        self.fail([c.key], _cap_unverified(name, pct, attached))
+                        self.fail([c.key], cap_unverified(name, pct, attached))
                     continue
                 if attached:
                     # MPS fixed the cap when the first client attached: a new percentage
                     # cannot take effect until they exit.
                     if in_force is not None and in_force != pct:
-                        self.fail([c.key], _namespace_busy(
+                        self.fail([c.key], namespace_busy(
                             name, f"{in_force} set before they attached", pct))
                     elif in_force is not None:
                         self.e._atp_checked.add(name)
@@ -669,9 +559,9 @@ class _Run:
                 if (mps.namespace_get_active_thread_percentage(name) != float(pct)
                         and self._reset(mps, name, pct)):
                     clients = list(mps.client_list())  # read after the set
-                    attached = _attached(clients, name)
+                    attached = attached_pids(clients, name)
                     if attached:  # they may have attached before the set
-                        self.fail([c.key], _cap_unverified(name, pct, attached))
+                        self.fail([c.key], cap_unverified(name, pct, attached))
                         continue
                 self._verified(name, pct)
             except NodeError as e:
@@ -700,7 +590,7 @@ class _Run:
         for c in stale:
             name = c.mps_namespace
             assert name is not None
-            attached = _attached(clients, name)
+            attached = attached_pids(clients, name)
             if attached:
                 self.fail([c.key], suspect_error(name, pids=attached))
                 continue
@@ -739,7 +629,7 @@ class _Run:
             if e.reason != NAMESPACE_EXISTS:
                 self._uncap(name)  # not there: nothing in force
                 self.e.pins.gone(name)  # nor a server started without the limit
-                self.fail([c.key], _cap_not_made(name, pct, e))
+                self.fail([c.key], cap_not_made(name, pct, e))
             return
         self.created.append(name)
         self.e._namespace_gone(name)
@@ -756,14 +646,9 @@ class _Run:
         held = mps.namespace_get_active_thread_percentage(name)
         if held is None:
             self._uncap(name)
-            self.fail([c.key], MpsError(NAMESPACE_CAP_UNVERIFIED, (
-                f"MPS namespace {name} has clients (pids {', '.join(map(str, attached))}) "
-                f"attached but holds no active-thread percentage, not the plan's {pct}: MPS "
-                "fixes it at the first attach, so they run without the cap for their "
-                "lifetime. The container stays pending until they have exited (restart the "
-                "container's GPU processes, or recreate the pod)")))
+            self.fail([c.key], cap_not_held_by_clients(name, pct, attached))
         elif held != float(pct):
-            self.fail([c.key], _namespace_busy(name, f"{held:g} the namespace holds", pct))
+            self.fail([c.key], namespace_busy(name, f"{held:g} the namespace holds", pct))
         else:
             self._verified(name, pct)
 
@@ -801,11 +686,11 @@ class _Run:
         attached (a client that did fixed what it holds: the next pass reads it back); the
         error to report. One whose clients cannot be listed stays, as it was."""
         try:
-            attached = _attached(mps.client_list(), name)
+            attached = attached_pids(mps.client_list(), name)
         except NodeError:
             return error
         if attached:
-            return _cap_not_set_attached(name, pct, error, pids=attached)
+            return cap_not_set_attached(name, pct, error, pids=attached)
         return self._unmake(mps, name, pct, error)
 
     def _not_set(self, mps: MpsControlLike, name: str, pct: int, error: NodeError
@@ -817,7 +702,7 @@ class _Run:
         for its lifetime (MPS fixes it at the first attach): it is deleted now, and made again
         by the next pass."""
         if error.reason == NAMESPACE_BUSY:
-            error = _cap_unverified(name, pct, [], said=error.message)
+            error = cap_unverified(name, pct, [], said=error.message)
         self._uncap(name)
         if error.reason in (NAMESPACE_CAP_UNVERIFIED, NAMESPACE_CAP_NOT_SET) \
                 or name not in self.e._fresh:
@@ -835,11 +720,11 @@ class _Run:
             mps.namespace_delete(name, missing_ok=True)
         except NodeError as e:
             if e.reason == NAMESPACE_BUSY:
-                return _cap_not_set_attached(name, pct, error, delete_error=e)
-            return _cap_not_set(name, pct, error, e)
+                return cap_not_set_attached(name, pct, error, delete_error=e)
+            return cap_not_set(name, pct, error, e)
         self.deleted.append(name)
         self.e._namespace_gone(name)
-        return _cap_not_set_deleted(name, pct, error)
+        return cap_not_set_deleted(name, pct, error)
 
     def _set_or_remake(self, mps: MpsControlLike, name: str, pct: int) -> bool:
         """Sets the percentage of `name`, which no client is attached to; True when the
@@ -855,12 +740,12 @@ class _Run:
 
     def _set(self, mps: MpsControlLike, name: str, pct: int) -> MpsError | None:
         """Sets the percentage of `name`: None when it took, the daemon's refusal when it turns
-        away another than the one MPS fixed (`_SET_REFUSED`). Raises any other failure, which
+        away another than the one MPS fixed (`SET_REFUSED`). Raises any other failure, which
         leaves the namespace holding what it held."""
         try:
             mps.namespace_set_active_thread_percentage(name, pct)
         except MpsError as e:
-            if e.reason not in _SET_REFUSED:
+            if e.reason not in SET_REFUSED:
                 raise
             return e
         return None
@@ -1029,10 +914,10 @@ class _Run:
         if name in self.e.pins.suspect:
             return suspect_error(name, error=error)
         if error.reason == NAMESPACE_BUSY:  # the daemon says clients are attached: uncapped
-            return _cap_not_set_attached(name, pct, error)
+            return cap_not_set_attached(name, pct, error)
         if name in self.e._uncapped:
-            return _cap_not_held(name, pct, error)
-        return _cap_not_verified(name, pct, error)
+            return cap_not_held(name, pct, error)
+        return cap_not_verified(name, pct, error)
 
     def report(self) -> ApplyReport:
         results: dict[ContainerKey, ContainerResult] = {}
