@@ -14,6 +14,7 @@ from kai_fractions.kube.retry import Backoff
 from kai_fractions.mirror.decision import AllocationInput
 from kai_fractions.mirror.errors import (
     AllocationConflict,
+    ApiRejected,
     ApiUnavailable,
     InvalidAllocation,
     PodNotFound,
@@ -253,6 +254,48 @@ async def test_release_removes_what_the_mirror_wrote_and_is_idempotent(store, se
     second = await service.release(NS, POD)
     assert (second.changed, second.removed_keys) == (False, ())
     assert len(store.patches) == 2
+
+
+DEVICES = "nvidia.com/container.trainer.gpus.devices"
+
+
+class MutatingStore(FakePodStore):
+    """An API server with a mutating admission webhook on pod UPDATE (as a Kyverno or
+    Gatekeeper mutation policy can be): `webhook(changes)` says what it changes in a write."""
+
+    webhook = staticmethod(lambda changes: {})
+
+    async def patch_annotations(self, namespace, name, changes, **kwargs):
+        written = await super().patch_annotations(namespace, name, changes, **kwargs)
+        mutated = self.webhook(changes)
+        if not mutated:
+            return written
+        return await super().patch_annotations(namespace, name, mutated, uid="",
+                                               resource_version="")
+
+
+@pytest.mark.parametrize("dropped", [DEVICES, MIRRORED_ANNOTATION])
+async def test_a_write_the_api_server_stored_otherwise_is_not_a_success(clock, dropped):
+    """The answer to the PATCH is what etcd holds: a pod without its devices (or without the
+    record) would wait in its gate while the scheduler was told the allocation is there."""
+    store = MutatingStore(nodes={"node-1": {}})
+    store.webhook = lambda changes: {dropped: None} if dropped in changes else {}
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    with pytest.raises(ApiRejected) as info:
+        await MirrorService(store, clock=clock).mirror(allocation(), idempotency_key="bind-1")
+    assert f"{dropped} is None, not " in str(info.value)
+    assert "mutating admission webhook" in str(info.value)
+    assert dropped not in store.annotations(NS, POD)
+
+
+async def test_a_release_the_api_server_stored_otherwise_is_not_a_success(clock):
+    store = MutatingStore(nodes={"node-1": {}})
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    service = MirrorService(store, clock=clock)
+    await service.mirror(allocation(), idempotency_key="bind-1")
+    store.webhook = lambda changes: {DEVICES: GPU_A} if DEVICES in changes else {}
+    with pytest.raises(ApiRejected, match=f"{DEVICES} is '{GPU_A}', not None"):
+        await service.release(NS, POD, UID)
 
 
 async def test_preview_writes_nothing(store, service):
