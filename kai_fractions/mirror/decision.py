@@ -228,8 +228,15 @@ def _node(allocation: AllocationInput, node_labels: NodeLabels, error
     return labels
 
 
-def check_idempotency_key(key: str) -> None:
+def idempotency_key_problems(key: str) -> list[ContractError]:
+    """A caller's key is logged and kept in the pod's record: bounded and printable."""
     if len(key) > MAX_IDEMPOTENCY_KEY or not key.isprintable():
-        raise InvalidAllocation([ContractError(
-            "idempotency_key", f"must be printable and at most {MAX_IDEMPOTENCY_KEY} "
-            "characters", key[:40])])
+        return [ContractError("idempotency_key", f"must be printable and at most "
+                              f"{MAX_IDEMPOTENCY_KEY} characters", key[:40])]
+    return []
+
+
+def check_idempotency_key(key: str) -> None:
+    problems = idempotency_key_problems(key)
+    if problems:
+        raise InvalidAllocation(problems)

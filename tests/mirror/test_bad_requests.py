@@ -112,6 +112,19 @@ def test_release_without_pod_name(mirror_tcp):
     assert bad_request_fields(e.value) == [("pod.name", "is required")]
 
 
+def test_release_with_a_bad_idempotency_key(mirror_tcp):
+    """Checked as MirrorAllocation checks it: a key is logged, so a newline or a megabyte is
+    refused, not silently carried."""
+    mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    for key in ("k" * 257, "a\nb"):
+        with pytest.raises(grpc.RpcError) as e:
+            mirror_tcp.stub.ReleaseAllocation(pb.ReleaseAllocationRequest(
+                pod=pb.PodRef(namespace=NS, name=NAME), idempotency_key=key), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [f for f, _ in bad_request_fields(e.value)] == ["idempotency_key"]
+    assert mirror_tcp.patches(NS, NAME) == 0
+
+
 def test_names_no_pod_could_have_are_refused_and_echoed_cut(mirror_tcp):
     """A name is logged and echoed in the status: 20,000 characters made the status exceed
     gRPC's 16 KiB (the caller got RESOURCE_EXHAUSTED), a newline forged a log line."""

@@ -16,6 +16,7 @@ from ...api.v1 import allocation_pb2 as pb
 from ...api.v1 import allocation_pb2_grpc as pb_grpc
 from ...contract import ContractError
 from ...contract.names import pod_ref_problems
+from ..decision import idempotency_key_problems
 from ..errors import InvalidAllocation, MirrorError
 from ..service import MirrorService
 from ..store import Deadline
@@ -101,6 +102,7 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
                         for f in ("namespace", "name") if not getattr(request.pod, f)]
             problems += pod_ref_problems(request.pod.namespace, request.pod.name,
                                          request.pod.uid)
+            problems += idempotency_key_problems(request.idempotency_key)
             if problems:
                 raise InvalidAllocation(problems)
             result = await self.service.release(request.pod.namespace, request.pod.name,
