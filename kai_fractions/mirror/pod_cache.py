@@ -248,9 +248,12 @@ class PodCache:
     def __len__(self) -> int:
         return len(self._pods)
 
-    def lookup(self, namespace: str, name: str) -> PodSnapshot | None:
+    def lookup(self, namespace: str, name: str, uid: str = "") -> PodSnapshot | None:
+        """The pod as last seen; None (a miss: the caller reads the API) when not held, held
+        as its identity only, or held as another pod than `uid` (a recreation the cache may
+        not have seen yet)."""
         pod = self._pods.get((namespace, name))  # one dict read: atomic under the GIL
-        if pod is None or pod.spec is ALLOCATED:
+        if pod is None or pod.spec is ALLOCATED or (uid and pod.uid != uid):
             self.misses += 1
             return None
         self.hits += 1

@@ -266,8 +266,9 @@ class MirrorService:
         """The pod and whether it came from the API (True) or the cache (False). A cached pod
         of another uid than the caller's is read again: the cache may lag a recreation."""
         if cached and self.cache is not None:
-            pod = self.cache.lookup(allocation.namespace, allocation.pod_name)
-            if pod is not None and (not allocation.pod_uid or pod.uid == allocation.pod_uid):
+            pod = self.cache.lookup(allocation.namespace, allocation.pod_name,
+                                    allocation.pod_uid)
+            if pod is not None:
                 return pod, False
         return await self._get(allocation.namespace, allocation.pod_name, allocation.pod_uid,
                                deadline), True

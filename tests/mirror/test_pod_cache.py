@@ -764,3 +764,14 @@ async def test_a_refusal_the_api_confirms_is_the_answer(service, store, cache):
     with pytest.raises(InvalidAllocation):
         await service.mirror(allocation())
     assert store.reads == 1 and store.patches == []
+
+
+def test_a_lookup_for_another_uid_is_a_miss():
+    """The caller then reads the pod from the API server: counted a hit, the metric's hit
+    ratio was overstated exactly while pods are recreated."""
+    cache = PodCache()
+    cache.event("ADDED", full_pod(resourceVersion="1"))
+    assert cache.lookup(NS, POD, NEW_UID) is None
+    assert cache.lookup(NS, POD, UID).uid == UID
+    assert cache.lookup(NS, POD).uid == UID  # a caller naming no uid takes whatever is there
+    assert (cache.hits, cache.misses) == (2, 1)
