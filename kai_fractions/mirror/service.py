@@ -175,13 +175,19 @@ class MirrorService:
         with self.foreground.call():
             return await self._mirror(allocation, idempotency_key, replace, deadline)
 
-    async def preview(self, allocation: AllocationInput, *, deadline: Deadline = NO_DEADLINE
-                      ) -> PreviewResult:
+    async def preview(self, allocation: AllocationInput, *, check_conflict: bool = False,
+                      deadline: Deadline = NO_DEADLINE) -> PreviewResult:
+        """What `mirror` with `replace` would write, refused where it would be (the pod's
+        state); `check_conflict`: also where `mirror` without `replace` would be (a different
+        mirrored allocation). Nothing is written."""
         with self.foreground.call():
             decision = await self._decision(allocation, deadline)
             pod = await self._get(allocation.namespace, allocation.pod_name,
                                   allocation.pod_uid, deadline)
-            outcome = self._outcome(pod, allocation, decision)
+            planned = self._plan_write(pod, allocation, decision, "", not check_conflict,
+                                       final=True)
+            assert planned is not None  # final=True raises instead
+            outcome = planned[0]
             return PreviewResult(outcome.annotations, outcome.plans)
 
     async def release(self, namespace: str, name: str, uid: str = "", *,

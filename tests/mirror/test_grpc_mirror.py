@@ -4,6 +4,7 @@ left on the pod afterwards."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
@@ -217,6 +218,21 @@ def test_rebind_with_replace_recomputes_what_the_mirror_wrote(mirror_tcp):
     assert now[f"{T}.gpus.devices"] == GPU_B
     assert now[f"{D}.memory-limit-mib"] == "10240"
     assert record(mirror_tcp.pod("team-a", "train-0"))["idempotencyKey"] == "a2"
+
+
+def test_preview_checks_a_conflict_when_asked(mirror_tcp):
+    pod = mirror_tcp.create_pod("train-0", {"gpu-fraction": "0.5"})
+    mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod), key="a1"), timeout=10)
+    other = allocation(pod, gpus=(GPU_B,))
+    rebind = mirror_tcp.stub.PreviewAllocation(pb.PreviewAllocationRequest(allocation=other),
+                                               timeout=10)
+    assert rebind.annotations[f"{T}.gpus.devices"] == GPU_B
+    with pytest.raises(grpc.RpcError) as e:
+        mirror_tcp.stub.PreviewAllocation(pb.PreviewAllocationRequest(
+            allocation=other, check_conflict=True), timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "already carries a different mirrored allocation" in e.value.details()
+    assert mirror_tcp.patches("team-a", "train-0") == 1
 
 
 def test_health_and_reflection_are_served(mirror):

@@ -305,6 +305,24 @@ async def test_preview_writes_nothing(store, service):
     assert store.patches == []
 
 
+async def test_preview_checks_a_conflict_when_asked(store, service):
+    """A preview of another decision for a pod that carries one answers what a rebind would
+    write; asked to check the conflict, it answers the refusal MirrorAllocation would give."""
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    await service.mirror(allocation(), idempotency_key="bind-1")
+    other = allocation(gpu_ids=(GPU_B,))
+    rebind = await service.preview(other)
+    assert rebind.annotations["nvidia.com/container.trainer.gpus.devices"] == GPU_B
+    with pytest.raises(AllocationConflict) as preview:
+        await service.preview(other, check_conflict=True)
+    with pytest.raises(AllocationConflict) as mirror:
+        await service.mirror(other, idempotency_key="bind-2")
+    assert (preview.value.kind, str(preview.value)) == (mirror.value.kind, str(mirror.value))
+    same = await service.preview(allocation(), check_conflict=True)
+    assert same.annotations == (await service.mirror(allocation())).annotations
+    assert len(store.patches) == 1
+
+
 async def test_a_recreated_pod_is_refused(store, service):
     store.add_pod(pod({"gpu-fraction": "0.5"}, uid="99999999-0000-0000-0000-000000000000"))
     with pytest.raises(PodReplaced) as e:

@@ -130,10 +130,12 @@ class MirrorAllocationResponse(_message.Message):
     def __init__(self, annotations: _Optional[_Mapping[str, str]] = ..., changed: _Optional[bool] = ..., resource_version: _Optional[str] = ..., containers: _Optional[_Iterable[_Union[ContainerPlan, _Mapping]]] = ...) -> None: ...
 
 class PreviewAllocationRequest(_message.Message):
-    __slots__ = ("allocation",)
+    __slots__ = ("allocation", "check_conflict")
     ALLOCATION_FIELD_NUMBER: _ClassVar[int]
+    CHECK_CONFLICT_FIELD_NUMBER: _ClassVar[int]
     allocation: Allocation
-    def __init__(self, allocation: _Optional[_Union[Allocation, _Mapping]] = ...) -> None: ...
+    check_conflict: bool
+    def __init__(self, allocation: _Optional[_Union[Allocation, _Mapping]] = ..., check_conflict: _Optional[bool] = ...) -> None: ...
 
 class PreviewAllocationResponse(_message.Message):
     __slots__ = ("annotations", "containers")

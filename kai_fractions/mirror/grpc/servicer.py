@@ -88,6 +88,7 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
                                 ) -> pb.PreviewAllocationResponse:
         async def run() -> pb.PreviewAllocationResponse:
             result = await self.service.preview(allocation_from_proto(request.allocation),
+                                                check_conflict=request.check_conflict,
                                                 deadline=deadline_of(context))
             return pb.PreviewAllocationResponse(
                 annotations=result.annotations,
