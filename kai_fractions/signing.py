@@ -358,11 +358,23 @@ class Keyring:
 # -- key files ---------------------------------------------------------------------------------
 
 
-def _read_key(path: Path) -> AnyKey:
+_ANY_PRIVATE_PEM = re.compile(rb"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----")
+"""A PEM private key of any kind (PKCS8, OpenSSH, EC, RSA, encrypted)."""
+
+
+def _read_key(path: Path, *, verify_only: bool = False) -> AnyKey:
     try:
         material = path.read_bytes()
     except OSError as e:
         raise SigningConfigError(f"--signing-key-file {path}: {e.strerror or e}") from None
+    if verify_only and _ANY_PRIVATE_PEM.search(material):
+        # Refused before it is parsed: nothing (not even its key id) is derived from it.
+        raise SigningConfigError(
+            f"--signing-key-file {path}: a private key; a node agent only verifies "
+            "signatures and takes the mirror's Ed25519 PUBLIC key (PEM `PUBLIC KEY`: the "
+            "chart's ConfigMap kai-fractions-signing-public, or `kai-fractions signing-keys "
+            "public FILE`). A private key on a node could sign allocations, and only the "
+            "mirror may hold one: remove it from this node")
     if material.lstrip().startswith((_PRIVATE_PEM, _PUBLIC_PEM)):
         return load_ed25519(material, str(path))
     # Raw bytes, verbatim: an HMAC key (a trailing newline is key material too; both sides
@@ -410,12 +422,14 @@ def _entries(path: str) -> list[Path]:
     return [p]
 
 
-def load_keyring(paths: Sequence[str]) -> Keyring:
+def load_keyring(paths: Sequence[str], *, verify_only: bool = False) -> Keyring:
     """Keys from `--signing-key-file` values, in order: the first key found signs, every key
-    verifies. Raises SigningConfigError."""
+    verifies. With `verify_only` (the node agent) a private key of any kind is refused, not
+    reduced to its public half. Raises SigningConfigError."""
     if not paths:
         raise SigningConfigError("--signing-key-file: no key file given")
-    return Keyring(tuple(_read_key(entry) for path in paths for entry in _entries(path)))
+    return Keyring(tuple(_read_key(entry, verify_only=verify_only)
+                         for path in paths for entry in _entries(path)))
 
 
 def _stamp(paths: Sequence[str]) -> tuple:

@@ -121,9 +121,13 @@ def register(sub) -> None:
                    "keys: wait while the signature is missing (SignatureMissing; with an "
                    "unmodified KAI the mirror's BindRequest follower signs) or names a key "
                    "this node does not hold yet (SignatureKeyUnknown; --signature-key-wait), "
-                   "refuse a bad one (SignatureInvalid). FILE holds the raw key, or is a "
-                   "directory with `current` and optionally `previous` (the chart's Secret); "
-                   "repeatable; re-read when it changes. Default: no check")
+                   "refuse a bad one (SignatureInvalid). FILE holds the mirror's Ed25519 "
+                   "public key (PEM), or is a directory with `current` and optionally "
+                   "`previous` (the ConfigMap kai-fractions-signing-public that the chart's "
+                   "mirror publishes); a legacy HMAC key (raw bytes) is still read, for pods "
+                   "signed before the upgrade to Ed25519. A private key is refused: only the "
+                   "mirror may hold one. Repeatable; re-read when it changes. Default: no "
+                   "check")
     p.add_argument("--signature-key-wait", type=_nonnegative_seconds, default=300.0,
                    metavar="SECONDS",
                    help="with --signing-key-file: how long a signature under a key this node "
@@ -223,9 +227,10 @@ def run(args: argparse.Namespace) -> int:
         signing_key_files=tuple(args.signing_key_file),
         signature_key_wait_seconds=args.signature_key_wait)
     if options.signing_key_files:
-        from ..signing import KeyringSource, SigningConfigError
+        from ..signing import SigningConfigError, load_keyring
         try:
-            keyring = KeyringSource(options.signing_key_files).current()
+            # verify_only: a private key is refused, never reduced to its public half.
+            keyring = load_keyring(options.signing_key_files, verify_only=True)
         except SigningConfigError as e:
             return _fail(str(e))
         log.info("applying only signed allocations (keys: %s)", ", ".join(keyring.kids))
