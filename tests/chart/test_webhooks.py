@@ -506,6 +506,36 @@ def test_only_an_exec_or_attach_into_the_gate_is_sent(docs):
     assert validate(review, AdmissionConfig(gate_image="img")).allowed is False
 
 
+def section(path, start: str, end: str) -> str:
+    text = path.read_text()
+    text = text[text.index(start):]
+    return text[:text.index(end)]
+
+
+def test_the_docs_name_every_webhook_the_chart_registers(docs):
+    """Whoever registers the webhooks by hand from docs/admission.md must not leave one out
+    (without gate-exec, `kubectl exec` joins a waiting gate), and docs/chart.md counts them."""
+    rendered = [h for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
+                for h in one(docs, kind, ADMISSION)["webhooks"]]
+    table = section(CHART.parent.parent / "docs" / "admission.md", "**What to register:**",
+                    "Use `sideEffects")
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) - 1 == len(rendered)  # less the header
+    for hook in rendered:
+        for rule in hook["rules"]:
+            for resource in rule["resources"]:
+                assert f"`{resource}`" in table, (hook["name"], resource)
+            for operation in rule["operations"]:
+                assert operation in table, (hook["name"], operation)
+    scoping = section(CHART.parent.parent / "docs" / "chart.md", "### Webhook scoping",
+                      "\n### ")
+    words = {3: "three", 4: "four", 5: "five"}
+    assert f"registers {words[len(rendered)]} webhooks" in scoping
+    for name in ("gate-exec.validate.kai-fractions.io", "workloads.validate.kai-fractions.io"):
+        assert f"`{name}`" in scoping
+    assert "`pods/exec`" in scoping and "`pods/attach`" in scoping
+
+
 def test_an_object_selector_never_narrows_the_validating_pod_webhook(tmp_path):
     """webhook.objectSelector narrows the mutating and workloads webhooks only: the validating
     pod webhook must see every pod with a hostPath (none may reach the agent's socket) and every
