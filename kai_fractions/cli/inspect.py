@@ -84,7 +84,7 @@ def _register_mirror(what) -> None:
         "Failing calls and API requests are judged on what each replica did between two "
         "reads --window seconds apart, not on its totals. Exit codes: 0 every replica read "
         "and nothing wrong, 1 a problem is reported (no replica found or read, no follower "
-        "leader or several, a pod cache not synced, over 5%% of a replica's API requests or "
+        "leader or several, a pod cache not synced, over 5% of a replica's API requests or "
         f"of its calls failed in the window, when it made {MIN_JUDGED} at least there), 2 "
         "usage error or the cluster cannot be read.")
     q.add_argument("urls", nargs="*", metavar="URL",
