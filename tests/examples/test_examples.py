@@ -5,6 +5,7 @@ defines, and explained in examples/README.md."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
@@ -165,3 +166,18 @@ def test_readme_explains_every_example():
     readme = (EXAMPLES / "README.md").read_text()
     for name in EXPECTED:
         assert f"`{name}`" in readme, name
+
+
+def test_readme_says_which_example_validate_warns_on(capsys):
+    """Someone who runs `kai-fractions validate -f examples/` and sees a warning finds why in
+    the example's row, and the rows of the others promise no warning."""
+    main(["validate", "-f", str(EXAMPLES), "--output", "json"])
+    report = json.loads(capsys.readouterr().out)
+    warned = {Path(o["file"]).name for o in report["objects"] if o["warnings"]}
+    assert warned == {"gpu-fraction-with-limit.yaml"}
+    rows = {m.group(1): m.group(0) for m in re.finditer(
+        r"^\| `([\w-]+\.yaml)` \|.*$", (EXAMPLES / "README.md").read_text(), flags=re.M)}
+    for name, row in rows.items():
+        says = "`validate` warns" in row
+        assert says is (name in warned), name
+    assert "upstream KAI main may never bind it" in rows["gpu-fraction-with-limit.yaml"]
