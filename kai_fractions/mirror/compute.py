@@ -196,11 +196,18 @@ def mirror_patch(
                 f"idempotency key {idempotency_key!r} was already used on pod {ref} for a "
                 "different allocation; a retry must repeat the same decision, a new decision "
                 "needs a new key"), kind="IDEMPOTENCY_KEY_REUSED")
+        if idempotency_key and idempotency_key in old.spent:
+            raise AllocationConflict(ref, (
+                f"idempotency key {idempotency_key!r} names an allocation of pod {ref} that a "
+                f"later call replaced (key {old.idempotency_key or '-'}): a late retry of a "
+                "superseded decision is not put back; drop it"),
+                kind="IDEMPOTENCY_KEY_SUPERSEDED")
         if not replace:
             raise AllocationConflict(ref, (
                 f"pod {ref} already carries a different mirrored allocation (container "
                 f"{old.container or '-'}, {old.digest[:19]}); set replace to rebind it, or "
                 "release it first"))
+        new = old.replaced_by(new)
     stale = set(old.keys) if old else set()
     stale |= {key for key in current if is_mirror_managed(key, keys)}
     stale -= set(outcome.annotations) | {MIRRORED_ANNOTATION}

@@ -5,8 +5,10 @@ wrote. Read back naively it looks user-given, and a user-given request is never 
 rebind to another portion would keep the old memory. The record lists every key the mirror owns on
 the pod, so a recomputation first strips exactly those keys and sees the pod as the user wrote it.
 It also carries the pod UID it was written for (a recreated pod's stale record is ignored), the
-digest of the written allocation (an identical repeat is a no-op, a different one is a conflict)
-and the caller's idempotency key. It is written in the same merge patch as the keys it lists.
+digest of the written allocation (an identical repeat is a no-op, a different one is a conflict),
+the caller's idempotency key, and the keys of the allocations it replaced (a late retry of one
+must not put a superseded decision back). It is written in the same merge patch as the keys it
+lists.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from ..contract import keys as k
 
 MIRRORED_ANNOTATION = k.MIRRORED_RECORD  # the record's key, protected by admission
 RECORD_VERSION = 1
+SPENT_KEPT = 8
+"""Idempotency keys of replaced allocations a record keeps (the latest): a retry comes within
+a call's deadline, while a few rebinds at most happen to one pod."""
 
 
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
@@ -42,12 +47,23 @@ class MirrorRecord:
     """Every annotation key the mirror wrote (sorted), the record itself excluded."""
     digest: str
     idempotency_key: str = ""
+    spent: tuple[str, ...] = ()
+    """Idempotency keys of the allocations this one replaced, oldest first (at most
+    SPENT_KEPT): their calls are over, and a late retry of one is refused."""
 
     def encode(self) -> str:
-        return _CANONICAL.encode(
-            {"v": RECORD_VERSION, "uid": self.pod_uid, "container": self.container,
-             "keys": sorted(self.keys), "digest": self.digest,
-             "idempotencyKey": self.idempotency_key})
+        record = {"v": RECORD_VERSION, "uid": self.pod_uid, "container": self.container,
+                  "keys": sorted(self.keys), "digest": self.digest,
+                  "idempotencyKey": self.idempotency_key}
+        if self.spent:  # absent until a replace: a record as the mirror wrote it before
+            record["spentKeys"] = list(self.spent)
+        return _CANONICAL.encode(record)
+
+    def replaced_by(self, new: MirrorRecord) -> MirrorRecord:
+        """`new`, which replaces this allocation, keeping this one's key as spent."""
+        spent = self.spent + ((self.idempotency_key,) if self.idempotency_key else ())
+        return MirrorRecord(new.pod_uid, new.container, new.keys, new.digest,
+                            new.idempotency_key, spent[-SPENT_KEPT:])
 
     def same_allocation(self, other: MirrorRecord) -> bool:
         """Equal but for the idempotency key (the first caller's key is kept)."""
@@ -66,11 +82,12 @@ def decode_record(value: str | None) -> MirrorRecord | None:
         return None
     if not isinstance(raw, dict) or raw.get("v") != RECORD_VERSION:
         return None
-    keys = raw.get("keys")
+    keys, spent = raw.get("keys"), raw.get("spentKeys", [])
     fields = (raw.get("uid"), raw.get("container"), raw.get("digest"),
               raw.get("idempotencyKey", ""))
-    if not isinstance(keys, list) or not all(isinstance(x, str) for x in (*keys, *fields)):
+    if not isinstance(keys, list) or not isinstance(spent, list) or not all(
+            isinstance(x, str) for x in (*keys, *spent, *fields)):
         return None
     uid, container, digest, key = fields
     return MirrorRecord(pod_uid=uid, container=container, keys=tuple(sorted(keys)),
-                        digest=digest, idempotency_key=key)
+                        digest=digest, idempotency_key=key, spent=tuple(spent))

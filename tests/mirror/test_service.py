@@ -166,6 +166,36 @@ async def test_reusing_an_idempotency_key_for_another_decision_is_refused_even_w
     assert len(store.patches) == 1
 
 
+async def test_a_late_retry_of_a_replaced_decision_is_refused(store, service):
+    """bind-1 timed out at its caller, who decided again (bind-2, a replace); bind-1's retry
+    arriving after that must not put the superseded decision back on the pod, where the
+    scheduler no longer accounts it."""
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    await service.mirror(allocation(), idempotency_key="bind-1")
+    second = allocation(gpu_ids=(GPU_B,))
+    await service.mirror(second, idempotency_key="bind-2", replace=True)
+    with pytest.raises(AllocationConflict) as e:
+        await service.mirror(allocation(), idempotency_key="bind-1", replace=True)
+    assert e.value.kind == "IDEMPOTENCY_KEY_SUPERSEDED"
+    assert "(key bind-2)" in str(e.value)
+    assert store.annotations(NS, POD)["nvidia.com/container.trainer.gpus.devices"] == GPU_B
+    assert len(store.patches) == 2
+    # bind-2's own retry still writes nothing and answers OK; a new decision still replaces
+    assert not (await service.mirror(second, idempotency_key="bind-2", replace=True)).changed
+    assert (await service.mirror(allocation(), idempotency_key="bind-3", replace=True)).changed
+    assert record_of(store)["spentKeys"] == ["bind-1", "bind-2"]
+
+
+async def test_a_record_keeps_the_latest_spent_keys_only(store, service):
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    gpus = (GPU_A, GPU_B)
+    for i in range(12):
+        await service.mirror(allocation(gpu_ids=(gpus[i % 2],)), idempotency_key=f"bind-{i}",
+                             replace=True)
+    assert record_of(store)["spentKeys"] == [f"bind-{i}" for i in range(3, 11)]
+    assert record_of(store)["idempotencyKey"] == "bind-11"
+
+
 async def test_replace_recomputes_the_request_the_mirror_wrote(store, service):
     """The subtle case: after the first mirror the pod carries a request the MIRROR wrote. A
     rebind to another portion must recompute it, not keep it as if the user had set it."""
