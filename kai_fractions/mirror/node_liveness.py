@@ -9,68 +9,127 @@ at most once per `recheck_seconds` per node, the node is read, and each of its c
 True whose agent has not said it is alive for `stale_after_seconds` is set Unknown, reason
 `NodeAgentSilent`. The agent says so every minute: in its heartbeat Lease
 (`kai-fractions-agent.<node>` in `lease_namespace`, read only when the condition's own
-`lastHeartbeatTime` is old: with the Lease, the agent writes its Node every 5 min), or, an agent
-without one, in the condition's `lastHeartbeatTime`. The patch carries the node's
-resourceVersion, so a heartbeat that lands in between wins; the agent publishes its condition
-again as soon as it can renew its Lease. Nothing here ever holds up a check: failures (a Lease
-that cannot be read among them) are logged, mark nothing, and are tried again at the node's next
-bind.
+`lastHeartbeatTime` has not changed for `stale_after_seconds`: with the Lease, the agent writes
+its Node every 5 min), or, an agent without one, in the condition's `lastHeartbeatTime`.
+
+Those times are written by the agent's clock, and no clock of another machine is trusted (as in
+leader.py): an agent whose clock runs minutes behind would look silent however often it reports,
+one that runs ahead would look alive long after it died. So they are judged as Kubernetes' node
+lifecycle controller judges the kubelets' Leases, by observation: per node, the heartbeat values
+last read (the conditions' `lastHeartbeatTime` and the Lease's `renewTime`, compared as written,
+never parsed) and when each was first read, by the mirror's monotonic clock; a heartbeat is old
+when the same value has been read for `stale_after_seconds`. The trade-off: a value read for the
+first time (the mirror started, a new leader, a node not checked before) counts from then, like
+the controller's probeTimestamp, so after a restart an agent that is already dead is found only
+at a bind at least `stale_after_seconds` after the first one (with a Lease, read only once the
+condition has stood still that long, one `stale_after_seconds` more). A True condition with no
+heartbeat time, and no Lease, is silent at once: nothing there can change.
+
+The patch carries the node's resourceVersion, so a heartbeat that lands in between wins; the
+agent publishes its condition again as soon as it can renew its Lease. Nothing here ever holds
+up a check: failures (a Lease that cannot be read among them) are logged, mark nothing, and the
+node is read again at a bind `RETRY_AFTER_FAILURE_SECONDS` later.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..kube.client import STRATEGIC_MERGE_PATCH, Kube
 from ..kube.errors import Conflict, KubeError, NotFound
-from ..kube.objects import (
-    condition_time,
-    epoch_seconds,
-    heartbeat_lease_name,
-    lease_path,
-    node_path,
-)
+from ..kube.objects import condition_time, heartbeat_lease_name, lease_path, node_path
 
 log = logging.getLogger(__name__)
 
 SILENT_REASON = "NodeAgentSilent"
 NODES_KEPT = 20_000
-"""Nodes whose last check is remembered (more than any cluster has GPU nodes)."""
+"""Nodes remembered (when each was last checked, and the heartbeats last read there): more than
+any cluster has GPU nodes; past it all are forgotten at once, and each then counts as first
+seen."""
 READS_AT_ONCE = 4
 """Nodes read at once: a wave of binds over thousands of nodes is read a few at a time."""
+RETRY_AFTER_FAILURE_SECONDS = 5.0
+"""After a failed check (the API server down or refusing), the node is read again at a bind this
+much later, not at the next `recheck_seconds`: soon, without hammering an API server that is
+down at every bind KAI makes."""
 
 
-def silent_conditions(node: Mapping[str, Any], types: Sequence[str], now: float,
-                      stale_after: float, alive_at: float | None = None
-                      ) -> list[dict[str, Any]]:
-    """The conditions of `types` that say True but whose agent last said it was alive (its
-    heartbeat Lease renewed at `alive_at`, or the condition's `lastHeartbeatTime`, whichever is
-    later) more than `stale_after` seconds before `now`, or never; as their Unknown
-    replacements."""
+@dataclass(frozen=True, slots=True)
+class Sighting:
+    """A heartbeat as the mirror read it: the value as the agent wrote it, and when, by the
+    mirror's monotonic clock, that value was first read."""
+
+    value: str
+    since: float
+
+
+def sighted(last: Sighting | None, value: str | None, now: float) -> Sighting | None:
+    """The sighting of `value` read at `now`: `last` when it is the same value, else a new one
+    from `now` (a value that changed, or one read for the first time); None for no value."""
+    if not value:
+        return None
+    if last is not None and last.value == value:
+        return last
+    return Sighting(value, now)
+
+
+def heartbeats(node: Mapping[str, Any], types: Sequence[str]) -> dict[str, str]:
+    """The `lastHeartbeatTime` of each condition of `types` that has one, by type, as written."""
+    out = {}
+    for c in (node.get("status") or {}).get("conditions") or []:
+        if isinstance(c, dict) and c.get("type") in types:
+            beat = c.get("lastHeartbeatTime")
+            if isinstance(beat, str) and beat:
+                out[c["type"]] = beat
+    return out
+
+
+def silent_conditions(node: Mapping[str, Any], types: Sequence[str], seen: Mapping[str, Sighting],
+                      now: float, stale_after: float, lease: Sighting | None = None, *,
+                      at: float) -> list[dict[str, Any]]:
+    """The conditions of `types` that say True but whose agent has not said it is alive for
+    `stale_after` seconds of the mirror's monotonic clock (`now`): neither their own
+    `lastHeartbeatTime` (its sighting in `seen`, by type) nor the heartbeat Lease's renewTime
+    (`lease`) changed in that time, or they have none; as their Unknown replacements, changed at
+    `at` (the mirror's wall clock)."""
     out = []
     for c in (node.get("status") or {}).get("conditions") or []:
         if not isinstance(c, dict) or c.get("type") not in types or c.get("status") != "True":
             continue
-        beat = epoch_seconds(c.get("lastHeartbeatTime"))
-        last = max((t for t in (beat, alive_at) if t is not None), default=None)
-        if last is not None and now - last <= stale_after:
+        own = seen.get(c["type"])
+        beats = [s for s in (own, lease) if s is not None]
+        if any(now - s.since < stale_after for s in beats):
             continue
-        if last is None:
+        if not beats:
             since = "with no heartbeat time"
         else:
-            when = c.get("lastHeartbeatTime") if last == beat else condition_time(last)
-            since = f"since {when} ({max(0.0, now - last):.0f} s)"
+            last = max(beats, key=lambda s: s.since)  # the one that changed last
+            what = "lastHeartbeatTime" if last is own else "heartbeat Lease's renewTime"
+            since = (f"for {max(0.0, now - last.since):.0f} s by the mirror's clock (its {what} "
+                     f"still {last.value})")
         out.append({
             "type": c["type"], "status": "Unknown", "reason": SILENT_REASON,
             "message": f"the kai-fractions node agent has not reported {since}: KAI places "
                        "no fractional pod here until it reports again",
             "lastHeartbeatTime": c.get("lastHeartbeatTime"),
-            "lastTransitionTime": condition_time(now)})
+            "lastTransitionTime": condition_time(at)})
     return out
+
+
+@dataclass(slots=True)
+class _Node:
+    """What is remembered of a node: when a bind may read it again (monotonic), and the
+    heartbeats last read there."""
+
+    due: float = -math.inf
+    beats: dict[str, Sighting] = field(default_factory=dict)
+    lease: Sighting | None = None
 
 
 class NodeLiveness:
@@ -95,21 +154,31 @@ class NodeLiveness:
         self.on_failed = on_failed
         """Told the node's name each time a check fails (the metrics)."""
         self.clock = clock
+        """The wall clock: only for the lastTransitionTime the mark writes."""
         self.monotonic = monotonic
-        self._checked: dict[str, float] = {}
+        """What every decision is timed by."""
+        self._nodes: dict[str, _Node] = {}
         self._tasks: set[asyncio.Task] = set()
         self._reads: asyncio.Semaphore | None = None  # made on the loop that runs the checks
         self._last_failure = ""
 
+    def _node(self, node: str) -> _Node:
+        known = self._nodes.get(node)
+        if known is None:
+            if len(self._nodes) >= NODES_KEPT:
+                self._nodes.clear()
+            known = self._nodes[node] = _Node()
+        return known
+
     def saw(self, node: str) -> None:
         """A bind to `node` is being checked: its conditions are read soon, unless they were
-        within `recheck_seconds`. Called on the event loop; returns at once."""
+        within `recheck_seconds` (or a check failed within RETRY_AFTER_FAILURE_SECONDS). Called
+        on the event loop; returns at once."""
         now = self.monotonic()
-        if not node or now - self._checked.get(node, -self.recheck) < self.recheck:
+        known = self._nodes.get(node)
+        if not node or (known is not None and now < known.due):
             return
-        if len(self._checked) >= NODES_KEPT:
-            self._checked.clear()
-        self._checked[node] = now
+        self._node(node).due = now + self.recheck
         task = asyncio.get_running_loop().create_task(self._check_quietly(node),
                                                       name=f"node-liveness-{node}")
         self._tasks.add(task)
@@ -127,11 +196,13 @@ class NodeLiveness:
             async with self._reads:
                 await self.check(node)
         except KubeError as e:
+            self._node(node).due = self.monotonic() + RETRY_AFTER_FAILURE_SECONDS
             if self.on_failed is not None:
                 self.on_failed(node)
             if e.message != self._last_failure:  # once per distinct failure
                 log.warning("node %s: its readiness not checked (%s); checked again at a "
-                            "later bind", node, e.message)
+                            "bind %g s or more later", node, e.message,
+                            RETRY_AFTER_FAILURE_SECONDS)
             self._last_failure = e.message
 
     async def check(self, node: str) -> bool:
@@ -140,12 +211,22 @@ class NodeLiveness:
             obj = await self.kube.request("GET", node_path(node), what=f"read node {node}")
         except NotFound:
             return False
-        now = self.clock()
-        silent = silent_conditions(obj, self.types, now, self.stale_after)
+        now = self.monotonic()
+        known = self._node(node)
+        beats = known.beats = {
+            kind: s for kind, beat in heartbeats(obj, self.types).items()
+            if (s := sighted(known.beats.get(kind), beat, now)) is not None}
+        silent = silent_conditions(obj, self.types, beats, now, self.stale_after, known.lease,
+                                   at=self.clock())
         if silent and self.lease_namespace:
+            # Read only now: the Lease as last read (if ever) is no proof of life any more.
             renewed = await self._lease_renewed(node)
-            if renewed is not None:
-                silent = silent_conditions(obj, self.types, now, self.stale_after, renewed)
+            now = self.monotonic()
+            known = self._node(node)  # the same, unless NODES_KEPT made room meanwhile
+            known.beats = beats
+            known.lease = sighted(known.lease, renewed, now)
+            silent = silent_conditions(obj, self.types, beats, now, self.stale_after,
+                                       known.lease, at=self.clock())
         if not silent:
             return False
         version = (obj.get("metadata") or {}).get("resourceVersion")
@@ -163,10 +244,11 @@ class NodeLiveness:
             self.on_marked(node)
         return True
 
-    async def _lease_renewed(self, node: str) -> float | None:
-        """When the node agent last renewed its heartbeat Lease (seconds since the epoch); None
-        when it has none (an agent without `--heartbeat-lease-namespace`, or of an older
-        release). Raises KubeError: a Lease that cannot be read proves nothing either way."""
+    async def _lease_renewed(self, node: str) -> str | None:
+        """The renewTime of the node agent's heartbeat Lease, as written (by the agent's clock:
+        compared, never read as a time); None when it has none (an agent without
+        `--heartbeat-lease-namespace`, or of an older release). Raises KubeError: a Lease that
+        cannot be read proves nothing either way."""
         name = heartbeat_lease_name(node)
         if name is None:
             return None
@@ -175,4 +257,5 @@ class NodeLiveness:
                                             what=f"read lease {self.lease_namespace}/{name}")
         except NotFound:
             return None
-        return epoch_seconds((lease.get("spec") or {}).get("renewTime"))
+        renewed = (lease.get("spec") or {}).get("renewTime")
+        return renewed if isinstance(renewed, str) and renewed else None
