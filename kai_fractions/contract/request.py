@@ -222,8 +222,12 @@ def _scan(
             c.error(key, f"unknown suffix {suffix or '(none)'!r}; known suffixes: "
                     + ", ".join(k.SUFFIXES), value, name)
         elif name not in names:
-            c.error(key, f"names container {name!r}, which is not in the pod (containers: "
-                    + (", ".join(sorted(names)) or "none") + ")", value, name)
+            missing = (f"names container {name!r}, which is not in the pod (containers: "
+                       + (", ".join(sorted(names)) or "none") + ")")
+            if suffix == k.COMPUTE_MODE and not _carries_fraction(pod, keys):
+                _stray_mode(c, key, value, name, missing)
+            else:
+                c.error(key, missing, value, name)
         else:
             by_container.setdefault(name, {})[suffix] = (key, value)
     return by_container, portion_limits
@@ -232,6 +236,48 @@ def _scan(
 _MODE_BY_VALUE = {m.value: m for m in ComputeMode}
 # The keys that make a container fractional, in the order errors prefer to name them.
 _SOURCE_SUFFIXES = (k.MEMORY_REQUEST, k.MEMORY_LIMIT, k.DEVICES, k.COMPUTE_PORTION)
+_REQUEST_SUFFIXES = (k.MEMORY_REQUEST, k.MEMORY_LIMIT)
+
+NO_FRACTION_ASKED = (
+    "KAI resolves the fraction's container only in a pod that requests a GPU fraction "
+    "(gpu-fraction, gpu-memory, or an NvFractions memory request or limit), and this pod "
+    "requests none")
+"""Ends the warning for a key KAI's admission looks at only beside a fraction request (where it
+refuses the same value): what an unchanged KAI manifest may carry, so it is not refused."""
+
+
+def requests_fraction(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> bool:
+    """Whether KAI's admission takes the pod for one that asks for a GPU fraction (upstream
+    RequestsGPUFraction, kai-scheduler/api utilities/resources/gpu_sharing.go): `gpu-fraction`
+    or `gpu-memory` present, even empty, or an NvFractions `.gpu-memory.request` or
+    `.gpu-memory.limit` key. Only then does its mutating webhook resolve the fraction's
+    container (KAI-Scheduler pkg/admission/webhook/v1alpha2/nvfractions/mutation.go, Mutate,
+    GetFractionContainerRef) and refuse a container name it cannot find; a compute mode alone
+    makes no request (getNvFractionData)."""
+    a = pod.annotations
+    if k.GPU_FRACTION in a or k.GPU_MEMORY in a:
+        return True
+    prefix = keys.prefix
+    return any(key.startswith(prefix) and key.endswith(_REQUEST_SUFFIXES) for key in a)
+
+
+def _carries_fraction(pod: PodView, keys: k.Keys) -> bool:
+    """`requests_fraction`, or a binder-written key (`.gpus.devices`, `.gpu-compute.portion`):
+    beside one, a compute mode on another container names a second fractional container, which
+    KAI refuses (upstream validateDeviceAnnotationTargets, GetNvFractionsContainerName)."""
+    prefix = keys.prefix
+    return requests_fraction(pod, keys) or any(
+        key.startswith(prefix) and key.endswith(k.BINDER_SUFFIXES) for key in pod.annotations)
+
+
+def _stray_mode(c: _Collector, key: str, value: str, name: str, missing: str) -> None:
+    """A compute mode naming a container the pod does not have, in a pod that asks for no
+    fraction: KAI's admission checks only its value (ExtractNvFractionsData refuses an unknown
+    mode in every pod) and otherwise admits the pod unchanged, so it is a warning here."""
+    if value not in _MODE_BY_VALUE:
+        c.error(key, f"must be one of: {_MODES}", value, name)
+    else:
+        c.warn(key, f"has no effect: {missing}; {NO_FRACTION_ASKED}", value, name)
 
 
 def _share_from_nvfractions(
@@ -294,7 +340,8 @@ class _Legacy:
 _LEGACY_POD_KEYS = frozenset(k.LEGACY_POD_KEYS)
 
 
-def _legacy(pod: PodView, c: _Collector, nv_names: Iterable[str]) -> _Legacy | None:
+def _legacy(pod: PodView, keys: k.Keys, c: _Collector,
+            nv_names: Iterable[str]) -> _Legacy | None:
     """The legacy keys' request, on the container KAI puts it on (upstream
     GetFractionContainerRef): the one `gpu-fraction-container-name` names, else the one the
     pod's NvFractions keys name (a compute mode is enough), else the first container."""
@@ -303,12 +350,18 @@ def _legacy(pod: PodView, c: _Collector, nv_names: Iterable[str]) -> _Legacy | N
         return None
     present = [key for key in k.LEGACY_POD_KEYS if key in a]
     regular = [ct.name for ct in pod.containers]
-    target = (a.get(k.GPU_FRACTION_CONTAINER_NAME) or next(iter(nv_names), "")
-              or (regular[0] if regular else ""))
-    if k.GPU_FRACTION_CONTAINER_NAME in a and pod.container(target) is None:
-        c.error(k.GPU_FRACTION_CONTAINER_NAME, "names a container that is not in the pod",
-                a[k.GPU_FRACTION_CONTAINER_NAME])
-        return None
+    named = a.get(k.GPU_FRACTION_CONTAINER_NAME)
+    target = named or next(iter(nv_names), "") or (regular[0] if regular else "")
+    if named is not None and pod.container(target) is None:
+        if requests_fraction(pod, keys):
+            c.error(k.GPU_FRACTION_CONTAINER_NAME, "names a container that is not in the pod",
+                    named)
+            return None
+        # KAI resolves the name only for a pod that asks for a fraction (Mutate returns first).
+        if named:
+            c.warn(k.GPU_FRACTION_CONTAINER_NAME, "has no effect: names a container that is "
+                   f"not in the pod; {NO_FRACTION_ASKED}", named)
+        target = next(iter(nv_names), "") or (regular[0] if regular else "")
     if not target:
         c.error(present[0], "the pod has no container to apply it to", a[present[0]])
         return None
@@ -391,9 +444,11 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
         name: _share_from_nvfractions(name, values, c)
         for name, values in by_container.items()
     }
-    legacy = _legacy(pod, c, by_container)
+    legacy = _legacy(pod, keys, c, by_container)
     named = pod.annotations.get(k.GPU_FRACTION_CONTAINER_NAME)
-    if named and legacy is not None:
+    if named and legacy is not None and by_container and requests_fraction(pod, keys):
+        # Only a pod that asks for a fraction has its container resolved (upstream Mutate,
+        # GetFractionContainerRef; validateGpuFractionContainerNameConsistency).
         for name in by_container:
             if name != named:
                 c.error(k.GPU_FRACTION_CONTAINER_NAME, f"names container {named!r} but the "
@@ -469,9 +524,15 @@ def _before_bind(pod: PodView, keys: k.Keys, container: str, c: _Collector) -> N
     other text). After the bind the binder's own keys sit there, so this is for unbound pods."""
     a = pod.annotations
     for key in (k.GPU_MEMORY, k.GPU_FRACTION_CONTAINER_NAME):
-        if key in a and not a[key]:  # ParseUint(""); GetFractionContainerRef's empty name
+        if key not in a or a[key]:
+            continue
+        # ParseUint(""); GetFractionContainerRef's empty name, looked up only in a pod that
+        # asks for a fraction (an empty gpu-memory is one: the key's presence is the request).
+        if requests_fraction(pod, keys):
             c.error(key, "is empty: KAI's admission refuses an empty value; remove the key or "
                     "give it a value", a[key], container)
+        else:
+            c.warn(key, f"is empty and has no effect: {NO_FRACTION_ASKED}", a[key], container)
     memory, request_key = a.get(k.GPU_MEMORY), keys.container(container, k.MEMORY_REQUEST)
     if memory and request_key in a:
         _same_text_as_kai(a[request_key], memory, request_key, container, c)

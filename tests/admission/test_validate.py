@@ -193,6 +193,32 @@ def test_contract_warnings_are_passed_on() -> None:
                           "instead (got 'mps')",)
 
 
+@pytest.mark.parametrize("annotations", [
+    {"gpu-fraction-container-name": ""},
+    {"gpu-fraction-container-name": "ghost"},
+    {"nvidia.com/container.ghost.gpu-compute.mode": "time-slicing"},
+], ids=["empty-name", "missing-name", "missing-mode"])
+def test_a_pod_without_a_fraction_is_admitted_with_a_warning_as_kai_admits_it(
+        annotations: dict[str, str]) -> None:
+    """KAI's admission looks these keys up only for a pod that asks for a fraction (upstream
+    KAI-Scheduler pkg/admission/webhook/v1alpha2/nvfractions/mutation.go, Mutate returns first
+    unless RequestsGPUFraction, kai-scheduler/api utilities/resources/gpu_sharing.go), so both
+    webhooks let an unchanged KAI manifest through, untouched, and say the key does nothing.
+    Beside a fraction they are refused, as KAI refuses them."""
+    [key] = annotations
+    review = request(pod(annotations))
+    for decision in (mutate(review, CONFIG), validate(review, CONFIG)):
+        assert decision.allowed, decision.message
+        assert decision.patch == ()
+        [warning] = decision.warnings
+        assert warning.startswith(f"{key}: ")
+        assert "has no effect" in warning
+    review = request(pod({**annotations, "gpu-fraction": "0.5"}))
+    for decision in (mutate(review, CONFIG), validate(review, CONFIG)):
+        assert not decision.allowed
+        assert decision.message.startswith(f"{key}: ")
+
+
 def test_a_mutated_pod_passes() -> None:
     assert validate(request(mutated(pod(SM, containers=("main", "side")))), CONFIG).allowed
 

@@ -584,6 +584,73 @@ def test_container_name_naming_a_missing_container() -> None:
     assert err.rule == "names a container that is not in the pod"
 
 
+# -- keys KAI reads only in a pod that asks for a fraction (upstream KAI-Scheduler
+# pkg/admission/webhook/v1alpha2/nvfractions/mutation.go, Mutate: `len(pod.Spec.Containers) == 0
+# || !resources.RequestsGPUFraction(pod)` returns first; kai-scheduler/api utilities/resources/
+# gpu_sharing.go, RequestsGPUFraction: gpu-fraction or gpu-memory present, or an NvFractions
+# `.gpu-memory.request` / `.gpu-memory.limit` key; gpu_sharing_validation.go,
+# ValidateGPUFractionRequest: no request, no check; gpu_sharing_nvfractions.go,
+# getNvFractionData: a compute mode alone is no request) ------------------------------------
+
+GHOST_MODE = "nvidia.com/container.ghost.gpu-compute.mode"
+
+
+@pytest.mark.parametrize(("annotations", "containers", "warned"), [
+    ({"gpu-fraction-container-name": ""}, ("main",), ["gpu-fraction-container-name"]),
+    ({"gpu-fraction-container-name": "ghost"}, ("main",), ["gpu-fraction-container-name"]),
+    ({GHOST_MODE: "time-slicing"}, ("main",), [GHOST_MODE]),
+    ({GHOST_MODE: "sm-sharing", "gpu-fraction-container-name": "ghost"}, ("main",),
+     [GHOST_MODE, "gpu-fraction-container-name"]),
+    # the name and the NvFractions keys disagree, but KAI compares them only for a request
+    ({"gpu-fraction-container-name": "side", MODE: "sm-sharing"}, ("main", "side"), [MODE]),
+], ids=["empty-name", "missing-name", "missing-mode", "missing-mode-and-name",
+        "name-disagrees-with-mode"])
+def test_an_unchanged_kai_manifest_without_a_fraction_is_admitted(annotations, containers,
+                                                                  warned) -> None:
+    """What KAI admits is not refused: no error, no share (nothing to plan), a warning that
+    names each key that has no effect."""
+    request = parse_pod(pod(annotations, containers))
+    assert request.errors == ()
+    assert (request.share, request.shares) == (None, ())
+    assert sorted(w.key for w in request.warnings) == sorted(warned)
+    assert all("has no effect" in w.rule for w in request.warnings)
+    by_key = {w.key: w for w in request.warnings}
+    if GHOST_MODE in by_key:
+        assert by_key[GHOST_MODE].rule == (
+            "has no effect: names container 'ghost', which is not in the pod (containers: "
+            "main); KAI resolves the fraction's container only in a pod that requests a GPU "
+            "fraction (gpu-fraction, gpu-memory, or an NvFractions memory request or limit), "
+            "and this pod requests none")
+
+
+@pytest.mark.parametrize(("annotations", "key"), [
+    # the key's presence is the request, even empty (RequestsGPUFraction), so Mutate looks
+    # the name up (GetFractionContainerRef) and fails
+    ({"gpu-fraction": "", "gpu-fraction-container-name": "ghost"}, "gpu-fraction-container-name"),
+    ({"gpu-fraction": "0.5", "gpu-fraction-container-name": "ghost"},
+     "gpu-fraction-container-name"),
+    ({"gpu-memory": "1000", "gpu-fraction-container-name": ""}, "gpu-fraction-container-name"),
+    ({LIM: "1Gi", "gpu-fraction-container-name": ""}, "gpu-fraction-container-name"),
+    ({REQ: "1Gi", "gpu-fraction-container-name": "ghost"}, "gpu-fraction-container-name"),
+    # a compute mode makes its container the fraction's (GetNvFractionsContainerName)
+    ({"gpu-fraction": "0.5", GHOST_MODE: "time-slicing"}, GHOST_MODE),
+    ({"gpu-memory": "1000", GHOST_MODE: "time-slicing"}, GHOST_MODE),
+    ({REQ: "1Gi", GHOST_MODE: "time-slicing"}, GHOST_MODE),
+    # beside the binder's device list: validateDeviceAnnotationTargets, two containers
+    ({DEV: GPU_A, GHOST_MODE: "time-slicing"}, GHOST_MODE),
+    # ExtractNvFractionsData refuses an unknown mode in every pod
+    ({GHOST_MODE: "turbo"}, GHOST_MODE),
+    ({"gpu-fraction": "0.5", "gpu-fraction-container-name": "side", MODE: "sm-sharing"},
+     "gpu-fraction-container-name"),
+], ids=["empty-fraction-missing-name", "fraction-missing-name", "memory-empty-name",
+        "limit-empty-name", "request-missing-name", "fraction-missing-mode",
+        "memory-missing-mode", "request-missing-mode", "devices-missing-mode",
+        "bad-missing-mode", "fraction-name-disagrees-with-mode"])
+def test_the_same_keys_beside_a_fraction_request_are_refused_as_kai_refuses_them(
+        annotations, key) -> None:
+    assert key in [e.key for e in errors(annotations, ("main", "side"))]
+
+
 def test_precedence_nvfractions_over_gpu_fraction() -> None:
     request = parse_pod(pod({REQ: "3000Mi", "gpu-fraction": "0.5"}))
     assert request.errors == ()
