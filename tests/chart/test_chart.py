@@ -131,11 +131,22 @@ def test_schema_rejects_a_follower_that_checks_nothing_at_once():
     assert "/mirror/followConcurrency" in err and "minimum" in err
 
 
-def test_schema_rejects_an_annotation_prefix_that_is_the_derived_keys():
+@pytest.mark.parametrize("prefix", ["kai-fractions.io/container.",
+                                    "kai-fractions.io/container.team."])
+def test_an_annotation_prefix_over_the_derived_keys_is_refused_with_the_rule(prefix):
     """The own-node policy lets the agent write the derived keys: with this prefix it could
-    write the binder's too."""
-    err = template_error("annotationPrefix=kai-fractions.io/container.")
-    assert "/annotationPrefix" in err
+    write the binder's too. The render fails with the rule and the fix, as the CLI words it
+    (the schema's `not` said only "'not' failed")."""
+    err = template_error(f"annotationPrefix={prefix}")
+    assert (f"annotationPrefix={prefix} overlaps the keys kai_fractions derives "
+            "('kai-fractions.io/container.'): give the scheduler's per-container prefix, such "
+            "as 'nvidia.com/container.'") in err
+    assert "'not' failed" not in err
+
+
+def test_schema_rejects_an_annotation_prefix_of_the_wrong_shape():
+    err = template_error("annotationPrefix=nvidia.com/container")
+    assert "/annotationPrefix" in err and "does not match pattern" in err
 
 
 def test_schema_rejects_webhook_paths_the_server_does_not_serve():

@@ -88,13 +88,29 @@ object: {{ $object | toJson }}
 {{- end -}}
 
 {{/*
+annotationPrefix, or a failed render with the rule when it overlaps the keys kai_fractions
+derives (the contract's Keys refuses it the same way): the derived keys would be read as the
+user's and the binder's, and the node agent's own-node policy, which lets it write its derived
+keys, would let it write the binder's. Checked here rather than in values.schema.json, whose
+refusal names no rule ("'not' failed"); the schema keeps the shape.
+*/}}
+{{- define "kf.annotationPrefix" -}}
+{{- $prefix := .Values.annotationPrefix -}}
+{{- $derived := "kai-fractions.io/container." -}}
+{{- if or (hasPrefix $derived $prefix) (hasPrefix $prefix $derived) -}}
+{{- fail (printf "annotationPrefix=%s overlaps the keys kai_fractions derives ('%s'): give the scheduler's per-container prefix, such as 'nvidia.com/container.' (KAI's default)" $prefix $derived) -}}
+{{- end -}}
+{{- $prefix -}}
+{{- end -}}
+
+{{/*
 The CEL predicate "this annotation key belongs to NvFractions": the configured per-container
 prefix, kai_fractions' own derived keys, KAI's portion-limit keys, the pod-level legacy keys and
 the mirror's record (kai-fractions.io/mirrored: protected, so a Binding or pod that carries only
 it must still be reviewed). Used with `k` bound to an annotation key.
 */}}
 {{- define "kf.cel.isFractionKey" -}}
-k.startsWith('{{ .Values.annotationPrefix }}') || k.startsWith('kai-fractions.io/container.') || k.startsWith('kai.scheduler/container.') || k in ['gpu-fraction', 'gpu-fraction.limit', 'gpu-memory', 'gpu-memory.limit', 'gpu-fraction-num-devices', 'gpu-fraction-container-name', 'kai-fractions.io/mirrored']
+k.startsWith('{{ include "kf.annotationPrefix" . }}') || k.startsWith('kai-fractions.io/container.') || k.startsWith('kai.scheduler/container.') || k in ['gpu-fraction', 'gpu-fraction.limit', 'gpu-memory', 'gpu-memory.limit', 'gpu-fraction-num-devices', 'gpu-fraction-container-name', 'kai-fractions.io/mirrored']
 {{- end -}}
 
 {{/* CEL: the pod `obj` (object or oldObject) carries an NvFractions key. Callers guard oldObject
