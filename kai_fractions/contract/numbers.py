@@ -1,24 +1,41 @@
-"""Decimal numbers of the contract (portions, fractions): read exactly, written plainly.
+"""Decimal numbers of the contract (portions, fractions): read as KAI reads them, written plainly.
 
 KAI reads these with Go's strconv.ParseFloat, so the decimal forms it accepts are accepted here,
-exponent forms included (`5e-1`), and evaluated exactly. Hex floats, NaN, Inf, underscores and
-blanks are rejected. Values are always written as plain decimals, never in exponent form.
+exponent forms included (`5e-1`, `5e-0001`: any number of exponent digits, as Go takes them).
+Each has two readings: the float64 KAI sees (`parse_float64`: Python's float is an IEEE double,
+correctly rounded as ParseFloat rounds), which is what its range and ordering checks compare, so
+`0.99999999999999999` is 1 and `1e-400` is 0 here as there; and the exact value
+(`parse_decimal`), which the arithmetic uses. Hex floats (`0x1p-1`) are refused on purpose,
+although ParseFloat reads them: no KAI manifest needs one, and a decimal says the same. NaN, Inf,
+underscores and blanks are refused too. Values are always written as plain decimals, never in
+exponent form.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal
 from fractions import Fraction
 from functools import lru_cache
 
-_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?")
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_HEX = re.compile(r"[+-]?0[xX]")
 
 
 MAX_NUMBER_LENGTH = 64
 """Characters a contract number may have. Longer values are refused before any conversion:
 Python refuses ints of more than 4300 digits with a plain ValueError, and no portion or MiB
-count needs more than a few dozen characters."""
+count needs more than a few dozen characters. It also bounds the exact value: a number whose
+float64 is finite and not 0 is within about 2.5e-324 .. 1.8e308 in magnitude, so with at most
+this many digits its exponent is within a few hundred either way, whatever its exponent digits
+say (`parse_decimal` builds no exact value for any other)."""
+
+NOT_DECIMAL = "must be a finite decimal number such as 0.5 (no NaN, Inf or hex)"
+HEX_REFUSED = ("must be a decimal number such as 0.5: hex floats are refused on purpose, "
+               "although Go's strconv.ParseFloat (KAI) reads them")
+OUT_OF_RANGE = ("is out of the range of a 64-bit float, as KAI reads it (strconv.ParseFloat "
+                "fails on it)")
 
 
 class NumberError(ValueError):
@@ -31,7 +48,32 @@ def _check_length(text: str) -> None:
                           f"(got {len(text)})")
 
 
+def parse_float64(text: str) -> float:
+    """The float64 KAI reads (strconv.ParseFloat, correctly rounded): what its range and
+    ordering checks compare. 0.0 for a number below the smallest float64 (`1e-400`), as Go
+    reads it; an overflow is refused, as ParseFloat refuses it."""
+    if not isinstance(text, str):
+        raise NumberError("must be a decimal number string")
+    return _parse_float64(text)
+
+
+@lru_cache(maxsize=4096)  # pure, and clusters repeat the same few portions
+def _parse_float64(text: str) -> float:
+    if text.strip() == "":
+        raise NumberError("must be a decimal number, not blank")
+    _check_length(text)
+    if not _DECIMAL.fullmatch(text):
+        raise NumberError(HEX_REFUSED if _HEX.match(text) else NOT_DECIMAL)
+    value = float(text)  # never slow: no exact value is built for it
+    if math.isinf(value):
+        raise NumberError(OUT_OF_RANGE)
+    return value
+
+
 def parse_decimal(text: str) -> Fraction:
+    """The exact value, for the arithmetic. The float64 is checked first (`parse_float64`): an
+    overflow is refused and an underflow is 0, as KAI reads them, before any exact value is
+    built, so an exponent such as `1e-99999999` never becomes a huge integer."""
     if not isinstance(text, str):
         raise NumberError("must be a decimal number string")
     return _parse_decimal(text)
@@ -39,18 +81,9 @@ def parse_decimal(text: str) -> Fraction:
 
 @lru_cache(maxsize=4096)  # pure, and clusters repeat the same few portions
 def _parse_decimal(text: str) -> Fraction:
-    if text.strip() == "":
-        raise NumberError("must be a decimal number, not blank")
-    _check_length(text)
-    if not _DECIMAL.fullmatch(text):
-        raise NumberError("must be a finite decimal number such as 0.5 (no NaN, Inf or hex)")
+    if _parse_float64(text) == 0.0:
+        return Fraction(0)  # 0 as written, or below the smallest float64: 0 to KAI as well
     return Fraction(text)
-
-
-def at_most(a: Fraction, b: Fraction) -> bool:
-    """a <= b by integer cross-multiplication (denominators are positive): the same answer as
-    Fraction's own comparison at a fraction of its cost, which parsing pays per pod."""
-    return a.numerator * b.denominator <= b.numerator * a.denominator
 
 
 def after_point(text: str) -> int:

@@ -17,7 +17,13 @@ from functools import lru_cache
 from . import keys as k
 from .errors import ContractError
 from .keys import MPS_NAMESPACE_PREFIX, is_mps_namespace_name
-from .numbers import NumberError, after_point, at_most, parse_decimal, parse_positive_int
+from .numbers import (
+    NumberError,
+    after_point,
+    parse_decimal,
+    parse_float64,
+    parse_positive_int,
+)
 from .pod import PodView
 from .quantity import MIB, QuantityError, canonical_mib, has_unit, memory_bytes
 
@@ -160,15 +166,26 @@ def _portion(
 def _checked_portion(
     value: str, upper_open: bool, max_decimals: int | None
 ) -> tuple[Fraction | None, str | None]:
+    # The range is checked on the float64 KAI reads (upstream parseGpuFractionalPortion,
+    # validateFractionLimitShorthand, validateGpuMemoryPortionLimitAnnotation: ParseFloat,
+    # then `<= 0 || >= 1`), before the exact value is built: `0.99999999999999999` is 1 there.
     try:
-        number = parse_decimal(value)
+        approx = parse_float64(value)
     except NumberError as e:
         return None, e.args[0]
-    if number <= 0 or number > 1 or (upper_open and number == 1):
+    if approx <= 0 or approx > 1 or (upper_open and approx == 1):
         return None, f"must be a portion of one GPU, {'0 < x < 1' if upper_open else '0 < x <= 1'}"
     if max_decimals is not None and after_point(value) > max_decimals:
         return None, f"must have at most {max_decimals} digits after the decimal point"
-    return number, None
+    return parse_decimal(value), None
+
+
+def _above(limit: Fraction, fraction: Fraction) -> bool:
+    """limit > fraction as KAI compares them: in float64 (upstream
+    validateFractionLimitShorthand, validateGpuMemoryPortionLimitAnnotation: `limit <=
+    fraction` refused). float() of the exact value is the float64 ParseFloat reads from the
+    text (both round correctly), and a float64 above another means the exact value is too."""
+    return float(limit) > float(fraction)
 
 
 def _devices(c: _Collector, key: str, value: str, container: str) -> tuple[str, ...]:
@@ -382,7 +399,7 @@ def _legacy(pod: PodView, keys: k.Keys, c: _Collector,
             legacy.limit_portion = _portion(c, k.GPU_FRACTION_LIMIT, value, target,
                                             upper_open=True, max_decimals=_MAX_LEGACY_DECIMALS)
             if (legacy.limit_portion is not None and legacy.fraction is not None
-                    and at_most(legacy.limit_portion, legacy.fraction)):
+                    and not _above(legacy.limit_portion, legacy.fraction)):
                 c.error(k.GPU_FRACTION_LIMIT, f"must be greater than gpu-fraction "
                         f"{a[k.GPU_FRACTION]!r}", value, target)
                 legacy.limit_portion = None
@@ -487,7 +504,7 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
             # The absolute limit wins. After a bind it is the one the binder computed from
             # this very key, so both being present is the normal, bound state.
             continue
-        elif share.fraction is not None and at_most(portion, share.fraction):
+        elif share.fraction is not None and not _above(portion, share.fraction):
             c.error(key, "must be greater than the container's gpu-fraction", None, name)
         else:
             _complete(share, limit_portion=portion)

@@ -51,6 +51,21 @@ def test_an_invalid_pod_is_denied_here_too_with_the_contract_message() -> None:
         "(1Mi) (got '500m')"))
 
 
+@pytest.mark.parametrize(("fraction", "wired"), [
+    ("0.99999999999999999", False), ("1e-400", False), ("5e-0001", True)])
+def test_gpu_fraction_is_judged_as_kai_reads_it(fraction: str, wired: bool) -> None:
+    """KAI reads gpu-fraction with strconv.ParseFloat and refuses `<= 0 || >= 1` (upstream
+    kai-scheduler/api utilities/resources/gpu_sharing.go, parseGpuFractionalPortion): the first
+    two are 1 and 0 there, the third one half (any number of exponent digits)."""
+    d = mutate(request(pod({"gpu-fraction": fraction})), CONFIG)
+    assert d.allowed is wired
+    if wired:
+        assert d.patch
+    else:
+        assert (d.code, d.message) == (422, "gpu-fraction: must be a portion of one GPU, "
+                                            f"0 < x < 1 (got {fraction!r})")
+
+
 def test_the_patch_touches_only_what_differs() -> None:
     obj = pod(TS, containers=("main", "side"))
     obj["spec"]["containers"][1]["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]

@@ -124,6 +124,22 @@ def test_parse_decimal_raises_only_number_error(text: str) -> None:
 
 
 @FAST
+@given(st.from_regex(r"[+-]?[0-9]{1,20}(\.[0-9]{0,20})?", fullmatch=True),
+       st.integers(-(10**30), 10**30), st.sampled_from(["e", "E"]))
+def test_parse_decimal_bounds_every_exponent(mantissa: str, exponent: int, e: str) -> None:
+    """Any number of exponent digits is read (as Go's ParseFloat reads them), but no value
+    that passes has an exponent beyond float64's range, so the exact value stays small."""
+    text = f"{mantissa}{e}{exponent}"
+    try:
+        value = parse_decimal(text)
+    except NumberError as err:
+        assert str(err)
+        return
+    assert value.numerator.bit_length() < 2000 and value.denominator.bit_length() < 2000
+    assert float(value) == float(text)
+
+
+@FAST
 @given(st.one_of(
     st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False).map(Fraction),
     st.fractions(min_value=0, max_value=1, max_denominator=10**9),

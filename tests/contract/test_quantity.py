@@ -185,6 +185,33 @@ def test_parse_decimal_rejects(text: str) -> None:
         parse_decimal(text)
 
 
+@pytest.mark.parametrize(("text", "expected"), [
+    ("5e-0001", Fraction(1, 2)),  # any number of exponent digits, as Go's ParseFloat takes
+    ("1e+0000000000000000000000000000000000000000000000000000000003", 1000),
+    ("1e-400", 0),  # below the smallest float64: 0, as ParseFloat reads it
+    ("1e-99999999", 0),  # ... never built as an exact value
+    ("0e99999999", 0),
+    ("5e-324", Fraction(5, 10**324)),  # the smallest float64 is not 0: kept exactly
+])
+def test_parse_decimal_reads_exponents_as_go_does(text: str, expected: Fraction | int) -> None:
+    """kai-scheduler/api utilities/resources/gpu_sharing.go reads portions with
+    strconv.ParseFloat(value, 64)."""
+    assert parse_decimal(text) == expected
+
+
+@pytest.mark.parametrize("text", ["1e309", "1e99999999", "-1e400", "1" * 40 + "e" + "9" * 20])
+def test_parse_decimal_refuses_what_float64_overflows(text: str) -> None:
+    with pytest.raises(NumberError) as info:
+        parse_decimal(text)
+    assert str(info.value).startswith("is out of the range of a 64-bit float")
+
+
+def test_parse_decimal_says_hex_is_refused_on_purpose() -> None:
+    with pytest.raises(NumberError) as info:
+        parse_decimal("0x1p-1")
+    assert "refused on purpose" in str(info.value)
+
+
 def test_parse_decimal_messages() -> None:
     with pytest.raises(NumberError) as blank:
         parse_decimal("")

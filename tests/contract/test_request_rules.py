@@ -394,6 +394,74 @@ def test_gpu_fraction_out_of_range_rule() -> None:
     assert err.rule == "must be a decimal number, not blank"
 
 
+# -- numbers as KAI reads them: strconv.ParseFloat, a float64 (upstream kai-scheduler/api
+# utilities/resources/gpu_sharing.go, parseGpuFractionalPortion; gpu_sharing_validation.go,
+# validateFractionLimitShorthand and validateGpuMemoryPortionLimitAnnotation: `<= 0 || >= 1`
+# and `limit <= fraction` compared as float64) -------------------------------------------------
+
+FRACTION_RANGE = "must be a portion of one GPU, 0 < x < 1"
+
+
+@pytest.mark.parametrize(("value", "float64"), [
+    ("0.99999999999999999", 1.0),  # rounds to 1: `portion >= 1`
+    ("1e-400", 0.0),  # below the smallest float64: `portion <= 0`
+    ("-1e-400", -0.0),
+])
+def test_a_fraction_kai_reads_as_0_or_1_is_refused(value: str, float64: float) -> None:
+    assert float(value) == float64  # Python's float rounds as Go's ParseFloat does
+    for key in ("gpu-fraction", "gpu-fraction.limit", PORTION_LIMIT):
+        notes = {"gpu-fraction": "0.25", key: value}
+        err = only_error(notes)
+        assert (err.key, err.value, err.rule) == (key, value, FRACTION_RANGE)
+
+
+def test_a_compute_portion_kai_reads_as_0_is_refused() -> None:
+    err = only_error({REQ: "1Gi", DEV: GPU_A, POR: "1e-400"})
+    assert (err.key, err.rule) == (POR, "must be a portion of one GPU, 0 < x <= 1")
+
+
+@pytest.mark.parametrize("value", ["5e-0001", "5E-00001", "+5e-0001", "50000000e-0000008"])
+def test_any_number_of_exponent_digits_is_read_as_go_reads_it(value: str) -> None:
+    """Go's ParseFloat takes any number of exponent digits; the exact value is kept."""
+    request = parse_pod(pod({"gpu-fraction": value}))
+    assert request.errors == ()
+    assert request.share is not None and request.share.fraction == Fraction(1, 2)
+    share = parse_pod(pod({REQ: "1Gi", DEV: GPU_A, POR: value})).share
+    assert share is not None and share.compute_portion == Fraction(1, 2)
+    limit = parse_pod(pod({"gpu-fraction": "0.25", PORTION_LIMIT: value})).share
+    assert limit is not None and limit.limit_portion == Fraction(1, 2)
+
+
+@pytest.mark.parametrize("key", ["gpu-fraction.limit", PORTION_LIMIT])
+def test_a_limit_kai_reads_as_equal_to_the_fraction_is_refused(key: str) -> None:
+    """0.10000000000000001 is above 0.1 exactly, but the same float64: KAI refuses
+    `limit <= fraction`. No point, so the 5-decimals rule lets it through to the order."""
+    limit = "10000000000000001e-17"
+    assert float(limit) == 0.1 and Fraction(limit) > Fraction("0.1")
+    err = only_error({"gpu-fraction": "0.1", key: limit})
+    assert err.key == key
+    assert err.rule.startswith("must be greater than")
+    assert errors({"gpu-fraction": "0.1", key: "10000000000000002e-17"}) == []
+
+
+def test_a_fraction_beyond_float64_is_refused_without_building_it() -> None:
+    """ParseFloat fails on an overflow; an underflow is 0. Neither is turned into an exact
+    value first: an exponent this size would be a ten-million-digit integer."""
+    for value in ("1e99999999", "1e" + "9" * 60):
+        err = only_error({"gpu-fraction": value})
+        assert err.rule.startswith("is out of the range of a 64-bit float")
+    for value in ("1e-99999999", "1e-" + "9" * 60):
+        assert only_error({"gpu-fraction": value}).rule == FRACTION_RANGE
+
+
+def test_a_hex_fraction_is_refused_on_purpose() -> None:
+    """Go's ParseFloat reads `0x1p-1` (one half); kai_fractions refuses hex floats on purpose,
+    and says so."""
+    err = only_error({"gpu-fraction": "0x1p-1"})
+    assert err.rule == ("must be a decimal number such as 0.5: hex floats are refused on "
+                        "purpose, although Go's strconv.ParseFloat (KAI) reads them")
+
+
 def test_gpu_fraction_and_gpu_memory_are_mutually_exclusive() -> None:
     request = parse_pod(pod({"gpu-fraction": "0.5", "gpu-memory": "1000"}))
     assert [e.key for e in request.errors] == ["gpu-fraction"]
