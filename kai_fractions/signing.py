@@ -451,10 +451,13 @@ class KeyringSource:
     without a restart). A broken update keeps the last good keyring and logs why: a Secret
     volume caught mid-update must not stop signing or verifying."""
 
-    def __init__(self, paths: Sequence[str]) -> None:
+    def __init__(self, paths: Sequence[str], *, verify_only: bool = False) -> None:
         self.paths = tuple(paths)
+        self.verify_only = verify_only
+        """`load_keyring`'s: a private key put in the files later is refused too."""
         self._lock = threading.Lock()
-        self._keyring = load_keyring(self.paths)  # fail at start, not at the first call
+        # fail at start, not at the first call
+        self._keyring = load_keyring(self.paths, verify_only=verify_only)
         self._stamp = _stamp(self.paths)
 
     @classmethod
@@ -462,6 +465,7 @@ class KeyringSource:
         """A source that never reloads (tests, embedding)."""
         source = cls.__new__(cls)
         source.paths = ()
+        source.verify_only = False
         source._lock = threading.Lock()
         source._keyring = keyring
         source._stamp = ()
@@ -474,7 +478,7 @@ class KeyringSource:
         with self._lock:
             if stamp != self._stamp:
                 try:
-                    keyring = load_keyring(self.paths)
+                    keyring = load_keyring(self.paths, verify_only=self.verify_only)
                 except SigningConfigError as e:
                     # The stamp stays old: the next call tries again (a read that raced the
                     # kubelet's update succeeds then).

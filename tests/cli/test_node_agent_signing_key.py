@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kai_fractions.cli import main
-from kai_fractions.signing import CURRENT, Ed25519Key
+from kai_fractions.signing import CURRENT, Ed25519Key, KeyringSource
 
 OPENSSH = (b"-----BEGIN OPENSSH PRIVATE KEY-----\n"
            b"b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n"
@@ -77,3 +77,36 @@ def test_the_help_names_the_public_key_and_the_configmap(
     assert "Ed25519 public key (PEM)" in text and "kai-fractions-signing-public" in text
     assert "A private key is refused" in text
     assert "raw key" not in text and "Secret" not in text
+
+
+def test_a_private_key_swapped_in_while_the_agent_runs_is_not_taken(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The agent re-reads its key files when they change (a rotated ConfigMap): a private key
+    found there then is refused as at start, and the public keys it had stay in use."""
+    public, private = Ed25519Key.generate(), Ed25519Key.generate()
+    (tmp_path / CURRENT).write_bytes(public.public_pem())
+    source = KeyringSource([str(tmp_path)], verify_only=True)
+    assert source.current().kids == (public.kid,)
+    (tmp_path / CURRENT).write_bytes(private.private_pem() + b"\n")  # size changes: re-read
+    with caplog.at_level(logging.WARNING):
+        assert source.current().kids == (public.kid,)
+    assert "keeping the previous signing keys" in caplog.text
+    assert "a private key" in caplog.text and private.kid not in caplog.text
+
+
+def test_the_agent_rereads_its_key_files_verify_only(tmp_path: Path) -> None:
+    """NodeAgent's own key source, the one that follows a rotated ConfigMap."""
+    from kai_fractions.node.agent.agent import NodeAgent
+    from kai_fractions.node.agent.options import AgentOptions
+    from kai_fractions.node.config import NodeConfig
+    from kai_fractions.sim.cgroups import FakeCgroupFs
+    from kai_fractions.sim.nvml import FakeNvml
+
+    (tmp_path / CURRENT).write_bytes(Ed25519Key.generate().public_pem())
+    node_agent = NodeAgent(
+        config=NodeConfig(node_name="n1", sm_sharing=False),
+        options=AgentOptions(marker_dir=str(tmp_path / "markers"), socket=None,
+                             metrics_listen=None, signing_key_files=(str(tmp_path),)),
+        nvml=FakeNvml.simulated(1), cgroup_fs=FakeCgroupFs(), source=None, cluster=None)
+    signatures = node_agent.reconciler.pods.signatures
+    assert signatures is not None and signatures.source.verify_only is True

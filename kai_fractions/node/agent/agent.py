@@ -72,7 +72,8 @@ class NodeAgent:
         signatures = None
         if options.signing_key_files:  # raises SigningConfigError for unusable key files
             signatures = SignatureCheck(
-                KeyringSource(options.signing_key_files), config.keys, config.node_name,
+                KeyringSource(options.signing_key_files, verify_only=True), config.keys,
+                config.node_name,
                 key_wait_seconds=options.signature_key_wait_seconds, monotonic=monotonic)
         self.reconciler = Reconciler(
             config=config, options=options, nvml=nvml, cgroup_fs=cgroup_fs, pods=self.cache,
