@@ -100,7 +100,8 @@ def register(sub) -> None:
                    help="with --follow-bindrequests: when a bind is checked, set its node's "
                    "readiness condition Unknown if it still says True but its node agent has not "
                    "said it is alive for SECONDS (it renews its heartbeat Lease, or without one "
-                   "the condition, every 60 s), so KAI stops placing fractional pods where "
+                   "the condition, every 60 s; judged by the mirror's own clock, as a heartbeat "
+                   "that has not changed for SECONDS), so KAI stops placing fractional pods where "
                    "nothing would apply their limits; at least 120, 0 for off (default: "
                    "%(default)s)")
     p.add_argument("--heartbeat-lease-namespace", default="", metavar="NS",
