@@ -125,9 +125,11 @@ def register(sub) -> None:
                    "public key (PEM), or is a directory with `current` and optionally "
                    "`previous` (the ConfigMap kai-fractions-signing-public that the chart's "
                    "mirror publishes); a legacy HMAC key (raw bytes) is still read, for pods "
-                   "signed before the upgrade to Ed25519. A private key is refused: only the "
-                   "mirror may hold one. Repeatable; re-read when it changes. Default: no "
-                   "check")
+                   "signed before the upgrade to Ed25519. A private key is refused (PEM, DER, "
+                   "base64 DER or JWK; at start and when re-read): only the mirror may hold "
+                   "one. A raw 32-byte Ed25519 seed cannot be told from an HMAC key, so give "
+                   "only the files the chart mounts. Repeatable; re-read when it changes. "
+                   "Default: no check")
     p.add_argument("--signature-key-wait", type=_nonnegative_seconds, default=300.0,
                    metavar="SECONDS",
                    help="with --signing-key-file: how long a signature under a key this node "

@@ -4,13 +4,24 @@ flag, the file and the rule: a node that holds it could sign allocations."""
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
+import random
 from pathlib import Path
 
 import pytest
 
 from kai_fractions.cli import main
-from kai_fractions.signing import CURRENT, Ed25519Key, KeyringSource
+from kai_fractions.signing import (
+    CURRENT,
+    Ed25519Key,
+    KeyringSource,
+    SigningConfigError,
+    SigningKey,
+    _private_key_form,
+    load_keyring,
+)
 
 OPENSSH = (b"-----BEGIN OPENSSH PRIVATE KEY-----\n"
            b"b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n"
@@ -76,6 +87,7 @@ def test_the_help_names_the_public_key_and_the_configmap(
     text = text[:text.index("--signature-key-wait SECONDS")]
     assert "Ed25519 public key (PEM)" in text and "kai-fractions-signing-public" in text
     assert "A private key is refused" in text
+    assert "seed cannot be told from an HMAC key" in text
     assert "raw key" not in text and "Secret" not in text
 
 
@@ -110,3 +122,108 @@ def test_the_agent_rereads_its_key_files_verify_only(tmp_path: Path) -> None:
         nvml=FakeNvml.simulated(1), cgroup_fs=FakeCgroupFs(), source=None, cluster=None)
     signatures = node_agent.reconciler.pods.signatures
     assert signatures is not None and signatures.source.verify_only is True
+
+
+# -- private keys in other forms than a PEM header -----------------------------------------------
+
+
+def _private_forms() -> dict[str, tuple[Ed25519Key | None, bytes]]:
+    """A private key as a node could be handed one by mistake: each must be refused, not read as
+    an HMAC key (which is what anything but a PEM key used to become)."""
+    from cryptography.hazmat.primitives import serialization as s
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = Ed25519Key.generate()
+    assert key.private is not None
+    der = key.private.private_bytes(s.Encoding.DER, s.PrivateFormat.PKCS8, s.NoEncryption())
+    b64 = base64.b64encode(der)
+    pem = key.private_pem()
+    seed = key.private.private_bytes(s.Encoding.Raw, s.PrivateFormat.Raw, s.NoEncryption())
+    x = key.public.public_bytes(s.Encoding.Raw, s.PublicFormat.Raw)
+    jwk = {"kty": "OKP", "crv": "Ed25519", "d": base64.urlsafe_b64encode(seed).decode(),
+           "x": base64.urlsafe_b64encode(x).decode()}
+    return {
+        "PKCS8 DER": (key, der),
+        "encrypted PKCS8 DER": (key, key.private.private_bytes(
+            s.Encoding.DER, s.PrivateFormat.PKCS8, s.BestAvailableEncryption(b"secret"))),
+        "EC DER (traditional)": (None, ec.generate_private_key(ec.SECP256R1()).private_bytes(
+            s.Encoding.DER, s.PrivateFormat.TraditionalOpenSSL, s.NoEncryption())),
+        "base64 of the DER": (key, b64),
+        "base64 of the DER, with a newline": (key, b64 + b"\n"),
+        "a PEM body without its lines": (key, b"".join(pem.splitlines(keepends=True)[1:-1])),
+        "base64url of the DER, no padding": (key, base64.urlsafe_b64encode(der).rstrip(b"=")),
+        "base64 of the PEM (a Secret's data value)": (key, base64.b64encode(pem)),
+        "JWK": (key, json.dumps(jwk).encode()),
+        "JWK set": (key, json.dumps({"keys": [jwk]}).encode()),
+        "JWK with a BOM": (key, b"\xef\xbb\xbf" + json.dumps(jwk).encode()),
+        "PEM, lowercase header": (key, pem.replace(b"-----BEGIN PRIVATE KEY-----",
+                                                   b"-----begin private key-----")),
+        "PEM after a BOM": (key, b"\xef\xbb\xbf" + pem),
+        "PEM after blank lines": (key, b"\n\n  " + pem),
+    }
+
+
+@pytest.mark.parametrize("form", list(_private_forms()))
+def test_a_private_key_in_any_form_is_refused(tmp_path: Path, form: str) -> None:
+    key, material = _private_forms()[form]
+    (tmp_path / "key").write_bytes(material)
+    with pytest.raises(SigningConfigError) as e:
+        load_keyring([str(tmp_path / "key")], verify_only=True)
+    message = str(e.value)
+    assert message.startswith(f"--signing-key-file {tmp_path / 'key'}: a private key"), message
+    assert "only the mirror may hold one" in message
+    assert key is None or key.kid not in message
+
+
+def test_a_der_private_key_is_refused_at_start(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    key, der = _private_forms()["PKCS8 DER"]
+    (tmp_path / "key.der").write_bytes(der)
+    with caplog.at_level(logging.INFO):
+        assert agent("--signing-key-file", str(tmp_path / "key.der")) == 2
+    err = capsys.readouterr().err
+    assert f"--signing-key-file {tmp_path / 'key.der'}: a private key (DER); " in err
+    assert key is not None and key.kid not in err and key.kid not in caplog.text
+    assert "applying only signed allocations" not in caplog.text
+
+
+def test_a_der_private_key_swapped_in_while_the_agent_runs_is_not_taken(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """It used to be read as an HMAC key: "signing keys reloaded: <kid>", and the public key
+    it replaced was gone, so every pod then waited with SignatureKeyUnknown."""
+    public = Ed25519Key.generate()
+    (tmp_path / CURRENT).write_bytes(public.public_pem())
+    source = KeyringSource([str(tmp_path)], verify_only=True)
+    _, der = _private_forms()["PKCS8 DER"]
+    (tmp_path / CURRENT).write_bytes(der)
+    with caplog.at_level(logging.INFO):
+        assert source.current().kids == (public.kid,)
+    assert "signing keys reloaded" not in caplog.text
+    assert "a private key (DER)" in caplog.text
+
+
+def test_a_public_key_after_a_bom_is_the_public_key(tmp_path: Path) -> None:
+    key = Ed25519Key.generate()
+    (tmp_path / "public.pem").write_bytes(b"\xef\xbb\xbf" + key.public_pem())
+    taken = load_keyring([str(tmp_path / "public.pem")], verify_only=True).current
+    assert isinstance(taken, Ed25519Key) and taken.kid == key.kid and not taken.can_sign
+
+
+def test_random_hmac_keys_are_never_taken_for_private_keys(tmp_path: Path) -> None:
+    """An HMAC key is random bytes (the chart's legacy Secret: `randBytes 32`), or printable
+    random text. None of 10,000 of each is refused. A DER private key is a SEQUENCE (first byte
+    0x30), so about 1 in 256 random keys reaches the DER parser, which then needs a complete
+    key structure (a PKCS8 Ed25519 key: 16 fixed bytes of 48); printable keys decode, as
+    base64, to random bytes too."""
+    rng = random.Random(20261207)
+    raw = [rng.randbytes(32) for _ in range(10_000)]
+    assert sum(key.startswith(b"\x30") for key in raw) > 10  # the parser is exercised
+    printable = [base64.b64encode(rng.randbytes(32)) + b"\n" for _ in range(10_000)]
+    printable += [rng.randbytes(32).hex().encode() for _ in range(1_000)]
+    assert [m for m in raw + printable if _private_key_form(m) is not None] == []
+    path = tmp_path / "hmac"
+    for material in raw[:100] + printable[:100]:  # the same check, as the agent reads a file
+        path.write_bytes(material)
+        assert isinstance(load_keyring([str(path)], verify_only=True).current, SigningKey)
+

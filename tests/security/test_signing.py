@@ -13,6 +13,7 @@ import pytest
 from kai_fractions.contract import DEFAULT_KEYS, Keys
 from kai_fractions.contract import keys as k
 from kai_fractions.signing import (
+    Ed25519Key,
     Keyring,
     KeyringSource,
     Reason,
@@ -324,3 +325,18 @@ def test_a_broken_update_keeps_the_last_good_keys_and_recovers(tmp_path, caplog)
 def test_a_source_that_cannot_load_at_start_fails_at_start(tmp_path):
     with pytest.raises(SigningConfigError):
         KeyringSource([str(tmp_path / "missing")])
+
+
+def test_a_pem_key_after_a_byte_order_mark_is_the_pem_key(tmp_path):
+    """An editor's UTF-8 BOM before the PEM made it an HMAC key of the PEM text: the mirror
+    then signed v1 with it and its public key went unpublished. Now the BOM is skipped, for
+    the mirror's private key and for a public key (the mirror and the node agent)."""
+    key = Ed25519Key.generate()
+    (tmp_path / "private.pem").write_bytes(b"\xef\xbb\xbf" + key.private_pem())
+    (tmp_path / "public.pem").write_bytes(b"\xef\xbb\xbf" + key.public_pem())
+    mirror = load_keyring([str(tmp_path / "private.pem")]).current
+    assert isinstance(mirror, Ed25519Key) and mirror.can_sign and mirror.kid == key.kid
+    for verify_only in (False, True):
+        public = load_keyring([str(tmp_path / "public.pem")], verify_only=verify_only).current
+        assert isinstance(public, Ed25519Key) and not public.can_sign
+        assert public.kid == key.kid
