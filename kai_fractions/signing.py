@@ -528,6 +528,8 @@ class KeyringSource:
         # fail at start, not at the first call
         self._keyring = load_keyring(self.paths, verify_only=verify_only)
         self._stamp = _stamp(self.paths)
+        self._refused: tuple[tuple, str] | None = None
+        """The files' stamp and the message of the last refused reload: logged once."""
 
     @classmethod
     def fixed(cls, keyring: Keyring) -> KeyringSource:
@@ -538,6 +540,7 @@ class KeyringSource:
         source._lock = threading.Lock()
         source._keyring = keyring
         source._stamp = ()
+        source._refused = None
         return source
 
     def current(self) -> Keyring:
@@ -550,10 +553,13 @@ class KeyringSource:
                     keyring = load_keyring(self.paths, verify_only=self.verify_only)
                 except SigningConfigError as e:
                     # The stamp stays old: the next call tries again (a read that raced the
-                    # kubelet's update succeeds then).
-                    log.warning("keeping the previous signing keys: %s", e)
+                    # kubelet's update succeeds then). Logged once per files' state and reason,
+                    # not on every call (every plan pass) while the files stay so.
+                    if self._refused != (stamp, str(e)):
+                        self._refused = (stamp, str(e))
+                        log.warning("keeping the previous signing keys: %s", e)
                     return self._keyring
                 if keyring.kids != self._keyring.kids:
                     log.info("signing keys reloaded: %s", ", ".join(keyring.kids))
-                self._keyring, self._stamp = keyring, stamp
+                self._keyring, self._stamp, self._refused = keyring, stamp, None
             return self._keyring

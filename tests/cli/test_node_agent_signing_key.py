@@ -227,3 +227,36 @@ def test_random_hmac_keys_are_never_taken_for_private_keys(tmp_path: Path) -> No
         path.write_bytes(material)
         assert isinstance(load_keyring([str(path)], verify_only=True).current, SigningKey)
 
+
+def test_a_refused_reload_is_logged_once_and_still_retried(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """current() runs on every plan pass: while the files stay refused the warning is not
+    repeated, but each call still re-reads them (a read that raced the kubelet's update must
+    succeed later), and another refused state is logged again."""
+    import kai_fractions.signing as signing
+
+    public, private = Ed25519Key.generate(), Ed25519Key.generate()
+    (tmp_path / CURRENT).write_bytes(public.public_pem())
+    source = KeyringSource([str(tmp_path)], verify_only=True)
+    (tmp_path / CURRENT).write_bytes(private.private_pem())
+    loads = []
+    real = signing.load_keyring
+    monkeypatch.setattr(signing, "load_keyring",
+                        lambda *a, **kw: loads.append(1) or real(*a, **kw))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):
+            assert source.current().kids == (public.kid,)
+        assert len(loads) == 5
+        assert caplog.text.count("keeping the previous signing keys") == 1
+        (tmp_path / CURRENT).write_bytes(b"short")  # another state, another reason
+        assert source.current().kids == (public.kid,)
+        assert source.current().kids == (public.kid,)
+        assert caplog.text.count("keeping the previous signing keys") == 2
+        assert "an HMAC-SHA256 key needs at least 16" in caplog.text
+        (tmp_path / CURRENT).write_bytes(private.private_pem())  # back to the first: again
+        assert source.current().kids == (public.kid,)
+        assert caplog.text.count("keeping the previous signing keys") == 3
+    newer = Ed25519Key.generate()
+    (tmp_path / CURRENT).write_bytes(newer.public_pem() + b"\n")  # a size of its own
+    assert source.current().kids == (newer.kid,)
