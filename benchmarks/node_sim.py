@@ -221,7 +221,9 @@ def sim_node(gpus: int = 8, *, watchdog_interval: float = 1.0, sm_sharing: bool 
     """A started agent on a simulated node with `gpus` GPUs and no pod. `serve` also opens its
     gRPC socket and metrics endpoint (as the real process does); stopped on the way out (the
     agent stops the MPS daemon it started)."""
-    logging.getLogger("kai_fractions").setLevel(logging.WARNING)  # no per-pod INFO lines
+    logger = logging.getLogger("kai_fractions")
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # no per-pod INFO lines; put back on the way out
     # Short: the MPS pipe directory holds unix sockets (107-byte path limit).
     root = Path(tempfile.mkdtemp(prefix="kfn-", dir="/tmp"))
     saved = {name: os.environ.get(name) for name in (ENV_CONFIG, ENV_STATE, ENV_LOG)}
@@ -268,6 +270,7 @@ def sim_node(gpus: int = 8, *, watchdog_interval: float = 1.0, sm_sharing: bool 
             else:
                 os.environ[name] = value
         shutil.rmtree(root, ignore_errors=True)
+        logger.setLevel(level)
 
 
 __all__ = ["NODE", "PORTION", "FakeNvmlConfig", "SimNode", "bound_pod", "container_id",
