@@ -220,13 +220,14 @@ def mirror_patch(
     return Patch(changes=changes, record=new)
 
 
-def release_patch(pod: PodSnapshot) -> dict[str, None]:
-    """Deletes every key the mirror wrote, and its record; the user's keys stay."""
+def release_patch(pod: PodSnapshot, keys: Keys = k.DEFAULT_KEYS) -> dict[str, None]:
+    """Deletes every key the mirror wrote (its record lists them), every key only the binder
+    role writes (`is_mirror_managed`: a release whose record went while one of them stayed,
+    put back by a webhook, must find it again), and the record; the user's keys stay."""
     current = pod.annotations
     record = current_record(pod)
     changes: dict[str, None] = {}
     if record is not None:
         changes = {key: None for key in record.keys if key in current}
-    if MIRRORED_ANNOTATION in current:
-        changes[MIRRORED_ANNOTATION] = None
+    changes.update({key: None for key in current if is_mirror_managed(key, keys)})
     return changes

@@ -64,6 +64,7 @@ from .store import (
     PodStore,
     WriteConflict,
     WriteInvalid,
+    stored_otherwise,
 )
 
 log = logging.getLogger(__name__)
@@ -473,9 +474,12 @@ class Follower:
             changes[annotation] = keyring.sign(plan, node=node)
         if not changes:
             return checked
-        await self.store.patch_annotations(pod.namespace, pod.name, changes, uid=pod.uid,
-                                           resource_version=pod.resource_version,
-                                           deadline=deadline)
+        written = await self.store.patch_annotations(
+            pod.namespace, pod.name, changes, uid=pod.uid,
+            resource_version=pod.resource_version, deadline=deadline)
+        otherwise = stored_otherwise(written, changes)
+        if otherwise is not None:  # the node agent would refuse the pod as unsigned
+            return replace(checked, unsigned=otherwise)
         log.info("pod %s/%s: signed %s (key %s)", pod.namespace, pod.name,
                  ", ".join(sorted(changes)), keyring.current.kid)
         return replace(checked, signed=tuple(sorted(changes)), unsigned="",

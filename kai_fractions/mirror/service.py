@@ -63,6 +63,7 @@ from .store import (
     PodStore,
     WriteConflict,
     WriteInvalid,
+    stored_otherwise,
 )
 
 log = logging.getLogger(__name__)
@@ -248,7 +249,7 @@ class MirrorService:
                 if wait:
                     await self.clock.asleep(wait)
                 pod = await self._get(namespace, name, uid, deadline)
-                changes = release_patch(pod)
+                changes = release_patch(pod, self.keys)
                 if not changes:
                     return ReleaseResult((), False)
                 if await self._patch(pod, changes, deadline, attempt, uid) is None:
@@ -350,7 +351,9 @@ class MirrorService:
                 # Write-through: a duplicate call sees it at once, and its watch event, which
                 # brings nothing new, is skipped unparsed.
                 self.cache.remember(written, written=True)
-            check_stored(written, changes)
+            otherwise = stored_otherwise(written, changes)
+            if otherwise is not None:
+                raise ApiRejected(f"{otherwise}; the pod does not carry what the call wrote")
             return written
         except WriteConflict as e:
             log.info("pod %s/%s changed under the write (try %d): %s; re-reading",
@@ -388,22 +391,3 @@ class MirrorService:
             yield delay
         raise ApiUnavailable(f"{what}: the pod kept changing under the write "
                              f"({backoff.attempts} conflicts); retry later")
-
-
-def check_stored(written: PodSnapshot, changes: Mapping[str, str | None]) -> None:
-    """Raises ApiRejected when the pod the API server answered a patch with does not carry
-    `changes` (None: removed): something between the write and etcd (a mutating admission
-    webhook on pod UPDATE) rewrote it, and reporting success would leave the pod waiting in
-    its gate without the allocation the caller was told it has."""
-    stored = written.annotations
-    differ = [key for key, value in changes.items() if stored.get(key) != value]
-    if not differ:
-        return
-    shown = ", ".join(f"{key} is {stored.get(key)!r}, not {changes[key]!r}"
-                      for key in differ[:3])
-    more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
-    raise ApiRejected(
-        f"the API server stored pod {written.namespace}/{written.name} with annotations other "
-        f"than the mirror wrote ({shown}{more}): something on the pod's UPDATE path (a "
-        "mutating admission webhook?) changed them, so the pod does not carry its "
-        "allocation; exempt these annotations from it")

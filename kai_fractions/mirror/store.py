@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..contract import PodView, view_from_pod_spec
+from ..contract.errors import shown
 from ..kube.retry import NO_DEADLINE, Deadline
 from .errors import MirrorError
 
@@ -65,6 +66,27 @@ class PodSnapshot:
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> PodSnapshot:
         return cls(metadata=dict(obj.get("metadata") or {}), spec=dict(obj.get("spec") or {}))
+
+
+def stored_otherwise(written: PodSnapshot, changes: Mapping[str, str | None]) -> str | None:
+    """What the API server stored other than `changes` (None: removed) on the pod it answered a
+    patch with, said for a log and a caller (values cut); None when it stored them. Something on
+    the pod's UPDATE path (a mutating admission webhook) may rewrite a write: a caller told it
+    succeeded would leave the pod waiting in its gate without what was written."""
+    stored = written.annotations
+    differ = [key for key, value in changes.items() if stored.get(key) != value]
+    if not differ:
+        return None
+
+    def said(value: str | None) -> str:
+        return "absent" if value is None else shown(value)
+
+    listed = ", ".join(f"{key} is {said(stored.get(key))}, not {said(changes[key])}"
+                       for key in differ[:3])
+    more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+    return (f"the API server stored pod {written.namespace}/{written.name} with annotations "
+            f"other than written ({listed}{more}): something on the pod's UPDATE path (a "
+            "mutating admission webhook?) changed them; exempt these annotations from it")
 
 
 class WriteConflict(MirrorError):

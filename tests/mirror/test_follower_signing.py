@@ -99,6 +99,26 @@ async def test_a_matching_pod_is_signed_in_one_guarded_patch(cluster, client):
     assert cluster.core.list_namespaced_event(NS).items == []
 
 
+async def test_a_signature_the_api_server_did_not_store_is_not_signed(cluster, client):
+    """A mutating webhook on pod UPDATE drops the signature from the patch: the follower must
+    not count the pod signed (the node agent would refuse it, with no event to say why)."""
+
+    class Dropping(KubePodStore):
+        async def patch_annotations(self, namespace, name, changes, **kw):
+            await super().patch_annotations(namespace, name, changes, **kw)
+            return await super().patch_annotations(namespace, name, {SIG: None}, uid="",
+                                                   resource_version="")
+
+    cluster.core.create_namespaced_pod(NS, pod("good-0", {"gpu-fraction": "0.5", **BOUND}))
+    result = await check(follower(client, store_cls=Dropping), "good-0")
+    assert result.signed == () and not result.complete
+    assert f"{SIG} is absent, not " in result.unsigned
+    assert "mutating admission webhook" in result.unsigned
+    (event,) = cluster.core.list_namespaced_event(NS).items
+    assert event.reason == "NvFractionsUnsigned" and SIG in event.message
+    assert SIG not in stored(cluster, "good-0")["metadata"]["annotations"]
+
+
 async def test_a_signed_pod_is_not_signed_again(cluster, client):
     cluster.core.create_namespaced_pod(NS, pod("good-0", {"gpu-fraction": "0.5", **BOUND}))
     f = follower(client)

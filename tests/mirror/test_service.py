@@ -313,7 +313,7 @@ async def test_a_write_the_api_server_stored_otherwise_is_not_a_success(clock, d
     store.add_pod(pod({"gpu-fraction": "0.5"}))
     with pytest.raises(ApiRejected) as info:
         await MirrorService(store, clock=clock).mirror(allocation(), idempotency_key="bind-1")
-    assert f"{dropped} is None, not " in str(info.value)
+    assert f"{dropped} is absent, not " in str(info.value)
     assert "mutating admission webhook" in str(info.value)
     assert dropped not in store.annotations(NS, POD)
 
@@ -324,8 +324,28 @@ async def test_a_release_the_api_server_stored_otherwise_is_not_a_success(clock)
     service = MirrorService(store, clock=clock)
     await service.mirror(allocation(), idempotency_key="bind-1")
     store.webhook = lambda changes: {DEVICES: GPU_A} if DEVICES in changes else {}
-    with pytest.raises(ApiRejected, match=f"{DEVICES} is '{GPU_A}', not None"):
+    with pytest.raises(ApiRejected, match=f"{DEVICES} is '{GPU_A}', not absent"):
         await service.release(NS, POD, UID)
+    # The record went with that patch; a retry still finds the key, and still says so.
+    assert MIRRORED_ANNOTATION not in store.annotations(NS, POD)
+    with pytest.raises(ApiRejected, match=f"{DEVICES} is '{GPU_A}', not absent"):
+        await service.release(NS, POD, UID)
+    store.webhook = MutatingStore.webhook  # the webhook fixed: the retry removes it
+    assert (await service.release(NS, POD, UID)).removed_keys == (DEVICES,)
+    assert store.annotations(NS, POD) == {"gpu-fraction": "0.5"}
+
+
+async def test_a_rewrite_is_said_with_its_values_cut(clock):
+    """The message goes into a gRPC status (16 KiB of metadata at most): a webhook rewriting
+    64 long device ids must not turn INTERNAL into RESOURCE_EXHAUSTED."""
+    store = MutatingStore(nodes={"node-1": {}})
+    store.webhook = lambda changes: {DEVICES: "X" * 9000, MIRRORED_ANNOTATION: None} \
+        if DEVICES in changes else {}
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    with pytest.raises(ApiRejected) as info:
+        await MirrorService(store, clock=clock).mirror(allocation())
+    assert len(str(info.value)) < 1000
+    assert "(9000 characters)" in str(info.value)
 
 
 async def test_preview_writes_nothing(store, service):
