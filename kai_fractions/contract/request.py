@@ -126,16 +126,86 @@ class PodRequest:
         return keys.derived(share.container, k.ADMITTED_MPS_NAMESPACE)
 
 
+MAX_LISTED_WARNINGS = 20
+"""Warnings of one kind a parse lists in full, as a webhook's denial lists at most MAX_LISTED
+problems (kai_fractions.admission.errors): a pod may carry thousands of keys that each have no
+effect, and every warning travels in the admission response (and the API server's reply to
+the user) and the CLI's output. The rest of that kind are counted in one line after the last
+one listed."""
+MAX_LISTED_CONTAINERS = 20
+"""Container names a message lists (sorted) before it says how many more there are: a pod may
+bring thousands, and the message is repeated for each key that names a missing one."""
+
+
 class _Collector:
-    def __init__(self) -> None:
+    """What one parse gathers: its errors and warnings, and what it works out about the whole
+    pod, once, when first needed (the class defaults stand until then: most pods never need
+    them, and a parse is the node agent's and the webhooks' hot path)."""
+
+    _requests: bool | None = None
+    _carries: bool | None = None
+    _kinds: dict[str, int] | None = None
+    """Warnings of each capped kind found so far, listed or not."""
+    left_out: dict[str, tuple[int, ContractError]] | None = None
+    """Per capped kind past its cap: where its summary goes and the summary's key and wording
+    (its count is filled in by `listed_warnings`); None while nothing is left out."""
+
+    def __init__(self, pod: PodView, keys: k.Keys) -> None:
+        self.pod, self.keys = pod, keys
         self.errors: list[ContractError] = []
         self.warnings: list[ContractError] = []
+
+    @property
+    def requests_fraction(self) -> bool:
+        """`requests_fraction` of the pod, worked out at the first question. Each of these walks
+        every annotation: asked once per key (a compute mode per missing container), a pod of
+        thousands of keys took seconds to parse."""
+        if self._requests is None:
+            self._requests = requests_fraction(self.pod, self.keys)
+        return self._requests
+
+    @property
+    def carries_fraction(self) -> bool:
+        """`requests_fraction`, or a binder-written key (`.gpus.devices`,
+        `.gpu-compute.portion`): beside one, a compute mode on another container names a second
+        fractional container, which KAI refuses (upstream validateDeviceAnnotationTargets,
+        GetNvFractionsContainerName). Worked out once, as `requests_fraction` is."""
+        if self._carries is None:
+            self._carries = self.requests_fraction or _carries_binder_keys(self.pod, self.keys)
+        return self._carries
 
     def error(self, key: str, rule: str, value: str | None = None, container: str | None = None):
         self.errors.append(ContractError(key, rule, value, container))
 
     def warn(self, key: str, rule: str, value: str | None = None, container: str | None = None):
         self.warnings.append(ContractError(key, rule, value, container))
+
+    def lists(self, kind: str, key: str, what: str) -> bool:
+        """Whether to list one more warning of `kind` (one a pod may carry once per key or
+        container): True for the first MAX_LISTED_WARNINGS; the rest are only counted, and
+        one line (`key`: and N more ... `what`) says how many. Asked before the warning's
+        text is built, so those left out cost nothing more."""
+        if self._kinds is None:
+            self._kinds = {}
+        seen = self._kinds[kind] = self._kinds.get(kind, 0) + 1
+        if seen <= MAX_LISTED_WARNINGS:
+            return True
+        if self.left_out is None:
+            self.left_out = {}
+        if kind not in self.left_out:
+            self.left_out[kind] = (len(self.warnings), ContractError(key, what))
+        return False
+
+    def listed_warnings(self) -> tuple[ContractError, ...]:
+        """The warnings, each capped kind followed by its count of those left out."""
+        if self.left_out is None or self._kinds is None:  # nothing left out
+            return tuple(self.warnings)
+        out = list(self.warnings)
+        for kind, (at, summary) in sorted(self.left_out.items(), key=lambda item: -item[1][0]):
+            more = self._kinds[kind] - MAX_LISTED_WARNINGS
+            out.insert(at, ContractError(summary.key, f"and {more} more warning(s) of the same "
+                                         f"kind, not listed: {summary.rule}"))
+        return tuple(out)
 
 
 def _memory(c: _Collector, key: str, value: str, container: str | None) -> int | None:
@@ -219,8 +289,12 @@ def _scan(
     pod: PodView, keys: k.Keys, c: _Collector
 ) -> tuple[dict[str, dict[str, tuple[str, str]]], list[tuple[str, str, str]]]:
     """One pass over the annotations: `<prefix><container><suffix>` keys grouped by container
-    (bad keys reported), and the `kai.scheduler/container.<c>...portion.limit` keys."""
+    (bad keys reported), and the `kai.scheduler/container.<c>...portion.limit` keys. Whatever
+    a key's report needs of the whole pod (its container list, whether it asks for a fraction)
+    is worked out once, at the first key that needs it: once per key, a pod of thousands of
+    such keys cost seconds to parse."""
     names = {ct.name for ct in pod.all_containers}
+    listed: str | None = None  # the pod's containers, as the messages name them
     by_container: dict[str, dict[str, tuple[str, str]]] = {}
     portion_limits: list[tuple[str, str, str]] = []
     prefix, skip = keys.prefix, len(keys.prefix)
@@ -239,18 +313,44 @@ def _scan(
             c.error(key, f"unknown suffix {suffix or '(none)'!r}; known suffixes: "
                     + ", ".join(k.SUFFIXES), value, name)
         elif name not in names:
-            missing = (f"names container {name!r}, which is not in the pod (containers: "
-                       + (", ".join(sorted(names)) or "none") + ")")
-            if suffix == k.COMPUTE_MODE and not _carries_fraction(pod, keys):
-                _stray_mode(c, key, value, name, missing)
+            if suffix == k.COMPUTE_MODE and not c.carries_fraction:
+                if value in _MODE_BY_VALUE and not c.lists(
+                        _STRAY_MODE, keys.container("<container>", k.COMPUTE_MODE),
+                        _STRAY_MODE_WHAT):
+                    continue  # counted; its warning is one of those left out
+                if listed is None:
+                    listed = _container_list(names)
+                _stray_mode(c, key, value, name, _missing(name, listed))
             else:
-                c.error(key, missing, value, name)
+                if listed is None:
+                    listed = _container_list(names)
+                c.error(key, _missing(name, listed), value, name)
         else:
             by_container.setdefault(name, {})[suffix] = (key, value)
     return by_container, portion_limits
 
 
+def _container_list(names: Iterable[str]) -> str:
+    """The pod's containers as a message lists them: sorted, at most MAX_LISTED_CONTAINERS."""
+    ordered = sorted(names)
+    if not ordered:
+        return "none"
+    if len(ordered) <= MAX_LISTED_CONTAINERS:
+        return ", ".join(ordered)
+    return (", ".join(ordered[:MAX_LISTED_CONTAINERS])
+            + f" and {len(ordered) - MAX_LISTED_CONTAINERS} more")
+
+
+def _missing(name: str, listed: str) -> str:
+    return f"names container {name!r}, which is not in the pod (containers: {listed})"
+
+
 _MODE_BY_VALUE = {m.value: m for m in ComputeMode}
+_STRAY_MODE = "stray-mode"
+_STRAY_MODE_WHAT = ("compute modes on containers the pod does not have, which have no effect "
+                    "in a pod that requests no GPU fraction")
+_IDLE_MODE = "idle-mode"
+_IDLE_MODE_WHAT = "compute modes on containers that request no GPU fraction, which have no effect"
 # The keys that make a container fractional, in the order errors prefer to name them.
 _SOURCE_SUFFIXES = (k.MEMORY_REQUEST, k.MEMORY_LIMIT, k.DEVICES, k.COMPUTE_PORTION)
 _REQUEST_SUFFIXES = (k.MEMORY_REQUEST, k.MEMORY_LIMIT)
@@ -278,13 +378,10 @@ def requests_fraction(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> bool:
     return any(key.startswith(prefix) and key.endswith(_REQUEST_SUFFIXES) for key in a)
 
 
-def _carries_fraction(pod: PodView, keys: k.Keys) -> bool:
-    """`requests_fraction`, or a binder-written key (`.gpus.devices`, `.gpu-compute.portion`):
-    beside one, a compute mode on another container names a second fractional container, which
-    KAI refuses (upstream validateDeviceAnnotationTargets, GetNvFractionsContainerName)."""
+def _carries_binder_keys(pod: PodView, keys: k.Keys) -> bool:
     prefix = keys.prefix
-    return requests_fraction(pod, keys) or any(
-        key.startswith(prefix) and key.endswith(k.BINDER_SUFFIXES) for key in pod.annotations)
+    return any(key.startswith(prefix) and key.endswith(k.BINDER_SUFFIXES)
+               for key in pod.annotations)
 
 
 def _stray_mode(c: _Collector, key: str, value: str, name: str, missing: str) -> None:
@@ -357,7 +454,7 @@ class _Legacy:
 _LEGACY_POD_KEYS = frozenset(k.LEGACY_POD_KEYS)
 
 
-def _legacy(pod: PodView, keys: k.Keys, c: _Collector,
+def _legacy(pod: PodView, c: _Collector,
             nv_names: Iterable[str]) -> _Legacy | None:
     """The legacy keys' request, on the container KAI puts it on (upstream
     GetFractionContainerRef): the one `gpu-fraction-container-name` names, else the one the
@@ -370,7 +467,7 @@ def _legacy(pod: PodView, keys: k.Keys, c: _Collector,
     named = a.get(k.GPU_FRACTION_CONTAINER_NAME)
     target = named or next(iter(nv_names), "") or (regular[0] if regular else "")
     if named is not None and pod.container(target) is None:
-        if requests_fraction(pod, keys):
+        if c.requests_fraction:
             c.error(k.GPU_FRACTION_CONTAINER_NAME, "names a container that is not in the pod",
                     named)
             return None
@@ -455,15 +552,15 @@ def _portion_limits(
 
 def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
     """Every fractional share the pod asks for, and every contract error, without raising."""
-    c = _Collector()
+    c = _Collector(pod, keys)
     by_container, portion_limit_items = _scan(pod, keys, c)
     shares: dict[str, ContainerShare] = {
         name: _share_from_nvfractions(name, values, c)
         for name, values in by_container.items()
     }
-    legacy = _legacy(pod, keys, c, by_container)
+    legacy = _legacy(pod, c, by_container)
     named = pod.annotations.get(k.GPU_FRACTION_CONTAINER_NAME)
-    if named and legacy is not None and by_container and requests_fraction(pod, keys):
+    if named and legacy is not None and by_container and c.requests_fraction:
         # Only a pod that asks for a fraction has its container resolved (upstream Mutate,
         # GetFractionContainerRef; validateGpuFractionContainerNameConsistency).
         for name in by_container:
@@ -518,8 +615,8 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
     # In the pod's container order; KAI allows one fractional container, so one is the rule.
     ordered = tuple(shares.values()) if len(shares) < 2 else tuple(
         shares[ct.name] for ct in pod.all_containers if ct.name in shares)
-    return PodRequest(pod=pod, shares=ordered, errors=tuple(c.errors),
-                      warnings=tuple(c.warnings))
+    warnings = tuple(c.warnings) if c.left_out is None else c.listed_warnings()
+    return PodRequest(pod=pod, shares=ordered, errors=tuple(c.errors), warnings=warnings)
 
 
 FRACTION_LIMIT_NOT_BOUND = (
@@ -545,7 +642,7 @@ def _before_bind(pod: PodView, keys: k.Keys, container: str, c: _Collector) -> N
             continue
         # ParseUint(""); GetFractionContainerRef's empty name, looked up only in a pod that
         # asks for a fraction (an empty gpu-memory is one: the key's presence is the request).
-        if requests_fraction(pod, keys):
+        if c.requests_fraction:
             c.error(key, "is empty: KAI's admission refuses an empty value; remove the key or "
                     "give it a value", a[key], container)
         else:
@@ -705,7 +802,8 @@ def _check_shares(
                 c.error(key, f"names container {name!r}, but the pod's GPU fraction is on "
                         f"{fractional[0]!r}: KAI allows the NvFractions keys of one container "
                         "per pod (set the compute mode on that container)", None, name)
-            else:
+            elif c.lists(_IDLE_MODE, keys.container("<container>", k.COMPUTE_MODE),
+                         _IDLE_MODE_WHAT):
                 c.warn(key, "has no effect: the container requests no GPU fraction",
                        container=name)
             continue

@@ -13,6 +13,7 @@ from kai_fractions.admission import hostpaths
 from kai_fractions.admission.config import AdmissionConfig
 from kai_fractions.admission.mutate import mutate
 from kai_fractions.admission.validate import validate
+from kai_fractions.contract.request import MAX_LISTED_WARNINGS
 
 from .reviews import BINDER, CONFIG, GPU, MIRROR, SM, TS, pod, request
 
@@ -217,6 +218,25 @@ def test_a_pod_without_a_fraction_is_admitted_with_a_warning_as_kai_admits_it(
     for decision in (mutate(review, CONFIG), validate(review, CONFIG)):
         assert not decision.allowed
         assert decision.message.startswith(f"{key}: ")
+
+
+
+def test_the_warnings_of_a_pod_of_many_stray_keys_are_capped() -> None:
+    """Thousands of keys that have no effect are admitted, as KAI admits them, but the review
+    does not carry a warning each: MAX_LISTED_WARNINGS of them and one line counting the rest,
+    on CREATE and on an UPDATE (pods/status) of the same pod."""
+    stray = {f"nvidia.com/container.g{i}.gpu-compute.mode": "time-slicing" for i in range(500)}
+    obj = pod(stray)
+    for decision in (mutate(request(obj), CONFIG), validate(request(obj), CONFIG),
+                     validate(request(obj, old=obj, sub="status"), CONFIG)):
+        assert decision.allowed, decision.message
+        assert decision.patch == ()
+        assert len(decision.warnings) == MAX_LISTED_WARNINGS + 1
+        assert all(w.startswith(f"nvidia.com/container.g{i}.gpu-compute.mode: has no effect")
+                   for i, w in enumerate(decision.warnings[:-1]))
+        assert decision.warnings[-1].startswith(
+            "nvidia.com/container.<container>.gpu-compute.mode: and 480 more warning(s) of the "
+            "same kind, not listed")
 
 
 def test_a_mutated_pod_passes() -> None:

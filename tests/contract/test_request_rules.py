@@ -8,11 +8,13 @@ never writes one itself. The tests below pin that choice.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from fractions import Fraction
 
 import pytest
 
 from kai_fractions.contract import ComputeMode, ContractError, Keys, parse_pod
+from kai_fractions.contract.request import MAX_LISTED_WARNINGS
 
 from .builders import GPU_A, GPU_B, pod
 
@@ -717,6 +719,109 @@ def test_an_unchanged_kai_manifest_without_a_fraction_is_admitted(annotations, c
 def test_the_same_keys_beside_a_fraction_request_are_refused_as_kai_refuses_them(
         annotations, key) -> None:
     assert key in [e.key for e in errors(annotations, ("main", "side"))]
+
+
+
+# -- a pod of thousands of keys: a parse walks its annotations a few times, never once per key
+# (a compute mode per missing container asked whether the pod requests a fraction, a walk of
+# every annotation each: 4,500 of them took seconds in each webhook and in each node agent pass)
+
+class CountingAnnotations(Mapping[str, str]):
+    """Annotations that count the entries each walk over them visits (`in` and lookups are
+    not walks)."""
+
+    def __init__(self, data: Mapping[str, str]) -> None:
+        self._data = dict(data)
+        self.visited = 0
+
+    def __getitem__(self, key: str) -> str:
+        return self._data[key]
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __iter__(self) -> Iterator[str]:
+        for key in self._data:
+            self.visited += 1
+            yield key
+
+
+def stray_modes(n: int) -> dict[str, str]:
+    return {f"nvidia.com/container.g{i}.gpu-compute.mode": "time-slicing" for i in range(n)}
+
+
+def visited(annotations: dict[str, str], containers=("main",)) -> int:
+    counting = CountingAnnotations(annotations)
+    parse_pod(pod(containers=containers).with_annotations(counting))
+    return counting.visited
+
+
+@pytest.mark.parametrize("extra", [
+    {},  # admitted, a warning per key
+    {REQ: "1Gi"},  # refused, an error per key; the request after them all
+    {DEV: GPU_A},  # refused: the binder's keys
+    {"gpu-fraction-container-name": "ghost"},
+], ids=["no-fraction", "request-last", "devices-last", "legacy-name"])
+def test_parsing_stray_compute_modes_walks_the_annotations_a_few_times(extra) -> None:
+    """Work counted, not timed (benchmarks/ measures time: P4): twice the keys, at most twice
+    the entries visited, and a few walks in all, not one per key."""
+    n = 300
+    small = visited({**stray_modes(n), **extra})
+    large = visited({**stray_modes(2 * n), **extra})
+    assert large <= 2 * small, (small, large)
+    assert small <= 5 * (n + len(extra)), small
+
+
+def test_messages_about_missing_containers_do_not_grow_with_the_pod() -> None:
+    """Each key naming a missing container lists the pod's containers: at most
+    MAX_LISTED_CONTAINERS of them, so a pod of thousands of containers and keys does not
+    build a message of every name for every key."""
+    def text(n: int) -> int:
+        names = tuple(f"c{i}" for i in range(n))
+        request = parse_pod(pod({**stray_modes(n),
+                                 "nvidia.com/container.c0.gpu-memory.request": "1Gi"}, names))
+        assert len(request.errors) == n
+        return sum(len(e.rule) for e in request.errors)
+
+    small, large = text(200), text(400)
+    assert large <= 2 * small + 400, (small, large)
+    [err] = errors({GHOST_MODE: "time-slicing",
+                    "nvidia.com/container.c00.gpu-memory.request": "1Gi"},
+                   tuple(f"c{i:02}" for i in range(25)))
+    assert err.rule == ("names container 'ghost', which is not in the pod (containers: "
+                        + ", ".join(f"c{i:02}" for i in range(20)) + " and 5 more)")
+
+
+def test_warnings_of_one_kind_are_capped_with_a_count_of_the_rest() -> None:
+    """As a denial lists at most MAX_LISTED problems: the first MAX_LISTED_WARNINGS warnings of
+    a kind, then one line counting the rest; warnings of other kinds are all kept."""
+    request = parse_pod(pod({**stray_modes(50), "kai.scheduler/gpu-compute-sharing-mode": "x"}))
+    assert request.errors == ()
+    assert len(request.warnings) == MAX_LISTED_WARNINGS + 2
+    listed = request.warnings[:MAX_LISTED_WARNINGS]
+    assert [w.key for w in listed] == list(stray_modes(MAX_LISTED_WARNINGS))
+    assert all("has no effect" in w.rule for w in listed)
+    more = request.warnings[MAX_LISTED_WARNINGS]
+    assert str(more) == (
+        "nvidia.com/container.<container>.gpu-compute.mode: and 30 more warning(s) of the same "
+        "kind, not listed: compute modes on containers the pod does not have, which have no "
+        "effect in a pod that requests no GPU fraction")
+    assert request.warnings[-1].key == "kai.scheduler/gpu-compute-sharing-mode"
+    # exactly at the cap: no count
+    assert len(parse_pod(pod(stray_modes(MAX_LISTED_WARNINGS))).warnings) == MAX_LISTED_WARNINGS
+    # a compute mode on each of many containers that request no fraction
+    names = tuple(f"c{i}" for i in range(30))
+    idle = parse_pod(pod({f"nvidia.com/container.{c}.gpu-compute.mode": "sm-sharing"
+                          for c in names}, names))
+    assert idle.errors == ()
+    assert len(idle.warnings) == MAX_LISTED_WARNINGS + 1
+    assert str(idle.warnings[-1]) == (
+        "nvidia.com/container.<container>.gpu-compute.mode: and 10 more warning(s) of the same "
+        "kind, not listed: compute modes on containers that request no GPU fraction, which have "
+        "no effect")
+    # an unknown mode stays an error, each one, past the cap too
+    bad = parse_pod(pod({**stray_modes(30), "nvidia.com/container.zz.gpu-compute.mode": "turbo"}))
+    assert [e.key for e in bad.errors] == ["nvidia.com/container.zz.gpu-compute.mode"]
 
 
 def test_precedence_nvfractions_over_gpu_fraction() -> None:
