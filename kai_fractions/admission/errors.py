@@ -73,5 +73,7 @@ def manifest_denial(error: ValueError) -> Decision:
 
 
 def contract_denial(errors: Iterable[ContractError], warnings: tuple[str, ...] = ()) -> Decision:
-    return deny("; ".join(error_text(e) for e in errors), code=422, reason="Invalid",
+    """422 Invalid listing the contract's errors, at most MAX_LISTED (as the validating
+    webhook's denials: thousands of bad keys must not make a denial as large as the pod)."""
+    return deny(denial_text([error_text(e) for e in errors]), code=422, reason="Invalid",
                 warnings=warnings)

@@ -11,6 +11,7 @@ import pytest
 
 from kai_fractions.admission import hostpaths
 from kai_fractions.admission.config import AdmissionConfig
+from kai_fractions.admission.errors import MAX_LISTED
 from kai_fractions.admission.mutate import mutate
 from kai_fractions.admission.validate import validate
 from kai_fractions.contract.request import MAX_LISTED_WARNINGS
@@ -237,6 +238,19 @@ def test_the_warnings_of_a_pod_of_many_stray_keys_are_capped() -> None:
         assert decision.warnings[-1].startswith(
             "nvidia.com/container.<container>.gpu-compute.mode: and 480 more warning(s) of the "
             "same kind, not listed")
+
+
+def test_a_refusal_of_many_bad_keys_lists_twenty_in_both_webhooks() -> None:
+    """The same pod asking for a fraction makes each stray key an error: both webhooks list
+    MAX_LISTED of them and count the rest (the mutating one joined all of them, 605 KB for a
+    pod near the annotations' size limit)."""
+    stray = {f"nvidia.com/container.g{i}.gpu-compute.mode": "time-slicing" for i in range(500)}
+    obj = pod({**stray, "gpu-fraction": "0.5"})
+    for decision in (mutate(request(obj), CONFIG), validate(request(obj), CONFIG)):
+        assert not decision.allowed
+        assert decision.message.count("gpu-compute.mode: ") == MAX_LISTED
+        assert decision.message.endswith("and 480 more problem(s) of the same kinds")
+        assert len(decision.message) < 10_000
 
 
 def test_a_mutated_pod_passes() -> None:
