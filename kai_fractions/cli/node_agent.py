@@ -79,11 +79,14 @@ def register(sub) -> None:
                    "them in the middle of a kernel (which can wedge the GPU's MPS server for "
                    "every tenant); 0 turns it off (default: %(default)g)")
     p.add_argument("--memory-enforcement", default="cgroup,mps-pinned,watchdog", metavar="LIST",
-                   help="comma-separated subset of cgroup,mps-pinned,watchdog (default: "
-                   "%(default)s)")
+                   help="comma-separated subset of cgroup,mps-pinned,watchdog, used "
+                   "strongest first; a container no enabled tier caps is refused: cgroup needs "
+                   "driver r615+, mps-pinned caps sm-sharing containers only, and the watchdog "
+                   "caps on its own only with --watchdog-policy=kill (default: %(default)s)")
     p.add_argument("--watchdog-policy", default="report", choices=("report", "kill"),
-                   help="what the watchdog does with a container over its cap (default: "
-                   "%(default)s)")
+                   help="what the watchdog does with a container over its cap: report (an "
+                   "event and a metric; it stops nothing, so it is only a second line beside "
+                   "cgroup or mps-pinned) or kill (stops the process) (default: %(default)s)")
     p.add_argument("--watchdog-interval", type=_positive, default=1.0, metavar="SECONDS",
                    help="(default: %(default)g)")
     p.add_argument("--metrics-listen", default="0.0.0.0:9400", metavar="ADDR",

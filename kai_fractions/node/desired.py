@@ -42,7 +42,7 @@ from ..contract import (
 from ..contract import keys as k
 from . import applied as ap
 from .cgroups import ContainerId, QosClass, qos_class_of
-from .config import Mechanism, NodeConfig
+from .config import Mechanism, NodeConfig, WatchdogPolicy
 from .inventory import Inventory
 from .nvml import DeviceInfo, GpuComputeMode
 
@@ -362,26 +362,51 @@ def _mechanisms(c: _Candidate, inventory: Inventory, config: NodeConfig
                        "the container asks for compute mode sm-sharing but this node runs "
                        "without MPS (--no-sm-sharing): use time-slicing, or schedule it to a "
                        "node with sm-sharing enabled")
-    out = set()
+    hard = set()
     if Mechanism.CGROUP in wanted and inventory.capabilities.memory_limits:
-        out.add(Mechanism.CGROUP)
+        hard.add(Mechanism.CGROUP)
     if Mechanism.MPS_PINNED in wanted and sm:
-        out.add(Mechanism.MPS_PINNED)
-    if Mechanism.WATCHDOG in wanted:
-        out.add(Mechanism.WATCHDOG)
-    if not out:
-        enabled = ",".join(sorted(m.value for m in wanted))
-        if not inventory.capabilities.memory_limits:
-            why = (f"NVIDIA driver {inventory.driver_version} has no cgroup GPU memory limits "
-                   "(they need r615 or newer)")
-        else:
-            why = "no memory enforcement enabled on this node applies to it"
-        extra = " (mps-pinned applies to sm-sharing containers only)" if not sm else ""
-        return _refuse(pod, plan.container, RefusalReason.MEMORY_LIMITS_UNSUPPORTED,
-                       f"cannot cap this container's GPU memory: {why} and "
-                       f"--memory-enforcement={enabled} allows no fallback{extra}; upgrade the "
-                       "driver or add watchdog to --memory-enforcement")
-    return frozenset(out)
+        hard.add(Mechanism.MPS_PINNED)
+    watchdog = Mechanism.WATCHDOG in wanted
+    # A watchdog in report mode stops nothing: it is a second line beside a tier that caps (it
+    # reports the violations there), never the only one. A container it alone would watch runs
+    # without a cap, so it is refused rather than reported applied.
+    if hard or (watchdog and config.watchdog_policy is WatchdogPolicy.KILL):
+        return frozenset(hard | ({Mechanism.WATCHDOG} if watchdog else set()))
+    return _refuse(pod, plan.container, RefusalReason.MEMORY_LIMITS_UNSUPPORTED,
+                   _no_cap(inventory, config, sm))
+
+
+def _no_cap(inventory: Inventory, config: NodeConfig, sm: bool) -> str:
+    """Why no enabled tier caps a container's GPU memory, and what would."""
+    wanted = config.memory_enforcement
+    enabled = ",".join(sorted(m.value for m in wanted))
+    if not inventory.capabilities.memory_limits:
+        why = (f"NVIDIA driver {inventory.driver_version} has no cgroup GPU memory limits "
+               "(they need r615 or newer)")
+        fixes = ["upgrade the driver to r615 or newer"
+                 + ("" if Mechanism.CGROUP in wanted else " and add cgroup to "
+                    "--memory-enforcement")]
+    else:
+        why = "the cgroup tier is not enabled"
+        fixes = ["add cgroup to --memory-enforcement"]
+    if sm and Mechanism.MPS_PINNED not in wanted:
+        fixes.append("add mps-pinned to --memory-enforcement")
+    if Mechanism.WATCHDOG in wanted:  # in report mode: a kill watchdog would have capped it
+        also = (", mps-pinned applies to sm-sharing containers only"
+                if not sm and Mechanism.MPS_PINNED in wanted else "")
+        return (f"cannot cap this container's GPU memory: {why}{also}, and a watchdog with "
+                "--watchdog-policy=report only reports use over the cap, it stops nothing (the "
+                "container would run without a cap); set --watchdog-policy=kill (the chart's "
+                "watchdog.policy: kill) so that the watchdog caps the memory by stopping what "
+                f"exceeds it, or {', or '.join(fixes)}")
+    pinned = " (mps-pinned applies to sm-sharing containers only)" if not sm else ""
+    kill = config.watchdog_policy is WatchdogPolicy.KILL
+    fixes.append("add watchdog to --memory-enforcement"
+                 + ("" if kill else " with --watchdog-policy=kill (a watchdog that only "
+                    "reports caps nothing)"))
+    return (f"cannot cap this container's GPU memory: {why} and --memory-enforcement={enabled} "
+            f"allows no fallback{pinned}; {', or '.join(fixes)}")
 
 
 def _cgroup_paths(c: _Candidate, config: NodeConfig) -> tuple[str, str | None] | Refusal:

@@ -60,8 +60,24 @@ def test_ready_names_the_gpus_and_the_enforcement() -> None:
     ({"memory_enforcement": "cgroup"}, {"inventory": inventory(limits=False)}, LIVE,
      "DriverTooOld",
      "NVIDIA driver 615.48.02 has no cgroup GPU memory limits (nvmlDeviceSetMemoryLimits_v1 needs "
-     "r615 or newer) and --memory-enforcement=cgroup allows no fallback: upgrade the driver or "
-     "add mps-pinned,watchdog to --memory-enforcement"),
+     "r615 or newer): no fractional container's GPU memory can be capped on this node with "
+     "--memory-enforcement=cgroup, so every one is refused; upgrade the driver, or add watchdog "
+     "to --memory-enforcement with --watchdog-policy=kill, or add mps-pinned to "
+     "--memory-enforcement (sm-sharing containers only)"),
+    # The defaults (cgroup,mps-pinned,watchdog; policy report) on a driver before r615 with
+    # sm-sharing off: a watchdog that only reports caps nothing, so no container can be capped.
+    ({"sm_sharing": False}, {"inventory": inventory(limits=False)}, LIVE, "DriverTooOld",
+     "NVIDIA driver 615.48.02 has no cgroup GPU memory limits (nvmlDeviceSetMemoryLimits_v1 needs "
+     "r615 or newer); the watchdog only reports (--watchdog-policy=report), it stops nothing; "
+     "mps-pinned applies to sm-sharing containers only and sm-sharing is disabled on this node: "
+     "no fractional container's GPU memory can be capped on this node with "
+     "--memory-enforcement=cgroup,mps-pinned,watchdog, so every one is refused; upgrade the "
+     "driver, or set --watchdog-policy=kill (the chart's watchdog.policy)"),
+    ({"sm_sharing": False, "memory_enforcement": "watchdog"}, {}, LIVE, "NoMemoryEnforcement",
+     "the cgroup tier is not enabled; the watchdog only reports (--watchdog-policy=report), it "
+     "stops nothing: no fractional container's GPU memory can be capped on this node with "
+     "--memory-enforcement=watchdog, so every one is refused; add cgroup to "
+     "--memory-enforcement, or set --watchdog-policy=kill (the chart's watchdog.policy)"),
     ({}, {"mps_error": MpsError("MpsBinaryNotFound", "cannot execute x")}, LIVE,
      "MPSDaemonUnhealthy",
      "sm-sharing is enabled but the MPS control daemon is not usable (MpsBinaryNotFound): "
@@ -92,11 +108,47 @@ def test_not_ready_reasons(config, kw, live, reason, message) -> None:
 
 def test_old_driver_with_a_fallback_is_ready_and_says_how() -> None:
     cond = evaluate(NodeConfig(node_name=NODE, sm_sharing=False,
-                               memory_enforcement="cgroup,watchdog"),
+                               memory_enforcement="cgroup,watchdog", watchdog_policy="kill"),
                     OPTIONS, health(inventory=inventory(limits=False)), LIVE)
     assert cond.ready
-    assert cond.message.endswith("memory: watchdog (report); compute: time-slicing only "
+    assert cond.message.endswith("memory: watchdog (kill); compute: time-slicing only "
                                  "(sm-sharing disabled on this node)")
+
+
+def test_old_driver_with_a_report_watchdog_and_only_mps_pinned_stays_ready_for_sm_sharing(
+        ) -> None:
+    """The defaults on a driver before r615 with sm-sharing on: sm-sharing containers are
+    capped (mps-pinned), time-slicing ones are refused, and the Ready message says so."""
+    cond = evaluate(NodeConfig(node_name=NODE), OPTIONS,
+                    health(inventory=inventory(limits=False)), LIVE)
+    assert (cond.ready, cond.reason) == (True, "AgentReady")
+    assert cond.message == (
+        "2 GPU(s), driver 615.48.02; memory: MPS pinned limit (sm-sharing), watchdog (report) "
+        "(time-slicing containers are refused here: they need cgroup limits or a watchdog with "
+        "--watchdog-policy=kill); compute: sm-sharing with one MPS namespace per container")
+
+
+@pytest.mark.parametrize(("config", "limits", "ready"), [
+    ({}, True, True),
+    ({"sm_sharing": False}, True, True),  # cgroup, with the report watchdog as a second line
+    ({"sm_sharing": False}, False, False),
+    ({"sm_sharing": False, "watchdog_policy": "kill"}, False, True),
+    ({}, False, True),  # sm-sharing containers: mps-pinned
+    ({"memory_enforcement": "cgroup,watchdog"}, False, False),
+    ({"memory_enforcement": "cgroup,watchdog", "watchdog_policy": "kill"}, False, True),
+    ({"memory_enforcement": "watchdog"}, True, False),
+    ({"memory_enforcement": "watchdog", "watchdog_policy": "kill"}, True, True),
+    ({"memory_enforcement": "mps-pinned"}, False, True),
+    ({"memory_enforcement": "mps-pinned", "sm_sharing": False}, True, False),
+])
+def test_ready_only_where_some_fractional_container_can_be_capped(config, limits, ready
+                                                                  ) -> None:
+    cond = evaluate(NodeConfig(node_name=NODE, **config), OPTIONS,
+                    health(inventory=inventory(limits=limits)), LIVE)
+    assert cond.ready is ready, cond
+    if not ready:
+        assert cond.reason == ("NoMemoryEnforcement" if limits else "DriverTooOld")
+        assert "so every one is refused" in cond.message
 
 
 def test_mps_without_namespaces_is_ready_but_says_it_is_weaker() -> None:
@@ -114,6 +166,18 @@ def test_a_driver_too_old_is_reported_by_a_running_agent(short_tmp: Path) -> Non
     rig.step()
     cond = rig.agent.condition()
     assert cond is not None and (cond.ready, cond.reason) == (False, "DriverTooOld")
+
+
+def test_the_default_flags_on_an_old_driver_make_a_time_slicing_node_not_ready(
+        short_tmp: Path) -> None:
+    """--memory-enforcement=cgroup,mps-pinned,watchdog with --watchdog-policy=report: the
+    watchdog stops nothing, so a time-slicing node before r615 caps no container."""
+    nvml = FakeNvml.simulated(2, model="H100-80GB", memory_limits=False)
+    rig = Rig(short_tmp, sm_sharing=False, nvml=nvml)
+    rig.step()
+    cond = rig.agent.condition()
+    assert cond is not None and (cond.ready, cond.reason) == (False, "DriverTooOld")
+    assert "the watchdog only reports (--watchdog-policy=report)" in cond.message
 
 
 def test_passes_failing_with_an_internal_error_make_the_node_not_ready_until_one_completes(

@@ -37,3 +37,13 @@ def test_inspect_mirror_says_five_percent(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("COLUMNS", "10000")
     (parser,) = [p for name, p in parsers(build_parser()) if name == "kai-fractions inspect mirror"]
     assert "over 5% of a replica's API requests" in parser.format_help()
+
+
+def test_node_agent_says_a_report_watchdog_caps_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "10000")
+    (parser,) = [p for name, p in parsers(build_parser()) if name == "kai-fractions node-agent"]
+    text = " ".join(parser.format_help().split())
+    assert ("a container no enabled tier caps is refused: cgroup needs driver r615+, mps-pinned "
+            "caps sm-sharing containers only, and the watchdog caps on its own only with "
+            "--watchdog-policy=kill") in text
+    assert "it stops nothing, so it is only a second line beside cgroup or mps-pinned" in text

@@ -131,7 +131,9 @@ def test_old_driver_falls_back_per_config() -> None:
     sm = node_pod(UID_A, notes=annotations(mode="sm-sharing"))
     ts = node_pod(UID_B, name="q", notes=annotations(mode="time-slicing", devices=(GPU1,)),
                   container_ids={"main": CID_B})
-    state = plan(sm, ts, memory_limits=False)
+    # A watchdog that stops what exceeds the cap is a tier; one that only reports is not
+    # (test_desired_report_watchdog.py).
+    state = plan(sm, ts, memory_limits=False, config=NodeConfig(watchdog_policy="kill"))
     by_uid = {c.key.pod_uid: c for c in state.containers}
     assert by_uid[UID_A].mechanisms == {Mechanism.MPS_PINNED, Mechanism.WATCHDOG}
     assert by_uid[UID_A].compute is ComputeEnforcement.MPS_CLIENT_ENV
@@ -150,9 +152,16 @@ def test_cgroup_only_on_an_old_driver_is_refused() -> None:
     assert r.message == (
         "cannot cap this container's GPU memory: NVIDIA driver 535.104.05 has no cgroup GPU "
         "memory limits (they need r615 or newer) and --memory-enforcement=cgroup allows no "
-        "fallback (mps-pinned applies to sm-sharing containers only); upgrade the driver or add "
-        "watchdog to --memory-enforcement")
+        "fallback (mps-pinned applies to sm-sharing containers only); upgrade the driver to "
+        "r615 or newer, or add watchdog to --memory-enforcement with --watchdog-policy=kill (a "
+        "watchdog that only reports caps nothing)")
     assert_nothing_for(state, UID_A)
+    # with the kill policy already set, adding the watchdog is all it takes
+    config = NodeConfig(memory_enforcement="cgroup", watchdog_policy="kill")
+    (r,) = plan(node_pod(notes=annotations(mode="time-slicing")), config=config,
+                memory_limits=False, driver="535.104.05").refusals
+    assert r.message.endswith("; upgrade the driver to r615 or newer, or add watchdog to "
+                              "--memory-enforcement")
 
 
 def test_mps_pinned_only_refuses_time_slicing_on_old_driver_but_serves_sm_sharing() -> None:

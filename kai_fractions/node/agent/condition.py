@@ -1,13 +1,15 @@
 """The node condition KAI reads before placing fractional pods, and its publisher.
 
 `gpu-fractioning.nvidia.com/Ready` (name configurable; `gpu-sharing.nvidia.com/Ready` too with
-`--legacy-condition`) is True only when NVML works, the MPS control daemon answers (when
-sm-sharing is enabled) and the agent is reconciling. Otherwise False with one reason:
+`--legacy-condition`) is True only when NVML works, an enabled memory tier can cap some
+fractional container (`no_cap_reason`), the MPS control daemon answers (when sm-sharing is
+enabled) and the agent is reconciling. Otherwise False with one reason:
 
 | reason | when |
 |---|---|
 | `NVMLUnavailable` | NVML cannot be loaded or initialised, or the inventory failed |
-| `DriverTooOld` | only the cgroup tier is enabled and the driver lacks the r615 functions |
+| `DriverTooOld` | no enabled tier caps any fractional container, the driver lacks r615 limits |
+| `NoMemoryEnforcement` | no enabled tier caps any fractional container (the driver has them) |
 | `MPSDaemonUnhealthy` | sm-sharing is enabled and the control daemon does not answer |
 | `NotReconciling` | no pod list yet, API unreachable, passes hung or failing too long, stopping |
 
@@ -29,7 +31,7 @@ from ...contract import MIB
 from ...contract import keys as k
 from ...kube.errors import KubeError
 from ...kube.objects import condition_time, heartbeat_lease_name
-from ..config import Mechanism, NodeConfig
+from ..config import Mechanism, NodeConfig, WatchdogPolicy
 from ..errors import NodeError
 from ..inventory import Inventory
 from .heartbeat import HeartbeatLease
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 READY = "AgentReady"
 NVML_UNAVAILABLE = "NVMLUnavailable"
 DRIVER_TOO_OLD = "DriverTooOld"
+NO_MEMORY_ENFORCEMENT = "NoMemoryEnforcement"
 MPS_DAEMON_UNHEALTHY = "MPSDaemonUnhealthy"
 NOT_RECONCILING = "NotReconciling"
 
@@ -92,6 +95,55 @@ def compute_summary(config: NodeConfig, health: Health) -> str:
     return "sm-sharing with one MPS namespace per container"
 
 
+def caps_time_slicing(config: NodeConfig, inventory: Inventory) -> bool:
+    """Whether a time-slicing container's GPU memory can be capped here: cgroup limits, or a
+    watchdog that stops what exceeds the cap (one that only reports caps nothing)."""
+    wanted = config.memory_enforcement
+    return ((Mechanism.CGROUP in wanted and inventory.capabilities.memory_limits)
+            or (Mechanism.WATCHDOG in wanted and config.watchdog_policy is WatchdogPolicy.KILL))
+
+
+def caps_sm_sharing(config: NodeConfig, inventory: Inventory) -> bool:
+    """Whether an sm-sharing container's GPU memory can be capped here (the MPS pinned limit
+    too); False where sm-sharing is disabled."""
+    return config.sm_sharing and (Mechanism.MPS_PINNED in config.memory_enforcement
+                                  or caps_time_slicing(config, inventory))
+
+
+def no_cap_reason(config: NodeConfig, inventory: Inventory) -> str | None:
+    """Why no fractional container's GPU memory can be capped on this node (the desired state
+    refuses every one of them), with what to change; None when some can. A node where only
+    sm-sharing containers can be capped stays ready: its time-slicing containers are refused
+    one by one, with the reason on each."""
+    if caps_time_slicing(config, inventory) or caps_sm_sharing(config, inventory):
+        return None
+    wanted = config.memory_enforcement
+    enabled = ",".join(sorted(m.value for m in wanted))
+    if not inventory.capabilities.memory_limits:
+        why = [f"NVIDIA driver {inventory.driver_version} has no cgroup GPU memory limits "
+               "(nvmlDeviceSetMemoryLimits_v1 needs r615 or newer)"]
+        fixes = ["upgrade the driver" + ("" if Mechanism.CGROUP in wanted
+                                         else " and add cgroup to --memory-enforcement")]
+    else:
+        why = ["the cgroup tier is not enabled"]
+        fixes = ["add cgroup to --memory-enforcement"]
+    if Mechanism.WATCHDOG in wanted:  # report: a kill watchdog caps
+        why.append("the watchdog only reports (--watchdog-policy=report), it stops nothing")
+        fixes.append("set --watchdog-policy=kill (the chart's watchdog.policy)")
+    else:
+        fixes.append("add watchdog to --memory-enforcement"
+                     + ("" if config.watchdog_policy is WatchdogPolicy.KILL
+                        else " with --watchdog-policy=kill"))
+    if Mechanism.MPS_PINNED in wanted:  # sm-sharing is disabled: it caps nothing here
+        why.append("mps-pinned applies to sm-sharing containers only and sm-sharing is "
+                   "disabled on this node")
+    elif config.sm_sharing:
+        fixes.append("add mps-pinned to --memory-enforcement (sm-sharing containers only)")
+    return (f"{'; '.join(why)}: no fractional container's GPU memory can be capped on this "
+            f"node with --memory-enforcement={enabled}, so every one is refused; "
+            f"{', or '.join(fixes)}")
+
+
 def memory_summary(config: NodeConfig, inventory: Inventory) -> str:
     tiers = []
     if Mechanism.CGROUP in config.memory_enforcement and inventory.capabilities.memory_limits:
@@ -100,7 +152,11 @@ def memory_summary(config: NodeConfig, inventory: Inventory) -> str:
         tiers.append("MPS pinned limit (sm-sharing)")
     if Mechanism.WATCHDOG in config.memory_enforcement:
         tiers.append(f"watchdog ({config.watchdog_policy.value})")
-    return ", ".join(tiers) or "none"
+    out = ", ".join(tiers) or "none"
+    if not caps_time_slicing(config, inventory):
+        out += (" (time-slicing containers are refused here: they need cgroup limits or a "
+                "watchdog with --watchdog-policy=kill)")
+    return out
 
 
 def passes_failing(options: AgentOptions, live: Liveness) -> bool:
@@ -121,13 +177,10 @@ def evaluate(config: NodeConfig, options: AgentOptions, health: Health,
         return Condition(False, NVML_UNAVAILABLE,
                          f"NVML does not work on this node ({e.reason}): {e.message}")
     inv = health.inventory
-    if inv is not None and not inv.capabilities.memory_limits \
-            and config.memory_enforcement == frozenset({Mechanism.CGROUP}):
-        return Condition(False, DRIVER_TOO_OLD,
-                         f"NVIDIA driver {inv.driver_version} has no cgroup GPU memory limits "
-                         "(nvmlDeviceSetMemoryLimits_v1 needs r615 or newer) and "
-                         "--memory-enforcement=cgroup allows no fallback: upgrade the driver or "
-                         "add mps-pinned,watchdog to --memory-enforcement")
+    gap = no_cap_reason(config, inv) if inv is not None else None
+    if gap is not None:
+        return Condition(False, DRIVER_TOO_OLD if not inv.capabilities.memory_limits
+                         else NO_MEMORY_ENFORCEMENT, gap)
     if config.sm_sharing and health.mps_error is not None:
         e = health.mps_error
         return Condition(False, MPS_DAEMON_UNHEALTHY,
