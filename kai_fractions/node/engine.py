@@ -8,12 +8,17 @@ clean, which MPS namespace caps and pinned limits it set) only saves reads, exce
 read gives back, which keep their containers pending: which MPS namespaces it created whose cap
 is not verified in force yet (a client may have attached before it was set: `Engine._fresh`),
 and which GPUs' default pinned limits it found lost and has not set since, and which namespaces
-were there while they were (`Engine.pins`, `kai_fractions.node.mps_pinned`).
+were there while they were (`Engine.pins`, `kai_fractions.node.mps_pinned`), and which pod
+slices' GPU memory limits it read back missing and could not set (`Engine._unlimited`).
 
 A container is reported `applied` only when everything its plan needs is in force: its GPUs'
 compute mode, its MPS namespace and pinned limit, and the cgroup limit on its pod's slice
 (the container's own cgroup gets its limit too once the runtime has created it). Any error
-leaves it `pending` with the reason, and the next `apply` tries again.
+leaves it `pending` with the reason, and the next `apply` tries again. A container pending
+because something its plan needs is KNOWN not in force (`ContainerResult.not_in_force`: an MPS
+cap, or its pod slice's memory limit) says so, under a reason of its own (NOT_IN_FORCE_REASONS):
+no readiness marker may vouch for it then; any other pending reason (a failed call, a read that
+failed) says nothing of what is in force.
 """
 
 from __future__ import annotations
@@ -38,7 +43,13 @@ from .desired import (
 )
 from .errors import NodeError, NvmlError
 from .limit_ledger import LEDGER_NOT_WRITTEN, LimitLedger, MemoryLimitLedger
-from .memory_limits import LimitWrite, MemoryLimitEnforcer
+from .memory_limits import (
+    MEMORY_LIMIT_NOT_IN_FORCE,
+    LimitNotSet,
+    LimitWrite,
+    MemoryLimitEnforcer,
+    limit_not_in_force,
+)
 from .mps.errors import NAMESPACE_BUSY, NAMESPACE_EXISTS, MpsError
 from .mps_caps import (
     CAP_NOT_IN_FORCE_REASONS,
@@ -58,7 +69,7 @@ from .mps_caps import (
     namespace_busy,
 )
 from .mps_pinned import PinnedLimits, suspect_error
-from .nvml import DeviceInfo, GpuComputeMode, Nvml
+from .nvml import DeviceInfo, GpuComputeMode, MemoryLimits, Nvml
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +91,11 @@ class MpsControlLike(Protocol):
 # Reasons the engine itself gives (NVML and MPS errors bring their own).
 CGROUP_NOT_FOUND = "CgroupNotFound"
 MPS_UNAVAILABLE = "MPSUnavailable"
+
+NOT_IN_FORCE_REASONS = CAP_NOT_IN_FORCE_REASONS | {MEMORY_LIMIT_NOT_IN_FORCE}
+"""The reasons of a container pending with `ContainerResult.not_in_force`, and only of such a
+container: CAP_NOT_IN_FORCE_REASONS for an MPS cap (`mps_cap_missing`),
+MEMORY_LIMIT_NOT_IN_FORCE for its pod slice's memory limit (`limit_missing`)."""
 
 
 def is_our_namespace(name: str) -> bool:
@@ -125,6 +141,23 @@ class ContainerResult:
     (NVML down, a busy daemon, a read that failed) say nothing of what is in force. Its reason
     is then one of CAP_NOT_IN_FORCE_REASONS (the message names the daemon's own error), and
     those reasons mean this."""
+    limit_missing: bool = False
+    """The GPU memory limit on its pod's slice, on one of its GPUs, is known not to be in force:
+    read back absent or other than the plan's, and not set since (`Engine._unlimited`: known
+    until a set succeeds or it is read back in force, whatever a later pass fails at first).
+    The slice caps every container of the pod (the limit is hierarchical), so a process of it
+    may use more than its cap, and no readiness marker may vouch for the container. A read that
+    failed proves nothing (a pod pending for it keeps its marker), nor does a missing limit on
+    the container's own cgroup while the slice's is in force (the slice still caps it). Its
+    reason is then MEMORY_LIMIT_NOT_IN_FORCE (unless an MPS cap is missing too: then one of
+    CAP_NOT_IN_FORCE_REASONS), the message naming NVML's own error."""
+
+    @property
+    def not_in_force(self) -> bool:
+        """Something the plan needs is known not in force (`mps_cap_missing`, `limit_missing`):
+        no readiness marker may vouch for the container. Its reason is then one of
+        NOT_IN_FORCE_REASONS."""
+        return self.mps_cap_missing or self.limit_missing
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +273,12 @@ class Engine:
         failing before it reaches them (a busy namespace list, the daemon down) still reports
         the cap missing (`ContainerResult.mps_cap_missing`). Not a cache: `forget()` keeps it,
         and a delete does not end it."""
+        self._unlimited: dict[LimitTarget, MemoryLimits] = {}
+        """Pod-slice memory limits known not in force: target -> what was read back (absent,
+        or another limit) before the set that failed. Kept until the target is set or read
+        back in force, or no longer desired, so that a pass failing before it reaches the
+        cgroup (NVML down, a read that fails) still reports the limit missing
+        (`ContainerResult.limit_missing`). Not a cache: `forget()` keeps it."""
         self.pins = PinnedLimits()
         """The MPS default pinned device memory limits: MiB written (a cache), GPUs whose limit
         is known lost and namespaces that may hold a server started without it (not caches)."""
@@ -278,6 +317,8 @@ class Engine:
         """`mps_down`: why the node's MPS control daemon is unusable this pass (the agent's
         health check), if it is: every sm-sharing container then stays pending."""
         self._uncapped.intersection_update(desired.mps_namespaces)  # their containers went
+        targets = set(desired.limits)  # a target gone: its pod went, or its plan changed
+        self._unlimited = {t: b for t, b in self._unlimited.items() if t in targets}
         self.pins.keep_only(desired.mps_namespaces)
         run = _Run(self, desired, mps_down)
         run.go()
@@ -373,6 +414,8 @@ class _Run:
         self.modes_set: list[tuple[str, GpuComputeMode]] = []
         self.gpu_results: list[GpuResult] = []
         self.in_force: dict[ContainerKey, list[LimitTarget]] = {}
+        self.unset: dict[LimitTarget, NvmlError] = {}
+        """Pod-slice targets whose set failed in this pass (read back other than the target)."""
         self.leaf_pending: set[ContainerKey] = set()
         self.devices: dict[str, DeviceInfo] = {}
         self.unpinned: set[ContainerKey] = set()
@@ -801,14 +844,62 @@ class _Run:
         for t, keys in ready:
             try:
                 write = self.e.limits.ensure(t)
+            except LimitNotSet as err:
+                if self._slice_owners(t):
+                    # Read back without the plan's limit, and not set: known not in force.
+                    self.e._unlimited[t] = err.before
+                    self.unset[t] = err.cause
+                    self.fail(keys, limit_not_in_force(t, err.before, err.cause))
+                else:
+                    # A container's own cgroup: the pod slice still caps it (the limit is
+                    # hierarchical), so this says nothing against its marker. (Or a target no
+                    # container of the pod's slice applies: a refused pod's kept limit.)
+                    self.fail(keys, err)
+                continue
             except NvmlError as err:
+                # The read failed: that proves nothing of the limit in force (it may well be
+                # there, as the last pass left it), so the container is pending for it and its
+                # marker kept, unless an earlier pass knew the limit missing (`_unlimited`).
                 self.fail(keys, err)
                 continue
+            self.e._unlimited.pop(t, None)  # read back in force, or set now
             self.e._clean.discard((t.gpu_uuid, t.path))
             if write is not None:
                 self.writes.append(write)
             for k in keys:
                 self.in_force.setdefault(k, []).append(t)
+
+    def _slice_owners(self, t: LimitTarget) -> list[ContainerDesired]:
+        """The containers `t` caps as their pod's slice: every cgroup-limited container of the
+        pod on its GPU (empty for a container's own cgroup, or a refused pod's kept limit)."""
+        if t.container is not None:
+            return []
+        return [c for c in self._owners(t) if c.pod_cgroup == t.path]
+
+    def limit_missing(self, c: ContainerDesired) -> tuple[LimitTarget, MemoryLimits] | None:
+        """A slice limit of `c`'s known not in force (`Engine._unlimited`), and what was read
+        back there; this pass's or an earlier one's."""
+        if Mechanism.CGROUP not in c.mechanisms:
+            return None
+        for t, before in self.e._unlimited.items():
+            if t.container is None and t.path == c.pod_cgroup \
+                    and t.gpu_uuid in c.plan.device_uuids:
+                return t, before
+        return None
+
+    def limit_error(self, missing: tuple[LimitTarget, MemoryLimits], error: NodeError
+                    ) -> NodeError:
+        """The error to report for a container whose slice limit is known not in force
+        (`limit_missing`): MEMORY_LIMIT_NOT_IN_FORCE, whatever failed first in this pass (it
+        is named in the message), so that its reason alone tells it from one pending for a
+        reason that keeps its marker."""
+        if error.reason == MEMORY_LIMIT_NOT_IN_FORCE:
+            return error
+        t, before = missing
+        cause = self.unset.get(t)
+        if cause is not None:
+            return limit_not_in_force(t, before, cause)
+        return limit_not_in_force(t, before, error, now=False)
 
     def sweep_limits(self) -> None:
         """Clear limits on the cgroups (and below) of our pods that no desired target names.
@@ -935,11 +1026,15 @@ class _Run:
                           container_limit_pending=c.key in self.leaf_pending)
             if error is not None:
                 missing = self.cap_missing(c)
-                if missing:
+                unlimited = self.limit_missing(c)
+                if missing:  # an MPS cap's reason first: its event and message say what to do
                     error = self.cap_error(c, error)
+                elif unlimited is not None:
+                    error = self.limit_error(unlimited, error)
                 results[c.key] = ContainerResult(state=ContainerState.PENDING,
                                                  reason=error.reason, message=error.message,
-                                                 mps_cap_missing=missing, **common)
+                                                 mps_cap_missing=missing,
+                                                 limit_missing=unlimited is not None, **common)
             else:
                 results[c.key] = ContainerResult(state=ContainerState.APPLIED, **common)
         return ApplyReport(

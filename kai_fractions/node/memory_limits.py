@@ -8,6 +8,11 @@ NVML_DEVICE_MEMORY_LIMIT_MAX, which NVIDIA asks for before a cgroup is deleted.
 On a driver without the r615 functions every call raises `NvmlFunctionNotFound` (reason
 DriverTooOld); the plan (`desired.py`) already chose the fallback or refused, so reaching that
 here means the driver changed under the agent, and the engine reports it per container.
+
+What a failure proves: a read that fails says nothing of the limit in force (it may well be
+there), while a read that succeeds and shows something else than the target, followed by a set
+that fails, proves the target is not in force (`LimitNotSet`). A cgroup removed and made again
+(the same path) has lost its limits: NVML's limits go with the cgroup.
 """
 
 from __future__ import annotations
@@ -15,7 +20,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .desired import LimitTarget
+from .errors import NodeError, NvmlError
 from .nvml import MEMORY_LIMIT_MAX, MemoryLimits, Nvml
+
+MEMORY_LIMIT_NOT_IN_FORCE = "MemoryLimitNotInForce"
+"""The reason of a container pending with `ContainerResult.limit_missing`, and only of such a
+container: the GPU memory limit on its pod's cgroup (the slice, which caps every container of
+the pod) was read back absent or not the plan's and could not be set, so its readiness marker is
+set aside (`kai_fractions.node.agent.markers`). Whoever reads the reason alone (GetNodeState,
+the metrics) tells it from a container pending for a reason that keeps its marker (an NVML
+call that failed, a read that failed). The message names NVML's own error."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +43,51 @@ class LimitWrite:
     hard: int
 
 
+class LimitNotSet(NvmlError):
+    """`ensure` read the limits in force on the target's cgroup (`before`), which are not the
+    target, and the set that was to put the target in force failed (`cause`): the target is
+    known NOT in force. It carries the cause's reason, message, function and code (a caller
+    that only reports it sees the NVML error as it was); a read that fails raises the read's
+    own error instead, which proves nothing of what is in force."""
+
+    def __init__(self, target: LimitTarget, before: MemoryLimits, cause: NvmlError):
+        super().__init__(cause.message, function=cause.function, code=cause.code,
+                         reason=cause.reason)
+        self.target = target
+        self.before = before
+        self.cause = cause
+
+
+def _mib(n: int) -> str:
+    return f"{-(-n // (1 << 20))} MiB"
+
+
+def describe(soft: int, hard: int) -> str:
+    """Limits as a message says them."""
+    if soft == 0 and hard == MEMORY_LIMIT_MAX:
+        return "no limit"
+    cap = "no cap" if hard == MEMORY_LIMIT_MAX else f"hard {_mib(hard)}"
+    return f"soft {_mib(soft)}, {cap}"
+
+
+def limit_not_in_force(target: LimitTarget, before: MemoryLimits, error: NodeError, *,
+                       now: bool = True) -> NvmlError:
+    """The error of a container whose pod's cgroup is known not to hold `target`: it was read
+    back as `before`. `now`: `error` is the set of this pass that failed; else the limit is
+    known missing from an earlier pass and `error` is what this pass failed at first (a read
+    that failed, NVML down, the cgroup not there), which puts nothing right."""
+    why = (f"could not be set ({error.reason}: {error.message})" if now else
+           f"has not been set since (this pass: {error.reason}: {error.message})")
+    return NvmlError(
+        f"the GPU memory limit on the pod's cgroup {target.path} (GPU {target.gpu_uuid}) "
+        f"{'reads' if now else 'was read'} back {describe(before.soft, before.hard)}, not the "
+        f"plan's {describe(target.soft, target.hard)}, and {why}: the pod's processes on that "
+        "GPU are not held to their cap (a cgroup removed and made again loses its limits). "
+        "The container stays pending, and its readiness marker set aside, until the limit is "
+        "in force (the agent retries every pass; if this persists, check that the agent may "
+        "set NVML memory limits)", reason=MEMORY_LIMIT_NOT_IN_FORCE)
+
+
 class MemoryLimitEnforcer:
     def __init__(self, nvml: Nvml):
         self.nvml = nvml
@@ -40,11 +99,16 @@ class MemoryLimitEnforcer:
         return self.nvml.get_memory_limits(gpu_uuid, path)
 
     def ensure(self, target: LimitTarget) -> LimitWrite | None:
-        """Makes `target` the limits in force; returns the write, or None when already so."""
+        """Makes `target` the limits in force; returns the write, or None when already so.
+        Raises the read's NvmlError when the read fails (nothing known), `LimitNotSet` when
+        the read shows another limit and the set fails (known not in force)."""
         before = self.nvml.get_memory_limits(target.gpu_uuid, target.path)
         if (before.soft, before.hard) == (target.soft, target.hard):
             return None
-        self.nvml.set_memory_limits(target.gpu_uuid, target.path, target.soft, target.hard)
+        try:
+            self.nvml.set_memory_limits(target.gpu_uuid, target.path, target.soft, target.hard)
+        except NvmlError as e:
+            raise LimitNotSet(target, before, e) from e
         return LimitWrite(target.gpu_uuid, target.path, before, target.soft, target.hard)
 
     def clear(self, gpu_uuid: str, path: str) -> LimitWrite | None:

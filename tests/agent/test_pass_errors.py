@@ -27,10 +27,10 @@ def test_a_lasting_pass_error_is_logged_once_with_its_containers(short_tmp: Path
         (warned,) = caplog.records
         assert warned.levelno == logging.WARNING
         assert warned.getMessage().startswith(
-            "reconcile passes have reported NVMLNoPermission for 31 s: 1 container(s) pending: "
-            "default/p/main: ")
+            "reconcile passes have reported MemoryLimitNotInForce for 31 s: 1 container(s) "
+            "pending: default/p/main: ")
         rig.nvml.clear_failures()
         now[0] = 95.0
         errors.update(rig.step().errors, lambda: rig.reconciler.view)
     assert [r.getMessage() for r in caplog.records[1:]] == [
-        "reconcile: NVMLNoPermission no longer reported"]
+        "reconcile: MemoryLimitNotInForce no longer reported"]

@@ -100,13 +100,15 @@ def test_marker_never_written_while_pending_and_events_stay_quiet(short_tmp: Pat
     for _ in range(3):
         report = rig.step()
         assert not report.converged
-        assert "NVMLNoPermission" in report.errors
+        # read back without it and not set: known not in force (NVML's error in the message)
+        assert "MemoryLimitNotInForce" in report.errors
     assert marker(rig, uid) is None
-    assert rig.cluster.events == []
+    assert rig.cluster.events == []  # no marker was set aside: nothing to warn of
     result = rig.reconciler.view.results[(uid, "main")]
-    assert (result.state.value, result.reason) == ("pending", "NVMLNoPermission")
+    assert (result.state.value, result.reason) == ("pending", "MemoryLimitNotInForce")
+    assert "(NVMLNoPermission: NVML refused" in result.message
     assert rig.agent.metrics.registry.get_sample_value(
-        "kai_fractions_reconcile_errors_total", {"reason": "NVMLNoPermission"}) == 3
+        "kai_fractions_reconcile_errors_total", {"reason": "MemoryLimitNotInForce"}) == 3
     rig.nvml.clear_failures()
     assert rig.step().converged
     assert marker(rig, uid)["containers"]["main"]["state"] == "applied"

@@ -184,8 +184,11 @@ def test_nvml_error_mid_apply_is_not_applied_and_next_apply_converges(node: Node
     report = node.apply(sm_pod(), ts_pod())
     a, b = report.containers[(UID_A, "main")], report.containers[(UID_B, "main")]
     assert a.state is ContainerState.APPLIED
-    assert (b.state, b.reason) == (ContainerState.PENDING, "NVMLNoPermission")
-    assert b.message.startswith("NVML refused nvmlDeviceSetMemoryLimits_v1 on GPU " + GPU1)
+    # read back without it, and not set: known not in force (`ContainerResult.limit_missing`)
+    assert (b.state, b.reason, b.limit_missing) == (ContainerState.PENDING,
+                                                    "MemoryLimitNotInForce", True)
+    assert "could not be set (NVMLNoPermission: NVML refused nvmlDeviceSetMemoryLimits_v1 on " \
+        "GPU " + GPU1 in b.message
     report = node.apply(sm_pod(), ts_pod())
     assert report.containers[(UID_B, "main")].state is ContainerState.APPLIED
     # the container's own cgroup got its limit the first time; only the slice was missing

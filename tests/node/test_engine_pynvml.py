@@ -152,8 +152,11 @@ def test_injected_nvml_error_mid_apply_then_convergence(tmp_path: Path, gpus) ->
     try:
         report = agent.apply(a, b)
         ra, rb = report.containers[(UID_A, "main")], report.containers[(UID_B, "main")]
-        assert ra.state is ContainerState.PENDING and ra.reason == "NVMLError"
-        assert "nvmlDeviceSetMemoryLimits_v1 failed on GPU " + GPU0 in ra.message
+        # read back without it, and not set: known not in force, NVML's error in the message
+        assert ra.state is ContainerState.PENDING and ra.reason == "MemoryLimitNotInForce"
+        assert ra.limit_missing
+        assert "(NVMLError: NVML nvmlDeviceSetMemoryLimits_v1 failed on GPU " + GPU0 \
+            in ra.message
         assert rb.state is ContainerState.APPLIED
         assert set_calls(gpus)[0][-1] == pynvml.NVML_ERROR_UNKNOWN  # the failed call, logged
         report = agent.apply(a, b)

@@ -8,7 +8,7 @@ import pytest
 
 from kai_fractions.node.desired import LimitTarget
 from kai_fractions.node.errors import NvmlFunctionNotFound, NvmlNoPermission
-from kai_fractions.node.memory_limits import LimitWrite, MemoryLimitEnforcer
+from kai_fractions.node.memory_limits import LimitNotSet, LimitWrite, MemoryLimitEnforcer
 from kai_fractions.node.nvml import MEMORY_LIMIT_MAX, MemoryLimits, PynvmlNvml
 
 GIB = 1 << 30
@@ -53,10 +53,22 @@ def test_clear_only_when_something_is_there(enforcer, fake_nvml) -> None:
 
 
 def test_errors_are_typed(enforcer, fake_nvml) -> None:
+    """A set that fails after a read that shows another limit: `LimitNotSet` (the target is
+    known not in force), carrying what was read and NVML's own error; a read that fails raises
+    its own error (nothing known)."""
     fake_nvml.inject_error("nvmlDeviceSetMemoryLimits_v1", pynvml.NVML_ERROR_NO_PERMISSION, 1)
-    with pytest.raises(NvmlNoPermission):
+    with pytest.raises(LimitNotSet) as err:
         enforcer.ensure(POD)
+    assert isinstance(err.value.cause, NvmlNoPermission)
+    assert (err.value.reason, err.value.message) == (err.value.cause.reason,
+                                                     err.value.cause.message)
+    assert err.value.before == MemoryLimits(0, MEMORY_LIMIT_MAX, 0)
+    assert err.value.target == POD
     assert fake_nvml.limits() == {}
+    fake_nvml.inject_error("nvmlDeviceGetMemoryLimits_v1", pynvml.NVML_ERROR_NO_PERMISSION, 1)
+    with pytest.raises(NvmlNoPermission) as read:
+        enforcer.ensure(POD)
+    assert not isinstance(read.value, LimitNotSet)
     assert enforcer.ensure(POD) is not None
 
 

@@ -68,7 +68,7 @@ def populated_scrape(env: AgentEnv) -> tuple[str, dict[str, str], AgentRun]:
                            pod_uuid=applied) == 10
                 and sample_value(text, "kai_fractions_node_ready") is not None
                 and sample_value(text, "kai_fractions_reconcile_errors_total",
-                           reason="NVMLNoPermission") is not None
+                           reason="MemoryLimitNotInForce") is not None
                 and sample_value(text, "kai_fractions_agent_gpu_usage_unreadable_total")
                 is not None)
         return text if done else None

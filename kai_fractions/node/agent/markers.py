@@ -7,11 +7,13 @@ tidy. The rules, in the order they are checked:
   the pod with the reason; pending siblings are left out, applied ones listed);
 - anything pending writes nothing; a marker already there stays only if it is an `applied`
   marker whose digests are exactly the current plans' (the limits were in force when it was
-  written and a passing hiccup must not flap it) and no container is known to be without an
-  MPS cap it relies on, its namespace's active-thread percentage or its GPU's default pinned
-  limit (`ContainerResult.mps_cap_missing`: after an MPS daemon restart, a client attaching
-  then may run uncapped); any other marker is removed (set aside when it names a plan), so a
-  marker can never claim limits that are not in force;
+  written and a passing hiccup must not flap it) and no container is known to be without
+  something its plan needs (`ContainerResult.not_in_force`): an MPS cap it relies on, its
+  namespace's active-thread percentage or its GPU's default pinned limit (`mps_cap_missing`:
+  after an MPS daemon restart, a client attaching then may run uncapped), or the GPU memory
+  limit on its pod's slice (`limit_missing`: read back absent or not the plan's, e.g. the
+  cgroup was made again, and not set since); any other marker is removed (set aside when it
+  names a plan), so a marker can never claim limits that are known not in force;
 - everything applied writes an `applied` marker with each container's plan digest.
 
 A marker of another boot of the host (or one without a boot ID, from an older agent) vouches
@@ -60,6 +62,7 @@ from ...marker import (
 from ..config import Mechanism
 from ..desired import ContainerKey, DesiredState
 from ..engine import ContainerResult, ContainerState
+from ..memory_limits import MEMORY_LIMIT_NOT_IN_FORCE
 from . import events as ev
 from .events import EventRecorder, PodRef
 from .kube import ClusterWriter
@@ -106,7 +109,7 @@ def decide(results: Mapping[str, ContainerResult], *, watchdog_stops: bool = Tru
                         for n, r in applied.items() if r.plan_digest})
         return MarkerDecision(write=entries)
     if len(applied) < len(results) or not results:
-        return MarkerDecision(keep_existing=not any(r.mps_cap_missing for r in results.values()))
+        return MarkerDecision(keep_existing=not any(r.not_in_force for r in results.values()))
     return MarkerDecision(write={n: ContainerMarker.applied(r.plan_digest or "",
                                                             _applied_message(r, watchdog_stops))
                                  for n, r in applied.items()})
@@ -120,17 +123,45 @@ def _written(names: Collection[str]) -> bool:
 
 def still_valid(existing: Marker, results: Mapping[str, ContainerResult]) -> bool:
     """An existing marker may stay while something is pending only if it is an applied
-    marker for exactly the current plans, and no container of the pod is known to lack an MPS
-    cap (its namespace's percentage, its GPU's pinned limit): a gate (a restarted sandbox's)
-    would let a client attach uncapped."""
+    marker for exactly the current plans, and no container of the pod is known to lack
+    something its plan needs (`ContainerResult.not_in_force`: an MPS cap, its namespace's
+    percentage or its GPU's pinned limit; the memory limit on its pod's slice): a gate (a
+    restarted sandbox's) would let a client start uncapped."""
     if set(existing.containers) != set(results):
         return False
-    if any(r.mps_cap_missing for r in results.values()):
+    if any(r.not_in_force for r in results.values()):
         return False
     for name, entry in existing.containers.items():
         if entry.state is not MarkerState.APPLIED or entry.plan_digest != results[name].plan_digest:
             return False
     return True
+
+
+@dataclass(frozen=True, slots=True)
+class _NotInForce:
+    """One kind of thing a container's marker is set aside for (`ContainerResult.not_in_force`):
+    the result's flag, the Warning sent once per episode (`MarkerWriter._cap_events`), and how
+    the event and the log say it."""
+
+    flag: Callable[[ContainerResult], bool]
+    event: str
+    what: str
+    """As the event says it."""
+    logged: str
+    """As the log says it."""
+    it: str
+    """What comes back."""
+
+
+_NOT_IN_FORCE = (
+    _NotInForce(lambda r: r.mps_cap_missing, ev.MPS_CAP_NOT_IN_FORCE,
+                "an MPS cap it relies on", "an MPS cap", "the cap"),
+    # With an MPS cap missing too, the container's reason and message are the cap's
+    # (`engine.ContainerResult.limit_missing`): told as that, until the cap is back.
+    _NotInForce(lambda r: r.limit_missing and not r.mps_cap_missing, MEMORY_LIMIT_NOT_IN_FORCE,
+                "the GPU memory limit on its pod's cgroup",
+                "the GPU memory limit on the pod's cgroup", "the limit"),
+)
 
 
 class MarkerStore:
@@ -370,13 +401,14 @@ class MarkerWriter:
         if not removed:
             return
         done = "set aside" if holds else "removed"
-        uncapped = {n: r for n, r in sorted(results.items()) if r.mps_cap_missing}
-        if uncapped:
-            log.warning("pod %s/%s: %s its marker: an MPS cap is not in force for %s (the plan "
-                        "is unchanged; the marker is written again once the cap is back)",
-                        ref.namespace, ref.name, done, ", ".join(
-                            f"container {n} ({r.reason})" for n, r in uncapped.items()))
-        else:
+        missing = [(kind, ", ".join(f"container {n} ({r.reason})" for n, r in sorted(
+            results.items()) if kind.flag(r))) for kind in _NOT_IN_FORCE]
+        missing = [(kind, who) for kind, who in missing if who]
+        for kind, who in missing:
+            log.warning("pod %s/%s: %s its marker: %s is not in force for %s (the plan is "
+                        "unchanged; the marker is written again once %s is back)",
+                        ref.namespace, ref.name, done, kind.logged, who, kind.it)
+        if not missing:
             log.info("pod %s/%s: %s its marker (it does not vouch for the plans in force now)",
                      ref.namespace, ref.name, done)
 
@@ -414,8 +446,8 @@ class MarkerWriter:
                         existing: Marker | None) -> None:
         """One event per container waiting for its signature (the follower signs after the
         binder's annotations land) or for its signature's key (a rotation on its way to the
-        node): its owner sees why the gate is still waiting. One per episode of an MPS cap
-        not in force (`_cap_events`)."""
+        node): its owner sees why the gate is still waiting. One per episode of an MPS cap or
+        a pod slice's memory limit not in force (`_cap_events`)."""
         self._cap_events(ref, results, existing)
         for name, r in sorted(results.items()):
             if r.state is not ContainerState.PENDING:
@@ -433,36 +465,39 @@ class MarkerWriter:
     def _cap_events(self, ref: PodRef, results: Mapping[str, ContainerResult],
                     existing: Marker | None) -> None:
         """A Warning `MpsCapNotInForce` when a container's MPS cap turns out not in force
-        (`ContainerResult.mps_cap_missing`): its marker is set aside, and a client attaching
-        meanwhile may run uncapped. Once per episode: the episode lasts until the container is
-        applied (or refused) again, whatever it is pending for in between, so a reason that
-        changes, or a pass pending for something else, sends nothing new. The `Applied` it had
-        sent is forgotten as the episode begins, so its return is told too (the marker is
-        written again then). Either event still waiting in the backlog when the other's turn
-        comes is withdrawn: the last event sent says what is so. None for a pod that had no
-        marker this boot (`existing`, or one set aside): a new pod's gate waits anyway, and no
-        marker of it was set aside."""
+        (`ContainerResult.mps_cap_missing`), `MemoryLimitNotInForce` when its pod slice's GPU
+        memory limit does (`limit_missing`, told as the MPS cap's while that is missing too: the
+        container's reason and message are then the cap's): its marker is set aside, and a
+        client attaching meanwhile may run uncapped. Once per episode of each: the episode
+        lasts until the container is applied (or refused) again, whatever it is pending for in
+        between, so a reason that changes, or a pass pending for something else, sends nothing
+        new. The `Applied` it had sent is forgotten as the episode begins, so its return is told
+        too (the marker is written again then). Either event still waiting in the backlog when
+        the other's turn comes is withdrawn: the last event sent says what is so. None for a
+        pod that had no marker this boot (`existing`, or one set aside): a new pod's gate waits
+        anyway, and no marker of it was set aside."""
         had_marker: bool | None = None
         for name, r in sorted(results.items()):
-            key = (ev.MPS_CAP_NOT_IN_FORCE, ref.uid, name)
-            if r.state is not ContainerState.PENDING:
-                self.events.forget(key, withdraw=True)  # the episode is over
-                continue
-            if not r.mps_cap_missing or self.events.seen(key):
-                continue
-            if had_marker is None:  # read once, and only for a warning to send
-                had_marker = existing is not None or self._set_aside_this_boot(ref.uid)
-            if not had_marker:
-                continue
-            self.events.forget_matching(
-                lambda k, name=name: isinstance(k, tuple) and k[:3] == (ev.APPLIED, ref.uid, name),
-                withdraw=True)
-            # What to do is in the engine's message, after the reason: kept short before it
-            # (an event's message is cut at 1024 characters).
-            self.events.emit(ref, ev.WARNING, ev.MPS_CAP_NOT_IN_FORCE, (
-                f"container {name}: an MPS cap it relies on is not in force, so its readiness "
-                "marker is set aside (a gate of the pod waits; Applied follows once the cap is "
-                f"back): {r.reason}: {r.message}"), key=key)
+            for kind in _NOT_IN_FORCE:
+                key = (kind.event, ref.uid, name)
+                if r.state is not ContainerState.PENDING:
+                    self.events.forget(key, withdraw=True)  # the episode is over
+                    continue
+                if not kind.flag(r) or self.events.seen(key):
+                    continue
+                if had_marker is None:  # read once, and only for a warning to send
+                    had_marker = existing is not None or self._set_aside_this_boot(ref.uid)
+                if not had_marker:
+                    break
+                self.events.forget_matching(
+                    lambda k, name=name: isinstance(k, tuple)
+                    and k[:3] == (ev.APPLIED, ref.uid, name), withdraw=True)
+                # What to do is in the engine's message, after the reason: kept short before it
+                # (an event's message is cut at 1024 characters).
+                self.events.emit(ref, ev.WARNING, kind.event, (
+                    f"container {name}: {kind.what} is not in force, so its readiness marker is "
+                    f"set aside (a gate of the pod waits; Applied follows once {kind.it} is "
+                    f"back): {r.reason}: {r.message}"), key=key)
 
     def _set_aside_this_boot(self, uid: str) -> bool:
         set_aside = self.store.set_aside_marker(uid)
