@@ -21,12 +21,19 @@ KNOWN_SYMLINKS = {
     "/dev/stdin": "/proc/self/fd/0",
     "/dev/stdout": "/proc/self/fd/1",
     "/dev/stderr": "/proc/self/fd/2",
+    "/proc/net": "/proc/self/net",
+    "/proc/mounts": "/proc/self/mounts",
 }
-"""Symlinks on every systemd host (FHS 3.0; systemd and udev make the /dev ones): either
-spelling reaches the same directory. A /dev/fd path is the opening process's file: anywhere."""
+"""Symlinks on every systemd host (FHS 3.0; systemd and udev make the /dev ones; the kernel
+makes the /proc ones): either spelling reaches the same directory. A /dev/fd path is the
+opening process's file: anywhere. `/proc/net/..` is `/proc/self`, so `/proc/net/../root` is
+the opening process's root."""
 _SYMLINK_DEPTHS = frozenset(link.count("/") for link in KNOWN_SYMLINKS)
 
 _PROCESS = re.compile(r"[0-9]+|self|thread-self")
+_KERNEL_ENTRIES = frozenset({"net", "mounts"})
+"""Entries of a process's directory that are the kernel's own files (its network namespace's
+tables, its mount table), not a way out: what `/proc/net` and `/proc/mounts` open."""
 _MAX_STEPS = 4096
 """Bounds the work on a hostile path (a symlink target is re-walked)."""
 PATH_MAX = 4096
@@ -77,11 +84,21 @@ def canonical(path: str) -> str:
         if tail and tail[0] == "root":
             out = []  # that process's root: the host's own for a host process
             continue
+        if tail and tail[0] in _KERNEL_ENTRIES:
+            continue  # files of the kernel; a `..` after them climbs back to the process
         if tail or not pending:
             return "/"  # cwd, fd, map_files, or the process directory itself: anywhere
-    if out and out[0] == "proc" and len(out) == 1:
-        return "/"  # /proc holds every process's root
+    if out and out[0] == "proc" and (len(out) == 1 or _process_directory(out)):
+        # /proc holds every process's root; a process's (or a thread's) directory its own. Only
+        # a `..` ends a path here unclassified (`/proc/net/..` is `/proc/self`).
+        return "/"
     return "/" + "/".join(out)
+
+
+def _process_directory(out: list[str]) -> bool:
+    """`/proc/<pid>`, `/proc/<pid>/task` or `/proc/<pid>/task/<tid>`."""
+    return bool(_PROCESS.fullmatch(out[1])) and (
+        len(out) == 2 or (out[2] == "task" and len(out) <= 4))
 
 
 def related(a: str, b: str) -> bool:

@@ -26,6 +26,17 @@ from kai_fractions.admission.hostpaths import canonical, overlaps, same
     # systemd's /dev/fd -> /proc/self/fd: the opening process's file, anywhere
     ("/dev/fd/3", "/"), ("/dev/fd", "/"), ("/dev/stdin", "/"), ("/dev/stderr/x", "/"),
     ("/dev/fdx", "/dev/fdx"), ("/dev/null", "/dev/null"),
+    # the kernel's /proc/net -> self/net and /proc/mounts -> self/mounts: `..` after them
+    # climbs to the opening process, whose root is the host's for a host process
+    ("/proc/net/../root/var/lib/kai-fractions/markers", "/var/lib/kai-fractions/markers"),
+    ("/proc/mounts/../root/var/run", "/run"), ("/proc/net/../cwd", "/"),
+    ("/proc/net/..", "/"), ("/proc/self/net/stat/../..", "/"),
+    # ... while the files themselves lead nowhere: a network namespace's tables, a mount table
+    ("/proc/net", "/proc/self/net"), ("/proc/net/dev", "/proc/self/net/dev"),
+    ("/proc/mounts", "/proc/self/mounts"), ("/proc/1/net/tcp", "/proc/1/net/tcp"),
+    ("/proc/netx", "/proc/netx"),
+    # a path that ends at a process's directory after a `..` is that directory: anywhere
+    ("/proc/1/task/1/..", "/"), ("/proc/1/task/1/net/../..", "/"), ("/proc/1/cwd/..", "/"),
 ])
 def test_canonical(path: str, expected: str) -> None:
     assert canonical(path) == expected

@@ -301,7 +301,10 @@ def test_an_ephemeral_container_may_not_mount_the_marker_root() -> None:
 
 
 @pytest.mark.parametrize("path", ["/", "/var/lib", "/var/lib/kai-fractions/markers/",
-                                  "/var/lib/kai-fractions/markers/some-uid"])
+                                  "/var/lib/kai-fractions/markers/some-uid",
+                                  # /proc/net -> self/net: `..` climbs to the process, whose
+                                  # root is the host's
+                                  "/proc/net/../root/var/lib/kai-fractions/markers"])
 def test_no_other_host_path_may_reach_the_marker_root(path: str) -> None:
     obj = mutated(pod(TS))
     obj["spec"]["volumes"].append({"name": "host", "hostPath": {"path": path}})
