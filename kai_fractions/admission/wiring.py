@@ -8,6 +8,10 @@
 - Every other container (sidecars, other init containers, ephemeral containers): exactly
   `NVIDIA_VISIBLE_DEVICES=void` among the enforced variables. Removing the variable is not
   enough: an image's own `ENV NVIDIA_VISIBLE_DEVICES=all` would then apply.
+
+The fractional container's env and MPS mount and the reserved volumes are held to what the
+mutating webhook injects by the validating webhook (`validate`), with the mutating webhook's
+own tests.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ _SHOWN = 120
 """Characters of a value a message shows; the problem keeps the value in full (`Problem`)."""
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
+    """`value` as compact JSON, cut to a length a message can show."""
     return clip(json.dumps(value, sort_keys=True, separators=(",", ":")), _SHOWN)
 
 
@@ -61,11 +66,13 @@ def gate_differences(gate: Mapping[str, Any], wanted: Mapping[str, Any]) -> list
         if field not in wanted:
             if have not in (None, "", [], {}, False):
                 out.append(Problem(f"spec.initContainers[0].{field}: the {GATE_CONTAINER} init "
-                                   f"container may not set it (got {_show(have)})", exact(have)))
+                                   f"container may not set it (got {show_value(have)})",
+                                   exact(have)))
         elif have != wanted[field]:
             out.append(Problem(f"spec.initContainers[0].{field}: must be exactly what the "
                                f"admission webhook injects into {GATE_CONTAINER}, "
-                               f"{_show(wanted[field])} (got {_show(have)})", exact(have)))
+                               f"{show_value(wanted[field])} (got {show_value(have)})",
+                               exact(have)))
     return out
 
 

@@ -493,3 +493,65 @@ def test_a_gate_brought_with_its_termination_log_over_the_marker_is_replaced(
     brought = {**copy.deepcopy(gate), "terminationMessagePath": "/kai-fractions/marker/marker.json"}
     out = wired(webhook, pod({REQUEST: "8Gi"}, initContainers=[brought]))
     assert out["spec"]["initContainers"] == [gate]
+
+
+# -- a pod kept from the mutating webhook (webhook.objectSelector), wired by hand --------------
+
+def _drop_main_wiring(obj: dict[str, Any]) -> None:
+    """Every GPU of the node, no limits env, no MPS mount: the container runs uncapped."""
+    main = obj["spec"]["containers"][0]
+    main["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+    main.pop("volumeMounts", None)
+
+
+def _swap_volume(name: str, source: dict[str, Any]) -> Any:
+    def edit(obj: dict[str, Any]) -> None:
+        obj["spec"]["volumes"] = [{"name": name, **source} if v["name"] == name else v
+                                  for v in obj["spec"]["volumes"]]
+    return edit
+
+
+HAND_WIRINGS = [
+    ("own-gpu-env", _drop_main_wiring, "spec.containers[0].env[0]: NVIDIA_VISIBLE_DEVICES of "
+     "container 'main', which has the GPU fraction, must be read from"),
+    ("marker-nfs", _swap_volume("kai-fractions-marker", {"nfs": {"server": "evil.example.com",
+                                                                "path": "/m"}}),
+     "volume 'kai-fractions-marker' must be a hostPath volume of the host directory "
+     "'/var/lib/kai-fractions/markers'"),
+    ("marker-pvc", _swap_volume("kai-fractions-marker",
+                                {"persistentVolumeClaim": {"claimName": "rwx"}}),
+     "volume 'kai-fractions-marker' must be a hostPath volume"),
+    ("marker-emptydir", _swap_volume("kai-fractions-marker", {"emptyDir": {}}),
+     "volume 'kai-fractions-marker' must be a hostPath volume"),
+    ("mps-emptydir", _swap_volume("kai-fractions-mps", {"emptyDir": {}}),
+     "volume 'kai-fractions-mps' must be a hostPath volume of the host directory "
+     "'/run/kai-fractions/mps/shared'"),
+    ("podinfo-configmap", _swap_volume("kai-fractions-podinfo", {"configMap": {"name": "f"}}),
+     "volume 'kai-fractions-podinfo' must be the downward API volume of the pod's annotations"),
+]
+
+
+@pytest.mark.parametrize(("edit", "problem"), [(e, p) for _, e, p in HAND_WIRINGS],
+                         ids=[i for i, _, _ in HAND_WIRINGS])
+def test_a_pod_wired_by_hand_is_refused_without_the_mutating_webhook(
+        webhook: Webhook, edit: Any, problem: str) -> None:
+    """The chart's webhook.objectSelector matches the pod's own labels: a tenant copies the
+    wiring from a server-side dry run, changes what enforces its limits, and labels the pod
+    past the mutating webhook. Only /validate sees it, on its creation and on the binder's
+    bind after it; an unchanged copy passes both."""
+    copied = wired(webhook, pod({REQUEST: "8Gi", MODE: "sm-sharing"}, containers=("main", "side")))
+    copied["metadata"]["labels"] = {"skip-mutation": "yes"}
+    assert review(webhook, copied)["allowed"] is True
+    assert review(webhook, _bound(copied), old=copied, user=BINDER)["allowed"] is True
+    forged = copy.deepcopy(copied)
+    edit(forged)
+    response = review(webhook, forged)
+    assert response["allowed"] is False
+    assert response["status"]["code"] == 403
+    assert problem in response["status"]["message"]
+
+
+def _bound(obj: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(obj)
+    out["metadata"]["annotations"].update({DEVICES: GPU, PORTION: "0.25"})
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from typing import Any
 
 import jsonpatch
@@ -14,6 +15,7 @@ from kai_fractions.admission.config import AdmissionConfig
 from kai_fractions.admission.errors import MAX_LISTED
 from kai_fractions.admission.mutate import mutate
 from kai_fractions.admission.validate import validate
+from kai_fractions.contract import derived_annotations, parse_pod, plan_pod, view_from_pod_spec
 from kai_fractions.contract.request import MAX_LISTED_WARNINGS
 
 from .reviews import BINDER, CONFIG, GPU, MIRROR, SM, TS, pod, request
@@ -170,9 +172,13 @@ def test_delete_and_connect_are_allowed() -> None:
 
 def test_the_compute_mode_is_fixed_once_the_pod_exists() -> None:
     d = validate(request(pod(SM), old=pod(TS)), CONFIG)
-    assert d.message == ("nvidia.com/container.main.gpu-compute.mode: the compute mode is "
-                         "fixed once the pod exists (its env and mounts were wired from it); "
-                         "create a new pod to change it")
+    # (what sm-sharing wires that the pod lacks is named first: its env and mounts cannot
+    # change after creation)
+    assert d.message.startswith("spec.containers[0].env: container 'main' has the GPU fraction "
+                                "but no CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    assert d.message.endswith("; nvidia.com/container.main.gpu-compute.mode: the compute mode "
+                              "is fixed once the pod exists (its env and mounts were wired "
+                              "from it); create a new pod to change it")
 
 
 def test_a_fraction_cannot_be_added_to_an_existing_pod() -> None:
@@ -552,7 +558,7 @@ def test_a_new_sm_sharing_pod_mounts_only_its_own_namespace(field: str, value: A
     d = validate(request(obj), CONFIG)
     assert d.message == (
         "spec.containers[0].volumeMounts[0]: must mount only the container's own MPS "
-        f"namespace, exactly {{'name': 'kai-fractions-mps', 'mountPath': "
+        f"namespace, read-write, exactly {{'name': 'kai-fractions-mps', 'mountPath': "
         f"'/run/kai-fractions/mps/shared/{ns}', 'subPath': '{ns}'}}")
 
 
@@ -633,3 +639,291 @@ def test_no_process_may_join_the_gate(sub: str) -> None:
     assert validate(connect("main"), CONFIG).allowed
     assert validate(connect(None), CONFIG).allowed
     assert validate(connect("kai-fractions-gate", "portforward"), CONFIG).allowed
+
+
+# -- a pod the mutating webhook did not see ---------------------------------------------------
+# The chart's webhook.objectSelector matches the pod's own labels, which its author writes: a
+# pod can skip the mutating webhook and come to this one wired by hand (from `kubectl create
+# --dry-run=server -o yaml`). What enforces its limits must then be checked here, on its own.
+
+ANN = "kai-fractions.io/container.main"
+SOURCES = {  # each enforced variable of `main` and the annotation it reads
+    "NVIDIA_VISIBLE_DEVICES": DEVICES,
+    "NVIDIA_GPU_MEMORY_REQUEST": f"{ANN}.memory-request-mib",
+    "NVIDIA_GPU_MEMORY_LIMIT": f"{ANN}.memory-limit-mib",
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"{ANN}.mps-pinned-mem-limit",
+    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": f"{ANN}.mps-active-thread-percentage",
+    "CUDA_MPS_PIPE_DIRECTORY": f"{ANN}.mps-pipe-directory",
+}
+ALL = {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}
+
+
+def hand_wired(annotations: dict[str, str], **kw: Any) -> dict[str, Any]:
+    """What a tenant pastes from a server-side dry run, labelled to skip the mutating webhook."""
+    obj = mutated(pod(annotations, **kw))
+    obj["metadata"]["labels"] = {"skip-mutation": "yes"}
+    return obj
+
+
+def main_env(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    return obj["spec"]["containers"][0]["env"]
+
+
+def refusal(obj: dict[str, Any], **kw: Any) -> list[str]:
+    d = validate(request(obj, **kw), CONFIG)
+    assert not d.allowed
+    assert d.code == 403
+    return re.split(r"; (?=spec\.)", d.message)  # one problem each, as listed
+
+
+def test_the_injected_env_reads_the_annotations_the_rules_name() -> None:
+    """What the rules below compare with: each variable a fieldRef to its annotation."""
+    for keys, names in ((TS, list(SOURCES)[:4]), (SM, list(SOURCES))):
+        assert main_env(mutated(pod(keys))) == [
+            {"name": name, "valueFrom": {"fieldRef": {
+                "apiVersion": "v1", "fieldPath": f"metadata.annotations['{SOURCES[name]}']"}}}
+            for name in names]
+
+
+@pytest.mark.parametrize("annotations", [TS, SM], ids=["time-slicing", "sm-sharing"])
+def test_the_fractional_container_may_not_see_every_gpu(annotations: dict[str, str]) -> None:
+    """The reviewer's attack: the fractional container sets its own GPU env; the other
+    containers are void and the gate is exact, so only this rule stands in the way."""
+    obj = hand_wired(annotations, containers=("main", "side"))
+    main_env(obj)[0] = ALL
+    assert refusal(obj) == [
+        "spec.containers[0].env[0]: NVIDIA_VISIBLE_DEVICES of container 'main', which has the "
+        "GPU fraction, must be read from valueFrom.fieldRef.fieldPath "
+        f"metadata.annotations['{DEVICES}'], as the admission webhook injects it: the node "
+        "agent applies the pod's limits to what that annotation says (got "
+        '{"name":"NVIDIA_VISIBLE_DEVICES","value":"all"})']
+
+
+@pytest.mark.parametrize("annotations", [TS, SM], ids=["time-slicing", "sm-sharing"])
+def test_the_fractional_container_may_not_drop_its_limits_env(
+        annotations: dict[str, str]) -> None:
+    obj = hand_wired(annotations)
+    obj["spec"]["containers"][0]["env"] = [ALL]
+    names = list(SOURCES) if annotations is SM else list(SOURCES)[:4]
+    assert refusal(obj)[1:len(names)] == [
+        f"spec.containers[0].env: container 'main' has the GPU fraction but no {name}: the "
+        "admission webhook sets it from valueFrom.fieldRef.fieldPath "
+        f"metadata.annotations['{SOURCES[name]}']" for name in names[1:]]
+
+
+@pytest.mark.parametrize(("edit", "problem"), [
+    # a second entry after the injected one: the last one wins
+    (lambda env: env.append(ALL),
+     "spec.containers[0].env[4]: NVIDIA_VISIBLE_DEVICES is set twice in container 'main' (the "
+     "last one wins): only the entry the admission webhook injects may set it"),
+    # an annotation the tenant writes instead of the binder's
+    (lambda env: env[0]["valueFrom"]["fieldRef"].update(
+        fieldPath="metadata.annotations['example.com/gpus']"),
+     "spec.containers[0].env[0]: NVIDIA_VISIBLE_DEVICES of container 'main', which has the GPU "
+     "fraction, must be read from valueFrom.fieldRef.fieldPath "
+     f"metadata.annotations['{DEVICES}']"),
+    (lambda env: env[2].update(valueFrom={"fieldRef": {"apiVersion": "v1",
+                                                       "fieldPath": "metadata.name"}}),
+     "spec.containers[0].env[2]: NVIDIA_GPU_MEMORY_LIMIT of container 'main', which has the "
+     "GPU fraction, must be read from valueFrom.fieldRef.fieldPath "
+     f"metadata.annotations['{SOURCES['NVIDIA_GPU_MEMORY_LIMIT']}']"),
+    # the MPS variables are no time-slicing container's
+    (lambda env: env.append({"name": "CUDA_MPS_PIPE_DIRECTORY", "value": "/tmp/mps"}),
+     "spec.containers[0].env[4]: container 'main' (time-slicing) may not set "
+     "CUDA_MPS_PIPE_DIRECTORY: the admission webhook sets only NVIDIA_VISIBLE_DEVICES, "
+     "NVIDIA_GPU_MEMORY_REQUEST, NVIDIA_GPU_MEMORY_LIMIT, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT there "
+     '(got {"name":"CUDA_MPS_PIPE_DIRECTORY","value":"/tmp/mps"})'),
+], ids=["twice", "another-annotation", "another-field", "mps-in-time-slicing"])
+def test_the_fractional_containers_enforced_env_is_exactly_the_injected_one(
+        edit: Any, problem: str) -> None:
+    obj = hand_wired(TS)
+    edit(main_env(obj))
+    [message] = refusal(obj)
+    assert message.startswith(problem)
+
+
+def test_an_sm_sharing_container_keeps_its_mps_env() -> None:
+    obj = hand_wired(SM)
+    env = main_env(obj)
+    env[5] = {"name": "CUDA_MPS_PIPE_DIRECTORY", "value": "/tmp/elsewhere"}
+    del env[4]  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: its compute cap
+    assert refusal(obj) == [
+        "spec.containers[0].env[4]: CUDA_MPS_PIPE_DIRECTORY of container 'main', which has the "
+        "GPU fraction, must be read from valueFrom.fieldRef.fieldPath "
+        f"metadata.annotations['{SOURCES['CUDA_MPS_PIPE_DIRECTORY']}'], as the admission "
+        "webhook injects it: the node agent applies the pod's limits to what that annotation "
+        'says (got {"name":"CUDA_MPS_PIPE_DIRECTORY","value":"/tmp/elsewhere"})',
+        "spec.containers[0].env: container 'main' has the GPU fraction but no "
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: the admission webhook sets it from "
+        "valueFrom.fieldRef.fieldPath "
+        f"metadata.annotations['{SOURCES['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE']}']"]
+
+
+def test_the_pods_own_env_of_other_names_stays_allowed() -> None:
+    """Only the enforced names are the webhook's: the pod's own variables, before or after
+    them, and ones that refer to them, pass wired by hand or by the mutating webhook."""
+    own = [{"name": "CUDA_VISIBLE_DEVICES", "value": "0"},
+           {"name": "MY_GPUS", "value": "$(NVIDIA_VISIBLE_DEVICES)"},
+           {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"}]
+    for keys in (TS, SM):
+        obj = hand_wired(keys)
+        obj["spec"]["containers"][0]["env"] = [own[0], *main_env(obj), *own[1:]]
+        assert validate(request(obj), CONFIG).allowed
+        brought = pod(keys)
+        brought["spec"]["containers"][0]["env"] = [*own, ALL]
+        assert validate(request(mutated(brought)), CONFIG).allowed
+
+
+def test_the_fractional_init_container_is_held_to_the_same_env() -> None:
+    key = "nvidia.com/container.prep.gpu-memory.request"
+    obj = mutated(pod({key: "8Gi"}, initContainers=[{"name": "prep", "image": "img"}]))
+    assert validate(request(obj), CONFIG).allowed
+    prep = obj["spec"]["initContainers"][1]
+    assert prep["name"] == "prep"
+    prep["env"][0] = ALL
+    assert refusal(obj)[0].startswith(
+        "spec.initContainers[1].env[0]: NVIDIA_VISIBLE_DEVICES of container 'prep', which has "
+        "the GPU fraction, must be read from")
+
+
+def test_an_sm_sharing_container_must_mount_its_own_namespace() -> None:
+    """Without it CUDA_MPS_PIPE_DIRECTORY leads nowhere: the container runs outside the MPS
+    server and its compute cap never applies. The reviewer's probe dropped the env too."""
+    obj = hand_wired(SM)
+    ns = own_mount(obj)["subPath"]
+    del obj["spec"]["containers"][0]["volumeMounts"]
+    assert refusal(obj) == [
+        "spec.containers[0].volumeMounts: sm-sharing container 'main' must mount its own MPS "
+        f"namespace, exactly {{'name': 'kai-fractions-mps', 'mountPath': "
+        f"'/run/kai-fractions/mps/shared/{ns}', 'subPath': '{ns}'}}, as the admission webhook "
+        "injects it: without it the container runs outside the MPS server and its compute cap "
+        "never applies"]
+    main_env(obj)[:] = [ALL]
+    assert len(refusal(obj)) == 7  # the six variables and the mount
+    # nor read-only: an MPS client writes into its pipes
+    read_only = hand_wired(SM)
+    own_mount(read_only)["readOnly"] = True
+    ns = own_mount(read_only)["subPath"]
+    assert refusal(read_only) == [
+        "spec.containers[0].volumeMounts[0]: must mount only the container's own MPS namespace, "
+        f"read-write, exactly {{'name': 'kai-fractions-mps', 'mountPath': "
+        f"'/run/kai-fractions/mps/shared/{ns}', 'subPath': '{ns}'}}"]
+    # and with no namespace named, it has nothing to mount
+    unnamed = hand_wired(SM)
+    del unnamed["metadata"]["annotations"][NS_KEY]
+    del unnamed["spec"]["containers"][0]["volumeMounts"]
+    assert refusal(unnamed) == [
+        "spec.containers[0].volumeMounts: sm-sharing container 'main' must mount its own MPS "
+        f"namespace (kai-fractions-mps), and it has none ({NS_KEY} is missing; the mutating "
+        "webhook names one when the pod is created)"]
+
+
+TENANT_SOURCES = [{"nfs": {"server": "nfs.example.com", "path": "/m"}},
+                  {"persistentVolumeClaim": {"claimName": "rwx"}},
+                  {"emptyDir": {}}]
+
+
+@pytest.mark.parametrize("source", TENANT_SOURCES, ids=lambda s: next(iter(s)))
+@pytest.mark.parametrize(("name", "directory"), [
+    ("kai-fractions-marker", "/var/lib/kai-fractions/markers"),
+    ("kai-fractions-mps", "/run/kai-fractions/mps/shared"),
+])
+def test_the_marker_and_mps_volumes_are_the_host_directories(
+        name: str, directory: str, source: dict[str, Any]) -> None:
+    """A marker volume the tenant writes lets it write its own marker (it carries no secret:
+    a digest of the annotations, the pod UID and the node's boot id) and release the gate."""
+    obj = hand_wired(SM)
+    volumes = obj["spec"]["volumes"]
+    i = next(i for i, v in enumerate(volumes) if v["name"] == name)
+    volumes[i] = {"name": name, **source}
+    role = ("the gate releases the workload on the node agent's marker there, which only the "
+            "node agent may write" if name == "kai-fractions-marker" else
+            "the MPS server's pipes, where the container's compute cap is enforced")
+    assert refusal(obj) == [
+        f"spec.volumes[{i}]: volume {name!r} must be a hostPath volume of the host directory "
+        f"{directory!r}, as the admission webhook injects it ({role}), not {next(iter(source))}"]
+    # a second source beside the hostPath (the API server refuses it; this webhook too)
+    both = hand_wired(SM)
+    both["spec"]["volumes"][i].update(source)
+    assert refusal(both)[0].endswith(f"not {' and '.join(sorted(['hostPath', *source]))}")
+
+
+@pytest.mark.parametrize("podinfo", [
+    {"configMap": {"name": "forged"}},
+    {"downwardAPI": {"items": [{"path": "annotations", "fieldRef": {
+        "apiVersion": "v1", "fieldPath": "metadata.labels"}}]}},
+    {"projected": {"sources": [{"configMap": {"name": "forged"}}]}},
+], ids=["configMap", "labels", "projected"])
+def test_the_podinfo_volume_is_the_pods_own_annotations(podinfo: dict[str, Any]) -> None:
+    obj = hand_wired(TS)
+    obj["spec"]["volumes"][1] = {"name": "kai-fractions-podinfo", **podinfo}
+    [message] = refusal(obj)
+    assert message.startswith(
+        "spec.volumes[1]: volume 'kai-fractions-podinfo' must be the downward API volume of the "
+        "pod's annotations the admission webhook injects (the gate checks the marker against "
+        'the pod\'s annotations there), {"defaultMode":420,"items":[{"fieldRef":'
+        '{"apiVersion":"v1","fieldPath":"metadata.annotations"},"path":"annotations"}]} (got ')
+
+
+def test_the_reserved_volumes_must_be_there() -> None:
+    obj = hand_wired(SM)
+    obj["spec"]["volumes"] = []
+    assert refusal(obj) == [
+        f"spec.volumes: a fractional pod must have volume {name!r} as the admission webhook "
+        f"injects it ({role})" for name, role in (
+            ("kai-fractions-marker", "the gate releases the workload on the node agent's "
+             "marker there, which only the node agent may write"),
+            ("kai-fractions-podinfo", "the gate checks the marker against the pod's "
+             "annotations there"),
+            ("kai-fractions-mps", "the MPS server's pipes, where the container's compute cap "
+             "is enforced"))]
+
+
+def test_a_pod_without_a_fraction_may_name_a_volume_so() -> None:
+    """The rules are a wired pod's: another pod's volume of that name gates nothing."""
+    plain = pod({}, volumes=[{"name": "kai-fractions-marker", "emptyDir": {}}])
+    assert validate(request(plain), CONFIG).allowed
+
+
+def bind(obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` as KAI's binder leaves it: the devices and portion on it."""
+    out = copy.deepcopy(obj)
+    out["metadata"]["annotations"].update({DEVICES: GPU, PORTION: "0.5"})
+    return out
+
+
+def derive(obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` with the derived annotations the mirror writes once it is bound."""
+    out = copy.deepcopy(obj)
+    view = view_from_pod_spec({**out["metadata"], "uid": "u-1"}, out["spec"], namespace="ns")
+    [plan] = plan_pod(parse_pod(view))
+    out["metadata"]["annotations"].update(derived_annotations(plan))
+    return out
+
+
+@pytest.mark.parametrize("annotations", [TS, SM], ids=["time-slicing", "sm-sharing"])
+def test_a_wired_pod_passes_every_update_of_its_life(annotations: dict[str, str]) -> None:
+    """Created through both webhooks, bound by KAI's binder, derived by the mirror, its
+    status written by the kubelet: each request passes."""
+    created = mutated(pod(annotations, containers=("main", "side")))
+    assert validate(request(created), CONFIG).allowed
+    bound = bind(created)
+    assert validate(request(bound, old=created, user=BINDER), CONFIG).allowed
+    derived = derive(bound)
+    assert validate(request(derived, old=bound, user=MIRROR), CONFIG).allowed
+    running = copy.deepcopy(derived)
+    running["status"] = {"phase": "Running"}
+    assert validate(request(running, old=derived, user="system:node:n1", sub="status"),
+                    CONFIG).allowed
+
+
+@pytest.mark.parametrize("sub", ["", "status"])
+def test_an_update_is_held_to_the_wiring_too(sub: str) -> None:
+    """The API server keeps a pod's env and volumes as created, but this webhook does not count
+    on it: an update that brings a hand-wired spec is refused like a creation."""
+    old = bind(mutated(pod(TS)))
+    new = copy.deepcopy(old)
+    main_env(new)[0] = ALL
+    new["spec"]["volumes"][0] = {"name": "kai-fractions-marker", "emptyDir": {}}
+    assert [m.split(":")[0] for m in refusal(new, old=old, user=BINDER, sub=sub)] == [
+        "spec.containers[0].env[0]", "spec.volumes[0]"]
