@@ -11,6 +11,7 @@ from kai_fractions.api.v1 import node_pb2
 from kai_fractions.inspect.model import pod_report
 from kai_fractions.inspect.sources import from_node_state
 from kai_fractions.node.agent.grpc_service import node_state
+from kai_fractions.node.config import WatchdogPolicy
 
 from .builders import GIB, LEAF, Rig, binder_annotations, pod, slice_of
 
@@ -76,9 +77,11 @@ def test_inspect_keeps_an_applied_container_edited_invalid_enforced(short_tmp: P
 
 
 def test_inspect_shows_a_watchdog_only_cap_and_usage_over_it(short_tmp: Path) -> None:
-    """Memory caps held only by the watchdog (report by default) showed as plain "enforced",
-    even with the container over its limit."""
-    rig = Rig(short_tmp, sm_sharing=False, memory_enforcement="watchdog")
+    """Memory caps held only by the watchdog showed as plain "enforced", even with the
+    container over its limit (only a kill watchdog holds a cap alone: a report one is no tier,
+    its container refused)."""
+    rig = Rig(short_tmp, sm_sharing=False, memory_enforcement="watchdog",
+              watchdog_policy=WatchdogPolicy.KILL)
     uid = rig.add(pod("p", notes=binder_annotations(devices=rig.gpu0)))["metadata"]["uid"]
     rig.cgroups.add(f"{slice_of(uid)}/{LEAF}")
     assert rig.step().converged

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+from kai_fractions.node.config import WatchdogPolicy
 from kai_fractions.node.mps.errors import MpsError
 from kai_fractions.node.nvml import GpuComputeMode
 from kai_fractions.sim.killer import RecordingKiller
@@ -58,6 +59,12 @@ def violations(rig: Rig, uid: str) -> list[str]:
             if e["involvedObject"]["uid"] == uid and e["reason"] == "LimitViolation"]
 
 
+def stops(rig: Rig, uid: str) -> list[str]:
+    """The kill watchdog's stops (LimitEnforced), of every agent over `rig`'s cluster."""
+    return [e["message"] for e in rig.cluster.events
+            if e["involvedObject"]["uid"] == uid and e["reason"] == "LimitEnforced"]
+
+
 def change_events(rig: Rig, uid: str) -> list[str]:
     return [e["message"] for e in rig.cluster.events
             if e["involvedObject"]["uid"] == uid and e["reason"] == "PlanChangeRefused"]
@@ -90,7 +97,9 @@ def assert_applied_plan_kept(rig: Rig, uid: str, digest: str, *, sm: bool = Fals
 
 def test_a_raised_limit_keeps_the_old_cap_under_the_watchdog_even_after_a_restart(
         short_tmp: Path) -> None:
-    rig = Rig(short_tmp, sm_sharing=False, memory_enforcement="watchdog")
+    # the watchdog alone caps only with the kill policy (a report one is no tier)
+    rig = Rig(short_tmp, sm_sharing=False, memory_enforcement="watchdog",
+              watchdog_policy=WatchdogPolicy.KILL)
     uid = add(rig, "p")
     assert rig.step().converged
     digest = marker(rig, uid)["containers"]["main"]["plan_digest"]
@@ -103,17 +112,19 @@ def test_a_raised_limit_keeps_the_old_cap_under_the_watchdog_even_after_a_restar
         + KEEPS.format(mode="time-slicing", gpu=rig.gpu0)]
     running(rig, uid, 4242, 30 * GIB)  # above the old cap, below the edited one
     rig.reconciler.check_usage()
-    assert violations(rig, uid) == [
-        f"container main of pod {uid} uses 30720 MiB of GPU memory on {rig.gpu0}, above its cap "
-        "of 20480 MiB (pids 4242)"]
+    assert rig.killer.calls == [4242]  # stopped by the old cap
+    assert stops(rig, uid) == [
+        f"container main: process 4242 terminated for using more GPU memory on {rig.gpu0} than "
+        "its cap (drained from MPS first when it was a client)"]
 
     fresh = restarted(rig)
     assert fresh.step().converged
     assert_applied_plan_kept(fresh, uid, digest)
     fresh.reconciler.check_usage()
-    assert len(violations(fresh, uid)) == 2
+    assert fresh.killer.calls == [4242]  # the restarted agent holds the old cap too
+    assert len(stops(fresh, uid)) == 2
     assert rig.cluster.event_reasons(uid) == [
-        "Applied", "PlanChangeRefused", "LimitViolation", "PlanChangeRefused", "LimitViolation"]
+        "Applied", "PlanChangeRefused", "LimitEnforced", "PlanChangeRefused", "LimitEnforced"]
 
 
 # -- invalid annotations: limits and the GPU's accounting stay ----------------------------------

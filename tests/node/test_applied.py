@@ -6,7 +6,7 @@ from __future__ import annotations
 from kai_fractions.contract import derived_annotations, parse_pod, plan_pod
 from kai_fractions.marker import ContainerMarker, Marker
 from kai_fractions.node.applied import applied_plans, has_recorded_plans, recorded_plan
-from kai_fractions.node.config import Mechanism, NodeConfig
+from kai_fractions.node.config import Mechanism, NodeConfig, WatchdogPolicy
 from kai_fractions.node.desired import ContainerKey, NodePod, Refusal, RefusalReason, plan_node
 from kai_fractions.node.nvml import GpuComputeMode
 
@@ -199,7 +199,9 @@ def test_an_applied_plan_the_node_cannot_serve_any_more_is_refused_for_that_reas
     assert state.containers == ()
     (r,) = state.refusals
     assert r.reason is RefusalReason.DEVICE_NOT_ON_NODE
+    # the watchdog as the only tier: only a kill policy caps (a report one is refused)
     watchdog_only = NodeConfig(node_name="node-a",
-                               memory_enforcement=frozenset({Mechanism.WATCHDOG}))
+                               memory_enforcement=frozenset({Mechanism.WATCHDOG}),
+                               watchdog_policy=WatchdogPolicy.KILL)
     state = plan_node([raised], inventory(), watchdog_only, applied=applied)
     assert watchdog_caps(state) == {KEY_A: {GPU1: 20 * GIB}} and state.limits == ()

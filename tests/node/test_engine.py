@@ -12,7 +12,7 @@ import pytest
 from kai_fractions.contract import mps_namespace_name
 from kai_fractions.node.agent.signatures import with_kept_limits
 from kai_fractions.node.cgroups import HostCgroupFs
-from kai_fractions.node.config import Mechanism, NodeConfig
+from kai_fractions.node.config import Mechanism, NodeConfig, WatchdogPolicy
 from kai_fractions.node.desired import ContainerKey, LimitTarget, NodePod, plan_node
 from kai_fractions.node.engine import (
     CGROUP_NOT_FOUND,
@@ -727,16 +727,23 @@ def test_a_pinned_limit_change_within_the_same_gib_is_written(node: Node) -> Non
 
 
 def test_old_driver_uses_the_configured_fallback(tmp_path: Path) -> None:
+    """Before r615: the sm-sharing container is capped by the MPS pinned limit (the watchdog a
+    second line); the time-slicing one only by a watchdog that stops what exceeds its cap, so
+    with the default report policy, which stops nothing, it is refused (62fc4b1)."""
     node = Node(tmp_path, memory_limits=False, protocol_v3=False)
     report = node.apply(sm_pod(), ts_pod())
     a, b = report.containers[(UID_A, "main")], report.containers[(UID_B, "main")]
-    assert a.state is ContainerState.APPLIED and b.state is ContainerState.APPLIED
+    assert a.state is ContainerState.APPLIED
     assert a.mechanisms == {Mechanism.MPS_PINNED, Mechanism.WATCHDOG} and a.mps_namespace is None
-    assert b.mechanisms == {Mechanism.WATCHDOG}
+    assert (b.state, b.reason) == (ContainerState.REFUSED, "MemoryLimitsUnsupported")
     assert node.nvml.set_limit_calls == []
     assert node.mps.default_pinned_mib == {0: 20480}
     assert not any(m.startswith("namespace") for m in node.mps.methods_called())
     assert node.apply(sm_pod(), ts_pod()).writes == ()
+    killing = Node(tmp_path, memory_limits=False, protocol_v3=False,
+                   watchdog_policy=WatchdogPolicy.KILL)
+    b = killing.apply(sm_pod(), ts_pod()).containers[(UID_B, "main")]
+    assert (b.state, b.mechanisms) == (ContainerState.APPLIED, {Mechanism.WATCHDOG})
 
 
 def test_old_driver_without_fallback_refuses(tmp_path: Path) -> None:

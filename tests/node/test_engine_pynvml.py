@@ -10,7 +10,7 @@ import pynvml
 import pytest
 
 from kai_fractions.node.cgroups import HostCgroupFs
-from kai_fractions.node.config import Mechanism, NodeConfig
+from kai_fractions.node.config import Mechanism, NodeConfig, WatchdogPolicy
 from kai_fractions.node.desired import NodePod, plan_node
 from kai_fractions.node.engine import ContainerState, Engine
 from kai_fractions.node.inventory import take_inventory
@@ -175,7 +175,9 @@ def test_old_driver_falls_back_or_refuses(tmp_path: Path, fake_nvml_old_driver) 
     root = tmp_path / "cg"
     a, b = pods()
     mps = FakeMpsControl(protocol_v3=False)
-    agent = Agentish(root, mps)
+    # the time-slicing container (b) only has the watchdog: one that stops what exceeds its
+    # cap (kill); a report one caps nothing and is refused (tests/node/test_engine.py)
+    agent = Agentish(root, mps, watchdog_policy=WatchdogPolicy.KILL)
     make_cgroups(root, agent.config.layout, [a, b])
     try:
         report = agent.apply(a, b)
