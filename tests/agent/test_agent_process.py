@@ -204,8 +204,9 @@ def test_end_to_end_mirrored_pod_applied_then_released(agent_env: AgentEnv) -> N
         uid, "main", node_pb2.ALLOCATION_STATE_APPLIED, digest)
     assert alloc.memory_used_bytes == 2 * GIB and alloc.active_thread_percentage == 50
     assert "not enforced by the daemon" in alloc.message
+    # the watchdog reports (the default policy): it is no limit in force
     assert sorted((a.mechanism, a.cgroup_path) for a in alloc.applied_limits) == [
-        ("cgroup", str(slice_)), ("cgroup", str(leaf)), ("mps-pinned", ""), ("watchdog", "")]
+        ("cgroup", str(slice_)), ("cgroup", str(leaf)), ("mps-pinned", "")]
     assert state.condition.ready and state.condition.type == COND
 
     # delete: everything released, no stale series

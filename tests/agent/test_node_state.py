@@ -94,3 +94,24 @@ def test_inspect_shows_a_watchdog_only_cap_and_usage_over_it(short_tmp: Path) ->
     assert row.warnings[0].startswith(
         f"OverLimit: uses 30720 MiB on {rig.gpu0}, above its limit of 20480 MiB: only the "
         "watchdog holds this cap")
+
+
+def test_a_watchdog_is_a_limit_in_force_only_when_it_stops() -> None:
+    """GetNodeState lists the limits in force; its proto says a watchdog's is one where "a
+    process over the hard limit is stopped": in report mode it stops nothing, so it is not
+    listed beside the cgroup limit it backs up."""
+    import tempfile
+
+    def mechanisms(**config) -> list[str]:
+        with tempfile.TemporaryDirectory(prefix="kfw", dir="/tmp") as tmp:
+            rig = Rig(Path(tmp), sm_sharing=False, **config)
+            rig.add(pod("p", notes=binder_annotations(devices=rig.gpu0)))
+            assert rig.step().converged
+            [a] = node_state(rig.reconciler.view, "node-a", None, "Ready").allocations
+            assert a.state == node_pb2.ALLOCATION_STATE_APPLIED
+            return sorted({limit.mechanism for limit in a.applied_limits})
+
+    assert mechanisms() == ["cgroup"]  # report (the default) beside cgroup
+    assert mechanisms(watchdog_policy=WatchdogPolicy.KILL) == ["cgroup", "watchdog"]
+    assert mechanisms(memory_enforcement="watchdog",
+                      watchdog_policy=WatchdogPolicy.KILL) == ["watchdog"]

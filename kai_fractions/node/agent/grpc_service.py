@@ -60,13 +60,18 @@ _SHARING = {
 }
 
 
-def _limits(c: ContainerDesired, result: ContainerResult | None) -> list[node_pb2.AppliedLimit]:
+def _limits(c: ContainerDesired, result: ContainerResult | None, watchdog_stops: bool
+            ) -> list[node_pb2.AppliedLimit]:
+    """The limits in force: a watchdog that only reports (`NodeView.watchdog_stops` False)
+    stops nothing, so it is none (the proto: "a process over the hard limit is stopped")."""
     if result is None or result.state is not ContainerState.APPLIED:
         return []
     out = [node_pb2.AppliedLimit(gpu_uuid=t.gpu_uuid, cgroup_path=t.path,
                                  soft_limit_bytes=t.soft, hard_limit_bytes=t.hard,
                                  mechanism=Mechanism.CGROUP.value) for t in result.limits]
     for mechanism in (Mechanism.MPS_PINNED, Mechanism.WATCHDOG):
+        if mechanism is Mechanism.WATCHDOG and not watchdog_stops:
+            continue
         if mechanism in c.mechanisms:
             out += [node_pb2.AppliedLimit(gpu_uuid=uuid, hard_limit_bytes=c.plan.limit_bytes,
                                           mechanism=mechanism.value)
@@ -99,7 +104,7 @@ def allocation(view: NodeView, key: ContainerKey) -> node_pb2.ContainerAllocatio
         out.active_thread_percentage = plan.active_thread_percentage or 0
         out.plan_digest = plan.digest
         out.mps_namespace = plan.mps_namespace or ""
-        out.applied_limits.extend(_limits(c, result))
+        out.applied_limits.extend(_limits(c, result, view.watchdog_stops))
         out.memory_used_bytes = sum(u.used_bytes for (k, _uuid), u in view.usage.items()
                                     if k == key)
         if (c.compute is ComputeEnforcement.MPS_CLIENT_ENV and result is not None

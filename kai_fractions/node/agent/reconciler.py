@@ -73,6 +73,9 @@ class NodeView:
         default_factory=lambda: MappingProxyType({}))
     pods: Mapping[str, KnownPod] = field(default_factory=lambda: MappingProxyType({}))
     health: Health = field(default_factory=Health)
+    watchdog_stops: bool = False
+    """The watchdog stops what exceeds a cap (`--watchdog-policy=kill`): only then is it a limit
+    in force; in report mode it is a second line that reports."""
 
 
 class NotReconciled(NodeError):
@@ -131,7 +134,7 @@ class Reconciler:
                                                    .own_pid_namespace), control),
                                 self.events, self.metrics)
         self.nvml_health = NvmlHealth(nvml)
-        self.view = NodeView()
+        self.view = NodeView(watchdog_stops=config.watchdog_policy is WatchdogPolicy.KILL)
         self._metrics_inventory: Inventory | None = None
         """The last inventory the metrics were set from: while NVML is down the view has none,
         and the series of a pod deleted meanwhile still have to go (`_forget_usage`)."""
@@ -236,7 +239,8 @@ class Reconciler:
         self.view = NodeView(inventory=inventory, desired=desired,
                              results=MappingProxyType(results), usage=self.view.usage,
                              pods=MappingProxyType(dict(self.pods.known)),
-                             health=self._health(inventory, mps_error, mps_namespaces, 1))
+                             health=self._health(inventory, mps_error, mps_namespaces, 1),
+                             watchdog_stops=self.view.watchdog_stops)
         pending = any(r.state is ContainerState.PENDING for r in results.values())
         return PassReport(converged=converged and not pending and not errors,
                           errors=frozenset(errors), applied=True)
