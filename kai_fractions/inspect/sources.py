@@ -272,11 +272,20 @@ CAP_MESSAGE = (
     "meanwhile may run uncapped, whatever its gate did before. The pod's MpsCapNotInForce "
     "event says why and what to do (on the node, --agent-socket gives the agent's own "
     "message)")
+LIMIT_MESSAGE = (
+    "the node agent's metrics say the GPU memory limit on this container's pod cgroup is not in "
+    "force: its readiness marker is set aside (a gate of the pod waits), and what of it runs "
+    "meanwhile runs without the cap, whatever its gate did before. The pod's "
+    "MemoryLimitNotInForce event says why and what to do (on the node, --agent-socket gives the "
+    "agent's own message)")
+MEMORY_LIMIT_NOT_IN_FORCE = "MemoryLimitNotInForce"
+"""kai_fractions.node.memory_limits' reason of that series (read from the metrics, as text)."""
 
 
 def from_metrics_text(text: str, source: str) -> AgentState:
     """AgentState from the agent's Prometheus text: each container's usage per GPU, and the
-    containers whose MPS cap is known not in force (`AgentAllocation.cap_not_in_force`).
+    containers with a cap known not in force (`AgentAllocation.cap_not_in_force`: an MPS cap,
+    or the pod cgroup's GPU memory limit).
     Raises ValueError for text that is not Prometheus's."""
     samples = _container_samples(text)
     usage, caps = parse_usage(samples), parse_caps(samples)
@@ -287,7 +296,8 @@ def from_metrics_text(text: str, source: str) -> AgentState:
         uid, reason = caps.get(key, ("", ""))
         allocations.append(AgentAllocation(
             namespace=namespace, pod=pod, container=container, uid=uid,
-            reason=reason, message=CAP_MESSAGE if key in caps else "",
+            reason=reason, message="" if key not in caps else (
+                LIMIT_MESSAGE if reason == MEMORY_LIMIT_NOT_IN_FORCE else CAP_MESSAGE),
             cap_not_in_force=key in caps,
             used_bytes=sum(by_gpu.values()) if by_gpu is not None else None,
             used_by_gpu=MappingProxyType(dict(by_gpu or {}))))

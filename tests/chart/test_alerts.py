@@ -65,6 +65,7 @@ ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
     "KaiFractionsGpuMemoryLimitViolation": (AGENT_GROUP, "warning", None),
     "KaiFractionsContainerRefused": (AGENT_GROUP, "warning", "5m"),
     "KaiFractionsMpsCapNotInForce": (AGENT_GROUP, "warning", "2m"),
+    "KaiFractionsMemoryLimitNotInForce": (AGENT_GROUP, "warning", "2m"),
     "KaiFractionsNodeGpuMemoryLimitViolations": (AGENT_GROUP, "warning", None),
     "KaiFractionsNodeRefusedGonePods": (AGENT_GROUP, "warning", None),
     "KaiFractionsReconcileErrors": (AGENT_GROUP, "warning", "15m"),
@@ -332,14 +333,14 @@ def test_every_node_agent_alert_names_only_what_a_live_agent_exports(
     refused = alerts(rule())["KaiFractionsContainerRefused"][1]
     labels_of["ALERTS"] = {"alertname", "alertstate", *refused["labels"],
                            *(kept_by_aggregation(refused["expr"]) or ())}
-    # A series of kai_fractions_container_cap_not_in_force is there only while an MPS cap is
+    # A series of kai_fractions_container_cap_not_in_force is there only while a cap is
     # known not in force (an MPS daemon that lost it and does not take it again), which the real
     # nvidia-cuda-mps-control here cannot be made to do: the live agent exports the family (its
     # HELP and TYPE), and its labels are those the agent's code gives such a series.
     assert CAP_NOT_IN_FORCE in labels_of
     labels_of[CAP_NOT_IN_FORCE] |= cap_not_in_force_labels()
     exprs = alert_exprs(AGENT_GROUP, rule())
-    assert len(exprs) == 12
+    assert len(exprs) == 13
     assert problems(exprs, labels_of, "agent", AGENT_TARGET_LABELS) == []
     # a misspelt metric, a label the family lacks, a target label the agent's workload labels
     # would shadow: each is reported

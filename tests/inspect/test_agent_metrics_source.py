@@ -37,3 +37,19 @@ def test_a_container_whose_mps_cap_is_not_in_force_is_read_with_its_uid_and_reas
     metrics.count_caps([_result(UID_A, "a", ContainerState.APPLIED)])
     assert sources.from_metrics_text(generate_latest(metrics.registry).decode(),
                              "metrics http://x").allocations == ()
+
+
+def test_a_container_whose_memory_limit_is_not_in_force_is_read_and_said_so() -> None:
+    """The pod cgroup's GPU memory limit known lost sets the marker aside as an MPS cap does
+    (6b6a0a4): the metric counts it too, and inspect says which cap it is."""
+    metrics = AgentMetrics("node-a")
+    lost = ContainerResult(key=ContainerKey(UID_A, "main"), ref="team-a/a/main",
+                           state=ContainerState.PENDING, reason="MemoryLimitNotInForce",
+                           limit_missing=True)
+    metrics.count_caps([lost])
+    (a,) = sources.from_metrics_text(generate_latest(metrics.registry).decode(),
+                                     "metrics http://x").allocations
+    assert (a.uid, a.reason, a.cap_not_in_force) == (UID_A, "MemoryLimitNotInForce", True)
+    assert a.message.startswith("the node agent's metrics say the GPU memory limit on this "
+                                "container's pod cgroup is not in force")
+    assert "MemoryLimitNotInForce event" in a.message

@@ -10,7 +10,8 @@ process over its cap still runs some time after SIGKILL, stuck in the kernel),
 `PlanChangeRefused` (a running container's annotations changed: the new plan is refused, the
 applied one stays in force), the Warning `MpsCapNotInForce` (an MPS cap a container relies on
 is known not in force, so its readiness marker is set aside; once per episode, again only
-after the container was applied in between, whose `Applied` is then sent again), and
+after the container was applied in between, whose `Applied` is then sent again), the Warning
+`MemoryLimitNotInForce` (likewise, the GPU memory limit on the container's pod cgroup), and
 `MpsClientsDrained` / the Warning `MpsDrainFailed` (an sm-sharing pod being deleted was
 drained from MPS before the kubelet's SIGKILL, or could not be: `drain_before_kill`). The
 de-duplication key says what "the same event" is; an event the API did not take is kept and

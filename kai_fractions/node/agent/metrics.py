@@ -165,10 +165,11 @@ class AgentMetrics:
                               "1 for each container the agent refuses, by reason.",
                               REASON_LABELS)
         self._cap_not_in_force = gauge(
-            CAP_NOT_IN_FORCE, "1 for each container an MPS cap it relies on is known not to be "
-            "in force for (its MPS namespace's active-thread percentage, its GPU's default "
-            "pinned device memory limit), by the reason it is pending: its readiness marker is "
-            "set aside, and a client of it that attached meanwhile may run uncapped.",
+            CAP_NOT_IN_FORCE, "1 for each container a cap it relies on is known not to be in "
+            "force for (its MPS namespace's active-thread percentage, its GPU's default pinned "
+            "device memory limit, its pod cgroup's GPU memory limit), by the reason it is "
+            "pending: its readiness marker is set aside, and what runs of it meanwhile may run "
+            "uncapped.",
             REASON_LABELS)
         self.refusals = Counter(
             "kai_fractions_node_container_refusals", "Containers the agent began to refuse, "
@@ -314,12 +315,13 @@ class AgentMetrics:
             self._violating = now
 
     def count_caps(self, results: Iterable[ContainerResult]) -> None:
-        """`kai_fractions_container_cap_not_in_force`: 1 for each container pending with an MPS
-        cap known not in force (`ContainerResult.mps_cap_missing`), by reason; every other
-        series goes (its container applied again, or another reason now, or its pod gone)."""
+        """`kai_fractions_container_cap_not_in_force`: 1 for each container pending with a cap
+        known not in force (`ContainerResult.not_in_force`: an MPS cap, or its pod cgroup's
+        GPU memory limit), by reason; every other series goes (its container applied again, or
+        another reason now, or its pod gone)."""
         with self._lock:
             for r in results:
-                if r.state is ContainerState.PENDING and r.mps_cap_missing:
+                if r.state is ContainerState.PENDING and r.not_in_force:
                     namespace, pod, _container = r.ref.split("/", 2)
                     self._cap_not_in_force.set((self.node, namespace, pod, r.key.pod_uid,
                                                 r.key.container, r.reason or ""), 1)
