@@ -96,13 +96,13 @@ class NvmlUnknown(NvmlError):
 
 
 # Hints for functions whose absence has a well-known cause.
+_NO_CGROUP_LIMITS = (
+    "cgroup GPU memory limits need NVIDIA driver r615 or newer; upgrade the driver, or allow a "
+    "fallback with --memory-enforcement: mps-pinned (sm-sharing containers), or watchdog with "
+    "--watchdog-policy=kill (one that only reports caps nothing)")
 _FUNCTION_HINTS = {
-    "nvmlDeviceSetMemoryLimits_v1": "cgroup GPU memory limits need NVIDIA driver r615 or newer; "
-    "upgrade the driver, or allow a fallback with --memory-enforcement "
-    "(mps-pinned, watchdog)",
-    "nvmlDeviceGetMemoryLimits_v1": "cgroup GPU memory limits need NVIDIA driver r615 or newer; "
-    "upgrade the driver, or allow a fallback with --memory-enforcement "
-    "(mps-pinned, watchdog)",
+    "nvmlDeviceSetMemoryLimits_v1": _NO_CGROUP_LIMITS,
+    "nvmlDeviceGetMemoryLimits_v1": _NO_CGROUP_LIMITS,
 }
 
 

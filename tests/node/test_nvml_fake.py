@@ -177,7 +177,8 @@ def test_old_driver_has_no_memory_limit_functions() -> None:
     assert e.value.message == (
         "the NVIDIA driver's NVML has no nvmlDeviceSetMemoryLimits_v1: cgroup GPU memory limits "
         "need NVIDIA driver r615 or newer; upgrade the driver, or allow a fallback with "
-        "--memory-enforcement (mps-pinned, watchdog)")
+        "--memory-enforcement: mps-pinned (sm-sharing containers), or watchdog with "
+        "--watchdog-policy=kill (one that only reports caps nothing)")
 
 
 def test_mig_and_lost_gpus() -> None:
