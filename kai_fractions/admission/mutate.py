@@ -27,21 +27,9 @@ from . import podspec, wiring
 from .config import GATE_CONTAINER, MPS_VOLUME, AdmissionConfig
 from .errors import contract_denial, manifest_denial
 from .review import Decision, allow, deny, kind_of
-from .wiring import VOID_ENV
+from .wiring import VOID_ENV, fractional_env, matches, strip_enforced
 
 Json = dict[str, Any]
-
-
-def matches(actual: Any, desired: Any) -> bool:
-    """`desired` is contained in `actual`: every field we set is there with our value; fields
-    the API server added (defaults) do not count."""
-    if isinstance(desired, Mapping):
-        return isinstance(actual, Mapping) and all(
-            key in actual and matches(actual[key], value) for key, value in desired.items())
-    if isinstance(desired, list):
-        return (isinstance(actual, list) and len(actual) == len(desired)
-                and all(matches(a, d) for a, d in zip(actual, desired, strict=True)))
-    return actual == desired
 
 
 def _ensure_named(items: list[Json], wanted: Json) -> list[Json]:
@@ -53,27 +41,13 @@ def _ensure_named(items: list[Json], wanted: Json) -> list[Json]:
     return [i for i in items if not (isinstance(i, Mapping) and i.get("name") == name)] + [wanted]
 
 
-def _strip_enforced(env: list[Json]) -> list[Json]:
-    return [e for e in env if not (isinstance(e, Mapping) and e.get("name") in k.ENFORCED_ENV)]
-
-
 def _void_env(env: list[Json]) -> list[Json]:
     """`NVIDIA_VISIBLE_DEVICES=void` first, no other enforced variable; unchanged when so.
     Set, not just removed: an image's own `ENV NVIDIA_VISIBLE_DEVICES=all` would apply."""
     enforced = [e for e in env if isinstance(e, Mapping) and e.get("name") in k.ENFORCED_ENV]
     if len(enforced) == 1 and dict(enforced[0]) == VOID_ENV:
         return env
-    return [dict(VOID_ENV), *_strip_enforced(env)]
-
-
-def _fractional_env(env: list[Json], wanted: list[Json]) -> list[Json]:
-    """Ours first (so the pod's own variables can refer to them as `$(NAME)`), the pod's own
-    values for the enforced names dropped; unchanged when already so."""
-    enforced = [e for e in env if isinstance(e, Mapping) and e.get("name") in k.ENFORCED_ENV]
-    if len(enforced) == len(wanted) and all(
-            any(matches(e, w) for e in enforced) for w in wanted):
-        return env
-    return wanted + _strip_enforced(env)
+    return [dict(VOID_ENV), *strip_enforced(env)]
 
 
 def _fractional_mounts(mounts: list[Json], namespace: str) -> list[Json]:
@@ -107,7 +81,7 @@ def _container(container: Json, share: ContainerShare, config: AdmissionConfig,
         # A sidecar must not carry GPU limits of its own, nor see a GPU at all.
         return _with_list(container, "env", _void_env(env))
     wanted = podspec.enforced_env(share.container, share.compute_mode, config.keys)
-    out = _with_list(container, "env", _fractional_env(env, wanted))
+    out = _with_list(container, "env", fractional_env(env, wanted))
     if namespace is not None:
         mounts = list(container.get("volumeMounts") or [])
         out = _with_list(out, "volumeMounts", _fractional_mounts(mounts, namespace))

@@ -46,9 +46,8 @@ from ..gate import paths
 from . import frozen, hostpaths, isolation, podspec, wiring
 from .config import GATE_CONTAINER, MARKER_VOLUME, MPS_VOLUME, PODINFO_VOLUME, AdmissionConfig
 from .errors import Problem, denial_text, error_text, exact, manifest_denial
-from .mutate import _fractional_env, matches
 from .review import Decision, allow, annotations_of, deny, kind_of, user_of
-from .wiring import show_value
+from .wiring import fractional_env, matches, show_value
 
 WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job",
                             "CronJob", "ReplicationController", "PodTemplate"})
@@ -292,12 +291,12 @@ def _fractional_env_problems(where: str, container: Mapping[str, Any], share: Co
     """Why the container's enforced variables (`k.ENFORCED_ENV`) are not the ones the mutating
     webhook injects: each of its mode's, once, read from the annotation the contract names for
     it (the node agent applies the limits to what those annotations say), and no other. The
-    test is the mutating webhook's own (`_fractional_env` leaves such an env as it is);
+    test is the mutating webhook's own (`fractional_env` leaves such an env as it is);
     variables of other names are the pod's own."""
     env = container.get("env")
     items = list(env) if isinstance(env, list) else []
     wanted = podspec.enforced_env(share.container, share.compute_mode, config.keys)
-    if _fractional_env(items, wanted) == items:
+    if fractional_env(items, wanted) == items:
         return []
     sources = env_sources(share.container, share.compute_mode, config.keys)
     by_name = {str(w["name"]): w for w in wanted}

@@ -28,6 +28,39 @@ from .config import GATE_CONTAINER, AdmissionConfig
 from .errors import Problem, clip, exact
 
 VOID_ENV = {"name": k.ENV_VISIBLE_DEVICES, "value": "void"}
+
+Json = dict[str, Any]
+
+
+def matches(actual: Any, desired: Any) -> bool:
+    """`desired` is contained in `actual`: every field we set is there with our value; fields
+    the API server added (defaults) do not count."""
+    if isinstance(desired, Mapping):
+        return isinstance(actual, Mapping) and all(
+            key in actual and matches(actual[key], value) for key, value in desired.items())
+    if isinstance(desired, list):
+        return (isinstance(actual, list) and len(actual) == len(desired)
+                and all(matches(a, d) for a, d in zip(actual, desired, strict=True)))
+    return actual == desired
+
+
+def strip_enforced(env: list[Json]) -> list[Json]:
+    """`env` without the enforced variables (the pod's own values for them)."""
+    return [e for e in env if not (isinstance(e, Mapping) and e.get("name") in k.ENFORCED_ENV)]
+
+
+def fractional_env(env: list[Json], wanted: list[Json]) -> list[Json]:
+    """The fractional container's env as the mutating webhook wires it: `wanted` (the enforced
+    variables) first, so the pod's own variables can refer to them as `$(NAME)`, the pod's own
+    values for the enforced names dropped; `env` itself when already so (the validating
+    webhook's test of that container too)."""
+    enforced = [e for e in env if isinstance(e, Mapping) and e.get("name") in k.ENFORCED_ENV]
+    if len(enforced) == len(wanted) and all(
+            any(matches(e, w) for e in enforced) for w in wanted):
+        return env
+    return wanted + strip_enforced(env)
+
+
 LENIENT = frozenset({"resources", "imagePullPolicy", "terminationMessagePolicy",
                      "resizePolicy", "stdin", "stdinOnce", "tty"})
 """Fields of the gate that do not change what it checks or when the workload may start. Not
