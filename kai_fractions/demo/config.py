@@ -9,6 +9,11 @@
                                # older one has neither (FunctionNotFound), as a real driver
     sm_sharing: true           # the agent's --sm-sharing (MPS); false refuses sm-sharing pods
     memory_enforcement: cgroup,mps-pinned,watchdog
+    watchdog_policy: report    # the agent's --watchdog-policy: report (the product's default)
+                               # stops nothing, so the watchdog is only a second line beside
+                               # cgroup or mps-pinned and a container only it would watch is
+                               # refused; kill caps such a container by stopping its process
+                               # (in the demo a stop is recorded, no signal is sent)
     reserve_mib: 0             # the mirror's --reserve-mib: 0 is upstream KAI main (no reserve);
                                # more simulates a patched KAI (reserve + compute portion); less
                                # than the smallest GPU's memory
@@ -29,15 +34,15 @@ from typing import Any
 import yaml
 
 from ..contract import MIB, Dialect
-from ..node.config import parse_memory_enforcement
+from ..node.config import WatchdogPolicy, parse_memory_enforcement
 from ..node.errors import ConfigError as NodeConfigError
 from ..sim.nvml import FakeNvml
 
 DEFAULT_NODE = "demo-node"
 DEFAULT_GPUS: tuple[Mapping[str, Any], ...] = ({"model": "H100-80GB", "count": 2},)
 DEFAULT_DRIVER = "615.00.00"
-_KEYS = ("node", "gpus", "driver_version", "sm_sharing", "memory_enforcement", "reserve_mib",
-         "namespace", "examples")
+_KEYS = ("node", "gpus", "driver_version", "sm_sharing", "memory_enforcement", "watchdog_policy",
+         "reserve_mib", "namespace", "examples")
 _LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 DNS_LABEL = re.compile(_LABEL)
 """A namespace's name (RFC 1123 label, at most 63 characters), as Kubernetes checks it."""
@@ -71,6 +76,7 @@ class DemoConfig:
     driver_version: str = DEFAULT_DRIVER
     sm_sharing: bool = True
     memory_enforcement: str = "cgroup,mps-pinned,watchdog"
+    watchdog_policy: WatchdogPolicy = WatchdogPolicy.REPORT
     reserve_mib: int = 0
     namespace: str = "default"
     examples: Path = field(default_factory=repository_examples)
@@ -165,6 +171,13 @@ def config_from_dict(data: Any, base: Path | None = None) -> DemoConfig:
         except NodeConfigError as e:
             raise DemoConfigError(f"memory_enforcement: {e}") from None
         out["memory_enforcement"] = str(value)
+    if "watchdog_policy" in data:
+        value = data["watchdog_policy"]
+        policies = [p.value for p in WatchdogPolicy]
+        if value not in policies:  # a str enum: "report" and "kill" only, no other type
+            raise DemoConfigError(f"watchdog_policy: must be {' or '.join(policies)}, got "
+                                  f"{value!r}")
+        out["watchdog_policy"] = WatchdogPolicy(value)
     if data.get("reserve_mib") is not None:
         value = data["reserve_mib"]
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:

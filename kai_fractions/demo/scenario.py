@@ -9,8 +9,12 @@
 5. once the agent has published its node condition, print the per-GPU table (the `inspect`
    report, the agent reached through its socket) with the memory tier that enforces each row;
 6. let one container's process ask for more than its cap: a hard tier the agent reports in
-   force for it (cgroup, mps-pinned: what its TIER says) makes the allocation fail; with only
-   the watchdog it succeeds and the watchdog's LimitViolation event shows;
+   force for it (cgroup, mps-pinned: what its TIER says) makes the allocation fail. With
+   `watchdog_policy: kill` a container only the watchdog watches is applied: its allocation
+   succeeds and the watchdog stops the process afterwards (its LimitEnforced event shows; the
+   demo's killer records the stop and sends no signal, and says so). With `report` (the
+   default) the watchdog stops nothing, so it is never a container's only tier: such a
+   container is refused, and does not run to be pushed over its cap;
 7. show a manifest the admission webhook refuses, with its message.
 
 Progress goes to `progress` (stderr); the tables and findings to `out` (stdout).
@@ -33,9 +37,11 @@ from ..contract import (
     view_from_pod_spec,
 )
 from ..contract import keys as k
-from ..inspect.model import ENFORCED, Report, Row, node_report
+from ..inspect.model import ENFORCED, REFUSED, Report, Row, node_report
 from ..inspect.render import mib, table
 from ..inspect.sources import agent_from_socket, agent_state
+from ..node.agent import events as ev
+from ..node.config import WatchdogPolicy
 from ..sim.nvml import GpuOutOfMemory
 from .admission_step import USER, admission_config, admit
 from .first_call import FirstCall
@@ -52,7 +58,8 @@ USED_SHARE = (3, 4)
 OVER_CAP_MIB = 1024
 """How far above its cap the over-asking process would take its container."""
 HELD, CAUGHT, NOTHING = "Cap held", "Violation caught", "Over the cap"
-"""The titles of step 6's section: a hard tier refused it, the watchdog caught it, no victim."""
+"""The titles of step 6's section: a hard tier refused it, a `kill` watchdog stopped it, and
+neither (no container runs to be pushed over its cap, or nothing that caps it is in force)."""
 
 
 class DemoFailure(Exception):
@@ -270,12 +277,18 @@ class Scenario:
 
     def violate(self, report: Report) -> list[str]:
         """The first enforced container's process asks for enough to end OVER_CAP_MIB above the
-        container's cap: what stops it is the tier the table shows for that row."""
+        container's cap: what stops it is the tier the table shows for that row. A hard tier
+        (cgroup, mps-pinned) refuses the allocation; a watchdog with the `kill` policy lets it
+        succeed and stops the process afterwards (recorded by the demo's killer, not signalled).
+        A `report` watchdog is never a row's only tier: the agent refuses such a container."""
         victim = next((r for g in report.gpus for r in g.rows
                        if r.state == ENFORCED and r.limit_bytes), None)
         if victim is None:
             self.outcome.over_cap_title = NOTHING
-            return ["(no running container to push over its cap)"]
+            refused = any(r.state.startswith(REFUSED) for r in report.rows)
+            return ["(no running container to push over its cap" + (
+                ": the node agent refused the fractional containers it could not cap, see the "
+                "reasons above)" if refused else ")")]
         pod = self._pod(victim.namespace, victim.pod)
         uid = pod["metadata"]["uid"]
         pid = self.pids[(uid, victim.container, victim.gpu_uuid)][0]
@@ -300,26 +313,49 @@ class Scenario:
                                   f"node agent does not report (tier {tier}): {e}") from None
             self.outcome.over_cap_title = NOTHING
             return [asked, f"the allocation fails, but not for its cap: {e}"]
+        policy = self.s.node_config.watchdog_policy
         self.progress(f"over the cap: {victim.ref}'s process {pid} allocated {mib(extra)} more "
                       f"on GPU {gpu_index}; no hard limit stops it")
-
-        def event() -> Any:
-            items = self.core.list_namespaced_event(victim.namespace).items
-            return next((e for e in items if e.reason == "LimitViolation"
-                         and e.involved_object.uid == uid), None)
-
         try:
-            found = _wait(f"the watchdog's LimitViolation event on {victim.ref} (its process "
-                          "went over the cap and no hard tier stopped it)", event)
+            if "watchdog" in held_by and policy is WatchdogPolicy.KILL:
+                return self._stopped(victim, uid, pid, asked)
+            return self._uncapped(asked, held_by)
         finally:
             self.s.nvml.free(pid, victim.gpu_uuid, extra)
+
+    def _event(self, row: Row, uid: str, reasons: tuple[str, ...], what: str) -> Any:
+        def event() -> Any:
+            items = self.core.list_namespaced_event(row.namespace).items
+            return next((e for e in items if e.reason in reasons
+                         and e.involved_object.uid == uid), None)
+
+        return _wait(what, event)
+
+    def _stopped(self, victim: Row, uid: str, pid: int, asked: str) -> list[str]:
+        """A `kill` watchdog, the container's only tier that acts on it: the stop's outcome
+        (LimitEnforced, or ProcessNotStopped for one still running after SIGKILL) on its pod."""
+        found = self._event(victim, uid, (ev.LIMIT_ENFORCED, ev.PROCESS_NOT_STOPPED),
+                            f"the watchdog's LimitEnforced event on {victim.ref} (its process "
+                            "went over the cap, no hard tier stopped it, and the policy is kill)")
+        recorded = pid in (self.s.killer.calls if self.s.killer is not None else ())
         self.outcome.over_cap_title = CAUGHT
         return [
             f"{asked}: the allocation succeeds, no hard limit stops it",
-            f"watchdog (policy {self.s.node_config.watchdog_policy.value}) -> Event "
-            f"{found.type} {found.reason} on pod {victim.namespace}/{victim.pod}: "
-            f"{found.message}",
+            f"watchdog (policy kill) -> Event {found.type} {found.reason} on pod "
+            f"{victim.namespace}/{victim.pod}: {found.message}",
+            "simulated: the demo's process killer "
+            + (f"recorded the stop of pid {pid}" if recorded else "was not asked to stop it")
+            + " and sent no signal (the demo's GPU processes exist only in the simulated NVML "
+            "and /proc), so the process still runs and the demo frees what it asked for; on a "
+            "node the agent sends SIGTERM, and SIGKILL 5 s later",
         ]
+
+    def _uncapped(self, asked: str, held_by: frozenset[str]) -> list[str]:
+        """Nothing the agent reports in force for the row caps it (it never applies a container
+        so, nor publishes a `report` watchdog as a limit in force): said as it is."""
+        self.outcome.over_cap_title = NOTHING
+        return [f"{asked}: the allocation succeeds and nothing stops it: no limit the node "
+                f"agent reports in force for it ({', '.join(sorted(held_by)) or 'none'}) caps it"]
 
     # -- 7. the rejection ----------------------------------------------------------------------
 

@@ -9,7 +9,9 @@ In this process, each on its own thread(s), talking over real sockets:
   on a unix socket, Prometheus metrics on 127.0.0.1) on a simulated node: NVML is `FakeNvml`
   (the GPUs of the config), the MPS control daemon `FakeMpsControl`, the cgroup tree
   `FakeCgroupFs(assume_present=True)` (no kubelet creates cgroups here; FakeNvml takes limits
-  only on paths of that tree, under the agent's cgroup root), /proc a temp directory.
+  only on paths of that tree, under the agent's cgroup root), /proc a temp directory, and the
+  watchdog's process killer `RecordingKiller` (`killer`): the demo's GPU processes exist only in
+  the simulated NVML and that /proc, so a stop by a `kill` watchdog is recorded, no signal sent.
 
 Everything lives in one temp directory, `kf-demo-*` under TMPDIR, or under /tmp when TMPDIR is
 too long for the unix socket paths below it (the agent's socket, the MPS pipe directory).
@@ -59,7 +61,7 @@ def _node_config(config: DemoConfig, workdir: Path, keys: Keys) -> NodeConfig:
         node_name=config.node, proc_root=str(workdir / "proc"),
         sm_sharing=config.sm_sharing, mps_pipe_dir=str(workdir / "mps"),
         mps_log_dir=str(workdir / "mps-log"), memory_enforcement=config.memory_enforcement,
-        watchdog_interval=WATCHDOG_INTERVAL, keys=keys)
+        watchdog_policy=config.watchdog_policy, watchdog_interval=WATCHDOG_INTERVAL, keys=keys)
 
 
 def _fits(workdir: Path, config: DemoConfig, keys: Keys) -> bool:
@@ -138,6 +140,8 @@ class DemoSession:
         self._mirror_metrics: Any = None
         self._mirror_metrics_url = ""
         self.agent: Any = None
+        self.killer: Any = None
+        """The agent's RecordingKiller once started: the pids a `kill` watchdog stopped."""
         self._agent_client: Any = None
         self._agent_cluster: Any = None
         self.channel: Any = None
@@ -251,12 +255,15 @@ class DemoSession:
             cgroup_fs=self.cgroup_fs, source=self._agent_cluster,
             cluster=self._agent_cluster,
             mps=FakeMpsSupervisor(self.mps) if self.config.sm_sharing else None,
-            procfs=Procfs(self.proc_root), killer=RecordingKiller())
+            procfs=Procfs(self.proc_root), killer=(killer := RecordingKiller()))
+        self.killer = killer
         self.agent.start()
         host, port = self.agent.metrics_address
         self.progress(f"node agent on {self.config.node}: NodeEnforcer on unix://"
                       f"{options.socket}, metrics on http://{host}:{port}/metrics, "
-                      f"sm-sharing {'on' if self.config.sm_sharing else 'off'}")
+                      f"sm-sharing {'on' if self.config.sm_sharing else 'off'}, memory tiers "
+                      f"{self.config.memory_enforcement}, watchdog policy "
+                      f"{self.node_config.watchdog_policy.value}")
 
     def stop(self) -> None:
         """Reverse order; every step runs even when an earlier one failed."""

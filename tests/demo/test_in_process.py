@@ -15,6 +15,7 @@ from kai_fractions.demo.config import config_from_dict
 from kai_fractions.demo.kubelet import container_env
 from kai_fractions.demo.scenario import Scenario
 from kai_fractions.demo.session import DemoSession
+from kai_fractions.node.config import WatchdogPolicy
 
 from .expected import EXAMPLES, PLACEMENT, expected_rows, parse_tables, row_cells
 
@@ -124,7 +125,7 @@ def test_a_node_without_sm_sharing_refuses_the_sm_sharing_pod():
     ({"gpus": []}, "gpus: must be a non-empty list of mappings such as "
                    "{model: H100-80GB, count: 2}"),
     ({"colour": "red"}, "unknown key(s) colour; known: node, gpus, driver_version, sm_sharing, "
-                        "memory_enforcement, reserve_mib, namespace, examples"),
+                        "memory_enforcement, watchdog_policy, reserve_mib, namespace, examples"),
 ])
 def test_bad_configs(data, error):
     from kai_fractions.demo.config import DemoConfigError
@@ -132,6 +133,12 @@ def test_bad_configs(data, error):
     with pytest.raises(DemoConfigError) as e:
         config_from_dict(data)
     assert str(e.value) == error
+
+
+def test_the_watchdog_policy_is_report_unless_set():
+    """`report` by default, as the node agent's --watchdog-policy."""
+    assert config_from_dict({}).watchdog_policy is WatchdogPolicy.REPORT
+    assert config_from_dict({"watchdog_policy": "kill"}).watchdog_policy is WatchdogPolicy.KILL
 
 
 def examples(tmp_path: Path, *names: str) -> str:
@@ -142,18 +149,72 @@ def examples(tmp_path: Path, *names: str) -> str:
 
 
 def test_the_verdict_over_the_cap_follows_the_tier_the_agent_applied(tmp_path: Path):
-    """Only the watchdog in force: the TIER says watchdog, so the allocation succeeds and the
-    watchdog catches it, although the container's env carries an MPS pinned limit."""
-    out, _, _ = run({"memory_enforcement": "watchdog",
-                     "examples": examples(tmp_path, "sm-sharing.yaml")})
+    """Only a `kill` watchdog in force: the TIER says watchdog, so the allocation succeeds and
+    the watchdog stops the process afterwards (LimitEnforced), although the container's env
+    carries an MPS pinned limit. The demo's killer records the stop and signals nothing, and
+    the section says so."""
+    out, _, session = run({"memory_enforcement": "watchdog", "watchdog_policy": "kill",
+                           "examples": examples(tmp_path, "sm-sharing.yaml")})
     gpus, _, _ = parse_tables(out)
     [row] = gpus[0][2]
     assert (row[0], row[6], row[7]) == ("default/sm-sharing/server", "enforced", "watchdog")
     assert "\nCap held:\n" not in out and "mps-pinned ->" not in out
     section = out.split("\nViolation caught:\n", 1)[1].split("\n\n", 1)[0]
-    assert "(tier watchdog)" in section
+    pid = int(re.search(r"\(tier watchdog\): its process \(pid (\d+)\)", section)[1])
     assert "the allocation succeeds, no hard limit stops it" in section
-    assert "-> Event Warning LimitViolation on pod default/sm-sharing" in section
+    assert ("-> Event Warning LimitEnforced on pod default/sm-sharing: container server: "
+            f"process {pid} terminated for using more GPU memory on ") in section
+    assert "LimitViolation" not in out
+    assert session.node_config.watchdog_policy is WatchdogPolicy.KILL  # the agent's
+    assert pid in session.killer.killed  # recorded, not signalled
+    assert (f"simulated: the demo's process killer recorded the stop of pid {pid} and sent "
+            "no signal") in section
+
+
+def test_a_report_watchdog_alone_caps_nothing_so_the_container_is_refused(tmp_path: Path):
+    """The same node with the default `report` watchdog: it would stop nothing, so the agent
+    refuses the container (MemoryLimitsUnsupported, saying what to change) instead of letting
+    it run uncapped, its gate fails, and no container runs to be pushed over its cap. With no
+    tier that caps anything, the node condition is False."""
+    out, progress, session = run({"memory_enforcement": "watchdog",
+                                  "examples": examples(tmp_path, "sm-sharing.yaml")})
+    gpus, _, reasons = parse_tables(out)
+    [row] = gpus[0][2]
+    assert (row[0], row[6], row[7]) == ("default/sm-sharing/server",
+                                        "refused (MemoryLimitsUnsupported)", "none")
+    [reason] = reasons
+    assert reason.startswith("default/sm-sharing/server: MemoryLimitsUnsupported: cannot cap "
+                             "this container's GPU memory: ")
+    assert "set --watchdog-policy=kill" in reason
+    assert "gpu-fractioning.nvidia.com/Ready=False" in out
+    assert any(line.startswith("gate default/sm-sharing: FAILED (exit 1): container 'server' "
+                               "refused by the node agent: MemoryLimitsUnsupported: ")
+               for line in progress), progress
+    assert "\nOver the cap:\n  (no running container to push over its cap: the node agent " \
+           "refused the fractional containers it could not cap, see the reasons above)\n" in out
+    assert "LimitViolation" not in out and "LimitEnforced" not in out
+    assert session.killer.calls == []
+
+
+def test_what_nothing_caps_is_said_as_it_is(tmp_path: Path, monkeypatch):
+    """Were a running row's cap held by nothing (the agent never applies a container so: a
+    `report` watchdog is no limit in force; here the demo is made to forget the mps-pinned
+    limit the agent reports), the section would say that nothing stops it, under "Over the
+    cap", not that a tier held or the watchdog caught it."""
+    from kai_fractions.demo import scenario
+
+    held_by = scenario._held_by
+    monkeypatch.setattr(scenario, "_held_by",
+                        lambda report, row: held_by(report, row) - {"mps-pinned"})
+    out, _, session = run({"memory_enforcement": "mps-pinned,watchdog",
+                           "examples": examples(tmp_path, "sm-sharing.yaml")})
+    section = out.split("\nOver the cap:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    [line] = section
+    assert line.startswith("  default/sm-sharing/server on GPU 0 (tier mps-pinned): ")
+    assert line.endswith(": the allocation succeeds and nothing stops it: no limit the node "
+                         "agent reports in force for it (none) caps it")
+    assert "Violation caught" not in out and "Cap held" not in out
+    assert session.killer.calls == []
 
 
 def test_the_report_waits_for_the_node_condition(tmp_path: Path):

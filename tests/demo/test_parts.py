@@ -134,8 +134,12 @@ def test_config_file(tmp_path: Path):
     ({"memory_enforcement": "cgroup,magic"},
      "memory_enforcement: --memory-enforcement: unknown mechanism 'magic'; known: cgroup, "
      "mps-pinned, watchdog"),
+    ({"watchdog_policy": "stop"}, "watchdog_policy: must be report or kill, got 'stop'"),
+    ({"watchdog_policy": "Kill"}, "watchdog_policy: must be report or kill, got 'Kill'"),
+    ({"watchdog_policy": True}, "watchdog_policy: must be report or kill, got True"),
+    ({"watchdog_policy": None}, "watchdog_policy: must be report or kill, got None"),
     ([1], "the config must be a mapping of the keys node, gpus, driver_version, sm_sharing, "
-          "memory_enforcement, reserve_mib, namespace, examples"),
+          "memory_enforcement, watchdog_policy, reserve_mib, namespace, examples"),
 ])
 def test_config_errors(data, error):
     with pytest.raises(DemoConfigError) as e:
