@@ -8,10 +8,10 @@ cannot hold up the others.
 Memory is bounded whoever sends the requests (any pod that reaches the Service can): a body is
 at most MAX_BODY, at most MAX_BODIES bodies are held at once and at most MAX_REVIEWS of them
 parsed; a request that finds no room within QUEUE_WAIT gets a 503. Threads are bounded too: at
-most MAX_CONNECTIONS connections are open, each with its thread; a new one past that takes the
-place of the one that has waited longest on its peer (an idle keep-alive, a slow handshake, a
-request that trickles in, answers read slowly), or is closed at once when every connection is
-being served.
+most MAX_CONNECTIONS connections are open, each with its thread (of THREAD_STACK). Past that, a
+new connection takes the place of one that waits on its peer (an idle keep-alive; a handshake,
+headers or an answer's write stuck for PENDING_GRACE), or waits in the listen backlog,
+unaccepted, until one is free: a request being served is never cut off.
 """
 
 from __future__ import annotations
@@ -59,12 +59,26 @@ BODY_DEADLINE = 10.0
 _CHUNK = 64 * 1024
 HANDSHAKE_TIMEOUT = 10.0
 IO_TIMEOUT = 30.0
-MAX_CONNECTIONS = 128
+MAX_CONNECTIONS = 1024
 """Connections (and so threads) open at once. The API server keeps a pool of keep-alive
-connections per webhook and replica, and opens more only for calls at the same moment; a
-connection flood from a pod would otherwise cost a thread each, without end."""
+connections per webhook and replica, and opens more for calls at the same moment (a burst of
+pod creations); a connection flood from a pod would otherwise cost a thread each, without
+end."""
+THREAD_STACK = 1024 * 1024
+"""The stack of each connection's thread: 1 GiB of address space for MAX_CONNECTIONS instead
+of 8 GiB (the default 8 MiB each; untouched pages cost no memory either way). The deepest
+bodies json.loads accepts (nested up to the recursion limit, anywhere in a review), reviewed
+and answered, need about 200 KiB (192 KiB crashed the process, 208 KiB did not): five times
+that."""
+PENDING_GRACE = 2.0
+"""When every place is taken, a connection whose handshake, request headers or answer's write
+has not moved for this long makes way for a new one (the API server sends its request at once
+and reads the answer at once)."""
+ACCEPT_WAIT = 0.5
+"""How long the accepting thread waits for a free place at a time before it looks whether the
+server is being shut down."""
 REFUSAL_LOG_EVERY = 60.0
-"""At most one warning this often about connections closed for want of room."""
+"""At most one warning this often about connections closed or kept waiting for want of room."""
 
 Reviewer = Callable[[Mapping[str, Any], AdmissionConfig], Decision]
 ROUTES: dict[str, Reviewer] = {"/validate": validate, "/mutate": mutate}
@@ -79,60 +93,103 @@ def parse_listen(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+NEW, IDLE, SERVING, WRITING = "new", "idle", "serving", "writing"
+"""A connection's state: NEW, its handshake and first request's headers on their way; IDLE, a
+keep-alive waiting for its next request; SERVING, a request from its headers to its answer;
+WRITING, its answer being written (waiting on the peer to read)."""
+
+
 class Connections:
-    """The open connections and whether each is waiting (on its peer: for its handshake, for
-    a request, or for the peer to take a response: a place another connection may take) or
-    being served, since when. Thread-safe: the accepting thread admits, each connection's
-    thread moves its own between the two."""
+    """The open connections, each with its state and since when. Thread-safe: the accepting
+    thread makes room and admits, each connection's thread moves its own between the states."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._lock = threading.Lock()
-        self._open: dict[socket.socket, tuple[bool, float]] = {}  # -> (waiting, since)
+        self._changed = threading.Condition()
+        self._open: dict[socket.socket, tuple[str, float]] = {}  # -> (state, since)
         self.evicted = 0
-        self.refused = 0
+        self.waited = 0
+        """How many times the accepting thread found every place taken by a connection that
+        may keep it, and left new connections waiting in the listen backlog (once a new
+        connection, and again each ACCEPT_WAIT it waits)."""
 
-    def admit(self, conn: socket.socket) -> bool:
-        """Takes a place for `conn`, making one by closing the connection that has waited
-        longest when all are taken; False when every connection is being served."""
-        with self._lock:
-            if len(self._open) >= self.limit:
-                waiting = [(since, i, c) for i, (c, (idle, since)) in enumerate(self._open.items())
-                           if idle]
-                if not waiting:
-                    self.refused += 1
+    def make_room(self, timeout: float) -> bool:
+        """True when a new connection can be admitted: a place is free, or one was freed by
+        closing the connection that may give it up (an idle keep-alive first, the longest idle;
+        then the one stuck longest past PENDING_GRACE). False after `timeout` without."""
+        deadline = time.monotonic() + timeout
+        counted = False
+        with self._changed:
+            while len(self._open) >= self.limit:
+                now = time.monotonic()
+                victim, wake = self._victim(now)
+                if victim is not None:
+                    self._evict(victim)
+                    return True
+                if not counted:
+                    self.waited += 1
+                    counted = True
+                if now >= deadline:
                     return False
-                _since, _i, victim = min(waiting)
-                del self._open[victim]
-                self.evicted += 1
-                # The plain socket's shutdown: its thread, blocked reading, sees the end and
-                # exits (the TLS object stays as that thread uses it).
-                with contextlib.suppress(OSError):
-                    socket.socket.shutdown(victim, socket.SHUT_RDWR)
-            self._open[conn] = (True, time.monotonic())
+                self._changed.wait(min(deadline, wake) - now)
             return True
 
-    def mark(self, conn: socket.socket, *, waiting: bool) -> bool:
+    def _victim(self, now: float) -> tuple[socket.socket | None, float]:
+        """The connection to close for a new one, if any; else when one may become so."""
+        best: tuple[int, float] | None = None
+        victim = None
+        wake = float("inf")
+        for conn, (state, since) in self._open.items():
+            if state == IDLE:
+                rank = (0, since)
+            elif state in (NEW, WRITING):
+                if now - since < PENDING_GRACE:
+                    wake = min(wake, since + PENDING_GRACE)
+                    continue
+                rank = (1, since)
+            else:
+                continue
+            if best is None or rank < best:
+                best, victim = rank, conn
+        return victim, wake
+
+    def _evict(self, conn: socket.socket) -> None:
+        del self._open[conn]
+        self.evicted += 1
+        # The plain socket's shutdown: its thread, blocked reading or writing, sees the end and
+        # exits (the TLS object stays as that thread uses it).
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(conn, socket.SHUT_RDWR)
+
+    def admit(self, conn: socket.socket) -> None:
+        with self._changed:
+            self._open[conn] = (NEW, time.monotonic())
+
+    def mark(self, conn: socket.socket, state: str) -> bool:
         """False when `conn` has given its place up (evicted): it must stop."""
-        with self._lock:
+        with self._changed:
             if conn not in self._open:
                 return False
-            self._open[conn] = (waiting, time.monotonic())
+            self._open[conn] = (state, time.monotonic())
+            if state != SERVING:
+                self._changed.notify_all()  # a place the accepting thread may take
             return True
 
     def close(self, conn: socket.socket) -> None:
-        with self._lock:
+        with self._changed:
             self._open.pop(conn, None)
+            self._changed.notify_all()
 
     def __len__(self) -> int:
-        with self._lock:
+        with self._changed:
             return len(self._open)
 
 
 class WebhookServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
-    """The listen backlog (the standard library's 5 made connects past it wait ~1 s to retry)."""
+    """The listen backlog (the standard library's 5 made connects past it wait ~1 s to retry);
+    new connections wait there while every place is taken."""
 
     def __init__(self, address: tuple[str, int], config: AdmissionConfig,
                  tls: ReloadingContext) -> None:
@@ -142,23 +199,43 @@ class WebhookServer(ThreadingHTTPServer):
         self.bodies = threading.BoundedSemaphore(MAX_BODIES)
         self.reviews = threading.BoundedSemaphore(MAX_REVIEWS)
         self.connections = Connections(MAX_CONNECTIONS)
-        self._logged = {"refused": -REFUSAL_LOG_EVERY, "evicted": -REFUSAL_LOG_EVERY}
+        self._logged = {"waited": -REFUSAL_LOG_EVERY, "evicted": -REFUSAL_LOG_EVERY}
         super().__init__(address, _Handler)
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        # On the accepting thread, before a thread is started for the connection.
-        evicted = self.connections.evicted
-        if not self.connections.admit(request):
-            self._warn("refused", "closed a connection from %s at once: all %d connections are "
-                       "being served (%d closed so far)", client_address[0],
-                       self.connections.limit, self.connections.refused)
-            self.shutdown_request(request)
-            return
+    def get_request(self) -> tuple[socket.socket, Any]:
+        # Accept only when there is a place: a connection that finds none waits in the listen
+        # backlog (its client waits), instead of being closed or closing one being served.
+        waited, evicted = self.connections.waited, self.connections.evicted
+        room = self.connections.make_room(ACCEPT_WAIT)
+        if self.connections.waited != waited:
+            self._warn("waited", "all %d connections are busy: new connections wait in the "
+                       "listen backlog (%d times so far)", self.connections.limit,
+                       self.connections.waited)
         if self.connections.evicted != evicted:
-            self._warn("evicted", "all %d connections were taken: closed the one that had "
-                       "waited longest for its peer to make room for %s (%d so far)",
-                       self.connections.limit, client_address[0], self.connections.evicted)
-        super().process_request(request, client_address)
+            self._warn("evicted", "all %d connections were taken: closed one waiting on its "
+                       "peer to make room for a new one (%d so far)", self.connections.limit,
+                       self.connections.evicted)
+        if not room:
+            raise OSError("no place for a new connection yet")  # serve_forever tries again
+        sock, addr = self.socket.accept()
+        try:
+            wrapped = self.tls.current().wrap_socket(
+                sock, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ssl.SSLError):
+            sock.close()
+            raise
+        return wrapped, addr
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # On the accepting thread (the only one that admits), after make_room found a place.
+        self.connections.admit(request)
+        # threading.stack_size applies to the threads started while it is set; the accepting
+        # thread starts them all, and sets it back at once.
+        previous = threading.stack_size(THREAD_STACK)
+        try:
+            super().process_request(request, client_address)
+        finally:
+            threading.stack_size(previous)
 
     def _warn(self, kind: str, message: str, *args: Any) -> None:
         """At most one warning of each kind a REFUSAL_LOG_EVERY: a flood must not flood the log."""
@@ -171,16 +248,6 @@ class WebhookServer(ThreadingHTTPServer):
         self.connections.close(request)
         super().shutdown_request(request)
 
-    def get_request(self) -> tuple[socket.socket, Any]:
-        sock, addr = self.socket.accept()
-        try:
-            wrapped = self.tls.current().wrap_socket(
-                sock, server_side=True, do_handshake_on_connect=False)
-        except (OSError, ssl.SSLError):
-            sock.close()
-            raise
-        return wrapped, addr
-
     def finish_request(self, request: Any, client_address: Any) -> None:
         # Runs in the connection's thread: do the handshake here, bounded.
         try:
@@ -190,7 +257,9 @@ class WebhookServer(ThreadingHTTPServer):
         except (OSError, ssl.SSLError) as e:
             log.debug("TLS handshake with %s failed: %s", client_address, e)
             return
-        super().finish_request(request, client_address)
+        # The request's headers get their own PENDING_GRACE.
+        if self.connections.mark(request, NEW):
+            super().finish_request(request, client_address)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if isinstance(sys.exc_info()[1], OSError):  # the peer went, or its place was taken
@@ -208,13 +277,17 @@ class _Handler(BaseHTTPRequestHandler):
     server: WebhookServer
     server_version = "kai-fractions-admission"
     sys_version = ""
+    _requests = 0
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *args)
 
     def handle_one_request(self) -> None:
-        # Waiting for the next request (keep-alive): another connection may take the place.
-        self.server.connections.mark(self.request, waiting=True)
+        # After its first request, a connection waits for its next one (keep-alive): another
+        # connection may take the place.
+        if self._requests and not self.server.connections.mark(self.request, IDLE):
+            self.close_connection = True
+            return
         super().handle_one_request()
 
     def parse_request(self) -> bool:
@@ -222,14 +295,15 @@ class _Handler(BaseHTTPRequestHandler):
         # place was taken meanwhile (the end of the stream then ended the headers).
         if not super().parse_request():
             return False
-        if not self.server.connections.mark(self.request, waiting=False):
+        if not self.server.connections.mark(self.request, SERVING):
             self.close_connection = True
             return False
+        self._requests += 1
         return True
 
     def _send(self, status: int, body: bytes, content_type: str) -> None:
         # Writing waits on the peer to read: a slow reader's place may be taken.
-        self.server.connections.mark(self.request, waiting=True)
+        self.server.connections.mark(self.request, WRITING)
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))

@@ -1,5 +1,6 @@
 """The webhook's memory stays bounded whoever calls it (any pod that reaches its Service can):
-the body size, the bodies held and the reviews run at once, the time a body may take."""
+the body size, the bodies held and the reviews run at once, the time a body may take; and a
+review the API server sends is answered, never cut off, however many come at once."""
 
 from __future__ import annotations
 
@@ -142,10 +143,90 @@ def _closed_by_peer(sock: socket.socket, timeout: float = 5.0) -> bool:
         return True
 
 
+def _states(webhook: Webhook) -> list[str]:
+    return [state for state, _since in webhook.server.connections._open.values()]
+
+
+def _tls(webhook: Webhook) -> ssl.SSLSocket:
+    """A TLS connection to the webhook, its handshake done."""
+    context = ssl.create_default_context(cafile=str(webhook.ca_file))
+    return context.wrap_socket(socket.create_connection(("127.0.0.1", webhook.port), timeout=10),
+                               server_hostname="127.0.0.1")
+
+
+def _review_over(sock: ssl.SSLSocket) -> int:
+    body = review(pod())
+    sock.sendall(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Length: %d\r\n\r\n"
+                 % len(body) + body)
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    response.read()
+    return response.status
+
+
+def _in_thread(target: Any) -> tuple[threading.Thread, list[Any]]:
+    """Runs `target()`; its result (or the exception it raised) lands in the list."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(target())
+        except Exception as e:
+            out.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_review_on_its_way_is_never_cut_off_for_a_new_connection(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connections whose handshake or request is on its way (as in a burst of pod creations)
+    keep their place: a new connection past the limit waits to be accepted (it was accepted
+    and the connection that had waited longest was closed, its review unanswered)."""
+    monkeypatch.setattr(server, "PENDING_GRACE", 30.0)
+    webhook.server.connections.limit = 4
+    first = [_tls(webhook) for _ in range(4)]  # handshakes done, requests not sent yet
+    try:
+        _wait_for(lambda: _states(webhook) == [server.NEW] * 4)
+        late, late_status = _in_thread(lambda: send(webhook, review(pod()), timeout=20))
+        _wait_for(lambda: webhook.server.connections.waited >= 1)
+        time.sleep(0.2)
+        assert webhook.server.connections.evicted == 0 and late.is_alive()
+        # Answered, each of them goes idle: a place the late one may take.
+        assert [_review_over(sock) for sock in first] == [200] * 4
+        late.join(timeout=20)
+        assert late_status == [(200, late_status[0][1])]
+    finally:
+        for sock in first:
+            sock.close()
+
+
+def test_a_burst_of_reviews_past_the_connection_limit_is_answered_whole(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight times the limit of fresh connections at once, each sending its review a moment
+    after its handshake: every one is answered 200 (past the limit they wait to be accepted),
+    none closed unanswered."""
+    monkeypatch.setattr(server, "PENDING_GRACE", 30.0)
+    webhook.server.connections.limit = 8
+
+    def client() -> int:
+        with _tls(webhook) as sock:
+            time.sleep(0.1)
+            return _review_over(sock)
+
+    burst = [_in_thread(client) for _ in range(64)]
+    for thread, _out in burst:
+        thread.join(timeout=60)
+    assert [out[0] if out else None for _thread, out in burst] == [200] * 64
+
+
 def test_a_connection_flood_costs_at_most_the_connection_limit_in_threads(
-        webhook: Webhook) -> None:
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
     """Connections that never start TLS (or idle keep-alives) hold a thread each: past the
-    limit, the one that has waited longest makes way, and a real review is still served."""
+    limit, one that has waited PENDING_GRACE on its peer makes way, the oldest first, and a
+    real review is still served."""
+    monkeypatch.setattr(server, "PENDING_GRACE", 0.2)
     webhook.server.connections.limit = 4
     threads_before = threading.active_count()
     flood = [socket.create_connection(("127.0.0.1", webhook.port), timeout=5)
@@ -162,40 +243,35 @@ def test_a_connection_flood_costs_at_most_the_connection_limit_in_threads(
             s.close()
 
 
-def test_when_every_connection_is_being_served_a_new_one_is_closed_at_once(
+def test_when_every_connection_is_being_served_a_new_one_waits_to_be_accepted(
         webhook: Webhook, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    """Requests whose bodies are on their way are being served (each within BODY_DEADLINE): a
-    new connection finds no place to take and is closed with a warning, once a minute."""
+    """Requests whose bodies are on their way are being served (each within its body's
+    deadline): a new connection is not accepted until one ends, with a warning, once a minute.
+    It was closed at once."""
     monkeypatch.setattr(server, "BODY_DEADLINE", 2.0)
     webhook.server.connections.limit = 2
-    context = ssl.create_default_context(cafile=str(webhook.ca_file))
     served = []
     for _ in range(2):
-        sock = context.wrap_socket(socket.create_connection(("127.0.0.1", webhook.port),
-                                                            timeout=5),
-                                   server_hostname="127.0.0.1")
+        sock = _tls(webhook)
         sock.sendall(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Length: 100\r\n\r\n")
         served.append(sock)
     try:
-        _wait_for(lambda: webhook.server.connections.refused == 0 and not any(
-            idle for idle, _since in webhook.server.connections._open.values()))
+        _wait_for(lambda: _states(webhook) == [server.SERVING] * 2)
         with caplog.at_level(logging.WARNING, logger=server.__name__):
-            for _ in range(2):
-                extra = socket.create_connection(("127.0.0.1", webhook.port), timeout=5)
-                assert _closed_by_peer(extra)
-                extra.close()
-        assert webhook.server.connections.refused == 2
-        [warning] = [r.getMessage() for r in caplog.records if "closed a connection" in
+            late, late_status = _in_thread(lambda: send(webhook, review(pod()), timeout=20))
+            _wait_for(lambda: webhook.server.connections.waited >= 1)
+            for sock in served:  # their bodies never came: 408 after the deadline, then closed
+                response = http.client.HTTPResponse(sock)
+                response.begin()
+                assert response.status == 408
+            late.join(timeout=20)
+        assert late_status[0][0] == 200
+        assert webhook.server.connections.evicted == 0
+        [warning] = [r.getMessage() for r in caplog.records if "connections are" in
                      r.getMessage()]
-        assert warning == ("closed a connection from 127.0.0.1 at once: all 2 connections are "
-                           "being served (1 closed so far)")
-        for sock in served:  # their bodies never came: 408 after the deadline, then closed
-            response = http.client.HTTPResponse(sock)
-            response.begin()
-            assert response.status == 408
-        _wait_for(lambda: len(webhook.server.connections) == 0)
-        assert send(webhook, review(pod()))[0] == 200
+        assert warning == ("all 2 connections are busy: new connections wait in the listen "
+                           "backlog (1 times so far)")
     finally:
         for sock in served:
             sock.close()
@@ -203,13 +279,14 @@ def test_when_every_connection_is_being_served_a_new_one_is_closed_at_once(
 
 def test_a_keep_alive_connection_waits_between_requests_and_can_make_way(
         webhook: Webhook) -> None:
-    """The API server's idle keep-alive connection is a place a new connection may take: it
-    sees the connection end (as Go's pool does, which drops it) and connects again."""
+    """The API server's idle keep-alive connection is a place a new connection may take at
+    once: it sees the connection end (as Go's pool does, which drops it) and connects again."""
     webhook.server.connections.limit = 1
     conn = webhook.connect()
     try:
         conn.request("POST", "/validate", body=review(pod()))
         assert conn.getresponse().read() and len(webhook.server.connections) == 1
+        _wait_for(lambda: _states(webhook) == [server.IDLE])
         assert send(webhook, review(pod()))[0] == 200  # made way for this one
         assert webhook.server.connections.evicted == 1
         assert _closed_by_peer(conn.sock)
@@ -221,10 +298,11 @@ def test_a_keep_alive_connection_waits_between_requests_and_can_make_way(
 
 
 def test_a_peer_that_reads_its_answers_slowly_is_waited_on_and_can_make_way(
-        webhook: Webhook) -> None:
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pipelined requests whose answers are never read leave the server writing, blocked on
-    the peer: that connection is waiting, not being served, so a review still finds a place
-    (and no room for reviews is held while an answer is written)."""
+    the peer: once its write has not moved for PENDING_GRACE, a review takes its place (and no
+    room for reviews is held while an answer is written)."""
+    monkeypatch.setattr(server, "PENDING_GRACE", 0.3)
     webhook.server.connections.limit = 1
     context = ssl.create_default_context(cafile=str(webhook.ca_file))
     raw = socket.socket()
@@ -234,16 +312,17 @@ def test_a_peer_that_reads_its_answers_slowly_is_waited_on_and_can_make_way(
     flooding = threading.Thread(target=lambda: _quietly(
         slow.sendall, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 60_000), daemon=True)
     flooding.start()
+
     def write_blocked() -> bool:
         """The server's answers filled the socket's buffers: its write has not moved for a
         while (each answer's write marks the connection again)."""
-        [(waiting, since)] = webhook.server.connections._open.values()
-        return waiting and time.monotonic() - since > 0.5
+        [(state, since)] = webhook.server.connections._open.values()
+        return state == server.WRITING and time.monotonic() - since > 0.5
 
     try:
         _wait_for(write_blocked, timeout=30)
         assert send(webhook, review(pod()))[0] == 200
-        assert webhook.server.connections.evicted == 1 and webhook.server.connections.refused == 0
+        assert webhook.server.connections.evicted == 1
     finally:
         slow.close()
 
@@ -258,6 +337,7 @@ def test_a_connection_whose_place_was_taken_mid_request_stops_there(
     """Its headers end with the stream: it must not go on to wait for room (QUEUE_WAIT) as a
     thread no limit counts."""
     monkeypatch.setattr(server, "QUEUE_WAIT", 3.0)
+    monkeypatch.setattr(server, "PENDING_GRACE", 0.2)
     webhook.server.connections.limit = 1
     for _ in range(server.MAX_BODIES):  # no room: a request past its headers would wait
         webhook.server.bodies.acquire()
@@ -275,3 +355,37 @@ def test_a_connection_whose_place_was_taken_mid_request_stops_there(
     finally:
         for _ in range(server.MAX_BODIES):
             webhook.server.bodies.release()
+
+
+def test_connection_threads_start_with_a_small_stack(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """THREAD_STACK for each connection's thread (1024 of them), and the default again for the
+    process's other threads."""
+    sizes: list[int] = []
+    start = threading.Thread.start
+
+    def recording(thread: threading.Thread) -> None:
+        sizes.append(threading.stack_size())
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", recording)
+    assert send(webhook, review(pod()))[0] == 200
+    assert sizes == [server.THREAD_STACK]
+    assert threading.stack_size() == 0
+    assert server.MAX_CONNECTIONS == 1024
+
+
+def test_the_deepest_body_json_reads_is_reviewed_in_a_connection_thread(
+        webhook: Webhook) -> None:
+    """json.loads nests as deep as the recursion limit: reviewed (and answered) within
+    THREAD_STACK, wherever in the review the nesting is."""
+    for depth in (400, 700, 990):
+        for field in ("namespace", "object"):
+            for opening, closing in ((b"[", b"]"), (b'{"a":', b"}")):
+                nested = opening * depth + b"0" * (opening == b"{\"a\":") + closing * depth
+                body = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                                   "request": {**request(pod()), field: "@"}}).encode()
+                for path in ("/validate", "/mutate"):
+                    status, _answer = webhook.post(path, body.replace(b'"@"', nested))
+                    assert status in (200, 400), (depth, field, path)
+    assert send(webhook, review(pod()))[0] == 200
