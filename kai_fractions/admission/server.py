@@ -6,12 +6,13 @@ and the TLS handshake runs in the connection's own thread with a timeout, so one
 cannot hold up the others.
 
 Memory is bounded whoever sends the requests (any pod that reaches the Service can): a body is
-at most MAX_BODY, at most MAX_BODIES bodies are held at once and at most MAX_REVIEWS of them
-parsed; a request that finds no room within QUEUE_WAIT gets a 503. Threads are bounded too: at
-most MAX_CONNECTIONS connections are open, each with its thread (of THREAD_STACK). Past that, a
-new connection takes the place of one that waits on its peer (an idle keep-alive; a handshake,
-headers or an answer's write stuck for PENDING_GRACE), or waits in the listen backlog,
-unaccepted, until one is free: a request being served is never cut off.
+at most MAX_BODY, the bodies held at once at most BODY_BUDGET bytes (counted as they arrive,
+and each must arrive at BODY_RATE), at most MAX_REVIEWS of them parsed; a request that finds no
+room within QUEUE_WAIT gets a 503. Threads are bounded too: at most MAX_CONNECTIONS connections
+are open, each with its thread (of THREAD_STACK). Past that, a new connection takes the place of
+one that waits on its peer (an idle keep-alive; a handshake, headers or an answer's write stuck
+for PENDING_GRACE), or waits in the listen backlog, unaccepted, until one is free: a request
+being served is never cut off.
 """
 
 from __future__ import annotations
@@ -46,7 +47,14 @@ KiB; a review past this (an UPDATE carries two objects) is refused with 413, so 
 closed, never open. A larger cap only raises what a hostile body costs: parsed, JSON takes tens
 of times its size in memory."""
 MAX_BODIES = 4
-"""Request bodies held at once (read, or waiting for a review)."""
+BODY_BUDGET = MAX_BODIES * MAX_BODY
+"""Bytes of request bodies held at once, counted as they arrive (a body announced but not sent
+holds nothing): MAX_BODIES of the largest, or thousands of real reviews."""
+BODY_GRACE = 1.0
+BODY_RATE = 1024 * 1024
+"""A body must arrive within BODY_GRACE plus a second per BODY_RATE bytes (a few KiB: about a
+second; the largest: 4 s). The API server sends it at once; a peer that trickles it is cut, so
+a few slow senders hold neither room nor a place for long."""
 MAX_REVIEWS = 2
 """Bodies parsed and reviewed at once. Python runs one at a time anyway (the GIL), so more
 would add no throughput, only parsed bodies in memory; the chart's memory limit holds two of
@@ -54,9 +62,12 @@ the largest."""
 QUEUE_WAIT = 5.0
 """How long a request waits for room before it gets 503: less than the webhook's timeout, so
 the API server hears why."""
-BODY_DEADLINE = 10.0
-"""The whole body must arrive within this: a slow sender holds its room no longer."""
-_CHUNK = 64 * 1024
+RETRY_AFTER = 1
+"""The 503's Retry-After (seconds): client-go, the API server's webhook client, retries a 5xx
+only when it has one."""
+_CHUNK = 16 * 1024
+"""Read at most this much of a body at a time (a TLS record is at most 16 KiB anyway): each
+connection reading a body has a buffer of this size allocated."""
 HANDSHAKE_TIMEOUT = 10.0
 IO_TIMEOUT = 30.0
 MAX_CONNECTIONS = 1024
@@ -185,6 +196,31 @@ class Connections:
             return len(self._open)
 
 
+class Budget:
+    """A count of units (bytes) shared by the requests; thread-safe."""
+
+    def __init__(self, size: int) -> None:
+        self.size = self.free = size
+        self._changed = threading.Condition()
+
+    def take(self, n: int, timeout: float) -> bool:
+        """Takes `n` units once they are free; False after `timeout` without."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self.free < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+            self.free -= n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._changed:
+            self.free += n
+            self._changed.notify_all()
+
+
 class WebhookServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
@@ -196,7 +232,7 @@ class WebhookServer(ThreadingHTTPServer):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.config = config
         self.tls = tls
-        self.bodies = threading.BoundedSemaphore(MAX_BODIES)
+        self.bodies = Budget(BODY_BUDGET)
         self.reviews = threading.BoundedSemaphore(MAX_REVIEWS)
         self.connections = Connections(MAX_CONNECTIONS)
         self._logged = {"waited": -REFUSAL_LOG_EVERY, "evicted": -REFUSAL_LOG_EVERY}
@@ -278,6 +314,8 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "kai-fractions-admission"
     sys_version = ""
     _requests = 0
+    _held = 0
+    """Bytes of the body this request holds of the server's BODY_BUDGET."""
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *args)
@@ -301,17 +339,21 @@ class _Handler(BaseHTTPRequestHandler):
         self._requests += 1
         return True
 
-    def _send(self, status: int, body: bytes, content_type: str) -> None:
+    def _send(self, status: int, body: bytes, content_type: str,
+              headers: tuple[tuple[str, str], ...] = ()) -> None:
         # Writing waits on the peer to read: a slow reader's place may be taken.
         self.server.connections.mark(self.request, WRITING)
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        for name, value in headers:
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
-    def _send_text(self, status: int, text: str) -> None:
-        self._send(*_text(status, text))
+    def _send_text(self, status: int, text: str,
+                   headers: tuple[tuple[str, str], ...] = ()) -> None:
+        self._send(*_text(status, text), headers)
 
     def do_GET(self) -> None:
         if self.path.split("?", 1)[0] == "/healthz":
@@ -338,37 +380,42 @@ class _Handler(BaseHTTPRequestHandler):
                             f"the body is {int(length)} bytes, larger than the {MAX_BODY} bytes "
                             "an AdmissionReview can take (the API server's own request limit)")
             return
-        if not self._room(self.server.bodies):
-            return
         try:
             body = self._read_body(int(length))
-            if body is None or not self._room(self.server.reviews):
+            if body is None:
+                return
+            if not self.server.reviews.acquire(timeout=QUEUE_WAIT):
+                self._busy()
                 return
             try:
                 answer = self._review(route, body)
             finally:
                 self.server.reviews.release()
         finally:
-            self.server.bodies.release()
+            self.server.bodies.give(self._held)
+            self._held = 0
         # Written with no room held: a peer that reads its answers slowly holds only its
         # connection (a place another may take), never the room the other reviews need.
         self._send(*answer)
 
-    def _room(self, slots: threading.BoundedSemaphore) -> bool:
-        """Takes one of `slots`, or answers 503 (and closes: the body is not read)."""
-        if slots.acquire(timeout=QUEUE_WAIT):
-            return True
-        self.close_connection = True
+    def _busy(self) -> None:
+        """503: the body was read whole (and dropped), so the connection stays usable."""
         self._send_text(HTTPStatus.SERVICE_UNAVAILABLE, "the webhook is busy with other "
-                        f"reviews and found no room within {QUEUE_WAIT:g} s; try again")
-        return False
+                        f"reviews and found no room within {QUEUE_WAIT:g} s; try again",
+                        (("Retry-After", str(RETRY_AFTER)),))
 
     def _read_body(self, length: int, keep: bool = True) -> bytes | None:
-        """The body, read within BODY_DEADLINE (discarded when not `keep`); None after
-        answering 400 or 408 when it does not arrive whole."""
-        deadline = time.monotonic() + BODY_DEADLINE
+        """The body, read within BODY_GRACE + length / BODY_RATE, its bytes taken from the
+        server's BODY_BUDGET as they arrive (discarded, and not counted, when not `keep`); None
+        after answering 400 or 408 when it does not arrive whole, or 503 when it finds no room:
+        its first bytes wait QUEUE_WAIT for room, the others none (bodies waiting while each
+        holds a part could hold all of it between them); the rest is then read and dropped, so
+        that the answer is not lost to a reset."""
+        allowed = BODY_GRACE + length / BODY_RATE
+        deadline = time.monotonic() + allowed
         chunks: list[bytes] = []
         got = 0
+        dropped = False
         try:
             while got < length:
                 left = deadline - time.monotonic()
@@ -379,12 +426,22 @@ class _Handler(BaseHTTPRequestHandler):
                 if not chunk:
                     break
                 got += len(chunk)
-                if keep:
-                    chunks.append(chunk)
+                if keep and not dropped:
+                    waited = time.monotonic()
+                    if self.server.bodies.take(len(chunk), 0 if self._held else QUEUE_WAIT):
+                        self._held += len(chunk)
+                        chunks.append(chunk)
+                    else:
+                        dropped = True
+                        self.server.bodies.give(self._held)
+                        self._held = 0
+                        chunks = []
+                    deadline += time.monotonic() - waited  # the sender did not wait on itself
         except TimeoutError:
             self.close_connection = True
             self._send_text(HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive within "
-                            f"{BODY_DEADLINE:g} s ({got} of {length} bytes)")
+                            f"{allowed:.1f} s ({got} of {length} bytes): a body must come within "
+                            f"{BODY_GRACE:g} s and 1 s more per {BODY_RATE / 2**20:g} MiB")
             return None
         finally:
             self.connection.settimeout(IO_TIMEOUT)
@@ -393,8 +450,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_text(HTTPStatus.BAD_REQUEST, f"the body ended after {got} of the "
                             f"{length} bytes its Content-Length announced")
             return None
+        if dropped:
+            self._busy()
+            return None
         return b"".join(chunks)
-
     def _review(self, route: Reviewer, body: bytes) -> tuple[int, bytes, str]:
         """The answer to send: status, body, content type."""
         try:

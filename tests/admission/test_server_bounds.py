@@ -8,6 +8,7 @@ import contextlib
 import http.client
 import json
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -28,6 +29,13 @@ def send(webhook: Webhook, body: bytes, *, length: int | None = None,
          timeout: float = 5.0) -> tuple[int, str]:
     """POST /validate with `body` announced as `length` bytes (default: its own length), over
     a raw TLS socket: the answer may come before the body is whole."""
+    status, text, _headers = exchange(webhook, body, length=length, timeout=timeout)
+    return status, text
+
+
+def exchange(webhook: Webhook, body: bytes, *, length: int | None = None,
+             timeout: float = 5.0) -> tuple[int, str, http.client.HTTPMessage]:
+    """`send`, with the answer's headers."""
     context = ssl.create_default_context(cafile=str(webhook.ca_file))
     with socket.create_connection(("127.0.0.1", webhook.port), timeout=timeout) as raw, \
             context.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
@@ -37,7 +45,7 @@ def send(webhook: Webhook, body: bytes, *, length: int | None = None,
         sock.sendall(body)
         response = http.client.HTTPResponse(sock)
         response.begin()
-        return response.status, response.read().decode()
+        return response.status, response.read().decode(), response.headers
 
 
 def review(obj: dict[str, Any]) -> bytes:
@@ -57,9 +65,51 @@ def test_a_body_over_the_api_servers_own_limit_is_refused_unread(webhook: Webhoo
 
 def test_a_body_that_does_not_arrive_in_time_is_a_408(webhook: Webhook,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server, "BODY_DEADLINE", 0.5)
+    monkeypatch.setattr(server, "BODY_GRACE", 0.5)
     status, text = send(webhook, b'{"apiVersion"', length=1000)
-    assert (status, text) == (408, "the body did not arrive within 0.5 s (13 of 1000 bytes)\n")
+    assert (status, text) == (408, "the body did not arrive within 0.5 s (13 of 1000 bytes): a "
+                                   "body must come within 0.5 s and 1 s more per 1 MiB\n")
+
+
+def _trickle(webhook: Webhook, length: int, answers: list[tuple[int, str]],
+             stop: threading.Event) -> None:
+    """Announces a body of `length` bytes and sends a byte of it every 0.2 s (a slowloris)
+    until it is answered."""
+    context = ssl.create_default_context(cafile=str(webhook.ca_file))
+    with socket.create_connection(("127.0.0.1", webhook.port), timeout=10) as raw, \
+            context.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+        sock.sendall(b"POST /validate HTTP/1.1\r\nHost: webhook\r\n"
+                     b"Content-Length: %d\r\n\r\n" % length)
+        while not stop.is_set() and not select.select([sock], [], [], 0.2)[0]:
+            sock.sendall(b" ")
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        answers.append((response.status, response.read().decode()))
+
+
+def test_slow_senders_hold_no_room_and_are_cut_at_the_body_rate(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bodies that trickle in (headers at once, then a byte now and then) hold only the bytes
+    that came, and are cut when they fall behind the body rate: a real review sent meanwhile
+    is answered, not kept waiting for room (it waited QUEUE_WAIT for a body slot, then got 503,
+    while MAX_BODIES slow senders held theirs for 10 s each)."""
+    monkeypatch.setattr(server, "QUEUE_WAIT", 1.0)
+    answers: list[tuple[int, str]] = []
+    stop = threading.Event()
+    slow = [threading.Thread(target=_trickle, args=(webhook, 100_000, answers, stop),
+                             daemon=True) for _ in range(2 * server.MAX_BODIES)]
+    for t in slow:
+        t.start()
+    try:
+        _wait_for(lambda: _states(webhook).count(server.SERVING) >= server.MAX_BODIES)
+        assert send(webhook, review(pod()))[0] == 200
+        for t in slow:
+            t.join(timeout=10)
+    finally:
+        stop.set()
+    assert [status for status, _text in answers] == [408] * len(slow)
+    assert answers[0][1].startswith("the body did not arrive within 1.1 s (")
+    assert webhook.server.bodies.free == webhook.server.bodies.size
 
 
 def test_a_body_nested_deeper_than_any_object_is_a_400(webhook: Webhook) -> None:
@@ -96,22 +146,62 @@ def test_at_most_two_reviews_run_at_once(webhook: Webhook,
     assert most == server.MAX_REVIEWS == 2
 
 
-@pytest.mark.parametrize("slots", ["bodies", "reviews"])
-def test_a_webhook_without_room_answers_503_and_serves_again_once_it_has(
-        webhook: Webhook, monkeypatch: pytest.MonkeyPatch, slots: str) -> None:
-    monkeypatch.setattr(server, "QUEUE_WAIT", 0.3)
-    semaphore = getattr(webhook.server, slots)
+def test_the_bodies_held_at_once_are_counted_in_bytes(webhook: Webhook) -> None:
+    assert server.BODY_BUDGET == server.MAX_BODIES * server.MAX_BODY
+    assert webhook.server.bodies.size == server.BODY_BUDGET
+
+
+def test_a_body_waits_for_room_only_while_it_holds_none(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body that has some of the budget and finds no room for more is answered 503 at once
+    (bodies waiting on each other while each holds a part could hold it all, for QUEUE_WAIT);
+    one that has none waits for room."""
+    monkeypatch.setattr(server, "QUEUE_WAIT", 30.0)
+    budget = webhook.server.bodies
+    assert budget.take(budget.size - 20_000, timeout=0)
+    try:
+        status, _text, headers = exchange(webhook, b" " * 100_000)
+        assert (status, headers["Retry-After"]) == (503, "1")
+        assert budget.free == 20_000
+        assert budget.take(20_000, timeout=0)
+        waiting, answer = _in_thread(lambda: send(webhook, review(pod()), timeout=20))
+        _wait_for(lambda: _states(webhook) == [server.SERVING])
+        time.sleep(0.3)
+        assert waiting.is_alive()  # waiting for room
+        budget.give(budget.size)
+        waiting.join(timeout=20)
+        assert answer[0][0] == 200
+    finally:
+        budget.free = budget.size
+
+
+def _hold(slots: str, webhook: Webhook) -> Any:
+    """Takes all the room of `slots`; returns what gives it back."""
+    if slots == "bodies":
+        budget = webhook.server.bodies
+        assert budget.take(budget.size, timeout=0)
+        return lambda: budget.give(budget.size)
+    semaphore = webhook.server.reviews
     held = 0
     while semaphore.acquire(blocking=False):
         held += 1
-    assert held == {"bodies": server.MAX_BODIES, "reviews": server.MAX_REVIEWS}[slots]
+    assert held == server.MAX_REVIEWS
+    return lambda: [semaphore.release() for _ in range(held)]
+
+
+@pytest.mark.parametrize("slots", ["bodies", "reviews"])
+def test_a_webhook_without_room_answers_503_and_serves_again_once_it_has(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch, slots: str) -> None:
+    """With a Retry-After: the API server's client retries a 5xx only with one."""
+    monkeypatch.setattr(server, "QUEUE_WAIT", 0.3)
+    give_back = _hold(slots, webhook)
     try:
-        status, text = send(webhook, review(pod()))
+        status, text, headers = exchange(webhook, review(pod()))
         assert (status, text) == (503, "the webhook is busy with other reviews and found no "
                                        "room within 0.3 s; try again\n")
+        assert headers["Retry-After"] == "1"
     finally:
-        for _ in range(held):
-            semaphore.release()
+        give_back()
     assert send(webhook, review(pod()))[0] == 200
 
 
@@ -249,7 +339,7 @@ def test_when_every_connection_is_being_served_a_new_one_waits_to_be_accepted(
     """Requests whose bodies are on their way are being served (each within its body's
     deadline): a new connection is not accepted until one ends, with a warning, once a minute.
     It was closed at once."""
-    monkeypatch.setattr(server, "BODY_DEADLINE", 2.0)
+    monkeypatch.setattr(server, "BODY_GRACE", 1.0)
     webhook.server.connections.limit = 2
     served = []
     for _ in range(2):
@@ -339,8 +429,7 @@ def test_a_connection_whose_place_was_taken_mid_request_stops_there(
     monkeypatch.setattr(server, "QUEUE_WAIT", 3.0)
     monkeypatch.setattr(server, "PENDING_GRACE", 0.2)
     webhook.server.connections.limit = 1
-    for _ in range(server.MAX_BODIES):  # no room: a request past its headers would wait
-        webhook.server.bodies.acquire()
+    give_back = _hold("bodies", webhook)  # no room: a request past its headers would wait
     context = ssl.create_default_context(cafile=str(webhook.ca_file))
     baseline = threading.active_count()
     try:
@@ -353,8 +442,7 @@ def test_a_connection_whose_place_was_taken_mid_request_stops_there(
                 assert _closed_by_peer(partial)
                 _wait_for(lambda: threading.active_count() == baseline + 1, timeout=1.5)
     finally:
-        for _ in range(server.MAX_BODIES):
-            webhook.server.bodies.release()
+        give_back()
 
 
 def test_connection_threads_start_with_a_small_stack(
