@@ -40,8 +40,29 @@ def deny(message: str, *, code: int = 403, reason: str = "Forbidden",
     return Decision(False, message=message, code=code, reason=reason, warnings=warnings)
 
 
+MAX_OPENINGS = 200_000
+"""The most arrays and objects (`[` and `{`, counted in the raw body, inside strings too) a
+review may open. Parsed, each costs about 100 bytes (a list) to 330 (a dict with a key) where
+its 2 to 5 bytes of JSON would otherwise cost 25 to 60: a 3 MiB body of nested arrays parses to
+42 times its size, and mutate's review of it peaked at 418 MB (tracemalloc). Within this bound
+the costliest review peaks at 120 MB (a 3 MiB body of 200,000 nested one-key objects and short
+strings, for /mutate; 53 to 66 MB with no brackets at all): see the server's MAX_REVIEWS.
+
+Real reviews open one per 21 to 26 bytes at their densest: a pod of 10,000 env vars, or of 100
+containers of 100 env vars and 10 mounts each and 1,000 volumes, or of 1,000 containers, with
+its managedFields, its status and a kubectl last-applied-configuration annotation (a JSON
+string: its brackets count too) opens 68,000 to 123,000 in 1.4 to 2.8 MiB, and an UPDATE (two
+objects) of the first 136,000 in 2.8 MiB. At that density a review filling all of the server's
+MAX_BODY would open 150,000. Pods as the test data has them open one per 55 to 75 bytes."""
+
+
 def parse_review(body: bytes) -> dict[str, Any]:
     """The `request` of an AdmissionReview v1 body; raises ReviewError."""
+    openings = body.count(b"[") + body.count(b"{")
+    if openings > MAX_OPENINGS:
+        raise ReviewError(f"the request body opens {openings} arrays and objects ('[' and "
+                          f"'{{'), more than the {MAX_OPENINGS} any AdmissionReview of a real "
+                          "object does; refused unparsed, as each takes memory")
     try:
         review = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
