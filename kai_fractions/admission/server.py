@@ -97,6 +97,9 @@ and reads the answer at once)."""
 ACCEPT_WAIT = 0.5
 """How long the accepting thread waits for a free place at a time before it looks whether the
 server is being shut down."""
+DRAIN_TIMEOUT = 15.0
+"""On shutdown, how long the requests being served may take to finish: longer than any can
+(body, room, review), and than the webhook's 10 s timeout."""
 REFUSAL_LOG_EVERY = 60.0
 """At most one warning this often about connections closed or kept waiting for want of room."""
 
@@ -200,6 +203,24 @@ class Connections:
             self._open.pop(conn, None)
             self._changed.notify_all()
 
+    def close_idle(self) -> None:
+        """Closes every idle keep-alive (on shutdown: no request comes on it any more)."""
+        with self._changed:
+            for conn in [c for c, (state, _since) in self._open.items() if state == IDLE]:
+                with contextlib.suppress(OSError):
+                    socket.socket.shutdown(conn, socket.SHUT_RDWR)
+
+    def wait_served(self, timeout: float) -> bool:
+        """Waits until no connection is but an idle keep-alive; False after `timeout`."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while any(state != IDLE for state, _since in self._open.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+            return True
+
     def __len__(self) -> int:
         with self._changed:
             return len(self._open)
@@ -244,6 +265,9 @@ class WebhookServer(ThreadingHTTPServer):
         self.bodies = Budget(BODY_BUDGET)
         self.reviews = threading.BoundedSemaphore(MAX_REVIEWS)
         self.connections = Connections(MAX_CONNECTIONS)
+        self.draining = False
+        """Set on shutdown: /healthz answers 503 (the endpoint is taken out of the Service),
+        and each answer closes its connection (the API server connects again, elsewhere)."""
         self._logged = {"waited": -REFUSAL_LOG_EVERY, "evicted": -REFUSAL_LOG_EVERY}
         super().__init__(address, _Handler)
 
@@ -312,6 +336,17 @@ class WebhookServer(ThreadingHTTPServer):
             return
         log.exception("error while serving %s", client_address)
 
+    def drain(self, timeout: float = DRAIN_TIMEOUT) -> bool:
+        """Stops accepting (the listening socket is closed: new connections are refused), closes
+        the idle keep-alives and waits up to `timeout` for the requests being served to be
+        answered. Call it while serve_forever runs, from another thread (as `shutdown`);
+        False: some were not answered in time."""
+        self.draining = True
+        self.shutdown()
+        self.server_close()
+        self.connections.close_idle()
+        return self.connections.wait_served(timeout)
+
     @property
     def port(self) -> int:
         return self.server_address[1]
@@ -357,6 +392,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         for name, value in headers:
             self.send_header(name, value)
+        if self.server.draining and not self.close_connection:
+            self.close_connection = True
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
 
@@ -366,7 +404,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path.split("?", 1)[0] == "/healthz":
-            self._send_text(HTTPStatus.OK, "ok")
+            if self.server.draining:
+                self._send_text(HTTPStatus.SERVICE_UNAVAILABLE, "shutting down")
+            else:
+                self._send_text(HTTPStatus.OK, "ok")
         else:
             self._send_text(HTTPStatus.NOT_FOUND, f"no such path {clip(self.path, 200)}; "
                             "GET /healthz, POST /validate or /mutate")

@@ -44,8 +44,24 @@ def register(sub) -> None:
                    help="the RuntimeClass of the NVIDIA runtime, given to fractional pods that "
                    "name none: their container reaches its GPU through that runtime (default: "
                    "none, the node's default runtime)")
+    p.add_argument("--shutdown-delay", type=_seconds, default=5.0, metavar="SECONDS",
+                   help="on SIGTERM, go on serving this long with GET /healthz answering 503, "
+                   "so that the pod leaves the Service's endpoints while it still answers; then "
+                   "stop accepting and finish the reviews in flight (at most 15 s more). A "
+                   "second signal skips what is left of the delay (default: %(default)g)")
     add_log_level(p)
     p.set_defaults(func=run)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds from 0 to 3600, got {text!r}")
+    return value
 
 
 def add_host_dirs(p: argparse.ArgumentParser) -> None:
@@ -92,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import threading
 
-    from ..admission.server import make_server
+    from ..admission.server import DRAIN_TIMEOUT, make_server
     from ..admission.tls import ReloadingContext, TLSError
     from ..contract import DEFAULT_KEYS, Keys
 
@@ -108,15 +124,27 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TLSError, OSError) as e:
         print(f"kai-fractions admission: {e}", file=sys.stderr)
         return 2
-    stop = threading.Event()
+    stop, hurry = threading.Event(), threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     thread = threading.Thread(target=server.serve_forever, name="admission", daemon=True)
     thread.start()
     host, port = server.server_address[:2]
-    logging.getLogger("kai_fractions.admission").info(
-        "serving /validate, /mutate and /healthz on https://%s:%s", host, port)
+    log = logging.getLogger("kai_fractions.admission")
+    log.info("serving /validate, /mutate and /healthz on https://%s:%s", host, port)
     stop.wait()
-    server.shutdown()
-    server.server_close()
+    # The API server keeps sending reviews here until the endpoint is gone: go on answering
+    # them (a fail-closed pod would be refused), saying "not ready" meanwhile.
+    server.draining = True
+    log.info("stopping: serving %g s more with /healthz answering 503, then finishing the "
+             "reviews in flight", args.shutdown_delay)
+    hurry.wait(args.shutdown_delay)
+    if not server.drain():
+        log.warning("stopped with requests still being served after %g s", DRAIN_TIMEOUT)
+    else:
+        log.info("stopped")
     return 0

@@ -8,13 +8,18 @@ expected pod in tests/admission/data/, never the patch text.
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
+import http.client
 import json
 import os
 import re
+import socket
 import ssl
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -269,12 +274,14 @@ def test_a_half_rotated_pair_keeps_the_old_certificate(
     assert _peer_der(webhook, old_ca) == der_of(old_ca.read_bytes())
 
 
-def test_the_cli_serves_https_and_stops_on_sigterm(tls_dir: Path) -> None:
+@contextlib.contextmanager
+def cli_server(tls_dir: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[str], Webhook]]:
+    """`kai-fractions admission` on a free port of 127.0.0.1; killed if still running after."""
     cli = Path(sys.executable).parent / "kai-fractions"
     proc = subprocess.Popen(
         [str(cli), "admission", "--listen", "127.0.0.1:0", "--tls-cert",
          str(tls_dir / "tls.crt"), "--tls-key", str(tls_dir / "tls.key"),
-         "--gate-image", GATE_IMAGE],
+         "--gate-image", GATE_IMAGE, *flags],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         assert proc.stderr is not None
@@ -282,15 +289,147 @@ def test_the_cli_serves_https_and_stops_on_sigterm(tls_dir: Path) -> None:
         assert "serving /validate, /mutate and /healthz on https://127.0.0.1:" in line, line
         port = int(line.rsplit(":", 1)[1])
         server = type("S", (), {"port": port})()
-        hook = Webhook(server, tls_dir / "tls.crt")  # type: ignore[arg-type]
-        status, answer = hook.post("/mutate", load("pod-time-slicing.review.json"))
-        assert status == 200 and answer["response"]["allowed"] is True
-        proc.terminate()
-        assert proc.wait(timeout=10) == 0
+        yield proc, Webhook(server, tls_dir / "tls.crt")  # type: ignore[arg-type]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _healthz(hook: Webhook) -> int:
+    conn = hook.connect()
+    try:
+        conn.request("GET", "/healthz")
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def _begin_review(hook: Webhook, body: bytes, sent: int) -> ssl.SSLSocket:
+    """A POST /mutate whose headers and first `sent` bytes of body are on their way."""
+    context = ssl.create_default_context(cafile=str(hook.ca_file))
+    sock = context.wrap_socket(socket.create_connection(("127.0.0.1", hook.port), timeout=10),
+                               server_hostname="127.0.0.1")
+    sock.sendall(b"POST /mutate HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n"
+                 % len(body) + body[:sent])
+    return sock
+
+
+def _end_review(sock: ssl.SSLSocket, body: bytes, sent: int) -> int:
+    sock.sendall(body[sent:])
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    response.read()
+    return response.status
+
+
+def test_a_draining_webhook_is_not_ready_and_closes_each_connection_after_its_answer(
+        webhook: Webhook) -> None:
+    webhook.server.draining = True
+    conn = webhook.connect()
+    try:
+        conn.request("GET", "/healthz")
+        response = conn.getresponse()
+        assert (response.status, response.read(), response.getheader("Connection")) == \
+            (503, b"shutting down\n", "close")
+    finally:
+        conn.close()
+    status, answer = webhook.post("/mutate", load("pod-time-slicing.review.json"))
+    assert status == 200 and answer["response"]["allowed"] is True
+
+
+def test_drain_stops_accepting_and_closes_idle_keep_alives(webhook: Webhook) -> None:
+    conn = webhook.connect()
+    try:
+        conn.request("GET", "/healthz")
+        conn.getresponse().read()
+        _wait_until(lambda: [s for s, _ in webhook.server.connections._open.values()] ==
+                    ["idle"])
+        assert webhook.server.drain(timeout=5) is True
+        assert conn.sock is not None and conn.sock.recv(1) == b""
+        assert not _listening(webhook)
+    finally:
+        conn.close()
+
+
+def test_the_cli_serves_https_and_stops_on_sigterm(tls_dir: Path) -> None:
+    with cli_server(tls_dir, "--shutdown-delay", "0") as (proc, hook):
+        status, answer = hook.post("/mutate", load("pod-time-slicing.review.json"))
+        assert status == 200 and answer["response"]["allowed"] is True
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+
+
+def test_on_sigterm_the_cli_finishes_the_review_in_flight(tls_dir: Path) -> None:
+    """It stops accepting, but answers the review it is reading before it exits (its
+    connection was closed unanswered: "Remote end closed connection without response")."""
+    # 2 MB (padded): it may take 3 s to come whole, time enough to send the rest after.
+    body = json.dumps({**load("pod-sm-sharing.review.json"), "padding": "x" * 2_000_000}).encode()
+    with cli_server(tls_dir, "--shutdown-delay", "0") as (proc, hook):
+        in_flight = _begin_review(hook, body, 100)
+        proc.terminate()
+        _wait_until(lambda: not _listening(hook))  # the listening socket is closed
+        assert proc.poll() is None  # still answering the one in flight
+        assert _end_review(in_flight, body, 100) == 200
+        in_flight.close()
+        assert proc.wait(timeout=10) == 0
+
+
+def test_on_sigterm_the_cli_serves_on_for_the_shutdown_delay_as_not_ready(
+        tls_dir: Path) -> None:
+    """The API server sends reviews until the pod leaves the endpoints: for --shutdown-delay
+    they are answered, each on a connection then closed, while /healthz says 503 (the
+    process exited at once, and new connections were refused)."""
+    review = load("pod-sm-sharing.review.json")
+    with cli_server(tls_dir, "--shutdown-delay", "1.5") as (proc, hook):
+        assert _healthz(hook) == 200
+        proc.terminate()
+        _wait_until(lambda: _healthz(hook) == 503)
+        conn = hook.connect()
+        try:
+            conn.request("POST", "/mutate", body=json.dumps(review).encode())
+            response = conn.getresponse()
+            assert response.status == 200 and response.getheader("Connection") == "close"
+            response.read()
+        finally:
+            conn.close()
+        assert proc.wait(timeout=20) == 0
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", hook.port), timeout=5).close()
+
+
+def test_a_second_signal_skips_the_shutdown_delay(tls_dir: Path) -> None:
+    with cli_server(tls_dir, "--shutdown-delay", "60") as (proc, hook):
+        proc.terminate()
+        _wait_until(lambda: _healthz(hook) == 503)
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+
+
+def test_the_shutdown_delay_is_a_number_of_seconds(tls_dir: Path, capsys) -> None:
+    from kai_fractions.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["admission", "--tls-cert", str(tls_dir / "tls.crt"), "--tls-key",
+              str(tls_dir / "tls.key"), "--gate-image", GATE_IMAGE, "--shutdown-delay", "-1"])
+    assert "--shutdown-delay: must be a number of seconds from 0 to 3600, got '-1'" in \
+        capsys.readouterr().err
+
+
+def _listening(hook: Webhook) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", hook.port), timeout=5).close()
+    except ConnectionRefusedError:
+        return False
+    return True
+
+
+def _wait_until(condition: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.02)
 
 
 def test_the_cli_refuses_to_start_without_a_readable_certificate(tmp_path: Path) -> None:
