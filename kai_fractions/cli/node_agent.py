@@ -59,7 +59,8 @@ def register(sub) -> None:
     p.add_argument("--marker-dir", default="/var/lib/kai-fractions/markers", metavar="DIR",
                    help="readiness markers, one directory per pod UID (default: %(default)s)")
     p.add_argument("--cgroup-root", default="/sys/fs/cgroup", metavar="DIR",
-                   help="the host's cgroup v2 root (default: %(default)s)")
+                   help="the host's cgroup v2 root; the agent does not start on a directory "
+                   "without cgroup.controllers (a v1 hierarchy) (default: %(default)s)")
     p.add_argument("--cgroup-driver", default="systemd", choices=("systemd", "cgroupfs"),
                    help="the kubelet's cgroup driver (default: %(default)s)")
     p.add_argument("--proc-root", default="/proc", metavar="DIR",
@@ -146,6 +147,19 @@ def register(sub) -> None:
                    help="libnvidia-ml.so.1 to load (default: the system's)")
     add_log_level(p)
     p.set_defaults(func=run)
+
+
+def cgroup_v2_problem(root: str) -> str | None:
+    """Why `root` is not a cgroup v2 hierarchy, or None. NVML's GPU memory limits name cgroup
+    v2 directories, and the watchdog reads a process's container from its v2 line (`0::`) in
+    /proc: on a v1 (or hybrid) host's v1 hierarchy neither would hold, while the agent would
+    go on as if they did."""
+    if os.path.isfile(os.path.join(root, "cgroup.controllers")):
+        return None
+    return (f"--cgroup-root {root}: not a cgroup v2 hierarchy (no cgroup.controllers there): "
+            "GPU memory limits and the watchdog need cgroup v2; on a hybrid host give its "
+            "unified hierarchy (often /sys/fs/cgroup/unified), or boot the node with cgroup "
+            "v2 (systemd.unified_cgroup_hierarchy=1)")
 
 
 def _fail(message: str) -> int:
@@ -245,6 +259,9 @@ def run(args: argparse.Namespace) -> int:
                               watch_seconds=options.watch_seconds)
     except KubeConfigError as e:
         return _fail(str(e))
+    problem = cgroup_v2_problem(config.cgroup_root)
+    if problem:
+        return _fail(problem)
     before, after = raise_open_file_limit()
     if after != before:
         log.info("open file limit raised from %d to %d", before, after)

@@ -123,6 +123,8 @@ class AgentEnv:
         self.marker_dir = self.tmp / "markers"
         for d in (self.cgroup_root, self.proc_root):
             d.mkdir(parents=True, exist_ok=True)
+        # what makes a directory a cgroup v2 root to the agent (it refuses to start on another)
+        (self.cgroup_root / "cgroup.controllers").write_text("cpu memory pids\n")
         # unix sockets (MPS pipes, the agent's socket) need short paths: not pytest's tmp_path
         self.short = Path(tempfile.mkdtemp(prefix="kfa-", dir="/tmp"))
         self.mps_pipe_dir = self.short / "mps"
