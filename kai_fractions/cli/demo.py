@@ -38,8 +38,8 @@ def register(sub) -> None:
     )
     p.add_argument("--config", metavar="FILE",
                    help="YAML settings of the simulated node: node, gpus (model/count), "
-                   "driver_version, sm_sharing, memory_enforcement, reserve_mib, namespace, "
-                   "examples (see kai_fractions/demo/config.py)")
+                   "driver_version, sm_sharing, memory_enforcement, watchdog_policy, "
+                   "reserve_mib, namespace, examples (see kai_fractions/demo/config.py)")
     p.add_argument("--keep", action="store_true",
                    help="keep everything running afterwards and print the endpoints (API URL, "
                    "kubeconfig, mirror address, agent socket, metrics URL), commands to try and "
