@@ -492,14 +492,22 @@ def test_admission_deployment():
         "--marker-host-dir=/var/lib/kai-fractions/markers",
         "--mps-pipe-host-dir=/run/kai-fractions/mps", "--agent-socket-dir=/run/kai-fractions",
         "--kubelet-root-dir=/var/lib/kubelet",
-        "--annotation-prefix=nvidia.com/container.", "--log-level=info"]
+        "--annotation-prefix=nvidia.com/container.", "--shutdown-delay=5", "--log-level=info"]
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "https",
                                               "scheme": "HTTPS"}
+    # a replica stopping keeps answering for the delay (its /healthz 503), then up to 15 s for
+    # the reviews in flight: the kubelet waits for both before SIGKILL
+    assert pod["terminationGracePeriodSeconds"] == 25
+    assert c["env"] == [{"name": "MALLOC_ARENA_MAX", "value": "2"}]
+    assert c["resources"]["limits"] == {"memory": "384Mi"}  # the measured worst case fits
+    longer = one(render(sets=("webhook.shutdownDelaySeconds=20",)), "Deployment", ADMISSION)
+    assert longer["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 40
+    assert "/webhook/shutdownDelaySeconds" in template_error("webhook.shutdownDelaySeconds=31")
     assert one(docs, "PodDisruptionBudget", ADMISSION)["spec"]["minAvailable"] == 1
     # where the NVIDIA runtime is a RuntimeClass, fractional pods are given it
     nvidia = container(one(render(sets=("webhook.runtimeClassName=nvidia",)), "Deployment",
                            ADMISSION), "admission")["args"]
-    assert nvidia[-2:] == ["--runtime-class=nvidia", "--log-level=info"]
+    assert nvidia[-3:] == ["--runtime-class=nvidia", "--shutdown-delay=5", "--log-level=info"]
     assert "/webhook/runtimeClassName" in template_error("webhook.runtimeClassName=NVIDIA")
     # the kubelet's pods directory (guarded like kai-fractions' own) follows the nodes' kubelet
     moved = container(one(render(sets=(
