@@ -274,10 +274,10 @@ CAP_MESSAGE = (
     "message)")
 LIMIT_MESSAGE = (
     "the node agent's metrics say the GPU memory limit on this container's pod cgroup is not in "
-    "force: its readiness marker is set aside (a gate of the pod waits), and what of it runs "
-    "meanwhile runs without the cap, whatever its gate did before. The pod's "
-    "MemoryLimitNotInForce event says why and what to do (on the node, --agent-socket gives the "
-    "agent's own message)")
+    "force and could not be set: a gate of the pod waits (a running pod's readiness marker is "
+    "set aside, and what of it runs meanwhile runs without the cap). A running pod's "
+    "MemoryLimitNotInForce event says why; on the node, --agent-socket gives the agent's own "
+    "message with NVML's error")
 MEMORY_LIMIT_NOT_IN_FORCE = "MemoryLimitNotInForce"
 """kai_fractions.node.memory_limits' reason of that series (read from the metrics, as text)."""
 

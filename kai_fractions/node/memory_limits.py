@@ -83,9 +83,10 @@ def limit_not_in_force(target: LimitTarget, before: MemoryLimits, error: NodeErr
         f"{'reads' if now else 'was read'} back {describe(before.soft, before.hard)}, not the "
         f"plan's {describe(target.soft, target.hard)}, and {why}: the pod's processes on that "
         "GPU are not held to their cap (a cgroup removed and made again loses its limits). "
-        "The container stays pending, and its readiness marker set aside, until the limit is "
-        "in force (the agent retries every pass; if this persists, check that the agent may "
-        "set NVML memory limits)", reason=MEMORY_LIMIT_NOT_IN_FORCE)
+        "The container stays pending until the limit is in force: a new pod's gate waits, a "
+        "running one's readiness marker is set aside (the agent retries every pass; if this "
+        "persists, check that the agent may set NVML memory limits)",
+        reason=MEMORY_LIMIT_NOT_IN_FORCE)
 
 
 class MemoryLimitEnforcer:
