@@ -11,6 +11,9 @@ facts by `kai_fractions.node.applied`) whatever its pod's annotations say now: a
 invalid new plan, or a signature refusal (`vetoes`), is reported as a `PlanChangeRefused`
 refusal next to the container, which keeps its limits, its place in the GPU's accounting
 (requested memory, compute mode, MPS namespace and pinned limit) and the watchdog's attention.
+A running container refused because only a report-mode watchdog would watch it (an agent
+upgraded past the rule that made such a watchdog no memory tier) keeps the watchdog's attention
+too (`Refusal.watched`): its usage is measured and its use over the cap reported, as before.
 
 Containers already applied are judged first, then the others oldest pod first (creation time,
 then namespace/name/uid), so a newcomer can never take a GPU's compute mode or memory away from
@@ -204,6 +207,13 @@ class Refusal:
     """The applied plan of a running container that a node rule now refuses (its GPU gone,
     sm-sharing off): its refused marker keeps the digest, so the pod stays held to that plan
     (`applied.applied_plans`) and an edit made meanwhile is never applied."""
+    watched: ContainerDesired | None = None
+    """A running container refused MemoryLimitsUnsupported because only a watchdog with
+    --watchdog-policy=report would watch it (applied under the rule before such a watchdog was
+    no memory tier, and the agent upgraded since): the container as it runs, for the watchdog.
+    Nothing caps it either way, but it is not left unwatched: its usage is measured and its use
+    over the plan's cap reported (LimitViolation), nothing is stopped (report), as before the
+    upgrade. None for every other refusal."""
 
     @property
     def ref(self) -> str:
@@ -255,10 +265,17 @@ class DesiredState:
     def mps_namespaces(self) -> frozenset[str]:
         return frozenset(c.mps_namespace for c in self.containers if c.mps_namespace)
 
+    @property
+    def watched(self) -> tuple[ContainerDesired, ...]:
+        """The refused containers the watchdog still watches (`Refusal.watched`)."""
+        return tuple(r.watched for r in self.refusals if r.watched is not None)
+
     def watchdog_containers(self) -> tuple[Any, ...]:
         """`kai_fractions.node.watchdog.ManagedContainer` for each container, as the watchdog
         sees it: capped (the plan's limit on each of its GPUs) where the watchdog guards it,
-        observed only (usage, no cap) where it does not."""
+        observed only (usage, no cap) where it does not; then each refused container it still
+        watches (`watched`), with the plan's cap, whose use over it a report-mode watchdog
+        reports."""
         from .watchdog import ManagedContainer  # the watchdog pulls in /proc and MPS plumbing
 
         return tuple(
@@ -266,7 +283,7 @@ class DesiredState:
                 c.key.pod_uid, c.key.container, c.container_id, c.plan.limit_bytes,
                 c.plan.device_uuids if Mechanism.WATCHDOG in c.mechanisms else (),
                 mps_client=c.plan.compute_mode is ComputeMode.SM_SHARING)
-            for c in self.containers
+            for c in (*self.containers, *self.watched)
         )
 
 
@@ -352,7 +369,7 @@ def _device_refusal(c: _Candidate, inventory: Inventory, config: NodeConfig) -> 
     return None
 
 
-def _mechanisms(c: _Candidate, inventory: Inventory, config: NodeConfig
+def _mechanisms(c: _Candidate, inventory: Inventory, config: NodeConfig, running: bool = False
                 ) -> frozenset[Mechanism] | Refusal:
     pod, plan = c.pod, c.plan
     wanted = config.memory_enforcement
@@ -370,15 +387,26 @@ def _mechanisms(c: _Candidate, inventory: Inventory, config: NodeConfig
     watchdog = Mechanism.WATCHDOG in wanted
     # A watchdog in report mode stops nothing: it is a second line beside a tier that caps (it
     # reports the violations there), never the only one. A container it alone would watch runs
-    # without a cap, so it is refused rather than reported applied.
+    # without a cap, so it is refused rather than reported applied. One that runs already (applied
+    # before this rule) is refused too, and stays watched (`_report_only`, `Refusal.watched`).
     if hard or (watchdog and config.watchdog_policy is WatchdogPolicy.KILL):
         return frozenset(hard | ({Mechanism.WATCHDOG} if watchdog else set()))
     return _refuse(pod, plan.container, RefusalReason.MEMORY_LIMITS_UNSUPPORTED,
-                   _no_cap(inventory, config, sm))
+                   _no_cap(inventory, config, sm, running))
 
 
-def _no_cap(inventory: Inventory, config: NodeConfig, sm: bool) -> str:
-    """Why no enabled tier caps a container's GPU memory, and what would."""
+def _report_only(refusal: Refusal, config: NodeConfig) -> bool:
+    """Whether `_mechanisms` refused the container because only a watchdog in report mode
+    would watch it (the watchdog is enabled, and nothing else would cap it)."""
+    return (refusal.reason is RefusalReason.MEMORY_LIMITS_UNSUPPORTED
+            and Mechanism.WATCHDOG in config.memory_enforcement
+            and config.watchdog_policy is WatchdogPolicy.REPORT)
+
+
+def _no_cap(inventory: Inventory, config: NodeConfig, sm: bool, running: bool = False) -> str:
+    """Why no enabled tier caps a container's GPU memory, and what would. `running`: the
+    container runs already, with this plan (applied before a report-mode watchdog was no tier):
+    nothing stops it now, and its next sandbox will not start."""
     wanted = config.memory_enforcement
     enabled = ",".join(sorted(m.value for m in wanted))
     if not inventory.capabilities.memory_limits:
@@ -395,11 +423,19 @@ def _no_cap(inventory: Inventory, config: NodeConfig, sm: bool) -> str:
     if Mechanism.WATCHDOG in wanted:  # in report mode: a kill watchdog would have capped it
         also = (", mps-pinned applies to sm-sharing containers only"
                 if not sm and Mechanism.MPS_PINNED in wanted else "")
+        if running:  # applied before this rule: it runs, and nothing stops it
+            now = ("; this container was started before such a watchdog was refused and runs "
+                   "without a cap now: its processes are left running and their use over the "
+                   "cap is only reported (LimitViolation events), and it will not start again "
+                   "after its pod's sandbox restarts")
+            cap = "to cap it (the watchdog then stops what exceeds the cap)"
+        else:
+            now = " (the container would run without a cap)"
+            cap = "so that the watchdog caps the memory by stopping what exceeds it"
         return (f"cannot cap this container's GPU memory: {why}{also}, and a watchdog with "
-                "--watchdog-policy=report only reports use over the cap, it stops nothing (the "
-                "container would run without a cap); set --watchdog-policy=kill (the chart's "
-                "watchdog.policy: kill) so that the watchdog caps the memory by stopping what "
-                f"exceeds it, or {', or '.join(fixes)}")
+                f"--watchdog-policy=report only reports use over the cap, it stops nothing{now}; "
+                f"set --watchdog-policy=kill (the chart's watchdog.policy: kill) {cap}, or "
+                f"{', or '.join(fixes)}")
     pinned = " (mps-pinned applies to sm-sharing containers only)" if not sm else ""
     kill = config.watchdog_policy is WatchdogPolicy.KILL
     fixes.append("add watchdog to --memory-enforcement"
@@ -508,8 +544,10 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
     for c in candidates:
         pod, plan = c.pod, c.plan
         ref = f"{pod.view.namespace}/{pod.view.name}/{plan.container}"
+        held_plan = applied.get(ContainerKey(pod.uid, plan.container))
+        running = held_plan is not None and held_plan.digest == plan.digest
         refusal = _device_refusal(c, inventory, config)
-        mechanisms = _mechanisms(c, inventory, config) if refusal is None else None
+        mechanisms = _mechanisms(c, inventory, config, running) if refusal is None else None
         if isinstance(mechanisms, Refusal):
             refusal = mechanisms
         paths = _cgroup_paths(c, config) if refusal is None else None
@@ -523,13 +561,15 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
             refusal = _mount_refusal(c, config)
         if refusal is not None:
             changes.pop(refusal.key, None)  # an applied plan that cannot be kept: this says why
-            held_plan = applied.get(refusal.key)
-            if held_plan is not None and held_plan.digest == plan.digest:
+            if running:
+                report_only = refusal is mechanisms and _report_only(refusal, config)
                 refusal = dataclasses.replace(refusal, plan_digest=plan.digest)
                 # It still runs, with the kernel's limits kept: its memory is taken, and a
                 # newcomer placed on it would overcommit the GPU.
                 for uuid in plan.device_uuids:
                     requested[uuid] = requested.get(uuid, 0) + plan.request_bytes
+                if report_only:
+                    refusal = _watched(c, refusal, inventory, config, modes, ref)
             refusals.append(refusal)
             continue
         assert isinstance(mechanisms, frozenset) and isinstance(paths, tuple)
@@ -570,6 +610,32 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
         limits=_within_devices(_pod_limits(accepted) + tuple(t for c in accepted for t in c.limits),
                                inventory),
     )
+
+
+def _watched(c: _Candidate, refusal: Refusal, inventory: Inventory, config: NodeConfig,
+             modes: dict[str, tuple[ComputeMode, str]], ref: str) -> Refusal:
+    """A running container refused because only a report-mode watchdog would watch it, as it
+    was before the upgrade that refused it, minus the claim of a cap: the watchdog keeps
+    measuring its usage and reporting its use over the plan's cap (`Refusal.watched`), and its
+    GPUs keep its compute mode, so no newcomer turns a GPU it runs on to another."""
+    pod, plan = c.pod, c.plan
+    paths = _cgroup_paths(c, config)
+    pod_cgroup, container_cgroup = paths if isinstance(paths, tuple) else ("", None)
+    for uuid in plan.device_uuids:
+        modes.setdefault(uuid, (plan.compute_mode, ref))
+    devices = [inventory.device(u) for u in plan.device_uuids]
+    sm = plan.compute_mode is ComputeMode.SM_SHARING
+    watched = ContainerDesired(
+        key=refusal.key, pod_namespace=pod.view.namespace, pod_name=pod.view.name, plan=plan,
+        qos=pod.qos, pod_cgroup=pod_cgroup, container_cgroup=container_cgroup,
+        mechanisms=frozenset({Mechanism.WATCHDOG}),
+        compute=(ComputeEnforcement.TIME_SLICING if not sm
+                 else ComputeEnforcement.MPS_NAMESPACE if inventory.capabilities.mps_namespaces
+                 else ComputeEnforcement.MPS_CLIENT_ENV),
+        mps_namespace=None,
+        device_indexes=tuple(d.index for d in devices if d is not None),
+        container_id=pod.container_ids.get(plan.container))
+    return dataclasses.replace(refusal, watched=watched)
 
 
 def _namespace_refusal(c: _Candidate, namespaces: Mapping[str, ContainerKey],

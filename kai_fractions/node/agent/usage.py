@@ -7,7 +7,9 @@ the metrics and GetNodeState. Use over a cap is counted, reported once per episo
 LimitViolation event in `report` mode (an episode ends when the use is back under the cap), and
 in `kill` mode the watchdog drains the process from MPS and stops it, with a LimitEnforced
 event on its pod. Only containers whose plan has the watchdog mechanism are capped; the others
-are observed.
+are observed. A running container refused because only a report-mode watchdog would watch it
+(`DesiredState.watched`, after an upgrade to the rule that refuses such containers) is still
+checked against its plan's cap: its use over it is reported, nothing of it is stopped.
 """
 
 from __future__ import annotations
@@ -155,7 +157,8 @@ class UsageCheck:
         there. Counted every check and logged when it starts and ends, like an unlistable
         GPU. Only GPUs listed this check are judged; a process listed without its memory
         leaves the GPU unjudged (its share cannot be told)."""
-        planned = {u for c in desired.containers for u in c.plan.device_uuids}
+        planned = {u for c in (*desired.containers, *desired.watched)
+                   for u in c.plan.device_uuids}
         seen = {u.device_uuid for u in usage if u.pids}
         suspects = [uuid for uuid, procs in processes.items()
                     if uuid in planned and uuid not in seen
@@ -262,7 +265,9 @@ class UsageCheck:
 
 
 def _refs(desired: DesiredState | None) -> dict[ContainerKey, PodRef]:
-    """The pod of each planned container, for its events."""
+    """The pod of each planned container, and of each refused one the watchdog still watches
+    (`DesiredState.watched`), for its events."""
     if desired is None:
         return {}
-    return {c.key: PodRef(c.pod_namespace, c.pod_name, c.key.pod_uid) for c in desired.containers}
+    return {c.key: PodRef(c.pod_namespace, c.pod_name, c.key.pod_uid)
+            for c in (*desired.containers, *desired.watched)}
