@@ -146,3 +146,31 @@ def test_a_kill_policy_still_caps_such_a_container(short_tmp: Path) -> None:
     _check(fixed)
     assert fixed.killer.calls == [4242]
     assert "LimitViolation" not in fixed.cluster.event_reasons(uid)
+
+
+def test_a_watched_container_is_measured_in_the_metrics_and_get_node_state(
+        short_tmp: Path) -> None:
+    """Its usage and violations are in the per-container series (as before the upgrade), and
+    GetNodeState says what it uses, beside its refusal."""
+    from prometheus_client import generate_latest
+
+    from kai_fractions.api.v1 import node_pb2
+    from kai_fractions.node.agent.grpc_service import node_state
+
+    rig, uid = _old_node(short_tmp)
+    _running(rig, uid, 4242, 30 * GIB)
+    _check(rig)
+    rig.step()  # the metrics are set from the view a pass leaves
+    text = generate_latest(rig.reconciler.metrics.registry).decode()
+    used = [line for line in text.splitlines()
+            if line.startswith("kai_fractions_container_gpu_memory_used_bytes{")
+            and f'pod_uuid="{uid}"' in line]
+    assert len(used) == 1 and float(used[0].rsplit(" ", 1)[1]) == 30 * GIB, used
+    violations = [line for line in text.splitlines()
+                  if line.startswith("kai_fractions_container_gpu_memory_limit_violations_total{")
+                  and f'pod_uuid="{uid}"' in line]
+    assert len(violations) == 1 and float(violations[0].rsplit(" ", 1)[1]) == 1, violations
+    [a] = [a for a in node_state(rig.reconciler.view, NODE, None, "Ready").allocations
+           if a.pod.uid == uid]
+    assert (a.state, a.reason, a.memory_used_bytes) == (
+        node_pb2.ALLOCATION_STATE_REFUSED, "MemoryLimitsUnsupported", 30 * GIB)

@@ -44,7 +44,7 @@ def deleting_sm_pods(pods: Mapping[str, Mapping[str, Any]], desired: DesiredStat
     have an sm-sharing container planned on this node."""
     if desired is None:
         return {}
-    sm = {c.key.pod_uid for c in desired.containers
+    sm = {c.key.pod_uid for c in (*desired.containers, *desired.watched)
           if c.plan.compute_mode is ComputeMode.SM_SHARING}
     out = {}
     for uid in sm & pods.keys():

@@ -113,6 +113,10 @@ def allocation(view: NodeView, key: ContainerKey) -> node_pb2.ContainerAllocatio
         if refusal is not None:  # held: the plan above stays, the annotations' new one is not
             out.change_refused_reason = refusal.reason.value
             out.change_refused_message = refusal.message
+    elif refusal is not None and refusal.watched is not None:
+        # Refused while it runs, its use still measured (`Refusal.watched`): what it uses.
+        out.memory_used_bytes = sum(u.used_bytes for (k, _uuid), u in view.usage.items()
+                                    if k == key)
     return out
 
 

@@ -260,7 +260,9 @@ class AgentMetrics:
             self._gpu_total.set((node, d.uuid, str(d.index)), d.memory_total)
         pods: dict[tuple[str, ...], list[int]] = {}  # upstream labels -> [used, sm, limit]
         labels_of = {}
-        for c in desired.containers:
+        # The refused containers the watchdog still watches (running before a rule refused
+        # them) are measured as the others are.
+        for c in (*desired.containers, *desired.watched):
             atp = c.active_thread_percentage
             for uuid, index in zip(c.plan.device_uuids, c.device_indexes, strict=True):
                 labels = (node, c.pod_namespace, c.pod_name, c.key.pod_uid, c.key.container,
