@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,28 +42,48 @@ def deny(message: str, *, code: int = 403, reason: str = "Forbidden",
 
 
 MAX_OPENINGS = 200_000
-"""The most arrays and objects (`[` and `{`, counted in the raw body, inside strings too) a
+"""The most arrays and objects (`[` and `{` outside strings, as json.loads reads them) a
 review may open. Parsed, each costs about 100 bytes (a list) to 330 (a dict with a key) where
 its 2 to 5 bytes of JSON would otherwise cost 25 to 60: a 3 MiB body of nested arrays parses to
 42 times its size, and mutate's review of it peaked at 418 MB (tracemalloc). Within this bound
 the costliest review peaks at 120 MB (a 3 MiB body of 200,000 nested one-key objects and short
 strings, for /mutate; 53 to 66 MB with no brackets at all): see the server's MAX_REVIEWS.
+Brackets inside strings cost nothing of that kind, and a real pod may hold many there: an env
+value of JSON (600 KB of `[[0,0],...]` opens 100,000), twice in an UPDATE.
 
 Real reviews open one per 21 to 26 bytes at their densest: a pod of 10,000 env vars, or of 100
 containers of 100 env vars and 10 mounts each and 1,000 volumes, or of 1,000 containers, with
-its managedFields, its status and a kubectl last-applied-configuration annotation (a JSON
-string: its brackets count too) opens 68,000 to 123,000 in 1.4 to 2.8 MiB, and an UPDATE (two
-objects) of the first 136,000 in 2.8 MiB. At that density a review filling all of the server's
-MAX_BODY would open 150,000. Pods as the test data has them open one per 55 to 75 bytes."""
+its managedFields, its status and a kubectl last-applied-configuration annotation opens 68,000
+to 123,000 in 1.4 to 2.8 MiB, and an UPDATE (two objects) of the first 136,000 in 2.8 MiB
+(counted with the brackets inside strings, the annotation's among them). At that density a
+review filling all of the server's MAX_BODY would open 150,000. Pods as the test data has them
+open one per 55 to 75 bytes."""
+
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)
+_STRING = re.compile(rb'"[^"]*"')
+
+
+def openings(body: bytes) -> int:
+    """The arrays and objects `body` opens: its `[` and `{` outside JSON strings. Linear in the
+    body whatever it holds (no backtracking: escapes go first, then the strings, each a run of
+    anything but a quote). Where the body is not JSON, the count agrees with the parser's up to
+    its first error, and the parser builds nothing past it. Only UTF-8 is read so (the API
+    server sends nothing else); in UTF-16 or UTF-32 a character's bytes may be a quote's, so
+    every bracket counts."""
+    if json.detect_encoding(body) not in ("utf-8", "utf-8-sig"):
+        return body.count(b"[") + body.count(b"{")
+    outside = _STRING.sub(b"", _ESCAPE.sub(b"", body))
+    return outside.count(b"[") + outside.count(b"{")
 
 
 def parse_review(body: bytes) -> dict[str, Any]:
     """The `request` of an AdmissionReview v1 body; raises ReviewError."""
-    openings = body.count(b"[") + body.count(b"{")
-    if openings > MAX_OPENINGS:
-        raise ReviewError(f"the request body opens {openings} arrays and objects ('[' and "
-                          f"'{{'), more than the {MAX_OPENINGS} any AdmissionReview of a real "
-                          "object does; refused unparsed, as each takes memory")
+    opened = openings(body)
+    if opened > MAX_OPENINGS:
+        raise ReviewError(f"the request body opens {opened} arrays and objects ('[' and "
+                          f"'{{' outside strings), more than the {MAX_OPENINGS} any "
+                          "AdmissionReview of a real object does; refused unparsed, as each "
+                          "takes memory")
     try:
         review = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:

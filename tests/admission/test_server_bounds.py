@@ -11,6 +11,8 @@ import logging
 import select
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -132,9 +134,66 @@ def test_a_body_opening_more_arrays_than_any_object_is_refused_unparsed(
     assert openings > reviews.MAX_OPENINGS == 200_000
     status, text = send(webhook, body, timeout=30)
     assert (status, text) == (400, (
-        f"the request body opens {openings} arrays and objects ('[' and '{{'), more than the "
-        "200000 any AdmissionReview of a real object does; refused unparsed, as each takes "
-        "memory\n"))
+        f"the request body opens {openings} arrays and objects ('[' and '{{' outside strings), "
+        "more than the 200000 any AdmissionReview of a real object does; refused unparsed, as "
+        "each takes memory\n"))
+
+
+def test_brackets_inside_strings_are_not_counted(webhook: Webhook) -> None:
+    """A pod whose app reads a JSON config from its env (600 KB of `[[0,0],...]`: 100,000
+    brackets), twice in an UPDATE (the binder's, the kubelet's status): reviewed. Counting the
+    brackets inside strings too, its every UPDATE was refused (200,108), so it never got its
+    binding nor its status."""
+    points = json.dumps([[0, 0]] * 100_001, separators=(",", ":"))
+    obj = pod({})
+    obj["spec"]["containers"][0]["env"] = [{"name": "POINTS_JSON", "value": points}]
+    body = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                       "request": request(obj, old=obj)}).encode()
+    assert body.count(b"[") + body.count(b"{") > reviews.MAX_OPENINGS
+    status, answer = webhook.post("/validate", body)
+    assert status == 200 and answer["response"]["allowed"] is True
+
+
+def _structures(value: Any) -> int:
+    """The arrays and objects in a parsed value."""
+    if isinstance(value, list):
+        return 1 + sum(_structures(v) for v in value)
+    if isinstance(value, dict):
+        return 1 + sum(_structures(v) for v in value.values())
+    return 0
+
+
+@pytest.mark.parametrize("text", ['[{', 'a\\"[{', '\\', '\\\\"[', '"', '\u2200[{', '\n[\t', ''])
+@pytest.mark.parametrize("ascii_only", [True, False])
+def test_openings_are_the_arrays_and_objects_the_parser_builds(text: str,
+                                                               ascii_only: bool) -> None:
+    """Strings (their escapes, quotes and brackets) are skipped as json.loads reads them."""
+    doc = {"k": text, "l": [text, {"m": [text, []]}], text: [[{}]], "n": [1, "]", "["]}
+    body = json.dumps(doc, ensure_ascii=ascii_only).encode()
+    assert reviews.openings(body) == _structures(json.loads(body)) == 9
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"])
+def test_in_utf16_or_utf32_every_bracket_counts(encoding: str) -> None:
+    """json.loads reads those too; there a character's bytes may be a quote's (U+2200 is 22 00
+    in UTF-16-BE), and strings read from the bytes would hide the brackets after it."""
+    body = json.dumps(["\u2200", [[[]]] * 1000, "\u2200"], ensure_ascii=False).encode(encoding)
+    assert _structures(json.loads(body)) == 2002
+    assert reviews.openings(body) >= 2002
+
+
+def test_counting_openings_takes_one_pass_whatever_the_body(tmp_path: Any) -> None:
+    """3 MiB of unterminated strings of escaped quotes, or of backslashes: one pattern for a
+    whole string with its escapes backtracks over the string from each quote in it (18 s for
+    80 KB; days for 3 MiB). Counted in a process of its own, so that such a regression fails
+    (the timeout only keeps the suite from hanging)."""
+    code = ("from kai_fractions.admission.review import openings\n"
+            "n = 3 * 1024 * 1024 // 2\n"
+            "print(openings(b'\"' + b'\\\\\"' * n), openings(b'\"\\\\' * n),"
+            " openings(b'[\"' + b'\\\\' * n))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path)
+    assert (result.returncode, result.stdout) == (0, "0 0 1\n"), result.stderr
 
 
 def _big_pod(containers: int, envs: int) -> dict[str, Any]:
