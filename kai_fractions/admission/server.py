@@ -7,19 +7,23 @@ cannot hold up the others.
 
 Memory is bounded whoever sends the requests (any pod that reaches the Service can): a body is
 at most MAX_BODY, the bodies held at once at most BODY_BUDGET bytes (counted as they arrive,
-and each must arrive at BODY_RATE), at most MAX_REVIEWS of them parsed, and none parsed that
-opens more than review.MAX_OPENINGS arrays and objects; a request that finds no room within
-QUEUE_WAIT gets a 503. Threads are bounded too: at most MAX_CONNECTIONS connections are open,
-each with its thread (of THREAD_STACK). Past that, a new connection takes the place of one that
-waits on its peer (an idle keep-alive; a handshake, headers or an answer's write stuck for
-PENDING_GRACE), or waits in the listen backlog, unaccepted, until one is free: a request being
-served is never cut off.
+and each must arrive at BODY_RATE), with the answers being written (each holds the larger of
+its body and itself until its write ends, and must be read at BODY_RATE too), at most
+MAX_REVIEWS of them parsed, and none parsed that opens more than review.MAX_OPENINGS arrays and
+objects; a request that finds no room within QUEUE_WAIT gets a 503. Threads are bounded too: at
+most MAX_CONNECTIONS connections are open, each with its thread (of THREAD_STACK). Past that, a
+new connection takes the place of one that waits on its peer (an idle keep-alive; a handshake
+or headers stuck for PENDING_GRACE; an answer's write PENDING_GRACE behind BODY_RATE), or waits
+in the listen backlog, unaccepted, until one is free: a request being served is never cut
+off.
 
 Measured (RSS, CPython 3.11, glibc's malloc): with 1,000 idle connections open (about 60 KiB
 each) and ten rounds of six of the costliest bodies these bounds let through sent at once (3
 MiB, 200,000 nested objects, for /mutate), the process peaked at 282 MiB (256 MiB with
 MALLOC_ARENA_MAX=2), 189 MiB without the open connections; it idles at 30 MiB. The chart's
-memory limit must hold that: 384Mi.
+memory limit must hold that: 384Mi. 100 peers each sending a review answered with 4 MiB (a
+fractional pod with a 3 MiB env value) and never reading it: 79 to 89 MiB (MALLOC_ARENA_MAX=2;
+484 to 592 MiB when answers held no room and had 30 s a send).
 """
 
 from __future__ import annotations
@@ -56,12 +60,16 @@ of times its size in memory."""
 MAX_BODIES = 4
 BODY_BUDGET = MAX_BODIES * MAX_BODY
 """Bytes of request bodies held at once, counted as they arrive (a body announced but not sent
-holds nothing): MAX_BODIES of the largest, or thousands of real reviews."""
+holds nothing): MAX_BODIES of the largest, or thousands of real reviews. A review's answer is
+held in its body's place until it is written, which it takes for itself where it is larger (a
+fractional pod with a 3 MiB env value is answered with a 4 MiB patch): answers their peers do
+not read took the process past the chart's memory limit when they held nothing."""
 BODY_GRACE = 1.0
 BODY_RATE = 1024 * 1024
 """A body must arrive within BODY_GRACE plus a second per BODY_RATE bytes (a few KiB: about a
-second; the largest: 4 s). The API server sends it at once; a peer that trickles it is cut, so
-a few slow senders hold neither room nor a place for long."""
+second; the largest: 4 s), and an answer be read so too. The API server sends its body and
+reads its answer at once; a peer that trickles either is cut, so slow peers hold neither room
+nor a place for long."""
 MAX_REVIEWS = 1
 """Bodies parsed and reviewed at once. Python runs one at a time anyway (the GIL), so more
 would add no throughput, only parsed bodies in memory: the costliest review these bounds let
@@ -91,9 +99,9 @@ bodies json.loads accepts (nested up to the recursion limit, anywhere in a revie
 and answered, need about 200 KiB (192 KiB crashed the process, 208 KiB did not): five times
 that."""
 PENDING_GRACE = 2.0
-"""When every place is taken, a connection whose handshake, request headers or answer's write
-has not moved for this long makes way for a new one (the API server sends its request at once
-and reads the answer at once)."""
+"""When every place is taken, a connection whose handshake or request headers have not come for
+this long, or whose answer's write is this far behind BODY_RATE, makes way for a new one (the
+API server sends its request at once and reads the answer at once)."""
 ACCEPT_WAIT = 0.5
 """How long the accepting thread waits for a free place at a time before it looks whether the
 server is being shut down."""
@@ -139,7 +147,8 @@ class Connections:
     def make_room(self, timeout: float) -> bool:
         """True when a new connection can be admitted: a place is free, or one was freed by
         closing the connection that may give it up (an idle keep-alive first, the longest idle;
-        then the one stuck longest past PENDING_GRACE). False after `timeout` without."""
+        then the one stuck longest past PENDING_GRACE: a handshake or headers that have not
+        come, an answer behind BODY_RATE). False after `timeout` without."""
         deadline = time.monotonic() + timeout
         counted = False
         with self._changed:
@@ -188,14 +197,17 @@ class Connections:
         with self._changed:
             self._open[conn] = (NEW, time.monotonic())
 
-    def mark(self, conn: socket.socket, state: str) -> bool:
-        """False when `conn` has given its place up (evicted): it must stop."""
+    def mark(self, conn: socket.socket, state: str, since: float | None = None) -> bool:
+        """Puts `conn` in `state`, waiting on its peer `since` then (default: now; an answer
+        moving at BODY_RATE says so ahead of time). False when `conn` has given its place up
+        (evicted): it must stop."""
         with self._changed:
             if conn not in self._open:
                 return False
-            self._open[conn] = (state, time.monotonic())
-            if state != SERVING:
-                self._changed.notify_all()  # a place the accepting thread may take
+            was, _since = self._open[conn]
+            self._open[conn] = (state, time.monotonic() if since is None else since)
+            if state != was and state != SERVING:
+                self._changed.notify_all()  # a place the accepting thread may take, in time
             return True
 
     def close(self, conn: socket.socket) -> None:
@@ -385,8 +397,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, body: bytes, content_type: str,
               headers: tuple[tuple[str, str], ...] = ()) -> None:
-        # Writing waits on the peer to read: a slow reader's place may be taken.
-        self.server.connections.mark(self.request, WRITING)
+        """Writes the answer within BODY_GRACE + len(body) / BODY_RATE, else raises TimeoutError
+        (the connection is then closed): writing waits on the peer to read, and the answer is
+        held meanwhile. A reader PENDING_GRACE behind that rate may make way for a new
+        connection."""
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -395,8 +409,32 @@ class _Handler(BaseHTTPRequestHandler):
         if self.server.draining and not self.close_connection:
             self.close_connection = True
             self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
+        allowed = BODY_GRACE + len(body) / BODY_RATE
+        start = time.monotonic()
+        view = memoryview(body)
+        try:
+            self.server.connections.mark(self.request, WRITING, start)
+            self.connection.settimeout(allowed)
+            self.end_headers()
+            for done in range(0, len(body), _CHUNK):
+                if not self.server.connections.mark(self.request, WRITING,
+                                                    start + done / BODY_RATE):
+                    raise ConnectionAbortedError("its place was taken by a new connection")
+                left = start + allowed - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the answer was not read within {allowed:.1f} s")
+                self.connection.settimeout(left)
+                self.wfile.write(view[done:done + _CHUNK])
+        finally:
+            self.connection.settimeout(IO_TIMEOUT)
+
+    def send_error(self, code: int, message: str | None = None,
+                   explain: str | None = None) -> None:
+        # The standard library's own answers (a bad request line, an unsupported method): a few
+        # hundred bytes, waited on as ours are, and the connection is closed after.
+        self.server.connections.mark(self.request, WRITING)
+        self.connection.settimeout(BODY_GRACE)
+        super().send_error(code, message, explain)
 
     def _send_text(self, status: int, text: str,
                    headers: tuple[tuple[str, str], ...] = ()) -> None:
@@ -441,12 +479,20 @@ class _Handler(BaseHTTPRequestHandler):
                 answer = self._review(route, body)
             finally:
                 self.server.reviews.release()
+            del body
+            # The answer is held until it is written, in the body's room, and more where it is
+            # larger: taken at once or not at all (it holds a part already, as a body's later
+            # bytes do). Its write is bounded in time (_send).
+            more = len(answer[1]) - self._held
+            if more > 0:
+                if not self.server.bodies.take(more, 0):
+                    self._busy()
+                    return
+                self._held += more
+            self._send(*answer)
         finally:
             self.server.bodies.give(self._held)
             self._held = 0
-        # Written with no room held: a peer that reads its answers slowly holds only its
-        # connection (a place another may take), never the room the other reviews need.
-        self._send(*answer)
 
     def _busy(self) -> None:
         """503: the body was read whole (and dropped), so the connection stays usable."""
@@ -504,6 +550,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._busy()
             return None
         return b"".join(chunks)
+
     def _review(self, route: Reviewer, body: bytes) -> tuple[int, bytes, str]:
         """The answer to send: status, body, content type."""
         try:
