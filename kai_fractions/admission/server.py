@@ -13,9 +13,9 @@ MAX_REVIEWS of them parsed, and none parsed that opens more than review.MAX_OPEN
 objects; a request that finds no room within QUEUE_WAIT gets a 503. Threads are bounded too: at
 most MAX_CONNECTIONS connections are open, each with its thread (of THREAD_STACK). Past that, a
 new connection takes the place of one that waits on its peer (an idle keep-alive; a handshake
-or headers stuck for PENDING_GRACE; an answer's write PENDING_GRACE behind BODY_RATE), or waits
-in the listen backlog, unaccepted, until one is free: a request being served is never cut
-off.
+or headers stuck for PENDING_GRACE; a body or an answer's write PENDING_GRACE behind
+BODY_RATE), or waits in the listen backlog, unaccepted, until one is free: a request being
+served (waiting on the server: for room, a review) is never cut off.
 
 Measured (RSS, CPython 3.11, glibc's malloc): with 1,000 idle connections open (about 60 KiB
 each) and ten rounds of six of the costliest bodies these bounds let through sent at once (3
@@ -100,8 +100,8 @@ and answered, need about 200 KiB (192 KiB crashed the process, 208 KiB did not):
 that."""
 PENDING_GRACE = 2.0
 """When every place is taken, a connection whose handshake or request headers have not come for
-this long, or whose answer's write is this far behind BODY_RATE, makes way for a new one (the
-API server sends its request at once and reads the answer at once)."""
+this long, or whose body or answer's write is this far behind BODY_RATE, makes way for a new
+one (the API server sends its request at once and reads the answer at once)."""
 ACCEPT_WAIT = 0.5
 """How long the accepting thread waits for a free place at a time before it looks whether the
 server is being shut down."""
@@ -124,10 +124,13 @@ def parse_listen(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-NEW, IDLE, SERVING, WRITING = "new", "idle", "serving", "writing"
-"""A connection's state: NEW, its handshake and first request's headers on their way; IDLE, a
-keep-alive waiting for its next request; SERVING, a request from its headers to its answer;
-WRITING, its answer being written (waiting on the peer to read)."""
+NEW, IDLE, HEADERS, READING, SERVING, WRITING = (
+    "new", "idle", "headers", "reading", "serving", "writing")
+"""A connection's state: NEW, its handshake on its way, or done and no byte of a request come
+yet; IDLE, a keep-alive waiting for its next request (no byte of it come yet); HEADERS, a
+request's line and headers on their way; READING, its body on its way; SERVING, the request
+waiting on the server (for room, for a review); WRITING, its answer being written (waiting on
+the peer to read)."""
 
 
 class Connections:
@@ -148,7 +151,7 @@ class Connections:
         """True when a new connection can be admitted: a place is free, or one was freed by
         closing the connection that may give it up (an idle keep-alive first, the longest idle;
         then the one stuck longest past PENDING_GRACE: a handshake or headers that have not
-        come, an answer behind BODY_RATE). False after `timeout` without."""
+        come, a body or an answer behind BODY_RATE). False after `timeout` without."""
         deadline = time.monotonic() + timeout
         counted = False
         with self._changed:
@@ -174,7 +177,7 @@ class Connections:
         for conn, (state, since) in self._open.items():
             if state == IDLE:
                 rank = (0, since)
-            elif state in (NEW, WRITING):
+            elif state in (NEW, HEADERS, READING, WRITING):
                 if now - since < PENDING_GRACE:
                     wake = min(wake, since + PENDING_GRACE)
                     continue
@@ -198,9 +201,9 @@ class Connections:
             self._open[conn] = (NEW, time.monotonic())
 
     def mark(self, conn: socket.socket, state: str, since: float | None = None) -> bool:
-        """Puts `conn` in `state`, waiting on its peer `since` then (default: now; an answer
-        moving at BODY_RATE says so ahead of time). False when `conn` has given its place up
-        (evicted): it must stop."""
+        """Puts `conn` in `state`, waiting on its peer `since` then (default: now; a body or an
+        answer moving at BODY_RATE says so ahead of time). False when `conn` has given its place
+        up (evicted): it must stop."""
         with self._changed:
             if conn not in self._open:
                 return False
@@ -378,8 +381,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         # After its first request, a connection waits for its next one (keep-alive): another
-        # connection may take the place.
-        if self._requests and not self.server.connections.mark(self.request, IDLE):
+        # connection may take the place at once. Once a byte of the request has come, it is a
+        # request on its way (HEADERS): its place is taken only after PENDING_GRACE.
+        connections = self.server.connections
+        if self._requests and not connections.mark(self.request, IDLE):
+            self.close_connection = True
+            return
+        try:
+            begun = self.rfile.peek(1)
+        except TimeoutError:
+            begun = b""
+        if not begun or not connections.mark(self.request, HEADERS):
             self.close_connection = True
             return
         super().handle_one_request()
@@ -508,13 +520,18 @@ class _Handler(BaseHTTPRequestHandler):
         holds a part could hold all of it between them); the rest is then read and dropped, so
         that the answer is not lost to a reset."""
         allowed = BODY_GRACE + length / BODY_RATE
-        deadline = time.monotonic() + allowed
+        start = time.monotonic()
+        connections = self.server.connections
         chunks: list[bytes] = []
         got = 0
         dropped = False
         try:
             while got < length:
-                left = deadline - time.monotonic()
+                # Waiting on the peer: PENDING_GRACE behind BODY_RATE, it may make way.
+                if not connections.mark(self.request, READING, start + got / BODY_RATE):
+                    self.close_connection = True
+                    return None
+                left = start + allowed - time.monotonic()
                 if left <= 0:
                     raise TimeoutError
                 self.connection.settimeout(min(left, IO_TIMEOUT))
@@ -524,7 +541,12 @@ class _Handler(BaseHTTPRequestHandler):
                 got += len(chunk)
                 if keep and not dropped:
                     waited = time.monotonic()
-                    if self.server.bodies.take(len(chunk), 0 if self._held else QUEUE_WAIT):
+                    if self._held:
+                        taken = self.server.bodies.take(len(chunk), 0)
+                    else:  # waits on the server, not on its peer
+                        connections.mark(self.request, SERVING)
+                        taken = self.server.bodies.take(len(chunk), QUEUE_WAIT)
+                    if taken:
                         self._held += len(chunk)
                         chunks.append(chunk)
                     else:
@@ -532,7 +554,8 @@ class _Handler(BaseHTTPRequestHandler):
                         self.server.bodies.give(self._held)
                         self._held = 0
                         chunks = []
-                    deadline += time.monotonic() - waited  # the sender did not wait on itself
+                    start += time.monotonic() - waited  # the sender did not wait on itself
+            connections.mark(self.request, SERVING)  # what follows waits on the server
         except TimeoutError:
             self.close_connection = True
             self._send_text(HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive within "

@@ -104,7 +104,7 @@ def test_slow_senders_hold_no_room_and_are_cut_at_the_body_rate(
     for t in slow:
         t.start()
     try:
-        _wait_for(lambda: _states(webhook).count(server.SERVING) >= server.MAX_BODIES)
+        _wait_for(lambda: _states(webhook).count(server.READING) >= server.MAX_BODIES)
         assert send(webhook, review(pod()))[0] == 200
         for t in slow:
             t.join(timeout=10)
@@ -449,8 +449,8 @@ def test_when_every_connection_is_being_served_a_new_one_waits_to_be_accepted(
         webhook: Webhook, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     """Requests whose bodies are on their way are being served (each within its body's
-    deadline): a new connection is not accepted until one ends, with a warning, once a minute.
-    It was closed at once."""
+    deadline, and less than PENDING_GRACE behind the body rate): a new connection is not
+    accepted until one ends, with a warning, once a minute. It was closed at once."""
     monkeypatch.setattr(server, "BODY_GRACE", 1.0)
     webhook.server.connections.limit = 2
     served = []
@@ -459,7 +459,7 @@ def test_when_every_connection_is_being_served_a_new_one_waits_to_be_accepted(
         sock.sendall(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Length: 100\r\n\r\n")
         served.append(sock)
     try:
-        _wait_for(lambda: _states(webhook) == [server.SERVING] * 2)
+        _wait_for(lambda: _states(webhook) == [server.READING] * 2)
         with caplog.at_level(logging.WARNING, logger=server.__name__):
             late, late_status = _in_thread(lambda: send(webhook, review(pod()), timeout=20))
             _wait_for(lambda: webhook.server.connections.waited >= 1)
@@ -477,6 +477,83 @@ def test_when_every_connection_is_being_served_a_new_one_waits_to_be_accepted(
     finally:
         for sock in served:
             sock.close()
+
+
+def test_a_body_that_does_not_come_makes_way_for_a_new_connection(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Headers announcing a body, then nothing: once PENDING_GRACE behind the body rate, its
+    place may be taken. It was a request being served, its place held until its 408."""
+    monkeypatch.setattr(server, "PENDING_GRACE", 0.2)
+    monkeypatch.setattr(server, "BODY_GRACE", 60.0)  # no 408 meanwhile
+    webhook.server.connections.limit = 1
+    with _tls(webhook) as stalled:
+        stalled.sendall(b"POST /validate HTTP/1.1\r\nHost: webhook\r\n"
+                        b"Content-Length: 3000000\r\n\r\n" + b" " * 1000)
+        _wait_for(lambda: _states(webhook) == [server.READING])
+        assert send(webhook, review(pod()), timeout=30)[0] == 200
+        assert webhook.server.connections.evicted == 1
+        assert _closed_by_peer(stalled)
+    assert webhook.server.bodies.free == webhook.server.bodies.size
+
+
+def test_a_body_coming_at_the_body_rate_keeps_its_place(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """However long it takes, a body ahead of BODY_RATE is never behind it: a new connection
+    waits for its place, and both are answered."""
+    monkeypatch.setattr(server, "PENDING_GRACE", 1.0)
+    monkeypatch.setattr(server, "BODY_RATE", 10_000)
+    webhook.server.connections.limit = 1
+    body = json.dumps({**json.loads(review(pod())), "padding": " " * 30_000}).encode()
+
+    def steady() -> int:
+        with _tls(webhook) as sock:
+            sock.sendall(b"POST /validate HTTP/1.1\r\nHost: webhook\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body))
+            for start in range(0, len(body), 1000):  # 40,000 bytes a second
+                sock.sendall(body[start:start + 1000])
+                time.sleep(0.025)
+            return _answer_status(sock)
+
+    sender, sent = _in_thread(steady)
+    _wait_for(lambda: _states(webhook) == [server.READING])
+    late, late_status = _in_thread(lambda: send(webhook, review(pod()), timeout=30))
+    sender.join(timeout=30)
+    late.join(timeout=30)
+    assert sent == [200]
+    assert late_status[0][0] == 200
+    assert webhook.server.connections.waited >= 1
+    assert webhook.server.connections.evicted <= 1  # its keep-alive after the answer, if any
+
+
+def test_a_keep_alive_whose_next_request_has_begun_is_no_longer_idle(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a byte of its next request has come, the API server's keep-alive is not a place to
+    take at once: a new connection waits for it to be answered (it was closed mid-request)."""
+    monkeypatch.setattr(server, "PENDING_GRACE", 30.0)
+    webhook.server.connections.limit = 1
+    with _tls(webhook) as sock:
+        assert _review_over(sock) == 200
+        _wait_for(lambda: _states(webhook) == [server.IDLE])
+        body = review(pod())
+        request_ = (b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Length: %d\r\n\r\n"
+                    % len(body) + body)
+        sock.sendall(request_[:10])
+        _wait_for(lambda: _states(webhook) == [server.HEADERS])
+        late, late_status = _in_thread(lambda: send(webhook, review(pod()), timeout=30))
+        _wait_for(lambda: webhook.server.connections.waited >= 1)
+        assert webhook.server.connections.evicted == 0 and late.is_alive()
+        sock.sendall(request_[10:])
+        assert _answer_status(sock) == 200
+        late.join(timeout=30)
+        assert late_status[0][0] == 200
+        assert webhook.server.connections.evicted == 1  # idle again after its answer
+
+
+def _answer_status(sock: ssl.SSLSocket) -> int:
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    response.read()
+    return response.status
 
 
 def test_a_keep_alive_connection_waits_between_requests_and_can_make_way(
