@@ -226,15 +226,30 @@ class Connections:
                     socket.socket.shutdown(conn, socket.SHUT_RDWR)
 
     def wait_served(self, timeout: float) -> bool:
-        """Waits until no connection is but an idle keep-alive; False after `timeout`."""
+        """Waits until no connection is but an idle keep-alive; False after `timeout`. A new
+        connection whose request has not begun within PENDING_GRACE is closed meanwhile: it
+        would otherwise hold the shutdown for `timeout` (the API server sends its request at
+        once; one accepted just before the listener closed still gets that long)."""
         deadline = time.monotonic() + timeout
         with self._changed:
-            while any(state != IDLE for state, _since in self._open.values()):
-                left = deadline - time.monotonic()
-                if left <= 0:
+            while True:
+                now = time.monotonic()
+                waiting = [(conn, state, since) for conn, (state, since) in self._open.items()
+                           if state != IDLE]
+                if not waiting:
+                    return True
+                if now >= deadline:
                     return False
-                self._changed.wait(left)
-            return True
+                wake = deadline
+                for conn, state, since in waiting:
+                    if state != NEW:
+                        continue
+                    if now - since < PENDING_GRACE:
+                        wake = min(wake, since + PENDING_GRACE)
+                    else:
+                        with contextlib.suppress(OSError):
+                            socket.socket.shutdown(conn, socket.SHUT_RDWR)
+                self._changed.wait(wake - now)
 
     def __len__(self) -> int:
         with self._changed:

@@ -549,6 +549,37 @@ def test_a_keep_alive_whose_next_request_has_begun_is_no_longer_idle(
         assert webhook.server.connections.evicted == 1  # idle again after its answer
 
 
+def test_on_drain_a_connection_that_sends_no_request_holds_it_only_pending_grace(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection accepted before the listener closed, that never sends a request, is closed
+    after PENDING_GRACE: the drain ends then (it waited its whole timeout, and said some
+    request was not answered)."""
+    monkeypatch.setattr(server, "PENDING_GRACE", 0.3)
+    with socket.create_connection(("127.0.0.1", webhook.port), timeout=5) as silent, \
+            _tls(webhook) as quiet:
+        _wait_for(lambda: _states(webhook) == [server.NEW] * 2)
+        began = time.monotonic()
+        assert webhook.server.drain(timeout=10) is True
+        assert time.monotonic() - began < 5
+        assert _closed_by_peer(silent) and _closed_by_peer(quiet)
+
+
+def test_on_drain_a_request_begun_within_pending_grace_is_answered(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API server sends its request at once after its handshake: one that begins within
+    PENDING_GRACE of its connection is answered (with Connection: close) before the drain
+    ends."""
+    monkeypatch.setattr(server, "PENDING_GRACE", 3.0)
+    with _tls(webhook) as sock:
+        _wait_for(lambda: _states(webhook) == [server.NEW])
+        drain, drained = _in_thread(lambda: webhook.server.drain(timeout=10))
+        _wait_for(lambda: webhook.server.draining)
+        assert _review_over(sock) == 200
+        drain.join(timeout=10)
+        assert drained == [True]
+        assert _closed_by_peer(sock)
+
+
 def _answer_status(sock: ssl.SSLSocket) -> int:
     response = http.client.HTTPResponse(sock)
     response.begin()
