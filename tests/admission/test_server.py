@@ -419,7 +419,8 @@ def test_the_shutdown_delay_is_a_number_of_seconds(tls_dir: Path, capsys) -> Non
 def _listening(hook: Webhook) -> bool:
     try:
         socket.create_connection(("127.0.0.1", hook.port), timeout=5).close()
-    except ConnectionRefusedError:
+    except (ConnectionRefusedError, ConnectionResetError):
+        # Reset: the probe was in the listen backlog when the listener closed.
         return False
     return True
 
