@@ -6,6 +6,8 @@ Heavy imports stay inside `run`: the CLI imports every command module to build i
 from __future__ import annotations
 
 import argparse
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from ..admission.config import (
@@ -106,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import signal
     import sys
-    import threading
 
     from ..admission.server import DRAIN_TIMEOUT, make_server
     from ..admission.tls import ReloadingContext, TLSError
@@ -136,15 +137,25 @@ def run(args: argparse.Namespace) -> int:
     host, port = server.server_address[:2]
     log = logging.getLogger("kai_fractions.admission")
     log.info("serving /validate, /mutate and /healthz on https://%s:%s", host, port)
-    stop.wait()
+    _wait(stop)
     # The API server keeps sending reviews here until the endpoint is gone: go on answering
     # them (a fail-closed pod would be refused), saying "not ready" meanwhile.
     server.draining = True
     log.info("stopping: serving %g s more with /healthz answering 503, then finishing the "
              "reviews in flight", args.shutdown_delay)
-    hurry.wait(args.shutdown_delay)
+    _wait(hurry, args.shutdown_delay)
     if not server.drain():
         log.warning("stopped with requests still being served after %g s", DRAIN_TIMEOUT)
     else:
         log.info("stopped")
     return 0
+
+
+def _wait(event: threading.Event, timeout: float | None = None) -> None:
+    """Waits until `event` is set or `timeout` passes, in short steps: a signal the kernel gives
+    another thread (the serving one) runs its Python handler only once the main thread wakes,
+    and a wait without a timeout may never wake (SIGTERM was lost so, under load)."""
+    deadline = float("inf") if timeout is None else time.monotonic() + timeout
+    while not event.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            return

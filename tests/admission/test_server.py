@@ -10,10 +10,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
+import ctypes
 import http.client
 import json
 import os
 import re
+import signal
 import socket
 import ssl
 import subprocess
@@ -414,6 +416,30 @@ def test_the_shutdown_delay_is_a_number_of_seconds(tls_dir: Path, capsys) -> Non
               str(tls_dir / "tls.key"), "--gate-image", GATE_IMAGE, "--shutdown-delay", "-1"])
     assert "--shutdown-delay: must be a number of seconds from 0 to 3600, got '-1'" in \
         capsys.readouterr().err
+
+
+def _signal_another_thread(proc: subprocess.Popen[str], sig: int) -> None:
+    """Gives `sig` to a thread of `proc` other than its main one, as the kernel may for a
+    signal sent to the process (it picks any thread that does not block it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for tid in sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task")):
+        if tid != proc.pid and libc.tgkill(proc.pid, tid, sig) == 0:
+            return
+    raise AssertionError(f"no thread of {proc.pid} but its main one took signal {sig}")
+
+
+def test_a_signal_the_kernel_gives_another_thread_stops_the_cli_all_the_same(
+        tls_dir: Path) -> None:
+    """A signal handler runs in the main thread, which only sees it when it wakes: the main
+    thread waited with no timeout, so a SIGTERM given to the serving thread was never handled
+    (the pod served on, ready, until the kubelet's SIGKILL)."""
+    with cli_server(tls_dir, "--shutdown-delay", "60") as (proc, hook):
+        assert _healthz(hook) == 200
+        _signal_another_thread(proc, signal.SIGTERM)
+        _wait_until(lambda: _healthz(hook) == 503)
+        assert _healthz(hook) == 503
+        _signal_another_thread(proc, signal.SIGTERM)  # the second skips the delay
+        assert proc.wait(timeout=20) == 0
 
 
 def _listening(hook: Webhook) -> bool:
