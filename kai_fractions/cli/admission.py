@@ -51,6 +51,10 @@ def register(sub) -> None:
                    "so that the pod leaves the Service's endpoints while it still answers; then "
                    "stop accepting and finish the reviews in flight (at most 15 s more). A "
                    "second signal skips what is left of the delay (default: %(default)g)")
+    p.add_argument("--metrics-listen", default="", metavar="ADDR",
+                   help="serve Prometheus metrics at http://ADDR/metrics, ADDR being HOST:PORT "
+                   "(reviews by outcome and their latency, refusals by reason, connections, the "
+                   "process; docs/admission.md). Default: off")
     add_log_level(p)
     p.set_defaults(func=run)
 
@@ -112,19 +116,39 @@ def run(args: argparse.Namespace) -> int:
     from ..admission.server import DRAIN_TIMEOUT, make_server
     from ..admission.tls import ReloadingContext, TLSError
     from ..contract import DEFAULT_KEYS, Keys
+    from ..metrics_http import MetricsEndpoint, parse_listen
 
     setup_logging(args)
+    metrics = None
     try:
         keys = Keys(prefix=args.annotation_prefix) if args.annotation_prefix else DEFAULT_KEYS
         config = admission_config(
             args, gate_image=args.gate_image, keys=keys,
             allowed_identities=tuple(args.allowed_identity or DEFAULT_ALLOWED_IDENTITIES),
             runtime_class=args.runtime_class)
+        if args.metrics_listen:
+            from ..admission.metrics import AdmissionMetrics
+
+            parse_listen(args.metrics_listen)  # names the flag
+            metrics = AdmissionMetrics()
         tls = ReloadingContext(args.tls_cert, args.tls_key)
-        server = make_server(args.listen, config, tls)
+        server = make_server(args.listen, config, tls, metrics)
     except (ValueError, TLSError, OSError) as e:
         print(f"kai-fractions admission: {e}", file=sys.stderr)
         return 2
+    # Bound before the webhook serves: a port it cannot have is a usage error, not a replica
+    # that serves unseen.
+    endpoint, metrics_at = None, ""
+    if metrics is not None:
+        endpoint = MetricsEndpoint(metrics.registry)
+        try:
+            metrics_host, metrics_port = endpoint.serve(args.metrics_listen)
+            metrics_at = f"http://{metrics_host}:{metrics_port}/metrics"
+        except OSError as e:
+            server.server_close()
+            print(f"kai-fractions admission: --metrics-listen {args.metrics_listen}: "
+                  f"{e.strerror or e}", file=sys.stderr)
+            return 2
     stop, hurry = threading.Event(), threading.Event()
 
     def on_signal(*_: Any) -> None:
@@ -137,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
     host, port = server.server_address[:2]
     log = logging.getLogger("kai_fractions.admission")
     log.info("serving /validate, /mutate and /healthz on https://%s:%s", host, port)
+    if metrics_at:
+        log.info("metrics at %s", metrics_at)
     _wait(stop)
     # The API server keeps sending reviews here until the endpoint is gone: go on answering
     # them (a fail-closed pod would be refused), saying "not ready" meanwhile.
@@ -148,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
         log.warning("stopped with requests still being served after %g s", DRAIN_TIMEOUT)
     else:
         log.info("stopped")
+    if endpoint is not None:  # served until the drain ended: a scrape sees it draining
+        endpoint.close()
     return 0
 
 
