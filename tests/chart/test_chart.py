@@ -483,7 +483,7 @@ def test_admission_deployment():
     c = container(dep, "admission")
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert c["args"] == [
-        "admission", "--listen=0.0.0.0:8443",
+        "admission", "--listen=0.0.0.0:8443", "--metrics-listen=0.0.0.0:9402",
         "--tls-cert=/etc/kai-fractions/tls/tls.crt", "--tls-key=/etc/kai-fractions/tls/tls.key",
         "--allowed-identity=system:serviceaccount:kai-scheduler:binder",
         f"--allowed-identity=system:serviceaccount:{NAMESPACE}:{MIRROR}",
@@ -740,6 +740,7 @@ def test_listen_host_reaches_every_listener_and_each_server_takes_it():
     assert listens == {("mirror", "--listen"): "[::]:50051",
                        ("mirror", "--metrics-listen"): "[::]:9401",
                        ("admission", "--listen"): "[::]:8443",
+                       ("admission", "--metrics-listen"): "[::]:9402",
                        ("agent", "--metrics-listen"): "[::]:9400"}
     assert grpc_listen("[::]:50051").target == "[::]:50051"
     assert admission_listen("[::]:8443") == ("::", 8443)

@@ -339,19 +339,23 @@ def test_a_binding_with_any_nvfractions_key_is_intercepted(docs, key):
 
 def test_the_webhook_port_is_open_to_the_api_server_and_can_be_narrowed():
     """The API server's address differs per cluster: by default every source may reach the
-    webhook's HTTPS port (its only one); webhook.networkPolicy.from narrows it."""
+    webhook's HTTPS port; webhook.networkPolicy.from narrows it (and only it: the metrics port
+    has webhook.networkPolicy.metricsFrom, tests/chart/test_admission_metrics.py)."""
     default = one(render(), "NetworkPolicy", ADMISSION)
     deployment = one(render(), "Deployment", ADMISSION)
     assert default["spec"]["podSelector"]["matchLabels"] == \
         deployment["spec"]["selector"]["matchLabels"]
     assert [p["name"] for p in deployment["spec"]["template"]["spec"]["containers"][0][
-        "ports"]] == ["https"]
+        "ports"]] == ["https", "metrics"]
     assert default["spec"]["policyTypes"] == ["Ingress"]
-    assert default["spec"]["ingress"] == [{"ports": [{"port": "https", "protocol": "TCP"}]}]
+    metrics = {"ports": [{"port": "metrics", "protocol": "TCP"}]}
+    assert default["spec"]["ingress"] == [{"ports": [{"port": "https", "protocol": "TCP"}]},
+                                          metrics]
     narrowed = one(render(sets=("webhook.networkPolicy.from[0].ipBlock.cidr=10.0.0.0/24",)),
                    "NetworkPolicy", ADMISSION)
     assert narrowed["spec"]["ingress"] == [{"ports": [{"port": "https", "protocol": "TCP"}],
-                                            "from": [{"ipBlock": {"cidr": "10.0.0.0/24"}}]}]
+                                            "from": [{"ipBlock": {"cidr": "10.0.0.0/24"}}]},
+                                           metrics]
     off = render(sets=("webhook.networkPolicy.enabled=false",))
     assert not [d for d in off if d["kind"] == "NetworkPolicy"
                 and d["metadata"]["name"] == ADMISSION]
