@@ -4,7 +4,9 @@ Disabled), whose every `expr` names only metrics and labels a live process reall
 (taken from the /metrics of the REAL process, as the dashboard's test does, with the same reader,
 tests/support/promql.py): the `kai-fractions-mirror` group's a live mirror's, with the target
 labels Prometheus adds (its ServiceMonitor keeps them), the `kai-fractions-node-agent` group's a
-live node agent's, without (its ServiceMonitor honours the agent's own workload labels).
+live node agent's, without (its ServiceMonitor honours the agent's own workload labels), the
+`kai-fractions-admission` group's a live admission server's, with the target labels (as the
+mirror's).
 
 Every alert has a severity, a summary and a description, and the `for` listed here; the
 Prometheus templates of its annotations (`{{ $labels.x }}`, `{{ $value }}`) survive Helm
@@ -20,11 +22,15 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 
+from kai_fractions.admission.metrics import OUTCOMES, REFUSALS
 from kai_fractions.node.agent.metrics import CAP_NOT_IN_FORCE, AgentMetrics
 from kai_fractions.node.desired import ContainerKey
 from kai_fractions.node.engine import ContainerResult, ContainerState
+from tests.admission.certs import install, make_cert
+from tests.admission.test_server_metrics import live_scrape
 from tests.chart.render import (
     NAMESPACE,
+    REPO,
     find,
     kube_validate,
     one,
@@ -50,6 +56,7 @@ RULE = "kai-fractions"
 ON = ("prometheusRule.enabled=true",)
 MIRROR_GROUP = "kai-fractions-mirror"
 AGENT_GROUP = "kai-fractions-node-agent"
+ADMISSION_GROUP = "kai-fractions-admission"
 ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
     "KaiFractionsFollowerNoLeader": (MIRROR_GROUP, "critical", "2m"),
     "KaiFractionsFollowerSeveralLeaders": (MIRROR_GROUP, "warning", "5m"),
@@ -72,6 +79,8 @@ ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
     "KaiFractionsMpsDaemonRestarting": (AGENT_GROUP, "warning", None),
     "KaiFractionsMpsDrainFailing": (AGENT_GROUP, "warning", None),
     "KaiFractionsWatchdogBlind": (AGENT_GROUP, "warning", "10m"),
+    "KaiFractionsAdmissionShedding": (ADMISSION_GROUP, "warning", "10m"),
+    "KaiFractionsAdmissionInternalErrors": (ADMISSION_GROUP, "warning", None),
 }
 FOLLOWER = {"KaiFractionsFollowerNoLeader", "KaiFractionsFollowerSeveralLeaders",
             "KaiFractionsSignatureDelayHigh", "KaiFractionsFollowerFailing",
@@ -159,7 +168,8 @@ def test_enabled_renders_one_prometheus_rule_with_every_alert() -> None:
                                                               "spec"]
     # no schema for the CRD here: kubernetes-validate only checks it is a CUSTOM_KINDS one
     assert kube_validate([r], "alerts") == []
-    assert [g["name"] for g in r["spec"]["groups"]] == [MIRROR_GROUP, AGENT_GROUP]
+    assert [g["name"] for g in r["spec"]["groups"]] == [MIRROR_GROUP, AGENT_GROUP,
+                                                        ADMISSION_GROUP]
     assert all(set(g) == {"name", "rules"} for g in r["spec"]["groups"])
     found = alerts(r)
     assert set(found) == set(ALERTS)
@@ -178,6 +188,13 @@ def test_enabled_renders_one_prometheus_rule_with_every_alert() -> None:
         assert isinstance(rule_["expr"], str) and rule_["expr"].strip(), name
 
 
+def test_docs_list_every_alert() -> None:
+    """docs/chart.md, "Alerts": a row per alert the chart has."""
+    section = (REPO / "docs" / "chart.md").read_text().split("### Alerts", 1)[1]
+    section = section.split("\n### ", 1)[0]
+    assert set(re.findall(r"^\| `(KaiFractions\w+)`", section, flags=re.M)) == set(ALERTS)
+
+
 def test_labels_are_added_for_the_operators_rule_selector() -> None:
     r = rule("prometheusRule.labels.release=prometheus", "prometheusRule.labels.team=gpu")
     labels = r["metadata"]["labels"]
@@ -192,15 +209,16 @@ def test_schema_rejects_unknown_keys() -> None:
     assert "/prometheusRule/enabled" in err
 
 
-def test_without_the_mirror_only_the_node_agent_group() -> None:
+def test_without_the_mirror_no_mirror_group() -> None:
     r = rule("mirror.enabled=false", "gpuFractioningConfig.enabled=false", "signing.enabled=false")
-    assert [g["name"] for g in r["spec"]["groups"]] == [AGENT_GROUP]
-    assert set(alerts(r)) == {n for n, (g, _s, _f) in ALERTS.items() if g == AGENT_GROUP}
+    assert [g["name"] for g in r["spec"]["groups"]] == [AGENT_GROUP, ADMISSION_GROUP]
+    assert set(alerts(r)) == {n for n, (g, _s, _f) in ALERTS.items() if g != MIRROR_GROUP}
 
 
 def test_without_the_follower_no_follower_alerts() -> None:
     r = rule("mirror.followBindRequests=false")
-    assert [g["name"] for g in r["spec"]["groups"]] == [MIRROR_GROUP, AGENT_GROUP]
+    assert [g["name"] for g in r["spec"]["groups"]] == [MIRROR_GROUP, AGENT_GROUP,
+                                                        ADMISSION_GROUP]
     assert set(alerts(r)) == set(ALERTS) - FOLLOWER
 
 
@@ -276,6 +294,24 @@ def test_the_agent_down_alert_reads_up_of_the_agents_service_monitor() -> None:
     assert "Unknown after 180 s" in description
     quiet = alerts(rule("mirror.followBindRequests=false"))["KaiFractionsNodeAgentDown"][1]
     assert "Unknown after" not in quiet["annotations"]["description"]
+
+
+def test_every_admission_alert_names_its_replica() -> None:
+    """Each replica counts its own reviews and connections: the alert says which (`pod`, the
+    target label its ServiceMonitor keeps)."""
+    for name, (group, r) in alerts(rule()).items():
+        if group == ADMISSION_GROUP:
+            assert "pod" in annotation_labels(r), name
+            assert "pod" in (kept_by_aggregation(r["expr"]) or ()), name
+
+
+def test_the_admission_alerts_read_label_values_the_server_counts() -> None:
+    """A label value the server never writes would keep an alert quiet for ever."""
+    values = {name: {(label, op, v) for _m, label, op, v in parse(r["expr"]).values}
+              for name, (group, r) in alerts(rule()).items() if group == ADMISSION_GROUP}
+    assert values == {"KaiFractionsAdmissionShedding": {("reason", "=", "no_room")},
+                      "KaiFractionsAdmissionInternalErrors": {("outcome", "=", "error")}}
+    assert "no_room" in REFUSALS and "error" in OUTCOMES
 
 
 def test_the_mirror_calls_alert_counts_real_grpc_codes() -> None:
@@ -376,6 +412,33 @@ def test_every_mirror_alert_names_only_what_a_live_mirror_exports(
     assert problems([Expr(MIRROR_GROUP, "node", "kai_fractions_follower_leading", "{{node}}")],
                     labels_of, "mirror", TARGET_LABELS) == [
         "node: the legend names node, which no metric has"]
+
+
+@pytest.mark.integration
+def test_every_admission_alert_names_only_what_a_live_admission_server_exports(
+        tmp_path: Path) -> None:
+    """Against the /metrics of a real `kai-fractions admission --metrics-listen` after a few
+    reviews and a refusal, with the target labels Prometheus adds (its ServiceMonitor has no
+    honorLabels, and the server exports none of those names)."""
+    install(tmp_path, *make_cert("webhook-alerts"))
+    text, _draining = live_scrape(tmp_path)
+    labels_of = exported(text)
+    assert "kai_fractions_admission_reviews_total" in labels_of  # the scrape is the server's
+    assert "kai_fractions_mirror_calls_total" not in labels_of
+    assert set().union(*labels_of.values()) & TARGET_LABELS == set()
+    exprs = alert_exprs(ADMISSION_GROUP, rule())
+    assert len(exprs) == 2
+    assert problems(exprs, labels_of, "admission server", TARGET_LABELS) == []
+    # a misspelt metric, a label of another family: each is reported
+    assert problems([
+        Expr(ADMISSION_GROUP, "typo", "sum(rate(kai_fractions_admission_review_total[5m])) > 0",
+             ""),
+        Expr(ADMISSION_GROUP, "label", 'kai_fractions_admission_requests_refused_total'
+             '{outcome="error"}', "{{node}}"),
+    ], labels_of, "admission server", TARGET_LABELS) == [
+        "typo: the admission server exports no kai_fractions_admission_review_total",
+        "label: kai_fractions_admission_requests_refused_total has no label outcome",
+        "label: the legend names node, which no metric has"]
 
 
 def test_the_per_node_alerts_fire_only_for_what_the_per_container_ones_miss() -> None:

@@ -5,13 +5,14 @@ shaped as Prometheus stores them (`promtool test rules`): each alert fires on a 
 for, with the labels and the rendered annotations expected, and stays quiet on a case it is not
 meant for (below its threshold, before its `for`, an excluded reason, a per-node alert whose node
 a per-container alert covers). tests/chart/test_alerts.py checks the names an expression uses
-against a live mirror's and node agent's /metrics; this file checks what the expressions DO.
+against a live mirror's, node agent's and admission server's /metrics; this file checks what the
+expressions DO.
 
-The series carry the labels the chart's ServiceMonitors give them: a mirror's the Prometheus
-Operator's target labels (job, instance, namespace, service, endpoint, pod = the replica,
-container); a node agent's its own labels first (honorLabels: a per-container series keeps the
-workload's namespace/pod/container), then the target's, and every one of them (and `up`) the
-`node` the ServiceMonitor's relabeling adds.
+The series carry the labels the chart's ServiceMonitors give them: a mirror's and an admission
+server's the Prometheus Operator's target labels (job, instance, namespace, service, endpoint,
+pod = the replica, container); a node agent's its own labels first (honorLabels: a
+per-container series keeps the workload's namespace/pod/container), then the target's, and every
+one of them (and `up`) the `node` the ServiceMonitor's relabeling adds.
 
 All the cases run in one promtool call (one test group each, named after the case, so promtool's
 report names the failing one); a mutated rule shows that a broken expression fails its cases."""
@@ -50,6 +51,10 @@ CRITICAL = {"KaiFractionsFollowerNoLeader"}
 
 MIRROR_JOB = "kai-fractions-mirror-metrics"  # the Operator's job label: the Service's name
 AGENT_JOB = "kai-fractions-node-agent-metrics"
+ADMISSION_JOB = "kai-fractions-admission-metrics"
+ADMISSION_A = "kai-fractions-admission-7c9f5d6b4-h8w2n"
+ADMISSION_B = "kai-fractions-admission-7c9f5d6b4-r5t9k"
+ADMISSION_IPS = {ADMISSION_A: "10.244.1.21", ADMISSION_B: "10.244.2.14"}
 MIRROR_A = "kai-fractions-mirror-6f7d9c8b5-x2k4p"
 MIRROR_B = "kai-fractions-mirror-6f7d9c8b5-q7m3z"
 MIRROR_IPS = {MIRROR_A: "10.244.1.17", MIRROR_B: "10.244.2.9"}
@@ -78,6 +83,12 @@ def mirror_target(pod: str) -> dict[str, str]:
             "service": MIRROR_JOB, "endpoint": "metrics", "pod": pod, "container": "mirror"}
 
 
+def admission_target(pod: str) -> dict[str, str]:
+    return {"job": ADMISSION_JOB, "instance": f"{ADMISSION_IPS[pod]}:9402",
+            "namespace": NAMESPACE, "service": ADMISSION_JOB, "endpoint": "metrics", "pod": pod,
+            "container": "admission"}
+
+
 def agent_target(node: str) -> dict[str, str]:
     return {"job": AGENT_JOB, "instance": f"{AGENT_IPS[node]}:9400", "namespace": NAMESPACE,
             "service": AGENT_JOB, "endpoint": "metrics", "pod": AGENT_PODS[node],
@@ -86,6 +97,10 @@ def agent_target(node: str) -> dict[str, str]:
 
 def mirror(metric: str, values: str, pod: str = MIRROR_A, **own: str) -> Series:
     return Series(metric, {**mirror_target(pod), **own}, values)
+
+
+def admission(metric: str, values: str, pod: str = ADMISSION_A, **own: str) -> Series:
+    return Series(metric, {**admission_target(pod), **own}, values)
 
 
 def agent(metric: str, values: str, on: str = NODE_1, **own: str) -> Series:
@@ -159,6 +174,9 @@ ERRORS = "kai_fractions_reconcile_errors_total"
 MPS_RESTARTED = agent("kai_fractions_mps_daemon_restarts_total", "0+1x40")
 DRAINS = "kai_fractions_agent_mps_drains_total"
 DRAIN_FAILED = agent(DRAINS, "0x5 1x20", result="failed")
+REFUSED_REQUESTS = "kai_fractions_admission_requests_refused_total"
+BACKLOGGED = "kai_fractions_admission_connections_backlogged_total"
+REVIEWS = "kai_fractions_admission_reviews_total"
 BLIND = agent("kai_fractions_agent_gpu_usage_unreadable_total", "6+6x40", node=NODE_1,
               gpu_uuid=GPU["gpu_uuid"], reason="NoProcessesVisible")
 
@@ -326,6 +344,28 @@ CASES = (
     case("KaiFractionsWatchdogBlind", "one blind check",
          agent("kai_fractions_agent_gpu_usage_unreadable_total", "3x5 4x40", node=NODE_1,
                gpu_uuid=GPU["gpu_uuid"], reason="ProcessMemoryUnknown"), at="20m"),
+    # -- the admission server ----------------------------------------------------------------
+    case("KaiFractionsAdmissionShedding", "a replica answers 503 for want of room",
+         admission(REFUSED_REQUESTS, "0+3x30", reason="no_room"),
+         admission(REFUSED_REQUESTS, "0x30", ADMISSION_B, reason="no_room"),
+         at="20m", fires=[{"pod": ADMISSION_A}]),
+    case("KaiFractionsAdmissionShedding", "new connections keep waiting in the backlog",
+         admission(BACKLOGGED, "0+2x30", ADMISSION_B), at="20m", fires=[{"pod": ADMISSION_B}]),
+    case("KaiFractionsAdmissionShedding", "a burst shed for less than its for",
+         admission(REFUSED_REQUESTS, "0x5 40x30", reason="no_room"),
+         admission(BACKLOGGED, "0x5 7x30"), at="20m"),
+    case("KaiFractionsAdmissionShedding", "other refusals are no shedding",
+         admission(REFUSED_REQUESTS, "0+3x30", reason="body_timeout"),
+         admission(REFUSED_REQUESTS, "0+3x30", reason="malformed"), at="20m"),
+    case("KaiFractionsAdmissionInternalErrors", "a review raised",
+         admission(REVIEWS, "0x5 1x20", webhook="mutate", outcome="error"),
+         admission(REVIEWS, "0+9x25", webhook="mutate", outcome="allowed"),
+         at="10m", fires=[{"pod": ADMISSION_A, "webhook": "mutate"}], value="1"),
+    case("KaiFractionsAdmissionInternalErrors", "denials are answers, not errors",
+         admission(REVIEWS, "0+9x25", webhook="validate", outcome="denied"),
+         admission(REVIEWS, "0x25", webhook="validate", outcome="error"), at="10m"),
+    case("KaiFractionsAdmissionInternalErrors", "no error in the last 10 minutes",
+         admission(REVIEWS, "0x5 1x30", webhook="validate", outcome="error"), at="25m"),
 )
 
 # -- the rules and promtool ------------------------------------------------------------------
@@ -475,6 +515,10 @@ MUTATIONS = {  # what breaks -> (alert, a part of its expression, what replaces 
                               "by (node, namespace, pod, container, reason)"),
     "the excluded reasons": ("KaiFractionsReconcileErrors",
                              '{reason!~"SignatureMissing|NotBound"}', ""),
+    "every refusal counted as shedding": ("KaiFractionsAdmissionShedding", '{reason="no_room"}',
+                                          ""),
+    "the backlog left out": ("KaiFractionsAdmissionShedding", " or sum by (pod)",
+                             " unless sum by (pod)"),
 }
 
 
