@@ -12,10 +12,11 @@ its body and itself until its write ends, and must be read at BODY_RATE too), at
 MAX_REVIEWS of them parsed, and none parsed that opens more than review.MAX_OPENINGS arrays and
 objects; a request that finds no room within QUEUE_WAIT gets a 503. Threads are bounded too: at
 most MAX_CONNECTIONS connections are open, each with its thread (of THREAD_STACK). Past that, a
-new connection takes the place of one that waits on its peer (an idle keep-alive; a handshake
-or headers stuck for PENDING_GRACE; a body or an answer's write PENDING_GRACE behind
-BODY_RATE), or waits in the listen backlog, unaccepted, until one is free: a request being
-served (waiting on the server: for room, a review) is never cut off.
+new connection takes the place of one that waits on its peer (a handshake or headers stuck for
+PENDING_GRACE, a body or an answer's write PENDING_GRACE behind BODY_RATE; failing those, an
+idle keep-alive), or waits in the listen backlog, unaccepted, until one is free: a request
+being served (waiting on the server: for room, a review) is never cut off. A handshake or a
+request's head is closed after HEAD_TIMEOUT in any case.
 
 Given an AdmissionMetrics (metrics.py), each answer is counted where it is decided (a review by
 its outcome, a refusal by its reason), and the connections, the body budget and the drain are
@@ -109,6 +110,11 @@ PENDING_GRACE = 2.0
 """When every place is taken, a connection whose handshake or request headers have not come for
 this long, or whose body or answer's write is this far behind BODY_RATE, makes way for a new
 one (the API server sends its request at once and reads the answer at once)."""
+HEAD_TIMEOUT = 10.0
+"""A connection's handshake and first byte, and a request's line and headers from its first
+byte, must come within this (the API server sends them at once); past it the connection is
+closed, places free or not: else a peer sending a byte now and then held one (a thread) for
+as long as it liked."""
 ACCEPT_WAIT = 0.5
 """How long the accepting thread waits for a free place at a time before it looks whether the
 server is being shut down."""
@@ -156,9 +162,9 @@ class Connections:
 
     def make_room(self, timeout: float) -> bool:
         """True when a new connection can be admitted: a place is free, or one was freed by
-        closing the connection that may give it up (an idle keep-alive first, the longest idle;
-        then the one stuck longest past PENDING_GRACE: a handshake or headers that have not
-        come, a body or an answer behind BODY_RATE). False after `timeout` without."""
+        closing the connection that may give it up (the one stuck longest past PENDING_GRACE
+        first: a handshake or headers that have not come, a body or an answer behind BODY_RATE;
+        then an idle keep-alive, the longest idle). False after `timeout` without."""
         deadline = time.monotonic() + timeout
         counted = False
         with self._changed:
@@ -182,13 +188,15 @@ class Connections:
         victim = None
         wake = float("inf")
         for conn, (state, since) in self._open.items():
+            # One stuck on its peer first: an idle keep-alive is the API server's, which may be
+            # sending its next request on it as it is closed (a POST is not retried).
             if state == IDLE:
-                rank = (0, since)
+                rank = (1, since)
             elif state in (NEW, HEADERS, READING, WRITING):
                 if now - since < PENDING_GRACE:
                     wake = min(wake, since + PENDING_GRACE)
                     continue
-                rank = (1, since)
+                rank = (0, since)
             else:
                 continue
             if best is None or rank < best:
@@ -225,6 +233,16 @@ class Connections:
             self._open.pop(conn, None)
             self._changed.notify_all()
 
+    def close_stuck(self, older_than: float) -> None:
+        """Closes each connection whose handshake or request head (NEW, HEADERS) has waited on
+        its peer longer than `older_than`."""
+        now = time.monotonic()
+        with self._changed:
+            for conn, (state, since) in self._open.items():
+                if state in (NEW, HEADERS) and now - since > older_than:
+                    with contextlib.suppress(OSError):
+                        socket.socket.shutdown(conn, socket.SHUT_RDWR)
+
     def close_idle(self) -> None:
         """Closes every idle keep-alive (on shutdown: no request comes on it any more)."""
         with self._changed:
@@ -234,9 +252,10 @@ class Connections:
 
     def wait_served(self, timeout: float) -> bool:
         """Waits until no connection is but an idle keep-alive; False after `timeout`. A new
-        connection whose request has not begun within PENDING_GRACE is closed meanwhile: it
-        would otherwise hold the shutdown for `timeout` (the API server sends its request at
-        once; one accepted just before the listener closed still gets that long)."""
+        connection whose request has not begun, or a request whose head has not come, within
+        PENDING_GRACE is closed meanwhile: it would otherwise hold the shutdown for `timeout`
+        (the API server sends its request at once; one accepted just before the listener
+        closed still gets that long)."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
@@ -249,7 +268,7 @@ class Connections:
                     return False
                 wake = deadline
                 for conn, state, since in waiting:
-                    if state != NEW:
+                    if state not in (NEW, HEADERS):
                         continue
                     if now - since < PENDING_GRACE:
                         wake = min(wake, since + PENDING_GRACE)
@@ -355,6 +374,10 @@ class WebhookServer(ThreadingHTTPServer):
             self._logged[kind] = now
             log.warning(message, *args)
 
+    def service_actions(self) -> None:
+        # serve_forever calls this every poll (half a second).
+        self.connections.close_stuck(HEAD_TIMEOUT)
+
     def shutdown_request(self, request: Any) -> None:
         self.connections.close(request)
         super().shutdown_request(request)
@@ -402,6 +425,9 @@ class _Handler(BaseHTTPRequestHandler):
     _requests = 0
     _held = 0
     """Bytes of the body this request holds of the server's BODY_BUDGET."""
+    _queued = 0.0
+    """Seconds this request has waited for room (the body's, a review's): QUEUE_WAIT in all,
+    so that its 503 comes well within the API server's timeout, which then retries."""
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *args)
@@ -508,24 +534,25 @@ class _Handler(BaseHTTPRequestHandler):
                 self._refuse("not_found", HTTPStatus.NOT_FOUND, f"no such path "
                              f"{clip(self.path, 200)}; POST /validate or /mutate")
             return
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
+        length = _content_length(self.headers.get("Content-Length"))
+        if length is None:
             self.close_connection = True
             self._refuse("length_required", HTTPStatus.LENGTH_REQUIRED,
-                         "a Content-Length header is required")
+                         "a Content-Length header of decimal digits is required")
             return
-        if int(length) > MAX_BODY:
+        if length > MAX_BODY:
             self.close_connection = True
             self._refuse("body_too_large", HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                         f"the body is {int(length)} bytes, larger than the {MAX_BODY} bytes "
+                         f"the body is {length} bytes, larger than the {MAX_BODY} bytes "
                          "an AdmissionReview can take (the API server's own request limit)")
             return
+        self._queued = 0.0
         try:
-            body = self._read_body(int(length))
+            body = self._read_body(length)
             if body is None:
                 return
             whole = time.monotonic()
-            if not self.server.reviews.acquire(timeout=QUEUE_WAIT):
+            if not self.server.reviews.acquire(timeout=max(0.0, QUEUE_WAIT - self._queued)):
                 self._busy()
                 return
             try:
@@ -591,7 +618,8 @@ class _Handler(BaseHTTPRequestHandler):
                         taken = self.server.bodies.take(len(chunk), 0)
                     else:  # waits on the server, not on its peer
                         connections.mark(self.request, SERVING)
-                        taken = self.server.bodies.take(len(chunk), QUEUE_WAIT)
+                        taken = self.server.bodies.take(len(chunk), QUEUE_WAIT - self._queued)
+                        self._queued += time.monotonic() - waited
                     if taken:
                         self._held += len(chunk)
                         chunks.append(chunk)
@@ -654,11 +682,20 @@ class _Handler(BaseHTTPRequestHandler):
         """Reads and drops the body of a request that gets no review, so the connection can be
         reused; one too large (or without a length) closes it instead. False: answered already
         (the body did not arrive)."""
-        length = self.headers.get("Content-Length")
-        if length and length.isdigit() and int(length) <= MAX_BODY:
-            return self._read_body(int(length), keep=False) is not None
+        length = _content_length(self.headers.get("Content-Length"))
+        if length is not None and length <= MAX_BODY:
+            return self._read_body(length, keep=False) is not None
         self.close_connection = True
         return True
+
+
+def _content_length(value: str | None) -> int | None:
+    """A Content-Length of ASCII digits as a number; None for any other (`isdigit` alone takes
+    '²', which int() refuses). Past 18 digits it is larger than any body allowed: not parsed
+    (int() refuses over 4,300 digits)."""
+    if value is None or not (value.isascii() and value.isdigit()):
+        return None
+    return int(value) if len(value) <= 18 else 10**18
 
 
 def _text(status: int, text: str) -> tuple[int, bytes, str]:

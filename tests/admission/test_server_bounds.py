@@ -697,3 +697,79 @@ def test_the_deepest_body_json_reads_is_reviewed_in_a_connection_thread(
                     status, _answer = webhook.post(path, body.replace(b'"@"', nested))
                     assert status in (200, 400), (depth, field, path)
     assert send(webhook, review(pod()))[0] == 200
+
+
+@pytest.mark.parametrize(("value", "status"), [(b"\xb2", 411), (b"9" * 5000, 413)])
+def test_a_content_length_int_cannot_read_is_answered(
+        webhook: Webhook, caplog: pytest.LogCaptureFixture, value: bytes, status: int) -> None:
+    """'²' passes str.isdigit and int() refuses it, as it refuses over 4,300 digits: the
+    handler raised, the peer got no answer and the log a traceback for every such request."""
+    with _tls(webhook) as sock, caplog.at_level(logging.ERROR, logger=server.__name__):
+        sock.sendall(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Length: " + value +
+                     b"\r\n\r\n")
+        assert _answer_status(sock) == status
+    assert not caplog.records
+
+
+def test_a_stuck_connection_makes_way_before_an_idle_keep_alive(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API server may be sending its next review on its keep-alive as that is closed, and
+    does not retry a POST: a connection stuck on its peer goes first (the keep-alive went,
+    and the stuck one stayed)."""
+    monkeypatch.setattr(server, "PENDING_GRACE", 0.2)
+    webhook.server.connections.limit = 2
+    with _tls(webhook) as stuck, _tls(webhook) as api:
+        assert _review_over(api) == 200
+        _wait_for(lambda: sorted(_states(webhook)) == [server.IDLE, server.NEW])
+        time.sleep(0.3)  # the stuck one is past PENDING_GRACE
+        assert send(webhook, review(pod()))[0] == 200
+        assert _closed_by_peer(stuck)
+        assert _review_over(api) == 200
+
+
+def test_a_request_waits_for_room_queue_wait_in_all(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its wait for the body's room and its wait for a review add up to QUEUE_WAIT, so its 503
+    comes within the API server's timeout, which retries it (each waited QUEUE_WAIT: with
+    the chart's, a 503 after 10 s, the webhook's timeout)."""
+    monkeypatch.setattr(server, "QUEUE_WAIT", 1.0)
+    give_bodies, give_reviews = _hold("bodies", webhook), _hold("reviews", webhook)
+    asked: list[float] = []
+    acquire = webhook.server.reviews.acquire
+
+    def recording(*args: Any, timeout: float = -1, **kwargs: Any) -> bool:
+        asked.append(timeout)
+        return acquire(*args, timeout=timeout, **kwargs)
+
+    monkeypatch.setattr(webhook.server.reviews, "acquire", recording)
+    timer = threading.Timer(0.6, give_bodies)
+    timer.start()
+    try:
+        assert send(webhook, review(pod()), timeout=10)[0] == 503
+    finally:
+        timer.join()
+        give_reviews()
+    assert len(asked) == 1 and asked[0] < 0.6  # 1.0 - what it waited for the body (~0.6 s)
+
+
+def test_a_request_head_that_dribbles_is_closed_after_head_timeout(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Places free or not: a peer sending a byte now and then held its connection (a thread)
+    for as long as it liked, each read waiting up to IO_TIMEOUT."""
+    monkeypatch.setattr(server, "HEAD_TIMEOUT", 0.5)
+    with _tls(webhook) as dribbling, _tls(webhook) as silent:
+        dribbling.sendall(b"POST /valid")
+        assert _closed_by_peer(dribbling) and _closed_by_peer(silent)
+    assert send(webhook, review(pod()))[0] == 200
+
+
+def test_on_drain_a_request_head_that_does_not_come_holds_it_only_pending_grace(
+        webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server, "PENDING_GRACE", 0.3)
+    with _tls(webhook) as sock:
+        sock.sendall(b"POST /valid")
+        _wait_for(lambda: _states(webhook) == [server.HEADERS])
+        began = time.monotonic()
+        assert webhook.server.drain(timeout=10) is True
+        assert time.monotonic() - began < 5
+        assert _closed_by_peer(sock)
