@@ -396,6 +396,30 @@ def test_signing_needs_the_mirror():
     assert not find(docs, "Secret", "kai-fractions-signing-key")
 
 
+def test_node_agent_has_time_to_stop_before_the_kubelets_sigkill():
+    """Each step of its shutdown is bounded; the grace period covers their worst cases added up
+    (it was 30 s: a task in progress and its own MPS daemon's quit and kill alone take 35)."""
+    import inspect
+
+    from kai_fractions.kube.blocking import BlockingKube
+    from kai_fractions.kube.client import Kube
+    from kai_fractions.node.agent.agent import NodeAgent
+    from kai_fractions.node.agent.grpc_service import close_unix
+    from kai_fractions.node.mps.daemon import MpsDaemon
+
+    def default(function, name: str) -> float:
+        return inspect.signature(function).parameters[name].default
+
+    worst = (default(NodeAgent.stop, "timeout")  # the task in progress
+             + 2 * 2.0  # the watcher's and the status threads' joins
+             + 2 * default(Kube.__init__, "request_timeout")  # the condition's last publish
+             + default(close_unix, "grace")
+             + 3 * default(MpsDaemon.__init__, "stop_grace")  # quit, SIGKILL, each waited
+             + default(BlockingKube.close, "timeout"))
+    pod = one(render(), "DaemonSet", AGENT)["spec"]["template"]["spec"]
+    assert worst <= pod["terminationGracePeriodSeconds"], worst
+
+
 def test_node_agent_lists_from_the_watch_cache_when_asked():
     """docs/scale.md: large clusters list from the API server's watch cache."""
     args = container(one(render(sets=("nodeAgent.listFromWatchCache=true",
