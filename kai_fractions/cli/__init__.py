@@ -38,6 +38,14 @@ def add_log_level(parser: argparse.ArgumentParser) -> None:
                         help="(default: %(default)s)")
 
 
+def add_metrics_listen(parser: argparse.ArgumentParser, exports: str) -> None:
+    """`--metrics-listen` for the mirror and the admission server (off by default); `exports`
+    says what they export and where the docs list it."""
+    parser.add_argument("--metrics-listen", default="", metavar="ADDR",
+                        help="serve Prometheus metrics at http://ADDR/metrics, ADDR being "
+                        f"HOST:PORT ({exports}). Default: off")
+
+
 def setup_logging(args: argparse.Namespace) -> None:
     """One log format for every service, on stderr, at `--log-level`."""
     import logging

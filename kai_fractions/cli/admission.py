@@ -17,7 +17,7 @@ from ..admission.config import (
     DEFAULT_MARKER_HOST_DIR,
     DEFAULT_MPS_PIPE_HOST_DIR,
 )
-from . import add_log_level, setup_logging
+from . import add_log_level, add_metrics_listen, setup_logging
 
 if TYPE_CHECKING:
     from ..admission.config import AdmissionConfig
@@ -51,10 +51,8 @@ def register(sub) -> None:
                    "so that the pod leaves the Service's endpoints while it still answers; then "
                    "stop accepting and finish the reviews in flight (at most 15 s more). A "
                    "second signal skips what is left of the delay (default: %(default)g)")
-    p.add_argument("--metrics-listen", default="", metavar="ADDR",
-                   help="serve Prometheus metrics at http://ADDR/metrics, ADDR being HOST:PORT "
-                   "(reviews by outcome and their latency, refusals by reason, connections, the "
-                   "process; docs/admission.md). Default: off")
+    add_metrics_listen(p, "reviews by outcome and their latency, refusals by reason, "
+                       "connections, the process; docs/admission.md")
     add_log_level(p)
     p.set_defaults(func=run)
 

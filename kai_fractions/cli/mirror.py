@@ -21,7 +21,7 @@ from ..contract.keys import (
     NODE_CONDITION,
     RESERVATION_NAMESPACE,
 )
-from . import add_log_level, setup_logging
+from . import add_log_level, add_metrics_listen, setup_logging
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_NODE_AGENT_DAEMONSET = "kai-fractions/kai-fractions-node-agent"
@@ -155,10 +155,8 @@ def register(sub) -> None:
     p.add_argument("--report-interval", type=float, default=10.0, metavar="SECONDS",
                    help="how often --report-gpu-fractioning-config re-reads the DaemonSet; the "
                    "object is written only when its condition changes (default: %(default)s)")
-    p.add_argument("--metrics-listen", default="", metavar="ADDR",
-                   help="serve Prometheus metrics at http://ADDR/metrics, ADDR being HOST:PORT "
-                   "(calls, API requests, the pod cache, the follower, the process; "
-                   "docs/mirror.md). Default: off")
+    add_metrics_listen(p, "calls, API requests, the pod cache, the follower, the process; "
+                       "docs/mirror.md")
     add_log_level(p)
     p.set_defaults(func=run)
 
