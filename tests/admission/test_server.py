@@ -11,7 +11,6 @@ import base64
 import contextlib
 import copy
 import ctypes
-import http.client
 import json
 import os
 import re
@@ -31,6 +30,7 @@ import pytest
 
 from .certs import der_of, install, make_cert
 from .conftest import GATE_IMAGE, Webhook, load
+from .test_server_bounds import _answer_status
 
 BINDER = "system:serviceaccount:kai-scheduler:binder"
 MIRROR = "system:serviceaccount:kai-fractions:kai-fractions-mirror"
@@ -319,10 +319,7 @@ def _begin_review(hook: Webhook, body: bytes, sent: int) -> ssl.SSLSocket:
 
 def _end_review(sock: ssl.SSLSocket, body: bytes, sent: int) -> int:
     sock.sendall(body[sent:])
-    response = http.client.HTTPResponse(sock)
-    response.begin()
-    response.read()
-    return response.status
+    return _answer_status(sock)
 
 
 def test_a_draining_webhook_is_not_ready_and_closes_each_connection_after_its_answer(
