@@ -20,6 +20,7 @@ from kai_fractions.marker import read_marker
 from kai_fractions.node.config import WatchdogPolicy
 from kai_fractions.sim.nvml import FakeNvml
 
+from ..node.test_desired_report_watchdog import RUNNING_REFUSED
 from .builders import GIB, NODE, Rig, binder_annotations, leaf_of, marker_of, pod, slice_of
 
 OLD_DRIVER = "550.54.15"
@@ -69,15 +70,7 @@ def test_a_running_container_is_refused_and_says_it_runs_without_a_cap(short_tmp
     rig, uid = _old_node(short_tmp)
     result = rig.reconciler.view.results[(uid, "main")]
     assert (result.state.value, result.reason) == ("refused", "MemoryLimitsUnsupported")
-    assert result.message == (
-        "cannot cap this container's GPU memory: NVIDIA driver 550.54.15 has no cgroup GPU "
-        "memory limits (they need r615 or newer), mps-pinned applies to sm-sharing containers "
-        "only, and a watchdog with --watchdog-policy=report only reports use over the cap, it "
-        "stops nothing; this container was started before such a watchdog was refused and runs "
-        "without a cap now: its processes are left running and their use over the cap is only "
-        "reported (LimitViolation events), and it will not start again after its pod's sandbox "
-        "restarts; set --watchdog-policy=kill (the chart's watchdog.policy: kill) to cap it "
-        "(the watchdog then stops what exceeds the cap), or upgrade the driver to r615 or newer")
+    assert result.message == RUNNING_REFUSED
     entry = marker_of(rig, uid)["containers"]["main"]
     assert (entry["state"], entry["reason"], entry["plan_digest"], entry["message"]) == (
         "refused", "MemoryLimitsUnsupported", result.plan_digest, result.message)

@@ -34,6 +34,16 @@ from .nodepods import (
 
 OLD = "550.54.15"
 DEFAULTS = NodeConfig(node_name="node-a")  # cgroup,mps-pinned,watchdog; policy report
+RUNNING_REFUSED = (
+    "cannot cap this container's GPU memory: NVIDIA driver 550.54.15 has no cgroup GPU "
+    "memory limits (they need r615 or newer), mps-pinned applies to sm-sharing containers "
+    "only, and a watchdog with --watchdog-policy=report only reports use over the cap, it "
+    "stops nothing; this container was started before such a watchdog was refused and runs "
+    "without a cap now: its processes are left running and their use over the cap is only "
+    "reported (LimitViolation events), and it will not start again after its pod's sandbox "
+    "restarts; set --watchdog-policy=kill (the chart's watchdog.policy: kill) to cap it "
+    "(the watchdog then stops what exceeds the cap), or upgrade the driver to r615 or newer")
+"""What a container running since before the rule is told (planner and agent tests)."""
 
 
 def plan(*pods: NodePod, config: NodeConfig = DEFAULTS, **inv) -> DesiredState:
@@ -140,15 +150,7 @@ def test_a_running_container_is_refused_held_and_still_watched() -> None:
     (plan,) = held.values()
     assert (r.reason, r.final, r.plan_digest) == (
         RefusalReason.MEMORY_LIMITS_UNSUPPORTED, True, plan.digest)
-    assert r.message == (
-        "cannot cap this container's GPU memory: NVIDIA driver 550.54.15 has no cgroup GPU "
-        "memory limits (they need r615 or newer), mps-pinned applies to sm-sharing containers "
-        "only, and a watchdog with --watchdog-policy=report only reports use over the cap, it "
-        "stops nothing; this container was started before such a watchdog was refused and runs "
-        "without a cap now: its processes are left running and their use over the cap is only "
-        "reported (LimitViolation events), and it will not start again after its pod's sandbox "
-        "restarts; set --watchdog-policy=kill (the chart's watchdog.policy: kill) to cap it "
-        "(the watchdog then stops what exceeds the cap), or upgrade the driver to r615 or newer")
+    assert r.message == RUNNING_REFUSED
     # nothing applied: no container, no limit; the watchdog keeps it at the plan's cap (report)
     assert state.containers == () and state.limits == ()
     assert UID_B in state.owned_pods
