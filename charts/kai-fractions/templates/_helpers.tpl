@@ -279,3 +279,51 @@ left alone (below 100% it always leaves room once there are 2+ replicas). Call w
 {{- fail (printf "%s.minAvailable=%v with %s.replicas=%v lets no pod be evicted: kubectl drain of their nodes would wait for ever. Set minAvailable below the replicas (or a percentage under 100%%), or raise the replicas" .value .min (trimSuffix ".podDisruptionBudget" .value) .replicas) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* Prometheus scraping of a component's replicas: a headless metrics Service and a
+ServiceMonitor. Call with (dict "ctx" $ "component" COMPONENT "name" NAME "port" METRICS_PORT);
+the caller checks serviceMonitor.enabled and that the component is rendered.
+Headless: Prometheus scrapes every replica, not a load-balanced one (each replica's series are its
+own). The ServiceMonitor's selector also matches the component's other Service, which has no
+`metrics` port: only the headless Service's endpoints are scraped, so each pod is scraped once.
+No honorLabels: the component's series carry no workload labels; the target's own stay. */}}
+{{- define "kf.metricsScrape" -}}
+{{- $ctx := .ctx -}}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ .name }}-metrics
+  namespace: {{ $ctx.Release.Namespace }}
+  labels:
+    {{- include "kf.componentLabels" (dict "ctx" $ctx "component" .component) | nindent 4 }}
+spec:
+  clusterIP: None
+  selector:
+    {{- include "kf.selectorLabels" (dict "ctx" $ctx "component" .component) | nindent 4 }}
+  ports:
+    - name: metrics
+      port: {{ .port }}
+      targetPort: metrics
+      protocol: TCP
+---
+apiVersion: monitoring.coreos.com/v1
+kind: ServiceMonitor
+metadata:
+  name: {{ .name }}
+  namespace: {{ $ctx.Release.Namespace }}
+  labels:
+    {{- include "kf.componentLabels" (dict "ctx" $ctx "component" .component) | nindent 4 }}
+    {{- with $ctx.Values.serviceMonitor.labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  selector:
+    matchLabels:
+      {{- include "kf.selectorLabels" (dict "ctx" $ctx "component" .component) | nindent 6 }}
+  namespaceSelector:
+    matchNames: [{{ $ctx.Release.Namespace }}]
+  endpoints:
+    - port: metrics
+      path: /metrics
+      interval: {{ $ctx.Values.serviceMonitor.interval }}
+{{- end -}}
