@@ -340,7 +340,7 @@ def test_a_binding_with_any_nvfractions_key_is_intercepted(docs, key):
 def test_the_webhook_port_is_open_to_the_api_server_and_can_be_narrowed():
     """The API server's address differs per cluster: by default every source may reach the
     webhook's HTTPS port; webhook.networkPolicy.from narrows it (and only it: the metrics port
-    has webhook.networkPolicy.metricsFrom, tests/chart/test_admission_metrics.py)."""
+    has webhook.networkPolicy.metricsFrom, tests/chart/test_metrics_scrape.py)."""
     default = one(render(), "NetworkPolicy", ADMISSION)
     deployment = one(render(), "Deployment", ADMISSION)
     assert default["spec"]["podSelector"]["matchLabels"] == \
