@@ -49,7 +49,16 @@ from typing import TYPE_CHECKING, Any
 from .config import AdmissionConfig
 from .errors import clip
 from .mutate import mutate
-from .review import MAX_OPENINGS, Decision, ReviewError, deny, openings, parse_review, response
+from .review import (
+    MAX_OPENINGS,
+    Decision,
+    ReviewError,
+    deny,
+    openings,
+    parse_review,
+    response,
+    user_of,
+)
 from .tls import ReloadingContext
 from .validate import validate
 
@@ -204,10 +213,14 @@ class Connections:
         return victim, wake
 
     def _evict(self, conn: socket.socket) -> None:
-        del self._open[conn]
+        self._cut(conn)
         self.evicted += 1
-        # The plain socket's shutdown: its thread, blocked reading or writing, sees the end and
-        # exits (the TLS object stays as that thread uses it).
+
+    def _cut(self, conn: socket.socket) -> None:
+        """Takes `conn`'s place back (its thread, finding it gone, answers nothing more) and
+        ends it: the plain socket's shutdown, so that its thread, blocked reading or writing,
+        sees the end and exits (the TLS object stays as that thread uses it)."""
+        del self._open[conn]
         with contextlib.suppress(OSError):
             socket.socket.shutdown(conn, socket.SHUT_RDWR)
 
@@ -235,13 +248,15 @@ class Connections:
 
     def close_stuck(self, older_than: float) -> None:
         """Closes each connection whose handshake or request head (NEW, HEADERS) has waited on
-        its peer longer than `older_than`."""
+        its peer longer than `older_than`; its thread, finding it gone, answers nothing."""
         now = time.monotonic()
         with self._changed:
-            for conn, (state, since) in self._open.items():
-                if state in (NEW, HEADERS) and now - since > older_than:
-                    with contextlib.suppress(OSError):
-                        socket.socket.shutdown(conn, socket.SHUT_RDWR)
+            stuck = [conn for conn, (state, since) in self._open.items()
+                     if state in (NEW, HEADERS) and now - since > older_than]
+            for conn in stuck:
+                self._cut(conn)
+            if stuck:
+                self._changed.notify_all()  # places free for the accepting thread
 
     def close_idle(self) -> None:
         """Closes every idle keep-alive (on shutdown: no request comes on it any more)."""
@@ -273,8 +288,8 @@ class Connections:
                     if now - since < PENDING_GRACE:
                         wake = min(wake, since + PENDING_GRACE)
                     else:
-                        with contextlib.suppress(OSError):
-                            socket.socket.shutdown(conn, socket.SHUT_RDWR)
+                        self._cut(conn)
+                        wake = now  # look again: it no longer holds the exit
                 self._changed.wait(wake - now)
 
     def __len__(self) -> int:
@@ -496,9 +511,13 @@ class _Handler(BaseHTTPRequestHandler):
     def send_error(self, code: int, message: str | None = None,
                    explain: str | None = None) -> None:
         # The standard library's own answers (a bad request line, an unsupported method): a few
-        # hundred bytes, waited on as ours are, and the connection is closed after.
+        # hundred bytes, waited on as ours are, and the connection is closed after. A request
+        # line the server cut short itself (its place taken, its head too slow) is nobody's to
+        # answer, nor a refusal to count.
+        if not self.server.connections.mark(self.request, WRITING):
+            self.close_connection = True
+            return
         self._refused("protocol")
-        self.server.connections.mark(self.request, WRITING)
         self.connection.settimeout(BODY_GRACE)
         super().send_error(code, message, explain)
 
@@ -542,9 +561,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if length > MAX_BODY:
             self.close_connection = True
+            said = f"{length} bytes" if length < 10**18 else "over 10^18 bytes"
             self._refuse("body_too_large", HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                         f"the body is {length} bytes, larger than the {MAX_BODY} bytes "
-                         "an AdmissionReview can take (the API server's own request limit)")
+                         f"the body is {said}, larger than the {MAX_BODY} bytes an "
+                         "AdmissionReview can take (the API server's own request limit)")
             return
         self._queued = 0.0
         try:
@@ -671,7 +691,7 @@ class _Handler(BaseHTTPRequestHandler):
                             reason="InternalError")
         log.info("%s %s %s/%s by %s: %s", self.path, request.get("operation"),
                  request.get("namespace") or "-", request.get("name") or "-",
-                 (request.get("userInfo") or {}).get("username", "-"),
+                 user_of(request) or "-",
                  "allowed" + (f" with {len(decision.patch)} patch op(s)" if decision.patch
                               else "") if decision.allowed
                  else f"denied: {clip(decision.message)}")

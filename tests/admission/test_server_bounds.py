@@ -699,15 +699,32 @@ def test_the_deepest_body_json_reads_is_reviewed_in_a_connection_thread(
     assert send(webhook, review(pod()))[0] == 200
 
 
-@pytest.mark.parametrize(("value", "status"), [(b"\xb2", 411), (b"9" * 5000, 413)])
+@pytest.mark.parametrize(("value", "status", "said"), [
+    (b"\xb2", 411, "a Content-Length header of decimal digits is required"),
+    (b"9" * 5000, 413, "the body is over 10^18 bytes, larger than the 3145728 bytes")])
 def test_a_content_length_int_cannot_read_is_answered(
-        webhook: Webhook, caplog: pytest.LogCaptureFixture, value: bytes, status: int) -> None:
+        webhook: Webhook, caplog: pytest.LogCaptureFixture, value: bytes, status: int,
+        said: str) -> None:
     """'²' passes str.isdigit and int() refuses it, as it refuses over 4,300 digits: the
     handler raised, the peer got no answer and the log a traceback for every such request."""
     with _tls(webhook) as sock, caplog.at_level(logging.ERROR, logger=server.__name__):
         sock.sendall(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Length: " + value +
                      b"\r\n\r\n")
-        assert _answer_status(sock) == status
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        assert (response.status, response.read().decode().startswith(said)) == (status, True)
+    assert not caplog.records
+
+
+def test_a_user_info_that_is_not_an_object_is_reviewed(
+        webhook: Webhook, caplog: pytest.LogCaptureFixture) -> None:
+    """The review's log line read userInfo.username outside the review's own error handling:
+    the handler raised, the peer got no answer and the log a traceback."""
+    body = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                       "request": {**request(pod()), "userInfo": "alice"}}).encode()
+    with caplog.at_level(logging.ERROR, logger=server.__name__):
+        status, text = send(webhook, body)
+    assert status == 200 and json.loads(text)["response"]["uid"] == "u-1"
     assert not caplog.records
 
 

@@ -439,3 +439,16 @@ def test_the_cli_refuses_a_metrics_port_it_cannot_bind(tls_dir: Path, capsys) ->
         assert main(_admission(tls_dir, "--metrics-listen", f"127.0.0.1:{port}")) == 2
     assert capsys.readouterr().err == (
         f"kai-fractions admission: --metrics-listen 127.0.0.1:{port}: Address already in use\n")
+
+
+def test_a_request_line_the_server_cut_is_no_refusal(metered: Metered,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request head cut after HEAD_TIMEOUT leaves a truncated request line, which the HTTP
+    library answered 400 on the stream the server had ended, counted as `protocol`."""
+    monkeypatch.setattr(server, "HEAD_TIMEOUT", 0.3)
+    with _tls(metered) as sock:
+        sock.sendall(b"POST /valid")
+        assert _closed_by_peer(sock)
+    _wait_for(lambda: len(metered.server.connections) == 0)
+    time.sleep(0.2)  # the handler thread has read the cut line by now
+    assert set(metered.refusals().values()) == {0.0}
