@@ -21,6 +21,11 @@ class ReviewError(ValueError):
     """The body is not an AdmissionReview v1 request (HTTP 400); the message says why."""
 
 
+class TooManyOpenings(ReviewError):
+    """A body refused unparsed for opening more than MAX_OPENINGS arrays and objects (the
+    server counts it apart from malformed JSON)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     allowed: bool
@@ -80,10 +85,10 @@ def parse_review(body: bytes) -> dict[str, Any]:
     """The `request` of an AdmissionReview v1 body; raises ReviewError."""
     opened = openings(body)
     if opened > MAX_OPENINGS:
-        raise ReviewError(f"the request body opens {opened} arrays and objects ('[' and "
-                          f"'{{' outside strings), more than the {MAX_OPENINGS} any "
-                          "AdmissionReview of a real object does; refused unparsed, as each "
-                          "takes memory")
+        raise TooManyOpenings(f"the request body opens {opened} arrays and objects ('[' "
+                              f"and '{{' outside strings), more than the {MAX_OPENINGS} any "
+                              "AdmissionReview of a real object does; refused unparsed, as "
+                              "each takes memory")
     try:
         review = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:

@@ -50,11 +50,10 @@ from .config import AdmissionConfig
 from .errors import clip
 from .mutate import mutate
 from .review import (
-    MAX_OPENINGS,
     Decision,
     ReviewError,
+    TooManyOpenings,
     deny,
-    openings,
     parse_review,
     response,
     user_of,
@@ -675,9 +674,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             request = parse_review(body)
         except ReviewError as e:
-            # Which rule refused it, for the metrics: its brackets counted again, on this path
-            # only.
-            rule = "too_many_openings" if openings(body) > MAX_OPENINGS else "malformed"
+            rule = "too_many_openings" if isinstance(e, TooManyOpenings) else "malformed"
             return _text(HTTPStatus.BAD_REQUEST, clip(str(e))), rule
         outcome = "error"
         try:
