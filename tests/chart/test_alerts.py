@@ -27,7 +27,6 @@ from kai_fractions.node.agent.metrics import CAP_NOT_IN_FORCE, AgentMetrics
 from kai_fractions.node.desired import ContainerKey
 from kai_fractions.node.engine import ContainerResult, ContainerState
 from tests.admission.certs import install, make_cert
-from tests.admission.test_server_metrics import live_scrape
 from tests.chart.render import (
     NAMESPACE,
     REPO,
@@ -38,6 +37,7 @@ from tests.chart.render import (
     render_text,
     template_error,
 )
+from tests.support.admission_metrics import populated_admission_scrape
 from tests.support.agent_metrics import populated_scrape
 from tests.support.agent_process import AgentEnv
 from tests.support.kube import KubeServer
@@ -417,11 +417,11 @@ def test_every_mirror_alert_names_only_what_a_live_mirror_exports(
 @pytest.mark.integration
 def test_every_admission_alert_names_only_what_a_live_admission_server_exports(
         tmp_path: Path) -> None:
-    """Against the /metrics of a real `kai-fractions admission --metrics-listen` after a few
-    reviews and a refusal, with the target labels Prometheus adds (its ServiceMonitor has no
-    honorLabels, and the server exports none of those names)."""
+    """Against the /metrics of a real `kai-fractions admission --metrics-listen` after a review
+    of each outcome and refusals, with the target labels Prometheus adds (its ServiceMonitor has
+    no honorLabels, and the server exports none of those names)."""
     install(tmp_path, *make_cert("webhook-alerts"))
-    text, _draining = live_scrape(tmp_path)
+    text, _draining = populated_admission_scrape(tmp_path)
     labels_of = exported(text)
     assert "kai_fractions_admission_reviews_total" in labels_of  # the scrape is the server's
     assert "kai_fractions_mirror_calls_total" not in labels_of

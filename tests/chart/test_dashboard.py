@@ -1,13 +1,15 @@
 """The Grafana dashboard (charts/kai-fractions/dashboards/kai-fractions.json): every PromQL
 expression in it names only metrics and labels a live process really exports (taken from the
 /metrics of the REAL process, not from a list here): the panels of the "Mirror" row a live
-mirror's, every other panel and variable a live node agent's. The chart ships it as a ConfigMap
-with the `grafana_dashboard` label when `dashboard.enabled` (never by default).
+mirror's, those of the "Admission" row a live admission server's, every other panel and variable
+a live node agent's. The chart ships it as a ConfigMap with the `grafana_dashboard` label when
+`dashboard.enabled` (never by default).
 
 Which row a panel is in is Grafana's rule: a collapsed row holds its panels, any other panel
 belongs to the last row above it (gridPos.y). Labels Prometheus attaches to a target (`pod`,
-`job`...) count as known only for the mirror's panels: its ServiceMonitor keeps them (the mirror
-exports none of those names), while the agent's honours the agent's own workload labels.
+`job`...) count as known only for the mirror's and the admission server's panels: their
+ServiceMonitors keep them (neither exports those names), while the agent's honours the agent's
+own workload labels.
 
 The PromQL reader and the check (tests/support/promql.py, shared with the alerting rules' test)
 are minimal but exact for what a dashboard needs: metric names, label matchers (`{l="v"}`, `=~`,
@@ -25,17 +27,22 @@ from typing import Any
 
 import pytest
 
+from kai_fractions.admission.metrics import OUTCOMES, REFUSALS, WEBHOOKS
+from tests.admission.certs import install, make_cert
 from tests.chart.render import CHART, NAMESPACE, find, kube_validate, one, render
+from tests.support.admission_metrics import populated_admission_scrape
 from tests.support.agent_metrics import populated_scrape
 from tests.support.agent_process import AgentEnv
 from tests.support.kube import KubeServer
 from tests.support.mirror_metrics import populated_mirror_scrape
-from tests.support.promql import TARGET_LABELS, Expr, exported, parse, problems
+from tests.support.promql import TARGET_LABELS, Expr, exported, parse, problems, sample_value
 
 DASHBOARD = CHART / "dashboards" / "kai-fractions.json"
 CONFIGMAP = "kai-fractions-dashboard"
 MIRROR_ROW = "Mirror"
 MIRROR_SERVICE_MONITOR = "kai-fractions-mirror"
+ADMISSION_ROW = "Admission"
+ADMISSION_SERVICE_MONITOR = "kai-fractions-admission"
 
 
 def test_the_promql_reader_finds_names_and_labels_and_nothing_in_strings() -> None:
@@ -93,12 +100,15 @@ def expressions(board: dict[str, Any]) -> list[Expr]:
 
 
 def agent_side(board: dict[str, Any]) -> list[Expr]:
-    return [e for e in expressions(board) if e.row != MIRROR_ROW]
+    return [e for e in expressions(board) if e.row not in (MIRROR_ROW, ADMISSION_ROW)]
 
 
 def mirror_side(board: dict[str, Any]) -> list[Expr]:
     return [e for e in expressions(board) if e.row == MIRROR_ROW]
 
+
+def admission_side(board: dict[str, Any]) -> list[Expr]:
+    return [e for e in expressions(board) if e.row == ADMISSION_ROW]
 
 
 SCRAPE = """\
@@ -172,7 +182,7 @@ def test_the_dashboard_has_the_panels_issue_19_asks_for() -> None:
             or p["type"] == "row", p["title"]
 
 
-def test_the_mirror_row_closes_the_dashboard_with_a_panel_per_family() -> None:
+def test_the_mirror_row_follows_the_nodes_with_a_panel_per_family() -> None:
     board = dashboard()
     placed = panels_by_row(board)
     mirror = [p for row, p in placed if row == MIRROR_ROW]
@@ -187,12 +197,14 @@ def test_the_mirror_row_closes_the_dashboard_with_a_panel_per_family() -> None:
                    "kai_fractions_follower_signature_delay_seconds_bucket",
                    "process_resident_memory_bytes", "process_cpu_seconds_total"):
         assert metric in exprs, metric
-    assert "kai_fractions_mirror" not in " ".join(e.expr for e in agent_side(board))
-    # the last row, below everything else; the panels tile the 24 columns without overlapping
+    assert "kai_fractions_mirror" not in " ".join(
+        e.expr for e in agent_side(board) + admission_side(board))
+    # the last row but the Admission one, below the nodes' rows; the panels tile the 24 columns
+    # without overlapping
     rows = [p for p in board["panels"] if p["type"] == "row"]
-    assert rows[-1]["title"] == MIRROR_ROW and mirror
-    others = [p for row, p in placed if row != MIRROR_ROW]
-    assert rows[-1]["gridPos"]["y"] == max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in others)
+    assert rows[-2]["title"] == MIRROR_ROW and mirror
+    others = [p for row, p in placed if row not in (MIRROR_ROW, ADMISSION_ROW)]
+    assert rows[-2]["gridPos"]["y"] == max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in others)
     cells: dict[tuple[int, int], int] = {}
     for p in board["panels"]:
         g = p["gridPos"]
@@ -217,11 +229,53 @@ def test_the_mirror_row_closes_the_dashboard_with_a_panel_per_family() -> None:
         {"color": "red", "value": 2}]
 
 
-def mirror_job() -> str:
-    """The `job` of the mirror's targets: Prometheus Operator names it after the Service a
-    ServiceMonitor endpoint scrapes (no jobLabel), here the mirror's metrics Service."""
+def test_the_admission_row_closes_the_dashboard_with_a_panel_per_family() -> None:
+    """Below the Mirror row, the last: every family the admission server exports (its own and
+    the process's memory and CPU) is read by a panel of it, and no other row reads one."""
+    board = dashboard()
+    placed = panels_by_row(board)
+    admission = [p for row, p in placed if row == ADMISSION_ROW]
+    read = {m for e in admission_side(board) for m in parse(e.expr).metrics}
+    for metric in ("kai_fractions_admission_reviews_total",
+                   "kai_fractions_admission_review_seconds_bucket",
+                   "kai_fractions_admission_requests_refused_total",
+                   "kai_fractions_admission_connections_open",
+                   "kai_fractions_admission_connections_limit",
+                   "kai_fractions_admission_connections_evicted_total",
+                   "kai_fractions_admission_connections_backlogged_total",
+                   "kai_fractions_admission_body_bytes_held",
+                   "kai_fractions_admission_body_bytes_budget",
+                   "kai_fractions_admission_draining",
+                   "process_resident_memory_bytes", "process_cpu_seconds_total"):
+        assert metric in read, metric
+    assert admission and all(p["targets"] for p in admission)
+    assert "kai_fractions_admission" not in " ".join(
+        e.expr for e in agent_side(board) + mirror_side(board))
+    rows = [p for p in board["panels"] if p["type"] == "row"]
+    assert rows[-1]["title"] == ADMISSION_ROW
+    others = [p for row, p in placed if row != ADMISSION_ROW]
+    assert rows[-1]["gridPos"]["y"] == max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in others)
+    assert all(p["gridPos"]["y"] > rows[-1]["gridPos"]["y"] for p in admission)
+    for p in admission:
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        assert all(t["datasource"] == p["datasource"] for t in p["targets"]), p["title"]
+        assert [t["refId"] for t in p["targets"]] == [chr(ord("A") + i)
+                                                      for i in range(len(p["targets"]))]
+        assert all(t["legendFormat"] for t in p["targets"]), p["title"]
+        assert p["description"], p["title"]
+    # the outcomes and reasons each get a series of their own
+    by = {tuple(sorted(parse(e.expr).grouping)): e for e in admission_side(board)
+          if "reviews_total" in e.expr or "refused_total" in e.expr}
+    assert set(by) == {("outcome", "webhook"), ("reason",)}
+    assert by[("outcome", "webhook")].legend == "{{webhook}} {{outcome}}"
+    assert by[("reason",)].legend == "{{reason}}"
+
+
+def scrape_job(service_monitor: str) -> str:
+    """The `job` of a ServiceMonitor's targets: Prometheus Operator names it after the Service
+    its endpoint scrapes (no jobLabel), here the component's metrics Service."""
     docs = render(sets=("serviceMonitor.enabled=true",))
-    monitor = one(docs, "ServiceMonitor", MIRROR_SERVICE_MONITOR)["spec"]
+    monitor = one(docs, "ServiceMonitor", service_monitor)["spec"]
     assert "jobLabel" not in monitor
     selector = monitor["selector"]["matchLabels"]
     ports = {e["port"] for e in monitor["endpoints"]}
@@ -231,24 +285,31 @@ def mirror_job() -> str:
     return service
 
 
-def test_the_mirror_process_panels_select_the_mirror_by_its_job() -> None:
+@pytest.mark.parametrize(("row", "service_monitor"), [
+    (MIRROR_ROW, MIRROR_SERVICE_MONITOR), (ADMISSION_ROW, ADMISSION_SERVICE_MONITOR)])
+def test_the_process_panels_select_their_component_by_its_job(row: str,
+                                                              service_monitor: str) -> None:
     """process_* is every process's: the mirror's panels name the job the chart's mirror
-    ServiceMonitor gives its targets, and so does each panel's description."""
-    job = mirror_job()
-    matchers = {(metric, op, value) for e in mirror_side(dashboard())
+    ServiceMonitor gives its targets, the admission server's its own, and so does each panel's
+    description."""
+    job = scrape_job(service_monitor)
+    side = [e for e in expressions(dashboard()) if e.row == row]
+    matchers = {(metric, op, value) for e in side
                 for metric, label, op, value in parse(e.expr).values if label == "job"}
     assert matchers == {("process_resident_memory_bytes", "=", job),
                         ("process_cpu_seconds_total", "=", job)}
-    for row, panel in panels_by_row(dashboard()):
+    for in_row, panel in panels_by_row(dashboard()):
         exprs = [parse(t["expr"]) for t in panel["targets"]]
-        if row == MIRROR_ROW and any(m.startswith("process_") for q in exprs for m in q.metrics):
+        if in_row == row and any(m.startswith("process_") for q in exprs for m in q.metrics):
             assert all(any(v[1] == "job" for v in q.values) for q in exprs), panel["title"]
             assert job in panel["description"], panel["title"]
+    assert scrape_job(MIRROR_SERVICE_MONITOR) != scrape_job(ADMISSION_SERVICE_MONITOR)
 
 
 @pytest.mark.integration
 def test_every_expression_names_only_what_a_live_agent_exports(agent_env: AgentEnv) -> None:
-    """Every expression but the Mirror row's: against the real agent's /metrics."""
+    """Every expression but the Mirror and Admission rows': against the real agent's
+    /metrics."""
     text, _uids, run = populated_scrape(agent_env)
     run.stop()
     labels_of = exported(text)
@@ -289,6 +350,52 @@ def test_every_mirror_row_expression_names_only_what_a_live_mirror_exports(
         "other family's: kai_fractions_mirror_calls_total has no label verb",
         "other family's: the legend names result, which no metric has",
         "typo: the mirror exports no kai_fractions_mirror_call_total"]
+
+
+@pytest.mark.integration
+def test_every_admission_row_expression_names_only_what_a_live_admission_server_exports(
+        tmp_path: Path) -> None:
+    """The Admission row's expressions: against the real admission server's /metrics (after a
+    review of each outcome and refusals, so the labelled series are the counted ones), with the
+    target labels Prometheus adds (its ServiceMonitor has no honorLabels)."""
+    install(tmp_path, *make_cert("webhook-dashboard"))
+    text, _draining = populated_admission_scrape(tmp_path)
+    assert sample_value(text, "kai_fractions_admission_reviews_total", outcome="error") == 1
+    assert sample_value(text, "kai_fractions_admission_requests_refused_total",
+                        reason="malformed") == 1
+    labels_of = exported(text)
+    assert "kai_fractions_admission_reviews_total" in labels_of  # the scrape is the server's
+    assert "kai_fractions_mirror_calls_total" not in labels_of
+    assert labels_of["kai_fractions_admission_reviews_total"] == {"webhook", "outcome"}
+    assert set().union(*labels_of.values()) & TARGET_LABELS == set()
+    exprs = admission_side(dashboard())
+    assert exprs
+    assert problems(exprs, labels_of, "admission server", TARGET_LABELS) == []
+    # every family the live server exports is drawn (a new one without a panel fails here)
+    read = {m for e in exprs for m in parse(e.expr).metrics}
+    families = {name.removesuffix("_bucket") for name in labels_of
+                if name.startswith("kai_fractions_admission_")
+                and not name.endswith(("_created", "_count", "_sum"))}
+    assert families == {m.removesuffix("_bucket") for m in read
+                        if m.startswith("kai_fractions_admission_")}
+    # a label value a matcher names is one the server writes (a value it never writes would
+    # leave a panel empty for ever); `job` is the scrape's, checked against the chart above
+    written = {"webhook": WEBHOOKS, "outcome": OUTCOMES, "reason": REFUSALS}
+    for e in exprs:
+        for metric, label, _op, value in parse(e.expr).values:
+            assert label == "job" or value in written.get(label, ()), (e.where, metric, label)
+    # what the server lacks is reported: a mirror metric, a label of another family, a typo
+    assert problems([
+        Expr(ADMISSION_ROW, "mirror's", "sum by (method) (kai_fractions_mirror_calls_total)", ""),
+        Expr(ADMISSION_ROW, "other family's",
+             'kai_fractions_admission_requests_refused_total{webhook="mutate"}', "{{outcome}}"),
+        Expr(ADMISSION_ROW, "typo", "sum(rate(kai_fractions_admission_review_total[5m]))", ""),
+    ], labels_of, "admission server", TARGET_LABELS) == [
+        "mirror's: the admission server exports no kai_fractions_mirror_calls_total",
+        "mirror's: groups by method, which none of ['kai_fractions_mirror_calls_total'] has",
+        "other family's: kai_fractions_admission_requests_refused_total has no label webhook",
+        "other family's: the legend names outcome, which no metric has",
+        "typo: the admission server exports no kai_fractions_admission_review_total"]
 
 
 # -- the chart ------------------------------------------------------------------------------
