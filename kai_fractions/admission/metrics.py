@@ -35,9 +35,11 @@ class AdmissionMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=r)
         reviews = Counter(
-            "kai_fractions_admission_reviews", "AdmissionReviews answered (HTTP 200), by "
-            "webhook and outcome: allowed, denied, or error (denied for an internal error; the "
-            "log has the details).", ("webhook", "outcome"), registry=r)
+            "kai_fractions_admission_reviews", "AdmissionReviews reviewed, by webhook and "
+            "outcome: allowed, denied, or error (denied for an internal error; the log has the "
+            "details). Each is answered with HTTP 200, unless its answer finds no room: then "
+            "503, counted in kai_fractions_admission_requests_refused_total{reason=\"no_room\"} "
+            "as well.", ("webhook", "outcome"), registry=r)
         seconds = Histogram(
             "kai_fractions_admission_review_seconds", "Time from a review's body being whole to "
             "its answer decided (the wait for the review before it, the parse and the review), "
@@ -47,7 +49,9 @@ class AdmissionMetrics:
             "instead of a review, by reason: body_too_large (413), body_timeout (408), "
             "body_short (400: the body ended early), length_required (411), malformed (400: not "
             "JSON, not an AdmissionReview, too deep), too_many_openings (400: too many arrays "
-            "and objects), no_room (503: no room within the queue wait), not_found (404: an "
+            "and objects), no_room (503: no room within the queue wait for its body or its "
+            "review, or none at once for its answer: a review that ran is counted in "
+            "kai_fractions_admission_reviews_total too), not_found (404: an "
             "unknown path), protocol (the HTTP itself: a bad request line or headers, an "
             "unsupported method).", ("reason",), registry=r)
         self._families = {"reviews": reviews, "seconds": seconds, "refused": refused}
@@ -105,10 +109,11 @@ class _ServerCollector:
                                   "taken (an idle keep-alive, or one stuck on its peer).",
                                   value=connections.evicted)
         yield CounterMetricFamily("kai_fractions_admission_connections_backlogged",
-                                  "Times every place was taken by a connection that may keep "
-                                  "it, and new connections were left waiting in the listen "
-                                  "backlog (once a new connection, and again at intervals while "
-                                  "it waits).", value=connections.waited)
+                                  "New connections left waiting in the listen backlog, every "
+                                  "place taken by one that may keep it: each counted once, "
+                                  "when the server first finds it at the head of the backlog "
+                                  "with no place for it, however long it then waits.",
+                                  value=connections.waited)
         bodies = server.bodies
         yield GaugeMetricFamily("kai_fractions_admission_body_bytes_held",
                                 "Bytes of request bodies and answers held now, of the body "

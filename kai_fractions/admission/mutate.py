@@ -23,7 +23,7 @@ from ..contract import (
 )
 from ..contract import keys as k
 from ..contract.plan import MPS_SERVER
-from . import podspec, wiring
+from . import podspec, shape, wiring
 from .config import GATE_CONTAINER, MPS_VOLUME, AdmissionConfig
 from .errors import contract_denial, manifest_denial
 from .review import Decision, allow, deny, kind_of
@@ -162,14 +162,12 @@ def _ephemeral_ops(request: Mapping[str, Any], config: AdmissionConfig) -> Decis
     """An ephemeral container added to a fractional pod gets `NVIDIA_VISIBLE_DEVICES=void`
     like any other container without the fraction."""
     pod = request.get("object")
+    shape.check_pod(pod)
     spec = pod.get("spec") if isinstance(pod, Mapping) else None
     if not isinstance(spec, Mapping) or not isinstance(spec.get("ephemeralContainers"), list):
         return allow()
-    try:
-        parsed = parse_pod(view_from_pod_spec(pod.get("metadata") or {}, spec, namespace=str(
-            request.get("namespace") or "")), config.keys)
-    except ManifestError as e:
-        return manifest_denial(e)
+    parsed = parse_pod(view_from_pod_spec(pod.get("metadata") or {}, spec, namespace=str(
+        request.get("namespace") or "")), config.keys)
     if parsed.share is None:
         return allow()
     ops = [{"op": "replace", "path": f"/spec/ephemeralContainers/{i}",
@@ -184,7 +182,16 @@ def mutate(request: Mapping[str, Any], config: AdmissionConfig, *,
            new_namespace: Callable[[], str] = podspec.new_mps_namespace) -> Decision:
     """Review one AdmissionReview request for the mutating webhook. `new_namespace` names the
     MPS namespace of a new sm-sharing container (random; the only impure step, so tests pass
-    their own)."""
+    their own). A request or pod of the wrong shape (`shape`) is a 400, changing nothing."""
+    try:
+        shape.check_request(request)
+        return _mutate(request, config, new_namespace)
+    except ManifestError as e:
+        return manifest_denial(e)
+
+
+def _mutate(request: Mapping[str, Any], config: AdmissionConfig,
+            new_namespace: Callable[[], str]) -> Decision:
     if kind_of(request) != "Pod":
         return allow()
     if request.get("operation") == "UPDATE" and request.get("subResource") == \
@@ -195,13 +202,11 @@ def mutate(request: Mapping[str, Any], config: AdmissionConfig, *,
     pod = request.get("object")
     if not isinstance(pod, Mapping):
         return allow()
+    shape.check_pod(pod)
     metadata = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
-    try:
-        parsed = parse_pod(view_from_pod_spec(metadata, spec, namespace=str(
-            request.get("namespace") or "")), config.keys)
-    except ManifestError as e:
-        return manifest_denial(e)
+    parsed = parse_pod(view_from_pod_spec(metadata, spec, namespace=str(
+        request.get("namespace") or "")), config.keys)
     warnings = tuple(str(w) for w in parsed.warnings)
     if parsed.errors:
         # Deny here too: if only this webhook ran, an invalid pod must not start unwired.

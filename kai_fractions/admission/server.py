@@ -19,8 +19,9 @@ being served (waiting on the server: for room, a review) is never cut off. A han
 request's head is closed after HEAD_TIMEOUT in any case.
 
 Given an AdmissionMetrics (metrics.py), each answer is counted where it is decided (a review by
-its outcome, a refusal by its reason), and the connections, the body budget and the drain are
-read at each scrape, from the state above.
+its outcome, as soon as it ran; a refusal by its reason: a review whose answer then finds no
+room is answered 503 and counted as a `no_room` refusal too), and the connections, the body
+budget and the drain are read at each scrape, from the state above.
 
 Measured (RSS, CPython 3.11, glibc's malloc): with 1,000 idle connections open (about 60 KiB
 each) and ten rounds of six of the costliest bodies these bounds let through sent at once (3
@@ -164,9 +165,14 @@ class Connections:
         self._open: dict[socket.socket, tuple[str, float]] = {}  # -> (state, since)
         self.evicted = 0
         self.waited = 0
-        """How many times the accepting thread found every place taken by a connection that
-        may keep it, and left new connections waiting in the listen backlog (once a new
-        connection, and again each ACCEPT_WAIT it waits)."""
+        """New connections left waiting in the listen backlog, every place taken by one that
+        may keep it: each counted once, when the accepting thread first finds it at the head
+        of the backlog with no place for it, however many ACCEPT_WAITs it then waits. (The
+        connections queued behind it are not seen until they reach the head: one that finds a
+        place there is not counted.)"""
+        self._head_waits = False
+        """The connection at the head of the backlog was counted in `waited`; it stays there
+        until a place is found for it."""
 
     def make_room(self, timeout: float) -> bool:
         """True when a new connection can be admitted: a place is free, or one was freed by
@@ -174,20 +180,20 @@ class Connections:
         first: a handshake or headers that have not come, a body or an answer behind BODY_RATE;
         then an idle keep-alive, the longest idle). False after `timeout` without."""
         deadline = time.monotonic() + timeout
-        counted = False
         with self._changed:
             while len(self._open) >= self.limit:
                 now = time.monotonic()
                 victim, wake = self._victim(now)
                 if victim is not None:
                     self._evict(victim)
-                    return True
-                if not counted:
+                    break
+                if not self._head_waits:  # a connection waits: counted once, not per call
                     self.waited += 1
-                    counted = True
+                    self._head_waits = True
                 if now >= deadline:
                     return False
                 self._changed.wait(min(deadline, wake) - now)
+            self._head_waits = False  # the head connection is accepted now
             return True
 
     def _victim(self, now: float) -> tuple[socket.socket | None, float]:
@@ -353,7 +359,7 @@ class WebhookServer(ThreadingHTTPServer):
         room = self.connections.make_room(ACCEPT_WAIT)
         if self.connections.waited != waited:
             self._warn("waited", "all %d connections are busy: new connections wait in the "
-                       "listen backlog (%d times so far)", self.connections.limit,
+                       "listen backlog (%d so far)", self.connections.limit,
                        self.connections.waited)
         if self.connections.evicted != evicted:
             self._warn("evicted", "all %d connections were taken: closed one waiting on its "
@@ -580,6 +586,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self.server.reviews.release()
             decided = time.monotonic() - whole
             del body
+            # A review that ran is counted with its outcome even if its answer then finds no
+            # room (a 503, counted as no_room too): an internal error must not go unseen.
+            if answer[0] == HTTPStatus.OK and self.server.metrics is not None:
+                self.server.metrics.reviewed(path[1:], outcome, decided)
             # The answer is held until it is written, in the body's room, and more where it is
             # larger: taken at once or not at all (it holds a part already, as a body's later
             # bytes do). Its write is bounded in time (_send).
@@ -591,8 +601,6 @@ class _Handler(BaseHTTPRequestHandler):
                 self._held += more
             if answer[0] != HTTPStatus.OK:
                 self._refused(outcome)
-            elif self.server.metrics is not None:
-                self.server.metrics.reviewed(path[1:], outcome, decided)
             self._send(*answer)
         finally:
             self.server.bodies.give(self._held)

@@ -43,7 +43,7 @@ from ..contract import (
 from ..contract import keys as k
 from ..contract.errors import shown
 from ..gate import paths
-from . import frozen, hostpaths, isolation, podspec, wiring
+from . import frozen, hostpaths, isolation, podspec, shape, wiring
 from .config import GATE_CONTAINER, MARKER_VOLUME, MPS_VOLUME, PODINFO_VOLUME, AdmissionConfig
 from .errors import Problem, denial_text, error_text, exact, manifest_denial
 from .review import Decision, allow, annotations_of, deny, kind_of, user_of
@@ -221,7 +221,18 @@ def manifest_problems(spec: Mapping[str, Any], request: PodRequest,
     wires it): host paths for every pod; for a pod that is fractional or carries the gate or a
     reserved volume, any way past its containers (`isolation`); the reserved volumes' mounts;
     and a fractional container may not take the gate's name. `kai-fractions validate` reports
-    these offline, from the same rules."""
+    these offline, from the same rules, where no API server decoded the manifest: a field of
+    the wrong shape (`shape`) is then the one problem."""
+    try:
+        shape.check_spec(spec)
+    except ManifestError as e:
+        return [Problem(str(e), exact(str(e)))]
+    return _manifest_problems(spec, request, config)
+
+
+def _manifest_problems(spec: Mapping[str, Any], request: PodRequest,
+                       config: AdmissionConfig) -> list[Problem]:
+    """`manifest_problems` of a spec whose shape was checked (`_validate_pod`)."""
     keyed = any(_is_nvfractions_key(key, config.keys) for key in request.pod.annotations)
     out = _host_path_problems(
         spec, config, HOST_PATH_NO_EXEMPTION_HINT if keyed else HOST_PATH_EXEMPTION_HINT)
@@ -251,7 +262,7 @@ def _spec_problems(obj: Any, request: PodRequest | None,
     spec = obj.get("spec") if isinstance(obj, Mapping) else None
     if not isinstance(spec, Mapping) or request is None:
         return []
-    out = manifest_problems(spec, request, config)
+    out = _manifest_problems(spec, request, config)
     # A pod that breaks the contract is refused for that (and by the node agent); the mutating
     # webhook did not wire it, so its gate and env would only repeat the refusal.
     wired = request.share is not None and not request.errors
@@ -410,6 +421,9 @@ def _validate_pod(request: Mapping[str, Any], config: AdmissionConfig) -> Decisi
     obj, old_obj = request.get("object"), request.get("oldObject")
     namespace = str(request.get("namespace") or "")
     updating = request.get("operation") == "UPDATE"
+    shape.check_pod(obj)
+    if updating:
+        shape.check_pod(old_obj, old=True)
     old_annotations = annotations_of(old_obj) if updating else {}
     user = user_of(request)
     new = _parse(obj, config, namespace)
@@ -456,6 +470,7 @@ def _validate_binding(request: Mapping[str, Any], config: AdmissionConfig) -> De
     # keys), which a user could otherwise change after the pod was created and reviewed. And
     # the pod's MPS namespace never comes with one, whoever binds: its mount was made from the
     # name the pod was created with.
+    shape.check_metadata(request.get("object"))
     annotations = annotations_of(request.get("object"))
     user = user_of(request)
     problems = [f"{key}: the MPS namespace is named once, when the pod is created; a Binding "
@@ -479,9 +494,14 @@ def _validate_workload(request: Mapping[str, Any], config: AdmissionConfig) -> D
     obj = request.get("object")
     old_obj = request.get("oldObject") if request.get("operation") == "UPDATE" else None
     namespace = str(request.get("namespace") or "")
+    shape.check_metadata(obj)
     if isinstance(obj, Mapping) and not (obj.get("metadata") or {}).get("namespace"):
         obj = {**obj, "metadata": {**(obj.get("metadata") or {}), "namespace": namespace}}
-    view, old_view = _template_view(obj), _template_view(old_obj)
+    view = _template_view(obj)
+    try:
+        old_view = _template_view(old_obj)
+    except ManifestError as e:
+        raise ManifestError(f"request.oldObject.{e}") from None
     if view is None:
         return allow()
     old_annotations = dict(old_view.annotations) if old_view is not None else {}
@@ -499,8 +519,10 @@ def _validate_workload(request: Mapping[str, Any], config: AdmissionConfig) -> D
 
 
 def validate(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
-    """Review one AdmissionReview request for the validating webhook."""
+    """Review one AdmissionReview request for the validating webhook. A request or object of
+    the wrong shape (`shape`) is a 400."""
     try:
+        shape.check_request(request)
         return _validate(request, config)
     except ManifestError as e:
         return manifest_denial(e)

@@ -473,7 +473,7 @@ def test_when_every_connection_is_being_served_a_new_one_waits_to_be_accepted(
         [warning] = [r.getMessage() for r in caplog.records if "connections are" in
                      r.getMessage()]
         assert warning == ("all 2 connections are busy: new connections wait in the listen "
-                           "backlog (1 times so far)")
+                           "backlog (1 so far)")
     finally:
         for sock in served:
             sock.close()

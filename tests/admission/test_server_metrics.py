@@ -11,7 +11,6 @@ import socket
 import ssl
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,14 +21,14 @@ from prometheus_client import generate_latest
 from kai_fractions.admission import server
 from kai_fractions.admission.config import AdmissionConfig
 from kai_fractions.admission.metrics import OUTCOMES, REFUSALS, WEBHOOKS, AdmissionMetrics
-from kai_fractions.admission.review import allow
+from kai_fractions.admission.review import allow, deny
 from kai_fractions.admission.server import WebhookServer
 from kai_fractions.admission.tls import ReloadingContext
+from tests.support.admission_metrics import SENT, populated_admission_scrape
 from tests.support.promql import exported, sample_value
 
 from .conftest import GATE_IMAGE, Webhook, load
-from .reviews import pod
-from .test_server import cli_server
+from .reviews import SM, pod
 from .test_server_bounds import (
     _answer_status,
     _closed_by_peer,
@@ -129,6 +128,59 @@ def test_a_review_is_timed_from_its_body_to_its_decision(
     assert metered.value(f"{SECONDS}_bucket", webhook="validate", le="0.025") == 0.0
     assert metered.value(f"{SECONDS}_bucket", webhook="validate", le="+Inf") == 1.0
     assert metered.value(f"{SECONDS}_sum", webhook="validate") >= 0.03
+
+
+def _wrong_shape(field: str) -> bytes:
+    """A fractional pod's review with `field` a number: `spec.volumes` (/validate raised on
+    it), or its container's `env` (/mutate raised on it)."""
+    obj = pod(SM)
+    if field == "env":
+        obj["spec"]["containers"][0]["env"] = 5
+    else:
+        obj["spec"]["volumes"] = 5
+    return review(obj)
+
+
+@pytest.mark.parametrize(("path", "field"), [("/validate", "volumes"), ("/mutate", "env"),
+                                             ("/validate", "env"), ("/mutate", "volumes")])
+def test_an_object_of_the_wrong_shape_is_denied_not_an_internal_error(
+        metered: Metered, path: str, field: str) -> None:
+    """Only a direct caller can send one (the API server decodes typed objects), and each
+    internal error fires KaiFractionsAdmissionInternalErrors: a 400 denial naming the field."""
+    status, answer = metered.post(path, _wrong_shape(field))
+    where = "spec.containers[0].env" if field == "env" else "spec.volumes"
+    assert status == 200 and answer["response"]["allowed"] is False
+    assert answer["response"]["status"] == {
+        "code": 400, "reason": "BadRequest", "message": f"{where}: must be a list, got int"}
+    assert "patch" not in answer["response"]
+    webhook = path[1:]
+    assert metered.reviews() == {(w, o): float(w == webhook and o == "denied")
+                                 for w in WEBHOOKS for o in OUTCOMES}
+
+
+def test_a_review_whose_answer_finds_no_room_is_counted_with_its_outcome(
+        metered: Metered, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It ran (and took its time, and may have been an internal error): counted in the reviews
+    and timed, and its 503 as a no_room refusal too."""
+    message = "x" * 50_000
+
+    def wordy(request: Mapping[str, Any], config: Any) -> Any:
+        return deny(message)
+
+    monkeypatch.setitem(server.ROUTES, "/validate", wordy)
+    body = review(pod())
+    budget = metered.server.bodies
+    held = budget.size - len(body) - 1000  # room for the body, not for the answer
+    assert budget.take(held, timeout=0)
+    try:
+        status, _text, headers = exchange(metered, body)
+    finally:
+        budget.give(held)
+    assert (status, headers["Retry-After"]) == (503, "1")
+    assert metered.refusals() == {r: float(r == "no_room") for r in REFUSALS}
+    assert metered.reviews() == {(w, o): float((w, o) == ("validate", "denied"))
+                                 for w in WEBHOOKS for o in OUTCOMES}
+    assert metered.value(f"{SECONDS}_count", webhook="validate") == 1.0
 
 
 # -- refusals -------------------------------------------------------------------------------
@@ -301,6 +353,33 @@ def test_the_connection_limit_and_the_open_connections_are_read_at_each_scrape(
     assert metered.value("kai_fractions_admission_connections_open") == 0.0
 
 
+def test_a_connection_waiting_in_the_backlog_is_counted_once(
+        metered: Metered, monkeypatch: pytest.MonkeyPatch) -> None:
+    """However many times the accepting thread looks again for a place (each ACCEPT_WAIT) while
+    it waits: the counter's rate is connections per second. A second one that finds no place
+    is a second."""
+    monkeypatch.setattr(server, "PENDING_GRACE", 30.0)
+    monkeypatch.setattr(server, "ACCEPT_WAIT", 0.02)
+    metered.server.connections.limit = 1
+    backlogged = "kai_fractions_admission_connections_backlogged_total"
+    for n in (1, 2):
+        holder = _tls(metered)  # handshake done, no request yet: it keeps its place
+        try:
+            _wait_for(lambda: _states(metered) == [server.NEW])
+            late, late_status = _in_thread(lambda: send(metered, review(pod()), timeout=20))
+            _wait_for(lambda n=n: metered.server.connections.waited >= n)
+            time.sleep(0.5)  # 25 ACCEPT_WAITs
+            assert late.is_alive()
+            assert metered.value(backlogged) == n
+            assert _review_over(holder) == 200  # idle now: the late one takes its place
+            late.join(timeout=20)
+            assert late_status[0][0] == 200
+        finally:
+            holder.close()
+        _wait_for(lambda: len(metered.server.connections) == 0)
+    assert metered.value(backlogged) == 2.0
+
+
 def test_the_body_bytes_held_and_the_drain_are_read_at_each_scrape(metered: Metered) -> None:
     budget = metered.server.bodies
     assert metered.value("kai_fractions_admission_body_bytes_budget") == server.BODY_BUDGET
@@ -371,39 +450,12 @@ def test_the_docs_list_every_metric_and_every_reason(metered: Metered) -> None:
 
 # -- the CLI --------------------------------------------------------------------------------
 
-METRICS_LINE = re.compile(r"metrics at (http://127\.0\.0\.1:\d+/metrics)$")
-
-
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return response.read().decode()
-
-
-def live_scrape(tls_dir: Path) -> tuple[str, str]:
-    """The /metrics text of a real `kai-fractions admission --metrics-listen` process after an
-    allowed and a denied review and a refusal, and a scrape of it after SIGTERM, while it
-    drains; the process has exited 0 when this returns. For the chart's alert test too."""
-    with cli_server(tls_dir, "--shutdown-delay", "2", "--metrics-listen",
-                    "127.0.0.1:0") as (proc, hook):
-        assert proc.stderr is not None
-        line = proc.stderr.readline().rstrip("\n")
-        found = METRICS_LINE.search(line)
-        assert found, line
-        url = found.group(1)
-        assert hook.post("/mutate", load("pod-time-slicing.review.json"))[0] == 200
-        assert hook.post("/validate", load("pod-invalid.review.json"))[0] == 200
-        assert hook.post("/validate", b"{not json")[0] == 400
-        text = scrape(url)
-        proc.terminate()
-        _wait_for(lambda: sample_value(scrape(url), "kai_fractions_admission_draining") == 1)
-        draining = scrape(url)
-        assert proc.wait(timeout=20) == 0
-    return text, draining
-
 
 def test_the_cli_serves_its_metrics_on_metrics_listen(tls_dir: Path) -> None:
-    """Over plain HTTP, and on while the replica drains (its reviews still counted)."""
-    text, draining = live_scrape(tls_dir)
+    """Over plain HTTP, and on while the replica drains (its reviews still counted): the
+    process the chart's dashboard and alert tests scrape (tests/support/admission_metrics.py),
+    which checked the counts of what it sent (SENT) in its first scrape."""
+    text, draining = populated_admission_scrape(tls_dir)
     assert sample_value(text, REVIEWS, webhook="mutate", outcome="allowed") == 1.0
     assert sample_value(text, REVIEWS, webhook="validate", outcome="denied") == 1.0
     assert sample_value(text, REFUSED, reason="malformed") == 1.0
@@ -411,7 +463,8 @@ def test_the_cli_serves_its_metrics_on_metrics_listen(tls_dir: Path) -> None:
         server.MAX_CONNECTIONS
     assert sample_value(text, "kai_fractions_admission_draining") == 0.0
     assert sample_value(draining, "kai_fractions_admission_draining") == 1.0
-    assert sample_value(draining, REVIEWS, webhook="mutate", outcome="allowed") == 1.0
+    for (name, labels), value in SENT.items():
+        assert sample_value(draining, name, **dict(labels)) == value, (name, labels)
 
 
 def _admission(tls_dir: Path, *flags: str) -> list[str]:

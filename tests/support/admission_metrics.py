@@ -1,9 +1,10 @@
-"""A live admission server's /metrics with its labelled series populated, for the chart's
-dashboard and alerting-rule tests (tests/chart/test_dashboard.py, tests/chart/test_alerts.py):
-the REAL `kai-fractions admission --metrics-listen` process on 127.0.0.1, after a review of each
+"""A live admission server's /metrics with its labelled series populated: the REAL
+`kai-fractions admission --metrics-listen` process on 127.0.0.1, after a review of each
 outcome (an allowed /mutate, a denied /validate, a /validate that failed with an internal
 error) and two refusals (`malformed`, `not_found`), and a scrape of it after SIGTERM, while it
-drains.
+drains. For the test that the CLI serves its metrics (tests/admission/test_server_metrics.py)
+and the chart's dashboard and alerting-rule tests (tests/chart/test_dashboard.py,
+tests/chart/test_alerts.py), which check their expressions against it.
 
 No review the API server sends should make the server fail, so the `error` review is a fault
 injected into the process: it runs the CLI's own `main` (as the mirror's test process does),
