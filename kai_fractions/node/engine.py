@@ -16,7 +16,8 @@ compute mode, its MPS namespace and pinned limit, and the cgroup limit on its po
 (the container's own cgroup gets its limit too once the runtime has created it). Any error
 leaves it `pending` with the reason, and the next `apply` tries again. A container pending
 because something its plan needs is KNOWN not in force (`ContainerResult.not_in_force`: an MPS
-cap, or its pod slice's memory limit) says so, under a reason of its own (NOT_IN_FORCE_REASONS):
+cap, including every one that went with an MPS control daemon that is not running, or its pod
+slice's memory limit) says so, under a reason of its own (NOT_IN_FORCE_REASONS):
 no readiness marker may vouch for it then; any other pending reason (a failed call, a read that
 failed) says nothing of what is in force.
 """
@@ -58,6 +59,7 @@ from .mps_caps import (
     SET_REFUSED,
     MpsClientLike,
     attached_pids,
+    cap_gone_with_daemon,
     cap_not_held,
     cap_not_held_by_clients,
     cap_not_made,
@@ -98,6 +100,16 @@ container: CAP_NOT_IN_FORCE_REASONS for an MPS cap (`mps_cap_missing`),
 MEMORY_LIMIT_NOT_IN_FORCE for its pod slice's memory limit (`limit_missing`)."""
 
 
+def relies_on_mps(c: ContainerDesired) -> bool:
+    """Whether what `c`'s plan needs in force relies on the node's MPS control daemon: an
+    sm-sharing container (its processes are MPS clients, its share of the SMs is an MPS
+    server's, even where no namespace or pinned limit is applied for it: a driver without
+    namespaces caps it by its client env alone), one with an MPS namespace, or an mps-pinned
+    one. When the daemon is not running, none of that is in force."""
+    return (c.compute is not ComputeEnforcement.TIME_SLICING or bool(c.mps_namespace)
+            or Mechanism.MPS_PINNED in c.mechanisms)
+
+
 def is_our_namespace(name: str) -> bool:
     """Only namespaces the contract's naming makes are ours to delete, never an operator's."""
     return is_mps_namespace_name(name)
@@ -136,9 +148,11 @@ class ContainerResult:
     `Engine._fresh`, NamespaceCapUnverified; known until put right, whatever a later pass
     fails at first: `Engine._uncapped`), or its GPU's default pinned device memory limit
     (mps-pinned) reads back lost and is not set again since, or its namespace was there while
-    that limit was lost (`PinnedLimits.suspect`). A client attaching meanwhile may
-    run uncapped, so no readiness marker may vouch for the container; other pending reasons
-    (NVML down, a busy daemon, a read that failed) say nothing of what is in force. Its reason
+    that limit was lost (`PinnedLimits.suspect`), or the MPS control daemon is not running
+    (`Engine.apply`'s `mps_not_running`: every cap that relies on it went with it). A client
+    attaching meanwhile may run uncapped, so no readiness marker may vouch for the container;
+    other pending reasons (NVML down, a busy daemon, one that runs but does not answer, a read
+    that failed) say nothing of what is in force. Its reason
     is then one of CAP_NOT_IN_FORCE_REASONS (the message names the daemon's own error), and
     those reasons mean this."""
     limit_missing: bool = False
@@ -312,15 +326,23 @@ class Engine:
 
     # -- apply ------------------------------------------------------------------------------
 
-    def apply(self, desired: DesiredState, *, mps_down: NodeError | None = None
-              ) -> ApplyReport:
+    def apply(self, desired: DesiredState, *, mps_down: NodeError | None = None,
+              mps_not_running: bool = False) -> ApplyReport:
         """`mps_down`: why the node's MPS control daemon is unusable this pass (the agent's
-        health check), if it is: every sm-sharing container then stays pending."""
+        health check), if it is: every sm-sharing container then stays pending.
+        `mps_not_running` (with `mps_down`): it is unusable because none runs (its process is
+        gone, or the one running was started since and knows nothing: `MpsHealth.not_running`),
+        not because one that may still hold its namespaces does not answer. Its namespaces,
+        their percentages and its default pinned limits are then gone with it: each container
+        that relies on it (`relies_on_mps`) is pending with its MPS cap known not in force
+        (`ContainerResult.mps_cap_missing`), its namespace known without its percentage
+        (`_uncapped`) and its GPUs' pinned limits lost (`PinnedLimits.daemon_gone`) until a
+        pass with a daemon that runs has put them back and verified them."""
         self._uncapped.intersection_update(desired.mps_namespaces)  # their containers went
         targets = set(desired.limits)  # a target gone: its pod went, or its plan changed
         self._unlimited = {t: b for t, b in self._unlimited.items() if t in targets}
         self.pins.keep_only(desired.mps_namespaces)
-        run = _Run(self, desired, mps_down)
+        run = _Run(self, desired, mps_down, mps_not_running=mps_not_running)
         run.go()
         self._last = desired
         return run.report()
@@ -400,10 +422,14 @@ class Engine:
 class _Run:
     """One apply: collects per-container failures, then builds the report."""
 
-    def __init__(self, engine: Engine, desired: DesiredState, mps_down: NodeError | None = None):
+    def __init__(self, engine: Engine, desired: DesiredState, mps_down: NodeError | None = None,
+                 *, mps_not_running: bool = False):
         self.e = engine
         self.d = desired
         self.mps_down = mps_down
+        self.mps_gone = mps_down is not None and mps_not_running
+        """The MPS control daemon is not running this pass (`Engine.apply`'s
+        `mps_not_running`): every cap that relies on it is known not in force."""
         self.at = engine.clock()
         self.failed: dict[ContainerKey, NodeError] = {}
         self.issues: list[Issue] = []
@@ -467,9 +493,7 @@ class _Run:
         # Every sm-sharing container: its processes are clients of the node's MPS server, even
         # where no namespace or pinned limit is applied for it (a driver without namespaces
         # caps it by its client env alone), so without a daemon no share is enforced.
-        needs_mps = [c for c in self.d.containers
-                     if c.compute is not ComputeEnforcement.TIME_SLICING
-                     or c.mps_namespace or Mechanism.MPS_PINNED in c.mechanisms]
+        needs_mps = [c for c in self.d.containers if relies_on_mps(c)]
         if not needs_mps:
             return
         mps = self.e.mps
@@ -480,6 +504,8 @@ class _Run:
                 reason=MPS_UNAVAILABLE))
             return
         if self.mps_down is not None:
+            if self.mps_gone:
+                self.daemon_gone(needs_mps)
             self.fail((c.key for c in needs_mps), self.mps_down)
             return
         self.pinned_limits(mps, needs_mps)
@@ -496,6 +522,20 @@ class _Run:
         self.namespaces(mps, wanted, existing)
         if self.created:
             self.pinned_limits(mps, needs_mps, made=set(self.created))
+
+    def daemon_gone(self, needs_mps: list[ContainerDesired]) -> None:
+        """The MPS control daemon is not running (`mps_gone`): the namespaces of `needs_mps`
+        are known without their percentage (`_uncapped`, until one is made again and
+        verified), and the default pinned limits of their mps-pinned containers' GPUs lost
+        (`PinnedLimits.lost`, until a set succeeds)."""
+        for c in needs_mps:
+            if c.mps_namespace:
+                self._uncap(c.mps_namespace)
+        for g in self.d.gpus:
+            if g.mps_pinned_mib is not None and any(
+                    Mechanism.MPS_PINNED in c.mechanisms and g.uuid in c.plan.device_uuids
+                    for c in needs_mps):
+                self.e.pins.daemon_gone(g.index, g.uuid, g.mps_pinned_mib)
 
     def pinned_limits(self, mps: MpsControlLike, needs_mps: list[ContainerDesired],
                       made: set[str] | None = None) -> None:
@@ -975,8 +1015,9 @@ class _Run:
         """What the engine knows, not only this pass: a pass failing before it reaches the
         namespace or the pinned limit learns nothing that puts them right."""
         name = c.mps_namespace
-        return self.pin_lost(c) is not None or (name is not None and (
-            name in self.e._uncapped or name in self.e._fresh or name in self.e.pins.suspect))
+        return (self.mps_gone and relies_on_mps(c)) or self.pin_lost(c) is not None or (
+            name is not None and (name in self.e._uncapped or name in self.e._fresh
+                                  or name in self.e.pins.suspect))
 
     def pin_lost(self, c: ContainerDesired, since: NodeError | None = None
                  ) -> MpsError | None:
@@ -991,11 +1032,23 @@ class _Run:
                     return lost
         return None
 
+    def pinned_gpus(self, c: ContainerDesired) -> list[int]:
+        """The indexes of the GPUs whose default pinned limit the mps-pinned container `c`
+        relies on."""
+        if Mechanism.MPS_PINNED not in c.mechanisms:
+            return []
+        return [g.index for g in self.d.gpus
+                if g.uuid in c.plan.device_uuids and g.mps_pinned_mib is not None]
+
     def cap_error(self, c: ContainerDesired, error: NodeError) -> NodeError:
         """The error to report for a container whose MPS cap is known not in force
         (`cap_missing`): one of CAP_NOT_IN_FORCE_REASONS, so that its reason alone tells it
         from one pending for a reason that keeps its marker. Where the step that failed first
-        was not about the cap (a client list, the daemon down), the cap's reason names it."""
+        was not about the cap (a client list, the daemon down), the cap's reason names it.
+        While the daemon is not running (`mps_gone`), that is what the message says."""
+        if self.mps_gone and self.mps_down is not None:  # the daemon, and the caps with it
+            return cap_gone_with_daemon(c.mps_namespace, c.active_thread_percentage,
+                                        self.mps_down, pinned=self.pinned_gpus(c))
         if error.reason in CAP_NOT_IN_FORCE_REASONS:
             return error
         lost = self.pin_lost(c, error)

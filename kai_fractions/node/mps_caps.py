@@ -9,7 +9,7 @@ attach until the next pass puts it right.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from .errors import NodeError
@@ -31,7 +31,10 @@ NAMESPACE_CAP_NOT_SET = "NamespaceCapNotSet"
 active-thread percentage because the daemon did not take a step of making it: its set failed and
 it was deleted (no client may attach to it uncapped; the next pass makes it again), or could not
 be deleted either (a client attaching to it would run uncapped for its lifetime), or it could not
-be created. The message says which."""
+be created. Also a container whose MPS caps went with an MPS control daemon that is not running
+(`cap_gone_with_daemon`: its namespace, or on a driver without namespaces the MPS server that
+enforces its client env; an mps-pinned one without a namespace gets MpsPinnedLimitLost). The
+message says which."""
 CAP_NOT_IN_FORCE_REASONS = frozenset({NAMESPACE_CAP_UNVERIFIED, NAMESPACE_CAP_NOT_SET,
                                       MPS_PINNED_LIMIT_LOST})
 """The reasons of a container pending with `ContainerResult.mps_cap_missing`, and only of such a
@@ -122,6 +125,42 @@ def cap_not_held(name: str, pct: int, error: NodeError) -> MpsError:
         "now would not run with the cap. The container stays pending, and its readiness marker "
         "set aside, until it holds it (the agent retries every pass; if this persists, check "
         "the MPS control daemon and its log)"))
+
+
+def gone_with_daemon_reason(namespace: bool, pinned: bool) -> str:
+    """The reason of a container whose MPS cap went with an MPS control daemon that is not
+    running (`cap_gone_with_daemon`): its namespace's (NamespaceCapNotSet) where it has one,
+    else its GPU's pinned limit's (MpsPinnedLimitLost) where it is mps-pinned, else
+    NamespaceCapNotSet (a driver without namespaces: the MPS server its client env names)."""
+    return MPS_PINNED_LIMIT_LOST if pinned and not namespace else NAMESPACE_CAP_NOT_SET
+
+
+def cap_gone_with_daemon(name: str | None, pct: int | None, error: NodeError, *,
+                         pinned: Sequence[int] = ()) -> MpsError:
+    """The MPS control daemon is not running (`error`: why, as its supervisor saw it), and the
+    container's MPS caps went with it: its namespace `name` and that namespace's percentage
+    `pct` (None: a driver without namespaces, where the MPS server enforces the client env's
+    percentage), and the default pinned device memory limit of its GPUs `pinned` (their
+    indexes: an mps-pinned container's). Reason: `gone_with_daemon_reason`."""
+    gone = []
+    if name is not None:
+        gone.append(f"MPS namespace {name} and its active-thread percentage {pct}")
+    if pinned:
+        gpus = ("GPUs " if len(pinned) > 1 else "GPU ") + ", ".join(map(str, pinned))
+        gone.append(f"the default pinned device memory limit of {gpus}")
+    if name is None:
+        gone.append("the MPS server its clients reach, which enforces its share of the SMs")
+    back = " and ".join(
+        (["the namespace is made again with its percentage"] if name is not None else [])
+        + (["the limit is set again"] if pinned else [])) or "its clients can reach it again"
+    return MpsError(gone_with_daemon_reason(name is not None, bool(pinned)), (
+        f"the MPS control daemon is not running ({error.reason}: {error.message}), and "
+        f"{' and '.join(gone)} went with it (a daemon's namespaces and settings die with it). "
+        "A CUDA process of the container started now would not reach MPS and would run as "
+        "without it, uncapped (alone on an EXCLUSIVE_PROCESS GPU). The container stays "
+        "pending, and its readiness marker set aside, until the daemon runs again and "
+        f"{back} (the agent starts it again, with a backoff; if this persists, check "
+        "--mps-control-binary and the MPS log directory)"))
 
 
 def cap_not_verified(name: str, pct: int, error: NodeError) -> MpsError:

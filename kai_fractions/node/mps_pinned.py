@@ -94,6 +94,14 @@ class PinnedLimits:
         self.exposed.intersection_update(names)
         self.suspect.intersection_update(names)
 
+    def daemon_gone(self, index: int, uuid: str, mib: int) -> None:
+        """The MPS control daemon is not running: GPU `index`'s limit (`mib` MiB) went with it
+        (a daemon forgets it when it exits, and a new one holds none). Lost until a set
+        succeeds; the next `ensure` writes it again whatever it reads back."""
+        self.written.pop(index, None)
+        self.lost[index] = _Loss(uuid, mib, "the MPS control daemon was found not running, "
+                                 "and a daemon's default pinned limits go with it", unset=True)
+
     def lost_error(self, index: int, since: NodeError | None = None) -> MpsError | None:
         """MpsPinnedLimitLost while GPU `index`'s limit is known lost, else None."""
         loss = self.lost.get(index)

@@ -4,8 +4,9 @@ The demo has no GPU and no `nvidia-cuda-mps-control`, yet the node agent must dr
 would on a real node. `FakeMpsControl` has `MpsControl`'s methods with the same validation, error
 reasons and readback formats (`4096` MiB reads back `4G`, percentages `25.0`); every call is
 recorded in `calls` as (method, args) before it is validated. `inject(method, error)` makes the
-next call(s) of a method fail; `kill()` loses every setting, like the real daemon exiting.
-`FakeMpsSupervisor` has `MpsDaemon`'s interface over a `FakeMpsControl`.
+next call(s) of a method fail; `kill()` loses every setting, like the real daemon exiting;
+`hang()` makes a daemon that still runs (and keeps every setting) stop answering, until
+`resume()`. `FakeMpsSupervisor` has `MpsDaemon`'s interface over a `FakeMpsControl`.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class FakeMpsControl:
         """GPU indexes 0..devices-1 exist; others behave like the daemon's invalid ordinal."""
         self.calls: list[tuple[str, tuple[Any, ...]]] = calls if calls is not None else []
         self.running = True
+        self.answering = True
+        """False while a running daemon does not answer (`hang`): it keeps its settings."""
         self.default_pinned_mib: dict[int, int] = {}
         self.default_active_thread_percentage: float = 100.0
         self.servers: dict[int, FakeServer] = {}
@@ -95,6 +98,16 @@ class FakeMpsControl:
 
     def start(self) -> None:
         self.running = True
+        self.answering = True
+
+    def hang(self) -> None:
+        """The daemon still runs, holding every setting, but answers nothing (a hung or very
+        slow daemon): every call fails as unreachable, as a client's timeout would."""
+        self.answering = False
+
+    def resume(self) -> None:
+        """A hung daemon answers again, with every setting it held."""
+        self.answering = True
 
     def add_server(self, pid: int) -> FakeServer:
         server = self.servers.setdefault(pid, FakeServer(pid))
@@ -144,6 +157,10 @@ class FakeMpsControl:
             raise MpsError(e.MPS_DAEMON_UNREACHABLE,
                            f"no MPS control daemon answers on {self.pipe_dir} ({what!r}: Cannot "
                            "find MPS control daemon process); the supervisor starts it")
+        if not self.answering:
+            raise MpsError(e.MPS_DAEMON_UNREACHABLE,
+                           f"the MPS control daemon on {self.pipe_dir} did not answer {what!r} "
+                           "in time")
 
     def _server(self, pid: int) -> FakeServer:
         if pid not in self.servers:
@@ -342,7 +359,9 @@ class FakeMpsControl:
 
 class FakeMpsSupervisor:
     """`MpsDaemon`'s interface over a `FakeMpsControl`: `control.kill()` makes the daemon die,
-    `can_start=False` makes every (re)start fail."""
+    `can_start=False` makes every (re)start fail (`not_running` then), `control.hang()` makes a
+    running daemon stop answering (never restarted here; not `not_running`: it keeps its
+    settings)."""
 
     def __init__(self, control: FakeMpsControl | None = None, *, can_start: bool = True):
         self.control = control or FakeMpsControl()
@@ -350,14 +369,21 @@ class FakeMpsSupervisor:
         self.restarts = 0
         self.starts = 0
         self.last_error: MpsError | None = None
+        self.not_running = False
         self.on_restart: Any = None
         self.stopped = False
         self._seen_running = False
 
     def healthy(self) -> bool:
-        return self.control.running
+        return self.control.running and self.control.answering
 
     def ensure_running(self) -> bool:
+        self.not_running = False
+        if self.control.running and not self.control.answering:
+            self.last_error = MpsError(e.MPS_DAEMON_NOT_ANSWERING,
+                                       f"the MPS control daemon on {self.control.pipe_dir} runs "
+                                       "but does not answer")
+            return False
         if self.control.running:
             self._seen_running = True
             self.last_error = None
@@ -366,6 +392,7 @@ class FakeMpsSupervisor:
             self.last_error = MpsError(e.MPS_DAEMON_UNREACHABLE,
                                        f"no MPS control daemon answers on "
                                        f"{self.control.pipe_dir} and it cannot be started")
+            self.not_running = True
             return False
         self.control.start()
         self.starts += 1

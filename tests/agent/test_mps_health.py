@@ -77,6 +77,36 @@ def test_a_daemon_the_agent_started_is_its_own_even_when_it_answered_late(tmp_pa
     assert "quit\n" in runner.stdins
 
 
+def test_the_health_check_tells_a_daemon_not_running_from_one_not_answering(tmp_path):
+    """What the pass hands the engine (`Engine.apply`'s `mps_not_running`): a daemon process
+    that does not answer may hold its namespaces and limits (the markers stay); once it is
+    gone and cannot be started again, they are gone with it. A change between the two asks
+    for a pass at the periodic check."""
+    clock, processes, runner = FakeClock(), FakeProcesses(pid=4242), RecordingRunner()
+    state = ["hung"]
+
+    def health(_call):
+        if state[0] == "hung":
+            raise CommandTimeout([BIN], 2)
+        return CommandResult(1, "", "Cannot find MPS control daemon process\n")
+
+    runner.respond([BIN], health, stdin=LIST)
+    runner.respond([BIN, "-d"], CommandResult(1, "", "boom\n"))
+    daemon = MpsDaemon(BIN, str(tmp_path / "p"), str(tmp_path / "l"), runner, clock,
+                       protocol_v3=False, processes=processes)
+    health_ = MpsHealth(daemon, AgentMetrics("node-a"), lambda: None)
+    _v3, error = health_.check()
+    assert error is not None and error.reason == "MpsDaemonNotAnswering"
+    assert health_.not_running is False
+    assert health_.needs_pass() is False  # still the same
+    state[0] = "dead"
+    processes.alive.discard(4242)
+    assert health_.needs_pass() is True  # gone now: the pass must say so
+    _v3, error = health_.check()
+    assert error is not None and error.reason == "CommandFailed"  # its start failed
+    assert health_.not_running is True
+
+
 def test_a_legacy_client_that_exits_mid_drain_does_not_abort_the_pods_drain():
     """The legacy daemon answers `Invalid process N!` for a pid that is no client (any more):
     nothing left to drain of it, and the pod's other clients are still drained."""

@@ -622,7 +622,11 @@ def test_without_a_daemon_no_sm_sharing_container_is_applied_whatever_the_tiers(
     assert marker(rig, uid) is None
     assert marker(rig, ts) is not None  # time-slicing needs no MPS
     result = rig.reconciler.view.results[(uid, "main")]
-    assert (result.state.value, result.reason) == ("pending", "MpsDaemonUnreachable")
+    # the daemon is not running: the cap its MPS server enforces is known not in force
+    assert (result.state.value, result.reason, result.mps_cap_missing) == (
+        "pending", "NamespaceCapNotSet", True)
+    assert result.message.startswith(
+        "the MPS control daemon is not running (MpsDaemonUnreachable: ")
     rig.mps.can_start = True  # the daemon comes back: the container is applied
     assert rig.step().converged
     assert marker(rig, uid)["containers"]["main"]["state"] == "applied"

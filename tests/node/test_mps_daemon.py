@@ -462,3 +462,97 @@ def test_proc_daemon_processes_reads_the_lock_holder(tmp_path):
     assert found.is_alive(10) and not found.is_alive(12) and not found.is_alive(13)
     (proc / "locks").write_text("")
     assert found.daemon_pid(str(pipe)) is None
+
+
+# -- not running, or not answering (`MpsDaemon.not_running`) ----------------------------------
+# A daemon's namespaces, percentages and default pinned limits die with it: while none runs
+# that holds them, the agent sets aside the readiness markers that vouch for them. A daemon
+# process that still runs but does not answer may hold them all: its markers stay.
+
+
+def test_not_running_while_a_start_fails_and_the_supervisor_backs_off(dirs):
+    runner = RecordingRunner()
+    runner.respond([BIN], NO_DAEMON, stdin=LIST)
+    runner.respond([BIN, "-d"], CommandResult(1, "", "boom\n"))
+    clock = FakeClock()
+    daemon = make(dirs, runner, clock, protocol_v3=False)
+    assert daemon.not_running is False  # nothing known before the first look
+    assert daemon.ensure_running() is False and daemon.not_running is True
+    clock.now += 0.5  # backing off: no start, still none
+    assert daemon.ensure_running() is False and daemon.not_running is True
+    assert runner.argvs.count((BIN, "-d")) == 1
+
+
+def test_not_running_without_a_binary(dirs):
+    from kai_fractions.node.mps.runner import CommandNotFound
+    daemon = make(dirs, RecordingRunner(CommandNotFound([BIN], f"cannot execute {BIN}")))
+    assert daemon.ensure_running() is False
+    assert (daemon.last_error.reason, daemon.not_running) == ("MpsBinaryNotFound", True)
+
+
+def test_a_live_daemon_that_does_not_answer_is_not_taken_for_not_running(dirs):
+    runner = RecordingRunner()
+    runner.respond([BIN], CommandTimeout([BIN], 2), CommandTimeout([BIN], 2), "", stdin=LIST)
+    clock = FakeClock()
+    daemon = make(dirs, runner, clock, processes=FakeProcesses(pid=4242), protocol_v3=False)
+    for _ in range(2):
+        assert daemon.ensure_running() is False
+        assert (daemon.last_error.reason, daemon.not_running) == ("MpsDaemonNotAnswering",
+                                                                  False)
+        clock.now += 5
+    assert daemon.ensure_running() is True and daemon.not_running is False
+
+
+def test_a_daemon_that_died_soon_after_its_start_is_not_running_while_backing_off(dirs):
+    """It answered once, so no start failed: the backoff before the next start still says
+    why none runs (it used to report no error of its own), and that none does."""
+    runner, clock = CrashesAfterOneAnswer(), FakeClock()
+    daemon = make(dirs, runner, clock, protocol_v3=False, backoff_initial=4, backoff_max=8)
+    assert daemon.ensure_running() is True  # started (a first start: no backoff yet)
+    clock.now += 1
+    assert daemon.ensure_running() is True  # died at once, started again: a quick death
+    clock.now += 1
+    assert daemon.ensure_running() is False  # dead again, backing off
+    assert runner.starts == 2
+    assert daemon.not_running is True
+    assert daemon.last_error is not None
+    assert daemon.last_error.reason == "MpsDaemonUnreachable"
+    assert "does not answer any more" in daemon.last_error.message
+
+
+def test_a_daemon_started_but_not_answering_yet_holds_nothing(dirs):
+    """`-d` returned 0 and its process runs, but it has not answered: a new daemon knows none
+    of the namespaces or limits set on the one before, so it is not running as far as they
+    go; once it answers (its state put back) it is."""
+    clock, processes, runner = FakeClock(), FakeProcesses(pid=4242), RecordingRunner()
+    up = ["old"]
+
+    def health(_call):
+        if up[0] == "old":
+            return CommandResult(0, "", "")
+        if up[0] == "new" and clock.now >= 1030:
+            return CommandResult(0, "", "")
+        if up[0] == "new":
+            raise CommandTimeout([BIN], 2)
+        return NO_DAEMON
+
+    def start(_call):
+        up[0] = "new"
+        processes.pid = 5151
+        processes.alive.add(5151)
+        return CommandResult(0, "", "")
+
+    runner.respond([BIN], health, stdin=LIST)
+    runner.respond([BIN, "-d"], start)
+    daemon = make(dirs, runner, clock, processes, protocol_v3=False, on_restart=lambda c: None)
+    assert daemon.ensure_running() is True and daemon.not_running is False
+    up[0] = "dead"
+    processes.alive.discard(4242)
+    assert daemon.ensure_running() is False  # started again, no answer within 10 s
+    assert daemon.pid() == 5151 and daemon.not_running is True
+    clock.now += 5
+    assert daemon.ensure_running() is False  # its process runs, silent: still holds nothing
+    assert daemon.last_error.reason == "MpsDaemonNotAnswering"
+    assert daemon.not_running is True
+    clock.now += 20
+    assert daemon.ensure_running() is True and daemon.not_running is False

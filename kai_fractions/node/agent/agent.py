@@ -4,7 +4,8 @@ shutdown order.
 Shutdown (SIGTERM): stop watching, let the worker finish the task in progress (a pass is never
 cut between its apply and its markers, and markers are written only after an apply), publish
 the condition one last time (False, NotReconciling: the agent is stopping), close the socket,
-stop the MPS control daemon only if this agent started it, close the Kubernetes connections
+stop the MPS control daemon only if this agent started it (the readiness markers that rely on
+it set aside first: `Reconciler.close`), close the Kubernetes connections
 (`PodSource.close`). Nothing is drained or released: the workloads keep running with their
 limits in force, and the next agent adopts them.
 """

@@ -10,7 +10,8 @@ tidy. The rules, in the order they are checked:
   written and a passing hiccup must not flap it) and no container is known to be without
   something its plan needs (`ContainerResult.not_in_force`): an MPS cap it relies on, its
   namespace's active-thread percentage or its GPU's default pinned limit (`mps_cap_missing`:
-  after an MPS daemon restart, a client attaching then may run uncapped), or the GPU memory
+  after an MPS daemon restart, a client attaching then may run uncapped; while the daemon is
+  not running, all of them), or the GPU memory
   limit on its pod's slice (`limit_missing`: read back absent or not the plan's, e.g. the
   cgroup was made again, and not set since); any other marker is removed (set aside when it
   names a plan), so a marker can never claim limits that are known not in force;

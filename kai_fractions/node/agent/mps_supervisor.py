@@ -35,6 +35,12 @@ class MpsSupervisor(Protocol):
     restarts: int
     starts: int
     last_error: MpsError | None
+    not_running: bool
+    """Set by `ensure_running` when it says no: True when no daemon holds what was set through
+    the supervisor (no daemon process is left: it died, its start failed, the supervisor backs
+    off, the binary cannot be run; or the one running was started since and has not got its
+    state back), False when a daemon process that may still hold it merely does not answer
+    (slow, busy, not yet taken for wedged). `MpsDaemon.not_running` says how it is told."""
     on_restart: Any
 
     def ensure_running(self) -> bool: ...
@@ -51,12 +57,20 @@ class MpsHealth:
         self.owned = False
         """Whether this agent started the daemon (only then it stops it)."""
         self._restarts = 0
-        self._state: str | None = None  # the daemon's error reason the last pass saw
+        self._state: tuple[str, bool] | None = None
+        """The daemon's error reason the last pass saw, and whether it was not running."""
+        self.not_running = False
+        """What the last check found (a pass's, or the periodic one's): the daemon is unusable
+        because none runs that holds the MPS state the engine applied
+        (`MpsSupervisor.not_running`), not because one that may hold it does not answer. Its
+        namespaces, their percentages and its default pinned limits are then gone with it
+        (`Engine.apply`'s `mps_not_running`)."""
 
     def check(self) -> tuple[bool, NodeError | None]:
-        """(has v3 namespaces, why the daemon is unusable), for a pass."""
+        """(has v3 namespaces, why the daemon is unusable), for a pass; `not_running` says
+        whether it is not running."""
         v3, error = self._check()
-        self._state = error.reason if error is not None else None
+        self._state = self._state_of(error)
         return v3, error
 
     def needs_pass(self) -> bool:
@@ -65,8 +79,10 @@ class MpsHealth:
         changed since the last pass. A healthy daemon costs one control command, not a pass."""
         restarts = self._restarts
         _, error = self._check()
-        state = error.reason if error is not None else None
-        return self._restarts != restarts or state != self._state
+        return self._restarts != restarts or self._state_of(error) != self._state
+
+    def _state_of(self, error: NodeError | None) -> tuple[str, bool] | None:
+        return None if error is None else (error.reason, self.not_running)
 
     def _check(self) -> tuple[bool, NodeError | None]:
         error: NodeError | None = None
@@ -80,6 +96,7 @@ class MpsHealth:
             error = MpsError(mps_errors.MPS_DAEMON_UNREACHABLE,
                              f"the MPS control daemon cannot be started: {e}; check "
                              "--mps-pipe-dir and --mps-log-dir")
+        self.not_running = error is not None and bool(self.daemon.not_running)
         # Ours only once we started one: a daemon found running (even one slow to answer at
         # the first look) is adopted, and left running at shutdown.
         self.owned = self.owned or self.daemon.starts > 0
@@ -95,7 +112,9 @@ class MpsHealth:
         return v3, error
 
     def stop(self) -> None:
-        """On shutdown: stops the daemon if this agent started it."""
+        """On shutdown: stops the daemon if this agent started it (`owned`; the caller sets
+        aside first the readiness markers that vouch for what goes with it:
+        `Reconciler.close`)."""
         if not self.owned:
             return
         log.info("stopping the MPS control daemon this agent started")

@@ -28,14 +28,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from ...marker import read_boot_id
+from ...marker import MarkerState, read_boot_id
 from ..cgroups import CgroupFs
-from ..config import NodeConfig, WatchdogPolicy
-from ..desired import ContainerKey, DesiredState
-from ..engine import ContainerResult, ContainerState, Engine
+from ..config import Mechanism, NodeConfig, WatchdogPolicy
+from ..desired import ContainerDesired, ContainerKey, DesiredState
+from ..engine import ContainerResult, ContainerState, Engine, relies_on_mps
 from ..errors import NodeError
 from ..inventory import Inventory
 from ..limit_ledger import FileLimitLedger
+from ..mps_caps import gone_with_daemon_reason
 from ..nvml import Nvml
 from ..procfs import Procfs
 from ..watchdog import Killer, SignalKiller, Watchdog
@@ -209,7 +210,9 @@ class Reconciler:
         self.pods.drop_gone(live, errors, release=True)
         self.markers.tidy(set(live), None, **tidy)
 
-        report = self.engine.apply(desired, mps_down=mps_error)
+        report = self.engine.apply(
+            desired, mps_down=mps_error,
+            mps_not_running=self.mps_health is not None and self.mps_health.not_running)
         inventory = inventory.with_compute_modes(report.compute_modes_set)
         errors.update(i.reason for i in report.issues)
         results = dict(report.containers)
@@ -350,6 +353,61 @@ class Reconciler:
         return drain(self.mps.control, desired, self.nvml, self.procfs, uid, container)
 
     def close(self, *, stop_mps: bool = True) -> None:
+        """On shutdown, once the worker has stopped: stops the MPS control daemon if this agent
+        started it (`MpsHealth.stop`), after setting aside the readiness marker of every pod
+        whose caps rely on it (`set_aside_for_mps_stop`), then shuts NVML down."""
         if self.mps_health is not None and stop_mps:
+            if self.mps_health.owned:
+                self.set_aside_for_mps_stop()
             self.mps_health.stop()
         self.nvml_health.shutdown()
+
+    def set_aside_for_mps_stop(self) -> list[str]:
+        """Before this agent stops the MPS control daemon it started: the marker of each pod
+        with a container that relies on it (`engine.relies_on_mps`: its MPS namespace and
+        percentage, its GPU's default pinned limit, its MPS server) is set aside, since all of
+        that goes with the daemon and no agent runs to say so until the next one's first
+        pass, which writes it again once it has applied them. Set aside, not removed: it
+        still holds the pod to its plan. Local file moves only (no API call: the shutdown's
+        time is bounded). Returns the pods' uids."""
+        desired = self.view.desired
+        if desired is None:
+            return []
+        relying: dict[str, list[ContainerDesired]] = {}
+        for c in desired.containers:
+            if relies_on_mps(c):
+                relying.setdefault(c.key.pod_uid, []).append(c)
+        done = []
+        for uid, containers in sorted(relying.items()):
+            names = {c.key.container for c in containers}
+            try:
+                marker = self.markers.read(uid)
+                if marker is None or not any(
+                        entry.state is MarkerState.APPLIED
+                        for name, entry in marker.containers.items() if name in names):
+                    continue
+                moved = self.markers.set_aside(uid)
+            except OSError as e:
+                log.error("pod %s: its readiness marker could not be set aside before the MPS "
+                          "control daemon stops (%s): a gate of the pod may release on it while "
+                          "no MPS cap is in force", uid, e)
+                continue
+            if not moved:
+                continue
+            done.append(uid)
+            log.warning(
+                "pod %s/%s: set aside its marker: an MPS cap is not in force for %s: the node "
+                "agent stopped, and its MPS control daemon with it (its namespaces, their "
+                "active-thread percentages and its default pinned limits go with it; a gate of "
+                "the pod waits); the next node agent writes the marker again once it has "
+                "applied them", containers[0].pod_namespace, containers[0].pod_name,
+                ", ".join(f"container {c.key.container} ({_stop_reason(c)})"
+                          for c in sorted(containers, key=lambda c: c.key.container)))
+        return done
+
+
+def _stop_reason(c: ContainerDesired) -> str:
+    """The reason a pass gives a container whose MPS caps went with the daemon
+    (`Engine.apply`'s `mps_not_running`)."""
+    return gone_with_daemon_reason(c.mps_namespace is not None,
+                                   Mechanism.MPS_PINNED in c.mechanisms)

@@ -20,6 +20,12 @@ Facts about the real binary this relies on (535, checked here; v3 flags from NVI
   `wedged_checks` failed checks in a row spanning `wedged_after` seconds; one answer resets it.
 Backoff never sleeps: while it runs, `ensure_running()` just returns False and the caller's
 loop (level-triggered) calls again later.
+
+Not running is not "not answering": every namespace, percentage and pinned limit dies with the
+daemon's process, while a live daemon that does not answer may hold them all. `not_running`
+says which, after each `ensure_running()` that said no: no process holds the lock (it died,
+its start failed, the backoff runs, the binary cannot be run), or the daemon running was
+launched since and has not answered with its state put back (it knows nothing).
 """
 
 from __future__ import annotations
@@ -159,6 +165,14 @@ class MpsDaemon:
         """Why the daemon is not running (or its state not applied) now; None when it is."""
         self.last_health_error: MpsError | None = None
         """What the last failed health check saw."""
+        self.not_running = False
+        """Whether the last `ensure_running` found no daemon that holds what was set through
+        it (namespaces, their active-thread percentages, the default pinned limits): no daemon
+        process is left (it died or was stopped, its start failed, the supervisor is backing
+        off, the binary cannot be run), or the one running now was started since and has not
+        answered with its state put back (a new daemon knows nothing). False while one answers,
+        and while a daemon process that holds the lock does not answer (slow, busy, or not yet
+        taken for wedged): that one may still hold its namespaces and serve its clients."""
         self._next_attempt = float("-inf")
         self._started_at = float("-inf")
         self._seen_running = False
@@ -224,7 +238,26 @@ class MpsDaemon:
 
     def ensure_running(self) -> bool:
         """True when the daemon answers and its state is applied; starts or restarts it (at most
-        once per backoff step) otherwise. Never sleeps for the backoff."""
+        once per backoff step) otherwise. Never sleeps for the backoff. Sets `not_running`."""
+        running = False
+        try:
+            running = self._ensure_running()
+            return running
+        finally:
+            self.not_running = not running and self._state_gone()
+
+    def _state_gone(self) -> bool:
+        """`not_running`, once `_ensure_running` said no: a daemon launched since that has not
+        got its state back, or no daemon process at all. A process table that cannot be read
+        proves nothing (False)."""
+        if self._needs_reapply:
+            return True
+        try:
+            return self.pid() is None
+        except OSError:
+            return False
+
+    def _ensure_running(self) -> bool:
         if self.healthy():
             self._silent_since, self._silent_checks = None, 0
             self._answered()
@@ -235,7 +268,18 @@ class MpsDaemon:
             return False
         now = self.clock.monotonic()
         if now < self._next_attempt:
-            return False  # backing off: last_error still says why the last start failed
+            # Backing off: last_error still says why the last start failed, or, after a
+            # daemon that died soon after its start (which answered, so no start failed), why
+            # none runs now.
+            if self.last_error is None:
+                self.last_error = MpsError(
+                    e.MPS_DAEMON_UNREACHABLE,
+                    f"the MPS control daemon started on {self._pipe_dir or self.root} "
+                    f"{now - self._started_at:g}s ago does not answer any more (it died, or "
+                    "hung, soon after its start, as one before it did); it is started again "
+                    f"at {self._next_attempt - self._started_at:g}s after that start "
+                    f"(backoff); see {self.log_dir}/control.log")
+            return False
         quick = now - self._started_at < self.stable_after  # the last one died soon
         try:
             argv = self.start_argv()  # (asks the binary its protocol: may fail too)
