@@ -2,9 +2,11 @@
 mirror's replicas do.
 
 - `model`: the report, pure: rows from the pods' annotations (contract package), the state from
-  the node agent and the gate's status, used memory from the agent;
-- `sources`: the Kubernetes API (pods, node) and the node agent (NodeEnforcer socket or
-  Prometheus endpoint), each failure a one-line reason;
+  the node agent, its events on the pod and the gate's status, used memory from the agent;
+  `agent_events` (its events on a pod: the newest per container), `heartbeat` (its last sign
+  of life);
+- `sources`: the Kubernetes API (pods, node, events) and the node agent (NodeEnforcer socket or
+  Prometheus endpoint, read by `agent_metrics`), each failure a one-line reason;
 - `render`: a table per GPU, JSON or YAML;
 - `mirror_state`, `mirror_sources`, `mirror_render`: the same three for `inspect mirror`, the
   mirror's replicas as their Prometheus metrics say.

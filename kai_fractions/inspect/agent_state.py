@@ -2,8 +2,8 @@
 
 `AgentState` is filled from the agent's NodeEnforcer socket (everything: devices, allocations
 with their state, usage, the condition) or from its Prometheus endpoint (usage per container and
-GPU, and the containers whose MPS cap it knows not in force); `unreachable(why)` records why
-neither answered, so the report can say so instead of guessing.
+GPU, the containers it refuses and those whose cap it knows not in force); `unreachable(why)`
+records why neither answered, so the report can say so instead of guessing.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class AgentAllocation:
     container: str
     uid: str = ""
     state: str = ""
-    """applied | refused | pending; "" when the source does not say (metrics)."""
+    """applied | refused | pending; "" when the source does not say (metrics: only refused)."""
     reason: str = ""
     message: str = ""
     cap_not_in_force: bool = False
@@ -95,6 +95,8 @@ class AgentState:
     condition: AgentCondition | None = None
     driver_version: str = ""
     memory_limits_supported: bool | None = None
+    notes: tuple[str, ...] = ()
+    """What went wrong beside it (a metrics endpoint given with the socket but not used)."""
 
     @property
     def knows_limits(self) -> bool:

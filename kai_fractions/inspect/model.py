@@ -8,15 +8,22 @@ running pod's edited annotations change nothing, even invalid ones; the agent's
 container comes from, in this order:
 
 0. the annotations' contract errors -> invalid, unless the node agent reports it applied;
-1. the node agent's refusal, when it answered (the cause, with its reason);
+1. the node agent's refusal, when it answered (the cause, with its reason: its socket, or its
+   metrics' `kai_fractions_container_refused`); when it was not read, the pod's newest agent
+   event about the container (`agent_events`) saying Refused;
 2. a gate that exited non-zero: refused with its termination message (the workload did not
    start, whatever the agent says now);
 3. the node agent's `applied` -> enforced, `pending` with its reason; off the node, its metrics
-   saying an MPS cap of the container is not in force -> pending with that reason (its marker
-   is set aside: a gate that released before says nothing of what is in force now);
-4. the gate init container's other states: exited 0 -> enforced, running -> waiting;
+   saying a cap of the container is not in force -> pending with that reason (its marker is set
+   aside: a gate that released before says nothing of what is in force now); when the agent
+   was not read, its newest event saying pending (a cap not in force, a signature awaited),
+   unless the gate released after it;
+4. the gate init container's other states: exited 0 -> enforced (confirmed when the agent's
+   newest event is Applied, else the gate's word alone: `enforced (gate)`), running -> waiting,
+   stuck before it runs (an image it cannot pull, ...) -> waiting with the kubelet's reason;
 5. otherwise what the pod says: not bound yet -> unscheduled; bound without a gate -> ungated
    (the admission webhook did not wire it: its limits are not guaranteed before it starts).
+An enforced row has no reason, whatever said so; `Row.state_source` names who did.
 Used memory comes from the agent only; when it is not reachable the report says why.
 """
 
@@ -41,7 +48,9 @@ from ..contract import (
 )
 from ..contract import keys as k
 from ..kube.objects import epoch_seconds
+from .agent_events import UNPLANNED_REASONS, AgentEvent, agent_events, newest
 from .agent_state import AgentAllocation, AgentState
+from .heartbeat import SILENT_AFTER_SECONDS, Heartbeat, heartbeat
 
 ENFORCED = "enforced"
 REFUSED = "refused"
@@ -52,6 +61,12 @@ UNGATED = "ungated"
 INVALID = "invalid"
 
 _AGENT_STATES = {"applied": ENFORCED, "refused": REFUSED, "pending": PENDING}
+
+FROM_AGENT, FROM_METRICS, FROM_EVENTS, FROM_GATE, FROM_POD = (
+    "agent", "metrics", "events", "gate", "pod")
+"""Who said a row's state (`Row.state_source`): the agent's socket, its metrics, its events on
+the pod, the gate init container's status alone, or the pod itself (its annotations, its
+binding, no gate)."""
 
 TIERS = ("cgroup", "mps-pinned", "watchdog")
 """How a memory cap is in force, strongest first: the driver refuses an allocation over it, the
@@ -95,6 +110,8 @@ class Row:
     tier: str = "-"
     """The strongest tier holding the memory cap on this GPU (TIERS), NO_TIER, UNKNOWN_TIER;
     `-` on no GPU, or when neither enforced nor refused (no cap is meant to hold yet)."""
+    state_source: str = FROM_POD
+    """Who said `state` (FROM_AGENT, FROM_METRICS, FROM_EVENTS, FROM_GATE, FROM_POD)."""
 
     @property
     def ref(self) -> str:
@@ -110,6 +127,7 @@ class Row:
             "message": self.message, "used_bytes": self.used_bytes, "portion": self.portion,
             "device_count": self.device_count, "mps_namespace": self.mps_namespace,
             "warnings": list(self.warnings), "tier": self.tier, "accounted": self.accounted,
+            "state_source": self.state_source,
         }
 
 
@@ -135,46 +153,6 @@ class Gpu:
                 "memory_bytes": self.memory_bytes, "modes": list(self.modes),
                 "requested_bytes": self.requested_bytes,
                 "allocations": [r.to_dict() for r in self.rows]}
-
-
-SILENT_AFTER_SECONDS = 180
-"""The chart's `mirror.markSilentNodesAfterSeconds`: a quieter agent's node is set Unknown."""
-
-
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
-    """When the node agent last said it was alive, as the follower's silent-node check reads
-    it: its heartbeat Lease's renewTime or its condition's lastHeartbeatTime, the later."""
-
-    seconds_ago: float | None
-    """None: neither carries a time."""
-    source: str = ""
-    """`lease NS/NAME` or `condition`."""
-    error: str = ""
-    """Why the Lease could not be read (the condition's time is used alone)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"seconds_ago": None if self.seconds_ago is None else round(self.seconds_ago),
-                "from": self.source, "error": self.error}
-
-
-def heartbeat(node: Mapping[str, Any] | None, condition_type: str,
-              lease: Mapping[str, Any] | None, lease_ref: str, now: float,
-              error: str = "") -> Heartbeat | None:
-    """The agent's last sign of life on `node` (None without a node); `lease` is its heartbeat
-    Lease as read (None: there is none, or it could not be read: `error`)."""
-    if not node:
-        return None
-    beat = None
-    for c in (node.get("status") or {}).get("conditions") or []:
-        if isinstance(c, Mapping) and c.get("type") == condition_type:
-            beat = epoch_seconds(c.get("lastHeartbeatTime"))
-    renewed = epoch_seconds(((lease or {}).get("spec") or {}).get("renewTime"))
-    if renewed is not None and (beat is None or renewed >= beat):
-        return Heartbeat(max(0.0, now - renewed), f"lease {lease_ref}", error)
-    if beat is not None:
-        return Heartbeat(max(0.0, now - beat), "condition", error)
-    return Heartbeat(None, "", error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,13 +203,35 @@ def _statuses(pod: Mapping[str, Any], field_name: str) -> dict[str, Mapping[str,
             if isinstance(s, Mapping)}
 
 
+STUCK = frozenset({"ErrImagePull", "ImagePullBackOff", "CreateContainerConfigError",
+                   "CreateContainerError", "InvalidImageName", "RunContainerError"})
+"""The kubelet's reasons for a container it cannot start: the gate never gets to wait for
+the agent, and this is what to fix."""
+
+
+def _gate_status(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    return _statuses(pod, "initContainerStatuses").get(GATE_CONTAINER)
+
+
+def gate_released_at(pod: Mapping[str, Any]) -> float | None:
+    """When the gate exited 0 (its current state), in seconds since the epoch; else None."""
+    terminated = ((_gate_status(pod) or {}).get("state") or {}).get("terminated") or {}
+    if not terminated or int(terminated.get("exitCode") or 0) != 0:
+        return None
+    return epoch_seconds(terminated.get("finishedAt"))
+
+
 def gate_state(pod: Mapping[str, Any]) -> tuple[str, str, str] | None:
     """(state, reason, message) from the gate init container's status; None when the pod has
     no gate status yet (or no gate at all)."""
-    status = _statuses(pod, "initContainerStatuses").get(GATE_CONTAINER)
+    status = _gate_status(pod)
     if status is None:
         return None
     st = status.get("state") or {}
+    waiting = st.get("waiting") or {}
+    if waiting.get("reason") in STUCK:
+        return WAITING, str(waiting["reason"]), " ".join(
+            str(waiting.get("message") or "the kubelet cannot start the gate container").split())
     # The current state decides: a gate that runs again (a node reboot, a new sandbox) waits
     # again, whatever its last run said; lastState only tells why it is being retried.
     if "running" in st:
@@ -241,7 +241,7 @@ def gate_state(pod: Mapping[str, Any]) -> tuple[str, str, str] | None:
     if terminated:
         message = " ".join(str(terminated.get("message") or "").split())
         if int(terminated.get("exitCode") or 0) == 0 and "terminated" in st:
-            return ENFORCED, "GateReleased", message
+            return ENFORCED, "", message
         if int(terminated.get("exitCode") or 0) == 0:
             return WAITING, "GateWaiting", "the gate is about to run again (it released the " \
                 "pod before; a new sandbox runs it anew)"
@@ -330,29 +330,33 @@ def _warnings(found: AgentAllocation | None, contract: str) -> tuple[str, ...]:
     return (f"ContractInvalid: {contract}",) if contract else ()
 
 
-def _accounted(state: str, found: AgentAllocation | None) -> bool:
+def _accounted(state: str, found: AgentAllocation | None, said: AgentEvent | None) -> bool:
     """As the agent accounts a GPU's memory: plans it holds, never a refused or invalid one,
     nor one it reports pending without a plan (held back before planning: a signature it
-    waits for)."""
+    waits for, as its socket or its event says)."""
     if state in (REFUSED, INVALID):
+        return False
+    if state == PENDING and said is not None and said.reason in UNPLANNED_REASONS:
         return False
     return not (found is not None and found.state == "pending" and found.plan is None)
 
 
-def _rows(view: Any, planned: _Planned, status: tuple[str, str, str],
+def _rows(view: Any, planned: _Planned, status: tuple[str, str, str, str],
           found: AgentAllocation | None, agent: AgentState | None,
-          contract: str = "") -> list[Row]:
+          said: AgentEvent | None = None, contract: str = "") -> list[Row]:
     """The rows of one container: one per GPU of its plan, or one without a GPU."""
+    state, reason, message, source = status
     out = []
     for uuid in planned.devices or ("",):
         used = found.used_on(uuid, len(planned.devices)) if found is not None else None
-        tier = _tier(status[0], uuid, found, agent)
+        tier = _tier(state, uuid, found, agent)
         out.append(Row(view.namespace, view.name, planned.container, uuid, planned.mode,
                        planned.request_bytes, planned.limit_bytes, planned.atp,
-                       planned.devices, *status, used, portion=planned.portion,
+                       planned.devices, state, "" if state == ENFORCED else reason, message,
+                       used, portion=planned.portion,
                        device_count=max(len(planned.devices), planned.num_devices),
-                       mps_namespace=planned.mps_namespace, tier=tier,
-                       accounted=_accounted(status[0], found),
+                       mps_namespace=planned.mps_namespace, tier=tier, state_source=source,
+                       accounted=_accounted(state, found, said),
                        warnings=_warnings(found, contract) + _over_limit(
                            used, planned.limit_bytes, uuid, tier)))
     return out
@@ -374,18 +378,34 @@ def _errors(request: Any, container: str | None = None) -> str:
                      if container is None or e.container in (container, None, ""))
 
 
+def _said(pod: Mapping[str, Any], container: str, events: tuple[AgentEvent, ...] | None,
+          agent: AgentState | None) -> AgentEvent | None:
+    """The agent's newest event about the container, when the agent itself was not read; a
+    pending or refused one the gate released after is over (its Applied may have been lost)."""
+    if events is None or (agent is not None and agent.reachable):
+        return None
+    said = newest(events, container)
+    released = gate_released_at(pod)
+    if said is None or (said.state != "applied" and released is not None
+                        and released > said.at):
+        return None
+    return said
+
+
 def _container_rows(pod: Mapping[str, Any], view: Any, request: Any, planned: _Planned,
-                    gate: tuple[str, str, str] | None, agent: AgentState | None) -> list[Row]:
+                    gate: tuple[str, str, str] | None, agent: AgentState | None,
+                    events: tuple[AgentEvent, ...] | None) -> list[Row]:
     """One container's rows: its state, and the agent's plan once it is in force (whatever
     its annotations say now, even invalid: the contract error is then a warning)."""
+    said = _said(pod, planned.container, events, agent)
     status = _state(pod, view.node_name, planned.container, gate, agent,
-                    bool(request.errors), request)
+                    bool(request.errors), request, said)
     found = _found(view, planned.container, agent)
     contract = ""
     if status[0] == ENFORCED:
         planned = _in_force(planned, found)
         contract = _errors(request, planned.container) if request.errors else ""
-    return _rows(view, planned, status, found, agent, contract)
+    return _rows(view, planned, status, found, agent, said, contract)
 
 
 def _unparsed(view: Any, request: Any, agent: AgentState | None) -> list[str]:
@@ -397,60 +417,74 @@ def _unparsed(view: Any, request: Any, agent: AgentState | None) -> list[str]:
     return [c for c in names if _applied(_found(view, c, agent))]
 
 
-def pod_rows(pod: Mapping[str, Any], agent: AgentState | None, keys: Keys) -> list[Row]:
-    """One row per fractional container and GPU (one row without a GPU when none is assigned)."""
+def pod_rows(pod: Mapping[str, Any], agent: AgentState | None, keys: Keys,
+             events: Iterable[Mapping[str, Any]] | None = None) -> list[Row]:
+    """One row per fractional container and GPU (one row without a GPU when none is assigned).
+    `events`: the pod's Events, read when the agent was not (None: not read)."""
     metadata = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
     try:
         view = view_from_pod_spec(metadata, spec)
     except ManifestError as e:
         return [Row(str(metadata.get("namespace") or ""), str(metadata.get("name") or ""), "",
-                    "", "", None, None, None, (), INVALID, "ManifestError", str(e))]
+                    "", "", None, None, None, (), INVALID, "ManifestError", str(e),
+                    accounted=False)]
     request = parse_pod(view, keys)
     gate = gate_state(pod)
+    said = None if events is None else agent_events(events, view.uid)
     rows: list[Row] = []
     for share in request.shares:
         rows += _container_rows(pod, view, request, _plan(share, pod_identity(request), keys),
-                                gate, agent)
+                                gate, agent, said)
     unparsed = _unparsed(view, request, agent) if view.node_name else []
     for container in unparsed:
         rows += _container_rows(pod, view, request, _Planned(container, "", None, None, None,
-                                                             ()), gate, agent)
+                                                             ()), gate, agent, said)
     if not request.shares:
+        # Not planned, so not accounted anywhere: the agent counts no request of it.
         rows += [Row(view.namespace, view.name, e.container or "", "", "", None, None, None,
-                     (), INVALID, "ContractInvalid", str(e))
+                     (), INVALID, "ContractInvalid", str(e), accounted=False)
                  for e in request.errors if e.container not in unparsed][:1]
     return rows
 
 
 def _state(pod: Mapping[str, Any], node: str, container: str, gate: tuple[str, str, str] | None,
-           agent: AgentState | None, invalid: bool, request: Any) -> tuple[str, str, str]:
+           agent: AgentState | None, invalid: bool, request: Any, said: AgentEvent | None
+           ) -> tuple[str, str, str, str]:
+    """(state, reason, message, state_source) of one container, in the module's order."""
     found = None
     if agent is not None and agent.reachable and node:
         meta = pod.get("metadata") or {}
         found = agent.allocation(str(meta.get("namespace") or "default"),
                                  str(meta.get("name") or ""), container,
                                  str(meta.get("uid") or ""))
+    by = FROM_AGENT if agent is not None and agent.knows_limits else FROM_METRICS
     if invalid and not _applied(found):
         # Annotations edited invalid on an applied container change nothing: its plan holds.
-        return INVALID, "ContractInvalid", _errors(request)
+        return INVALID, "ContractInvalid", _errors(request), FROM_POD
     if found is not None and found.state == "refused":
-        return REFUSED, found.reason, found.message  # the cause, not only the gate's echo
+        return REFUSED, found.reason, found.message, by  # the cause, not only the gate's echo
+    if said is not None and said.state == "refused":
+        return REFUSED, said.reason, said.message, FROM_EVENTS
     if gate is not None and gate[0] == REFUSED:
-        return gate
+        return (*gate, FROM_GATE)
     if found is not None and found.state in _AGENT_STATES:
-        return _AGENT_STATES[found.state], found.reason, found.message
+        return _AGENT_STATES[found.state], found.reason, found.message, by
     if found is not None and found.cap_not_in_force:
-        return PENDING, found.reason, found.message
+        return PENDING, found.reason, found.message, FROM_METRICS
+    if said is not None and said.state == "pending":
+        return PENDING, said.reason, said.message, FROM_EVENTS
     if gate is not None:
-        return gate
+        if gate[0] == ENFORCED and said is not None:  # an Applied newer than any set-aside
+            return ENFORCED, "", said.message, FROM_EVENTS
+        return (*gate, FROM_GATE)
     if not node:
-        return _unscheduled(pod)
+        return (*_unscheduled(pod), FROM_POD)
     if not _has_gate(pod):
         return UNGATED, "NoGate", ("the pod has no kai-fractions-gate init container: the "
                                    "admission webhook did not wire it, so nothing holds it "
-                                   "back until its limits are in force")
-    return PENDING, "", "waiting for the node agent"
+                                   "back until its limits are in force"), FROM_POD
+    return PENDING, "", "waiting for the node agent", FROM_POD
 
 
 def _unscheduled(pod: Mapping[str, Any]) -> tuple[str, str, str]:
@@ -476,11 +510,24 @@ def _condition(node: Mapping[str, Any] | None, condition_type: str
     return None
 
 
+def _said_of(condition: tuple[str, str, str, str]) -> str:
+    """`TYPE is STATUS: REASON: MESSAGE`, without the parts it lacks."""
+    return ": ".join([f"{condition[0]} is {condition[1]}", *filter(None, condition[2:])])
+
+
+GATE_ONLY = (
+    "enforced (gate): only the gate's exit says so; the node agent's own view was not read and "
+    "may be newer (a limit it set aside since: give --agent-socket on the node, or "
+    "--agent-metrics)")
+
+
 def _notes(node_name: str, node: Mapping[str, Any] | None, label: str | None,
            condition: tuple[str, str, str, str] | None, condition_type: str,
-           agent: AgentState | None, beat: Heartbeat | None) -> list[str]:
+           agent: AgentState | None, beat: Heartbeat | None, node_error: str = "") -> list[str]:
     notes = []
-    if node_name and node is None:
+    if node_name and node_error:
+        notes.append(f"node {node_name} not readable: {node_error}")
+    elif node_name and node is None:
         notes.append(f"node {node_name} was not found")
     elif node is not None:
         if label is None:
@@ -492,7 +539,7 @@ def _notes(node_name: str, node: Mapping[str, Any] | None, label: str | None,
             notes.append(f"node {node_name} has no {condition_type} condition: no node agent "
                          "has reported from it")
         elif condition[1] != "True":
-            notes.append(f"{condition_type} is {condition[1]}: {condition[2]}: {condition[3]}")
+            notes.append(_said_of(condition))
         elif beat is not None and (beat.seconds_ago or 0) > SILENT_AFTER_SECONDS:
             notes.append(f"the node agent last said it is alive {beat.seconds_ago:.0f} s ago "
                          f"({beat.source}): the mirror's follower sets {condition_type} "
@@ -503,6 +550,8 @@ def _notes(node_name: str, node: Mapping[str, Any] | None, label: str | None,
                          "lastHeartbeatTime alone is shown")
     if agent is not None and not agent.reachable:
         notes.append(f"used: n/a (agent not reachable: {agent.error})")
+    if agent is not None:
+        notes += agent.notes
     return notes
 
 
@@ -534,14 +583,16 @@ def node_report(node_name: str, node: Mapping[str, Any] | None,
                 pods: Iterable[Mapping[str, Any]], agent: AgentState | None, *,
                 keys: Keys = k.DEFAULT_KEYS, condition_type: str = k.NODE_CONDITION,
                 title: str | None = None, all_gpus: bool = True,
-                beat: Heartbeat | None = None) -> Report:
+                beat: Heartbeat | None = None, events: Sequence[Mapping[str, Any]] | None = None,
+                node_error: str = "", notes: Sequence[str] = ()) -> Report:
     """Every GPU of the node (the agent's devices, else those the pods name) and its
     allocations; pods bound elsewhere and finished pods are ignored, unbound ones listed as
-    unplaced."""
+    unplaced. `events`: the pods' Events (`pod_rows`); `node_error`: why `node` is None other
+    than not found; `notes`: the caller's own."""
     rows: list[Row] = []
     unplaced: list[Row] = []
     for pod in (p for p in pods if not finished(p)):
-        for row in pod_rows(pod, agent, keys):
+        for row in pod_rows(pod, agent, keys, events):
             (rows if row.gpu_uuid else unplaced).append(row)
     labels = ((node or {}).get("metadata") or {}).get("labels") or {}
     label = labels.get(k.NODE_GPU_MEMORY_LABEL) if node is not None else None
@@ -554,19 +605,30 @@ def node_report(node_name: str, node: Mapping[str, Any] | None,
         gpu_memory_label=None if label is None else str(label), condition=condition,
         gpus=gpus, unplaced=tuple(sorted(unplaced, key=lambda r: (r.namespace, r.pod))),
         agent=agent, heartbeat=beat,
-        notes=tuple(_notes(node_name, node, None if label is None else str(label), condition,
-                           condition_type, agent, beat)),
+        notes=(*_notes(node_name, node, None if label is None else str(label), condition,
+                       condition_type, agent, beat, node_error), *notes,
+               *_gate_only(rows + unplaced, agent)),
     )
+
+
+def _gate_only(rows: Sequence[Row], agent: AgentState | None) -> tuple[str, ...]:
+    """GATE_ONLY when a row is enforced on the gate's word alone, the agent not read."""
+    unread = agent is None or not agent.reachable
+    return (GATE_ONLY,) if unread and any(
+        r.state == ENFORCED and r.state_source == FROM_GATE for r in rows) else ()
 
 
 def pod_report(pod: Mapping[str, Any], node: Mapping[str, Any] | None,
                agent: AgentState | None, *, keys: Keys = k.DEFAULT_KEYS,
-               condition_type: str = k.NODE_CONDITION, beat: Heartbeat | None = None
-               ) -> Report:
+               condition_type: str = k.NODE_CONDITION, beat: Heartbeat | None = None,
+               events: Sequence[Mapping[str, Any]] | None = None, node_error: str = "",
+               notes: Sequence[str] = ()) -> Report:
+    """The pod's rows, on its node's GPUs; `events`, `node_error`, `notes` as node_report's."""
     meta = pod.get("metadata") or {}
     node_name = str((pod.get("spec") or {}).get("nodeName") or "")
     report = node_report(node_name, node if node_name else None, [pod], agent, keys=keys,
                          condition_type=condition_type, all_gpus=False, beat=beat,
+                         events=events, node_error=node_error, notes=notes,
                          title=f"pod {meta.get('namespace') or 'default'}/{meta.get('name')}")
     phase = finished(pod)
     if phase:  # the node's label, condition and heartbeat still tell of the node
@@ -580,8 +642,9 @@ def pod_report(pod: Mapping[str, Any], node: Mapping[str, Any] | None,
 
 
 __all__ = [
-    "ENFORCED", "INVALID", "NO_TIER", "PENDING", "REFUSED", "TIERS", "UNGATED", "UNKNOWN_TIER",
+    "ENFORCED", "FROM_AGENT", "FROM_EVENTS", "FROM_GATE", "FROM_METRICS", "FROM_POD",
+    "INVALID", "NO_TIER", "PENDING", "REFUSED", "TIERS", "UNGATED", "UNKNOWN_TIER",
     "UNSCHEDULED", "WAITING",
-    "Gpu", "Heartbeat", "Report", "Row", "gate_state", "heartbeat", "node_report", "pod_report",
-    "pod_rows",
+    "Gpu", "Heartbeat", "Report", "Row", "gate_released_at", "gate_state", "heartbeat",
+    "node_report", "pod_report", "pod_rows",
 ]

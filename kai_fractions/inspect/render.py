@@ -2,11 +2,13 @@
 
 The table's columns: POD/CONTAINER, MODE, REQUEST, LIMIT, ATP (active-thread percentage, the
 share of the GPU's SMs of an sm-sharing container), USED (GPU memory its processes use now, from
-the node agent), STATE and TIER (what holds the memory cap: cgroup, mps-pinned, or only the
-watchdog, which never stops an allocation; none; n/a when the agent's socket was not read; -
-when neither enforced nor refused). Why
-a container is not enforced, and what is wrong with one that is (memory used over its limit, a
+the node agent), STATE (`enforced (gate)`: only the gate's exit says so) and TIER (what holds
+the memory cap: cgroup, mps-pinned, or only the watchdog, which never stops an allocation;
+none; n/a when the agent's socket was not read; - when neither enforced nor refused). Why a
+container is not enforced, and what is wrong with one that is (memory used over its limit, a
 refused plan change), is spelled out below its GPU, one line each, so the rows stay short.
+JSON and YAML give each row's fields (`Row.to_dict`): an enforced row's `reason` is always "",
+and `state_source` says who said its state (agent, metrics, events, gate, pod).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 import yaml
 
 from ..contract import MIB
-from .model import ENFORCED, Gpu, Report, Row
+from .model import ENFORCED, FROM_GATE, Gpu, Report, Row
 
 HEADER = ("POD/CONTAINER", "MODE", "REQUEST", "LIMIT", "ATP", "USED", "STATE", "TIER")
 OUTPUTS = ("table", "json", "yaml")
@@ -38,6 +40,9 @@ def _request(row: Row) -> str:
 
 
 def state_text(row: Row) -> str:
+    """`refused (REASON)`; `enforced`, or `enforced (gate)` on the gate's word alone."""
+    if row.state == ENFORCED and row.state_source == FROM_GATE:
+        return f"{row.state} (gate)"
     if row.state == ENFORCED or not row.reason:
         return row.state
     return f"{row.state} ({row.reason})"

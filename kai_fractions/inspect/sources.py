@@ -14,6 +14,13 @@ import urllib.request
 from types import MappingProxyType
 from typing import Any
 
+from .agent_metrics import (  # noqa: F401  (re-exported: the metrics' reading lives there)
+    CAP_MESSAGE,
+    CAP_NOT_IN_FORCE_METRIC,
+    LIMIT_MESSAGE,
+    MEMORY_USED_METRIC,
+    from_metrics_text,
+)
 from .agent_state import (
     AgentAllocation,
     AgentCondition,
@@ -24,18 +31,31 @@ from .agent_state import (
 )
 
 DEFAULT_AGENT_SOCKET = "/run/kai-fractions/agent.sock"
-MEMORY_USED_METRIC = "kai_fractions_container_gpu_memory_used_bytes"
-CAP_NOT_IN_FORCE_METRIC = "kai_fractions_container_cap_not_in_force"
 AGENT_TIMEOUT = 3.0
 
 
 class SourceError(Exception):
-    """The cluster cannot be read; `not_found` tells a missing object from a broken link."""
+    """The cluster cannot be read; `not_found` tells a missing object from a broken link,
+    `status` is the API server's HTTP status when it answered (403: not allowed)."""
 
-    def __init__(self, message: str, *, not_found: bool = False):
+    def __init__(self, message: str, *, not_found: bool = False, status: int | None = None):
         super().__init__(message)
         self.message = message
         self.not_found = not_found
+        self.status = status
+
+
+def refusal(what: str, e: Any) -> str:
+    """A KubeError as this CLI's user reads it: a 401 is the credentials (authentication), a
+    403 the identity's RBAC; the API server's own words either way. (kube.errors' own text
+    addresses a component's service account.)"""
+    if e.status == 401:
+        return (f"{what}: the API server did not accept the credentials ({e.detail}): "
+                "authentication failed; check the kubeconfig's user (its token, client "
+                "certificate or exec plugin)")
+    if e.status == 403:
+        return f"{what}: the API server refused this identity ({e.detail}): RBAC does not allow it"
+    return e.message
 
 
 # -- Kubernetes -------------------------------------------------------------------------------
@@ -74,7 +94,7 @@ class KubeReader:
             if e.status is None:  # no answer: the connection failed or timed out
                 raise SourceError(f"{what}: the Kubernetes API is not reachable: "
                                   f"{e.answer}") from None
-            raise SourceError(e.message) from None
+            raise SourceError(refusal(what, e), status=e.status) from None
 
     def node(self, name: str) -> dict[str, Any] | None:
         from ..kube.objects import node_path
@@ -106,6 +126,16 @@ class KubeReader:
 
         return self._get(f"pod {namespace}/{name}", pod_path(namespace, name))
 
+    def pod_events(self, namespace: str, name: str, uid: str) -> list[dict[str, Any]]:
+        """The Events about the pod `uid` (`namespace`/`name`)."""
+        from ..kube.objects import events_path
+
+        body = self._get(f"events of pod {namespace}/{name}", events_path(namespace),
+                         {"fieldSelector": f"involvedObject.uid={uid}"})
+        # Filtered here too, as pods_on's: a server that ignores the selector.
+        return [e for e in (body or {}).get("items") or [] if isinstance(e, dict)
+                and (e.get("involvedObject") or {}).get("uid") == uid]
+
     def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         """The pods of `namespace` that `selector` (a label selector) picks."""
         from ..kube.objects import pods_path
@@ -128,7 +158,8 @@ class KubeReader:
                 "GET", target, what=what, headers={"Accept": "text/plain"})).decode(
                 "utf-8", "replace")
         except KubeError as e:
-            raise SourceError(e.message, not_found=e.status == 404) from None
+            raise SourceError(refusal(what, e), not_found=e.status == 404,
+                              status=e.status) from None
 
 
 def load_kube(kubeconfig: str | None, timeout: float = 10.0) -> KubeReader:
@@ -230,80 +261,6 @@ def metrics_url(url: str) -> str:
     return urllib.parse.urlunsplit(parts)
 
 
-Key = tuple[str, str, str]
-"""(namespace, pod, container) of a container's series."""
-
-
-def _container_samples(text: str) -> list[tuple[Key, Any]]:
-    """The samples of the agent's per-container families inspect reads, each with its
-    container's key, from one parse of its Prometheus text (raises ValueError)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    wanted = (MEMORY_USED_METRIC, CAP_NOT_IN_FORCE_METRIC)
-    return [((s.labels.get("namespace", ""), s.labels.get("pod", ""),
-              s.labels.get("container", "")), s)
-            for family in text_string_to_metric_families(text)
-            for s in family.samples if s.name in wanted]
-
-
-def parse_usage(samples: list[tuple[Key, Any]]) -> dict[Key, dict[str, int]]:
-    """(namespace, pod, container) -> {gpu uuid: bytes}."""
-    out: dict[Key, dict[str, int]] = {}
-    for key, sample in samples:
-        if sample.name == MEMORY_USED_METRIC:
-            out.setdefault(key, {})[sample.labels.get("gpu_uuid", "")] = int(sample.value)
-    return out
-
-
-def parse_caps(samples: list[tuple[Key, Any]]) -> dict[Key, tuple[str, str]]:
-    """(namespace, pod, container) -> (pod uid, reason) of each container whose MPS cap the
-    agent says is not in force (a series at 1)."""
-    out: dict[Key, tuple[str, str]] = {}
-    for key, sample in samples:
-        if sample.name == CAP_NOT_IN_FORCE_METRIC and sample.value >= 1:
-            found = (sample.labels.get("pod_uuid", ""), sample.labels.get("reason", ""))
-            out[key] = min(out.get(key, found), found)  # one series per container: stable
-    return out
-
-
-CAP_MESSAGE = (
-    "the node agent's metrics say an MPS cap this container relies on is not in force: its "
-    "readiness marker is set aside (a gate of the pod waits), and a client of it that attached "
-    "meanwhile may run uncapped, whatever its gate did before. The pod's MpsCapNotInForce "
-    "event says why and what to do (on the node, --agent-socket gives the agent's own "
-    "message)")
-LIMIT_MESSAGE = (
-    "the node agent's metrics say the GPU memory limit on this container's pod cgroup is not in "
-    "force and could not be set: a gate of the pod waits (a running pod's readiness marker is "
-    "set aside, and what of it runs meanwhile runs without the cap). A running pod's "
-    "MemoryLimitNotInForce event says why; on the node, --agent-socket gives the agent's own "
-    "message with NVML's error")
-MEMORY_LIMIT_NOT_IN_FORCE = "MemoryLimitNotInForce"
-"""kai_fractions.node.memory_limits' reason of that series (read from the metrics, as text)."""
-
-
-def from_metrics_text(text: str, source: str) -> AgentState:
-    """AgentState from the agent's Prometheus text: each container's usage per GPU, and the
-    containers with a cap known not in force (`AgentAllocation.cap_not_in_force`: an MPS cap,
-    or the pod cgroup's GPU memory limit).
-    Raises ValueError for text that is not Prometheus's."""
-    samples = _container_samples(text)
-    usage, caps = parse_usage(samples), parse_caps(samples)
-    allocations = []
-    for key in sorted(usage.keys() | caps.keys()):
-        namespace, pod, container = key
-        by_gpu = usage.get(key)
-        uid, reason = caps.get(key, ("", ""))
-        allocations.append(AgentAllocation(
-            namespace=namespace, pod=pod, container=container, uid=uid,
-            reason=reason, message="" if key not in caps else (
-                LIMIT_MESSAGE if reason == MEMORY_LIMIT_NOT_IN_FORCE else CAP_MESSAGE),
-            cap_not_in_force=key in caps,
-            used_bytes=sum(by_gpu.values()) if by_gpu is not None else None,
-            used_by_gpu=MappingProxyType(dict(by_gpu or {}))))
-    return AgentState(source=source, allocations=tuple(allocations))
-
-
 def read_metrics(url: str, timeout: float = AGENT_TIMEOUT) -> str:
     """The text a Prometheus endpoint serves at `url`; raises SourceError with the reason."""
     try:
@@ -315,7 +272,9 @@ def read_metrics(url: str, timeout: float = AGENT_TIMEOUT) -> str:
         raise SourceError(f"{type(e).__name__}: {reason}") from None
 
 
-def agent_from_metrics(url: str, timeout: float = AGENT_TIMEOUT) -> AgentState:
+def agent_from_metrics(url: str, timeout: float = AGENT_TIMEOUT, node: str = "") -> AgentState:
+    """The agent behind a metrics endpoint; unreachable when it is not `node`'s agent (another
+    node's, or no agent's: the mirror's metrics, say)."""
     try:
         target = metrics_url(url)
     except SourceError as e:
@@ -326,7 +285,7 @@ def agent_from_metrics(url: str, timeout: float = AGENT_TIMEOUT) -> AgentState:
     except SourceError as e:
         return unreachable(source, e.message)
     try:
-        return from_metrics_text(text, source)
+        return from_metrics_text(text, source, node)
     except ValueError as e:
         return unreachable(source, f"not Prometheus text: {e}")
 
@@ -352,9 +311,13 @@ def agent_state(socket: str | None, metrics: str | None, node: str = "") -> Agen
         if not metrics:
             return state
         if state.reachable:
-            return merged(state, agent_from_metrics(metrics))
+            read = agent_from_metrics(metrics, node=node)
+            if read.reachable:
+                return merged(state, read)
+            return dataclasses.replace(state, notes=(
+                *state.notes, f"--agent-metrics not used ({read.source}: {read.error})"))
     if metrics:
-        return agent_from_metrics(metrics)
+        return agent_from_metrics(metrics, node=node)
     if os.path.exists(DEFAULT_AGENT_SOCKET):
         return agent_from_socket(DEFAULT_AGENT_SOCKET, node=node)
     return unreachable("none", "give --agent-socket PATH (on the node) or --agent-metrics URL")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.rest import should_bypass_proxies
@@ -68,8 +69,15 @@ def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
 def _load_kube_config(configuration: k8s.Configuration, paths: str) -> None:
     """`load_kube_config`'s own two steps, keeping its loader: a token from the user's
     tokenFile is then read again every TOKEN_FILE_SECONDS, as client-go does."""
-    loader = kube_config._get_kube_config_loader(filename=paths, persist_config=True)
-    loader.load_and_set(configuration)
+    for path in filter(None, paths.split(os.pathsep)):
+        check_kubeconfig_file(os.path.expanduser(path))
+    try:
+        loader = kube_config._get_kube_config_loader(filename=paths, persist_config=True)
+        loader.load_and_set(configuration)
+    except (TypeError, AttributeError, KeyError) as e:
+        # The loader's own crash on a field of the wrong shape (`context: 7`, say).
+        raise ConfigError(f"kubeconfig {paths}: not a valid kubeconfig: {type(e).__name__}: "
+                          f"{e}") from None
     user = loader._user  # the current context's user; the loader has no public accessor
     # The loader's order: an auth-provider first, then `token`, then `tokenFile`.
     if user and "tokenFile" in user and "token" not in user and "auth-provider" not in user:
@@ -80,6 +88,36 @@ def _load_kube_config(configuration: k8s.Configuration, paths: str) -> None:
     else:
         name = (loader.current_context.get("context") or {}).get("user")
         _name_refresh(configuration, f"the kubeconfig's user {name!r}")
+
+
+def check_kubeconfig_file(path: str) -> None:
+    """ConfigError naming `path` and the problem when the file is not YAML, or not a mapping
+    whose clusters, contexts and users are lists of mappings (the official loader raises a
+    YAML error or a TypeError then, a traceback to a user). A missing file is left to the
+    loader, which skips one in $KUBECONFIG's list."""
+    if not os.path.exists(path):
+        return
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"kubeconfig {path}: not valid YAML{where}: {problem}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"kubeconfig {path}: cannot be read: {e}") from None
+    if data is None:
+        return  # the loader says an empty file is empty
+    if not isinstance(data, dict):
+        raise ConfigError(f"kubeconfig {path}: not a mapping (a kubeconfig's top level is one: "
+                          f"apiVersion, clusters, contexts, users...), got a "
+                          f"{type(data).__name__}")
+    for field in ("clusters", "contexts", "users"):
+        value = data.get(field)
+        if value is not None and not (isinstance(value, list) and all(
+                isinstance(item, dict) and "name" in item for item in value)):
+            raise ConfigError(f"kubeconfig {path}: {field} must be a list of mappings, each "
+                              "with a name")
 
 
 def _name_refresh(configuration: k8s.Configuration, source: str) -> None:

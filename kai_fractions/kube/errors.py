@@ -20,12 +20,16 @@ class KubeError(Exception):
     """A word for events, metrics and node conditions."""
 
     def __init__(self, message: str, status: int | None = None,
-                 retry_after: float | None = None, *, answer: str | None = None) -> None:
+                 retry_after: float | None = None, *, answer: str | None = None,
+                 detail: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.answer = message if answer is None else answer
         """The answer alone, without the request's name: for a caller whose own message
         already names the request."""
+        self.detail = self.answer if detail is None else detail
+        """The server's own words (`status_message`), without this module's advice: for a
+        caller that gives its own (the CLI tells its user, not a component, what to check)."""
         self.status = status
         self.retry_after = retry_after
         """The server's Retry-After hint, in seconds, when it gave one."""
@@ -55,7 +59,7 @@ class Invalid(KubeError):
 
 
 class Forbidden(KubeError):
-    """401 or 403: the API server refused this component's identity (its RBAC)."""
+    """401 (its credentials not accepted) or 403 (its identity refused: its RBAC)."""
 
     reason = "Forbidden"
 
@@ -107,15 +111,18 @@ def refused(what: str, status: int, reason: str | None = None, body: str | bytes
             retry_after: str | None = None) -> KubeError:
     """The error for a non-2xx answer to the request `what` ("patch pod ns/name")."""
     cls = _BY_STATUS.get(status) or (Transient if status >= 500 else KubeError)
-    answer = status_message(status, reason, body)
-    if cls is Forbidden:
+    answer = detail = status_message(status, reason, body)
+    if status == 401:
+        answer = (f"the API server did not accept this component's credentials ({answer}); "
+                  "check its token or kubeconfig user")
+    elif cls is Forbidden:
         answer = (f"the API server refused this component's identity ({answer}); check its "
                   "RBAC")
     try:
         hint = float(retry_after) if retry_after is not None else None
     except ValueError:
         hint = None
-    return cls(f"{what}: {answer}", status, hint, answer=answer)
+    return cls(f"{what}: {answer}", status, hint, answer=answer, detail=detail)
 
 
 def unreachable(what: str, error: BaseException) -> Transient:

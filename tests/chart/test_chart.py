@@ -667,7 +667,10 @@ def test_notes_tell_how_to_check_it_works():
             in notes)
     assert "kubectl get nodes -l nvidia.com/gpu.present=true" in notes
     assert "kubectl apply -f examples/memory-request.yaml" in notes
-    assert "kai-fractions inspect node <node-name>" in notes
+    assert "kai-fractions inspect node <node-name> --release-namespace kai-fractions" in notes
+    # -n of inspect pod is the pod's namespace (kubectl's); the Leases' is --release-namespace
+    assert ("kai-fractions inspect pod memory-request -n default --release-namespace "
+            "kai-fractions") in notes
     assert "kai-fractions inspect mirror -n kai-fractions" in notes
     assert "memory tiers: cgroup,watchdog" in notes
     assert "inspect mirror" not in chart_notes("mirror.enabled=false",

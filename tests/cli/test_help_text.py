@@ -47,3 +47,24 @@ def test_node_agent_says_a_report_watchdog_caps_nothing(monkeypatch: pytest.Monk
             "caps sm-sharing containers only, and the watchdog caps on its own only with "
             "--watchdog-policy=kill") in text
     assert "it stops nothing, so it is only a second line beside cgroup or mps-pinned" in text
+
+
+@pytest.mark.parametrize(("name", "what"), [("node", "the node"), ("pod", "the pod")])
+def test_inspect_node_and_pod_say_what_they_show_and_their_exit_codes(
+        name: str, what: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "10000")
+    (parser,) = [p for n, p in parsers(build_parser()) if n == f"kai-fractions inspect {name}"]
+    assert parser.description
+    text = " ".join(parser.format_help().split())
+    assert (f"Exit codes: 0 the report printed, 1 {what} does not exist, 2 usage error or the "
+            "cluster cannot be read.") in text
+    assert "--release-namespace NS" in text
+    if name == "node":
+        assert "NODE the node's name (kubectl get nodes)" in text
+    else:
+        assert "--namespace NS, -n NS the pod's namespace, as kubectl's -n" in text
+
+
+def test_inspect_mirror_also_takes_release_namespace() -> None:
+    args = build_parser().parse_args(["inspect", "mirror", "--release-namespace", "gpu"])
+    assert args.namespace == "gpu"

@@ -191,7 +191,7 @@ def test_inspect_pod_with_metrics_only(demo, capsys):
     [want] = [x for x in expected_rows() if x.pod == "sm-sharing"]
     assert (gpu["uuid"], row["active_thread_percentage"], row["used_bytes"], row["state"],
             row["reason"]) == (gpu_uuid(1), want.atp, want.used_mib * MIB, "enforced",
-                               "GateReleased")
+                               "")
 
 
 def test_inspect_mirror_against_the_demo(demo, capsys):

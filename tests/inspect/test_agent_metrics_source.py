@@ -53,3 +53,34 @@ def test_a_container_whose_memory_limit_is_not_in_force_is_read_and_said_so() ->
     assert a.message.startswith("the node agent's metrics say the GPU memory limit on this "
                                 "container's pod cgroup is not in force")
     assert "MemoryLimitNotInForce event" in a.message
+
+
+def test_whose_agent_the_metrics_are_is_read_from_its_node_ready_series() -> None:
+    """Only this node's agent is taken for it: the mirror's metrics, or another node's agent,
+    are an agent not read, and why (kai_fractions_node_ready, its `node` label)."""
+    from types import SimpleNamespace
+
+    ready = SimpleNamespace(ready=True, reason="Reconciling")
+    metrics = AgentMetrics("node-a", condition=lambda: ready)
+    text = generate_latest(metrics.registry).decode()
+    assert sources.from_metrics_text(text, "metrics http://x", node="node-a").reachable
+    other = sources.from_metrics_text(text, "metrics http://x", node="node-b")
+    assert (other.reachable, other.error) == (False, (
+        "these are the metrics of node node-a's agent, not node-b's: give those of the node "
+        "agent's pod on node-b"))
+    before_first_pass = AgentMetrics("node-a", condition=lambda: None)
+    assert not sources.from_metrics_text(generate_latest(before_first_pass.registry).decode(),
+                                         "metrics http://x", node="node-a").reachable
+
+
+def test_a_refused_container_is_read_with_its_reason() -> None:
+    """The series' name and labels as the agent's own registry has them."""
+    from kai_fractions.inspect.agent_metrics import REFUSED_METRIC
+
+    text = generate_latest(AgentMetrics("node-a").registry).decode()
+    assert f"# TYPE {REFUSED_METRIC} gauge" in text
+    refused = (f'{REFUSED_METRIC}{{container="main",namespace="team-a",node="node-a",pod="a",'
+               f'pod_uuid="{UID_A}",reason="SmSharingDisabled"}} 1.0\n')
+    (a,) = sources.from_metrics_text(text + refused, "metrics http://x").allocations
+    assert (a.pod, a.uid, a.state, a.reason, a.cap_not_in_force) == (
+        "a", UID_A, "refused", "SmSharingDisabled", False)

@@ -18,6 +18,7 @@ from kubernetes import client as k8s
 
 from kai_fractions.api.v1 import allocation_pb2, node_pb2, node_pb2_grpc
 from kai_fractions.cli import main
+from kai_fractions.inspect.model import GATE_ONLY
 from tests.support.kube import KubeServer
 
 from .pods import GPU0, GPU1, MIB, NODE, bind, gate_status, memory_pod, node
@@ -61,11 +62,12 @@ def test_node_as_json(cluster: Path, capsys) -> None:
     [row] = gpu["allocations"]
     assert (row["namespace"], row["pod"], row["container"], row["gpu_uuid"]) == (
         "team-a", "notebook", "main", GPU0)
-    assert (row["request_bytes"], row["limit_bytes"], row["state"], row["message"]) == (
-        8192 * MIB, 16384 * MIB, "enforced", "limits applied")
+    assert (row["request_bytes"], row["limit_bytes"], row["state"], row["reason"],
+            row["message"], row["state_source"]) == (
+        8192 * MIB, 16384 * MIB, "enforced", "", "limits applied", "gate")
     assert data["unplaced"] == []  # pods of other nodes and unbound pods are not this node's
     assert data["notes"] == ["used: n/a (agent not reachable: give --agent-socket PATH (on the "
-                             "node) or --agent-metrics URL)"]
+                             "node) or --agent-metrics URL)", GATE_ONLY]
 
 
 def test_pod_as_table(cluster: Path, capsys) -> None:
@@ -77,7 +79,8 @@ def test_pod_as_table(cluster: Path, capsys) -> None:
     assert lines[1].startswith("note: used: n/a (agent not reachable: ")
     row = next(line for line in lines if "team-a/notebook/main" in line).split()
     assert row == ["team-a/notebook/main", "time-slicing", "8192", "MiB", "16384", "MiB", "-",
-                   "n/a", "enforced", "n/a"]
+                   "n/a", "enforced", "(gate)", "n/a"]  # only the gate says so
+    assert f"note: {GATE_ONLY}" in lines
 
 
 def test_unbound_pod(cluster: Path, capsys) -> None:
@@ -147,7 +150,8 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys) -> None:
     assert code == 2
     assert err == f"kai-fractions inspect: --kubeconfig {tmp_path / 'missing'}: no such file\n"
     code, _, err = _inspect(capsys, "pod", "a/b/c", "--kubeconfig", str(tmp_path / "x"))
-    assert (code, err) == (2, "kai-fractions inspect: pod: expected NS/NAME, got 'a/b/c'\n")
+    assert (code, err) == (2, "kai-fractions inspect: pod: expected NAME or NS/NAME, got "
+                           "'a/b/c'\n")
 
 
 def test_api_not_reachable_exit_2(tmp_path: Path, capsys) -> None:
@@ -222,8 +226,8 @@ def test_agent_state_of_another_pod_with_that_name_is_not_used(
     finally:
         server.stop(0).wait()
     row = json.loads(out)["gpus"][0]["allocations"][0]
-    assert (code, row["state"], row["reason"], row["used_bytes"]) == (
-        0, "enforced", "GateReleased", None)
+    assert (code, row["state"], row["reason"], row["used_bytes"], row["state_source"]) == (
+        0, "enforced", "", None, "gate")
 
 
 def test_the_socket_of_another_nodes_agent_is_not_taken_for_this_nodes(
@@ -253,6 +257,9 @@ METRICS = f"""\
 # TYPE kai_fractions_container_gpu_memory_used_bytes gauge
 kai_fractions_container_gpu_memory_used_bytes{{container="main",gpu="0",gpu_uuid="{GPU0}",namespace="team-a",node="n",pod="notebook",pod_uuid="u1"}} 4.294967296e+09
 kai_fractions_container_gpu_memory_used_bytes{{container="x",gpu="1",gpu_uuid="{GPU1}",namespace="team-a",node="n",pod="other",pod_uuid="u2"}} 1.0
+# HELP kai_fractions_node_ready 1 when the agent reports the node ready for fractional pods.
+# TYPE kai_fractions_node_ready gauge
+kai_fractions_node_ready{{node="{NODE}",reason="Reconciling"}} 1.0
 """  # noqa: E501
 
 
@@ -311,7 +318,7 @@ def test_agent_metrics_say_an_mps_cap_is_not_in_force(cluster: Path, kube: KubeS
     uid = kube.core.read_namespaced_pod("notebook", "team-a").metadata.uid
     for pod_uuid, state, reason in ((uid, "pending", "MpsPinnedLimitLost"),
                                     ("dddddddd-0000-4000-8000-000000000004", "enforced",
-                                     "GateReleased")):
+                                     "")):
         with serving(METRICS + CAP_NOT_IN_FORCE.format(uid=pod_uuid)) as url:
             code, out, _ = _inspect(capsys, "pod", "team-a/notebook", "--kubeconfig",
                                     str(cluster), "--agent-metrics", url, "-o", "json")

@@ -13,7 +13,7 @@ from kai_fractions.inspect.agent_state import (
     AgentState,
     unreachable,
 )
-from kai_fractions.inspect.model import gate_state, node_report, pod_report
+from kai_fractions.inspect.model import GATE_ONLY, gate_state, node_report, pod_report
 
 from .pods import GPU0, GPU1, MIB, NODE, bind, gate_status, memory_pod, node, pod
 
@@ -30,11 +30,11 @@ def test_a_released_pod_is_enforced_with_its_planned_numbers():
     assert gpu.uuid == GPU0 and gpu.memory_bytes == 40960 * MIB and gpu.index is None
     [row] = gpu.rows
     assert (row.ref, row.mode, row.request_bytes, row.limit_bytes, row.active_thread_percentage,
-            row.state, row.reason, row.message, row.used_bytes) == (
+            row.state, row.reason, row.message, row.used_bytes, row.state_source) == (
         "team-a/train/main", "time-slicing", 8192 * MIB, 12288 * MIB, None, "enforced",
-        "GateReleased", "limits applied: main sha256:x", None)
+        "", "limits applied: main sha256:x", None, "gate")
     assert report.notes == ("used: n/a (agent not reachable: give --agent-socket PATH (on the "
-                            "node) or --agent-metrics URL)",)
+                            "node) or --agent-metrics URL)", GATE_ONLY)
 
 
 @pytest.mark.parametrize(("dialect", "atp"), [
@@ -96,7 +96,7 @@ def test_a_gate_that_runs_again_is_waiting_whatever_its_last_run_said():
         "waiting", "GateWaiting")
     assert gate_state(gate({"waiting": {"reason": "CrashLoopBackOff"}}, failed)) == (
         "refused", "GateFailed", "timed out")
-    assert gate_state(gate({"terminated": released}))[:2] == ("enforced", "GateReleased")
+    assert gate_state(gate({"terminated": released}))[:2] == ("enforced", "")
 
 
 def test_unbound_pods_are_unplaced_with_the_schedulers_reason():
@@ -389,4 +389,43 @@ def test_off_the_node_a_container_whose_mps_cap_is_not_in_force_is_pending_not_e
     usage_only = AgentState(source="metrics http://x/metrics", allocations=(
         AgentAllocation("team-a", "a", "main", used_bytes=MIB),))
     [row] = node_report(NODE, node(), [released], usage_only).rows
-    assert (row.state, row.reason, row.tier) == ("enforced", "GateReleased", "n/a")
+    assert (row.state, row.reason, row.tier, row.state_source) == ("enforced", "", "n/a", "gate")
+
+
+@pytest.mark.parametrize("reason", ["ErrImagePull", "ImagePullBackOff",
+                                    "CreateContainerConfigError", "CreateContainerError",
+                                    "InvalidImageName", "RunContainerError"])
+def test_a_gate_the_kubelet_cannot_start_says_why(reason):
+    """Not "waiting for the node agent": the gate never runs, and this is what to fix."""
+    p = bind(memory_pod("a", UID_A), (GPU0,))
+    p["status"] = {"initContainerStatuses": [{"name": "kai-fractions-gate", "state": {
+        "waiting": {"reason": reason, "message": 'pull access denied for "gate"'}}}]}
+    [row] = pod_report(p, node(), AGENT_DOWN).rows
+    assert (row.state, row.reason, row.message, row.state_source) == (
+        "waiting", reason, 'pull access denied for "gate"', "gate")
+    # an ordinary wait before the gate runs is still the agent's to end
+    p["status"]["initContainerStatuses"][0]["state"] = {"waiting": {"reason": "PodInitializing"}}
+    assert gate_state(p) is None
+
+
+def test_a_condition_without_reason_or_message_says_only_its_status():
+    unknown = node(conditions=[{"type": "gpu-fractioning.nvidia.com/Ready",
+                                "status": "Unknown"}])
+    p = bind(memory_pod("a", UID_A), (GPU0,))
+    assert "gpu-fractioning.nvidia.com/Ready is Unknown" in pod_report(p, unknown, None).notes
+    said = node(conditions=[{"type": "gpu-fractioning.nvidia.com/Ready", "status": "False",
+                             "message": "the MPS control daemon is not running"}])
+    assert ("gpu-fractioning.nvidia.com/Ready is False: the MPS control daemon is not running"
+            in pod_report(p, said, None).notes)
+
+
+def test_a_contract_invalid_pod_without_a_share_is_not_accounted():
+    """The agent counts no request of a pod it cannot plan (the Row's docstring)."""
+    bad = pod("bad", {"nvidia.com/container.main.gpu-memory.request": "lots"}, uid=UID_A)
+    bad["spec"]["nodeName"] = NODE
+    broken = pod("broken", {"gpu-fraction": "0.5"}, uid=UID_B)
+    broken["spec"]["containers"] = "oops"  # not a pod spec at all: ManifestError
+    rows = node_report(NODE, node(), [bad, broken], None).unplaced
+    assert [(r.pod, r.state, r.reason, r.accounted, r.to_dict()["accounted"]) for r in rows] == [
+        ("bad", "invalid", "ContractInvalid", False, False),
+        ("broken", "invalid", "ManifestError", False, False)]

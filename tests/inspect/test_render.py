@@ -68,7 +68,8 @@ def test_machine_readable(output, load):
         "mode": "time-slicing", "request_bytes": 8192 * MIB, "limit_bytes": 16384 * MIB,
         "active_thread_percentage": None, "devices": [GPU0], "state": "enforced", "reason": "",
         "message": "", "used_bytes": 6144 * MIB, "portion": "", "device_count": 1,
-        "mps_namespace": "", "warnings": [], "tier": "cgroup", "accounted": True}]
+        "mps_namespace": "", "warnings": [], "tier": "cgroup", "accounted": True,
+        "state_source": "agent"}]
     assert g1["allocations"][0]["state"] == "refused"
     assert g1["allocations"][0]["active_thread_percentage"] == 50
     assert data["unplaced"] == [] and data["notes"] == []

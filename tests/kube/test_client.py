@@ -210,12 +210,13 @@ async def test_an_empty_2xx_answer_is_none(open_kube):
 # -- refusals ----------------------------------------------------------------------------------
 
 RBAC = "RBAC"
+CREDENTIALS = "credentials"
 REFUSALS = [
     (404, NotFound, "NotFound", ""),
     (409, Conflict, "Conflict", ""),
     (410, Gone, "Expired", ""),
     (422, Invalid, "Invalid", ""),
-    (401, Forbidden, "Unauthorized", RBAC),
+    (401, Forbidden, "Unauthorized", CREDENTIALS),
     (403, Forbidden, "Forbidden", RBAC),
     (408, Transient, "Timeout", ""),
     (429, Transient, "TooManyRequests", ""),

@@ -52,7 +52,8 @@ def test_refused_maps_each_status_to_its_error(code, error):
     assert type(e) is error
     assert (e.status, e.retry_after) == (code, None)
     assert str(e).startswith("patch pod ns/p: ") and "because" in str(e)
-    assert ("RBAC" in str(e)) == (error is Forbidden)
+    assert ("RBAC" in str(e)) == (code == 403)  # a refused identity says where to look
+    assert ("credentials" in str(e)) == (code == 401)  # a 401 is authentication, not RBAC
 
 
 @pytest.mark.parametrize(("header", "hint"), [("7", 7.0), ("1.5", 1.5), ("soon", None),
