@@ -32,9 +32,23 @@ def background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, 
         from ..mirror.bindrequests import bindrequest_source, follow
         from ..mirror.follower import BindRequestView, Follower
 
+        elector = lease_kube = None
+        if election is not None:
+            from ..kube.client import Kube
+            from ..mirror.leader import LEASE_CONNECTIONS, KubeLease, LeaderElector
+
+            # A client of its own, from the same configuration: the Lease's requests never
+            # wait for a connection behind the calls' pod requests (a burst of them against an
+            # API server slow for pods would cost the Lease), nor count against their pool.
+            lease_kube = Kube(kube.api_client, connections=LEASE_CONNECTIONS,
+                              request_timeout=kube.request_timeout, observe=kube.observe)
+            elector = LeaderElector(KubeLease(lease_kube, election.namespace, election.name),
+                                    election)
+        in_term = elector.in_term if elector is not None else None
+
         follower = Follower(KubePodStore(kube), keys=keys, default_reserve_mib=args.reserve_mib,
                             dialect=dialect, signer=keyring,
-                            reservation_namespace=args.reservation_namespace)
+                            reservation_namespace=args.reservation_namespace, in_term=in_term)
 
         liveness = None
         if args.mark_silent_nodes_after:
@@ -47,7 +61,8 @@ def background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, 
                 stale_after_seconds=args.mark_silent_nodes_after,
                 lease_namespace=args.heartbeat_lease_namespace or own_namespace(os.environ),
                 on_marked=metrics.node_marked_silent if metrics is not None else None,
-                on_failed=metrics.node_check_failed if metrics is not None else None)
+                on_failed=metrics.node_check_failed if metrics is not None else None,
+                in_term=in_term)
 
         async def handle(br: BindRequestView) -> None:
             if liveness is not None and _placing_now(br, args.mark_silent_nodes_after):
@@ -65,18 +80,16 @@ def background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, 
                 if liveness is not None:
                     await liveness.close()
 
-        if election is None:
+        if elector is None:
             tasks.append(follow_bindrequests)
             if metrics is not None:
                 metrics.watch_leading(lambda: True)
         else:  # the same loop, while holding the Lease
-            from ..mirror.leader import KubeLease, LeaderElector
-
-            elector = LeaderElector(KubeLease(kube, election.namespace, election.name),
-                                    election)
-
             async def follow_while_leading() -> None:
-                await elector.run(follow_bindrequests)
+                try:
+                    await elector.run(follow_bindrequests)
+                finally:  # cancelled at shutdown, after the Lease's release
+                    await lease_kube.close()
 
             tasks.append(follow_while_leading)
             if metrics is not None:

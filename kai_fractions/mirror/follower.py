@@ -20,6 +20,11 @@ not replaced: only a retired key's is. Derived annotations stay the node agent's
 Every decision not to sign a bound fractional pod is an event on the pod and a log line that
 name the reason (`NvFractionsMismatch`, `NvFractionsInvalid`, `NvFractionsUnsigned`).
 
+Under leader election (`in_term`, the elector's) every write, signing patch and event alike, is
+sent only while this replica's term still runs by the clock: a check that was under way when
+the renew deadline passed (its process paused, say, while its read was answered) drops its
+write, and the check counts as skipped, not done.
+
 What it cannot know, and assumes: the binder's dialect and memory reserve (`--kai-dialect`,
 `--reserve-mib`, as configured for the mirror) and whether a memory request on the pod was the
 user's or the binder's (a request beside a legacy `gpu-fraction`/`gpu-memory` key is taken as
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
@@ -182,6 +187,10 @@ def not_its_pod(br: BindRequestView, pod: PodSnapshot) -> str:
     return ""
 
 
+class TermEnded(Exception):
+    """This replica's term as the follower ended before a write: the write was not sent."""
+
+
 @dataclass(frozen=True, slots=True)
 class Mismatch:
     key: str
@@ -270,8 +279,12 @@ class Follower:
     def __init__(self, store: PodStore, *, keys: Keys = k.DEFAULT_KEYS,
                  default_reserve_mib: int = 0, dialect: Dialect = DEFAULT_DIALECT,
                  reservation_namespace: str = RESERVATION_NAMESPACE,
-                 remember: int = 10_000, signer: KeyringSource | None = None) -> None:
+                 remember: int = 10_000, signer: KeyringSource | None = None,
+                 in_term: Callable[[], bool] | None = None) -> None:
         self.store = store
+        self.in_term = in_term
+        """Under leader election, the elector's `in_term`: tested just before each write, which
+        is dropped when it says False (None: no election, every write is sent)."""
         self.signer = signer
         """None: check only (the node agent then runs without --signing-key-file)."""
         self.keys = keys
@@ -351,6 +364,20 @@ class Follower:
 
     async def verify(self, br: BindRequestView, deadline: Deadline = NO_DEADLINE
                      ) -> Verification:
+        try:
+            return await self._verify(br, deadline)
+        except TermEnded as e:
+            log.info("BindRequest %s: %s not sent: this replica's term as the follower has "
+                     "ended", br.ref, e)
+            return Verification(br.ref, f"{br.namespace}/{br.pod_name}",
+                                skipped=f"the term as the follower ended before {e}")
+
+    def _may_write(self, what: str) -> None:
+        """Raises TermEnded when this replica's term has ended: `what` is not sent."""
+        if self.in_term is not None and not self.in_term():
+            raise TermEnded(what)
+
+    async def _verify(self, br: BindRequestView, deadline: Deadline) -> Verification:
         pod_ref = f"{br.namespace}/{br.pod_name}"
         if br.resource_type != k.RESOURCE_TYPE_FRACTION:
             return Verification(br.ref, pod_ref, skipped="not a fractional bind")
@@ -474,6 +501,7 @@ class Follower:
             changes[annotation] = keyring.sign(plan, node=node)
         if not changes:
             return checked
+        self._may_write(f"the signing patch of pod {pod.namespace}/{pod.name}")
         written = await self.store.patch_annotations(
             pod.namespace, pod.name, changes, uid=pod.uid,
             resource_version=pod.resource_version, deadline=deadline)
@@ -507,6 +535,7 @@ class Follower:
         key = (pod.uid or f"{pod.namespace}/{pod.name}", reason, message)
         if key in self._reported:
             return
+        self._may_write(f"the {reason} event on pod {pod.namespace}/{pod.name}")
         log.warning("pod %s/%s: %s: %s", pod.namespace, pod.name, reason, message)
         await self.store.emit_event(pod, "Warning", reason, message, deadline)
         self._reported[key] = None

@@ -13,7 +13,19 @@ never runs past it, and an attempt still waiting on a slow API server is cut off
 deadline comes, as client-go's context timeout does. Every write carries the resourceVersion
 read just before, or for a renewal the one the holder's own last write got back (a merge patch
 the API server refuses with 409 when another replica wrote first); a holder that stops releases
-the Lease (empty holder, duration 1 s) so a successor need not wait out the lease.
+the Lease (empty holder, duration 1 s) so a successor need not wait out the lease. A Lease
+deleted under a term is created again at once by its holder only: a standby that saw another
+holder's record within that record's duration waits it out first, as for a record that stood
+still, so the old holder has stopped before it starts.
+
+Two narrower windows are closed besides. The elector talks to the API server over a client of
+its own (its own small connection pool, `LEASE_CONNECTIONS`): a renewal never waits behind the
+mirror's other requests for a connection, so a burst of calls against an API server slow for
+pods does not cost the Lease. And the renew deadline is checked by the renewal task only when it
+wakes, while asyncio runs ready I/O callbacks before expired timers: a follower whose read
+answered while its process was paused (SIGSTOP, a VM frozen) would go on to its write before
+the task noticed the term was over. `in_term()` says, by the clock, whether the term still runs;
+the follower tests it just before each write (the resourceVersion guard stays the protection).
 
 It all runs on the mirror's event loop: the leader's work is a task, cancelled when its term
 ends; cancelling the elector ends the term and releases the Lease. Work that ends on its own
@@ -48,6 +60,8 @@ RETRY_SECONDS = 2.0
 """client-go's defaults (a lease of 15 s, renewed every 2 s, given up after 10 s without a
 renewal)."""
 MAX_LEASE_SECONDS = 2**31 - 1  # leaseDurationSeconds is an int32: the API refuses more
+LEASE_CONNECTIONS = 2
+"""Connections of the elector's own client: one attempt at a time, and the release at a stop."""
 
 
 class LeaseConflict(Exception):
@@ -151,21 +165,42 @@ class LeaderElector:
         self._version = ""  # the resourceVersion this replica's last write got back
         self.leading = False  # while its work runs: from its start until it has ended
         self._attempting = False  # an attempt began and has not answered
+        self._term_end = -math.inf  # in_term() until then (monotonic): the renew deadline
+        self._failure = ""  # why the last attempt wrote nothing, when it raised
+
+    def in_term(self) -> bool:
+        """Whether this replica may still write as the follower now: its term has not ended
+        and, by the clock, the renew deadline has not passed since the start of its last
+        renewal that landed, whether or not the renewal task has woken up to notice. Work
+        that writes only while leading tests it just before each write."""
+        return self._monotonic() < self._term_end
+
+    def _held_by_another(self) -> bool:
+        """The record last seen names another holder, and this replica saw it change (by its
+        own clock) within that record's duration: the holder may still be following."""
+        observed = self._observed or {}
+        holder = str(observed.get("holderIdentity") or "")
+        duration = float(observed.get("leaseDurationSeconds") or self.config.lease_seconds)
+        return bool(holder) and holder != self.config.identity and \
+            self._monotonic() < self._observed_at + duration
 
     async def try_acquire_or_renew(self) -> bool:
         """One attempt: True when this replica holds the Lease afterwards."""
         identity, now = self.config.identity, micro_time(self._wall())
         current = await self.lease.get()
         if current is None:
+            if self._held_by_another():
+                # Deleted, but its holder renewed it lately and follows on until its next
+                # renewal finds the Lease gone: wait out its duration, as for a record that
+                # stood still (its holder, if alive, creates it again meanwhile).
+                return False
             spec = self._spec(acquire_time=now, renew_time=now, transitions=0)
             return await self._written(self.lease.create, spec)
         observed = dict(current.get("spec") or {})
         if observed != self._observed:
             self._observed, self._observed_at = observed, self._monotonic()
         holder = str(observed.get("holderIdentity") or "")
-        duration = float(observed.get("leaseDurationSeconds") or self.config.lease_seconds)
-        if holder and holder != identity and \
-                self._monotonic() < self._observed_at + duration:
+        if self._held_by_another():
             return False  # held by another, and renewed within its duration
         transitions = int(observed.get("leaseTransitions") or 0)
         if holder == identity:
@@ -244,10 +279,14 @@ class LeaderElector:
             log.info("leading: lease %s/%s acquired by %s", cfg.namespace, cfg.name,
                      cfg.identity)
             self.leading = True
+            self._term_end = started + cfg.renew_deadline_seconds
             work = asyncio.create_task(_coroutine(lead), name="leader-work")
             renewing = asyncio.create_task(self._renew(started), name="lease-renewal")
             try:
-                await asyncio.wait((work, renewing), return_when=asyncio.FIRST_COMPLETED)
+                try:
+                    await asyncio.wait((work, renewing), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    self._term_end = -math.inf  # the term is over: no write from here on
                 if renewing.done():
                     await _cancelled(work)
                     log.warning("lost lease %s/%s: %s; following stopped", cfg.namespace,
@@ -284,7 +323,8 @@ class LeaderElector:
             now = self._monotonic()
             left = renewed + cfg.renew_deadline_seconds - now
             if left <= 0:
-                return gave_up
+                return gave_up + (f" (the last attempt: {self._failure})" if self._failure
+                                  else "")
             if now < next_at:
                 await asyncio.sleep(min(next_at - now, left))
                 continue
@@ -292,9 +332,12 @@ class LeaderElector:
                 async with asyncio.timeout(left):
                     written = await self._attempt(self.renew)
             except TimeoutError:
-                return gave_up + " (the API server did not answer in time)"
+                return gave_up + _unanswered(self._monotonic() - (now + left),
+                                             cfg.renew_deadline_seconds)
             if written:
                 renewed = now
+                if self._term_end > -math.inf:  # not once the term has ended
+                    self._term_end = now + cfg.renew_deadline_seconds
             elif self.holder() not in ("", cfg.identity):
                 return f"{self.holder()} holds it"  # it judged the Lease expired: step down
             next_at = now + cfg.retry_seconds
@@ -303,11 +346,12 @@ class LeaderElector:
         """One attempt, its error logged. `leading` follows the term, not the attempts: a
         failed renewal does not end the term, the deadline does."""
         self._attempting = True  # left so when cancelled: its write may have landed
+        self._failure = ""
         try:
             written = await (attempt or self.try_acquire_or_renew)()
         except Exception as e:  # the API away, a refusal, a transport error
             log.warning("lease %s/%s: %r", self.config.namespace, self.config.name, e)
-            written = False
+            self._failure, written = repr(e), False
         self._attempting = False
         return written
 
@@ -327,6 +371,17 @@ class LeaderElector:
         self._observed_at = self._monotonic()
         self._version = resource_version(written)
         return True
+
+
+def _unanswered(late: float, deadline: float) -> str:
+    """Why an attempt cut off at the deadline wrote nothing. It waits for no connection of the
+    mirror's other requests (the elector's client is its own), so the API server kept it
+    waiting, unless this process itself ran behind: paused, or its event loop too busy to run
+    the deadline's timer on time (`late` seconds after it was due)."""
+    why = " (the last attempt got no answer from the API server in time"
+    if late > 0.1 * deadline:
+        why += f"; this process ran {late:.1f} s behind: paused, or its event loop kept busy"
+    return why + ")"
 
 
 async def _coroutine(lead: Callable[[], Awaitable[object]]) -> object:

@@ -28,7 +28,9 @@ heartbeat time, and no Lease, is silent at once: nothing there can change.
 The patch carries the node's resourceVersion, so a heartbeat that lands in between wins; the
 agent publishes its condition again as soon as it can renew its Lease. Nothing here ever holds
 up a check: failures (a Lease that cannot be read among them) are logged, mark nothing, and the
-node is read again at a bind `RETRY_AFTER_FAILURE_SECONDS` later.
+node is read again at a bind `RETRY_AFTER_FAILURE_SECONDS` later. Under leader election the
+patch is sent only while the follower's term still runs by the clock (`in_term`, the
+elector's); a mark dropped for that leaves the node to be read again at its next bind.
 """
 
 from __future__ import annotations
@@ -142,8 +144,12 @@ class NodeLiveness:
                  on_marked: Callable[[str], None] | None = None,
                  on_failed: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 in_term: Callable[[], bool] | None = None) -> None:
         self.kube = kube
+        self.in_term = in_term
+        """Under leader election, the elector's `in_term`: tested just before the patch, which
+        is dropped when it says False (None: no election)."""
         self.types = tuple(condition_types)
         self.stale_after = stale_after_seconds
         self.recheck = recheck_seconds
@@ -228,6 +234,11 @@ class NodeLiveness:
             silent = silent_conditions(obj, self.types, beats, now, self.stale_after,
                                        known.lease, at=self.clock())
         if not silent:
+            return False
+        if self.in_term is not None and not self.in_term():
+            log.info("node %s: %s not set Unknown: this replica's term as the follower has "
+                     "ended", node, ", ".join(c["type"] for c in silent))
+            self._node(node).due = -math.inf  # nothing done: read again at its next bind
             return False
         version = (obj.get("metadata") or {}).get("resourceVersion")
         # Strategic merge: the API server merges conditions by type, so the others stay.

@@ -1,12 +1,13 @@
 """Leader election on a Lease for the BindRequest follower: acquire, renew, take over an expired
 Lease (judged by the replica's own clock), lose to a faster writer (resourceVersion), release,
-and stop leading when renewals fail, on the event loop; then the same through `kube` on
-kmock."""
+stop leading when renewals fail, on the event loop, and write nothing once the term has run out
+by the clock; then the same through `kube` on kmock."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ from kubernetes import client as k8s
 
 from kai_fractions.kube.client import Kube
 from kai_fractions.kube.errors import NotFound
+from kai_fractions.mirror.follower import BindRequestView, Follower
 from kai_fractions.mirror.leader import (
     ElectionConfig,
     KubeLease,
@@ -23,6 +25,10 @@ from kai_fractions.mirror.leader import (
     election_config,
     micro_time,
 )
+from kai_fractions.signing import Keyring
+from tests.support.fake_store import FakePodStore
+
+from .test_follower import BOUND, GPU_A, bind_request, pod, reservation_pod, versioned
 
 NS, NAME = "kai-fractions", "kai-fractions-mirror-follower"
 T0 = datetime.datetime(2026, 12, 1, 12, 0, 0, tzinfo=datetime.UTC)
@@ -157,6 +163,33 @@ async def test_another_replica_takes_over_only_after_the_lease_went_unrenewed_fo
     assert lease.obj["acquireTime"] == micro_time(clocks.wall())
     clocks.now += 2
     assert not await a.try_acquire_or_renew()  # a, back, finds b renewing
+
+
+async def test_a_deleted_lease_is_created_again_at_once_by_its_holder_only():
+    # A standby that had seen another replica renew moments before created a deleted Lease at
+    # once: the old holder followed on until its next renewal met the 409, beside it. It waits
+    # out the duration of the record it saw, by its own clock, as for one that stood still.
+    lease, clocks = FakeLease(), Clocks()
+    a, b = elector(lease, "mirror-a", clocks), elector(lease, "mirror-b", clocks)
+    assert await a.try_acquire_or_renew()
+    assert not await b.try_acquire_or_renew()  # b saw a's record at 100
+    lease.obj = None  # deleted
+    lease.requests.clear()
+    clocks.now += 1
+    assert not await b.try_acquire_or_renew()
+    assert lease.requests == ["GET"] and lease.obj is None  # nothing created
+    assert await a.renew()  # the holder creates it again at once
+    assert lease.obj["holderIdentity"] == "mirror-a"
+    assert not await b.try_acquire_or_renew()  # b sees the new record at 101
+    lease.obj = None  # deleted again, and a is gone
+    clocks.now += 14.9
+    assert not await b.try_acquire_or_renew() and lease.obj is None
+    clocks.now += 0.2  # a full lease (15 s) since b saw a's record change
+    assert await b.try_acquire_or_renew()
+    assert (lease.obj["holderIdentity"], lease.obj["leaseTransitions"]) == ("mirror-b", 0)
+    lease.obj = None
+    assert await b.try_acquire_or_renew()  # its own record: created again at once
+    # (one that never saw a holder creates it at once: the first test)
 
 
 async def test_of_two_replicas_taking_over_at_once_the_first_write_wins():
@@ -332,6 +365,7 @@ async def test_a_renewal_the_api_leaves_hanging_is_cut_off_at_the_deadline():
     await asyncio.wait_for(lost.wait(), 5)  # without the cut-off: when the GET answers, at 30 s
     await until(lambda: not a.leading)
     assert terms == ["started", "lost"]
+    del lease.get, lease.update  # answering again: the release at the stop waits for none
     await stop(runner)
 
 
@@ -582,3 +616,77 @@ def test_the_cli_refuses_an_election_it_cannot_hold(capsys, argv, message):
 
     assert main(["mirror", *argv]) == 2
     assert capsys.readouterr().err == f"kai-fractions mirror: {message}\n"
+
+
+async def test_the_term_ends_by_the_clock_before_the_renewal_task_wakes():
+    # asyncio runs ready I/O callbacks before expired timers: a process paused past its renew
+    # deadline (SIGSTOP, a frozen VM) runs the work whose read answered meanwhile before the
+    # renewal task that ends the term. in_term() reads the clock, not the task.
+    lease, clocks = FakeLease(), Clocks()
+    a = elector(lease, "mirror-a", clocks, lease_seconds=15, renew_deadline_seconds=10,
+                retry_seconds=0.05)
+    assert not a.in_term()
+    terms, _, lead = recorded_term(lambda: None)
+    runner = asyncio.create_task(a.run(lead))
+    await until(lambda: terms == ["started"])
+    assert a.in_term()
+    clocks.now += 5  # the renewal task renews at its next wake-up: the term runs to 115
+    await until(lambda: lease.requests.count("PATCH") == 1)
+    clocks.now += 9.9
+    assert a.in_term()
+    clocks.now += 0.2  # 10.1 s after the start of the last renewal that landed
+    assert not a.in_term() and a.leading  # the renewal task has not woken yet
+    await until(lambda: "lost" in terms)  # it wakes, and ends the term
+    await stop(runner)
+
+
+KEY = b"k" * 32
+
+
+@pytest.mark.parametrize(("annotations", "write"), [
+    ({"gpu-fraction": "0.5", **BOUND}, "the signing patch of pod team-a/train-0"),
+    ({"gpu-fraction": "0.5"}, "the NvFractionsMismatch event on pod team-a/train-0"),
+])
+async def test_a_check_whose_term_ran_out_during_its_read_writes_nothing(caplog, annotations,
+                                                                         write):
+    caplog.set_level(logging.INFO, "kai_fractions.mirror.follower")
+    # The leader's process was paused while a check's read was in flight; when it resumes, the
+    # read's answer runs the check on before the renewal task notices the deadline has passed.
+    lease, clocks = FakeLease(), Clocks()
+    a = elector(lease, "mirror-a", clocks, lease_seconds=15, renew_deadline_seconds=10,
+                retry_seconds=2)
+    store = FakePodStore()
+    store.nodes["gpu-node-1"] = {"nvidia.com/gpu.memory": "40960"}
+    store.add_pod(reservation_pod("group-a", GPU_A))
+    store.add_pod(pod("train-0", annotations))
+    follower = Follower(store, signer=SimpleNamespace(current=lambda: Keyring.of(KEY)),
+                        in_term=a.in_term)
+    view = BindRequestView.from_object(versioned(bind_request("br-1", "train-0")))
+
+    def paused(operation: str, *_) -> None:  # the last read, answered after the deadline
+        if operation == "node":
+            clocks.now += 10.5
+
+    store.faults.append(paused)
+    checked = []
+    done = asyncio.Event()
+
+    async def lead() -> None:
+        checked.append(await follower.follow_one(view))
+        done.set()
+        await asyncio.Event().wait()
+
+    runner = asyncio.create_task(a.run(lead))
+    await asyncio.wait_for(done.wait(), 5)
+    assert store.patches == [] and store.events == []
+    [result] = checked
+    assert not result.complete and result.skipped.startswith(
+        f"the term as the follower ended before {write}")
+    assert f"{write} not sent" in caplog.text
+    await stop(runner)
+    # Nothing was counted as done: in a term, the same version is checked and written again.
+    store.faults.clear()
+    follower.in_term = lambda: True
+    again = await follower.follow_one(view)
+    assert again is not None
+    assert store.patches or store.events

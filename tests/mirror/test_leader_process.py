@@ -1,16 +1,20 @@
 """Two real `kai-fractions mirror --follow-bindrequests --leader-elect` processes on kmock:
 only the Lease's holder checks and signs a BindRequest; killed, it is replaced within the
 lease's duration, and a BindRequest made after is signed once, by the survivor.
-`kai-fractions inspect mirror` reads the same from both replicas' metrics."""
+`kai-fractions inspect mirror` reads the same from both replicas' metrics. A burst of calls
+that holds every connection of the mirror's pool on an API server slow for pods does not stop
+the leader's renewals (the elector has connections of its own)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -19,8 +23,11 @@ import grpc
 import pytest
 from kubernetes import client as k8s
 
+from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.cli import main
+from kai_fractions.kube.client import CONNECTIONS
 from kai_fractions.signing import Keyring
+from kai_fractions.sim import apiserver
 from tests.support.agent_process import free_port
 from tests.support.mirror_kube import (
     BINDREQUESTS,
@@ -30,6 +37,7 @@ from tests.support.mirror_kube import (
     wait_until_serving,
 )
 
+from .messages import allocation, mirror_request
 from .test_follower import BOUND, GPU_A, GPU_B, NS, bind_request, pod, reservation_pod
 
 pytestmark = pytest.mark.integration
@@ -41,8 +49,12 @@ LEASE_SECONDS = 2
 SLACK_S = 8.0  # a loaded test machine: process start-up and kmock's own pace
 
 
-def start(kube, tmp_path: Path, identity: str, socket_dir: str, metrics_port: int
-          ) -> subprocess.Popen:
+def start(kube, tmp_path: Path, identity: str, socket_dir: str, metrics_port: int, *,
+          durations: tuple[float, float, float] = (LEASE_SECONDS, 1.5, 0.25),
+          log: Path | None = None) -> subprocess.Popen:
+    """The mirror as a process; `durations`: the Lease's (lease, renew deadline, retry period);
+    its stderr to `log` when given (else a pipe, for `communicate`)."""
+    lease, renew, retry = durations
     key = tmp_path / "signing-key"
     key.write_bytes(KEY)
     listen = f"unix://{socket_dir}/{identity}.sock"
@@ -53,10 +65,11 @@ def start(kube, tmp_path: Path, identity: str, socket_dir: str, metrics_port: in
          "--follow-bindrequests", "--signing-key-file", str(key), "--no-pod-cache",
          "--leader-elect", "--leader-elect-identity", identity,
          "--leader-elect-lease-namespace", LEASE_NS,
-         "--leader-elect-lease-duration", str(LEASE_SECONDS),
-         "--leader-elect-renew-deadline", "1.5", "--leader-elect-retry-period", "0.25",
-         "--metrics-listen", f"127.0.0.1:{metrics_port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+         "--leader-elect-lease-duration", f"{lease:g}",
+         "--leader-elect-renew-deadline", f"{renew:g}", "--leader-elect-retry-period",
+         f"{retry:g}", "--metrics-listen", f"127.0.0.1:{metrics_port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE if log is None else log.open("w"), text=True)
     with grpc.insecure_channel(listen) as channel:
         wait_until_serving(channel, process)
     return process
@@ -168,4 +181,82 @@ def test_one_follower_at_a_time_and_a_killed_leader_is_replaced(kube, tmp_path, 
             if process.poll() is None:
                 process.kill()
                 process.communicate()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+class HeldPodReads:
+    """The API stand-in holds every GET of a `flood-*` pod until `release`d (an API server slow
+    for pods: each one holds a connection of the mirror's pool meanwhile), and notes, for each
+    PATCH of the election's Lease (a renewal), how many such reads it was holding then."""
+
+    def __init__(self, lease_path: str) -> None:
+        self.lease_path = lease_path
+        self.held = 0
+        self.renewals_at: list[int] = []
+        self.released = threading.Event()
+        self._handle = apiserver.VersionedKubernetesEmulator._handle
+
+    async def handle(self, emulator, request):
+        method, path = request.method.value, request.url.path
+        if method == "GET" and "/pods/flood-" in path:
+            self.held += 1
+            try:
+                for _ in range(1200):  # 60 s at most: never past the test
+                    if self.released.is_set():
+                        break
+                    await asyncio.sleep(0.05)
+            finally:
+                self.held -= 1
+        elif method == "PATCH" and path == self.lease_path:
+            self.renewals_at.append(self.held)
+        return await self._handle(emulator, request)
+
+
+def test_a_burst_of_calls_on_an_api_server_slow_for_pods_does_not_cost_the_lease(
+        kube, tmp_path, monkeypatch):
+    # The Lease's requests used to share the pool of 32 connections with the calls' pod
+    # requests: with every one held by a slow pod GET, the renewals waited behind them and the
+    # only replica lost its Lease at the renew deadline. Over the elector's own connections
+    # they keep landing while the pool is full.
+    lease_path = f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NS}/leases/{LEASE}"
+    reads = HeldPodReads(lease_path)
+    monkeypatch.setattr(apiserver.VersionedKubernetesEmulator, "_handle",
+                        lambda emulator, request: reads.handle(emulator, request))
+    register_bindrequests(kube)
+    kube.core.create_node({"metadata": {"name": "gpu-node-1",
+                                        "labels": {"nvidia.com/gpu.memory": "40960"}}})
+    full = CONNECTIONS - 1  # the BindRequest watch holds one of them
+    socket_dir = tempfile.mkdtemp(prefix="kfb-")
+    port, log = free_port(), tmp_path / "mirror-a.log"
+    process = start(kube, tmp_path, "mirror-a", socket_dir, port, durations=(6, 4, 0.5),
+                    log=log)
+    try:
+        wait_for(lambda: holder(kube) == "mirror-a", 30, "the replica holds the lease")
+        wait_for(lambda: leading(port) == "1.0", 10, "it says it leads")
+        with grpc.insecure_channel(f"unix://{socket_dir}/mirror-a.sock") as channel:
+            stub = pb_grpc.AllocationMirrorStub(channel)
+            calls = [stub.MirrorAllocation.future(mirror_request(allocation(
+                {"metadata": {"namespace": NS, "name": f"flood-{i}", "uid": "u"}})), timeout=90)
+                for i in range(CONNECTIONS + 16)]
+            try:
+                wait_for(lambda: reads.held >= full, 30, "the calls hold the pool")
+                # Each renewal needs a connection while none of the pool is free.
+                wait_for(lambda: sum(n >= full for n in reads.renewals_at) >= 3, 30,
+                         "renewals while the pool is full")
+            finally:
+                reads.released.set()
+            codes = {call.code() for call in calls}  # waits for each
+        assert codes == {grpc.StatusCode.NOT_FOUND}  # no such pods: each read one
+        assert (holder(kube), leading(port)) == ("mirror-a", "1.0")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        err = log.read_text()
+        assert "lost lease" not in err, err
+        assert f"released lease {LEASE_NS}/{LEASE}" in err  # over its own, closed, client
+        assert "Unclosed" not in err, err
+    finally:
+        reads.released.set()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
         shutil.rmtree(socket_dir, ignore_errors=True)

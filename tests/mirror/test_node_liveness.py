@@ -232,6 +232,26 @@ async def test_a_failed_check_is_tried_again_after_a_short_backoff(kube, client,
     await watcher.close()
 
 
+async def test_a_mark_whose_term_ran_out_during_its_read_is_not_sent(kube, client):
+    """Under leader election the patch goes only while the follower's term runs by the clock
+    (`in_term`, the elector's): a read answered after the renew deadline (the process paused)
+    sends nothing, counts no mark, and leaves the node to be read again at its next bind."""
+    kube.core.create_node(node("n", condition(k.NODE_CONDITION, "True", None)))  # silent
+    term, marked = [False], []
+    watcher = NodeLiveness(client, TYPES, stale_after_seconds=180, on_marked=marked.append,
+                           clock=NOW.timestamp, monotonic=lambda: 0.0,
+                           in_term=lambda: term[0])
+    watcher.saw("n")
+    await until(lambda: kube.count("GET", "/api/v1/nodes/n") == 1 and not watcher._tasks)
+    assert kube.count("PATCH", "/api/v1/nodes/n/status") == 0 and marked == []
+    term[0] = True  # a term again: the next bind reads it at once (not a recheck period on)
+    watcher.saw("n")
+    await until(lambda: marked == ["n"], what="marked in a term")
+    assert kube.count("GET", "/api/v1/nodes/n") == 2
+    assert kube.count("PATCH", "/api/v1/nodes/n/status") == 1
+    await watcher.close()
+
+
 async def test_a_wave_over_many_nodes_reads_them_a_few_at_a_time(kube, client):
     from kai_fractions.mirror.node_liveness import READS_AT_ONCE
 
