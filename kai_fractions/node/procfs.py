@@ -10,6 +10,14 @@ A process's cgroup is the `0::` line of `/proc/<pid>/cgroup` (cgroup v2). Kubern
   `crio` or `docker`;
 - cgroupfs driver: `/kubepods/<qos>/pod<uid>/<id>` (cri-o: `crio-<id>`).
 Anything else (host services, user sessions, other orchestrators) belongs to no pod.
+
+A reader in a cgroup namespace of its own (containerd gives one to every non-privileged container
+on cgroup v2) sees paths relative to its own cgroup, the common ancestors elided: `/../../
+kubepods-besteffort-pod<uid>.slice/...` (systemd: the slice names still say kubepods and the
+uid), `/../../pod<uid>/<id>` or `/../../../besteffort/pod<uid>/<id>` (cgroupfs: no kubepods
+left). Both are placed. A relative path that is neither, and names no host location either
+(`may_be_a_pod`), may be a pod's the reader cannot place: the watchdog counts such a process as
+one it cannot see, rather than as no pod's.
 """
 
 from __future__ import annotations
@@ -42,6 +50,10 @@ _SYSTEMD_CONTAINER = re.compile(
     r"(?P<rt>cri-containerd|crio|docker)-(?P<id>[0-9a-f]{12,64})\.scope")
 _CGROUPFS_CONTAINER = re.compile(r"(?:(?P<rt>cri-containerd|crio|docker)-)?(?P<id>[0-9a-f]{12,64})")
 _RUNTIMES = {"cri-containerd": "containerd", "crio": "crio", "docker": "docker"}
+_CGROUPFS_QOS = ("besteffort", "burstable")
+"""The QoS level of a cgroupfs pod path (a Guaranteed pod sits right under kubepods)."""
+_HOST_LOCATIONS = ("system.slice", "user.slice", "machine.slice", "init.scope")
+"""systemd's own top-level cgroups: a relative path into one of them is the host's, not a pod's."""
 _UID_SHAPE = re.compile(
     r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{32}")
 
@@ -67,11 +79,12 @@ def cgroup_v2_path(text: str) -> str | None:
 def parse_cgroup_path(path: str) -> PodContainer | None:
     """Pod UID and container ID named by a cgroup path; None when it is not a pod's.
 
-    Tolerates a cgroup-namespace prefix (`/../../kubepods...`) and cgroups nested inside the
-    container's (the component right after the pod's is the container)."""
+    Tolerates a cgroup-namespace prefix (`/../../kubepods...`, and for the cgroupfs layout,
+    where the namespace elides `kubepods` itself, `/../../[<qos>/]pod<uid>/<id>`) and cgroups
+    nested inside the container's (the component right after the pod's is the container)."""
     parts = [p for p in path.split("/") if p and p != ".."]
     if not any(p.startswith("kubepods") for p in parts):
-        return None
+        return _parse_relative_cgroupfs(path)
     for i, part in enumerate(parts):
         m = _SYSTEMD_POD.fullmatch(part)
         systemd = m is not None
@@ -79,20 +92,66 @@ def parse_cgroup_path(path: str) -> PodContainer | None:
             m = _CGROUPFS_POD.fullmatch(part)
         if m is None:
             continue
-        uid = m.group("uid").replace("_", "-").lower()
-        if not _UID_SHAPE.fullmatch(uid):
-            return None
-        if i + 1 == len(parts):
-            return PodContainer(uid, None)
-        child = parts[i + 1]
-        if child.startswith("crio-conmon-"):
-            return PodContainer(uid, None)  # cri-o's monitor process, not the container
-        cm = (_SYSTEMD_CONTAINER if systemd else _CGROUPFS_CONTAINER).fullmatch(child)
-        if cm is None:
-            return PodContainer(uid, None)
-        runtime = _RUNTIMES.get(cm.group("rt") or "")
-        return PodContainer(uid, cm.group("id"), runtime)
+        return _pod_container(m.group("uid"), parts[i + 1:], systemd)
     return None
+
+
+def _relative_tail(path: str) -> list[str] | None:
+    """The components after the leading `/..` run of a path relative to the reader's cgroup
+    namespace; None for a path that is not one (no leading `..`, or one further in)."""
+    raw = path.strip().split("/")
+    if len(raw) < 2 or raw[0] != "" or raw[1] != "..":
+        return None
+    i = 1
+    while i < len(raw) and raw[i] == "..":
+        i += 1
+    tail = [p for p in raw[i:] if p]
+    return None if ".." in tail else tail
+
+
+def _parse_relative_cgroupfs(path: str) -> PodContainer | None:
+    """A cgroupfs pod path seen from a cgroup namespace below `kubepods` (the agent's own
+    container): `/..` one or more times, then `[besteffort|burstable/]pod<uid>[/<id>...]`,
+    exactly; anything else is no pod."""
+    tail = _relative_tail(path)
+    if not tail:
+        return None
+    if tail[0] in _CGROUPFS_QOS:
+        tail = tail[1:]
+    m = _CGROUPFS_POD.fullmatch(tail[0]) if tail else None
+    if m is None:
+        return None
+    return _pod_container(m.group("uid"), tail[1:], systemd=False)
+
+
+def _pod_container(raw_uid: str, below: list[str], systemd: bool) -> PodContainer | None:
+    """The pod of `raw_uid` (as its cgroup names it) and the container `below[0]` names."""
+    uid = raw_uid.replace("_", "-").lower()
+    if not _UID_SHAPE.fullmatch(uid):
+        return None
+    if not below:
+        return PodContainer(uid, None)
+    child = below[0]
+    if child.startswith("crio-conmon-"):
+        return PodContainer(uid, None)  # cri-o's monitor process, not the container
+    cm = (_SYSTEMD_CONTAINER if systemd else _CGROUPFS_CONTAINER).fullmatch(child)
+    if cm is None:
+        return PodContainer(uid, None)
+    runtime = _RUNTIMES.get(cm.group("rt") or "")
+    return PodContainer(uid, cm.group("id"), runtime)
+
+
+def may_be_a_pod(path: str) -> bool:
+    """Whether a cgroup path `parse_cgroup_path` places in no pod may still be a pod's: one
+    relative to the reader's cgroup namespace (`/..` first), below which it names neither an
+    ancestor of the reader (nothing after the `..`s) nor one of systemd's host cgroups
+    (`system.slice`, `user.slice`, `machine.slice`, `init.scope`). Such a path hides whose
+    process it is (a layout the parse does not know, a kubelet `--cgroup-root` elsewhere): the
+    watchdog cannot tell it from a managed container's."""
+    if parse_cgroup_path(path) is not None:
+        return False
+    tail = _relative_tail(path)
+    return bool(tail) and tail[0] not in _HOST_LOCATIONS
 
 
 def normalize_container_id(container_id: str) -> str:
@@ -181,11 +240,15 @@ class Procfs:
             return None  # the process exited (or never was)
 
     def cgroup_path(self, pid: int) -> str | None:
+        """The process's cgroup path (`cgroup_v2_path`); None when it has no /proc entry.
+        Raises OSError (PermissionError: `hidepid=1`, an LSM) when the entry is there but
+        cannot be read: whose process it is is then unknown, which is not "nobody's"."""
         text = self._read(str(int(pid)), "cgroup")
         return None if text is None else cgroup_v2_path(text)
 
     def container_of(self, pid: int) -> PodContainer | None:
-        """The pod and container of `pid`; None for a host process or a pid that is gone."""
+        """The pod and container of `pid`; None for a host process or a pid that is gone.
+        Raises OSError as `cgroup_path`."""
         path = self.cgroup_path(pid)
         return None if path is None else parse_cgroup_path(path)
 

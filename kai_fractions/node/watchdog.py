@@ -16,10 +16,24 @@ manage, a host process, a pid that vanished, pid 1, the agent itself) is never t
 is in use but cannot say whether a process of an sm-sharing container is its client, the kill
 waits for the next check rather than risk the other tenants (a time-slicing container's
 processes cannot be clients: they are stopped without asking MPS).
+
+A process whose container cannot be told (its /proc entry there but unreadable: `hidepid`, an
+LSM; or a cgroup path relative to the agent's cgroup namespace that names no pod it can place
+and no host location, `procfs.may_be_a_pod`) is not taken for no pod's: the report lists it
+(`unplaced`), so that the agent counts the watchdog blind there. Nothing of it is touched.
+
+Only the GPUs listed in a check are judged: a GPU missing from `processes` (its listing failed)
+gives no usage row and no violation, and whoever reads the report keeps what it knew of them.
+When a container's use is over its cap while some of its processes are being stopped, the
+memory of those is left out in judging whether to stop the others: a process started during
+another's grace period is stopped only if the processes not being stopped are over the cap.
+A step that cannot be done (a drain MPS does not answer, a signal the kernel refuses) fails
+that process's stop only, is logged once, and is tried again at the next check.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -40,6 +54,8 @@ from .procfs import (
     Pin,
     PodContainer,
     Procfs,
+    Unpinned,
+    may_be_a_pod,
     normalize_container_id,
     parse_cgroup_path,
 )
@@ -190,9 +206,21 @@ class WatchdogReport:
     checked_at: float
     violations: tuple[Violation, ...] = ()
     usage: tuple[ContainerUsage, ...] = ()
+    """One row per managed container and GPU listed in the check: none for a GPU whose
+    processes were not given (unknown, not 0)."""
     actions: tuple[Action, ...] = ()
     unmanaged: tuple[tuple[str, int], ...] = ()
     """(GPU UUID, pid) of GPU processes of no managed container: left alone, listed for logs."""
+    unplaced: tuple[tuple[str, int, str], ...] = ()
+    """(GPU UUID, pid, why) of GPU processes whose container cannot be told: they may be a
+    managed container's, so the watchdog is blind to them (never touched)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerUnknown:
+    """A live process whose pod the watchdog cannot tell (see the module's docstring)."""
+
+    why: str
 
 
 def _mib(n: int) -> str:
@@ -212,8 +240,14 @@ class Killer(Protocol):
     def progress(self) -> Iterable[tuple[int, str]]:
         """Moves every stop in progress on (escalation after the grace period) and returns
         (pid, outcome) for those whose state changed: ESCALATED, TERMINATED, KILLED,
-        UNKILLABLE."""
+        UNKILLABLE, FAILED (SIGKILL could not be sent: the stop is dropped)."""
         ...
+
+
+def _why_failed(killer: Killer, pid: int) -> str:
+    """Why the killer's last step for `pid` FAILED, when it says (`SignalKiller.why`)."""
+    why = getattr(killer, "why", None)
+    return why(pid) if callable(why) else ""
 
 
 @dataclass(slots=True)
@@ -241,6 +275,11 @@ class SignalKiller:
         process's: when the root is another namespace's /proc, a pid here names some other
         process, and nothing is signalled."""
         self._stops: dict[int, _Stop] = {}
+        self._why: dict[int, str] = {}
+        """pid -> why its last step FAILED, until `why` is asked."""
+        self._logged: dict[int, str] = {}
+        """pid -> the failure last logged for it: the same one again is not (every check
+        retries a stop that failed)."""
 
     @property
     def in_progress(self) -> frozenset[int]:
@@ -253,25 +292,47 @@ class SignalKiller:
             stop = self._stops[pid]
             return UNKILLABLE if stop.reported else ESCALATED if stop.killed else SIGNALLED
         if not self.same_pid_namespace:
-            log.warning("not stopping pid %d: the agent's /proc root is not of its own pid "
-                        "namespace, so that pid may name another process here (run the agent "
-                        "with hostPID, as the chart does)", pid)
-            return FAILED
+            return self._failed(
+                pid, "the agent's /proc root is not of its own pid namespace, so that pid may "
+                "name another process here (run the agent with hostPID, as the chart does)")
         try:
             pin = PidfdPin(os.pidfd_open(pid))
         except ProcessLookupError:
+            self._logged.pop(pid, None)
             return GONE
         except OSError as exc:
-            log.warning("cannot open pid %d: %s", pid, exc)
-            return FAILED
+            return self._failed(pid, f"pidfd_open: {_errno(exc)}")
         if not still_ours():
             pin.close()
             return SKIPPED
-        if not self._signal(pin.fd, signal.SIGTERM):
+        error = self._signal(pin.fd, signal.SIGTERM)
+        if error is not None:
             pin.close()
-            return GONE
+            if isinstance(error, ProcessLookupError):
+                return GONE
+            return self._failed(pid, f"SIGTERM: {_errno(error)}")
+        self._logged.pop(pid, None)
         self._stops[pid] = _Stop(pin, self.clock.monotonic() + self.grace)
         return SIGNALLED
+
+    def why(self, pid: int) -> str:
+        """Why the last step for `pid` FAILED (once: it is forgotten as it is read)."""
+        return self._why.pop(pid, "")
+
+    def _failed(self, pid: int, why: str) -> str:
+        """A step that could not be done: logged the first time it fails so (a stop that failed
+        is tried again at every check), kept for `why`, reported FAILED."""
+        if self._logged.get(pid) != why:
+            log.warning("cannot stop pid %d: %s", pid, why)
+            self._logged[pid] = why
+            while len(self._logged) > 4096:  # pids that failed once and went: the oldest go
+                del self._logged[next(iter(self._logged))]
+        else:
+            log.debug("cannot stop pid %d (again): %s", pid, why)
+        self._why[pid] = why
+        while len(self._why) > 4096:
+            del self._why[next(iter(self._why))]
+        return FAILED
 
     def progress(self) -> list[tuple[int, str]]:
         now = self.clock.monotonic()
@@ -283,8 +344,15 @@ class SignalKiller:
             elif now < stop.deadline:
                 continue
             elif not stop.killed:
-                if not self._signal(stop.pin.fd, signal.SIGKILL):
+                error = self._signal(stop.pin.fd, signal.SIGKILL)
+                if isinstance(error, ProcessLookupError):
                     changed.append((pid, TERMINATED))  # exited just now
+                    self._drop(pid)
+                    continue
+                if error is not None:
+                    # Not signalled: the stop is over, FAILED; a check that still sees the
+                    # process over its cap starts another.
+                    changed.append((pid, self._failed(pid, f"SIGKILL: {_errno(error)}")))
                     self._drop(pid)
                     continue
                 stop.killed, stop.deadline = True, now + self.kill_bound
@@ -299,15 +367,33 @@ class SignalKiller:
         self._stops.pop(pid).pin.close()
 
     @staticmethod
-    def _signal(fd: int, sig: int) -> bool:
+    def _signal(fd: int, sig: int) -> OSError | None:
+        """None when sent; the error otherwise: ProcessLookupError (it exited), or any other
+        (a PermissionError from an LSM such as AppArmor or SELinux), which fails the step."""
         try:
             signal.pidfd_send_signal(fd, sig)
-        except ProcessLookupError:
-            return False
-        return True
+        except OSError as exc:
+            return exc
+        return None
+
+
+def _errno(exc: OSError) -> str:
+    """`EPERM (Operation not permitted)`: the errno's name, and what it says."""
+    name = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno is not None else \
+        type(exc).__name__
+    return f"{name} ({exc.strerror or exc})"
 
 
 # ---------------------------------------------------------------------------- the watchdog
+
+
+@dataclass(frozen=True, slots=True)
+class _Over:
+    """A violation, its container, and the memory of each of its processes (pid, bytes)."""
+
+    violation: Violation
+    container: ManagedContainer
+    used: tuple[tuple[int, int], ...]
 
 
 @dataclass
@@ -342,12 +428,15 @@ class Watchdog:
         # or their pin says the process exited (its pid may be another's now, listed by NVML
         # in the same place). Enforcement never trusts this cache: `_still_in` reads /proc
         # afresh before acting.
-        self._owners: dict[int, tuple[PodContainer | bool, Pin]] = {}
+        self._owners: dict[int, tuple[PodContainer | bool | OwnerUnknown, Pin]] = {}
         self._read_now: set[int] = set()
         """The pids whose /proc entry this check has read (not from `_owners`)."""
         self._stopping: dict[int, tuple[str, str, str]] = {}
         """pid -> (GPU, pod uid, container) of each stop the killer has in progress: never
         drained nor signalled again, its outcome reported when the killer knows it."""
+        self._failing: dict[int, tuple[str, str]] = {}
+        """pid -> (step, detail) of its last FAILED step: the same failure at the next check
+        (each retries) is logged at debug level only."""
         if not procfs.own_pid_namespace:
             log.info("%s is not a /proc of the agent's pid namespace: the watchdog cannot hold "
                      "GPU processes by pidfd, and a pid reused between two checks is read again "
@@ -366,43 +455,52 @@ class Watchdog:
             if c.key is not None:
                 managed[c.key] = c
         self._read_now = set()
-        usage, violations, unmanaged = self._account(processes, managed, sm_percent)
+        usage, violations, unmanaged, unplaced = self._account(processes, managed, sm_percent)
         # A violation is never reported on a cached owner: where no pin tells a reused pid (a
         # /proc of another pid namespace), it would count against the wrong container. Rare
         # and cheap: only the pids of violations are read again, until none rests on the
         # cache (each round reads at least one pid more).
-        while stale := {p for v, _c in violations for p in v.pids} - self._read_now:
+        while stale := {p for o in violations for p in o.violation.pids} - self._read_now:
             for pid in stale:
                 self._forget(pid)
-            usage, violations, unmanaged = self._account(processes, managed, sm_percent)
+            usage, violations, unmanaged, unplaced = self._account(processes, managed,
+                                                                   sm_percent)
         seen = {proc.pid for procs in processes.values() for proc in procs}
         for pid in [pid for pid in self._owners if pid not in seen]:
             self._forget(pid)
+        for pid in [pid for pid in self._failing if pid not in seen]:
+            del self._failing[pid]
         actions: list[Action] = []
         if self.policy == KILL:
             actions = self.progress()
             if violations:
                 actions += self._enforce(violations)
-        return WatchdogReport(self.clock.monotonic(), tuple(v for v, _ in violations),
-                              tuple(usage), tuple(actions), tuple(unmanaged))
+        return WatchdogReport(self.clock.monotonic(), tuple(o.violation for o in violations),
+                              tuple(usage), tuple(actions), tuple(unmanaged), tuple(unplaced))
 
     def _account(
         self,
         processes: Mapping[str, Iterable[GpuProcessLike]],
         managed: Mapping[tuple[str, str], ManagedContainer],
         sm_percent: Mapping[int, int] | None,
-    ) -> tuple[list[ContainerUsage], list[tuple[Violation, ManagedContainer]],
-               list[tuple[str, int]]]:
-        """Usage per managed container and GPU, the violations, and the unmanaged processes."""
-        # (container key, device) -> [pids, used, unknown]
-        found: dict[tuple[tuple[str, str], str], tuple[list[int], list[int], list[int]]] = {}
+    ) -> tuple[list[ContainerUsage], list[_Over], list[tuple[str, int]],
+               list[tuple[str, int, str]]]:
+        """Usage per managed container and GPU listed, the violations, the unmanaged
+        processes and those whose container cannot be told."""
+        # (container key, device) -> [pids, (pid, used), unknown]
+        found: dict[tuple[tuple[str, str], str],
+                    tuple[list[int], list[tuple[int, int]], list[int]]] = {}
         devices_of: dict[tuple[str, str], set[str]] = {}
         unmanaged: list[tuple[str, int]] = []
+        unplaced: list[tuple[str, int, str]] = []
         for device, procs in processes.items():
             for proc in procs:
                 owner = self._owner(proc.pid, cached=True)
                 if owner is None:
                     continue  # vanished while we looked: nothing to account, nothing to touch
+                if isinstance(owner, OwnerUnknown):
+                    unplaced.append((device, proc.pid, owner.why))
+                    continue
                 container = self._managed(owner, managed)
                 if container is None:
                     unmanaged.append((device, proc.pid))
@@ -413,30 +511,36 @@ class Watchdog:
                 if proc.used_bytes is None:
                     unknown.append(proc.pid)
                 else:
-                    used.append(proc.used_bytes)
+                    used.append((proc.pid, proc.used_bytes))
 
         usage: list[ContainerUsage] = []
-        violations: list[tuple[Violation, ManagedContainer]] = []
+        violations: list[_Over] = []
         for key, c in managed.items():
             devices = list(c.caps) + sorted(devices_of.get(key, set()) - set(c.caps))
             for device in devices:
+                if device not in processes:
+                    continue  # not listed this check: its usage is unknown, not 0
                 pids, used, unknown = found.get((key, device), ([], [], []))
+                total = sum(b for _pid, b in used)
                 cap = c.caps.get(device)
                 sm = None
                 if sm_percent is not None and any(p in sm_percent for p in pids):
                     sm = sum(sm_percent.get(p, 0) for p in pids)
                 usage.append(ContainerUsage(
-                    c.pod_uid, c.container_name, c.container_id, device, sum(used), cap,
+                    c.pod_uid, c.container_name, c.container_id, device, total, cap,
                     tuple(pids), sm, tuple(unknown)))
-                if cap is not None and sum(used) > cap:
-                    violations.append((Violation(c.pod_uid, c.container_name, c.container_id,
-                                                 device, sum(used), cap, tuple(pids)), c))
-        return usage, violations, unmanaged
+                if cap is not None and total > cap:
+                    violations.append(_Over(Violation(c.pod_uid, c.container_name,
+                                                      c.container_id, device, total, cap,
+                                                      tuple(pids)), c, tuple(used)))
+        return usage, violations, unmanaged, unplaced
 
     # -------------------------------------------------------------------- mapping
 
-    def _owner(self, pid: int, cached: bool = False) -> PodContainer | bool | None:
-        """The pod/container of `pid`; False for a live process of no pod; None if it is gone."""
+    def _owner(self, pid: int, cached: bool = False
+               ) -> PodContainer | bool | OwnerUnknown | None:
+        """The pod/container of `pid`; False for a live process of no pod; OwnerUnknown for a
+        live one whose pod cannot be told; None if it is gone."""
         if pid <= 1 or pid == os.getpid():
             return False
         entry = self._owners.get(pid)
@@ -449,12 +553,29 @@ class Watchdog:
             pin, keep = self.procfs.pin(pid), True
         except OSError:  # no file descriptor left to hold it: read it now, keep nothing
             pin, keep = UNPINNED, False
-        path = None if pin is None else self.procfs.cgroup_path(pid)
-        if pin is None or path is None or pin.exited():
-            if pin is not None:
-                pin.close()
+        if pin is None:
             return None
-        owner = parse_cgroup_path(path) or False
+        unknown: OwnerUnknown | None = None
+        try:
+            path = self.procfs.cgroup_path(pid)
+        except OSError as exc:  # hidepid=1, an LSM: there, but whose it is cannot be read
+            path, unknown = None, OwnerUnknown(f"its cgroup cannot be read: {_errno(exc)}")
+        if pin.exited():
+            pin.close()
+            return None
+        if path is None and unknown is None and not isinstance(pin, Unpinned):
+            # Alive by its pidfd, yet no /proc entry: hidden from the agent (hidepid=2).
+            unknown = OwnerUnknown("its /proc entry is hidden from the agent")
+        if unknown is not None:
+            pin.close()  # not kept: read again at the next check, in case it can be then
+            return unknown
+        if path is None:
+            pin.close()
+            return None
+        owner: PodContainer | bool | OwnerUnknown = parse_cgroup_path(path) or False
+        if owner is False and may_be_a_pod(path):
+            owner = OwnerUnknown(f"its cgroup {path} is relative to the agent's cgroup "
+                                 "namespace and names no pod the agent can place")
         if keep:
             self._owners[pid] = (owner, pin)
         return owner
@@ -465,7 +586,7 @@ class Watchdog:
             entry[1].close()
 
     @staticmethod
-    def _managed(owner: PodContainer | bool,
+    def _managed(owner: PodContainer | bool | OwnerUnknown,
                  managed: Mapping[tuple[str, str], ManagedContainer]) -> ManagedContainer | None:
         if not isinstance(owner, PodContainer) or owner.container_id is None:
             return None
@@ -490,13 +611,24 @@ class Watchdog:
             device, pod_uid, name = self._stopping.get(pid, ("", "", ""))
             if outcome not in (ESCALATED, UNKILLABLE):
                 self._stopping.pop(pid, None)  # done: a later violation starts over
-            actions.append(self._action(pid, device, pod_uid, name, TERMINATE, outcome, ""))
+            detail = _why_failed(self.killer, pid) if outcome == FAILED else ""
+            actions.append(self._action(pid, device, pod_uid, name, TERMINATE, outcome, detail))
         return actions
 
-    def _enforce(self, violations: Sequence[tuple[Violation, ManagedContainer]]) -> list[Action]:
+    def _enforce(self, violations: Sequence[_Over]) -> list[Action]:
         actions: list[Action] = []
         drain = _DrainState()
-        for violation, container in violations:
+        for over in violations:
+            violation, container = over.violation, over.container
+            # The memory of its processes being stopped is on its way out: a process started
+            # meanwhile is stopped only if the others are over the cap without it.
+            rest = sum(b for pid, b in over.used if pid not in self._stopping)
+            if rest <= violation.cap_bytes:
+                if any(pid not in self._stopping for pid in violation.pids):
+                    log.debug("watchdog: %s/%s on %s is within its cap without the processes "
+                              "being stopped (%s): no other is stopped", violation.pod_uid,
+                              violation.container_name, violation.device_uuid, _mib(rest))
+                continue
             for pid in violation.pids:
                 if pid in self._stopping:
                     continue  # being stopped: drained already, its outcome comes from progress
@@ -508,11 +640,17 @@ class Watchdog:
                                                 violation.container_name, step, outcome, detail))
         return actions
 
-    @staticmethod
-    def _action(pid: int, device: str, pod_uid: str, name: str, step: str, outcome: str,
+    def _action(self, pid: int, device: str, pod_uid: str, name: str, step: str, outcome: str,
                 detail: str) -> Action:
-        log.warning("watchdog %s pid %d of %s/%s on %s: %s %s", step, pid, pod_uid, name,
-                    device, outcome, detail)
+        level = logging.WARNING
+        if outcome == FAILED:
+            if self._failing.get(pid) == (step, detail):
+                level = logging.DEBUG  # failed so at the last check too: retried, not news
+            self._failing[pid] = (step, detail)
+        else:
+            self._failing.pop(pid, None)
+        log.log(level, "watchdog %s pid %d of %s/%s on %s: %s %s", step, pid, pod_uid, name,
+                device, outcome, detail)
         return Action(pid, device, pod_uid, name, step, outcome, detail)
 
     def _enforce_one(self, pid: int, container: ManagedContainer,
@@ -537,7 +675,8 @@ class Watchdog:
                     if err.reason != mps_errors.CLIENT_NOT_FOUND:
                         return [(DRAIN, FAILED, f"{err.reason}: {err.message}")]
         outcome = self.killer.terminate(pid, lambda: self._still_in(pid, container))
-        steps.append((TERMINATE, outcome, ""))
+        steps.append((TERMINATE, outcome,
+                      _why_failed(self.killer, pid) if outcome == FAILED else ""))
         return steps
 
     def _mps_clients(self) -> tuple[dict[int, int | None] | None, MpsError | None]:

@@ -119,3 +119,19 @@ def test_a_kernel_that_refuses_the_pidfd_of_a_reaped_caller_leaves_it_unplaced(
     peer = peer_of_this_process(listener, proc(tmp_path, os.getpid(), HOST_CGROUP),
                                 lambda conn: _PidfdRefused(conn, code))
     assert peer.placed is False
+
+
+def test_a_pod_caller_seen_from_the_agents_cgroup_namespace_is_placed_in_its_pod(
+        listener, tmp_path: Path) -> None:
+    """A non-privileged agent has a cgroup namespace of its own: on a cgroupfs-driver node a
+    pod's cgroup reads relative to the agent's, with nothing of kubepods left. Read as the
+    host's, a root process of any pod could change GPU limits through the socket."""
+    procfs = proc(tmp_path, os.getpid(), f"/../../../besteffort/pod{POD}/{'ab' * 32}")
+    peer = peer_of_this_process(listener, procfs)
+    assert (peer.pod, peer.placed) == (POD, True)
+    agent = peer_guard.PeerPolicy(procfs, own_pid=1)  # the agent's own: `0::/` in its namespace
+    refusal = agent.refusal(peer, "Provision", changes=True)
+    assert refusal is not None and f"runs in pod {POD}" in refusal
+    host = peer_of_this_process(listener, proc(
+        tmp_path, os.getpid(), "/../../../../system.slice/kubelet.service"))
+    assert host.pod is None and agent.refusal(host, "Provision", changes=True) is None

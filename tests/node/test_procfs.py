@@ -15,6 +15,7 @@ from kai_fractions.node.procfs import (
     PodContainer,
     Procfs,
     cgroup_v2_path,
+    may_be_a_pod,
     normalize_container_id,
     parse_cgroup_path,
 )
@@ -47,6 +48,17 @@ CID = "4d6f8a0b2c4e6f8a0b2c4e6f8a0b2c4e6f8a0b2c4e6f8a0b2c4e6f8a0b2c4e6f"
      PodContainer(UID, CID, "containerd")),
     (f"/../../kubepods.slice/kubepods-pod{U_}.slice/cri-containerd-{CID}.scope",
      PodContainer(UID, CID, "containerd")),
+    # seen from a cgroup namespace of a container's (the agent's with `privileged: false`):
+    # systemd slice names still say kubepods; cgroupfs has nothing of it left, with or
+    # without the QoS level (the agent's own, another's, a Guaranteed pod's)
+    (f"/../../kubepods-burstable-pod{U_}.slice/cri-containerd-{CID}.scope",
+     PodContainer(UID, CID, "containerd")),
+    (f"/../../pod{UID}/{CID}", PodContainer(UID, CID, None)),
+    (f"/../../../besteffort/pod{UID}/{CID}", PodContainer(UID, CID, None)),
+    (f"/../../../burstable/pod{UID}/crio-{CID}", PodContainer(UID, CID, "crio")),
+    (f"/../../../pod{UID}/{CID}", PodContainer(UID, CID, None)),
+    (f"/../../pod{UID}/{CID}/nested", PodContainer(UID, CID, None)),
+    (f"/../../pod{UID}", PodContainer(UID, None)),
     # static pods have a 32-hex UID
     (f"/kubepods/pod{'a' * 32}/{CID}", PodContainer("a" * 32, CID, None)),
     # the pod's own cgroup, and cri-o's monitor: a pod but no container
@@ -73,9 +85,59 @@ def test_kubernetes_layouts(path, expected):
     f"/kubepods/burstable/pod{UID[:-1]}/{CID}",
     "",
     "garbage",
+    # relative to a cgroup namespace, but not [qos/]pod<uid> right after the `..`s
+    "/..",
+    "/../../..",
+    f"/../../system.slice/pod{UID}/{CID}",
+    f"/../../guaranteed/pod{UID}/{CID}",
+    f"/../../besteffort/burstable/pod{UID}/{CID}",
+    f"/../x/../pod{UID}/{CID}",
+    f"/../../pod{UID[:-1]}/{CID}",
+    f"../../pod{UID}/{CID}",
+    f"/pod{UID}/{CID}",
 ])
 def test_not_a_pod(path):
     assert parse_cgroup_path(path) is None
+
+
+@pytest.mark.parametrize(("path", "maybe"), [
+    # relative, naming no pod the parse places nor a host location: may be a pod's
+    (f"/../../../../docker/{CID}", True),
+    ("/../../kubepods-besteffort.slice", True),
+    (f"/../../guaranteed/pod{UID}/{CID}", True),
+    ("/../../../../custom-root/something", True),
+    # placed; the reader's own ancestors; the host's own cgroups; not relative at all
+    (f"/../../pod{UID}/{CID}", False),
+    ("/..", False),
+    ("/../../..", False),
+    ("/../../../../system.slice/nvidia-persistenced.service", False),
+    ("/../../../../user.slice/user-0.slice/session-1.scope", False),
+    ("/../../../../init.scope", False),
+    ("/../../../../machine.slice/vm.scope", False),
+    ("/", False),
+    ("/system.slice/containerd.service", False),
+    (f"/docker/{CID}", False),
+])
+def test_which_paths_may_hide_a_pod(path, maybe):
+    assert may_be_a_pod(path) is maybe
+
+
+def test_an_unreadable_cgroup_file_is_an_error_not_a_process_gone(tmp_path, monkeypatch):
+    """hidepid=1 or an LSM: the entry is there, its content denied. Read as None, the process
+    would pass for one that exited."""
+    import pathlib
+    write_proc(tmp_path, 100, f"0::/kubepods/pod{UID}/{CID}\n")
+    real = pathlib.Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        if self.name == "cgroup" and self.parent.name == "100":
+            raise PermissionError(13, "Permission denied")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    with pytest.raises(PermissionError):
+        Procfs(tmp_path).cgroup_path(100)
+    assert Procfs(tmp_path).cgroup_path(999) is None  # gone is still None
 
 
 def test_cgroup_file_lines():

@@ -4,6 +4,7 @@ process of no managed container."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import signal
@@ -137,9 +138,24 @@ def test_within_cap_is_no_violation_and_usage_is_reported(proc):
 
 
 def test_an_idle_managed_container_reports_zero_usage(proc):
-    report = watchdog(proc, "report").check({}, managed())
+    report = watchdog(proc, "report").check({GPU0: []}, managed())
     assert report.usage == (ContainerUsage(POD_A, "trainer", f"containerd://{CID_A}", GPU0, 0,
                                            CAP),)
+
+
+def test_a_gpu_not_listed_gives_no_usage_and_no_violation(proc):
+    """Its listing failed: the usage there is unknown, not 0 (a 0 would end the container's
+    violation episode, and the next check would start another)."""
+    dog = watchdog(proc, "report")
+    two_gpus = [ManagedContainer.uniform(POD_A, "trainer", f"containerd://{CID_A}", CAP,
+                                         [GPU0, GPU1])]
+    listed = dog.check({GPU0: [Proc(100, 10 * CAP)], GPU1: []}, two_gpus)
+    assert [u.device_uuid for u in listed.usage] == [GPU0, GPU1]
+    assert [v.device_uuid for v in listed.violations] == [GPU0]
+    report = dog.check({GPU1: []}, two_gpus)  # GPU0 could not be listed
+    assert [(u.device_uuid, u.used_bytes) for u in report.usage] == [(GPU1, 0)]
+    assert report.violations == ()
+    assert dog.check({}, two_gpus).usage == ()
 
 
 def test_kill_drains_mps_clients_first_then_terminates(proc):
@@ -720,3 +736,179 @@ def test_without_a_file_descriptor_for_a_pin_the_owner_is_read_every_check(proc)
         assert [(u.pod_uid, u.used_bytes) for u in report.usage] == [
             (POD_A, 500 * MIB), (POD_B, 0)]
     assert procfs.reads == [100, 100] and procfs.pins == []
+
+
+# ---------------------------------------------------------------------------- blind spots
+
+
+def test_cgroupfs_paths_seen_from_the_agents_cgroup_namespace_are_placed(proc):
+    """A non-privileged agent on cgroup v2 has a cgroup namespace of its own: /proc shows the
+    workloads' cgroups relative to the agent's, kubepods elided (cgroupfs driver). They were
+    read as no pod's: nothing over its cap was seen, reported or stopped."""
+    proc.add(100, f"0::/../../pod{POD_A}/{CID_A}\n")
+    proc.add(101, f"0::/../../../besteffort/pod{POD_A}/{CID_A}\n")
+    proc.add(200, f"0::/../../../pod{POD_B}/{CID_B}\n")
+    killer = RecordingKiller()
+    report = watchdog(proc, "kill", killer).check(OVER, managed())
+    assert [(v.pod_uid, v.used_bytes, v.pids) for v in report.violations] == [
+        (POD_A, 1200 * MIB, (100, 101))]
+    assert killer.killed == [100, 101]
+    assert (GPU0, 200) in report.unmanaged and report.unplaced == ()
+
+
+def test_a_process_whose_container_cannot_be_told_is_unplaced_not_nobodys(proc):
+    """A cgroup path relative to the agent's cgroup namespace that names no pod the parse can
+    place may be a managed container's: listed as unplaced (the agent counts the watchdog
+    blind there), never touched. One into the host's own cgroups is a host process."""
+    proc.add(100, f"0::/../../../../docker/{CID_A}\n")  # some layout the parse does not know
+    proc.add(101, "0::/../../../../system.slice/nvidia-persistenced.service\n")
+    killer = RecordingKiller()
+    dog = watchdog(proc, "kill", killer)
+    procs = {GPU0: [Proc(100, 10 * CAP), Proc(101, 10 * CAP)]}
+    report = dog.check(procs, managed())
+    assert [(device, pid) for device, pid, _why in report.unplaced] == [(GPU0, 100)]
+    assert "relative to the agent's cgroup namespace" in report.unplaced[0][2]
+    assert report.unmanaged == ((GPU0, 101),)
+    assert report.violations == () and killer.calls == []
+    assert dog.check(procs, managed()).unplaced == report.unplaced  # every check
+
+
+class DeniedProcfs(Procfs):
+    """A /proc tree whose cgroup files of `denied` pids cannot be read (hidepid=1, an LSM)."""
+
+    def __init__(self, root, denied):
+        super().__init__(root)
+        self.denied = set(denied)
+
+    def cgroup_path(self, pid):
+        if pid in self.denied:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return super().cgroup_path(pid)
+
+
+def test_an_unreadable_cgroup_is_an_unknown_owner_not_an_aborted_check(proc):
+    """A PermissionError reading one process's cgroup aborted every check, every interval."""
+    proc.add(500, systemd(POD_B, CID_B))
+    killer = RecordingKiller()
+    dog = Watchdog("kill", DeniedProcfs(proc.root, {101}), killer, None, Clock())
+    report = dog.check({GPU0: [Proc(101, 10 * CAP)], GPU1: [Proc(500, 10 * CAP)]}, [
+        *managed(), ManagedContainer.uniform(POD_B, "b", CID_B, CAP, [GPU1])])
+    assert report.unplaced == (
+        (GPU0, 101, "its cgroup cannot be read: EACCES (Permission denied)"),)
+    assert [v.pod_uid for v in report.violations] == [POD_B]  # the others are still judged
+    assert killer.calls == [500]
+
+
+def test_a_live_process_without_a_proc_entry_is_hidden_not_gone(proc):
+    """Pinned alive by its pidfd, yet no cgroup to read: /proc hides it (hidepid=2), so whose
+    it is is unknown; not read as a process that exited."""
+    procfs = PinningProcfs(proc.root, proc)
+    (proc.root / "100" / "cgroup").unlink()
+    report = Watchdog("report", procfs, RecordingKiller(), None, Clock()).check(
+        {GPU0: [Proc(100, 10 * CAP)]}, managed())
+    assert report.unplaced == ((GPU0, 100, "its /proc entry is hidden from the agent"),)
+    assert procfs.pins[0].closed  # not kept: read again at the next check
+    procfs.exit(101)  # exited: gone, whatever its /proc says
+    report = Watchdog("report", procfs, RecordingKiller(), None, Clock()).check(
+        {GPU0: [Proc(101, 10 * CAP)]}, managed())
+    assert report.unplaced == () and report.violations == ()
+
+
+class SlowKiller(RecordingKiller):
+    """Every stop stays in progress (SIGTERM sent, the grace period running)."""
+
+    def terminate(self, pid, still_ours):
+        super().terminate(pid, still_ours)
+        return "signalled"
+
+
+def test_a_process_started_during_anothers_grace_period_is_judged_without_its_memory(proc):
+    """Container A's 100 is over the cap and being stopped; 101 starts meanwhile with a little
+    memory. Judged with 100's, it would be stopped for memory that is on its way out."""
+    killer = SlowKiller()
+    dog = watchdog(proc, "kill", killer)
+    first = dog.check({GPU0: [Proc(100, 2000 * MIB)]}, managed())
+    assert [(a.pid, a.outcome) for a in first.actions] == [(100, "signalled")]
+    second = dog.check({GPU0: [Proc(100, 2000 * MIB), Proc(101, 100 * MIB)]}, managed())
+    assert [v.used_bytes for v in second.violations] == [2100 * MIB]  # still reported
+    assert second.actions == () and killer.calls == [100]
+    # over the cap on its own: stopped, 100 still not signalled twice
+    third = dog.check({GPU0: [Proc(100, 2000 * MIB), Proc(101, 1100 * MIB)]}, managed())
+    assert [(a.pid, a.outcome) for a in third.actions] == [(101, "signalled")]
+    assert killer.calls == [100, 101]
+
+
+def deny_signals_to(monkeypatch, denied: set[int], sig: int | None = None) -> list:
+    """pidfd_send_signal refuses (EPERM, as an LSM may) the given pids (only `sig`, if given)."""
+    real = signal.pidfd_send_signal
+    sent: list = []
+
+    def send(fd, s, *args):
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            pid = int(next(line for line in f if line.startswith("Pid:")).split()[1])
+        if pid in denied and (sig is None or s == sig):
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        sent.append((pid, s))
+        return real(fd, s, *args)
+
+    monkeypatch.setattr(signal, "pidfd_send_signal", send)
+    return sent
+
+
+def test_a_refused_signal_fails_that_stop_and_the_check_goes_on(monkeypatch, caplog):
+    """A PermissionError from pidfd_send_signal (AppArmor, SELinux) aborted the check: no other
+    container's process was stopped, at any check."""
+    pa, pb = spawn(IGNORES_TERM), spawn(IGNORES_TERM)
+    deny_signals_to(monkeypatch, {pa.pid})
+    clock = Clock()
+
+    class Owners(Procfs):
+        def cgroup_path(self, pid):
+            if pid in (pa.pid, pb.pid):
+                return systemd(POD_A if pid == pa.pid else POD_B, CID_A if pid == pa.pid
+                               else CID_B)[3:].strip()
+            return super().cgroup_path(pid)
+
+    killer = SignalKiller(clock, grace=5)
+    dog = Watchdog("kill", Owners("/proc"), killer, None, clock)
+    both = [*managed(), ManagedContainer.uniform(POD_B, "b", CID_B, CAP, [GPU0])]
+    listed = {GPU0: [Proc(pa.pid, 2000 * MIB), Proc(pb.pid, 2000 * MIB)]}
+    try:
+        with caplog.at_level(logging.DEBUG, logger="kai_fractions.node.watchdog"):
+            first = dog.check(listed, both)
+            second = dog.check(listed, both)
+        assert [(a.pid, a.outcome, a.detail) for a in first.actions] == [
+            (pa.pid, "failed", "SIGTERM: EPERM (Operation not permitted)"),
+            (pb.pid, "signalled", "")]
+        assert [(a.pid, a.outcome) for a in second.actions] == [(pa.pid, "failed")]  # retried
+        assert killer.in_progress == frozenset({pb.pid})  # no stop kept for A: its pin closed
+        assert pa.poll() is None
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+                  and str(pa.pid) in r.getMessage()]
+        assert warned == [  # once, with the errno, however many checks retry it
+            f"cannot stop pid {pa.pid}: SIGTERM: EPERM (Operation not permitted)",
+            f"watchdog terminate pid {pa.pid} of {POD_A}/trainer on {GPU0}: failed "
+            "SIGTERM: EPERM (Operation not permitted)"]
+    finally:
+        for p in (pa, pb):
+            p.kill()
+            p.wait()
+
+
+def test_a_refused_sigkill_fails_the_stop_which_starts_over(monkeypatch):
+    p = spawn(IGNORES_TERM)
+    sent = deny_signals_to(monkeypatch, {p.pid}, signal.SIGKILL)
+    clock = Clock()
+    killer = SignalKiller(clock, grace=5)
+    try:
+        assert killer.terminate(p.pid, lambda: True) == "signalled"
+        clock.now += 5
+        assert killer.progress() == [(p.pid, "failed")]
+        assert killer.why(p.pid) == "SIGKILL: EPERM (Operation not permitted)"
+        assert killer.why(p.pid) == ""  # told once
+        assert killer.in_progress == frozenset() and killer.progress() == []
+        assert sent == [(p.pid, signal.SIGTERM)] and p.poll() is None
+        assert killer.terminate(p.pid, lambda: True) == "signalled"  # a later check's stop
+    finally:
+        p.kill()
+        p.wait()

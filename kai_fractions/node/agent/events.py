@@ -4,9 +4,11 @@ Reasons: `Applied` (limits in force, marker written), `Refused` (a final refusal
 written), `SignatureMissing` (waiting for the allocation's signature, no marker yet),
 `SignatureKeyUnknown` (waiting for the key of its signature: a rotation on its way),
 `LimitViolation` (the watchdog in report mode saw a container above its cap; once per
-episode: again only after the usage went back under the cap), `LimitEnforced` (kill mode:
-the watchdog drained and stopped a process), the Warning `ProcessNotStopped` (kill mode: a
-process over its cap still runs some time after SIGKILL, stuck in the kernel),
+episode: again only after the usage went back under the cap; in kill mode, once per episode
+too, only when a stop could not proceed, its drain or signal failed, saying why),
+`LimitEnforced` (kill mode: the watchdog drained and stopped a process), the Warning
+`ProcessNotStopped` (kill mode: a process over its cap still runs some time after SIGKILL,
+stuck in the kernel),
 `PlanChangeRefused` (a running container's annotations changed: the new plan is refused, the
 applied one stays in force), the Warning `MpsCapNotInForce` (an MPS cap a container relies on
 is known not in force, so its readiness marker is set aside; once per episode, again only

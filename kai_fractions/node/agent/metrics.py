@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,8 @@ FINAL_REASONS = (
 alert's increase() misses the first of a series that does not exist yet). NotBound (a wait for
 the binder) and SignatureMissing (a wait for the mirror's signature) never are."""
 
+STOP_STEPS = ("drain", "terminate")
+"""The watchdog's steps in stopping a process (`watchdog.DRAIN`, `watchdog.TERMINATE`)."""
 UPSTREAM_LABELS = ("namespace", "pod", "pod_uuid", "gpu_uuid", "gpu")
 CONTAINER_LABELS = ("node", "namespace", "pod", "pod_uuid", "container", "gpu_uuid", "gpu")
 REASON_LABELS = ("node", "namespace", "pod", "pod_uuid", "container", "reason")
@@ -182,6 +184,15 @@ class AgentMetrics:
             "memory use above its cap on the node, seen by the watchdog (as the per-container "
             "counter, but it outlives the pod's own series).", ("node",), registry=r)
         self._violation_episodes = self.violation_episodes.labels(node)
+        self.stop_failures = Counter(
+            "kai_fractions_node_gpu_memory_limit_stops_failed", "Episodes of a container's GPU "
+            "memory use above its cap in which the kill-mode watchdog could not stop a process "
+            "(as the LimitViolation event that says why), by the step that failed first: "
+            "drain (MPS could not drain it, or say whether it is a client) or terminate (it "
+            "could not be signalled). Retried at every check; counted once per episode.",
+            ("node", "step"), registry=r)
+        for step in STOP_STEPS:
+            self.stop_failures.labels(node, step)
         self._gpu_total = gauge("kai_fractions_gpu_memory_total_bytes",
                                 "Total memory of each GPU of the node.",
                                 ("node", "gpu_uuid", "gpu"))
@@ -229,6 +240,7 @@ class AgentMetrics:
                           self._refused, self._gpu_total)
         self._labels_of: dict[tuple[str, str, str], tuple[str, ...]] = {}
         self._violating: set[tuple[str, str, str]] = set()
+        self._stop_failed: set[tuple[str, str, str]] = set()
         self._refusing: set[tuple[str, ...]] = set()
         self._lock = threading.Lock()
         self._last: tuple[object, object] | None = None
@@ -304,17 +316,33 @@ class AgentMetrics:
         self._labels_of = labels_of
         self._violating &= set(labels_of)
 
-    def count_violations(self, violations: Iterable[Any]) -> None:
+    def count_violations(self, violations: Iterable[Any],
+                         checked: Collection[str] | None = None) -> None:
         """One watchdog check's `Violation`s: each container and GPU that went over its cap
-        since the last check counts one episode (as the LimitViolation event)."""
+        since the last check counts one episode (as the LimitViolation event). `checked`: the
+        GPUs the check could list (None: all); the episodes of the others go on as they were,
+        neither ended nor started (their usage is unknown)."""
         with self._lock:
             now = {(v.pod_uid, v.container_name, v.device_uuid) for v in violations}
+            if checked is not None:
+                now |= {k for k in self._violating if k[2] not in checked}
             for key in now - self._violating:
                 self._violation_episodes.inc()
                 labels = self._labels_of.get(key)
                 if labels is not None:
                     self._violations.child(labels).inc()
             self._violating = now
+            self._stop_failed &= now
+
+    def count_stop_failures(self, failed: Iterable[tuple[str, str, str, str]]) -> None:
+        """(pod uid, container, GPU uuid, step) of the kill-mode watchdog's steps that failed:
+        the first of a violation episode counts (`count_violations` ends the episode)."""
+        with self._lock:
+            for pod_uid, container, device, step in failed:
+                key = (pod_uid, container, device)
+                if key not in self._stop_failed:
+                    self._stop_failed.add(key)
+                    self.stop_failures.labels(self.node, step).inc()
 
     def count_caps(self, results: Iterable[ContainerResult]) -> None:
         """`kai_fractions_container_cap_not_in_force`: 1 for each container pending with a cap

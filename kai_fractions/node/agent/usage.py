@@ -6,8 +6,12 @@ watchdog); SM use is the newest NVML sample per process since the last check. Th
 the metrics and GetNodeState. Use over a cap is counted, reported once per episode as a
 LimitViolation event in `report` mode (an episode ends when the use is back under the cap), and
 in `kill` mode the watchdog drains the process from MPS and stops it, with a LimitEnforced
-event on its pod. Only containers whose plan has the watchdog mechanism are capped; the others
-are observed. A running container refused because only a report-mode watchdog would watch it
+event on its pod; a stop that cannot proceed (the drain or the signal failed) is a
+LimitViolation event too, once per episode, saying why. A GPU whose processes cannot be listed
+in a check is not judged: its containers' episodes go on as they were (neither ended nor
+started), and their usage is unknown (the gauges read 0, as while NVML is down). Only
+containers whose plan has the watchdog mechanism are capped; the others are observed. A
+running container refused because only a report-mode watchdog would watch it
 (`DesiredState.watched`, after an upgrade to the rule that refuses such containers) is still
 checked against its plan's cap: its use over it is reported, nothing of it is stopped.
 """
@@ -28,6 +32,7 @@ from ..inventory import Inventory
 from ..nvml import Nvml
 from ..watchdog import (
     ESCALATED,
+    FAILED,
     KILLED,
     SIGNALLED,
     TERMINATE,
@@ -46,6 +51,11 @@ log = logging.getLogger(__name__)
 
 MEMORY_UNKNOWN = "ProcessMemoryUnknown"
 """The usage-unreadable reason for a managed container's process NVML lists without memory."""
+CONTAINER_UNKNOWN = "ProcessContainerUnknown"
+"""The usage-unreadable reason for a GPU with managed containers where NVML lists a process whose
+container the watchdog cannot tell: its /proc entry unreadable (`hidepid`, an LSM), or a cgroup
+path relative to the agent's cgroup namespace that names no pod it can place (a layout it does
+not know). The process may be a managed container's: its memory is counted for no one."""
 NO_PROCESSES_VISIBLE = "NoProcessesVisible"
 """The usage-unreadable reason for a GPU with managed containers whose memory is used by
 processes NVML does not list: NVML (like /proc) shows only the processes of the caller's pid
@@ -75,6 +85,8 @@ class UsageCheck:
         """GPU uuids where NVML lists a managed container's process without its memory."""
         self._unseen: set[str] = set()
         """GPU uuids whose memory is used by processes NVML does not list."""
+        self._unplaced: set[str] = set()
+        """GPU uuids where NVML lists a process whose container cannot be told."""
         self.news = False
         """Set when a GPU's processes stop being listable: NVML may be failing between passes,
         which only a pass reports (the node condition), so the worker runs one soon instead of
@@ -100,13 +112,18 @@ class UsageCheck:
                 log.info("the processes of GPU %s can be listed again", d.uuid)
             sm.update(self._sm_percent(d.uuid))
         report = self.watchdog.check(processes, desired.watchdog_containers(), sm)
-        self._unknown_memory(report.usage)
+        checked = set(processes)
+        self._unknown_memory(report.usage, checked)
         self._unseen_processes(desired, processes, report.usage)
+        self._unplaced_processes(desired, report, checked)
+        # A GPU not listed has no usage row: unknown, read 0 like a GPU while NVML is down.
         usage = MappingProxyType({(ContainerKey(u.pod_uid, u.container_name), u.device_uuid):
                                   Usage(u.used_bytes, u.sm_percent) for u in report.usage})
         self.metrics.update(desired, usage, inventory)
-        self.metrics.count_violations(report.violations)
-        self._events(desired, report)
+        self.metrics.count_violations(report.violations, checked)
+        self.metrics.count_stop_failures((a.pod_uid, a.container_name, a.device_uuid, a.step)
+                                         for a in _failed_stops(report.actions))
+        self._events(desired, report, checked)
         return usage
 
     def _unreadable(self, uuid: str, error: NvmlError) -> None:
@@ -129,11 +146,12 @@ class UsageCheck:
         self.news, self._news_taken = False, now
         return True
 
-    def _unknown_memory(self, usage: Iterable[ContainerUsage]) -> None:
+    def _unknown_memory(self, usage: Iterable[ContainerUsage], checked: set[str]) -> None:
         """Processes of managed containers that NVML lists without their memory (it says "not
         available" without the privileges to read it, and in some virtualised modes) count
         as 0 in the watchdog's sums: like a GPU it cannot list, counted every check and
-        logged when it starts and ends, so a partly blind watchdog shows."""
+        logged when it starts and ends, so a partly blind watchdog shows. A GPU not listed
+        this check keeps its state."""
         unknown: dict[str, list[int]] = {}
         for u in usage:
             if u.unknown_usage_pids:
@@ -144,9 +162,32 @@ class UsageCheck:
                 log.warning("NVML reports no memory for %d process(es) of managed containers "
                             "on GPU %s (pids %s): the watchdog counts them as 0 until it does",
                             len(pids), uuid, ", ".join(map(str, sorted(pids))))
-        for uuid in self._unknown - set(unknown):
+        for uuid in (self._unknown & checked) - set(unknown):
             log.info("NVML reports the memory of every managed process on GPU %s again", uuid)
-        self._unknown = set(unknown)
+        self._unknown = set(unknown) | (self._unknown - checked)
+
+    def _unplaced_processes(self, desired: DesiredState, report: WatchdogReport,
+                            checked: set[str]) -> None:
+        """GPUs with managed containers where NVML lists a process whose container the
+        watchdog cannot tell (`WatchdogReport.unplaced`): it may be a managed container's, so
+        a container over its cap could pass unseen. Counted every check and logged when it
+        starts and ends, like the other kinds of blindness."""
+        planned = {u for c in (*desired.containers, *desired.watched)
+                   for u in c.plan.device_uuids}
+        unplaced: dict[str, list[tuple[int, str]]] = {}
+        for uuid, pid, why in report.unplaced:
+            if uuid in planned:
+                unplaced.setdefault(uuid, []).append((pid, why))
+        for uuid, procs in unplaced.items():
+            self.metrics.usage_blind.labels(self.metrics.node, uuid, CONTAINER_UNKNOWN).inc()
+            if uuid not in self._unplaced:
+                pid, why = min(procs)
+                log.warning("GPU %s runs %d process(es) whose container the agent cannot tell "
+                            "(pid %d: %s): the watchdog counts their memory for no container "
+                            "until it can", uuid, len(procs), pid, why)
+        for uuid in (self._unplaced & checked) - set(unplaced):
+            log.info("the container of every process on GPU %s can be told again", uuid)
+        self._unplaced = set(unplaced) | (self._unplaced - checked)
 
     def _unseen_processes(self, desired: DesiredState, processes: Mapping[str, Any],
                           usage: Iterable[ContainerUsage]) -> None:
@@ -203,7 +244,8 @@ class UsageCheck:
             self._util_since[uuid] = max(self._util_since.get(uuid, 0), s.timestamp_us)
         return {pid: pct for pid, (_ts, pct) in latest.items()}
 
-    def _events(self, desired: DesiredState, report: WatchdogReport) -> None:
+    def _events(self, desired: DesiredState, report: WatchdogReport,
+                checked: set[str]) -> None:
         refs = _refs(desired)
         now_violating = set()
         for v in report.violations:
@@ -214,16 +256,59 @@ class UsageCheck:
             now_violating.add(dedup)
             if self.watchdog.policy == "report":
                 self.events.emit(ref, ev.WARNING, ev.LIMIT_VIOLATION, v.message, key=dedup)
-        # an episode ends when the usage is back under the cap: the next one is reported again
+        self._failed_stop_events(report, refs)
+        # An episode ends when the usage is back under the cap: the next one is reported
+        # again. A GPU not listed this check says nothing of that: its episodes go on.
         self.events.forget_matching(lambda k: isinstance(k, tuple) and len(k) == 4
-                                    and k[0] == ev.LIMIT_VIOLATION and k not in now_violating)
+                                    and k[0] == ev.LIMIT_VIOLATION and k not in now_violating
+                                    and k[3] in checked)
         self._stop_events(report.actions, refs)
+
+    def _failed_stop_events(self, report: WatchdogReport,
+                            refs: Mapping[ContainerKey, PodRef]) -> None:
+        """Kill mode: a stop that cannot proceed (its drain or its signal failed; retried at
+        every check) is told to the pod once per episode, as the episode's LimitViolation
+        (the event report mode sends), with why it was not stopped."""
+        failed: dict[tuple[str, str, str], list[Action]] = {}
+        for a in _failed_stops(report.actions):
+            failed.setdefault((a.pod_uid, a.container_name, a.device_uuid), []).append(a)
+        if not failed:
+            return
+        violations = {(v.pod_uid, v.container_name, v.device_uuid): v
+                      for v in report.violations}
+        for (pod_uid, name, device), actions in failed.items():
+            # A stop that failed at SIGKILL may be of a pod that left the plan meanwhile.
+            ref = self._stop_refs.get(actions[0].pid)
+            if ref is None or ref.uid != pod_uid:
+                ref = refs.get(ContainerKey(pod_uid, name))
+            if ref is None:
+                continue
+            why = "; ".join(
+                f"pid {a.pid}: {a.step} failed" + (f" ({a.detail})" if a.detail else "")
+                for a in actions)
+            v = violations.get((pod_uid, name, device))
+            head = v.message if v is not None else (
+                f"container {name} of pod {pod_uid} uses more GPU memory on {device} than "
+                "its cap")
+            message = (f"{head}; the watchdog (kill policy) could not stop it: {why}; it "
+                       "tries again at every check while the use stays over the cap")
+            key = (ev.LIMIT_VIOLATION, pod_uid, name, device)
+            self.events.emit(ref, ev.WARNING, ev.LIMIT_VIOLATION, message, key=key)
+            if ContainerKey(pod_uid, name) not in refs:
+                # Its pod left the plan (and `forget_pod` ran): nothing would forget the key.
+                self.events.forget_matching(lambda k, key=key: k == key)
 
     def advance_stops(self, desired: DesiredState | None) -> None:
         """The watchdog's stops in progress moved on without a usage check: what the agent
         runs instead of `check` while NVML does not work (no inventory) or nothing is planned
-        yet. Usage, violations and metrics wait for a check that can read them."""
-        self._stop_events(self.watchdog.progress(), _refs(desired))
+        yet. Usage, violations and metrics wait for a check that can read them (a stop that
+        failed meanwhile is told to its pod all the same)."""
+        actions = self.watchdog.progress()
+        refs = _refs(desired)
+        self._failed_stop_events(WatchdogReport(0.0, actions=tuple(actions)), refs)
+        self.metrics.count_stop_failures((a.pod_uid, a.container_name, a.device_uuid, a.step)
+                                         for a in _failed_stops(actions))
+        self._stop_events(actions, refs)
 
     def _stop_events(self, actions: Iterable[Action],
                      refs: Mapping[ContainerKey, PodRef]) -> None:
@@ -262,6 +347,12 @@ class UsageCheck:
         else:
             self._stop_refs.pop(a.pid, None)
         return ref
+
+
+def _failed_stops(actions: Iterable[Action]) -> list[Action]:
+    """The steps of stops that could not proceed: a drain or a signal that failed (the
+    process was left running, and is tried again at the next check)."""
+    return [a for a in actions if a.outcome == FAILED and a.pod_uid]
 
 
 def _refs(desired: DesiredState | None) -> dict[ContainerKey, PodRef]:
