@@ -135,3 +135,17 @@ def test_a_pod_caller_seen_from_the_agents_cgroup_namespace_is_placed_in_its_pod
     host = peer_of_this_process(listener, proc(
         tmp_path, os.getpid(), "/../../../../system.slice/kubelet.service"))
     assert host.pod is None and agent.refusal(host, "Provision", changes=True) is None
+
+
+def test_a_caller_whose_cgroup_may_be_a_pods_is_refused_changes(listener, tmp_path: Path
+                                                                 ) -> None:
+    """A cgroup relative to the agent's cgroup namespace that the parse cannot place and that
+    is no host cgroup (a runtime's layout it does not know) may be a pod's: read as the host's,
+    its root process could change GPU limits. It may still read."""
+    procfs = proc(tmp_path, os.getpid(), "/../../../../docker/" + "cd" * 32)
+    peer = peer_of_this_process(listener, procfs)
+    assert (peer.pod, peer.hidden) == (None, "/../../../../docker/" + "cd" * 32)
+    agent = peer_guard.PeerPolicy(procfs, own_pid=1)
+    refusal = agent.refusal(peer, "Provision", changes=True)
+    assert refusal is not None and "cannot tell from a pod's" in refusal
+    assert agent.refusal(peer, "GetNodeState", changes=False) is None

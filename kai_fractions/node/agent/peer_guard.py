@@ -44,7 +44,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..procfs import Procfs, parse_cgroup_path
+from ..procfs import Procfs, may_be_a_pod, parse_cgroup_path
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,9 @@ class Peer:
     host."""
     placed: bool = True
     """False when its process could not be placed then (another pid namespace, or gone)."""
+    hidden: str | None = None
+    """Its cgroup, when that is relative to the agent's cgroup namespace and names neither a
+    pod the parse can place nor a host cgroup (`procfs.may_be_a_pod`): it may be a pod's."""
 
 
 def peer_of(sock: socket.socket, procfs: Procfs) -> Peer:
@@ -85,6 +88,8 @@ def peer_of(sock: socket.socket, procfs: Procfs) -> Peer:
         if pidfd is not None:
             os.close(pidfd)
     owner = parse_cgroup_path(path)
+    if owner is None and may_be_a_pod(path):
+        return Peer(pid, uid, gid, hidden=path)
     return Peer(pid, uid, gid, pod=owner.pod_uid if owner is not None else None)
 
 
@@ -136,6 +141,11 @@ class PeerPolicy:
             return (f"{method}: refused: pid {peer.pid} had exited when the node agent "
                     "accepted its connection, so it cannot be told from a pod; call from a "
                     "process that stays until it is connected")
+        if peer.hidden is not None:  # read as the host's, a pod could change GPU limits
+            return (f"{method}: refused: pid {peer.pid} runs in cgroup {peer.hidden}, which "
+                    "the node agent cannot tell from a pod's (it reads cgroups from a cgroup "
+                    "namespace of its own); call from the host or the node agent's own "
+                    "container")
         if peer.pod is not None and peer.pod != self.own_pod:
             return (f"{method}: refused: pid {peer.pid} runs in pod {peer.pod}; only "
                     "processes on the host or in the node agent's own pod may change GPU "
