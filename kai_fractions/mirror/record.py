@@ -9,6 +9,13 @@ digest of the written allocation (an identical repeat is a no-op, a different on
 the caller's idempotency key, and the keys of the allocations it replaced (a late retry of one
 must not put a superseded decision back). It is written in the same merge patch as the keys it
 lists.
+
+A release leaves a `ReleasedRecord` in its place (`"released": true`, no keys): the release's
+own key and the keys spent so far, the released allocation's among them. The next allocation's
+record carries them on as spent, so a late retry of the release, or of the released decision,
+is refused instead of stripping (or putting back) an allocation made after it. To
+`decode_record` (and to a mirror of an earlier version: it has no `keys`) it is no record: the
+pod carries no allocation.
 """
 
 from __future__ import annotations
@@ -65,15 +72,64 @@ class MirrorRecord:
         return MirrorRecord(new.pod_uid, new.container, new.keys, new.digest,
                             new.idempotency_key, spent[-SPENT_KEPT:])
 
+    def released(self, key: str) -> ReleasedRecord:
+        """What a release with `key` leaves: this allocation's key spent, `key` the latest."""
+        return ReleasedRecord(self.pod_uid, key, spent_keys(
+            self.spent, self.idempotency_key, but=key))
+
     def same_allocation(self, other: MirrorRecord) -> bool:
         """Equal but for the idempotency key (the first caller's key is kept)."""
         return (self.pod_uid, self.container, tuple(sorted(self.keys)), self.digest) == (
             other.pod_uid, other.container, tuple(sorted(other.keys)), other.digest)
 
 
-def decode_record(value: str | None) -> MirrorRecord | None:
-    """The record, or None when absent or unreadable (then nothing is known to be the mirror's:
-    every key on the pod is treated as the user's, binder-owned and derived keys excepted)."""
+def spent_keys(*groups: str | tuple[str, ...], but: str = "") -> tuple[str, ...]:
+    """The keys of `groups` in order, each once, without "" and `but`; the last SPENT_KEPT."""
+    out: dict[str, None] = {}
+    for group in groups:
+        for key in (group,) if isinstance(group, str) else group:
+            if key and key != but:
+                out.pop(key, None)  # a key spent again counts from its latest place
+                out[key] = None
+    return tuple(out)[-SPENT_KEPT:]
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasedRecord:
+    """What ReleaseAllocation leaves in the record's place: no allocation, only the keys of
+    the calls that are over, so that a late retry of one is recognised."""
+
+    pod_uid: str
+    idempotency_key: str = ""
+    """The release's own key ("" none): its retry is a no-op, not a superseded call."""
+    spent: tuple[str, ...] = ()
+    """Keys of the calls before it (the released allocation's among them), oldest first."""
+
+    def encode(self) -> str:
+        return _CANONICAL.encode({"v": RECORD_VERSION, "released": True, "uid": self.pod_uid,
+                                  "idempotencyKey": self.idempotency_key,
+                                  "spentKeys": list(self.spent)})
+
+    def spends(self, key: str) -> bool:
+        """Whether a call with `key` came before a later one (never the release's own)."""
+        return bool(key) and key in self.spent and key != self.idempotency_key
+
+    def released(self, key: str) -> ReleasedRecord:
+        """What a further release with `key` leaves (this one's key spent)."""
+        if key == self.idempotency_key or not key:
+            return self
+        return ReleasedRecord(self.pod_uid, key, spent_keys(
+            self.spent, self.idempotency_key, but=key))
+
+    def followed_by(self, new: MirrorRecord) -> MirrorRecord:
+        """`new`, the allocation mirrored after this release, carrying the spent keys on."""
+        return MirrorRecord(new.pod_uid, new.container, new.keys, new.digest,
+                            new.idempotency_key, spent_keys(
+                                self.spent, self.idempotency_key, new.spent,
+                                but=new.idempotency_key))
+
+
+def _decoded(value: str | None) -> dict | None:
     if not value:
         return None
     try:
@@ -81,6 +137,27 @@ def decode_record(value: str | None) -> MirrorRecord | None:
     except ValueError:
         return None
     if not isinstance(raw, dict) or raw.get("v") != RECORD_VERSION:
+        return None
+    return raw
+
+
+def decode_released(value: str | None) -> ReleasedRecord | None:
+    """The record a release left, or None when `value` is not one."""
+    raw = _decoded(value)
+    if raw is None or raw.get("released") is not True:
+        return None
+    uid, key, spent = raw.get("uid"), raw.get("idempotencyKey", ""), raw.get("spentKeys", [])
+    if not isinstance(spent, list) or not all(isinstance(x, str) for x in (uid, key, *spent)):
+        return None
+    return ReleasedRecord(pod_uid=uid, idempotency_key=key, spent=tuple(spent))
+
+
+def decode_record(value: str | None) -> MirrorRecord | None:
+    """The record, or None when absent or unreadable (then nothing is known to be the mirror's:
+    every key on the pod is treated as the user's, binder-owned and derived keys excepted), or
+    when a release left it (`decode_released`: no allocation, nothing is the mirror's)."""
+    raw = _decoded(value)
+    if raw is None or raw.get("released"):
         return None
     keys, spent = raw.get("keys"), raw.get("spentKeys", [])
     fields = (raw.get("uid"), raw.get("container"), raw.get("digest"),

@@ -35,6 +35,7 @@ from .compute import (
     Outcome,
     Patch,
     compute_outcome,
+    current_record,
     mirror_patch,
     release_patch,
 )
@@ -55,6 +56,7 @@ from .errors import (
 )
 from .foreground import Foreground
 from .pod_cache import PodCache
+from .record import MIRRORED_ANNOTATION, ReleasedRecord, decode_released
 from .store import (
     NO_DEADLINE,
     Deadline,
@@ -133,6 +135,53 @@ class _PodLocks:
                 self._locks[key] = (lock, users - 1)
 
 
+def _released(pod: PodSnapshot) -> ReleasedRecord | None:
+    """The record a release left on THIS pod (a recreated pod's is ignored), else None."""
+    released = decode_released(pod.annotations.get(MIRRORED_ANNOTATION))
+    if released is None or (pod.uid and released.pod_uid != pod.uid):
+        return None
+    return released
+
+
+def _superseded(pod: PodSnapshot, key: str, latest: str) -> AllocationConflict:
+    ref = f"{pod.namespace}/{pod.name}"
+    return AllocationConflict(ref, (
+        f"idempotency key {key!r} names a call on pod {ref} that a later call came after "
+        f"(key {latest or '-'}): a late retry of it is not applied; drop it"),
+        kind="IDEMPOTENCY_KEY_SUPERSEDED")
+
+
+def _check_key_after_release(pod: PodSnapshot, released: ReleasedRecord, key: str) -> None:
+    """A MirrorAllocation on a released pod: refused when its key is one of a call the release
+    came after (the released decision's late retry), or the release's own."""
+    if released.spends(key):
+        raise _superseded(pod, key, released.idempotency_key)
+    if key and key == released.idempotency_key:
+        ref = f"{pod.namespace}/{pod.name}"
+        raise AllocationConflict(ref, (
+            f"idempotency key {key!r} was already used on pod {ref} to release its "
+            "allocation; a new decision needs a new key"), kind="IDEMPOTENCY_KEY_REUSED")
+
+
+def _released_record(pod: PodSnapshot, key: str) -> ReleasedRecord | None:
+    """What a release with `key` leaves in the record's place; None when there is nothing to
+    remember (no key, and no record with one). Raises AllocationConflict for a key a later
+    call superseded: the late retry of a release must not strip what was written after it."""
+    released = _released(pod)
+    record = current_record(pod)
+    if released is not None:
+        if released.spends(key):
+            raise _superseded(pod, key, released.idempotency_key)
+        return released.released(key)
+    if record is not None:
+        if key and key in record.spent:
+            raise _superseded(pod, key, record.idempotency_key)
+        left = record.released(key)
+    else:
+        left = ReleasedRecord(pod.uid, key)
+    return left if left.idempotency_key or left.spent else None
+
+
 class MirrorService:
     def __init__(
         self,
@@ -192,9 +241,14 @@ class MirrorService:
             return PreviewResult(outcome.annotations, outcome.plans)
 
     async def release(self, namespace: str, name: str, uid: str = "", *,
-                      deadline: Deadline = NO_DEADLINE) -> ReleaseResult:
+                      idempotency_key: str = "", deadline: Deadline = NO_DEADLINE
+                      ) -> ReleaseResult:
+        """Removes what the mirror wrote; the record gives way to a ReleasedRecord that keeps
+        the keys of the calls now over (`idempotency_key` the latest), so a late retry of one
+        is refused (IDEMPOTENCY_KEY_SUPERSEDED) rather than stripping, or putting back, an
+        allocation written after it. A retry of the release itself is a no-op."""
         with self.foreground.call():
-            return await self._release(namespace, name, uid, deadline)
+            return await self._release(namespace, name, uid, idempotency_key, deadline)
 
     async def close(self) -> None:
         """Closes the store (its connections): the event loop the service ran on awaits it."""
@@ -241,21 +295,31 @@ class MirrorService:
                                     outcome.plans)
         raise AssertionError("unreachable")  # _waits raises when it runs out
 
-    async def _release(self, namespace: str, name: str, uid: str, deadline: Deadline
-                       ) -> ReleaseResult:
+    async def _release(self, namespace: str, name: str, uid: str, idempotency_key: str,
+                       deadline: Deadline) -> ReleaseResult:
+        check_idempotency_key(idempotency_key)
         async with self._locks.hold(namespace, name):
             what = f"release on pod {namespace}/{name}"
             for attempt, wait in enumerate(self._waits(what, deadline)):
                 if wait:
                     await self.clock.asleep(wait)
                 pod = await self._get(namespace, name, uid, deadline)
-                changes = release_patch(pod, self.keys)
+                changes: dict[str, str | None] = dict(release_patch(pod, self.keys))
+                left = _released_record(pod, idempotency_key)
+                if left is not None:  # else the record goes with the keys it lists
+                    encoded = left.encode()
+                    if pod.annotations.get(MIRRORED_ANNOTATION) == encoded:
+                        changes.pop(MIRRORED_ANNOTATION, None)  # a retry: it is there
+                    else:
+                        changes[MIRRORED_ANNOTATION] = encoded
                 if not changes:
                     return ReleaseResult((), False)
                 if await self._patch(pod, changes, deadline, attempt, uid) is None:
                     continue
-                log.info("pod %s/%s: released %d key(s)", namespace, name, len(changes))
-                return ReleaseResult(tuple(sorted(changes)), True)
+                removed = tuple(sorted(key for key, value in changes.items() if value is None))
+                log.info("pod %s/%s: released %d key(s)%s", namespace, name, len(removed),
+                         f" (key {idempotency_key})" if idempotency_key else "")
+                return ReleaseResult(removed, bool(removed))
         raise AssertionError("unreachable")
 
     async def _decision(self, allocation: AllocationInput, deadline: Deadline):
@@ -287,8 +351,15 @@ class MirrorService:
         the cache, which is read again before anyone is refused)."""
         try:
             outcome = self._outcome(pod, allocation, decision)
-            return outcome, mirror_patch(pod, outcome, idempotency_key=idempotency_key,
-                                         replace=replace, keys=self.keys)
+            released = _released(pod)
+            if released is not None:
+                _check_key_after_release(pod, released, idempotency_key)
+            patch = mirror_patch(pod, outcome, idempotency_key=idempotency_key,
+                                 replace=replace, keys=self.keys)
+            if released is not None and MIRRORED_ANNOTATION in patch.changes:
+                record = released.followed_by(patch.record)  # the spent keys carried on
+                patch = Patch({**patch.changes, MIRRORED_ANNOTATION: record.encode()}, record)
+            return outcome, patch
         except (InvalidAllocation, AllocationConflict):
             if final:
                 raise

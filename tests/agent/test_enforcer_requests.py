@@ -10,8 +10,9 @@ import pytest
 
 from kai_fractions.api.v1 import allocation_pb2, node_pb2
 from kai_fractions.node.agent.grpc_service import NodeEnforcerServicer
+from kai_fractions.node.agent.pods import ContainerNotFound
 
-from .builders import Rig, binder_annotations, pod
+from .builders import Rig, binder_annotations, limits_of, marker_of, pod
 
 UID = "0a1b2c3d-0000-4000-8000-000000000777"
 
@@ -143,3 +144,62 @@ def test_container_names_a_pod_could_not_have_are_refused(short_tmp: Path, conta
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details.startswith(message)
     assert rig.reconciler.pods.provisioned == {}
+
+
+@pytest.mark.parametrize("name", ["MAIN", "../../etc", "a\0b", "x" * 100_000])
+def test_release_and_drain_of_a_container_name_no_pod_has_are_refused(short_tmp: Path,
+                                                                      name: str) -> None:
+    """They were answered OK: the name was kept among the released (a 100 kB one for as long
+    as the pod lived) and the pod's marker deleted, though the name matched nothing."""
+    rig = Rig(short_tmp)
+    uid = rig.add(pod("w", notes=binder_annotations(devices=rig.gpu0)))["metadata"]["uid"]
+    rig.step()
+    limits, marker = limits_of(rig, uid), marker_of(rig, uid)
+    assert limits and marker is not None
+    ref = allocation_pb2.PodRef(uid=uid)
+    for call in (lambda: servicer(rig).Release(node_pb2.ReleaseRequest(pod=ref, container=name),
+                                               Context()),
+                 lambda: servicer(rig).Drain(node_pb2.DrainRequest(pod=ref, container=name),
+                                             Context())):
+        with pytest.raises(Aborted) as e:
+            call()
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details.startswith("container: must be a container name (a DNS label")
+        assert len(e.value.details) < 400 and "\0" not in e.value.details
+    rig.step()
+    assert (limits_of(rig, uid), marker_of(rig, uid)) == (limits, marker)
+    assert rig.reconciler.pods.released == set()
+
+
+def test_release_and_drain_of_a_container_the_pod_has_not_are_not_found(short_tmp: Path
+                                                                        ) -> None:
+    rig = Rig(short_tmp)
+    uid = rig.add(pod("w", notes=binder_annotations(devices=rig.gpu0)))["metadata"]["uid"]
+    rig.step()
+    limits, marker = limits_of(rig, uid), marker_of(rig, uid)
+    ref = allocation_pb2.PodRef(namespace="default", name="w")
+    for call in (lambda: servicer(rig).Release(node_pb2.ReleaseRequest(pod=ref, container="nope"),
+                                               Context()),
+                 lambda: servicer(rig).Drain(node_pb2.DrainRequest(pod=ref, container="nope"),
+                                             Context())):
+        with pytest.raises(Aborted) as e:
+            call()
+        assert (e.value.code, e.value.details) == (
+            grpc.StatusCode.NOT_FOUND,
+            f"container: pod default/w ({uid}) has no fractional container 'nope' on this node "
+            "(its fractional containers: main)")
+    rig.step()
+    assert (limits_of(rig, uid), marker_of(rig, uid)) == (limits, marker)
+    assert rig.reconciler.pods.released == set()
+    # Checked again where the release is made (the pod's containers may change in between).
+    with pytest.raises(ContainerNotFound):
+        rig.reconciler.release(uid, "nope")
+    assert rig.reconciler.pods.released == set() and marker_of(rig, uid) == marker
+    # Its fractional container is released as before; a pod not on the node, by any name.
+    released = servicer(rig).Release(node_pb2.ReleaseRequest(pod=ref, container="main"),
+                                     Context())
+    assert list(released.released_containers) == ["main"]
+    assert limits_of(rig, uid) == {} and marker_of(rig, uid) is None
+    gone = allocation_pb2.PodRef(uid=UID)
+    assert list(servicer(rig).Release(node_pb2.ReleaseRequest(pod=gone, container="main"),
+                                      Context()).released_containers) == []

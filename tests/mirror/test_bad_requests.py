@@ -7,6 +7,11 @@ import grpc
 import pytest
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
+from kai_fractions.contract.names import MAX_NAME
+from kai_fractions.mirror.decision import MAX_ID, MAX_IDEMPOTENCY_KEY, MAX_IDS
+from kai_fractions.mirror.errors import InvalidAllocation
+from kai_fractions.mirror.grpc.proto import allocation_from_proto
+from kai_fractions.mirror.grpc.server import MAX_RECEIVE_MESSAGE_BYTES
 
 from .messages import GPU_A, GPU_B, SM, TS, allocation, bad_request_fields, mirror_request
 
@@ -179,3 +184,74 @@ def test_preview_validates_the_same_way(mirror_tcp):
             allocation=allocation(pod, portion="2")), timeout=10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [f for f, _ in bad_request_fields(e.value)] == ["allocation.received_gpu.portion"]
+
+
+WIDE = "\U0001F600"  # four bytes in UTF-8: the widest character a string field may hold
+LONGEST_NAME = ".".join(["a" * 63] * 3 + ["a" * (MAX_NAME - 192)])  # 253 characters
+
+
+def largest_request(pod: dict, node: str, container: str) -> pb.MirrorAllocationRequest:
+    """A MirrorAllocationRequest with every field at its bound, each string of the widest
+    characters its rule allows."""
+    alloc = allocation(pod, node=node, container=container, portion="0." + "5" + "0" * 61,
+                       modes=(TS,) * MAX_IDS, memory=1 << 40,
+                       gpus=tuple(f"GPU-{i:04x}" + "a" * (MAX_ID - 8) for i in range(MAX_IDS)))
+    for i, group in enumerate(alloc.selected_fractional_gpu_groups):
+        group.id = f"{i:02d}" + WIDE * (MAX_ID - 2)
+    alloc.cdi, alloc.reserve_mib = True, 0
+    return mirror_request(alloc, key=WIDE * MAX_IDEMPOTENCY_KEY, replace=True)
+
+
+def test_the_largest_valid_request_is_served_and_the_limit_leaves_it_room(mirror_tcp):
+    namespace = "n" * 63
+    mirror_tcp.create_node(LONGEST_NAME, None)
+    pod = mirror_tcp.create_pod(LONGEST_NAME, {"gpu-fraction": "0.5",
+                                               "gpu-fraction-num-devices": str(MAX_IDS)},
+                                namespace=namespace, containers=("c" * 63,))
+    request = largest_request(pod, LONGEST_NAME, "c" * 63)
+    assert len(request.allocation.received_gpu.portion) == 64
+    reply = mirror_tcp.stub.MirrorAllocation(request, timeout=10)
+    assert reply.changed and len(reply.containers[0].devices) == MAX_IDS
+    # The fields a pod does not let reach their bound, at it: the uid and the container name.
+    request.allocation.pod.uid = WIDE * MAX_NAME
+    request.allocation.container_name = LONGEST_NAME
+    assert 40_000 < request.ByteSize() < MAX_RECEIVE_MESSAGE_BYTES // 2.5
+
+
+def test_a_request_past_the_receive_limit_is_refused_unread(mirror_tcp):
+    """1.3 million empty groups (2.6 MB, under gRPC's default 4 MiB) were read and turned into
+    tuples on the loop every call shares before the bound refused them."""
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    alloc = allocation(pod)
+    alloc.selected_fractional_gpu_groups.extend([pb.FractionalGpuGroup()] * 70_000)
+    assert alloc.ByteSize() > MAX_RECEIVE_MESSAGE_BYTES
+    with pytest.raises(grpc.RpcError) as e:
+        mirror_tcp.stub.MirrorAllocation(mirror_request(alloc), timeout=10)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert mirror_tcp.patches(NS, NAME) == 0
+
+
+def test_a_repeated_field_past_its_bound_is_refused_before_it_is_read(mirror_tcp):
+    """Within the receive limit, the bound is checked on the message's lengths: the one
+    violation, not one per group built first."""
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    alloc = allocation(pod)
+    alloc.selected_fractional_gpu_groups.extend([pb.FractionalGpuGroup()] * 20_000)
+    error = refused(mirror_tcp, mirror_request(alloc))
+    assert bad_request_fields(error) == [
+        ("allocation.selected_fractional_gpu_groups", f"must list at most {MAX_IDS} (got 20001)")]
+
+
+@pytest.mark.parametrize("field", ["reserved_gpu_ids", "selected_fractional_gpu_groups"])
+def test_allocation_from_proto_refuses_a_long_repeated_field(field):
+    alloc = pb.Allocation()
+    if field == "reserved_gpu_ids":
+        alloc.reserved_gpu_ids.extend([""] * (MAX_IDS + 1))
+    else:
+        alloc.selected_fractional_gpu_groups.extend([pb.FractionalGpuGroup()] * (MAX_IDS + 1))
+    with pytest.raises(InvalidAllocation) as e:
+        allocation_from_proto(alloc)
+    assert [(x.key, x.rule) for x in e.value.errors] == [
+        (field, f"must list at most {MAX_IDS} (got {MAX_IDS + 1})")]
+    alloc.ClearField(field)
+    assert allocation_from_proto(alloc).gpu_ids == ()

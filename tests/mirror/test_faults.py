@@ -18,6 +18,7 @@ from kai_fractions.kube.client import Kube
 from kai_fractions.kube.retry import Backoff
 from kai_fractions.mirror.errors import PodNotFound
 from kai_fractions.mirror.grpc.server import MirrorServer, ServerOptions
+from kai_fractions.mirror.grpc.servicer import DEADLINE_MARGIN_S
 from kai_fractions.mirror.kube_store import KubePodStore
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION
 from kai_fractions.mirror.service import MirrorService
@@ -211,6 +212,21 @@ def test_deadline_is_respected_in_the_retry_loop(mirror_factory):
         e.value.details() == "Deadline Exceeded"
     assert slow.kube.count("GET", PATH) < 50
     assert slow.patches(NS, NAME) == 0
+
+
+def test_a_write_is_not_started_without_the_time_it_needs(mirror_tcp):
+    """A PATCH sent with the last milliseconds of a call timed out at the mirror after the API
+    server applied it (DEADLINE_EXCEEDED, yet written). A call whose deadline leaves less than
+    MIN_WRITE_BUDGET after the servicer's margin writes nothing, however fast the machine."""
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    request = mirror_request(allocation(pod), key="bind-1")
+    with pytest.raises(grpc.RpcError) as e:
+        mirror_tcp.stub.MirrorAllocation(request, timeout=DEADLINE_MARGIN_S + 0.07)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert mirror_tcp.patches(NS, NAME) == 0
+    # The retry with the same key writes it (and the pod's lock has seen the first call out).
+    assert mirror_tcp.stub.MirrorAllocation(request, timeout=10).changed
+    assert mirror_tcp.patches(NS, NAME) == 1
 
 
 def test_forbidden_is_internal_and_names_rbac(mirror_tcp):

@@ -4,8 +4,11 @@ left on the pod afterwards."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
 from kai_fractions.contract import Dialect, mps_namespace_name
@@ -17,6 +20,7 @@ from .messages import (
     SM,
     TS,
     allocation,
+    detail,
     expected_record,
     mirror_request,
     node_plan,
@@ -150,10 +154,17 @@ def test_mirror_preview_release(mirror, case):
     released = mirror.stub.ReleaseAllocation(pb.ReleaseAllocationRequest(
         pod=alloc.pod, idempotency_key=f"{case}/rollback"), timeout=10)
     assert released.changed is True
-    assert list(released.removed_keys) == sorted([*owned, MIRRORED_ANNOTATION])
-    assert mirror.annotations("team-a", "train-0") == user
-    again = mirror.stub.ReleaseAllocation(pb.ReleaseAllocationRequest(pod=alloc.pod), timeout=10)
-    assert (again.changed, list(again.removed_keys)) == (False, [])
+    assert list(released.removed_keys) == sorted(owned)
+    # The record gives way to what the release leaves: the keys of the calls now over.
+    left = mirror.annotations("team-a", "train-0")
+    assert json.loads(left.pop(MIRRORED_ANNOTATION)) == {
+        "v": 1, "released": True, "uid": after["metadata"]["uid"],
+        "idempotencyKey": f"{case}/rollback", "spentKeys": [f"{case}/1"]}
+    assert left == user
+    for key in (f"{case}/rollback", ""):  # its retry, or a release without a key: no-ops
+        again = mirror.stub.ReleaseAllocation(pb.ReleaseAllocationRequest(
+            pod=alloc.pod, idempotency_key=key), timeout=10)
+        assert (again.changed, list(again.removed_keys)) == (False, [])
     assert mirror.patches("team-a", "train-0") == 2
 
 
@@ -233,6 +244,30 @@ def test_preview_checks_a_conflict_when_asked(mirror_tcp):
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "already carries a different mirrored allocation" in e.value.details()
     assert mirror_tcp.patches("team-a", "train-0") == 1
+
+
+def test_a_late_retry_of_a_release_is_refused_not_applied(mirror):
+    """Mirror (bind-1), release (rollback-1), mirror a new decision (bind-2): rollback-1's
+    late retry answered OK and stripped bind-2 from the pod."""
+    pod = mirror.create_pod("train-0", {"gpu-fraction": "0.5"})
+    ref = pb.PodRef(namespace="team-a", name="train-0")
+    rollback = pb.ReleaseAllocationRequest(pod=ref, idempotency_key="rollback-1")
+    mirror.stub.MirrorAllocation(mirror_request(allocation(pod), key="bind-1"), timeout=10)
+    assert mirror.stub.ReleaseAllocation(rollback, timeout=10).changed
+    assert not mirror.stub.ReleaseAllocation(rollback, timeout=10).changed  # its retry
+    assert mirror.stub.MirrorAllocation(mirror_request(
+        allocation(pod, gpus=(GPU_B,)), key="bind-2"), timeout=10).changed
+    before = mirror.annotations("team-a", "train-0")
+    with pytest.raises(grpc.RpcError) as e:
+        mirror.stub.ReleaseAllocation(rollback, timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    (violation,) = detail(e.value, error_details_pb2.PreconditionFailure).violations
+    assert (violation.type, violation.subject) == ("IDEMPOTENCY_KEY_SUPERSEDED",
+                                                   "team-a/train-0")
+    assert mirror.annotations("team-a", "train-0") == before
+    assert before[f"{T}.gpus.devices"] == GPU_B
+    assert record(mirror.pod("team-a", "train-0"))["spentKeys"] == ["bind-1", "rollback-1"]
+    assert mirror.patches("team-a", "train-0") == 3
 
 
 def test_health_and_reflection_are_served(mirror):

@@ -20,7 +20,12 @@ from kai_fractions.mirror.errors import (
     PodNotFound,
     PodReplaced,
 )
-from kai_fractions.mirror.record import MIRRORED_ANNOTATION, allocation_digest
+from kai_fractions.mirror.record import (
+    MIRRORED_ANNOTATION,
+    ReleasedRecord,
+    allocation_digest,
+    decode_record,
+)
 from kai_fractions.mirror.service import NODE_LABELS_RETRY, NODE_LABELS_TTL, MirrorService
 from kai_fractions.mirror.store import NodeLabels, WriteConflict
 from tests.support.clock import FakeClock
@@ -286,6 +291,73 @@ async def test_release_removes_what_the_mirror_wrote_and_is_idempotent(store, se
     assert len(store.patches) == 2
 
 
+async def test_a_late_retry_of_a_release_does_not_strip_a_newer_allocation(store, service):
+    """rollback-1 timed out at the binder, which decided again (bind-2); rollback-1's retry
+    arriving after that must not strip bind-2, which the scheduler accounts. Its retry before
+    any newer call is a no-op."""
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    await service.mirror(allocation(), idempotency_key="bind-1")
+    first = await service.release(NS, POD, idempotency_key="rollback-1")
+    assert first.changed and first.removed_keys == tuple(sorted(SINGLE))
+    assert record_of(store) == {"v": 1, "released": True, "uid": UID,
+                                "idempotencyKey": "rollback-1", "spentKeys": ["bind-1"]}
+    assert decode_record(store.annotations(NS, POD)[MIRRORED_ANNOTATION]) is None  # no keys
+    again = await service.release(NS, POD, idempotency_key="rollback-1")
+    assert (again.changed, again.removed_keys) == (False, ())
+    assert len(store.patches) == 2
+    # A new decision needs no `replace`: the pod carries no allocation.
+    second = allocation(gpu_ids=(GPU_B,))
+    assert (await service.mirror(second, idempotency_key="bind-2")).changed
+    assert record_of(store)["spentKeys"] == ["bind-1", "rollback-1"]
+    with pytest.raises(AllocationConflict) as e:
+        await service.release(NS, POD, idempotency_key="rollback-1")
+    assert e.value.kind == "IDEMPOTENCY_KEY_SUPERSEDED"
+    assert "'rollback-1'" in str(e.value) and "(key bind-2)" in str(e.value)
+    assert store.annotations(NS, POD)[DEVICES] == GPU_B
+    assert len(store.patches) == 3
+    # bind-2's own rollback still releases it
+    assert (await service.release(NS, POD, idempotency_key="rollback-2")).changed
+    assert record_of(store)["spentKeys"] == ["bind-1", "rollback-1", "bind-2"]
+
+
+async def test_a_late_retry_of_a_released_decision_is_refused(store, service):
+    """bind-1's retry after its rollback would put back a decision the scheduler dropped."""
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    await service.mirror(allocation(), idempotency_key="bind-1")
+    await service.release(NS, POD, idempotency_key="rollback-1")
+    for key, kind in (("bind-1", "IDEMPOTENCY_KEY_SUPERSEDED"),
+                      ("rollback-1", "IDEMPOTENCY_KEY_REUSED")):
+        with pytest.raises(AllocationConflict) as e:
+            await service.mirror(allocation(), idempotency_key=key, replace=True)
+        assert e.value.kind == kind
+    assert set(store.annotations(NS, POD)) == {"gpu-fraction", MIRRORED_ANNOTATION}
+    assert len(store.patches) == 2
+
+
+async def test_a_release_that_finds_nothing_still_remembers_its_key(store, service):
+    """The binder rolls back a bind whose mirror call never wrote: nothing to remove, but the
+    release's late retry must still not strip the allocation of the binder's next try."""
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    nothing = await service.release(NS, POD, idempotency_key="rollback-0")
+    assert (nothing.changed, nothing.removed_keys) == (False, ())
+    assert record_of(store)["idempotencyKey"] == "rollback-0"
+    assert (await service.release(NS, POD, idempotency_key="rollback-0")).changed is False
+    assert (await service.release(NS, POD)).changed is False  # without a key: nothing new
+    assert len(store.patches) == 1
+    await service.mirror(allocation(), idempotency_key="bind-1")
+    with pytest.raises(AllocationConflict, match="later call came after"):
+        await service.release(NS, POD, idempotency_key="rollback-0")
+    assert DEVICES in store.annotations(NS, POD)
+
+
+async def test_what_a_release_left_on_a_recreated_pod_is_ignored(store, service):
+    left = ReleasedRecord("00000000-0000-4000-8000-000000000000", "rollback-1", ("bind-1",))
+    store.add_pod(pod({"gpu-fraction": "0.5", MIRRORED_ANNOTATION: left.encode()}))
+    assert (await service.mirror(allocation(), idempotency_key="bind-1")).changed
+    assert "spentKeys" not in record_of(store)
+    assert (await service.release(NS, POD, idempotency_key="rollback-1")).changed
+
+
 DEVICES = "nvidia.com/container.trainer.gpus.devices"
 
 
@@ -326,13 +398,14 @@ async def test_a_release_the_api_server_stored_otherwise_is_not_a_success(clock)
     store.webhook = lambda changes: {DEVICES: GPU_A} if DEVICES in changes else {}
     with pytest.raises(ApiRejected, match=f"{DEVICES} is '{GPU_A}', not absent"):
         await service.release(NS, POD, UID)
-    # The record went with that patch; a retry still finds the key, and still says so.
-    assert MIRRORED_ANNOTATION not in store.annotations(NS, POD)
+    # The record went with that patch (what the release leaves took its place); a retry
+    # still finds the key, and still says so.
+    assert json.loads(store.annotations(NS, POD)[MIRRORED_ANNOTATION])["released"] is True
     with pytest.raises(ApiRejected, match=f"{DEVICES} is '{GPU_A}', not absent"):
         await service.release(NS, POD, UID)
     store.webhook = MutatingStore.webhook  # the webhook fixed: the retry removes it
     assert (await service.release(NS, POD, UID)).removed_keys == (DEVICES,)
-    assert store.annotations(NS, POD) == {"gpu-fraction": "0.5"}
+    assert set(store.annotations(NS, POD)) == {"gpu-fraction", MIRRORED_ANNOTATION}
 
 
 async def test_a_rewrite_is_said_with_its_values_cut(clock):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from ...api.v1 import allocation_pb2 as pb
-from ...contract import ComputeMode, ContainerPlan
+from ...contract import ComputeMode, ContainerPlan, ContractError
 from ...contract import keys as k
-from ..decision import AllocationInput
+from ..decision import MAX_IDS, AllocationInput
+from ..errors import InvalidAllocation
 
 _RESOURCE_TYPES = {
     pb.RECEIVED_RESOURCE_TYPE_UNSPECIFIED: "",
@@ -28,7 +29,22 @@ def _enum(table: dict[int, str], number: int) -> str:
     return table.get(number, str(number))
 
 
+def _check_lengths(msg: pb.Allocation) -> None:
+    """The repeated fields' bounds, checked before anything is built from them: a request of
+    a million empty groups (2 MB, under the receive limit of old) cost every other call on the
+    loop most of a second while they were turned into tuples, only to be refused after."""
+    errors = [ContractError(field, f"must list at most {MAX_IDS} (got {count})")
+              for field, count in (("reserved_gpu_ids", len(msg.reserved_gpu_ids)),
+                                   ("selected_fractional_gpu_groups",
+                                    len(msg.selected_fractional_gpu_groups)))
+              if count > MAX_IDS]
+    if errors:
+        raise InvalidAllocation(errors)
+
+
 def allocation_from_proto(msg: pb.Allocation) -> AllocationInput:
+    """Raises InvalidAllocation for a repeated field past its bound (decision.MAX_IDS)."""
+    _check_lengths(msg)
     # Each field read through the protobuf runtime costs: every one is read once.
     pod, gpu = msg.pod, msg.received_gpu
     groups = [(g.id, g.compute_sharing_mode) for g in msg.selected_fractional_gpu_groups]

@@ -39,6 +39,16 @@ from .servicer import SERVICE_NAME, AllocationMirrorServicer, CallObserver
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+MAX_RECEIVE_MESSAGE_BYTES = 128 * 1024
+"""The largest request the server reads (gRPC's default is 4 MiB). The largest VALID request
+is 44,247 bytes: a MirrorAllocationRequest with every field at its bound, each string of the
+widest characters its rule allows (a 63-character namespace; 253-character pod, node and
+container names; a pod uid of 253 four-byte characters; a 64-character portion; 64 group ids
+of 128 four-byte characters; 64 GPU UUIDs of 128 characters; a key of 256 four-byte
+characters: `largest_request` in tests/mirror/test_bad_requests.py). 128 KiB is three times
+that. A bigger request is RESOURCE_EXHAUSTED before it is parsed, rather than read and refused
+field by field on the loop every call shares."""
+
 
 @dataclass(frozen=True, slots=True)
 class ServerOptions:
@@ -149,7 +159,8 @@ class MirrorServer:
 
         interceptors = [BearerTokenInterceptor(self._token, denied)] \
             if self._token is not None else []
-        server = grpc.aio.server(interceptors=interceptors)
+        server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)])
         self._server = server
         pb_grpc.add_AllocationMirrorServicer_to_server(
             AllocationMirrorServicer(self.service, self.observe), server)

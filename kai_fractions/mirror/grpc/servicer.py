@@ -107,7 +107,9 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
             if problems:
                 raise InvalidAllocation(problems)
             result = await self.service.release(request.pod.namespace, request.pod.name,
-                                                request.pod.uid, deadline=deadline_of(context))
+                                                request.pod.uid,
+                                                idempotency_key=request.idempotency_key,
+                                                deadline=deadline_of(context))
             return pb.ReleaseAllocationResponse(removed_keys=list(result.removed_keys),
                                                 changed=result.changed)
         return await self._run(context, "ReleaseAllocation", run, field_prefix="")

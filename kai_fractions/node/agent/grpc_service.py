@@ -35,7 +35,7 @@ from ..nvml import GpuComputeMode
 from .condition import Condition
 from .mps_links import LEGACY_MPS_NOTE
 from .peer_guard import PeerPolicy, PeerTable, Relay, private_dir
-from .pods import KnownPod
+from .pods import ContainerNotFound, KnownPod
 from .reconciler import NodeView, NotReconciled, Reconciler
 from .worker import Worker, WorkerBusy, WorkerStopped
 
@@ -185,6 +185,25 @@ def _valid_containers(context: grpc.ServicerContext, containers: list[str],
             seen.add(name)
 
 
+def _valid_container(context: grpc.ServicerContext, uid: str, container: str,
+                     pods: Mapping[str, KnownPod]) -> str | None:
+    """Release's and Drain's `container`: None for "every container of the pod", else the
+    name; the call ends before anything is kept or changed with INVALID_ARGUMENT for a name
+    no container has, and NOT_FOUND for one that is not a fractional container of the pod
+    the agent knows. (A pod gone from the node, or not seen yet, is taken by any valid name:
+    a release of it must not wait for a pass.)"""
+    if not container:
+        return None
+    if not is_container_name(container):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      "container: must be a container name (a DNS label: lowercase letters, "
+                      f"digits and '-', at most 63), got {shown(container)}")
+    known = pods.get(uid)
+    if known is not None and container not in known.containers:
+        context.abort(grpc.StatusCode.NOT_FOUND, str(ContainerNotFound(uid, known, container)))
+    return container
+
+
 class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
     def __init__(self, reconciler: Reconciler, worker: Worker, node_name: str,
                  condition: Callable[[], Condition | None], condition_type: str):
@@ -215,6 +234,8 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
             return self.worker.call(fn)
         except (WorkerBusy, WorkerStopped) as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except ContainerNotFound as e:  # the pod's containers changed since the check
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except NotReconciled as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{e.reason}: {e.message}")
         except NodeError as e:
@@ -280,16 +301,19 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
     def Release(self, request: node_pb2.ReleaseRequest,
                 context: grpc.ServicerContext) -> node_pb2.ReleaseResponse:
         self._authorize(context, "Release", changes=True)
-        uid = self._uid(context, request.pod, self.reconciler.view.pods)
-        names = self._run(context, lambda: self.reconciler.release(
-            uid, request.container or None))
+        pods = self.reconciler.view.pods
+        uid = self._uid(context, request.pod, pods)
+        container = _valid_container(context, uid, request.container, pods)
+        names = self._run(context, lambda: self.reconciler.release(uid, container))
         return node_pb2.ReleaseResponse(released_containers=names)
 
     def Drain(self, request: node_pb2.DrainRequest,
               context: grpc.ServicerContext) -> node_pb2.DrainResponse:
         self._authorize(context, "Drain", changes=True)
-        uid = self._uid(context, request.pod, self.reconciler.view.pods)
-        pids = self._run(context, lambda: self.reconciler.drain(uid, request.container or None))
+        pods = self.reconciler.view.pods
+        uid = self._uid(context, request.pod, pods)
+        container = _valid_container(context, uid, request.container, pods)
+        pids = self._run(context, lambda: self.reconciler.drain(uid, container))
         return node_pb2.DrainResponse(drained_pids=pids)
 
 

@@ -47,6 +47,18 @@ class KnownPod:
     """Its fractional containers (planned or refused)."""
 
 
+class ContainerNotFound(LookupError):
+    """Release named a container that is not one of the known pod's fractional containers."""
+
+    def __init__(self, uid: str, known: KnownPod, container: str) -> None:
+        names = ", ".join(known.containers[:10]) or "none"
+        if len(known.containers) > 10:
+            names += f", ... ({len(known.containers)} in all)"
+        super().__init__(f"container: pod {known.namespace}/{known.name} ({uid}) has no "
+                         f"fractional container {container!r} on this node (its fractional "
+                         f"containers: {names})")
+
+
 def _terminal(manifest: Mapping[str, Any]) -> bool:
     return str((manifest.get("status") or {}).get("phase") or "") in ("Succeeded", "Failed")
 
@@ -245,8 +257,12 @@ class NodePods:
                 ) -> tuple[list[str], tuple[Issue, ...]]:
         """Removes what is enforced for a pod (or one container) and keeps it out of the desired
         state until the pod goes away (or is provisioned again); returns the containers and what
-        could not be removed (the passes after sweep it)."""
+        could not be removed (the passes after sweep it). Raises ContainerNotFound, changing
+        nothing, for a `container` that is not one of a known pod's fractional containers (a
+        pod the agent does not know, one gone from the node, is released by whatever name)."""
         known = self.known.get(uid)
+        if container and known is not None and container not in known.containers:
+            raise ContainerNotFound(uid, known, container)
         names = list(known.containers) if known else []
         if container:
             names = [n for n in names if n == container]
