@@ -1,6 +1,7 @@
 """Issue 17, finding 9, through the real gRPC server: a caller's oversized input is refused
 with INVALID_ARGUMENT naming the field, before anything is written; error details always fit
-gRPC's metadata (a 5000-GPU list answered RESOURCE_EXHAUSTED on the caller's side before)."""
+gRPC's metadata (a 5000-GPU list answered RESOURCE_EXHAUSTED on the caller's side before, for
+its details; now the server's receive limit refuses a request that large unread)."""
 
 from __future__ import annotations
 
@@ -30,14 +31,27 @@ def test_int64_max_node_memory_is_refused_before_any_write(mirror_tcp):
         f"must be at most 1099511627776 MiB (got '{2**63 - 1}')")]
 
 
-def test_5000_gpu_ids_are_refused_with_details_that_fit(mirror_tcp):
+def test_2000_gpu_ids_are_refused_with_details_that_fit(mirror_tcp):
+    """2,000 ids fit the server's receive limit (74 KB of 128 KiB): refused by the bound, with
+    details that stay small."""
     pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
-    gpus = tuple(f"GPU-{i:08x}-0000-4000-8000-000000000000" for i in range(5000))
+    gpus = tuple(f"GPU-{i:08x}-0000-4000-8000-000000000000" for i in range(2000))
     error = refused(mirror_tcp, mirror_request(allocation(pod, gpus=gpus, count=0)))
     fields = bad_request_fields(error)
-    assert fields[0] == ("allocation.reserved_gpu_ids", "must list at most 64 (got 5000)")
+    assert fields[0] == ("allocation.reserved_gpu_ids", "must list at most 64 (got 2000)")
     assert sum(len(f) + len(d) for f, d in fields) < 4096
     assert len(error.details()) < 4096
+
+
+def test_5000_gpu_ids_are_refused_unread(mirror_tcp):
+    """185 KB: past the server's receive limit, refused before anything is parsed."""
+    pod = mirror_tcp.create_pod(NAME, {"gpu-fraction": "0.5"})
+    gpus = tuple(f"GPU-{i:08x}-0000-4000-8000-000000000000" for i in range(5000))
+    with pytest.raises(grpc.RpcError) as raised:
+        mirror_tcp.stub.MirrorAllocation(mirror_request(allocation(pod, gpus=gpus, count=0)),
+                                         timeout=10)
+    assert raised.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert mirror_tcp.patches(NS, NAME) == 0
 
 
 def test_oversized_names_are_refused(mirror_tcp):
