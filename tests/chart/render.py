@@ -41,8 +41,8 @@ def helm(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _template_args(values_file: Path | None, sets: tuple[str, ...],
-                   image: bool = True) -> list[str]:
-    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+                   image: bool = True, namespace: str = NAMESPACE) -> list[str]:
+    args = ["template", RELEASE, str(CHART), "--namespace", namespace]
     if values_file is not None:
         args += ["--values", str(values_file)]
     for s in (*IMAGE_SETS, *sets) if image else sets:
@@ -52,17 +52,18 @@ def _template_args(values_file: Path | None, sets: tuple[str, ...],
 
 @functools.cache
 def render_text(values_file: Path | None = None, sets: tuple[str, ...] = (),
-                image: bool = True) -> str:
-    """`image=False`: without the test image, as a user who set no image.repository."""
-    proc = helm(*_template_args(values_file, sets, image))
+                image: bool = True, namespace: str = NAMESPACE) -> str:
+    """`image=False`: without the test image, as a user who set no image.repository.
+    `namespace`: the release namespace (`helm template --namespace`)."""
+    proc = helm(*_template_args(values_file, sets, image, namespace))
     if proc.returncode != 0:
         raise HelmError(f"helm template failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc.stdout
 
 
 def render(values_file: Path | None = None, sets: tuple[str, ...] = (),
-           image: bool = True) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(render_text(values_file, sets, image)) if d]
+           image: bool = True, namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(render_text(values_file, sets, image, namespace)) if d]
 
 
 def chart_notes(*sets: str, values_file: Path | None = None) -> str:
@@ -77,9 +78,10 @@ def chart_notes(*sets: str, values_file: Path | None = None) -> str:
     return proc.stdout.split("NOTES:", 1)[1]
 
 
-def template_error(*sets: str, set_string: Iterable[str] = (), image: bool = True) -> str:
+def template_error(*sets: str, set_string: Iterable[str] = (), image: bool = True,
+                   namespace: str = NAMESPACE, values_file: Path | None = None) -> str:
     """helm template that must FAIL: returns its stderr."""
-    args = _template_args(None, tuple(sets), image)
+    args = _template_args(values_file, tuple(sets), image, namespace)
     for s in set_string:
         args += ["--set-string", s]
     proc = helm(*args)

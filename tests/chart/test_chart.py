@@ -88,7 +88,7 @@ def test_default_values_render_every_component():
         ("Role", f"{MIRROR}-signing-key"), ("RoleBinding", f"{MIRROR}-signing-key"),
         ("Role", f"{MIRROR}-leader-election"), ("RoleBinding", f"{MIRROR}-leader-election"),
         ("Role", f"{MIRROR}-node-agent-status"), ("RoleBinding", f"{MIRROR}-node-agent-status"),
-        ("Role", WRITE_AS_BINDER), ("RoleBinding", WRITE_AS_BINDER),
+        # no Role in KAI's namespace: nothing to impersonate by default (mirror.writeAsBinder)
         ("GpuFractioningConfig", "default"),
         ("ValidatingAdmissionPolicy", f"{MIRROR}-node-status"),
         ("ValidatingAdmissionPolicyBinding", f"{MIRROR}-node-status"),
@@ -222,7 +222,7 @@ def test_mirror_deployment_defaults():
     assert c["args"] == [
         "mirror", "--listen=0.0.0.0:50051", "--annotation-prefix=nvidia.com/container.",
         "--kai-dialect=upstream", "--reserve-mib=0",
-        "--write-as=system:serviceaccount:kai-scheduler:binder",
+        # no --write-as: the follower of an unmodified KAI writes as the mirror itself
         "--follow-bindrequests", "--leader-elect",
         f"--leader-elect-lease-name={MIRROR}-follower", "--follow-concurrency=8",
         "--reservation-namespace=kai-resource-reservation",
@@ -280,18 +280,27 @@ def test_schema_rejects_a_reserve_with_the_upstream_dialect():
     assert "/kaiScheduler/dialect" in err and "'upstream', 'patched'" in err
 
 
-def test_mirror_writes_as_kai_binder_unless_told_not_to():
+def test_mirror_writes_as_kai_binder_only_when_told_to():
+    """Least privilege by default: only the gRPC path (a caller of MirrorAllocation) needs the
+    mirror to write .gpus.devices as KAI's binder; the follower of an unmodified KAI writes its
+    signature as the mirror itself (kai_fractions/cli/mirror_background.py). So neither the
+    flag nor the impersonation Role in KAI's namespace is rendered unless asked for."""
     def write_as(docs):
         return [a for a in _args(one(docs, "Deployment", MIRROR), "mirror")
                 if a.startswith("--write-as")]
-    assert write_as(render()) == ["--write-as=system:serviceaccount:kai-scheduler:binder"]
+    for docs in (render(), render(sets=("mirror.writeAsBinder=false",))):
+        assert write_as(docs) == []
+        assert not find(docs, "Role", WRITE_AS_BINDER)
+        assert not find(docs, "RoleBinding", WRITE_AS_BINDER)
+        assert not [d for d in docs if d["metadata"].get("namespace") == "kai-scheduler"]
+    on = ("mirror.writeAsBinder=true",)
+    assert write_as(render(sets=on)) == ["--write-as=system:serviceaccount:kai-scheduler:binder"]
+    assert one(render(sets=on), "Role", WRITE_AS_BINDER)["metadata"]["namespace"] == \
+        "kai-scheduler"
+    # the gRPC mode's documented values file (a patched KAI, in kai-system) turns it on
     assert write_as(render(PATCHED)) == ["--write-as=system:serviceaccount:kai-system:binder"]
-    assert write_as(render(sets=("kaiScheduler.binderServiceAccount=kai-binder",))) == [
+    assert write_as(render(sets=(*on, "kaiScheduler.binderServiceAccount=kai-binder"))) == [
         "--write-as=system:serviceaccount:kai-scheduler:kai-binder"]
-    docs = render(sets=("mirror.writeAsBinder=false",))
-    assert write_as(docs) == []
-    assert not find(docs, "Role", WRITE_AS_BINDER)
-    assert not find(docs, "RoleBinding", WRITE_AS_BINDER)
 
 
 def test_mirror_pod_cache_follows_the_scheduler_name_or_is_off():
@@ -631,6 +640,33 @@ def test_no_disruption_budget_that_would_block_a_drain(component: str, value: st
     assert kept["spec"]["minAvailable"] == 2
 
 
+@pytest.mark.parametrize(("value", "name"), [("mirror.replicas", MIRROR),
+                                             ("webhook.replicas", ADMISSION)])
+def test_a_percentage_budget_is_checked_as_kubernetes_rounds_it(value: str, name: str):
+    """The disruption controller rounds a percentage minAvailable UP (intstr.
+    GetScaledValueFromIntOrPercent(..., roundUp=true)): 75% of 2 replicas is 2, which lets no
+    pod be evicted, exactly as minAvailable 2 would; the check skipped percentages."""
+    prefix = value.split(".")[0]
+    budget = f"{prefix}.podDisruptionBudget.minAvailable"
+    for replicas, pct, least in ((2, 75, 2), (2, 51, 2), (2, 100, 2), (3, 67, 3), (3, 99, 3),
+                                 (4, 76, 4), (10, 91, 10)):
+        error = template_error(f"{value}={replicas}", f"{budget}={pct}%")
+        assert (f"{budget}={pct}% with {value}={replicas} lets no pod be evicted (Kubernetes "
+                f"rounds a percentage up: {pct}% of {replicas} replicas is {least})") in error, \
+            error
+        # the message names the largest percentage that leaves room
+        most = (replicas - 1) * 100 // replicas
+        assert f"a percentage no more than {most}%" in error
+        # ...which renders, with one eviction left (ceil(most * replicas / 100) < replicas)
+        assert -(-most * replicas // 100) < replicas
+        kept = one(render(sets=(f"{value}={replicas}", f"{budget}={most}%")),
+                   "PodDisruptionBudget", name)
+        assert kept["spec"]["minAvailable"] == f"{most}%"
+    for replicas, pct in ((2, 50), (2, 0), (3, 66), (3, 34)):
+        assert one(render(sets=(f"{value}={replicas}", f"{budget}={pct}%")),
+                   "PodDisruptionBudget", name)
+
+
 # -- helpers --------------------------------------------------------------------------------
 
 def _assert_tls_handshake(server_data: dict, ca_b64: str, hostname: str) -> None:
@@ -660,7 +696,13 @@ def test_notes_tell_how_to_check_it_works():
     assert "global.nvFractions.set=true" not in notes
     assert "Do not set KAI's global.nvFractions.set" in notes
     assert "KAI dialect: upstream (KAI main: no compute portion, no reserve)" in notes
-    assert "impersonate KAI's binder, system:serviceaccount:kai-scheduler:binder" in notes
+    # no impersonation by default, and NOTES say exactly when to turn it on
+    assert "mirror.writeAsBinder=false: the mirror writes as its own account" in notes
+    assert ("calls the mirror's gRPC\nMirrorAllocation, set mirror.writeAsBinder=true: KAI's "
+            "NvFractions webhook lets only\nsystem:serviceaccount:kai-scheduler:binder write "
+            ".gpus.devices") in notes
+    on = chart_notes("mirror.writeAsBinder=true")
+    assert "impersonate KAI's binder, system:serviceaccount:kai-scheduler:binder" in on
     assert "kubectl get gpufractioningconfigs default" in notes
     assert ('[?(@.type=="DependenciesFulfilled")]}{.status}: {.message}' in notes)
     assert ('.status.conditions[?(@.type=="gpu-fractioning.nvidia.com/Ready")].status'
@@ -676,6 +718,17 @@ def test_notes_tell_how_to_check_it_works():
     assert "inspect mirror" not in chart_notes("mirror.enabled=false",
                                                "gpuFractioningConfig.enabled=false",
                                                "signing.enabled=false")
+
+
+def test_notes_warn_when_the_grpc_path_is_all_and_cannot_write_as_the_binder():
+    """Without the follower, MirrorAllocation is the mirror's only way to write, and KAI's
+    webhook refuses its .gpus.devices unless it writes as the binder."""
+    notes = chart_notes("mirror.followBindRequests=false")
+    assert ("WARNING: mirror.followBindRequests=false leaves the gRPC MirrorAllocation as the "
+            "mirror's only\nway to write") in notes
+    assert "set mirror.writeAsBinder=true." in notes
+    assert "WARNING: mirror.followBindRequests" not in chart_notes(
+        "mirror.followBindRequests=false", "mirror.writeAsBinder=true")
 
 
 def test_notes_tell_to_exempt_trusted_host_agents_and_read_the_env_of_a_finished_pod():

@@ -5,9 +5,11 @@ failurePolicy Fail) lets a pod's `.gpus.devices` be created or changed only when
 request's `UserInfo.Username` equals the binder's service-account username, compared as a string;
 its tests use `system:serviceaccount:kai-scheduler:binder` (KAI's default namespace and binder
 ServiceAccount). The mirror therefore writes as that user (`--write-as`, impersonation), and the
-chart grants it `impersonate` on exactly that ServiceAccount. Both halves are replayed here: KAI's
-rule against the identity the mirror's writes carry, and the API server's impersonation check
-against the rendered RBAC, for that identity and for every other one.
+chart grants it `impersonate` on exactly that ServiceAccount, with mirror.writeAsBinder (off by
+default: only a caller of MirrorAllocation needs it, not the follower of an unmodified KAI). Both
+halves are replayed here: KAI's rule against the identity the mirror's writes carry, and the API
+server's impersonation check against the rendered RBAC, for that identity and for every other
+one.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from .render import CHART, NAMESPACE, container, one, render
 
 MIRROR = "kai-fractions-mirror"
 KAI_BINDER = "system:serviceaccount:kai-scheduler:binder"
-PATCHED = CHART / "ci" / "patched-kai-values.yaml"  # KAI in kai-system
+PATCHED = CHART / "ci" / "patched-kai-values.yaml"  # KAI in kai-system, the gRPC path
+WRITE_AS = ("mirror.writeAsBinder=true",)
 
 
 def kai_admits_device_write(username: str, binder_username: str) -> bool:
@@ -74,12 +77,13 @@ def _write_as(docs: list[dict]) -> str:
     return values[0]
 
 
-@pytest.mark.parametrize(("values_file", "binder"), [
-    (None, KAI_BINDER),
-    (PATCHED, "system:serviceaccount:kai-system:binder"),
-], ids=["default", "kai-in-kai-system"])
-def test_the_mirrors_writes_pass_kais_identity_rule(values_file: Path | None, binder: str):
-    docs = render(values_file)
+@pytest.mark.parametrize(("values_file", "sets", "binder"), [
+    (None, WRITE_AS, KAI_BINDER),
+    (PATCHED, (), "system:serviceaccount:kai-system:binder"),
+], ids=["write-as-binder", "kai-in-kai-system"])
+def test_the_mirrors_writes_pass_kais_identity_rule(values_file: Path | None,
+                                                     sets: tuple[str, ...], binder: str):
+    docs = render(values_file, sets)
     write_as = _write_as(docs)
     assert write_as == binder
     assert kai_admits_device_write(write_as, binder)
@@ -104,22 +108,31 @@ def test_the_mirrors_writes_pass_kais_identity_rule(values_file: Path | None, bi
     "system:admin",
 ])
 def test_no_other_identity_can_be_impersonated(other: str):
-    assert not may_impersonate(render(), NAMESPACE, MIRROR, other)
+    assert not may_impersonate(render(sets=WRITE_AS), NAMESPACE, MIRROR, other)
 
 
 @pytest.mark.parametrize("group", ["system:masters", "system:serviceaccounts",
                                    "system:serviceaccounts:kai-scheduler"])
 def test_no_group_can_be_impersonated(group: str):
-    assert not may_impersonate(render(), NAMESPACE, MIRROR, group, resource_override="groups")
+    assert not may_impersonate(render(sets=WRITE_AS), NAMESPACE, MIRROR, group,
+                               resource_override="groups")
 
 
 @pytest.mark.parametrize("sa", ["kai-fractions-node-agent", "kai-fractions-admission"])
 def test_only_the_mirror_may_write_as_the_binder(sa: str):
-    assert not may_impersonate(render(), NAMESPACE, sa, KAI_BINDER)
+    assert not may_impersonate(render(sets=WRITE_AS), NAMESPACE, sa, KAI_BINDER)
 
 
-def test_without_write_as_binder_nothing_is_impersonated():
-    docs = render(sets=("mirror.writeAsBinder=false",))
+@pytest.mark.parametrize("sets", [(), ("mirror.writeAsBinder=false",)],
+                         ids=["default", "false"])
+def test_without_write_as_binder_nothing_is_impersonated(sets: tuple[str, ...]):
+    """The default (an unmodified KAI, the follower only): the mirror's writes carry its own
+    identity, which our webhook allows for the signature it adds, and it may impersonate
+    nobody."""
+    docs = render(sets=sets)
     args = container(one(docs, "Deployment", MIRROR), "mirror")["args"]
     assert not any(a.startswith("--write-as") for a in args)
     assert not may_impersonate(docs, NAMESPACE, MIRROR, KAI_BINDER)
+    admission = container(one(docs, "Deployment", "kai-fractions-admission"), "admission")
+    assert (f"--allowed-identity=system:serviceaccount:{NAMESPACE}:{MIRROR}"
+            in admission["args"])

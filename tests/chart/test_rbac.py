@@ -62,7 +62,8 @@ MIRROR_RULES = {
     rule(["gpu-fractioning.kai.scheduler"], ["gpufractioningconfigs/status"], ["patch"],
          ["default"]),
     rule(["apps"], ["daemonsets"], ["get"], ["kai-fractions-node-agent"]),
-    # writes as KAI's binder (its NvFractions webhook lets only that account write .gpus.devices)
+    # writes as KAI's binder (its NvFractions webhook lets only that account write .gpus.devices),
+    # with mirror.writeAsBinder (off by default)
     IMPERSONATE_BINDER,
     # one BindRequest follower among the replicas: its Lease (test_mirror_lease.py)
     *LEASE_RULES,
@@ -131,8 +132,11 @@ def test_no_wildcards_and_secrets_only_by_name(values_file: Path | None):
 def test_each_component_gets_exactly_its_rules():
     rules = granted(render())
     assert set(rules) == {MIRROR, AGENT}  # and nothing for the admission server
-    assert rules[MIRROR] == MIRROR_RULES
+    # by default nothing to impersonate: the follower of an unmodified KAI writes as the mirror
+    assert rules[MIRROR] == MIRROR_RULES - {IMPERSONATE_BINDER}
     assert rules[AGENT] == AGENT_RULES
+    # the gRPC path's writes of .gpus.devices pass KAI's webhook only as its binder
+    assert granted(render(sets=("mirror.writeAsBinder=true",)))[MIRROR] == MIRROR_RULES
 
 
 def test_mirror_rules_shrink_with_its_options():

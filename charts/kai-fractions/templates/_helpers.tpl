@@ -26,7 +26,13 @@ published while both pod webhooks fail closed with no server behind them. The ol
 {{- if or (contains "@" $repository) (contains ":" (last (splitList "/" $repository))) -}}
 {{- fail (printf "image.repository=%s carries a tag or digest: give the repository alone and the tag (or sha256:<digest>) as image.tag" $repository) -}}
 {{- end -}}
-{{- $tag := .Values.image.tag | default .Chart.AppVersion -}}
+{{- /* `--set image.tag=20240101` types the tag as an integer (a values file's, as a float):
+either is the tag's text, never 2.0240101e+07. */ -}}
+{{- $tag := .Values.image.tag -}}
+{{- if and (not (kindIs "string" $tag)) (not (kindIs "invalid" $tag)) -}}
+{{- $tag = int64 $tag | toString -}}
+{{- end -}}
+{{- $tag = $tag | default .Chart.AppVersion -}}
 {{ $repository }}{{ ternary "@" ":" (hasPrefix "sha256:" $tag) }}{{ $tag }}
 {{- end -}}
 
@@ -141,10 +147,17 @@ capabilities:
 CA under clients or a webhook configuration that still trust the old one. `helm template` has no
 cluster and generates a fresh set each time. One CA signs the server and the client certificate; its
 key is never stored. Args: (dict "ctx" $ "secret" NAME "clientSecret" NAME-or-"" "cn" CN "dns" LIST
-"days" N) */}}
+"days" N), and optionally "simulate" true with "simulated": the server Secret's data to use instead
+of `lookup`, {} for none (tests and dry runs). `generated: true` in the result when this render made a new set (no usable Secret
+was found): the caller may then have to keep trusting the old CA for a while. */}}
 {{- define "kf.tls.generate" -}}
 {{- $ns := .ctx.Release.Namespace -}}
-{{- $server := (lookup "v1" "Secret" $ns .secret).data | default dict -}}
+{{- $server := dict -}}
+{{- if .simulate -}}
+{{- $server = .simulated | default dict -}}
+{{- else -}}
+{{- $server = (lookup "v1" "Secret" $ns .secret).data | default dict -}}
+{{- end -}}
 {{- $client := dict -}}
 {{- if .clientSecret -}}
 {{- $client = (lookup "v1" "Secret" $ns .clientSecret).data | default dict -}}
@@ -164,6 +177,7 @@ clientKey: {{ index $client "tls.key" }}
 {{- else -}}
 {{- $ca := genCA (printf "%s-ca" .secret) (int .days) -}}
 {{- $cert := genSignedCert .cn nil .dns (int .days) $ca -}}
+generated: true
 crt: {{ $cert.Cert | b64enc }}
 key: {{ $cert.Key | b64enc }}
 ca: {{ $ca.Cert | b64enc }}
@@ -179,6 +193,61 @@ clientKey: {{ $clientCert.Key | b64enc }}
 {{- define "kf.serviceDNS" -}}
 {{- $ns := .ctx.Release.Namespace -}}
 {{- list .name (printf "%s.%s" .name $ns) (printf "%s.%s.svc" .name $ns) (printf "%s.%s.svc.cluster.local" .name $ns) | toJson -}}
+{{- end -}}
+
+{{/* The webhooks' caBundle while the chart rotates its generated CA (base64 PEM). A render
+that generates a new CA (its Secret was not found: "delete the Secret, helm upgrade") switches
+the webhook configurations to it at once, while the admission pods serve the old certificate
+until the kubelet syncs their Secret volume (about a minute): every review would fail closed
+meanwhile. So the certificates the cluster's webhook configurations trust (lookup, or
+webhook.tls.simulatedLookup) that differ from the new CA are kept after it, in one PEM bundle;
+the next upgrade, which finds the Secret, renders the current CA alone. Args: (dict "ctx" $ "ca"
+NEW-CA-BASE64). */}}
+{{- define "kf.admission.rotationCaBundle" -}}
+{{- $ctx := .ctx -}}
+{{- $name := include "kf.admission.name" $ctx -}}
+{{- $sim := $ctx.Values.webhook.tls.simulatedLookup | default dict -}}
+{{- $configs := list -}}
+{{- if $sim -}}
+{{- $configs = list ($sim.mutating | default dict) ($sim.validating | default dict) -}}
+{{- else -}}
+{{- $configs = list (lookup "admissionregistration.k8s.io/v1" "MutatingWebhookConfiguration" "" $name | default dict) (lookup "admissionregistration.k8s.io/v1" "ValidatingWebhookConfiguration" "" $name | default dict) -}}
+{{- end -}}
+{{- $pem := "(?s)-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----" -}}
+{{- $new := regexFindAll $pem (b64dec .ca) -1 -}}
+{{- $kept := list -}}
+{{- range $config := $configs -}}
+{{- range $hook := ($config.webhooks | default list) -}}
+{{- $bundle := (($hook.clientConfig | default dict).caBundle | default "") -}}
+{{- range $cert := regexFindAll $pem (b64dec $bundle) -1 -}}
+{{- if not (or (has $cert $new) (has $cert $kept)) -}}{{- $kept = append $kept $cert -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if $kept -}}
+{{- printf "%s\n" (join "\n" (concat $new $kept)) | b64enc -}}
+{{- else -}}
+{{- .ca -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The release namespace must be one of its own: the webhooks leave it out (its pods serve them,
+and the node agent's mount the host paths the guard refuses elsewhere), so nothing there would be
+reviewed. default, kube-system and KAI's reservation namespace are refused unless
+webhook.allowSharedReleaseNamespace says otherwise. */}}
+{{- define "kf.checkReleaseNamespace" -}}
+{{- $ns := .Release.Namespace -}}
+{{- $why := "" -}}
+{{- if eq $ns "default" -}}
+{{- $why = "is where pods land when their manifest names no namespace, and where most users may create pods" -}}
+{{- else if eq $ns "kube-system" -}}
+{{- $why = "is the cluster's own system namespace" -}}
+{{- else if eq $ns .Values.kaiScheduler.reservationNamespace -}}
+{{- $why = "is KAI's reservation namespace (kaiScheduler.reservationNamespace)" -}}
+{{- end -}}
+{{- if and $why (not .Values.webhook.allowSharedReleaseNamespace) -}}
+{{- fail (printf "release namespace %s %s: the webhooks leave the release namespace out (its pods serve them, and the node agent's pods mount the host paths refused everywhere else), so a pod with a hostPath volume there is never reviewed (it could reach the node agent's socket and release any pod's GPU limits) and, with webhook.excludeSystemNamespaces (the default), a fractional pod there gets no gate and no checks. Install into a namespace of its own that only cluster admins may create pods in (e.g. --namespace kai-fractions --create-namespace), or set webhook.allowSharedReleaseNamespace=true to accept that risk for every pod in %s" $ns $why $ns) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "kf.admission.tlsSecretName" -}}
@@ -270,13 +339,25 @@ removed between oldObject and object. Arg: the field under metadata. */}}
 {{ $new }}.filter(k, !(k in {{ $old }}) || {{ $old }}[k] != {{ $new }}[k]) + {{ $old }}.filter(k, !(k in {{ $new }}))
 {{- end -}}
 
-{{/* A PodDisruptionBudget's minAvailable that lets no eviction through (a number of pods at
-least the replicas): `kubectl drain` of a node running one would wait for ever. A percentage is
-left alone (below 100% it always leaves room once there are 2+ replicas). Call with dict "min",
-"replicas" and "value" (the values path, for the message). */}}
+{{/* A PodDisruptionBudget's minAvailable that lets no eviction through (at least the replicas):
+`kubectl drain` of a node running one would wait for ever. A percentage counts as the disruption
+controller computes it, rounded UP (intstr.GetScaledValueFromIntOrPercent(..., true)): 75% of 2
+replicas is 2, so it blocks as surely as minAvailable 2; 50% of 2 is 1 and leaves one eviction.
+(The chart offers no maxUnavailable: Kubernetes rounds that up as well, so only 0 or 0% would
+block.) Call with dict "min", "replicas" and "value" (the values path, for the message). */}}
 {{- define "kf.pdb.check" -}}
-{{- if and (not (kindIs "string" .min)) (ge (int .min) (int .replicas)) -}}
-{{- fail (printf "%s.minAvailable=%v with %s.replicas=%v lets no pod be evicted: kubectl drain of their nodes would wait for ever. Set minAvailable below the replicas (or a percentage under 100%%), or raise the replicas" .value .min (trimSuffix ".podDisruptionBudget" .value) .replicas) -}}
+{{- $replicas := int .replicas -}}
+{{- $least := 0 -}}
+{{- $how := "" -}}
+{{- if kindIs "string" .min -}}
+{{- $pct := int (trimSuffix "%" .min) -}}
+{{- $least = div (add (mul $pct $replicas) 99) 100 -}}
+{{- $how = printf " (Kubernetes rounds a percentage up: %s of %d replicas is %d)" .min $replicas $least -}}
+{{- else -}}
+{{- $least = int .min -}}
+{{- end -}}
+{{- if ge $least $replicas -}}
+{{- fail (printf "%s.minAvailable=%v with %s.replicas=%v lets no pod be evicted%s: kubectl drain of their nodes would wait for ever. Set minAvailable below the replicas (a percentage no more than %d%%), or raise the replicas" .value .min (trimSuffix ".podDisruptionBudget" .value) .replicas $how (div (mul (sub $replicas 1) 100) $replicas)) -}}
 {{- end -}}
 {{- end -}}
 
