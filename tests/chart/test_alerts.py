@@ -79,6 +79,7 @@ ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
     "KaiFractionsMpsDaemonRestarting": (AGENT_GROUP, "warning", None),
     "KaiFractionsMpsDrainFailing": (AGENT_GROUP, "warning", None),
     "KaiFractionsWatchdogBlind": (AGENT_GROUP, "warning", "10m"),
+    "KaiFractionsWatchdogStopFailing": (AGENT_GROUP, "warning", None),
     "KaiFractionsAdmissionShedding": (ADMISSION_GROUP, "warning", "10m"),
     "KaiFractionsAdmissionInternalErrors": (ADMISSION_GROUP, "warning", None),
 }
@@ -376,7 +377,7 @@ def test_every_node_agent_alert_names_only_what_a_live_agent_exports(
     assert CAP_NOT_IN_FORCE in labels_of
     labels_of[CAP_NOT_IN_FORCE] |= cap_not_in_force_labels()
     exprs = alert_exprs(AGENT_GROUP, rule())
-    assert len(exprs) == 13
+    assert len(exprs) == 14
     assert problems(exprs, labels_of, "agent", AGENT_TARGET_LABELS) == []
     # a misspelt metric, a label the family lacks, a target label the agent's workload labels
     # would shadow: each is reported

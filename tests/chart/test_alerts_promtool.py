@@ -174,6 +174,8 @@ ERRORS = "kai_fractions_reconcile_errors_total"
 MPS_RESTARTED = agent("kai_fractions_mps_daemon_restarts_total", "0+1x40")
 DRAINS = "kai_fractions_agent_mps_drains_total"
 DRAIN_FAILED = agent(DRAINS, "0x5 1x20", result="failed")
+STOPS_FAILED = "kai_fractions_node_gpu_memory_limit_stops_failed_total"
+STOP_FAILED = agent(STOPS_FAILED, "0x5 1x20", node=NODE_1, step="terminate")
 REFUSED_REQUESTS = "kai_fractions_admission_requests_refused_total"
 BACKLOGGED = "kai_fractions_admission_connections_backlogged_total"
 REVIEWS = "kai_fractions_admission_reviews_total"
@@ -344,6 +346,11 @@ CASES = (
     case("KaiFractionsWatchdogBlind", "one blind check",
          agent("kai_fractions_agent_gpu_usage_unreadable_total", "3x5 4x40", node=NODE_1,
                gpu_uuid=GPU["gpu_uuid"], reason="ProcessMemoryUnknown"), at="20m"),
+    case("KaiFractionsWatchdogStopFailing", "a refused SIGTERM",
+         STOP_FAILED, at="10m", fires=[STOP_FAILED], value="1"),
+    case("KaiFractionsWatchdogStopFailing", "stops that proceed",
+         agent(STOPS_FAILED, "0x20", node=NODE_1, step="drain"),
+         agent(STOPS_FAILED, "0x20", node=NODE_1, step="terminate"), at="10m"),
     # -- the admission server ----------------------------------------------------------------
     case("KaiFractionsAdmissionShedding", "a replica answers 503 for want of room",
          admission(REFUSED_REQUESTS, "0+3x30", reason="no_room"),
