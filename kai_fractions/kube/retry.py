@@ -2,8 +2,9 @@
 
 A request that failed transiently (`errors.Transient`) is tried again, bounded twice: by a
 number of tries (then `Unavailable`: retry later) and by the caller's deadline (then
-`DeadlineExceeded`); a wait never runs past the deadline. Jitter spreads replicas that failed
-together.
+`DeadlineExceeded`); a wait never runs past the deadline, nor, for a request that needs some
+of the deadline to be worth sending (`try_budget`), into that time. Jitter spreads replicas
+that failed together.
 """
 
 from __future__ import annotations
@@ -76,9 +77,13 @@ async def retrying(
     request_timeout: float = 10.0,
     clock: AsyncClock | None = None,
     rng: random.Random | None = None,
+    try_budget: float = 0.0,
 ) -> T:
     """`await call(timeout)` until it returns or raises anything but Transient; `timeout` is
-    `request_timeout`, or less when the deadline is nearer."""
+    `request_timeout`, or less when the deadline is nearer. `try_budget`: seconds of the
+    deadline a try needs left to be sent at all (a pod write's: kube_store.MIN_WRITE_BUDGET);
+    a retry whose wait would leave less is given up before the wait, not after it
+    (DeadlineExceeded at once). 0: only a wait that would outlast the deadline is."""
     clock = clock or SystemClock()
     rng = rng or random.Random()
     attempt, last = 0, None
@@ -98,10 +103,16 @@ async def retrying(
             remaining = deadline.remaining()
             if remaining is not None and remaining <= delay:
                 raise _deadline(what, attempt, e) from None
+            if remaining is not None and remaining - delay < try_budget:
+                raise _deadline(what, attempt, e, short=(
+                    f"the caller's deadline leaves {remaining * 1000:.0f} ms, less than the "
+                    f"{delay * 1000:.0f} ms wait before a retry and the "
+                    f"{try_budget * 1000:.0f} ms a try needs: not retried")) from None
             await clock.asleep(delay)
 
 
-def _deadline(what: str, tries: int, last: Transient | None) -> DeadlineExceeded:
+def _deadline(what: str, tries: int, last: Transient | None, *,
+              short: str = "the caller's deadline ran out") -> DeadlineExceeded:
     tail = f" ({tries} tries, last: {last.answer})" if last is not None else ""
-    answer = f"the caller's deadline ran out{tail}"
+    answer = f"{short}{tail}"
     return DeadlineExceeded(f"{what}: {answer}", answer=answer)

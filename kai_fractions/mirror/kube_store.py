@@ -48,7 +48,12 @@ server applied it: the caller heard DEADLINE_EXCEEDED for a write that landed. 1
 twice what one takes at the 99th percentile against the tests' stand-in API server (p50 27 ms,
 p99 57 ms) and covers a real one's admission webhooks on pod UPDATE. With less left the write
 is not started: DEADLINE_EXCEEDED, nothing written. Reads have no side effect and get no
-minimum."""
+minimum. A retry after a transient failure needs it too, counted after its wait: one that
+would not have it is given up before the wait (`retrying`'s `try_budget`), and the error then
+says that the try sent before may have landed (a timeout or reset loses the answer to a PATCH
+the API server applied), with that try's error."""
+MAY_HAVE_LANDED = ("the write tried before may have landed (a timeout or a reset can lose the "
+                   "answer to a PATCH the API server applied): a retry of the call finds it")
 IMPERSONATE_USER = "Impersonate-User"
 
 
@@ -96,22 +101,39 @@ class KubePodStore:
     ) -> PodSnapshot:
         what = f"patch pod {namespace}/{name}"
         body = annotation_patch(changes, uid=uid, resource_version=resource_version)
+        tries = 0
+        last: kerr.Transient | None = None  # the last try's failure
 
         async def once(timeout: float) -> Any:
-            # Checked before every try (a retry after a transient failure too): see
-            # MIN_WRITE_BUDGET. Raised as the deadline's own error, so `retrying` ends there.
+            nonlocal tries, last
+            # Checked before every try: see MIN_WRITE_BUDGET. `retrying` gives a retry up
+            # before its wait when the wait would leave less; this catches a wait that ran
+            # late. Raised as the deadline's own error, so `retrying` ends there.
             remaining = deadline.remaining()
             if remaining is not None and remaining < MIN_WRITE_BUDGET:
                 answer = (f"the caller's deadline leaves {remaining * 1000:.0f} ms, less than "
-                          f"the {MIN_WRITE_BUDGET * 1000:.0f} ms a write needs: not sent, "
-                          "nothing written")
+                          f"the {MIN_WRITE_BUDGET * 1000:.0f} ms a write needs: ") + (
+                    "not sent, nothing written" if last is None else
+                    f"the retry not sent ({tries} tries, last: {last.answer})")
                 raise kerr.DeadlineExceeded(f"{what}: {answer}", answer=answer)
-            return await self.kube.request(
-                "PATCH", pod_path(namespace, name), what=what, body=body,
-                content_type=MERGE_PATCH, timeout=timeout, headers=self.write_headers)
+            tries += 1
+            try:
+                return await self.kube.request(
+                    "PATCH", pod_path(namespace, name), what=what, body=body,
+                    content_type=MERGE_PATCH, timeout=timeout, headers=self.write_headers)
+            except kerr.Transient as e:
+                last = e
+                raise
 
-        obj = await self._call(what, deadline, once,
-                               not_found=lambda: PodNotFound(namespace, name))
+        try:
+            obj = await self._call(what, deadline, once,
+                                   not_found=lambda: PodNotFound(namespace, name),
+                                   try_budget=MIN_WRITE_BUDGET)
+        except (DeadlineExceeded, ApiUnavailable) as e:
+            if not tries:
+                raise
+            # A try went out: say so (the class, so the status, stays as it was).
+            raise type(e)(f"{e}; {MAY_HAVE_LANDED}") from None
         return PodSnapshot.from_object(obj)
 
     async def node_labels(self, node: str, deadline: Deadline = NO_DEADLINE
@@ -156,13 +178,15 @@ class KubePodStore:
 
     async def _call(self, what: str, deadline: Deadline,
                     once: Callable[[float], Awaitable[Any]],
-                    not_found: Callable[[], Exception] | None = None) -> Any:
-        """The decoded answer of `once(timeout)`, retried while transient; each failure as the
-        mirror's error a scheduler can act on."""
+                    not_found: Callable[[], Exception] | None = None, *,
+                    try_budget: float = 0.0) -> Any:
+        """The decoded answer of `once(timeout)`, retried while transient (a retry only with
+        `try_budget` of the deadline left after its wait); each failure as the mirror's error
+        a scheduler can act on."""
         try:
             return await retrying(once, what=what, backoff=self.backoff, deadline=deadline,
                                   request_timeout=self.request_timeout, clock=self.clock,
-                                  rng=self.rng)
+                                  rng=self.rng, try_budget=try_budget)
         except kerr.NotFound as e:
             raise (not_found() if not_found is not None else ApiRejected(str(e))) from None
         except kerr.Conflict as e:  # the service says which write, in its own words

@@ -6,17 +6,28 @@ follows BindRequests, so each check, event and signature happens once instead of
 replica. The holder renews the Lease every `retry_seconds`; a replica that sees the same
 record (holder, renewTime, ...) unchanged for `lease_seconds` by its own clock takes the Lease
 over (no clock of another machine is trusted), and a holder that could not renew for
-`renew_deadline_seconds` stops leading first, so two leaders never overlap while clocks run at
-the same rate and renew_deadline < lease duration: the deadline counts from the start of the
-last attempt that renewed (its write is no older than that), the wait for the next attempt
-never runs past it, and an attempt still waiting on a slow API server is cut off when the
-deadline comes, as client-go's context timeout does. Every write carries the resourceVersion
-read just before, or for a renewal the one the holder's own last write got back (a merge patch
-the API server refuses with 409 when another replica wrote first); a holder that stops releases
-the Lease (empty holder, duration 1 s) so a successor need not wait out the lease. A Lease
-deleted under a term is created again at once by its holder only: a standby that saw another
-holder's record within that record's duration waits it out first, as for a record that stood
-still, so the old holder has stopped before it starts.
+`renew_deadline_seconds` stops leading first, so a takeover never overlaps two leaders while
+clocks run at the same rate and renew_deadline < lease duration: the deadline counts from the
+start of the last attempt that renewed (its write is no older than that), the wait for the
+next attempt never runs past it, and an attempt still waiting on a slow API server is cut off
+when the deadline comes, as client-go's context timeout does. Every write carries the
+resourceVersion read just before, or for a renewal the one the holder's own last write got
+back (a merge patch the API server refuses with 409 when another replica wrote first); a
+holder that stops releases the Lease (empty holder, duration 1 s) so a successor need not wait
+out the lease. A Lease deleted under a term is created again at once by its holder; a standby
+that saw another holder's record within that record's duration waits it out first, as for a
+record that stood still, so the old holder has stopped before it starts.
+
+A replica that has never read the Lease (a fresh pod in a rollout, a restarted one) has seen no
+holder, and creates a missing Lease at once: a cold start does not wait out a lease duration.
+That leaves one overlap: the Lease is deleted during a term, and such a replica's first attempt
+comes before the holder's next renewal. Both then follow until that renewal, refused (409) by
+the new Lease, reads it and steps down (within `retry_seconds`), or, should the holder's
+renewals fail meanwhile, until its renew deadline. The writes stay safe meanwhile: the
+follower's patches (a pod's signatures, a silent node's condition) are each guarded by their
+object's resourceVersion, so of two followers' signing patches for a pod one lands and the
+other is refused and re-read; and `in_term()` ends the old holder's writes by the clock at its
+renew deadline. The overlap costs work done twice (a warning event posted twice, at most).
 
 Two narrower windows are closed besides. The elector talks to the API server over a client of
 its own (its own small connection pool, `LEASE_CONNECTIONS`): a renewal never waits behind the

@@ -163,6 +163,13 @@ def _check_key_after_release(pod: PodSnapshot, released: ReleasedRecord, key: st
             "allocation; a new decision needs a new key"), kind="IDEMPOTENCY_KEY_REUSED")
 
 
+def _retry_of_release(pod: PodSnapshot, key: str) -> bool:
+    """Whether the release with `key` is the pod's last call: the record is the one it left.
+    Never for a release without a key (it cannot be told from a new one)."""
+    released = _released(pod)
+    return bool(key) and released is not None and released.idempotency_key == key
+
+
 def _released_record(pod: PodSnapshot, key: str) -> ReleasedRecord | None:
     """What a release with `key` leaves in the record's place; None when there is nothing to
     remember (no key, and no record with one). Raises AllocationConflict for a key a later
@@ -304,12 +311,27 @@ class MirrorService:
                 if wait:
                     await self.clock.asleep(wait)
                 pod = await self._get(namespace, name, uid, deadline)
+                if _retry_of_release(pod, idempotency_key):
+                    # This very release landed before (the record is the one it left), and
+                    # whatever the pod carries now came after it: the binder's own rebind (an
+                    # unmodified KAI binder writes its keys itself, the follower signs them),
+                    # which the scheduler accounts. Removing it would be the late retry
+                    # stripping a newer allocation: nothing is written. Not even a key that a
+                    # mutating webhook put back in the release's own write: the answer to that
+                    # write was checked (stored_otherwise in _patch) and the call failed
+                    # INTERNAL, naming the key, and no retry can tell such a key from one
+                    # written since. (Where that answer was lost, the PATCH timing out after it
+                    # landed, the key goes unreported; removing it here would still risk the
+                    # newer allocation, so the retry leaves it too.)
+                    log.info("pod %s/%s: release %s already done; nothing written",
+                             namespace, name, idempotency_key)
+                    return ReleaseResult((), False)
                 changes: dict[str, str | None] = dict(release_patch(pod, self.keys))
                 left = _released_record(pod, idempotency_key)
                 if left is not None:  # else the record goes with the keys it lists
                     encoded = left.encode()
                     if pod.annotations.get(MIRRORED_ANNOTATION) == encoded:
-                        changes.pop(MIRRORED_ANNOTATION, None)  # a retry: it is there
+                        changes.pop(MIRRORED_ANNOTATION, None)  # unchanged (a keyless release)
                     else:
                         changes[MIRRORED_ANNOTATION] = encoded
                 if not changes:

@@ -127,6 +127,28 @@ async def test_a_wait_never_runs_past_the_deadline():
     assert len(timeouts) == 2
 
 
+async def test_a_retry_that_would_not_have_its_budget_after_the_wait_is_not_waited_for():
+    """A try that needs `try_budget` of the deadline (a pod write: 100 ms) was retried after
+    a wait that left it less: the wait was slept, only for the try to be refused after it."""
+    clock = FakeClock()
+    call, timeouts = failing(99)
+    deadline = Deadline(expires_at=0.25, clock=clock)
+    with pytest.raises(DeadlineExceeded) as raised:
+        await retrying(call, what="patch pod", backoff=Backoff(attempts=50, base=0.1, jitter=0),
+                       deadline=deadline, clock=clock, rng=random.Random(1), try_budget=0.2)
+    assert str(raised.value) == (
+        "patch pod: the caller's deadline leaves 250 ms, less than the 100 ms wait before a "
+        "retry and the 200 ms a try needs: not retried (1 tries, last: 503 "
+        "ServiceUnavailable: try later)")
+    assert (clock.sleeps, len(timeouts)) == ([], 1)
+    # With the budget there after the wait, the retry goes: 0.35 - 0.1 leaves 0.25.
+    clock, (call, timeouts) = FakeClock(), failing(1)
+    assert await retrying(call, what="patch pod", backoff=Backoff(base=0.1, jitter=0),
+                          deadline=Deadline(expires_at=0.35, clock=clock), clock=clock,
+                          try_budget=0.2) == "ok"
+    assert (clock.sleeps, len(timeouts)) == ([0.1], 2)
+
+
 async def test_an_expired_deadline_makes_no_call():
     clock = FakeClock()
     call, timeouts = failing(0)

@@ -246,6 +246,26 @@ def test_preview_checks_a_conflict_when_asked(mirror_tcp):
     assert mirror_tcp.patches("team-a", "train-0") == 1
 
 
+def test_a_retry_of_a_release_keeps_the_binders_own_rebind(mirror):
+    """Mirror (bind-1), release (rollback-1), then an unmodified KAI binder binds the pod
+    again itself (its keys, under the record rollback-1 left): rollback-1's retry answered
+    changed and stripped the binder's allocation. It is a no-op: nothing removed or sent."""
+    pod = mirror.create_pod("train-0", {"gpu-fraction": "0.5"})
+    ref = pb.PodRef(namespace="team-a", name="train-0")
+    rollback = pb.ReleaseAllocationRequest(pod=ref, idempotency_key="rollback-1")
+    mirror.stub.MirrorAllocation(mirror_request(allocation(pod), key="bind-1"), timeout=10)
+    assert mirror.stub.ReleaseAllocation(rollback, timeout=10).changed
+    mirror.kube.core.patch_namespaced_pod("train-0", "team-a", {"metadata": {"annotations": {
+        f"{T}.gpu-memory.request": "20Gi", f"{T}.gpus.devices": GPU_B,
+        "received-resource-type": "Fraction"}}})
+    before, patches = mirror.annotations("team-a", "train-0"), mirror.patches("team-a", "train-0")
+    again = mirror.stub.ReleaseAllocation(rollback, timeout=10)
+    assert (again.changed, list(again.removed_keys)) == (False, [])
+    assert mirror.annotations("team-a", "train-0") == before
+    assert before[f"{T}.gpus.devices"] == GPU_B
+    assert mirror.patches("team-a", "train-0") == patches
+
+
 def test_a_late_retry_of_a_release_is_refused_not_applied(mirror):
     """Mirror (bind-1), release (rollback-1), mirror a new decision (bind-2): rollback-1's
     late retry answered OK and stripped bind-2 from the pod."""

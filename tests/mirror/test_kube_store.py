@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import random
 
+import grpc
 import pytest
 
 from kai_fractions.kube import errors as kerr
 from kai_fractions.kube.retry import Backoff, Deadline
-from kai_fractions.mirror.errors import DeadlineExceeded
-from kai_fractions.mirror.kube_store import MIN_WRITE_BUDGET, KubePodStore
+from kai_fractions.mirror.errors import ApiUnavailable, DeadlineExceeded
+from kai_fractions.mirror.grpc.status import to_status
+from kai_fractions.mirror.kube_store import MAY_HAVE_LANDED, MIN_WRITE_BUDGET, KubePodStore
 from kai_fractions.mirror.store import PodSnapshot
 from tests.support.clock import FakeClock
 
@@ -115,9 +117,80 @@ async def test_a_write_retried_after_a_failure_needs_the_same_budget():
     clock = FakeClock()
     kube = PatchKube(clock, takes=0.3, failures=1)
     store = store_over(kube, clock)
-    with pytest.raises(DeadlineExceeded, match="not sent, nothing written"):
+    with pytest.raises(DeadlineExceeded) as e:
         await patch_within(store, clock, 0.35)  # 50 ms left after the first one's 503
-    assert len(kube.timeouts) == 1
+    assert "nothing written" not in str(e.value)  # a PATCH went out: it may have landed
+    assert len(kube.timeouts) == 1 and clock.sleeps == []
     kube.timeouts.clear()
     await patch_within(store, clock, 0.5)  # 200 ms left: the retry goes and lands
     assert len(kube.timeouts) == 2
+
+
+class LandsThenTimesOut:
+    """An API server that applies every PATCH, its answer lost (a timeout at this end)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock, self.applied = clock, []
+
+    async def request(self, method, path, *, what, body=None, timeout=None, **_):
+        self.applied.append(json.loads(body)["metadata"]["annotations"])
+        self.clock.now += timeout
+        raise kerr.unreachable(what, TimeoutError())
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_retry_refused_for_its_budget_says_the_first_write_may_have_landed():
+    """The first PATCH landed and its answer timed out; the retry was refused for the 100 ms
+    budget, after sleeping its backoff, with "not sent, nothing written": a caller told so
+    abandons the decision while the pod carries it. It is refused before any wait, and says
+    that the write may have landed, with the first try's error; still DEADLINE_EXCEEDED."""
+    clock = FakeClock()
+    kube = LandsThenTimesOut(clock)
+    store = KubePodStore(kube, backoff=Backoff(attempts=5, base=0.1), clock=clock,
+                         rng=random.Random(0), request_timeout=0.25)
+    with pytest.raises(DeadlineExceeded) as e:
+        await patch_within(store, clock, 0.4)  # 150 ms left after the first try's 250 ms
+    assert str(e.value).startswith(
+        "patch pod ns/p: the caller's deadline leaves 150 ms, less than the ")
+    assert "the 100 ms a try needs: not retried (1 tries, last: no answer in time); the " \
+        "write tried before may have landed" in str(e.value)
+    assert "nothing written" not in str(e.value)
+    assert kube.applied == [{"a": "1"}] and clock.sleeps == []
+    assert to_status(e.value).code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class LateClock(FakeClock):
+    """A wait that runs `late` seconds past what was asked (a busy event loop)."""
+
+    late = 0.0
+
+    async def asleep(self, seconds: float) -> None:
+        self.sleep(seconds + self.late)
+
+
+async def test_a_retry_whose_wait_ran_late_is_not_sent_and_says_the_first_may_have_landed():
+    clock = LateClock()
+    clock.late = 0.21
+    kube = PatchKube(clock, takes=0.05, failures=1)
+    store = KubePodStore(kube, backoff=Backoff(attempts=5, base=0.05, jitter=0), clock=clock,
+                         rng=random.Random(0))
+    with pytest.raises(DeadlineExceeded) as e:
+        await patch_within(store, clock, 0.4)  # 350 ms left, then a 260 ms wait: 90 ms
+    assert str(e.value).startswith(
+        "patch pod ns/p: the caller's deadline leaves 90 ms, less than the 100 ms a write "
+        "needs: the retry not sent (1 tries, last: 503 ServiceUnavailable: later); the write "
+        "tried before may have landed")
+    assert len(kube.timeouts) == 1
+
+
+async def test_a_write_that_kept_failing_is_unavailable_and_says_it_may_have_landed():
+    clock = FakeClock()
+    kube = PatchKube(clock, failures=99)
+    with pytest.raises(ApiUnavailable) as e:
+        await store_over(kube, clock).patch_annotations("ns", "p", {"a": "1"}, uid="u",
+                                                        resource_version="3")
+    assert str(e.value).startswith("patch pod ns/p: the Kubernetes API failed 3 time(s)")
+    assert str(e.value).endswith(MAY_HAVE_LANDED)
+    assert to_status(e.value).code == grpc.StatusCode.UNAVAILABLE

@@ -320,6 +320,54 @@ async def test_a_late_retry_of_a_release_does_not_strip_a_newer_allocation(store
     assert record_of(store)["spentKeys"] == ["bind-1", "rollback-1", "bind-2"]
 
 
+SIGNATURE = "kai-fractions.io/container.trainer.signature"
+
+
+async def test_a_retry_of_a_release_leaves_what_the_binder_wrote_since(store, service):
+    """rollback-1 landed but its answer was lost; meanwhile an unmodified KAI binder bound the
+    pod again on its own (its keys written by itself, signed by the follower) under the record
+    rollback-1 left. rollback-1's retry stripped that allocation, which the scheduler
+    accounts; it is a no-op, as promised: changed false, nothing removed, nothing written."""
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    await service.mirror(allocation(), idempotency_key="bind-1")
+    assert (await service.release(NS, POD, UID, idempotency_key="rollback-1")).changed
+    left = store.annotations(NS, POD)[MIRRORED_ANNOTATION]
+    rebound = {"nvidia.com/container.trainer.gpu-memory.request": "20Gi", DEVICES: GPU_B,
+               "received-resource-type": "Fraction", SIGNATURE: "v1.sig"}
+    await store.patch_annotations(NS, POD, rebound, uid=UID, resource_version="")
+    writes = len(store.patches)
+    again = await service.release(NS, POD, UID, idempotency_key="rollback-1")
+    assert (again.changed, again.removed_keys) == (False, ())
+    assert len(store.patches) == writes
+    assert store.annotations(NS, POD) == {"gpu-fraction": "0.5", MIRRORED_ANNOTATION: left,
+                                          **rebound}
+    # A release of its own (a new key) removes the binder's keys (the memory request, which
+    # a user may write too, stays as any release of a binder's own bind leaves it).
+    rollback = await service.release(NS, POD, UID, idempotency_key="rollback-2")
+    assert rollback.removed_keys == (SIGNATURE, DEVICES, "received-resource-type")
+    assert record_of(store)["spentKeys"] == ["bind-1", "rollback-1"]
+
+
+async def test_a_keyed_release_a_webhook_undid_is_reported_once_and_not_redone(clock):
+    """The release's own write came back with a key a webhook put back: that call fails
+    INTERNAL naming it. Its retry cannot tell that key from one written since (a rebind), so
+    it is a no-op; a release with a new key, once the webhook is fixed, removes it."""
+    store = MutatingStore(nodes={"node-1": {}})
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    service = MirrorService(store, clock=clock)
+    await service.mirror(allocation(), idempotency_key="bind-1")
+    store.webhook = lambda changes: {DEVICES: GPU_A} if DEVICES in changes else {}
+    with pytest.raises(ApiRejected, match=f"{DEVICES} is '{GPU_A}', not absent"):
+        await service.release(NS, POD, UID, idempotency_key="rollback-1")
+    writes = len(store.patches)
+    again = await service.release(NS, POD, UID, idempotency_key="rollback-1")
+    assert (again.changed, again.removed_keys, len(store.patches)) == (False, (), writes)
+    assert store.annotations(NS, POD)[DEVICES] == GPU_A
+    store.webhook = MutatingStore.webhook
+    assert (await service.release(NS, POD, UID, idempotency_key="rollback-2")
+            ).removed_keys == (DEVICES,)
+
+
 async def test_a_late_retry_of_a_released_decision_is_refused(store, service):
     """bind-1's retry after its rollback would put back a decision the scheduler dropped."""
     store.add_pod(pod({"gpu-fraction": "0.5"}))
