@@ -57,6 +57,12 @@ MAY_HAVE_LANDED = ("the write tried before may have landed (a timeout or a reset
 IMPERSONATE_USER = "Impersonate-User"
 
 
+KAI_BINDER_ONLY = "may only be modified by"
+"""Upstream KAI's webhook's words for a pod write by anyone but its binder."""
+WRITE_AS_HINT = ("the mirror wrote as its own account: run it with --write-as <KAI's binder> "
+                 "(the chart's mirror.writeAsBinder: true) so KAI's webhook sees its binder")
+
+
 def write_as_headers(write_as: str) -> dict[str, str]:
     """Headers that make a pod write carry `write_as`'s identity (Kubernetes impersonation).
 
@@ -134,6 +140,11 @@ class KubePodStore:
                 raise
             # A try went out: say so (the class, so the status, stays as it was).
             raise type(e)(f"{e}; {MAY_HAVE_LANDED}") from None
+        except ApiRejected as e:
+            if self.write_headers or KAI_BINDER_ONLY not in str(e):
+                raise
+            # KAI's own webhook lets only its binder write the devices: say what to set.
+            raise ApiRejected(f"{e}; {WRITE_AS_HINT}") from None
         return PodSnapshot.from_object(obj)
 
     async def node_labels(self, node: str, deadline: Deadline = NO_DEADLINE

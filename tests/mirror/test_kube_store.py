@@ -10,7 +10,7 @@ import pytest
 
 from kai_fractions.kube import errors as kerr
 from kai_fractions.kube.retry import Backoff, Deadline
-from kai_fractions.mirror.errors import ApiUnavailable, DeadlineExceeded
+from kai_fractions.mirror.errors import ApiRejected, ApiUnavailable, DeadlineExceeded
 from kai_fractions.mirror.grpc.status import to_status
 from kai_fractions.mirror.kube_store import MAY_HAVE_LANDED, MIN_WRITE_BUDGET, KubePodStore
 from kai_fractions.mirror.store import PodSnapshot
@@ -194,3 +194,27 @@ async def test_a_write_that_kept_failing_is_unavailable_and_says_it_may_have_lan
     assert str(e.value).startswith("patch pod ns/p: the Kubernetes API failed 3 time(s)")
     assert str(e.value).endswith(MAY_HAVE_LANDED)
     assert to_status(e.value).code == grpc.StatusCode.UNAVAILABLE
+
+
+class KaiWebhookKube:
+    """Refuses every pod PATCH as upstream KAI's NvFractions webhook refuses a write of the
+    binder-owned `.gpus.devices` by any other identity (tests/mirror/test_kai_webhook_identity.py
+    replays that rule)."""
+
+    async def request(self, method, path, *, what, **_):
+        # The API server answers a webhook's denial 403 unless the webhook names a code.
+        raise kerr.refused(what, 403, "Forbidden", json.dumps({
+            "message": "admission webhook denied the request: .gpus.devices annotations may "
+                       "only be modified by system:serviceaccount:kai-scheduler:binder"}))
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("write_as", ["", "system:serviceaccount:kai-scheduler:binder"])
+async def test_kais_binder_only_refusal_says_to_write_as_the_binder_unless_it_does(write_as):
+    store = KubePodStore(KaiWebhookKube(), backoff=Backoff(attempts=1, base=0.001),
+                         clock=FakeClock(), rng=random.Random(0), write_as=write_as)
+    with pytest.raises(ApiRejected) as e:
+        await store.patch_annotations("ns", "p", {"a": "1"}, uid="u", resource_version="3")
+    assert ("mirror.writeAsBinder: true" in str(e.value)) == (not write_as)
