@@ -5,6 +5,8 @@ API server with Event writes."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from kai_fractions.kube.errors import KubeError
 from kai_fractions.node.agent.events import WARNING, EventRecorder, PodRef
 from tests.support.fake_kube import FakeCluster
@@ -100,3 +102,24 @@ def test_a_recorder_keeps_nothing_of_the_pods_it_forgot():
     held = {name: value for name, value in vars(events).items()
             if isinstance(value, (list, dict, set, tuple)) and value}
     assert held == {}
+
+
+def test_a_summary_carries_the_time_of_its_last_folded_event_not_the_windows_end():
+    """`inspect pod` takes a container's newest agent event as its state: a summary stamped
+    at the window's end read as newer than a later event of another reason (an `Applied`
+    summary over a `MpsCapNotInForce` sent after the last folded `Applied`)."""
+    cluster, clock = FakeCluster(), Clock()
+    events = recorder(cluster, clock, burst=100, aggregate_after=1, aggregate_seconds=600)
+    events.emit(A, "Normal", "Applied", "applied 0", key=("a", 0))
+    clock.now += 5
+    events.emit(A, "Normal", "Applied", "applied 1 (folded)", key=("a", 1))
+    folded_at = clock.now
+    clock.now += 10
+    events.emit(A, WARNING, "MpsCapNotInForce", "cap lost", key=("c", 0))
+    clock.now += 600
+    events.flush()
+    lost, summary = cluster.events[-2], cluster.events[-1]
+    assert (lost["reason"], summary["reason"]) == ("MpsCapNotInForce", "Applied")
+    assert summary["lastTimestamp"] < lost["lastTimestamp"]
+    assert summary["lastTimestamp"] == datetime.fromtimestamp(int(folded_at), UTC).strftime(
+        "%Y-%m-%dT%H:%M:%SZ")

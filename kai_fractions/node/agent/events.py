@@ -77,6 +77,10 @@ class _Group:
     created: int = 0
     folded: int = 0
     last: tuple[PodRef, str, str] | None = None  # (pod, kind, message) of the latest folded
+    last_at: float = 0.0
+    """When the latest folded event happened: the summary carries that time, not the window's
+    end, or it would read as newer than an event of another reason sent since (`inspect pod`
+    takes a container's newest agent event as its state)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +128,7 @@ class EventRecorder:
         group = self._group(pod.uid, reason, now)
         if group.created >= self.aggregate_after:
             group.folded += 1
-            group.last = (pod, kind, message)
+            group.last, group.last_at = (pod, kind, message), now
             self._backlog.pop(key, None)
             self._sent[key] = pod.uid
             log.info("pod %s/%s: %s (folded into the window's summary): %s", pod.namespace,
@@ -168,15 +172,16 @@ class EventRecorder:
             summary = (f"{message} (and {group.folded - 1} more {reason} event(s) of this pod "
                        f"in {self.aggregate_seconds:.0f} s, not sent one by one)"
                        if group.folded > 1 else message)
-            if not self._create(pod, kind, reason, summary, now, None, count=group.folded):
+            if not self._create(pod, kind, reason, summary, now, None, count=group.folded,
+                                at=group.last_at):
                 return False
         del self._groups[(uid, reason)]
         return True
 
     def _create(self, pod: PodRef, kind: str, reason: str, message: str, now: float,
-                key: Hashable | None, count: int = 1) -> bool:
-        """One Event to the API, within the rate; an event with a `key` that could not go
-        now waits in the backlog."""
+                key: Hashable | None, count: int = 1, at: float | None = None) -> bool:
+        """One Event to the API, within the rate, stamped `at` (default `now`); an event with
+        a `key` that could not go now waits in the backlog."""
         if self.cluster is None or not pod.name:
             return True
         self._tokens = min(float(self.burst),
@@ -186,7 +191,8 @@ class EventRecorder:
         if self._tokens < 1:
             problem = "over the agent's event rate"
         else:
-            body = event_body(pod, kind, reason, message, node=self.node, now=now)
+            body = event_body(pod, kind, reason, message, node=self.node,
+                              now=now if at is None else at)
             body["count"] = count
             try:
                 self.cluster.create_event(pod.namespace, body)
