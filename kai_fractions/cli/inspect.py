@@ -61,10 +61,12 @@ def register(sub) -> None:
         "the pod say what its gate's status cannot: a limit set aside since the gate released, "
         "a signature awaited.",
         epilog=EXIT_CODES.format(what="the pod"))
-    pod.add_argument("name", metavar="[NS/]NAME", help="the pod: NAME in -n's namespace "
-                     "(default: default), or NS/NAME")
+    pod.add_argument("name", metavar="[NS/]NAME", help="the pod: NAME in -n's namespace, or "
+                     "NS/NAME")
     pod.add_argument("--namespace", "-n", metavar="NS", help="the pod's namespace, as kubectl's "
-                     "-n (default: default)")
+                     "-n (default: as kubectl's, the kubeconfig's current context's namespace, "
+                     "in a pod its own namespace, else default). Not the release's namespace: "
+                     "that is --release-namespace")
     for q in (node, pod):
         q.add_argument("--kubeconfig", metavar="FILE",
                        help="kubeconfig to use (default: in-cluster, then $KUBECONFIG or "
@@ -161,15 +163,28 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     return next(filter(None, (namespace_flag_problem(f, v) for f, v in flags)), None)
 
 
-def _pod_ref(args: argparse.Namespace) -> tuple[str, str] | str:
-    """(namespace, name) of `inspect pod`'s [NS/]NAME and -n; a usage problem as a string."""
+def _pod_ref(args: argparse.Namespace) -> tuple[str | None, str] | str:
+    """(namespace, name) of `inspect pod`'s [NS/]NAME and -n, the namespace None when neither
+    gives one (the configuration's default then, see _pod_namespace); a usage problem as a
+    string."""
     namespace, slash, name = args.name.rpartition("/")
     if not name or (slash and (not namespace or "/" in namespace)):
         return f"pod: expected NAME or NS/NAME, got {args.name!r}"
     if slash and args.namespace is not None and args.namespace != namespace:
+        # Before -n was the pod's namespace it was the release's (NOTES.txt printed
+        # `inspect pod default/memory-request -n kai-fractions`): say where that went.
         return (f"pod {args.name}: its namespace {namespace} is not -n/--namespace "
-                f"{args.namespace}: give the namespace once")
-    return namespace or args.namespace or "default", name
+                f"{args.namespace}: give the namespace once. -n is now the pod's namespace, as "
+                "kubectl's; the release's namespace (where the node agents' heartbeat Leases "
+                f"are) is --release-namespace: inspect pod {args.name} --release-namespace "
+                f"{args.namespace}")
+    return namespace or args.namespace, name
+
+
+def _pod_namespace(reader) -> str:
+    """The namespace of a pod named without one, as kubectl's: the kubeconfig's current
+    context's, in a pod its own (the service account's namespace file), else default."""
+    return reader.default_namespace or "default"
 
 
 def _node_of(reader, node_name: str) -> tuple[dict | None, str]:
@@ -206,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
     from ..inspect.model import node_report, pod_report
     from ..inspect.render import render
     from ..inspect.sources import SourceError, agent_state, load_kube
+    from ..kube.objects import namespace_flag_problem
 
     try:
         keys = Keys(prefix=args.annotation_prefix)
@@ -214,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     problem = _usage_problem(args)
     if problem:
         return _fail(problem)
-    namespace, name = "", args.name
+    namespace, name = None, args.name
     if args.what == "pod":
         ref = _pod_ref(args)
         if isinstance(ref, str):
@@ -235,6 +251,13 @@ def run(args: argparse.Namespace) -> int:
                                  condition_type=args.condition_name,
                                  beat=_heartbeat(reader, node, name, args))
         else:
+            if namespace is None:
+                namespace = _pod_namespace(reader)
+                problem = namespace_flag_problem("the default namespace (the kubeconfig's "
+                                                 "current context's, or in a pod its own)",
+                                                 namespace)
+                if problem:
+                    return _fail(problem)
             pod = reader.pod(namespace, name)
             node_name = (pod.get("spec") or {}).get("nodeName") or ""
             node, node_error = _node_of(reader, node_name) if node_name else (None, "")

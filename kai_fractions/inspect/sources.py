@@ -68,8 +68,12 @@ class KubeReader:
     def __init__(self, api_client: Any, timeout: float = 10.0):
         """Raises kube.config.ConfigError for settings that cannot work."""
         from ..kube.blocking import BlockingKube
+        from ..kube.config import default_namespace
 
         self.kube = BlockingKube(api_client, name="inspect-kube", request_timeout=timeout)
+        self.default_namespace = default_namespace(api_client)
+        """The namespace the configuration names (the kubeconfig context's, or in a pod its
+        own), as kubectl's default for -n; None when it names none."""
 
     def close(self) -> None:
         self.kube.close()

@@ -32,6 +32,11 @@ TOKEN_FILE_SECONDS = 60.0
 source; the official client's in-cluster token is read again as often)."""
 
 
+NAMESPACE_ATTRIBUTE = "kai_fractions_namespace"
+"""The Configuration attribute load_api_client sets to the namespace its source names (see
+`default_namespace`)."""
+
+
 class ConfigError(Exception):
     """No usable cluster configuration (the commands print it and exit 2)."""
 
@@ -54,6 +59,7 @@ def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
                 k8s_config.load_incluster_config(client_configuration=configuration)
                 _name_refresh(configuration, "the in-cluster service account token "
                               f"{incluster_config.SERVICE_TOKEN_FILENAME}")
+                setattr(configuration, NAMESPACE_ATTRIBUTE, _in_cluster_namespace())
             except k8s_config.ConfigException:
                 _load_kube_config(configuration, kube_config.KUBE_CONFIG_DEFAULT_LOCATION)
     except (k8s_config.ConfigException, OSError, ValueError) as e:
@@ -64,6 +70,23 @@ def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
             "$KUBECONFIG")
         raise ConfigError(f"cannot load a Kubernetes configuration: {e}{where}") from None
     return k8s.ApiClient(configuration)
+
+
+def default_namespace(api_client: k8s.ApiClient) -> str | None:
+    """The namespace the configuration load_api_client loaded names, kubectl's default for
+    -n: the kubeconfig's current context's `namespace`, or in a pod the service account's
+    `namespace` file (beside its token); None when it names none (kubectl then says
+    `default`)."""
+    namespace = getattr(api_client.configuration, NAMESPACE_ATTRIBUTE, None)
+    return namespace if isinstance(namespace, str) and namespace else None
+
+
+def _in_cluster_namespace() -> str | None:
+    path = Path(incluster_config.SERVICE_TOKEN_FILENAME).with_name("namespace")
+    try:
+        return path.read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _load_kube_config(configuration: k8s.Configuration, paths: str) -> None:
@@ -78,6 +101,11 @@ def _load_kube_config(configuration: k8s.Configuration, paths: str) -> None:
         # The loader's own crash on a field of the wrong shape (`context: 7`, say).
         raise ConfigError(f"kubeconfig {paths}: not a valid kubeconfig: {type(e).__name__}: "
                           f"{e}") from None
+    # The context's namespace, from the loader's own parse (current_context: the context's
+    # mapping, with `name` and `context`).
+    context = loader.current_context.get("context") or {}
+    setattr(configuration, NAMESPACE_ATTRIBUTE,
+            context.get("namespace") if isinstance(context, dict) else None)
     user = loader._user  # the current context's user; the loader has no public accessor
     # The loader's order: an auth-provider first, then `token`, then `tokenFile`.
     if user and "tokenFile" in user and "token" not in user and "auth-provider" not in user:

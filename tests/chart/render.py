@@ -89,6 +89,26 @@ def template_error(*sets: str, set_string: Iterable[str] = (), image: bool = Tru
     return proc.stderr
 
 
+def install_in_cluster(kubeconfig: Path, *sets: str, cache: Path,
+                       values_file: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`helm install --dry-run=server` against the API server of `kubeconfig` (a test's kmock,
+    made to look enough like a cluster by tests.chart.live_cluster): `lookup` asks that
+    cluster, as in a real install or upgrade, and the output has the NOTES. Nothing is
+    created. No OpenAPI validation (kmock serves none), and gpuFractioningConfig.enabled=false
+    (kmock knows no GpuFractioningConfig kind) unless `sets` say otherwise. `cache`: client-go's
+    discovery cache (KUBECACHEDIR), kept out of ~/.kube."""
+    import os
+
+    args = ["install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kubeconfig",
+            str(kubeconfig), "--dry-run=server", "--disable-openapi-validation"]
+    if values_file is not None:
+        args += ["--values", str(values_file)]
+    for value in (*IMAGE_SETS, "gpuFractioningConfig.enabled=false", *sets):
+        args += ["--set", value]
+    return subprocess.run([str(tools.helm()), *args], capture_output=True, text=True,
+                          timeout=120, check=False, env={**os.environ, "KUBECACHEDIR": str(cache)})
+
+
 def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind
             and (name is None or d["metadata"]["name"] == name)]

@@ -1,10 +1,13 @@
-"""The webhooks' caBundle is never silently missing, and a rotation of the chart's generated CA
-does not make every review fail while the admission pods still serve the old certificate.
+"""The webhooks' caBundle is never silently missing (unless webhook.tls.useSystemTrustRoots says
+the API server's system trust roots verify a provided certificate), and a rotation of the chart's
+generated CA does not make every review fail while the admission pods still serve the old
+certificate.
 
 `helm template` has no cluster, so `lookup` finds nothing here; webhook.tls.simulatedLookup (tests
 and dry runs only, like signing.simulatedLookup) stands in for what it would find: the generated
 TLS Secret's data and the two webhook configurations. The real `lookup` calls are the same
-template's other branch (kf.tls.generate, kf.admission.rotationCaBundle) and are not run here."""
+template's other branch (kf.tls.generate, kf.admission.rotationCaBundle); only one test installs
+into a cluster (kmock, tests.chart.live_cluster)."""
 
 from __future__ import annotations
 
@@ -13,9 +16,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
-from .render import NAMESPACE, one, render, template_error
+from tests.support.kube import KubeServer
+
+from .live_cluster import live_cluster
+from .render import NAMESPACE, chart_notes, install_in_cluster, one, render, template_error
 from .tls_memory import handshake
 
 ADMISSION = "kai-fractions-admission"
@@ -50,6 +57,11 @@ def test_a_provided_secret_without_a_ca_bundle_is_refused_naming_the_values():
     assert "webhook.tls.caBundle" in error
     assert "webhook.tls.certManagerInjectFrom=<namespace>/<certificate>" in error
     assert "helm template" in error
+    # what an empty caBundle would mean, and the way out for a publicly signed certificate
+    assert ("the API server would verify the certificate with its system trust roots alone: "
+            "unless a CA there (a public CA) signed it, every review would fail") in error
+    assert ("when a CA the API server's system trust roots hold signed it, "
+            "webhook.tls.useSystemTrustRoots=true (no caBundle)") in error
     # either value renders
     ca = base64.b64encode(b"-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n")
     docs = render(sets=("webhook.tls.secretName=my-admission-certs",
@@ -58,6 +70,54 @@ def test_a_provided_secret_without_a_ca_bundle_is_refused_naming_the_values():
     docs = render(sets=("webhook.tls.secretName=my-admission-certs",
                         "webhook.tls.certManagerInjectFrom=kai-fractions/admission"))
     assert _bundles(docs) == {""}  # cert-manager's injector fills it
+
+
+def test_a_provided_secret_signed_by_a_ca_the_api_server_trusts_renders_without_a_ca_bundle():
+    """`kubectl create secret tls` from a public CA: no ca.crt, and none needed, since a
+    webhook without a caBundle is verified with the API server's system trust roots. It
+    rendered before the refusal; webhook.tls.useSystemTrustRoots says so explicitly."""
+    docs = render(sets=("webhook.tls.secretName=public-certs",
+                        "webhook.tls.useSystemTrustRoots=true"))
+    assert _bundles(docs) == {""}  # every webhook, both configurations
+    admission = one(docs, "Deployment", ADMISSION)
+    [volume] = [v for v in admission["spec"]["template"]["spec"]["volumes"]
+                if v["name"] == "tls"]
+    assert volume["secret"]["secretName"] == "public-certs"
+    notes = chart_notes("webhook.tls.secretName=public-certs",
+                        "webhook.tls.useSystemTrustRoots=true")
+    assert ("NOTE: webhook.tls.useSystemTrustRoots=true: the webhooks have no caBundle, so the "
+            "API server\nverifies the certificate in Secret public-certs with its system trust "
+            "roots.") in notes
+    assert "without webhook.tls.caBundle" not in notes
+
+
+@pytest.mark.parametrize(("sets", "expected"), [
+    ((), "webhook.tls.useSystemTrustRoots=true needs webhook.tls.secretName: the chart's own "
+         "generated certificate (kai-fractions-admission-tls) is signed by a CA of its own, "
+         "which no system trust root holds"),
+    (("webhook.tls.secretName=public-certs", "webhook.tls.caBundle=QUJD"),
+     "webhook.tls.useSystemTrustRoots=true with webhook.tls.caBundle: the webhooks would trust "
+     "that CA bundle, not the API server's system trust roots"),
+    (("webhook.tls.secretName=public-certs", "webhook.tls.certManagerInjectFrom=cm/admission"),
+     "webhook.tls.useSystemTrustRoots=true with webhook.tls.certManagerInjectFrom: the webhooks "
+     "would trust the CA cert-manager injects"),
+], ids=["generated certificate", "with caBundle", "with cert-manager"])
+def test_system_trust_roots_contradicted_by_another_trust_are_refused(sets, expected):
+    assert expected in template_error("webhook.tls.useSystemTrustRoots=true", *sets)
+
+
+def test_system_trust_roots_need_no_lookup_of_the_secret(kube: KubeServer, tmp_path: Path):
+    """Installed into a cluster, the choice is the value's, not what the Secret holds: the
+    Secret is not read, and the webhooks have no caBundle whatever it holds."""
+    config = live_cluster(kube, tmp_path)
+    proc = install_in_cluster(config, "webhook.tls.secretName=public-certs",
+                              "webhook.tls.useSystemTrustRoots=true",
+                              cache=tmp_path / "kube-cache")
+    assert proc.returncode == 0, proc.stderr
+    assert kube.count("GET", f"/api/v1/namespaces/{NAMESPACE}/secrets/public-certs") == 0
+    manifest = [d for d in yaml.safe_load_all(
+        proc.stdout.split("MANIFEST:", 1)[1].split("NOTES:", 1)[0]) if d]
+    assert _bundles(manifest) == {""}
 
 
 # -- CA rotation ------------------------------------------------------------------------------

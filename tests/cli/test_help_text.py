@@ -63,6 +63,11 @@ def test_inspect_node_and_pod_say_what_they_show_and_their_exit_codes(
         assert "NODE the node's name (kubectl get nodes)" in text
     else:
         assert "--namespace NS, -n NS the pod's namespace, as kubectl's -n" in text
+        # its default is kubectl's, not `default` alone; and the release's is another flag
+        assert ("(default: as kubectl's, the kubeconfig's current context's namespace, in a "
+                "pod its own namespace, else default). Not the release's namespace: that is "
+                "--release-namespace") in text
+        assert "(default: default)" not in text
 
 
 def test_inspect_mirror_also_takes_release_namespace() -> None:

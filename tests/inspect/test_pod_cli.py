@@ -63,11 +63,111 @@ def test_a_namespace_given_twice_and_different_is_a_usage_error(cluster: Path,  
     assert _inspect(capsys, "pod", "team-a/notebook", "-n", "team-b", "--kubeconfig",
                     str(cluster)) == (
         2, "", "kai-fractions inspect: pod team-a/notebook: its namespace team-a is not "
-        "-n/--namespace team-b: give the namespace once\n")
+        "-n/--namespace team-b: give the namespace once. -n is now the pod's namespace, as "
+        "kubectl's; the release's namespace (where the node agents' heartbeat Leases are) is "
+        "--release-namespace: inspect pod team-a/notebook --release-namespace team-b\n")
     code, _, err = _inspect(capsys, "pod", "notebook", "-n", "Team_A", "--kubeconfig",
                             str(cluster))
     assert (code, err) == (2, "kai-fractions inspect: -n/--namespace 'Team_A': not a namespace "
                            "name (lower-case letters, digits and '-', at most 63)\n")
+
+
+def test_the_command_older_notes_printed_says_where_the_release_namespace_went(
+        cluster: Path, capsys) -> None:  # noqa: F811
+    """NOTES.txt of the releases before printed `inspect pod default/memory-request -n
+    kai-fractions`, -n then the release's namespace: the refusal says what -n is now and
+    which flag took its old meaning, not only that the namespaces differ."""
+    code, out, err = _inspect(capsys, "pod", "default/memory-request", "-n", "kai-fractions",
+                              "--kubeconfig", str(cluster))
+    assert (code, out) == (2, "")
+    assert "-n is now the pod's namespace" in err
+    assert ("the release's namespace (where the node agents' heartbeat Leases are) is "
+            "--release-namespace: inspect pod default/memory-request --release-namespace "
+            "kai-fractions\n") in err
+
+
+def _kubeconfig_in(kube: KubeServer, path: Path, namespace: str | None) -> Path:
+    """kmock's kubeconfig with its context's namespace `namespace` (None: the context names
+    none)."""
+    import yaml
+
+    kube.write_kubeconfig(path)
+    doc = yaml.safe_load(path.read_text())
+    [context] = doc["contexts"]
+    if namespace is None:
+        del context["context"]["namespace"]
+    else:
+        context["context"]["namespace"] = namespace
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_a_name_alone_is_in_the_kubeconfig_contexts_namespace(
+        kube: KubeServer, cluster: Path, tmp_path: Path, capsys) -> None:  # noqa: F811
+    """As kubectl's -n: without NS/ and -n, the current context's namespace, not `default`."""
+    config = _kubeconfig_in(kube, tmp_path / "team-a.kubeconfig", "team-a")
+    code, out, err = _inspect(capsys, "pod", "notebook", "--kubeconfig", str(config), "-o",
+                              "json")
+    assert (code, err, json.loads(out)["title"]) == (0, "", "pod team-a/notebook")
+    # -n and NS/ still win over the context's
+    assert _inspect(capsys, "pod", "notebook", "-n", "team-b", "--kubeconfig", str(config)) == (
+        1, "", "kai-fractions inspect: pod team-b/notebook: not found\n")
+    assert _inspect(capsys, "pod", "team-b/notebook", "--kubeconfig", str(config)) == (
+        1, "", "kai-fractions inspect: pod team-b/notebook: not found\n")
+    # a context that names no namespace: default, as kubectl's
+    bare = _kubeconfig_in(kube, tmp_path / "bare.kubeconfig", None)
+    assert _inspect(capsys, "pod", "notebook", "--kubeconfig", str(bare)) == (
+        1, "", "kai-fractions inspect: pod default/notebook: not found\n")
+
+
+def test_a_context_namespace_that_is_no_namespace_name_is_a_usage_error(
+        kube: KubeServer, cluster: Path, tmp_path: Path, capsys) -> None:  # noqa: F811
+    config = _kubeconfig_in(kube, tmp_path / "bad.kubeconfig", "Team_A")
+    code, out, err = _inspect(capsys, "pod", "notebook", "--kubeconfig", str(config))
+    assert (code, out) == (2, "")
+    assert err == ("kai-fractions inspect: the default namespace (the kubeconfig's current "
+                   "context's, or in a pod its own) 'Team_A': not a namespace name (lower-case "
+                   "letters, digits and '-', at most 63)\n")
+
+
+@pytest.fixture
+def in_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """inspect runs in a pod: the service account's token and CA (files of the test's), an API
+    server address where nothing listens (no request gets an answer: its error names the pod
+    it read). Returns the service account directory."""
+    import socket
+
+    from kubernetes.config import incluster_config
+
+    from tests.mirror.certs import CertificateAuthority
+
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    (account / "token").write_text("t")
+    (account / "ca.crt").write_bytes(CertificateAuthority().pem)
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(account / "token"))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(account / "ca.crt"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(port))
+    return account
+
+
+def test_in_a_pod_a_name_alone_is_in_the_pods_own_namespace(in_cluster: Path,
+                                                            capsys) -> None:
+    """In-cluster, kubectl's default is the pod's own namespace (the service account's
+    `namespace` file, beside its token); without that file, default."""
+    (in_cluster / "namespace").write_text("team-a\n")
+    code, out, err = _inspect(capsys, "pod", "notebook")
+    assert (code, out) == (2, "")
+    assert err.startswith("kai-fractions inspect: pod team-a/notebook: the Kubernetes API is "
+                          "not reachable"), err
+    (in_cluster / "namespace").unlink()
+    code, _, err = _inspect(capsys, "pod", "notebook")
+    assert err.startswith("kai-fractions inspect: pod default/notebook: the Kubernetes API is "
+                          "not reachable"), err
 
 
 def test_the_release_namespace_names_where_the_heartbeat_lease_is(

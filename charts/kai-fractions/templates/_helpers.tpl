@@ -287,6 +287,37 @@ legacy: {{ (lookup "v1" "Secret" .Release.Namespace .Values.signing.legacyHmac.s
 {{- end -}}
 {{- end -}}
 
+{{/* The RoleBinding kai-fractions-mirror-write-as-binder in KAI's namespace, as JSON ({} when
+absent): releases whose mirror.writeAsBinder defaulted to true rendered it, so an upgrade that
+finds it while mirror.writeAsBinder is false removes the mirror's impersonation of KAI's binder
+(NOTES.txt warns). From `lookup`, or from mirror.simulatedLookup.writeAsBinderRoleBinding when
+mirror.simulatedLookup is set (tests and dry runs: `helm template` has no cluster). */}}
+{{- define "kf.mirror.writeAsBinderBinding" -}}
+{{- $sim := .Values.mirror.simulatedLookup | default dict -}}
+{{- if $sim -}}
+{{- $sim.writeAsBinderRoleBinding | default dict | toJson -}}
+{{- else -}}
+{{- lookup "rbac.authorization.k8s.io/v1" "RoleBinding" .Values.kaiScheduler.namespace (printf "%s-write-as-binder" (include "kf.mirror.name" .)) | default dict | toJson -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The simulatedLookup values stand in for `lookup` where the render has no cluster (tests,
+`helm template`, --dry-run=client). Left set in a real install, they would hide the cluster from
+every upgrade: the chart would generate a new webhook CA (and stop trusting the old one), a new
+signing key, and take the GpuFractioningConfig CRD and the mirror's old RoleBinding for what the
+values say. So when any is set and the release namespace exists (a live cluster: `lookup` finds
+it; under `helm template` it finds nothing), the render fails. */}}
+{{- define "kf.checkSimulatedLookups" -}}
+{{- $set := list -}}
+{{- if .Values.signing.simulatedLookup -}}{{- $set = append $set "signing.simulatedLookup" -}}{{- end -}}
+{{- if .Values.mirror.simulatedLookup -}}{{- $set = append $set "mirror.simulatedLookup" -}}{{- end -}}
+{{- if .Values.gpuFractioningConfig.simulatedLookup -}}{{- $set = append $set "gpuFractioningConfig.simulatedLookup" -}}{{- end -}}
+{{- if .Values.webhook.tls.simulatedLookup -}}{{- $set = append $set "webhook.tls.simulatedLookup" -}}{{- end -}}
+{{- if and $set (lookup "v1" "Namespace" "" .Release.Namespace) -}}
+{{- fail (printf "%s %s set, and this render reaches a cluster (namespace %s exists): these values are for tests and renders without a cluster only (helm template, --dry-run=client), where they stand in for lookup. In a real install or upgrade they hide what the cluster holds: the chart would generate a new webhook CA or signing key on every upgrade instead of keeping the ones in use, stop trusting the old CA, and take the GpuFractioningConfig CRD and the mirror's old RoleBinding for what the values say. Remove %s from your values (one kept by --reuse-values: --set %s=null)" (join ", " $set) (ternary "is" "are" (eq (len $set) 1)) .Release.Namespace (ternary "it" "them" (eq (len $set) 1)) (join "=null," $set)) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* How the mirror authenticates its gRPC callers (mirror.auth): "true" or "" for each of
 mutual TLS and the bearer token. kf.mirror.checkAuth fails the render on a contradiction. */}}
 {{- define "kf.mirror.mtls" -}}
