@@ -15,9 +15,14 @@ A reader in a cgroup namespace of its own (containerd gives one to every non-pri
 on cgroup v2) sees paths relative to its own cgroup, the common ancestors elided: `/../../
 kubepods-besteffort-pod<uid>.slice/...` (systemd: the slice names still say kubepods and the
 uid), `/../../pod<uid>/<id>` or `/../../../besteffort/pod<uid>/<id>` (cgroupfs: no kubepods
-left). Both are placed. A relative path that is neither, and names no host location either
-(`may_be_a_pod`), may be a pod's the reader cannot place: the watchdog counts such a process as
-one it cannot see, rather than as no pod's.
+left). Both are placed. A relative path that is neither, yet has a pod-shaped component past the
+`..`s (`pod<uid>`, `...-pod<uid>.slice`, or anything of `kubepods`: `may_be_a_pod`), may be a
+pod's the reader cannot place: the watchdog counts such a process as one it cannot see, rather
+than as no pod's. Any other relative path is no pod's: the kubelet names every pod cgroup so,
+whatever the layout around it, and what is left (the host's services, however the
+distribution groups them: `system.slice`, `runtime.slice`, Talos's `system`; a container
+runtime's own `docker/<id>`; a sibling container of the reader's own pod, `../<runtime>-<id>
+.scope`) is the host's or the reader's own pod's.
 """
 
 from __future__ import annotations
@@ -52,8 +57,9 @@ _CGROUPFS_CONTAINER = re.compile(r"(?:(?P<rt>cri-containerd|crio|docker)-)?(?P<i
 _RUNTIMES = {"cri-containerd": "containerd", "crio": "crio", "docker": "docker"}
 _CGROUPFS_QOS = ("besteffort", "burstable")
 """The QoS level of a cgroupfs pod path (a Guaranteed pod sits right under kubepods)."""
-_HOST_LOCATIONS = ("system.slice", "user.slice", "machine.slice", "init.scope")
-"""systemd's own top-level cgroups: a relative path into one of them is the host's, not a pod's."""
+_POD_SHAPED = re.compile(r"(?:.*-)?pod(?P<uid>[0-9a-fA-F_-]{32,36})(?:\.slice)?")
+"""A cgroup name as the kubelet gives a pod's: `pod<uid>` (cgroupfs), `kubepods-<qos>-pod<uid
+with underscores>.slice` or any `...-pod<uid>.slice` (systemd)."""
 _UID_SHAPE = re.compile(
     r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{32}")
 
@@ -143,15 +149,30 @@ def _pod_container(raw_uid: str, below: list[str], systemd: bool) -> PodContaine
 
 def may_be_a_pod(path: str) -> bool:
     """Whether a cgroup path `parse_cgroup_path` places in no pod may still be a pod's: one
-    relative to the reader's cgroup namespace (`/..` first), below which it names neither an
-    ancestor of the reader (nothing after the `..`s) nor one of systemd's host cgroups
-    (`system.slice`, `user.slice`, `machine.slice`, `init.scope`). Such a path hides whose
-    process it is (a layout the parse does not know, a kubelet `--cgroup-root` elsewhere): the
-    watchdog cannot tell it from a managed container's."""
+    relative to the reader's cgroup namespace (`/..` first) with a component past the `..`s
+    that is pod-shaped (`pod<uid>`, `...-pod<uid>.slice`: the kubelet names every pod's
+    cgroup so, with either cgroup driver) or of `kubepods` (its parents). Such a path hides
+    whose process it is (a layout the parse does not know, a kubelet `--cgroup-root`
+    elsewhere): the watchdog cannot tell it from a managed container's, and the socket's
+    caller check does not take it for the host's. Any other relative path is not a pod's: an
+    ancestor of the reader (nothing after the `..`s), a host service wherever the distribution
+    puts it (`system.slice`, EKS AL2023's `runtime.slice/containerd.service`, Talos's
+    `system/...`), a container runtime's own (`docker/<id>` with cgroupfs), or a sibling
+    container of the reader's own pod (`../cri-containerd-<id>.scope`): the host's, or the
+    reader's own pod's."""
     if parse_cgroup_path(path) is not None:
         return False
     tail = _relative_tail(path)
-    return bool(tail) and tail[0] not in _HOST_LOCATIONS
+    return bool(tail) and any(_pod_shaped(part) for part in tail)
+
+
+def _pod_shaped(part: str) -> bool:
+    """A cgroup name the kubelet gives a pod (`_POD_SHAPED`, its uid of a pod UID's shape) or
+    its parents (anything of `kubepods`)."""
+    if part.startswith("kubepods"):
+        return True
+    m = _POD_SHAPED.fullmatch(part)
+    return m is not None and _UID_SHAPE.fullmatch(m["uid"].replace("_", "-").lower()) is not None
 
 
 def normalize_container_id(container_id: str) -> str:

@@ -18,15 +18,19 @@ waits for the next check rather than risk the other tenants (a time-slicing cont
 processes cannot be clients: they are stopped without asking MPS).
 
 A process whose container cannot be told (its /proc entry there but unreadable: `hidepid`, an
-LSM; or a cgroup path relative to the agent's cgroup namespace that names no pod it can place
-and no host location, `procfs.may_be_a_pod`) is not taken for no pod's: the report lists it
+LSM; or a cgroup path relative to the agent's cgroup namespace with a pod-shaped component that
+names no pod it can place, `procfs.may_be_a_pod`) is not taken for no pod's: the report lists it
 (`unplaced`), so that the agent counts the watchdog blind there. Nothing of it is touched.
 
 Only the GPUs listed in a check are judged: a GPU missing from `processes` (its listing failed)
 gives no usage row and no violation, and whoever reads the report keeps what it knew of them.
 When a container's use is over its cap while some of its processes are being stopped, the
-memory of those is left out in judging whether to stop the others: a process started during
-another's grace period is stopped only if the processes not being stopped are over the cap.
+memory of those still within their SIGTERM grace period or their SIGKILL bound is left out in
+judging whether to stop the others: a process started during another's grace period is stopped
+only if the processes not being stopped are over the cap. An `unkillable` one (still running
+after that bound) is not on its way out: its memory counts again, so a process beside it that
+takes the container over its cap is stopped (the unkillable one itself is never signalled
+again).
 A step that cannot be done (a drain MPS does not answer, a signal the kernel refuses) fails
 that process's stop only, is logged once, and is tried again at the next check.
 """
@@ -434,6 +438,9 @@ class Watchdog:
         self._stopping: dict[int, tuple[str, str, str]] = {}
         """pid -> (GPU, pod uid, container) of each stop the killer has in progress: never
         drained nor signalled again, its outcome reported when the killer knows it."""
+        self._unkillable: set[int] = set()
+        """The pids of `_stopping` the killer reported UNKILLABLE: kept (never signalled again)
+        until they exit, but their memory counts again in judging the others (`_enforce`)."""
         self._failing: dict[int, tuple[str, str]] = {}
         """pid -> (step, detail) of its last FAILED step: the same failure at the next check
         (each retries) is logged at debug level only."""
@@ -609,8 +616,11 @@ class Watchdog:
         actions: list[Action] = []
         for pid, outcome in self.killer.progress():
             device, pod_uid, name = self._stopping.get(pid, ("", "", ""))
-            if outcome not in (ESCALATED, UNKILLABLE):
+            if outcome == UNKILLABLE and pid in self._stopping:
+                self._unkillable.add(pid)
+            elif outcome != ESCALATED:
                 self._stopping.pop(pid, None)  # done: a later violation starts over
+                self._unkillable.discard(pid)
             detail = _why_failed(self.killer, pid) if outcome == FAILED else ""
             actions.append(self._action(pid, device, pod_uid, name, TERMINATE, outcome, detail))
         return actions
@@ -621,10 +631,12 @@ class Watchdog:
         for over in violations:
             violation, container = over.violation, over.container
             # The memory of its processes being stopped is on its way out: a process started
-            # meanwhile is stopped only if the others are over the cap without it.
-            rest = sum(b for pid, b in over.used if pid not in self._stopping)
+            # meanwhile is stopped only if the others are over the cap without it. Not that of
+            # an unkillable one: it may hold it for as long as the node runs.
+            leaving = {pid for pid in self._stopping if pid not in self._unkillable}
+            rest = sum(b for pid, b in over.used if pid not in leaving)
             if rest <= violation.cap_bytes:
-                if any(pid not in self._stopping for pid in violation.pids):
+                if any(pid not in leaving for pid in violation.pids):
                     log.debug("watchdog: %s/%s on %s is within its cap without the processes "
                               "being stopped (%s): no other is stopped", violation.pod_uid,
                               violation.container_name, violation.device_uuid, _mib(rest))

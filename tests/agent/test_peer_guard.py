@@ -137,15 +137,37 @@ def test_a_pod_caller_seen_from_the_agents_cgroup_namespace_is_placed_in_its_pod
     assert host.pod is None and agent.refusal(host, "Provision", changes=True) is None
 
 
+HIDDEN_POD_CGROUP = f"/../../../../custom-root/pod{POD}/{'cd' * 32}"
+"""Pod-shaped, relative to the agent's cgroup namespace, in a layout the parse cannot place."""
+
+
 def test_a_caller_whose_cgroup_may_be_a_pods_is_refused_changes(listener, tmp_path: Path
                                                                  ) -> None:
     """A cgroup relative to the agent's cgroup namespace that the parse cannot place and that
-    is no host cgroup (a runtime's layout it does not know) may be a pod's: read as the host's,
-    its root process could change GPU limits. It may still read."""
-    procfs = proc(tmp_path, os.getpid(), "/../../../../docker/" + "cd" * 32)
+    is pod-shaped (a kubelet `--cgroup-root` or a layout it does not know) may be a pod's: read
+    as the host's, its root process could change GPU limits. It may still read."""
+    procfs = proc(tmp_path, os.getpid(), HIDDEN_POD_CGROUP)
     peer = peer_of_this_process(listener, procfs)
-    assert (peer.pod, peer.hidden) == (None, "/../../../../docker/" + "cd" * 32)
+    assert (peer.pod, peer.hidden) == (None, HIDDEN_POD_CGROUP)
     agent = peer_guard.PeerPolicy(procfs, own_pid=1)
     refusal = agent.refusal(peer, "Provision", changes=True)
     assert refusal is not None and "cannot tell from a pod's" in refusal
     assert agent.refusal(peer, "GetNodeState", changes=False) is None
+
+
+@pytest.mark.parametrize("cgroup", [
+    "/../../../../runtime.slice/containerd.service",  # EKS AL2023's containerd
+    "/../../../../system/ext-nvidia-persistenced",  # a Talos system service
+    "/../../../../docker/" + "d" * 64,  # a Docker container with the cgroupfs driver
+    "/../cri-containerd-" + "b" * 64 + ".scope",  # a sibling of the agent's own container
+])
+def test_a_host_or_own_pod_caller_outside_the_usual_host_cgroups_may_change_limits(
+        listener, tmp_path: Path, cgroup: str) -> None:
+    """A non-privileged agent reads cgroups relative to its own: a host service outside
+    systemd's usual slices, or a container of its own pod, names no pod-shaped cgroup. Taken
+    for one that may be a pod's, such a caller was refused Provision, Release and Drain."""
+    procfs = proc(tmp_path, os.getpid(), cgroup)
+    peer = peer_of_this_process(listener, procfs)
+    assert (peer.pod, peer.hidden) == (None, None)
+    agent = peer_guard.PeerPolicy(procfs, own_pid=1)
+    assert agent.refusal(peer, "Release", changes=True) is None

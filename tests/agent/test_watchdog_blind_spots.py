@@ -52,18 +52,21 @@ def test_a_cgroupfs_workload_seen_from_the_agents_cgroup_namespace_is_stopped(
 
 def test_a_process_whose_container_cannot_be_told_counts_the_watchdog_blind(
         short_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A cgroup path relative to the agent's namespace that names no pod it can place may be a
-    managed container's: read as no pod's, the watchdog was blind there and nothing said so.
-    Counted every check on a GPU with managed containers, logged when it starts and ends."""
+    """A pod-shaped cgroup path relative to the agent's namespace that names no pod it can
+    place may be a managed container's: read as no pod's, the watchdog was blind there and
+    nothing said so. Counted every check on a GPU with managed containers, logged when it
+    starts and ends."""
     rig = Rig(short_tmp, sm_sharing=False, watchdog_policy="kill")
     uid = add_pod(rig)
     rig.step()
-    rig.proc_entry(4242, f"/../../../../docker/{CID_HEX}")
+    rig.proc_entry(4242, f"/../../../../custom-root/pod{uid}/{CID_HEX}")
     rig.nvml.add_process(4242, rig.gpu0, 30 * GIB)
-    rig.proc_entry(4343, f"/../../../../docker/{'b' * 64}")
+    rig.proc_entry(4343, f"/../../../../custom-root/pod{uid}/{'b' * 64}")
     rig.nvml.add_process(4343, rig.gpu1, 30 * GIB)  # no managed container on GPU 1
     rig.proc_entry(4444, "/../../../../system.slice/some-daemon.service")
     rig.nvml.add_process(4444, rig.gpu0, GIB)  # a host process: no pod's, and said so
+    rig.proc_entry(4545, "/../../../../runtime.slice/containerd.service")
+    rig.nvml.add_process(4545, rig.gpu0, GIB)  # EKS AL2023's runtime: the host's too
     with caplog.at_level(logging.INFO, logger="kai_fractions.node.agent.usage"):
         rig.reconciler.check_usage()
         rig.reconciler.check_usage()
@@ -74,7 +77,8 @@ def test_a_process_whose_container_cannot_be_told_counts_the_watchdog_blind(
     assert rig.killer.calls == [] and rig.cluster.event_reasons(uid) == ["Applied"]
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("WARNING", f"GPU {rig.gpu0} runs 1 process(es) whose container the agent cannot tell "
-                    f"(pid 4242: its cgroup /../../../../docker/{CID_HEX} is relative to the "
+                    f"(pid 4242: its cgroup /../../../../custom-root/pod{uid}/{CID_HEX} is "
+                    "relative to the "
                     "agent's cgroup namespace and names no pod the agent can place): the "
                     "watchdog counts their memory for no container until it can"),
         ("INFO", f"the container of every process on GPU {rig.gpu0} can be told again")]
@@ -156,3 +160,24 @@ def test_a_stop_that_cannot_proceed_is_told_to_the_pod_once_per_episode(
         "Applied", "LimitViolation", "LimitEnforced", "LimitViolation"]
     assert "could not stop it: pid 4243: terminate failed;" in rig.cluster.events[-1]["message"]
     assert (stops_failed(rig, "drain"), stops_failed(rig, "terminate")) == (1, 1)
+
+
+@pytest.mark.parametrize("cgroup", [
+    "/../../../../runtime.slice/containerd.service",  # EKS AL2023
+    "/../../../../system/ext-nvidia-persistenced",  # Talos
+    "/../../../../docker/" + "d" * 64,  # Docker with the cgroupfs driver
+    "/../cri-containerd-" + "b" * 64 + ".scope",  # a sibling of the agent's own container
+])
+def test_a_host_or_own_pod_process_outside_the_usual_host_cgroups_is_no_pods(
+        short_tmp: Path, cgroup: str) -> None:
+    """A GPU process of the host or of the agent's own pod names no pod-shaped cgroup, seen
+    from the agent's cgroup namespace: it was counted as one whose container cannot be told
+    (ProcessContainerUnknown, the chart's KaiFractionsWatchdogBlind) for as long as it ran."""
+    rig = Rig(short_tmp, sm_sharing=False, watchdog_policy="kill")
+    uid = add_pod(rig)
+    rig.step()
+    rig.proc_entry(4646, cgroup)
+    rig.nvml.add_process(4646, rig.gpu0, 30 * GIB)
+    rig.reconciler.check_usage()
+    assert blind(rig, rig.gpu0, "ProcessContainerUnknown") is None
+    assert rig.killer.calls == [] and rig.cluster.event_reasons(uid) == ["Applied"]

@@ -101,11 +101,14 @@ def test_not_a_pod(path):
 
 
 @pytest.mark.parametrize(("path", "maybe"), [
-    # relative, naming no pod the parse places nor a host location: may be a pod's
-    (f"/../../../../docker/{CID}", True),
+    # relative, with a pod-shaped component (or kubepods) the parse cannot place: may be a
+    # pod's
     ("/../../kubepods-besteffort.slice", True),
     (f"/../../guaranteed/pod{UID}/{CID}", True),
-    ("/../../../../custom-root/something", True),
+    (f"/../../../../custom-root/pod{UID}/{CID}", True),
+    (f"/../../../../custom.slice/custom-burstable-pod{U_}.slice/x-{CID}.scope", True),
+    (f"/../../../../kubelet.slice/pod{'a' * 32}", True),
+    (f"/../../system.slice/pod{UID}/{CID}", True),
     # placed; the reader's own ancestors; the host's own cgroups; not relative at all
     (f"/../../pod{UID}/{CID}", False),
     ("/..", False),
@@ -117,6 +120,18 @@ def test_not_a_pod(path):
     ("/", False),
     ("/system.slice/containerd.service", False),
     (f"/docker/{CID}", False),
+    # no pod-shaped component past the `..`s: the host's, wherever the distribution puts its
+    # services, or the agent's own pod's (a sibling container): no pod's
+    ("/../../../../custom-root/something", False),
+    ("/../../../../runtime.slice/containerd.service", False),  # EKS AL2023
+    ("/../../../../system/ext-nvidia-persistenced", False),  # Talos
+    ("/../../../../podman/conmon", False),
+    (f"/../../../../docker/{CID}", False),  # cgroupfs Docker, not a kubelet's container
+    (f"/../cri-containerd-{CID}.scope", False),  # a sibling of the agent's container
+    (f"/../{CID}", False),  # the same with the cgroupfs driver
+    # shaped like a pod but not a pod UID: no pod's either
+    (f"/../../../../x/pod{UID[:-1]}/{CID}", False),
+    (f"/../../../../x/podcast-{CID}", False),
 ])
 def test_which_paths_may_hide_a_pod(path, maybe):
     assert may_be_a_pod(path) is maybe

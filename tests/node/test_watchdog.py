@@ -757,18 +757,20 @@ def test_cgroupfs_paths_seen_from_the_agents_cgroup_namespace_are_placed(proc):
 
 
 def test_a_process_whose_container_cannot_be_told_is_unplaced_not_nobodys(proc):
-    """A cgroup path relative to the agent's cgroup namespace that names no pod the parse can
-    place may be a managed container's: listed as unplaced (the agent counts the watchdog
-    blind there), never touched. One into the host's own cgroups is a host process."""
-    proc.add(100, f"0::/../../../../docker/{CID_A}\n")  # some layout the parse does not know
+    """A pod-shaped cgroup path relative to the agent's cgroup namespace that names no pod the
+    parse can place may be a managed container's: listed as unplaced (the agent counts the
+    watchdog blind there), never touched. One with nothing pod-shaped (the host's own cgroups,
+    a runtime's own container) is a host process."""
+    proc.add(100, f"0::/../../../../custom-root/pod{POD_A}/{CID_A}\n")  # a layout not parsed
     proc.add(101, "0::/../../../../system.slice/nvidia-persistenced.service\n")
+    proc.add(102, f"0::/../../../../docker/{CID_A}\n")  # Docker with cgroupfs: no kubelet's
     killer = RecordingKiller()
     dog = watchdog(proc, "kill", killer)
-    procs = {GPU0: [Proc(100, 10 * CAP), Proc(101, 10 * CAP)]}
+    procs = {GPU0: [Proc(100, 10 * CAP), Proc(101, 10 * CAP), Proc(102, 10 * CAP)]}
     report = dog.check(procs, managed())
     assert [(device, pid) for device, pid, _why in report.unplaced] == [(GPU0, 100)]
     assert "relative to the agent's cgroup namespace" in report.unplaced[0][2]
-    assert report.unmanaged == ((GPU0, 101),)
+    assert report.unmanaged == ((GPU0, 101), (GPU0, 102))
     assert report.violations == () and killer.calls == []
     assert dog.check(procs, managed()).unplaced == report.unplaced  # every check
 
@@ -836,6 +838,84 @@ def test_a_process_started_during_anothers_grace_period_is_judged_without_its_me
     third = dog.check({GPU0: [Proc(100, 2000 * MIB), Proc(101, 1100 * MIB)]}, managed())
     assert [(a.pid, a.outcome) for a in third.actions] == [(101, "signalled")]
     assert killer.calls == [100, 101]
+
+
+class ScriptedKiller(RecordingKiller):
+    """Every stop stays in progress until a test moves it on (`then`): the outcomes its next
+    `progress` reports."""
+
+    def __init__(self):
+        super().__init__()
+        self.next: list[tuple[int, str]] = []
+
+    def terminate(self, pid, still_ours):
+        super().terminate(pid, still_ours)
+        return "signalled"
+
+    def then(self, *changes: tuple[int, str]) -> None:
+        self.next = list(changes)
+
+    def progress(self):
+        changes, self.next = self.next, []
+        return changes
+
+
+def test_an_unkillable_process_s_memory_counts_again_in_judging_the_others(proc):
+    """100 survives SIGKILL (stuck in the kernel): `unkillable`, never signalled again, and its
+    memory stays in use for as long as it runs. Left out of the judgement as if on its way
+    out, it let any other process of the container use up to the whole cap beside it, for
+    ever: 101, over the cap with it, was never stopped."""
+    killer = ScriptedKiller()
+    dog = watchdog(proc, "kill", killer)
+    stuck = Proc(100, 2000 * MIB)
+    assert [(a.pid, a.outcome) for a in dog.check({GPU0: [stuck]}, managed()).actions] == [
+        (100, "signalled")]
+    # within the grace period, then the SIGKILL bound: its memory is on its way out
+    for outcome in (None, "escalated"):
+        if outcome is not None:
+            killer.then((100, outcome))
+        report = dog.check({GPU0: [stuck, Proc(101, 1000 * MIB)]}, managed())
+        assert [(a.pid, a.outcome) for a in report.actions] == (
+            [(100, outcome)] if outcome else [])
+        assert killer.calls == [100]
+    killer.then((100, "unkillable"))
+    report = dog.check({GPU0: [stuck, Proc(101, 1000 * MIB)]}, managed())
+    assert [v.used_bytes for v in report.violations] == [3000 * MIB]
+    assert [(a.pid, a.outcome) for a in report.actions] == [
+        (100, "unkillable"), (101, "signalled")]
+    assert killer.calls == [100, 101]  # 101 stopped; 100 never signalled again
+    # 101 on its way out: nothing new is stopped, the unkillable 100 is not signalled again
+    report = dog.check({GPU0: [stuck, Proc(101, 1000 * MIB)]}, managed())
+    assert report.actions == () and killer.calls == [100, 101]
+    # once both exit, their stops are over: a process that gets pid 100 again and goes over
+    # the cap is a new one, stopped as any other
+    killer.then((100, "killed"), (101, "terminated"))
+    assert [(a.pid, a.outcome) for a in dog.check({GPU0: []}, managed()).actions] == [
+        (100, "killed"), (101, "terminated")]
+    report = dog.check({GPU0: [Proc(100, 2000 * MIB)]}, managed())
+    assert [(a.pid, a.outcome) for a in report.actions] == [(100, "signalled")]
+    assert killer.calls == [100, 101, 100]
+
+
+def test_an_unkillable_process_alone_over_the_cap_is_not_signalled_again(proc):
+    """Its memory counts again, but it is never signalled again: a container over its cap with
+    nothing but the unkillable process stays a violation with no action."""
+    killer = ScriptedKiller()
+    dog = watchdog(proc, "kill", killer)
+    stuck = {GPU0: [Proc(100, 2000 * MIB), Proc(101, 10 * MIB)]}
+    dog.check({GPU0: [Proc(100, 2000 * MIB)]}, managed())
+    killer.then((100, "escalated"))
+    dog.check({GPU0: [Proc(100, 2000 * MIB)]}, managed())
+    killer.then((100, "unkillable"))
+    dog.check({GPU0: [Proc(100, 2000 * MIB)]}, managed())
+    for _ in range(3):
+        report = dog.check({GPU0: [Proc(100, 2000 * MIB)]}, managed())
+        assert report.violations and report.actions == ()
+    assert killer.calls == [100]
+    # a small process beside it takes the container over its cap only with the stuck one's
+    # memory, which is there to stay: it is stopped
+    report = dog.check(stuck, managed())
+    assert [(a.pid, a.outcome) for a in report.actions] == [(101, "signalled")]
 
 
 def deny_signals_to(monkeypatch, denied: set[int], sig: int | None = None) -> list:

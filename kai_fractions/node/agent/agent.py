@@ -7,7 +7,11 @@ the condition one last time (False, NotReconciling: the agent is stopping), clos
 stop the MPS control daemon only if this agent started it (the readiness markers that rely on
 it set aside first: `Reconciler.close`), close the Kubernetes connections
 (`PodSource.close`). Nothing is drained or released: the workloads keep running with their
-limits in force, and the next agent adopts them.
+limits in force, and the next agent adopts them. A worker that does not finish within the
+bound leaves the MPS daemon and NVML as they are (it may still be in them), but the markers
+that rely on a daemon this agent started are set aside all the same, the marker store closed
+first so that the late pass writes none back (`Reconciler.abandon`): that daemon runs in the
+agent's container and dies with it.
 """
 
 from __future__ import annotations
@@ -172,7 +176,9 @@ class NodeAgent:
             self.reconciler.close()
         else:
             log.error("the worker did not finish within %gs; the MPS daemon and NVML are left "
-                      "as they are", timeout)
+                      "as they are, and the markers that rely on a daemon this agent started "
+                      "are set aside (it dies with the agent's container)", timeout)
+            self.reconciler.abandon()
         self.metrics.close()
         if self.source is not None:  # last: the condition above went through its connections
             self.source.close()

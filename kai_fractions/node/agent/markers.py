@@ -15,7 +15,11 @@ tidy. The rules, in the order they are checked:
   limit on its pod's slice (`limit_missing`: read back absent or not the plan's, e.g. the
   cgroup was made again, and not set since); any other marker is removed (set aside when it
   names a plan), so a marker can never claim limits that are known not in force;
-- everything applied writes an `applied` marker with each container's plan digest.
+- everything applied writes an `applied` marker with each container's plan digest;
+- while the MPS control daemon is known not running, or stops with the agent, the markers that
+  vouch for a container whose caps rely on it are set aside (`Reconciler.set_aside_for_mps`),
+  decided from the plan where one is known, else from the marker itself
+  (`entry_relies_on_mps`: what its applied entry's message records).
 
 A marker of another boot of the host (or one without a boot ID, from an older agent) vouches
 for limits the reboot cleared: it counts as no marker, and is removed when read and, for every
@@ -37,6 +41,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,7 +67,7 @@ from ...marker import (
     write_marker,
 )
 from ..config import Mechanism
-from ..desired import ContainerKey, DesiredState
+from ..desired import ComputeEnforcement, ContainerKey, DesiredState
 from ..engine import ContainerResult, ContainerState
 from ..memory_limits import MEMORY_LIMIT_NOT_IN_FORCE
 from . import events as ev
@@ -86,12 +92,38 @@ class MarkerDecision:
 
 def _applied_message(result: ContainerResult, watchdog_stops: bool) -> str:
     # Deterministic (no times, no counters): an agent restart compares equal and rewrites
-    # nothing.
+    # nothing. `entry_relies_on_mps` reads it back: keep the two in step.
     mechanisms = ",".join(sorted(
         m.value if m is not Mechanism.WATCHDOG or watchdog_stops
         else f"{m.value} (reports, stops nothing)" for m in result.mechanisms)) or "none"
     compute = result.compute.value if result.compute is not None else "time-slicing"
     return f"limits in force: memory {mechanisms}; compute {compute}"
+
+
+_APPLIED_MESSAGE = re.compile(r"limits in force: memory (?P<memory>.+); compute (?P<compute>\S+)")
+_COMPUTE = frozenset(c.value for c in ComputeEnforcement)
+
+
+def entry_relies_on_mps(entry: ContainerMarker) -> bool:
+    """Whether an applied marker entry vouches for caps that rely on the MPS control daemon
+    (`engine.relies_on_mps`), as the entry itself records it: for an agent with no plan yet
+    (a fresh start) that finds the daemon not running. Every agent release wrote an applied
+    entry's message as `_applied_message` does, `limits in force: memory <mechanisms>; compute
+    <compute>`, so the rule reads it: compute other than `time-slicing` (`mps-namespace`,
+    `mps-client-env`: an MPS namespace or the MPS server enforces its share of the SMs), or
+    `mps-pinned` among the comma-separated memory mechanisms (its GPU's default pinned limit
+    is the daemon's). An entry that does not read so (another message, a compute this release
+    does not know) counts as relying on MPS: set aside, it only makes a gate wait until the
+    agent has applied the plan again, while kept it could release a workload uncapped. A
+    refused entry vouches for nothing (False)."""
+    if entry.state is not MarkerState.APPLIED:
+        return False
+    m = _APPLIED_MESSAGE.fullmatch(entry.message)
+    if m is None or m["compute"] not in _COMPUTE:
+        return True
+    mechanisms = {part.strip() for part in m["memory"].split(",")}
+    return (m["compute"] != ComputeEnforcement.TIME_SLICING.value
+            or Mechanism.MPS_PINNED.value in mechanisms)
 
 
 def decide(results: Mapping[str, ContainerResult], *, watchdog_stops: bool = True
@@ -165,6 +197,15 @@ _NOT_IN_FORCE = (
 )
 
 
+class MarkersClosed(Exception):
+    """`MarkerStore.write` after `MarkerStore.close`: the agent is stopping, and no marker may
+    be written any more."""
+
+
+CLOSE_WAIT_SECONDS = 5.0
+"""How long `MarkerStore.close` waits for a write in progress (a local file, fsynced)."""
+
+
 class MarkerStore:
     def __init__(self, root: str | os.PathLike[str], boot_id: str):
         self.root = Path(root)
@@ -172,6 +213,28 @@ class MarkerStore:
         """This boot's (`kai_fractions.marker.read_boot_id`): every marker written carries it."""
         self._stuck: set[str] = set()
         """Leftovers a tidy could not remove (warned once each)."""
+        self._write_lock = threading.Lock()
+        self._closed = False
+        """Latched by `close`: no marker is written after it."""
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, wait: float = CLOSE_WAIT_SECONDS) -> bool:
+        """Latches the store shut: every `write` from now on raises MarkersClosed. Called as the
+        agent stops, before it sets aside the markers that rely on its MPS control daemon, so
+        that a pass still running (a worker that overran its stop bound) cannot write one of
+        them back after the set-aside. Waits up to `wait` seconds for a write in progress to
+        end (it holds the lock), so the set-aside that follows sees its marker; False when one
+        did not end in time (it may still land: logged)."""
+        self._closed = True  # first: a write that takes the lock from now on refuses
+        if not self._write_lock.acquire(timeout=wait):
+            log.error("a readiness marker write in progress did not end within %gs of the "
+                      "agent's stop; it may land after the markers are set aside", wait)
+            return False
+        self._write_lock.release()
+        return True
 
     def read(self, uid: str) -> Marker | None:
         """The pod's marker of this boot; None when absent or unreadable (an unreadable one is
@@ -187,11 +250,17 @@ class MarkerStore:
 
     def write(self, uid: str, entries: Mapping[str, ContainerMarker],
               now: float | None = None) -> Path:
+        """Writes the pod's marker (and drops its set-aside one); raises MarkersClosed once the
+        store is closed (`close`)."""
         marker = Marker.build(uid, entries, boot_id=self.boot_id,
                               clock=(lambda: now) if now is not None else time.time)
-        path = write_marker(self.root, marker)
-        with contextlib.suppress(FileNotFoundError):  # this boot's word replaces it
-            (path.parent / SET_ASIDE_FILE).unlink()
+        with self._write_lock:
+            if self._closed:
+                raise MarkersClosed(f"pod {uid}: no marker is written: the node agent is "
+                                    "stopping")
+            path = write_marker(self.root, marker)
+            with contextlib.suppress(FileNotFoundError):  # this boot's word replaces it
+                (path.parent / SET_ASIDE_FILE).unlink()
         return path
 
     def set_aside_marker(self, uid: str) -> Marker | None:
@@ -372,6 +441,10 @@ class MarkerWriter:
         if existing is None or dict(existing.containers) != dict(decision.write):
             try:
                 self.store.write(uid, decision.write, now=self.clock())
+            except MarkersClosed as e:  # a pass that outlived the agent's stop
+                log.info("%s", e)
+                self._drop_stale(ref, existing, results, errors)
+                return False
             except (OSError, MarkerError) as e:  # this pod's marker only: the others go on
                 errors.add(MARKER_NOT_WRITTEN)
                 log.error("pod %s/%s: the readiness marker could not be written under %s: %s",

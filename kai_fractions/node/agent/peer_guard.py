@@ -8,7 +8,10 @@ privileged pod) is root too. So each connection's peer credentials decide:
 - a process in a pod's cgroup, other than the node agent's own pod, may read the node's state
   but not Provision, Release or Drain anything: a workload must not lift other pods' limits;
 - a process whose pid the agent cannot see (another pid namespace: SO_PEERCRED says 0) cannot be
-  told from a pod, so it is treated like one; so is one gone before the agent placed it.
+  told from a pod, so it is treated like one; so is one gone before the agent placed it, and
+  one whose cgroup, read from the agent's own cgroup namespace, has a pod-shaped component the
+  agent cannot place (`procfs.may_be_a_pod`). A relative cgroup with none (a host service
+  wherever the distribution puts it, a container of the agent's own pod) is the host's.
 
 Where a caller runs is read once, as its connection is accepted, and kept with its credentials:
 read at each call instead, a pod process could connect, fork, exit, and have its child call on
@@ -64,8 +67,9 @@ class Peer:
     placed: bool = True
     """False when its process could not be placed then (another pid namespace, or gone)."""
     hidden: str | None = None
-    """Its cgroup, when that is relative to the agent's cgroup namespace and names neither a
-    pod the parse can place nor a host cgroup (`procfs.may_be_a_pod`): it may be a pod's."""
+    """Its cgroup, when that is relative to the agent's cgroup namespace and has a pod-shaped
+    component the parse cannot place (`procfs.may_be_a_pod`): it may be a pod's. A relative
+    cgroup with none (a host service, a container of the agent's own pod) is the host's."""
 
 
 def peer_of(sock: socket.socket, procfs: Procfs) -> Peer:

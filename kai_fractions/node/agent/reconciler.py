@@ -16,6 +16,15 @@ that lacks pods the agent knew or holds markers for, until a consistent list con
 (`PodWatcher.confirm_absent`): a lagging cache must not clear a running pod's limits. While NVML
 is down nothing is planned or written either (a pass cannot verify anything); markers of pods
 that went away are still removed.
+
+One thing comes before all of those early returns: an MPS control daemon known not running
+(`MpsHealth.not_running`) took every cap that relies on it along, so the markers that vouch
+for such caps are set aside at once (`set_aside_for_mps`), whether or not the pass goes on to
+apply: from the last plan where there is one, from the markers themselves where there is none
+(a fresh agent whose daemon cannot start, before its first full pass). So are they on a pass
+that returns early while the daemon runs but was started by this agent since its last apply
+(`_fresh_daemon`: a fresh agent after a crash, whose daemon died with it): it holds none of
+them yet.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from ...marker import MarkerState, read_boot_id
+from ...marker import Marker, MarkerState, read_boot_id
 from ..cgroups import CgroupFs
 from ..config import Mechanism, NodeConfig, WatchdogPolicy
 from ..desired import ContainerDesired, ContainerKey, DesiredState
@@ -43,7 +52,7 @@ from ..watchdog import Killer, SignalKiller, Watchdog
 from .condition import Health
 from .events import EventRecorder
 from .kube import ClusterWriter
-from .markers import MarkerStore, MarkerWriter
+from .markers import MarkerStore, MarkerWriter, entry_relies_on_mps
 from .metrics import AgentMetrics, Usage
 from .mps_links import LegacyPipeLinks
 from .mps_supervisor import MpsHealth, MpsSupervisor, drain
@@ -140,6 +149,9 @@ class Reconciler:
         """The last inventory the metrics were set from: while NVML is down the view has none,
         and the series of a pod deleted meanwhile still have to go (`_forget_usage`)."""
         self.passes = 0
+        self._applied_on_start: int | None = None
+        """The supervisor's `starts` at the last apply that ran with the daemon usable: a daemon
+        this agent started after it holds nothing any apply made (`_fresh_daemon`)."""
 
     # -- the pass ---------------------------------------------------------------------------
 
@@ -173,10 +185,15 @@ class Reconciler:
                                      else (None, None))
         if mps_error is not None:
             errors.add(mps_error.reason)
+        if mps_error is not None and self.mps_health is not None and self.mps_health.not_running:
+            # Before any return below (pods not listed, a list not confirmed, NVML down): the
+            # caps went with the daemon whether or not this pass gets to apply.
+            self.set_aside_for_mps(_not_running_cause(mps_error))
         inventory = self.nvml_health.take(mps_namespaces)
         if inventory is None and self.nvml_health.error is not None:
             errors.add(self.nvml_health.error.reason)
         if not self.pods.cache.synced:
+            self._fresh_daemon()
             self._publish(inventory, mps_error, mps_namespaces, count=False)
             errors.add(NOT_LISTED)
             return PassReport(converged=False, errors=frozenset(errors))
@@ -185,6 +202,7 @@ class Reconciler:
         tidy = {"grace": self.options.marker_grace_seconds, "now": self.clock()}
         if not self.pods.cache.consistent:
             if not self._confirmed(live, tidy["now"], generation):
+                self._fresh_daemon()
                 self._publish(inventory, mps_error, mps_namespaces, count=False)
                 errors.add(UNCONFIRMED)
                 return PassReport(converged=False, errors=frozenset(errors))
@@ -192,11 +210,13 @@ class Reconciler:
             if self.pods.cache.generation != generation:
                 # Another list replaced the one confirmed while the consistent list was on its
                 # way: what it lacks is unconfirmed. The next pass checks it.
+                self._fresh_daemon()
                 self._publish(inventory, mps_error, mps_namespaces, count=False)
                 errors.add(UNCONFIRMED)
                 return PassReport(converged=False, errors=frozenset(errors))
         self.markers.remove_leftovers()
         if inventory is None:
+            self._fresh_daemon()
             self.pods.drop_gone(live, errors, release=False)
             self.markers.tidy(set(live), None, **tidy)  # which pods are fractional is unknown
             self._forget_usage(live)
@@ -213,6 +233,8 @@ class Reconciler:
         report = self.engine.apply(
             desired, mps_down=mps_error,
             mps_not_running=self.mps_health is not None and self.mps_health.not_running)
+        if self.mps is not None and mps_error is None:
+            self._applied_on_start = self.mps.starts
         inventory = inventory.with_compute_modes(report.compute_modes_set)
         errors.update(i.reason for i in report.issues)
         results = dict(report.containers)
@@ -247,6 +269,20 @@ class Reconciler:
         pending = any(r.state is ContainerState.PENDING for r in results.values())
         return PassReport(converged=converged and not pending and not errors,
                           errors=frozenset(errors), applied=True)
+
+    def _fresh_daemon(self) -> None:
+        """On a pass that returns before its apply: a daemon this agent started (`owned`) since
+        its last apply with the daemon usable (`_applied_on_start`; any, for an agent that has
+        not applied yet, as after a crash, whose daemon died with it) holds none of the caps a
+        marker written before vouches for (a daemon starts with no namespace, percentage or
+        pinned limit), and no apply put them on it yet: those markers are set aside as for a
+        daemon not running (`set_aside_for_mps`). A pass that applies needs none of this: it
+        puts everything back on the daemon, verified, before a marker is kept. An adopted
+        daemon (one that ran before this agent) holds what it held."""
+        if (self.mps is None or self.mps_health is None or not self.mps_health.owned
+                or self.mps.starts == self._applied_on_start):
+            return
+        self.set_aside_for_mps(_FRESH_DAEMON_CAUSE)
 
     def _confirmed(self, live: Mapping[str, object], now: float, generation: int) -> bool:
         """Whether the pods a list from the watch cache lacks may be taken for gone: those the
@@ -354,56 +390,117 @@ class Reconciler:
 
     def close(self, *, stop_mps: bool = True) -> None:
         """On shutdown, once the worker has stopped: stops the MPS control daemon if this agent
-        started it (`MpsHealth.stop`), after setting aside the readiness marker of every pod
-        whose caps rely on it (`set_aside_for_mps_stop`), then shuts NVML down."""
+        started it (`MpsHealth.stop`), after closing the marker store and setting aside the
+        readiness marker of every pod whose caps rely on it (`set_aside_for_mps_stop`), then
+        shuts NVML down."""
         if self.mps_health is not None and stop_mps:
             if self.mps_health.owned:
                 self.set_aside_for_mps_stop()
             self.mps_health.stop()
         self.nvml_health.shutdown()
 
-    def set_aside_for_mps_stop(self) -> list[str]:
-        """Before this agent stops the MPS control daemon it started: the marker of each pod
-        with a container that relies on it (`engine.relies_on_mps`: its MPS namespace and
-        percentage, its GPU's default pinned limit, its MPS server) is set aside, since all of
-        that goes with the daemon and no agent runs to say so until the next one's first
-        pass, which writes it again once it has applied them. Set aside, not removed: it
-        still holds the pod to its plan. Local file moves only (no API call: the shutdown's
-        time is bounded). Returns the pods' uids."""
-        desired = self.view.desired
-        if desired is None:
+    def abandon(self) -> list[str]:
+        """On shutdown when the worker did not finish its task within the stop's bound (a pass
+        stuck on NVML or the MPS control, say): the daemon and NVML are left as they are (the
+        worker may still be in them), but a daemon this agent started runs in its container and
+        dies with it all the same, so the markers that rely on it are set aside as at a clean
+        stop (`set_aside_for_mps_stop`: the store closed first, so the stuck pass, should it
+        end, writes none of them back). Called from another thread than the worker's: it
+        touches only the marker files and reads the last plan. Returns the pods' uids."""
+        if self.mps_health is None or not self.mps_health.owned:
             return []
+        return self.set_aside_for_mps_stop()
+
+    def set_aside_for_mps_stop(self) -> list[str]:
+        """Before this agent stops the MPS control daemon it started (or leaves it to die with
+        its container: `abandon`): closes the marker store (`MarkerStore.close`: no pass may
+        write a marker after this), then sets aside the markers of the pods that rely on the
+        daemon (`set_aside_for_mps`), since all of that goes with the daemon and no agent runs
+        to say so until the next one's first pass, which writes them again once it has applied
+        them. Local file moves only (no API call: the shutdown's time is bounded). Returns the
+        pods' uids."""
+        self.markers.close()
+        return self.set_aside_for_mps(_STOP_CAUSE)
+
+    def set_aside_for_mps(self, cause: str) -> list[str]:
+        """Sets aside the readiness marker of each pod with a container whose caps rely on the
+        MPS control daemon, which is not running or is about to stop (`cause`, for the log):
+        its MPS namespace and percentage, its GPU's default pinned limit, its MPS server
+        (`engine.relies_on_mps`). Which containers rely on it: the last plan's word
+        (`view.desired`) for the pods it names; for the pods it does not (every pod, for an
+        agent with no plan yet: a fresh start before its first full pass), what the marker
+        itself records (`markers.entry_relies_on_mps`). Only a marker with an applied entry of
+        such a container is set aside: a refusal vouches for nothing. Set aside, not removed:
+        it still holds the pod to its plan. Returns the pods' uids."""
+        desired = self.view.desired
         relying: dict[str, list[ContainerDesired]] = {}
-        for c in desired.containers:
-            if relies_on_mps(c):
-                relying.setdefault(c.key.pod_uid, []).append(c)
+        planned: set[str] = set()
+        if desired is not None:
+            planned = ({c.key.pod_uid for c in desired.containers}
+                       | {r.key.pod_uid for r in desired.refusals})
+            for c in desired.containers:
+                if relies_on_mps(c):
+                    relying.setdefault(c.key.pod_uid, []).append(c)
         done = []
-        for uid, containers in sorted(relying.items()):
-            names = {c.key.container for c in containers}
+        for uid in sorted(set(relying) | (self.markers.marked() - planned)):
             try:
                 marker = self.markers.read(uid)
-                if marker is None or not any(
-                        entry.state is MarkerState.APPLIED
-                        for name, entry in marker.containers.items() if name in names):
+                if marker is None:
+                    continue
+                names = _relying_entries(marker, relying.get(uid, []) if uid in planned else None)
+                if not names:
                     continue
                 moved = self.markers.set_aside(uid)
             except OSError as e:
-                log.error("pod %s: its readiness marker could not be set aside before the MPS "
-                          "control daemon stops (%s): a gate of the pod may release on it while "
-                          "no MPS cap is in force", uid, e)
+                log.error("pod %s: its readiness marker could not be set aside (%s): a gate of "
+                          "the pod may release on it while no MPS cap is in force (%s)", uid, e,
+                          cause)
                 continue
             if not moved:
                 continue
             done.append(uid)
-            log.warning(
-                "pod %s/%s: set aside its marker: an MPS cap is not in force for %s: the node "
-                "agent stopped, and its MPS control daemon with it (its namespaces, their "
-                "active-thread percentages and its default pinned limits go with it; a gate of "
-                "the pod waits); the next node agent writes the marker again once it has "
-                "applied them", containers[0].pod_namespace, containers[0].pod_name,
-                ", ".join(f"container {c.key.container} ({_stop_reason(c)})"
-                          for c in sorted(containers, key=lambda c: c.key.container)))
+            containers = relying.get(uid)
+            if containers:
+                who = f"pod {containers[0].pod_namespace}/{containers[0].pod_name}"
+                what = ", ".join(f"container {c.key.container} ({_stop_reason(c)})"
+                                 for c in sorted(containers, key=lambda c: c.key.container))
+            else:  # no plan names it: what its marker records
+                who = f"pod {uid}"
+                what = ", ".join(f"container {n} (its marker records MPS caps)" for n in names)
+            log.warning("%s: set aside its marker: an MPS cap is not in force for %s: %s", who,
+                        what, cause)
         return done
+
+
+def _relying_entries(marker: Marker, planned: list[ContainerDesired] | None) -> list[str]:
+    """The names of `marker`'s applied entries that vouch for caps relying on the MPS control
+    daemon: those of `planned` (the plan's containers of the pod that rely on it), or, with
+    no plan for the pod (None), those whose entry records it (`entry_relies_on_mps`)."""
+    if planned is not None:
+        names = {c.key.container for c in planned}
+        return sorted(n for n, e in marker.containers.items()
+                      if e.state is MarkerState.APPLIED and n in names)
+    return sorted(n for n, e in marker.containers.items() if entry_relies_on_mps(e))
+
+
+_STOP_CAUSE = ("the node agent stopped, and its MPS control daemon with it (its namespaces, "
+               "their active-thread percentages and its default pinned limits go with it; a "
+               "gate of the pod waits); the next node agent writes the marker again once it "
+               "has applied them")
+
+
+_FRESH_DAEMON_CAUSE = (
+    "the MPS control daemon runs, but this agent started it and has not applied anything on "
+    "it yet (a daemon starts with no namespace, active-thread percentage or default pinned "
+    "limit: those the marker vouched for went with the daemon before it; a gate of the pod "
+    "waits); the marker is written again once they are applied on it")
+
+
+def _not_running_cause(error: NodeError) -> str:
+    return (f"the MPS control daemon is not running ({error.reason}: {error.message}), and "
+            "its namespaces, their active-thread percentages and its default pinned limits "
+            "went with it (a gate of the pod waits); the marker is written again once a "
+            "daemon runs and they are applied again")
 
 
 def _stop_reason(c: ContainerDesired) -> str:
