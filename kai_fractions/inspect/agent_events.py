@@ -43,8 +43,11 @@ class AgentEvent:
     """Without the `container NAME: ` head (nor, for a refusal, its reason)."""
     at: float
     """When it was last seen, in seconds since the epoch."""
-    order: tuple[float, int, int]
-    """(at, resourceVersion, position in the list): the newest is the largest."""
+    order: tuple[float, int, int, int]
+    """(at, not a summary, resourceVersion, position in the list): the newest is the largest.
+    Times are whole seconds; within one, a summary of folded events (count > 1) ranks below a
+    single event, since it is created at its window's end (a higher resourceVersion) but
+    stamped with its last folded event's time, which may share the second of a later event."""
 
 
 def _when(event: Mapping[str, Any]) -> float | None:
@@ -66,6 +69,11 @@ def _version(event: Mapping[str, Any]) -> int:
         return -1
 
 
+def _count(event: Mapping[str, Any]) -> int:
+    count = event.get("count")
+    return count if isinstance(count, int) else 1
+
+
 def _is_agents(event: Mapping[str, Any]) -> bool:
     source = event.get("source") if isinstance(event.get("source"), Mapping) else {}
     return COMPONENT in (source.get("component"), event.get("reportingComponent"))
@@ -85,8 +93,9 @@ def agent_events(events: Iterable[Mapping[str, Any]], uid: str) -> tuple[AgentEv
         container, message = (named[1], named[2]) if named else ("", message)
         if reason == ev.REFUSED and (why := _REASON.fullmatch(message)):
             reason, message = why[1], why[2]
+        single = int(not _count(e) > 1)
         out.append(AgentEvent(container, STATES[str(e.get("reason"))], reason, message, at,
-                              (at, _version(e), position)))
+                              (at, single, _version(e), position)))
     return tuple(out)
 
 

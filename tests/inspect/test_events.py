@@ -152,3 +152,18 @@ def test_an_enforced_rows_reason_is_the_same_whatever_said_it() -> None:
     assert GATE_ONLY in gate_only.notes
     assert "enforced (gate)" in render(gate_only, "table")
     assert GATE_ONLY not in pod_report(released(), node(), AGENT_DOWN, events=by_events).notes
+
+
+def test_within_one_second_a_later_single_event_outranks_a_summary_created_after_it() -> None:
+    """Event times are whole seconds. An `Applied` summary is created at its window's end (a
+    higher resourceVersion) but stamped with its last folded event's second, which a
+    `MpsCapNotInForce` sent just after may share: the single event is the newer."""
+    lost = event(ev.MPS_CAP_NOT_IN_FORCE, SET_ASIDE, T0 + 60)
+    lost["metadata"]["resourceVersion"] = "101"
+    summary = event(ev.APPLIED, "container main: GPU limits in force (plan x) (and 11 more "
+                    "Applied event(s) of this pod in 600 s, not sent one by one)", T0 + 60,
+                    kind=ev.NORMAL)
+    summary["metadata"]["resourceVersion"], summary["count"] = "102", 12
+    assert newest(agent_events([lost, summary], UID), "main").reason == "MpsCapNotInForce"
+    summary["count"] = 1  # two single events in one second: the later written wins
+    assert newest(agent_events([lost, summary], UID), "main").reason == ev.APPLIED
