@@ -257,6 +257,23 @@ def test_the_rule_for_a_marker_entry(message: str, relies: bool) -> None:
 # -- a stop whose worker overruns its bound -----------------------------------------------------
 
 
+
+def _stuck_pass(rig: Rig) -> threading.Event:
+    """Starts a pass that waits, in its MPS health check, until the event returned is set: a
+    worker that overruns the agent's stop bound."""
+    entered, release = threading.Event(), threading.Event()
+    real = rig.mps.ensure_running
+
+    def stuck() -> bool:
+        entered.set()
+        release.wait()
+        return real()
+
+    rig.mps.ensure_running = stuck  # type: ignore[method-assign]
+    rig.agent.worker.mark_dirty()
+    assert entered.wait(5)
+    return release
+
 def test_a_worker_that_overruns_the_stop_bound_still_sets_the_markers_aside(
         short_tmp: Path) -> None:
     """The pass in progress is stuck (a hung control call, say) past the stop's bound: the
@@ -271,17 +288,7 @@ def test_a_worker_that_overruns_the_stop_bound_still_sets_the_markers_aside(
              what="both markers")
     assert rig.reconciler.mps_health.owned
     ts_marker = rig.marker_path(ts).read_text()
-    entered, release = threading.Event(), threading.Event()
-    real = rig.mps.ensure_running
-
-    def stuck() -> bool:
-        entered.set()
-        release.wait()
-        return real()
-
-    rig.mps.ensure_running = stuck  # type: ignore[method-assign]
-    rig.agent.worker.mark_dirty()
-    assert entered.wait(5)
+    release = _stuck_pass(rig)
     try:
         rig.agent.stop(timeout=0.2)  # the worker cannot finish: it waits for `release`
         assert rig.agent.worker.thread is not None and rig.agent.worker.thread.is_alive()
@@ -304,17 +311,7 @@ def test_an_adopted_daemon_keeps_its_markers_when_the_worker_overruns(short_tmp:
     uid = _sm_pod(rig)
     rig.agent.start()
     wait_for(lambda: rig.marker_path(uid).exists(), what="the marker")
-    entered, release = threading.Event(), threading.Event()
-    real = rig.mps.ensure_running
-
-    def stuck() -> bool:
-        entered.set()
-        release.wait()
-        return real()
-
-    rig.mps.ensure_running = stuck  # type: ignore[method-assign]
-    rig.agent.worker.mark_dirty()
-    assert entered.wait(5)
+    release = _stuck_pass(rig)
     try:
         rig.agent.stop(timeout=0.2)
         assert rig.marker_path(uid).exists() and _gate(rig, uid) is Outcome.RELEASE

@@ -86,6 +86,16 @@ def _agent(short_tmp: Path, cluster: FakeCluster, runner: Runner) -> tuple[NodeA
     return agent, daemon
 
 
+def _node(fake_nvml, short_tmp: Path
+          ) -> tuple[FakeCluster, Runner, NodeAgent, MpsDaemon]:
+    """One H100 on node-a, and an agent (not started) over the real legacy daemon."""
+    fake_nvml.add_gpu(GPU, memory_mib=81559)
+    cluster = FakeCluster()
+    cluster.add_node("node-a")
+    runner = Runner()
+    return (cluster, runner, *_agent(short_tmp, cluster, runner))
+
+
 def _pinned(daemon: MpsDaemon, logs: Path) -> bool:
     """The daemon holds the 20G default pinned limit of GPU 0 (asked until it answers: the
     legacy daemon turns a client away while it serves the agent's)."""
@@ -103,11 +113,7 @@ def _quit(daemon: MpsDaemon, logs: Path) -> None:
 
 def test_a_killed_daemon_that_cannot_be_started_again_sets_the_marker_aside(
         fake_nvml, short_tmp: Path) -> None:
-    fake_nvml.add_gpu(GPU, memory_mib=81559)
-    cluster = FakeCluster()
-    cluster.add_node("node-a")
-    runner = Runner()
-    agent, daemon = _agent(short_tmp, cluster, runner)
+    cluster, runner, agent, daemon = _node(fake_nvml, short_tmp)
     markers, logs = short_tmp / "markers", short_tmp / "log"
     agent.start()
     try:
@@ -138,11 +144,7 @@ def test_a_killed_daemon_that_cannot_be_started_again_sets_the_marker_aside(
 
 def test_a_graceful_stop_sets_the_marker_aside_before_its_daemon_quits(
         fake_nvml, short_tmp: Path) -> None:
-    fake_nvml.add_gpu(GPU, memory_mib=81559)
-    cluster = FakeCluster()
-    cluster.add_node("node-a")
-    runner = Runner()
-    agent, daemon = _agent(short_tmp, cluster, runner)
+    cluster, runner, agent, daemon = _node(fake_nvml, short_tmp)
     markers, logs = short_tmp / "markers", short_tmp / "log"
     agent.start()
     try:
