@@ -30,6 +30,7 @@ import pytest
 from kai_fractions.admission.metrics import OUTCOMES, REFUSALS, WEBHOOKS
 from tests.admission.certs import install, make_cert
 from tests.chart.render import CHART, NAMESPACE, find, kube_validate, one, render
+from tests.support.admission_metrics import FAMILIES as ADMISSION_FAMILIES
 from tests.support.admission_metrics import populated_admission_scrape
 from tests.support.agent_metrics import populated_scrape
 from tests.support.agent_process import AgentEnv
@@ -236,17 +237,7 @@ def test_the_admission_row_closes_the_dashboard_with_a_panel_per_family() -> Non
     placed = panels_by_row(board)
     admission = [p for row, p in placed if row == ADMISSION_ROW]
     read = {m for e in admission_side(board) for m in parse(e.expr).metrics}
-    for metric in ("kai_fractions_admission_reviews_total",
-                   "kai_fractions_admission_review_seconds_bucket",
-                   "kai_fractions_admission_requests_refused_total",
-                   "kai_fractions_admission_connections_open",
-                   "kai_fractions_admission_connections_limit",
-                   "kai_fractions_admission_connections_evicted_total",
-                   "kai_fractions_admission_connections_backlogged_total",
-                   "kai_fractions_admission_body_bytes_held",
-                   "kai_fractions_admission_body_bytes_budget",
-                   "kai_fractions_admission_draining",
-                   "process_resident_memory_bytes", "process_cpu_seconds_total"):
+    for metric in ADMISSION_FAMILIES:
         assert metric in read, metric
     assert admission and all(p["targets"] for p in admission)
     assert "kai_fractions_admission" not in " ".join(

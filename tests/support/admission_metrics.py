@@ -33,6 +33,14 @@ FAULT_UID = "kai-fractions-test-internal-error"
 FAULT = "a fault the test injected"
 REVIEWS = "kai_fractions_admission_reviews_total"
 REFUSED = "kai_fractions_admission_requests_refused_total"
+FAMILIES = (  # the samples a scrape holds of every family: the server's, and its process's
+    REVIEWS, "kai_fractions_admission_review_seconds_bucket", REFUSED,
+    "kai_fractions_admission_connections_open", "kai_fractions_admission_connections_limit",
+    "kai_fractions_admission_connections_evicted_total",
+    "kai_fractions_admission_connections_backlogged_total",
+    "kai_fractions_admission_body_bytes_held", "kai_fractions_admission_body_bytes_budget",
+    "kai_fractions_admission_draining",
+    "process_resident_memory_bytes", "process_cpu_seconds_total")
 SERVING_LINE = re.compile(r"serving /validate, /mutate and /healthz on https://127\.0\.0\.1:"
                           r"(\d+)$")
 METRICS_LINE = re.compile(r"metrics at (http://127\.0\.0\.1:\d+/metrics)$")
