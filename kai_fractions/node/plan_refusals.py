@@ -1,0 +1,277 @@
+"""The checks that refuse a container's plan on this node, each with a reason a user can act on.
+
+One check per rule: the pod's contract annotations (`_contract_refusals`), its GPUs on this node
+and not in MIG mode (`_device_refusal`), a memory tier that caps it (`_mechanisms`, `_no_cap`),
+its cgroup paths (`_cgroup_paths`), one compute mode and no memory overcommit per GPU
+(`_sharing_refusal`), its own MPS namespace (`_namespace_refusal`) and MPS mount
+(`_mount_refusal`). Each returns a `Refusal` or None; `kai_fractions.node.desired.plan_node`
+runs them in order and places what passes. They are kept apart from the placing so that each
+rule and its message reads on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from ..contract import (
+    MIB,
+    MPS_SERVER,
+    ComputeMode,
+    ContainerPlan,
+    ContainerShare,
+    ContractViolation,
+    parse_pod,
+    plan_container,
+)
+from ..contract import keys as k
+from .cgroups import ContainerId
+from .config import Mechanism, NodeConfig, WatchdogPolicy
+from .desired_state import ContainerKey, NodePod, Refusal, RefusalReason
+from .inventory import Inventory
+
+# The planner's logger: its records keep the name they had before the checks moved here.
+log = logging.getLogger("kai_fractions.node.desired")
+
+
+def _mib(n: int) -> str:
+    return f"{-(-n // MIB)} MiB"
+
+
+class _Candidate(NamedTuple):
+    pod: NodePod
+    share: ContainerShare | None
+    """None for an applied plan kept in force (`_hold`)."""
+    plan: ContainerPlan
+
+
+def _refuse(pod: NodePod, container: str, reason: RefusalReason, message: str,
+            final: bool = True) -> Refusal:
+    return Refusal(key=ContainerKey(pod.uid, container), pod_namespace=pod.view.namespace,
+                   pod_name=pod.view.name, reason=reason, message=message, final=final)
+
+
+def _contract_refusals(pod: NodePod, config: NodeConfig) -> tuple[list[_Candidate],
+                                                                  list[Refusal]]:
+    request = parse_pod(pod.view, config.keys)
+    refusals: list[Refusal] = []
+    if request.errors:
+        named = [s.container for s in request.shares]
+        named += [e.container for e in request.errors if e.container and e.container not in named]
+        if not named:
+            named = [e.container or "" for e in request.errors[:1]]
+        for name in dict.fromkeys(named):
+            mine = [e for e in request.errors if e.container in (name, None)]
+            text = "; ".join(str(e) for e in mine or request.errors)
+            refusals.append(_refuse(pod, name, RefusalReason.CONTRACT_INVALID,
+                                    f"the pod's GPU annotations are invalid: {text}; fix them "
+                                    "and recreate the pod"))
+        return [], refusals
+    candidates = []
+    for share in request.shares:
+        if not share.devices:
+            refusals.append(_refuse(
+                pod, share.container, RefusalReason.NOT_BOUND,
+                f"no GPU assigned yet: {config.keys.container(share.container, k.DEVICES)} "
+                "is missing; it is written by the scheduler's binder (KAI) or the "
+                "kai-fractions mirror when the pod is bound", final=False))
+            continue
+        try:
+            plan = plan_container(share, pod.uid, keys=config.keys,
+                                  mps_pipe_root=config.container_mps_pipe_root)
+        except ContractViolation as e:
+            refusals.append(_refuse(
+                pod, share.container, RefusalReason.CONTRACT_INVALID,
+                "the pod's GPU annotations cannot be planned: "
+                + "; ".join(str(x) for x in e.errors)))
+            continue
+        candidates.append(_Candidate(pod, share, plan))
+    return candidates, refusals
+
+
+def _device_refusal(c: _Candidate, inventory: Inventory, config: NodeConfig) -> Refusal | None:
+    pod, plan = c.pod, c.plan
+    missing = [u for u in plan.device_uuids if inventory.device(u) is None]
+    if missing:
+        here = ", ".join(inventory.uuids) or "none"
+        return _refuse(pod, plan.container, RefusalReason.DEVICE_NOT_ON_NODE,
+                       f"GPU {', '.join(missing)} assigned to this container is not on node "
+                       f"{config.node_name or '(this node)'} (GPUs here: {here}); the pod was "
+                       "bound with a stale or wrong device list: delete it so it is scheduled "
+                       "again")
+    mig = [u for u in plan.device_uuids if (d := inventory.device(u)) and d.mig_enabled]
+    if mig:
+        return _refuse(pod, plan.container, RefusalReason.MIG_NOT_SUPPORTED,
+                       f"GPU {', '.join(mig)} is in MIG mode: GPU memory limits and MPS sharing "
+                       "do not work on MIG; request a MIG slice instead of a fraction, or "
+                       "disable MIG on that GPU")
+    return None
+
+
+def _mechanisms(c: _Candidate, inventory: Inventory, config: NodeConfig, running: bool = False
+                ) -> frozenset[Mechanism] | Refusal:
+    pod, plan = c.pod, c.plan
+    wanted = config.memory_enforcement
+    sm = plan.compute_mode is ComputeMode.SM_SHARING
+    if sm and not config.sm_sharing:
+        return _refuse(pod, plan.container, RefusalReason.SM_SHARING_DISABLED,
+                       "the container asks for compute mode sm-sharing but this node runs "
+                       "without MPS (--no-sm-sharing): use time-slicing, or schedule it to a "
+                       "node with sm-sharing enabled")
+    hard = set()
+    if Mechanism.CGROUP in wanted and inventory.capabilities.memory_limits:
+        hard.add(Mechanism.CGROUP)
+    if Mechanism.MPS_PINNED in wanted and sm:
+        hard.add(Mechanism.MPS_PINNED)
+    watchdog = Mechanism.WATCHDOG in wanted
+    # A watchdog in report mode stops nothing: it is a second line beside a tier that caps (it
+    # reports the violations there), never the only one. A container it alone would watch runs
+    # without a cap, so it is refused rather than reported applied. One that runs already (applied
+    # before this rule) is refused too, and stays watched (`_report_only`, `Refusal.watched`).
+    if hard or (watchdog and config.watchdog_policy is WatchdogPolicy.KILL):
+        return frozenset(hard | ({Mechanism.WATCHDOG} if watchdog else set()))
+    return _refuse(pod, plan.container, RefusalReason.MEMORY_LIMITS_UNSUPPORTED,
+                   _no_cap(inventory, config, sm, running))
+
+
+def _report_only(refusal: Refusal, config: NodeConfig) -> bool:
+    """Whether `_mechanisms` refused the container because only a watchdog in report mode
+    would watch it (the watchdog is enabled, and nothing else would cap it)."""
+    return (refusal.reason is RefusalReason.MEMORY_LIMITS_UNSUPPORTED
+            and Mechanism.WATCHDOG in config.memory_enforcement
+            and config.watchdog_policy is WatchdogPolicy.REPORT)
+
+
+def _no_cap(inventory: Inventory, config: NodeConfig, sm: bool, running: bool = False) -> str:
+    """Why no enabled tier caps a container's GPU memory, and what would. `running`: the
+    container runs already, with this plan (applied before a report-mode watchdog was no tier):
+    nothing stops it now, and its next sandbox will not start."""
+    wanted = config.memory_enforcement
+    enabled = ",".join(sorted(m.value for m in wanted))
+    if not inventory.capabilities.memory_limits:
+        why = (f"NVIDIA driver {inventory.driver_version} has no cgroup GPU memory limits "
+               "(they need r615 or newer)")
+        fixes = ["upgrade the driver to r615 or newer"
+                 + ("" if Mechanism.CGROUP in wanted else " and add cgroup to "
+                    "--memory-enforcement")]
+    else:
+        why = "the cgroup tier is not enabled"
+        fixes = ["add cgroup to --memory-enforcement"]
+    if sm and Mechanism.MPS_PINNED not in wanted:
+        fixes.append("add mps-pinned to --memory-enforcement")
+    if Mechanism.WATCHDOG in wanted:  # in report mode: a kill watchdog would have capped it
+        also = (", mps-pinned applies to sm-sharing containers only"
+                if not sm and Mechanism.MPS_PINNED in wanted else "")
+        if running:  # applied before this rule: it runs, and nothing stops it
+            now = ("; this container was started before such a watchdog was refused and runs "
+                   "without a cap now: its processes are left running and their use over the "
+                   "cap is only reported (LimitViolation events), and it will not start again "
+                   "after its pod's sandbox restarts")
+            cap = "to cap it (the watchdog then stops what exceeds the cap)"
+        else:
+            now = " (the container would run without a cap)"
+            cap = "so that the watchdog caps the memory by stopping what exceeds it"
+        return (f"cannot cap this container's GPU memory: {why}{also}, and a watchdog with "
+                f"--watchdog-policy=report only reports use over the cap, it stops nothing{now}; "
+                f"set --watchdog-policy=kill (the chart's watchdog.policy: kill) {cap}, or "
+                f"{', or '.join(fixes)}")
+    pinned = " (mps-pinned applies to sm-sharing containers only)" if not sm else ""
+    kill = config.watchdog_policy is WatchdogPolicy.KILL
+    fixes.append("add watchdog to --memory-enforcement"
+                 + ("" if kill else " with --watchdog-policy=kill (a watchdog that only "
+                    "reports caps nothing)"))
+    return (f"cannot cap this container's GPU memory: {why} and --memory-enforcement={enabled} "
+            f"allows no fallback{pinned}; {', or '.join(fixes)}")
+
+
+def _cgroup_paths(c: _Candidate, config: NodeConfig) -> tuple[str, str | None] | Refusal:
+    pod, plan = c.pod, c.plan
+    layout = config.layout
+    try:
+        pod_path = layout.pod_path(pod.uid, pod.qos)
+    except ValueError as e:
+        return _refuse(pod, plan.container, RefusalReason.CONTRACT_INVALID,
+                       f"cannot name the pod's cgroup: {e}")
+    raw = pod.container_ids.get(plan.container)
+    if not raw:
+        return pod_path, None
+    try:
+        return pod_path, layout.container_path(pod.uid, pod.qos, ContainerId.parse(raw))
+    except ValueError:
+        # A runtime whose cgroup naming is unknown: the pod slice still carries the cap (only
+        # cudaMemGetInfo inside will report the physical total).
+        return pod_path, None
+
+
+def _namespace_refusal(c: _Candidate, namespaces: Mapping[str, ContainerKey],
+                       keys: k.Keys) -> Refusal | None:
+    """A second container naming an MPS namespace already planned for another: the webhook
+    names a fresh one per pod, so this is a copied annotation, and sharing it would hand the
+    newcomer the first one's pipe directory and compute cap. What runs keeps it. The message
+    does not name the holder (another tenant's pod); the agent's log does."""
+    name = c.plan.mps_namespace
+    holder = namespaces.get(name) if name else None
+    if holder is None or holder == ContainerKey(c.pod.uid, c.plan.container):
+        return None
+    log.warning("pod %s/%s: MPS namespace %s is already container %s of pod %s's: refused",
+                c.pod.view.namespace, c.pod.view.name, name, holder.container, holder.pod_uid)
+    key = keys.derived(c.plan.container, k.ADMITTED_MPS_NAMESPACE)
+    return _refuse(c.pod, c.plan.container, RefusalReason.MPS_NAMESPACE_TAKEN,
+                   f"MPS namespace {name} belongs to another container on this node; a pod may "
+                   f"not name another's namespace ({key}): recreate the pod so the admission "
+                   "webhook names one of its own")
+
+
+def _mount_refusal(c: _Candidate, config: NodeConfig) -> Refusal | None:
+    """A new sm-sharing container whose MPS mount is not where its plan's pipe directory is:
+    the pod was wired for another namespace than every plan now names (a component of another
+    release in between, say), and its clients would find no server there. Fail closed, with
+    the reason, rather than start it. The mounts of pods wired before per-pod namespaces (the
+    whole server directory, or the pipe root) still reach their directory; what runs is not
+    judged again."""
+    plan = c.plan
+    if c.share is None or not plan.mps_pipe_directory:
+        return None
+    root = config.container_mps_pipe_root.rstrip("/")
+    wider = (root, f"{root}/{MPS_SERVER}")
+    for path, sub in c.pod.mounts.get(plan.container, ()):
+        path = path.rstrip("/")
+        if path == plan.mps_pipe_directory and sub == plan.mps_namespace:
+            continue
+        if (path in wider and not sub) or not (path == root or path.startswith(root + "/")):
+            continue
+        return _refuse(c.pod, plan.container, RefusalReason.MPS_MOUNT_MISMATCH,
+                       f"the container mounts {path}" + (f" (subPath {sub})" if sub else "")
+                       + f" but its MPS pipe directory is {plan.mps_pipe_directory} (namespace "
+                       f"{plan.mps_namespace}): it was wired for another MPS namespace; "
+                       "recreate the pod once the admission webhook, the mirror and the node "
+                       "agents run the same release")
+    return None
+
+
+def _sharing_refusal(c: _Candidate, inventory: Inventory,
+                     modes: Mapping[str, tuple[ComputeMode, str]],
+                     requested: Mapping[str, int]) -> Refusal | None:
+    pod, plan = c.pod, c.plan
+    for uuid in plan.device_uuids:
+        held = modes.get(uuid)
+        if held is not None and held[0] is not plan.compute_mode:
+            return _refuse(
+                pod, plan.container, RefusalReason.COMPUTE_MODE_MIX,
+                f"GPU {uuid} already runs {held[0].value} ({held[1]}); one GPU runs one compute "
+                f"mode at a time, so this {plan.compute_mode.value} container cannot share it: "
+                "use the same compute mode as the GPU's other tenants or let the scheduler pick "
+                "another GPU")
+    for uuid in plan.device_uuids:
+        device = inventory.device(uuid)
+        assert device is not None
+        before = requested.get(uuid, 0)
+        if before + plan.request_bytes > device.memory_total:
+            return _refuse(
+                pod, plan.container, RefusalReason.MEMORY_OVERCOMMITTED,
+                f"GPU {uuid} has {_mib(device.memory_total)}; containers placed there before "
+                f"this one already request {_mib(before)}, and this one requests "
+                f"{_mib(plan.request_bytes)} more: the guarantees cannot all be kept; lower the "
+                "request or let the scheduler pick another GPU")
+    return None
