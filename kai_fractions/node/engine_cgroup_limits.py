@@ -1,0 +1,158 @@
+"""The cgroup step of one apply (`kai_fractions.node.engine`): the GPU memory limits on the pod
+slices and container cgroups its plan names, the sweep of stale ones, and what the report says
+of a slice limit known not in force.
+
+A mixin of the engine's `_Run`, which holds one apply's state: its methods use the run's `e`
+(the Engine: `cgroup_fs`, `layout`, `limits`, `_limited`, `_unlimited`, `_clean`,
+`_save_ledger`), `d` (the desired state), `devices`, `fail`, `leaf_pending`, `in_force`,
+`unset`, `writes`, `cleared` and `issues`. Separate from the MPS step: they share nothing
+but the run.
+"""
+
+from __future__ import annotations
+
+from .config import Mechanism
+from .desired import ContainerDesired, ContainerKey, LimitTarget
+from .engine_reports import Issue, _issue
+from .errors import NodeError, NvmlError
+from .memory_limits import MEMORY_LIMIT_NOT_IN_FORCE, LimitNotSet, limit_not_in_force
+from .nvml import MemoryLimits
+
+# Reasons the engine itself gives (NVML and MPS errors bring their own).
+CGROUP_NOT_FOUND = "CgroupNotFound"
+
+
+class CgroupLimitStep:
+    """The cgroup limits of `_Run` (see the module's docstring)."""
+
+    def _owners(self, target: LimitTarget) -> list[ContainerDesired]:
+        return [c for c in self.d.containers if c.key.pod_uid == target.pod_uid
+                and Mechanism.CGROUP in c.mechanisms
+                and (target.container is None or c.key.container == target.container)
+                and target.gpu_uuid in c.plan.device_uuids]
+
+    def cgroup_limits(self) -> None:
+        for c in self.d.containers:
+            if Mechanism.CGROUP in c.mechanisms and c.container_cgroup is None:
+                self.leaf_pending.add(c.key)
+        ready: list[tuple[LimitTarget, list[ContainerKey]]] = []
+        for t in self.d.limits:
+            keys = [c.key for c in self._owners(t)]
+            if not self.e.cgroup_fs.exists(t.path):
+                if t.container is None:
+                    self.fail(keys, NodeError(
+                        f"the pod's cgroup {t.path} does not exist yet (kubelet creates it when "
+                        "the pod starts on this node); the limits are applied as soon as it "
+                        "does. If it never appears, check --cgroup-root and --cgroup-driver "
+                        "against the kubelet's configuration", reason=CGROUP_NOT_FOUND))
+                else:
+                    self.leaf_pending.update(keys)
+                continue
+            ready.append((t, keys))
+        # Claimed before written: a crash in between leaves a claim, not a stray limit. A
+        # target no container applies (a refused pod's limit kept as the kernel holds it) is
+        # not claimed: the agent may not have set it.
+        self.e._limited.update((t.gpu_uuid, t.path) for t, keys in ready if keys)
+        self.save_ledger()
+        for t, keys in ready:
+            try:
+                write = self.e.limits.ensure(t)
+            except LimitNotSet as err:
+                if self._slice_owners(t):
+                    # Read back without the plan's limit, and not set: known not in force.
+                    self.e._unlimited[t] = err.before
+                    self.unset[t] = err.cause
+                    self.fail(keys, limit_not_in_force(t, err.before, err.cause))
+                else:
+                    # A container's own cgroup: the pod slice still caps it (the limit is
+                    # hierarchical), so this says nothing against its marker. (Or a target no
+                    # container of the pod's slice applies: a refused pod's kept limit.)
+                    self.fail(keys, err)
+                continue
+            except NvmlError as err:
+                # The read failed: that proves nothing of the limit in force (it may well be
+                # there, as the last pass left it), so the container is pending for it and its
+                # marker kept, unless an earlier pass knew the limit missing (`_unlimited`).
+                self.fail(keys, err)
+                continue
+            self.e._unlimited.pop(t, None)  # read back in force, or set now
+            self.e._clean.discard((t.gpu_uuid, t.path))
+            if write is not None:
+                self.writes.append(write)
+            for k in keys:
+                self.in_force.setdefault(k, []).append(t)
+
+    def _slice_owners(self, t: LimitTarget) -> list[ContainerDesired]:
+        """The containers `t` caps as their pod's slice: every cgroup-limited container of the
+        pod on its GPU (empty for a container's own cgroup, or a refused pod's kept limit)."""
+        if t.container is not None:
+            return []
+        return [c for c in self._owners(t) if c.pod_cgroup == t.path]
+
+    def limit_missing(self, c: ContainerDesired) -> tuple[LimitTarget, MemoryLimits] | None:
+        """A slice limit of `c`'s known not in force (`Engine._unlimited`), and what was read
+        back there; this pass's or an earlier one's."""
+        if Mechanism.CGROUP not in c.mechanisms:
+            return None
+        for t, before in self.e._unlimited.items():
+            if t.container is None and t.path == c.pod_cgroup \
+                    and t.gpu_uuid in c.plan.device_uuids:
+                return t, before
+        return None
+
+    def limit_error(self, missing: tuple[LimitTarget, MemoryLimits], error: NodeError
+                    ) -> NodeError:
+        """The error to report for a container whose slice limit is known not in force
+        (`limit_missing`): MEMORY_LIMIT_NOT_IN_FORCE, whatever failed first in this pass (it
+        is named in the message), so that its reason alone tells it from one pending for a
+        reason that keeps its marker."""
+        if error.reason == MEMORY_LIMIT_NOT_IN_FORCE:
+            return error
+        t, before = missing
+        cause = self.unset.get(t)
+        if cause is not None:
+            return limit_not_in_force(t, before, cause)
+        return limit_not_in_force(t, before, error, now=False)
+
+    def sweep_limits(self) -> None:
+        """Clear limits on the cgroups (and below) of our pods that no desired target names.
+        Ours: `DesiredState.owned_pods`, or a cgroup this engine limited; any other pod's
+        limit is left as it is (someone else set it)."""
+        if not any(Mechanism.CGROUP in c.mechanisms for c in self.d.containers):
+            try:
+                if not self.e.limits.supported():
+                    return
+            except NvmlError as e:
+                self.issues.append(_issue(e))
+                return
+        wanted = {(t.gpu_uuid, t.path) for t in self.d.limits}
+        gpus = [d.uuid for d in self.devices.values() if not d.mig_enabled]  # MIG: no limits
+        limited = self.e._limited
+        seen: set[str] = set()
+        for pc in self.e.layout.scan(self.e.cgroup_fs):
+            owned = pc.uid in self.d.owned_pods
+            for path in (pc.path, *pc.children):
+                seen.add(path)
+                for uuid in gpus:
+                    key = (uuid, path)
+                    if key in wanted or key in self.d.unread or key in self.e._clean \
+                            or not (owned or key in limited):
+                        continue
+                    try:
+                        write = self.e.limits.clear(uuid, path)
+                    except NvmlError as e:
+                        limited.add(key)  # ours (a marker may go before the next pass)
+                        self.issues.append(Issue(e.reason, f"could not clear the stale GPU "
+                                                 f"memory limit on {path}: {e.message}"))
+                        continue
+                    self.e._clean.add(key)
+                    limited.discard(key)
+                    if write is not None:
+                        self.writes.append(write)
+                        self.cleared.append(key)
+        # A removed cgroup took its limits with it.
+        limited.difference_update([key for key in limited if key[1] not in seen])
+        self.save_ledger()
+
+    def save_ledger(self) -> None:
+        self.issues.extend(i for i in self.e._save_ledger() if i not in self.issues)

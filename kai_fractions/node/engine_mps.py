@@ -1,0 +1,225 @@
+"""The MPS step of one apply (`kai_fractions.node.engine`): the daemon's default pinned limits,
+the sweep of stale namespaces, and what the report says of a container's MPS cap.
+
+A mixin of the engine's `_Run`, which holds one apply's state: its methods use the run's `e`
+(the Engine), `d` (the desired state), `mps_down`/`mps_gone`, `fail`, `unpinned`, `created`,
+`deleted`, `issues`, and the namespace methods (`namespaces`, `_uncap`) of
+`kai_fractions.node.engine_mps_namespaces`. Separate from the namespaces themselves (how one
+is made and its percentage put in force, the bulk of the work) and from the cgroup limits.
+Also the MPS control seam as the engine uses it (`MpsControlLike`) and which containers and
+namespaces rely on the daemon or are ours.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ..contract import is_mps_namespace_name
+from .config import Mechanism
+from .desired import ComputeEnforcement, ContainerDesired
+from .engine_reports import Issue, _issue
+from .errors import NodeError
+from .mps.errors import NAMESPACE_BUSY, MpsError
+from .mps_caps import (
+    CAP_NOT_IN_FORCE_REASONS,
+    MpsClientLike,
+    cap_gone_with_daemon,
+    cap_not_held,
+    cap_not_set_attached,
+    cap_not_verified,
+)
+from .mps_pinned import suspect_error
+
+# -- the MPS control seam as the engine uses it (kai_fractions.node.mps.control.MpsControl and
+# kai_fractions.sim.mps.FakeMpsControl both fit) ------------------------------------------------
+
+
+class MpsControlLike(Protocol):
+    def set_default_pinned_mem_limit(self, device_index: int, mib: int) -> str: ...
+    def get_default_pinned_mem_limit(self, device_index: int) -> str: ...
+    def namespace_create(self, name: str, *, exist_ok: bool = False) -> None: ...
+    def namespace_set_active_thread_percentage(self, name: str, pct: int) -> None: ...
+    def namespace_delete(self, name: str, *, missing_ok: bool = False) -> None: ...
+    def namespace_list(self) -> list[str]: ...
+    def client_list(self) -> list[MpsClientLike]: ...
+    def namespace_get_active_thread_percentage(self, name: str) -> float | None: ...
+
+
+# Reasons the engine itself gives (NVML and MPS errors bring their own).
+MPS_UNAVAILABLE = "MPSUnavailable"
+
+
+def relies_on_mps(c: ContainerDesired) -> bool:
+    """Whether what `c`'s plan needs in force relies on the node's MPS control daemon: an
+    sm-sharing container (its processes are MPS clients, its share of the SMs is an MPS
+    server's, even where no namespace or pinned limit is applied for it: a driver without
+    namespaces caps it by its client env alone), one with an MPS namespace, or an mps-pinned
+    one. When the daemon is not running, none of that is in force."""
+    return (c.compute is not ComputeEnforcement.TIME_SLICING or bool(c.mps_namespace)
+            or Mechanism.MPS_PINNED in c.mechanisms)
+
+
+def is_our_namespace(name: str) -> bool:
+    """Only namespaces the contract's naming makes are ours to delete, never an operator's."""
+    return is_mps_namespace_name(name)
+
+
+def _has_namespaces(mps: MpsControlLike) -> bool:
+    """Whether the daemon speaks the v3 protocol (namespaces); assumed when it cannot say."""
+    probe = getattr(mps, "supports_protocol_v3", None)
+    return True if probe is None else bool(probe())
+
+
+class MpsStep:
+    """The MPS step of `_Run` (see the module's docstring)."""
+
+    def mps(self) -> None:
+        # Every sm-sharing container: its processes are clients of the node's MPS server, even
+        # where no namespace or pinned limit is applied for it (a driver without namespaces
+        # caps it by its client env alone), so without a daemon no share is enforced.
+        needs_mps = [c for c in self.d.containers if relies_on_mps(c)]
+        if not needs_mps:
+            return
+        mps = self.e.mps
+        if mps is None:
+            self.fail((c.key for c in needs_mps), NodeError(
+                "the MPS control daemon is not available on this node (the agent runs without "
+                "MPS control): sm-sharing cannot be enforced; check the agent's MPS settings",
+                reason=MPS_UNAVAILABLE))
+            return
+        if self.mps_down is not None:
+            if self.mps_gone:
+                self.daemon_gone(needs_mps)
+            self.fail((c.key for c in needs_mps), self.mps_down)
+            return
+        self.pinned_limits(mps, needs_mps)
+        # A namespace is where a client attaches and an MPS server starts for it: made while
+        # the pinned limit is not known in force, it may let a server start without it.
+        wanted = [c for c in needs_mps if c.mps_namespace and c.key not in self.unpinned]
+        if not wanted:
+            return
+        try:
+            existing = set(mps.namespace_list())
+        except NodeError as e:
+            self.fail((c.key for c in wanted), e)
+            return
+        self.namespaces(mps, wanted, existing)
+        if self.created:
+            self.pinned_limits(mps, needs_mps, made=set(self.created))
+
+    def daemon_gone(self, needs_mps: list[ContainerDesired]) -> None:
+        """The MPS control daemon is not running (`mps_gone`): the namespaces of `needs_mps`
+        are known without their percentage (`_uncapped`, until one is made again and
+        verified), and the default pinned limits of their mps-pinned containers' GPUs lost
+        (`PinnedLimits.lost`, until a set succeeds)."""
+        for c in needs_mps:
+            if c.mps_namespace:
+                self._uncap(c.mps_namespace)
+        for g in self.d.gpus:
+            if g.mps_pinned_mib is not None and any(
+                    Mechanism.MPS_PINNED in c.mechanisms and g.uuid in c.plan.device_uuids
+                    for c in needs_mps):
+                self.e.pins.daemon_gone(g.index, g.uuid, g.mps_pinned_mib)
+
+    def pinned_limits(self, mps: MpsControlLike, needs_mps: list[ContainerDesired],
+                      made: set[str] | None = None) -> None:
+        """Each GPU's default pinned limit (`PinnedLimits.ensure`): its mps-pinned containers
+        are `unpinned` while it is not known in force. `made`: only the GPUs of the namespaces
+        this pass made, read back after the creates: a daemon someone else restarted in
+        between (the agent's own restarts come between passes) holds none, and a server
+        started in one would have none; those are made again (`_repin`) by a later pass."""
+        for g in self.d.gpus:
+            users = [c for c in needs_mps if Mechanism.MPS_PINNED in c.mechanisms
+                     and g.uuid in c.plan.device_uuids
+                     and (made is None or c.mps_namespace in made)]
+            if g.mps_pinned_mib is None or (made is not None and not users):
+                continue
+            try:
+                self.e.pins.ensure(mps, g.index, g.uuid, g.mps_pinned_mib,
+                                   [c.mps_namespace for c in users if c.mps_namespace])
+            except NodeError as e:
+                self.fail((c.key for c in users), e)
+                self.unpinned.update(c.key for c in users)
+            if made is None:
+                continue
+            self.e.pins.confirm(made)  # just made: there
+            for c in users:
+                if c.mps_namespace in self.e.pins.suspect:
+                    self.fail([c.key], suspect_error(c.mps_namespace or ""))
+
+    def sweep_namespaces(self) -> None:
+        """Delete MPS namespaces this engine made (by their name's shape) that no desired
+        container names. A namespace with clients attached stays until they exit."""
+        mps = self.e.mps
+        if mps is None:
+            return
+        try:
+            if not _has_namespaces(mps):
+                return
+            existing = mps.namespace_list()
+        except NodeError as e:
+            self.issues.append(_issue(e))
+            return
+        keep = self.d.mps_namespaces
+        for name in existing:
+            if not is_our_namespace(name) or name in keep:
+                continue
+            try:
+                mps.namespace_delete(name, missing_ok=True)
+                self.deleted.append(name)
+                self.e._namespace_gone(name)
+            except NodeError as e:
+                self.issues.append(Issue(e.reason, f"could not delete the stale MPS namespace "
+                                         f"{name}: {e.message}"))
+
+    def cap_missing(self, c: ContainerDesired) -> bool:
+        """What the engine knows, not only this pass: a pass failing before it reaches the
+        namespace or the pinned limit learns nothing that puts them right."""
+        name = c.mps_namespace
+        return (self.mps_gone and relies_on_mps(c)) or self.pin_lost(c) is not None or (
+            name is not None and (name in self.e._uncapped or name in self.e._fresh
+                                  or name in self.e.pins.suspect))
+
+    def pin_lost(self, c: ContainerDesired, since: NodeError | None = None
+                 ) -> MpsError | None:
+        """MpsPinnedLimitLost while a GPU of the mps-pinned container `c` is known to lack its
+        default pinned limit (`PinnedLimits.lost`); `since`: this pass's failure."""
+        if Mechanism.MPS_PINNED not in c.mechanisms:
+            return None
+        for g in self.d.gpus:
+            if g.uuid in c.plan.device_uuids and g.mps_pinned_mib is not None:
+                lost = self.e.pins.lost_error(g.index, since)
+                if lost is not None:
+                    return lost
+        return None
+
+    def pinned_gpus(self, c: ContainerDesired) -> list[int]:
+        """The indexes of the GPUs whose default pinned limit the mps-pinned container `c`
+        relies on."""
+        if Mechanism.MPS_PINNED not in c.mechanisms:
+            return []
+        return [g.index for g in self.d.gpus
+                if g.uuid in c.plan.device_uuids and g.mps_pinned_mib is not None]
+
+    def cap_error(self, c: ContainerDesired, error: NodeError) -> NodeError:
+        """The error to report for a container whose MPS cap is known not in force
+        (`cap_missing`): one of CAP_NOT_IN_FORCE_REASONS, so that its reason alone tells it
+        from one pending for a reason that keeps its marker. Where the step that failed first
+        was not about the cap (a client list, the daemon down), the cap's reason names it.
+        While the daemon is not running (`mps_gone`), that is what the message says."""
+        if self.mps_gone and self.mps_down is not None:  # the daemon, and the caps with it
+            return cap_gone_with_daemon(c.mps_namespace, c.active_thread_percentage,
+                                        self.mps_down, pinned=self.pinned_gpus(c))
+        if error.reason in CAP_NOT_IN_FORCE_REASONS:
+            return error
+        lost = self.pin_lost(c, error)
+        if lost is not None:
+            return lost
+        name, pct = c.mps_namespace or "", c.active_thread_percentage or 0
+        if name in self.e.pins.suspect:
+            return suspect_error(name, error=error)
+        if error.reason == NAMESPACE_BUSY:  # the daemon says clients are attached: uncapped
+            return cap_not_set_attached(name, pct, error)
+        if name in self.e._uncapped:
+            return cap_not_held(name, pct, error)
+        return cap_not_verified(name, pct, error)
