@@ -37,355 +37,64 @@ that process's stop only, is logged once, and is tried again at the next check.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import signal
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Protocol
-
-from kai_fractions.contract import MIB
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from .mps import errors as mps_errors
 from .mps.control import client_servers, end_client
 from .mps.daemon import Clock, SystemClock
 from .mps.errors import MpsError
+from .process_killer import Killer, SignalKiller, _errno, _why_failed
 from .procfs import (
     UNPINNED,
-    PidfdPin,
     Pin,
     PodContainer,
     Procfs,
     Unpinned,
     may_be_a_pod,
-    normalize_container_id,
     parse_cgroup_path,
 )
+from .watchdog_types import (
+    DRAIN,
+    DRAINED,
+    ESCALATED,
+    FAILED,
+    GONE,
+    KILL,
+    KILLED,
+    POLICIES,
+    REPORT,
+    SIGNALLED,
+    SKIPPED,
+    TERMINATE,
+    TERMINATED,
+    UNKILLABLE,
+    VIOLATION_REASON,
+    Action,
+    ContainerUsage,
+    GpuProcessLike,
+    ManagedContainer,
+    MpsClientLike,
+    MpsDrain,
+    OwnerUnknown,
+    Violation,
+    WatchdogReport,
+    _mib,
+)
+
+# The data types and constants live in `watchdog_types`, the killer in `process_killer`; they
+# are re-exported here for the agent, the simulated killer and the tests, which import them
+# from this module.
+__all__ = [
+    "DRAIN", "DRAINED", "ESCALATED", "FAILED", "GONE", "KILL", "KILLED", "POLICIES", "REPORT",
+    "SIGNALLED", "SKIPPED", "TERMINATE", "TERMINATED", "UNKILLABLE", "VIOLATION_REASON",
+    "Action", "ContainerUsage", "GpuProcessLike", "Killer", "ManagedContainer", "MpsClientLike",
+    "MpsDrain", "OwnerUnknown", "SignalKiller", "Violation", "Watchdog", "WatchdogReport",
+]
 
 log = logging.getLogger(__name__)
-
-REPORT = "report"
-KILL = "kill"
-POLICIES = (REPORT, KILL)
-
-VIOLATION_REASON = "GPUMemoryOverCap"
-
-# Action steps and outcomes
-DRAIN = "drain"
-TERMINATE = "terminate"
-DRAINED = "drained"
-"""MPS ended the client's outstanding GPU work."""
-SIGNALLED = "signalled"
-"""SIGTERM sent; it has the grace period to exit (its outcome comes at a later check)."""
-ESCALATED = "escalated"
-"""Still running when the grace period ended: SIGKILL sent (its outcome comes later)."""
-TERMINATED = "terminated"
-"""The process exited after SIGTERM."""
-KILLED = "killed"
-"""The process ignored SIGTERM for the grace period, got SIGKILL and exited."""
-UNKILLABLE = "unkillable"
-"""Still running some time after SIGKILL (uninterruptible sleep: stuck in the kernel or the
-driver); its GPU memory stays in use until it exits. Reported once, never signalled again."""
-GONE = "gone"
-"""The process had already exited."""
-SKIPPED = "skipped"
-"""Not touched: the pid no longer belongs to the container (exited, or reused)."""
-FAILED = "failed"
-"""The step could not be done (the detail says why); the process was left alone."""
-
-
-class GpuProcessLike(Protocol):
-    pid: int
-    used_bytes: int | None
-
-
-class MpsClientLike(Protocol):
-    pid: int
-
-
-class MpsDrain(Protocol):
-    """The part of MpsControl (or FakeMpsControl) the watchdog uses."""
-
-    def supports_protocol_v3(self) -> bool: ...
-
-    def client_list(self) -> Sequence[MpsClientLike]: ...
-
-    def client_terminate(self, pid: int) -> None: ...
-
-    def get_server_list(self) -> list[int]: ...
-
-    def get_client_list(self, server_pid: int) -> list[int]: ...
-
-    def terminate_client(self, server_pid: int, client_pid: int) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class ManagedContainer:
-    pod_uid: str
-    container_name: str
-    container_id: str | None
-    """The runtime's ID (`containerd://<hex>` or bare); None until the runtime reports one: the
-    container cannot be recognised from /proc until then, so nothing of it is touched."""
-    caps: Mapping[str, int] = field(default_factory=dict)
-    """GPU UUID -> cap in bytes. A GPU without a cap here is observed, never enforced."""
-    mps_client: bool = True
-    """Whether its processes may be MPS clients (sm-sharing: it mounts an MPS pipe
-    directory). A time-slicing container's cannot, so stopping one needs no word from MPS,
-    and a daemon that does not answer does not hold its kill."""
-    _key: tuple[str, str] | None = field(init=False, repr=False, compare=False, default=None)
-
-    def __post_init__(self) -> None:
-        # Computed once: every check looks the key up for every process.
-        key = (self.pod_uid.lower(), normalize_container_id(self.container_id)
-               ) if self.container_id else None
-        object.__setattr__(self, "_key", key)
-
-    @classmethod
-    def uniform(cls, pod_uid: str, container_name: str, container_id: str | None,
-                cap_bytes: int, device_uuids: Iterable[str], *,
-                mps_client: bool = True) -> ManagedContainer:
-        """The same cap on each assigned GPU (a fractional container's limit is per GPU)."""
-        return cls(pod_uid, container_name, container_id,
-                   MappingProxyType(dict.fromkeys(device_uuids, cap_bytes)), mps_client)
-
-    @property
-    def key(self) -> tuple[str, str] | None:
-        return self._key
-
-
-@dataclass(frozen=True, slots=True)
-class ContainerUsage:
-    """One managed container on one GPU, for metrics."""
-
-    pod_uid: str
-    container_name: str
-    container_id: str | None
-    device_uuid: str
-    used_bytes: int
-    cap_bytes: int | None
-    pids: tuple[int, ...] = ()
-    sm_percent: int | None = None
-    """Summed SM utilisation of its processes when the caller passed any; None otherwise."""
-    unknown_usage_pids: tuple[int, ...] = ()
-    """Processes whose usage the driver cannot tell (counted as 0 in `used_bytes`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Violation:
-    pod_uid: str
-    container_name: str
-    container_id: str | None
-    device_uuid: str
-    used_bytes: int
-    cap_bytes: int
-    pids: tuple[int, ...]
-
-    @property
-    def reason(self) -> str:
-        return VIOLATION_REASON
-
-    @property
-    def message(self) -> str:
-        return (f"container {self.container_name} of pod {self.pod_uid} uses "
-                f"{_mib(self.used_bytes)} of GPU memory on {self.device_uuid}, above its cap of "
-                f"{_mib(self.cap_bytes)} (pids {', '.join(map(str, self.pids))})")
-
-
-@dataclass(frozen=True, slots=True)
-class Action:
-    pid: int
-    device_uuid: str
-    pod_uid: str
-    container_name: str
-    step: str
-    """`drain` or `terminate`."""
-    outcome: str
-    detail: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class WatchdogReport:
-    checked_at: float
-    violations: tuple[Violation, ...] = ()
-    usage: tuple[ContainerUsage, ...] = ()
-    """One row per managed container and GPU listed in the check: none for a GPU whose
-    processes were not given (unknown, not 0)."""
-    actions: tuple[Action, ...] = ()
-    unmanaged: tuple[tuple[str, int], ...] = ()
-    """(GPU UUID, pid) of GPU processes of no managed container: left alone, listed for logs."""
-    unplaced: tuple[tuple[str, int, str], ...] = ()
-    """(GPU UUID, pid, why) of GPU processes whose container cannot be told: they may be a
-    managed container's, so the watchdog is blind to them (never touched)."""
-
-
-@dataclass(frozen=True, slots=True)
-class OwnerUnknown:
-    """A live process whose pod the watchdog cannot tell (see the module's docstring)."""
-
-    why: str
-
-
-def _mib(n: int) -> str:
-    return f"{-(-n // MIB)} MiB"
-
-
-# ---------------------------------------------------------------------------- the kill seam
-
-
-class Killer(Protocol):
-    def terminate(self, pid: int, still_ours: Callable[[], bool]) -> str:
-        """Starts stopping `pid` if `still_ours()` (checked once the process is pinned), without
-        waiting for it; returns one of SIGNALLED (in progress), TERMINATED, KILLED, GONE,
-        SKIPPED, FAILED."""
-        ...
-
-    def progress(self) -> Iterable[tuple[int, str]]:
-        """Moves every stop in progress on (escalation after the grace period) and returns
-        (pid, outcome) for those whose state changed: ESCALATED, TERMINATED, KILLED,
-        UNKILLABLE, FAILED (SIGKILL could not be sent: the stop is dropped)."""
-        ...
-
-
-def _why_failed(killer: Killer, pid: int) -> str:
-    """Why the killer's last step for `pid` FAILED, when it says (`SignalKiller.why`)."""
-    why = getattr(killer, "why", None)
-    return why(pid) if callable(why) else ""
-
-
-@dataclass(slots=True)
-class _Stop:
-    pin: PidfdPin
-    deadline: float
-    """Monotonic: SIGKILL is due (after SIGTERM), or the process counts as unkillable."""
-    killed: bool = False
-    reported: bool = False
-
-
-class SignalKiller:
-    """SIGTERM now; SIGKILL once `grace` seconds have passed; UNKILLABLE when the process still
-    runs `kill_bound` seconds after that. Nothing waits: `progress()` (every watchdog check)
-    moves each stop on. Through a pidfd: the process is pinned before its ownership is
-    re-checked, and held until it exits, so a pid reused meanwhile is never signalled."""
-
-    def __init__(self, clock: Clock | None = None, grace: float = 5.0,
-                 kill_bound: float = 10.0, *, same_pid_namespace: bool = True):
-        self.clock: Clock = clock or SystemClock()
-        self.grace = grace
-        self.kill_bound = kill_bound
-        self.same_pid_namespace = same_pid_namespace
-        """Whether the pids it is given (NVML's, read against the agent's /proc root) are this
-        process's: when the root is another namespace's /proc, a pid here names some other
-        process, and nothing is signalled."""
-        self._stops: dict[int, _Stop] = {}
-        self._why: dict[int, str] = {}
-        """pid -> why its last step FAILED, until `why` is asked."""
-        self._logged: dict[int, str] = {}
-        """pid -> the failure last logged for it: the same one again is not (every check
-        retries a stop that failed)."""
-
-    @property
-    def in_progress(self) -> frozenset[int]:
-        return frozenset(self._stops)
-
-    def terminate(self, pid: int, still_ours: Callable[[], bool]) -> str:
-        if pid <= 1 or pid == os.getpid():
-            return SKIPPED
-        if pid in self._stops:  # already being stopped: never signalled twice
-            stop = self._stops[pid]
-            return UNKILLABLE if stop.reported else ESCALATED if stop.killed else SIGNALLED
-        if not self.same_pid_namespace:
-            return self._failed(
-                pid, "the agent's /proc root is not of its own pid namespace, so that pid may "
-                "name another process here (run the agent with hostPID, as the chart does)")
-        try:
-            pin = PidfdPin(os.pidfd_open(pid))
-        except ProcessLookupError:
-            self._logged.pop(pid, None)
-            return GONE
-        except OSError as exc:
-            return self._failed(pid, f"pidfd_open: {_errno(exc)}")
-        if not still_ours():
-            pin.close()
-            return SKIPPED
-        error = self._signal(pin.fd, signal.SIGTERM)
-        if error is not None:
-            pin.close()
-            if isinstance(error, ProcessLookupError):
-                return GONE
-            return self._failed(pid, f"SIGTERM: {_errno(error)}")
-        self._logged.pop(pid, None)
-        self._stops[pid] = _Stop(pin, self.clock.monotonic() + self.grace)
-        return SIGNALLED
-
-    def why(self, pid: int) -> str:
-        """Why the last step for `pid` FAILED (once: it is forgotten as it is read)."""
-        return self._why.pop(pid, "")
-
-    def _failed(self, pid: int, why: str) -> str:
-        """A step that could not be done: logged the first time it fails so (a stop that failed
-        is tried again at every check), kept for `why`, reported FAILED."""
-        if self._logged.get(pid) != why:
-            log.warning("cannot stop pid %d: %s", pid, why)
-            self._logged[pid] = why
-            while len(self._logged) > 4096:  # pids that failed once and went: the oldest go
-                del self._logged[next(iter(self._logged))]
-        else:
-            log.debug("cannot stop pid %d (again): %s", pid, why)
-        self._why[pid] = why
-        while len(self._why) > 4096:
-            del self._why[next(iter(self._why))]
-        return FAILED
-
-    def progress(self) -> list[tuple[int, str]]:
-        now = self.clock.monotonic()
-        changed: list[tuple[int, str]] = []
-        for pid, stop in list(self._stops.items()):
-            if stop.pin.exited():
-                changed.append((pid, KILLED if stop.killed else TERMINATED))
-                self._drop(pid)
-            elif now < stop.deadline:
-                continue
-            elif not stop.killed:
-                error = self._signal(stop.pin.fd, signal.SIGKILL)
-                if isinstance(error, ProcessLookupError):
-                    changed.append((pid, TERMINATED))  # exited just now
-                    self._drop(pid)
-                    continue
-                if error is not None:
-                    # Not signalled: the stop is over, FAILED; a check that still sees the
-                    # process over its cap starts another.
-                    changed.append((pid, self._failed(pid, f"SIGKILL: {_errno(error)}")))
-                    self._drop(pid)
-                    continue
-                stop.killed, stop.deadline = True, now + self.kill_bound
-                changed.append((pid, ESCALATED))
-            elif not stop.reported:
-                # Kept (pinned) until it exits: then reported KILLED, and never signalled again.
-                stop.reported = True
-                changed.append((pid, UNKILLABLE))
-        return changed
-
-    def _drop(self, pid: int) -> None:
-        self._stops.pop(pid).pin.close()
-
-    @staticmethod
-    def _signal(fd: int, sig: int) -> OSError | None:
-        """None when sent; the error otherwise: ProcessLookupError (it exited), or any other
-        (a PermissionError from an LSM such as AppArmor or SELinux), which fails the step."""
-        try:
-            signal.pidfd_send_signal(fd, sig)
-        except OSError as exc:
-            return exc
-        return None
-
-
-def _errno(exc: OSError) -> str:
-    """`EPERM (Operation not permitted)`: the errno's name, and what it says."""
-    name = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno is not None else \
-        type(exc).__name__
-    return f"{name} ({exc.strerror or exc})"
 
 
 # ---------------------------------------------------------------------------- the watchdog

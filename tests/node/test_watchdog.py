@@ -444,7 +444,7 @@ def test_a_process_that_survives_sigkill_is_reported_once_and_never_signalled_ag
         monkeypatch):
     """A process in uninterruptible sleep (stuck in the kernel or the driver) outlives
     SIGKILL: it is reported `unkillable` (not `killed`), once, and not signalled again."""
-    import kai_fractions.node.watchdog as wd
+    import kai_fractions.node.process_killer as wd
 
     class Stuck(wd.PidfdPin):
         def exited(self) -> bool:
