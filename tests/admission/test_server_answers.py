@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kai_fractions.admission import server
+from kai_fractions.admission import handler, server
 from kai_fractions.admission.review import allow
 
 from .conftest import Webhook
@@ -49,7 +49,7 @@ def test_an_answer_holds_its_room_until_it_is_written(
         webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
     """The answer (4 MB for a body of a few KiB) is counted in the budget while its peer has
     not read it, and given back once written. It was given back before the write."""
-    monkeypatch.setattr(server, "BODY_GRACE", 60.0)  # however slowly this test reads it
+    monkeypatch.setattr(handler, "BODY_GRACE", 60.0)  # however slowly this test reads it
     _answer_of(monkeypatch, 3_000_000)
     budget = webhook.server.bodies
     sock = _non_reader(webhook)
@@ -69,9 +69,9 @@ def test_an_answer_not_read_in_time_is_cut_and_its_room_given_back(
         webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
     """Its write must end within BODY_GRACE + its length / BODY_RATE: then the connection is
     closed and what it held is free. It could wait IO_TIMEOUT for each send."""
-    monkeypatch.setattr(server, "BODY_GRACE", 0.5)
-    monkeypatch.setattr(server, "BODY_RATE", 8 * 1024 * 1024)
-    monkeypatch.setattr(server, "IO_TIMEOUT", 600.0)
+    monkeypatch.setattr(handler, "BODY_GRACE", 0.5)
+    monkeypatch.setattr(handler, "BODY_RATE", 8 * 1024 * 1024)
+    monkeypatch.setattr(handler, "IO_TIMEOUT", 600.0)
     _answer_of(monkeypatch, 6_000_000)  # 8 MB: more than the socket buffers hold
     budget = webhook.server.bodies
     sock = _non_reader(webhook)

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
+from kai_fractions.admission import connections as connection_table
+from kai_fractions.admission import handler, server
 from kai_fractions.admission import review as reviews
-from kai_fractions.admission import server
 from kai_fractions.admission.review import allow
 
 from .conftest import Webhook
@@ -68,7 +69,7 @@ def test_a_body_over_the_api_servers_own_limit_is_refused_unread(webhook: Webhoo
 
 def test_a_body_that_does_not_arrive_in_time_is_a_408(webhook: Webhook,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server, "BODY_GRACE", 0.5)
+    monkeypatch.setattr(handler, "BODY_GRACE", 0.5)
     status, text = send(webhook, b'{"apiVersion"', length=1000)
     assert (status, text) == (408, "the body did not arrive within 0.5 s (13 of 1000 bytes): a "
                                    "body must come within 0.5 s and 1 s more per 1 MiB\n")
@@ -96,7 +97,7 @@ def test_slow_senders_hold_no_room_and_are_cut_at_the_body_rate(
     that came, and are cut when they fall behind the body rate: a real review sent meanwhile
     is answered, not kept waiting for room (it waited QUEUE_WAIT for a body slot, then got 503,
     while MAX_BODIES slow senders held theirs for 10 s each)."""
-    monkeypatch.setattr(server, "QUEUE_WAIT", 1.0)
+    monkeypatch.setattr(handler, "QUEUE_WAIT", 1.0)
     answers: list[tuple[int, str]] = []
     stop = threading.Event()
     slow = [threading.Thread(target=_trickle, args=(webhook, 100_000, answers, stop),
@@ -267,7 +268,7 @@ def test_a_body_waits_for_room_only_while_it_holds_none(
     """A body that has some of the budget and finds no room for more is answered 503 at once
     (bodies waiting on each other while each holds a part could hold it all, for QUEUE_WAIT);
     one that has none waits for room."""
-    monkeypatch.setattr(server, "QUEUE_WAIT", 30.0)
+    monkeypatch.setattr(handler, "QUEUE_WAIT", 30.0)
     budget = webhook.server.bodies
     assert budget.take(budget.size - 20_000, timeout=0)
     try:
@@ -304,7 +305,7 @@ def _hold(slots: str, webhook: Webhook) -> Any:
 def test_a_webhook_without_room_answers_503_and_serves_again_once_it_has(
         webhook: Webhook, monkeypatch: pytest.MonkeyPatch, slots: str) -> None:
     """With a Retry-After: the API server's client retries a 5xx only with one."""
-    monkeypatch.setattr(server, "QUEUE_WAIT", 0.3)
+    monkeypatch.setattr(handler, "QUEUE_WAIT", 0.3)
     give_back = _hold(slots, webhook)
     try:
         status, text, headers = exchange(webhook, review(pod()))
@@ -385,7 +386,7 @@ def test_a_review_on_its_way_is_never_cut_off_for_a_new_connection(
     """Connections whose handshake or request is on its way (as in a burst of pod creations)
     keep their place: a new connection past the limit waits to be accepted (it was accepted
     and the connection that had waited longest was closed, its review unanswered)."""
-    monkeypatch.setattr(server, "PENDING_GRACE", 30.0)
+    monkeypatch.setattr(connection_table, "PENDING_GRACE", 30.0)
     webhook.server.connections.limit = 4
     first = [_tls(webhook) for _ in range(4)]  # handshakes done, requests not sent yet
     try:
@@ -408,7 +409,7 @@ def test_a_burst_of_reviews_past_the_connection_limit_is_answered_whole(
     """Eight times the limit of fresh connections at once, each sending its review a moment
     after its handshake: every one is answered 200 (past the limit they wait to be accepted),
     none closed unanswered."""
-    monkeypatch.setattr(server, "PENDING_GRACE", 30.0)
+    monkeypatch.setattr(connection_table, "PENDING_GRACE", 30.0)
     webhook.server.connections.limit = 8
 
     def client() -> int:
@@ -427,7 +428,7 @@ def test_a_connection_flood_costs_at_most_the_connection_limit_in_threads(
     """Connections that never start TLS (or idle keep-alives) hold a thread each: past the
     limit, one that has waited PENDING_GRACE on its peer makes way, the oldest first, and a
     real review is still served."""
-    monkeypatch.setattr(server, "PENDING_GRACE", 0.2)
+    monkeypatch.setattr(connection_table, "PENDING_GRACE", 0.2)
     webhook.server.connections.limit = 4
     threads_before = threading.active_count()
     flood = [socket.create_connection(("127.0.0.1", webhook.port), timeout=5)
@@ -451,7 +452,7 @@ def test_when_every_connection_is_being_served_a_new_one_waits_to_be_accepted(
     """Requests whose bodies are on their way are being served (each within its body's
     deadline, and less than PENDING_GRACE behind the body rate): a new connection is not
     accepted until one ends, with a warning, once a minute. It was closed at once."""
-    monkeypatch.setattr(server, "BODY_GRACE", 1.0)
+    monkeypatch.setattr(handler, "BODY_GRACE", 1.0)
     webhook.server.connections.limit = 2
     served = []
     for _ in range(2):
@@ -483,8 +484,8 @@ def test_a_body_that_does_not_come_makes_way_for_a_new_connection(
         webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
     """Headers announcing a body, then nothing: once PENDING_GRACE behind the body rate, its
     place may be taken. It was a request being served, its place held until its 408."""
-    monkeypatch.setattr(server, "PENDING_GRACE", 0.2)
-    monkeypatch.setattr(server, "BODY_GRACE", 60.0)  # no 408 meanwhile
+    monkeypatch.setattr(connection_table, "PENDING_GRACE", 0.2)
+    monkeypatch.setattr(handler, "BODY_GRACE", 60.0)  # no 408 meanwhile
     webhook.server.connections.limit = 1
     with _tls(webhook) as stalled:
         stalled.sendall(b"POST /validate HTTP/1.1\r\nHost: webhook\r\n"
@@ -500,8 +501,8 @@ def test_a_body_coming_at_the_body_rate_keeps_its_place(
         webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
     """However long it takes, a body ahead of BODY_RATE is never behind it: a new connection
     waits for its place, and both are answered."""
-    monkeypatch.setattr(server, "PENDING_GRACE", 1.0)
-    monkeypatch.setattr(server, "BODY_RATE", 10_000)
+    monkeypatch.setattr(connection_table, "PENDING_GRACE", 1.0)
+    monkeypatch.setattr(handler, "BODY_RATE", 10_000)
     webhook.server.connections.limit = 1
     body = json.dumps({**json.loads(review(pod())), "padding": " " * 30_000}).encode()
 
@@ -529,7 +530,7 @@ def test_a_keep_alive_whose_next_request_has_begun_is_no_longer_idle(
         webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
     """Once a byte of its next request has come, the API server's keep-alive is not a place to
     take at once: a new connection waits for it to be answered (it was closed mid-request)."""
-    monkeypatch.setattr(server, "PENDING_GRACE", 30.0)
+    monkeypatch.setattr(connection_table, "PENDING_GRACE", 30.0)
     webhook.server.connections.limit = 1
     with _tls(webhook) as sock:
         assert _review_over(sock) == 200
@@ -554,7 +555,7 @@ def test_on_drain_a_connection_that_sends_no_request_holds_it_only_pending_grace
     """A connection accepted before the listener closed, that never sends a request, is closed
     after PENDING_GRACE: the drain ends then (it waited its whole timeout, and said some
     request was not answered)."""
-    monkeypatch.setattr(server, "PENDING_GRACE", 0.3)
+    monkeypatch.setattr(connection_table, "PENDING_GRACE", 0.3)
     with socket.create_connection(("127.0.0.1", webhook.port), timeout=5) as silent, \
             _tls(webhook) as quiet:
         _wait_for(lambda: _states(webhook) == [server.NEW] * 2)
@@ -569,7 +570,7 @@ def test_on_drain_a_request_begun_within_pending_grace_is_answered(
     """The API server sends its request at once after its handshake: one that begins within
     PENDING_GRACE of its connection is answered (with Connection: close) before the drain
     ends."""
-    monkeypatch.setattr(server, "PENDING_GRACE", 3.0)
+    monkeypatch.setattr(connection_table, "PENDING_GRACE", 3.0)
     with _tls(webhook) as sock:
         _wait_for(lambda: _states(webhook) == [server.NEW])
         drain, drained = _in_thread(lambda: webhook.server.drain(timeout=10))
@@ -612,7 +613,7 @@ def test_a_peer_that_reads_its_answers_slowly_is_waited_on_and_can_make_way(
     """Pipelined requests whose answers are never read leave the server writing, blocked on
     the peer: once its write has not moved for PENDING_GRACE, a review takes its place (and no
     room for reviews is held while an answer is written)."""
-    monkeypatch.setattr(server, "PENDING_GRACE", 0.3)
+    monkeypatch.setattr(connection_table, "PENDING_GRACE", 0.3)
     webhook.server.connections.limit = 1
     context = ssl.create_default_context(cafile=str(webhook.ca_file))
     raw = socket.socket()
@@ -646,8 +647,8 @@ def test_a_connection_whose_place_was_taken_mid_request_stops_there(
         webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
     """Its headers end with the stream: it must not go on to wait for room (QUEUE_WAIT) as a
     thread no limit counts."""
-    monkeypatch.setattr(server, "QUEUE_WAIT", 3.0)
-    monkeypatch.setattr(server, "PENDING_GRACE", 0.2)
+    monkeypatch.setattr(handler, "QUEUE_WAIT", 3.0)
+    monkeypatch.setattr(connection_table, "PENDING_GRACE", 0.2)
     webhook.server.connections.limit = 1
     give_back = _hold("bodies", webhook)  # no room: a request past its headers would wait
     context = ssl.create_default_context(cafile=str(webhook.ca_file))
@@ -733,7 +734,7 @@ def test_a_stuck_connection_makes_way_before_an_idle_keep_alive(
     """The API server may be sending its next review on its keep-alive as that is closed, and
     does not retry a POST: a connection stuck on its peer goes first (the keep-alive went,
     and the stuck one stayed)."""
-    monkeypatch.setattr(server, "PENDING_GRACE", 0.2)
+    monkeypatch.setattr(connection_table, "PENDING_GRACE", 0.2)
     webhook.server.connections.limit = 2
     with _tls(webhook) as stuck, _tls(webhook) as api:
         assert _review_over(api) == 200
@@ -749,7 +750,7 @@ def test_a_request_waits_for_room_queue_wait_in_all(
     """Its wait for the body's room and its wait for a review add up to QUEUE_WAIT, so its 503
     comes within the API server's timeout, which retries it (each waited QUEUE_WAIT: with
     the chart's, a 503 after 10 s, the webhook's timeout)."""
-    monkeypatch.setattr(server, "QUEUE_WAIT", 1.0)
+    monkeypatch.setattr(handler, "QUEUE_WAIT", 1.0)
     give_bodies, give_reviews = _hold("bodies", webhook), _hold("reviews", webhook)
     asked: list[float] = []
     acquire = webhook.server.reviews.acquire
@@ -782,7 +783,7 @@ def test_a_request_head_that_dribbles_is_closed_after_head_timeout(
 
 def test_on_drain_a_request_head_that_does_not_come_holds_it_only_pending_grace(
         webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server, "PENDING_GRACE", 0.3)
+    monkeypatch.setattr(connection_table, "PENDING_GRACE", 0.3)
     with _tls(webhook) as sock:
         sock.sendall(b"POST /valid")
         _wait_for(lambda: _states(webhook) == [server.HEADERS])

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
-from kai_fractions.admission import server
+from kai_fractions.admission import connections as connection_table
+from kai_fractions.admission import handler, server
 from kai_fractions.admission.config import AdmissionConfig
 from kai_fractions.admission.metrics import OUTCOMES, REFUSALS, WEBHOOKS, AdmissionMetrics
 from kai_fractions.admission.review import allow, deny
@@ -228,7 +229,7 @@ def _short_body(hook: Webhook) -> int:
 
 
 def _no_room(hook: Webhook, monkeypatch: pytest.MonkeyPatch) -> int:
-    monkeypatch.setattr(server, "QUEUE_WAIT", 0.2)
+    monkeypatch.setattr(handler, "QUEUE_WAIT", 0.2)
     give_back = _hold("reviews", hook)
     try:
         status, _text, headers = exchange(hook, review(pod()))
@@ -251,7 +252,7 @@ def _not_found(hook: Webhook) -> int:
 
 
 def _body_timeout(hook: Webhook, monkeypatch: pytest.MonkeyPatch) -> int:
-    monkeypatch.setattr(server, "BODY_GRACE", 0.3)
+    monkeypatch.setattr(handler, "BODY_GRACE", 0.3)
     return send(hook, b'{"apiVersion"', length=1000)[0]
 
 
@@ -288,7 +289,7 @@ def test_each_refusal_is_counted_by_its_reason(metered: Metered, reason: str,
 def test_no_room_for_a_body_is_counted_as_no_room(metered: Metered,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The other way to a 503: the body budget taken."""
-    monkeypatch.setattr(server, "QUEUE_WAIT", 0.2)
+    monkeypatch.setattr(handler, "QUEUE_WAIT", 0.2)
     give_back = _hold("bodies", metered)
     try:
         assert exchange(metered, review(pod()))[0] == 503
@@ -302,8 +303,8 @@ def test_a_body_whose_place_was_taken_is_no_refusal(metered: Metered,
     """A body that stalls past PENDING_GRACE makes way for a new connection: counted as an
     eviction, not as a body that ended short (the server ended its stream; nobody hears that
     answer)."""
-    monkeypatch.setattr(server, "PENDING_GRACE", 0.2)
-    monkeypatch.setattr(server, "BODY_GRACE", 60.0)  # no 408 meanwhile
+    monkeypatch.setattr(connection_table, "PENDING_GRACE", 0.2)
+    monkeypatch.setattr(handler, "BODY_GRACE", 60.0)  # no 408 meanwhile
     metered.server.connections.limit = 1
     with _tls(metered) as stalled:
         stalled.sendall(b"POST /validate HTTP/1.1\r\nHost: w\r\nContent-Length: 3000000\r\n\r\n"
@@ -325,7 +326,7 @@ def test_the_connection_limit_and_the_open_connections_are_read_at_each_scrape(
         metered: Metered, monkeypatch: pytest.MonkeyPatch) -> None:
     assert metered.value("kai_fractions_admission_connections_limit") == server.MAX_CONNECTIONS
     assert metered.value("kai_fractions_admission_connections_open") == 0.0
-    monkeypatch.setattr(server, "PENDING_GRACE", 30.0)
+    monkeypatch.setattr(connection_table, "PENDING_GRACE", 30.0)
     metered.server.connections.limit = 2
     assert metered.value("kai_fractions_admission_connections_limit") == 2.0
     first = [_tls(metered) for _ in range(2)]  # handshakes done, no request yet
@@ -358,7 +359,7 @@ def test_a_connection_waiting_in_the_backlog_is_counted_once(
     """However many times the accepting thread looks again for a place (each ACCEPT_WAIT) while
     it waits: the counter's rate is connections per second. A second one that finds no place
     is a second."""
-    monkeypatch.setattr(server, "PENDING_GRACE", 30.0)
+    monkeypatch.setattr(connection_table, "PENDING_GRACE", 30.0)
     monkeypatch.setattr(server, "ACCEPT_WAIT", 0.02)
     metered.server.connections.limit = 1
     backlogged = "kai_fractions_admission_connections_backlogged_total"
@@ -398,7 +399,7 @@ def test_the_body_bytes_held_and_the_drain_are_read_at_each_scrape(metered: Mete
 def test_a_trickling_body_holds_its_bytes_in_the_gauge(
         metered: Metered, monkeypatch: pytest.MonkeyPatch) -> None:
     """What a body holds while it arrives shows, and goes when it is answered."""
-    monkeypatch.setattr(server, "BODY_GRACE", 60.0)
+    monkeypatch.setattr(handler, "BODY_GRACE", 60.0)
     with _tls(metered) as sock:
         sock.sendall(b"POST /validate HTTP/1.1\r\nHost: w\r\nContent-Length: 5000\r\n\r\n"
                      + b" " * 1000)
