@@ -38,6 +38,18 @@ class WrappingSession:
         type(self).stopped = True
 
 
+@pytest.fixture(autouse=True)
+def _sigint_not_ignored():
+    """A test run started in the background (`nohup`, `&` in a script) inherits SIGINT ignored,
+    and Python then leaves it so: the SIGINT case needs Python's own handler, as a terminal's
+    run has it."""
+    inherited = signal.getsignal(signal.SIGINT)
+    if inherited is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, inherited)
+
+
 def _run(monkeypatch, sig: int) -> int:
     monkeypatch.setattr(demo_session, "DemoSession", WrappingSession)
     monkeypatch.setattr(WrappingSession, "sig", sig)
