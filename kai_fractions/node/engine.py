@@ -21,10 +21,11 @@ slice's memory limit) says so, under a reason of its own (NOT_IN_FORCE_REASONS):
 no readiness marker may vouch for it then; any other pending reason (a failed call, a read that
 failed) says nothing of what is in force.
 
-One apply is a `_Run`: its state, the order of its steps, the compute modes and the report stay
-here; its other steps are mixins of their own modules: the MPS daemon's in `engine_mps` (its
-namespaces in `engine_mps_namespaces`), the cgroup memory limits in `engine_cgroup_limits`. The
-report types are `engine_reports`'s, re-exported here for the engine's users.
+One apply is a `_Run`: the order of its steps, the compute modes and the report stay here; its
+state is `engine_run.RunState`, and its other steps, subclasses of it, have modules of their
+own: the MPS daemon's in `engine_mps` (its namespaces in `engine_mps_namespaces`), the cgroup
+memory limits in `engine_cgroup_limits`. The report types are `engine_reports`'s, re-exported
+here for the engine's users.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from .engine_mps import (
     is_our_namespace,
     relies_on_mps,
 )
-from .engine_mps_namespaces import NamespaceStep
 from .engine_reports import (
     NOT_IN_FORCE_REASONS,
     ApplyReport,
@@ -60,10 +60,10 @@ from .engine_reports import (
 )
 from .errors import NodeError, NvmlError
 from .limit_ledger import LEDGER_NOT_WRITTEN, LimitLedger, MemoryLimitLedger
-from .memory_limits import LimitWrite, MemoryLimitEnforcer
+from .memory_limits import MemoryLimitEnforcer
 from .mps_caps import CAP_NOT_IN_FORCE_REASONS
 from .mps_pinned import PinnedLimits
-from .nvml import DeviceInfo, GpuComputeMode, MemoryLimits, Nvml
+from .nvml import MemoryLimits, Nvml
 
 __all__ = [  # the engine's API, and what its users import from here (the reports, the reasons)
     "CAP_NOT_IN_FORCE_REASONS",
@@ -268,39 +268,8 @@ class Engine:
                              namespaces_deleted=tuple(deleted), issues=tuple(issues))
 
 
-class _Run(MpsStep, NamespaceStep, CgroupLimitStep):
-    """One apply: collects per-container failures, then builds the report."""
-
-    def __init__(self, engine: Engine, desired: DesiredState, mps_down: NodeError | None = None,
-                 *, mps_not_running: bool = False):
-        self.e = engine
-        self.d = desired
-        self.mps_down = mps_down
-        self.mps_gone = mps_down is not None and mps_not_running
-        """The MPS control daemon is not running this pass (`Engine.apply`'s
-        `mps_not_running`): every cap that relies on it is known not in force."""
-        self.at = engine.clock()
-        self.failed: dict[ContainerKey, NodeError] = {}
-        self.issues: list[Issue] = []
-        self.writes: list[LimitWrite] = []
-        self.cleared: list[tuple[str, str]] = []
-        self.created: list[str] = []
-        self.deleted: list[str] = []
-        self.modes_set: list[tuple[str, GpuComputeMode]] = []
-        self.gpu_results: list[GpuResult] = []
-        self.in_force: dict[ContainerKey, list[LimitTarget]] = {}
-        self.unset: dict[LimitTarget, NvmlError] = {}
-        """Pod-slice targets whose set failed in this pass (read back other than the target)."""
-        self.leaf_pending: set[ContainerKey] = set()
-        self.devices: dict[str, DeviceInfo] = {}
-        self.unpinned: set[ContainerKey] = set()
-        """mps-pinned containers whose GPU's default pinned limit this pass could not read back
-        or set: no namespace of theirs is made or touched (a client attaching would start an
-        MPS server that may lack it)."""
-
-    def fail(self, keys: Iterable[ContainerKey], error: NodeError) -> None:
-        for key in keys:
-            self.failed.setdefault(key, error)  # the first error is the one to fix first
+class _Run(MpsStep, CgroupLimitStep):
+    """One apply: its steps in order (`go`), then the report (state: `engine_run.RunState`)."""
 
     def go(self) -> None:
         try:

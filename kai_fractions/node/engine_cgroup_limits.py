@@ -2,11 +2,9 @@
 slices and container cgroups its plan names, the sweep of stale ones, and what the report says
 of a slice limit known not in force.
 
-A mixin of the engine's `_Run`, which holds one apply's state: its methods use the run's `e`
-(the Engine: `cgroup_fs`, `layout`, `limits`, `_limited`, `_unlimited`, `_clean`,
-`_save_ledger`), `d` (the desired state), `devices`, `fail`, `leaf_pending`, `in_force`,
-`unset`, `writes`, `cleared` and `issues`. Separate from the MPS step: they share nothing
-but the run.
+A step of the engine's `_Run` over the apply's state (`engine_run.RunState`); of the Engine
+(`e`) it uses `cgroup_fs`, `layout`, `limits`, `_limited`, `_unlimited`, `_clean` and
+`_save_ledger`. Separate from the MPS step: they share nothing but the run.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ from __future__ import annotations
 from .config import Mechanism
 from .desired import ContainerDesired, ContainerKey, LimitTarget
 from .engine_reports import Issue, _issue
+from .engine_run import RunState
 from .errors import NodeError, NvmlError
 from .memory_limits import MEMORY_LIMIT_NOT_IN_FORCE, LimitNotSet, limit_not_in_force
 from .nvml import MemoryLimits
@@ -22,8 +21,8 @@ from .nvml import MemoryLimits
 CGROUP_NOT_FOUND = "CgroupNotFound"
 
 
-class CgroupLimitStep:
-    """The cgroup limits of `_Run` (see the module's docstring)."""
+class CgroupLimitStep(RunState):
+    """The cgroup limits of an apply: set, read back, swept."""
 
     def _owners(self, target: LimitTarget) -> list[ContainerDesired]:
         return [c for c in self.d.containers if c.key.pod_uid == target.pod_uid

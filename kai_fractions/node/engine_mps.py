@@ -1,11 +1,10 @@
 """The MPS step of one apply (`kai_fractions.node.engine`): the daemon's default pinned limits,
 the sweep of stale namespaces, and what the report says of a container's MPS cap.
 
-A mixin of the engine's `_Run`, which holds one apply's state: its methods use the run's `e`
-(the Engine), `d` (the desired state), `mps_down`/`mps_gone`, `fail`, `unpinned`, `created`,
-`deleted`, `issues`, and the namespace methods (`namespaces`, `_uncap`) of
-`kai_fractions.node.engine_mps_namespaces`. Separate from the namespaces themselves (how one
-is made and its percentage put in force, the bulk of the work) and from the cgroup limits.
+A step of the engine's `_Run` over the apply's state (`engine_run.RunState`), built on the
+namespace step (`kai_fractions.node.engine_mps_namespaces`): separate from the namespaces
+themselves (how one is made and its percentage put in force, the bulk of the work) and from
+the cgroup limits.
 Also the MPS control seam as the engine uses it (`MpsControlLike`) and which containers and
 namespaces rely on the daemon or are ours.
 """
@@ -17,6 +16,7 @@ from typing import Protocol
 from ..contract import is_mps_namespace_name
 from .config import Mechanism
 from .desired import ComputeEnforcement, ContainerDesired
+from .engine_mps_namespaces import NamespaceStep
 from .engine_reports import Issue, _issue
 from .errors import NodeError
 from .mps.errors import NAMESPACE_BUSY, MpsError
@@ -70,8 +70,8 @@ def _has_namespaces(mps: MpsControlLike) -> bool:
     return True if probe is None else bool(probe())
 
 
-class MpsStep:
-    """The MPS step of `_Run` (see the module's docstring)."""
+class MpsStep(NamespaceStep):
+    """The MPS step of an apply: the daemon, the pinned limits, then the namespaces."""
 
     def mps(self) -> None:
         # Every sm-sharing container: its processes are clients of the node's MPS server, even

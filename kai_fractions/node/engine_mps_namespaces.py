@@ -6,15 +6,17 @@ a namespace is made, set, verified by a client list, made again or deleted with 
 the bulk of the MPS step, so it has a module of its own beside `engine_mps` (the pinned limits,
 the sweep, the report's view of a cap).
 
-A mixin of the engine's `_Run`, which holds one apply's state: its methods use the run's `e`
-(the Engine: `_fresh`, `_uncapped`, `_atp`, `_atp_checked`, `pins`, `_namespace_gone`),
-`fail`, `failed`, `created` and `deleted`.
+A step of the engine's `_Run` over the apply's state (`engine_run.RunState`); of the Engine
+(`e`) it uses what it remembers of namespaces across passes: `_fresh`, `_uncapped`, `_atp`,
+`_atp_checked`, `pins`, `_namespace_gone`.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .desired import ContainerDesired, ContainerKey
-from .engine_mps import MpsControlLike
+from .engine_run import RunState
 from .errors import NodeError
 from .mps.errors import NAMESPACE_BUSY, NAMESPACE_EXISTS, MpsError
 from .mps_caps import (
@@ -33,9 +35,12 @@ from .mps_caps import (
 )
 from .mps_pinned import suspect_error
 
+if TYPE_CHECKING:
+    from .engine_mps import MpsControlLike  # that module builds on this one
 
-class NamespaceStep:
-    """The MPS namespaces of `_Run` (see the module's docstring)."""
+
+class NamespaceStep(RunState):
+    """The MPS namespaces of an apply, each with its percentage in force."""
 
     def namespaces(self, mps: MpsControlLike, wanted: list[ContainerDesired],
                    existing: set[str]) -> None:
