@@ -5,24 +5,12 @@ Two protocols:
 - v3 (driver r615+): module-verb argv (`-p 3 namespace create <n> --server=shared`).
 
 The client exits 0 even when the daemon rejects a command, so every answer is parsed from
-stdout. What the real 535 daemon does (checked against the binary):
-- unknown commands print `Unknown command "x"`; commands on a missing server `Server N not found`;
-- other rejections (`Invalid device ordinal!`, `Invalid percentage ...`) are written ONLY to
-  control.log, never to the client. So every setter reads its value back and compares;
-- a pinned limit reads back in whole GiB once it reaches 1 GiB, truncated (`1536M` -> `1G`,
-  `4096M` -> `4G`): compare with `displayed_mem_limit`, not by parsing the readback as exact;
-- the set default active-thread percentage is echoed back (`25.0`);
-- with no daemon the client exits 1 with `Cannot find MPS control daemon process` on stderr;
-- the old binary ignores argv it does not know (`-p 3 ...`) and reads commands from stdin, so a
-  v3 command "succeeds" with no output: v3 support is probed from `--help` instead.
-- v3 (NVIDIA's "MPS v3 Interface"; not testable here, no r615 binary): `namespace get <n>
-  <server> <field>` prints one unformatted field (`pipe-directory`, `active-thread-percentage`,
-  ...): a namespace's percentage is read back through it. What `client terminate` and
-  `namespace delete` print on success is pinned nowhere: a known failure text fails them,
-  silence or an answer that reads as done passes, and any other answer is judged by reading
-  back `client list` / `namespace list`.
+stdout (`answers` lists what the real daemon prints and reads it); the daemon reports some
+rejections only in control.log, so every setter reads its value back and compares. The old
+binary ignores argv it does not know (`-p 3 ...`), so v3 support is probed from `--help`.
 One command per run keeps answers unambiguous: the daemon prints nothing for some commands
 (an unset limit), so the lines of a multi-command session cannot be matched to commands.
+Argument checks live in `arguments`, the client listing and drain helpers in `clients`.
 """
 
 from __future__ import annotations
@@ -31,48 +19,62 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
-from kai_fractions.contract import MAX_PIPE_DIRECTORY, MPS_SERVER
+from kai_fractions.contract import MPS_SERVER
 from kai_fractions.contract import keys as k
 
 from . import errors as e
+from .answers import (
+    _DEVICE_RE,
+    _INVALID_PROCESS_RE,
+    _PCT_RE,
+    _STATUS_RE,
+    CLIENT_LIST_COLUMNS,
+    _busy,
+    _excerpt,
+    _parse_float,
+    _parse_int,
+    _reads_done,
+    classify_answer,
+    displayed_mem_limit,
+    error_for_exit,
+    parse_mem_limit,
+)
+from .arguments import NAME_RE, check_index, check_namespace, check_pct, check_positive
+from .clients import MpsClient, client_servers, end_client
 from .errors import MpsError
 from .runner import CommandNotFound, CommandResult, CommandRunner, CommandTimeout
 
+# Re-exported for this module's users (the package, `daemon`, the watchdog, the agent's MPS
+# supervisor, the simulator, tests), who import these names from here.
+__all__ = [
+    "BUSY_PAUSE_S",
+    "BUSY_RETRIES",
+    "CLIENT_LIST_COLUMNS",
+    "ENV_DEVICE_ORDER",
+    "ENV_LOG_DIRECTORY",
+    "NAME_RE",
+    "MpsClient",
+    "MpsControl",
+    "check_index",
+    "check_namespace",
+    "check_pct",
+    "check_positive",
+    "classify_answer",
+    "client_servers",
+    "control_env",
+    "displayed_mem_limit",
+    "end_client",
+    "error_for_exit",
+    "parse_mem_limit",
+]
+
 ENV_LOG_DIRECTORY = "CUDA_MPS_LOG_DIRECTORY"
+"""Read by the control daemon only (where control.log goes); not part of the pod contract."""
 ENV_DEVICE_ORDER = ("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 """For the daemon and the servers it starts: CUDA numbers devices fastest first by default,
 NVML by PCI bus. A pinned limit is addressed by the NVML index (and read back by it), so on a
 node with GPUs of mixed kinds the default order would set it on another GPU."""
-"""Read by the control daemon only (where control.log goes); not part of the pod contract."""
-
-NAME_RE = re.compile(r"[a-z0-9_]+")
-"""MPS v3 server and namespace names."""
-
-CLIENT_LIST_COLUMNS = ("pid", "server", "device", "namespace", "cmd")
-"""Columns of `client list --format=csv,noheader` (v3) as NVIDIA's "MPS v3 Interface" shows
-them (`51023,training,0,default,python train.py`; not checked against an r615 binary here).
-Only `pid` (first) and `namespace` are used. A line of three columns is read as `pid, server,
-namespace` (what this module assumed before), and so is a longer one whose third column is not
-a device (an ordinal or a GPU/MIG UUID)."""
-_DEVICE_RE = re.compile(r"\d+|(?:GPU|MIG)-[0-9A-Fa-f-]+")
-
-_MIB_PER_GIB = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class MpsClient:
-    pid: int
-    namespace: str | None
-
-
-def displayed_mem_limit(mib: int) -> str:
-    """How the daemon prints a pinned limit set to `mib` MiB: whole GiB (truncated) from 1 GiB."""
-    if mib >= _MIB_PER_GIB:
-        return f"{mib // _MIB_PER_GIB}G"
-    return f"{mib}M"
 
 
 def control_env(pipe_dir: str, log_dir: str) -> dict[str, str]:
@@ -81,85 +83,6 @@ def control_env(pipe_dir: str, log_dir: str) -> dict[str, str]:
             ENV_DEVICE_ORDER[0]: ENV_DEVICE_ORDER[1]}
 
 
-_LIMIT_RE = re.compile(r"(\d+)([MG])")
-_PCT_RE = re.compile(r"(\d+(?:\.\d+)?)\s*%?")
-
-
-def parse_mem_limit(text: str) -> int | None:
-    """MiB shown by a pinned-limit readback (`4G` -> 4096, `7M` -> 7); None when unset (empty).
-
-    A GiB readback is a lower bound of what was set (`1536M` reads back as `1G`)."""
-    text = text.strip()
-    if not text:
-        return None
-    m = _LIMIT_RE.fullmatch(text)
-    if m is None:
-        raise ValueError(f"not a pinned memory limit: {text!r}")
-    value = int(m.group(1))
-    return value * _MIB_PER_GIB if m.group(2) == "G" else value
-
-
-# Patterns of the daemon's answers, checked line by line, first match wins. The legacy texts are
-# the real 535 daemon's; the v3 ones are deliberately broad (the exact r615 wording is not
-# pinned anywhere we can test) and only pick the reason: the message always quotes the daemon.
-_ANSWER_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(p, re.IGNORECASE), reason) for p, reason in (
-        (r"^Unknown command\b", e.UNKNOWN_COMMAND),
-        (r"\bclient\b.*\b(not found|does not exist|doesn't exist)|\bno such client\b",
-         e.CLIENT_NOT_FOUND),
-        (r"\bnamespace\b.*\b(not found|does not exist|doesn't exist)|\bno such namespace\b",
-         e.NAMESPACE_NOT_FOUND),
-        (r"\bserver\b.*\b(not found|does not exist|doesn't exist)|\bno such server\b",
-         e.SERVER_NOT_FOUND),
-        (r"\bclients?\b.*\b(attached|connected|active|running)\b|\b(busy|in use)\b",
-         e.NAMESPACE_BUSY),
-        (r"\balready exists?\b", e.NAMESPACE_EXISTS),
-        (r"\b(invalid|out of range|must be|expected)\b", e.INVALID_ARGUMENT),
-        (r"\b(error|fail(ed|ure)?|cannot|can't|could not|couldn't|unable|denied|"
-         r"not supported|unsupported|not permitted|not allowed|rejected|refused|"
-         r"unrecognized|unknown|usage)\b", e.COMMAND_FAILED),
-    )
-)
-
-_DONE_RE = re.compile(
-    r"(ok|done|success(ful(ly)?)?"
-    r"|(client|namespace) \S+ (terminated|deleted|removed)( successfully)?"
-    r"|(terminated|deleted|removed) (client|namespace) \S+)\.?",
-    re.IGNORECASE)
-_NOT_DONE_RE = re.compile(
-    r"\b(not|no|never|could|cannot|unable|fail\w*|error|deferred|pending|later|refused|"
-    r"rejected)\b|n't\b", re.IGNORECASE)
-"""The only texts besides silence that the legacy `terminate_client` is taken to print on
-success (a line that reads as done and says nothing against it): a failed drain read as done
-is worse than a success reported as failed (the caller retries). The v3 `client terminate` /
-`namespace delete` read back any other answer instead (`MpsControl._confirm_gone`)."""
-
-
-def _reads_done(stdout: str) -> bool:
-    """Silence, or every line reads as done and says nothing against it (`_DONE_RE`)."""
-    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
-    return all(_DONE_RE.fullmatch(line) and not _NOT_DONE_RE.search(line) for line in lines)
-
-
-_STATUS_RE = re.compile(r"-?\d+")
-_INVALID_PROCESS_RE = re.compile(r"^Invalid process (\d+)!?$", re.IGNORECASE | re.MULTILINE)
-"""The legacy daemon's answer to `terminate_client` for a pid that is no client of that
-server (any more: it exited mid-drain)."""
-EXCERPT_MAX = 200
-"""Characters of an unrecognised daemon answer quoted in an error."""
-
-_UNREACHABLE_TEXTS = (
-    "Cannot find MPS control daemon process",
-    "Cannot authenticate or connect to MPS control daemon process",
-    "Cannot access CUDA_MPS_PIPE_DIRECTORY",
-)
-_BUSY_TEXT = "Cannot send command to MPS control daemon process"
-"""What a client gets while another one talks to the daemon (measured with the 535 binary: 28
-of 30 simultaneous clients got it, exit 1, and one more exited 1 saying nothing; the daemon kept
-answering). A dead daemon says "Cannot find", a hung one makes the client wait: this one is
-alive. A command's silent exit 1 is taken the same way (`MpsControl._run_once`): a daemon that
-keeps failing so is reported busy (its pods wait, visibly) rather than killed with every MPS
-workload on the node."""
 _CLIENT_LOCKS: dict[str, threading.Lock] = {}
 _CLIENT_LOCKS_GUARD = threading.Lock()
 
@@ -176,50 +99,6 @@ BUSY_RETRIES = 6
 BUSY_PAUSE_S = 0.02
 """A busy daemon is asked again this many times, `BUSY_PAUSE_S` doubling in between (1.3 s in
 all): another client's command takes milliseconds."""
-_ALREADY_RUNNING_TEXT = "An instance of this daemon is already running"
-
-
-def classify_answer(stdout: str) -> tuple[str, str] | None:
-    """(reason, line) of the first line of a daemon answer that is an error; None when clean."""
-    for line in stdout.splitlines():
-        line = line.strip()
-        if not line or line.startswith("/"):  # a bare path is an answer, whatever its words
-            continue
-        for pattern, reason in _ANSWER_PATTERNS:
-            if pattern.search(line):
-                return reason, line
-    return None
-
-
-def _busy(what: str, said: str, pipe_dir: str) -> MpsError:
-    return MpsError(e.MPS_DAEMON_BUSY,
-                    f"the MPS control daemon on {pipe_dir} is serving another client ({what!r}: "
-                    f"{said}); it is alive, try again")
-
-
-def error_for_exit(result: CommandResult, what: str, *, binary: str, pipe_dir: str) -> MpsError:
-    """The error for a client run that exited non-zero (the client's own failures: no daemon,
-    a second daemon; the daemon's rejections exit 0 and are parsed from stdout instead)."""
-    text = (result.stdout + "\n" + result.stderr).strip()
-    if _BUSY_TEXT in text:
-        return _busy(what, _first_line(text), pipe_dir)
-    if any(t in text for t in _UNREACHABLE_TEXTS):
-        return MpsError(
-            e.MPS_DAEMON_UNREACHABLE,
-            f"no MPS control daemon answers on {pipe_dir} ({what!r}: "
-            f"{_first_line(text)}); the supervisor starts it")
-    if _ALREADY_RUNNING_TEXT in text:
-        return MpsError(
-            e.DAEMON_ALREADY_RUNNING,
-            f"another MPS control daemon already holds {pipe_dir}/control_lock")
-    found = classify_answer(text)
-    if found is not None and found[0] not in (e.COMMAND_FAILED, e.UNKNOWN_COMMAND):
-        # A daemon answer that also set the exit status (the reason matters to the caller:
-        # NamespaceBusy means retry later).
-        return MpsError(found[0], f"the MPS control daemon rejected {what!r}: {found[1]}")
-    return MpsError(
-        e.COMMAND_FAILED,
-        f"{binary} {what!r} exited {result.returncode}: {text or '(no output)'}")
 
 
 class MpsControl:
@@ -617,86 +496,3 @@ class MpsControl:
 
     def _check_namespace(self, name: str) -> None:
         check_namespace(self.pipe_dir, self.server, name)
-
-
-def client_servers(control: Any) -> dict[int, int | None]:
-    """Every MPS client's pid -> its server's pid (None with the v3 protocol, whose `client
-    terminate` needs none), from a control client (`MpsControl`, or the simulator's). A legacy
-    server that exits between the two listings has no client left; any other error (a timeout,
-    a busy daemon) raises MpsError: then nobody can tell who is a client."""
-    if control.supports_protocol_v3():
-        return {int(c.pid): None for c in control.client_list()}
-    clients: dict[int, int | None] = {}
-    for server in control.get_server_list():
-        try:
-            for pid in control.get_client_list(server):
-                clients[pid] = server
-        except MpsError as err:
-            if err.reason != e.SERVER_NOT_FOUND:
-                raise
-    return clients
-
-
-def end_client(control: Any, pid: int, server: int | None) -> None:
-    """Ends a client's outstanding GPU work (`client_servers` gave its server). Raises
-    MpsError."""
-    if server is None:
-        control.client_terminate(pid)
-    else:
-        control.terminate_client(server, pid)
-
-
-def check_namespace(pipe_dir: str, server: str, name: str) -> None:
-    """A valid namespace name whose pipe directory still fits a unix socket path."""
-    check_namespace_name(name)
-    directory = f"{pipe_dir.rstrip('/')}/{server}/{name}"
-    if len(directory.encode()) > MAX_PIPE_DIRECTORY:
-        raise MpsError(
-            e.INVALID_ARGUMENT,
-            f"MPS pipe directory {directory!r} is longer than {MAX_PIPE_DIRECTORY} bytes "
-            "(unix socket paths are at most 107): use a shorter --mps-pipe-dir")
-
-
-def check_namespace_name(name: object) -> None:
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise MpsError(e.INVALID_ARGUMENT,
-                       f"MPS namespace name {name!r} must match [a-z0-9_]+")
-
-
-def check_pct(pct: object) -> None:
-    if isinstance(pct, bool) or not isinstance(pct, int) or not 1 <= pct <= 100:
-        raise MpsError(e.INVALID_ARGUMENT,
-                       f"active thread percentage must be a whole number 1..100, got {pct!r}")
-
-
-def check_positive(value: object, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise MpsError(e.INVALID_ARGUMENT, f"{what} must be a whole number > 0, got {value!r}")
-
-
-def check_index(value: object, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise MpsError(e.INVALID_ARGUMENT, f"{what} must be a whole number >= 0, got {value!r}")
-
-
-def _parse_int(text: str, what: str) -> int:
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise MpsError(e.UNEXPECTED_OUTPUT, f"{what} printed {text!r}, not a pid") from None
-
-
-def _parse_float(text: str, what: str) -> float:
-    try:
-        return float(text.strip())
-    except ValueError:
-        raise MpsError(e.UNEXPECTED_OUTPUT, f"{what} printed {text!r}, not a number") from None
-
-
-def _excerpt(text: str) -> str:
-    text = " | ".join(line.strip() for line in text.strip().splitlines() if line.strip())
-    return text if len(text) <= EXCERPT_MAX else text[:EXCERPT_MAX - 3] + "..."
-
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else "(no output)"
