@@ -10,7 +10,7 @@
   enough: an image's own `ENV NVIDIA_VISIBLE_DEVICES=all` would then apply.
 
 The fractional container's env and MPS mount and the reserved volumes are held to what the
-mutating webhook injects by the validating webhook (`validate`), with the mutating webhook's
+mutating webhook injects by the validating webhook (`wired_spec`), with the mutating webhook's
 own tests.
 """
 
