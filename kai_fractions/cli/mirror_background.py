@@ -62,15 +62,16 @@ def background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, 
                 lease_namespace=args.heartbeat_lease_namespace or own_namespace(os.environ),
                 on_marked=metrics.node_marked_silent if metrics is not None else None,
                 on_failed=metrics.node_check_failed if metrics is not None else None,
+                on_cleared=metrics.node_no_longer_silent if metrics is not None else None,
                 in_term=in_term)
 
-        async def handle(br: BindRequestView) -> None:
+        async def handle(br: BindRequestView) -> object:
             if liveness is not None and _placing_now(br, args.mark_silent_nodes_after):
                 liveness.saw(br.selected_node)
+            # The result goes back to the loop: it checks again what may pass by itself.
             if metrics is None:
-                await follower.follow_one(br)
-            else:
-                await metrics.check(follower.follow_one, br)
+                return await follower.follow_one(br)
+            return await metrics.check(follower.follow_one, br)
 
         async def follow_bindrequests() -> None:
             try:

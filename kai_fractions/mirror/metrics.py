@@ -9,6 +9,7 @@ Lease) is read then; what happens per call costs a counter increment on the serv
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,11 @@ class MirrorMetrics:
             "kai_fractions_follower_silent_nodes", "Times a node's readiness condition was set "
             "Unknown because its node agent stopped reporting (--mark-silent-nodes-after): "
             "KAI places no fractional pod there until the agent reports again.", registry=r)
+        self._silent_node = Gauge(
+            "kai_fractions_follower_node_silent", "1 for each node whose readiness condition "
+            "this replica set Unknown (its agent stopped reporting) and still finds so; the "
+            "series goes once the agent writes it again, the node is deleted or this replica "
+            "stops following (a standby has none).", ("node",), registry=r)
         self._node_checks_failed = Counter(
             "kai_fractions_follower_node_checks_failed", "Silent-node checks that could not "
             "read a node or its agent's heartbeat Lease (RBAC, the API server): such a node is "
@@ -118,9 +124,16 @@ class MirrorMetrics:
                 self._signature_delay.observe(waited)
         return result
 
-    def node_marked_silent(self, _node: str) -> None:
-        """NodeLiveness's `on_marked` (no node label: thousands of nodes)."""
+    def node_marked_silent(self, node: str) -> None:
+        """NodeLiveness's `on_marked`: the counter has no node label (thousands of nodes); the
+        gauge has a series per node held silent now, a few."""
         self._silent_nodes.inc()
+        self._silent_node.labels(node).set(1)
+
+    def node_no_longer_silent(self, node: str) -> None:
+        """NodeLiveness's `on_cleared`."""
+        with contextlib.suppress(KeyError):  # not held (told twice)
+            self._silent_node.remove(node)
 
     def node_check_failed(self, _node: str) -> None:
         """NodeLiveness's `on_failed`."""

@@ -31,6 +31,16 @@ up a check: failures (a Lease that cannot be read among them) are logged, mark n
 node is read again at a bind `RETRY_AFTER_FAILURE_SECONDS` later. Under leader election the
 patch is sent only while the follower's term still runs by the clock (`in_term`, the
 elector's); a mark dropped for that leaves the node to be read again at its next bind.
+
+The nodes it marked are held silent (`silent_nodes`; told to `on_marked`, and to `on_cleared`
+when they are no more) until they are seen otherwise: KAI binds nothing more there, so no bind
+would ever read them again. Every `recheck_seconds` each one is read: once none of its
+conditions says Unknown with reason NodeAgentSilent (its agent wrote the condition again, or
+anyone else did) or the node is gone, it is let go; a read that fails keeps it. A bind that
+reads it (its agent back, KAI placing there again) lets it go too. `close()` (the follower
+stops: its term ended, or the process) lets every one go: a standby holds none, and a new
+leader knows only the nodes it marks itself (finding the earlier leader's would need a list
+of every node).
 """
 
 from __future__ import annotations
@@ -124,6 +134,14 @@ def silent_conditions(node: Mapping[str, Any], types: Sequence[str], seen: Mappi
     return out
 
 
+def marked_silent(node: Mapping[str, Any], types: Sequence[str]) -> bool:
+    """Whether a condition of `types` still says Unknown with reason NodeAgentSilent (the
+    mark, not yet overwritten by the agent or anyone else)."""
+    return any(isinstance(c, dict) and c.get("type") in types and c.get("status") == "Unknown"
+               and c.get("reason") == SILENT_REASON
+               for c in (node.get("status") or {}).get("conditions") or [])
+
+
 @dataclass(slots=True)
 class _Node:
     """What is remembered of a node: when a bind may read it again (monotonic), and the
@@ -143,6 +161,7 @@ class NodeLiveness:
                  lease_namespace: str = "",
                  on_marked: Callable[[str], None] | None = None,
                  on_failed: Callable[[str], None] | None = None,
+                 on_cleared: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic,
                  in_term: Callable[[], bool] | None = None) -> None:
@@ -159,6 +178,8 @@ class NodeLiveness:
         """Told the node's name each time its conditions are set Unknown (the metrics)."""
         self.on_failed = on_failed
         """Told the node's name each time a check fails (the metrics)."""
+        self.on_cleared = on_cleared
+        """Told the name of a node it marked once it holds it silent no more (the metrics)."""
         self.clock = clock
         """The wall clock: only for the lastTransitionTime the mark writes."""
         self.monotonic = monotonic
@@ -167,6 +188,13 @@ class NodeLiveness:
         self._tasks: set[asyncio.Task] = set()
         self._reads: asyncio.Semaphore | None = None  # made on the loop that runs the checks
         self._last_failure = ""
+        self._silent: set[str] = set()
+        self._watching: asyncio.Task | None = None
+
+    @property
+    def silent_nodes(self) -> frozenset[str]:
+        """The nodes this replica marked and holds silent now."""
+        return frozenset(self._silent)
 
     def _node(self, node: str) -> _Node:
         known = self._nodes.get(node)
@@ -191,9 +219,13 @@ class NodeLiveness:
         task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
+        """Stops the checks and lets every silent node go (the follower stopped)."""
+        tasks = [*self._tasks, *([self._watching] if self._watching is not None else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for node in sorted(self._silent):
+            self._let_go(node)
 
     async def _check_quietly(self, node: str) -> None:
         if self._reads is None:
@@ -216,7 +248,10 @@ class NodeLiveness:
         try:
             obj = await self.kube.request("GET", node_path(node), what=f"read node {node}")
         except NotFound:
+            self._let_go(node)
             return False
+        if node in self._silent and not marked_silent(obj, self.types):
+            self._let_go(node)
         now = self.monotonic()
         known = self._node(node)
         beats = known.beats = {
@@ -253,7 +288,55 @@ class NodeLiveness:
                     silent[0]["message"])
         if self.on_marked is not None:
             self.on_marked(node)
+        self._hold(node)
         return True
+
+    # -- the nodes held silent -----------------------------------------------------------------
+
+    def _hold(self, node: str) -> None:
+        self._silent.add(node)
+        if self._watching is None or self._watching.done():
+            self._watching = asyncio.get_running_loop().create_task(
+                self._watch_silent(), name="node-liveness-silent")
+
+    def _let_go(self, node: str) -> None:
+        if node in self._silent:
+            self._silent.discard(node)
+            if self.on_cleared is not None:
+                self.on_cleared(node)
+
+    async def _watch_silent(self) -> None:
+        """Every `recheck_seconds`, reads the nodes held silent, until none is."""
+        while self._silent:
+            await asyncio.sleep(self.recheck)
+            nodes = sorted(self._silent)
+            results = await asyncio.gather(*(self._still_silent(n) for n in nodes),
+                                           return_exceptions=True)
+            for node, result in zip(nodes, results, strict=True):
+                if isinstance(result, Exception):  # not the API server's: keep it, go on
+                    log.error("node %s: whether it is still silent not read", node,
+                              exc_info=result)
+
+    async def _still_silent(self, node: str) -> None:
+        if self._reads is None:
+            self._reads = asyncio.Semaphore(READS_AT_ONCE)
+        try:
+            async with self._reads:
+                obj = await self.kube.request("GET", node_path(node), what=f"read node {node}")
+        except NotFound:
+            log.info("node %s: gone; no longer held silent", node)
+            self._let_go(node)
+            return
+        except KubeError as e:  # proves nothing either way: read again next time
+            if e.message != self._last_failure:
+                log.warning("node %s: whether it is still silent not read (%s)", node,
+                            e.message)
+            self._last_failure = e.message
+            return
+        if not marked_silent(obj, self.types):
+            log.info("node %s: its condition no longer says %s; no longer held silent", node,
+                     SILENT_REASON)
+            self._let_go(node)
 
     async def _lease_renewed(self, node: str) -> str | None:
         """The renewTime of the node agent's heartbeat Lease, as written (by the agent's clock:

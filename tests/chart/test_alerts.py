@@ -23,6 +23,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from kai_fractions.admission.metrics import OUTCOMES, REFUSALS
+from kai_fractions.mirror.metrics import MirrorMetrics
 from kai_fractions.node.agent.metrics import CAP_NOT_IN_FORCE, AgentMetrics
 from kai_fractions.node.desired import ContainerKey
 from kai_fractions.node.engine import ContainerResult, ContainerState
@@ -58,13 +59,16 @@ MIRROR_GROUP = "kai-fractions-mirror"
 AGENT_GROUP = "kai-fractions-node-agent"
 ADMISSION_GROUP = "kai-fractions-admission"
 ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
+    "KaiFractionsMirrorReplicaDown": (MIRROR_GROUP, "warning", "10m"),
+    "KaiFractionsMirrorDown": (MIRROR_GROUP, "critical", "5m"),
     "KaiFractionsFollowerNoLeader": (MIRROR_GROUP, "critical", "2m"),
     "KaiFractionsFollowerSeveralLeaders": (MIRROR_GROUP, "warning", "5m"),
     "KaiFractionsMirrorCallsFailing": (MIRROR_GROUP, "warning", "10m"),
     "KaiFractionsMirrorApiUnreachable": (MIRROR_GROUP, "warning", "5m"),
     "KaiFractionsSignatureDelayHigh": (MIRROR_GROUP, "warning", "15m"),
     "KaiFractionsFollowerFailing": (MIRROR_GROUP, "warning", "10m"),
-    "KaiFractionsNodeAgentSilent": (MIRROR_GROUP, "warning", None),
+    "KaiFractionsFollowerMismatches": (MIRROR_GROUP, "warning", "15m"),
+    "KaiFractionsNodeAgentSilent": (MIRROR_GROUP, "warning", "2m"),
     "KaiFractionsFollowerNodeChecksFailing": (MIRROR_GROUP, "warning", "15m"),
     "KaiFractionsNodeAgentDown": (AGENT_GROUP, "warning", "5m"),
     "KaiFractionsNodeNotReady": (AGENT_GROUP, "warning", "10m"),
@@ -80,13 +84,20 @@ ALERTS = {  # alert -> (group, severity, `for`; None: fires at once)
     "KaiFractionsMpsDrainFailing": (AGENT_GROUP, "warning", None),
     "KaiFractionsWatchdogBlind": (AGENT_GROUP, "warning", "10m"),
     "KaiFractionsWatchdogStopFailing": (AGENT_GROUP, "warning", None),
+    "KaiFractionsAdmissionReplicaDown": (ADMISSION_GROUP, "warning", "10m"),
+    "KaiFractionsAdmissionDown": (ADMISSION_GROUP, "critical", "5m"),
     "KaiFractionsAdmissionShedding": (ADMISSION_GROUP, "warning", "10m"),
     "KaiFractionsAdmissionInternalErrors": (ADMISSION_GROUP, "warning", None),
 }
 FOLLOWER = {"KaiFractionsFollowerNoLeader", "KaiFractionsFollowerSeveralLeaders",
             "KaiFractionsSignatureDelayHigh", "KaiFractionsFollowerFailing",
-            "KaiFractionsNodeAgentSilent", "KaiFractionsFollowerNodeChecksFailing"}
+            "KaiFractionsFollowerMismatches", "KaiFractionsNodeAgentSilent",
+            "KaiFractionsFollowerNodeChecksFailing"}
 """Only with mirror.followBindRequests: without the follower nothing leads or signs."""
+GRPC_ONLY = {"KaiFractionsMirrorDown"}
+"""Only without the follower (gRPC mode): with it, KaiFractionsFollowerNoLeader fires when no
+mirror replica is up (its `or vector(0)`), and one critical alert is enough."""
+DEFAULT_ALERTS = set(ALERTS) - GRPC_ONLY
 PROMETHEUS_TEMPLATE = re.compile(r"\{\{\s*(.*?)\s*\}\}")
 ALLOWED_TEMPLATE = re.compile(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)|\$value(?: \| humanize\w*)?"
                               r'|printf "%\.(?:0f|3g)" \$value')
@@ -134,6 +145,19 @@ def cap_not_in_force_labels() -> set[str]:
     return labels
 
 
+SILENT_NODE = "kai_fractions_follower_node_silent"
+
+
+def silent_node_labels() -> set[str]:
+    """The labels of a kai_fractions_follower_node_silent series, as the mirror's metrics (in
+    process) export one for a node the follower marked silent."""
+    metrics = MirrorMetrics()
+    metrics.node_marked_silent("gpu-node-1")
+    labels = exported(generate_latest(metrics.registry).decode())[SILENT_NODE]
+    assert labels == {"node"}, labels
+    return labels
+
+
 def kept_by_aggregation(expr: str) -> set[str] | None:
     """The labels an expression's aggregation keeps (its `by` list; none without one), or None
     when it aggregates nothing (its series keep their own labels)."""
@@ -173,8 +197,10 @@ def test_enabled_renders_one_prometheus_rule_with_every_alert() -> None:
                                                         ADMISSION_GROUP]
     assert all(set(g) == {"name", "rules"} for g in r["spec"]["groups"])
     found = alerts(r)
-    assert set(found) == set(ALERTS)
-    for name, (group, rule_) in found.items():
+    assert set(found) == DEFAULT_ALERTS
+    grpc_mode = alerts(rule("mirror.followBindRequests=false"))
+    assert set(grpc_mode) == set(ALERTS) - FOLLOWER
+    for name, (group, rule_) in [*found.items(), *grpc_mode.items()]:
         want_group, severity, for_ = ALERTS[name]
         assert group == want_group, name
         assert rule_["labels"] == {"severity": severity}, name
@@ -214,6 +240,7 @@ def test_without_the_mirror_no_mirror_group() -> None:
     r = rule("mirror.enabled=false", "gpuFractioningConfig.enabled=false", "signing.enabled=false")
     assert [g["name"] for g in r["spec"]["groups"]] == [AGENT_GROUP, ADMISSION_GROUP]
     assert set(alerts(r)) == {n for n, (g, _s, _f) in ALERTS.items() if g != MIRROR_GROUP}
+    assert "KaiFractionsMirrorReplicaDown" not in alerts(r)  # no mirror: nothing to be down
 
 
 def test_without_the_follower_no_follower_alerts() -> None:
@@ -297,20 +324,86 @@ def test_the_agent_down_alert_reads_up_of_the_agents_service_monitor() -> None:
     assert "Unknown after" not in quiet["annotations"]["description"]
 
 
+NONE_UP = {"KaiFractionsAdmissionDown", "KaiFractionsMirrorDown"}
+"""The alerts on a whole component (no replica up): they name no replica."""
+
+
 def test_every_admission_alert_names_its_replica() -> None:
-    """Each replica counts its own reviews and connections: the alert says which (`pod`, the
-    target label its ServiceMonitor keeps)."""
+    """Each replica counts its own reviews and connections, and has its own target: the alert
+    says which (`pod`, the target label its ServiceMonitor keeps), but the one that fires when
+    none is up."""
     for name, (group, r) in alerts(rule()).items():
-        if group == ADMISSION_GROUP:
+        if group == ADMISSION_GROUP and name not in NONE_UP:
             assert "pod" in annotation_labels(r), name
-            assert "pod" in (kept_by_aggregation(r["expr"]) or ()), name
+            kept = kept_by_aggregation(r["expr"])
+            assert kept is None or "pod" in kept, name
+
+
+@pytest.mark.parametrize(("component", "replica_down", "none_up", "sets"), [
+    ("mirror", "KaiFractionsMirrorReplicaDown", "KaiFractionsMirrorDown",
+     ("mirror.followBindRequests=false",)),
+    ("admission", "KaiFractionsAdmissionReplicaDown", "KaiFractionsAdmissionDown", ()),
+])
+def test_the_down_alerts_read_up_of_their_components_service_monitor(
+        component: str, replica_down: str, none_up: str, sets: tuple[str, ...]) -> None:
+    """Prometheus Operator names a ServiceMonitor target's job after its Service: the alerts
+    read `up` of exactly the component's metrics Service, per replica (`pod`), and summed over
+    its replicas with `or vector(0)`, so that no target at all (every pod Pending, none
+    scraped) is none up too."""
+    docs = render(sets=(*ON, "serviceMonitor.enabled=true", *sets))
+    monitor = one(docs, "ServiceMonitor", f"kai-fractions-{component}")
+    assert "jobLabel" not in monitor["spec"]
+    (service,) = [s for s in find(docs, "Service")
+                  if monitor["spec"]["selector"]["matchLabels"].items()
+                  <= s["metadata"]["labels"].items()
+                  and any(p["name"] == "metrics" for p in s["spec"]["ports"])]
+    up = f'up{{job="{service["metadata"]["name"]}", namespace="{NAMESPACE}"}}'
+    found = alerts(rule(*sets))
+    assert found[replica_down][1]["expr"] == f"{up} == 0"
+    assert found[none_up][1]["expr"] == f"({'sum'}({up}) or vector(0)) < 1"
+    assert ALERTS[none_up][1] == "critical" and ALERTS[replica_down][1] == "warning"
+
+
+def test_the_admission_down_alert_says_what_its_failure_policies_do() -> None:
+    text = alerts(rule())["KaiFractionsAdmissionDown"][1]["annotations"]["description"]
+    assert "refuses every fractional pod" in text and "hostPath volume" in text
+    open_ = alerts(rule("webhook.failurePolicy=Ignore", "webhook.guardFailurePolicy=Ignore"))
+    text = open_["KaiFractionsAdmissionDown"][1]["annotations"]["description"]
+    assert "admitted unchecked" in text and "let everything through" in text
+    assert "refuses every fractional pod" not in text
+
+
+def test_without_the_follower_the_mirror_down_alert_stands_for_no_leader() -> None:
+    """With the follower, KaiFractionsFollowerNoLeader fires when no replica is up (no series:
+    `or vector(0)`); without it, KaiFractionsMirrorDown does, and each replica-down alert names
+    the one that comes next."""
+    follow = alerts(rule())
+    assert "KaiFractionsMirrorDown" not in follow
+    assert "or vector(0)" in follow["KaiFractionsFollowerNoLeader"][1]["expr"]
+    assert "KaiFractionsFollowerNoLeader fires" in \
+        follow["KaiFractionsMirrorReplicaDown"][1]["annotations"]["description"]
+    grpc_mode = alerts(rule("mirror.followBindRequests=false"))
+    assert "KaiFractionsMirrorDown fires" in \
+        grpc_mode["KaiFractionsMirrorReplicaDown"][1]["annotations"]["description"]
+
+
+def test_the_silent_node_alert_reads_the_nodes_held_silent_not_the_marks() -> None:
+    """Once a node is Unknown KAI binds nothing more there, so the marks' counter stops, while
+    the node stays unusable: the alert reads the gauge of the nodes the leader holds silent now,
+    by node (the replica that reports it may change: not by pod)."""
+    silent = alerts(rule())["KaiFractionsNodeAgentSilent"][1]
+    assert silent["expr"] == "max by (node) (kai_fractions_follower_node_silent) > 0"
+    assert "node" in annotation_labels(silent)
+    assert "KaiFractionsNodeAgentSilent" not in alerts(rule("mirror.markSilentNodesAfterSeconds=0"))
 
 
 def test_the_admission_alerts_read_label_values_the_server_counts() -> None:
     """A label value the server never writes would keep an alert quiet for ever."""
     values = {name: {(label, op, v) for _m, label, op, v in parse(r["expr"]).values}
               for name, (group, r) in alerts(rule()).items() if group == ADMISSION_GROUP}
-    assert values == {"KaiFractionsAdmissionShedding": {("reason", "=", "no_room")},
+    up = {("job", "=", "kai-fractions-admission-metrics"), ("namespace", "=", NAMESPACE)}
+    assert values == {"KaiFractionsAdmissionReplicaDown": up, "KaiFractionsAdmissionDown": up,
+                      "KaiFractionsAdmissionShedding": {("reason", "=", "no_room")},
                       "KaiFractionsAdmissionInternalErrors": {("outcome", "=", "error")}}
     assert "no_room" in REFUSALS and "error" in OUTCOMES
 
@@ -322,6 +415,21 @@ def test_the_mirror_calls_alert_counts_real_grpc_codes() -> None:
     assert values == [("=~", "INTERNAL|UNAVAILABLE|DEADLINE_EXCEEDED")]
     assert set(values[0][1].split("|")) <= codes
     assert "> 0.05" in expr
+
+
+def test_the_mismatch_threshold_is_a_value_and_the_summary_follows_it() -> None:
+    for sets, ratio, percent in (((), "0.05", "5"),
+                                 (("prometheusRule.mismatchedChecksPercent=20",), "0.2", "20")):
+        r = alerts(rule(*sets))["KaiFractionsFollowerMismatches"][1]
+        assert f"> {ratio}\nand on()" in r["expr"] or f"> {ratio} and on()" in r["expr"]
+        assert r["annotations"]["summary"] == (
+            f"The follower finds more than {percent} % of KAI's binds wrong.")
+    expr = alerts(rule())["KaiFractionsFollowerMismatches"][1]["expr"]
+    values = {(op, v) for _m, label, op, v in parse(expr).values if label == "result"}
+    assert values == {("=~", "mismatch|invalid"), ("=~", "complete|mismatch|invalid|unsigned"),
+                      ("=", "complete")}
+    unsigned = alerts(rule("signing.enabled=false"))["KaiFractionsFollowerMismatches"][1]
+    assert "not signed" not in unsigned["annotations"]["description"]
 
 
 def test_the_two_thresholds_are_values_and_the_summaries_follow_them() -> None:
@@ -345,6 +453,8 @@ def test_the_two_thresholds_are_values_and_the_summaries_follow_them() -> None:
     ("prometheusRule.failingCallsPercent=101", "maximum: got 101, want 100"),
     ("prometheusRule.signatureDelaySeconds=0", "minimum: got 0, want 1"),
     ("prometheusRule.signatureDelaySeconds=soon", "got string, want integer"),
+    ("prometheusRule.mismatchedChecksPercent=0", "minimum: got 0, want 1"),
+    ("prometheusRule.mismatchedChecksPercent=100", "maximum: got 100, want 99"),
 ])
 def test_the_schema_refuses_a_threshold_out_of_range(value: str, message: str) -> None:
     err = template_error(value)
@@ -399,9 +509,18 @@ def test_every_mirror_alert_names_only_what_a_live_mirror_exports(
     labels_of = exported(populated_mirror_scrape(kube, tmp_path))
     assert "kai_fractions_mirror_calls_total" in labels_of  # the scrape is the mirror's
     assert set().union(*labels_of.values()) & TARGET_LABELS == set()
+    # `up` is Prometheus's own series of each target (the mirror's target labels, no node)
+    assert "up" not in labels_of
+    labels_of["up"] = set(TARGET_LABELS)
+    # The live mirror holds no node silent (that takes an agent silent for 120 s or more): it
+    # exports the family, and its labels are those the mirror's code gives a node it marks.
+    assert SILENT_NODE in labels_of and labels_of[SILENT_NODE] == set()
+    labels_of[SILENT_NODE] |= silent_node_labels()
     exprs = alert_exprs(MIRROR_GROUP, rule())
-    assert len(exprs) == 8
-    assert problems(exprs, labels_of, "mirror", TARGET_LABELS) == []
+    assert len(exprs) == 10
+    grpc_mode = alert_exprs(MIRROR_GROUP, rule("mirror.followBindRequests=false"))
+    assert len(grpc_mode) == 4
+    assert problems(exprs + grpc_mode, labels_of, "mirror", TARGET_LABELS) == []
     # a misspelt metric in a real alert's expression fails the check
     (failing,) = [e for e in exprs if e.where == "alert KaiFractionsMirrorCallsFailing"]
     typo = failing._replace(expr=failing.expr.replace("mirror_calls_total[",
@@ -427,8 +546,10 @@ def test_every_admission_alert_names_only_what_a_live_admission_server_exports(
     assert "kai_fractions_admission_reviews_total" in labels_of  # the scrape is the server's
     assert "kai_fractions_mirror_calls_total" not in labels_of
     assert set().union(*labels_of.values()) & TARGET_LABELS == set()
+    assert "up" not in labels_of
+    labels_of["up"] = set(TARGET_LABELS)
     exprs = alert_exprs(ADMISSION_GROUP, rule())
-    assert len(exprs) == 2
+    assert len(exprs) == 4
     assert problems(exprs, labels_of, "admission server", TARGET_LABELS) == []
     # a misspelt metric, a label of another family: each is reported
     assert problems([
