@@ -9,7 +9,8 @@ The core, independent of gRPC:
   that reads a scheduler's values.
 - `kube_store.KubePodStore`: the store over `kai_fractions.kube` (the tests' in-memory one is
   tests/support/fake_store.py).
-- `pod_cache`: the cache of Pending pods, a data structure; `pod_feed` feeds it from a list +
+- `pod_cache`: the cache of Pending pods, a data structure (what each entry keeps:
+  `pod_trimming`); `pod_feed` feeds it from a list +
   watch (`kai_fractions.kube.listwatch`) on the serving event loop, where `foreground` lets the
   calls go before the list's work and a burst of the watch's events.
 
@@ -19,7 +20,8 @@ Its faces:
   (MirrorService's values and errors -> protobuf and gRPC status: `grpc.proto`, `grpc.status`),
   `grpc.security`.
 - `follower`, `bindrequests`, `leader`: the KAI follower (`--follow-bindrequests`), one replica
-  at a time (`--leader-elect`); `public_key`, `kai_dependency`: what the mirror publishes.
+  at a time (`--leader-elect`); `kai_binder` what KAI's binder writes, `rechecks` when an
+  incomplete check is done again; `public_key`, `kai_dependency`: what the mirror publishes.
 
 See docs/mirror.md and docs/architecture.md.
 """

@@ -16,6 +16,11 @@ A list is replayed in the background, newest BindRequest first, while the watch 
 open, and the watch's events go first: a follower that takes over at 5,000 nodes (a rollout, a
 lost Lease) checks 160,000 listed BindRequests for minutes, and a pod bound meanwhile must not
 wait for its signature until they are done.
+
+A handling that could not finish for a reason that passes by itself is handed over again by
+the replay, ahead of the listed ones, after a bounded backoff (`rechecks`): the watch would
+show that BindRequest again only when it changes, and the next list may come after the pod's
+gate has given up.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from ..kube.client import Kube
 from ..kube.listwatch import RESYNC_SECONDS, WATCH_BACKOFF, Collection, list_watch
 from ..kube.objects import namespaced_path
 from ..kube.retry import Backoff
+from .errors import MirrorError
 from .follower import GROUP, PLURAL, VERSION, BindRequestView
+from .rechecks import RECHECK_BACKOFF, Rechecks, wants_recheck
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +75,27 @@ async def follow(
     resync_seconds: float = RESYNC_SECONDS,
     monotonic: Callable[[], float] = time.monotonic,
     clock: AsyncClock | None = None,
+    recheck_backoff: Backoff = RECHECK_BACKOFF,
 ) -> NoReturn:
     """Level-triggered: every BindRequest seen (listed, or ADDED or MODIFIED in the watch) goes to
     `handle`, up to `concurrency` at once, each BindRequest's in the order seen (a list's in the
     background, newest first, behind the watch's events: `_Replay`); `handle` must be
-    idempotent. A watch only replays changes, so a handling that failed for a reason of its
-    own (a conflict while signing, the API briefly away) is retried by listing everything again
-    once `resync_seconds` have passed, when the current watch stream ends. An error of one
-    BindRequest is logged and the loop goes on. A deleted BindRequest goes to `forget`. Runs
-    until cancelled (cancelling it cancels the handling in progress)."""
+    idempotent. A watch only replays changes, so a handling that could not finish for a reason
+    that passes by itself (`rechecks.wants_recheck`: the API server away through the store's
+    retries, a result whose `recheck` says so) is handed over again after `recheck_backoff`,
+    for as long as that goes on, until the BindRequest changes, is deleted or listed again;
+    anything else that failed is retried by listing everything again once `resync_seconds`
+    have passed, when the current watch stream ends. An error of one BindRequest is logged and
+    the loop goes on. A deleted BindRequest goes to `forget`. Runs until cancelled (cancelling
+    it cancels the handling in progress and every recheck)."""
     handling = _InFlight(handle, concurrency)
-    replay = _Replay(handling)
+    replay = _Replay(handling, recheck_backoff, rng)
+    handling.after = replay.after
+
+    def gone(view: BindRequestView) -> None:
+        replay.forget(view)
+        if forget is not None:
+            forget(view)
 
     async def on_list(items: list[Mapping[str, Any] | BindRequestView]) -> None:
         replay.restart(items)  # and the watch opens at once
@@ -90,12 +107,12 @@ async def follow(
         replay.supersede(view)
         if kind != "DELETED":
             await handling.start(view)
-        elif forget is not None:
-            running = handling.latest.get((view.namespace, view.name))
-            if running is None:
-                forget(view)
-            else:  # after it: what it remembers of the BindRequest is forgotten too
-                running.add_done_callback(lambda _task: forget(view))
+            return
+        running = handling.latest.get((view.namespace, view.name))
+        if running is None:
+            gone(view)
+        else:  # after it: what it remembers of the BindRequest (a recheck) goes too
+            running.add_done_callback(lambda _task: gone(view))
 
     try:
         await list_watch(source, on_list, on_event, backoff=backoff, rng=rng,
@@ -103,6 +120,7 @@ async def follow(
     finally:
         # Everything cancelled before the first wait: a second cancel cannot leave any
         # handling running after the follower has stopped (the Lease lost).
+        replay.rechecks.close()
         tasks = [*handling.tasks, *([replay.task] if replay.task is not None else [])]
         for task in tasks:
             task.cancel()
@@ -118,11 +136,18 @@ def _key(br: BindRequestView) -> object:
 class _Replay:
     """The last list's BindRequests, handed to `handling` by a task of their own: first those a
     previous list left unstarted (a relist must not start over from the newest and never reach
-    the oldest), then newest first. One the watch shows meanwhile leaves the replay (its event
-    carried a newer version, or its deletion), also while it waits for its place."""
+    the oldest), then newest first; the rechecks that fell due (`rechecks`: each one a
+    BindRequest whose handling could not finish, fresh binds whose gates are waiting) go first,
+    then turn about with the listed ones. One
+    the watch shows meanwhile leaves the replay and loses its recheck (its event carried a newer
+    version, or its deletion), also while it waits for its place."""
 
-    def __init__(self, handling: _InFlight) -> None:
+    def __init__(self, handling: _InFlight, backoff: Backoff,
+                 rng: random.Random | None = None) -> None:
         self.handling = handling
+        self.rechecks = Rechecks(self._fell_due, backoff, rng)
+        self.due: dict[object, BindRequestView] = {}
+        """Rechecks whose time came, in that order."""
         self.pending: dict[object, BindRequestView] = {}
         self.holding: object = None
         """The key of the BindRequest waiting for a place; None once it is dropped."""
@@ -136,30 +161,71 @@ class _Replay:
         if self.holding is not None and self.holding in views:
             left.insert(0, self.holding)
         self.holding = None  # the new list has it, at its place
+        self.rechecks.retain(views)  # the list hands each live one over again
+        self.due.clear()
         self.pending = {key: views.pop(key) for key in left}
         self.pending.update(views)
-        self.listed.set()
-        if self.task is None or self.task.done():
-            self.task = asyncio.create_task(self._run(), name="bindrequest-replay")
+        self._wake()
 
     def supersede(self, br: BindRequestView) -> None:
         key = _key(br)
         self.pending.pop(key, None)
+        self.due.pop(key, None)
+        self.rechecks.cancel(key)
         if self.holding == key:
             self.holding = None
+
+    def forget(self, br: BindRequestView) -> None:
+        """`br` was deleted: no recheck of it is left, nor what was counted for one."""
+        self.supersede(br)
+        self.rechecks.forget(_key(br))
+
+    def after(self, br: BindRequestView, outcome: object, last: bool) -> None:
+        """A handling of `br` ended with `outcome` (what it returned or raised): a recheck is
+        set when that may pass by itself, unless it is not the `last` handling of `br` queued
+        (that one's outcome decides); an exception is logged."""
+        delay = (self.rechecks.after(_key(br), br.resource_version, br, wants_recheck(outcome))
+                 if last else None)
+        again = ("checked again when it changes or at the next list" if last and delay is None
+                 else f"checked again in {delay:.1f} s" if delay is not None
+                 else "a later version of it is queued")
+        if isinstance(outcome, MirrorError) and delay is not None:
+            log.warning("BindRequest %s: check failed: %s; %s", br.ref, outcome, again)
+        elif isinstance(outcome, Exception):
+            log.error("BindRequest %s: check failed; %s", br.ref, again, exc_info=outcome)
+        elif delay is not None:
+            log.info("BindRequest %s: not complete; %s", br.ref, again)
+
+    def _fell_due(self, br: BindRequestView) -> None:
+        key = _key(br)
+        # Listed again since its handling began: the list's version is the one to check.
+        self.due[key] = self.pending.pop(key, br)
+        self._wake()
+
+    def _wake(self) -> None:
+        self.listed.set()
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._run(), name="bindrequest-replay")
 
     async def _run(self) -> None:
         while True:
             await self.listed.wait()
             self.listed.clear()
             began, started = time.monotonic(), 0
-            while self.pending:
-                key = next(iter(self.pending))
-                br = self.pending.pop(key)
+            listed = True
+            while self.due or self.pending:
+                # Turns while both wait: rechecks that keep falling due (a GPU never known,
+                # at every backoff) must not hold the list's replay back for ever.
+                listed = not self.due or (bool(self.pending) and not listed)
+                queue = self.pending if listed else self.due
+                key = next(iter(queue))
+                br = queue.pop(key)
+                if listed:
+                    self.rechecks.cancel(key)  # handled again now: its recheck is moot
                 self.holding = key
                 try:
                     if await self.handling.start(br, replayed=self._still_holding):
-                        started += 1
+                        started += listed
                 except Exception:  # never seen; a dead replay would leave the rest unchecked
                     log.exception("BindRequest %s: the replay failed to start it", br.ref)
                 finally:
@@ -184,6 +250,9 @@ class _InFlight:
             raise ValueError(f"concurrency {limit}: at least 1")
         self.handle = handle
         self.limit = limit
+        self.after: Callable[[BindRequestView, object, bool], None] = _log_failure
+        """Told what each handling returned or raised, and whether it was the last handling of
+        that BindRequest queued."""
         self.tasks: set[asyncio.Task] = set()
         self.latest: dict[tuple[str, str], asyncio.Task] = {}  # BindRequest -> its last
         self.replaying = 0
@@ -254,7 +323,8 @@ class _InFlight:
     async def _run(self, before: asyncio.Task | None, br: BindRequestView) -> None:
         if before is not None:
             await asyncio.wait([before])
-        await _handle(self.handle, br)
+        outcome = await _handle(self.handle, br)
+        self.after(br, outcome, self.latest.get((br.namespace, br.name)) is asyncio.current_task())
 
     def _done(self, key: tuple[str, str], replayed: bool, task: asyncio.Task) -> None:
         self.tasks.discard(task)
@@ -265,9 +335,15 @@ class _InFlight:
         self._freed.set()
 
 
-async def _handle(handle: Handler, br: BindRequestView) -> None:
+async def _handle(handle: Handler, br: BindRequestView) -> object:
+    """What `handle` returned, or the exception it raised (not raised on: one bad object or a
+    failed event must not stop the follower; `_InFlight.after` logs it)."""
     try:
-        await handle(br)
-    except Exception:
-        # One bad object or a failed event must not stop the follower.
-        log.exception("BindRequest %s: check failed", br.ref)
+        return await handle(br)
+    except Exception as e:
+        return e
+
+
+def _log_failure(br: BindRequestView, outcome: object, _last: bool) -> None:
+    if isinstance(outcome, Exception):
+        log.error("BindRequest %s: check failed", br.ref, exc_info=outcome)

@@ -12,11 +12,13 @@ every key matches, one signature annotation per fractional container (`kai_fract
 over the `ContainerPlan` the node agent builds from the pod's current annotations), in ONE
 merge patch guarded by the pod's uid and resourceVersion. A pod that changed between the read
 and the patch is refused by the API server (409); the follower reads it again and checks it
-again (bounded), so it never signs annotations it did not check. It signs only the pod the
+again (SIGN_ATTEMPTS), so it never signs annotations it did not check; one that keeps changing
+is checked again after a backoff (`Verification.recheck`, `rechecks`). It signs only the pod the
 BindRequest was made for (its owner's uid), never another created under the same name. A
 mismatch is never signed; a signature that already verifies is not rewritten, and one under a
 key the mirror still holds that no longer verifies (the pod was edited after it was signed) is
-not replaced: only a retired key's is. Derived annotations stay the node agent's.
+not replaced: only a retired key's is. Derived annotations stay the node agent's. A pod that
+has run to its end (Succeeded, Failed) has nothing left to check or sign.
 Every decision not to sign a bound fractional pod is an event on the pod and a log line that
 name the reason (`NvFractionsMismatch`, `NvFractionsInvalid`, `NvFractionsUnsigned`).
 
@@ -38,31 +40,27 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from types import MappingProxyType
 from typing import Any
 
 from ..contract import (
     DEFAULT_DIALECT,
     BindDecision,
-    ContainerShare,
     ContractError,
     ContractViolation,
     Dialect,
     Keys,
-    PodRequest,
-    binder_annotations,
     parse_pod,
     plan_container,
 )
 from ..contract import keys as k
-from ..contract.binder import as_scheduler_sizes
 from ..contract.compare import same_value
 from ..kube.objects import epoch_seconds
 from ..kube.retry import NO_DEADLINE, Deadline
 from ..signing import KeyringSource, signature_key
-from .compute import is_mirror_managed
 from .decision import MAX_ID, MAX_IDS, AllocationInput, node_to_read, resolve_decision
 from .errors import InvalidAllocation, PodNotFound
+from .kai_binder import binder_expectation, binder_request, kept_limit
+from .rechecks import RECHECK_BACKOFF, RECHECK_WINDOW
 from .store import (
     NodeNotFound,
     PodSnapshot,
@@ -82,6 +80,16 @@ INVALID_REASON = "NvFractionsInvalid"
 UNSIGNED_REASON = "NvFractionsUnsigned"
 SIGN_ATTEMPTS = 3
 """Reads of a pod per check when its signing patch meets a conflict (it changed meanwhile)."""
+POD_ENDED = frozenset(("Succeeded", "Failed"))
+"""Pod phases after which nothing runs: KAI's binder then deletes the group's reservation pod
+(KAI-Scheduler pkg/binder/controllers/pod_controller.go, isCompletionEvent ->
+syncReservationIfNeeded), so the GPU could not be known any more, and nothing needs a
+signature."""
+CHECKED_AGAIN = (f"the follower checks it again in {RECHECK_BACKOFF.base:g} s, then at "
+                 f"doubling intervals of at most {RECHECK_BACKOFF.cap:g} s, until it is signed "
+                 f"or the BindRequest changes (for {RECHECK_WINDOW / 60:g} minutes at most, "
+                 "then at its next list)")
+"""When an incomplete check that may pass by itself is done again (bindrequests.follow)."""
 COMPLETE_KEPT = 200_000
 """BindRequests remembered as complete at most (then the oldest is checked again on its next
 list): more than the fractional pods of a 5,000-node cluster (docs/scale.md)."""
@@ -196,12 +204,15 @@ class Mismatch:
     key: str
     expected: str | None
     actual: str | None
+    rule: str = ""
+    """The rule the found value breaks, where it could have been accepted otherwise."""
 
     @property
     def message(self) -> str:
         found = "nothing" if self.actual is None else repr(self.actual)
         want = "nothing" if self.expected is None else repr(self.expected)
-        return f"annotation {self.key}: expected {want}, found {found}"
+        rule = f": {self.rule}" if self.rule else ""
+        return f"annotation {self.key}: expected {want}, found {found}{rule}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,60 +230,16 @@ class Verification:
     resigned: bool = False
     """The signatures written replace ones that no longer verify (their key was retired):
     the pod was not waiting for them."""
+    recheck: bool = False
+    """Incomplete for a reason that may pass by itself, with nothing changing on the
+    BindRequest (the reserved GPU not known yet, the pod written to under every signing
+    attempt): the follow loop checks it again after a backoff (`rechecks`). A finding, an
+    invalid decision or another pod of that name waits for a change instead."""
 
     @property
     def complete(self) -> bool:
         """Checked, matching, and signed where signing is on: nothing left to do."""
         return not (self.skipped or self.errors or self.mismatches or self.unsigned)
-
-
-def binder_request(pod: PodSnapshot, keys: Keys, decision: BindDecision) -> PodRequest:
-    """The pod's request as KAI's scheduler read it, what the binder wrote left out (raises
-    InvalidAllocation).
-
-    KAI reads a container's own request key before `gpu-fraction` and `gpu-memory`
-    (KAI-Scheduler pkg/common/resources/gpu_sharing.go, ParsePodGPUFractionRequest), and its
-    binder keeps a request it finds (pkg/binder/plugins/nvfractions/nv_fractions.go,
-    setNvFractionsMemoryAnnotation). A request beside `gpu-fraction` is taken for one that was
-    on the pod before the bind (its user's, or what a failed bind left) only when the bind's
-    portion is exactly what the scheduler sizes that request as (`as_scheduler_sizes`): it
-    then decided by it. Any other is checked as the binder's. So a binder that writes less
-    than it should, by less than a hundredth of the GPU, passes as such a request: never more
-    than KAI accounted."""
-    view = pod.view
-    kept = {key: v for key, v in view.annotations.items() if not is_mirror_managed(key, keys)}
-    share = parse_pod(replace(view, annotations=MappingProxyType(kept)), keys).share
-    if share is not None:
-        c = share.container
-        # A "" gpu-fraction or gpu-memory asks for nothing: KAI sizes by the request alone. A
-        # gpu-memory pod is sized by its memory either way (KAI's webhook copies it into the
-        # request), so only beside gpu-fraction can the request be what KAI decided by.
-        if kept.get(k.GPU_MEMORY) or (kept.get(k.GPU_FRACTION)
-                                      and not _sized_by_request(share, decision)):
-            kept.pop(keys.container(c, k.MEMORY_REQUEST), None)
-        if (k.GPU_FRACTION_LIMIT in kept or k.GPU_MEMORY_LIMIT in kept
-                or keys.portion_limit(c) in kept):
-            kept.pop(keys.container(c, k.MEMORY_LIMIT), None)
-    request = parse_pod(replace(view, annotations=MappingProxyType(kept)), keys)
-    if request.errors:
-        raise InvalidAllocation(request.errors)
-    return request
-
-
-def _sized_by_request(share: ContainerShare, decision: BindDecision) -> bool:
-    """The bind's portion is what KAI's scheduler sizes the share's own request as."""
-    return (share.request_bytes is not None and decision.received_portion is not None
-            and decision.received_portion == as_scheduler_sizes(
-                share.request_bytes, decision.node_gpu_memory_mib))
-
-
-def binder_expectation(request: PodRequest, decision: BindDecision, keys: Keys
-                       ) -> dict[str, str]:
-    """What KAI's binder must have written for `request` (raises InvalidAllocation)."""
-    try:
-        return binder_annotations(request, decision, keys)
-    except ContractViolation as e:
-        raise InvalidAllocation(e.errors) from None
 
 
 class Follower:
@@ -302,10 +269,12 @@ class Follower:
                          ) -> Verification | None:
         """`verify`, unless this version of `br` was already checked, found matching and
         signed under the signing keys of now (None then). KAI keeps a BindRequest for as long
-        as its pod lives (its scheduler deletes only failed ones), so every re-list (every
-        resync) replays them all: without this, each costs its reads again (docs/scale.md).
-        What was not complete (a finding, a skip, a pod left unsigned) is checked again; new
-        signing keys make everything be checked (and signed) again."""
+        as its pod lives (its scheduler deletes only failed ones and those of deleted nodes),
+        so every re-list (every resync) replays them all: without this, each costs its reads
+        again (docs/scale.md). What was not complete (a finding, a skip, a pod left unsigned)
+        is checked again: by the follow loop after a backoff when its `recheck` says so, else
+        when it changes or is listed again; new signing keys make everything be checked (and
+        signed) again."""
         kids = self.signer.current().kids if self.signer is not None else ()
         if kids != self._complete_under:
             self._complete.clear()
@@ -394,6 +363,10 @@ class Follower:
                 # collector removes the old BindRequest: not an event, only never a signature.
                 log.info("%s; not checked", other)
                 return Verification(br.ref, pod_ref, skipped=other)
+            if pod.phase in POD_ENDED:
+                # KAI keeps its BindRequest as long as the pod exists, so every list replays
+                # it: complete, with no read of a reservation pod KAI has deleted.
+                return Verification(br.ref, pod_ref)
             result = await self._check(br, pod, deadline)
             if result.skipped or result.errors or result.mismatches or self.signer is None:
                 return result
@@ -404,7 +377,7 @@ class Follower:
                 # not what is there now, so read it again and check it again.
                 log.info("pod %s changed before it was signed (%s); checking it again",
                          pod_ref, e)
-                result = replace(result, unsigned=f"the pod kept changing: {e}")
+                result = replace(result, unsigned=f"the pod kept changing: {e}", recheck=True)
                 continue
             except PodNotFound:
                 return Verification(br.ref, pod_ref, skipped="pod not found")
@@ -413,8 +386,8 @@ class Follower:
                                    f"(BindRequest {br.ref})", deadline)
             return result
         await self._report(pod, UNSIGNED_REASON, f"not signed: it changed under "
-                           f"{SIGN_ATTEMPTS} attempt(s); the follower checks it again on its "
-                           f"next list (BindRequest {br.ref})", deadline)
+                           f"{SIGN_ATTEMPTS} attempt(s); {CHECKED_AGAIN} (BindRequest {br.ref})",
+                           deadline)
         return result
 
     async def _check(self, br: BindRequestView, pod: PodSnapshot,
@@ -426,17 +399,17 @@ class Follower:
                       f"yet: no pod labelled {k.GPU_GROUP_LABEL} in "
                       f"{self.reservation_namespace} carries {k.RESERVE_FOR_GPU}")
             if self.signer is not None:
-                await self._report(pod, UNSIGNED_REASON, f"not signed yet: {reason} "
-                                   f"(BindRequest {br.ref})", deadline)
-            return Verification(br.ref, pod_ref, skipped=reason)
+                await self._report(pod, UNSIGNED_REASON, f"not signed yet: {reason}; "
+                                   f"{CHECKED_AGAIN} (BindRequest {br.ref})", deadline)
+            return Verification(br.ref, pod_ref, skipped=reason, recheck=True)
         share = parse_pod(pod.view, self.keys).share
         written = pod.annotations.get(self.keys.container(share.container, k.DEVICES), "") \
             if share is not None else ""
         allocation = replace(allocation, cdi=written.startswith(k.CDI_DEVICE_PREFIX))
         try:
             decision = await self._decision(allocation, deadline)
-            expected = binder_expectation(binder_request(pod, self.keys, decision), decision,
-                                          self.keys)
+            request, before = binder_request(pod, self.keys, decision)
+            expected = binder_expectation(request, decision, self.keys)
         except InvalidAllocation as e:
             await self._report(pod, INVALID_REASON, f"cannot check the binder's annotations "
                                f"for BindRequest {br.ref}: {e}", deadline)
@@ -446,7 +419,14 @@ class Follower:
             # Upstream KAI never writes it (its webhook refuses the key): one on the pod was
             # not written by that binder, and the node would take it as a compute cap.
             wanted.setdefault(self.keys.container(share.container, k.COMPUTE_PORTION), None)
-        mismatches = tuple(Mismatch(key, value, pod.annotations.get(key))
+        rules: dict[str, str] = {}
+        if before and (limit := kept_limit(pod, request, decision, self.keys)) is not None:
+            key, found, rule = limit
+            if rule:
+                rules[key] = rule
+            else:
+                wanted[key] = found  # as KAI's binder keeps it
+        mismatches = tuple(Mismatch(key, value, pod.annotations.get(key), rules.get(key, ""))
                            for key, value in sorted(wanted.items())
                            if not same_value(key, value, pod.annotations.get(key), self.keys))
         for m in mismatches:

@@ -23,6 +23,9 @@ class PodSnapshot:
 
     metadata: Mapping[str, Any]
     spec: Mapping[str, Any] = field(default_factory=dict)
+    phase: str = ""
+    """status.phase ("" when not read): the BindRequest follower skips a pod that has run to
+    its end (Succeeded, Failed)."""
     _view: PodView | None = field(default=None, init=False, repr=False, compare=False)
     parsed: tuple[Any, Any] | None = field(default=None, init=False, repr=False,
                                            compare=False)
@@ -65,7 +68,10 @@ class PodSnapshot:
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> PodSnapshot:
-        return cls(metadata=dict(obj.get("metadata") or {}), spec=dict(obj.get("spec") or {}))
+        status = obj.get("status")
+        phase = status.get("phase") if isinstance(status, Mapping) else None
+        return cls(metadata=dict(obj.get("metadata") or {}), spec=dict(obj.get("spec") or {}),
+                   phase=phase if isinstance(phase, str) else "")
 
 
 def stored_otherwise(written: PodSnapshot, changes: Mapping[str, str | None]) -> str | None:

@@ -126,10 +126,11 @@ async def test_the_patched_dialect_expects_the_compute_portion(store):
         (f"{T}.gpu-compute.portion", "0.5", None)]
 
 
-# Upstream KAI main reads a container's own request before gpu-fraction (KAI-Scheduler
-# pkg/common/resources/gpu_sharing.go, ParsePodGPUFractionRequest: "NvFractions request takes
-# priority"), sizes such a pod as ceil(MiB / (M - M % 100) * 100) / 100 (pkg/scheduler/api/
-# node_info/node_info.go, gpu_sharing_node_info.go) and its binder keeps the request it finds
+# Upstream KAI main reads a container's own request before gpu-fraction (kai-scheduler/api
+# utilities/resources/gpu_sharing.go, ParsePodGPUFractionRequest: "NvFractions request takes
+# priority"; KAI-Scheduler's binder and webhook import it from there), sizes such a pod as
+# ceil(MiB / (M - M % 100) * 100) / 100 (KAI-Scheduler pkg/scheduler/api/node_info/
+# node_info.go, gpu_sharing_node_info.go) and its binder keeps the request it finds
 # (pkg/binder/plugins/nvfractions/nv_fractions.go, setNvFractionsMemoryAnnotation).
 
 
@@ -153,6 +154,65 @@ async def test_a_rebind_after_a_failed_bind_checks_complete(store):
     result = await verify(store, bind_request("br-2", "train-0", portion="0.51"))
     assert (result.mismatches, result.errors, result.skipped) == ((), (), "")
     assert result.complete and store.events == []
+
+
+# A failed bind's patch stays on the pod (KAI-Scheduler pkg/binder/controllers/
+# bindrequest_controller.go, Reconcile: Rollback after a failed Bind; pkg/binder/plugins/
+# nvfractions/nv_fractions.go, Rollback removes nothing), and on the rebind the binder keeps
+# the limit it finds as it keeps the request (nv_fractions.go, setGpuMemoryPortionLimitAnnotation
+# returns early when the container's gpu-memory.limit is on the pod): sized for the first node.
+# The scheduler sizes the kept request on the new node (as_scheduler_sizes).
+FIRST_BIND_ON_40960 = {  # gpu-fraction 0.5, limit 0.8 on a 40960 MiB GPU
+    "gpu-fraction": "0.5", "gpu-fraction.limit": "0.8",
+    "kai.scheduler/container.trainer.gpu-memory.portion.limit": "0.8",
+    f"{T}.gpu-memory.request": "20Gi", f"{T}.gpu-memory.limit": "32Gi",
+    f"{T}.gpus.devices": GPU_B, "received-resource-type": "Fraction"}
+
+
+def on_node(br: dict, node: str) -> dict:
+    return {**br, "spec": {**br["spec"], "selectedNode": node}}
+
+
+async def test_a_rebind_keeps_the_limit_of_the_failed_bind(store):
+    store.nodes["gpu-node-2"] = {"nvidia.com/gpu.memory": "81920"}
+    store.add_pod(pod("train-0", FIRST_BIND_ON_40960))
+    # ceil(20480 / 81900 * 100) / 100 = 0.26: the scheduler decided by the kept 20Gi
+    rebind = on_node(bind_request("br-2", "train-0", groups=("group-b",), portion="0.26"),
+                     "gpu-node-2")
+    result = await verify(store, rebind, signer=Keys(Keyring.of(b"k" * 32)))
+    assert (result.mismatches, result.errors, result.skipped) == ((), (), "")
+    assert result.complete and result.signed == (SIGNATURE,) and store.events == []
+    # Not a rebind (the portion is the fraction's, not the request's): the binder of this
+    # bind wrote both, from 0.5 and 0.8 of this node's 81920 MiB.
+    first = on_node(bind_request("br-3", "train-0", groups=("group-b",)), "gpu-node-2")
+    found = (await verify(store, first)).mismatches
+    assert [(m.key, m.expected, m.actual, m.rule) for m in found] == [
+        (f"{T}.gpu-memory.limit", "64Gi", "32Gi", ""),
+        (f"{T}.gpu-memory.request", "40Gi", "20Gi", "")]
+
+
+@pytest.mark.parametrize(("limit", "rule"), [
+    ("64Gi", ""),  # 0.8 of the first node's 81920 MiB: more than this GPU has
+    ("16Gi", ""),  # below the request
+    ("lots", ", and it must be a Kubernetes quantity such as 8Gi, 7680Mi or 1000M"),
+])
+async def test_a_kept_limit_this_node_cannot_honour_is_a_mismatch_naming_the_rule(
+        store, limit, rule):
+    # First bound on an 81920 MiB GPU: gpu-fraction 0.3 -> uint64(81920 * 0.3) = 24Gi; then
+    # rebound here (40960 MiB) as ceil(24576 / 40900 * 100) / 100 = 0.61.
+    store.add_pod(pod("train-0", {**FIRST_BIND_ON_40960, "gpu-fraction": "0.3",
+                                  f"{T}.gpu-memory.request": "24Gi",
+                                  f"{T}.gpu-memory.limit": limit, f"{T}.gpus.devices": GPU_A}))
+    result = await verify(store, bind_request("br-2", "train-0", portion="0.61"),
+                          signer=Keys(Keyring.of(b"k" * 32)))
+    expected_rule = ("a limit kept from an earlier bind must be at least the request (24576 "
+                     "MiB) and at most the 40960 MiB a GPU of this node shares" + rule)
+    assert [(m.key, m.expected, m.actual, m.rule) for m in result.mismatches] == [
+        (f"{T}.gpu-memory.limit", "32Gi", limit, expected_rule)]
+    assert result.signed == () and not result.recheck
+    assert [e.message for e in store.events] == [
+        f"annotation {T}.gpu-memory.limit: expected '32Gi', found '{limit}': {expected_rule} "
+        "(BindRequest team-a/br-2)"]
 
 
 async def test_a_request_kai_did_not_size_the_bind_by_is_checked_as_the_binders(store):
@@ -337,8 +397,8 @@ def requests_of(store: FakePodStore) -> list[str]:
 
 async def test_a_complete_check_is_not_repeated_for_the_same_version(store):
     # KAI keeps a Succeeded BindRequest for as long as its pod lives (KAI-Scheduler
-    # pkg/scheduler/cache/cache.go, cleanStaleBindRequest deletes only failed ones), so every
-    # resync's list replays it.
+    # pkg/scheduler/cache/cache.go, cleanStaleBindRequest deletes only the failed ones and
+    # those of deleted nodes), so every resync's list replays it.
     store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND}))
     follower = Follower(store)
     requests = requests_of(store)
@@ -448,6 +508,28 @@ async def test_a_signature_broken_by_an_edit_is_not_signed_again(store):
     assert (await verify(store, br, signer=keys)).signed == ()
     keys.keyring = Keyring.of(b"n" * 32)  # the old key retired: now it is replaced
     assert (await verify(store, br, signer=keys)).signed == (SIGNATURE,)
+
+
+@pytest.mark.parametrize("phase", ["Succeeded", "Failed"])
+async def test_a_pod_that_ran_to_its_end_is_complete_with_nothing_to_read(store, phase):
+    # Once a fractional pod has ended, KAI's binder deletes its group's reservation pod
+    # (KAI-Scheduler pkg/binder/controllers/pod_controller.go, isCompletionEvent ->
+    # syncReservationIfNeeded; pkg/binder/binding/resourcereservation/resource_reservation.go,
+    # SyncForGpuGroup: a Succeeded or Failed pod holds no reservation), while its BindRequest
+    # stays as long as the pod does: a new leader's list, and every resync, replay it.
+    done = pod("job-0", {"gpu-fraction": "0.5", **BOUND})
+    done["status"] = {"phase": phase}
+    store.add_pod(done)
+    store.delete_pod("kai-resource-reservation", "gpu-reservation-group-a")
+    requests = requests_of(store)
+    follower = Follower(store, signer=Keys(Keyring.of(b"k" * 32)))
+    view = BindRequestView.from_object(versioned(bind_request("br-1", "job-0")))
+    result = await follower.follow_one(view)
+    assert result is not None and result.complete and result.signed == ()
+    assert requests == ["get"] and store.lists == [] and store.events == []
+    assert SIGNATURE not in store.annotations(NS, "job-0")
+    assert await follower.follow_one(view) is None  # the next list's replay reads nothing
+    assert requests == ["get"]
 
 
 async def test_a_deleted_bind_request_is_forgotten(store):
