@@ -29,7 +29,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 
-from ..contract import ComputeMode, ContainerPlan
+from ..contract import ComputeMode, ContainerPlan, parse_pod
 from . import applied as ap
 from .config import Mechanism, NodeConfig
 from .desired_state import (
@@ -81,10 +81,13 @@ def _order(pod: NodePod) -> tuple:
 
 
 def _hold(pod: NodePod, ok: list[_Candidate], refused: list[Refusal],
-          applied: Mapping[str, ContainerPlan], changes: dict[ContainerKey, Refusal]
-          ) -> tuple[list[_Candidate], list[Refusal]]:
+          applied: Mapping[str, ContainerPlan], changes: dict[ContainerKey, Refusal],
+          whole: bool = False) -> tuple[list[_Candidate], list[Refusal]]:
     """The pod's candidates and refusals with every applied plan kept: a container whose new
-    plan differs, is refused or is gone keeps its applied plan, and the change is refused."""
+    plan differs, is refused or is gone keeps its applied plan, and the change is refused.
+    `whole`: the refusals are the whole pod's (its annotations cannot be read, or a veto):
+    an applied container they do not name is refused for that too; otherwise its share is
+    gone, whatever another container of the pod is refused for (not bound yet, say)."""
     if not applied:
         return ok, refused
     kept, out, seen = [], [], set()
@@ -108,7 +111,8 @@ def _hold(pod: NodePod, ok: list[_Candidate], refused: list[Refusal],
         elif r.key.container not in seen:  # one hold per container, however many refusals
             seen.add(r.key.container)
             hold(old, ap.refused_now(r.reason, r.message))
-    pod_level = next((r for r in refused if r.key.container not in applied), None)
+    pod_level = next((r for r in refused if r.key.container not in applied),
+                     None) if whole else None
     for name, old in applied.items():
         if name not in seen:
             hold(old, ap.GONE if pod_level is None
@@ -135,16 +139,22 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
     refusals: list[Refusal] = []
     candidates: list[_Candidate] = []
     for pod in live:
+        whole = pod.uid in vetoed
         try:
-            ok, refused = ([], vetoed[pod.uid]) if pod.uid in vetoed else \
-                _contract_refusals(pod, config)
+            ok, refused = ([], vetoed[pod.uid]) if whole else _contract_refusals(pod, config)
         except Exception as e:  # one pod's annotations must not stop the node
             log.exception("pod %s/%s: its GPU annotations could not be read",
                           pod.view.namespace, pod.view.name)
+            whole = True
             ok, refused = [], [_refuse(pod, "", RefusalReason.CONTRACT_INVALID,
                                        "the pod's GPU annotations could not be read "
                                        f"({type(e).__name__}); fix them and recreate the pod")]
-        ok, refused = _hold(pod, ok, refused, held.get(pod.uid, {}), changes)
+        mine = held.get(pod.uid, {})
+        if mine and refused and not ok and not whole:
+            # Invalid annotations refuse the whole pod (`_contract_refusals`), a container
+            # that cannot be planned or is not bound only itself.
+            whole = bool(parse_pod(pod.view, config.keys).errors)
+        ok, refused = _hold(pod, ok, refused, mine, changes, whole)
         candidates.extend(ok)
         refusals.extend(refused)
     # What runs already is placed first: a newcomer never takes its memory or compute mode.
