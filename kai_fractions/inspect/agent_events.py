@@ -1,7 +1,8 @@
 """The node agent's word on a pod from the pod's Events, for `inspect pod` when the agent itself
 was not read (off the node): per container, the newest of its events that tell a state decides
 it, so a readiness marker set aside after the gate released (MpsCapNotInForce,
-MemoryLimitNotInForce) or a pod held for its signature is not shown as the gate's word alone.
+MemoryLimitNotInForce, WatchdogBlind) or a pod held for its signature is not shown as the
+gate's word alone.
 The agent names the container at the head of each message (`container NAME: ...`); an event
 that names none is the whole pod's."""
 
@@ -15,10 +16,12 @@ from typing import Any
 from ..kube.objects import epoch_seconds
 from ..node.agent import events as ev
 from ..node.agent.options import COMPONENT
+from ..node.engine_reports import WATCHDOG_BLIND
 from ..node.memory_limits import MEMORY_LIMIT_NOT_IN_FORCE
 
 PENDING_REASONS = frozenset({ev.SIGNATURE_MISSING, ev.SIGNATURE_KEY_UNKNOWN,
-                             ev.MPS_CAP_NOT_IN_FORCE, MEMORY_LIMIT_NOT_IN_FORCE})
+                             ev.MPS_CAP_NOT_IN_FORCE, MEMORY_LIMIT_NOT_IN_FORCE,
+                             WATCHDOG_BLIND})
 """Held back: no marker yet, or the marker set aside (Warning events)."""
 UNPLANNED_REASONS = frozenset({ev.SIGNATURE_MISSING, ev.SIGNATURE_KEY_UNKNOWN})
 """Held back before planning: the agent accounts no memory for it yet."""

@@ -66,8 +66,15 @@ class AgentAllocation:
     change_message: str = ""
     """Why the annotations' new plan is refused while `plan` stays in force
     (`PlanChangeRefused`); "" otherwise."""
+    usage_unknown: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """GPU UUID -> why the agent's watchdog cannot read the container's usage there now (the
+    reason of `kai_fractions_agent_gpu_usage_unknown`, or of the socket's note): what the
+    agent reports used there (0) is not known to be so."""
 
     def used_on(self, gpu_uuid: str, device_count: int) -> int | None:
+        """Bytes used on the GPU; None when not known (`usage_unknown`, or a sum over GPUs)."""
+        if gpu_uuid in self.usage_unknown:
+            return None
         if gpu_uuid in self.used_by_gpu:
             return self.used_by_gpu[gpu_uuid]
         if self.used_bytes is not None and device_count == 1:

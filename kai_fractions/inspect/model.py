@@ -24,7 +24,9 @@ container comes from, in this order:
 5. otherwise what the pod says: not bound yet -> unscheduled; bound without a gate -> ungated
    (the admission webhook did not wire it: its limits are not guaranteed before it starts).
 An enforced row has no reason, whatever said so; `Row.state_source` names who did.
-Used memory comes from the agent only; when it is not reachable the report says why.
+Used memory comes from the agent only; when it is not reachable the report says why, and where
+the agent cannot read a container's usage on a GPU (its watchdog is blind there) its row's
+used memory is not known either (a `UsageUnknown` warning says why).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from ..contract import (
 from ..contract import keys as k
 from ..kube.objects import epoch_seconds
 from .agent_events import UNPLANNED_REASONS, AgentEvent, agent_events, newest
+from .agent_metrics import WATCHDOG_BLIND
 from .agent_state import AgentAllocation, AgentState
 from .heartbeat import SILENT_AFTER_SECONDS, Heartbeat, heartbeat
 
@@ -322,6 +325,17 @@ def _over_limit(used: int | None, limit: int | None, uuid: str, tier: str) -> tu
             f"{-(-limit // MIB)} MiB{_OVER.get(tier, '')}",)
 
 
+def _unknown(found: AgentAllocation | None, uuid: str, reason: str) -> tuple[str, ...]:
+    """A note when the agent cannot read the container's usage on GPU `uuid` (its USED is not
+    0 but unknown); none on a row pending WatchdogBlind, whose message says it."""
+    why = found.usage_unknown.get(uuid) if found is not None and uuid else None
+    if why is None or reason == WATCHDOG_BLIND:
+        return ()
+    return (f"UsageUnknown: the node agent cannot read its GPU memory use on {uuid} ({why}), "
+            "so USED is not known: its watchdog sees no usage there (the agent's log says why; "
+            "docs/node-agent.md, \"What the watchdog sees and stops\")",)
+
+
 def _warnings(found: AgentAllocation | None, contract: str) -> tuple[str, ...]:
     """The agent's refusal of a plan change; else the contract error of annotations edited on
     a container it applied (`contract`), which its plan outlives."""
@@ -358,7 +372,8 @@ def _rows(view: Any, planned: _Planned, status: tuple[str, str, str, str],
                        mps_namespace=planned.mps_namespace, tier=tier, state_source=source,
                        accounted=_accounted(state, found, said),
                        warnings=_warnings(found, contract) + _over_limit(
-                           used, planned.limit_bytes, uuid, tier)))
+                           used, planned.limit_bytes, uuid, tier)
+                       + _unknown(found, uuid, "" if state == ENFORCED else reason)))
     return out
 
 

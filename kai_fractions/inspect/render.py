@@ -2,7 +2,8 @@
 
 The table's columns: POD/CONTAINER, MODE, REQUEST, LIMIT, ATP (active-thread percentage, the
 share of the GPU's SMs of an sm-sharing container), USED (GPU memory its processes use now, from
-the node agent), STATE (`enforced (gate)`: only the gate's exit says so) and TIER (what holds
+the node agent; n/a where it is not known: the agent not read, or its watchdog unable to read
+it on that GPU), STATE (`enforced (gate)`: only the gate's exit says so) and TIER (what holds
 the memory cap: cgroup, mps-pinned, or only the watchdog, which never stops an allocation;
 none; n/a when the agent's socket was not read; - when neither enforced nor refused). Why a
 container is not enforced, and what is wrong with one that is (memory used over its limit, a

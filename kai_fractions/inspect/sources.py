@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import os
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -202,13 +203,27 @@ def _mechanisms(a: Any) -> MappingProxyType[str, frozenset[str]]:
     return MappingProxyType({uuid: frozenset(names) for uuid, names in found.items()})
 
 
+_USAGE_UNKNOWN = re.compile(r"usage unknown on ((?:GPU \S+ \([^()]*\)(?:, )?)+):")
+_UNKNOWN_GPU = re.compile(r"GPU (\S+) \(([^()]*)\)")
+
+
+def usage_unknown(message: str) -> dict[str, str]:
+    """GPU uuid -> reason of the GPUs a ContainerAllocation's message says its usage is not
+    known on (the agent's `grpc_service.usage_unknown_note`: memory_used_bytes counts 0
+    there)."""
+    m = _USAGE_UNKNOWN.search(message)
+    return dict(_UNKNOWN_GPU.findall(m.group(1))) if m else {}
+
+
 def _allocation(a: Any) -> AgentAllocation:
+    unknown = usage_unknown(a.message)
     return AgentAllocation(
         namespace=a.pod.namespace, pod=a.pod.name, container=a.container, uid=a.pod.uid,
         state=_STATES.get(a.state, ""), reason=a.reason, message=a.message,
-        # A refused container is not accounted: its 0 means "not known".
-        used_bytes=None if a.state == 3 else a.memory_used_bytes, plan=_plan(a),
-        mechanisms=_mechanisms(a),
+        # A refused container is not accounted: its 0 means "not known"; nor is a sum over a
+        # GPU whose usage the agent cannot read.
+        used_bytes=None if a.state == 3 or unknown else a.memory_used_bytes, plan=_plan(a),
+        mechanisms=_mechanisms(a), usage_unknown=MappingProxyType(unknown),
         change_reason=a.change_refused_reason, change_message=a.change_refused_message)
 
 
@@ -298,12 +313,17 @@ def merged(socket: AgentState, metrics: AgentState) -> AgentState:
     """The socket's word with the metrics' per-GPU usage (the socket sums a container's GPUs)."""
     if not metrics.reachable:
         return socket
-    by_gpu = {(a.namespace, a.pod, a.container): a.used_by_gpu for a in metrics.allocations}
+    by_gpu = {(a.namespace, a.pod, a.container): a for a in metrics.allocations}
+
+    def more(a: AgentAllocation) -> AgentAllocation:
+        m = by_gpu.get((a.namespace, a.pod, a.container))
+        if m is None:
+            return a
+        return dataclasses.replace(a, used_by_gpu=m.used_by_gpu, usage_unknown=MappingProxyType(
+            {**m.usage_unknown, **a.usage_unknown}))
+
     return dataclasses.replace(socket, source=f"{socket.source} + {metrics.source}",
-                               allocations=tuple(
-        dataclasses.replace(a, used_by_gpu=by_gpu.get((a.namespace, a.pod, a.container),
-                                                      a.used_by_gpu))
-        for a in socket.allocations))
+                               allocations=tuple(more(a) for a in socket.allocations))
 
 
 def agent_state(socket: str | None, metrics: str | None, node: str = "") -> AgentState:

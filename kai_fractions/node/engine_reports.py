@@ -20,10 +20,20 @@ from .memory_limits import MEMORY_LIMIT_NOT_IN_FORCE, LimitWrite
 from .mps_caps import CAP_NOT_IN_FORCE_REASONS
 from .nvml import GpuComputeMode
 
-NOT_IN_FORCE_REASONS = CAP_NOT_IN_FORCE_REASONS | {MEMORY_LIMIT_NOT_IN_FORCE}
+WATCHDOG_BLIND = "WatchdogBlind"
+"""The reason of a container pending with `ContainerResult.watchdog_blind`, and only of such a
+container: the kill-policy watchdog is its only GPU memory tier on a GPU (no cgroup limit, no
+MPS pinned limit there), and the watchdog cannot see that GPU's usage (NVML cannot list its
+processes, lists them without their memory, shows none of its containers' while memory is in
+use, or lists one whose container cannot be told: `node.agent.usage`), so nothing would stop a
+process over the cap. Set by the agent's pass (`UsageCheck.blind_results`), not by the engine;
+the message names the GPU, what the watchdog cannot see there and what to do."""
+
+NOT_IN_FORCE_REASONS = CAP_NOT_IN_FORCE_REASONS | {MEMORY_LIMIT_NOT_IN_FORCE, WATCHDOG_BLIND}
 """The reasons of a container pending with `ContainerResult.not_in_force`, and only of such a
 container: CAP_NOT_IN_FORCE_REASONS for an MPS cap (`mps_cap_missing`),
-MEMORY_LIMIT_NOT_IN_FORCE for its pod slice's memory limit (`limit_missing`)."""
+MEMORY_LIMIT_NOT_IN_FORCE for its pod slice's memory limit (`limit_missing`), WATCHDOG_BLIND
+for a watchdog that is its only memory tier and cannot see its GPU (`watchdog_blind`)."""
 
 
 class ContainerState(StrEnum):
@@ -73,13 +83,22 @@ class ContainerResult:
     the container's own cgroup while the slice's is in force (the slice still caps it). Its
     reason is then MEMORY_LIMIT_NOT_IN_FORCE (unless an MPS cap is missing too: then one of
     CAP_NOT_IN_FORCE_REASONS), the message naming NVML's own error."""
+    watchdog_blind: bool = False
+    """Its GPU memory cap rests on the kill-policy watchdog alone on one of its GPUs (neither
+    the cgroup tier nor mps-pinned holds it there), and the watchdog cannot see that GPU's
+    usage now (`node.agent.usage`: its processes cannot be listed, or are listed without
+    their memory, or not at all while memory is in use, or one of them cannot be placed): a
+    process of it may use more than its cap and nothing stops it, so no readiness marker may
+    vouch for the container. Known from the watchdog's last check, until a check sees the GPU
+    again. Its reason is then WATCHDOG_BLIND (unless an MPS cap is missing too: then one of
+    CAP_NOT_IN_FORCE_REASONS)."""
 
     @property
     def not_in_force(self) -> bool:
-        """Something the plan needs is known not in force (`mps_cap_missing`, `limit_missing`):
-        no readiness marker may vouch for the container. Its reason is then one of
-        NOT_IN_FORCE_REASONS."""
-        return self.mps_cap_missing or self.limit_missing
+        """Something the plan needs is known not in force (`mps_cap_missing`, `limit_missing`,
+        `watchdog_blind`): no readiness marker may vouch for the container. Its reason is then
+        one of NOT_IN_FORCE_REASONS."""
+        return self.mps_cap_missing or self.limit_missing or self.watchdog_blind
 
 
 @dataclass(frozen=True, slots=True)

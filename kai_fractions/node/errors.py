@@ -104,6 +104,17 @@ _FUNCTION_HINTS = {
     "nvmlDeviceSetMemoryLimits_v1": _NO_CGROUP_LIMITS,
     "nvmlDeviceGetMemoryLimits_v1": _NO_CGROUP_LIMITS,
 }
+_PROCESS_QUERY = (
+    "the node agent lists every process on a GPU, and reads its memory, only with the host's "
+    "pid namespace (hostPID: true) and the permission to query other users' GPU processes "
+    "(root; the chart runs it so): check the agent pod's hostPID and securityContext")
+_PERMISSION_HINTS = {
+    "nvmlDeviceGetComputeRunningProcesses": _PROCESS_QUERY,
+    "nvmlDeviceGetProcessUtilization": _PROCESS_QUERY,
+}
+"""NoPermission's hint by function; the others are device management (limits, modes)."""
+_MANAGEMENT = ("the node agent must run as root in a privileged container to set GPU memory "
+               "limits and compute modes")
 
 
 def nvml_error(
@@ -129,9 +140,8 @@ def nvml_error(
             function=function, code=code)
     if code == NVML_ERROR_NO_PERMISSION:
         return NvmlNoPermission(
-            f"NVML refused {function}{on}: insufficient permissions; the node agent must run "
-            "as root in a privileged container to set GPU memory limits and compute modes",
-            function=function, code=code)
+            f"NVML refused {function}{on}: insufficient permissions; "
+            f"{_PERMISSION_HINTS.get(function, _MANAGEMENT)}", function=function, code=code)
     if code == NVML_ERROR_FUNCTION_NOT_FOUND:
         hint = _FUNCTION_HINTS.get(function, "upgrade the NVIDIA driver to one that has it")
         return NvmlFunctionNotFound(

@@ -3,7 +3,8 @@
 `gpu-fractioning.nvidia.com/Ready` (name configurable; `gpu-sharing.nvidia.com/Ready` too with
 `--legacy-condition`) is True only when NVML works, an enabled memory tier can cap some
 fractional container (`no_cap_reason`), the MPS control daemon answers (when sm-sharing is
-enabled) and the agent is reconciling. Otherwise False with one reason:
+enabled), the agent is reconciling, and the watchdog sees every GPU where it is a planned
+container's only memory tier. Otherwise False with one reason:
 
 | reason | when |
 |---|---|
@@ -12,6 +13,7 @@ enabled) and the agent is reconciling. Otherwise False with one reason:
 | `NoMemoryEnforcement` | no enabled tier caps any fractional container (the driver has them) |
 | `MPSDaemonUnhealthy` | sm-sharing is enabled and the control daemon does not answer |
 | `NotReconciling` | no pod list yet, API unreachable, passes hung or failing too long, stopping |
+| `WatchdogBlind` | the watchdog is a container's only memory tier on a GPU and cannot see it |
 
 The publisher patches `nodes/status` when the condition changes, and otherwise every heartbeat
 interval (`lastHeartbeatTime`), or with a heartbeat Lease (`heartbeat.py`) only every status
@@ -46,6 +48,8 @@ DRIVER_TOO_OLD = "DriverTooOld"
 NO_MEMORY_ENFORCEMENT = "NoMemoryEnforcement"
 MPS_DAEMON_UNHEALTHY = "MPSDaemonUnhealthy"
 NOT_RECONCILING = "NotReconciling"
+WATCHDOG_BLIND = "WatchdogBlind"
+"""`engine_reports.WATCHDOG_BLIND`, the containers' reason, as the condition's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +70,10 @@ class Health:
     mps_namespaces: bool | None = None
     """sm-sharing only: whether the daemon has v3 namespaces (False: client env only)."""
     passes: int = 0
+    watchdog_blind: tuple[tuple[str, str], ...] = ()
+    """(GPU uuid, reason) of each GPU where the watchdog is some planned container's only
+    memory tier and cannot see the GPU's usage (`UsageCheck.blind_results`): those containers
+    are pending WatchdogBlind."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,9 +216,24 @@ def evaluate(config: NodeConfig, options: AgentOptions, health: Health,
         return Condition(False, NOT_RECONCILING,
                          "the node agent has not listed this node's pods and reconciled them "
                          "yet")
+    if health.watchdog_blind:
+        return Condition(False, WATCHDOG_BLIND, watchdog_blind_message(health.watchdog_blind))
     return Condition(True, READY,
                      f"{len(inv.devices)} GPU(s), driver {inv.driver_version}; memory: "
                      f"{memory_summary(config, inv)}; compute: {compute_summary(config, health)}")
+
+
+def watchdog_blind_message(gpus: tuple[tuple[str, str], ...]) -> str:
+    """The condition's message while the watchdog is blind where it is a container's only
+    memory tier: stable while it lasts (no count, no pid: the condition is patched whenever it
+    changes)."""
+    where = ", ".join(f"{uuid} ({reason})" for uuid, reason in gpus)
+    return (f"the memory watchdog (--watchdog-policy=kill) cannot see the usage of GPU(s) "
+            f"{where}, where it is the only GPU memory tier of fractional containers (no cgroup "
+            "or MPS pinned limit): their caps are not in force, so they are pending "
+            "(WatchdogBlind: a new pod's gate waits, a running one's readiness marker is set "
+            "aside) until it sees again; the node agent's log names the error, and what to do "
+            "(docs/node-agent.md, \"What the watchdog sees and stops\")")
 
 
 class StatusPublisher:

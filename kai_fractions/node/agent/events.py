@@ -13,7 +13,9 @@ stuck in the kernel),
 applied one stays in force), the Warning `MpsCapNotInForce` (an MPS cap a container relies on
 is known not in force, so its readiness marker is set aside; once per episode, again only
 after the container was applied in between, whose `Applied` is then sent again), the Warning
-`MemoryLimitNotInForce` (likewise, the GPU memory limit on the container's pod cgroup), and
+`MemoryLimitNotInForce` (likewise, the GPU memory limit on the container's pod cgroup), the
+Warning `WatchdogBlind` (likewise, the watchdog where it is the container's only memory tier and
+cannot see the GPU's usage), and
 `MpsClientsDrained` / the Warning `MpsDrainFailed` (an sm-sharing pod being deleted was
 drained from MPS before the kubelet's SIGKILL, or could not be: `drain_before_kill`). The
 de-duplication key says what "the same event" is; an event the API did not take is kept and

@@ -37,6 +37,7 @@ from .mps_links import LEGACY_MPS_NOTE
 from .peer_guard import PeerPolicy, PeerTable, Relay, private_dir
 from .pods import ContainerNotFound, KnownPod
 from .reconciler import NodeView, NotReconciled, Reconciler
+from .usage import USAGE_UNKNOWN, usage_unknown
 from .worker import Worker, WorkerBusy, WorkerStopped
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,14 @@ def _limits(c: ContainerDesired, result: ContainerResult | None, watchdog_stops:
     return out
 
 
+def usage_unknown_note(gpus: Iterable[tuple[str, str]]) -> str:
+    """The note of a container on GPUs (uuid, reason) whose usage the last watchdog check could
+    not read (`NodeView.usage_unknown`): its memory_used_bytes counts 0 there, which is not its
+    use. It begins as `usage.usage_unknown` writes it, which `kai-fractions inspect` reads."""
+    return (f"{usage_unknown(gpus)}: the watchdog cannot read it there (memory_used_bytes "
+            "leaves it out; the agent's log says why)")
+
+
 def allocation(view: NodeView, key: ContainerKey) -> node_pb2.ContainerAllocation:
     desired = view.desired
     c = desired.container(key) if desired is not None else None
@@ -110,6 +119,11 @@ def allocation(view: NodeView, key: ContainerKey) -> node_pb2.ContainerAllocatio
         if (c.compute is ComputeEnforcement.MPS_CLIENT_ENV and result is not None
                 and result.state is ContainerState.APPLIED and not out.message):
             out.message = LEGACY_MPS_NOTE
+        unknown = [(u, view.usage_unknown[u]) for u in plan.device_uuids
+                   if u in view.usage_unknown]
+        if unknown and result is not None and USAGE_UNKNOWN not in out.message:
+            # (a container pending WatchdogBlind has it in its message already)
+            out.message = "; ".join(filter(None, (out.message, usage_unknown_note(unknown))))
         if refusal is not None:  # held: the plan above stays, the annotations' new one is not
             out.change_refused_reason = refusal.reason.value
             out.change_refused_message = refusal.message

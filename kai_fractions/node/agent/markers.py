@@ -13,8 +13,9 @@ tidy. The rules, in the order they are checked:
   after an MPS daemon restart, a client attaching then may run uncapped; while the daemon is
   not running, all of them), or the GPU memory
   limit on its pod's slice (`limit_missing`: read back absent or not the plan's, e.g. the
-  cgroup was made again, and not set since); any other marker is removed (set aside when it
-  names a plan), so a marker can never claim limits that are known not in force;
+  cgroup was made again, and not set since), or the watchdog where it is the container's only
+  memory tier and cannot see the GPU (`watchdog_blind`); any other marker is removed (set
+  aside when it names a plan), so a marker can never claim limits that are known not in force;
 - everything applied writes an `applied` marker with each container's plan digest;
 - while the MPS control daemon is known not running, or stops with the agent, the markers that
   vouch for a container whose caps rely on it are set aside (`Reconciler.set_aside_for_mps`),
@@ -69,6 +70,7 @@ from ...marker import (
 from ..config import Mechanism
 from ..desired import ComputeEnforcement, ContainerKey, DesiredState
 from ..engine import ContainerResult, ContainerState
+from ..engine_reports import WATCHDOG_BLIND
 from ..memory_limits import MEMORY_LIMIT_NOT_IN_FORCE
 from . import events as ev
 from .events import EventRecorder, PodRef
@@ -194,6 +196,11 @@ _NOT_IN_FORCE = (
     _NotInForce(lambda r: r.limit_missing and not r.mps_cap_missing, MEMORY_LIMIT_NOT_IN_FORCE,
                 "the GPU memory limit on its pod's cgroup",
                 "the GPU memory limit on the pod's cgroup", "the limit"),
+    # Likewise: a container without an MPS cap is told as that until the cap is back.
+    _NotInForce(lambda r: r.watchdog_blind and not r.mps_cap_missing and not r.limit_missing,
+                WATCHDOG_BLIND, "its GPU memory cap (the watchdog, its only memory tier there)",
+                "the watchdog's GPU memory cap (its only memory tier)",
+                "the watchdog's view of its GPU"),
 )
 
 

@@ -7,8 +7,9 @@ Two families of names:
   `container` label would split a pod's series, and the normalized value does not add up.
 - `kai_fractions_*`: what upstream has no word for, per container (the labels above plus
   `node` and `container`) and per node (`node`): requested, capped and used memory, SM use and
-  share, limit violations, refusals, MPS caps not in force, GPU memory, node readiness and the
-  agent's own health (passes, MPS daemon restarts and drains, API requests).
+  share, limit violations, refusals, caps not in force, GPU memory, node readiness and the
+  agent's own health (passes, MPS daemon restarts and drains, GPUs whose usage it cannot read,
+  API requests).
 
 Every series of a container (and of its pod) goes when it leaves the node's desired state, so
 a deleted pod leaves no stale series behind; a known container with no usage reads 0. So the
@@ -49,6 +50,7 @@ CONTAINER_LABELS = ("node", "namespace", "pod", "pod_uuid", "container", "gpu_uu
 REASON_LABELS = ("node", "namespace", "pod", "pod_uuid", "container", "reason")
 """A container's series that says why (kai_fractions_container_refused, ..._cap_not_in_force)."""
 CAP_NOT_IN_FORCE = "kai_fractions_container_cap_not_in_force"
+USAGE_UNKNOWN = "kai_fractions_agent_gpu_usage_unknown"
 
 # Help strings as upstream metricsd registers them (its dashboards show them).
 UPSTREAM_HELP = {
@@ -169,9 +171,9 @@ class AgentMetrics:
         self._cap_not_in_force = gauge(
             CAP_NOT_IN_FORCE, "1 for each container a cap it relies on is known not to be in "
             "force for (its MPS namespace's active-thread percentage, its GPU's default pinned "
-            "device memory limit, its pod cgroup's GPU memory limit), by the reason it is "
-            "pending: its readiness marker is set aside, and what runs of it meanwhile may run "
-            "uncapped.",
+            "device memory limit, its pod cgroup's GPU memory limit, the watchdog where it is "
+            "its only memory tier and cannot see the GPU), by the reason it is pending: its "
+            "readiness marker is set aside, and what runs of it meanwhile may run uncapped.",
             REASON_LABELS)
         self.refusals = Counter(
             "kai_fractions_node_container_refusals", "Containers the agent began to refuse, "
@@ -223,6 +225,13 @@ class AgentMetrics:
             "counted that process as 0), so it could neither report nor stop a container over "
             "its cap.",
             ("node", "gpu_uuid", "reason"), registry=r)
+        self._usage_unknown = gauge(
+            USAGE_UNKNOWN, "1 for each GPU whose usage the watchdog's last check could not "
+            "read, by reason (as kai_fractions_agent_gpu_usage_unreadable counts the checks): "
+            "the used-memory series of its containers read 0 there, which is not what they use, "
+            "and a container whose only memory tier is the watchdog has no cap in force there "
+            "(kai_fractions_container_cap_not_in_force, reason WatchdogBlind).",
+            ("node", "gpu_uuid", "reason"))
         self._api = Counter(
             "kai_fractions_agent_api_requests", "The agent's requests to the Kubernetes API "
             "server, by verb (the HTTP method; WATCH for a watch) and code (the HTTP status, "
@@ -346,9 +355,9 @@ class AgentMetrics:
 
     def count_caps(self, results: Iterable[ContainerResult]) -> None:
         """`kai_fractions_container_cap_not_in_force`: 1 for each container pending with a cap
-        known not in force (`ContainerResult.not_in_force`: an MPS cap, or its pod cgroup's
-        GPU memory limit), by reason; every other series goes (its container applied again, or
-        another reason now, or its pod gone)."""
+        known not in force (`ContainerResult.not_in_force`: an MPS cap, its pod cgroup's GPU
+        memory limit, a blind watchdog that is its only memory tier), by reason; every other
+        series goes (its container applied again, or another reason now, or its pod gone)."""
         with self._lock:
             for r in results:
                 if r.state is ContainerState.PENDING and r.not_in_force:
@@ -356,6 +365,14 @@ class AgentMetrics:
                     self._cap_not_in_force.set((self.node, namespace, pod, r.key.pod_uid,
                                                 r.key.container, r.reason or ""), 1)
             self._cap_not_in_force.sweep()
+
+    def set_usage_unknown(self, gpus: Mapping[str, str]) -> None:
+        """`kai_fractions_agent_gpu_usage_unknown`: 1 for each GPU (uuid -> reason) whose usage
+        the last watchdog check could not read; every other series goes."""
+        with self._lock:
+            for uuid, reason in gpus.items():
+                self._usage_unknown.set((self.node, uuid, reason), 1)
+            self._usage_unknown.sweep()
 
     def count_states(self, states: Iterable[ContainerState]) -> None:
         counts = dict.fromkeys(ContainerState, 0)

@@ -5,7 +5,9 @@ thread-safe: only the worker thread calls into a `Reconciler`.
 A pass: supervise the MPS daemon (`mps_supervisor`), take the NVML inventory, plan the node from
 every live pod (`pods`: watched or provisioned, minus what was released, applied plans held),
 remove what belongs to pods that went away (their markers before their limits), apply
-(`kai_fractions.node.engine`), make the legacy MPS pipe links (`mps_links`), settle each
+(`kai_fractions.node.engine`), make the legacy MPS pipe links (`mps_links`), report pending
+each container whose only memory tier is a watchdog that cannot see its GPU
+(`usage.UsageCheck.blind_results`: WatchdogBlind, a cap known not in force), settle each
 fractional pod (`markers`: derived annotations, then the readiness marker, then events), tidy
 marker directories and links, and publish metrics and the snapshot read by gRPC and the node
 condition.
@@ -60,10 +62,14 @@ from .nvml_health import NvmlHealth
 from .options import AgentOptions
 from .pods import API, KnownPod, NodePods, without_released
 from .signatures import SignatureCheck
-from .usage import UsageCheck
+from .usage import UsageCheck, watchdog_only
 from .watch import PodCache
 
 log = logging.getLogger(__name__)
+
+BlindGpus = tuple[tuple[str, str], ...]
+"""(GPU uuid, reason) of each GPU where the watchdog is some container's only memory tier and
+cannot see the GPU's usage (`Health.watchdog_blind`)."""
 
 NOT_LISTED = "NotListed"
 UNCONFIRMED = "ListUnconfirmed"
@@ -81,6 +87,9 @@ class NodeView:
         default_factory=lambda: MappingProxyType({}))
     usage: Mapping[tuple[ContainerKey, str], Usage] = field(
         default_factory=lambda: MappingProxyType({}))
+    usage_unknown: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """GPU uuid -> reason of each GPU whose usage the last watchdog check could not read
+    (`UsageCheck.blindness`): its containers have no usage row there, which is not 0."""
     pods: Mapping[str, KnownPod] = field(default_factory=lambda: MappingProxyType({}))
     health: Health = field(default_factory=Health)
     watchdog_stops: bool = False
@@ -160,7 +169,8 @@ class Reconciler:
         return self.mps_health is not None and self.mps_health.needs_pass()
 
     def usage_needs_pass(self) -> bool:
-        """Whether a watchdog check found NVML failing (`UsageCheck.take_news`)."""
+        """Whether a watchdog check found the watchdog turn blind on a GPU, or see again
+        (`UsageCheck.take_news`)."""
         return self.usage.take_news()
 
     def reconcile(self, *, full: bool = False) -> PassReport:
@@ -194,6 +204,7 @@ class Reconciler:
             errors.add(self.nvml_health.error.reason)
         if not self.pods.cache.synced:
             self._fresh_daemon()
+            self.set_aside_unwatched(nvml_down=False)
             self._publish(inventory, mps_error, mps_namespaces, count=False)
             errors.add(NOT_LISTED)
             return PassReport(converged=False, errors=frozenset(errors))
@@ -203,6 +214,7 @@ class Reconciler:
         if not self.pods.cache.consistent:
             if not self._confirmed(live, tidy["now"], generation):
                 self._fresh_daemon()
+                self.set_aside_unwatched(nvml_down=False)
                 self._publish(inventory, mps_error, mps_namespaces, count=False)
                 errors.add(UNCONFIRMED)
                 return PassReport(converged=False, errors=frozenset(errors))
@@ -211,12 +223,14 @@ class Reconciler:
                 # Another list replaced the one confirmed while the consistent list was on its
                 # way: what it lacks is unconfirmed. The next pass checks it.
                 self._fresh_daemon()
+                self.set_aside_unwatched(nvml_down=False)
                 self._publish(inventory, mps_error, mps_namespaces, count=False)
                 errors.add(UNCONFIRMED)
                 return PassReport(converged=False, errors=frozenset(errors))
         self.markers.remove_leftovers()
         if inventory is None:
             self._fresh_daemon()
+            self.set_aside_unwatched(nvml_down=True)
             self.pods.drop_gone(live, errors, release=False)
             self.markers.tidy(set(live), None, **tidy)  # which pods are fractional is unknown
             self._forget_usage(live)
@@ -240,6 +254,7 @@ class Reconciler:
         results = dict(report.containers)
         if self.links is not None:
             results = self.links.link_applied(desired, results, errors)
+        results, blind = self._watchdog_blind(desired, inventory, results)
         by_pod: dict[str, dict[str, ContainerResult]] = {}
         for key, result in results.items():
             by_pod.setdefault(key.pod_uid, {})[key.container] = result
@@ -263,8 +278,10 @@ class Reconciler:
         self._metrics_inventory = inventory
         self.view = NodeView(inventory=inventory, desired=desired,
                              results=MappingProxyType(results), usage=self.view.usage,
+                             usage_unknown=self.view.usage_unknown,
                              pods=MappingProxyType(dict(self.pods.known)),
-                             health=self._health(inventory, mps_error, mps_namespaces, 1),
+                             health=self._health(inventory, mps_error, mps_namespaces, 1,
+                                                 watchdog_blind=blind),
                              watchdog_stops=self.view.watchdog_stops)
         pending = any(r.state is ContainerState.PENDING for r in results.values())
         return PassReport(converged=converged and not pending and not errors,
@@ -283,6 +300,46 @@ class Reconciler:
                 or self.mps.starts == self._applied_on_start):
             return
         self.set_aside_for_mps(_FRESH_DAEMON_CAUSE)
+
+    def set_aside_unwatched(self, *, nvml_down: bool) -> list[str]:
+        """On a pass that returns before it settles the pods (no pod list, one not confirmed,
+        NVML down): the readiness marker of each pod with a container of the last plan whose
+        only memory tier is the watchdog, and that the watchdog cannot watch now, is set aside
+        (a pass that settles does this through `UsageCheck.blind_results`). It cannot while
+        NVML is down (`nvml_down`: no check runs), nor on a GPU where it is blind
+        (`UsageCheck.blindness`). Set aside, not removed, as for the MPS caps
+        (`set_aside_for_mps`); local file moves only. Returns the pods' uids."""
+        desired = self.view.desired
+        if desired is None or not self.view.watchdog_stops:
+            return []
+        blind = self.usage.blindness()
+        unwatched: dict[str, list[ContainerDesired]] = {}
+        for c in desired.containers:
+            if watchdog_only(c, True) and (nvml_down or blind.keys() & set(c.plan.device_uuids)):
+                unwatched.setdefault(c.key.pod_uid, []).append(c)
+        done = []
+        for uid, containers in sorted(unwatched.items()):
+            try:
+                marker = self.markers.read(uid)
+                if marker is None or not _relying_entries(marker, containers):
+                    continue
+                if not self.markers.set_aside(uid):
+                    continue
+            except OSError as e:
+                log.error("pod %s: its readiness marker could not be set aside (%s): a gate of "
+                          "the pod may release on it while its watchdog cannot watch it", uid, e)
+                continue
+            done.append(uid)
+            why = ("NVML does not work, so no watchdog check runs" if nvml_down else
+                   "the watchdog cannot see " + ", ".join(
+                       f"GPU {u} ({blind[u].reason})" for u in sorted(
+                           {u for c in containers for u in c.plan.device_uuids} & blind.keys())))
+            log.warning("pod %s/%s: set aside its marker: the watchdog is the only GPU memory "
+                        "tier of container(s) %s and %s; the marker is written again once a "
+                        "pass sees the watchdog watch again", containers[0].pod_namespace,
+                        containers[0].pod_name,
+                        ", ".join(sorted(c.key.container for c in containers)), why)
+        return done
 
     def _confirmed(self, live: Mapping[str, object], now: float, generation: int) -> bool:
         """Whether the pods a list from the watch cache lacks may be taken for gone: those the
@@ -316,10 +373,33 @@ class Reconciler:
             self.metrics.update(desired, {}, self._metrics_inventory)
         self.view = dataclasses.replace(self.view, desired=desired, usage=MappingProxyType({}))
 
+    def _watchdog_blind(self, desired: DesiredState, inventory: Inventory,
+                        results: dict[ContainerKey, ContainerResult]
+                        ) -> tuple[dict[ContainerKey, ContainerResult], BlindGpus]:
+        """`UsageCheck.blind_results`: each container whose only memory tier is the watchdog,
+        on a GPU where the watchdog is blind, pending under WatchdogBlind; and the (GPU uuid,
+        reason) of each such GPU, for the node condition. Before the agent's first watchdog
+        check nothing is known of what the watchdog sees: a pass with such a container lists
+        the processes of its GPUs first (`UsageCheck.probe`), so that no marker vouches for a
+        watchdog that cannot list them (NVML refusing it from the start, say)."""
+        stops = self.view.watchdog_stops
+        if self.usage.checks == 0:
+            probed = sorted({u for c in desired.containers if watchdog_only(c, stops)
+                             for u in c.plan.device_uuids if inventory.device(u) is not None})
+            if probed:
+                self.usage.probe(probed)
+                self._checked(self.view.usage)
+        results, gpus = self.usage.blind_results(desired, results, stops)
+        return results, tuple(sorted(gpus.items()))
+
     def _health(self, inventory: Inventory | None, mps_error: NodeError | None,
-                mps_namespaces: bool | None, bump: int) -> Health:
+                mps_namespaces: bool | None, bump: int,
+                watchdog_blind: BlindGpus | None = None) -> Health:
+        """`watchdog_blind` None: as the last pass that applied found it."""
         return Health(inventory=inventory, nvml_error=self.nvml_health.error, mps_error=mps_error,
-                      mps_namespaces=mps_namespaces, passes=self.view.health.passes + bump)
+                      mps_namespaces=mps_namespaces, passes=self.view.health.passes + bump,
+                      watchdog_blind=(self.view.health.watchdog_blind if watchdog_blind is None
+                                      else watchdog_blind))
 
     def _publish(self, inventory: Inventory | None, mps_error: NodeError | None,
                  mps_namespaces: bool | None, *, count: bool = True,
@@ -350,7 +430,13 @@ class Reconciler:
         if desired is None or inventory is None:
             self.usage.advance_stops(desired)
             return
-        self.view = dataclasses.replace(self.view, usage=self.usage.check(desired, inventory))
+        self._checked(self.usage.check(desired, inventory))
+
+    def _checked(self, usage: Mapping[tuple[ContainerKey, str], Usage]) -> None:
+        """A check's usage (or a probe's: the usage as it was), and the GPUs whose usage it
+        could not read, into the view."""
+        self.view = dataclasses.replace(self.view, usage=usage, usage_unknown=MappingProxyType(
+            {uuid: b.reason for uuid, b in self.usage.blindness().items()}))
 
     def provision(self, namespace: str, name: str, uid: str, annotations: Mapping[str, str],
                   containers: Sequence[str], init_containers: Sequence[str] = ()

@@ -180,7 +180,8 @@ class Worker:
         if self.mps_checks and now >= self._next_mps:
             self._next_mps = now + self.options.mps_check_seconds
             mps = self._mps_needs_pass()
-        # A watchdog check that found NVML failing: only a pass reports it (the condition).
+        # A watchdog check that found it turn blind on a GPU, or see again: only a pass reports
+        # it (a container whose only memory tier it is, its marker; the condition).
         news = self.reconciler.usage_needs_pass()
         passed = dirty or full or retry or mps or news
         if passed:
