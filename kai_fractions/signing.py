@@ -5,13 +5,10 @@ and a webhook with `failurePolicy: Ignore` (or one that is down, or a user key s
 `.gpu-memory.limit` edited on a running pod) lets a forged or edited allocation through. With
 signing, the node agent applies an allocation only when the mirror's signature over it holds.
 
-Two kinds of key, told apart by the key file:
-- Ed25519 (v2, the default): the mirror holds the private key (PEM, `PRIVATE KEY`); nodes hold
-  only the public key (PEM, `PUBLIC KEY`). A node, or anyone who can read what nodes hold,
-  can check signatures but cannot make one.
-- HMAC-SHA256 (v1, raw bytes): every holder can sign. Still verified for one release so that
-  pods signed before an upgrade keep running; new signatures are v2 once the mirror has an
-  Ed25519 key.
+The keys themselves (HMAC-SHA256 for v1, Ed25519 for v2, and who holds which) are
+`signing_key_types`'s; reading them from key files, `signing_key_files`'s. This module owns what
+is signed, the annotation that carries it, and the keyring that signs and verifies with those
+keys (loaded from the key files, and reloaded when they change).
 
 What is signed, per fractional container: the values the node enforces, taken from the
 contract's `ContainerPlan` (the same function of the annotations on both sides), and in v2 the
@@ -37,8 +34,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -47,24 +42,47 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .contract import ContainerPlan, Keys
 from .contract import keys as k
+from .signing_key_files import (  # noqa: F401  (_private_key_form: re-exported for the tests)
+    CURRENT,
+    PREVIOUS,
+    _entries,
+    _private_key_form,
+    _read_key,
+    load_ed25519,
+)
+from .signing_key_types import V1, V2, AnyKey, Ed25519Key, SigningConfigError, SigningKey
 
-if TYPE_CHECKING:
-    from cryptography.hazmat.primitives.asymmetric import ed25519
+# The key types and the key file names and loader are re-exported: the mirror, the node agent,
+# the CLI and the tests import them from here.
+__all__ = [
+    "CURRENT",
+    "PREVIOUS",
+    "V1",
+    "V2",
+    "AnyKey",
+    "Ed25519Key",
+    "Keyring",
+    "KeyringSource",
+    "Reason",
+    "Signature",
+    "SignatureFormatError",
+    "SigningConfigError",
+    "SigningKey",
+    "Verification",
+    "allocation_claims",
+    "load_ed25519",
+    "load_keyring",
+    "parse_signature",
+    "signature_key",
+]
 
 log = logging.getLogger(__name__)
 
-V1, V2 = "v1", "v2"
 VERSION = V2
 CLAIMS_DOMAIN = "kai-fractions.io/allocation"
-MIN_KEY_BYTES = 16
-"""HMAC-SHA256 keys shorter than this are refused."""
-CURRENT, PREVIOUS = "current", "previous"
-"""File names inside a `--signing-key-file` directory (the data keys of the Secret)."""
 MAC_BYTES = 32
 ED25519_BYTES = 64
 _KID = re.compile(r"[0-9a-f]{8}")
@@ -72,12 +90,6 @@ _B64URL = {V1: re.compile(r"[A-Za-z0-9_-]{43}"), V2: re.compile(r"[A-Za-z0-9_-]{
 _SIG_BYTES = {V1: MAC_BYTES, V2: ED25519_BYTES}
 _ALGORITHM = {V1: "HMAC-SHA256", V2: "Ed25519"}
 MAX_SIGNATURE_LENGTH = 128
-_PRIVATE_PEM = b"-----BEGIN PRIVATE KEY-----"
-_PUBLIC_PEM = b"-----BEGIN PUBLIC KEY-----"
-
-
-class SigningConfigError(Exception):
-    """A key file that cannot be used; one line for the user (the CLI exits 2)."""
 
 
 class SignatureFormatError(ValueError):
@@ -115,107 +127,7 @@ def signature_key(plan: ContainerPlan, keys: Keys = k.DEFAULT_KEYS) -> str:
     return keys.derived(plan.container, k.DERIVED_SIGNATURE)
 
 
-# -- keys --------------------------------------------------------------------------------------
-
-
-def key_id(material: bytes) -> str:
-    return hashlib.sha256(material).hexdigest()[:8]
-
-
-@dataclass(frozen=True, slots=True)
-class SigningKey:
-    """An HMAC-SHA256 key (v1): signs and verifies. Kept for one release of upgrades."""
-
-    secret: bytes = field(repr=False)
-    source: str = ""
-    """Where it was read from (for messages; never the key itself)."""
-    kid: str = field(init=False, default="")
-    """Computed once: every verification looks the key up by it."""
-    version = V1
-
-    def __post_init__(self) -> None:
-        if len(self.secret) < MIN_KEY_BYTES:
-            raise SigningConfigError(
-                f"signing key {self.source or '(inline)'}: {len(self.secret)} byte(s); an "
-                f"HMAC-SHA256 key needs at least {MIN_KEY_BYTES} (better: an Ed25519 key "
-                "pair from `kai-fractions signing-keys`)")
-        object.__setattr__(self, "kid", key_id(self.secret))
-
-    @property
-    def can_sign(self) -> bool:
-        return True
-
-    def mac(self, claims: bytes) -> bytes:
-        return hmac.new(self.secret, claims, hashlib.sha256).digest()
-
-    def sign(self, claims: bytes) -> bytes:
-        return self.mac(claims)
-
-    def verifies(self, claims: bytes, signature: bytes) -> bool:
-        return hmac.compare_digest(self.mac(claims), signature)
-
-
-@dataclass(frozen=True, slots=True)
-class Ed25519Key:
-    """An Ed25519 key (v2): the private one signs (the mirror), the public one verifies
-    (nodes)."""
-
-    public: ed25519.Ed25519PublicKey = field(repr=False)
-    private: ed25519.Ed25519PrivateKey | None = field(default=None, repr=False)
-    source: str = ""
-    kid: str = field(init=False, default="")
-    """Computed once: every verification looks the key up by it."""
-    version = V2
-
-    def __post_init__(self) -> None:
-        from cryptography.hazmat.primitives import serialization
-
-        object.__setattr__(self, "kid", key_id(self.public.public_bytes(
-            serialization.Encoding.Raw, serialization.PublicFormat.Raw)))
-
-    @classmethod
-    def generate(cls) -> Ed25519Key:
-        from cryptography.hazmat.primitives.asymmetric import ed25519
-
-        private = ed25519.Ed25519PrivateKey.generate()
-        return cls(private.public_key(), private)
-
-    @property
-    def can_sign(self) -> bool:
-        return self.private is not None
-
-    def sign(self, claims: bytes) -> bytes:
-        if self.private is None:
-            raise SigningConfigError(f"signing key {self.kid} is a public key: only the "
-                                     "mirror, which holds the private key, signs")
-        return self.private.sign(claims)
-
-    def verifies(self, claims: bytes, signature: bytes) -> bool:
-        from cryptography.exceptions import InvalidSignature
-
-        try:
-            self.public.verify(signature, claims)
-        except InvalidSignature:
-            return False
-        return True
-
-    def public_pem(self) -> bytes:
-        from cryptography.hazmat.primitives import serialization
-
-        return self.public.public_bytes(serialization.Encoding.PEM,
-                                        serialization.PublicFormat.SubjectPublicKeyInfo)
-
-    def private_pem(self) -> bytes:
-        if self.private is None:
-            raise SigningConfigError(f"key {self.kid} has no private half")
-        from cryptography.hazmat.primitives import serialization
-
-        return self.private.private_bytes(serialization.Encoding.PEM,
-                                          serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption())
-
-
-AnyKey = SigningKey | Ed25519Key
+# -- the annotation ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,140 +267,7 @@ class Keyring:
         return Verification(True, kid=signature.kid)
 
 
-# -- key files ---------------------------------------------------------------------------------
-
-
-_ANY_PRIVATE_PEM = re.compile(rb"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----", re.IGNORECASE)
-"""A PEM private key of any kind (PKCS8, OpenSSH, EC, RSA, encrypted), in any letter case and
-anywhere in the file (after a byte order mark, blank lines or text)."""
-_BOM = b"\xef\xbb\xbf"
-"""A UTF-8 byte order mark, which some editors put before a PEM key they save."""
-_BASE64 = re.compile(rb"[A-Za-z0-9+/_-]+={0,2}")
-_PRIVATE_REFUSAL = (
-    "a node agent only verifies signatures and takes the mirror's Ed25519 PUBLIC key (PEM "
-    "`PUBLIC KEY`: the chart's ConfigMap kai-fractions-signing-public, or `kai-fractions "
-    "signing-keys public FILE`). A private key on a node could sign allocations, and only the "
-    "mirror may hold one: remove it from this node")
-
-
-def _der_private_key(der: bytes) -> bool:
-    """Whether `der` is a DER private key (PKCS8, encrypted PKCS8, or a traditional RSA, EC or
-    DSA key) as `cryptography` reads one. Only ValueError means "not a private key": a
-    structure that parses as one but is encrypted or of an unsupported type counts as one."""
-    if not der.startswith(b"\x30"):
-        # Each of them is a DER SEQUENCE; this spares an agent that holds only HMAC keys the
-        # library (see load_ed25519).
-        return False
-    from cryptography.exceptions import UnsupportedAlgorithm
-    from cryptography.hazmat.primitives import serialization
-
-    try:
-        serialization.load_der_private_key(der, password=None)
-    except ValueError:
-        return False
-    except TypeError as e:  # "Password was not given but private key is encrypted"
-        return "encrypted" in str(e).lower()
-    except UnsupportedAlgorithm:
-        return True
-    return True
-
-
-def _jwk_private_key(material: bytes) -> bool:
-    """Whether `material` is a JSON Web Key (or a key set) with a private member `d`."""
-    try:
-        value = json.loads(material.decode("utf-8-sig"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return False
-    keys = value.get("keys") if isinstance(value, dict) else None
-    candidates = [value, *keys] if isinstance(keys, list) else [value]
-    return any(isinstance(key, dict) and "d" in key for key in candidates)
-
-
-def _private_key_form(material: bytes, *, decoded: bool = False) -> str | None:
-    """How `material` holds a private key ("PEM", "DER", "JWK"; "base64 ..." when it does so
-    after a base64 decode of its text), or None. Not told apart: a raw 32-byte Ed25519 seed,
-    which is as random as an HMAC key."""
-    if _ANY_PRIVATE_PEM.search(material):
-        return "PEM"
-    if _jwk_private_key(material):
-        return "JWK"
-    if _der_private_key(material):
-        return "DER"
-    if decoded:
-        return None
-    # The text of a DER key in base64 (a PEM body without its lines, a Secret's `data` value):
-    # decoded once, the same checks. Random bytes, or the base64 of random bytes (a printable
-    # HMAC key), do not decode to any of these.
-    compact = re.sub(rb"\s+", b"", material.removeprefix(_BOM))
-    if compact.startswith(b"-----") or not _BASE64.fullmatch(compact):  # PEM, or not base64
-        return None
-    text = compact.rstrip(b"=").replace(b"-", b"+").replace(b"_", b"/")
-    try:
-        raw = base64.b64decode(text + b"=" * (-len(text) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        return None
-    form = _private_key_form(raw, decoded=True)
-    return f"base64 {form}" if form else None
-
-
-def _read_key(path: Path, *, verify_only: bool = False) -> AnyKey:
-    try:
-        material = path.read_bytes()
-    except OSError as e:
-        raise SigningConfigError(f"--signing-key-file {path}: {e.strerror or e}") from None
-    if verify_only:
-        form = _private_key_form(material)
-        if form is not None:
-            # Refused before it is parsed: nothing (not even its key id) is derived from it.
-            shown = "" if form == "PEM" else f" ({form})"
-            raise SigningConfigError(f"--signing-key-file {path}: a private key{shown}; "
-                                     f"{_PRIVATE_REFUSAL}")
-    if material.removeprefix(_BOM).lstrip().startswith((_PRIVATE_PEM, _PUBLIC_PEM)):
-        return load_ed25519(material, str(path))
-    # Raw bytes, verbatim: an HMAC key (a trailing newline is key material too; both sides
-    # read the same bytes).
-    return SigningKey(material, str(path))
-
-
-def load_ed25519(pem: bytes, source: str = "", *, what: str = "") -> Ed25519Key:
-    """An Ed25519 key from PEM: a private key (PKCS8) signs and verifies, a public key
-    (SubjectPublicKeyInfo) only verifies. Raises SigningConfigError."""
-    # Imported here: an agent without Ed25519 keys (HMAC, or no signing) does not load the
-    # library (several MB of memory).
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ed25519
-
-    where = what or (f"--signing-key-file {source}" if source else "signing key")
-    pem = pem.removeprefix(_BOM)  # saved by an editor that writes one
-    try:
-        if pem.lstrip().startswith(_PRIVATE_PEM):
-            private = serialization.load_pem_private_key(pem, password=None)
-            if not isinstance(private, ed25519.Ed25519PrivateKey):
-                raise SigningConfigError(f"{where}: a {type(private).__name__}; an Ed25519 "
-                                         "key is needed (`kai-fractions signing-keys`)")
-            return Ed25519Key(private.public_key(), private, source)
-        public = serialization.load_pem_public_key(pem)
-    except (ValueError, TypeError) as e:
-        raise SigningConfigError(f"{where}: not a usable PEM key ({e})") from None
-    if not isinstance(public, ed25519.Ed25519PublicKey):
-        raise SigningConfigError(f"{where}: a {type(public).__name__}; an Ed25519 key is "
-                                 "needed (`kai-fractions signing-keys`)")
-    return Ed25519Key(public, None, source)
-
-
-def _entries(path: str) -> list[Path]:
-    """The key files one `--signing-key-file` names: the file, or a directory's `current`
-    (required) and `previous` (optional)."""
-    p = Path(path)
-    if p.is_dir():
-        current, previous = p / CURRENT, p / PREVIOUS
-        if not current.exists():
-            raise SigningConfigError(f"--signing-key-file {path}: a key directory needs a "
-                                     f"file named {CURRENT!r} (and may have {PREVIOUS!r})")
-        return [current, previous] if previous.exists() else [current]
-    if not p.exists():
-        raise SigningConfigError(f"--signing-key-file {path}: no such file or directory")
-    return [p]
+# -- the keyring from key files ----------------------------------------------------------------
 
 
 def load_keyring(paths: Sequence[str], *, verify_only: bool = False) -> Keyring:

@@ -1,0 +1,155 @@
+"""Reading allocation signing keys from files: which files one `--signing-key-file` names, what
+kind of key a file holds (PEM Ed25519, raw HMAC bytes), and the refusal of a private key on a
+node agent whatever form it comes in (PEM, DER, JWK, or any of them in base64).
+
+Separate from `signing_key_types` (the keys themselves) and from `signing` (the keyring that
+these keys make, `load_keyring`, and its reload, `KeyringSource`): the file formats and their
+pitfalls are a concern of their own.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from pathlib import Path
+
+from .signing_key_types import AnyKey, Ed25519Key, SigningConfigError, SigningKey
+
+CURRENT, PREVIOUS = "current", "previous"
+"""File names inside a `--signing-key-file` directory (the data keys of the Secret)."""
+_PRIVATE_PEM = b"-----BEGIN PRIVATE KEY-----"
+_PUBLIC_PEM = b"-----BEGIN PUBLIC KEY-----"
+
+_ANY_PRIVATE_PEM = re.compile(rb"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----", re.IGNORECASE)
+"""A PEM private key of any kind (PKCS8, OpenSSH, EC, RSA, encrypted), in any letter case and
+anywhere in the file (after a byte order mark, blank lines or text)."""
+_BOM = b"\xef\xbb\xbf"
+"""A UTF-8 byte order mark, which some editors put before a PEM key they save."""
+_BASE64 = re.compile(rb"[A-Za-z0-9+/_-]+={0,2}")
+_PRIVATE_REFUSAL = (
+    "a node agent only verifies signatures and takes the mirror's Ed25519 PUBLIC key (PEM "
+    "`PUBLIC KEY`: the chart's ConfigMap kai-fractions-signing-public, or `kai-fractions "
+    "signing-keys public FILE`). A private key on a node could sign allocations, and only the "
+    "mirror may hold one: remove it from this node")
+
+
+def _der_private_key(der: bytes) -> bool:
+    """Whether `der` is a DER private key (PKCS8, encrypted PKCS8, or a traditional RSA, EC or
+    DSA key) as `cryptography` reads one. Only ValueError means "not a private key": a
+    structure that parses as one but is encrypted or of an unsupported type counts as one."""
+    if not der.startswith(b"\x30"):
+        # Each of them is a DER SEQUENCE; this spares an agent that holds only HMAC keys the
+        # library (see load_ed25519).
+        return False
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        serialization.load_der_private_key(der, password=None)
+    except ValueError:
+        return False
+    except TypeError as e:  # "Password was not given but private key is encrypted"
+        return "encrypted" in str(e).lower()
+    except UnsupportedAlgorithm:
+        return True
+    return True
+
+
+def _jwk_private_key(material: bytes) -> bool:
+    """Whether `material` is a JSON Web Key (or a key set) with a private member `d`."""
+    try:
+        value = json.loads(material.decode("utf-8-sig"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    keys = value.get("keys") if isinstance(value, dict) else None
+    candidates = [value, *keys] if isinstance(keys, list) else [value]
+    return any(isinstance(key, dict) and "d" in key for key in candidates)
+
+
+def _private_key_form(material: bytes, *, decoded: bool = False) -> str | None:
+    """How `material` holds a private key ("PEM", "DER", "JWK"; "base64 ..." when it does so
+    after a base64 decode of its text), or None. Not told apart: a raw 32-byte Ed25519 seed,
+    which is as random as an HMAC key."""
+    if _ANY_PRIVATE_PEM.search(material):
+        return "PEM"
+    if _jwk_private_key(material):
+        return "JWK"
+    if _der_private_key(material):
+        return "DER"
+    if decoded:
+        return None
+    # The text of a DER key in base64 (a PEM body without its lines, a Secret's `data` value):
+    # decoded once, the same checks. Random bytes, or the base64 of random bytes (a printable
+    # HMAC key), do not decode to any of these.
+    compact = re.sub(rb"\s+", b"", material.removeprefix(_BOM))
+    if compact.startswith(b"-----") or not _BASE64.fullmatch(compact):  # PEM, or not base64
+        return None
+    text = compact.rstrip(b"=").replace(b"-", b"+").replace(b"_", b"/")
+    try:
+        raw = base64.b64decode(text + b"=" * (-len(text) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    form = _private_key_form(raw, decoded=True)
+    return f"base64 {form}" if form else None
+
+
+def _read_key(path: Path, *, verify_only: bool = False) -> AnyKey:
+    try:
+        material = path.read_bytes()
+    except OSError as e:
+        raise SigningConfigError(f"--signing-key-file {path}: {e.strerror or e}") from None
+    if verify_only:
+        form = _private_key_form(material)
+        if form is not None:
+            # Refused before it is parsed: nothing (not even its key id) is derived from it.
+            shown = "" if form == "PEM" else f" ({form})"
+            raise SigningConfigError(f"--signing-key-file {path}: a private key{shown}; "
+                                     f"{_PRIVATE_REFUSAL}")
+    if material.removeprefix(_BOM).lstrip().startswith((_PRIVATE_PEM, _PUBLIC_PEM)):
+        return load_ed25519(material, str(path))
+    # Raw bytes, verbatim: an HMAC key (a trailing newline is key material too; both sides
+    # read the same bytes).
+    return SigningKey(material, str(path))
+
+
+def load_ed25519(pem: bytes, source: str = "", *, what: str = "") -> Ed25519Key:
+    """An Ed25519 key from PEM: a private key (PKCS8) signs and verifies, a public key
+    (SubjectPublicKeyInfo) only verifies. Raises SigningConfigError."""
+    # Imported here: an agent without Ed25519 keys (HMAC, or no signing) does not load the
+    # library (several MB of memory).
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    where = what or (f"--signing-key-file {source}" if source else "signing key")
+    pem = pem.removeprefix(_BOM)  # saved by an editor that writes one
+    try:
+        if pem.lstrip().startswith(_PRIVATE_PEM):
+            private = serialization.load_pem_private_key(pem, password=None)
+            if not isinstance(private, ed25519.Ed25519PrivateKey):
+                raise SigningConfigError(f"{where}: a {type(private).__name__}; an Ed25519 "
+                                         "key is needed (`kai-fractions signing-keys`)")
+            return Ed25519Key(private.public_key(), private, source)
+        public = serialization.load_pem_public_key(pem)
+    except (ValueError, TypeError) as e:
+        raise SigningConfigError(f"{where}: not a usable PEM key ({e})") from None
+    if not isinstance(public, ed25519.Ed25519PublicKey):
+        raise SigningConfigError(f"{where}: a {type(public).__name__}; an Ed25519 key is "
+                                 "needed (`kai-fractions signing-keys`)")
+    return Ed25519Key(public, None, source)
+
+
+def _entries(path: str) -> list[Path]:
+    """The key files one `--signing-key-file` names: the file, or a directory's `current`
+    (required) and `previous` (optional)."""
+    p = Path(path)
+    if p.is_dir():
+        current, previous = p / CURRENT, p / PREVIOUS
+        if not current.exists():
+            raise SigningConfigError(f"--signing-key-file {path}: a key directory needs a "
+                                     f"file named {CURRENT!r} (and may have {PREVIOUS!r})")
+        return [current, previous] if previous.exists() else [current]
+    if not p.exists():
+        raise SigningConfigError(f"--signing-key-file {path}: no such file or directory")
+    return [p]
