@@ -140,7 +140,9 @@ class _Replay:
     BindRequest whose handling could not finish, fresh binds whose gates are waiting) go first,
     then turn about with the listed ones. One
     the watch shows meanwhile leaves the replay and loses its recheck (its event carried a newer
-    version, or its deletion), also while it waits for its place."""
+    version, or its deletion), also while it waits for its place; and once a newer version has
+    been seen (an event, or a list entry), a handling of an older one still under way ends
+    without one: the newer one's outcome decides."""
 
     def __init__(self, handling: _InFlight, backoff: Backoff,
                  rng: random.Random | None = None) -> None:
@@ -149,6 +151,11 @@ class _Replay:
         self.due: dict[object, BindRequestView] = {}
         """Rechecks whose time came, in that order."""
         self.pending: dict[object, BindRequestView] = {}
+        self.newest: dict[object, str] = {}
+        """The resourceVersion of the newest version of a BindRequest seen (its event, its list
+        entry) while one of its handlings may still end: an outcome of any other sets no
+        recheck (`after`), nor does a recheck of it run (`_fell_due`). Dropped when the
+        handling of that version ends, so it holds only BindRequests in flight or queued."""
         self.holding: object = None
         """The key of the BindRequest waiting for a place; None once it is dropped."""
         self.listed = asyncio.Event()
@@ -162,13 +169,17 @@ class _Replay:
             left.insert(0, self.holding)
         self.holding = None  # the new list has it, at its place
         self.rechecks.retain(views)  # the list hands each live one over again
+        self.newest = {key: br.resource_version for key, br in views.items()}
         self.due.clear()
         self.pending = {key: views.pop(key) for key in left}
         self.pending.update(views)
         self._wake()
 
     def supersede(self, br: BindRequestView) -> None:
+        """The watch shows `br` (a new version, or its deletion): whatever is queued of an
+        older one leaves, and whatever of one still under way ends without a recheck."""
         key = _key(br)
+        self.newest[key] = br.resource_version
         self.pending.pop(key, None)
         self.due.pop(key, None)
         self.rechecks.cancel(key)
@@ -178,13 +189,20 @@ class _Replay:
     def forget(self, br: BindRequestView) -> None:
         """`br` was deleted: no recheck of it is left, nor what was counted for one."""
         self.supersede(br)
+        self.newest.pop(_key(br), None)
         self.rechecks.forget(_key(br))
 
     def after(self, br: BindRequestView, outcome: object, last: bool) -> None:
         """A handling of `br` ended with `outcome` (what it returned or raised): a recheck is
-        set when that may pass by itself, unless it is not the `last` handling of `br` queued
-        (that one's outcome decides); an exception is logged."""
-        delay = (self.rechecks.after(_key(br), br.resource_version, br, wants_recheck(outcome))
+        set when that may pass by itself, unless it is not the `last` handling of `br` queued,
+        or a newer version of `br` has been seen meanwhile (its event may still wait for a
+        place): that one's outcome decides; an exception is logged."""
+        key = _key(br)
+        newest = self.newest.get(key, br.resource_version)
+        if newest == br.resource_version:
+            self.newest.pop(key, None)
+        last = last and newest == br.resource_version
+        delay = (self.rechecks.after(key, br.resource_version, br, wants_recheck(outcome))
                  if last else None)
         again = ("checked again when it changes or at the next list" if last and delay is None
                  else f"checked again in {delay:.1f} s" if delay is not None
@@ -198,6 +216,8 @@ class _Replay:
 
     def _fell_due(self, br: BindRequestView) -> None:
         key = _key(br)
+        if self.newest.get(key, br.resource_version) != br.resource_version:
+            return  # a newer version was seen since: that one is checked, not this one
         # Listed again since its handling began: the list's version is the one to check.
         self.due[key] = self.pending.pop(key, br)
         self._wake()

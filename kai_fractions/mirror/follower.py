@@ -264,6 +264,9 @@ class Follower:
         """BindRequest uid -> the resourceVersion whose check was complete (`follow_one`)."""
         self._complete_under: tuple[str, ...] | None = None  # the signing keys it was under
         self.complete_kept = COMPLETE_KEPT
+        self._read_consistently: OrderedDict[str, str] = OrderedDict()
+        """BindRequest uid -> the resourceVersion whose check found no reserved GPU even in a
+        consistent list (`reserved_gpu`): its checks again read the watch cache only."""
 
     async def follow_one(self, br: BindRequestView, deadline: Deadline = NO_DEADLINE
                          ) -> Verification | None:
@@ -293,18 +296,22 @@ class Follower:
     def forget(self, br: BindRequestView) -> None:
         """A BindRequest is gone (its pod was deleted): its memory goes too."""
         self._complete.pop(br.uid, None)
+        self._read_consistently.pop(br.uid, None)
 
-    async def reserved_gpu(self, group_id: str, deadline: Deadline = NO_DEADLINE
-                           ) -> str | None:
+    async def reserved_gpu(self, group_id: str, deadline: Deadline = NO_DEADLINE, *,
+                           consistent: bool = True) -> str | None:
         """The GPU UUID behind a group: its reservation pod's `run.ai/reserve_for_gpu_index`.
         Read from the API server's watch cache first: a consistent list reads the whole
         reservation namespace from etcd before Kubernetes 1.31, once per BindRequest checked
         (thousands a second in a wave; docs/scale.md). Only a cache a moment behind misses
         it (the binder waited for that annotation before it bound the pod), and only then is
-        it read again, consistently: a miss would leave the pod unsigned until the next
-        resync."""
+        it read again, consistently (unless not `consistent`): a miss would leave the pod
+        unsigned until the next resync. A recheck of a version whose consistent read found
+        nothing asks for none (`_check`): a reservation pod created since is in the cache by
+        then, and thousands of BindRequests stuck at "not known yet" (a reservation namespace
+        set wrong) would read that namespace from etcd at every recheck."""
         selector = {k.GPU_GROUP_LABEL: group_id}
-        for cached in (True, False):
+        for cached in (True, False) if consistent else (True,):
             pods = await self.store.list_pods(self.reservation_namespace, selector, deadline,
                                               cached=cached)
             for pod in pods:
@@ -314,14 +321,15 @@ class Follower:
         return None
 
     async def decide(self, br: BindRequestView, *, cdi: bool = False,
-                     deadline: Deadline = NO_DEADLINE) -> AllocationInput | None:
+                     deadline: Deadline = NO_DEADLINE, consistent: bool = True
+                     ) -> AllocationInput | None:
         """The decision as the servicer would receive it; None while a group's device is not
-        known yet (the binder has not finished reserving)."""
+        known yet (the binder has not finished reserving). `consistent`: as `reserved_gpu`."""
         gpu_ids = []
         # Past the bounds resolve_decision refuses the groups: nothing is read for them.
         within = len(br.group_ids) <= MAX_IDS and all(len(g) <= MAX_ID for g in br.group_ids)
         for group in br.group_ids if within else ():
-            uuid = await self.reserved_gpu(group, deadline)
+            uuid = await self.reserved_gpu(group, deadline, consistent=consistent)
             if uuid is None:
                 return None
             gpu_ids.append(uuid)
@@ -393,7 +401,16 @@ class Follower:
     async def _check(self, br: BindRequestView, pod: PodSnapshot,
                      deadline: Deadline) -> Verification:
         pod_ref = f"{br.namespace}/{br.pod_name}"
-        allocation = await self.decide(br, deadline=deadline)
+        versioned = bool(br.uid and br.resource_version)
+        consistent = not (versioned
+                          and self._read_consistently.get(br.uid) == br.resource_version)
+        allocation = await self.decide(br, deadline=deadline, consistent=consistent)
+        if allocation is not None:
+            self._read_consistently.pop(br.uid, None)
+        elif consistent and versioned:
+            self._read_consistently[br.uid] = br.resource_version
+            while len(self._read_consistently) > self.complete_kept:
+                self._read_consistently.popitem(last=False)
         if allocation is None:
             reason = (f"the GPU reserved for group(s) {', '.join(br.group_ids)} is not known "
                       f"yet: no pod labelled {k.GPU_GROUP_LABEL} in "

@@ -37,7 +37,11 @@ when they are no more) until they are seen otherwise: KAI binds nothing more the
 would ever read them again. Every `recheck_seconds` each one is read: once none of its
 conditions says Unknown with reason NodeAgentSilent (its agent wrote the condition again, or
 anyone else did) or the node is gone, it is let go; a read that fails keeps it. A bind that
-reads it (its agent back, KAI placing there again) lets it go too. `close()` (the follower
+reads it (its agent back, KAI placing there again) lets it go too. A mark whose answer was lost
+(a timeout, a server error, an answer that is not JSON: the patch may have landed) is held all
+the same, unconfirmed: the next read that finds the mark confirms it (`on_marked`, a mark
+counted), one that does not lets it go without telling anyone; a refusal (409 among them)
+proves nothing was written. `close()` (the follower
 stops: its term ended, or the process) lets every one go: a standby holds none, and a new
 leader knows only the nodes it marks itself (finding the earlier leader's would need a list
 of every node).
@@ -54,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kube.client import STRATEGIC_MERGE_PATCH, Kube
-from ..kube.errors import Conflict, KubeError, NotFound
+from ..kube.errors import BadAnswer, Conflict, KubeError, NotFound, Transient
 from ..kube.objects import condition_time, heartbeat_lease_name, lease_path, node_path
 
 log = logging.getLogger(__name__)
@@ -189,12 +193,15 @@ class NodeLiveness:
         self._reads: asyncio.Semaphore | None = None  # made on the loop that runs the checks
         self._last_failure = ""
         self._silent: set[str] = set()
+        self._unconfirmed: set[str] = set()
+        """Of `_silent`, the nodes whose mark's answer was lost: not told to `on_marked` yet."""
         self._watching: asyncio.Task | None = None
 
     @property
     def silent_nodes(self) -> frozenset[str]:
-        """The nodes this replica marked and holds silent now."""
-        return frozenset(self._silent)
+        """The nodes this replica marked and holds silent now (a mark whose answer was lost,
+        once a read has found it)."""
+        return frozenset(self._silent - self._unconfirmed)
 
     def _node(self, node: str) -> _Node:
         known = self._nodes.get(node)
@@ -250,8 +257,7 @@ class NodeLiveness:
         except NotFound:
             self._let_go(node)
             return False
-        if node in self._silent and not marked_silent(obj, self.types):
-            self._let_go(node)
+        self._seen(node, obj)
         now = self.monotonic()
         known = self._node(node)
         beats = known.beats = {
@@ -284,6 +290,10 @@ class NodeLiveness:
                                     content_type=STRATEGIC_MERGE_PATCH)
         except Conflict:
             return False  # the node changed since it was read: perhaps the agent is back
+        except (Transient, BadAnswer):
+            # No answer that says whether it landed: held, and the next read tells.
+            self._hold(node, confirmed=False)
+            raise
         log.warning("node %s: %s set Unknown: %s", node, ", ".join(c["type"] for c in silent),
                     silent[0]["message"])
         if self.on_marked is not None:
@@ -293,7 +303,11 @@ class NodeLiveness:
 
     # -- the nodes held silent -----------------------------------------------------------------
 
-    def _hold(self, node: str) -> None:
+    def _hold(self, node: str, *, confirmed: bool = True) -> None:
+        if confirmed:
+            self._unconfirmed.discard(node)
+        elif node not in self._silent:
+            self._unconfirmed.add(node)
         self._silent.add(node)
         if self._watching is None or self._watching.done():
             self._watching = asyncio.get_running_loop().create_task(
@@ -302,8 +316,30 @@ class NodeLiveness:
     def _let_go(self, node: str) -> None:
         if node in self._silent:
             self._silent.discard(node)
-            if self.on_cleared is not None:
+            if node in self._unconfirmed:
+                self._unconfirmed.discard(node)  # never told: nothing to take back
+            elif self.on_cleared is not None:
                 self.on_cleared(node)
+
+    def _seen(self, node: str, obj: Mapping[str, Any]) -> None:
+        """`node` as read now: a node held lets go once its mark is gone; one held unconfirmed
+        is confirmed once its mark is found."""
+        if node not in self._silent:
+            return
+        if not marked_silent(obj, self.types):
+            if node in self._unconfirmed:
+                log.info("node %s: its condition does not say %s (the patch whose answer was "
+                         "lost did not land, or was overwritten); not held", node, SILENT_REASON)
+            else:
+                log.info("node %s: its condition no longer says %s; no longer held silent",
+                         node, SILENT_REASON)
+            self._let_go(node)
+        elif node in self._unconfirmed:
+            self._unconfirmed.discard(node)
+            log.warning("node %s: set Unknown (read back: the answer to its patch was lost)",
+                        node)
+            if self.on_marked is not None:
+                self.on_marked(node)
 
     async def _watch_silent(self) -> None:
         """Every `recheck_seconds`, reads the nodes held silent, until none is."""
@@ -333,10 +369,7 @@ class NodeLiveness:
                             e.message)
             self._last_failure = e.message
             return
-        if not marked_silent(obj, self.types):
-            log.info("node %s: its condition no longer says %s; no longer held silent", node,
-                     SILENT_REASON)
-            self._let_go(node)
+        self._seen(node, obj)
 
     async def _lease_renewed(self, node: str) -> str | None:
         """The renewTime of the node agent's heartbeat Lease, as written (by the agent's clock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from fractions import Fraction
 
 import pytest
 from kubernetes import client as k8s
@@ -205,14 +206,122 @@ async def test_a_kept_limit_this_node_cannot_honour_is_a_mismatch_naming_the_rul
                                   f"{T}.gpu-memory.limit": limit, f"{T}.gpus.devices": GPU_A}))
     result = await verify(store, bind_request("br-2", "train-0", portion="0.61"),
                           signer=Keys(Keyring.of(b"k" * 32)))
-    expected_rule = ("a limit kept from an earlier bind must be at least the request (24576 "
-                     "MiB) and at most the 40960 MiB a GPU of this node shares" + rule)
+    expected_rule = kept_limit_rule(24576, 40960, "0.8", "0.3") + rule
     assert [(m.key, m.expected, m.actual, m.rule) for m in result.mismatches] == [
         (f"{T}.gpu-memory.limit", "32Gi", limit, expected_rule)]
     assert result.signed == () and not result.recheck
     assert [e.message for e in store.events] == [
         f"annotation {T}.gpu-memory.limit: expected '32Gi', found '{limit}': {expected_rule} "
         "(BindRequest team-a/br-2)"]
+
+
+def kept_limit_rule(request_mib: int, usable_mib: int, limit_portion: str, portion: str) -> str:
+    return (f"a limit kept from an earlier bind must be at least the request ({request_mib} "
+            f"MiB), at most the {usable_mib} MiB a GPU of this node shares, and the "
+            f"{limit_portion} of a GPU that KAI's binder computes on a node where {portion} of "
+            "that GPU is the request")
+
+
+# KAI-Scheduler's binder computes the request from the bind's portion and the limit from the
+# portion limit, both as uint64(node's GPU memory x portion) (pkg/binder/plugins/nvfractions/
+# nv_fractions.go, setNvFractionsMemoryAnnotation, setGpuMemoryPortionLimitAnnotation): a
+# limit kept from an earlier bind is that node's, and so is the request beside it.
+LIMIT_06 = {"gpu-fraction": "0.5", "gpu-fraction.limit": "0.6",
+            "kai.scheduler/container.trainer.gpu-memory.portion.limit": "0.6",
+            f"{T}.gpus.devices": GPU_A, "received-resource-type": "Fraction"}
+
+
+@pytest.mark.parametrize(("node_mib", "asked", "limit", "portion", "expected", "rule"), [
+    # The binder's own request on a node labelled a multiple of 100 MiB: uint64(40000 x 0.5)
+    # = 20000Mi, which the scheduler also sizes as 0.50; its limit is uint64(40000 x 0.6).
+    (40000, "20000Mi", "40000Mi", "0.50", "24000Mi", kept_limit_rule(20000, 40000, "0.6", "0.5")),
+    # The user's own request beside gpu-fraction, which the scheduler sized the bind by
+    # (10240 / 40900 -> 0.26); the binder computes the limit uint64(40960 x 0.6) = 24Gi.
+    (40960, "10Gi", "40Gi", "0.26", "24Gi", kept_limit_rule(10240, 40960, "0.6", "0.5")),
+])
+async def test_a_first_binds_limit_is_the_one_this_bind_computes(
+        store, node_mib, asked, limit, portion, expected, rule):
+    # Its request sizes the bind as KAI's scheduler would, as a kept one does; but no GPU
+    # whose 0.5 is that request has the found limit as its 0.6: not a limit an earlier bind
+    # kept, so this bind's binder wrote it, from this node's memory.
+    store.nodes["gpu-node-1"] = {"nvidia.com/gpu.memory": str(node_mib)}
+    store.add_pod(pod("train-0", {**LIMIT_06, f"{T}.gpu-memory.request": asked,
+                                  f"{T}.gpu-memory.limit": limit}))
+    result = await verify(store, bind_request("br-1", "train-0", portion=portion),
+                          signer=Keys(Keyring.of(b"k" * 32)))
+    assert [(m.key, m.expected, m.actual, m.rule) for m in result.mismatches] == [
+        (f"{T}.gpu-memory.limit", expected, limit, rule)]
+    assert result.signed == () and SIGNATURE not in store.annotations(NS, "train-0")
+    assert [e.message for e in store.events] == [
+        f"annotation {T}.gpu-memory.limit: expected '{expected}', found '{limit}': {rule} "
+        "(BindRequest team-a/br-1)"]
+    # The limit this bind computes is signed.
+    store.add_pod(pod("train-1", {**LIMIT_06, f"{T}.gpu-memory.request": asked,
+                                  f"{T}.gpu-memory.limit": expected}))
+    result = await verify(store, bind_request("br-2", "train-1", portion=portion),
+                          signer=Keys(Keyring.of(b"k" * 32)))
+    assert result.complete and result.signed == (SIGNATURE,)
+
+
+@pytest.mark.parametrize("limit", ["30Gi", "32769Mi", "32767Mi"])
+async def test_a_kept_limit_no_earlier_gpu_gives_beside_the_request_is_a_mismatch(
+        store, limit):
+    # Rebound on 81920 MiB (0.26) with the 20Gi a 40960 MiB GPU gave as 0.5, whose 0.8 is
+    # 32Gi: any other limit, though this node could honour it, no binder kept.
+    store.nodes["gpu-node-2"] = {"nvidia.com/gpu.memory": "81920"}
+    store.add_pod(pod("train-0", {**FIRST_BIND_ON_40960, f"{T}.gpu-memory.limit": limit}))
+    rebind = on_node(bind_request("br-2", "train-0", groups=("group-b",), portion="0.26"),
+                     "gpu-node-2")
+    result = await verify(store, rebind, signer=Keys(Keyring.of(b"k" * 32)))
+    assert [(m.key, m.expected, m.actual, m.rule) for m in result.mismatches] == [
+        (f"{T}.gpu-memory.limit", "64Gi", limit, kept_limit_rule(20480, 81920, "0.8", "0.5"))]
+    assert result.signed == ()
+
+
+async def test_the_price_a_users_request_rebound_with_its_first_limit_is_reported(store):
+    # The user's 10Gi beside gpu-fraction 0.5, first bound on 40960 MiB (limit 0.6 -> 24Gi),
+    # rebound on 81920 MiB (10240 / 81900 -> 0.13): no GPU gives 10Gi as its 0.5 and 24Gi as
+    # its 0.6, so the kept limit is not told from a binder's wrong one: reported, not signed
+    # (never more than KAI accounted).
+    store.nodes["gpu-node-2"] = {"nvidia.com/gpu.memory": "81920"}
+    store.add_pod(pod("train-0", {**LIMIT_06, f"{T}.gpu-memory.request": "10Gi",
+                                  f"{T}.gpu-memory.limit": "24Gi", f"{T}.gpus.devices": GPU_B}))
+    rebind = on_node(bind_request("br-2", "train-0", groups=("group-b",), portion="0.13"),
+                     "gpu-node-2")
+    result = await verify(store, rebind, signer=Keys(Keyring.of(b"k" * 32)))
+    assert [(m.key, m.expected, m.actual) for m in result.mismatches] == [
+        (f"{T}.gpu-memory.limit", "48Gi", "24Gi")]
+    assert result.signed == ()
+
+
+def test_the_earlier_gpu_is_found_with_kais_arithmetic_within_a_bounded_search(monkeypatch):
+    from kai_fractions.mirror import kai_binder
+
+    mib = 1 << 20
+    # uint64(40960 x 0.5) = 20480, uint64(40960 x 0.8) = 32768
+    assert kai_binder.earlier_gpu_memory(20480 * mib, Fraction("0.5"), 32768 * mib,
+                                         Fraction("0.8"), 0) == 40960
+    # the patched dialect's reserve: uint64(39936 x 0.5) = 19968, uint64(39936 x 0.8) = 31948
+    assert kai_binder.earlier_gpu_memory(19968 * mib, Fraction("0.5"), 31948 * mib,
+                                         Fraction("0.8"), 1024) == 40960
+    # 10000 x 0.57 is 5699 in float64, as KAI computes it: the size is found where KAI's
+    # arithmetic gives the request, not where exact arithmetic would
+    assert kai_binder.earlier_gpu_memory(5699 * mib, Fraction("0.57"), 8000 * mib,
+                                         Fraction("0.8"), 0) == 10000
+    assert kai_binder.earlier_gpu_memory(20480 * mib + 1, Fraction("0.5"), 32768 * mib,
+                                         Fraction("0.8"), 0) is None  # not whole MiB
+    tried = []
+    real = kai_binder.memory_mib
+
+    def counted(*args):
+        tried.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(kai_binder, "memory_mib", counted)
+    # A portion far below what KAI's scheduler writes would span a million sizes.
+    assert kai_binder.earlier_gpu_memory(5 * mib, Fraction("0.000001"), 7 * mib,
+                                         Fraction("0.9"), 0) is None
+    assert 0 < len(tried) <= 2 * kai_binder.EARLIER_SIZES_TRIED
 
 
 async def test_a_request_kai_did_not_size_the_bind_by_is_checked_as_the_binders(store):

@@ -301,3 +301,111 @@ async def test_one_version_is_checked_again_only_within_the_window():
     assert rechecks.after("k", "1", "br@1", True) is None  # and a list's handling sets none
     assert rechecks.after("k", "2", "br@2", True) is not None  # a new version: a new window
     rechecks.close()
+
+
+class _Incomplete:
+    recheck = True  # as a Verification whose GPU is not known yet
+
+
+async def test_an_older_versions_recheck_never_follows_the_newer_version_nor_drops_its_outcome():
+    """Version 3's event waits for a place while version 2 is still being checked: version 2's
+    handling ends incomplete and last of those started, but a newer version has been seen, so
+    it sets no recheck; version 3's check is the last, and its outcome (incomplete once) sets
+    the recheck (the reviewer's probe p1_stale_recheck_after_newer.py)."""
+    source = QueueSource(listed=[versioned(bind_request("k", "train-0"), "2", uid="uid-k")])
+    source.events.put_nowait(("ADDED", versioned(bind_request("busy", "train-1"), "1",
+                                                 uid="uid-busy")))
+    started: list[tuple[str, str]] = []
+    sent = asyncio.Event()
+
+    async def handle(view: BindRequestView):
+        started.append((view.name, view.resource_version))
+        if view.name == "busy":
+            await asyncio.sleep(0.6)  # holds the other place (a slow API call)
+            return None
+        if view.resource_version == "2":
+            await asyncio.sleep(0.05)
+            if not sent.is_set():
+                sent.set()
+                source.events.put_nowait(("MODIFIED", versioned(bind_request("k", "train-0"),
+                                                                "3", uid="uid-k")))
+                await asyncio.sleep(0.05)  # version 3's event now waits for a place
+            return _Incomplete()
+        await asyncio.sleep(0.3)  # longer than the recheck's backoff
+        return _Incomplete() if started.count(("k", "3")) == 1 else None
+
+    task = asyncio.create_task(follow(
+        source, handle, concurrency=2, backoff=Backoff(base=0.001, cap=0.001),
+        recheck_backoff=Backoff(attempts=1_000_000, base=0.02, cap=0.04)))
+    try:
+        await asyncio.wait_for(settled(lambda: started.count(("k", "3")) >= 2), 5)
+        await asyncio.sleep(0.3)  # whatever else would fall due
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    versions = [rv for name, rv in started if name == "k"]
+    assert versions == ["2", "3", "3"], versions
+
+
+async def test_a_newer_listed_version_or_event_leaves_no_recheck_of_an_older_one():
+    """The same rule for a relist (a watch that missed the event: the list carries version 3
+    while version 2's check is under way), and for a timer that fell due all the same."""
+    from kai_fractions.mirror.bindrequests import _InFlight, _Replay
+
+    handled: list[str] = []
+
+    async def handle(view: BindRequestView):
+        handled.append(view.resource_version)
+
+    def view(rv: str) -> BindRequestView:
+        return BindRequestView.from_object(versioned(bind_request("k", "train-0"), rv))
+
+    replay = _Replay(_InFlight(handle, 2), FAST)
+    try:
+        replay.restart([view("3")])
+        replay.after(view("2"), _Incomplete(), True)  # version 2's check ends after the list
+        assert replay.rechecks._timers == {}
+        await settled(lambda: handled == ["3"])
+        replay.after(view("3"), _Incomplete(), True)
+        assert list(replay.rechecks._timers) == ["br-uid-1"]  # its own outcome counts
+        replay.rechecks.cancel("br-uid-1")
+        replay.supersede(view("4"))
+        replay._fell_due(view("3"))  # a timer no one cancelled
+        assert replay.due == {}
+        await asyncio.sleep(0.05)
+        assert handled == ["3"]
+    finally:
+        replay.rechecks.close()
+        if replay.task is not None:
+            replay.task.cancel()
+            await asyncio.gather(replay.task, return_exceptions=True)
+
+
+async def test_a_recheck_reads_the_reservation_pods_from_the_watch_cache_only(store):
+    """A consistent list reads the whole reservation namespace from etcd: the first check of a
+    version whose GPU is not known yet does it once (a reservation pod a cache a moment behind
+    has not seen), its rechecks read the watch cache alone (10,000 BindRequests stuck at "not
+    known yet" would otherwise list that namespace consistently some 220 times a second, for
+    15 minutes; the reviewer's probe p2_recheck_storm.py)."""
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5", **BOUND, f"{T}.gpus.devices": GPU_B}))
+    br = versioned(bind_request("br-1", "train-0", groups=("group-b",)), "2")
+    following = Following(QueueSource(listed=[br]), Follower(store, signer=signer()),
+                          recheck_backoff=FAST)
+    await following.until(lambda: following.count("br-1") >= 5)
+    assert store.lists.count(False) == 1 and store.lists[:2] == [True, False]
+    store.add_pod(reservation_pod("group-b", GPU_B))  # the cache has it at the next recheck
+    await following.until(lambda: SIGNATURE in store.annotations(NS, "train-0"))
+    await following.stop()
+    assert store.lists.count(False) == 1
+    assert store.lists.count(True) == following.count("br-1")
+    # A new version's first check reads consistently again.
+    follower = Follower(store, signer=signer())
+    gone = versioned(bind_request("br-2", "train-0", groups=("group-gone",)), "3", uid="uid-2")
+    store.lists.clear()
+    assert (await follower.follow_one(BindRequestView.from_object(gone))).recheck
+    assert (await follower.follow_one(BindRequestView.from_object(gone))).recheck
+    assert store.lists == [True, False, True]
+    assert (await follower.follow_one(BindRequestView.from_object(
+        versioned(gone, "4", uid="uid-2")))).recheck
+    assert store.lists == [True, False, True, True, False]

@@ -199,3 +199,39 @@ def test_the_mirror_process_reports_the_node_it_holds_silent(kube, tmp_path):
         metrics_ready=lambda text: sample_value(text, GAUGE, node="gpu-node-1") == 1)
     assert run.returncode == 0 and "Traceback" not in run.err, run.err
     assert sample_value(run.metrics, GAUGE, node="gpu-node-1") == 1
+
+
+async def test_a_mark_whose_answer_was_lost_is_held_once_read_back(kube, client):
+    """The PATCH landed but its answer did not come (a 503 after the write, as a timeout or a
+    proxy would lose it): the node is Unknown, and KAI binds nothing there, so no bind would
+    read it again. It is held, and the re-read that finds the mark counts it and gives it its
+    series (the reviewer's probe p5_node_liveness.py (a))."""
+    add_node(kube, "a")
+    metrics = MirrorMetrics()
+    watcher = wired(client, metrics)
+    kube.next_requests("PATCH", "/api/v1/nodes/a/status") << 503
+    watcher.saw("a")
+    await until(lambda: held(metrics) == {"a": 1.0}, "a held once read back")
+    assert watcher.silent_nodes == {"a"}
+    assert metrics.registry.get_sample_value("kai_fractions_follower_silent_nodes_total") == 1
+    conditions = kube.core.read_node_status("a").status.conditions
+    assert [(c.status, c.reason) for c in conditions] == [("Unknown", SILENT_REASON)]
+    agent_writes(kube, "a")
+    await until(lambda: held(metrics) == {}, "a let go")
+    await watcher.close()
+
+
+async def test_a_mark_that_did_not_land_is_let_go_at_the_read_and_marked_again(kube, client):
+    add_node(kube, "a")
+    metrics = MirrorMetrics()
+    watcher = wired(client, metrics)
+    kube.fail("PATCH", "/api/v1/nodes/a/status", 503, times=1)  # refused before the write
+    reads = kube.count("GET", "/api/v1/nodes/a")
+    watcher.saw("a")
+    await until(lambda: kube.count("GET", "/api/v1/nodes/a") >= reads + 2, "a read back")
+    await until(lambda: watcher._silent == set(), "a let go")
+    assert held(metrics) == {} and watcher.silent_nodes == frozenset()
+    assert metrics.registry.get_sample_value("kai_fractions_follower_silent_nodes_total") == 0
+    assert await watcher.check("a") is True  # the next bind marks it
+    assert held(metrics) == {"a": 1.0}
+    await watcher.close()
