@@ -500,7 +500,7 @@ def test_the_mirror_process_sets_a_silent_node_unknown_as_kai_binds_there(kube, 
     clocks, so no case here marks by time. (It was a condition heartbeat an hour old, and a
     Lease renewed now, both read against the process's wall clock: the agent's clock trusted.)"""
     from tests.support.agent_process import free_port
-    from tests.support.mirror_kube import BINDREQUESTS, register_bindrequests, run_mirror_process
+    from tests.support.mirror_kube import create_pending_bind_request, run_mirror_process
     from tests.support.promql import sample_value
 
     hour_ago = (datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=1)).strftime(
@@ -513,16 +513,7 @@ def test_the_mirror_process_sets_a_silent_node_unknown_as_kai_binds_there(kube, 
         k8s.CoordinationV1Api(kube.api_client).create_namespaced_lease("kf", {
             "metadata": {"name": "kai-fractions-agent.gpu-node-1", "namespace": "kf"},
             "spec": {"holderIdentity": "gpu-node-1", "renewTime": hour_ago}})
-    register_bindrequests(kube)
-    k8s.CustomObjectsApi(kube.api_client).create_namespaced_custom_object(
-        BINDREQUESTS.group, BINDREQUESTS.version, "team-a", BINDREQUESTS.plural, {
-            "apiVersion": "scheduling.run.ai/v1alpha2", "kind": "BindRequest",
-            "metadata": {"name": "br-0", "namespace": "team-a"},
-            "spec": {"podName": "train-0", "selectedNode": "gpu-node-1",
-                     "receivedResourceType": "Fraction",
-                     "receivedGPU": {"count": 1, "portion": "0.5"},
-                     "selectedFractionalGpuGroups": [{"id": "group-a"}]},
-            "status": {"phase": "Pending"}})
+    create_pending_bind_request(kube, "team-a", "br-0", "train-0", "gpu-node-1")
     port = free_port()
     run = run_mirror_process(
         kube, tmp_path, "--follow-bindrequests", "--mark-silent-nodes-after", "120",

@@ -178,20 +178,11 @@ def test_the_mirror_process_reports_the_node_it_holds_silent(kube, tmp_path):
     whose condition says True with no heartbeat time at KAI's bind there, and its /metrics has
     that node's series (the process wires NodeLiveness to its metrics)."""
     from tests.support.agent_process import free_port
-    from tests.support.mirror_kube import BINDREQUESTS, register_bindrequests, run_mirror_process
+    from tests.support.mirror_kube import create_pending_bind_request, run_mirror_process
     from tests.support.promql import sample_value
 
     add_node(kube, "gpu-node-1")
-    register_bindrequests(kube)
-    k8s.CustomObjectsApi(kube.api_client).create_namespaced_custom_object(
-        BINDREQUESTS.group, BINDREQUESTS.version, "team-a", BINDREQUESTS.plural, {
-            "apiVersion": "scheduling.run.ai/v1alpha2", "kind": "BindRequest",
-            "metadata": {"name": "br-0", "namespace": "team-a"},
-            "spec": {"podName": "train-0", "selectedNode": "gpu-node-1",
-                     "receivedResourceType": "Fraction",
-                     "receivedGPU": {"count": 1, "portion": "0.5"},
-                     "selectedFractionalGpuGroups": [{"id": "group-a"}]},
-            "status": {"phase": "Pending"}})
+    create_pending_bind_request(kube, "team-a", "br-0", "train-0", "gpu-node-1")
     port = free_port()
     run = run_mirror_process(
         kube, tmp_path, "--follow-bindrequests", "--mark-silent-nodes-after", "120",

@@ -27,6 +27,7 @@ import grpc
 import kmock
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kubernetes import client as k8s
 
 from kai_fractions.api.v1 import allocation_pb2_grpc as pb_grpc
 from kai_fractions.contract import DEFAULT_DIALECT
@@ -76,6 +77,22 @@ def register_bindrequests(kube: KubeServer) -> None:
     kube.emulator.resources["scheduling.run.ai/v1alpha2/bindrequests"] = kmock.ResourceInfo(
         namespaced=True, kind="BindRequest", singular="bindrequest",
         verbs={"list", "watch", "get", "create", "patch", "delete"})
+
+
+def create_pending_bind_request(kube: KubeServer, namespace: str, name: str, pod: str, node: str,
+                                **spec: Any) -> None:
+    """A Pending BindRequest of KAI's scheduler for `pod` (a 0.5 fraction of GPU group
+    `group-a` on `node`): what the follower sees before KAI's binder acts on it; `spec` adds
+    or replaces fields of its spec. Registers the resource with the stand-in first."""
+    register_bindrequests(kube)
+    k8s.CustomObjectsApi(kube.api_client).create_namespaced_custom_object(
+        BINDREQUESTS.group, BINDREQUESTS.version, namespace, BINDREQUESTS.plural, {
+            "apiVersion": "scheduling.run.ai/v1alpha2", "kind": "BindRequest",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"podName": pod, "selectedNode": node, "receivedResourceType": "Fraction",
+                     "receivedGPU": {"count": 1, "portion": "0.5"},
+                     "selectedFractionalGpuGroups": [{"id": "group-a"}], **spec},
+            "status": {"phase": "Pending"}})
 
 
 def pod_path(namespace: str, name: str) -> str:

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kubernetes import client as k8s
-
 from tests.support.agent_process import free_port
 from tests.support.kube import KubeServer
-from tests.support.mirror_kube import BINDREQUESTS, register_bindrequests, run_mirror_process
+from tests.support.mirror_kube import create_pending_bind_request, run_mirror_process
 from tests.support.promql import sample_value
 
 NS = "team-a"
@@ -27,18 +25,9 @@ def _populated(text: str) -> bool:
 def populated_mirror_scrape(kube: KubeServer, tmp_path: Path) -> str:
     """The mirror's /metrics text once every family the dashboard reads has its samples; the
     process has stopped (SIGTERM, exit 0) when this returns."""
-    register_bindrequests(kube)
-    k8s.CustomObjectsApi(kube.api_client).create_namespaced_custom_object(
-        BINDREQUESTS.group, BINDREQUESTS.version, NS, BINDREQUESTS.plural, {
-            "apiVersion": "scheduling.run.ai/v1alpha2", "kind": "BindRequest",
-            "metadata": {"name": "br-pending", "namespace": NS},
-            "spec": {"podName": "train-1", "selectedNode": "gpu-node-1",
-                     "receivedResourceType": "Fraction",
-                     "receivedGPU": {"count": 1, "portion": "0.5"},
-                     "selectedFractionalGpuGroups": [{"id": "group-a",
-                                                      "computeSharingMode": ""}],
-                     "backoffLimit": 3},
-            "status": {"phase": "Pending"}})
+    create_pending_bind_request(
+        kube, NS, "br-pending", "train-1", "gpu-node-1", backoffLimit=3,
+        selectedFractionalGpuGroups=[{"id": "group-a", "computeSharingMode": ""}])
     address = f"127.0.0.1:{free_port()}"
     run = run_mirror_process(kube, tmp_path, "--follow-bindrequests", "--metrics-listen",
                              address, metrics_url=f"http://{address}/metrics",
