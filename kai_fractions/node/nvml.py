@@ -29,6 +29,8 @@ MEMORY_LIMIT_MAX = 0xFFFF_FFFF_FFFF_FFFF
 """NVML_DEVICE_MEMORY_LIMIT_MAX: a hard limit of this value means "no limit"."""
 
 SET_MEMORY_LIMITS = "nvmlDeviceSetMemoryLimits_v1"
+GRAPHICS_PROCESSES = "nvmlDeviceGetGraphicsRunningProcesses"
+MPS_PROCESSES = "nvmlDeviceGetMPSComputeRunningProcesses"
 GET_MEMORY_LIMITS = "nvmlDeviceGetMemoryLimits_v1"
 
 
@@ -91,6 +93,7 @@ class Nvml(Protocol):
     def driver_version(self) -> str: ...
     def devices(self) -> tuple[DeviceInfo, ...]: ...
     def running_processes(self, uuid: str) -> tuple[GpuProcess, ...]: ...
+    def other_processes(self, uuid: str) -> tuple[GpuProcess, ...]: ...
     def process_utilization(
         self, uuid: str, since_us: int = 0
     ) -> tuple[ProcessUtilization, ...]: ...
@@ -237,6 +240,27 @@ class PynvmlNvml:
                        used_bytes=None if x.usedGpuMemory is None else int(x.usedGpuMemory))
             for x in procs
         )
+
+    def other_processes(self, uuid: str) -> tuple[GpuProcess, ...]:
+        """The processes `running_processes` (the compute listing) may leave out: the graphics
+        listing (NVML lists a graphics-only process there only) and the MPS client listing
+        (some drivers list MPS clients there only), in that order; a process in both may be
+        in each. A listing this binding or the driver lacks (an older one: FunctionNotFound,
+        or the binding's version mismatch) or that the GPU does not support (NotSupported)
+        counts as no such processes: it is no blindness. Any other NVML error is raised."""
+        p = self._pynvml
+        out: list[GpuProcess] = []
+        for function in (GRAPHICS_PROCESSES, MPS_PROCESSES):
+            fn = getattr(p, function, None)
+            if fn is None:
+                continue
+            try:
+                procs = self._call(function, fn, self._handle(uuid), device=uuid)
+            except NvmlCapabilityMissing:
+                continue
+            out.extend(GpuProcess(pid=int(x.pid), used_bytes=None if x.usedGpuMemory is None
+                                  else int(x.usedGpuMemory)) for x in procs)
+        return tuple(out)
 
     def process_utilization(self, uuid: str, since_us: int = 0) -> tuple[ProcessUtilization, ...]:
         p = self._pynvml

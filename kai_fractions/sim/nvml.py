@@ -70,6 +70,9 @@ CALL_LOG_SIZE = 10_000
 """How many calls `FakeNvml.calls` keeps, newest last: a demo left running (--keep) polls NVML
 for hours and must not grow without end; a test makes far fewer calls than this."""
 
+PROCESS_KINDS = ("compute", "graphics", "mps")
+"""`FakeProcess.kind`: the NVML listing a process is in."""
+
 # The NVML function each seam method stands for (what error messages name).
 _FUNCTIONS = {
     "init": "nvmlInit",
@@ -77,6 +80,7 @@ _FUNCTIONS = {
     "driver_version": "nvmlSystemGetDriverVersion",
     "devices": "nvmlDeviceGetCount",
     "running_processes": "nvmlDeviceGetComputeRunningProcesses",
+    "other_processes": "nvmlDeviceGetGraphicsRunningProcesses",
     "process_utilization": "nvmlDeviceGetProcessUtilization",
     "memory_limits_supported": "nvmlDeviceGetMemoryLimits_v1",
     "get_memory_limits": GET_MEMORY_LIMITS,
@@ -130,6 +134,10 @@ class FakeProcess:
     memory_percent: int = 0
     cgroup: str = ""
     """The process's cgroup path (counted in `current_used` of the limits of it and its parents)."""
+    kind: str = "compute"
+    """Which NVML listing has it: `compute` (`running_processes`), or `graphics` or `mps` (an
+    MPS client some drivers list apart): `other_processes`. Its memory counts in the GPU's
+    used memory whatever its kind."""
 
 
 class GpuOutOfMemory(Exception):
@@ -264,7 +272,8 @@ class FakeNvml:
 
         gpus[]: model (a GPU_MODELS key) and/or name + memory (bytes or a quantity), count,
         uuid (only with count 1), compute_mode (default | exclusive-process | prohibited), mig.
-        processes[]: gpu (index or UUID), pid, used (bytes, quantity or "na"), sm, mem, cgroup.
+        processes[]: gpu (index or UUID), pid, used (bytes, quantity or "na"), sm, mem, cgroup,
+        kind (compute, the default; graphics; mps: `FakeProcess.kind`).
         """
         if not isinstance(data, Mapping):
             raise ConfigError("fake NVML config must be a mapping")
@@ -352,10 +361,13 @@ class FakeNvml:
                 raise ConfigError(f"{where}.gpu: no GPU {uuid}")
         used = None if entry["used"] == "na" else _memory(entry["used"], f"{where}.used")
         sm = entry.get("sm")
+        kind = str(entry.get("kind", "compute"))
+        if kind not in PROCESS_KINDS:
+            raise ConfigError(f"{where}.kind: one of {', '.join(PROCESS_KINDS)}, got {kind!r}")
         return FakeProcess(pid=int(entry["pid"]), gpu=uuid, used_bytes=used,
                            sm_percent=None if sm is None else int(sm),
                            memory_percent=int(entry.get("mem", 0)),
-                           cgroup=str(entry.get("cgroup", "")))
+                           cgroup=str(entry.get("cgroup", "")), kind=kind)
 
     # -- test controls ----------------------------------------------------------------------
 
@@ -545,7 +557,16 @@ class FakeNvml:
             self._begin("running_processes", uuid, device=uuid)
             self._find("running_processes", uuid)
             return tuple(GpuProcess(pid=p.pid, used_bytes=p.used_bytes)
-                         for p in self.processes if p.gpu == uuid)
+                         for p in self.processes if p.gpu == uuid and p.kind == "compute")
+
+    def other_processes(self, uuid: str) -> tuple[GpuProcess, ...]:
+        """The graphics processes, then the MPS clients listed apart (`FakeProcess.kind`)."""
+        with self._lock:
+            self._begin("other_processes", uuid, device=uuid)
+            self._find("other_processes", uuid)
+            return tuple(GpuProcess(pid=p.pid, used_bytes=p.used_bytes)
+                         for kind in ("graphics", "mps") for p in self.processes
+                         if p.gpu == uuid and p.kind == kind)
 
     def process_utilization(self, uuid: str, since_us: int = 0) -> tuple[ProcessUtilization, ...]:
         with self._lock:
@@ -616,6 +637,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "GPU_MODELS",
     "MEMORY_LIMITS_DRIVER",
+    "PROCESS_KINDS",
     "SEAM_METHODS",
     "CallLog",
     "CgroupTree",

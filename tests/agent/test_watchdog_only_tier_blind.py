@@ -120,11 +120,14 @@ def test_a_new_pod_waits_while_nvml_cannot_list_its_gpus_processes(short_tmp: Pa
     rig.step()
     assert rig.killer.calls == [] and marker_of(rig, uid) is None
     assert result(rig, uid).reason == BLIND
-    # NVML lets the agent list them again: the next check asks for a pass, which applies it;
-    # the watchdog then stops the process over the cap
+    # NVML lets the agent list them again: the watchdog stops the process over the cap at
+    # once; the episode ends after two checks in a row that see the GPU, and the second asks
+    # for a pass, which applies it
     rig.nvml.clear_failures()
     rig.reconciler.check_usage()
     assert rig.killer.calls == [4242]
+    assert rig.reconciler.usage_needs_pass() is False
+    rig.reconciler.check_usage()
     assert rig.reconciler.usage_needs_pass() is True
     assert rig.step().converged
     assert result(rig, uid).state.value == "applied" and gate(rig, uid) is Outcome.RELEASE
@@ -171,8 +174,10 @@ def test_a_running_pods_marker_is_set_aside_once_per_episode_and_written_again(
     assert cap_series(rig, uid) == {BLIND: 1}
     assert unknown_series(rig) == {rig.gpu0: "NVMLNoPermission"}
     assert rig.agent.condition().reason == BLIND
-    # listed again: Applied again, the marker back, the condition True
+    # listed again, twice in a row: Applied again, the marker back, the condition True
     rig.nvml.clear_failures()
+    rig.reconciler.check_usage()
+    assert not rig.reconciler.usage.news  # one check that sees it: the episode goes on
     rig.reconciler.check_usage()
     assert rig.reconciler.usage_needs_pass() is False  # within the 10 s gap: held back...
     assert rig.reconciler.usage.news  # ...not lost
@@ -216,6 +221,9 @@ def test_every_kind_of_blindness_is_not_in_force(short_tmp: Path, kind: str) -> 
     else:
         rig.nvml.remove_process(100)
     rig.reconciler.check_usage()
+    rig.step()
+    assert marker_of(rig, uid) is None  # one check that sees it: the episode goes on
+    rig.reconciler.check_usage()
     assert rig.step().converged and marker_of(rig, uid) is not None
     assert rig.cluster.event_reasons(uid) == ["Applied", BLIND, "Applied"]
 
@@ -241,7 +249,9 @@ def test_a_container_with_another_tier_in_force_keeps_its_marker(short_tmp: Path
     assert rig.step().converged
     assert result(rig, uid).state.value == "applied" and gate(rig, uid) is Outcome.RELEASE
     assert rig.cluster.event_reasons(uid) == ["Applied"]
-    assert rig.agent.condition().reason == "AgentReady"
+    # the condition: on the old driver a time-slicing pod placed on GPU 0 now would have the
+    # watchdog alone, and wait
+    assert rig.agent.condition().reason == ("AgentReady" if tier == "cgroup" else BLIND)
     assert unknown_series(rig) == {rig.gpu0: "NVMLNoPermission"}
     # GetNodeState says its usage is not known (memory_used_bytes reads 0)
     (a,) = node_state(rig.reconciler.view, NODE, None, "c").allocations
@@ -249,23 +259,27 @@ def test_a_container_with_another_tier_in_force_keeps_its_marker(short_tmp: Path
     assert f"usage unknown on GPU {rig.gpu0} (NVMLNoPermission): " in a.message
 
 
-def test_a_blind_gpu_where_no_container_relies_on_the_watchdog_alone_changes_nothing(
+def test_a_blind_gpu_without_a_container_keeps_the_others_applied_and_the_node_says_so(
         short_tmp: Path) -> None:
+    """The condition says so before a pod is placed there (KAI would place one, which would
+    wait), not only once one is; a container on a GPU the watchdog sees stays applied."""
     rig = old_node(short_tmp)
     uid = add(rig)  # on GPU 0
     assert rig.step().converged
     rig.nvml.fail("running_processes", "NoPermission", times=None, device=rig.gpu1)
     rig.reconciler.check_usage()
+    assert rig.reconciler.usage_needs_pass() is True
     assert rig.step().converged
-    assert result(rig, uid).state.value == "applied"
-    assert rig.agent.condition().reason == "AgentReady"
+    assert result(rig, uid).state.value == "applied" and gate(rig, uid) is Outcome.RELEASE
     assert unknown_series(rig) == {rig.gpu1: "NVMLNoPermission"}
-    # a pod placed there waits, and the condition says so from then on
+    cond = rig.agent.condition()
+    assert (cond.ready, cond.reason) == (False, BLIND)
+    assert f"{rig.gpu1} (NVMLNoPermission)" in cond.message and rig.gpu0 not in cond.message
+    # a pod placed there waits, and the condition stays as it was
     other = add(rig, "q", gpu=rig.gpu1, request="5Gi", limit="10Gi")
     rig.step()
     assert result(rig, other).reason == BLIND and result(rig, uid).state.value == "applied"
-    cond = rig.agent.condition()
-    assert cond.reason == BLIND and rig.gpu1 in cond.message and rig.gpu0 not in cond.message
+    assert rig.agent.condition() == cond
 
 
 # -- passes that do not settle -------------------------------------------------------------------

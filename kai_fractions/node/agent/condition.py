@@ -3,8 +3,8 @@
 `gpu-fractioning.nvidia.com/Ready` (name configurable; `gpu-sharing.nvidia.com/Ready` too with
 `--legacy-condition`) is True only when NVML works, an enabled memory tier can cap some
 fractional container (`no_cap_reason`), the MPS control daemon answers (when sm-sharing is
-enabled), the agent is reconciling, and the watchdog sees every GPU where it is a planned
-container's only memory tier. Otherwise False with one reason:
+enabled), the agent is reconciling, and the watchdog sees every GPU where it would be a
+fractional container's only memory tier. Otherwise False with one reason:
 
 | reason | when |
 |---|---|
@@ -13,7 +13,13 @@ container's only memory tier. Otherwise False with one reason:
 | `NoMemoryEnforcement` | no enabled tier caps any fractional container (the driver has them) |
 | `MPSDaemonUnhealthy` | sm-sharing is enabled and the control daemon does not answer |
 | `NotReconciling` | no pod list yet, API unreachable, passes hung or failing too long, stopping |
-| `WatchdogBlind` | the watchdog is a container's only memory tier on a GPU and cannot see it |
+| `WatchdogBlind` | the watchdog cannot see a GPU where it is (would be) the only memory tier |
+
+`WatchdogBlind`: a GPU in an episode of blindness (`agent.blindness`) where a planned container's
+only memory tier is the kill-policy watchdog; or, where the watchdog would be the only memory
+tier of a time-slicing container placed on the node now (`watchdog_sole_tier`: no cgroup limits
+enabled and supported), any GPU in such an episode, with a container yet or not: a pod KAI places
+there would wait, so the node says so before, not once it is there.
 
 The publisher patches `nodes/status` when the condition changes, and otherwise every heartbeat
 interval (`lastHeartbeatTime`), or with a heartbeat Lease (`heartbeat.py`) only every status
@@ -71,9 +77,9 @@ class Health:
     """sm-sharing only: whether the daemon has v3 namespaces (False: client env only)."""
     passes: int = 0
     watchdog_blind: tuple[tuple[str, str], ...] = ()
-    """(GPU uuid, reason) of each GPU where the watchdog is some planned container's only
-    memory tier and cannot see the GPU's usage (`UsageCheck.blind_results`): those containers
-    are pending WatchdogBlind."""
+    """(GPU uuid, reason) of each GPU where the watchdog cannot see the GPU's usage and is some
+    planned container's only memory tier (`UsageCheck.blind_results`: those containers are
+    pending WatchdogBlind), or would be a new time-slicing container's (`watchdog_sole_tier`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +122,17 @@ def caps_sm_sharing(config: NodeConfig, inventory: Inventory) -> bool:
     too); False where sm-sharing is disabled."""
     return config.sm_sharing and (Mechanism.MPS_PINNED in config.memory_enforcement
                                   or caps_time_slicing(config, inventory))
+
+
+def watchdog_sole_tier(config: NodeConfig, inventory: Inventory) -> bool:
+    """Whether the kill-policy watchdog would be the only GPU memory tier of a time-slicing
+    container placed on this node now, as the planner decides (`plan_refusals._mechanisms`):
+    the watchdog is enabled with --watchdog-policy=kill and no cgroup limit caps it (the tier
+    not enabled, or a driver before r615; mps-pinned caps sm-sharing containers only). A
+    watchdog that cannot see a GPU then leaves any such container placed there uncapped."""
+    wanted = config.memory_enforcement
+    return (Mechanism.WATCHDOG in wanted and config.watchdog_policy is WatchdogPolicy.KILL
+            and not (Mechanism.CGROUP in wanted and inventory.capabilities.memory_limits))
 
 
 def no_cap_reason(config: NodeConfig, inventory: Inventory) -> str | None:
@@ -224,16 +241,17 @@ def evaluate(config: NodeConfig, options: AgentOptions, health: Health,
 
 
 def watchdog_blind_message(gpus: tuple[tuple[str, str], ...]) -> str:
-    """The condition's message while the watchdog is blind where it is a container's only
-    memory tier: stable while it lasts (no count, no pid: the condition is patched whenever it
-    changes)."""
+    """The condition's message while the watchdog is blind where it is, or would be, a
+    container's only memory tier: stable while it lasts (no count, no pid: the condition is
+    patched whenever it changes)."""
     where = ", ".join(f"{uuid} ({reason})" for uuid, reason in gpus)
     return (f"the memory watchdog (--watchdog-policy=kill) cannot see the usage of GPU(s) "
             f"{where}, where it is the only GPU memory tier of fractional containers (no cgroup "
-            "or MPS pinned limit): their caps are not in force, so they are pending "
-            "(WatchdogBlind: a new pod's gate waits, a running one's readiness marker is set "
-            "aside) until it sees again; the node agent's log names the error, and what to do "
-            "(docs/node-agent.md, \"What the watchdog sees and stops\")")
+            "or MPS pinned limit): their caps are not in force, so the containers there, and "
+            "any placed there meanwhile, are pending (WatchdogBlind: a new pod's gate waits, a "
+            "running one's readiness marker is set aside) until it sees again; the node "
+            "agent's log names the error, and what to do (docs/node-agent.md, \"What the "
+            "watchdog sees and stops\")")
 
 
 class StatusPublisher:

@@ -548,15 +548,18 @@ class MarkerWriter:
         """A Warning `MpsCapNotInForce` when a container's MPS cap turns out not in force
         (`ContainerResult.mps_cap_missing`), `MemoryLimitNotInForce` when its pod slice's GPU
         memory limit does (`limit_missing`, told as the MPS cap's while that is missing too: the
-        container's reason and message are then the cap's): its marker is set aside, and a
-        client attaching meanwhile may run uncapped. Once per episode of each: the episode
-        lasts until the container is applied (or refused) again, whatever it is pending for in
-        between, so a reason that changes, or a pass pending for something else, sends nothing
-        new. The `Applied` it had sent is forgotten as the episode begins, so its return is told
-        too (the marker is written again then). Either event still waiting in the backlog when
-        the other's turn comes is withdrawn: the last event sent says what is so. None for a
-        pod that had no marker this boot (`existing`, or one set aside): a new pod's gate waits
-        anyway, and no marker of it was set aside."""
+        container's reason and message are then the cap's), `WatchdogBlind` when the watchdog,
+        its only memory tier, cannot see its GPU: its marker is set aside, and a client
+        attaching meanwhile may run uncapped. Once per episode of each kind (`_NOT_IN_FORCE`):
+        the episode lasts until the container is applied (or refused) again, so a reason that
+        changes within the kind, or a pass pending for something else, sends nothing new; a
+        kind new to the episode (the watchdog blind while an MPS cap was missing: `WatchdogBlind`
+        once the cap is back) is a new blocker, with its own Warning. The `Applied` it had sent
+        is forgotten as the episode begins, so its return is told too (the marker is written
+        again then). Either event still waiting in the backlog when the other's turn comes is
+        withdrawn: the last event sent says what is so. None for a pod that had no marker this
+        boot (`existing`, or one set aside): a new pod's gate waits anyway, and no marker of it
+        was set aside."""
         had_marker: bool | None = None
         for name, r in sorted(results.items()):
             for kind in _NOT_IN_FORCE:

@@ -5,8 +5,10 @@ thread-safe: only the worker thread calls into a `Reconciler`.
 A pass: supervise the MPS daemon (`mps_supervisor`), take the NVML inventory, plan the node from
 every live pod (`pods`: watched or provisioned, minus what was released, applied plans held),
 remove what belongs to pods that went away (their markers before their limits), apply
-(`kai_fractions.node.engine`), make the legacy MPS pipe links (`mps_links`), report pending
-each container whose only memory tier is a watchdog that cannot see its GPU
+(`kai_fractions.node.engine`), make the legacy MPS pipe links (`mps_links`), run the watchdog
+check first where the pass would otherwise vouch for a container whose only memory tier is the
+watchdog on a GPU no check has judged with it (`_watchdog_blind`), report pending each
+container whose only memory tier is a watchdog that cannot see its GPU
 (`usage.UsageCheck.blind_results`: WatchdogBlind, a cap known not in force), settle each
 fractional pod (`markers`: derived annotations, then the readiness marker, then events), tidy
 marker directories and links, and publish metrics and the snapshot read by gRPC and the node
@@ -51,7 +53,7 @@ from ..mps_caps import gone_with_daemon_reason
 from ..nvml import Nvml
 from ..procfs import Procfs
 from ..watchdog import Killer, SignalKiller, Watchdog
-from .condition import Health
+from .condition import Health, watchdog_sole_tier
 from .events import EventRecorder
 from .kube import ClusterWriter
 from .markers import MarkerStore, MarkerWriter, entry_relies_on_mps
@@ -378,18 +380,26 @@ class Reconciler:
                         ) -> tuple[dict[ContainerKey, ContainerResult], BlindGpus]:
         """`UsageCheck.blind_results`: each container whose only memory tier is the watchdog,
         on a GPU where the watchdog is blind, pending under WatchdogBlind; and the (GPU uuid,
-        reason) of each such GPU, for the node condition. Before the agent's first watchdog
-        check nothing is known of what the watchdog sees: a pass with such a container lists
-        the processes of its GPUs first (`UsageCheck.probe`), so that no marker vouches for a
-        watchdog that cannot list them (NVML refusing it from the start, say)."""
+        reason) of each GPU the node condition names: those GPUs, and, where the watchdog would
+        be the only memory tier of a time-slicing container placed on the node now
+        (`condition.watchdog_sole_tier`), every GPU where it is blind, with a container or not.
+
+        A pass never vouches for a watchdog-only container on a GPU that no check has judged
+        with it planned (`BlindnessTracker.unjudged`: a restarted agent, a pod new on a GPU),
+        nor calls such a node ready before any check ran: it runs the watchdog check first,
+        the one the worker schedules (same metrics, events and stops; the worker counts it as
+        the next scheduled one), over this pass's plan. A check that raises fails the pass,
+        which then vouches for nothing."""
         stops = self.view.watchdog_stops
-        if self.usage.checks == 0:
-            probed = sorted({u for c in desired.containers if watchdog_only(c, stops)
-                             for u in c.plan.device_uuids if inventory.device(u) is not None})
-            if probed:
-                self.usage.probe(probed)
-                self._checked(self.view.usage)
+        sole = stops and watchdog_sole_tier(self.config, inventory)
+        if (self.usage.sight.unjudged(desired, results, inventory, stops)
+                or (sole and self.usage.checks == 0)):
+            self._checked(self.usage.check(desired, inventory))
         results, gpus = self.usage.blind_results(desired, results, stops)
+        if sole:
+            gpus.update((u, b.reason) for u, b in self.usage.blindness().items()
+                        if inventory.device(u) is not None)
+        self.usage.news = False  # this pass reports what the checks found
         return results, tuple(sorted(gpus.items()))
 
     def _health(self, inventory: Inventory | None, mps_error: NodeError | None,
@@ -433,10 +443,9 @@ class Reconciler:
         self._checked(self.usage.check(desired, inventory))
 
     def _checked(self, usage: Mapping[tuple[ContainerKey, str], Usage]) -> None:
-        """A check's usage (or a probe's: the usage as it was), and the GPUs whose usage it
-        could not read, into the view."""
+        """A check's usage, and the GPUs whose usage it could not read, into the view."""
         self.view = dataclasses.replace(self.view, usage=usage, usage_unknown=MappingProxyType(
-            {uuid: b.reason for uuid, b in self.usage.blindness().items()}))
+            {uuid: b.reason for uuid, b in self.usage.unreadable().items()}))
 
     def provision(self, namespace: str, name: str, uid: str, annotations: Mapping[str, str],
                   containers: Sequence[str], init_containers: Sequence[str] = ()

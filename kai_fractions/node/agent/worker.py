@@ -6,7 +6,10 @@ pass), a gRPC call, a retry of a pass that did not converge (1 s, then 2 s), the
 full resync (`--resync-seconds`: read caches dropped, everything re-read), an MPS health check
 (sm-sharing), a watchdog check (`--watchdog-interval`) or the drain of a deleted sm-sharing
 pod's MPS clients before the kubelet kills it (`drain_before_kill`). `stop()` lets the task in
-progress finish, so a pass is never cut between its apply and its markers.
+progress finish, so a pass is never cut between its apply and its markers. A pass that runs the
+watchdog check itself (before it vouches for a container whose only memory tier is the watchdog
+on a GPU no check has judged with it: `Reconciler._watchdog_blind`) moves the next scheduled
+check an interval on: one check, on the same thread, never two in a row.
 
 A pass that raises (an internal error) is retried like one that did not converge; the streak of
 such passes (`failing`) feeds the node condition, which a pass that completes clears.
@@ -165,6 +168,7 @@ class Worker:
                 future.set_exception(WorkerStopped("the node agent is shutting down"))
 
     def _step(self, calls: list[tuple[Callable[[], Any], Future[Any]]], dirty: bool) -> None:
+        checks = self.reconciler.usage.checks
         for fn, future in calls:
             if not future.set_running_or_notify_cancel():
                 continue
@@ -190,6 +194,10 @@ class Worker:
                 self._next_resync = now + self.options.resync_seconds
         if self.drains is not None:
             self._drain_before_kill(self.drains, rescan=passed)
+        if self.reconciler.usage.checks != checks:
+            # A pass (or a call's) ran the watchdog check before vouching for a container on a
+            # GPU no check had judged with it: that was this interval's check.
+            self._next_watchdog = self.monotonic() + self.watchdog_interval
         if self.monotonic() >= self._next_watchdog:
             try:
                 self.reconciler.check_usage()

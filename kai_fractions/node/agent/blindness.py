@@ -1,0 +1,436 @@
+"""What the watchdog cannot see, GPU by GPU, as its checks (`usage.UsageCheck`) find it; and what
+that means for a container whose GPU memory cap rests on the kill-policy watchdog alone.
+
+Four kinds of blindness, each judged by every check that lists the GPU's processes:
+- the listing fails (NVML's error: `NVMLNoPermission`, ...), on any GPU;
+- NVML lists a managed container's process without its memory (MEMORY_UNKNOWN);
+- NVML lists no process of the GPU's managed containers while more memory is in use than the
+  processes it lists account for (NO_PROCESSES_VISIBLE: an agent outside the host's pid
+  namespace). What the processes account for is the compute listing plus the graphics and MPS
+  client listings (`Nvml.other_processes`: NVML lists a graphics process in the graphics
+  listing only); the memory in use is read just before the listings and again after them, and
+  the smaller counts, so a process that starts or exits meanwhile is not taken for a hidden
+  one;
+- NVML lists a process whose container cannot be told on a GPU with managed containers
+  (CONTAINER_UNKNOWN).
+The last three are judged on GPUs with planned (or watched) containers only: elsewhere there is
+no managed container to miss.
+
+An episode of blindness (`blindness`) starts at the first check that finds any kind on a GPU
+and ends only after CLEAN_CHECKS checks in a row that list the GPU and find none: honest at
+once, and a GPU whose listing fails every other check is one episode, not one per failure. Its
+start, its end and a change of its reason are news for a pass (`take_news`). `unreadable` is
+what the last check found, without that hysteresis (the usage it could not read).
+
+A container whose only memory tier is the watchdog there (`watchdog_only`) on a GPU in an
+episode has no cap in force: the pass reports it pending under WATCHDOG_BLIND
+(`blind_results`), so no readiness marker vouches for it. A pass never vouches for such a
+container on a GPU that no check judged with it planned (`unjudged`: a restarted agent, a pod
+new on the GPU): it runs a check first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ...contract import MIB
+from ..config import Mechanism
+from ..desired import ContainerDesired, ContainerKey, DesiredState
+from ..engine_reports import WATCHDOG_BLIND, ContainerResult, ContainerState
+from ..errors import NvmlCapabilityMissing, NvmlError
+from ..inventory import Inventory
+from ..nvml import DeviceInfo, Nvml
+from ..watchdog import ContainerUsage, WatchdogReport
+from .metrics import AgentMetrics
+
+# A child of the usage check's logger: these lines are the check's.
+log = logging.getLogger(f"{__package__}.usage.blindness")
+
+MEMORY_UNKNOWN = "ProcessMemoryUnknown"
+"""The usage-unreadable reason for a managed container's process NVML lists without memory."""
+CONTAINER_UNKNOWN = "ProcessContainerUnknown"
+"""The usage-unreadable reason for a GPU with managed containers where NVML lists a process whose
+container the watchdog cannot tell: its /proc entry unreadable (`hidepid`, an LSM), or a cgroup
+path relative to the agent's cgroup namespace that names no pod it can place (a layout it does
+not know). The process may be a managed container's: its memory is counted for no one."""
+NO_PROCESSES_VISIBLE = "NoProcessesVisible"
+"""The usage-unreadable reason for a GPU with managed containers whose memory is used by
+processes NVML does not list: NVML (like /proc) shows only the processes of the caller's pid
+namespace, so an agent without the host's (no `hostPID`) gets empty lists and no error."""
+UNSEEN_MEMORY_BYTES = 512 * MIB
+"""GPU memory in use beyond what the listed processes account for that counts as processes NVML
+does not show. NVML's `used` (nvmlMemory_v2, drivers since R510) leaves the driver's reserved
+memory out, so an idle GPU reads 0 to a few MiB; the v1 fallback of older drivers counts the
+reserved memory too, typically a few hundred MiB. One CUDA context alone takes some 300-500 MiB
+on recent GPUs: a hidden workload crosses this at its first allocations, an idle GPU does not."""
+NEWS_GAP_SECONDS = 10.0
+"""The least time between two passes asked for by watchdog checks that found an episode of
+blindness start or end."""
+CLEAN_CHECKS = 2
+"""Checks in a row that list a GPU and find no blindness there that end its episode."""
+HARD_TIERS = frozenset({Mechanism.CGROUP, Mechanism.MPS_PINNED})
+"""The memory tiers that cap a container without the watchdog: with one of them in force the
+watchdog is a second line, and its blindness leaves the cap in force."""
+
+
+@dataclass(frozen=True, slots=True)
+class Blindness:
+    """Why the watchdog cannot see a GPU's usage, as its last check that could tell found."""
+
+    reason: str
+    """The NVML error's reason when the GPU's processes cannot be listed (NVMLNoPermission,
+    ...), else MEMORY_UNKNOWN, NO_PROCESSES_VISIBLE or CONTAINER_UNKNOWN: the reason of
+    `kai_fractions_agent_gpu_usage_unreadable_total`."""
+    detail: str
+    """What the watchdog cannot see there, and what to do (for messages)."""
+
+
+def watchdog_only(c: ContainerDesired, watchdog_stops: bool) -> bool:
+    """Whether the container's GPU memory cap rests on the watchdog alone (on each of its GPUs:
+    its mechanisms are the same on all of them): the watchdog stops what exceeds a cap (kill
+    policy) and neither the cgroup tier nor mps-pinned is one of its mechanisms. A watchdog
+    that only reports is no tier (the plan refuses a container it alone would watch)."""
+    return (watchdog_stops and Mechanism.WATCHDOG in c.mechanisms
+            and not c.mechanisms & HARD_TIERS)
+
+
+def _planned(desired: DesiredState) -> set[str]:
+    """The GPUs of the planned containers and of the refused ones the watchdog still watches."""
+    return {u for c in (*desired.containers, *desired.watched) for u in c.plan.device_uuids}
+
+
+class BlindnessTracker:
+    """The four kinds of blindness per GPU, their episodes, and which planned containers a
+    check has judged their GPUs with. Driven by `UsageCheck.check`, on the worker thread."""
+
+    def __init__(self, nvml: Nvml, metrics: AgentMetrics):
+        self.nvml = nvml
+        self.metrics = metrics
+        self._blind: dict[str, NvmlError] = {}
+        """GPU uuid -> why its processes could not be listed, while they cannot."""
+        self._unknown: dict[str, tuple[int, ...]] = {}
+        """GPU uuid -> the pids NVML lists for managed containers without their memory."""
+        self._unseen: dict[str, int] = {}
+        """GPU uuid -> the bytes in use there that no process NVML lists accounts for."""
+        self._unplaced: dict[str, tuple[int, str]] = {}
+        """GPU uuid -> (pid, why) of a process there whose container cannot be told."""
+        self._episodes: dict[str, Blindness] = {}
+        """GPU uuid -> its blindness, from the first check that found it until CLEAN_CHECKS
+        checks in a row found none."""
+        self._clean: dict[str, int] = {}
+        """GPU uuid in an episode -> the checks in a row since that found no blindness."""
+        self._judged: set[tuple[ContainerKey, str]] = set()
+        """(container, GPU uuid) of each planned container whose GPU a check has judged with it
+        planned (`unjudged`)."""
+        self.news = False
+        """Set when an episode starts or ends, or its reason changes: only a pass reports it (a
+        container whose only memory tier is the watchdog there, the node condition), so the
+        worker runs one soon instead of at the next resync (`take_news`)."""
+        self._news_taken = -math.inf
+
+    # -- during a check ---------------------------------------------------------------------
+
+    def forget_gone(self, here: set[str]) -> None:
+        """Forgets the GPUs the node no longer has."""
+        for state in (self._blind, self._unknown, self._unseen, self._unplaced,
+                      self._episodes, self._clean):
+            for gone in state.keys() - here:
+                del state[gone]
+
+    def memory_before(self, desired: DesiredState) -> dict[str, DeviceInfo] | None:
+        """The GPUs' memory in use just before a check lists their processes (the first of the
+        two reads `_unseen_processes` takes the smaller of); None when nothing is planned (no
+        GPU to judge) or NVML cannot tell (the GPUs are not judged for hidden memory then)."""
+        if not _planned(desired):
+            return None
+        try:
+            return {d.uuid: d for d in self.nvml.devices()}
+        except NvmlError:
+            return None
+
+    def listing_failed(self, uuid: str, error: NvmlError) -> None:
+        """Counted every check, logged when it starts or its reason changes: a blind watchdog
+        must be visible, not read as "nothing used"."""
+        self.metrics.usage_blind.labels(self.metrics.node, uuid, error.reason).inc()
+        before = self._blind.get(uuid)
+        self._blind[uuid] = error  # the newest error, for messages
+        if before is None or before.reason != error.reason:
+            log.warning("cannot list the processes of GPU %s (%s): %s; the watchdog sees no "
+                        "usage there until it can", uuid, error.reason, error.message)
+
+    def listed(self, uuid: str) -> None:
+        if self._blind.pop(uuid, None) is not None:
+            log.info("the processes of GPU %s can be listed again", uuid)
+
+    def judge(self, desired: DesiredState, inventory: Inventory,
+              processes: Mapping[str, Any], report: WatchdogReport,
+              before: Mapping[str, DeviceInfo] | None) -> None:
+        """After the watchdog's check over `processes` (the GPUs listed): the other kinds of
+        blindness, then the episodes, and the containers judged."""
+        checked = set(processes)
+        self._unknown_memory(report.usage, checked)
+        undecided = self._unseen_processes(desired, processes, report.usage, before)
+        self._unplaced_processes(desired, report, checked)
+        here = set(inventory.uuids)
+        current = {(c.key, u) for c in desired.containers for u in c.plan.device_uuids}
+        # Every GPU of the inventory was judged: listed, or known unlistable.
+        self._judged = (self._judged | {(k, u) for k, u in current if u in here}) & current
+        self._episode(checked - undecided)
+
+    def _episode(self, decided: set[str]) -> None:
+        """Episodes from what this check found: one starts (or goes on, its blindness the
+        newest) on each GPU blind now; one ends after CLEAN_CHECKS checks in a row that
+        listed the GPU and found it clear (`decided`: a GPU whose hidden memory could not be
+        judged this check neither ends nor counts towards an end)."""
+        was = {u: b.reason for u, b in self._episodes.items()}
+        now = self.unreadable()
+        for uuid, b in now.items():
+            self._episodes[uuid] = b
+            self._clean[uuid] = 0
+        for uuid in [u for u in self._episodes if u not in now and u in decided]:
+            self._clean[uuid] = self._clean.get(uuid, 0) + 1
+            if self._clean[uuid] >= CLEAN_CHECKS:
+                del self._episodes[uuid], self._clean[uuid]
+                log.info("the watchdog sees GPU %s again (%d checks in a row)", uuid,
+                         CLEAN_CHECKS)
+        if {u: b.reason for u, b in self._episodes.items()} != was:
+            self.news = True
+
+    def _unknown_memory(self, usage: Iterable[ContainerUsage], checked: set[str]) -> None:
+        """Processes of managed containers that NVML lists without their memory (it says "not
+        available" without the privileges to read it, and in some virtualised modes) count
+        0 in the watchdog's sums: like a GPU it cannot list, counted every check and
+        logged when it starts and ends, so a partly blind watchdog shows. A GPU not listed
+        this check keeps its state."""
+        unknown: dict[str, list[int]] = {}
+        for u in usage:
+            if u.unknown_usage_pids:
+                unknown.setdefault(u.device_uuid, []).extend(u.unknown_usage_pids)
+        for uuid, pids in unknown.items():
+            self.metrics.usage_blind.labels(self.metrics.node, uuid, MEMORY_UNKNOWN).inc()
+            if uuid not in self._unknown:
+                log.warning("NVML reports no memory for %d process(es) of managed containers "
+                            "on GPU %s (pids %s): the watchdog counts them as 0 until it does",
+                            len(pids), uuid, ", ".join(map(str, sorted(pids))))
+        for uuid in (self._unknown.keys() & checked) - set(unknown):
+            log.info("NVML reports the memory of every managed process on GPU %s again", uuid)
+        self._unknown = {**{u: p for u, p in self._unknown.items() if u not in checked},
+                         **{u: tuple(sorted(p)) for u, p in unknown.items()}}
+
+    def _unplaced_processes(self, desired: DesiredState, report: WatchdogReport,
+                            checked: set[str]) -> None:
+        """GPUs with managed containers where NVML lists a process whose container the
+        watchdog cannot tell (`WatchdogReport.unplaced`): it may be a managed container's, so
+        a container over its cap could pass unseen. Counted every check and logged when it
+        starts and ends, like the other kinds of blindness."""
+        planned = _planned(desired)
+        unplaced: dict[str, list[tuple[int, str]]] = {}
+        for uuid, pid, why in report.unplaced:
+            if uuid in planned:
+                unplaced.setdefault(uuid, []).append((pid, why))
+        for uuid, procs in unplaced.items():
+            self.metrics.usage_blind.labels(self.metrics.node, uuid, CONTAINER_UNKNOWN).inc()
+            if uuid not in self._unplaced:
+                pid, why = min(procs)
+                log.warning("GPU %s runs %d process(es) whose container the agent cannot tell "
+                            "(pid %d: %s): the watchdog counts their memory for no container "
+                            "until it can", uuid, len(procs), pid, why)
+        for uuid in (self._unplaced.keys() & checked) - set(unplaced):
+            log.info("the container of every process on GPU %s can be told again", uuid)
+        self._unplaced = {**{u: p for u, p in self._unplaced.items() if u not in checked},
+                          **{u: min(procs) for u, procs in unplaced.items()}}
+
+    def _unseen_processes(self, desired: DesiredState, processes: Mapping[str, Any],
+                          usage: Iterable[ContainerUsage],
+                          before: Mapping[str, DeviceInfo] | None) -> set[str]:
+        """GPUs with managed containers where NVML lists no process of theirs while more than
+        UNSEEN_MEMORY_BYTES of memory is used beyond what the listed processes account for
+        (none at all, or an MPS server in the agent's own pid namespace): an agent without
+        the host's pid namespace sees such lists, with no error, and the watchdog would read 0
+        there. What the processes account for: the compute listing and the graphics and MPS
+        client ones (`Nvml.other_processes`), each pid once. The memory in use: the smaller
+        of the read before the listings (`before`) and one after (a process that started in
+        between is in neither the first read nor, perhaps, the listing; one that exited, in
+        neither the second read nor, perhaps, the listing). Counted every check and logged
+        when it starts and ends, like an unlistable GPU. Only GPUs listed this check are
+        judged; a process listed without its memory leaves the GPU clear of this kind (its
+        share cannot be told), and so does a graphics or MPS listing the driver lacks or does
+        not support (no such processes). Returns the GPUs that could not be judged (a memory
+        read, or those listings, failed otherwise): their state stays as it was, and they do
+        not count towards the end of an episode."""
+        planned = _planned(desired)
+        seen = {u.device_uuid for u in usage if u.pids}
+        suspects = [uuid for uuid, procs in processes.items()
+                    if uuid in planned and uuid not in seen
+                    and all(p.used_bytes is not None for p in procs)]
+        checked = set(processes)
+        unseen: dict[str, int] = {}
+        undecided: set[str] = set()
+        if suspects:
+            others: dict[str, Any] = {}
+            for uuid in suspects:
+                try:
+                    others[uuid] = self.nvml.other_processes(uuid)
+                except NvmlCapabilityMissing:  # a driver without those listings: none
+                    others[uuid] = ()
+                except NvmlError:
+                    undecided.add(uuid)
+            try:
+                after = {d.uuid: d for d in self.nvml.devices()}
+            except NvmlError:
+                after = None
+            if before is None or after is None:
+                undecided.update(suspects)
+            for uuid in suspects:
+                if uuid in undecided:
+                    continue
+                d0, d1 = before.get(uuid), after.get(uuid)  # type: ignore[union-attr]
+                if d0 is None or d1 is None or d0.mig_enabled or d1.mig_enabled:
+                    continue
+                accounted: dict[int, int] = {}
+                for p in (*processes[uuid], *others[uuid]):
+                    if p.used_bytes is None:  # a share that cannot be told: not judged
+                        break
+                    accounted[p.pid] = max(accounted.get(p.pid, 0), p.used_bytes)
+                else:
+                    hidden = (min(d0.memory_used, d1.memory_used)
+                              - sum(accounted.values()))
+                    if hidden > UNSEEN_MEMORY_BYTES:
+                        unseen[uuid] = hidden
+        for uuid, hidden in unseen.items():
+            self.metrics.usage_blind.labels(self.metrics.node, uuid, NO_PROCESSES_VISIBLE).inc()
+            if uuid not in self._unseen:
+                log.warning(
+                    "GPU %s has %d MiB of memory in use that no process NVML lists accounts "
+                    "for, and NVML lists no process of its managed containers: the agent may "
+                    "not run in the host's pid namespace (hostPID), where NVML and /proc show "
+                    "every GPU process; the watchdog sees no usage there until it does",
+                    uuid, hidden // MIB)
+        for uuid in (self._unseen.keys() & checked) - set(unseen) - undecided:
+            log.info("the processes using the memory of GPU %s are listed again", uuid)
+        self._unseen = {**{u: b for u, b in self._unseen.items()
+                           if u not in checked or u in undecided},
+                        **unseen}
+        return undecided
+
+    # -- for passes -------------------------------------------------------------------------
+
+    def take_news(self, now: float | None = None) -> bool:
+        """Whether a check found something only a pass can report (an episode started, ended
+        or changed its reason): once per finding, and at most every NEWS_GAP_SECONDS."""
+        now = time.monotonic() if now is None else now
+        if not self.news or now - self._news_taken < NEWS_GAP_SECONDS:
+            return False
+        self.news, self._news_taken = False, now
+        return True
+
+    def unreadable(self) -> dict[str, Blindness]:
+        """GPU uuid -> why the last check that could tell could not see its usage (a GPU not
+        listed keeps what was known of the other kinds). A listing that fails comes first:
+        nothing else can be told there."""
+        out: dict[str, Blindness] = {}
+        for uuid, pids in self._unplaced.items():
+            pid, why = pids
+            out[uuid] = Blindness(CONTAINER_UNKNOWN, (
+                f"NVML lists a process there whose container the agent cannot tell (pid {pid}: "
+                f"{why}), so its memory counts for no container; see docs/node-agent.md, "
+                "\"What the watchdog sees and stops\""))
+        for uuid in self._unseen:
+            out[uuid] = Blindness(NO_PROCESSES_VISIBLE, (
+                "NVML lists none of its managed containers' processes while memory that no "
+                "listed process accounts for is in use: run the node agent in the host's pid "
+                "namespace (hostPID: true, the chart's default), where NVML and /proc show "
+                "every GPU process"))
+        for uuid, pids in self._unknown.items():
+            out[uuid] = Blindness(MEMORY_UNKNOWN, (
+                f"NVML lists managed processes there without their memory (pids "
+                f"{', '.join(map(str, pids))}), so the watchdog counts them as 0: NVML shows "
+                "every process's memory to root in the host's pid namespace (the chart's "
+                "defaults), but not in some virtualised GPU modes"))
+        for uuid, error in self._blind.items():
+            out[uuid] = Blindness(error.reason, f"NVML cannot list its processes: {error.message}")
+        return out
+
+    def blindness(self) -> dict[str, Blindness]:
+        """GPU uuid -> its episode of blindness, for each GPU in one (what the agent acts on:
+        see the module's docstring)."""
+        return dict(self._episodes)
+
+    def unjudged(self, desired: DesiredState, results: Mapping[ContainerKey, ContainerResult],
+                 inventory: Inventory, watchdog_stops: bool) -> bool:
+        """Whether a pass with these results would vouch for a container whose only memory
+        tier is the watchdog (applied) on a GPU of the node that no check has judged with it
+        planned: it must run a check first."""
+        for c in desired.containers:
+            r = results.get(c.key)
+            if (r is None or r.state is not ContainerState.APPLIED
+                    or not watchdog_only(c, watchdog_stops)):
+                continue
+            if any((c.key, u) not in self._judged for u in c.plan.device_uuids
+                   if inventory.device(u) is not None):
+                return True
+        return False
+
+    def blind_results(self, desired: DesiredState,
+                      results: Mapping[ContainerKey, ContainerResult], watchdog_stops: bool
+                      ) -> tuple[dict[ContainerKey, ContainerResult], dict[str, str]]:
+        """The pass's results with each container whose GPU memory cap rests on the watchdog
+        alone (`watchdog_only`) on a GPU in an episode of blindness (`blindness`) reported
+        pending under WATCHDOG_BLIND (`ContainerResult.watchdog_blind`): nothing would stop a
+        process of it over its cap there, so no readiness marker may vouch for it. A refused
+        one stays refused; one known without an MPS cap too keeps that reason (its message
+        says what to do first). Also returns GPU uuid -> blindness reason of each such GPU
+        (with such a container)."""
+        out = dict(results)
+        blind = self.blindness() if watchdog_stops else {}
+        gpus_out: dict[str, str] = {}
+        for c in desired.containers:
+            gpus = [u for u in c.plan.device_uuids if u in blind]
+            if not gpus or not watchdog_only(c, watchdog_stops):
+                continue
+            gpus_out.update((u, blind[u].reason) for u in gpus)
+            r = out.get(c.key)
+            if r is None or r.state is ContainerState.REFUSED:
+                continue
+            out[c.key] = _blind_result(r, c, gpus, blind)
+        return out, gpus_out
+
+
+USAGE_UNKNOWN = "usage unknown on "
+"""How a message begins that names the GPUs where a container's usage is not known
+(`usage_unknown`): GetNodeState's messages carry it, `kai-fractions inspect` reads it back."""
+
+
+def usage_unknown(gpus: Iterable[tuple[str, str]]) -> str:
+    """USAGE_UNKNOWN, then `GPU <uuid> (<reason>)` for each GPU (uuid, reason), comma-separated
+    (a colon follows where it is used)."""
+    return USAGE_UNKNOWN + ", ".join(f"GPU {uuid} ({reason})" for uuid, reason in gpus)
+
+
+def blind_message(c: ContainerDesired, gpus: Iterable[str],
+                  blind: Mapping[str, Blindness]) -> str:
+    """Why a container whose only memory tier is the watchdog has no cap in force on `gpus`,
+    and what to do (first: an event's message is cut at 1024 characters)."""
+    gpus = list(gpus)
+    seen = "; ".join(blind[u].detail for u in gpus)
+    return (f"{usage_unknown((u, blind[u].reason) for u in gpus)}: the watchdog, this "
+            "container's only GPU memory tier there (no cgroup or MPS pinned limit), cannot see "
+            f"its use ({seen}), so its cap of {-(-c.plan.limit_bytes // MIB)} MiB is not in "
+            "force: nothing stops a process over it until watchdog checks see the GPU again")
+
+
+def _blind_result(r: ContainerResult, c: ContainerDesired, gpus: list[str],
+                  blind: Mapping[str, Blindness]) -> ContainerResult:
+    if r.mps_cap_missing or r.limit_missing:  # its own reason says what to do first
+        return dataclasses.replace(r, watchdog_blind=True)
+    message = blind_message(c, gpus, blind)
+    if r.state is ContainerState.PENDING and r.reason:
+        message += f" (this pass also: {r.reason}: {r.message})"
+    return dataclasses.replace(r, state=ContainerState.PENDING, reason=WATCHDOG_BLIND,
+                               message=message, watchdog_blind=True)

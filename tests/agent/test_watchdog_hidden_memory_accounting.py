@@ -1,0 +1,202 @@
+"""What counts as memory that no listed process accounts for (NoProcessesVisible), on a healthy
+agent in the host's pid namespace.
+
+Before: only NVML's compute listing was accounted, while NVML lists a graphics process (Xorg, a
+Vulkan or OpenGL renderer) in the graphics listing only (and some drivers list MPS clients in an
+MPS listing only): such a GPU read as hidden memory, and a new watchdog-only pod placed there
+waited for ever (its own processes, held by its gate, could never show up). And the GPU's memory
+was read after the listings, the /proc reads and the stops, so a process that started in
+between (another tenant's, or the pod's own first one) counted as hidden, and set markers
+aside on a healthy node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kai_fractions.gate.check import Outcome
+from kai_fractions.sim.nvml import FakeNvml
+
+from .builders import GIB, MIB, marker_of
+from .test_watchdog_only_tier_blind import BLIND, add, gate, old_node, result, running
+
+
+def blindness(rig) -> dict[str, str]:
+    return {u: b.reason for u, b in rig.reconciler.usage.blindness().items()}
+
+
+@pytest.mark.parametrize("kind", ["graphics", "mps"])
+def test_memory_of_processes_listed_apart_is_accounted(short_tmp: Path, kind: str) -> None:
+    """The reviewer's probe (P2): 1 GiB of a graphics process, 3 GiB of a listed compute
+    tenant; a new watchdog-only pod on that GPU is applied and stays so."""
+    rig = old_node(short_tmp)
+    rig.proc_entry(555, "/system.slice/some-service.scope")
+    rig.nvml.add_process(555, rig.gpu0, 3 * GIB)
+    rig.proc_entry(556, "/system.slice/display-manager.service")
+    rig.nvml.add_process(556, rig.gpu0, GIB, kind=kind)
+    rig.step()
+    rig.reconciler.check_usage()
+    uid = add(rig)
+    assert rig.step().converged
+    for _ in range(5):
+        rig.reconciler.check_usage()
+        assert rig.step().converged
+    assert blindness(rig) == {}
+    assert result(rig, uid).state.value == "applied" and gate(rig, uid) is Outcome.RELEASE
+    assert rig.agent.condition().reason == "AgentReady"
+    # the pod's own process comes: it is seen and capped as ever
+    running(rig, uid, 4242, 30 * GIB)
+    rig.reconciler.check_usage()
+    assert rig.killer.calls == [4242]
+
+
+def test_a_process_in_both_listings_counts_once(short_tmp: Path) -> None:
+    """A process with a compute and a graphics context is in both listings, with the same
+    memory: counted twice, it would hide as much memory of someone else."""
+    rig = old_node(short_tmp)
+    uid = add(rig)
+    assert rig.step().converged
+    rig.proc_entry(556, "/system.slice/renderer.service")
+    rig.nvml.add_process(556, rig.gpu0, 2 * GIB)
+    # in the graphics listing too (the sim counts the GPU's memory per entry: 0 here, and
+    # the listing below says 2 GiB, as NVML gives the process's memory in each)
+    rig.nvml.add_process(556, rig.gpu0, 0, kind="graphics")
+    hidden = 700 * MIB  # someone NVML does not list at all
+    rig.nvml.add_process(900, rig.gpu0, hidden)
+    listed = type(rig.nvml).running_processes
+    rig.nvml.running_processes = lambda u: tuple(  # type: ignore[method-assign]
+        p for p in listed(rig.nvml, u) if p.pid != 900)
+    other = type(rig.nvml).other_processes
+    rig.nvml.other_processes = lambda u: tuple(  # type: ignore[method-assign]
+        p.__class__(p.pid, 2 * GIB) if p.pid == 556 else p for p in other(rig.nvml, u))
+    rig.reconciler.check_usage()
+    assert blindness(rig) == {rig.gpu0: "NoProcessesVisible"}
+    rig.step()
+    assert result(rig, uid).reason == BLIND
+
+
+def test_listings_the_driver_lacks_are_no_processes_not_blindness(short_tmp: Path) -> None:
+    rig = old_node(short_tmp)
+    rig.nvml.fail("other_processes", "FunctionNotFound", times=None)
+    uid = add(rig)
+    assert rig.step().converged
+    rig.reconciler.check_usage()
+    assert rig.step().converged and blindness(rig) == {}
+    assert marker_of(rig, uid) is not None
+    # memory nobody lists is still found so
+    rig.nvml.add_process(900, rig.gpu0, 2 * GIB)
+    listed = type(rig.nvml).running_processes
+    rig.nvml.running_processes = lambda u: tuple(  # type: ignore[method-assign]
+        p for p in listed(rig.nvml, u) if p.pid != 900)
+    rig.reconciler.check_usage()
+    assert blindness(rig) == {rig.gpu0: "NoProcessesVisible"}
+
+
+def test_a_failing_graphics_listing_judges_nothing(short_tmp: Path) -> None:
+    """Neither blind nor seen: what was known of the GPU stays, and it does not end an
+    episode."""
+    rig = old_node(short_tmp)
+    uid = add(rig)
+    assert rig.step().converged
+    rig.nvml.add_process(900, rig.gpu0, 2 * GIB)
+    listed = type(rig.nvml).running_processes
+    rig.nvml.running_processes = lambda u: tuple(  # type: ignore[method-assign]
+        p for p in listed(rig.nvml, u) if p.pid != 900)
+    rig.nvml.fail("other_processes", "Unknown", times=None)
+    rig.reconciler.check_usage()
+    assert blindness(rig) == {}  # not judged
+    rig.nvml.clear_failures()
+    rig.reconciler.check_usage()
+    assert blindness(rig) == {rig.gpu0: "NoProcessesVisible"}
+    rig.nvml.remove_process(900)
+    rig.nvml.fail("other_processes", "Unknown", times=None)
+    for _ in range(3):
+        rig.reconciler.check_usage()
+    assert blindness(rig) == {rig.gpu0: "NoProcessesVisible"}  # state stays
+    rig.nvml.clear_failures()
+    rig.reconciler.check_usage()
+    rig.reconciler.check_usage()
+    assert blindness(rig) == {}
+    rig.step()
+    assert result(rig, uid).state.value == "applied"
+
+
+def appears_after_listing(rig, gpu: str, start) -> None:
+    """Runs `start` (a process starting) right after NVML listed `gpu`'s compute processes."""
+    real = type(rig.nvml).running_processes
+    done = []
+
+    def running_processes(uuid: str):
+        out = real(rig.nvml, uuid)
+        if uuid == gpu and not done:
+            done.append(True)
+            start()
+        return out
+
+    rig.nvml.running_processes = running_processes  # type: ignore[method-assign]
+
+
+def test_a_process_starting_between_listing_and_memory_read_is_not_hidden(
+        short_tmp: Path) -> None:
+    """The reviewer's probe (P1): another fractional pod's first process starts right after
+    GPU 0's listing."""
+    rig = old_node(short_tmp)
+    p = add(rig)
+    assert rig.step().converged
+    rig.reconciler.check_usage()
+    q = add(rig, "q", request="5Gi", limit="10Gi")
+    assert rig.step().converged
+    appears_after_listing(rig, rig.gpu0, lambda: running(rig, q, 777, 2 * GIB))
+    rig.reconciler.check_usage()
+    del rig.nvml.running_processes
+    assert blindness(rig) == {}
+    assert rig.reconciler.usage_needs_pass() is False
+    assert rig.step().converged
+    for uid in (p, q):
+        assert result(rig, uid).state.value == "applied" and marker_of(rig, uid) is not None
+        assert rig.cluster.event_reasons(uid) == ["Applied"]
+
+
+def test_the_pods_own_first_process_starting_meanwhile_is_not_hidden(short_tmp: Path) -> None:
+    """The reviewer's probe (P1b)."""
+    rig = old_node(short_tmp)
+    uid = add(rig)
+    assert rig.step().converged
+    rig.reconciler.check_usage()
+    appears_after_listing(rig, rig.gpu0, lambda: running(rig, uid, 4242, 600 * MIB))
+    rig.reconciler.check_usage()
+    del rig.nvml.running_processes
+    assert blindness(rig) == {}
+    assert rig.step().converged and marker_of(rig, uid) is not None
+    assert rig.cluster.event_reasons(uid) == ["Applied"]
+
+
+def test_a_process_hidden_before_and_after_the_listing_is_still_found(
+        short_tmp: Path) -> None:
+    rig = old_node(short_tmp)
+    uid = add(rig)
+    assert rig.step().converged
+    running(rig, uid, 100, 5 * GIB)
+    listed = type(rig.nvml).running_processes
+    rig.nvml.running_processes = lambda u: tuple(  # type: ignore[method-assign]
+        p for p in listed(rig.nvml, u) if p.pid != 100)
+    since = len(rig.nvml.calls)
+    rig.reconciler.check_usage()
+    assert blindness(rig) == {rig.gpu0: "NoProcessesVisible"}
+    # two reads of the memory, around the listings
+    calls = [c.method for c in rig.nvml.calls[since:]]
+    assert calls[0] == "devices" and calls[-1] == "devices" and calls.count("devices") == 2
+    assert calls.index("other_processes") < len(calls) - 1
+
+
+def test_the_sim_lists_each_kind_apart() -> None:
+    nvml = FakeNvml.from_dict({"gpus": [{"model": "L4"}], "processes": [
+        {"gpu": 0, "pid": 1, "used": "1Gi"},
+        {"gpu": 0, "pid": 2, "used": "2Gi", "kind": "graphics"},
+        {"gpu": 0, "pid": 3, "used": "3Gi", "kind": "mps"}]})
+    nvml.init()
+    (u,) = nvml.gpus
+    assert [p.pid for p in nvml.running_processes(u.uuid)] == [1]
+    assert [p.pid for p in nvml.other_processes(u.uuid)] == [2, 3]
+    assert nvml.devices()[0].memory_used == 6 * GIB
