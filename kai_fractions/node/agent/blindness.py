@@ -8,9 +8,10 @@ Four kinds of blindness, each judged by every check that lists the GPU's process
   processes it lists account for (NO_PROCESSES_VISIBLE: an agent outside the host's pid
   namespace). What the processes account for is the compute listing plus the graphics and MPS
   client listings (`Nvml.other_processes`: NVML lists a graphics process in the graphics
-  listing only); the memory in use is read just before the listings and again after them, and
-  the smaller counts, so a process that starts or exits meanwhile is not taken for a hidden
-  one;
+  listing only). A GPU the check's listing makes a suspect is judged by a sequence of its own:
+  its memory read, its listings taken again, its memory read again, and the smaller read
+  counts, so a process that starts or exits meanwhile is not taken for a hidden one (a GPU
+  whose listing shows a managed container's process costs no read more);
 - NVML lists a process whose container cannot be told on a GPU with managed containers
   (CONTAINER_UNKNOWN).
 The last three are judged on GPUs with planned (or watched) containers only: elsewhere there is
@@ -143,17 +144,6 @@ class BlindnessTracker:
             for gone in state.keys() - here:
                 del state[gone]
 
-    def memory_before(self, desired: DesiredState) -> dict[str, DeviceInfo] | None:
-        """The GPUs' memory in use just before a check lists their processes (the first of the
-        two reads `_unseen_processes` takes the smaller of); None when nothing is planned (no
-        GPU to judge) or NVML cannot tell (the GPUs are not judged for hidden memory then)."""
-        if not _planned(desired):
-            return None
-        try:
-            return {d.uuid: d for d in self.nvml.devices()}
-        except NvmlError:
-            return None
-
     def listing_failed(self, uuid: str, error: NvmlError) -> None:
         """Counted every check, logged when it starts or its reason changes: a blind watchdog
         must be visible, not read as "nothing used"."""
@@ -169,13 +159,12 @@ class BlindnessTracker:
             log.info("the processes of GPU %s can be listed again", uuid)
 
     def judge(self, desired: DesiredState, inventory: Inventory,
-              processes: Mapping[str, Any], report: WatchdogReport,
-              before: Mapping[str, DeviceInfo] | None) -> None:
+              processes: Mapping[str, Any], report: WatchdogReport) -> None:
         """After the watchdog's check over `processes` (the GPUs listed): the other kinds of
         blindness, then the episodes, and the containers judged."""
         checked = set(processes)
         self._unknown_memory(report.usage, checked)
-        undecided = self._unseen_processes(desired, processes, report.usage, before)
+        undecided = self._unseen_processes(desired, processes, report.usage)
         self._unplaced_processes(desired, report, checked)
         here = set(inventory.uuids)
         current = {(c.key, u) for c in desired.containers for u in c.plan.device_uuids}
@@ -247,23 +236,24 @@ class BlindnessTracker:
                           **{u: min(procs) for u, procs in unplaced.items()}}
 
     def _unseen_processes(self, desired: DesiredState, processes: Mapping[str, Any],
-                          usage: Iterable[ContainerUsage],
-                          before: Mapping[str, DeviceInfo] | None) -> set[str]:
+                          usage: Iterable[ContainerUsage]) -> set[str]:
         """GPUs with managed containers where NVML lists no process of theirs while more than
         UNSEEN_MEMORY_BYTES of memory is used beyond what the listed processes account for
         (none at all, or an MPS server in the agent's own pid namespace): an agent without
         the host's pid namespace sees such lists, with no error, and the watchdog would read 0
-        there. What the processes account for: the compute listing and the graphics and MPS
-        client ones (`Nvml.other_processes`), each pid once. The memory in use: the smaller
-        of the read before the listings (`before`) and one after (a process that started in
-        between is in neither the first read nor, perhaps, the listing; one that exited, in
-        neither the second read nor, perhaps, the listing). Counted every check and logged
-        when it starts and ends, like an unlistable GPU. Only GPUs listed this check are
-        judged; a process listed without its memory leaves the GPU clear of this kind (its
-        share cannot be told), and so does a graphics or MPS listing the driver lacks or does
-        not support (no such processes). Returns the GPUs that could not be judged (a memory
-        read, or those listings, failed otherwise): their state stays as it was, and they do
-        not count towards the end of an episode."""
+        there. The check's listing only makes a GPU a suspect; a suspect is then judged by a
+        sequence of its own: its memory in use read, every listing taken again (the compute
+        one, and the graphics and MPS client ones: `Nvml.other_processes`; each pid once), its
+        memory read again, and the smaller of the two reads compared with what the listings
+        account for (a process that started in between is in neither the first read nor,
+        perhaps, the listings; one that exited, in neither the second read nor, perhaps, the
+        listings). So a check whose GPUs each list a managed container's process costs no
+        read more. Counted every check and logged when it starts and ends, like an unlistable
+        GPU. Only GPUs listed this check are judged; a process listed without its memory
+        leaves the GPU clear of this kind (its share cannot be told), and so does a graphics
+        or MPS listing the driver lacks or does not support (no such processes). Returns the
+        GPUs that could not be judged (a read or a listing failed): their state stays as it
+        was, and they do not count towards the end of an episode."""
         planned = _planned(desired)
         seen = {u.device_uuid for u in usage if u.pids}
         suspects = [uuid for uuid, procs in processes.items()
@@ -273,18 +263,23 @@ class BlindnessTracker:
         unseen: dict[str, int] = {}
         undecided: set[str] = set()
         if suspects:
-            others: dict[str, Any] = {}
+            before = self._memory_used()
+            listed: dict[str, tuple[Any, ...]] = {}
             for uuid in suspects:
                 try:
-                    others[uuid] = self.nvml.other_processes(uuid)
-                except NvmlCapabilityMissing:  # a driver without those listings: none
-                    others[uuid] = ()
+                    compute = tuple(self.nvml.running_processes(uuid))
                 except NvmlError:
                     undecided.add(uuid)
-            try:
-                after = {d.uuid: d for d in self.nvml.devices()}
-            except NvmlError:
-                after = None
+                    continue
+                try:
+                    others = tuple(self.nvml.other_processes(uuid))
+                except NvmlCapabilityMissing:  # a driver without those listings: none
+                    others = ()
+                except NvmlError:
+                    undecided.add(uuid)
+                    continue
+                listed[uuid] = (*compute, *others)
+            after = self._memory_used()
             if before is None or after is None:
                 undecided.update(suspects)
             for uuid in suspects:
@@ -294,7 +289,7 @@ class BlindnessTracker:
                 if d0 is None or d1 is None or d0.mig_enabled or d1.mig_enabled:
                     continue
                 accounted: dict[int, int] = {}
-                for p in (*processes[uuid], *others[uuid]):
+                for p in listed[uuid]:
                     if p.used_bytes is None:  # a share that cannot be told: not judged
                         break
                     accounted[p.pid] = max(accounted.get(p.pid, 0), p.used_bytes)
@@ -318,6 +313,13 @@ class BlindnessTracker:
                            if u not in checked or u in undecided},
                         **unseen}
         return undecided
+
+    def _memory_used(self) -> dict[str, DeviceInfo] | None:
+        """The GPUs as NVML reads them now (their memory in use), or None when it cannot."""
+        try:
+            return {d.uuid: d for d in self.nvml.devices()}
+        except NvmlError:
+            return None
 
     # -- for passes -------------------------------------------------------------------------
 

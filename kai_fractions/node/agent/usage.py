@@ -100,7 +100,6 @@ class UsageCheck:
         self.checks += 1
         sight = self.sight
         sight.forget_gone(set(inventory.uuids))
-        before = sight.memory_before(desired)  # just before the listings
         processes: dict[str, Any] = {}
         sm: dict[int, int] = {}
         for d in inventory.devices:
@@ -113,7 +112,7 @@ class UsageCheck:
             sm.update(self._sm_percent(d.uuid))
         report = self.watchdog.check(processes, desired.watchdog_containers(), sm)
         checked = set(processes)
-        sight.judge(desired, inventory, processes, report, before)
+        sight.judge(desired, inventory, processes, report)
         # A GPU not listed has no usage row: unknown, read 0 like a GPU while NVML is down.
         usage = MappingProxyType({(ContainerKey(u.pod_uid, u.container_name), u.device_uuid):
                                   Usage(u.used_bytes, u.sm_percent) for u in report.usage})
