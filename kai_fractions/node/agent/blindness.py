@@ -121,6 +121,12 @@ class BlindnessTracker:
         """GPU uuid -> the bytes in use there that no process NVML lists accounts for."""
         self._unplaced: dict[str, tuple[int, str]] = {}
         """GPU uuid -> (pid, why) of a process there whose container cannot be told."""
+        self._untested: dict[str, NvmlError] = {}
+        """GPU uuid -> why the hidden-memory test of a suspect GPU could not run (a memory read
+        or its listing again failed): it cannot be told clear, so it counts as blind."""
+        self._others_failing: dict[str, str] = {}
+        """GPU uuid -> the reason its graphics and MPS listings fail, while they do (logged
+        once; its hidden-memory test goes on with the compute listing alone)."""
         self._episodes: dict[str, Blindness] = {}
         """GPU uuid -> its blindness, from the first check that found it until CLEAN_CHECKS
         checks in a row found none."""
@@ -140,7 +146,7 @@ class BlindnessTracker:
     def forget_gone(self, here: set[str]) -> None:
         """Forgets the GPUs the node no longer has."""
         for state in (self._blind, self._unknown, self._unseen, self._unplaced,
-                      self._episodes, self._clean):
+                      self._untested, self._others_failing, self._episodes, self._clean):
             for gone in state.keys() - here:
                 del state[gone]
 
@@ -164,25 +170,25 @@ class BlindnessTracker:
         blindness, then the episodes, and the containers judged."""
         checked = set(processes)
         self._unknown_memory(report.usage, checked)
-        undecided = self._unseen_processes(desired, processes, report.usage)
+        self._unseen_processes(desired, processes, report.usage)
         self._unplaced_processes(desired, report, checked)
         here = set(inventory.uuids)
         current = {(c.key, u) for c in desired.containers for u in c.plan.device_uuids}
         # Every GPU of the inventory was judged: listed, or known unlistable.
         self._judged = (self._judged | {(k, u) for k, u in current if u in here}) & current
-        self._episode(checked - undecided)
+        self._episode(checked)
 
-    def _episode(self, decided: set[str]) -> None:
+    def _episode(self, listed: set[str]) -> None:
         """Episodes from what this check found: one starts (or goes on, its blindness the
-        newest) on each GPU blind now; one ends after CLEAN_CHECKS checks in a row that
-        listed the GPU and found it clear (`decided`: a GPU whose hidden memory could not be
-        judged this check neither ends nor counts towards an end)."""
+        newest) on each GPU blind now (a GPU whose hidden-memory test could not run included:
+        `_untested`); one ends after CLEAN_CHECKS checks in a row that `listed` the GPU and
+        found it clear."""
         was = {u: b.reason for u, b in self._episodes.items()}
         now = self.unreadable()
         for uuid, b in now.items():
             self._episodes[uuid] = b
             self._clean[uuid] = 0
-        for uuid in [u for u in self._episodes if u not in now and u in decided]:
+        for uuid in [u for u in self._episodes if u not in now and u in listed]:
             self._clean[uuid] = self._clean.get(uuid, 0) + 1
             if self._clean[uuid] >= CLEAN_CHECKS:
                 del self._episodes[uuid], self._clean[uuid]
@@ -236,7 +242,7 @@ class BlindnessTracker:
                           **{u: min(procs) for u, procs in unplaced.items()}}
 
     def _unseen_processes(self, desired: DesiredState, processes: Mapping[str, Any],
-                          usage: Iterable[ContainerUsage]) -> set[str]:
+                          usage: Iterable[ContainerUsage]) -> None:
         """GPUs with managed containers where NVML lists no process of theirs while more than
         UNSEEN_MEMORY_BYTES of memory is used beyond what the listed processes account for
         (none at all, or an MPS server in the agent's own pid namespace): an agent without
@@ -251,9 +257,10 @@ class BlindnessTracker:
         read more. Counted every check and logged when it starts and ends, like an unlistable
         GPU. Only GPUs listed this check are judged; a process listed without its memory
         leaves the GPU clear of this kind (its share cannot be told), and so does a graphics
-        or MPS listing the driver lacks or does not support (no such processes). Returns the
-        GPUs that could not be judged (a read or a listing failed): their state stays as it
-        was, and they do not count towards the end of an episode."""
+        or MPS listing the driver lacks or does not support (no such processes); one that
+        fails otherwise leaves the compute listing alone to account (logged once). A suspect
+        whose memory read or compute listing fails in the sequence cannot be told clear: it
+        counts as blind under NVML's reason (`_untested`) until a test runs again."""
         planned = _planned(desired)
         seen = {u.device_uuid for u in usage if u.pids}
         suspects = [uuid for uuid, procs in processes.items()
@@ -261,29 +268,22 @@ class BlindnessTracker:
                     and all(p.used_bytes is not None for p in procs)]
         checked = set(processes)
         unseen: dict[str, int] = {}
-        undecided: set[str] = set()
+        untested: dict[str, NvmlError] = {}
         if suspects:
             before = self._memory_used()
             listed: dict[str, tuple[Any, ...]] = {}
             for uuid in suspects:
                 try:
-                    compute = tuple(self.nvml.running_processes(uuid))
-                except NvmlError:
-                    undecided.add(uuid)
-                    continue
-                try:
-                    others = tuple(self.nvml.other_processes(uuid))
-                except NvmlCapabilityMissing:  # a driver without those listings: none
-                    others = ()
-                except NvmlError:
-                    undecided.add(uuid)
-                    continue
-                listed[uuid] = (*compute, *others)
+                    listed[uuid] = (*self.nvml.running_processes(uuid),
+                                    *self._other_processes(uuid))
+                except NvmlError as e:
+                    untested[uuid] = e
             after = self._memory_used()
-            if before is None or after is None:
-                undecided.update(suspects)
             for uuid in suspects:
-                if uuid in undecided:
+                failed = next((x for x in (before, after) if isinstance(x, NvmlError)), None)
+                if failed is not None:
+                    untested.setdefault(uuid, failed)
+                if uuid in untested:
                     continue
                 d0, d1 = before.get(uuid), after.get(uuid)  # type: ignore[union-attr]
                 if d0 is None or d1 is None or d0.mig_enabled or d1.mig_enabled:
@@ -298,6 +298,17 @@ class BlindnessTracker:
                               - sum(accounted.values()))
                     if hidden > UNSEEN_MEMORY_BYTES:
                         unseen[uuid] = hidden
+        for uuid, error in untested.items():
+            self.metrics.usage_blind.labels(self.metrics.node, uuid, error.reason).inc()
+            if uuid not in self._untested:
+                log.warning("GPU %s: cannot tell whether memory is in use that no process NVML "
+                            "lists accounts for (%s: %s); the watchdog counts it blind until "
+                            "it can", uuid, error.reason, error.message)
+        for uuid in (self._untested.keys() & checked) - set(untested):
+            log.info("GPU %s: whether memory is in use that no listed process accounts for "
+                     "can be told again", uuid)
+        self._untested = {**{u: e for u, e in self._untested.items() if u not in checked},
+                          **untested}
         for uuid, hidden in unseen.items():
             self.metrics.usage_blind.labels(self.metrics.node, uuid, NO_PROCESSES_VISIBLE).inc()
             if uuid not in self._unseen:
@@ -307,19 +318,36 @@ class BlindnessTracker:
                     "not run in the host's pid namespace (hostPID), where NVML and /proc show "
                     "every GPU process; the watchdog sees no usage there until it does",
                     uuid, hidden // MIB)
-        for uuid in (self._unseen.keys() & checked) - set(unseen) - undecided:
+        for uuid in (self._unseen.keys() & checked) - set(unseen) - set(untested):
             log.info("the processes using the memory of GPU %s are listed again", uuid)
         self._unseen = {**{u: b for u, b in self._unseen.items()
-                           if u not in checked or u in undecided},
+                           if u not in checked or u in untested},
                         **unseen}
-        return undecided
 
-    def _memory_used(self) -> dict[str, DeviceInfo] | None:
-        """The GPUs as NVML reads them now (their memory in use), or None when it cannot."""
+    def _memory_used(self) -> dict[str, DeviceInfo] | NvmlError:
+        """The GPUs as NVML reads them now (their memory in use), or why it cannot."""
         try:
             return {d.uuid: d for d in self.nvml.devices()}
-        except NvmlError:
-            return None
+        except NvmlError as e:
+            return e
+
+    def _other_processes(self, uuid: str) -> tuple[Any, ...]:
+        """`Nvml.other_processes`, or none where the driver lacks those listings; where they
+        fail otherwise, none too (logged once): the compute listing alone then accounts, which
+        may read a graphics process's memory as hidden, but never hides a pod's."""
+        try:
+            others = tuple(self.nvml.other_processes(uuid))
+        except NvmlCapabilityMissing:  # a driver without those listings: none
+            return ()
+        except NvmlError as e:
+            if self._others_failing.get(uuid) != e.reason:
+                log.warning("GPU %s: its graphics and MPS process listings fail (%s: %s); "
+                            "what the compute listing shows alone is accounted", uuid,
+                            e.reason, e.message)
+            self._others_failing[uuid] = e.reason
+            return ()
+        self._others_failing.pop(uuid, None)
+        return others
 
     # -- for passes -------------------------------------------------------------------------
 
@@ -355,6 +383,10 @@ class BlindnessTracker:
                 f"{', '.join(map(str, pids))}), so the watchdog counts them as 0: NVML shows "
                 "every process's memory to root in the host's pid namespace (the chart's "
                 "defaults), but not in some virtualised GPU modes"))
+        for uuid, error in self._untested.items():
+            out[uuid] = Blindness(error.reason, (
+                "NVML cannot read what its memory in use or its processes are to tell whether "
+                f"memory is in use that no process it lists accounts for: {error.message}"))
         for uuid, error in self._blind.items():
             out[uuid] = Blindness(error.reason, f"NVML cannot list its processes: {error.message}")
         return out
