@@ -34,6 +34,14 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+GRPC_CORE_LOG = re.compile(r"[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+\.cc:\d+\] ")
+"""A line gRPC's C core writes itself (absl's format). At the demo's stop, with the machine
+loaded, its client transport once logged "Got goaway [2] ... Cancelling all calls" as the
+mirror's server shut down: gRPC's own shutdown message (grpc/grpc#27112 lowered its level once;
+ray-project/ray#51673 met it at shutdown too), not the demo's output; everything else on stderr
+must be the demo's."""
+
+
 def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
     proc = subprocess.Popen([str(CLI), "demo", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -104,7 +112,7 @@ def test_demo_prints_the_plan_and_exits_clean():
         "system:serviceaccount:kai-fractions:kai-fractions-mirror may create it, not "
         "kubernetes-admin\n")
 
-    progress = err.splitlines()
+    progress = [line for line in err.splitlines() if not GRPC_CORE_LOG.match(line)]
     assert all(line.startswith("[demo ") for line in progress), err
     for e in expected:
         if e.gpus is not None:
