@@ -14,6 +14,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kai_fractions.contract import DEFAULT_KEYS
+from kai_fractions.gate.check import Outcome, judge
+from kai_fractions.marker import read_marker
 from kai_fractions.node.agent.agent import NodeAgent
 from kai_fractions.node.agent.options import AgentOptions
 from kai_fractions.node.config import NodeConfig
@@ -152,6 +155,19 @@ def marker_of(rig: Rig, uid: str) -> dict | None:
     """The pod's readiness marker as the agent wrote it, None when there is none."""
     path = rig.marker_path(uid)
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def gate_outcome(rig: Rig, uid: str) -> Outcome:
+    """What the gate of a (restarted) sandbox of the pod's container `main` would do now."""
+    marker = read_marker(rig.marker_path(uid).parent, expected_pod_uid=uid)
+    return judge(rig.cluster.pods[uid]["metadata"]["annotations"], marker, pod_uid=uid,
+                 keys=DEFAULT_KEYS, boot_id=rig.reconciler.markers.boot_id,
+                 containers=["main"]).outcome
+
+
+def result_of(rig: Rig, uid: str) -> Any:
+    """The last pass's result for the pod's container `main`."""
+    return rig.reconciler.view.results[(uid, "main")]
 
 
 def limits_of(rig: Rig, uid: str) -> dict:

@@ -13,6 +13,7 @@ import pytest
 
 from kai_fractions.node.mps import MpsError
 from tests.agent.builders import Rig, binder_annotations, pod
+from tests.agent.builders import result_of as _result
 
 BUSY = MpsError("MpsDaemonBusy", "busy")
 
@@ -30,10 +31,6 @@ def _events(rig: Rig, since: int = 0) -> list[tuple[str, str, str]]:
 
 def _reasons(rig: Rig, since: int = 0) -> list[str]:
     return [reason for _type, reason, _message in _events(rig, since)]
-
-
-def _result(rig: Rig, uid: str) -> Any:
-    return rig.reconciler.view.results[(uid, "main")]
 
 
 def test_one_warning_per_episode_and_applied_again_when_the_cap_is_back(short_tmp: Path

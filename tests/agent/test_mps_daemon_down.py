@@ -28,6 +28,7 @@ from kai_fractions.node.engine import ContainerState
 from kai_fractions.node.mps_caps import CAP_NOT_IN_FORCE_REASONS
 from kai_fractions.sim.nvml import FakeNvml
 from tests.agent.builders import NODE, Rig, binder_annotations, marker_of, pod, wait_for
+from tests.agent.builders import result_of as _result
 
 CAP_METRIC = "kai_fractions_container_cap_not_in_force"
 NOT_RUNNING = "the MPS control daemon is not running (MpsDaemonUnreachable: "
@@ -75,10 +76,6 @@ def _gate(rig: Rig, uid: str) -> Outcome:
 def _set_aside(rig: Rig, uid: str) -> bool:
     return (not rig.marker_path(uid).exists()
             and (rig.marker_path(uid).parent / SET_ASIDE_FILE).exists())
-
-
-def _result(rig: Rig, uid: str) -> Any:
-    return rig.reconciler.view.results[(uid, "main")]
 
 
 def _events(rig: Rig, uid: str) -> list[tuple[str, str, str]]:

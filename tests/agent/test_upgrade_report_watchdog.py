@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kai_fractions.contract import DEFAULT_KEYS
-from kai_fractions.gate.check import Outcome, judge
-from kai_fractions.marker import read_marker
+from kai_fractions.gate.check import Outcome
 from kai_fractions.node.config import WatchdogPolicy
 from kai_fractions.sim.nvml import FakeNvml
 
 from ..node.test_desired_report_watchdog import RUNNING_REFUSED
 from .builders import GIB, NODE, Rig, binder_annotations, leaf_of, marker_of, pod, slice_of
+from .builders import gate_outcome as _gate
 
 OLD_DRIVER = "550.54.15"
 CID_NEW = "containerd://" + "b" * 64
@@ -52,13 +51,6 @@ def _running(rig: Rig, uid: str, pid: int, used: int, leaf: str | None = None) -
 def _check(rig: Rig) -> None:
     rig.reconciler.check_usage()
     rig.reconciler.events.flush()
-
-
-def _gate(rig: Rig, uid: str) -> Outcome:
-    marker = read_marker(rig.marker_path(uid).parent, expected_pod_uid=uid)
-    return judge(rig.cluster.pods[uid]["metadata"]["annotations"], marker, pod_uid=uid,
-                 keys=DEFAULT_KEYS, boot_id=rig.reconciler.markers.boot_id,
-                 containers=["main"]).outcome
 
 
 def _episodes(rig: Rig) -> float | None:

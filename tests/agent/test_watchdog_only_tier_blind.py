@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from kai_fractions.contract import DEFAULT_KEYS
-from kai_fractions.gate.check import Outcome, judge
-from kai_fractions.marker import read_marker
+from kai_fractions.gate.check import Outcome
 from kai_fractions.node.agent.grpc_service import node_state
 from kai_fractions.node.config import WatchdogPolicy
 from kai_fractions.sim.nvml import FakeNvml
 
 from .builders import GIB, NODE, Rig, binder_annotations, leaf_of, marker_of, pod
+from .builders import gate_outcome as gate
+from .builders import result_of as result
 
 OLD_DRIVER = "550.54.15"
 BLIND = "WatchdogBlind"
@@ -47,17 +47,6 @@ def add(rig: Rig, name: str = "p", gpu: str | None = None, **notes: str) -> str:
 def running(rig: Rig, uid: str, pid: int, used: int | None, gpu: str | None = None) -> None:
     rig.proc_entry(pid, leaf_of(uid)[len("/sys/fs/cgroup"):])
     rig.nvml.add_process(pid, gpu or rig.gpu0, used)
-
-
-def gate(rig: Rig, uid: str) -> Outcome:
-    marker = read_marker(rig.marker_path(uid).parent, expected_pod_uid=uid)
-    return judge(rig.cluster.pods[uid]["metadata"]["annotations"], marker, pod_uid=uid,
-                 keys=DEFAULT_KEYS, boot_id=rig.reconciler.markers.boot_id,
-                 containers=["main"]).outcome
-
-
-def result(rig: Rig, uid: str):
-    return rig.reconciler.view.results[(uid, "main")]
 
 
 def cap_series(rig: Rig, uid: str) -> dict[str, float]:

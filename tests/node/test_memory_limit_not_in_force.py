@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
-from kai_fractions.contract import DEFAULT_KEYS
-from kai_fractions.gate.check import Outcome, judge
-from kai_fractions.marker import SET_ASIDE_FILE, Marker, read_marker
+from kai_fractions.gate.check import Outcome
+from kai_fractions.marker import SET_ASIDE_FILE, Marker
 from kai_fractions.node import engine
 from kai_fractions.node.agent.markers import decide, still_valid
 from kai_fractions.node.engine import ContainerState
 from kai_fractions.node.errors import nvml_error
 from kai_fractions.node.mps import MpsError
 from tests.agent.builders import GIB, Rig, binder_annotations, leaf_of, marker_of, pod, slice_of
+from tests.agent.builders import gate_outcome as _gate
+from tests.agent.builders import result_of as _result
 
 from .test_engine import UID_A, Node, sm_pod, ts_pod
 
@@ -51,18 +51,6 @@ def _recreate(rig: Rig, uid: str, *paths: str) -> None:
     and made again: their NVML limits go with them."""
     for path in paths or (slice_of(uid), leaf_of(uid)):
         rig.nvml.limits.pop((rig.gpu0, path), None)
-
-
-def _gate(rig: Rig, uid: str) -> Outcome:
-    """What the gate of a (restarted) sandbox of the pod would do now."""
-    marker = read_marker(rig.marker_path(uid).parent, expected_pod_uid=uid)
-    return judge(rig.cluster.pods[uid]["metadata"]["annotations"], marker, pod_uid=uid,
-                 keys=DEFAULT_KEYS, boot_id=rig.reconciler.markers.boot_id,
-                 containers=["main"]).outcome
-
-
-def _result(rig: Rig, uid: str) -> Any:
-    return rig.reconciler.view.results[(uid, "main")]
 
 
 def _events(rig: Rig, uid: str) -> list[tuple[str, str, str]]:

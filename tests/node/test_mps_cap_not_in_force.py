@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from kai_fractions.contract import DEFAULT_KEYS
-from kai_fractions.gate.check import Outcome, judge
-from kai_fractions.marker import SET_ASIDE_FILE, Marker, read_marker
+from kai_fractions.gate.check import Outcome
+from kai_fractions.marker import SET_ASIDE_FILE, Marker
 from kai_fractions.node import engine
 from kai_fractions.node.agent.markers import decide, still_valid
 from kai_fractions.node.engine import ContainerState
 from kai_fractions.node.mps import MpsError
 from tests.agent.builders import Rig, binder_annotations, marker_of, pod
+from tests.agent.builders import gate_outcome as _gate
+from tests.agent.builders import result_of as _result
 
 from .test_engine import NS_A, UID_A, Node, annotations, sm_pod
 
@@ -32,18 +33,6 @@ def _sm_pod(rig: Rig) -> tuple[str, str]:
     (name,) = rig.mps.control.namespaces
     assert _gate(rig, uid) is Outcome.RELEASE
     return uid, name
-
-
-def _gate(rig: Rig, uid: str) -> Outcome:
-    """What the gate of a (restarted) sandbox of the pod would do now."""
-    marker = read_marker(rig.marker_path(uid).parent, expected_pod_uid=uid)
-    return judge(rig.cluster.pods[uid]["metadata"]["annotations"], marker, pod_uid=uid,
-                 keys=DEFAULT_KEYS, boot_id=rig.reconciler.markers.boot_id,
-                 containers=["main"]).outcome
-
-
-def _result(rig: Rig, uid: str):
-    return rig.reconciler.view.results[(uid, "main")]
 
 
 def _not_vouched_for(rig: Rig, uid: str) -> None:
