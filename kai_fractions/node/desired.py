@@ -29,7 +29,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 
-from ..contract import ComputeMode, ContainerPlan, parse_pod
+from ..contract import ComputeMode, ContainerPlan
 from . import applied as ap
 from .config import Mechanism, NodeConfig
 from .desired_state import (
@@ -139,9 +139,12 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
     refusals: list[Refusal] = []
     candidates: list[_Candidate] = []
     for pod in live:
+        # `whole`: the refusals are the whole pod's (a veto, annotations that are invalid or
+        # cannot be read), not one container's (not bound, cannot be planned).
         whole = pod.uid in vetoed
         try:
-            ok, refused = ([], vetoed[pod.uid]) if whole else _contract_refusals(pod, config)
+            ok, refused, whole = (([], vetoed[pod.uid], True) if whole
+                                  else _contract_refusals(pod, config))
         except Exception as e:  # one pod's annotations must not stop the node
             log.exception("pod %s/%s: its GPU annotations could not be read",
                           pod.view.namespace, pod.view.name)
@@ -149,12 +152,7 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
             ok, refused = [], [_refuse(pod, "", RefusalReason.CONTRACT_INVALID,
                                        "the pod's GPU annotations could not be read "
                                        f"({type(e).__name__}); fix them and recreate the pod")]
-        mine = held.get(pod.uid, {})
-        if mine and refused and not ok and not whole:
-            # Invalid annotations refuse the whole pod (`_contract_refusals`), a container
-            # that cannot be planned or is not bound only itself.
-            whole = bool(parse_pod(pod.view, config.keys).errors)
-        ok, refused = _hold(pod, ok, refused, mine, changes, whole)
+        ok, refused = _hold(pod, ok, refused, held.get(pod.uid, {}), changes, whole)
         candidates.extend(ok)
         refusals.extend(refused)
     # What runs already is placed first: a newcomer never takes its memory or compute mode.

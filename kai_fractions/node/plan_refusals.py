@@ -52,8 +52,11 @@ def _refuse(pod: NodePod, container: str, reason: RefusalReason, message: str,
                    pod_name=pod.view.name, reason=reason, message=message, final=final)
 
 
-def _contract_refusals(pod: NodePod, config: NodeConfig) -> tuple[list[_Candidate],
-                                                                  list[Refusal]]:
+def _contract_refusals(pod: NodePod, config: NodeConfig
+                       ) -> tuple[list[_Candidate], list[Refusal], bool]:
+    """The pod's containers that can be planned, the refusals of the others, and whether those
+    refusals are the whole pod's (its annotations are invalid) rather than each container's
+    own (not bound yet, cannot be planned)."""
     request = parse_pod(pod.view, config.keys)
     refusals: list[Refusal] = []
     if request.errors:
@@ -67,7 +70,7 @@ def _contract_refusals(pod: NodePod, config: NodeConfig) -> tuple[list[_Candidat
             refusals.append(_refuse(pod, name, RefusalReason.CONTRACT_INVALID,
                                     f"the pod's GPU annotations are invalid: {text}; fix them "
                                     "and recreate the pod"))
-        return [], refusals
+        return [], refusals, True
     candidates = []
     for share in request.shares:
         if not share.devices:
@@ -87,7 +90,7 @@ def _contract_refusals(pod: NodePod, config: NodeConfig) -> tuple[list[_Candidat
                 + "; ".join(str(x) for x in e.errors)))
             continue
         candidates.append(_Candidate(pod, share, plan))
-    return candidates, refusals
+    return candidates, refusals, False
 
 
 def _device_refusal(c: _Candidate, inventory: Inventory, config: NodeConfig) -> Refusal | None:
