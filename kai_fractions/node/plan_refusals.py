@@ -112,6 +112,25 @@ def _device_refusal(c: _Candidate, inventory: Inventory, config: NodeConfig) -> 
     return None
 
 
+def hard_tiers(config: NodeConfig, inventory: Inventory, *, sm: bool) -> set[Mechanism]:
+    """The enabled memory tiers that cap a container without the watchdog on this node: the
+    cgroup limit where the driver has it (r615), the MPS pinned limit for sm-sharing."""
+    wanted = config.memory_enforcement
+    hard = set()
+    if Mechanism.CGROUP in wanted and inventory.capabilities.memory_limits:
+        hard.add(Mechanism.CGROUP)
+    if Mechanism.MPS_PINNED in wanted and sm:
+        hard.add(Mechanism.MPS_PINNED)
+    return hard
+
+
+def watchdog_stops(config: NodeConfig) -> bool:
+    """Whether the watchdog is enabled and stops what exceeds a cap (kill policy): one that
+    only reports caps nothing."""
+    return (Mechanism.WATCHDOG in config.memory_enforcement
+            and config.watchdog_policy is WatchdogPolicy.KILL)
+
+
 def _mechanisms(c: _Candidate, inventory: Inventory, config: NodeConfig, running: bool = False
                 ) -> frozenset[Mechanism] | Refusal:
     pod, plan = c.pod, c.plan
@@ -122,17 +141,13 @@ def _mechanisms(c: _Candidate, inventory: Inventory, config: NodeConfig, running
                        "the container asks for compute mode sm-sharing but this node runs "
                        "without MPS (--no-sm-sharing): use time-slicing, or schedule it to a "
                        "node with sm-sharing enabled")
-    hard = set()
-    if Mechanism.CGROUP in wanted and inventory.capabilities.memory_limits:
-        hard.add(Mechanism.CGROUP)
-    if Mechanism.MPS_PINNED in wanted and sm:
-        hard.add(Mechanism.MPS_PINNED)
+    hard = hard_tiers(config, inventory, sm=sm)
     watchdog = Mechanism.WATCHDOG in wanted
     # A watchdog in report mode stops nothing: it is a second line beside a tier that caps (it
     # reports the violations there), never the only one. A container it alone would watch runs
     # without a cap, so it is refused rather than reported applied. One that runs already (applied
     # before this rule) is refused too, and stays watched (`_report_only`, `Refusal.watched`).
-    if hard or (watchdog and config.watchdog_policy is WatchdogPolicy.KILL):
+    if hard or watchdog_stops(config):
         return frozenset(hard | ({Mechanism.WATCHDOG} if watchdog else set()))
     return _refuse(pod, plan.container, RefusalReason.MEMORY_LIMITS_UNSUPPORTED,
                    _no_cap(inventory, config, sm, running))

@@ -42,6 +42,7 @@ from ...kube.objects import condition_time, heartbeat_lease_name
 from ..config import Mechanism, NodeConfig, WatchdogPolicy
 from ..errors import NodeError
 from ..inventory import Inventory
+from ..plan_refusals import hard_tiers, watchdog_stops
 from .heartbeat import HeartbeatLease
 from .kube import ClusterWriter
 from .options import AgentOptions
@@ -112,9 +113,7 @@ def compute_summary(config: NodeConfig, health: Health) -> str:
 def caps_time_slicing(config: NodeConfig, inventory: Inventory) -> bool:
     """Whether a time-slicing container's GPU memory can be capped here: cgroup limits, or a
     watchdog that stops what exceeds the cap (one that only reports caps nothing)."""
-    wanted = config.memory_enforcement
-    return ((Mechanism.CGROUP in wanted and inventory.capabilities.memory_limits)
-            or (Mechanism.WATCHDOG in wanted and config.watchdog_policy is WatchdogPolicy.KILL))
+    return bool(hard_tiers(config, inventory, sm=False)) or watchdog_stops(config)
 
 
 def caps_sm_sharing(config: NodeConfig, inventory: Inventory) -> bool:
@@ -130,9 +129,7 @@ def watchdog_sole_tier(config: NodeConfig, inventory: Inventory) -> bool:
     the watchdog is enabled with --watchdog-policy=kill and no cgroup limit caps it (the tier
     not enabled, or a driver before r615; mps-pinned caps sm-sharing containers only). A
     watchdog that cannot see a GPU then leaves any such container placed there uncapped."""
-    wanted = config.memory_enforcement
-    return (Mechanism.WATCHDOG in wanted and config.watchdog_policy is WatchdogPolicy.KILL
-            and not (Mechanism.CGROUP in wanted and inventory.capabilities.memory_limits))
+    return watchdog_stops(config) and not hard_tiers(config, inventory, sm=False)
 
 
 def no_cap_reason(config: NodeConfig, inventory: Inventory) -> str | None:
