@@ -321,15 +321,7 @@ class Reconciler:
                 unwatched.setdefault(c.key.pod_uid, []).append(c)
         done = []
         for uid, containers in sorted(unwatched.items()):
-            try:
-                marker = self.markers.read(uid)
-                if marker is None or not _relying_entries(marker, containers):
-                    continue
-                if not self.markers.set_aside(uid):
-                    continue
-            except OSError as e:
-                log.error("pod %s: its readiness marker could not be set aside (%s): a gate of "
-                          "the pod may release on it while its watchdog cannot watch it", uid, e)
+            if self._set_aside_relying(uid, containers, "its watchdog cannot watch it") is None:
                 continue
             done.append(uid)
             why = ("NVML does not work, so no watchdog check runs" if nvml_down else
@@ -342,6 +334,25 @@ class Reconciler:
                         containers[0].pod_name,
                         ", ".join(sorted(c.key.container for c in containers)), why)
         return done
+
+    def _set_aside_relying(self, uid: str, containers: list[ContainerDesired] | None,
+                           at_risk: str) -> list[str] | None:
+        """Sets the pod's readiness marker aside when it has an applied entry of `containers`
+        (`_relying_entries`; None: as its marker records); returns those entries' names, None
+        when nothing was set aside. `at_risk`: what a gate releasing on it would run without,
+        for the log when the move fails."""
+        try:
+            marker = self.markers.read(uid)
+            if marker is None:
+                return None
+            names = _relying_entries(marker, containers)
+            if not names or not self.markers.set_aside(uid):
+                return None
+        except OSError as e:
+            log.error("pod %s: its readiness marker could not be set aside (%s): a gate of the "
+                      "pod may release on it while %s", uid, e, at_risk)
+            return None
+        return names
 
     def _confirmed(self, live: Mapping[str, object], now: float, generation: int) -> bool:
         """Whether the pods a list from the watch cache lacks may be taken for gone: those the
@@ -538,20 +549,9 @@ class Reconciler:
                     relying.setdefault(c.key.pod_uid, []).append(c)
         done = []
         for uid in sorted(set(relying) | (self.markers.marked() - planned)):
-            try:
-                marker = self.markers.read(uid)
-                if marker is None:
-                    continue
-                names = _relying_entries(marker, relying.get(uid, []) if uid in planned else None)
-                if not names:
-                    continue
-                moved = self.markers.set_aside(uid)
-            except OSError as e:
-                log.error("pod %s: its readiness marker could not be set aside (%s): a gate of "
-                          "the pod may release on it while no MPS cap is in force (%s)", uid, e,
-                          cause)
-                continue
-            if not moved:
+            names = self._set_aside_relying(uid, relying.get(uid, []) if uid in planned else None,
+                                            f"no MPS cap is in force ({cause})")
+            if names is None:
                 continue
             done.append(uid)
             containers = relying.get(uid)
@@ -568,9 +568,10 @@ class Reconciler:
 
 
 def _relying_entries(marker: Marker, planned: list[ContainerDesired] | None) -> list[str]:
-    """The names of `marker`'s applied entries that vouch for caps relying on the MPS control
-    daemon: those of `planned` (the plan's containers of the pod that rely on it), or, with
-    no plan for the pod (None), those whose entry records it (`entry_relies_on_mps`)."""
+    """The names of `marker`'s applied entries that vouch for caps not in force now: those of
+    `planned` (the plan's containers of the pod whose caps are at stake: relying on the MPS
+    control daemon, or on a watchdog that cannot watch), or, with no plan for the pod (None),
+    those whose entry records MPS caps (`entry_relies_on_mps`)."""
     if planned is not None:
         names = {c.key.container for c in planned}
         return sorted(n for n, e in marker.containers.items()
