@@ -348,15 +348,22 @@ async def test_a_retry_of_a_release_leaves_what_the_binder_wrote_since(store, se
     assert record_of(store)["spentKeys"] == ["bind-1", "rollback-1"]
 
 
-async def test_a_keyed_release_a_webhook_undid_is_reported_once_and_not_redone(clock):
-    """The release's own write came back with a key a webhook put back: that call fails
-    INTERNAL naming it. Its retry cannot tell that key from one written since (a rebind), so
-    it is a no-op; a release with a new key, once the webhook is fixed, removes it."""
+async def _bound_then_a_webhook_keeps_the_devices(clock) -> tuple[MutatingStore, MirrorService]:
+    """A pod the mirror bound (key bind-1), then a mutating webhook that puts its devices
+    back into every write that removes them."""
     store = MutatingStore(nodes={"node-1": {}})
     store.add_pod(pod({"gpu-fraction": "0.5"}))
     service = MirrorService(store, clock=clock)
     await service.mirror(allocation(), idempotency_key="bind-1")
     store.webhook = lambda changes: {DEVICES: GPU_A} if DEVICES in changes else {}
+    return store, service
+
+
+async def test_a_keyed_release_a_webhook_undid_is_reported_once_and_not_redone(clock):
+    """The release's own write came back with a key a webhook put back: that call fails
+    INTERNAL naming it. Its retry cannot tell that key from one written since (a rebind), so
+    it is a no-op; a release with a new key, once the webhook is fixed, removes it."""
+    store, service = await _bound_then_a_webhook_keeps_the_devices(clock)
     with pytest.raises(ApiRejected, match=f"{DEVICES} is '{GPU_A}', not absent"):
         await service.release(NS, POD, UID, idempotency_key="rollback-1")
     writes = len(store.patches)
@@ -439,11 +446,7 @@ async def test_a_write_the_api_server_stored_otherwise_is_not_a_success(clock, d
 
 
 async def test_a_release_the_api_server_stored_otherwise_is_not_a_success(clock):
-    store = MutatingStore(nodes={"node-1": {}})
-    store.add_pod(pod({"gpu-fraction": "0.5"}))
-    service = MirrorService(store, clock=clock)
-    await service.mirror(allocation(), idempotency_key="bind-1")
-    store.webhook = lambda changes: {DEVICES: GPU_A} if DEVICES in changes else {}
+    store, service = await _bound_then_a_webhook_keeps_the_devices(clock)
     with pytest.raises(ApiRejected, match=f"{DEVICES} is '{GPU_A}', not absent"):
         await service.release(NS, POD, UID)
     # The record went with that patch (what the release leaves took its place); a retry
