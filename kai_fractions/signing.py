@@ -205,9 +205,11 @@ class Keyring:
     def __post_init__(self) -> None:
         if not self.keys:
             raise SigningConfigError("no signing key")
-        unique: dict[str, AnyKey] = {}
+        # The same key given twice counts once (the first: a private key before its public
+        # half). Two different keys whose `kid`s collide both stay: verify tries each.
+        unique: dict[tuple[str, str], AnyKey] = {}
         for key in self.keys:
-            unique.setdefault(key.kid, key)
+            unique.setdefault((key.version, key.fingerprint), key)
         object.__setattr__(self, "keys", tuple(unique.values()))
 
     @classmethod
@@ -247,9 +249,9 @@ class Keyring:
         except SignatureFormatError as e:
             return Verification(False, Reason.INVALID,
                                 f"annotation {annotation} is malformed ({e}); {_EDITED}")
-        key = next((key for key in self.keys if key.kid == signature.kid
-                    and key.version == signature.version), None)
-        if key is None:
+        named = [key for key in self.keys
+                 if key.kid == signature.kid and key.version == signature.version]
+        if not named:
             return Verification(False, Reason.KEY_UNKNOWN, (
                 f"annotation {annotation} was signed with {signature.version} key "
                 f"{signature.kid}, which this node does not hold (it holds "
@@ -259,7 +261,7 @@ class Keyring:
                 "keeping the old one as `previous`, or the mirror and the node agent use "
                 "different keys"), signature.kid)
         claims = allocation_claims(plan, node if signature.version == V2 else None)
-        if not key.verifies(claims, signature.mac):
+        if not any(key.verifies(claims, signature.mac) for key in named):
             where = f" for node {node}" if signature.version == V2 else ""
             return Verification(False, Reason.INVALID,
                                 f"annotation {annotation} does not match the allocation"

@@ -21,6 +21,7 @@ CURRENT, PREVIOUS = "current", "previous"
 """File names inside a `--signing-key-file` directory (the data keys of the Secret)."""
 _PRIVATE_PEM = b"-----BEGIN PRIVATE KEY-----"
 _PUBLIC_PEM = b"-----BEGIN PUBLIC KEY-----"
+_PEM_BEGIN = b"-----BEGIN"
 
 _ANY_PRIVATE_PEM = re.compile(rb"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----", re.IGNORECASE)
 """A PEM private key of any kind (PKCS8, OpenSSH, EC, RSA, encrypted), in any letter case and
@@ -107,8 +108,19 @@ def _read_key(path: Path, *, verify_only: bool = False) -> AnyKey:
             shown = "" if form == "PEM" else f" ({form})"
             raise SigningConfigError(f"--signing-key-file {path}: a private key{shown}; "
                                      f"{_PRIVATE_REFUSAL}")
-    if material.removeprefix(_BOM).lstrip().startswith((_PRIVATE_PEM, _PUBLIC_PEM)):
+    text = material.removeprefix(_BOM).lstrip()
+    if text.startswith((_PRIVATE_PEM, _PUBLIC_PEM)):
         return load_ed25519(material, str(path))
+    if text[:len(_PEM_BEGIN)].upper() == _PEM_BEGIN:
+        # Any other PEM (an RSA or EC key, a certificate, a header in lower case) was once
+        # taken as the raw bytes of an HMAC key: the mirror signed v1 with the PEM's text and
+        # no node could verify it. A PEM header is never secret, so it is shown.
+        header = text.split(b"\n", 1)[0].strip()[:80].decode("ascii", "replace")
+        raise SigningConfigError(
+            f"--signing-key-file {path}: a PEM file that starts {header!r}; a signing key is "
+            f"an Ed25519 key in PEM ({_PRIVATE_PEM.decode()} on the mirror, "
+            f"{_PUBLIC_PEM.decode()} on nodes: `kai-fractions signing-keys`) or the raw "
+            "bytes of an HMAC key")
     # Raw bytes, verbatim: an HMAC key (a trailing newline is key material too; both sides
     # read the same bytes).
     return SigningKey(material, str(path))

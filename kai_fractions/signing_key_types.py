@@ -32,8 +32,9 @@ class SigningConfigError(Exception):
     """A key file that cannot be used; one line for the user (the CLI exits 2)."""
 
 
-def key_id(material: bytes) -> str:
-    return hashlib.sha256(material).hexdigest()[:8]
+def digest(material: bytes) -> str:
+    """What tells two keys apart; `kid` is its first 8 digits, which two keys may share."""
+    return hashlib.sha256(material).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,7 @@ class SigningKey:
     """Where it was read from (for messages; never the key itself)."""
     kid: str = field(init=False, default="")
     """Computed once: every verification looks the key up by it."""
+    fingerprint: str = field(init=False, default="", repr=False)
     version = V1
 
     def __post_init__(self) -> None:
@@ -53,7 +55,8 @@ class SigningKey:
                 f"signing key {self.source or '(inline)'}: {len(self.secret)} byte(s); an "
                 f"HMAC-SHA256 key needs at least {MIN_KEY_BYTES} (better: an Ed25519 key "
                 "pair from `kai-fractions signing-keys`)")
-        object.__setattr__(self, "kid", key_id(self.secret))
+        object.__setattr__(self, "fingerprint", digest(self.secret))
+        object.__setattr__(self, "kid", self.fingerprint[:8])
 
     @property
     def can_sign(self) -> bool:
@@ -79,13 +82,15 @@ class Ed25519Key:
     source: str = ""
     kid: str = field(init=False, default="")
     """Computed once: every verification looks the key up by it."""
+    fingerprint: str = field(init=False, default="", repr=False)
     version = V2
 
     def __post_init__(self) -> None:
         from cryptography.hazmat.primitives import serialization
 
-        object.__setattr__(self, "kid", key_id(self.public.public_bytes(
+        object.__setattr__(self, "fingerprint", digest(self.public.public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw)))
+        object.__setattr__(self, "kid", self.fingerprint[:8])
 
     @classmethod
     def generate(cls) -> Ed25519Key:

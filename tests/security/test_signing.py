@@ -240,6 +240,20 @@ def test_duplicate_keys_count_once():
     assert Keyring.of(KEY_A, KEY_B, KEY_A).kids == (KID_A, KID_B)
 
 
+def test_two_keys_whose_kids_collide_are_both_kept_and_both_verify():
+    """A kid is 8 hex digits of a SHA-256: two keys in 2^32 share one. The keyring kept only the
+    first, so after a rotation onto such a key every signature of the other was refused."""
+    first, second = b"collide-kid-0000009613", b"collide-kid-0000134479"
+    assert hashlib.sha256(first).hexdigest()[:8] == hashlib.sha256(second).hexdigest()[:8]
+    plan = plan_of(time_slicing())
+    signed_by_second = Keyring.of(second).sign(plan)
+    both = Keyring.of(first, second)
+    assert len(both.keys) == 2
+    assert both.verify(plan, signed_by_second).ok
+    assert both.verify(plan, Keyring.of(first).sign(plan)).ok
+    assert not Keyring.of(first).verify(plan, signed_by_second).ok
+
+
 # -- key files ---------------------------------------------------------------------------------
 
 def write_secret_volume(root, data: dict[str, bytes], generation: int) -> None:
@@ -340,3 +354,25 @@ def test_a_pem_key_after_a_byte_order_mark_is_the_pem_key(tmp_path):
         public = load_keyring([str(tmp_path / "public.pem")], verify_only=verify_only).current
         assert isinstance(public, Ed25519Key) and not public.can_sign
         assert public.kid == key.kid
+
+
+@pytest.mark.parametrize("header", [
+    b"-----begin private key-----",  # lower case: not PEM to OpenSSL
+    b"-----BEGIN EC PRIVATE KEY-----",
+    b"-----BEGIN RSA PUBLIC KEY-----",
+    b"-----BEGIN CERTIFICATE-----",
+])
+def test_a_pem_file_that_is_not_an_ed25519_key_is_refused_not_taken_as_hmac(tmp_path, header):
+    """Any PEM but an Ed25519 PRIVATE KEY or PUBLIC KEY was read as the raw bytes of an HMAC
+    key: the mirror signed v1 with the PEM's text, which no node holding the public key could
+    verify. It is refused at start, naming the file and what a key file may hold."""
+    path = tmp_path / "key.pem"
+    path.write_bytes(b"\xef\xbb\xbf\n" + header + b"\nMC4CAQAwBQYDK2VwBCIEIA==\n"
+                     + header.replace(b"BEGIN", b"END").replace(b"begin", b"end") + b"\n")
+    with pytest.raises(SigningConfigError) as e:
+        load_keyring([str(path)])
+    assert str(e.value) == (
+        f"--signing-key-file {path}: a PEM file that starts {header.decode()!r}; a signing key "
+        "is an Ed25519 key in PEM (-----BEGIN PRIVATE KEY----- on the mirror, -----BEGIN "
+        "PUBLIC KEY----- on nodes: `kai-fractions signing-keys`) or the raw bytes of an HMAC "
+        "key")
