@@ -1,4 +1,5 @@
-"""Simulators the embedded demo ships: a simulated NVML (`nvml`), MPS control daemon and its
+"""Simulators the embedded demo ships: a simulated NVML (`nvml`, with
+`nvml_controls` and `nvml_records`), MPS control daemon and its
 supervisor (`mps`), cgroup filesystem (`cgroups`), process killer (`killer`) and Kubernetes API
 server (`apiserver`, needs the `demo` extra).
 
