@@ -17,12 +17,14 @@ from ..contract import (
     ContractViolation,
     Dialect,
     NumberError,
+    PodRequest,
     binder_annotations,
     derived_annotations,
     parse_decimal,
     parse_pod,
     plan_pod,
 )
+from ..contract.binder import as_scheduler_writes
 from ..contract.dialect import check_reserve
 from .manifests import InputError, load_manifests
 from .validate import add_common, keys_from, line
@@ -69,7 +71,8 @@ def register(sub) -> None:
     p.add_argument("--devices", required=True, metavar="UUID[,UUID...]",
                    help="the reserved GPU UUIDs, one per fractional group")
     p.add_argument("--portion", metavar="P",
-                   help="the portion the scheduler gave (default: from the pod's own request)")
+                   help="the portion the scheduler gave (default: from the pod's own request; "
+                   "a gpu-fraction as KAI's scheduler writes it, with two decimals)")
     p.add_argument("--reserve", type=int, default=0, metavar="MIB",
                    help="GPU memory kept back per GPU before the portion is taken, e.g. 1024 "
                    "for the MPS server; patched dialect only (default: %(default)s)")
@@ -104,6 +107,17 @@ def _decision(args: argparse.Namespace) -> BindDecision:
     )
 
 
+def _as_kai_binds(decision: BindDecision, request: PodRequest) -> BindDecision:
+    """Without --portion, a pod sized by `gpu-fraction` is planned with the portion KAI's
+    scheduler writes for it (two decimals: 0.125 -> 0.12), not the fraction itself: the preview
+    is what the binder will write, including a limit that the rounding puts below the
+    request."""
+    share = request.share
+    if decision.received_portion is not None or share is None or share.fraction is None:
+        return decision
+    return replace(decision, received_portion=as_scheduler_writes(share.fraction))
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         keys = keys_from(args)
@@ -121,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         if request.share is None and not request.errors:
             continue  # not a fractional pod: nothing to plan
         try:
-            annotations = binder_annotations(request, decision, keys)
+            annotations = binder_annotations(request, _as_kai_binds(decision, request), keys)
             bound = replace(view, annotations=MappingProxyType({**view.annotations,
                                                                 **annotations}))
             plans = plan_pod(parse_pod(bound, keys), keys=keys)

@@ -97,6 +97,46 @@ def test_portion_defaults_to_the_pods_own_fraction(capsys) -> None:
     assert doc["annotations"]["nvidia.com/container.main.gpu-compute.portion"] == "0.5"
 
 
+def fraction_pod(tmp_path: Path, fraction: str, limit: str | None = None) -> str:
+    extra = f"\n    gpu-fraction.limit: \"{limit}\"" if limit else ""
+    path = tmp_path / "pod.yaml"
+    path.write_text(f"""apiVersion: v1
+kind: Pod
+metadata:
+  name: p
+  annotations:
+    gpu-fraction: "{fraction}"{extra}
+spec:
+  schedulerName: kai-scheduler
+  containers:
+  - name: main
+    image: x
+""")
+    return str(path)
+
+
+def test_a_gpu_fraction_is_planned_at_the_portion_kai_writes(capsys, tmp_path: Path) -> None:
+    """KAI's scheduler puts the fraction in its BindRequest with two decimals (upstream
+    pkg/scheduler/cache/cache.go, createBindRequest: `fmt.Sprintf("%.2f", ...)`) and the binder
+    sizes the request from that portion (pkg/binder/plugins/nvfractions/nv_fractions.go,
+    setNvFractionsMemoryAnnotation): 0.125 of 80 GiB is 9,830 MiB there, not 10,240."""
+    code, out, err = cli(capsys, "plan", "-f", fraction_pod(tmp_path, "0.125"), "--output",
+                         "json", "--node-gpu-memory", "81920", "--devices", GPU_A)
+    assert code == 0, err
+    assert json.loads(out)["annotations"][
+        "nvidia.com/container.main.gpu-memory.request"] == "9830Mi"
+
+
+def test_a_limit_the_rounding_puts_below_the_request_shows_in_the_plan(
+        capsys, tmp_path: Path) -> None:
+    """gpu-fraction 0.335 is bound at 0.34, above its own gpu-fraction.limit of 0.336: the
+    binder's request exceeds the limit, and the plan says so as the cluster will."""
+    code, out, err = cli(capsys, "plan", "-f", fraction_pod(tmp_path, "0.335", "0.336"),
+                         "--node-gpu-memory", "81920", "--devices", GPU_A)
+    assert code == 1 and out == ""
+    assert "below the request" in err
+
+
 def test_portion_limit_key_gives_780mi(capsys) -> None:
     code, doc, err = plan_json(capsys, "portion-limit.yaml", "--node-gpu-memory", "2000",
                                "--devices", GPU_A, "--reserve", "1024", *PATCHED)
