@@ -15,6 +15,7 @@ from typing import Any
 
 from ..contract import (
     DEFAULT_MPS_PIPE_ROOT,
+    MIB,
     ComputeMode,
     ContainerShare,
     ManifestError,
@@ -23,6 +24,7 @@ from ..contract import (
 )
 from ..contract import keys as k
 from ..contract.plan import MPS_SERVER
+from ..contract.quantity import canonical_mib
 from . import podspec, shape, wiring
 from .config import GATE_CONTAINER, MPS_VOLUME, AdmissionConfig
 from .errors import contract_denial, manifest_denial
@@ -149,13 +151,20 @@ def _request_from_limit(annotations: Mapping[str, Any], share: ContainerShare,
     portion (pkg/binder/plugins/nvfractions, setNvFractionsMemoryAnnotation), and the scheduler
     rounds that portion up to a hundredth (getGpuMemoryFractionalOnNode): the request it would
     write exceeds the limit unless the limit is a whole hundredth of the GPU, and the node
-    agent refuses a request above the limit."""
-    if share.request_bytes is not None or share.limit_bytes is None:
+    agent refuses a request above the limit.
+
+    Beside `gpu-memory` the request is that amount instead, in the text KAI's admission writes
+    for it (upstream nvfractions/mutation.go, translateLegacyMemory, which refuses other text):
+    whichever of the two webhooks runs first, the pod ends with the same request."""
+    request_key = keys.container(share.container, k.MEMORY_REQUEST)
+    if request_key in annotations or share.limit_bytes is None:
         return []
     value = annotations.get(keys.container(share.container, k.MEMORY_LIMIT))
     if not isinstance(value, str):
         return []  # the limit came from elsewhere: nothing the binder would overwrite
-    return [_annotation_op(keys.container(share.container, k.MEMORY_REQUEST), value)]
+    if k.GPU_MEMORY in annotations and share.request_bytes is not None:
+        value = canonical_mib(share.request_bytes // MIB)
+    return [_annotation_op(request_key, value)]
 
 
 def _ephemeral_ops(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:

@@ -20,6 +20,7 @@ from .shares import ContainerShare, _complete
 
 _MAX_LEGACY_DECIMALS = 5
 _UINT64 = 1 << 64
+_INT64 = 1 << 63
 """KAI reads gpu-memory with strconv.ParseUint(value, 10, 64): this many MiB and more fail."""
 
 
@@ -112,12 +113,19 @@ def _legacy(pod: PodView, c: _Collector,
                         f"({a[k.GPU_MEMORY]} MiB)", value, target)
                 legacy.limit_bytes = None
     if k.GPU_FRACTION_NUM_DEVICES in a:
+        value = a[k.GPU_FRACTION_NUM_DEVICES]
         try:
             # KAI reads it with strconv.ParseInt (a leading '+' passes), gpu-memory with
             # ParseUint (it does not): upstream utilities/resources/gpu_sharing.go.
-            legacy.num_devices = parse_positive_int(a[k.GPU_FRACTION_NUM_DEVICES], plus=True)
+            devices = parse_positive_int(value, plus=True)
         except NumberError as e:
-            c.error(k.GPU_FRACTION_NUM_DEVICES, e.args[0], a[k.GPU_FRACTION_NUM_DEVICES], target)
+            c.error(k.GPU_FRACTION_NUM_DEVICES, e.args[0], value, target)
+        else:
+            if devices >= _INT64:  # ParseInt(value, 10, 64) fails: KAI refuses the pod
+                c.error(k.GPU_FRACTION_NUM_DEVICES, "must be below 2^63 (KAI reads it as a "
+                        "64-bit signed number)", value, target)
+            else:
+                legacy.num_devices = devices
     return legacy
 
 
@@ -148,6 +156,11 @@ def _merge_legacy(share: ContainerShare, legacy: _Legacy, c: _Collector) -> Cont
             c.error(k.GPU_MEMORY, f"says {legacy.memory_bytes // MIB} MiB but the container's "
                     f"NvFractions memory request is {share.request_bytes / MIB:g} MiB; they "
                     "must agree", str(legacy.memory_bytes // MIB), share.container)
+        if share.request_bytes is None and legacy.memory_bytes is not None:
+            # Only an NvFractions limit: KAI's admission writes gpu-memory as the request
+            # (upstream nvfractions/mutation.go, translateLegacyMemory), so it is the request,
+            # not the limit that a request defaults to.
+            _complete(share, request_bytes=legacy.memory_bytes)
         return _complete(share, num_devices=max(legacy.num_devices, len(share.devices)))
     legacy_key = k.GPU_FRACTION if legacy.fraction is not None else k.GPU_MEMORY
     return _complete(

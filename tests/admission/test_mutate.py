@@ -298,6 +298,16 @@ def test_a_container_that_gives_only_a_limit_gets_it_as_its_request() -> None:
     assert mutate(request(out), CONFIG).patch == ()  # reinvocation: nothing more
 
 
+def test_gpu_memory_beside_a_limit_alone_is_written_as_kai_writes_it() -> None:
+    """KAI's admission writes gpu-memory 2000 as the request `2000Mi` and refuses other text
+    (KAI-Scheduler pkg/admission/webhook/v1alpha2/nvfractions/mutation.go,
+    translateLegacyMemory): the request written here is that text, not the limit, so the pod
+    is the same whichever webhook runs first."""
+    out = apply(pod({"gpu-memory": "2000", "gpu-memory.limit": "4Gi", LIMIT_KEY: "4Gi"}))
+    assert out["metadata"]["annotations"][REQUEST_KEY] == "2000Mi"
+    assert mutate(request(out), CONFIG).patch == ()
+
+
 def test_a_request_the_pod_gives_is_never_rewritten() -> None:
     out = apply(pod({REQUEST_KEY: "8Gi", LIMIT_KEY: "10Gi"}))
     assert (out["metadata"]["annotations"][REQUEST_KEY],

@@ -242,6 +242,9 @@ def test_nvfractions_request_with_sm_sharing():
     {REQ: "1Gi", "nvidia.com/container.container-1.gpu-memory.request": "1Gi"},
     {REQ: "1Gi", "gpu-memory": "2000"},
     {"gpu-fraction-num-devices": "2"},
+    # ParseInt(v, 10, 64) overflows (kai-scheduler/api utilities/resources/gpu_sharing.go,
+    # parseNumGPUFractionDevices)
+    {"gpu-fraction": "0.5", "gpu-fraction-num-devices": "9223372036854775808"},
     {REQ: "1Gi", "gpu-fraction-container-name": "container-1"},
     {"gpu-fraction": "0.5 "}, {REQ: " 1Gi"},  # no trimming on KAI's side (ParseFloat/Quantity)
     {LIM: "1Gi", "gpu-fraction": "0.5"},  # "rejects nvfractions limit combined with gpu-fraction"
@@ -267,6 +270,22 @@ def test_what_kai_refuses_is_refused(annotations):
 ])
 def test_what_kai_admits_is_admitted(annotations):
     assert parse_pod(pod(annotations, (C, "container-1"))).errors == ()
+
+
+def test_gpu_memory_beside_an_nvfractions_limit_alone_is_the_request():
+    """KAI's admission writes gpu-memory as the request when the pod has none, whatever
+    limit the pod gives (KAI-Scheduler pkg/admission/webhook/v1alpha2/nvfractions/mutation.go,
+    translateLegacyMemory): 2000 MiB here, not the 4 GiB limit a request defaults to."""
+    share = parse_pod(pod({"gpu-memory": "2000", "gpu-memory.limit": "4Gi", LIM: "4Gi"},
+                          (C,))).share
+    assert share is not None
+    assert (share.node_request_bytes, share.node_limit_bytes) == (2000 * MIB, 4 << 30)
+
+
+def test_the_largest_device_count_kai_reads_is_admitted():
+    share = parse_pod(pod({"gpu-fraction": "0.5",
+                           "gpu-fraction-num-devices": "9223372036854775807"}, (C,))).share
+    assert share is not None and share.num_devices == (1 << 63) - 1
 
 
 @pytest.mark.parametrize(("annotations", "containers", "init", "target"), [
