@@ -20,7 +20,12 @@ tidy. The rules, in the order they are checked:
 - while the MPS control daemon is known not running, or stops with the agent, the markers that
   vouch for a container whose caps rely on it are set aside (`Reconciler.set_aside_for_mps`),
   decided from the plan where one is known, else from the marker itself
-  (`entry_relies_on_mps`: what its applied entry's message records).
+  (`entry_relies_on_mps`: what its applied entry's message records);
+- so are those of a container whose only memory tier is the watchdog while no watchdog watches
+  it: at the agent's stop (the watchdog stops with it: `Reconciler.set_aside_at_stop`), and on
+  a pass that returns before it settles the pods while NVML is down, the watchdog is blind on
+  its GPU, or no plan names the pod yet (`Reconciler.set_aside_unwatched`; with no plan, as
+  the marker records: `entry_watchdog_only`).
 
 A marker of another boot of the host (or one without a boot ID, from an older agent) vouches
 for limits the reboot cleared: it counts as no marker, and is removed when read and, for every
@@ -73,6 +78,7 @@ from ..engine import ContainerResult, ContainerState
 from ..engine_reports import WATCHDOG_BLIND
 from ..memory_limits import MEMORY_LIMIT_NOT_IN_FORCE
 from . import events as ev
+from .blindness import HARD_TIERS
 from .events import EventRecorder, PodRef
 from .kube import ClusterWriter
 from .watch import PodCache
@@ -94,7 +100,7 @@ class MarkerDecision:
 
 def _applied_message(result: ContainerResult, watchdog_stops: bool) -> str:
     # Deterministic (no times, no counters): an agent restart compares equal and rewrites
-    # nothing. `entry_relies_on_mps` reads it back: keep the two in step.
+    # nothing. `entry_relies_on_mps` and `entry_watchdog_only` read it back: keep them in step.
     mechanisms = ",".join(sorted(
         m.value if m is not Mechanism.WATCHDOG or watchdog_stops
         else f"{m.value} (reports, stops nothing)" for m in result.mechanisms)) or "none"
@@ -120,12 +126,39 @@ def entry_relies_on_mps(entry: ContainerMarker) -> bool:
     refused entry vouches for nothing (False)."""
     if entry.state is not MarkerState.APPLIED:
         return False
+    recorded = _recorded(entry)
+    if recorded is None:
+        return True
+    mechanisms, compute = recorded
+    return (compute != ComputeEnforcement.TIME_SLICING.value
+            or Mechanism.MPS_PINNED.value in mechanisms)
+
+
+def entry_watchdog_only(entry: ContainerMarker) -> bool:
+    """Whether an applied marker entry vouches for a GPU memory cap the watchdog alone enforces
+    (`blindness.watchdog_only`), as the entry itself records it: `watchdog` (a kill-policy
+    watchdog's name; a report-only one's says it stops nothing) among its memory mechanisms,
+    and neither `cgroup` nor `mps-pinned`. For an agent with no plan naming the pod (a fresh
+    start whose passes fail before they plan): no watchdog check of it watches the pod. Read
+    as `entry_relies_on_mps` reads it: an entry that does not read so counts as watchdog-only
+    (set aside, it only makes a gate wait), a refused one vouches for nothing (False)."""
+    if entry.state is not MarkerState.APPLIED:
+        return False
+    recorded = _recorded(entry)
+    if recorded is None:
+        return True
+    mechanisms, _compute = recorded
+    return (Mechanism.WATCHDOG.value in mechanisms
+            and not mechanisms & {m.value for m in HARD_TIERS})
+
+
+def _recorded(entry: ContainerMarker) -> tuple[frozenset[str], str] | None:
+    """(memory mechanisms, compute) as an entry's message records them (`_applied_message`);
+    None when it does not read so, or names a compute this release does not know."""
     m = _APPLIED_MESSAGE.fullmatch(entry.message)
     if m is None or m["compute"] not in _COMPUTE:
-        return True
-    mechanisms = {part.strip() for part in m["memory"].split(",")}
-    return (m["compute"] != ComputeEnforcement.TIME_SLICING.value
-            or Mechanism.MPS_PINNED.value in mechanisms)
+        return None
+    return frozenset(part.strip() for part in m["memory"].split(",")), m["compute"]
 
 
 def decide(results: Mapping[str, ContainerResult], *, watchdog_stops: bool = True

@@ -28,7 +28,11 @@ apply: from the last plan where there is one, from the markers themselves where 
 (a fresh agent whose daemon cannot start, before its first full pass). So are they on a pass
 that returns early while the daemon runs but was started by this agent since its last apply
 (`_fresh_daemon`: a fresh agent after a crash, whose daemon died with it): it holds none of
-them yet.
+them yet. Likewise a pass that returns early sets aside the markers of containers whose only
+memory tier is the watchdog where no watchdog check watches them (`set_aside_unwatched`), and
+the agent's stop those of every such container, since the watchdog stops with it
+(`set_aside_at_stop`); the next agent's first full pass runs a watchdog check, then writes them
+again.
 """
 
 from __future__ import annotations
@@ -41,11 +45,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from ...marker import Marker, MarkerState, read_boot_id
+from ...marker import ContainerMarker, Marker, MarkerState, read_boot_id
 from ..cgroups import CgroupFs
 from ..config import Mechanism, NodeConfig, WatchdogPolicy
 from ..desired import ContainerDesired, ContainerKey, DesiredState
 from ..engine import ContainerResult, ContainerState, Engine, relies_on_mps
+from ..engine_reports import WATCHDOG_BLIND
 from ..errors import NodeError
 from ..inventory import Inventory
 from ..limit_ledger import FileLimitLedger
@@ -56,7 +61,7 @@ from ..watchdog import Killer, SignalKiller, Watchdog
 from .condition import Health, watchdog_sole_tier
 from .events import EventRecorder
 from .kube import ClusterWriter
-from .markers import MarkerStore, MarkerWriter, entry_relies_on_mps
+from .markers import MarkerStore, MarkerWriter, entry_relies_on_mps, entry_watchdog_only
 from .metrics import AgentMetrics, Usage
 from .mps_links import LegacyPipeLinks
 from .mps_supervisor import MpsHealth, MpsSupervisor, drain
@@ -305,47 +310,72 @@ class Reconciler:
 
     def set_aside_unwatched(self, *, nvml_down: bool) -> list[str]:
         """On a pass that returns before it settles the pods (no pod list, one not confirmed,
-        NVML down): the readiness marker of each pod with a container of the last plan whose
-        only memory tier is the watchdog, and that the watchdog cannot watch now, is set aside
-        (a pass that settles does this through `UsageCheck.blind_results`). It cannot while
-        NVML is down (`nvml_down`: no check runs), nor on a GPU where it is blind
-        (`UsageCheck.blindness`). Set aside, not removed, as for the MPS caps
-        (`set_aside_for_mps`); local file moves only. Returns the pods' uids."""
-        desired = self.view.desired
-        if desired is None or not self.view.watchdog_stops:
-            return []
+        NVML down): the readiness marker of each pod with a container whose only memory tier
+        is the watchdog, and that the watchdog cannot watch now, is set aside (a pass that
+        settles does this through `UsageCheck.blind_results`): one of the last plan while NVML
+        is down (`nvml_down`: no check runs) or on a GPU where the watchdog is blind
+        (`UsageCheck.blindness`), and one no plan names, as its marker records (a fresh agent
+        whose passes fail before they plan: no check watches it). `_set_aside_watchdog_only`;
+        local file moves only. Returns the pods' uids."""
         blind = self.usage.blindness()
-        unwatched: dict[str, list[ContainerDesired]] = {}
-        for c in desired.containers:
-            if watchdog_only(c, True) and (nvml_down or blind.keys() & set(c.plan.device_uuids)):
-                unwatched.setdefault(c.key.pod_uid, []).append(c)
-        done = []
-        for uid, containers in sorted(unwatched.items()):
-            if self._set_aside_relying(uid, containers, "its watchdog cannot watch it") is None:
-                continue
-            done.append(uid)
-            why = ("NVML does not work, so no watchdog check runs" if nvml_down else
+
+        def cause(containers: list[ContainerDesired] | None) -> str:
+            why = ("no plan of this agent names the pod yet, so no watchdog check watches it"
+                   if containers is None else
+                   "NVML does not work, so no watchdog check runs" if nvml_down else
                    "the watchdog cannot see " + ", ".join(
                        f"GPU {u} ({blind[u].reason})" for u in sorted(
                            {u for c in containers for u in c.plan.device_uuids} & blind.keys())))
-            log.warning("pod %s/%s: set aside its marker: the watchdog is the only GPU memory "
-                        "tier of container(s) %s and %s; the marker is written again once a "
-                        "pass sees the watchdog watch again", containers[0].pod_namespace,
-                        containers[0].pod_name,
-                        ", ".join(sorted(c.key.container for c in containers)), why)
+            return f"{why}; the marker is written again once a pass sees the watchdog watch again"
+
+        return self._set_aside_watchdog_only(
+            lambda c: nvml_down or bool(blind.keys() & set(c.plan.device_uuids)), cause)
+
+    def _set_aside_watchdog_only(self, at_stake: Callable[[ContainerDesired], bool],
+                                 cause: Callable[[list[ContainerDesired] | None], str]
+                                 ) -> list[str]:
+        """Sets aside the readiness marker of each pod with an applied entry of a container
+        whose only memory tier is the watchdog (`usage.watchdog_only`) and that no watchdog
+        watches now: for the pods the last plan names, its containers `at_stake` says so of;
+        for the others (every pod, for an agent with no plan yet), the entries that record the
+        watchdog alone (`markers.entry_watchdog_only`). `cause`: why, for the log, given the
+        pod's containers (None: as its marker records). Set aside, not removed, as for the MPS
+        caps (`set_aside_for_mps`). Returns the pods' uids."""
+        desired = self.view.desired
+        unwatched: dict[str, list[ContainerDesired]] = {}
+        for c in desired.containers if desired is not None else ():
+            if watchdog_only(c, self.view.watchdog_stops) and at_stake(c):
+                unwatched.setdefault(c.key.pod_uid, []).append(c)
+        planned = _planned_pods(desired)
+        done = []
+        for uid in sorted(set(unwatched) | (self.markers.marked() - planned)):
+            containers = unwatched.get(uid, []) if uid in planned else None
+            names = self._set_aside_relying(uid, containers, "no watchdog stops what exceeds "
+                                            "its GPU memory cap", entry_watchdog_only)
+            if names is None:
+                continue
+            done.append(uid)
+            who = (f"pod {containers[0].pod_namespace}/{containers[0].pod_name}" if containers
+                   else f"pod {uid}")
+            tier = ("the watchdog is its only GPU memory tier" if containers else
+                    "its marker records the watchdog as its only GPU memory tier")
+            log.warning("%s: set aside its marker: no watchdog watches %s: %s", who, ", ".join(
+                f"container {n} ({WATCHDOG_BLIND}: {tier})" for n in names), cause(containers))
         return done
 
     def _set_aside_relying(self, uid: str, containers: list[ContainerDesired] | None,
-                           at_risk: str) -> list[str] | None:
+                           at_risk: str,
+                           recorded: Callable[[ContainerMarker], bool] = entry_relies_on_mps
+                           ) -> list[str] | None:
         """Sets the pod's readiness marker aside when it has an applied entry of `containers`
-        (`_relying_entries`; None: as its marker records); returns those entries' names, None
-        when nothing was set aside. `at_risk`: what a gate releasing on it would run without,
-        for the log when the move fails."""
+        (`_relying_entries`; None: those `recorded` says so of, as its marker records them);
+        returns those entries' names, None when nothing was set aside. `at_risk`: what a gate
+        releasing on it would run without, for the log when the move fails."""
         try:
             marker = self.markers.read(uid)
             if marker is None:
                 return None
-            names = _relying_entries(marker, containers)
+            names = _relying_entries(marker, containers, recorded)
             if not names or not self.markers.set_aside(uid):
                 return None
         except OSError as e:
@@ -375,9 +405,7 @@ class Reconciler:
         plans meanwhile either: a pod deleted meanwhile leaves the last plan, and its series
         go, as after any pass."""
         desired = self.view.desired
-        planned = set() if desired is None else (
-            {c.key.pod_uid for c in desired.containers} | {r.key.pod_uid for r in desired.refusals})
-        gone = {(uid, None) for uid in planned if uid not in live}
+        gone = {(uid, None) for uid in _planned_pods(desired) if uid not in live}
         if not self.view.usage and not gone:
             return
         if desired is not None and gone:
@@ -495,13 +523,11 @@ class Reconciler:
         return drain(self.mps.control, desired, self.nvml, self.procfs, uid, container)
 
     def close(self, *, stop_mps: bool = True) -> None:
-        """On shutdown, once the worker has stopped: stops the MPS control daemon if this agent
-        started it (`MpsHealth.stop`), after closing the marker store and setting aside the
-        readiness marker of every pod whose caps rely on it (`set_aside_for_mps_stop`), then
-        shuts NVML down."""
+        """On shutdown, once the worker has stopped: closes the marker store and sets aside the
+        markers of what stops with the agent (`set_aside_at_stop`), then stops the MPS control
+        daemon if this agent started it (`MpsHealth.stop`) and shuts NVML down."""
+        self.set_aside_at_stop(mps=stop_mps)
         if self.mps_health is not None and stop_mps:
-            if self.mps_health.owned:
-                self.set_aside_for_mps_stop()
             self.mps_health.stop()
         self.nvml_health.shutdown()
 
@@ -509,24 +535,28 @@ class Reconciler:
         """On shutdown when the worker did not finish its task within the stop's bound (a pass
         stuck on NVML or the MPS control, say): the daemon and NVML are left as they are (the
         worker may still be in them), but a daemon this agent started runs in its container and
-        dies with it all the same, so the markers that rely on it are set aside as at a clean
-        stop (`set_aside_for_mps_stop`: the store closed first, so the stuck pass, should it
+        dies with it all the same, and so does the watchdog: their markers are set aside as at
+        a clean stop (`set_aside_at_stop`: the store closed first, so the stuck pass, should it
         end, writes none of them back). Called from another thread than the worker's: it
         touches only the marker files and reads the last plan. Returns the pods' uids."""
-        if self.mps_health is None or not self.mps_health.owned:
-            return []
-        return self.set_aside_for_mps_stop()
+        return self.set_aside_at_stop()
 
-    def set_aside_for_mps_stop(self) -> list[str]:
-        """Before this agent stops the MPS control daemon it started (or leaves it to die with
-        its container: `abandon`): closes the marker store (`MarkerStore.close`: no pass may
-        write a marker after this), then sets aside the markers of the pods that rely on the
-        daemon (`set_aside_for_mps`), since all of that goes with the daemon and no agent runs
-        to say so until the next one's first pass, which writes them again once it has applied
-        them. Local file moves only (no API call: the shutdown's time is bounded). Returns the
-        pods' uids."""
+    def set_aside_at_stop(self, *, mps: bool = True) -> list[str]:
+        """As the agent stops (`close`, `abandon`): closes the marker store (`MarkerStore.close`:
+        no pass may write a marker after this), then sets aside the markers of the pods whose
+        limits go with the agent, since no agent runs to say so until the next one's first
+        pass, which writes them again once it has applied them (and run a watchdog check over
+        them: `_watchdog_blind`): with `mps`, those that rely on an MPS control daemon this
+        agent started (`set_aside_for_mps`: it stops it, or it dies with the agent's
+        container), and those of a container whose only memory tier is the watchdog, which runs
+        in the agent (`_set_aside_watchdog_only`). Local file moves only (no API call: the
+        shutdown's time is bounded). Returns the pods' uids."""
         self.markers.close()
-        return self.set_aside_for_mps(_STOP_CAUSE)
+        done: set[str] = set()
+        if mps and self.mps_health is not None and self.mps_health.owned:
+            done.update(self.set_aside_for_mps(_STOP_CAUSE))
+        done.update(self._set_aside_watchdog_only(lambda c: True, lambda c: _WATCHDOG_STOP_CAUSE))
+        return sorted(done)
 
     def set_aside_for_mps(self, cause: str) -> list[str]:
         """Sets aside the readiness marker of each pod with a container whose caps rely on the
@@ -540,13 +570,10 @@ class Reconciler:
         it still holds the pod to its plan. Returns the pods' uids."""
         desired = self.view.desired
         relying: dict[str, list[ContainerDesired]] = {}
-        planned: set[str] = set()
-        if desired is not None:
-            planned = ({c.key.pod_uid for c in desired.containers}
-                       | {r.key.pod_uid for r in desired.refusals})
-            for c in desired.containers:
-                if relies_on_mps(c):
-                    relying.setdefault(c.key.pod_uid, []).append(c)
+        for c in desired.containers if desired is not None else ():
+            if relies_on_mps(c):
+                relying.setdefault(c.key.pod_uid, []).append(c)
+        planned = _planned_pods(desired)
         done = []
         for uid in sorted(set(relying) | (self.markers.marked() - planned)):
             names = self._set_aside_relying(uid, relying.get(uid, []) if uid in planned else None,
@@ -567,22 +594,37 @@ class Reconciler:
         return done
 
 
-def _relying_entries(marker: Marker, planned: list[ContainerDesired] | None) -> list[str]:
+def _planned_pods(desired: DesiredState | None) -> set[str]:
+    """The pods a plan names: with a container planned, or refused."""
+    if desired is None:
+        return set()
+    return {c.key.pod_uid for c in desired.containers} | {r.key.pod_uid for r in desired.refusals}
+
+
+def _relying_entries(marker: Marker, planned: list[ContainerDesired] | None,
+                     recorded: Callable[[ContainerMarker], bool]) -> list[str]:
     """The names of `marker`'s applied entries that vouch for caps not in force now: those of
     `planned` (the plan's containers of the pod whose caps are at stake: relying on the MPS
     control daemon, or on a watchdog that cannot watch), or, with no plan for the pod (None),
-    those whose entry records MPS caps (`entry_relies_on_mps`)."""
+    those whose entry records such caps (`recorded`: `entry_relies_on_mps`,
+    `entry_watchdog_only`)."""
     if planned is not None:
         names = {c.key.container for c in planned}
         return sorted(n for n, e in marker.containers.items()
                       if e.state is MarkerState.APPLIED and n in names)
-    return sorted(n for n, e in marker.containers.items() if entry_relies_on_mps(e))
+    return sorted(n for n, e in marker.containers.items() if recorded(e))
 
 
 _STOP_CAUSE = ("the node agent stopped, and its MPS control daemon with it (its namespaces, "
                "their active-thread percentages and its default pinned limits go with it; a "
                "gate of the pod waits); the next node agent writes the marker again once it "
                "has applied them")
+
+
+_WATCHDOG_STOP_CAUSE = (
+    "the node agent stopped, and its watchdog with it (nothing stops a process over the cap; a "
+    "gate of the pod waits); the next node agent writes the marker again once its first pass "
+    "has run a watchdog check over the pod")
 
 
 _FRESH_DAEMON_CAUSE = (
