@@ -13,12 +13,16 @@ over the `ContainerPlan` the node agent builds from the pod's current annotation
 merge patch guarded by the pod's uid and resourceVersion. A pod that changed between the read
 and the patch is refused by the API server (409); the follower reads it again and checks it
 again (SIGN_ATTEMPTS), so it never signs annotations it did not check; one that keeps changing
-is checked again after a backoff (`Verification.recheck`, `rechecks`). It signs only the pod the
-BindRequest was made for (its owner's uid), never another created under the same name. A
-mismatch is never signed; a signature that already verifies is not rewritten, and one under a
-key the mirror still holds that no longer verifies (the pod was edited after it was signed) is
-not replaced: only a retired key's is. Derived annotations stay the node agent's. A pod that
-has run to its end (Succeeded, Failed) has nothing left to check or sign.
+is checked again after a backoff (`Verification.recheck`, `rechecks`). A patch refused as
+invalid (422) is read again to tell a recreated pod (its uid guard failed: checked again, as a
+change) from a write the API server refuses itself (annotations over its size limit, an
+admission policy), which would be refused at every retry: that is reported, not rechecked.
+It signs only the pod the BindRequest was made for (its owner's uid), never another created
+under the same name. A mismatch is never signed; a signature that already verifies is not
+rewritten, and one under a key the mirror still holds that no longer verifies (the pod was
+edited after it was signed) is not replaced: only a retired key's is. Derived annotations stay
+the node agent's. A pod that has run to its end (Succeeded, Failed) has nothing left to check
+or sign.
 Every decision not to sign a bound fractional pod is an event on the pod and a log line that
 name the reason (`NvFractionsMismatch`, `NvFractionsInvalid`, `NvFractionsUnsigned`).
 
@@ -380,11 +384,19 @@ class Follower:
                 return result
             try:
                 result = await self._sign(pod, result, br.selected_node, deadline)
-            except (WriteConflict, WriteInvalid) as e:
-                # The pod changed since it was read (or was recreated): what was checked is
-                # not what is there now, so read it again and check it again.
+            except WriteConflict as e:
+                # The pod changed since it was read: what was checked is not what is there
+                # now, so read it again and check it again.
                 log.info("pod %s changed before it was signed (%s); checking it again",
                          pod_ref, e)
+                result = replace(result, unsigned=f"the pod kept changing: {e}", recheck=True)
+                continue
+            except WriteInvalid as e:
+                refused = await self._refused(br, pod, result, e, deadline)
+                if refused is not None:
+                    return refused
+                log.info("pod %s was created again before it was signed (%s); checking it "
+                         "again", pod_ref, e)
                 result = replace(result, unsigned=f"the pod kept changing: {e}", recheck=True)
                 continue
             except PodNotFound:
@@ -397,6 +409,31 @@ class Follower:
                            f"{SIGN_ATTEMPTS} attempt(s); {CHECKED_AGAIN} (BindRequest {br.ref})",
                            deadline)
         return result
+
+    async def _refused(self, br: BindRequestView, pod: PodSnapshot, checked: Verification,
+                       error: WriteInvalid, deadline: Deadline) -> Verification | None:
+        """What a signing patch refused as invalid (422) means: None when the pod was created
+        again (its uid guard failed: check the new one, as after a conflict), else the final
+        result. The same pod refused means the API server refuses the write itself (its
+        annotations over the 256 KiB limit, an admission webhook or policy): that does not
+        pass by itself, so it is reported, not rechecked (as MirrorService._patch tells)."""
+        try:
+            fresh = await self.store.get_pod(br.namespace, br.pod_name, deadline)
+        except PodNotFound:
+            return Verification(br.ref, checked.pod, skipped="pod not found")
+        if fresh.uid != pod.uid:
+            return None
+        # The API server's answer goes last: an event's message is cut at 1024 characters,
+        # and what to do must survive a long one.
+        await self._report(pod, UNSIGNED_REASON, (
+            "not signed: the API server refuses the signing patch as invalid, so the pod is "
+            "not checked again until its BindRequest changes or is listed again; keep the "
+            "pod's annotations under the API server's 256 KiB limit and let admission "
+            "webhooks and policies allow the mirror's patch of its signature annotation, then "
+            f"delete the pod so the scheduler binds it again (BindRequest {br.ref}): {error}"),
+            deadline)
+        return replace(checked, unsigned=f"the API server refused the signing patch as "
+                                         f"invalid: {error}", recheck=False)
 
     async def _check(self, br: BindRequestView, pod: PodSnapshot,
                      deadline: Deadline) -> Verification:

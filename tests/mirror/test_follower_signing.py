@@ -15,6 +15,8 @@ from kai_fractions.kube.client import Kube
 from kai_fractions.kube.retry import Backoff
 from kai_fractions.mirror.follower import BindRequestView, Follower
 from kai_fractions.mirror.kube_store import KubePodStore
+from kai_fractions.mirror.metrics import MirrorMetrics
+from kai_fractions.mirror.rechecks import wants_recheck
 from kai_fractions.node.agent.signatures import SignatureCheck
 from kai_fractions.node.desired import NodePod
 from kai_fractions.signing import Keyring, KeyringSource
@@ -216,3 +218,54 @@ async def test_the_resource_version_guard_refuses_a_stale_signature(cluster, cli
     assert result.signed == ()
     assert SIG not in stored(cluster, "edit-1")["metadata"]["annotations"]
     assert EditingStore.reads == 2
+
+
+TOO_LONG = "metadata.annotations: Too long: must have at most 262144 bytes"
+
+
+async def test_a_patch_the_api_server_refuses_as_invalid_is_reported_not_rechecked(
+        cluster, client):
+    """A 422 on the pod that was read (its annotations over the API server's limit, a policy)
+    is no change under the write: it would be refused at every retry. One patch, one re-read to
+    tell it from a recreated pod, then reported with the server's words and what to do, and
+    counted unsigned; no recheck."""
+    cluster.core.create_namespaced_pod(NS, pod("big-0", {"gpu-fraction": "0.5", **BOUND}))
+    refusal = cluster.fail("PATCH", PATCHES, 422, times=None, message=TOO_LONG)
+    metrics = MirrorMetrics()
+    f = follower(client)
+    result = await metrics.check(f.follow_one, BindRequestView.from_object(
+        bind_request("br-1", "big-0")))
+    assert refusal.hits == 1 and len(patches(cluster)) == 1
+    assert cluster.count("GET", "/api/v1/namespaces/team-a/pods/big-0") == 2
+    assert result.recheck is False and not wants_recheck(result)
+    assert result.signed == () and TOO_LONG in result.unsigned
+    assert "kept changing" not in result.unsigned
+    assert metrics.registry.get_sample_value("kai_fractions_follower_checks_total",
+                                             {"result": "unsigned"}) == 1
+    (event,) = cluster.core.list_namespaced_event(NS).items
+    assert event.reason == "NvFractionsUnsigned"
+    assert TOO_LONG in event.message and "256 KiB" in event.message
+    assert "delete the pod" in event.message and "changed" not in event.message
+    assert SIG not in stored(cluster, "big-0")["metadata"]["annotations"]
+
+
+async def test_an_invalid_patch_of_a_recreated_pod_checks_the_new_pod(cluster, client):
+    """The pod deleted and created again between the read and the patch: the uid guard's 422
+    is a change, as a 409 is. The re-read finds the new uid and the new pod is checked and
+    signed (under its own uid), with no event."""
+    cluster.core.create_namespaced_pod(NS, pod("again-0", {"gpu-fraction": "0.5", **BOUND}))
+    faults = []
+
+    def recreate():
+        cluster.core.delete_namespaced_pod("again-0", NS)
+        cluster.core.create_namespaced_pod(NS, pod("again-0", {"gpu-fraction": "0.5",
+                                                               **BOUND}))
+        faults.append(cluster.fail("PATCH", PATCHES, 422, times=1,
+                                   message="metadata.uid: Invalid value: field is immutable"))
+
+    EditingStore = editing_after_first_read(cluster, {}, then=recreate)
+    result = await check(follower(client, store_cls=EditingStore), "again-0")
+    assert faults[0].hits == 1
+    assert result.signed == (SIG,) and result.unsigned == ""
+    assert agent_verdict(stored(cluster, "again-0")).ok
+    assert cluster.core.list_namespaced_event(NS).items == []
