@@ -8,18 +8,20 @@ clean, which MPS namespace caps and pinned limits it set) only saves reads, exce
 read gives back, which keep their containers pending: which MPS namespaces it created whose cap
 is not verified in force yet (a client may have attached before it was set: `Engine._fresh`),
 and which GPUs' default pinned limits it found lost and has not set since, and which namespaces
-were there while they were (`Engine.pins`, `kai_fractions.node.mps_pinned`), and which pod
-slices' GPU memory limits it read back missing and could not set (`Engine._unlimited`).
+were there while they were (`Engine.pins`, `kai_fractions.node.mps_pinned`), which pod
+slices' GPU memory limits it read back missing and could not set (`Engine._unlimited`), and
+which GPUs sm-sharing needs in EXCLUSIVE_PROCESS it read back in another compute mode and could
+not set (`Engine._wrong_mode`).
 
 A container is reported `applied` only when everything its plan needs is in force: its GPUs'
 compute mode, its MPS namespace and pinned limit, and the cgroup limit on its pod's slice
 (the container's own cgroup gets its limit too once the runtime has created it). Any error
 leaves it `pending` with the reason, and the next `apply` tries again. A container pending
 because something its plan needs is KNOWN not in force (`ContainerResult.not_in_force`: an MPS
-cap, including every one that went with an MPS control daemon that is not running, or its pod
-slice's memory limit) says so, under a reason of its own (NOT_IN_FORCE_REASONS):
-no readiness marker may vouch for it then; any other pending reason (a failed call, a read that
-failed) says nothing of what is in force.
+cap, including every one that went with an MPS control daemon that is not running or that its
+GPU's compute mode does not hold, or its pod slice's memory limit) says so, under a reason of
+its own (NOT_IN_FORCE_REASONS): no readiness marker may vouch for it then; any other pending
+reason (a failed call, a read that failed) says nothing of what is in force.
 
 One apply is a `_Run`: the order of its steps, the compute modes and the report stay here; its
 state is `engine_run.RunState`, and its other steps, subclasses of it, have modules of their
@@ -38,7 +40,13 @@ from types import MappingProxyType
 from ..contract import mps_namespace_name
 from .cgroups import CgroupFs
 from .config import Mechanism, NodeConfig
-from .desired import ContainerKey, DesiredState, LimitTarget
+from .desired import (
+    ComputeEnforcement,
+    ContainerDesired,
+    ContainerKey,
+    DesiredState,
+    LimitTarget,
+)
 from .engine_cgroup_limits import CGROUP_NOT_FOUND, CgroupLimitStep
 from .engine_mps import (
     MPS_UNAVAILABLE,
@@ -49,6 +57,7 @@ from .engine_mps import (
     relies_on_mps,
 )
 from .engine_reports import (
+    COMPUTE_MODE_NOT_IN_FORCE,
     NOT_IN_FORCE_REASONS,
     ApplyReport,
     ContainerResult,
@@ -63,11 +72,12 @@ from .limit_ledger import LEDGER_NOT_WRITTEN, LimitLedger, MemoryLimitLedger
 from .memory_limits import MemoryLimitEnforcer
 from .mps_caps import CAP_NOT_IN_FORCE_REASONS
 from .mps_pinned import PinnedLimits
-from .nvml import MemoryLimits, Nvml
+from .nvml import GpuComputeMode, MemoryLimits, Nvml
 
 __all__ = [  # the engine's API, and what its users import from here (the reports, the reasons)
     "CAP_NOT_IN_FORCE_REASONS",
     "CGROUP_NOT_FOUND",
+    "COMPUTE_MODE_NOT_IN_FORCE",
     "MPS_UNAVAILABLE",
     "NOT_IN_FORCE_REASONS",
     "ApplyReport",
@@ -142,6 +152,13 @@ class Engine:
         back in force, or no longer desired, so that a pass failing before it reaches the
         cgroup (NVML down, a read that fails) still reports the limit missing
         (`ContainerResult.limit_missing`). Not a cache: `forget()` keeps it."""
+        self._wrong_mode: dict[str, tuple[GpuComputeMode, NvmlError]] = {}
+        """GPUs an sm-sharing plan needs in EXCLUSIVE_PROCESS that read back another compute
+        mode and could not be set: uuid -> (the mode read back, the set's error). There a
+        process that leaves MPS opens a context of its own, outside every MPS cap. Kept until
+        the mode is set or read back in force, or no plan needs it, so that a pass failing
+        before it reads the mode (NVML down) still reports it (`ContainerResult.mps_cap_missing`,
+        COMPUTE_MODE_NOT_IN_FORCE). Not a cache: `forget()` keeps it."""
         self.pins = PinnedLimits()
         """The MPS default pinned device memory limits: MiB written (a cache), GPUs whose limit
         is known lost and namespaces that may hold a server started without it (not caches)."""
@@ -190,6 +207,9 @@ class Engine:
         self._uncapped.intersection_update(desired.mps_namespaces)  # their containers went
         targets = set(desired.limits)  # a target gone: its pod went, or its plan changed
         self._unlimited = {t: b for t, b in self._unlimited.items() if t in targets}
+        exclusive = {g.uuid for g in desired.gpus
+                     if g.compute_mode is GpuComputeMode.EXCLUSIVE_PROCESS}
+        self._wrong_mode = {u: w for u, w in self._wrong_mode.items() if u in exclusive}
         self.pins.keep_only(desired.mps_namespaces)
         run = _Run(self, desired, mps_down, mps_not_running=mps_not_running)
         run.go()
@@ -303,7 +323,26 @@ class _Run(MpsStep, CgroupLimitStep):
                 except NvmlError as e:
                     error = e
                     self.fail(g.containers, e)
+                    # Read back in another mode, and not set: known not in force for its
+                    # sm-sharing containers (`mode_missing`). Not for a time-slicing GPU left
+                    # in EXCLUSIVE_PROCESS: that only keeps a second process from starting.
+                    if g.compute_mode is GpuComputeMode.EXCLUSIVE_PROCESS:
+                        self.e._wrong_mode[g.uuid] = (device.compute_mode, e)
+            if mode == g.compute_mode:  # read back in force, or set now
+                self.e._wrong_mode.pop(g.uuid, None)
             self.gpu_results.append(GpuResult(g.uuid, mode, changed, error))
+
+    def mode_missing(self, c: ContainerDesired
+                     ) -> tuple[str, GpuComputeMode, NvmlError] | None:
+        """A GPU of the sm-sharing container `c` known not in EXCLUSIVE_PROCESS
+        (`Engine._wrong_mode`, this pass's or an earlier one's): its uuid, the mode read back and
+        the set's error."""
+        if c.compute is ComputeEnforcement.TIME_SLICING:
+            return None
+        for uuid in c.plan.device_uuids:
+            if uuid in self.e._wrong_mode:
+                return (uuid, *self.e._wrong_mode[uuid])
+        return None
 
     # report ----------------------------------------------------------------------------------
 
@@ -321,12 +360,16 @@ class _Run(MpsStep, CgroupLimitStep):
                           mps_namespace=c.mps_namespace,
                           limits=tuple(self.in_force.get(c.key, ())),
                           container_limit_pending=c.key in self.leaf_pending)
+            # The compute mode's reason before any other: no MPS cap holds without it.
+            wrong = self.mode_missing(c)
+            if wrong is not None:
+                error = compute_mode_not_in_force(*wrong, error)
             if error is not None:
-                missing = self.cap_missing(c)
+                missing = wrong is not None or self.cap_missing(c)
                 unlimited = self.limit_missing(c)
-                if missing:  # an MPS cap's reason first: its event and message say what to do
-                    error = self.cap_error(c, error)
-                elif unlimited is not None:
+                if wrong is None and missing:  # an MPS cap's reason next: its event and
+                    error = self.cap_error(c, error)  # message say what to do
+                elif wrong is None and unlimited is not None:
                     error = self.limit_error(unlimited, error)
                 results[c.key] = ContainerResult(state=ContainerState.PENDING,
                                                  reason=error.reason, message=error.message,
@@ -339,3 +382,22 @@ class _Run(MpsStep, CgroupLimitStep):
             writes=tuple(self.writes), cleared=tuple(self.cleared),
             namespaces_created=tuple(self.created), namespaces_deleted=tuple(self.deleted),
             compute_modes_set=tuple(self.modes_set), issues=tuple(self.issues))
+
+
+def compute_mode_not_in_force(uuid: str, read: GpuComputeMode, cause: NvmlError,
+                              error: NodeError | None = None) -> NvmlError:
+    """The error of an sm-sharing container whose GPU `uuid` is known not in EXCLUSIVE_PROCESS:
+    read back as `read`, and the set failed with `cause`. `error`: what the container failed at
+    first in this pass; `cause` itself when this pass's set failed (compute modes come first),
+    else what puts nothing right (a read that failed, NVML down), named in the message."""
+    now = error is None or error is cause
+    why = (f"could not be set ({cause.reason}: {cause.message})" if now else
+           f"could not be set ({cause.reason}) and is not known set since (this pass: "
+           f"{error.reason}: {error.message})")
+    return NvmlError(
+        f"GPU {uuid} {'reads' if now else 'was read'} back compute mode {read.name}, not the "
+        f"EXCLUSIVE_PROCESS sm-sharing needs, and {why}: there a process that leaves MPS (no "
+        "CUDA_MPS_PIPE_DIRECTORY) runs outside the container's MPS caps. It stays pending, its "
+        "readiness marker set aside, until the mode is in force (retried every pass): let the "
+        f"agent set it, or run nvidia-smi -i {uuid} -c EXCLUSIVE_PROCESS",
+        function=cause.function, code=cause.code, reason=COMPUTE_MODE_NOT_IN_FORCE)

@@ -29,9 +29,18 @@ use, or lists one whose container cannot be told: `node.agent.usage`), so nothin
 process over the cap. Set by the agent's pass (`UsageCheck.blind_results`), not by the engine;
 the message names the GPU, what the watchdog cannot see there and what to do."""
 
-NOT_IN_FORCE_REASONS = CAP_NOT_IN_FORCE_REASONS | {MEMORY_LIMIT_NOT_IN_FORCE, WATCHDOG_BLIND}
+COMPUTE_MODE_NOT_IN_FORCE = "ComputeModeNotInForce"
+"""The reason of an sm-sharing container pending because a GPU of its reads back a compute mode
+other than EXCLUSIVE_PROCESS and the set failed (`Engine._wrong_mode`): there a process that
+does not go through MPS opens a context of its own, outside every MPS cap, so it counts as an
+MPS cap not in force (`ContainerResult.mps_cap_missing`). The message names the GPU, the modes,
+NVML's error and what to do."""
+
+NOT_IN_FORCE_REASONS = CAP_NOT_IN_FORCE_REASONS | {MEMORY_LIMIT_NOT_IN_FORCE, WATCHDOG_BLIND,
+                                                   COMPUTE_MODE_NOT_IN_FORCE}
 """The reasons of a container pending with `ContainerResult.not_in_force`, and only of such a
-container: CAP_NOT_IN_FORCE_REASONS for an MPS cap (`mps_cap_missing`),
+container: CAP_NOT_IN_FORCE_REASONS for an MPS cap (`mps_cap_missing`), COMPUTE_MODE_NOT_IN_FORCE
+for its GPU's compute mode, which every MPS cap needs (`mps_cap_missing` too),
 MEMORY_LIMIT_NOT_IN_FORCE for its pod slice's memory limit (`limit_missing`), WATCHDOG_BLIND
 for a watchdog that is its only memory tier and cannot see its GPU (`watchdog_blind`)."""
 
@@ -67,12 +76,15 @@ class ContainerResult:
     fails at first: `Engine._uncapped`), or its GPU's default pinned device memory limit
     (mps-pinned) reads back lost and is not set again since, or its namespace was there while
     that limit was lost (`PinnedLimits.suspect`), or the MPS control daemon is not running
-    (`Engine.apply`'s `mps_not_running`: every cap that relies on it went with it). A client
-    attaching meanwhile may run uncapped, so no readiness marker may vouch for the container;
-    other pending reasons (NVML down, a busy daemon, one that runs but does not answer, a read
-    that failed) say nothing of what is in force. Its reason
-    is then one of CAP_NOT_IN_FORCE_REASONS (the message names the daemon's own error), and
-    those reasons mean this."""
+    (`Engine.apply`'s `mps_not_running`: every cap that relies on it went with it), or a GPU
+    of this sm-sharing container reads back a compute mode other than EXCLUSIVE_PROCESS and
+    could not be set (`Engine._wrong_mode`: a process that leaves MPS runs outside every MPS
+    cap). A client attaching meanwhile may run uncapped, so no readiness marker may vouch for
+    the container; other pending reasons (NVML down, a busy daemon, one that runs but does not
+    answer, a read that failed) say nothing of what is in force. Its reason
+    is then one of CAP_NOT_IN_FORCE_REASONS (the message names the daemon's own error), or
+    COMPUTE_MODE_NOT_IN_FORCE for the compute mode (NVML's error), and those reasons mean
+    this."""
     limit_missing: bool = False
     """The GPU memory limit on its pod's slice, on one of its GPUs, is known not to be in force:
     read back absent or other than the plan's, and not set since (`Engine._unlimited`: known

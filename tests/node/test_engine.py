@@ -199,7 +199,8 @@ def test_compute_mode_failure_keeps_the_gpus_containers_pending(node: Node) -> N
     node.nvml.fail("set_compute_mode", "NoPermission", times=1)
     report = node.apply(sm_pod(), ts_pod())
     assert report.containers[(UID_A, "main")].state is ContainerState.PENDING
-    assert report.containers[(UID_A, "main")].reason == "NVMLNoPermission"
+    # GPU0 reads back DEFAULT and its set failed: known not in force (ComputeModeNotInForce)
+    assert report.containers[(UID_A, "main")].reason == "ComputeModeNotInForce"
     assert report.containers[(UID_B, "main")].state is ContainerState.APPLIED
     (g0, _g1) = report.gpus
     assert g0.error is not None and g0.compute_mode is GpuComputeMode.DEFAULT

@@ -238,7 +238,7 @@ def test_a_marker_does_not_hold_while_a_slice_lacks_its_limit(tmp_path: Path) ->
     assert not decide({"main": missing}).keep_existing
     reasons = engine.NOT_IN_FORCE_REASONS
     assert reasons == engine.CAP_NOT_IN_FORCE_REASONS | {"MemoryLimitNotInForce",
-                                                         "WatchdogBlind"}
+                                                         "WatchdogBlind", "ComputeModeNotInForce"}
 
 
 def test_with_an_mps_cap_missing_too_the_caps_reason_is_reported(tmp_path: Path) -> None:
