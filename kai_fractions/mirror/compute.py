@@ -175,6 +175,9 @@ class Patch:
     changes: Mapping[str, str | None]
     """key -> new value, or None to delete; empty = the pod already says it all."""
     record: MirrorRecord
+    repeat: bool = False
+    """The pod already carries this allocation: the patch only adds the caller's new key to
+    the record (`MirrorRecord.aliases`), and the answer is `changed: false`."""
 
 
 def mirror_patch(
@@ -191,7 +194,7 @@ def mirror_patch(
                        idempotency_key=idempotency_key)
     ref = f"{pod.namespace}/{pod.name}"
     if old is not None and old.digest != new.digest:
-        if idempotency_key and old.idempotency_key == idempotency_key:
+        if old.owns_key(idempotency_key):
             raise AllocationConflict(ref, (
                 f"idempotency key {idempotency_key!r} was already used on pod {ref} for a "
                 "different allocation; a retry must repeat the same decision, a new decision "
@@ -215,7 +218,15 @@ def mirror_patch(
         key: value for key, value in outcome.annotations.items() if current.get(key) != value}
     changes.update({key: None for key in sorted(stale) if key in current})
     if old is not None and old.same_allocation(new):
-        return Patch(changes=changes, record=old)  # keep the first caller's key
+        # The first caller's key stays. A new key is recorded as well, though the repeat
+        # writes nothing else (one guarded patch more): answered OK for this allocation, its
+        # late retry after a rebind must be refused like the first key's, not put it back.
+        known = old.with_alias(idempotency_key)
+        if known is None:
+            return Patch(changes=changes, record=old)
+        changes[MIRRORED_ANNOTATION] = known.encode()
+        return Patch(changes=changes, record=known,
+                     repeat=changes.keys() == {MIRRORED_ANNOTATION})
     changes[MIRRORED_ANNOTATION] = new.encode()
     return Patch(changes=changes, record=new)
 

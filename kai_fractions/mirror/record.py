@@ -6,8 +6,9 @@ rebind to another portion would keep the old memory. The record lists every key 
 the pod, so a recomputation first strips exactly those keys and sees the pod as the user wrote it.
 It also carries the pod UID it was written for (a recreated pod's stale record is ignored), the
 digest of the written allocation (an identical repeat is a no-op, a different one is a conflict),
-the caller's idempotency key, and the keys of the allocations it replaced (a late retry of one
-must not put a superseded decision back). It is written in the same merge patch as the keys it
+the caller's idempotency key, the keys of later calls that repeated the same allocation (each
+was answered OK for it), and the keys of the allocations it replaced (a late retry of one must
+not put a superseded decision back). It is written in the same merge patch as the keys it
 lists.
 
 A release leaves a `ReleasedRecord` in its place (`"released": true`, no keys): the release's
@@ -57,6 +58,10 @@ class MirrorRecord:
     spent: tuple[str, ...] = ()
     """Idempotency keys of the allocations this one replaced, oldest first (at most
     SPENT_KEPT): their calls are over, and a late retry of one is refused."""
+    aliases: tuple[str, ...] = ()
+    """Keys of later calls that repeated this allocation under a new key (answered OK),
+    oldest first (at most SPENT_KEPT): they are spent with `idempotency_key` when this
+    allocation is replaced or released, so a late retry of any of them is refused too."""
 
     def encode(self) -> str:
         record = {"v": RECORD_VERSION, "uid": self.pod_uid, "container": self.container,
@@ -64,21 +69,36 @@ class MirrorRecord:
                   "idempotencyKey": self.idempotency_key}
         if self.spent:  # absent until a replace: a record as the mirror wrote it before
             record["spentKeys"] = list(self.spent)
+        if self.aliases:  # absent until a repeat under a new key, likewise
+            record["aliasKeys"] = list(self.aliases)
         return _CANONICAL.encode(record)
 
+    def owns_key(self, key: str) -> bool:
+        """Whether a call with `key` was answered OK for this allocation."""
+        return bool(key) and (key == self.idempotency_key or key in self.aliases)
+
+    def with_alias(self, key: str) -> MirrorRecord | None:
+        """This record knowing `key` too, a repeat of its allocation; None when it needs no
+        change (no key, or one it already owns or holds as spent)."""
+        if not key or self.owns_key(key) or key in self.spent:
+            return None
+        return MirrorRecord(self.pod_uid, self.container, self.keys, self.digest,
+                            self.idempotency_key, self.spent,
+                            spent_keys(self.aliases, key))
+
     def replaced_by(self, new: MirrorRecord) -> MirrorRecord:
-        """`new`, which replaces this allocation, keeping this one's key as spent."""
-        spent = self.spent + ((self.idempotency_key,) if self.idempotency_key else ())
+        """`new`, which replaces this allocation, keeping this one's keys as spent."""
         return MirrorRecord(new.pod_uid, new.container, new.keys, new.digest,
-                            new.idempotency_key, spent[-SPENT_KEPT:])
+                            new.idempotency_key, spent_keys(
+                                self.spent, self.idempotency_key, self.aliases))
 
     def released(self, key: str) -> ReleasedRecord:
-        """What a release with `key` leaves: this allocation's key spent, `key` the latest."""
+        """What a release with `key` leaves: this allocation's keys spent, `key` the latest."""
         return ReleasedRecord(self.pod_uid, key, spent_keys(
-            self.spent, self.idempotency_key, but=key))
+            self.spent, self.idempotency_key, self.aliases, but=key))
 
     def same_allocation(self, other: MirrorRecord) -> bool:
-        """Equal but for the idempotency key (the first caller's key is kept)."""
+        """Equal but for the idempotency keys (the first caller's key is kept)."""
         return (self.pod_uid, self.container, tuple(sorted(self.keys)), self.digest) == (
             other.pod_uid, other.container, tuple(sorted(other.keys)), other.digest)
 
@@ -126,7 +146,7 @@ class ReleasedRecord:
         return MirrorRecord(new.pod_uid, new.container, new.keys, new.digest,
                             new.idempotency_key, spent_keys(
                                 self.spent, self.idempotency_key, new.spent,
-                                but=new.idempotency_key))
+                                but=new.idempotency_key), new.aliases)
 
 
 def _decoded(value: str | None) -> dict | None:
@@ -159,12 +179,13 @@ def decode_record(value: str | None) -> MirrorRecord | None:
     raw = _decoded(value)
     if raw is None or raw.get("released"):
         return None
-    keys, spent = raw.get("keys"), raw.get("spentKeys", [])
+    keys, spent, aliases = raw.get("keys"), raw.get("spentKeys", []), raw.get("aliasKeys", [])
     fields = (raw.get("uid"), raw.get("container"), raw.get("digest"),
               raw.get("idempotencyKey", ""))
-    if not isinstance(keys, list) or not isinstance(spent, list) or not all(
-            isinstance(x, str) for x in (*keys, *spent, *fields)):
+    if not all(isinstance(x, list) for x in (keys, spent, aliases)) or not all(
+            isinstance(x, str) for x in (*keys, *spent, *aliases, *fields)):
         return None
     uid, container, digest, key = fields
     return MirrorRecord(pod_uid=uid, container=container, keys=tuple(sorted(keys)),
-                        digest=digest, idempotency_key=key, spent=tuple(spent))
+                        digest=digest, idempotency_key=key, spent=tuple(spent),
+                        aliases=tuple(aliases))

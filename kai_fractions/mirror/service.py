@@ -295,11 +295,18 @@ class MirrorService:
                     continue
                 # Queued, the line is written once this task has handed its answer back (a
                 # write to stderr is not worth a caller's wait).
-                asyncio.get_running_loop().call_soon(
-                    log.info, "pod %s/%s: wrote %d annotation change(s) for container %s (%s)",
-                    ns, name, len(patch.changes), outcome.container or "-", outcome.digest[:19])
-                return MirrorResult(outcome.annotations, True, written.resource_version,
-                                    outcome.plans)
+                if patch.repeat:
+                    asyncio.get_running_loop().call_soon(
+                        log.info, "pod %s/%s already carries its allocation (%s); recorded "
+                        "the key %r of this repeat", ns, name, outcome.digest[:19],
+                        idempotency_key)
+                else:
+                    asyncio.get_running_loop().call_soon(
+                        log.info, "pod %s/%s: wrote %d annotation change(s) for container %s "
+                        "(%s)", ns, name, len(patch.changes), outcome.container or "-",
+                        outcome.digest[:19])
+                return MirrorResult(outcome.annotations, not patch.repeat,
+                                    written.resource_version, outcome.plans)
         raise AssertionError("unreachable")  # _waits raises when it runs out
 
     async def _release(self, namespace: str, name: str, uid: str, idempotency_key: str,

@@ -117,11 +117,18 @@ async def test_identical_repeat_and_same_key_write_nothing(store, service):
     store.add_pod(pod({"gpu-fraction": "0.5"}))
     first = await service.mirror(allocation(), idempotency_key="bind-1")
     again = await service.mirror(allocation(), idempotency_key="bind-1")
-    other_key = await service.mirror(allocation(), idempotency_key="bind-2")
-    assert (again.changed, other_key.changed) == (False, False)
-    assert again.annotations == first.annotations
+    no_key = await service.mirror(allocation())
+    assert (again.changed, no_key.changed) == (False, False)
+    assert again.annotations == first.annotations == no_key.annotations
     assert len(store.patches) == 1
+    # A new key for the same decision writes the record alone (changed: false), once.
+    other_key = await service.mirror(allocation(), idempotency_key="bind-2")
+    assert other_key.changed is False and other_key.annotations == first.annotations
+    assert len(store.patches) == 2 and list(store.patches[1][2]) == [MIRRORED_ANNOTATION]
+    assert (await service.mirror(allocation(), idempotency_key="bind-2")).changed is False
+    assert len(store.patches) == 2
     assert record_of(store)["idempotencyKey"] == "bind-1"  # the first caller's key stays
+    assert record_of(store)["aliasKeys"] == ["bind-2"]
 
 
 async def test_a_different_decision_is_refused_without_replace(store, service):
@@ -189,6 +196,54 @@ async def test_a_late_retry_of_a_replaced_decision_is_refused(store, service):
     assert not (await service.mirror(second, idempotency_key="bind-2", replace=True)).changed
     assert (await service.mirror(allocation(), idempotency_key="bind-3", replace=True)).changed
     assert record_of(store)["spentKeys"] == ["bind-1", "bind-2"]
+
+
+async def test_a_late_retry_of_a_second_key_for_a_replaced_decision_is_refused(
+        store, service):
+    """From review: bind-2 repeated bind-1's decision under a new key and was answered OK;
+    after a rebind (bind-3), bind-2's late retry wrote the superseded GPU back, as only
+    bind-1 had become spent. Every key answered OK for an allocation is spent with it."""
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    await service.mirror(allocation(), idempotency_key="bind-1")
+    assert not (await service.mirror(allocation(), idempotency_key="bind-2",
+                                     replace=True)).changed
+    with pytest.raises(AllocationConflict) as e:  # bind-2 is this allocation's key now
+        await service.mirror(allocation(portion="0.25"), idempotency_key="bind-2", replace=True)
+    assert e.value.kind == "IDEMPOTENCY_KEY_REUSED"
+    await service.mirror(allocation(gpu_ids=(GPU_B,)), idempotency_key="bind-3", replace=True)
+    assert record_of(store)["spentKeys"] == ["bind-1", "bind-2"]
+    assert "aliasKeys" not in record_of(store)
+    written = len(store.patches)
+    with pytest.raises(AllocationConflict) as e:
+        await service.mirror(allocation(), idempotency_key="bind-2", replace=True)
+    assert e.value.kind == "IDEMPOTENCY_KEY_SUPERSEDED"
+    assert "(key bind-3)" in str(e.value)
+    assert store.annotations(NS, POD)[DEVICES] == GPU_B
+    assert len(store.patches) == written
+
+
+async def test_a_late_retry_of_a_second_key_for_a_released_decision_is_refused(
+        store, service):
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    await service.mirror(allocation(), idempotency_key="bind-1")
+    await service.mirror(allocation(), idempotency_key="bind-2")
+    await service.release(NS, POD, idempotency_key="rollback-1")
+    assert record_of(store)["spentKeys"] == ["bind-1", "bind-2"]
+    with pytest.raises(AllocationConflict) as e:
+        await service.mirror(allocation(), idempotency_key="bind-2", replace=True)
+    assert e.value.kind == "IDEMPOTENCY_KEY_SUPERSEDED"
+    assert set(store.annotations(NS, POD)) == {"gpu-fraction", MIRRORED_ANNOTATION}
+
+
+async def test_a_record_keeps_the_latest_repeating_keys_only(store, service):
+    """The keys of repeats are bounded as spent keys are: the record stays small."""
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    for i in range(12):
+        await service.mirror(allocation(), idempotency_key=f"bind-{i}")
+    assert record_of(store)["idempotencyKey"] == "bind-0"
+    assert record_of(store)["aliasKeys"] == [f"bind-{i}" for i in range(4, 12)]
+    await service.mirror(allocation(gpu_ids=(GPU_B,)), idempotency_key="bind-12", replace=True)
+    assert record_of(store)["spentKeys"] == [f"bind-{i}" for i in range(4, 12)]
 
 
 async def test_a_record_keeps_the_latest_spent_keys_only(store, service):
