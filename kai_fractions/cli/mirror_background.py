@@ -18,12 +18,7 @@ def background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, 
     from ..mirror.kube_store import KubePodStore
 
     tasks: list = []
-    publisher = None
-    if publish_to and keyring is not None:
-        from ..mirror.public_key import Publisher
-
-        publisher = Publisher(kube, *publish_to, keyring)
-        tasks.append(publisher.run)
+    in_term = None  # with leader election: whether this replica holds the Lease now
     if args.report_gpu_fractioning_config:
         from ..mirror.kai_dependency import Reporter
 
@@ -95,6 +90,14 @@ def background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, 
             tasks.append(follow_while_leading)
             if metrics is not None:
                 metrics.watch_leading(lambda: elector.leading)
+    publisher = None
+    if publish_to and keyring is not None:
+        from ..mirror.public_key import Publisher
+
+        # Under election only the Lease's holder overwrites the ConfigMap: replicas that see
+        # different key sets mid-rotation would otherwise take turns rewriting it.
+        publisher = Publisher(kube, *publish_to, keyring, in_term=in_term)
+        tasks.insert(0, publisher.run)
     return tasks, publisher
 
 

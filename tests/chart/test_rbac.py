@@ -34,7 +34,7 @@ REPORTER_RULES = {
 }
 
 PUBLIC_KEY_RULES = {
-    rule([""], ["configmaps"], ["patch"], ["kai-fractions-signing-public"]),
+    rule([""], ["configmaps"], ["get", "patch"], ["kai-fractions-signing-public"]),
     rule([""], ["configmaps"], ["create"]),
 }
 
@@ -152,14 +152,15 @@ def test_mirror_rules_shrink_with_its_options():
 
 def test_signing_key_rules_follow_the_names_and_never_read_the_key():
     """The private key is mounted (the kubelet reads its Secret): a leaked token of the mirror
-    must not fetch it through the API. The public key's ConfigMap is written, never read."""
+    must not fetch it through the API. The public key's ConfigMap is read and written by name."""
     docs = render(CHART / "ci" / "time-slicing-only-values.yaml",
                   ("signing.secretName=allocation-hmac", "signing.create=false"))
     assert not any("secrets" in key[1] for key, _verbs in granted(docs)[MIRROR])
     assert not find(docs, "Secret", "allocation-hmac")
     docs = render(CHART / "ci" / "time-slicing-only-values.yaml",
                   ("signing.publicKeyConfigMap=allocation-public",))
-    assert rule([""], ["configmaps"], ["patch"], ["allocation-public"]) in granted(docs)[MIRROR]
+    assert rule([""], ["configmaps"], ["get", "patch"], ["allocation-public"]) in \
+        granted(docs)[MIRROR]
 
 
 @pytest.mark.parametrize("values_file", VALUES, ids=values_id)

@@ -183,11 +183,12 @@ def test_the_mirror_may_publish_exactly_its_configmap():
     docs = render()
     role = one(docs, "Role", f"{MIRROR}-signing-key")
     assert role["metadata"]["namespace"] == "kai-fractions"
-    # no get on the key's Secret (mounted) nor on the ConfigMap (written, never read): a
-    # leaked token of the mirror cannot fetch the private key
+    # no get on the key's Secret (mounted): a leaked token of the mirror cannot fetch the
+    # private key. The public keys' ConfigMap is read by name, to publish it again when it was
+    # deleted or edited.
     assert role["rules"] == [
         {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [PUBLIC],
-         "verbs": ["patch"]},
+         "verbs": ["get", "patch"]},
         {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]}]
     binding = one(docs, "RoleBinding", f"{MIRROR}-signing-key")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": MIRROR,

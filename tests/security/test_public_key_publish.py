@@ -90,3 +90,97 @@ def test_the_mirror_process_publishes_its_public_key(kube, tmp_path):
     stored = kube.core.read_namespaced_config_map("signing-public", "kai-fractions")
     assert stored.data == {"current": key.public_pem().decode()}
     assert f"published the signing public key(s) {key.kid}" in run.err
+
+
+def publisher_of(kube, keys, **kw) -> tuple[Kube, Publisher]:
+    client = Kube(k8s.ApiClient(kube.configuration()))
+    return client, Publisher(client, "kai-fractions", "kai-fractions-signing-public",
+                             KeyringSource([str(keys)]), **kw)
+
+
+def stored_data(kube) -> dict[str, str] | None:
+    names = {c.metadata.name: c for c in kube.core.list_namespaced_config_map(
+        "kai-fractions").items}
+    found = names.get("kai-fractions-signing-public")
+    return None if found is None else found.data
+
+
+async def test_a_deleted_configmap_is_published_again_at_the_next_round(kube, tmp_path, caplog):
+    # Every node agent mounts the ConfigMap as a required volume: deleted and left so, every
+    # agent that starts afterwards would wait in ContainerCreating until the mirror restarts.
+    key = Ed25519Key.generate()
+    client, publisher = publisher_of(kube, key_dir(tmp_path, "secret", key))
+    try:
+        assert await publisher.publish() is True
+        kube.core.delete_namespaced_config_map("kai-fractions-signing-public", "kai-fractions")
+        await publisher.try_publish()  # one round of Publisher.run
+    finally:
+        await client.close()
+    assert stored_data(kube) == {"current": key.public_pem().decode()}
+    assert "ConfigMap kai-fractions/kai-fractions-signing-public was deleted: published again" \
+        in caplog.text
+
+
+async def test_an_edited_key_is_put_back_and_a_retired_one_removed(kube, tmp_path, caplog):
+    key, other = Ed25519Key.generate(), Ed25519Key.generate()
+    client, publisher = publisher_of(kube, key_dir(tmp_path, "secret", key))
+    try:
+        assert await publisher.publish() is True
+        kube.core.patch_namespaced_config_map(
+            "kai-fractions-signing-public", "kai-fractions",
+            {"data": {"current": other.public_pem().decode(),
+                      "previous": other.public_pem().decode()}})
+        assert await publisher.publish() is True
+        assert await publisher.publish() is False  # level again: nothing written
+    finally:
+        await client.close()
+    assert stored_data(kube) == {"current": key.public_pem().decode()}
+    assert "kai-fractions-signing-public was edited: published again" in caplog.text
+
+
+async def test_under_election_only_the_lease_holder_overwrites_the_configmap(kube, tmp_path):
+    # Replicas whose mounted Secrets differ mid-rotation must not take turns rewriting it; a
+    # missing one any replica creates (a create cannot overwrite), so agents need no leader.
+    mine, theirs = Ed25519Key.generate(), Ed25519Key.generate()
+    holding = False
+    client, publisher = publisher_of(kube, key_dir(tmp_path, "secret", mine),
+                                     in_term=lambda: holding)
+    try:
+        assert await publisher.publish() is True  # none there: created, leader or not
+        assert stored_data(kube) == {"current": mine.public_pem().decode()}
+        kube.core.patch_namespaced_config_map(
+            "kai-fractions-signing-public", "kai-fractions",
+            {"data": {"current": theirs.public_pem().decode()}})  # the leader's key set
+        assert await publisher.publish() is False
+        assert stored_data(kube) == {"current": theirs.public_pem().decode()}
+        holding = True  # this replica acquired the Lease
+        assert await publisher.publish() is True
+    finally:
+        await client.close()
+    assert stored_data(kube) == {"current": mine.public_pem().decode()}
+
+
+async def test_the_publisher_follows_the_mirrors_lease_when_elected(kube, tmp_path):
+    from kai_fractions.cli import build_parser
+    from kai_fractions.cli.mirror_background import background
+    from kai_fractions.contract import Dialect, Keys
+    from kai_fractions.mirror.leader import ElectionConfig
+
+    keys = key_dir(tmp_path, "secret", Ed25519Key.generate())
+    flags = ["mirror", "--signing-key-file", str(keys), "--publish-public-key", "ns/public"]
+    client = Kube(k8s.ApiClient(kube.configuration()))
+    try:
+        for more, election in (([], None), (["--follow-bindrequests", "--leader-elect"],
+                                            ElectionConfig("ns", "follower", "me"))):
+            args = build_parser().parse_args([*flags, *more])
+            _tasks, publisher = background(
+                args, client, keys=Keys(), dialect=Dialect(args.kai_dialect),
+                keyring=KeyringSource([str(keys)]), election=election,
+                publish_to=["ns", "public"], daemonset=["ns", "agent"])
+            if election is None:
+                assert publisher.in_term is None  # one replica: it always publishes
+            else:
+                assert publisher.in_term is not None
+                assert publisher.in_term() is False  # not elected yet
+    finally:
+        await client.close()
