@@ -2,8 +2,10 @@
 
 Every pod (or pod template) comes with where it was found, `file:line` (the line its YAML
 document starts on), so an error points at it. A YAML syntax error names the file, line and
-column. A file given by name (`-f FILE`) with no Pod or workload with a pod template in it is
-worth a warning; a file found in a directory is simply skipped (directories hold other objects
+column. An object with no pod template found in it is a warning, wherever it was found, unless
+its kind holds none (`NO_POD_KINDS`): a workload whose template is not where it is searched
+would otherwise pass unchecked. A file given by name (`-f FILE`) with nothing to check in it is
+a warning too; one found in a directory is skipped quietly (directories hold other objects
 too); no pod-bearing object at all is a usage error (`NothingToCheck`).
 """
 
@@ -18,6 +20,7 @@ from typing import Any
 import yaml
 
 from ..contract import ManifestError, PodView, pod_specs
+from ..contract.pod import MAX_TEMPLATE_DEPTH
 
 
 class InputError(Exception):
@@ -38,6 +41,14 @@ class Located:
     """The pod's (or template's) raw spec, for the checks that read more than the contract."""
     spec_path: str = "spec"
     """Where that spec is in the object: `spec`, `spec.template.spec`, ..."""
+    template: str = ""
+    """`PodSpecAt.template`: the path of a template found by searching the object, or ""."""
+
+    @property
+    def ref(self) -> str:
+        """How messages name it: the object, then the path of a template found by searching it
+        (an object may hold several)."""
+        return f"{self.view.ref} {self.template}" if self.template else self.view.ref
 
     @property
     def where(self) -> str:
@@ -48,7 +59,27 @@ class Located:
 class Manifests:
     views: list[Located] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    """A file named on the command line that holds nothing to check, one line each."""
+    """An object with no pod template found in it, and a file named on the command line that
+    holds nothing to check, one line each."""
+
+
+NO_POD_KINDS = frozenset({
+    # Kubernetes
+    "APIService", "Binding", "CertificateSigningRequest", "ClusterRole", "ClusterRoleBinding",
+    "ConfigMap", "ControllerRevision", "CSIDriver", "CSINode", "CustomResourceDefinition",
+    "Endpoints", "EndpointSlice", "Event", "FlowSchema", "HorizontalPodAutoscaler", "Ingress",
+    "IngressClass", "Lease", "LimitRange", "MutatingWebhookConfiguration", "Namespace",
+    "NetworkPolicy", "Node", "PersistentVolume", "PersistentVolumeClaim",
+    "PodDisruptionBudget", "PriorityClass", "PriorityLevelConfiguration", "ResourceQuota",
+    "Role", "RoleBinding", "RuntimeClass", "Secret", "Service", "ServiceAccount",
+    "StorageClass", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+    "ValidatingWebhookConfiguration", "VolumeAttachment",
+    # KAI Scheduler, kai-fractions and the tools beside them
+    "BindRequest", "Config", "GpuFractioningConfig", "PodGroup", "Queue", "SchedulingShard",
+    "Topology", "Kustomization", "PodMonitor", "PrometheusRule", "ServiceMonitor",
+    "Certificate", "ClusterIssuer", "Issuer",
+})
+"""Kinds known to hold no pod template: no warning for them (a directory holds many)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,18 +179,23 @@ def load_manifests(paths: list[str]) -> Manifests:
     out = Manifests()
     kinds: set[str] = set()
     for source in _sources(paths):
-        found, here = 0, set()
+        found, here, warned = 0, set(), False
         for line, doc in _documents(source):
             kind = str(doc.get("kind") or "object")
             here.add(kind)
-            try:
-                views = list(pod_specs(doc))
-            except ManifestError as e:
-                raise InputError(f"{source.name}:{line}: {kind}: {e}") from None
-            out.views += [Located(v.view, source.name, line, v.spec, v.path) for v in views]
-            found += len(views)
+            for obj in _objects(doc):
+                try:
+                    views = list(pod_specs(obj))
+                except ManifestError as e:
+                    raise InputError(f"{source.name}:{line}: {kind}: {e}") from None
+                out.views += [Located(v.view, source.name, line, v.spec, v.path, v.template)
+                              for v in views]
+                found += len(views)
+                if not views and _may_hold_pods(obj):
+                    out.warnings.append(_unchecked(f"{source.name}:{line}", obj))
+                    warned = True
         kinds |= here
-        if not found and source.named:
+        if not found and source.named and not warned:
             out.warnings.append(f"{source.name}: no Pod or workload with a pod template "
                                 f"({_kinds(here)}): nothing in it to check")
     if not out.views:
@@ -167,6 +203,29 @@ def load_manifests(paths: list[str]) -> Manifests:
         raise NothingToCheck(f"nothing to check: {', '.join(paths)} {verb} no Pod or workload "
                              f"with a pod template ({_kinds(kinds)})")
     return out
+
+
+def _objects(doc: dict) -> list[Any]:
+    """The document, or a List's items (each is its own object for the warnings)."""
+    items = doc.get("items") if doc.get("kind") == "List" else None
+    return items if type(items) is list else [doc]  # a malformed List: pod_specs names it
+
+
+def _may_hold_pods(obj: Any) -> bool:
+    """A Kubernetes object (it has a kind; values.yaml and Chart.yaml have none) of a kind not
+    known to hold no pod template."""
+    return (isinstance(obj, Mapping) and isinstance(obj.get("kind"), str)
+            and obj["kind"] not in NO_POD_KINDS and obj["kind"] != "List")
+
+
+def _unchecked(where: str, obj: Mapping[str, Any]) -> str:
+    metadata = obj.get("metadata") if isinstance(obj.get("metadata"), Mapping) else {}
+    ref = "/".join((obj["kind"], str(metadata.get("namespace") or "default"),
+                    str(metadata.get("name") or metadata.get("generateName") or "")))
+    return (f"{where}: {ref}: no pod template found in it (a mapping whose spec.containers is "
+            f"a list, at most {MAX_TEMPLATE_DEPTH} levels below spec), so nothing in it was "
+            "checked; if it creates pods that ask for GPU fractions, validate one of them: "
+            "kubectl get pod NAME -o yaml | kai-fractions validate -f -")
 
 
 def _kinds(kinds: set[str]) -> str:

@@ -3,7 +3,8 @@ protected keys the validating webhook refuses from users, and for what else it r
 pod's spec (`admission.validate.manifest_problems`: host paths, ways past the containers).
 
 Each error is one line, `<file>:<line>: <object>/<container>: <key>: <rule>`, the line being
-where the object's YAML document starts; a spec problem names its field instead of a key."""
+where the object's YAML document starts; a spec problem names its field instead of a key. A
+fractional pod that KAI's scheduler would not schedule (`spec.schedulerName`) is a warning."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ PROTECTED_IN_POD = ("is a protected key: only KAI's binder and the kai-fractions
                     "agent may create it; the validating webhook refuses it from anyone else")
 PROTECTED_IN_TEMPLATE = ("a pod template may not carry a protected key; the binder writes it on "
                          "each pod after scheduling")
+DEFAULT_SCHEDULER_NAME = "kai-scheduler"
+"""KAI's scheduler, as the chart's `mirror.schedulerName` names it."""
 OFFLINE_GATE_IMAGE = "unused-offline"
 """`AdmissionConfig` names the gate's image; the checks of a user's manifest never read it."""
 
@@ -50,12 +53,20 @@ def register(sub) -> None:
         "may carry them), and for what else that webhook refuses in a pod's spec (a hostPath "
         "reaching kai-fractions' or the kubelet's directories; in a fractional pod privileged, "
         "hostPID and other ways past its containers). Each error names its file:line, object, "
-        "container and key (or field). A file given by name with none of those kinds is a "
-        "warning; no such object anywhere is a usage error. Exit 0 when all are valid, "
+        "container and key (or field). The pod templates of other kinds are searched for below "
+        "their spec (PyTorchJob, LeaderWorkerSet, RayCluster, JobSet, ...: a mapping whose "
+        "spec.containers is a list), each named by its path; an object with none found is a "
+        "warning, unless its kind holds none (ConfigMap, Service, Queue, ...). A fractional pod "
+        "whose spec.schedulerName is not --scheduler-name is a warning: only KAI's scheduler "
+        "binds GPU fractions. A file given by name with nothing to check is a warning; no such "
+        "object anywhere is a usage error. Exit 0 when all are valid (warnings or not), "
         "1 when any breaks the contract, 2 on usage errors, unreadable input or nothing to "
         "check.",
     )
     add_common(p)
+    p.add_argument("--scheduler-name", default=DEFAULT_SCHEDULER_NAME, metavar="NAME",
+                   help="KAI's scheduler name (the chart's mirror.schedulerName); a fractional "
+                   "pod naming another is a warning (default: %(default)s)")
     add_host_dirs(p)
     p.set_defaults(func=run)
 
@@ -111,6 +122,23 @@ def spec_errors(located: Located, request: PodRequest,
     return out
 
 
+def scheduler_warnings(located: Located, request: PodRequest,
+                       scheduler: str) -> list[ContractError]:
+    """A fractional pod (or template) that KAI's scheduler does not schedule: only KAI binds
+    fractions (its webhook skips other schedulers' pods, and no BindRequest is made), so the
+    pod would wait in its gate for ever. A warning, as a cluster may set the name on admission."""
+    found = located.spec.get("schedulerName")
+    if not request.shares or found == scheduler:
+        return []
+    key = f"{located.spec_path}.schedulerName"
+    said = ("absent, so the default scheduler places the pod" if found is None
+            else "names another scheduler")
+    return [ContractError(key, f"{said}, and only {scheduler} binds a GPU fraction (KAI skips "
+                          "the pods of other schedulers): the pod would never be released from "
+                          f"its gate; set {key}: {scheduler}",
+                          None if found is None else str(found))]
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         keys = keys_from(args)
@@ -126,26 +154,28 @@ def run(args: argparse.Namespace) -> int:
         request = parse_pod(located.view, keys)
         errors = (*request.errors, *protected_key_errors(located.view, request, keys),
                   *spec_errors(located, request, config))
-        results.append((located, request, errors))
-    invalid = [r for _, r, errors in results if errors]
+        warnings = (*request.warnings,
+                    *scheduler_warnings(located, request, args.scheduler_name))
+        results.append((located, request, errors, warnings))
+    invalid = [r for _, r, errors, _ in results if errors]
     if args.output == "json":
         print(json.dumps({
             "valid": not invalid,
             "objects": [{
-                "object": r.pod.ref,
+                "object": at.ref,
                 "file": at.file,
                 "line": at.line,
                 "fractional_containers": [s.container for s in r.shares],
                 "errors": [_error_dict(e) for e in errors],
-                "warnings": [_error_dict(e) for e in r.warnings],
-            } for at, r, errors in results],
+                "warnings": [_error_dict(w) for w in warnings],
+            } for at, r, errors, warnings in results],
         }, indent=2))
     else:
-        for at, r, errors in results:
+        for at, _, errors, warnings in results:
             for e in errors:
-                print(line(at.where, r.pod.ref, e.container, e))
-            for w in r.warnings:
-                print("warning: " + line(at.where, r.pod.ref, w.container, w), file=sys.stderr)
+                print(line(at.where, at.ref, e.container, e))
+            for w in warnings:
+                print("warning: " + line(at.where, at.ref, w.container, w), file=sys.stderr)
         print(f"{len(results) - len(invalid)} of {len(results)} object(s) valid",
               file=sys.stderr)
     return 1 if invalid else 0

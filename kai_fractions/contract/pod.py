@@ -1,8 +1,9 @@
 """The slice of a pod the contract reads, built from a manifest (dict) of a Pod or a workload.
 
 Pure data: no Kubernetes client here. `pod_views` accepts Pods and anything with a pod template
-(Deployment, StatefulSet, DaemonSet, ReplicaSet, Job, CronJob, PodTemplate, ...), so the CLI and
-the webhook give early feedback on workloads, before any pod exists.
+(Deployment, StatefulSet, DaemonSet, ReplicaSet, Job, CronJob, PodTemplate, and the templates
+other kinds nest below their spec: PyTorchJob, LeaderWorkerSet, RayCluster, JobSet, ...), so the
+CLI and the webhook give early feedback on workloads, before any pod exists.
 """
 
 from __future__ import annotations
@@ -185,6 +186,21 @@ def view_from_pod_spec(
     )
 
 
+_TEMPLATE_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet",
+                             "ReplicationController", "Job", "CronJob", "PodTemplate"})
+"""Kinds whose one pod template sits where Kubernetes puts it (`_template`); any other kind's
+templates are searched for (`_nested_templates`)."""
+
+MAX_TEMPLATE_DEPTH = 16
+"""How many levels below `spec` a pod template is searched for. The deepest a workload puts one
+is JobSet's `spec.replicatedJobs[i].template.spec.template` (5); the bound keeps a deep,
+hostile document from making the search slow."""
+
+MAX_SEARCHED_VALUES = 1_000_000
+"""How many mappings and lists below `spec` the search reads at most: more than an object the
+API server stores can hold (etcd keeps 1.5 MiB), so only a hostile document meets it."""
+
+
 def _template(obj: Mapping[str, Any]) -> tuple[Mapping[str, Any] | None, str]:
     """The pod template of a workload and its field path, or None for kinds without one."""
     if obj.get("kind") == "PodTemplate":
@@ -199,6 +215,43 @@ def _template(obj: Mapping[str, Any]) -> tuple[Mapping[str, Any] | None, str]:
     return _mapping(spec.get("template"), f"{path}.template"), f"{path}.template"
 
 
+def _is_template(value: Mapping[str, Any]) -> bool:
+    """A pod template's shape: `spec.containers` is a list (its metadata may be absent)."""
+    spec = value.get("spec")
+    return isinstance(spec, Mapping) and type(spec.get("containers")) is list
+
+
+def _nested_templates(spec: Any) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """(path, template) of every pod template below an object's `spec`, in document order: a
+    mapping whose `spec.containers` is a list, however the kind nests it (Kubeflow's
+    `spec.pytorchReplicaSpecs.Worker.template`, LeaderWorkerSet's
+    `spec.leaderWorkerTemplate.workerTemplate`, Ray's `spec.workerGroupSpecs[0].template`, ...),
+    which KAI's pod-grouper schedules. A template is not searched inside. Raises ManifestError
+    past MAX_SEARCHED_VALUES."""
+    seen: set[int] = set()
+    stack = [("spec", spec, 0)] if isinstance(spec, Mapping) or type(spec) is list else []
+    while stack:  # only mappings and lists are on it
+        path, value, depth = stack.pop()
+        if id(value) in seen:
+            # A YAML alias of a value read already: each is read once, so aliases (a billion
+            # laughs) cannot multiply the work.
+            continue
+        seen.add(id(value))
+        if len(seen) > MAX_SEARCHED_VALUES:
+            raise ManifestError(f"spec: more than {MAX_SEARCHED_VALUES:,} mappings and lists to "
+                                "search for pod templates, more than an object Kubernetes "
+                                "stores; split it")
+        mapping = isinstance(value, Mapping)
+        if mapping and _is_template(value):
+            yield path, value
+        elif depth < MAX_TEMPLATE_DEPTH:
+            inner = [(key, item) for key, item in (value.items() if mapping else enumerate(value))
+                     if isinstance(item, Mapping) or type(item) is list]
+            # Reversed onto the stack, so the templates come in the order of the document.
+            stack += [(f"{path}.{key}" if mapping else f"{path}[{key}]", item, depth + 1)
+                      for key, item in reversed(inner)]
+
+
 @dataclass(frozen=True, slots=True)
 class PodSpecAt:
     """A pod (or pod template) of a manifest object: its view, its raw spec, and the field
@@ -208,6 +261,10 @@ class PodSpecAt:
     view: PodView
     spec: Mapping[str, Any]
     path: str
+    template: str = ""
+    """The path of a template found by searching the object
+    (`spec.pytorchReplicaSpecs.Worker.template`), which messages add to the object's name, as
+    such an object may hold several; "" for a Pod and a kind of `_TEMPLATE_KINDS`."""
 
 
 def pod_specs(obj: Mapping[str, Any]) -> Iterator[PodSpecAt]:
@@ -225,19 +282,22 @@ def pod_specs(obj: Mapping[str, Any]) -> Iterator[PodSpecAt]:
         spec = _mapping(obj.get("spec"), "spec")
         yield PodSpecAt(view_from_pod_spec(metadata, spec), spec, "spec")
         return
-    template, path = _template(obj)
-    if template is None:
-        return
-    try:
-        # A template has no name of its own: messages name the workload.
-        template_meta = {**_mapping(template.get("metadata"), "metadata"),
-                         "name": metadata.get("name", "")}
-        spec = _mapping(template.get("spec"), "spec")
-        view = view_from_pod_spec(template_meta, spec, kind=kind or "Object",
-                                  namespace=str(metadata.get("namespace") or ""))
-    except ManifestError as e:
-        raise ManifestError(f"{path}.{e}") from None
-    yield PodSpecAt(view, spec, f"{path}.spec")
+    if kind in _TEMPLATE_KINDS:
+        template, path = _template(obj)
+        found = [] if template is None else [(path, template)]
+    else:
+        found = _nested_templates(obj.get("spec"))
+    for path, template in found:
+        try:
+            # A template has no name of its own: messages name the workload.
+            template_meta = {**_mapping(template.get("metadata"), "metadata"),
+                             "name": metadata.get("name", "")}
+            spec = _mapping(template.get("spec"), "spec")
+            view = view_from_pod_spec(template_meta, spec, kind=kind or "Object",
+                                      namespace=str(metadata.get("namespace") or ""))
+        except ManifestError as e:
+            raise ManifestError(f"{path}.{e}") from None
+        yield PodSpecAt(view, spec, f"{path}.spec", "" if kind in _TEMPLATE_KINDS else path)
 
 
 def pod_views(obj: Mapping[str, Any]) -> Iterator[PodView]:

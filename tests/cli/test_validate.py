@@ -110,15 +110,20 @@ def test_json_output_valid(capsys) -> None:
     code, out, _ = cli(capsys, "validate", "-f", data("workloads.yaml"), "--output", "json")
     assert code == 0
     where = data("workloads.yaml")
-    assert json.loads(out) == {
+    doc = json.loads(out)
+    # Their templates name no scheduler: a warning each (test_a_fractional_pod_kai_does_not_...).
+    assert [[w["key"] for w in o.pop("warnings")] for o in doc["objects"]] == [
+        ["spec.template.spec.schedulerName"], ["spec.template.spec.schedulerName"],
+        ["spec.jobTemplate.spec.template.spec.schedulerName"]]
+    assert doc == {
         "valid": True,
         "objects": [
             {"object": "Deployment/team/infer", "file": where, "line": 1,
-             "fractional_containers": ["server"], "errors": [], "warnings": []},
+             "fractional_containers": ["server"], "errors": []},
             {"object": "StatefulSet/default/db", "file": where, "line": 20,
-             "fractional_containers": ["db"], "errors": [], "warnings": []},
+             "fractional_containers": ["db"], "errors": []},
             {"object": "CronJob/team/nightly", "file": where, "line": 37,
-             "fractional_containers": ["train"], "errors": [], "warnings": []},
+             "fractional_containers": ["train"], "errors": []},
         ],
     }
 
@@ -333,3 +338,164 @@ def test_an_endless_or_huge_input_is_refused_not_read_for_ever(capsys, monkeypat
     monkeypatch.setattr(sys, "stdin", io.StringIO("# padding\n" * 200))
     code, _, err = cli(capsys, "validate", "-f", "-")
     assert code == 2 and "<stdin>: larger than" in err
+
+
+# -- pod templates nested below a kind's spec (PyTorchJob, LeaderWorkerSet, ...) ---------------
+
+VALID_POD = """\
+kind: Pod
+metadata: {name: p, annotations: {gpu-memory: "2000"}}
+spec:
+  schedulerName: kai-scheduler
+  containers: [{name: main, image: x}]
+"""
+PYTORCHJOB = """\
+apiVersion: kubeflow.org/v1
+kind: PyTorchJob
+metadata: {name: ptj, namespace: ml}
+spec:
+  pytorchReplicaSpecs:
+    Master:
+      template:
+        metadata: {annotations: {gpu-fraction: "0.5"}}
+        spec: {schedulerName: kai-scheduler, containers: [{name: pytorch, image: x}]}
+    Worker:
+      template:
+        metadata: {annotations: {gpu-fraction: "1.5"}}
+        spec: {schedulerName: kai-scheduler, containers: [{name: pytorch, image: x}]}
+"""
+WORKER_LINE = ("PyTorchJob/ml/ptj spec.pytorchReplicaSpecs.Worker.template/pytorch: gpu-fraction: "
+               "must be a portion of one GPU, 0 < x < 1 (got '1.5')")
+
+
+def test_a_template_nested_below_spec_is_checked_in_a_file_a_mixed_file_and_a_directory(
+        capsys, tmp_path: Path) -> None:
+    """KAI schedules a PyTorchJob's pods, and KAI refuses gpu-fraction 1.5: validate said
+    "nothing to check" for the job alone, and "1 of 1 object(s) valid" beside a Pod."""
+    job = tmp_path / "dir" / "job.yaml"
+    job.parent.mkdir()
+    job.write_text(PYTORCHJOB)
+    code, out, err = cli(capsys, "validate", "-f", str(job))
+    assert (code, located(out, f"{job}:1")) == (1, [WORKER_LINE])
+    assert err == "1 of 2 object(s) valid\n"  # each template is checked, Master too
+    mixed = tmp_path / "mixed.yaml"
+    mixed.write_text(VALID_POD + "---\n" + PYTORCHJOB)
+    code, out, err = cli(capsys, "validate", "-f", str(mixed))
+    assert (code, located(out, f"{mixed}:7"), err) == (1, [WORKER_LINE],
+                                                        "2 of 3 object(s) valid\n")
+    code, out, _ = cli(capsys, "validate", "-f", str(job.parent), "-o", "json")
+    assert code == 1
+    assert [(o["object"], [e["key"] for e in o["errors"]]) for o in json.loads(out)["objects"]] == [
+        ("PyTorchJob/ml/ptj spec.pytorchReplicaSpecs.Master.template", []),
+        ("PyTorchJob/ml/ptj spec.pytorchReplicaSpecs.Worker.template", ["gpu-fraction"])]
+
+
+def test_a_spec_problem_of_a_nested_template_is_named_by_its_path(capsys, tmp_path) -> None:
+    path = tmp_path / "lws.yaml"
+    path.write_text("""\
+kind: LeaderWorkerSet
+metadata: {name: lws}
+spec:
+  leaderWorkerTemplate:
+    workerTemplate:
+      metadata: {annotations: {gpu-fraction: "0.5"}}
+      spec:
+        schedulerName: kai-scheduler
+        hostPID: true
+        containers: [{name: w, image: x}]
+""")
+    code, out, _ = cli(capsys, "validate", "-f", str(path))
+    assert code == 1
+    assert out.startswith(f"{path}:1: LeaderWorkerSet/default/lws "
+                          "spec.leaderWorkerTemplate.workerTemplate: "
+                          "spec.leaderWorkerTemplate.workerTemplate.spec.hostPID: "), out
+
+
+def test_an_object_with_no_pod_template_found_is_a_warning_wherever_it_is(
+        capsys, tmp_path: Path) -> None:
+    """A kind whose templates are not where they are searched must not pass unseen: a warning
+    in a named file, beside a Pod and in a directory. Kinds that hold no pods stay quiet."""
+    vm = ("apiVersion: kubevirt.io/v1\nkind: VirtualMachine\nmetadata: {name: vm, namespace: v}\n"
+          "spec: {template: {spec: {domain: {devices: {}}}}}\n")
+    quiet = "kind: ConfigMap\nmetadata: {name: c}\n---\nkind: Queue\nmetadata: {name: q}\n"
+    (tmp_path / "dir").mkdir()
+    mixed = tmp_path / "dir" / "mixed.yaml"
+    mixed.write_text(VALID_POD + "---\n" + quiet + "---\n" + vm)
+    warning = (f"warning: {mixed}:13: VirtualMachine/v/vm: no pod template found in it (a mapping "
+               "whose spec.containers is a list, at most 16 levels below spec), so nothing in it "
+               "was checked; if it creates pods that ask for GPU fractions, validate one of them: "
+               "kubectl get pod NAME -o yaml | kai-fractions validate -f -")
+    for target in (mixed, mixed.parent):
+        code, out, err = cli(capsys, "validate", "-f", str(target))
+        assert (code, out, err.splitlines()) == (0, "", [warning, "1 of 1 object(s) valid"])
+    alone = tmp_path / "vm.yaml"
+    alone.write_text(vm)
+    code, out, err = cli(capsys, "validate", "-f", str(alone), "-f", data("valid-pod.yaml"))
+    assert (code, out) == (0, "")
+    assert err.splitlines()[0].startswith(f"warning: {alone}:1: VirtualMachine/v/vm: no pod ")
+    assert len(err.splitlines()) == 2  # not a second warning for the file
+
+
+# -- a fractional pod that KAI's scheduler does not schedule -----------------------------------
+
+NO_SCHEDULER = ("absent, so the default scheduler places the pod, and only {name} binds a GPU "
+                "fraction (KAI skips the pods of other schedulers): the pod would never be "
+                "released from its gate; set {key}: {name}")
+OTHER_SCHEDULER = ("names another scheduler, and only {name} binds a GPU fraction (KAI skips the "
+                   "pods of other schedulers): the pod would never be released from its gate; "
+                   "set {key}: {name}")
+
+
+def pod_file(tmp_path: Path, scheduler: str | None, fraction: str | None = "0.5") -> Path:
+    path = tmp_path / "pod.yaml"
+    annotations = f"{{gpu-fraction: '{fraction}'}}" if fraction else "{}"
+    path.write_text(f"kind: Pod\nmetadata: {{name: p, annotations: {annotations}}}\nspec:\n"
+                    + (f"  schedulerName: {scheduler}\n" if scheduler else "")
+                    + "  containers: [{name: main, image: x}]\n")
+    return path
+
+
+def test_a_fractional_pod_kai_does_not_schedule_is_a_warning_naming_the_fix(
+        capsys, tmp_path: Path) -> None:
+    """Only KAI binds a fraction; another scheduler's pod waits in its gate for ever. A warning:
+    the exit code stays 0."""
+    path = pod_file(tmp_path, None)
+    code, out, err = cli(capsys, "validate", "-f", str(path))
+    key = "spec.schedulerName"
+    assert (code, out, err.splitlines()) == (0, "", [
+        f"warning: {path}:1: default/p: {key}: "
+        + NO_SCHEDULER.format(name="kai-scheduler", key=key),
+        "1 of 1 object(s) valid"])
+    path = pod_file(tmp_path, "default-scheduler")
+    code, out, _ = cli(capsys, "validate", "-f", str(path), "-o", "json")
+    assert code == 0
+    (obj,) = json.loads(out)["objects"]
+    assert obj["warnings"] == [{"container": None, "key": key, "value": "default-scheduler",
+                                "rule": OTHER_SCHEDULER.format(name="kai-scheduler", key=key)}]
+
+
+def test_scheduler_name_names_kais_scheduler_where_it_is_renamed(capsys, tmp_path) -> None:
+    path = pod_file(tmp_path, "kai-scheduler")
+    assert cli(capsys, "validate", "-f", str(path)) == (0, "", "1 of 1 object(s) valid\n")
+    code, _, err = cli(capsys, "validate", "-f", str(path), "--scheduler-name", "gpu-sched")
+    assert (code, err.splitlines()) == (0, [
+        f"warning: {path}:1: default/p: spec.schedulerName: "
+        + OTHER_SCHEDULER.format(name="gpu-sched", key="spec.schedulerName")
+        + " (got 'kai-scheduler')", "1 of 1 object(s) valid"])
+    path = pod_file(tmp_path, "gpu-sched")
+    assert cli(capsys, "validate", "-f", str(path), "--scheduler-name", "gpu-sched") == (
+        0, "", "1 of 1 object(s) valid\n")
+
+
+def test_the_scheduler_warning_is_for_fractional_pods_only_and_names_a_templates_field(
+        capsys, tmp_path: Path) -> None:
+    path = pod_file(tmp_path, None, fraction=None)
+    assert cli(capsys, "validate", "-f", str(path)) == (0, "", "1 of 1 object(s) valid\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(PYTORCHJOB.replace("schedulerName: kai-scheduler, ", "", 1))
+    code, out, err = cli(capsys, "validate", "-f", str(job))
+    key = "spec.pytorchReplicaSpecs.Master.template.spec.schedulerName"
+    assert code == 1 and located(out, f"{job}:1") == [WORKER_LINE]
+    assert err.splitlines()[0] == (
+        f"warning: {job}:1: PyTorchJob/ml/ptj spec.pytorchReplicaSpecs.Master.template: {key}: "
+        + NO_SCHEDULER.format(name="kai-scheduler", key=key))

@@ -1,4 +1,5 @@
-"""Pod views from manifests: Pods and every workload kind with a pod template."""
+"""Pod views from manifests: Pods, every workload kind with a pod template, and the templates
+other kinds nest below their spec."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from types import MappingProxyType
 
 import pytest
 
-from kai_fractions.contract import PodView, parse_pod, pod_views, view_from_pod_spec
+from kai_fractions.contract import PodView, parse_pod, pod, pod_specs, pod_views, view_from_pod_spec
 from kai_fractions.contract.pod import ContainerView, ManifestError
 
 ANNOTATIONS = {"gpu-fraction": "0.5"}
@@ -185,3 +186,102 @@ def test_a_container_is_found_by_name_the_first_of_a_name_winning(count: int) ->
     assert view.container(f"c{count - 1}") is containers[-1]
     assert view.container("absent") is None
     assert view == PodView("p", containers=(*containers, first, second), init_containers=init)
+
+
+# -- pod templates other kinds nest below their spec ------------------------------------------
+
+
+def nested(kind: str, spec: dict) -> dict:
+    return {"apiVersion": "x/v1", "kind": kind, "metadata": {"name": "w", "namespace": "team"},
+            "spec": spec}
+
+
+def tmpl(fraction: str) -> dict:
+    return {"metadata": {"annotations": {"gpu-fraction": fraction}},
+            "spec": {"containers": [{"name": "main", "image": "cuda"}]}}
+
+
+@pytest.mark.parametrize(
+    ("obj", "paths"),
+    [
+        (nested("PyTorchJob", {"pytorchReplicaSpecs": {
+            "Master": {"replicas": 1, "template": tmpl("0.1")},
+            "Worker": {"replicas": 4, "template": tmpl("0.2")}}}),
+         ["spec.pytorchReplicaSpecs.Master.template", "spec.pytorchReplicaSpecs.Worker.template"]),
+        (nested("MPIJob", {"mpiReplicaSpecs": {"Launcher": {"template": tmpl("0.1")}}}),
+         ["spec.mpiReplicaSpecs.Launcher.template"]),
+        (nested("LeaderWorkerSet", {"leaderWorkerTemplate": {
+            "leaderTemplate": tmpl("0.1"), "workerTemplate": tmpl("0.2"), "size": 4}}),
+         ["spec.leaderWorkerTemplate.leaderTemplate", "spec.leaderWorkerTemplate.workerTemplate"]),
+        (nested("RayCluster", {"headGroupSpec": {"template": tmpl("0.1")}, "workerGroupSpecs": [
+            {"groupName": "a", "template": tmpl("0.2")},
+            {"groupName": "b", "template": tmpl("0.3")}]}),
+         ["spec.headGroupSpec.template", "spec.workerGroupSpecs[0].template",
+          "spec.workerGroupSpecs[1].template"]),
+        (nested("RayJob", {"rayClusterSpec": {"headGroupSpec": {"template": tmpl("0.1")}},
+                           "submitterPodTemplate": tmpl("0.2")}),
+         ["spec.rayClusterSpec.headGroupSpec.template", "spec.submitterPodTemplate"]),
+        (nested("JobSet", {"replicatedJobs": [
+            {"name": "r", "template": {"spec": {"template": tmpl("0.1")}}}]}),
+         ["spec.replicatedJobs[0].template.spec.template"]),
+        (nested("Service", {"template": tmpl("0.1")}),  # Knative serving.knative.dev/v1
+         ["spec.template"]),
+    ],
+    ids=["pytorchjob", "mpijob", "leaderworkerset", "raycluster", "rayjob", "jobset", "knative"],
+)
+def test_templates_nested_below_any_kinds_spec_are_found_with_their_path(obj, paths) -> None:
+    """KAI's pod-grouper schedules these kinds' pods: with only `spec.template` read, their
+    fraction annotations went unchecked."""
+    found = list(pod_specs(obj))
+    assert [f.template for f in found] == paths
+    assert [f.path for f in found] == [p + ".spec" for p in paths]
+    assert [f.view.ref for f in found] == [f"{obj['kind']}/team/w"] * len(paths)
+    assert [f.view.annotations["gpu-fraction"] for f in found] == [
+        f"0.{i}" for i in range(1, len(paths) + 1)]
+    assert all([c.name for c in f.view.containers] == ["main"] for f in found)
+
+
+def test_the_known_kinds_keep_their_one_template_unnamed() -> None:
+    for kind in ("Deployment", "CronJob", "PodTemplate"):
+        (found,) = pod_specs(workload(kind))
+        assert found.template == "", kind
+
+
+def test_a_nested_template_of_the_wrong_shape_is_named_by_its_path() -> None:
+    template = tmpl("0.5")
+    template["metadata"]["annotations"]["gpu-fraction"] = 0.5  # unquoted in YAML
+    with pytest.raises(ManifestError) as e:
+        list(pod_specs(nested("PyTorchJob", {"pytorchReplicaSpecs": {
+            "Worker": {"template": template}}})))
+    assert str(e.value).startswith("spec.pytorchReplicaSpecs.Worker.template.metadata."
+                                   "annotations['gpu-fraction']: must be a string")
+
+
+def test_the_search_stops_below_its_depth() -> None:
+    def at_depth(depth: int) -> dict:
+        spec: dict = tmpl("0.5")
+        for _ in range(depth):
+            spec = {"x": spec}
+        return nested("Deep", spec)
+
+    assert [f.template for f in pod_specs(at_depth(pod.MAX_TEMPLATE_DEPTH))] == [
+        "spec" + ".x" * pod.MAX_TEMPLATE_DEPTH]
+    assert list(pod_specs(at_depth(pod.MAX_TEMPLATE_DEPTH + 1))) == []
+
+
+def test_yaml_aliases_are_searched_once_so_they_cannot_multiply_the_work(monkeypatch) -> None:
+    """A billion-laughs document: 30 levels of ten aliases of the level below are 10**30 paths
+    but 31 values; each is read once, so 100 values are plenty."""
+    monkeypatch.setattr(pod, "MAX_SEARCHED_VALUES", 100)
+    level: list = [{"spec": {"volumes": []}}]
+    for _ in range(30):
+        level = [level] * 10
+    assert list(pod_specs(nested("Laughs", {"a": level}))) == []
+
+
+def test_a_document_with_more_values_than_the_search_reads_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr(pod, "MAX_SEARCHED_VALUES", 100)
+    with pytest.raises(ManifestError) as e:
+        list(pod_specs(nested("Big", {"items": [{"n": i} for i in range(200)]})))
+    assert str(e.value) == ("spec: more than 100 mappings and lists to search for pod "
+                            "templates, more than an object Kubernetes stores; split it")
