@@ -189,9 +189,10 @@ def _ephemeral_ops(request: Mapping[str, Any], config: AdmissionConfig) -> Decis
 
 def mutate(request: Mapping[str, Any], config: AdmissionConfig, *,
            new_namespace: Callable[[], str] = podspec.new_mps_namespace) -> Decision:
-    """Review one AdmissionReview request for the mutating webhook. `new_namespace` names the
-    MPS namespace of a new sm-sharing container (random; the only impure step, so tests pass
-    their own). A request or pod of the wrong shape (`shape`) is a 400, changing nothing."""
+    """Review one AdmissionReview request for the mutating webhook. `new_namespace` draws the
+    random part of a new sm-sharing container's MPS namespace name (`podspec.mps_namespace_for`;
+    the only impure step, so tests pass their own). A request or pod of the wrong shape
+    (`shape`) is a 400, changing nothing."""
     try:
         shape.check_request(request)
         return _mutate(request, config, new_namespace)
@@ -227,10 +228,15 @@ def _mutate(request: Mapping[str, Any], config: AdmissionConfig,
         return deny(reserved.text, code=422, reason="Invalid", warnings=warnings)
     namespace = None
     if share.compute_mode is ComputeMode.SM_SHARING:
-        # A name already there is kept: this webhook may run again on its own output
-        # (reinvocation). One a user wrote is theirs to have: the node agent refuses a
-        # second container naming a namespace it already gave another.
-        namespace = share.mps_namespace or new_namespace()
+        # A name already there is kept when it carries the tag of the pod's Kubernetes
+        # namespace: this webhook may run again on its own output (reinvocation). Any other is
+        # replaced (the mount follows): the node agent gives a name to the first container
+        # naming it, so a name copied from another namespace's pod would lock that pod out.
+        # docs/admission.md, "How the name is protected".
+        pod_namespace = str(request.get("namespace") or "")
+        namespace = share.mps_namespace
+        if namespace is None or not podspec.is_named_for(namespace, pod_namespace):
+            namespace = podspec.mps_namespace_for(pod_namespace, new_namespace())
     new = desired_spec(spec, share, config, namespace)
     if len(new["containers"]) != len(spec["containers"]):
         return allow(warnings=warnings)  # malformed entries; the API server rejects the pod
@@ -240,7 +246,7 @@ def _mutate(request: Mapping[str, Any], config: AdmissionConfig,
                      f"{share.container!r} reaches its GPU through the NVIDIA runtime "
                      f"({config.runtime_class!r}); without it the container has no GPU",)
     ops = _ops(spec, new)
-    if namespace is not None and share.mps_namespace is None:
+    if namespace is not None and namespace != share.mps_namespace:
         ops.append(_annotation_op(config.keys.derived(share.container, k.ADMITTED_MPS_NAMESPACE),
                                   namespace))
     ops += _request_from_limit(metadata.get("annotations") or {}, share, config.keys)

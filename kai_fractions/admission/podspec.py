@@ -7,6 +7,7 @@ stores equals what we emitted, and a reinvocation finds nothing to change.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Sequence
 from typing import Any
@@ -112,10 +113,34 @@ def mps_volume(config: AdmissionConfig) -> dict[str, Any]:
             "hostPath": {"path": config.mps_server_host_dir, "type": "DirectoryOrCreate"}}
 
 
+MPS_NAMESPACE_RANDOM_HEX = 12
+"""The random hex digits that end an MPS namespace name, after the 8 of its tag (`kf_` and 20
+hex digits in all: the node agent checks that format, and the pipe directory's length budget
+counts on it)."""
+
+
+def namespace_tag(namespace: str) -> str:
+    """The 8 hex digits an MPS namespace name of a pod in Kubernetes namespace `namespace`
+    starts with (after `kf_`): the first of sha256 of the namespace's name. A name copied from
+    a pod of another namespace lacks it, so no tenant can take another namespace's name."""
+    return hashlib.sha256(namespace.encode()).hexdigest()[:8]
+
+
+def is_named_for(name: str, namespace: str) -> bool:
+    """Whether MPS namespace name `name` carries the tag of Kubernetes namespace `namespace`."""
+    return name.startswith(MPS_NAMESPACE_PREFIX + namespace_tag(namespace))
+
+
 def new_mps_namespace() -> str:
-    """A fresh MPS namespace name for a pod being created: random, because nothing else about
-    the pod is known yet (no UID, often no name), and unguessable, so no one can aim at it."""
-    return f"{MPS_NAMESPACE_PREFIX}{secrets.token_hex(10)}"
+    """The random part of a fresh MPS namespace name: random, because nothing else about the
+    pod is known yet (no UID, often no name), and unguessable, so no one can aim at it."""
+    return secrets.token_hex(MPS_NAMESPACE_RANDOM_HEX // 2)
+
+
+def mps_namespace_for(namespace: str, fresh: str) -> str:
+    """The MPS namespace name of a new pod in Kubernetes namespace `namespace`: `kf_`, the
+    namespace's tag, then `fresh`, 12 random hex digits (`new_mps_namespace`)."""
+    return f"{MPS_NAMESPACE_PREFIX}{namespace_tag(namespace)}{fresh}"
 
 
 def mps_mount(namespace: str) -> dict[str, Any]:

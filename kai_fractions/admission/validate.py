@@ -3,18 +3,19 @@
 Pods: every contract error is refused (on UPDATE only errors the change introduces, so a pod
 admitted before the webhook existed can still be updated and deleted); protected keys
 (`Keys.is_protected`: binder-owned and derived) may be created, changed or removed only by the
-configured identities; a pod's fractional containers and compute modes are fixed once it
-exists (its env, mounts and gate were wired from them); user-owned keys are frozen once the
-binder set `.gpus.devices` (`frozen`); and the pod's spec is refused for what its user may not
-ask for (`pod_manifest`: host paths in every pod, ways past the containers, the reserved
-volumes' mounts) and, in a fractional pod, for wiring that is not exactly what the mutating
-webhook injects (`wiring`: the gate and the other containers' GPU env; `wired_spec`: the
-fractional container's env and MPS mount, the reserved volumes). On UPDATE only what the
-change introduces is refused, compared on full values. A Binding carries no NvFractions key
-unless an allowed identity binds (its annotations reach the pod without pod admission).
-Workloads with a pod template get the contract checks early; a template never carries a
-protected key, whoever writes it (the binder writes those on each pod, after scheduling).
-No `exec` or `attach` may join the gate container while it waits.
+configured identities (a new pod's MPS namespace name, the one such key a creator may bring,
+must carry the tag of the pod's namespace); a pod's fractional containers and compute modes
+are fixed once it exists (its env, mounts and gate were wired from them); user-owned keys are
+frozen once the binder set `.gpus.devices` (`frozen`); and the pod's spec is refused for what
+its user may not ask for (`pod_manifest`: host paths in every pod, ways past the containers,
+the reserved volumes' mounts) and, in a fractional pod, for wiring that is not exactly what
+the mutating webhook injects (`wiring`: the gate and the other containers' GPU env;
+`wired_spec`: the fractional container's env and MPS mount, the reserved volumes). On UPDATE
+only what the change introduces is refused, compared on full values. A Binding carries no
+NvFractions key unless an allowed identity binds (its annotations reach the pod without pod
+admission). Workloads with a pod template get the contract checks early; a template never
+carries a protected key, whoever writes it (the binder writes those on each pod, after
+scheduling). No `exec` or `attach` may join the gate container while it waits.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ..contract import (
     view_from_pod_spec,
 )
 from ..contract import keys as k
-from . import frozen, shape
+from . import frozen, podspec, shape
 from .config import GATE_CONTAINER, AdmissionConfig
 from .errors import Problem, denial_text, error_text, manifest_denial
 from .pod_manifest import _is_nvfractions_key, manifest_problems
@@ -58,6 +59,22 @@ def _protected_changes(old: Mapping[str, str], new: Mapping[str, str], user: str
         out.append(f"{key}: is a protected key: only {', '.join(config.allowed_identities)} "
                    f"may {action} it, not {user or 'an anonymous user'}")
     return out
+
+
+def _foreign_mps_namespace(new: PodRequest, key: str, namespace: str) -> list[str]:
+    """A new pod's MPS namespace name must carry the tag of its own Kubernetes namespace
+    (`podspec.namespace_tag`), whoever creates it: the node agent gives a name to the first
+    container naming it, so one copied from a pod of another namespace would lock that pod out
+    of every node the copier reached first. The mutating webhook replaces such a name; this
+    refuses it where that webhook did not run."""
+    name = new.share.mps_namespace if new.share is not None else None
+    if name is None or podspec.is_named_for(name, namespace):
+        return []
+    return [f"{key}: {name!r} was not named for a pod of Kubernetes namespace {namespace!r} "
+            f"(a new pod's MPS namespace name must start with "
+            f"{k.MPS_NAMESPACE_PREFIX}{podspec.namespace_tag(namespace)}, the tag of its "
+            "namespace, so that no pod can take another namespace's); remove the annotation: "
+            "the admission webhook names the MPS namespace itself"]
 
 
 def _new_errors(new: PodRequest, old: PodRequest | None) -> list[str]:
@@ -109,6 +126,8 @@ def _validate_pod(request: Mapping[str, Any], config: AdmissionConfig) -> Decisi
     # created, on the creator's behalf; after that the key is protected like the others.
     exempt = None if updating or new is None else new.admitted_namespace_key(config.keys)
     forbidden = _protected_changes(old_annotations, annotations_of(obj), user, config, exempt)
+    if exempt is not None and new is not None:
+        forbidden += _foreign_mps_namespace(new, exempt, namespace)
     if updating:
         forbidden += frozen.frozen_changes(old_obj, old_annotations, annotations_of(obj), user,
                                            config)

@@ -17,6 +17,8 @@ from typing import Any
 import jsonpatch
 import pytest
 
+from kai_fractions.admission.podspec import namespace_tag
+from kai_fractions.contract import is_mps_namespace_name
 from kai_fractions.contract import keys as k
 
 from .conftest import GATE_IMAGE, Webhook
@@ -31,15 +33,31 @@ MODE = KEYS.container("main", k.COMPUTE_MODE)
 VOID = {"name": k.ENV_VISIBLE_DEVICES, "value": "void"}
 
 
-def wired(webhook: Webhook, obj: dict[str, Any], *, old: dict[str, Any] | None = None,
-          sub: str = "") -> dict[str, Any]:
-    """`obj` after the mutating webhook's patch (asserting it was allowed)."""
+def in_namespace(req: dict[str, Any], namespace: str | None) -> dict[str, Any]:
+    """`req` (from `request`, namespace `ns`) as the API server sends it for a pod of
+    Kubernetes namespace `namespace`, when one is given."""
+    if namespace is not None:
+        req["namespace"] = namespace
+        req["object"]["metadata"]["namespace"] = namespace
+    return req
+
+
+def mutated(webhook: Webhook, obj: dict[str, Any], *, old: dict[str, Any] | None = None,
+            sub: str = "", namespace: str | None = None) -> dict[str, Any]:
+    """The mutating webhook's answer for `obj` (asserting it was allowed)."""
     status, answer = webhook.post("/mutate", {
         "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "request": request(obj, old=old, sub=sub)})
+        "request": in_namespace(request(obj, old=old, sub=sub), namespace)})
     assert status == 200
     response = answer["response"]
     assert response["allowed"] is True, response
+    return response
+
+
+def wired(webhook: Webhook, obj: dict[str, Any], *, old: dict[str, Any] | None = None,
+          sub: str = "", namespace: str | None = None) -> dict[str, Any]:
+    """`obj` after the mutating webhook's patch (asserting it was allowed)."""
+    response = mutated(webhook, obj, old=old, sub=sub, namespace=namespace)
     if "patch" not in response:
         return copy.deepcopy(obj)
     return jsonpatch.apply_patch(copy.deepcopy(obj), json.loads(base64.b64decode(
@@ -47,10 +65,10 @@ def wired(webhook: Webhook, obj: dict[str, Any], *, old: dict[str, Any] | None =
 
 
 def review(webhook: Webhook, obj: dict[str, Any], *, old: dict[str, Any] | None = None,
-           user: str = ALICE, sub: str = "") -> dict[str, Any]:
+           user: str = ALICE, sub: str = "", namespace: str | None = None) -> dict[str, Any]:
     status, answer = webhook.post("/validate", {
         "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "request": request(obj, old=old, user=user, sub=sub)})
+        "request": in_namespace(request(obj, old=old, user=user, sub=sub), namespace)})
     assert status == 200
     return answer["response"]
 
@@ -444,6 +462,96 @@ def test_a_running_pod_cannot_move_to_another_mps_namespace(webhook: Webhook) ->
     assert response["allowed"] is False
     assert response["status"]["message"].startswith(
         f"{NS_KEY}: is a protected key: only {BINDER}, {MIRROR} may change it, not {ALICE}")
+
+
+SM = {REQUEST: "8Gi", MODE: "sm-sharing"}
+
+
+def in_ns(namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj`, a pod of Kubernetes namespace `namespace`."""
+    out = copy.deepcopy(obj)
+    out["metadata"]["namespace"] = namespace
+    return out
+
+
+def mps_name_and_subpath(obj: dict[str, Any]) -> tuple[str, str]:
+    mount = next(m for m in obj["spec"]["containers"][0]["volumeMounts"]
+                 if m["name"] == "kai-fractions-mps")
+    return obj["metadata"]["annotations"][NS_KEY], mount["subPath"]
+
+
+def not_named_here(name: str, namespace: str) -> str:
+    return (f"{NS_KEY}: {name!r} was not named for a pod of Kubernetes namespace "
+            f"{namespace!r} (a new pod's MPS namespace name must start with "
+            f"kf_{namespace_tag(namespace)}, the tag of its namespace, so that no pod can take "
+            "another namespace's); remove the annotation: the admission webhook names the MPS "
+            "namespace itself")
+
+
+def test_a_name_copied_from_another_namespace_is_replaced_or_refused_at_create(
+        webhook: Webhook) -> None:
+    """Anyone who can read a pending pod (cluster-wide `view`) sees its MPS namespace name; a
+    pod of theirs naming it, applied first on a node, would have the node agent refuse the
+    victim there (MpsNamespaceTaken). The name carries the tag of the pod's Kubernetes
+    namespace: the mutating webhook replaces a foreign one (its mount follows), and the
+    validating one refuses it, whoever creates the pod, where the mutating one did not run."""
+    victim = wired(webhook, in_ns("team-a", pod(SM)), namespace="team-a")
+    name, subpath = mps_name_and_subpath(victim)
+    assert name == subpath and is_mps_namespace_name(name)
+    assert name.startswith("kf_" + namespace_tag("team-a"))
+    # created as the API server does (mutated, then validated): a small pod of its own naming
+    # the victim's namespace, and the victim's manifest whole
+    copier = in_ns("team-b", pod({REQUEST: "1Gi", MODE: "sm-sharing", NS_KEY: name}))
+    copied = in_ns("team-b", victim)
+    for attempt in (copier, copied):
+        out = wired(webhook, attempt, namespace="team-b")
+        own, subpath = mps_name_and_subpath(out)
+        assert own == subpath != name
+        assert is_mps_namespace_name(own) and own.startswith("kf_" + namespace_tag("team-b"))
+        assert review(webhook, out, namespace="team-b")["allowed"] is True
+    # the victim's manifest past the mutating webhook (webhook.objectSelector): only its name
+    # is wrong, and it is refused whoever creates the pod
+    for user in (ALICE, BINDER):
+        response = review(webhook, copied, user=user, namespace="team-b")
+        assert (response["allowed"], response["status"]["message"]) == (
+            False, not_named_here(name, "team-b"))
+
+
+def test_a_manifest_copied_from_a_pod_named_before_the_tag_is_renamed_or_refused(
+        webhook: Webhook) -> None:
+    """Pods created before names carried a tag keep theirs (they are never created again, and
+    an update may not touch the key); a manifest copied from one (`kubectl get -o yaml |
+    kubectl create -f -`) gets a new name from the mutating webhook, and is refused by the
+    validating one where the mutating one did not run (webhook.objectSelector)."""
+    untagged = "kf_" + "ee" * 10
+    fresh = wired(webhook, pod(SM))
+    old = json.loads(json.dumps(fresh).replace(fresh["metadata"]["annotations"][NS_KEY],
+                                               untagged))
+    assert mps_name_and_subpath(old) == (untagged, untagged)
+    relabelled = copy.deepcopy(old)
+    relabelled["metadata"]["labels"] = {"team": "b"}
+    assert review(webhook, relabelled, old=old)["allowed"] is True
+    refused = review(webhook, old)
+    assert refused["allowed"] is False
+    assert refused["status"]["message"] == not_named_here(untagged, "ns")
+    renamed = wired(webhook, old)
+    own, subpath = mps_name_and_subpath(renamed)
+    assert own == subpath != untagged and own.startswith("kf_" + namespace_tag("ns"))
+    assert review(webhook, renamed)["allowed"] is True
+
+
+def test_a_name_of_the_pods_own_namespace_is_kept_on_reinvocation(webhook: Webhook) -> None:
+    """The mutating webhook may run again on its own output: a name with the tag of the pod's
+    namespace is kept, so the second run patches nothing; the name keeps the format the node
+    agent checks (`kf_` and 20 lowercase hex digits: the 8 of the tag, 12 random)."""
+    out = wired(webhook, pod(SM))
+    name, subpath = mps_name_and_subpath(out)
+    assert name == subpath and is_mps_namespace_name(name)
+    assert name.startswith("kf_" + namespace_tag("ns"))
+    assert "patch" not in mutated(webhook, out)
+    assert review(webhook, out)["allowed"] is True
+    mine = "kf_" + namespace_tag("ns") + "12" * 6
+    assert mps_name_and_subpath(wired(webhook, pod({**SM, NS_KEY: mine}))) == (mine, mine)
 
 
 def test_a_new_pod_cannot_mount_every_namespace(webhook: Webhook) -> None:

@@ -12,18 +12,21 @@ import pytest
 
 from kai_fractions.admission.config import AdmissionConfig
 from kai_fractions.admission.mutate import mutate
+from kai_fractions.admission.podspec import namespace_tag
 from kai_fractions.contract import Keys
 
 from .reviews import CONFIG, SM, TS, pod, request
 
-NS = "kf_" + "ab" * 10
-"""The MPS namespace name `apply` has the webhook give (it draws a random one)."""
+RANDOM = "ab" * 6
+NS = "kf_" + namespace_tag("ns") + RANDOM
+"""The MPS namespace name `apply` has the webhook give a pod of namespace `ns` (the tag of `ns`,
+then the random part it draws)."""
 OWN_MOUNT = {"name": "kai-fractions-mps", "mountPath": f"/run/kai-fractions/mps/shared/{NS}",
              "subPath": NS}
 
 
 def apply(obj: dict[str, Any], config: AdmissionConfig = CONFIG) -> dict[str, Any]:
-    decision = mutate(request(obj), config, new_namespace=lambda: NS)
+    decision = mutate(request(obj), config, new_namespace=lambda: RANDOM)
     assert decision.allowed, decision.message
     return jsonpatch.apply_patch(copy.deepcopy(obj), list(decision.patch))
 
@@ -246,12 +249,13 @@ NS_KEY = "kai-fractions.io/container.main.mps-namespace"
 
 
 def test_an_sm_sharing_container_gets_a_namespace_of_its_own_and_mounts_only_it() -> None:
-    """The pod has no UID yet, so the webhook names the namespace (random) and mounts only
-    that directory of the MPS server's; the contract's CUDA_MPS_PIPE_DIRECTORY names it."""
+    """The pod has no UID yet, so the webhook names the namespace (its Kubernetes namespace's
+    tag, then random) and mounts only that directory of the MPS server's; the contract's
+    CUDA_MPS_PIPE_DIRECTORY names it."""
     out = apply(pod(SM))
     assert out["metadata"]["annotations"][NS_KEY] == NS
     assert out["spec"]["containers"][0]["volumeMounts"] == [OWN_MOUNT]
-    assert mutate(request(out), CONFIG, new_namespace=lambda: "kf_" + "cd" * 10).patch == ()
+    assert mutate(request(out), CONFIG, new_namespace=lambda: "cd" * 6).patch == ()
 
 
 def test_each_pod_gets_a_different_namespace() -> None:
@@ -261,9 +265,10 @@ def test_each_pod_gets_a_different_namespace() -> None:
 
 
 def test_a_namespace_the_pod_already_names_is_kept() -> None:
-    """The webhook may run again on its own output (reinvocation); a name a user wrote is
-    theirs, and the node agent refuses it if another container already has it."""
-    mine = "kf_" + "12" * 10
+    """The webhook may run again on its own output (reinvocation); a name a user of the pod's
+    namespace wrote is theirs, and the node agent refuses it if another container already has
+    it. One of another namespace is replaced (tests/admission/test_attacks.py)."""
+    mine = "kf_" + namespace_tag("ns") + "12" * 6
     out = apply(pod({**SM, NS_KEY: mine}))
     assert out["metadata"]["annotations"][NS_KEY] == mine
     assert out["spec"]["containers"][0]["volumeMounts"][0]["subPath"] == mine

@@ -26,7 +26,8 @@ from kai_fractions.contract import parse_pod, view_from_pod_spec
 
 from .reviews import CONFIG, SM, pod, request
 
-NS = "kf_" + "cd" * 10
+RANDOM = "cd" * 6
+"""The random part of the MPS namespace name the webhook draws (`podspec.new_mps_namespace`)."""
 VOID = {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}
 WRONG: tuple[Any, ...] = (7, True, "x", [1], {"a": 1}, None)
 """A number, a boolean, a string, a list, an object, null."""
@@ -48,7 +49,7 @@ def _valid_pod() -> dict[str, Any]:
                                "capabilities": {"add": ["NET_ADMIN"], "drop": ["ALL"]}}
     side["volumeMounts"] = [{"name": "data", "mountPath": "/data", "readOnly": True,
                              "subPath": "d"}]
-    decision = mutate(request(obj), CONFIG, new_namespace=lambda: NS)
+    decision = mutate(request(obj), CONFIG, new_namespace=lambda: RANDOM)
     assert decision.allowed, decision.message
     obj = jsonpatch.apply_patch(obj, list(decision.patch))
     obj["spec"]["ephemeralContainers"] = [{
