@@ -8,6 +8,7 @@ from ..contract import DEFAULT_KEYS, Keys
 from ..contract import keys as k
 from ..contract.names import is_dns_subdomain
 from ..contract.plan import MPS_SERVER
+from ..contract.scheduler import DEFAULT_SCHEDULER_NAME
 
 MIRROR_IDENTITY = "system:serviceaccount:kai-fractions:kai-fractions-mirror"
 DEFAULT_ALLOWED_IDENTITIES = (k.KAI_BINDER_IDENTITY, MIRROR_IDENTITY)
@@ -47,6 +48,9 @@ class AdmissionConfig:
     """Given to fractional pods that name no RuntimeClass: their container reaches its GPU
     through the NVIDIA runtime, which a node may offer only as a RuntimeClass. "" leaves the
     pod to the node's default runtime."""
+    scheduler_name: str = DEFAULT_SCHEDULER_NAME
+    """KAI's scheduler: a fractional pod of another is admitted with a warning (it would wait in
+    its gate for ever, `contract.scheduler`); "" warns of none."""
 
     @property
     def kubelet_pods_dir(self) -> str:

@@ -25,6 +25,7 @@ from ..contract import (
 from ..contract import keys as k
 from ..contract.plan import MPS_SERVER
 from ..contract.quantity import canonical_mib
+from ..contract.scheduler import scheduler_problem
 from . import podspec, shape, wiring
 from .config import GATE_CONTAINER, MPS_VOLUME, AdmissionConfig
 from .errors import contract_denial, manifest_denial
@@ -240,6 +241,11 @@ def _mutate(request: Mapping[str, Any], config: AdmissionConfig,
     new = desired_spec(spec, share, config, namespace)
     if len(new["containers"]) != len(spec["containers"]):
         return allow(warnings=warnings)  # malformed entries; the API server rejects the pod
+    found = spec.get("schedulerName")
+    if config.scheduler_name and (problem := scheduler_problem(
+            found, config.scheduler_name, "spec.schedulerName")):
+        warnings += ("spec.schedulerName: " + ("" if found is None else f"{found!r} ")
+                     + problem,)
     own = spec.get("runtimeClassName")
     if config.runtime_class and own and own != config.runtime_class:
         warnings += (f"spec.runtimeClassName: {own!r} is kept, but container "

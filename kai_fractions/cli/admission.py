@@ -17,6 +17,7 @@ from ..admission.config import (
     DEFAULT_MARKER_HOST_DIR,
     DEFAULT_MPS_PIPE_HOST_DIR,
 )
+from ..contract.scheduler import DEFAULT_SCHEDULER_NAME
 from . import add_log_level, add_metrics_listen, setup_logging
 
 if TYPE_CHECKING:
@@ -46,6 +47,10 @@ def register(sub) -> None:
                    help="the RuntimeClass of the NVIDIA runtime, given to fractional pods that "
                    "name none: their container reaches its GPU through that runtime (default: "
                    "none, the node's default runtime)")
+    p.add_argument("--scheduler-name", default=DEFAULT_SCHEDULER_NAME, metavar="NAME",
+                   help="KAI's scheduler (the chart's mirror.schedulerName): a fractional pod "
+                   "of another is admitted with a warning, as it would wait in its gate for "
+                   "ever; '' warns of none (default: %(default)s)")
     p.add_argument("--shutdown-delay", type=_seconds, default=5.0, metavar="SECONDS",
                    help="on SIGTERM, go on serving this long with GET /healthz answering 503, "
                    "so that the pod leaves the Service's endpoints while it still answers; then "
@@ -123,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         config = admission_config(
             args, gate_image=args.gate_image, keys=keys,
             allowed_identities=tuple(args.allowed_identity or DEFAULT_ALLOWED_IDENTITIES),
-            runtime_class=args.runtime_class)
+            runtime_class=args.runtime_class, scheduler_name=args.scheduler_name)
         if args.metrics_listen:
             from ..admission.metrics import AdmissionMetrics
 

@@ -21,6 +21,7 @@ from ..contract import (
     PodView,
     parse_pod,
 )
+from ..contract.scheduler import DEFAULT_SCHEDULER_NAME, scheduler_problem
 from .admission import add_host_dirs, admission_config
 from .manifests import InputError, Located, load_manifests
 
@@ -29,8 +30,6 @@ PROTECTED_IN_POD = ("is a protected key: only KAI's binder and the kai-fractions
                     "agent may create it; the validating webhook refuses it from anyone else")
 PROTECTED_IN_TEMPLATE = ("a pod template may not carry a protected key; the binder writes it on "
                          "each pod after scheduling")
-DEFAULT_SCHEDULER_NAME = "kai-scheduler"
-"""KAI's scheduler, as the chart's `mirror.schedulerName` names it."""
 OFFLINE_GATE_IMAGE = "unused-offline"
 """`AdmissionConfig` names the gate's image; the checks of a user's manifest never read it."""
 
@@ -128,15 +127,11 @@ def scheduler_warnings(located: Located, request: PodRequest,
     fractions (its webhook skips other schedulers' pods, and no BindRequest is made), so the
     pod would wait in its gate for ever. A warning, as a cluster may set the name on admission."""
     found = located.spec.get("schedulerName")
-    if not request.shares or found == scheduler:
-        return []
     key = f"{located.spec_path}.schedulerName"
-    said = ("absent, so the default scheduler places the pod" if found is None
-            else "names another scheduler")
-    return [ContractError(key, f"{said}, and only {scheduler} binds a GPU fraction (KAI skips "
-                          "the pods of other schedulers): the pod would never be released from "
-                          f"its gate; set {key}: {scheduler}",
-                          None if found is None else str(found))]
+    problem = scheduler_problem(found, scheduler, key) if request.shares else None
+    if problem is None:
+        return []
+    return [ContractError(key, problem, None if found is None else str(found))]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,7 +19,9 @@ def pod(annotations: dict[str, str] | None = None, *, containers: tuple[str, ...
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": "p", "namespace": "ns", "annotations": dict(annotations or {})},
-        "spec": {"containers": [{"name": n, "image": "img"} for n in containers], **spec},
+        # KAI's scheduler, as every fractional pod names it (else the webhook warns)
+        "spec": {"schedulerName": "kai-scheduler",
+                 "containers": [{"name": n, "image": "img"} for n in containers], **spec},
     }
 
 

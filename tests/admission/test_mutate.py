@@ -218,6 +218,32 @@ def test_annotation_prefix_and_host_directories_follow_the_configuration() -> No
         "/data/markers", None, "/data/mps/shared"]
 
 
+@pytest.mark.parametrize("scheduler", [None, "default-scheduler"])
+def test_a_fractional_pod_of_another_scheduler_is_admitted_with_a_warning(scheduler) -> None:
+    """Only KAI binds a fraction: its admission skips other schedulers' pods and no BindRequest
+    is made (upstream KAI-Scheduler pkg/admission/webhook/v1alpha2/podhooks/pod_validator.go),
+    so such a pod would wait in its gate for ever. Wired all the same (the gate holds it)."""
+    obj = pod(TS)
+    if scheduler is None:
+        del obj["spec"]["schedulerName"]
+    else:
+        obj["spec"]["schedulerName"] = scheduler
+    decision = mutate(request(obj), CONFIG)
+    assert decision.allowed and decision.patch
+    said = "absent, so the default scheduler places the pod" if scheduler is None else (
+        f"'{scheduler}' names another scheduler")
+    assert decision.warnings == (
+        f"spec.schedulerName: {said}, and only kai-scheduler binds a GPU fraction (KAI skips "
+        "the pods of other schedulers): the pod would never be released from its gate; set "
+        "spec.schedulerName: kai-scheduler",)
+    renamed = dataclasses.replace(CONFIG, scheduler_name=scheduler or "kai")
+    assert mutate(request(obj), dataclasses.replace(CONFIG, scheduler_name="")).warnings == ()
+    assert (mutate(request(obj), renamed).warnings == ()) is (scheduler is not None)
+    plain = pod({})
+    del plain["spec"]["schedulerName"]
+    assert mutate(request(plain), CONFIG).warnings == ()  # not fractional: not ours to say
+
+
 def test_a_fractional_pod_gets_the_nvidia_runtime_class_when_configured() -> None:
     """Its container reaches its GPU through the NVIDIA runtime (NVIDIA_VISIBLE_DEVICES); where
     the node offers it only as a RuntimeClass, a manifest written for KAI names none."""

@@ -525,7 +525,8 @@ def test_admission_deployment():
         "--marker-host-dir=/var/lib/kai-fractions/markers",
         "--mps-pipe-host-dir=/run/kai-fractions/mps", "--agent-socket-dir=/run/kai-fractions",
         "--kubelet-root-dir=/var/lib/kubelet",
-        "--annotation-prefix=nvidia.com/container.", "--shutdown-delay=5", "--log-level=info"]
+        "--annotation-prefix=nvidia.com/container.", "--scheduler-name=kai-scheduler",
+        "--shutdown-delay=5", "--log-level=info"]
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "https",
                                               "scheme": "HTTPS"}
     # a replica stopping keeps answering for the delay (its /healthz 503), then up to 15 s for
@@ -540,7 +541,12 @@ def test_admission_deployment():
     # where the NVIDIA runtime is a RuntimeClass, fractional pods are given it
     nvidia = container(one(render(sets=("webhook.runtimeClassName=nvidia",)), "Deployment",
                            ADMISSION), "admission")["args"]
-    assert nvidia[-3:] == ["--runtime-class=nvidia", "--shutdown-delay=5", "--log-level=info"]
+    assert nvidia[-4:] == ["--runtime-class=nvidia", "--scheduler-name=kai-scheduler",
+                           "--shutdown-delay=5", "--log-level=info"]
+    # fractional pods of another scheduler are warned of: KAI's, as the mirror names it
+    renamed = container(one(render(sets=("mirror.schedulerName=kai",)), "Deployment",
+                            ADMISSION), "admission")["args"]
+    assert "--scheduler-name=kai" in renamed
     assert "/webhook/runtimeClassName" in template_error("webhook.runtimeClassName=NVIDIA")
     # the kubelet's pods directory (guarded like kai-fractions' own) follows the nodes' kubelet
     moved = container(one(render(sets=(
