@@ -18,6 +18,9 @@ too (`Refusal.watched`): its usage is measured and its use over the cap reported
 Containers already applied are judged first, then the others oldest pod first (creation time,
 then namespace/name/uid), so a newcomer can never take a GPU's compute mode or memory away from
 a pod that was there before it.
+Once all are placed, a container whose cap is below its GPU's one MPS default pinned limit
+(the largest cap there) loses mps-pinned, which holds it at that larger cap only
+(`_one_pinned_limit`).
 
 The types it reads and returns live in `kai_fractions.node.desired_state` (re-exported here), the
 checks that refuse a container in `kai_fractions.node.plan_refusals`.
@@ -53,8 +56,10 @@ from .plan_refusals import (
     _mechanisms,
     _mount_refusal,
     _namespace_refusal,
+    _pinned_maxima,
     _refuse,
     _report_only,
+    _shared_pinned,
     _sharing_refusal,
 )
 
@@ -222,11 +227,13 @@ def plan_node(pods: Iterable[NodePod], inventory: Inventory, config: NodeConfig,
             container_id=pod.container_ids.get(plan.container),
         ))
 
+    accepted, pinned = _one_pinned_limit(accepted, applied, changes, requested, members,
+                                         refusals, inventory, config)
     refusals += changes.values()
     owned = {*marked, *held, *(c.key.pod_uid for c in accepted),
              *(r.key.pod_uid for r in refusals)}
     return DesiredState(
-        gpus=tuple(_gpu(d, accepted, modes, requested, members, config)
+        gpus=tuple(_gpu(d, modes, requested, members, pinned, config)
                    for d in inventory.devices),
         containers=tuple(accepted),
         refusals=tuple(refusals),
@@ -262,21 +269,53 @@ def _watched(c: _Candidate, refusal: Refusal, inventory: Inventory, config: Node
     return dataclasses.replace(refusal, watched=watched)
 
 
-def _gpu(device: DeviceInfo, accepted: list[ContainerDesired],
-         modes: Mapping[str, tuple[ComputeMode, str]], requested: Mapping[str, int],
-         members: Mapping[str, list[ContainerKey]], config: NodeConfig) -> GpuDesired:
+def _one_pinned_limit(accepted: list[ContainerDesired],
+                      applied: Mapping[ContainerKey, ContainerPlan],
+                      changes: dict[ContainerKey, Refusal], requested: dict[str, int],
+                      members: dict[str, list[ContainerKey]], refusals: list[Refusal],
+                      inventory: Inventory, config: NodeConfig
+                      ) -> tuple[list[ContainerDesired], dict[str, int]]:
+    """Each placed container as its GPUs' one MPS default pinned limit leaves it
+    (`_shared_pinned`), and those limits by GPU. Judged once all are placed: a larger cap placed
+    later lowers what an earlier one's mps-pinned holds. One refused here leaves its GPUs'
+    members and, unless it runs, its requested memory; one that runs keeps that memory, as in
+    `plan_node`, and a report-mode watchdog's attention (`Refusal.watched`)."""
+    pinned = _pinned_maxima(accepted)
+    kept = []
+    for c in accepted:
+        held = applied.get(c.key)
+        running = held is not None and held.digest == c.plan.digest
+        judged = _shared_pinned(c, pinned, inventory, config, running)
+        if isinstance(judged, ContainerDesired):
+            kept.append(judged)
+            continue
+        changes.pop(c.key, None)  # an applied plan that cannot be kept: this says why
+        for uuid in c.plan.device_uuids:
+            members[uuid].remove(c.key)
+            if not running:
+                requested[uuid] -= c.plan.request_bytes
+        if running:
+            judged = dataclasses.replace(judged, plan_digest=c.plan.digest)
+            if _report_only(judged, config):
+                judged = dataclasses.replace(judged, watched=dataclasses.replace(
+                    c, mechanisms=frozenset({Mechanism.WATCHDOG}), mps_namespace=None))
+        refusals.append(judged)
+    return kept, pinned
+
+
+def _gpu(device: DeviceInfo, modes: Mapping[str, tuple[ComputeMode, str]],
+         requested: Mapping[str, int], members: Mapping[str, list[ContainerKey]],
+         pinned: Mapping[str, int], config: NodeConfig) -> GpuDesired:
     mode: GpuComputeMode | None = None
     held = modes.get(device.uuid)
     # Without sm-sharing the agent never touches compute modes: nothing on the node needs MPS.
     if held is not None and config.sm_sharing:
         mode = (GpuComputeMode.EXCLUSIVE_PROCESS if held[0] is ComputeMode.SM_SHARING
                 else GpuComputeMode.DEFAULT)
-    pinned = [c.plan.limit_mib for c in accepted
-              if Mechanism.MPS_PINNED in c.mechanisms and device.uuid in c.plan.device_uuids]
     return GpuDesired(uuid=device.uuid, index=device.index, compute_mode=mode,
                       containers=tuple(members.get(device.uuid, ())),
                       requested_bytes=requested.get(device.uuid, 0),
-                      mps_pinned_mib=max(pinned) if pinned else None)
+                      mps_pinned_mib=pinned.get(device.uuid))
 
 
 def _within_devices(targets: tuple[LimitTarget, ...], inventory: Inventory

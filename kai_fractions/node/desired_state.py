@@ -199,7 +199,8 @@ class GpuDesired:
     requested_bytes: int
     mps_pinned_mib: int | None
     """The MPS default pinned device-memory limit for this GPU (the largest cap of its
-    mps-pinned containers: a client that drops its own env is still bounded); None: leave."""
+    mps-pinned containers: a client that drops its own env is still bounded); None: leave.
+    mps-pinned stays the tier only of the containers whose own cap it is (`_shared_pinned`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,14 +5,16 @@ and not in MIG mode (`_device_refusal`), a memory tier that caps it (`_mechanism
 its cgroup paths (`_cgroup_paths`), one compute mode and no memory overcommit per GPU
 (`_sharing_refusal`), its own MPS namespace (`_namespace_refusal`) and MPS mount
 (`_mount_refusal`). Each returns a `Refusal` or None; `kai_fractions.node.desired.plan_node`
-runs them in order and places what passes. They are kept apart from the placing so that each
-rule and its message reads on its own.
+runs them in order and places what passes; once all are placed, `_shared_pinned` takes
+mps-pinned from a container whose cap is below its GPU's one default pinned limit. They are
+kept apart from the placing so that each rule and its message reads on its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from ..contract import (
@@ -28,7 +30,7 @@ from ..contract import (
 from ..contract import keys as k
 from .cgroups import ContainerId
 from .config import Mechanism, NodeConfig, WatchdogPolicy
-from .desired_state import ContainerKey, NodePod, Refusal, RefusalReason
+from .desired_state import ContainerDesired, ContainerKey, NodePod, Refusal, RefusalReason
 from .inventory import Inventory
 
 # The planner's logger: its records keep the name they had before the checks moved here.
@@ -157,7 +159,12 @@ def _report_only(refusal: Refusal, config: NodeConfig) -> bool:
     """Whether `_mechanisms` refused the container because only a watchdog in report mode
     would watch it (the watchdog is enabled, and nothing else would cap it)."""
     return (refusal.reason is RefusalReason.MEMORY_LIMITS_UNSUPPORTED
-            and Mechanism.WATCHDOG in config.memory_enforcement
+            and _report_only_policy(config))
+
+
+def _report_only_policy(config: NodeConfig) -> bool:
+    """Whether the watchdog is enabled and only reports (it watches, and caps nothing)."""
+    return (Mechanism.WATCHDOG in config.memory_enforcement
             and config.watchdog_policy is WatchdogPolicy.REPORT)
 
 
@@ -201,6 +208,72 @@ def _no_cap(inventory: Inventory, config: NodeConfig, sm: bool, running: bool = 
                     "reports caps nothing)"))
     return (f"cannot cap this container's GPU memory: {why} and --memory-enforcement={enabled} "
             f"allows no fallback{pinned}; {', or '.join(fixes)}")
+
+
+def _pinned_maxima(accepted: Iterable[ContainerDesired]) -> dict[str, int]:
+    """GPU UUID -> the MPS daemon's default pinned device memory limit for it: the largest cap
+    (MiB) of its mps-pinned containers. The daemon holds one such limit per GPU, and a lower one
+    would cut a larger tenant below its own cap."""
+    pinned: dict[str, int] = {}
+    for c in accepted:
+        if Mechanism.MPS_PINNED in c.mechanisms:
+            for uuid in c.plan.device_uuids:
+                pinned[uuid] = max(pinned.get(uuid, 0), c.plan.limit_mib)
+    return pinned
+
+
+def _shared_pinned(c: ContainerDesired, pinned: Mapping[str, int], inventory: Inventory,
+                   config: NodeConfig, running: bool) -> ContainerDesired | Refusal:
+    """`c` as its GPUs' one default pinned limit (`pinned`) leaves it. mps-pinned caps `c` only
+    where that limit is `c`'s own cap on every GPU it uses; below it, the daemon bounds `c` at
+    the larger cap only, and `c`'s own rests on its client env (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT),
+    which its processes can change. Such a container loses mps-pinned and is judged by the
+    rule of `_mechanisms` on what it has left: applied with the cgroup tier or a kill watchdog,
+    else refused MemoryLimitsUnsupported. Taking it never lowers a maximum: it is not one."""
+    above = [(u, pinned[u]) for u in c.plan.device_uuids if pinned.get(u, 0) > c.plan.limit_mib]
+    if Mechanism.MPS_PINNED not in c.mechanisms or not above:
+        return c
+    left = c.mechanisms - {Mechanism.MPS_PINNED}
+    if Mechanism.CGROUP in left or (Mechanism.WATCHDOG in left and watchdog_stops(config)):
+        return dataclasses.replace(c, mechanisms=left)
+    gpu, limit = above[0]
+    return Refusal(key=c.key, pod_namespace=c.pod_namespace, pod_name=c.pod_name,
+                   reason=RefusalReason.MEMORY_LIMITS_UNSUPPORTED,
+                   message=_below_pinned(c, gpu, limit, inventory, config, running))
+
+
+def _below_pinned(c: ContainerDesired, gpu: str, limit: int, inventory: Inventory,
+                  config: NodeConfig, running: bool) -> str:
+    """Why mps-pinned does not cap `c` (its cap is below GPU `gpu`'s default pinned limit,
+    `limit` MiB), and what would."""
+    wanted = config.memory_enforcement
+    if Mechanism.WATCHDOG in wanted:
+        fixes = ["set --watchdog-policy=kill (the chart's watchdog.policy: kill)"]
+    else:
+        fixes = ["add watchdog to --memory-enforcement with --watchdog-policy=kill (the "
+                 "chart's watchdog.policy: kill)"]
+    if not inventory.capabilities.memory_limits:
+        fixes.append("upgrade the driver to r615 or newer for the cgroup tier"
+                     + ("" if Mechanism.CGROUP in wanted else
+                        " and add cgroup to --memory-enforcement"))
+    else:
+        fixes.append("add cgroup to --memory-enforcement")
+    fixes.append("place sm-sharing containers of equal caps together on a GPU")
+    report = _report_only_policy(config)
+    stops = " (a watchdog with --watchdog-policy=report stops nothing)" if report else ""
+    if running:
+        watched = ", their use over its cap only reported (LimitViolation events)" if report else ""
+        now = ("; this container runs already, without its own cap now: its processes are "
+               f"left running{watched}, and it will not start again after its pod's sandbox "
+               "restarts")
+    else:
+        now = " (the container would run without its own cap)"
+    return ("cannot cap this container's GPU memory: the MPS daemon holds one default pinned "
+            f"device memory limit per GPU, and GPU {gpu}'s is {limit} MiB, the largest cap of "
+            f"the sm-sharing containers on it; this container's cap of {c.plan.limit_mib} MiB "
+            "would rest on its own environment (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT), which its "
+            f"processes can change, and no other enabled tier caps it{stops}{now}; "
+            f"{', or '.join(fixes)}")
 
 
 def _cgroup_paths(c: _Candidate, config: NodeConfig) -> tuple[str, str | None] | Refusal:
