@@ -309,9 +309,12 @@ def _namespace_refusal(c: _Candidate, namespaces: Mapping[str, ContainerKey],
                 c.pod.view.namespace, c.pod.view.name, name, holder.container, holder.pod_uid)
     key = keys.derived(c.plan.container, k.ADMITTED_MPS_NAMESPACE)
     return _refuse(c.pod, c.plan.container, RefusalReason.MPS_NAMESPACE_TAKEN,
-                   f"MPS namespace {name} belongs to another container on this node; a pod may "
-                   f"not name another's namespace ({key}): recreate the pod so the admission "
-                   "webhook names one of its own")
+                   f"MPS namespace {name} ({key}) is held by another container on this node, "
+                   "placed first: two pods name the same namespace, a name copied from one pod "
+                   "to another of the same Kubernetes namespace (the admission webhook names a "
+                   "fresh one per pod, tagged with its Kubernetes namespace); recreate this "
+                   "pod without the annotation so the webhook names one of its own, and find "
+                   "who copied it (the node agent's log names the holder)")
 
 
 def _mount_refusal(c: _Candidate, config: NodeConfig) -> Refusal | None:

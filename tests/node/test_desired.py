@@ -387,10 +387,14 @@ def test_a_second_container_naming_a_taken_namespace_is_refused(reverse: bool) -
     (r,) = state.refusals
     assert (r.key, r.reason) == (ContainerKey(UID_B, "main"), RefusalReason.MPS_NAMESPACE_TAKEN)
     # Another tenant's pod is not named to the refused one; the agent's log names it.
+    # Nor does it blame the refused pod: it may be the one a co-tenant copied the name from.
     assert r.message == (
-        f"MPS namespace {ADMITTED} belongs to another container on this node; a pod may not "
-        f"name another's namespace ({NS_KEY}): recreate the pod so the admission webhook names "
-        "one of its own")
+        f"MPS namespace {ADMITTED} ({NS_KEY}) is held by another container on this node, "
+        "placed first: two pods name the same namespace, a name copied from one pod to another "
+        "of the same Kubernetes namespace (the admission webhook names a fresh one per pod, "
+        "tagged with its Kubernetes namespace); recreate this pod without the annotation so the "
+        "webhook names one of its own, and find who copied it (the node agent's log names the "
+        "holder)")
     assert_nothing_for(state, UID_B)
 
 
