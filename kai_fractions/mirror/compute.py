@@ -217,12 +217,14 @@ def mirror_patch(
     changes: dict[str, str | None] = {
         key: value for key, value in outcome.annotations.items() if current.get(key) != value}
     changes.update({key: None for key in sorted(stale) if key in current})
-    if old is not None and old.same_allocation(new):
-        # The first caller's key stays. A new key is recorded as well, though the repeat
-        # writes nothing else (one guarded patch more): answered OK for this allocation, its
-        # late retry after a rebind must be refused like the first key's, not put it back.
-        known = old.with_alias(idempotency_key)
-        if known is None:
+    if old is not None and old.digest == new.digest:
+        # The same allocation, whatever hook keys came or went (signing turned on or off):
+        # the record keeps its keys, the first caller's, the spent ones and the aliases. A new
+        # key is recorded as well, though the repeat writes nothing else (one guarded patch
+        # more): answered OK for this allocation, its late retry after a rebind must be
+        # refused like the first key's, not put it back.
+        known = old.repeated_by(new, idempotency_key)
+        if known == old:
             return Patch(changes=changes, record=old)
         changes[MIRRORED_ANNOTATION] = known.encode()
         return Patch(changes=changes, record=known,

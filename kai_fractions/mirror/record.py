@@ -77,14 +77,18 @@ class MirrorRecord:
         """Whether a call with `key` was answered OK for this allocation."""
         return bool(key) and (key == self.idempotency_key or key in self.aliases)
 
-    def with_alias(self, key: str) -> MirrorRecord | None:
-        """This record knowing `key` too, a repeat of its allocation; None when it needs no
-        change (no key, or one it already owns or holds as spent)."""
-        if not key or self.owns_key(key) or key in self.spent:
-            return None
-        return MirrorRecord(self.pod_uid, self.container, self.keys, self.digest,
-                            self.idempotency_key, self.spent,
-                            spent_keys(self.aliases, key))
+    def repeated_by(self, new: MirrorRecord, key: str) -> MirrorRecord:
+        """This allocation again (`new` has its digest), called with `key`: `new`'s pod, container
+        and annotation keys (a hook's, the signatures, come and go with --signing-key-file;
+        they are no part of the allocation), and this record's idempotency, spent and alias
+        keys, `key` an alias when it is new here. Equal to this record when nothing changed.
+        Starting afresh would forget the keys answered OK for this allocation, and their late
+        retry after a rebind would put it back."""
+        aliases = self.aliases
+        if key and not self.owns_key(key) and key not in self.spent:
+            aliases = spent_keys(aliases, key)
+        return MirrorRecord(new.pod_uid, new.container, new.keys, self.digest,
+                            self.idempotency_key, self.spent, aliases)
 
     def replaced_by(self, new: MirrorRecord) -> MirrorRecord:
         """`new`, which replaces this allocation, keeping this one's keys as spent."""
@@ -96,11 +100,6 @@ class MirrorRecord:
         """What a release with `key` leaves: this allocation's keys spent, `key` the latest."""
         return ReleasedRecord(self.pod_uid, key, spent_keys(
             self.spent, self.idempotency_key, self.aliases, but=key))
-
-    def same_allocation(self, other: MirrorRecord) -> bool:
-        """Equal but for the idempotency keys (the first caller's key is kept)."""
-        return (self.pod_uid, self.container, tuple(sorted(self.keys)), self.digest) == (
-            other.pod_uid, other.container, tuple(sorted(other.keys)), other.digest)
 
 
 def spent_keys(*groups: str | tuple[str, ...], but: str = "") -> tuple[str, ...]:

@@ -27,7 +27,9 @@ from kai_fractions.mirror.record import (
     decode_record,
 )
 from kai_fractions.mirror.service import NODE_LABELS_RETRY, NODE_LABELS_TTL, MirrorService
+from kai_fractions.mirror.signing import signing_annotations
 from kai_fractions.mirror.store import NodeLabels, WriteConflict
+from kai_fractions.signing import Keyring, KeyringSource
 from tests.support.clock import FakeClock
 from tests.support.fake_store import FakePodStore
 
@@ -233,6 +235,59 @@ async def test_a_late_retry_of_a_second_key_for_a_released_decision_is_refused(
         await service.mirror(allocation(), idempotency_key="bind-2", replace=True)
     assert e.value.kind == "IDEMPOTENCY_KEY_SUPERSEDED"
     assert set(store.annotations(NS, POD)) == {"gpu-fraction", MIRRORED_ANNOTATION}
+
+
+SIGNATURE = "kai-fractions.io/container.trainer.signature"
+
+
+def signing(store: FakePodStore, clock: FakeClock) -> MirrorService:
+    """The mirror restarted with --signing-key-file: its hook adds a signature per plan."""
+    keyring = KeyringSource.fixed(Keyring.of(bytes(range(32))))
+    return MirrorService(store, clock=clock, extra_annotations=signing_annotations(keyring))
+
+
+async def test_turning_signing_on_keeps_the_records_keys_and_a_late_retry_is_refused(
+        store, service, clock):
+    """From review: after a restart with signing on, a repeat of the same decision (same
+    digest: signatures are not the allocation) wrote a fresh record holding only its own key,
+    so bind-2, answered OK for that allocation, put it back after the rebind."""
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    await service.mirror(allocation(), idempotency_key="bind-1")
+    await service.mirror(allocation(), idempotency_key="bind-2")
+    signed = signing(store, clock)
+    repeat = await signed.mirror(allocation(), idempotency_key="bind-3")
+    assert repeat.changed is True  # the signature is written
+    record = record_of(store)
+    assert (record["idempotencyKey"], record["aliasKeys"]) == ("bind-1", ["bind-2", "bind-3"])
+    assert record["keys"] == sorted([*SINGLE, SIGNATURE])
+    assert record["digest"] == allocation_digest(SINGLE)
+    await signed.mirror(allocation(gpu_ids=(GPU_B,)), idempotency_key="bind-4", replace=True)
+    assert record_of(store)["spentKeys"] == ["bind-1", "bind-2", "bind-3"]
+    written = len(store.patches)
+    with pytest.raises(AllocationConflict) as e:
+        await signed.mirror(allocation(), idempotency_key="bind-2", replace=True)
+    assert e.value.kind == "IDEMPOTENCY_KEY_SUPERSEDED"
+    assert store.annotations(NS, POD)[DEVICES] == GPU_B
+    assert len(store.patches) == written
+
+
+async def test_turning_signing_off_keeps_the_records_keys(store, service, clock):
+    store.add_pod(pod({"gpu-fraction": "0.5"}))
+    signed = signing(store, clock)
+    await signed.mirror(allocation(), idempotency_key="bind-1")
+    await signed.mirror(allocation(), idempotency_key="bind-2")
+    assert SIGNATURE in store.annotations(NS, POD)
+    repeat = await service.mirror(allocation(), idempotency_key="bind-1")  # signing off
+    assert repeat.changed is True  # the signature the mirror wrote is removed
+    assert SIGNATURE not in store.annotations(NS, POD)
+    record = record_of(store)
+    assert (record["idempotencyKey"], record["aliasKeys"]) == ("bind-1", ["bind-2"])
+    assert record["keys"] == sorted(SINGLE)
+    written = len(store.patches)
+    assert not (await service.mirror(allocation(), idempotency_key="bind-2")).changed
+    assert len(store.patches) == written  # nothing left to write
+    await service.release(NS, POD, idempotency_key="rollback-1")
+    assert record_of(store)["spentKeys"] == ["bind-1", "bind-2"]
 
 
 async def test_a_record_keeps_the_latest_repeating_keys_only(store, service):
