@@ -147,7 +147,9 @@ def test_the_node_socket_refuses_a_non_root_user(agent_env: AgentEnv):
     env.nvml.add_gpu(GPU0, memory_mib=H100_MIB)
     env.create_node()
     run = env.start(sm_sharing=False)
-    wait_for(lambda: env.socket.exists(), run=run, what="the agent's socket")
+    # An agent process imports for seconds on a loaded 2-core machine: its start gets longer
+    # than a call does.
+    wait_for(lambda: env.socket.exists(), timeout=30, run=run, what="the agent's socket")
     # only the socket's own mode may stand in the way: its directories are open to everyone
     os.chmod(env.short, 0o755)
     assert stat.S_IMODE(env.socket.stat().st_mode) == 0o600

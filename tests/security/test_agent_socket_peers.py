@@ -48,7 +48,9 @@ def started(env: AgentEnv) -> AgentRun:
     env.nvml.add_gpu(GPU0, memory_mib=H100_MIB)
     env.create_node()
     run = env.start(sm_sharing=False)
-    wait_for(lambda: env.socket.exists(), run=run, what="the agent's socket")
+    # An agent process imports for seconds on a loaded 2-core machine: its start gets longer
+    # than a call does.
+    wait_for(lambda: env.socket.exists(), timeout=30, run=run, what="the agent's socket")
     return run
 
 
