@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from ..kube.client import STRATEGIC_MERGE_PATCH, Kube
-from ..kube.errors import Conflict, KubeError, NotFound
+from ..kube.errors import Conflict, Forbidden, KubeError, NotFound
 from ..kube.objects import configmap_path, configmaps_path
 from ..signing import CURRENT, PREVIOUS, V2, KeyringSource
 
@@ -30,16 +30,21 @@ def public_data(source: KeyringSource) -> dict[str, str]:
 
 
 class Publisher:
-    """Keeps the ConfigMap saying what the key files say, level-triggered: every round reads it
-    and writes it again when it is missing or its keys differ, so a deleted ConfigMap (which
-    every node agent mounts, as a required volume) or an edited key is put back within a round,
-    not at the mirror's next restart.
+    """Keeps the ConfigMap saying what the key files say: every round reads it and creates it
+    when it is missing, so a deleted ConfigMap (which every node agent mounts, as a required
+    volume) is back within a round, not at the mirror's next restart.
 
-    With leader election (`in_term`), only the Lease's holder patches an existing ConfigMap:
-    replicas whose mounted Secrets differ during a rotation would otherwise overwrite each other
-    every round. Any replica creates a missing one (a create never overwrites: the API refuses
-    it when the ConfigMap exists), so that the agents can start before a leader is elected and
-    while none is."""
+    A ConfigMap that differs is patched when this replica's own key files changed since it last
+    wrote or read it (a rotation), and, with leader election (`in_term`), by the Lease's holder
+    whenever it differs (an edit is put back). Without election a replica never overwrites one
+    merely because it differs: two replicas whose mounted Secrets differ mid-rotation (the
+    kubelet refreshes each pod's in its own time) would otherwise take turns rewriting it, and
+    nodes would lose the new key every other round. Any replica creates a missing one (a create
+    never overwrites: the API refuses it when the ConfigMap exists), so that the agents can
+    start before a leader is elected and while none is.
+
+    Without `get` on the ConfigMap (a Role older than the chart's, or a custom one) it is
+    written as before reads: patched (created when missing) when the key files change."""
 
     def __init__(self, kube: Kube, namespace: str, name: str, source: KeyringSource, *,
                  interval: float = 30.0, request_timeout: float = 10.0,
@@ -50,62 +55,114 @@ class Publisher:
         self.interval = interval
         self.request_timeout = request_timeout
         self.in_term = in_term
-        self._published: dict[str, str] | None = None  # what this replica last wrote
+        self._published: dict[str, str] | None = None  # what this replica last wrote or read
+        self._told_no_get = False  # the missing `get` is logged once, not every round
         self.ref = f"ConfigMap {namespace}/{name}"
 
     async def publish(self) -> bool:
-        """Reads the ConfigMap and writes it when it is missing or says other keys than the key
-        files; True when it wrote."""
+        """Reads the ConfigMap and writes it when it is missing, or differs and this replica
+        may overwrite it (see the class); True when it wrote."""
         data = public_data(self.source)
         if not data:
             log.error("--publish-public-key: the signing key is not an Ed25519 key, so there "
                       "is no public key to publish (kai-fractions signing-keys generate)")
             return False
-        path = configmap_path(self.namespace, self.name)
         try:
-            stored = await self.kube.request("GET", path, what=f"read {self.ref}",
+            stored = await self.kube.request("GET", configmap_path(self.namespace, self.name),
+                                             what=f"read {self.ref}",
                                              timeout=self.request_timeout)
         except NotFound:
             stored = None
-        metadata = {"name": self.name, "namespace": self.namespace,
-                    "labels": {"app.kubernetes.io/part-of": "kai-fractions"}}
+        except Forbidden as e:
+            if e.status != 403:  # credentials refused: every other request would be too
+                raise
+            return await self._write_unread(data, e)
+        self._told_no_get = False
         if stored is None:
-            try:
-                await self.kube.request("POST", configmaps_path(self.namespace),
-                                        what=f"create {self.ref}",
-                                        body={"metadata": metadata, "data": data},
-                                        timeout=self.request_timeout)
-            except Conflict:  # another replica created it meanwhile: the next round compares
+            if not await self._create(data):
                 return False
-            self._written(data, "was deleted: published again" if self._published else "")
+            if self._published is not None:
+                self._written(data, logging.WARNING,
+                              "%s was deleted: created it again with the signing public key(s) %s")
+            else:
+                self._written(data, logging.INFO, "created %s with the signing public key(s) %s")
             return True
         # The agents read only these two files of the mounted ConfigMap.
         held = {k: v for k, v in (stored.get("data") or {}).items() if k in (CURRENT, PREVIOUS)}
         if held == data:
             self._published = data
             return False
+        changed_here = data != self._published  # this replica's key files, since it last looked
+        if self.in_term is None and not changed_here:
+            log.debug("%s differs from this replica's key files, which did not change: without "
+                      "--leader-elect it is overwritten only when they do", self.ref)
+            return False
         if self.in_term is not None and not self.in_term():
             log.debug("%s differs from this replica's key files; the Lease's holder "
                       "publishes", self.ref)
             return False
+        await self._patch(data)
+        if changed_here:
+            self._written(data, logging.INFO,
+                          "updated %s to the signing public key(s) %s (it held other keys)")
+        else:
+            self._written(data, logging.WARNING, "%s was changed since this replica last wrote "
+                          "or read it: updated it again to the signing public key(s) %s")
+        return True
+
+    async def _write_unread(self, data: dict[str, str], e: Forbidden) -> bool:
+        """The write without a read, for a Role without `get` on the ConfigMap: a patch (a
+        create when it is missing) when the key files changed since this replica wrote them."""
+        if not self._told_no_get:
+            self._told_no_get = True
+            log.warning("%s: the mirror may not get it (%s): it is written only when the key "
+                        "files change, and not put back after a deletion or an edit until its "
+                        "Role allows get on it (as the chart's does)", self.ref, e.answer)
+        if data == self._published:
+            return False
+        try:
+            await self._patch(data)
+        except NotFound:
+            if not await self._create(data):
+                return False
+            self._written(data, logging.INFO, "created %s with the signing public key(s) %s")
+            return True
+        self._written(data, logging.INFO, "updated %s to the signing public key(s) %s")
+        return True
+
+    def _metadata(self) -> dict:
+        return {"name": self.name, "namespace": self.namespace,
+                "labels": {"app.kubernetes.io/part-of": "kai-fractions"}}
+
+    async def _create(self, data: dict[str, str]) -> bool:
+        """Creates the ConfigMap; False when another replica created it meanwhile (the next
+        round reads it)."""
+        try:
+            await self.kube.request("POST", configmaps_path(self.namespace),
+                                    what=f"create {self.ref}",
+                                    body={"metadata": self._metadata(), "data": data},
+                                    timeout=self.request_timeout)
+        except Conflict:
+            return False
+        return True
+
+    async def _patch(self, data: dict[str, str]) -> None:
         # A merge patch keeps the keys it does not name: a key the Secret no longer holds is
         # removed by name (null), or a retired key, leaked perhaps, would stay trusted on every
         # node for good.
         gone = {name: None for name in (CURRENT, PREVIOUS) if name not in data}
-        await self.kube.request("PATCH", path, what=f"patch {self.ref}",
-                                body={"metadata": metadata, "data": {**data, **gone}},
+        await self.kube.request("PATCH", configmap_path(self.namespace, self.name),
+                                what=f"patch {self.ref}",
+                                body={"metadata": self._metadata(), "data": {**data, **gone}},
                                 content_type=STRATEGIC_MERGE_PATCH,
                                 timeout=self.request_timeout)
-        self._written(data, "was edited: published again" if self._published == data else "")
-        return True
 
-    def _written(self, data: dict[str, str], repaired: str) -> None:
+    def _written(self, data: dict[str, str], level: int, message: str) -> None:
+        """Remembers what this replica wrote and logs it: `message` takes the ConfigMap and the
+        key ids."""
         self._published = data
         kids = ", ".join(k.kid for k in self.source.current().keys if k.version == V2)
-        if repaired:
-            log.warning("%s %s (key(s) %s)", self.ref, repaired, kids)
-        else:
-            log.info("published the signing public key(s) %s to %s", kids, self.ref)
+        log.log(level, message, self.ref, kids)
 
     async def try_publish(self) -> None:
         """`publish`, with a failure logged (it is tried again on the next round)."""

@@ -3,6 +3,8 @@ that node agents mount as their --signing-key-file directory (issue 17, finding 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from kubernetes import client as k8s
 
@@ -89,7 +91,11 @@ def test_the_mirror_process_publishes_its_public_key(kube, tmp_path):
     assert run.returncode == 0, run.err
     stored = kube.core.read_namespaced_config_map("signing-public", "kai-fractions")
     assert stored.data == {"current": key.public_pem().decode()}
-    assert f"published the signing public key(s) {key.kid}" in run.err
+    assert f"created ConfigMap kai-fractions/signing-public with the signing public key(s) " \
+        f"{key.kid}" in run.err
+
+
+CONFIGMAP = "/api/v1/namespaces/kai-fractions/configmaps/kai-fractions-signing-public"
 
 
 def publisher_of(kube, keys, **kw) -> tuple[Kube, Publisher]:
@@ -117,13 +123,15 @@ async def test_a_deleted_configmap_is_published_again_at_the_next_round(kube, tm
     finally:
         await client.close()
     assert stored_data(kube) == {"current": key.public_pem().decode()}
-    assert "ConfigMap kai-fractions/kai-fractions-signing-public was deleted: published again" \
+    assert "ConfigMap kai-fractions/kai-fractions-signing-public was deleted: created it again" \
         in caplog.text
 
 
-async def test_an_edited_key_is_put_back_and_a_retired_one_removed(kube, tmp_path, caplog):
+async def test_an_edited_key_is_put_back_by_the_lease_holder_and_a_retired_one_removed(
+        kube, tmp_path, caplog):
     key, other = Ed25519Key.generate(), Ed25519Key.generate()
-    client, publisher = publisher_of(kube, key_dir(tmp_path, "secret", key))
+    client, publisher = publisher_of(kube, key_dir(tmp_path, "secret", key),
+                                     in_term=lambda: True)
     try:
         assert await publisher.publish() is True
         kube.core.patch_namespaced_config_map(
@@ -135,7 +143,107 @@ async def test_an_edited_key_is_put_back_and_a_retired_one_removed(kube, tmp_pat
     finally:
         await client.close()
     assert stored_data(kube) == {"current": key.public_pem().decode()}
-    assert "kai-fractions-signing-public was edited: published again" in caplog.text
+    assert "kai-fractions-signing-public was changed since this replica last wrote or read it: " \
+        "updated it again" in caplog.text
+
+
+async def test_without_election_an_edit_is_overwritten_only_when_the_own_keys_change(
+        kube, tmp_path):
+    # Without --leader-elect the stored ConfigMap may differ because another replica sees
+    # another key set: overwriting it merely because it differs makes replicas take turns.
+    key, other, new = (Ed25519Key.generate() for _ in range(3))
+    keys = key_dir(tmp_path, "secret", key)
+    client, publisher = publisher_of(kube, keys)
+    try:
+        assert await publisher.publish() is True
+        kube.core.patch_namespaced_config_map(
+            "kai-fractions-signing-public", "kai-fractions",
+            {"data": {"current": other.public_pem().decode()}})
+        assert await publisher.publish() is False
+        assert stored_data(kube) == {"current": other.public_pem().decode()}
+        key_dir(tmp_path, "secret", new, key)  # a rotation: this replica's own change
+        assert await publisher.publish() is True
+    finally:
+        await client.close()
+    assert stored_data(kube) == {"current": new.public_pem().decode(),
+                                 "previous": key.public_pem().decode()}
+
+
+async def test_two_replicas_without_election_do_not_take_turns_during_a_rotation(
+        kube, tmp_path, caplog):
+    # The chart runs 2 replicas, with --leader-elect only when following BindRequests. The
+    # kubelet refreshes the rotated Secret in one pod before the other: the stale replica must
+    # not set `current` back to the old key and drop `previous` every other round.
+    old, new = Ed25519Key.generate(), Ed25519Key.generate()
+    client, a = publisher_of(kube, key_dir(tmp_path, "a", old))
+    b = Publisher(client, "kai-fractions", "kai-fractions-signing-public",
+                  KeyringSource([str(key_dir(tmp_path, "b", old))]))
+    rotated = {"current": new.public_pem().decode(), "previous": old.public_pem().decode()}
+    seen = []
+    try:
+        assert await a.publish() is True
+        assert await b.publish() is False  # the same keys: nothing to write
+        key_dir(tmp_path, "a", new, old)  # A's mount is refreshed first
+        for _round in range(3):
+            for replica in (a, b):
+                await replica.try_publish()
+                seen.append(stored_data(kube))
+        key_dir(tmp_path, "b", new, old)  # then B's
+        wrote_after_refresh = await b.publish()
+    finally:
+        await client.close()
+    assert seen == [rotated] * 6
+    assert wrote_after_refresh is False  # it finds its keys there already
+    assert stored_data(kube) == rotated
+    assert "changed since" not in caplog.text
+
+
+async def test_a_restarted_replica_says_it_updated_what_it_found(kube, tmp_path, caplog):
+    # After a restart the replica remembers nothing: its log says what the read found.
+    caplog.set_level(logging.INFO)
+    key, other = Ed25519Key.generate(), Ed25519Key.generate()
+    client, publisher = publisher_of(kube, key_dir(tmp_path, "secret", key))
+    try:
+        assert await publisher.publish() is True
+        kube.core.patch_namespaced_config_map(
+            "kai-fractions-signing-public", "kai-fractions",
+            {"data": {"current": other.public_pem().decode()}})
+        restarted = Publisher(client, "kai-fractions", "kai-fractions-signing-public",
+                              KeyringSource([str(key_dir(tmp_path, "secret", key))]))
+        assert await restarted.publish() is True
+    finally:
+        await client.close()
+    assert stored_data(kube) == {"current": key.public_pem().decode()}
+    assert "created ConfigMap kai-fractions/kai-fractions-signing-public with the signing " \
+        f"public key(s) {key.kid}" in caplog.text
+    assert "updated ConfigMap kai-fractions/kai-fractions-signing-public to the signing " \
+        f"public key(s) {key.kid} (it held other keys)" in caplog.text
+
+
+async def test_a_role_without_get_still_creates_and_updates_the_configmap(
+        kube, tmp_path, caplog):
+    # An older chart's Role (or a custom one) allows patch and create but not get: the
+    # ConfigMap every node agent mounts as a required volume must still be created.
+    old, new = Ed25519Key.generate(), Ed25519Key.generate()
+    kube.fail("GET", CONFIGMAP, 403, times=None, reason="Forbidden",
+              message='configmaps "kai-fractions-signing-public" is forbidden: cannot get')
+    keys = key_dir(tmp_path, "secret", old)
+    client, publisher = publisher_of(kube, keys)
+    try:
+        assert await publisher.publish() is True  # created
+        for _ in range(2):
+            await publisher.try_publish()  # the key files did not change: nothing written
+        assert stored_data(kube) == {"current": old.public_pem().decode()}
+        key_dir(tmp_path, "secret", new, old)
+        assert await publisher.publish() is True  # patched
+    finally:
+        await client.close()
+    assert stored_data(kube) == {"current": new.public_pem().decode(),
+                                 "previous": old.public_pem().decode()}
+    assert len(kube.requests("POST", "/api/v1/namespaces/kai-fractions/configmaps")) == 1
+    warned = [r.getMessage() for r in caplog.records if "may not get it" in r.getMessage()]
+    assert len(warned) == 1, warned  # once, not every round
+    assert "not put back after a deletion or an edit until its Role allows get" in warned[0]
 
 
 async def test_under_election_only_the_lease_holder_overwrites_the_configmap(kube, tmp_path):
