@@ -90,6 +90,14 @@ WATCHDOG_MESSAGE = (
     "the cap). kai_fractions_agent_gpu_usage_unknown names the GPU and why; a running pod's "
     "WatchdogBlind event and the agent's log say what to do (on the node, --agent-socket "
     "gives the agent's own message)")
+COMPUTE_MODE_MESSAGE = (
+    "the node agent's metrics say a GPU of this sm-sharing container is not in compute mode "
+    "EXCLUSIVE_PROCESS and the agent could not set it: there a process that leaves MPS runs "
+    "outside the container's MPS caps, so its readiness marker is set aside (a gate of the pod "
+    "waits) until the mode is in force. Let the agent set it (it retries every pass), or run "
+    "nvidia-smi -i <uuid of its GPU> -c EXCLUSIVE_PROCESS on the node. The pod's "
+    "MpsCapNotInForce event names the GPU, the mode read back and NVML's error (on the node, "
+    "--agent-socket gives the agent's own message)")
 REFUSED_MESSAGE = (
     "the node agent's metrics say it refuses this container, for the reason shown: the pod's "
     "Refused event gives its message (on the node, --agent-socket gives the agent's own)")
@@ -97,7 +105,16 @@ MEMORY_LIMIT_NOT_IN_FORCE = "MemoryLimitNotInForce"
 """kai_fractions.node.memory_limits' reason of that series (read from the metrics, as text)."""
 WATCHDOG_BLIND = "WatchdogBlind"
 """kai_fractions.node.engine_reports' reason of that series (read from the metrics, as text)."""
-_CAP_MESSAGES = {MEMORY_LIMIT_NOT_IN_FORCE: LIMIT_MESSAGE, WATCHDOG_BLIND: WATCHDOG_MESSAGE}
+COMPUTE_MODE_NOT_IN_FORCE = "ComputeModeNotInForce"
+"""kai_fractions.node.engine_reports' reason of that series (read from the metrics, as text)."""
+MPS_CAP_REASONS = ("NamespaceCapUnverified", "NamespaceCapNotSet", "MpsPinnedLimitLost")
+"""kai_fractions.node.mps_caps' reasons of an MPS cap not in force (as text)."""
+CAP_MESSAGES = {**dict.fromkeys(MPS_CAP_REASONS, CAP_MESSAGE),
+                COMPUTE_MODE_NOT_IN_FORCE: COMPUTE_MODE_MESSAGE,
+                MEMORY_LIMIT_NOT_IN_FORCE: LIMIT_MESSAGE, WATCHDOG_BLIND: WATCHDOG_MESSAGE}
+"""The message of each reason of kai_fractions_container_cap_not_in_force: every one of the
+node's NOT_IN_FORCE_REASONS (a test holds them equal). A reason of a newer agent gets
+CAP_MESSAGE."""
 
 
 def not_this_agent(samples: list[Any], node: str) -> str:
@@ -120,7 +137,7 @@ def _allocation(key: Key, by_gpu: dict[str, int] | None, refused: tuple[str, str
     if refused is not None:
         message = REFUSED_MESSAGE
     elif cap is not None:
-        message = _CAP_MESSAGES.get(reason, CAP_MESSAGE)
+        message = CAP_MESSAGES.get(reason, CAP_MESSAGE)
     unknown = {u: blind[u] for u in by_gpu or {} if u in blind}
     return AgentAllocation(
         namespace=namespace, pod=pod, container=container, uid=uid,

@@ -58,6 +58,31 @@ def _said_of(condition: tuple[str, str, str, str]) -> str:
     return ": ".join([f"{condition[0]} is {condition[1]}", *filter(None, condition[2:])])
 
 
+_UNWRITTEN = (": the agent writes a change within seconds; if this stays, it cannot patch the "
+              "Node (the API server out of its reach, or its RBAC): its log says why")
+
+
+def _agent_condition_note(condition: tuple[str, str, str, str] | None,
+                          agent: AgentState | None) -> str:
+    """What the agent's own condition (its socket's GetNodeState) says when the Node's copy,
+    what KAI reads, says otherwise (its status, or its reason); "" when they agree. An agent
+    that cannot reach the API server (NotReconciling) cannot write the Node either, so the
+    Node keeps the last condition it wrote: inspect run on the node to debug that must not
+    show it alone."""
+    said = agent.condition if agent is not None and agent.reachable else None
+    if said is None:
+        return ""
+    status = "True" if said.ready else "False"
+    own = _said_of((said.type, status, said.reason, said.message))
+    if condition is None:
+        return (f"the node agent itself says now: {own}; it has not written it to the Node, "
+                f"which KAI reads{_UNWRITTEN}")
+    if condition[1] == status and (not said.reason or said.reason == condition[2]):
+        return ""
+    return (f"the node agent itself says now: {own}; the Node's copy, which KAI reads, is "
+            f"stale ({_said_of((*condition[:3], ''))}){_UNWRITTEN}")
+
+
 GATE_ONLY = (
     "enforced (gate): only the gate's exit says so; the node agent's own view was not read and "
     "may be newer (a limit it set aside since: give --agent-socket on the node, or "
@@ -91,6 +116,9 @@ def _notes(node_name: str, node: Mapping[str, Any] | None, label: str | None,
         if beat is not None and beat.error:
             notes.append(f"heartbeat Lease not read ({beat.error}): the condition's "
                          "lastHeartbeatTime alone is shown")
+        note = _agent_condition_note(condition, agent)
+        if note:
+            notes.append(note)
     if agent is not None and not agent.reachable:
         notes.append(f"used: n/a (agent not reachable: {agent.error})")
     if agent is not None:

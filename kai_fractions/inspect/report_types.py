@@ -146,7 +146,12 @@ class Report:
             "heartbeat": None if self.heartbeat is None else self.heartbeat.to_dict(),
             "agent": None if agent is None else {
                 "source": agent.source, "reachable": agent.reachable, "error": agent.error,
-                "driver_version": agent.driver_version},
+                "driver_version": agent.driver_version,
+                # its own condition (socket only): the Node's copy above may be stale
+                "condition": None if agent.condition is None else {
+                    "type": agent.condition.type,
+                    "status": "True" if agent.condition.ready else "False",
+                    "reason": agent.condition.reason, "message": agent.condition.message}},
             "gpus": [g.to_dict() for g in self.gpus],
             "unplaced": [r.to_dict() for r in self.unplaced],
             "notes": list(self.notes),

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from kai_fractions.inspect import sources
+from kai_fractions.inspect import agent_metrics, sources
 from kai_fractions.node.agent.metrics import AgentMetrics
 from kai_fractions.node.desired import ContainerKey
 from kai_fractions.node.engine import ContainerResult, ContainerState
+from kai_fractions.node.engine_reports import NOT_IN_FORCE_REASONS
 
 UID_A = "aaaaaaaa-0000-4000-8000-000000000001"
 UID_B = "bbbbbbbb-0000-4000-8000-000000000002"
@@ -53,6 +54,28 @@ def test_a_container_whose_memory_limit_is_not_in_force_is_read_and_said_so() ->
     assert a.message.startswith("the node agent's metrics say the GPU memory limit on this "
                                 "container's pod cgroup is not in force")
     assert "MemoryLimitNotInForce event" in a.message
+
+
+def test_a_container_whose_gpus_compute_mode_is_not_in_force_is_told_to_set_it() -> None:
+    """ComputeModeNotInForce got the MPS cap's generic message, which names neither the
+    compute mode nor what sets it."""
+    metrics = AgentMetrics("node-a")
+    metrics.count_caps([ContainerResult(
+        key=ContainerKey(UID_A, "main"), ref="team-a/a/main", state=ContainerState.PENDING,
+        reason="ComputeModeNotInForce", mps_cap_missing=True)])
+    (a,) = sources.from_metrics_text(generate_latest(metrics.registry).decode(),
+                                     "metrics http://x").allocations
+    assert (a.uid, a.reason, a.cap_not_in_force) == (UID_A, "ComputeModeNotInForce", True)
+    assert a.message.startswith("the node agent's metrics say a GPU of this sm-sharing "
+                                "container is not in compute mode EXCLUSIVE_PROCESS and the "
+                                "agent could not set it")
+    assert "nvidia-smi -i <uuid of its GPU> -c EXCLUSIVE_PROCESS" in a.message
+
+
+def test_every_reason_a_cap_is_not_in_force_for_has_a_message() -> None:
+    """A reason the node adds to NOT_IN_FORCE_REASONS needs a message of its own here (the
+    fallback is the MPS cap's)."""
+    assert set(agent_metrics.CAP_MESSAGES) == NOT_IN_FORCE_REASONS
 
 
 def test_whose_agent_the_metrics_are_is_read_from_its_node_ready_series() -> None:

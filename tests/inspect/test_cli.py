@@ -169,6 +169,7 @@ def test_api_not_reachable_exit_2(tmp_path: Path, capsys) -> None:
 
 class _Agent(node_pb2_grpc.NodeEnforcerServicer):
     uid = UID
+    condition = node_pb2.NodeCondition(type="gpu-fractioning.nvidia.com/Ready", ready=True)
 
     def GetNodeState(self, request, context):
         return node_pb2.GetNodeStateResponse(
@@ -181,8 +182,7 @@ class _Agent(node_pb2_grpc.NodeEnforcerServicer):
                 pod=allocation_pb2.PodRef(namespace="team-a", name="notebook", uid=self.uid),
                 container="main", state=node_pb2.ALLOCATION_STATE_REFUSED,
                 reason="MemoryOvercommitted", message="GPU full", memory_used_bytes=0)],
-            condition=node_pb2.NodeCondition(type="gpu-fractioning.nvidia.com/Ready",
-                                             ready=True))
+            condition=self.condition)
 
 
 @pytest.fixture
@@ -204,7 +204,9 @@ def test_agent_socket(cluster: Path, agent_socket: Path, capsys) -> None:
     assert code == 0
     data = json.loads(out)
     assert data["agent"] == {"source": f"socket unix://{agent_socket}", "reachable": True,
-                             "error": "", "driver_version": "615.00.00"}
+                             "error": "", "driver_version": "615.00.00", "condition": {
+                                 "type": "gpu-fractioning.nvidia.com/Ready", "status": "True",
+                                 "reason": "", "message": ""}}
     assert [(g["index"], g["name"], len(g["allocations"])) for g in data["gpus"]] == [
         (0, "NVIDIA A100-SXM4-40GB", 1), (1, "NVIDIA A100-SXM4-40GB", 0)]
     row = data["gpus"][0]["allocations"][0]
@@ -228,6 +230,41 @@ def test_agent_state_of_another_pod_with_that_name_is_not_used(
     row = json.loads(out)["gpus"][0]["allocations"][0]
     assert (code, row["state"], row["reason"], row["used_bytes"], row["state_source"]) == (
         0, "enforced", "", None, "gate")
+
+
+def test_the_agents_own_condition_is_shown_beside_the_nodes_stale_copy(
+        kube: KubeServer, cluster: Path, tmp_path: Path, capsys) -> None:
+    """The agent cannot reach the API server: its socket says NotReconciling, the Node still
+    says the True it last wrote. inspect, on the node to debug that, showed the True alone."""
+    path = tmp_path / "cut-off.sock"
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    agent = _Agent()
+    agent.uid = kube.core.read_namespaced_pod("notebook", "team-a").metadata.uid
+    agent.condition = node_pb2.NodeCondition(
+        type="gpu-fractioning.nvidia.com/Ready", ready=False, reason="NotReconciling",
+        message="the Kubernetes API has been unreachable for 60s or more")
+    node_pb2_grpc.add_NodeEnforcerServicer_to_server(agent, server)
+    server.add_insecure_port(f"unix:{path}")
+    server.start()
+    try:
+        code, out, _ = _inspect(capsys, "node", NODE, "--kubeconfig", str(cluster),
+                                "--agent-socket", str(path))
+        _, as_json, _ = _inspect(capsys, "node", NODE, "--kubeconfig", str(cluster),
+                                 "--agent-socket", str(path), "-o", "json")
+    finally:
+        server.stop(0).wait()
+    assert code == 0
+    assert out.splitlines()[0].endswith("gpu-fractioning.nvidia.com/Ready=True")
+    assert ("note: the node agent itself says now: gpu-fractioning.nvidia.com/Ready is False: "
+            "NotReconciling: the Kubernetes API has been unreachable for 60s or more; the "
+            "Node's copy, which KAI reads, is stale (gpu-fractioning.nvidia.com/Ready is True: "
+            "Reconciling): ") in out
+    data = json.loads(as_json)
+    assert data["agent"]["condition"] == {
+        "type": "gpu-fractioning.nvidia.com/Ready", "status": "False",
+        "reason": "NotReconciling", "message": "the Kubernetes API has been unreachable for "
+        "60s or more"}
+    assert data["condition"]["status"] == "True"
 
 
 def test_the_socket_of_another_nodes_agent_is_not_taken_for_this_nodes(

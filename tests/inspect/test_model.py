@@ -9,6 +9,7 @@ import pytest
 from kai_fractions.contract import ComputeMode, Dialect, mps_namespace_name
 from kai_fractions.inspect.agent_state import (
     AgentAllocation,
+    AgentCondition,
     AgentDevice,
     AgentState,
     unreachable,
@@ -429,3 +430,49 @@ def test_a_contract_invalid_pod_without_a_share_is_not_accounted():
     assert [(r.pod, r.state, r.reason, r.accounted, r.to_dict()["accounted"]) for r in rows] == [
         ("bad", "invalid", "ContractInvalid", False, False),
         ("broken", "invalid", "ManifestError", False, False)]
+
+
+READY = "gpu-fractioning.nvidia.com/Ready"
+NOT_RECONCILING = AgentCondition(
+    READY, False, "NotReconciling",
+    "the Kubernetes API has been unreachable for 60s or more: connection refused")
+
+
+def test_the_agents_own_condition_is_noted_where_the_nodes_copy_is_stale():
+    """An agent that cannot reach the API server (NotReconciling) cannot patch the Node either:
+    the Node kept the True it last wrote, and inspect, run on the node to debug exactly that,
+    showed it alone although the agent's socket had just said False."""
+    agent = AgentState(source="socket unix:///run/kai-fractions/agent.sock",
+                       condition=NOT_RECONCILING)
+    report = node_report(NODE, node(), [], agent)
+    assert report.condition[:3] == (READY, "True", "Reconciling")  # the Node's copy, as read
+    assert report.notes == (
+        "the node agent itself says now: gpu-fractioning.nvidia.com/Ready is False: "
+        "NotReconciling: the Kubernetes API has been unreachable for 60s or more: connection "
+        "refused; the Node's copy, which KAI reads, is stale (gpu-fractioning.nvidia.com/Ready "
+        "is True: Reconciling): the agent writes a change within seconds; if this stays, it "
+        "cannot patch the Node (the API server out of its reach, or its RBAC): its log says why",)
+    assert report.to_dict()["agent"]["condition"] == {
+        "type": READY, "status": "False", "reason": "NotReconciling",
+        "message": NOT_RECONCILING.message}
+    # a reason of its own with the same status is stale too
+    other = AgentCondition(READY, True, "AgentReady", "sm-sharing")
+    (note,) = node_report(NODE, node(), [], AgentState(source="socket", condition=other)).notes
+    assert note.startswith("the node agent itself says now: gpu-fractioning.nvidia.com/Ready is "
+                           "True: AgentReady: sm-sharing; the Node's copy")
+    # a Node with no condition yet, while the agent has one
+    notes = node_report(NODE, node(conditions=[]), [], agent).notes
+    assert notes[1].startswith("the node agent itself says now: gpu-fractioning.nvidia.com/"
+                               "Ready is False: NotReconciling: ")
+    assert "it has not written it to the Node, which KAI reads" in notes[1]
+
+
+def test_the_agents_own_condition_agreeing_with_the_nodes_adds_no_note():
+    same = AgentCondition(READY, True, "Reconciling", "a newer message")
+    assert node_report(NODE, node(), [], AgentState(source="socket", condition=same)).notes == ()
+    no_reason = AgentCondition(READY, True)  # an agent that gives none: the status agrees
+    assert node_report(NODE, node(), [], AgentState(source="socket",
+                                                    condition=no_reason)).notes == ()
+    # the metrics give no condition: nothing to compare, and JSON says none
+    report = node_report(NODE, node(), [], AgentState(source="metrics http://x"))
+    assert report.notes == () and report.to_dict()["agent"]["condition"] is None

@@ -59,7 +59,8 @@ def test_machine_readable(output, load):
     assert data["condition"] == {"type": "gpu-fractioning.nvidia.com/Ready", "status": "True",
                                  "reason": "Reconciling", "message": "ok"}
     assert data["agent"] == {"source": "socket unix:///run/kai-fractions/agent.sock",
-                             "reachable": True, "error": "", "driver_version": "615.00.00"}
+                             "reachable": True, "error": "", "driver_version": "615.00.00",
+                             "condition": None}  # the socket's own condition: none given here
     [g0, g1] = data["gpus"]
     assert (g0["index"], g0["uuid"], g0["memory_bytes"], g0["modes"], g0["requested_bytes"]) == (
         0, GPU0, 40960 * MIB, ["time-slicing"], 8192 * MIB)
