@@ -502,7 +502,30 @@ def test_node_agent_always_shares_the_host_pid_namespace(values_file: Path | Non
 
 def test_memory_tiers_that_leave_nothing_fail_with_a_reason():
     err = template_error("memoryEnforcement.tiers={mps-pinned}")
-    assert "memoryEnforcement.tiers: nothing left to enforce memory with" in err
+    assert "memoryEnforcement.tiers=mps-pinned (smSharing.enabled=false" in err
+    assert "no tier left that caps GPU memory" in err
+
+
+@pytest.mark.parametrize("tiers", ["{mps-pinned,watchdog}", "{watchdog}"])
+def test_a_report_watchdog_is_no_tier_that_caps(tiers):
+    """A watchdog with policy report (the default) stops nothing: with no other tier that caps,
+    every node agent refuses every fractional pod (MemoryLimitsUnsupported), so the chart
+    refuses the values and names the three ways out instead of rendering them."""
+    err = template_error(f"memoryEnforcement.tiers={tiers}")
+    assert "watchdog.policy=report): no tier left that caps GPU memory" in err
+    for way_out in ("Add cgroup to memoryEnforcement.tiers",
+                    "smSharing.enabled=true with mps-pinned", "watchdog.policy=kill"):
+        assert way_out in err
+    # a kill watchdog caps on its own, and mps-pinned does with sm-sharing
+    args = container(one(render(sets=(f"memoryEnforcement.tiers={tiers}",
+                                      "watchdog.policy=kill")), "DaemonSet", AGENT),
+                     "node-agent")["args"]
+    assert "--memory-enforcement=watchdog" in args  # mps-pinned dropped: no sm-sharing
+    if "mps-pinned" in tiers:
+        args = container(one(render(sets=(f"memoryEnforcement.tiers={tiers}",
+                                          "smSharing.enabled=true")), "DaemonSet", AGENT),
+                         "node-agent")["args"]
+        assert "--memory-enforcement=mps-pinned,watchdog" in args
 
 
 # -- admission ------------------------------------------------------------------------------
@@ -724,6 +747,31 @@ def test_notes_tell_how_to_check_it_works():
     assert "inspect mirror" not in chart_notes("mirror.enabled=false",
                                                "gpuFractioningConfig.enabled=false",
                                                "signing.enabled=false")
+
+
+def _notes_inspect_args(notes: str) -> list:
+    """The `kai-fractions inspect node|pod` commands of the NOTES, as the real CLI parses them."""
+    commands = [line.strip() for line in notes.splitlines()
+                if line.strip().startswith(("kai-fractions inspect node",
+                                            "kai-fractions inspect pod"))]
+    assert len(commands) == 2, commands
+    return [build_parser().parse_args(shlex.split(c)[1:]) for c in commands]
+
+
+def test_notes_inspect_commands_read_the_condition_and_keys_the_chart_writes():
+    """inspect reads the node condition and per-container keys by name: with a nodeCondition.name
+    or annotationPrefix other than its defaults, a NOTES command without them would report a
+    healthy node as one no agent runs on. The defaults are the CLI's, so they are left out."""
+    for args in _notes_inspect_args(chart_notes()):
+        assert args.condition_name == "gpu-fractioning.nvidia.com/Ready"
+        assert args.annotation_prefix == "nvidia.com/container."
+    notes = chart_notes("nodeCondition.name=gpu.example.com/Ready",
+                        "annotationPrefix=example.com/container.")
+    for args in _notes_inspect_args(notes):
+        assert args.condition_name == "gpu.example.com/Ready"
+        assert args.annotation_prefix == "example.com/container."
+        assert args.release_namespace == NAMESPACE
+    assert "--condition-name" not in chart_notes()
 
 
 def test_notes_warn_when_the_grpc_path_is_all_and_cannot_write_as_the_binder():

@@ -21,6 +21,7 @@ from .render import CHART, REPO, container, one, render, template_error
 DOC = (REPO / "docs" / "chart.md").read_text()
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 COMPONENTS = ("mirror", "nodeAgent", "webhook")
 
 
@@ -212,6 +213,24 @@ def test_an_all_digit_image_tag_is_accepted_as_set_types_it(tmp_path):
     assert _images(render(sets=("image.tag=0100",))) == {f"{TEST_IMAGE}:0100"}
     error = template_error("image.tag=-1")
     assert "/image/tag" in error
+
+
+@pytest.mark.parametrize("tag", ["0.1.0:extra", "v1 2", ".hidden", "-x", "a" * 129,
+                                 "sha256:abc", "sha256:" + "AB" * 32])
+def test_an_image_tag_that_is_no_oci_tag_or_digest_is_refused(tag: str):
+    """image.tag is rendered into every image reference and the gate image of every fractional
+    pod: one that is no OCI tag (nor sha256:<64 hex>, which pins by digest) would make every
+    pod unpullable, or name another image, so the schema refuses it."""
+    error = template_error(set_string=(f"image.tag={tag}",))
+    assert "/image/tag" in error and "does not match pattern" in error
+
+
+@pytest.mark.parametrize("tag", ["", "v1.2.3_rc-1", "_x", "a" * 128, "sha256:" + "ab" * 32])
+def test_oci_tags_and_digests_are_accepted(tag: str):
+    from .render import TEST_IMAGE
+    joiner = "@" if tag.startswith("sha256:") else ":"
+    assert _images(render(sets=(f"image.tag={tag}",))) == {
+        f"{TEST_IMAGE}{joiner}{tag or APP_VERSION}"}
 
 
 def test_set_commands_in_the_docs_render_as_written():

@@ -562,3 +562,62 @@ def test_an_object_selector_never_narrows_the_validating_pod_webhook(tmp_path):
                   "userInfo": {"username": "alice"}, "object": unlabelled},
                  AdmissionConfig(gate_image="img"))
     assert not d.allowed and "kai-fractions-gate" in d.message
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A namespaceSelector, as the API server applies it to a namespace's labels."""
+    if any(labels.get(key) != value for key, value in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        present, value = e["key"] in labels, labels.get(e["key"])
+        if not {"In": present and value in e.get("values", []),
+                "NotIn": not present or value not in e["values"],
+                "Exists": present, "DoesNotExist": not present}[e["operator"]]:
+            return False
+    return True
+
+
+def _sent_on_create(docs: list[dict], obj: dict, namespace: str,
+                    labels: dict[str, str] | None = None) -> set[str]:
+    """The validating webhooks a pod CREATE in `namespace` (with these labels) is sent to."""
+    labels = {"kubernetes.io/metadata.name": namespace, **(labels or {})}
+    sent = set()
+    for name, hook in hooks(docs, "ValidatingWebhookConfiguration").items():
+        creates_pods = any("pods" in r["resources"] and "CREATE" in r["operations"]
+                           for r in hook["rules"])
+        if (creates_pods and _selects(hook.get("namespaceSelector", {}), labels)
+                and matches(hook, obj, namespace=namespace)):
+            sent.add(name)
+    return sent
+
+
+@pytest.mark.parametrize("values", [
+    # --set merges it with the default opt-out expression
+    {"matchLabels": {"kai-fractions.io/enforce": "true"}},
+    # a values file that replaces the selector outright
+    {"matchExpressions": [{"key": "kai-fractions.io/enforce", "operator": "In",
+                           "values": ["true"]}]},
+], ids=["merged", "replaced"])
+def test_an_opt_in_namespace_selector_never_narrows_the_host_path_guard(tmp_path, values):
+    """webhook.namespaceSelector scopes the fractional pods' checks only: with an opt-in label,
+    a pod with a hostPath volume in any other namespace must still be reviewed (it could mount
+    the node agent's socket and release any pod's limits), by the guard on its own webhook.
+    Only the opt-out label and the system namespaces lift the guard, as with the default."""
+    file = tmp_path / "values.yaml"
+    file.write_text(yaml.safe_dump({"webhook": {"namespaceSelector": values}}))
+    docs = render(file)
+    guard = "hostpaths.validate.kai-fractions.io"
+    socket_pod = host_path_pod("/run/kai-fractions")
+    assert _sent_on_create(docs, socket_pod, "team-b") == {guard}
+    opted_in = {"kai-fractions.io/enforce": "true"}
+    assert _sent_on_create(docs, socket_pod, "team-a", opted_in) == {guard}
+    assert _sent_on_create(docs, socket_pod, "team-c", {"kai-fractions.io/webhook": "disabled"}) \
+        == set()
+    assert _sent_on_create(docs, _agent_pod(docs), NAMESPACE) == set()
+    # the fractional pods' checks follow the selector: opted-in namespaces only
+    fractional = pod({k.DEFAULT_KEYS.container("main", k.MEMORY_REQUEST): "8Gi"})
+    assert _sent_on_create(docs, fractional, "team-a", opted_in) == {
+        "pods.validate.kai-fractions.io"}
+    assert _sent_on_create(docs, fractional, "team-b") == set()
+    # the default selector keeps one webhook for both, as before
+    assert guard not in hooks(render(), "ValidatingWebhookConfiguration")
