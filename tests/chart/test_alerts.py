@@ -26,7 +26,12 @@ from kai_fractions.admission.metrics import OUTCOMES, REFUSALS
 from kai_fractions.mirror.metrics import MirrorMetrics
 from kai_fractions.node.agent.metrics import CAP_NOT_IN_FORCE, AgentMetrics
 from kai_fractions.node.desired import ContainerKey
-from kai_fractions.node.engine import ContainerResult, ContainerState
+from kai_fractions.node.engine import (
+    CAP_NOT_IN_FORCE_REASONS,
+    NOT_IN_FORCE_REASONS,
+    ContainerResult,
+    ContainerState,
+)
 from tests.admission.certs import install, make_cert
 from tests.chart.render import (
     NAMESPACE,
@@ -561,6 +566,50 @@ def test_every_admission_alert_names_only_what_a_live_admission_server_exports(
         "typo: the admission server exports no kai_fractions_admission_review_total",
         "label: kai_fractions_admission_requests_refused_total has no label outcome",
         "label: the legend names node, which no metric has"]
+
+
+def catches(expr: str, metric: str, label: str, value: str) -> bool:
+    """Whether `expr` reads a series of `metric` whose `label` is `value`: it names the metric
+    and each of its matchers on that label matches (PromQL's regexes are anchored)."""
+    q = parse(expr)
+    if metric not in q.metrics:
+        return False
+    ops = {"=": lambda v: value == v, "!=": lambda v: value != v,
+           "=~": lambda v: re.fullmatch(v, value) is not None,
+           "!~": lambda v: re.fullmatch(v, value) is None}
+    return all(ops[op](v) for m, name, op, v in q.values if m == metric and name == label)
+
+
+def test_every_reason_a_cap_is_not_in_force_is_named_by_the_alert_that_catches_it() -> None:
+    """kai_fractions_container_cap_not_in_force carries every reason of NOT_IN_FORCE_REASONS
+    (the agent's own set): each is caught by exactly one alert, whose description names it, so
+    its remedy is there (a reason added to the agent and missed here fails: ComputeModeNotInForce
+    was caught by KaiFractionsMpsCapNotInForce, which sent the operator to the MPS logs)."""
+    assert CAP_NOT_IN_FORCE_REASONS < NOT_IN_FORCE_REASONS
+    assert "ComputeModeNotInForce" in NOT_IN_FORCE_REASONS
+    found = alerts(rule())
+    for reason in sorted(NOT_IN_FORCE_REASONS):
+        catching = [name for name, (_g, r) in found.items()
+                    if catches(r["expr"], CAP_NOT_IN_FORCE, "reason", reason)]
+        assert len(catching) == 1, (reason, catching)
+        description = found[catching[0]][1]["annotations"]["description"]
+        assert re.search(rf"\b{reason}\b", description), (reason, catching[0])
+    mps = found["KaiFractionsMpsCapNotInForce"][1]["annotations"]["description"]
+    assert "EXCLUSIVE_PROCESS" in mps and "nvidia-smi -i <GPU uuid> -c EXCLUSIVE_PROCESS" in mps
+    assert catches('m{reason!~"A|B"}', "m", "reason", "C")
+    assert not catches('m{reason!~"A|B"}', "m", "reason", "A")
+    assert not catches('m{reason=~"A"}', "m", "reason", "AB")
+    assert not catches("n", "m", "reason", "A")
+
+
+def test_the_node_not_ready_alert_is_by_node_whatever_its_reason() -> None:
+    """The reason of kai_fractions_node_ready is a label: an alert on each series would start
+    its `for` over whenever the reason changes while the node stays not ready (promtool's
+    cases run it); so it is by node, and its annotations name no reason."""
+    r = alerts(rule())["KaiFractionsNodeNotReady"][1]
+    assert r["expr"] == "max by (node) (kai_fractions_node_ready) == 0"
+    assert annotation_labels(r) == {"node"}
+    assert "kubectl describe node" in r["annotations"]["description"]
 
 
 def test_the_per_node_alerts_fire_only_for_what_the_per_container_ones_miss() -> None:

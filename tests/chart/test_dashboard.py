@@ -22,14 +22,21 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+from prometheus_client import generate_latest
 
 from kai_fractions.admission.metrics import OUTCOMES, REFUSALS, WEBHOOKS
+from kai_fractions.node.agent.metrics import CAP_NOT_IN_FORCE, USAGE_UNKNOWN, AgentMetrics
+from kai_fractions.node.desired import ContainerKey
+from kai_fractions.node.engine import ContainerResult, ContainerState
 from tests.admission.certs import install, make_cert
 from tests.chart.render import CHART, NAMESPACE, find, kube_validate, one, render
+from tests.chart.test_alerts_promtool import GPU, NODE_1, agent, per_container, report
 from tests.support.admission_metrics import FAMILIES as ADMISSION_FAMILIES
 from tests.support.admission_metrics import populated_admission_scrape
 from tests.support.agent_metrics import populated_scrape
@@ -183,6 +190,88 @@ def test_the_dashboard_has_the_panels_issue_19_asks_for() -> None:
             or p["type"] == "row", p["title"]
 
 
+USED = "kai_fractions_container_gpu_memory_used_bytes"
+
+
+def test_caps_not_in_force_and_gpus_whose_usage_is_unknown_have_panels() -> None:
+    """A container whose cap is not in force, and a GPU whose usage the watchdog cannot read
+    (its containers' used series then read 0), each have a table of their own, by the labels
+    that say which and why."""
+    board = dashboard()
+    grouped = {}
+    for row, p in panels_by_row(board):
+        for target in p.get("targets") or []:
+            q = parse(target["expr"])
+            for metric in (CAP_NOT_IN_FORCE, USAGE_UNKNOWN):
+                if q.metrics == {metric}:
+                    grouped[metric] = (row, p["title"], p["type"], q.grouping)
+    assert grouped[CAP_NOT_IN_FORCE] == (
+        "Violations and refusals", "Caps not in force", "table",
+        {"node", "namespace", "pod", "container", "reason"})
+    assert grouped[USAGE_UNKNOWN] == (
+        "Violations and refusals", "GPUs whose usage is unknown", "table",
+        {"node", "gpu_uuid", "reason"})
+
+
+def test_the_used_memory_panels_leave_out_a_gpu_whose_usage_is_unknown(
+        promtool_bin: Path, tmp_path: Path) -> None:
+    """A container over its cap on a GPU the watchdog cannot see reads 0 used: every panel of
+    its used memory (Used, Used of the cap, the per-GPU used line) shows nothing for that GPU
+    while kai_fractions_agent_gpu_usage_unknown says so, not a 0, and shows it again once a
+    check reads it. Run in Prometheus's own engine (promtool), on series as the agent's
+    ServiceMonitor stores them (the agent's target labels on the per-GPU series)."""
+    exprs = [e for e in agent_side(dashboard()) if USED in parse(e.expr).metrics]
+    assert {e.where.split("'")[1] for e in exprs} == {
+        "Used", "Used of the cap", "Per GPU: requested, capped, used and total"}
+    blind_gpu, seen_gpu = GPU, {"gpu_uuid": "GPU-1f2e3d4c-5b6a-4789-8a9b-0c1d2e3f4a5b",
+                                "gpu": "1"}
+    gib = 1 << 30
+    series = [
+        per_container(USED, "0x30", node=NODE_1, **blind_gpu),  # 30 GiB in truth
+        per_container("kai_fractions_container_gpu_memory_limit_bytes", f"{20 * gib}x30",
+                      node=NODE_1, **blind_gpu),
+        per_container(USED, f"{5 * gib}x30", node=NODE_1, **seen_gpu),
+        per_container("kai_fractions_container_gpu_memory_limit_bytes", f"{10 * gib}x30",
+                      node=NODE_1, **seen_gpu),
+        agent(USAGE_UNKNOWN, "1x15 stale", node=NODE_1, gpu_uuid=blind_gpu["gpu_uuid"],
+              reason="NoProcessesVisible"),
+    ]
+
+    def gpus(*indexes: str) -> list[dict[str, Any]]:
+        return [{"labels": f'{{gpu="{i}"}}', "value": 1} for i in indexes]
+
+    def expression(e: Any) -> str:  # the variables at "All"
+        return f"count by (gpu) ({e.expr.replace('$node', '.*').replace('$namespace', '.*')})"
+
+    tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
+        "name": e.where, "interval": "1m",
+        "input_series": [{"series": s.selector(), "values": s.values} for s in series],
+        "promql_expr_test": [
+            {"expr": expression(e), "eval_time": "10m", "exp_samples": gpus("1")},
+            {"expr": expression(e), "eval_time": "20m", "exp_samples": gpus("0", "1")}]}
+        for e in exprs]}
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": []}))
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests, sort_keys=False, width=1000))
+    proc = subprocess.run([str(promtool_bin), "test", "rules", "tests.yaml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, report(proc, tmp_path)
+    assert "SUCCESS" in proc.stdout, report(proc, tmp_path)
+
+
+def in_process_labels() -> dict[str, set[str]]:
+    """The labels of the series the live agent of `populated_scrape` holds too briefly to be
+    scraped, or never (a cap not in force; a GPU whose usage is unknown: one blind check): as
+    the agent's metrics (in process) export one."""
+    metrics = AgentMetrics("node-a")
+    metrics.count_caps([ContainerResult(
+        key=ContainerKey("6b0f7d6e-3a1c-4f0e-9d57-2c8e1b4a9f10", "main"), ref="team-a/train-0/main",
+        state=ContainerState.PENDING, reason="ComputeModeNotInForce", mps_cap_missing=True)])
+    metrics.set_usage_unknown({GPU["gpu_uuid"]: "NoProcessesVisible"})
+    labels_of = exported(generate_latest(metrics.registry).decode())
+    assert labels_of[CAP_NOT_IN_FORCE] and labels_of[USAGE_UNKNOWN]
+    return {name: labels_of[name] for name in (CAP_NOT_IN_FORCE, USAGE_UNKNOWN)}
+
+
 def test_the_mirror_row_follows_the_nodes_with_a_panel_per_family() -> None:
     board = dashboard()
     placed = panels_by_row(board)
@@ -305,6 +394,11 @@ def test_every_expression_names_only_what_a_live_agent_exports(agent_env: AgentE
     run.stop()
     labels_of = exported(text)
     assert "gpu_fractioning_gpu_memory_used_bytes" in labels_of  # the scrape is the agent's
+    # the families the live agent exports (HELP and TYPE) without a series to show: their
+    # labels are those the agent's code gives one
+    for name, labels in in_process_labels().items():
+        assert name in labels_of, name
+        labels_of[name] |= labels
     assert problems(agent_side(dashboard()), labels_of, "agent") == []
     # what the agent lacks is reported, target labels too
     assert problems([Expr("", "bad", 'sum by (pod) (kai_fractions_mirror_calls_total)', ""),
