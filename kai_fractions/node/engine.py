@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 
 from ..contract import mps_namespace_name
@@ -163,6 +163,13 @@ class Engine:
         """The MPS default pinned device memory limits: MiB written (a cache), GPUs whose limit
         is known lost and namespaces that may hold a server started without it (not caches)."""
         self._last: DesiredState | None = None
+
+    @property
+    def wrong_mode(self) -> Mapping[str, tuple[GpuComputeMode, NvmlError]]:
+        """A read-only copy of `_wrong_mode`: the node condition names these GPUs
+        (`agent.condition`, ComputeModeNotInForce), since KAI would otherwise keep placing
+        sm-sharing pods there that can only wait."""
+        return MappingProxyType(dict(self._wrong_mode))
 
     def _save_ledger(self) -> list[Issue]:
         """Saves the claims when they differ from what the ledger holds."""

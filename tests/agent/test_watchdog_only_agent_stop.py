@@ -11,7 +11,14 @@ set-aside read only the last plan, and it had none.
 Now both set such markers aside (as the marker records, where no plan names the pod), a marker
 with another tier in force stays, and the next agent's first full pass runs a watchdog check
 (stopping what is over the cap) before it writes the marker again: a healthy restart delays a
-gate, no more."""
+gate, no more.
+
+And then: one the stop set aside for the watchdog alone comes back as it was (no second
+`Applied`) once the next agent's pass has run a watchdog check over the pod, so a container
+pending for an ordinary reason (a failed call, which says nothing of what is in force) keeps its
+marker across a healthy restart, as it does on a running agent; before, it lost it for good,
+and a restarted sandbox's gate waited and failed. A marker set aside for anything else (a crash
+whose next agent could not plan, a cap known not in force meanwhile) is not restored."""
 
 from __future__ import annotations
 
@@ -22,8 +29,13 @@ import pytest
 
 from kai_fractions.gate.check import Outcome
 from kai_fractions.marker import SET_ASIDE_FILE, ContainerMarker
-from kai_fractions.node.agent.markers import entry_watchdog_only
+from kai_fractions.node.agent.markers import (
+    SET_ASIDE_CAUSE_FILE,
+    WATCHDOG_STOPPED,
+    entry_watchdog_only,
+)
 from kai_fractions.node.config import WatchdogPolicy
+from kai_fractions.node.nvml import GpuComputeMode
 from kai_fractions.sim.nvml import FakeNvml
 
 from .builders import GIB, NODE, Rig, binder_annotations, leaf_of, marker_of, pod
@@ -141,6 +153,125 @@ def test_a_fresh_agent_that_cannot_plan_sets_it_aside_as_the_marker_records(
     assert rig.marker_path(sm).read_text() == sm_marker and gate(new, sm) is Outcome.RELEASE
     new.nvml.clear_failures()
     first_full_pass_checks_then_writes(new, ts)
+
+
+# -- the next agent restores what the stop set aside -----------------------------------------------
+
+
+def events(rig: Rig, uid: str) -> list[tuple[str, str]]:
+    return [(e["type"], e["reason"]) for e in rig.cluster.events
+            if e["involvedObject"]["uid"] == uid]
+
+
+def ts_pod(rig: Rig) -> str:
+    uid = rig.add(pod("ts", notes=binder_annotations(devices=rig.gpu0)))["metadata"]["uid"]
+    assert rig.step().converged
+    assert {m.value for m in result(rig, uid).mechanisms} == {"watchdog"}
+    return uid
+
+
+def pending_for_an_ordinary_reason(rig: Rig, uid: str) -> None:
+    """Its time-slicing GPU left in EXCLUSIVE_PROCESS, and the agent may not set it: pending
+    with NVML's error, which says nothing of what is in force (its marker stays)."""
+    rig.nvml.gpu(rig.gpu0).compute_mode = GpuComputeMode.EXCLUSIVE_PROCESS
+    rig.nvml.fail("set_compute_mode", "NoPermission", times=None)
+    rig.step()
+    r = result(rig, uid)
+    assert (r.state.value, r.reason, r.not_in_force) == ("pending", "NVMLNoPermission", False)
+
+
+def stopped(rig: Rig, uid: str) -> None:
+    rig.agent.stop(timeout=5)
+    assert set_aside(rig, uid) and gate(rig, uid) is Outcome.WAIT
+    cause = rig.marker_path(uid).parent / SET_ASIDE_CAUSE_FILE
+    assert cause.read_text() == WATCHDOG_STOPPED
+
+
+def test_a_container_pending_for_an_ordinary_reason_keeps_its_marker_across_a_restart(
+        short_tmp: Path) -> None:
+    """The reviewer's probe: after a healthy restart the marker stayed set aside for good while
+    the set kept failing, and the gate waited, though the new agent's watchdog watched."""
+    rig = old_node(short_tmp)
+    ts = ts_pod(rig)
+    pending_for_an_ordinary_reason(rig, ts)
+    before = rig.marker_path(ts).read_text()
+    assert gate(rig, ts) is Outcome.RELEASE
+    stopped(rig, ts)
+
+    new = rig.restarted()
+    over_the_cap(new, ts)
+    new.step()  # its first pass runs a watchdog check over the pod, then restores the marker
+    assert new.killer.calls == [4242]
+    assert result(new, ts).reason == "NVMLNoPermission"
+    assert rig.marker_path(ts).read_text() == before  # the same marker, not a new one
+    assert gate(new, ts) is Outcome.RELEASE and not set_aside(new, ts)
+    assert not (rig.marker_path(ts).parent / SET_ASIDE_CAUSE_FILE).exists()
+    for _ in range(3):
+        new.step()
+        new.reconciler.check_usage()
+    assert rig.marker_path(ts).read_text() == before and gate(new, ts) is Outcome.RELEASE
+    assert events(new, ts) == [("Normal", "Applied"), ("Warning", "LimitEnforced")]
+
+
+def test_a_healthy_restart_sends_no_second_applied_event(short_tmp: Path) -> None:
+    """Each healthy rollout sent one more `Applied` per watchdog-only container: the new agent
+    wrote the marker the stop had set aside, the same entry for entry."""
+    rig = old_node(short_tmp)
+    ts = ts_pod(rig)
+    before = rig.marker_path(ts).read_text()
+    for _ in range(2):
+        stopped(rig, ts)
+        rig = rig.restarted()
+        assert rig.step().converged
+        assert rig.marker_path(ts).read_text() == before and gate(rig, ts) is Outcome.RELEASE
+    assert events(rig, ts) == [("Normal", "Applied")]
+
+
+def test_a_marker_the_stop_set_aside_stays_aside_while_the_watchdog_is_blind(
+        short_tmp: Path) -> None:
+    """The next agent finds the watchdog blind on the pod's GPU (its only tier): a running
+    agent sets the marker aside for that (WatchdogBlind), and writes it again only once every
+    container is applied. So once the cap was known not in force the stop's cause no longer
+    holds: a container still pending for an ordinary reason after it does not get it back."""
+    rig = old_node(short_tmp)
+    ts = ts_pod(rig)
+    pending_for_an_ordinary_reason(rig, ts)
+    stopped(rig, ts)
+
+    new = rig.restarted()
+    new.nvml.fail("running_processes", "NoPermission", times=None, device=new.gpu0)
+    new.step()
+    assert result(new, ts).reason == "WatchdogBlind"
+    assert set_aside(new, ts) and gate(new, ts) is Outcome.WAIT
+    new.nvml.clear_failures()
+    new.nvml.fail("set_compute_mode", "NoPermission", times=None)  # still pending, ordinarily
+    for _ in range(3):  # the episode ends after two clean checks
+        new.reconciler.check_usage()
+        new.step()
+    assert result(new, ts).reason == "NVMLNoPermission"
+    assert set_aside(new, ts) and gate(new, ts) is Outcome.WAIT
+    new.nvml.clear_failures()  # the mode can be set: applied, the marker written again
+    assert new.step().converged
+    assert gate(new, ts) is Outcome.RELEASE and not set_aside(new, ts)
+
+
+def test_a_marker_set_aside_by_an_agent_that_could_not_plan_is_not_restored(
+        short_tmp: Path) -> None:
+    """A crash (no stop), then an agent whose passes cannot plan sets the marker aside (no
+    watchdog check watches the pod): not the stop's cause, so it is written again only once
+    every container is applied."""
+    rig = old_node(short_tmp)
+    ts = ts_pod(rig)
+    pending_for_an_ordinary_reason(rig, ts)
+    new = rig.restarted()
+    new.reconciler.reconcile()  # the pods not listed yet
+    assert set_aside(new, ts)
+    assert not (rig.marker_path(ts).parent / SET_ASIDE_CAUSE_FILE).exists()
+    for _ in range(3):
+        new.step()
+        new.reconciler.check_usage()
+    assert result(new, ts).reason == "NVMLNoPermission"
+    assert set_aside(new, ts) and gate(new, ts) is Outcome.WAIT
 
 
 # -- what the marker records ----------------------------------------------------------------------

@@ -3,8 +3,10 @@
 `gpu-fractioning.nvidia.com/Ready` (name configurable; `gpu-sharing.nvidia.com/Ready` too with
 `--legacy-condition`) is True only when NVML works, an enabled memory tier can cap some
 fractional container (`no_cap_reason`), the MPS control daemon answers (when sm-sharing is
-enabled), the agent is reconciling, and the watchdog sees every GPU where it would be a
-fractional container's only memory tier. Otherwise False with one reason:
+enabled), the agent is reconciling, every GPU an sm-sharing plan needs in EXCLUSIVE_PROCESS is in
+it, and the watchdog sees every GPU where it would be a fractional container's only memory tier.
+Otherwise False with one reason, the first that holds in this order (what the whole node lacks
+before what one GPU does):
 
 | reason | when |
 |---|---|
@@ -13,6 +15,7 @@ fractional container's only memory tier. Otherwise False with one reason:
 | `NoMemoryEnforcement` | no enabled tier caps any fractional container (the driver has them) |
 | `MPSDaemonUnhealthy` | sm-sharing is enabled and the control daemon does not answer |
 | `NotReconciling` | no pod list yet, API unreachable, passes hung or failing too long, stopping |
+| `ComputeModeNotInForce` | a GPU sm-sharing needs in EXCLUSIVE_PROCESS is in another mode, unset |
 | `WatchdogBlind` | the watchdog cannot see a GPU where it is (would be) the only memory tier |
 
 `WatchdogBlind`: a GPU in an episode of blindness (`agent.blindness`) where a planned container's
@@ -20,6 +23,13 @@ only memory tier is the kill-policy watchdog; or, where the watchdog would be th
 tier of a time-slicing container placed on the node now (`watchdog_sole_tier`: no cgroup limits
 enabled and supported), any GPU in such an episode, with a container yet or not: a pod KAI places
 there would wait, so the node says so before, not once it is there.
+
+`ComputeModeNotInForce`: a GPU a planned sm-sharing container needs in EXCLUSIVE_PROCESS reads
+back another compute mode and the agent's set failed (`Engine.wrong_mode`): its sm-sharing
+containers are pending (their markers set aside), and so would be every sm-sharing pod KAI
+placed there, whose gate would wait and fail. Before `WatchdogBlind`, as a container's own
+reason comes first: no MPS cap holds without the mode. True again once the mode is in force or
+no plan needs it.
 
 The publisher patches `nodes/status` when the condition changes, and otherwise every heartbeat
 interval (`lastHeartbeatTime`), or with a heartbeat Lease (`heartbeat.py`) only every status
@@ -57,6 +67,8 @@ MPS_DAEMON_UNHEALTHY = "MPSDaemonUnhealthy"
 NOT_RECONCILING = "NotReconciling"
 WATCHDOG_BLIND = "WatchdogBlind"
 """`engine_reports.WATCHDOG_BLIND`, the containers' reason, as the condition's."""
+COMPUTE_MODE_NOT_IN_FORCE = "ComputeModeNotInForce"
+"""`engine_reports.COMPUTE_MODE_NOT_IN_FORCE`, the containers' reason, as the condition's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +93,10 @@ class Health:
     """(GPU uuid, reason) of each GPU where the watchdog cannot see the GPU's usage and is some
     planned container's only memory tier (`UsageCheck.blind_results`: those containers are
     pending WatchdogBlind), or would be a new time-slicing container's (`watchdog_sole_tier`)."""
+    wrong_compute_mode: tuple[tuple[str, str, str], ...] = ()
+    """(GPU uuid, compute mode read back, the failed set's reason) of each GPU a planned
+    sm-sharing container needs in EXCLUSIVE_PROCESS that is known in another mode
+    (`Engine.wrong_mode`: those containers are pending ComputeModeNotInForce)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +246,9 @@ def evaluate(config: NodeConfig, options: AgentOptions, health: Health,
         return Condition(False, NOT_RECONCILING,
                          "the node agent has not listed this node's pods and reconciled them "
                          "yet")
+    if health.wrong_compute_mode:
+        return Condition(False, COMPUTE_MODE_NOT_IN_FORCE,
+                         compute_mode_message(health.wrong_compute_mode))
     if health.watchdog_blind:
         return Condition(False, WATCHDOG_BLIND, watchdog_blind_message(health.watchdog_blind))
     return Condition(True, READY,
@@ -249,6 +268,22 @@ def watchdog_blind_message(gpus: tuple[tuple[str, str], ...]) -> str:
             "running one's readiness marker is set aside) until it sees again; the node "
             "agent's log names the error, and what to do (docs/node-agent.md, \"What the "
             "watchdog sees and stops\")")
+
+
+def compute_mode_message(gpus: tuple[tuple[str, str, str], ...]) -> str:
+    """The condition's message while GPUs sm-sharing needs in EXCLUSIVE_PROCESS are in another
+    compute mode: each GPU, the mode read back, the set's reason, and the remedy; stable while
+    it lasts (the condition is patched whenever it changes)."""
+    where = ", ".join(f"{uuid} (reads back {mode}; the agent's set failed: {reason})"
+                      for uuid, mode, reason in gpus)
+    fix = "; ".join(f"nvidia-smi -i {uuid} -c EXCLUSIVE_PROCESS" for uuid, _, _ in gpus)
+    return (f"GPU(s) {where} are not in the compute mode EXCLUSIVE_PROCESS that sm-sharing "
+            "needs: a process that leaves MPS would run outside every MPS cap, so the sm-sharing "
+            "containers there, and any placed there meanwhile, are pending "
+            "(ComputeModeNotInForce: a new pod's gate waits, a running one's readiness marker "
+            f"is set aside) until it is in force; run {fix}, or let the node agent set it "
+            "(check its permissions: setting the mode is root-only, the chart runs it as root "
+            "and privileged; its log names NVML's error)")
 
 
 class StatusPublisher:

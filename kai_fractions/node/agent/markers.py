@@ -25,7 +25,12 @@ tidy. The rules, in the order they are checked:
   it: at the agent's stop (the watchdog stops with it: `Reconciler.set_aside_at_stop`), and on
   a pass that returns before it settles the pods while NVML is down, the watchdog is blind on
   its GPU, or no plan names the pod yet (`Reconciler.set_aside_unwatched`; with no plan, as
-  the marker records: `entry_watchdog_only`).
+  the marker records: `entry_watchdog_only`). One set aside at the stop for the watchdog alone
+  (`WATCHDOG_STOPPED`, recorded beside it) comes back as it was once a pass of the next agent
+  has run a watchdog check over the pod, for the same plans, with no container known not in
+  force (`may_restore`, `MarkerStore.restore`): a container pending for an ordinary reason
+  keeps its marker across a healthy restart, as on a running agent, and an applied one gets
+  no second `Applied` event.
 
 A marker of another boot of the host (or one without a boot ID, from an older agent) vouches
 for limits the reboot cleared: it counts as no marker, and is removed when read and, for every
@@ -48,6 +53,7 @@ import contextlib
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -75,7 +81,7 @@ from ...marker import (
 from ..config import Mechanism
 from ..desired import ComputeEnforcement, ContainerKey, DesiredState
 from ..engine import ContainerResult, ContainerState
-from ..engine_reports import WATCHDOG_BLIND
+from ..engine_reports import NOT_IN_FORCE_REASONS, WATCHDOG_BLIND
 from ..memory_limits import MEMORY_LIMIT_NOT_IN_FORCE
 from . import events as ev
 from .blindness import HARD_TIERS
@@ -88,6 +94,15 @@ log = logging.getLogger(__name__)
 REFUSED_DEFAULT_REASON = "Refused"
 ANNOTATIONS_NOT_WRITTEN = "AnnotationsNotWritten"
 MARKER_NOT_WRITTEN = "MarkerNotWritten"
+
+SET_ASIDE_CAUSE_FILE = "set-aside-cause"
+"""Beside SET_ASIDE_FILE: why the agent set that marker aside, where a later pass may undo it
+(`MarkerStore.set_aside`'s `cause`); absent for every other cause. No gate reads it."""
+WATCHDOG_STOPPED = "watchdog-stopped"
+"""The cause of a marker set aside at the agent's stop only because the watchdog, a container's
+only memory tier, stopped with the agent (`Reconciler.set_aside_at_stop`): nothing else of what
+it vouched for went, so the next agent restores it once its watchdog watches the pod
+(`MarkerStore.stopped_for_watchdog`, `may_restore`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +220,17 @@ def still_valid(existing: Marker, results: Mapping[str, ContainerResult]) -> boo
     return True
 
 
+def may_restore(set_aside: Marker, results: Mapping[str, ContainerResult]) -> bool:
+    """Whether a marker the agent's stop set aside for the watchdog (`WATCHDOG_STOPPED`) may
+    come back for these results: it vouches for exactly the current plans (`still_valid`), and
+    every container is applied or pending for an ordinary reason, one that says nothing of what
+    is in force (a failed call); none refused, none known not in force (NOT_IN_FORCE_REASONS).
+    It then stays as a marker a running agent had kept (`MarkerDecision.keep_existing`)."""
+    return (all(r.state is ContainerState.APPLIED or (
+        r.state is ContainerState.PENDING and r.reason not in NOT_IN_FORCE_REASONS)
+        for r in results.values()) and still_valid(set_aside, results))
+
+
 @dataclass(frozen=True, slots=True)
 class _NotInForce:
     """One kind of thing a container's marker is set aside for (`ContainerResult.not_in_force`):
@@ -299,9 +325,53 @@ class MarkerStore:
                 raise MarkersClosed(f"pod {uid}: no marker is written: the node agent is "
                                     "stopping")
             path = write_marker(self.root, marker)
-            with contextlib.suppress(FileNotFoundError):  # this boot's word replaces it
-                (path.parent / SET_ASIDE_FILE).unlink()
+            for name in (SET_ASIDE_FILE, SET_ASIDE_CAUSE_FILE):  # this boot's word replaces it
+                with contextlib.suppress(FileNotFoundError):
+                    (path.parent / name).unlink()
         return path
+
+    def stopped_for_watchdog(self, uid: str) -> Marker | None:
+        """The pod's set-aside marker when it is of this boot and was set aside at an agent's
+        stop for the watchdog alone (`WATCHDOG_STOPPED` recorded beside it); else None."""
+        try:  # non-blocking, bounded: the directory is the gate's mount
+            fd = os.open(pod_marker_dir(self.root, uid) / SET_ASIDE_CAUSE_FILE,
+                         os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except (OSError, MarkerError):  # none, or not a pod UID (no marker either)
+            return None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode) or f.read(64) != WATCHDOG_STOPPED.encode():
+                return None
+        marker = self.set_aside_marker(uid)
+        return marker if marker is not None and marker.boot_id == self.boot_id else None
+
+    def restore(self, uid: str) -> bool:
+        """Moves the pod's set-aside marker back where the gate reads it (`may_restore` said it
+        may); False when there is none, a marker is there, or the store is closed (the agent
+        stopping: its watchdog with it)."""
+        pod_dir = pod_marker_dir(self.root, uid)
+        with self._write_lock:
+            if self._closed or (pod_dir / MARKER_FILE).exists():
+                return False
+            try:
+                os.replace(pod_dir / SET_ASIDE_FILE, pod_dir / MARKER_FILE)
+            except FileNotFoundError:
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                (pod_dir / SET_ASIDE_CAUSE_FILE).unlink()
+        return True
+
+    def forget_cause(self, uid: str) -> None:
+        """Drops the cause recorded beside the pod's set-aside marker: it is set aside now for
+        something a running agent sets it aside for too (a container known not in force), or
+        is about to be set aside anew, so no pass may restore it."""
+        try:
+            (pod_marker_dir(self.root, uid) / SET_ASIDE_CAUSE_FILE).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.error("pod %s: cannot remove %s (%s): its set-aside marker may be restored "
+                      "although it is no longer set aside for the watchdog alone", uid,
+                      SET_ASIDE_CAUSE_FILE, e)
 
     def set_aside_marker(self, uid: str) -> Marker | None:
         """The pod's marker moved out of the gate's sight (`set_aside`: an earlier boot's, or
@@ -349,18 +419,28 @@ class MarkerStore:
         except FileNotFoundError:
             return False
 
-    def set_aside(self, uid: str) -> bool:
+    def set_aside(self, uid: str, cause: str | None = None) -> bool:
         """Move the pod's marker to SET_ASIDE_FILE (no gate reads it); False when there was
-        none. One that cannot be moved is removed."""
+        none. One that cannot be moved is removed. `cause`: recorded beside it
+        (SET_ASIDE_CAUSE_FILE: WATCHDOG_STOPPED) where a later pass may restore it; any cause
+        recorded before goes first, so none outlives the move it was for."""
         pod_dir = pod_marker_dir(self.root, uid)
+        self.forget_cause(uid)
         try:
             os.replace(pod_dir / MARKER_FILE, pod_dir / SET_ASIDE_FILE)
-            return True
         except FileNotFoundError:
             return False
         except OSError as e:
             log.warning("cannot move the marker of pod %s aside (%s); removing it", uid, e)
             return self.unlink(uid)
+        if cause is not None:
+            try:  # a cause torn or not written only keeps the marker from coming back
+                (pod_dir / SET_ASIDE_CAUSE_FILE).write_text(cause)
+            except OSError as e:
+                log.warning("pod %s: its marker is set aside, but why could not be recorded "
+                            "(%s): the next agent writes it again only once every container "
+                            "is applied", uid, e)
+        return True
 
     def remove_pod(self, uid: str) -> bool:
         """The pod is gone: remove its whole directory."""

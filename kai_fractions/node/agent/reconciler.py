@@ -32,7 +32,9 @@ them yet. Likewise a pass that returns early sets aside the markers of container
 memory tier is the watchdog where no watchdog check watches them (`set_aside_unwatched`), and
 the agent's stop those of every such container, since the watchdog stops with it
 (`set_aside_at_stop`); the next agent's first full pass runs a watchdog check, then writes them
-again.
+again, or restores those the stop set aside for the watchdog alone as they were
+(`_restore_stopped`: a container pending for an ordinary reason keeps its marker across a
+healthy restart, as on a running agent).
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
+from ...kube.objects import meta
 from ...marker import ContainerMarker, Marker, MarkerState, read_boot_id
 from ..cgroups import CgroupFs
 from ..config import Mechanism, NodeConfig, WatchdogPolicy
@@ -61,7 +65,14 @@ from ..watchdog import Killer, SignalKiller, Watchdog
 from .condition import Health, watchdog_sole_tier
 from .events import EventRecorder
 from .kube import ClusterWriter
-from .markers import MarkerStore, MarkerWriter, entry_relies_on_mps, entry_watchdog_only
+from .markers import (
+    WATCHDOG_STOPPED,
+    MarkerStore,
+    MarkerWriter,
+    entry_relies_on_mps,
+    entry_watchdog_only,
+    may_restore,
+)
 from .metrics import AgentMetrics, Usage
 from .mps_links import LegacyPipeLinks
 from .mps_supervisor import MpsHealth, MpsSupervisor, drain
@@ -261,13 +272,19 @@ class Reconciler:
         results = dict(report.containers)
         if self.links is not None:
             results = self.links.link_applied(desired, results, errors)
-        results, blind = self._watchdog_blind(desired, inventory, results)
-        by_pod: dict[str, dict[str, ContainerResult]] = {}
-        for key, result in results.items():
-            by_pod.setdefault(key.pod_uid, {})[key.container] = result
+        # Markers the last agent's stop set aside for the watchdog alone: they may come back
+        # once this pass's watchdog check watches their pods (`_restore_stopped`).
+        by_pod = _by_pod(results)
+        stopped = {uid: m for uid in by_pod
+                   if (m := self.markers.stopped_for_watchdog(uid)) is not None}
+        restorable = {uid for uid, m in stopped.items() if may_restore(m, by_pod[uid])}
+        results, blind = self._watchdog_blind(desired, inventory, results, restorable)
+        by_pod = _by_pod(results)
         converged = report.converged
         for uid, pod_results in by_pod.items():
             manifest, source = live[uid]
+            if uid in stopped:
+                self._restore_stopped(uid, stopped[uid], pod_results, manifest)
             if not self.writer.settle(uid, manifest, source == API, pod_results, desired,
                                       errors):
                 converged = False
@@ -332,15 +349,17 @@ class Reconciler:
             lambda c: nvml_down or bool(blind.keys() & set(c.plan.device_uuids)), cause)
 
     def _set_aside_watchdog_only(self, at_stake: Callable[[ContainerDesired], bool],
-                                 cause: Callable[[list[ContainerDesired] | None], str]
-                                 ) -> list[str]:
+                                 cause: Callable[[list[ContainerDesired] | None], str],
+                                 recorded: str | None = None) -> list[str]:
         """Sets aside the readiness marker of each pod with an applied entry of a container
         whose only memory tier is the watchdog (`usage.watchdog_only`) and that no watchdog
         watches now: for the pods the last plan names, its containers `at_stake` says so of;
         for the others (every pod, for an agent with no plan yet), the entries that record the
         watchdog alone (`markers.entry_watchdog_only`). `cause`: why, for the log, given the
-        pod's containers (None: as its marker records). Set aside, not removed, as for the MPS
-        caps (`set_aside_for_mps`). Returns the pods' uids."""
+        pod's containers (None: as its marker records); `recorded`: the cause recorded beside
+        the marker (`MarkerStore.set_aside`: WATCHDOG_STOPPED at the agent's stop, so that the
+        next agent may restore it). Set aside, not removed, as for the MPS caps
+        (`set_aside_for_mps`). Returns the pods' uids."""
         desired = self.view.desired
         unwatched: dict[str, list[ContainerDesired]] = {}
         for c in desired.containers if desired is not None else ():
@@ -351,7 +370,8 @@ class Reconciler:
         for uid in sorted(set(unwatched) | (self.markers.marked() - planned)):
             containers = unwatched.get(uid, []) if uid in planned else None
             names = self._set_aside_relying(uid, containers, "no watchdog stops what exceeds "
-                                            "its GPU memory cap", entry_watchdog_only)
+                                            "its GPU memory cap", entry_watchdog_only,
+                                            cause=recorded)
             if names is None:
                 continue
             done.append(uid)
@@ -365,18 +385,19 @@ class Reconciler:
 
     def _set_aside_relying(self, uid: str, containers: list[ContainerDesired] | None,
                            at_risk: str,
-                           recorded: Callable[[ContainerMarker], bool] = entry_relies_on_mps
-                           ) -> list[str] | None:
+                           recorded: Callable[[ContainerMarker], bool] = entry_relies_on_mps,
+                           cause: str | None = None) -> list[str] | None:
         """Sets the pod's readiness marker aside when it has an applied entry of `containers`
         (`_relying_entries`; None: those `recorded` says so of, as its marker records them);
         returns those entries' names, None when nothing was set aside. `at_risk`: what a gate
-        releasing on it would run without, for the log when the move fails."""
+        releasing on it would run without, for the log when the move fails; `cause`: recorded
+        beside it (`MarkerStore.set_aside`)."""
         try:
             marker = self.markers.read(uid)
             if marker is None:
                 return None
             names = _relying_entries(marker, containers, recorded)
-            if not names or not self.markers.set_aside(uid):
+            if not names or not self.markers.set_aside(uid, cause):
                 return None
         except OSError as e:
             log.error("pod %s: its readiness marker could not be set aside (%s): a gate of the "
@@ -415,7 +436,8 @@ class Reconciler:
         self.view = dataclasses.replace(self.view, desired=desired, usage=MappingProxyType({}))
 
     def _watchdog_blind(self, desired: DesiredState, inventory: Inventory,
-                        results: dict[ContainerKey, ContainerResult]
+                        results: dict[ContainerKey, ContainerResult],
+                        restorable: Collection[str] = ()
                         ) -> tuple[dict[ContainerKey, ContainerResult], BlindGpus]:
         """`UsageCheck.blind_results`: each container whose only memory tier is the watchdog,
         on a GPU where the watchdog is blind, pending under WatchdogBlind; and the (GPU uuid,
@@ -425,13 +447,18 @@ class Reconciler:
 
         A pass never vouches for a watchdog-only container on a GPU that no check has judged
         with it planned (`BlindnessTracker.unjudged`: a restarted agent, a pod new on a GPU),
-        nor calls such a node ready before any check ran: it runs the watchdog check first,
+        nor restores a marker of the `restorable` pods (`_restore_stopped`: their containers
+        count as vouched for, pending ones too), nor calls such a node ready before any check
+        ran: it runs the watchdog check first,
         the one the worker schedules (same metrics, events and stops; the worker counts it as
         the next scheduled one), over this pass's plan. A check that raises fails the pass,
         which then vouches for nothing."""
         stops = self.view.watchdog_stops
         sole = stops and watchdog_sole_tier(self.config, inventory)
-        if (self.usage.sight.unjudged(desired, results, inventory, stops)
+        vouched = results if not restorable else {
+            k: dataclasses.replace(r, state=ContainerState.APPLIED) if k.pod_uid in restorable
+            else r for k, r in results.items()}
+        if (self.usage.sight.unjudged(desired, vouched, inventory, stops)
                 or (sole and self.usage.checks == 0)):
             self._checked(self.usage.check(desired, inventory))
         results, gpus = self.usage.blind_results(desired, results, stops)
@@ -441,14 +468,50 @@ class Reconciler:
         self.usage.news = False  # this pass reports what the checks found
         return results, tuple(sorted(gpus.items()))
 
+    def _restore_stopped(self, uid: str, marker: Marker,
+                         results: Mapping[str, ContainerResult], manifest: Mapping[str, Any]
+                         ) -> None:
+        """The pod's marker, set aside at the last agent's stop because its watchdog stopped
+        (`markers.WATCHDOG_STOPPED`), comes back as the existing marker when this pass allows
+        it (`markers.may_restore`; this pass ran a watchdog check over the pod first:
+        `_watchdog_blind`): the next settle keeps it as a running agent would have, a pending
+        container's included, and writes nothing (no second `Applied`) where it is what the
+        pass would write. With a container known not in force it is set aside for that now,
+        as a running agent would set it aside: it never comes back (`forget_cause`)."""
+        if any(r.not_in_force for r in results.values()):
+            self.markers.forget_cause(uid)
+            return
+        if not may_restore(marker, results):
+            return
+        who = "pod {}/{}".format(meta(manifest).get("namespace"), meta(manifest).get("name"))
+        try:
+            restored = self.markers.restore(uid)
+        except OSError as e:
+            log.error("%s: its readiness marker, set aside at the last node agent's stop, could "
+                      "not be restored (%s): it is written again once every container is "
+                      "applied", who, e)
+            return
+        if restored:
+            log.info("%s: restored its readiness marker, set aside at the last node agent's "
+                     "stop for its watchdog: this agent's watchdog check watches the pod, its "
+                     "plans are those the marker names, and none of its containers is known "
+                     "without what it vouches for (%s)", who, ", ".join(
+                         f"{n}={r.state.value}" + (f" ({r.reason})" if r.reason else "")
+                         for n, r in sorted(results.items())))
+
     def _health(self, inventory: Inventory | None, mps_error: NodeError | None,
                 mps_namespaces: bool | None, bump: int,
                 watchdog_blind: BlindGpus | None = None) -> Health:
-        """`watchdog_blind` None: as the last pass that applied found it."""
+        """`watchdog_blind` None: as the last pass that applied found it. The GPUs known in
+        the wrong compute mode are the engine's (`Engine.wrong_mode`: only an apply changes
+        them, and a pass that fails before it reads the mode keeps them)."""
         return Health(inventory=inventory, nvml_error=self.nvml_health.error, mps_error=mps_error,
                       mps_namespaces=mps_namespaces, passes=self.view.health.passes + bump,
                       watchdog_blind=(self.view.health.watchdog_blind if watchdog_blind is None
-                                      else watchdog_blind))
+                                      else watchdog_blind),
+                      wrong_compute_mode=tuple(sorted(
+                          (uuid, mode.name, error.reason)
+                          for uuid, (mode, error) in self.engine.wrong_mode.items())))
 
     def _publish(self, inventory: Inventory | None, mps_error: NodeError | None,
                  mps_namespaces: bool | None, *, count: bool = True,
@@ -555,7 +618,8 @@ class Reconciler:
         done: set[str] = set()
         if mps and self.mps_health is not None and self.mps_health.owned:
             done.update(self.set_aside_for_mps(_STOP_CAUSE))
-        done.update(self._set_aside_watchdog_only(lambda c: True, lambda c: _WATCHDOG_STOP_CAUSE))
+        done.update(self._set_aside_watchdog_only(lambda c: True, lambda c: _WATCHDOG_STOP_CAUSE,
+                                                  recorded=WATCHDOG_STOPPED))
         return sorted(done)
 
     def set_aside_for_mps(self, cause: str) -> list[str]:
@@ -592,6 +656,15 @@ class Reconciler:
             log.warning("%s: set aside its marker: an MPS cap is not in force for %s: %s", who,
                         what, cause)
         return done
+
+
+def _by_pod(results: Mapping[ContainerKey, ContainerResult]
+            ) -> dict[str, dict[str, ContainerResult]]:
+    """Pod uid -> container name -> result."""
+    by_pod: dict[str, dict[str, ContainerResult]] = {}
+    for key, result in results.items():
+        by_pod.setdefault(key.pod_uid, {})[key.container] = result
+    return by_pod
 
 
 def _planned_pods(desired: DesiredState | None) -> set[str]:
