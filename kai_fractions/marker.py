@@ -15,6 +15,8 @@ directory, fsync, rename, fsync of the directory), so a reader sees the old mark
 never half of one. Permissions: the root 0700 (only root on the host lists pod UIDs), each pod
 directory 0755 and the file 0644, so the gate, running as an unprivileged user with only its own
 pod's directory mounted read-only (subPathExpr), can read it; workload containers never mount it.
+A pod directory the kubelet made for that mount before the agent's first write there has the
+root's mode, 0700, until that write: the gate cannot read it yet (`MarkerUnreadable`).
 
 Standard library only: the gate imports this module and must start fast.
 """
@@ -70,6 +72,12 @@ class MarkerState(StrEnum):
 
 class MarkerError(ValueError):
     """A marker that cannot be trusted: the message says which field and why."""
+
+
+class MarkerUnreadable(MarkerError):
+    """The pod's marker directory or file denies the reader (EACCES): as the gate finds its
+    directory before the agent's first write there, which the kubelet made with the root's
+    mode (0700) for the gate's subPathExpr mount. Vouches for nothing, as any MarkerError."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +269,8 @@ def read_marker(pod_dir: str | os.PathLike[str], *, expected_pod_uid: str | None
         data = _read_regular(path)
     except FileNotFoundError:
         return None
+    except PermissionError as e:
+        raise MarkerUnreadable(f"{path}: cannot read: {e.strerror or e}") from None
     except OSError as e:
         raise MarkerError(f"{path}: cannot read: {e.strerror or e}") from None
     try:

@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import TextIO
 
 from ..contract import Keys
-from ..marker import MARKER_FILE, SET_ASIDE_FILE, Marker, MarkerError, read_marker
+from ..marker import (
+    MARKER_FILE,
+    SET_ASIDE_FILE,
+    Marker,
+    MarkerError,
+    MarkerUnreadable,
+    read_marker,
+)
 from .check import Outcome, Verdict, judge
 from .downward import DownwardError, read_annotations
 
@@ -48,6 +55,12 @@ def observe(opts: GateOptions) -> Verdict:
     """One look at the marker and the annotations."""
     try:
         marker = read_marker(opts.marker_dir, expected_pod_uid=opts.pod_uid)
+    except MarkerUnreadable as e:
+        # Not a bad marker: the kubelet made the pod's directory with the marker root's mode
+        # (0700) for this mount, and the agent opens it (0755) when it first writes there.
+        return Verdict(Outcome.WAIT, "the node agent has not written this pod's readiness "
+                       "marker yet (the pod's marker directory is not readable until its first "
+                       f"write opens it: {e})")
     except MarkerError as e:
         # The agent rewrites it atomically; a bad one is not ours to trust, but may be replaced.
         return Verdict(Outcome.WAIT, f"the readiness marker is not valid: {e}")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kai_fractions import marker as marker_module
 from kai_fractions.contract import DEFAULT_KEYS
 from kai_fractions.gate import GateOptions, Outcome, judge, run_gate
 from kai_fractions.marker import ContainerMarker, Marker, write_marker
@@ -197,6 +198,33 @@ def test_run_waits_for_the_marker_then_releases(tmp_path: Path) -> None:
     assert code == 0
     assert clock.sleeps == [0.5, 0.5]
     assert err == "waiting: the node agent has not written this pod's readiness marker yet\n"
+
+
+def test_a_pod_directory_the_gate_may_not_read_yet_is_a_marker_not_written_yet(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kubelet makes the pod's marker directory for the gate's subPathExpr mount with the
+    root's mode (0700, upstream kubelet_pods.go makeMounts: SafeMakeDir with the volume's
+    mode) until the agent's first write opens it: the gate, user 65534, gets EACCES. It waits
+    saying the marker is not written yet, not that a marker is invalid, and releases once the
+    agent has written it."""
+    clock = FakeClock()
+    opts = setup_pod(tmp_path, bound_annotations(), None)
+    (tmp_path / "markers" / UID).mkdir(mode=0o700)
+    real = marker_module._read_regular
+
+    def as_the_gate(path: Path) -> bytes:  # the test runs as root, which EACCES never stops
+        if not (tmp_path / "markers" / UID / "marker.json").exists():
+            raise PermissionError(13, "Permission denied")
+        return real(path)
+
+    monkeypatch.setattr(marker_module, "_read_regular", as_the_gate)
+    clock.on_sleep = lambda n: write_marker(tmp_path / "markers", applied()) if n == 2 else None
+    code, _, _, err = run(opts, clock)
+    assert code == 0
+    assert err == (
+        "waiting: the node agent has not written this pod's readiness marker yet (the pod's "
+        "marker directory is not readable until its first write opens it: "
+        f"{tmp_path}/markers/{UID}/marker.json: cannot read: Permission denied)\n")
 
 
 def test_run_fails_at_once_on_a_refusal(tmp_path: Path) -> None:
