@@ -28,6 +28,9 @@ class WatchdogPolicy(StrEnum):
 
 
 ALL_MECHANISMS = frozenset(Mechanism)
+HARD_TIERS = frozenset({Mechanism.CGROUP, Mechanism.MPS_PINNED})
+"""The memory tiers that cap a container without the watchdog: with one of them in force the
+watchdog is a second line, and its blindness leaves the cap in force."""
 # Longest namespace name the contract makes (kf_ + 20 hex) - to check the pipe directory early.
 _NAMESPACE_LEN = 23
 

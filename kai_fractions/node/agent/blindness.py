@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...contract import MIB
-from ..config import Mechanism
+from ..config import HARD_TIERS, Mechanism
 from ..desired import ContainerDesired, ContainerKey, DesiredState
 from ..engine_reports import WATCHDOG_BLIND, ContainerResult, ContainerState
 from ..errors import NvmlCapabilityMissing, NvmlError
@@ -75,9 +75,6 @@ NEWS_GAP_SECONDS = 10.0
 blindness start or end."""
 CLEAN_CHECKS = 2
 """Checks in a row that list a GPU and find no blindness there that end its episode."""
-HARD_TIERS = frozenset({Mechanism.CGROUP, Mechanism.MPS_PINNED})
-"""The memory tiers that cap a container without the watchdog: with one of them in force the
-watchdog is a second line, and its blindness leaves the cap in force."""
 
 
 @dataclass(frozen=True, slots=True)

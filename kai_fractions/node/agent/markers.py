@@ -78,13 +78,12 @@ from ...marker import (
     remove_marker,
     write_marker,
 )
-from ..config import Mechanism
+from ..config import HARD_TIERS, Mechanism
 from ..desired import ComputeEnforcement, ContainerKey, DesiredState
 from ..engine import ContainerResult, ContainerState
 from ..engine_reports import NOT_IN_FORCE_REASONS, WATCHDOG_BLIND
 from ..memory_limits import MEMORY_LIMIT_NOT_IN_FORCE
 from . import events as ev
-from .blindness import HARD_TIERS
 from .events import EventRecorder, PodRef
 from .kube import ClusterWriter
 from .watch import PodCache
