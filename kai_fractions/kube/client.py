@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 from urllib.parse import urlencode
@@ -19,8 +20,8 @@ import aiohttp
 from kubernetes import client as k8s
 from yarl import URL
 
-from .config import CredentialError, Endpoint, auth_headers, endpoint
-from .errors import BadAnswer, KubeError, Transient, refused, unreachable
+from .config import CredentialError, Endpoint, ExecCredential, auth_headers, endpoint
+from .errors import BadAnswer, KubeError, Transient, not_sent, refused, unreachable
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
@@ -29,6 +30,14 @@ STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 CONNECTIONS = 32
 """Requests in flight at most, and idle connections kept: one per call in flight at the load
 the mirror is built for (a scheduler's 16 concurrent calls, retries and the cache's list)."""
+
+KEEPALIVE = ((socket.SOL_SOCKET, "SO_KEEPALIVE", 1), (socket.IPPROTO_TCP, "TCP_KEEPIDLE", 30),
+             (socket.IPPROTO_TCP, "TCP_KEEPINTVL", 10), (socket.IPPROTO_TCP, "TCP_KEEPCNT", 3))
+"""TCP keepalive on every connection (each option where the platform has it): a watch whose
+peer is gone without a FIN or RST (an API server or load balancer lost, a NAT entry dropped)
+fails within about a minute (30 s idle, then 3 probes 10 s apart), not at its read timeout
+(the watch's length and some slack: a server sends nothing on a quiet watch, so that timeout
+cannot be shorter)."""
 
 Query = Mapping[str, str] | None
 Observer = Callable[[str, str], object]
@@ -58,7 +67,8 @@ class Kube:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=self.connections,
-                                             ssl=self.endpoint.tls or False)
+                                             ssl=self.endpoint.tls or False,
+                                             socket_factory=_keepalive_socket)
             # No cookie jar: the official client's cookie, if any, is sent as it sends it. Its
             # User-Agent goes with every request (auth_headers), so aiohttp adds none.
             self._session = aiohttp.ClientSession(
@@ -89,7 +99,7 @@ class Kube:
         """The status and body of a 2xx answer; anything else raises."""
         data = body if body is None or isinstance(body, bytes) else (
             json.dumps(body, separators=(",", ":")).encode())
-        sent = self._headers(what, method, path, data, content_type, headers)
+        sent = await self._headers(what, method, path, data, content_type, headers, timeout)
         seconds = self.request_timeout if timeout is None else timeout
         try:
             async with self.session.request(
@@ -98,6 +108,7 @@ class Kube:
                 payload = await response.read()
                 self.observe(method, str(response.status))
                 if not 200 <= response.status <= 299:
+                    self._refused(response.status, sent)
                     raise refused(what, response.status, response.reason, payload,
                                   response.headers.get("Retry-After"))
                 return response.status, payload
@@ -106,6 +117,8 @@ class Kube:
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             self.observe(method, "unreachable")
             raise unreachable(what, e) from None
+        except ValueError as e:  # aiohttp refused to send it (a header): a KubeError too
+            raise not_sent(what, e, sent) from None
 
     @contextlib.asynccontextmanager
     async def stream(self, path: str, *, what: str, query: Query = None,
@@ -115,7 +128,7 @@ class Kube:
         the wait for the answer's head, `idle_timeout` each wait for more of its body."""
         seconds = self.request_timeout if timeout is None else timeout
         limits = aiohttp.ClientTimeout(total=None, sock_read=idle_timeout)
-        sent = self._headers(what, "GET", path, None, JSON, None)
+        sent = await self._headers(what, "GET", path, None, JSON, None, timeout)
         async with contextlib.AsyncExitStack() as stack:
             try:
                 async with asyncio.timeout(seconds):  # the connection and the answer's head
@@ -123,12 +136,15 @@ class Kube:
                         self._url(path, query), timeout=limits, headers=sent, **self._route))
                     self.observe("WATCH", str(response.status))
                     if not 200 <= response.status <= 299:
+                        self._refused(response.status, sent)
                         raise refused(what, response.status, response.reason,
                                       await response.read(),
                                       response.headers.get("Retry-After"))
             except (aiohttp.ClientError, OSError, TimeoutError) as e:
                 self.observe("WATCH", "unreachable")
                 raise unreachable(what, e) from None
+            except ValueError as e:
+                raise not_sent(what, e, sent) from None
             yield _lines(response.content, what)
 
     async def close(self) -> None:
@@ -142,11 +158,17 @@ class Kube:
             target += "?" + urlencode(query)
         return URL(target, encoded=True)  # the paths are quoted by `objects` already
 
-    def _headers(self, what: str, method: str, path: str, data: bytes | None,
-                 content_type: str, extra: Mapping[str, str] | None) -> dict[str, str]:
+    async def _headers(self, what: str, method: str, path: str, data: bytes | None,
+                       content_type: str, extra: Mapping[str, str] | None,
+                       timeout: float | None) -> dict[str, str]:
         """Transient, and nothing sent, when the credentials cannot be had (a token file being
-        rotated, say): a caller's loop tries again as it would for an API server away."""
+        rotated, an exec plugin that failed or gave none within `timeout`, say): a caller's
+        loop tries again as it would for an API server away."""
         try:
+            refreshing = self.api_client.configuration.refresh_api_key_hook
+            if isinstance(refreshing, ExecCredential) and refreshing.due():
+                # The plugin runs off this loop; the request's own timeout bounds the wait.
+                await refreshing.refresh(self.request_timeout if timeout is None else timeout)
             headers = auth_headers(self.api_client, method, path, data)
         except CredentialError as e:
             raise Transient(f"{what}: {e}", answer=str(e)) from None
@@ -160,6 +182,27 @@ class Kube:
         if extra:
             headers.update(extra)
         return headers
+
+    def _refused(self, status: int, sent: Mapping[str, str]) -> None:
+        """A 401 to credentials an exec plugin gave: it runs again before the next request
+        (once for every request refused them)."""
+        refreshing = self.api_client.configuration.refresh_api_key_hook
+        if status == 401 and isinstance(refreshing, ExecCredential):
+            refreshing.refused(sent.get("authorization"))
+
+
+def _keepalive_socket(address: tuple[Any, ...]) -> socket.socket:
+    """A socket for one of aiohttp's connections, with `KEEPALIVE` set."""
+    family, kind, proto, *_ = address
+    sock = socket.socket(family=family, type=kind, proto=proto)
+    try:
+        for level, option, value in KEEPALIVE:
+            if hasattr(socket, option):
+                sock.setsockopt(level, getattr(socket, option), value)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _route(point: Endpoint) -> dict[str, Any]:

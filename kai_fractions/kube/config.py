@@ -2,9 +2,10 @@
 loaded the same way for every component (a kubeconfig file, else in-cluster, else
 $KUBECONFIG / ~/.kube/config), and what an HTTP session needs from it (TLS, proxy, headers).
 
-The official client keeps supplying the credentials: a token refreshed by in-cluster rotation or
-an exec plugin is read through it on every request (`auth_headers`). A kubeconfig user's
-`tokenFile`, which it reads only once, is read again every minute here (`TokenFile`).
+The official client keeps supplying the credentials: a token refreshed by in-cluster rotation is
+read through it on every request (`auth_headers`). A kubeconfig user's `tokenFile`, which it
+reads only once, is read again every minute, and an exec plugin is run off the event loop,
+under a timeout and again after a 401 (`credentials`: `TokenFile`, `ExecCredential`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import ssl
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
@@ -24,13 +22,17 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.rest import should_bypass_proxies
 from kubernetes.config import incluster_config, kube_config
+from kubernetes.config.exec_provider import ExecProvider
+
+from .credentials import (  # re-exported: importers take them from here
+    CredentialError,
+    ExecCredential,
+    TokenFile,
+    _InClusterLoader,
+    _name_refresh,
+)
 
 log = logging.getLogger(__name__)
-
-TOKEN_FILE_SECONDS = 60.0
-"""How often a kubeconfig user's tokenFile is read again (client-go's cached file token
-source; the official client's in-cluster token is read again as often)."""
-
 
 NAMESPACE_ATTRIBUTE = "kai_fractions_namespace"
 """The Configuration attribute load_api_client sets to the namespace its source names (see
@@ -39,11 +41,6 @@ NAMESPACE_ATTRIBUTE = "kai_fractions_namespace"
 
 class ConfigError(Exception):
     """No usable cluster configuration (the commands print it and exit 2)."""
-
-
-class CredentialError(Exception):
-    """The official client could not give a request its credentials (a token file that cannot
-    be read, a token refresh that failed); the message names where they come from."""
 
 
 def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
@@ -56,7 +53,9 @@ def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
             _load_kube_config(configuration, kubeconfig)
         else:
             try:
-                k8s_config.load_incluster_config(client_configuration=configuration)
+                _InClusterLoader(incluster_config.SERVICE_TOKEN_FILENAME,
+                                 incluster_config.SERVICE_CERT_FILENAME
+                                 ).load_and_set(configuration)
                 _name_refresh(configuration, "the in-cluster service account token "
                               f"{incluster_config.SERVICE_TOKEN_FILENAME}")
                 setattr(configuration, NAMESPACE_ATTRIBUTE, _in_cluster_namespace())
@@ -91,7 +90,8 @@ def _in_cluster_namespace() -> str | None:
 
 def _load_kube_config(configuration: k8s.Configuration, paths: str) -> None:
     """`load_kube_config`'s own two steps, keeping its loader: a token from the user's
-    tokenFile is then read again every TOKEN_FILE_SECONDS, as client-go does."""
+    tokenFile is then read again every TOKEN_FILE_SECONDS, as client-go does, and one from an
+    exec plugin is had again by `ExecCredential`."""
     for path in filter(None, paths.split(os.pathsep)):
         check_kubeconfig_file(os.path.expanduser(path))
     try:
@@ -113,8 +113,18 @@ def _load_kube_config(configuration: k8s.Configuration, paths: str) -> None:
         token_file = TokenFile(os.path.normpath(os.path.join(base, user["tokenFile"])))
         configuration.api_key["BearerToken"] = token_file.token
         configuration.refresh_api_key_hook = token_file
+        return
+    name = (loader.current_context.get("context") or {}).get("user")
+    if user and "exec" in user and getattr(loader, "token", None) and not any(
+            key in user for key in ("auth-provider", "token", "tokenFile")):
+        # The token the loader's own run of the plugin gave (a plugin that gave a client
+        # certificate leaves none: that is read once, at the start).
+        plugin = ExecProvider(user["exec"], loader._get_base_path(loader._cluster.path),
+                              loader._cluster)
+        configuration.refresh_api_key_hook = ExecCredential(
+            plugin, loader.token, loader.__dict__.get("expiry"),
+            f"the exec plugin {plugin.args[0]} of the kubeconfig's user {name!r}")
     else:
-        name = (loader.current_context.get("context") or {}).get("user")
         _name_refresh(configuration, f"the kubeconfig's user {name!r}")
 
 
@@ -146,64 +156,6 @@ def check_kubeconfig_file(path: str) -> None:
                 isinstance(item, dict) and "name" in item for item in value)):
             raise ConfigError(f"kubeconfig {path}: {field} must be a list of mappings, each "
                               "with a name")
-
-
-def _name_refresh(configuration: k8s.Configuration, source: str) -> None:
-    if configuration.refresh_api_key_hook is not None:
-        configuration.refresh_api_key_hook = NamedRefresh(configuration.refresh_api_key_hook,
-                                                          source)
-
-
-@dataclass(slots=True)
-class NamedRefresh:
-    """The official loader's refresh_api_key_hook, with where its token comes from (for the
-    errors of `auth_headers`)."""
-
-    refresh: Callable[[k8s.Configuration], Any]
-    source: str
-
-    def __call__(self, configuration: k8s.Configuration) -> None:
-        try:
-            self.refresh(configuration)
-        finally:
-            # The official loaders set their hook again at each refresh: keep theirs, under
-            # this name.
-            if configuration.refresh_api_key_hook is not self:
-                self.refresh = configuration.refresh_api_key_hook
-                configuration.refresh_api_key_hook = self
-
-
-class TokenFile:
-    """The refresh_api_key_hook of a kubeconfig user's tokenFile: the token read again every
-    TOKEN_FILE_SECONDS (the official client reads it once), so one rotated in the file is sent
-    within a minute. A read that fails keeps the last token, as client-go does, and is tried
-    again at the next request. The first read raises OSError or ValueError."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.source = f"the kubeconfig's tokenFile {path}"
-        self.token = self._read()
-        self._read_at = time.monotonic()
-        self._failing = False
-
-    def __call__(self, configuration: k8s.Configuration) -> None:
-        if time.monotonic() - self._read_at >= TOKEN_FILE_SECONDS:
-            try:
-                self.token = self._read()
-            except (OSError, ValueError) as e:
-                if not self._failing:
-                    log.warning("cannot read %s again (%s); the last token read is sent",
-                                self.source, e)
-                self._failing = True
-            else:
-                self._read_at, self._failing = time.monotonic(), False
-        configuration.api_key["BearerToken"] = self.token
-
-    def _read(self) -> str:
-        token = Path(self.path).read_text().strip()  # as client-go: no surrounding space
-        if not token:
-            raise ValueError(f"{self.source} is empty")
-        return f"Bearer {token}"
 
 
 @dataclass(frozen=True, slots=True)

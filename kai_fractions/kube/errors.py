@@ -10,6 +10,7 @@ rule it broke.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 
 class KubeError(Exception):
@@ -78,6 +79,15 @@ class BadAnswer(KubeError):
     reason = "BadAnswer"
 
 
+class NotSent(KubeError):
+    """The request could not be sent as built, so nothing was: a header aiohttp refuses (a
+    control character, such as the newline at the end of a token file sent unstripped).
+    Asking again sends the same until its source is fixed: a list + watch loop backs off and
+    tries again, so a fixed token file is taken up."""
+
+    reason = "RequestNotSent"
+
+
 class Unavailable(KubeError):
     """Transient failures used up the retries a caller allowed: retry later."""
 
@@ -130,3 +140,17 @@ def unreachable(what: str, error: BaseException) -> Transient:
     answer = ("no answer in time" if isinstance(error, TimeoutError)
               else f"{type(error).__name__}: {error}")
     return Transient(f"{what}: {answer}", answer=answer)
+
+
+def not_sent(what: str, error: ValueError, headers: Mapping[str, str]) -> NotSent:
+    """The error for a request aiohttp refused to send (`error`): it names the `headers`
+    whose name or value holds a control character, never a value (a credential)."""
+    bad = [name for name, value in headers.items()
+           if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name + value)]
+    if bad:
+        answer = (f"not sent: header {', '.join(bad)} holds a control character (a "
+                  "token file, or a kubeconfig's token or exec plugin's output, ending in a "
+                  "newline?); fix its source")
+    else:
+        answer = f"not sent: {error}"
+    return NotSent(f"{what}: {answer}", answer=answer, detail=str(error))

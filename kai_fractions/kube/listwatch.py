@@ -62,6 +62,34 @@ def watch_event(line: str | bytes, what: str, skip: Callable[[Any], bool] | None
     return kind, obj
 
 
+def list_page(body: Any, what: str) -> tuple[list[Any], str, str]:
+    """A list page's items, resourceVersion and continue token ("" when it is the last).
+    BadAnswer, naming what is missing, for a 2xx answer that is no list: a gateway's or auth
+    proxy's `{"status": "ok"}`, or an answer from a wrong path prefix, taken for an empty list
+    would empty a cache (the node agent would release the limits of every pod on its node)."""
+    if not isinstance(body, dict):
+        raise BadAnswer(f"{what}: the API server's answer is not a list ("
+                        f"{'empty' if body is None else 'a JSON ' + type(body).__name__}); "
+                        "check the server URL's path prefix and any proxy in between", 200)
+    items = body.get("items", ...)
+    meta = body.get("metadata")
+    version = meta.get("resourceVersion") if isinstance(meta, dict) else None
+    token = meta.get("continue") if isinstance(meta, dict) else None
+    wrong = [problem for problem, bad in (
+        # null is what the API server sends for no items.
+        ("no `items`" if items is ... else f"`items` is a {type(items).__name__}",
+         items is not None and not isinstance(items, list)),
+        ("no `metadata.resourceVersion`", not isinstance(version, str) or not version),
+        ("a `metadata.continue` that is not a string",
+         token is not None and not isinstance(token, str))) if bad]
+    if wrong:
+        keys = ", ".join(sorted(map(str, body))[:8]) or "none"
+        raise BadAnswer(f"{what}: the API server's answer is not a list: {' and '.join(wrong)} "
+                        f"(kind {body.get('kind') or '-'}, keys: {keys}); check the server "
+                        "URL's path prefix and any proxy in between", 200)
+    return items or [], version, token or ""
+
+
 class Source(Protocol):
     """What `list_watch` lists and watches: a `Collection`, or a test's scripted stand-in."""
 
@@ -114,20 +142,15 @@ class Collection:
                                        timeout=self.request_timeout)
             if self.pace is not None:
                 await self.pace()
-            body = decoded(raw, what) or {}
+            body = decoded(raw, what)
             del raw
-            if not isinstance(body, dict):
-                raise BadAnswer(f"{what}: the API server's answer is not a list "
-                                f"({type(body).__name__})")
-            page = body.get("items") or []
+            page, page_version, token = list_page(body, what)
             items.extend(page if self.keep is None else map(self.keep, page))
-            meta = body.get("metadata") or {}
             # Every page of one list is the same snapshot: the first page's version is its.
-            version = version or str(meta.get("resourceVersion") or "")
-            token = str(meta.get("continue") or "")
+            version = version or page_version
             # Let the page go before the next one is read: held until its successor was
             # decoded, it doubled what a list's pages take at a time.
-            del body, page, meta
+            del body, page
             if not token:
                 return items, version
 

@@ -12,14 +12,19 @@ import time
 from pathlib import Path
 
 import pytest
+from kubernetes import client as k8s
 
 from kai_fractions.kube.errors import Conflict, KubeError, NotFound
 from kai_fractions.kube.listwatch import WATCH_BACKOFF
 from kai_fractions.kube.retry import Backoff
+from kai_fractions.node.agent.kube import KubeCluster
 from kai_fractions.node.agent.watch import PodCache, PodWatcher
+from tests.kube.standin import Answer, StandIn, Stream, events, status
+from tests.support.aio import until
 from tests.support.fake_kube import FakeCluster
 
 from .builders import NODE, Rig, binder_annotations, pod, wait_for
+from .test_reconcile import add_pod
 
 
 class Counter:
@@ -445,3 +450,35 @@ def test_kube_cluster_renews_a_lease_it_creates_the_first_time(kube, kube_cluste
     kube.fail("PATCH", f"{path}/{name}", 403, message="not your lease")
     with pytest.raises(KubeError, match=rf"^renew lease kf/{name}: .*403 Forbidden: not your"):
         kube_cluster.renew_lease("kf", name, {"renewTime": "t5"})
+
+
+@pytest.mark.integration
+async def test_a_gateways_answer_to_a_relist_keeps_the_agents_pods_and_limits(
+        short_tmp: Path) -> None:
+    # A 200 `{"status": "ok"}` (a gateway's, an auth proxy's) was taken for a consistent list
+    # of no pods: the cache emptied and the next pass released every pod's limits and marker.
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = add_pod(rig)
+    assert rig.step().converged
+    limits, written = dict(rig.nvml.limits), rig.marker_path(uid).read_text()
+    listed = {"kind": "PodList", "metadata": {"resourceVersion": "5"},
+              "items": rig.cluster.pods_on(NODE)}
+    expired = Stream(events(("ERROR", status(410, "Expired", "too old"))))
+    cache = rig.agent.cache
+    async with StandIn(Answer(200, listed), expired, Answer(200, {"status": "ok"})) as api:
+        cluster = KubeCluster(k8s.ApiClient(k8s.Configuration(host=api.url)),
+                              request_timeout=5.0)
+        stop, thread = run_in_thread(PodWatcher(cluster, NODE, cache, Counter(),
+                                                backoff=Backoff(base=0.01, cap=0.05)))
+        try:
+            await until(lambda: len(api.seen) >= 4, "two answers of the gateway")
+        finally:
+            stop.set()
+            await asyncio.to_thread(thread.join, 2)
+            cluster.close()
+    assert set(cache.snapshot()) == {uid} and cache.synced
+    assert cache.api_down_since is not None
+    assert (cache.last_error or "").startswith(
+        f"list pods of node {NODE}: the API server's answer is not a list: no `items`")
+    assert (await asyncio.to_thread(rig.reconciler.reconcile)).converged
+    assert rig.nvml.limits == limits and rig.marker_path(uid).read_text() == written

@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 from kubernetes.config import incluster_config, kube_config
 
-from kai_fractions.kube import ConfigError, Kube, Transient, config, load_api_client
-from kai_fractions.kube.config import TOKEN_FILE_SECONDS, auth_headers
+from kai_fractions.kube import ConfigError, Kube, Transient, credentials, load_api_client
+from kai_fractions.kube.config import auth_headers
+from kai_fractions.kube.credentials import TOKEN_FILE_SECONDS
 from tests.mirror.certs import CertificateAuthority
 
 
@@ -33,9 +34,9 @@ current-context: x
 
 @pytest.fixture
 def clock(monkeypatch) -> SimpleNamespace:
-    """The monotonic clock kube.config reads, moved by hand."""
+    """The monotonic clock kube.credentials reads, moved by hand."""
     now = SimpleNamespace(seconds=1000.0)
-    monkeypatch.setattr(config, "time", SimpleNamespace(monotonic=lambda: now.seconds))
+    monkeypatch.setattr(credentials, "time", SimpleNamespace(monotonic=lambda: now.seconds))
     return now
 
 
@@ -65,7 +66,7 @@ def test_a_token_file_that_cannot_be_read_again_keeps_the_last_token(tmp_path, c
     api_client = load_api_client(str(kubeconfig(tmp_path, f"{{tokenFile: {token}}}")))
     token.unlink()
     clock.seconds += TOKEN_FILE_SECONDS
-    with caplog.at_level(logging.WARNING, logger=config.__name__):
+    with caplog.at_level(logging.WARNING, logger=credentials.__name__):
         assert [sent_token(api_client) for _ in range(3)] == ["Bearer first"] * 3
         token.write_text("")  # being rewritten
         assert sent_token(api_client) == "Bearer first"
@@ -156,3 +157,17 @@ async def test_an_in_cluster_token_that_cannot_be_read_again_is_transient_naming
         assert str(raised.value).startswith(expected)
     finally:
         await kube.close()
+
+
+def test_an_in_cluster_token_is_sent_without_the_whitespace_around_it(in_cluster):
+    # The official loader sent the file as it is: a token ending in a newline (a Secret
+    # written with `echo`) made aiohttp refuse every request.
+    in_cluster.token.write_text("first\n")
+    api_client = load_api_client()
+    assert sent_token(api_client) == "bearer first"
+    in_cluster.token.write_text(" \n")  # being rewritten: as an empty file, till it is
+    in_cluster.later()
+    with pytest.raises(credentials.CredentialError, match="Token file exists but empty"):
+        sent_token(api_client)
+    in_cluster.token.write_text("second\n")
+    assert sent_token(api_client) == "bearer second"
