@@ -6,6 +6,7 @@ refuses to send (a token ending in a newline), and a watch whose peer is gone wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 from collections.abc import AsyncIterator
@@ -46,6 +47,19 @@ async def loop_until(ran: Run, task: asyncio.Task, done: Any) -> None:
     assert not task.done(), task.exception()
 
 
+@contextlib.asynccontextmanager
+async def following(kube: Kube, ran: Run) -> AsyncIterator[asyncio.Task]:
+    """The list + watch loop of `collection(kube)` as a task, told to `ran`, cancelled after."""
+    task = asyncio.create_task(list_watch(
+        collection(kube), ran.on_list, ran.on_event,
+        on_failure=ran.on_failure, backoff=Backoff(base=0.01, cap=0.01)))
+    try:
+        yield task
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 # -- a list answer that is no list -------------------------------------------------------------
 
 NOT_A_LIST = {
@@ -82,15 +96,9 @@ async def test_items_null_is_an_empty_list_as_the_api_server_sends_it(kube_for):
 async def test_a_gateways_answer_to_a_relist_is_a_failure_never_an_empty_list(kube_for):
     ran = Run()
     expired = Stream(events(("ERROR", status(410, "Expired", "too old"))))
-    async with StandIn(page(["a"], "40"), expired, Answer(200, {"status": "ok"})) as api:
-        task = asyncio.create_task(list_watch(
-            collection(kube_for(api.url)), ran.on_list, ran.on_event,
-            on_failure=ran.on_failure, backoff=Backoff(base=0.01, cap=0.01)))
-        try:
-            await loop_until(ran, task, lambda: len(ran.failures) >= 2)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    async with (StandIn(page(["a"], "40"), expired, Answer(200, {"status": "ok"})) as api,
+                following(kube_for(api.url), ran) as task):
+        await loop_until(ran, task, lambda: len(ran.failures) >= 2)
     assert ran.handled == [("list", ["a"])]  # no empty list handed on
     assert ran.failures[0].startswith("list pod(s): the API server's answer is not a list: ")
 
@@ -136,16 +144,10 @@ async def test_the_loop_outlives_a_header_it_cannot_send_and_takes_up_the_fixed_
     async with StandIn(page(["a"], "40"), Stream(events(("ADDED", pod("b", "41"))),
                                                  then="silent")) as api:
         configuration.host = api.url
-        task = asyncio.create_task(list_watch(
-            collection(kube_for(configuration)), ran.on_list, ran.on_event,
-            on_failure=ran.on_failure, backoff=Backoff(base=0.01, cap=0.01)))
-        try:
+        async with following(kube_for(configuration), ran) as task:
             await loop_until(ran, task, lambda: ran.failures)
             content[0] = "tok"  # the token file written again, without the newline
             await loop_until(ran, task, lambda: len(ran.handled) >= 2)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
     assert ran.failures[0].startswith("list pod(s): not sent: header authorization ")
     assert ran.handled == [("list", ["a"]), ("ADDED", "41")]
     assert {seen.headers["authorization"] for seen in api.seen} == {"Bearer tok"}
@@ -197,17 +199,11 @@ async def test_a_watch_whose_connection_failed_is_resumed_from_its_last_version(
     """What a dead connection's keepalive ends it with, a read that fails (here a reset), is
     followed by a watch from the last version seen, not by a list."""
     ran = Run()
-    async with StandIn(page(["a"], "40"), Stream(events(("ADDED", pod("b", "41"))),
-                                                 then="reset"),
-                       Stream(events(("ADDED", pod("c", "42"))), then="silent")) as api:
-        task = asyncio.create_task(list_watch(
-            collection(kube_for(api.url)), ran.on_list, ran.on_event,
-            on_failure=ran.on_failure, backoff=Backoff(base=0.01, cap=0.01)))
-        try:
-            await loop_until(ran, task, lambda: len(ran.handled) >= 3)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    async with (StandIn(page(["a"], "40"),
+                        Stream(events(("ADDED", pod("b", "41"))), then="reset"),
+                        Stream(events(("ADDED", pod("c", "42"))), then="silent")) as api,
+                following(kube_for(api.url), ran) as task):
+        await loop_until(ran, task, lambda: len(ran.handled) >= 3)
     assert ran.handled == [("list", ["a"]), ("ADDED", "41"), ("ADDED", "42")]
     assert [(seen.query.get("watch"), seen.query.get("resourceVersion")) for seen in api.seen
             ] == [(None, None), ("true", "40"), ("true", "41")]
