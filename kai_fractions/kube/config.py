@@ -115,15 +115,24 @@ def _load_kube_config(configuration: k8s.Configuration, paths: str) -> None:
         configuration.refresh_api_key_hook = token_file
         return
     name = (loader.current_context.get("context") or {}).get("user")
-    if user and "exec" in user and getattr(loader, "token", None) and not any(
-            key in user for key in ("auth-provider", "token", "tokenFile")):
-        # The token the loader's own run of the plugin gave (a plugin that gave a client
-        # certificate leaves none: that is read once, at the start).
+    token = loader.__dict__.get("token")
+    if user and "exec" in user and not any(
+            key in user for key in ("auth-provider", "token", "tokenFile")) and (
+            token or not loader.__dict__.get("cert_file")):
+        # The token the loader's own run of the plugin gave, stripped as every later run's is
+        # (the loader sends it as the plugin wrote it: a newline in it made every request
+        # fail); or none, when that run failed: the plugin then runs before the first request
+        # (a plugin that gave a client certificate leaves no token: that is read once, at the
+        # start).
         plugin = ExecProvider(user["exec"], loader._get_base_path(loader._cluster.path),
                               loader._cluster)
-        configuration.refresh_api_key_hook = ExecCredential(
-            plugin, loader.token, loader.__dict__.get("expiry"),
+        token = token.removeprefix("Bearer ").strip() if isinstance(token, str) else ""
+        hook = ExecCredential(
+            plugin, f"Bearer {token}" if token else "", loader.__dict__.get("expiry"),
             f"the exec plugin {plugin.args[0]} of the kubeconfig's user {name!r}")
+        # Set even when empty: the official client asks the hook only for a key it holds.
+        configuration.api_key["BearerToken"] = hook.token
+        configuration.refresh_api_key_hook = hook
     else:
         _name_refresh(configuration, f"the kubeconfig's user {name!r}")
 

@@ -138,13 +138,17 @@ class ExecCredential:
 
     def __init__(self, plugin: ExecProvider, token: str, expiry: datetime.datetime | None,
                  source: str) -> None:
+        """`token`: "Bearer <token>" as the loader's run of the plugin gave it, "" when that
+        run failed."""
         self.plugin = plugin
         self.token = token
         self.source = source
         self._ran_at = time.monotonic()  # the loader has just run it
         self._new = True
         """The token held came new from the last run (a 401 to it runs the plugin at once)."""
-        self._due_at = self._due(expiry)
+        # No token: the loader's own run failed (an identity provider away at the start): the
+        # plugin runs before the first request, as after a failed run.
+        self._due_at = self._due(expiry) if token else self._ran_at
         self._running: asyncio.Task[None] | None = None
 
     def __call__(self, configuration: k8s.Configuration) -> None:

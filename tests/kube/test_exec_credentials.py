@@ -236,3 +236,34 @@ def test_a_plugin_that_gives_a_client_certificate_keeps_the_official_loaders_way
     kube = made.kube("http://127.0.0.1:1")
     assert not isinstance(kube.api_client.configuration.refresh_api_key_hook,
                           credentials.ExecCredential)
+
+
+async def test_the_loaders_first_token_is_sent_without_a_newline_the_plugin_wrote(plugin):
+    # The official loader sends the token of its own run (at start) as the plugin wrote it; a
+    # newline in it made every request fail, for good (no expiry, so no run again).
+    plugin.set(gen="1\n")
+    async with StandIn(Answer(200, POD), Answer(200, POD)) as api:
+        kube = plugin.kube(api.url)
+        try:
+            for _ in range(2):
+                await kube.request("GET", PATH, what="read pod")
+        finally:
+            await kube.close()
+    assert tokens(api, 2) == ["Bearer tok-1"] * 2
+    assert plugin.runs() == 1
+
+
+async def test_a_plugin_that_failed_at_the_start_runs_before_the_first_request(plugin):
+    # The loader's own run failed (its identity provider away for a moment): no hook was set,
+    # and every request went without credentials for good.
+    plugin.set(fail="the token service is unreachable\n")
+    async with StandIn(Answer(200, POD), Answer(200, POD)) as api:
+        kube = plugin.kube(api.url)
+        (plugin.dir / "fail").unlink()  # the provider is back
+        try:
+            for _ in range(2):
+                await kube.request("GET", PATH, what="read pod")
+        finally:
+            await kube.close()
+    assert tokens(api, 2) == ["Bearer tok-1"] * 2
+    assert plugin.runs() == 2  # the loader's, failed, and the one before the first request
