@@ -75,9 +75,10 @@ class MarkerError(ValueError):
 
 
 class MarkerUnreadable(MarkerError):
-    """The pod's marker directory or file denies the reader (EACCES): as the gate finds its
-    directory before the agent's first write there, which the kubelet made with the root's
-    mode (0700) for the gate's subPathExpr mount. Vouches for nothing, as any MarkerError."""
+    """The pod's marker directory denies the reader (EACCES, and the file cannot even be
+    looked up): as the gate finds its directory before the agent's first write there, which
+    the kubelet made with the root's mode (0700) for the gate's subPathExpr mount. A file that
+    can be looked up but not read is a MarkerError. Vouches for nothing, as any MarkerError."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +271,16 @@ def read_marker(pod_dir: str | os.PathLike[str], *, expected_pod_uid: str | None
     except FileNotFoundError:
         return None
     except PermissionError as e:
-        raise MarkerUnreadable(f"{path}: cannot read: {e.strerror or e}") from None
+        try:
+            stat = path.stat()  # needs only search permission on the directory
+        except OSError:
+            # The directory itself is closed to the reader: as the kubelet made it.
+            raise MarkerUnreadable(f"{path}: cannot read: {e.strerror or e}") from None
+        # Written, but not for this reader (its mode, owner or a security label): not the
+        # kubelet's directory, which the agent's first write opens.
+        raise MarkerError(f"{path}: written but cannot be read by uid {os.getuid()} "
+                          f"(mode {stat.st_mode & 0o777:o}, owner uid {stat.st_uid}; check its "
+                          f"mode and security label): {e.strerror or e}") from None
     except OSError as e:
         raise MarkerError(f"{path}: cannot read: {e.strerror or e}") from None
     try:

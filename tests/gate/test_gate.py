@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import pytest
 
 from kai_fractions import marker as marker_module
 from kai_fractions.contract import DEFAULT_KEYS
-from kai_fractions.gate import GateOptions, Outcome, judge, run_gate
+from kai_fractions.gate import GateOptions, Outcome, judge, observe, run_gate
 from kai_fractions.marker import ContainerMarker, Marker, write_marker
 
 from .pods import UID, bound_annotations, downward_file, plan_of
@@ -225,6 +226,25 @@ def test_a_pod_directory_the_gate_may_not_read_yet_is_a_marker_not_written_yet(
         "waiting: the node agent has not written this pod's readiness marker yet (the pod's "
         "marker directory is not readable until its first write opens it: "
         f"{tmp_path}/markers/{UID}/marker.json: cannot read: Permission denied)\n")
+
+
+def test_a_marker_written_but_unreadable_to_the_gate_is_said_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EACCES on a marker file that can be looked up (its directory open to the gate) is not
+    the kubelet's directory: the file's mode, owner or security label keeps the gate out, and
+    the gate says that, not that the agent has not written it."""
+    opts = setup_pod(tmp_path, bound_annotations(), applied())
+
+    def as_the_gate(path: Path) -> bytes:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(marker_module, "_read_regular", as_the_gate)
+    verdict = observe(opts)
+    assert verdict.outcome is Outcome.WAIT
+    assert verdict.message.startswith(
+        f"the readiness marker is not valid: {tmp_path}/markers/{UID}/marker.json: written but "
+        f"cannot be read by uid {os.getuid()} (mode 644, owner uid {os.getuid()}; check its "
+        "mode and security label): Permission denied")
 
 
 def test_run_fails_at_once_on_a_refusal(tmp_path: Path) -> None:
