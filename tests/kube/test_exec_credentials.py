@@ -7,9 +7,11 @@ hand, never waited out."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import sys
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import pytest
@@ -61,6 +63,15 @@ class Plugin(SimpleNamespace):
     def runs(self) -> int:
         return len((self.dir / "runs").read_text().splitlines())
 
+    @contextlib.asynccontextmanager
+    async def session(self, api: StandIn) -> AsyncIterator[Kube]:
+        """A `Kube` of this plugin's kubeconfig for `api`, closed after."""
+        kube = self.kube(api.url)
+        try:
+            yield kube
+        finally:
+            await kube.close()
+
     def kube(self, url: str, **options) -> Kube:
         path = self.dir / "kubeconfig"
         path.write_text(json.dumps({
@@ -102,37 +113,30 @@ def tokens(api: StandIn, last: int) -> list[str]:
 async def test_a_401_runs_the_plugin_again_once_for_all_the_requests_refused(plugin):
     # The official loader ran it again only once an expirationTimestamp had passed: a token
     # without one (kept "until the server responds with a 401"), revoked, was sent for ever.
-    async with StandIn(Answer(200, POD), *[UNAUTHORIZED] * 5, Answer(200, POD)) as api:
-        kube = plugin.kube(api.url)
-        try:
-            await kube.request("GET", PATH, what="read pod")
-            plugin.set(gen="2")  # tok-1 is revoked; the plugin would give tok-2
-            refused = await asyncio.gather(
-                *[kube.request("GET", PATH, what="read pod") for _ in range(5)],
-                return_exceptions=True)
-            assert [type(e) for e in refused] == [Forbidden] * 5
-            await asyncio.gather(*[kube.request("GET", PATH, what="read pod") for _ in range(5)])
-        finally:
-            await kube.close()
+    async with (StandIn(Answer(200, POD), *[UNAUTHORIZED] * 5, Answer(200, POD)) as api,
+                plugin.session(api) as kube):
+        await kube.request("GET", PATH, what="read pod")
+        plugin.set(gen="2")  # tok-1 is revoked; the plugin would give tok-2
+        refused = await asyncio.gather(
+            *[kube.request("GET", PATH, what="read pod") for _ in range(5)],
+            return_exceptions=True)
+        assert [type(e) for e in refused] == [Forbidden] * 5
+        await asyncio.gather(*[kube.request("GET", PATH, what="read pod") for _ in range(5)])
     assert tokens(api, 11) == ["Bearer tok-1"] * 6 + ["Bearer tok-2"] * 5
     assert plugin.runs() == 2  # the loader's, and one for the five 401s
 
 
 async def test_a_plugin_that_gives_the_refused_token_again_runs_once_every_ten_seconds(
         plugin, clock):
-    async with StandIn(UNAUTHORIZED) as api:
-        kube = plugin.kube(api.url)
-        try:
-            for _ in range(4):  # the first 401 to a new token runs it at once; then, not
-                with pytest.raises(Forbidden):
-                    await kube.request("GET", PATH, what="read pod")
-            assert plugin.runs() == 2
-            clock.now += credentials.PLUGIN_RUNS_SECONDS
-            for _ in range(2):
-                with pytest.raises(Forbidden):
-                    await kube.request("GET", PATH, what="read pod")
-        finally:
-            await kube.close()
+    async with StandIn(UNAUTHORIZED) as api, plugin.session(api) as kube:
+        for _ in range(4):  # the first 401 to a new token runs it at once; then, not
+            with pytest.raises(Forbidden):
+                await kube.request("GET", PATH, what="read pod")
+        assert plugin.runs() == 2
+        clock.now += credentials.PLUGIN_RUNS_SECONDS
+        for _ in range(2):
+            with pytest.raises(Forbidden):
+                await kube.request("GET", PATH, what="read pod")
     assert plugin.runs() == 3
 
 
@@ -141,18 +145,14 @@ async def test_a_token_expiring_within_five_minutes_runs_the_plugin_once_every_t
     # The official loader renews a token 5 minutes before its expiry: one valid for less
     # (always "expired") ran the plugin at every request.
     plugin.set(expiry=expiring_in(2))
-    async with StandIn(Answer(200, POD)) as api:
-        kube = plugin.kube(api.url)
-        try:
-            plugin.set(gen="2")
-            for _ in range(3):
-                await kube.request("GET", PATH, what="read pod")
-            assert plugin.runs() == 1
-            clock.now += credentials.PLUGIN_RUNS_SECONDS
-            for _ in range(3):
-                await kube.request("GET", PATH, what="read pod")
-        finally:
-            await kube.close()
+    async with StandIn(Answer(200, POD)) as api, plugin.session(api) as kube:
+        plugin.set(gen="2")
+        for _ in range(3):
+            await kube.request("GET", PATH, what="read pod")
+        assert plugin.runs() == 1
+        clock.now += credentials.PLUGIN_RUNS_SECONDS
+        for _ in range(3):
+            await kube.request("GET", PATH, what="read pod")
     assert tokens(api, 6) == ["Bearer tok-1"] * 3 + ["Bearer tok-2"] * 3
     assert plugin.runs() == 2
 
@@ -162,18 +162,14 @@ async def test_the_plugin_runs_off_the_event_loop_once_for_the_requests_waiting(
     # plugin waits for the test, on the same loop, to say go; run on the loop it would wait
     # in vain, give up, and the old token would be sent.
     plugin.set(expiry=expiring_in(2))
-    async with StandIn(Answer(200, POD)) as api:
-        kube = plugin.kube(api.url)
-        try:
-            clock.now += PAST_ANY_SPACING
-            plugin.set(gen="2", hold="")
-            waiting = asyncio.gather(
-                *[kube.request("GET", PATH, what="read pod") for _ in range(3)])
-            await until((plugin.dir / "started").exists, "the plugin's run")
-            plugin.set(go="")
-            await waiting
-        finally:
-            await kube.close()
+    async with StandIn(Answer(200, POD)) as api, plugin.session(api) as kube:
+        clock.now += PAST_ANY_SPACING
+        plugin.set(gen="2", hold="")
+        waiting = asyncio.gather(
+            *[kube.request("GET", PATH, what="read pod") for _ in range(3)])
+        await until((plugin.dir / "started").exists, "the plugin's run")
+        plugin.set(go="")
+        await waiting
     assert tokens(api, 3) == ["Bearer tok-2"] * 3
     assert plugin.runs() == 2
 
@@ -183,45 +179,37 @@ async def test_a_plugin_that_does_not_answer_in_time_is_transient_and_killed(
     # A hung plugin held the loop, and every request, for good.
     monkeypatch.setattr(credentials, "PLUGIN_SECONDS", 1.0, raising=False)
     plugin.set(expiry=expiring_in(2))
-    async with StandIn(Answer(200, POD)) as api:
-        kube = plugin.kube(api.url)
-        try:
-            clock.now += PAST_ANY_SPACING
-            plugin.set(gen="2", sleep="3")
-            source = f"the exec plugin {sys.executable} of the kubeconfig's user 'u'"
-            with pytest.raises(Transient) as raised:
-                await kube.request("GET", PATH, what="read pod", timeout=0.1)
-            assert str(raised.value) == (
-                f"read pod: cannot get credentials from {source}: no answer within 0.1 s (it "
-                "goes on running for the next request)")
-            with pytest.raises(Transient) as raised:  # waits for the same run, which is killed
-                await kube.request("GET", PATH, what="read pod")
-            assert str(raised.value).startswith(
-                f"read pod: cannot get credentials from {source}: no credentials within 1 s; "
-                "it was killed; check the plugin")
-            await kube.request("GET", PATH, what="read pod")  # the token held, meanwhile
-        finally:
-            await kube.close()
+    async with StandIn(Answer(200, POD)) as api, plugin.session(api) as kube:
+        clock.now += PAST_ANY_SPACING
+        plugin.set(gen="2", sleep="3")
+        source = f"the exec plugin {sys.executable} of the kubeconfig's user 'u'"
+        with pytest.raises(Transient) as raised:
+            await kube.request("GET", PATH, what="read pod", timeout=0.1)
+        assert str(raised.value) == (
+            f"read pod: cannot get credentials from {source}: no answer within 0.1 s (it "
+            "goes on running for the next request)")
+        with pytest.raises(Transient) as raised:  # waits for the same run, which is killed
+            await kube.request("GET", PATH, what="read pod")
+        assert str(raised.value).startswith(
+            f"read pod: cannot get credentials from {source}: no credentials within 1 s; "
+            "it was killed; check the plugin")
+        await kube.request("GET", PATH, what="read pod")  # the token held, meanwhile
     assert tokens(api, 1) == ["Bearer tok-1"]
 
 
 async def test_a_plugin_that_fails_is_transient_naming_it_and_the_token_held_is_kept(
         plugin, clock):
     plugin.set(expiry=expiring_in(2))
-    async with StandIn(Answer(200, POD)) as api:
-        kube = plugin.kube(api.url)
-        try:
-            clock.now += PAST_ANY_SPACING
-            plugin.set(fail="the token service is unreachable\n")
-            with pytest.raises(Transient) as raised:
-                await kube.request("GET", PATH, what="read pod")
-            assert str(raised.value) == (
-                f"read pod: cannot get credentials from the exec plugin {sys.executable} of the "
-                "kubeconfig's user 'u': it exited with 1: the token service is unreachable; "
-                "check the plugin and what it needs (its identity provider, its environment)")
-            await kube.request("GET", PATH, what="read pod")  # tried again in ten seconds
-        finally:
-            await kube.close()
+    async with StandIn(Answer(200, POD)) as api, plugin.session(api) as kube:
+        clock.now += PAST_ANY_SPACING
+        plugin.set(fail="the token service is unreachable\n")
+        with pytest.raises(Transient) as raised:
+            await kube.request("GET", PATH, what="read pod")
+        assert str(raised.value) == (
+            f"read pod: cannot get credentials from the exec plugin {sys.executable} of the "
+            "kubeconfig's user 'u': it exited with 1: the token service is unreachable; "
+            "check the plugin and what it needs (its identity provider, its environment)")
+        await kube.request("GET", PATH, what="read pod")  # tried again in ten seconds
     assert tokens(api, 1) == ["Bearer tok-1"]
     assert plugin.runs() == 2
 
@@ -242,13 +230,9 @@ async def test_the_loaders_first_token_is_sent_without_a_newline_the_plugin_wrot
     # The official loader sends the token of its own run (at start) as the plugin wrote it; a
     # newline in it made every request fail, for good (no expiry, so no run again).
     plugin.set(gen="1\n")
-    async with StandIn(Answer(200, POD), Answer(200, POD)) as api:
-        kube = plugin.kube(api.url)
-        try:
-            for _ in range(2):
-                await kube.request("GET", PATH, what="read pod")
-        finally:
-            await kube.close()
+    async with StandIn(Answer(200, POD), Answer(200, POD)) as api, plugin.session(api) as kube:
+        for _ in range(2):
+            await kube.request("GET", PATH, what="read pod")
     assert tokens(api, 2) == ["Bearer tok-1"] * 2
     assert plugin.runs() == 1
 
@@ -257,13 +241,9 @@ async def test_a_plugin_that_failed_at_the_start_runs_before_the_first_request(p
     # The loader's own run failed (its identity provider away for a moment): no hook was set,
     # and every request went without credentials for good.
     plugin.set(fail="the token service is unreachable\n")
-    async with StandIn(Answer(200, POD), Answer(200, POD)) as api:
-        kube = plugin.kube(api.url)
+    async with StandIn(Answer(200, POD), Answer(200, POD)) as api, plugin.session(api) as kube:
         (plugin.dir / "fail").unlink()  # the provider is back
-        try:
-            for _ in range(2):
-                await kube.request("GET", PATH, what="read pod")
-        finally:
-            await kube.close()
+        for _ in range(2):
+            await kube.request("GET", PATH, what="read pod")
     assert tokens(api, 2) == ["Bearer tok-1"] * 2
     assert plugin.runs() == 2  # the loader's, failed, and the one before the first request
