@@ -324,7 +324,7 @@ def test_an_adopted_daemon_keeps_its_markers_when_the_worker_overruns(short_tmp:
 
 def test_a_closed_marker_store_writes_nothing_and_waits_for_a_write_in_progress(
         short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kai_fractions.node.agent import markers as markers_module
+    from kai_fractions.node.agent import marker_store as markers_module  # where it writes
 
     store = MarkerStore(short_tmp / "markers", "boot-1")
     uid = "0a1b2c3d-0000-4000-8000-000000000001"
