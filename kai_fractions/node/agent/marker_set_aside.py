@@ -13,7 +13,7 @@ agent's stop set aside for the watchdog alone comes back on the next agent's fir
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ...kube.objects import meta
@@ -108,20 +108,11 @@ class MarkerSetAside:
         the marker (`MarkerStore.set_aside`: WATCHDOG_STOPPED at the agent's stop, so that the
         next agent may restore it). Set aside, not removed, as for the MPS caps
         (`set_aside_for_mps`). Returns the pods' uids."""
-        desired = self.view.desired
-        unwatched: dict[str, list[ContainerDesired]] = {}
-        for c in desired.containers if desired is not None else ():
-            if watchdog_only(c, self.view.watchdog_stops) and at_stake(c):
-                unwatched.setdefault(c.key.pod_uid, []).append(c)
-        planned = _planned_pods(desired)
         done = []
-        for uid in sorted(set(unwatched) | (self.markers.marked() - planned)):
-            containers = unwatched.get(uid, []) if uid in planned else None
-            names = self._set_aside_relying(uid, containers, "no watchdog stops what exceeds "
-                                            "its GPU memory cap", entry_watchdog_only,
-                                            cause=recorded)
-            if names is None:
-                continue
+        for uid, containers, names in self._set_aside_each(
+                lambda c: watchdog_only(c, self.view.watchdog_stops) and at_stake(c),
+                entry_watchdog_only, "no watchdog stops what exceeds its GPU memory cap",
+                recorded):
             done.append(uid)
             who = (f"pod {containers[0].pod_namespace}/{containers[0].pod_name}" if containers
                    else f"pod {uid}")
@@ -131,9 +122,31 @@ class MarkerSetAside:
                 f"container {n} ({WATCHDOG_BLIND}: {tier})" for n in names), cause(containers))
         return done
 
+    def _set_aside_each(self, relies: Callable[[ContainerDesired], bool],
+                        recorded: Callable[[ContainerMarker], bool], at_risk: str,
+                        cause: str | None = None
+                        ) -> Iterator[tuple[str, list[ContainerDesired] | None, list[str]]]:
+        """Sets aside the marker of each pod with an applied entry of a container whose caps
+        are at stake: the last plan's containers `relies` says so of, for the pods it names;
+        for the others (every pod, for an agent with no plan yet), the entries `recorded` says
+        so of, as the marker records them. Yields (uid, the pod's containers at stake, None
+        where no plan names it; the entries' names) for each marker set aside, for the caller
+        to log. `at_risk` and `cause`: as `_set_aside_relying`'s."""
+        desired = self.view.desired
+        relying: dict[str, list[ContainerDesired]] = {}
+        for c in desired.containers if desired is not None else ():
+            if relies(c):
+                relying.setdefault(c.key.pod_uid, []).append(c)
+        planned = _planned_pods(desired)
+        for uid in sorted(set(relying) | (self.markers.marked() - planned)):
+            containers = relying.get(uid, []) if uid in planned else None
+            names = self._set_aside_relying(uid, containers, at_risk, recorded, cause=cause)
+            if names is not None:
+                yield uid, containers, names
+
     def _set_aside_relying(self, uid: str, containers: list[ContainerDesired] | None,
                            at_risk: str,
-                           recorded: Callable[[ContainerMarker], bool] = entry_relies_on_mps,
+                           recorded: Callable[[ContainerMarker], bool],
                            cause: str | None = None) -> list[str] | None:
         """Sets the pod's readiness marker aside when it has an applied entry of `containers`
         (`_relying_entries`; None: those `recorded` says so of, as its marker records them);
@@ -212,20 +225,10 @@ class MarkerSetAside:
         itself records (`markers.entry_relies_on_mps`). Only a marker with an applied entry of
         such a container is set aside: a refusal vouches for nothing. Set aside, not removed:
         it still holds the pod to its plan. Returns the pods' uids."""
-        desired = self.view.desired
-        relying: dict[str, list[ContainerDesired]] = {}
-        for c in desired.containers if desired is not None else ():
-            if relies_on_mps(c):
-                relying.setdefault(c.key.pod_uid, []).append(c)
-        planned = _planned_pods(desired)
         done = []
-        for uid in sorted(set(relying) | (self.markers.marked() - planned)):
-            names = self._set_aside_relying(uid, relying.get(uid, []) if uid in planned else None,
-                                            f"no MPS cap is in force ({cause})")
-            if names is None:
-                continue
+        for uid, containers, names in self._set_aside_each(
+                relies_on_mps, entry_relies_on_mps, f"no MPS cap is in force ({cause})"):
             done.append(uid)
-            containers = relying.get(uid)
             if containers:
                 who = f"pod {containers[0].pod_namespace}/{containers[0].pod_name}"
                 what = ", ".join(f"container {c.key.container} ({_stop_reason(c)})"
