@@ -36,7 +36,14 @@ from kai_fractions.node.desired import ContainerKey
 from kai_fractions.node.engine import ContainerResult, ContainerState
 from tests.admission.certs import install, make_cert
 from tests.chart.render import CHART, NAMESPACE, find, kube_validate, one, render
-from tests.chart.test_alerts_promtool import GPU, NODE_1, agent, per_container, report
+from tests.chart.test_alerts_promtool import (
+    GPU,
+    NODE_1,
+    WORKLOAD,
+    agent,
+    per_container,
+    report,
+)
 from tests.support.admission_metrics import FAMILIES as ADMISSION_FAMILIES
 from tests.support.admission_metrics import populated_admission_scrape
 from tests.support.agent_metrics import populated_scrape
@@ -191,6 +198,11 @@ def test_the_dashboard_has_the_panels_issue_19_asks_for() -> None:
 
 
 USED = "kai_fractions_container_gpu_memory_used_bytes"
+SM = "kai_fractions_container_gpu_sm_utilization_percent"
+SHARE = "kai_fractions_container_gpu_sm_share_percent"
+SM_NORMALIZED = "gpu_fractioning_gpu_sm_utilization_percent_normalized"
+USAGE = {USED, SM, SM_NORMALIZED}
+"""What the agent reads from NVML each check, 0 on a GPU whose usage is unknown."""
 
 
 def test_caps_not_in_force_and_gpus_whose_usage_is_unknown_have_panels() -> None:
@@ -213,18 +225,22 @@ def test_caps_not_in_force_and_gpus_whose_usage_is_unknown_have_panels() -> None
         {"node", "gpu_uuid", "reason"})
 
 
-def test_the_used_memory_panels_leave_out_a_gpu_whose_usage_is_unknown(
+def test_the_usage_panels_leave_out_a_gpu_whose_usage_is_unknown(
         promtool_bin: Path, tmp_path: Path) -> None:
-    """A container over its cap on a GPU the watchdog cannot see reads 0 used: every panel of
-    its used memory (Used, Used of the cap, the per-GPU used line) shows nothing for that GPU
+    """A container over its cap on a GPU the watchdog cannot see reads 0 used and 0 SM: every
+    panel of its used memory (Used, Used of the cap, the per-GPU used line) and of its SM use
+    (per container, of the share, gpu-fractioning's normalized one) shows nothing for that GPU
     while kai_fractions_agent_gpu_usage_unknown says so, not a 0, and shows it again once a
     check reads it. Run in Prometheus's own engine (promtool), on series as the agent's
     ServiceMonitor stores them (the agent's target labels on the per-GPU series)."""
-    exprs = [e for e in agent_side(dashboard()) if USED in parse(e.expr).metrics]
+    exprs = [e for e in agent_side(dashboard()) if parse(e.expr).metrics & USAGE]
     assert {e.where.split("'")[1] for e in exprs} == {
-        "Used", "Used of the cap", "Per GPU: requested, capped, used and total"}
+        "Used", "Used of the cap", "Per GPU: requested, capped, used and total",
+        "SM utilization per container", "SM utilization of the share",
+        "SM utilization of the requested fraction (gpu-fractioning)"}
     blind_gpu, seen_gpu = GPU, {"gpu_uuid": "GPU-1f2e3d4c-5b6a-4789-8a9b-0c1d2e3f4a5b",
                                 "gpu": "1"}
+    upstream = {k: v for k, v in WORKLOAD.items() if k != "container"}  # per pod, no container
     gib = 1 << 30
     series = [
         per_container(USED, "0x30", node=NODE_1, **blind_gpu),  # 30 GiB in truth
@@ -233,6 +249,9 @@ def test_the_used_memory_panels_leave_out_a_gpu_whose_usage_is_unknown(
         per_container(USED, f"{5 * gib}x30", node=NODE_1, **seen_gpu),
         per_container("kai_fractions_container_gpu_memory_limit_bytes", f"{10 * gib}x30",
                       node=NODE_1, **seen_gpu),
+        *(per_container(SM, "0x30", node=NODE_1, **gpu) for gpu in (blind_gpu, seen_gpu)),
+        *(per_container(SHARE, "50x30", node=NODE_1, **gpu) for gpu in (blind_gpu, seen_gpu)),
+        *(agent(SM_NORMALIZED, "0x30", **upstream, **gpu) for gpu in (blind_gpu, seen_gpu)),
         agent(USAGE_UNKNOWN, "1x15 stale", node=NODE_1, gpu_uuid=blind_gpu["gpu_uuid"],
               reason="NoProcessesVisible"),
     ]
