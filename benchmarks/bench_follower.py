@@ -34,8 +34,9 @@ from typing import Any
 from kai_fractions.kube.client import Kube
 from kai_fractions.kube.config import load_api_client
 from kai_fractions.kube.retry import NO_DEADLINE, Deadline
+from kai_fractions.mirror.bindrequest_view import BindRequestView
 from kai_fractions.mirror.bindrequests import CONCURRENCY, follow
-from kai_fractions.mirror.follower import BindRequestView, Follower
+from kai_fractions.mirror.follower import Follower
 from kai_fractions.mirror.kube_store import KubePodStore
 from kai_fractions.mirror.store import PodSnapshot
 from kai_fractions.signing import Keyring, KeyringSource

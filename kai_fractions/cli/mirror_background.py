@@ -24,8 +24,9 @@ def background(args: argparse.Namespace, kube, *, keys: Keys, dialect: Dialect, 
 
         tasks.append(Reporter(kube, *daemonset, interval=args.report_interval).run)
     if args.follow_bindrequests:
+        from ..mirror.bindrequest_view import BindRequestView
         from ..mirror.bindrequests import bindrequest_source, follow
-        from ..mirror.follower import BindRequestView, Follower
+        from ..mirror.follower import Follower
 
         elector = lease_kube = None
         if election is not None:

@@ -38,8 +38,9 @@ from ..kube.client import Kube
 from ..kube.listwatch import RESYNC_SECONDS, WATCH_BACKOFF, Collection, list_watch
 from ..kube.objects import namespaced_path
 from ..kube.retry import Backoff
+from .bindrequest_view import BindRequestView
 from .errors import MirrorError
-from .follower import GROUP, PLURAL, VERSION, BindRequestView
+from .follower import GROUP, PLURAL, VERSION
 from .rechecks import RECHECK_BACKOFF, Rechecks, wants_recheck
 
 log = logging.getLogger(__name__)

@@ -43,13 +43,11 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 from ..contract import (
     DEFAULT_DIALECT,
     BindDecision,
-    ContractError,
     ContractViolation,
     Dialect,
     Keys,
@@ -58,9 +56,9 @@ from ..contract import (
 )
 from ..contract import keys as k
 from ..contract.compare import same_value
-from ..kube.objects import epoch_seconds
 from ..kube.retry import NO_DEADLINE, Deadline
 from ..signing import KeyringSource, signature_key
+from .bindrequest_view import BindRequestView, not_its_pod
 from .decision import MAX_ID, MAX_IDS, AllocationInput, node_to_read, resolve_decision
 from .errors import InvalidAllocation, PodNotFound
 from .kai_binder import binder_expectation, binder_request, kept_limit
@@ -73,6 +71,7 @@ from .store import (
     WriteInvalid,
     stored_otherwise,
 )
+from .verification import Mismatch, TermEnded, Verification
 
 log = logging.getLogger(__name__)
 
@@ -97,153 +96,6 @@ CHECKED_AGAIN = (f"the follower checks it again in {RECHECK_BACKOFF.base:g} s, t
 COMPLETE_KEPT = 200_000
 """BindRequests remembered as complete at most (then the oldest is checked again on its next
 list): more than the fractional pods of a 5,000-node cluster (docs/scale.md)."""
-
-
-@dataclass(frozen=True, slots=True)
-class BindRequestView:
-    """The fields of a BindRequest the follower reads (contract doc, section 4)."""
-
-    namespace: str
-    name: str
-    uid: str
-    pod_name: str
-    selected_node: str
-    resource_type: str
-    gpu_count: int
-    portion: str
-    group_ids: tuple[str, ...]
-    group_modes: tuple[str, ...]
-    phase: str
-    resource_version: str = ""
-    created: str = ""
-    """metadata.creationTimestamp (RFC 3339): when KAI's scheduler decided the bind."""
-    owner_uid: str = ""
-    """The uid of the pod KAI's scheduler made it for: it names that pod as the BindRequest's
-    owner (KAI-Scheduler pkg/scheduler/cache/cache.go, createBindRequest). "" when none."""
-
-    @classmethod
-    def from_object(cls, obj: Mapping[str, Any]) -> BindRequestView:
-        """Never raises: a part of the wrong type (which KAI's CRD schema should refuse) reads
-        as absent, so the check reports the BindRequest (not fractional, not Succeeded, no
-        decision to rebuild) and one malformed object cannot stop the follower."""
-        meta, spec, status = (_mapping(obj, part) for part in ("metadata", "spec", "status"))
-        received = _mapping(spec, "receivedGPU")
-        groups = _list(spec, "selectedFractionalGpuGroups")
-        if groups:
-            ids = tuple(str(g.get("id") or "") for g in groups if isinstance(g, Mapping))
-            modes = tuple(str(g.get("computeSharingMode") or "")
-                          for g in groups if isinstance(g, Mapping))
-        else:  # older BindRequests: plain group ids, time-slicing
-            ids = tuple(str(g) for g in _list(spec, "selectedGPUGroups"))
-            modes = ("",) * len(ids)
-        count = received.get("count") or 0
-        return cls(
-            namespace=str(meta.get("namespace") or "default"),
-            name=str(meta.get("name") or ""),
-            uid=str(meta.get("uid") or ""),
-            pod_name=str(spec.get("podName") or ""),
-            selected_node=str(spec.get("selectedNode") or ""),
-            resource_type=str(spec.get("receivedResourceType") or ""),
-            gpu_count=count if isinstance(count, int) and not isinstance(count, bool) else 0,
-            portion=str(received.get("portion") or ""),
-            group_ids=ids,
-            group_modes=modes,  # KAI spells them as the contract does; "" = time-slicing
-            phase=str(status.get("phase") or ""),
-            resource_version=str(meta.get("resourceVersion") or ""),
-            created=str(meta.get("creationTimestamp") or ""),
-            owner_uid=_owner_pod_uid(meta.get("ownerReferences"), spec.get("podName")),
-        )
-
-    @property
-    def ref(self) -> str:
-        return f"{self.namespace}/{self.name}"
-
-
-def _mapping(parent: Any, key: str) -> Mapping[str, Any]:
-    value = parent.get(key) if isinstance(parent, Mapping) else None
-    return value if isinstance(value, Mapping) else {}
-
-
-def _list(parent: Mapping[str, Any], key: str) -> list[Any]:
-    value = parent.get(key)
-    return value if isinstance(value, list) else []
-
-
-def _owner_pod_uid(owners: Any, pod_name: Any) -> str:
-    """The uid of the owner reference that is the BindRequest's pod; "" when none is."""
-    if not isinstance(owners, list):
-        return ""
-    for owner in owners:
-        if (isinstance(owner, Mapping) and owner.get("kind") == "Pod"
-                and owner.get("name") in (None, pod_name)):
-            return str(owner.get("uid") or "")
-    return ""
-
-
-def not_its_pod(br: BindRequestView, pod: PodSnapshot) -> str:
-    """Why `pod` is not the pod `br` was made for ("" when it may be): KAI decided for one pod,
-    and another one of the same name (the first deleted and a new one created, by a user or a
-    controller) must not carry that decision's signature. By the owner's uid; without one, by
-    age: a pod created after the BindRequest cannot be the one it was made for."""
-    ref = f"pod {pod.namespace}/{pod.name}"
-    if br.owner_uid:
-        if pod.uid != br.owner_uid:
-            return (f"{ref} (uid {pod.uid or 'none'}) is not the pod BindRequest {br.ref} was "
-                    f"made for (uid {br.owner_uid}): it was created again under that name")
-        return ""
-    pod_created = epoch_seconds(pod.metadata.get("creationTimestamp"))
-    br_created = epoch_seconds(br.created)
-    if pod_created is not None and br_created is not None and pod_created > br_created:
-        return (f"{ref} was created after BindRequest {br.ref}, so it is not the pod that "
-                "BindRequest was made for")
-    return ""
-
-
-class TermEnded(Exception):
-    """This replica's term as the follower ended before a write: the write was not sent."""
-
-
-@dataclass(frozen=True, slots=True)
-class Mismatch:
-    key: str
-    expected: str | None
-    actual: str | None
-    rule: str = ""
-    """The rule the found value breaks, where it could have been accepted otherwise."""
-
-    @property
-    def message(self) -> str:
-        found = "nothing" if self.actual is None else repr(self.actual)
-        want = "nothing" if self.expected is None else repr(self.expected)
-        rule = f": {self.rule}" if self.rule else ""
-        return f"annotation {self.key}: expected {want}, found {found}{rule}"
-
-
-@dataclass(frozen=True, slots=True)
-class Verification:
-    bind_request: str
-    pod: str
-    mismatches: tuple[Mismatch, ...] = ()
-    errors: tuple[ContractError, ...] = ()
-    skipped: str = ""
-    """Why nothing was checked (not fractional, not bound yet, reservation unknown...)."""
-    signed: tuple[str, ...] = ()
-    """The signature annotations this check wrote (none when already signed, or unsigned)."""
-    unsigned: str = ""
-    """Why a matching pod was left unsigned ("" when signed, or signing is off)."""
-    resigned: bool = False
-    """The signatures written replace ones that no longer verify (their key was retired):
-    the pod was not waiting for them."""
-    recheck: bool = False
-    """Incomplete for a reason that may pass by itself, with nothing changing on the
-    BindRequest (the reserved GPU not known yet, the pod written to under every signing
-    attempt): the follow loop checks it again after a backoff (`rechecks`). A finding, an
-    invalid decision or another pod of that name waits for a change instead."""
-
-    @property
-    def complete(self) -> bool:
-        """Checked, matching, and signed where signing is on: nothing left to do."""
-        return not (self.skipped or self.errors or self.mismatches or self.unsigned)
 
 
 class Follower:

@@ -19,8 +19,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ..kube.objects import seconds_since
 
 if TYPE_CHECKING:
-    from .follower import BindRequestView, Verification
+    from .bindrequest_view import BindRequestView
     from .pod_cache import PodCache
+    from .verification import Verification
 
 CALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 SIGNATURE_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from kai_fractions.contract import Dialect
-from kai_fractions.mirror.follower import BindRequestView, Follower
+from kai_fractions.mirror.bindrequest_view import BindRequestView
+from kai_fractions.mirror.follower import Follower
 from kai_fractions.signing import Keyring, KeyringSource
 from tests.agent.builders import CID, MIB, Rig, leaf_of, marker_of
 from tests.support.fake_store import FakePodStore

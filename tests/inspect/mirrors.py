@@ -9,9 +9,10 @@ import datetime
 
 from prometheus_client import generate_latest
 
-from kai_fractions.mirror.follower import BindRequestView, Verification
+from kai_fractions.mirror.bindrequest_view import BindRequestView
 from kai_fractions.mirror.metrics import MirrorMetrics
 from kai_fractions.mirror.pod_cache import PodCache
+from kai_fractions.mirror.verification import Verification
 from tests.mirror.test_follower import bind_request
 
 

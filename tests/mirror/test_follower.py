@@ -15,8 +15,9 @@ from kai_fractions.contract import Dialect
 from kai_fractions.kube.client import Kube
 from kai_fractions.kube.errors import Gone, Transient
 from kai_fractions.kube.retry import NO_DEADLINE, Backoff
+from kai_fractions.mirror.bindrequest_view import BindRequestView
 from kai_fractions.mirror.bindrequests import bindrequest_source, follow
-from kai_fractions.mirror.follower import BindRequestView, Follower
+from kai_fractions.mirror.follower import Follower
 from kai_fractions.mirror.kube_store import KubePodStore
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.signing import Keyring

@@ -13,9 +13,10 @@ from collections.abc import Callable
 import pytest
 
 from kai_fractions.kube.retry import Backoff
+from kai_fractions.mirror.bindrequest_view import BindRequestView
 from kai_fractions.mirror.bindrequests import follow
 from kai_fractions.mirror.errors import ApiUnavailable
-from kai_fractions.mirror.follower import BindRequestView, Follower
+from kai_fractions.mirror.follower import Follower
 from kai_fractions.mirror.rechecks import RECHECK_BACKOFF, RECHECK_WINDOW, Rechecks
 from kai_fractions.signing import Keyring
 from tests.support.fake_store import FakePodStore

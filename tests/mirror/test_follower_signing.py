@@ -13,7 +13,8 @@ from kubernetes import client as k8s
 from kai_fractions.contract import DEFAULT_KEYS, parse_pod, plan_container, pod_views
 from kai_fractions.kube.client import Kube
 from kai_fractions.kube.retry import Backoff
-from kai_fractions.mirror.follower import BindRequestView, Follower
+from kai_fractions.mirror.bindrequest_view import BindRequestView
+from kai_fractions.mirror.follower import Follower
 from kai_fractions.mirror.kube_store import KubePodStore
 from kai_fractions.mirror.metrics import MirrorMetrics
 from kai_fractions.mirror.rechecks import wants_recheck

@@ -16,7 +16,8 @@ from kubernetes import client as k8s
 
 from kai_fractions.kube.client import Kube
 from kai_fractions.kube.errors import NotFound
-from kai_fractions.mirror.follower import BindRequestView, Follower
+from kai_fractions.mirror.bindrequest_view import BindRequestView
+from kai_fractions.mirror.follower import Follower
 from kai_fractions.mirror.leader import (
     ElectionConfig,
     KubeLease,

@@ -13,7 +13,8 @@ import pytest
 
 from kai_fractions.kube.objects import seconds_since
 from kai_fractions.metrics_http import MetricsEndpoint
-from kai_fractions.mirror.follower import BindRequestView, Follower
+from kai_fractions.mirror.bindrequest_view import BindRequestView
+from kai_fractions.mirror.follower import Follower
 from kai_fractions.mirror.metrics import MirrorMetrics, check_result
 from kai_fractions.mirror.pod_cache import PodCache
 from kai_fractions.signing import Keyring, KeyringSource
@@ -203,7 +204,7 @@ async def test_a_check_in_progress_is_a_gauge_and_one_that_raises_an_error():
 
 def test_check_results_and_timestamps():
     from kai_fractions.contract import ContractError
-    from kai_fractions.mirror.follower import Mismatch, Verification
+    from kai_fractions.mirror.verification import Mismatch, Verification
 
     v = Verification("ns/br", "ns/p")
     assert [check_result(x) for x in (
