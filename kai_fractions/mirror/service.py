@@ -35,14 +35,12 @@ from .compute import (
     Outcome,
     Patch,
     compute_outcome,
-    current_record,
     mirror_patch,
     release_patch,
 )
 from .decision import (
     AllocationInput,
     check_idempotency_key,
-    label_memory_mib,
     node_to_read,
     resolve_decision,
 )
@@ -55,12 +53,18 @@ from .errors import (
     PodReplaced,
 )
 from .foreground import Foreground
+from .node_labels import NodeLabelCache
 from .pod_cache import PodCache
-from .record import MIRRORED_ANNOTATION, ReleasedRecord, decode_released
+from .record import MIRRORED_ANNOTATION
+from .release_keys import (
+    check_key_after_release,
+    released_here,
+    released_record,
+    retry_of_release,
+)
 from .store import (
     NO_DEADLINE,
     Deadline,
-    NodeNotFound,
     PodSnapshot,
     PodStore,
     WriteConflict,
@@ -72,22 +76,6 @@ log = logging.getLogger(__name__)
 
 CONFLICT_BACKOFF = Backoff(attempts=5, base=0.05, cap=1.0)
 """Re-reads after a write conflict (another writer changed the pod in between)."""
-
-
-NODE_LABELS_TTL = 30.0
-"""Seconds a node's labels are reused (see MirrorService._node_labels): a label that changes,
-or a node recreated under its name with another GPU, reaches the calls this much later."""
-NODE_LABELS_RETRY = 2.0
-"""Seconds a node without a usable GPU memory label is reused by calls that need it."""
-NODES_KEPT = 20_000
-
-
-@dataclass(frozen=True, slots=True)
-class _NodeEntry:
-    read_at: float
-    uid: str
-    labels: Mapping[str, str]
-    knows_memory: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,60 +123,6 @@ class _PodLocks:
                 self._locks[key] = (lock, users - 1)
 
 
-def _released(pod: PodSnapshot) -> ReleasedRecord | None:
-    """The record a release left on THIS pod (a recreated pod's is ignored), else None."""
-    released = decode_released(pod.annotations.get(MIRRORED_ANNOTATION))
-    if released is None or (pod.uid and released.pod_uid != pod.uid):
-        return None
-    return released
-
-
-def _superseded(pod: PodSnapshot, key: str, latest: str) -> AllocationConflict:
-    ref = f"{pod.namespace}/{pod.name}"
-    return AllocationConflict(ref, (
-        f"idempotency key {key!r} names a call on pod {ref} that a later call came after "
-        f"(key {latest or '-'}): a late retry of it is not applied; drop it"),
-        kind="IDEMPOTENCY_KEY_SUPERSEDED")
-
-
-def _check_key_after_release(pod: PodSnapshot, released: ReleasedRecord, key: str) -> None:
-    """A MirrorAllocation on a released pod: refused when its key is one of a call the release
-    came after (the released decision's late retry), or the release's own."""
-    if released.spends(key):
-        raise _superseded(pod, key, released.idempotency_key)
-    if key and key == released.idempotency_key:
-        ref = f"{pod.namespace}/{pod.name}"
-        raise AllocationConflict(ref, (
-            f"idempotency key {key!r} was already used on pod {ref} to release its "
-            "allocation; a new decision needs a new key"), kind="IDEMPOTENCY_KEY_REUSED")
-
-
-def _retry_of_release(pod: PodSnapshot, key: str) -> bool:
-    """Whether the release with `key` is the pod's last call: the record is the one it left.
-    Never for a release without a key (it cannot be told from a new one)."""
-    released = _released(pod)
-    return bool(key) and released is not None and released.idempotency_key == key
-
-
-def _released_record(pod: PodSnapshot, key: str) -> ReleasedRecord | None:
-    """What a release with `key` leaves in the record's place; None when there is nothing to
-    remember (no key, and no record with one). Raises AllocationConflict for a key a later
-    call superseded: the late retry of a release must not strip what was written after it."""
-    released = _released(pod)
-    record = current_record(pod)
-    if released is not None:
-        if released.spends(key):
-            raise _superseded(pod, key, released.idempotency_key)
-        return released.released(key)
-    if record is not None:
-        if key and key in record.spent:
-            raise _superseded(pod, key, record.idempotency_key)
-        left = record.released(key)
-    else:
-        left = ReleasedRecord(pod.uid, key)
-    return left if left.idempotency_key or left.spent else None
-
-
 class MirrorService:
     def __init__(
         self,
@@ -219,7 +153,7 @@ class MirrorService:
         self.foreground = cache.foreground if cache is not None else Foreground()
         """Every call is marked in flight here: the cache's list work waits for a gap."""
         self._locks = _PodLocks()
-        self._nodes: dict[str, _NodeEntry] = {}
+        self._nodes = NodeLabelCache(store, self.clock)
 
     # -- operations ---------------------------------------------------------------------------
 
@@ -318,7 +252,7 @@ class MirrorService:
                 if wait:
                     await self.clock.asleep(wait)
                 pod = await self._get(namespace, name, uid, deadline)
-                if _retry_of_release(pod, idempotency_key):
+                if retry_of_release(pod, idempotency_key):
                     # This very release landed before (the record is the one it left), and
                     # whatever the pod carries now came after it: the binder's own rebind (an
                     # unmodified KAI binder writes its keys itself, the follower signs them),
@@ -334,7 +268,7 @@ class MirrorService:
                              namespace, name, idempotency_key)
                     return ReleaseResult((), False)
                 changes: dict[str, str | None] = dict(release_patch(pod, self.keys))
-                left = _released_record(pod, idempotency_key)
+                left = released_record(pod, idempotency_key)
                 if left is not None:  # else the record goes with the keys it lists
                     encoded = left.encode()
                     if pod.annotations.get(MIRRORED_ANNOTATION) == encoded:
@@ -356,7 +290,7 @@ class MirrorService:
         (resolve_decision is pure: it gets them as a lookup)."""
         node = node_to_read(allocation)
         needs_memory = not allocation.node_gpu_memory_mib  # else only that the node exists
-        labels = await self._node_labels(node, needs_memory, deadline) if node else None
+        labels = await self._nodes.get(node, needs_memory, deadline) if node else None
         return resolve_decision(allocation, lambda _: labels,
                                 default_reserve_mib=self.default_reserve_mib,
                                 dialect=self.dialect)
@@ -380,9 +314,9 @@ class MirrorService:
         the cache, which is read again before anyone is refused)."""
         try:
             outcome = self._outcome(pod, allocation, decision)
-            released = _released(pod)
+            released = released_here(pod)
             if released is not None:
-                _check_key_after_release(pod, released, idempotency_key)
+                check_key_after_release(pod, released, idempotency_key)
             patch = mirror_patch(pod, outcome, idempotency_key=idempotency_key,
                                  replace=replace, keys=self.keys)
             if released is not None and MIRRORED_ANNOTATION in patch.changes:
@@ -398,36 +332,6 @@ class MirrorService:
         return compute_outcome(pod, decision, container=allocation.container, keys=self.keys,
                                mps_pipe_root=self.mps_pipe_root, extra=self.extra_annotations,
                                node=allocation.selected_node)
-
-    async def _node_labels(self, node: str, needs_memory: bool, deadline: Deadline
-                           ) -> Mapping[str, str] | None:
-        """The node's labels, read at most every NODE_LABELS_TTL seconds per node: every
-        fractional call checks that its node exists, and a node's GPU memory label seldom
-        changes. A node that is not there is asked again on the next call, and so is one
-        without a usable GPU memory label by a call that needs it, after NODE_LABELS_RETRY
-        seconds: GPU feature discovery labels a new node a while after it joins, and a refusal
-        (INVALID_ARGUMENT) is final to a scheduler, yet a caller must not turn every call into
-        a read. A read that finds another uid (the node was recreated) replaces the entry."""
-        now = self.clock.monotonic()
-        cached = self._nodes.get(node)
-        if cached is not None and now - cached.read_at < (
-                NODE_LABELS_TTL if cached.knows_memory or not needs_memory
-                else NODE_LABELS_RETRY):
-            return cached.labels
-        try:
-            labels = await self.store.node_labels(node, deadline)
-        except NodeNotFound:
-            self._nodes.pop(node, None)
-            return None
-        uid = str(getattr(labels, "uid", ""))
-        if cached is not None and cached.uid != uid:
-            log.info("node %s was recreated (uid %s, was %s): its labels are read anew",
-                     node, uid or "-", cached.uid or "-")
-        if len(self._nodes) >= NODES_KEPT:
-            self._nodes.clear()  # a cluster's node count is far below this; never unbounded
-        usable = label_memory_mib(labels.get(k.NODE_GPU_MEMORY_LABEL)) is not None
-        self._nodes[node] = _NodeEntry(now, uid, labels, usable)
-        return labels
 
     async def _get(self, namespace: str, name: str, uid: str, deadline: Deadline
                    ) -> PodSnapshot:

@@ -20,13 +20,14 @@ from kai_fractions.mirror.errors import (
     PodNotFound,
     PodReplaced,
 )
+from kai_fractions.mirror.node_labels import NODE_LABELS_RETRY, NODE_LABELS_TTL
 from kai_fractions.mirror.record import (
     MIRRORED_ANNOTATION,
     ReleasedRecord,
     allocation_digest,
     decode_record,
 )
-from kai_fractions.mirror.service import NODE_LABELS_RETRY, NODE_LABELS_TTL, MirrorService
+from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.signing import signing_annotations
 from kai_fractions.mirror.store import NodeLabels, WriteConflict
 from kai_fractions.signing import Keyring, KeyringSource
@@ -802,11 +803,11 @@ async def test_a_node_recreated_under_its_name_replaces_its_entry(store, service
     await service.preview(allocation(node_gpu_memory_mib=0))
     nodes["node-1"] = NodeLabels({"nvidia.com/gpu.memory": "40960"}, uid="node-uid-2")
     clock.now += NODE_LABELS_TTL  # what the TTL means: a recreation is seen this much later
-    with caplog.at_level(logging.INFO, logger="kai_fractions.mirror.service"):
+    with caplog.at_level(logging.INFO, logger="kai_fractions.mirror.node_labels"):
         result = await service.mirror(allocation(node_gpu_memory_mib=0))
     assert result.annotations["nvidia.com/container.trainer.gpu-memory.request"] == "20Gi"
     assert "node node-1 was recreated (uid node-uid-2, was node-uid-1)" in caplog.text
-    assert service._nodes["node-1"].uid == "node-uid-2"
+    assert service._nodes.entries["node-1"].uid == "node-uid-2"
 
 
 async def test_regular_bind_writes_only_the_resource_type(store, service):
