@@ -48,6 +48,7 @@ from .desired import (
     LimitTarget,
 )
 from .engine_cgroup_limits import CGROUP_NOT_FOUND, CgroupLimitStep
+from .engine_compute_modes import ComputeModeStep
 from .engine_mps import (
     MPS_UNAVAILABLE,
     MpsControlLike,
@@ -152,6 +153,12 @@ class Engine:
         back in force, or no longer desired, so that a pass failing before it reaches the
         cgroup (NVML down, a read that fails) still reports the limit missing
         (`ContainerResult.limit_missing`). Not a cache: `forget()` keeps it."""
+        self._switched: dict[str, GpuComputeMode] = {
+            uuid: GpuComputeMode[name] for uuid, name in self.ledger.load_modes().items()
+            if name in GpuComputeMode.__members__}
+        """GPUs this agent put in EXCLUSIVE_PROCESS -> the mode it found there, given back once
+        no fractional container is left (`engine_compute_modes`; saved in the ledger before
+        each switch). Not a cache: `forget()` keeps it."""
         self._wrong_mode: dict[str, tuple[GpuComputeMode, NvmlError]] = {}
         """GPUs an sm-sharing plan needs in EXCLUSIVE_PROCESS that read back another compute
         mode and could not be set: uuid -> (the mode read back, the set's error). There a
@@ -295,7 +302,7 @@ class Engine:
                              namespaces_deleted=tuple(deleted), issues=tuple(issues))
 
 
-class _Run(MpsStep, CgroupLimitStep):
+class _Run(ComputeModeStep, MpsStep, CgroupLimitStep):
     """One apply: its steps in order (`go`), then the report (state: `engine_run.RunState`)."""
 
     def go(self) -> None:
@@ -314,30 +321,6 @@ class _Run(MpsStep, CgroupLimitStep):
         self.sweep_namespaces()
 
     # compute modes ----------------------------------------------------------------------------
-
-    def compute_modes(self) -> None:
-        for g in self.d.gpus:
-            device = self.devices.get(g.uuid)
-            if device is None:
-                continue  # the plan refused its containers (DeviceNotOnNode)
-            mode, changed, error = device.compute_mode, False, None
-            if (g.compute_mode is not None and self.e.config.sm_sharing
-                    and device.compute_mode != g.compute_mode):
-                try:
-                    self.e.nvml.set_compute_mode(g.uuid, g.compute_mode)
-                    mode, changed = g.compute_mode, True
-                    self.modes_set.append((g.uuid, g.compute_mode))
-                except NvmlError as e:
-                    error = e
-                    self.fail(g.containers, e)
-                    # Read back in another mode, and not set: known not in force for its
-                    # sm-sharing containers (`mode_missing`). Not for a time-slicing GPU left
-                    # in EXCLUSIVE_PROCESS: that only keeps a second process from starting.
-                    if g.compute_mode is GpuComputeMode.EXCLUSIVE_PROCESS:
-                        self.e._wrong_mode[g.uuid] = (device.compute_mode, e)
-            if mode == g.compute_mode:  # read back in force, or set now
-                self.e._wrong_mode.pop(g.uuid, None)
-            self.gpu_results.append(GpuResult(g.uuid, mode, changed, error))
 
     def mode_missing(self, c: ContainerDesired
                      ) -> tuple[str, GpuComputeMode, NvmlError] | None:
