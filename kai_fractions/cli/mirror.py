@@ -75,8 +75,9 @@ def register(sub) -> None:
                    "forks that also write .gpu-compute.portion; default: %(default)s)")
     p.add_argument("--reserve-mib", type=int, default=0, metavar="N",
                    help="GPU memory (MiB) withheld per GPU before a portion becomes memory, "
-                   "when the caller does not say; only the patched dialect has one (1024 "
-                   "there; default: %(default)s)")
+                   "when the caller does not say (default: %(default)s in both dialects). "
+                   "Upstream KAI withholds none; a patched KAI binder withholds 1024 by "
+                   "default, so pass --reserve-mib 1024 with --kai-dialect patched")
     p.add_argument("--write-as", default="", metavar="USER",
                    help="impersonate USER for every pod write (Impersonate-User), e.g. "
                    f"{KAI_BINDER_IDENTITY}: KAI's NvFractions admission webhook lets only its "
