@@ -1,5 +1,6 @@
 """What `/proc` says about a process: its pod and container (from its cgroup), whether it still
-runs, and who holds a file lock. The root is configurable so tests use a fake tree.
+runs, its command line, environment and mount namespace, and who holds a file lock. The root is
+configurable so tests use a fake tree.
 
 A pin (`Procfs.pin`) holds a process by its pidfd, so that a later look tells it from another
 process that reuses its pid.
@@ -288,6 +289,51 @@ class Procfs:
     def comm(self, pid: int) -> str | None:
         text = self._read(str(int(pid)), "comm")
         return None if text is None else text.strip()
+
+    def pids(self) -> list[int]:
+        """Every process the root lists now (its numeric entries), in no particular order."""
+        try:
+            return [int(entry.name) for entry in os.scandir(self.root) if entry.name.isdigit()]
+        except FileNotFoundError:
+            return []
+
+    def _read_bytes(self, *parts: str) -> bytes | None:
+        try:
+            return self.root.joinpath(*parts).read_bytes()
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+            return None
+
+    def cmdline(self, pid: int) -> list[str] | None:
+        """The process's argv; None when it is gone, [] for a kernel thread or a zombie."""
+        raw = self._read_bytes(str(int(pid)), "cmdline")
+        if raw is None:
+            return None
+        args = raw.split(b"\0")
+        if args[-1] == b"":
+            args.pop()  # the terminator of the last one
+        return [arg.decode(errors="replace") for arg in args]
+
+    def environ(self, pid: int) -> dict[str, str] | None:
+        """The environment the process started with (`environ`, as exec gave it); None when it
+        is gone. Raises OSError (PermissionError: another user's process, unless root) when
+        the entry is there but cannot be read: what it holds is then unknown, not empty."""
+        raw = self._read_bytes(str(int(pid)), "environ")
+        if raw is None:
+            return None
+        env: dict[str, str] = {}
+        for item in raw.split(b"\0"):
+            name, sep, value = item.partition(b"=")
+            if sep and name:
+                env.setdefault(name.decode(errors="replace"), value.decode(errors="replace"))
+        return env
+
+    def mount_namespace(self, pid: int | str) -> str | None:
+        """The process's mount namespace (`mnt:[4026531841]`; `pid` may be `"self"`); None when
+        it is gone. Raises OSError when the link cannot be read (another user's process)."""
+        try:
+            return os.readlink(self.root / str(pid if pid == "self" else int(pid)) / "ns" / "mnt")
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+            return None
 
     def lock_holders(self, major: int, minor: int, inode: int) -> list[int]:
         """Pids holding a lock on the file (device major:minor, inode), from `<root>/locks`

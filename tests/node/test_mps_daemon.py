@@ -35,22 +35,44 @@ class FakeClock:
         self.now += seconds
 
 
+GOOD_ENV = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+"""What the agent's own starts give a daemon, as far as adoption looks."""
+
+
 class FakeProcesses:
-    def __init__(self, pid: int | None = None, ignores_signals: bool = False):
+    """The daemon's process table: `pid` holds the lock while alive; `env` is each pid's
+    environment (GOOD_ENV when not given; an OSError to raise: unreadable); `unreachable`
+    are daemons started on the pipe directory that no longer hold its lock. SIGTERM ends a
+    process unless `ignores_term`, SIGKILL always."""
+
+    def __init__(self, pid: int | None = None, ignores_term: bool = False):
         self.pid = pid
         self.alive: set[int] = {pid} if pid else set()
-        self.ignores_signals = ignores_signals
+        self.ignores_term = ignores_term
         self.killed: list[tuple[int, int]] = []
+        self.env: dict[int, dict[str, str] | OSError] = {}
+        self.unreachable: list[int] = []
 
     def daemon_pid(self, pipe_dir: str) -> int | None:
         return self.pid if self.pid in self.alive else None
+
+    def environ(self, pid: int) -> dict[str, str] | None:
+        if pid not in self.alive:
+            return None
+        env = self.env.get(pid, GOOD_ENV)
+        if isinstance(env, OSError):
+            raise env
+        return dict(env)
+
+    def unreachable_daemons(self, pipe_dir: str) -> list[int]:
+        return [pid for pid in self.unreachable if pid in self.alive and pid != self.pid]
 
     def is_alive(self, pid: int) -> bool:
         return pid in self.alive
 
     def kill(self, pid: int, sig: int) -> None:
         self.killed.append((pid, sig))
-        if sig == signal.SIGKILL:
+        if sig == signal.SIGKILL or (sig == signal.SIGTERM and not self.ignores_term):
             self.alive.discard(pid)
 
 
@@ -145,9 +167,12 @@ def test_restart_after_death_counts_and_reapplies(dirs):
     runner = RecordingRunner()
     runner.respond([BIN], "", NO_DAEMON, "", stdin=LIST)
     applied = []
-    daemon = make(dirs, runner, protocol_v3=False, on_restart=applied.append)
+    processes = FakeProcesses(pid=4242)
+    daemon = make(dirs, runner, processes=processes, protocol_v3=False,
+                  on_restart=applied.append)
     assert daemon.ensure_running() is True  # found running: nothing to re-apply
     assert applied == [] and daemon.restarts == 0
+    processes.alive.discard(4242)
     assert daemon.ensure_running() is True  # died in between: restarted
     assert daemon.restarts == 1 and len(applied) == 1
     assert runner.argvs.count((BIN, "-d")) == 1

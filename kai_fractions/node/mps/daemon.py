@@ -25,7 +25,23 @@ Not running is not "not answering": every namespace, percentage and pinned limit
 daemon's process, while a live daemon that does not answer may hold them all. `not_running`
 says which, after each `ensure_running()` that said no: no process holds the lock (it died,
 its start failed, the backoff runs, the binary cannot be run), or the daemon running was
-launched since and has not answered with its state put back (it knows nothing).
+launched since and has not answered with its state put back (it knows nothing), or the one
+running is not adopted (below: it holds nothing the agent set).
+
+A daemon this supervisor did not launch is adopted only when its environment
+(`/proc/<pid>/environ`) numbers the GPUs as the agent's own starts do (`adoption`); one that
+does not, or whose environment cannot be read, is reported (MpsDaemonAlreadyRunning, naming
+the variable) and left running, never used, never stopped: other workloads may use it.
+
+A daemon whose pipe directory was removed (a cleanup script, a tmpfs remounted) still runs,
+with its MPS servers and their clients, but no client can reach it and no lock file names it
+any more. Before each start the supervisor looks for such daemons on its pipe directory (by
+their environment, `processes.ProcDaemonProcesses.unreachable_daemons`) and stops them
+(SIGTERM, then SIGKILL): otherwise every start would leave one more behind, unseen, and one
+that outlives the agent. The clients that ran under it lost their daemon as at any restart:
+the new daemon knows nothing until its state is put back (`not_running` meanwhile).
+
+The logs in the log directory are kept under a size cap (`log_cap`) at every look.
 """
 
 from __future__ import annotations
@@ -35,22 +51,21 @@ import logging
 import os
 import signal
 from collections.abc import Callable
-from pathlib import Path
-from typing import Protocol
-
-from kai_fractions.node.procfs import Procfs
 
 from ...clock import Clock, SystemClock
+from . import adoption
 from . import errors as e
 from .control import MpsControl, error_for_exit
 from .errors import MpsError
+from .log_cap import DEFAULT_MAX_BYTES, LogCap
+from .processes import DAEMON_COMM, LOCK_FILE, DaemonProcesses, ProcDaemonProcesses
 from .runner import CommandNotFound, CommandRunner, CommandTimeout
+
+__all__ = ["DAEMON_COMM", "LEGACY_DIR", "LOCK_FILE", "DaemonProcesses", "MpsDaemon",
+           "ProcDaemonProcesses", "SystemClock", "legacy_pipe_dir"]
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "control_lock"
-DAEMON_COMM = "nvidia-cuda-mps"
-"""The daemon's /proc/<pid>/comm (the kernel keeps 15 characters of the name)."""
 LEGACY_DIR = "legacy"
 """Where a daemon without namespaces runs, under the server directory (`legacy_pipe_dir`)."""
 
@@ -63,41 +78,10 @@ def legacy_pipe_dir(root: str, server: str) -> str:
     return os.path.join(root, server, LEGACY_DIR)
 
 
-
-
-class DaemonProcesses(Protocol):
-    """How the supervisor finds, checks and signals the daemon's process."""
-
-    def daemon_pid(self, pipe_dir: str) -> int | None: ...
-
-    def is_alive(self, pid: int) -> bool: ...
-
-    def kill(self, pid: int, sig: int) -> None: ...
-
-
-class ProcDaemonProcesses:
-    """The real one: the holder of `<pipe dir>/control_lock` per `/proc/locks`."""
-
-    def __init__(self, procfs: Procfs | None = None):
-        self.procfs = procfs or Procfs()
-
-    def daemon_pid(self, pipe_dir: str) -> int | None:
-        for pid in self.procfs.lock_holders_of(Path(pipe_dir) / LOCK_FILE):
-            if self.procfs.is_alive(pid) and (self.procfs.comm(pid) or "").startswith(DAEMON_COMM):
-                return pid
-        return None
-
-    def is_alive(self, pid: int) -> bool:
-        return self.procfs.is_alive(pid)
-
-    def kill(self, pid: int, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
 RestartHook = Callable[[MpsControl], None]
 
 _NO_ANSWER = frozenset({e.MPS_DAEMON_UNREACHABLE, e.MPS_BINARY_NOT_FOUND, e.PROTOCOL_UNSUPPORTED})
+_NOBODY = object()
 
 
 class MpsDaemon:
@@ -125,6 +109,7 @@ class MpsDaemon:
         poll_interval: float = 0.02,
         wedged_after: float = 30.0,
         wedged_checks: int = 3,
+        log_max_bytes: int = DEFAULT_MAX_BYTES,
     ):
         self.binary = str(binary)
         self.root = str(pipe_dir)
@@ -152,6 +137,8 @@ class MpsDaemon:
         a row (`ensure_running` calls) spanning at least `wedged_after` seconds."""
         self.control = MpsControl(self.binary, self.root, self.log_dir, runner, server,
                                   protocol_v3=protocol_v3, sleep=self.clock.sleep)
+        self.logs = LogCap(self.log_dir, log_max_bytes)
+        """control.log and server.log, cut once over `log_max_bytes` (at every look)."""
         self.restarts = 0
         """Starts (`-d` returned 0) after the first daemon this supervisor made or found,
         whether or not the new one answered in time: its state is put back either way."""
@@ -181,6 +168,17 @@ class MpsDaemon:
         self._needs_reapply = False
         self._silent_since: float | None = None
         self._silent_checks = 0
+        self.restart_cause: str | None = None
+        """Why the last daemon was started: none answered (the one before died or was never
+        there), the one before was wedged (killed), or it was cut off from its pipe directory
+        (stopped); None before any start."""
+        self._launched_unseen = False
+        """A daemon this supervisor launched has not answered yet: the next to answer is it."""
+        self._trusted: int | object | None = _NOBODY
+        """The pid of the daemon known to be usable: the one launched here (None when /proc
+        does not show its pid), or one adopted after its environment was checked."""
+        self._refused: tuple[int | None, MpsError] | None = None
+        """The daemon not adopted (its pid) and why; None while the daemon is usable."""
 
     # ------------------------------------------------------------------ queries
 
@@ -238,7 +236,9 @@ class MpsDaemon:
 
     def ensure_running(self) -> bool:
         """True when the daemon answers and its state is applied; starts or restarts it (at most
-        once per backoff step) otherwise. Never sleeps for the backoff. Sets `not_running`."""
+        once per backoff step) otherwise. Never sleeps for the backoff. Sets `not_running`.
+        Cuts the logs that are over their cap first."""
+        self.logs.check()
         running = False
         try:
             running = self._ensure_running()
@@ -249,8 +249,8 @@ class MpsDaemon:
     def _state_gone(self) -> bool:
         """`not_running`, once `_ensure_running` said no: a daemon launched since that has not
         got its state back, or no daemon process at all. A process table that cannot be read
-        proves nothing (False)."""
-        if self._needs_reapply:
+        proves nothing (False). A daemon not adopted holds nothing the agent set (True)."""
+        if self._needs_reapply or self._refused is not None:
             return True
         try:
             return self.pid() is None
@@ -260,6 +260,10 @@ class MpsDaemon:
     def _ensure_running(self) -> bool:
         if self.healthy():
             self._silent_since, self._silent_checks = None, 0
+            refusal = self._adoption_refused()
+            if refusal is not None:
+                self.last_error = refusal
+                return False
             self._answered()
             if self.clock.monotonic() - self._started_at >= self.stable_after:
                 self.failures = 0
@@ -291,6 +295,7 @@ class MpsDaemon:
             self._await_answer(argv)
         except MpsError as err:
             return self._start_failed(err)
+        self._adoption_refused()  # ours: trusted, its pid noted
         self._answered()
         # Started. One that answers once and dies again at once must not be restarted on every
         # call (each restart runs a pass, whose check restarts it again): a start soon after
@@ -310,6 +315,48 @@ class MpsDaemon:
         self._started_at = self.clock.monotonic()
         self._restart_pending = self._restart_pending or self._seen_running
         self._needs_reapply = True
+        self._launched_unseen = True
+        self._refused = None
+
+    def _adoption_refused(self) -> MpsError | None:
+        """None when the daemon that answers may be used: the one launched here (its pid is
+        noted at its first answer), or one whose environment was checked (`adoption`). Why it
+        is not adopted otherwise (logged once per daemon). A daemon not adopted is neither
+        used nor stopped."""
+        pid = self.pid()
+        if self._launched_unseen:
+            self._launched_unseen, self._trusted, self._refused = False, pid, None
+            return None
+        trusted = self._trusted
+        if trusted is not _NOBODY:
+            if pid == trusted:
+                return None
+            if pid is None and (trusted is None or self.processes.is_alive(int(trusted))):
+                return None  # no lock holder seen: the trusted one, which still runs
+        if self._refused is not None and self._refused[0] == pid:
+            return self._refused[1]
+        refusal = self._check_environment(pid)
+        if refusal is None:
+            log.info("MPS control daemon pid %d on %s, not started by this agent, numbers the "
+                     "GPUs as the agent does: adopted", pid, self.pipe_dir)
+            self._trusted, self._refused = pid, None
+            return None
+        log.warning("%s", refusal.message)
+        self._refused = (pid, refusal)
+        return refusal
+
+    def _check_environment(self, pid: int | None) -> MpsError | None:
+        if pid is None:
+            return adoption.unreadable(
+                None, self.pipe_dir, f"no process holds {self.pipe_dir}/{LOCK_FILE} in "
+                "/proc/locks; the agent must run in the host's pid namespace")
+        try:
+            env = self.processes.environ(pid)
+        except OSError as err:
+            return adoption.unreadable(pid, self.pipe_dir, f"/proc/{pid}/environ: {err}")
+        if env is None:
+            return adoption.unreadable(pid, self.pipe_dir, "its process exited meanwhile")
+        return adoption.environment_problem(pid, env, self.control.env, self.pipe_dir)
 
     def _answered(self) -> None:
         """A daemon answered: if it is a restart, it counts now."""
@@ -338,6 +385,9 @@ class MpsDaemon:
         if pid is None:
             self._silent_since, self._silent_checks = None, 0
             return False
+        if self._refused is not None and self._refused[0] == pid:
+            self.last_error = self._refused[1]  # not adopted: not ours to kill, silent or not
+            return True
         now = self.clock.monotonic()
         if self._silent_since is None:
             self._silent_since = now
@@ -386,7 +436,11 @@ class MpsDaemon:
             os.makedirs(directory, mode=0o755, exist_ok=True)
             # makedirs' mode is masked by the umask; the client sockets need 0755 exactly
             os.chmod(directory, 0o755)
-        self._kill_wedged()
+        causes = [cause for cause in (self._kill_wedged(), self._stop_unreachable()) if cause]
+        self.restart_cause = ("; ".join(causes) if causes
+                              else f"no MPS control daemon answered on {self.pipe_dir}")
+        if self._seen_running:
+            log.warning("restarting the MPS control daemon: %s", self.restart_cause)
         try:
             result = self.runner.run(argv, env=self.control.env, timeout=self.start_timeout)
         except CommandTimeout as exc:
@@ -417,16 +471,38 @@ class MpsDaemon:
                     f"{self.log_dir}/control.log")
             self.clock.sleep(self.poll_interval)
 
-    def _kill_wedged(self) -> None:
+    def _kill_wedged(self) -> str | None:
         """A daemon that holds the lock but does not answer blocks every new start (reached
-        only once `_not_answering` gave it up, or when it appeared during a start)."""
+        only once `_not_answering` gave it up, or when it appeared during a start). Returns
+        the cause of the restart when there was one."""
         pid = self.pid()
         if pid is None:
-            return
+            return None
         log.warning("MPS control daemon pid %d holds %s but does not answer: killing it",
                     pid, self.pipe_dir)
         self.processes.kill(pid, signal.SIGKILL)
         self._wait_gone(pid, self.stop_grace)
+        return f"the MPS control daemon pid {pid} on {self.pipe_dir} did not answer: killed"
+
+    def _stop_unreachable(self) -> str | None:
+        """Stops the daemons started on this pipe directory that no client can reach any more
+        (it, or its lock file, was removed under them): SIGTERM, then SIGKILL after
+        `stop_grace`. Returns the cause of the restart when there were any."""
+        pids = self.processes.unreachable_daemons(self.pipe_dir)
+        for pid in pids:
+            log.warning("MPS control daemon pid %d was started on %s but can no longer be "
+                        "reached (its pipe directory or lock file was removed): stopping it; "
+                        "its MPS clients lost their daemon", pid, self.pipe_dir)
+            self.processes.kill(pid, signal.SIGTERM)
+        for pid in pids:
+            if not self._wait_gone(pid, self.stop_grace):
+                self.processes.kill(pid, signal.SIGKILL)
+                self._wait_gone(pid, self.stop_grace)
+        if not pids:
+            return None
+        return (f"the MPS control daemon{'s' if len(pids) > 1 else ''} pid "
+                f"{', '.join(map(str, pids))} on {self.pipe_dir} could no longer be reached "
+                "(its pipe directory or lock file was removed): stopped")
 
     def _wait_gone(self, pid: int, grace: float) -> bool:
         deadline = self.clock.monotonic() + grace
@@ -437,10 +513,18 @@ class MpsDaemon:
         return True
 
     def stop(self, grace: float | None = None) -> bool:
-        """`quit`, then SIGKILL if the daemon is still alive after `grace` seconds. True when
-        no daemon is left."""
+        """`quit`, then SIGKILL if the daemon is still alive after `grace` seconds, and the
+        daemons on this pipe directory that can no longer be reached. True when no daemon is
+        left. A daemon that was not adopted is not this supervisor's to stop: left running
+        (False)."""
         grace = self.stop_grace if grace is None else grace
+        with contextlib.suppress(MpsError):  # no binary to ask: no directory of ours either
+            self._stop_unreachable()
         pid = self.pid()
+        if self._refused is not None and self._refused[0] == pid:
+            log.info("MPS control daemon pid %s on %s was not adopted: left running", pid,
+                     self._pipe_dir or self.root)
+            return False
         try:
             self.control.quit(timeout=grace)
         except MpsError as err:

@@ -1,0 +1,203 @@
+"""A control daemon the agent did not start is adopted only when it numbers the GPUs as the
+agent's own daemons do (CUDA_DEVICE_ORDER=PCI_BUS_ID, no CUDA_VISIBLE_DEVICES): every pinned
+limit is set by NVML index. It used to be adopted without a look, and a limit "on GPU 0" then
+landed on another GPU, read back by the same wrong number. One that does not, or whose
+environment cannot be read, is reported (MpsDaemonAlreadyRunning, naming the variable), never
+used, never stopped.
+
+Over the recording runner and a fake process table (the real daemon:
+test_mps_real_foreign.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+
+import pytest
+
+from kai_fractions.node.mps.adoption import environment_problem
+from kai_fractions.node.mps.control import control_env
+from kai_fractions.node.mps.runner import CommandResult, CommandTimeout, RecordingRunner
+from kai_fractions.node.procfs import Procfs
+from tests.node.test_mps_daemon import (
+    BIN,
+    GOOD_ENV,
+    LIST,
+    NO_DAEMON,
+    FakeClock,
+    FakeProcesses,
+    make,
+)
+
+FOREIGN = 4242
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    return str(tmp_path / "pipe"), str(tmp_path / "log")
+
+
+def _found_running(dirs, env, **kw):
+    """A daemon (pid 4242) answers at the first look, started by someone else with `env`."""
+    runner, processes = RecordingRunner(), FakeProcesses(pid=FOREIGN)
+    runner.respond([BIN], "", stdin=LIST)
+    if env is not None:
+        processes.env[FOREIGN] = env
+    applied = []
+    daemon = make(dirs, runner, kw.pop("clock", None), processes, protocol_v3=False,
+                  on_restart=applied.append, **kw)
+    return daemon, runner, processes, applied
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({}, ["CUDA_DEVICE_ORDER unset (CUDA_DEVICE_ORDER=PCI_BUS_ID expected"]),
+    ({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"},
+     ["CUDA_DEVICE_ORDER='FASTEST_FIRST' (CUDA_DEVICE_ORDER=PCI_BUS_ID expected"]),
+    ({"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"},
+     ["CUDA_VISIBLE_DEVICES='1' (no CUDA_VISIBLE_DEVICES expected: it hides and renumbers"]),
+    ({"CUDA_VISIBLE_DEVICES": ""},
+     ["CUDA_DEVICE_ORDER unset", "CUDA_VISIBLE_DEVICES='' (no CUDA_VISIBLE_DEVICES"]),
+])
+def test_a_daemon_that_numbers_the_gpus_otherwise_is_not_adopted(dirs, caplog, env, named):
+    daemon, runner, processes, applied = _found_running(dirs, env)
+    with caplog.at_level(logging.WARNING):
+        assert daemon.ensure_running() is False
+    err = daemon.last_error
+    assert err.reason == "MpsDaemonAlreadyRunning"
+    for text in named:
+        assert text in err.message
+    assert f"pid {FOREIGN} on {daemon.pipe_dir} was not started by this agent" in err.message
+    assert "would land on another GPU" in err.message
+    assert f"CUDA_MPS_PIPE_DIRECTORY={daemon.pipe_dir} nvidia-cuda-mps-control" in err.message
+    # nothing applied through it, nothing started, nothing killed: it holds none of our state
+    assert applied == [] and daemon.starts == 0 and processes.killed == []
+    assert (BIN, "-d") not in runner.argvs
+    assert daemon.not_running is True
+    assert caplog.text.count("was not started by this agent") == 1
+    assert daemon.ensure_running() is False and daemon.last_error == err
+    assert caplog.text.count("was not started by this agent") == 1  # once per daemon
+
+
+def test_an_environment_that_cannot_be_read_is_not_guessed_at(dirs):
+    daemon, _, processes, applied = _found_running(
+        dirs, PermissionError(13, "Permission denied"))
+    assert daemon.ensure_running() is False
+    assert daemon.last_error.reason == "MpsDaemonAlreadyRunning"
+    assert (f"its environment cannot be checked (/proc/{FOREIGN}/environ: [Errno 13] "
+            "Permission denied)") in daemon.last_error.message
+    assert applied == [] and processes.killed == []
+
+
+def test_a_daemon_whose_process_cannot_be_found_is_not_adopted(dirs):
+    """It answers, but no process holds its lock in /proc/locks (an agent outside the host's
+    pid namespace): its environment cannot be read, so it is not used."""
+    daemon, _, _, _ = _found_running(dirs, None)
+    daemon.processes.pid = None
+    assert daemon.ensure_running() is False
+    assert daemon.last_error.reason == "MpsDaemonAlreadyRunning"
+    assert "whose process cannot be found" in daemon.last_error.message
+    assert "host's pid namespace" in daemon.last_error.message
+
+
+def test_a_daemon_started_as_the_agent_does_is_adopted(dirs, caplog):
+    daemon, _, _, applied = _found_running(
+        dirs, {**GOOD_ENV, "PATH": "/usr/bin", "CUDA_MPS_PIPE_DIRECTORY": "x"})
+    with caplog.at_level(logging.INFO):
+        assert daemon.ensure_running() is True
+    assert "numbers the GPUs as the agent does: adopted" in caplog.text
+    assert daemon.last_error is None and daemon.not_running is False
+    assert applied == [] and daemon.starts == 0  # adopted: it holds what it held
+    assert daemon.ensure_running() is True
+
+
+def test_a_refused_daemon_replaced_by_a_proper_one_is_adopted(dirs):
+    daemon, _, processes, _ = _found_running(dirs, {})
+    assert daemon.ensure_running() is False
+    processes.alive.discard(FOREIGN)  # the operator stopped it and started one right
+    processes.pid = 4343
+    processes.alive.add(4343)
+    assert daemon.ensure_running() is True
+    assert daemon.last_error is None and daemon.not_running is False
+
+
+def test_a_refused_daemon_is_never_killed_nor_stopped(dirs):
+    """Other workloads may use it: silent for long, it is still not the agent's to kill; and
+    the agent's stop (had it started a daemon before) leaves it running."""
+    clock = FakeClock()
+    daemon, runner, processes, _ = _found_running(dirs, {}, clock=clock)
+    assert daemon.ensure_running() is False
+    runner.respond([BIN], CommandTimeout([BIN], 2), stdin=LIST)
+    for _ in range(5):
+        clock.now += 30
+        assert daemon.ensure_running() is False
+        assert daemon.last_error.reason == "MpsDaemonAlreadyRunning"
+    assert processes.killed == [] and (BIN, "-d") not in runner.argvs
+    assert daemon.stop() is False
+    assert processes.killed == [] and "quit\n" not in runner.stdins
+
+
+def test_the_daemon_the_supervisor_started_is_not_vetted(dirs):
+    """Its environment is the one the supervisor gave it: its pid is noted at its first
+    answer, and only another daemon, found later, is looked at."""
+    runner, processes = RecordingRunner(), FakeProcesses()
+
+    def start(_call):
+        processes.pid = 5151
+        processes.alive.add(5151)
+        processes.env[5151] = OSError("not to be read")
+        return CommandResult(0, "", "")
+
+    runner.respond([BIN], NO_DAEMON, "", stdin=LIST)
+    runner.respond([BIN, "-d"], start)
+    daemon = make(dirs, runner, processes=processes, protocol_v3=False)
+    assert daemon.ensure_running() is True
+    assert daemon.ensure_running() is True
+    # it died; another one, started by someone else without the agent's environment, took
+    # its place before the next look
+    processes.alive.discard(5151)
+    processes.pid = 6161
+    processes.alive.add(6161)
+    processes.env[6161] = {}
+    assert daemon.ensure_running() is False
+    assert daemon.last_error.reason == "MpsDaemonAlreadyRunning"
+    assert "pid 6161" in daemon.last_error.message
+
+
+def test_the_agents_own_start_environment_passes_its_own_check():
+    env = control_env("/run/kai-fractions/mps", "/var/log/kai-fractions/mps")
+    assert environment_problem(1, env, env, "/run/kai-fractions/mps") is None
+
+
+def test_procfs_reads_an_environment_and_a_command_line(tmp_path):
+    proc = tmp_path / "proc"
+    (proc / "7" / "ns").mkdir(parents=True)
+    (proc / "7" / "environ").write_bytes(b"A=1\0B=x=y\0A=2\0NOEQUALS\0\0")
+    (proc / "7" / "cmdline").write_bytes(b"/usr/bin/nvidia-cuda-mps-control\0-d\0")
+    (proc / "8").mkdir()
+    (proc / "8" / "cmdline").write_bytes(b"")
+    (proc / "self").mkdir()
+    (proc / "7" / "ns" / "mnt").symlink_to("mnt:[4026531841]")
+    procfs = Procfs(proc)
+    assert procfs.environ(7) == {"A": "1", "B": "x=y"}  # the first one, as getenv reads
+    assert procfs.cmdline(7) == ["/usr/bin/nvidia-cuda-mps-control", "-d"]
+    assert procfs.cmdline(8) == []  # a kernel thread, a zombie
+    assert procfs.environ(9) is None and procfs.cmdline(9) is None
+    assert procfs.mount_namespace(7) == "mnt:[4026531841]"
+    assert procfs.mount_namespace(9) is None
+    assert sorted(procfs.pids()) == [7, 8]
+    assert Procfs(tmp_path / "none").pids() == []
+
+
+def test_procfs_reads_a_real_process():
+    env = {"KF_PROBE": "a b", "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    child = subprocess.Popen(["sleep", "30"], env=env)
+    try:
+        procfs = Procfs()
+        assert child.pid in procfs.pids()
+        assert procfs.environ(child.pid) == env
+        assert procfs.cmdline(child.pid) == ["sleep", "30"]
+        assert procfs.mount_namespace(child.pid) == procfs.mount_namespace("self")
+    finally:
+        child.kill()
+        child.wait()
