@@ -17,7 +17,8 @@ class Mechanism(StrEnum):
     CGROUP = "cgroup"
     """NVML cgroup soft/hard limits (driver r615+): the real guarantee and cap."""
     MPS_PINNED = "mps-pinned"
-    """The MPS pinned device-memory limit (sm-sharing containers only)."""
+    """The MPS pinned device-memory limit (sm-sharing containers only; a tier that caps only
+    with MPS namespaces: `plan_refusals.hard_tiers_of`)."""
     WATCHDOG = "watchdog"
     """Usage polled through NVML and compared to the cap; report or kill by policy."""
 
@@ -29,8 +30,10 @@ class WatchdogPolicy(StrEnum):
 
 ALL_MECHANISMS = frozenset(Mechanism)
 HARD_TIERS = frozenset({Mechanism.CGROUP, Mechanism.MPS_PINNED})
-"""The memory tiers that cap a container without the watchdog: with one of them in force the
-watchdog is a second line, and its blindness leaves the cap in force."""
+"""The memory tiers that may cap a container without the watchdog: with one of them in force
+the watchdog is a second line, and its blindness leaves the cap in force. mps-pinned is one
+only for a container in an MPS namespace of its own: which of a container's tiers cap it is
+`plan_refusals.hard_tiers_of`'s rule, the only one to ask."""
 # Longest namespace name the contract makes (kf_ + 20 hex) - to check the pipe directory early.
 _NAMESPACE_LEN = 23
 

@@ -11,12 +11,12 @@ namespaces rely on the daemon or are ours.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..contract import is_mps_namespace_name
 from .config import Mechanism
-from .desired import ComputeEnforcement, ContainerDesired
-from .engine_mps_namespaces import NamespaceStep
+from .desired import ComputeEnforcement, ContainerDesired, DesiredState
+from .engine_mps_namespaces import NamespaceStep, uncap
 from .engine_reports import Issue, _issue
 from .errors import NodeError
 from .mps.errors import NAMESPACE_BUSY, MpsError
@@ -28,7 +28,10 @@ from .mps_caps import (
     cap_not_set_attached,
     cap_not_verified,
 )
-from .mps_pinned import suspect_error
+from .mps_pinned import DAEMON_NOT_RUNNING, suspect_error
+
+if TYPE_CHECKING:
+    from .engine import Engine  # which builds on this module
 
 # -- the MPS control seam as the engine uses it (kai_fractions.node.mps.control.MpsControl and
 # kai_fractions.sim.mps.FakeMpsControl both fit) ------------------------------------------------
@@ -64,6 +67,26 @@ def is_our_namespace(name: str) -> bool:
     return is_mps_namespace_name(name)
 
 
+def caps_not_on_daemon(engine: Engine, desired: DesiredState, cause: str) -> None:
+    """The MPS control daemon holds none of the caps of `desired`'s containers that rely on it
+    (`relies_on_mps`): it is not running (DAEMON_NOT_RUNNING), or it was started since they
+    were put on one (DAEMON_STARTED: a restart, or a fresh agent's first start; a daemon
+    starts with no namespace, percentage or pinned limit). Their namespaces are known without
+    their percentage (`Engine._uncapped`, until one is made again and verified), and the
+    default pinned limits of their mps-pinned containers' GPUs lost (`PinnedLimits.lost`,
+    `cause` saying why, until a set succeeds): an apply that cannot put them back (a busy
+    daemon, a timeout) reports them not in force, so no marker keeps vouching for them."""
+    needs_mps = [c for c in desired.containers if relies_on_mps(c)]
+    for c in needs_mps:
+        if c.mps_namespace:
+            uncap(engine, c.mps_namespace)
+    for g in desired.gpus:
+        if g.mps_pinned_mib is not None and any(
+                Mechanism.MPS_PINNED in c.mechanisms and g.uuid in c.plan.device_uuids
+                for c in needs_mps):
+            engine.pins.daemon_gone(g.index, g.uuid, g.mps_pinned_mib, cause)
+
+
 def _has_namespaces(mps: MpsControlLike) -> bool:
     """Whether the daemon speaks the v3 protocol (namespaces); assumed when it cannot say."""
     probe = getattr(mps, "supports_protocol_v3", None)
@@ -88,8 +111,8 @@ class MpsStep(NamespaceStep):
                 reason=MPS_UNAVAILABLE))
             return
         if self.mps_down is not None:
-            if self.mps_gone:
-                self.daemon_gone(needs_mps)
+            if self.mps_gone:  # not running: what it held went with it
+                caps_not_on_daemon(self.e, self.d, DAEMON_NOT_RUNNING)
             self.fail((c.key for c in needs_mps), self.mps_down)
             return
         self.pinned_limits(mps, needs_mps)
@@ -106,20 +129,6 @@ class MpsStep(NamespaceStep):
         self.namespaces(mps, wanted, existing)
         if self.created:
             self.pinned_limits(mps, needs_mps, made=set(self.created))
-
-    def daemon_gone(self, needs_mps: list[ContainerDesired]) -> None:
-        """The MPS control daemon is not running (`mps_gone`): the namespaces of `needs_mps`
-        are known without their percentage (`_uncapped`, until one is made again and
-        verified), and the default pinned limits of their mps-pinned containers' GPUs lost
-        (`PinnedLimits.lost`, until a set succeeds)."""
-        for c in needs_mps:
-            if c.mps_namespace:
-                self._uncap(c.mps_namespace)
-        for g in self.d.gpus:
-            if g.mps_pinned_mib is not None and any(
-                    Mechanism.MPS_PINNED in c.mechanisms and g.uuid in c.plan.device_uuids
-                    for c in needs_mps):
-                self.e.pins.daemon_gone(g.index, g.uuid, g.mps_pinned_mib)
 
     def pinned_limits(self, mps: MpsControlLike, needs_mps: list[ContainerDesired],
                       made: set[str] | None = None) -> None:

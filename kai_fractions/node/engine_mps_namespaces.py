@@ -36,7 +36,16 @@ from .mps_caps import (
 from .mps_pinned import suspect_error
 
 if TYPE_CHECKING:
+    from .engine import Engine
     from .engine_mps import MpsControlLike  # that module builds on this one
+
+
+def uncap(engine: Engine, name: str) -> None:
+    """`name` is known not to hold its percentage (`Engine._uncapped`): whatever `engine` set
+    there is not what it holds."""
+    engine._uncapped.add(name)
+    engine._atp.pop(name, None)
+    engine._atp_checked.discard(name)
 
 
 class NamespaceStep(RunState):
@@ -173,11 +182,7 @@ class NamespaceStep(RunState):
         self.e._atp_checked.add(name)
 
     def _uncap(self, name: str) -> None:
-        """`name` is known not to hold its percentage (`Engine._uncapped`): whatever this engine
-        set there is not what it holds."""
-        self.e._uncapped.add(name)
-        self.e._atp.pop(name, None)
-        self.e._atp_checked.discard(name)
+        uncap(self.e, name)
 
     def _make(self, mps: MpsControlLike, c: ContainerDesired, name: str, pct: int,
               set_now: set[str]) -> None:

@@ -26,6 +26,14 @@ it is. Also a namespace that was there while the limit was lost (`PinnedLimits.s
 server started in it then runs without it."""
 
 
+DAEMON_NOT_RUNNING = ("the MPS control daemon was found not running, and a daemon's default "
+                      "pinned limits go with it")
+DAEMON_STARTED = ("the MPS control daemon was started since it was set (a restart, or this "
+                  "agent's first start), and a new daemon holds no default pinned limit until "
+                  "one is set on it")
+"""Why a GPU's limit is lost with the daemon (`PinnedLimits.daemon_gone`), as its message says."""
+
+
 class PinnedControl(Protocol):
     def set_default_pinned_mem_limit(self, device_index: int, mib: int) -> str: ...
     def get_default_pinned_mem_limit(self, device_index: int) -> str: ...
@@ -94,13 +102,14 @@ class PinnedLimits:
         self.exposed.intersection_update(names)
         self.suspect.intersection_update(names)
 
-    def daemon_gone(self, index: int, uuid: str, mib: int) -> None:
-        """The MPS control daemon is not running: GPU `index`'s limit (`mib` MiB) went with it
-        (a daemon forgets it when it exits, and a new one holds none). Lost until a set
-        succeeds; the next `ensure` writes it again whatever it reads back."""
+    def daemon_gone(self, index: int, uuid: str, mib: int, cause: str = DAEMON_NOT_RUNNING
+                    ) -> None:
+        """The daemon holds no limit for GPU `index` (`mib` MiB), for `cause`: it is not
+        running (a daemon forgets its limits when it exits), or it was started since the
+        limit was set (DAEMON_STARTED: a new daemon holds none). Lost until a set succeeds;
+        the next `ensure` writes it again whatever it reads back."""
         self.written.pop(index, None)
-        self.lost[index] = _Loss(uuid, mib, "the MPS control daemon was found not running, "
-                                 "and a daemon's default pinned limits go with it", unset=True)
+        self.lost[index] = _Loss(uuid, mib, cause, unset=True)
 
     def lost_error(self, index: int, since: NodeError | None = None) -> MpsError | None:
         """MpsPinnedLimitLost while GPU `index`'s limit is known lost, else None."""

@@ -1,7 +1,8 @@
 """The checks that refuse a container's plan on this node, each with a reason a user can act on.
 
 One check per rule: the pod's contract annotations (`_contract_refusals`), its GPUs on this node
-and not in MIG mode (`_device_refusal`), a memory tier that caps it (`_mechanisms`, `_no_cap`),
+and not in MIG mode (`_device_refusal`), a memory tier that caps it (`_mechanisms`, `_no_cap`;
+which tiers cap, the one rule: `hard_tiers_of`),
 its cgroup paths (`_cgroup_paths`), one compute mode and no memory overcommit per GPU
 (`_sharing_refusal`), its own MPS namespace (`_namespace_refusal`) and MPS mount
 (`_mount_refusal`). Each returns a `Refusal` or None; `kai_fractions.node.desired.plan_node`
@@ -29,8 +30,15 @@ from ..contract import (
 )
 from ..contract import keys as k
 from .cgroups import ContainerId
-from .config import Mechanism, NodeConfig, WatchdogPolicy
-from .desired_state import ContainerDesired, ContainerKey, NodePod, Refusal, RefusalReason
+from .config import HARD_TIERS, Mechanism, NodeConfig, WatchdogPolicy
+from .desired_state import (
+    ComputeEnforcement,
+    ContainerDesired,
+    ContainerKey,
+    NodePod,
+    Refusal,
+    RefusalReason,
+)
 from .inventory import Inventory
 
 # The planner's logger: its records keep the name they had before the checks moved here.
@@ -114,16 +122,42 @@ def _device_refusal(c: _Candidate, inventory: Inventory, config: NodeConfig) -> 
     return None
 
 
-def hard_tiers(config: NodeConfig, inventory: Inventory, *, sm: bool) -> set[Mechanism]:
-    """The enabled memory tiers that cap a container without the watchdog on this node: the
-    cgroup limit where the driver has it (r615), the MPS pinned limit for sm-sharing."""
+def hard_tiers_of(mechanisms: Iterable[Mechanism | str],
+                  compute: ComputeEnforcement | str | None) -> frozenset[Mechanism]:
+    """The tiers among a container's `mechanisms` (Mechanism values, or their names as a marker
+    records them) that cap its GPU memory without the watchdog, its compute being `compute`:
+    the cgroup limit, and the MPS default pinned limit only in an MPS namespace of its own
+    (`mps-namespace`: a v3 daemon, where each container reaches only its namespace's pipe
+    directory). On a daemon without namespaces (drivers before r615, `mps-client-env`) every
+    sm-sharing container mounts the daemon's own pipe directory, control pipe included, and
+    any of its processes, root or not, can change the GPU's default pinned limit there (or a
+    server's, or end another tenant's clients): like its client env, a limit the tenant can
+    lift. The agent still sets it there (it bounds a well-behaved tenant), but vouches for it
+    nowhere. The one rule: the planner (`hard_tiers`, `_mechanisms`), the watchdog's blindness
+    and the readiness marker read it."""
+    names = {m.value for m in HARD_TIERS}
+    hard = {Mechanism(m) for m in mechanisms if m in names}
+    if compute != ComputeEnforcement.MPS_NAMESPACE:
+        hard.discard(Mechanism.MPS_PINNED)
+    return frozenset(hard)
+
+
+def hard_tiers(config: NodeConfig, inventory: Inventory, *, sm: bool) -> frozenset[Mechanism]:
+    """The enabled memory tiers that cap a container without the watchdog on this node
+    (`hard_tiers_of`): the cgroup limit where the driver has it (r615), the MPS pinned limit
+    for sm-sharing where the daemon has namespaces."""
     wanted = config.memory_enforcement
-    hard = set()
-    if Mechanism.CGROUP in wanted and inventory.capabilities.memory_limits:
-        hard.add(Mechanism.CGROUP)
-    if Mechanism.MPS_PINNED in wanted and sm:
-        hard.add(Mechanism.MPS_PINNED)
-    return hard
+    available = {m for m in wanted if m is not Mechanism.CGROUP
+                 or inventory.capabilities.memory_limits}
+    return hard_tiers_of(available, _compute(inventory, sm))
+
+
+def _compute(inventory: Inventory, sm: bool) -> ComputeEnforcement:
+    """How a container's share of the SMs is enforced on this node (as the planner sets it)."""
+    if not sm:
+        return ComputeEnforcement.TIME_SLICING
+    return (ComputeEnforcement.MPS_NAMESPACE if inventory.capabilities.mps_namespaces
+            else ComputeEnforcement.MPS_CLIENT_ENV)
 
 
 def watchdog_stops(config: NodeConfig) -> bool:
@@ -145,12 +179,16 @@ def _mechanisms(c: _Candidate, inventory: Inventory, config: NodeConfig, running
                        "node with sm-sharing enabled")
     hard = hard_tiers(config, inventory, sm=sm)
     watchdog = Mechanism.WATCHDOG in wanted
+    # The pinned limit is set for every sm-sharing container, and a tier only where it caps
+    # (`hard_tiers_of`): on a daemon without namespaces its tenants can change it.
+    pinned = sm and Mechanism.MPS_PINNED in wanted
     # A watchdog in report mode stops nothing: it is a second line beside a tier that caps (it
     # reports the violations there), never the only one. A container it alone would watch runs
     # without a cap, so it is refused rather than reported applied. One that runs already (applied
     # before this rule) is refused too, and stays watched (`_report_only`, `Refusal.watched`).
     if hard or watchdog_stops(config):
-        return frozenset(hard | ({Mechanism.WATCHDOG} if watchdog else set()))
+        return frozenset(hard | ({Mechanism.MPS_PINNED} if pinned else set())
+                         | ({Mechanism.WATCHDOG} if watchdog else set()))
     return _refuse(pod, plan.container, RefusalReason.MEMORY_LIMITS_UNSUPPORTED,
                    _no_cap(inventory, config, sm, running))
 
@@ -183,11 +221,14 @@ def _no_cap(inventory: Inventory, config: NodeConfig, sm: bool, running: bool = 
     else:
         why = "the cgroup tier is not enabled"
         fixes = ["add cgroup to --memory-enforcement"]
-    if sm and Mechanism.MPS_PINNED not in wanted:
+    namespaces = inventory.capabilities.mps_namespaces
+    legacy = sm and Mechanism.MPS_PINNED in wanted and not namespaces  # set, caps nothing
+    if sm and Mechanism.MPS_PINNED not in wanted and namespaces:
         fixes.append("add mps-pinned to --memory-enforcement")
     if Mechanism.WATCHDOG in wanted:  # in report mode: a kill watchdog would have capped it
         also = (", mps-pinned applies to sm-sharing containers only"
-                if not sm and Mechanism.MPS_PINNED in wanted else "")
+                if not sm and Mechanism.MPS_PINNED in wanted
+                else f", {PINNED_NOT_A_TIER}" if legacy else "")
         if running:  # applied before this rule: it runs, and nothing stops it
             now = ("; this container was started before such a watchdog was refused and runs "
                    "without a cap now: its processes are left running and their use over the "
@@ -201,13 +242,21 @@ def _no_cap(inventory: Inventory, config: NodeConfig, sm: bool, running: bool = 
                 f"--watchdog-policy=report only reports use over the cap, it stops nothing{now}; "
                 f"set --watchdog-policy=kill (the chart's watchdog.policy: kill) {cap}, or "
                 f"{', or '.join(fixes)}")
-    pinned = " (mps-pinned applies to sm-sharing containers only)" if not sm else ""
+    pinned = (" (mps-pinned applies to sm-sharing containers only)" if not sm
+              else f" ({PINNED_NOT_A_TIER})" if legacy else "")
     kill = config.watchdog_policy is WatchdogPolicy.KILL
     fixes.append("add watchdog to --memory-enforcement"
                  + ("" if kill else " with --watchdog-policy=kill (a watchdog that only "
                     "reports caps nothing)"))
     return (f"cannot cap this container's GPU memory: {why} and --memory-enforcement={enabled} "
             f"allows no fallback{pinned}; {', or '.join(fixes)}")
+
+
+PINNED_NOT_A_TIER = (
+    "mps-pinned caps nothing on an MPS daemon without namespaces like this one (driver before "
+    "r615): every sm-sharing container reaches its control pipe, and any of its processes can "
+    "change the GPU's default pinned limit there")
+"""Why mps-pinned is no tier of an sm-sharing container here (`hard_tiers_of`)."""
 
 
 def _pinned_maxima(accepted: Iterable[ContainerDesired]) -> dict[str, int]:
@@ -234,7 +283,7 @@ def _shared_pinned(c: ContainerDesired, pinned: Mapping[str, int], inventory: In
     if Mechanism.MPS_PINNED not in c.mechanisms or not above:
         return c
     left = c.mechanisms - {Mechanism.MPS_PINNED}
-    if Mechanism.CGROUP in left or (Mechanism.WATCHDOG in left and watchdog_stops(config)):
+    if hard_tiers_of(left, c.compute) or (Mechanism.WATCHDOG in left and watchdog_stops(config)):
         return dataclasses.replace(c, mechanisms=left)
     gpu, limit = above[0]
     return Refusal(key=c.key, pod_namespace=c.pod_namespace, pod_name=c.pod_name,

@@ -146,8 +146,9 @@ def test_end_to_end_mirrored_pod_applied_then_released(agent_env: AgentEnv) -> N
     assert body["boot_id"] == read_boot_id()  # this boot's: a reboot voids it
     assert body["containers"] == {"main": {
         "state": "applied", "plan_digest": digest, "reason": "Applied",
-        "message": "limits in force: memory cgroup,mps-pinned,watchdog (reports, stops nothing); "
-                   "compute mps-client-env"}}
+        # (no MPS namespaces: the pinned limit is set, but its tenants can change it)
+        "message": "limits in force: memory cgroup,mps-pinned (tenants can change it),watchdog "
+                   "(reports, stops nothing); compute mps-client-env"}}
     assert stat.S_IMODE(marker.stat().st_mode) == 0o644
     assert stat.S_IMODE(marker.parent.stat().st_mode) == 0o755
     assert stat.S_IMODE(env.marker_dir.stat().st_mode) == 0o700
@@ -204,9 +205,11 @@ def test_end_to_end_mirrored_pod_applied_then_released(agent_env: AgentEnv) -> N
         uid, "main", node_pb2.ALLOCATION_STATE_APPLIED, digest)
     assert alloc.memory_used_bytes == 2 * GIB and alloc.active_thread_percentage == 50
     assert "not enforced by the daemon" in alloc.message
-    # the watchdog reports (the default policy): it is no limit in force
+    assert "every sm-sharing tenant of the node can change" in alloc.message
+    # the watchdog reports (the default policy): it is no limit in force; nor is the pinned
+    # limit of a daemon without namespaces
     assert sorted((a.mechanism, a.cgroup_path) for a in alloc.applied_limits) == [
-        ("cgroup", str(slice_)), ("cgroup", str(leaf)), ("mps-pinned", "")]
+        ("cgroup", str(slice_)), ("cgroup", str(leaf))]
     assert state.condition.ready and state.condition.type == COND
 
     # delete: everything released, no stale series

@@ -1,8 +1,9 @@
-"""A driver before r615 (no cgroup tier), sm-sharing, the default watchdog policy (report): the
-MPS daemon holds one default pinned limit per GPU, the largest cap of its sm-sharing
-containers. A container with a smaller cap on that GPU is not vouched for by mps-pinned: its
-marker does not say applied and its gate does not release; one applied while it was the largest
-is refused once a larger one comes, and says it runs without its own cap now."""
+"""No cgroup tier (a driver without the r615 limits) but an MPS daemon with namespaces
+(where mps-pinned is a tier: `plan_refusals.hard_tiers_of`), sm-sharing, the default watchdog
+policy (report): the MPS daemon holds one default pinned limit per GPU, the largest cap of
+its sm-sharing containers. A container with a smaller cap on that GPU is not vouched for by
+mps-pinned: its marker does not say applied and its gate does not release; one applied while it
+was the largest is refused once a larger one comes, and says it runs without its own cap now."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ OLD_DRIVER = "550.54.15"
 
 def _node(tmp: Path) -> Rig:
     nvml = FakeNvml.simulated(2, model="H100-80GB", seed=NODE, driver_version=OLD_DRIVER)
-    return Rig(tmp, nvml=nvml, sm_sharing=True, mps_v3=False)
+    return Rig(tmp, nvml=nvml, sm_sharing=True, mps_v3=True)
 
 
 def _add(rig: Rig, name: str, request: str, limit: str) -> str:

@@ -48,9 +48,10 @@ DIGEST = "sha256:" + "0" * 64
 
 def old_node(tmp: Path) -> Rig:
     """sm-sharing on (over an MPS daemon that was running: adopted, left running at a stop), so
-    a pod with the MPS pinned limit can show what keeps its marker."""
+    a pod with the MPS pinned limit can show what keeps its marker: a daemon with namespaces,
+    where that limit is a tier (without them its tenants can change it: no tier)."""
     nvml = FakeNvml.simulated(2, model="H100-80GB", seed=NODE, driver_version=OLD_DRIVER)
-    return Rig(tmp, nvml=nvml, sm_sharing=True, mps_v3=False,
+    return Rig(tmp, nvml=nvml, sm_sharing=True, mps_v3=True,
                watchdog_policy=WatchdogPolicy.KILL)
 
 

@@ -223,13 +223,14 @@ def test_every_kind_of_blindness_is_not_in_force(short_tmp: Path, kind: str) -> 
 @pytest.mark.parametrize("tier", ["cgroup", "mps-pinned"])
 def test_a_container_with_another_tier_in_force_keeps_its_marker(short_tmp: Path,
                                                                   tier: str) -> None:
-    """cgroup limits (r615 and newer), or the MPS pinned limit (sm-sharing on an older
-    driver), cap the container whatever the watchdog sees: only its usage is unknown."""
+    """cgroup limits (r615 and newer), or the MPS pinned limit (sm-sharing in an MPS namespace
+    of its own, no cgroup limits), cap the container whatever the watchdog sees: only its usage
+    is unknown. (Without namespaces the pinned limit is no tier: test_mps_pinned_legacy_tier.)"""
     if tier == "cgroup":
         rig = Rig(short_tmp, sm_sharing=False, watchdog_policy=WatchdogPolicy.KILL)
         uid = add(rig)
     else:
-        rig = old_node(short_tmp, sm_sharing=True, mps_v3=False)
+        rig = old_node(short_tmp, sm_sharing=True, mps_v3=True)
         uid = add(rig, mode="sm-sharing")
     assert rig.step().converged
     assert {m.value for m in result(rig, uid).mechanisms} == {tier, "watchdog"}

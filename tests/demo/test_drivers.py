@@ -5,7 +5,10 @@ real node of that driver and those flags shows.
 
 Written down by hand from what the driver has and what each tier does: r615 has NVML cgroup
 memory limits, 550 has not (the simulated NVML raises FunctionNotFound); mps-pinned applies to
-sm-sharing containers only; the watchdog works everywhere but only after the fact, and caps a
+sm-sharing containers only, and caps them only where the MPS daemon has namespaces (615: on 550
+every sm-sharing tenant reaches the daemon's control pipe and can change the pinned limit, which
+the agent still sets but counts as no tier); the watchdog works everywhere but only after the
+fact, and caps a
 container on its own only with `watchdog_policy: kill`. A `report` watchdog stops nothing: it is
 a second line beside cgroup or mps-pinned, never a row's TIER, and a container only it would
 watch is refused (MemoryLimitsUnsupported). The node condition is False when no fractional
@@ -37,15 +40,14 @@ TS_WATCHDOG = ("enforced", "watchdog")
 #     (node condition (status, reason), time-slicing rows (state, tier),
 #      the sm-sharing row (state, tier), the over-the-cap section)
 CASES = {
-    # report: the watchdog caps nothing, so on 550 only the sm-sharing row's mps-pinned does
+    # report: the watchdog caps nothing, and on 550 neither does mps-pinned (no namespaces)
     (OLD, "cgroup", REPORT): (TOO_OLD, NONE, NONE, NOTHING),
-    (OLD, "mps-pinned", REPORT): (READY, NONE, ("enforced", "mps-pinned"), HELD),
+    (OLD, "mps-pinned", REPORT): (TOO_OLD, NONE, NONE, NOTHING),
     (OLD, "watchdog", REPORT): (TOO_OLD, NONE, NONE, NOTHING),
-    (OLD, "cgroup,mps-pinned", REPORT): (READY, NONE, ("enforced", "mps-pinned"), HELD),
+    (OLD, "cgroup,mps-pinned", REPORT): (TOO_OLD, NONE, NONE, NOTHING),
     (OLD, "cgroup,watchdog", REPORT): (TOO_OLD, NONE, NONE, NOTHING),
-    (OLD, "mps-pinned,watchdog", REPORT): (READY, NONE, ("enforced", "mps-pinned"), HELD),
-    (OLD, "cgroup,mps-pinned,watchdog", REPORT): (READY, NONE, ("enforced", "mps-pinned"),
-                                                  HELD),
+    (OLD, "mps-pinned,watchdog", REPORT): (TOO_OLD, NONE, NONE, NOTHING),
+    (OLD, "cgroup,mps-pinned,watchdog", REPORT): (TOO_OLD, NONE, NONE, NOTHING),
     (NEW, "cgroup", REPORT): (READY, ("enforced", "cgroup"), ("enforced", "cgroup"), HELD),
     (NEW, "mps-pinned", REPORT): (READY, NONE, ("enforced", "mps-pinned"), HELD),
     (NEW, "watchdog", REPORT): (NO_ENFORCEMENT, NONE, NONE, NOTHING),
@@ -60,9 +62,8 @@ CASES = {
     # first time-slicing row) goes over and is stopped. Where cgroup holds, it is a second line.
     (OLD, "watchdog", KILL): (READY, TS_WATCHDOG, ("enforced", "watchdog"), CAUGHT),
     (OLD, "cgroup,watchdog", KILL): (READY, TS_WATCHDOG, ("enforced", "watchdog"), CAUGHT),
-    (OLD, "mps-pinned,watchdog", KILL): (READY, TS_WATCHDOG, ("enforced", "mps-pinned"),
-                                         CAUGHT),
-    (OLD, "cgroup,mps-pinned,watchdog", KILL): (READY, TS_WATCHDOG, ("enforced", "mps-pinned"),
+    (OLD, "mps-pinned,watchdog", KILL): (READY, TS_WATCHDOG, ("enforced", "watchdog"), CAUGHT),
+    (OLD, "cgroup,mps-pinned,watchdog", KILL): (READY, TS_WATCHDOG, ("enforced", "watchdog"),
                                                 CAUGHT),
     (NEW, "watchdog", KILL): (READY, TS_WATCHDOG, ("enforced", "watchdog"), CAUGHT),
     (NEW, "cgroup,watchdog", KILL): (READY, ("enforced", "cgroup"), ("enforced", "cgroup"),

@@ -164,13 +164,15 @@ def test_cgroup_only_on_an_old_driver_is_refused() -> None:
                               "--memory-enforcement")
 
 
-def test_mps_pinned_only_refuses_time_slicing_on_old_driver_but_serves_sm_sharing() -> None:
+def test_mps_pinned_only_refuses_time_slicing_without_cgroup_limits_but_serves_sm_sharing(
+        ) -> None:
+    # (with MPS namespaces: without them mps-pinned is no tier, test_mps_pinned_legacy_tier)
     config = NodeConfig(memory_enforcement="mps-pinned")
     state = plan(node_pod(UID_A, notes=annotations(mode="sm-sharing")),
                  node_pod(UID_B, name="q", notes=annotations(mode="sm-sharing")),
                  node_pod(UID_C, name="r", notes=annotations(mode="time-slicing",
                                                                 devices=(GPU1,))),
-                 config=config, memory_limits=False)
+                 config=config, memory_limits=False, mps_namespaces=True)
     assert {c.key.pod_uid for c in state.containers} == {UID_A, UID_B}
     assert [(r.key.pod_uid, r.reason) for r in state.refusals] == [
         (UID_C, RefusalReason.MEMORY_LIMITS_UNSUPPORTED)]

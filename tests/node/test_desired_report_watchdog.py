@@ -100,7 +100,9 @@ def test_a_report_watchdog_stays_a_second_line_beside_cgroup() -> None:
 
 
 def test_a_report_watchdog_stays_a_second_line_beside_mps_pinned() -> None:
-    state = plan(sm_sharing(), time_slicing(), memory_limits=False, driver=OLD)
+    # MPS namespaces, no cgroup limits: mps-pinned is the sm-sharing container's tier
+    state = plan(sm_sharing(), time_slicing(), memory_limits=False, mps_namespaces=True,
+                 driver=OLD)
     (c,) = state.containers
     assert (c.key.pod_uid, c.mechanisms) == (UID_A, {Mechanism.MPS_PINNED, Mechanism.WATCHDOG})
     assert [(r.key.pod_uid, r.reason) for r in state.refusals] == [
@@ -108,7 +110,8 @@ def test_a_report_watchdog_stays_a_second_line_beside_mps_pinned() -> None:
 
 
 def test_sm_sharing_with_only_a_report_watchdog_is_refused_and_mps_pinned_named() -> None:
-    state = plan(sm_sharing(), memory_limits=False, driver=OLD,
+    # (named where the MPS daemon has namespaces: without them it would cap nothing)
+    state = plan(sm_sharing(), memory_limits=False, mps_namespaces=True, driver=OLD,
                  config=NodeConfig(memory_enforcement="cgroup,watchdog"))
     (r,) = state.refusals
     assert r.reason is RefusalReason.MEMORY_LIMITS_UNSUPPORTED
@@ -168,8 +171,9 @@ def test_a_newcomer_does_not_take_a_watched_containers_gpu_to_another_compute_mo
     pod = time_slicing()
     newcomer = node_pod(UID_C, name="n", notes=annotations(mode="sm-sharing", devices=(GPU1,)),
                         created="2030-01-01T00:00:00Z")
-    state = plan_node([pod, newcomer], inventory(memory_limits=False, driver=OLD), DEFAULTS,
-                      applied=running(pod))
+    # (MPS namespaces: the newcomer has mps-pinned, which caps it, and is judged on its mode)
+    state = plan_node([pod, newcomer], inventory(memory_limits=False, mps_namespaces=True,
+                                                 driver=OLD), DEFAULTS, applied=running(pod))
     assert {(r.key.pod_uid, r.reason) for r in state.refusals} == {
         (UID_B, RefusalReason.MEMORY_LIMITS_UNSUPPORTED), (UID_C, RefusalReason.COMPUTE_MODE_MIX)}
     assert state.gpu(GPU1).compute_mode is GpuComputeMode.DEFAULT

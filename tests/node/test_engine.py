@@ -728,23 +728,29 @@ def test_a_pinned_limit_change_within_the_same_gib_is_written(node: Node) -> Non
 
 
 def test_old_driver_uses_the_configured_fallback(tmp_path: Path) -> None:
-    """Before r615: the sm-sharing container is capped by the MPS pinned limit (the watchdog a
-    second line); the time-slicing one only by a watchdog that stops what exceeds its cap, so
-    with the default report policy, which stops nothing, it is refused (62fc4b1)."""
+    """Before r615 (an MPS daemon without namespaces): the only tier that caps a container is a
+    watchdog that stops what exceeds its cap, so with the default report policy, which stops
+    nothing, both are refused (62fc4b1): the MPS pinned limit is no tier there, its tenants can
+    change it. With the kill policy both are applied, and the sm-sharing one's GPU still gets
+    the pinned limit (it bounds a well-behaved tenant)."""
     node = Node(tmp_path, memory_limits=False, protocol_v3=False)
     report = node.apply(sm_pod(), ts_pod())
+    for key in ((UID_A, "main"), (UID_B, "main")):
+        r = report.containers[key]
+        assert (r.state, r.reason) == (ContainerState.REFUSED, "MemoryLimitsUnsupported")
+    assert node.nvml.set_limit_calls == []
+    assert node.mps.default_pinned_mib == {}
+    killing = Node(tmp_path, memory_limits=False, protocol_v3=False,
+                   watchdog_policy=WatchdogPolicy.KILL)
+    report = killing.apply(sm_pod(), ts_pod())
     a, b = report.containers[(UID_A, "main")], report.containers[(UID_B, "main")]
     assert a.state is ContainerState.APPLIED
     assert a.mechanisms == {Mechanism.MPS_PINNED, Mechanism.WATCHDOG} and a.mps_namespace is None
-    assert (b.state, b.reason) == (ContainerState.REFUSED, "MemoryLimitsUnsupported")
-    assert node.nvml.set_limit_calls == []
-    assert node.mps.default_pinned_mib == {0: 20480}
-    assert not any(m.startswith("namespace") for m in node.mps.methods_called())
-    assert node.apply(sm_pod(), ts_pod()).writes == ()
-    killing = Node(tmp_path, memory_limits=False, protocol_v3=False,
-                   watchdog_policy=WatchdogPolicy.KILL)
-    b = killing.apply(sm_pod(), ts_pod()).containers[(UID_B, "main")]
     assert (b.state, b.mechanisms) == (ContainerState.APPLIED, {Mechanism.WATCHDOG})
+    assert killing.nvml.set_limit_calls == []
+    assert killing.mps.default_pinned_mib == {0: 20480}
+    assert not any(m.startswith("namespace") for m in killing.mps.methods_called())
+    assert killing.apply(sm_pod(), ts_pod()).writes == ()
 
 
 def test_old_driver_without_fallback_refuses(tmp_path: Path) -> None:

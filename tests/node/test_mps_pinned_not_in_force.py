@@ -28,9 +28,11 @@ SETUPS: dict[str, Any] = {
     "v3-every-tier": dict,
     # mps-pinned is the only hard memory tier (the watchdog only reports)
     "v3-pinned-only": lambda: dict(memory_enforcement="mps-pinned,watchdog"),
+    # no namespaces: the pinned limit is set but no tier (its tenants can change it), so the
+    # container is applied with a kill watchdog; a lost limit still sets its marker aside
     "535-driver": lambda: dict(nvml=FakeNvml.simulated(2, model="H100-80GB", seed=NODE,
                                                        driver_version="535.104.05"),
-                               mps_v3=False),
+                               mps_v3=False, watchdog_policy="kill"),
 }
 
 
@@ -142,15 +144,17 @@ def test_a_pinned_limit_known_lost_stays_lost_while_its_read_fails(
 
 
 def test_no_namespace_is_made_while_the_pinned_limit_is_not_read(short_tmp: Path) -> None:
-    """A restarted daemon whose pinned limit the first pass cannot read: whether it holds one
-    is not known, so the namespaces wait for a pass that reads or sets it."""
+    """A restarted daemon whose pinned limit the first pass cannot read: a daemon the agent
+    started since holds none (its container pending, MpsPinnedLimitLost, its marker set
+    aside), and the namespaces wait for a pass that sets it."""
     rig, uid = _applied_sm_pod(short_tmp)
     control = rig.mps.control
     control.kill()
     control.inject("get_default_pinned_mem_limit", BUSY)
     assert not rig.step().converged
-    assert (_result(rig, uid).reason, _result(rig, uid).mps_cap_missing) == ("MpsDaemonBusy",
-                                                                             False)
+    assert (_result(rig, uid).reason, _result(rig, uid).mps_cap_missing) == (
+        "MpsPinnedLimitLost", True)
+    _not_vouched_for(rig, uid)
     assert control.namespaces == {}
     assert rig.step().converged
     assert control.default_pinned_mib == {0: 20480} and len(control.namespaces) == 1
@@ -230,8 +234,9 @@ def test_a_namespace_not_there_is_not_taken_for_one_without_the_pinned_limit(
         short_tmp: Path, when: str) -> None:
     """The daemon reads back no pinned limit (a new GPU's first pod, a restarted daemon): the
     limit is set, then the namespace list is busy. The namespaces of that GPU were not there
-    (nothing to hold a server without the limit): a busy daemon, which keeps the marker, not
-    MpsPinnedLimitLost "was there"."""
+    (nothing to hold a server without the limit): not MpsPinnedLimitLost "was there". A new
+    pod's is a busy daemon; a restarted daemon's is known not on it (NamespaceCapNotSet, its
+    marker set aside: the daemon the agent started since holds none)."""
     rig = Rig(short_tmp)
     notes = binder_annotations(devices=rig.gpu0, mode="sm-sharing")
     control = rig.mps.control
@@ -244,8 +249,9 @@ def test_a_namespace_not_there_is_not_taken_for_one_without_the_pinned_limit(
         uid = rig.add(pod("sm", notes=notes))["metadata"]["uid"]
     assert not rig.step().converged
     r = _result(rig, uid)
-    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING, "MpsDaemonBusy",
-                                                      False)
+    expected = ("MpsDaemonBusy", False) if when == "new-pod" else ("NamespaceCapNotSet", True)
+    assert (r.state, r.reason, r.mps_cap_missing) == (ContainerState.PENDING, *expected)
+    assert "was there while" not in (r.message or "")
     assert control.default_pinned_mib == {0: 20480}
     n = len(control.calls)
     assert rig.step().converged

@@ -49,7 +49,9 @@ def sm(uid: str, limit: str, *, request: str = "5Gi", devices: tuple[str, ...] =
 
 def old_driver(*pods: NodePod, config: NodeConfig = DEFAULTS,
                applied: dict[ContainerKey, ContainerPlan] | None = None) -> DesiredState:
-    return plan_node(pods, inventory(memory_limits=False, driver=OLD), config, applied=applied)
+    """No cgroup limits, an MPS daemon with namespaces (mps-pinned is a tier only there)."""
+    return plan_node(pods, inventory(memory_limits=False, mps_namespaces=True, driver=OLD),
+                     config, applied=applied)
 
 
 def mechanisms(state: DesiredState) -> dict[str, frozenset[Mechanism]]:

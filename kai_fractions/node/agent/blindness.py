@@ -41,12 +41,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...contract import MIB
-from ..config import HARD_TIERS, Mechanism
+from ..config import Mechanism
 from ..desired import ContainerDesired, ContainerKey, DesiredState
 from ..engine_reports import WATCHDOG_BLIND, ContainerResult, ContainerState
 from ..errors import NvmlCapabilityMissing, NvmlError
 from ..inventory import Inventory
 from ..nvml import DeviceInfo, Nvml
+from ..plan_refusals import hard_tiers_of
 from ..watchdog import ContainerUsage, WatchdogReport
 from .metrics import AgentMetrics
 
@@ -92,10 +93,11 @@ class Blindness:
 def watchdog_only(c: ContainerDesired, watchdog_stops: bool) -> bool:
     """Whether the container's GPU memory cap rests on the watchdog alone (on each of its GPUs:
     its mechanisms are the same on all of them): the watchdog stops what exceeds a cap (kill
-    policy) and neither the cgroup tier nor mps-pinned is one of its mechanisms. A watchdog
-    that only reports is no tier (the plan refuses a container it alone would watch)."""
+    policy) and none of its other mechanisms caps it (`hard_tiers_of`: the cgroup tier, or
+    mps-pinned in an MPS namespace of its own). A watchdog that only reports is no tier (the
+    plan refuses a container it alone would watch)."""
     return (watchdog_stops and Mechanism.WATCHDOG in c.mechanisms
-            and not c.mechanisms & HARD_TIERS)
+            and not hard_tiers_of(c.mechanisms, c.compute))
 
 
 def _planned(desired: DesiredState) -> set[str]:

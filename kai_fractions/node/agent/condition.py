@@ -52,7 +52,7 @@ from ...kube.objects import condition_time, heartbeat_lease_name
 from ..config import Mechanism, NodeConfig, WatchdogPolicy
 from ..errors import NodeError
 from ..inventory import Inventory
-from ..plan_refusals import hard_tiers, watchdog_stops
+from ..plan_refusals import PINNED_NOT_A_TIER, hard_tiers, watchdog_stops
 from .heartbeat import HeartbeatLease
 from .kube import ClusterWriter
 from .options import AgentOptions
@@ -134,9 +134,9 @@ def caps_time_slicing(config: NodeConfig, inventory: Inventory) -> bool:
 
 def caps_sm_sharing(config: NodeConfig, inventory: Inventory) -> bool:
     """Whether an sm-sharing container's GPU memory can be capped here (the MPS pinned limit
-    too); False where sm-sharing is disabled."""
-    return config.sm_sharing and (Mechanism.MPS_PINNED in config.memory_enforcement
-                                  or caps_time_slicing(config, inventory))
+    too, where the daemon has namespaces: `hard_tiers`); False where sm-sharing is disabled."""
+    return config.sm_sharing and (bool(hard_tiers(config, inventory, sm=True))
+                                  or watchdog_stops(config))
 
 
 def watchdog_sole_tier(config: NodeConfig, inventory: Inventory) -> bool:
@@ -172,10 +172,11 @@ def no_cap_reason(config: NodeConfig, inventory: Inventory) -> str | None:
         fixes.append("add watchdog to --memory-enforcement"
                      + ("" if config.watchdog_policy is WatchdogPolicy.KILL
                         else " with --watchdog-policy=kill"))
-    if Mechanism.MPS_PINNED in wanted:  # sm-sharing is disabled: it caps nothing here
-        why.append("mps-pinned applies to sm-sharing containers only and sm-sharing is "
+    if Mechanism.MPS_PINNED in wanted:  # it caps nothing here (`hard_tiers`)
+        why.append(PINNED_NOT_A_TIER if config.sm_sharing else
+                   "mps-pinned applies to sm-sharing containers only and sm-sharing is "
                    "disabled on this node")
-    elif config.sm_sharing:
+    elif config.sm_sharing and inventory.capabilities.mps_namespaces:
         fixes.append("add mps-pinned to --memory-enforcement (sm-sharing containers only)")
     return (f"{'; '.join(why)}: no fractional container's GPU memory can be capped on this "
             f"node with --memory-enforcement={enabled}, so every one is refused; "
@@ -187,7 +188,10 @@ def memory_summary(config: NodeConfig, inventory: Inventory) -> str:
     if Mechanism.CGROUP in config.memory_enforcement and inventory.capabilities.memory_limits:
         tiers.append("cgroup limits")
     if Mechanism.MPS_PINNED in config.memory_enforcement and config.sm_sharing:
-        tiers.append("MPS pinned limit (sm-sharing)")
+        tiers.append("MPS pinned limit (sm-sharing)"
+                     if Mechanism.MPS_PINNED in hard_tiers(config, inventory, sm=True) else
+                     "MPS pinned limit (sm-sharing; set, but no tier: on an MPS daemon without "
+                     "namespaces its tenants can change it)")
     if Mechanism.WATCHDOG in config.memory_enforcement:
         tiers.append(f"watchdog ({config.watchdog_policy.value})")
     out = ", ".join(tiers) or "none"

@@ -32,6 +32,7 @@ from ..desired import ComputeEnforcement, ContainerDesired, ContainerKey, Refusa
 from ..engine import ContainerResult, ContainerState
 from ..errors import NodeError
 from ..nvml import GpuComputeMode
+from ..plan_refusals import hard_tiers_of
 from .condition import Condition
 from .mps_links import LEGACY_MPS_NOTE
 from .peer_guard import PeerPolicy, PeerTable, Relay, private_dir
@@ -64,7 +65,9 @@ _SHARING = {
 def _limits(c: ContainerDesired, result: ContainerResult | None, watchdog_stops: bool
             ) -> list[node_pb2.AppliedLimit]:
     """The limits in force: a watchdog that only reports (`NodeView.watchdog_stops` False)
-    stops nothing, so it is none (the proto: "a process over the hard limit is stopped")."""
+    stops nothing, so it is none (the proto: "a process over the hard limit is stopped"), nor
+    is a pinned limit the container's tenants can change (`hard_tiers_of`: no MPS
+    namespaces; `LEGACY_MPS_NOTE` says so)."""
     if result is None or result.state is not ContainerState.APPLIED:
         return []
     out = [node_pb2.AppliedLimit(gpu_uuid=t.gpu_uuid, cgroup_path=t.path,
@@ -72,6 +75,9 @@ def _limits(c: ContainerDesired, result: ContainerResult | None, watchdog_stops:
                                  mechanism=Mechanism.CGROUP.value) for t in result.limits]
     for mechanism in (Mechanism.MPS_PINNED, Mechanism.WATCHDOG):
         if mechanism is Mechanism.WATCHDOG and not watchdog_stops:
+            continue
+        if mechanism is Mechanism.MPS_PINNED and mechanism not in hard_tiers_of(
+                c.mechanisms, c.compute):  # set, but its tenants can change it
             continue
         if mechanism in c.mechanisms:
             out += [node_pb2.AppliedLimit(gpu_uuid=uuid, hard_limit_bytes=c.plan.limit_bytes,

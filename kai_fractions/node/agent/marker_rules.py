@@ -18,6 +18,7 @@ from ..desired import ComputeEnforcement
 from ..engine import ContainerResult, ContainerState
 from ..engine_reports import NOT_IN_FORCE_REASONS, WATCHDOG_BLIND
 from ..memory_limits import MEMORY_LIMIT_NOT_IN_FORCE
+from ..plan_refusals import hard_tiers_of
 from . import events as ev
 
 REFUSED_DEFAULT_REASON = "Refused"
@@ -34,10 +35,12 @@ class MarkerDecision:
 def _applied_message(result: ContainerResult, watchdog_stops: bool) -> str:
     # Deterministic (no times, no counters): an agent restart compares equal and rewrites
     # nothing. `entry_relies_on_mps` and `entry_watchdog_only` read it back: keep them in step.
-    mechanisms = ",".join(sorted(
-        m.value if m is not Mechanism.WATCHDOG or watchdog_stops
-        else f"{m.value} (reports, stops nothing)" for m in result.mechanisms)) or "none"
     compute = result.compute.value if result.compute is not None else "time-slicing"
+    hard = hard_tiers_of(result.mechanisms, compute)
+    mechanisms = ",".join(sorted(
+        f"{m.value} (reports, stops nothing)" if m is Mechanism.WATCHDOG and not watchdog_stops
+        else f"{m.value} (tenants can change it)" if m in HARD_TIERS and m not in hard
+        else m.value for m in result.mechanisms)) or "none"
     return f"limits in force: memory {mechanisms}; compute {compute}"
 
 
@@ -63,16 +66,18 @@ def entry_relies_on_mps(entry: ContainerMarker) -> bool:
     if recorded is None:
         return True
     mechanisms, compute = recorded
-    return (compute != ComputeEnforcement.TIME_SLICING.value
-            or Mechanism.MPS_PINNED.value in mechanisms)
+    return (compute != ComputeEnforcement.TIME_SLICING.value  # (with or without a qualifier)
+            or any(m.partition(" (")[0] == Mechanism.MPS_PINNED.value for m in mechanisms))
 
 
 def entry_watchdog_only(entry: ContainerMarker) -> bool:
     """Whether an applied marker entry vouches for a GPU memory cap the watchdog alone enforces
     (`blindness.watchdog_only`), as the entry itself records it: `watchdog` (a kill-policy
     watchdog's name; a report-only one's says it stops nothing) among its memory mechanisms,
-    and neither `cgroup` nor `mps-pinned`. For an agent with no plan naming the pod (a fresh
-    start whose passes fail before they plan): no watchdog check of it watches the pod. Read
+    and none that caps with its compute (`hard_tiers_of`: `cgroup`, or `mps-pinned` with
+    `mps-namespace`; one a tenant can change is recorded so). For an agent with no plan
+    naming the pod (a fresh start whose passes fail before they plan): no watchdog check of
+    it watches the pod. Read
     as `entry_relies_on_mps` reads it: an entry that does not read so counts as watchdog-only
     (set aside, it only makes a gate wait), a refused one vouches for nothing (False)."""
     if entry.state is not MarkerState.APPLIED:
@@ -80,9 +85,9 @@ def entry_watchdog_only(entry: ContainerMarker) -> bool:
     recorded = _recorded(entry)
     if recorded is None:
         return True
-    mechanisms, _compute = recorded
+    mechanisms, compute = recorded
     return (Mechanism.WATCHDOG.value in mechanisms
-            and not mechanisms & {m.value for m in HARD_TIERS})
+            and not hard_tiers_of(mechanisms, compute))
 
 
 def _recorded(entry: ContainerMarker) -> tuple[frozenset[str], str] | None:

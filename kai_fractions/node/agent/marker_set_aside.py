@@ -59,19 +59,24 @@ class MarkerSetAside:
     mps_health: MpsHealth | None
     _applied_on_start: int | None
 
+    def _daemon_new(self) -> bool:
+        """Whether the daemon is one this agent started (`owned`) since its last apply with the
+        daemon usable (`_applied_on_start`; any, for an agent that has not applied yet, as
+        after a crash, whose daemon died with it): it holds none of the caps a marker written
+        before vouches for (a daemon starts with no namespace, percentage or pinned limit). An
+        adopted daemon (one that ran before this agent) holds what it held."""
+        return (self.mps is not None and self.mps_health is not None and self.mps_health.owned
+                and self.mps.starts != self._applied_on_start)
+
     def _fresh_daemon(self) -> None:
-        """On a pass that returns before its apply: a daemon this agent started (`owned`) since
-        its last apply with the daemon usable (`_applied_on_start`; any, for an agent that has
-        not applied yet, as after a crash, whose daemon died with it) holds none of the caps a
-        marker written before vouches for (a daemon starts with no namespace, percentage or
-        pinned limit), and no apply put them on it yet: those markers are set aside as for a
-        daemon not running (`set_aside_for_mps`). A pass that applies needs none of this: it
-        puts everything back on the daemon, verified, before a marker is kept. An adopted
-        daemon (one that ran before this agent) holds what it held."""
-        if (self.mps is None or self.mps_health is None or not self.mps_health.owned
-                or self.mps.starts == self._applied_on_start):
-            return
-        self.set_aside_for_mps(_FRESH_DAEMON_CAUSE)
+        """On a pass that returns before its apply, with a new daemon (`_daemon_new`): no apply
+        put the caps on it yet, so the markers that vouch for them are set aside as for a
+        daemon not running (`set_aside_for_mps`). A pass that applies takes those caps for
+        gone instead (`engine_mps.caps_not_on_daemon`): it puts them back on the daemon,
+        verified, before a marker is kept, and one whose MPS step fails reports them not in
+        force, which sets the markers aside."""
+        if self._daemon_new():
+            self.set_aside_for_mps(_FRESH_DAEMON_CAUSE)
 
     def set_aside_unwatched(self, *, nvml_down: bool) -> list[str]:
         """On a pass that returns before it settles the pods (no pod list, one not confirmed,

@@ -12,7 +12,11 @@ name a host path the container does not have). Released with the pod.
 What this does NOT give: a per-container compute cap the daemon enforces. The active-thread
 percentage then reaches MPS only through the client's own CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the
 webhook sets it from the pod's annotations), which a process can change for itself: weaker than a
-namespace, and reported as such (node condition message, GetNodeState, marker message).
+namespace, and reported as such (node condition message, GetNodeState, marker message). Nor a
+memory cap by the daemon's default pinned limit: the directory every container reaches is the
+daemon's own, control pipe included, so any tenant's process (root or not) can change that
+limit, a server's, or end another tenant's clients. The agent still sets the limit, and counts
+it as no tier (`plan_refusals.hard_tiers_of`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ LINK_TARGET = LEGACY_DIR
 LEGACY_MPS_LINK = "MPSPipeLinkFailed"
 LEGACY_MPS_NOTE = ("compute cap through the client's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE only: this "
                    "MPS daemon has no namespaces (driver before r615), so it is not enforced by "
-                   "the daemon")
+                   "the daemon; nor is a GPU memory cap by the daemon's default pinned limit, "
+                   "which the agent sets but every sm-sharing tenant of the node can change (its "
+                   "pipe directory, which each one mounts, holds the daemon's control pipe)")
 """What GetNodeState says of such a container."""
 
 

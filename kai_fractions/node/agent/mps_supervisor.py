@@ -3,7 +3,10 @@ container's clients on request.
 
 Every pass, and the worker's periodic MPS check between passes, makes sure the daemon runs and
 asks whether it has namespaces (the v3 protocol). A daemon that was restarted knows nothing: the
-restart is counted and the engine drops what it cached, so the pass applies everything again.
+restart is counted and the engine drops what it cached, so the pass applies everything again;
+and the reconciler takes every cap it had put on the daemon before as gone until that apply
+has put it back (`engine_mps.caps_not_on_daemon`), so an apply that fails at the new daemon (a
+busy answer, a timeout) sets the markers that vouch for them aside rather than keep them.
 The agent stops on shutdown only a daemon it started: one that already answered when the agent
 first looked (started by someone else, or by an agent before a restart) is adopted and left
 running. Drain (gRPC) ends the MPS client work of a container's processes; the processes
@@ -66,9 +69,12 @@ class MpsHealth:
         namespaces, their percentages and its default pinned limits are then gone with it
         (`Engine.apply`'s `mps_not_running`)."""
 
-    def check(self) -> tuple[bool, NodeError | None]:
-        """(has v3 namespaces, why the daemon is unusable), for a pass; `not_running` says
-        whether it is not running."""
+    def check(self) -> tuple[bool | None, NodeError | None]:
+        """(has v3 namespaces, None when the binary cannot say; why the daemon is unusable),
+        for a pass; `not_running` says whether it is not running. Not known is not "no": the
+        inventory then follows the driver (`take_inventory`), so a binary that fails its
+        `--help` once does not make an r615 node's plans those of a daemon without namespaces
+        (where mps-pinned is no tier, and a container it alone caps is refused)."""
         v3, error = self._check()
         self._state = self._state_of(error)
         return v3, error
@@ -84,7 +90,7 @@ class MpsHealth:
     def _state_of(self, error: NodeError | None) -> tuple[str, bool] | None:
         return None if error is None else (error.reason, self.not_running)
 
-    def _check(self) -> tuple[bool, NodeError | None]:
+    def _check(self) -> tuple[bool | None, NodeError | None]:
         error: NodeError | None = None
         try:
             if not self.daemon.ensure_running():
@@ -108,7 +114,7 @@ class MpsHealth:
         try:
             v3 = bool(self.daemon.control.supports_protocol_v3())
         except MpsError as e:
-            return False, error or e
+            return None, error or e
         return v3, error
 
     def stop(self) -> None:

@@ -28,8 +28,11 @@ apply: from the last plan where there is one, from the markers themselves where 
 (a fresh agent whose daemon cannot start, before its first full pass). So are they on a pass
 that returns early while the daemon runs but was started by this agent since its last apply
 (`_fresh_daemon`: a fresh agent after a crash, whose daemon died with it): it holds none of
-them yet. Likewise a pass that returns early sets aside the markers of containers whose only
-memory tier is the watchdog where no watchdog check watches them (`set_aside_unwatched`), and
+them yet. A pass that applies on such a daemon takes those caps for gone before its apply
+(`engine_mps.caps_not_on_daemon`), so one whose MPS step fails there (a busy daemon, a
+timeout) reports them not in force and sets those markers aside too. Likewise a pass that
+returns early sets aside the markers of containers whose only memory tier is the watchdog
+where no watchdog check watches them (`set_aside_unwatched`), and
 the agent's stop those of every such container, since the watchdog stops with it
 (`set_aside_at_stop`); the next agent's first full pass runs a watchdog check, then writes them
 again, or restores those the stop set aside for the watchdog alone as they were
@@ -54,9 +57,11 @@ from ..cgroups import CgroupFs
 from ..config import NodeConfig, WatchdogPolicy
 from ..desired import ContainerKey, DesiredState
 from ..engine import ContainerResult, ContainerState, Engine
+from ..engine_mps import caps_not_on_daemon
 from ..errors import NodeError
 from ..inventory import Inventory
 from ..limit_ledger import FileLimitLedger
+from ..mps_pinned import DAEMON_STARTED
 from ..nvml import Nvml
 from ..procfs import Procfs
 from ..watchdog import Killer, SignalKiller, Watchdog
@@ -252,6 +257,10 @@ class Reconciler(MarkerSetAside):
         self.pods.drop_gone(live, errors, release=True)
         self.markers.tidy(set(live), None, **tidy)
 
+        if self._daemon_new():
+            # Whatever the apply fails at (a busy daemon, a timeout), the caps it put on the
+            # daemon before are not on this one: reported not in force until put back.
+            caps_not_on_daemon(self.engine, desired, DAEMON_STARTED)
         report = self.engine.apply(
             desired, mps_down=mps_error,
             mps_not_running=self.mps_health is not None and self.mps_health.not_running)
