@@ -13,7 +13,7 @@ before what one GPU does):
 | `NVMLUnavailable` | NVML cannot be loaded or initialised, or the inventory failed |
 | `DriverTooOld` | no enabled tier caps any fractional container, the driver lacks r615 limits |
 | `NoMemoryEnforcement` | no enabled tier caps any fractional container (the driver has them) |
-| `MPSDaemonUnhealthy` | sm-sharing is enabled and the control daemon does not answer |
+| `MPSDaemonUnhealthy` | sm-sharing on; the control daemon does not answer, or is not adopted |
 | `NotReconciling` | no pod list yet, API unreachable, passes hung or failing too long, stopping |
 | `ComputeModeNotInForce` | a GPU sm-sharing needs in EXCLUSIVE_PROCESS is in another mode, unset |
 | `WatchdogBlind` | the watchdog cannot see a GPU where it is (would be) the only memory tier |

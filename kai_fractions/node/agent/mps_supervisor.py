@@ -110,7 +110,8 @@ class MpsHealth:
             self.metrics.mps_restarts.inc(self.daemon.restarts - self._restarts)
             self._restarts = self.daemon.restarts
             self.owned = True
-            log.warning("the MPS control daemon was restarted; its state is applied again")
+            log.warning("the MPS control daemon was restarted (%s); its state is applied again",
+                        getattr(self.daemon, "restart_cause", None) or "cause unknown")
         try:
             v3 = bool(self.daemon.control.supports_protocol_v3())
         except MpsError as e:
