@@ -286,6 +286,13 @@ class Procfs:
         """Runs (a zombie nobody reaped yet counts as gone: it holds no GPU and no lock)."""
         return self.state(pid) not in (None, "Z", "X", "x")
 
+    def threads(self, pid: int) -> int:
+        """How many threads of the process are left (`task/`); 0 when there is no such pid."""
+        try:
+            return sum(1 for _ in os.scandir(self.root / str(int(pid)) / "task"))
+        except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
+            return 0
+
     def comm(self, pid: int) -> str | None:
         text = self._read(str(int(pid)), "comm")
         return None if text is None else text.strip()

@@ -179,3 +179,18 @@ def test_a_wedged_daemon_and_one_cut_off_are_both_dealt_with(dirs):
     assert "pid 4242" in daemon.restart_cause and "did not answer: killed" in \
         daemon.restart_cause
     assert f"pid {ORPHAN}" in daemon.restart_cause
+
+
+def test_a_killed_daemon_is_alive_until_its_last_thread_has_exited(tmp_path):
+    """Its main thread reads as a zombie while its other threads exit; its lock goes with the
+    last one, so a start right after the kill must wait for that."""
+    proc, _ = _tree(tmp_path)
+    control = "/usr/bin/nvidia-cuda-mps-control"
+    leader = _process(proc, 30, [control, "-d"], {}, state="Z")
+    (leader / "task" / "30").mkdir(parents=True)
+    (leader / "task" / "31").mkdir()
+    processes = ProcDaemonProcesses(Procfs(proc))
+    assert processes.is_alive(30)
+    (leader / "task" / "31").rmdir()
+    assert not processes.is_alive(30)
+    assert not processes.is_alive(99)  # no such process

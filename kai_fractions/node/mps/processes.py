@@ -104,7 +104,12 @@ class ProcDaemonProcesses:
             return None  # pid 1's, without the right to read it: only our own counts
 
     def is_alive(self, pid: int) -> bool:
-        return self.procfs.is_alive(pid)
+        """Runs. A killed daemon's main thread reads as a zombie while its other threads are
+        still exiting, and its lock is released only with the last of them: until then it is
+        alive here, or a start right after the kill finds the lock held."""
+        if self.procfs.is_alive(pid):
+            return True
+        return self.procfs.state(pid) == "Z" and self.procfs.threads(pid) > 1
 
     def kill(self, pid: int, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
