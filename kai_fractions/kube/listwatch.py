@@ -121,7 +121,8 @@ class Collection:
         """Called with each raw event line; True drops it unparsed (a cheap filter)."""
         self.keep = keep
         """Applied to each listed object as its page arrives: what the list returns instead
-        of the objects (a cache's trimmed entries, so no page outlives its decoding)."""
+        of the objects (a cache's trimmed entries, so no page outlives its decoding); an
+        object it makes None of is left out."""
         self.pace = pace
         """Awaited before each list page is decoded: a loop that also serves calls lets them
         go first (decoding a page, and `keep` on its objects, is work they would otherwise
@@ -145,7 +146,10 @@ class Collection:
             body = decoded(raw, what)
             del raw
             page, page_version, token = list_page(body, what)
-            items.extend(page if self.keep is None else map(self.keep, page))
+            if self.keep is None:
+                items.extend(page)
+            else:
+                items.extend(kept for kept in map(self.keep, page) if kept is not None)
             # Every page of one list is the same snapshot: the first page's version is its.
             version = version or page_version
             # Let the page go before the next one is read: held until its successor was

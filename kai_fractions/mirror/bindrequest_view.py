@@ -2,7 +2,8 @@
 and whether a pod is the one the BindRequest was made for.
 
 Apart from the follower because the view is what the list/watch loop (`bindrequests`) holds for
-every BindRequest of the cluster, and the metrics and the CLI name it too.
+every fractional BindRequest of the cluster (`fractional_view`), and the metrics and the CLI
+name it too.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..contract import keys as k
 from ..kube.objects import epoch_seconds
 from .store import PodSnapshot
 
@@ -73,6 +75,19 @@ class BindRequestView:
     @property
     def ref(self) -> str:
         return f"{self.namespace}/{self.name}"
+
+
+def fractional_view(obj: Mapping[str, Any]) -> BindRequestView | None:
+    """The view of a fractional BindRequest (`receivedResourceType: Fraction`); None for any
+    other, before a view is built. KAI's scheduler creates a BindRequest for EVERY pod it binds
+    (KAI-Scheduler pkg/scheduler/cache/cache.go, Bind -> createBindRequest), `Regular` for
+    CPU-only and whole-GPU pods (pkg/scheduler/api/node_info/node_info.go,
+    setAcceptedResources), and keeps it for the pod's life: the follower has nothing to check
+    on those, so they are dropped as their list page or event is decoded, and what it holds
+    grows with the fractional pods alone."""
+    if _mapping(obj, "spec").get("receivedResourceType") != k.RESOURCE_TYPE_FRACTION:
+        return None
+    return BindRequestView.from_object(obj)
 
 
 def _mapping(parent: Any, key: str) -> Mapping[str, Any]:

@@ -1,10 +1,15 @@
 """List and watch KAI's BindRequests (scheduling.run.ai/v1alpha2) and hand each one to the
 follower: the one list + watch loop of `kube.listwatch`, with BindRequest-specific handling.
 
-Each BindRequest is held as the follower's view of it (`BindRequestView`) from the moment its
-list page or event is decoded: a list holds every BindRequest of the cluster until the last is
-handled (one per bound fractional pod, 160,000 at 5,000 nodes; docs/scale.md), and the decoded
-object, managed fields and all, is about nine times the view.
+Each fractional BindRequest is held as the follower's view of it (`BindRequestView`) from the
+moment its list page or event is decoded, and every other one is dropped then
+(`fractional_view`): KAI's scheduler creates one for EVERY pod it binds, CPU-only and whole-GPU
+pods too (`Regular`), and keeps it for the pod's life, while the follower checks only the
+fractional ones. A list holds the fractional BindRequests of the cluster until the last is
+handled (one per bound fractional pod, 160,000 at 5,000 nodes; docs/scale.md); the decoded
+object, managed fields and all, is about nine times the view, and another BindRequest costs
+only its decoding, with its page. One an event shows as no longer fractional (which KAI does
+not do after creating it) is forgotten as a deleted one.
 
 Up to `concurrency` BindRequests are handled at once, those of one BindRequest one after the
 other in the order seen; the loop reads on only when a place is free, so nothing piles up. With
@@ -34,11 +39,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NoReturn
 
 from ..clock import AsyncClock
+from ..contract import keys as k
 from ..kube.client import Kube
 from ..kube.listwatch import RESYNC_SECONDS, WATCH_BACKOFF, Collection, list_watch
 from ..kube.objects import namespaced_path
 from ..kube.retry import Backoff
-from .bindrequest_view import BindRequestView
+from .bindrequest_view import BindRequestView, fractional_view
 from .errors import MirrorError
 from .follower import GROUP, PLURAL, VERSION
 from .rechecks import RECHECK_BACKOFF, Rechecks, wants_recheck
@@ -55,14 +61,18 @@ Handler = Callable[[BindRequestView], Awaitable[object]]
 
 def bindrequest_source(kube: Kube, *, watch_seconds: int = 300, request_timeout: float = 30.0,
                        read_timeout: float | None = None) -> Collection:
-    """Every namespace's BindRequests, listed as views (each object dropped with its page)."""
+    """Every namespace's fractional BindRequests, listed as views (each object dropped with its
+    page; the others left out: `fractional_view`)."""
     return Collection(kube, namespaced_path(GROUP, VERSION, PLURAL, None), what=WHAT,
                       watch_seconds=watch_seconds, request_timeout=request_timeout,
-                      read_timeout=read_timeout, keep=BindRequestView.from_object)
+                      read_timeout=read_timeout, keep=fractional_view)
 
 
-def _view(obj: Mapping[str, Any] | BindRequestView) -> BindRequestView:
-    return obj if isinstance(obj, BindRequestView) else BindRequestView.from_object(obj)
+def _fractional(obj: Mapping[str, Any] | BindRequestView) -> BindRequestView | None:
+    """The view of `obj` when it is a fractional BindRequest, else None."""
+    if isinstance(obj, BindRequestView):
+        return obj if obj.resource_type == k.RESOURCE_TYPE_FRACTION else None
+    return fractional_view(obj)
 
 
 async def follow(
@@ -78,17 +88,19 @@ async def follow(
     clock: AsyncClock | None = None,
     recheck_backoff: Backoff = RECHECK_BACKOFF,
 ) -> NoReturn:
-    """Level-triggered: every BindRequest seen (listed, or ADDED or MODIFIED in the watch) goes to
-    `handle`, up to `concurrency` at once, each BindRequest's in the order seen (a list's in the
-    background, newest first, behind the watch's events: `_Replay`); `handle` must be
-    idempotent. A watch only replays changes, so a handling that could not finish for a reason
-    that passes by itself (`rechecks.wants_recheck`: the API server away through the store's
-    retries, a result whose `recheck` says so) is handed over again after `recheck_backoff`,
-    for as long as that goes on, until the BindRequest changes, is deleted or listed again;
-    anything else that failed is retried by listing everything again once `resync_seconds`
-    have passed, when the current watch stream ends. An error of one BindRequest is logged and
-    the loop goes on. A deleted BindRequest goes to `forget`. Runs until cancelled (cancelling
-    it cancels the handling in progress and every recheck)."""
+    """Level-triggered: every fractional BindRequest seen (listed, or ADDED or MODIFIED in the
+    watch) goes to `handle`, up to `concurrency` at once, each BindRequest's in the order seen
+    (a list's in the background, newest first, behind the watch's events: `_Replay`); `handle`
+    must be idempotent. A watch only replays changes, so a handling that could not finish for
+    a reason that passes by itself (`rechecks.wants_recheck`: the API server away through the
+    store's retries, a result whose `recheck` says so) is handed over again after
+    `recheck_backoff`, for as long as that goes on, until the BindRequest changes, is deleted
+    or listed again; anything else that failed is retried by listing everything again once
+    `resync_seconds` have passed, when the current watch stream ends. An error of one
+    BindRequest is logged and the loop goes on. A deleted BindRequest goes to `forget`, and so
+    does one an event shows as not fractional (any other is never handed over:
+    `fractional_view`). Runs until cancelled (cancelling it cancels the handling in progress
+    and every recheck)."""
     handling = _InFlight(handle, concurrency)
     replay = _Replay(handling, recheck_backoff, rng)
     handling.after = replay.after
@@ -104,7 +116,12 @@ async def follow(
     async def on_event(kind: str, obj: Mapping[str, Any]) -> None:
         if kind not in ("ADDED", "MODIFIED", "DELETED"):
             return  # a BOOKMARK carries a version, no BindRequest
-        view = _view(obj)
+        view = _fractional(obj)
+        if view is None:
+            # Nothing to check. Nothing is held of it unless it was fractional before (KAI
+            # does not change that after creating it): then that goes, as for a deleted one,
+            # after a handling of it in flight.
+            kind, view = "DELETED", BindRequestView.from_object(obj)
         replay.supersede(view)
         if kind != "DELETED":
             await handling.start(view)
@@ -163,8 +180,10 @@ class _Replay:
         self.task: asyncio.Task | None = None
 
     def restart(self, items: list[Mapping[str, Any] | BindRequestView]) -> None:
-        views = {_key(br): br for br in sorted(map(_view, items), key=lambda br: br.created,
-                                                 reverse=True)}
+        # A Collection's `keep` left the others out already; any other source's go here.
+        fractional = [br for br in map(_fractional, items) if br is not None]
+        views = {_key(br): br for br in sorted(fractional, key=lambda br: br.created,
+                                               reverse=True)}
         left = [key for key in self.pending if key in views]
         if self.holding is not None and self.holding in views:
             left.insert(0, self.holding)

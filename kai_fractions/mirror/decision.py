@@ -39,7 +39,8 @@ class AllocationInput:
     namespace: str
     pod_name: str
     pod_uid: str = ""
-    """"" = the caller does not know it (KAI's BindRequest names the pod only)."""
+    """"" = the caller does not know it. KAI's BindRequest carries it as the owner reference
+    of kind Pod (`metadata.ownerReferences[kind=Pod].uid`), and the follower passes it on."""
     selected_node: str = ""
     resource_type: str = ""
     """`Fraction` or `Regular` (k.RESOURCE_TYPE_*); "" = not given."""

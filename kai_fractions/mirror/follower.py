@@ -1,11 +1,13 @@
 """KAI follower: for clusters running an unmodified KAI, check what KAI's binder wrote.
 
-For each fractional BindRequest (scheduling.run.ai/v1alpha2) that KAI reports as Succeeded,
-`Follower` rebuilds the scheduler's decision as the SAME `AllocationInput` the gRPC servicer
-hands to `MirrorService`, computes with the contract package what the binder must have written
-(in the configured dialect: upstream KAI main, or the patched KAI that also writes a compute
-portion), compares it with the pod BY MEANING (`20Gi` is `20480Mi`) and reports each difference
-as a pod event (reason `NvFractionsMismatch`, naming the key, the expected and the found value).
+For each fractional BindRequest (scheduling.run.ai/v1alpha2) that KAI reports as Succeeded, or
+that is still Pending a while after its creation while its pod is bound to the node it selected
+(the binder's update of its status was lost: `PENDING_GRACE`), `Follower` rebuilds the
+scheduler's decision as the SAME `AllocationInput` the gRPC servicer hands to `MirrorService`,
+computes with the contract package what the binder must have written (in the configured
+dialect: upstream KAI main, or the patched KAI that also writes a compute portion), compares it
+with the pod BY MEANING (`20Gi` is `20480Mi`) and reports each difference as a pod event (reason
+`NvFractionsMismatch`, naming the key, the expected and the found value).
 
 With a signing key (`--signing-key-file`) it signs what it verified, and nothing else: when
 every key matches, one signature annotation per fractional container (`kai_fractions.signing`,
@@ -41,6 +43,7 @@ keys anyway).
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -56,6 +59,7 @@ from ..contract import (
 )
 from ..contract import keys as k
 from ..contract.compare import same_value
+from ..kube.objects import seconds_since
 from ..kube.retry import NO_DEADLINE, Deadline
 from ..signing import KeyringSource, signature_key
 from .bindrequest_view import BindRequestView, not_its_pod
@@ -78,6 +82,22 @@ log = logging.getLogger(__name__)
 GROUP, VERSION, PLURAL = k.BINDREQUEST_GROUP, k.BINDREQUEST_VERSION, k.BINDREQUEST_PLURAL
 RESERVATION_NAMESPACE = k.RESERVATION_NAMESPACE
 SUCCEEDED = "Succeeded"
+PENDING = frozenset(("", "Pending"))
+"""A BindRequest's phases before KAI's binder has reported an outcome ("": no status yet)."""
+PENDING_GRACE = 30.0
+"""Seconds after its creation (its creationTimestamp, by this process's clock) from which a
+BindRequest still Pending has its pod read, to check and sign it as Succeeded if the pod is
+bound to the selected node. KAI's binder marks it Succeeded right after the bind, but only logs
+a status update that fails, and does not try again until it restarts (KAI-Scheduler
+pkg/binder/controllers/bindrequest_controller.go, UpdateStatus; shouldEnqueueBindRequestUpdate
+queues only a new generation), and it binds only after its one patch of the pod's annotations
+(pkg/binder/binding/binder.go, Bind), so a bound pod's binder keys are final. Before this,
+a Pending BindRequest is rechecked (`Verification.recheck`) without any read: it is Pending for
+a moment in every bind, and for seconds to tens of seconds in a wave (the binder works through
+its queue) or while a reservation pod waits for its GPU, and a read then would nearly always
+find the pod not bound yet. A pod whose status update was lost is signed some 30 to 60 s after
+the bind (the recheck after this, at the backoff of then), well within the 600 s its gate
+waits by default."""
 MISMATCH_REASON = "NvFractionsMismatch"
 INVALID_REASON = "NvFractionsInvalid"
 UNSIGNED_REASON = "NvFractionsUnsigned"
@@ -103,8 +123,12 @@ class Follower:
                  default_reserve_mib: int = 0, dialect: Dialect = DEFAULT_DIALECT,
                  reservation_namespace: str = RESERVATION_NAMESPACE,
                  remember: int = 10_000, signer: KeyringSource | None = None,
-                 in_term: Callable[[], bool] | None = None) -> None:
+                 in_term: Callable[[], bool] | None = None,
+                 now: Callable[[], float] = time.time) -> None:
         self.store = store
+        self.now = now
+        """The wall clock (seconds since the epoch), against a BindRequest's creationTimestamp:
+        how long one has been Pending (`PENDING_GRACE`)."""
         self.in_term = in_term
         """Under leader election, the elector's `in_term`: tested just before each write, which
         is dropped when it says False (None: no election, every write is sent)."""
@@ -115,6 +139,8 @@ class Follower:
         self.dialect = dialect
         self.reservation_namespace = reservation_namespace
         self._reported: OrderedDict[tuple[str, str, str], None] = OrderedDict()
+        """(pod, reason, message) of each event posted (`_report`), and (BindRequest,
+        "pending-bound", "") of each Pending one checked anyway (`_not_bound`): said once."""
         self._remember = remember
         self._complete: OrderedDict[str, str] = OrderedDict()
         """BindRequest uid -> the resourceVersion whose check was complete (`follow_one`)."""
@@ -179,8 +205,9 @@ class Follower:
     async def decide(self, br: BindRequestView, *, cdi: bool = False,
                      deadline: Deadline = NO_DEADLINE, consistent: bool = True
                      ) -> AllocationInput | None:
-        """The decision as the servicer would receive it; None while a group's device is not
-        known yet (the binder has not finished reserving). `consistent`: as `reserved_gpu`."""
+        """The decision as the servicer would receive it, the pod named by its uid as well
+        (the BindRequest's owner); None while a group's device is not known yet (the binder
+        has not finished reserving). `consistent`: as `reserved_gpu`."""
         gpu_ids = []
         # Past the bounds resolve_decision refuses the groups: nothing is read for them.
         within = len(br.group_ids) <= MAX_IDS and all(len(g) <= MAX_ID for g in br.group_ids)
@@ -190,7 +217,8 @@ class Follower:
                 return None
             gpu_ids.append(uuid)
         return AllocationInput(
-            namespace=br.namespace, pod_name=br.pod_name, selected_node=br.selected_node,
+            namespace=br.namespace, pod_name=br.pod_name, pod_uid=br.owner_uid,
+            selected_node=br.selected_node,
             resource_type=br.resource_type, gpu_count=br.gpu_count, portion=br.portion,
             group_ids=br.group_ids, group_modes=br.group_modes, gpu_ids=tuple(gpu_ids),
             cdi=cdi, container="")
@@ -214,8 +242,15 @@ class Follower:
         pod_ref = f"{br.namespace}/{br.pod_name}"
         if br.resource_type != k.RESOURCE_TYPE_FRACTION:
             return Verification(br.ref, pod_ref, skipped="not a fractional bind")
-        if br.phase != SUCCEEDED:
-            return Verification(br.ref, pod_ref, skipped=f"phase {br.phase or 'Pending'}")
+        pending = br.phase != SUCCEEDED
+        if pending:
+            if br.phase not in PENDING:  # Failed: the binder gave up (or tries again itself)
+                return Verification(br.ref, pod_ref, skipped=f"phase {br.phase}")
+            age = seconds_since(br.created, self.now())
+            if age is not None and age < PENDING_GRACE:
+                # Succeeded is on its way, normally: checked again after a backoff (its event
+                # then supersedes that), the pod read only once PENDING_GRACE has passed.
+                return Verification(br.ref, pod_ref, skipped="phase Pending", recheck=True)
         result = Verification(br.ref, pod_ref)
         for _attempt in range(SIGN_ATTEMPTS):
             try:
@@ -231,6 +266,8 @@ class Follower:
                 # KAI keeps its BindRequest as long as the pod exists, so every list replays
                 # it: complete, with no read of a reservation pod KAI has deleted.
                 return Verification(br.ref, pod_ref)
+            if pending and (unbound := await self._not_bound(br, pod, deadline)) is not None:
+                return unbound
             result = await self._check(br, pod, deadline)
             if result.skipped or result.errors or result.mismatches or self.signer is None:
                 return result
@@ -261,6 +298,38 @@ class Follower:
                            f"{SIGN_ATTEMPTS} attempt(s); {CHECKED_AGAIN} (BindRequest {br.ref})",
                            deadline)
         return result
+
+    async def _not_bound(self, br: BindRequestView, pod: PodSnapshot, deadline: Deadline
+                         ) -> Verification | None:
+        """For a BindRequest still Pending past PENDING_GRACE: None when its pod is bound to the
+        node it selected (check it as a Succeeded one: the binder binds only after writing its
+        annotations), else why it is not checked. A pod not bound yet may be bound any moment
+        (rechecked); one bound elsewhere was not bound by this BindRequest's binder: with
+        signing on, that is an event (the node agent holds the pod for its signature)."""
+        pod_ref = f"{br.namespace}/{br.pod_name}"
+        node = pod.spec.get("nodeName")
+        if not node:
+            return Verification(br.ref, pod_ref, skipped=f"phase Pending: pod {pod_ref} is not "
+                                "bound yet", recheck=True)
+        if node != br.selected_node:
+            reason = (f"phase Pending: pod {pod_ref} is bound to node {node}, not to the node "
+                      f"the BindRequest selected ({br.selected_node or 'none'})")
+            if self.signer is not None:
+                await self._report(pod, UNSIGNED_REASON, f"not signed: its BindRequest {br.ref} "
+                                   f"is still Pending and the pod is bound to node {node}, not "
+                                   f"to the node KAI selected ({br.selected_node or 'none'}): "
+                                   "something other than KAI's binder bound it", deadline)
+            return Verification(br.ref, pod_ref, skipped=reason)
+        key = (br.uid or br.ref, "pending-bound", "")  # logged once per BindRequest
+        if key not in self._reported:
+            log.info("BindRequest %s (created %s) still Pending, its pod %s bound to %s: "
+                     "checked anyway (KAI's binder binds a pod only after writing its "
+                     "annotations; its update of the BindRequest's status was lost or is late)",
+                     br.ref, br.created or "at an unknown time", pod_ref, node)
+            self._reported[key] = None
+            while len(self._reported) > self._remember:
+                self._reported.popitem(last=False)
+        return None
 
     async def _refused(self, br: BindRequestView, pod: PodSnapshot, checked: Verification,
                        error: WriteInvalid, deadline: Deadline) -> Verification | None:

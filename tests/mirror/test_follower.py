@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 from kubernetes import client as k8s
@@ -17,6 +18,7 @@ from kai_fractions.kube.errors import Gone, Transient
 from kai_fractions.kube.retry import NO_DEADLINE, Backoff
 from kai_fractions.mirror.bindrequest_view import BindRequestView
 from kai_fractions.mirror.bindrequests import bindrequest_source, follow
+from kai_fractions.mirror.errors import PodReplaced
 from kai_fractions.mirror.follower import Follower
 from kai_fractions.mirror.kube_store import KubePodStore
 from kai_fractions.mirror.service import MirrorService
@@ -421,8 +423,12 @@ async def test_findings_are_reported_once(store):
 
 
 @pytest.mark.parametrize(("br", "skipped"), [
-    (bind_request("br-1", "train-0", phase="Pending"), "phase Pending"),
-    (bind_request("br-1", "train-0", phase=""), "phase Pending"),
+    # No creationTimestamp: taken as Pending for long (tests/mirror/test_follower_pending.py).
+    (bind_request("br-1", "train-0", phase="Pending"),
+     "phase Pending: pod team-a/train-0 is not bound yet"),
+    (bind_request("br-1", "train-0", phase=""),
+     "phase Pending: pod team-a/train-0 is not bound yet"),
+    (bind_request("br-1", "train-0", phase="Failed"), "phase Failed"),
     (bind_request("br-1", "gone-pod"), "pod not found"),
     (bind_request("br-1", "train-0", groups=("group-unknown",)),
      "the GPU reserved for group(s) group-unknown is not known yet: no pod labelled "
@@ -664,6 +670,34 @@ async def test_decide_is_the_servicers_decision(store):
     assert (await verify(store, bind_request("br-1", "train-0"))).mismatches == ()
 
 
+async def test_decide_names_the_pod_by_the_uid_its_bind_request_carries(store):
+    """KAI's scheduler makes the pod the BindRequest's owner (KAI-Scheduler
+    pkg/scheduler/cache/cache.go, createBindRequest: OwnerReferences [{Kind: Pod, Name, UID}]):
+    the decision carries that uid, as a scheduler calling the mirror sends `pod.uid`, so a pod
+    created again under the name is refused (POD_REPLACED), not written (the reviewer's probe
+    p8_owner_uid.py: decide() handed on pod_uid "")."""
+    first = store.add_pod(pod("train-0", {"gpu-fraction": "0.5"}))
+    view = BindRequestView.from_object(owned_by(bind_request("br-1", "train-0"), first.uid))
+    decision = await Follower(store).decide(view)
+    assert decision is not None and decision.pod_uid == first.uid
+    store.delete_pod(NS, "train-0")
+    store.add_pod(pod("train-0", {"gpu-fraction": "0.5"}))
+    with pytest.raises(PodReplaced):
+        await MirrorService(store).mirror(decision, idempotency_key="bindrequest/br-1")
+    assert store.patches == []
+    unowned = await Follower(store).decide(BindRequestView.from_object(
+        bind_request("br-1", "train-0")))
+    assert unowned is not None and unowned.pod_uid == ""  # none to send: not checked
+
+
+def test_the_docs_say_where_a_bind_request_carries_its_pods_uid():
+    root = Path(__file__).resolve().parents[2]
+    for path in ("docs/mirror.md", "protos/kai_fractions/v1/allocation.proto"):
+        text = " ".join((root / path).read_text().split())
+        assert "ownerReferences[kind=Pod].uid" in text, path
+        assert "carries only the name" not in text, path
+
+
 # -- the list/watch loop ----------------------------------------------------------------------
 
 class ScriptedSource:
@@ -724,8 +758,10 @@ async def play(source: ScriptedSource, handle, until=lambda: True, settle: float
 
 
 def obj(name: str, rv: str, created: str = "") -> dict:
+    """A fractional BindRequest, as far as the loop reads it (it hands over no other)."""
     return {"metadata": {"name": name, "namespace": NS, "resourceVersion": rv,
-                         "creationTimestamp": created}}
+                         "creationTimestamp": created},
+            "spec": {"receivedResourceType": "Fraction"}}
 
 
 async def test_watch_resumes_from_the_last_version_and_relists_on_gone():

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
+from kai_fractions.kube.objects import epoch_seconds
 from kai_fractions.kube.retry import Backoff
 from kai_fractions.mirror.bindrequest_view import BindRequestView
 from kai_fractions.mirror.bindrequests import follow
@@ -61,9 +62,15 @@ def versioned(br: dict, rv: str, uid: str = "br-uid-1") -> dict:
     return {**br, "metadata": {**br["metadata"], "uid": uid, "resourceVersion": rv}}
 
 
+CREATED = "2026-12-02T10:00:00Z"
+JUST_AFTER = epoch_seconds(CREATED) + 1
+"""A follower's clock a second after CREATED: a Pending BindRequest then is fresh."""
+
+
 def pending(br: dict) -> dict:
-    """`br` as KAI's scheduler creates it, before its binder marks it Succeeded."""
-    return {**br, "status": {"phase": ""}}
+    """`br` as KAI's scheduler creates it (at CREATED), before its binder marks it Succeeded."""
+    return {**br, "metadata": {**br["metadata"], "creationTimestamp": CREATED},
+            "status": {"phase": ""}}
 
 
 @pytest.fixture
@@ -133,7 +140,7 @@ async def test_a_transient_api_failure_on_a_fresh_bind_is_checked_again_and_sign
 
     store.faults.append(blip)
     source = QueueSource()
-    following = Following(source, Follower(store, signer=signer()))
+    following = Following(source, Follower(store, signer=signer(), now=lambda: JUST_AFTER))
     br = bind_request("br-1", "train-0")
     source.events.put_nowait(("ADDED", versioned(pending(br), "1")))
     source.events.put_nowait(("MODIFIED", versioned(br, "2")))
