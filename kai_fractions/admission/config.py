@@ -70,6 +70,11 @@ class AdmissionConfig:
         if not self.allowed_identities:
             raise ValueError("allowed_identities: at least one identity must be allowed to "
                              "write protected keys (the binder's)")
+        for identity in self.allowed_identities:
+            # A review without userInfo has the user "": a blank identity would let it write
+            # protected keys, and one with spaces around it matches no username.
+            if not identity.strip() or identity != identity.strip():
+                raise ValueError(f"allowed_identities: must be a username, got {identity!r}")
         if self.runtime_class and not is_dns_subdomain(self.runtime_class):
             raise ValueError(f"runtime_class: {self.runtime_class!r} is not a RuntimeClass name "
                              "(lower-case letters, digits, '-' and '.')")

@@ -124,7 +124,11 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args)
     metrics = None
     try:
-        keys = Keys(prefix=args.annotation_prefix) if args.annotation_prefix else DEFAULT_KEYS
+        try:
+            keys = Keys(prefix=args.annotation_prefix) \
+                if args.annotation_prefix is not None else DEFAULT_KEYS
+        except ValueError as e:  # said as every component says it
+            raise ValueError(f"--annotation-prefix: {e}") from None
         config = admission_config(
             args, gate_image=args.gate_image, keys=keys,
             allowed_identities=tuple(args.allowed_identity or DEFAULT_ALLOWED_IDENTITIES),

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import functools
 import logging
+import math
 import os
 import signal
 import sys
@@ -167,6 +168,38 @@ def _fail(message: str) -> int:
     return 2
 
 
+def object_flag_problem(flag: str, value: str) -> str | None:
+    """Why `value` cannot name a namespaced object (NAMESPACE/NAME: a namespace, then a DNS
+    subdomain, as the API server names DaemonSets and ConfigMaps), as the CLI says it; None
+    when it can."""
+    from ..contract.names import is_dns_subdomain
+    from ..kube.objects import namespace_flag_problem
+
+    parts = value.split("/")
+    if len(parts) != 2 or not all(parts):
+        return f"{flag} must be NAMESPACE/NAME, got {value!r}"
+    namespace, name = parts
+    problem = namespace_flag_problem(f"{flag} {value!r}: the namespace", namespace)
+    if problem:
+        return problem
+    if not is_dns_subdomain(name):
+        return (f"{flag} {value!r}: the name {name!r}: not an object name (lower-case letters, "
+                "digits, '-' and '.', at most 253)")
+    return None
+
+
+def signing_key_problem(keyring, first_file: str) -> str | None:
+    """Why the mirror cannot sign with `keyring` (its first key is the one that signs): a
+    public key verifies only, and every allocation would fail as it is signed."""
+    key = keyring.current
+    if key.can_sign:
+        return None
+    return (f"--signing-key-file {getattr(key, 'source', '') or first_file}: a public key; the "
+            "mirror needs the private key (the chart's Secret kai-fractions-signing-key, or "
+            "DIR/private/current from `kai-fractions signing-keys generate DIR`); the public "
+            "key is the node agents' --signing-key-file")
+
+
 def run(args: argparse.Namespace) -> int:
     # Imported here: `kai-fractions --help` must not pay for grpc and the kubernetes client.
     from ..kube.client import Kube
@@ -193,25 +226,27 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         return _fail(f"--reserve-mib {problem}")
     daemonset = args.node_agent_daemonset.split("/")
-    if len(daemonset) != 2 or not all(daemonset):
-        return _fail(f"--node-agent-daemonset must be NAMESPACE/NAME, got "
-                     f"{args.node_agent_daemonset!r}")
-    if not args.report_interval > 0:
-        return _fail(f"--report-interval must be a positive number of seconds, got "
+    problem = object_flag_problem("--node-agent-daemonset", args.node_agent_daemonset)
+    if problem:
+        return _fail(problem)
+    if not 0 < args.report_interval < math.inf:
+        return _fail(f"--report-interval must be a positive, finite number of seconds, got "
                      f"{args.report_interval}")
     publish_to = args.publish_public_key.split("/") if args.publish_public_key else []
-    if publish_to and (len(publish_to) != 2 or not all(publish_to)):
-        return _fail(f"--publish-public-key must be NAMESPACE/NAME, got "
-                     f"{args.publish_public_key!r}")
+    problem = object_flag_problem("--publish-public-key", args.publish_public_key) \
+        if publish_to else None
+    if problem:
+        return _fail(problem)
     if publish_to and not args.signing_key_file:
         return _fail("--publish-public-key publishes the signing key's public half: it needs "
                      "--signing-key-file")
     if args.follow_concurrency < 1:
         return _fail(f"--follow-concurrency {args.follow_concurrency}: at least 1")
     if args.mark_silent_nodes_after and (not args.follow_bindrequests
-                                         or not args.mark_silent_nodes_after >= 120):
+                                         or not 120 <= args.mark_silent_nodes_after < math.inf):
         return _fail(f"--mark-silent-nodes-after {args.mark_silent_nodes_after:g}: "
-                     + ("at least 120 seconds (twice the node agent's heartbeat), or 0 for off"
+                     + ("at least 120 seconds (twice the node agent's heartbeat) and finite, or "
+                        "0 for off"
                         if args.follow_bindrequests else
                         "it needs --follow-bindrequests (nodes are checked as binds are)"))
     from ..kube.objects import namespace_flag_problem
@@ -248,6 +283,9 @@ def run(args: argparse.Namespace) -> int:
         signer, keyring = None, None
         if args.signing_key_file:
             keyring = KeyringSource(args.signing_key_file)
+            problem = signing_key_problem(keyring.current(), args.signing_key_file[0])
+            if problem:
+                return _fail(problem)
             signer = signing_annotations(keyring, keys)
             log.info("signing allocations with key %s (accepted: %s)",
                      keyring.current().current.kid, ", ".join(keyring.current().kids))

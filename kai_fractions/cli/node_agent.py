@@ -162,6 +162,25 @@ def cgroup_v2_problem(root: str) -> str | None:
             "v2 (systemd.unified_cgroup_hierarchy=1)")
 
 
+def marker_dir_problem(path: str) -> str | None:
+    """Why the readiness markers cannot be kept under `path`, or None; the directory is made
+    when it is missing (the first marker would make it). An agent that can write no marker
+    would hold every gate on the node while its condition says Ready."""
+    from ..marker import ROOT_MODE
+
+    try:
+        os.makedirs(path, mode=ROOT_MODE, exist_ok=True)
+    except FileExistsError:
+        return f"--marker-dir {path}: exists and is not a directory"
+    except OSError as e:
+        return f"--marker-dir {path}: cannot be created: {e.strerror or e}"
+    if not os.path.isdir(path):
+        return f"--marker-dir {path}: exists and is not a directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"--marker-dir {path}: the agent cannot write in it"
+    return None
+
+
 def _fail(message: str) -> int:
     print(f"kai-fractions node-agent: {message}", file=sys.stderr)
     return 2
@@ -191,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     from ..kube.objects import namespace_flag_problem
     from ..marker import MarkerError
     from ..metrics_http import parse_listen
-    from ..node.agent.agent import NodeAgent
+    from ..node.agent.agent import NodeAgent, StartError
     from ..node.agent.grpc_service import SocketError
     from ..node.agent.kube import KubeCluster
     from ..node.agent.options import AgentOptions
@@ -259,8 +278,9 @@ def run(args: argparse.Namespace) -> int:
                               watch_seconds=options.watch_seconds)
     except KubeConfigError as e:
         return _fail(str(e))
-    problem = cgroup_v2_problem(config.cgroup_root)
+    problem = cgroup_v2_problem(config.cgroup_root) or marker_dir_problem(options.marker_dir)
     if problem:
+        api_client.close()
         return _fail(problem)
     before, after = raise_open_file_limit()
     if after != before:
@@ -288,10 +308,12 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         agent.start()
-    except (SocketError, OSError) as e:
-        agent.stop(timeout=5)  # closes the cluster too
+    except (SocketError, StartError, OSError) as e:
+        agent.stop(timeout=5)  # closes the cluster too; publishes nothing: it never ran
         api_client.close()
-        return _fail(f"cannot start: {e}")
+        # SocketError and StartError name their flag; any other error is said as it came.
+        return _fail(str(e) if isinstance(e, SocketError | StartError) else
+                     f"cannot start: {e.strerror or e}")
     try:
         while not agent.wait(1.0):
             pass

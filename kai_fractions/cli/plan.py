@@ -84,8 +84,13 @@ def register(sub) -> None:
 
 
 def _decision(args: argparse.Namespace) -> BindDecision:
+    from ..mirror.decision import MAX_NODE_GPU_MEMORY_MIB  # the mirror's bound, and its words
+
     if args.node_gpu_memory <= 0:
         raise InputError(f"--node-gpu-memory: must be the GPU memory in MiB, greater than 0, "
+                         f"got {args.node_gpu_memory}")
+    if args.node_gpu_memory > MAX_NODE_GPU_MEMORY_MIB:
+        raise InputError(f"--node-gpu-memory: must be at most {MAX_NODE_GPU_MEMORY_MIB} MiB, "
                          f"got {args.node_gpu_memory}")
     dialect = Dialect(args.dialect)
     why = check_reserve(dialect, args.reserve)

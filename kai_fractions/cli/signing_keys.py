@@ -4,8 +4,10 @@ public half of a private key (what nodes hold)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from . import EXIT_USAGE
@@ -51,15 +53,88 @@ def run(args: argparse.Namespace) -> int:
     private, public = root / "private" / "current", root / "public" / "current"
     if not args.force and (private.exists() or public.exists()):
         return _fail(f"{root}: a key pair is there already (pass --force to replace it)")
+    for path in (private, public):
+        if os.path.lexists(path) and not os.path.isfile(path):
+            return _fail(f"{path}: not a regular file; nothing was written")
     key = Ed25519Key.generate()
     try:
-        private.parent.mkdir(parents=True, exist_ok=True)
-        public.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(key.private_pem())
-        public.write_bytes(key.public_pem())
-    except OSError as e:
-        return _fail(f"{root}: {e.strerror or e}")
+        write_pair(private, key.private_pem(), public, key.public_pem())
+    except PairError as e:
+        return _fail(str(e))
     print(f"key {key.kid}: {private} (the mirror's), {public} (the node agents')")
     return 0
+
+
+class PairError(Exception):
+    """The pair could not be written (the message names the file); the old pair, if any, is
+    left as it was."""
+
+
+def write_pair(private: Path, private_pem: bytes, public: Path, public_pem: bytes) -> None:
+    """Replaces both files, or neither: each is written to a temporary file beside it first,
+    then both are renamed, the public half first. A private key whose public half is not in
+    place would sign what no node can verify, and the mirror reads its file as soon as it
+    changes; a new public key alone signs nothing. Should the private key's rename still fail,
+    the old public key is put back."""
+    temps: list[str] = []
+    try:
+        for path, data, mode in ((private, private_pem, 0o600), (public, public_pem, 0o644)):
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                temps.append(_temporary(path, data, mode))
+            except OSError as e:
+                raise PairError(f"{path}: {e.strerror or e}; nothing was replaced") from None
+        private_tmp, public_tmp = temps
+        old_public = _read_if_any(public)
+        try:
+            os.replace(public_tmp, public)
+        except OSError as e:
+            raise PairError(f"{public}: {e.strerror or e}; nothing was replaced") from None
+        try:
+            os.replace(private_tmp, private)
+        except OSError as e:
+            restored = _restore(public, old_public)
+            raise PairError(f"{private}: {e.strerror or e}; " + (
+                "the old public key was put back" if restored else
+                f"{public} now holds the new public key, without its private half")) from None
+    finally:
+        for tmp in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+
+def _temporary(target: Path, data: bytes, mode: int) -> str:
+    """`data` in a new file beside `target` (the same file system: the rename is atomic)."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            os.fchmod(out.fileno(), mode)  # mkstemp makes it 0600, whatever the mode
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _read_if_any(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise PairError(f"{path}: {e.strerror or e}; nothing was replaced") from None
+
+
+def _restore(path: Path, old: bytes | None) -> bool:
+    """Puts `old` back at `path` (removes it when there was none); False when that failed."""
+    try:
+        if old is None:
+            path.unlink()
+        else:
+            os.replace(_temporary(path, old, 0o644), path)
+    except OSError:
+        return False
+    return True

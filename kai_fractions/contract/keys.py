@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .names import is_dns_label
+from .names import MAX_NAME, is_dns_label, is_dns_subdomain
 
 DEFAULT_PREFIX = "nvidia.com/container."
 
@@ -126,6 +126,50 @@ def is_container_name(name: str) -> bool:
     return is_dns_label(name)
 
 
+MAX_KEY_NAME = 63
+"""The part of an annotation key after its '/' (a Kubernetes qualified name) holds at most
+this many characters."""
+_KEY_NAME_START = re.compile(r"[A-Za-z0-9][-._A-Za-z0-9]*")
+"""What a qualified name may hold, from its first character (alphanumeric) on; the prefix's
+part ends with a dot, and the container name and suffix appended to it end alphanumeric."""
+
+
+def _longest(suffixes: tuple[str, ...]) -> int:
+    return max(len(s) for s in suffixes)
+
+
+PREFIX_SUFFIXES = SUFFIXES
+"""What `Keys.container` appends to the configured prefix, after the container's name."""
+PROJECT_SUFFIXES = (*DERIVED_SUFFIXES, DERIVED_SIGNATURE, ADMITTED_MPS_NAMESPACE)
+"""What `Keys.derived` appends to the project prefix."""
+
+
+def prefix_problem(name: str, value: str, suffixes: tuple[str, ...]) -> str | None:
+    """Why `value` cannot be a per-container prefix (None: it can): `<prefix><container>
+    <suffix>` must be an annotation key Kubernetes accepts for every suffix in `suffixes` and at
+    least a one-character container, the part before '/' a DNS subdomain and the part after it
+    a qualified name of at most 63 characters. One line, starting with `name` and the value."""
+    if not value or "/" not in value or not value.endswith("."):
+        return (f"{name} must look like 'example.com/container.' (a domain, a slash, ending "
+                f"with a dot), got {value!r}")
+    domain, _, rest = value.partition("/")
+    if not is_dns_subdomain(domain):
+        return (f"{name} {value!r}: the part before '/' must be a DNS subdomain (lower-case "
+                "letters, digits, '-' and '.'; each dot-separated part starts and ends with a "
+                f"letter or digit; at most {MAX_NAME} characters)")
+    if not _KEY_NAME_START.fullmatch(rest):
+        return (f"{name} {value!r}: the part after '/' must start with a letter or digit and "
+                "hold only letters, digits, '-', '_' and '.' (an annotation key's name)")
+    room = MAX_KEY_NAME - len(rest) - _longest(suffixes)
+    if room < 1:
+        return (f"{name} {value!r}: the part after '/' is {len(rest)} characters, and a "
+                f"container name and a suffix of up to {_longest(suffixes)} "
+                f"({max(suffixes, key=len)!r}) are appended to it in an annotation key whose "
+                f"name holds at most {MAX_KEY_NAME}: it may be at most "
+                f"{MAX_KEY_NAME - 1 - _longest(suffixes)} characters")
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
     """Key builder for one configured prefix. `Keys()` is KAI's default spelling."""
@@ -134,12 +178,11 @@ class Keys:
     project_prefix: str = PROJECT_PREFIX
 
     def __post_init__(self) -> None:
-        for name, value in (("prefix", self.prefix), ("project_prefix", self.project_prefix)):
-            if not value or "/" not in value or not value.endswith("."):
-                raise ValueError(
-                    f"{name} must look like 'example.com/container.' (a domain, a slash, "
-                    f"ending with a dot), got {value!r}"
-                )
+        for name, value, suffixes in (("prefix", self.prefix, PREFIX_SUFFIXES),
+                                      ("project_prefix", self.project_prefix, PROJECT_SUFFIXES)):
+            problem = prefix_problem(name, value, suffixes)
+            if problem:
+                raise ValueError(problem)
         if self.prefix.startswith(self.project_prefix) or \
                 self.project_prefix.startswith(self.prefix):
             # The derived keys would then be read as the user's and the binder's, and a rule

@@ -12,7 +12,10 @@ MAX_NAME = 253
 """A DNS subdomain's length: pods, nodes, RuntimeClasses."""
 
 _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+                        r"(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+"""Kubernetes' IsDNS1123Subdomain: dot-separated RFC 1123 labels (no empty label, none starting
+or ending with '-')."""
 
 
 def is_dns_label(name: str) -> bool:
@@ -21,7 +24,8 @@ def is_dns_label(name: str) -> bool:
 
 
 def is_dns_subdomain(name: str) -> bool:
-    """How a pod, a node or a RuntimeClass is named."""
+    """How a pod, a node, a RuntimeClass, a DaemonSet, a ConfigMap or a Lease is named, and
+    the part of an annotation key before its '/'."""
     return _SUBDOMAIN.fullmatch(name) is not None
 
 

@@ -58,6 +58,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from ..contract.names import is_dns_label, is_dns_subdomain
 from ..kube.client import MERGE_PATCH, Kube
 from ..kube.errors import Conflict, KubeError, NotFound
 from ..kube.objects import lease_body, lease_path, resource_version
@@ -98,6 +99,14 @@ class ElectionConfig:
                              ("identity", self.identity)):
             if not value:
                 out.append(f"lease {field} is empty")
+        # The identity is the Lease's holderIdentity: any string the API takes, so not checked.
+        if self.namespace and not is_dns_label(self.namespace):
+            out.append(f"lease namespace {self.namespace!r} (--leader-elect-lease-namespace, "
+                       "else $POD_NAMESPACE or the service account's): not a namespace name "
+                       "(lower-case letters, digits and '-', at most 63)")
+        if self.name and not is_dns_subdomain(self.name):
+            out.append(f"lease name {self.name!r} (--leader-elect-lease-name): not an object "
+                       "name (lower-case letters, digits, '-' and '.', at most 253)")
         durations = (self.lease_seconds, self.renew_deadline_seconds, self.retry_seconds)
         if not all(math.isfinite(d) for d in durations):  # int(inf) raises, nan compares false
             return [*out, f"the durations must be finite numbers of seconds, got lease "

@@ -342,13 +342,15 @@ def test_restart_between_limits_and_marker_converges_without_duplicates(
     start_running(env, uid, slice_, leaf)
 
     # The first agent dies (SIGKILL: no cleanup) after applying the pod's limits, before its
-    # marker: the marker directory is a plain file, so the write fails and is retried.
-    env.marker_dir.write_text("")
+    # marker: the pod's marker directory is a plain file, so the write fails and is retried.
+    # (Not the whole --marker-dir: the agent refuses to start on that.)
+    env.marker_dir.mkdir()
+    (env.marker_dir / uid).write_text("")
     first = env.start(sm_sharing=False)
     wait_for(lambda: "the readiness marker could not be written" in first.log(), run=first,
              what="the failed marker write", timeout=20)
     assert first.stop(signal.SIGKILL) == -signal.SIGKILL
-    env.marker_dir.unlink()
+    (env.marker_dir / uid).unlink()
     limits_after_crash = env.nvml.limits()
     assert {k: (v.soft, v.hard) for k, v in limits_after_crash.items()} == {
         (GPU0, str(slice_)): (10 * GIB, 20 * GIB), (GPU0, str(leaf)): (10 * GIB, 20 * GIB)}

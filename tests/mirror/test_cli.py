@@ -64,7 +64,7 @@ def test_every_flag_is_there_with_its_default():
     (["--mark-silent-nodes-after", "180"], "--mark-silent-nodes-after 180: it needs "
      "--follow-bindrequests (nodes are checked as binds are)"),
     (["--follow-bindrequests", "--mark-silent-nodes-after", "60"], "--mark-silent-nodes-after "
-     "60: at least 120 seconds (twice the node agent's heartbeat), or 0 for off"),
+     "60: at least 120 seconds (twice the node agent's heartbeat) and finite, or 0 for off"),
     (["--follow-bindrequests", "--reservation-namespace", "KAI_Reservations"],
      "--reservation-namespace 'KAI_Reservations': not a namespace name (lower-case letters, "
      "digits and '-', at most 63)"),

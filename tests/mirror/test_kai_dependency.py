@@ -304,8 +304,8 @@ def test_interval_must_be_positive(kube: KubeServer):
      "--node-agent-daemonset must be NAMESPACE/NAME, got 'kai-fractions-node-agent'"),
     (["--node-agent-daemonset", "kai-fractions/"],
      "--node-agent-daemonset must be NAMESPACE/NAME, got 'kai-fractions/'"),
-    (["--report-interval", "0"], "--report-interval must be a positive number of seconds, "
-     "got 0.0"),
+    (["--report-interval", "0"], "--report-interval must be a positive, finite number of "
+     "seconds, got 0.0"),
 ])
 def test_reporter_flags_are_refused_with_a_reason(capsys, argv, message):
     assert main(["mirror", *argv]) == 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import threading
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
@@ -90,6 +91,8 @@ class MirrorServer:
         listen = parse_listen(options.listen)
         credentials = server_credentials(options.tls_cert, options.tls_key,
                                          options.tls_client_ca)
+        if credentials is not None and options.tls_cert and options.tls_key:
+            check_tls_files(options.tls_cert, options.tls_key, options.tls_client_ca)
         check_plaintext(listen, credentials is not None, options.insecure)
         token = TokenFile(options.token_file) if options.token_file else None
         return listen, credentials, token
@@ -198,6 +201,48 @@ class MirrorServer:
             task.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
         await self.service.close()
+
+
+def check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
+    """Loads the pair (and the client CA) as the server will, so that a key that is not the
+    certificate's, or a file that holds no PEM, is refused at start, before the mirror writes
+    anything to the cluster: gRPC reads them only as the server starts to listen. Raises
+    SecurityConfigError naming the flag and the reason."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+
+    def no_password() -> bytes:
+        raise SecurityConfigError(f"--tls-key {key}: an encrypted key; the mirror needs it "
+                                  "unencrypted (PEM)")
+
+    try:
+        context.load_cert_chain(cert, key, password=no_password)
+    except (OSError, ssl.SSLError) as e:
+        raise SecurityConfigError(_pair_problem(cert, key, e)) from None
+    if client_ca:
+        try:
+            context.load_verify_locations(cafile=client_ca)
+        except (OSError, ssl.SSLError) as e:
+            raise SecurityConfigError(f"--tls-client-ca {client_ca}: no CA certificate (PEM) "
+                                      f"in it{_reason(e)}") from None
+
+
+def _pair_problem(cert: str, key: str, error: OSError | ssl.SSLError) -> str:
+    """Which of the two files is at fault, as one line."""
+    if isinstance(error, ssl.SSLError) and error.reason == "KEY_VALUES_MISMATCH":
+        return f"--tls-key {key}: not the private key of --tls-cert {cert} (key values mismatch)"
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=cert)
+    except (OSError, ssl.SSLError):
+        return f"--tls-cert {cert}: no certificate (PEM) in it{_reason(error)}"
+    return f"--tls-key {key}: no private key (PEM) in it{_reason(error)}"
+
+
+def _reason(error: OSError | ssl.SSLError) -> str:
+    """` (OpenSSL's reason)`, e.g. ` (no certificate or crl found)`; "" when it gave none (its
+    text, `[SSL] PEM lib (_ssl.c:3905)`, would say nothing more)."""
+    if isinstance(error, ssl.SSLError):
+        return f" ({error.reason.lower().replace('_', ' ')})" if error.reason else ""
+    return f" ({error.strerror or error})"
 
 
 def _report_end(task: asyncio.Task) -> None:

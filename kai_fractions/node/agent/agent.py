@@ -1,16 +1,16 @@
 """The node agent assembled: watcher, worker, status publisher, metrics and gRPC servers, and the
 shutdown order.
 
-Shutdown (SIGTERM): stop watching, let the worker finish the task in progress (a pass is never
-cut between its apply and its markers, and markers are written only after an apply), publish
-the condition one last time (False, NotReconciling: the agent is stopping), close the socket,
-stop the MPS control daemon only if this agent started it (the readiness markers that rely on
-it set aside first: `Reconciler.close`), close the Kubernetes connections
-(`PodSource.close`). Nothing is drained or released: the workloads keep running with their
-limits in force, and the next agent adopts them. A worker that does not finish within the
-bound leaves the MPS daemon and NVML as they are (it may still be in them), but the markers
-that rely on a daemon this agent started are set aside all the same, the marker store closed
-first so that the late pass writes none back (`Reconciler.abandon`): that daemon runs in the
+Shutdown (SIGTERM): stop watching, let the worker finish the task in progress (a pass is never cut
+between its apply and its markers, and markers are written only after an apply), publish the
+condition one last time (False, NotReconciling: the agent is stopping; not after a start that
+failed, which never ran), close the socket, stop the MPS control daemon only if this agent started
+it (the readiness markers that rely on it set aside first: `Reconciler.close`), close the
+Kubernetes connections (`PodSource.close`). Nothing is drained or released: the workloads keep
+running with their limits in force, and the next agent adopts them. A worker that does not finish
+within the bound leaves the MPS daemon and NVML as they are (it may still be in them), but the
+markers that rely on a daemon this agent started are set aside all the same, the marker store
+closed first so that the late pass writes none back (`Reconciler.abandon`): that daemon runs in the
 agent's container and dies with it.
 """
 
@@ -48,6 +48,10 @@ from .watch import PodCache, PodWatcher
 from .worker import Worker
 
 log = logging.getLogger(__name__)
+
+
+class StartError(Exception):
+    """A server the agent needs could not start (the message names the flag and why)."""
 
 
 class NodeAgent:
@@ -104,6 +108,8 @@ class NodeAgent:
         self._started = monotonic()
         self._threads: list[threading.Thread] = []
         self._grpc: Any = None
+        self._running = False
+        """Set once `start` completed: only an agent that ran has a condition to publish."""
         self.metrics_address: tuple[str, int] | None = None
 
     def _confirm_absent(self, uids: set[str], generation: int) -> bool:
@@ -137,7 +143,11 @@ class NodeAgent:
     def start(self) -> NodeAgent:
         """Servers first (the socket's umask must not race other threads), then threads."""
         if self.options.metrics_listen:
-            self.metrics_address = self.metrics.serve(self.options.metrics_listen)
+            try:
+                self.metrics_address = self.metrics.serve(self.options.metrics_listen)
+            except OSError as e:
+                raise StartError(f"--metrics-listen {self.options.metrics_listen}: "
+                                 f"{e.strerror or e}") from None
             log.info("metrics on http://%s:%d/metrics", *self.metrics_address)
         if self.options.socket:
             self._grpc = serve_unix(self.servicer, self.options.socket)
@@ -148,6 +158,7 @@ class NodeAgent:
             self.cache.replace([])  # no API: only provisioned pods exist
         if self.status is not None:
             self._spawn("node-status", self.status.run)
+        self._running = True
         log.info("node agent for %s started", self.config.node_name)
         return self
 
@@ -165,7 +176,9 @@ class NodeAgent:
         for thread in self._threads:
             if thread is not self.worker.thread:
                 thread.join(2.0)
-        if self.status is not None:
+        if self.status is not None and self._running:
+            # An agent whose start failed never published, nor checked anything: saying the
+            # node is "not reconciling" would be a word from a process that never ran.
             cond = self.condition()
             if cond is not None:
                 self.status.publish(cond)

@@ -363,16 +363,23 @@ def serve_unix(servicer: NodeEnforcerServicer, path: str, *,
     the umask is process-wide."""
     policy = PeerPolicy(servicer.reconciler.procfs, allowed_uids)
     parent = os.path.dirname(path) or "/"
-    os.makedirs(parent, mode=0o755, exist_ok=True)
     try:
-        st = os.lstat(path)
+        os.makedirs(parent, mode=0o755, exist_ok=True)
+    except OSError as e:  # a file where the directory should be, a read-only file system
+        raise SocketError(f"--socket {path}: cannot create its directory {parent}: "
+                          f"{e.strerror or e}") from None
+    try:
+        st: os.stat_result | None = os.lstat(path)
     except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise SocketError(f"--socket {path}: exists and is not a socket; remove it")
-        os.unlink(path)  # a previous agent's socket
-    directory = private_dir(path)  # 0700: only the agent's user reaches the gRPC server
+        st = None
+    if st is not None and not stat.S_ISSOCK(st.st_mode):
+        raise SocketError(f"--socket {path}: exists and is not a socket; remove it")
+    try:
+        if st is not None:
+            os.unlink(path)  # a previous agent's socket
+        directory = private_dir(path)  # 0700: only the agent's user reaches the gRPC server
+    except OSError as e:
+        raise SocketError(f"--socket {path}: cannot listen: {e.strerror or e}") from None
     upstream = os.path.join(directory, "grpc.sock")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="node-enforcer"))
