@@ -82,8 +82,10 @@ def register(sub) -> None:
     p.add_argument("--memory-enforcement", default="cgroup,mps-pinned,watchdog", metavar="LIST",
                    help="comma-separated subset of cgroup,mps-pinned,watchdog, used "
                    "strongest first; a container no enabled tier caps is refused: cgroup needs "
-                   "driver r615+, mps-pinned caps sm-sharing containers only, and the watchdog "
-                   "caps on its own only with --watchdog-policy=kill (default: %(default)s)")
+                   "driver r615+, mps-pinned caps sm-sharing containers only, and only on an "
+                   "MPS daemon with namespaces (r615+: before, every tenant can change it), and "
+                   "the watchdog caps on its own only with --watchdog-policy=kill (default: "
+                   "%(default)s)")
     p.add_argument("--watchdog-policy", default="report", choices=("report", "kill"),
                    help="what the watchdog does with a container over its cap: report (an "
                    "event and a metric; it stops nothing, so it is only a second line beside "

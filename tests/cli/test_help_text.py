@@ -44,7 +44,8 @@ def test_node_agent_says_a_report_watchdog_caps_nothing(monkeypatch: pytest.Monk
     (parser,) = [p for name, p in parsers(build_parser()) if name == "kai-fractions node-agent"]
     text = " ".join(parser.format_help().split())
     assert ("a container no enabled tier caps is refused: cgroup needs driver r615+, mps-pinned "
-            "caps sm-sharing containers only, and the watchdog caps on its own only with "
+            "caps sm-sharing containers only, and only on an MPS daemon with namespaces (r615+: "
+            "before, every tenant can change it), and the watchdog caps on its own only with "
             "--watchdog-policy=kill") in text
     assert "it stops nothing, so it is only a second line beside cgroup or mps-pinned" in text
 
