@@ -159,6 +159,9 @@ class Engine:
         """GPUs this agent put in EXCLUSIVE_PROCESS -> the mode it found there, given back once
         no fractional container is left (`engine_compute_modes`; saved in the ledger before
         each switch). Not a cache: `forget()` keeps it."""
+        self._unrecorded_exclusive: set[str] = set()
+        """GPUs found in EXCLUSIVE_PROCESS with no fractional container and no `_switched`
+        record, logged once as left as they are (`engine_compute_modes`)."""
         self._wrong_mode: dict[str, tuple[GpuComputeMode, NvmlError]] = {}
         """GPUs an sm-sharing plan needs in EXCLUSIVE_PROCESS that read back another compute
         mode and could not be set: uuid -> (the mode read back, the set's error). There a

@@ -67,6 +67,7 @@ class ComputeModeStep(RunState):
         EXCLUSIVE_PROCESS, nothing of the node's fractions is on it and no process runs."""
         before = self.e._switched.get(g.uuid)
         mode, changed, error = device.compute_mode, False, None
+        self._unrecorded(g, device, before)
         if before is not None and device.compute_mode is not GpuComputeMode.EXCLUSIVE_PROCESS:
             self._forget_switch(g.uuid)  # someone else changed it since: theirs now
         elif before is not None and not g.containers and not g.requested_bytes:
@@ -88,6 +89,24 @@ class ComputeModeStep(RunState):
                     f"again at the next pass (by hand: nvidia-smi -i {g.uuid} -c "
                     f"{before.name})"))
         self.gpu_results.append(GpuResult(g.uuid, mode, changed, error))
+
+    def _unrecorded(self, g: GpuDesired, device: DeviceInfo, before: GpuComputeMode | None
+                    ) -> None:
+        """Logs once a GPU in EXCLUSIVE_PROCESS with no fractional container and no record of
+        a switch (`before` None): an administrator's choice, or a switch of a release before
+        the record, which never gives it back. Left as it is either way; the log says how to
+        reset it. Logged again only after it was seen in another mode."""
+        noted = self.e._unrecorded_exclusive
+        if device.compute_mode is not GpuComputeMode.EXCLUSIVE_PROCESS:
+            noted.discard(g.uuid)
+            return
+        if before is not None or g.containers or g.requested_bytes or g.uuid in noted:
+            return
+        noted.add(g.uuid)
+        log.warning("GPU %s is in EXCLUSIVE_PROCESS with no fractional container on it, and the "
+                    "agent has no record of setting it: left as it is; if an earlier "
+                    "kai-fractions release set it (releases before the record did not give it "
+                    "back), reset it with nvidia-smi -i %s -c DEFAULT", g.uuid, g.uuid)
 
     def _record_switch(self, uuid: str, before: GpuComputeMode) -> None:
         """Before the agent puts a GPU in EXCLUSIVE_PROCESS: the mode to give back later,

@@ -11,15 +11,22 @@ namespaces rely on the daemon or are ours.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Protocol
 
 from ..contract import is_mps_namespace_name
 from .config import Mechanism
-from .desired import ComputeEnforcement, ContainerDesired, DesiredState
+from .desired import ComputeEnforcement, ContainerDesired, ContainerKey, DesiredState
 from .engine_mps_namespaces import NamespaceStep, uncap
 from .engine_reports import Issue, _issue
 from .errors import NodeError
-from .mps.errors import NAMESPACE_BUSY, MpsError
+from .mps.errors import (
+    MPS_BINARY_NOT_FOUND,
+    MPS_DAEMON_NOT_ANSWERING,
+    MPS_DAEMON_UNREACHABLE,
+    NAMESPACE_BUSY,
+    MpsError,
+)
 from .mps_caps import (
     CAP_NOT_IN_FORCE_REASONS,
     MpsClientLike,
@@ -28,10 +35,13 @@ from .mps_caps import (
     cap_not_set_attached,
     cap_not_verified,
 )
-from .mps_pinned import DAEMON_NOT_RUNNING, suspect_error
+from .mps_pinned import DAEMON_NOT_RUNNING, MPS_PINNED_LIMIT_LOST, suspect_error
+from .plan_refusals import PINNED_NOT_A_TIER, hard_tiers_of
 
 if TYPE_CHECKING:
     from .engine import Engine  # which builds on this module
+
+log = logging.getLogger(__name__)
 
 # -- the MPS control seam as the engine uses it (kai_fractions.node.mps.control.MpsControl and
 # kai_fractions.sim.mps.FakeMpsControl both fit) ------------------------------------------------
@@ -62,6 +72,14 @@ def relies_on_mps(c: ContainerDesired) -> bool:
             or Mechanism.MPS_PINNED in c.mechanisms)
 
 
+def pinned_is_a_tier(c: ContainerDesired) -> bool:
+    """Whether `c`'s GPUs' default pinned limit is one of its memory tiers (`hard_tiers_of`):
+    mps-pinned in an MPS namespace of its own. On a daemon without namespaces the limit is set
+    but caps nothing the agent vouches for (its tenants can change it), so losing it holds no
+    container back and sets no marker aside."""
+    return Mechanism.MPS_PINNED in hard_tiers_of(c.mechanisms, c.compute)
+
+
 def is_our_namespace(name: str) -> bool:
     """Only namespaces the contract's naming makes are ours to delete, never an operator's."""
     return is_mps_namespace_name(name)
@@ -85,6 +103,35 @@ def caps_not_on_daemon(engine: Engine, desired: DesiredState, cause: str) -> Non
                 Mechanism.MPS_PINNED in c.mechanisms and g.uuid in c.plan.device_uuids
                 for c in needs_mps):
             engine.pins.daemon_gone(g.index, g.uuid, g.mps_pinned_mib, cause)
+
+
+NO_ANSWER = frozenset({MPS_DAEMON_UNREACHABLE, MPS_DAEMON_NOT_ANSWERING, MPS_BINARY_NOT_FOUND})
+"""The reasons of a command that no daemon answered: it may have died (mid-pass: the supervisor's
+next check tells), and the MPS server that enforces an sm-sharing container's share of the SMs
+with it."""
+
+
+class _SeenErrors:
+    """The pinned-limit commands of `PinnedLimits.ensure`, noting each error the daemon gave
+    (`seen`) before `ensure` words it as a loss: whether any daemon answered at all."""
+
+    def __init__(self, mps: MpsControlLike):
+        self.mps = mps
+        self.seen: list[NodeError] = []
+
+    def get_default_pinned_mem_limit(self, device_index: int) -> str:
+        try:
+            return self.mps.get_default_pinned_mem_limit(device_index)
+        except NodeError as e:
+            self.seen.append(e)
+            raise
+
+    def set_default_pinned_mem_limit(self, device_index: int, mib: int) -> str:
+        try:
+            return self.mps.set_default_pinned_mem_limit(device_index, mib)
+        except NodeError as e:
+            self.seen.append(e)
+            raise
 
 
 def _has_namespaces(mps: MpsControlLike) -> bool:
@@ -143,18 +190,49 @@ class MpsStep(NamespaceStep):
                      and (made is None or c.mps_namespace in made)]
             if g.mps_pinned_mib is None or (made is not None and not users):
                 continue
+            control = _SeenErrors(mps)
             try:
-                self.e.pins.ensure(mps, g.index, g.uuid, g.mps_pinned_mib,
+                self.e.pins.ensure(control, g.index, g.uuid, g.mps_pinned_mib,
                                    [c.mps_namespace for c in users if c.mps_namespace])
             except NodeError as e:
-                self.fail((c.key for c in users), e)
-                self.unpinned.update(c.key for c in users)
+                capped = [c.key for c in users if pinned_is_a_tier(c)]
+                self.fail(capped, e)
+                self.unpinned.update(capped)
+                if len(capped) < len(users):
+                    self._not_a_tier(g.index, g.uuid, g.mps_pinned_mib, e, control.seen,
+                                     [c.key for c in users if not pinned_is_a_tier(c)])
             if made is None:
                 continue
             self.e.pins.confirm(made)  # just made: there
             for c in users:
                 if c.mps_namespace in self.e.pins.suspect:
                     self.fail([c.key], suspect_error(c.mps_namespace or ""))
+
+    def _not_a_tier(self, index: int, uuid: str, mib: int, error: NodeError,
+                    seen: list[NodeError], keys: list[ContainerKey]) -> None:
+        """A GPU's default pinned limit not known in force (`error`; `seen`: the daemon's own
+        errors) where it is no tier of its containers (`keys`, `pinned_is_a_tier`): a node
+        issue (the next pass sets it again), not theirs, which their other tiers cap. Unless
+        no daemon answered: the MPS server their share of the SMs needs may be gone with it,
+        so they are pending with that error (the supervisor's next check tells)."""
+        gone = next((e for e in seen if e.reason in NO_ANSWER), None)
+        if gone is not None:
+            self.fail(keys, gone)
+            return
+        issue = self._not_a_tier_issue(index, uuid, mib, error)
+        log.warning("%s", issue.message)
+        self.issues.append(issue)
+
+    def _not_a_tier_issue(self, index: int, uuid: str, mib: int, error: NodeError) -> Issue:
+        """The node issue of `_not_a_tier`."""
+        loss = self.e.pins.lost.get(index)
+        why = (loss.cause if error.reason == MPS_PINNED_LIMIT_LOST and loss is not None
+               else error.message)
+        return Issue(error.reason, (
+            f"the MPS daemon's default pinned device memory limit of GPU {index} ({uuid}) is "
+            f"not known to be the plan's {mib} MiB ({error.reason}: {why}); it is no tier of "
+            f"the sm-sharing containers there ({PINNED_NOT_A_TIER}), so they stay applied on "
+            "the tiers that cap them; the agent sets it again at the next pass"))
 
     def sweep_namespaces(self) -> None:
         """Delete MPS namespaces this engine made (by their name's shape) that no desired
@@ -192,8 +270,9 @@ class MpsStep(NamespaceStep):
     def pin_lost(self, c: ContainerDesired, since: NodeError | None = None
                  ) -> MpsError | None:
         """MpsPinnedLimitLost while a GPU of the mps-pinned container `c` is known to lack its
-        default pinned limit (`PinnedLimits.lost`); `since`: this pass's failure."""
-        if Mechanism.MPS_PINNED not in c.mechanisms:
+        default pinned limit (`PinnedLimits.lost`); `since`: this pass's failure. None where
+        that limit is no tier of `c` (`pinned_is_a_tier`)."""
+        if not pinned_is_a_tier(c):
             return None
         for g in self.d.gpus:
             if g.uuid in c.plan.device_uuids and g.mps_pinned_mib is not None:
@@ -204,8 +283,8 @@ class MpsStep(NamespaceStep):
 
     def pinned_gpus(self, c: ContainerDesired) -> list[int]:
         """The indexes of the GPUs whose default pinned limit the mps-pinned container `c`
-        relies on."""
-        if Mechanism.MPS_PINNED not in c.mechanisms:
+        relies on: none where it is no tier of `c` (`pinned_is_a_tier`)."""
+        if not pinned_is_a_tier(c):
             return []
         return [g.index for g in self.d.gpus
                 if g.uuid in c.plan.device_uuids and g.mps_pinned_mib is not None]

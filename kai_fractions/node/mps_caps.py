@@ -13,7 +13,14 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from .errors import NodeError
-from .mps.errors import COMMAND_FAILED, NAMESPACE_BUSY, NOT_APPLIED, MpsError
+from .mps import adoption
+from .mps.errors import (
+    COMMAND_FAILED,
+    DAEMON_ALREADY_RUNNING,
+    NAMESPACE_BUSY,
+    NOT_APPLIED,
+    MpsError,
+)
 from .mps_pinned import MPS_PINNED_LIMIT_LOST
 
 
@@ -31,10 +38,11 @@ NAMESPACE_CAP_NOT_SET = "NamespaceCapNotSet"
 active-thread percentage because the daemon did not take a step of making it: its set failed and
 it was deleted (no client may attach to it uncapped; the next pass makes it again), or could not
 be deleted either (a client attaching to it would run uncapped for its lifetime), or it could not
-be created. Also a container whose MPS caps went with an MPS control daemon that is not running
-(`cap_gone_with_daemon`: its namespace, or on a driver without namespaces the MPS server that
-enforces its client env; an mps-pinned one without a namespace gets MpsPinnedLimitLost). The
-message says which."""
+be created. Also a container whose MPS caps went with an MPS control daemon that is not running,
+or are not on the one that runs, which the agent did not adopt (`cap_gone_with_daemon`: its
+namespace, or on a driver without namespaces the MPS server that enforces its client env; one
+without a namespace whose pinned limit is a tier gets MpsPinnedLimitLost). The message says
+which."""
 CAP_NOT_IN_FORCE_REASONS = frozenset({NAMESPACE_CAP_UNVERIFIED, NAMESPACE_CAP_NOT_SET,
                                       MPS_PINNED_LIMIT_LOST})
 """The reasons of a container pending with `ContainerResult.mps_cap_missing`, and only of such a
@@ -141,19 +149,26 @@ def cap_gone_with_daemon(name: str | None, pct: int | None, error: NodeError, *,
     container's MPS caps went with it: its namespace `name` and that namespace's percentage
     `pct` (None: a driver without namespaces, where the MPS server enforces the client env's
     percentage), and the default pinned device memory limit of its GPUs `pinned` (their
-    indexes: an mps-pinned container's). Reason: `gone_with_daemon_reason`."""
-    gone = []
+    indexes: where that limit is a tier of the container, `engine_mps.pinned_is_a_tier`).
+    Reason: `gone_with_daemon_reason`. A daemon that runs
+    but is not adopted (MpsDaemonAlreadyRunning) holds none of them either, and is told as
+    such (`_not_on_unusable_daemon`): it is not "not running", and the agent does not start
+    another while it holds the pipe directory."""
+    caps = []
     if name is not None:
-        gone.append(f"MPS namespace {name} and its active-thread percentage {pct}")
+        caps.append(f"MPS namespace {name} and its active-thread percentage {pct}")
     if pinned:
         gpus = ("GPUs " if len(pinned) > 1 else "GPU ") + ", ".join(map(str, pinned))
-        gone.append(f"the default pinned device memory limit of {gpus}")
-    if name is None:
-        gone.append("the MPS server its clients reach, which enforces its share of the SMs")
+        caps.append(f"the default pinned device memory limit of {gpus}")
     back = " and ".join(
         (["the namespace is made again with its percentage"] if name is not None else [])
         + (["the limit is set again"] if pinned else [])) or "its clients can reach it again"
-    return MpsError(gone_with_daemon_reason(name is not None, bool(pinned)), (
+    reason = gone_with_daemon_reason(name is not None, bool(pinned))
+    if error.reason == DAEMON_ALREADY_RUNNING:
+        return _not_on_unusable_daemon(reason, caps, back, error)
+    gone = caps if name is not None else [
+        *caps, "the MPS server its clients reach, which enforces its share of the SMs"]
+    return MpsError(reason, (
         f"the MPS control daemon is not running ({error.reason}: {error.message}), and "
         f"{' and '.join(gone)} went with it (a daemon's namespaces and settings die with it). "
         "A CUDA process of the container started now would not reach MPS and would run as "
@@ -161,6 +176,22 @@ def cap_gone_with_daemon(name: str | None, pct: int | None, error: NodeError, *,
         "pending, and its readiness marker set aside, until the daemon runs again and "
         f"{back} (the agent starts it again, with a backoff; if this persists, check "
         "--mps-control-binary and the MPS log directory)"))
+
+
+def _not_on_unusable_daemon(reason: str, caps: list[str], back: str, error: NodeError
+                            ) -> MpsError:
+    """`cap_gone_with_daemon` for a daemon that runs but is not adopted (`error`): the agent
+    applies nothing through it, so the container's `caps` are not in force; the remedy is to
+    stop that daemon (`adoption.stop_it`)."""
+    held = (" and ".join(caps) + (" are" if len(caps) > 1 else " is") if caps
+            else "its share of the SMs, as an MPS server of a daemon the agent uses enforces "
+                 "it, is")
+    return MpsError(reason, (
+        f"{adoption.not_usable(error)}, and {held} not in force through it (the agent applies "
+        "nothing through a daemon it did not adopt). A CUDA process of the container started "
+        "now would run without the agent's MPS caps. The container stays pending, and its "
+        "readiness marker set aside, until a daemon the agent can use runs and "
+        f"{back}: {adoption.stop_it()}"))
 
 
 def cap_not_verified(name: str, pct: int, error: NodeError) -> MpsError:

@@ -230,10 +230,13 @@ def _no_cap(inventory: Inventory, config: NodeConfig, sm: bool, running: bool = 
                 if not sm and Mechanism.MPS_PINNED in wanted
                 else f", {PINNED_NOT_A_TIER}" if legacy else "")
         if running:  # applied before this rule: it runs, and nothing stops it
-            now = ("; this container was started before such a watchdog was refused and runs "
-                   "without a cap now: its processes are left running and their use over the "
-                   "cap is only reported (LimitViolation events), and it will not start again "
-                   "after its pod's sandbox restarts")
+            # Here every earlier release counted mps-pinned as its tier: that is why it runs.
+            since = ("while mps-pinned still counted as a tier on this daemon (an earlier "
+                     "release of the agent)" if legacy else "before such a watchdog was refused")
+            now = (f"; this container was started {since} and runs without a cap now: its "
+                   "processes are left running and their use over the cap is only reported "
+                   "(LimitViolation events), and it will not start again after its pod's "
+                   "sandbox restarts")
             cap = "to cap it (the watchdog then stops what exceeds the cap)"
         else:
             now = " (the container would run without a cap)"

@@ -56,6 +56,8 @@ _SYSTEMD_CONTAINER = re.compile(
     r"(?P<rt>cri-containerd|crio|docker)-(?P<id>[0-9a-f]{12,64})\.scope")
 _CGROUPFS_CONTAINER = re.compile(r"(?:(?P<rt>cri-containerd|crio|docker)-)?(?P<id>[0-9a-f]{12,64})")
 _RUNTIMES = {"cri-containerd": "containerd", "crio": "crio", "docker": "docker"}
+_GONE = ("Z", "X", "x")
+"""The states (`stat`'s third field) of a process that has exited: a zombie, or dead."""
 _CGROUPFS_QOS = ("besteffort", "burstable")
 """The QoS level of a cgroupfs pod path (a Guaranteed pod sits right under kubepods)."""
 _POD_SHAPED = re.compile(r"(?:.*-)?pod(?P<uid>[0-9a-fA-F_-]{32,36})(?:\.slice)?")
@@ -284,7 +286,7 @@ class Procfs:
 
     def is_alive(self, pid: int) -> bool:
         """Runs (a zombie nobody reaped yet counts as gone: it holds no GPU and no lock)."""
-        return self.state(pid) not in (None, "Z", "X", "x")
+        return self.state(pid) not in (None, *_GONE)
 
     def threads(self, pid: int) -> int:
         """How many threads of the process are left (`task/`); 0 when there is no such pid."""
@@ -322,9 +324,18 @@ class Procfs:
 
     def environ(self, pid: int) -> dict[str, str] | None:
         """The environment the process started with (`environ`, as exec gave it); None when it
-        is gone. Raises OSError (PermissionError: another user's process, unless root) when
-        the entry is there but cannot be read: what it holds is then unknown, not empty."""
+        is gone, or cannot be read yet: a zombie, or a process whose environ and cmdline both
+        read empty (the kernel shows neither while exec builds the new image, nor once an
+        exiting process's memory is gone, nor for a kernel thread). An empty environment of a
+        process with a command line is one it was started with (`env -i`): {}. Raises OSError
+        (PermissionError: another user's process, unless root) when the entry is there but
+        cannot be read: what it holds is then unknown, not empty."""
         raw = self._read_bytes(str(int(pid)), "environ")
+        if raw is not None and not raw.strip(b"\0"):
+            if not self.cmdline(pid) or self.state(pid) in _GONE:
+                return None
+            # Its cmdline reads now: exec may have finished only since the first read.
+            raw = self._read_bytes(str(int(pid)), "environ")
         if raw is None:
             return None
         env: dict[str, str] = {}

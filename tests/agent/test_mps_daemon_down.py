@@ -41,13 +41,12 @@ SETUPS: dict[str, Any] = {
     # a namespace, no mps-pinned tier
     "v3-cgroup": (lambda: dict(memory_enforcement="cgroup,watchdog"), "NamespaceCapNotSet",
                   ["MPS namespace {ns} and its active-thread percentage 50"]),
-    # no namespaces: the pinned limit (set, though no tier there: the kill watchdog caps it),
-    # and the MPS server the client env names
+    # no namespaces: the MPS server the client env names; the pinned limit is set there but
+    # no tier (the kill watchdog caps it), so it is not what the reason or message names
     "535-driver": (lambda: dict(nvml=FakeNvml.simulated(2, model="H100-80GB", seed=NODE,
                                                          driver_version="535.104.05"),
-                                mps_v3=False, watchdog_policy="kill"), "MpsPinnedLimitLost",
-                   ["the default pinned device memory limit of GPU 0",
-                    "the MPS server its clients reach"]),
+                                mps_v3=False, watchdog_policy="kill"), "NamespaceCapNotSet",
+                   ["the MPS server its clients reach"]),
     # no namespaces, no mps-pinned tier: the MPS server alone enforces its share of the SMs
     "client-env": (lambda: dict(mps_v3=False, memory_enforcement="cgroup,watchdog"),
                    "NamespaceCapNotSet", ["the MPS server its clients reach"]),

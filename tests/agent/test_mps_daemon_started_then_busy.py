@@ -33,13 +33,9 @@ BUSY = MpsError(e.MPS_DAEMON_BUSY, "the MPS control daemon is serving another cl
 SETUPS = {
     # a namespace per container (v3): its namespace list is the first command of the MPS step
     "v3": (dict, "namespace_list", "NamespaceCapNotSet", "MPS namespace kf_"),
-    # no namespaces (a 535 driver): the pinned limit's read is the first command
-    "535-driver": (lambda: dict(nvml=FakeNvml.simulated(2, model="H100-80GB", seed=NODE,
-                                                         driver_version="535.104.05"),
-                                mps_v3=False, watchdog_policy="kill"),
-                   "get_default_pinned_mem_limit", "MpsPinnedLimitLost",
-                   "the MPS control daemon was started since it was set"),
 }
+"""Without namespaces (a 535 driver) nothing the agent vouches for is put on the daemon:
+test_on_a_daemon_without_namespaces_a_busy_first_apply_keeps_the_marker."""
 
 
 def _busy_then_back(rig: Rig, uid: str, method: str, reason: str, said: str) -> None:
@@ -124,3 +120,34 @@ def test_an_adopted_daemon_answering_busy_keeps_the_marker(short_tmp: Path) -> N
     assert new.step().converged
     assert new.marker_path(uid).read_text() == written
     assert _reasons(new, uid) == ["Applied"]
+
+
+@pytest.mark.parametrize("fresh_agent", [False, True])
+def test_on_a_daemon_without_namespaces_a_busy_first_apply_keeps_the_marker(
+        short_tmp: Path, fresh_agent: bool) -> None:
+    """A 535 driver: the container's share of the SMs is its client env's, which any MPS server
+    the new daemon starts enforces, and its memory the kill watchdog's; the daemon's default
+    pinned limit is set there but no tier (its tenants can change it). A new daemon answering
+    the limit's read busy (the MPS step's first command) holds back nothing the marker vouches
+    for: the container stays applied, its marker as it was, and the next pass sets the limit.
+    It used to be set aside (MpsPinnedLimitLost)."""
+    rig = Rig(short_tmp, nvml=FakeNvml.simulated(2, model="H100-80GB", seed=NODE,
+                                                 driver_version="535.104.05"),
+              mps_v3=False, watchdog_policy="kill")
+    uid = _sm_pod(rig)
+    assert rig.step().converged
+    written = rig.marker_path(uid).read_text()
+    rig.mps.control.kill()
+    if fresh_agent:
+        rig = rig.restarted()
+    for _ in range(2):
+        rig.mps.control.inject("get_default_pinned_mem_limit", BUSY)
+        report = rig.step()
+        assert not report.converged and "MpsPinnedLimitLost" in report.errors
+        r = _result(rig, uid)
+        assert (r.state, r.not_in_force) == (ContainerState.APPLIED, False)
+        assert rig.marker_path(uid).read_text() == written and _gate(rig, uid) is Outcome.RELEASE
+    assert rig.step().converged
+    assert rig.mps.control.default_pinned_mib == {0: 20480}
+    assert rig.marker_path(uid).read_text() == written
+    assert _reasons(rig, uid) == ["Applied"]

@@ -135,3 +135,100 @@ def test_a_daemon_that_cannot_say_its_protocol_is_not_taken_for_one_without_name
     r = result(rig, uid)
     assert (r.state.value, r.reason) == ("pending", "CommandFailed")
     assert rig.marker_path(uid).read_text() == written
+
+
+def test_a_pinned_limit_not_put_back_holds_no_container_back(short_tmp: Path) -> None:
+    """No tier here, so losing the limit is no container's: a tenant lifts it and the put-back
+    is answered busy once. It used to set the marker aside (MpsPinnedLimitLost, a Warning, a
+    gate that waits) for a limit the marker never vouched for; now the container stays applied
+    on its watchdog, the pass reports the limit as a node issue, and the next one sets it."""
+    from kai_fractions.node.mps import errors as e
+    from kai_fractions.node.mps.errors import MpsError
+
+    rig = legacy_node(short_tmp, watchdog_policy=WatchdogPolicy.KILL)
+    uid = sm_pod(rig)
+    assert rig.step().converged
+    written = rig.marker_path(uid).read_text()
+    control = rig.mps.control
+    control.default_pinned_mib[0] = 80 * 1024  # a tenant lifts it
+    control.inject("set_default_pinned_mem_limit", MpsError(e.MPS_DAEMON_BUSY, "busy"))
+    report = rig.step()
+    assert not report.converged and "MpsPinnedLimitLost" in report.errors  # retried
+    r = result(rig, uid)
+    assert (r.state.value, r.not_in_force) == ("applied", False)
+    assert rig.marker_path(uid).read_text() == written and gate(rig, uid) is Outcome.RELEASE
+    assert rig.cluster.event_reasons(uid) == ["Applied"]
+    (a,) = node_state(rig.reconciler.view, NODE, None, "c").allocations
+    assert [x.mechanism for x in a.applied_limits] == ["watchdog"]  # still in force
+    assert rig.step().converged
+    assert control.default_pinned_mib == {0: 20480}
+
+
+def test_a_daemon_not_running_still_sets_the_marker_aside(short_tmp: Path) -> None:
+    """The pinned limit is no tier, but the container's share of the SMs is the MPS server's:
+    without a daemon it is not in force, and that is what the result says (not the limit)."""
+    rig = legacy_node(short_tmp, watchdog_policy=WatchdogPolicy.KILL)
+    uid = sm_pod(rig)
+    assert rig.step().converged
+    rig.mps.control.kill()
+    rig.mps.can_start = False
+    assert not rig.step().converged
+    r = result(rig, uid)
+    assert (r.state.value, r.reason, r.not_in_force) == ("pending", "NamespaceCapNotSet", True)
+    assert "the MPS server its clients reach" in r.message
+    assert "pinned" not in r.message
+    assert marker_of(rig, uid) is None and gate(rig, uid) is Outcome.WAIT
+
+
+def test_a_pod_applied_while_mps_pinned_was_its_tier_is_told_so_after_the_upgrade(
+        short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An earlier release applied it on mps-pinned (then a tier here) beside the default report
+    watchdog; the upgraded agent refuses it, and says why it runs: not "started before such a
+    watchdog was refused" (it was refused then too), but while mps-pinned counted as a tier."""
+    import kai_fractions.node.agent.marker_rules as marker_rules
+    import kai_fractions.node.plan_refusals as plan_refusals
+    from kai_fractions.node.config import HARD_TIERS, Mechanism
+
+    def earlier_rule(mechanisms, compute):  # mps-pinned a tier whatever the daemon
+        return frozenset(Mechanism(m) for m in mechanisms if m in {t.value for t in HARD_TIERS})
+
+    monkeypatch.setattr(plan_refusals, "hard_tiers_of", earlier_rule)
+    monkeypatch.setattr(marker_rules, "hard_tiers_of", earlier_rule)
+    rig = legacy_node(short_tmp)
+    uid = sm_pod(rig)
+    assert rig.step().converged
+    assert marker_of(rig, uid)["containers"]["main"]["state"] == "applied"
+    monkeypatch.undo()
+    upgraded = rig.restarted()
+    upgraded.step()
+    entry = marker_of(upgraded, uid)["containers"]["main"]
+    assert (entry["state"], entry["reason"]) == ("refused", "MemoryLimitsUnsupported")
+    assert ("this container was started while mps-pinned still counted as a tier on this "
+            "daemon (an earlier release of the agent) and runs without a cap now") \
+        in entry["message"]
+    assert "before such a watchdog was refused" not in entry["message"]
+
+
+def test_a_pinned_limit_no_daemon_answered_holds_the_container_back(short_tmp: Path) -> None:
+    """The limit's command found no daemon (it died in the pass, after the supervisor's check):
+    not the limit's loss but the MPS server's, which the container's share of the SMs needs.
+    It is pending with that error, its marker kept (a busy or slow daemon may hold it all)
+    until the supervisor's next check says whether it runs."""
+    from kai_fractions.node.mps import errors as e
+    from kai_fractions.node.mps.errors import MpsError
+
+    rig = legacy_node(short_tmp, watchdog_policy=WatchdogPolicy.KILL)
+    uid = sm_pod(rig)
+    assert rig.step().converged
+    written = rig.marker_path(uid).read_text()
+    control = rig.mps.control
+    control.default_pinned_mib[0] = 80 * 1024
+    control.inject("set_default_pinned_mem_limit",
+                   MpsError(e.MPS_DAEMON_UNREACHABLE, "no MPS control daemon answers"))
+    assert not rig.step().converged
+    r = result(rig, uid)
+    assert (r.state.value, r.reason, r.not_in_force) == ("pending", e.MPS_DAEMON_UNREACHABLE,
+                                                         False)
+    assert rig.marker_path(uid).read_text() == written
+    assert rig.step().converged
+    assert result(rig, uid).state.value == "applied"

@@ -1,8 +1,9 @@
 """The REAL MPS control daemon (the legacy 535 binary) gone under a running sm-sharing pod, with
 the real supervisor telling "not running" from "not answering":
 
-- SIGKILLed, and every start of a new one fails: the pod's readiness marker is set aside (its
-  pinned limit went with the daemon) until a daemon runs again with the limit set;
+- SIGKILLed, and every start of a new one fails: the pod's readiness marker is set aside (the
+  MPS server that enforces its share of the SMs went with the daemon; its pinned limit too,
+  though no tier on this daemon) until a daemon runs again with the limit set;
 - stopped by the agent that started it, at a graceful stop (SIGTERM: a rollout, `helm
   upgrade`): the marker is set aside before the daemon is asked to quit, and the next agent
   writes it again once it has applied everything on its own daemon. Both in-process and as the
@@ -129,7 +130,7 @@ def test_a_killed_daemon_that_cannot_be_started_again_sets_the_marker_aside(
         assert daemon.pid() is None
         result = wait_for(lambda: (r := agent.reconciler.view.results.get((uid, "main")))
                           and r.not_in_force and r, timeout=10, what="the pass's result")
-        assert result.reason == "MpsPinnedLimitLost"
+        assert result.reason == "NamespaceCapNotSet"  # the server's: the limit is no tier here
         assert result.message.startswith("the MPS control daemon is not running (")
         wait_for(lambda: "MpsCapNotInForce" in cluster.event_reasons(uid), timeout=10,
                  what="the warning")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -190,14 +191,103 @@ def test_procfs_reads_an_environment_and_a_command_line(tmp_path):
 
 
 def test_procfs_reads_a_real_process():
+    """Read once the child runs its own code: Popen returns while the child may still be in
+    execve, where the kernel shows neither its environ nor its cmdline (read empty: this
+    test used to flake on it)."""
     env = {"KF_PROBE": "a b", "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-    child = subprocess.Popen(["sleep", "30"], env=env)
+    argv = [sys.executable, "-c", "import sys, time; print('ready', flush=True); time.sleep(30)"]
+    child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
     try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
         procfs = Procfs()
         assert child.pid in procfs.pids()
         assert procfs.environ(child.pid) == env
-        assert procfs.cmdline(child.pid) == ["sleep", "30"]
+        assert procfs.cmdline(child.pid) == argv
         assert procfs.mount_namespace(child.pid) == procfs.mount_namespace("self")
     finally:
         child.kill()
         child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+
+
+def _stat(pid: int, state: str) -> bytes:
+    return f"{pid} (nvidia-cuda-mps) {state} 1 {pid} {pid} 0 -1".encode()
+
+
+def test_procfs_environ_not_readable_yet_is_none_not_empty(tmp_path):
+    """An environ that reads empty while the cmdline does too (a process in execve, or one
+    whose memory is gone as it exits) or of a zombie says nothing of the environment it has:
+    None (cannot be read yet), never {} (which the adoption check would take for
+    CUDA_DEVICE_ORDER unset, and refuse for good). A process started with an empty
+    environment (`env -i`) has a command line: {}."""
+    proc = tmp_path / "proc"
+    for pid, state, cmdline in ((10, "R", b""), (11, "Z", b""), (12, "S", b"env-i-child\0"),
+                                (13, "Z", b"x\0")):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "environ").write_bytes(b"")
+        (proc / str(pid) / "cmdline").write_bytes(cmdline)
+        (proc / str(pid) / "stat").write_bytes(_stat(pid, state))
+    procfs = Procfs(proc)
+    assert procfs.environ(10) is None  # in execve
+    assert procfs.environ(11) is None  # a zombie
+    assert procfs.environ(12) == {}  # started so
+    assert procfs.environ(13) is None  # exiting: state says so even with a cmdline left
+
+
+def test_the_agents_daemon_that_answers_then_exits_is_not_taken_for_a_stranger(dirs):
+    """It answered the health check and exited before its lock holder was looked up (SIGKILLed
+    in between): no daemon runs now, which is what the supervisor says (MpsDaemonUnreachable,
+    not running), not "a daemon whose process cannot be found" that is not adopted."""
+    runner, processes = RecordingRunner(), FakeProcesses()
+
+    def start(_call):
+        processes.pid = 5151
+        processes.alive.add(5151)
+        return CommandResult(0, "", "")
+
+    runner.respond([BIN], NO_DAEMON, "", stdin=LIST)
+    runner.respond([BIN, "-d"], start)
+    daemon = make(dirs, runner, processes=processes, protocol_v3=False)
+    assert daemon.ensure_running() is True
+    processes.alive.discard(5151)  # gone right after its answer below
+    assert daemon.ensure_running() is False
+    assert daemon.last_error.reason == "MpsDaemonUnreachable"
+    assert "pid 5151" in daemon.last_error.message and "answered, then exited" in \
+        daemon.last_error.message
+    assert daemon.not_running is True
+
+
+def test_procfs_environ_read_again_once_exec_finished(tmp_path):
+    """Its environ read empty while exec was still building the image, and its cmdline, read
+    next, shows exec done: the environment is read again rather than taken as empty."""
+    proc = tmp_path / "proc"
+    (proc / "20").mkdir(parents=True)
+    (proc / "20" / "environ").write_bytes(b"CUDA_DEVICE_ORDER=PCI_BUS_ID\0")
+    (proc / "20" / "cmdline").write_bytes(b"nvidia-cuda-mps-control\0-d\0")
+    (proc / "20" / "stat").write_bytes(_stat(20, "S"))
+
+    class MidExec(Procfs):
+        environ_reads = 0
+
+        def _read_bytes(self, *parts: str) -> bytes | None:
+            if parts[-1] == "environ":
+                self.environ_reads += 1
+                if self.environ_reads == 1:
+                    return b""  # the first look came before exec set it up
+            return super()._read_bytes(*parts)
+
+    procfs = MidExec(proc)
+    assert procfs.environ(20) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert procfs.environ_reads == 2
+
+
+def test_an_empty_environment_is_looked_at_again(dirs):
+    """An empty environment is refused, but not for good: it is what /proc may show of a
+    process caught mid-exec, and no daemon the agent starts has one."""
+    daemon, _, processes, _ = _found_running(dirs, {})
+    assert daemon.ensure_running() is False
+    assert "CUDA_DEVICE_ORDER unset" in daemon.last_error.message
+    processes.env[FOREIGN] = dict(GOOD_ENV)
+    assert daemon.ensure_running() is True
+    assert daemon.last_error is None and processes.killed == []

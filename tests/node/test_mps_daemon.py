@@ -41,7 +41,8 @@ GOOD_ENV = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 class FakeProcesses:
     """The daemon's process table: `pid` holds the lock while alive; `env` is each pid's
-    environment (GOOD_ENV when not given; an OSError to raise: unreadable); `unreachable`
+    environment (GOOD_ENV when not given; an OSError to raise: unreadable; None: cannot be
+    read yet, the process starting or exiting); `unreachable`
     are daemons started on the pipe directory that no longer hold its lock. SIGTERM ends a
     process unless `ignores_term`, SIGKILL always."""
 
@@ -50,7 +51,7 @@ class FakeProcesses:
         self.alive: set[int] = {pid} if pid else set()
         self.ignores_term = ignores_term
         self.killed: list[tuple[int, int]] = []
-        self.env: dict[int, dict[str, str] | OSError] = {}
+        self.env: dict[int, dict[str, str] | OSError | None] = {}
         self.unreachable: list[int] = []
 
     def daemon_pid(self, pipe_dir: str) -> int | None:
@@ -62,7 +63,7 @@ class FakeProcesses:
         env = self.env.get(pid, GOOD_ENV)
         if isinstance(env, OSError):
             raise env
-        return dict(env)
+        return None if env is None else dict(env)
 
     def unreachable_daemons(self, pipe_dir: str) -> list[int]:
         return [pid for pid in self.unreachable if pid in self.alive and pid != self.pid]

@@ -2,7 +2,9 @@
 (a restarted daemon forgets it) and that cannot be set again is never vouched for: its pod's
 readiness marker is set aside and its MPS namespace is not made again until the limit is back,
 so no gate (a restarted sandbox's) lets a client in, and no client starts an MPS server, without
-it. A read of the limit that merely fails says nothing of what is in force: the marker stays."""
+it. A read of the limit that merely fails says nothing of what is in force: the marker stays.
+On a daemon without namespaces, where the limit is set but no tier, its loss holds no container
+back."""
 
 from __future__ import annotations
 
@@ -28,12 +30,16 @@ SETUPS: dict[str, Any] = {
     "v3-every-tier": dict,
     # mps-pinned is the only hard memory tier (the watchdog only reports)
     "v3-pinned-only": lambda: dict(memory_enforcement="mps-pinned,watchdog"),
-    # no namespaces: the pinned limit is set but no tier (its tenants can change it), so the
-    # container is applied with a kill watchdog; a lost limit still sets its marker aside
-    "535-driver": lambda: dict(nvml=FakeNvml.simulated(2, model="H100-80GB", seed=NODE,
-                                                       driver_version="535.104.05"),
-                               mps_v3=False, watchdog_policy="kill"),
 }
+"""Where the pinned limit is a tier. Without namespaces (a 535 driver) it is set but no tier:
+test_on_a_daemon_without_namespaces_a_lost_limit_holds_no_container_back."""
+
+
+def _legacy(short_tmp: Path) -> Rig:
+    """A 535 driver (an MPS daemon without namespaces) with a kill watchdog."""
+    return Rig(short_tmp, nvml=FakeNvml.simulated(2, model="H100-80GB", seed=NODE,
+                                                  driver_version="535.104.05"),
+               mps_v3=False, watchdog_policy="kill")
 
 
 def _applied_sm_pod(short_tmp: Path, setup: str = "v3-every-tier") -> tuple[Rig, str]:
@@ -256,3 +262,31 @@ def test_a_namespace_not_there_is_not_taken_for_one_without_the_pinned_limit(
     n = len(control.calls)
     assert rig.step().converged
     assert "namespace_delete" not in [m for m, _ in control.calls[n:]]  # made once, as usual
+
+
+def test_on_a_daemon_without_namespaces_a_lost_limit_holds_no_container_back(short_tmp: Path
+                                                                            ) -> None:
+    """A 535 driver: the limit is set but no tier (its tenants can change it), so the container
+    is applied on a kill watchdog. A restarted daemon that forgot the limit and a set answered
+    busy leave it applied, its marker as it was (no Warning, a gate releases): the pass reports
+    the limit as the node's issue and the next one sets it. It used to set the marker aside
+    (MpsPinnedLimitLost) for a limit the marker never vouched for."""
+    rig = _legacy(short_tmp)
+    uid = rig.add(pod("sm", notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
+                  )["metadata"]["uid"]
+    assert rig.step().converged
+    written = rig.marker_path(uid).read_text()
+    control = rig.mps.control
+    control.kill()  # the agent restarts it: the pinned limit is gone
+    control.inject("set_default_pinned_mem_limit", BUSY, times=2)
+    for _ in range(2):
+        report = rig.step()
+        assert not report.converged and "MpsPinnedLimitLost" in report.errors
+        r = _result(rig, uid)
+        assert (r.state, r.mps_cap_missing) == (ContainerState.APPLIED, False)
+        assert control.default_pinned_mib == {}
+        assert rig.marker_path(uid).read_text() == written
+        assert _gate(rig, uid) is Outcome.RELEASE
+    assert rig.step().converged
+    assert control.default_pinned_mib == {0: 20480}
+    assert rig.cluster.event_reasons(uid) == ["Applied"]

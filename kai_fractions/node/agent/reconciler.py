@@ -61,6 +61,7 @@ from ..engine_mps import caps_not_on_daemon
 from ..errors import NodeError
 from ..inventory import Inventory
 from ..limit_ledger import FileLimitLedger
+from ..mps.adoption import not_usable
 from ..mps.errors import DAEMON_ALREADY_RUNNING
 from ..mps_pinned import DAEMON_STARTED
 from ..nvml import Nvml
@@ -491,8 +492,7 @@ def _by_pod(results: Mapping[ContainerKey, ContainerResult]
 
 def _not_running_cause(error: NodeError) -> str:
     if error.reason == DAEMON_ALREADY_RUNNING:  # runs, but not adopted: holds nothing of ours
-        return (f"the MPS control daemon that runs is not one the agent can use ({error.reason}: "
-                f"{error.message}), so none of the namespaces, active-thread percentages and "
+        return (f"{not_usable(error)}, so none of the namespaces, active-thread percentages and "
                 "default pinned limits the agent set is on it (a gate of the pod waits); the "
                 "marker is written again once a daemon the agent uses runs and they are "
                 "applied again")

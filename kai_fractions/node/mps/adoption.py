@@ -12,6 +12,7 @@ from `/proc/<pid>/environ`; one that cannot be read is not guessed at.
 
 from __future__ import annotations
 
+from ..errors import NodeError
 from . import errors as e
 from .control import ENV_DEVICE_ORDER
 from .errors import MpsError
@@ -26,11 +27,30 @@ _WHY = {
 }
 
 
+NOT_USABLE = "the MPS control daemon that runs is not one the agent can use"
+"""How a daemon not adopted (MpsDaemonAlreadyRunning) is named wherever what it lacks is
+reported: it runs, so "not running" (and "the agent starts it again") would send the reader to
+the wrong fix."""
+
+
+def not_usable(error: NodeError) -> str:
+    """`NOT_USABLE`, with `error` (MpsDaemonAlreadyRunning: why it is not adopted)."""
+    return f"{NOT_USABLE} ({error.reason}: {error.message})"
+
+
+def stop_it(pipe_dir: str | None = None) -> str:
+    """What to do about a daemon not adopted: stop it (the command, where `pipe_dir` is known;
+    else the refusal quoted before names it), or leave the pipe directory to the agent."""
+    how = (f" (`echo quit | CUDA_MPS_PIPE_DIRECTORY={pipe_dir} nvidia-cuda-mps-control`, or "
+           "`-q` for a v3 daemon)" if pipe_dir is not None
+           else " (the MpsDaemonAlreadyRunning reason above has the command)")
+    return (f"stop {'it' if pipe_dir is not None else 'that daemon'}{how} and the agent starts "
+            "its own, or let the agent alone own the pipe directory")
+
+
 def _what_to_do(pipe_dir: str) -> str:
-    return (f"it is not adopted (nothing is applied through it, and it is left running): stop "
-            f"it (`echo quit | CUDA_MPS_PIPE_DIRECTORY={pipe_dir} nvidia-cuda-mps-control`, "
-            "or `-q` for a v3 daemon) and the agent starts its own, or let the agent alone own "
-            "the pipe directory")
+    return ("it is not adopted (nothing is applied through it, and it is left running): "
+            + stop_it(pipe_dir))
 
 
 def environment_problem(pid: int, env: dict[str, str], expected: dict[str, str],

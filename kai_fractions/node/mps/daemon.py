@@ -179,6 +179,9 @@ class MpsDaemon:
         does not show its pid), or one adopted after its environment was checked."""
         self._refused: tuple[int | None, MpsError] | None = None
         """The daemon not adopted (its pid) and why; None while the daemon is usable."""
+        self._recheck = False
+        """`_refused` holds only until the next look: its environment could not be read yet
+        (a process still starting, or exiting), which proves nothing either way."""
 
     # ------------------------------------------------------------------ queries
 
@@ -316,7 +319,7 @@ class MpsDaemon:
         self._restart_pending = self._restart_pending or self._seen_running
         self._needs_reapply = True
         self._launched_unseen = True
-        self._refused = None
+        self._refused, self._recheck = None, False
 
     def _adoption_refused(self) -> MpsError | None:
         """None when the daemon that answers may be used: the one launched here (its pid is
@@ -325,7 +328,8 @@ class MpsDaemon:
         used nor stopped."""
         pid = self.pid()
         if self._launched_unseen:
-            self._launched_unseen, self._trusted, self._refused = False, pid, None
+            self._launched_unseen, self._trusted = False, pid
+            self._refused, self._recheck = None, False
             return None
         trusted = self._trusted
         if trusted is not _NOBODY:
@@ -333,30 +337,55 @@ class MpsDaemon:
                 return None
             if pid is None and (trusted is None or self.processes.is_alive(int(trusted))):
                 return None  # no lock holder seen: the trusted one, which still runs
-        if self._refused is not None and self._refused[0] == pid:
-            return self._refused[1]
-        refusal = self._check_environment(pid)
+            if pid is None:  # it answered, then exited: none runs now, not a stranger
+                return MpsError(
+                    e.MPS_DAEMON_UNREACHABLE,
+                    f"the MPS control daemon pid {trusted} on {self.pipe_dir} answered, then "
+                    "exited; the supervisor starts another")
+        refusal = self._foreign_refusal(pid)
         if refusal is None:
             log.info("MPS control daemon pid %d on %s, not started by this agent, numbers the "
                      "GPUs as the agent does: adopted", pid, self.pipe_dir)
-            self._trusted, self._refused = pid, None
-            return None
-        log.warning("%s", refusal.message)
-        self._refused = (pid, refusal)
+            self._trusted, self._refused, self._recheck = pid, None, False
         return refusal
 
-    def _check_environment(self, pid: int | None) -> MpsError | None:
-        if pid is None:
+    def _foreign_refusal(self, pid: int | None) -> MpsError | None:
+        """Why the lock holder `pid`, not the trusted daemon, is not the agent's: its
+        environment numbers the GPUs otherwise, or cannot be read (`adoption`); None when it
+        numbers them as the agent's own starts do (one this agent launched before a restart
+        of its own, say). A refusal is remembered for that pid (`_refused`, logged once),
+        except one whose environment could not be read yet, checked again at the next look."""
+        if self._refused is not None and self._refused[0] == pid and not self._recheck:
+            return self._refused[1]
+        refusal, final = self._check_environment(pid)
+        if refusal is None:
+            self._refused, self._recheck = None, False  # whatever was refused holds no lock now
+            return None
+        if self._refused is None or self._refused != (pid, refusal):
+            log.warning("%s", refusal.message)
+        self._refused, self._recheck = (pid, refusal), not final
+        return refusal
+
+    def _check_environment(self, pid: int | None) -> tuple[MpsError | None, bool]:
+        """The adoption check of `pid`'s environment, and whether its answer is final (False:
+        the environment could not be read yet, the process starting or exiting, or reads
+        empty, or no process holds the lock)."""
+        if pid is None:  # (or the daemon exited right after it answered: looked at again)
             return adoption.unreadable(
                 None, self.pipe_dir, f"no process holds {self.pipe_dir}/{LOCK_FILE} in "
-                "/proc/locks; the agent must run in the host's pid namespace")
+                "/proc/locks; the agent must run in the host's pid namespace"), False
         try:
             env = self.processes.environ(pid)
         except OSError as err:
-            return adoption.unreadable(pid, self.pipe_dir, f"/proc/{pid}/environ: {err}")
+            return adoption.unreadable(pid, self.pipe_dir, f"/proc/{pid}/environ: {err}"), True
         if env is None:
-            return adoption.unreadable(pid, self.pipe_dir, "its process exited meanwhile")
-        return adoption.environment_problem(pid, env, self.control.env, self.pipe_dir)
+            return adoption.unreadable(
+                pid, self.pipe_dir, f"/proc/{pid}/environ cannot be read yet: the process is "
+                "starting or exiting (it is checked again at the next look)"), False
+        # An empty one is looked at again too: what /proc shows of a process caught between
+        # the steps of its exec, and no daemon the agent starts (it passes its pipe directory).
+        return (adoption.environment_problem(pid, env, self.control.env, self.pipe_dir),
+                bool(env))
 
     def _answered(self) -> None:
         """A daemon answered: if it is a restart, it counts now."""
@@ -380,14 +409,20 @@ class MpsDaemon:
         is given time: killing it would kill every tenant's MPS clients, and a daemon that
         is only slow answers again. False when no daemon process is left (start one) or it
         has stayed silent for `wedged_checks` checks over `wedged_after` seconds (wedged:
-        `_launch` kills it first)."""
+        `_launch` kills it first). A lock holder other than the trusted daemon is taken for
+        wedged only once its environment shows it numbers the GPUs as the agent's own starts
+        do (`_foreign_refusal`): one that does not, or cannot be read, is another's, reported
+        (True, MpsDaemonAlreadyRunning) and never killed, silent or not."""
         pid = self.pid()
         if pid is None:
             self._silent_since, self._silent_checks = None, 0
             return False
-        if self._refused is not None and self._refused[0] == pid:
-            self.last_error = self._refused[1]  # not adopted: not ours to kill, silent or not
-            return True
+        if pid != self._trusted:
+            refusal = self._foreign_refusal(pid)
+            if refusal is not None:  # not adopted: not ours to kill, silent or not
+                self._silent_since, self._silent_checks = None, 0
+                self.last_error = refusal
+                return True
         now = self.clock.monotonic()
         if self._silent_since is None:
             self._silent_since = now
@@ -474,10 +509,16 @@ class MpsDaemon:
     def _kill_wedged(self) -> str | None:
         """A daemon that holds the lock but does not answer blocks every new start (reached
         only once `_not_answering` gave it up, or when it appeared during a start). Returns
-        the cause of the restart when there was one."""
+        the cause of the restart when there was one. One that is not the trusted daemon and
+        whose environment is not the agent's (`_foreign_refusal`) is not killed: the start
+        fails with that refusal instead."""
         pid = self.pid()
         if pid is None:
             return None
+        if pid != self._trusted:
+            refusal = self._foreign_refusal(pid)
+            if refusal is not None:
+                raise refusal
         log.warning("MPS control daemon pid %d holds %s but does not answer: killing it",
                     pid, self.pipe_dir)
         self.processes.kill(pid, signal.SIGKILL)

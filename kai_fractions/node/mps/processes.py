@@ -37,7 +37,8 @@ class DaemonProcesses(Protocol):
     def daemon_pid(self, pipe_dir: str) -> int | None: ...
 
     def environ(self, pid: int) -> dict[str, str] | None:
-        """None when the process is gone; raises OSError when it cannot be read."""
+        """None when the process is gone, or its environment cannot be read yet (it is
+        starting or exiting: `Procfs.environ`); raises OSError when it cannot be read."""
         ...
 
     def unreachable_daemons(self, pipe_dir: str) -> list[int]:
