@@ -311,11 +311,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         agent.start()
     except (SocketError, StartError, OSError) as e:
-        agent.stop(timeout=5)  # closes the cluster too; publishes nothing: it never ran
-        api_client.close()
         # SocketError and StartError name their flag; any other error is said as it came.
-        return _fail(str(e) if isinstance(e, SocketError | StartError) else
-                     f"cannot start: {e.strerror or e}")
+        why = (str(e) if isinstance(e, SocketError | StartError) else
+               f"cannot start: {e.strerror or e}")
+        agent.stop(timeout=5, start_error=why)  # closes the cluster too
+        api_client.close()
+        return _fail(why)
     try:
         while not agent.wait(1.0):
             pass

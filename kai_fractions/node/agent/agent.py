@@ -3,8 +3,8 @@ shutdown order.
 
 Shutdown (SIGTERM): stop watching, let the worker finish the task in progress (a pass is never cut
 between its apply and its markers, and markers are written only after an apply), publish the
-condition one last time (False, NotReconciling: the agent is stopping; not after a start that
-failed, which never ran), close the socket, stop the MPS control daemon only if this agent started
+condition one last time (False, NotReconciling: the agent is stopping; after a start that failed,
+why it could not start), close the socket, stop the MPS control daemon only if this agent started
 it (the readiness markers that rely on it set aside first: `Reconciler.close`), close the
 Kubernetes connections (`PodSource.close`). Nothing is drained or released: the workloads keep
 running with their limits in force, and the next agent adopts them. A worker that does not finish
@@ -29,6 +29,7 @@ from ..nvml import Nvml
 from ..procfs import Procfs
 from ..watchdog import Killer
 from .condition import (
+    NOT_RECONCILING,
     Condition,
     Liveness,
     StatusPublisher,
@@ -167,7 +168,8 @@ class NodeAgent:
         thread.start()
         self._threads.append(thread)
 
-    def stop(self, timeout: float = 20.0) -> None:
+    def stop(self, timeout: float = 20.0, *, start_error: str | None = None) -> None:
+        """`start_error`: why `start` failed (the caller's words), said in the condition."""
         self._stopping = True
         self._stop.set()  # the watcher cancels its list + watch at once
         if self.status is not None:
@@ -176,10 +178,14 @@ class NodeAgent:
         for thread in self._threads:
             if thread is not self.worker.thread:
                 thread.join(2.0)
-        if self.status is not None and self._running:
-            # An agent whose start failed never published, nor checked anything: saying the
-            # node is "not reconciling" would be a word from a process that never ran.
-            cond = self.condition()
+        if self.status is not None:
+            # An agent whose start failed checked nothing, but the condition an agent before it
+            # left (True, if it was killed) must not go on saying the node is ready: it says
+            # why no agent runs.
+            cond = (self.condition() if self._running else None if start_error is None else
+                    Condition(False, NOT_RECONCILING, f"the node agent could not start "
+                              f"({start_error}); fractional pods placed here wait in their "
+                              "gates until one does"))
             if cond is not None:
                 self.status.publish(cond)
         if self._grpc is not None and self.options.socket:
