@@ -94,13 +94,17 @@ def protected_key_errors(view: PodView, request: PodRequest, keys: Keys) -> list
     if not template and view.uid:
         return []
     exempt = None if template else request.admitted_namespace_key(keys)
+    names = [c.name for c in view.all_containers]
     out = []
     for key in sorted(view.annotations):
         if not keys.is_protected(key) or key == exempt:
             continue
-        named = keys.split(key) or keys.split_derived(key)
+        # A derived key names its container by an id that may be shortened: the container is
+        # the one whose `Keys.derived` it is (None: no container of this object).
+        named = keys.split(key)
+        container = named[0] if named else keys.derived_container(key, names)
         out.append(ContractError(key, PROTECTED_IN_TEMPLATE if template else PROTECTED_IN_POD,
-                                 container=named[0] if named else None))
+                                 container=container))
     return out
 
 

@@ -3,12 +3,21 @@
 The per-container shape is `<prefix><containerName><suffix>`; the prefix is configurable
 (default `nvidia.com/container.`). Container names are DNS labels (no dots), so the first dot
 after the prefix ends the name and the split is unambiguous.
+
+kai_fractions' own per-container keys (`Keys.derived`) are `<project prefix><id><suffix>`, the
+id being the container's name when every such key fits Kubernetes' 63 characters, else a
+shortened one (`Keys.container_id`): a container may be named with up to 63 characters, and
+KAI's keys leave room for longer names than ours. Readers find them by `Keys.derived` of the
+container's name, never by parsing a name out of the key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .names import MAX_NAME, is_dns_label, is_dns_subdomain
 
@@ -142,13 +151,32 @@ PREFIX_SUFFIXES = SUFFIXES
 """What `Keys.container` appends to the configured prefix, after the container's name."""
 PROJECT_SUFFIXES = (*DERIVED_SUFFIXES, DERIVED_SIGNATURE, ADMITTED_MPS_NAMESPACE)
 """What `Keys.derived` appends to the project prefix."""
+ID_HASH_DIGITS = 8
+"""Hex digits of sha256(container name) that end a shortened container id."""
+ID_SEPARATOR = "_"
+"""Between a shortened id's head and its hash: no container name (a DNS label) holds it, so a
+shortened id is never another container's name, and no two containers share derived keys."""
+MIN_ID_ROOM = 1 + len(ID_SEPARATOR) + ID_HASH_DIGITS
+"""The room a project prefix must leave for a container id: one character of the name, the
+separator and the hash."""
+KAI_SUFFIXES = (MEMORY_REQUEST, MEMORY_LIMIT, COMPUTE_MODE, DEVICES)
+"""The per-container keys every KAI writes or reads for a fractional container (the user's
+request, limit and mode; the binder's request and devices). `.gpu-compute.portion` only the
+patched binder writes (`dialect`)."""
 
 
-def prefix_problem(name: str, value: str, suffixes: tuple[str, ...]) -> str | None:
+def key_name_length(key: str) -> int:
+    """The length of the part of `key` after its '/' (the part held to MAX_KEY_NAME)."""
+    return len(key.rpartition("/")[2])
+
+
+def prefix_problem(name: str, value: str, suffixes: tuple[str, ...],
+                   min_room: int = 1) -> str | None:
     """Why `value` cannot be a per-container prefix (None: it can): `<prefix><container>
     <suffix>` must be an annotation key Kubernetes accepts for every suffix in `suffixes` and at
-    least a one-character container, the part before '/' a DNS subdomain and the part after it
-    a qualified name of at most 63 characters. One line, starting with `name` and the value."""
+    least a `min_room`-character container, the part before '/' a DNS subdomain and the part
+    after it a qualified name of at most 63 characters. One line, starting with `name` and the
+    value."""
     if not value or "/" not in value or not value.endswith("."):
         return (f"{name} must look like 'example.com/container.' (a domain, a slash, ending "
                 f"with a dot), got {value!r}")
@@ -161,13 +189,28 @@ def prefix_problem(name: str, value: str, suffixes: tuple[str, ...]) -> str | No
         return (f"{name} {value!r}: the part after '/' must start with a letter or digit and "
                 "hold only letters, digits, '-', '_' and '.' (an annotation key's name)")
     room = MAX_KEY_NAME - len(rest) - _longest(suffixes)
-    if room < 1:
+    if room < min_room:
         return (f"{name} {value!r}: the part after '/' is {len(rest)} characters, and a "
                 f"container name and a suffix of up to {_longest(suffixes)} "
                 f"({max(suffixes, key=len)!r}) are appended to it in an annotation key whose "
                 f"name holds at most {MAX_KEY_NAME}: it may be at most "
-                f"{MAX_KEY_NAME - 1 - _longest(suffixes)} characters")
+                f"{MAX_KEY_NAME - min_room - _longest(suffixes)} characters")
     return None
+
+
+@lru_cache(maxsize=64)
+def _id_room(project_prefix: str) -> int:
+    """The longest container id `<project_prefix><id><suffix>` holds for every project
+    suffix."""
+    return MAX_KEY_NAME - key_name_length(project_prefix) - _longest(PROJECT_SUFFIXES)
+
+
+@lru_cache(maxsize=4096)
+def _container_id(container: str, room: int) -> str:
+    if len(container) <= room:
+        return container
+    digest = hashlib.sha256(container.encode()).hexdigest()[:ID_HASH_DIGITS]
+    return container[: room - len(ID_SEPARATOR) - ID_HASH_DIGITS] + ID_SEPARATOR + digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,9 +221,10 @@ class Keys:
     project_prefix: str = PROJECT_PREFIX
 
     def __post_init__(self) -> None:
-        for name, value, suffixes in (("prefix", self.prefix, PREFIX_SUFFIXES),
-                                      ("project_prefix", self.project_prefix, PROJECT_SUFFIXES)):
-            problem = prefix_problem(name, value, suffixes)
+        for name, value, suffixes, room in (
+                ("prefix", self.prefix, PREFIX_SUFFIXES, 1),
+                ("project_prefix", self.project_prefix, PROJECT_SUFFIXES, MIN_ID_ROOM)):
+            problem = prefix_problem(name, value, suffixes, room)
             if problem:
                 raise ValueError(problem)
         if self.prefix.startswith(self.project_prefix) or \
@@ -195,8 +239,30 @@ class Keys:
     def container(self, container: str, suffix: str) -> str:
         return f"{self.prefix}{container}{suffix}"
 
+    def container_id(self, container: str) -> str:
+        """How `container` is named in its derived keys: its name when every derived key of
+        it fits in 63 characters (with the default project prefix: a name of at most 24), else
+        the name cut to leave room, `_` and 8 hex digits of the sha256 of the whole name
+        (deterministic, so the mirror, the agent, the webhook and the gate find the same key;
+        a `_` no container name holds, so never another container's name)."""
+        return _container_id(container, _id_room(self.project_prefix))
+
     def derived(self, container: str, suffix: str) -> str:
-        return f"{self.project_prefix}{container}{suffix}"
+        """`<project prefix><container id><suffix>`: kai_fractions' own key of `container`."""
+        return f"{self.project_prefix}{self.container_id(container)}{suffix}"
+
+    def derived_container(self, key: str, containers: Iterable[str]) -> str | None:
+        """The container whose derived key `key` is (any suffix): the one among `containers`
+        whose `container_id` it carries; else the id itself when it is a name that is its own
+        id (a name that fits); None otherwise (no derived key, or a shortened id of a container
+        not among them: the id cannot be read back into a name)."""
+        if not key.startswith(self.project_prefix):
+            return None
+        for name in containers:
+            if key.startswith(f"{self.project_prefix}{self.container_id(name)}."):
+                return name
+        ident = key[len(self.project_prefix):].partition(".")[0]
+        return ident if is_dns_label(ident) and self.container_id(ident) == ident else None
 
     def portion_limit(self, container: str) -> str:
         return f"{PORTION_LIMIT_PREFIX}{container}{PORTION_LIMIT_SUFFIX}"
@@ -212,9 +278,6 @@ class Keys:
     def split(self, key: str) -> tuple[str, str] | None:
         """`nvidia.com/container.main.gpu-memory.request` -> ("main", ".gpu-memory.request")."""
         return self._split(key, self.prefix)
-
-    def split_derived(self, key: str) -> tuple[str, str] | None:
-        return self._split(key, self.project_prefix)
 
     def split_portion_limit(self, key: str) -> str | None:
         """The container of a `kai.scheduler/container.<c>.gpu-memory.portion.limit` key."""

@@ -16,6 +16,7 @@ from . import keys as k
 from .annotation_values import _GPU_UUID, _above
 from .before_bind import _before_bind, _portion_limit_placed
 from .collector import MAX_LISTED_WARNINGS, _Collector
+from .key_room import check_kai_key_room
 from .keys import MPS_NAMESPACE_PREFIX, is_mps_namespace_name
 from .parse_legacy import _apply_num_devices, _legacy, _merge_legacy, _portion_limits
 from .parse_nvfractions import _scan, _share_from_nvfractions
@@ -94,6 +95,7 @@ def parse_pod(pod: PodView, keys: k.Keys = k.DEFAULT_KEYS) -> PodRequest:
             _complete(share, limit_portion=portion)
     _check_shares(pod, keys, shares, c)
     for share in shares.values():
+        check_kai_key_room(pod, keys, share, c)
         _admitted_namespace(pod, keys, share, c)
     if k.LEGACY_COMPUTE_MODE in pod.annotations:
         c.warn(k.LEGACY_COMPUTE_MODE, "is ignored by KAI and by kai_fractions; set "

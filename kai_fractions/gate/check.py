@@ -58,10 +58,14 @@ def _fail(message: str) -> Verdict:
 
 
 def _named_containers(annotations: Mapping[str, str], keys: Keys) -> tuple[str, ...]:
-    """Containers named by the annotations, for when the gate was not told the pod's list."""
+    """Containers named by the annotations, for when the gate was not told the pod's list: by
+    KAI's keys and the portion limit, which hold the container's name. The derived keys name a
+    container by an id that may be shortened (`Keys.container_id`), and only a fractional one,
+    which KAI's `.gpus.devices` names once the pod is bound: the gate reads them by `derived`
+    of the names found here, never as names."""
     names: list[str] = []
     for key in sorted(annotations):
-        parts = keys.split(key) or keys.split_derived(key)
+        parts = keys.split(key)
         name = parts[0] if parts else keys.split_portion_limit(key)
         if name and name not in names:
             names.append(name)

@@ -16,6 +16,12 @@ What plain kmock 0.8 lacks, and what this module does about it:
   server-wide counter, the way etcd revisions do. A list's `metadata.resourceVersion` is the
   current counter. `generateName` is honoured; a missing `metadata.namespace` is filled from
   the URL (a different one is a 400, as in Kubernetes).
+* Annotation keys are checked as the API server checks them (kmock checks nothing): a create or
+  patch whose resulting object carries a key Kubernetes refuses (apimachinery IsQualifiedName:
+  a name part over 63 characters, a prefix that is no DNS subdomain, ...) is refused with
+  **422 Invalid**, `Pod "p" is invalid: metadata.annotations: Invalid value: "<key>": name part
+  must be no more than 63 characters`, and changes nothing (`annotation_keys`). Objects put
+  straight into `emulator.objects` are not checked (a later patch of them is).
 * Optimistic concurrency (kmock has none): a merge/strategic patch whose `metadata`
   carries a `resourceVersion` (or `uid`) different from the stored one is refused with
   **409 Conflict** and changes nothing; a JSON patch whose `test` op fails is **422**, and one
@@ -65,6 +71,8 @@ import jsonpointer
 import kmock
 import yaml
 from kubernetes import client as k8s_client
+
+from . import annotation_keys
 
 PathMatch = str | re.Pattern[str] | None
 
@@ -140,6 +148,41 @@ def _conflict(request: kmock.Request, why: str) -> kmock.KubernetesError:
 _MODIFIED = (
     "the object has been modified; please apply your changes to the latest version and try again"
 )
+
+
+def _check_annotations(request: kmock.Request, obj: Any) -> None:
+    """422 Invalid, as the API server answers, when `obj` (the object a write would store)
+    carries an annotation key Kubernetes refuses."""
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    annotations = meta.get("annotations") if isinstance(meta, dict) else None
+    if not isinstance(annotations, dict):
+        return
+    problems = annotation_keys.invalid_annotations(annotations)
+    if not problems:
+        return
+    plural = request.resource.plural if request.resource is not None else "object"
+    kind = annotation_keys.qualified_kind(obj, plural or "object")
+    name = str(meta.get("name") or request.name or "")
+    raise kmock.KubernetesError(
+        status=422,
+        reason="Invalid",
+        message=annotation_keys.invalid_message(kind, name, problems),
+        details={"name": name, "kind": str(obj.get("kind") or plural),
+                 "causes": annotation_keys.causes(problems)},
+    )
+
+
+def _merged(current: Any, patch: Any) -> Any:
+    """A JSON merge patch (RFC 7386) applied to a copy of `current`: what kmock will store."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(current) if isinstance(current, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merged(out.get(key), value)
+    return out
 
 
 @attrs.define(kw_only=True)
@@ -241,6 +284,7 @@ class VersionedKubernetesEmulator(kmock.KubernetesEmulator):
                     details={"name": meta.get("name")},
                 )
             meta["namespace"] = request.namespace
+        _check_annotations(request, data)
         meta["uid"] = str(uuid_mod.uuid4())
         meta["creationTimestamp"] = datetime.datetime.now(datetime.UTC).strftime(
             "%Y-%m-%dT%H:%M:%SZ"
@@ -256,6 +300,7 @@ class VersionedKubernetesEmulator(kmock.KubernetesEmulator):
         cur_meta = current.get("metadata") or {}
         cur_rv, cur_uid = cur_meta.get("resourceVersion"), cur_meta.get("uid")
         if isinstance(request.data, dict):
+            _check_annotations(request, _merged(current, request.data))
             data = copy.deepcopy(request.data)
             meta = data.get("metadata")
             if isinstance(meta, dict):
@@ -286,6 +331,7 @@ class VersionedKubernetesEmulator(kmock.KubernetesEmulator):
                     message=f"the server rejected our request due to an error in our request: {e}",
                     details={"name": request.name},
                 ) from None
+            _check_annotations(request, result)
             new_rv = (result.get("metadata") or {}).get("resourceVersion")
             if cur_rv is not None and new_rv != cur_rv:
                 raise _conflict(request, _MODIFIED)

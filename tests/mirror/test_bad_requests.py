@@ -188,6 +188,9 @@ def test_preview_validates_the_same_way(mirror_tcp):
 
 WIDE = "\U0001F600"  # four bytes in UTF-8: the widest character a string field may hold
 LONGEST_NAME = ".".join(["a" * 63] * 3 + ["a" * (MAX_NAME - 192)])  # 253 characters
+LONGEST_FRACTIONAL = "c" * 34
+"""The longest fractional container's name: KAI's `nvidia.com/container.<c>.gpu-memory.request`
+holds no longer one (an annotation key's name holds 63 characters)."""
 
 
 def largest_request(pod: dict, node: str, container: str) -> pb.MirrorAllocationRequest:
@@ -207,8 +210,8 @@ def test_the_largest_valid_request_is_served_and_the_limit_leaves_it_room(mirror
     mirror_tcp.create_node(LONGEST_NAME, None)
     pod = mirror_tcp.create_pod(LONGEST_NAME, {"gpu-fraction": "0.5",
                                                "gpu-fraction-num-devices": str(MAX_IDS)},
-                                namespace=namespace, containers=("c" * 63,))
-    request = largest_request(pod, LONGEST_NAME, "c" * 63)
+                                namespace=namespace, containers=(LONGEST_FRACTIONAL,))
+    request = largest_request(pod, LONGEST_NAME, LONGEST_FRACTIONAL)
     assert len(request.allocation.received_gpu.portion) == 64
     reply = mirror_tcp.stub.MirrorAllocation(request, timeout=10)
     assert reply.changed and len(reply.containers[0].devices) == MAX_IDS
