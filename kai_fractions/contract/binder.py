@@ -251,8 +251,20 @@ def binder_annotations(
     out[keys.container(name, k.DEVICES)] = ",".join(prefix + g for g in decision.gpu_ids)
     if decision.dialect.writes_compute_portion:
         portion = _compute_portion(effective_request, usable, decision)
+        key = keys.container(name, k.COMPUTE_PORTION)
+        if portion is not None and k.key_name_length(key) > k.MAX_KEY_NAME:
+            # The patched binder's own key: a name every other key holds may not fit this one
+            # (`key_room` warns of it before the pod exists); the API server would refuse the
+            # whole patch, so the decision is refused here, naming the rule.
+            raise ContractViolation([ContractError(
+                key, f"container {name!r} has a {len(name)}-character name, too long for this "
+                f"key of the patched KAI binder: Kubernetes refuses an annotation key whose "
+                f"name is over {k.MAX_KEY_NAME} characters, and this one's is "
+                f"{k.key_name_length(key)}; name the container with at most "
+                f"{len(name) - (k.key_name_length(key) - k.MAX_KEY_NAME)} characters",
+                container=name)])
         if portion is not None:
-            out[keys.container(name, k.COMPUTE_PORTION)] = portion
+            out[key] = portion
     out[k.RECEIVED_RESOURCE_TYPE] = k.RESOURCE_TYPE_FRACTION
     return out
 

@@ -18,7 +18,9 @@ from kai_fractions.contract import (
     DEFAULT_KEYS,
     ComputeMode,
     ContainerShare,
+    ContractViolation,
     Keys,
+    binder_annotations,
     derived_annotations,
     env_sources,
     parse_pod,
@@ -27,7 +29,7 @@ from kai_fractions.contract import (
 from kai_fractions.contract import keys as k
 from kai_fractions.signing import signature_key
 
-from .builders import GPU_A, pod
+from .builders import GPU_A, decision, patched, pod
 
 # Kubernetes' rule for an annotation key (apimachinery IsQualifiedName of the lower-cased key),
 # typed here on purpose.
@@ -192,3 +194,21 @@ def test_a_configured_prefix_sets_the_fit():
     (error,) = request.errors
     assert error.key == f"gpu.example.com/c.{name}.gpu-memory.request"
     assert error.rule.endswith("at most 42 characters")
+
+
+def test_the_patched_binders_portion_key_refuses_a_name_it_cannot_hold() -> None:
+    """34 characters fit every key upstream KAI writes but not the patched binder's
+    `.gpu-compute.portion` (33 at most): the mirror refuses that decision, naming the key and
+    the rule, rather than send a patch the API server refuses whole."""
+    name = "p" * 34
+    view = pod({"gpu-fraction": "0.5"}, containers=(name,))
+    upstream = binder_annotations(parse_pod(view, DEFAULT_KEYS), decision(2000), DEFAULT_KEYS)
+    assert all(is_valid_key(key) for key in upstream)
+    with pytest.raises(ContractViolation) as refused:
+        binder_annotations(parse_pod(view, DEFAULT_KEYS), patched(2000), DEFAULT_KEYS)
+    [error] = refused.value.errors
+    assert error.key == f"nvidia.com/container.{name}.gpu-compute.portion"
+    assert "over 63 characters" in error.rule and "at most 33 characters" in error.rule
+    short = pod({"gpu-fraction": "0.5"}, containers=("p" * 33,))
+    assert all(is_valid_key(key) for key in binder_annotations(
+        parse_pod(short, DEFAULT_KEYS), patched(2000), DEFAULT_KEYS))
