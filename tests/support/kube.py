@@ -25,6 +25,9 @@ What plain kmock 0.8 lacks, and what this module does about it:
   ``resourceVersion`` fails (500, "resourceVersion should not be set on objects to be created",
   like the real apiserver). Objects put straight into ``emulator.objects`` by a test have no
   ``resourceVersion``/``uid``; for them the precondition checks are skipped.
+* Annotation keys (kmock checks none): a create or patch that would store a key Kubernetes
+  refuses (a name part over 63 characters, a bad character) is **422 Invalid** with the API
+  server's wording, changing nothing (``kai_fractions.sim.annotation_keys``).
 * PUT (replace/update) is not served by kmock (404): code that needs optimistic concurrency must
   use patches carrying ``metadata.resourceVersion`` (or a JSON patch with a ``test`` op).
 * Label and field selectors are IGNORED by kmock: list/watch return every object of the
