@@ -38,6 +38,11 @@ class BindRequestView:
     owner_uid: str = ""
     """The uid of the pod KAI's scheduler made it for: it names that pod as the BindRequest's
     owner (KAI-Scheduler pkg/scheduler/cache/cache.go, createBindRequest). "" when none."""
+    backoff_limit: int | None = None
+    """spec.backoffLimit: the failed bind attempts after which KAI's binder gives up; None
+    when absent (KAI's API: a nil `*int32`), and then it does not try again after a failure."""
+    failed_attempts: int = 0
+    """status.failedAttempts: the bind attempts that failed so far (absent: 0)."""
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> BindRequestView:
@@ -54,7 +59,6 @@ class BindRequestView:
         else:  # older BindRequests: plain group ids, time-slicing
             ids = tuple(str(g) for g in _list(spec, "selectedGPUGroups"))
             modes = ("",) * len(ids)
-        count = received.get("count") or 0
         return cls(
             namespace=str(meta.get("namespace") or "default"),
             name=str(meta.get("name") or ""),
@@ -62,7 +66,7 @@ class BindRequestView:
             pod_name=str(spec.get("podName") or ""),
             selected_node=str(spec.get("selectedNode") or ""),
             resource_type=str(spec.get("receivedResourceType") or ""),
-            gpu_count=count if isinstance(count, int) and not isinstance(count, bool) else 0,
+            gpu_count=_int(received.get("count")) or 0,
             portion=str(received.get("portion") or ""),
             group_ids=ids,
             group_modes=modes,  # KAI spells them as the contract does; "" = time-slicing
@@ -70,11 +74,24 @@ class BindRequestView:
             resource_version=str(meta.get("resourceVersion") or ""),
             created=str(meta.get("creationTimestamp") or ""),
             owner_uid=_owner_pod_uid(meta.get("ownerReferences"), spec.get("podName")),
+            backoff_limit=_int(spec.get("backoffLimit")),
+            failed_attempts=_int(status.get("failedAttempts")) or 0,
         )
 
     @property
     def ref(self) -> str:
         return f"{self.namespace}/{self.name}"
+
+    @property
+    def retrying(self) -> bool:
+        """Failed with attempts left: KAI's binder binds it again after a backoff
+        (KAI-Scheduler pkg/binder/controllers/bindrequest_controller.go,
+        isActionableBindRequest: a backoffLimit, and failedAttempts below it), and KAI's
+        scheduler keeps it (pkg/scheduler/api/bindrequest_info, IsFailed is false; only those
+        it deems failed does cleanStaleBindRequest delete). A retry that binds the pod sets it
+        Succeeded with a status update that, as a Pending one's, may be lost."""
+        return (self.phase == "Failed" and self.backoff_limit is not None
+                and self.failed_attempts < self.backoff_limit)
 
 
 def fractional_view(obj: Mapping[str, Any]) -> BindRequestView | None:
@@ -93,6 +110,11 @@ def fractional_view(obj: Mapping[str, Any]) -> BindRequestView | None:
 def _mapping(parent: Any, key: str) -> Mapping[str, Any]:
     value = parent.get(key) if isinstance(parent, Mapping) else None
     return value if isinstance(value, Mapping) else {}
+
+
+def _int(value: Any) -> int | None:
+    """`value` when it is an integer (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _list(parent: Mapping[str, Any], key: str) -> list[Any]:

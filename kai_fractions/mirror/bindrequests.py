@@ -231,6 +231,9 @@ class _Replay:
             log.warning("BindRequest %s: check failed: %s; %s", br.ref, outcome, again)
         elif isinstance(outcome, Exception):
             log.error("BindRequest %s: check failed; %s", br.ref, again, exc_info=outcome)
+        elif delay is not None and getattr(outcome, "waiting", False):
+            # Every bind, for a moment: not worth a line at INFO per recheck.
+            log.debug("BindRequest %s: waiting for KAI's binder; %s", br.ref, again)
         elif delay is not None:
             log.info("BindRequest %s: not complete; %s", br.ref, again)
 

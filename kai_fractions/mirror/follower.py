@@ -1,13 +1,14 @@
 """KAI follower: for clusters running an unmodified KAI, check what KAI's binder wrote.
 
 For each fractional BindRequest (scheduling.run.ai/v1alpha2) that KAI reports as Succeeded, or
-that is still Pending a while after its creation while its pod is bound to the node it selected
-(the binder's update of its status was lost: `PENDING_GRACE`), `Follower` rebuilds the
-scheduler's decision as the SAME `AllocationInput` the gRPC servicer hands to `MirrorService`,
-computes with the contract package what the binder must have written (in the configured
-dialect: upstream KAI main, or the patched KAI that also writes a compute portion), compares it
-with the pod BY MEANING (`20Gi` is `20480Mi`) and reports each difference as a pod event (reason
-`NvFractionsMismatch`, naming the key, the expected and the found value).
+that is still Pending (or Failed with bind attempts left) a while after its creation while its
+pod is bound to the node it selected (the binder's update of its status was lost:
+`PENDING_GRACE`), `Follower` rebuilds the scheduler's decision as the SAME `AllocationInput`
+the gRPC servicer hands to `MirrorService`, computes with the contract package what the binder
+must have written (in the configured dialect: upstream KAI main, or the patched KAI that also
+writes a compute portion), compares it with the pod BY MEANING (`20Gi` is `20480Mi`) and
+reports each difference as a pod event (reason `NvFractionsMismatch`, naming the key, the
+expected and the found value).
 
 With a signing key (`--signing-key-file`) it signs what it verified, and nothing else: when
 every key matches, one signature annotation per fractional container (`kai_fractions.signing`,
@@ -85,19 +86,9 @@ SUCCEEDED = "Succeeded"
 PENDING = frozenset(("", "Pending"))
 """A BindRequest's phases before KAI's binder has reported an outcome ("": no status yet)."""
 PENDING_GRACE = 30.0
-"""Seconds after its creation (its creationTimestamp, by this process's clock) from which a
-BindRequest still Pending has its pod read, to check and sign it as Succeeded if the pod is
-bound to the selected node. KAI's binder marks it Succeeded right after the bind, but only logs
-a status update that fails, and does not try again until it restarts (KAI-Scheduler
-pkg/binder/controllers/bindrequest_controller.go, UpdateStatus; shouldEnqueueBindRequestUpdate
-queues only a new generation), and it binds only after its one patch of the pod's annotations
-(pkg/binder/binding/binder.go, Bind), so a bound pod's binder keys are final. Before this,
-a Pending BindRequest is rechecked (`Verification.recheck`) without any read: it is Pending for
-a moment in every bind, and for seconds to tens of seconds in a wave (the binder works through
-its queue) or while a reservation pod waits for its GPU, and a read then would nearly always
-find the pod not bound yet. A pod whose status update was lost is signed some 30 to 60 s after
-the bind (the recheck after this, at the backoff of then), well within the 600 s its gate
-waits by default."""
+"""Seconds from its creation or first sight (the longer ago) after which a BindRequest not yet
+Succeeded has its pod read, to be signed if bound to the selected node (KAI's binder may lose
+that status update); sooner, the pod is nearly always not bound yet (docs/mirror.md)."""
 MISMATCH_REASON = "NvFractionsMismatch"
 INVALID_REASON = "NvFractionsInvalid"
 UNSIGNED_REASON = "NvFractionsUnsigned"
@@ -124,11 +115,15 @@ class Follower:
                  reservation_namespace: str = RESERVATION_NAMESPACE,
                  remember: int = 10_000, signer: KeyringSource | None = None,
                  in_term: Callable[[], bool] | None = None,
-                 now: Callable[[], float] = time.time) -> None:
+                 now: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.now = now
         """The wall clock (seconds since the epoch), against a BindRequest's creationTimestamp:
         how long one has been Pending (`PENDING_GRACE`)."""
+        self.monotonic = monotonic
+        """This process's own clock, from the first sight of a BindRequest not Succeeded yet:
+        bounds its wait when the wall clock is behind the API server's (`PENDING_GRACE`)."""
         self.in_term = in_term
         """Under leader election, the elector's `in_term`: tested just before each write, which
         is dropped when it says False (None: no election, every write is sent)."""
@@ -140,7 +135,7 @@ class Follower:
         self.reservation_namespace = reservation_namespace
         self._reported: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         """(pod, reason, message) of each event posted (`_report`), and (BindRequest,
-        "pending-bound", "") of each Pending one checked anyway (`_not_bound`): said once."""
+        "pending-bound", "") of each one not Succeeded checked anyway (`_not_bound`): said once."""
         self._remember = remember
         self._complete: OrderedDict[str, str] = OrderedDict()
         """BindRequest uid -> the resourceVersion whose check was complete (`follow_one`)."""
@@ -149,6 +144,9 @@ class Follower:
         self._read_consistently: OrderedDict[str, str] = OrderedDict()
         """BindRequest uid -> the resourceVersion whose check found no reserved GPU even in a
         consistent list (`reserved_gpu`): its checks again read the watch cache only."""
+        self._first_seen: OrderedDict[str, float] = OrderedDict()
+        """BindRequest uid -> `monotonic` when it was first seen not Succeeded yet; dropped
+        once it is Succeeded or failed for good, or deleted (`forget`)."""
 
     async def follow_one(self, br: BindRequestView, deadline: Deadline = NO_DEADLINE
                          ) -> Verification | None:
@@ -179,6 +177,7 @@ class Follower:
         """A BindRequest is gone (its pod was deleted): its memory goes too."""
         self._complete.pop(br.uid, None)
         self._read_consistently.pop(br.uid, None)
+        self._first_seen.pop(br.uid or br.ref, None)
 
     async def reserved_gpu(self, group_id: str, deadline: Deadline = NO_DEADLINE, *,
                            consistent: bool = True) -> str | None:
@@ -233,6 +232,20 @@ class Follower:
             return Verification(br.ref, f"{br.namespace}/{br.pod_name}",
                                 skipped=f"the term as the follower ended before {e}")
 
+    def _waiting(self, br: BindRequestView) -> bool:
+        """Whether `br`, not Succeeded yet, is within PENDING_GRACE: by its creationTimestamp
+        and by this follower's first sight of it (a wall clock behind the API server's would
+        make the first alone wait for as long as it is behind). Without a creationTimestamp
+        (never from the API server), not: it is read at once."""
+        age = seconds_since(br.created, self.now())
+        if age is None:
+            return False
+        key, now = br.uid or br.ref, self.monotonic()
+        first = self._first_seen.setdefault(key, now)
+        while len(self._first_seen) > self.complete_kept:
+            self._first_seen.popitem(last=False)
+        return max(age, now - first) < PENDING_GRACE
+
     def _may_write(self, what: str) -> None:
         """Raises TermEnded when this replica's term has ended: `what` is not sent."""
         if self.in_term is not None and not self.in_term():
@@ -243,14 +256,17 @@ class Follower:
         if br.resource_type != k.RESOURCE_TYPE_FRACTION:
             return Verification(br.ref, pod_ref, skipped="not a fractional bind")
         pending = br.phase != SUCCEEDED
+        if not pending or not (br.phase in PENDING or br.retrying):
+            self._first_seen.pop(br.uid or br.ref, None)
         if pending:
-            if br.phase not in PENDING:  # Failed: the binder gave up (or tries again itself)
+            if br.phase not in PENDING and not br.retrying:
+                # Failed for good (KAI's scheduler deletes it: IsFailed), or a phase unknown.
                 return Verification(br.ref, pod_ref, skipped=f"phase {br.phase}")
-            age = seconds_since(br.created, self.now())
-            if age is not None and age < PENDING_GRACE:
+            if self._waiting(br):
                 # Succeeded is on its way, normally: checked again after a backoff (its event
                 # then supersedes that), the pod read only once PENDING_GRACE has passed.
-                return Verification(br.ref, pod_ref, skipped="phase Pending", recheck=True)
+                return Verification(br.ref, pod_ref, skipped=_phase(br), recheck=True,
+                                    waiting=True)
         result = Verification(br.ref, pod_ref)
         for _attempt in range(SIGN_ATTEMPTS):
             try:
@@ -301,7 +317,7 @@ class Follower:
 
     async def _not_bound(self, br: BindRequestView, pod: PodSnapshot, deadline: Deadline
                          ) -> Verification | None:
-        """For a BindRequest still Pending past PENDING_GRACE: None when its pod is bound to the
+        """For a BindRequest not Succeeded past PENDING_GRACE: None when its pod is bound to the
         node it selected (check it as a Succeeded one: the binder binds only after writing its
         annotations), else why it is not checked. A pod not bound yet may be bound any moment
         (rechecked); one bound elsewhere was not bound by this BindRequest's binder: with
@@ -309,23 +325,24 @@ class Follower:
         pod_ref = f"{br.namespace}/{br.pod_name}"
         node = pod.spec.get("nodeName")
         if not node:
-            return Verification(br.ref, pod_ref, skipped=f"phase Pending: pod {pod_ref} is not "
+            return Verification(br.ref, pod_ref, skipped=f"{_phase(br)}: pod {pod_ref} is not "
                                 "bound yet", recheck=True)
         if node != br.selected_node:
-            reason = (f"phase Pending: pod {pod_ref} is bound to node {node}, not to the node "
+            reason = (f"{_phase(br)}: pod {pod_ref} is bound to node {node}, not to the node "
                       f"the BindRequest selected ({br.selected_node or 'none'})")
             if self.signer is not None:
                 await self._report(pod, UNSIGNED_REASON, f"not signed: its BindRequest {br.ref} "
-                                   f"is still Pending and the pod is bound to node {node}, not "
-                                   f"to the node KAI selected ({br.selected_node or 'none'}): "
+                                   f"is still {_state(br)} and the pod is bound to node "
+                                   f"{node}, not to the node KAI selected "
+                                   f"({br.selected_node or 'none'}): "
                                    "something other than KAI's binder bound it", deadline)
             return Verification(br.ref, pod_ref, skipped=reason)
         key = (br.uid or br.ref, "pending-bound", "")  # logged once per BindRequest
         if key not in self._reported:
-            log.info("BindRequest %s (created %s) still Pending, its pod %s bound to %s: "
+            log.info("BindRequest %s (created %s) still %s, its pod %s bound to %s: "
                      "checked anyway (KAI's binder binds a pod only after writing its "
                      "annotations; its update of the BindRequest's status was lost or is late)",
-                     br.ref, br.created or "at an unknown time", pod_ref, node)
+                     br.ref, br.created or "at an unknown time", _state(br), pod_ref, node)
             self._reported[key] = None
             while len(self._reported) > self._remember:
                 self._reported.popitem(last=False)
@@ -496,3 +513,15 @@ class Follower:
         self._reported[key] = None
         while len(self._reported) > self._remember:
             self._reported.popitem(last=False)
+
+
+def _phase(br: BindRequestView) -> str:
+    """How its checks name a BindRequest's phase until it is Succeeded."""
+    return f"phase {_state(br)}"
+
+
+def _state(br: BindRequestView) -> str:
+    if br.phase == "Failed":
+        return (f"Failed ({br.failed_attempts} of {br.backoff_limit} bind attempts failed; "
+                "KAI's binder tries again)")
+    return "Pending"

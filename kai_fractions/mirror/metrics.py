@@ -46,8 +46,10 @@ class MirrorMetrics:
         self._checks = Counter(
             "kai_fractions_follower_checks", "BindRequests the follower handled, by result: "
             "complete (matching, and signed where signing is on), unchanged (that version was "
-            "complete already), mismatch, invalid, unsigned, skipped (nothing to check: not "
-            "fractional, not bound yet, pod gone), error.", ("result",), registry=r)
+            "complete already), mismatch, invalid, unsigned, waiting (not Succeeded yet and "
+            "within its grace: every bind for a moment, nothing read), skipped (not checked: "
+            "not bound yet past the grace, reserved GPU not known yet, pod gone or another of "
+            "that name, failed for good), error.", ("result",), registry=r)
         self._in_progress = Gauge(
             "kai_fractions_follower_checks_in_progress", "BindRequests being checked now "
             "(at most --follow-concurrency).", registry=r)
@@ -148,6 +150,8 @@ def check_result(v: Verification | None) -> str:
         return "mismatch"
     if v.errors:
         return "invalid"
+    if v.waiting:
+        return "waiting"
     if v.skipped:
         return "skipped"
     return "unsigned" if v.unsigned else "complete"

@@ -48,6 +48,10 @@ class Verification:
     BindRequest (the reserved GPU not known yet, the pod written to under every signing
     attempt): the follow loop checks it again after a backoff (`rechecks`). A finding, an
     invalid decision or another pod of that name waits for a change instead."""
+    waiting: bool = False
+    """Not checked yet, as every bind is for a moment: its BindRequest is not Succeeded yet
+    and within the follower's PENDING_GRACE (`skipped` says so, and `recheck` is set).
+    Counted and logged apart from an incomplete check: a normal bind is no problem."""
 
     @property
     def complete(self) -> bool:

@@ -53,6 +53,11 @@ def bind_request(name: str, pod: str, *, phase: str = "Succeeded", groups=("grou
             "status": {"phase": phase}}
 
 
+def failed_for_good(br: dict) -> dict:
+    """`br` with its bind attempts used up (status.failedAttempts at spec.backoffLimit)."""
+    return {**br, "status": {**br["status"], "failedAttempts": br["spec"]["backoffLimit"]}}
+
+
 def reservation_pod(group: str, gpu: str | None) -> dict:
     annotations = {"run.ai/reserve_for_gpu_index": gpu} if gpu else {}
     return {"metadata": {"name": f"gpu-reservation-{group}", "namespace":
@@ -428,7 +433,8 @@ async def test_findings_are_reported_once(store):
      "phase Pending: pod team-a/train-0 is not bound yet"),
     (bind_request("br-1", "train-0", phase=""),
      "phase Pending: pod team-a/train-0 is not bound yet"),
-    (bind_request("br-1", "train-0", phase="Failed"), "phase Failed"),
+    # Failed with no attempts left (tests/mirror/test_follower_failed_retries.py).
+    (failed_for_good(bind_request("br-1", "train-0", phase="Failed")), "phase Failed"),
     (bind_request("br-1", "gone-pod"), "pod not found"),
     (bind_request("br-1", "train-0", groups=("group-unknown",)),
      "the GPU reserved for group(s) group-unknown is not known yet: no pod labelled "

@@ -130,12 +130,16 @@ async def test_a_pending_bind_request_whose_pod_is_not_bound_there_is_not_signed
         "binder bound it"])
 
 
-async def test_a_failed_bind_request_is_not_read(store):
+@pytest.mark.parametrize("status", [{"failedAttempts": 3}, {"failedAttempts": 4}])
+async def test_a_bind_request_failed_for_good_is_not_read(store, status):
+    """No attempts left (KAI's binder gave up): tests/mirror/test_follower_failed_retries.py
+    has those with attempts left, and one without a backoffLimit."""
     created = store.add_pod(bound_pod("train-0"))
     requests = requests_of(store)
     follower = Follower(store, signer=signer(), now=Clock(3600))
-    result = await follower.verify(BindRequestView.from_object(
-        still_pending(created.uid, phase="Failed")))
+    failed = still_pending(created.uid, phase="Failed")  # backoffLimit 3
+    failed["status"].update(status)
+    result = await follower.verify(BindRequestView.from_object(failed))
     assert (result.skipped, result.recheck, requests) == ("phase Failed", False, [])
 
 
@@ -206,8 +210,9 @@ async def test_succeeded_arriving_while_pending_is_rechecked_is_signed_once(stor
 def test_the_docs_name_the_grace():
     doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "mirror.md").read_text()
                    .split())
-    assert f"from {PENDING_GRACE:g} s after its `creationTimestamp`" in doc
-    assert f"still Pending {PENDING_GRACE:g} s after its" in doc
+    assert (f"From {PENDING_GRACE:g} s after its `creationTimestamp` or after this follower "
+            "first saw it") in doc
+    assert f"attempts left) {PENDING_GRACE:g} s after it was created or first seen" in doc
 
 
 class Following:

@@ -1,7 +1,8 @@
 """A live mirror's /metrics with its families populated, for the dashboard test: the REAL
 `kai-fractions mirror` process over kmock (`run_mirror_process`), its pod cache on, following
 BindRequests, after its one MirrorAllocation call and one BindRequest the follower checked (a
-Pending one: `skipped`, so `kai_fractions_follower_checks_total` has its `result` label)."""
+fresh Pending one: `waiting`, so `kai_fractions_follower_checks_total` has its `result`
+label)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ NS = "team-a"
 def _populated(text: str) -> bool:
     return bool(sample_value(text, "kai_fractions_mirror_calls_total", code="OK") == 1
                 and sample_value(text, "kai_fractions_mirror_api_requests_total", verb="PATCH")
-                and sample_value(text, "kai_fractions_follower_checks_total", result="skipped")
+                and sample_value(text, "kai_fractions_follower_checks_total", result="waiting")
                 and sample_value(text, "kai_fractions_follower_leading") == 1)
 
 

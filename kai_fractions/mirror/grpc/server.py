@@ -204,11 +204,14 @@ class MirrorServer:
 
 
 def check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
-    """Loads the pair (and the client CA) as the server will, so that a key that is not the
-    certificate's, or a file that holds no PEM, is refused at start, before the mirror writes
-    anything to the cluster: gRPC reads them only as the server starts to listen. Raises
-    SecurityConfigError naming the flag and the reason."""
+    """Loads the pair (and the client CA) as the server will, so that what gRPC would refuse
+    as it starts to listen (a key that is not the certificate's, a file that holds no PEM, an
+    encrypted key) is refused at start, before the mirror writes anything to the cluster.
+    It tests the pair, not a policy: OpenSSL's security level is 0 for the check, since
+    Python's OpenSSL would otherwise refuse keys gRPC's BoringSSL serves (an RSA-1024 key at
+    the usual level 2). Raises SecurityConfigError naming the flag and the reason."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.set_ciphers("ALL:@SECLEVEL=0")
 
     def no_password() -> bytes:
         raise SecurityConfigError(f"--tls-key {key}: an encrypted key; the mirror needs it "
@@ -227,14 +230,33 @@ def check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
 
 
 def _pair_problem(cert: str, key: str, error: OSError | ssl.SSLError) -> str:
-    """Which of the two files is at fault, as one line."""
+    """Which of the two files is at fault, as one line: a file is named as holding no PEM only
+    when it does not parse; any other refusal is OpenSSL's, as it gave it."""
     if isinstance(error, ssl.SSLError) and error.reason == "KEY_VALUES_MISMATCH":
         return f"--tls-key {key}: not the private key of --tls-cert {cert} (key values mismatch)"
     try:
         ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=cert)
     except (OSError, ssl.SSLError):
         return f"--tls-cert {cert}: no certificate (PEM) in it{_reason(error)}"
-    return f"--tls-key {key}: no private key (PEM) in it{_reason(error)}"
+    if not _holds_private_key(key):
+        return f"--tls-key {key}: no private key (PEM) in it{_reason(error)}"
+    return (f"--tls-cert {cert} with --tls-key {key}: refused by OpenSSL"
+            f"{_reason(error) or f' ({error})'}")
+
+
+def _holds_private_key(path: str) -> bool:
+    """Whether `path` holds a PEM private key, of any type (`cryptography` parses it)."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        with open(path, "rb") as f:
+            serialization.load_pem_private_key(f.read(), password=None)
+    except (OSError, ValueError):
+        return False
+    except (TypeError, UnsupportedAlgorithm):  # encrypted, or of a type it does not know
+        return True
+    return True
 
 
 def _reason(error: OSError | ssl.SSLError) -> str:
