@@ -19,6 +19,7 @@ import pytest
 
 from kai_fractions.node.mps.adoption import environment_problem
 from kai_fractions.node.mps.control import control_env
+from kai_fractions.node.mps.daemon import TRUST_RECHECK_SECONDS
 from kai_fractions.node.mps.runner import CommandResult, CommandTimeout, RecordingRunner
 from kai_fractions.node.procfs import Procfs
 from tests.node.test_mps_daemon import (
@@ -151,15 +152,17 @@ def test_the_daemon_the_supervisor_started_is_not_vetted(dirs):
 
     runner.respond([BIN], NO_DAEMON, "", stdin=LIST)
     runner.respond([BIN, "-d"], start)
-    daemon = make(dirs, runner, processes=processes, protocol_v3=False)
+    clock = FakeClock()
+    daemon = make(dirs, runner, clock=clock, processes=processes, protocol_v3=False)
     assert daemon.ensure_running() is True
     assert daemon.ensure_running() is True
     # it died; another one, started by someone else without the agent's environment, took
-    # its place before the next look
+    # its place before the next look: found once the trusted pid is read again
     processes.alive.discard(5151)
     processes.pid = 6161
     processes.alive.add(6161)
     processes.env[6161] = {}
+    clock.now += TRUST_RECHECK_SECONDS
     assert daemon.ensure_running() is False
     assert daemon.last_error.reason == "MpsDaemonAlreadyRunning"
     assert "pid 6161" in daemon.last_error.message
@@ -248,9 +251,11 @@ def test_the_agents_daemon_that_answers_then_exits_is_not_taken_for_a_stranger(d
 
     runner.respond([BIN], NO_DAEMON, "", stdin=LIST)
     runner.respond([BIN, "-d"], start)
-    daemon = make(dirs, runner, processes=processes, protocol_v3=False)
+    clock = FakeClock()
+    daemon = make(dirs, runner, clock=clock, processes=processes, protocol_v3=False)
     assert daemon.ensure_running() is True
     processes.alive.discard(5151)  # gone right after its answer below
+    clock.now += TRUST_RECHECK_SECONDS  # when its pid is read again
     assert daemon.ensure_running() is False
     assert daemon.last_error.reason == "MpsDaemonUnreachable"
     assert "pid 5151" in daemon.last_error.message and "answered, then exited" in \
@@ -291,3 +296,29 @@ def test_an_empty_environment_is_looked_at_again(dirs):
     processes.env[FOREIGN] = dict(GOOD_ENV)
     assert daemon.ensure_running() is True
     assert daemon.last_error is None and processes.killed == []
+
+
+def test_a_trusted_daemon_s_pid_is_read_again_only_every_few_seconds(dirs):
+    """Reading /proc/locks costs milliseconds on some hosts, and every pass and 5 s check
+    asks: the answering daemon is taken for the trusted one until TRUST_RECHECK_SECONDS have
+    passed since its pid was last read."""
+    runner, processes = RecordingRunner(), FakeProcesses()
+
+    def start(_call):
+        processes.pid = 5151
+        processes.alive.add(5151)
+        return CommandResult(0, "", "")
+
+    runner.respond([BIN], NO_DAEMON, "", stdin=LIST)
+    runner.respond([BIN, "-d"], start)
+    clock = FakeClock()
+    daemon = make(dirs, runner, clock=clock, processes=processes, protocol_v3=False)
+    assert daemon.ensure_running() is True
+    reads = processes.pid_reads
+    for _ in range(5):
+        clock.now += 1.0
+        assert daemon.ensure_running() is True
+    assert processes.pid_reads == reads
+    clock.now += TRUST_RECHECK_SECONDS
+    assert daemon.ensure_running() is True
+    assert processes.pid_reads == reads + 1

@@ -53,8 +53,11 @@ class FakeProcesses:
         self.killed: list[tuple[int, int]] = []
         self.env: dict[int, dict[str, str] | OSError | None] = {}
         self.unreachable: list[int] = []
+        self.pid_reads = 0
+        """Lookups of the lock holder (a read of /proc/locks for the real one)."""
 
     def daemon_pid(self, pipe_dir: str) -> int | None:
+        self.pid_reads += 1
         return self.pid if self.pid in self.alive else None
 
     def environ(self, pid: int) -> dict[str, str] | None:

@@ -82,6 +82,10 @@ RestartHook = Callable[[MpsControl], None]
 
 _NO_ANSWER = frozenset({e.MPS_DAEMON_UNREACHABLE, e.MPS_BINARY_NOT_FOUND, e.PROTOCOL_UNSUPPORTED})
 _NOBODY = object()
+TRUST_RECHECK_SECONDS = 10.0
+"""How long the pid of a daemon that answers is taken to be the trusted one's without reading
+/proc/locks again (a read costs milliseconds on some hosts, and every pass and 5 s check asks):
+a daemon that replaced it meanwhile is found this much later at most."""
 
 
 class MpsDaemon:
@@ -177,6 +181,8 @@ class MpsDaemon:
         self._trusted: int | object | None = _NOBODY
         """The pid of the daemon known to be usable: the one launched here (None when /proc
         does not show its pid), or one adopted after its environment was checked."""
+        self._trusted_seen_at = float("-inf")
+        """When the answering daemon's pid was last read to be the trusted one's."""
         self._refused: tuple[int | None, MpsError] | None = None
         """The daemon not adopted (its pid) and why; None while the daemon is usable."""
         self._recheck = False
@@ -326,14 +332,20 @@ class MpsDaemon:
         noted at its first answer), or one whose environment was checked (`adoption`). Why it
         is not adopted otherwise (logged once per daemon). A daemon not adopted is neither
         used nor stopped."""
+        now = self.clock.monotonic()
+        if (self._trusted is not _NOBODY and not self._launched_unseen
+                and now - self._trusted_seen_at < TRUST_RECHECK_SECONDS):
+            return None
         pid = self.pid()
         if self._launched_unseen:
             self._launched_unseen, self._trusted = False, pid
             self._refused, self._recheck = None, False
+            self._trusted_seen_at = now
             return None
         trusted = self._trusted
         if trusted is not _NOBODY:
             if pid == trusted:
+                self._trusted_seen_at = now
                 return None
             if pid is None and (trusted is None or self.processes.is_alive(int(trusted))):
                 return None  # no lock holder seen: the trusted one, which still runs
@@ -347,6 +359,7 @@ class MpsDaemon:
             log.info("MPS control daemon pid %d on %s, not started by this agent, numbers the "
                      "GPUs as the agent does: adopted", pid, self.pipe_dir)
             self._trusted, self._refused, self._recheck = pid, None, False
+            self._trusted_seen_at = now
         return refusal
 
     def _foreign_refusal(self, pid: int | None) -> MpsError | None:
