@@ -26,7 +26,15 @@ from kai_fractions.mirror.rechecks import RECHECK_BACKOFF
 from kai_fractions.signing import Keyring
 from tests.support.fake_store import FakePodStore
 
-from .test_follower import BOUND, NS, SIGNATURE, Keys, bind_request, pod, reservation_pod
+from .test_follower import (
+    BOUND,
+    NS,
+    SIGNATURE,
+    Keys,
+    bind_request,
+    one_group_store,
+    pod,
+)
 from .test_follower_rechecks import QueueSource, versioned
 
 REGULAR = 1_200
@@ -119,10 +127,7 @@ async def test_the_replay_holds_and_hands_over_only_the_fractional_ones():
 
 @pytest.fixture
 def store() -> FakePodStore:
-    store = FakePodStore()
-    store.nodes["gpu-node-1"] = {"nvidia.com/gpu.memory": "40960"}
-    store.add_pod(reservation_pod("group-a", "GPU-1111aaaa-0000-4000-8000-000000000001"))
-    return store
+    return one_group_store()
 
 
 async def test_the_follow_loop_checks_only_fractional_ones_listed_or_watched(store):

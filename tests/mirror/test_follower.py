@@ -71,11 +71,17 @@ def pod(name: str, annotations: dict[str, str]) -> dict:
             "spec": {"containers": [{"name": "trainer"}]}}
 
 
-@pytest.fixture
-def store() -> FakePodStore:
+def one_group_store() -> FakePodStore:
+    """The node and group-a's reservation pod (GPU_A): what a one-group BindRequest needs."""
     store = FakePodStore()
     store.nodes["gpu-node-1"] = {"nvidia.com/gpu.memory": "40960"}
     store.add_pod(reservation_pod("group-a", GPU_A))
+    return store
+
+
+@pytest.fixture
+def store() -> FakePodStore:
+    store = one_group_store()
     store.add_pod(reservation_pod("group-b", GPU_B))
     return store
 

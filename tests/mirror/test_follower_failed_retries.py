@@ -22,19 +22,15 @@ from kai_fractions.mirror.bindrequest_view import BindRequestView
 from kai_fractions.mirror.follower import PENDING_GRACE, Follower
 from tests.support.fake_store import FakePodStore
 
-from .test_follower import NS, SIGNATURE, requests_of
+from .test_follower import NS, SIGNATURE, one_group_store, requests_of
 from .test_follower_pending import Clock, bound_pod, signer, signing_patches, still_pending
-from .test_follower_rechecks import reservation_pod
 
 RETRYING = "phase Failed (1 of 3 bind attempts failed; KAI's binder tries again)"
 
 
 @pytest.fixture
 def store() -> FakePodStore:
-    store = FakePodStore()
-    store.nodes["gpu-node-1"] = {"nvidia.com/gpu.memory": "40960"}
-    store.add_pod(reservation_pod("group-a", "GPU-1111aaaa-0000-4000-8000-000000000001"))
-    return store
+    return one_group_store()
 
 
 def failed(pod_uid: str, status: dict | None = None, **spec) -> BindRequestView:

@@ -16,9 +16,8 @@ from kai_fractions.mirror.bindrequest_view import BindRequestView
 from kai_fractions.mirror.follower import PENDING_GRACE, Follower
 from tests.support.fake_store import FakePodStore
 
-from .test_follower import NS, SIGNATURE, failed_for_good, requests_of
+from .test_follower import NS, SIGNATURE, failed_for_good, one_group_store, requests_of
 from .test_follower_pending import Clock, bound_pod, signer, still_pending
-from .test_follower_rechecks import reservation_pod
 
 BEHIND = 600.0
 """How far the mirror's wall clock is behind the API server's."""
@@ -34,10 +33,7 @@ class Monotonic:
 
 @pytest.fixture
 def store() -> FakePodStore:
-    store = FakePodStore()
-    store.nodes["gpu-node-1"] = {"nvidia.com/gpu.memory": "40960"}
-    store.add_pod(reservation_pod("group-a", "GPU-1111aaaa-0000-4000-8000-000000000001"))
-    return store
+    return one_group_store()
 
 
 def view(pod_uid: str, phase: str = "Pending", name: str = "br-1", uid: str = "br-uid-1",

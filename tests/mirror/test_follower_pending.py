@@ -28,8 +28,18 @@ from kai_fractions.mirror.follower import PENDING_GRACE, Follower
 from kai_fractions.signing import Keyring
 from tests.support.fake_store import FakePodStore
 
-from .test_follower import BOUND, NS, SIGNATURE, Keys, bind_request, owned_by, pod, requests_of
-from .test_follower_rechecks import QueueSource, reservation_pod, versioned
+from .test_follower import (
+    BOUND,
+    NS,
+    SIGNATURE,
+    Keys,
+    bind_request,
+    one_group_store,
+    owned_by,
+    pod,
+    requests_of,
+)
+from .test_follower_rechecks import QueueSource, versioned
 
 CREATED = "2026-12-02T10:00:00Z"
 FAST = Backoff(attempts=1_000_000, base=0.005, cap=0.02)
@@ -54,10 +64,7 @@ def signer() -> Keys:
 
 @pytest.fixture
 def store() -> FakePodStore:
-    store = FakePodStore()
-    store.nodes["gpu-node-1"] = {"nvidia.com/gpu.memory": "40960"}
-    store.add_pod(reservation_pod("group-a", "GPU-1111aaaa-0000-4000-8000-000000000001"))
-    return store
+    return one_group_store()
 
 
 def bound_pod(name: str, node: str | None = "gpu-node-1") -> dict:

@@ -30,6 +30,7 @@ from .test_follower import (
     Keys,
     T,
     bind_request,
+    one_group_store,
     pod,
     reservation_pod,
 )
@@ -75,10 +76,7 @@ def pending(br: dict) -> dict:
 
 @pytest.fixture
 def store() -> FakePodStore:
-    store = FakePodStore()
-    store.nodes["gpu-node-1"] = {"nvidia.com/gpu.memory": "40960"}
-    store.add_pod(reservation_pod("group-a", "GPU-1111aaaa-0000-4000-8000-000000000001"))
-    return store
+    return one_group_store()
 
 
 class Following:

@@ -18,19 +18,16 @@ from kai_fractions.mirror.follower import PENDING_GRACE, Follower
 from kai_fractions.mirror.metrics import MirrorMetrics, check_result
 from tests.support.fake_store import FakePodStore
 
-from .test_follower import NS, SIGNATURE
+from .test_follower import NS, SIGNATURE, one_group_store
 from .test_follower_pending import Clock, Following, bound_pod, signer, still_pending
-from .test_follower_rechecks import QueueSource, reservation_pod
+from .test_follower_rechecks import QueueSource
 
 FAST = Backoff(attempts=1_000_000, base=0.005, cap=0.02)
 BINDS = 5
 
 
 def store() -> FakePodStore:
-    store = FakePodStore()
-    store.nodes["gpu-node-1"] = {"nvidia.com/gpu.memory": "40960"}
-    store.add_pod(reservation_pod("group-a", "GPU-1111aaaa-0000-4000-8000-000000000001"))
-    return store
+    return one_group_store()
 
 
 async def test_normal_binds_log_nothing_at_info_while_they_wait(caplog):

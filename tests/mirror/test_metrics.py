@@ -21,8 +21,8 @@ from kai_fractions.signing import Keyring, KeyringSource
 from tests.support.agent_process import wait_for
 from tests.support.fake_store import FakePodStore
 
-from .messages import GPU_A, allocation, mirror_request
-from .test_follower import BOUND, bind_request, pod, reservation_pod, versioned
+from .messages import allocation, mirror_request
+from .test_follower import BOUND, bind_request, one_group_store, pod, versioned
 
 
 def sample(metrics: MirrorMetrics, name: str, **labels: str) -> float | None:
@@ -137,10 +137,7 @@ def created_ago(br: dict, seconds: float) -> dict:
 
 @pytest.fixture
 def store() -> FakePodStore:
-    store = FakePodStore()
-    store.nodes["gpu-node-1"] = {"nvidia.com/gpu.memory": "40960"}
-    store.add_pod(reservation_pod("group-a", GPU_A))
-    return store
+    return one_group_store()
 
 
 async def test_each_check_is_counted_by_its_result_and_a_signature_timed_from_the_bind(store):
