@@ -19,7 +19,7 @@ import pytest
 
 from kai_fractions.node.mps.adoption import environment_problem
 from kai_fractions.node.mps.control import control_env
-from kai_fractions.node.mps.daemon import TRUST_RECHECK_SECONDS
+from kai_fractions.node.mps.daemon import TRUST_RECHECK_SECONDS, MpsDaemon
 from kai_fractions.node.mps.runner import CommandResult, CommandTimeout, RecordingRunner
 from kai_fractions.node.procfs import Procfs
 from tests.node.test_mps_daemon import (
@@ -38,6 +38,25 @@ FOREIGN = 4242
 @pytest.fixture
 def dirs(tmp_path):
     return str(tmp_path / "pipe"), str(tmp_path / "log")
+
+
+def launched(dirs, processes: FakeProcesses, pid: int = 5151,
+             env: dict[str, str] | OSError | None = None) -> tuple[MpsDaemon, FakeClock]:
+    """A supervisor on a fake clock that finds no daemon and starts its own (`pid`, with
+    `env` as its environment when given) at its first look."""
+    runner = RecordingRunner()
+
+    def start(_call):
+        processes.pid = pid
+        processes.alive.add(pid)
+        if env is not None:
+            processes.env[pid] = env
+        return CommandResult(0, "", "")
+
+    runner.respond([BIN], NO_DAEMON, "", stdin=LIST)
+    runner.respond([BIN, "-d"], start)
+    clock = FakeClock()
+    return make(dirs, runner, clock=clock, processes=processes, protocol_v3=False), clock
 
 
 def _found_running(dirs, env, **kw):
@@ -142,18 +161,8 @@ def test_a_refused_daemon_is_never_killed_nor_stopped(dirs):
 def test_the_daemon_the_supervisor_started_is_not_vetted(dirs):
     """Its environment is the one the supervisor gave it: its pid is noted at its first
     answer, and only another daemon, found later, is looked at."""
-    runner, processes = RecordingRunner(), FakeProcesses()
-
-    def start(_call):
-        processes.pid = 5151
-        processes.alive.add(5151)
-        processes.env[5151] = OSError("not to be read")
-        return CommandResult(0, "", "")
-
-    runner.respond([BIN], NO_DAEMON, "", stdin=LIST)
-    runner.respond([BIN, "-d"], start)
-    clock = FakeClock()
-    daemon = make(dirs, runner, clock=clock, processes=processes, protocol_v3=False)
+    processes = FakeProcesses()
+    daemon, clock = launched(dirs, processes, env=OSError("not to be read"))
     assert daemon.ensure_running() is True
     assert daemon.ensure_running() is True
     # it died; another one, started by someone else without the agent's environment, took
@@ -242,17 +251,8 @@ def test_the_agents_daemon_that_answers_then_exits_is_not_taken_for_a_stranger(d
     """It answered the health check and exited before its lock holder was looked up (SIGKILLed
     in between): no daemon runs now, which is what the supervisor says (MpsDaemonUnreachable,
     not running), not "a daemon whose process cannot be found" that is not adopted."""
-    runner, processes = RecordingRunner(), FakeProcesses()
-
-    def start(_call):
-        processes.pid = 5151
-        processes.alive.add(5151)
-        return CommandResult(0, "", "")
-
-    runner.respond([BIN], NO_DAEMON, "", stdin=LIST)
-    runner.respond([BIN, "-d"], start)
-    clock = FakeClock()
-    daemon = make(dirs, runner, clock=clock, processes=processes, protocol_v3=False)
+    processes = FakeProcesses()
+    daemon, clock = launched(dirs, processes)
     assert daemon.ensure_running() is True
     processes.alive.discard(5151)  # gone right after its answer below
     clock.now += TRUST_RECHECK_SECONDS  # when its pid is read again
@@ -302,17 +302,8 @@ def test_a_trusted_daemon_s_pid_is_read_again_only_every_few_seconds(dirs):
     """Reading /proc/locks costs milliseconds on some hosts, and every pass and 5 s check
     asks: the answering daemon is taken for the trusted one until TRUST_RECHECK_SECONDS have
     passed since its pid was last read."""
-    runner, processes = RecordingRunner(), FakeProcesses()
-
-    def start(_call):
-        processes.pid = 5151
-        processes.alive.add(5151)
-        return CommandResult(0, "", "")
-
-    runner.respond([BIN], NO_DAEMON, "", stdin=LIST)
-    runner.respond([BIN, "-d"], start)
-    clock = FakeClock()
-    daemon = make(dirs, runner, clock=clock, processes=processes, protocol_v3=False)
+    processes = FakeProcesses()
+    daemon, clock = launched(dirs, processes)
     assert daemon.ensure_running() is True
     reads = processes.pid_reads
     for _ in range(5):
