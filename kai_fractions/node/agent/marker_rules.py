@@ -60,14 +60,9 @@ def entry_relies_on_mps(entry: ContainerMarker) -> bool:
     does not know) counts as relying on MPS: set aside, it only makes a gate wait until the
     agent has applied the plan again, while kept it could release a workload uncapped. A
     refused entry vouches for nothing (False)."""
-    if entry.state is not MarkerState.APPLIED:
-        return False
-    recorded = _recorded(entry)
-    if recorded is None:
-        return True
-    mechanisms, compute = recorded
-    return (compute != ComputeEnforcement.TIME_SLICING.value  # (with or without a qualifier)
-            or any(m.partition(" (")[0] == Mechanism.MPS_PINNED.value for m in mechanisms))
+    return _reads(entry, lambda mechanisms, compute: (
+        compute != ComputeEnforcement.TIME_SLICING.value  # (with or without a qualifier)
+        or any(m.partition(" (")[0] == Mechanism.MPS_PINNED.value for m in mechanisms)))
 
 
 def entry_watchdog_only(entry: ContainerMarker) -> bool:
@@ -80,14 +75,18 @@ def entry_watchdog_only(entry: ContainerMarker) -> bool:
     it watches the pod. Read
     as `entry_relies_on_mps` reads it: an entry that does not read so counts as watchdog-only
     (set aside, it only makes a gate wait), a refused one vouches for nothing (False)."""
+    return _reads(entry, lambda mechanisms, compute: (
+        Mechanism.WATCHDOG.value in mechanisms and not hard_tiers_of(mechanisms, compute)))
+
+
+def _reads(entry: ContainerMarker, rule: Callable[[frozenset[str], str], bool]) -> bool:
+    """`rule` of an applied entry's (memory mechanisms, compute) as its message records them;
+    True for an applied entry whose message does not read so (set aside, it only makes a gate
+    wait), False for a refused one (it vouches for nothing)."""
     if entry.state is not MarkerState.APPLIED:
         return False
     recorded = _recorded(entry)
-    if recorded is None:
-        return True
-    mechanisms, compute = recorded
-    return (Mechanism.WATCHDOG.value in mechanisms
-            and not hard_tiers_of(mechanisms, compute))
+    return True if recorded is None else rule(*recorded)
 
 
 def _recorded(entry: ContainerMarker) -> tuple[frozenset[str], str] | None:
