@@ -19,8 +19,9 @@ import pytest
 
 from kai_fractions.node.mps.adoption import environment_problem
 from kai_fractions.node.mps.control import control_env
-from kai_fractions.node.mps.daemon import TRUST_RECHECK_SECONDS, MpsDaemon
+from kai_fractions.node.mps.daemon import MpsDaemon
 from kai_fractions.node.mps.runner import CommandResult, CommandTimeout, RecordingRunner
+from kai_fractions.node.mps.trust import TRUST_RECHECK_SECONDS
 from kai_fractions.node.procfs import Procfs
 from tests.node.test_mps_daemon import (
     BIN,

@@ -26,12 +26,9 @@ daemon's process, while a live daemon that does not answer may hold them all. `n
 says which, after each `ensure_running()` that said no: no process holds the lock (it died,
 its start failed, the backoff runs, the binary cannot be run), or the daemon running was
 launched since and has not answered with its state put back (it knows nothing), or the one
-running is not adopted (below: it holds nothing the agent set).
+running is not adopted (`trust`: it holds nothing the agent set).
 
-A daemon this supervisor did not launch is adopted only when its environment
-(`/proc/<pid>/environ`) numbers the GPUs as the agent's own starts do (`adoption`); one that
-does not, or whose environment cannot be read, is reported (MpsDaemonAlreadyRunning, naming
-the variable) and left running, never used, never stopped: other workloads may use it.
+Which daemon is used, the one launched here or one adopted, and why one is not: `trust`.
 
 A daemon whose pipe directory was removed (a cleanup script, a tmpfs remounted) still runs,
 with its MPS servers and their clients, but no client can reach it and no lock file names it
@@ -53,13 +50,13 @@ import signal
 from collections.abc import Callable
 
 from ...clock import Clock, SystemClock
-from . import adoption
 from . import errors as e
 from .control import MpsControl, error_for_exit
 from .errors import MpsError
 from .log_cap import DEFAULT_MAX_BYTES, LogCap
 from .processes import DAEMON_COMM, LOCK_FILE, DaemonProcesses, ProcDaemonProcesses
 from .runner import CommandNotFound, CommandRunner, CommandTimeout
+from .trust import DaemonTrust
 
 __all__ = ["DAEMON_COMM", "LEGACY_DIR", "LOCK_FILE", "DaemonProcesses", "MpsDaemon",
            "ProcDaemonProcesses", "SystemClock", "legacy_pipe_dir"]
@@ -81,11 +78,6 @@ def legacy_pipe_dir(root: str, server: str) -> str:
 RestartHook = Callable[[MpsControl], None]
 
 _NO_ANSWER = frozenset({e.MPS_DAEMON_UNREACHABLE, e.MPS_BINARY_NOT_FOUND, e.PROTOCOL_UNSUPPORTED})
-_NOBODY = object()
-TRUST_RECHECK_SECONDS = 10.0
-"""How long the pid of a daemon that answers is taken to be the trusted one's without reading
-/proc/locks again (a read costs milliseconds on some hosts, and every pass and 5 s check asks):
-a daemon that replaced it meanwhile is found this much later at most."""
 
 
 class MpsDaemon:
@@ -176,18 +168,9 @@ class MpsDaemon:
         """Why the last daemon was started: none answered (the one before died or was never
         there), the one before was wedged (killed), or it was cut off from its pipe directory
         (stopped); None before any start."""
-        self._launched_unseen = False
-        """A daemon this supervisor launched has not answered yet: the next to answer is it."""
-        self._trusted: int | object | None = _NOBODY
-        """The pid of the daemon known to be usable: the one launched here (None when /proc
-        does not show its pid), or one adopted after its environment was checked."""
-        self._trusted_seen_at = float("-inf")
-        """When the answering daemon's pid was last read to be the trusted one's."""
-        self._refused: tuple[int | None, MpsError] | None = None
-        """The daemon not adopted (its pid) and why; None while the daemon is usable."""
-        self._recheck = False
-        """`_refused` holds only until the next look: its environment could not be read yet
-        (a process still starting, or exiting), which proves nothing either way."""
+        self.trust = DaemonTrust(self.clock.monotonic, self.pid, self.processes,
+                                 lambda: self.control.env, lambda: self.pipe_dir)
+        """Which daemon is used: the one launched here, or one adopted (`trust`)."""
 
     # ------------------------------------------------------------------ queries
 
@@ -259,7 +242,7 @@ class MpsDaemon:
         """`not_running`, once `_ensure_running` said no: a daemon launched since that has not
         got its state back, or no daemon process at all. A process table that cannot be read
         proves nothing (False). A daemon not adopted holds nothing the agent set (True)."""
-        if self._needs_reapply or self._refused is not None:
+        if self._needs_reapply or self.trust.refusing:
             return True
         try:
             return self.pid() is None
@@ -269,7 +252,7 @@ class MpsDaemon:
     def _ensure_running(self) -> bool:
         if self.healthy():
             self._silent_since, self._silent_checks = None, 0
-            refusal = self._adoption_refused()
+            refusal = self.trust.adoption_refused()
             if refusal is not None:
                 self.last_error = refusal
                 return False
@@ -304,7 +287,7 @@ class MpsDaemon:
             self._await_answer(argv)
         except MpsError as err:
             return self._start_failed(err)
-        self._adoption_refused()  # ours: trusted, its pid noted
+        self.trust.adoption_refused()  # ours: trusted, its pid noted
         self._answered()
         # Started. One that answers once and dies again at once must not be restarted on every
         # call (each restart runs a pass, whose check restarts it again): a start soon after
@@ -324,81 +307,7 @@ class MpsDaemon:
         self._started_at = self.clock.monotonic()
         self._restart_pending = self._restart_pending or self._seen_running
         self._needs_reapply = True
-        self._launched_unseen = True
-        self._refused, self._recheck = None, False
-
-    def _adoption_refused(self) -> MpsError | None:
-        """None when the daemon that answers may be used: the one launched here (its pid is
-        noted at its first answer), or one whose environment was checked (`adoption`). Why it
-        is not adopted otherwise (logged once per daemon). A daemon not adopted is neither
-        used nor stopped."""
-        now = self.clock.monotonic()
-        if (self._trusted is not _NOBODY and not self._launched_unseen
-                and now - self._trusted_seen_at < TRUST_RECHECK_SECONDS):
-            return None
-        pid = self.pid()
-        if self._launched_unseen:
-            self._launched_unseen, self._trusted = False, pid
-            self._refused, self._recheck = None, False
-            self._trusted_seen_at = now
-            return None
-        trusted = self._trusted
-        if trusted is not _NOBODY:
-            if pid == trusted:
-                self._trusted_seen_at = now
-                return None
-            if pid is None and (trusted is None or self.processes.is_alive(int(trusted))):
-                return None  # no lock holder seen: the trusted one, which still runs
-            if pid is None:  # it answered, then exited: none runs now, not a stranger
-                return MpsError(
-                    e.MPS_DAEMON_UNREACHABLE,
-                    f"the MPS control daemon pid {trusted} on {self.pipe_dir} answered, then "
-                    "exited; the supervisor starts another")
-        refusal = self._foreign_refusal(pid)
-        if refusal is None:
-            log.info("MPS control daemon pid %d on %s, not started by this agent, numbers the "
-                     "GPUs as the agent does: adopted", pid, self.pipe_dir)
-            self._trusted, self._refused, self._recheck = pid, None, False
-            self._trusted_seen_at = now
-        return refusal
-
-    def _foreign_refusal(self, pid: int | None) -> MpsError | None:
-        """Why the lock holder `pid`, not the trusted daemon, is not the agent's: its
-        environment numbers the GPUs otherwise, or cannot be read (`adoption`); None when it
-        numbers them as the agent's own starts do (one this agent launched before a restart
-        of its own, say). A refusal is remembered for that pid (`_refused`, logged once),
-        except one whose environment could not be read yet, checked again at the next look."""
-        if self._refused is not None and self._refused[0] == pid and not self._recheck:
-            return self._refused[1]
-        refusal, final = self._check_environment(pid)
-        if refusal is None:
-            self._refused, self._recheck = None, False  # whatever was refused holds no lock now
-            return None
-        if self._refused is None or self._refused != (pid, refusal):
-            log.warning("%s", refusal.message)
-        self._refused, self._recheck = (pid, refusal), not final
-        return refusal
-
-    def _check_environment(self, pid: int | None) -> tuple[MpsError | None, bool]:
-        """The adoption check of `pid`'s environment, and whether its answer is final (False:
-        the environment could not be read yet, the process starting or exiting, or reads
-        empty, or no process holds the lock)."""
-        if pid is None:  # (or the daemon exited right after it answered: looked at again)
-            return adoption.unreadable(
-                None, self.pipe_dir, f"no process holds {self.pipe_dir}/{LOCK_FILE} in "
-                "/proc/locks; the agent must run in the host's pid namespace"), False
-        try:
-            env = self.processes.environ(pid)
-        except OSError as err:
-            return adoption.unreadable(pid, self.pipe_dir, f"/proc/{pid}/environ: {err}"), True
-        if env is None:
-            return adoption.unreadable(
-                pid, self.pipe_dir, f"/proc/{pid}/environ cannot be read yet: the process is "
-                "starting or exiting (it is checked again at the next look)"), False
-        # An empty one is looked at again too: what /proc shows of a process caught between
-        # the steps of its exec, and no daemon the agent starts (it passes its pipe directory).
-        return (adoption.environment_problem(pid, env, self.control.env, self.pipe_dir),
-                bool(env))
+        self.trust.launched()
 
     def _answered(self) -> None:
         """A daemon answered: if it is a restart, it counts now."""
@@ -424,14 +333,14 @@ class MpsDaemon:
         has stayed silent for `wedged_checks` checks over `wedged_after` seconds (wedged:
         `_launch` kills it first). A lock holder other than the trusted daemon is taken for
         wedged only once its environment shows it numbers the GPUs as the agent's own starts
-        do (`_foreign_refusal`): one that does not, or cannot be read, is another's, reported
-        (True, MpsDaemonAlreadyRunning) and never killed, silent or not."""
+        do (`DaemonTrust.foreign_refusal`): one that does not, or cannot be read, is
+        another's, reported (True, MpsDaemonAlreadyRunning) and never killed, silent or not."""
         pid = self.pid()
         if pid is None:
             self._silent_since, self._silent_checks = None, 0
             return False
-        if pid != self._trusted:
-            refusal = self._foreign_refusal(pid)
+        if not self.trust.trusts(pid):
+            refusal = self.trust.foreign_refusal(pid)
             if refusal is not None:  # not adopted: not ours to kill, silent or not
                 self._silent_since, self._silent_checks = None, 0
                 self.last_error = refusal
@@ -523,13 +432,13 @@ class MpsDaemon:
         """A daemon that holds the lock but does not answer blocks every new start (reached
         only once `_not_answering` gave it up, or when it appeared during a start). Returns
         the cause of the restart when there was one. One that is not the trusted daemon and
-        whose environment is not the agent's (`_foreign_refusal`) is not killed: the start
-        fails with that refusal instead."""
+        whose environment is not the agent's (`DaemonTrust.foreign_refusal`) is not killed:
+        the start fails with that refusal instead."""
         pid = self.pid()
         if pid is None:
             return None
-        if pid != self._trusted:
-            refusal = self._foreign_refusal(pid)
+        if not self.trust.trusts(pid):
+            refusal = self.trust.foreign_refusal(pid)
             if refusal is not None:
                 raise refusal
         log.warning("MPS control daemon pid %d holds %s but does not answer: killing it",
@@ -575,7 +484,7 @@ class MpsDaemon:
         with contextlib.suppress(MpsError):  # no binary to ask: no directory of ours either
             self._stop_unreachable()
         pid = self.pid()
-        if self._refused is not None and self._refused[0] == pid:
+        if self.trust.refused(pid):
             log.info("MPS control daemon pid %s on %s was not adopted: left running", pid,
                      self._pipe_dir or self.root)
             return False
