@@ -127,7 +127,8 @@ class NodeAgent:
                         stopping=self._stopping,
                         failed_passes=0 if failing is None else failing.passes,
                         failing_for=None if failing is None else self.monotonic() - failing.since,
-                        pass_error=None if failing is None else failing.error)
+                        pass_error=None if failing is None else failing.error,
+                        markers_unwritable=self.worker.marker_probe.error)
 
     def condition(self) -> Condition | None:
         """The node condition now; None while the first pass is still to come (publishing

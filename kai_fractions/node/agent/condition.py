@@ -3,8 +3,9 @@
 `gpu-fractioning.nvidia.com/Ready` (name configurable; `gpu-sharing.nvidia.com/Ready` too with
 `--legacy-condition`) is True only when NVML works, an enabled memory tier can cap some
 fractional container (`no_cap_reason`), the MPS control daemon answers (when sm-sharing is
-enabled), the agent is reconciling, every GPU an sm-sharing plan needs in EXCLUSIVE_PROCESS is in
-it, and the watchdog sees every GPU where it would be a fractional container's only memory tier.
+enabled), the agent is reconciling, its readiness marker directory takes a file (`marker_probe`),
+every GPU an sm-sharing plan needs in EXCLUSIVE_PROCESS is in it, and the watchdog sees every GPU
+where it would be a fractional container's only memory tier.
 Otherwise False with one reason, the first that holds in this order (what the whole node lacks
 before what one GPU does):
 
@@ -15,6 +16,7 @@ before what one GPU does):
 | `NoMemoryEnforcement` | no enabled tier caps any fractional container (the driver has them) |
 | `MPSDaemonUnhealthy` | sm-sharing on; the control daemon does not answer, or is not adopted |
 | `NotReconciling` | no pod list yet, API unreachable, passes hung or failing too long, stopping |
+| `MarkerDirectoryNotWritable` | the last probe could not write in the marker directory |
 | `ComputeModeNotInForce` | a GPU sm-sharing needs in EXCLUSIVE_PROCESS is in another mode, unset |
 | `WatchdogBlind` | the watchdog cannot see a GPU where it is (would be) the only memory tier |
 
@@ -55,6 +57,7 @@ from ..inventory import Inventory
 from ..plan_refusals import PINNED_NOT_A_TIER, hard_tiers, watchdog_stops
 from .heartbeat import HeartbeatLease
 from .kube import ClusterWriter
+from .marker_probe import MARKER_DIR_NOT_WRITABLE
 from .options import AgentOptions
 
 log = logging.getLogger(__name__)
@@ -114,6 +117,9 @@ class Liveness:
     """Seconds since the first of them started; None while passes complete."""
     pass_error: str | None = None
     """The last one's exception."""
+    markers_unwritable: str | None = None
+    """Why the last probe of the marker directory could not write there (`marker_probe`);
+    None when it could."""
 
 
 def compute_summary(config: NodeConfig, health: Health) -> str:
@@ -250,6 +256,12 @@ def evaluate(config: NodeConfig, options: AgentOptions, health: Health,
         return Condition(False, NOT_RECONCILING,
                          "the node agent has not listed this node's pods and reconciled them "
                          "yet")
+    if live.markers_unwritable is not None:
+        return Condition(False, MARKER_DIR_NOT_WRITABLE,
+                         f"the readiness marker directory cannot be written "
+                         f"({live.markers_unwritable}): the gate of every fractional pod placed "
+                         "here would wait until its timeout; free space on its disk or make it "
+                         "writable again (the node agent's --marker-dir, a host path)")
     if health.wrong_compute_mode:
         return Condition(False, COMPUTE_MODE_NOT_IN_FORCE,
                          compute_mode_message(health.wrong_compute_mode))
