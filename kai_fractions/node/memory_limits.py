@@ -2,8 +2,10 @@
 
 soft = the guaranteed share (the NvFractions request), hard = the cap (the limit), in bytes, on
 each of the container's GPUs. Every write is preceded by a read, so a limit already in force is
-never rewritten (an agent restart costs reads, not writes). Clearing sets soft 0 and hard
-NVML_DEVICE_MEMORY_LIMIT_MAX, which NVIDIA asks for before a cgroup is deleted.
+never rewritten (an agent restart costs reads, not writes), and every set is followed by one: a
+set NVML returns success for is in force only once it reads back as the target (a driver that
+rounds, clamps or ignores it leaves the cgroup without the plan's limit). Clearing sets soft 0
+and hard NVML_DEVICE_MEMORY_LIMIT_MAX, which NVIDIA asks for before a cgroup is deleted.
 
 On a driver without the r615 functions every call raises `NvmlFunctionNotFound` (reason
 DriverTooOld); the plan (`desired.py`) already chose the fallback or refused, so reaching that
@@ -11,8 +13,9 @@ here means the driver changed under the agent, and the engine reports it per con
 
 What a failure proves: a read that fails says nothing of the limit in force (it may well be
 there), while a read that succeeds and shows something else than the target, followed by a set
-that fails, proves the target is not in force (`LimitNotSet`). A cgroup removed and made again
-(the same path) has lost its limits: NVML's limits go with the cgroup.
+that fails or by a read-back that shows something else again, proves the target is not in force
+(`LimitNotSet`). A cgroup removed and made again (the same path) has lost its limits: NVML's
+limits go with the cgroup.
 """
 
 from __future__ import annotations
@@ -21,15 +24,21 @@ from dataclasses import dataclass
 
 from .desired import LimitTarget
 from .errors import NodeError, NvmlError
-from .nvml import MEMORY_LIMIT_MAX, MemoryLimits, Nvml
+from .nvml import MEMORY_LIMIT_MAX, SET_MEMORY_LIMITS, MemoryLimits, Nvml
 
 MEMORY_LIMIT_NOT_IN_FORCE = "MemoryLimitNotInForce"
 """The reason of a container pending with `ContainerResult.limit_missing`, and only of such a
 container: the GPU memory limit on its pod's cgroup (the slice, which caps every container of
-the pod) was read back absent or not the plan's and could not be set, so its readiness marker is
-set aside (`kai_fractions.node.agent.markers`). Whoever reads the reason alone (GetNodeState,
-the metrics) tells it from a container pending for a reason that keeps its marker (an NVML
-call that failed, a read that failed). The message names NVML's own error."""
+the pod) was read back absent or not the plan's and could not be set (the set failed, or
+returned success and the limit reads back otherwise: LIMIT_NOT_READ_BACK), so its readiness
+marker is set aside (`kai_fractions.node.agent.markers`). Whoever reads the reason alone
+(GetNodeState, the metrics) tells it from a container pending for a reason that keeps its
+marker (an NVML call that failed, a read that failed). The message names NVML's own error."""
+
+LIMIT_NOT_READ_BACK = "LimitNotReadBack"
+"""The reason of a `LimitNotSet` whose set NVML returned success for, but whose limits read back
+as something else than the target (a driver that rounds, clamps or ignores the set); named in
+the message of a container pending MEMORY_LIMIT_NOT_IN_FORCE for it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +54,12 @@ class LimitWrite:
 
 class LimitNotSet(NvmlError):
     """`ensure` read the limits in force on the target's cgroup (`before`), which are not the
-    target, and the set that was to put the target in force failed (`cause`): the target is
-    known NOT in force. It carries the cause's reason, message, function and code (a caller
-    that only reports it sees the NVML error as it was); a read that fails raises the read's
-    own error instead, which proves nothing of what is in force."""
+    target, and the set that was to put the target in force failed (`cause`), or returned
+    success while the limits read back after it (then `before`) are still not the target
+    (`cause`: an NvmlError of reason LIMIT_NOT_READ_BACK): the target is known NOT in force.
+    It carries the cause's reason, message, function and code (a caller that only reports it
+    sees the NVML error as it was); a read that fails, before or after the set, raises the
+    read's own error instead, which proves nothing of what is in force."""
 
     def __init__(self, target: LimitTarget, before: MemoryLimits, cause: NvmlError):
         super().__init__(cause.message, function=cause.function, code=cause.code,
@@ -101,8 +112,9 @@ class MemoryLimitEnforcer:
 
     def ensure(self, target: LimitTarget) -> LimitWrite | None:
         """Makes `target` the limits in force; returns the write, or None when already so.
-        Raises the read's NvmlError when the read fails (nothing known), `LimitNotSet` when
-        the read shows another limit and the set fails (known not in force)."""
+        Raises a read's NvmlError when a read fails (nothing known), `LimitNotSet` when the
+        read shows another limit and the set fails, or succeeds but the limits read back
+        after it are not the target (known not in force)."""
         before = self.nvml.get_memory_limits(target.gpu_uuid, target.path)
         if (before.soft, before.hard) == (target.soft, target.hard):
             return None
@@ -110,6 +122,16 @@ class MemoryLimitEnforcer:
             self.nvml.set_memory_limits(target.gpu_uuid, target.path, target.soft, target.hard)
         except NvmlError as e:
             raise LimitNotSet(target, before, e) from e
+        # Exact, as the comparison above is: a limit the driver rounded or clamped is not the
+        # target there either (it would be rewritten at every pass), so it is not in force.
+        after = self.nvml.get_memory_limits(target.gpu_uuid, target.path)
+        if (after.soft, after.hard) != (target.soft, target.hard):
+            cause = NvmlError(
+                f"{SET_MEMORY_LIMITS} returned success on GPU {target.gpu_uuid}, but the limit "
+                f"reads back {describe(after.soft, after.hard)}: the driver did not keep it "
+                "(rounded, clamped or ignored)", function=SET_MEMORY_LIMITS,
+                reason=LIMIT_NOT_READ_BACK)
+            raise LimitNotSet(target, after, cause)
         return LimitWrite(target.gpu_uuid, target.path, before, target.soft, target.hard)
 
     def clear(self, gpu_uuid: str, path: str) -> LimitWrite | None:
