@@ -169,6 +169,13 @@ class Engine:
         the mode is set or read back in force, or no plan needs it, so that a pass failing
         before it reads the mode (NVML down) still reports it (`ContainerResult.mps_cap_missing`,
         COMPUTE_MODE_NOT_IN_FORCE). Not a cache: `forget()` keeps it."""
+        self._limits_not_settable: dict[str, NvmlError] = {}
+        """GPUs on which no cgroup memory limit could be put in force: in the last pass that was
+        to set or read limits there, every target on the GPU failed (`LimitNotSet`, or the
+        read's NvmlError) -> the first failure. A GPU with one limit in force is not here (a
+        container's own cgroup under a limited pod slice is capped by the slice). Cleared when
+        a limit there is in force or no target is left on it (`engine_cgroup_limits`); kept
+        through a pass that reaches no cgroup there. Not a cache: `forget()` keeps it."""
         self.pins = PinnedLimits()
         """The MPS default pinned device memory limits: MiB written (a cache), GPUs whose limit
         is known lost and namespaces that may hold a server started without it (not caches)."""
@@ -180,6 +187,13 @@ class Engine:
         (`agent.condition`, ComputeModeNotInForce), since KAI would otherwise keep placing
         sm-sharing pods there that can only wait."""
         return MappingProxyType(dict(self._wrong_mode))
+
+    @property
+    def limits_not_settable(self) -> Mapping[str, NvmlError]:
+        """A read-only copy of `_limits_not_settable`: the node condition names these GPUs
+        (`agent.condition`, MemoryLimitsNotSettable), since KAI would otherwise keep placing
+        fractional pods there that can only wait."""
+        return MappingProxyType(dict(self._limits_not_settable))
 
     def _save_ledger(self) -> list[Issue]:
         """Saves the claims when they differ from what the ledger holds."""

@@ -1,10 +1,13 @@
 """The cgroup step of one apply (`kai_fractions.node.engine`): the GPU memory limits on the pod
-slices and container cgroups its plan names, the sweep of stale ones, and what the report says
-of a slice limit known not in force.
+slices and container cgroups its plan names, the sweep of stale ones, what the report says of a
+slice limit known not in force, and which GPUs take no limit at all (`Engine.limits_not_settable`:
+every target there failed, so the node condition says so rather than let KAI place pods there
+that can only wait).
 
 A step of the engine's `_Run` over the apply's state (`engine_run.RunState`); of the Engine
-(`e`) it uses `cgroup_fs`, `layout`, `limits`, `_limited`, `_unlimited`, `_clean` and
-`_save_ledger`. Separate from the MPS step: they share nothing but the run.
+(`e`) it uses `cgroup_fs`, `layout`, `limits`, `_limited`, `_unlimited`, `_clean`,
+`_limits_not_settable` and `_save_ledger`. Separate from the MPS step: they share nothing but
+the run.
 """
 
 from __future__ import annotations
@@ -53,10 +56,13 @@ class CgroupLimitStep(RunState):
         # not claimed: the agent may not have set it.
         self.e._limited.update((t.gpu_uuid, t.path) for t, keys in ready if keys)
         self.save_ledger()
+        # Per GPU: None once a limit there is in force, else the first failure.
+        outcome: dict[str, NvmlError | None] = {}
         for t, keys in ready:
             try:
                 write = self.e.limits.ensure(t)
             except LimitNotSet as err:
+                outcome.setdefault(t.gpu_uuid, err)
                 if self._slice_owners(t):
                     # Read back without the plan's limit, and not set: known not in force.
                     self.e._unlimited[t] = err.before
@@ -72,14 +78,34 @@ class CgroupLimitStep(RunState):
                 # The read failed: that proves nothing of the limit in force (it may well be
                 # there, as the last pass left it), so the container is pending for it and its
                 # marker kept, unless an earlier pass knew the limit missing (`_unlimited`).
+                # Nor is any limit there known in force: it counts against the GPU.
+                outcome.setdefault(t.gpu_uuid, err)
                 self.fail(keys, err)
                 continue
+            outcome[t.gpu_uuid] = None
             self.e._unlimited.pop(t, None)  # read back in force, or set now
             self.e._clean.discard((t.gpu_uuid, t.path))
             if write is not None:
                 self.writes.append(write)
             for k in keys:
                 self.in_force.setdefault(k, []).append(t)
+        self._settable(outcome)
+
+    def _settable(self, outcome: dict[str, NvmlError | None]) -> None:
+        """Updates `Engine._limits_not_settable` from this pass's `outcome` per GPU: a GPU
+        where one limit is in force is fine (a container's own cgroup that failed under a
+        limited slice is capped by it), one where every target failed takes none; a GPU whose
+        cgroups this pass did not reach (not there yet) stays as it was, one without a target
+        is dropped."""
+        targeted = {t.gpu_uuid for t in self.d.limits}
+        stuck = self.e._limits_not_settable
+        for uuid in [u for u in stuck if u not in targeted]:
+            del stuck[uuid]
+        for uuid, error in outcome.items():
+            if error is None:
+                stuck.pop(uuid, None)
+            else:
+                stuck[uuid] = error
 
     def _slice_owners(self, t: LimitTarget) -> list[ContainerDesired]:
         """The containers `t` caps as their pod's slice: every cgroup-limited container of the

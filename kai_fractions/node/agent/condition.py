@@ -4,8 +4,9 @@
 `--legacy-condition`) is True only when NVML works, an enabled memory tier can cap some
 fractional container (`no_cap_reason`), the MPS control daemon answers (when sm-sharing is
 enabled), the agent is reconciling, its readiness marker directory takes a file (`marker_probe`),
-every GPU an sm-sharing plan needs in EXCLUSIVE_PROCESS is in it, and the watchdog sees every GPU
-where it would be a fractional container's only memory tier.
+every GPU where cgroup memory limits are to be set takes one, every GPU an sm-sharing plan needs
+in EXCLUSIVE_PROCESS is in it, and the watchdog sees every GPU where it would be a fractional
+container's only memory tier.
 Otherwise False with one reason, the first that holds in this order (what the whole node lacks
 before what one GPU does):
 
@@ -17,6 +18,7 @@ before what one GPU does):
 | `MPSDaemonUnhealthy` | sm-sharing on; the control daemon does not answer, or is not adopted |
 | `NotReconciling` | no pod list yet, API unreachable, passes hung or failing too long, stopping |
 | `MarkerDirectoryNotWritable` | the last probe could not write in the marker directory |
+| `MemoryLimitsNotSettable` | a GPU's cgroup memory limits all failed to be set (or read) |
 | `ComputeModeNotInForce` | a GPU sm-sharing needs in EXCLUSIVE_PROCESS is in another mode, unset |
 | `WatchdogBlind` | the watchdog cannot see a GPU where it is (would be) the only memory tier |
 
@@ -25,6 +27,16 @@ only memory tier is the kill-policy watchdog; or, where the watchdog would be th
 tier of a time-slicing container placed on the node now (`watchdog_sole_tier`: no cgroup limits
 enabled and supported), any GPU in such an episode, with a container yet or not: a pod KAI places
 there would wait, so the node says so before, not once it is there.
+
+`MemoryLimitsNotSettable`: a GPU where, in the last pass that was to set or read cgroup memory
+limits there, none could be: every target on it failed (the set refused, e.g. NoPermission with
+an agent not root, or read back otherwise; or the read failed, e.g. NotSupported), so none is
+known in force there (`Engine.limits_not_settable`). Its containers capped by a cgroup limit are
+pending (MemoryLimitNotInForce, or NVML's reason), and so would be every such pod KAI placed
+there. A GPU with one limit in force is fine: a container's own cgroup that failed under a pod
+slice that holds its limit is capped by the slice. Before `ComputeModeNotInForce` (it concerns
+every pod a cgroup limit caps, the mode only sm-sharing ones). True again once a limit there is
+in force or no target is left on it.
 
 `ComputeModeNotInForce`: a GPU a planned sm-sharing container needs in EXCLUSIVE_PROCESS reads
 back another compute mode and the agent's set failed (`Engine.wrong_mode`): its sm-sharing
@@ -70,6 +82,9 @@ MPS_DAEMON_UNHEALTHY = "MPSDaemonUnhealthy"
 NOT_RECONCILING = "NotReconciling"
 WATCHDOG_BLIND = "WatchdogBlind"
 """`engine_reports.WATCHDOG_BLIND`, the containers' reason, as the condition's."""
+MEMORY_LIMITS_NOT_SETTABLE = "MemoryLimitsNotSettable"
+"""Not the containers' MEMORY_LIMIT_NOT_IN_FORCE: that one is a pod slice's limit known missing,
+this one a GPU on which no limit at all could be put in force."""
 COMPUTE_MODE_NOT_IN_FORCE = "ComputeModeNotInForce"
 """`engine_reports.COMPUTE_MODE_NOT_IN_FORCE`, the containers' reason, as the condition's."""
 
@@ -100,6 +115,10 @@ class Health:
     """(GPU uuid, compute mode read back, the failed set's reason) of each GPU a planned
     sm-sharing container needs in EXCLUSIVE_PROCESS that is known in another mode
     (`Engine.wrong_mode`: those containers are pending ComputeModeNotInForce)."""
+    limits_not_settable: tuple[tuple[str, str, str], ...] = ()
+    """(GPU uuid, NVML's reason, NVML's message) of each GPU on which no cgroup memory limit
+    could be put in force in the last pass that was to set or read one there
+    (`Engine.limits_not_settable`: its cgroup-capped containers are pending)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +281,9 @@ def evaluate(config: NodeConfig, options: AgentOptions, health: Health,
                          f"({live.markers_unwritable}): the gate of every fractional pod placed "
                          "here would wait until its timeout; free space on its disk or make it "
                          "writable again (the node agent's --marker-dir, a host path)")
+    if health.limits_not_settable:
+        return Condition(False, MEMORY_LIMITS_NOT_SETTABLE,
+                         limits_not_settable_message(health.limits_not_settable))
     if health.wrong_compute_mode:
         return Condition(False, COMPUTE_MODE_NOT_IN_FORCE,
                          compute_mode_message(health.wrong_compute_mode))
@@ -284,6 +306,23 @@ def watchdog_blind_message(gpus: tuple[tuple[str, str], ...]) -> str:
             "running one's readiness marker is set aside) until it sees again; the node "
             "agent's log names the error, and what to do (docs/node-agent.md, \"What the "
             "watchdog sees and stops\")")
+
+
+def limits_not_settable_message(gpus: tuple[tuple[str, str, str], ...]) -> str:
+    """The condition's message while GPUs take no cgroup memory limit: each GPU and NVML's
+    reason, the first one's NVML message, and the remedy; stable while it lasts (the condition
+    is patched whenever it changes)."""
+    where = ", ".join(f"{uuid} ({reason})" for uuid, reason, _ in gpus)
+    first, _, message = gpus[0]
+    return (f"no GPU memory limit can be set on GPU(s) {where}: every cgroup limit the node "
+            f"agent was to put in force there failed (NVML's error on {first}: {message}), so "
+            "the fractional containers there capped by a cgroup limit, and any placed there "
+            "meanwhile, are pending (MemoryLimitNotInForce, or NVML's reason where the read "
+            "failed: a new pod's gate waits) until one is in force; the node agent sets NVML "
+            "memory limits only with root privileges (the chart runs it as root and "
+            "privileged: check its securityContext), on a driver and GPU that support them "
+            "(r615 or newer, no MIG: check the driver with nvidia-smi); its log names NVML's "
+            "error")
 
 
 def compute_mode_message(gpus: tuple[tuple[str, str, str], ...]) -> str:

@@ -379,15 +379,19 @@ class Reconciler(MarkerSetAside):
                 mps_namespaces: bool | None, bump: int,
                 watchdog_blind: BlindGpus | None = None) -> Health:
         """`watchdog_blind` None: as the last pass that applied found it. The GPUs known in
-        the wrong compute mode are the engine's (`Engine.wrong_mode`: only an apply changes
-        them, and a pass that fails before it reads the mode keeps them)."""
+        the wrong compute mode, and those that take no memory limit, are the engine's
+        (`Engine.wrong_mode`, `Engine.limits_not_settable`: only an apply changes them, and a
+        pass that fails before it reaches them keeps them)."""
         return Health(inventory=inventory, nvml_error=self.nvml_health.error, mps_error=mps_error,
                       mps_namespaces=mps_namespaces, passes=self.view.health.passes + bump,
                       watchdog_blind=(self.view.health.watchdog_blind if watchdog_blind is None
                                       else watchdog_blind),
                       wrong_compute_mode=tuple(sorted(
                           (uuid, mode.name, error.reason)
-                          for uuid, (mode, error) in self.engine.wrong_mode.items())))
+                          for uuid, (mode, error) in self.engine.wrong_mode.items())),
+                      limits_not_settable=tuple(sorted(
+                          (uuid, error.reason, error.message)
+                          for uuid, error in self.engine.limits_not_settable.items())))
 
     def _publish(self, inventory: Inventory | None, mps_error: NodeError | None,
                  mps_namespaces: bool | None, *, count: bool = True,

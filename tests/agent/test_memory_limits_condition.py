@@ -1,0 +1,174 @@
+"""The node condition while no GPU memory limit can be set on a GPU (`MemoryLimitsNotSettable`).
+
+Before: on a node where every cgroup limit set failed (the agent not root: NoPermission) or every
+read and set was NotSupported, each fractional container there was pending
+(MemoryLimitNotInForce, or NVML's reason) but the node stayed True `AgentReady`, so KAI kept
+placing fractional pods there whose gates could only wait until their timeout.
+
+Now the condition is False `MemoryLimitsNotSettable` while, in the last pass that set or read
+cgroup limits on a GPU, none of them could be (`Engine.limits_not_settable`), naming each GPU,
+NVML's reason and what to do, and True again once a limit is in force there or no target is left
+on it. A GPU with one limit in force is fine: a container's own cgroup that cannot be limited
+under a pod slice that is does not count (the slice caps it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kai_fractions.node.agent.condition import Health, Liveness, evaluate
+from kai_fractions.node.agent.options import AgentOptions
+from kai_fractions.node.config import NodeConfig
+from kai_fractions.node.errors import nvml_error
+
+from .builders import GIB, NODE, Rig, binder_annotations, leaf_of, limits_of, pod, result_of
+
+NVML_ERROR_NO_PERMISSION = 4  # nvmlReturn_t
+NOT_SETTABLE = "MemoryLimitsNotSettable"
+
+
+def ts_pod(rig: Rig, name: str = "p", gpu: str | None = None) -> str:
+    return rig.add(pod(name, notes=binder_annotations(devices=gpu or rig.gpu0))
+                   )["metadata"]["uid"]
+
+
+def condition(rig: Rig) -> tuple[bool, str, str]:
+    cond = rig.agent.condition()
+    assert cond is not None
+    return cond.ready, cond.reason, cond.message
+
+
+def test_the_node_is_not_ready_while_no_limit_can_be_set_for_lack_of_permission(
+        short_tmp: Path) -> None:
+    """The reviewer's probe p4b: every set is refused (the agent not root), reads work. The
+    message names the GPU, NVML's reason and what to do, the same every pass."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    rig.nvml.fail("set_memory_limits", "NoPermission", times=None)
+    uid = ts_pod(rig)
+    messages = set()
+    for _ in range(3):
+        rig.step()
+        assert result_of(rig, uid).reason == "MemoryLimitNotInForce"
+        ready, reason, message = condition(rig)
+        assert (ready, reason) == (False, NOT_SETTABLE)
+        messages.add(message)
+        rig.reconciler.engine.forget()  # a periodic resync changes nothing of it
+    assert len(messages) == 1
+    assert message.startswith(
+        f"no GPU memory limit can be set on GPU(s) {rig.gpu0} (NVMLNoPermission)"), message
+    assert "nvmlDeviceSetMemoryLimits_v1" in message
+    assert "root" in message and "privileged" in message and "driver" in message
+    assert rig.gpu1 not in message
+
+    rig.nvml.clear_failures()  # the agent may set them now
+    assert rig.step().converged
+    assert condition(rig)[:2] == (True, "AgentReady")
+
+
+def test_the_node_is_not_ready_where_limits_are_not_supported(short_tmp: Path) -> None:
+    """The reviewer's probe p4: every read (and set) is NotSupported; a read that fails counts
+    too, as no limit there is known in force."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    rig.nvml.fail("get_memory_limits", "NotSupported", times=None, device=rig.gpu1)
+    rig.nvml.fail("set_memory_limits", "NotSupported", times=None, device=rig.gpu1)
+    fine = ts_pod(rig, "fine")
+    stuck = ts_pod(rig, "stuck", rig.gpu1)
+    for _ in range(2):
+        rig.step()
+        assert result_of(rig, stuck).reason == "NotSupported"
+        assert result_of(rig, fine).reason is None
+        ready, reason, message = condition(rig)
+        assert (ready, reason) == (False, NOT_SETTABLE)
+    assert message.startswith(
+        f"no GPU memory limit can be set on GPU(s) {rig.gpu1} (NotSupported)"), message
+    assert rig.gpu0 not in message
+
+
+def test_ready_again_once_no_target_is_left_on_the_gpu(short_tmp: Path) -> None:
+    rig = Rig(short_tmp, sm_sharing=False)
+    rig.nvml.fail("set_memory_limits", "NoPermission", times=None)
+    uid = ts_pod(rig)
+    rig.step()
+    assert condition(rig)[:2] == (False, NOT_SETTABLE)
+    rig.cluster.delete_pod(uid)
+    rig.step()
+    assert condition(rig)[:2] == (True, "AgentReady")
+
+
+def test_a_gpu_with_a_limit_in_force_is_fine(short_tmp: Path) -> None:
+    """A pod whose limits were set before the sets started failing: they read back in force,
+    so the GPU holds limits; the second pod's container is pending, the node stays ready. Once
+    the first pod is gone, no limit on the GPU is in force: not ready."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    first = ts_pod(rig, "first")
+    assert rig.step().converged
+    rig.nvml.fail("set_memory_limits", "NoPermission", times=None)
+    second = ts_pod(rig, "second")
+    rig.step()
+    assert result_of(rig, second).reason == "MemoryLimitNotInForce"
+    assert result_of(rig, first).reason is None
+    assert condition(rig)[:2] == (True, "AgentReady")
+    rig.cluster.delete_pod(first)
+    rig.step()
+    assert result_of(rig, second).reason == "MemoryLimitNotInForce"
+    assert condition(rig)[:2] == (False, NOT_SETTABLE)
+
+
+def test_a_containers_own_cgroup_that_cannot_be_limited_under_a_limited_slice_is_fine(
+        short_tmp: Path) -> None:
+    """The container's own cgroup made again and its set refused, while its pod slice's limit
+    is in force: the slice caps the container, so the GPU is fine and the node stays ready."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    uid = ts_pod(rig)
+    assert rig.step().converged
+    rig.nvml.limits.pop((rig.gpu0, leaf_of(uid)))
+    set_limits = rig.nvml.set_memory_limits
+
+    def refused_on_the_leaf(uuid: str, namespace: str, soft: int, hard: int) -> None:
+        if namespace == leaf_of(uid):
+            raise nvml_error(NVML_ERROR_NO_PERMISSION, "nvmlDeviceSetMemoryLimits_v1",
+                             device=uuid)
+        set_limits(uuid, namespace, soft, hard)
+
+    rig.nvml.set_memory_limits = refused_on_the_leaf  # type: ignore[method-assign]
+    rig.reconciler.engine.forget()
+    rig.step()
+    assert result_of(rig, uid).reason == "NVMLNoPermission"
+    assert leaf_of(uid) not in limits_of(rig, uid)
+    assert condition(rig)[:2] == (True, "AgentReady")
+    # the slice made again too, its set refused as well: no limit in force on the GPU
+    rig.nvml.limits.clear()
+    rig.nvml.fail("set_memory_limits", "NoPermission", times=None)
+    rig.step()
+    assert result_of(rig, uid).reason == "MemoryLimitNotInForce"
+    assert condition(rig)[:2] == (False, NOT_SETTABLE)
+    rig.nvml.clear_failures()
+    rig.nvml.set_memory_limits = set_limits  # type: ignore[method-assign]
+    assert rig.step().converged
+    assert limits_of(rig, uid)[leaf_of(uid)] == (10 * GIB, 20 * GIB)
+    assert condition(rig)[:2] == (True, "AgentReady")
+
+
+LIVE = Liveness(synced=True, api_down_for=None, api_error=None, busy_for=None)
+OPTIONS = AgentOptions(socket=None, metrics_listen=None, stale_after_seconds=60)
+
+
+def test_the_reasons_order(short_tmp: Path) -> None:
+    """After an unwritable marker directory (no gate opens at all), before the compute mode
+    and a blind watchdog; every GPU named, each with NVML's reason."""
+    rig = Rig(short_tmp)
+    rig.step()
+    inventory = rig.reconciler.view.health.inventory
+    health = Health(inventory=inventory, passes=1, mps_namespaces=True,
+                    watchdog_blind=(("GPU-1", "NVMLNoPermission"),),
+                    wrong_compute_mode=(("GPU-1", "DEFAULT", "NVMLNoPermission"),),
+                    limits_not_settable=(
+                        ("GPU-1", "NVMLNoPermission", "NVML refused it on GPU GPU-1"),
+                        ("GPU-2", "NotSupported", "not supported on GPU GPU-2")))
+    config = NodeConfig(node_name=NODE)
+    cond = evaluate(config, OPTIONS, health, LIVE)
+    assert (cond.ready, cond.reason) == (False, NOT_SETTABLE)
+    assert "GPU-1 (NVMLNoPermission), GPU-2 (NotSupported)" in cond.message
+    assert "NVML refused it on GPU GPU-1" in cond.message
+    unwritable = Liveness(synced=True, api_down_for=None, api_error=None, busy_for=None,
+                          markers_unwritable="disk full")
+    assert evaluate(config, OPTIONS, health, unwritable).reason == "MarkerDirectoryNotWritable"
