@@ -2,7 +2,10 @@
 before r615), and a second line everywhere.
 
 Each check maps every GPU process to its pod and container through `/proc/<pid>/cgroup`, sums
-the usage per container and device, and compares it with the container's cap. By policy:
+the usage per container and device, and compares it with the container's cap. The processes of
+a GPU are those of all three NVML listings (compute, graphics, MPS compute: some drivers list an
+MPS client in the MPS listing only, and NVML lists a graphics-only process in the graphics one
+only), each pid once, with its largest memory figure (`merge_listings`). By policy:
 - `report`: returns the violations (the agent turns them into events and metrics); no action;
 - `kill`: drains each of the container's processes on that GPU from MPS first (`client
   terminate`: killing a client in the middle of a kernel can wedge the MPS server for every
@@ -11,8 +14,17 @@ the usage per container and device, and compares it with the container's cap. By
   with the passes and gRPC calls): each stop in progress is followed from check to check,
   its outcome reported when it is known, and a process that has not exited some time after
   SIGKILL (stuck in the kernel) is reported as such, never signalled again.
-A process that belongs to no managed container (another pod, a container the agent does not
-manage, a host process, a pid that vanished, pid 1, the agent itself) is never touched. When MPS
+A process whose cgroup names a managed pod but a container ID the agent does not know (or none:
+right after a container starts or restarts, the pod's status still names the old ID, or none
+yet) is the pod's fractional container's, where that container is planned (capped) on the GPU:
+the contract allows one fractional container per pod, and the cgroup tier's limit, on the pod's
+slice, caps every container of the pod alike (a process of another container of the pod on
+that GPU counts too: the agent knows the fractional container's ID only). So it is counted and,
+over the cap, stopped like the container's own, its ownership read again by the same rule before
+the signal (were several of the pod's containers capped there, against the contract, it would
+be taken for one whose container cannot be told, below). A process that belongs to no
+managed container (another pod, a pod whose fractional container is not planned on that GPU, a
+host process, a pid that vanished, pid 1, the agent itself) is never touched. When MPS
 is in use but cannot say whether a process of an sm-sharing container is its client, the kill
 waits for the next check rather than risk the other tenants (a time-slicing container's
 processes cannot be clients: they are stopped without asking MPS).
@@ -92,9 +104,65 @@ __all__ = [
     "SIGNALLED", "SKIPPED", "TERMINATE", "TERMINATED", "UNKILLABLE", "VIOLATION_REASON",
     "Action", "ContainerUsage", "GpuProcessLike", "Killer", "ManagedContainer", "MpsClientLike",
     "MpsDrain", "OwnerUnknown", "SignalKiller", "Violation", "Watchdog", "WatchdogReport",
+    "merge_listings",
 ]
 
 log = logging.getLogger(__name__)
+
+
+def merge_listings(*listings: Iterable[GpuProcessLike]) -> tuple[GpuProcessLike, ...]:
+    """NVML's listings of one GPU (compute, graphics, MPS compute) as one: a row per pid, the
+    one with the largest memory figure (NVML gives a process with contexts of several kinds in
+    each listing, with its memory in each: counted once, never twice), first-listed order. A
+    figure NVML does not have (None) is taken only where no listing has one."""
+    rows: dict[int, GpuProcessLike] = {}
+    for listing in listings:
+        for p in listing:
+            had = rows.get(p.pid)
+            if had is None or (p.used_bytes is not None and (
+                    had.used_bytes is None or p.used_bytes > had.used_bytes)):
+                rows[p.pid] = p
+    return tuple(rows.values())
+
+
+class _Attribution:
+    """Which managed container a GPU process's pod and container are, on a GPU (the module's
+    docstring): by its container ID, else the pod's one container capped on that GPU."""
+
+    def __init__(self, containers: Iterable[ManagedContainer]):
+        self.containers: dict[tuple[str, str], ManagedContainer] = {}
+        """(pod uid, container name) -> the container: every one, known ID or not."""
+        self._by_id: dict[tuple[str, str], ManagedContainer] = {}
+        self._by_pod: dict[str, list[ManagedContainer]] = {}
+        for c in containers:
+            self.containers[_ident(c)] = c
+            if c.key is not None:
+                self._by_id[c.key] = c
+            self._by_pod.setdefault(c.pod_uid.lower(), []).append(c)
+
+    def of(self, owner: PodContainer | bool | OwnerUnknown | None, device: str
+           ) -> ManagedContainer | OwnerUnknown | None:
+        """The container `owner`'s process on `device` counts for; None for none; OwnerUnknown
+        where the pod has several containers capped there (the contract allows one)."""
+        if not isinstance(owner, PodContainer):
+            return None
+        if owner.container_id is not None:
+            known = self._by_id.get((owner.pod_uid, owner.container_id))
+            if known is not None:
+                return known
+        capped = [c for c in self._by_pod.get(owner.pod_uid, ()) if device in c.caps]
+        if len(capped) > 1:
+            where = (f"container {owner.container_id}" if owner.container_id is not None
+                     else "own cgroup")
+            return OwnerUnknown(
+                f"it runs in its pod {owner.pod_uid}'s {where}, which is none of the containers "
+                f"the agent knows, and {len(capped)} of that pod's containers are capped on "
+                "that GPU")
+        return capped[0] if capped else None
+
+
+def _ident(c: ManagedContainer) -> tuple[str, str]:
+    return c.pod_uid.lower(), c.container_name
 
 
 # ---------------------------------------------------------------------------- the watchdog
@@ -142,6 +210,8 @@ class Watchdog:
         # in the same place). Enforcement never trusts this cache: `_still_in` reads /proc
         # afresh before acting.
         self._owners: dict[int, tuple[PodContainer | bool | OwnerUnknown, Pin]] = {}
+        self._attribution = _Attribution(())
+        """The managed containers of the check in progress (`_still_in` reads it)."""
         self._read_now: set[int] = set()
         """The pids whose /proc entry this check has read (not from `_owners`)."""
         self._stopping: dict[int, tuple[str, str, str]] = {}
@@ -164,12 +234,11 @@ class Watchdog:
         containers: Iterable[ManagedContainer],
         sm_percent: Mapping[int, int] | None = None,
     ) -> WatchdogReport:
-        """`processes`: GPU UUID -> its compute processes (NVML, host pids); `containers`: the
-        managed containers and their caps; `sm_percent`: pid -> SM utilisation, if known."""
-        managed: dict[tuple[str, str], ManagedContainer] = {}
-        for c in containers:
-            if c.key is not None:
-                managed[c.key] = c
+        """`processes`: GPU UUID -> its processes (NVML, host pids), of every listing (a pid
+        listed more than once counts once: `merge_listings`); `containers`: the managed
+        containers and their caps; `sm_percent`: pid -> SM utilisation, if known."""
+        processes = {device: merge_listings(procs) for device, procs in processes.items()}
+        managed = self._attribution = _Attribution(containers)
         self._read_now = set()
         usage, violations, unmanaged, unplaced = self._account(processes, managed, sm_percent)
         # A violation is never reported on a cached owner: where no pin tells a reused pid (a
@@ -197,13 +266,13 @@ class Watchdog:
     def _account(
         self,
         processes: Mapping[str, Iterable[GpuProcessLike]],
-        managed: Mapping[tuple[str, str], ManagedContainer],
+        managed: _Attribution,
         sm_percent: Mapping[int, int] | None,
     ) -> tuple[list[ContainerUsage], list[_Over], list[tuple[str, int]],
                list[tuple[str, int, str]]]:
         """Usage per managed container and GPU listed, the violations, the unmanaged
         processes and those whose container cannot be told."""
-        # (container key, device) -> [pids, (pid, used), unknown]
+        # ((pod uid, container name), device) -> [pids, (pid, used), unknown]
         found: dict[tuple[tuple[str, str], str],
                     tuple[list[int], list[tuple[int, int]], list[int]]] = {}
         devices_of: dict[tuple[str, str], set[str]] = {}
@@ -217,12 +286,16 @@ class Watchdog:
                 if isinstance(owner, OwnerUnknown):
                     unplaced.append((device, proc.pid, owner.why))
                     continue
-                container = self._managed(owner, managed)
+                container = managed.of(owner, device)
+                if isinstance(container, OwnerUnknown):
+                    unplaced.append((device, proc.pid, container.why))
+                    continue
                 if container is None:
                     unmanaged.append((device, proc.pid))
                     continue
-                devices_of.setdefault(container.key, set()).add(device)
-                pids, used, unknown = found.setdefault((container.key, device), ([], [], []))
+                key = _ident(container)
+                devices_of.setdefault(key, set()).add(device)
+                pids, used, unknown = found.setdefault((key, device), ([], [], []))
                 pids.append(proc.pid)
                 if proc.used_bytes is None:
                     unknown.append(proc.pid)
@@ -231,7 +304,7 @@ class Watchdog:
 
         usage: list[ContainerUsage] = []
         violations: list[_Over] = []
-        for key, c in managed.items():
+        for key, c in managed.containers.items():
             devices = list(c.caps) + sorted(devices_of.get(key, set()) - set(c.caps))
             for device in devices:
                 if device not in processes:
@@ -301,17 +374,10 @@ class Watchdog:
         if entry is not None:
             entry[1].close()
 
-    @staticmethod
-    def _managed(owner: PodContainer | bool | OwnerUnknown,
-                 managed: Mapping[tuple[str, str], ManagedContainer]) -> ManagedContainer | None:
-        if not isinstance(owner, PodContainer) or owner.container_id is None:
-            return None
-        return managed.get((owner.pod_uid, owner.container_id))
-
-    def _still_in(self, pid: int, container: ManagedContainer) -> bool:
-        owner = self._owner(pid)
-        return isinstance(owner, PodContainer) and (owner.pod_uid, owner.container_id) == \
-            container.key
+    def _still_in(self, pid: int, container: ManagedContainer, device: str) -> bool:
+        """Whether `pid` (read afresh) still counts for `container` on `device`."""
+        now = self._attribution.of(self._owner(pid), device)
+        return isinstance(now, ManagedContainer) and _ident(now) == _ident(container)
 
     # -------------------------------------------------------------------- enforcement
 
@@ -353,7 +419,8 @@ class Watchdog:
             for pid in violation.pids:
                 if pid in self._stopping:
                     continue  # being stopped: drained already, its outcome comes from progress
-                for step, outcome, detail in self._enforce_one(pid, container, drain):
+                for step, outcome, detail in self._enforce_one(pid, container,
+                                                               violation.device_uuid, drain):
                     if step == TERMINATE and outcome == SIGNALLED:
                         self._stopping[pid] = (violation.device_uuid, violation.pod_uid,
                                                violation.container_name)
@@ -374,10 +441,10 @@ class Watchdog:
                 device, outcome, detail)
         return Action(pid, device, pod_uid, name, step, outcome, detail)
 
-    def _enforce_one(self, pid: int, container: ManagedContainer,
+    def _enforce_one(self, pid: int, container: ManagedContainer, device: str,
                      drain: _DrainState) -> list[tuple[str, str, str]]:
         """Drain (when it is an MPS client), then terminate: the steps taken, in order."""
-        if not self._still_in(pid, container):
+        if not self._still_in(pid, container, device):
             return [(TERMINATE, SKIPPED, "the process exited or left the container")]
         steps: list[tuple[str, str, str]] = []
         if self.mps is not None and container.mps_client:
@@ -395,7 +462,7 @@ class Watchdog:
                     # ClientNotFound: it left MPS since the list was read; nothing to drain
                     if err.reason != mps_errors.CLIENT_NOT_FOUND:
                         return [(DRAIN, FAILED, f"{err.reason}: {err.message}")]
-        outcome = self.killer.terminate(pid, lambda: self._still_in(pid, container))
+        outcome = self.killer.terminate(pid, lambda: self._still_in(pid, container, device))
         steps.append((TERMINATE, outcome,
                       _why_failed(self.killer, pid) if outcome == FAILED else ""))
         return steps

@@ -78,8 +78,9 @@ class ManagedContainer:
     pod_uid: str
     container_name: str
     container_id: str | None
-    """The runtime's ID (`containerd://<hex>` or bare); None until the runtime reports one: the
-    container cannot be recognised from /proc until then, so nothing of it is touched."""
+    """The runtime's ID (`containerd://<hex>` or bare); None until the runtime reports one:
+    until then a process of the container is recognised by its pod alone, and counts for the
+    pod's container capped on its GPU (`watchdog`, one fractional container per pod)."""
     caps: Mapping[str, int] = field(default_factory=dict)
     """GPU UUID -> cap in bytes. A GPU without a cap here is observed, never enforced."""
     mps_client: bool = True

@@ -208,8 +208,9 @@ def test_a_process_hidden_before_and_after_the_listing_is_still_found(
 
 def test_a_check_whose_gpus_list_their_containers_processes_reads_no_memory(
         short_tmp: Path) -> None:
-    """The steady state of a busy node costs the check no NVML call more than its listings:
-    only a GPU whose listing shows no managed container's process is a suspect."""
+    """The steady state of a busy node costs the check no NVML call more than its listings
+    (compute, then graphics and MPS, once each per GPU): only a GPU whose listings show no
+    managed container's process is a suspect."""
     rig = old_node(short_tmp)
     uid = add(rig)
     assert rig.step().converged
@@ -218,7 +219,8 @@ def test_a_check_whose_gpus_list_their_containers_processes_reads_no_memory(
     rig.reconciler.check_usage()
     assert blindness(rig) == {}
     calls = [c.method for c in rig.nvml.calls[since:]]
-    assert "devices" not in calls and "other_processes" not in calls
+    assert "devices" not in calls
+    assert calls.count("running_processes") == calls.count("other_processes") == 2
 
 
 def test_the_sim_lists_each_kind_apart() -> None:

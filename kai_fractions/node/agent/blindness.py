@@ -1,17 +1,21 @@
 """What the watchdog cannot see, GPU by GPU, as its checks (`usage.UsageCheck`) find it; and what
 that means for a container whose GPU memory cap rests on the kill-policy watchdog alone.
 
-Four kinds of blindness, each judged by every check that lists the GPU's processes:
-- the listing fails (NVML's error: `NVMLNoPermission`, ...), on any GPU;
+Four kinds of blindness, each judged by every check that lists the GPU's processes (its compute,
+graphics and MPS compute listings, each pid once: the processes the watchdog attributes):
+- the compute listing fails (NVML's error: `NVMLNoPermission`, ...), on any GPU (the graphics
+  and MPS listings failing leave the compute listing alone to be watched and to account,
+  logged once: `other_processes`);
 - NVML lists a managed container's process without its memory (MEMORY_UNKNOWN);
 - NVML lists no process of the GPU's managed containers while more memory is in use than the
   processes it lists account for (NO_PROCESSES_VISIBLE: an agent outside the host's pid
   namespace). What the processes account for is the compute listing plus the graphics and MPS
   client listings (`Nvml.other_processes`: NVML lists a graphics process in the graphics
-  listing only). A GPU the check's listing makes a suspect is judged by a sequence of its own:
+  listing only), each pid once (`watchdog.merge_listings`: a process in several listings is
+  counted once). A GPU the check's listings make a suspect is judged by a sequence of its own:
   its memory read, its listings taken again, its memory read again, and the smaller read
   counts, so a process that starts or exits meanwhile is not taken for a hidden one (a GPU
-  whose listing shows a managed container's process costs no read more);
+  whose listings show a managed container's process costs no read more);
 - NVML lists a process whose container cannot be told on a GPU with managed containers
   (CONTAINER_UNKNOWN).
 The last three are judged on GPUs with planned (or watched) containers only: elsewhere there is
@@ -48,7 +52,7 @@ from ..errors import NvmlCapabilityMissing, NvmlError
 from ..inventory import Inventory
 from ..nvml import DeviceInfo, Nvml
 from ..plan_refusals import hard_tiers_of
-from ..watchdog import ContainerUsage, WatchdogReport
+from ..watchdog import ContainerUsage, WatchdogReport, merge_listings
 from .metrics import AgentMetrics
 
 # A child of the usage check's logger: these lines are the check's.
@@ -125,7 +129,7 @@ class BlindnessTracker:
         or its listing again failed): it cannot be told clear, so it counts as blind."""
         self._others_failing: dict[str, str] = {}
         """GPU uuid -> the reason its graphics and MPS listings fail, while they do (logged
-        once; its hidden-memory test goes on with the compute listing alone)."""
+        once; the watchdog and its hidden-memory test go on with the compute listing alone)."""
         self._episodes: dict[str, Blindness] = {}
         """GPU uuid -> its blindness, from the first check that found it until CLEAN_CHECKS
         checks in a row found none."""
@@ -246,9 +250,10 @@ class BlindnessTracker:
         UNSEEN_MEMORY_BYTES of memory is used beyond what the listed processes account for
         (none at all, or an MPS server in the agent's own pid namespace): an agent without
         the host's pid namespace sees such lists, with no error, and the watchdog would read 0
-        there. The check's listing only makes a GPU a suspect; a suspect is then judged by a
-        sequence of its own: its memory in use read, every listing taken again (the compute
-        one, and the graphics and MPS client ones: `Nvml.other_processes`; each pid once), its
+        there. The check's listings (`processes`: compute, graphics and MPS, each pid once)
+        only make a GPU a suspect; a suspect is then judged by a sequence of its own: its
+        memory in use read, every listing taken again (the compute one, and the graphics and
+        MPS client ones: `other_processes`; each pid once, `merge_listings`), its
         memory read again, and the smaller of the two reads compared with what the listings
         account for (a process that started in between is in neither the first read nor,
         perhaps, the listings; one that exited, in neither the second read nor, perhaps, the
@@ -273,8 +278,8 @@ class BlindnessTracker:
             listed: dict[str, tuple[Any, ...]] = {}
             for uuid in suspects:
                 try:
-                    listed[uuid] = (*self.nvml.running_processes(uuid),
-                                    *self._other_processes(uuid))
+                    listed[uuid] = merge_listings(self.nvml.running_processes(uuid),
+                                                  self.other_processes(uuid))
                 except NvmlError as e:
                     untested[uuid] = e
             after = self._memory_used()
@@ -287,16 +292,12 @@ class BlindnessTracker:
                 d0, d1 = before.get(uuid), after.get(uuid)  # type: ignore[union-attr]
                 if d0 is None or d1 is None or d0.mig_enabled or d1.mig_enabled:
                     continue
-                accounted: dict[int, int] = {}
-                for p in listed[uuid]:
-                    if p.used_bytes is None:  # a share that cannot be told: not judged
-                        break
-                    accounted[p.pid] = max(accounted.get(p.pid, 0), p.used_bytes)
-                else:
-                    hidden = (min(d0.memory_used, d1.memory_used)
-                              - sum(accounted.values()))
-                    if hidden > UNSEEN_MEMORY_BYTES:
-                        unseen[uuid] = hidden
+                if any(p.used_bytes is None for p in listed[uuid]):
+                    continue  # a share that cannot be told: not judged
+                hidden = (min(d0.memory_used, d1.memory_used)
+                          - sum(p.used_bytes for p in listed[uuid]))
+                if hidden > UNSEEN_MEMORY_BYTES:
+                    unseen[uuid] = hidden
         for uuid, error in untested.items():
             self.metrics.usage_blind.labels(self.metrics.node, uuid, error.reason).inc()
             if uuid not in self._untested:
@@ -330,10 +331,14 @@ class BlindnessTracker:
         except NvmlError as e:
             return e
 
-    def _other_processes(self, uuid: str) -> tuple[Any, ...]:
-        """`Nvml.other_processes`, or none where the driver lacks those listings; where they
-        fail otherwise, none too (logged once): the compute listing alone then accounts, which
-        may read a graphics process's memory as hidden, but never hides a pod's."""
+    def other_processes(self, uuid: str) -> tuple[Any, ...]:
+        """`Nvml.other_processes` (the graphics and MPS compute listings), for the watchdog to
+        attribute and for the hidden-memory test to account; none where the driver lacks those
+        listings; where they fail otherwise, none too (logged once): the compute listing alone
+        is then watched and accounts, which may read the memory of a graphics process or of an
+        MPS client listed apart as hidden (`NO_PROCESSES_VISIBLE`, on a GPU none of whose
+        managed containers' processes is listed): more memory than the listings working would,
+        never less."""
         try:
             others = tuple(self.nvml.other_processes(uuid))
         except NvmlCapabilityMissing:  # a driver without those listings: none
@@ -341,8 +346,8 @@ class BlindnessTracker:
         except NvmlError as e:
             if self._others_failing.get(uuid) != e.reason:
                 log.warning("GPU %s: its graphics and MPS process listings fail (%s: %s); "
-                            "what the compute listing shows alone is accounted", uuid,
-                            e.reason, e.message)
+                            "the watchdog watches and accounts what the compute listing shows "
+                            "alone", uuid, e.reason, e.message)
             self._others_failing[uuid] = e.reason
             return ()
         self._others_failing.pop(uuid, None)

@@ -1,19 +1,25 @@
 """The watchdog check the worker runs between passes (`--watchdog-interval`): each fractional
 container's GPU memory and SM use, and what the watchdog policy does about use over a cap.
 
-The processes on each GPU come from NVML and are matched to containers through /proc (by the
-watchdog); SM use is the newest NVML sample per process since the last check. The usage feeds
-the metrics and GetNodeState. Use over a cap is counted, reported once per episode as a
-LimitViolation event in `report` mode (an episode ends when the use is back under the cap), and
-in `kill` mode the watchdog drains the process from MPS and stops it, with a LimitEnforced
-event on its pod; a stop that cannot proceed (the drain or the signal failed) is a
-LimitViolation event too, once per episode, saying why. A GPU whose processes cannot be listed
-in a check is not judged: its containers' episodes go on as they were (neither ended nor
-started), and their usage is unknown (the gauges read 0, as while NVML is down). Only
-containers whose plan has the watchdog mechanism are capped; the others are observed. A
-running container refused because only a report-mode watchdog would watch it
-(`DesiredState.watched`, after an upgrade to the rule that refuses such containers) is still
-checked against its plan's cap: its use over it is reported, nothing of it is stopped.
+The processes on each GPU come from NVML, all three of its listings (compute, graphics, MPS
+compute: some drivers list an MPS client in the MPS listing only, and a graphics-only process is
+in the graphics one only; each pid once, `watchdog.merge_listings`), and are matched to
+containers through /proc (by the watchdog); SM use is the newest NVML sample per process since
+the last check. The usage feeds the metrics and GetNodeState. A GPU whose compute listing fails
+is not listed this check (blind, below); its graphics and MPS listings, where the driver lacks
+them or the GPU does not support them, are no processes, and where they fail otherwise the
+compute listing alone is watched (`BlindnessTracker.other_processes`, logged once).
+
+Use over a cap is counted, reported once per episode as a LimitViolation event in `report` mode
+(an episode ends when the use is back under the cap), and in `kill` mode the watchdog drains the
+process from MPS and stops it, with a LimitEnforced event on its pod; a stop that cannot proceed
+(the drain or the signal failed) is a LimitViolation event too, once per episode, saying why. A
+GPU whose processes cannot be listed in a check is not judged: its containers' episodes go on
+as they were (neither ended nor started), and their usage is unknown (the gauges read 0, as
+while NVML is down). Only containers whose plan has the watchdog mechanism are capped; the
+others are observed. A running container refused because only a report-mode watchdog would
+watch it (`DesiredState.watched`, after an upgrade to the rule that refuses such containers) is
+still checked against its plan's cap: its use over it is reported, nothing of it is stopped.
 
 Where the watchdog is blind (`blindness.BlindnessTracker`: a GPU whose processes cannot be
 listed, or that lists a managed container's process without its memory, none of its managed
@@ -51,6 +57,7 @@ from ..watchdog import (
     Action,
     Watchdog,
     WatchdogReport,
+    merge_listings,
 )
 from . import events as ev
 from .blindness import (
@@ -104,11 +111,12 @@ class UsageCheck:
         sm: dict[int, int] = {}
         for d in inventory.devices:
             try:
-                processes[d.uuid] = self.nvml.running_processes(d.uuid)
+                compute = self.nvml.running_processes(d.uuid)
             except NvmlError as e:
                 sight.listing_failed(d.uuid, e)
                 continue
             sight.listed(d.uuid)
+            processes[d.uuid] = merge_listings(compute, sight.other_processes(d.uuid))
             sm.update(self._sm_percent(d.uuid))
         report = self.watchdog.check(processes, desired.watchdog_containers(), sm)
         checked = set(processes)
