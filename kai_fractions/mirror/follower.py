@@ -3,29 +3,18 @@
 For each fractional BindRequest (scheduling.run.ai/v1alpha2) that KAI reports as Succeeded, or
 that is still Pending (or Failed with bind attempts left) a while after its creation while its
 pod is bound to the node it selected (the binder's update of its status was lost:
-`PENDING_GRACE`), `Follower` rebuilds the scheduler's decision as the SAME `AllocationInput`
-the gRPC servicer hands to `MirrorService`, computes with the contract package what the binder
-must have written (in the configured dialect: upstream KAI main, or the patched KAI that also
-writes a compute portion), compares it with the pod BY MEANING (`20Gi` is `20480Mi`) and
-reports each difference as a pod event (reason `NvFractionsMismatch`, naming the key, the
-expected and the found value).
+`PENDING_GRACE`, `lost_bind_status`), `Follower` rebuilds the scheduler's decision as the SAME
+`AllocationInput` the gRPC servicer hands to `MirrorService`, computes with the contract
+package what the binder must have written (in the configured dialect: upstream KAI main, or the
+patched KAI that also writes a compute portion), compares it with the pod BY MEANING (`20Gi` is
+`20480Mi`) and reports each difference as a pod event (reason `NvFractionsMismatch`, naming the
+key, the expected and the found value).
 
-With a signing key (`--signing-key-file`) it signs what it verified, and nothing else: when
-every key matches, one signature annotation per fractional container (`kai_fractions.signing`,
-over the `ContainerPlan` the node agent builds from the pod's current annotations), in ONE
-merge patch guarded by the pod's uid and resourceVersion. A pod that changed between the read
-and the patch is refused by the API server (409); the follower reads it again and checks it
-again (SIGN_ATTEMPTS), so it never signs annotations it did not check; one that keeps changing
-is checked again after a backoff (`Verification.recheck`, `rechecks`). A patch refused as
-invalid (422) is read again to tell a recreated pod (its uid guard failed: checked again, as a
-change) from a write the API server refuses itself (annotations over its size limit, an
-admission policy), which would be refused at every retry: that is reported, not rechecked.
+With a signing key (`--signing-key-file`) it signs what it verified, and nothing else, in one
+patch guarded by the pod's uid and resourceVersion (`follower_signing`).
 It signs only the pod the BindRequest was made for (its owner's uid), never another created
-under the same name. A mismatch is never signed; a signature that already verifies is not
-rewritten, and one under a key the mirror still holds that no longer verifies (the pod was
-edited after it was signed) is not replaced: only a retired key's is. Derived annotations stay
-the node agent's. A pod that has run to its end (Succeeded, Failed) has nothing left to check
-or sign.
+under the same name. A pod that has run to its end (Succeeded, Failed) has nothing left to
+check or sign.
 Every decision not to sign a bound fractional pod is an event on the pod and a log line that
 name the reason (`NvFractionsMismatch`, `NvFractionsInvalid`, `NvFractionsUnsigned`).
 
@@ -49,33 +38,19 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from ..contract import (
-    DEFAULT_DIALECT,
-    BindDecision,
-    ContractViolation,
-    Dialect,
-    Keys,
-    parse_pod,
-    plan_container,
-)
+from ..contract import DEFAULT_DIALECT, BindDecision, Dialect, Keys, parse_pod
 from ..contract import keys as k
 from ..contract.compare import same_value
-from ..kube.objects import seconds_since
 from ..kube.retry import NO_DEADLINE, Deadline
-from ..signing import KeyringSource, signature_key
+from ..signing import KeyringSource
 from .bindrequest_view import BindRequestView, not_its_pod
 from .decision import MAX_ID, MAX_IDS, AllocationInput, node_to_read, resolve_decision
 from .errors import InvalidAllocation, PodNotFound
+from .follower_signing import UNSIGNED_REASON, refused_patch, sign_checked
 from .kai_binder import binder_expectation, binder_request, kept_limit
+from .lost_bind_status import not_bound, pending_phase, waiting
 from .rechecks import RECHECK_BACKOFF, RECHECK_WINDOW
-from .store import (
-    NodeNotFound,
-    PodSnapshot,
-    PodStore,
-    WriteConflict,
-    WriteInvalid,
-    stored_otherwise,
-)
+from .store import NodeNotFound, PodSnapshot, PodStore, WriteConflict, WriteInvalid
 from .verification import Mismatch, TermEnded, Verification
 
 log = logging.getLogger(__name__)
@@ -91,7 +66,6 @@ Succeeded has its pod read, to be signed if bound to the selected node (KAI's bi
 that status update); sooner, the pod is nearly always not bound yet (docs/mirror.md)."""
 MISMATCH_REASON = "NvFractionsMismatch"
 INVALID_REASON = "NvFractionsInvalid"
-UNSIGNED_REASON = "NvFractionsUnsigned"
 SIGN_ATTEMPTS = 3
 """Reads of a pod per check when its signing patch meets a conflict (it changed meanwhile)."""
 POD_ENDED = frozenset(("Succeeded", "Failed"))
@@ -135,7 +109,7 @@ class Follower:
         self.reservation_namespace = reservation_namespace
         self._reported: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         """(pod, reason, message) of each event posted (`_report`), and (BindRequest,
-        "pending-bound", "") of each one not Succeeded checked anyway (`_not_bound`): said once."""
+        "pending-bound", "") of each one not Succeeded checked anyway (`not_bound`): said once."""
         self._remember = remember
         self._complete: OrderedDict[str, str] = OrderedDict()
         """BindRequest uid -> the resourceVersion whose check was complete (`follow_one`)."""
@@ -232,20 +206,6 @@ class Follower:
             return Verification(br.ref, f"{br.namespace}/{br.pod_name}",
                                 skipped=f"the term as the follower ended before {e}")
 
-    def _waiting(self, br: BindRequestView) -> bool:
-        """Whether `br`, not Succeeded yet, is within PENDING_GRACE: by its creationTimestamp
-        and by this follower's first sight of it (a wall clock behind the API server's would
-        make the first alone wait for as long as it is behind). Without a creationTimestamp
-        (never from the API server), not: it is read at once."""
-        age = seconds_since(br.created, self.now())
-        if age is None:
-            return False
-        key, now = br.uid or br.ref, self.monotonic()
-        first = self._first_seen.setdefault(key, now)
-        while len(self._first_seen) > self.complete_kept:
-            self._first_seen.popitem(last=False)
-        return max(age, now - first) < PENDING_GRACE
-
     def _may_write(self, what: str) -> None:
         """Raises TermEnded when this replica's term has ended: `what` is not sent."""
         if self.in_term is not None and not self.in_term():
@@ -262,10 +222,11 @@ class Follower:
             if br.phase not in PENDING and not br.retrying:
                 # Failed for good (KAI's scheduler deletes it: IsFailed), or a phase unknown.
                 return Verification(br.ref, pod_ref, skipped=f"phase {br.phase}")
-            if self._waiting(br):
+            if waiting(br, self._first_seen, grace=PENDING_GRACE, now=self.now,
+                       monotonic=self.monotonic, kept=self.complete_kept):
                 # Succeeded is on its way, normally: checked again after a backoff (its event
                 # then supersedes that), the pod read only once PENDING_GRACE has passed.
-                return Verification(br.ref, pod_ref, skipped=_phase(br), recheck=True,
+                return Verification(br.ref, pod_ref, skipped=pending_phase(br), recheck=True,
                                     waiting=True)
         result = Verification(br.ref, pod_ref)
         for _attempt in range(SIGN_ATTEMPTS):
@@ -282,13 +243,19 @@ class Follower:
                 # KAI keeps its BindRequest as long as the pod exists, so every list replays
                 # it: complete, with no read of a reservation pod KAI has deleted.
                 return Verification(br.ref, pod_ref)
-            if pending and (unbound := await self._not_bound(br, pod, deadline)) is not None:
-                return unbound
+            if pending:
+                unbound = await not_bound(br, pod, signing=self.signer is not None,
+                                          report=self._report, said=self._reported,
+                                          remember=self._remember, deadline=deadline)
+                if unbound is not None:
+                    return unbound
             result = await self._check(br, pod, deadline)
             if result.skipped or result.errors or result.mismatches or self.signer is None:
                 return result
             try:
-                result = await self._sign(pod, result, br.selected_node, deadline)
+                result = await sign_checked(self.store, pod, result, br.selected_node,
+                                            keys=self.keys, signer=self.signer,
+                                            may_write=self._may_write, deadline=deadline)
             except WriteConflict as e:
                 # The pod changed since it was read: what was checked is not what is there
                 # now, so read it again and check it again.
@@ -297,7 +264,8 @@ class Follower:
                 result = replace(result, unsigned=f"the pod kept changing: {e}", recheck=True)
                 continue
             except WriteInvalid as e:
-                refused = await self._refused(br, pod, result, e, deadline)
+                refused = await refused_patch(self.store, br, pod, result, e,
+                                              report=self._report, deadline=deadline)
                 if refused is not None:
                     return refused
                 log.info("pod %s was created again before it was signed (%s); checking it "
@@ -314,64 +282,6 @@ class Follower:
                            f"{SIGN_ATTEMPTS} attempt(s); {CHECKED_AGAIN} (BindRequest {br.ref})",
                            deadline)
         return result
-
-    async def _not_bound(self, br: BindRequestView, pod: PodSnapshot, deadline: Deadline
-                         ) -> Verification | None:
-        """For a BindRequest not Succeeded past PENDING_GRACE: None when its pod is bound to the
-        node it selected (check it as a Succeeded one: the binder binds only after writing its
-        annotations), else why it is not checked. A pod not bound yet may be bound any moment
-        (rechecked); one bound elsewhere was not bound by this BindRequest's binder: with
-        signing on, that is an event (the node agent holds the pod for its signature)."""
-        pod_ref = f"{br.namespace}/{br.pod_name}"
-        node = pod.spec.get("nodeName")
-        if not node:
-            return Verification(br.ref, pod_ref, skipped=f"{_phase(br)}: pod {pod_ref} is not "
-                                "bound yet", recheck=True)
-        if node != br.selected_node:
-            reason = (f"{_phase(br)}: pod {pod_ref} is bound to node {node}, not to the node "
-                      f"the BindRequest selected ({br.selected_node or 'none'})")
-            if self.signer is not None:
-                await self._report(pod, UNSIGNED_REASON, f"not signed: its BindRequest {br.ref} "
-                                   f"is still {_state(br)} and the pod is bound to node "
-                                   f"{node}, not to the node KAI selected "
-                                   f"({br.selected_node or 'none'}): "
-                                   "something other than KAI's binder bound it", deadline)
-            return Verification(br.ref, pod_ref, skipped=reason)
-        key = (br.uid or br.ref, "pending-bound", "")  # logged once per BindRequest
-        if key not in self._reported:
-            log.info("BindRequest %s (created %s) still %s, its pod %s bound to %s: "
-                     "checked anyway (KAI's binder binds a pod only after writing its "
-                     "annotations; its update of the BindRequest's status was lost or is late)",
-                     br.ref, br.created or "at an unknown time", _state(br), pod_ref, node)
-            self._reported[key] = None
-            while len(self._reported) > self._remember:
-                self._reported.popitem(last=False)
-        return None
-
-    async def _refused(self, br: BindRequestView, pod: PodSnapshot, checked: Verification,
-                       error: WriteInvalid, deadline: Deadline) -> Verification | None:
-        """What a signing patch refused as invalid (422) means: None when the pod was created
-        again (its uid guard failed: check the new one, as after a conflict), else the final
-        result. The same pod refused means the API server refuses the write itself (its
-        annotations over the 256 KiB limit, an admission webhook or policy): that does not
-        pass by itself, so it is reported, not rechecked (as MirrorService._patch tells)."""
-        try:
-            fresh = await self.store.get_pod(br.namespace, br.pod_name, deadline)
-        except PodNotFound:
-            return Verification(br.ref, checked.pod, skipped="pod not found")
-        if fresh.uid != pod.uid:
-            return None
-        # The API server's answer goes last: an event's message is cut at 1024 characters,
-        # and what to do must survive a long one.
-        await self._report(pod, UNSIGNED_REASON, (
-            "not signed: the API server refuses the signing patch as invalid, so the pod is "
-            "not checked again until its BindRequest changes or is listed again; keep the "
-            "pod's annotations under the API server's 256 KiB limit and let admission "
-            "webhooks and policies allow the mirror's patch of its signature annotation, then "
-            f"delete the pod so the scheduler binds it again (BindRequest {br.ref}): {error}"),
-            deadline)
-        return replace(checked, unsigned=f"the API server refused the signing patch as "
-                                         f"invalid: {error}", recheck=False)
 
     async def _check(self, br: BindRequestView, pod: PodSnapshot,
                      deadline: Deadline) -> Verification:
@@ -429,62 +339,6 @@ class Follower:
                                f"{m.message} (BindRequest {br.ref}){hint}", deadline)
         return Verification(br.ref, pod_ref, mismatches=mismatches)
 
-    async def _sign(self, pod: PodSnapshot, checked: Verification, node: str,
-                    deadline: Deadline = NO_DEADLINE) -> Verification:
-        """Signs the checked `pod` as it was read, for `node` (the BindRequest's selected
-        node): one patch, guarded by its uid and resourceVersion (raises WriteConflict /
-        WriteInvalid when it changed since)."""
-        if self.signer is None:
-            return checked
-        if not node:
-            return replace(checked, unsigned="the BindRequest names no selected node to sign "
-                                             "the allocation for")
-        if not pod.uid or not pod.resource_version:
-            # Without both guards the patch could land on annotations nobody checked.
-            return replace(checked, unsigned="the pod has no uid or resourceVersion to guard "
-                                             "the signing patch")
-        request = parse_pod(pod.view, self.keys)
-        if request.errors:  # pragma: no cover - the check above parsed the same annotations
-            return replace(checked, unsigned="the pod's annotations do not parse")
-        keyring = self.signer.current()
-        changes: dict[str, str | None] = {}
-        for share in request.shares:
-            try:
-                # Exactly what the node agent verifies (signatures.SignatureCheck).
-                plan = plan_container(share, pod.uid, keys=self.keys)
-            except ContractViolation as e:
-                return replace(checked, unsigned=f"container {share.container} cannot be "
-                                                 f"planned: {e}")
-            annotation = signature_key(plan, self.keys)
-            existing = pod.annotations.get(annotation)
-            if existing:
-                verdict = keyring.verify(plan, existing, self.keys, node=node)
-                if verdict.ok:
-                    continue
-                if verdict.kid in keyring.kids:
-                    # Signed under a key still held: what it signed was changed since (a
-                    # user-owned key raised where admission does not run). Only a retired
-                    # key's signature is replaced.
-                    return replace(checked, unsigned=(
-                        f"container {share.container}'s signature (key {verdict.kid}, which "
-                        "the mirror still holds) no longer matches its GPU annotations: they "
-                        "were changed after they were signed, and are not signed again; "
-                        "delete the pod so the scheduler binds it again"))
-            changes[annotation] = keyring.sign(plan, node=node)
-        if not changes:
-            return checked
-        self._may_write(f"the signing patch of pod {pod.namespace}/{pod.name}")
-        written = await self.store.patch_annotations(
-            pod.namespace, pod.name, changes, uid=pod.uid,
-            resource_version=pod.resource_version, deadline=deadline)
-        otherwise = stored_otherwise(written, changes)
-        if otherwise is not None:  # the node agent would refuse the pod as unsigned
-            return replace(checked, unsigned=otherwise)
-        log.info("pod %s/%s: signed %s (key %s)", pod.namespace, pod.name,
-                 ", ".join(sorted(changes)), keyring.current.kid)
-        return replace(checked, signed=tuple(sorted(changes)), unsigned="",
-                       resigned=any(key in pod.annotations for key in changes))
-
     async def _decision(self, allocation: AllocationInput, deadline: Deadline
                         ) -> BindDecision:
         """resolve_decision, the node's labels read first when it needs them (raises
@@ -513,15 +367,3 @@ class Follower:
         self._reported[key] = None
         while len(self._reported) > self._remember:
             self._reported.popitem(last=False)
-
-
-def _phase(br: BindRequestView) -> str:
-    """How its checks name a BindRequest's phase until it is Succeeded."""
-    return f"phase {_state(br)}"
-
-
-def _state(br: BindRequestView) -> str:
-    if br.phase == "Failed":
-        return (f"Failed ({br.failed_attempts} of {br.backoff_limit} bind attempts failed; "
-                "KAI's binder tries again)")
-    return "Pending"
