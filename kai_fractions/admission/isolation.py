@@ -12,7 +12,7 @@ for every container (init and ephemeral ones included):
   The gate runs as `nobody`; a process of that user, or one with SYS_PTRACE, can make it exit 0
   before the node agent applied the limits.
 - `procMount: Unmasked`: /proc without the runtime's masks (the host's kernel interfaces).
-- capabilities that reach past the container (`REACHING`).
+- capabilities that reach past the container, or set the node's clock (`REACHING`).
 - a mount whose path starts with `/var/run/nvidia-container-devices` (or `/run/...`), as a
   string, as the toolkit compares it: with the toolkit's
   `accept-nvidia-visible-devices-as-volume-mounts` (the GPU Operator's volume-mounts device
@@ -21,8 +21,11 @@ for every container (init and ephemeral ones included):
 
 What real GPU pods carry stays allowed: `hostIPC` (MPS clients may share memory with their
 server), `hostNetwork`, and every other capability (IPC_LOCK pins memory for RDMA, NET_ADMIN and
-NET_RAW act on the pod's or the node's network, none of them on other processes, devices or
-files).
+NET_RAW act on the pod's or the node's network). Allowed is not harmless: `hostIPC` joins the
+node's IPC namespace (the System V IPC objects of host processes and of other `hostIPC` pods,
+the node's /dev/shm), `hostNetwork` its network (with NET_ADMIN its interfaces and firewall),
+and some capabilities act on the whole node (SYSLOG). None of them reaches the gate or a GPU;
+keeping them from tenants is a policy engine's (docs/admission.md).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ REACHING = {
     "PERFMON": "it traces the kernel and other processes",
     "DAC_READ_SEARCH": "it opens any file of the host's file systems by handle "
                        "(open_by_handle_at)",
+    "SYS_TIME": "it sets the node's clock, which no namespace confines: every certificate "
+                "check and Lease on the node goes wrong",
 }
 """Capabilities refused in `capabilities.add`, with why."""
 

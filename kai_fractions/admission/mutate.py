@@ -1,5 +1,7 @@
 """The mutating webhook: wire a fractional pod's env, MPS mount and gate, and write the request
-of a container that gives only a memory limit. Pure.
+of a container that gives only a memory limit. Pure. It warns (never refuses) of what it keeps
+but the pod may not mean: another scheduler or runtime class, a mount at CUDA's default MPS pipe
+directory (`default_mps`).
 
 The pod's desired shape is computed from the pod itself; a part that already has that shape is
 left exactly as it is (so the API server's defaults do not count as a difference), and only the
@@ -28,6 +30,7 @@ from ..contract.quantity import canonical_mib
 from ..contract.scheduler import scheduler_problem
 from . import podspec, shape, wiring
 from .config import GATE_CONTAINER, MPS_VOLUME, AdmissionConfig
+from .default_mps import default_mps_warnings
 from .errors import contract_denial, manifest_denial
 from .review import Decision, allow, deny, kind_of
 from .wiring import VOID_ENV, fractional_env, matches, strip_enforced
@@ -246,6 +249,7 @@ def _mutate(request: Mapping[str, Any], config: AdmissionConfig,
             found, config.scheduler_name, "spec.schedulerName")):
         warnings += ("spec.schedulerName: " + ("" if found is None else f"{found!r} ")
                      + problem,)
+    warnings += default_mps_warnings(spec, parsed, config.keys)
     own = spec.get("runtimeClassName")
     if config.runtime_class and own and own != config.runtime_class:
         warnings += (f"spec.runtimeClassName: {own!r} is kept, but container "

@@ -15,7 +15,9 @@ only what the change introduces is refused, compared on full values. A Binding c
 NvFractions key unless an allowed identity binds (its annotations reach the pod without pod
 admission). Workloads with a pod template get the contract checks early; a template never
 carries a protected key, whoever writes it (the binder writes those on each pod, after
-scheduling). No `exec` or `attach` may join the gate container while it waits.
+scheduling). No `exec` or `attach` may join the gate container while it waits. A fractional
+container that mounts CUDA's default MPS pipe directory is admitted with a warning
+(`default_mps`), when its pod is created and on a workload's template.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from ..contract import (
     PodRequest,
     PodView,
     parse_pod,
+    pod_specs,
     pod_views,
     view_from_pod_spec,
 )
 from ..contract import keys as k
 from . import frozen, podspec, shape
 from .config import GATE_CONTAINER, AdmissionConfig
+from .default_mps import default_mps_warnings
 from .errors import Problem, denial_text, error_text, manifest_denial
 from .pod_manifest import _is_nvfractions_key, manifest_problems
 from .review import Decision, allow, annotations_of, deny, kind_of, user_of
@@ -145,6 +149,8 @@ def _validate_pod(request: Mapping[str, Any], config: AdmissionConfig) -> Decisi
     problems: list[Problem | str] = [*forbidden]
     problems += [p for p in _spec_problems(obj, new, config) if p not in seen]
     warnings = tuple(str(w) for w in new.warnings)
+    if not updating:  # a pod's mounts never change: said once, when it is created
+        warnings += default_mps_warnings(obj.get("spec"), new, config.keys)
     if problems:
         return deny(denial_text(problems + invalid), warnings=warnings)
     if invalid:
@@ -187,13 +193,14 @@ def _validate_workload(request: Mapping[str, Any], config: AdmissionConfig) -> D
     shape.check_metadata(obj)
     if isinstance(obj, Mapping) and not (obj.get("metadata") or {}).get("namespace"):
         obj = {**obj, "metadata": {**(obj.get("metadata") or {}), "namespace": namespace}}
-    view = _template_view(obj)
+    found = next(iter(pod_specs(obj)), None) if isinstance(obj, Mapping) else None
     try:
         old_view = _template_view(old_obj)
     except ManifestError as e:
         raise ManifestError(f"request.oldObject.{e}") from None
-    if view is None:
+    if found is None:
         return allow()
+    view = found.view
     old_annotations = dict(old_view.annotations) if old_view is not None else {}
     problems = [f"{key}: a pod template may not carry a protected key; the binder writes it "
                 "on each pod after scheduling"
@@ -202,7 +209,9 @@ def _validate_workload(request: Mapping[str, Any], config: AdmissionConfig) -> D
     new = parse_pod(view, config.keys)
     old = parse_pod(old_view, config.keys) if old_view is not None else None
     problems += _new_errors(new, old)
-    warnings = tuple(str(w) for w in new.warnings)
+    # The pods' own warnings go to the controller that creates them: the user sees these.
+    warnings = tuple(str(w) for w in new.warnings) + default_mps_warnings(
+        found.spec, new, config.keys)
     if problems:
         return deny("; ".join(problems), code=422, reason="Invalid", warnings=warnings)
     return allow(warnings=warnings)

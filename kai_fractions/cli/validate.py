@@ -13,6 +13,7 @@ import json
 import sys
 
 from ..admission.config import AdmissionConfig
+from ..admission.default_mps import default_mps_warnings
 from ..contract import (
     DEFAULT_KEYS,
     ContractError,
@@ -154,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
         errors = (*request.errors, *protected_key_errors(located.view, request, keys),
                   *spec_errors(located, request, config))
         warnings = (*request.warnings,
-                    *scheduler_warnings(located, request, args.scheduler_name))
+                    *scheduler_warnings(located, request, args.scheduler_name),
+                    *(ContractError(located.spec_path, w)
+                      for w in default_mps_warnings(located.spec, request, keys)))
         results.append((located, request, errors, warnings))
     invalid = [r for _, r, errors, _ in results if errors]
     if args.output == "json":

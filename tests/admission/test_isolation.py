@@ -75,6 +75,9 @@ REFUSED = [
         + RULE, id=cap)
       for cap in ("ALL", "SYS_ADMIN", "SYS_PTRACE", "SYS_MODULE", "SYS_RAWIO", "BPF",
                   "PERFMON", "DAC_READ_SEARCH",
+                  # the node's clock is not namespaced: setting it breaks TLS and Leases
+                  # node-wide (second review, R7-2)
+                  "SYS_TIME", "cap_sys_time",
                   "CAP_SYS_ADMIN", "sys_ptrace", "all")],  # as the runtimes read them too
     # The toolkit's device list as volume mounts (nvidia-container-toolkit internal/config/
     # image, DeviceListAsVolumeMountsRoot): a /dev/null there names a GPU, before the env.

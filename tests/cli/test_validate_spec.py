@@ -129,3 +129,21 @@ def test_the_examples_still_validate(capsys) -> None:
     examples = Path(__file__).resolve().parents[2] / "examples"
     code, out, _ = cli(capsys, "validate", "-f", str(examples))
     assert (code, out) == (0, "")
+
+
+def test_a_mount_at_cudas_default_mps_pipe_directory_is_warned_as_the_webhooks_warn(
+        tmp_path, capsys) -> None:
+    """Upstream KAI's MPS example (a fractional pod mounting the host's /tmp/nvidia-mps): both
+    webhooks admit it with a warning (`admission.default_mps`); `validate` said nothing."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+               "name": "mps", "namespace": "ml", "annotations": {"gpu-fraction": "0.5"}},
+           "spec": {"schedulerName": "kai-scheduler",
+                    "containers": [{"name": "main", "image": "img", "volumeMounts": [
+                        {"name": "mps", "mountPath": "/tmp/nvidia-mps"}]}],
+                    "volumes": [{"name": "mps", "hostPath": {"path": "/tmp/nvidia-mps"}}]}}
+    f = write(tmp_path, pod)
+    code, out, err = cli(capsys, "validate", "-f", f)
+    assert code == 0, out
+    assert (f"warning: {f}:1: ml/mps: spec: container 'main' mounts the host's "
+            "'/tmp/nvidia-mps', CUDA's default MPS pipe directory: it asks for an MPS daemon "
+            "kai_fractions does not manage; the container runs time-sliced") in err, err
