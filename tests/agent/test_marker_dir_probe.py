@@ -15,6 +15,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -47,7 +49,7 @@ def test_a_writable_directory_passes_and_keeps_no_probe_file(tmp_path: Path) -> 
 def test_a_path_that_is_no_directory_fails_naming_the_path(tmp_path: Path) -> None:
     root = tmp_path / "markers"
     root.write_text("")  # what a host path replaced by a file looks like
-    assert probe_writable(root) == f"{root / PROBE_FILE}: Not a directory"
+    assert probe_writable(root) == f"{root}: Not a directory"
 
 
 def test_a_full_disk_seen_only_at_the_sync_fails_and_leaves_no_file(
@@ -60,36 +62,84 @@ def test_a_full_disk_seen_only_at_the_sync_fails_and_leaves_no_file(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_probes_every_interval_or_sooner_when_asked(caplog: pytest.LogCaptureFixture) -> None:
-    now = [100.0]
-    answers: list[str | None] = ["/m/.write-probe: Read-only file system", None]
-    probed: list[float] = []
-
-    def probe(root: object) -> str | None:
-        probed.append(now[0])
-        return answers[0]
-
-    watch = MarkerDirProbe("/m", lambda: now[0], interval=10.0, probe=probe)
+def test_logs_when_the_answer_changes(caplog: pytest.LogCaptureFixture) -> None:
+    answers: list[str | None] = ["/m/.write-probe: Read-only file system",
+                                 "/m/.write-probe: Read-only file system", None]
+    watch = MarkerDirProbe("/m", lambda: 0.0, probe=lambda root: answers.pop(0))
     with caplog.at_level(logging.INFO, logger=marker_probe.__name__):
-        watch.check_if_due()  # the first step probes
+        watch.check()
         assert watch.error == "/m/.write-probe: Read-only file system"
-        now[0] = 105.0
-        watch.check_if_due()  # not due
-        watch.check_if_due()
-        assert probed == [100.0]
-        now[0] = 110.0
-        watch.check_if_due()  # due: still failing, not logged again
-        answers.pop(0)
-        now[0] = 111.0
-        watch.soon()  # a marker write just failed: probe now
-        watch.check_if_due()
-    assert probed == [100.0, 110.0, 111.0]
+        watch.check()  # still failing: not logged again
+        watch.check()
     assert watch.error is None
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("ERROR", "the readiness marker directory cannot be written (/m/.write-probe: Read-only "
                   "file system): the node is not ready for fractional pods "
                   "(MarkerDirectoryNotWritable) until a probe writes there again"),
         ("INFO", "the readiness marker directory can be written again")]
+
+
+def test_its_thread_probes_every_interval_and_at_once_when_asked() -> None:
+    probed = threading.Semaphore(0)
+
+    def probe(root: object) -> None:
+        probed.release()
+
+    watch = MarkerDirProbe("/m", time.monotonic, interval=3600.0, probe=probe)
+    stop = threading.Event()
+    thread = threading.Thread(target=watch.run, args=(stop,), daemon=True)
+    thread.start()
+    assert probed.acquire(timeout=5)  # at its start
+    assert not probed.acquire(timeout=0.2)  # then only every hour...
+    watch.soon()  # ...or when a marker write failed
+    assert probed.acquire(timeout=5)
+    stop.set()
+    watch.soon()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_a_probe_that_hangs_counts_as_failed_and_holds_up_nothing_else() -> None:
+    """A stale network mount: the write never returns. Before, the probe ran on the worker,
+    whose watchdog checks and gRPC calls then waited with it."""
+    now = [100.0]
+    release = threading.Event()
+    entered = threading.Event()
+
+    def hung(root: object) -> None:
+        entered.set()
+        release.wait(10)
+
+    watch = MarkerDirProbe("/m", lambda: now[0], hang_after=5.0, probe=hung)
+    stop = threading.Event()
+    thread = threading.Thread(target=watch.run, args=(stop,), daemon=True)
+    thread.start()
+    assert entered.wait(5)
+    assert watch.error is None  # a write may take a moment
+    now[0] = 105.0
+    assert watch.error == ("/m: a write and sync there has not returned for 5 s or more (a "
+                           "hung file system?)")
+    stop.set()
+    release.set()
+    watch.soon()
+    thread.join(5)
+    assert watch.error is None
+
+
+@pytest.mark.parametrize("planted", ["symlink", "directory"])
+def test_an_entry_put_in_the_probes_place_is_removed_never_followed(
+        tmp_path: Path, planted: str) -> None:
+    root = tmp_path / "markers"
+    root.mkdir()
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    if planted == "symlink":
+        (root / PROBE_FILE).symlink_to(target / "file")
+    else:
+        (root / PROBE_FILE).mkdir()
+        (root / PROBE_FILE / "inside").write_text("x")
+    assert probe_writable(root) is None
+    assert list(root.iterdir()) == [] and list(target.iterdir()) == []
 
 
 def test_the_condition_names_the_directory_and_the_remedy() -> None:
@@ -138,14 +188,17 @@ def test_the_node_is_not_ready_while_its_marker_directory_cannot_be_written(
     aside = unwritable(rig)
     second = rig.add(pod("second", notes=binder_annotations(devices=rig.gpu1)))["metadata"]["uid"]
     rig.sync()
-    worker._step([], True)  # its marker write fails: the directory is probed at once
-    assert "MarkerNotWritten" in worker.last_pass.errors
+    asked = []
+    worker.marker_probe.soon = lambda: asked.append(True)  # (its thread runs only in start())
+    worker._step([], True)  # its marker write fails: the probe is asked to look at once
+    assert "MarkerNotWritten" in worker.last_pass.errors and asked
+    worker.marker_probe.check()
     cond = rig.agent.condition()
     assert cond is not None and (cond.ready, cond.reason) == (False, MARKER_DIR_NOT_WRITABLE)
-    assert f"{Path(rig.options.marker_dir) / PROBE_FILE}: Not a directory" in cond.message
+    assert f"({rig.options.marker_dir}: Not a directory)" in cond.message
 
     writable_again(rig, aside)
-    worker.marker_probe.soon()
+    worker.marker_probe.check()
     worker._step([], True)
     assert rig.marker_path(second).exists()
     assert result_of(rig, second).state.value == "applied"
@@ -160,7 +213,6 @@ def test_a_node_without_fractional_pods_says_so_too(short_tmp: Path) -> None:
     rig.agent.worker._step([], True)
     Path(rig.options.marker_dir).mkdir(exist_ok=True)
     unwritable(rig)
-    rig.agent.worker.marker_probe.soon()
-    rig.agent.worker._step([], False)
+    rig.agent.worker.marker_probe.check()
     cond = rig.agent.condition()
     assert cond is not None and (cond.ready, cond.reason) == (False, MARKER_DIR_NOT_WRITABLE)

@@ -154,6 +154,7 @@ class NodeAgent:
         if self.options.socket:
             self._grpc = serve_unix(self.servicer, self.options.socket)
         self._threads.append(self.worker.start())
+        self._spawn("marker-probe", self.worker.marker_probe.run)
         if self.watcher is not None:
             self._spawn("pod-watcher", self.watcher.run)
         else:
@@ -175,6 +176,7 @@ class NodeAgent:
         self._stop.set()  # the watcher cancels its list + watch at once
         if self.status is not None:
             self.status.wake.set()
+        self.worker.marker_probe.soon()  # its thread sees the stop
         finished = self.worker.stop(timeout)
         for thread in self._threads:
             if thread is not self.worker.thread:

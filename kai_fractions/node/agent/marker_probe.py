@@ -8,6 +8,11 @@ in its gate until its timeout. A failed marker write only says so for one pod, a
 fractional pod writes none, so the directory is probed on its own: a small file written, synced
 and removed. While the probe fails the node condition is False (`MARKER_DIR_NOT_WRITABLE`,
 `condition.evaluate`); the first probe that succeeds makes it ready again.
+
+The probe runs on a thread of its own (`MarkerDirProbe.run`), never on the worker: on a file
+system that hangs (a stale network mount) a write may never return, and the worker's watchdog
+checks and gRPC calls must go on. A probe that has not returned within `HANG_SECONDS` counts as
+failed while it hangs.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ...marker import ROOT_MODE
+from ...marker import ROOT_MODE, _remove
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +33,9 @@ PROBE_FILE = ".write-probe"
 """Beside the pods' directories; not a pod UID, so no tidy and no gate ever reads it."""
 PROBE_SECONDS = 10.0
 """Between two probes (and at once after a pass whose marker write failed)."""
+HANG_SECONDS = 5.0
+"""A probe still in its write or sync this long after it started counts as failed (a local
+write and sync take milliseconds)."""
 MARKER_DIR_NOT_WRITABLE = "MarkerDirectoryNotWritable"
 """The node condition's reason while the probe fails."""
 
@@ -38,6 +48,10 @@ def probe_writable(root: str | os.PathLike[str]) -> str | None:
     try:
         with contextlib.suppress(FileExistsError):  # not a directory: the open says so
             Path(root).mkdir(mode=ROOT_MODE, parents=True, exist_ok=True)
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            _remove(path)  # a symlink or a directory in its place: never followed, removed
+    except FileNotFoundError:
+        pass  # no leftover: the usual case
     except OSError as e:
         return f"{root}: {e.strerror or e}"
     try:
@@ -58,34 +72,55 @@ def probe_writable(root: str | os.PathLike[str]) -> str | None:
 
 
 class MarkerDirProbe:
-    """The last probe's answer (`error`), read by the node condition from any thread."""
+    """The last probe's answer (`error`), read by the node condition from any thread; the
+    probes run on the thread that calls `run`."""
 
     def __init__(self, root: str | os.PathLike[str], monotonic: Callable[[], float],
-                 interval: float = PROBE_SECONDS,
+                 interval: float = PROBE_SECONDS, hang_after: float = HANG_SECONDS,
                  probe: Callable[[str | os.PathLike[str]], str | None] = probe_writable):
         self.root = root
         self.monotonic = monotonic
         self.interval = interval
+        self.hang_after = hang_after
         self._probe = probe
-        self.error: str | None = None
-        """Why the last probe could not write in the directory; None when it could."""
-        self.next_due = monotonic()  # the worker's first step probes
+        self._error: str | None = None
+        self._since: float | None = None
+        """When the probe in progress started; None between probes."""
+        self._wake = threading.Event()
+
+    @property
+    def error(self) -> str | None:
+        """Why the directory cannot be written, as the last probe found, or as the one in
+        progress shows by hanging; None when the last probe could write."""
+        since = self._since
+        if since is not None and self.monotonic() - since >= self.hang_after:
+            return (f"{self.root}: a write and sync there has not returned for "
+                    f"{self.hang_after:g} s or more (a hung file system?)")
+        return self._error
 
     def soon(self) -> None:
-        """Probe at the next step: a marker write just failed, and the condition must say
-        whether the directory itself is the cause, not wait for the interval."""
-        self.next_due = min(self.next_due, self.monotonic())
+        """Probe now, not at the end of the interval: a marker write just failed, and the
+        condition must say whether the directory itself is the cause."""
+        self._wake.set()
 
-    def check_if_due(self) -> None:
-        now = self.monotonic()
-        if now < self.next_due:
-            return
-        self.next_due = now + self.interval
-        error = self._probe(self.root)
-        if error is not None and self.error is None:
+    def check(self) -> None:
+        """One probe; logs when the answer changes."""
+        self._since = self.monotonic()
+        try:
+            error = self._probe(self.root)
+        finally:
+            self._since = None
+        if error is not None and self._error is None:
             log.error("the readiness marker directory cannot be written (%s): the node is not "
                       "ready for fractional pods (%s) until a probe writes there again",
                       error, MARKER_DIR_NOT_WRITABLE)
-        elif error is None and self.error is not None:
+        elif error is None and self._error is not None:
             log.info("the readiness marker directory can be written again")
-        self.error = error
+        self._error = error
+
+    def run(self, stop: threading.Event) -> None:
+        """Probes every `interval` (and when asked: `soon`) until `stop` is set."""
+        while not stop.is_set():
+            self.check()
+            self._wake.wait(self.interval)
+            self._wake.clear()

@@ -4,9 +4,9 @@ a time (the engine, NVML and MPS control are driven from here only).
 It sleeps until something is due: the dirty flag (a pod changed; any number of changes make one
 pass), a gRPC call, a retry of a pass that did not converge (1 s, then 2 s), the periodic
 full resync (`--resync-seconds`: read caches dropped, everything re-read), an MPS health check
-(sm-sharing), a watchdog check (`--watchdog-interval`), a probe of the marker directory
-(`marker_probe`: every 10 s, and after a pass whose marker write failed) or the drain of a
-deleted sm-sharing pod's MPS clients before the kubelet kills it (`drain_before_kill`).
+(sm-sharing), a watchdog check (`--watchdog-interval`) or the drain of a deleted sm-sharing
+pod's MPS clients before the kubelet kills it (`drain_before_kill`). A pass whose marker write
+failed asks the marker directory's probe (`marker_probe`, its own thread) to look at once.
 `stop()` lets the task in progress finish, so a pass is never cut between its apply and its
 markers. A pass that runs the watchdog check itself (before it vouches for a container whose
 only memory tier is the watchdog on a GPU no check has judged with it:
@@ -139,7 +139,7 @@ class Worker:
     # -- the thread ---------------------------------------------------------------------------
 
     def _due(self) -> float:
-        times = [self._next_resync, self._next_watchdog, self.marker_probe.next_due]
+        times = [self._next_resync, self._next_watchdog]
         if self._next_retry is not None:
             times.append(self._next_retry)
         if self.mps_checks:
@@ -201,7 +201,6 @@ class Worker:
             self._drain_before_kill(self.drains, rescan=passed)
         if passed and self.last_pass is not None and MARKER_NOT_WRITTEN in self.last_pass.errors:
             self.marker_probe.soon()
-        self.marker_probe.check_if_due()
         if self.reconciler.usage.checks != checks:
             # A pass (or a call's) ran the watchdog check before vouching for a container on a
             # GPU no check had judged with it: that was this interval's check.
