@@ -47,7 +47,7 @@ from .desired import (
     DesiredState,
     LimitTarget,
 )
-from .engine_cgroup_limits import CGROUP_NOT_FOUND, CgroupLimitStep
+from .engine_cgroup_limits import CGROUP_NOT_FOUND, CgroupLimitStep, UnsettableGpus
 from .engine_compute_modes import ComputeModeStep
 from .engine_mps import (
     MPS_UNAVAILABLE,
@@ -169,13 +169,16 @@ class Engine:
         the mode is set or read back in force, or no plan needs it, so that a pass failing
         before it reads the mode (NVML down) still reports it (`ContainerResult.mps_cap_missing`,
         COMPUTE_MODE_NOT_IN_FORCE). Not a cache: `forget()` keeps it."""
-        self._limits_not_settable: dict[str, NvmlError] = {}
-        """GPUs on which no cgroup memory limit could be put in force: in the last pass that was
-        to set or read limits there, every target on the GPU failed (`LimitNotSet`, or the
-        read's NvmlError) -> the first failure. A GPU with one limit in force is not here (a
-        container's own cgroup under a limited pod slice is capped by the slice). Cleared when
-        a limit there is in force or no target is left on it (`engine_cgroup_limits`); kept
-        through a pass that reaches no cgroup there. Not a cache: `forget()` keeps it."""
+        self._limits_not_settable = UnsettableGpus()
+        """GPUs on which no cgroup memory limit can be put in force -> the last failure: in
+        NOT_SETTABLE_PASSES passes in a row that said something of the GPU, a set on a pod
+        slice there failed (`LimitNotSet`), or a slice's read failed NotSupported or
+        NoPermission, and no set there succeeded. Only sets count: a slice limit read back in
+        force (an earlier agent's, one with root) does not hide new pods' sets that fail; a
+        container's own cgroup does not count (the slice caps it); one failed pass (a transient
+        NVML error) reports nothing. Forgotten once a set there succeeds or every target there
+        reads back in force, or no target is left on it; kept through a pass that says nothing
+        of it (`engine_cgroup_limits.UnsettableGpus`). Not a cache: `forget()` keeps it."""
         self.pins = PinnedLimits()
         """The MPS default pinned device memory limits: MiB written (a cache), GPUs whose limit
         is known lost and namespaces that may hold a server started without it (not caches)."""

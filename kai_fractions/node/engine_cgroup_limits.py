@@ -1,8 +1,8 @@
 """The cgroup step of one apply (`kai_fractions.node.engine`): the GPU memory limits on the pod
 slices and container cgroups its plan names, the sweep of stale ones, what the report says of a
-slice limit known not in force, and which GPUs take no limit at all (`Engine.limits_not_settable`:
-every target there failed, so the node condition says so rather than let KAI place pods there
-that can only wait).
+slice limit known not in force, and which GPUs take no limit at all (`Engine.limits_not_settable`,
+`UnsettableGpus`: the sets there fail pass after pass, so the node condition says so rather than
+let KAI place pods there that can only wait).
 
 A step of the engine's `_Run` over the apply's state (`engine_run.RunState`); of the Engine
 (`e`) it uses `cgroup_fs`, `layout`, `limits`, `_limited`, `_unlimited`, `_clean`,
@@ -12,16 +12,72 @@ the run.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 from .config import Mechanism
 from .desired import ContainerDesired, ContainerKey, LimitTarget
 from .engine_reports import Issue, _issue
 from .engine_run import RunState
-from .errors import NodeError, NvmlError
+from .errors import NodeError, NvmlError, NvmlNoPermission, NvmlNotSupported
 from .memory_limits import MEMORY_LIMIT_NOT_IN_FORCE, LimitNotSet, limit_not_in_force
 from .nvml import MemoryLimits
 
 # Reasons the engine itself gives (NVML and MPS errors bring their own).
 CGROUP_NOT_FOUND = "CgroupNotFound"
+
+
+NOT_SETTABLE_PASSES = 2
+"""Passes in a row whose outcome on a GPU is "failed" before `UnsettableGpus` reports it: a pass
+that leaves a container pending is retried within seconds, so a GPU that takes no limit still
+shows at once, while one transient NVML error (one pass) never turns the whole node not ready."""
+
+_NO_LIMITS_AT_ALL = (NvmlNotSupported, NvmlNoPermission)
+"""A failed read of one of these reasons says the GPU takes no limit at all (the driver or GPU
+cannot, or the agent may not); a read failed for any other proves nothing, not even of the GPU."""
+
+
+class UnsettableGpus(Mapping[str, NvmlError]):
+    """`Engine._limits_not_settable`: the GPUs on which no cgroup memory limit can be put in
+    force, each with the last failure there; a read-only mapping of the GPUs reported, which
+    also remembers those that failed in fewer passes so far (not reported yet).
+
+    A pass's outcome on a GPU (`record_pass`): "failed" when a set on a pod slice there was
+    attempted and failed (`LimitNotSet`: refused, or read back otherwise), or a pod slice's read
+    failed NotSupported or NoPermission, and no set on the GPU succeeded; "ok" when a set there
+    succeeded, or every target there it reached reads back in force or was set; else nothing
+    (nothing reached, only a read failed for a reason that proves nothing, or only a
+    container's own cgroup failed, which the slice above it caps). Only sets count: a slice
+    limit an earlier agent set reads back in force whether this one may set limits or not, so
+    it does not make the GPU fine while new pods' sets fail there. A GPU is reported once its
+    outcome was "failed" in NOT_SETTABLE_PASSES passes that said something of it in a row; "ok"
+    forgets it at once, a pass that says nothing leaves it as it was, a GPU without a target is
+    dropped."""
+
+    def __init__(self) -> None:
+        self._failed: dict[str, tuple[int, NvmlError]] = {}  # uuid -> (passes in a row, error)
+
+    def __getitem__(self, uuid: str) -> NvmlError:
+        passes, error = self._failed[uuid]
+        if passes < NOT_SETTABLE_PASSES:
+            raise KeyError(uuid)
+        return error
+
+    def __iter__(self) -> Iterator[str]:
+        return (u for u, (passes, _) in self._failed.items() if passes >= NOT_SETTABLE_PASSES)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def record_pass(self, targeted: set[str], outcome: Mapping[str, NvmlError | None]) -> None:
+        """One pass: `targeted`, the GPUs with a limit target; `outcome`, for each GPU the pass
+        said something of, None ("ok") or the failure ("failed")."""
+        for uuid in [u for u in self._failed if u not in targeted]:
+            del self._failed[uuid]
+        for uuid, error in outcome.items():
+            if error is None:
+                self._failed.pop(uuid, None)
+            else:
+                self._failed[uuid] = (self._failed.get(uuid, (0, error))[0] + 1, error)
 
 
 class CgroupLimitStep(RunState):
@@ -56,13 +112,18 @@ class CgroupLimitStep(RunState):
         # not claimed: the agent may not have set it.
         self.e._limited.update((t.gpu_uuid, t.path) for t, keys in ready if keys)
         self.save_ledger()
-        # Per GPU: None once a limit there is in force, else the first failure.
-        outcome: dict[str, NvmlError | None] = {}
+        # This pass's outcome per GPU (`UnsettableGpus`): the GPUs where a set succeeded,
+        # those where a target failed, and the first failure that counts against each GPU.
+        set_ok: set[str] = set()
+        not_ok: set[str] = set()
+        failed: dict[str, NvmlError] = {}
         for t, keys in ready:
             try:
                 write = self.e.limits.ensure(t)
             except LimitNotSet as err:
-                outcome.setdefault(t.gpu_uuid, err)
+                not_ok.add(t.gpu_uuid)
+                if t.container is None:  # a set on a pod slice was attempted and failed
+                    failed.setdefault(t.gpu_uuid, err)
                 if self._slice_owners(t):
                     # Read back without the plan's limit, and not set: known not in force.
                     self.e._unlimited[t] = err.before
@@ -78,34 +139,25 @@ class CgroupLimitStep(RunState):
                 # The read failed: that proves nothing of the limit in force (it may well be
                 # there, as the last pass left it), so the container is pending for it and its
                 # marker kept, unless an earlier pass knew the limit missing (`_unlimited`).
-                # Nor is any limit there known in force: it counts against the GPU.
-                outcome.setdefault(t.gpu_uuid, err)
+                # Against the GPU it counts only when it says the GPU takes no limit at all.
+                not_ok.add(t.gpu_uuid)
+                if t.container is None and isinstance(err, _NO_LIMITS_AT_ALL):
+                    failed.setdefault(t.gpu_uuid, err)
                 self.fail(keys, err)
                 continue
-            outcome[t.gpu_uuid] = None
+            if write is not None:
+                set_ok.add(t.gpu_uuid)
             self.e._unlimited.pop(t, None)  # read back in force, or set now
             self.e._clean.discard((t.gpu_uuid, t.path))
             if write is not None:
                 self.writes.append(write)
             for k in keys:
                 self.in_force.setdefault(k, []).append(t)
-        self._settable(outcome)
-
-    def _settable(self, outcome: dict[str, NvmlError | None]) -> None:
-        """Updates `Engine._limits_not_settable` from this pass's `outcome` per GPU: a GPU
-        where one limit is in force is fine (a container's own cgroup that failed under a
-        limited slice is capped by it), one where every target failed takes none; a GPU whose
-        cgroups this pass did not reach (not there yet) stays as it was, one without a target
-        is dropped."""
-        targeted = {t.gpu_uuid for t in self.d.limits}
-        stuck = self.e._limits_not_settable
-        for uuid in [u for u in stuck if u not in targeted]:
-            del stuck[uuid]
-        for uuid, error in outcome.items():
-            if error is None:
-                stuck.pop(uuid, None)
-            else:
-                stuck[uuid] = error
+        outcome: dict[str, NvmlError | None] = {
+            uuid: None for uuid in {t.gpu_uuid for t, _ in ready}
+            if uuid in set_ok or uuid not in not_ok}
+        outcome.update((uuid, e) for uuid, e in failed.items() if uuid not in outcome)
+        self.e._limits_not_settable.record_pass({t.gpu_uuid for t in self.d.limits}, outcome)
 
     def _slice_owners(self, t: LimitTarget) -> list[ContainerDesired]:
         """The containers `t` caps as their pod's slice: every cgroup-limited container of the

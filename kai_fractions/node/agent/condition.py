@@ -18,7 +18,7 @@ before what one GPU does):
 | `MPSDaemonUnhealthy` | sm-sharing on; the control daemon does not answer, or is not adopted |
 | `NotReconciling` | no pod list yet, API unreachable, passes hung or failing too long, stopping |
 | `MarkerDirectoryNotWritable` | the last probe could not write in the marker directory |
-| `MemoryLimitsNotSettable` | a GPU's cgroup memory limits all failed to be set (or read) |
+| `MemoryLimitsNotSettable` | a GPU's cgroup memory limit sets failed, two passes in a row |
 | `ComputeModeNotInForce` | a GPU sm-sharing needs in EXCLUSIVE_PROCESS is in another mode, unset |
 | `WatchdogBlind` | the watchdog cannot see a GPU where it is (would be) the only memory tier |
 
@@ -28,15 +28,19 @@ tier of a time-slicing container placed on the node now (`watchdog_sole_tier`: n
 enabled and supported), any GPU in such an episode, with a container yet or not: a pod KAI places
 there would wait, so the node says so before, not once it is there.
 
-`MemoryLimitsNotSettable`: a GPU where, in the last pass that was to set or read cgroup memory
-limits there, none could be: every target on it failed (the set refused, e.g. NoPermission with
-an agent not root, or read back otherwise; or the read failed, e.g. NotSupported), so none is
-known in force there (`Engine.limits_not_settable`). Its containers capped by a cgroup limit are
+`MemoryLimitsNotSettable`: a GPU where, in two passes in a row that said something of it, a set
+of a pod slice's cgroup memory limit failed (refused, e.g. NoPermission with an agent not root,
+or read back otherwise; or the slice's read failed NotSupported or NoPermission) and no set
+there succeeded (`Engine.limits_not_settable`). Its containers capped by a cgroup limit are
 pending (MemoryLimitNotInForce, or NVML's reason), and so would be every such pod KAI placed
-there. A GPU with one limit in force is fine: a container's own cgroup that failed under a pod
-slice that holds its limit is capped by the slice. Before `ComputeModeNotInForce` (it concerns
-every pod a cgroup limit caps, the mode only sm-sharing ones). True again once a limit there is
-in force or no target is left on it.
+there. Only sets count: an earlier pod's slice limit that reads back in force (set by an agent
+that had root) does not make the GPU fine while new pods' sets fail. A container's own cgroup
+that failed under a pod slice that holds its limit does not count (the slice caps it), nor does
+a read that failed for another reason (it proves nothing), nor one failed pass (a transient
+NVML error: a pass that leaves a container pending is retried within seconds, so a real problem
+shows within seconds too). Before `ComputeModeNotInForce` (it concerns every pod a cgroup limit
+caps, the mode only sm-sharing ones). True again as soon as a set there succeeds, every target
+there reads back in force, or no target is left on it.
 
 `ComputeModeNotInForce`: a GPU a planned sm-sharing container needs in EXCLUSIVE_PROCESS reads
 back another compute mode and the agent's set failed (`Engine.wrong_mode`): its sm-sharing
@@ -117,7 +121,7 @@ class Health:
     (`Engine.wrong_mode`: those containers are pending ComputeModeNotInForce)."""
     limits_not_settable: tuple[tuple[str, str, str], ...] = ()
     """(GPU uuid, NVML's reason, NVML's message) of each GPU on which no cgroup memory limit
-    could be put in force in the last pass that was to set or read one there
+    can be put in force: a pod slice's set failed there in two passes in a row
     (`Engine.limits_not_settable`: its cgroup-capped containers are pending)."""
 
 
@@ -314,8 +318,8 @@ def limits_not_settable_message(gpus: tuple[tuple[str, str, str], ...]) -> str:
     is patched whenever it changes)."""
     where = ", ".join(f"{uuid} ({reason})" for uuid, reason, _ in gpus)
     first, _, message = gpus[0]
-    return (f"no GPU memory limit can be set on GPU(s) {where}: every cgroup limit the node "
-            f"agent was to put in force there failed (NVML's error on {first}: {message}), so "
+    return (f"no GPU memory limit can be set on GPU(s) {where}: the node agent's sets of "
+            f"cgroup limits there fail, pass after pass (NVML's error on {first}: {message}), so "
             "the fractional containers there capped by a cgroup limit, and any placed there "
             "meanwhile, are pending (MemoryLimitNotInForce, or NVML's reason where the read "
             "failed: a new pod's gate waits) until one is in force; the node agent sets NVML "
