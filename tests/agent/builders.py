@@ -165,6 +165,13 @@ def gate_outcome(rig: Rig, uid: str) -> Outcome:
                  containers=["main"]).outcome
 
 
+def condition(rig: Rig) -> tuple[bool, str, str]:
+    """The node condition the agent would publish now: (ready, reason, message)."""
+    cond = rig.agent.condition()
+    assert cond is not None
+    return cond.ready, cond.reason, cond.message
+
+
 def result_of(rig: Rig, uid: str) -> Any:
     """The last pass's result for the pod's container `main`."""
     return rig.reconciler.view.results[(uid, "main")]

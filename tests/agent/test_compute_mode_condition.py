@@ -18,18 +18,12 @@ from kai_fractions.node.agent.options import AgentOptions
 from kai_fractions.node.config import NodeConfig
 from kai_fractions.node.nvml import GpuComputeMode
 
-from .builders import NODE, Rig, binder_annotations, pod, result_of
+from .builders import NODE, Rig, binder_annotations, condition, pod, result_of
 
 
 def sm_pod(rig: Rig, name: str = "sm") -> str:
     return rig.add(pod(name, notes=binder_annotations(devices=rig.gpu0, mode="sm-sharing"))
                    )["metadata"]["uid"]
-
-
-def condition(rig: Rig) -> tuple[bool, str, str]:
-    cond = rig.agent.condition()
-    assert cond is not None
-    return cond.ready, cond.reason, cond.message
 
 
 def test_the_node_is_not_ready_while_an_sm_sharing_gpu_cannot_be_put_in_exclusive_process(

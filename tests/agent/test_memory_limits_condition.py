@@ -25,7 +25,17 @@ from kai_fractions.node.agent.options import AgentOptions
 from kai_fractions.node.config import NodeConfig
 from kai_fractions.node.errors import nvml_error
 
-from .builders import GIB, NODE, Rig, binder_annotations, leaf_of, limits_of, pod, result_of
+from .builders import (
+    GIB,
+    NODE,
+    Rig,
+    binder_annotations,
+    condition,
+    leaf_of,
+    limits_of,
+    pod,
+    result_of,
+)
 
 NVML_ERROR_NO_PERMISSION = 4  # nvmlReturn_t
 NOT_SETTABLE = "MemoryLimitsNotSettable"
@@ -34,12 +44,6 @@ NOT_SETTABLE = "MemoryLimitsNotSettable"
 def ts_pod(rig: Rig, name: str = "p", gpu: str | None = None) -> str:
     return rig.add(pod(name, notes=binder_annotations(devices=gpu or rig.gpu0))
                    )["metadata"]["uid"]
-
-
-def condition(rig: Rig) -> tuple[bool, str, str]:
-    cond = rig.agent.condition()
-    assert cond is not None
-    return cond.ready, cond.reason, cond.message
 
 
 def test_the_node_is_not_ready_while_no_limit_can_be_set_for_lack_of_permission(
