@@ -2,16 +2,18 @@
 
 `Nvml` is the protocol; `PynvmlNvml` is the real implementation over nvidia-ml-py (module
 `pynvml`) and `kai_fractions.sim.nvml.FakeNvml` the simulated one. Both raise the typed
-errors of `errors.py` (built by `errors.nvml_error`), never a pynvml exception.
+errors of `errors.py` (built by `errors.nvml_error`), never a pynvml exception; the error of
+`other_processes` carries what its other listing listed (`other_listings`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
+from types import MappingProxyType
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from .errors import (
@@ -102,6 +104,41 @@ class Nvml(Protocol):
     def set_memory_limits(self, uuid: str, namespace: str, soft: int, hard: int) -> None: ...
     def clear_memory_limits(self, uuid: str, namespace: str) -> None: ...
     def set_compute_mode(self, uuid: str, mode: GpuComputeMode) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class OtherListings:
+    """What `Nvml.other_processes` listed when one of its listings failed: an MPS client that
+    some drivers list in the MPS listing only must not be lost to a failing graphics listing,
+    nor a graphics process to a failing MPS listing."""
+
+    processes: tuple[GpuProcess, ...]
+    """Those of the listings that worked (graphics first), as `other_processes` returns them."""
+    failed: Mapping[str, NvmlError]
+    """The NVML function of each listing that failed (GRAPHICS_PROCESSES, MPS_PROCESSES) ->
+    its error."""
+
+
+def listings_failed(failed: Mapping[str, NvmlError],
+                    processes: Iterable[GpuProcess]) -> NvmlError:
+    """The error `Nvml.other_processes` raises when listings failed: the MPS listing's where it
+    failed (what it hides matters more), else the graphics one's, with what was listed
+    (`other_listings`). Every implementation of the seam raises it so."""
+    error = failed.get(MPS_PROCESSES) or failed[GRAPHICS_PROCESSES]
+    listed = OtherListings(tuple(processes), MappingProxyType(dict(failed)))
+    error.listings = listed  # type: ignore[attr-defined]
+    return error
+
+
+def other_listings(error: NvmlError) -> OtherListings:
+    """What an error of `Nvml.other_processes` leaves listed (`listings_failed`); one that
+    carries nothing (the call failed before either listing: the GPU lost, NVML down) failed
+    both listings."""
+    listings = getattr(error, "listings", None)
+    if isinstance(listings, OtherListings):
+        return listings
+    return OtherListings((), MappingProxyType({GRAPHICS_PROCESSES: error,
+                                               MPS_PROCESSES: error}))
 
 
 T = TypeVar("T")
@@ -247,9 +284,12 @@ class PynvmlNvml:
         (some drivers list MPS clients there only), in that order; a process in both may be
         in each. A listing this binding or the driver lacks (an older one: FunctionNotFound,
         or the binding's version mismatch) or that the GPU does not support (NotSupported)
-        counts as no such processes: it is no blindness. Any other NVML error is raised."""
+        counts as no such processes: it is no blindness. Each listing is taken on its own: one
+        that fails otherwise leaves the other's processes, and its error is raised once both
+        were taken, carrying them (`other_listings`)."""
         p = self._pynvml
         out: list[GpuProcess] = []
+        failed: dict[str, NvmlError] = {}
         for function in (GRAPHICS_PROCESSES, MPS_PROCESSES):
             fn = getattr(p, function, None)
             if fn is None:
@@ -258,8 +298,13 @@ class PynvmlNvml:
                 procs = self._call(function, fn, self._handle(uuid), device=uuid)
             except NvmlCapabilityMissing:
                 continue
+            except NvmlError as e:
+                failed[function] = e
+                continue
             out.extend(GpuProcess(pid=int(x.pid), used_bytes=None if x.usedGpuMemory is None
                                   else int(x.usedGpuMemory)) for x in procs)
+        if failed:
+            raise listings_failed(failed, out)
         return tuple(out)
 
     def process_utilization(self, uuid: str, since_us: int = 0) -> tuple[ProcessUtilization, ...]:

@@ -20,9 +20,12 @@ yet) is the pod's fractional container's, where that container is planned (cappe
 the contract allows one fractional container per pod, and the cgroup tier's limit, on the pod's
 slice, caps every container of the pod alike (a process of another container of the pod on
 that GPU counts too: the agent knows the fractional container's ID only). So it is counted and,
-over the cap, stopped like the container's own, its ownership read again by the same rule before
-the signal (were several of the pod's containers capped there, against the contract, it would
-be taken for one whose container cannot be told, below). A process that belongs to no
+over the cap, stopped like the container's own (were several of the pod's containers capped
+there, against the contract, it would be taken for one whose container cannot be told, below).
+Before a signal, a process is read again and stopped only while it is in the very pod and
+container (the ID, or none) it was counted in: its pid taken meanwhile by a process of another
+container of the pod (a sidecar's, not on the GPU) or of the pod's own cgroup counts for the
+same container by that rule, but is not the process that was listed. A process that belongs to no
 managed container (another pod, a pod whose fractional container is not planned on that GPU, a
 host process, a pid that vanished, pid 1, the agent itself) is never touched. When MPS
 is in use but cannot say whether a process of an sm-sharing container is its client, the kill
@@ -170,11 +173,13 @@ def _ident(c: ManagedContainer) -> tuple[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class _Over:
-    """A violation, its container, and the memory of each of its processes (pid, bytes)."""
+    """A violation, its container, the memory of each of its processes (pid, bytes), and the
+    pod and container each of them was read in (pid -> owner) when it was counted."""
 
     violation: Violation
     container: ManagedContainer
     used: tuple[tuple[int, int], ...]
+    owners: Mapping[int, PodContainer]
 
 
 @dataclass
@@ -275,6 +280,8 @@ class Watchdog:
         # ((pod uid, container name), device) -> [pids, (pid, used), unknown]
         found: dict[tuple[tuple[str, str], str],
                     tuple[list[int], list[tuple[int, int]], list[int]]] = {}
+        owners: dict[int, PodContainer] = {}
+        # pid -> the pod and container it was read in, for each pid counted for a container
         devices_of: dict[tuple[str, str], set[str]] = {}
         unmanaged: list[tuple[str, int]] = []
         unplaced: list[tuple[str, int, str]] = []
@@ -293,6 +300,8 @@ class Watchdog:
                 if container is None:
                     unmanaged.append((device, proc.pid))
                     continue
+                assert isinstance(owner, PodContainer)  # `of` places nothing else
+                owners[proc.pid] = owner
                 key = _ident(container)
                 devices_of.setdefault(key, set()).add(device)
                 pids, used, unknown = found.setdefault((key, device), ([], [], []))
@@ -321,7 +330,8 @@ class Watchdog:
                 if cap is not None and total > cap:
                     violations.append(_Over(Violation(c.pod_uid, c.container_name,
                                                       c.container_id, device, total, cap,
-                                                      tuple(pids)), c, tuple(used)))
+                                                      tuple(pids)), c, tuple(used),
+                                            {p: owners[p] for p in pids}))
         return usage, violations, unmanaged, unplaced
 
     # -------------------------------------------------------------------- mapping
@@ -374,10 +384,18 @@ class Watchdog:
         if entry is not None:
             entry[1].close()
 
-    def _still_in(self, pid: int, container: ManagedContainer, device: str) -> bool:
-        """Whether `pid` (read afresh) still counts for `container` on `device`."""
-        now = self._attribution.of(self._owner(pid), device)
-        return isinstance(now, ManagedContainer) and _ident(now) == _ident(container)
+    def _still_in(self, pid: int, owner: PodContainer, container: ManagedContainer,
+                  device: str) -> bool:
+        """Whether `pid` (read afresh) is still in the pod and container it was counted in
+        (`owner`: the same container ID, None included; a pid another container of the pod
+        took meanwhile would count for `container` by the pod's rule, but is not the process
+        counted), and still counts for `container` on `device`."""
+        now = self._owner(pid)
+        if not isinstance(now, PodContainer) or (now.pod_uid, now.container_id) != (
+                owner.pod_uid, owner.container_id):
+            return False
+        counted = self._attribution.of(now, device)
+        return isinstance(counted, ManagedContainer) and _ident(counted) == _ident(container)
 
     # -------------------------------------------------------------------- enforcement
 
@@ -419,7 +437,7 @@ class Watchdog:
             for pid in violation.pids:
                 if pid in self._stopping:
                     continue  # being stopped: drained already, its outcome comes from progress
-                for step, outcome, detail in self._enforce_one(pid, container,
+                for step, outcome, detail in self._enforce_one(pid, over.owners[pid], container,
                                                                violation.device_uuid, drain):
                     if step == TERMINATE and outcome == SIGNALLED:
                         self._stopping[pid] = (violation.device_uuid, violation.pod_uid,
@@ -441,10 +459,11 @@ class Watchdog:
                 device, outcome, detail)
         return Action(pid, device, pod_uid, name, step, outcome, detail)
 
-    def _enforce_one(self, pid: int, container: ManagedContainer, device: str,
-                     drain: _DrainState) -> list[tuple[str, str, str]]:
-        """Drain (when it is an MPS client), then terminate: the steps taken, in order."""
-        if not self._still_in(pid, container, device):
+    def _enforce_one(self, pid: int, owner: PodContainer, container: ManagedContainer,
+                     device: str, drain: _DrainState) -> list[tuple[str, str, str]]:
+        """Drain (when it is an MPS client), then terminate: the steps taken, in order. `owner`:
+        the pod and container `pid` was counted in."""
+        if not self._still_in(pid, owner, container, device):
             return [(TERMINATE, SKIPPED, "the process exited or left the container")]
         steps: list[tuple[str, str, str]] = []
         if self.mps is not None and container.mps_client:
@@ -462,7 +481,8 @@ class Watchdog:
                     # ClientNotFound: it left MPS since the list was read; nothing to drain
                     if err.reason != mps_errors.CLIENT_NOT_FOUND:
                         return [(DRAIN, FAILED, f"{err.reason}: {err.message}")]
-        outcome = self.killer.terminate(pid, lambda: self._still_in(pid, container, device))
+        outcome = self.killer.terminate(
+            pid, lambda: self._still_in(pid, owner, container, device))
         steps.append((TERMINATE, outcome,
                       _why_failed(self.killer, pid) if outcome == FAILED else ""))
         return steps

@@ -35,6 +35,8 @@ from ..node.errors import (
     NVML_ERROR_NOT_SUPPORTED,
     NVML_ERROR_UNINITIALIZED,
     ConfigError,
+    NvmlCapabilityMissing,
+    NvmlError,
     nvml_error,
 )
 from ..node.nvml import (
@@ -45,6 +47,7 @@ from ..node.nvml import (
     GpuProcess,
     MemoryLimits,
     ProcessUtilization,
+    listings_failed,
 )
 from .nvml_controls import FakeNvmlControls
 from .nvml_records import (
@@ -103,8 +106,9 @@ class FakeNvml(FakeNvmlControls):
     # -- the call frame ---------------------------------------------------------------------
 
     def _begin(self, method: str, *args: Any, device: str | None = None,
-               needs_init: bool = True) -> None:
-        self.calls.append(NvmlCall(method, args))
+               needs_init: bool = True, record: bool = True) -> None:
+        if record:  # False: a part of a call recorded already (`other_processes`)
+            self.calls.append(NvmlCall(method, args))
         for failure in self._failures.get(method, []):
             if failure.device is not None and failure.device != device:
                 continue
@@ -183,13 +187,28 @@ class FakeNvml(FakeNvmlControls):
                          for p in self.processes if p.gpu == uuid and p.kind == "compute")
 
     def other_processes(self, uuid: str) -> tuple[GpuProcess, ...]:
-        """The graphics processes, then the MPS clients listed apart (`FakeProcess.kind`)."""
+        """The graphics processes, then the MPS clients listed apart (`FakeProcess.kind`), each
+        listing taken on its own as the real seam takes it: `fail("other_processes")` fails
+        the graphics listing, `fail("mps_processes")` the MPS one; one failing keeps the
+        other's processes (`nvml.listings_failed`)."""
         with self._lock:
-            self._begin("other_processes", uuid, device=uuid)
-            self._find("other_processes", uuid)
-            return tuple(GpuProcess(pid=p.pid, used_bytes=p.used_bytes)
-                         for kind in ("graphics", "mps") for p in self.processes
-                         if p.gpu == uuid and p.kind == kind)
+            self.calls.append(NvmlCall("other_processes", (uuid,)))
+            out: list[GpuProcess] = []
+            failed: dict[str, NvmlError] = {}
+            for kind, method in (("graphics", "other_processes"), ("mps", "mps_processes")):
+                try:
+                    self._begin(method, uuid, device=uuid, record=False)
+                    self._find(method, uuid)
+                except NvmlCapabilityMissing:
+                    continue  # a listing the driver lacks: no such processes
+                except NvmlError as e:
+                    failed[_FUNCTIONS[method]] = e
+                    continue
+                out.extend(GpuProcess(pid=p.pid, used_bytes=p.used_bytes)
+                           for p in self.processes if p.gpu == uuid and p.kind == kind)
+            if failed:
+                raise listings_failed(failed, out)
+            return tuple(out)
 
     def process_utilization(self, uuid: str, since_us: int = 0) -> tuple[ProcessUtilization, ...]:
         with self._lock:

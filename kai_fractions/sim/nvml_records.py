@@ -48,6 +48,8 @@ _FUNCTIONS = {
     "devices": "nvmlDeviceGetCount",
     "running_processes": "nvmlDeviceGetComputeRunningProcesses",
     "other_processes": "nvmlDeviceGetGraphicsRunningProcesses",
+    # not a method of its own: the MPS client listing inside `other_processes`, failed apart
+    "mps_processes": "nvmlDeviceGetMPSComputeRunningProcesses",
     "process_utilization": "nvmlDeviceGetProcessUtilization",
     "memory_limits_supported": "nvmlDeviceGetMemoryLimits_v1",
     "get_memory_limits": GET_MEMORY_LIMITS,

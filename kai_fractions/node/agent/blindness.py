@@ -1,11 +1,16 @@
 """What the watchdog cannot see, GPU by GPU, as its checks (`usage.UsageCheck`) find it; and what
 that means for a container whose GPU memory cap rests on the kill-policy watchdog alone.
 
-Four kinds of blindness, each judged by every check that lists the GPU's processes (its compute,
-graphics and MPS compute listings, each pid once: the processes the watchdog attributes):
-- the compute listing fails (NVML's error: `NVMLNoPermission`, ...), on any GPU (the graphics
-  and MPS listings failing leave the compute listing alone to be watched and to account,
-  logged once: `other_processes`);
+Five kinds of blindness, each judged by every check that lists the GPU's processes (its compute,
+graphics and MPS compute listings, each taken on its own and each pid once: the processes the
+watchdog attributes):
+- the compute listing fails (NVML's error: `NVMLNoPermission`, ...), on any GPU (a graphics
+  listing that fails leaves the others to be watched and to account, logged once: graphics
+  processes are not how an MPS tenant escapes its cap; `other_processes`);
+- the MPS client listing fails (MPS_LISTING_FAILED), on a GPU with planned (or watched)
+  sm-sharing containers: some drivers list an MPS client there only, so one over its cap
+  could pass unseen (a time-slicing container's processes are no MPS clients: elsewhere it
+  hides nothing of a managed container). The compute and graphics listings are still watched;
 - NVML lists a managed container's process without its memory (MEMORY_UNKNOWN);
 - NVML lists no process of the GPU's managed containers while more memory is in use than the
   processes it lists account for (NO_PROCESSES_VISIBLE: an agent outside the host's pid
@@ -44,13 +49,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...contract import MIB
+from ...contract import MIB, ComputeMode
 from ..config import Mechanism
 from ..desired import ContainerDesired, ContainerKey, DesiredState
 from ..engine_reports import WATCHDOG_BLIND, ContainerResult, ContainerState
 from ..errors import NvmlCapabilityMissing, NvmlError
 from ..inventory import Inventory
-from ..nvml import DeviceInfo, Nvml
+from ..nvml import GRAPHICS_PROCESSES, MPS_PROCESSES, DeviceInfo, Nvml, other_listings
 from ..plan_refusals import hard_tiers_of
 from ..watchdog import ContainerUsage, WatchdogReport, merge_listings
 from .metrics import AgentMetrics
@@ -65,6 +70,10 @@ CONTAINER_UNKNOWN = "ProcessContainerUnknown"
 container the watchdog cannot tell: its /proc entry unreadable (`hidepid`, an LSM), or a cgroup
 path relative to the agent's cgroup namespace that names no pod it can place (a layout it does
 not know). The process may be a managed container's: its memory is counted for no one."""
+MPS_LISTING_FAILED = "MpsListingFailed"
+"""The usage-unreadable reason for a GPU with sm-sharing containers whose MPS client listing
+(nvmlDeviceGetMPSComputeRunningProcesses) fails, while its compute listing works: an MPS client
+some drivers list there only is not seen."""
 NO_PROCESSES_VISIBLE = "NoProcessesVisible"
 """The usage-unreadable reason for a GPU with managed containers whose memory is used by
 processes NVML does not list: NVML (like /proc) shows only the processes of the caller's pid
@@ -88,7 +97,8 @@ class Blindness:
 
     reason: str
     """The NVML error's reason when the GPU's processes cannot be listed (NVMLNoPermission,
-    ...), else MEMORY_UNKNOWN, NO_PROCESSES_VISIBLE or CONTAINER_UNKNOWN: the reason of
+    ...), else MPS_LISTING_FAILED, MEMORY_UNKNOWN, NO_PROCESSES_VISIBLE or CONTAINER_UNKNOWN:
+    the reason of
     `kai_fractions_agent_gpu_usage_unreadable_total`."""
     detail: str
     """What the watchdog cannot see there, and what to do (for messages)."""
@@ -109,8 +119,14 @@ def _planned(desired: DesiredState) -> set[str]:
     return {u for c in (*desired.containers, *desired.watched) for u in c.plan.device_uuids}
 
 
+def _mps_clients(desired: DesiredState) -> set[str]:
+    """The GPUs of `_planned`'s sm-sharing containers: those whose processes are MPS clients."""
+    return {u for c in (*desired.containers, *desired.watched)
+            if c.plan.compute_mode is ComputeMode.SM_SHARING for u in c.plan.device_uuids}
+
+
 class BlindnessTracker:
-    """The four kinds of blindness per GPU, their episodes, and which planned containers a
+    """The five kinds of blindness per GPU, their episodes, and which planned containers a
     check has judged their GPUs with. Driven by `UsageCheck.check`, on the worker thread."""
 
     def __init__(self, nvml: Nvml, metrics: AgentMetrics):
@@ -127,9 +143,15 @@ class BlindnessTracker:
         self._untested: dict[str, NvmlError] = {}
         """GPU uuid -> why the hidden-memory test of a suspect GPU could not run (a memory read
         or its listing again failed): it cannot be told clear, so it counts as blind."""
-        self._others_failing: dict[str, str] = {}
-        """GPU uuid -> the reason its graphics and MPS listings fail, while they do (logged
-        once; the watchdog and its hidden-memory test go on with the compute listing alone)."""
+        self._graphics_failing: dict[str, str] = {}
+        """GPU uuid -> the reason its graphics listing fails, while it does (logged once; the
+        watchdog and its hidden-memory test go on with the compute and MPS listings)."""
+        self._mps_now: dict[str, NvmlError] = {}
+        """GPU uuid -> why its MPS client listing failed in the check in progress (`judge`
+        decides where that is blindness)."""
+        self._mps_failing: dict[str, NvmlError] = {}
+        """GPU uuid with sm-sharing containers -> why its MPS client listing fails, while it
+        does (MPS_LISTING_FAILED)."""
         self._episodes: dict[str, Blindness] = {}
         """GPU uuid -> its blindness, from the first check that found it until CLEAN_CHECKS
         checks in a row found none."""
@@ -149,7 +171,8 @@ class BlindnessTracker:
     def forget_gone(self, here: set[str]) -> None:
         """Forgets the GPUs the node no longer has."""
         for state in (self._blind, self._unknown, self._unseen, self._unplaced,
-                      self._untested, self._others_failing, self._episodes, self._clean):
+                      self._untested, self._graphics_failing, self._mps_now,
+                      self._mps_failing, self._episodes, self._clean):
             for gone in state.keys() - here:
                 del state[gone]
 
@@ -164,6 +187,9 @@ class BlindnessTracker:
                         "usage there until it can", uuid, error.reason, error.message)
 
     def listed(self, uuid: str) -> None:
+        """The GPU's compute listing worked; its other listings come next (`other_processes`):
+        what they did in an earlier check is not this check's."""
+        self._mps_now.pop(uuid, None)
         if self._blind.pop(uuid, None) is not None:
             log.info("the processes of GPU %s can be listed again", uuid)
 
@@ -175,6 +201,7 @@ class BlindnessTracker:
         self._unknown_memory(report.usage, checked)
         self._unseen_processes(desired, processes, report.usage)
         self._unplaced_processes(desired, report, checked)
+        self._mps_unlisted(desired, checked)
         here = set(inventory.uuids)
         current = {(c.key, u) for c in desired.containers for u in c.plan.device_uuids}
         # Every GPU of the inventory was judged: listed, or known unlistable.
@@ -244,6 +271,28 @@ class BlindnessTracker:
         self._unplaced = {**{u: p for u, p in self._unplaced.items() if u not in checked},
                           **{u: min(procs) for u, procs in unplaced.items()}}
 
+    def _mps_unlisted(self, desired: DesiredState, checked: set[str]) -> None:
+        """GPUs with sm-sharing containers whose MPS client listing failed this check (in the
+        check's listings or in the hidden-memory test's): an MPS client of theirs that some
+        drivers list there only could use more than its cap unseen. Counted every check,
+        logged when it starts (or its reason changes) and when it ends, like the other kinds.
+        A GPU not listed this check keeps its state."""
+        clients = _mps_clients(desired)
+        failing = {u: e for u, e in self._mps_now.items() if u in clients and u in checked}
+        self._mps_now = {}
+        for uuid, error in failing.items():
+            self.metrics.usage_blind.labels(self.metrics.node, uuid, MPS_LISTING_FAILED).inc()
+            before = self._mps_failing.get(uuid)
+            if before is None or before.reason != error.reason:
+                log.warning("GPU %s: its MPS client listing fails (%s: %s); an MPS client that "
+                            "the driver lists there only is not seen: the watchdog counts the "
+                            "GPU blind until it can list them", uuid, error.reason,
+                            error.message)
+        for uuid in (self._mps_failing.keys() & checked) - set(failing):
+            log.info("GPU %s: its MPS clients can be listed again", uuid)
+        self._mps_failing = {**{u: e for u, e in self._mps_failing.items() if u not in checked},
+                             **failing}
+
     def _unseen_processes(self, desired: DesiredState, processes: Mapping[str, Any],
                           usage: Iterable[ContainerUsage]) -> None:
         """GPUs with managed containers where NVML lists no process of theirs while more than
@@ -262,7 +311,7 @@ class BlindnessTracker:
         GPU. Only GPUs listed this check are judged; a process listed without its memory
         leaves the GPU clear of this kind (its share cannot be told), and so does a graphics
         or MPS listing the driver lacks or does not support (no such processes); one that
-        fails otherwise leaves the compute listing alone to account (logged once). A suspect
+        fails otherwise leaves the other listings to account (`other_processes`). A suspect
         whose memory read or compute listing fails in the sequence cannot be told clear: it
         counts as blind under NVML's reason (`_untested`) until a test runs again."""
         planned = _planned(desired)
@@ -332,26 +381,35 @@ class BlindnessTracker:
             return e
 
     def other_processes(self, uuid: str) -> tuple[Any, ...]:
-        """`Nvml.other_processes` (the graphics and MPS compute listings), for the watchdog to
-        attribute and for the hidden-memory test to account; none where the driver lacks those
-        listings; where they fail otherwise, none too (logged once): the compute listing alone
-        is then watched and accounts, which may read the memory of a graphics process or of an
-        MPS client listed apart as hidden (`NO_PROCESSES_VISIBLE`, on a GPU none of whose
-        managed containers' processes is listed): more memory than the listings working would,
-        never less."""
+        """`Nvml.other_processes` (the graphics and MPS compute listings, each taken on its
+        own), for the watchdog to attribute and for the hidden-memory test to account: the
+        processes of those that list; none of one the driver lacks. A graphics listing that
+        fails otherwise is logged once, the other listings watched (graphics processes are not
+        how an MPS tenant escapes its cap; the compute listing alone may then read a graphics
+        process's memory as hidden, `NO_PROCESSES_VISIBLE`: more than the listing working
+        would, never less). An MPS listing that fails otherwise is kept for `judge`: blindness
+        (MPS_LISTING_FAILED) where sm-sharing containers are planned."""
+        failed: Mapping[str, NvmlError] = {}
         try:
-            others = tuple(self.nvml.other_processes(uuid))
+            processes = tuple(self.nvml.other_processes(uuid))
         except NvmlCapabilityMissing:  # a driver without those listings: none
-            return ()
+            processes = ()
         except NvmlError as e:
-            if self._others_failing.get(uuid) != e.reason:
-                log.warning("GPU %s: its graphics and MPS process listings fail (%s: %s); "
-                            "the watchdog watches and accounts what the compute listing shows "
-                            "alone", uuid, e.reason, e.message)
-            self._others_failing[uuid] = e.reason
-            return ()
-        self._others_failing.pop(uuid, None)
-        return others
+            listed = other_listings(e)
+            processes, failed = listed.processes, listed.failed
+        graphics = failed.get(GRAPHICS_PROCESSES)
+        if graphics is None:
+            self._graphics_failing.pop(uuid, None)
+        else:
+            if self._graphics_failing.get(uuid) != graphics.reason:
+                log.warning("GPU %s: its graphics process listing fails (%s: %s); the watchdog "
+                            "watches and accounts what the compute and MPS listings show",
+                            uuid, graphics.reason, graphics.message)
+            self._graphics_failing[uuid] = graphics.reason
+        mps = failed.get(MPS_PROCESSES)
+        if mps is not None:
+            self._mps_now[uuid] = mps
+        return processes
 
     # -- for passes -------------------------------------------------------------------------
 
@@ -387,6 +445,11 @@ class BlindnessTracker:
                 f"{', '.join(map(str, pids))}), so the watchdog counts them as 0: NVML shows "
                 "every process's memory to root in the host's pid namespace (the chart's "
                 "defaults), but not in some virtualised GPU modes"))
+        for uuid, error in self._mps_failing.items():
+            out[uuid] = Blindness(MPS_LISTING_FAILED, (
+                f"NVML cannot list its MPS clients ({error.reason}: {error.message}), and some "
+                "drivers list an MPS client there only, so one over its cap may go unseen; see "
+                "docs/node-agent.md, \"What the watchdog sees and stops\""))
         for uuid, error in self._untested.items():
             out[uuid] = Blindness(error.reason, (
                 "NVML cannot read what its memory in use or its processes are to tell whether "

@@ -7,8 +7,10 @@ in the graphics one only; each pid once, `watchdog.merge_listings`), and are mat
 containers through /proc (by the watchdog); SM use is the newest NVML sample per process since
 the last check. The usage feeds the metrics and GetNodeState. A GPU whose compute listing fails
 is not listed this check (blind, below); its graphics and MPS listings, where the driver lacks
-them or the GPU does not support them, are no processes, and where they fail otherwise the
-compute listing alone is watched (`BlindnessTracker.other_processes`, logged once).
+them or the GPU does not support them, are no processes, and each is taken on its own
+(`BlindnessTracker.other_processes`): a graphics listing that fails otherwise leaves the others
+watched (logged once), an MPS listing that fails otherwise too, and blinds the GPU where
+sm-sharing containers are planned (an MPS client some drivers list there only is not seen).
 
 Use over a cap is counted, reported once per episode as a LimitViolation event in `report` mode
 (an episode ends when the use is back under the cap), and in `kill` mode the watchdog drains the
@@ -22,8 +24,9 @@ watch it (`DesiredState.watched`, after an upgrade to the rule that refuses such
 still checked against its plan's cap: its use over it is reported, nothing of it is stopped.
 
 Where the watchdog is blind (`blindness.BlindnessTracker`: a GPU whose processes cannot be
-listed, or that lists a managed container's process without its memory, none of its managed
-containers' processes while memory is in use, or a process whose container cannot be told), a
+listed, or whose MPS client listing fails where sm-sharing containers are planned, or that lists
+a managed container's process without its memory, none of its managed containers' processes
+while memory is in use, or a process whose container cannot be told), a
 container whose GPU memory cap rests on the kill-policy watchdog alone there has no cap in
 force: the pass reports it pending under WATCHDOG_BLIND (`blind_results`), so no readiness
 marker vouches for it, and the node condition says so. An episode of blindness starts at the
@@ -63,6 +66,7 @@ from . import events as ev
 from .blindness import (
     CONTAINER_UNKNOWN,
     MEMORY_UNKNOWN,
+    MPS_LISTING_FAILED,
     NEWS_GAP_SECONDS,
     NO_PROCESSES_VISIBLE,
     UNSEEN_MEMORY_BYTES,
@@ -78,7 +82,8 @@ from .metrics import AgentMetrics, Usage
 log = logging.getLogger(__name__)
 
 __all__ = [  # the blindness names are read from here too (they were this module's)
-    "CONTAINER_UNKNOWN", "MEMORY_UNKNOWN", "NEWS_GAP_SECONDS", "NO_PROCESSES_VISIBLE",
+    "CONTAINER_UNKNOWN", "MEMORY_UNKNOWN", "MPS_LISTING_FAILED", "NEWS_GAP_SECONDS",
+    "NO_PROCESSES_VISIBLE",
     "UNSEEN_MEMORY_BYTES", "USAGE_UNKNOWN", "UsageCheck", "usage_unknown", "watchdog_only",
 ]
 
