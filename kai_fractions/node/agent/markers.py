@@ -46,12 +46,21 @@ see it: the derived annotations first (patched onto the pod when no mirror wrote
 agent follows an unmodified KAI; the workload's env reads them too), then the marker, then the
 pod's Applied / Refused events. Directories of pods that are not on the node any more are
 removed; a live pod with no fractional container left loses its marker file.
+
+A pod whose marker (or the annotations it follows) could not be written, or whose stale marker
+could not be removed, and that keeps no marker vouching for its plans, says why (`NotWritten`,
+in `Settled`): the pass reports its applied containers pending under MARKER_NOT_WRITTEN or
+ANNOTATIONS_NOT_WRITTEN (`pending_results`), so GetNodeState, the metrics and inspect do not
+call enforced a container whose gate waits. The rules above decide from the engine's results,
+never from those, and the next pass's apply makes them again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ...contract import ContainerPlan, Keys, derived_annotations
@@ -63,6 +72,7 @@ from ..engine import ContainerResult, ContainerState
 from . import events as ev
 from .events import EventRecorder, PodRef
 from .kube import ClusterWriter
+from .marker_probe import MARKER_DIR_NOT_WRITABLE
 from .marker_rules import (
     _NOT_IN_FORCE,
     REFUSED_DEFAULT_REASON,
@@ -95,10 +105,13 @@ __all__ = [
     "MarkerStore",
     "MarkerWriter",
     "MarkersClosed",
+    "NotWritten",
+    "Settled",
     "decide",
     "entry_relies_on_mps",
     "entry_watchdog_only",
     "may_restore",
+    "pending_results",
     "still_valid",
     "write_marker",
 ]
@@ -107,6 +120,41 @@ log = logging.getLogger(__name__)
 
 ANNOTATIONS_NOT_WRITTEN = "AnnotationsNotWritten"
 MARKER_NOT_WRITTEN = "MarkerNotWritten"
+
+
+@dataclass(frozen=True, slots=True)
+class NotWritten:
+    """Why a pod's gate has no marker vouching for its plans after this pass: the marker, or
+    the derived annotations it follows, could not be written, or a stale marker removed.
+    `reason` is MARKER_NOT_WRITTEN or ANNOTATIONS_NOT_WRITTEN; `message` names the error and
+    what the gate does. The limits may well be in force: this is no cap not in force."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What settling one pod came to (`MarkerWriter.settle`)."""
+
+    done: bool
+    """Its marker says what its results say: nothing of this pod to retry."""
+    not_written: NotWritten | None = None
+    """Set when something could not be written and no marker vouching for the pod's plans
+    stays: its applied containers are reported pending (`pending_results`)."""
+
+
+def pending_results(results: Mapping[ContainerKey, ContainerResult],
+                    not_written: Mapping[str, NotWritten]
+                    ) -> dict[ContainerKey, ContainerResult]:
+    """`results` with each applied container of a pod in `not_written` (by pod uid) pending
+    under its reason and message, as the pass reports them (GetNodeState, metrics, inspect):
+    its gate waits, so it is not enforced yet. Refused and pending ones stay as they are."""
+    return {key: (dataclasses.replace(r, state=ContainerState.PENDING, reason=why.reason,
+                                      message=why.message)
+                  if r.state is ContainerState.APPLIED
+                  and (why := not_written.get(key.pod_uid)) is not None else r)
+            for key, r in results.items()}
 
 
 class MarkerWriter:
@@ -125,44 +173,53 @@ class MarkerWriter:
 
     def settle(self, uid: str, manifest: Mapping[str, Any], from_api: bool,
                results: Mapping[str, ContainerResult], desired: DesiredState, errors: set[str]
-               ) -> bool:
-        """One fractional pod; True when settled. Only a pod read from the API gets derived
-        annotations (a provisioned one has none to write)."""
+               ) -> Settled:
+        """One fractional pod. Only a pod read from the API gets derived annotations (a
+        provisioned one has none to write). What could not be written is added to `errors`,
+        and told in the answer (`Settled.not_written`) unless a marker vouching for the pod's
+        plans stays (a gate opens on it)."""
         ref = PodRef(str(meta(manifest).get("namespace") or ""),
                      str(meta(manifest).get("name") or ""), uid)
         decision = decide(results, watchdog_stops=self.watchdog_stops)
         existing = self.store.read(uid)
+        failed: list[NotWritten] = []
         self._pending_events(ref, results, existing)
         if decision.write is None:
-            self._drop_stale(ref, existing, results, errors)
-            return False
+            self._drop_stale(ref, existing, results, errors, failed)
+            return _settled(False, failed, existing, results)
         refused = any(r.state is ContainerState.REFUSED for r in results.values())
         if not refused and from_api:
             plans = [c.plan for name in results
                      if (c := desired.container(ContainerKey(uid, name))) is not None]
-            if not self._ensure_annotations(ref, manifest, plans, errors):
-                self._drop_stale(ref, existing, results, errors)
-                return False
+            if not self._ensure_annotations(ref, manifest, plans, errors, failed):
+                self._drop_stale(ref, existing, results, errors, failed)
+                return _settled(False, failed, existing, results)
         if existing is None or dict(existing.containers) != dict(decision.write):
             try:
                 self.store.write(uid, decision.write, now=self.clock())
             except MarkersClosed as e:  # a pass that outlived the agent's stop
                 log.info("%s", e)
-                self._drop_stale(ref, existing, results, errors)
-                return False
+                self._drop_stale(ref, existing, results, errors, failed)
+                return _settled(False, failed, existing, results)
             except (OSError, MarkerError) as e:  # this pod's marker only: the others go on
                 errors.add(MARKER_NOT_WRITTEN)
+                failed.append(NotWritten(MARKER_NOT_WRITTEN, (
+                    f"its pod's readiness marker could not be written under {self.store.root} "
+                    f"({e}), so a gate of the pod waits for it (the limits may be in force; "
+                    "each pass writes it again; a marker directory that takes no file at all "
+                    f"makes the node not ready: {MARKER_DIR_NOT_WRITABLE})")))
                 log.error("pod %s/%s: the readiness marker could not be written under %s: %s",
                           ref.namespace, ref.name, self.store.root, e)
-                self._drop_stale(ref, existing, results, errors)
-                return False
+                self._drop_stale(ref, existing, results, errors, failed)
+                return _settled(False, failed, existing, results)
             log.info("pod %s/%s: marker written (%s)", ref.namespace, ref.name, ", ".join(
                 f"{n}={m.state.value}" for n, m in sorted(decision.write.items())))
             self._marker_events(ref, results)
-        return True
+        return Settled(True)
 
     def _drop_stale(self, ref: PodRef, existing: Marker | None,
-                    results: Mapping[str, ContainerResult], errors: set[str]) -> None:
+                    results: Mapping[str, ContainerResult], errors: set[str],
+                    failed: list[NotWritten]) -> None:
         """Whatever kept the new marker from being written, an old one that no longer vouches
         for what is in force goes: a gate (a restarted sandbox's) must not open on it. One that
         names a plan the pod is held to is set aside rather than removed, so the hold outlasts
@@ -174,6 +231,10 @@ class MarkerWriter:
             removed = (self.store.set_aside if holds else self.store.unlink)(ref.uid)
         except OSError as e:
             errors.add(MARKER_NOT_WRITTEN)
+            failed.append(NotWritten(MARKER_NOT_WRITTEN, (
+                f"its pod's old readiness marker no longer vouches for the limits in force and "
+                f"could not be removed ({e}): a gate of the pod may still open on it; each pass "
+                "tries again")))
             log.error("pod %s/%s: its marker no longer vouches for the limits in force and "
                       "could not be removed: %s", ref.namespace, ref.name, e)
             return
@@ -192,7 +253,8 @@ class MarkerWriter:
                      ref.namespace, ref.name, done)
 
     def _ensure_annotations(self, ref: PodRef, manifest: Mapping[str, Any],
-                            plans: Sequence[ContainerPlan], errors: set[str]) -> bool:
+                            plans: Sequence[ContainerPlan], errors: set[str],
+                            failed: list[NotWritten]) -> bool:
         have = meta(manifest).get("annotations") or {}
         want: dict[str, str] = {}
         for plan in plans:
@@ -202,6 +264,7 @@ class MarkerWriter:
             return True
         if self.cluster is None:
             errors.add(ANNOTATIONS_NOT_WRITTEN)
+            failed.append(_annotations_not_written("the agent has no API client"))
             return False
         try:
             updated = self.cluster.patch_pod_annotations(ref.namespace, ref.name, ref.uid,
@@ -212,6 +275,7 @@ class MarkerWriter:
             return False
         except KubeError as e:
             errors.add(ANNOTATIONS_NOT_WRITTEN)
+            failed.append(_annotations_not_written(e.message))
             log.warning("pod %s/%s: derived annotations not written (%s); retried",
                         ref.namespace, ref.name, e.message)
             return False
@@ -295,3 +359,19 @@ class MarkerWriter:
                 self.events.emit(ref, ev.WARNING, ev.REFUSED,
                                  f"container {name}: {r.reason}: {r.message}",
                                  key=(ev.REFUSED, ref.uid, name, r.reason, r.message))
+
+
+def _annotations_not_written(error: str) -> NotWritten:
+    return NotWritten(ANNOTATIONS_NOT_WRITTEN, (
+        f"its pod's derived annotations could not be written ({error}), and its readiness "
+        "marker is written only after them, so a gate of the pod waits (the limits may be in "
+        "force; each pass tries again)"))
+
+
+def _settled(done: bool, failed: Sequence[NotWritten], existing: Marker | None,
+             results: Mapping[str, ContainerResult]) -> Settled:
+    """A marker that vouches for the current plans and stays (`still_valid`: `_drop_stale`
+    keeps it) lets a gate open: nothing the pod waits for then, whatever failed."""
+    if not failed or (existing is not None and still_valid(existing, results)):
+        return Settled(done)
+    return Settled(done, NotWritten(failed[0].reason, "; ".join(f.message for f in failed)))

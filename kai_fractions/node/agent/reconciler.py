@@ -10,8 +10,10 @@ check first where the pass would otherwise vouch for a container whose only memo
 watchdog on a GPU no check has judged with it (`_watchdog_blind`), report pending each
 container whose only memory tier is a watchdog that cannot see its GPU
 (`usage.UsageCheck.blind_results`: WatchdogBlind, a cap known not in force), settle each
-fractional pod (`markers`: derived annotations, then the readiness marker, then events), tidy
-marker directories and links, and publish metrics and the snapshot read by gRPC and the node
+fractional pod (`markers`: derived annotations, then the readiness marker, then events), report
+pending the applied containers of a pod left with no marker to read because one could not be
+written (`markers.pending_results`: MarkerNotWritten, AnnotationsNotWritten), tidy marker
+directories and links, and publish metrics and the snapshot read by gRPC and the node
 condition.
 
 Before the first successful pod list nothing is applied: an apply without the node's pods would
@@ -71,7 +73,7 @@ from .condition import Health, watchdog_sole_tier
 from .events import EventRecorder
 from .kube import ClusterWriter
 from .marker_set_aside import MarkerSetAside, _planned_pods
-from .markers import MarkerStore, MarkerWriter, may_restore
+from .markers import MarkerStore, MarkerWriter, NotWritten, may_restore, pending_results
 from .metrics import AgentMetrics, Usage
 from .mps_links import LegacyPipeLinks
 from .mps_supervisor import MpsHealth, MpsSupervisor, drain
@@ -282,13 +284,19 @@ class Reconciler(MarkerSetAside):
         results, blind = self._watchdog_blind(desired, inventory, results, restorable)
         by_pod = _by_pod(results)
         converged = report.converged
+        not_written: dict[str, NotWritten] = {}
         for uid, pod_results in by_pod.items():
             manifest, source = live[uid]
             if uid in stopped:
                 self._restore_stopped(uid, stopped[uid], pod_results, manifest)
-            if not self.writer.settle(uid, manifest, source == API, pod_results, desired,
-                                      errors):
-                converged = False
+            settled = self.writer.settle(uid, manifest, source == API, pod_results, desired,
+                                         errors)
+            converged = converged and settled.done
+            if settled.not_written is not None:
+                not_written[uid] = settled.not_written
+        # An applied container whose gate has no marker to read is reported pending, in the
+        # view and the metrics alike; the markers were decided from the engine's results.
+        results = pending_results(results, not_written)
         errors.update(r.reason for r in results.values()
                       if r.state is ContainerState.PENDING and r.reason)
         self.pods.settled(live, by_pod)
