@@ -26,6 +26,7 @@ from ..contract import (
     parse_pod,
     plan_pod,
 )
+from ..contract.keys import NODE_CONDITION
 from ..marker import Marker, MarkerState
 
 
@@ -43,6 +44,32 @@ class Verdict:
     set_aside: bool = False
     """It waits because the node agent set this pod's marker aside in this boot: the agent
     runs, and holds the pod back on purpose."""
+    reason_named: bool = False
+    """The message says where the node agent's reason is (`REASON_WHERE`): the timeout's
+    message adds no second pointer."""
+
+
+REASON_WHERE = (
+    "the node agent's reason: `kai-fractions inspect pod NS/NAME`, and the condition "
+    f"{NODE_CONDITION} of the pod's node (`kubectl describe node`), which is missing or "
+    "Unknown where no node agent runs")
+"""Where an operator reads why the gate still waits. The agent sends a new pod it holds pending
+no event (only a pod that had a marker in this boot gets one), so these are where its reason
+is. The gate knows neither its pod's name nor its node's (only the UID reaches it): NS/NAME
+and "the pod's node" stand for them."""
+
+NOT_WRITTEN_REASON = (
+    "the node agent has not written this pod's readiness marker yet; it writes none while it "
+    "holds the pod pending (the pod's node not ready for it, its limits not in force yet) or "
+    f"does not run ({REASON_WHERE})")
+"""Why the gate waits while there is no marker: the agent may run and know why."""
+
+
+def not_written_yet(detail: str = "") -> Verdict:
+    """The wait while the agent has written no marker for this pod; `detail` adds what the
+    gate saw (a directory it cannot read yet, say)."""
+    return Verdict(Outcome.WAIT, NOT_WRITTEN_REASON + (f"; {detail}" if detail else ""),
+                   reason_named=True)
 
 
 def _release(message: str) -> Verdict:
@@ -159,8 +186,7 @@ def judge(
     if marker is None:
         if earlier is None and _held_back(set_aside, pod_uid, boot_id):
             return Verdict(Outcome.WAIT, SET_ASIDE_REASON, set_aside=True)
-        return _wait(earlier or "the node agent has not written this pod's readiness marker "
-                     "yet")
+        return _wait(earlier) if earlier is not None else not_written_yet()
     try:
         plans = plan_pod(request, keys=keys)
     except ContractViolation as e:

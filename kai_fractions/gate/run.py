@@ -2,7 +2,9 @@
 
 Side effects sit behind seams (clock, sleep, output streams) so tests run it in milliseconds.
 The one-line outcome goes to the termination-message file, which `kubectl describe pod` shows,
-and to stderr (stdout on success).
+and to stderr (stdout on success). At the timeout it says what the gate last waited for and
+where the node agent's own reason is (`check.REASON_WHERE`): a new pod the agent holds pending
+gets no event, and the gate cannot ask the agent.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ..marker import (
     MarkerUnreadable,
     read_marker,
 )
-from .check import Outcome, Verdict, judge
+from .check import REASON_WHERE, Outcome, Verdict, judge, not_written_yet
 from .downward import DownwardError, read_annotations
 
 EXIT_RELEASED, EXIT_REFUSED = 0, 1
@@ -58,9 +60,8 @@ def observe(opts: GateOptions) -> Verdict:
     except MarkerUnreadable as e:
         # Not a bad marker: the kubelet made the pod's directory with the marker root's mode
         # (0700) for this mount, and the agent opens it (0755) when it first writes there.
-        return Verdict(Outcome.WAIT, "the node agent has not written this pod's readiness "
-                       "marker yet (the pod's marker directory is not readable until its first "
-                       f"write opens it: {e})")
+        return not_written_yet("the pod's marker directory is not readable until the "
+                               f"agent's first write opens it ({e})")
     except MarkerError as e:
         # The agent rewrites it atomically; a bad one is not ours to trust, but may be replaced.
         return Verdict(Outcome.WAIT, f"the readiness marker is not valid: {e}")
@@ -120,9 +121,12 @@ def run_gate(
         remaining = deadline - clock()
         if remaining <= 0:
             marker = opts.marker_dir / MARKER_FILE
-            where = (f"{marker}, set aside as {opts.marker_dir / SET_ASIDE_FILE}"
-                     if verdict.set_aside else
-                     f"{marker}; is the kai-fractions node agent running on this node?")
+            if verdict.set_aside:
+                where = f"{marker}, set aside as {opts.marker_dir / SET_ASIDE_FILE}"
+            elif verdict.reason_named:
+                where = f"{marker}"
+            else:
+                where = f"{marker}; {REASON_WHERE}"
             return _give_up(opts, one_line(
                 f"timed out after {opts.timeout:g}s waiting for the node agent to apply this "
                 f"pod's GPU limits: {verdict.message} (marker: {where})"), err)

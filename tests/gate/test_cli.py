@@ -43,9 +43,12 @@ def test_the_gate_process_times_out_with_the_reason_in_the_termination_log(
             "--timeout", "0.05", "--poll-interval", "0.01"]
     result = gate(args)
     line = ("timed out after 0.05s waiting for the node agent to apply this pod's GPU limits: "
-            "the node agent has not written this pod's readiness marker yet (marker: "
-            f"{tmp_path}/markers/{UID}/marker.json; is the kai-fractions node agent running "
-            "on this node?)\n")
+            "the node agent has not written this pod's readiness marker yet; it writes none "
+            "while it holds the pod pending (the pod's node not ready for it, its limits not in "
+            "force yet) or does not run (the node agent's reason: `kai-fractions inspect pod "
+            "NS/NAME`, and the condition gpu-fractioning.nvidia.com/Ready of the pod's node "
+            "(`kubectl describe node`), which is missing or Unknown where no node agent runs) "
+            f"(marker: {tmp_path}/markers/{UID}/marker.json)\n")
     assert result.returncode == 1
     assert (tmp_path / "termination-log").read_text() == line
     assert result.stderr.endswith(line)

@@ -20,6 +20,16 @@ STALE = "sha256:" + "0" * 64
 BOOT = "0b0a1c2d-3e4f-4a5b-8c6d-7e8f9a0b1c2d"
 """The host's boot ID in these tests (the gate process's tests use the real one)."""
 EARLIER_BOOT = "9f8e7d6c-5b4a-4c3d-8e2f-1a0b9c8d7e6f"
+REASON_WHERE = (
+    "the node agent's reason: `kai-fractions inspect pod NS/NAME`, and the condition "
+    "gpu-fractioning.nvidia.com/Ready of the pod's node (`kubectl describe node`), which is "
+    "missing or Unknown where no node agent runs")
+"""Where the agent's reason for holding the pod back is: the gate names it while it waits for a
+marker, and at any timeout."""
+NOT_WRITTEN = (
+    "the node agent has not written this pod's readiness marker yet; it writes none while it "
+    "holds the pod pending (the pod's node not ready for it, its limits not in force yet) or "
+    f"does not run ({REASON_WHERE})")
 
 
 def marker_for(containers: dict[str, ContainerMarker], uid: str = UID,
@@ -84,8 +94,7 @@ def test_a_refusal_is_final_even_before_the_annotations_are_visible() -> None:
 
 
 @pytest.mark.parametrize(("change", "outcome", "message"), [
-    ("no-marker", Outcome.WAIT,
-     "the node agent has not written this pod's readiness marker yet"),
+    ("no-marker", Outcome.WAIT, NOT_WRITTEN),
     ("no-annotations", Outcome.WAIT,
      "the pod's annotations are not visible yet (downward-API file missing)"),
     ("stale-digest", Outcome.WAIT,
@@ -198,7 +207,7 @@ def test_run_waits_for_the_marker_then_releases(tmp_path: Path) -> None:
     code, _, _, err = run(opts, clock)
     assert code == 0
     assert clock.sleeps == [0.5, 0.5]
-    assert err == "waiting: the node agent has not written this pod's readiness marker yet\n"
+    assert err == f"waiting: {NOT_WRITTEN}\n"
 
 
 def test_a_pod_directory_the_gate_may_not_read_yet_is_a_marker_not_written_yet(
@@ -223,9 +232,9 @@ def test_a_pod_directory_the_gate_may_not_read_yet_is_a_marker_not_written_yet(
     code, _, _, err = run(opts, clock)
     assert code == 0
     assert err == (
-        "waiting: the node agent has not written this pod's readiness marker yet (the pod's "
-        "marker directory is not readable until its first write opens it: "
-        f"{tmp_path}/markers/{UID}/marker.json: cannot read: Permission denied)\n")
+        f"waiting: {NOT_WRITTEN}; the pod's marker directory is not readable until the "
+        f"agent's first write opens it ({tmp_path}/markers/{UID}/marker.json: cannot read: "
+        "Permission denied)\n")
 
 
 def test_a_marker_written_but_unreadable_to_the_gate_is_said_so(
@@ -258,9 +267,11 @@ def test_run_fails_at_once_on_a_refusal(tmp_path: Path) -> None:
 
 
 def timeout_line(reason: str, tmp_path: Path) -> str:
+    """The message of a gate that waited for something other than a first marker: it adds where
+    the agent's reason is (once: the wait for a first marker names it already)."""
+    where = "" if reason.startswith(NOT_WRITTEN) else f"; {REASON_WHERE}"
     return (f"timed out after 2s waiting for the node agent to apply this pod's GPU limits: "
-            f"{reason} (marker: {tmp_path}/markers/{UID}/marker.json; is the kai-fractions "
-            "node agent running on this node?)\n")
+            f"{reason} (marker: {tmp_path}/markers/{UID}/marker.json{where})\n")
 
 
 def test_run_fails_on_a_digest_mismatch_that_does_not_clear(tmp_path: Path) -> None:
@@ -287,8 +298,7 @@ def test_run_fails_when_a_derived_annotation_never_appears(tmp_path: Path) -> No
 def test_run_times_out_without_a_marker(tmp_path: Path) -> None:
     code, log, _, _ = run(setup_pod(tmp_path, bound_annotations(), None), FakeClock())
     assert code == 1
-    assert log == timeout_line("the node agent has not written this pod's readiness marker "
-                               "yet", tmp_path)
+    assert log == timeout_line(NOT_WRITTEN, tmp_path)
 
 
 def test_a_marker_for_another_pod_is_not_trusted(tmp_path: Path) -> None:
@@ -358,7 +368,7 @@ def test_a_set_aside_marker_of_another_pod_or_boot_is_ignored(whose: str) -> Non
     }[whose]
     v = set_aside_verdict(set_aside)
     assert (v.outcome, v.message, v.set_aside) == (
-        Outcome.WAIT, "the node agent has not written this pod's readiness marker yet", False)
+        Outcome.WAIT, NOT_WRITTEN, False)
 
 
 def set_aside_file(tmp_path: Path, marker: Marker) -> Path:
@@ -414,5 +424,4 @@ def test_run_ignores_a_set_aside_file_it_cannot_take_for_this_pods(tmp_path: Pat
         path.mkdir()
     code, log, _, _ = run(opts, FakeClock())
     assert code == 1
-    assert log == timeout_line("the node agent has not written this pod's readiness marker "
-                               "yet", tmp_path)
+    assert log == timeout_line(NOT_WRITTEN, tmp_path)
