@@ -216,3 +216,35 @@ def test_a_node_without_fractional_pods_says_so_too(short_tmp: Path) -> None:
     rig.agent.worker.marker_probe.check()
     cond = rig.agent.condition()
     assert cond is not None and (cond.ready, cond.reason) == (False, MARKER_DIR_NOT_WRITABLE)
+
+
+def test_a_probe_that_raises_counts_as_failed_and_the_probes_go_on() -> None:
+    """A directory planted in the probe's place too deep to remove raised RecursionError, not
+    an OSError: the thread died and its last answer, writable, stood for the agent's life."""
+    answers: list[object] = [RecursionError("maximum recursion depth exceeded"), None]
+    probed = threading.Semaphore(0)
+
+    def probe(root: object) -> None:
+        answer = answers.pop(0) if answers else None
+        probed.release()
+        if isinstance(answer, BaseException):
+            raise answer
+
+    watch = MarkerDirProbe("/m", time.monotonic, interval=3600.0, probe=probe)
+    stop = threading.Event()
+    thread = threading.Thread(target=watch.run, args=(stop,), daemon=True)
+    thread.start()
+    assert probed.acquire(timeout=5)
+    deadline = time.monotonic() + 5
+    while watch.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert watch.error == "/m: the probe failed (RecursionError)" and thread.is_alive()
+    watch.soon()
+    assert probed.acquire(timeout=5)
+    deadline = time.monotonic() + 5
+    while watch.error is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert watch.error is None
+    stop.set()
+    watch.soon()
+    thread.join(5)

@@ -119,8 +119,17 @@ class MarkerDirProbe:
         self._error = error
 
     def run(self, stop: threading.Event) -> None:
-        """Probes every `interval` (and when asked: `soon`) until `stop` is set."""
+        """Probes every `interval` (and when asked: `soon`) until `stop` is set. A probe that
+        raises (a bug, or what no file system error covers: a directory planted in the probe's
+        place too deep to remove) counts as failed, and the probes go on: a thread that died
+        would leave its last answer standing for the agent's life."""
         while not stop.is_set():
-            self.check()
+            try:
+                self.check()
+            except Exception as e:  # any: see the docstring
+                error = f"{self.root}: the probe failed ({type(e).__name__})"
+                if error != self._error:  # logged once while it lasts
+                    log.exception("the readiness marker directory's probe failed")
+                self._error = error
             self._wake.wait(self.interval)
             self._wake.clear()
