@@ -70,16 +70,34 @@ def default_mps_warnings(spec: Any, request: PodRequest, keys: k.Keys) -> tuple[
 
 
 def _reaches(mount: Mapping[str, Any], host: Mapping[str, str]) -> bool:
+    """Whether CUDA in the container finds something at the default directory through this
+    mount (any volume there), or the mount brings the host's default directory: a hostPath of
+    it (with its subPath) mounted anywhere, or one of its parents mounted where that parent is
+    (the host's /tmp at /tmp shows the host's /tmp/nvidia-mps at /tmp/nvidia-mps)."""
+    at = _cleaned(str(mount.get("mountPath") or ""))
+    if at == DEFAULT_MPS_PIPE_DIRECTORY:
+        return True
     path = host.get(str(mount.get("name")))
-    return _cleaned(str(mount.get("mountPath") or "")) == DEFAULT_MPS_PIPE_DIRECTORY or (
-        path is not None and hostpaths.canonical(path) == DEFAULT_MPS_PIPE_DIRECTORY)
+    if path is None:
+        return False
+    source = posixpath.join(path, str(mount.get("subPath") or ""))
+    if hostpaths.canonical(source) == DEFAULT_MPS_PIPE_DIRECTORY:
+        return True
+    below = posixpath.relpath(DEFAULT_MPS_PIPE_DIRECTORY, at)
+    return not below.startswith("..") and hostpaths.canonical(
+        posixpath.join(source, below)) == DEFAULT_MPS_PIPE_DIRECTORY
 
 
 def _warning(container: str, mount: Mapping[str, Any], host: Mapping[str, str],
              mode: ComputeMode, keys: k.Keys) -> str:
     at = str(mount.get("mountPath") or "")
     path = host.get(str(mount.get("name")))
-    if path is None or hostpaths.canonical(path) != DEFAULT_MPS_PIPE_DIRECTORY:
+    if path is not None and _cleaned(at) != DEFAULT_MPS_PIPE_DIRECTORY and hostpaths.canonical(
+            posixpath.join(path, str(mount.get("subPath") or ""))) != DEFAULT_MPS_PIPE_DIRECTORY:
+        # a parent of it, where that parent is
+        what = (f"the host's {shown(path)} at {shown(at)} and with it the host's "
+                f"{shown(DEFAULT_MPS_PIPE_DIRECTORY)}")
+    elif path is None or hostpaths.canonical(path) != DEFAULT_MPS_PIPE_DIRECTORY:
         what = shown(at)  # another volume there: what CUDA finds is whatever it holds
     elif _cleaned(at) == DEFAULT_MPS_PIPE_DIRECTORY:
         what = f"the host's {shown(path)}"

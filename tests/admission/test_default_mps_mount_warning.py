@@ -75,6 +75,9 @@ def test_upstream_kais_mps_example_is_admitted_with_a_warning() -> None:
     ({"hostPath": {"path": "//tmp/./nvidia-mps/"}}, "/mps"),
     # any volume at CUDA's default pipe directory
     ({"emptyDir": {}}, "/tmp/nvidia-mps/"),
+    # the host's /tmp where it is: the host's /tmp/nvidia-mps comes with it (a second look)
+    ({"hostPath": {"path": "/tmp"}}, "/tmp"),
+    ({"hostPath": {"path": "/tmp", "type": "Directory"}}, "/tmp/"),
 ])
 def test_any_volume_there_or_host_directory_of_that_name_warns(volume, mount_path) -> None:
     """Before: no warning. Now: the host directory is compared as the node resolves it, the
@@ -139,3 +142,20 @@ def test_a_deployment_says_it_when_it_is_applied() -> None:
     assert d.allowed, d
     [warning] = mps_warnings(d.warnings)
     assert warning.startswith("container 'gpu-workload' mounts the host's '/tmp/nvidia-mps'")
+
+
+def test_a_parent_mounted_where_it_is_names_what_comes_with_it() -> None:
+    obj = upstream_mps_example()
+    obj["spec"]["volumes"] = [{"name": "mps", "hostPath": {"path": "/tmp"}}]
+    obj["spec"]["containers"][0]["volumeMounts"] = [{"name": "mps", "mountPath": "/tmp"}]
+    [warning] = mps_warnings(both_webhooks(obj)[0])
+    assert warning.startswith("container 'gpu-workload' mounts the host's '/tmp' at '/tmp' and "
+                              "with it the host's '/tmp/nvidia-mps', CUDA's default MPS pipe "
+                              "directory"), warning
+
+
+def test_a_parent_mounted_elsewhere_is_no_concern() -> None:
+    obj = upstream_mps_example()
+    obj["spec"]["volumes"] = [{"name": "mps", "hostPath": {"path": "/tmp"}}]
+    obj["spec"]["containers"][0]["volumeMounts"] = [{"name": "mps", "mountPath": "/host-tmp"}]
+    assert mps_warnings(both_webhooks(obj)[0]) == []
