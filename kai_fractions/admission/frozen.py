@@ -23,12 +23,6 @@ from ..mirror.record import decode_record
 from .config import AdmissionConfig
 
 
-def is_user_owned(key: str, keys: k.Keys) -> bool:
-    parts = keys.split(key)
-    return ((parts is not None and parts[1] in k.USER_SUFFIXES) or key in k.LEGACY_POD_KEYS
-            or keys.split_portion_limit(key) is not None)
-
-
 def devices_key(annotations: Mapping[str, str], keys: k.Keys) -> str | None:
     """The first `.gpus.devices` key on the pod (sorted), None before the bind."""
     for key in sorted(annotations):
@@ -61,5 +55,5 @@ def frozen_changes(old: Any, old_annotations: Mapping[str, str],
     return [f"{key}: is frozen once {bound} is set (the node enforces what the scheduler "
             "placed); create a new pod to change it"
             for key in sorted(set(old_annotations) | set(new_annotations))
-            if is_user_owned(key, config.keys) and key not in exempt
+            if config.keys.is_user_owned(key) and key not in exempt
             and old_annotations.get(key) != new_annotations.get(key)]

@@ -17,7 +17,9 @@ admission). Workloads with a pod template get the contract checks early; a templ
 carries a protected key, whoever writes it (the binder writes those on each pod, after
 scheduling). No `exec` or `attach` may join the gate container while it waits. A fractional
 container that mounts CUDA's default MPS pipe directory is admitted with a warning
-(`default_mps`), when its pod is created and on a workload's template.
+(`default_mps`), when its pod is created and on a workload's template; so is a workload with a
+GPU-sharing key where its pods do not get it (`contract.misplaced_keys`: on its own metadata, or
+as a label), for the workloads the webhook is sent (a template with a key where pods get it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ..contract import (
     view_from_pod_spec,
 )
 from ..contract import keys as k
+from ..contract.misplaced_keys import misplaced_keys
 from . import frozen, podspec, shape
 from .config import GATE_CONTAINER, AdmissionConfig
 from .default_mps import default_mps_warnings
@@ -212,6 +215,8 @@ def _validate_workload(request: Mapping[str, Any], config: AdmissionConfig) -> D
     # The pods' own warnings go to the controller that creates them: the user sees these.
     warnings = tuple(str(w) for w in new.warnings) + default_mps_warnings(
         found.spec, new, config.keys)
+    warnings += tuple(str(w) for w in misplaced_keys(view, found.path, found.owner_annotations,
+                                                     config.keys))
     if problems:
         return deny("; ".join(problems), code=422, reason="Invalid", warnings=warnings)
     return allow(warnings=warnings)

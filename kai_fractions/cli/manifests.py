@@ -43,6 +43,8 @@ class Located:
     """Where that spec is in the object: `spec`, `spec.template.spec`, ..."""
     template: str = ""
     """`PodSpecAt.template`: the path of a template found by searching the object, or ""."""
+    owner_annotations: Mapping[str, Any] = field(default_factory=dict)
+    """`PodSpecAt.owner_annotations`: a workload's own annotations, which no pod gets."""
 
     @property
     def ref(self) -> str:
@@ -188,8 +190,8 @@ def load_manifests(paths: list[str]) -> Manifests:
                     views = list(pod_specs(obj))
                 except ManifestError as e:
                     raise InputError(f"{source.name}:{line}: {kind}: {e}") from None
-                out.views += [Located(v.view, source.name, line, v.spec, v.path, v.template)
-                              for v in views]
+                out.views += [Located(v.view, source.name, line, v.spec, v.path, v.template,
+                                      v.owner_annotations) for v in views]
                 found += len(views)
                 if not views and _may_hold_pods(obj):
                     out.warnings.append(_unchecked(f"{source.name}:{line}", obj))

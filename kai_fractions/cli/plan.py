@@ -20,12 +20,15 @@ from ..contract import (
     PodRequest,
     binder_annotations,
     derived_annotations,
+    format_plain,
     parse_decimal,
     parse_pod,
     plan_pod,
 )
 from ..contract.binder import as_scheduler_writes
 from ..contract.dialect import check_reserve
+from ..contract.numbers import MAX_NUMBER_LENGTH
+from ..contract.request import _GPU_UUID
 from .manifests import InputError, load_manifests
 from .validate import add_common, keys_from, line
 
@@ -63,7 +66,10 @@ def register(sub) -> None:
         "(and the kai_fractions mirror) would write for the given node and devices, then the "
         "node-side plan per container (env, memory limits, compute mode). Errors name the "
         "flag (--devices, --portion, ...) or the pod's file:line, object, container and key. "
-        "Exit codes as `validate`.",
+        "Exit codes as `validate`: a bad flag value (a device that is not a GPU UUID, the same "
+        "GPU twice, a portion not above 0, a reserve that leaves no memory) is a usage error "
+        "(2), found before any pod is read; a decision that does not fit a pod (the number of "
+        "devices it asks for, a portion above its request) is that pod's error (1).",
     )
     add_common(p)
     p.add_argument("--node-gpu-memory", type=int, required=True, metavar="MIB",
@@ -96,20 +102,53 @@ def _decision(args: argparse.Namespace) -> BindDecision:
     why = check_reserve(dialect, args.reserve)
     if why is not None:
         raise InputError(f"--reserve: {why}")
-    portion: Fraction | None = None
-    if args.portion is not None:
-        try:
-            portion = parse_decimal(args.portion)
-        except NumberError as e:
-            raise InputError(f"--portion: {e}") from None
+    if args.reserve >= args.node_gpu_memory:  # only the patched dialect takes a reserve
+        raise InputError(f"--reserve: leaves no GPU memory to share: the node has "
+                         f"{args.node_gpu_memory} MiB per GPU (--node-gpu-memory), got "
+                         f"{args.reserve}")
     return BindDecision(
         node_gpu_memory_mib=args.node_gpu_memory,
-        gpu_ids=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
-        received_portion=portion,
+        gpu_ids=_devices(args.devices),
+        received_portion=_portion(args.portion),
         reserve_mib=args.reserve,
         cdi=args.cdi,
         dialect=dialect,
     )
+
+
+def _devices(flag: str) -> tuple[str, ...]:
+    """--devices, checked as a flag (each a GPU UUID, none twice); whether their number fits a
+    pod is that pod's question."""
+    devices = tuple(d.strip() for d in flag.split(",") if d.strip())
+    if not devices:
+        raise InputError("--devices: names no GPU: give the reserved GPU UUID of each "
+                         "fractional group")
+    for i, device in enumerate(devices):
+        if not _GPU_UUID.fullmatch(device):
+            raise InputError(f"--devices (item {i + 1}): must be a GPU UUID (GPU-...), got "
+                             f"{device!r}")
+    twice = next((d for i, d in enumerate(devices) if d in devices[:i]), None)
+    if twice is not None:
+        raise InputError(f"--devices: lists {twice} twice")
+    return devices
+
+
+def _portion(flag: str | None) -> Fraction | None:
+    """--portion, checked as a flag (a decimal above 0 that can be written as one); whether it
+    fits a pod's request is that pod's question."""
+    if flag is None:
+        return None
+    try:
+        portion = parse_decimal(flag)
+    except NumberError as e:
+        raise InputError(f"--portion: {e}") from None
+    if portion <= 0:
+        raise InputError(f"--portion: must be greater than 0, got {flag!r}")
+    if float(portion) == 0.0 or len(format_plain(portion)) > MAX_NUMBER_LENGTH:
+        # The binder would write it as "0", which the contract refuses as a portion.
+        raise InputError(f"--portion: is too small to be written as a decimal portion, got "
+                         f"{flag!r}")
+    return portion
 
 
 def _as_kai_binds(decision: BindDecision, request: PodRequest) -> BindDecision:

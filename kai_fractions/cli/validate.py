@@ -4,7 +4,9 @@ pod's spec (`admission.validate.manifest_problems`: host paths, ways past the co
 
 Each error is one line, `<file>:<line>: <object>/<container>: <key>: <rule>`, the line being
 where the object's YAML document starts; a spec problem names its field instead of a key. A
-fractional pod that KAI's scheduler would not schedule (`spec.schedulerName`) is a warning."""
+fractional pod that KAI's scheduler would not schedule (`spec.schedulerName`) is a warning, and
+so is a GPU-sharing key where no pod reads it (`contract.misplaced_keys`: on a workload's own
+metadata, or as a label)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ..contract import (
     PodView,
     parse_pod,
 )
+from ..contract.misplaced_keys import misplaced_keys
 from ..contract.scheduler import DEFAULT_SCHEDULER_NAME, scheduler_problem
 from .admission import add_host_dirs, admission_config
 from .manifests import InputError, Located, load_manifests
@@ -58,8 +61,10 @@ def register(sub) -> None:
         "spec.containers is a list), each named by its path; an object with none found is a "
         "warning, unless its kind holds none (ConfigMap, Service, Queue, ...). A fractional pod "
         "whose spec.schedulerName is not --scheduler-name is a warning: only KAI's scheduler "
-        "binds GPU fractions. A file given by name with nothing to check is a warning; no such "
-        "object anywhere is a usage error. Exit 0 when all are valid (warnings or not), "
+        "binds GPU fractions. A GPU-sharing key where no pod reads it (on a workload's own "
+        "metadata.annotations instead of its pod template's, or as a label) is a warning "
+        "naming where it belongs. A file given by name with nothing to check is a warning; no "
+        "such object anywhere is a usage error. Exit 0 when all are valid (warnings or not), "
         "1 when any breaks the contract, 2 on usage errors, unreadable input or nothing to "
         "check.",
     )
@@ -155,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
         errors = (*request.errors, *protected_key_errors(located.view, request, keys),
                   *spec_errors(located, request, config))
         warnings = (*request.warnings,
+                    *misplaced_keys(located.view, located.spec_path,
+                                    located.owner_annotations, keys),
                     *scheduler_warnings(located, request, args.scheduler_name),
                     *(ContractError(located.spec_path, w)
                       for w in default_mps_warnings(located.spec, request, keys)))

@@ -285,6 +285,14 @@ class Keys:
             return key[len(PORTION_LIMIT_PREFIX) : -len(PORTION_LIMIT_SUFFIX)]
         return None
 
+    def is_user_owned(self, key: str) -> bool:
+        """The keys a user writes to ask for GPU sharing: a container's request, limit and
+        compute mode under the prefix, KAI's legacy pod-level keys and the per-container
+        `gpu-memory.portion.limit`."""
+        parts = self.split(key)
+        return ((parts is not None and parts[1] in USER_SUFFIXES) or key in LEGACY_POD_KEYS
+                or self.split_portion_limit(key) is not None)
+
     def is_binder_owned(self, key: str) -> bool:
         parts = self.split(key)
         return parts is not None and parts[1] in BINDER_SUFFIXES

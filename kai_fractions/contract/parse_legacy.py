@@ -91,7 +91,11 @@ def _legacy(pod: PodView, c: _Collector,
         try:
             mib = parse_positive_int(memory)
         except NumberError as e:
-            c.error(k.GPU_MEMORY, f"{e.args[0]} of MiB", memory, target)
+            rule = f"{e.args[0]} of MiB"
+            if has_unit(memory):  # `gpu-memory: 8Gi`: say where a quantity goes
+                rule += (', without a unit (e.g. "8192"); a quantity with a unit goes in '
+                         f"{c.keys.container(target, k.MEMORY_REQUEST)} instead")
+            c.error(k.GPU_MEMORY, rule, memory, target)
         else:
             if mib >= _UINT64:  # KAI reads it with strconv.ParseUint(value, 10, 64)
                 c.error(k.GPU_MEMORY, "must be below 2^64 MiB (KAI reads it as a 64-bit "

@@ -265,6 +265,9 @@ class PodSpecAt:
     """The path of a template found by searching the object
     (`spec.pytorchReplicaSpecs.Worker.template`), which messages add to the object's name, as
     such an object may hold several; "" for a Pod and a kind of `_TEMPLATE_KINDS`."""
+    owner_annotations: Mapping[str, Any] = field(default_factory=lambda: _NO_STRINGS)
+    """A workload's own `metadata.annotations`, as written (no pod gets them, so a GPU-sharing
+    key there is a mistake: `misplaced_keys`); empty for a Pod."""
 
 
 def pod_specs(obj: Mapping[str, Any]) -> Iterator[PodSpecAt]:
@@ -287,6 +290,8 @@ def pod_specs(obj: Mapping[str, Any]) -> Iterator[PodSpecAt]:
         found = [] if template is None else [(path, template)]
     else:
         found = _nested_templates(obj.get("spec"))
+    owner = metadata.get("annotations")
+    owner = owner if isinstance(owner, Mapping) else _NO_STRINGS  # its shape is not ours to judge
     for path, template in found:
         try:
             # A template has no name of its own: messages name the workload.
@@ -297,7 +302,8 @@ def pod_specs(obj: Mapping[str, Any]) -> Iterator[PodSpecAt]:
                                       namespace=str(metadata.get("namespace") or ""))
         except ManifestError as e:
             raise ManifestError(f"{path}.{e}") from None
-        yield PodSpecAt(view, spec, f"{path}.spec", "" if kind in _TEMPLATE_KINDS else path)
+        yield PodSpecAt(view, spec, f"{path}.spec", "" if kind in _TEMPLATE_KINDS else path,
+                        owner)
 
 
 def pod_views(obj: Mapping[str, Any]) -> Iterator[PodView]:

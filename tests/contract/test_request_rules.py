@@ -514,11 +514,26 @@ def test_gpu_memory_is_mib() -> None:
 
 
 @pytest.mark.parametrize("value", [v for v in ADVERSARIAL if v not in ("50", "")]
-                         + ["1.5", "1Gi", "1e3"])
+                         + ["1.5", "1e3", "8GB"])
 def test_adversarial_gpu_memory(value: str) -> None:
     err = only_error({"gpu-memory": value})
     assert_names_key_and_rule(err, "gpu-memory", value)
     assert err.rule == "must be a positive whole number of MiB"
+
+
+@pytest.mark.parametrize("value", ["8G", "8Gi", "1Gi", "512Mi"])
+def test_gpu_memory_with_a_unit_says_where_a_quantity_goes(value: str) -> None:
+    """Before: `must be a positive whole number of MiB` and no way forward for the common
+    `gpu-memory: 8Gi`. Now the rule says gpu-memory takes no unit and names the key of the
+    pod's container (with the configured prefix) that takes a quantity."""
+    err = only_error({"gpu-memory": value}, ("main", "side"))
+    assert_names_key_and_rule(err, "gpu-memory", value)
+    assert err.rule == (
+        'must be a positive whole number of MiB, without a unit (e.g. "8192"); a quantity '
+        "with a unit goes in nvidia.com/container.main.gpu-memory.request instead")
+    [other] = parse_pod(pod({"gpu-memory": value, "gpu-fraction-container-name": "side"},
+                            ("main", "side")), Keys(prefix="example.com/gpu.")).errors
+    assert other.rule.endswith(" goes in example.com/gpu.side.gpu-memory.request instead")
 
 
 def test_gpu_memory_limit_needs_a_unit() -> None:

@@ -1,0 +1,53 @@
+"""GPU-sharing keys written where no pod reads them: on a workload's own metadata (its pods get
+only the template's), or as a label (KAI and kai_fractions read annotations only).
+
+Either leaves the pods asking for no GPU share, and nothing else says so: the manifest is valid
+Kubernetes and the contract never sees the key. It is the most common mistake in a workload, so
+`kai-fractions validate` and the workloads' validating webhook warn about it (a warning, not an
+error: the object is what Kubernetes accepts). A key that is also where the pods read it (a
+chart that copies its annotations to the workload and the template) is no mistake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from .collector import MAX_LISTED_WARNINGS
+from .errors import ContractError
+from .keys import Keys
+from .pod import PodView
+
+
+def misplaced_keys(view: PodView, spec_path: str, owner_annotations: Mapping[str, Any],
+                   keys: Keys) -> tuple[ContractError, ...]:
+    """One warning per GPU-sharing key (`Keys.is_user_owned`) of a pod or template whose spec
+    is at `spec_path` that no pod gets: on its workload's own `metadata.annotations`
+    (`PodSpecAt.owner_annotations`) and not on the template's, or among its `metadata.labels`
+    and not among its annotations. Each is keyed by the key's field path and says where the
+    key belongs; past MAX_LISTED_WARNINGS the rest are counted in one line."""
+    found = list(_found(view, spec_path.removesuffix("spec") + "metadata", owner_annotations,
+                        keys))
+    if len(found) <= MAX_LISTED_WARNINGS:
+        return tuple(found)
+    more = len(found) - MAX_LISTED_WARNINGS
+    return (*found[:MAX_LISTED_WARNINGS], ContractError(
+        found[MAX_LISTED_WARNINGS].key, f"and {more} more GPU-sharing key(s) where no pod "
+        "reads them, not listed"))
+
+
+def _found(view: PodView, metadata: str, owner_annotations: Mapping[str, Any],
+           keys: Keys) -> Iterator[ContractError]:
+    if view.kind != "Pod":
+        for key in sorted(k for k in owner_annotations if type(k) is str):
+            if keys.is_user_owned(key) and key not in view.annotations:
+                yield ContractError(
+                    f"metadata.annotations[{key!r}]", f"is on the {view.kind}'s own metadata, "
+                    "which its pods do not get, so they ask for no GPU share: put it on "
+                    f"{metadata}.annotations")
+    for key in sorted(view.labels):
+        if keys.is_user_owned(key) and key not in view.annotations:
+            yield ContractError(
+                f"{metadata}.labels[{key!r}]", "must be an annotation, not a label: GPU sharing "
+                "is asked for with annotations only, so the pod asks for no GPU share; put it "
+                f"on {metadata}.annotations")
