@@ -32,6 +32,9 @@ class Admitted:
     """The refusing decision, or the validating webhook's allow."""
     wired: tuple[str, ...] = ()
     """What the mutating webhook wired, in words (for progress lines)."""
+    warnings: tuple[str, ...] = ()
+    """Both webhooks' warnings, each once: the API server returns them all to the pod's
+    creator (kubectl prints each)."""
 
     @property
     def allowed(self) -> bool:
@@ -81,6 +84,7 @@ def admit(pod: Mapping[str, Any], config: AdmissionConfig, user: str = USER) -> 
     new = jsonpatch.apply_patch(copy.deepcopy(dict(pod)), list(mutated.patch)) \
         if mutated.patch else copy.deepcopy(dict(pod))
     checked = validate({**request, "object": new}, config)
+    warnings = tuple(dict.fromkeys((*mutated.warnings, *checked.warnings)))
     if not checked.allowed:
-        return Admitted(None, checked)
-    return Admitted(new, checked, _changes(new))
+        return Admitted(None, checked, warnings=warnings)
+    return Admitted(new, checked, _changes(new), warnings)

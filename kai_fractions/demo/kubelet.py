@@ -241,7 +241,8 @@ class SimulatedKubelet:
             if refused is not None:
                 raise CapHeld("cgroup", f"the allocation fails (out of memory): the NVML "
                               f"cgroup hard limit of {refused.hard // MIB} MiB on "
-                              f"{refused.cgroup} holds it")
+                              f"{refused.cgroup} holds it (simulated NVML, as an r615 "
+                              "driver refuses it)")
         if "mps-pinned" in mechanisms:
             env = container_env(pod, container)
             devices = [d.rsplit("=", 1)[-1]
@@ -253,7 +254,8 @@ class SimulatedKubelet:
             if pinned is not None and used + extra > pinned * MIB:
                 raise CapHeld("mps-pinned", f"the allocation fails (out of memory): the MPS "
                               f"client's pinned device memory limit ({k.ENV_PINNED_MEM_LIMIT} "
-                              f"{ordinal}={pinned}M) holds it")
+                              f"{ordinal}={pinned}M) holds it (simulated, as the MPS client "
+                              "refuses it)")
         self.nvml.allocate(pid, gpu, extra)
 
     def stop_process(self, pid: int) -> None:

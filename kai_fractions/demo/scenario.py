@@ -1,15 +1,22 @@
 """The demo's story, step by step, over a started `DemoSession`:
 
 1. admit the example pods (mutating + validating webhook logic) and create them in the API;
+   the webhooks' warnings are kept for step 5;
 2. schedule them: size each with PreviewAllocation, place it (`Placer`), MirrorAllocation over
-   gRPC, bind; a pod that fits nowhere stays Pending with the reason (PodScheduled=False);
+   gRPC, bind; a pod that fits nowhere stays Pending with the reason (PodScheduled=False). Like
+   a patched KAI, it binds a pod upstream KAI main may never bind (a warning says which), and
+   it ignores the node's condition (KAI places nothing on a node where it is not True): a node
+   agent that refuses its pods is worth showing;
 3. play the kubelet: start each bound pod's gate, which waits for the node agent's marker;
    the workload starts only when the gate releases it;
 4. start a simulated CUDA process in each running container and wait until the agent sees it;
 5. once the agent has published its node condition, print the per-GPU table (the `inspect`
-   report, the agent reached through its socket) with the memory tier that enforces each row;
+   report, the agent reached through its socket) with the memory tier that enforces each row,
+   each pod's admission warnings, and a note where the demo did what KAI would not
+   (`report_notes`);
 6. let one container's process ask for more than its cap: a hard tier the agent reports in
-   force for it (cgroup, mps-pinned: what its TIER says) makes the allocation fail. With
+   force for it (cgroup, mps-pinned: what its TIER says) makes the allocation fail (the
+   simulated NVML or MPS client refuses it, and the line says so). With
    `watchdog_policy: kill` a container only the watchdog watches is applied: its allocation
    succeeds and the watchdog stops the process afterwards (its LimitEnforced event shows; the
    demo's killer records the stop and sends no signal, and says so). With `report` (the
@@ -47,6 +54,7 @@ from .admission_step import USER, admission_config, admit
 from .first_call import FirstCall
 from .first_call import manifest as first_call_manifest
 from .kubelet import CapHeld, GateResult, SimulatedKubelet
+from .report_notes import annotated, rowless
 from .scheduler import Ask, GpuSlot, Placer, allocation, idempotency_key, request_mib
 from .session import DemoSession, gpu_summary
 from .workloads import DemoPod, forged_gpu_pod, load_examples
@@ -74,6 +82,12 @@ class Outcome:
     gates: dict[str, GateResult] = field(default_factory=dict)
     violation: list[str] = field(default_factory=list)
     rejection: list[str] = field(default_factory=list)
+    warned: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """The admission warnings of each created pod that got any, by `namespace/name`."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where each created pod came from (its manifest), by `namespace/name`."""
+    bound: list[str] = field(default_factory=list)
+    """The pods the demo's scheduler bound, by `namespace/name`."""
 
 
 def _wait(what: str, probe: Callable[[], Any], timeout: float = WAIT_SECONDS) -> Any:
@@ -146,8 +160,14 @@ class Scenario:
             pod = self.core.api_client.sanitize_for_serialization(
                 self.core.create_namespaced_pod(demo_pod.namespace, admitted.pod))
             created.append(pod)
+            self.outcome.sources[ref] = demo_pod.source
+            warned = len(admitted.warnings)
+            if warned:
+                self.outcome.warned[ref] = admitted.warnings
             self.progress(f"admitted {ref} from {demo_pod.source}: "
-                          + ("; ".join(admitted.wired) or "not fractional, unchanged"))
+                          + ("; ".join(admitted.wired) or "not fractional, unchanged")
+                          + (f"; {warned} admission warning{'s' if warned > 1 else ''} "
+                             "(printed with the report)" if warned else ""))
         return created
 
     # -- 2. scheduling --------------------------------------------------------------------------
@@ -202,6 +222,7 @@ class Scenario:
                 self.core.patch_namespaced_pod(meta["name"], meta["namespace"], {
                     "metadata": {"uid": meta["uid"]}, "spec": {"nodeName": self.node}}))
             bound.append(bound_pod)
+            self.outcome.bound.append(ref)
             where = ", ".join(f"GPU {g.index}" for g in chosen)
             self.progress(f"scheduled {ref} on {where} ({ask.request_mib} MiB, "
                           f"{share.compute_mode.value}): MirrorAllocation wrote "
@@ -271,7 +292,8 @@ class Scenario:
         agent = agent_state(str(endpoints.agent_socket), endpoints.metrics_url)
         pods = [p for p in self._all_pods()
                 if (p.get("spec") or {}).get("nodeName") in ("", None, self.node)]
-        return node_report(self.node, self._node(), pods, agent, keys=self.s.keys)
+        report = node_report(self.node, self._node(), pods, agent, keys=self.s.keys)
+        return annotated(report, self.outcome.warned, self.outcome.bound)
 
     # -- 6. the violation ------------------------------------------------------------------------
 
@@ -437,6 +459,9 @@ class Scenario:
             f"({gpu_summary(self.s.nvml.gpus)}, simulated)\n\n")
         self.out.write(table(report))
         self.out.flush()
+        warned = rowless(report, self.outcome.warned, self.outcome.sources)
+        if warned:
+            self._section("Admitted with warnings", warned)
 
     def _section(self, title: str, lines: list[str]) -> None:
         self.out.write(f"\n{title}:\n")

@@ -107,7 +107,8 @@ _GPU = re.compile(r"GPU (\d+)  (GPU-[0-9a-f-]+)  (.+?)  (\d+) MiB  (\S+)  reques
 def parse_tables(text: str) -> tuple[dict[int, tuple[str, str, list[list[str]]]],
                                      list[list[str]], list[str]]:
     """({gpu index: (uuid, mode, rows)}, unplaced rows, `!` reason lines); each row is the
-    columns POD/CONTAINER, MODE, REQUEST, LIMIT, ATP, USED, STATE, TIER."""
+    columns POD/CONTAINER, MODE, REQUEST, LIMIT, ATP, USED, STATE, TIER. The demo's admission
+    warnings are not reasons: `admission_warnings` reads them."""
     gpus: dict[int, tuple[str, str, list[list[str]]]] = {}
     unplaced: list[list[str]] = []
     reasons: list[str] = []
@@ -127,10 +128,28 @@ def parse_tables(text: str) -> tuple[dict[int, tuple[str, str, list[list[str]]]]
         if current is None:
             continue
         if line.startswith("  ! "):
-            reasons.append(line[4:])
+            if ADMISSION_WARNING not in line:
+                reasons.append(line[4:])
         elif not line.strip().startswith("POD/CONTAINER"):
             current.append(re.split(r"\s{2,}", line.strip()))
     return gpus, unplaced, reasons
+
+
+ADMISSION_WARNING = ": admission warning: "
+
+
+def admission_warnings(text: str) -> dict[str, list[str]]:
+    """The demo's `! <ref>: admission warning: ...` lines (without `  ! `), per table block: the
+    GPU's heading (`GPU 0`) or `not on a GPU`."""
+    found: dict[str, list[str]] = {}
+    block = ""
+    for line in text.splitlines():
+        m = _GPU.match(line)
+        if m or line == "not on a GPU:":
+            block = f"GPU {m.group(1)}" if m else "not on a GPU"
+        elif line.startswith("  ! ") and ADMISSION_WARNING in line:
+            found.setdefault(block, []).append(line[4:])
+    return found
 
 
 def row_cells(e: Expected, state: str = "enforced", tier: str = "cgroup") -> list[str]:

@@ -100,7 +100,8 @@ def test_demo_prints_the_plan_and_exits_clean():
                         section[0]), section[0]
     assert re.fullmatch(
         rf"  cgroup -> the allocation fails \(out of memory\): the NVML cgroup hard limit of "
-        rf"{victim.limit_mib} MiB on /sys/fs/cgroup/kubepods.slice/\S+ holds it",
+        rf"{victim.limit_mib} MiB on /sys/fs/cgroup/kubepods.slice/\S+ holds it "
+        r"\(simulated NVML, as an r615 driver refuses it\)",
         section[1]), section[1]
     assert "Violation caught" not in out
 

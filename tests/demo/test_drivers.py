@@ -97,6 +97,11 @@ def test_the_demo_shows_what_a_node_of_that_driver_does(driver, enforcement, pol
                 "cgroup tier is not enabled") in out
     else:
         assert "note: gpu-fractioning.nvidia.com/Ready is False" not in out
+    # Before, a False node got its pods bound with no word that KAI would place none there.
+    not_ready = ("\nnote: KAI places no fractional pod on a node whose "
+                 "gpu-fractioning.nvidia.com/Ready is not True; the demo's scheduler binds "
+                 "them anyway, to show the node agent refusing them\n")
+    assert (not_ready in out) == (status == "False")
     gpus, unplaced, reasons = parse_tables(out)
     states = {row[0]: (row[6], row[7]) for _, _, rows in gpus.values() for row in rows}
     assert states.pop("default/sm-sharing/server") == sm
@@ -113,7 +118,12 @@ def test_the_demo_shows_what_a_node_of_that_driver_does(driver, enforcement, pol
     assert "LimitViolation" not in out  # a report watchdog never is the tier that acts
     if section == HELD:
         tier = ts[1] if ts[0] == "enforced" else sm[1]
-        assert f"\n  {tier} -> the allocation fails (out of memory): " in body
+        [line] = [line for line in body.splitlines() if line.startswith(f"  {tier} -> ")]
+        assert line.startswith(f"  {tier} -> the allocation fails (out of memory): ")
+        # Before, nothing said that the refusal is the demo's simulation.
+        assert line.endswith({
+            "cgroup": " holds it (simulated NVML, as an r615 driver refuses it)",
+            "mps-pinned": " holds it (simulated, as the MPS client refuses it)"}[tier])
         assert "LimitEnforced" not in out
     elif section == CAUGHT:
         assert body.startswith("  default/embeddings-batch-0/embed on GPU 0 (tier watchdog): ")

@@ -10,14 +10,23 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
+from kai_fractions.contract.before_bind import FRACTION_LIMIT_NOT_BOUND
 from kai_fractions.demo.config import config_from_dict
 from kai_fractions.demo.kubelet import container_env
 from kai_fractions.demo.scenario import Scenario
 from kai_fractions.demo.session import DemoSession
 from kai_fractions.node.config import WatchdogPolicy
 
-from .expected import EXAMPLES, PLACEMENT, expected_rows, parse_tables, row_cells
+from .expected import (
+    EXAMPLES,
+    PLACEMENT,
+    admission_warnings,
+    expected_rows,
+    parse_tables,
+    row_cells,
+)
 
 
 def run(config_data: dict, seen: list | None = None) -> tuple[str, list[str], DemoSession]:
@@ -255,3 +264,78 @@ def test_the_demos_nvml_takes_limits_only_on_the_nodes_cgroups(default_run):
             nvml.set_memory_limits(nvml.gpus[0].uuid, "/kubepods.slice/x.slice", 1, 2)
     finally:
         nvml.shutdown()
+
+
+PATCHED = "; the demo binds it as a patched KAI would"
+
+
+def test_the_admission_warning_is_printed_under_its_row(default_run):
+    """Before, the demo bound examples/gpu-fraction-with-limit.yaml and showed it enforced while
+    dropping the warning its admission gave (upstream KAI main may never bind it): the progress
+    line printed only what the webhook wired. Now the warning is a `!` line under its GPU, and
+    says that the demo binds it as a patched KAI would; the progress line counts it."""
+    out, progress = default_run[0], default_run[1]
+    assert admission_warnings(out) == {"GPU 0": [
+        f"default/gpu-fraction-with-limit/worker: admission warning: gpu-fraction.limit: "
+        f"{FRACTION_LIMIT_NOT_BOUND} (got '0.5'){PATCHED}"]}
+    [admitted] = [line for line in progress
+                  if line.startswith("admitted default/gpu-fraction-with-limit ")]
+    assert admitted.endswith("; 1 admission warning (printed with the report)")
+    assert not any("admission warning" in line for line in progress if line != admitted)
+    assert "\nAdmitted with warnings:\n" not in out
+
+
+def _manifest(tmp_path: Path, name: str, doc: dict) -> None:
+    (tmp_path / name).write_text(yaml.safe_dump(doc))
+
+
+def test_every_admission_warning_is_printed(tmp_path: Path):
+    """Each warning of either webhook is printed, for every pod: the mutating webhook's own
+    (here: no schedulerName), which the demo dropped before as well, under the row; on a pod
+    the demo could not bind, with no word of a patched KAI (it bound nothing); and for a pod
+    with no row (not fractional), in a section of its own after the table."""
+    memory = yaml.safe_load((EXAMPLES / "memory-request.yaml").read_text())
+    del memory["spec"]["schedulerName"]
+    _manifest(tmp_path, "memory-request.yaml", memory)
+    two = yaml.safe_load((EXAMPLES / "gpu-fraction-with-limit.yaml").read_text())
+    two["metadata"]["name"] = "two-gpus"
+    two["metadata"]["annotations"]["gpu-fraction-num-devices"] = "2"
+    _manifest(tmp_path, "two-gpus.yaml", two)
+    _manifest(tmp_path, "plain.yaml", {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "plain", "annotations": {"gpu-fraction-container-name": ""}},
+        "spec": {"containers": [{"name": "main", "image": "busybox"}]}})
+    out, progress, _ = run({"gpus": [{"count": 1}], "examples": str(tmp_path)})
+    found = admission_warnings(out)
+    [scheduler] = found["GPU 0"]
+    assert scheduler.startswith("default/memory-request/trainer: admission warning: "
+                                "spec.schedulerName: absent, so the default scheduler places "
+                                "the pod")
+    assert PATCHED not in scheduler
+    assert found["not on a GPU"] == [
+        f"default/two-gpus/worker: admission warning: gpu-fraction.limit: "
+        f"{FRACTION_LIMIT_NOT_BOUND} (got '0.5')"]
+    section = out.split("\nAdmitted with warnings:\n", 1)[1].split("\n\n", 1)[0]
+    assert section.splitlines() == [
+        "  pod default/plain (plain.yaml): gpu-fraction-container-name: is empty and has no "
+        "effect: KAI resolves the fraction's container only in a pod that requests a GPU "
+        "fraction (gpu-fraction, gpu-memory, or an NvFractions memory request or limit), and "
+        "this pod requests none (got '')"]
+    assert out.index("\nAdmitted with warnings:\n") < out.index("\nRejected by admission:\n")
+    assert sum(line.endswith("; 1 admission warning (printed with the report)")
+               for line in progress) == 3
+
+
+def test_the_cap_held_line_says_the_refusal_is_simulated(default_run):
+    """Before, "Cap held" said that the NVML cgroup hard limit held the allocation without a
+    word that the NVML refusing it is the demo's (the kill path says `simulated: ...`). Now it
+    says so."""
+    section = default_run[0].split("\nCap held:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert section[1].startswith("  cgroup -> the allocation fails (out of memory): the NVML "
+                                 "cgroup hard limit of 12288 MiB on /sys/fs/cgroup/")
+    assert section[1].endswith(" holds it (simulated NVML, as an r615 driver refuses it)")
+
+
+def test_a_ready_node_gets_no_word_of_binding_to_a_node_kai_would_not(default_run):
+    """The note of test_drivers' False nodes is only for them."""
+    assert "KAI places no fractional pod" not in default_run[0]
