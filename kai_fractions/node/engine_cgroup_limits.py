@@ -27,13 +27,22 @@ CGROUP_NOT_FOUND = "CgroupNotFound"
 
 
 NOT_SETTABLE_PASSES = 2
-"""Passes in a row whose outcome on a GPU is "failed" before `UnsettableGpus` reports it: a pass
-that leaves a container pending is retried within seconds, so a GPU that takes no limit still
-shows at once, while one transient NVML error (one pass) never turns the whole node not ready."""
+"""Passes in a row whose outcome on a GPU is "failed" for a reason that may be a blip (Unknown,
+GPULost, LimitNotReadBack, ...) before `UnsettableGpus` reports it: a pass that leaves a
+container pending is retried within seconds, so such a GPU still shows within seconds, while one
+transient NVML error (one pass) never turns the whole node not ready. A failure that cannot be a
+blip (`_NO_LIMITS_AT_ALL`) is reported in its own pass."""
 
 _NO_LIMITS_AT_ALL = (NvmlNotSupported, NvmlNoPermission)
-"""A failed read of one of these reasons says the GPU takes no limit at all (the driver or GPU
-cannot, or the agent may not); a read failed for any other proves nothing, not even of the GPU."""
+"""A failed read, or a refused set, of one of these reasons says the GPU takes no limit at all
+(the driver or GPU cannot, or the agent may not): no blip, the next pass would fail alike. A read
+failed for any other reason proves nothing, not even of the GPU."""
+
+
+def _no_limits_at_all(error: NvmlError) -> bool:
+    """`error` (a failed read, or `LimitNotSet` with the set's failure as its cause) says the
+    GPU takes no limit at all."""
+    return isinstance(error.cause if isinstance(error, LimitNotSet) else error, _NO_LIMITS_AT_ALL)
 
 
 class UnsettableGpus(Mapping[str, NvmlError]):
@@ -48,8 +57,11 @@ class UnsettableGpus(Mapping[str, NvmlError]):
     (nothing reached, only a read failed for a reason that proves nothing, or only a
     container's own cgroup failed, which the slice above it caps). Only sets count: a slice
     limit an earlier agent set reads back in force whether this one may set limits or not, so
-    it does not make the GPU fine while new pods' sets fail there. A GPU is reported once its
-    outcome was "failed" in NOT_SETTABLE_PASSES passes that said something of it in a row; "ok"
+    it does not make the GPU fine while new pods' sets fail there. A GPU is reported in the pass
+    whose failure there cannot be a blip (`_NO_LIMITS_AT_ALL`: a set refused, or a slice's read
+    failed, NotSupported or NoPermission), so that an agent restarted where every set is refused
+    is not ready from its first pass (this count lives in memory); for any other failure once its
+    outcome was "failed" in NOT_SETTABLE_PASSES passes that said something of it in a row. "ok"
     forgets it at once, a pass that says nothing leaves it as it was, a GPU without a target is
     dropped."""
 
@@ -76,8 +88,11 @@ class UnsettableGpus(Mapping[str, NvmlError]):
         for uuid, error in outcome.items():
             if error is None:
                 self._failed.pop(uuid, None)
-            else:
-                self._failed[uuid] = (self._failed.get(uuid, (0, error))[0] + 1, error)
+                continue
+            passes = self._failed.get(uuid, (0, error))[0] + 1
+            if _no_limits_at_all(error):
+                passes = max(passes, NOT_SETTABLE_PASSES)
+            self._failed[uuid] = (passes, error)
 
 
 class CgroupLimitStep(RunState):
@@ -113,7 +128,7 @@ class CgroupLimitStep(RunState):
         self.e._limited.update((t.gpu_uuid, t.path) for t, keys in ready if keys)
         self.save_ledger()
         # This pass's outcome per GPU (`UnsettableGpus`): the GPUs where a set succeeded,
-        # those where a target failed, and the first failure that counts against each GPU.
+        # those where a target failed, and the failure that counts against each GPU.
         set_ok: set[str] = set()
         not_ok: set[str] = set()
         failed: dict[str, NvmlError] = {}
@@ -123,7 +138,7 @@ class CgroupLimitStep(RunState):
             except LimitNotSet as err:
                 not_ok.add(t.gpu_uuid)
                 if t.container is None:  # a set on a pod slice was attempted and failed
-                    failed.setdefault(t.gpu_uuid, err)
+                    self._count_against(failed, t.gpu_uuid, err)
                 if self._slice_owners(t):
                     # Read back without the plan's limit, and not set: known not in force.
                     self.e._unlimited[t] = err.before
@@ -142,7 +157,7 @@ class CgroupLimitStep(RunState):
                 # Against the GPU it counts only when it says the GPU takes no limit at all.
                 not_ok.add(t.gpu_uuid)
                 if t.container is None and isinstance(err, _NO_LIMITS_AT_ALL):
-                    failed.setdefault(t.gpu_uuid, err)
+                    self._count_against(failed, t.gpu_uuid, err)
                 self.fail(keys, err)
                 continue
             if write is not None:
@@ -158,6 +173,14 @@ class CgroupLimitStep(RunState):
             if uuid in set_ok or uuid not in not_ok}
         outcome.update((uuid, e) for uuid, e in failed.items() if uuid not in outcome)
         self.e._limits_not_settable.record_pass({t.gpu_uuid for t in self.d.limits}, outcome)
+
+    @staticmethod
+    def _count_against(failed: dict[str, NvmlError], uuid: str, err: NvmlError) -> None:
+        """The failure of this pass that counts against GPU `uuid`: the first, unless a later
+        one cannot be a blip and it could (that one is reported at once, and named)."""
+        first = failed.get(uuid)
+        if first is None or (_no_limits_at_all(err) and not _no_limits_at_all(first)):
+            failed[uuid] = err
 
     def _slice_owners(self, t: LimitTarget) -> list[ContainerDesired]:
         """The containers `t` caps as their pod's slice: every cgroup-limited container of the

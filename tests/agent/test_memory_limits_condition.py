@@ -5,14 +5,15 @@ read and set was NotSupported, each fractional container there was pending
 (MemoryLimitNotInForce, or NVML's reason) but the node stayed True `AgentReady`, so KAI kept
 placing fractional pods there whose gates could only wait until their timeout.
 
-Now the condition is False `MemoryLimitsNotSettable` once, in two passes in a row, a set on a pod
-slice on a GPU failed (or a slice's read failed NotSupported or NoPermission) and no set there
-succeeded (`Engine.limits_not_settable`), naming each GPU, NVML's reason and what to do, and True
-again once a set there succeeds, every target there reads back in force, or no target is left on
-it. Only sets count: an earlier pod's slice limit that reads back in force does not make the GPU
-fine while new pods' sets fail there. A container's own cgroup that cannot be limited under a
-pod slice that is does not count (the slice caps it), nor does one failed pass (a transient NVML
-error)."""
+Now the condition is False `MemoryLimitsNotSettable` once a set on a pod slice on a GPU failed (or
+a slice's read failed NotSupported or NoPermission) and no set there succeeded
+(`Engine.limits_not_settable`) -- in that very pass where the failure cannot be a blip (refused
+NoPermission or NotSupported), else in two passes in a row -- naming each GPU, NVML's reason and
+what to do, and True again once a set there succeeds, every target there reads back in force, or
+no target is left on it. Only sets count: an earlier pod's slice limit that reads back in force
+does not make the GPU fine while new pods' sets fail there. A container's own cgroup that cannot
+be limited under a pod slice that is does not count (the slice caps it), nor does one pass
+failed for a reason that may be a blip (Unknown, GPULost, a limit read back otherwise)."""
 
 from __future__ import annotations
 
@@ -49,16 +50,13 @@ def ts_pod(rig: Rig, name: str = "p", gpu: str | None = None) -> str:
 def test_the_node_is_not_ready_while_no_limit_can_be_set_for_lack_of_permission(
         short_tmp: Path) -> None:
     """The reviewer's probe p4b: every set is refused (the agent not root), reads work. From
-    the second pass on (not the first: one failed pass may be a transient error), the message
-    names the GPU, NVML's reason and what to do, the same every pass."""
+    the first pass on (a refusal is no blip: review finding S2-1), the message names the GPU,
+    NVML's reason and what to do, the same every pass."""
     rig = Rig(short_tmp, sm_sharing=False)
     rig.nvml.fail("set_memory_limits", "NoPermission", times=None)
     uid = ts_pod(rig)
-    rig.step()
-    assert result_of(rig, uid).reason == "MemoryLimitNotInForce"
-    assert condition(rig)[:2] == (True, "AgentReady")  # one failed pass may be a blip
     messages = set()
-    for _ in range(3):
+    for _ in range(4):
         rig.step()
         assert result_of(rig, uid).reason == "MemoryLimitNotInForce"
         ready, reason, message = condition(rig)
@@ -79,18 +77,18 @@ def test_the_node_is_not_ready_while_no_limit_can_be_set_for_lack_of_permission(
 
 def test_the_node_is_not_ready_where_limits_are_not_supported(short_tmp: Path) -> None:
     """The reviewer's probe p4: every read (and set) is NotSupported; a read that fails for that
-    reason counts too (the GPU takes no limit at all), from the second pass on."""
+    reason counts too (the GPU takes no limit at all), from the first pass on (no blip)."""
     rig = Rig(short_tmp, sm_sharing=False)
     rig.nvml.fail("get_memory_limits", "NotSupported", times=None, device=rig.gpu1)
     rig.nvml.fail("set_memory_limits", "NotSupported", times=None, device=rig.gpu1)
     fine = ts_pod(rig, "fine")
     stuck = ts_pod(rig, "stuck", rig.gpu1)
-    for ready_now in (True, False, False):
+    for _ in range(3):
         rig.step()
         assert result_of(rig, stuck).reason == "NotSupported"
         assert result_of(rig, fine).reason is None
         ready, reason, message = condition(rig)
-        assert (ready, reason) == ((True, "AgentReady") if ready_now else (False, NOT_SETTABLE))
+        assert (ready, reason) == (False, NOT_SETTABLE)
     assert message.startswith(
         f"no GPU memory limit can be set on GPU(s) {rig.gpu1} (NotSupported)"), message
     assert rig.gpu0 not in message
@@ -100,7 +98,6 @@ def test_ready_again_once_no_target_is_left_on_the_gpu(short_tmp: Path) -> None:
     rig = Rig(short_tmp, sm_sharing=False)
     rig.nvml.fail("set_memory_limits", "NoPermission", times=None)
     uid = ts_pod(rig)
-    rig.step()
     rig.step()
     assert condition(rig)[:2] == (False, NOT_SETTABLE)
     rig.cluster.delete_pod(uid)
@@ -112,8 +109,8 @@ def test_a_limit_in_force_does_not_hide_sets_that_fail(short_tmp: Path) -> None:
     """A pod whose limits were set before the sets started failing: they read back in force,
     but the second pod's set fails pass after pass, as would every new pod's. Before, that
     limit in force marked the GPU fine and the node stayed ready; now only sets count: not
-    ready from the second pass, also once the first pod is gone, ready again once a set
-    succeeds."""
+    ready from the first pass (a refused set is no blip), also once the first pod is gone,
+    ready again once a set succeeds."""
     rig = Rig(short_tmp, sm_sharing=False)
     first = ts_pod(rig, "first")
     assert rig.step().converged
@@ -122,7 +119,7 @@ def test_a_limit_in_force_does_not_hide_sets_that_fail(short_tmp: Path) -> None:
     rig.step()
     assert result_of(rig, second).reason == "MemoryLimitNotInForce"
     assert result_of(rig, first).reason is None
-    assert condition(rig)[:2] == (True, "AgentReady")
+    assert condition(rig)[:2] == (False, NOT_SETTABLE)
     rig.step()
     assert result_of(rig, first).reason is None
     assert condition(rig)[:2] == (False, NOT_SETTABLE)
@@ -141,7 +138,8 @@ def test_an_agent_restarted_without_root_is_not_ready_though_an_old_limit_reads_
     over a node where an earlier pod's slice limit still reads back in force. Before, that read
     marked the GPU fine: the node stayed True `AgentReady` while every new pod there waited
     (MemoryLimitNotInForce). Now the failed sets count, the read does not: False
-    `MemoryLimitsNotSettable` after two passes, naming the GPU and NoPermission."""
+    `MemoryLimitsNotSettable` from the first pass (a refusal is no blip), naming the GPU and
+    NoPermission."""
     rig = Rig(short_tmp, sm_sharing=False)
     old = ts_pod(rig, "old")
     assert rig.step().converged
@@ -149,7 +147,7 @@ def test_an_agent_restarted_without_root_is_not_ready_though_an_old_limit_reads_
     rig.nvml.fail("set_memory_limits", "NoPermission", times=None)
     new = [ts_pod(rig, f"new{i}") for i in range(3)]
     rig.step()
-    assert condition(rig)[:2] == (True, "AgentReady")
+    assert condition(rig)[:2] == (False, NOT_SETTABLE)
     rig.step()
     assert result_of(rig, old).reason is None
     assert {result_of(rig, u).reason for u in new} == {"MemoryLimitNotInForce"}
@@ -159,18 +157,77 @@ def test_an_agent_restarted_without_root_is_not_ready_though_an_old_limit_reads_
         f"no GPU memory limit can be set on GPU(s) {rig.gpu0} (NVMLNoPermission)"), message
 
 
+def test_a_restarted_agent_where_every_set_is_refused_is_not_ready_from_its_first_pass(
+        short_tmp: Path) -> None:
+    """Review finding S2-1 (probe p_restart_flap_b): every set refused NoPermission, the node
+    False `MemoryLimitsNotSettable`; the agent restarts. Before, the new agent counted the
+    failed passes afresh (in memory) and reported True `AgentReady` after its first pass, False
+    again after its second: False -> True -> False across the restart, a window in which KAI
+    may place pods there. Now a refused set is no blip: False from its first pass."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    rig.nvml.fail("set_memory_limits", "NoPermission", times=None)
+    uid = ts_pod(rig)
+    for _ in range(3):
+        rig.step()
+    assert condition(rig)[:2] == (False, NOT_SETTABLE)
+    new = rig.restarted()
+    new.step()
+    assert result_of(new, uid).reason == "MemoryLimitNotInForce"
+    ready, reason, message = condition(new)
+    assert (ready, reason) == (False, NOT_SETTABLE)
+    assert message.startswith(
+        f"no GPU memory limit can be set on GPU(s) {rig.gpu0} (NVMLNoPermission)"), message
+
+
+def test_a_set_failing_for_a_reason_that_may_be_a_blip_is_reported_from_its_second_pass(
+        short_tmp: Path) -> None:
+    """The two-pass rule is kept where the failure may be transient (S2-1 changed only the
+    refusals): every set failing Unknown leaves the node ready after the first pass, not ready
+    from the second."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    rig.nvml.fail("set_memory_limits", "Unknown", times=None, device=rig.gpu0)
+    uid = ts_pod(rig)
+    rig.step()
+    assert result_of(rig, uid).reason == "MemoryLimitNotInForce"
+    assert condition(rig)[:2] == (True, "AgentReady")
+    for _ in range(2):
+        rig.step()
+        ready, reason, message = condition(rig)
+        assert (ready, reason) == (False, NOT_SETTABLE)
+    assert message.startswith(
+        f"no GPU memory limit can be set on GPU(s) {rig.gpu0} (NVMLError)"), message
+
+
+def test_a_limit_read_back_other_than_set_is_reported_from_its_second_pass(
+        short_tmp: Path) -> None:
+    """A set that returns success while the limit reads back otherwise (LimitNotReadBack) may
+    be a blip too: two passes, as before S2-1."""
+    rig = Rig(short_tmp, sm_sharing=False)
+    rig.nvml.set_memory_limits = lambda *args: None  # type: ignore[method-assign]
+    uid = ts_pod(rig)
+    rig.step()
+    assert result_of(rig, uid).reason == "MemoryLimitNotInForce"
+    assert condition(rig)[:2] == (True, "AgentReady")
+    rig.step()
+    ready, reason, message = condition(rig)
+    assert (ready, reason) == (False, NOT_SETTABLE)
+    assert "(LimitNotReadBack)" in message, message
+
+
 @pytest.mark.parametrize("times", [1, 2])
 @pytest.mark.parametrize("call, reason", [("get_memory_limits", "Unknown"),
-                                          ("get_memory_limits", "NotSupported"),
                                           ("set_memory_limits", "Unknown"),
-                                          ("set_memory_limits", "NoPermission")])
+                                          ("set_memory_limits", "GpuIsLost")])
 def test_one_failed_pass_leaves_the_node_ready(short_tmp: Path, call: str, reason: str,
                                                times: int) -> None:
     """Review finding S1-2 (probe p1_flap): one pass in which the NVML calls on a GPU fail
     (`times` failures: with 2, every read of a running pod's slice and container cgroup, or
     every set of a new pod's, in that one pass). Before, that pass turned the whole node False
     `MemoryLimitsNotSettable` and the next True again: one transient error flapped it. Now
-    it stays True `AgentReady` throughout (a GPU is reported only after two failed passes)."""
+    it stays True `AgentReady` throughout (a GPU is reported only after two passes failed for
+    a reason that may be a blip). Review finding S2-1: the cases of a read failed NotSupported
+    and a set refused NoPermission went from here: those are no blip, reported at once
+    (`test_a_restarted_agent_where_every_set_is_refused_is_not_ready_from_its_first_pass`)."""
     rig = Rig(short_tmp, sm_sharing=False)
     if call == "get_memory_limits":
         uid = ts_pod(rig)

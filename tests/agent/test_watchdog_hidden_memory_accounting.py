@@ -76,14 +76,23 @@ def test_a_process_in_both_listings_counts_once(short_tmp: Path) -> None:
     assert result(rig, uid).reason == BLIND
 
 
-def test_listings_the_driver_lacks_are_no_processes_not_blindness(short_tmp: Path) -> None:
-    rig = old_node(short_tmp)
+@pytest.mark.parametrize("mode", ["time-slicing", "sm-sharing"])
+def test_listings_the_driver_lacks_are_no_processes_not_blindness(short_tmp: Path,
+                                                                  mode: str) -> None:
+    """A driver without the graphics and MPS listings (FunctionNotFound: the fake fails each
+    apart, `fail("other_processes")` the graphics one only since b4cbc70): they list no
+    process, and the GPU is not blind, neither for a time-slicing container nor for an
+    sm-sharing one (whose MPS clients an MPS listing that fails may hide: `MpsListingFailed`;
+    one the driver lacks hides nothing). Memory nobody lists is still found."""
+    rig = old_node(short_tmp, sm_sharing=mode == "sm-sharing")
     rig.nvml.fail("other_processes", "FunctionNotFound", times=None)
-    uid = add(rig)
+    rig.nvml.fail("mps_processes", "FunctionNotFound", times=None)
+    uid = add(rig, mode=mode)
     assert rig.step().converged
     rig.reconciler.check_usage()
     assert rig.step().converged and blindness(rig) == {}
     assert marker_of(rig, uid) is not None
+    assert rig.agent.condition().reason == "AgentReady"
     # memory nobody lists is still found so
     rig.nvml.add_process(900, rig.gpu0, 2 * GIB)
     listed = type(rig.nvml).running_processes
@@ -93,11 +102,14 @@ def test_listings_the_driver_lacks_are_no_processes_not_blindness(short_tmp: Pat
     assert blindness(rig) == {rig.gpu0: "NoProcessesVisible"}
 
 
-def test_a_failing_graphics_listing_leaves_the_compute_listing_to_account(
+def test_failing_graphics_and_mps_listings_leave_the_compute_listing_to_account(
         short_tmp: Path) -> None:
-    """The graphics and MPS listings failing (not missing) must not switch the test off: an
-    agent without hostPID is still found by what the compute listing shows, and a GPU clear
-    by it ends its episode (a third look found the pod released, or held for ever)."""
+    """The graphics and MPS listings failing (not missing; each failed apart in the fake:
+    `fail("other_processes")` is the graphics one only since b4cbc70, so this test failed the
+    graphics listing alone before review finding S2-5) must not switch the test off: an agent
+    without hostPID is still found by what the compute listing shows, and a GPU clear by it
+    ends its episode (a third look found the pod released, or held for ever). A time-slicing
+    container's GPU: the MPS listing failing is no blindness of its own there."""
     rig = old_node(short_tmp)
     uid = add(rig)
     assert rig.step().converged
@@ -106,6 +118,7 @@ def test_a_failing_graphics_listing_leaves_the_compute_listing_to_account(
     rig.nvml.running_processes = lambda u: tuple(  # type: ignore[method-assign]
         p for p in listed(rig.nvml, u) if p.pid != 900)
     rig.nvml.fail("other_processes", "Unknown", times=None)
+    rig.nvml.fail("mps_processes", "Unknown", times=None)
     rig.reconciler.check_usage()
     assert blindness(rig) == {rig.gpu0: "NoProcessesVisible"}
     rig.step()

@@ -18,7 +18,7 @@ before what one GPU does):
 | `MPSDaemonUnhealthy` | sm-sharing on; the control daemon does not answer, or is not adopted |
 | `NotReconciling` | no pod list yet, API unreachable, passes hung or failing too long, stopping |
 | `MarkerDirectoryNotWritable` | the last probe could not write in the marker directory |
-| `MemoryLimitsNotSettable` | a GPU's cgroup memory limit sets failed, two passes in a row |
+| `MemoryLimitsNotSettable` | a GPU's cgroup limit sets refused, or failed two passes in a row |
 | `ComputeModeNotInForce` | a GPU sm-sharing needs in EXCLUSIVE_PROCESS is in another mode, unset |
 | `WatchdogBlind` | the watchdog cannot see a GPU where it is (would be) the only memory tier |
 
@@ -28,19 +28,22 @@ tier of a time-slicing container placed on the node now (`watchdog_sole_tier`: n
 enabled and supported), any GPU in such an episode, with a container yet or not: a pod KAI places
 there would wait, so the node says so before, not once it is there.
 
-`MemoryLimitsNotSettable`: a GPU where, in two passes in a row that said something of it, a set
-of a pod slice's cgroup memory limit failed (refused, e.g. NoPermission with an agent not root,
-or read back otherwise; or the slice's read failed NotSupported or NoPermission) and no set
-there succeeded (`Engine.limits_not_settable`). Its containers capped by a cgroup limit are
-pending (MemoryLimitNotInForce, or NVML's reason), and so would be every such pod KAI placed
-there. Only sets count: an earlier pod's slice limit that reads back in force (set by an agent
-that had root) does not make the GPU fine while new pods' sets fail. A container's own cgroup
-that failed under a pod slice that holds its limit does not count (the slice caps it), nor does
-a read that failed for another reason (it proves nothing), nor one failed pass (a transient
-NVML error: a pass that leaves a container pending is retried within seconds, so a real problem
-shows within seconds too). Before `ComputeModeNotInForce` (it concerns every pod a cgroup limit
-caps, the mode only sm-sharing ones). True again as soon as a set there succeeds, every target
-there reads back in force, or no target is left on it.
+`MemoryLimitsNotSettable`: a GPU where a set of a pod slice's cgroup memory limit failed (or the
+slice's read failed NotSupported or NoPermission) and no set there succeeded
+(`Engine.limits_not_settable`): in the very pass where the failure cannot be a blip (the set
+refused NoPermission, e.g. an agent not root, or NotSupported; the read failed so), so that an
+agent restarted there is not ready from its first pass; for any other failure (Unknown, GPULost,
+a limit read back other than set) in two passes in a row that said something of the GPU, as one
+failed pass may be a transient NVML error (a pass that leaves a container pending is retried
+within seconds, so a real problem shows within seconds too). Its containers capped by a cgroup
+limit are pending (MemoryLimitNotInForce, or NVML's reason), and so would be every such pod KAI
+placed there. Only sets count: an earlier pod's slice limit that reads back in force (set by an
+agent that had root) does not make the GPU fine while new pods' sets fail. A container's own
+cgroup that failed under a pod slice that holds its limit does not count (the slice caps it),
+nor does a read that failed for another reason (it proves nothing). Before
+`ComputeModeNotInForce` (it concerns every pod a cgroup limit caps, the mode only sm-sharing
+ones). True again as soon as a set there succeeds, every target there reads back in force, or no
+target is left on it.
 
 `ComputeModeNotInForce`: a GPU a planned sm-sharing container needs in EXCLUSIVE_PROCESS reads
 back another compute mode and the agent's set failed (`Engine.wrong_mode`): its sm-sharing
