@@ -176,15 +176,17 @@ def _mechanisms(c: _Candidate, inventory: Inventory, config: NodeConfig, running
         return _refuse(pod, plan.container, RefusalReason.SM_SHARING_DISABLED,
                        "the container asks for compute mode sm-sharing but this node runs "
                        "without MPS (--no-sm-sharing): " + (
-                           # Started while the node ran sm-sharing (sm-sharing turned off since,
-                           # a chart rolled back): its cgroup limits stay as the kernel holds
-                           # them, its compute share went with the agent's MPS daemon.
-                           "this container was started while the node ran sm-sharing and runs "
-                           "on, its GPU memory limits kept as they are but without its compute "
-                           "share (no MPS daemon of the agent's holds it any more), and it will "
-                           "not start again after its pod's sandbox restarts; turn sm-sharing "
-                           "back on for this node (--sm-sharing, the chart's smSharing.enabled), "
-                           "or recreate the pod with time-slicing" if running else
+                           # Applied while the node ran sm-sharing (turned off since, a chart
+                           # rolled back). `running` also holds after a reboot (the plan is held
+                           # from the boot before), when the container no longer runs: the
+                           # words hold either way.
+                           "this container was started while the node ran sm-sharing: until "
+                           "its pod's sandbox restarts (a node reboot restarts it) it runs on, "
+                           "its GPU memory limits kept as the kernel holds them but without its "
+                           "compute share (no MPS daemon of the agent's holds it any more), and "
+                           "then its gate fails on this refusal; turn sm-sharing back on for "
+                           "this node (--sm-sharing, the chart's smSharing.enabled), or recreate "
+                           "the pod with time-slicing" if running else
                            "use time-slicing, or schedule it to a node with sm-sharing enabled"))
     hard = hard_tiers(config, inventory, sm=sm)
     watchdog = Mechanism.WATCHDOG in wanted
