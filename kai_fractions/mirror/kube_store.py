@@ -5,7 +5,9 @@ A write is ONE JSON merge patch of `metadata.annotations` that carries `metadata
 `metadata.resourceVersion`: a real API server refuses it when the pod was recreated (uid is
 immutable: 422) or changed since it was read (409), so a set of keys is never half-written and
 never lands on the wrong pod. Every request gets a timeout bounded by the caller's deadline, and
-transient failures are retried (`kube.retry`).
+transient failures are retried (`kube.retry`). A retried write refused 409 says that the try
+before it may have landed (`WriteConflict.may_have_landed`): a lost answer, then the retry meets
+its own write's version.
 """
 
 from __future__ import annotations
@@ -140,6 +142,15 @@ class KubePodStore:
                 raise
             # A try went out: say so (the class, so the status, stays as it was).
             raise type(e)(f"{e}; {MAY_HAVE_LANDED}") from None
+        except WriteConflict as e:
+            if last is None:
+                raise
+            # A retry refused for the version it carries, after a try that failed (its
+            # answer lost, or a server error): that try may be what moved the version (the
+            # service's re-read tells).
+            raise WriteConflict(f"{e} (refused a retry: the try before it failed, "
+                                f"{last.answer}, and may have landed)",
+                                may_have_landed=True) from None
         except ApiRejected as e:
             if self.write_headers or KAI_BINDER_ONLY not in str(e):
                 raise

@@ -3,7 +3,9 @@ gRPC server's event loop (coroutines), one task per call.
 
 Every write is ONE merge patch guarded by the pod's uid and resourceVersion. A write conflict
 (someone changed the pod since it was read) re-reads the pod and recomputes, a bounded number of
-times: the decision is re-applied to the pod as it now is, never blindly replayed.
+times: the decision is re-applied to the pod as it now is, never blindly replayed. A conflict
+met by the store's retry of a write whose answer was lost may be that very write: when the
+re-read pod carries all it held, the call answers as the write would have (`changed`).
 
 With a PodCache the first try computes from the cached pod and guards the write with its
 resourceVersion, saving the read; a stale entry costs one refused write and a re-read, and an
@@ -97,6 +99,23 @@ class PreviewResult:
 class ReleaseResult:
     removed_keys: tuple[str, ...]
     changed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """A write its precondition refused: the caller re-reads and recomputes."""
+
+    lost: Mapping[str, str | None] | None = None
+    """The changes the write held when a try of it got no answer and may have landed
+    (WriteConflict.may_have_landed), else None: a re-read pod that carries them all carries
+    this call's write, whose answer was lost."""
+
+    def landed(self, pod: PodSnapshot) -> bool:
+        return self.lost is not None and stored_otherwise(pod, self.lost) is None
+
+
+_NOT_LOST = _Refused()
+"""Before a call's first write: nothing of it can be on the pod."""
 
 
 class _PodLocks:
@@ -203,6 +222,7 @@ class MirrorService:
         decision = await self._decision(allocation, deadline)
         ns, name = allocation.namespace, allocation.pod_name
         async with self._locks.hold(ns, name):
+            refused = _NOT_LOST  # the write of the try before, when its precondition failed
             for attempt, wait in enumerate(self._waits(f"mirror on pod {ns}/{name}", deadline)):
                 if wait:
                     await self.clock.asleep(wait)
@@ -219,13 +239,23 @@ class MirrorService:
                 assert planned is not None  # final=True raises instead
                 outcome, patch = planned
                 if not patch.changes:
+                    if refused.landed(pod):
+                        # This call's write landed and its answer was lost: the store's retry
+                        # met the version that write made. The call did write.
+                        log.info("pod %s/%s: this call's write (%s) landed, its answer lost",
+                                 ns, name, outcome.digest[:19])
+                        return MirrorResult(outcome.annotations, True, pod.resource_version,
+                                            outcome.plans)
                     log.info("pod %s/%s already carries its allocation (%s); nothing written",
                              ns, name, outcome.digest[:19])
                     return MirrorResult(outcome.annotations, False, pod.resource_version,
                                         outcome.plans)
                 written = await self._patch(pod, patch.changes, deadline, attempt,
                                             allocation.pod_uid)
-                if written is None:
+                if isinstance(written, _Refused):
+                    # A repeat's write (the record's new key alone) answers changed=False
+                    # whether or not it landed.
+                    refused = _NOT_LOST if patch.repeat else written
                     continue
                 # Queued, the line is written once this task has handed its answer back (a
                 # write to stderr is not worth a caller's wait).
@@ -248,10 +278,16 @@ class MirrorService:
         check_idempotency_key(idempotency_key)
         async with self._locks.hold(namespace, name):
             what = f"release on pod {namespace}/{name}"
+            refused = _NOT_LOST  # the write of the try before, when its precondition failed
             for attempt, wait in enumerate(self._waits(what, deadline)):
                 if wait:
                     await self.clock.asleep(wait)
                 pod = await self._get(namespace, name, uid, deadline)
+                if refused.landed(pod):
+                    # This call's write landed and its answer was lost (the store's retry met
+                    # the version it made): the release is done, by this call.
+                    assert refused.lost is not None
+                    return self._released(namespace, name, idempotency_key, refused.lost)
                 if retry_of_release(pod, idempotency_key):
                     # This very release landed before (the record is the one it left), and
                     # whatever the pod carries now came after it: the binder's own rebind (an
@@ -277,13 +313,21 @@ class MirrorService:
                         changes[MIRRORED_ANNOTATION] = encoded
                 if not changes:
                     return ReleaseResult((), False)
-                if await self._patch(pod, changes, deadline, attempt, uid) is None:
+                written = await self._patch(pod, changes, deadline, attempt, uid)
+                if isinstance(written, _Refused):
+                    refused = written
                     continue
-                removed = tuple(sorted(key for key, value in changes.items() if value is None))
-                log.info("pod %s/%s: released %d key(s)%s", namespace, name, len(removed),
-                         f" (key {idempotency_key})" if idempotency_key else "")
-                return ReleaseResult(removed, bool(removed))
+                return self._released(namespace, name, idempotency_key, changes)
         raise AssertionError("unreachable")
+
+    @staticmethod
+    def _released(namespace: str, name: str, idempotency_key: str,
+                  changes: Mapping[str, str | None]) -> ReleaseResult:
+        """The answer to a release whose write of `changes` landed."""
+        removed = tuple(sorted(key for key, value in changes.items() if value is None))
+        log.info("pod %s/%s: released %d key(s)%s", namespace, name, len(removed),
+                 f" (key {idempotency_key})" if idempotency_key else "")
+        return ReleaseResult(removed, bool(removed))
 
     async def _decision(self, allocation: AllocationInput, deadline: Deadline):
         """The contract's BindDecision; the node's labels are read first when it needs them
@@ -343,8 +387,8 @@ class MirrorService:
         return pod
 
     async def _patch(self, pod: PodSnapshot, changes: Mapping[str, str | None],
-                     deadline: Deadline, attempt: int, uid: str) -> PodSnapshot | None:
-        """The written pod, or None after a conflict (the caller re-reads and recomputes).
+                     deadline: Deadline, attempt: int, uid: str) -> PodSnapshot | _Refused:
+        """The written pod, or _Refused after a conflict (the caller re-reads and recomputes).
         `uid` is the one the caller named ("" none): only then is a recreated pod the end of
         the call (PodReplaced); a caller that named no uid means whatever pod has the name."""
         try:
@@ -362,7 +406,7 @@ class MirrorService:
         except WriteConflict as e:
             log.info("pod %s/%s changed under the write (try %d): %s; re-reading",
                      pod.namespace, pod.name, attempt + 1, e)
-            return None
+            return _Refused(changes) if e.may_have_landed else _NOT_LOST
         except WriteInvalid as e:
             # A uid that no longer matches fails the immutable-field check (422 on a real API
             # server): tell a recreated pod from a genuinely refused patch.
@@ -374,7 +418,7 @@ class MirrorService:
                     raise PodReplaced(pod.namespace, pod.name, uid, fresh.uid) from None
                 log.info("pod %s/%s was recreated under the write (try %d); re-reading",
                          pod.namespace, pod.name, attempt + 1)
-                return None  # bounded: each try counts as a conflict (_waits)
+                return _NOT_LOST  # bounded: each try counts as a conflict (_waits)
             raise ApiRejected(f"the API server refused the patch of pod {pod.namespace}/"
                               f"{pod.name}: {e}") from None
 

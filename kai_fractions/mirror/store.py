@@ -97,7 +97,16 @@ def stored_otherwise(written: PodSnapshot, changes: Mapping[str, str | None]) ->
 
 class WriteConflict(MirrorError):
     """409: the pod changed since it was read (resourceVersion) or is another pod (uid).
-    The caller re-reads and recomputes; it is never passed on to a scheduler as is."""
+    The caller re-reads and recomputes; it is never passed on to a scheduler as is.
+
+    `may_have_landed`: an earlier try of this same write failed transiently (a timeout or a
+    reset loses the answer to a PATCH the API server applied), so the change of version that
+    refused the retry may be this write's own. The caller's re-read tells: a pod that carries every
+    change the write held. False from a store that sends a write once."""
+
+    def __init__(self, message: str, *, may_have_landed: bool = False) -> None:
+        super().__init__(message)
+        self.may_have_landed = may_have_landed
 
 
 class WriteInvalid(MirrorError):
@@ -140,7 +149,8 @@ class PodStore(Protocol):
     ) -> PodSnapshot:
         """ONE merge patch of metadata.annotations (None deletes a key), guarded by the pod's
         uid and, when not "", its resourceVersion: raises WriteConflict / WriteInvalid when the
-        server refuses the precondition. Returns the pod as written."""
+        server refuses the precondition (WriteConflict.may_have_landed when a retry of the
+        write was refused after a try that failed transiently). Returns the pod as written."""
         ...
 
     async def node_labels(self, node: str, deadline: Deadline = NO_DEADLINE

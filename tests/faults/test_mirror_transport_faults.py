@@ -57,8 +57,9 @@ def test_a_write_whose_answer_is_lost_is_not_written_twice(faulty_api, fault):
     with mirror_over(faulty_api) as rig:
         reply = rig.stub.MirrorAllocation(mirror_request(allocation(pod), key="bind/1"),
                                           timeout=10)
-    # The mirror cannot tell that the write it found was its own lost one: changed is False.
-    assert reply.changed is False
+    # The retry met its own write's version (409) and the re-read finds all it wrote: the call
+    # wrote it (changed), and once (writes=1).
+    assert reply.changed is True
     assert reply.annotations[SIG] == faulty_api.pod(NS, NAME)["metadata"]["annotations"][SIG]
     assert_mirrored_once(faulty_api, PodStats(gets=2, patch_requests=2, writes=1))
 
