@@ -4,12 +4,19 @@ Only the mirror holds the Ed25519 private key (its Secret); node agents need the
 nothing more. The mirror writes it into one ConfigMap (`current`, and `previous` while a
 rotation keeps an old key), which the agents mount as their `--signing-key-file` directory: a
 rotated Secret reaches every node without anyone copying keys, and no node can sign.
+
+Every replica signs with its own mounted Secret, which the kubelet refreshes in each pod in its
+own time: mid-rotation the replicas' key files differ by a step. The ConfigMap therefore only
+moves forward: a replica whose key files are one step ahead of it (a rotation or a retirement)
+writes them, Lease or not, and one whose files are a step behind leaves it while its mount may
+still be catching up (see `Publisher`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -29,34 +36,58 @@ def public_data(source: KeyringSource) -> dict[str, str]:
                                                                    strict=False)}
 
 
+def ahead(newer: dict[str, str], older: dict[str, str]) -> bool:
+    """Whether the keys `newer` are one step of a rotation past `older`: the next key, with
+    `older`'s signing key kept as `previous`, or the same signing key with its `previous`
+    retired. Mounts of one Secret refreshed at different times differ by such a step."""
+    rotated = newer.get(PREVIOUS) is not None and newer.get(PREVIOUS) == older.get(CURRENT)
+    retired = newer.get(CURRENT) == older.get(CURRENT) and PREVIOUS in older \
+        and PREVIOUS not in newer
+    return rotated or retired
+
+
 class Publisher:
     """Keeps the ConfigMap saying what the key files say: every round reads it and creates it
     when it is missing, so a deleted ConfigMap (which every node agent mounts, as a required
     volume) is back within a round, not at the mirror's next restart.
 
-    A ConfigMap that differs is patched when this replica's own key files changed since it last
-    wrote or read it (a rotation), and, with leader election (`in_term`), by the Lease's holder
-    whenever it differs (an edit is put back). Without election a replica never overwrites one
-    merely because it differs: two replicas whose mounted Secrets differ mid-rotation (the
-    kubelet refreshes each pod's in its own time) would otherwise take turns rewriting it, and
-    nodes would lose the new key every other round. Any replica creates a missing one (a create
-    never overwrites: the API refuses it when the ConfigMap exists), so that the agents can
-    start before a leader is elected and while none is.
+    A ConfigMap one step ahead of this replica's key files (see `ahead`: the kubelet has not
+    refreshed this pod's Secret yet) is left as it is, by any replica, the Lease's holder too,
+    for up to `catch_up` seconds; it is a difference like any other (below) past that, or at
+    once when this replica last wrote or read those very keys and its own files went back: the
+    Secret itself went back (a rotation undone, a retired `previous` put back), and a key
+    withdrawn from it must not stay trusted on the nodes for good. Any other difference is
+    patched when this replica's own key files changed since it last wrote or read it, except,
+    with leader election (`in_term`), by a replica that does not hold the Lease: that one writes
+    only keys one step ahead of the stored ones (the rotation it saw first: it already signs
+    with the new key, which the nodes need). The Lease's holder also puts back any other
+    difference (an edit); without election a replica never overwrites one merely because it
+    differs. So replicas mid-rotation cannot take turns rewriting it: every write but an edit
+    put back or a Secret gone back is a step forward. Any replica creates a missing one (a
+    create never overwrites: the API refuses it when the ConfigMap exists), so that the agents
+    can start before a leader is elected and while none is.
 
     Without `get` on the ConfigMap (a Role older than the chart's, or a custom one) it is
     written as before reads: patched (created when missing) when the key files change."""
 
     def __init__(self, kube: Kube, namespace: str, name: str, source: KeyringSource, *,
                  interval: float = 30.0, request_timeout: float = 10.0,
-                 in_term: Callable[[], bool] | None = None) -> None:
+                 in_term: Callable[[], bool] | None = None, catch_up: float = 300.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.kube = kube
         self.namespace, self.name = namespace, name
         self.source = source
         self.interval = interval
         self.request_timeout = request_timeout
         self.in_term = in_term
+        # Longer than a kubelet takes to refresh a pod's mounted Secret (its sync period plus
+        # its cache's TTL, about a minute each by default).
+        self.catch_up = catch_up
+        self.monotonic = monotonic
         self._published: dict[str, str] | None = None  # what this replica last wrote or read
         self._told_no_get = False  # the missing `get` is logged once, not every round
+        # (own keys, stored keys, since when) while the stored ones are a step ahead of them
+        self._behind: tuple[dict[str, str], dict[str, str], float] | None = None
         self.ref = f"ConfigMap {namespace}/{name}"
 
     async def publish(self) -> bool:
@@ -90,14 +121,17 @@ class Publisher:
         # The agents read only these two files of the mounted ConfigMap.
         held = {k: v for k, v in (stored.get("data") or {}).items() if k in (CURRENT, PREVIOUS)}
         if held == data:
-            self._published = data
+            self._published, self._behind = data, None
+            return False
+        if self._waits_for_mount(data, held):
             return False
         changed_here = data != self._published  # this replica's key files, since it last looked
         if self.in_term is None and not changed_here:
             log.debug("%s differs from this replica's key files, which did not change: without "
                       "--leader-elect it is overwritten only when they do", self.ref)
             return False
-        if self.in_term is not None and not self.in_term():
+        if self.in_term is not None and not self.in_term() \
+                and not (changed_here and ahead(data, held)):
             log.debug("%s differs from this replica's key files; the Lease's holder "
                       "publishes", self.ref)
             return False
@@ -105,10 +139,31 @@ class Publisher:
         if changed_here:
             self._written(data, logging.INFO,
                           "updated %s to the signing public key(s) %s (it held other keys)")
+        elif self._behind is not None:
+            self._written(data, logging.WARNING, "%s held keys one step ahead of this replica's "
+                          "key files for longer than a mounted Secret takes to refresh (a "
+                          "rotation undone in the Secret, or an edit): updated it to the signing "
+                          "public key(s) %s")
         else:
             self._written(data, logging.WARNING, "%s was changed since this replica last wrote "
                           "or read it: updated it again to the signing public key(s) %s")
         return True
+
+    def _waits_for_mount(self, data: dict[str, str], held: dict[str, str]) -> bool:
+        """Whether the stored keys are a step ahead of this replica's and it leaves them, its
+        mount of the Secret perhaps not refreshed yet (said once, at INFO: not an error)."""
+        if not ahead(held, data) or held == self._published:
+            # A mount refreshed late only moves forward: keys this replica itself held before
+            # its files went back are the Secret going back.
+            self._behind = None
+            return False
+        now = self.monotonic()
+        if self._behind is None or self._behind[:2] != (data, held):
+            self._behind = (data, held, now)
+            log.info("%s holds signing public keys one step ahead of this replica's key files "
+                     "(its mount of the signing Secret is older: the kubelet refreshes it): "
+                     "left as it is", self.ref)
+        return now - self._behind[2] < self.catch_up
 
     async def _write_unread(self, data: dict[str, str], e: Forbidden) -> bool:
         """The write without a read, for a Role without `get` on the ConfigMap: a patch (a
