@@ -1,7 +1,8 @@
 """GPU-sharing keys written where no pod reads them: on a workload's own metadata (its pods get
 only the template's), or as a label (KAI and kai_fractions read annotations only).
 
-Either leaves the pods asking for no GPU share, and nothing else says so: the manifest is valid
+Either key asks for nothing (the pods ask only for what their template's annotations say), and
+nothing else says so: the manifest is valid
 Kubernetes and the contract never sees the key. It is the most common mistake in a workload, so
 `kai-fractions validate` and the workloads' validating webhook warn about it (a warning, not an
 error: the object is what Kubernetes accepts). A key that is also where the pods read it (a
@@ -43,11 +44,12 @@ def _found(view: PodView, metadata: str, owner_annotations: Mapping[str, Any],
             if keys.is_user_owned(key) and key not in view.annotations:
                 yield ContractError(
                     f"metadata.annotations[{key!r}]", f"is on the {view.kind}'s own metadata, "
-                    "which its pods do not get, so they ask for no GPU share: put it on "
-                    f"{metadata}.annotations")
+                    "which no pod gets, so it asks for nothing: put it on the annotations of "
+                    f"the pod template whose pods are to ask for it ({metadata}.annotations "
+                    "for this one)")
     for key in sorted(view.labels):
         if keys.is_user_owned(key) and key not in view.annotations:
             yield ContractError(
                 f"{metadata}.labels[{key!r}]", "must be an annotation, not a label: GPU sharing "
-                "is asked for with annotations only, so the pod asks for no GPU share; put it "
-                f"on {metadata}.annotations")
+                "is asked for with annotations only, so this key asks for nothing; put it on "
+                f"{metadata}.annotations")

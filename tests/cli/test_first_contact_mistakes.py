@@ -62,8 +62,9 @@ def test_a_key_on_a_workloads_own_metadata_is_a_warning(capsys, tmp_path: Path) 
     assert (code, out) == (0, "")
     assert warnings(err) == [
         f"warning: {path}:1: Deployment/ns/infer: metadata.annotations['{REQUEST}']: is on the "
-        "Deployment's own metadata, which its pods do not get, so they ask for no GPU share: "
-        "put it on spec.template.metadata.annotations"]
+        "Deployment's own metadata, which no pod gets, so it asks for nothing: put it on the "
+        "annotations of the pod template whose pods are to ask for it "
+        "(spec.template.metadata.annotations for this one)"]
     assert "1 of 1 object(s) valid" in err
 
 
@@ -78,8 +79,9 @@ def test_a_cronjobs_key_belongs_on_its_jobs_pod_template(capsys, tmp_path: Path)
     assert code == 0
     [warning] = warnings(err)
     assert warning.endswith(": metadata.annotations['gpu-fraction']: is on the CronJob's own "
-                            "metadata, which its pods do not get, so they ask for no GPU share: "
-                            "put it on spec.jobTemplate.spec.template.metadata.annotations")
+                            "metadata, which no pod gets, so it asks for nothing: put it on the "
+                            "annotations of the pod template whose pods are to ask for it "
+                            "(spec.jobTemplate.spec.template.metadata.annotations for this one)")
 
 
 @pytest.mark.parametrize(("obj", "field"), [
@@ -98,7 +100,7 @@ def test_a_key_written_as_a_label_is_a_warning(capsys, tmp_path: Path, obj: dict
     [warning] = warnings(err)
     assert warning.endswith(
         f": {field}.labels['{key}']: must be an annotation, not a label: GPU sharing is asked "
-        f"for with annotations only, so the pod asks for no GPU share; put it on "
+        f"for with annotations only, so this key asks for nothing; put it on "
         f"{field}.annotations"), warning
 
 
@@ -150,8 +152,9 @@ def test_json_output_carries_the_warning(capsys, tmp_path: Path) -> None:
     [obj] = doc["objects"]
     assert obj["warnings"] == [{
         "container": None, "key": f"metadata.annotations['{REQUEST}']",
-        "rule": "is on the Deployment's own metadata, which its pods do not get, so they ask "
-                "for no GPU share: put it on spec.template.metadata.annotations",
+        "rule": "is on the Deployment's own metadata, which no pod gets, so it asks for "
+                "nothing: put it on the annotations of the pod template whose pods are to ask "
+                "for it (spec.template.metadata.annotations for this one)",
         "value": None}]
 
 
@@ -184,11 +187,12 @@ def test_the_workloads_webhook_gives_the_same_warning() -> None:
     assert decision.allowed, decision
     assert [w for w in decision.warnings if "metadata." in w] == [
         "metadata.annotations['gpu-fraction-num-devices']: is on the Deployment's own metadata, "
-        "which its pods do not get, so they ask for no GPU share: put it on "
-        "spec.template.metadata.annotations",
+        "which no pod gets, so it asks for nothing: put it on the annotations of the pod "
+        "template whose pods are to ask for it (spec.template.metadata.annotations for this "
+        "one)",
         "spec.template.metadata.labels['gpu-memory']: must be an annotation, not a label: GPU "
-        "sharing is asked for with annotations only, so the pod asks for no GPU share; put it "
-        "on spec.template.metadata.annotations"]
+        "sharing is asked for with annotations only, so this key asks for nothing; put it on "
+        "spec.template.metadata.annotations"]
 
 
 # -- R10-3: plan's bad flag values are usage errors -------------------------------------------
