@@ -29,10 +29,17 @@ def warning_lines(warnings: tuple[str, ...], bound: bool) -> tuple[str, ...]:
 def annotated(report: Report, warned: Mapping[str, tuple[str, ...]],
               bound: Collection[str]) -> Report:
     """The report with the admission warnings of each pod (`warned`, by `namespace/name`) among
-    its rows' warnings, and a note when the demo bound pods (`bound`) to a node whose condition
-    is not True."""
+    the warnings of its first row, and a note when the demo bound pods (`bound`) to a node whose
+    condition is not True."""
+    said: set[str] = set()
+
     def row(r: Row) -> Row:
+        """A pod's warnings under its first row only (a pod of several containers or GPUs has
+        several rows, and its warnings are the pod's)."""
         pod = f"{r.namespace}/{r.pod}"
+        if pod in said:
+            return r
+        said.add(pod)
         extra = warning_lines(warned.get(pod, ()), pod in bound)
         return replace(r, warnings=(*r.warnings, *extra)) if extra else r
 
