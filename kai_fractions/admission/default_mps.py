@@ -10,7 +10,13 @@ CUDA_MPS_PIPE_DIRECTORY, so the mount is unused. The pod keeps working either wa
 webhooks admit it with a warning (the same text from each: the API server passes a repeated
 warning on once) that names the key asking kai_fractions for sm-sharing; the workloads webhook
 says it of a template, where the user applying it sees it (a pod's warnings go to whoever
-creates the pod, a controller for a Deployment's).
+creates the pod, a controller for a Deployment's), when the template brings it.
+
+The host directory a hostPath mount brings is its path joined with its subPath, as the node
+resolves it; a subPathExpr's is known only on the node, so such a mount warns only at the
+default directory itself. A parent of the host's directory mounted where it is (the host's
+/tmp at /tmp, mostly scratch space) warns only a time-slicing container: an sm-sharing one's
+CUDA never looks there.
 """
 
 from __future__ import annotations
@@ -63,46 +69,48 @@ def default_mps_warnings(spec: Any, request: PodRequest, keys: k.Keys) -> tuple[
     for share in request.shares:
         for c in _named(spec, share.container):
             mounts = [m for m in _list(c.get("volumeMounts")) if isinstance(m, Mapping)]
-            found = next((m for m in mounts if _reaches(m, host)), None)
+            found = next((what for m in mounts
+                          if (what := _what(m, host, share.compute_mode)) is not None), None)
             if found is not None:
-                out.append(_warning(share.container, found, host, share.compute_mode, keys))
+                out.append(_warning(share.container, found, share.compute_mode, keys))
     return tuple(out)
 
 
-def _reaches(mount: Mapping[str, Any], host: Mapping[str, str]) -> bool:
-    """Whether CUDA in the container finds something at the default directory through this
-    mount (any volume there), or the mount brings the host's default directory: a hostPath of
-    it (with its subPath) mounted anywhere, or one of its parents mounted where that parent is
-    (the host's /tmp at /tmp shows the host's /tmp/nvidia-mps at /tmp/nvidia-mps)."""
-    at = _cleaned(str(mount.get("mountPath") or ""))
-    if at == DEFAULT_MPS_PIPE_DIRECTORY:
-        return True
+def _host_source(mount: Mapping[str, Any], host: Mapping[str, str]) -> str | None:
+    """The host directory the mount brings, as the node resolves it (its volume's path joined
+    with its subPath); None for a volume that is no hostPath, or a subPathExpr, whose value
+    only the node knows."""
     path = host.get(str(mount.get("name")))
-    if path is None:
-        return False
-    source = posixpath.join(path, str(mount.get("subPath") or ""))
-    if hostpaths.canonical(source) == DEFAULT_MPS_PIPE_DIRECTORY:
-        return True
-    below = posixpath.relpath(DEFAULT_MPS_PIPE_DIRECTORY, at)
-    return not below.startswith("..") and hostpaths.canonical(
-        posixpath.join(source, below)) == DEFAULT_MPS_PIPE_DIRECTORY
+    if path is None or mount.get("subPathExpr"):
+        return None
+    return hostpaths.canonical(posixpath.join(path, str(mount.get("subPath") or "")))
 
 
-def _warning(container: str, mount: Mapping[str, Any], host: Mapping[str, str],
-             mode: ComputeMode, keys: k.Keys) -> str:
+def _what(mount: Mapping[str, Any], host: Mapping[str, str], mode: ComputeMode) -> str | None:
+    """What the mount brings to CUDA's default directory, in the warning's words; None when
+    nothing worth a warning. Any volume at the default directory: CUDA finds whatever it holds.
+    The host's default directory mounted anywhere. One of its parents mounted where that parent
+    is (the host's /tmp at /tmp shows the host's /tmp/nvidia-mps at /tmp/nvidia-mps), but only
+    for a time-slicing container: an sm-sharing one's CUDA uses its injected
+    CUDA_MPS_PIPE_DIRECTORY, and such a mount is mostly scratch space, not unused."""
     at = str(mount.get("mountPath") or "")
-    path = host.get(str(mount.get("name")))
-    if path is not None and _cleaned(at) != DEFAULT_MPS_PIPE_DIRECTORY and hostpaths.canonical(
-            posixpath.join(path, str(mount.get("subPath") or ""))) != DEFAULT_MPS_PIPE_DIRECTORY:
-        # a parent of it, where that parent is
-        what = (f"the host's {shown(path)} at {shown(at)} and with it the host's "
-                f"{shown(DEFAULT_MPS_PIPE_DIRECTORY)}")
-    elif path is None or hostpaths.canonical(path) != DEFAULT_MPS_PIPE_DIRECTORY:
-        what = shown(at)  # another volume there: what CUDA finds is whatever it holds
-    elif _cleaned(at) == DEFAULT_MPS_PIPE_DIRECTORY:
-        what = f"the host's {shown(path)}"
-    else:
-        what = f"the host's {shown(path)} at {shown(at)}"
+    source = _host_source(mount, host)
+    if _cleaned(at) == DEFAULT_MPS_PIPE_DIRECTORY:
+        return (f"the host's {shown(source)}" if source == DEFAULT_MPS_PIPE_DIRECTORY
+                else shown(at))
+    if source is None:
+        return None
+    if source == DEFAULT_MPS_PIPE_DIRECTORY:
+        return f"the host's {shown(source)} at {shown(at)}"
+    below = posixpath.relpath(DEFAULT_MPS_PIPE_DIRECTORY, _cleaned(at))
+    if (mode is ComputeMode.SM_SHARING or below.startswith("..")
+            or hostpaths.canonical(posixpath.join(source, below)) != DEFAULT_MPS_PIPE_DIRECTORY):
+        return None
+    return (f"the host's {shown(source)} at {shown(at)} and with it the host's "
+            f"{shown(DEFAULT_MPS_PIPE_DIRECTORY)}")
+
+
+def _warning(container: str, what: str, mode: ComputeMode, keys: k.Keys) -> str:
     key = f"{keys.container(container, k.COMPUTE_MODE)}: {ComputeMode.SM_SHARING}"
     then = (f"it is unused: its CUDA_MPS_PIPE_DIRECTORY points at kai_fractions' daemon ({key}); "
             "remove the mount" if mode is ComputeMode.SM_SHARING else

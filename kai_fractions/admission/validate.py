@@ -19,7 +19,9 @@ scheduling). No `exec` or `attach` may join the gate container while it waits. A
 container that mounts CUDA's default MPS pipe directory is admitted with a warning
 (`default_mps`), when its pod is created and on a workload's template; so is a workload with a
 GPU-sharing key where its pods do not get it (`contract.misplaced_keys`: on its own metadata, or
-as a label), for the workloads the webhook is sent (a template with a key where pods get it).
+as a label), for the workloads the webhook is sent (a template with a key where pods get it). A
+workload's UPDATE gives only the warnings its old object did not (a ReplicaSet is updated on
+each scale).
 """
 
 from __future__ import annotations
@@ -31,10 +33,9 @@ from ..contract import (
     ComputeMode,
     ManifestError,
     PodRequest,
-    PodView,
+    PodSpecAt,
     parse_pod,
     pod_specs,
-    pod_views,
     view_from_pod_spec,
 )
 from ..contract import keys as k
@@ -185,8 +186,16 @@ def _validate_binding(request: Mapping[str, Any], config: AdmissionConfig) -> De
     return deny(denial_text(problems)) if problems else allow()
 
 
-def _template_view(obj: Any) -> PodView | None:
-    return next(iter(pod_views(obj)), None) if isinstance(obj, Mapping) else None
+def _template(obj: Any) -> PodSpecAt | None:
+    return next(iter(pod_specs(obj)), None) if isinstance(obj, Mapping) else None
+
+
+def _workload_warnings(found: PodSpecAt, parsed: PodRequest, keys: k.Keys) -> tuple[str, ...]:
+    """A template's warnings: the pods' own (they go to the controller that creates them: the
+    user sees these), a mount at CUDA's default MPS pipe directory, misplaced keys."""
+    return (*(str(w) for w in parsed.warnings), *default_mps_warnings(found.spec, parsed, keys),
+            *(str(w) for w in misplaced_keys(found.view, found.path, found.owner_annotations,
+                                             keys)))
 
 
 def _validate_workload(request: Mapping[str, Any], config: AdmissionConfig) -> Decision:
@@ -198,12 +207,13 @@ def _validate_workload(request: Mapping[str, Any], config: AdmissionConfig) -> D
         obj = {**obj, "metadata": {**(obj.get("metadata") or {}), "namespace": namespace}}
     found = next(iter(pod_specs(obj)), None) if isinstance(obj, Mapping) else None
     try:
-        old_view = _template_view(old_obj)
+        old_found = _template(old_obj)
     except ManifestError as e:
         raise ManifestError(f"request.oldObject.{e}") from None
     if found is None:
         return allow()
     view = found.view
+    old_view = old_found.view if old_found is not None else None
     old_annotations = dict(old_view.annotations) if old_view is not None else {}
     problems = [f"{key}: a pod template may not carry a protected key; the binder writes it "
                 "on each pod after scheduling"
@@ -212,11 +222,12 @@ def _validate_workload(request: Mapping[str, Any], config: AdmissionConfig) -> D
     new = parse_pod(view, config.keys)
     old = parse_pod(old_view, config.keys) if old_view is not None else None
     problems += _new_errors(new, old)
-    # The pods' own warnings go to the controller that creates them: the user sees these.
-    warnings = tuple(str(w) for w in new.warnings) + default_mps_warnings(
-        found.spec, new, config.keys)
-    warnings += tuple(str(w) for w in misplaced_keys(view, found.path, found.owner_annotations,
-                                                     config.keys))
+    warnings = _workload_warnings(found, new, config.keys)
+    if old_found is not None and old is not None:
+        # Said when their cause comes, not on each update: the deployment controller updates
+        # a ReplicaSet on every scale, and each answer's warnings end in its log.
+        said = set(_workload_warnings(old_found, old, config.keys))
+        warnings = tuple(w for w in warnings if w not in said)
     if problems:
         return deny("; ".join(problems), code=422, reason="Invalid", warnings=warnings)
     return allow(warnings=warnings)

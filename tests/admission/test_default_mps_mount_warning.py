@@ -159,3 +159,63 @@ def test_a_parent_mounted_elsewhere_is_no_concern() -> None:
     obj["spec"]["volumes"] = [{"name": "mps", "hostPath": {"path": "/tmp"}}]
     obj["spec"]["containers"][0]["volumeMounts"] = [{"name": "mps", "mountPath": "/host-tmp"}]
     assert mps_warnings(both_webhooks(obj)[0]) == []
+
+
+def _mounting(volume: dict[str, Any], mount: dict[str, Any]) -> dict[str, Any]:
+    """Upstream's example with its volume and mount replaced."""
+    obj = upstream_mps_example()
+    obj["spec"]["volumes"] = [{"name": "mps", **volume}]
+    obj["spec"]["containers"][0]["volumeMounts"] = [{"name": "mps", **mount}]
+    return obj
+
+
+def test_a_mount_with_a_subpath_expression_warns_only_at_the_default_directory() -> None:
+    """Before: the host's /tmp at /tmp with `subPathExpr: $(POD_NAME)` (a per-pod scratch
+    directory under the host's /tmp) was warned as bringing the host's /tmp/nvidia-mps, which
+    it does not. Now: its host side is known only on the node, so only a mount at
+    /tmp/nvidia-mps itself warns."""
+    scratch = _mounting({"hostPath": {"path": "/tmp"}},
+                        {"mountPath": "/tmp", "subPathExpr": "$(POD_NAME)"})
+    assert mps_warnings(sum(both_webhooks(scratch), ())) == []
+    there = _mounting({"hostPath": {"path": "/tmp"}},
+                      {"mountPath": "/tmp/nvidia-mps", "subPathExpr": "$(POD_NAME)"})
+    [warning] = mps_warnings(both_webhooks(there)[0])
+    assert warning.startswith("container 'gpu-workload' mounts '/tmp/nvidia-mps', CUDA's "
+                              "default MPS pipe directory"), warning
+
+
+def test_an_sm_sharing_container_with_the_hosts_tmp_at_tmp_is_not_warned() -> None:
+    """Before: an sm-sharing container with the host's /tmp at /tmp (a scratch mount) was told
+    the mount was unused and to remove it: wrong, CUDA there uses kai_fractions' injected pipe
+    directory, and removing the mount breaks the scratch space. Now: no warning; the host's
+    /tmp/nvidia-mps itself, mounted anywhere, still warns."""
+    obj = pod(dict(SM), volumes=[{"name": "t", "hostPath": {"path": "/tmp"}}])
+    obj["spec"]["containers"][0]["volumeMounts"] = [{"name": "t", "mountPath": "/tmp"}]
+    assert mps_warnings(sum(both_webhooks(obj), ())) == []
+    obj["spec"]["volumes"].append({"name": "mps", "hostPath": {"path": "/tmp/nvidia-mps"}})
+    obj["spec"]["containers"][0]["volumeMounts"].append({"name": "mps", "mountPath": "/mps"})
+    mutating, validating = both_webhooks(obj)
+    [warning] = mps_warnings(mutating)
+    assert mps_warnings(validating) == [warning]
+    assert warning.startswith("container 'main' mounts the host's '/tmp/nvidia-mps' at '/mps', "
+                              "CUDA's default MPS pipe directory"), warning
+    assert "unused" in warning
+
+
+@pytest.mark.parametrize(("volume", "mount", "mounts"), [
+    ({"hostPath": {"path": "/tmp"}}, {"mountPath": "/mps", "subPath": "nvidia-mps"},
+     "the host's '/tmp/nvidia-mps' at '/mps', CUDA's default MPS pipe directory"),
+    ({"hostPath": {"path": "/tmp"}}, {"mountPath": "/tmp/nvidia-mps", "subPath": "nvidia-mps"},
+     "the host's '/tmp/nvidia-mps', CUDA's default MPS pipe directory"),
+    ({"hostPath": {"path": "/"}}, {"mountPath": "/tmp", "subPath": "tmp"},
+     "the host's '/tmp' at '/tmp' and with it the host's '/tmp/nvidia-mps', CUDA's default MPS "
+     "pipe directory"),
+])
+def test_a_subpath_is_part_of_the_host_directory_named(volume, mount, mounts) -> None:
+    """Before: a subPath reaching the default directory was worded from the volume's path
+    alone: "mounts '/mps', CUDA's default MPS pipe directory" (the host's /tmp with subPath
+    nvidia-mps at /mps), "the host's '/' at '/tmp'" (the host's / with subPath tmp). Now: the
+    host directory named is the volume's path joined with the subPath, as the node resolves
+    it. (The mutating webhook's warning: the validating one refuses the host's `/`.)"""
+    [warning] = mps_warnings(mutate(request(_mounting(volume, mount)), CONFIG).warnings)
+    assert warning.startswith(f"container 'gpu-workload' mounts {mounts}: "), warning
