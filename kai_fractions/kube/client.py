@@ -116,7 +116,7 @@ class Kube:
             raise
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             self.observe(method, "unreachable")
-            raise unreachable(what, e) from None
+            raise unreachable(what, e, sent=not _no_connection(e)) from None
         except ValueError as e:  # aiohttp refused to send it (a header): a KubeError too
             raise not_sent(what, e, sent) from None
 
@@ -142,7 +142,7 @@ class Kube:
                                       response.headers.get("Retry-After"))
             except (aiohttp.ClientError, OSError, TimeoutError) as e:
                 self.observe("WATCH", "unreachable")
-                raise unreachable(what, e) from None
+                raise unreachable(what, e, sent=not _no_connection(e)) from None
             except ValueError as e:
                 raise not_sent(what, e, sent) from None
             yield _lines(response.content, what)
@@ -171,7 +171,7 @@ class Kube:
                 await refreshing.refresh(self.request_timeout if timeout is None else timeout)
             headers = auth_headers(self.api_client, method, path, data)
         except CredentialError as e:
-            raise Transient(f"{what}: {e}", answer=str(e)) from None
+            raise Transient(f"{what}: {e}", answer=str(e), sent=False) from None
         point = self.endpoint
         if point.proxy and point.tls is None and point.proxy_headers:
             # aiohttp sends proxy headers only with a CONNECT (an https server); a plain-http
@@ -189,6 +189,14 @@ class Kube:
         refreshing = self.api_client.configuration.refresh_api_key_hook
         if status == 401 and isinstance(refreshing, ExecCredential):
             refreshing.refused(sent.get("authorization"))
+
+
+def _no_connection(error: BaseException) -> bool:
+    """Whether `error` is a connection that could not be made (refused, no route, a name
+    that does not resolve, a TLS handshake or a proxy that failed): the request was never
+    sent. Anything else may come after it was (a reset, a timeout, which may also fire while
+    connecting, so it counts as sent)."""
+    return isinstance(error, aiohttp.ClientConnectorError | ConnectionRefusedError)
 
 
 def _keepalive_socket(address: tuple[Any, ...]) -> socket.socket:

@@ -67,9 +67,27 @@ class Forbidden(KubeError):
 
 class Transient(KubeError):
     """Worth trying again: throttled (429), timed out (408), a server error (5xx), or no
-    answer at all (refused, reset, timed out connections)."""
+    answer at all (refused, reset, timed out connections). `sent` is False when the request
+    never left this end (no connection could be made, no credentials could be had)."""
 
     reason = "Unavailable"
+
+    def __init__(self, message: str, status: int | None = None,
+                 retry_after: float | None = None, *, answer: str | None = None,
+                 detail: str | None = None, sent: bool = True) -> None:
+        super().__init__(message, status, retry_after, answer=answer, detail=detail)
+        self.sent = sent
+
+    @property
+    def may_have_applied(self) -> bool:
+        """Whether the server may have acted on the request (a write may have landed): not
+        when it was never sent, nor when it was throttled (429: an API server's flow control
+        refuses a request before any handler runs). A timeout or a reset after sending loses
+        the answer to whatever the server did; a 5xx or a 408 says that the server, or a
+        proxy in front of it, gave up, not that nothing was done (an API server's 504 leaves
+        its handler running, a 500 may follow an etcd write that timed out, a proxy's 502 or
+        504 may come after it forwarded the request)."""
+        return self.sent and self.status != THROTTLED
 
 
 class BadAnswer(KubeError):
@@ -99,6 +117,8 @@ class DeadlineExceeded(KubeError):
 
     reason = "DeadlineExceeded"
 
+
+THROTTLED = 429
 
 _BY_STATUS: dict[int, type[KubeError]] = {
     401: Forbidden, 403: Forbidden, 404: NotFound, 408: Transient, 409: Conflict, 410: Gone,
@@ -135,11 +155,12 @@ def refused(what: str, status: int, reason: str | None = None, body: str | bytes
     return cls(f"{what}: {answer}", status, hint, answer=answer, detail=detail)
 
 
-def unreachable(what: str, error: BaseException) -> Transient:
-    """The error for a request that got no answer (the connection failed or timed out)."""
+def unreachable(what: str, error: BaseException, *, sent: bool = True) -> Transient:
+    """The error for a request that got no answer (the connection failed or timed out);
+    `sent=False` when the transport knows that the request never left (no connection)."""
     answer = ("no answer in time" if isinstance(error, TimeoutError)
               else f"{type(error).__name__}: {error}")
-    return Transient(f"{what}: {answer}", answer=answer)
+    return Transient(f"{what}: {answer}", answer=answer, sent=sent)
 
 
 def not_sent(what: str, error: ValueError, headers: Mapping[str, str]) -> NotSent:

@@ -5,9 +5,10 @@ A write is ONE JSON merge patch of `metadata.annotations` that carries `metadata
 `metadata.resourceVersion`: a real API server refuses it when the pod was recreated (uid is
 immutable: 422) or changed since it was read (409), so a set of keys is never half-written and
 never lands on the wrong pod. Every request gets a timeout bounded by the caller's deadline, and
-transient failures are retried (`kube.retry`). A retried write refused 409 says that the try
-before it may have landed (`WriteConflict.may_have_landed`): a lost answer, then the retry meets
-its own write's version.
+transient failures are retried (`kube.retry`). A retried write refused 409 says that a try
+before it may have landed (`WriteConflict.may_have_landed`) when one may have: a lost answer,
+then the retry meets its own write's version. A try throttled (429) or never sent (no
+connection) cannot have landed, and says nothing of the sort.
 """
 
 from __future__ import annotations
@@ -111,9 +112,10 @@ class KubePodStore:
         body = annotation_patch(changes, uid=uid, resource_version=resource_version)
         tries = 0
         last: kerr.Transient | None = None  # the last try's failure
+        applied: kerr.Transient | None = None  # the last failure the server may have applied
 
         async def once(timeout: float) -> Any:
-            nonlocal tries, last
+            nonlocal tries, last, applied
             # Checked before every try: see MIN_WRITE_BUDGET. `retrying` gives a retry up
             # before its wait when the wait would leave less; this catches a wait that ran
             # late. Raised as the deadline's own error, so `retrying` ends there.
@@ -131,6 +133,8 @@ class KubePodStore:
                     content_type=MERGE_PATCH, timeout=timeout, headers=self.write_headers)
             except kerr.Transient as e:
                 last = e
+                if e.may_have_applied:
+                    applied = e
                 raise
 
         try:
@@ -143,13 +147,15 @@ class KubePodStore:
             # A try went out: say so (the class, so the status, stays as it was).
             raise type(e)(f"{e}; {MAY_HAVE_LANDED}") from None
         except WriteConflict as e:
-            if last is None:
+            if applied is None:
+                # The first try, or retries after tries the server did not apply (a 429, a
+                # connection refused): another writer moved the version.
                 raise
-            # A retry refused for the version it carries, after a try that failed (its
-            # answer lost, or a server error): that try may be what moved the version (the
-            # service's re-read tells).
-            raise WriteConflict(f"{e} (refused a retry: the try before it failed, "
-                                f"{last.answer}, and may have landed)",
+            # A retry refused for the version it carries, after a try that failed in a way
+            # that may have applied it (its answer lost, a server error): that try may be
+            # what moved the version (the service's re-read tells).
+            raise WriteConflict(f"{e} (refused a retry: a try before it failed, "
+                                f"{applied.answer}, and may have landed)",
                                 may_have_landed=True) from None
         except ApiRejected as e:
             if self.write_headers or KAI_BINDER_ONLY not in str(e):

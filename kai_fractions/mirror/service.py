@@ -5,7 +5,9 @@ Every write is ONE merge patch guarded by the pod's uid and resourceVersion. A w
 (someone changed the pod since it was read) re-reads the pod and recomputes, a bounded number of
 times: the decision is re-applied to the pod as it now is, never blindly replayed. A conflict
 met by the store's retry of a write whose answer was lost may be that very write: when the
-re-read pod carries all it held, the call answers as the write would have (`changed`).
+write was computed from a pod read from the API and the re-read pod carries all it held, the
+call answers as the write would have (`changed`). A write computed from the cache proves
+nothing: the cached pod may have lagged the same call's write by another replica.
 
 With a PodCache the first try computes from the cached pod and guards the write with its
 resourceVersion, saving the read; a stale entry costs one refused write and a re-read, and an
@@ -106,9 +108,9 @@ class _Refused:
     """A write its precondition refused: the caller re-reads and recomputes."""
 
     lost: Mapping[str, str | None] | None = None
-    """The changes the write held when a try of it got no answer and may have landed
-    (WriteConflict.may_have_landed), else None: a re-read pod that carries them all carries
-    this call's write, whose answer was lost."""
+    """The changes the write held when a try of it may have landed, its answer lost
+    (WriteConflict.may_have_landed), and the write was computed from a pod read from the API;
+    else None: a re-read pod that carries them all carries this call's write."""
 
     def landed(self, pod: PodSnapshot) -> bool:
         return self.lost is not None and stored_otherwise(pod, self.lost) is None
@@ -233,7 +235,7 @@ class MirrorService:
                 if planned is None or (not planned[1].changes and not fresh):
                     # Never refuse, nor answer "nothing to write", from the cache: what it
                     # holds may be stale. Only the API server's copy decides those.
-                    pod = await self._get(ns, name, allocation.pod_uid, deadline)
+                    pod, fresh = await self._get(ns, name, allocation.pod_uid, deadline), True
                     planned = self._plan_write(pod, allocation, decision, idempotency_key,
                                                replace, final=True)
                 assert planned is not None  # final=True raises instead
@@ -254,8 +256,12 @@ class MirrorService:
                                             allocation.pod_uid)
                 if isinstance(written, _Refused):
                     # A repeat's write (the record's new key alone) answers changed=False
-                    # whether or not it landed.
-                    refused = _NOT_LOST if patch.repeat else written
+                    # whether or not it landed. A write from a cached pod met by a 409 proves
+                    # nothing of its own: where the cache lagged another replica's write of
+                    # this same call (KAI's retry after that one's answer was lost), the
+                    # stale write was refused and the retry met that replica's version, which
+                    # the re-read shows as this call's allocation.
+                    refused = written if fresh and not patch.repeat else _NOT_LOST
                     continue
                 # Queued, the line is written once this task has handed its answer back (a
                 # write to stderr is not worth a caller's wait).

@@ -99,10 +99,12 @@ class WriteConflict(MirrorError):
     """409: the pod changed since it was read (resourceVersion) or is another pod (uid).
     The caller re-reads and recomputes; it is never passed on to a scheduler as is.
 
-    `may_have_landed`: an earlier try of this same write failed transiently (a timeout or a
-    reset loses the answer to a PATCH the API server applied), so the change of version that
-    refused the retry may be this write's own. The caller's re-read tells: a pod that carries every
-    change the write held. False from a store that sends a write once."""
+    `may_have_landed`: an earlier try of this same write failed in a way the API server may
+    have applied it (a timeout or a reset loses the answer to a PATCH it applied; a 5xx may
+    follow one), so the change of version that refused the retry may be this write's own. The
+    caller's re-read tells: a pod that carries every change the write held. False after tries
+    that cannot have landed (throttled: 429; never sent: no connection), and from a store that
+    sends a write once."""
 
     def __init__(self, message: str, *, may_have_landed: bool = False) -> None:
         super().__init__(message)
@@ -150,7 +152,8 @@ class PodStore(Protocol):
         """ONE merge patch of metadata.annotations (None deletes a key), guarded by the pod's
         uid and, when not "", its resourceVersion: raises WriteConflict / WriteInvalid when the
         server refuses the precondition (WriteConflict.may_have_landed when a retry of the
-        write was refused after a try that failed transiently). Returns the pod as written."""
+        write was refused after a try that failed and may have been applied). Returns the pod
+        as written."""
         ...
 
     async def node_labels(self, node: str, deadline: Deadline = NO_DEADLINE

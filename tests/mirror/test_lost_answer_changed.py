@@ -11,18 +11,24 @@ answered as before.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import random
+import socket
 from dataclasses import replace
 
 import grpc
 import pytest
+from kubernetes import client as k8s
 
 from kai_fractions.api.v1 import allocation_pb2 as pb
 from kai_fractions.kube import errors as kerr
+from kai_fractions.kube.client import Kube
 from kai_fractions.kube.retry import Backoff
 from kai_fractions.mirror.decision import AllocationInput
 from kai_fractions.mirror.kube_store import KubePodStore
+from kai_fractions.mirror.pod_cache import PodCache
 from kai_fractions.mirror.record import MIRRORED_ANNOTATION
 from kai_fractions.mirror.service import MirrorService
 from kai_fractions.mirror.store import PodSnapshot, WriteConflict
@@ -142,7 +148,7 @@ async def test_a_retry_refused_409_after_a_lost_answer_may_be_the_writes_own():
     it does (may_have_landed), and its message says why."""
     conflict = await conflict_from("lost", "409")
     assert conflict.may_have_landed is True
-    assert "the try before it failed, no answer in time, and may have landed" in str(conflict)
+    assert "a try before it failed, no answer in time, and may have landed" in str(conflict)
 
 
 async def test_a_409_to_the_first_try_is_another_writers():
@@ -257,3 +263,197 @@ async def test_the_service_answers_a_release_met_by_its_retry_as_done_by_it(stor
     assert released.changed is True and DEVICES in released.removed_keys
     again = await service.release(NS, POD, UID, idempotency_key="release-1")
     assert (again.changed, again.removed_keys) == (False, ())
+
+
+# -- only a try the API server may have applied makes a 409 the write's own ------------------
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def connection_refused(what: str) -> kerr.Transient:
+    """What the real client raises for a request to a port nobody listens on: the connection
+    is refused, the request never sent."""
+    kube = Kube(k8s.ApiClient(k8s.Configuration(host=f"http://127.0.0.1:{closed_port()}")))
+    try:
+        await kube.request("PATCH", "/api/v1/namespaces/ns/pods/p", what=what, body=b"{}")
+    except kerr.Transient as e:
+        return e
+    finally:
+        await kube.close()
+        kube.api_client.close()
+    raise AssertionError("a closed port answered")
+
+
+async def test_the_client_says_which_failures_the_server_may_have_applied():
+    """Before: every transient failure looked alike. Now a refused connection says it was not
+    sent, and a 429 that the server did not apply it; a lost answer and a 5xx may have been
+    applied."""
+    refused = await connection_refused("patch pod ns/p")
+    assert (refused.sent, refused.may_have_applied) == (False, False)
+    assert kerr.refused("x", 429, "TooManyRequests").may_have_applied is False
+    for status in (500, 502, 503, 504):
+        assert kerr.refused("x", status, "Error").may_have_applied is True
+    for error in (TimeoutError(), ConnectionResetError(104, "Connection reset by peer")):
+        assert kerr.unreachable("x", error).may_have_applied is True
+
+
+async def scripted_conflict(*script: str) -> WriteConflict:
+    """`conflict_from`, where "refused" is a connection the real client found refused,
+    "429" a throttled try and "500" a server error."""
+    store = KubePodStore(FailingFirst(*script), backoff=Backoff(attempts=4, base=0.001),
+                         clock=FakeClock(), rng=random.Random(0))
+    with pytest.raises(WriteConflict) as info:
+        await store.patch_annotations("ns", "p", {"a": "1"}, uid="u", resource_version="3")
+    return info.value
+
+
+class FailingFirst(ScriptedPatches):
+    async def request(self, method, path, *, what, **kw):
+        step = self.script[0]
+        if step == "refused":
+            self.script.pop(0)
+            raise await connection_refused(what)
+        if step.isdigit() and step != "409":
+            self.script.pop(0)
+            raise kerr.refused(what, int(step), "Failure", b'{"message":"injected"}')
+        return await super().request(method, path, what=what, **kw)
+
+
+@pytest.mark.parametrize("first", ["429", "refused"])
+async def test_a_409_after_a_try_the_server_did_not_apply_is_another_writers(first):
+    """Before: a 409 after a throttled try (429: the API server's flow control refuses before
+    any handler runs) or a refused connection (never sent) said the write may have landed,
+    and the call answered changed=true for another replica's write. Now it does not."""
+    conflict = await scripted_conflict(first, "409")
+    assert conflict.may_have_landed is False
+    assert "may have landed" not in str(conflict)
+
+
+@pytest.mark.parametrize("script", [("500", "409"), ("lost", "429", "409"),
+                                    ("lost", "refused", "409")])
+async def test_a_409_after_any_try_the_server_may_have_applied_may_be_the_writes_own(script):
+    """A 5xx may follow a write the server made (a 504 leaves its handler running), and a
+    lost answer stays a possible landing however the tries after it failed."""
+    conflict = await scripted_conflict(*script)
+    assert conflict.may_have_landed is True
+
+
+class PodApi:
+    """One pod behind a scripted API server: guarded merge patches of its annotations, each
+    PATCH first meeting the next of `faults`: "twin" (another replica's identical PATCH
+    lands first, then this one goes on), "429" (throttled, not applied), "refused" (the
+    connection refused: never sent), "lost" (the server acts on it, applying it or refusing
+    it 409, and the answer is lost: a timeout), "reset" (likewise, the connection reset)."""
+
+    def __init__(self, *faults: str) -> None:
+        self.obj = {"metadata": {"name": POD, "namespace": NS, "uid": UID,
+                                 "resourceVersion": "1",
+                                 "annotations": {"gpu-fraction": "0.5"}},
+                    "spec": {"containers": [{"name": "trainer"}]}}
+        self.faults = list(faults)
+        self.log: list[str] = []
+
+    def snapshot(self) -> PodSnapshot:
+        return PodSnapshot.from_object(copy.deepcopy(self.obj))
+
+    def _apply(self, body: dict) -> dict:
+        meta = self.obj["metadata"]
+        if body["metadata"].get("resourceVersion") not in (None, meta["resourceVersion"]):
+            self.log.append("409")
+            raise kerr.refused("patch", 409, "Conflict", b'{"message":"the object has been '
+                                                         b'modified"}')
+        for key, value in body["metadata"]["annotations"].items():
+            if value is None:
+                meta["annotations"].pop(key, None)
+            else:
+                meta["annotations"][key] = value
+        meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)
+        self.log.append("applied")
+        return copy.deepcopy(self.obj)
+
+    async def request(self, method, path, *, what, body=None, **_):
+        if method == "GET" and "/nodes/" in path:
+            return {"metadata": {"name": "node-1", "uid": "n", "labels": {}}}
+        if method == "GET":
+            return copy.deepcopy(self.obj)
+        patch = json.loads(body)
+        fault = self.faults.pop(0) if self.faults else ""
+        if fault == "twin":
+            self._apply(patch)
+            fault = self.faults.pop(0) if self.faults else ""
+        if fault == "429":
+            self.log.append("429")
+            raise kerr.refused(what, 429, "TooManyRequests", b'{"message":"throttled"}')
+        if fault == "refused":
+            self.log.append("refused")
+            raise await connection_refused(what)
+        if fault in ("lost", "reset"):
+            with contextlib.suppress(kerr.Conflict):
+                self._apply(patch)
+            raise kerr.unreachable(what, TimeoutError() if fault == "lost" else
+                                   ConnectionResetError(104, "Connection reset by peer"))
+        return self._apply(patch)
+
+    async def close(self) -> None:
+        pass
+
+
+def service_over(api: PodApi, cache: PodCache | None = None) -> MirrorService:
+    store = KubePodStore(api, backoff=Backoff(attempts=3, base=0.001), clock=FakeClock(),
+                         rng=random.Random(0))
+    return MirrorService(store, clock=FakeClock(), cache=cache)
+
+
+@pytest.mark.parametrize("first", ["429", "refused"])
+async def test_a_call_whose_write_the_server_never_applied_answers_unchanged(first):
+    """Before: the twin replica's identical write landed, this call's PATCH was throttled
+    (429) or its connection refused, the retry met the twin's version (409), and this call
+    answered changed=true though it wrote nothing. Now changed=false."""
+    api = PodApi("twin", first)
+    result = await service_over(api).mirror(allocation(), idempotency_key="bind-1")
+    assert api.log == ["applied", first, "409"]
+    assert result.changed is False
+
+
+@pytest.mark.parametrize("lost", ["lost", "reset"])
+async def test_a_call_whose_write_from_a_read_landed_unanswered_still_answers_changed(lost):
+    """The case answered changed=true on purpose: the write, computed from the pod read from
+    the API, landed, its answer lost to a timeout or a reset; the retry met its version."""
+    api = PodApi(lost)
+    result = await service_over(api).mirror(allocation(), idempotency_key="bind-1")
+    assert api.log == ["applied", "409"]
+    assert result.changed is True
+
+
+@pytest.mark.parametrize("first", ["lost", "429"])
+async def test_kais_retry_to_a_replica_whose_cache_lags_the_write_answers_unchanged(first):
+    """Before: replica X wrote the call (changed=true) and its answer was lost to KAI; KAI's
+    retry went to replica Y, whose pod cache still held the pod before X's write. Y's write,
+    computed from that stale pod, was refused 409 with its answer lost (or throttled), the
+    store's retry met X's version, and Y answered changed=true as well. Now Y's write from
+    the cache proves nothing of its own: changed=false."""
+    api = PodApi()
+    stale = api.snapshot()
+    assert (await service_over(api).mirror(allocation(), idempotency_key="bind-1")).changed
+    cache = PodCache()
+    cache.remember(stale)
+    api.faults = [first]
+    again = await service_over(api, cache).mirror(allocation(), idempotency_key="bind-1")
+    assert api.log == ["applied", first if first == "429" else "409", "409"]
+    assert again.changed is False
+
+
+async def test_a_write_from_the_cache_whose_answer_was_lost_answers_unchanged():
+    """The price of the rule above: a write computed from a cached pod that was current, which
+    landed unanswered, looks exactly like Y's (a 409 to the retry, the allocation on the pod):
+    it answers changed=false, as a retry of the call would."""
+    api = PodApi("lost")
+    cache = PodCache()
+    cache.remember(api.snapshot())
+    result = await service_over(api, cache).mirror(allocation(), idempotency_key="bind-1")
+    assert api.log == ["applied", "409"]
+    assert result.changed is False
