@@ -9,7 +9,8 @@ Every replica signs with its own mounted Secret, which the kubelet refreshes in 
 own time: mid-rotation the replicas' key files differ by a step. The ConfigMap therefore only
 moves forward: a replica whose key files are one step ahead of it (a rotation or a retirement)
 writes them, Lease or not, and one whose files are a step behind leaves it while its mount may
-still be catching up (see `Publisher`).
+still be catching up (see `Publisher`). An edit shaped as such a step looks the same, so leaving
+one is a warning.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import NoReturn
 from ..kube.client import STRATEGIC_MERGE_PATCH, Kube
 from ..kube.errors import Conflict, Forbidden, KubeError, NotFound
 from ..kube.objects import configmap_path, configmaps_path
-from ..signing import CURRENT, PREVIOUS, V2, KeyringSource
+from ..signing import CURRENT, PREVIOUS, V2, KeyringSource, SigningConfigError, load_ed25519
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,20 @@ def ahead(newer: dict[str, str], older: dict[str, str]) -> bool:
     return rotated or retired
 
 
+def key_ids(pems: dict[str, str]) -> str:
+    """`current <kid>, previous <kid>` of ConfigMap data, for a log line (an edit may have put
+    anything there)."""
+    named = []
+    for name in (CURRENT, PREVIOUS):
+        if name in pems:
+            try:
+                kid = load_ed25519(pems[name].encode(), what=name).kid
+            except SigningConfigError:
+                kid = "(not an Ed25519 public key)"
+            named.append(f"{name} {kid}")
+    return ", ".join(named) or "no keys"
+
+
 class Publisher:
     """Keeps the ConfigMap saying what the key files say: every round reads it and creates it
     when it is missing, so a deleted ConfigMap (which every node agent mounts, as a required
@@ -53,19 +68,25 @@ class Publisher:
 
     A ConfigMap one step ahead of this replica's key files (see `ahead`: the kubelet has not
     refreshed this pod's Secret yet) is left as it is, by any replica, the Lease's holder too,
-    for up to `catch_up` seconds; it is a difference like any other (below) past that, or at
-    once when this replica last wrote or read those very keys and its own files went back: the
+    for up to `catch_up` seconds from when it first went ahead of these files (a new edit does
+    not start them again); it is a difference like any other (below) past that, or at once
+    when this replica last wrote or read those very keys and its own files went back: the
     Secret itself went back (a rotation undone, a retired `previous` put back), and a key
-    withdrawn from it must not stay trusted on the nodes for good. Any other difference is
-    patched when this replica's own key files changed since it last wrote or read it, except,
-    with leader election (`in_term`), by a replica that does not hold the Lease: that one writes
-    only keys one step ahead of the stored ones (the rotation it saw first: it already signs
-    with the new key, which the nodes need). The Lease's holder also puts back any other
-    difference (an edit); without election a replica never overwrites one merely because it
-    differs. So replicas mid-rotation cannot take turns rewriting it: every write but an edit
-    put back or a Secret gone back is a step forward. Any replica creates a missing one (a
-    create never overwrites: the API refuses it when the ConfigMap exists), so that the agents
-    can start before a leader is elected and while none is.
+    withdrawn from it must not stay trusted on the nodes for good. Leaving it is a warning,
+    once for each stored state: an edit shaped as a rotation (the editor's key as `current`,
+    the real one as `previous`) looks the same, and nodes trust its key meanwhile.
+
+    Any other difference is patched when this replica's own key files changed since it last
+    wrote or read it, except, with leader election (`in_term`), by a replica that does not hold
+    the Lease: that one writes only keys one step ahead of the stored ones (the rotation it saw
+    first: it already signs with the new key, which the nodes need). The Lease's holder also
+    puts back any other difference (an edit, or keys two rotations ahead of its mount: two
+    rotations within a kubelet refresh are not supported); without election a replica never
+    overwrites one merely because it differs. So replicas mid-rotation cannot take turns
+    rewriting it: every write but an edit put back or a Secret gone back is a step forward. Any
+    replica creates a missing one (a create never overwrites: the API refuses it when the
+    ConfigMap exists), so that the agents can start before a leader is elected and while none
+    is.
 
     Without `get` on the ConfigMap (a Role older than the chart's, or a custom one) it is
     written as before reads: patched (created when missing) when the key files change."""
@@ -86,8 +107,9 @@ class Publisher:
         self.monotonic = monotonic
         self._published: dict[str, str] | None = None  # what this replica last wrote or read
         self._told_no_get = False  # the missing `get` is logged once, not every round
-        # (own keys, stored keys, since when) while the stored ones are a step ahead of them
-        self._behind: tuple[dict[str, str], dict[str, str], float] | None = None
+        # (own keys, since when) while the stored ones are a step ahead of them
+        self._behind: tuple[dict[str, str], float] | None = None
+        self._told_ahead: dict[str, str] | None = None  # the stored keys last warned about
         self.ref = f"ConfigMap {namespace}/{name}"
 
     async def publish(self) -> bool:
@@ -121,7 +143,7 @@ class Publisher:
         # The agents read only these two files of the mounted ConfigMap.
         held = {k: v for k, v in (stored.get("data") or {}).items() if k in (CURRENT, PREVIOUS)}
         if held == data:
-            self._published, self._behind = data, None
+            self._published, self._behind, self._told_ahead = data, None, None
             return False
         if self._waits_for_mount(data, held):
             return False
@@ -144,6 +166,12 @@ class Publisher:
                           "key files for longer than a mounted Secret takes to refresh (a "
                           "rotation undone in the Secret, or an edit): updated it to the signing "
                           "public key(s) %s")
+        elif set(held.values()) - set(data.values()):
+            kids = key_ids(held).replace("%", "%%")
+            self._written(data, logging.WARNING, "%s holds keys this replica's key files do not "
+                          f"hold ({kids}: its mount of the signing Secret behind by more than "
+                          "one step, or an edit): updated it again to the signing public "
+                          "key(s) %s")
         else:
             self._written(data, logging.WARNING, "%s was changed since this replica last wrote "
                           "or read it: updated it again to the signing public key(s) %s")
@@ -151,19 +179,30 @@ class Publisher:
 
     def _waits_for_mount(self, data: dict[str, str], held: dict[str, str]) -> bool:
         """Whether the stored keys are a step ahead of this replica's and it leaves them, its
-        mount of the Secret perhaps not refreshed yet (said once, at INFO: not an error)."""
+        mount of the Secret perhaps not refreshed yet (a warning, once for each stored state:
+        an edit shaped as a rotation looks the same)."""
         if not ahead(held, data) or held == self._published:
             # A mount refreshed late only moves forward: keys this replica itself held before
             # its files went back are the Secret going back.
-            self._behind = None
+            self._behind = self._told_ahead = None
             return False
         now = self.monotonic()
-        if self._behind is None or self._behind[:2] != (data, held):
-            self._behind = (data, held, now)
-            log.info("%s holds signing public keys one step ahead of this replica's key files "
-                     "(its mount of the signing Secret is older: the kubelet refreshes it): "
-                     "left as it is", self.ref)
-        return now - self._behind[2] < self.catch_up
+        # The time counts from when the stored keys went ahead of these files: a mount's lag
+        # does not start again when they change again (an edit after an edit).
+        if self._behind is None or self._behind[0] != data:
+            self._behind = (data, now)
+        if held != self._told_ahead:
+            self._told_ahead = held
+            fate = (f"which the Lease's holder puts back after {self.catch_up:g} s"
+                    if self.in_term is not None else
+                    "which without --leader-elect stays until a replica's key files change or the "
+                    "mirror restarts")
+            log.warning("%s holds signing public keys (%s) one step ahead of this replica's "
+                        "key files (%s): a rotation this replica's mount of the signing Secret "
+                        "has not caught up with (the kubelet refreshes it within minutes, and "
+                        "this goes away), or an edit, %s: left as it is", self.ref,
+                        key_ids(held), key_ids(data), fate)
+        return now - self._behind[1] < self.catch_up
 
     async def _write_unread(self, data: dict[str, str], e: Forbidden) -> bool:
         """The write without a read, for a Role without `get` on the ConfigMap: a patch (a
@@ -216,6 +255,7 @@ class Publisher:
         """Remembers what this replica wrote and logs it: `message` takes the ConfigMap and the
         key ids."""
         self._published = data
+        self._behind = self._told_ahead = None  # the stored keys are this replica's own now
         kids = ", ".join(k.kid for k in self.source.current().keys if k.version == V2)
         log.log(level, message, self.ref, kids)
 

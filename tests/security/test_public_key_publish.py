@@ -143,8 +143,9 @@ async def test_an_edited_key_is_put_back_by_the_lease_holder_and_a_retired_one_r
     finally:
         await client.close()
     assert stored_data(kube) == {"current": key.public_pem().decode()}
-    assert "kai-fractions-signing-public was changed since this replica last wrote or read it: " \
-        "updated it again" in caplog.text
+    assert "kai-fractions-signing-public holds keys this replica's key files do not hold " \
+        f"(current {other.kid}, previous {other.kid}: its mount of the signing Secret behind " \
+        "by more than one step, or an edit): updated it again" in caplog.text
 
 
 async def test_without_election_an_edit_is_overwritten_only_when_the_own_keys_change(
