@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..contract import DEFAULT_KEYS, Keys
@@ -22,6 +23,11 @@ DEFAULT_KUBELET_ROOT_DIR = "/var/lib/kubelet"
 included, so no hostPath may reach its `pods` directory (the chart's `webhook.kubeletRootDir`).
 Its siblings (`device-plugins`, `plugins_registry`) stay open to the device plugins that mount
 them."""
+
+_CONDITION = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+"
+                        r"/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+"""A node condition type the node agents may publish: the chart's schema rule for
+`nodeCondition.name`, exactly (a domain prefix, so never one of the kubelet's own types)."""
 
 # Names the mutating webhook puts into a pod. They are reserved: a pod's own definition under
 # one of these names is replaced, and the validating webhook refuses other containers that
@@ -51,6 +57,10 @@ class AdmissionConfig:
     scheduler_name: str = DEFAULT_SCHEDULER_NAME
     """KAI's scheduler: a fractional pod of another is admitted with a warning (it would wait in
     its gate for ever, `contract.scheduler`); "" warns of none."""
+    condition_name: str = k.NODE_CONDITION
+    """The node condition the node agents publish (the chart's `nodeCondition.name`): the gate
+    names it where it says the agent's reason is. Passed to the gate only when it is not the
+    default, so a default install wires the gate as it always did."""
 
     @property
     def kubelet_pods_dir(self) -> str:
@@ -78,6 +88,11 @@ class AdmissionConfig:
         if self.runtime_class and not is_dns_subdomain(self.runtime_class):
             raise ValueError(f"runtime_class: {self.runtime_class!r} is not a RuntimeClass name "
                              "(lower-case letters, digits, '-' and '.')")
+        if not _CONDITION.fullmatch(self.condition_name):
+            raise ValueError(f"condition_name: {self.condition_name!r} is not a node condition "
+                             "type with a domain prefix (such as example.com/Ready: a DNS "
+                             "subdomain with a dot, a slash, then letters, digits, '-', '_' and "
+                             "'.', starting and ending with a letter or digit)")
         for name in ("marker_host_dir", "mps_pipe_host_dir", "agent_socket_host_dir",
                      "kubelet_root_dir"):
             value = getattr(self, name)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..contract import ComputeMode, Keys, env_sources
-from ..contract.keys import MPS_NAMESPACE_PREFIX
+from ..contract.keys import MPS_NAMESPACE_PREFIX, NODE_CONDITION
 from ..contract.plan import mps_pipe_directory
 from ..gate import paths
 from .config import (
@@ -43,6 +43,8 @@ def enforced_env(container: str, mode: ComputeMode, keys: Keys) -> list[dict[str
 
 def gate_command(config: AdmissionConfig, containers: Sequence[str],
                  init_containers: Sequence[str]) -> list[str]:
+    """The gate's command. `--condition-name` only for a condition other than the default: a
+    default install's gates stay as earlier webhooks wired them (`wiring` holds them exact)."""
     command = [
         "kai-fractions", "gate",
         "--marker-dir", paths.MARKER_DIR,
@@ -53,6 +55,8 @@ def gate_command(config: AdmissionConfig, containers: Sequence[str],
     ]
     if init_containers:
         command += ["--init-containers", ",".join(init_containers)]
+    if config.condition_name != NODE_CONDITION:
+        command += ["--condition-name", config.condition_name]
     return command
 
 

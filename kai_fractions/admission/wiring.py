@@ -4,7 +4,8 @@
   context the webhook injects. Another image or command releases the workload without waiting
   for the node agent; `restartPolicy: Always` makes it a sidecar that blocks nothing; an extra
   mount or env could feed it a forged marker or code. A few fields that change nothing the gate
-  does (`LENIENT`) may differ, so the API server's defaults never get a pod refused.
+  does (`LENIENT`) may differ, so the API server's defaults never get a pod refused; so may the
+  command's `--condition-name` be missing (`_unrenamed`).
 - Every other container (sidecars, other init containers, ephemeral containers): exactly
   `NVIDIA_VISIBLE_DEVICES=void` among the enforced variables. Removing the variable is not
   enough: an image's own `ENV NVIDIA_VISIBLE_DEVICES=all` would then apply.
@@ -16,6 +17,7 @@ own tests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -117,9 +119,24 @@ def gate_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> list[Prob
         return [Problem(f"spec.initContainers[0]: the first init container of a fractional pod "
                         f"must be {GATE_CONTAINER} (the admission webhook injects it), not "
                         f"{shown(str(name))}", exact(name))]
-    wanted = podspec.gate_container(config, _names(spec.get("containers")),
-                                    _names(init[1:]))
+    containers, others = _names(spec.get("containers")), _names(init[1:])
+    wanted = podspec.gate_container(config, containers, others)
+    unrenamed = _unrenamed(config, containers, others)
+    if unrenamed is not None and init[0].get("command") == unrenamed:
+        wanted["command"] = unrenamed
     return gate_differences(init[0], wanted)
+
+
+def _unrenamed(config: AdmissionConfig, containers: list[str],
+               others: list[str]) -> list[str] | None:
+    """The gate's command without `--condition-name`, where the config renames the node
+    condition (None where it does not): what a webhook not yet told of the rename wires (an
+    earlier release, a replica mid-way through a rollout). The gate checks the same; only its
+    wait names the default condition, so such a pod is not refused for it."""
+    if config.condition_name == k.NODE_CONDITION:
+        return None
+    default = dataclasses.replace(config, condition_name=k.NODE_CONDITION)
+    return podspec.gate_command(default, containers, others)
 
 
 def _is_void(env: Any) -> bool:

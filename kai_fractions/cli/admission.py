@@ -17,6 +17,7 @@ from ..admission.config import (
     DEFAULT_MARKER_HOST_DIR,
     DEFAULT_MPS_PIPE_HOST_DIR,
 )
+from ..contract.keys import NODE_CONDITION
 from ..contract.scheduler import DEFAULT_SCHEDULER_NAME
 from . import add_log_level, add_metrics_listen, setup_logging
 
@@ -51,6 +52,11 @@ def register(sub) -> None:
                    help="KAI's scheduler (the chart's mirror.schedulerName): a fractional pod "
                    "of another is admitted with a warning, as it would wait in its gate for "
                    "ever; '' warns of none (default: %(default)s)")
+    p.add_argument("--condition-name", default=NODE_CONDITION, metavar="NAME",
+                   help="the node condition the node agents publish (their --condition-name, "
+                   "the chart's nodeCondition.name): the gate names it where it says the "
+                   "agent's reason is, and is passed it when it is not the default (default: "
+                   "%(default)s)")
     p.add_argument("--shutdown-delay", type=_seconds, default=5.0, metavar="SECONDS",
                    help="on SIGTERM, go on serving this long with GET /healthz answering 503, "
                    "so that the pod leaves the Service's endpoints while it still answers; then "
@@ -92,7 +98,7 @@ def add_host_dirs(p: argparse.ArgumentParser) -> None:
 _FLAGS = {"marker_host_dir": "--marker-host-dir", "mps_pipe_host_dir": "--mps-pipe-host-dir",
           "agent_socket_host_dir": "--agent-socket-dir", "kubelet_root_dir": "--kubelet-root-dir",
           "gate_image": "--gate-image", "runtime_class": "--runtime-class",
-          "allowed_identities": "--allowed-identity"}
+          "allowed_identities": "--allowed-identity", "condition_name": "--condition-name"}
 """The flag that sets each `AdmissionConfig` field, for its errors."""
 
 
@@ -132,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
         config = admission_config(
             args, gate_image=args.gate_image, keys=keys,
             allowed_identities=tuple(args.allowed_identity or DEFAULT_ALLOWED_IDENTITIES),
-            runtime_class=args.runtime_class, scheduler_name=args.scheduler_name)
+            runtime_class=args.runtime_class, scheduler_name=args.scheduler_name,
+            condition_name=args.condition_name)
         if args.metrics_listen:
             from ..admission.metrics import AdmissionMetrics
 

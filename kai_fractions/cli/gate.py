@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..contract.keys import NODE_CONDITION
 from ..gate.paths import ANNOTATIONS_FILE, MARKER_DIR, POD_UID_ENV, TERMINATION_LOG
 
 
@@ -27,6 +28,13 @@ def _interval(value: str) -> float:
     if number <= 0:
         raise argparse.ArgumentTypeError(f"must be more than 0, got {value!r}")
     return number
+
+
+def _condition(value: str) -> str:
+    # Only words the gate's messages; the webhook passes the name its config checked.
+    if not value or not value.isprintable() or value != value.strip() or " " in value:
+        raise argparse.ArgumentTypeError(f"must name a node condition type, got {value!r}")
+    return value
 
 
 def register(sub) -> None:
@@ -56,6 +64,10 @@ def register(sub) -> None:
                    "the containers the annotations name)")
     p.add_argument("--init-containers", default="", metavar="NAME[,NAME...]",
                    help="the pod's other init containers (the admission webhook sets it)")
+    p.add_argument("--condition-name", type=_condition, default=NODE_CONDITION, metavar="NAME",
+                   help="the node condition the node agent publishes, named where the gate says "
+                   "the agent's reason is (the admission webhook sets it when it is not the "
+                   "default; default: %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -102,5 +114,6 @@ def run(args: argparse.Namespace) -> int:
         boot_id=boot_id,
         containers=parse_names(args.containers),
         init_containers=parse_names(args.init_containers),
+        condition_name=args.condition_name,
     )
     return run_gate(opts)

@@ -45,31 +45,33 @@ class Verdict:
     """It waits because the node agent set this pod's marker aside in this boot: the agent
     runs, and holds the pod back on purpose."""
     reason_named: bool = False
-    """The message says where the node agent's reason is (`REASON_WHERE`): the timeout's
+    """The message says where the node agent's reason is (`reason_where`): the timeout's
     message adds no second pointer."""
 
 
-REASON_WHERE = (
-    "the node agent's reason: `kai-fractions inspect pod NS/NAME`, and the condition "
-    f"{NODE_CONDITION} of the pod's node (`kubectl describe node`), which is missing or "
-    "Unknown where no node agent runs")
-"""Where an operator reads why the gate still waits. The agent sends a new pod it holds pending
-no event (only a pod that had a marker in this boot gets one), so these are where its reason
-is. The gate knows neither its pod's name nor its node's (only the UID reaches it): NS/NAME
-and "the pod's node" stand for them."""
-
-NOT_WRITTEN_REASON = (
-    "the node agent has not written this pod's readiness marker yet; it writes none while it "
-    "holds the pod pending (the pod's node not ready for it, its limits not in force yet) or "
-    f"does not run ({REASON_WHERE})")
-"""Why the gate waits while there is no marker: the agent may run and know why."""
+def reason_where(condition: str = NODE_CONDITION) -> str:
+    """Where an operator reads why the gate still waits. The agent sends a new pod it holds
+    pending no event (only a pod that had a marker in this boot gets one), so these are where
+    its reason is. The gate knows neither its pod's name nor its node's (only the UID reaches
+    it): NS/NAME and "the pod's node" stand for them. `condition`: the node condition the agent
+    publishes (the gate's `--condition-name`, the chart's `nodeCondition.name`)."""
+    return ("the node agent's reason: `kai-fractions inspect pod NS/NAME`, and the condition "
+            f"{condition} of the pod's node (`kubectl describe node`), which is missing or "
+            "Unknown where no node agent runs")
 
 
-def not_written_yet(detail: str = "") -> Verdict:
+def not_written_reason(condition: str = NODE_CONDITION) -> str:
+    """Why the gate waits while there is no marker: the agent may run and know why."""
+    return ("the node agent has not written this pod's readiness marker yet; it writes none "
+            "while it holds the pod pending (the pod's node not ready for it, its limits not in "
+            f"force yet) or does not run ({reason_where(condition)})")
+
+
+def not_written_yet(detail: str = "", condition: str = NODE_CONDITION) -> Verdict:
     """The wait while the agent has written no marker for this pod; `detail` adds what the
     gate saw (a directory it cannot read yet, say)."""
-    return Verdict(Outcome.WAIT, NOT_WRITTEN_REASON + (f"; {detail}" if detail else ""),
-                   reason_named=True)
+    return Verdict(Outcome.WAIT, not_written_reason(condition)
+                   + (f"; {detail}" if detail else ""), reason_named=True)
 
 
 def _release(message: str) -> Verdict:
@@ -162,11 +164,13 @@ def judge(
     containers: Sequence[str] = (),
     init_containers: Sequence[str] = (),
     set_aside: Marker | None = None,
+    condition: str = NODE_CONDITION,
 ) -> Verdict:
     """`boot_id`: the host's, now (`kai_fractions.marker.read_boot_id`). `set_aside`: the
     marker the agent moved out of the gate's sight (`kai_fractions.marker.SET_ASIDE_FILE`),
     when there is one; it vouches for nothing and only words the wait while `marker` is
-    None."""
+    None. `condition`: the node condition the agent publishes, named in the wait for a first
+    marker."""
     earlier = None
     if marker is not None and marker.boot_id != boot_id:
         earlier, marker = _earlier_boot(marker, boot_id), None
@@ -186,7 +190,7 @@ def judge(
     if marker is None:
         if earlier is None and _held_back(set_aside, pod_uid, boot_id):
             return Verdict(Outcome.WAIT, SET_ASIDE_REASON, set_aside=True)
-        return _wait(earlier) if earlier is not None else not_written_yet()
+        return _wait(earlier) if earlier is not None else not_written_yet(condition=condition)
     try:
         plans = plan_pod(request, keys=keys)
     except ContractViolation as e:

@@ -3,8 +3,8 @@
 Side effects sit behind seams (clock, sleep, output streams) so tests run it in milliseconds.
 The one-line outcome goes to the termination-message file, which `kubectl describe pod` shows,
 and to stderr (stdout on success). At the timeout it says what the gate last waited for and
-where the node agent's own reason is (`check.REASON_WHERE`): a new pod the agent holds pending
-gets no event, and the gate cannot ask the agent.
+where the node agent's own reason is (`check.reason_where`, naming the node condition the agent
+publishes): a new pod the agent holds pending gets no event, and the gate cannot ask the agent.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..contract import Keys
+from ..contract.keys import NODE_CONDITION
 from ..marker import (
     MARKER_FILE,
     SET_ASIDE_FILE,
@@ -25,7 +26,7 @@ from ..marker import (
     MarkerUnreadable,
     read_marker,
 )
-from .check import REASON_WHERE, Outcome, Verdict, judge, not_written_yet
+from .check import Outcome, Verdict, judge, not_written_yet, reason_where
 from .downward import DownwardError, read_annotations
 
 EXIT_RELEASED, EXIT_REFUSED = 0, 1
@@ -46,6 +47,9 @@ class GateOptions:
     """The host's boot ID, read once at the gate's start: only a marker of this boot counts."""
     containers: tuple[str, ...] = ()
     init_containers: tuple[str, ...] = ()
+    condition_name: str = NODE_CONDITION
+    """The node condition the node agent publishes (`--condition-name`): where the gate's wait
+    says the agent's reason is."""
 
 
 def one_line(message: str) -> str:
@@ -61,7 +65,8 @@ def observe(opts: GateOptions) -> Verdict:
         # Not a bad marker: the kubelet made the pod's directory with the marker root's mode
         # (0700) for this mount, and the agent opens it (0755) when it first writes there.
         return not_written_yet("the pod's marker directory is not readable until the "
-                               f"agent's first write opens it ({e})")
+                               f"agent's first write opens it ({e})",
+                               condition=opts.condition_name)
     except MarkerError as e:
         # The agent rewrites it atomically; a bad one is not ours to trust, but may be replaced.
         return Verdict(Outcome.WAIT, f"the readiness marker is not valid: {e}")
@@ -72,7 +77,8 @@ def observe(opts: GateOptions) -> Verdict:
     return judge(annotations, marker, pod_uid=opts.pod_uid, keys=opts.keys,
                  boot_id=opts.boot_id, containers=opts.containers,
                  init_containers=opts.init_containers,
-                 set_aside=_set_aside(opts) if marker is None else None)
+                 set_aside=_set_aside(opts) if marker is None else None,
+                 condition=opts.condition_name)
 
 
 def _set_aside(opts: GateOptions) -> Marker | None:
@@ -126,7 +132,7 @@ def run_gate(
             elif verdict.reason_named:
                 where = f"{marker}"
             else:
-                where = f"{marker}; {REASON_WHERE}"
+                where = f"{marker}; {reason_where(opts.condition_name)}"
             return _give_up(opts, one_line(
                 f"timed out after {opts.timeout:g}s waiting for the node agent to apply this "
                 f"pod's GPU limits: {verdict.message} (marker: {where})"), err)

@@ -548,7 +548,8 @@ def test_admission_deployment():
         "--marker-host-dir=/var/lib/kai-fractions/markers",
         "--mps-pipe-host-dir=/run/kai-fractions/mps", "--agent-socket-dir=/run/kai-fractions",
         "--kubelet-root-dir=/var/lib/kubelet",
-        "--annotation-prefix=nvidia.com/container.", "--scheduler-name=kai-scheduler",
+        "--annotation-prefix=nvidia.com/container.",
+        "--condition-name=gpu-fractioning.nvidia.com/Ready", "--scheduler-name=kai-scheduler",
         "--shutdown-delay=5", "--log-level=info"]
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "https",
                                               "scheme": "HTTPS"}
