@@ -24,8 +24,9 @@ included, so no hostPath may reach its `pods` directory (the chart's `webhook.ku
 Its siblings (`device-plugins`, `plugins_registry`) stay open to the device plugins that mount
 them."""
 
-_CONDITION = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+"
-                        r"/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+CONDITION_NAME = re.compile(
+    r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+"
+    r"/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 """A node condition type the node agents may publish: the chart's schema rule for
 `nodeCondition.name`, exactly (a domain prefix, so never one of the kubelet's own types)."""
 
@@ -88,7 +89,7 @@ class AdmissionConfig:
         if self.runtime_class and not is_dns_subdomain(self.runtime_class):
             raise ValueError(f"runtime_class: {self.runtime_class!r} is not a RuntimeClass name "
                              "(lower-case letters, digits, '-' and '.')")
-        if not _CONDITION.fullmatch(self.condition_name):
+        if not CONDITION_NAME.fullmatch(self.condition_name):
             raise ValueError(f"condition_name: {self.condition_name!r} is not a node condition "
                              "type with a domain prefix (such as example.com/Ready: a DNS "
                              "subdomain with a dot, a slash, then letters, digits, '-', '_' and "

@@ -5,7 +5,7 @@
   for the node agent; `restartPolicy: Always` makes it a sidecar that blocks nothing; an extra
   mount or env could feed it a forged marker or code. A few fields that change nothing the gate
   does (`LENIENT`) may differ, so the API server's defaults never get a pod refused; so may the
-  command's `--condition-name` be missing (`_unrenamed`).
+  node condition the command's `--condition-name` names, or its absence (`_same_but_condition`).
 - Every other container (sidecars, other init containers, ephemeral containers): exactly
   `NVIDIA_VISIBLE_DEVICES=void` among the enforced variables. Removing the variable is not
   enough: an image's own `ENV NVIDIA_VISIBLE_DEVICES=all` would then apply.
@@ -17,7 +17,6 @@ own tests.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -26,7 +25,7 @@ from ..contract import ContainerShare
 from ..contract import keys as k
 from ..contract.errors import shown
 from . import podspec
-from .config import GATE_CONTAINER, AdmissionConfig
+from .config import CONDITION_NAME, GATE_CONTAINER, AdmissionConfig
 from .errors import Problem, clip, exact
 
 VOID_ENV = {"name": k.ENV_VISIBLE_DEVICES, "value": "void"}
@@ -121,22 +120,37 @@ def gate_problems(spec: Mapping[str, Any], config: AdmissionConfig) -> list[Prob
                         f"{shown(str(name))}", exact(name))]
     containers, others = _names(spec.get("containers")), _names(init[1:])
     wanted = podspec.gate_container(config, containers, others)
-    unrenamed = _unrenamed(config, containers, others)
-    if unrenamed is not None and init[0].get("command") == unrenamed:
-        wanted["command"] = unrenamed
+    command = init[0].get("command")
+    if _same_but_condition(command, wanted["command"]):
+        wanted["command"] = command
     return gate_differences(init[0], wanted)
 
 
-def _unrenamed(config: AdmissionConfig, containers: list[str],
-               others: list[str]) -> list[str] | None:
-    """The gate's command without `--condition-name`, where the config renames the node
-    condition (None where it does not): what a webhook not yet told of the rename wires (an
-    earlier release, a replica mid-way through a rollout). The gate checks the same; only its
-    wait names the default condition, so such a pod is not refused for it."""
-    if config.condition_name == k.NODE_CONDITION:
-        return None
-    default = dataclasses.replace(config, condition_name=k.NODE_CONDITION)
-    return podspec.gate_command(default, containers, others)
+_CONDITION_FLAG = "--condition-name"
+
+
+def _same_but_condition(have: Any, wanted: list[str]) -> bool:
+    """Whether the gate's command `have` is the one wanted but for the node condition its
+    messages name: another valid `--condition-name`, or none (the default). Webhooks of one
+    release or of two, mid-way through a rollout or a rollback, may be told different names,
+    and `/mutate` and `/validate` may reach different replicas; the gate waits and judges the
+    same whichever it names (only its wait's words change), so no pod is refused for it."""
+    if not isinstance(have, list):
+        return False
+    base = _without_condition(wanted)
+    if have == base:
+        return True
+    return (have[:len(base)] == base and len(have) == len(base) + 2
+            and have[len(base)] == _CONDITION_FLAG and isinstance(have[-1], str)
+            and CONDITION_NAME.fullmatch(have[-1]) is not None)
+
+
+def _without_condition(command: list[str]) -> list[str]:
+    """`command` without its trailing `--condition-name NAME` (podspec.gate_command puts it
+    last, where it puts it)."""
+    if len(command) >= 2 and command[-2] == _CONDITION_FLAG:
+        return command[:-2]
+    return command
 
 
 def _is_void(env: Any) -> bool:

@@ -78,11 +78,28 @@ def test_a_gate_wired_before_the_rename_is_still_admitted() -> None:
     assert validate(request(obj), renamed()).allowed
 
 
-def test_a_gate_told_another_condition_is_refused() -> None:
-    """Only the configured condition (or none) is the webhook's wiring: the exact check holds,
-    and a gate with no command at all is still refused."""
+@pytest.mark.parametrize("config", [CONFIG, None], ids=["default", "renamed to Y"])
+def test_a_gate_told_another_valid_condition_is_admitted(config) -> None:
+    """A second look: `/mutate` and `/validate` may reach different replicas mid-way through a
+    rollout (or a rollback) of a rename, each told another name; the gate waits and judges the
+    same whichever it names, so a gate wired for X is admitted by a webhook told the default,
+    or Y. Before, such pods were refused while the rollout lasted."""
     obj = mutated(renamed())
-    obj["spec"]["initContainers"][0]["command"][-1] = "other.example.com/Ready"
+    validator = config if config is not None else dataclasses.replace(
+        renamed(), condition_name="y.example.com/Ready")
+    assert validate(request(obj), validator).allowed
+
+
+@pytest.mark.parametrize("edit", ["bad name", "--other"], ids=["invalid name", "other flag"])
+def test_a_gate_whose_condition_flag_is_not_a_valid_name_is_refused(edit: str) -> None:
+    """Only a valid condition name is let through (the chart's rule), and only in the place
+    the webhook puts it; a gate with no command at all is still refused."""
+    obj = mutated(renamed())
+    command = obj["spec"]["initContainers"][0]["command"]
+    if edit == "--other":
+        command[-2] = "--other"
+    else:
+        command[-1] = edit
     decision = validate(request(obj), renamed())
     assert not decision.allowed
     assert "spec.initContainers[0].command: must be exactly what the admission webhook " \
