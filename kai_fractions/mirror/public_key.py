@@ -148,12 +148,15 @@ class Publisher:
         if self._waits_for_mount(data, held):
             return False
         changed_here = data != self._published  # this replica's key files, since it last looked
-        if self.in_term is None and not changed_here:
+        # This replica's files a step past the stored keys: it signs with a key the nodes need,
+        # so it publishes it, whoever holds the Lease, and again should a replica whose mount
+        # lags (past `catch_up`) have put the older keys back.
+        forward = ahead(data, held)
+        if self.in_term is None and not (changed_here or forward):
             log.debug("%s differs from this replica's key files, which did not change: without "
                       "--leader-elect it is overwritten only when they do", self.ref)
             return False
-        if self.in_term is not None and not self.in_term() \
-                and not (changed_here and ahead(data, held)):
+        if self.in_term is not None and not self.in_term() and not forward:
             log.debug("%s differs from this replica's key files; the Lease's holder "
                       "publishes", self.ref)
             return False
@@ -161,6 +164,12 @@ class Publisher:
         if changed_here:
             self._written(data, logging.INFO,
                           "updated %s to the signing public key(s) %s (it held other keys)")
+        elif forward:
+            self._written(data, logging.WARNING, "%s was changed since this replica last "
+                          "wrote or read it, to older keys than it signs with (an edit, or a "
+                          "replica whose mount of the signing Secret lags by more than a "
+                          "refresh put them back): published again the signing public key(s) "
+                          "%s")
         elif self._behind is not None:
             self._written(data, logging.WARNING, "%s held keys one step ahead of this replica's "
                           "key files for longer than a mounted Secret takes to refresh (a "

@@ -325,3 +325,36 @@ async def test_an_edit_that_only_removes_a_key_is_put_back_as_a_change(kube, tmp
     warned = warnings_of(caplog)
     assert len(warned) == 1 and "was changed since this replica last wrote or read it" \
         in warned[0], warned
+
+
+async def test_a_key_put_back_by_a_holder_whose_mount_lags_past_catch_up_is_published_again(
+        kube, tmp_path, caplog):
+    """A second look: the Lease's holder, its mount still on the old key 5 minutes after a
+    rotation, put the old key back once its wait ran out, and the replica that signs with the
+    new key never wrote again (its files had not changed since it last wrote): its pods were
+    refused as SignatureKeyUnknown until the holder's mount refreshed. Now a replica whose files
+    are a step past the stored keys publishes them again at its next round."""
+    old, new = Ed25519Key.generate(), Ed25519Key.generate()
+    now = [0.0]
+    client = Kube(k8s.ApiClient(kube.configuration()))
+    holder = Publisher(client, NAMESPACE, NAME, KeyringSource([str(mount(tmp_path, "y", old))]),
+                       in_term=lambda: True, catch_up=300, monotonic=lambda: now[0])
+    ahead_of_it = Publisher(client, NAMESPACE, NAME,
+                            KeyringSource([str(mount(tmp_path, "x", new, old))]),
+                            in_term=lambda: False, catch_up=300, monotonic=lambda: now[0])
+    try:
+        assert await holder.publish() is True  # {old}
+        assert await ahead_of_it.publish() is True  # the rotation it saw first
+        assert stored(kube) == public(new, old)
+        now[0] = 30.0
+        assert await holder.publish() is False  # its next round: left as it is, for now
+        now[0] = 360.0
+        assert await holder.publish() is True  # its wait ran out: the old key put back
+        assert stored(kube) == public(old)
+        assert await ahead_of_it.publish() is True  # its next round: the new key again
+        assert stored(kube) == public(new, old)
+    finally:
+        await client.close()
+    plan = plan_of(time_slicing())
+    signature = ahead_of_it.source.current().sign(plan, node="node-1")
+    assert node_keyring(tmp_path, stored(kube)).verify(plan, signature, node="node-1").ok
