@@ -135,3 +135,15 @@ def test_node_agent_doc_explains_every_reason_the_agent_reports() -> None:
             missing.append(f"{reason} ({', '.join(sorted(modules))})")
     assert not missing, ("not in docs/node-agent.md, \"Pending and pass-error reasons\" (or, "
                          "for events and conditions, on the page): " + ", ".join(missing))
+
+
+def test_the_upgrading_section_names_the_node_conditions_this_release_added() -> None:
+    """An upgrade review (R12): on a node whose limit sets fail or are rounded, an upgraded
+    agent sets aside running pods' markers and turns the node False, where the release before
+    reported them applied; the chart's "Upgrading" section (and the README) must say so."""
+    text = (REPO / "docs/chart.md").read_text()
+    upgrading = section(text, "## Upgrading", "\n## ")
+    for word in ("MemoryLimitsNotSettable", "LimitNotReadBack", "MarkerDirectoryNotWritable"):
+        assert word in upgrading, word
+    assert "MemoryLimitsNotSettable" in section((REPO / "README.md").read_text(),
+                                                "**Upgrade note:** a GPU memory limit", "\n\n")
