@@ -42,8 +42,13 @@ def stored(kube) -> dict[str, str] | None:
     return found[NAME].data if NAME in found else None
 
 
-def replica(client: Kube, keys, in_term) -> Publisher:
-    return Publisher(client, NAMESPACE, NAME, KeyringSource([str(keys)]), in_term=in_term)
+def replica(client: Kube, keys, in_term, now: list[float] | None = None) -> Publisher:
+    """A replica's publisher over its mounted key files `keys`; with `now`, on that clock
+    (`now[0]`, seconds) and waiting 300 s for a lagging mount (`catch_up`)."""
+    if now is None:
+        return Publisher(client, NAMESPACE, NAME, KeyringSource([str(keys)]), in_term=in_term)
+    return Publisher(client, NAMESPACE, NAME, KeyringSource([str(keys)]), in_term=in_term,
+                     catch_up=300, monotonic=lambda: now[0])
 
 
 def node_keyring(tmp_path, data: dict[str, str]):
@@ -192,9 +197,7 @@ async def test_a_rotation_undone_in_the_secret_is_published_again(kube, tmp_path
             mount(tmp_path, "a", k1, k0)
             assert await first.publish() is True
             mount(tmp_path, "a", k0)  # undone again, while the mirror restarts
-            restarted = Publisher(client, NAMESPACE, NAME,
-                                  KeyringSource([str(tmp_path / "a")]), in_term=in_term,
-                                  catch_up=300, monotonic=lambda: now[0])
+            restarted = replica(client, tmp_path / "a", in_term, now)
             assert await restarted.publish() is False
             now[0] += 299
             assert await restarted.publish() is False
@@ -221,9 +224,7 @@ async def test_an_edit_shaped_as_a_rotation_is_a_warning_in_the_first_round(
     real, editors = Ed25519Key.generate(), Ed25519Key.generate()
     now = [0.0]
     client = Kube(k8s.ApiClient(kube.configuration()))
-    leader = Publisher(client, NAMESPACE, NAME,
-                       KeyringSource([str(mount(tmp_path, "a", real))]),
-                       in_term=lambda: True, catch_up=300, monotonic=lambda: now[0])
+    leader = replica(client, mount(tmp_path, "a", real), lambda: True, now)
     try:
         assert await leader.publish() is True
         edit(kube, public(editors, real))
@@ -257,9 +258,7 @@ async def test_edits_one_after_another_get_no_fresh_five_minutes(kube, tmp_path,
     real, first, second = (Ed25519Key.generate() for _ in range(3))
     now = [0.0]
     client = Kube(k8s.ApiClient(kube.configuration()))
-    leader = Publisher(client, NAMESPACE, NAME,
-                       KeyringSource([str(mount(tmp_path, "a", real))]),
-                       in_term=lambda: True, catch_up=300, monotonic=lambda: now[0])
+    leader = replica(client, mount(tmp_path, "a", real), lambda: True, now)
     try:
         assert await leader.publish() is True
         edit(kube, public(first, real))
@@ -337,11 +336,8 @@ async def test_a_key_put_back_by_a_holder_whose_mount_lags_past_catch_up_is_publ
     old, new = Ed25519Key.generate(), Ed25519Key.generate()
     now = [0.0]
     client = Kube(k8s.ApiClient(kube.configuration()))
-    holder = Publisher(client, NAMESPACE, NAME, KeyringSource([str(mount(tmp_path, "y", old))]),
-                       in_term=lambda: True, catch_up=300, monotonic=lambda: now[0])
-    ahead_of_it = Publisher(client, NAMESPACE, NAME,
-                            KeyringSource([str(mount(tmp_path, "x", new, old))]),
-                            in_term=lambda: False, catch_up=300, monotonic=lambda: now[0])
+    holder = replica(client, mount(tmp_path, "y", old), lambda: True, now)
+    ahead_of_it = replica(client, mount(tmp_path, "x", new, old), lambda: False, now)
     try:
         assert await holder.publish() is True  # {old}
         assert await ahead_of_it.publish() is True  # the rotation it saw first
