@@ -43,8 +43,8 @@ class Located:
     """Where that spec is in the object: `spec`, `spec.template.spec`, ..."""
     template: str = ""
     """`PodSpecAt.template`: the path of a template found by searching the object, or ""."""
-    owner_annotations: Mapping[str, Any] = field(default_factory=dict)
-    """`PodSpecAt.owner_annotations`: a workload's own annotations, which no pod gets."""
+    owner_annotations: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """`PodSpecAt.owner_annotations`: a workload's annotations that no pod gets, by path."""
 
     @property
     def ref(self) -> str:

@@ -19,12 +19,17 @@ from .errors import ContractError
 from .keys import Keys
 from .pod import PodView
 
+OWN = "metadata.annotations"
+"""The field path of a workload's own annotations in `PodSpecAt.owner_annotations`."""
+
 
 def misplaced_keys(view: PodView, spec_path: str, owner_annotations: Mapping[str, Any],
                    keys: Keys) -> tuple[ContractError, ...]:
     """One warning per GPU-sharing key (`Keys.is_user_owned`) of a pod or template whose spec
-    is at `spec_path` that no pod gets: on its workload's own `metadata.annotations`
-    (`PodSpecAt.owner_annotations`) and not on the template's, or among its `metadata.labels`
+    is at `spec_path` that no pod gets: on its workload's own `metadata.annotations`, or on
+    the metadata of what the workload makes between it and its pods (a CronJob's
+    `spec.jobTemplate`: `PodSpecAt.owner_annotations`, by field path) and not on the
+    template's, or among its `metadata.labels`
     and not among its annotations. Each is keyed by the key's field path and says where the
     key belongs; past MAX_LISTED_WARNINGS the rest are counted in one line."""
     found = list(_found(view, spec_path.removesuffix("spec") + "metadata", owner_annotations,
@@ -40,13 +45,15 @@ def misplaced_keys(view: PodView, spec_path: str, owner_annotations: Mapping[str
 def _found(view: PodView, metadata: str, owner_annotations: Mapping[str, Any],
            keys: Keys) -> Iterator[ContractError]:
     if view.kind != "Pod":
-        for key in sorted(k for k in owner_annotations if type(k) is str):
-            if keys.is_user_owned(key) and key not in view.annotations:
-                yield ContractError(
-                    f"metadata.annotations[{key!r}]", f"is on the {view.kind}'s own metadata, "
-                    "which no pod gets, so it asks for nothing: put it on the annotations of "
-                    f"the pod template whose pods are to ask for it ({metadata}.annotations "
-                    "for this one)")
+        for where, annotations in owner_annotations.items():
+            whose = "own metadata" if where == OWN else f"{where.removesuffix('.annotations')}"
+            for key in sorted(k for k in annotations if type(k) is str):
+                if keys.is_user_owned(key) and key not in view.annotations:
+                    yield ContractError(
+                        f"{where}[{key!r}]", f"is on the {view.kind}'s {whose}, which no pod "
+                        "gets, so it asks for nothing: put it on the annotations of the pod "
+                        f"template whose pods are to ask for it ({metadata}.annotations for "
+                        "this one)")
     for key in sorted(view.labels):
         if keys.is_user_owned(key) and key not in view.annotations:
             yield ContractError(

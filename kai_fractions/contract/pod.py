@@ -265,9 +265,16 @@ class PodSpecAt:
     """The path of a template found by searching the object
     (`spec.pytorchReplicaSpecs.Worker.template`), which messages add to the object's name, as
     such an object may hold several; "" for a Pod and a kind of `_TEMPLATE_KINDS`."""
-    owner_annotations: Mapping[str, Any] = field(default_factory=lambda: _NO_STRINGS)
-    """A workload's own `metadata.annotations`, as written (no pod gets them, so a GPU-sharing
-    key there is a mistake: `misplaced_keys`); empty for a Pod."""
+    owner_annotations: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Annotations of the workload that no pod gets, by their field path, as written: its own
+    `metadata.annotations`, and a CronJob's `spec.jobTemplate.metadata.annotations` (a
+    GPU-sharing key there is a mistake: `misplaced_keys`); empty for a Pod."""
+
+
+def _annotations(metadata: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`metadata.annotations` when it is a map (its shape is not ours to judge), else none."""
+    found = metadata.get("annotations")
+    return found if isinstance(found, Mapping) else _NO_STRINGS
 
 
 def pod_specs(obj: Mapping[str, Any]) -> Iterator[PodSpecAt]:
@@ -290,8 +297,12 @@ def pod_specs(obj: Mapping[str, Any]) -> Iterator[PodSpecAt]:
         found = [] if template is None else [(path, template)]
     else:
         found = _nested_templates(obj.get("spec"))
-    owner = metadata.get("annotations")
-    owner = owner if isinstance(owner, Mapping) else _NO_STRINGS  # its shape is not ours to judge
+    owner = {"metadata.annotations": _annotations(metadata)}
+    if kind == "CronJob":  # its Jobs get the job template's metadata, its pods neither
+        spec_of = obj.get("spec")
+        job = spec_of.get("jobTemplate") if isinstance(spec_of, Mapping) else None
+        if isinstance(job, Mapping) and isinstance(job.get("metadata"), Mapping):
+            owner["spec.jobTemplate.metadata.annotations"] = _annotations(job["metadata"])
     for path, template in found:
         try:
             # A template has no name of its own: messages name the workload.

@@ -243,3 +243,24 @@ def test_a_flag_check_runs_before_the_input_is_read(capsys) -> None:
                        "--devices", "gpu0")
     assert code == 2
     assert err.startswith("kai-fractions plan: --devices (item 1): ")
+
+
+def test_a_key_on_a_cronjobs_job_template_is_a_warning(capsys, tmp_path: Path) -> None:
+    """A second look: a key on a CronJob's `spec.jobTemplate.metadata.annotations` lands on
+    each Job, never on a pod, and nothing said so (the webhook's match condition never sends
+    such a Job, and `validate` was silent). Now `validate` names the field."""
+    cronjob = {"apiVersion": "batch/v1", "kind": "CronJob",
+               "metadata": {"name": "nightly"},
+               "spec": {"schedule": "@daily", "jobTemplate": {
+                   "metadata": {"annotations": {"gpu-fraction": "0.5"}},
+                   "spec": {"template": {"spec": {
+                       "schedulerName": "kai-scheduler",
+                       "containers": [{"name": "main", "image": "img"}]}}}}}}
+    code, _, err = cli(capsys, "validate", "-f", write(tmp_path, cronjob))
+    assert code == 0
+    [warning] = warnings(err)
+    assert warning.endswith(
+        ": spec.jobTemplate.metadata.annotations['gpu-fraction']: is on the CronJob's "
+        "spec.jobTemplate.metadata, which no pod gets, so it asks for nothing: put it on the "
+        "annotations of the pod template whose pods are to ask for it "
+        "(spec.jobTemplate.spec.template.metadata.annotations for this one)"), warning
