@@ -244,10 +244,12 @@ def _no_cap(inventory: Inventory, config: NodeConfig, sm: bool, running: bool = 
             # Here every earlier release counted mps-pinned as its tier: that is why it runs.
             since = ("while mps-pinned still counted as a tier on this daemon (an earlier "
                      "release of the agent)" if legacy else "before such a watchdog was refused")
-            now = (f"; this container was started {since} and runs without a cap now: its "
-                   "processes are left running and their use over the cap is only reported "
-                   "(LimitViolation events), and it will not start again after its pod's "
-                   "sandbox restarts")
+            # `running` also holds after a reboot (the plan is held from the boot before),
+            # when the container no longer runs: the words hold either way.
+            now = (f"; this container was started {since}: until its pod's sandbox restarts "
+                   "(a node reboot restarts it) it runs without a cap, its processes left "
+                   "running and their use over the cap only reported (LimitViolation events), "
+                   "and then its gate fails on this refusal")
             cap = "to cap it (the watchdog then stops what exceeds the cap)"
         else:
             now = " (the container would run without a cap)"
@@ -326,9 +328,9 @@ def _below_pinned(c: ContainerDesired, gpu: str, limit: int, inventory: Inventor
     stops = " (a watchdog with --watchdog-policy=report stops nothing)" if report else ""
     if running:
         watched = ", their use over its cap only reported (LimitViolation events)" if report else ""
-        now = ("; this container runs already, without its own cap now: its processes are "
-               f"left running{watched}, and it will not start again after its pod's sandbox "
-               "restarts")
+        now = ("; until its pod's sandbox restarts (a node reboot restarts it) this "
+               f"container runs without its own cap, its processes left running{watched}, and "
+               "then its gate fails on this refusal")
     else:
         now = " (the container would run without its own cap)"
     return ("cannot cap this container's GPU memory: the MPS daemon holds one default pinned "

@@ -204,7 +204,8 @@ def test_a_pod_applied_while_mps_pinned_was_its_tier_is_told_so_after_the_upgrad
     entry = marker_of(upgraded, uid)["containers"]["main"]
     assert (entry["state"], entry["reason"]) == ("refused", "MemoryLimitsUnsupported")
     assert ("this container was started while mps-pinned still counted as a tier on this "
-            "daemon (an earlier release of the agent) and runs without a cap now") \
+            "daemon (an earlier release of the agent): until its pod's sandbox restarts (a "
+            "node reboot restarts it) it runs without a cap") \
         in entry["message"]
     assert "before such a watchdog was refused" not in entry["message"]
 

@@ -3,7 +3,8 @@
 policy (report): the MPS daemon holds one default pinned limit per GPU, the largest cap of
 its sm-sharing containers. A container with a smaller cap on that GPU is not vouched for by
 mps-pinned: its marker does not say applied and its gate does not release; one applied while it
-was the largest is refused once a larger one comes, and says it runs without its own cap now."""
+was the largest is refused once a larger one comes, and says it runs without its own cap until
+its sandbox restarts."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_one_applied_while_largest_is_refused_when_a_larger_one_comes(short_tmp:
     result = result_of(rig, small)
     assert (result.state.value, result.reason) == ("refused", "MemoryLimitsUnsupported")
     assert result.plan_digest  # held to the plan it runs with
-    assert "this container runs already, without its own cap now" in result.message
+    assert "this container runs without its own cap" in result.message
     entry = marker_of(rig, small)["containers"]["main"]
     assert (entry["state"], entry["plan_digest"]) == ("refused", result.plan_digest)
     assert gate_outcome(rig, small) is Outcome.FAIL  # its next sandbox does not start

@@ -38,11 +38,12 @@ RUNNING_REFUSED = (
     "cannot cap this container's GPU memory: NVIDIA driver 550.54.15 has no cgroup GPU "
     "memory limits (they need r615 or newer), mps-pinned applies to sm-sharing containers "
     "only, and a watchdog with --watchdog-policy=report only reports use over the cap, it "
-    "stops nothing; this container was started before such a watchdog was refused and runs "
-    "without a cap now: its processes are left running and their use over the cap is only "
-    "reported (LimitViolation events), and it will not start again after its pod's sandbox "
-    "restarts; set --watchdog-policy=kill (the chart's watchdog.policy: kill) to cap it "
-    "(the watchdog then stops what exceeds the cap), or upgrade the driver to r615 or newer")
+    "stops nothing; this container was started before such a watchdog was refused: until "
+    "its pod's sandbox restarts (a node reboot restarts it) it runs without a cap, its "
+    "processes left running and their use over the cap only reported (LimitViolation "
+    "events), and then its gate fails on this refusal; set --watchdog-policy=kill (the "
+    "chart's watchdog.policy: kill) to cap it (the watchdog then stops what exceeds the cap), "
+    "or upgrade the driver to r615 or newer")
 """What a container running since before the rule is told (planner and agent tests)."""
 
 

@@ -112,7 +112,7 @@ def test_a_running_container_the_pinned_limit_alone_capped_is_refused_and_still_
     (plan,) = held.values()
     assert (r.reason, r.final, r.plan_digest) == (RefusalReason.MEMORY_LIMITS_UNSUPPORTED, True,
                                                   plan.digest)
-    assert "runs without a cap now" in r.message and PINNED_NOT_A_TIER in r.message
+    assert "it runs without a cap" in r.message and PINNED_NOT_A_TIER in r.message
     assert r.watched is not None and r.watched.mechanisms == {W}
 
 

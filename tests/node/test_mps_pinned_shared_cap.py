@@ -133,9 +133,9 @@ def test_a_running_container_below_a_newcomers_cap_is_refused_and_still_watched(
     assert (r.key.pod_uid, r.reason, r.plan_digest) == (
         UID_A, RefusalReason.MEMORY_LIMITS_UNSUPPORTED, plan.digest)
     assert r.message == BELOW + (
-        "; this container runs already, without its own cap now: its processes are left "
-        "running, their use over its cap only reported (LimitViolation events), and it will not "
-        "start again after its pod's sandbox restarts") + FIXES
+        "; until its pod's sandbox restarts (a node reboot restarts it) this container runs "
+        "without its own cap, its processes left running, their use over its cap only reported "
+        "(LimitViolation events), and then its gate fails on this refusal") + FIXES
     assert r.watched is not None and r.watched.mechanisms == {Mechanism.WATCHDOG}
     assert watchdog_caps(state) == {(UID_A, "main"): {GPU0: 10 * GIB},
                                     (UID_C, "main"): {GPU0: 40 * GIB}}
