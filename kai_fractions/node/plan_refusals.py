@@ -167,6 +167,13 @@ def watchdog_stops(config: NodeConfig) -> bool:
             and config.watchdog_policy is WatchdogPolicy.KILL)
 
 
+UNTIL_RESTART = "until its pod's sandbox restarts (a node reboot restarts it)"
+THEN_FAILS = "then its gate fails on this refusal"
+"""How the refusal of a container applied before (`running`) says what holds: `running` holds
+after a reboot too (the plan is held from the boot before), when the container no longer runs,
+so its words hold before and after its sandbox restarts."""
+
+
 def _mechanisms(c: _Candidate, inventory: Inventory, config: NodeConfig, running: bool = False
                 ) -> frozenset[Mechanism] | Refusal:
     pod, plan = c.pod, c.plan
@@ -177,16 +184,13 @@ def _mechanisms(c: _Candidate, inventory: Inventory, config: NodeConfig, running
                        "the container asks for compute mode sm-sharing but this node runs "
                        "without MPS (--no-sm-sharing): " + (
                            # Applied while the node ran sm-sharing (turned off since, a chart
-                           # rolled back). `running` also holds after a reboot (the plan is held
-                           # from the boot before), when the container no longer runs: the
-                           # words hold either way.
-                           "this container was started while the node ran sm-sharing: until "
-                           "its pod's sandbox restarts (a node reboot restarts it) it runs on, "
-                           "its GPU memory limits kept as the kernel holds them but without its "
-                           "compute share (no MPS daemon of the agent's holds it any more), and "
-                           "then its gate fails on this refusal; turn sm-sharing back on for "
-                           "this node (--sm-sharing, the chart's smSharing.enabled), or recreate "
-                           "the pod with time-slicing" if running else
+                           # rolled back).
+                           f"this container was started while the node ran sm-sharing: "
+                           f"{UNTIL_RESTART} it runs on, its GPU memory limits kept as the "
+                           "kernel holds them but without its compute share (no MPS daemon of "
+                           f"the agent's holds it any more), and {THEN_FAILS}; turn sm-sharing "
+                           "back on for this node (--sm-sharing, the chart's smSharing.enabled), "
+                           "or recreate the pod with time-slicing" if running else
                            "use time-slicing, or schedule it to a node with sm-sharing enabled"))
     hard = hard_tiers(config, inventory, sm=sm)
     watchdog = Mechanism.WATCHDOG in wanted
@@ -244,12 +248,9 @@ def _no_cap(inventory: Inventory, config: NodeConfig, sm: bool, running: bool = 
             # Here every earlier release counted mps-pinned as its tier: that is why it runs.
             since = ("while mps-pinned still counted as a tier on this daemon (an earlier "
                      "release of the agent)" if legacy else "before such a watchdog was refused")
-            # `running` also holds after a reboot (the plan is held from the boot before),
-            # when the container no longer runs: the words hold either way.
-            now = (f"; this container was started {since}: until its pod's sandbox restarts "
-                   "(a node reboot restarts it) it runs without a cap, its processes left "
-                   "running and their use over the cap only reported (LimitViolation events), "
-                   "and then its gate fails on this refusal")
+            now = (f"; this container was started {since}: {UNTIL_RESTART} it runs without a "
+                   "cap, its processes left running and their use over the cap only reported "
+                   f"(LimitViolation events), and {THEN_FAILS}")
             cap = "to cap it (the watchdog then stops what exceeds the cap)"
         else:
             now = " (the container would run without a cap)"
@@ -328,9 +329,8 @@ def _below_pinned(c: ContainerDesired, gpu: str, limit: int, inventory: Inventor
     stops = " (a watchdog with --watchdog-policy=report stops nothing)" if report else ""
     if running:
         watched = ", their use over its cap only reported (LimitViolation events)" if report else ""
-        now = ("; until its pod's sandbox restarts (a node reboot restarts it) this "
-               f"container runs without its own cap, its processes left running{watched}, and "
-               "then its gate fails on this refusal")
+        now = (f"; {UNTIL_RESTART} this container runs without its own cap, its processes "
+               f"left running{watched}, and {THEN_FAILS}")
     else:
         now = " (the container would run without its own cap)"
     return ("cannot cap this container's GPU memory: the MPS daemon holds one default pinned "
