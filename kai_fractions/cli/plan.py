@@ -14,21 +14,20 @@ from ..contract import (
     DEFAULT_DIALECT,
     DIALECTS,
     BindDecision,
+    ContractError,
     ContractViolation,
     Dialect,
     NumberError,
     PodRequest,
     binder_annotations,
     derived_annotations,
-    format_plain,
     parse_decimal,
     parse_pod,
     plan_pod,
 )
 from ..contract.binder import as_scheduler_writes
+from ..contract.decision_rules import received_portion_errors, reserved_gpu_errors
 from ..contract.dialect import check_reserve
-from ..contract.numbers import MAX_NUMBER_LENGTH
-from ..contract.request import _GPU_UUID
 from .manifests import InputError, load_manifests
 from .validate import add_common, keys_from, line
 
@@ -117,38 +116,41 @@ def _decision(args: argparse.Namespace) -> BindDecision:
 
 
 def _devices(flag: str) -> tuple[str, ...]:
-    """--devices, checked as a flag (each a GPU UUID, none twice); whether their number fits a
-    pod is that pod's question."""
+    """--devices, checked as a flag by the contract's own rules (each a GPU UUID, none twice);
+    whether their number fits a pod is that pod's question."""
     devices = tuple(d.strip() for d in flag.split(",") if d.strip())
-    if not devices:
+    if not devices:  # said of the flag: commas and blanks alone name no GPU
         raise InputError("--devices: names no GPU: give the reserved GPU UUID of each "
                          "fractional group")
-    for i, device in enumerate(devices):
-        if not _GPU_UUID.fullmatch(device):
-            raise InputError(f"--devices (item {i + 1}): must be a GPU UUID (GPU-...), got "
-                             f"{device!r}")
-    twice = next((d for i, d in enumerate(devices) if d in devices[:i]), None)
-    if twice is not None:
+    errors = reserved_gpu_errors(devices)
+    if not errors:
+        return devices
+    error = errors[0]  # the first only: a usage error names one rule
+    if error.key == "reserved_gpu_ids":  # unindexed, of a named list: the same GPU twice
+        # Named, as the user reads the flag, rather than the whole list quoted.
+        twice = next((d for i, d in enumerate(devices) if d in devices[:i]), error.value)
         raise InputError(f"--devices: lists {twice} twice")
-    return devices
+    raise _flag_error(error, error.value or flag)
 
 
 def _portion(flag: str | None) -> Fraction | None:
-    """--portion, checked as a flag (a decimal above 0 that can be written as one); whether it
-    fits a pod's request is that pod's question."""
+    """--portion, checked as a flag by the contract's own rules (a decimal above 0 that can be
+    written as one); whether it fits a pod's request is that pod's question."""
     if flag is None:
         return None
     try:
         portion = parse_decimal(flag)
     except NumberError as e:
         raise InputError(f"--portion: {e}") from None
-    if portion <= 0:
-        raise InputError(f"--portion: must be greater than 0, got {flag!r}")
-    if float(portion) == 0.0 or len(format_plain(portion)) > MAX_NUMBER_LENGTH:
-        # The binder would write it as "0", which the contract refuses as a portion.
-        raise InputError(f"--portion: is too small to be written as a decimal portion, got "
-                         f"{flag!r}")
+    errors = received_portion_errors(portion)
+    if errors:  # the flag as typed: the exact value may read as a long ratio
+        raise _flag_error(errors[0], flag)
     return portion
+
+
+def _flag_error(error: ContractError, got: str) -> InputError:
+    """A contract error about the decision, said of the flag that gave the field."""
+    return InputError(f"{_flag(error.key)}: {error.rule}, got {got!r}")
 
 
 def _as_kai_binds(decision: BindDecision, request: PodRequest) -> BindDecision:

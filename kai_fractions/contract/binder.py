@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from . import keys as k
+from .decision_rules import received_portion_errors, reserved_gpu_errors
 from .dialect import DEFAULT_DIALECT, Dialect, compute_portion_of, memory_mib
 from .errors import ContractError, ContractViolation
-from .numbers import MAX_NUMBER_LENGTH, format_plain
+from .numbers import format_plain
 from .quantity import MIB, canonical_mib, mib_ceil
-from .request import _GPU_UUID, ComputeMode, ContainerShare, PodRequest
+from .request import ComputeMode, ContainerShare, PodRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,23 +80,15 @@ def _check_decision(share: ContainerShare, d: BindDecision) -> list[ContractErro
             "reserve_mib", f"leaves no GPU memory to share: the node has "
             f"{d.node_gpu_memory_mib} MiB per GPU", str(d.reserve_mib)))
     portion = d.received_portion
-    if portion is not None and portion.numerator <= 0:
-        errors.append(ContractError(
-            "received_gpu.portion", "must be greater than 0",
-            format_plain(portion) if abs(portion) < 10**15 else "huge"))
-    elif (portion is not None and portion > 1 and share.node_request_bytes is None
-          and (share.fraction is not None or share.legacy_memory_bytes is None)):
+    if (portion is not None and portion > 1 and share.node_request_bytes is None
+            and (share.fraction is not None or share.legacy_memory_bytes is None)):
         # KAI would write more memory than one GPU has; no node can honour that. With a
         # request of the pod's own, a portion above 1 only caps the compute portion at 1.
         errors.append(ContractError(
             "received_gpu.portion", "is above 1: the memory request computed from it would "
             "exceed one GPU", format_plain(portion) if portion < 10**15 else "huge"))
-    elif portion is not None and (float(portion) == 0.0
-                                  or len(format_plain(portion)) > MAX_NUMBER_LENGTH):
-        # It would be written as "0", which the contract itself rejects as a portion.
-        errors.append(ContractError(
-            "received_gpu.portion", "is too small to be written as a decimal portion",
-            str(portion)))
+    else:  # one portion error at most: when above 1 is said, the portion's own rules are not
+        errors.extend(received_portion_errors(portion))
     # For a gpu-fraction pod the portion sizes everything granted (its memory, and its SMs in
     # the patched dialect). A memory-sized pod keeps its own request whatever the portion; in
     # the patched dialect its portion may exceed its memory share on purpose (a compute
@@ -117,20 +110,11 @@ def _check_decision(share: ContainerShare, d: BindDecision) -> list[ContractErro
     short = _portion_short_of_memory(share, d)
     if short is not None and not any(e.key == "received_gpu.portion" for e in errors):
         errors.append(short)
-    if not d.gpu_ids:
-        errors.append(ContractError("reserved_gpu_ids", "must name the reserved GPU of each "
-                                    "fractional group"))
-    elif len(d.gpu_ids) != share.num_devices:
+    if d.gpu_ids and len(d.gpu_ids) != share.num_devices:
         errors.append(ContractError(
             "reserved_gpu_ids", f"lists {len(d.gpu_ids)} GPU(s) but the pod asks for "
             f"{share.num_devices} (gpu-fraction-num-devices)", ",".join(d.gpu_ids)))
-    for i, gpu in enumerate(d.gpu_ids):
-        if not _GPU_UUID.fullmatch(gpu):
-            errors.append(ContractError(f"reserved_gpu_ids[{i}]", "must be a GPU UUID (GPU-...)",
-                                        gpu))
-    if len(set(d.gpu_ids)) != len(d.gpu_ids):
-        errors.append(ContractError("reserved_gpu_ids", "lists the same GPU twice",
-                                    ",".join(d.gpu_ids)))
+    errors.extend(reserved_gpu_errors(d.gpu_ids))  # none named comes alone: no count error
     for i, mode in enumerate(d.group_modes):
         if mode != share.compute_mode:
             errors.append(ContractError(

@@ -13,7 +13,7 @@ together, with the rules about the pod's shares as a whole.
 from __future__ import annotations
 
 from . import keys as k
-from .annotation_values import _GPU_UUID, _above
+from .annotation_values import _above
 from .before_bind import _before_bind, _portion_limit_placed
 from .collector import MAX_LISTED_WARNINGS, _Collector
 from .key_room import check_kai_key_room
@@ -23,11 +23,10 @@ from .parse_nvfractions import _scan, _share_from_nvfractions
 from .pod import PodView
 from .shares import ComputeMode, ContainerShare, PodRequest, _complete
 
-# Re-exported for the modules and tests that import them from here (binder.py: _GPU_UUID;
-# tests/contract and tests/admission: MAX_LISTED_WARNINGS; the package and plan.py: the types).
+# Re-exported for the modules and tests that import them from here (tests/contract and
+# tests/admission: MAX_LISTED_WARNINGS; the package and plan.py: the types).
 __all__ = [
     "MAX_LISTED_WARNINGS",
-    "_GPU_UUID",
     "ComputeMode",
     "ContainerShare",
     "PodRequest",
