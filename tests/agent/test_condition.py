@@ -12,10 +12,10 @@ from kai_fractions.node.agent.condition import (
     Condition,
     Health,
     Liveness,
-    StatusPublisher,
     evaluate,
 )
 from kai_fractions.node.agent.options import AgentOptions
+from kai_fractions.node.agent.status_publisher import StatusPublisher
 from kai_fractions.node.config import NodeConfig
 from kai_fractions.node.errors import nvml_error
 from kai_fractions.node.inventory import Capabilities, Inventory

@@ -32,10 +32,8 @@ from .condition import (
     NOT_RECONCILING,
     Condition,
     Liveness,
-    StatusPublisher,
     evaluate,
     passes_failing,
-    smallest_gpu_mib,
 )
 from .events import EventRecorder
 from .grpc_service import NodeEnforcerServicer, close_unix, serve_unix
@@ -45,6 +43,7 @@ from .mps_supervisor import MpsSupervisor
 from .options import AgentOptions
 from .reconciler import Reconciler
 from .signatures import SignatureCheck
+from .status_publisher import StatusPublisher, smallest_gpu_mib
 from .watch import PodCache, PodWatcher
 from .worker import Worker
 

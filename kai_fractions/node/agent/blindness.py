@@ -1,5 +1,6 @@
-"""What the watchdog cannot see, GPU by GPU, as its checks (`usage.UsageCheck`) find it; and what
-that means for a container whose GPU memory cap rests on the kill-policy watchdog alone.
+"""What the watchdog cannot see, GPU by GPU, as its checks (`usage.UsageCheck`) find it, and its
+episodes. What that means for a container whose GPU memory cap rests on the kill-policy watchdog
+alone is `blind_results`'s; what NVML is asked beside the compute listing, `listing_accounting`'s.
 
 Five kinds of blindness, each judged by every check that lists the GPU's processes (its compute,
 graphics and MPS compute listings, each taken on its own and each pid once: the processes the
@@ -17,10 +18,9 @@ watchdog attributes):
   namespace). What the processes account for is the compute listing plus the graphics and MPS
   client listings (`Nvml.other_processes`: NVML lists a graphics process in the graphics
   listing only), each pid once (`watchdog.merge_listings`: a process in several listings is
-  counted once). A GPU the check's listings make a suspect is judged by a sequence of its own:
-  its memory read, its listings taken again, its memory read again, and the smaller read
-  counts, so a process that starts or exits meanwhile is not taken for a hidden one (a GPU
-  whose listings show a managed container's process costs no read more);
+  counted once). A GPU the check's listings make a suspect is judged by a test of its own
+  (`GpuListings.hidden_memory`), so a process that starts or exits meanwhile is not taken for a
+  hidden one (a GPU whose listings show a managed container's process costs no read more);
 - NVML lists a process whose container cannot be told on a GPU with managed containers
   (CONTAINER_UNKNOWN).
 The last three are judged on GPUs with planned (or watched) containers only: elsewhere there is
@@ -30,18 +30,13 @@ An episode of blindness (`blindness`) starts at the first check that finds any k
 and ends only after CLEAN_CHECKS checks in a row that list the GPU and find none: honest at
 once, and a GPU whose listing fails every other check is one episode, not one per failure. Its
 start, its end and a change of its reason are news for a pass (`take_news`). `unreadable` is
-what the last check found, without that hysteresis (the usage it could not read).
-
-A container whose only memory tier is the watchdog there (`watchdog_only`) on a GPU in an
-episode has no cap in force: the pass reports it pending under WATCHDOG_BLIND
-(`blind_results`), so no readiness marker vouches for it. A pass never vouches for such a
-container on a GPU that no check judged with it planned (`unjudged`: a restarted agent, a pod
-new on the GPU): it runs a check first.
+what the last check found, without that hysteresis (the usage it could not read). A container
+whose only memory tier is the watchdog on a GPU in an episode is pending WatchdogBlind
+(`blind_results`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -50,14 +45,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...contract import MIB, ComputeMode
-from ..config import Mechanism
-from ..desired import ContainerDesired, ContainerKey, DesiredState
-from ..engine_reports import WATCHDOG_BLIND, ContainerResult, ContainerState
-from ..errors import NvmlCapabilityMissing, NvmlError
+from ..desired import ContainerKey, DesiredState
+from ..engine_reports import ContainerResult
+from ..errors import NvmlError
 from ..inventory import Inventory
-from ..nvml import GRAPHICS_PROCESSES, MPS_PROCESSES, DeviceInfo, Nvml, other_listings
-from ..plan_refusals import hard_tiers_of
-from ..watchdog import ContainerUsage, WatchdogReport, merge_listings
+from ..nvml import Nvml
+from ..watchdog import ContainerUsage, WatchdogReport
+
+# USAGE_UNKNOWN, usage_unknown, blind_message, watchdog_only and UNSEEN_MEMORY_BYTES were
+# this module's: re-exported, where their importers read them.
+from .blind_results import (  # noqa: F401
+    USAGE_UNKNOWN,
+    blind_message,
+    pending_blind,
+    usage_unknown,
+    vouches_unjudged,
+    watchdog_only,
+)
+from .listing_accounting import UNSEEN_MEMORY_BYTES, GpuListings  # noqa: F401
 from .metrics import AgentMetrics
 
 # A child of the usage check's logger: these lines are the check's.
@@ -78,12 +83,6 @@ NO_PROCESSES_VISIBLE = "NoProcessesVisible"
 """The usage-unreadable reason for a GPU with managed containers whose memory is used by
 processes NVML does not list: NVML (like /proc) shows only the processes of the caller's pid
 namespace, so an agent without the host's (no `hostPID`) gets empty lists and no error."""
-UNSEEN_MEMORY_BYTES = 512 * MIB
-"""GPU memory in use beyond what the listed processes account for that counts as processes NVML
-does not show. NVML's `used` (nvmlMemory_v2, drivers since R510) leaves the driver's reserved
-memory out, so an idle GPU reads 0 to a few MiB; the v1 fallback of older drivers counts the
-reserved memory too, typically a few hundred MiB. One CUDA context alone takes some 300-500 MiB
-on recent GPUs: a hidden workload crosses this at its first allocations, an idle GPU does not."""
 NEWS_GAP_SECONDS = 10.0
 """The least time between two passes asked for by watchdog checks that found an episode of
 blindness start or end."""
@@ -104,16 +103,6 @@ class Blindness:
     """What the watchdog cannot see there, and what to do (for messages)."""
 
 
-def watchdog_only(c: ContainerDesired, watchdog_stops: bool) -> bool:
-    """Whether the container's GPU memory cap rests on the watchdog alone (on each of its GPUs:
-    its mechanisms are the same on all of them): the watchdog stops what exceeds a cap (kill
-    policy) and none of its other mechanisms caps it (`hard_tiers_of`: the cgroup tier, or
-    mps-pinned in an MPS namespace of its own). A watchdog that only reports is no tier (the
-    plan refuses a container it alone would watch)."""
-    return (watchdog_stops and Mechanism.WATCHDOG in c.mechanisms
-            and not hard_tiers_of(c.mechanisms, c.compute))
-
-
 def _planned(desired: DesiredState) -> set[str]:
     """The GPUs of the planned containers and of the refused ones the watchdog still watches."""
     return {u for c in (*desired.containers, *desired.watched) for u in c.plan.device_uuids}
@@ -132,6 +121,8 @@ class BlindnessTracker:
     def __init__(self, nvml: Nvml, metrics: AgentMetrics):
         self.nvml = nvml
         self.metrics = metrics
+        self.listings = GpuListings(nvml)
+        """The graphics and MPS listings a check takes, and the hidden-memory test."""
         self._blind: dict[str, NvmlError] = {}
         """GPU uuid -> why its processes could not be listed, while they cannot."""
         self._unknown: dict[str, tuple[int, ...]] = {}
@@ -143,12 +134,6 @@ class BlindnessTracker:
         self._untested: dict[str, NvmlError] = {}
         """GPU uuid -> why the hidden-memory test of a suspect GPU could not run (a memory read
         or its listing again failed): it cannot be told clear, so it counts as blind."""
-        self._graphics_failing: dict[str, str] = {}
-        """GPU uuid -> the reason its graphics listing fails, while it does (logged once; the
-        watchdog and its hidden-memory test go on with the compute and MPS listings)."""
-        self._mps_now: dict[str, NvmlError] = {}
-        """GPU uuid -> why its MPS client listing failed in the check in progress (`judge`
-        decides where that is blindness)."""
         self._mps_failing: dict[str, NvmlError] = {}
         """GPU uuid with sm-sharing containers -> why its MPS client listing fails, while it
         does (MPS_LISTING_FAILED)."""
@@ -171,10 +156,10 @@ class BlindnessTracker:
     def forget_gone(self, here: set[str]) -> None:
         """Forgets the GPUs the node no longer has."""
         for state in (self._blind, self._unknown, self._unseen, self._unplaced,
-                      self._untested, self._graphics_failing, self._mps_now,
-                      self._mps_failing, self._episodes, self._clean):
+                      self._untested, self._mps_failing, self._episodes, self._clean):
             for gone in state.keys() - here:
                 del state[gone]
+        self.listings.forget_gone(here)
 
     def listing_failed(self, uuid: str, error: NvmlError) -> None:
         """Counted every check, logged when it starts or its reason changes: a blind watchdog
@@ -189,7 +174,7 @@ class BlindnessTracker:
     def listed(self, uuid: str) -> None:
         """The GPU's compute listing worked; its other listings come next (`other_processes`):
         what they did in an earlier check is not this check's."""
-        self._mps_now.pop(uuid, None)
+        self.listings.mps_failed.pop(uuid, None)
         if self._blind.pop(uuid, None) is not None:
             log.info("the processes of GPU %s can be listed again", uuid)
 
@@ -278,8 +263,9 @@ class BlindnessTracker:
         logged when it starts (or its reason changes) and when it ends, like the other kinds.
         A GPU not listed this check keeps its state."""
         clients = _mps_clients(desired)
-        failing = {u: e for u, e in self._mps_now.items() if u in clients and u in checked}
-        self._mps_now = {}
+        failing = {u: e for u, e in self.listings.mps_failed.items()
+                   if u in clients and u in checked}
+        self.listings.mps_failed.clear()
         for uuid, error in failing.items():
             self.metrics.usage_blind.labels(self.metrics.node, uuid, MPS_LISTING_FAILED).inc()
             before = self._mps_failing.get(uuid)
@@ -300,53 +286,20 @@ class BlindnessTracker:
         (none at all, or an MPS server in the agent's own pid namespace): an agent without
         the host's pid namespace sees such lists, with no error, and the watchdog would read 0
         there. The check's listings (`processes`: compute, graphics and MPS, each pid once)
-        only make a GPU a suspect; a suspect is then judged by a sequence of its own: its
-        memory in use read, every listing taken again (the compute one, and the graphics and
-        MPS client ones: `other_processes`; each pid once, `merge_listings`), its
-        memory read again, and the smaller of the two reads compared with what the listings
-        account for (a process that started in between is in neither the first read nor,
-        perhaps, the listings; one that exited, in neither the second read nor, perhaps, the
-        listings). So a check whose GPUs each list a managed container's process costs no
-        read more. Counted every check and logged when it starts and ends, like an unlistable
-        GPU. Only GPUs listed this check are judged; a process listed without its memory
-        leaves the GPU clear of this kind (its share cannot be told), and so does a graphics
-        or MPS listing the driver lacks or does not support (no such processes); one that
-        fails otherwise leaves the other listings to account (`other_processes`). A suspect
-        whose memory read or compute listing fails in the sequence cannot be told clear: it
-        counts as blind under NVML's reason (`_untested`) until a test runs again."""
+        only make a GPU a suspect; a suspect is then judged by a test of its own
+        (`GpuListings.hidden_memory`). So a check whose GPUs each list a managed container's
+        process costs no read more. Counted every check and logged when it starts and ends,
+        like an unlistable GPU. Only GPUs listed this check are judged; a process listed
+        without its memory leaves the GPU clear of this kind (its share cannot be told). A
+        suspect whose memory read or compute listing fails in the test cannot be told clear:
+        it counts as blind under NVML's reason (`_untested`) until a test runs again."""
         planned = _planned(desired)
         seen = {u.device_uuid for u in usage if u.pids}
         suspects = [uuid for uuid, procs in processes.items()
                     if uuid in planned and uuid not in seen
                     and all(p.used_bytes is not None for p in procs)]
         checked = set(processes)
-        unseen: dict[str, int] = {}
-        untested: dict[str, NvmlError] = {}
-        if suspects:
-            before = self._memory_used()
-            listed: dict[str, tuple[Any, ...]] = {}
-            for uuid in suspects:
-                try:
-                    listed[uuid] = merge_listings(self.nvml.running_processes(uuid),
-                                                  self.other_processes(uuid))
-                except NvmlError as e:
-                    untested[uuid] = e
-            after = self._memory_used()
-            for uuid in suspects:
-                failed = next((x for x in (before, after) if isinstance(x, NvmlError)), None)
-                if failed is not None:
-                    untested.setdefault(uuid, failed)
-                if uuid in untested:
-                    continue
-                d0, d1 = before.get(uuid), after.get(uuid)  # type: ignore[union-attr]
-                if d0 is None or d1 is None or d0.mig_enabled or d1.mig_enabled:
-                    continue
-                if any(p.used_bytes is None for p in listed[uuid]):
-                    continue  # a share that cannot be told: not judged
-                hidden = (min(d0.memory_used, d1.memory_used)
-                          - sum(p.used_bytes for p in listed[uuid]))
-                if hidden > UNSEEN_MEMORY_BYTES:
-                    unseen[uuid] = hidden
+        unseen, untested = self.listings.hidden_memory(suspects)
         for uuid, error in untested.items():
             self.metrics.usage_blind.labels(self.metrics.node, uuid, error.reason).inc()
             if uuid not in self._untested:
@@ -373,43 +326,10 @@ class BlindnessTracker:
                            if u not in checked or u in untested},
                         **unseen}
 
-    def _memory_used(self) -> dict[str, DeviceInfo] | NvmlError:
-        """The GPUs as NVML reads them now (their memory in use), or why it cannot."""
-        try:
-            return {d.uuid: d for d in self.nvml.devices()}
-        except NvmlError as e:
-            return e
-
     def other_processes(self, uuid: str) -> tuple[Any, ...]:
-        """`Nvml.other_processes` (the graphics and MPS compute listings, each taken on its
-        own), for the watchdog to attribute and for the hidden-memory test to account: the
-        processes of those that list; none of one the driver lacks. A graphics listing that
-        fails otherwise is logged once, the other listings watched (graphics processes are not
-        how an MPS tenant escapes its cap; the compute listing alone may then read a graphics
-        process's memory as hidden, `NO_PROCESSES_VISIBLE`: more than the listing working
-        would, never less). An MPS listing that fails otherwise is kept for `judge`: blindness
-        (MPS_LISTING_FAILED) where sm-sharing containers are planned."""
-        failed: Mapping[str, NvmlError] = {}
-        try:
-            processes = tuple(self.nvml.other_processes(uuid))
-        except NvmlCapabilityMissing:  # a driver without those listings: none
-            processes = ()
-        except NvmlError as e:
-            listed = other_listings(e)
-            processes, failed = listed.processes, listed.failed
-        graphics = failed.get(GRAPHICS_PROCESSES)
-        if graphics is None:
-            self._graphics_failing.pop(uuid, None)
-        else:
-            if self._graphics_failing.get(uuid) != graphics.reason:
-                log.warning("GPU %s: its graphics process listing fails (%s: %s); the watchdog "
-                            "watches and accounts what the compute and MPS listings show",
-                            uuid, graphics.reason, graphics.message)
-            self._graphics_failing[uuid] = graphics.reason
-        mps = failed.get(MPS_PROCESSES)
-        if mps is not None:
-            self._mps_now[uuid] = mps
-        return processes
+        """`GpuListings.other_processes`: the GPU's graphics and MPS compute listings (an MPS
+        listing that fails otherwise is kept for `judge`)."""
+        return self.listings.other_processes(uuid)
 
     # -- for passes -------------------------------------------------------------------------
 
@@ -467,71 +387,14 @@ class BlindnessTracker:
                  inventory: Inventory, watchdog_stops: bool) -> bool:
         """Whether a pass with these results would vouch for a container whose only memory
         tier is the watchdog (applied) on a GPU of the node that no check has judged with it
-        planned: it must run a check first."""
-        for c in desired.containers:
-            r = results.get(c.key)
-            if (r is None or r.state is not ContainerState.APPLIED
-                    or not watchdog_only(c, watchdog_stops)):
-                continue
-            if any((c.key, u) not in self._judged for u in c.plan.device_uuids
-                   if inventory.device(u) is not None):
-                return True
-        return False
+        planned: it must run a check first (`blind_results.vouches_unjudged`)."""
+        return vouches_unjudged(desired, results, inventory, self._judged, watchdog_stops)
 
     def blind_results(self, desired: DesiredState,
                       results: Mapping[ContainerKey, ContainerResult], watchdog_stops: bool
                       ) -> tuple[dict[ContainerKey, ContainerResult], dict[str, str]]:
         """The pass's results with each container whose GPU memory cap rests on the watchdog
-        alone (`watchdog_only`) on a GPU in an episode of blindness (`blindness`) reported
-        pending under WATCHDOG_BLIND (`ContainerResult.watchdog_blind`): nothing would stop a
-        process of it over its cap there, so no readiness marker may vouch for it. A refused
-        one stays refused; one known without an MPS cap too keeps that reason (its message
-        says what to do first). Also returns GPU uuid -> blindness reason of each such GPU
-        (with such a container)."""
-        out = dict(results)
+        alone on a GPU in an episode of blindness (`blindness`) pending WatchdogBlind
+        (`blind_results.pending_blind`), and GPU uuid -> blindness reason of each such GPU."""
         blind = self.blindness() if watchdog_stops else {}
-        gpus_out: dict[str, str] = {}
-        for c in desired.containers:
-            gpus = [u for u in c.plan.device_uuids if u in blind]
-            if not gpus or not watchdog_only(c, watchdog_stops):
-                continue
-            gpus_out.update((u, blind[u].reason) for u in gpus)
-            r = out.get(c.key)
-            if r is None or r.state is ContainerState.REFUSED:
-                continue
-            out[c.key] = _blind_result(r, c, gpus, blind)
-        return out, gpus_out
-
-
-USAGE_UNKNOWN = "usage unknown on "
-"""How a message begins that names the GPUs where a container's usage is not known
-(`usage_unknown`): GetNodeState's messages carry it, `kai-fractions inspect` reads it back."""
-
-
-def usage_unknown(gpus: Iterable[tuple[str, str]]) -> str:
-    """USAGE_UNKNOWN, then `GPU <uuid> (<reason>)` for each GPU (uuid, reason), comma-separated
-    (a colon follows where it is used)."""
-    return USAGE_UNKNOWN + ", ".join(f"GPU {uuid} ({reason})" for uuid, reason in gpus)
-
-
-def blind_message(c: ContainerDesired, gpus: Iterable[str],
-                  blind: Mapping[str, Blindness]) -> str:
-    """Why a container whose only memory tier is the watchdog has no cap in force on `gpus`,
-    and what to do (first: an event's message is cut at 1024 characters)."""
-    gpus = list(gpus)
-    seen = "; ".join(blind[u].detail for u in gpus)
-    return (f"{usage_unknown((u, blind[u].reason) for u in gpus)}: the watchdog, this "
-            "container's only GPU memory tier there (no cgroup or MPS pinned limit), cannot see "
-            f"its use ({seen}), so its cap of {-(-c.plan.limit_bytes // MIB)} MiB is not in "
-            "force: nothing stops a process over it until watchdog checks see the GPU again")
-
-
-def _blind_result(r: ContainerResult, c: ContainerDesired, gpus: list[str],
-                  blind: Mapping[str, Blindness]) -> ContainerResult:
-    if r.mps_cap_missing or r.limit_missing:  # its own reason says what to do first
-        return dataclasses.replace(r, watchdog_blind=True)
-    message = blind_message(c, gpus, blind)
-    if r.state is ContainerState.PENDING and r.reason:
-        message += f" (this pass also: {r.reason}: {r.message})"
-    return dataclasses.replace(r, state=ContainerState.PENDING, reason=WATCHDOG_BLIND,
-                               message=message, watchdog_blind=True)
+        return pending_blind(desired, results, blind, watchdog_stops)
