@@ -128,7 +128,8 @@ def _devices(flag: str) -> tuple[str, ...]:
     error = errors[0]  # the first only: a usage error names one rule
     if error.key == "reserved_gpu_ids":  # unindexed, of a named list: the same GPU twice
         # Named, as the user reads the flag, rather than the whole list quoted.
-        twice = next((d for i, d in enumerate(devices) if d in devices[:i]), error.value)
+        seen = [d.lower() for d in devices]  # one GPU in either case, as the contract reads it
+        twice = next((d for i, d in enumerate(devices) if seen[i] in seen[:i]), error.value)
         raise InputError(f"--devices: lists {twice} twice")
     raise _flag_error(error, error.value or flag)
 

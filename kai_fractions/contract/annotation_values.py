@@ -94,6 +94,6 @@ def _checked_devices(value: str) -> tuple[tuple[str, ...], str | None, str]:
         if not _GPU_UUID.fullmatch(uuid):
             return (), (f"each item must be a GPU UUID (GPU-...) or "
                         f"{k.CDI_DEVICE_PREFIX}<uuid>"), item
-    if len({i.removeprefix(k.CDI_DEVICE_PREFIX) for i in items}) != len(items):
+    if len({i.removeprefix(k.CDI_DEVICE_PREFIX).lower() for i in items}) != len(items):
         return (), "lists the same GPU twice", value
     return tuple(items), None, ""

@@ -22,7 +22,9 @@ def reserved_gpu_errors(gpu_ids: Sequence[str]) -> list[ContractError]:
                               "fractional group")]
     errors = [ContractError(f"reserved_gpu_ids[{i}]", "must be a GPU UUID (GPU-...)", gpu)
               for i, gpu in enumerate(gpu_ids) if not _GPU_UUID.fullmatch(gpu)]
-    if len(set(gpu_ids)) != len(gpu_ids):
+    # NVML prints a UUID in lower case, but the hex reads the same in either: GPU-AB and GPU-ab
+    # are one GPU named twice (and the node, which matches UUIDs exactly, would know neither).
+    if len({gpu.lower() for gpu in gpu_ids}) != len(gpu_ids):
         errors.append(ContractError("reserved_gpu_ids", "lists the same GPU twice",
                                     ",".join(gpu_ids)))
     return errors

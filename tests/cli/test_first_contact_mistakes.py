@@ -202,6 +202,7 @@ def test_the_workloads_webhook_gives_the_same_warning() -> None:
     ("gpu0", "--devices (item 1): must be a GPU UUID (GPU-...), got 'gpu0'"),
     (f"{GPU_A},gpu1", "--devices (item 2): must be a GPU UUID (GPU-...), got 'gpu1'"),
     (f"{GPU_A},{GPU_A}", f"--devices: lists {GPU_A} twice"),
+    (f"{GPU_A},{GPU_A.upper()}", f"--devices: lists {GPU_A.upper()} twice"),  # one GPU
     (",", "--devices: names no GPU: give the reserved GPU UUID of each fractional group"),
 ])
 def test_bad_devices_exit_2_before_any_pod_is_read(capsys, devices: str, message: str) -> None:

@@ -31,6 +31,9 @@ def test_reserved_gpus_that_keep_the_rules(gpu_ids: tuple[str, ...]) -> None:
                                ContractError("reserved_gpu_ids[2]", NOT_UUID, "")]),
     ((GPU_A, GPU_B, GPU_A), [ContractError("reserved_gpu_ids", TWICE,
                                            f"{GPU_A},{GPU_B},{GPU_A}")]),
+    # One GPU in upper and lower case (NVML prints lower; the node matches exactly).
+    ((GPU_A, GPU_A.upper()), [
+        ContractError("reserved_gpu_ids", TWICE, f"{GPU_A},{GPU_A.upper()}")]),
     # Each UUID first, by its index, then the list as a whole.
     (("x", "x"), [ContractError("reserved_gpu_ids[0]", NOT_UUID, "x"),
                   ContractError("reserved_gpu_ids[1]", NOT_UUID, "x"),

@@ -221,6 +221,7 @@ def test_adversarial_compute_portion(value: str) -> None:
          "must be a comma-separated list of GPU UUIDs with no empty item"),
         ("", "", "must be a comma-separated list of GPU UUIDs with no empty item"),
         (f"{GPU_A},{GPU_A}", f"{GPU_A},{GPU_A}", "lists the same GPU twice"),
+        (f"{GPU_A},{GPU_A.upper()}", f"{GPU_A},{GPU_A.upper()}", "lists the same GPU twice"),
         (f"{GPU_A},k8s.device-plugin.nvidia.com/gpu={GPU_A}",
          f"{GPU_A},k8s.device-plugin.nvidia.com/gpu={GPU_A}", "lists the same GPU twice"),
     ],
