@@ -1,7 +1,8 @@
-"""Random protobuf field values through the real AllocationMirror gRPC server over the in-memory
-store: every answer is OK or a well-formed status a scheduler can act on (INVALID_ARGUMENT with
-field violations, NOT_FOUND, FAILED_PRECONDITION), never INTERNAL or UNKNOWN, and a refused
-call writes nothing."""
+"""Random protobuf field values, and random bytes (a valid request spoiled: cut short, a byte
+changed, a string field made non-UTF-8), through the real AllocationMirror gRPC server over
+the in-memory store: every answer is OK or a well-formed status a scheduler can act on
+(INVALID_ARGUMENT with field violations, NOT_FOUND, FAILED_PRECONDITION), never INTERNAL or
+UNKNOWN, and a refused call writes nothing."""
 
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ def rig():
     server = MirrorServer(service, ServerOptions(listen="127.0.0.1:0")).start()
     channel = grpc.insecure_channel(server.address)
     try:
-        yield store, pb_grpc.AllocationMirrorStub(channel)
+        yield store, pb_grpc.AllocationMirrorStub(channel), channel
     finally:
         channel.close()
         server.stop(grace=0)
@@ -165,7 +166,7 @@ def check_status(error: grpc.RpcError) -> None:
 @FUZZ
 @given(scenarios())
 def test_mirror_allocation_answers_are_well_formed(rig, scenario):
-    store, stub = rig
+    store, stub, _ = rig
     anns, requests = scenario
     reset(store, anns)
     for request in requests:
@@ -188,7 +189,7 @@ def test_mirror_allocation_answers_are_well_formed(rig, scenario):
 @FUZZ
 @given(allocations(), pod_annotations)
 def test_preview_answers_are_well_formed_and_write_nothing(rig, allocation, anns):
-    store, stub = rig
+    store, stub, _ = rig
     reset(store, anns)
     try:
         stub.PreviewAllocation(pb.PreviewAllocationRequest(allocation=allocation), timeout=10)
@@ -201,11 +202,57 @@ def test_preview_answers_are_well_formed_and_write_nothing(rig, allocation, anns
 @given(st.builds(pb.PodRef, namespace=short_text, name=short_text, uid=short_text),
        st.text(max_size=20), pod_annotations)
 def test_release_answers_are_well_formed(rig, pod, key, anns):
-    store, stub = rig
+    store, stub, _ = rig
     reset(store, anns)
     try:
         stub.ReleaseAllocation(pb.ReleaseAllocationRequest(pod=pod, idempotency_key=key),
                                timeout=10)
+    except grpc.RpcError as e:
+        check_status(e)
+        assert store.patches == []
+
+
+_GOOD = {
+    "MirrorAllocation": pb.MirrorAllocationRequest(allocation=_valid_allocation(),
+                                                   idempotency_key="bind/1"),
+    "PreviewAllocation": pb.PreviewAllocationRequest(allocation=_valid_allocation()),
+    "ReleaseAllocation": pb.ReleaseAllocationRequest(pod=pb.PodRef(namespace="team-a",
+                                                                   name="train-0")),
+}
+
+
+@st.composite
+def spoiled_requests(draw) -> tuple[str, bytes]:
+    """A method and a valid request's bytes spoiled one way: cut short, one byte changed, two
+    bytes replaced by `\\xc0\\x80` (an overlong NUL: not UTF-8 where a string held them), or
+    random bytes."""
+    method = draw(st.sampled_from(sorted(_GOOD)))
+    data = _GOOD[method].SerializeToString()
+    at = draw(st.integers(0, len(data) - 2))
+    kind = draw(st.sampled_from(["cut", "byte", "not utf-8", "random"]))
+    event(f"spoiled: {kind}")
+    if kind == "cut":
+        spoiled = data[:at]
+    elif kind == "byte":
+        spoiled = data[:at] + bytes([draw(st.integers(0, 255))]) + data[at + 1:]
+    elif kind == "not utf-8":
+        spoiled = data[:at] + b"\xc0\x80" + data[at + 2:]
+    else:
+        spoiled = draw(st.binary(max_size=64))
+    return method, spoiled
+
+
+@FUZZ
+@given(spoiled_requests(), pod_annotations)
+def test_requests_that_may_not_decode_are_answered_well_formed(rig, request, anns):
+    store, _, channel = rig
+    method, data = request
+    reset(store, anns)
+    call = channel.unary_unary(f"/kai_fractions.v1.AllocationMirror/{method}",
+                               request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+    try:
+        call(data, timeout=10)
     except grpc.RpcError as e:
         check_status(e)
         assert store.patches == []

@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ...api.v1 import allocation_pb2_grpc as pb_grpc
+from ...grpc_decode import add_service
 from ..pod_feed import Feed
 from ..service import MirrorService
 from .security import (
@@ -35,7 +35,7 @@ from .security import (
     parse_listen,
     server_credentials,
 )
-from .servicer import SERVICE_NAME, AllocationMirrorServicer, CallObserver
+from .servicer import SERVICE, SERVICE_NAME, AllocationMirrorServicer, CallObserver
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -165,8 +165,8 @@ class MirrorServer:
         server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES)])
         self._server = server
-        pb_grpc.add_AllocationMirrorServicer_to_server(
-            AllocationMirrorServicer(self.service, self.observe), server)
+        # The servicer decodes, so that a request that does not decode is its refusal.
+        add_service(server, AllocationMirrorServicer(self.service, self.observe), SERVICE)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

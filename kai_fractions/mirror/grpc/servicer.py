@@ -1,6 +1,7 @@
 """kai_fractions.v1.AllocationMirror over MirrorService: protobuf in, protobuf or a status out.
 The methods are coroutines of the grpc.aio server (`server`); the service decides and writes,
-this module only translates its values and errors."""
+this module only translates its values and errors. A request whose bytes did not decode
+arrives as an `Undecodable` (`grpc_decode`) and is refused like any other bad request."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ...api.v1 import allocation_pb2 as pb
 from ...api.v1 import allocation_pb2_grpc as pb_grpc
 from ...contract import ContractError
 from ...contract.names import pod_ref_problems
+from ...grpc_decode import REQUEST_FIELD, Undecodable
 from ..decision import idempotency_key_problems
 from ..errors import InvalidAllocation, MirrorError
 from ..service import MirrorService
@@ -29,7 +31,8 @@ CallObserver = Callable[[str, str, float | None], object]
 """Told of every call answered: method, status code name, seconds (MirrorMetrics.call); None
 for a call refused before it ran (no bearer token)."""
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AllocationMirror"].full_name
+SERVICE = pb.DESCRIPTOR.services_by_name["AllocationMirror"]
+SERVICE_NAME = SERVICE.full_name
 # Answer a little before the caller's deadline, so it gets our status rather than its own.
 DEADLINE_MARGIN_S = 0.05
 
@@ -44,11 +47,15 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
         self.service = service
         self.observe = observe
 
-    async def _run(self, context: grpc.aio.ServicerContext, method: str,
+    async def _run(self, context: grpc.aio.ServicerContext, method: str, request: object,
                    fn: Callable[[], Awaitable[T]], field_prefix: str = "allocation.") -> T:
+        """`fn()`'s answer, or the status of its error; `request` refused unread when it did
+        not decode. Every call is counted (`observe`) with its code."""
         began = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
+            if isinstance(request, Undecodable):
+                raise InvalidAllocation([ContractError(REQUEST_FIELD, request.rule)])
             return await fn()
         except MirrorError as e:
             status = to_status(e, field_prefix=field_prefix)
@@ -69,7 +76,7 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
                 self.observe(method, code.name, time.perf_counter() - began)
         raise AssertionError("unreachable")  # abort_with_status raises
 
-    async def MirrorAllocation(self, request: pb.MirrorAllocationRequest,
+    async def MirrorAllocation(self, request: pb.MirrorAllocationRequest | Undecodable,
                                context: grpc.aio.ServicerContext
                                ) -> pb.MirrorAllocationResponse:
         async def run() -> pb.MirrorAllocationResponse:
@@ -81,9 +88,9 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
                 annotations=result.annotations,
                 containers=[plan_to_proto(p) for p in result.plans],
                 changed=result.changed, resource_version=result.resource_version)
-        return await self._run(context, "MirrorAllocation", run)
+        return await self._run(context, "MirrorAllocation", request, run)
 
-    async def PreviewAllocation(self, request: pb.PreviewAllocationRequest,
+    async def PreviewAllocation(self, request: pb.PreviewAllocationRequest | Undecodable,
                                 context: grpc.aio.ServicerContext
                                 ) -> pb.PreviewAllocationResponse:
         async def run() -> pb.PreviewAllocationResponse:
@@ -93,9 +100,9 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
             return pb.PreviewAllocationResponse(
                 annotations=result.annotations,
                 containers=[plan_to_proto(p) for p in result.plans])
-        return await self._run(context, "PreviewAllocation", run)
+        return await self._run(context, "PreviewAllocation", request, run)
 
-    async def ReleaseAllocation(self, request: pb.ReleaseAllocationRequest,
+    async def ReleaseAllocation(self, request: pb.ReleaseAllocationRequest | Undecodable,
                                 context: grpc.aio.ServicerContext
                                 ) -> pb.ReleaseAllocationResponse:
         async def run() -> pb.ReleaseAllocationResponse:
@@ -112,5 +119,6 @@ class AllocationMirrorServicer(pb_grpc.AllocationMirrorServicer):
                                                 deadline=deadline_of(context))
             return pb.ReleaseAllocationResponse(removed_keys=list(result.removed_keys),
                                                 changed=result.changed)
-        return await self._run(context, "ReleaseAllocation", run, field_prefix="")
+        return await self._run(context, "ReleaseAllocation", request, run,
+                               field_prefix="")
 

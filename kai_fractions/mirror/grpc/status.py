@@ -1,8 +1,9 @@
 """MirrorError -> a gRPC status with machine-readable details (google.rpc.*), never a trace.
 
 INVALID_ARGUMENT carries BadRequest field violations: a request field path
-(`allocation.received_gpu.portion`) or, for a problem in the pod's own annotations,
-`pod.metadata.annotations["<key>"]`, each with the rule in words.
+(`allocation.received_gpu.portion`; `request` for a request that did not decode) or, for a
+problem in the pod's own annotations, `pod.metadata.annotations["<key>"]`, each with the rule
+in words.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from grpc_status import rpc_status
 
 from ...contract import ContractError
 from ...contract.errors import shown
+from ...grpc_decode import REQUEST_FIELD
 from ..errors import (
     AllocationConflict,
     ApiRejected,
@@ -33,7 +35,9 @@ ALLOCATION_FIELDS = frozenset({
     "selected_fractional_gpu_groups", "reserved_gpu_ids", "node_gpu_memory_mib", "cdi",
     "reserve_mib", "container_name",
 })
-REQUEST_FIELDS = frozenset({"idempotency_key", "replace"})
+REQUEST_FIELDS = frozenset({"idempotency_key", "replace", REQUEST_FIELD})
+"""Fields of the request message itself, and `request`: the request as a whole (one that did
+not decode, `grpc_decode`)."""
 
 
 def field_path(key: str, prefix: str) -> str:

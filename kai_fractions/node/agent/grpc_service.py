@@ -6,7 +6,9 @@ Every call is also checked against its caller's credentials (`peer_guard`: SO_PE
 the allowed uids may call at all, and a process in a pod's cgroup (a root container that reached
 the socket) may read the node's state but not change any limit. `GetNodeState` answers from the
 last pass's snapshot without touching the GPUs; `Provision`, `Release` and `Drain` run on the
-agent's worker like any other GPU work.
+agent's worker like any other GPU work. Requests are decoded by the servicer's registration
+(`grpc_decode`): one that does not decode (a string field that is not UTF-8, a truncated
+message) is INVALID_ARGUMENT naming `request`, after the caller check, not gRPC's trace.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ...contract import ComputeMode
 from ...contract.errors import shown
 from ...contract.keys import is_container_name
 from ...contract.names import pod_ref_problems
+from ...grpc_decode import Undecodable, add_service
 from ..cgroups import is_pod_uid
 from ..config import Mechanism
 from ..desired import ComputeEnforcement, ContainerDesired, ContainerKey, Refusal
@@ -164,6 +167,13 @@ def node_state(view: NodeView, node_name: str, condition: Condition | None,
     return out
 
 
+def _decoded(context: grpc.ServicerContext, request: object) -> None:
+    """The call ends with INVALID_ARGUMENT naming `request` and the rule when its bytes did not
+    decode (`grpc_decode.Undecodable`)."""
+    if isinstance(request, Undecodable):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
+
+
 def _valid_uid(context: grpc.ServicerContext, uid: str) -> str:
     """`uid`, or the call ends with INVALID_ARGUMENT before anything is stored or written: it
     names the pod's cgroup and marker directory. A uid no cgroup can be named by would be kept
@@ -292,15 +302,17 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
                           f"(uids {', '.join(found)}); give pod.uid")
         return found[0]
 
-    def GetNodeState(self, request: node_pb2.GetNodeStateRequest,
+    def GetNodeState(self, request: node_pb2.GetNodeStateRequest | Undecodable,
                      context: grpc.ServicerContext) -> node_pb2.GetNodeStateResponse:
         self._authorize(context, "GetNodeState", changes=False)
+        _decoded(context, request)
         return node_state(self.reconciler.view, self.node_name, self.condition(),
                           self.condition_type)
 
-    def Provision(self, request: node_pb2.ProvisionRequest,
+    def Provision(self, request: node_pb2.ProvisionRequest | Undecodable,
                   context: grpc.ServicerContext) -> node_pb2.ProvisionResponse:
         self._authorize(context, "Provision", changes=True)
+        _decoded(context, request)
         pod = request.pod
         missing = [f for f, v in (("pod.uid", pod.uid), ("pod.namespace", pod.namespace),
                                   ("pod.name", pod.name), ("containers", request.containers))
@@ -318,18 +330,20 @@ class NodeEnforcerServicer(node_pb2_grpc.NodeEnforcerServicer):
         view = self.reconciler.view
         return node_pb2.ProvisionResponse(allocations=[allocation(view, k) for k in keys])
 
-    def Release(self, request: node_pb2.ReleaseRequest,
+    def Release(self, request: node_pb2.ReleaseRequest | Undecodable,
                 context: grpc.ServicerContext) -> node_pb2.ReleaseResponse:
         self._authorize(context, "Release", changes=True)
+        _decoded(context, request)
         pods = self.reconciler.view.pods
         uid = self._uid(context, request.pod, pods)
         container = _valid_container(context, uid, request.container, pods)
         names = self._run(context, lambda: self.reconciler.release(uid, container))
         return node_pb2.ReleaseResponse(released_containers=names)
 
-    def Drain(self, request: node_pb2.DrainRequest,
+    def Drain(self, request: node_pb2.DrainRequest | Undecodable,
               context: grpc.ServicerContext) -> node_pb2.DrainResponse:
         self._authorize(context, "Drain", changes=True)
+        _decoded(context, request)
         pods = self.reconciler.view.pods
         uid = self._uid(context, request.pod, pods)
         container = _valid_container(context, uid, request.container, pods)
@@ -383,7 +397,8 @@ def serve_unix(servicer: NodeEnforcerServicer, path: str, *,
     upstream = os.path.join(directory, "grpc.sock")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="node-enforcer"))
-    node_pb2_grpc.add_NodeEnforcerServicer_to_server(servicer, server)
+    # The servicer decodes, so that a request that does not decode is its refusal.
+    add_service(server, servicer, node_pb2.DESCRIPTOR.services_by_name["NodeEnforcer"])
     try:
         bound = server.add_insecure_port(f"unix:{upstream}")
     except RuntimeError as e:
