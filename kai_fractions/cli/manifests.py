@@ -168,13 +168,6 @@ def _documents(source: _Source) -> Iterator[tuple[int, Any]]:
         loader.dispose()
 
 
-def load_documents(paths: list[str]) -> Iterator[tuple[str, Any]]:
-    """(`file:line`, document) for every non-empty YAML document; raises InputError."""
-    for source in _sources(paths):
-        for line, doc in _documents(source):
-            yield f"{source.name}:{line}", doc
-
-
 def load_manifests(paths: list[str]) -> Manifests:
     """Every pod and pod template in the files, located; raises InputError for a malformed
     object or unreadable input, NothingToCheck when none is found anywhere."""
@@ -232,8 +225,3 @@ def _unchecked(where: str, obj: Mapping[str, Any]) -> str:
 
 def _kinds(kinds: set[str]) -> str:
     return "found: " + ", ".join(sorted(kinds)) if kinds else "no objects"
-
-
-def load_pod_views(paths: list[str]) -> list[PodView]:
-    """The views of `load_manifests`, without where they came from."""
-    return [located.view for located in load_manifests(paths).views]

@@ -4,7 +4,7 @@ Pure (no I/O) and the only place in kai_fractions that knows key strings and val
 """
 
 from . import keys
-from .binder import BindDecision, binder_annotations, binder_keys, parse_group_modes
+from .binder import BindDecision, binder_annotations, parse_group_modes
 from .dialect import DEFAULT_DIALECT, DIALECTS, Dialect
 from .errors import ContractError, ContractViolation
 from .keys import DEFAULT_KEYS, Keys, is_mps_namespace_name
@@ -59,7 +59,6 @@ __all__ = [
     "QuantityError",
     "active_thread_percentage",
     "binder_annotations",
-    "binder_keys",
     "derived_annotations",
     "env_sources",
     "format_plain",

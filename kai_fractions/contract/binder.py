@@ -268,14 +268,6 @@ def _compute_portion(request_bytes: int, usable_mib: float, d: BindDecision) -> 
     return format_plain(Fraction(portion))
 
 
-def binder_keys(request: PodRequest, keys: k.Keys = k.DEFAULT_KEYS) -> tuple[str, ...]:
-    """The binder-owned keys of the pod's fractional container (what a rollback removes)."""
-    share = request.share
-    if share is None:
-        return ()
-    return tuple(keys.container(share.container, s) for s in k.BINDER_SUFFIXES)
-
-
 def parse_group_modes(values: Sequence[str]) -> tuple[ComputeMode, ...]:
     """Modes as KAI's BindRequest spells them; empty means time-slicing (older groups).
     Raises ContractViolation naming each group whose mode is unknown."""

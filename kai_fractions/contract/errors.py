@@ -43,9 +43,3 @@ class ContractViolation(ValueError):
         if not self.errors:
             raise ValueError("ContractViolation needs at least one error")
         super().__init__("; ".join(str(e) for e in self.errors))
-
-
-def raise_if_any(errors: Iterable[ContractError]) -> None:
-    errors = tuple(errors)
-    if errors:
-        raise ContractViolation(errors)

@@ -159,10 +159,6 @@ shortened id is never another container's name, and no two containers share deri
 MIN_ID_ROOM = 1 + len(ID_SEPARATOR) + ID_HASH_DIGITS
 """The room a project prefix must leave for a container id: one character of the name, the
 separator and the hash."""
-KAI_SUFFIXES = (MEMORY_REQUEST, MEMORY_LIMIT, COMPUTE_MODE, DEVICES)
-"""The per-container keys every KAI writes or reads for a fractional container (the user's
-request, limit and mode; the binder's request and devices). `.gpu-compute.portion` only the
-patched binder writes (`dialect`)."""
 
 
 def key_name_length(key: str) -> int:

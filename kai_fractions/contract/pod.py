@@ -1,9 +1,11 @@
 """The slice of a pod the contract reads, built from a manifest (dict) of a Pod or a workload.
 
-Pure data: no Kubernetes client here. `pod_views` accepts Pods and anything with a pod template
+Pure data: no Kubernetes client here. `pod_specs` accepts Pods and anything with a pod template
 (Deployment, StatefulSet, DaemonSet, ReplicaSet, Job, CronJob, PodTemplate, and the templates
-other kinds nest below their spec: PyTorchJob, LeaderWorkerSet, RayCluster, JobSet, ...), so the
-CLI and the webhook give early feedback on workloads, before any pod exists.
+other kinds nest below their spec: PyTorchJob, LeaderWorkerSet, RayCluster, JobSet, ...), each
+with its raw spec and field path, so the CLI and the webhook give early feedback on workloads,
+before any pod exists. `view_from_pod_spec` is the view of one pod's metadata and spec, as the
+webhook, the mirror and the node agent read the pods they are given.
 """
 
 from __future__ import annotations

@@ -74,10 +74,6 @@ class ContainerShare:
     def device_uuids(self) -> tuple[str, ...]:
         return _uuids(self.devices)
 
-    @property
-    def is_bound(self) -> bool:
-        return bool(self.devices)
-
 
 @dataclass(frozen=True, slots=True)
 class PodRequest:

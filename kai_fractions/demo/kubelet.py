@@ -257,9 +257,3 @@ class SimulatedKubelet:
                               f"{ordinal}={pinned}M) holds it (simulated, as the MPS client "
                               "refuses it)")
         self.nvml.allocate(pid, gpu, extra)
-
-    def stop_process(self, pid: int) -> None:
-        self.nvml.remove_process(pid)
-        for name in ("cgroup", "stat", "comm"):
-            (self.proc_root / str(pid) / name).unlink(missing_ok=True)
-        (self.proc_root / str(pid)).rmdir()

@@ -6,21 +6,16 @@ resolves from those annotations when it starts) never runs without its limits. N
 API credentials, standard library plus the pure contract package only, so it starts fast.
 """
 
-from .check import Outcome, Verdict, judge, pod_view
-from .downward import DownwardError, go_unquote, parse_annotations, read_annotations
+from .check import Outcome, judge
+from .downward import parse_annotations
 from .run import GateOptions, observe, parse_names, run_gate
 
 __all__ = [
-    "DownwardError",
     "GateOptions",
     "Outcome",
-    "Verdict",
-    "go_unquote",
     "judge",
     "observe",
     "parse_annotations",
     "parse_names",
-    "pod_view",
-    "read_annotations",
     "run_gate",
 ]

@@ -10,7 +10,6 @@ under a timeout and again after a 401 (`credentials`: `TokenFile`, `ExecCredenti
 
 from __future__ import annotations
 
-import logging
 import os
 import ssl
 from dataclasses import dataclass
@@ -31,8 +30,6 @@ from .credentials import (  # re-exported: importers take them from here
     _InClusterLoader,
     _name_refresh,
 )
-
-log = logging.getLogger(__name__)
 
 NAMESPACE_ATTRIBUTE = "kai_fractions_namespace"
 """The Configuration attribute load_api_client sets to the namespace its source names (see

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .mps.daemon import Clock, SystemClock
+from ..clock import Clock, SystemClock
 from .procfs import PidfdPin
 from .watchdog_types import (
     ESCALATED,

@@ -57,9 +57,9 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ..clock import Clock, SystemClock
 from .mps import errors as mps_errors
 from .mps.control import client_servers, end_client
-from .mps.daemon import Clock, SystemClock
 from .mps.errors import MpsError
 from .process_killer import Killer, SignalKiller, _errno, _why_failed
 from .procfs import (

@@ -120,10 +120,10 @@ class FakeNvml(FakeNvmlControls):
         if needs_init and self.initialized <= 0:
             raise nvml_error(NVML_ERROR_UNINITIALIZED, _FUNCTIONS[method], device=device)
 
-    def _find(self, method: str, uuid: str, *, allow_lost: bool = False) -> FakeGpu:
+    def _find(self, method: str, uuid: str) -> FakeGpu:
         for g in self.gpus:
             if g.uuid == uuid:
-                if g.lost and not allow_lost:
+                if g.lost:
                     raise nvml_error(NVML_ERROR_GPU_IS_LOST, _FUNCTIONS[method], device=uuid)
                 return g
         raise nvml_error(NVML_ERROR_NOT_FOUND, _FUNCTIONS[method], device=uuid)

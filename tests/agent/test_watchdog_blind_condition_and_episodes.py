@@ -105,9 +105,7 @@ def run_worker(rig: Rig, fails, seconds: float) -> dict[str, int]:
     """Drives the worker on a fake clock (1 s watchdog interval) for `seconds`, GPU 0's
     listing failing at the scheduled checks `fails(n)` says; counts what the pod and the node
     see."""
-    clock = Clock()
-    rig.reconciler.usage_needs_pass = (  # type: ignore[method-assign]
-        lambda: rig.reconciler.usage.take_news(now=clock()))
+    clock = Clock()  # the worker hands it to the watchdog's news throttle too
     worker = Worker(rig.reconciler, rig.options, watchdog_interval=1.0, mps_checks=False,
                     monotonic=clock)
     worker._dirty = False

@@ -12,7 +12,6 @@ from kai_fractions.contract import (
     ContractViolation,
     Keys,
     binder_annotations,
-    binder_keys,
     parse_group_modes,
     parse_pod,
 )
@@ -217,11 +216,6 @@ def test_custom_prefix_is_written() -> None:
         "gpu.example.com/c.main.gpu-compute.portion",
         "received-resource-type",
     }
-
-
-def test_binder_keys_are_what_a_rollback_removes() -> None:
-    assert binder_keys(parse_pod(pod({"gpu-fraction": "0.5"}))) == (DEV, POR)
-    assert binder_keys(parse_pod(pod({}))) == ()
 
 
 def test_invalid_pod_is_refused_with_its_errors() -> None:

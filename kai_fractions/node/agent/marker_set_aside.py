@@ -202,19 +202,19 @@ class MarkerSetAside:
                          f"{n}={r.state.value}" + (f" ({r.reason})" if r.reason else "")
                          for n, r in sorted(results.items())))
 
-    def set_aside_at_stop(self, *, mps: bool = True) -> list[str]:
+    def set_aside_at_stop(self) -> list[str]:
         """As the agent stops (`close`, `abandon`): closes the marker store (`MarkerStore.close`:
         no pass may write a marker after this), then sets aside the markers of the pods whose
         limits go with the agent, since no agent runs to say so until the next one's first
         pass, which writes them again once it has applied them (and run a watchdog check over
-        them: `_watchdog_blind`): with `mps`, those that rely on an MPS control daemon this
+        them: `_watchdog_blind`): those that rely on an MPS control daemon this
         agent started (`set_aside_for_mps`: it stops it, or it dies with the agent's
         container), and those of a container whose only memory tier is the watchdog, which runs
         in the agent (`_set_aside_watchdog_only`). Local file moves only (no API call: the
         shutdown's time is bounded). Returns the pods' uids."""
         self.markers.close()
         done: set[str] = set()
-        if mps and self.mps_health is not None and self.mps_health.owned:
+        if self.mps_health is not None and self.mps_health.owned:
             done.update(self.set_aside_for_mps(_STOP_CAUSE))
         done.update(self._set_aside_watchdog_only(lambda c: True, lambda c: _WATCHDOG_STOP_CAUSE,
                                                   recorded=WATCHDOG_STOPPED))

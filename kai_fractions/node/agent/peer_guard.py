@@ -60,7 +60,6 @@ _MAX_UNIX_PATH = 100  # sun_path is 108 bytes; leave room for the peer names
 class Peer:
     pid: int
     uid: int
-    gid: int
     pod: str | None = None
     """The pod (uid) whose cgroup the caller's process was in when it connected; None: the
     host."""
@@ -74,27 +73,27 @@ class Peer:
 
 def peer_of(sock: socket.socket, procfs: Procfs) -> Peer:
     """The kernel's credentials of the connecting process, and where it runs, read now."""
-    pid, uid, gid = _CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                  _CREDS.size))
+    pid, uid, _gid = _CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                   _CREDS.size))  # no rule reads the gid
     if pid <= 0:
-        return Peer(pid, uid, gid, placed=False)
+        return Peer(pid, uid, placed=False)
     try:
         pidfd: int | None = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
     except OSError as e:
         if e.errno != errno.ENOPROTOOPT:  # EINVAL (6.5 to 6.14) or ESRCH: reaped already
-            return Peer(pid, uid, gid, placed=False)
+            return Peer(pid, uid, placed=False)
         pidfd = None  # a kernel before 6.5
     try:
         path = procfs.cgroup_path(pid)
         if path is None or (pidfd is not None and not _alive(pidfd)):
-            return Peer(pid, uid, gid, placed=False)
+            return Peer(pid, uid, placed=False)
     finally:
         if pidfd is not None:
             os.close(pidfd)
     owner = parse_cgroup_path(path)
     if owner is None and may_be_a_pod(path):
-        return Peer(pid, uid, gid, hidden=path)
-    return Peer(pid, uid, gid, pod=owner.pod_uid if owner is not None else None)
+        return Peer(pid, uid, hidden=path)
+    return Peer(pid, uid, pod=owner.pod_uid if owner is not None else None)
 
 
 def _alive(pidfd: int) -> bool:
@@ -200,7 +199,7 @@ class Relay:
 
     def __init__(self, public_path: str, upstream: str, directory: str, peers: PeerTable,
                  mode: int, procfs: Procfs) -> None:
-        self.public_path, self.upstream, self.directory = public_path, upstream, directory
+        self.upstream, self.directory = upstream, directory
         self.peers = peers
         self.procfs = procfs
         self._ids = itertools.count(1)

@@ -185,10 +185,11 @@ class Reconciler(MarkerSetAside):
         """The worker's periodic MPS check (`MpsHealth.needs_pass`)."""
         return self.mps_health is not None and self.mps_health.needs_pass()
 
-    def usage_needs_pass(self) -> bool:
+    def usage_needs_pass(self, now: float | None = None) -> bool:
         """Whether a watchdog check found the watchdog turn blind on a GPU, or see again
-        (`UsageCheck.take_news`)."""
-        return self.usage.take_news()
+        (`UsageCheck.take_news`). `now`: the worker's monotonic time, so that its clock, not
+        the system's, paces the news (None: `time.monotonic()`)."""
+        return self.usage.take_news(now)
 
     def reconcile(self, *, full: bool = False) -> PassReport:
         started = time.monotonic()
@@ -473,12 +474,12 @@ class Reconciler(MarkerSetAside):
             return []
         return drain(self.mps.control, desired, self.nvml, self.procfs, uid, container)
 
-    def close(self, *, stop_mps: bool = True) -> None:
+    def close(self) -> None:
         """On shutdown, once the worker has stopped: closes the marker store and sets aside the
         markers of what stops with the agent (`set_aside_at_stop`), then stops the MPS control
         daemon if this agent started it (`MpsHealth.stop`) and shuts NVML down."""
-        self.set_aside_at_stop(mps=stop_mps)
-        if self.mps_health is not None and stop_mps:
+        self.set_aside_at_stop()
+        if self.mps_health is not None:
             self.mps_health.stop()
         self.nvml_health.shutdown()
 

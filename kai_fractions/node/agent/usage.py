@@ -39,7 +39,6 @@ the same metrics, events and stops.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -78,8 +77,6 @@ from .blindness import (
 )
 from .events import EventRecorder, PodRef
 from .metrics import AgentMetrics, Usage
-
-log = logging.getLogger(__name__)
 
 __all__ = [  # the blindness names are read from here too (they were this module's)
     "CONTAINER_UNKNOWN", "MEMORY_UNKNOWN", "MPS_LISTING_FAILED", "NEWS_GAP_SECONDS",

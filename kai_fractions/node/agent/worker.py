@@ -191,7 +191,7 @@ class Worker:
             mps = self._mps_needs_pass()
         # A watchdog check that found it turn blind on a GPU, or see again: only a pass reports
         # it (a container whose only memory tier it is, its marker; the condition).
-        news = self.reconciler.usage_needs_pass()
+        news = self.reconciler.usage_needs_pass(now)
         passed = dirty or full or retry or mps or news
         if passed:
             self._pass(full)
