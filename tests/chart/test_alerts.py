@@ -372,6 +372,8 @@ def test_the_down_alerts_read_up_of_their_components_service_monitor(
 def test_the_admission_down_alert_says_what_its_failure_policies_do() -> None:
     text = alerts(rule())["KaiFractionsAdmissionDown"][1]["annotations"]["description"]
     assert "refuses every fractional pod" in text and "hostPath volume" in text
+    # the status writes of running fractional pods are not sent while annotations stay
+    assert "except the kubelet's status writes that leave its annotations" in text
     open_ = alerts(rule("webhook.failurePolicy=Ignore", "webhook.guardFailurePolicy=Ignore"))
     text = open_["KaiFractionsAdmissionDown"][1]["annotations"]["description"]
     assert "admitted unchecked" in text and "let everything through" in text

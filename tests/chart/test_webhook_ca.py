@@ -21,8 +21,16 @@ import yaml
 
 from tests.support.kube import KubeServer
 
-from .live_cluster import live_cluster
-from .render import NAMESPACE, chart_notes, install_in_cluster, one, render, template_error
+from .live_cluster import holds, live_cluster
+from .render import (
+    NAMESPACE,
+    RELEASE,
+    chart_notes,
+    install_in_cluster,
+    one,
+    render,
+    template_error,
+)
 from .tls_memory import handshake
 
 ADMISSION = "kai-fractions-admission"
@@ -179,3 +187,127 @@ def test_the_schema_keeps_the_simulated_lookup_to_its_shape():
     assert "/webhook/tls/simulatedLookup/secret" in error
     error = template_error("webhook.tls.simulatedLookup.cluster=x")
     assert "additional properties 'cluster' not allowed" in error
+
+
+# -- switching to a provided Secret -----------------------------------------------------------
+
+def _configs(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The two webhook configurations of a render, as webhook.tls.simulatedLookup takes them."""
+    return {"mutating": one(docs, KINDS[0], ADMISSION),
+            "validating": one(docs, KINDS[1], ADMISSION)}
+
+
+def _provided(tmp_path: Path, name: str) -> dict[str, str]:
+    """A TLS Secret of the user's for the webhook's Service (tls.crt, tls.key, ca.crt: base64),
+    signed by a CA of its own: the chart's generator, in a render of its own."""
+    docs = render(_simulated(tmp_path, f"{name}-source", {"secret": {}}))
+    return one(docs, "Secret", f"{ADMISSION}-tls")["data"]
+
+
+def _provided_sets(secret: dict[str, str], name: str = "my-webhook-tls") -> tuple[str, ...]:
+    return (f"webhook.tls.secretName={name}", f"webhook.tls.caBundle={secret['ca.crt']}")
+
+
+def test_switching_to_a_provided_secret_trusts_both_cas_for_that_one_upgrade(tmp_path):
+    """docs/chart.md tells Argo CD users to move the webhook from the generated certificate to a
+    Secret of their own. Before, that upgrade made every webhook trust the new CA alone at once,
+    while the admission pods of the old revision, until the rollout replaced them, still served
+    the generated certificate: every review they answered failed (x509), fail closed. Now the
+    upgrade that switches keeps the CA(s) the webhook configurations trust as they are (here
+    the generated one) after the new CA, in every webhook's caBundle; the upgrade after it,
+    whose configurations trust the new CA already, renders it alone, as a fresh install does."""
+    before = render()
+    generated = one(before, "Secret", f"{ADMISSION}-tls")["data"]
+    provided = _provided(tmp_path, "mine")
+    sets = _provided_sets(provided)
+
+    switch = render(_simulated(tmp_path, "switch", {"secret": generated, **_configs(before)}),
+                    sets)
+    assert not [d for d in switch if d["kind"] == "Secret"
+                and d["metadata"]["name"] == f"{ADMISSION}-tls"]  # no longer rendered
+    [bundle] = _bundles(switch)  # every webhook, both configurations
+    assert _certs(bundle) == [*_certs(provided["ca.crt"]), *_certs(generated["ca.crt"])]
+    # the API server completes its handshake with the old pods and with the new ones
+    assert handshake(generated, bundle, HOST) is None
+    assert handshake(provided, bundle, HOST) is None
+    assert handshake(generated, provided["ca.crt"], HOST) is not None  # the new CA alone
+
+    later = render(_simulated(tmp_path, "later", {"secret": {}, **_configs(switch)}), sets)
+    assert _bundles(later) == {provided["ca.crt"]}
+    fresh = render(_simulated(tmp_path, "fresh", {"secret": {}, "mutating": {},
+                                                  "validating": {}}), sets)
+    assert _bundles(fresh) == {provided["ca.crt"]}
+    assert _bundles(render(sets=sets)) == {provided["ca.crt"]}  # no cluster: helm template
+
+
+def test_a_provided_secret_signed_by_another_ca_is_switched_to_the_same_way(tmp_path):
+    """From one provided Secret to another whose CA differs: the same window, the same
+    answer (the old CA trusted for the upgrade that switches, then the new one alone). A
+    provided Secret renewed under the same CA changes nothing."""
+    first, second = _provided(tmp_path, "first"), _provided(tmp_path, "second")
+    installed = render(sets=_provided_sets(first, "first-tls"))
+    sets = _provided_sets(second, "second-tls")
+    switch = render(_simulated(tmp_path, "switch", {"secret": {}, **_configs(installed)}), sets)
+    [bundle] = _bundles(switch)
+    assert _certs(bundle) == [*_certs(second["ca.crt"]), *_certs(first["ca.crt"])]
+    assert handshake(first, bundle, HOST) is None and handshake(second, bundle, HOST) is None
+    later = render(_simulated(tmp_path, "later", {"secret": {}, **_configs(switch)}), sets)
+    assert _bundles(later) == {second["ca.crt"]}
+    same_ca = render(_simulated(tmp_path, "renewed", {"secret": {}, **_configs(installed)}),
+                     _provided_sets(first, "renewed-tls"))
+    assert _bundles(same_ca) == {first["ca.crt"]}
+
+
+def test_a_secret_found_that_the_webhooks_do_not_trust_yet_is_trusted_beside_theirs(tmp_path):
+    """Back to the generated certificate while its Secret is still there (it was never deleted):
+    the chart reuses it, but the webhooks trust the provided CA the running pods serve. Both
+    are trusted for that upgrade, as on any switch, then the generated CA alone."""
+    provided = _provided(tmp_path, "mine")
+    installed = render(sets=_provided_sets(provided))
+    kept = _provided(tmp_path, "left-behind")  # the generated Secret an earlier release left
+    back = render(_simulated(tmp_path, "back", {"secret": kept, **_configs(installed)}))
+    assert one(back, "Secret", f"{ADMISSION}-tls")["data"] == kept  # reused
+    [bundle] = _bundles(back)
+    assert _certs(bundle) == [*_certs(kept["ca.crt"]), *_certs(provided["ca.crt"])]
+    settled = render(_simulated(tmp_path, "settled", {"secret": kept, **_configs(back)}))
+    assert _bundles(settled) == {kept["ca.crt"]}
+
+
+@pytest.mark.parametrize("upgrade", ["switch", "later"])
+def test_the_switch_reads_the_cluster_in_a_real_upgrade(kube: KubeServer, tmp_path: Path,
+                                                       upgrade: str):
+    """The same through `lookup`, as `helm upgrade` renders it: the webhook configurations in
+    the cluster, and the provided Secret, whose ca.crt the chart reads when webhook.tls.caBundle
+    is not set. On the switch (configurations of the generated certificate) both CAs are
+    trusted; on the upgrade after it (configurations that trust both) the provided one alone."""
+    before = render()
+    generated = one(before, "Secret", f"{ADMISSION}-tls")["data"]
+    provided = _provided(tmp_path, "mine")
+    bundle = generated["ca.crt"]
+    if upgrade == "later":
+        both = [*_certs(provided["ca.crt"]), *_certs(generated["ca.crt"])]
+        bundle = base64.b64encode(("\n".join(both) + "\n").encode()).decode()
+    config = live_cluster(kube, tmp_path)
+    holds(kube, f"/api/v1/namespaces/{NAMESPACE}/secrets/my-webhook-tls",
+          {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+           "metadata": {"name": "my-webhook-tls", "namespace": NAMESPACE}, "data": provided})
+    for kind in KINDS:
+        obj = one(before, kind, ADMISSION)
+        # the release's own (`helm install` may take them over), trusting `bundle`
+        holds(kube, f"/apis/admissionregistration.k8s.io/v1/{kind.lower()}s/{ADMISSION}", {
+            **obj, "metadata": {
+                **obj["metadata"],
+                "labels": {**obj["metadata"]["labels"], "app.kubernetes.io/managed-by": "Helm"},
+                "annotations": {"meta.helm.sh/release-name": RELEASE,
+                                "meta.helm.sh/release-namespace": NAMESPACE}},
+            "webhooks": [{**h, "clientConfig": {**h["clientConfig"], "caBundle": bundle}}
+                         for h in obj["webhooks"]]})
+    proc = install_in_cluster(config, "webhook.tls.secretName=my-webhook-tls",
+                              cache=tmp_path / "kube-cache")
+    assert proc.returncode == 0, proc.stderr
+    [rendered] = _bundles([d for d in yaml.safe_load_all(
+        proc.stdout.split("MANIFEST:", 1)[1].split("NOTES:", 1)[0]) if d])
+    if upgrade == "switch":
+        assert _certs(rendered) == [*_certs(provided["ca.crt"]), *_certs(generated["ca.crt"])]
+    else:
+        assert rendered == provided["ca.crt"]

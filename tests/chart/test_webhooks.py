@@ -202,10 +202,84 @@ def test_status_and_other_updates_of_a_host_path_pod_without_fraction_keys_are_n
         review["subResource"] = subresource
     assert validate(review, config).allowed
     assert not validate({**review, "operation": "CREATE", "oldObject": None}, config).allowed
-    # fractional pods, and pods that had NvFractions keys, keep every operation
+    # fractional pods, and pods that had NvFractions keys, keep every operation but a status
+    # write that changes nothing the validator judges (the next test)
     fractional = host_path_pod("/", {k.DEFAULT_KEYS.container("main", k.MEMORY_REQUEST): "8Gi"})
-    assert matches(validating, fractional, fractional, "UPDATE", subresource=subresource)
+    assert matches(validating, fractional, fractional, "UPDATE",
+                   subresource=subresource) is (subresource != "status")
     assert matches(validating, exporter, fractional, "UPDATE", subresource=subresource)
+
+
+def _status_write(obj: dict, phase: str = "Running") -> dict:
+    """`obj` as the kubelet's pods/status write leaves it: the API server keeps the old spec
+    (the status strategy), the kubelet changes the status only."""
+    new = copy.deepcopy(obj)
+    new["status"] = {"phase": phase, "conditions": [
+        {"type": "Ready", "status": "True" if phase == "Running" else "False"}]}
+    return new
+
+
+def _pod_review(new: dict, old: dict, subresource: str, user: str) -> dict:
+    review = {"uid": "1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+              "resource": {"group": "", "version": "v1", "resource": "pods"},
+              "operation": "UPDATE", "namespace": "team-a", "object": new, "oldObject": old,
+              "userInfo": {"username": user}}
+    if subresource:
+        review["subResource"] = subresource
+    return review
+
+
+@pytest.mark.parametrize("sets", [(), ("webhook.guardFailurePolicy=Ignore",)],
+                         ids=["one webhook", "guard apart"])
+def test_a_fractional_pods_status_writes_that_change_nothing_judged_are_not_sent(sets):
+    """Before, every pods/status UPDATE of a pod with NvFractions keys was sent, fail closed:
+    with no admission replica answering, the kubelet could write no status of any running
+    fractional pod (readiness, restarts, a Job pod's Succeeded, the final status before it
+    deletes a terminating pod, which then stays Terminating). On pods/status the validator
+    judges only the annotations and the spec (the labels it never reads for a pod), and a
+    status write cannot change the spec (the API server keeps the old one): a status write
+    whose annotations equal oldObject's can change no verdict (the validator allows it, checked
+    below), so it is not sent. A status write that adds, changes or removes an annotation is, and so is every
+    other UPDATE of a fractional pod, the pod itself included."""
+    validating = hooks(render(sets=sets), "ValidatingWebhookConfiguration")[
+        "pods.validate.kai-fractions.io"]
+    config = AdmissionConfig(gate_image="registry.example.com/kai-fractions:test")
+    request = k.DEFAULT_KEYS.container("main", k.MEMORY_REQUEST)
+    devices = k.DEFAULT_KEYS.container("main", k.DEVICES)
+    running = host_path_pod("/var/lib/kai-fractions/markers",
+                            {request: "8Gi", devices: "GPU-1", "team": "a"})
+    running["spec"]["nodeName"] = "gpu-node-1"
+    running["metadata"]["labels"] = {"app": "train"}
+    kubelet = "system:node:gpu-node-1"
+    for phase in ("Running", "Succeeded"):
+        new = _status_write(running, phase)
+        assert not matches(validating, new, running, "UPDATE", subresource="status"), phase
+        assert validate(_pod_review(new, running, "status", kubelet), config).allowed
+        # a label is never judged on a pod: a status write changing one is not sent either
+        new["metadata"]["labels"] = {"app": "train", "restarted": "1"}
+        assert not matches(validating, new, running, "UPDATE", subresource="status"), phase
+        assert validate(_pod_review(new, running, "status", "alice"), config).allowed
+    # the same write on the pod itself (not its status) is still sent
+    assert matches(validating, _status_write(running), running, "UPDATE")
+    # a status write that changes, adds or removes an annotation is sent, and judged
+    changed = _status_write(running)
+    changed["metadata"]["annotations"][request] = "16Gi"
+    assert matches(validating, changed, running, "UPDATE", subresource="status")
+    assert not validate(_pod_review(changed, running, "status", "alice"), config).allowed
+    added = _status_write(running)
+    added["metadata"]["annotations"]["team-b"] = "x"  # not a key: sent all the same
+    assert matches(validating, added, running, "UPDATE", subresource="status")
+    for gone in ({}, None):  # every annotation removed; `annotations` absent (has(): no error)
+        removed = _status_write(running)
+        if gone is None:
+            del removed["metadata"]["annotations"]
+        else:
+            removed["metadata"]["annotations"] = gone
+        assert matches(validating, removed, running, "UPDATE", subresource="status"), gone
+        assert not validate(_pod_review(removed, running, "status", "alice"), config).allowed
+    # keys brought by a status write onto a pod that had no annotations at all
+    bare = host_path_pod("/var/lib/kai-fractions/markers")  # no `annotations` field
+    assert matches(validating, _status_write(running), bare, "UPDATE", subresource="status")
 
 
 def test_an_ephemeral_container_on_a_host_path_pod_is_still_validated(docs):

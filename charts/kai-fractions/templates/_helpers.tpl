@@ -195,14 +195,17 @@ clientKey: {{ $clientCert.Key | b64enc }}
 {{- list .name (printf "%s.%s" .name $ns) (printf "%s.%s.svc" .name $ns) (printf "%s.%s.svc.cluster.local" .name $ns) | toJson -}}
 {{- end -}}
 
-{{/* The webhooks' caBundle while the chart rotates its generated CA (base64 PEM). A render
-that generates a new CA (its Secret was not found: "delete the Secret, helm upgrade") switches
-the webhook configurations to it at once, while the admission pods serve the old certificate
-until the kubelet syncs their Secret volume (about a minute): every review would fail closed
-meanwhile. So the certificates the cluster's webhook configurations trust (lookup, or
-webhook.tls.simulatedLookup) that differ from the new CA are kept after it, in one PEM bundle;
-the next upgrade, which finds the Secret, renders the current CA alone. Args: (dict "ctx" $ "ca"
-NEW-CA-BASE64). */}}
+{{/* The webhooks' caBundle (base64 PEM) on an upgrade that changes the CA they trust: the
+chart's generated CA rotated ("delete the Secret, helm upgrade"), or the switch from it to a
+provided Secret, or from one provided Secret to another signed by another CA. Such a render
+points the webhook configurations at the new CA at once, while the admission pods still serve
+the old certificate: until the kubelet syncs their Secret volume (about a minute), or until the
+rollout replaces them when the Secret they mount changed. Every review would fail closed
+meanwhile. So when some webhook the cluster has (lookup, or webhook.tls.simulatedLookup) does
+not trust the new CA yet, the certificates those configurations trust that differ from it are
+kept after it, in one PEM bundle; the next upgrade, whose configurations trust the new CA
+already, renders it alone, as does a first install (no configuration) and every render without a
+cluster (`helm template`: lookup finds nothing). Args: (dict "ctx" $ "ca" NEW-CA-BASE64). */}}
 {{- define "kf.admission.rotationCaBundle" -}}
 {{- $ctx := .ctx -}}
 {{- $name := include "kf.admission.name" $ctx -}}
@@ -216,15 +219,20 @@ NEW-CA-BASE64). */}}
 {{- $pem := "(?s)-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----" -}}
 {{- $new := regexFindAll $pem (b64dec .ca) -1 -}}
 {{- $kept := list -}}
+{{- $switching := false -}}
 {{- range $config := $configs -}}
 {{- range $hook := ($config.webhooks | default list) -}}
 {{- $bundle := (($hook.clientConfig | default dict).caBundle | default "") -}}
-{{- range $cert := regexFindAll $pem (b64dec $bundle) -1 -}}
+{{- $certs := regexFindAll $pem (b64dec $bundle) -1 -}}
+{{- range $cert := $new -}}
+{{- if not (has $cert $certs) -}}{{- $switching = true -}}{{- end -}}
+{{- end -}}
+{{- range $cert := $certs -}}
 {{- if not (or (has $cert $new) (has $cert $kept)) -}}{{- $kept = append $kept $cert -}}{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
-{{- if $kept -}}
+{{- if and $switching $kept -}}
 {{- printf "%s\n" (join "\n" (concat $new $kept)) | b64enc -}}
 {{- else -}}
 {{- .ca -}}
