@@ -26,6 +26,7 @@ _COMMAND_MODULES = (
     "kai_fractions.cli.inspect",
     "kai_fractions.cli.demo",
     "kai_fractions.cli.signing_keys",
+    "kai_fractions.cli.retire_nodes",
 )
 
 EXIT_OK, EXIT_CONTRACT, EXIT_USAGE = 0, 1, 2

@@ -25,10 +25,11 @@ at a bind at least `stale_after_seconds` after the first one (with a Lease, read
 condition has stood still that long, one `stale_after_seconds` more). A True condition with no
 heartbeat time, and no Lease, is silent at once: nothing there can change.
 
-The patch carries the node's resourceVersion, so a heartbeat that lands in between wins; the
-agent publishes its condition again as soon as it can renew its Lease. Nothing here ever holds
-up a check: failures (a Lease that cannot be read among them) are logged, mark nothing, and the
-node is read again at a bind `RETRY_AFTER_FAILURE_SECONDS` later. Under leader election the
+The patch (`kube/node_conditions.py`, shared with `kai-fractions retire-nodes`) carries the
+node's resourceVersion, so a heartbeat that lands in between wins; the agent publishes its
+condition again as soon as it can renew its Lease. Nothing here ever holds up a check: failures
+(a Lease that cannot be read among them) are logged, mark nothing, and the node is read again at
+a bind `RETRY_AFTER_FAILURE_SECONDS` later. Under leader election the
 patch is sent only while the follower's term still runs by the clock (`in_term`, the
 elector's); a mark dropped for that leaves the node to be read again at its next bind.
 
@@ -57,9 +58,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..kube.client import STRATEGIC_MERGE_PATCH, Kube
+from ..kube.client import Kube
 from ..kube.errors import BadAnswer, Conflict, KubeError, NotFound, Transient
-from ..kube.objects import condition_time, heartbeat_lease_name, lease_path, node_path
+from ..kube.node_conditions import patch_conditions, unknown_condition
+from ..kube.objects import heartbeat_lease_name, lease_path, node_path
 
 log = logging.getLogger(__name__)
 
@@ -129,12 +131,10 @@ def silent_conditions(node: Mapping[str, Any], types: Sequence[str], seen: Mappi
             what = "lastHeartbeatTime" if last is own else "heartbeat Lease's renewTime"
             since = (f"for {max(0.0, now - last.since):.0f} s by the mirror's clock (its {what} "
                      f"still {last.value})")
-        out.append({
-            "type": c["type"], "status": "Unknown", "reason": SILENT_REASON,
-            "message": f"the kai-fractions node agent has not reported {since}: KAI places "
-                       "no fractional pod here until it reports again",
-            "lastHeartbeatTime": c.get("lastHeartbeatTime"),
-            "lastTransitionTime": condition_time(at)})
+        out.append(unknown_condition(
+            c, reason=SILENT_REASON, at=at,
+            message=f"the kai-fractions node agent has not reported {since}: KAI places no "
+                    "fractional pod here until it reports again"))
     return out
 
 
@@ -281,13 +281,9 @@ class NodeLiveness:
                      "ended", node, ", ".join(c["type"] for c in silent))
             self._node(node).due = -math.inf  # nothing done: read again at its next bind
             return False
-        version = (obj.get("metadata") or {}).get("resourceVersion")
-        # Strategic merge: the API server merges conditions by type, so the others stay.
-        body = {"metadata": {"resourceVersion": version}, "status": {"conditions": silent}}
         try:
-            await self.kube.request("PATCH", node_path(node) + "/status", body=body,
-                                    what=f"mark the conditions of node {node} Unknown",
-                                    content_type=STRATEGIC_MERGE_PATCH)
+            await patch_conditions(self.kube, node, obj, silent,
+                                   what=f"mark the conditions of node {node} Unknown")
         except Conflict:
             return False  # the node changed since it was read: perhaps the agent is back
         except (Transient, BadAnswer):

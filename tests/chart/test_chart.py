@@ -105,6 +105,11 @@ def test_default_values_render_every_component():
         ("MutatingWebhookConfiguration", ADMISSION),
         ("ValidatingWebhookConfiguration", ADMISSION),
         ("Secret", "kai-fractions-signing-key"),
+        # the uninstall hook (pre-delete; uninstallHook.enabled) and its node-status policy
+        *((kind, "kai-fractions-retire-nodes") for kind in (
+            "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Job")),
+        ("ValidatingAdmissionPolicy", "kai-fractions-retire-nodes-node-status"),
+        ("ValidatingAdmissionPolicyBinding", "kai-fractions-retire-nodes-node-status"),
     ])
 
 

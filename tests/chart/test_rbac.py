@@ -15,6 +15,7 @@ from .render import CHART, CI_VALUES, NAMESPACE, find, one, render, values_id
 VALUES = (None, *CI_VALUES)
 MIRROR, AGENT, ADMISSION = ("kai-fractions-mirror", "kai-fractions-node-agent",
                             "kai-fractions-admission")
+RETIRE_NODES = "kai-fractions-retire-nodes"
 
 # The mirror only POSTs core events (kai_fractions/mirror/kube_store.py): no patch, and nothing
 # in events.k8s.io.
@@ -131,7 +132,11 @@ def test_no_wildcards_and_secrets_only_by_name(values_file: Path | None):
 
 def test_each_component_gets_exactly_its_rules():
     rules = granted(render())
-    assert set(rules) == {MIRROR, AGENT}  # and nothing for the admission server
+    assert set(rules) == {MIRROR, AGENT, RETIRE_NODES}  # and nothing for the admission server
+    # the uninstall hook (kai-fractions retire-nodes): its rights exist only while it runs
+    assert rules[RETIRE_NODES] == {
+        rule([""], ["nodes"], ["get", "list"]), rule([""], ["nodes/status"], ["patch"]),
+        rule(["apps"], ["daemonsets"], ["get", "delete"], [AGENT]), rule([""], ["pods"], ["list"])}
     # by default nothing to impersonate: the follower of an unmodified KAI writes as the mirror
     assert rules[MIRROR] == MIRROR_RULES - {IMPERSONATE_BINDER}
     assert rules[AGENT] == AGENT_RULES

@@ -1,0 +1,185 @@
+"""The uninstall hook (uninstallHook.enabled): before, `helm uninstall` deleted the node agent
+DaemonSet, its RBAC and the mirror in one pass with no hook, so no agent could still publish its
+condition False and every GPU node stayed ready for KAI with nothing enforcing limits there (an
+upgrade to gpuSharing: Disabled, which renders nothing, did the same). Now a pre-delete hook
+(pre-upgrade on that upgrade) runs `kai-fractions retire-nodes` with exactly the rights it needs,
+RBAC first, and a policy lets its service account set our conditions Unknown and nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from kai_fractions.contract import keys as k
+from kai_fractions.kube.objects import condition_time
+
+from .render import (
+    CHART,
+    IMAGE_SETS,
+    NAMESPACE,
+    RELEASE,
+    container,
+    find,
+    helm,
+    one,
+    render,
+    template_error,
+)
+from .test_node_agent_policy import AGENT_USER, changed, condition, node, review
+
+NAME = "kai-fractions-retire-nodes"
+HOOK_USER = f"system:serviceaccount:{NAMESPACE}:{NAME}"
+AGENT = "kai-fractions-node-agent"
+KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Job")
+DISABLED = CHART / "ci" / "disabled-values.yaml"
+
+
+def hook_objects(docs: list[dict]) -> dict[str, dict]:
+    return {d["kind"]: d for d in docs if d["metadata"]["name"] == NAME
+            and d["kind"] in KINDS}
+
+
+def upgrade_render(*sets: str) -> list[dict]:
+    """`helm template --is-upgrade` with the Disabled values: the render of `helm upgrade` to
+    gpuSharing: Disabled."""
+    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--is-upgrade",
+            "--values", str(DISABLED)]
+    for s in (*IMAGE_SETS, *sets):
+        args += ["--set", s]
+    proc = helm(*args)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def hook() -> dict[str, dict]:
+    return hook_objects(render())
+
+
+def test_a_pre_delete_hook_rbac_first(hook):
+    assert sorted(hook) == sorted(KINDS)
+    for kind, obj in hook.items():
+        notes = obj["metadata"]["annotations"]
+        assert notes["helm.sh/hook"] == "pre-delete", kind
+        assert notes["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+        assert notes["helm.sh/hook-weight"] == ("0" if kind == "Job" else "-10"), kind
+
+
+def test_its_rbac_is_exactly_what_retire_nodes_calls(hook):
+    assert hook["ClusterRole"]["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]},
+        {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]}]
+    assert hook["Role"]["metadata"]["namespace"] == NAMESPACE
+    assert hook["Role"]["rules"] == [
+        {"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": [AGENT],
+         "verbs": ["get", "delete"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+    subject = [{"kind": "ServiceAccount", "name": NAME, "namespace": NAMESPACE}]
+    for kind, role in (("ClusterRoleBinding", "ClusterRole"), ("RoleBinding", "Role")):
+        assert hook[kind]["subjects"] == subject
+        assert hook[kind]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
+                                         "kind": role, "name": NAME}
+
+
+def test_the_job_runs_retire_nodes_restricted_and_bounded(hook):
+    docs = render()
+    job = hook["Job"]
+    spec = job["spec"]["template"]["spec"]
+    assert job["spec"]["backoffLimit"] == 1
+    assert job["spec"]["activeDeadlineSeconds"] == 240  # the wait (120 s) and some room
+    assert (spec["serviceAccountName"], spec["restartPolicy"]) == (NAME, "Never")
+    mirror_spec = one(docs, "Deployment", "kai-fractions-mirror")["spec"]["template"]["spec"]
+    assert spec["securityContext"] == mirror_spec["securityContext"]
+    c = container(job, "retire-nodes")
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    assert c["image"] == container(one(docs, "Deployment", "kai-fractions-mirror"),
+                                   "mirror")["image"]
+    assert c["args"] == [
+        "retire-nodes", f"--node-agent-daemonset={NAMESPACE}/{AGENT}",
+        "--node-agent-selector=app.kubernetes.io/component=node-agent,"
+        f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/name=kai-fractions",
+        f"--node-condition={k.NODE_CONDITION}", f"--node-condition={k.LEGACY_NODE_CONDITION}",
+        "--wait-seconds=120"]
+    selector = one(docs, "DaemonSet", AGENT)["spec"]["selector"]["matchLabels"]
+    assert c["args"][2] == "--node-agent-selector=" + ",".join(
+        f"{key}={value}" for key, value in sorted(selector.items()))
+
+
+def test_turned_off_nothing_is_rendered():
+    docs = render(None, ("uninstallHook.enabled=false",))
+    assert hook_objects(docs) == {}
+    assert not find(docs, "ValidatingAdmissionPolicy", f"{NAME}-node-status")
+    assert hook_objects(upgrade_render("uninstallHook.enabled=false")) == {}
+
+
+def test_an_upgrade_to_disabled_runs_it_before_and_an_install_renders_nothing():
+    docs = upgrade_render()
+    hook = hook_objects(docs)
+    assert sorted(hook) == sorted(KINDS)
+    assert {o["metadata"]["annotations"]["helm.sh/hook"] for o in hook.values()} == {
+        "pre-upgrade"}
+    assert len(docs) == len(KINDS)  # nothing else: Disabled still renders no release object
+    assert render(DISABLED) == []
+    assert render(DISABLED, image=False) == []  # an install: nothing needs the image
+    # An upgrade without the release's values (no image): refused, saying what to do.
+    proc = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--is-upgrade",
+                "--values", str(DISABLED))
+    assert proc.returncode != 0 and "uninstallHook.enabled" in proc.stderr
+    assert "--reuse-values" in proc.stderr
+
+
+def test_wait_seconds_is_checked():
+    err = template_error("uninstallHook.waitSeconds=-1")
+    assert "/uninstallHook/waitSeconds" in err
+    docs = render(None, ("uninstallHook.waitSeconds=300",))
+    job = hook_objects(docs)["Job"]
+    assert job["spec"]["activeDeadlineSeconds"] == 420
+    assert "--wait-seconds=300" in container(job, "retire-nodes")["args"]
+
+
+# -- what its service account may write on a Node ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def pol() -> dict:
+    return one(render(), "ValidatingAdmissionPolicy", f"{NAME}-node-status")
+
+
+def ready_node() -> dict:
+    def ready(n):
+        for kind in (k.NODE_CONDITION, k.LEGACY_NODE_CONDITION):
+            condition(n, kind).update(status="True", reason="AgentReady")
+    return changed(node(), ready)
+
+
+def retired(n: dict) -> None:
+    for kind in (k.NODE_CONDITION, k.LEGACY_NODE_CONDITION):
+        condition(n, kind).update(status="Unknown", reason="KaiFractionsUninstalled",
+                                  lastTransitionTime=condition_time(0))
+
+
+def test_the_hook_may_set_our_conditions_unknown_and_nothing_else(pol):
+    old = ready_node()
+    assert review(pol, old, changed(old, retired), "nodes/status", user=HOOK_USER) == []
+    for edit, resource, message in (
+            (lambda n: condition(n, k.NODE_CONDITION).update(status="False"), "nodes/status",
+             "only to Unknown"),
+            (lambda n: condition(n, "Ready").update(status="False"), "nodes/status",
+             "may change only the conditions"),
+            (lambda n: n["status"]["capacity"].update({"nvidia.com/gpu": "8"}),
+             "nodes/status", "may change only the conditions"),
+            (lambda n: n["metadata"]["labels"].update(x="y"), "nodes",
+             "may update only a Node's status")):
+        found = review(pol, old, changed(old, edit), resource, user=HOOK_USER)
+        assert any(message in m and "uninstall hook" in m for m in found), found
+    binding = one(render(), "ValidatingAdmissionPolicyBinding", f"{NAME}-node-status")
+    assert binding["spec"] == {"policyName": f"{NAME}-node-status",
+                               "validationActions": ["Deny"]}
+    assert "helm.sh/hook" not in (pol["metadata"].get("annotations") or {})  # in force first
+
+
+def test_the_policy_is_the_hooks_alone(pol):
+    old = ready_node()
+    # the agent sets its condition True again: not this policy's to judge
+    assert review(pol, changed(old, retired), old, "nodes/status", user=AGENT_USER) == []

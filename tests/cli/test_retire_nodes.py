@@ -1,0 +1,187 @@
+"""`kai-fractions retire-nodes` (the chart's pre-delete hook) against kmock.
+
+Before it, `helm uninstall` deleted the node agent DaemonSet and its RBAC in one pass: an agent
+stopping could no longer publish its condition False, the mirror (the only other writer) was
+gone first, and every GPU node kept `gpu-fractioning.nvidia.com/Ready=True` with nothing behind
+it, so KAI went on placing fractional pods there, which ran with no limit. Now the command
+deletes the DaemonSet first and waits for its pods (each agent publishes False as it stops, its
+RBAC still there), then sets every condition of ours still True Unknown (reason
+KaiFractionsUninstalled) in a patch guarded by the node's resourceVersion, and exits non-zero
+naming what it could not do."""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import pytest
+from kubernetes import client as k8s
+
+from kai_fractions.cli import main
+from kai_fractions.contract import keys as k
+from tests.support.kube import KubeServer
+
+NS = "kai-fractions"
+DS = "kai-fractions-node-agent"
+DS_PATH = f"/apis/apps/v1/namespaces/{NS}/daemonsets/{DS}"
+LABELS = {"app.kubernetes.io/name": "kai-fractions", "app.kubernetes.io/component": "node-agent"}
+REASON = "KaiFractionsUninstalled"
+NODE_STATUS = re.compile(r"/api/v1/nodes/[^/]+/status")
+
+
+@pytest.fixture(autouse=True)
+def quick_polls(monkeypatch):
+    from kai_fractions.cli import retire_nodes
+
+    monkeypatch.setattr(retire_nodes, "POLL_SECONDS", 0.05)
+
+
+def condition(kind: str, status: str, reason: str = "AgentReady") -> dict:
+    return {"type": kind, "status": status, "reason": reason, "message": "m",
+            "lastHeartbeatTime": "2026-12-02T11:59:00Z",
+            "lastTransitionTime": "2026-12-02T11:00:00Z"}
+
+
+def node(name: str, *conditions: dict) -> dict:
+    return {"metadata": {"name": name}, "status": {"conditions": [
+        {"type": "Ready", "status": "True", "reason": "KubeletReady"}, *conditions]}}
+
+
+def agent_pod(name: str, node_name: str) -> dict:
+    return {"metadata": {"name": name, "namespace": NS, "labels": LABELS},
+            "spec": {"nodeName": node_name,
+                     "containers": [{"name": "agent", "image": "registry.invalid/kf:1"}]}}
+
+
+@pytest.fixture
+def cluster(kube: KubeServer, tmp_path: Path) -> Path:
+    k8s.AppsV1Api(kube.api_client).create_namespaced_daemon_set(NS, {
+        "metadata": {"name": DS, "namespace": NS},
+        "spec": {"selector": {"matchLabels": LABELS}, "template": {
+            "metadata": {"labels": LABELS},
+            "spec": {"containers": [{"name": "agent", "image": "registry.invalid/kf:1"}]}}}})
+    for name, on in (("agent-a", "gpu-1"), ("agent-b", "gpu-2")):
+        kube.core.create_namespaced_pod(NS, agent_pod(name, on))
+    # gpu-1: its agent was killed before it published False; gpu-2: its agent said False;
+    # gpu-3: the mirror found its agent silent; cpu-1: no condition of ours.
+    kube.core.create_node(node("gpu-1", condition(k.NODE_CONDITION, "True"),
+                               condition(k.LEGACY_NODE_CONDITION, "True")))
+    kube.core.create_node(node("gpu-2", condition(k.NODE_CONDITION, "False", "NotReconciling"),
+                               condition(k.LEGACY_NODE_CONDITION, "False", "NotReconciling")))
+    kube.core.create_node(node("gpu-3", condition(k.NODE_CONDITION, "Unknown",
+                                                  "NodeAgentSilent")))
+    kube.core.create_node(node("cpu-1"))
+    return kube.write_kubeconfig(tmp_path / "kubeconfig")
+
+
+def retire(cluster: Path, capsys, *flags: str) -> tuple[int, str, str]:
+    code = main(["retire-nodes", "--kubeconfig", str(cluster), *flags])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def delete_pods_later(kube: KubeServer, seconds: float = 0.4) -> threading.Timer:
+    """The agents stop (the kubelet removes their pods) a little after the DaemonSet goes."""
+    def delete():
+        for name in ("agent-a", "agent-b"):
+            kube.core.delete_namespaced_pod(name, NS)
+    timer = threading.Timer(seconds, delete)
+    timer.start()
+    return timer
+
+
+def ours(kube: KubeServer, name: str) -> dict[str, str]:
+    conditions = kube.core.read_node(name).to_dict()["status"]["conditions"] or []
+    return {c["type"]: c["status"] for c in conditions if c["type"] != "Ready"}
+
+
+def test_the_agents_stop_first_then_true_conditions_are_set_unknown(kube, cluster, capsys):
+    """Before: nothing stopped the agents while their RBAC stood, and nothing set a condition
+    left True otherwise. Now: the DaemonSet is deleted (foreground), its pods are waited for,
+    and only then are the conditions still True set Unknown, only those, in a guarded
+    strategic merge patch naming why."""
+    timer = delete_pods_later(kube)
+    code, out, err = retire(cluster, capsys, "--wait-seconds", "10")
+    timer.join()
+    assert (code, err) == (0, "")
+    [delete] = kube.requests("DELETE", DS_PATH)
+    assert delete.url.query.get("propagationPolicy") == "Foreground"
+    assert kube.count("GET", f"/api/v1/namespaces/{NS}/pods") >= 1
+    [patch] = kube.requests("PATCH", NODE_STATUS)
+    assert patch.url.path == "/api/v1/nodes/gpu-1/status"
+    assert patch.headers["Content-Type"] == "application/strategic-merge-patch+json"
+    assert patch.data["metadata"]["resourceVersion"]  # guarded
+    sent = patch.data["status"]["conditions"]
+    assert [(c["type"], c["status"], c["reason"]) for c in sent] == [
+        (k.NODE_CONDITION, "Unknown", REASON), (k.LEGACY_NODE_CONDITION, "Unknown", REASON)]
+    assert "uninstalled" in sent[0]["message"] and "no fractional pod" in sent[0]["message"]
+    assert sent[0]["lastHeartbeatTime"].startswith("2026-12-02T11:59:00")  # the agent's
+    assert ours(kube, "gpu-1") == {k.NODE_CONDITION: "Unknown",
+                                   k.LEGACY_NODE_CONDITION: "Unknown"}
+    assert ours(kube, "gpu-2") == {k.NODE_CONDITION: "False", k.LEGACY_NODE_CONDITION: "False"}
+    assert ours(kube, "gpu-3") == {k.NODE_CONDITION: "Unknown"}
+    assert "gpu-1" in out
+
+
+def test_it_waits_for_the_agent_pods_before_touching_a_node(kube, cluster, capsys):
+    """An agent still stopping may yet publish False itself: no node is written until every
+    pod of the DaemonSet is gone."""
+    timer = delete_pods_later(kube, 0.5)
+    code, _, err = retire(cluster, capsys, "--wait-seconds", "10")
+    timer.join()
+    assert (code, err) == (0, "")
+    order = [(r.method.value, r.url.path) for r in kube.requests()]
+    lists = [i for i, r in enumerate(order) if r == ("GET", f"/api/v1/namespaces/{NS}/pods")]
+    patches = [i for i, r in enumerate(order) if r[0] == "PATCH"]
+    assert len(lists) >= 2  # polled while the pods were there
+    assert patches and min(patches) > max(lists)
+    assert order.index(("DELETE", DS_PATH)) < min(lists)
+
+
+def test_a_conflict_is_read_again_and_retried(kube, cluster, capsys):
+    """The node changed between the list and the patch (409): read again, decided again."""
+    kube.core.delete_namespaced_pod("agent-a", NS)
+    kube.core.delete_namespaced_pod("agent-b", NS)
+    kube.fail("PATCH", "/api/v1/nodes/gpu-1/status", 409, times=1)
+    code, _, err = retire(cluster, capsys)
+    assert (code, err) == (0, "")
+    assert kube.count("PATCH", "/api/v1/nodes/gpu-1/status") == 2
+    assert kube.count("GET", "/api/v1/nodes/gpu-1") == 1  # the read again
+    assert ours(kube, "gpu-1")[k.NODE_CONDITION] == "Unknown"
+
+
+def test_pods_left_at_the_deadline_are_named_and_the_nodes_still_set_unknown(
+        kube, cluster, capsys):
+    """An agent pod that does not go (its node unreachable) fails the command, naming it; its
+    node's condition is set Unknown all the same: that is what must not stay True."""
+    code, _, err = retire(cluster, capsys, "--wait-seconds", "0.2")
+    assert code == 1
+    assert "2 node agent pod(s) still there after 0.2 s" in err
+    assert f"{NS}/agent-a (node gpu-1)" in err and f"{NS}/agent-b (node gpu-2)" in err
+    assert ours(kube, "gpu-1")[k.NODE_CONDITION] == "Unknown"
+
+
+def test_what_cannot_be_done_is_named(kube, cluster, capsys):
+    """A DaemonSet that cannot be deleted leaves the agents running (they would write True
+    again): nothing else is done, and the command fails saying so. A node that may not be
+    written is named."""
+    kube.fail("DELETE", DS_PATH, 403)
+    code, _, err = retire(cluster, capsys)
+    assert code == 1
+    assert f"daemonset {NS}/{DS} not deleted" in err and "the node agents still run" in err
+    assert kube.count("PATCH", NODE_STATUS) == 0
+
+    kube.core.delete_namespaced_pod("agent-a", NS)
+    kube.core.delete_namespaced_pod("agent-b", NS)
+    kube.fail("PATCH", "/api/v1/nodes/gpu-1/status", 403)
+    code, _, err = retire(cluster, capsys)
+    assert code == 1
+    assert "node gpu-1: its condition still says True" in err
+
+
+def test_bad_flags_are_usage_errors(cluster, capsys):
+    code, _, err = retire(cluster, capsys, "--node-agent-daemonset", "no-slash")
+    assert code == 2 and "--node-agent-daemonset must be NAMESPACE/NAME" in err
+    code, _, err = retire(cluster, capsys, "--wait-seconds", "-1")
+    assert code == 2 and "--wait-seconds" in err
