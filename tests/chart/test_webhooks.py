@@ -239,8 +239,8 @@ def test_a_fractional_pods_status_writes_that_change_nothing_judged_are_not_sent
     judges only the annotations and the spec (the labels it never reads for a pod), and a
     status write cannot change the spec (the API server keeps the old one): a status write
     whose annotations equal oldObject's can change no verdict (the validator allows it, checked
-    below), so it is not sent. A status write that adds, changes or removes an annotation is, and so is every
-    other UPDATE of a fractional pod, the pod itself included."""
+    below), so it is not sent. A status write that adds, changes or removes an annotation is,
+    and so is every other UPDATE of a fractional pod, the pod itself included."""
     validating = hooks(render(sets=sets), "ValidatingWebhookConfiguration")[
         "pods.validate.kai-fractions.io"]
     config = AdmissionConfig(gate_image="registry.example.com/kai-fractions:test")
