@@ -48,6 +48,7 @@ from .contract import keys as k
 from .signing_key_files import (  # noqa: F401  (_private_key_form: re-exported for the tests)
     CURRENT,
     PREVIOUS,
+    KeyFile,
     _entries,
     _private_key_form,
     _read_key,
@@ -272,14 +273,21 @@ class Keyring:
 # -- the keyring from key files ----------------------------------------------------------------
 
 
-def load_keyring(paths: Sequence[str], *, verify_only: bool = False) -> Keyring:
-    """Keys from `--signing-key-file` values, in order: the first key found signs, every key
-    verifies. With `verify_only` (the node agent) a private key of any kind is refused, not
-    reduced to its public half. Raises SigningConfigError."""
-    if not paths:
+def load_keyring(paths: Sequence[str], *, verify_only: bool = False,
+                 hmac_paths: Sequence[str] = ()) -> Keyring:
+    """Keys from `--signing-key-file` values (`paths`), then from `--signing-hmac-key-file`
+    values (`hmac_paths`), in order: the first key found signs, every key verifies.
+
+    With `verify_only` (the node agent) a private key of any kind is refused, not reduced to
+    its public half, and `paths` hold PEM public keys only: anything else there is refused,
+    never read as an HMAC key (the public-key ConfigMap is no Secret). HMAC keys come only from
+    `hmac_paths`, which hold raw HMAC bytes only. Raises SigningConfigError."""
+    if not paths and not hmac_paths:
         raise SigningConfigError("--signing-key-file: no key file given")
-    return Keyring(tuple(_read_key(entry, verify_only=verify_only)
-                         for path in paths for entry in _entries(path)))
+    keys = KeyFile.PUBLIC if verify_only else KeyFile.ANY
+    given = [(path, keys) for path in paths] + [(path, KeyFile.HMAC) for path in hmac_paths]
+    return Keyring(tuple(_read_key(entry, verify_only=verify_only, kind=kind)
+                         for path, kind in given for entry in _entries(path, kind.flag)))
 
 
 def _stamp(paths: Sequence[str]) -> tuple:
@@ -301,14 +309,18 @@ class KeyringSource:
     without a restart). A broken update keeps the last good keyring and logs why: a Secret
     volume caught mid-update must not stop signing or verifying."""
 
-    def __init__(self, paths: Sequence[str], *, verify_only: bool = False) -> None:
+    def __init__(self, paths: Sequence[str], *, verify_only: bool = False,
+                 hmac_paths: Sequence[str] = ()) -> None:
         self.paths = tuple(paths)
+        self.hmac_paths = tuple(hmac_paths)
+        """`load_keyring`'s: the legacy HMAC keys' files (`--signing-hmac-key-file`)."""
         self.verify_only = verify_only
-        """`load_keyring`'s: a private key put in the files later is refused too."""
+        """`load_keyring`'s: a private key, or anything but a PEM public key in `paths`, put
+        in the files later is refused too."""
         self._lock = threading.Lock()
         # fail at start, not at the first call
-        self._keyring = load_keyring(self.paths, verify_only=verify_only)
-        self._stamp = _stamp(self.paths)
+        self._keyring = self._load()
+        self._stamp = _stamp(self._watched)
         self._refused: tuple[tuple, str] | None = None
         """The files' stamp and the message of the last refused reload: logged once."""
 
@@ -316,7 +328,7 @@ class KeyringSource:
     def fixed(cls, keyring: Keyring) -> KeyringSource:
         """A source that never reloads (tests, embedding)."""
         source = cls.__new__(cls)
-        source.paths = ()
+        source.paths = source.hmac_paths = ()
         source.verify_only = False
         source._lock = threading.Lock()
         source._keyring = keyring
@@ -324,14 +336,21 @@ class KeyringSource:
         source._refused = None
         return source
 
+    @property
+    def _watched(self) -> tuple[str, ...]:
+        return self.paths + self.hmac_paths
+
+    def _load(self) -> Keyring:
+        return load_keyring(self.paths, verify_only=self.verify_only, hmac_paths=self.hmac_paths)
+
     def current(self) -> Keyring:
-        if not self.paths:
+        if not self._watched:
             return self._keyring
-        stamp = _stamp(self.paths)
+        stamp = _stamp(self._watched)
         with self._lock:
             if stamp != self._stamp:
                 try:
-                    keyring = load_keyring(self.paths, verify_only=self.verify_only)
+                    keyring = self._load()
                 except SigningConfigError as e:
                     # The stamp stays old: the next call tries again (a read that raced the
                     # kubelet's update succeeds then). Logged once per files' state and reason,

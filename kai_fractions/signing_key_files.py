@@ -2,6 +2,12 @@
 kind of key a file holds (PEM Ed25519, raw HMAC bytes), and the refusal of a private key on a
 node agent whatever form it comes in (PEM, DER, JWK, or any of them in base64).
 
+What a file may hold depends on where it comes from (`KeyFile`), never on its content alone: a
+node agent's `--signing-key-file` is the mirror's public-key ConfigMap, where only PEM public
+keys belong, and text found there is refused rather than read as an HMAC key (whoever can write
+that ConfigMap would otherwise choose the secret the agent verifies with). The legacy HMAC key
+comes only from its own flag, `--signing-hmac-key-file` (the chart's HMAC Secret).
+
 Separate from `signing_key_types` (the keys themselves) and from `signing` (the keyring that
 these keys make, `load_keyring`, and its reload, `KeyringSource`): the file formats and their
 pitfalls are a concern of their own.
@@ -13,12 +19,34 @@ import base64
 import binascii
 import json
 import re
+from enum import StrEnum
 from pathlib import Path
 
 from .signing_key_types import AnyKey, Ed25519Key, SigningConfigError, SigningKey
 
 CURRENT, PREVIOUS = "current", "previous"
 """File names inside a `--signing-key-file` directory (the data keys of the Secret)."""
+KEY_FLAG, HMAC_FLAG = "--signing-key-file", "--signing-hmac-key-file"
+
+
+class KeyFile(StrEnum):
+    """What a key file may hold, by the flag that gave it (never guessed from its content)."""
+
+    ANY = "any"
+    """The mirror's `--signing-key-file` (its Secret): a PEM Ed25519 key, or the raw bytes of
+    an HMAC key."""
+    PUBLIC = "public"
+    """A node agent's `--signing-key-file` (the ConfigMap kai-fractions-signing-public): PEM
+    Ed25519 public keys only."""
+    HMAC = "hmac"
+    """A node agent's `--signing-hmac-key-file` (the legacy HMAC Secret): the raw bytes of an
+    HMAC key."""
+
+    @property
+    def flag(self) -> str:
+        return HMAC_FLAG if self is KeyFile.HMAC else KEY_FLAG
+
+
 _PRIVATE_PEM = b"-----BEGIN PRIVATE KEY-----"
 _PUBLIC_PEM = b"-----BEGIN PUBLIC KEY-----"
 _PEM_BEGIN = b"-----BEGIN"
@@ -96,31 +124,53 @@ def _private_key_form(material: bytes, *, decoded: bool = False) -> str | None:
     return f"base64 {form}" if form else None
 
 
-def _read_key(path: Path, *, verify_only: bool = False) -> AnyKey:
+_EXPECTED = {
+    KeyFile.ANY: (
+        f"a signing key is an Ed25519 key in PEM ({_PRIVATE_PEM.decode()} on the mirror, "
+        f"{_PUBLIC_PEM.decode()} on nodes: `kai-fractions signing-keys`) or the raw bytes of "
+        "an HMAC key"),
+    KeyFile.PUBLIC: (
+        "a node agent's --signing-key-file holds only the mirror's Ed25519 public keys (PEM "
+        f"{_PUBLIC_PEM.decode()}: the chart's ConfigMap kai-fractions-signing-public, or "
+        "`kai-fractions signing-keys public FILE`), never an HMAC key: text put there would "
+        "become a key that whoever wrote it could sign allocations with. A legacy HMAC key (the "
+        f"Secret of the releases that signed with HMAC) is given with {HMAC_FLAG}"),
+    KeyFile.HMAC: (
+        f"{HMAC_FLAG} takes the raw bytes of a legacy HMAC key (the Secret of the releases "
+        f"that signed with HMAC); an Ed25519 public key is given with {KEY_FLAG}"),
+}
+"""What a file given by each flag must hold, for the refusal of one that does not."""
+
+
+def _read_key(path: Path, *, verify_only: bool = False, kind: KeyFile = KeyFile.ANY) -> AnyKey:
+    """The key in `path`, as the flag that gave it (`kind`) allows. Raises SigningConfigError
+    naming the flag, the file and the rule."""
+    where = f"{kind.flag} {path}"
     try:
         material = path.read_bytes()
     except OSError as e:
-        raise SigningConfigError(f"--signing-key-file {path}: {e.strerror or e}") from None
+        raise SigningConfigError(f"{where}: {e.strerror or e}") from None
     if verify_only:
         form = _private_key_form(material)
         if form is not None:
             # Refused before it is parsed: nothing (not even its key id) is derived from it.
             shown = "" if form == "PEM" else f" ({form})"
-            raise SigningConfigError(f"--signing-key-file {path}: a private key{shown}; "
-                                     f"{_PRIVATE_REFUSAL}")
+            raise SigningConfigError(f"{where}: a private key{shown}; {_PRIVATE_REFUSAL}")
     text = material.removeprefix(_BOM).lstrip()
-    if text.startswith((_PRIVATE_PEM, _PUBLIC_PEM)):
+    if text.startswith((_PRIVATE_PEM, _PUBLIC_PEM)) and kind is not KeyFile.HMAC:
         return load_ed25519(material, str(path))
     if text[:len(_PEM_BEGIN)].upper() == _PEM_BEGIN:
         # Any other PEM (an RSA or EC key, a certificate, a header in lower case) was once
         # taken as the raw bytes of an HMAC key: the mirror signed v1 with the PEM's text and
         # no node could verify it. A PEM header is never secret, so it is shown.
         header = text.split(b"\n", 1)[0].strip()[:80].decode("ascii", "replace")
-        raise SigningConfigError(
-            f"--signing-key-file {path}: a PEM file that starts {header!r}; a signing key is "
-            f"an Ed25519 key in PEM ({_PRIVATE_PEM.decode()} on the mirror, "
-            f"{_PUBLIC_PEM.decode()} on nodes: `kai-fractions signing-keys`) or the raw "
-            "bytes of an HMAC key")
+        raise SigningConfigError(f"{where}: a PEM file that starts {header!r}; "
+                                 f"{_EXPECTED[kind]}")
+    if kind is KeyFile.PUBLIC:
+        # Never read as an HMAC key, whatever its size: the ConfigMap is no Secret, and its
+        # content is not shown (it may be a secret put in the wrong place).
+        raise SigningConfigError(f"{where}: not a PEM public key ({len(material)} byte(s), "
+                                 f"not shown); {_EXPECTED[kind]}")
     # Raw bytes, verbatim: an HMAC key (a trailing newline is key material too; both sides
     # read the same bytes).
     return SigningKey(material, str(path))
@@ -152,16 +202,16 @@ def load_ed25519(pem: bytes, source: str = "", *, what: str = "") -> Ed25519Key:
     return Ed25519Key(public, None, source)
 
 
-def _entries(path: str) -> list[Path]:
-    """The key files one `--signing-key-file` names: the file, or a directory's `current`
-    (required) and `previous` (optional)."""
+def _entries(path: str, flag: str = KEY_FLAG) -> list[Path]:
+    """The key files one `--signing-key-file` (or `flag`) names: the file, or a directory's
+    `current` (required) and `previous` (optional)."""
     p = Path(path)
     if p.is_dir():
         current, previous = p / CURRENT, p / PREVIOUS
         if not current.exists():
-            raise SigningConfigError(f"--signing-key-file {path}: a key directory needs a "
-                                     f"file named {CURRENT!r} (and may have {PREVIOUS!r})")
+            raise SigningConfigError(f"{flag} {path}: a key directory needs a file named "
+                                     f"{CURRENT!r} (and may have {PREVIOUS!r})")
         return [current, previous] if previous.exists() else [current]
     if not p.exists():
-        raise SigningConfigError(f"--signing-key-file {path}: no such file or directory")
+        raise SigningConfigError(f"{flag} {path}: no such file or directory")
     return [p]

@@ -130,12 +130,21 @@ def register(sub) -> None:
                    "refuse a bad one (SignatureInvalid). FILE holds the mirror's Ed25519 "
                    "public key (PEM), or is a directory with `current` and optionally "
                    "`previous` (the ConfigMap kai-fractions-signing-public that the chart's "
-                   "mirror publishes); a legacy HMAC key (raw bytes) is still read, for pods "
-                   "signed before the upgrade to Ed25519. A private key is refused (PEM, DER, "
+                   "mirror publishes). Anything else there is refused, never read as an HMAC "
+                   "key (whoever can write that ConfigMap could sign with it): a legacy HMAC "
+                   "key goes to --signing-hmac-key-file. A private key is refused (PEM, DER, "
                    "base64 DER or JWK; at start and when re-read): only the mirror may hold "
-                   "one. A raw 32-byte Ed25519 seed cannot be told from an HMAC key, so give "
-                   "only the files the chart mounts. Repeatable; re-read when it changes. "
-                   "Default: no check")
+                   "one. Repeatable; re-read when it changes. Default: no check")
+    p.add_argument("--signing-hmac-key-file", action="append", default=[], metavar="FILE",
+                   help="also accept allocations signed (v1) with the legacy HMAC key(s) in "
+                   "FILE, so that pods signed before the upgrade to Ed25519 keep verifying: "
+                   "the raw key bytes, or a directory with `current` and optionally `previous` "
+                   "(the Secret of the releases that signed with HMAC, which the chart mounts "
+                   "with signing.legacyHmac.enabled). A PEM key is refused there, and a "
+                   "private key as with --signing-key-file; a raw 32-byte Ed25519 seed cannot "
+                   "be told from an HMAC key, so give only the Secret the chart mounts. Alone, "
+                   "it turns the signature check on with HMAC keys only. Repeatable; re-read "
+                   "when it changes. Default: none")
     p.add_argument("--signature-key-wait", type=_nonnegative_seconds, default=300.0,
                    metavar="SECONDS",
                    help="with --signing-key-file: how long a signature under a key this node "
@@ -265,12 +274,15 @@ def run(args: argparse.Namespace) -> int:
         mps_drain_before_kill_seconds=args.mps_drain_before_kill,
         heartbeat_lease_namespace=args.heartbeat_lease_namespace or None,
         signing_key_files=tuple(args.signing_key_file),
+        signing_hmac_key_files=tuple(args.signing_hmac_key_file),
         signature_key_wait_seconds=args.signature_key_wait)
-    if options.signing_key_files:
+    if options.signing:
         from ..signing import SigningConfigError, load_keyring
         try:
-            # verify_only: a private key is refused, never reduced to its public half.
-            keyring = load_keyring(options.signing_key_files, verify_only=True)
+            # verify_only: a private key is refused, never reduced to its public half, and the
+            # public-key files hold PEM public keys only (HMAC keys only from their own flag).
+            keyring = load_keyring(options.signing_key_files, verify_only=True,
+                                   hmac_paths=options.signing_hmac_key_files)
         except SigningConfigError as e:
             return _fail(str(e))
         log.info("applying only signed allocations (keys: %s)", ", ".join(keyring.kids))

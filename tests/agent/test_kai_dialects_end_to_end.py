@@ -114,7 +114,7 @@ def test_a_kai_bind_is_signed_by_the_follower_and_applied_by_the_agent(short_tmp
     c = CASES[case]
     keys = short_tmp / "signing-key"
     keys.write_bytes(KEY)
-    rig = Rig(short_tmp, sm_sharing=True, options={"signing_key_files": (str(keys),)})
+    rig = Rig(short_tmp, sm_sharing=True, options={"signing_hmac_key_files": (str(keys),)})
     groups = [f"group-{i}" for i in range(len(c["modes"]))]
     gpus = [rig.gpu0, rig.gpu1][:len(groups)]
     store = follower_store(rig, groups)

@@ -72,7 +72,7 @@ def test_the_public_key_and_a_legacy_hmac_key_are_taken(
     with caplog.at_level(logging.INFO):
         # it gets past the keys and stops at the (missing) kubeconfig
         assert agent("--signing-key-file", str(tmp_path / "public.pem"),
-                     "--signing-key-file", str(tmp_path / "hmac")) == 2
+                     "--signing-hmac-key-file", str(tmp_path / "hmac")) == 2
     assert "private key" not in capsys.readouterr().err
     assert f"applying only signed allocations (keys: {key.kid}, " in caplog.text
 
@@ -84,11 +84,14 @@ def test_the_help_names_the_public_key_and_the_configmap(
         main(["node-agent", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     text = out[out.index("--signing-key-file FILE apply"):]
-    text = text[:text.index("--signature-key-wait SECONDS")]
+    text = text[:text.index("--signing-hmac-key-file FILE also")]
     assert "Ed25519 public key (PEM)" in text and "kai-fractions-signing-public" in text
     assert "A private key is refused" in text
-    assert "seed cannot be told from an HMAC key" in text
+    assert "never read as an HMAC key" in text and "--signing-hmac-key-file" in text
     assert "raw key" not in text and "Secret" not in text
+    legacy = out[out.index("--signing-hmac-key-file FILE also"):]
+    legacy = legacy[:legacy.index("--signature-key-wait SECONDS")]
+    assert "legacy HMAC key" in legacy and "seed cannot be told from an HMAC key" in legacy
 
 
 def test_a_private_key_swapped_in_while_the_agent_runs_is_not_taken(
@@ -225,7 +228,8 @@ def test_random_hmac_keys_are_never_taken_for_private_keys(tmp_path: Path) -> No
     path = tmp_path / "hmac"
     for material in raw[:100] + printable[:100]:  # the same check, as the agent reads a file
         path.write_bytes(material)
-        assert isinstance(load_keyring([str(path)], verify_only=True).current, SigningKey)
+        assert isinstance(load_keyring([], verify_only=True, hmac_paths=[str(path)]).current,
+                          SigningKey)
 
 
 def test_a_refused_reload_is_logged_once_and_still_retried(
@@ -253,7 +257,7 @@ def test_a_refused_reload_is_logged_once_and_still_retried(
         assert source.current().kids == (public.kid,)
         assert source.current().kids == (public.kid,)
         assert caplog.text.count("keeping the previous signing keys") == 2
-        assert "an HMAC-SHA256 key needs at least 16" in caplog.text
+        assert "not a PEM public key (5 byte(s), not shown)" in caplog.text
         (tmp_path / CURRENT).write_bytes(private.private_pem())  # back to the first: again
         assert source.current().kids == (public.kid,)
         assert caplog.text.count("keeping the previous signing keys") == 3

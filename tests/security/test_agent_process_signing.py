@@ -1,4 +1,4 @@
-"""The REAL node agent process with `--signing-key-file` (a Secret-shaped key directory), over
+"""The REAL node agent process with `--signing-hmac-key-file` (a Secret-shaped key directory), over
 kmock and the fake libnvidia-ml.so.1: the mirror-signed pod is applied, the same pod unsigned
 waits (no marker, one event, no limit) until its signature lands, one signed with a key the node
 does not hold is refused (marker, event, no limit); and the NodeEnforcer socket admits root
@@ -75,7 +75,8 @@ def test_signed_applied_unsigned_waits_for_its_signature_forged_refused(agent_en
     env.nvml.add_gpu(GPU0, memory_mib=H100_MIB)
     env.create_node()
     # KEY_C is a forger's own: no rotation brings it, so it is refused after the wait
-    run = env.start(f"--signing-key-file={keys}", "--signature-key-wait=1", sm_sharing=False)
+    run = env.start(f"--signing-hmac-key-file={keys}", "--signature-key-wait=1",
+                    sm_sharing=False)
     good = mirrored(env, "signed", sign=KEY_B)
     late = mirrored(env, "unsigned", sign=None)
     bad = mirrored(env, "forged", sign=KEY_C)

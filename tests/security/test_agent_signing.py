@@ -1,4 +1,6 @@
-"""The node agent with `--signing-key-file`: it applies what the mirror signed; a missing
+"""The node agent with a signing key (here the legacy HMAC keys, `--signing-hmac-key-file`: the
+same checks hold for the Ed25519 public keys of `--signing-key-file`, see
+test_ed25519_signing): it applies what the mirror signed; a missing
 signature is pending (no marker, one `SignatureMissing` event, nothing applied) until it lands;
 one under a key the node does not hold waits for it (a rotation on its way) and is refused
 once `--signature-key-wait` is over; a malformed or edited one is refused with a refused
@@ -42,7 +44,7 @@ def rig_with_keys(tmp: Path, *secrets: bytes, key_wait: float = 300.0, **kw) -> 
     keys.mkdir(exist_ok=True)
     for name, secret in zip(("current", "previous"), secrets, strict=False):
         (keys / name).write_bytes(secret)
-    rig = Rig(tmp, sm_sharing=False, options={"signing_key_files": (str(keys),),
+    rig = Rig(tmp, sm_sharing=False, options={"signing_hmac_key_files": (str(keys),),
                                               "signature_key_wait_seconds": key_wait}, **kw)
     return rig
 
@@ -217,7 +219,7 @@ def edited_then_restarted(short_tmp, before_first_pass=lambda rig: None):
              "nvidia.com/container.main.gpus.devices": rig.gpu1}
     rig.cluster.update_pod(uid, metadata={**manifest["metadata"], "annotations": notes})
     fresh = Rig(short_tmp, sm_sharing=False, nvml=rig.nvml,
-                options={"signing_key_files": (str(short_tmp / "signing"),)})
+                options={"signing_hmac_key_files": (str(short_tmp / "signing"),)})
     fresh.cluster = fresh.agent.watcher.source = rig.cluster
     fresh.agent.reconciler.cgroup_fs = fresh.agent.reconciler.engine.cgroup_fs = rig.cgroups
     before_first_pass(rig)
@@ -256,7 +258,7 @@ def test_a_refused_pod_takes_nothing_from_the_gpu(short_tmp):
     its compute mode: the signed pod after it gets the GPU as if it were not there."""
     keys = short_tmp / "k"
     keys.write_bytes(KEY_A)
-    rig = Rig(short_tmp, sm_sharing=True, options={"signing_key_files": (str(keys),)})
+    rig = Rig(short_tmp, sm_sharing=True, options={"signing_hmac_key_files": (str(keys),)})
     big = pod("forged", uid=UID, notes=binder_annotations(
         devices=rig.gpu0, request="80Gi", limit="80Gi", mode="sm-sharing"))
     forged_uid = add(rig, big)
@@ -353,7 +355,7 @@ def test_unusable_keys_stop_the_agent_at_start(short_tmp, capsys):
         Rig(short_tmp, sm_sharing=False,
             options={"signing_key_files": (str(short_tmp / "missing"),)})
     (short_tmp / "short").write_bytes(b"abc")
-    code = main(["node-agent", "--node-name", "n1", "--signing-key-file",
+    code = main(["node-agent", "--node-name", "n1", "--signing-hmac-key-file",
                  str(short_tmp / "short"), "--kubeconfig", "/nonexistent"])
     assert code == 2
     assert capsys.readouterr().err == (

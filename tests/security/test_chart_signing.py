@@ -261,8 +261,8 @@ def test_the_upgrade_release_keeps_the_hmac_key_for_the_agents_only(tmp_path):
     assert list(secret_files(docs, SECRET)) == ["current"]  # the mirror: Ed25519 only
     assert secret_files(docs, LEGACY) == {"current": KEY_A, "previous": KEY_B}
     pod, c = agent_pod(values_file=values)
-    assert [a for a in c["args"] if a.startswith("--signing-key-file")] == [
-        f"--signing-key-file={KEY_DIR}", f"--signing-key-file={LEGACY_DIR}"]
+    assert [a for a in c["args"] if a.startswith("--signing-")] == [
+        f"--signing-key-file={KEY_DIR}", f"--signing-hmac-key-file={LEGACY_DIR}"]
     assert next(v for v in pod["volumes"] if v["name"] == "signing-legacy-hmac") == {
         "name": "signing-legacy-hmac", "secret": {"secretName": LEGACY, "defaultMode": 0o400}}
     assert {"name": "signing-legacy-hmac", "mountPath": LEGACY_DIR, "readOnly": True} in c[
@@ -274,8 +274,9 @@ def test_the_upgrade_release_keeps_the_hmac_key_for_the_agents_only(tmp_path):
     # the upgrade verifies, and new signatures are Ed25519 (the mirror holds no HMAC key)
     mirror_dir = write_dir(tmp_path / "mirror", secret_files(docs, SECRET))
     mirror_keys = KeyringSource([mirror_dir])
-    agent = load_keyring([write_dir(tmp_path / "public", public_data(mirror_keys)),
-                          write_dir(tmp_path / "legacy", secret_files(docs, LEGACY))])
+    agent = load_keyring([write_dir(tmp_path / "public", public_data(mirror_keys))],
+                         verify_only=True,
+                         hmac_paths=[write_dir(tmp_path / "legacy", secret_files(docs, LEGACY))])
     assert [key.version for key in agent.keys] == [V2, V1, V1]
     plan = plan_of(time_slicing())
     old_signature = Keyring.of(KEY_A).sign(plan)

@@ -79,9 +79,10 @@ class NodeAgent:
         self.metrics = AgentMetrics(config.node_name, condition=self.condition)
         self.events = EventRecorder(cluster, config.node_name, clock)
         signatures = None
-        if options.signing_key_files:  # raises SigningConfigError for unusable key files
+        if options.signing:  # raises SigningConfigError for unusable key files
             signatures = SignatureCheck(
-                KeyringSource(options.signing_key_files, verify_only=True), config.keys,
+                KeyringSource(options.signing_key_files, verify_only=True,
+                              hmac_paths=options.signing_hmac_key_files), config.keys,
                 config.node_name,
                 key_wait_seconds=options.signature_key_wait_seconds, monotonic=monotonic)
         self.reconciler = Reconciler(

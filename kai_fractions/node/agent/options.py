@@ -72,8 +72,18 @@ class AgentOptions:
     watch_seconds: int = 300
     """Server-side timeout of one watch request (then it is renewed)."""
     signing_key_files: tuple[str, ...] = ()
-    """`--signing-key-file` values: apply only allocations the mirror signed (see
-    `signatures.py`); empty = signatures are not checked."""
+    """`--signing-key-file` values (the mirror's Ed25519 PUBLIC keys, PEM only): apply only
+    allocations the mirror signed (see `signatures.py`); empty, with no
+    `signing_hmac_key_files` either = signatures are not checked."""
+    signing_hmac_key_files: tuple[str, ...] = ()
+    """`--signing-hmac-key-file` values: the legacy HMAC key(s) (the Secret of the releases
+    that signed with HMAC), so that pods signed before the upgrade to Ed25519 verify. Only
+    these files are read as HMAC keys: never a public-key file, whatever it holds."""
+
+    @property
+    def signing(self) -> bool:
+        """Whether allocations are applied only when signed (any key file given)."""
+        return bool(self.signing_key_files or self.signing_hmac_key_files)
     signature_key_wait_seconds: float = 300.0
     """How long a signature under a key this node does not hold waits for it (a rotation on
     its way) before it is refused."""
