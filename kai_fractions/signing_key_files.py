@@ -186,6 +186,12 @@ def load_ed25519(pem: bytes, source: str = "", *, what: str = "") -> Ed25519Key:
 
     where = what or (f"--signing-key-file {source}" if source else "signing key")
     pem = pem.removeprefix(_BOM)  # saved by an editor that writes one
+    blocks = pem.count(b"-----BEGIN ")
+    if blocks > 1:
+        # The PEM reader takes the first block and drops the rest unseen: a key appended by hand
+        # (a "rotation" by concatenation) would be missing, and its pods refused, with no word.
+        raise SigningConfigError(f"{where}: holds {blocks} PEM blocks; one key per file (in a "
+                                 "rotation the old key goes in `previous`)")
     try:
         if pem.lstrip().startswith(_PRIVATE_PEM):
             private = serialization.load_pem_private_key(pem, password=None)

@@ -17,7 +17,7 @@ import pytest
 
 from kai_fractions.api.v1 import node_pb2, node_pb2_grpc
 from kai_fractions.contract import derived_annotations, parse_pod, plan_pod, pod_views
-from kai_fractions.signing import Keyring
+from kai_fractions.signing import Ed25519Key, Keyring
 from tests.support.agent_process import GPU0, H100_MIB, AgentEnv, wait_for
 
 from .allocations import KEY_A, KEY_B
@@ -111,6 +111,47 @@ def test_signed_applied_unsigned_waits_for_its_signature_forged_refused(agent_en
     assert [e["reason"] for e in env.events(late)].count("SignatureMissing") == 1
     kids = ", ".join(Keyring.of(KEY_B, KEY_A).kids)
     assert f"applying only signed allocations (keys: {kids})" in run.log()
+    assert run.stop() == 0
+
+
+def _signed(env: AgentEnv, name: str, keyring: Keyring, node: str) -> str:
+    uid = mirrored(env, name, sign=None)
+    env.kube.core.patch_namespaced_pod(name, "default", {"metadata": {"annotations": {
+        SIG: keyring.sign(plan_of(env, name), node=node)}}})
+    return uid
+
+
+def test_the_charts_flags_ed25519_public_keys_and_the_legacy_hmac_key(agent_env: AgentEnv,
+                                                                      tmp_path):
+    """The real process with the chart's production flags: the ConfigMap-shaped directory of the
+    mirror's Ed25519 public key as --signing-key-file and the legacy HMAC Secret as
+    --signing-hmac-key-file. A v2 signature (Ed25519, naming the node) and a v1 one (HMAC) are
+    both applied; text planted in the ConfigMap while the agent runs is refused with a warning
+    and never becomes a key: a pod signed with it as an HMAC key is refused."""
+    env = agent_env
+    mirror_key = Ed25519Key.generate()
+    public = tmp_path / "public"
+    public.mkdir()
+    (public / "current").write_bytes(mirror_key.public_pem())
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "current").write_bytes(KEY_A)
+    env.nvml.add_gpu(GPU0, memory_mib=H100_MIB)
+    env.create_node()
+    run = env.start(f"--signing-key-file={public}", f"--signing-hmac-key-file={legacy}",
+                    "--signature-key-wait=1", sm_sharing=False)
+    v2 = _signed(env, "v2", Keyring.of(mirror_key), env.node)
+    v1 = _signed(env, "v1", Keyring.of(KEY_A), "")
+    wait_for(lambda: marker(env, v2) and marker(env, v1), run=run, what="markers", timeout=20)
+    assert marker(env, v2)["containers"]["main"]["state"] == "applied"
+    assert marker(env, v1)["containers"]["main"]["state"] == "applied"
+    planted = b"planted-by-a-configmap-writer-0123456789"
+    (public / "previous").write_bytes(planted)
+    forged = _signed(env, "forged", Keyring.of(planted), "")  # its unknown key: a re-read
+    wait_for(lambda: marker(env, forged), run=run, what="the forged pod's marker", timeout=20)
+    main = marker(env, forged)["containers"]["main"]
+    assert (main["state"], main.get("reason")) == ("refused", "SignatureKeyUnknown")
+    assert "not a PEM public key" in run.log()
     assert run.stop() == 0
 
 

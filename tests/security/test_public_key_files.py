@@ -73,6 +73,19 @@ def test_a_public_key_file_that_is_not_pem_is_refused(tmp_path: Path, material: 
     assert "--signing-hmac-key-file" in message and "kai-fractions-signing-public" in message
 
 
+def test_a_key_file_with_two_pem_blocks_is_refused(tmp_path: Path) -> None:
+    """Before: the PEM reader took the first of two keys in one file and dropped the second
+    unseen, so pods signed with a key appended by hand (a "rotation" by concatenation) were
+    refused as signed with an unknown key, with no word of why. Now the file is refused, naming
+    the rule (one key per file; the old one goes in `previous`)."""
+    first, second = Ed25519Key.generate(), Ed25519Key.generate()
+    (tmp_path / "current").write_bytes(first.public_pem() + second.public_pem())
+    with pytest.raises(SigningConfigError) as e:
+        load_keyring([str(tmp_path)], verify_only=True)
+    assert str(e.value) == (f"--signing-key-file {tmp_path / 'current'}: holds 2 PEM blocks; "
+                            "one key per file (in a rotation the old key goes in `previous`)")
+
+
 def test_the_agent_refuses_to_start_with_text_as_its_public_key(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         caplog: pytest.LogCaptureFixture) -> None:
