@@ -18,13 +18,15 @@ from .config import Mechanism
 from .desired import ContainerDesired, ContainerKey, LimitTarget
 from .engine_reports import Issue, _issue
 from .engine_run import RunState
-from .errors import NodeError, NvmlError, NvmlNoPermission, NvmlNotSupported
+from .errors import (
+    CGROUP_NOT_FOUND,  # the engine's own reason, and NvmlCgroupUnavailable's
+    NodeError,
+    NvmlError,
+    NvmlNoPermission,
+    NvmlNotSupported,
+)
 from .memory_limits import MEMORY_LIMIT_NOT_IN_FORCE, LimitNotSet, limit_not_in_force
 from .nvml import MemoryLimits
-
-# Reasons the engine itself gives (NVML and MPS errors bring their own).
-CGROUP_NOT_FOUND = "CgroupNotFound"
-
 
 NOT_SETTABLE_PASSES = 2
 """Passes in a row whose outcome on a GPU is "failed" for a reason that may be a blip (Unknown,
@@ -54,16 +56,17 @@ class UnsettableGpus(Mapping[str, NvmlError]):
     attempted and failed (`LimitNotSet`: refused, or read back otherwise), or a pod slice's read
     failed NotSupported or NoPermission, and no set on the GPU succeeded; "ok" when a set there
     succeeded, or every target there it reached reads back in force or was set; else nothing
-    (nothing reached, only a read failed for a reason that proves nothing, or only a
-    container's own cgroup failed, which the slice above it caps). Only sets count: a slice
-    limit an earlier agent set reads back in force whether this one may set limits or not, so
-    it does not make the GPU fine while new pods' sets fail there. A GPU is reported in the pass
-    whose failure there cannot be a blip (`_NO_LIMITS_AT_ALL`: a set refused, or a slice's read
-    failed, NotSupported or NoPermission), so that an agent restarted where every set is refused
-    is not ready from its first pass (this count lives in memory); for any other failure once its
-    outcome was "failed" in NOT_SETTABLE_PASSES passes that said something of it in a row. "ok"
-    forgets it at once, a pass that says nothing leaves it as it was, a GPU without a target is
-    dropped."""
+    (nothing reached, only a read failed for a reason that proves nothing, or only a container's
+    own cgroup failed, which the slice above it caps; a cgroup NVML could not open,
+    `NvmlCgroupUnavailable`, is the path's fault, not the GPU's: it says nothing either). Only
+    sets count: a slice limit an earlier agent set reads back in force whether this one may set
+    limits or not, so it does not make the GPU fine while new pods' sets fail there. A GPU is
+    reported in the pass whose failure there cannot be a blip (`_NO_LIMITS_AT_ALL`: a set
+    refused, or a slice's read failed, NotSupported or NoPermission), so that an agent restarted
+    where every set is refused is not ready from its first pass (this count lives in memory);
+    for any other failure once its outcome was "failed" in NOT_SETTABLE_PASSES passes that said
+    something of it in a row. "ok" forgets it at once, a pass that says nothing leaves it as it
+    was, a GPU without a target is dropped."""
 
     def __init__(self) -> None:
         self._failed: dict[str, tuple[int, NvmlError]] = {}  # uuid -> (passes in a row, error)
@@ -155,6 +158,9 @@ class CgroupLimitStep(RunState):
                 # there, as the last pass left it), so the container is pending for it and its
                 # marker kept, unless an earlier pass knew the limit missing (`_unlimited`).
                 # Against the GPU it counts only when it says the GPU takes no limit at all.
+                # So does a read or set on a cgroup NVML could not open (NvmlCgroupUnavailable,
+                # reason CGROUP_NOT_FOUND, the path named): gone since the check above, as a
+                # going pod's is, or not where NVML looks; that says nothing of the GPU.
                 not_ok.add(t.gpu_uuid)
                 if t.container is None and isinstance(err, _NO_LIMITS_AT_ALL):
                     self._count_against(failed, t.gpu_uuid, err)

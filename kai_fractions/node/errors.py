@@ -17,6 +17,7 @@ NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
 NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_OPERATING_SYSTEM = 17
 NVML_ERROR_UNKNOWN = 999
 
 
@@ -95,6 +96,25 @@ class NvmlUnknown(NvmlError):
     reason = "NVMLError"
 
 
+CGROUP_NOT_FOUND = "CgroupNotFound"
+"""The reason of a container whose pod's cgroup is not there for its limits: not made yet (the
+engine's existence check), or one NVML cannot open (`NvmlCgroupUnavailable`)."""
+
+
+class NvmlCgroupUnavailable(NvmlError):
+    """A memory-limit call's cgroup could not be opened (NVML_ERROR_OPERATING_SYSTEM: nvml.h
+    "if the cgroup path cannot be opened"): removed since the agent found it (its pod is going),
+    or not where NVML looks (a wrong --cgroup-root, a cgroup mount it cannot open). The path is
+    at fault, not the GPU; `cgroup` is the path (None where the caller did not say it)."""
+
+    reason = CGROUP_NOT_FOUND
+
+    def __init__(self, message: str, *, function: str = "", code: int | None = None,
+                 cgroup: str | None = None):
+        super().__init__(message, function=function, code=code)
+        self.cgroup = cgroup
+
+
 # Hints for functions whose absence has a well-known cause.
 _NO_CGROUP_LIMITS = (
     "cgroup GPU memory limits need NVIDIA driver r615 or newer; upgrade the driver, or allow a "
@@ -104,6 +124,9 @@ _FUNCTION_HINTS = {
     "nvmlDeviceSetMemoryLimits_v1": _NO_CGROUP_LIMITS,
     "nvmlDeviceGetMemoryLimits_v1": _NO_CGROUP_LIMITS,
 }
+_CGROUP_FUNCTIONS = frozenset(_FUNCTION_HINTS)
+"""The calls that take a cgroup path (nvmlSetMemoryLimits_v1_t.nameSpace): their
+NVML_ERROR_OPERATING_SYSTEM is a cgroup they could not open."""
 _PROCESS_QUERY = (
     "the node agent lists every process on a GPU, and reads its memory, only with the host's "
     "pid namespace (hostPID: true) and the permission to query other users' GPU processes "
@@ -119,9 +142,10 @@ _MANAGEMENT = ("the node agent must run as root in a privileged container to set
 
 def nvml_error(
     code: int, function: str, *, device: str | None = None, library: str | None = None,
-    detail: str | None = None,
+    detail: str | None = None, cgroup: str | None = None,
 ) -> NvmlError:
-    """The typed error for an nvmlReturn_t, with a message that says what to do about it.
+    """The typed error for an nvmlReturn_t, with a message that says what to do about it;
+    `cgroup`: the cgroup path of a memory-limit call, named in its message.
 
     Both NVML implementations (pynvml and the in-memory fake) build their errors here, so a
     test against the fake sees the same types, reasons and sentences as production.
@@ -160,6 +184,14 @@ def nvml_error(
         return NvmlGpuLost(
             f"GPU {device or '?'} is lost (fell off the bus) during {function}: drain the node "
             "and reset or replace the GPU", function=function, code=code)
+    if code == NVML_ERROR_OPERATING_SYSTEM and function in _CGROUP_FUNCTIONS:
+        return NvmlCgroupUnavailable(
+            f"NVML could not open the cgroup {cgroup or '(path not given)'} ({function}{on}: "
+            "NVML_ERROR_OPERATING_SYSTEM): it was removed since the agent found it (its pod is "
+            "going; the agent retries every pass), or NVML cannot open it where the agent names "
+            "it: check --cgroup-root and --cgroup-driver against the kubelet's configuration, "
+            "and that the agent's cgroup mount (the chart's hostPaths.cgroupRoot) is the host's "
+            "cgroup tree", function=function, code=code, cgroup=cgroup)
     text = f": {detail}" if detail else ""
     return NvmlUnknown(
         f"NVML {function} failed{on}{text} (nvmlReturn_t {code}); check the driver with "
@@ -177,5 +209,6 @@ NVML_CODES_BY_NAME = {
     "LibraryNotFound": NVML_ERROR_LIBRARY_NOT_FOUND,
     "FunctionNotFound": NVML_ERROR_FUNCTION_NOT_FOUND,
     "GpuIsLost": NVML_ERROR_GPU_IS_LOST,
+    "OperatingSystem": NVML_ERROR_OPERATING_SYSTEM,
     "Unknown": NVML_ERROR_UNKNOWN,
 }

@@ -15,7 +15,9 @@ What a failure proves: a read that fails says nothing of the limit in force (it 
 there), while a read that succeeds and shows something else than the target, followed by a set
 that fails or by a read-back that shows something else again, proves the target is not in force
 (`LimitNotSet`). A cgroup removed and made again (the same path) has lost its limits: NVML's
-limits go with the cgroup.
+limits go with the cgroup. A cgroup NVML cannot open (`NvmlCgroupUnavailable`: removed since it
+was found, or not where NVML looks) raises that error as it is, the set's included: no limit can
+be missing from a cgroup that is not there, and the GPU is not at fault.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .desired import LimitTarget
-from .errors import NodeError, NvmlError
+from .errors import NodeError, NvmlCgroupUnavailable, NvmlError
 from .nvml import MEMORY_LIMIT_MAX, SET_MEMORY_LIMITS, MemoryLimits, Nvml
 
 MEMORY_LIMIT_NOT_IN_FORCE = "MemoryLimitNotInForce"
@@ -114,12 +116,15 @@ class MemoryLimitEnforcer:
         """Makes `target` the limits in force; returns the write, or None when already so.
         Raises a read's NvmlError when a read fails (nothing known), `LimitNotSet` when the
         read shows another limit and the set fails, or succeeds but the limits read back
-        after it are not the target (known not in force)."""
+        after it are not the target (known not in force); a set that could not open the
+        cgroup raises its `NvmlCgroupUnavailable` (the cgroup went after the read)."""
         before = self.nvml.get_memory_limits(target.gpu_uuid, target.path)
         if (before.soft, before.hard) == (target.soft, target.hard):
             return None
         try:
             self.nvml.set_memory_limits(target.gpu_uuid, target.path, target.soft, target.hard)
+        except NvmlCgroupUnavailable:
+            raise
         except NvmlError as e:
             raise LimitNotSet(target, before, e) from e
         # Exact, as the comparison above is: a limit the driver rounded or clamped is not the

@@ -3,7 +3,9 @@
 `Nvml` is the protocol; `PynvmlNvml` is the real implementation over nvidia-ml-py (module
 `pynvml`) and `kai_fractions.sim.nvml.FakeNvml` the simulated one. Both raise the typed
 errors of `errors.py` (built by `errors.nvml_error`), never a pynvml exception; the error of
-`other_processes` carries what its other listing listed (`other_listings`).
+`other_processes` carries what its other listing listed (`other_listings`). A memory-limit call
+on a cgroup that cannot be opened (removed, or not where NVML looks) raises
+`NvmlCgroupUnavailable`, naming the path.
 """
 
 from __future__ import annotations
@@ -169,7 +171,8 @@ class PynvmlNvml:
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _error(self, exc: Exception, function: str, device: str | None) -> NvmlError:
+    def _error(self, exc: Exception, function: str, device: str | None,
+               cgroup: str | None = None) -> NvmlError:
         p = self._pynvml
         if isinstance(exc, p.NVMLLibraryMismatchError):
             return nvml_error(NVML_ERROR_FUNCTION_NOT_FOUND, function, device=device)
@@ -179,15 +182,15 @@ class PynvmlNvml:
         except Exception:  # str() itself calls into NVML; never let that mask the error
             detail = None
         return nvml_error(code, function, device=device, library=self._library_path,
-                          detail=detail)
+                          detail=detail, cgroup=cgroup)
 
     def _call(self, function: str, fn: Callable[..., T], *args: Any,
-              device: str | None = None) -> T:
+              device: str | None = None, cgroup: str | None = None) -> T:
         p = self._pynvml
         try:
             return fn(*args)
         except (p.NVMLError, p.NVMLLibraryMismatchError) as exc:
-            raise self._error(exc, function, device) from None
+            raise self._error(exc, function, device, cgroup) from None
 
     def _load_library(self) -> None:
         if self._library_path is None:
@@ -349,7 +352,7 @@ class PynvmlNvml:
                 # nvml.h: "the limits were not found for this device and cgroup", the answer
                 # for every cgroup no limit was ever set on: no limit is in force.
                 return MemoryLimits(soft=0, hard=MEMORY_LIMIT_MAX)
-            raise self._error(exc, GET_MEMORY_LIMITS, uuid) from None
+            raise self._error(exc, GET_MEMORY_LIMITS, uuid, namespace) from None
         return MemoryLimits(soft=int(limits.softLimit), hard=int(limits.hardLimit),
                             current_used=int(limits.currentUsed))
 
@@ -365,7 +368,7 @@ class PynvmlNvml:
         limits.softLimit = soft
         limits.hardLimit = hard
         self._call(SET_MEMORY_LIMITS, p.nvmlDeviceSetMemoryLimits_v1, self._handle(uuid),
-                   limits, device=uuid)
+                   limits, device=uuid, cgroup=namespace)
 
     def clear_memory_limits(self, uuid: str, namespace: str) -> None:
         # One call: soft back to 0 (NVIDIA asks for that before a cgroup is deleted) and hard

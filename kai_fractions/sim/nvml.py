@@ -16,9 +16,13 @@ the node agent falls back (or refuses) as it would on such a node; `memory_limit
 overrides the driver's say.
 
 Allocations (`allocate`, what a CUDA process would do) fail as the driver would: over a cgroup
-hard limit in force, or over the GPU's own memory. Memory-limit calls on a cgroup path are
-refused the way the real library refuses a path that names no cgroup only when the fake knows
-the node's cgroup tree (`use_cgroups`, opt-in: many tests name made-up paths).
+hard limit in force, or over the GPU's own memory. Only when the fake knows the node's cgroup
+tree (`use_cgroups`, opt-in: many tests name made-up paths) are memory-limit calls on a cgroup
+path checked as the real library checks them: a path outside the cgroup root is refused
+NVML_ERROR_INVALID_ARGUMENT, and one that is not in the tree fails
+NVML_ERROR_OPERATING_SYSTEM (nvml.h: "if the cgroup path cannot be opened"); and, as nvml.h
+says ("Removing the cgroup will also clear any limits"), a cgroup the tree removes
+(`FakeCgroupFs.remove`) takes its limits, and those below it, with it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ..node.errors import (
     NVML_ERROR_INVALID_ARGUMENT,
     NVML_ERROR_NOT_FOUND,
     NVML_ERROR_NOT_SUPPORTED,
+    NVML_ERROR_OPERATING_SYSTEM,
     NVML_ERROR_UNINITIALIZED,
     ConfigError,
     NvmlCapabilityMissing,
@@ -106,7 +111,7 @@ class FakeNvml(FakeNvmlControls):
     # -- the call frame ---------------------------------------------------------------------
 
     def _begin(self, method: str, *args: Any, device: str | None = None,
-               needs_init: bool = True, record: bool = True) -> None:
+               needs_init: bool = True, record: bool = True, cgroup: str | None = None) -> None:
         if record:  # False: a part of a call recorded already (`other_processes`)
             self.calls.append(NvmlCall(method, args))
         for failure in self._failures.get(method, []):
@@ -116,7 +121,7 @@ class FakeNvml(FakeNvmlControls):
                 if failure.remaining <= 0:
                     continue
                 failure.remaining -= 1
-            raise nvml_error(failure.code, _FUNCTIONS[method], device=device)
+            raise nvml_error(failure.code, _FUNCTIONS[method], device=device, cgroup=cgroup)
         if needs_init and self.initialized <= 0:
             raise nvml_error(NVML_ERROR_UNINITIALIZED, _FUNCTIONS[method], device=device)
 
@@ -142,8 +147,8 @@ class FakeNvml(FakeNvmlControls):
                                  detail=f"namespace {namespace!r} is not a cgroup: the full "
                                  f"sysfs path of one starts with {self.cgroup_root}/")
             if not self.cgroup_tree.exists(path):
-                raise nvml_error(NVML_ERROR_INVALID_ARGUMENT, _FUNCTIONS[method], device=uuid,
-                                 detail=f"namespace {namespace!r}: no such cgroup")
+                raise nvml_error(NVML_ERROR_OPERATING_SYSTEM, _FUNCTIONS[method], device=uuid,
+                                 cgroup=namespace)
         if gpu.mig:
             raise nvml_error(NVML_ERROR_NOT_SUPPORTED, _FUNCTIONS[method], device=uuid)
         return gpu
@@ -227,7 +232,7 @@ class FakeNvml(FakeNvmlControls):
 
     def get_memory_limits(self, uuid: str, namespace: str) -> MemoryLimits:
         with self._lock:
-            self._begin("get_memory_limits", uuid, namespace, device=uuid)
+            self._begin("get_memory_limits", uuid, namespace, device=uuid, cgroup=namespace)
             self._limits_gpu("get_memory_limits", uuid, namespace)
             soft, hard = self.limits.get((uuid, namespace), (0, MEMORY_LIMIT_MAX))
             base = namespace.rstrip("/") or "/"
@@ -240,7 +245,8 @@ class FakeNvml(FakeNvmlControls):
 
     def set_memory_limits(self, uuid: str, namespace: str, soft: int, hard: int) -> None:
         with self._lock:
-            self._begin("set_memory_limits", uuid, namespace, soft, hard, device=uuid)
+            self._begin("set_memory_limits", uuid, namespace, soft, hard, device=uuid,
+                        cgroup=namespace)
             gpu = self._limits_gpu("set_memory_limits", uuid, namespace)
             if soft < 0 or hard < 0 or soft > hard or hard > MEMORY_LIMIT_MAX:
                 raise nvml_error(NVML_ERROR_INVALID_ARGUMENT, SET_MEMORY_LIMITS, device=uuid,
@@ -254,9 +260,16 @@ class FakeNvml(FakeNvmlControls):
 
     def clear_memory_limits(self, uuid: str, namespace: str) -> None:
         with self._lock:
-            self._begin("clear_memory_limits", uuid, namespace, device=uuid)
+            self._begin("clear_memory_limits", uuid, namespace, device=uuid, cgroup=namespace)
             self._limits_gpu("clear_memory_limits", uuid, namespace)
             self._store(uuid, namespace, 0, MEMORY_LIMIT_MAX)
+
+    def _cgroup_removed(self, path: str) -> None:
+        """The cgroup tree removed `path` (and everything below it): nvml.h, "Removing the
+        cgroup will also clear any limits"."""
+        with self._lock:
+            for key in [k for k in self.limits if _under(k[1], path)]:
+                del self.limits[key]
 
     def _store(self, uuid: str, namespace: str, soft: int, hard: int) -> None:
         if soft == 0 and hard == MEMORY_LIMIT_MAX:

@@ -220,12 +220,17 @@ class FakeNvmlControls:
     def use_cgroups(self, root: str, tree: CgroupTree) -> None:
         """From now on, a memory-limit call's cgroup must be a directory of the node's cgroup
         tree, named by its full sysfs path as the real library needs it: under `root` (not the
-        /proc form `/kubepods.slice/...`, not /etc) and present in `tree` (the one the node
-        agent sees). Else the call fails with NVML_ERROR_INVALID_ARGUMENT, as a path that names
-        no cgroup v2 directory does."""
+        /proc form `/kubepods.slice/...`, not /etc; else NVML_ERROR_INVALID_ARGUMENT) and
+        present in `tree` (the one the node agent sees; else NVML_ERROR_OPERATING_SYSTEM, nvml.h's
+        "the cgroup path cannot be opened"). A tree that tells of its removals
+        (`FakeCgroupFs.on_remove`) clears the limits of each cgroup it removes, and below it, as
+        removing a cgroup does (nvml.h)."""
         with self._lock:
             self.cgroup_root = root.rstrip("/") or "/"
             self.cgroup_tree = tree
+            on_remove = getattr(tree, "on_remove", None)
+            if on_remove is not None:
+                on_remove(self._cgroup_removed)
 
     def gpu(self, uuid_or_index: str | int) -> FakeGpu:
         if isinstance(uuid_or_index, int):

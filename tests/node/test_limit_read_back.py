@@ -188,8 +188,10 @@ def test_a_running_pod_whose_limit_reads_back_otherwise_is_set_aside(short_tmp: 
     uid = rig.add(pod("p", notes=binder_annotations(devices=rig.gpu0)))["metadata"]["uid"]
     assert rig.step().converged
     assert marker_of(rig, uid)["containers"]["main"]["state"] == "applied"
-    for path in (slice_of(uid), leaf_of(uid)):  # the cgroups made again: no limits
-        nvml.limits.pop((rig.gpu0, path))
+    nvml.use_cgroups("/sys/fs/cgroup", rig.cgroups)  # its removals clear NVML's limits
+    rig.cgroups.remove(slice_of(uid))  # the cgroups made again: no limits (nvml.h)
+    rig.cgroups.add(leaf_of(uid))
+    assert limits_of(rig, uid) == {}
     nvml.drift = "higher"
     _assert_not_in_force(rig, uid, "soft 10240 MiB, hard 20544 MiB")
     assert (rig.marker_path(uid).parent / SET_ASIDE_FILE).exists()

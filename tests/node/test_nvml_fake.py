@@ -8,6 +8,7 @@ import pytest
 
 from kai_fractions.node.errors import (
     ConfigError,
+    NvmlCgroupUnavailable,
     NvmlDriverNotLoaded,
     NvmlFunctionNotFound,
     NvmlGpuLost,
@@ -277,17 +278,21 @@ POD = ROOT + "/kubepods.slice/kubepods-pod1.slice"
              "/sys/fs/cgroup/"),
     ("/sys/fs/cgroupx/a", "is not a cgroup"),
     (ROOT + "/kubepods.slice/kubepods-pod2.slice",
-     f"namespace '{ROOT}/kubepods.slice/kubepods-pod2.slice': no such cgroup"),
+     f"NVML could not open the cgroup {ROOT}/kubepods.slice/kubepods-pod2.slice"),
 ])
 def test_with_the_nodes_cgroup_tree_only_its_cgroups_take_limits(path, detail) -> None:
+    """A path outside the cgroup root is NVML_ERROR_INVALID_ARGUMENT (NvmlUnknown); one under
+    it that is no cgroup of the tree NVML_ERROR_OPERATING_SYSTEM (nvml.h: the cgroup path
+    cannot be opened), `NvmlCgroupUnavailable`."""
+    missing = path.startswith(ROOT + "/")
     nvml = started(FakeNvml([FakeGpu("GPU-a")]))
     nvml.use_cgroups(ROOT, FakeCgroupFs([POD]))
     for call in (lambda: nvml.set_memory_limits("GPU-a", path, 1, 2),
                  lambda: nvml.get_memory_limits("GPU-a", path),
                  lambda: nvml.clear_memory_limits("GPU-a", path)):
-        with pytest.raises(NvmlUnknown) as e:  # NVML_ERROR_INVALID_ARGUMENT
+        with pytest.raises(NvmlCgroupUnavailable if missing else NvmlUnknown) as e:
             call()
-        assert e.value.code == 2 and detail in e.value.message
+        assert e.value.code == (17 if missing else 2) and detail in e.value.message
     assert nvml.limits == {}
     nvml.set_memory_limits("GPU-a", POD, 1, 2)
     nvml.set_memory_limits("GPU-a", POD + "/", 1, 2)

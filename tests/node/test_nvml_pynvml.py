@@ -5,9 +5,11 @@ from __future__ import annotations
 import pynvml
 import pytest
 
+from kai_fractions.node import errors as node_errors
 from kai_fractions.node.desired import LimitTarget
 from kai_fractions.node.errors import (
     NvmlDriverNotLoaded,
+    NvmlError,
     NvmlFunctionNotFound,
     NvmlGpuLost,
     NvmlLibraryNotFound,
@@ -184,6 +186,34 @@ def test_injected_errors_map_to_types(nvml, fake_nvml) -> None:
         nvml.running_processes(U0)
     assert e2.value.function == "nvmlDeviceGetComputeRunningProcesses"
     assert "Unknown Error" in e2.value.message
+
+
+def test_a_cgroup_nvml_cannot_open_names_the_cgroup(nvml, fake_nvml) -> None:
+    """Before: NVML_ERROR_OPERATING_SYSTEM (17), which nvml.h returns from both memory-limit
+    functions "if the cgroup path cannot be opened", became NvmlUnknown (reason NVMLError,
+    "check the driver with nvidia-smi"), naming neither the cgroup nor where to look. Now it is
+    NvmlCgroupUnavailable: code 17, the agent's reason for a missing cgroup (CgroupNotFound),
+    and a message naming the path and what to check. 17 from another call stays NVML's."""
+    calls = [("nvmlDeviceSetMemoryLimits_v1", lambda: nvml.set_memory_limits(U0, SLICE, 1, 2)),
+             ("nvmlDeviceGetMemoryLimits_v1", lambda: nvml.get_memory_limits(U0, SLICE)),
+             ("nvmlDeviceSetMemoryLimits_v1", lambda: nvml.clear_memory_limits(U0, SLICE))]
+    for function, call in calls:
+        fake_nvml.inject_error(function, 17, 1)
+        with pytest.raises(NvmlError) as e:
+            call()
+        assert (e.value.reason, e.value.code, e.value.function) == ("CgroupNotFound", 17,
+                                                                    function)
+        assert isinstance(e.value, node_errors.NvmlCgroupUnavailable)
+        assert e.value.cgroup == SLICE
+        assert e.value.message.startswith(f"NVML could not open the cgroup {SLICE} ({function} "
+                                          f"on GPU {U0}: NVML_ERROR_OPERATING_SYSTEM)"), \
+            e.value.message
+        for hint in ("--cgroup-root", "--cgroup-driver", "mount"):
+            assert hint in e.value.message
+    fake_nvml.inject_error("nvmlDeviceSetComputeMode", 17, 1)
+    with pytest.raises(NvmlUnknown) as other:
+        nvml.set_compute_mode(U0, GpuComputeMode.DEFAULT)
+    assert (other.value.reason, other.value.code) == ("NVMLError", 17)
 
 
 def test_unknown_uuid_and_lost_gpu(nvml, fake_nvml) -> None:

@@ -76,6 +76,7 @@ typedef struct {
     int has_init_error;
     nvmlReturn_t init_error;
     int trace;
+    int check_cgroups; /* a namespace must be an existing directory (else OPERATING_SYSTEM) */
     unsigned int gpu_count;
     fake_gpu gpus[FAKE_MAX_GPUS];
     unsigned int proc_count;
@@ -400,6 +401,13 @@ static void parse_config(const char *path, char *text) {
                 config_error(path, ln, "usage: trace 0|1");
             }
             g_cfg.trace = (v != NULL && strcmp(v, "1") == 0);
+        } else if (strcmp(word, "check_cgroups") == 0) {
+            char *v = next_token(&rest);
+            unsigned int t;
+            if (v == NULL || next_token(&rest) != NULL || !parse_uint(v, 1, &t)) {
+                config_error(path, ln, "usage: check_cgroups 0|1");
+            }
+            g_cfg.check_cgroups = (v != NULL && strcmp(v, "1") == 0);
         } else {
             config_error(path, ln, "unknown directive '%s'", word);
         }
@@ -535,13 +543,14 @@ static void log_append(const char *line) {
 
 typedef struct {
     /* query */
-    const char *kind;   /* "limit", "compute_mode" or "error_hit" */
+    const char *kind;   /* "limit", "limit_cgroup", "compute_mode" or "error_hit" */
     const char *key1;   /* uuid / error id */
-    const char *key2;   /* escaped namespace (limit only) */
+    const char *key2;   /* escaped namespace (limit and limit_cgroup only) */
     /* results */
     int found;
     long count;
     unsigned long long v1, v2;
+    char text[FAKE_ID_LEN]; /* limit_cgroup: the directory's identity */
 } state_query;
 
 /* Scans the append-only state file; the last matching record wins. */
@@ -587,6 +596,13 @@ static void state_scan(state_query *q) {
                 hard != NULL && parse_ull(soft, &s) && parse_ull(hard, &h)) {
                 q->v1 = s;
                 q->v2 = h;
+                q->found = 1;
+            }
+        } else if (strcmp(kind, "limit_cgroup") == 0) {
+            char *ns = next_token(&rest);
+            char *id = next_token(&rest);
+            if (ns != NULL && q->key2 != NULL && strcmp(ns, q->key2) == 0 && id != NULL &&
+                copy_str(q->text, sizeof q->text, id)) {
                 q->found = 1;
             }
         }
@@ -1078,9 +1094,31 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_
 
 #ifndef FAKE_NVML_OLD_DRIVER
 
+/* Which directory `ns` is now, as one token ("-": none). Device, inode and, where the file
+ * system keeps it, birth time: a directory removed and made again under the same path is
+ * another one (its inode number may be reused, its birth time is not). */
+static void dir_identity(const char *ns, char *out, size_t n) {
+    struct statx st;
+    if (statx(AT_FDCWD, ns, 0, STATX_TYPE | STATX_INO | STATX_BTIME, &st) != 0 ||
+        !S_ISDIR(st.stx_mode)) {
+        snprintf(out, n, "-");
+        return;
+    }
+    int born = (st.stx_mask & STATX_BTIME) != 0;
+    snprintf(out, n, "%x:%x:%llx:%lld.%u", st.stx_dev_major, st.stx_dev_minor,
+             (unsigned long long)st.stx_ino, born ? (long long)st.stx_btime.tv_sec : 0LL,
+             born ? st.stx_btime.tv_nsec : 0U);
+}
+
+/* nvml.h: both memory-limit calls return NVML_ERROR_OPERATING_SYSTEM "if the cgroup path
+ * cannot be opened"; checked only with check_cgroups 1 (many tests name made-up paths). */
 static nvmlReturn_t check_namespace(const char *ns) {
     if (ns == NULL || ns[0] != '/' || strlen(ns) > FAKE_MAX_NAMESPACE) {
         return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    struct stat st;
+    if (g_cfg.check_cgroups && (stat(ns, &st) != 0 || !S_ISDIR(st.st_mode))) {
+        return NVML_ERROR_OPERATING_SYSTEM;
     }
     return NVML_SUCCESS;
 }
@@ -1116,9 +1154,14 @@ nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device, nvmlSetMemoryLimi
     const char *uuid = uuid_for_log(device);
     unsigned long long soft = (limits != NULL) ? limits->softLimit : 0;
     unsigned long long hard = (limits != NULL) ? limits->hardLimit : 0;
-    char line[sizeof ns + 256];
+    char line[2 * sizeof ns + 512];
     if (rc == NVML_SUCCESS) {
-        snprintf(line, sizeof line, "limit %s %s %llu %llu\n", uuid, ns, soft, hard);
+        /* the limit and the directory it was set on, in one append: a get reads both or
+         * neither (nvml.h: "Removing the cgroup will also clear any limits") */
+        char id[FAKE_ID_LEN];
+        dir_identity(limits->nameSpace, id, sizeof id);
+        snprintf(line, sizeof line, "limit %s %s %llu %llu\nlimit_cgroup %s %s %s\n", uuid, ns,
+                 soft, hard, uuid, ns, id);
         state_append(line);
     }
     snprintf(line, sizeof line, "SetMemoryLimits %s %s %llu %llu rc=%d\n", uuid, ns, soft, hard,
@@ -1147,6 +1190,13 @@ nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, nvmlGetMemoryLimi
         escape_field(limits->nameSpace, ns, sizeof ns);
         state_query q = {.kind = "limit", .key1 = g->uuid, .key2 = ns};
         state_scan(&q);
+        state_query dir = {.kind = "limit_cgroup", .key1 = g->uuid, .key2 = ns};
+        state_scan(&dir);
+        char now[FAKE_ID_LEN];
+        dir_identity(limits->nameSpace, now, sizeof now);
+        if (q.found && dir.found && strcmp(dir.text, "-") != 0 && strcmp(dir.text, now) != 0) {
+            q.found = 0; /* set on a directory since removed (or made again): gone with it */
+        }
         if (!q.found) {
             /* nvml.h: NVML_ERROR_NOT_FOUND "if the limits were not found for this device and
              * cgroup", the state of every cgroup no limit was ever set on */

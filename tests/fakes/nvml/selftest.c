@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 void fake_nvml_reset(void);
 
@@ -169,6 +171,32 @@ int main(int argc, char **argv) {
     CHECK(nvmlDeviceSetMemoryLimits_v1(a, &set) == NVML_SUCCESS);
     CHECK(nvmlDeviceGetMemoryLimits_v1(a, &get) == NVML_SUCCESS && get.currentUsed == 0 &&
           get.hardLimit == 50);
+
+    /* a limit goes with its directory: removed, or made again, it reads back NOT_FOUND (its
+     * calls logged apart: tests/tools/test_fake_nvml_sanitizers.py counts the main log's) */
+    char dir[4200], cglog[4200];
+    snprintf(dir, sizeof dir, "%s/cg", argv[1]);
+    snprintf(cglog, sizeof cglog, "%s/cgroups.log", argv[1]);
+    setenv("KAI_FAKE_NVML_LOG", cglog, 1);
+    CHECK(mkdir(dir, 0755) == 0);
+    set.nameSpace = dir;
+    get.nameSpace = dir;
+    CHECK(nvmlDeviceSetMemoryLimits_v1(a, &set) == NVML_SUCCESS);
+    CHECK(nvmlDeviceGetMemoryLimits_v1(a, &get) == NVML_SUCCESS && get.hardLimit == 50);
+    CHECK(rmdir(dir) == 0);
+    CHECK(nvmlDeviceGetMemoryLimits_v1(a, &get) == NVML_ERROR_NOT_FOUND);
+    CHECK(mkdir(dir, 0755) == 0);
+    CHECK(nvmlDeviceGetMemoryLimits_v1(a, &get) == NVML_ERROR_NOT_FOUND);
+    /* check_cgroups 1: a namespace that is not a directory cannot be opened */
+    write_config("gpu uuid=GPU-a memory=1000\ngpu uuid=GPU-b memory=2000 mig=1\n"
+                 "check_cgroups 1\n");
+    CHECK(nvmlDeviceSetMemoryLimits_v1(a, &set) == NVML_SUCCESS);
+    CHECK(rmdir(dir) == 0);
+    CHECK(nvmlDeviceSetMemoryLimits_v1(a, &set) == NVML_ERROR_OPERATING_SYSTEM);
+    CHECK(nvmlDeviceGetMemoryLimits_v1(a, &get) == NVML_ERROR_OPERATING_SYSTEM);
+    set.nameSpace = "/sys/fs/cgroup/pod-not-here";
+    CHECK(nvmlDeviceSetMemoryLimits_v1(a, &set) == NVML_ERROR_OPERATING_SYSTEM);
+    unsetenv("KAI_FAKE_NVML_LOG");
 #endif
 
     write_config("gpu uuid=GPU-a memory=1000\ngpu uuid=GPU-b memory=2000\n");
