@@ -8,7 +8,6 @@ import socket
 import stat
 import time
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import Future
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,18 +24,6 @@ pytestmark = pytest.mark.integration
 
 DIRECT_UID = "0a1b2c3d-0000-4000-8000-000000000777"
 ELSEWHERE = "GPU-deadbeef-0000-0000-0000-000000000000"
-
-
-@pytest.fixture
-def running(short_tmp: Path) -> Iterator[Rig]:
-    rig = Rig(short_tmp, options={"socket": str(short_tmp / "agent.sock"),
-                                  "metrics_listen": "127.0.0.1:0", "status_tick_seconds": 0.05,
-                                  "retry_seconds": 0.05})
-    rig.agent.start()
-    try:
-        yield rig
-    finally:
-        rig.agent.stop(timeout=5)
 
 
 def stub(rig: Rig) -> node_pb2_grpc.NodeEnforcerStub:

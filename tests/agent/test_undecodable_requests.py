@@ -8,8 +8,6 @@ They used to be decoded by gRPC before the servicer ran: the caller got INTERNAL
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -27,18 +25,6 @@ TOKEN = "~~"
 """Put in the field to spoil, then replaced by two bytes no UTF-8 text holds (same length, so
 every length prefix stays right)."""
 NOT_UTF8 = b"\xc0\x80"
-
-
-@pytest.fixture
-def running(short_tmp: Path) -> Iterator[Rig]:
-    rig = Rig(short_tmp, options={"socket": str(short_tmp / "agent.sock"),
-                                  "metrics_listen": "127.0.0.1:0", "status_tick_seconds": 0.05,
-                                  "retry_seconds": 0.05})
-    rig.agent.start()
-    try:
-        yield rig
-    finally:
-        rig.agent.stop(timeout=5)
 
 
 def rule(message: str) -> str:
