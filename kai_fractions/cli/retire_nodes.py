@@ -12,16 +12,22 @@ with no limit. So, before Helm deletes anything:
    waited for, `--wait-seconds` at most. Each agent stops as on any SIGTERM, its RBAC still in
    place, and its last act is to publish its condition False, reason NotReconciling
    (`NodeAgent.stop`, kai_fractions/node/agent/agent.py);
-2. then every node whose condition of ours still says True (its agent killed before that
+2. if agent pods are still there at the deadline (an unreachable node: its kubelet down, its
+   agent possibly running and reaching the API), the node agent's ClusterRoleBinding
+   (`--node-agent-binding`, its one grant of nodes/status) is deleted: a survivor would
+   otherwise write its condition True again at its next heartbeat, over the Unknown of step 3,
+   and keep it True once the release is gone. With every pod gone it is left to Helm;
+3. then every node whose condition of ours still says True (its agent killed before that
    publish, its node unreachable, no agent there) has it set Unknown, reason
    `KaiFractionsUninstalled`, in the patch the mirror sends for a silent agent
    (`kube/node_conditions.py`: guarded by the node's resourceVersion, read again and retried
    on a conflict).
 
-Pods still there at the deadline do not stop step 2 (an unreachable node keeps its agent's pod
+Pods still there at the deadline do not stop step 3 (an unreachable node keeps its agent's pod
 Terminating for ever, and its condition is exactly what must not stay True), but the command
-then exits 1, naming them, as it does naming every node it could not set Unknown: Helm fails the
-uninstall, and the operator sees why (docs/chart.md, "Uninstalling").
+then exits 1, naming them (and saying that they can no longer write their condition), as it
+does naming every node it could not set Unknown: Helm fails the uninstall, and the operator sees
+why (docs/chart.md, "Uninstalling").
 """
 
 from __future__ import annotations
@@ -45,6 +51,11 @@ POLL_SECONDS = 1.0
 """How often the agents' pods are listed while they stop (tests shorten it)."""
 TRIES = 5
 """Reads and patches of one node at most: a node written in between (409) is read again."""
+REVOKE_SECONDS = 1.0
+"""The pause between deleting the agents' binding and writing the nodes: each API server stops
+honouring a deleted binding once its RBAC cache has seen the delete, a moment later (tests
+shorten it). A survivor's write in between is a conflict for our guarded patch, read again."""
+RBAC = ("rbac.authorization.k8s.io", "v1", "clusterrolebindings")
 
 
 def register(sub) -> None:
@@ -57,10 +68,12 @@ def register(sub) -> None:
         "Disabled) so that no GPU node is left ready for KAI's fractional pods with no node "
         "agent behind it: deletes the node agent DaemonSet (foreground) and waits until its "
         "pods are gone (each agent publishes its condition False as it stops, while it may "
-        "still write it), then sets the condition of every node where it still says True "
-        f"Unknown (reason {REASON}). Exit codes: 0 done, 1 something is left (agent pods "
-        "still there at the deadline, nodes not set Unknown, the DaemonSet not deleted: each "
-        "named), 2 usage error or no cluster configuration.")
+        "still write it); with pods still there at the deadline, deletes the node agent's "
+        "ClusterRoleBinding, so that none of them writes its condition again; then sets the "
+        f"condition of every node where it still says True Unknown (reason {REASON}). Exit "
+        "codes: 0 done, 1 something is left (agent pods still there at the deadline, nodes not "
+        "set Unknown, the DaemonSet or the binding not deleted: each named), 2 usage error or "
+        "no cluster configuration.")
     p.add_argument("--node-agent-daemonset", default=DEFAULT_NODE_AGENT_DAEMONSET,
                    metavar="NAMESPACE/NAME", help="the node agent DaemonSet (default: "
                    "%(default)s)")
@@ -68,6 +81,10 @@ def register(sub) -> None:
                    help="the node agent pods' labels (k=v,...), to wait for them when the "
                    "DaemonSet is already gone (a second run); default: the DaemonSet's own "
                    "selector, and no wait without one")
+    p.add_argument("--node-agent-binding", action="append", default=None, metavar="NAME",
+                   help="the node agent's ClusterRoleBinding that grants it nodes/status "
+                   "(repeatable), deleted when agent pods are still there at the deadline; "
+                   "default: the DaemonSet's name, as the chart names it")
     p.add_argument("--node-condition", action="append", default=None, metavar="TYPE",
                    help="a node condition the node agents publish (repeatable; default: "
                    f"{k.NODE_CONDITION} and {k.LEGACY_NODE_CONDITION})")
@@ -96,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
     types = tuple(args.node_condition or (k.NODE_CONDITION, k.LEGACY_NODE_CONDITION))
     if problem is None and not all(t.strip() for t in types):
         problem = "--node-condition must not be empty"
+    bindings = tuple(args.node_agent_binding or ())
+    bad = [b for b in bindings if not b.strip() or "/" in b]
+    if problem is None and bad:
+        problem = f"--node-agent-binding must be a ClusterRoleBinding's name, got {bad[0]!r}"
     if problem:
         _say(problem, error=True)
         return EXIT_USAGE
@@ -110,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     async def work() -> list[str]:
         try:
             return await retire(kube, namespace, name, args.node_agent_selector, types,
-                                args.wait_seconds)
+                                args.wait_seconds, bindings or (name,))
         finally:
             await kube.close()
 
@@ -124,9 +145,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def retire(kube, namespace: str, name: str, selector: str, types: Sequence[str],
-                 wait_seconds: float) -> list[str]:
-    """Steps 1 and 2 of the module's docstring; what is left, one line each ([] when
-    nothing)."""
+                 wait_seconds: float, bindings: Sequence[str] = ()) -> list[str]:
+    """Steps 1 to 3 of the module's docstring (`bindings`: the node agent's
+    ClusterRoleBindings); what is left, one line each ([] when nothing)."""
     from ..kube.errors import KubeError
 
     try:
@@ -137,8 +158,39 @@ async def retire(kube, namespace: str, name: str, selector: str, types: Sequence
                 "condition was changed: the node agents still run"]
     # Each agent, on its SIGTERM, publishes its condition False (NotReconciling: NodeAgent.stop,
     # with liveness `stopping`) while its RBAC still stands: the nodes are judged only after.
-    left = await _wait_for_pods(kube, namespace, selector, wait_seconds) if selector else []
-    return left + await _set_nodes_unknown(kube, types)
+    left = await _wait_for_pods(kube, namespace, selector, wait_seconds) if selector else ""
+    if not left:  # every agent gone: their binding is Helm's to delete with the release
+        return await _set_nodes_unknown(kube, types)
+    problems = await _revoke(kube, bindings)
+    if bindings and not problems:
+        left += (f"; they can no longer write their condition (clusterrolebinding "
+                 f"{', '.join(bindings)} deleted)")
+    left += "; the conditions still True are set Unknown all the same"
+    return [left, *problems, *await _set_nodes_unknown(kube, types)]
+
+
+async def _revoke(kube, bindings: Sequence[str]) -> list[str]:
+    """Deletes the node agent's ClusterRoleBindings (one already gone is fine), before any node
+    is written; the ones it could not, one line each."""
+    from ..kube.errors import KubeError, NotFound
+    from ..kube.objects import namespaced_path
+
+    problems, deleted = [], False
+    for binding in bindings:
+        try:
+            await kube.request("DELETE", namespaced_path(*RBAC, None, binding),
+                               what=f"delete clusterrolebinding {binding}")
+            deleted = True
+        except NotFound:
+            pass  # gone already (a retry): nothing left to take
+        except KubeError as e:
+            problems.append(f"clusterrolebinding {binding} not deleted ({e.message}): the node "
+                            "agents still there may write their condition True again")
+    if deleted:
+        _say(f"clusterrolebinding {', '.join(bindings)} deleted: the node agents still there "
+             "can no longer write their condition")
+        await asyncio.sleep(REVOKE_SECONDS)
+    return problems
 
 
 async def _delete_daemonset(kube, namespace: str, name: str) -> str:
@@ -169,8 +221,9 @@ def label_selector(selector: Mapping[str, Any]) -> str:
     return ",".join(p for p in parts if p)
 
 
-async def _wait_for_pods(kube, namespace: str, selector: str, wait_seconds: float) -> list[str]:
-    """Lists the agents' pods until none is left, or `wait_seconds` passed; what is left."""
+async def _wait_for_pods(kube, namespace: str, selector: str, wait_seconds: float) -> str:
+    """Lists the agents' pods until none is left, or `wait_seconds` passed; what is left ("" when
+    nothing)."""
     from ..kube.errors import KubeError
     from ..kube.objects import pods_path
 
@@ -189,15 +242,14 @@ async def _wait_for_pods(kube, namespace: str, selector: str, wait_seconds: floa
             error = e.message
         if not pods and not error:
             _say("every node agent pod is gone")
-            return []
+            return ""
         if time.monotonic() >= deadline:
             break
         await asyncio.sleep(POLL_SECONDS)
     if error:
-        return [f"node agent pods ({selector}) not listed ({error}): whether their agents "
-                "stopped is unknown"]
-    return [f"{len(pods)} node agent pod(s) still there after {wait_seconds:g} s: "
-            f"{', '.join(pods)}; their nodes' conditions were set Unknown all the same"]
+        return (f"node agent pods ({selector}) not listed ({error}): whether their agents "
+                "stopped is unknown")
+    return f"{len(pods)} node agent pod(s) still there after {wait_seconds:g} s: {', '.join(pods)}"
 
 
 async def _set_nodes_unknown(kube, types: Sequence[str]) -> list[str]:

@@ -87,6 +87,32 @@ def test_nothing_else_of_a_node(pol, edit, resource, message):
     assert any(message in m for m in found), found
 
 
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda n: n["metadata"]["labels"].update({"kai.scheduler/node-pool": "x"}),
+     "may not change a Node's labels (metadata.labels)"),
+    (lambda n: n["metadata"]["labels"].pop("nvidia.com/gpu.present"),
+     "may not change a Node's labels (metadata.labels)"),
+    (lambda n: n["metadata"]["annotations"].update({"a": "b"}),
+     "may not change a Node's annotations (metadata.annotations)"),
+    (lambda n: n["metadata"].update(ownerReferences=[{
+        "apiVersion": "v1", "kind": "ConfigMap", "name": "gone", "uid": "00000000-dead"}]),
+     "may not change a Node's owner references (metadata.ownerReferences"),
+    (lambda n: n["metadata"].update(finalizers=["example.com/block"]),
+     "may not change a Node's finalizers (metadata.finalizers)"),
+], ids=["label added", "label removed", "annotation", "ownerReferences", "finalizers"])
+def test_no_metadata_through_the_status(pol, edit, message):
+    """Before, a nodes/status write (the API server resets only the spec there) that relabelled
+    the Node, annotated it, or gave it a finalizer or an owner that does not exist (the garbage
+    collector then deletes the Node) passed: the policy read only status.*. Now each is refused,
+    naming the field, alone or beside the Unknown the mirror may write, which still passes."""
+    old = ready_node()
+    unknown = changed(old, lambda n: silent(n, k.NODE_CONDITION))
+    assert review(pol, old, unknown, "nodes/status", user=MIRROR_USER) == []
+    for new in (changed(old, edit), changed(unknown, edit)):
+        found = review(pol, old, new, "nodes/status", user=MIRROR_USER)
+        assert any(message in m and "the mirror" in m for m in found), found
+
+
 def test_the_policy_is_the_mirrors_alone(pol):
     old = ready_node()
     back = changed(old, lambda n: silent(n, k.NODE_CONDITION))

@@ -30,13 +30,15 @@ def _strategy(*sets: str) -> dict:
      ["/nodeAgent/updateStrategy/rollingUpdate/maxUnavailable"]),
     (("nodeAgent.updateStrategy.rollingUpdate.maxUnavailable=0%",),
      ["/nodeAgent/updateStrategy/rollingUpdate/maxUnavailable"]),
+    (("nodeAgent.updateStrategy.rollingUpdate.maxUnavailable=00%",),
+     ["/nodeAgent/updateStrategy/rollingUpdate/maxUnavailable"]),
     (("nodeAgent.updateStrategy.rollingUpdate.maxSurge=half",),
      ["/nodeAgent/updateStrategy/rollingUpdate/maxSurge"]),
     (("nodeAgent.updateStrategy.rollingUpdate.maxUnavailable=0",
       "nodeAgent.updateStrategy.rollingUpdate.maxSurge=10%"),
      ["/nodeAgent/updateStrategy/rollingUpdate/maxSurge", "0, '0%'"]),
 ], ids=["Recreate", "misspelt key", "a StatefulSet's key", "over 100%", "negative", "0",
-        "0%", "not a number", "a surge"])
+        "0%", "00%", "not a number", "a surge"])
 def test_the_node_agents_update_strategy_is_held_to_a_daemonsets(sets, expected):
     """Before, `nodeAgent.updateStrategy` was any object: `type: Recreate` (a Deployment's,
     refused for a DaemonSet), a misspelt key or a maxUnavailable over 100% rendered, and the
@@ -62,6 +64,15 @@ def test_every_daemonset_update_strategy_still_renders():
         "rollingUpdate"] == {"maxUnavailable": 50}
     assert _strategy("nodeAgent.updateStrategy.rollingUpdate.maxSurge=0")[
         "rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+
+
+@pytest.mark.parametrize("value", ["05%", "007%", "0100%"])
+def test_a_percentage_with_leading_zeros_is_taken_as_kubernetes_takes_it(value):
+    """Before, the schema refused maxUnavailable "05%", which Kubernetes takes (the digits
+    before the % are read as a number: 5%). Now it takes it too, and still refuses 0% however
+    it is written (the table above)."""
+    assert _strategy(f"nodeAgent.updateStrategy.rollingUpdate.maxUnavailable={value}")[
+        "rollingUpdate"] == {"maxUnavailable": value}
 
 
 @pytest.mark.parametrize("privileged", ["false", "true"])

@@ -136,7 +136,9 @@ def test_each_component_gets_exactly_its_rules():
     # the uninstall hook (kai-fractions retire-nodes): its rights exist only while it runs
     assert rules[RETIRE_NODES] == {
         rule([""], ["nodes"], ["get", "list"]), rule([""], ["nodes/status"], ["patch"]),
-        rule(["apps"], ["daemonsets"], ["get", "delete"], [AGENT]), rule([""], ["pods"], ["list"])}
+        rule(["apps"], ["daemonsets"], ["get", "delete"], [AGENT]), rule([""], ["pods"], ["list"]),
+        # agents left running at its deadline may no longer write their condition
+        rule(["rbac.authorization.k8s.io"], ["clusterrolebindings"], ["delete"], [AGENT])}
     # by default nothing to impersonate: the follower of an unmodified KAI writes as the mirror
     assert rules[MIRROR] == MIRROR_RULES - {IMPERSONATE_BINDER}
     assert rules[AGENT] == AGENT_RULES

@@ -68,7 +68,9 @@ def test_a_pre_delete_hook_rbac_first(hook):
 def test_its_rbac_is_exactly_what_retire_nodes_calls(hook):
     assert hook["ClusterRole"]["rules"] == [
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]},
-        {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]}]
+        {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
+        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterrolebindings"],
+         "resourceNames": [AGENT], "verbs": ["delete"]}]
     assert hook["Role"]["metadata"]["namespace"] == NAMESPACE
     assert hook["Role"]["rules"] == [
         {"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": [AGENT],
@@ -100,11 +102,76 @@ def test_the_job_runs_retire_nodes_restricted_and_bounded(hook):
         "retire-nodes", f"--node-agent-daemonset={NAMESPACE}/{AGENT}",
         "--node-agent-selector=app.kubernetes.io/component=node-agent,"
         f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/name=kai-fractions",
+        f"--node-agent-binding={AGENT}",
         f"--node-condition={k.NODE_CONDITION}", f"--node-condition={k.LEGACY_NODE_CONDITION}",
         "--wait-seconds=120"]
     selector = one(docs, "DaemonSet", AGENT)["spec"]["selector"]["matchLabels"]
     assert c["args"][2] == "--node-agent-selector=" + ",".join(
         f"{key}={value}" for key, value in sorted(selector.items()))
+
+
+def test_agents_left_running_lose_their_binding_and_only_that_one(hook):
+    """Before, an agent that outlived the hook's wait (its kubelet down) wrote its condition
+    True again after the hook set it Unknown. Now the hook may delete the node agent's
+    ClusterRoleBinding, its one grant of nodes/status (and nodes), by name and nothing else, and
+    is told its name."""
+    docs = render()
+    granting = [b["metadata"]["name"] for b in docs
+                if b["kind"] in ("ClusterRoleBinding", "RoleBinding")
+                and any(s["name"] == AGENT for s in b["subjects"])
+                and any("nodes/status" in r["resources"] for r in one(
+                    docs, b["roleRef"]["kind"], b["roleRef"]["name"])["rules"])]
+    assert granting == [AGENT]
+    assert one(docs, "ClusterRoleBinding", AGENT)["roleRef"]["name"] == AGENT
+    assert [r for r in hook["ClusterRole"]["rules"] if "delete" in r["verbs"]] == [
+        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterrolebindings"],
+         "resourceNames": [AGENT], "verbs": ["delete"]}]
+    assert f"--node-agent-binding={AGENT}" in container(hook["Job"], "retire-nodes")["args"]
+    job = hook_objects(upgrade_render())["Job"]  # and on the upgrade to Disabled
+    assert f"--node-agent-binding={AGENT}" in container(job, "retire-nodes")["args"]
+
+
+ARGO = {"argocd.argoproj.io/hook": "PreDelete",
+        "argocd.argoproj.io/hook-delete-policy": "BeforeHookCreation,HookSucceeded"}
+
+
+def test_argo_cd_runs_it_before_deleting_the_application(hook):
+    """Before, Argo CD (which renders with `helm template` and maps only Helm's install and
+    upgrade hooks) never ran a pre-delete hook: deleting the Application left every GPU node
+    ready for KAI with no agent. Now the pre-delete render carries Argo CD's own PreDelete
+    annotations (Helm ignores them); the pre-upgrade render, which Argo CD never sees as such,
+    carries none."""
+    for kind, obj in hook.items():
+        notes = obj["metadata"]["annotations"]
+        assert {key: notes.get(key) for key in ARGO} == ARGO, kind
+    for kind, obj in hook_objects(upgrade_render()).items():
+        assert not set(ARGO) & set(obj["metadata"]["annotations"]), kind
+    # the release's objects are no Argo CD hooks: the node-status policy is in force first
+    for doc in render():
+        if doc["metadata"]["name"] != NAME:
+            assert not set(ARGO) & set(doc["metadata"].get("annotations") or {}), doc["kind"]
+
+
+def test_a_run_that_says_what_is_left_fails_the_job_at_once_with_its_log(hook):
+    """Before, `backoffLimit: 1` ran again a run that had exited 1 (pods left: the same answer
+    each time), and `activeDeadlineSeconds` killed that second run: the operator saw
+    DeadlineExceeded and a cut log. Now exit codes 1 and 2 fail the Job at once, a pod lost with
+    its node (DisruptionTarget, whatever its exit code) still gets its one retry, and Helm 4
+    prints a failed hook's log."""
+    job = hook["Job"]
+    assert job["spec"]["backoffLimit"] == 1
+    assert job["spec"]["podFailurePolicy"] == {"rules": [
+        {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget",
+                                                 "status": "True"}]},
+        {"action": "FailJob", "onExitCodes": {"containerName": "retire-nodes",
+                                              "operator": "In", "values": [1, 2]}}]}
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy's
+    assert job["metadata"]["annotations"]["helm.sh/hook-output-log-policy"] == "hook-failed"
+    upgrade_job = hook_objects(upgrade_render())["Job"]
+    assert upgrade_job["spec"]["podFailurePolicy"] == job["spec"]["podFailurePolicy"]
+    for kind, obj in hook.items():
+        if kind != "Job":
+            assert "helm.sh/hook-output-log-policy" not in obj["metadata"]["annotations"]
 
 
 def test_turned_off_nothing_is_rendered():
@@ -159,7 +226,29 @@ def retired(n: dict) -> None:
                                   lastTransitionTime=condition_time(0))
 
 
+# Edits of a Node's metadata sent through nodes/status: the API server resets only the spec
+# there, so labels, annotations, owner references and finalizers would be written.
+METADATA_EDITS = (
+    (lambda n: n["metadata"]["labels"].update({"kai.scheduler/node-pool": "x"}),
+     "may not change a Node's labels (metadata.labels)"),
+    (lambda n: n["metadata"]["labels"].pop("nvidia.com/gpu.present"),
+     "may not change a Node's labels (metadata.labels)"),
+    (lambda n: n["metadata"]["annotations"].update({"a": "b"}),
+     "may not change a Node's annotations (metadata.annotations)"),
+    (lambda n: n["metadata"].update(ownerReferences=[{
+        "apiVersion": "v1", "kind": "ConfigMap", "name": "gone", "uid": "00000000-dead"}]),
+     "may not change a Node's owner references (metadata.ownerReferences"),
+    (lambda n: n["metadata"].update(finalizers=["example.com/block"]),
+     "may not change a Node's finalizers (metadata.finalizers)"),
+)
+
+
 def test_the_hook_may_set_our_conditions_unknown_and_nothing_else(pol):
+    """Before, a nodes/status write of the hook's account that left the status alone but
+    relabelled the Node, or gave it an owner that does not exist (the garbage collector then
+    deletes the Node), passed: the policy read only status.*. Now labels, annotations, owner
+    references and finalizers are refused too, each naming the field; setting our conditions
+    Unknown still passes."""
     old = ready_node()
     assert review(pol, old, changed(old, retired), "nodes/status", user=HOOK_USER) == []
     for edit, resource, message in (
@@ -170,9 +259,13 @@ def test_the_hook_may_set_our_conditions_unknown_and_nothing_else(pol):
             (lambda n: n["status"]["capacity"].update({"nvidia.com/gpu": "8"}),
              "nodes/status", "may change only the conditions"),
             (lambda n: n["metadata"]["labels"].update(x="y"), "nodes",
-             "may update only a Node's status")):
+             "may update only a Node's status"),
+            *((edit, "nodes/status", message) for edit, message in METADATA_EDITS)):
         found = review(pol, old, changed(old, edit), resource, user=HOOK_USER)
         assert any(message in m and "uninstall hook" in m for m in found), found
+        # the same edit beside the one it may make: still refused
+        found = review(pol, old, changed(changed(old, retired), edit), resource, user=HOOK_USER)
+        assert any(message in m for m in found), found
     binding = one(render(), "ValidatingAdmissionPolicyBinding", f"{NAME}-node-status")
     assert binding["spec"] == {"policyName": f"{NAME}-node-status",
                                "validationActions": ["Deny"]}

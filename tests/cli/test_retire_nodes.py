@@ -28,6 +28,8 @@ DS_PATH = f"/apis/apps/v1/namespaces/{NS}/daemonsets/{DS}"
 LABELS = {"app.kubernetes.io/name": "kai-fractions", "app.kubernetes.io/component": "node-agent"}
 REASON = "KaiFractionsUninstalled"
 NODE_STATUS = re.compile(r"/api/v1/nodes/[^/]+/status")
+BINDING = "kai-fractions-node-agent"  # the node agent's ClusterRoleBinding (the chart's name)
+BINDING_PATH = f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{BINDING}"
 
 
 @pytest.fixture(autouse=True)
@@ -35,6 +37,7 @@ def quick_polls(monkeypatch):
     from kai_fractions.cli import retire_nodes
 
     monkeypatch.setattr(retire_nodes, "POLL_SECONDS", 0.05)
+    monkeypatch.setattr(retire_nodes, "REVOKE_SECONDS", 0.05)
 
 
 def condition(kind: str, status: str, reason: str = "AgentReady") -> dict:
@@ -162,6 +165,73 @@ def test_pods_left_at_the_deadline_are_named_and_the_nodes_still_set_unknown(
     assert ours(kube, "gpu-1")[k.NODE_CONDITION] == "Unknown"
 
 
+def agent_binding(kube: KubeServer) -> None:
+    k8s.RbacAuthorizationV1Api(kube.api_client).create_cluster_role_binding({
+        "metadata": {"name": BINDING},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": BINDING},
+        "subjects": [{"kind": "ServiceAccount", "name": BINDING, "namespace": NS}]})
+
+
+def test_agents_left_at_the_deadline_lose_their_rbac_before_the_nodes_are_set_unknown(
+        kube, cluster, capsys):
+    """Before: an agent that outlived the wait (its kubelet down, its container running, its
+    pod never gone) wrote True again at its next heartbeat over the hook's Unknown, and `helm
+    uninstall --no-hooks` then left that True with no agent. Now, with agent pods left, the
+    node agent's ClusterRoleBinding (its only grant of nodes/status) is deleted BEFORE any node
+    is written, so no survivor can write its condition again; the command still exits 1, saying
+    so. A binding already gone is fine; one that may not be deleted is named, and the nodes are
+    set Unknown all the same."""
+    agent_binding(kube)
+    code, _, err = retire(cluster, capsys, "--wait-seconds", "0.2",
+                          f"--node-agent-binding={BINDING}")
+    assert code == 1
+    assert "2 node agent pod(s) still there after 0.2 s" in err
+    assert "can no longer write their condition" in err
+    assert f"clusterrolebinding {BINDING} deleted" in err
+    order = [(r.method.value, r.url.path) for r in kube.requests()]
+    deletes = [i for i, r in enumerate(order) if r == ("DELETE", BINDING_PATH)]
+    patches = [i for i, r in enumerate(order) if r[0] == "PATCH"]
+    lists = [i for i, r in enumerate(order) if r == ("GET", f"/api/v1/namespaces/{NS}/pods")]
+    assert len(deletes) == 1 and patches
+    assert max(lists) < deletes[0] < min(patches)  # after the wait, before any node
+    assert ours(kube, "gpu-1")[k.NODE_CONDITION] == "Unknown"
+    assert not any(b.metadata.name == BINDING for b in k8s.RbacAuthorizationV1Api(
+        kube.api_client).list_cluster_role_binding().items)
+
+    # a second run (a retry of the Job): the binding is gone already, which is fine
+    code, _, err = retire(cluster, capsys, "--wait-seconds", "0",
+                          "--node-agent-selector=app.kubernetes.io/component=node-agent",
+                          f"--node-agent-binding={BINDING}")
+    assert code == 1
+    assert "can no longer write their condition" in err and "not deleted" not in err
+
+    # a binding that may not be deleted: named, and the nodes are still written
+    kube.fail("DELETE", BINDING_PATH, 403)
+    kube.core.patch_node_status("gpu-1", {"status": {"conditions": [
+        condition(k.NODE_CONDITION, "True")]}})
+    code, _, err = retire(cluster, capsys, "--wait-seconds", "0",
+                          "--node-agent-selector=app.kubernetes.io/component=node-agent",
+                          f"--node-agent-binding={BINDING}")
+    assert code == 1
+    assert f"clusterrolebinding {BINDING} not deleted" in err
+    assert "may write their condition True again" in err
+    assert ours(kube, "gpu-1")[k.NODE_CONDITION] == "Unknown"
+
+
+def test_with_every_agent_gone_their_binding_is_left_to_helm(kube, cluster, capsys):
+    """No agent pod left: nothing can write True again, and the binding is Helm's to delete
+    with the release (an uninstall that stops later keeps its agents' rights)."""
+    agent_binding(kube)
+    timer = delete_pods_later(kube, 0.2)
+    code, _, err = retire(cluster, capsys, "--wait-seconds", "10",
+                          f"--node-agent-binding={BINDING}")
+    timer.join()
+    assert (code, err) == (0, "")
+    assert kube.count(None, BINDING_PATH) == 0
+    assert kube.count("PATCH", NODE_STATUS) == 1
+
+
 def test_what_cannot_be_done_is_named(kube, cluster, capsys):
     """A DaemonSet that cannot be deleted leaves the agents running (they would write True
     again): nothing else is done, and the command fails saying so. A node that may not be
@@ -185,3 +255,5 @@ def test_bad_flags_are_usage_errors(cluster, capsys):
     assert code == 2 and "--node-agent-daemonset must be NAMESPACE/NAME" in err
     code, _, err = retire(cluster, capsys, "--wait-seconds", "-1")
     assert code == 2 and "--wait-seconds" in err
+    code, _, err = retire(cluster, capsys, "--node-agent-binding", f"{NS}/{BINDING}")
+    assert code == 2 and "--node-agent-binding must be a ClusterRoleBinding's name" in err
