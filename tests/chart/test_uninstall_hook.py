@@ -200,6 +200,11 @@ def test_an_upgrade_to_disabled_runs_it_before_and_an_install_renders_nothing():
 def test_wait_seconds_is_checked():
     err = template_error("uninstallHook.waitSeconds=-1")
     assert "/uninstallHook/waitSeconds" in err
+    # Below the agents' 75 s grace to stop, the wait would end before they could publish False:
+    # their binding would be taken and every uninstall would fail.
+    for short in (0, 60, 89):
+        err = template_error(f"uninstallHook.waitSeconds={short}")
+        assert "/uninstallHook/waitSeconds" in err and "90" in err, short
     docs = render(None, ("uninstallHook.waitSeconds=300",))
     job = hook_objects(docs)["Job"]
     assert job["spec"]["activeDeadlineSeconds"] == 420
