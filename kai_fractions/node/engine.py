@@ -68,7 +68,7 @@ from .engine_reports import (
     ReleaseReport,
     _issue,
 )
-from .errors import NodeError, NvmlError
+from .errors import NodeError, NvmlCgroupUnavailable, NvmlError
 from .limit_ledger import LEDGER_NOT_WRITTEN, LimitLedger, MemoryLimitLedger
 from .memory_limits import MemoryLimitEnforcer
 from .mps_caps import CAP_NOT_IN_FORCE_REASONS
@@ -255,7 +255,8 @@ class Engine:
     def release(self, pod_uid: str, container: str | None = None, *,
                 container_names: Iterable[str] = ()) -> ReleaseReport:
         """Remove what is enforced for a pod (or one container of it): its cgroup limits on every
-        GPU and its MPS namespaces. Idempotent; reads before it writes.
+        GPU and its MPS namespaces. Idempotent; reads before it writes. A cgroup that is not
+        there, or that goes before its clear, is not an issue: its limits went with it.
 
         `container_names` (the pod's fractional containers, when the caller knows them) names
         MPS namespaces this engine did not apply itself, e.g. after a restart; without it the
@@ -288,7 +289,9 @@ class Engine:
             issues.append(_issue(e))
         for path in dict.fromkeys(paths):
             if not self.cgroup_fs.exists(path):
-                continue  # a removed cgroup takes its limits with it
+                # A removed cgroup takes its limits with it: nothing of ours is left there.
+                self._limited.difference_update([k for k in self._limited if k[1] == path])
+                continue
             for uuid in uuids:
                 try:
                     if self.limits.clear(uuid, path) is not None:
@@ -296,6 +299,11 @@ class Engine:
                     self._clean.add((uuid, path))
                     self._limited.discard((uuid, path))
                 except NvmlError as e:
+                    if isinstance(e, NvmlCgroupUnavailable) and not self.cgroup_fs.exists(path):
+                        # Removed since the check above (the pod is going): its limits went
+                        # with it (nvml.h), so nothing enforced is left there.
+                        self._limited.discard((uuid, path))
+                        continue
                     self._limited.add((uuid, path))  # the passes after clear it
                     issues.append(_issue(e))
         for issue in self._save_ledger():  # the limits are gone: the next pass saves again

@@ -21,6 +21,7 @@ from .engine_run import RunState
 from .errors import (
     CGROUP_NOT_FOUND,  # the engine's own reason, and NvmlCgroupUnavailable's
     NodeError,
+    NvmlCgroupUnavailable,
     NvmlError,
     NvmlNoPermission,
     NvmlNotSupported,
@@ -140,7 +141,17 @@ class CgroupLimitStep(RunState):
                 write = self.e.limits.ensure(t)
             except LimitNotSet as err:
                 not_ok.add(t.gpu_uuid)
-                if t.container is None:  # a set on a pod slice was attempted and failed
+                unopened = isinstance(err.cause, NvmlCgroupUnavailable)
+                if unopened and not self.e.cgroup_fs.exists(t.path):
+                    # The set could not open a cgroup removed since its read (the pod is
+                    # going): no limit is missing from a cgroup that is not there. Pending for
+                    # its cgroup, as after a read that could not open it.
+                    self.fail(keys, err.cause)
+                    continue
+                # A set on a pod slice that failed counts against the GPU, unless NVML could
+                # not open the slice (still there): the path's fault, not the GPU's. Either
+                # way the read showed the limit absent: known not in force.
+                if t.container is None and not unopened:
                     self._count_against(failed, t.gpu_uuid, err)
                 if self._slice_owners(t):
                     # Read back without the plan's limit, and not set: known not in force.
@@ -158,7 +169,7 @@ class CgroupLimitStep(RunState):
                 # there, as the last pass left it), so the container is pending for it and its
                 # marker kept, unless an earlier pass knew the limit missing (`_unlimited`).
                 # Against the GPU it counts only when it says the GPU takes no limit at all.
-                # So does a read or set on a cgroup NVML could not open (NvmlCgroupUnavailable,
+                # So does a read on a cgroup NVML could not open (NvmlCgroupUnavailable,
                 # reason CGROUP_NOT_FOUND, the path named): gone since the check above, as a
                 # going pod's is, or not where NVML looks; that says nothing of the GPU.
                 not_ok.add(t.gpu_uuid)
@@ -247,6 +258,10 @@ class CgroupLimitStep(RunState):
                     try:
                         write = self.e.limits.clear(uuid, path)
                     except NvmlError as e:
+                        if isinstance(e, NvmlCgroupUnavailable) \
+                                and not self.e.cgroup_fs.exists(path):
+                            limited.discard(key)  # removed since the scan: limits and all
+                            continue
                         limited.add(key)  # ours (a marker may go before the next pass)
                         self.issues.append(Issue(e.reason, f"could not clear the stale GPU "
                                                  f"memory limit on {path}: {e.message}"))

@@ -16,8 +16,11 @@ there), while a read that succeeds and shows something else than the target, fol
 that fails or by a read-back that shows something else again, proves the target is not in force
 (`LimitNotSet`). A cgroup removed and made again (the same path) has lost its limits: NVML's
 limits go with the cgroup. A cgroup NVML cannot open (`NvmlCgroupUnavailable`: removed since it
-was found, or not where NVML looks) raises that error as it is, the set's included: no limit can
-be missing from a cgroup that is not there, and the GPU is not at fault.
+was found, or not where NVML looks) is told by the call that fails: a read raises it as it is
+(nothing known), a set after a read that showed another limit raises `LimitNotSet` with it as
+the cause (the read proved the target absent); whether the cgroup is still there, so whether a
+limit is missing at all, the caller checks (`engine_cgroup_limits`). Either way the GPU is not
+at fault.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .desired import LimitTarget
-from .errors import NodeError, NvmlCgroupUnavailable, NvmlError
+from .errors import NodeError, NvmlError
 from .nvml import MEMORY_LIMIT_MAX, SET_MEMORY_LIMITS, MemoryLimits, Nvml
 
 MEMORY_LIMIT_NOT_IN_FORCE = "MemoryLimitNotInForce"
@@ -116,15 +119,14 @@ class MemoryLimitEnforcer:
         """Makes `target` the limits in force; returns the write, or None when already so.
         Raises a read's NvmlError when a read fails (nothing known), `LimitNotSet` when the
         read shows another limit and the set fails, or succeeds but the limits read back
-        after it are not the target (known not in force); a set that could not open the
-        cgroup raises its `NvmlCgroupUnavailable` (the cgroup went after the read)."""
+        after it are not the target (known not in force), a set that could not open the
+        cgroup (`NvmlCgroupUnavailable`) included: the read showed the target absent, and
+        whether the cgroup went after it is for the caller to check."""
         before = self.nvml.get_memory_limits(target.gpu_uuid, target.path)
         if (before.soft, before.hard) == (target.soft, target.hard):
             return None
         try:
             self.nvml.set_memory_limits(target.gpu_uuid, target.path, target.soft, target.hard)
-        except NvmlCgroupUnavailable:
-            raise
         except NvmlError as e:
             raise LimitNotSet(target, before, e) from e
         # Exact, as the comparison above is: a limit the driver rounded or clamped is not the

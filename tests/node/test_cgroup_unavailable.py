@@ -6,7 +6,10 @@ On a node, 17 means the pod's cgroup was removed between the agent's existence c
 NVML call (the pod is going), or NVML cannot open the path the agent names (a wrong
 --cgroup-root, a cgroup mount it cannot open): the container is pending for its cgroup
 (CgroupNotFound, the path named), never counted against the GPU (`UnsettableGpus`: the path is
-at fault, not the GPU). Both fakes answer so: the simulated NVML over the cgroup tree it is given
+at fault, not the GPU). A set that fails 17 on a slice still there, after a read that showed
+the limit absent, is a limit known missing (MemoryLimitNotInForce, the marker set aside), still
+not counted against the GPU; a clear (release, sweep) on a cgroup that went before it is clean,
+no issue. Both fakes answer so: the simulated NVML over the cgroup tree it is given
 (`use_cgroups`), the C fake with `check_cgroups 1`; both forget the limits of a removed cgroup.
 """
 
@@ -19,12 +22,14 @@ from pathlib import Path
 
 import pytest
 
+from kai_fractions.node.agent.marker_rules import decide
 from kai_fractions.node.cgroups import HostCgroupFs
 from kai_fractions.node.config import NodeConfig
-from kai_fractions.node.desired import plan_node
+from kai_fractions.node.desired import LimitTarget, plan_node
 from kai_fractions.node.engine import ContainerState, Engine
-from kai_fractions.node.errors import NvmlError
+from kai_fractions.node.errors import NvmlCgroupUnavailable, NvmlError
 from kai_fractions.node.inventory import take_inventory
+from kai_fractions.node.memory_limits import LimitNotSet, MemoryLimitEnforcer
 from kai_fractions.node.nvml import MEMORY_LIMIT_MAX, MemoryLimits, Nvml, PynvmlNvml
 from kai_fractions.sim.cgroups import FakeCgroupFs
 from kai_fractions.sim.mps import FakeMpsControl
@@ -35,6 +40,7 @@ from tests.support.fake_nvml import unload_from_pynvml
 from .nodepods import GIB, GPU0, UID_A, annotations, make_cgroups, node_pod, pod_cgroup
 
 CGROUP_NOT_FOUND = "CgroupNotFound"
+MEMORY_LIMIT_NOT_IN_FORCE = "MemoryLimitNotInForce"
 CLEARED = MemoryLimits(0, MEMORY_LIMIT_MAX)
 
 
@@ -147,6 +153,150 @@ def test_a_slice_removed_after_the_check_is_pending_for_its_cgroup_sim(
     nvml.use_cgroups(str(root), HostCgroupFs())
     nvml.init()
     _two_passes(nvml, root, moment)
+
+
+# -- a set that fails 17 on a slice that is there: the limit is known missing -----------------
+
+
+def _sim_on(root: Path) -> FakeNvml:
+    root.mkdir()
+    nvml = FakeNvml([FakeGpu(GPU0)])
+    nvml.use_cgroups(str(root), HostCgroupFs())
+    nvml.init()
+    return nvml
+
+
+def _set_fails_17_on_a_present_slice(nvml: Nvml, root: Path) -> None:
+    """Three passes of one time-slicing pod whose slice is there, reads back no limit, and
+    whose set fails 17 each time: the limit is known not in force (MemoryLimitNotInForce,
+    the marker not kept), yet never counted against the GPU (the path is at fault)."""
+    config = NodeConfig(node_name="node-a", cgroup_root=str(root))
+    mps = FakeMpsControl()
+    engine = Engine(nvml, HostCgroupFs(), mps, config=config)
+    pod = node_pod(UID_A, notes=annotations(mode="time-slicing"))
+    make_cgroups(root, config.layout, [pod])
+    slice_a = pod_cgroup(str(root), UID_A)
+    for _ in range(3):
+        inv = take_inventory(nvml, mps_namespaces=mps.supports_protocol_v3())
+        r = engine.apply(plan_node([pod], inv, config)).containers[(UID_A, "main")]
+        assert (r.state, r.reason, r.limit_missing, r.not_in_force) == (
+            ContainerState.PENDING, MEMORY_LIMIT_NOT_IN_FORCE, True, True), r.message
+        assert CGROUP_NOT_FOUND in r.message and slice_a in r.message, r.message
+        assert decide({"main": r}).keep_existing is False
+        assert dict(engine.limits_not_settable) == {}
+    assert os.path.isdir(slice_a)
+    assert nvml.get_memory_limits(GPU0, slice_a) == CLEARED
+
+
+def test_a_set_failing_17_on_a_present_slice_is_a_limit_known_missing_sim(tmp_path: Path
+                                                                            ) -> None:
+    """Before: a set that failed 17 right after a read that succeeded and showed no limit left
+    the container pending CgroupNotFound (limit_missing False), so a running pod kept its
+    readiness marker while its limit was known not in force. Now the read proved the limit
+    absent: MemoryLimitNotInForce, the marker set aside, and the GPU still not counted as one
+    that takes no limit (NVML could not open the path: the path's fault)."""
+    nvml = _sim_on(tmp_path / "cg")
+    nvml.fail("set_memory_limits", 17, times=None)
+    _set_fails_17_on_a_present_slice(nvml, tmp_path / "cg")
+
+
+def test_a_set_failing_17_on_a_present_slice_is_a_limit_known_missing_c_fake(
+        tmp_path: Path, c_fake: CheckedCFake) -> None:
+    """The same through the real bindings and the C fake (the set injected to fail 17)."""
+    c_fake.inject_error("nvmlDeviceSetMemoryLimits_v1", 17)
+    nvml = PynvmlNvml()
+    nvml.init()
+    try:
+        _set_fails_17_on_a_present_slice(nvml, tmp_path / "cg")
+    finally:
+        nvml.shutdown()
+
+
+def test_ensure_raises_limit_not_set_for_a_set_that_fails_17(tmp_path: Path) -> None:
+    """Before: `ensure` raised the set's NvmlCgroupUnavailable as it was, as if the read had
+    failed (nothing known). Now the read before it showed the limit absent, so it raises
+    `LimitNotSet` with the 17 as its cause (reason CgroupNotFound, the path named)."""
+    nvml = _sim_on(tmp_path / "cg")
+    cg = tmp_path / "cg" / "pod1.slice"
+    cg.mkdir()
+    nvml.fail("set_memory_limits", 17, times=1)
+    target = LimitTarget(gpu_uuid=GPU0, path=str(cg), soft=GIB, hard=2 * GIB, pod_uid=UID_A,
+                         container=None)
+    with pytest.raises(LimitNotSet) as e:
+        MemoryLimitEnforcer(nvml).ensure(target)
+    assert isinstance(e.value.cause, NvmlCgroupUnavailable)
+    assert (e.value.reason, e.value.before) == (CGROUP_NOT_FOUND, CLEARED)
+
+
+# -- release: a cgroup removed between its check and its clear ----------------------------------
+
+
+class RemovedOnCheck(HostCgroupFs):
+    """The cgroup `victim` (once set) is removed right after a check finds it there."""
+
+    victim: str | None = None
+
+    def exists(self, path: str) -> bool:
+        found = super().exists(path)
+        if found and path == self.victim:
+            shutil.rmtree(path)
+        return found
+
+
+def test_release_counts_a_cgroup_removed_before_its_clear_clean(tmp_path: Path) -> None:
+    """Before: release's clear on a pod slice removed after its existence check failed 17 and
+    was reported as an issue (gRPC Release: "not everything enforced could be removed"),
+    though a removed cgroup takes its limits with it (nvml.h). Now the path counts clean: no
+    issue, nothing left claimed."""
+    root = tmp_path / "cg"
+    nvml = _sim_on(root)
+    fs = RemovedOnCheck()
+    nvml.use_cgroups(str(root), fs)
+    config = NodeConfig(node_name="node-a", cgroup_root=str(root))
+    mps = FakeMpsControl()
+    engine = Engine(nvml, fs, mps, config=config)
+    pod = node_pod(UID_A, notes=annotations(mode="time-slicing"))
+    make_cgroups(root, config.layout, [pod])
+    slice_a = pod_cgroup(str(root), UID_A)
+    inv = take_inventory(nvml, mps_namespaces=mps.supports_protocol_v3())
+    r = engine.apply(plan_node([pod], inv, config)).containers[(UID_A, "main")]
+    assert r.state is ContainerState.APPLIED, r.message
+    fs.victim = slice_a
+    report = engine.release(UID_A)
+    assert not os.path.isdir(slice_a)
+    assert report.issues == (), report.issues
+    assert report.complete
+    assert not [key for key in engine._limited if key[1].startswith(slice_a)]
+
+
+def test_the_sweep_counts_a_cgroup_removed_before_its_clear_clean(tmp_path: Path) -> None:
+    """Before: the sweep's clear of a pod no longer desired, whose slice the kubelet removed
+    after the scan found it, failed 17 and was reported as an issue of the pass ("could not
+    clear the stale GPU memory limit"), the slice kept as ours. Now it counts clean: no
+    issue, nothing left claimed."""
+    root = tmp_path / "cg"
+    nvml = _sim_on(root)
+    config = NodeConfig(node_name="node-a", cgroup_root=str(root))
+    mps = FakeMpsControl()
+    engine = Engine(nvml, HostCgroupFs(), mps, config=config)
+    pod = node_pod(UID_A, notes=annotations(mode="time-slicing"))
+    make_cgroups(root, config.layout, [pod])
+    slice_a = pod_cgroup(str(root), UID_A)
+    inv = take_inventory(nvml, mps_namespaces=mps.supports_protocol_v3())
+    r = engine.apply(plan_node([pod], inv, config)).containers[(UID_A, "main")]
+    assert r.state is ContainerState.APPLIED, r.message
+    read = nvml.get_memory_limits
+
+    def racing(uuid: str, namespace: str) -> MemoryLimits:
+        if namespace == slice_a and os.path.isdir(slice_a):
+            shutil.rmtree(slice_a)
+        return read(uuid, namespace)
+
+    nvml.get_memory_limits = racing  # type: ignore[method-assign]
+    report = engine.apply(plan_node([], inv, config))
+    assert not os.path.isdir(slice_a)
+    assert report.issues == (), report.issues
+    assert not [key for key in engine._limited if key[1].startswith(slice_a)]
 
 
 # -- the fakes: 17 for a cgroup that is not there, limits gone with a removed one --------------

@@ -67,7 +67,7 @@ def entry_relies_on_mps(entry: ContainerMarker) -> bool:
 
 def entry_watchdog_only(entry: ContainerMarker) -> bool:
     """Whether an applied marker entry vouches for a GPU memory cap the watchdog alone enforces
-    (`blindness.watchdog_only`), as the entry itself records it: `watchdog` (a kill-policy
+    (`blind_results.watchdog_only`), as the entry itself records it: `watchdog` (a kill-policy
     watchdog's name; a report-only one's says it stops nothing) among its memory mechanisms,
     and none that caps with its compute (`hard_tiers_of`: `cgroup`, or `mps-pinned` with
     `mps-namespace`; one a tenant can change is recorded so). For an agent with no plan
