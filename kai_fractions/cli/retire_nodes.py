@@ -21,13 +21,17 @@ with no limit. So, before Helm deletes anything:
    publish, its node unreachable, no agent there) has it set Unknown, reason
    `KaiFractionsUninstalled`, in the patch the mirror sends for a silent agent
    (`kube/node_conditions.py`: guarded by the node's resourceVersion, read again and retried
-   on a conflict).
+   on a conflict): the nodes listed in pages, written a few at a time
+   (`retire_node_conditions.py`).
 
 Pods still there at the deadline do not stop step 3 (an unreachable node keeps its agent's pod
 Terminating for ever, and its condition is exactly what must not stay True), but the command
 then exits 1, naming them (and saying that they can no longer write their condition), as it
 does naming every node it could not set Unknown: Helm fails the uninstall, and the operator sees
-why (docs/chart.md, "Uninstalling").
+why (docs/chart.md, "Uninstalling"). Each thing left is said as soon as it is known, and the
+last line says what to do. `--deadline-seconds` (the chart's: a little less than its Job's
+activeDeadlineSeconds) bounds the whole run: at it the command stops, says what is left, and
+exits 1, rather than being killed with nothing said.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..contract import keys as k
@@ -48,14 +52,24 @@ MESSAGE = ("kai-fractions was uninstalled (or its gpuSharing set to Disabled): n
            "puts GPU memory limits in force here any more, so KAI places no fractional pod "
            "here; a kai-fractions node agent sets this condition again when it runs here")
 POLL_SECONDS = 1.0
-"""How often the agents' pods are listed while they stop (tests shorten it)."""
+"""How often the agents' pods are listed while they stop, and the pause after a request to a
+node, or the nodes' list, that got no answer (tests shorten it)."""
 TRIES = 5
-"""Reads and patches of one node at most: a node written in between (409) is read again."""
+"""Lists of the nodes, and reads and patches of one node, at most: a list or a request with no
+answer is tried again, and a node written in between (409) is read again."""
+CONCURRENCY = 10
+"""Nodes written at a time: thousands one after another would outlast the deadline."""
+REQUEST_SECONDS = 10.0
+"""Of each request (a list: of each page); tests shorten it."""
 REVOKE_SECONDS = 1.0
 """The pause between deleting the agents' binding and writing the nodes: each API server stops
 honouring a deleted binding once its RBAC cache has seen the delete, a moment later (tests
 shorten it). A survivor's write in between is a conflict for our guarded patch, read again."""
 RBAC = ("rbac.authorization.k8s.io", "v1", "clusterrolebindings")
+ADVICE = ("to do: fix what is named above and run `helm uninstall` again; agent pods left on "
+          "unreachable nodes: deal with those nodes first, then `helm uninstall --no-hooks` and "
+          "delete the hook's objects (docs/chart.md, \"Uninstalling\")")
+"""The last line of a run that leaves something: the steps it points to say how."""
 
 
 def register(sub) -> None:
@@ -68,12 +82,13 @@ def register(sub) -> None:
         "Disabled) so that no GPU node is left ready for KAI's fractional pods with no node "
         "agent behind it: deletes the node agent DaemonSet (foreground) and waits until its "
         "pods are gone (each agent publishes its condition False as it stops, while it may "
-        "still write it); with pods still there at the deadline, deletes the node agent's "
+        "still write it); with pods still there after that wait, deletes the node agent's "
         "ClusterRoleBinding, so that none of them writes its condition again; then sets the "
         f"condition of every node where it still says True Unknown (reason {REASON}). Exit "
-        "codes: 0 done, 1 something is left (agent pods still there at the deadline, nodes not "
-        "set Unknown, the DaemonSet or the binding not deleted: each named), 2 usage error or "
-        "no cluster configuration.")
+        "codes: 0 done, 1 something is left (agent pods still there after --wait-seconds, nodes "
+        "not set Unknown, the DaemonSet or the binding not deleted, --deadline-seconds "
+        "reached: each named as soon as known, the last line saying what to do), 2 usage "
+        "error or no cluster configuration.")
     p.add_argument("--node-agent-daemonset", default=DEFAULT_NODE_AGENT_DAEMONSET,
                    metavar="NAMESPACE/NAME", help="the node agent DaemonSet (default: "
                    "%(default)s)")
@@ -91,6 +106,10 @@ def register(sub) -> None:
     p.add_argument("--wait-seconds", type=float, default=120.0, metavar="SECONDS",
                    help="how long to wait for the node agents' pods to go (default: "
                    "%(default)g)")
+    p.add_argument("--deadline-seconds", type=float, default=None, metavar="SECONDS",
+                   help="the whole run's limit, more than --wait-seconds: then it stops, says "
+                   "what is left and exits 1 (the chart: a little less than its Job's "
+                   "activeDeadlineSeconds; default: none)")
     p.add_argument("--kubeconfig", metavar="FILE",
                    help="kubeconfig to use (default: in-cluster, then $KUBECONFIG or "
                    "~/.kube/config)")
@@ -110,6 +129,11 @@ def run(args: argparse.Namespace) -> int:
     problem = object_flag_problem("--node-agent-daemonset", args.node_agent_daemonset)
     if problem is None and not 0 <= args.wait_seconds < float("inf"):
         problem = f"--wait-seconds must be 0 or more seconds, got {args.wait_seconds:g}"
+    deadline = args.deadline_seconds
+    if problem is None and deadline is not None and not (
+            args.wait_seconds < deadline < float("inf")):
+        problem = (f"--deadline-seconds must be more than --wait-seconds ("
+                   f"{args.wait_seconds:g}), to leave time for the nodes, got {deadline:g}")
     types = tuple(args.node_condition or (k.NODE_CONDITION, k.LEGACY_NODE_CONDITION))
     if problem is None and not all(t.strip() for t in types):
         problem = "--node-condition must not be empty"
@@ -122,51 +146,83 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         api_client = load_api_client(args.kubeconfig)
-        kube = Kube(api_client)
+        kube = Kube(api_client, request_timeout=REQUEST_SECONDS)
     except ConfigError as e:
         _say(str(e), error=True)
         return EXIT_USAGE
     namespace, name = args.node_agent_daemonset.split("/")
 
-    async def work() -> list[str]:
+    report = Report()
+
+    async def work() -> None:
         try:
-            return await retire(kube, namespace, name, args.node_agent_selector, types,
-                                args.wait_seconds, bindings or (name,))
+            async with asyncio.timeout(deadline) as limit:
+                await retire(kube, report, namespace, name, args.node_agent_selector, types,
+                             args.wait_seconds, bindings or (name,))
+        except TimeoutError:
+            if not limit.expired():
+                raise
+            report.left_over(f"stopped at the deadline ({deadline:g} s, --deadline-seconds): "
+                             f"{report.pending() or 'nothing else was left'}")
         finally:
             await kube.close()
 
-    left = asyncio.run(work())
-    for line in left:
-        _say(line, error=True)
-    if left:
+    asyncio.run(work())
+    if report.left:
+        _say(ADVICE, error=True)
         return EXIT_LEFT
     _say("done: no node agent runs, and no node's condition says True")
     return EXIT_OK
 
 
-async def retire(kube, namespace: str, name: str, selector: str, types: Sequence[str],
-                 wait_seconds: float, bindings: Sequence[str] = ()) -> list[str]:
-    """Steps 1 to 3 of the module's docstring (`bindings`: the node agent's
-    ClusterRoleBindings); what is left, one line each ([] when nothing)."""
-    from ..kube.errors import KubeError
+class Report:
+    """What a run leaves, each line said as soon as it is known (a run stopped at its deadline
+    has said all it found), and `pending`: what a stop now would leave, for the deadline's
+    line."""
 
+    def __init__(self) -> None:
+        self.left: list[str] = []
+        self.pending: Callable[[], str] = lambda: ""
+
+    def left_over(self, line: str) -> None:
+        self.left.append(line)
+        _say(line, error=True)
+
+    def say(self, line: str) -> None:
+        _say(line)
+
+
+async def retire(kube, report: Report, namespace: str, name: str, selector: str,
+                 types: Sequence[str], wait_seconds: float, bindings: Sequence[str] = ()) -> None:
+    """Steps 1 to 3 of the module's docstring (`bindings`: the node agent's
+    ClusterRoleBindings); what is left goes to `report`, one line each."""
+    from ..kube.errors import KubeError
+    from .retire_node_conditions import set_unknown
+
+    report.pending = lambda: (f"daemonset {namespace}/{name} not deleted: the node agents may "
+                              "still run, and no node's condition was changed")
     try:
         selector = await _delete_daemonset(kube, namespace, name) or selector
     except KubeError as e:
         # Its agents run on and would write True again: setting nodes Unknown would not hold.
-        return [f"daemonset {namespace}/{name} not deleted ({e.message}); no node's "
-                "condition was changed: the node agents still run"]
+        report.left_over(f"daemonset {namespace}/{name} not deleted ({e.message}); no node's "
+                         "condition was changed: the node agents still run")
+        return
     # Each agent, on its SIGTERM, publishes its condition False (NotReconciling: NodeAgent.stop,
     # with liveness `stopping`) while its RBAC still stands: the nodes are judged only after.
-    left = await _wait_for_pods(kube, namespace, selector, wait_seconds) if selector else ""
-    if not left:  # every agent gone: their binding is Helm's to delete with the release
-        return await _set_nodes_unknown(kube, types)
-    problems = await _revoke(kube, bindings)
-    if bindings and not problems:
-        left += (f"; they can no longer write their condition (clusterrolebinding "
-                 f"{', '.join(bindings)} deleted)")
-    left += "; the conditions still True are set Unknown all the same"
-    return [left, *problems, *await _set_nodes_unknown(kube, types)]
+    left = await _wait_for_pods(kube, report, namespace, selector, wait_seconds) if selector else ""
+    if left:  # with every agent gone, their binding is Helm's to delete with the release
+        report.pending = lambda: (f"{left}; clusterrolebinding {', '.join(bindings)} maybe not "
+                                  "deleted, and no node's condition was changed")
+        problems = await _revoke(kube, bindings)
+        if bindings and not problems:
+            left += (f"; they can no longer write their condition (clusterrolebinding "
+                     f"{', '.join(bindings)} deleted)")
+        report.left_over(left + "; the conditions still True are set Unknown all the same")
+        for problem in problems:
+            report.left_over(problem)
+    await set_unknown(kube, report, types, reason=REASON, message=MESSAGE, at_once=CONCURRENCY,
+                      tries=TRIES, pause=POLL_SECONDS)
 
 
 async def _revoke(kube, bindings: Sequence[str]) -> list[str]:
@@ -221,22 +277,36 @@ def label_selector(selector: Mapping[str, Any]) -> str:
     return ",".join(p for p in parts if p)
 
 
-async def _wait_for_pods(kube, namespace: str, selector: str, wait_seconds: float) -> str:
+def _pod_line(namespace: str, pod: Any) -> str | None:
+    """An agent pod as a line names it: namespace/name (node N)."""
+    if not isinstance(pod, dict):
+        return None
+    return (f"{namespace}/{(pod.get('metadata') or {}).get('name')} (node "
+            f"{(pod.get('spec') or {}).get('nodeName') or 'none'})")
+
+
+async def _wait_for_pods(kube, report: Report, namespace: str, selector: str,
+                         wait_seconds: float) -> str:
     """Lists the agents' pods until none is left, or `wait_seconds` passed; what is left ("" when
     nothing)."""
     from ..kube.errors import KubeError
+    from ..kube.listwatch import Collection
     from ..kube.objects import pods_path
 
+    # In pages, each pod kept as its line: one per GPU node, thousands of them, listed again and
+    # again.
+    source = Collection(kube, pods_path(namespace), {"labelSelector": selector},
+                        what=f"pods {selector} in {namespace}", request_timeout=REQUEST_SECONDS,
+                        keep=lambda pod: _pod_line(namespace, pod))
     deadline = time.monotonic() + wait_seconds
     pods: list[str] = []
     error = ""
+    report.pending = lambda: (f"node agent pods ({selector}) still there: "
+                              f"{', '.join(pods) or 'not listed yet'}; no node's condition was "
+                              "changed")
     while True:
         try:
-            answer = await kube.request("GET", pods_path(namespace), query={
-                "labelSelector": selector}, what=f"list pods {selector} in {namespace}")
-            pods = sorted(f"{namespace}/{(p.get('metadata') or {}).get('name')} (node "
-                          f"{(p.get('spec') or {}).get('nodeName') or 'none'})"
-                          for p in answer.get("items") or [])
+            pods = sorted((await source.list())[0])
             error = ""
         except KubeError as e:  # read again until the deadline; said if it lasts
             error = e.message
@@ -250,57 +320,3 @@ async def _wait_for_pods(kube, namespace: str, selector: str, wait_seconds: floa
         return (f"node agent pods ({selector}) not listed ({error}): whether their agents "
                 "stopped is unknown")
     return f"{len(pods)} node agent pod(s) still there after {wait_seconds:g} s: {', '.join(pods)}"
-
-
-async def _set_nodes_unknown(kube, types: Sequence[str]) -> list[str]:
-    """Sets our True conditions of every node Unknown; the nodes it could not, one line
-    each."""
-    from ..kube.errors import KubeError
-
-    try:
-        nodes = await kube.request("GET", "/api/v1/nodes", what="list nodes")
-    except KubeError as e:
-        return [f"nodes not listed ({e.message}): no node's condition was changed"]
-    left, done = [], []
-    for node in nodes.get("items") or []:
-        name = (node.get("metadata") or {}).get("name") or ""
-        problem = await _retire_node(kube, name, node, types)
-        if problem:
-            left.append(f"node {name}: {problem}")
-        elif problem is not None:
-            done.append(name)
-    if done:
-        _say(f"set Unknown ({REASON}) on {len(done)} node(s): {', '.join(done)}")
-    return left
-
-
-async def _retire_node(kube, name: str, node: Mapping[str, Any] | None,
-                       types: Sequence[str]) -> str | None:
-    """Sets the True conditions of `types` of node `name` (`node`: as listed) Unknown. None:
-    nothing to do; "": done; else why not."""
-    from ..kube.errors import Conflict, KubeError, NotFound, Transient
-    from ..kube.node_conditions import patch_conditions, true_conditions, unknown_condition
-    from ..kube.objects import node_path
-
-    why = ""
-    for _ in range(TRIES):
-        try:
-            if node is None:
-                node = await kube.request("GET", node_path(name), what=f"read node {name}")
-            ready = true_conditions(node, types)
-            if not ready:
-                return None  # False or Unknown already (read again: the agent's last word)
-            now = time.time()
-            await patch_conditions(kube, name, node, [
-                unknown_condition(c, reason=REASON, message=MESSAGE, at=now) for c in ready],
-                what=f"set the conditions of node {name} Unknown")
-            return ""
-        except NotFound:
-            return None  # gone: nothing left to place pods on
-        except (Conflict, Transient) as e:  # changed since read, or no answer: read again
-            why, node = e.message, None
-            if isinstance(e, Transient):
-                await asyncio.sleep(POLL_SECONDS)
-        except KubeError as e:
-            return f"its condition still says True ({e.message})"
-    return f"its condition still says True after {TRIES} tries (last: {why})"

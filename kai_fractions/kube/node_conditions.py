@@ -6,7 +6,8 @@ KAI places fractional pods only where the condition says True; Unknown stops tha
 anything the node agent alone may say (True, False). The patch is a strategic merge: the API
 server merges conditions by type, so the kubelet's and anyone else's stay as they are. The
 resourceVersion makes a write of the node between the read and the patch win (409 Conflict):
-the caller reads again and decides again.
+the caller reads again and decides again. `ready_view` is all of a listed node such a patch
+needs: a caller listing thousands of nodes keeps that, not the node.
 """
 
 from __future__ import annotations
@@ -22,6 +23,20 @@ def true_conditions(node: Mapping[str, Any], types: Sequence[str]) -> list[Mappi
     """The conditions of `types` on `node` that say True."""
     return [c for c in (node.get("status") or {}).get("conditions") or []
             if isinstance(c, dict) and c.get("type") in types and c.get("status") == "True"]
+
+
+def ready_view(node: Any, types: Sequence[str]) -> dict[str, Any] | None:
+    """`node` (as listed) cut down to what `patch_conditions` needs (its name and
+    resourceVersion, its conditions of `types` that say True); None when none says True. A node
+    of a large cluster is mostly images and labels: a list of thousands is held as these."""
+    if not isinstance(node, dict):
+        return None
+    meta = node.get("metadata") or {}
+    ready = true_conditions(node, types)
+    if not ready or not meta.get("name"):
+        return None
+    return {"metadata": {"name": meta["name"], "resourceVersion": meta.get("resourceVersion")},
+            "status": {"conditions": ready}}
 
 
 def unknown_condition(old: Mapping[str, Any], *, reason: str, message: str,

@@ -104,7 +104,7 @@ def test_the_job_runs_retire_nodes_restricted_and_bounded(hook):
         f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/name=kai-fractions",
         f"--node-agent-binding={AGENT}",
         f"--node-condition={k.NODE_CONDITION}", f"--node-condition={k.LEGACY_NODE_CONDITION}",
-        "--wait-seconds=120"]
+        "--wait-seconds=120", "--deadline-seconds=210"]
     selector = one(docs, "DaemonSet", AGENT)["spec"]["selector"]["matchLabels"]
     assert c["args"][2] == "--node-agent-selector=" + ",".join(
         f"{key}={value}" for key, value in sorted(selector.items()))
@@ -209,6 +209,18 @@ def test_wait_seconds_is_checked():
     job = hook_objects(docs)["Job"]
     assert job["spec"]["activeDeadlineSeconds"] == 420
     assert "--wait-seconds=300" in container(job, "retire-nodes")["args"]
+
+
+def test_the_command_stops_before_the_job_is_killed():
+    """Before: the Job's activeDeadlineSeconds killed a run still going (PATCHes that hang,
+    thousands of nodes) with a log that said nothing of what was left. Now the command gets a
+    deadline of its own, 30 s before the Job's (whose clock also counts the image pull), at
+    which it stops and says what is left."""
+    for wait in (90, 120, 300):
+        job = hook_objects(render(None, (f"uninstallHook.waitSeconds={wait}",)))["Job"]
+        args = container(job, "retire-nodes")["args"]
+        assert f"--deadline-seconds={job['spec']['activeDeadlineSeconds'] - 30}" in args, wait
+        assert f"--wait-seconds={wait}" in args
 
 
 # -- what its service account may write on a Node ---------------------------------------------

@@ -11,11 +11,14 @@ naming what it could not do."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 from kubernetes import client as k8s
 
 from kai_fractions.cli import main
@@ -257,3 +260,182 @@ def test_bad_flags_are_usage_errors(cluster, capsys):
     assert code == 2 and "--wait-seconds" in err
     code, _, err = retire(cluster, capsys, "--node-agent-binding", f"{NS}/{BINDING}")
     assert code == 2 and "--node-agent-binding must be a ClusterRoleBinding's name" in err
+
+
+def test_a_deadline_shorter_than_the_wait_is_a_usage_error(cluster, capsys):
+    """A deadline that the wait for the agents would use up leaves no time for the nodes."""
+    for flags in (("--deadline-seconds", "0"), ("--deadline-seconds", "60"),
+                  ("--wait-seconds", "10", "--deadline-seconds", "10")):
+        code, _, err = retire(cluster, capsys, *flags)
+        assert code == 2 and "--deadline-seconds must be more than --wait-seconds" in err, flags
+
+
+# -- a large cluster, a deadline: against a scripted API (kmock neither pages nor hangs) -------
+
+
+class ScriptedApi:
+    """Nodes (all True) served in pages of `page` whatever the `limit` asked (as an API server
+    that pages); the first `hung_lists` node lists and every PATCH when `hang_patches` get no
+    answer; each PATCH otherwise takes `patch_seconds`. No DaemonSet: no agent to wait for."""
+
+    def __init__(self, count: int, *, page: int = 3, hung_lists: int = 0,
+                 hang_patches: bool = False, patch_seconds: float = 0.0) -> None:
+        self.nodes = {f"gpu-{i:02d}": node(f"gpu-{i:02d}", condition(k.NODE_CONDITION, "True"))
+                      for i in range(count)}
+        for i, n in enumerate(self.nodes.values()):
+            n["metadata"]["resourceVersion"] = str(i + 1)
+        self.page, self.hung_lists, self.hang_patches = page, hung_lists, hang_patches
+        self.patch_seconds = patch_seconds
+        self.lists: list[dict[str, str]] = []
+        self.patches: list[str] = []
+        self.in_flight = self.most_in_flight = 0
+
+    async def _serve(self, request):
+        from aiohttp import web
+
+        path = request.path
+        if path == "/api/v1/nodes":
+            self.lists.append(dict(request.query))
+            if len(self.lists) <= self.hung_lists:
+                await self._released.wait()
+            start = int(request.query.get("continue") or 0)
+            names = sorted(self.nodes)[start:start + self.page]
+            more = start + self.page < len(self.nodes)
+            return web.json_response({"kind": "NodeList", "metadata": {
+                "resourceVersion": "100", **({"continue": str(start + self.page)} if more
+                                            else {})},
+                "items": [self.nodes[name] for name in names]})
+        if request.method == "PATCH" and path.endswith("/status"):
+            name, body = path.split("/")[4], await request.json()
+            self.patches.append(name)
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            try:
+                if self.hang_patches:
+                    await self._released.wait()
+                    return web.Response(status=503)
+                await asyncio.sleep(self.patch_seconds)
+            finally:
+                self.in_flight -= 1
+            for sent in body["status"]["conditions"]:
+                for old in self.nodes[name]["status"]["conditions"]:
+                    if old["type"] == sent["type"]:
+                        old.update(sent)
+            return web.json_response(self.nodes[name])
+        if path.startswith("/api/v1/nodes/"):
+            return web.json_response(self.nodes[path.split("/")[4]])
+        return web.json_response({"kind": "Status", "code": 404, "reason": "NotFound",
+                                  "message": "not found"}, status=404)
+
+    def still_true(self) -> list[str]:
+        return [name for name, n in self.nodes.items()
+                if any(c["status"] == "True" for c in n["status"]["conditions"]
+                       if c["type"] == k.NODE_CONDITION)]
+
+    def __enter__(self) -> ScriptedApi:
+        from aiohttp import web
+
+        ready = threading.Event()
+
+        async def serve() -> None:
+            self._released = asyncio.Event()
+            app = web.Application()
+            app.router.add_route("*", "/{tail:.*}", self._serve)
+            runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.port = runner.addresses[0][1]
+            self._stop = asyncio.Event()
+            ready.set()
+            await self._stop.wait()
+            self._released.set()
+            await runner.cleanup()
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(serve(),),
+                                        daemon=True)
+        self._thread.start()
+        assert ready.wait(5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(5)
+
+    def kubeconfig(self, path: Path) -> Path:
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "x",
+            "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{self.port}"}}],
+            "users": [{"name": "u", "user": {"token": "t"}}],
+            "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}]}))
+        return path
+
+
+ADVICE = 'docs/chart.md, "Uninstalling"'
+
+
+def test_nodes_are_listed_in_pages_and_every_page_is_retired(tmp_path, capsys):
+    """Before: one unpaged GET of every node (at 5,000 nodes of ~12 KB the Job's 256Mi limit
+    killed it, exit 137, saying nothing). Now the nodes are listed in pages (`limit`, then
+    `continue`), each page cut down as it arrives, and the nodes of every page are set
+    Unknown."""
+    with ScriptedApi(7, page=3) as api:
+        code, out, err = retire(api.kubeconfig(tmp_path / "kc"), capsys, "--wait-seconds", "0")
+    assert (code, err) == (0, "")
+    assert len(api.lists) == 3 and all(q.get("limit") == "500" for q in api.lists)
+    assert [q.get("continue") for q in api.lists] == [None, "3", "6"]
+    assert api.still_true() == [] and sorted(api.patches) == sorted(api.nodes)
+    assert f"set Unknown ({REASON}) on 7 node(s)" in out
+
+
+def test_a_node_list_that_times_out_is_listed_again(monkeypatch, tmp_path, capsys):
+    """Before: a node list slower than the client's timeout ended the run, nothing changed and
+    nothing retried. Now a list that fails transiently (no answer in time) is listed again, a
+    few times, and the nodes are set Unknown."""
+    from kai_fractions.cli import retire_nodes
+
+    monkeypatch.setattr(retire_nodes, "REQUEST_SECONDS", 0.5, raising=False)
+    with ScriptedApi(4, hung_lists=1) as api:
+        code, _, err = retire(api.kubeconfig(tmp_path / "kc"), capsys, "--wait-seconds", "0")
+    assert (code, err) == (0, "")
+    assert len(api.lists) >= 2 and api.still_true() == []
+
+
+def test_a_deadline_stops_the_run_saying_what_is_left_and_what_to_do(tmp_path, capsys):
+    """Before: with PATCHes that hang, 5 tries of 10 s per node, one node after another, ran
+    far past the Job's activeDeadlineSeconds, which killed it with nothing said (what was left
+    was printed only at the very end). Now `--deadline-seconds` bounds the whole run: at the
+    deadline it stops, names the nodes still True, exits 1, and ends with what to do."""
+    with ScriptedApi(12, hang_patches=True) as api:
+        started = time.monotonic()
+        code, _, err = retire(api.kubeconfig(tmp_path / "kc"), capsys, "--wait-seconds", "0",
+                              "--deadline-seconds", "3")
+        took = time.monotonic() - started
+    assert code == 1 and took < 4.5, (code, took)
+    assert "--deadline-seconds" in err and "12 node(s)" in err
+    assert all(name in err for name in api.nodes)
+    lines = err.strip().splitlines()
+    assert ADVICE in lines[-1] and "helm uninstall" in lines[-1], lines[-1]
+
+
+def test_nodes_are_written_a_few_at_a_time(monkeypatch, tmp_path, capsys):
+    """Before: one node after another (2,000 nodes took over a minute). Now several at once,
+    and never more than CONCURRENCY PATCHes in flight."""
+    from kai_fractions.cli import retire_nodes
+
+    monkeypatch.setattr(retire_nodes, "CONCURRENCY", 4, raising=False)
+    with ScriptedApi(13, page=5, patch_seconds=0.1) as api:
+        code, _, err = retire(api.kubeconfig(tmp_path / "kc"), capsys, "--wait-seconds", "0")
+    assert (code, err) == (0, "")
+    assert api.most_in_flight == 4 and api.still_true() == []
+
+
+def test_a_run_that_leaves_something_ends_saying_what_to_do(kube, cluster, capsys):
+    """Before: exit 1 named what was left but not what to do about it. Now its last line points
+    to the uninstall steps (fix what is named and run helm uninstall again; agent pods on
+    unreachable nodes: those nodes first, then --no-hooks and the hook's objects)."""
+    code, _, err = retire(cluster, capsys, "--wait-seconds", "0.2")
+    assert code == 1
+    last = err.strip().splitlines()[-1]
+    assert ADVICE in last and "helm uninstall" in last and "--no-hooks" in last, last
