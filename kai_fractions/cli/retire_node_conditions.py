@@ -43,7 +43,11 @@ async def set_unknown(kube, report: Report, types: Sequence[str], *, reason: str
 
     async def writer() -> None:
         for name, node in queue:  # one iterator shared: each node taken by one writer
-            problem = await _retire_node(kube, name, node, types, reason, message, tries, pause)
+            try:
+                problem = await _retire_node(kube, name, node, types, reason, message, tries,
+                                             pause)
+            except Exception as e:  # one node's surprise must not cancel the others
+                problem = f"its condition may still say True ({type(e).__name__}: {e})"
             del waiting[name]
             if problem:
                 report.left_over(f"node {name}: {problem}")
@@ -91,6 +95,11 @@ async def _retire_node(kube, name: str, node: Mapping[str, Any] | None, types: S
         try:
             if node is None:
                 node = await kube.request("GET", node_path(name), what=f"read node {name}")
+                if not isinstance(node, dict) or \
+                        (node.get("metadata") or {}).get("name") != name:
+                    # A proxy's answer: nothing True in it would read as "already retired".
+                    return (f"its condition may still say True (the answer to read node {name} "
+                            "is not that node)")
             ready = true_conditions(node, types)
             if not ready:
                 return None  # False or Unknown already (read again: the agent's last word)

@@ -279,13 +279,17 @@ class ScriptedApi:
     answer; each PATCH otherwise takes `patch_seconds`. No DaemonSet: no agent to wait for."""
 
     def __init__(self, count: int, *, page: int = 3, hung_lists: int = 0,
-                 hang_patches: bool = False, patch_seconds: float = 0.0) -> None:
+                 hang_patches: bool = False, patch_seconds: float = 0.0,
+                 not_a_node: frozenset[str] = frozenset()) -> None:
         self.nodes = {f"gpu-{i:02d}": node(f"gpu-{i:02d}", condition(k.NODE_CONDITION, "True"))
                       for i in range(count)}
         for i, n in enumerate(self.nodes.values()):
             n["metadata"]["resourceVersion"] = str(i + 1)
         self.page, self.hung_lists, self.hang_patches = page, hung_lists, hang_patches
         self.patch_seconds = patch_seconds
+        self.not_a_node = not_a_node
+        """Nodes whose PATCH is a conflict (409), and whose read then answers 200 with what is
+        no node (a proxy's `{"ok": true}`)."""
         self.lists: list[dict[str, str]] = []
         self.patches: list[str] = []
         self.in_flight = self.most_in_flight = 0
@@ -308,6 +312,9 @@ class ScriptedApi:
         if request.method == "PATCH" and path.endswith("/status"):
             name, body = path.split("/")[4], await request.json()
             self.patches.append(name)
+            if name in self.not_a_node:
+                return web.json_response({"kind": "Status", "code": 409, "reason": "Conflict",
+                                          "message": "changed"}, status=409)
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
             try:
@@ -323,7 +330,9 @@ class ScriptedApi:
                         old.update(sent)
             return web.json_response(self.nodes[name])
         if path.startswith("/api/v1/nodes/"):
-            return web.json_response(self.nodes[path.split("/")[4]])
+            name = path.split("/")[4]
+            return web.json_response({"ok": True} if name in self.not_a_node
+                                     else self.nodes[name])
         return web.json_response({"kind": "Status", "code": 404, "reason": "NotFound",
                                   "message": "not found"}, status=404)
 
@@ -439,3 +448,38 @@ def test_a_run_that_leaves_something_ends_saying_what_to_do(kube, cluster, capsy
     assert code == 1
     last = err.strip().splitlines()[-1]
     assert ADVICE in last and "helm uninstall" in last and "--no-hooks" in last, last
+
+
+def test_a_read_that_is_no_node_is_never_taken_for_a_retired_one(tmp_path, capsys):
+    """Before: after a conflict the node was read again, and a 200 answer that is no node (a
+    proxy's `{"ok": true}`) held no True condition, so the node counted as retired: exit 0,
+    "done", while it still said True (second look S4). Now such an answer is named as what it
+    is, the node as maybe still True, and the run exits 1 saying what to do."""
+    with ScriptedApi(4, not_a_node=frozenset({"gpu-02"})) as api:
+        code, _, err = retire(api.kubeconfig(tmp_path / "kc"), capsys, "--wait-seconds", "0")
+    assert code == 1 and api.still_true() == ["gpu-02"]
+    assert "node gpu-02: its condition may still say True (the answer to read node gpu-02 is " \
+        "not that node)" in err
+    assert ADVICE in err.strip().splitlines()[-1]
+
+
+def test_one_nodes_surprise_does_not_cancel_the_others(monkeypatch, tmp_path, capsys):
+    """Before: an exception other than the API client's in one node's writer made the task
+    group cancel the writers in flight, and the run ended in a traceback naming none of the
+    nodes still True (second look S4). Now that node is named as maybe still True and every
+    other node is set Unknown."""
+    from kai_fractions.cli import retire_node_conditions
+
+    real = retire_node_conditions._retire_node
+
+    async def surprising(kube, name, *args):
+        if name == "gpu-01":
+            raise AttributeError("'NoneType' object has no attribute 'get'")
+        return await real(kube, name, *args)
+
+    monkeypatch.setattr(retire_node_conditions, "_retire_node", surprising)
+    with ScriptedApi(6, patch_seconds=0.05) as api:
+        code, _, err = retire(api.kubeconfig(tmp_path / "kc"), capsys, "--wait-seconds", "0")
+    assert code == 1 and api.still_true() == ["gpu-01"]
+    assert "node gpu-01: its condition may still say True (AttributeError: " in err
+    assert ADVICE in err.strip().splitlines()[-1]
