@@ -10,6 +10,7 @@ import pytest
 from kai_fractions.contract import keys as k
 from kai_fractions.mirror.node_liveness import SILENT_REASON
 
+from .node_metadata_edits import METADATA_EDIT_IDS, METADATA_EDITS
 from .render import NAMESPACE, container, find, one, render, template_error
 from .test_node_agent_policy import AGENT_USER, changed, condition, node, review
 
@@ -87,19 +88,7 @@ def test_nothing_else_of_a_node(pol, edit, resource, message):
     assert any(message in m for m in found), found
 
 
-@pytest.mark.parametrize(("edit", "message"), [
-    (lambda n: n["metadata"]["labels"].update({"kai.scheduler/node-pool": "x"}),
-     "may not change a Node's labels (metadata.labels)"),
-    (lambda n: n["metadata"]["labels"].pop("nvidia.com/gpu.present"),
-     "may not change a Node's labels (metadata.labels)"),
-    (lambda n: n["metadata"]["annotations"].update({"a": "b"}),
-     "may not change a Node's annotations (metadata.annotations)"),
-    (lambda n: n["metadata"].update(ownerReferences=[{
-        "apiVersion": "v1", "kind": "ConfigMap", "name": "gone", "uid": "00000000-dead"}]),
-     "may not change a Node's owner references (metadata.ownerReferences"),
-    (lambda n: n["metadata"].update(finalizers=["example.com/block"]),
-     "may not change a Node's finalizers (metadata.finalizers)"),
-], ids=["label added", "label removed", "annotation", "ownerReferences", "finalizers"])
+@pytest.mark.parametrize(("edit", "message"), METADATA_EDITS, ids=METADATA_EDIT_IDS)
 def test_no_metadata_through_the_status(pol, edit, message):
     """Before, a nodes/status write (the API server resets only the spec there) that relabelled
     the Node, annotated it, or gave it a finalizer or an owner that does not exist (the garbage

@@ -13,6 +13,7 @@ import yaml
 from kai_fractions.contract import keys as k
 from kai_fractions.kube.objects import condition_time
 
+from .node_metadata_edits import METADATA_EDITS
 from .render import (
     CHART,
     IMAGE_SETS,
@@ -241,23 +242,6 @@ def retired(n: dict) -> None:
     for kind in (k.NODE_CONDITION, k.LEGACY_NODE_CONDITION):
         condition(n, kind).update(status="Unknown", reason="KaiFractionsUninstalled",
                                   lastTransitionTime=condition_time(0))
-
-
-# Edits of a Node's metadata sent through nodes/status: the API server resets only the spec
-# there, so labels, annotations, owner references and finalizers would be written.
-METADATA_EDITS = (
-    (lambda n: n["metadata"]["labels"].update({"kai.scheduler/node-pool": "x"}),
-     "may not change a Node's labels (metadata.labels)"),
-    (lambda n: n["metadata"]["labels"].pop("nvidia.com/gpu.present"),
-     "may not change a Node's labels (metadata.labels)"),
-    (lambda n: n["metadata"]["annotations"].update({"a": "b"}),
-     "may not change a Node's annotations (metadata.annotations)"),
-    (lambda n: n["metadata"].update(ownerReferences=[{
-        "apiVersion": "v1", "kind": "ConfigMap", "name": "gone", "uid": "00000000-dead"}]),
-     "may not change a Node's owner references (metadata.ownerReferences"),
-    (lambda n: n["metadata"].update(finalizers=["example.com/block"]),
-     "may not change a Node's finalizers (metadata.finalizers)"),
-)
 
 
 def test_the_hook_may_set_our_conditions_unknown_and_nothing_else(pol):
