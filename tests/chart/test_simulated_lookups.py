@@ -1,7 +1,8 @@
-"""The simulatedLookup values (signing., mirror., gpuFractioningConfig., webhook.tls.) stand in
-for `lookup` where the render has no cluster. Left set in a real install they hid the cluster
-from every upgrade (a new webhook CA or signing key each time, the old CA no longer kept): the
-render fails where `lookup` of the release namespace finds it, a live cluster.
+"""The simulatedLookup values (signing., mirror., gpuFractioningConfig., webhook.tls.,
+uninstallHook.) stand in for `lookup` where the render has no cluster. Left set in a real
+install they hid the cluster from every upgrade (a new webhook CA or signing key each time, the
+old CA no longer kept): the render fails where `lookup` of the release namespace finds it, a live
+cluster.
 
 `helm template` (the other tests) has no cluster, and keeps rendering them. The live cluster
 here is kmock behind `helm install --dry-run=server` (tests.chart.live_cluster), whose `lookup`
@@ -29,6 +30,8 @@ SIMULATED = {
                                             "labels.app\\.kubernetes\\.io/part-of=kai-fractions",
     "webhook.tls.simulatedLookup": "webhook.tls.simulatedLookup.mutating.metadata.name="
                                    "kai-fractions-admission",
+    "uninstallHook.simulatedLookup": "uninstallHook.simulatedLookup.nodeAgentDaemonSet.metadata."
+                                     "name=kai-fractions-node-agent",
 }
 REFUSED = ("set, and this render reaches a cluster (namespace kai-fractions exists): these values "
            "are for tests and renders without a cluster only (helm template, --dry-run=client)")
@@ -55,10 +58,12 @@ def test_a_simulated_lookup_in_a_live_cluster_fails_the_render(
 def test_every_simulated_lookup_set_is_named(kube: KubeServer, tmp_path: Path) -> None:
     proc = _install(kube, tmp_path, *SIMULATED.values())
     assert (f"signing.simulatedLookup, mirror.simulatedLookup, "
-            f"gpuFractioningConfig.simulatedLookup, webhook.tls.simulatedLookup are {REFUSED}"
+            f"gpuFractioningConfig.simulatedLookup, webhook.tls.simulatedLookup, "
+            f"uninstallHook.simulatedLookup are {REFUSED}"
             ) in proc.stderr
     assert ("--set signing.simulatedLookup=null,mirror.simulatedLookup=null,"
-            "gpuFractioningConfig.simulatedLookup=null,webhook.tls.simulatedLookup=null"
+            "gpuFractioningConfig.simulatedLookup=null,webhook.tls.simulatedLookup=null,"
+            "uninstallHook.simulatedLookup=null"
             ) in proc.stderr
 
 

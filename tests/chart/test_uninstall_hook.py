@@ -7,6 +7,9 @@ RBAC first, and a policy lets its service account set our conditions Unknown and
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -40,12 +43,19 @@ def hook_objects(docs: list[dict]) -> dict[str, dict]:
             and d["kind"] in KINDS}
 
 
+# What `lookup` finds of a release whose node agents run (an upgrade to Disabled runs the hook
+# only then): helm template has no cluster.
+AGENTS_RUN = f"uninstallHook.simulatedLookup.nodeAgentDaemonSet.metadata.name={AGENT}"
+# c17c866's values.yaml: the last release's, made before uninstallHook existed.
+RELEASED_VALUES = Path(__file__).parent / "data" / "c17c866-values.yaml"
+
+
 def upgrade_render(*sets: str) -> list[dict]:
     """`helm template --is-upgrade` with the Disabled values: the render of `helm upgrade` to
-    gpuSharing: Disabled."""
+    gpuSharing: Disabled, of a release whose node agents run."""
     args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--is-upgrade",
             "--values", str(DISABLED)]
-    for s in (*IMAGE_SETS, *sets):
+    for s in (*IMAGE_SETS, AGENTS_RUN, *sets):
         args += ["--set", s]
     proc = helm(*args)
     assert proc.returncode == 0, proc.stderr
@@ -193,9 +203,59 @@ def test_an_upgrade_to_disabled_runs_it_before_and_an_install_renders_nothing():
     assert render(DISABLED, image=False) == []  # an install: nothing needs the image
     # An upgrade without the release's values (no image): refused, saying what to do.
     proc = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--is-upgrade",
-                "--values", str(DISABLED))
+                "--values", str(DISABLED), "--set", AGENTS_RUN)
     assert proc.returncode != 0 and "uninstallHook.enabled" in proc.stderr
-    assert "--reuse-values" in proc.stderr
+    # --reuse-values would keep the old chart's defaults too (a new value missing)
+    assert "--reset-then-reuse-values --set gpuSharing=Disabled" in proc.stderr
+
+
+def test_an_upgrade_of_a_release_already_disabled_runs_no_hook():
+    """Before, every upgrade of a release already `gpuSharing: Disabled` (no node agent left)
+    rendered the pre-upgrade hook: it failed without image.repository, and its account, which
+    may patch any node's status, ran without the narrowing policy a Disabled render lacks. Now
+    the hook renders only where `lookup` finds the node agent DaemonSet: none found (here `helm
+    template`, no cluster), nothing at all is rendered, and no image is asked for."""
+    for sets in ((), IMAGE_SETS):
+        args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--is-upgrade",
+                "--values", str(DISABLED)]
+        for value in sets:
+            args += ["--set", value]
+        proc = helm(*args)
+        assert proc.returncode == 0, proc.stderr
+        assert [d for d in yaml.safe_load_all(proc.stdout) if d] == [], sets
+
+
+def test_an_upgrade_reusing_the_last_releases_values_renders_as_the_defaults(tmp_path):
+    """Before, `helm upgrade --reuse-values` from the last release (c17c866) failed: Helm
+    renders with that release's values (the old chart's values.yaml as the defaults), which
+    have no uninstallHook, and the templates read .Values.uninstallHook.enabled (nil pointer).
+    Now the block is read over its defaults: the hook renders as by default (120 s), and the
+    policy that narrows its account and the NOTES' line with it."""
+    chart = tmp_path / "kai-fractions"
+    shutil.copytree(CHART, chart)
+    shutil.copy(RELEASED_VALUES, chart / "values.yaml")
+    assert "uninstallHook" not in yaml.safe_load(RELEASED_VALUES.read_text())
+    args = ["template", RELEASE, str(chart), "--namespace", NAMESPACE, "--is-upgrade"]
+    for value in IMAGE_SETS:
+        args += ["--set", value]
+    proc = helm(*args)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    job = hook_objects(docs)["Job"]
+    assert "--wait-seconds=120" in container(job, "retire-nodes")["args"]
+    assert job["spec"]["activeDeadlineSeconds"] == 240
+    assert container(job, "retire-nodes")["resources"] == {
+        "requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}}
+    one(docs, "ValidatingAdmissionPolicy", f"{NAME}-node-status")
+    notes = helm("install", RELEASE, str(chart), "--namespace", NAMESPACE, "--dry-run=client",
+                 "--set", IMAGE_SETS[0])
+    assert notes.returncode == 0, notes.stderr
+    assert "Uninstalling: a pre-delete hook" in notes.stdout
+    # and to Disabled: the pre-upgrade hook, as with the current values
+    proc = helm(*args, "--set", "gpuSharing=Disabled", "--set", AGENTS_RUN)
+    assert proc.returncode == 0, proc.stderr
+    hook = hook_objects([d for d in yaml.safe_load_all(proc.stdout) if d])
+    assert "--wait-seconds=120" in container(hook["Job"], "retire-nodes")["args"]
 
 
 def test_wait_seconds_is_checked():

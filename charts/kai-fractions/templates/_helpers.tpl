@@ -309,11 +309,20 @@ mirror.simulatedLookup is set (tests and dry runs: `helm template` has no cluste
 {{- end -}}
 {{- end -}}
 
+{{/* The uninstallHook block, as JSON, over its defaults: `helm upgrade --reuse-values` from a
+release made before the hook existed reuses that release's values, with no uninstallHook at all,
+and must render as the defaults would. Read the block only through this. */}}
+{{- define "kf.uninstallHook" -}}
+{{- $defaults := dict "enabled" true "waitSeconds" 120 "resources" (dict "requests" (dict "cpu" "50m" "memory" "64Mi") "limits" (dict "memory" "256Mi")) "nodeSelector" dict "tolerations" list "simulatedLookup" dict -}}
+{{- mergeOverwrite $defaults (deepCopy (.Values.uninstallHook | default dict)) | toJson -}}
+{{- end -}}
+
 {{/* The simulatedLookup values stand in for `lookup` where the render has no cluster (tests,
 `helm template`, --dry-run=client). Left set in a real install, they would hide the cluster from
 every upgrade: the chart would generate a new webhook CA (and stop trusting the old one), a new
-signing key, and take the GpuFractioningConfig CRD and the mirror's old RoleBinding for what the
-values say. So when any is set and the release namespace exists (a live cluster: `lookup` finds
+signing key, take the GpuFractioningConfig CRD and the mirror's old RoleBinding for what the
+values say, and run (or skip) the pre-upgrade hook of an upgrade to Disabled whatever the cluster
+runs. So when any is set and the release namespace exists (a live cluster: `lookup` finds
 it; under `helm template` it finds nothing), the render fails. */}}
 {{- define "kf.checkSimulatedLookups" -}}
 {{- $set := list -}}
@@ -321,6 +330,7 @@ it; under `helm template` it finds nothing), the render fails. */}}
 {{- if .Values.mirror.simulatedLookup -}}{{- $set = append $set "mirror.simulatedLookup" -}}{{- end -}}
 {{- if .Values.gpuFractioningConfig.simulatedLookup -}}{{- $set = append $set "gpuFractioningConfig.simulatedLookup" -}}{{- end -}}
 {{- if .Values.webhook.tls.simulatedLookup -}}{{- $set = append $set "webhook.tls.simulatedLookup" -}}{{- end -}}
+{{- if (include "kf.uninstallHook" . | fromJson).simulatedLookup -}}{{- $set = append $set "uninstallHook.simulatedLookup" -}}{{- end -}}
 {{- if and $set (lookup "v1" "Namespace" "" .Release.Namespace) -}}
 {{- fail (printf "%s %s set, and this render reaches a cluster (namespace %s exists): these values are for tests and renders without a cluster only (helm template, --dry-run=client), where they stand in for lookup. In a real install or upgrade they hide what the cluster holds: the chart would generate a new webhook CA or signing key on every upgrade instead of keeping the ones in use, stop trusting the old CA, and take the GpuFractioningConfig CRD and the mirror's old RoleBinding for what the values say. Remove %s from your values (one kept by --reuse-values: --set %s=null)" (join ", " $set) (ternary "is" "are" (eq (len $set) 1)) .Release.Namespace (ternary "it" "them" (eq (len $set) 1)) (join "=null," $set)) -}}
 {{- end -}}
