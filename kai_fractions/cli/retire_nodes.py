@@ -44,9 +44,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..contract import keys as k
-from . import EXIT_USAGE
+from . import EXIT_OK, EXIT_USAGE
 
-EXIT_OK, EXIT_LEFT = 0, 1
+EXIT_LEFT = 1
 REASON = "KaiFractionsUninstalled"
 MESSAGE = ("kai-fractions was uninstalled (or its gpuSharing set to Disabled): no node agent "
            "puts GPU memory limits in force here any more, so KAI places no fractional pod "

@@ -60,7 +60,7 @@ from typing import Any
 
 from ..kube.client import Kube
 from ..kube.errors import BadAnswer, Conflict, KubeError, NotFound, Transient
-from ..kube.node_conditions import patch_conditions, unknown_condition
+from ..kube.node_conditions import patch_conditions, true_conditions, unknown_condition
 from ..kube.objects import heartbeat_lease_name, lease_path, node_path
 
 log = logging.getLogger(__name__)
@@ -117,9 +117,7 @@ def silent_conditions(node: Mapping[str, Any], types: Sequence[str], seen: Mappi
     (`lease`) changed in that time, or they have none; as their Unknown replacements, changed at
     `at` (the mirror's wall clock)."""
     out = []
-    for c in (node.get("status") or {}).get("conditions") or []:
-        if not isinstance(c, dict) or c.get("type") not in types or c.get("status") != "True":
-            continue
+    for c in true_conditions(node, types):
         own = seen.get(c["type"])
         beats = [s for s in (own, lease) if s is not None]
         if any(now - s.since < stale_after for s in beats):

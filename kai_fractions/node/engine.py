@@ -218,6 +218,12 @@ class Engine:
         self._atp_checked.clear()
         self.pins.forget()
 
+    def cgroup_went(self, error: NvmlError, path: str) -> bool:
+        """Whether `error` is NVML failing to open cgroup `path` (NvmlCgroupUnavailable)
+        because it is gone since it was checked (the pod is going): its limits went with it
+        (nvml.h), so nothing of ours is missing or left there."""
+        return isinstance(error, NvmlCgroupUnavailable) and not self.cgroup_fs.exists(path)
+
     def _namespace_gone(self, name: str) -> None:
         self._atp.pop(name, None)
         self._atp_checked.discard(name)
@@ -299,9 +305,7 @@ class Engine:
                     self._clean.add((uuid, path))
                     self._limited.discard((uuid, path))
                 except NvmlError as e:
-                    if isinstance(e, NvmlCgroupUnavailable) and not self.cgroup_fs.exists(path):
-                        # Removed since the check above (the pod is going): its limits went
-                        # with it (nvml.h), so nothing enforced is left there.
+                    if self.cgroup_went(e, path):  # since the check above: nothing is left
                         self._limited.discard((uuid, path))
                         continue
                     self._limited.add((uuid, path))  # the passes after clear it

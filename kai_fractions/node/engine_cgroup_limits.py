@@ -141,8 +141,7 @@ class CgroupLimitStep(RunState):
                 write = self.e.limits.ensure(t)
             except LimitNotSet as err:
                 not_ok.add(t.gpu_uuid)
-                unopened = isinstance(err.cause, NvmlCgroupUnavailable)
-                if unopened and not self.e.cgroup_fs.exists(t.path):
+                if self.e.cgroup_went(err.cause, t.path):
                     # The set could not open a cgroup removed since its read (the pod is
                     # going): no limit is missing from a cgroup that is not there. Pending for
                     # its cgroup, as after a read that could not open it.
@@ -151,7 +150,7 @@ class CgroupLimitStep(RunState):
                 # A set on a pod slice that failed counts against the GPU, unless NVML could
                 # not open the slice (still there): the path's fault, not the GPU's. Either
                 # way the read showed the limit absent: known not in force.
-                if t.container is None and not unopened:
+                if t.container is None and not isinstance(err.cause, NvmlCgroupUnavailable):
                     self._count_against(failed, t.gpu_uuid, err)
                 if self._slice_owners(t):
                     # Read back without the plan's limit, and not set: known not in force.
@@ -258,8 +257,7 @@ class CgroupLimitStep(RunState):
                     try:
                         write = self.e.limits.clear(uuid, path)
                     except NvmlError as e:
-                        if isinstance(e, NvmlCgroupUnavailable) \
-                                and not self.e.cgroup_fs.exists(path):
+                        if self.e.cgroup_went(e, path):
                             limited.discard(key)  # removed since the scan: limits and all
                             continue
                         limited.add(key)  # ours (a marker may go before the next pass)
